@@ -1,0 +1,164 @@
+"""Input checks shared by the whole package.
+
+Every public entry point validates its arguments here *before* any arithmetic, so a user sees
+npattn's own ``TypeError``/``ValueError`` naming the argument and the expected and actual
+value, never a numpy broadcasting or matmul error from deep inside a computation.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+_FLOAT_KINDS = "f"
+_INT_KINDS = "iu"
+
+
+def to_numpy(x):
+    """Array-like -> ndarray without copying when possible (CPU torch tensors included)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def as_float(x, name: str, dtype=None) -> np.ndarray:
+    """Return ``x`` as a floating ndarray.
+
+    Floating arrays keep their dtype unless ``dtype`` is given; integer arrays become ``dtype``
+    (float64 when None).  bool, complex, string and object arrays raise ``TypeError``.
+    Never copies when no cast is needed; never writes into ``x``.
+    """
+    try:
+        a = to_numpy(x)
+    except Exception as e:  # e.g. ragged nested lists
+        raise TypeError(f"{name}: expected a numeric array, got {type(x).__name__} ({e})") from None
+    kind = a.dtype.kind
+    if kind in _FLOAT_KINDS:
+        if dtype is not None and a.dtype != dtype:
+            a = a.astype(dtype)
+        return a
+    if kind in _INT_KINDS:
+        return a.astype(np.float64 if dtype is None else dtype)
+    raise TypeError(
+        f"{name}: expected a real floating or integer array, got dtype {a.dtype}"
+        + (" (bool arrays are masks, not values)" if kind == "b" else "")
+    )
+
+
+def as_index(x, name: str) -> np.ndarray:
+    """Integer index array (token ids, class targets)."""
+    a = to_numpy(x)
+    if a.dtype.kind not in _INT_KINDS:
+        raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
+    return a
+
+
+def check_ndim(a: np.ndarray, name: str, min_ndim: int, desc: str = "") -> None:
+    if a.ndim < min_ndim:
+        raise ValueError(
+            f"{name}: expected at least {min_ndim} dimensions{' ' + desc if desc else ''}, "
+            f"got shape {a.shape}"
+        )
+
+
+def check_size(value, name: str, *, minimum: int = 1) -> int:
+    """A positive integer size (bools and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_prob(p, name: str = "p") -> float:
+    """A probability in [0, 1] (NaN, bools and non-numbers refused)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name}: expected a float in [0, 1], got {p!r} ({type(p).__name__})")
+    p = float(p)
+    if not (0.0 <= p <= 1.0):  # also catches NaN
+        raise ValueError(f"{name}: expected a value in [0, 1], got {p}")
+    return p
+
+
+def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {x!r} ({type(x).__name__})")
+    x = float(x)
+    if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: expected a finite number {bound}, got {x}")
+    return x
+
+
+def check_bool(x, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {x!r} ({type(x).__name__})")
+    return bool(x)
+
+
+def check_axis(axis, ndim: int, name: str = "axis") -> int:
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {axis!r} ({type(axis).__name__})")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: expected a value in [{-ndim}, {ndim - 1}] for a {ndim}-d input, got {axis}")
+    return int(axis) % ndim
+
+
+def check_dtype(dtype, name: str = "dtype") -> np.dtype:
+    """Module dtypes: float32 or float64."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected np.float32 or np.float64, got {dtype!r}") from None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"{name}: expected np.float32 or np.float64, got {dt}")
+    return dt
+
+
+def as_rng(rng, name: str = "rng") -> np.random.Generator:
+    """``np.random.Generator`` (used as is), int seed, or None (fresh entropy)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None:
+        return np.random.default_rng()
+    if isinstance(rng, bool) or not isinstance(rng, numbers.Integral):
+        raise TypeError(
+            f"{name}: expected a numpy Generator, an int seed or None, got {type(rng).__name__}"
+        )
+    if rng < 0:
+        raise ValueError(f"{name}: expected a non-negative seed, got {rng}")
+    return np.random.default_rng(int(rng))
+
+
+def check_grad(dout, shape, dtype, name: str = "dout") -> np.ndarray:
+    """An upstream gradient: same shape as the forward output, cast to its dtype."""
+    g = as_float(dout, name)
+    if g.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} (the forward output's), got {g.shape}")
+    if g.dtype != dtype:
+        g = g.astype(dtype)
+    return g
+
+
+def check_mask(mask, name: str, target_shape) -> np.ndarray:
+    """A bool (True = may attend) or float (additive) mask broadcastable to ``target_shape``."""
+    m = to_numpy(mask)
+    kind = m.dtype.kind
+    if kind in _INT_KINDS:
+        raise TypeError(
+            f"{name}: integer masks are ambiguous; pass bool (True = may attend) or float (added to scores), "
+            f"got dtype {m.dtype}"
+        )
+    if kind not in "bf":
+        raise TypeError(f"{name}: expected a bool or float array, got dtype {m.dtype}")
+    try:
+        if np.broadcast_shapes(m.shape, tuple(target_shape)) != tuple(target_shape):
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"{name}: expected a shape broadcastable to {tuple(target_shape)}, got {m.shape}"
+        ) from None
+    return m

@@ -1,0 +1,25 @@
+"""The pure core: every op is a pair ``op(...) -> (out, cache)`` and ``op_backward(dout, cache)``.
+
+No hidden state: the cache is an ordinary object holding what the backward needs, and each
+backward sits directly under its forward, its docstring deriving it.
+"""
+from .activation import (dropout, dropout_backward, gelu, gelu_backward, relu, relu_backward,
+                         softmax, softmax_backward)
+from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
+from .linear import embedding, embedding_backward, linear, linear_backward
+from .loss import cross_entropy, cross_entropy_backward
+from .norm import layer_norm, layer_norm_backward
+
+__all__ = [
+    "linear", "linear_backward", "embedding", "embedding_backward",
+    "softmax", "softmax_backward", "relu", "relu_backward", "gelu", "gelu_backward",
+    "dropout", "dropout_backward", "layer_norm", "layer_norm_backward",
+    "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "AttentionCache",
+    "cross_entropy", "cross_entropy_backward",
+]
+
+try:  # filled in by the memory-efficient attention work
+    from .flash import memory_efficient_attention, memory_efficient_attention_backward  # noqa: F401
+    __all__ += ["memory_efficient_attention", "memory_efficient_attention_backward"]
+except ImportError:  # pragma: no cover
+    pass
