@@ -1,2 +1,26 @@
-"""npattn: transformer attention in pure NumPy, every backward pass written by hand."""
+"""npattn: transformer attention in pure NumPy, every backward pass derived and written by hand.
+
+* ``npattn.functional``: pure ``op(...) -> (out, cache)`` / ``op_backward(dout, cache)`` pairs.
+* Modules (``Linear``, ``LayerNorm``, ``Dropout``, ``Embedding``, ``FeedForward``,
+  ``MultiHeadAttention``, ``EncoderBlock``): ``y = m(x)``, ``dx = m.backward(dy)``, gradients
+  accumulated into ``p.grad``.
+* ``npattn.book``: the chapter-3 classes of *Build a Large Language Model (From Scratch)*.
+* ``npattn.gradcheck``: central-difference checks of functional pairs and modules.
+* ``npattn.masks``: causal, padding and sliding-window masks (True = may attend).
+
+Importing npattn imports numpy and nothing else outside the standard library.
+"""
 __version__ = "0.1.0"
+
+from . import functional, masks  # noqa: F401
+from .attention import MultiHeadAttention
+from .gradcheck import GradcheckReport, gradcheck
+from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
+from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
+from .transformer import EncoderBlock
+
+__all__ = [
+    "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
+    "Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
+    "gradcheck", "GradcheckReport", "functional", "masks", "__version__",
+]

@@ -1,0 +1,64 @@
+"""``npattn`` / ``python -m npattn``: the command line (``check``, ``demo``, ``bench``)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="npattn", description="Transformer attention in pure NumPy.")
+    parser.add_argument("--version", action="version", version=f"npattn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench}")
+    sub.required = True
+
+    p = sub.add_parser("check", help="gradcheck every module and functional op (exit 1 on a failure)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of inputs and upstream gradients (default 0)")
+
+    p = sub.add_parser("demo", help="train a small causal transformer on a toy task with numpy alone")
+    p.add_argument("--out", default="npattn-demo", help="folder for loss_curve.png and attention maps (default ./npattn-demo)")
+    p.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: the task's)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    p.add_argument("--task", default="reverse", choices=("reverse", "sort"), help="toy task (default reverse)")
+
+    p = sub.add_parser("bench", help="forward+backward timings, against torch when it is importable")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--memory", action="store_true", help="peak memory of forward+backward against sequence length")
+    p.add_argument("--quick", action="store_true", help="small sizes only (seconds, for smoke tests)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "check":
+        from .check import main as run
+    elif args.command == "demo":
+        from .demo import main as run
+    else:
+        from .bench import main as run
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Attention-mask helpers, all in the **True = may attend** polarity of
+``scaled_dot_product_attention``'s ``attn_mask``.
+
+* ``causal(Lq, Lk)``: ``(Lq, Lk)``, query ``i`` sees keys ``0..i`` (top-left aligned).
+* ``padding(lengths, L)``: ``(batch, L)``, True for real tokens.
+* ``sliding_window(L, window)``: causal and at most ``window`` keys back (``i - window < j <= i``).
+* ``combine(*masks)``: a key may be attended only where every mask allows it (bool masks are
+  AND-ed; float masks are added, bool ones entering a float combination as 0 / -inf).
+* ``from_key_padding_mask(kpm)``: torch's ``key_padding_mask`` (``(batch, Lk)``, **True = padding**)
+  as an ``attn_mask`` of shape ``(batch, 1, 1, Lk)`` (True = may attend), i.e. ``~kpm`` with two
+  axes inserted so it broadcasts over heads and queries.  ``padding(lengths, L)`` is the
+  complement of a key padding mask: ``key_padding_mask = ~padding(lengths, L)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import as_index, check_size, to_numpy
+
+__all__ = ["causal", "padding", "sliding_window", "combine", "from_key_padding_mask", "to_additive"]
+
+
+def causal(Lq, Lk=None) -> np.ndarray:
+    """Bool ``(Lq, Lk)`` mask, True where ``j <= i`` (as torch's ``is_causal``)."""
+    Lq = check_size(Lq, "Lq")
+    Lk = Lq if Lk is None else check_size(Lk, "Lk")
+    return np.tri(Lq, Lk, dtype=bool)
+
+
+def padding(lengths, L) -> np.ndarray:
+    """Bool ``(batch, L)`` mask, True for the first ``lengths[b]`` positions (real tokens)."""
+    L = check_size(L, "L")
+    lengths = as_index(lengths, "lengths")
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths: expected a 1-d array of sequence lengths, got shape {lengths.shape}")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > L):
+        raise ValueError(f"lengths: expected values in [0, {L}], got {lengths.tolist()}")
+    return np.arange(L) < lengths[:, None]
+
+
+def sliding_window(L, window) -> np.ndarray:
+    """Bool ``(L, L)`` causal band: query ``i`` sees keys ``j`` with ``i - window < j <= i``."""
+    L = check_size(L, "L")
+    window = check_size(window, "window")
+    i = np.arange(L)[:, None]
+    j = np.arange(L)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def to_additive(mask, dtype=np.float64) -> np.ndarray:
+    """Bool (True = may attend) -> float ``0 / -inf``; float masks are returned as they are."""
+    m = to_numpy(mask)
+    if m.dtype == bool:
+        return np.where(m, 0.0, -np.inf).astype(dtype)
+    if m.dtype.kind != "f":
+        raise TypeError(f"mask: expected a bool or float array, got dtype {m.dtype}")
+    return m
+
+
+def combine(*masks):
+    """One mask allowing only what every given mask allows (``None`` entries are skipped).
+
+    All bool: logical AND.  Any float: the sum of the float masks and ``to_additive`` of the bool
+    ones.  Shapes broadcast.  Returns None when no mask is given.
+    """
+    ms = [to_numpy(m) for m in masks if m is not None]
+    if not ms:
+        return None
+    for m in ms:
+        if m.dtype != bool and m.dtype.kind != "f":
+            raise TypeError(f"masks: expected bool or float arrays, got dtype {m.dtype}")
+    try:
+        np.broadcast_shapes(*(m.shape for m in ms))
+    except ValueError:
+        raise ValueError(f"masks: shapes {[m.shape for m in ms]} do not broadcast together") from None
+    if all(m.dtype == bool for m in ms):
+        out = ms[0]
+        for m in ms[1:]:
+            out = out & m
+        return out
+    dtype = np.result_type(*[m.dtype for m in ms if m.dtype != bool])
+    out = None
+    for m in ms:
+        a = to_additive(m, dtype)
+        out = a if out is None else out + a
+    return out
+
+
+def from_key_padding_mask(key_padding_mask) -> np.ndarray:
+    """torch-style ``key_padding_mask`` ``(..., Lk)`` (True = padding, or float additive) ->
+    ``attn_mask`` ``(..., 1, 1, Lk)`` (True = may attend, or the same float values)."""
+    m = to_numpy(key_padding_mask)
+    if m.dtype.kind in "iu":
+        raise TypeError(
+            f"key_padding_mask: integer masks are ambiguous; pass bool (True = padding) or float, got dtype {m.dtype}"
+        )
+    if m.dtype == bool:
+        m = ~m
+    elif m.dtype.kind != "f":
+        raise TypeError(f"key_padding_mask: expected a bool or float array, got dtype {m.dtype}")
+    if m.ndim < 1:
+        raise ValueError(f"key_padding_mask: expected shape (batch, Lk), got {m.shape}")
+    return m[..., None, None, :]
