@@ -1,0 +1,190 @@
+"""``TinyTransformer``: a small causal (decoder-only) transformer assembled from public pieces.
+
+It is written the way a user of npattn would write their own model: only ``Embedding``,
+``EncoderBlock``, ``LayerNorm``, ``Linear``, ``ModuleList`` and the functional ``cross_entropy``
+pair are used, and the backward pass is a dozen lines that walk the forward graph in reverse.
+
+Typical training step::
+
+    model = TinyTransformer(vocab_size=11, context_length=16, d_model=64, num_heads=4,
+                            num_layers=2, d_ff=256, rng=0)
+    opt = AdamW(model, lr=3e-3)
+    opt.zero_grad()
+    loss, dlogits = model.loss(ids, targets, ignore_index=-100)   # forward + dloss/dlogits
+    model.backward(dlogits)                                       # every p.grad filled
+    clip_grad_norm_(model, 1.0)
+    opt.step()
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import functional as F
+from ._validate import as_index, as_rng, check_dtype, check_prob, check_size
+from .layers import Embedding, LayerNorm, Linear
+from .module import Module, ModuleList, no_grad
+from .transformer import EncoderBlock
+
+__all__ = ["TinyTransformer"]
+
+
+class TinyTransformer(Module):
+    """A GPT-style causal language model: ``ids (..., L) -> logits (..., L, vocab_size)``.
+
+    Forward::
+
+        x = tok_emb(ids) + pos_emb(arange(L))      # (..., L, d_model)
+        for block in blocks:                        # pre-norm, causal EncoderBlocks
+            x = block(x)
+        logits = head(norm(x))                      # (..., L, vocab_size)
+
+    Position ``t`` only sees tokens ``0..t`` (causal attention), so ``logits[..., t, :]`` is a
+    prediction of token ``t + 1``.
+
+    Backward (``backward(dlogits)``) visits the same modules in the opposite order, each
+    module's ``backward`` consuming the gradient of its output and returning that of its input:
+
+    1. ``head.backward`` then ``norm.backward`` give ``dx``, the gradient of the last residual
+       stream;
+    2. each block, last to first: ``dx = block.backward(dx)`` (the block handles its own two
+       residual branches);
+    3. ``x = tok + pos`` is a sum, so both embeddings receive ``dx`` unchanged:
+       ``tok_emb.backward(dx)`` scatters it into the rows of the used tokens, and the position
+       table, shared by every sequence of the batch, gets ``dx`` summed over the batch axes.
+
+    Every parameter gradient is *added* into ``p.grad`` (call ``zero_grad()`` between steps).
+    Token ids have no gradient, so ``backward`` returns ``None``.
+
+    State-dict keys: ``tok_emb.weight``, ``pos_emb.weight``, ``blocks.{i}.mha.*``,
+    ``blocks.{i}.ffn.*``, ``blocks.{i}.layernorm{1,2}.*``, ``norm.weight``, ``norm.bias``,
+    ``head.weight``, ``head.bias``.
+
+    Embedding tables start as N(0, ``embedding_std``²) (default 0.02, the GPT-2 choice; use 1.0
+    for torch's ``nn.Embedding`` default); everything else uses its layer's default
+    initialisation.
+    """
+
+    def __init__(self, vocab_size, context_length, d_model, num_heads, num_layers, d_ff, *, dropout=0.0,
+                 activation="gelu", embedding_std=0.02, rng=None, dtype=np.float64):
+        super().__init__()
+        self.vocab_size = check_size(vocab_size, "vocab_size")
+        self.context_length = check_size(context_length, "context_length")
+        self.num_layers = check_size(num_layers, "num_layers")
+        check_prob(dropout, "dropout")
+        if not (isinstance(embedding_std, (int, float)) and embedding_std > 0):
+            raise ValueError(f"embedding_std: expected a positive number, got {embedding_std!r}")
+        self._dtype = check_dtype(dtype)
+        rng = as_rng(rng)
+        self.tok_emb = Embedding(vocab_size, d_model, rng=rng, dtype=dtype)
+        self.pos_emb = Embedding(context_length, d_model, rng=rng, dtype=dtype)
+        for emb in (self.tok_emb, self.pos_emb):
+            emb.weight.data *= self._dtype.type(embedding_std)
+        self.blocks = ModuleList([
+            EncoderBlock(d_model, num_heads, d_ff, dropout=dropout, activation=activation, norm_first=True,
+                         causal=True, rng=rng, dtype=dtype)
+            for _ in range(self.num_layers)
+        ])
+        self.norm = LayerNorm(d_model, dtype=dtype)
+        self.head = Linear(d_model, vocab_size, rng=rng, dtype=dtype)
+
+    def extra_repr(self):
+        return f"vocab_size={self.vocab_size}, context_length={self.context_length}"
+
+    # -- forward / backward ----------------------------------------------------------------
+    def _check_ids(self, ids):
+        ids = as_index(ids, "ids")
+        if ids.ndim < 1 or not 1 <= ids.shape[-1] <= self.context_length:
+            raise ValueError(
+                f"ids: expected shape (..., L) with 1 <= L <= context_length={self.context_length}, got {ids.shape}"
+            )
+        return ids
+
+    def _embed(self, ids):
+        positions = np.arange(ids.shape[-1])
+        return self.tok_emb(ids) + self.pos_emb(positions)  # (..., L, d) + (L, d)
+
+    def forward(self, ids):
+        """``ids (..., L)`` integer token ids, ``L <= context_length`` -> ``logits (..., L, vocab_size)``."""
+        ids = self._check_ids(ids)
+        x = self._embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        self._save(ids.shape)
+        return logits
+
+    def backward(self, dlogits):
+        """Accumulate every parameter's gradient from ``dlogits`` (the gradient of the logits);
+        returns ``None`` (token ids have no gradient).  See the class docstring for the order."""
+        ids_shape = self._pop()
+        dx = self.norm.backward(self.head.backward(dlogits))
+        for block in reversed(list(self.blocks)):
+            dx = block.backward(dx)
+        self.tok_emb.backward(dx)
+        batch_axes = tuple(range(len(ids_shape) - 1))
+        self.pos_emb.backward(dx.sum(axis=batch_axes))  # one position table shared by the batch
+        return None
+
+    def loss(self, ids, targets, *, ignore_index=None):
+        """Forward pass and mean cross-entropy of ``targets (..., L)`` under the logits.
+
+        Targets equal to ``ignore_index`` are not counted (e.g. the prompt part of a sequence).
+        Returns ``(loss, dlogits)``: the loss as a python float and its gradient with respect to
+        the logits, ready for ``model.backward(dlogits)``.
+        """
+        logits = self.forward(ids)
+        loss, cache = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+        dlogits = F.cross_entropy_backward(np.ones((), dtype=logits.dtype), cache)
+        return float(loss), dlogits
+
+    # -- inference helpers -----------------------------------------------------------------
+    def _inference(self, fn):
+        was_training = self.training
+        self.eval()
+        try:
+            with no_grad():
+                return fn()
+        finally:
+            self.train(was_training)
+
+    def generate(self, ids, max_new_tokens):
+        """Greedy autoregressive decoding: append ``max_new_tokens`` tokens, each the arg-max of
+        the model's prediction given everything before it.  ``ids (..., L)``; returns
+        ``(..., L + max_new_tokens)``.  Runs in eval mode without keeping backward state."""
+        ids = self._check_ids(ids)
+        n = check_size(max_new_tokens, "max_new_tokens", minimum=0)
+        if ids.shape[-1] + n > self.context_length + 1:
+            raise ValueError(
+                f"max_new_tokens: {ids.shape[-1]} prompt tokens + {n} new tokens need a context of "
+                f"{ids.shape[-1] + n - 1}, more than context_length={self.context_length}"
+            )
+
+        def run():
+            out = ids
+            for _ in range(n):
+                nxt = self.forward(out)[..., -1, :].argmax(axis=-1)
+                out = np.concatenate([out, nxt[..., None].astype(out.dtype)], axis=-1)
+            return out
+
+        return self._inference(run)
+
+    def attention_weights(self, ids):
+        """The attention weights of every layer and head for ``ids (..., L)``, in eval mode:
+        an array ``(num_layers, ..., num_heads, L, L)`` (row ``i`` is query position ``i``).
+
+        Each block is re-run step by step: its ``mha`` is called with ``need_weights=True`` on
+        the normalised input (what the pre-norm block feeds it), then the block itself advances
+        the residual stream.  Nothing is kept for backward.
+        """
+        ids = self._check_ids(ids)
+
+        def run():
+            x = self._embed(ids)
+            weights = []
+            for block in self.blocks:
+                _, w = block.mha(block.layernorm1(x), need_weights=True)
+                weights.append(w)
+                x = block(x)
+            return np.stack(weights)
+
+        return self._inference(run)
