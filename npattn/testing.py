@@ -1,0 +1,301 @@
+"""Hypothesis strategies for property tests of attention code (the ones npattn's own tests use).
+
+Needs hypothesis (``pip install "npattn[test]"``).  Arrays are not built element by element by
+hypothesis: a strategy draws a *seed* and numpy generates the values from it, which is fast,
+reproducible and shrinks well enough (towards seed 0 and small shapes).
+
+The values are honestly well conditioned, so tests need no loosened tolerances: bounded
+magnitudes (uniform in ``[-scale, scale]``), rows with a variance bounded away from zero for
+layer norm, values bounded away from 0 for ReLU's kink.
+
+    >>> from hypothesis import given
+    >>> from npattn.testing import attention_configs
+    >>> @given(attention_configs())
+    ... def test_runs(cfg):
+    ...     out, _ = scaled_dot_product_attention(cfg.q, cfg.k, cfg.v, **cfg.kwargs())
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+try:
+    from hypothesis import strategies as st
+except ImportError as e:  # pragma: no cover - exercised only without hypothesis
+    raise ImportError(
+        'npattn.testing needs hypothesis; install it with: pip install "npattn[test]"'
+    ) from e
+
+__all__ = [
+    "dtypes", "seeds", "shapes", "arrays", "relu_safe_arrays", "layer_norm_inputs", "LayerNormCase",
+    "MASK_KINDS", "masks", "attention_configs", "AttentionConfig", "make_mask",
+]
+
+_SEED_MAX = 2**32 - 1
+
+
+def seeds() -> st.SearchStrategy[int]:
+    """Seeds for ``np.random.default_rng`` (shrink towards 0)."""
+    return st.integers(0, _SEED_MAX)
+
+
+def dtypes(*choices) -> st.SearchStrategy[np.dtype]:
+    """``np.dtype(float32)`` or ``np.dtype(float64)`` (or the given choices)."""
+    choices = choices or (np.float64, np.float32)
+    return st.sampled_from([np.dtype(c) for c in choices])
+
+
+def shapes(min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 4) -> st.SearchStrategy[tuple]:
+    """Array shapes: ``min_dims..max_dims`` axes of ``min_side..max_side`` each."""
+    if not 0 <= min_dims <= max_dims or not 0 <= min_side <= max_side:
+        raise ValueError(f"shapes: bad bounds dims [{min_dims}, {max_dims}], sides [{min_side}, {max_side}]")
+    return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
+
+
+def _shape_strategy(shape):
+    return shape if isinstance(shape, st.SearchStrategy) else st.just(tuple(shape))
+
+
+def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.ndarray]:
+    """Arrays uniform in ``[-scale, scale]`` (bounded, no inf/NaN, no denormals to speak of).
+
+    ``shape`` is a tuple or a strategy of tuples (e.g. :func:`shapes`); ``dtype`` a dtype or a
+    strategy of dtypes (e.g. :func:`dtypes`).
+    """
+    dt = dtype if isinstance(dtype, st.SearchStrategy) else st.just(np.dtype(dtype))
+
+    def build(args):
+        s, d, seed = args
+        return np.random.default_rng(seed).uniform(-scale, scale, s).astype(d)
+
+    return st.tuples(_shape_strategy(shape), dt, seeds()).map(build)
+
+
+def relu_safe_arrays(shape, dtype=np.float64, scale: float = 1.0, margin: float = 0.05) -> st.SearchStrategy[np.ndarray]:
+    """Like :func:`arrays` but with ``|x| >= margin``: finite differences never straddle the
+    ReLU kink at 0 (nor need its one-sided derivative), values of both signs still appear."""
+    if not 0 < margin < scale:
+        raise ValueError(f"relu_safe_arrays: expected 0 < margin < scale, got margin={margin}, scale={scale}")
+    dt = dtype if isinstance(dtype, st.SearchStrategy) else st.just(np.dtype(dtype))
+
+    def build(args):
+        s, d, seed = args
+        rng = np.random.default_rng(seed)
+        mag = rng.uniform(margin, scale, s)
+        sign = np.where(rng.random(s) < 0.5, -1.0, 1.0)
+        return (mag * sign).astype(d)
+
+    return st.tuples(_shape_strategy(shape), dt, seeds()).map(build)
+
+
+@dataclass
+class LayerNormCase:
+    """Arguments of ``layer_norm``: ``x (..., D)``, ``weight``/``bias`` ``(D,)`` or None, ``eps``."""
+
+    x: np.ndarray
+    weight: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+    eps: float = 1e-5
+
+    def args(self):
+        return (self.x, self.weight, self.bias, self.eps)
+
+
+def layer_norm_inputs(min_features: int = 2, max_features: int = 5, max_lead_dims: int = 2, max_side: int = 3,
+                      dtype=np.float64, affine: Optional[bool] = None) -> st.SearchStrategy[LayerNormCase]:
+    """Layer-norm inputs whose rows have a non-degenerate variance.
+
+    Each row is standardised then given a standard deviation in ``[0.5, 2]`` and a mean in
+    ``[-1, 1]``, so ``1/sqrt(var + eps)`` is well conditioned.  ``weight`` and ``bias`` are each
+    present or None (``affine=True``: both present; ``False``: both None).
+    """
+    if min_features < 2:
+        raise ValueError("layer_norm_inputs: rows need at least 2 features for a non-zero variance")
+    dt = dtype if isinstance(dtype, st.SearchStrategy) else st.just(np.dtype(dtype))
+    use = st.booleans() if affine is None else st.just(bool(affine))
+
+    def build(args):
+        lead, d, dtp, seed, has_w, has_b = args
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal(lead + (d,))
+        x -= x.mean(axis=-1, keepdims=True)
+        x /= np.sqrt((x * x).mean(axis=-1, keepdims=True))
+        x = x * rng.uniform(0.5, 2.0, lead + (1,)) + rng.uniform(-1.0, 1.0, lead + (1,))
+        w = rng.uniform(0.5, 1.5, d) * np.where(rng.random(d) < 0.2, -1, 1) if has_w else None
+        b = rng.uniform(-1.0, 1.0, d) if has_b else None
+        cast = (lambda a: None if a is None else a.astype(dtp))
+        return LayerNormCase(cast(x), cast(w), cast(b))
+
+    return st.tuples(shapes(0, max_lead_dims, 1, max_side), st.integers(min_features, max_features),
+                     dt, seeds(), use, use).map(build)
+
+
+# ------------------------------------------------------------------------------ attention
+
+MASK_KINDS = ("none", "causal", "padding", "random", "float", "fully_masked")
+
+
+def make_mask(lq: int, lk: int, kind: str, seed: int = 0, lead: Sequence[int] = (), full: bool = False):
+    """A deterministic attention mask of ``kind`` for ``Lq`` queries and ``Lk`` keys.
+
+    * ``"none"``: None;
+    * ``"causal"``: bool ``(Lq, Lk)``, ``tril`` (query i sees keys 0..i, top-left);
+    * ``"padding"``: bool key padding, shape ``(lead[0], 1, ..., 1, Lk)`` (``(1, Lk)`` without
+      leading dims), True = may attend, each batch keeps between 1 and Lk leading keys;
+    * ``"random"``: bool, about 70 % True (rows with no True key may appear);
+    * ``"float"``: additive, uniform in ``[-2, 2]`` with about 20 % ``-inf``;
+    * ``"fully_masked"``: bool like ``"random"`` with at least one row entirely False.
+
+    ``random``/``float``/``fully_masked`` have shape ``(Lq, Lk)`` or, with ``full=True``,
+    ``(*lead, Lq, Lk)``.  Every mask broadcasts to ``(*lead, Lq, Lk)``.
+    """
+    if kind not in MASK_KINDS:
+        raise ValueError(f"kind: expected one of {MASK_KINDS}, got {kind!r}")
+    rng = np.random.default_rng(seed)
+    lead = tuple(lead)
+    shape = (lead if full else ()) + (lq, lk)
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return np.tri(lq, lk, dtype=bool)
+    if kind == "padding":
+        nb = lead[0] if lead else 1
+        lengths = rng.integers(1, lk + 1, nb)
+        keep = np.arange(lk)[None, :] < lengths[:, None]  # (nb, Lk)
+        if not lead:
+            return keep.reshape(1, lk)
+        return keep.reshape((nb,) + (1,) * len(lead[1:]) + (1, lk))
+    if kind == "random":
+        return rng.random(shape) < 0.7
+    if kind == "float":
+        m = rng.uniform(-2.0, 2.0, shape)
+        m[rng.random(shape) < 0.2] = -np.inf
+        return m
+    # fully masked rows
+    m = rng.random(shape) < 0.7
+    rows = m.reshape(-1, lq, lk)
+    for r in rows:
+        r[rng.integers(0, lq)] = False
+    return rows.reshape(shape)
+
+
+def masks(lq: int, lk: int, kind: Optional[Union[str, Sequence[str]]] = None, lead: Sequence[int] = ()):
+    """Strategy of masks from :func:`make_mask`: ``kind`` one kind, a list of kinds or None (any)."""
+    kinds = MASK_KINDS if kind is None else ((kind,) if isinstance(kind, str) else tuple(kind))
+    for k in kinds:
+        if k not in MASK_KINDS:
+            raise ValueError(f"kind: expected one of {MASK_KINDS}, got {k!r}")
+    return st.tuples(st.sampled_from(kinds), seeds(), st.booleans()).map(
+        lambda a: make_mask(lq, lk, a[0], a[1], lead, a[2]))
+
+
+@dataclass
+class AttentionConfig:
+    """One ``scaled_dot_product_attention`` call: arrays and options.
+
+    ``q (*batch, [Hq,] Lq, E)``, ``k (*batch, [Hk,] Lk, E)``, ``v (*batch, [Hk,] Lk, Ev)``;
+    ``mask_kind`` says how ``attn_mask`` was built; ``seed`` feeds dropout.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    attn_mask: Optional[np.ndarray] = None
+    mask_kind: str = "none"
+    is_causal: bool = False
+    scale: Optional[float] = None
+    enable_gqa: bool = False
+    dropout_p: float = 0.0
+    seed: int = 0
+    batch: Tuple[int, ...] = ()
+    heads: Optional[Tuple[int, int]] = None  # (Hq, Hk) or None without a head axis
+    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float64))
+
+    @property
+    def lq(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def lk(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def groups(self) -> int:
+        return 1 if self.heads is None else self.heads[0] // self.heads[1]
+
+    def kwargs(self, rng=None) -> dict:
+        """Keyword arguments for ``scaled_dot_product_attention`` (``rng`` defaults to ``seed``:
+        an int seed gives the same dropout mask at every call)."""
+        return dict(attn_mask=self.attn_mask, is_causal=self.is_causal, dropout_p=self.dropout_p,
+                    scale=self.scale, rng=self.seed if rng is None else rng, enable_gqa=self.enable_gqa)
+
+    def visible(self) -> np.ndarray:
+        """Bool ``(..., Hq, Lq, Lk)``: which (query, key) pairs may attend (mask and causality)."""
+        score = self.q.shape[:-1] + (self.lk,)
+        vis = np.ones(score, dtype=bool)
+        if self.is_causal:
+            vis &= np.tri(self.lq, self.lk, dtype=bool)
+        if self.attn_mask is not None:
+            m = self.attn_mask
+            vis &= (m if m.dtype == bool else np.isfinite(m))
+        return vis
+
+
+@st.composite
+def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_axis: Optional[bool] = None,
+                      max_kv_heads: int = 2, max_groups: int = 3, gqa: Optional[bool] = None,
+                      min_len: int = 2, max_len: int = 4, max_e: int = 4, max_ev: int = 4,
+                      mask_kinds: Optional[Sequence[str]] = None, causal: Optional[bool] = None,
+                      dropout: bool = False, dtype=np.float64, scale_range=(0.2, 1.5),
+                      value_scale: float = 1.0) -> AttentionConfig:
+    """Attention calls covering the interesting cases, at tiny sizes.
+
+    * 0..``max_batch_dims`` batch axes of 1..``max_batch``; with or without a head axis
+      (``head_axis`` None: either);
+    * grouped-query heads: ``Hq = G * Hk`` with ``G`` in 1..``max_groups`` (``gqa`` None: either;
+      ``enable_gqa`` is set when ``Hq != Hk`` and sometimes when they are equal);
+    * ``Lq``, ``Lk`` drawn independently in ``min_len..max_len`` (so mostly ``Lq != Lk``),
+      ``E`` and ``Ev`` independently;
+    * ``attn_mask`` of a kind in ``mask_kinds`` (default all of :data:`MASK_KINDS`), shaped
+      ``(Lq, Lk)``, full, or key padding; ``is_causal`` True or False (``causal`` None: either,
+      combined with a mask too, which npattn allows);
+    * ``scale``: None (``1/sqrt(E)``) or uniform in ``scale_range``;
+    * ``dropout=True``: ``dropout_p`` in {0, 0.1, 0.3, 0.5} with a ``seed``;
+    * q, k, v uniform in ``[-value_scale, value_scale]``, so scores stay O(E * scale).
+    """
+    dt = np.dtype(draw(dtype) if isinstance(dtype, st.SearchStrategy) else dtype)
+    batch = tuple(draw(st.lists(st.integers(1, max_batch), max_size=max_batch_dims)))
+    has_heads = draw(st.booleans()) if head_axis is None else bool(head_axis)
+    heads = None
+    enable_gqa = False
+    if has_heads:
+        hk = draw(st.integers(1, max_kv_heads))
+        use_gqa = draw(st.booleans()) if gqa is None else bool(gqa)
+        g = draw(st.integers(1, max_groups)) if use_gqa else 1
+        heads = (hk * g, hk)
+        enable_gqa = use_gqa
+    lq = draw(st.integers(min_len, max_len))
+    lk = draw(st.integers(min_len, max_len))
+    e = draw(st.integers(1, max_e))
+    ev = draw(st.integers(1, max_ev))
+    kinds = tuple(mask_kinds) if mask_kinds is not None else MASK_KINDS
+    kind = draw(st.sampled_from(kinds))
+    is_causal = draw(st.booleans()) if causal is None else bool(causal)
+    scale = draw(st.one_of(st.none(), st.floats(*scale_range)))
+    dropout_p = draw(st.sampled_from([0.0, 0.1, 0.3, 0.5])) if dropout else 0.0
+    seed = draw(seeds())
+    full_mask = draw(st.booleans())
+
+    rng = np.random.default_rng(seed)
+    hq_axis = (heads[0],) if heads else ()
+    hk_axis = (heads[1],) if heads else ()
+    q = rng.uniform(-value_scale, value_scale, batch + hq_axis + (lq, e)).astype(dt)
+    k = rng.uniform(-value_scale, value_scale, batch + hk_axis + (lk, e)).astype(dt)
+    v = rng.uniform(-value_scale, value_scale, batch + hk_axis + (lk, ev)).astype(dt)
+    mask = make_mask(lq, lk, kind, seed + 1, batch + hq_axis, full_mask)
+    if mask is not None and mask.dtype.kind == "f":
+        mask = mask.astype(dt)
+    return AttentionConfig(q, k, v, mask, kind, is_causal, scale, enable_gqa, dropout_p, seed,
+                           batch, heads, dt)

@@ -1,0 +1,54 @@
+"""An independent central-difference gradient, to double-check ``npattn.gradcheck`` itself.
+
+Deliberately tiny and separate from the package: it shares no code with ``npattn.gradcheck``.
+"""
+import numpy as np
+
+
+def fd_gradients(fun, arrays, eps=1e-6):
+    """Central differences of the scalar ``fun(*arrays)`` w.r.t. each array in ``arrays``.
+
+    Each array is copied to float64 first; ``fun`` receives the perturbed copies.  Returns a
+    list of float64 gradients, one per array.
+    """
+    arrays = [np.array(a, dtype=np.float64, copy=True) for a in arrays]
+    grads = []
+    for a in arrays:
+        grad = np.empty(a.shape)
+        flat, gflat = a.reshape(-1), grad.reshape(-1)  # views (a is a fresh contiguous copy)
+        for i in range(flat.size):
+            old = flat[i]
+            flat[i] = old + eps
+            up = float(fun(*arrays))
+            flat[i] = old - eps
+            down = float(fun(*arrays))
+            flat[i] = old
+            gflat[i] = (up - down) / (2 * eps)
+        grads.append(grad)
+    return grads
+
+
+def fd_check(forward, backward, arrays, upstream, eps=1e-6, **kwargs):
+    """Relative errors between ``backward(upstream, cache)`` and central differences of
+    ``sum(forward(*arrays, **kwargs)[0] * upstream)`` (one per array, with a floor of 1e-3).
+
+    Every array in ``arrays`` is differentiated (bind constants such as ids in a closure); the
+    non-None gradients of ``backward`` must pair with them in order."""
+    arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
+    out, cache = forward(*arrays, **kwargs)
+    grads = backward(upstream, cache)
+    if not isinstance(grads, tuple):
+        grads = (grads,)
+    grads = [g for g in grads if g is not None]
+    assert len(grads) == len(arrays), f"{len(grads)} gradients for {len(arrays)} arrays"
+    num = fd_gradients(lambda *xs: np.sum(forward(*xs, **kwargs)[0] * upstream), arrays, eps)
+    return [rel_err(g, n) for g, n in zip(grads, num)]
+
+
+def rel_err(a, b, floor=1e-3):
+    """max |a - b| / max(|a|, |b|, floor), 0 for empty arrays."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.size == 0:
+        return 0.0
+    return float(np.max(np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), floor)))
