@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import as_float, as_rng, check_bool, check_dtype, check_prob
+from ._validate import as_float, as_rng, check_bool, check_dtype, check_grad, check_prob
 from .attention import MultiHeadAttention
 from .layers import Dropout, FeedForward, LayerNorm
 from .module import Module
@@ -49,11 +49,11 @@ class EncoderBlock(Module):
         else:
             h = self.layernorm1(x + self.dropout1(self.mha(x, **mha_kwargs)))
             y = self.layernorm2(h + self.dropout2(self.ffn(h)))
-        self._save(True)  # the sublayers keep their own state
+        self._save(y.shape)  # the sublayers keep their own state
         return y
 
     def backward(self, dy):
-        self._pop()
+        dy = check_grad(dy, self._pop(), self.dtype, "dy")  # the module's dtype end to end
         if self.norm_first:
             dh = dy + self.layernorm2.backward(self.ffn.backward(self.dropout2.backward(dy)))
             return dh + self.layernorm1.backward(self.mha.backward(self.dropout1.backward(dh)))
