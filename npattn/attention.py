@@ -93,6 +93,11 @@ class MultiHeadAttention(Module):
         if x.ndim < 2 or x.shape[-1] != self.d_in:
             raise ValueError(f"query: expected shape (..., L, {self.d_in}), got {x.shape}")
         if key is None and value is None:
+            if self.kdim != self.d_in or self.vdim != self.d_in:
+                raise ValueError(
+                    f"key, value: required when kdim={self.kdim} or vdim={self.vdim} differs from "
+                    f"d_in={self.d_in} (self-attention needs kdim == vdim == d_in), got neither"
+                )
             return x, x, x, True
         if key is None or value is None:
             raise ValueError("key, value: expected both (cross-attention) or neither (self-attention), got one")
@@ -110,7 +115,7 @@ class MultiHeadAttention(Module):
         mask = None
         if attn_mask is not None:
             m = to_numpy(attn_mask)
-            if (m.ndim == 3 and len(lead) == 1 and m.shape[0] == lead[0] * self.num_heads
+            if (m.ndim == 3 and len(lead) == 1 and m.shape == (lead[0] * self.num_heads, lq, lk)
                     and m.shape[0] != self.num_heads):
                 m = m.reshape(target)  # torch's (batch * num_heads, Lq, Lk)
             mask = check_mask(m, "attn_mask", target)

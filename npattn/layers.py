@@ -158,7 +158,9 @@ class FeedForward(Module):
 
     def __init__(self, d_model, d_ff, *, activation="relu", dropout=0.0, rng=None, dtype=np.float64):
         super().__init__()
-        if activation not in _ACTIVATIONS:
+        check_size(d_model, "d_model")
+        check_size(d_ff, "d_ff")
+        if not isinstance(activation, str) or activation not in _ACTIVATIONS:
             raise ValueError(f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         check_prob(dropout, "dropout")
         rng = as_rng(rng)

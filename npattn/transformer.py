@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import as_float, as_rng, check_bool, check_dtype, check_grad, check_prob
+from ._validate import as_float, as_rng, check_bool, check_dtype, check_grad, check_prob, check_size
 from .attention import MultiHeadAttention
 from .layers import Dropout, FeedForward, LayerNorm
 from .module import Module
@@ -25,6 +25,10 @@ class EncoderBlock(Module):
     def __init__(self, d_model, num_heads, d_ff, *, dropout=0.1, activation="relu", norm_first=False,
                  causal=False, qkv_bias=False, rng=None, dtype=np.float64):
         super().__init__()
+        d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
+        if d_model % num_heads:
+            raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
+        check_size(d_ff, "d_ff")
         check_prob(dropout, "dropout")
         self.norm_first = check_bool(norm_first, "norm_first")
         rng = as_rng(rng)
@@ -42,6 +46,9 @@ class EncoderBlock(Module):
 
     def forward(self, x, *, attn_mask=None, key_padding_mask=None):
         x = as_float(x, "x", self.dtype)
+        d = self.layernorm1.normalized_shape[0]
+        if x.ndim < 2 or x.shape[-1] != d:
+            raise ValueError(f"x: expected shape (..., L, {d}) (d_model={d}), got {x.shape}")
         mha_kwargs = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
         if self.norm_first:
             h = x + self.dropout1(self.mha(self.layernorm1(x), **mha_kwargs))
