@@ -59,13 +59,13 @@ class TinyTransformer(Module):
     ``blocks.{i}.ffn.*``, ``blocks.{i}.layernorm{1,2}.*``, ``norm.weight``, ``norm.bias``,
     ``head.weight``, ``head.bias``.
 
-    Embedding tables start as N(0, ``embedding_std``²) (default 0.02, the GPT-2 choice; use 1.0
-    for torch's ``nn.Embedding`` default); everything else uses its layer's default
-    initialisation.
+    ``activation`` is the feed-forward's (``"relu"``, ``"gelu"``, ``"gelu_tanh"``).  Embedding
+    tables start as N(0, ``embedding_std``²) (default 0.02, the GPT-2 choice; 1.0 gives torch's
+    ``nn.Embedding`` default); everything else uses its layer's default initialisation.
     """
 
     def __init__(self, vocab_size, context_length, d_model, num_heads, num_layers, d_ff, *, dropout=0.0,
-                 activation="gelu", embedding_std=0.02, rng=None, dtype=np.float64):
+                 activation="relu", embedding_std=0.02, rng=None, dtype=np.float64):
         super().__init__()
         self.vocab_size = check_size(vocab_size, "vocab_size")
         self.context_length = check_size(context_length, "context_length")
