@@ -61,7 +61,7 @@ def softmax(x, axis=-1):
     if x.ndim == 0:
         raise ValueError("x: expected at least 1 dimension, got a 0-d array")
     axis = check_axis(axis, x.ndim)
-    m = x.max(axis=axis, keepdims=True)
+    m = x.max(axis=axis, keepdims=True, initial=-np.inf)  # empty axis allowed
     m[~np.isfinite(m)] = 0.0  # all -inf slice: exp(-inf) = 0 below
     y = np.exp(x - m)
     s = y.sum(axis=axis, keepdims=True)

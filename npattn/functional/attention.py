@@ -114,7 +114,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         else:
             s += attn_mask
     # softmax in place; rows with no visible key (max = -inf) end up all zero
-    m = s.max(axis=-1, keepdims=True)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
     m[~np.isfinite(m)] = 0.0
     s -= m
     np.exp(s, out=s)
