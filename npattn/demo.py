@@ -348,8 +348,12 @@ def main(args) -> int:
     except ImportError:
         print('matplotlib is not installed: no pictures written (pip install "npattn[demo]")')
     else:
-        written = save_pictures(result, cfg, args.out)
-        print(f"wrote {', '.join(written)} to {args.out}")
+        try:
+            written = save_pictures(result, cfg, args.out)
+        except OSError as e:
+            print(f"could not write the pictures to {args.out}: {e}")
+        else:
+            print(f"wrote {', '.join(written)} to {args.out}")
 
     print(f"held-out: {len(result.held_out.digits)} sequences never trained on, answers decoded greedily "
           f"token by token; per-token accuracy {result.token_accuracy:.3f}; "

@@ -1,0 +1,144 @@
+"""The command line, run as users run it: ``python -m npattn ...`` in a subprocess."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "npattn" / "bench.py"
+
+
+def run(*args, code=None, timeout=300):
+    """Run ``python -m npattn *args`` (or ``python -c code``) from the repository root."""
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "npattn", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def stable_lines(stdout):
+    """The output lines that must not depend on timing."""
+    return [line for line in stdout.splitlines() if not line.startswith("time:")]
+
+
+# -- check -------------------------------------------------------------------------------------
+def test_check_passes_and_prints_a_table():
+    r = run("check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("name"))
+    assert "max abs err" in header and "max rel err" in header and header.rstrip().endswith("ok")
+    rows = [line for line in lines if line.count("|") == 3 and not line.startswith("name")]
+    names = {line.split("|")[0].strip() for line in rows}
+    for expected in ("linear", "softmax (last axis)", "layer_norm", "cross_entropy", "sdpa (GQA)",
+                     "Linear", "LayerNorm", "Embedding", "FeedForward (gelu)", "MultiHeadAttention (GQA)",
+                     "EncoderBlock (pre-norm, causal)", "book.CausalAttention", "TinyTransformer"):
+        assert expected in names, expected
+    assert all(line.rstrip().endswith("yes") for line in rows)
+    assert re.search(r"(\d+)/\1 cases passed", r.stdout)
+
+
+def test_check_exit_code_1_on_a_failure(tmp_path):
+    code = (
+        "import sys, npattn.check as c\n"
+        "orig = c.cases\n"
+        "def broken(seed=0):\n"
+        "    out = orig(seed)\n"
+        "    def boom(): raise RuntimeError('injected')\n"
+        "    return out[:2] + [('broken case', boom)]\n"
+        "c.cases = broken\n"
+        "sys.exit(c.main(type('A', (), {'seed': 0})()))\n"
+    )
+    r = run(code=code)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "broken case" in r.stdout and "NO" in r.stdout and "injected" in r.stdout
+
+
+# -- demo --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    r = run("demo", "--steps", "30", "--out", str(out), "--seed", "3")
+    return r, out
+
+
+def test_demo_writes_pictures_and_ends_with_accuracy(demo_run):
+    r, out = demo_run
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert re.fullmatch(r"accuracy: [0-9.]+", r.stdout.splitlines()[-1])
+    assert 0.0 <= float(r.stdout.splitlines()[-1].split()[1]) <= 1.0
+    assert "exact match" in r.stdout.splitlines()[-2]
+    files = sorted(p.name for p in out.iterdir())
+    assert "loss_curve.png" in files
+    assert {"attention_layer1.png", "attention_layer2.png"} <= set(files)
+    for name in files:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_same_seed_same_output(demo_run):
+    r1, out = demo_run
+    r2 = run("demo", "--steps", "30", "--out", str(out), "--seed", "3")
+    assert r2.returncode == 0, r2.stderr
+    assert stable_lines(r1.stdout) == stable_lines(r2.stdout)
+    assert len(stable_lines(r1.stdout)) >= 5
+
+
+def test_demo_sort_task(tmp_path):
+    r = run("demo", "--task", "sort", "--steps", "5", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "task sort" in r.stdout
+    assert re.fullmatch(r"accuracy: [0-9.]+", r.stdout.splitlines()[-1])
+
+
+def test_demo_without_matplotlib_and_tqdm(tmp_path):
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None\n"  # makes `import matplotlib` raise ImportError
+        "sys.modules['tqdm'] = None\n"
+        "from npattn.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    r = run("demo", "--steps", "20", "--out", str(tmp_path / "pics"), code=code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert 'pip install "npattn[demo]"' in r.stdout
+    assert "step    20/20" in r.stdout  # plain progress lines instead of a bar
+    assert re.fullmatch(r"accuracy: [0-9.]+", r.stdout.splitlines()[-1])
+    assert not (tmp_path / "pics").exists()
+
+
+# -- bench -------------------------------------------------------------------------------------
+@pytest.mark.skipif(not BENCH.exists(), reason="npattn/bench.py does not exist yet")
+def test_bench_quick_runs():
+    r = run("bench", "--quick")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip()
+
+
+# -- argument errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["demo", "--steps", "-1"],
+    ["demo", "--steps", "0"],
+    ["demo", "--steps", "abc"],
+    ["demo", "--task", "nope"],
+    ["demo", "--seed", "-3"],
+    ["check", "--seed", "x"],
+    ["nope"],
+    [],
+])
+def test_bad_arguments_give_a_usage_error(args):
+    r = run(*args, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "usage:" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_and_version():
+    r = run("--help", timeout=60)
+    assert r.returncode == 0 and "check" in r.stdout and "demo" in r.stdout and "bench" in r.stdout
+    r = run("demo", "--help", timeout=60)
+    assert r.returncode == 0 and "--steps" in r.stdout and "--task" in r.stdout
+    r = run("--version", timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("npattn ")
