@@ -236,3 +236,16 @@ def test_book_gradcheck(case, which, num_heads):
     rep = npattn.gradcheck(m, x)
     assert_ok(rep)
     assert {n for n, _ in m.named_parameters()} | {"input"} == {r.name for r in rep.rows}
+
+
+@settings(max_examples=30)
+@given(case=mha_cases())
+def test_mha_memory_efficient_gradcheck(case):
+    if not hasattr(npattn.functional, "memory_efficient_attention"):
+        pytest.skip("memory_efficient_attention not available")
+    args, kwargs, inputs, fwd, training = case
+    kwargs = dict(kwargs, dropout=0.0, memory_efficient=True)
+    fwd = dict(fwd, need_weights=False)
+    m = npattn.MultiHeadAttention(*args, **kwargs)
+    m.train(training)
+    assert_ok(npattn.gradcheck(m, *inputs, **fwd))

@@ -326,3 +326,34 @@ def test_dropout_backward_uses_forward_mask_in_encoder():
     c(x)
     gc = c.backward(dy)  # forward #1's mask: a different gradient
     assert not np.allclose(gc, ga)
+
+
+@settings(max_examples=30)
+@given(seed=seeds, kv=st.integers(1, 2), groups=st.integers(1, 3), hd=st.integers(1, 2), qkv_bias=st.booleans(),
+       causal=st.booleans(), cross=st.booleans(), lead=st.sampled_from([(), (2,), (1, 2)]),
+       mask=st.sampled_from(["none", "bool", "float"]), kpm=st.booleans())
+def test_memory_efficient_mha_equals_plain(seed, kv, groups, hd, qkv_bias, causal, cross, lead, mask, kpm):
+    if not hasattr(npattn.functional, "memory_efficient_attention"):
+        pytest.skip("memory_efficient_attention not available")
+    heads = kv * groups
+    kw = dict(num_kv_heads=kv, qkv_bias=qkv_bias, causal=causal)
+    a = npattn.MultiHeadAttention(3, heads * hd, heads, rng=seed, **kw)
+    b = npattn.MultiHeadAttention(3, heads * hd, heads, memory_efficient=True, rng=seed, **kw)
+    b.load_state_dict(a.state_dict())
+    lk = 4 if cross else 3
+    inputs = _mha_inputs(seed, lead, 3, lk, 3, cross)
+    rng = np.random.default_rng(seed)
+    fwd = {}
+    if mask == "bool":
+        fwd["attn_mask"] = rng.random((3, lk)) < 0.6  # fully masked rows possible
+    elif mask == "float":
+        fwd["attn_mask"] = rng.uniform(-2, 2, (3, lk))
+    if kpm:
+        fwd["key_padding_mask"] = rng.random(lead + (lk,)) < 0.3
+    oa, ga, pa = run(a, inputs, **fwd)
+    ob, gb, pb = run(b, inputs, **fwd)
+    close(oa, ob, 1e-11)
+    for u, v in zip(ga, gb):
+        close(u, v, 1e-11)
+    for k in pa:
+        close(pa[k], pb[k], 1e-11)
