@@ -13,6 +13,15 @@ TF = torch.nn.functional
 TOL = 1e-10
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny tensors: thread start-up costs more than it saves (and the machine has 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def rel(a, b):
     """Tensor-wise relative error max|a - b| / max|b| (floor 1e-12)."""
     a = np.asarray(a, dtype=np.float64)
