@@ -14,8 +14,8 @@ differences, one element at a time, and reports the worst error of every checked
 
 Everything runs in float64: float inputs are copied and cast (so the caller's arrays are never
 touched); integer inputs (token ids, class targets) and bool masks are passed through untouched
-and get no gradient; anything that is not an ndarray (``None``, python numbers, strings) is
-passed through as a constant.  Only *positional* float arrays are checked, so pass a float mask
+and get no gradient; a list of floats counts as a float array; anything else that is not an
+ndarray (``None``, python numbers, strings) is passed through as a constant.  Only *positional* float arrays are checked, so pass a float mask
 or any other constant array by keyword (``attn_mask=m``).  Because ``eps``, ``rtol``, ``atol``
 and ``seed`` are this function's own keywords, an op's ``eps`` (``layer_norm``) must be passed
 positionally.
@@ -167,7 +167,15 @@ def _is_float_array(x) -> bool:
 
 
 def _prepare_input(x):
-    """float arrays -> float64 copies (checked); everything else untouched (constant)."""
+    """float arrays (and lists of floats) -> float64 copies (checked); everything else untouched."""
+    if isinstance(x, list):
+        try:
+            a = np.asarray(x)
+        except ValueError:  # ragged: let the forward complain
+            return x
+        if a.dtype.kind == "f":
+            return a.astype(np.float64)
+        return x
     if _is_float_array(x):
         return np.array(x, dtype=np.float64, copy=True)
     return x
@@ -304,7 +312,7 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, **forward
     return _gradcheck_functional(forward, backward, inputs, seed, eps, rtol, atol, forward_kwargs)
 
 
-def _run_checks(name_of, objective, checked, analytic, seed_g, eps, rtol, atol, label):
+def _run_checks(objective, checked, analytic, eps, rtol, atol, label):
     """Numerical gradients of ``objective`` w.r.t. each array in ``checked`` and the report."""
     rows, numerical = [], {}
     for name, arr in checked:
@@ -369,7 +377,7 @@ def _gradcheck_functional(forward, backward, inputs, seed, eps, rtol, atol, kwar
         raise ValueError(f"{label}: nothing to check: no positional float input")
     checked = [(names[i], inputs[i]) for i in sorted(grads)]
     analytic = {names[i]: np.asarray(grads[i], dtype=np.float64) for i in sorted(grads)}
-    return _run_checks(None, lambda: _objective(call()[0], g), checked, analytic, seed, eps, rtol, atol, label)
+    return _run_checks(lambda: _objective(call()[0], g), checked, analytic, eps, rtol, atol, label)
 
 
 def _gradcheck_module(module, inputs, seed, eps, rtol, atol, kwargs):
@@ -421,4 +429,4 @@ def _gradcheck_module(module, inputs, seed, eps, rtol, atol, kwargs):
         checked.append((pname, p.data))
     if not checked:
         raise ValueError(f"{label}: nothing to check: no float input and no parameter")
-    return _run_checks(None, lambda: _objective(call(), g), checked, analytic, seed, eps, rtol, atol, label)
+    return _run_checks(lambda: _objective(call(), g), checked, analytic, eps, rtol, atol, label)

@@ -143,6 +143,12 @@ def test_float32_inputs_are_checked_in_float64_and_left_alone():
     assert x32.dtype == np.float32 and np.array_equal(x32, before)
 
 
+def test_lists_of_floats_are_checked():
+    report = gradcheck(F.softmax, [[0.5, -1.0, 2.0], [0.0, 0.1, 0.2]])
+    assert report.ok and [r.name for r in report.rows] == ["x"]
+    assert report.analytic["x"].shape == (2, 3)
+
+
 def test_read_only_inputs_work():
     x = X.copy()
     x.setflags(write=False)
