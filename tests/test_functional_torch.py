@@ -72,7 +72,8 @@ def test_embedding(ids_shape, num, dim, seed):
     check(out, [F.embedding_backward(dout, cache)], TF.embedding(T(ids), tw), [tw], dout)
 
 
-@given(arrays(shapes(1, 3, 1, 5), scale=10.0), st.data(), seeds())
+# logits within [-4, 4]: a softmax saturated to 1e-8 has gradients made of pure cancellation
+@given(arrays(shapes(1, 3, 1, 5), scale=4.0), st.data(), seeds())
 def test_softmax(x, data, seed):
     axis = data.draw(st.integers(-x.ndim, x.ndim - 1), label="axis")
     out, cache = F.softmax(x, axis=axis)
