@@ -15,13 +15,22 @@ _FLOAT_KINDS = "f"
 _INT_KINDS = "iu"
 
 
-def to_numpy(x):
-    """Array-like -> ndarray without copying when possible (CPU torch tensors included)."""
+def to_numpy(x, name: str = None):
+    """Array-like -> ndarray without copying when possible (CPU torch tensors included).
+
+    With ``name``, an array-like numpy cannot convert (e.g. a ragged nested list) raises
+    ``TypeError("<name>: ...")`` instead of numpy's own error.
+    """
     if isinstance(x, np.ndarray):
         return x
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
-        x = x.detach().cpu().numpy()
-    return np.asarray(x)
+    try:
+        if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
+            x = x.detach().cpu().numpy()
+        return np.asarray(x)
+    except Exception as e:
+        if name is None:
+            raise
+        raise TypeError(f"{name}: expected an array-like, got {type(x).__name__} that numpy cannot convert ({e})") from None
 
 
 def as_float(x, name: str, dtype=None) -> np.ndarray:
@@ -31,10 +40,7 @@ def as_float(x, name: str, dtype=None) -> np.ndarray:
     (float64 when None).  bool, complex, string and object arrays raise ``TypeError``.
     Never copies when no cast is needed; never writes into ``x``.
     """
-    try:
-        a = to_numpy(x)
-    except Exception as e:  # e.g. ragged nested lists
-        raise TypeError(f"{name}: expected a numeric array, got {type(x).__name__} ({e})") from None
+    a = to_numpy(x, name)  # e.g. ragged nested lists -> TypeError naming the argument
     kind = a.dtype.kind
     if kind in _FLOAT_KINDS:
         if dtype is not None and a.dtype != dtype:
@@ -50,7 +56,7 @@ def as_float(x, name: str, dtype=None) -> np.ndarray:
 
 def as_index(x, name: str) -> np.ndarray:
     """Integer index array (token ids, class targets)."""
-    a = to_numpy(x)
+    a = to_numpy(x, name)
     if a.dtype.kind not in _INT_KINDS:
         raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
     return a
@@ -144,8 +150,12 @@ def check_grad(dout, shape, dtype, name: str = "dout") -> np.ndarray:
 
 
 def check_mask(mask, name: str, target_shape) -> np.ndarray:
-    """A bool (True = may attend) or float (additive) mask broadcastable to ``target_shape``."""
-    m = to_numpy(mask)
+    """A bool (True = may attend) or float (additive) mask broadcastable to ``target_shape``.
+
+    Float masks may hold any finite value and ``-inf`` (a blocked key); ``+inf`` and NaN would
+    turn whole rows into NaN, so they raise ``ValueError``.
+    """
+    m = to_numpy(mask, name)
     kind = m.dtype.kind
     if kind in _INT_KINDS:
         raise TypeError(
@@ -161,4 +171,14 @@ def check_mask(mask, name: str, target_shape) -> np.ndarray:
         raise ValueError(
             f"{name}: expected a shape broadcastable to {tuple(target_shape)}, got {m.shape}"
         ) from None
+    check_additive_values(m, name)
     return m
+
+
+def check_additive_values(m: np.ndarray, name: str) -> None:
+    """A float mask: finite values or ``-inf`` only (``+inf``/NaN raise ``ValueError``)."""
+    if m.dtype.kind == "f" and m.size and not (m < np.inf).all():  # False for +inf and NaN
+        bad = "NaN" if np.isnan(m).any() else "+inf"
+        raise ValueError(
+            f"{name}: expected float mask values that are finite or -inf (-inf blocks a key), got {bad}"
+        )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import as_index, check_size, to_numpy
+from ._validate import as_index, check_additive_values, check_size, to_numpy
 
 __all__ = ["causal", "padding", "sliding_window", "combine", "from_key_padding_mask", "to_additive"]
 
@@ -48,10 +48,17 @@ def sliding_window(L, window) -> np.ndarray:
 
 
 def to_additive(mask, dtype=np.float64) -> np.ndarray:
-    """Bool (True = may attend) -> float ``0 / -inf``; float masks are returned as they are."""
-    m = to_numpy(mask)
+    """Bool (True = may attend) -> float ``0 / -inf`` of the floating ``dtype``; float masks are
+    returned as they are."""
+    m = to_numpy(mask, "mask")
     if m.dtype == bool:
-        return np.where(m, 0.0, -np.inf).astype(dtype)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt is None or dt.kind != "f":
+            raise TypeError(f"dtype: expected a floating dtype (np.float32, np.float64), got {dtype!r}")
+        return np.where(m, 0.0, -np.inf).astype(dt)
     if m.dtype.kind != "f":
         raise TypeError(f"mask: expected a bool or float array, got dtype {m.dtype}")
     return m
@@ -63,7 +70,7 @@ def combine(*masks):
     All bool: logical AND.  Any float: the sum of the float masks and ``to_additive`` of the bool
     ones.  Shapes broadcast.  Returns None when no mask is given.
     """
-    ms = [to_numpy(m) for m in masks if m is not None]
+    ms = [to_numpy(m, "masks") for m in masks if m is not None]
     if not ms:
         return None
     for m in ms:
@@ -89,7 +96,7 @@ def combine(*masks):
 def from_key_padding_mask(key_padding_mask) -> np.ndarray:
     """torch-style ``key_padding_mask`` ``(..., Lk)`` (True = padding, or float additive) ->
     ``attn_mask`` ``(..., 1, 1, Lk)`` (True = may attend, or the same float values)."""
-    m = to_numpy(key_padding_mask)
+    m = to_numpy(key_padding_mask, "key_padding_mask")
     if m.dtype.kind in "iu":
         raise TypeError(
             f"key_padding_mask: integer masks are ambiguous; pass bool (True = padding) or float, got dtype {m.dtype}"
@@ -98,6 +105,8 @@ def from_key_padding_mask(key_padding_mask) -> np.ndarray:
         m = ~m
     elif m.dtype.kind != "f":
         raise TypeError(f"key_padding_mask: expected a bool or float array, got dtype {m.dtype}")
+    else:
+        check_additive_values(m, "key_padding_mask")
     if m.ndim < 1:
         raise ValueError(f"key_padding_mask: expected shape (batch, Lk), got {m.shape}")
     return m[..., None, None, :]
