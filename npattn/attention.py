@@ -114,13 +114,13 @@ class MultiHeadAttention(Module):
         target = lead + (self.num_heads, lq, lk)
         mask = None
         if attn_mask is not None:
-            m = to_numpy(attn_mask)
+            m = to_numpy(attn_mask, "attn_mask")
             if (m.ndim == 3 and len(lead) == 1 and m.shape == (lead[0] * self.num_heads, lq, lk)
                     and m.shape[0] != self.num_heads):
                 m = m.reshape(target)  # torch's (batch * num_heads, Lq, Lk)
             mask = check_mask(m, "attn_mask", target)
         if key_padding_mask is not None:
-            kpm = to_numpy(key_padding_mask)
+            kpm = to_numpy(key_padding_mask, "key_padding_mask")
             if kpm.dtype.kind not in "bf":
                 raise TypeError(
                     f"key_padding_mask: expected bool (True = padding) or float, got dtype {kpm.dtype}"
@@ -128,6 +128,8 @@ class MultiHeadAttention(Module):
             if kpm.shape != lead + (lk,):
                 raise ValueError(f"key_padding_mask: expected shape {lead + (lk,)}, got {kpm.shape}")
             mask = _masks.combine(mask, _masks.from_key_padding_mask(kpm))
+        if mask is not None and mask.dtype.kind == "f" and mask.dtype != self.dtype:
+            mask = mask.astype(self.dtype)  # a float64 mask keeps a float32 module float32 (caches included)
         return mask
 
     # -- forward / backward ----------------------------------------------------------------
@@ -174,6 +176,7 @@ class MultiHeadAttention(Module):
     def backward(self, dy):
         """Through ``out_proj``, the attention core and the projections.  Returns ``dx`` for
         self-attention (the sum over the input's three uses), else ``(dquery, dkey, dvalue)``."""
+        dy = self._check_dy(dy)
         self_attn, proj_cache, attn_cache, out_cache = self._pop()
         dctx, dwo, dbo = F.linear_backward(dy, out_cache)
         self._accumulate(self.out_proj.weight, dwo)
@@ -216,12 +219,16 @@ class MultiHeadAttention(Module):
         ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias``; ``out_proj.*``.
         ``bias_k``/``bias_v`` are not supported.  Remember that torch's bool ``attn_mask`` means
         True = *masked*; npattn's means True = may attend (pass ``~mask``)."""
-        sd = {k: np.asarray(to_numpy(v)) for k, v in state_dict.items()}
+        if not hasattr(state_dict, "items"):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        sd = {k: to_numpy(v, f"state_dict[{k!r}]") for k, v in state_dict.items()}
         for key in ("bias_k", "bias_v"):
             if key in sd:
                 raise ValueError(f"state_dict: {key!r} (add_bias_kv=True) is not supported")
         if "out_proj.weight" not in sd:
             raise ValueError(f"state_dict: expected key 'out_proj.weight', got keys {sorted(sd)}")
+        if sd["out_proj.weight"].ndim != 2:
+            raise ValueError(f"state_dict: expected 'out_proj.weight' of shape (E, E), got {sd['out_proj.weight'].shape}")
         E = sd["out_proj.weight"].shape[0]
         if "in_proj_weight" in sd:
             w = sd["in_proj_weight"]

@@ -61,6 +61,7 @@ class SelfAttention_v1(Module):
         return ctx
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
         cq, ck, cv, ca = self._pop()
         dx = 0
         for W, d, c in zip((self.W_query, self.W_key, self.W_value),
@@ -90,6 +91,7 @@ class _SingleHead(Module):
         return ctx
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
         dq, dk, dv = F.scaled_dot_product_attention_backward(dy, self._pop())
         return self.W_query.backward(dq) + self.W_key.backward(dk) + self.W_value.backward(dv)
 
@@ -145,10 +147,8 @@ class MultiHeadAttentionWrapper(Module):
         return out
 
     def backward(self, dy):
-        shape = self._pop()
-        dy = as_float(dy, "dy", self.dtype)
-        if dy.shape != shape:
-            raise ValueError(f"dy: expected shape {shape} (the forward output's), got {dy.shape}")
+        dy = self._check_dy(dy)
+        self._pop()
         return sum(head.backward(d) for head, d in zip(self.heads, np.split(dy, len(self.heads), axis=-1)))
 
 

@@ -48,6 +48,7 @@ class Linear(Module):
         return y
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
         dx, dw, db = F.linear_backward(dy, self._pop())
         self._accumulate(self.weight, dw)
         if self.bias is not None:
@@ -88,6 +89,7 @@ class LayerNorm(Module):
         return y
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
         dx, dw, db = F.layer_norm_backward(dy, self._pop())
         if self.weight is not None:
             self._accumulate(self.weight, dw)
@@ -113,7 +115,7 @@ class Dropout(Module):
         return y
 
     def backward(self, dy):
-        return F.dropout_backward(dy, self._pop())
+        return F.dropout_backward(self._check_dy(dy), self._pop())
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -136,6 +138,7 @@ class Embedding(Module):
         return y
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
         self._accumulate(self.weight, F.embedding_backward(dy, self._pop()))
         return None
 
@@ -177,6 +180,7 @@ class FeedForward(Module):
         return self.linear2(self.dropout(h))
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
         cache = self._pop()
         dh = self.dropout.backward(self.linear2.backward(dy))
         return self.linear1.backward(_ACTIVATIONS[self.activation][1](dh, cache))

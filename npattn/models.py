@@ -116,6 +116,7 @@ class TinyTransformer(Module):
     def backward(self, dlogits):
         """Accumulate every parameter's gradient from ``dlogits`` (the gradient of the logits);
         returns ``None`` (token ids have no gradient).  See the class docstring for the order."""
+        dlogits = self._check_dy(dlogits, "dlogits")
         ids_shape = self._pop()
         dx = self.norm.backward(self.head.backward(dlogits))
         for block in reversed(list(self.blocks)):

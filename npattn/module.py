@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ._validate import check_dtype, to_numpy
+from ._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
 
 __all__ = ["Parameter", "Module", "ModuleList", "no_grad", "is_grad_enabled"]
 
@@ -45,7 +45,8 @@ class Parameter:
     __slots__ = ("data", "grad")
 
     def __init__(self, data, dtype=None):
-        data = np.array(to_numpy(data), dtype=dtype, copy=True)
+        data = as_float(data, "data")  # bool, complex, string, object: TypeError
+        data = np.array(data, dtype=dtype, copy=True)
         if data.dtype.kind != "f":
             data = data.astype(np.float64)
         self.data = data
@@ -75,6 +76,7 @@ class Module:
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "_cache", None)
+        object.__setattr__(self, "_dy_spec", None)
         object.__setattr__(self, "training", True)
 
     # -- registration ---------------------------------------------------------------------
@@ -97,7 +99,12 @@ class Module:
 
     # -- forward / backward protocol -------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        out = self.forward(*args, **kwargs)
+        if self._cache is not None:  # remember what ``backward(dy)`` must receive (see _check_dy)
+            y = out[0] if isinstance(out, tuple) and out else out
+            if isinstance(y, np.ndarray):
+                object.__setattr__(self, "_dy_spec", (y.shape, y.dtype))
+        return out
 
     def forward(self, *args, **kwargs):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -107,6 +114,7 @@ class Module:
 
     def _save(self, cache) -> None:
         """Keep the forward state for one backward (nothing is kept under ``no_grad``)."""
+        object.__setattr__(self, "_dy_spec", None)  # set again by __call__ once the output exists
         object.__setattr__(self, "_cache", cache if is_grad_enabled() else None)
         if not is_grad_enabled():
             object.__setattr__(self, "_nograd_forward", True)
@@ -126,7 +134,25 @@ class Module:
                 "(backward releases the state, so each forward allows one backward)"
             )
         object.__setattr__(self, "_cache", None)
+        object.__setattr__(self, "_dy_spec", None)
         return cache
+
+    def _check_dy(self, dy, name: str = "dy"):
+        """Validate the upstream gradient *before* the forward state is taken (so a bad ``dy``
+        neither releases the state nor adds anything into ``.grad``).
+
+        ``RuntimeError`` when there is no forward state (as ``_pop``); ``TypeError`` for a
+        non-numeric ``dy``; ``ValueError("dy: expected shape <output shape> ..., got <shape>")``
+        for a wrongly shaped one.  Returns ``dy`` cast to the output's dtype.  When the module
+        was run as ``m.forward(...)`` instead of ``m(...)`` the output shape is unknown here and
+        ``dy`` is returned as it is (the functional backward still checks it).
+        """
+        if self._cache is None:
+            self._pop()  # raises the protocol's RuntimeError
+        spec = self.__dict__.get("_dy_spec")
+        if spec is None:
+            return dy
+        return check_grad(dy, spec[0], spec[1], name)
 
     @staticmethod
     def _accumulate(param: Parameter, grad) -> None:
@@ -168,6 +194,7 @@ class Module:
             p.zero_grad()
 
     def train(self, mode: bool = True):
+        mode = check_bool(mode, "mode")
         for m in self.modules():
             object.__setattr__(m, "training", bool(mode))
         return self
@@ -185,6 +212,7 @@ class Module:
         for m in self.modules():
             object.__setattr__(m, "_dtype", dt)
             object.__setattr__(m, "_cache", None)
+            object.__setattr__(m, "_dy_spec", None)
             for p in m._parameters.values():
                 p.data = p.data.astype(dt)
                 p.grad = p.grad.astype(dt)
@@ -223,8 +251,9 @@ class Module:
         ``strict=False`` missing and unexpected keys are allowed (and returned) but shapes are
         still checked.  Returns ``(missing_keys, unexpected_keys)``.
         """
-        if not hasattr(state_dict, "keys"):
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        strict = check_bool(strict, "strict")
         entries = {key: (owner, name, is_param) for key, owner, name, is_param in self._state_entries()}
         missing = [k for k in entries if k not in state_dict]
         unexpected = [k for k in state_dict.keys() if k not in entries]

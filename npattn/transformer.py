@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import as_float, as_rng, check_bool, check_dtype, check_grad, check_prob, check_size
+from ._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
 from .attention import MultiHeadAttention
 from .layers import Dropout, FeedForward, LayerNorm
 from .module import Module
@@ -60,7 +60,8 @@ class EncoderBlock(Module):
         return y
 
     def backward(self, dy):
-        dy = check_grad(dy, self._pop(), self.dtype, "dy")  # the module's dtype end to end
+        dy = self._check_dy(dy)  # the output's shape and the module's dtype, checked before the state is taken
+        self._pop()
         if self.norm_first:
             dh = dy + self.layernorm2.backward(self.ffn.backward(self.dropout2.backward(dy)))
             return dh + self.layernorm1.backward(self.mha.backward(self.dropout1.backward(dh)))
