@@ -11,6 +11,9 @@ from ._erf import erf
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+# |x| beyond which GELU's correction terms are exactly 0 in float32 and float64 (tanh(u) = +-1,
+# exp(-x^2/2) = 0); clipping there keeps x^3 and x^2 from overflowing without changing a bit.
+_GELU_CLIP = 1e4
 
 
 def relu(x):
@@ -35,7 +38,8 @@ def gelu(x, approximate="none"):
     if approximate == "none":
         cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
         return x * cdf, (x, cdf, approximate)
-    t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
+    xc = np.clip(x, -_GELU_CLIP, _GELU_CLIP)  # x**3 would overflow (RuntimeWarning) for huge |x|
+    t = np.tanh(_SQRT_2_OVER_PI * (xc + 0.044715 * xc**3))
     return 0.5 * x * (1.0 + t), (x, t, approximate)
 
 
@@ -44,11 +48,12 @@ def gelu_backward(dout, cache):
     ``"tanh"``: ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``t = tanh(u)``."""
     x, aux, approximate = cache
     dy = check_grad(dout, x.shape, x.dtype)
+    xc = np.clip(x, -_GELU_CLIP, _GELU_CLIP)  # identical below the clip; no inf * 0 above it
     if approximate == "none":
-        return dy * (aux + x * (_INV_SQRT_2PI * np.exp(-0.5 * x * x)))
+        return dy * (aux + xc * (_INV_SQRT_2PI * np.exp(-0.5 * xc * xc)))
     t = aux
-    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * xc * xc)
+    return dy * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
 
 
 def softmax(x, axis=-1):

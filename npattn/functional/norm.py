@@ -9,12 +9,16 @@ from .._validate import as_float, check_grad, check_ndim, check_positive_float
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the last axis (biased variance).
 
+    A row of zero variance (a constant row) gives ``y = bias`` and finite gradients; with ``eps=0``
+    such a row would be ``0 / 0``: it is normalised to 0 instead of NaN (``y = bias``, ``dx = 0``).
     Returns ``(y, cache)``; the cache is ``(xhat, rstd, weight, has_bias)``.
     """
     x = as_float(x, "x")
     check_ndim(x, "x", 1, "(..., features)")
     eps = check_positive_float(eps, "eps", allow_zero=True)
     d = x.shape[-1]
+    if d < 1:
+        raise ValueError(f"x: expected at least 1 feature in the last dimension, got shape {x.shape}")
     if weight is not None:
         weight = as_float(weight, "weight", x.dtype)
         if weight.shape != (d,):
@@ -26,7 +30,10 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     mu = x.mean(axis=-1, keepdims=True)
     xc = x - mu
     var = np.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + eps)
+    std = np.sqrt(var + eps)
+    if eps == 0.0:
+        std[std == 0] = np.inf  # zero variance, no eps: rstd = 0, so xhat = 0 (not 0/0)
+    rstd = 1.0 / std
     xhat = xc * rstd
     y = xhat * weight if weight is not None else xhat.copy()
     if bias is not None:
