@@ -123,20 +123,31 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
     closure instead of its argument) and restored exactly afterwards.  Costs ``2 * x.size``
     calls of ``f``; the error is ``O(eps^2)`` truncation plus ``O(|f| * 1e-16 / eps)`` rounding.
     """
+    if not callable(f):
+        raise TypeError(f"f: expected a function of x returning a scalar, got {type(f).__name__}")
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
         raise TypeError(f"x: expected a float ndarray, got {type(x).__name__}"
                         + (f" of dtype {x.dtype}" if isinstance(x, np.ndarray) else ""))
     if not x.flags.writeable:
         raise ValueError("x: expected a writable array (it is perturbed in place and restored)")
+    _check_tolerances(eps, 1.0, 0.0)
+
+    def scalar(value):
+        if np.ndim(value) != 0:
+            raise TypeError(f"f: expected a scalar result, got an array of shape {np.shape(value)}")
+        return float(value)
+
     grad = np.zeros(x.shape, dtype=np.float64)
     flat_grad = grad.reshape(-1)
     for i, idx in enumerate(np.ndindex(x.shape)):
         orig = x[idx]
-        x[idx] = orig + eps
-        fp = float(f(x))
-        x[idx] = orig - eps
-        fm = float(f(x))
-        x[idx] = orig
+        try:
+            x[idx] = orig + eps
+            fp = scalar(f(x))
+            x[idx] = orig - eps
+            fm = scalar(f(x))
+        finally:  # x is restored even when f raises
+            x[idx] = orig
         flat_grad[i] = (fp - fm) / (2.0 * eps)
     return grad
 
@@ -249,8 +260,10 @@ def _objective(out, g) -> float:
 
 def _check_tolerances(eps, rtol, atol):
     for name, value, zero_ok in (("eps", eps, False), ("rtol", rtol, False), ("atol", atol, True)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                or value < 0 or (value == 0 and not zero_ok):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, "
+                            f"got {value!r} ({type(value).__name__})")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise ValueError(f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
@@ -286,7 +299,11 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, **forward
     followed by the dotted parameter names.  Returns a :class:`GradcheckReport`.
     """
     _check_tolerances(eps, rtol, atol)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+    if not inputs:
+        raise ValueError("inputs: expected at least one positional input to check, got none")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a non-negative integer, got {seed!r} ({type(seed).__name__})")
+    if seed < 0:
         raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
     if isinstance(target, type):
         raise TypeError(f"target: expected a forward function, a (forward, backward) pair or a Module "

@@ -139,6 +139,11 @@ class Optimizer:
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
+            if not isinstance(p.grad, np.ndarray) or p.grad.dtype.kind != "f":
+                got = f"dtype {p.grad.dtype}" if isinstance(p.grad, np.ndarray) else type(p.grad).__name__
+                raise TypeError(
+                    f"{type(self).__name__}.step: parameter {i} has a grad that is not a float array, got {got}"
+                )
             if p.grad.shape != p.data.shape:
                 raise ValueError(
                     f"{type(self).__name__}.step: parameter {i} has data shape {p.data.shape} "
@@ -410,10 +415,19 @@ def clip_grad_norm_(params, max_norm, eps: float = 1e-6, error_if_nonfinite: boo
     if not grads:
         return 0.0
     sq = 0.0
-    for g in grads:
-        flat = g.reshape(-1).astype(np.float64, copy=False)
-        sq += float(np.dot(flat, flat))
+    with np.errstate(over="ignore"):
+        for g in grads:
+            flat = g.reshape(-1).astype(np.float64, copy=False)
+            sq += float(np.dot(flat, flat))
     total = math.sqrt(sq)
+    if math.isinf(total) and all(np.isfinite(g).all() for g in grads):
+        # finite gradients whose squares overflow (|g| ~ 1e154 and up): the same norm, rescaled
+        amax = max(float(np.abs(g).max(initial=0.0)) for g in grads)
+        sq = 0.0
+        for g in grads:
+            flat = g.reshape(-1).astype(np.float64, copy=False) / amax
+            sq += float(np.dot(flat, flat))
+        total = amax * math.sqrt(sq)
     if not math.isfinite(total):
         if error_if_nonfinite:
             raise RuntimeError(
