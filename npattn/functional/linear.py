@@ -1,6 +1,8 @@
 """Affine maps and lookups: ``linear`` and ``embedding``."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._validate import as_float, as_index, check_grad, check_ndim
@@ -37,8 +39,9 @@ def linear_backward(dout, cache):
     x, weight, has_bias = cache
     dy = check_grad(dout, x.shape[:-1] + (weight.shape[0],), x.dtype)
     dx = dy @ weight
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    dweight = dy2.T @ x.reshape(-1, x.shape[-1])
+    n = math.prod(x.shape[:-1])  # not reshape(-1, ...): that fails when a feature size is 0
+    dy2 = dy.reshape(n, dy.shape[-1])
+    dweight = dy2.T @ x.reshape(n, x.shape[-1])
     dbias = dy2.sum(axis=0) if has_bias else None
     return dx, dweight, dbias
 
