@@ -16,9 +16,7 @@ from hypothesis import strategies as st
 
 import npattn
 import npattn.functional as F
-from _hardening import cache_arrays
-from npattn import book
-from npattn.models import TinyTransformer
+from _hardening import MODULES, cache_arrays, build_case, walk_arrays
 
 SEEDS = st.integers(0, 2**32 - 1)
 MHA, ENC = npattn.MultiHeadAttention, npattn.EncoderBlock
@@ -32,55 +30,12 @@ def _tuple(g):
     return g if isinstance(g, tuple) else (g,)
 
 
-# name -> (factory(dtype), inputs(rng, dtype), forward kwargs(rng))
-def _x(*shape):
-    return lambda rng, dt: (rng.standard_normal(shape).astype(dt),)
-
-
-MODULES = {
-    "Linear": (lambda dt: npattn.Linear(6, 4, rng=0, dtype=dt), _x(2, 5, 6), None),
-    "LayerNorm": (lambda dt: npattn.LayerNorm(6, dtype=dt), _x(2, 5, 6), None),
-    "Dropout": (lambda dt: npattn.Dropout(0.4, rng=0), _x(2, 5, 6), None),
-    "Embedding": (lambda dt: npattn.Embedding(7, 6, rng=0, dtype=dt),
-                  lambda rng, dt: (rng.integers(0, 7, (2, 5)),), None),
-    "FeedForward": (lambda dt: npattn.FeedForward(6, 10, activation="gelu_tanh", dropout=0.2, rng=0, dtype=dt),
-                    _x(2, 5, 6), None),
-    "MHA": (lambda dt: MHA(6, 8, 2, dropout=0.3, qkv_bias=True, rng=0, dtype=dt), _x(2, 5, 6),
-            lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3)),
-    "MHA-causal-gqa": (lambda dt: MHA(6, 8, 4, num_kv_heads=2, causal=True, rng=0, dtype=dt), _x(2, 5, 6),
-                       lambda rng: dict(attn_mask=rng.random((2, 1, 5, 5)) < 0.8)),
-    "MHA-cross": (lambda dt: MHA(6, 8, 2, kdim=3, vdim=4, rng=0, dtype=dt),
-                  lambda rng, dt: tuple(rng.standard_normal(s).astype(dt) for s in ((2, 5, 6), (2, 7, 3), (2, 7, 4))),
-                  lambda rng: dict(key_padding_mask=rng.standard_normal((2, 7)))),
-    "MHA-memeff": (lambda dt: MHA(6, 8, 2, num_kv_heads=1, causal=True, memory_efficient=True, rng=0, dtype=dt),
-                   _x(2, 5, 6), lambda rng: dict(attn_mask=rng.standard_normal((5, 5)),
-                                                 key_padding_mask=rng.random((2, 5)) < 0.3)),
-    "EncoderBlock": (lambda dt: ENC(6, 2, 10, dropout=0.2, rng=0, dtype=dt), _x(2, 5, 6),
-                     lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3)),
-    "EncoderBlock-prenorm": (lambda dt: ENC(6, 2, 10, norm_first=True, causal=True, activation="gelu", dropout=0.2,
-                                            rng=0, dtype=dt), _x(2, 5, 6), None),
-    "SelfAttention_v1": (lambda dt: book.SelfAttention_v1(6, 4, rng=0, dtype=dt), _x(5, 6), None),
-    "SelfAttention_v2": (lambda dt: book.SelfAttention_v2(6, 4, qkv_bias=True, rng=0, dtype=dt), _x(2, 5, 6), None),
-    "CausalAttention": (lambda dt: book.CausalAttention(6, 4, 8, 0.3, rng=0, dtype=dt), _x(2, 5, 6), None),
-    "Wrapper": (lambda dt: book.MultiHeadAttentionWrapper(6, 4, 8, 0.3, 2, rng=0, dtype=dt), _x(2, 5, 6), None),
-    "BookMHA": (lambda dt: book.MultiHeadAttention(6, 8, 8, 0.3, 2, rng=0, dtype=dt), _x(2, 5, 6), None),
-    "TinyTransformer": (lambda dt: TinyTransformer(7, 8, 8, 2, 2, 12, dropout=0.2, rng=0, dtype=dt),
-                        lambda rng, dt: (rng.integers(0, 7, (2, 5)),), None),
-}
-
-
-def _setup(name, seed, dtype=np.float64):
-    make, inputs, kwargs = MODULES[name]
-    rng = np.random.default_rng(seed)
-    return make(dtype), inputs(rng, dtype), ({} if kwargs is None else kwargs(rng))
-
-
 # ----------------------------------------------------------------------------------- no mutation
 @pytest.mark.parametrize("name", sorted(MODULES))
 @settings(max_examples=8)
 @given(seed=SEEDS, read_only=st.booleans())
 def test_modules_never_modify_inputs_masks_or_dy(name, seed, read_only):
-    m, inputs, kw = _setup(name, seed)
+    m, inputs, kw = build_case(name, seed)
     given_arrays = list(inputs) + [v for v in kw.values() if isinstance(v, np.ndarray)]
     copies = [a.copy() for a in given_arrays]
     for a in given_arrays:
@@ -269,7 +224,7 @@ def test_layer_norm_constant_rows(dtype, eps):
 # ----------------------------------------------------------------------------------- float32 end to end
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_float32_modules_stay_float32_caches_included(name):
-    m, inputs, kw = _setup(name, 5, np.float32)
+    m, inputs, kw = build_case(name, 5, np.float32)
     kw = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v)
           for k, v in kw.items()}  # float64 masks must not drag a float32 module to float64
     y = _first(m(*inputs, **kw))
@@ -301,7 +256,6 @@ def test_float32_functional_ops_keep_float32_in_their_caches():
     ]
     for out, cache in calls:
         assert np.asarray(out).dtype == f
-        from _hardening import walk_arrays
         wide = [(p, a.dtype) for p, a in walk_arrays(cache) if a.dtype.kind == "f" and a.dtype != f]
         assert not wide, wide
 
@@ -366,7 +320,7 @@ def test_non_contiguous_inputs_give_the_contiguous_results(op):
 @pytest.mark.parametrize("name", ["Linear", "LayerNorm", "FeedForward", "MHA-causal-gqa", "MHA-memeff",
                                   "EncoderBlock-prenorm", "BookMHA"])
 def test_modules_non_contiguous_inputs(name):
-    m, inputs, kw = _setup(name, 8)
+    m, inputs, kw = build_case(name, 8)
     m.eval()
     (x,) = inputs
     y = m(x, **kw)
