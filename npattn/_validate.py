@@ -30,7 +30,9 @@ def to_numpy(x, name: str = None):
     except Exception as e:
         if name is None:
             raise
-        raise TypeError(f"{name}: expected an array-like, got {type(x).__name__} that numpy cannot convert ({e})") from None
+        raise TypeError(
+            f"{name}: expected an array-like, got {type(x).__name__} that numpy cannot convert ({e})"
+        ) from None
 
 
 def as_float(x, name: str, dtype=None) -> np.ndarray:
