@@ -13,21 +13,21 @@ from .._validate import as_float, as_rng, check_bool, check_grad, check_mask, ch
 class AttentionCache(NamedTuple):
     """What ``scaled_dot_product_attention_backward`` needs.
 
-    The probabilities are kept *unnormalised*, one row block at a time (see ``_row_blocks``):
-    ``blocks[i]`` is ``E = exp(S - rowmax)`` for the query rows ``rows[i]`` (in the grouped layout,
-    ``(..., Hk, G*Lq, Lk)``) and the keys ``0..cols[i]-1``, every key those rows may see; the
-    softmax is ``P = E / l`` with ``l`` the row sums, kept as ``inv_l = 1 / l``.  ``keep`` is
-    dropout's keep-mask ``(..., Hq, Lq, Lk)`` (None without dropout) and ``drop_scale`` its ``1/(1-p)``.
-    ``weights`` assembles the full softmax probabilities ``(..., Hq, Lq, Lk)`` (before dropout).
+    Everything is in the grouped layout ``(..., Hk, G*Lq, ...)`` (``G`` query heads per kv head,
+    1 without grouped-query attention).  The probabilities are kept *unnormalised* and by blocks
+    of query rows (see ``_row_blocks``): ``e[i] = exp(S - rowmax)`` for the rows ``blocks[i][0]``
+    and the keys ``0..blocks[i][1]-1``, all those rows may see; the softmax is ``P = e / l`` with
+    ``l`` the row sums, kept as ``inv_l = 1 / l``.  ``keep`` is dropout's keep-mask
+    ``(..., Hq, Lq, Lk)`` (None without dropout) and ``drop_scale`` its ``1/(1-p)``.
+    ``weights`` assembles the softmax probabilities ``(..., Hq, Lq, Lk)`` (before dropout).
     """
 
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    rows: tuple
-    cols: tuple
-    blocks: tuple
+    e: tuple
     inv_l: np.ndarray
+    blocks: tuple
     keep: Optional[np.ndarray]
     drop_scale: float
     scale: float
@@ -36,12 +36,11 @@ class AttentionCache(NamedTuple):
     @property
     def weights(self):
         """``P = softmax(S)``, ``(..., Hq, Lq, Lk)``: zero where a query may not attend."""
-        q, k = self.q, self.k
-        lk = k.shape[-2]
-        p = np.zeros(_grouped_shape(q.shape[:-1] + (lk,), self.groups), dtype=q.dtype)
-        for rows, c1, e in zip(self.rows, self.cols, self.blocks):
+        score_shape = self.q.shape[:-1] + (self.k.shape[-2],)
+        p = np.zeros(_grouped_shape(score_shape, self.groups), dtype=self.q.dtype)
+        for (rows, c1, _), e in zip(self.blocks, self.e):
             np.multiply(e, self.inv_l[..., rows, :], out=p[..., rows, :c1])
-        return _ungrouped(p, self.groups, q.shape[:-1] + (lk,))
+        return _ungrouped(p, self.groups, score_shape)
 
 
 def _check_qkv(q, k, v, enable_gqa):
@@ -94,49 +93,48 @@ def _ungrouped(x, groups, full_shape):
 
 
 # -- blocked causal attention ----------------------------------------------------------------------
-# With ``is_causal`` the rows of a block of queries ``r0..r1-1`` see the keys ``0..r1-1`` only, so
-# the scores are computed one block of query rows at a time, each only as wide as the keys its
-# rows may see: the blocks above the diagonal (almost half of ``q k^T`` and of ``P v`` and of the
-# four backward products) are never computed, never exponentiated and never stored.  Without
-# ``is_causal`` a single block holds every row and every key.  The block height trades the work
-# wasted on the masked half of each diagonal block against per-call overhead; measured on the
-# GPT-2-small block (b=8, h=12, L=256, E=64) and at L=1024, 2 cores, OpenBLAS:
+# With ``is_causal`` query ``i`` sees keys ``0..i``, so the rows of a block of queries ``r0..r1-1``
+# need the keys ``0..r1-1`` only.  The scores are therefore formed one block of query rows at a
+# time, each only as wide as the keys its rows may see (``_row_blocks``): the blocks above the
+# diagonal (almost half of ``q k^T``, ``P v`` and the four backward products) are never computed,
+# exponentiated or stored.  Without ``is_causal`` there is one block of every row and key.
+# Each block is its own compact array: its elementwise passes (max, exp, sum, ...) run on memory
+# that is contiguous and, block after block, reused.  The block height trades the work wasted on
+# the masked half of the diagonal blocks against per-call overhead; fastest on the GPT-2-small
+# block (b=8, h=12, L=256, E=64) and at L=1024 (1 core, median CPU time of fwd+bwd, ms, float32):
+#
+#     height          32     64    128    256    (one block: no skipping, old code)
+#     L=256         59.1   54.8   57.1   72.0    95.5
+#     L=1024       159.8  141.6  138.8  149.6   291.9
 _CAUSAL_BLOCK = 64
-_CAUSAL_BLOCK_LONG = 128   # from this many queries on
+_CAUSAL_BLOCK_LONG = 128   # from _LONG queries on
 _LONG = 1024
 
 
-def _row_blocks(lq, lk, groups, causal, block=None):
-    """``[(rows, c1, r0), ...]``: the query rows of each block in the grouped layout (a slice of
-    ``G*Lq`` rows that never straddles two query heads), the number of keys ``c1`` they may see,
-    and ``r0``, the block's first query position.  Causal: query ``i`` sees keys ``0..i``."""
+def _block_height(lq, causal):
+    """Query rows per causal block (None: not causal, a single block)."""
     if not causal:
+        return None
+    return _CAUSAL_BLOCK_LONG if lq >= _LONG else _CAUSAL_BLOCK
+
+
+def _row_blocks(lq, lk, groups, height):
+    """``[(rows, c1, r0), ...]``: the rows of each query block in the grouped layout (a slice of
+    the ``G*Lq`` rows that never straddles two query heads), the number ``c1`` of keys they may
+    see (keys ``0..c1-1``) and the block's first query position ``r0``."""
+    if height is None:
         return [(slice(g * lq, (g + 1) * lq), lk, 0) for g in range(groups)] if lq else []
-    if block is None:
-        block = _CAUSAL_BLOCK_LONG if lq >= _LONG else _CAUSAL_BLOCK
-    out = []
-    for g in range(groups):
-        for r0 in range(0, lq, block):
-            r1 = min(r0 + block, lq)
-            out.append((slice(g * lq + r0, g * lq + r1), min(r1, lk), r0))
-    return out
+    return [(slice(g * lq + r0, g * lq + min(r0 + height, lq)), min(r0 + height, lq, lk), r0)
+            for g in range(groups) for r0 in range(0, lq, height)]
 
 
-def _heads_last_empty(shape, dtype, zero=False):
+def _heads_last_empty(shape, dtype):
     """An array of ``shape (..., H, L, D)`` laid out in memory as ``(..., L, H, D)``: merging the
-    heads back into features (``swapaxes(-2, -3)`` then ``reshape``) is then free, as in
-    ``MultiHeadAttention``.  (Each ``(L, D)`` matrix is still a BLAS operand: rows are strided.)"""
-    alloc = np.zeros if zero else np.empty
+    heads back into features (``swapaxes(-2, -3)`` then ``reshape``), as ``MultiHeadAttention``
+    does, is then free.  (Each ``(L, D)`` matrix is still a BLAS operand: its rows are strided.)"""
     if len(shape) < 3:
-        return alloc(shape, dtype)
-    return alloc(tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
-
-
-def _mask_rows(mask, groups, g, rows_in_head, c1):
-    """The block ``[g, rows, :c1]`` of a mask broadcast to ``(..., Hq, Lq, Lk)``, in the grouped layout."""
-    if groups == 1:
-        return mask[..., rows_in_head, :c1]
-    return mask[..., g, rows_in_head, :c1]
+        return np.empty(shape, dtype)
+    return np.empty(tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0,
@@ -154,12 +152,12 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     * ``enable_gqa``: ``Hq`` a multiple of ``Hk``; query head ``h`` uses kv head ``h // (Hq // Hk)``.
       Computed without copying k/v: query heads are grouped beside their kv head in one GEMM.
 
-    How (the same numbers as the textbook formula, computed with less work):
+    How (the textbook formula's numbers, with less work):
 
-    * the softmax of a row is ``P = E / l`` with ``E = exp(S - max S)`` and ``l = sum E``; the
-      output is ``out = (E v) / l``, so ``E`` is never divided (one pass over ``(Lq, Lk)`` saved);
-    * causal: the scores are formed block of query rows by block (``_row_blocks``), each block only
-      as wide as the keys its rows may see: the masked half of the matrices is skipped.
+    * the softmax of a row is ``P = E / l`` with ``E = exp(S - max S)`` and ``l = sum E``, so
+      ``out = (E v) / l``: the ``(Lq, Ev)`` output is divided, never the ``(Lq, Lk)`` matrix ``E``;
+    * causal: one block of query rows at a time, only as wide as the keys those rows may see
+      (``_row_blocks``): the masked half of the score matrix is skipped.
 
     The output is laid out in memory as ``(..., Lq, Hq, Ev)`` (a transposed view; see
     ``_heads_last_empty``).  Returns ``(out, AttentionCache)``.
@@ -184,39 +182,39 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
 
     # Everything below runs in the grouped layout (..., Hk, G*Lq, ...): one GEMM per kv head.
-    # Masks are viewed as (..., Hk, G, Lq, Lk) so that a block of grouped rows finds its part.
-    def split_groups(m):
+    # A mask broadcast to (..., Hq, Lq, Lk) is viewed as (..., Hk, G, Lq, Lk) (no copy), and the
+    # block of query rows r0..r1 of group g is then mask[..., g, r0:r1, :c1].
+    def mask_view(m):
         m = np.broadcast_to(m, score_shape)
         return m if groups == 1 else m.reshape(score_shape[:-3] + (k.shape[-3], groups) + score_shape[-2:])
 
-    blocked = None if attn_mask is None or attn_mask.dtype != bool else split_groups(~attn_mask)
-    additive = None if attn_mask is None or attn_mask.dtype == bool else split_groups(attn_mask)
-    keep_g = None if keep is None else split_groups(keep)
+    def mask_block(m, rows, c1, r0):
+        r1 = r0 + rows.stop - rows.start
+        return m[..., r0:r1, :c1] if groups == 1 else m[..., rows.start // lq, r0:r1, :c1]
+
+    hidden = None if attn_mask is None or attn_mask.dtype != bool else mask_view(~attn_mask)
+    additive = None if attn_mask is None or attn_mask.dtype == bool else mask_view(attn_mask)
+    keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
     qs = _grouped(q * scale, groups)
     kt = k.swapaxes(-1, -2)
     out_shape = q.shape[:-1] + (v.shape[-1],)
-    if groups == 1:
-        out = _heads_last_empty(out_shape, q.dtype)
-    else:
-        out = np.empty(_grouped_shape(out_shape, groups), q.dtype)
+    out = _heads_last_empty(out_shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(out_shape, groups), q.dtype)
     inv_l = np.empty(qs.shape[:-1] + (1,), q.dtype)
-    blocks = _row_blocks(lq, lk, groups, is_causal)
-    height = max((r.stop - r.start for r, _, _ in blocks), default=0)
-    # within a block: row a (query r0 + a) must not see column r0 + b when b > a
-    causal_above = np.triu(np.ones((height, height), dtype=bool), 1) if is_causal else None
+    height = _block_height(lq, is_causal)
+    blocks = _row_blocks(lq, lk, groups, height)
+    above = np.triu(np.ones((height, height), dtype=bool), 1) if is_causal else None  # key > query
 
-    rows_, cols_, blocks_ = [], [], []
+    e = []
     for rows, c1, r0 in blocks:
-        g, r1 = rows.start // lq if lq else 0, r0 + (rows.stop - rows.start)
-        in_head = slice(r0, r1)
-        # scores of this block: s = (q * scale) k^T over the keys 0..c1-1 its rows may see
+        n = rows.stop - rows.start
+        # scores of the block: s = (q * scale) k^T over the keys 0..c1-1 its rows may see
         s = qs[..., rows, :] @ kt[..., :, :c1]
-        if is_causal and r0 + 1 < c1:  # the diagonal part: key j > query i is in the future
-            np.copyto(s[..., :, r0:c1], -np.inf, where=causal_above[: r1 - r0, : c1 - r0])
-        if blocked is not None:
-            np.copyto(s, -np.inf, where=_mask_rows(blocked, groups, g, in_head, c1))
+        if is_causal and r0 + 1 < c1:  # the diagonal part: row a (query r0 + a) hides keys r0 + b, b > a
+            np.copyto(s[..., :, r0:c1], -np.inf, where=above[:n, :c1 - r0])
+        if hidden is not None:
+            np.copyto(s, -np.inf, where=mask_block(hidden, rows, c1, r0))
         if additive is not None:
-            s += _mask_rows(additive, groups, g, in_head, c1)
+            s += mask_block(additive, rows, c1, r0)
         # E = exp(s - rowmax), in place; rows with no visible key (max = -inf) end up all zero
         m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
         m[~np.isfinite(m)] = 0.0
@@ -227,17 +225,12 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         il = inv_l[..., rows, :]
         np.divide(1.0, total, out=il)
         # out = P' v = (E [* keep]) v / l [/ (1-p)]
-        e_used = s if keep_g is None else s * _mask_rows(keep_g, groups, g, in_head, c1)
         o = out[..., rows, :]
-        np.matmul(e_used, v[..., :c1, :], out=o)
+        np.matmul(s if keep_g is None else s * keep_g[..., rows, :c1], v[..., :c1, :], out=o)
         o *= il if keep is None else il * drop_scale
-        rows_.append(rows)
-        cols_.append(c1)
-        blocks_.append(s)
+        e.append(s)
     out = _ungrouped(out, groups, out_shape)
-    cache = AttentionCache(q, k, v, tuple(rows_), tuple(cols_), tuple(blocks_), inv_l, keep, drop_scale,
-                           scale, groups)
-    return out, cache
+    return out, AttentionCache(q, k, v, tuple(e), inv_l, tuple(blocks), keep, drop_scale, scale, groups)
 
 
 def scaled_dot_product_attention_backward(dout, cache, *, out=None):
@@ -250,57 +243,66 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
 
     How, with the cache's unnormalised ``E`` (``P = E / l``, see the forward):
 
-    * the row sums ``D_i = sum_j dP_ij P_ij = (sum_j dP_ij E_ij) / l_i`` in one ``einsum`` pass (not
-      ``dout_i . out_i``, FlashAttention's shortcut: equal in exact arithmetic, but it rounds
-      differently and would turn the exact zero gradient of a row that sees a single key into 1e-16);
-    * ``dS = (E * (dP - D)) / l``: the row factor ``1/l`` goes onto ``dout`` for ``dv``, onto the
-      rows of ``dq`` and onto the rows of ``q`` for ``dk``, never onto an ``(Lq, Lk)`` array;
-    * causal: the same row blocks as the forward; ``dk`` and ``dv`` add up the blocks' parts.
+    * the row sums ``D_i = sum_j dP_ij P_ij = (sum_j dP_ij E_ij) / l_i``, one ``einsum`` pass (not
+      FlashAttention's ``dout_i . out_i``: equal in exact arithmetic, but rounded differently it
+      would turn the exact zero gradient of a row that sees a single key into 1e-16);
+    * ``dS = (E * (dP - D)) / l``: the row factor ``1/l`` goes onto the rows of ``dq``, of
+      ``dout`` (for ``dv``) and of ``q`` (for ``dk``), never onto an ``(Lq, Lk)`` array;
+    * causal: the forward's row blocks, last (widest) first: its ``dk``, ``dv`` parts cover every
+      key and are written, the narrower blocks' parts are added to them.
 
     With grouped-query heads the products run in the grouped layout, which sums each kv head's
     gradient over the query heads that share it.  ``out``: optional ``(dq, dk, dv)`` arrays of the
     right shapes and dtype to write the gradients into (e.g. views of one fused buffer).
     Returns ``(dq, dk, dv)``.
     """
-    q, k, v, rows_, cols_, blocks_, inv_l, keep, drop_scale, scale, groups = cache
+    q, k, v, e_blocks, inv_l, blocks, keep, drop_scale, scale, groups = cache
     dout = check_grad(dout, q.shape[:-1] + (v.shape[-1],), q.dtype)
-    lq = q.shape[-2]
     dog = _grouped(dout, groups)
-    do_l = dog * (inv_l * drop_scale)  # dout / l [/(1-p)]: dv = E'^T (dout / l)
-    q_l = _grouped(q, groups) * (inv_l * scale)  # scale * q / l: dk = (E * (dP - D))^T (scale q / l)
+    keep_g = None if keep is None else _grouped(keep, groups)
     if out is not None and groups == 1:
-        dq, dk, dv = out
-        dk[...] = 0
-        dv[...] = 0
+        dq = out[0]
     else:
-        dq = np.empty(_grouped_shape(q.shape, groups), q.dtype) if groups > 1 else _heads_last_empty(q.shape, q.dtype)
-        dk = _heads_last_empty(k.shape, k.dtype, zero=True)
-        dv = _heads_last_empty(v.shape, v.dtype, zero=True)
-    keep_g = None
-    if keep is not None:
-        keep_g = keep if groups == 1 else keep.reshape(keep.shape[:-3] + (k.shape[-3], groups) + keep.shape[-2:])
+        dq = _heads_last_empty(q.shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(q.shape, groups), q.dtype)
+    # dk and dv add up the blocks' parts, in contiguous arrays (adding into strided memory is
+    # slower); the widest block comes first and is written, the others are added to it
+    order = sorted(range(len(blocks)), key=lambda i: -blocks[i][1])
+    widest = blocks[order[0]][1] if blocks else 0
+    dk, dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+    dk[..., widest:, :] = 0  # keys no query may see
+    dv[..., widest:, :] = 0
+    do_l = dog * (inv_l * drop_scale)  # dv = E'^T (dout / l [/(1-p)])
+    q_l = _grouped(q, groups) * (inv_l * scale)  # dk = (l dS)^T (scale q / l)
     vt = v.swapaxes(-1, -2)
-    for rows, c1, e in zip(rows_, cols_, blocks_):
-        r0 = rows.start % lq if lq else 0
-        kb = None if keep_g is None else _mask_rows(keep_g, groups, rows.start // lq, slice(r0, r0 + e.shape[-2]), c1)
-        # dv += (E [* keep])^T (dout / l [/(1-p)])
-        e_used = e if kb is None else e * kb
-        dv[..., :c1, :] += e_used.swapaxes(-1, -2) @ do_l[..., rows, :]
-        # dP' = dout v^T; through dropout; dS * l = E * (dP - D)
+    for n, i in enumerate(order):
+        (rows, c1, _), e = blocks[i], e_blocks[i]
+        kb = None if keep_g is None else keep_g[..., rows, :c1]
+        # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
+        _write_or_add((e if kb is None else e * kb).swapaxes(-1, -2), do_l[..., rows, :], dv[..., :c1, :], n > 0)
+        # dP' = dout v^T;  dP = dP' * keep / (1 - p);  l dS = E * (dP - D)
         ds = dog[..., rows, :] @ vt[..., :, :c1]
         if kb is not None:
             ds *= kb
             ds *= drop_scale
-        ds -= np.einsum("...ij,...ij->...i", ds, e)[..., None] * inv_l[..., rows, :]  # D = sum_j dP P
+        ds -= np.einsum("...ij,...ij->...i", ds, e)[..., None] * inv_l[..., rows, :]  # dP - D
         ds *= e
-        # dq = scale dS k = (scale / l) (E * (dP - D)) k;  dk += scale dS^T q = (E * (dP - D))^T (scale q / l)
+        # dq = scale dS k = (scale / l) (l dS) k;  dk = scale dS^T q = (l dS)^T (scale q / l)
         dq_rows = dq[..., rows, :]
         np.matmul(ds, k[..., :c1, :], out=dq_rows)
         dq_rows *= inv_l[..., rows, :] * scale
-        dk[..., :c1, :] += ds.swapaxes(-1, -2) @ q_l[..., rows, :]
+        _write_or_add(ds.swapaxes(-1, -2), q_l[..., rows, :], dk[..., :c1, :], n > 0)
     dq = _ungrouped(dq, groups, q.shape)
-    if out is not None and groups > 1:
-        for dst, src in zip(out, (dq, dk, dv)):
+    if out is None:
+        return dq, dk, dv
+    for dst, src in zip(out, (dq, dk, dv)):
+        if dst is not src:
             np.copyto(dst, src)
-        return tuple(out)
-    return dq, dk, dv
+    return tuple(out)
+
+
+def _write_or_add(a, b, acc, add):
+    """``acc += a @ b`` when ``add``, else ``acc[...] = a @ b`` (straight into ``acc``, no temporary)."""
+    if add:
+        acc += a @ b
+    else:
+        np.matmul(a, b, out=acc)
