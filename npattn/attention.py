@@ -190,12 +190,21 @@ class MultiHeadAttention(Module):
                 s = dkh.shape
                 dkh = dkh.reshape(s[:-3] + (self.num_kv_heads, groups) + s[-2:]).sum(axis=-3)
                 dvh = dvh.reshape(s[:-3] + (self.num_kv_heads, groups) + dvh.shape[-2:]).sum(axis=-3)
+        elif self_attn:
+            # the attention backward writes dq, dk, dv straight into one (..., L, d_q + 2 d_kv)
+            # buffer, the gradient of the fused q/k/v projection's output (no concatenate)
+            dq_, dkv = self.d_out, self.num_kv_heads * self.head_dim
+            dqkv = np.empty(dy.shape[:-1] + (dq_ + 2 * dkv,), dy.dtype)
+            views = (self._split(dqkv[..., :dq_], self.num_heads), self._split(dqkv[..., dq_:dq_ + dkv], self.num_kv_heads),
+                     self._split(dqkv[..., dq_ + dkv:], self.num_kv_heads))
+            F.scaled_dot_product_attention_backward(dctx, attn_cache, out=views)
         else:
             dqh, dkh, dvh = F.scaled_dot_product_attention_backward(dctx, attn_cache)
-        dq, dk, dv = self._merge(dqh), self._merge(dkh), self._merge(dvh)
         mods = (self.W_query, self.W_key, self.W_value)
         if self_attn:
-            dx, dW, db = F.linear_backward(np.concatenate([dq, dk, dv], axis=-1), proj_cache)
+            if self.memory_efficient:
+                dqkv = np.concatenate([self._merge(dqh), self._merge(dkh), self._merge(dvh)], axis=-1)
+            dx, dW, db = F.linear_backward(dqkv, proj_cache)
             splits = np.cumsum([m.out_features for m in mods])[:-1]
             for m, dw_i, db_i in zip(mods, np.split(dW, splits), np.split(db, splits) if db is not None else (None,) * 3):
                 self._accumulate(m.weight, dw_i)
@@ -203,7 +212,7 @@ class MultiHeadAttention(Module):
                     self._accumulate(m.bias, db_i)
             return dx
         grads = []
-        for m, d, c in zip(mods, (dq, dk, dv), proj_cache):
+        for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), proj_cache):
             dx_i, dw_i, db_i = F.linear_backward(d, c)
             self._accumulate(m.weight, dw_i)
             if m.bias is not None:
