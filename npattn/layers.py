@@ -117,6 +117,11 @@ class Dropout(Module):
     def backward(self, dy):
         return F.dropout_backward(self._check_dy(dy), self._pop())
 
+    @property
+    def active(self):
+        """True when ``forward`` changes anything (training mode and ``p > 0``)."""
+        return self.training and self.p > 0.0
+
     def extra_repr(self):
         return f"p={self.p}"
 
@@ -176,13 +181,16 @@ class FeedForward(Module):
     def forward(self, x):
         act, _, kwargs = _ACTIVATIONS[self.activation]
         h, cache = act(self.linear1(x), **kwargs)
-        self._save(cache)
-        return self.linear2(self.dropout(h))
+        drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
+        self._save((cache, drop))
+        return self.linear2(self.dropout(h) if drop else h)
 
     def backward(self, dy):
         dy = self._check_dy(dy)
-        cache = self._pop()
-        dh = self.dropout.backward(self.linear2.backward(dy))
+        cache, drop = self._pop()
+        dh = self.linear2.backward(dy)
+        if drop:
+            dh = self.dropout.backward(dh)
         return self.linear1.backward(_ACTIVATIONS[self.activation][1](dh, cache))
 
     def extra_repr(self):

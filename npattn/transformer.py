@@ -50,22 +50,32 @@ class EncoderBlock(Module):
         if x.ndim < 2 or x.shape[-1] != d:
             raise ValueError(f"x: expected shape (..., L, {d}) (d_model={d}), got {x.shape}")
         mha_kwargs = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+        # an inactive dropout (p = 0 or eval) is the identity: skipped, with its copies each way
+        drop = (self.dropout1.active, self.dropout2.active)
+        d1 = self.dropout1 if drop[0] else _identity
+        d2 = self.dropout2 if drop[1] else _identity
         if self.norm_first:
-            h = x + self.dropout1(self.mha(self.layernorm1(x), **mha_kwargs))
-            y = h + self.dropout2(self.ffn(self.layernorm2(h)))
+            h = x + d1(self.mha(self.layernorm1(x), **mha_kwargs))
+            y = h + d2(self.ffn(self.layernorm2(h)))
         else:
-            h = self.layernorm1(x + self.dropout1(self.mha(x, **mha_kwargs)))
-            y = self.layernorm2(h + self.dropout2(self.ffn(h)))
-        self._save(y.shape)  # the sublayers keep their own state
+            h = self.layernorm1(x + d1(self.mha(x, **mha_kwargs)))
+            y = self.layernorm2(h + d2(self.ffn(h)))
+        self._save((y.shape, drop))  # the sublayers keep their own state
         return y
 
     def backward(self, dy):
         dy = self._check_dy(dy)  # the output's shape and the module's dtype, checked before the state is taken
-        self._pop()
+        _, drop = self._pop()
+        d1 = self.dropout1.backward if drop[0] else _identity
+        d2 = self.dropout2.backward if drop[1] else _identity
         if self.norm_first:
-            dh = dy + self.layernorm2.backward(self.ffn.backward(self.dropout2.backward(dy)))
-            return dh + self.layernorm1.backward(self.mha.backward(self.dropout1.backward(dh)))
+            dh = dy + self.layernorm2.backward(self.ffn.backward(d2(dy)))
+            return dh + self.layernorm1.backward(self.mha.backward(d1(dh)))
         ds = self.layernorm2.backward(dy)
-        dh = ds + self.ffn.backward(self.dropout2.backward(ds))
+        dh = ds + self.ffn.backward(d2(ds))
         dr = self.layernorm1.backward(dh)
-        return dr + self.mha.backward(self.dropout1.backward(dr))
+        return dr + self.mha.backward(d1(dr))
+
+
+def _identity(x):
+    return x
