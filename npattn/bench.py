@@ -1,0 +1,607 @@
+"""``npattn bench``: forward+backward timings of the main layers, against torch in the same run.
+
+What is timed, each time one forward and one backward producing the input gradient and every
+parameter gradient (the median of several runs, npattn and torch interleaved, after warm-up):
+
+* ``sdpa``: ``scaled_dot_product_attention`` on ``(b, h, L, E)`` q, k, v, causal; torch's
+  ``F.scaled_dot_product_attention(..., is_causal=True)``.
+* ``mha``: ``MultiHeadAttention(d, d, h, causal=True)``; torch's fastest eager equivalent, one
+  fused ``nn.Linear`` for q, k, v (bias-free, as npattn's default), ``F.scaled_dot_product_attention``
+  with ``is_causal=True`` and an ``nn.Linear`` output projection, with the same weights.
+* ``encoder``: ``EncoderBlock(d, h, 4d, dropout=0, causal=True, qkv_bias=True)`` (post-norm, ReLU);
+  torch's ``nn.TransformerEncoderLayer(batch_first=True, dropout=0)`` with a causal mask.
+
+Sizes: a small one, GPT-2-small's block (batch 8, seq 256, d_model 768, 12 heads) and MHA at
+batch 2, seq 1024, each in float32 and float64.  ``--quick`` keeps small sizes only.
+
+FLOP rates count the *useful* multiply-adds of the GEMMs (2 FLOPs each): a causal attention
+counts only the ``L(L+1)/2`` visible (query, key) pairs, as FlashAttention's papers do, and a
+backward counts twice its forward.  They are compared with numpy's own GEMM rate measured in the
+same run (a ``2048 x 2048`` matmul; the best of several), the ceiling of anything built on it.
+
+``--memory``: peak resident memory of one forward+backward of ``scaled_dot_product_attention``
+against ``memory_efficient_attention`` (b=1, h=12, E=64, float32, causal) for several sequence
+lengths, each in a fresh subprocess (``ru_maxrss``), minus that process's resident size just
+before the call (after numpy, npattn and the inputs are loaded).
+
+Environment: some machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2
+kernels on a CPU that has AVX-512) and ``OPENBLAS_L2_SIZE``, which slow numpy's GEMM.  When they
+are set, ``main`` first measures numpy's GEMM peak with and without them (fresh subprocesses) and,
+only when it is faster without, runs the whole benchmark in a subprocess without them; the report
+says which, with both peaks, and names the OpenBLAS kernel in use (via ``threadpoolctl`` when
+installed).  ``--quick`` and ``NPATTN_BENCH_KEEP_ENV=1`` leave the environment alone.  torch
+links its own MKL and is not affected by these variables.
+
+The machine's load matters (two cores shared with anything else that runs): the report gives
+the load average and the idle fraction measured just before the run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
+           "machine_info", "probe_openblas_env", "format_table"]
+
+_TORCH = None
+
+
+def _torch():
+    """torch (with 2 threads, as numpy's OpenBLAS here), or None when it is not importable."""
+    global _TORCH
+    if _TORCH is None:
+        try:
+            import torch
+        except Exception:  # pragma: no cover - torch is optional
+            _TORCH = False
+        else:
+            torch.set_num_threads(int(os.environ.get("NPATTN_BENCH_THREADS", "2")))
+            _TORCH = torch
+    return _TORCH or None
+
+
+# -- timing ----------------------------------------------------------------------------------------
+# Pause before each timed call: OpenBLAS's idle threads spin (yielding) for about 0.1 s after a
+# GEMM and libgomp's (torch's) briefly too; without the pause one library's spinning threads
+# would steal a core from the other's next run.
+PAUSE = 0.12
+
+
+def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE):
+    """Median wall time in seconds of each zero-argument callable in ``fns`` (a dict).
+
+    After ``warmup`` calls of each, the callables run in turn ``repeats`` times (interleaved, so
+    that a slow spell of the machine hits all of them alike), each after ``pause`` seconds idle."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def gemm_peak(dtype, n=2048, repeats=5):
+    """numpy's GEMM rate in GFLOP/s: the best of ``repeats`` ``(n, n) @ (n, n)`` into a buffer."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    c = np.empty((n, n), dtype)
+    np.matmul(a, b, out=c)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best / 1e9
+
+
+# -- FLOP counts (useful multiply-adds x 2; backward = 2 x forward) ---------------------------------
+def _attention_flops(b, h, lq, lk, e, ev, causal):
+    pairs = sum(min(i + 1, lk) for i in range(lq)) if causal else lq * lk
+    return 3 * 2 * b * h * pairs * (e + ev)
+
+
+def _mha_flops(b, L, d, h, causal):
+    n = b * L
+    projections = 2 * n * d * 3 * d + 2 * n * d * d
+    return 3 * projections + _attention_flops(b, h, L, L, d // h, d // h, causal)
+
+
+def _encoder_flops(b, L, d, h, d_ff, causal):
+    return _mha_flops(b, L, d, h, causal) + 3 * 2 * (2 * b * L * d * d_ff)
+
+
+def _rel_diff(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _result(name, shape, dtype, flops, times, peak, check=None):
+    t_np, t_torch = times["npattn"], times.get("torch")
+    r = {
+        "name": name, "shape": shape, "dtype": np.dtype(dtype).name,
+        "npattn_s": t_np, "torch_s": t_torch,
+        "ratio": (t_np / t_torch) if t_torch else None,
+        "gflop": flops / 1e9,
+        "npattn_gflops": flops / t_np / 1e9,
+        "torch_gflops": (flops / t_torch / 1e9) if t_torch else None,
+        "gemm_peak_gflops": peak,
+        "fraction_of_gemm_peak": (flops / t_np / 1e9 / peak) if peak else None,
+    }
+    if check is not None:
+        r["max_rel_diff_vs_torch"] = check
+    return r
+
+
+# -- the cases ---------------------------------------------------------------------------------------
+def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5,
+               pause=PAUSE):
+    """``scaled_dot_product_attention`` forward+backward on ``(b, h, L, E)`` (and torch's)."""
+    from . import functional as F
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((b, h, L, E)).astype(dtype) for _ in range(4))
+
+    def run_np():
+        out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out, F.scaled_dot_product_attention_backward(dout, cache)
+
+    fns = {"npattn": run_np}
+    torch = _torch() if use_torch else None
+    check = None
+    if torch is not None:
+        tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
+        tdout = torch.from_numpy(dout)
+
+        def run_torch():
+            for t in (tq, tk, tv):
+                t.grad = None
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+            out.backward(tdout)
+            return out
+
+        fns["torch"] = run_torch
+        out, (dq, _, _) = run_np()
+        tout = run_torch()
+        check = max(_rel_diff(out, tout.detach().numpy()), _rel_diff(dq, tq.grad.numpy()))
+    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    return _result("sdpa", {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal}, dtype,
+                   _attention_flops(b, h, L, L, E, E, causal), times, peak, check)
+
+
+def _torch_mha(torch, mha):
+    """torch's fastest eager MHA with the weights of the npattn ``mha`` (no qkv bias)."""
+    nn = torch.nn
+    d, h = mha.d_out, mha.num_heads
+
+    class TorchMHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(mha.d_in, 3 * d, bias=False)
+            self.out_proj = nn.Linear(d, d, bias=mha.out_proj.bias is not None)
+
+        def forward(self, x):
+            b, L, _ = x.shape
+            q, k, v = self.qkv(x).view(b, L, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=mha.causal)
+            return self.out_proj(ctx.transpose(1, 2).reshape(b, L, d))
+
+    m = TorchMHA()
+    dt = torch.float32 if mha.dtype == np.float32 else torch.float64
+    m.to(dt)
+    with torch.no_grad():
+        m.qkv.weight.copy_(torch.from_numpy(np.concatenate(
+            [mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data])))
+        m.out_proj.weight.copy_(torch.from_numpy(mha.out_proj.weight.data))
+        if mha.out_proj.bias is not None:
+            m.out_proj.bias.copy_(torch.from_numpy(mha.out_proj.bias.data))
+    return m
+
+
+def _module_fns(module, tmodule, x, dy, torch):
+    """Zero-argument callables running forward+backward of the npattn and the torch module."""
+    def run_np():
+        out = module(x)
+        return out, module.backward(dy)
+
+    fns = {"npattn": run_np}
+    check = None
+    if tmodule is not None:
+        tx = torch.from_numpy(x.copy()).requires_grad_()
+        tdy = torch.from_numpy(dy)
+        params = list(tmodule.parameters())
+
+        def run_torch():
+            tx.grad = None
+            for p in params:
+                p.grad = None
+            out = tmodule(tx)
+            out.backward(tdy)
+            return out
+
+        fns["torch"] = run_torch
+        out, dx = run_np()
+        tout = run_torch()
+        check = max(_rel_diff(out, tout.detach().numpy()), _rel_diff(dx, tx.grad.numpy()))
+    return fns, check
+
+
+def bench_mha(b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5,
+              pause=PAUSE):
+    """``MultiHeadAttention(d, d, h, causal=causal)`` forward+backward on ``(b, L, d)`` (and torch's)."""
+    from .attention import MultiHeadAttention
+
+    rng = np.random.default_rng(0)
+    mha = MultiHeadAttention(d, d, h, causal=causal, rng=0, dtype=dtype)
+    x, dy = (rng.standard_normal((b, L, d)).astype(dtype) for _ in range(2))
+    torch = _torch() if use_torch else None
+    tm = _torch_mha(torch, mha) if torch is not None else None
+    fns, check = _module_fns(mha, tm, x, dy, torch)
+    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    return _result("mha", {"batch": b, "seq": L, "d_model": d, "heads": h, "causal": causal}, dtype,
+                   _mha_flops(b, L, d, h, causal), times, peak, check)
+
+
+def _torch_encoder(torch, block, L):
+    """``nn.TransformerEncoderLayer`` with the weights of the npattn ``block`` and a causal mask."""
+    mha, ffn = block.mha, block.ffn
+    d, h = mha.d_out, mha.num_heads
+    layer = torch.nn.TransformerEncoderLayer(d, h, ffn.linear1.out_features, dropout=0.0, batch_first=True,
+                                             norm_first=block.norm_first)
+    dt = torch.float32 if block.dtype == np.float32 else torch.float64
+    layer.to(dt)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight.copy_(t(np.concatenate(
+            [mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data])))
+        layer.self_attn.in_proj_bias.copy_(t(np.concatenate(
+            [mha.W_query.bias.data, mha.W_key.bias.data, mha.W_value.bias.data])))
+        layer.self_attn.out_proj.weight.copy_(t(mha.out_proj.weight.data))
+        layer.self_attn.out_proj.bias.copy_(t(mha.out_proj.bias.data))
+        for tl, nl in ((layer.linear1, ffn.linear1), (layer.linear2, ffn.linear2),
+                       (layer.norm1, block.layernorm1), (layer.norm2, block.layernorm2)):
+            tl.weight.copy_(t(nl.weight.data))
+            tl.bias.copy_(t(nl.bias.data))
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dt)
+
+    class Causal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x, src_mask=mask, is_causal=True)
+
+    return Causal()
+
+
+def bench_encoder(b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_torch=True, peak=None,
+                  warmup=1, repeats=5, pause=PAUSE):
+    """``EncoderBlock(d, h, d_ff, dropout=0, causal=causal, qkv_bias=True)`` forward+backward (and torch's)."""
+    from .transformer import EncoderBlock
+
+    d_ff = 4 * d if d_ff is None else d_ff
+    rng = np.random.default_rng(0)
+    block = EncoderBlock(d, h, d_ff, dropout=0.0, causal=causal, qkv_bias=True, rng=0, dtype=dtype)
+    x, dy = (rng.standard_normal((b, L, d)).astype(dtype) for _ in range(2))
+    torch = _torch() if use_torch else None
+    tm = _torch_encoder(torch, block, L) if torch is not None else None
+    fns, check = _module_fns(block, tm, x, dy, torch)
+    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    return _result("encoder", {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "causal": causal},
+                   dtype, _encoder_flops(b, L, d, h, d_ff, causal), times, peak, check)
+
+
+
+# -- the whole run ---------------------------------------------------------------------------------
+SMALL = dict(b=4, L=64, d=128, h=4)
+GPT2 = dict(b=8, L=256, d=768, h=12)
+LONG = dict(b=2, L=1024, d=768, h=12)
+_ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+_SLOW_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # see the module docstring
+
+
+def _openblas_info():
+    try:
+        import threadpoolctl
+    except ImportError:
+        return None
+    return [{k: i.get(k) for k in ("internal_api", "architecture", "num_threads", "version")}
+            for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+
+
+def _idle_fraction(seconds=0.5):
+    """Fraction of all CPUs' time spent idle over ``seconds`` (Linux ``/proc/stat``; None elsewhere)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+    try:
+        i0, t0 = snap()
+        time.sleep(seconds)
+        i1, t1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (i1 - i0) / max(t1 - t0, 1)
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info():
+    """Versions, CPU, the OpenBLAS kernel in use, the relevant environment and how busy the machine is."""
+    torch = _torch()
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__ if torch is not None else None,
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
+        "cpu": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "blas": _openblas_info(),
+        "env": {k: os.environ.get(k) for k in _ENV_KEYS},
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "idle_at_start": _idle_fraction(),
+    }
+
+
+def run(quick=False, use_torch=True, repeats=None, progress=None):
+    """All timing cases; returns a JSON-able dict (``machine``, ``gemm_peak_gflops``, ``results``)."""
+    repeats = repeats or (3 if quick else 7)
+    dtypes = (np.float32, np.float64)
+    machine = machine_info()
+    gemm_n = 512 if quick else 2048
+    peaks = {np.dtype(dt).name: gemm_peak(dt, n=gemm_n) for dt in dtypes}
+    if quick:
+        plan = [("sdpa", dict(b=2, h=2, L=32, E=16)), ("mha", dict(b=2, L=32, d=32, h=4)),
+                ("encoder", dict(b=2, L=32, d=32, h=4))]
+    else:
+        s, g = SMALL, GPT2
+        plan = [("sdpa", dict(b=s["b"], h=s["h"], L=s["L"], E=s["d"] // s["h"])),
+                ("sdpa", dict(b=g["b"], h=g["h"], L=g["L"], E=g["d"] // g["h"])),
+                ("mha", SMALL), ("mha", GPT2), ("mha", LONG),
+                ("encoder", SMALL), ("encoder", GPT2)]
+    funcs = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder}
+    results = []
+    for name, kw in plan:
+        for dt in dtypes:
+            if progress:
+                progress(f"{name} {kw} {np.dtype(dt).name}")
+            results.append(funcs[name](**kw, dtype=dt, use_torch=use_torch, peak=peaks[np.dtype(dt).name],
+                                       repeats=repeats, pause=0.0 if quick else PAUSE))
+            if progress:
+                progress("  " + _format_row(results[-1]))
+    return {"machine": machine, "gemm_peak_gflops": peaks, "gemm_n": gemm_n, "repeats": repeats, "results": results}
+
+
+# -- memory ------------------------------------------------------------------------------------------
+_MEMORY_SCRIPT = r"""
+import json, resource, sys, time
+import numpy as np
+import npattn.functional as F
+impl, L = sys.argv[1], int(sys.argv[2])
+if not hasattr(F, impl):
+    print(json.dumps({"missing": True}))
+    sys.exit(0)
+rng = np.random.default_rng(0)
+q, k, v, dout = (rng.standard_normal((1, 12, L, 64)).astype(np.float32) for _ in range(4))
+fwd, bwd = getattr(F, impl), getattr(F, impl + "_backward")
+with open("/proc/self/statm") as f:
+    before_kib = int(f.read().split()[1]) * (resource.getpagesize() // 1024)
+t0 = time.perf_counter()
+out, cache = fwd(q, k, v, is_causal=True)
+grads = bwd(dout, cache)
+seconds = time.perf_counter() - t0
+peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"before_kib": before_kib, "peak_kib": peak_kib, "seconds": seconds}))
+"""
+
+
+def _child_env(unset=()):
+    """This environment, less ``unset``, with this npattn first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    for key in unset:
+        env.pop(key, None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def memory_one(impl, L):
+    """Peak RSS of one forward+backward of ``impl`` (a ``npattn.functional`` name) at sequence length
+    ``L`` (b=1, h=12, E=64, float32, causal) in a fresh subprocess.  ``extra_mib``: above the
+    process's resident size just before the call (numpy, npattn and the inputs loaded)."""
+    proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, impl, str(L)], capture_output=True, text=True,
+                          env=_child_env())
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return {"impl": impl, "seq": L, "error": tail[0]}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    if r.get("missing"):
+        return {"impl": impl, "seq": L, "missing": True}
+    return {"impl": impl, "seq": L, "peak_mib": r["peak_kib"] / 1024,
+            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024, "seconds": r["seconds"]}
+
+
+MEMORY_IMPLS = ("scaled_dot_product_attention", "memory_efficient_attention")
+
+
+def memory_table(lengths=(512, 1024, 2048, 4096), progress=None):
+    """Peak-memory rows of ``scaled_dot_product_attention`` and ``memory_efficient_attention``
+    (a row with ``missing: True`` when npattn has no ``memory_efficient_attention``)."""
+    rows = []
+    for L in lengths:
+        for impl in MEMORY_IMPLS:
+            if progress:
+                progress(f"memory {impl} L={L}")
+            rows.append(memory_one(impl, L))
+    return rows
+
+
+# -- output ------------------------------------------------------------------------------------------
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _shape_str(shape):
+    names = {"batch": "b", "heads": "h", "seq": "L", "head_dim": "E", "d_model": "d", "d_ff": "ff"}
+    return " ".join(f"{short}={shape[k]}" for k, short in names.items() if k in shape)
+
+
+def _format_row(r):
+    t = r["torch_s"]
+    frac = r["fraction_of_gemm_peak"]
+    return (f"{r['name']:<8} {_shape_str(r['shape']):<26} {r['dtype']:<8} {r['npattn_s'] * 1e3:>10.2f} "
+            f"{_fmt(t and t * 1e3, '>10.2f')} {_fmt(r['ratio'], '>6.2f')} "
+            f"{r['npattn_gflops']:>8.1f} {_fmt(r['torch_gflops'], '>7.1f')} "
+            f"{_fmt(frac and 100 * frac, '>6.0f')}% {_fmt(r.get('max_rel_diff_vs_torch'), '>9.1e')}")
+
+
+def format_table(report):
+    """The report as a plain-text table."""
+    m = report["machine"]
+    blas = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']} x{b['num_threads']}"
+                     for b in (m.get("blas") or []))
+    env = ", ".join(f"{k}={v}" for k, v in m["env"].items() if v is not None) or "none of " + ", ".join(_ENV_KEYS)
+    load = m.get("loadavg")
+    idle = m.get("idle_at_start")
+    lines = [
+        f"machine: {m['cpu']} ({m['cpus']} cpus); python {m['python']}, numpy {m['numpy']}"
+        f"{' (' + blas + ')' if blas else ''}, torch {m['torch'] or 'not installed'}"
+        f"{'' if m['torch_threads'] is None else ' (' + str(m['torch_threads']) + ' threads)'}",
+        f"environment: {env}"
+        + (f"; load average {load[0]:.2f}" if load else "") + (f", {100 * idle:.0f}% idle at start" if idle is not None else ""),
+    ]
+    probe = report.get("openblas_env_probe")
+    if probe and "gemm_peak_gflops" in probe:
+        p = probe["gemm_peak_gflops"]
+        lines.append("OpenBLAS probe, GEMM GFLOP/s with " + ", ".join(f"{k}={v}" for k, v in probe["vars"].items())
+                     + f": float32 {p['as_set']['float32']:.0f}, float64 {p['as_set']['float64']:.0f}; without: "
+                     f"float32 {p['unset']['float32']:.0f}, float64 {p['unset']['float64']:.0f} -> "
+                     + ("this run without them" if probe["unset"] else "this run with them"))
+    lines += [
+        f"numpy GEMM peak ({report.get('gemm_n', 2048)}^2 matmul, this run): "
+        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in report["gemm_peak_gflops"].items()),
+        f"forward+backward (input and parameter gradients), median of {report['repeats']} interleaved runs;"
+        " GFLOP/s count useful FLOPs (causal: visible pairs only)",
+        "",
+        f"{'op':<8} {'shape':<26} {'dtype':<8} {'npattn ms':>10} {'torch ms':>10} {'ratio':>6} "
+        f"{'GFLOP/s':>8} {'torch':>7} {'%peak':>7} {'rel.diff':>9}",
+    ]
+    lines += [_format_row(r) for r in report["results"]]
+    if report.get("memory"):
+        lines += ["", "peak memory of forward+backward (b=1, h=12, E=64, float32, causal): MiB above the inputs, seconds",
+                  f"{'L':>6} {'sdpa MiB':>10} {'mem-eff MiB':>12} {'sdpa s':>8} {'mem-eff s':>10}"]
+        by = {}
+        for r in report["memory"]:
+            by.setdefault(r["seq"], {})[r["impl"]] = r
+
+        def cell(r, key, spec):
+            if r is None or r.get("missing"):
+                return "missing"
+            if "error" in r:
+                return "error"
+            return format(r[key], spec)
+
+        for L, d in sorted(by.items()):
+            a, b = d.get(MEMORY_IMPLS[0]), d.get(MEMORY_IMPLS[1])
+            lines.append(f"{L:>6} {cell(a, 'extra_mib', '.0f'):>10} {cell(b, 'extra_mib', '.0f'):>12} "
+                         f"{cell(a, 'seconds', '.2f'):>8} {cell(b, 'seconds', '.2f'):>10}")
+    return "\n".join(lines)
+
+
+# -- OpenBLAS environment and the command ---------------------------------------------------------
+_PEAK_SCRIPT = ("import json, npattn.bench as b; "
+                "print(json.dumps({d: b.gemm_peak(d) for d in ('float32', 'float64')}))")
+
+
+def probe_openblas_env(progress=None):
+    """numpy's GEMM peak with this machine's ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` and with both
+    unset, each in a fresh subprocess (OpenBLAS reads them when it loads).  None when neither is
+    set; else a dict with both peaks and ``unset``: True when the run without them is faster by
+    more than 10% in both float32 and float64."""
+    if not any(os.environ.get(k) for k in _SLOW_ENV):
+        return None
+    peaks = {}
+    for label, unset in (("as_set", ()), ("unset", _SLOW_ENV)):
+        if progress:
+            progress(f"numpy GEMM peak with the OpenBLAS variables {label.replace('_', ' ')}")
+        proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True,
+                              env=_child_env(unset))
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1], "unset": False}
+        peaks[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    faster = all(peaks["unset"][d] > 1.1 * peaks["as_set"][d] for d in peaks["as_set"])
+    return {"vars": {k: os.environ.get(k) for k in _SLOW_ENV}, "gemm_peak_gflops": peaks, "unset": faster}
+
+
+def _collect(quick, memory, progress):
+    report = run(quick=quick, progress=progress)
+    if memory:
+        report["memory"] = memory_table((256, 512) if quick else (512, 1024, 2048, 4096), progress=progress)
+    return report
+
+
+def _worker():
+    """The benchmark's own subprocess (started by ``main`` with an adjusted environment): the
+    options as JSON in ``argv[1]``, the report as JSON on stdout, progress on stderr."""
+    opts = json.loads(sys.argv[1])
+    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if opts["progress"] else None
+    print(json.dumps(_collect(opts["quick"], opts["memory"], progress)))
+
+
+def main(args):
+    """``npattn bench [--json] [--memory] [--quick]``: print the table (or the JSON report).
+
+    When this machine's ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` are measured to slow numpy's GEMM
+    (``probe_openblas_env``), the benchmark runs in a subprocess without them and says so.  Never
+    with ``--quick`` (which leaves the environment alone) or ``NPATTN_BENCH_KEEP_ENV=1``.
+    """
+    quick = bool(getattr(args, "quick", False))
+    as_json = bool(getattr(args, "json", False))
+    memory = bool(getattr(args, "memory", False))
+    progress = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    probe = None
+    if not quick and os.environ.get("NPATTN_BENCH_KEEP_ENV") != "1":
+        probe = probe_openblas_env(progress)
+    if probe and probe.get("unset"):
+        if progress:
+            progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: benchmarking in a subprocess without them")
+        opts = json.dumps({"quick": quick, "memory": memory, "progress": progress is not None})
+        proc = subprocess.run([sys.executable, "-c", "import npattn.bench as b; b._worker()", opts],
+                              stdout=subprocess.PIPE, text=True, env=_child_env(_SLOW_ENV))
+        if proc.returncode != 0:
+            print(f"npattn bench: the benchmark subprocess failed (exit status {proc.returncode})", file=sys.stderr)
+            return 1
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        report = _collect(quick, memory, progress)
+    report["openblas_env_probe"] = probe
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    return 0

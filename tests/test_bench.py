@@ -1,0 +1,217 @@
+"""``npattn.bench``: well-formed results at tiny sizes (no timed assertions), the ``--json`` output,
+and the exactness of the performance machinery the benchmark exercises (blocked causal attention,
+the backward's ``out=`` buffers), at block heights small enough that tiny inputs span many blocks."""
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import npattn
+import npattn.bench as B
+import npattn.functional as F
+import npattn.functional.attention as A
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_KEYS = {"name", "shape", "dtype", "npattn_s", "torch_s", "ratio", "gflop", "npattn_gflops", "torch_gflops",
+               "gemm_peak_gflops", "fraction_of_gemm_peak"}
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _positive(x):
+    return isinstance(x, float) and np.isfinite(x) and x > 0
+
+
+# -- helpers of the benchmark --------------------------------------------------------------------------
+def test_time_interleaved_gives_a_median_per_callable():
+    calls = []
+    times = B.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                               warmup=1, repeats=3, pause=0)
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then interleaved
+
+
+def test_gemm_peak_is_a_rate():
+    assert _positive(B.gemm_peak(np.float32, n=64, repeats=2))
+
+
+def test_flop_counts():
+    # causal attention counts the L(L+1)/2 visible pairs; 2 GEMMs forward, 4 backward, 2 FLOPs per MAC
+    assert B._attention_flops(1, 1, 4, 4, 8, 8, causal=True) == 3 * 2 * 10 * 16
+    assert B._attention_flops(2, 3, 4, 5, 8, 6, causal=False) == 3 * 2 * 2 * 3 * 20 * 14
+    # MHA: q/k/v and output projections (8 N d^2 forward) plus attention, backward twice the forward
+    b, L, d, h = 2, 4, 8, 2
+    assert B._mha_flops(b, L, d, h, True) == 3 * 8 * b * L * d * d + B._attention_flops(b, h, L, L, 4, 4, True)
+
+
+@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=pytest.mark.skipif(not _has_torch(), reason="no torch"))])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cases_are_well_formed(use_torch, dtype):
+    kw = dict(dtype=dtype, use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
+    results = [B.bench_sdpa(2, 2, 8, 4, **kw), B.bench_mha(2, 8, 8, 2, **kw), B.bench_encoder(2, 8, 8, 2, **kw)]
+    for r in results:
+        assert RESULT_KEYS <= set(r)
+        assert r["dtype"] == np.dtype(dtype).name
+        assert _positive(r["npattn_s"]) and _positive(r["gflop"]) and _positive(r["npattn_gflops"])
+        assert _positive(r["fraction_of_gemm_peak"])
+        if use_torch:
+            assert _positive(r["torch_s"]) and _positive(r["ratio"]) and _positive(r["torch_gflops"])
+            # the same computation: outputs and input gradients agree with torch's
+            assert r["max_rel_diff_vs_torch"] < (1e-3 if dtype == np.float32 else 1e-10)
+        else:
+            assert r["torch_s"] is None and r["ratio"] is None
+    json.dumps(results)  # JSON-able
+
+
+def test_format_table_and_machine_info():
+    report = {"machine": B.machine_info(), "gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64,
+              "repeats": 1, "results": [B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)],
+              "memory": [{"impl": "scaled_dot_product_attention", "seq": 8, "peak_mib": 2.0, "extra_mib": 1.0,
+                          "seconds": 0.1}, {"impl": "memory_efficient_attention", "seq": 8, "missing": True}]}
+    text = B.format_table(report)
+    assert "mha" in text and "numpy" in text and "missing" in text
+    json.dumps(report)
+
+
+def test_memory_rows():
+    r = B.memory_one("scaled_dot_product_attention", 64)
+    assert r["seq"] == 64 and _positive(r["peak_mib"]) and r["extra_mib"] >= 0 and r["seconds"] >= 0
+    assert B.memory_one("no_such_attention", 64) == {"impl": "no_such_attention", "seq": 64, "missing": True}
+
+
+def test_cli_quick_json_parses():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", "npattn", "bench", "--quick", "--json"], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {"machine", "gemm_peak_gflops", "results"} <= set(report)
+    assert report["openblas_env_probe"] is None  # --quick leaves the environment alone
+    assert {r["name"] for r in report["results"]} == {"sdpa", "mha", "encoder"}
+    for r in report["results"]:
+        assert RESULT_KEYS <= set(r) and _positive(r["npattn_s"])
+        if r["torch_s"] is not None:
+            assert _positive(r["ratio"])
+
+
+# -- exactness of the blocked causal attention -----------------------------------------------------------
+def _reference(q, k, v, mask, causal, keep, p, scale, groups):
+    """The textbook formulas on full (Lq, Lk) matrices, with repeated kv heads for GQA."""
+    if groups > 1:
+        k, v = np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)
+    s = (q @ k.swapaxes(-1, -2)) * scale
+    lq, lk = s.shape[-2:]
+    visible = np.ones(s.shape, bool)
+    if causal:
+        visible &= np.tri(lq, lk, dtype=bool)
+    if mask is not None and mask.dtype == bool:
+        visible &= mask
+    elif mask is not None:
+        s = s + mask
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    tot = e.sum(axis=-1, keepdims=True)
+    w = e / np.where(tot == 0, 1.0, tot)
+    drop = w if keep is None else w * keep / (1 - p)
+    out = drop @ v
+
+    def backward(dout):
+        dv = drop.swapaxes(-1, -2) @ dout
+        dp = dout @ v.swapaxes(-1, -2)
+        if keep is not None:
+            dp = dp * keep / (1 - p)
+        ds = w * (dp - (dp * w).sum(axis=-1, keepdims=True))
+        dq, dk = ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale
+        if groups > 1:
+            sh = dk.shape
+            dk = dk.reshape(sh[:-3] + (sh[-3] // groups, groups) + sh[-2:]).sum(axis=-3)
+            dv = dv.reshape(sh[:-3] + (sh[-3] // groups, groups) + dv.shape[-2:]).sum(axis=-3)
+        return dq, dk, dv
+
+    return out, w, backward
+
+
+CASES = [  # lead, Hq, Hk, Lq, Lk, E, Ev
+    ((2,), 2, 2, 7, 7, 4, 3), ((), 3, 3, 9, 5, 4, 4), ((2,), 4, 2, 6, 11, 3, 5), ((1, 2), 6, 2, 8, 8, 4, 4),
+    ((2,), 2, 2, 5, 0, 3, 3), ((2,), 2, 2, 0, 4, 3, 3), ((2,), 2, 2, 13, 13, 4, 4),
+]
+
+
+@pytest.mark.parametrize("height", [1, 2, 3, 5])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "dead"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_blocked_causal_attention_equals_the_textbook_formulas(monkeypatch, height, case, mask_kind, p):
+    monkeypatch.setattr(A, "_CAUSAL_BLOCK", height)
+    lead, hq, hk, lq, lk, e, ev = case
+    rng = np.random.default_rng(zlib.crc32(repr((height, case, mask_kind, p)).encode()))
+    q, k, v = (rng.standard_normal(lead + s) for s in ((hq, lq, e), (hk, lk, e), (hk, lk, ev)))
+    sshape = lead + (hq, lq, lk)
+    mask = {"none": None, "bool": rng.random(sshape) > 0.3, "float": rng.standard_normal((lq, lk)),
+            "dead": np.where(np.arange(lq)[:, None] < 2, False, rng.random((hq, lq, lk)) > 0.5)}[mask_kind]
+    for causal in (False, True):
+        out, cache = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p, rng=3,
+                                                    enable_gqa=hq != hk)
+        ref_out, ref_w, ref_backward = _reference(q, k, v, mask, causal, cache.keep, p, 1 / np.sqrt(e), hq // hk)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(cache.weights, ref_w, rtol=1e-12, atol=1e-14)
+        dout = rng.standard_normal(out.shape)
+        for got, want in zip(F.scaled_dot_product_attention_backward(dout, cache), ref_backward(dout)):
+            np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_backward_writes_into_out_buffers(groups):
+    rng = np.random.default_rng(0)
+    b, hk, L, E = 2, 2, 9, 4
+    hq = hk * groups
+    fused = rng.standard_normal((b, L, (hq + 2 * hk) * E))
+
+    def heads(a, h):
+        return a.reshape(b, L, h, E).swapaxes(1, 2)
+
+    q, k, v = heads(fused[..., :hq * E], hq), heads(fused[..., hq * E:(hq + hk) * E], hk), heads(fused[..., (hq + hk) * E:], hk)
+    out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+    dout = rng.standard_normal(out.shape)
+    want = F.scaled_dot_product_attention_backward(dout, cache)
+    buf = np.full(fused.shape, np.nan)
+    views = (heads(buf[..., :hq * E], hq), heads(buf[..., hq * E:(hq + hk) * E], hk), heads(buf[..., (hq + hk) * E:], hk))
+    got = F.scaled_dot_product_attention_backward(dout, cache, out=views)
+    assert all(g is w for g, w in zip(got, views))
+    for g, w in zip(views, want):
+        np.testing.assert_array_equal(g, w)
+    assert not np.isnan(buf).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mha_blocked_path_keeps_dtype_and_matches_small_blocks(monkeypatch, dtype):
+    rng = np.random.default_rng(1)
+    m = npattn.MultiHeadAttention(8, 8, 2, causal=True, rng=0, dtype=dtype)
+    x = rng.standard_normal((2, 11, 8)).astype(dtype)
+    dy = rng.standard_normal((2, 11, 8)).astype(dtype)
+    y, w = m(x, need_weights=True)
+    dx = m.backward(dy)
+    grads = [p.grad.copy() for p in m.parameters()]
+    monkeypatch.setattr(A, "_CAUSAL_BLOCK", 3)
+    m.zero_grad()
+    y3, w3 = m(x, need_weights=True)
+    dx3 = m.backward(dy)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-14)
+    for a, b_ in [(y, y3), (w, w3), (dx, dx3)] + list(zip(grads, (p.grad for p in m.parameters()))):
+        assert a.dtype == b_.dtype == dtype
+        np.testing.assert_allclose(a, b_, **tol)
+    assert np.all(np.triu(w3[..., :, :], 1) == 0)  # causal weights: zero above the diagonal
