@@ -7,20 +7,24 @@
 * ``npattn.book``: the chapter-3 classes of *Build a Large Language Model (From Scratch)*.
 * ``npattn.gradcheck``: central-difference checks of functional pairs and modules.
 * ``npattn.masks``: causal, padding and sliding-window masks (True = may attend).
+* ``npattn.optim``: SGD, Adam, AdamW, gradient clipping, a warm-up + cosine schedule.
+* ``npattn.models.TinyTransformer``: a small causal transformer built from the public pieces.
+* ``npattn.viz`` (matplotlib) and ``npattn.testing`` (hypothesis strategies): imported on demand.
 
 Importing npattn imports numpy and nothing else outside the standard library.
 """
 __version__ = "0.1.0"
 
-from . import functional, masks  # noqa: F401
+from . import functional, masks, optim  # noqa: F401
 from .attention import MultiHeadAttention
 from .gradcheck import GradcheckReport, gradcheck
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
+from .models import TinyTransformer
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
 from .transformer import EncoderBlock
 
 __all__ = [
     "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
     "Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
-    "gradcheck", "GradcheckReport", "functional", "masks", "__version__",
+    "TinyTransformer", "gradcheck", "GradcheckReport", "functional", "masks", "optim", "__version__",
 ]
