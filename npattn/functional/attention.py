@@ -99,23 +99,22 @@ def _ungrouped(x, groups, full_shape):
 # diagonal (almost half of ``q k^T``, ``P v`` and the four backward products) are never computed,
 # exponentiated or stored.  Without ``is_causal`` there is one block of every row and key.
 # Each block is its own compact array: its elementwise passes (max, exp, sum, ...) run on memory
-# that is contiguous and, block after block, reused.  The block height trades the work wasted on
-# the masked half of the diagonal blocks against per-call overhead; fastest on the GPT-2-small
-# block (b=8, h=12, L=256, E=64) and at L=1024 (1 core, median CPU time of fwd+bwd, ms, float32):
+# that is contiguous.  The block height trades the work wasted on the masked half of the diagonal
+# blocks against per-call overhead and GEMM size (OpenBLAS splits each per-head GEMM over its
+# threads, which pays only for larger ones).  Forward+backward, b=8, h=12, L=256 and b=2, h=12,
+# L=1024 (E=64), 2 cores, OpenBLAS Haswell kernels, best of 7, ms:
 #
-#     height          32     64    128    256    (one block: no skipping, old code)
-#     L=256         59.1   54.8   57.1   72.0    95.5
-#     L=1024       159.8  141.6  138.8  149.6   291.9
-_CAUSAL_BLOCK = 64
-_CAUSAL_BLOCK_LONG = 128   # from _LONG queries on
-_LONG = 1024
+#     height                  32     64    128    256    512    (one block, the old code:
+#     L=256   float32       62.0   60.2   57.1   63.4       -     ~2x the blocked time)
+#     L=256   float64      110.2  103.8  102.2  121.8       -
+#     L=1024  float32          -  145.0  127.8  134.3  153.7
+#     L=1024  float64          -  280.2  243.3  252.8  298.6
+_CAUSAL_BLOCK = 128
 
 
-def _block_height(lq, causal):
+def _block_height(causal):
     """Query rows per causal block (None: not causal, a single block)."""
-    if not causal:
-        return None
-    return _CAUSAL_BLOCK_LONG if lq >= _LONG else _CAUSAL_BLOCK
+    return _CAUSAL_BLOCK if causal else None
 
 
 def _row_blocks(lq, lk, groups, height):
@@ -200,7 +199,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     out_shape = q.shape[:-1] + (v.shape[-1],)
     out = _heads_last_empty(out_shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(out_shape, groups), q.dtype)
     inv_l = np.empty(qs.shape[:-1] + (1,), q.dtype)
-    height = _block_height(lq, is_causal)
+    height = _block_height(is_causal)
     blocks = _row_blocks(lq, lk, groups, height)
     above = np.triu(np.ones((height, height), dtype=bool), 1) if is_causal else None  # key > query
 
@@ -274,13 +273,21 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
     do_l = dog * (inv_l * drop_scale)  # dv = E'^T (dout / l [/(1-p)])
     q_l = _grouped(q, groups) * (inv_l * scale)  # dk = (l dS)^T (scale q / l)
     vt = v.swapaxes(-1, -2)
+    # scratch for dS and for the products added into dk, dv: allocated once at the widest block's
+    # size and reused by every block (memory that stays in cache, instead of fresh pages per block)
+    lead = dog.shape[:-2]
+    height = max((r.stop - r.start for r, _, _ in blocks), default=0)
+    ds_buf = np.empty(math.prod(lead) * height * widest, q.dtype)
+    prod_buf = np.empty(math.prod(lead) * widest * max(k.shape[-1], v.shape[-1]), q.dtype)
     for n, i in enumerate(order):
         (rows, c1, _), e = blocks[i], e_blocks[i]
         kb = None if keep_g is None else keep_g[..., rows, :c1]
         # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
-        _write_or_add((e if kb is None else e * kb).swapaxes(-1, -2), do_l[..., rows, :], dv[..., :c1, :], n > 0)
+        _write_or_add((e if kb is None else e * kb).swapaxes(-1, -2), do_l[..., rows, :], dv[..., :c1, :], n > 0,
+                      prod_buf)
         # dP' = dout v^T;  dP = dP' * keep / (1 - p);  l dS = E * (dP - D)
-        ds = dog[..., rows, :] @ vt[..., :, :c1]
+        ds = _scratch(ds_buf, lead + (rows.stop - rows.start, c1))
+        np.matmul(dog[..., rows, :], vt[..., :, :c1], out=ds)
         if kb is not None:
             ds *= kb
             ds *= drop_scale
@@ -290,7 +297,7 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
         dq_rows = dq[..., rows, :]
         np.matmul(ds, k[..., :c1, :], out=dq_rows)
         dq_rows *= inv_l[..., rows, :] * scale
-        _write_or_add(ds.swapaxes(-1, -2), q_l[..., rows, :], dk[..., :c1, :], n > 0)
+        _write_or_add(ds.swapaxes(-1, -2), q_l[..., rows, :], dk[..., :c1, :], n > 0, prod_buf)
     dq = _ungrouped(dq, groups, q.shape)
     if out is None:
         return dq, dk, dv
@@ -300,9 +307,16 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
     return tuple(out)
 
 
-def _write_or_add(a, b, acc, add):
-    """``acc += a @ b`` when ``add``, else ``acc[...] = a @ b`` (straight into ``acc``, no temporary)."""
+def _scratch(buf, shape):
+    """A contiguous array of ``shape`` on the start of the flat buffer ``buf`` (no allocation)."""
+    return buf[:math.prod(shape)].reshape(shape)
+
+
+def _write_or_add(a, b, acc, add, scratch):
+    """``acc += a @ b`` (the product formed in ``scratch``) when ``add``, else ``acc[...] = a @ b``."""
     if add:
-        acc += a @ b
+        prod = _scratch(scratch, acc.shape)
+        np.matmul(a, b, out=prod)
+        acc += prod
     else:
         np.matmul(a, b, out=acc)
