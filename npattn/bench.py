@@ -21,7 +21,7 @@ same run (a ``2048 x 2048`` matmul; the best of several), the ceiling of anythin
 
 ``--memory``: peak resident memory of one forward+backward of ``scaled_dot_product_attention``
 against ``memory_efficient_attention`` (b=1, h=12, E=64, float32, causal) for several sequence
-lengths, each in a fresh subprocess (``ru_maxrss``), minus that process's resident size just
+lengths, each in a fresh subprocess (``VmHWM``), minus that process's resident size just
 before the call (after numpy, npattn and the inputs are loaded).
 
 Environment: some machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2
@@ -70,28 +70,33 @@ def _torch():
 
 
 # -- timing ----------------------------------------------------------------------------------------
-# Pause before each timed call: OpenBLAS's idle threads spin (yielding) for about 0.1 s after a
-# GEMM and libgomp's (torch's) briefly too; without the pause one library's spinning threads
-# would steal a core from the other's next run.
+# Pause before each timed call that follows a long one: OpenBLAS's idle threads spin (yielding)
+# for about 0.1 s after a multithreaded GEMM and libgomp's (torch's) briefly too; without the
+# pause one library's spinning threads would steal a core from the other's next run.  Short calls
+# (tiny sizes, no threads woken) get no pause: a sleeping machine wakes up slowly.
 PAUSE = 0.12
+_PAUSE_AFTER = 0.01  # seconds
 
 
 def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE):
     """Median wall time in seconds of each zero-argument callable in ``fns`` (a dict).
 
     After ``warmup`` calls of each, the callables run in turn ``repeats`` times (interleaved, so
-    that a slow spell of the machine hits all of them alike), each after ``pause`` seconds idle."""
+    that a slow spell of the machine hits all of them alike), each after ``pause`` seconds idle
+    when the call before it took longer than 10 ms."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in fns}
+    last = 0.0
     for _ in range(repeats):
         for name, fn in fns.items():
-            if pause:
+            if pause and last > _PAUSE_AFTER:
                 time.sleep(pause)
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            last = time.perf_counter() - t0
+            times[name].append(last)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -409,14 +414,20 @@ if not hasattr(F, impl):
 rng = np.random.default_rng(0)
 q, k, v, dout = (rng.standard_normal((1, 12, L, 64)).astype(np.float32) for _ in range(4))
 fwd, bwd = getattr(F, impl), getattr(F, impl + "_backward")
-with open("/proc/self/statm") as f:
-    before_kib = int(f.read().split()[1]) * (resource.getpagesize() // 1024)
+
+def status_kib(key):  # VmRSS: resident now; VmHWM: this process image's peak (ru_maxrss would include
+    with open("/proc/self/status") as f:  # the parent's size at fork, kept across exec)
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+before_kib = status_kib("VmRSS")
 t0 = time.perf_counter()
 out, cache = fwd(q, k, v, is_causal=True)
 grads = bwd(dout, cache)
 seconds = time.perf_counter() - t0
-peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"before_kib": before_kib, "peak_kib": peak_kib, "seconds": seconds}))
+print(json.dumps({"before_kib": before_kib, "peak_kib": status_kib("VmHWM"), "seconds": seconds}))
 """
 
 
@@ -432,8 +443,8 @@ def _child_env(unset=()):
 
 def memory_one(impl, L):
     """Peak RSS of one forward+backward of ``impl`` (a ``npattn.functional`` name) at sequence length
-    ``L`` (b=1, h=12, E=64, float32, causal) in a fresh subprocess.  ``extra_mib``: above the
-    process's resident size just before the call (numpy, npattn and the inputs loaded)."""
+    ``L`` (b=1, h=12, E=64, float32, causal) in a fresh subprocess (``VmHWM``).  ``extra_mib``: above
+    the process's resident size just before the call (numpy, npattn and the inputs loaded)."""
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, impl, str(L)], capture_output=True, text=True,
                           env=_child_env())
     if proc.returncode != 0:
