@@ -194,20 +194,22 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     hidden = None if attn_mask is None or attn_mask.dtype != bool else mask_view(~attn_mask)
     additive = None if attn_mask is None or attn_mask.dtype == bool else mask_view(attn_mask)
     keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
-    qs = _grouped(q * scale, groups)
-    kt = k.swapaxes(-1, -2)
+    qg, kt = _grouped(q, groups), k.swapaxes(-1, -2)
     out_shape = q.shape[:-1] + (v.shape[-1],)
     out = _heads_last_empty(out_shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(out_shape, groups), q.dtype)
-    inv_l = np.empty(qs.shape[:-1] + (1,), q.dtype)
+    inv_l = np.empty(qg.shape[:-1] + (1,), q.dtype)
     height = _block_height(is_causal)
     blocks = _row_blocks(lq, lk, groups, height)
     above = np.triu(np.ones((height, height), dtype=bool), 1) if is_causal else None  # key > query
+    lead = qg.shape[:-2]
+    qs_buf = np.empty(math.prod(lead) * max((r.stop - r.start for r, _, _ in blocks), default=0) * q.shape[-1], q.dtype)
 
     e = []
     for rows, c1, r0 in blocks:
         n = rows.stop - rows.start
         # scores of the block: s = (q * scale) k^T over the keys 0..c1-1 its rows may see
-        s = qs[..., rows, :] @ kt[..., :, :c1]
+        qs = np.multiply(qg[..., rows, :], scale, out=_scratch(qs_buf, lead + (n, q.shape[-1])))
+        s = qs @ kt[..., :, :c1]
         if is_causal and r0 + 1 < c1:  # the diagonal part: row a (query r0 + a) hides keys r0 + b, b > a
             np.copyto(s[..., :, r0:c1], -np.inf, where=above[:n, :c1 - r0])
         if hidden is not None:
@@ -259,45 +261,52 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
     dout = check_grad(dout, q.shape[:-1] + (v.shape[-1],), q.dtype)
     dog = _grouped(dout, groups)
     keep_g = None if keep is None else _grouped(keep, groups)
-    if out is not None and groups == 1:
-        dq = out[0]
+    if out is not None and groups == 1:  # write straight into the caller's arrays
+        dq, dk, dv = out
+    elif groups == 1:
+        dq, dk, dv = (_heads_last_empty(a.shape, a.dtype) for a in (q, k, v))
     else:
-        dq = _heads_last_empty(q.shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(q.shape, groups), q.dtype)
-    # dk and dv add up the blocks' parts, in contiguous arrays (adding into strided memory is
-    # slower); the widest block comes first and is written, the others are added to it
+        dq = np.empty(_grouped_shape(q.shape, groups), q.dtype)
+        dk, dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+    # dk and dv add up the blocks' parts: the widest block comes first and is written, the
+    # others are added to it (keys no query may see get zero)
     order = sorted(range(len(blocks)), key=lambda i: -blocks[i][1])
     widest = blocks[order[0]][1] if blocks else 0
-    dk, dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
-    dk[..., widest:, :] = 0  # keys no query may see
+    dk[..., widest:, :] = 0
     dv[..., widest:, :] = 0
-    do_l = dog * (inv_l * drop_scale)  # dv = E'^T (dout / l [/(1-p)])
-    q_l = _grouped(q, groups) * (inv_l * scale)  # dk = (l dS)^T (scale q / l)
-    vt = v.swapaxes(-1, -2)
-    # scratch for dS and for the products added into dk, dv: allocated once at the widest block's
-    # size and reused by every block (memory that stays in cache, instead of fresh pages per block)
+    qg, vt = _grouped(q, groups), v.swapaxes(-1, -2)
+    # Scratch, allocated once at the largest block's size and reused by every block (memory
+    # that stays in cache rather than fresh pages): dS, the rows of dout / l and scale q / l,
+    # and the products added into dk and dv.
     lead = dog.shape[:-2]
     height = max((r.stop - r.start for r, _, _ in blocks), default=0)
     ds_buf = np.empty(math.prod(lead) * height * widest, q.dtype)
-    prod_buf = np.empty(math.prod(lead) * widest * max(k.shape[-1], v.shape[-1]), q.dtype)
+    do_buf = np.empty(math.prod(lead) * height * v.shape[-1], q.dtype)
+    q_buf = np.empty(math.prod(lead) * height * q.shape[-1], q.dtype)
+    prod_buf = np.empty(math.prod(lead) * widest * max(k.shape[-1], v.shape[-1]) if len(blocks) > 1 else 0, q.dtype)
     for n, i in enumerate(order):
         (rows, c1, _), e = blocks[i], e_blocks[i]
+        h = rows.stop - rows.start
+        il = inv_l[..., rows, :]
         kb = None if keep_g is None else keep_g[..., rows, :c1]
         # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
-        _write_or_add((e if kb is None else e * kb).swapaxes(-1, -2), do_l[..., rows, :], dv[..., :c1, :], n > 0,
-                      prod_buf)
+        do_l = np.multiply(dog[..., rows, :], il if kb is None else il * drop_scale, out=_scratch(do_buf, lead + (h, v.shape[-1])))
+        _write_or_add((e if kb is None else e * kb).swapaxes(-1, -2), do_l, dv[..., :c1, :], n > 0, prod_buf)
         # dP' = dout v^T;  dP = dP' * keep / (1 - p);  l dS = E * (dP - D)
-        ds = _scratch(ds_buf, lead + (rows.stop - rows.start, c1))
+        ds = _scratch(ds_buf, lead + (h, c1))
         np.matmul(dog[..., rows, :], vt[..., :, :c1], out=ds)
         if kb is not None:
             ds *= kb
             ds *= drop_scale
-        ds -= np.einsum("...ij,...ij->...i", ds, e)[..., None] * inv_l[..., rows, :]  # dP - D
+        ds -= np.einsum("...ij,...ij->...i", ds, e)[..., None] * il  # dP - D
         ds *= e
         # dq = scale dS k = (scale / l) (l dS) k;  dk = scale dS^T q = (l dS)^T (scale q / l)
         dq_rows = dq[..., rows, :]
         np.matmul(ds, k[..., :c1, :], out=dq_rows)
-        dq_rows *= inv_l[..., rows, :] * scale
-        _write_or_add(ds.swapaxes(-1, -2), q_l[..., rows, :], dk[..., :c1, :], n > 0, prod_buf)
+        il_s = il * scale
+        dq_rows *= il_s
+        q_l = np.multiply(qg[..., rows, :], il_s, out=_scratch(q_buf, lead + (h, q.shape[-1])))
+        _write_or_add(ds.swapaxes(-1, -2), q_l, dk[..., :c1, :], n > 0, prod_buf)
     dq = _ungrouped(dq, groups, q.shape)
     if out is None:
         return dq, dk, dv
