@@ -15,8 +15,9 @@ class AttentionCache(NamedTuple):
 
     Everything is in the grouped layout ``(..., Hk, G*Lq, ...)`` (``G`` query heads per kv head,
     1 without grouped-query attention).  The probabilities are kept *unnormalised* and by blocks
-    of query rows (see ``_row_blocks``): ``e[i] = exp(S - rowmax)`` for the rows ``blocks[i][0]``
-    and the keys ``0..blocks[i][1]-1``, all those rows may see; the softmax is ``P = e / l`` with
+    of query rows (see ``_row_blocks``): ``e[i] = exp(S - rowmax)^T``, key-major ``(..., c1, n)``,
+    for the ``n`` rows ``blocks[i][0]`` and the keys ``0..c1-1``, ``c1 = blocks[i][1]``, all those
+    rows may see; the softmax is ``P = e^T / l`` with
     ``l`` the row sums, kept as ``inv_l = 1 / l``.  ``keep`` is dropout's keep-mask
     ``(..., Hq, Lq, Lk)`` (None without dropout) and ``drop_scale`` its ``1/(1-p)``.
     ``weights`` assembles the softmax probabilities ``(..., Hq, Lq, Lk)`` (before dropout).
@@ -39,7 +40,7 @@ class AttentionCache(NamedTuple):
         score_shape = self.q.shape[:-1] + (self.k.shape[-2],)
         p = np.zeros(_grouped_shape(score_shape, self.groups), dtype=self.q.dtype)
         for (rows, c1, _), e in zip(self.blocks, self.e):
-            np.multiply(e, self.inv_l[..., rows, :], out=p[..., rows, :c1])
+            np.multiply(e.swapaxes(-1, -2), self.inv_l[..., rows, :], out=p[..., rows, :c1])
         return _ungrouped(p, self.groups, score_shape)
 
 
@@ -156,7 +157,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     * the softmax of a row is ``P = E / l`` with ``E = exp(S - max S)`` and ``l = sum E``, so
       ``out = (E v) / l``: the ``(Lq, Ev)`` output is divided, never the ``(Lq, Lk)`` matrix ``E``;
     * causal: one block of query rows at a time, only as wide as the keys those rows may see
-      (``_row_blocks``): the masked half of the score matrix is skipped.
+      (``_row_blocks``): the masked half of the score matrix is skipped;
+    * each block is held key-major, ``S^T = k q^T`` of shape ``(keys, queries)``: the same
+      numbers, but OpenBLAS splits these ``K = E`` GEMMs over its threads this way round (about
+      2x faster on 2 cores than ``q k^T``); the softmax then runs down the columns.
 
     The output is laid out in memory as ``(..., Lq, Hq, Ev)`` (a transposed view; see
     ``_heads_last_empty``).  Returns ``(out, AttentionCache)``.
@@ -194,42 +198,46 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     hidden = None if attn_mask is None or attn_mask.dtype != bool else mask_view(~attn_mask)
     additive = None if attn_mask is None or attn_mask.dtype == bool else mask_view(attn_mask)
     keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
-    qg, kt = _grouped(q, groups), k.swapaxes(-1, -2)
+    qg = _grouped(q, groups)
     out_shape = q.shape[:-1] + (v.shape[-1],)
     out = _heads_last_empty(out_shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(out_shape, groups), q.dtype)
     inv_l = np.empty(qg.shape[:-1] + (1,), q.dtype)
     height = _block_height(is_causal)
     blocks = _row_blocks(lq, lk, groups, height)
-    above = np.triu(np.ones((height, height), dtype=bool), 1) if is_causal else None  # key > query
+    # key-major diagonal block: key r0 + b is hidden from query r0 + a when b > a (strictly below)
+    hide = np.tril(np.ones((height, height), dtype=bool), -1) if is_causal else None
     lead = qg.shape[:-2]
     qs_buf = np.empty(math.prod(lead) * max((r.stop - r.start for r, _, _ in blocks), default=0) * q.shape[-1], q.dtype)
 
     e = []
     for rows, c1, r0 in blocks:
         n = rows.stop - rows.start
-        # scores of the block: s = (q * scale) k^T over the keys 0..c1-1 its rows may see
+        # scores of the block, key-major: t = s^T = k (q * scale)^T over the keys 0..c1-1 its rows
+        # may see (the (c1, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way)
         qs = np.multiply(qg[..., rows, :], scale, out=_scratch(qs_buf, lead + (n, q.shape[-1])))
-        s = qs @ kt[..., :, :c1]
-        if is_causal and r0 + 1 < c1:  # the diagonal part: row a (query r0 + a) hides keys r0 + b, b > a
-            np.copyto(s[..., :, r0:c1], -np.inf, where=above[:n, :c1 - r0])
+        t = k[..., :c1, :] @ qs.swapaxes(-1, -2)
+        if is_causal and r0 + 1 < c1:  # the diagonal part: key r0 + b is hidden from query r0 + a when b > a
+            np.copyto(t[..., r0:c1, :], -np.inf, where=hide[:c1 - r0, :n])
         if hidden is not None:
-            np.copyto(s, -np.inf, where=mask_block(hidden, rows, c1, r0))
+            np.copyto(t, -np.inf, where=mask_block(hidden, rows, c1, r0).swapaxes(-1, -2))
         if additive is not None:
-            s += mask_block(additive, rows, c1, r0)
-        # E = exp(s - rowmax), in place; rows with no visible key (max = -inf) end up all zero
-        m = s.max(axis=-1, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
+            t += mask_block(additive, rows, c1, r0).swapaxes(-1, -2)
+        # E = exp(s - max over keys), in place; a query with no visible key (max = -inf) gets zeros.
+        # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
+        m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
         m[~np.isfinite(m)] = 0.0
-        s -= m
-        np.exp(s, out=s)
-        total = s.sum(axis=-1, keepdims=True)
+        t -= m
+        np.exp(t, out=t)
+        total = t.sum(axis=-2)[..., None]  # (..., n, 1), as inv_l
         total[total == 0] = 1.0
         il = inv_l[..., rows, :]
         np.divide(1.0, total, out=il)
         # out = P' v = (E [* keep]) v / l [/ (1-p)]
         o = out[..., rows, :]
-        np.matmul(s if keep_g is None else s * keep_g[..., rows, :c1], v[..., :c1, :], out=o)
+        used = t if keep_g is None else t * keep_g[..., rows, :c1].swapaxes(-1, -2)
+        np.matmul(used.swapaxes(-1, -2), v[..., :c1, :], out=o)
         o *= il if keep is None else il * drop_scale
-        e.append(s)
+        e.append(t)
     out = _ungrouped(out, groups, out_shape)
     return out, AttentionCache(q, k, v, tuple(e), inv_l, tuple(blocks), keep, drop_scale, scale, groups)
 
@@ -274,7 +282,7 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
     widest = blocks[order[0]][1] if blocks else 0
     dk[..., widest:, :] = 0
     dv[..., widest:, :] = 0
-    qg, vt = _grouped(q, groups), v.swapaxes(-1, -2)
+    qg = _grouped(q, groups)
     # Scratch, allocated once at the largest block's size and reused by every block (memory
     # that stays in cache rather than fresh pages): dS, the rows of dout / l and scale q / l,
     # and the products added into dk and dv.
@@ -285,28 +293,28 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
     q_buf = np.empty(math.prod(lead) * height * q.shape[-1], q.dtype)
     prod_buf = np.empty(math.prod(lead) * widest * max(k.shape[-1], v.shape[-1]) if len(blocks) > 1 else 0, q.dtype)
     for n, i in enumerate(order):
-        (rows, c1, _), e = blocks[i], e_blocks[i]
+        (rows, c1, _), e = blocks[i], e_blocks[i]  # e: E^T, key-major (c1, h) as in the forward
         h = rows.stop - rows.start
         il = inv_l[..., rows, :]
-        kb = None if keep_g is None else keep_g[..., rows, :c1]
+        kb = None if keep_g is None else keep_g[..., rows, :c1].swapaxes(-1, -2)
         # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
         do_l = np.multiply(dog[..., rows, :], il if kb is None else il * drop_scale, out=_scratch(do_buf, lead + (h, v.shape[-1])))
-        _write_or_add((e if kb is None else e * kb).swapaxes(-1, -2), do_l, dv[..., :c1, :], n > 0, prod_buf)
-        # dP' = dout v^T;  dP = dP' * keep / (1 - p);  l dS = E * (dP - D)
-        ds = _scratch(ds_buf, lead + (h, c1))
-        np.matmul(dog[..., rows, :], vt[..., :, :c1], out=ds)
+        _write_or_add(e if kb is None else e * kb, do_l, dv[..., :c1, :], n > 0, prod_buf)
+        # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  (l dS)^T = E^T * (dP - D)^T
+        ds = _scratch(ds_buf, lead + (c1, h))
+        np.matmul(v[..., :c1, :], dog[..., rows, :].swapaxes(-1, -2), out=ds)
         if kb is not None:
             ds *= kb
             ds *= drop_scale
-        ds -= np.einsum("...ij,...ij->...i", ds, e)[..., None] * il  # dP - D
+        ds -= np.einsum("...ji,...ji->...i", ds, e)[..., None, :] * il.swapaxes(-1, -2)  # dP - D
         ds *= e
         # dq = scale dS k = (scale / l) (l dS) k;  dk = scale dS^T q = (l dS)^T (scale q / l)
         dq_rows = dq[..., rows, :]
-        np.matmul(ds, k[..., :c1, :], out=dq_rows)
+        np.matmul(ds.swapaxes(-1, -2), k[..., :c1, :], out=dq_rows)
         il_s = il * scale
         dq_rows *= il_s
         q_l = np.multiply(qg[..., rows, :], il_s, out=_scratch(q_buf, lead + (h, q.shape[-1])))
-        _write_or_add(ds.swapaxes(-1, -2), q_l, dk[..., :c1, :], n > 0, prod_buf)
+        _write_or_add(ds, q_l, dk[..., :c1, :], n > 0, prod_buf)
     dq = _ungrouped(dq, groups, q.shape)
     if out is None:
         return dq, dk, dv
