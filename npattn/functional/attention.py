@@ -106,10 +106,10 @@ def _ungrouped(x, groups, full_shape):
 # L=1024 (E=64), 2 cores, OpenBLAS Haswell kernels, best of 7, ms:
 #
 #     height                  32     64    128    256    512    (one block, the old code:
-#     L=256   float32       62.0   60.2   57.1   63.4       -     ~2x the blocked time)
-#     L=256   float64      110.2  103.8  102.2  121.8       -
-#     L=1024  float32          -  145.0  127.8  134.3  153.7
-#     L=1024  float64          -  280.2  243.3  252.8  298.6
+#     L=256   float32       64.5   60.0   54.9   64.8       -     ~2x the blocked time)
+#     L=256   float64      117.2  103.7   95.3  127.7       -
+#     L=1024  float32          -  148.0  119.5  121.7  142.2
+#     L=1024  float64          -  282.2  228.2  248.3  285.3
 _CAUSAL_BLOCK = 128
 
 
