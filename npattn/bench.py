@@ -41,7 +41,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -485,7 +484,7 @@ def _shape_str(shape):
 def _format_row(r):
     t = r["torch_s"]
     frac = r["fraction_of_gemm_peak"]
-    return (f"{r['name']:<8} {_shape_str(r['shape']):<26} {r['dtype']:<8} {r['npattn_s'] * 1e3:>10.2f} "
+    return (f"{r['name']:<8} {_shape_str(r['shape']):<29} {r['dtype']:<8} {r['npattn_s'] * 1e3:>10.2f} "
             f"{_fmt(t and t * 1e3, '>10.2f')} {_fmt(r['ratio'], '>6.2f')} "
             f"{r['npattn_gflops']:>8.1f} {_fmt(r['torch_gflops'], '>7.1f')} "
             f"{_fmt(frac and 100 * frac, '>6.0f')}% {_fmt(r.get('max_rel_diff_vs_torch'), '>9.1e')}")
@@ -519,7 +518,7 @@ def format_table(report):
         f"forward+backward (input and parameter gradients), median of {report['repeats']} interleaved runs;"
         " GFLOP/s count useful FLOPs (causal: visible pairs only)",
         "",
-        f"{'op':<8} {'shape':<26} {'dtype':<8} {'npattn ms':>10} {'torch ms':>10} {'ratio':>6} "
+        f"{'op':<8} {'shape':<29} {'dtype':<8} {'npattn ms':>10} {'torch ms':>10} {'ratio':>6} "
         f"{'GFLOP/s':>8} {'torch':>7} {'%peak':>7} {'rel.diff':>9}",
     ]
     lines += [_format_row(r) for r in report["results"]]
