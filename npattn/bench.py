@@ -154,16 +154,20 @@ def _result(name, shape, dtype, flops, times, peak, check=None):
 
 # -- the cases ---------------------------------------------------------------------------------------
 def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5,
-               pause=PAUSE):
-    """``scaled_dot_product_attention`` forward+backward on ``(b, h, L, E)`` (and torch's)."""
+               pause=PAUSE, memory_efficient=False):
+    """``scaled_dot_product_attention`` (or, with ``memory_efficient``, ``memory_efficient_attention``)
+    forward+backward on ``(b, h, L, E)``, and torch's ``F.scaled_dot_product_attention`` (its CPU
+    flash kernel for these inputs)."""
     from . import functional as F
 
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((b, h, L, E)).astype(dtype) for _ in range(4))
+    fwd, bwd = ((F.memory_efficient_attention, F.memory_efficient_attention_backward) if memory_efficient
+                else (F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward))
 
     def run_np():
-        out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return out, F.scaled_dot_product_attention_backward(dout, cache)
+        out, cache = fwd(q, k, v, is_causal=causal)
+        return out, bwd(dout, cache)
 
     fns = {"npattn": run_np}
     torch = _torch() if use_torch else None
@@ -184,7 +188,8 @@ def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, pea
         tout = run_torch()
         check = max(_rel_diff(out, tout.detach().numpy()), _rel_diff(dq, tq.grad.numpy()))
     times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
-    return _result("sdpa", {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal}, dtype,
+    return _result("mem_eff" if memory_efficient else "sdpa",
+                   {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal}, dtype,
                    _attention_flops(b, h, L, L, E, E, causal), times, peak, check)
 
 
@@ -387,11 +392,13 @@ def run(quick=False, use_torch=True, repeats=None, progress=None):
         plan = [("sdpa", dict(b=s["b"], h=s["h"], L=s["L"], E=s["d"] // s["h"])),
                 ("sdpa", dict(b=g["b"], h=g["h"], L=g["L"], E=g["d"] // g["h"])),
                 ("mha", SMALL), ("mha", GPT2), ("mha", LONG),
-                ("encoder", SMALL), ("encoder", GPT2)]
-    funcs = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder}
+                ("encoder", SMALL), ("encoder", GPT2),
+                ("mem_eff", dict(b=1, h=12, L=4096, E=64))]  # against torch's CPU flash kernel
+    funcs = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder,
+             "mem_eff": lambda **kw: bench_sdpa(**kw, memory_efficient=True)}
     results = []
     for name, kw in plan:
-        for dt in dtypes:
+        for dt in (dtypes if name != "mem_eff" else (np.float32,)):
             if progress:
                 progress(f"{name} {kw} {np.dtype(dt).name}")
             results.append(funcs[name](**kw, dtype=dt, use_torch=use_torch, peak=peaks[np.dtype(dt).name],
