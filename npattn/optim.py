@@ -226,6 +226,18 @@ class Optimizer:
         for i, new in staged:
             self.state[i] = new
 
+    def _validated(self, **hyper) -> dict:
+        """Every hyper-parameter checked (by ``_validate_hyper``, as on later assignment) before
+        anything is stored."""
+        return {name: self._validate_hyper(name, value) for name, value in hyper.items()}
+
+    def _init(self, params, hyper: dict) -> None:
+        """``Optimizer.__init__`` with the learning rate, then the other validated hyper-parameters."""
+        Optimizer.__init__(self, params, hyper["lr"])
+        for name, value in hyper.items():
+            if name != "lr":
+                setattr(self, name, value)
+
     def _validate_hyper(self, name: str, value):
         if name == "lr":
             return check_positive_float(value, "lr", allow_zero=True)
@@ -259,16 +271,10 @@ class SGD(Optimizer):
     _hyper = ("lr", "momentum", "weight_decay", "nesterov")
 
     def __init__(self, params, lr, momentum=0.0, weight_decay=0.0, nesterov=False):
-        lr = check_positive_float(lr, "lr", allow_zero=True)
-        momentum = _check_unit_open(momentum, "momentum")
-        weight_decay = check_positive_float(weight_decay, "weight_decay", allow_zero=True)
-        nesterov = check_bool(nesterov, "nesterov")
-        if nesterov and momentum == 0.0:
+        hyper = self._validated(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        if hyper["nesterov"] and hyper["momentum"] == 0.0:
             raise ValueError("nesterov: Nesterov momentum requires momentum > 0, got momentum=0.0")
-        super().__init__(params, lr)
-        self.momentum = momentum
-        self.weight_decay = weight_decay
-        self.nesterov = nesterov
+        self._init(params, hyper)
 
     def _validate_hyper(self, name, value):
         if name == "momentum":
@@ -318,14 +324,7 @@ class Adam(Optimizer):
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        lr = check_positive_float(lr, "lr", allow_zero=True)
-        betas = _check_betas(betas)
-        eps = check_positive_float(eps, "eps")
-        weight_decay = check_positive_float(weight_decay, "weight_decay", allow_zero=True)
-        super().__init__(params, lr)
-        self.betas = betas
-        self.eps = eps
-        self.weight_decay = weight_decay
+        self._init(params, self._validated(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def _validate_hyper(self, name, value):
         if name == "betas":

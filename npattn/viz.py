@@ -149,6 +149,16 @@ def _annotate(ax, data, im, fmt="{:.2f}", fontsize=None):
 
 # ---------------------------------------------------------------------------------------------
 
+def _matrix_labels(tokens_q, tokens_k, shape, what):
+    """Row and column labels of an ``(Lq, Lk)`` matrix; the keys default to the query tokens
+    when the matrix is square."""
+    lq, lk = shape
+    labels_q = _check_tokens(tokens_q, lq, "tokens_q", f"one per query row, {what} is {shape}")
+    if tokens_k is None and labels_q is not None and lq == lk:
+        return labels_q, labels_q
+    return labels_q, _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, {what} is {shape}")
+
+
 def plot_attention(weights, tokens_q=None, tokens_k=None, ax=None, annotate=None, *, title=None,
                    cmap="viridis", vmin=None, vmax=None, colorbar=True):
     """Heatmap of one attention matrix: rows are queries, columns keys.
@@ -168,11 +178,7 @@ def plot_attention(weights, tokens_q=None, tokens_k=None, ax=None, annotate=None
     lq, lk = w.shape
     if lq == 0 or lk == 0:
         raise ValueError(f"weights: expected a non-empty matrix, got shape {w.shape}")
-    labels_q = _check_tokens(tokens_q, lq, "tokens_q", f"one per query row, weights is {w.shape}")
-    if tokens_k is None and labels_q is not None and lq == lk:
-        labels_k = labels_q
-    else:
-        labels_k = _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, weights is {w.shape}")
+    labels_q, labels_k = _matrix_labels(tokens_q, tokens_k, w.shape, "weights")
     annotate = _check_bool_or_none(annotate, "annotate")
     if annotate is None:
         annotate = lq <= ANNOTATE_MAX and lk <= ANNOTATE_MAX
@@ -285,11 +291,7 @@ def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
     lq, lk = m.shape
     if lq == 0 or lk == 0:
         raise ValueError(f"mask: expected a non-empty matrix, got shape {m.shape}")
-    labels_q = _check_tokens(tokens_q, lq, "tokens_q", f"one per query row, mask is {m.shape}")
-    if tokens_k is None and labels_q is not None and lq == lk:
-        labels_k = labels_q
-    else:
-        labels_k = _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, mask is {m.shape}")
+    labels_q, labels_k = _matrix_labels(tokens_q, tokens_k, m.shape, "mask")
     if m.dtype.kind == "f" and np.isnan(m).any():
         raise ValueError("mask: a float mask must not contain NaN")
     plt = _pyplot()
