@@ -15,13 +15,11 @@ Importing npattn imports numpy and nothing else outside the standard library.
 """
 __version__ = "0.1.0"
 
-from . import functional, masks, optim  # noqa: F401
-from .attention import MultiHeadAttention
-from .gradcheck import GradcheckReport, gradcheck
-from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
+from . import functional, masks, nn, optim  # noqa: F401
 from .models import TinyTransformer
-from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
-from .transformer import EncoderBlock
+from .nn import (Dropout, EncoderBlock, Embedding, FeedForward, LayerNorm, Linear, Module, ModuleList,
+                 MultiHeadAttention, Parameter, is_grad_enabled, no_grad)
+from .testing.gradcheck import GradcheckReport, gradcheck
 
 __all__ = [
     "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",

@@ -49,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
-        from .check import main as run
+        from .tools.check import main as run
     elif args.command == "demo":
-        from .demo import main as run
+        from .tools.demo import main as run
     else:
-        from .bench import main as run
+        from .tools.bench import main as run
     return int(run(args) or 0)
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import attention as _attention
+from .nn import attention as _attention
 from . import functional as F
 from ._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
-from .layers import Linear
-from .module import Module, ModuleList, Parameter
+from .nn.layers import Linear
+from .nn.module import Module, ModuleList, Parameter
 
 __all__ = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper",
            "MultiHeadAttention"]

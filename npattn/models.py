@@ -21,9 +21,9 @@ import numpy as np
 
 from . import functional as F
 from ._validate import as_index, as_rng, check_dtype, check_prob, check_size
-from .layers import Embedding, LayerNorm, Linear
-from .module import Module, ModuleList, no_grad
-from .transformer import EncoderBlock
+from .nn.layers import Embedding, LayerNorm, Linear
+from .nn.module import Module, ModuleList, no_grad
+from .nn.transformer import EncoderBlock
 
 __all__ = ["TinyTransformer"]
 

@@ -32,7 +32,7 @@ import numbers
 import numpy as np
 
 from ._validate import check_bool, check_positive_float, check_size
-from .module import Parameter
+from .nn.module import Parameter
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm_", "WarmupCosine"]
 

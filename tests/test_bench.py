@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import npattn
-import npattn.bench as B
+import npattn.tools.bench as B
 import npattn.functional as F
 import npattn.functional.attention as A
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "npattn" / "bench.py"
+BENCH = ROOT / "npattn" / "tools" / "bench.py"
 
 
 def run(*args, code=None, timeout=300):
@@ -42,7 +42,7 @@ def test_check_passes_and_prints_a_table():
 
 def test_check_exit_code_1_on_a_failure(tmp_path):
     code = (
-        "import sys, npattn.check as c\n"
+        "import sys, npattn.tools.check as c\n"
         "orig = c.cases\n"
         "def broken(seed=0):\n"
         "    out = orig(seed)\n"
@@ -110,7 +110,7 @@ def test_demo_without_matplotlib_and_tqdm(tmp_path):
 
 
 # -- bench -------------------------------------------------------------------------------------
-@pytest.mark.skipif(not BENCH.exists(), reason="npattn/bench.py does not exist yet")
+@pytest.mark.skipif(not BENCH.exists(), reason="npattn/tools/bench.py does not exist yet")
 def test_bench_quick_runs():
     r = run("bench", "--quick")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import npattn.functional as F
-from npattn.gradcheck import gradcheck
+from npattn.testing import gradcheck
 from npattn.testing import arrays, attention_configs, layer_norm_inputs, relu_safe_arrays, seeds, shapes
 
 from _fd import fd_check

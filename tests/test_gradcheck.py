@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import npattn.functional as F
-from npattn.gradcheck import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
-from npattn.module import Module, Parameter
+from npattn.testing import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
+from npattn.nn.module import Module, Parameter
 
 from _fd import fd_gradients
 

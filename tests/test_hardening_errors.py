@@ -17,7 +17,7 @@ import npattn
 import npattn.functional as F
 from _hardening import assert_own_error, expect_error
 from npattn import book, masks
-from npattn.gradcheck import gradcheck, numerical_gradient
+from npattn.testing import gradcheck, numerical_gradient
 from npattn.models import TinyTransformer
 from npattn.optim import SGD, Adam, AdamW, WarmupCosine, clip_grad_norm_
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import npattn.functional.flash as flash
+import npattn.functional.memory_efficient as flash
 from npattn.functional.attention import (scaled_dot_product_attention,
                                          scaled_dot_product_attention_backward)
-from npattn.functional.flash import (MemoryEfficientCache, memory_efficient_attention,
+from npattn.functional.memory_efficient import (MemoryEfficientCache, memory_efficient_attention,
                                      memory_efficient_attention_backward)
 
 

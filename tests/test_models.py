@@ -6,7 +6,7 @@ import pytest
 
 from npattn import functional as F
 from npattn import gradcheck
-from npattn.demo import IGNORE_INDEX, SEP, TASKS, HeldOutSet, answer_of, make_examples, train
+from npattn.tools.demo import IGNORE_INDEX, SEP, TASKS, HeldOutSet, answer_of, make_examples, train
 from npattn.models import TinyTransformer
 
 

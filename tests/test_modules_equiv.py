@@ -283,7 +283,7 @@ def test_dropout_seeded_training_only(factory, x):
 def test_mha_gradient_uses_the_forward_dropout_mask():
     import copy
 
-    from npattn.gradcheck import numerical_gradient
+    from npattn.testing import numerical_gradient
 
     x = rand(0, (2, 4, 4))
     dy = rand(5, (2, 4, 4))

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from npattn.module import Module, Parameter
+from npattn.nn.module import Module, Parameter
 from npattn.optim import SGD, Adam, AdamW, Optimizer, WarmupCosine, clip_grad_norm_
 
 

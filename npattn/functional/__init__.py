@@ -8,6 +8,7 @@ from .activation import (dropout, dropout_backward, gelu, gelu_backward, relu, r
 from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
 from .linear import embedding, embedding_backward, linear, linear_backward
 from .loss import cross_entropy, cross_entropy_backward
+from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward
 from .norm import layer_norm, layer_norm_backward
 
 __all__ = [
@@ -16,10 +17,5 @@ __all__ = [
     "dropout", "dropout_backward", "layer_norm", "layer_norm_backward",
     "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "AttentionCache",
     "cross_entropy", "cross_entropy_backward",
+    "memory_efficient_attention", "memory_efficient_attention_backward",
 ]
-
-try:  # filled in by the memory-efficient attention work
-    from .flash import memory_efficient_attention, memory_efficient_attention_backward  # noqa: F401
-    __all__ += ["memory_efficient_attention", "memory_efficient_attention_backward"]
-except ImportError:  # pragma: no cover
-    pass

@@ -10,8 +10,8 @@ import numbers
 
 import numpy as np
 
-from . import functional as F
-from ._validate import (as_float, as_rng, check_bool, check_dtype, check_positive_float, check_prob,
+from .. import functional as F
+from .._validate import (as_float, as_rng, check_bool, check_dtype, check_positive_float, check_prob,
                         check_size)
 from .module import Module, Parameter
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
+from .._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
 
 __all__ = ["Parameter", "Module", "ModuleList", "no_grad", "is_grad_enabled"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
+from .._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
 from .attention import MultiHeadAttention
 from .layers import Dropout, FeedForward, LayerNorm
 from .module import Module

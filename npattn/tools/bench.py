@@ -158,7 +158,7 @@ def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, pea
     """``scaled_dot_product_attention`` (or, with ``memory_efficient``, ``memory_efficient_attention``)
     forward+backward on ``(b, h, L, E)``, and torch's ``F.scaled_dot_product_attention`` (its CPU
     flash kernel for these inputs)."""
-    from . import functional as F
+    from .. import functional as F
 
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((b, h, L, E)).astype(dtype) for _ in range(4))
@@ -253,7 +253,7 @@ def _module_fns(module, tmodule, x, dy, torch):
 def bench_mha(b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5,
               pause=PAUSE):
     """``MultiHeadAttention(d, d, h, causal=causal)`` forward+backward on ``(b, L, d)`` (and torch's)."""
-    from .attention import MultiHeadAttention
+    from ..nn.attention import MultiHeadAttention
 
     rng = np.random.default_rng(0)
     mha = MultiHeadAttention(d, d, h, causal=causal, rng=0, dtype=dtype)
@@ -302,7 +302,7 @@ def _torch_encoder(torch, block, L):
 def bench_encoder(b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_torch=True, peak=None,
                   warmup=1, repeats=5, pause=PAUSE):
     """``EncoderBlock(d, h, d_ff, dropout=0, causal=causal, qkv_bias=True)`` forward+backward (and torch's)."""
-    from .transformer import EncoderBlock
+    from ..nn.transformer import EncoderBlock
 
     d_ff = 4 * d if d_ff is None else d_ff
     rng = np.random.default_rng(0)
@@ -551,7 +551,7 @@ def format_table(report):
 
 
 # -- OpenBLAS environment and the command ---------------------------------------------------------
-_PEAK_SCRIPT = ("import json, npattn.bench as b; "
+_PEAK_SCRIPT = ("import json, npattn.tools.bench as b; "
                 "print(json.dumps({d: b.gemm_peak(d) for d in ('float32', 'float64')}))")
 
 
@@ -608,7 +608,7 @@ def main(args):
         if progress:
             progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: benchmarking in a subprocess without them")
         opts = json.dumps({"quick": quick, "memory": memory, "progress": progress is not None})
-        proc = subprocess.run([sys.executable, "-c", "import npattn.bench as b; b._worker()", opts],
+        proc = subprocess.run([sys.executable, "-c", "import npattn.tools.bench as b; b._worker()", opts],
                               stdout=subprocess.PIPE, text=True, env=_child_env(_SLOW_ENV))
         if proc.returncode != 0:
             print(f"npattn bench: the benchmark subprocess failed (exit status {proc.returncode})", file=sys.stderr)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import functional as F
-from . import masks as _masks
-from ._validate import (as_float, as_rng, check_bool, check_dtype, check_mask, check_prob, check_size,
+from .. import functional as F
+from .. import masks as _masks
+from .._validate import (as_float, as_rng, check_bool, check_dtype, check_mask, check_prob, check_size,
                         to_numpy)
 from .layers import Linear
 from .module import Module

@@ -194,7 +194,7 @@ def evaluate(model, digits: np.ndarray, task: str):
 
 
 def build_model(cfg: DemoConfig, rng):
-    from .models import TinyTransformer
+    from ..models import TinyTransformer
 
     return TinyTransformer(VOCAB_SIZE, 2 * cfg.n_digits, cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff,
                            rng=rng, dtype=np.float32)
@@ -208,7 +208,7 @@ def train(cfg: DemoConfig, progress=None) -> DemoResult:
 
 
 def _train(cfg, progress):
-    from .optim import AdamW, WarmupCosine, clip_grad_norm_
+    from ..optim import AdamW, WarmupCosine, clip_grad_norm_
 
     rng = np.random.default_rng(cfg.seed)
     model = build_model(cfg, rng)

@@ -17,14 +17,14 @@ __all__ = ["cases", "run", "main"]
 
 def cases(seed: int = 0):
     """``[(name, thunk)]``: each thunk runs one ``gradcheck`` and returns its report."""
-    from . import functional as F
-    from .attention import MultiHeadAttention
-    from .book import (CausalAttention, MultiHeadAttentionWrapper, SelfAttention_v1, SelfAttention_v2)
-    from .book import MultiHeadAttention as BookMultiHeadAttention
-    from .gradcheck import gradcheck
-    from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
-    from .models import TinyTransformer
-    from .transformer import EncoderBlock
+    from .. import functional as F
+    from ..nn.attention import MultiHeadAttention
+    from ..book import (CausalAttention, MultiHeadAttentionWrapper, SelfAttention_v1, SelfAttention_v2)
+    from ..book import MultiHeadAttention as BookMultiHeadAttention
+    from ..testing.gradcheck import gradcheck
+    from ..nn.layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
+    from ..models import TinyTransformer
+    from ..nn.transformer import EncoderBlock
 
     rng = np.random.default_rng(seed)
 

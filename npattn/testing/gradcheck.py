@@ -33,7 +33,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .module import Module
+from ..nn.module import Module
 
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient"]
 

@@ -1,0 +1,13 @@
+"""Modules, torch-style: ``y = m(x)``, ``dx = m.backward(dy)``, parameter gradients added into ``p.grad``.
+
+Thin layers over ``npattn.functional``, each composing its submodules.
+"""
+from .attention import MultiHeadAttention
+from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
+from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
+from .transformer import EncoderBlock
+
+__all__ = [
+    "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
+    "Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
+]

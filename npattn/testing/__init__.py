@@ -1,0 +1,23 @@
+"""Test support that users import too.
+
+* ``gradcheck``, ``GradcheckReport``, ``GradcheckRow``, ``numerical_gradient``: central-difference
+  checks of functional pairs and modules (numpy only; also ``npattn.gradcheck``).
+* The hypothesis strategies of npattn's own property tests (``arrays``, ``attention_configs``, ...,
+  see ``npattn.testing.strategies``): loaded on first use, so only they need hypothesis.
+"""
+from .gradcheck import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
+
+_STRATEGIES = (
+    "dtypes", "seeds", "shapes", "arrays", "relu_safe_arrays", "layer_norm_inputs", "LayerNormCase",
+    "MASK_KINDS", "masks", "attention_configs", "AttentionConfig", "make_mask",
+)
+
+__all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient", *_STRATEGIES]
+
+
+def __getattr__(name):
+    if name in _STRATEGIES:
+        from . import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module 'npattn.testing' has no attribute {name!r}")

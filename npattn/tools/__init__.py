@@ -1,0 +1,1 @@
+"""What the command line runs (``npattn check``, ``demo``, ``bench``); the library never imports these."""
