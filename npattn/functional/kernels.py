@@ -1,0 +1,21 @@
+"""The functional pairs without their input checks, for npattn's own modules.
+
+``npattn.functional.op`` is a public edge: it validates and casts its arguments, then calls the
+kernel.  A module has already validated its inputs at its own edge (``__call__``), so it calls
+the kernel here directly: validation runs once.  Each kernel has the public op's name and
+signature and computes exactly the same numbers; its arguments must already be what the public op
+would have made of them (float arrays of one dtype, shapes that fit, checked options).
+
+Internal extras a kernel may take beyond the public signature are documented where it is defined
+(e.g. the attention kernels' output layout for ``MultiHeadAttention``'s fused buffer).
+"""
+# -- linear, embedding, activations, norms, loss, rope (one line per pair) --------------------------
+from .activation import dropout, dropout_backward, gelu, gelu_backward, relu, relu_backward  # noqa: F401
+from .activation import softmax, softmax_backward  # noqa: F401
+from .linear import embedding, embedding_backward, linear, linear_backward  # noqa: F401
+from .loss import cross_entropy, cross_entropy_backward  # noqa: F401
+from .norm import layer_norm, layer_norm_backward  # noqa: F401
+
+# -- attention ----------------------------------------------------------------------------------------
+from .attention import scaled_dot_product_attention, scaled_dot_product_attention_backward  # noqa: F401
+from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward  # noqa: F401
