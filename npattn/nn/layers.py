@@ -135,8 +135,8 @@ class LayerNorm(Module):
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        kw = {"normalized_shape": self.normalized_shape} if len(self.normalized_shape) > 1 else {}  # TEMP
-        y, cache = K.layer_norm(x, _data(self.weight), _data(self.bias), self.eps, **kw)
+        y, cache = K.layer_norm(x, _data(self.weight), _data(self.bias), self.eps,
+                                normalized_shape=self.normalized_shape)
         self._save(cache)
         return y
 
