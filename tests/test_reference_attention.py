@@ -10,12 +10,11 @@ import itertools
 
 import numpy as np
 import pytest
+from _fd import fd_gradients, rel_err
 
 from npattn import gradcheck
 from npattn.functional import reference as R
 from npattn.functional._random import draw_seed, keep_mask
-
-from _fd import fd_gradients, rel_err
 
 CORES = ("sdpa", "memeff")
 
