@@ -258,7 +258,11 @@ class Embedding(Module):
             padding_idx = int(padding_idx) % n
         self.padding_idx = padding_idx
         self.max_norm = None if max_norm is None else check_positive_float(max_norm, "max_norm")
-        self.norm_type = check_positive_float(norm_type, "norm_type")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+            raise TypeError(f"norm_type: expected a float > 0 (or inf), got {norm_type!r} ({type(norm_type).__name__})")
+        if not norm_type > 0:  # also refuses NaN
+            raise ValueError(f"norm_type: expected a number > 0 (or inf), got {norm_type}")
+        self.norm_type = float(norm_type)
         self.scale_grad_by_freq = check_bool(scale_grad_by_freq, "scale_grad_by_freq")
         self._dtype = check_dtype(dtype)
         w = as_rng(rng).standard_normal((self.num_embeddings, self.embedding_dim))
@@ -283,22 +287,17 @@ class Embedding(Module):
         rows = np.unique(ids)
         w = self.weight.data
         sub = w[rows]
-        if math.isinf(self.norm_type):
-            norms = np.abs(sub).max(axis=1, initial=0.0)
-        else:
-            norms = (np.abs(sub) ** self.norm_type).sum(axis=1) ** (1.0 / self.norm_type)
+        norms = np.linalg.norm(sub, ord=self.norm_type, axis=1)
         big = norms > self.max_norm
         if big.any():
             w[rows[big]] = sub[big] * (self.max_norm / (norms[big] + 1e-7))[:, None].astype(w.dtype)
+            self.weight.bump_version()  # a forward state kept elsewhere from these rows is stale
 
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         if self.max_norm is not None:
             self._renorm_(ids)  # the rows are now within max_norm: the lookup needs no renorm of its own
-        if self.padding_idx is None and not self.scale_grad_by_freq:  # TEMP
-            y, cache = K.embedding(ids, self.weight.data)
-        else:
-            y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type,
-                                   self.scale_grad_by_freq)
+        y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type,
+                               self.scale_grad_by_freq)
         self._save(cache)
         return y
 
