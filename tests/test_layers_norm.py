@@ -201,20 +201,28 @@ def test_float32_stays_float32():
 
 def test_modules_call_the_unvalidated_kernels(monkeypatch):
     """The checked public ops are not called by the modules: validation runs once."""
-    import npattn.functional.activation as act
-    import npattn.functional.norm as norm
+    import importlib
+
+    act, emb, lin, norm = (importlib.import_module(f"npattn.functional.{n}")
+                           for n in ("activation", "embedding", "linear", "norm"))  # the files, not the ops
 
     def refuse(*a, **k):
         raise AssertionError("a module called a checked functional op")
 
     for mod, names in ((norm, ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")),
                        (act, ("relu", "relu_backward", "gelu", "gelu_backward", "silu", "silu_backward",
-                              "dropout", "dropout_backward"))):
+                              "dropout", "dropout_backward")),
+                       (lin, ("linear", "linear_backward")), (emb, ("embedding", "embedding_backward"))):
         for n in names:
             monkeypatch.setattr(mod, n, refuse)
+            monkeypatch.setattr(npattn.functional, n, refuse)  # the re-exported names too
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 4))
     for m in (LayerNorm(4), RMSNorm((3, 4)), npattn.FeedForward(4, 5, activation="swiglu", dropout=0.5, rng=0),
               npattn.FeedForward(4, 5, activation="gelu", rng=0), npattn.Dropout(0.3, rng=0)):
         y = m(x)
+        m.backward(rng.standard_normal(y.shape))
+    for m, ids in ((npattn.Embedding(5, 4, padding_idx=0, max_norm=1.0, scale_grad_by_freq=True, rng=0), [[1, 0, 1]]),
+                   (npattn.Linear(4, 2, rng=0), x)):
+        y = m(ids)
         m.backward(rng.standard_normal(y.shape))
