@@ -241,6 +241,12 @@ class Embedding(Module):
       in the batch.
     """
 
+    weight: Parameter
+    padding_idx: Optional[int]
+    max_norm: Optional[float]
+    norm_type: float
+    scale_grad_by_freq: bool
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  *, rng=None, dtype=np.float64) -> None:
