@@ -161,13 +161,14 @@ def _cross_entropy_backward(dout, cache):
             q = q * weight
         dx = p * q.sum(axis=-1, keepdims=True) - q
     else:
+        # the two parts of q separately (as torch): (1 - eps) w[t] (softmax - onehot) + eps/C (sum(w) softmax - w)
         t = targets[..., None]
-        wt = weight[targets] if weight is not None else np.ones(targets.shape, dtype=logp.dtype)
-        total = (1.0 - eps) * wt + eps_c * (weight.sum() if weight is not None else c)  # sum(q)
-        dx = p * total[..., None]
+        a = (1.0 - eps) * (weight[targets] if weight is not None else np.ones(targets.shape, dtype=logp.dtype))
+        dx = p * a[..., None]
+        np.put_along_axis(dx, t, np.take_along_axis(dx, t, axis=-1) - a[..., None], axis=-1)
         if eps:
-            dx -= eps_c * (weight if weight is not None else 1.0)
-        np.put_along_axis(dx, t, np.take_along_axis(dx, t, axis=-1) - (1.0 - eps) * wt[..., None], axis=-1)
+            wsum = weight.sum() if weight is not None else c
+            dx += eps_c * (p * wsum - (weight if weight is not None else 1.0))
         dx *= counted[..., None]
     if reduction == "none":
         dx *= dout[..., None]
