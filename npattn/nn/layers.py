@@ -373,7 +373,10 @@ class FeedForward(Module):
         self.dropout = Dropout(dropout, rng=rng)
 
     def _check_input(self, x, name: str = "x") -> np.ndarray:
-        return self.linear1._check_input(x, name)
+        x = as_float(x, name, self.dtype)
+        d, d_ff = self.linear1.in_features, self.linear1.out_features
+        _check_features(x, name, d, f"FeedForward({d}, {d_ff})")
+        return x
 
     def forward(self, x) -> np.ndarray:
         return self._forward(self._check_input(x))
