@@ -23,6 +23,9 @@ same run (a ``2048 x 2048`` matmul; the best of several), the ceiling of anythin
 against ``memory_efficient_attention`` (b=1, h=12, E=64, float32, causal) for several sequence
 lengths, each in a fresh subprocess (``VmHWM``), minus that process's resident size just
 before the call (after numpy, npattn and the inputs are loaded).
+It also sweeps windowed ``memory_efficient_attention`` (causal, ``window=(256, 0)``, b=1, h=4,
+E=64, float32) over L = 1k .. 16k (``window_memory_efficient_rows``): time and memory above the
+inputs, which should grow linearly in L.
 
 Environment: some machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2
 kernels on a CPU that has AVX-512) and ``OPENBLAS_L2_SIZE``, which slow numpy's GEMM.  When they
@@ -49,7 +52,7 @@ import time
 import numpy as np
 
 __all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
-           "machine_info", "probe_openblas_env", "format_table"]
+           "machine_info", "probe_openblas_env", "format_table", "window_memory_efficient_rows"]
 
 _TORCH = None
 
@@ -478,6 +481,82 @@ def memory_table(lengths=(512, 1024, 2048, 4096), progress=None):
     return rows
 
 
+# -- windowed memory-efficient attention against L ----------------------------------------------------
+_WINDOW_SCRIPT = r"""
+import json, resource, sys, time
+import numpy as np
+import npattn.functional as F
+L, left, right, b, h, E, repeats = (int(a) for a in sys.argv[1:8])
+rng = np.random.default_rng(0)
+q, k, v, dout = (rng.standard_normal((b, h, L, E)).astype(np.float32) for _ in range(4))
+
+def status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+before_kib = status_kib("VmRSS")
+times = []
+for _ in range(repeats):
+    t0 = time.perf_counter()
+    out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, window=(left, right))
+    grads = F.memory_efficient_attention_backward(dout, cache)
+    times.append(time.perf_counter() - t0)
+    del out, cache, grads
+print(json.dumps({"before_kib": before_kib, "peak_kib": status_kib("VmHWM"), "seconds": min(times)}))
+"""
+MEM_EFF_WINDOW = (256, 0)
+MEM_EFF_WINDOW_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+MEM_EFF_WINDOW_SHAPE = {"batch": 1, "heads": 4, "head_dim": 64}
+
+
+def window_memory_efficient_one(L, window=MEM_EFF_WINDOW, *, b=1, h=4, E=64, repeats=2):
+    """Forward+backward of ``memory_efficient_attention(q, k, v, is_causal=True, window=window)`` on
+    ``(b, h, L, E)`` float32 in a fresh subprocess: the best of ``repeats`` times and the peak
+    resident memory (``VmHWM``) above the resident size before the first call (inputs loaded)."""
+    argv = [str(a) for a in (L, window[0], window[1], b, h, E, repeats)]
+    proc = subprocess.run([sys.executable, "-c", _WINDOW_SCRIPT, *argv], capture_output=True, text=True,
+                          env=_child_env())
+    row = {"impl": "memory_efficient_attention", "seq": L, "window": list(window), "batch": b, "heads": h,
+           "head_dim": E}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"])[0]
+        return row
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    row.update(seconds=r["seconds"], extra_mib=(r["peak_kib"] - r["before_kib"]) / 1024,
+               input_mib=4 * b * h * L * E * 4 / 2**20)
+    return row
+
+
+def window_memory_efficient_rows(lengths=MEM_EFF_WINDOW_LENGTHS, window=MEM_EFF_WINDOW, progress=None, **shape):
+    """``window_memory_efficient_one`` for each sequence length: with a fixed window, time and
+    memory should grow linearly in ``L`` (blocks outside the band are never formed)."""
+    rows = []
+    for L in lengths:
+        if progress:
+            progress(f"windowed memory_efficient_attention L={L} window={window}")
+        rows.append(window_memory_efficient_one(L, window, **shape))
+    return rows
+
+
+def format_window_memory_efficient(rows):
+    """Table lines for ``window_memory_efficient_rows``."""
+    if not rows:
+        return []
+    r0 = rows[0]
+    lines = ["", f"windowed memory_efficient_attention, causal, window={tuple(r0['window'])} (b={r0['batch']}, "
+             f"h={r0['heads']}, E={r0['head_dim']}, float32), forward+backward: seconds, MiB above the inputs",
+             f"{'L':>6} {'seconds':>8} {'extra MiB':>10} {'inputs MiB':>11}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['seq']:>6} error: {r['error']}")
+        else:
+            lines.append(f"{r['seq']:>6} {r['seconds']:>8.2f} {r['extra_mib']:>10.0f} {r['input_mib']:>11.0f}")
+    return lines
+
+
 # -- output ------------------------------------------------------------------------------------------
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
@@ -547,6 +626,7 @@ def format_table(report):
             a, b = d.get(MEMORY_IMPLS[0]), d.get(MEMORY_IMPLS[1])
             lines.append(f"{L:>6} {cell(a, 'extra_mib', '.0f'):>10} {cell(b, 'extra_mib', '.0f'):>12} "
                          f"{cell(a, 'seconds', '.2f'):>8} {cell(b, 'seconds', '.2f'):>10}")
+    lines += format_window_memory_efficient(report.get("window_mem_eff"))
     return "\n".join(lines)
 
 
@@ -579,6 +659,8 @@ def _collect(quick, memory, progress):
     report = run(quick=quick, progress=progress)
     if memory:
         report["memory"] = memory_table((256, 512) if quick else (512, 1024, 2048, 4096), progress=progress)
+        report["window_mem_eff"] = window_memory_efficient_rows((512, 1024) if quick else MEM_EFF_WINDOW_LENGTHS,
+                                                                (64, 0) if quick else MEM_EFF_WINDOW, progress)
     return report
 
 
