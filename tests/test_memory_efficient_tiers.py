@@ -4,7 +4,6 @@ equal to 1e-12 in float64 over generated shapes and every option, dropout includ
 import inspect
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
