@@ -593,3 +593,13 @@ def test_backward_refuses_another_cache():
         MEB(dout, tuple(MEA(q, k, v)[1]))
     with pytest.raises(TypeError, match="^cache: .*got NoneType"):
         MEB(dout, None)
+
+
+@pytest.mark.parametrize("p", [0.0, 1e-9, 0.1, 0.5, 0.999, 1.0])
+def test_block_keep_masks_are_the_keep_mask_blocks(p):
+    """The in-place block generator is bit for bit ``keep_mask`` on the same block, transposed."""
+    drop = me._Dropout(987654321, p, (2, 3), 17, 23)
+    bufs = drop.buffers(8, 8)
+    full = keep_mask(987654321, p, (2, 3, 17, 23))
+    for i0, i1, j0, j1 in [(0, 8, 0, 8), (9, 17, 16, 23), (3, 5, 7, 8), (16, 17, 0, 1)]:
+        np.testing.assert_array_equal(drop.keep_t(i0, i1, j0, j1, bufs), full[..., i0:i1, j0:j1].swapaxes(-1, -2))

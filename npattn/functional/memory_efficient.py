@@ -47,7 +47,7 @@ import numpy as np
 
 from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob, check_size
 from ._blocks import Band, band, band_hidden, check_options, check_qkv, check_scale, key_range, out_lead
-from ._random import draw_seed, uniform
+from ._random import draw_seed, keep_into
 
 # Default block size (rows and columns of a score block), picked by measurement: see
 # ``_block_sizes`` for the numbers and the reasons.
@@ -267,14 +267,34 @@ def _band_width(b: Band, lk: int) -> int:
     return max(0, min(lk, b.left + b.right + 1))
 
 
-def _keep_t(seed: int, p: float, n_mats: int, lq: int, lk: int, i0: int, i1: int, j0: int, j1: int):
-    """Dropout's keep-mask of the score block (queries ``i0:i1``, keys ``j0:j1``) of every matrix,
-    transposed like the scores, ``(n_mats, nk, nq)``: ``uniform(seed, flat index) >= p`` with the
-    flat index of score ``(m, i, j)`` in the C-ordered ``(..., Hq, Lq, Lk)`` array,
-    ``m*Lq*Lk + i*Lk + j`` (``npattn.functional._random.keep_mask`` on the same block, transposed)."""
-    mats = np.arange(n_mats, dtype=np.uint64)[:, None, None] * np.uint64(lq * lk)
-    index = np.arange(j0, j1, dtype=np.uint64)[:, None] + np.arange(i0, i1, dtype=np.uint64)[None, :] * np.uint64(lk)
-    return uniform(seed, mats + index) >= p
+class _Dropout:
+    """Dropout's keep-mask of any score block, regenerated from the call's seed and the block's
+    position: score ``(m, i, j)`` (matrix ``m`` of the flattened ``(..., Hq)``) has the flat index
+    ``m*Lq*Lk + i*Lk + j`` in the C-ordered ``(..., Hq, Lq, Lk)`` array and is kept iff
+    ``uniform(seed, index) >= p`` (``npattn.functional._random``): the same numbers as
+    ``keep_mask(seed, p, score_shape)[..., i0:i1, j0:j1]``, whatever the block sizes.  Blocks are
+    transposed like the scores, ``(..., nk, nq)``."""
+
+    def __init__(self, seed: int, p: float, lead: tuple, lq: int, lk: int):
+        self.seed, self.p, self.lead, self.lq, self.lk = seed, p, lead, lq, lk
+        n = math.prod(lead)
+        self.mats = (np.arange(n, dtype=np.uint64) * np.uint64(lq * lk)).reshape(lead + (1, 1))
+
+    def buffers(self, bk: int, bq: int):
+        """Per-worker scratch: two uint64 blocks, the bool mask, the (keys, queries) offsets."""
+        n = self.mats.size * bk * bq
+        return np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, bool), np.empty(bk * bq, np.uint64)
+
+    def keep_t(self, i0: int, i1: int, j0: int, j1: int, bufs) -> np.ndarray:
+        z_buf, work_buf, keep_buf, off_buf = bufs
+        nk, nq = j1 - j0, i1 - i0
+        shape = self.lead + (nk, nq)
+        off = _buffer(off_buf, (nk, nq))       # j + i * Lk, keys down
+        np.add(np.arange(j0, j1, dtype=np.uint64)[:, None], np.arange(i0, i1, dtype=np.uint64) * np.uint64(self.lk),
+               out=off)
+        z = _buffer(z_buf, shape)
+        np.add(self.mats, off, out=z)
+        return keep_into(self.seed, self.p, z, _buffer(work_buf, shape), _buffer(keep_buf, shape))
 
 
 class _Scores:
@@ -499,6 +519,7 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
     seed = draw_seed(rng) if dropout_p > 0.0 else 0
     bnd = band(lq, lk, is_causal, causal_align, window)
     scores = _Scores(lay, bnd, softcap, q.dtype)
+    dropout = _Dropout(seed, dropout_p, lay.lead, lq, lk) if dropout_p > 0.0 else None
 
     dt = q.dtype
     qw, kw, vw = lay.q, lay.k, lay.v
@@ -516,6 +537,7 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
         pv_buf = np.empty(n_mats * ev * bq, dt)
         stat_bufs = [np.empty(n_mats * bq, dt) for _ in range(6)]
         bias_bufs = scores.buffers(bk, bq)
+        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
         for i0, i1 in share:
             nq = i1 - i0
             row = lead + (1, nq)                      # per-query statistics, as rows
@@ -549,8 +571,8 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
                 np.sum(st, axis=-2, keepdims=True, out=rsum)
                 l *= alpha
                 l += rsum                             # l' = alpha l + rowsum(P_B)
-                if dropout_p > 0.0:                   # a' sums the kept weights only
-                    st *= _keep_t(seed, dropout_p, n_mats, lq, lk, i0, i1, j0, j1).reshape(st.shape)
+                if dropout is not None:               # a' sums the kept weights only
+                    st *= dropout.keep_t(i0, i1, j0, j1, drop_bufs)
                 np.matmul(vw[..., j0:j1, :].swapaxes(-1, -2), st, out=pv_t)
                 acc_t *= alpha
                 acc_t += pv_t                         # a' = alpha a + P_B v_B  (transposed)
@@ -588,6 +610,7 @@ def _memory_efficient_attention_backward(dout, cache):
     n_mats = math.prod(lead)
     bnd = band(lq, lk, is_causal, causal_align, window)
     scores = _Scores(lay, bnd, softcap, dt)
+    dropout = _Dropout(seed, dropout_p, lead, lq, lk) if dropout_p > 0.0 else None
     qw, kw, vw = lay.q, lay.k, lay.v
     q_axes, k_axes, v_axes = (_reduce_axes(a.shape[:-2], lead) for a in (qw, kw, vw))
 
@@ -624,6 +647,8 @@ def _memory_efficient_attention_backward(dout, cache):
         dkacc_buf = np.empty(n_mats * bk * e, dt) if k_axes else None
         dvacc_buf = np.empty(n_mats * bk * ev, dt) if v_axes else None
         bias_bufs = scores.buffers(bk, bq)
+        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
+        pk_buf = None if dropout is None else np.empty(n_mats * bk * bq, dt)
         for j0, j1 in share:
             nk = j1 - j0
             k_j, v_j = kw[..., j0:j1, :], vw[..., j0:j1, :]
@@ -649,10 +674,11 @@ def _memory_efficient_attention_backward(dout, cache):
                 do_i = dout[..., i0:i1, :]
                 dpt = _buffer(dp_buf, lead + (nk, nq))
                 np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)        # dP'^T = V_j dO_i^T
-                if dropout_p > 0.0:
-                    keep = _keep_t(seed, dropout_p, n_mats, lq, lk, i0, i1, j0, j1).reshape(st.shape)
+                if dropout is not None:
+                    keep = dropout.keep_t(i0, i1, j0, j1, drop_bufs)
                     dpt *= keep                                       # dP = dP' * keep / (1-p)
-                    np.matmul(pt * keep, do_i, out=dv_tmp)            # dV_j += (P * keep)^T dO_i / (1-p)
+                    pk = np.multiply(pt, keep, out=_buffer(pk_buf, st.shape))
+                    np.matmul(pk, do_i, out=dv_tmp)                   # dV_j += (P * keep)^T dO_i / (1-p)
                 else:
                     np.matmul(pt, do_i, out=dv_tmp)                   # dV_j += P^T dO_i
                 dv_j += dv_tmp
