@@ -603,3 +603,25 @@ def test_block_keep_masks_are_the_keep_mask_blocks(p):
     full = keep_mask(987654321, p, (2, 3, 17, 23))
     for i0, i1, j0, j1 in [(0, 8, 0, 8), (9, 17, 16, 23), (3, 5, 7, 8), (16, 17, 0, 1)]:
         np.testing.assert_array_equal(drop.keep_t(i0, i1, j0, j1, bufs), full[..., i0:i1, j0:j1].swapaxes(-1, -2))
+
+
+def test_inputs_without_a_head_axis_take_every_option():
+    """``(L, E)`` inputs: one head, so ``sinks`` is ``(1,)`` and ``alibi_slopes`` a scalar."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(22)
+    q, k, v, dout = rng.standard_normal((6, 3)), rng.standard_normal((8, 3)), rng.standard_normal((8, 2)), \
+        rng.standard_normal((6, 2))
+    _compare_with_torch(torch, q, k, v, dout, block_size=3, sinks=np.array([0.3]), alibi_slopes=np.array(0.5),
+                        softcap=1.5, window=(2, 1), causal_align="bottom_right", attn_mask=rng.standard_normal((6, 8)),
+                        mask_grad=True, dropout_p=0.3, rng=2)
+
+
+def test_empty_sequences():
+    rng = np.random.default_rng(23)
+    for lq, lk in [(0, 5), (4, 0), (0, 0)]:
+        q, k, v = rng.standard_normal((2, lq, 3)), rng.standard_normal((2, lk, 3)), rng.standard_normal((2, lk, 2))
+        out, cache = MEA(q, k, v, sinks=np.ones(2), dropout_p=0.5, rng=0, window=(1, 1), is_causal=True)
+        grads = MEB(np.ones(out.shape), cache)
+        assert out.shape == (2, lq, 2) and np.all(out == 0)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (2,)]
+        assert all(np.all(g == 0) for g in grads)

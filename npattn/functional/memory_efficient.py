@@ -16,6 +16,22 @@ held:
 Everything is vectorised over all leading (batch, head) dimensions at once: each block operation
 is one batched matmul or ufunc over ``(..., H)``; the only Python loops run over blocks.
 
+The same loop carries every option without ever widening what is held:
+
+* **grouped-query heads and broadcast batches** by *views*: q's heads are seen as ``(Hk, G)`` and
+  k, v get a size-1 group axis, so a batched matmul reuses each kv block for its G query heads
+  (k and v are never repeated); gradients are summed back over the broadcast axes block by block;
+* **dropout** by *regeneration*: one seed per call, and the keep-mask of a block is a pure function
+  of the seed and the block's flat score indices (``_random``), formed in the forward and again
+  in the backward; never stored, identical whatever the block sizes or threads;
+* **causal_align, window** by *skipping*: each query block runs only over the key blocks of its
+  band of visible keys (and each key block of the backward only over the query blocks of its
+  band), so cost and memory grow with ``L * window``; only blocks straddling the band's edges
+  pay for a mask;
+* **softcap, ALiBi, masks** by *rewriting the score block* in place (``_Scores``), identically in
+  both passes; **sinks** by *initialising* the online softmax (``m = sink``, ``l = 1``);
+  **mask_grad** by summing each block's ``dS`` into the mask's own (broadcast) shape.
+
 Three implementation choices, all about speed on a CPU, none changing the mathematics:
 
 * **Score blocks are held transposed**, ``S^T`` of shape ``(..., block_k, block_q)``: keys down,
