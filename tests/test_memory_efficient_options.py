@@ -625,3 +625,10 @@ def test_empty_sequences():
         assert out.shape == (2, lq, 2) and np.all(out == 0)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (2,)]
         assert all(np.all(g == 0) for g in grads)
+
+
+def test_bench_window_sweep_measures_the_memory_efficient_core():
+    import npattn.tools.bench as B
+    r = B.window_one("memory_efficient_attention", 256, (32, 0), heads=2, head_dim=16)
+    assert "error" not in r and not r.get("missing"), r
+    assert r["seconds"] > 0 and r["extra_mib"] >= 0

@@ -23,9 +23,11 @@ same run (a ``2048 x 2048`` matmul; the best of several), the ceiling of anythin
 against ``memory_efficient_attention`` (b=1, h=12, E=64, float32, causal) for several sequence
 lengths, each in a fresh subprocess (``VmHWM``), minus that process's resident size just
 before the call (after numpy, npattn and the inputs are loaded).
-It also sweeps windowed ``memory_efficient_attention`` (causal, ``window=(256, 0)``, b=1, h=4,
-E=64, float32) over L = 1k .. 16k (``window_memory_efficient_rows``): time and memory above the
-inputs, which should grow linearly in L.
+
+``--window``: windowed attention (``window=(256, 0)``, causal; b=1, h=4, E=64, float32) of both
+cores against L = 1k ... 16k (``--quick``: 256 ... 1024), one forward+backward each in a fresh
+subprocess: seconds, milliseconds per 1000 query rows (constant when the work is linear in L) and
+peak extra MiB.  A core without the ``window`` option is reported as missing.
 
 Environment: some machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2
 kernels on a CPU that has AVX-512) and ``OPENBLAS_L2_SIZE``, which slow numpy's GEMM.  When they
@@ -52,7 +54,8 @@ import time
 import numpy as np
 
 __all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
-           "machine_info", "probe_openblas_env", "format_table", "window_memory_efficient_rows"]
+           "window_table",
+           "machine_info", "probe_openblas_env", "format_table"]
 
 _TORCH = None
 
@@ -481,14 +484,31 @@ def memory_table(lengths=(512, 1024, 2048, 4096), progress=None):
     return rows
 
 
-# -- windowed memory-efficient attention against L ----------------------------------------------------
+# -- windowed attention: work that grows with L * window ---------------------------------------------
+WINDOW = (256, 0)
+WINDOW_SHAPE = {"batch": 1, "heads": 4, "head_dim": 64}
+WINDOW_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+WINDOW_QUICK_LENGTHS = (256, 512, 1024)
+
 _WINDOW_SCRIPT = r"""
 import json, resource, sys, time
 import numpy as np
 import npattn.functional as F
-L, left, right, b, h, E, repeats = (int(a) for a in sys.argv[1:8])
+impl = sys.argv[1]
+L, left, right, h, e = (int(a) for a in sys.argv[2:7])
+if not hasattr(F, impl):
+    print(json.dumps({"missing": True}))
+    sys.exit(0)
 rng = np.random.default_rng(0)
-q, k, v, dout = (rng.standard_normal((b, h, L, E)).astype(np.float32) for _ in range(4))
+q, k, v, dout = (rng.standard_normal((1, h, L, e)).astype(np.float32) for _ in range(4))
+fwd, bwd = getattr(F, impl), getattr(F, impl + "_backward")
+try:  # a core without the window option is reported as missing
+    fwd(q[..., :2, :], k[..., :2, :], v[..., :2, :], is_causal=True, window=(left, right))
+except TypeError as exc:
+    if "window" in str(exc):
+        print(json.dumps({"missing": True}))
+        sys.exit(0)
+    raise
 
 def status_kib(key):
     with open("/proc/self/status") as f:
@@ -498,63 +518,64 @@ def status_kib(key):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 before_kib = status_kib("VmRSS")
-times = []
-for _ in range(repeats):
-    t0 = time.perf_counter()
-    out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, window=(left, right))
-    grads = F.memory_efficient_attention_backward(dout, cache)
-    times.append(time.perf_counter() - t0)
-    del out, cache, grads
-print(json.dumps({"before_kib": before_kib, "peak_kib": status_kib("VmHWM"), "seconds": min(times)}))
+t0 = time.perf_counter()
+out, cache = fwd(q, k, v, is_causal=True, window=(left, right))
+grads = bwd(dout, cache)
+seconds = time.perf_counter() - t0
+print(json.dumps({"before_kib": before_kib, "peak_kib": status_kib("VmHWM"), "seconds": seconds}))
 """
-MEM_EFF_WINDOW = (256, 0)
-MEM_EFF_WINDOW_LENGTHS = (1024, 2048, 4096, 8192, 16384)
-MEM_EFF_WINDOW_SHAPE = {"batch": 1, "heads": 4, "head_dim": 64}
 
 
-def window_memory_efficient_one(L, window=MEM_EFF_WINDOW, *, b=1, h=4, E=64, repeats=2):
-    """Forward+backward of ``memory_efficient_attention(q, k, v, is_causal=True, window=window)`` on
-    ``(b, h, L, E)`` float32 in a fresh subprocess: the best of ``repeats`` times and the peak
-    resident memory (``VmHWM``) above the resident size before the first call (inputs loaded)."""
-    argv = [str(a) for a in (L, window[0], window[1], b, h, E, repeats)]
+def window_one(impl, L, window=WINDOW, heads=WINDOW_SHAPE["heads"], head_dim=WINDOW_SHAPE["head_dim"]):
+    """Seconds and peak extra memory of one windowed, causal forward+backward of ``impl`` (b=1,
+    float32) at sequence length ``L``, in a fresh subprocess; ``missing: True`` when ``impl`` has
+    no ``window`` option."""
+    argv = [impl, str(L), str(window[0]), str(window[1]), str(heads), str(head_dim)]
     proc = subprocess.run([sys.executable, "-c", _WINDOW_SCRIPT, *argv], capture_output=True, text=True,
                           env=_child_env())
-    row = {"impl": "memory_efficient_attention", "seq": L, "window": list(window), "batch": b, "heads": h,
-           "head_dim": E}
     if proc.returncode != 0:
-        row["error"] = (proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"])[0]
-        return row
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return {"impl": impl, "seq": L, "error": tail[0]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    row.update(seconds=r["seconds"], extra_mib=(r["peak_kib"] - r["before_kib"]) / 1024,
-               input_mib=4 * b * h * L * E * 4 / 2**20)
-    return row
+    if r.get("missing"):
+        return {"impl": impl, "seq": L, "missing": True}
+    return {"impl": impl, "seq": L, "seconds": r["seconds"], "ms_per_1k_rows": 1e6 * r["seconds"] / L,
+            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024}
 
 
-def window_memory_efficient_rows(lengths=MEM_EFF_WINDOW_LENGTHS, window=MEM_EFF_WINDOW, progress=None, **shape):
-    """``window_memory_efficient_one`` for each sequence length: with a fixed window, time and
-    memory should grow linearly in ``L`` (blocks outside the band are never formed)."""
+def window_table(lengths=WINDOW_LENGTHS, window=WINDOW, progress=None):
+    """Windowed attention against sequence length, both cores: with the work limited to the band,
+    time and memory per query row stay roughly constant (linear in ``L``)."""
     rows = []
     for L in lengths:
-        if progress:
-            progress(f"windowed memory_efficient_attention L={L} window={window}")
-        rows.append(window_memory_efficient_one(L, window, **shape))
+        for impl in MEMORY_IMPLS:
+            if progress:
+                progress(f"window {tuple(window)} {impl} L={L}")
+            rows.append(window_one(impl, L, window))
     return rows
 
 
-def format_window_memory_efficient(rows):
-    """Table lines for ``window_memory_efficient_rows``."""
-    if not rows:
-        return []
-    r0 = rows[0]
-    lines = ["", f"windowed memory_efficient_attention, causal, window={tuple(r0['window'])} (b={r0['batch']}, "
-             f"h={r0['heads']}, E={r0['head_dim']}, float32), forward+backward: seconds, MiB above the inputs",
-             f"{'L':>6} {'seconds':>8} {'extra MiB':>10} {'inputs MiB':>11}"]
+def format_window(rows, window=WINDOW):
+    """The windowed sweep as text: per core, seconds, milliseconds per 1000 query rows, MiB."""
+    shape = WINDOW_SHAPE
+    lines = [f"windowed attention, window={tuple(window)}, causal (b={shape['batch']}, h={shape['heads']}, "
+             f"E={shape['head_dim']}, float32), one forward+backward in a fresh process:",
+             f"{'L':>6} {'sdpa s':>8} {'ms/1k rows':>10} {'MiB':>7}   {'mem-eff s':>9} {'ms/1k rows':>10} {'MiB':>7}"]
+    by = {}
     for r in rows:
+        by.setdefault(r["seq"], {})[r["impl"]] = r
+
+    def cells(r):
+        if r is None or r.get("missing"):
+            return ("missing", "-", "-")
         if "error" in r:
-            lines.append(f"{r['seq']:>6} error: {r['error']}")
-        else:
-            lines.append(f"{r['seq']:>6} {r['seconds']:>8.2f} {r['extra_mib']:>10.0f} {r['input_mib']:>11.0f}")
-    return lines
+            return ("error", "-", "-")
+        return (f"{r['seconds']:.2f}", f"{r['ms_per_1k_rows']:.1f}", f"{r['extra_mib']:.0f}")
+
+    for L, d in sorted(by.items()):
+        a, b = cells(d.get(MEMORY_IMPLS[0])), cells(d.get(MEMORY_IMPLS[1]))
+        lines.append(f"{L:>6} {a[0]:>8} {a[1]:>10} {a[2]:>7}   {b[0]:>9} {b[1]:>10} {b[2]:>7}")
+    return "\n".join(lines)
 
 
 # -- output ------------------------------------------------------------------------------------------
@@ -626,7 +647,8 @@ def format_table(report):
             a, b = d.get(MEMORY_IMPLS[0]), d.get(MEMORY_IMPLS[1])
             lines.append(f"{L:>6} {cell(a, 'extra_mib', '.0f'):>10} {cell(b, 'extra_mib', '.0f'):>12} "
                          f"{cell(a, 'seconds', '.2f'):>8} {cell(b, 'seconds', '.2f'):>10}")
-    lines += format_window_memory_efficient(report.get("window_mem_eff"))
+    if report.get("window"):
+        lines += ["", format_window(report["window"])]
     return "\n".join(lines)
 
 
@@ -655,12 +677,12 @@ def probe_openblas_env(progress=None):
     return {"vars": {k: os.environ.get(k) for k in _SLOW_ENV}, "gemm_peak_gflops": peaks, "unset": faster}
 
 
-def _collect(quick, memory, progress):
+def _collect(quick, memory, progress, window=False):
     report = run(quick=quick, progress=progress)
     if memory:
         report["memory"] = memory_table((256, 512) if quick else (512, 1024, 2048, 4096), progress=progress)
-        report["window_mem_eff"] = window_memory_efficient_rows((512, 1024) if quick else MEM_EFF_WINDOW_LENGTHS,
-                                                                (64, 0) if quick else MEM_EFF_WINDOW, progress)
+    if window:
+        report["window"] = window_table(WINDOW_QUICK_LENGTHS if quick else WINDOW_LENGTHS, progress=progress)
     return report
 
 
@@ -669,11 +691,11 @@ def _worker():
     options as JSON in ``argv[1]``, the report as JSON on stdout, progress on stderr."""
     opts = json.loads(sys.argv[1])
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if opts["progress"] else None
-    print(json.dumps(_collect(opts["quick"], opts["memory"], progress)))
+    print(json.dumps(_collect(opts["quick"], opts["memory"], progress, opts.get("window", False))))
 
 
 def main(args):
-    """``npattn bench [--json] [--memory] [--quick]``: print the table (or the JSON report).
+    """``npattn bench [--json] [--memory] [--window] [--quick]``: print the table (or the JSON report).
 
     When this machine's ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` are measured to slow numpy's GEMM
     (``probe_openblas_env``), the benchmark runs in a subprocess without them and says so.  Never
@@ -682,6 +704,7 @@ def main(args):
     quick = bool(getattr(args, "quick", False))
     as_json = bool(getattr(args, "json", False))
     memory = bool(getattr(args, "memory", False))
+    window = bool(getattr(args, "window", False))
     progress = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     probe = None
     if not quick and os.environ.get("NPATTN_BENCH_KEEP_ENV") != "1":
@@ -689,7 +712,7 @@ def main(args):
     if probe and probe.get("unset"):
         if progress:
             progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: benchmarking in a subprocess without them")
-        opts = json.dumps({"quick": quick, "memory": memory, "progress": progress is not None})
+        opts = json.dumps({"quick": quick, "memory": memory, "window": window, "progress": progress is not None})
         proc = subprocess.run([sys.executable, "-c", "import npattn.tools.bench as b; b._worker()", opts],
                               stdout=subprocess.PIPE, text=True, env=_child_env(_SLOW_ENV))
         if proc.returncode != 0:
@@ -697,7 +720,7 @@ def main(args):
             return 1
         report = json.loads(proc.stdout.strip().splitlines()[-1])
     else:
-        report = _collect(quick, memory, progress)
+        report = _collect(quick, memory, progress, window)
     report["openblas_env_probe"] = probe
     if as_json:
         print(json.dumps(report, indent=2))
