@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -151,7 +151,7 @@ def _n_workers(n_scores: int, n_blocks: int, gemm_mnk: int) -> int:
 def _shares(blocks, n: int):
     """Deal ``blocks`` to ``n`` workers in snake order (0..n-1, n-1..0, ...), balancing the
     triangular work of causal attention; each worker's share is fixed, so results are reproducible."""
-    shares = [[] for _ in range(n)]
+    shares: list = [[] for _ in range(n)]
     for idx, b in enumerate(blocks):
         r = idx % (2 * n)
         shares[r if r < n else 2 * n - 1 - r].append(b)
@@ -369,9 +369,12 @@ class _Scores:
         return True
 
 
-def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
-                               dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                               alibi_slopes=None, softcap=None, sinks=None, mask_grad=False):
+def memory_efficient_attention(q, k, v, attn_mask=None, is_causal: bool = False, scale: Optional[float] = None,
+                               block_size: Optional[int] = None, *, dropout_p: float = 0.0, rng=None,
+                               enable_gqa: bool = False, causal_align: str = "top_left",
+                               window: Optional[Tuple[int, int]] = None, alibi_slopes=None,
+                               softcap: Optional[float] = None, sinks=None,
+                               mask_grad: bool = False) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """``dropout(softmax(q k^T * scale + mask)) v`` computed in blocks, never holding an ``(Lq, Lk)`` array.
 
     The same result as ``scaled_dot_product_attention`` with the same arguments (the dropout mask
@@ -456,7 +459,7 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=N
         mask_grad=mask_grad)
 
 
-def memory_efficient_attention_backward(dout, cache):
+def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """Gradients of ``memory_efficient_attention``, block by block (FlashAttention-2):
     ``(dq, dk, dv)``, then ``dmask`` (with ``mask_grad``), then ``dsinks`` (with ``sinks``).
 
@@ -513,7 +516,8 @@ def memory_efficient_attention_backward(dout, cache):
 
 def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
                                 dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                                alibi_slopes=None, softcap=None, sinks=None, mask_grad=False):
+                                alibi_slopes=None, softcap=None, sinks=None,
+                                mask_grad=False) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """The kernel of ``memory_efficient_attention``: the same signature and numbers, no input checks.
 
     Its arguments must already be what the public op makes of them: ``q, k, v`` float arrays of
@@ -614,7 +618,7 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
                                      groups, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
 
 
-def _memory_efficient_attention_backward(dout, cache):
+def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """The kernel of ``memory_efficient_attention_backward``: ``dout`` already checked (the
     output's shape, ``q``'s dtype) and ``cache`` a ``MemoryEfficientCache``."""
     (q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, causal_align, window,
@@ -645,12 +649,15 @@ def _memory_efficient_attention_backward(dout, cache):
     # dmask: summed to the mask's own (broadcast) shape.  Workers own disjoint key blocks, so when
     # the mask has a full key axis they write disjoint columns of one array; otherwise each has its own.
     mask = lay.mask
-    want_dmask = mask_grad and mask is not None
-    shared_dmask = want_dmask and (mask.shape[-1] == lk and lk > 1)
-    m_axes = _reduce_axes(mask.shape[:-2], lead) if want_dmask else ()
-    if want_dmask:
-        m_axes += tuple(ax for ax, n in ((-2, mask.shape[-1]), (-1, mask.shape[-2])) if n == 1)
-    dmask_shared = np.zeros(mask.shape, dt) if shared_dmask else None
+    mshape: tuple = () if mask is None else mask.shape             # the working view's shape
+    mask_shape: tuple = () if attn_mask is None else attn_mask.shape  # the caller's
+    want_dmask = bool(mask_grad) and mask is not None
+    shared_dmask = want_dmask and mshape[-1] == lk and lk > 1
+    m_axes: tuple = ()
+    if want_dmask:  # the broadcast leading axes, then keys (-2) / queries (-1) of the transposed block
+        m_axes = _reduce_axes(mshape[:-2], lead) + tuple(ax for ax, n in ((-2, mshape[-1]), (-1, mshape[-2]))
+                                                         if n == 1)
+    dmask_shared: Any = np.zeros(mshape, dt) if shared_dmask else None
 
     def columns(share, dq, dmask):
         """Backward for the key blocks in ``share``; adds this worker's dQ (and dmask) terms."""
@@ -701,8 +708,8 @@ def _memory_efficient_attention_backward(dout, cache):
                 np.subtract(dpt, d_row[..., i0:i1], out=dpt)
                 dst = np.multiply(dpt, pt, out=dpt)                   # dS^T = P^T * (dP^T - D)
                 if want_dmask:                                        # the mask is added to S: dmask = dS
-                    rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
-                    cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
+                    rows = slice(None) if mshape[-2] == 1 else slice(i0, i1)
+                    cols = slice(None) if mshape[-1] == 1 else slice(j0, j1)
                     dm = (dmask_shared if shared_dmask else dmask)[..., rows, cols].swapaxes(-1, -2)
                     _add_reduced(dm, dst, m_axes)
                 if t is not None:                                     # through softcap * tanh(S_raw / softcap)
@@ -723,22 +730,19 @@ def _memory_efficient_attention_backward(dout, cache):
     workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(k_blocks), bq * bk * max(e, ev))
     shares = _shares(k_blocks, workers) if k_blocks else [[]]
     dqs = [np.zeros(qw.shape, dt) for _ in shares]
-    dmasks = [None if (not want_dmask or shared_dmask) else np.zeros(mask.shape, dt) for _ in shares]
+    dmasks: list = [None if (not want_dmask or shared_dmask) else np.zeros(mshape, dt) for _ in shares]
     _run(lambda i: columns(shares[i], dqs[i], dmasks[i]), list(range(len(shares))))
     dq = dqs[0]
     for extra in dqs[1:]:
         dq += extra
     dq *= scale
-    grads = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
-    if mask_grad:
-        if shared_dmask:
-            dmask = dmask_shared
-        else:
-            dmask = dmasks[0]
-            for extra in dmasks[1:]:
-                dmask += extra
-        grads += (dmask.reshape(attn_mask.shape),)
-    if sinks is not None:
+    grads: tuple = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+    if want_dmask:
+        dmask = dmask_shared if shared_dmask else dmasks[0]
+        for extra in ([] if shared_dmask else dmasks[1:]):
+            dmask += extra
+        grads += (dmask.reshape(mask_shape),)
+    if sinks is not None and lay.sinks is not None:
         # The sink is one more logit in each row's softmax, P_sink = exp(sink - lse), with value 0:
         # dP_sink = dO . 0 = 0, so dS_sink = P_sink (dP_sink - D) = -P_sink D, summed over every row
         # (and batch) of its head.
