@@ -23,7 +23,6 @@ from ._blocks import (
     broadcast_qkv,
     check_options,
     check_qkv,
-    check_qkv_same_lead,
     check_scale,
     distance,
     gqa_groups,
@@ -32,8 +31,6 @@ from ._blocks import (
     sum_to,
 )
 from ._blocks import scratch as _scratch
-
-_check_qkv = check_qkv_same_lead  # what memory_efficient.py imports while it does not broadcast
 
 
 class AttentionCache(NamedTuple):
