@@ -145,11 +145,11 @@ def sum_to(a: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 # -- scalars and options ----------------------------------------------------------------------------
-def check_scale(scale, e: int) -> float:
+def check_scale(scale, head_dim: int) -> float:
     """``scale`` or ``1/sqrt(E)`` as a python float (keeps float32 arrays float32).
     Non-real -> ``TypeError``; NaN or infinite -> ``ValueError``."""
     if scale is None:
-        return 1.0 / math.sqrt(e)
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a finite real number or None, got {scale!r} ({type(scale).__name__})")
     scale = float(scale)

@@ -495,12 +495,12 @@ import json, resource, sys, time
 import numpy as np
 import npattn.functional as F
 impl = sys.argv[1]
-L, left, right, h, e, repeats = (int(a) for a in sys.argv[2:8])
+L, left, right, h, E, repeats = (int(a) for a in sys.argv[2:8])
 if not hasattr(F, impl):
     print(json.dumps({"missing": True}))
     sys.exit(0)
 rng = np.random.default_rng(0)
-q, k, v, dout = (rng.standard_normal((1, h, L, e)).astype(np.float32) for _ in range(4))
+q, k, v, dout = (rng.standard_normal((1, h, L, E)).astype(np.float32) for _ in range(4))
 fwd, bwd = getattr(F, impl), getattr(F, impl + "_backward")
 try:  # a core without the window option is reported as missing (and the libraries are warmed up)
     fwd(q[..., :2, :], k[..., :2, :], v[..., :2, :], is_causal=True, window=(left, right))
