@@ -13,7 +13,7 @@ def test_window_sweep_rows_and_table():
     for r in rows:  # the memory-efficient core: measured, or missing until it has the window option
         assert "error" not in r, r
     text = B.format_window(rows, (16, 0))
-    assert "window=(16, 0)" in text and "ms/1k rows" in text and len(text.splitlines()) == 4
+    assert "window=(16, 0)" in text and "ms/1k rows" in text and len(text.splitlines()) == 4 and "best of 2" in text
 
 
 def test_bench_window_flag():
