@@ -532,10 +532,10 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)  # a python float: keeps float32 arrays float32
     lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
-    lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead = lay.lead
     n_mats = math.prod(lead)
-    bq, bk = _block_sizes(block_size, n_mats, lq, lk, max(e, ev))
+    bq, bk = _block_sizes(block_size, n_mats, lq, lk, max(head_dim, head_dim_v))
     seed = draw_seed(rng) if dropout_p > 0.0 else 0
     bnd = band(lq, lk, is_causal, causal_align, window)
     scores = _Scores(lay, bnd, softcap, q.dtype)
@@ -544,24 +544,24 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
     dt = q.dtype
     qw, kw, vw = lay.q, lay.k, lay.v
     qlead = qw.shape[:-2]
-    out = np.empty(lead + (lq, ev), dt)
+    out = np.empty(lead + (lq, head_dim_v), dt)
     lse = np.empty(lead + (lq,), dt)
     drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
     floor = np.finfo(dt).min
 
     def rows(share):
         """Forward for the query blocks in ``share``, with this worker's own buffers."""
-        qs_buf = np.empty(math.prod(qlead) * bq * e, dt)
+        qs_buf = np.empty(math.prod(qlead) * bq * head_dim, dt)
         s_buf = np.empty(n_mats * bk * bq, dt)
-        acc_buf = np.empty(n_mats * ev * bq, dt)
-        pv_buf = np.empty(n_mats * ev * bq, dt)
+        acc_buf = np.empty(n_mats * head_dim_v * bq, dt)
+        pv_buf = np.empty(n_mats * head_dim_v * bq, dt)
         stat_bufs = [np.empty(n_mats * bq, dt) for _ in range(6)]
         bias_bufs = scores.buffers(bk, bq)
         drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
         for i0, i1 in share:
             nq = i1 - i0
             row = lead + (1, nq)                      # per-query statistics, as rows
-            qs = _buffer(qs_buf, qlead + (nq, e))
+            qs = _buffer(qs_buf, qlead + (nq, head_dim))
             np.multiply(qw[..., i0:i1, :], scale, out=qs)
             qs_t = qs.swapaxes(-1, -2)
             m, m_new, shift, alpha, l, rsum = (_buffer(b, row) for b in stat_bufs)
@@ -571,9 +571,9 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
             else:                                     # the sink joins first: m = sink, l = exp(0)
                 np.copyto(m, lay.sinks)
                 l.fill(1.0)
-            acc_t = _buffer(acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
+            acc_t = _buffer(acc_buf, lead + (head_dim_v, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
-            pv_t = _buffer(pv_buf, lead + (ev, nq))
+            pv_t = _buffer(pv_buf, lead + (head_dim_v, nq))
             c0, c1 = key_range(bnd, i0, i1, lk)     # the keys some query of the block may see
             for j0, j1 in _blocks(c1, bk, c0):
                 nk = j1 - j0
@@ -610,9 +610,9 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
             np.add(m, l, out=lse[..., None, i0:i1])
 
     q_blocks = _blocks(lq, bq)
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(e, ev))
+    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(head_dim, head_dim_v))
     _run(rows, _shares(q_blocks, workers))
-    out = out.reshape(lay.out_lead + (lq, ev))
+    out = out.reshape(lay.out_lead + (lq, head_dim_v))
     lse = lse.reshape(lay.out_lead + (lq,))
     return out, MemoryEfficientCache(q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed,
                                      groups, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
@@ -624,7 +624,7 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
     (q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, causal_align, window,
      alibi_slopes, softcap, sinks, mask_grad) = cache
     lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
-    lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead = lay.lead
     dt = q.dtype
     n_mats = math.prod(lead)
@@ -634,8 +634,8 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
     qw, kw, vw = lay.q, lay.k, lay.v
     q_axes, k_axes, v_axes = (_reduce_axes(a.shape[:-2], lead) for a in (qw, kw, vw))
 
-    dout = dout.reshape(lead + (lq, ev))
-    out = out.reshape(lead + (lq, ev))
+    dout = dout.reshape(lead + (lq, head_dim_v))
+    out = out.reshape(lead + (lq, head_dim_v))
     lse_row = lse.reshape(lead + (1, lq))
     # D_i = rowsum(dO * O): O(L) work on arrays we already have; it equals rowsum(dP * P) (below)
     d_row = np.einsum("...e,...e->...", dout, out)[..., None, :]
@@ -664,11 +664,11 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
         s_buf = np.empty(n_mats * bk * bq, dt)
         dp_buf = np.empty(n_mats * bk * bq, dt)
         t_buf = np.empty(n_mats * bk * bq, dt) if softcap is not None else None
-        dq_buf = np.empty(n_mats * bq * e, dt)
-        dk_buf = np.empty(n_mats * bk * e, dt)
-        dv_buf = np.empty(n_mats * bk * ev, dt)
-        dkacc_buf = np.empty(n_mats * bk * e, dt) if k_axes else None
-        dvacc_buf = np.empty(n_mats * bk * ev, dt) if v_axes else None
+        dq_buf = np.empty(n_mats * bq * head_dim, dt)
+        dk_buf = np.empty(n_mats * bk * head_dim, dt)
+        dv_buf = np.empty(n_mats * bk * head_dim_v, dt)
+        dkacc_buf = np.empty(n_mats * bk * head_dim, dt) if k_axes else None
+        dvacc_buf = np.empty(n_mats * bk * head_dim_v, dt) if v_axes else None
         bias_bufs = scores.buffers(bk, bq)
         drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
         pk_buf = None if dropout is None else np.empty(n_mats * bk * bq, dt)
@@ -677,12 +677,12 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
             k_j, v_j = kw[..., j0:j1, :], vw[..., j0:j1, :]
             # dK_j, dV_j accumulate over the query blocks in the full working layout, then are
             # summed over the axes k/v were broadcast along (GQA: the G query heads of a kv head)
-            dk_j = _buffer(dkacc_buf, lead + (nk, e)) if k_axes else dk[..., j0:j1, :]
-            dv_j = _buffer(dvacc_buf, lead + (nk, ev)) if v_axes else dv[..., j0:j1, :]
+            dk_j = _buffer(dkacc_buf, lead + (nk, head_dim)) if k_axes else dk[..., j0:j1, :]
+            dv_j = _buffer(dvacc_buf, lead + (nk, head_dim_v)) if v_axes else dv[..., j0:j1, :]
             dk_j.fill(0.0)
             dv_j.fill(0.0)
-            dk_tmp = _buffer(dk_buf, lead + (nk, e))
-            dv_tmp = _buffer(dv_buf, lead + (nk, ev))
+            dk_tmp = _buffer(dk_buf, lead + (nk, head_dim))
+            dv_tmp = _buffer(dv_buf, lead + (nk, head_dim_v))
             i_lo, i_hi = _query_range(bnd, j0, j1, lq)  # queries outside the band see nothing of this key block
             for i0, i1 in _blocks(i_hi, bq, i_lo):
                 nq = i1 - i0
@@ -716,7 +716,7 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
                     np.multiply(t, t, out=t)
                     np.subtract(1.0, t, out=t)
                     dst *= t                                          # dS_raw = dS * (1 - tanh^2)
-                dq_tmp = _buffer(dq_buf, lead + (nq, e))
+                dq_tmp = _buffer(dq_buf, lead + (nq, head_dim))
                 np.matmul(dst.swapaxes(-1, -2), k_j, out=dq_tmp)
                 _add_reduced(dq[..., i0:i1, :], dq_tmp, q_axes)       # dQ_i += dS K_j (scaled below)
                 np.matmul(dst, qs, out=dk_tmp)
@@ -727,7 +727,7 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
                 _add_reduced(dv[..., j0:j1, :], dv_j, v_axes)
 
     k_blocks = [(j0, j1) for j0, j1 in _blocks(lk, bk) if (r := _query_range(bnd, j0, j1, lq))[0] < r[1]]
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(k_blocks), bq * bk * max(e, ev))
+    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(k_blocks), bq * bk * max(head_dim, head_dim_v))
     shares = _shares(k_blocks, workers) if k_blocks else [[]]
     dqs = [np.zeros(qw.shape, dt) for _ in shares]
     dmasks: list = [None if (not want_dmask or shared_dmask) else np.zeros(mshape, dt) for _ in shares]
