@@ -40,6 +40,35 @@ def test_check_passes_and_prints_a_table():
     assert re.search(r"(\d+)/\1 cases passed", r.stdout)
 
 
+CHECK_COVERS = (
+    "silu", "rms_norm", "rms_norm (2 axes, eps)", "rope (rotate half)", "rope (interleaved)",
+    "rope (offset positions)", "rope (per-batch positions, interleaved)", "layer_norm (2 axes)",
+    "embedding (padding_idx)", "embedding (scale_grad_by_freq)", "cross_entropy (weight)",
+    "cross_entropy (label_smoothing)", "cross_entropy (probabilities, weight)",
+    "RMSNorm", "FeedForward (swiglu)", "EncoderBlock (bias=False)", "DecoderBlock (post-norm, tgt_mask)",
+) + tuple(f"{core} ({option})" for core in ("sdpa", "memory_efficient_attention") for option in (
+    "causal, bottom_right", "window (2, 1)", "alibi_slopes", "softcap", "sinks -> dsinks", "mask_grad -> dmask",
+    "all options, GQA -> dmask, dsinks", "options, dropout (fixed rng)"))
+
+
+def test_check_covers_the_attention_options_and_new_ops():
+    """Every listed case is in ``cases()`` (so in the table) and passes; one missing fails here."""
+    code = (
+        "import npattn.tools.check as c\n"
+        "for name, thunk in c.cases(0):\n"
+        "    print(name, '|', thunk().ok if name in WANT else 'skip')\n"
+    )
+    r = run(code=f"WANT = {CHECK_COVERS!r}\n" + code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = dict(line.rsplit(" | ", 1) for line in r.stdout.splitlines())
+    missing = [n for n in CHECK_COVERS if n not in got]
+    assert not missing, f"npattn check lost cases: {missing}"
+    assert all(got[n] == "True" for n in CHECK_COVERS), {n: got[n] for n in CHECK_COVERS}
+    if "MultiHeadAttention (sinks)" in got:  # once the module options exist, check covers them
+        assert {"MultiHeadAttention (rope)", "MultiHeadAttention (qk_norm)", "MultiHeadAttention (window, causal)",
+                "MultiHeadAttention (alibi)", "MultiHeadAttention (softcap)"} <= set(got)
+
+
 def test_check_exit_code_1_on_a_failure(tmp_path):
     code = (
         "import sys, npattn.tools.check as c\n"

@@ -18,13 +18,13 @@ __all__ = ["cases", "run", "main"]
 def cases(seed: int = 0):
     """``[(name, thunk)]``: each thunk runs one ``gradcheck`` and returns its report."""
     from .. import functional as F
-    from ..nn.attention import MultiHeadAttention
-    from ..book import (CausalAttention, MultiHeadAttentionWrapper, SelfAttention_v1, SelfAttention_v2)
+    from ..book import CausalAttention, MultiHeadAttentionWrapper, SelfAttention_v1, SelfAttention_v2
     from ..book import MultiHeadAttention as BookMultiHeadAttention
-    from ..testing.gradcheck import gradcheck
-    from ..nn.layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
     from ..models import TinyTransformer
+    from ..nn.attention import MultiHeadAttention
+    from ..nn.layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
     from ..nn.transformer import EncoderBlock
+    from ..testing.gradcheck import gradcheck
 
     rng = np.random.default_rng(seed)
 
@@ -86,6 +86,7 @@ def cases(seed: int = 0):
             ("memory_efficient_attention (float mask)",
              check(F.memory_efficient_attention, q, k, v, attn_mask=float_mask, block_size=3)),
         ]
+    out += _option_cases(rng, check, seed)
 
     # -- modules -----------------------------------------------------------------------------
     r = seed  # module initialisation seed
@@ -125,6 +126,170 @@ def cases(seed: int = 0):
         ("book.MultiHeadAttention (2-d input)", check(BookMultiHeadAttention(d, d, L, 0.0, 2, rng=r), x[0])),
         ("TinyTransformer", check(TinyTransformer(5, 6, 8, 2, 2, 12, rng=r), rng.integers(0, 5, (b, 5)))),
     ]
+    out += _module_option_cases(rng, check, r)
+    return out
+
+
+def _opts_pair(forward, backward, extras, **opts):
+    """A ``(forward, backward)`` pair taking ``q, k, v`` and then ``extras`` (``"attn_mask"``,
+    ``"sinks"``) positionally, so that ``gradcheck`` checks ``dmask`` and ``dsinks`` as well."""
+    def fwd(q, k, v, *more, **kw):
+        kw.update(zip(extras, more))
+        if "attn_mask" in kw:
+            kw["mask_grad"] = True
+        return forward(q, k, v, **kw, **opts)
+    fwd.__name__ = f"{forward.__name__}_with_{'_'.join(extras) or 'options'}"
+    return fwd, backward
+
+
+def _option_cases(rng, check, seed):
+    """The newer functional ops and options: rms_norm, silu, rope, layer_norm over several axes,
+    embedding and cross_entropy options, and every attention option in both attention cores."""
+    from .. import functional as F
+
+    def randn(*shape):
+        return rng.standard_normal(shape)
+
+    b, L, d = 2, 4, 6
+    x = randn(b, L, d)
+    out = [
+        ("silu", check(F.silu, x)),
+        ("rms_norm", check(F.rms_norm, x, 1 + 0.1 * randn(d))),
+        ("rms_norm (no weight)", check(F.rms_norm, x)),
+        ("rms_norm (2 axes, eps)", check(F.rms_norm, x, 1 + 0.1 * randn(L, d), 1e-5)),
+        ("rope (rotate half)", check(F.rope, x)),
+        ("rope (interleaved)", check(F.rope, x, interleaved=True)),
+        ("rope (offset positions)", check(F.rope, x, np.arange(L) + 7, base=100.0)),
+        ("rope (per-batch positions, interleaved)",
+         check(F.rope, x, rng.integers(0, 50, (b, L)), interleaved=True)),
+        ("layer_norm (2 axes)", check(F.layer_norm, x, 1 + 0.1 * randn(L, d), randn(L, d))),
+        ("layer_norm (2 axes, no affine)", check(F.layer_norm, x, normalized_shape=(L, d))),
+        ("layer_norm (weight only)", check(F.layer_norm, x, 1 + 0.1 * randn(d))),
+    ]
+    # embedding: the padding row gets no gradient by definition (torch), so it is held fixed at 0
+    # and checked to receive exactly 0; scale_grad_by_freq divides each row's gradient by its count.
+    ids = rng.integers(0, 7, (b, L))
+    ids[0, 0] = 2
+    ids[1, 1:3] = 5
+    counts = np.bincount(ids.ravel(), minlength=7)[:, None]
+
+    def emb_pad(ids, w_rest):
+        weight = np.insert(w_rest, 2, 0.0, axis=0)
+        return F.embedding(ids, weight, padding_idx=2)
+
+    def emb_pad_backward(dout, cache):
+        dweight = F.embedding_backward(dout, cache)
+        if np.any(dweight[2] != 0):
+            raise AssertionError("embedding: the padding_idx row received a gradient")
+        return np.delete(dweight, 2, axis=0)
+
+    def emb_freq(ids, weight):
+        return F.embedding(ids, weight, scale_grad_by_freq=True)
+
+    def emb_freq_backward(dout, cache):
+        return F.embedding_backward(dout, cache) * np.maximum(counts, 1)
+
+    n_cls = 5
+    logits, targets = randn(b, L, n_cls), rng.integers(0, n_cls, (b, L))
+    probs = F.softmax(randn(b, L, n_cls))[0]
+    cw = rng.uniform(0.5, 2.0, n_cls)
+    out += [
+        ("embedding (padding_idx)", check((emb_pad, emb_pad_backward), ids, randn(6, d))),
+        ("embedding (scale_grad_by_freq)", check((emb_freq, emb_freq_backward), ids, randn(7, d))),
+        ("cross_entropy (weight)", check(F.cross_entropy, logits, targets, weight=cw)),
+        ("cross_entropy (reduction=sum)", check(F.cross_entropy, logits, targets, reduction="sum")),
+        ("cross_entropy (reduction=none)", check(F.cross_entropy, logits, targets, reduction="none")),
+        ("cross_entropy (label_smoothing)", check(F.cross_entropy, logits, targets, label_smoothing=0.1)),
+        ("cross_entropy (probabilities, weight)", check(F.cross_entropy, logits, targets=probs, weight=cw)),
+    ]
+
+    # attention options, in both cores: q (b, 2, 3, 4) against k, v of 5 keys (Lq < Lk)
+    q, k, v = randn(b, 2, 3, 4), randn(b, 2, 5, 4), randn(b, 2, 5, 3)
+    q4 = randn(b, 4, 3, 4)
+    slopes, sinks, fmask = rng.uniform(0.1, 1.0, 2), randn(2), randn(3, 5)
+    cores = [("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {})]
+    if hasattr(F, "memory_efficient_attention"):
+        cores.append(("memory_efficient_attention", F.memory_efficient_attention,
+                      F.memory_efficient_attention_backward, {"block_size": 2}))
+    for core, fwd, bwd, blk in cores:
+        def opt(label, *extras, qq=q, **opts):
+            rng_kw = {"rng": opts.pop("rng")} if "rng" in opts else {}  # gradcheck renews it per call
+            pair = _opts_pair(fwd, bwd, [e for e, _ in extras], **blk, **opts)
+            return (f"{core} ({label})", check(pair, qq, k, v, *[a for _, a in extras], **rng_kw))
+        out += [
+            opt("causal, bottom_right", is_causal=True, causal_align="bottom_right"),
+            opt("window (2, 1)", window=(2, 1)),
+            opt("window (1, -1), bottom_right", window=(1, -1), causal_align="bottom_right"),
+            opt("causal, window (1, 0)", is_causal=True, window=(1, 0), causal_align="bottom_right"),
+            opt("alibi_slopes", alibi_slopes=slopes),
+            opt("softcap", softcap=1.5),
+            opt("sinks -> dsinks", ("sinks", sinks)),
+            opt("mask_grad -> dmask", ("attn_mask", fmask)),
+            opt("all options, GQA -> dmask, dsinks", ("attn_mask", randn(b, 1, 3, 5)),
+                ("sinks", randn(4)), qq=q4, enable_gqa=True, is_causal=True, causal_align="bottom_right",
+                window=(2, 0), alibi_slopes=rng.uniform(0.1, 1.0, 4), softcap=2.0),
+            opt("options, dropout (fixed rng)", ("sinks", sinks), window=(1, 1), softcap=2.0,
+                alibi_slopes=slopes, dropout_p=0.3, rng=np.random.default_rng(seed)),
+        ]
+    return out
+
+
+def _module_option_cases(rng, check, r):
+    """The newer modules and module options (those not merged yet are skipped)."""
+    import inspect
+
+    from .. import book
+    from ..nn import layers, transformer
+    from ..nn.attention import MultiHeadAttention
+
+    def randn(*shape):
+        return rng.standard_normal(shape)
+
+    b, L, d = 2, 4, 6
+    x = randn(b, L, d)
+    out = []
+    if hasattr(layers, "RMSNorm"):
+        out += [("RMSNorm", check(layers.RMSNorm(d), x)),
+                ("RMSNorm (2 axes, no affine)", check(layers.RMSNorm((L, d), elementwise_affine=False), x))]
+    out += [("FeedForward (silu)", check(layers.FeedForward(d, 8, activation="silu", rng=r), x)),
+            ("FeedForward (swiglu)", check(layers.FeedForward(d, 8, activation="swiglu", rng=r), x)),
+            ("FeedForward (swiglu, no bias)",
+             check(layers.FeedForward(d, 8, activation="swiglu", bias=False, rng=r), x)),
+            ("EncoderBlock (bias=False)", check(transformer.EncoderBlock(d, 2, 8, dropout=0.0, bias=False, rng=r), x))]
+    if hasattr(transformer, "DecoderBlock"):
+        xd, mem = randn(1, 3, 4), randn(1, 2, 4)
+        tgt_mask = ~np.triu(np.ones((3, 3), dtype=bool), k=1)
+        out += [("DecoderBlock (post-norm, tgt_mask)",
+                 check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, rng=r), xd, mem, tgt_mask=tgt_mask)),
+                ("DecoderBlock (pre-norm, causal, swiglu, bias=False)",
+                 check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, norm_first=True, causal=True,
+                                                activation="swiglu", bias=False, rng=r), xd, mem))]
+    params = inspect.signature(MultiHeadAttention.__init__).parameters
+    if all(n in params for n in ("window", "sinks", "rope", "qk_norm", "alibi", "softcap", "causal_align")):
+        x8 = randn(b, 5, 8)
+
+        def mha(**kw):
+            return MultiHeadAttention(8, 8, 2, rng=r, **kw)
+        sink_mha = mha(sinks=True)
+        sink_mha.sinks.data[...] = randn(2)  # away from the zeros it starts with
+        out += [
+            ("MultiHeadAttention (window, causal)", check(mha(causal=True, window=(2, 0)), x8)),
+            ("MultiHeadAttention (alibi)", check(mha(causal=True, alibi=True), x8)),
+            ("MultiHeadAttention (softcap)", check(mha(softcap=1.5), x8)),
+            ("MultiHeadAttention (sinks)", check(sink_mha, x8)),
+            ("MultiHeadAttention (rope)", check(mha(causal=True, rope=True, rope_base=100.0), x8)),
+            ("MultiHeadAttention (qk_norm)", check(mha(qk_norm=True), x8)),
+            ("MultiHeadAttention (cross, bottom_right)",
+             check(mha(causal=True, causal_align="bottom_right"), randn(b, 3, 8), x8, x8)),
+            ("MultiHeadAttention (all options, GQA, memory_efficient)",
+             check(MultiHeadAttention(8, 8, 4, num_kv_heads=2, causal=True, window=(3, 0), alibi=True,
+                                      softcap=2.0, sinks=True, rope=True, qk_norm=True, memory_efficient=True,
+                                      rng=r), x8)),
+        ]
+    if hasattr(book, "GPTModel"):
+        cfg = {"vocab_size": 7, "context_length": 6, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+               "drop_rate": 0.0, "qkv_bias": True}
+        out.append(("book.GPTModel (tiny)", check(book.GPTModel(cfg, rng=r), rng.integers(0, 7, (b, 5)))))
     return out
 
 
