@@ -8,6 +8,7 @@ exit code is 1 when any case fails (or raises), else 0.
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -139,6 +140,8 @@ def _opts_pair(forward, backward, extras, **opts):
             kw["mask_grad"] = True
         return forward(q, k, v, **kw, **opts)
     fwd.__name__ = f"{forward.__name__}_with_{'_'.join(extras) or 'options'}"
+    fwd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # the names gradcheck reports
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["q", "k", "v", *extras]])
     return fwd, backward
 
 
@@ -236,8 +239,6 @@ def _option_cases(rng, check, seed):
 
 def _module_option_cases(rng, check, r):
     """The newer modules and module options (those not merged yet are skipped)."""
-    import inspect
-
     from .. import book
     from ..nn import layers, transformer
     from ..nn.attention import MultiHeadAttention
