@@ -413,6 +413,14 @@ def test_rms_norm_bad_eps():
     raises(ValueError, "dout", lambda: F.rms_norm_backward(np.zeros((2, 3)), cache), "(2, 3, 4)", "(2, 3)")
 
 
+def test_softmax_0d_axis():
+    for axis in (0, -1):
+        assert F.softmax(np.float64(2.0), axis=axis)[0] == 1.0
+    raises(ValueError, "axis", lambda: F.softmax(np.float64(2.0), axis=1), "0-d", "got 1")
+    raises(TypeError, "axis", lambda: F.softmax(np.float64(2.0), axis=None))
+    raises(TypeError, "axis", lambda: F.softmax(np.float64(2.0), axis=True))
+
+
 def test_silu_bad_input():
     raises(TypeError, "x", lambda: F.silu(np.ones(3, dtype=bool)), "bool")
     raises(TypeError, "x", lambda: F.silu(np.ones(3, dtype=complex)))
