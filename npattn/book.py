@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .nn import attention as _attention
 from . import functional as F
-from ._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
-from ._validate import as_index, to_numpy
+from ._validate import as_float, as_index, as_rng, check_bool, check_dtype, check_prob, check_size, to_numpy
 from .functional import kernels as K
 from .generation import generate as _generate
+from .nn import attention as _attention
 from .nn.layers import Dropout, Embedding, Linear
 from .nn.module import Module, ModuleList, Parameter, no_grad
 
@@ -213,7 +212,8 @@ def _check_cfg(cfg):
     check_prob(cfg["drop_rate"], "cfg['drop_rate']")
     check_bool(cfg["qkv_bias"], "cfg['qkv_bias']")
     if cfg["emb_dim"] % cfg["n_heads"]:
-        raise ValueError(f"cfg['emb_dim']: expected a multiple of cfg['n_heads']={cfg['n_heads']}, got {cfg['emb_dim']}")
+        raise ValueError(
+            f"cfg['emb_dim']: expected a multiple of cfg['n_heads']={cfg['n_heads']}, got {cfg['emb_dim']}")
     return {k: cfg[k] for k in _CFG_KEYS}
 
 
@@ -458,7 +458,8 @@ class GPTModel(Module):
             sd[k.removeprefix("transformer.")] = to_numpy(v, f"state_dict[{k!r}]")
         for k in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
             if k not in sd:
-                raise ValueError(f"state_dict: expected key 'transformer.{k}', got keys {sorted(state_dict.keys())[:8]}...")
+                raise ValueError(f"state_dict: expected key 'transformer.{k}' (GPT2LMHeadModel's keys), "
+                                 f"got keys {sorted(state_dict.keys())[:8]}...")
         if n_heads is None:
             raise ValueError("n_heads: required (GPT2Config.n_head; it cannot be read from the weight shapes)")
         wte = sd["wte.weight"]
@@ -542,7 +543,8 @@ def load_weights_into_gpt(gpt, params, *, out_head=None):
     except (KeyError, IndexError, TypeError):
         raise ValueError("params: expected an entry ['blocks'] (one dict per layer)") from None
     if len(blocks) != gpt.cfg["n_layers"]:
-        raise ValueError(f"params['blocks']: expected {gpt.cfg['n_layers']} layers (cfg['n_layers']), got {len(blocks)}")
+        raise ValueError(
+            f"params['blocks']: expected {gpt.cfg['n_layers']} layers (cfg['n_layers']), got {len(blocks)}")
     new = {"tok_emb.weight": _param(params, ("wte",)), "pos_emb.weight": _param(params, ("wpe",)),
            "final_norm.scale": _param(params, ("g",)), "final_norm.shift": _param(params, ("b",))}
     new["out_head.weight"] = new["tok_emb.weight"] if out_head is None else to_numpy(out_head, "out_head")
@@ -552,8 +554,8 @@ def load_weights_into_gpt(gpt, params, *, out_head=None):
         w = _param(params, ("blocks", i, "attn", "c_attn", "w"))
         b = _param(params, ("blocks", i, "attn", "c_attn", "b"))
         if w.shape != (emb, 3 * emb) or b.shape != (3 * emb,):
-            raise ValueError(f"params['blocks'][{i}]['attn']['c_attn']: expected w {(emb, 3 * emb)} and b {(3 * emb,)}, "
-                             f"got {w.shape} and {b.shape}")
+            raise ValueError(f"params['blocks'][{i}]['attn']['c_attn']: expected w {(emb, 3 * emb)} and "
+                             f"b {(3 * emb,)}, got {w.shape} and {b.shape}")
         for name, wq, bq in zip(("W_query", "W_key", "W_value"), np.split(w, 3, axis=-1), np.split(b, 3, axis=-1)):
             new[f"{pre}att.{name}.weight"] = wq.T
             new[f"{pre}att.{name}.bias"] = bq

@@ -97,7 +97,8 @@ def sample_next_token(logits, temperature: float = 0.0, top_k: int | None = None
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim != 2 or logits.shape[-1] < 1:
-        raise ValueError(f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}")
+        raise ValueError(
+            f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}")
     return _sample(logits, temperature, top_k, as_rng(rng))
 
 
@@ -123,7 +124,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
       models without a cache.
 
     Runs in eval mode (dropout off) under ``no_grad`` and restores the model's mode.
-    Returns the ids ``(..., L + new)`` as int64.
+    Returns the ids ``(..., L + new)``, of ``idx``'s integer dtype.
     """
     idx = as_index(idx, "idx")
     if idx.ndim < 1 or idx.shape[-1] < 1:
@@ -137,7 +138,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     use_cache = check_bool(use_cache, "use_cache") and callable(getattr(model, "reset_kv_cache", None))
 
     lead = idx.shape[:-1]
-    out = idx.reshape(-1, idx.shape[-1]).astype(np.int64)
+    out = idx.reshape(-1, idx.shape[-1])
     finished = np.zeros(len(out), dtype=bool)
     was_training = getattr(model, "training", None)
     if was_training is not None:
@@ -159,7 +160,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                     finished |= nxt == eos_id
                     if finished.all():
                         break
-                out = np.concatenate([out, nxt[:, None].astype(np.int64)], axis=1)
+                out = np.concatenate([out, nxt[:, None].astype(out.dtype)], axis=1)
     finally:
         if use_cache:
             model.reset_kv_cache()
