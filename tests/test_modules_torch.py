@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-import torch.nn.functional as TF
+import torch.nn.functional as TF  # noqa: E402
 
-import npattn
-from npattn import book
+import npattn  # noqa: E402
+from npattn import book  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "chapter3_torch", os.path.join(os.path.dirname(__file__), "book", "chapter3_torch.py"))
@@ -168,9 +168,9 @@ def torch_mha_cases(draw):
     kdim = draw(st.integers(1, 4)) if layout == "cross_separate" else None
     vdim = draw(st.integers(1, 4)) if layout == "cross_separate" else None
     mask = draw(st.sampled_from(["none", "bool2d", "bool3d", "float2d", "float3d", "causal"]))
-    return {"H": H, "E": E, "layout": layout, "b": b, "lq": lq, "lk": lk, "kdim": kdim, "vdim": vdim, "mask": mask,
-                "kpm": draw(st.booleans()), "bias": draw(st.booleans()), "need_weights": draw(st.booleans()),
-                "seed": draw(seeds)}
+    return dict(H=H, E=E, layout=layout, b=b, lq=lq, lk=lk, kdim=kdim, vdim=vdim, mask=mask,
+                kpm=draw(st.booleans()), bias=draw(st.booleans()), need_weights=draw(st.booleans()),
+                seed=draw(seeds))
 
 
 @settings(max_examples=60)
