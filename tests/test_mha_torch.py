@@ -219,10 +219,11 @@ def test_from_torch_state_dict_bad_dtype_raises(dtype):
         npattn.MultiHeadAttention.from_torch_state_dict(torch_mha(4, 2, 0).state_dict(), 2, dtype=dtype)
 
 
-def test_from_torch_state_dict_float16_state_dict_builds_float64():
+def test_from_torch_state_dict_float16_state_dict_refused():
+    """float16 is refused everywhere (the package's float policy), state dicts included."""
     sd = {k: v.to(torch.float16) for k, v in torch_mha(4, 2, 0).state_dict().items()}
-    m = npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
-    assert m.dtype == np.float64
+    with pytest.raises(TypeError, match="float32"):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
 
 
 def test_from_torch_state_dict_add_bias_kv_kwarg_refused():
