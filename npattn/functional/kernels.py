@@ -18,4 +18,5 @@ from .norm import layer_norm, layer_norm_backward  # noqa: F401
 
 # -- attention ----------------------------------------------------------------------------------------
 from .attention import scaled_dot_product_attention, scaled_dot_product_attention_backward  # noqa: F401
-from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward  # noqa: F401
+from .memory_efficient import _memory_efficient_attention as memory_efficient_attention  # noqa: F401
+from .memory_efficient import _memory_efficient_attention_backward as memory_efficient_attention_backward  # noqa: F401,E501
