@@ -141,7 +141,8 @@ class MultiHeadAttention(Module):
     with bottom-right alignment (the new queries are the last positions); see ``forward``.
 
     With ``memory_efficient=True`` the attention core is ``memory_efficient_attention`` (no
-    ``(Lq, Lk)`` array held; no ``need_weights``).
+    ``(Lq, Lk)`` array held, dropout masks regenerated block by block, so they differ from the
+    plain core's for the same rng; no ``need_weights``).
     """
 
     def __init__(self, d_in, d_out, num_heads, *, dropout=0.0, qkv_bias=False, out_bias=True, causal=False,
@@ -165,10 +166,6 @@ class MultiHeadAttention(Module):
         self.dropout = check_prob(dropout, "dropout")
         self.causal = check_bool(causal, "causal")
         self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
-        if self.memory_efficient and self.dropout > 0:
-            raise ValueError(
-                f"dropout: memory_efficient attention has no attention dropout; expected 0.0, got {self.dropout}"
-            )
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
         out_bias = check_bool(out_bias, "out_bias")
         self.add_bias_kv = check_bool(add_bias_kv, "add_bias_kv")
@@ -438,12 +435,12 @@ class MultiHeadAttention(Module):
             opts["sinks"] = self.sinks.data
         if Hk != H:
             opts["enable_gqa"] = True
+        p = self.dropout if self.training else 0.0
+        if p > 0:
+            opts.update(dropout_p=p, rng=self.rng)
         if self.memory_efficient:
             ctx, attn_cache = K.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, **opts)
         else:
-            p = self.dropout if self.training else 0.0
-            if p > 0:
-                opts.update(dropout_p=p, rng=self.rng)
             ctx, attn_cache = K.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal,
                                                              **opts)
         out, out_cache = K.linear(self._merge(ctx), self.out_proj.weight.data,
