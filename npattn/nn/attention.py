@@ -29,7 +29,7 @@ from .._validate import (
     to_numpy,
 )
 from ..functional import kernels as K
-from .layers import Linear
+from .layers import Linear, RMSNorm
 from .module import Module, Parameter, no_grad
 
 __all__ = ["MultiHeadAttention"]
@@ -196,7 +196,6 @@ class MultiHeadAttention(Module):
             self.bias_v = Parameter(self.rng.normal(0.0, std, (1, 1, kv)), self._dtype)
         self.sinks = Parameter(np.zeros(self.num_heads), self._dtype) if use_sinks else None
         if self.qk_norm:
-            from .layers import RMSNorm
             self.q_norm = RMSNorm(self.head_dim, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, dtype=dtype)
         object.__setattr__(self, "_fused", None)
@@ -560,7 +559,9 @@ class MultiHeadAttention(Module):
         if "out_proj.weight" not in sd:
             raise ValueError(f"state_dict: expected key 'out_proj.weight', got keys {sorted(sd)}")
         if sd["out_proj.weight"].ndim != 2:
-            raise ValueError(f"state_dict: expected 'out_proj.weight' of shape (E, E), got {sd['out_proj.weight'].shape}")
+            raise ValueError(
+                f"state_dict: expected 'out_proj.weight' of shape (E, E), got {sd['out_proj.weight'].shape}"
+            )
         E = sd["out_proj.weight"].shape[0]
         if "in_proj_weight" in sd:
             w = sd["in_proj_weight"]
@@ -570,7 +571,9 @@ class MultiHeadAttention(Module):
         else:
             missing = [k for k in ("q_proj_weight", "k_proj_weight", "v_proj_weight") if k not in sd]
             if missing:
-                raise ValueError(f"state_dict: expected 'in_proj_weight' or the separate projections, missing {missing}")
+                raise ValueError(
+                    f"state_dict: expected 'in_proj_weight' or the separate projections, missing {missing}"
+                )
             wq, wk, wv = sd["q_proj_weight"], sd["k_proj_weight"], sd["v_proj_weight"]
             for name, w in (("q_proj_weight", wq), ("k_proj_weight", wk), ("v_proj_weight", wv)):
                 if w.ndim != 2 or w.shape[0] != E:
