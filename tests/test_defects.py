@@ -433,3 +433,24 @@ def test_moving_average_is_local():
     s = _smooth(y, 2)
     assert np.isnan(s[3]) and np.isinf(s[2]) and np.isinf(s[4])
     np.testing.assert_array_equal(s[5:], np.ones(5))
+
+
+@pytest.mark.parametrize("dt", BAD_DTYPES)
+def test_float16_refused_by_mask_helpers(dt):
+    with pytest.raises(TypeError, match="float32"):
+        masks.to_additive(np.ones((2, 2), bool), dtype=dt)
+    with pytest.raises(TypeError, match="mask: .*float32"):
+        masks.to_additive(np.zeros((2, 2), dt))
+    with pytest.raises(TypeError, match="masks: .*float32"):
+        masks.combine(np.ones((2, 2), bool), np.zeros((2, 2), dt))
+
+
+def test_demo_smoothing_is_local():
+    from npattn.tools.demo import _smooth
+
+    y = np.ones(12)
+    y[2] = np.nan
+    y[6] = 1e300
+    s = _smooth(y, 3)
+    assert np.isnan(s[:3]).all()
+    np.testing.assert_array_equal(s[7:], np.ones(3))
