@@ -215,7 +215,6 @@ def check_float_dtype(dtype, name: str) -> np.dtype:
         f"{name}: {dt.name} is not supported ({why}); convert with {what}.astype(np.float32) (or np.float64)"
     )
 
-
 def check_cache(cache, expected: type, backward: str):
     """The cache a backward was given must be the one its own forward returned."""
     if not isinstance(cache, expected):
