@@ -65,7 +65,7 @@ FUNCTIONAL = [
     # wrong ndim
     row("linear-x-0d", F.linear, np.float64(1.0), u(4, 3), exc=ValueError, match="x: ", contains=["()"]),
     row("linear-weight-1d", F.linear, u(2, 3), u(3), exc=ValueError, match="weight: ", contains=["(3,)"]),
-    row("softmax-0d", F.softmax, np.float64(1.0), exc=ValueError, match="x: "),
+    row("softmax-0d-axis", F.softmax, np.float64(1.0), axis=1, exc=ValueError, match="axis: "),
     row("layer_norm-0d", F.layer_norm, np.float64(1.0), exc=ValueError, match="x: ", contains=["()"]),
     row("layer_norm-no-features", F.layer_norm, u(2, 0), exc=ValueError, match="x: ", contains=["(2, 0)"]),
     row("cross_entropy-0d", F.cross_entropy, np.float64(1.0), np.array(0), exc=ValueError, match="logits: "),
@@ -232,7 +232,7 @@ MODULES = [
     # constructors: non-integer sizes, heads that do not divide, p outside [0, 1]
     row("Linear-in", npattn.Linear, 2.5, 3, exc=TypeError, match="in_features: ", contains=["2.5"]),
     row("Linear-out0", npattn.Linear, 2, 0, exc=ValueError, match="out_features: ", contains=["got 0"]),
-    row("LayerNorm-shape", npattn.LayerNorm, (2, 3), exc=ValueError, match="normalized_shape: "),
+    row("LayerNorm-shape", npattn.LayerNorm, (2, 0), exc=ValueError, match="normalized_shape: "),
     row("LayerNorm-eps", npattn.LayerNorm, 3, eps=NAN, exc=ValueError, match="eps: "),
     row("Dropout-p", npattn.Dropout, 1.5, exc=ValueError, match="p: ", contains=["[0, 1]", "1.5"]),
     row("Dropout-p-nan", npattn.Dropout, NAN, exc=ValueError, match="p: ", contains=["nan"]),
@@ -243,7 +243,7 @@ MODULES = [
     row("MHA-kv-heads", MHA, 4, 6, 3, num_kv_heads=2, exc=ValueError, match="num_kv_heads: ", contains=["3", "2"]),
     row("MHA-heads-float", MHA, 4, 4, 2.0, exc=TypeError, match="num_heads: "),
     row("MHA-dropout", MHA, 4, 4, 2, dropout=-0.1, exc=ValueError, match="dropout: "),
-    row("MHA-memeff-dropout", MHA, 4, 4, 2, dropout=0.1, memory_efficient=True, exc=ValueError, match="dropout: "),
+    row("MHA-memeff-dropout", MHA, 4, 4, 2, dropout=1.5, memory_efficient=True, exc=ValueError, match="dropout: "),
     row("MHA-dtype", MHA, 4, 4, 2, dtype=np.float16, exc=TypeError, match="dtype: ", contains=["float16"]),
     row("MHA-rng", MHA, 4, 4, 2, rng=1.5, exc=TypeError, match="rng: "),
     row("Encoder-heads", ENC, 6, 4, 8, exc=ValueError, match="d_model: ", contains=["num_heads=4", "6"]),
