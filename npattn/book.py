@@ -165,10 +165,25 @@ class MultiHeadAttention(_attention.MultiHeadAttention):
         self.context_length = check_size(context_length, "context_length")
         self.register_buffer("mask", np.triu(np.ones((self.context_length,) * 2, dtype=self._dtype), k=1))
 
-    def forward(self, x):
+    def forward(self, x, use_cache=False):
+        """``x (b, num_tokens, d_in)`` -> ``(b, num_tokens, d_out)``.
+
+        ``use_cache=True`` (the book's chapter-4 KV cache): this call's keys and values join the
+        cache of ``npattn.MultiHeadAttention`` and its queries are the rows ``T .. T + n - 1`` of
+        the ``mask`` buffer over the ``T + n`` cached keys (``T`` tokens cached before), as the
+        book's ``mask[ptr:ptr + n, :T + n]``; nothing is kept for backward.  ``T + n`` may not
+        exceed ``context_length``.  ``reset_kv_cache()`` empties the cache."""
+        use_cache = check_bool(use_cache, "use_cache")
+        past = self.kv_cache_length if use_cache else 0
         x = _check_tokens(self, x, self.context_length)
         n = x.shape[-2]
-        return super().forward(x, attn_mask=self.mask[:n, :n] == 0)
+        if past + n > self.context_length:
+            raise ValueError(f"x: expected at most context_length={self.context_length} tokens with the {past} cached "
+                             f"ones, got {n} more (call reset_kv_cache() to start a new sequence)")
+        mask = self.mask[past:past + n, :past + n] == 0
+        if use_cache:
+            return super().forward(x, attn_mask=mask, use_cache=True)
+        return super().forward(x, attn_mask=mask)
 
 
 # ==============================================================================================
@@ -321,7 +336,7 @@ class TransformerBlock(Module):
 
     def forward(self, x, *, use_cache=False):
         x = as_float(x, "x", self.dtype)
-        a, c1 = self._drop(self.att(self.norm1(x), use_cache=use_cache) if use_cache else self.att(self.norm1(x)))
+        a, c1 = self._drop(self.att(self.norm1(x), use_cache=use_cache))
         x = x + a
         f, c2 = self._drop(self.ff(self.norm2(x)))
         self._save((c1, c2))

@@ -206,3 +206,21 @@ def test_bad_logits_for_the_sampling_helpers():
         sample_next_token(np.zeros(3))
     with pytest.raises(ValueError, match="logits"):
         next_token_probs(np.zeros((2, 3), int))
+
+
+def test_book_multi_head_attention_cache_token_by_token():
+    m = book.MultiHeadAttention(6, 6, 5, 0.0, 2, qkv_bias=True, rng=0)
+    x = np.random.default_rng(1).standard_normal((2, 5, 6))
+    full = m(x)
+    steps = [m(x[:, t:t + 1], use_cache=True) for t in range(5)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-14)
+    assert m.kv_cache_length == 5
+    with pytest.raises(ValueError, match="5 cached"):
+        m(x[:, :1], use_cache=True)
+    m.reset_kv_cache()
+    np.testing.assert_allclose(m(x[:, :2], use_cache=True), full[:, :2], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(m(x[:, 2:], use_cache=True), full[:, 2:], rtol=1e-12, atol=1e-14)
+    # a loaded all-zero mask buffer (no masking) is honoured by the cache as well
+    m.reset_kv_cache()
+    m.mask[...] = 0
+    np.testing.assert_allclose(m(x[:, :3], use_cache=True), m(x[:, :3]), rtol=1e-12, atol=1e-14)
