@@ -5,9 +5,9 @@ import os
 
 import numpy as np
 import pytest
+from _fd import fd_gradients, rel_err
 
 from npattn import book, gradcheck
-from tests._fd import fd_gradients, rel_err
 
 HERE = os.path.dirname(__file__)
 NPZ = np.load(os.path.join(HERE, "book", "chapter4.npz"))

@@ -89,7 +89,8 @@ def test_load_weights_into_gpt_book_layout():
     # the split of c_attn into q, k, v and the transpose, entry by entry
     w = params["blocks"][1]["attn"]["c_attn"]["w"]
     np.testing.assert_array_equal(gpt.trf_blocks[1].att.W_key.weight.data, w[:, 12:24].T)
-    np.testing.assert_array_equal(gpt.trf_blocks[1].att.W_value.bias.data, params["blocks"][1]["attn"]["c_attn"]["b"][24:])
+    b = params["blocks"][1]["attn"]["c_attn"]["b"]
+    np.testing.assert_array_equal(gpt.trf_blocks[1].att.W_value.bias.data, b[24:])
     np.testing.assert_array_equal(gpt.trf_blocks[0].ff.layers[0].weight.data, params["blocks"][0]["mlp"]["c_fc"]["w"].T)
 
 
