@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--memory", action="store_true", help="peak memory of forward+backward against sequence length")
     p.add_argument("--quick", action="store_true", help="small sizes only (seconds, for smoke tests)")
+    p.add_argument("--decode", action="store_true",
+                   help="greedy decoding tokens/s of the book's GPT with and without the KV cache (and torch's)")
     return parser
 
 
