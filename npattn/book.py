@@ -450,8 +450,7 @@ class GPTModel(Module):
 
     # -- Hugging Face GPT-2 ----------------------------------------------------------------------
     @classmethod
-    def from_hf_gpt2_state_dict(cls, state_dict, *, vocab_size=None, context_length=None, n_heads=None,
-                                drop_rate=0.0, rng=None, dtype=None):
+    def from_hf_gpt2_state_dict(cls, state_dict, *, rng=None, dtype=None, **cfg):
         """A ``GPTModel`` with the weights of a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``)
         state dict: ``transformer.wte.weight``, ``transformer.wpe.weight``,
         ``transformer.h.{i}.ln_1.{weight,bias}``, ``.attn.c_attn.{weight,bias}``,
@@ -460,14 +459,22 @@ class GPTModel(Module):
 
         GPT-2's ``Conv1D`` stores ``(in, out)`` weights: they are transposed into the book's
         ``(out, in)`` ``Linear`` weights, and ``c_attn`` (``(emb, 3 emb)``) is split into
-        ``W_query``, ``W_key``, ``W_value`` (so ``qkv_bias=True``).  ``n_heads`` cannot be read
-        from the weights: pass it (``GPT2Config.n_head``); ``vocab_size``, ``context_length``,
-        ``emb_dim`` and ``n_layers`` come from the shapes.  ``dtype`` defaults to the weights'
-        (float32 or float64).  GPT-2's attention scale and masking equal the book's, so the logits
-        are those of the Hugging Face model in eval mode.
+        ``W_query``, ``W_key``, ``W_value`` (so ``qkv_bias=True``).
+
+        ``**cfg`` takes the book's config keys: ``vocab_size``, ``context_length``, ``emb_dim``
+        and ``n_layers`` default to (and must agree with) the weights' shapes, ``qkv_bias`` must
+        be True, ``drop_rate`` defaults to 0.0, and ``n_heads`` (``GPT2Config.n_head``; the
+        shapes cannot tell it) defaults to ``emb_dim // 64``, GPT-2's head size, when ``emb_dim``
+        is a multiple of 64.  So ``from_hf_gpt2_state_dict(sd, **GPT_CONFIG_124M)`` works.
+        ``dtype`` defaults to the weights' (float32 or float64).  The logits are those of the
+        Hugging Face model in eval mode (its attention scale and causal mask are the book's).
         """
         if not hasattr(state_dict, "keys"):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        unknown = sorted(set(cfg) - set(_CFG_KEYS))
+        if unknown:
+            raise TypeError(f"from_hf_gpt2_state_dict: unexpected arguments {unknown} (expected the config keys "
+                            f"{list(_CFG_KEYS)}, rng, dtype)")
         sd = {}
         for k, v in state_dict.items():
             sd[k.removeprefix("transformer.")] = to_numpy(v, f"state_dict[{k!r}]")
@@ -475,16 +482,22 @@ class GPTModel(Module):
             if k not in sd:
                 raise ValueError(f"state_dict: expected key 'transformer.{k}' (GPT2LMHeadModel's keys), "
                                  f"got keys {sorted(state_dict.keys())[:8]}...")
-        if n_heads is None:
-            raise ValueError("n_heads: required (GPT2Config.n_head; it cannot be read from the weight shapes)")
         wte = sd["wte.weight"]
         n_layers = 0
         while f"h.{n_layers}.ln_1.weight" in sd:
             n_layers += 1
-        cfg = {"vocab_size": wte.shape[0] if vocab_size is None else vocab_size,
-               "context_length": sd["wpe.weight"].shape[0] if context_length is None else context_length,
-               "emb_dim": wte.shape[1], "n_heads": n_heads, "n_layers": n_layers, "drop_rate": drop_rate,
-               "qkv_bias": True}
+        found = {"vocab_size": wte.shape[0], "context_length": sd["wpe.weight"].shape[0], "emb_dim": wte.shape[1],
+                 "n_layers": n_layers, "qkv_bias": True}
+        for k, v in found.items():
+            if k in cfg and cfg[k] != v:
+                raise ValueError(f"{k}: the state dict has {k}={v}, got {cfg[k]!r}")
+        n_heads = cfg.get("n_heads")
+        if n_heads is None:
+            if found["emb_dim"] % 64:
+                raise ValueError(f"n_heads: required (GPT2Config.n_head) when emb_dim={found['emb_dim']} is not a "
+                                 "multiple of GPT-2's head size 64; the weight shapes cannot tell it")
+            n_heads = found["emb_dim"] // 64
+        cfg = dict(found, n_heads=n_heads, drop_rate=cfg.get("drop_rate", 0.0))
         if dtype is None:
             dtype = wte.dtype if wte.dtype in (np.float32, np.float64) else np.float64
         params = {"wte": wte, "wpe": sd["wpe.weight"], "g": sd["ln_f.weight"], "b": sd["ln_f.bias"], "blocks": []}

@@ -151,3 +151,25 @@ def test_from_hf_errors():
         book.GPTModel.from_hf_gpt2_state_dict(sd)
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight"):
         book.GPTModel.from_hf_gpt2_state_dict(sd, n_heads=2)
+
+
+def test_from_hf_takes_the_books_config_dict():
+    torch, model, cfg = hf_model(n_layer=1, n_head=1, n_embd=64, vocab=19, n_positions=6)
+    model = model.double()
+    sd = model.state_dict()
+    idx = np.array([[1, 5, 7, 2]])
+    with torch.no_grad():
+        expected = model(torch.from_numpy(idx)).logits.numpy()
+    book_cfg = {"vocab_size": 19, "context_length": 6, "emb_dim": 64, "n_heads": 1, "n_layers": 1,
+                "drop_rate": 0.1, "qkv_bias": True}
+    gpt = book.GPTModel.from_hf_gpt2_state_dict(sd, **book_cfg)
+    assert gpt.cfg == book_cfg
+    np.testing.assert_allclose(gpt.eval()(idx), expected, rtol=1e-10, atol=1e-12)
+    # without n_heads: GPT-2's head size 64
+    assert book.GPTModel.from_hf_gpt2_state_dict(sd).cfg["n_heads"] == 1
+    with pytest.raises(ValueError, match="n_layers"):
+        book.GPTModel.from_hf_gpt2_state_dict(sd, **dict(book_cfg, n_layers=2))
+    with pytest.raises(ValueError, match="qkv_bias"):
+        book.GPTModel.from_hf_gpt2_state_dict(sd, **dict(book_cfg, qkv_bias=False))
+    with pytest.raises(TypeError, match="unexpected"):
+        book.GPTModel.from_hf_gpt2_state_dict(sd, n_embd=64)
