@@ -371,7 +371,7 @@ class GPTModel(Module):
     ``forward(idx, use_cache=True)`` decodes incrementally: the blocks' attentions append this
     call's keys and values to their KV cache, and positions continue after the cached ones;
     ``reset_kv_cache()`` empties it.  Nothing is kept for backward then.  Also accepts
-    ``(num_tokens,)`` and ``(..., num_tokens)`` ids.
+    ``(num_tokens,)`` ids (logits ``(num_tokens, vocab_size)``).
     """
 
     def __init__(self, cfg, *, rng=None, dtype=np.float64):
@@ -394,8 +394,9 @@ class GPTModel(Module):
     def _check_idx(self, idx, start):
         idx = as_index(idx, "idx")
         ctx = self.cfg["context_length"]
-        if idx.ndim < 1 or idx.shape[-1] < 1:
-            raise ValueError(f"idx: expected token ids of shape (batch, num_tokens), got shape {idx.shape}")
+        if idx.ndim not in (1, 2) or idx.shape[-1] < 1:
+            raise ValueError(
+                f"idx: expected token ids of shape (batch, num_tokens) or (num_tokens,), got shape {idx.shape}")
         if start + idx.shape[-1] > ctx:
             cached = f" after {start} cached tokens" if start else ""
             raise ValueError(f"idx: expected at most context_length={ctx} tokens{cached}, got {idx.shape[-1]} "

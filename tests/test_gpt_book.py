@@ -229,3 +229,22 @@ def test_bad_config_and_inputs():
     m(np.zeros((1, 3), int))
     with pytest.raises(ValueError, match="dlogits"):
         m.backward(np.zeros((1, 3, 16)))
+
+
+def test_unbatched_ids():
+    m = book.GPTModel(tiny_cfg(), rng=2)
+    ids = np.random.default_rng(0).integers(0, 17, (3, 5))
+    full = m(ids)
+    np.testing.assert_allclose(m(ids[2]), full[2], rtol=1e-13, atol=1e-14)
+    assert gradcheck(m, ids[0]).ok
+    with pytest.raises(ValueError, match=r"\(batch, num_tokens\)"):
+        m(ids[None])
+    m.eval()
+    m.reset_kv_cache()
+    parts = np.concatenate([m(ids[0, :2], use_cache=True), m(ids[0, 2:], use_cache=True)], axis=0)
+    np.testing.assert_allclose(parts, m(ids[0]), rtol=1e-12, atol=1e-13)
+    m.reset_kv_cache()
+    m(ids[:2, :2], use_cache=True)
+    with pytest.raises(ValueError, match="batch shape"):
+        m(ids[:1, 2:3], use_cache=True)
+    assert m.current_pos == 2

@@ -18,6 +18,7 @@ import ast
 import os
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class CharTokenizer:
 
 @dataclass
 class CharsResult:
-    model: object
+    model: Any
     tokenizer: CharTokenizer
     losses: np.ndarray
     val_loss: float
