@@ -140,9 +140,9 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     lead = idx.shape[:-1]
     out = idx.reshape(-1, idx.shape[-1])
     finished = np.zeros(len(out), dtype=bool)
-    was_training = getattr(model, "training", None)
+    was_training = getattr(model, "training", None) if callable(getattr(model, "train", None)) else None
     if was_training is not None:
-        model.eval()
+        model.train(False)
     try:
         with no_grad():
             if use_cache:

@@ -224,3 +224,14 @@ def test_book_multi_head_attention_cache_token_by_token():
     m.reset_kv_cache()
     m.mask[...] = 0
     np.testing.assert_allclose(m(x[:, :3], use_cache=True), m(x[:, :3]), rtol=1e-12, atol=1e-14)
+
+
+def test_any_callable_model():
+    """A plain function is a model: a bigram table, ``logits[b, t] = table[idx[b, t]]``."""
+    table = np.random.default_rng(0).standard_normal((6, 6))
+    out = generate(lambda idx: table[idx], np.array([[2], [5]]), 4, 3, use_cache=True)
+    expect = [[2], [5]]
+    for row in expect:
+        for _ in range(4):
+            row.append(int(table[row[-1]].argmax()))
+    np.testing.assert_array_equal(out, expect)
