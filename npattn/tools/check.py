@@ -210,10 +210,9 @@ def _option_cases(rng, check, seed):
     q, k, v = randn(b, 2, 3, 4), randn(b, 2, 5, 4), randn(b, 2, 5, 3)
     q4 = randn(b, 4, 3, 4)
     slopes, sinks, fmask = rng.uniform(0.1, 1.0, 2), randn(2), randn(3, 5)
-    cores = [("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {})]
-    if hasattr(F, "memory_efficient_attention"):
-        cores.append(("memory_efficient_attention", F.memory_efficient_attention,
-                      F.memory_efficient_attention_backward, {"block_size": 2}))
+    cores = [("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {}),
+             ("memory_efficient_attention", F.memory_efficient_attention, F.memory_efficient_attention_backward,
+              {"block_size": 2})]
     for core, fwd, bwd, blk in cores:
         def opt(label, *extras, qq=q, **opts):
             rng_kw = {"rng": opts.pop("rng")} if "rng" in opts else {}  # gradcheck renews it per call
@@ -238,7 +237,8 @@ def _option_cases(rng, check, seed):
 
 
 def _module_option_cases(rng, check, r):
-    """The newer modules and module options (those not merged yet are skipped)."""
+    """The newer modules and module options: RMSNorm, SiLU/SwiGLU feed-forwards, EncoderBlock(bias=False),
+    DecoderBlock, MultiHeadAttention's attention options, book.GPTModel."""
     from .. import book
     from ..nn import layers, transformer
     from ..nn.attention import MultiHeadAttention
@@ -248,49 +248,44 @@ def _module_option_cases(rng, check, r):
 
     b, L, d = 2, 4, 6
     x = randn(b, L, d)
-    out = []
-    if hasattr(layers, "RMSNorm"):
-        out += [("RMSNorm", check(layers.RMSNorm(d), x)),
-                ("RMSNorm (2 axes, no affine)", check(layers.RMSNorm((L, d), elementwise_affine=False), x))]
+    out = [("RMSNorm", check(layers.RMSNorm(d), x)),
+            ("RMSNorm (2 axes, no affine)", check(layers.RMSNorm((L, d), elementwise_affine=False), x))]
     out += [("FeedForward (silu)", check(layers.FeedForward(d, 8, activation="silu", rng=r), x)),
             ("FeedForward (swiglu)", check(layers.FeedForward(d, 8, activation="swiglu", rng=r), x)),
             ("FeedForward (swiglu, no bias)",
              check(layers.FeedForward(d, 8, activation="swiglu", bias=False, rng=r), x)),
             ("EncoderBlock (bias=False)", check(transformer.EncoderBlock(d, 2, 8, dropout=0.0, bias=False, rng=r), x))]
-    if hasattr(transformer, "DecoderBlock"):
-        xd, mem = randn(1, 3, 4), randn(1, 2, 4)
-        tgt_mask = ~np.triu(np.ones((3, 3), dtype=bool), k=1)
-        out += [("DecoderBlock (post-norm, tgt_mask)",
-                 check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, rng=r), xd, mem, tgt_mask=tgt_mask)),
-                ("DecoderBlock (pre-norm, causal, swiglu, bias=False)",
-                 check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, norm_first=True, causal=True,
-                                                activation="swiglu", bias=False, rng=r), xd, mem))]
-    params = inspect.signature(MultiHeadAttention.__init__).parameters
-    if all(n in params for n in ("window", "sinks", "rope", "qk_norm", "alibi", "softcap", "causal_align")):
-        x8 = randn(b, 5, 8)
+    xd, mem = randn(1, 3, 4), randn(1, 2, 4)
+    tgt_mask = ~np.triu(np.ones((3, 3), dtype=bool), k=1)
+    out += [("DecoderBlock (post-norm, tgt_mask)",
+             check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, rng=r), xd, mem, tgt_mask=tgt_mask)),
+            ("DecoderBlock (pre-norm, causal, swiglu, bias=False)",
+             check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, norm_first=True, causal=True,
+                                            activation="swiglu", bias=False, rng=r), xd, mem))]
+    x8 = randn(b, 5, 8)
 
-        def mha(**kw):
-            return MultiHeadAttention(8, 8, 2, rng=r, **kw)
-        sink_mha = mha(sinks=True)
-        sink_mha.sinks.data[...] = randn(2)  # away from the zeros it starts with
-        out += [
-            ("MultiHeadAttention (window, causal)", check(mha(causal=True, window=(2, 0)), x8)),
-            ("MultiHeadAttention (alibi)", check(mha(causal=True, alibi=True), x8)),
-            ("MultiHeadAttention (softcap)", check(mha(softcap=1.5), x8)),
-            ("MultiHeadAttention (sinks)", check(sink_mha, x8)),
-            ("MultiHeadAttention (rope)", check(mha(causal=True, rope=True, rope_base=100.0), x8)),
-            ("MultiHeadAttention (qk_norm)", check(mha(qk_norm=True), x8)),
-            ("MultiHeadAttention (cross, bottom_right)",
-             check(mha(causal=True, causal_align="bottom_right"), randn(b, 3, 8), x8, x8)),
-            ("MultiHeadAttention (all options, GQA, memory_efficient)",
-             check(MultiHeadAttention(8, 8, 4, num_kv_heads=2, causal=True, window=(3, 0), alibi=True,
-                                      softcap=2.0, sinks=True, rope=True, qk_norm=True, memory_efficient=True,
-                                      rng=r), x8)),
-        ]
-    if hasattr(book, "GPTModel"):
-        cfg = {"vocab_size": 7, "context_length": 6, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
-               "drop_rate": 0.0, "qkv_bias": True}
-        out.append(("book.GPTModel (tiny)", check(book.GPTModel(cfg, rng=r), rng.integers(0, 7, (b, 5)))))
+    def mha(**kw):
+        return MultiHeadAttention(8, 8, 2, rng=r, **kw)
+    sink_mha = mha(sinks=True)
+    sink_mha.sinks.data[...] = randn(2)  # away from the zeros it starts with
+    all_mha = MultiHeadAttention(8, 8, 4, num_kv_heads=2, causal=True, window=(3, 0), alibi=True, softcap=2.0,
+                                 sinks=True, rope=True, qk_norm=True, memory_efficient=True, rng=r)
+    all_mha.sinks.data[...] = randn(4)
+    all_mha.q_norm.weight.data[...] += 0.1 * randn(*all_mha.q_norm.weight.data.shape)
+    out += [
+        ("MultiHeadAttention (window, causal)", check(mha(causal=True, window=(2, 0)), x8)),
+        ("MultiHeadAttention (alibi)", check(mha(causal=True, alibi=True), x8)),
+        ("MultiHeadAttention (softcap)", check(mha(softcap=1.5), x8)),
+        ("MultiHeadAttention (sinks)", check(sink_mha, x8)),
+        ("MultiHeadAttention (rope)", check(mha(causal=True, rope=True, rope_base=100.0), x8)),
+        ("MultiHeadAttention (qk_norm)", check(mha(qk_norm=True), x8)),
+        ("MultiHeadAttention (cross, bottom_right)",
+         check(mha(causal=True, causal_align="bottom_right"), randn(b, 3, 8), x8, x8)),
+        ("MultiHeadAttention (all options, GQA, memory_efficient)", check(all_mha, x8)),
+    ]
+    cfg = {"vocab_size": 7, "context_length": 6, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+           "drop_rate": 0.0, "qkv_bias": True}
+    out.append(("book.GPTModel (tiny)", check(book.GPTModel(cfg, rng=r), rng.integers(0, 7, (b, 5)))))
     return out
 
 
