@@ -5,6 +5,14 @@ sizes, with a random upstream gradient (``--seed`` picks the inputs and that gra
 table row per case gives the worst absolute and relative error over all checked tensors of the
 case (inputs and parameters); a failing case is followed by its full per-tensor report.  The
 exit code is 1 when any case fails (or raises), else 0.
+
+Covered: every functional op (linear, embedding and its padding_idx / scale_grad_by_freq options,
+softmax, relu, gelu, silu, dropout, layer_norm and rms_norm over one or two axes, cross_entropy
+with weights, reductions, label smoothing and probability targets, rope in both layouts with
+offset and per-batch positions), both attention cores with masks, causal, GQA, dropout and every
+attention option (bottom-right alignment, window, ALiBi, softcap, sinks with ``dsinks``, a learnable
+float mask with ``dmask``, all of them at once), and every module (with MultiHeadAttention's
+window, ALiBi, softcap, sinks, RoPE and QK-norm options, DecoderBlock, SwiGLU, book.GPTModel).
 """
 from __future__ import annotations
 
