@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import inspect
 import time
+from typing import Any, Callable, List, Tuple
 
 import numpy as np
 
 __all__ = ["cases", "run", "main"]
 
 
-def cases(seed: int = 0):
+def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
     """``[(name, thunk)]``: each thunk runs one ``gradcheck`` and returns its report."""
     from .. import functional as F
     from ..book import CausalAttention, MultiHeadAttentionWrapper, SelfAttention_v1, SelfAttention_v2
@@ -139,7 +140,7 @@ def cases(seed: int = 0):
     return out
 
 
-def _opts_pair(forward, backward, extras, **opts):
+def _opts_pair(forward: Callable, backward: Callable, extras: List[str], **opts: Any) -> Tuple[Callable, Callable]:
     """A ``(forward, backward)`` pair taking ``q, k, v`` and then ``extras`` (``"attn_mask"``,
     ``"sinks"``) positionally, so that ``gradcheck`` checks ``dmask`` and ``dsinks`` as well."""
     def fwd(q, k, v, *more, **kw):
@@ -148,7 +149,7 @@ def _opts_pair(forward, backward, extras, **opts):
             kw["mask_grad"] = True
         return forward(q, k, v, **kw, **opts)
     fwd.__name__ = f"{forward.__name__}_with_{'_'.join(extras) or 'options'}"
-    fwd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # the names gradcheck reports
+    fwd.__signature__ = inspect.Signature(  # the names gradcheck reports
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["q", "k", "v", *extras]])
     return fwd, backward
 
@@ -302,7 +303,7 @@ def _fmt_row(cells, widths):
                       + [cells[3].ljust(widths[3])]).rstrip()
 
 
-def run(seed: int = 0, printer=print) -> bool:
+def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
     """Run every case, print the table; True when all pass."""
     start = time.perf_counter()
     results = []  # (name, abs, rel, ok, report_or_error)
@@ -330,5 +331,5 @@ def run(seed: int = 0, printer=print) -> bool:
     return not failed
 
 
-def main(args) -> int:
+def main(args: Any) -> int:
     return 0 if run(getattr(args, "seed", 0)) else 1
