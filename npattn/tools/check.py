@@ -149,7 +149,7 @@ def _opts_pair(forward: Callable, backward: Callable, extras: List[str], **opts:
             kw["mask_grad"] = True
         return forward(q, k, v, **kw, **opts)
     fwd.__name__ = f"{forward.__name__}_with_{'_'.join(extras) or 'options'}"
-    fwd.__signature__ = inspect.Signature(  # the names gradcheck reports
+    fwd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # the names gradcheck reports
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["q", "k", "v", *extras]])
     return fwd, backward
 
