@@ -4,12 +4,15 @@
 (``memory_efficient.py``) both work on blocks of the score matrix held key-major, ``S^T`` of
 shape ``(..., keys, queries)``.  This module holds the pieces they have in common:
 
-* ``check_qkv``, ``check_scale``, ``check_options``: validation and casting at the public edge
-  (``ValueError``/``TypeError`` naming the argument, before any arithmetic);
-* ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the leading (batch) dimensions of q, k,
-  v, and the reduction of a gradient back to its input's own shape;
-* ``Band``, ``band``, ``key_range``, ``band_hidden``, ``distance``: which keys a query may see
-  (causal, ``causal_align``, ``window``) and the ALiBi distances, for any block of rows/keys;
+* ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
+  validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
+  before any arithmetic);
+* ``gqa_groups``, ``out_lead``, ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the
+  leading (batch) dimensions of q, k, v (kernels, unchecked), and the reduction of a gradient back
+  to its input's own shape;
+* ``Band``, ``band``, ``key_range``, ``band_hidden``, ``causal_hidden``, ``distance``: which keys
+  a query may see (causal, ``causal_align``, ``window``), the hidden pairs of a key-major block
+  (the causal diagonal mask is the band ``right = 0``) and the ALiBi distances ``|p - j|``;
 * ``Block``, ``row_blocks``: the query-row blocks of the plain core, each spanning only the keys
   its rows may see;
 * ``scratch``: a contiguous view on the front of a preallocated flat buffer.
