@@ -277,3 +277,300 @@ def memory_efficient_attention_backward(dout, cache):
         p_sink = np.exp(np.asarray(sinks, dtype=q.dtype)[:, None, None] - lse)
         grads.append(_sum_to(-p_sink * d, (len(sinks), 1, 1)).reshape(-1))
     return tuple(grads)
+
+
+# == Linear and embedding ===========================================================================
+
+def linear(x, weight, bias=None):
+    """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``."""
+    y = x @ weight.T
+    if bias is not None:
+        y = y + bias
+    return y, (x, weight, bias is not None)
+
+
+def linear_backward(dout, cache):
+    """(notebooks/04_gradients_by_hand.ipynb, section "1. Linear: y = xW^T + b".)
+    ``y_bo = sum_i x_bi W_oi + b_o``, so ``dx_bi = sum_o dy_bo W_oi``, ``dW_oi = sum_b dy_bo x_bi``
+    and ``db_o = sum_b dy_bo``, ``b`` running over every leading (batch) index."""
+    x, weight, has_bias = cache
+    dx = dout @ weight  # (B..., in)
+    dy, x = dout.reshape(-1, weight.shape[0]), x.reshape(-1, weight.shape[1])  # leading dims as one: (N, out), (N, in)
+    dweight = dy.T @ x  # (out, in)
+    dbias = dy.sum(axis=0) if has_bias else None  # (out,)
+    return dx, dweight, dbias
+
+
+def embedding(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+    """Row lookup ``out[...] = weight[ids[...]]``: ``ids`` integers of any shape, ``weight (num, D)``.
+
+    With ``max_norm`` a looked-up row whose ``norm_type``-norm exceeds it is scaled by
+    ``max_norm / (norm + 1e-7)`` in the output (as torch; the given ``weight`` is not modified).
+    """
+    rows = weight[ids]  # (ids..., D)
+    if max_norm is not None:
+        norm = np.linalg.norm(rows, ord=norm_type, axis=-1, keepdims=True)
+        rows = np.where(norm > max_norm, rows * (max_norm / (norm + 1e-7)), rows)
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return rows, (ids, weight.shape, padding_idx, scale_grad_by_freq)
+
+
+def embedding_backward(dout, cache):
+    """A lookup copies rows, so its gradient adds them back: ``dW[r] = sum of dy where ids == r``.
+
+    As torch: the ``max_norm`` rescaling is treated as a change of the weight made before the
+    lookup (no gradient flows through it), the ``padding_idx`` row gets no gradient, and with
+    ``scale_grad_by_freq`` each row's gradient is divided by how often its id occurs in ``ids``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "Training a small transformer on a toy task".)
+    """
+    ids, wshape, padding_idx, scale_grad_by_freq = cache
+    ids, dy = ids.reshape(-1), dout.reshape(-1, wshape[1])  # (N,), (N, D)
+    if scale_grad_by_freq:
+        dy = dy / np.bincount(ids, minlength=wshape[0])[ids][:, None]
+    dweight = np.zeros(wshape, dtype=dout.dtype)
+    np.add.at(dweight, ids, dy)  # scatter-add: an id seen twice collects both gradients
+    if padding_idx is not None:
+        dweight[padding_idx] = 0.0
+    return dweight
+
+
+# == Nonlinearities =================================================================================
+
+def softmax(x, axis=-1):
+    """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``; an all ``-inf`` slice gives 0, a 0-d x gives 1.
+    (notebooks/01_self_attention.ipynb, section "Softmax: scores to weights".)"""
+    y = np.reshape(x, np.shape(x) or (1,))  # a 0-d input is a softmax over one value
+    m = y.max(axis=axis, keepdims=True, initial=-np.inf)
+    e = np.exp(y - np.where(np.isfinite(m), m, 0.0))  # shifted: no overflow; all -inf: e = 0
+    total = e.sum(axis=axis, keepdims=True)
+    y = e / np.where(total == 0, 1.0, total)
+    return y.reshape(np.shape(x)), (y, axis)
+
+
+def softmax_backward(dout, cache):
+    """(notebooks/04_gradients_by_hand.ipynb, section "2. Softmax".)  ``y_i = e^{x_i} / sum_k e^{x_k}``
+    has Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx_j = y_j (dy_j - sum_i dy_i y_i)``."""
+    y, axis = cache
+    dy = dout.reshape(y.shape)
+    return (y * (dy - (dy * y).sum(axis=axis, keepdims=True))).reshape(np.shape(dout))
+
+
+def relu(x):
+    """``y = max(x, 0)``.  (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
+    return np.maximum(x, 0), x
+
+
+def relu_backward(dout, cache):
+    """``dy/dx`` is 1 where ``x > 0`` and 0 elsewhere (0 at ``x = 0``, as torch)."""
+    return dout * (cache > 0)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu(x, approximate="none"):
+    """``"none"``: ``y = x Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` the normal CDF.
+    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
+    if approximate == "none":
+        return x * 0.5 * (1.0 + erf(x / math.sqrt(2.0))), (x, approximate)
+    return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))), (x, approximate)
+
+
+def gelu_backward(dout, cache):
+    """``"none"``: ``d(x Phi)/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)`` the density.
+    ``"tanh"``: with ``t = tanh(u)``, ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) du/dx``,
+    ``du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``."""
+    x, approximate = cache
+    if approximate == "none":
+        return dout * (0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+    t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
+    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x))
+
+
+def silu(x):
+    """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows).
+    (notebooks/08_modern_attention.ipynb.)"""
+    s = 0.5 * (1.0 + np.tanh(0.5 * x))
+    return x * s, (x, s)
+
+
+def silu_backward(dout, cache):
+    """``sigmoid' = s (1 - s)``, so ``d(x s)/dx = s + x s (1 - s) = s (1 + x (1 - s))``."""
+    x, s = cache
+    return dout * s * (1.0 + x * (1.0 - s))
+
+
+def dropout(x, p, rng=None, training=True):
+    """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep = rng.random(x.shape) >= p`` (kept with
+    probability ``1 - p``).  ``p = 1`` gives zeros, ``training=False`` or ``p = 0`` the identity
+    (neither draws).  (notebooks/02_masks_and_dropout.ipynb, section "Dropout on the attention weights".)"""
+    if not training or p == 0.0:
+        return np.array(x, copy=True), (None, 1.0)
+    keep = np.zeros(np.shape(x), dtype=bool) if p == 1.0 else np.random.default_rng(rng).random(np.shape(x)) >= p
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    return x * keep * scale, (keep, scale)
+
+
+def dropout_backward(dout, cache):
+    """``y`` is linear in ``x`` with the same mask: ``dx = dy * keep / (1 - p)``."""
+    keep, scale = cache
+    return np.array(dout, copy=True) if keep is None else dout * keep * scale
+
+
+# == Normalisation ==================================================================================
+
+def _norm_axes(x, weight, normalized_shape):
+    """The trailing axes normalised: ``len(normalized_shape)``, else ``weight.ndim``, else 1."""
+    if normalized_shape is not None:
+        n = 1 if np.ndim(normalized_shape) == 0 else len(normalized_shape)
+    else:
+        n = 1 if weight is None else np.ndim(weight)
+    return tuple(range(x.ndim - n, x.ndim))
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
+    """``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the
+    trailing axes (``normalized_shape``).  (notebooks/05_encoder_block_and_training.ipynb,
+    section "Layer normalisation".)"""
+    axes = _norm_axes(x, weight, normalized_shape)
+    mu = x.mean(axis=axes, keepdims=True)
+    xc = x - mu
+    var = (xc * xc).mean(axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * rstd  # mean 0, variance 1 over the axes
+    y = xhat if weight is None else xhat * weight
+    if bias is not None:
+        y = y + bias
+    return y, (xhat, rstd, weight, bias is not None, axes)
+
+
+def layer_norm_backward(dout, cache):
+    """(notebooks/04_gradients_by_hand.ipynb, section "4. Layer norm".)
+
+    ``y = xhat * w + b``: ``dw = sum dy * xhat`` and ``db = sum dy`` over the leading axes; the
+    gradient at ``xhat`` is ``g = dy * w``.  With ``N`` elements normalised together,
+    ``xhat_i = (x_i - mu) r``, ``r = (var + eps)^(-1/2)``, ``dmu/dx_j = 1/N`` and
+    ``dvar/dx_j = 2 (x_j - mu) / N``, so ``dr/dx_j = -r^3 (x_j - mu) / N = -r^2 xhat_j / N`` and
+
+        dxhat_i/dx_j = r (delta_ij - 1/N) - xhat_i r xhat_j / N
+        dx_j = sum_i g_i dxhat_i/dx_j = r (g_j - mean(g) - xhat_j mean(g xhat)).
+    """
+    xhat, rstd, weight, has_bias, axes = cache
+    lead = tuple(range(dout.ndim - len(axes)))
+    dweight = (dout * xhat).sum(axis=lead) if weight is not None else None
+    dbias = dout.sum(axis=lead) if has_bias else None
+    g = dout if weight is None else dout * weight
+    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return dx, dweight, dbias
+
+
+def rms_norm(x, weight=None, eps=None, *, normalized_shape=None):
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
+    ``np.finfo(x.dtype).eps`` (as torch).  (notebooks/08_modern_attention.ipynb.)"""
+    axes = _norm_axes(x, weight, normalized_shape)
+    eps = np.finfo(x.dtype).eps if eps is None else eps
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
+    xhat = x * rstd
+    return (xhat if weight is None else xhat * weight), (xhat, rstd, weight, axes)
+
+
+def rms_norm_backward(dout, cache):
+    """As layer norm without the mean: ``xhat_i = x_i r``, ``r = (mean(x^2) + eps)^(-1/2)``,
+    ``dr/dx_j = -r^3 x_j / N = -r^2 xhat_j / N``, so with ``g = dy * w``:
+    ``dx_j = r (g_j - xhat_j mean(g xhat))`` and ``dw = sum dy * xhat`` over the leading axes."""
+    xhat, rstd, weight, axes = cache
+    dweight = (dout * xhat).sum(axis=tuple(range(dout.ndim - len(axes)))) if weight is not None else None
+    g = dout if weight is None else dout * weight
+    return rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True)), dweight
+
+
+# == Loss ===========================================================================================
+
+def cross_entropy(logits, targets, ignore_index=None, *, weight=None, reduction="mean", label_smoothing=0.0):
+    """Cross-entropy of ``softmax(logits)`` against ``targets``, classes on the **last** axis
+    (torch puts them on axis 1).  ``targets``: integer class ids ``logits.shape[:-1]`` or class
+    probabilities ``logits.shape``.  (notebooks/05_encoder_block_and_training.ipynb, section
+    "Training a small transformer on a toy task".)
+
+    Both kinds of target become one weighted target distribution ``t (..., C)`` per row:
+
+    * ids: ``t = w[y] ((1 - ls) onehot(y) + ls / C)`` per class, with ``ls = label_smoothing``
+      and the class weights ``w`` (ones by default); a row whose id is ``ignore_index`` gets ``t = 0``;
+    * probabilities: ``t = w ((1 - ls) p + ls / C)``;
+
+    the loss of a row is ``-sum_c t_c log softmax(logits)_c``.  ``reduction="none"`` returns the
+    rows, ``"sum"`` their sum and ``"mean"`` their sum divided by ``sum w[y]`` over the counted
+    rows (torch's weighted mean; the number of rows for probability targets; 0 if nothing counts).
+    """
+    c = logits.shape[-1]
+    w = np.ones(c, dtype=logits.dtype) if weight is None else np.asarray(weight, dtype=logits.dtype)
+    z = logits - logits.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))  # (..., C) log softmax, stably
+    if np.issubdtype(np.asarray(targets).dtype, np.integer):
+        counted = np.ones(targets.shape, dtype=bool) if ignore_index is None else targets != ignore_index
+        onehot = np.arange(c) == np.where(counted, targets, 0)[..., None]  # (..., C)
+        t = ((1.0 - label_smoothing) * onehot * w[np.where(counted, targets, 0)][..., None]
+             + label_smoothing / c * w) * counted[..., None]
+        denominator = (w[np.where(counted, targets, 0)] * counted).sum()
+    else:
+        t = w * ((1.0 - label_smoothing) * targets + label_smoothing / c)
+        denominator = math.prod(logits.shape[:-1])
+    rows = -(t * logp).sum(axis=-1)  # (...,)
+    scale = 1.0 if reduction != "mean" else 1.0 / (denominator if denominator != 0 else 1.0)
+    loss = rows if reduction == "none" else np.asarray(rows.sum() * scale)
+    return loss.astype(logits.dtype), (logp, t.astype(logits.dtype), reduction, scale)
+
+
+def cross_entropy_backward(dout, cache):
+    """A row's loss is ``-sum_c t_c logp_c`` with ``logp_c = z_c - log sum_k e^{z_k}``, and
+    ``dlogp_c/dz_j = delta_cj - softmax_j``, so ``dloss/dz_j = softmax_j sum_c t_c - t_j`` (with a
+    one-hot target: ``softmax - onehot``).  Then the reduction: ``"none"`` takes each row's
+    ``dout``, ``"sum"`` the scalar ``dout``, ``"mean"`` ``dout`` times the mean's ``1 / denominator``."""
+    logp, t, reduction, scale = cache
+    drow = (dout if reduction == "none" else np.broadcast_to(dout * scale, logp.shape[:-1]))[..., None]
+    return drow * (np.exp(logp) * t.sum(axis=-1, keepdims=True) - t)
+
+
+# == Rotary position embedding =====================================================================
+
+def rope(x, positions=None, *, base=10000.0, interleaved=False):
+    """Rotary position embedding (RoPE) of ``x (..., L, D)``, ``D`` even.
+
+    Pair ``i`` of features, ``(x_i, x_{i+D/2})`` ("rotate half", GPT-NeoX/Llama) or, interleaved,
+    ``(x_{2i}, x_{2i+1})``, is rotated by the angle ``p * base^(-2i/D)`` at position ``p``
+    (``positions`` broadcastable to ``(..., L)``, default ``arange(L)``):
+    ``(a, b) -> (a cos - b sin, a sin + b cos)``.  (notebooks/08_modern_attention.ipynb.)
+    """
+    d = x.shape[-1]
+    pos = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+    angle = pos[..., None] * base ** (-np.arange(0, d, 2) / d)  # (..., L, D/2)
+    cos, sin = np.cos(angle).astype(x.dtype), np.sin(angle).astype(x.dtype)
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : d // 2], x[..., d // 2 :])
+    return _pairs(a * cos - b * sin, a * sin + b * cos, interleaved), (cos, sin, interleaved)
+
+
+def _pairs(a, b, interleaved):
+    """Put the two halves of each pair back into one feature axis."""
+    return np.stack([a, b], axis=-1).reshape(a.shape[:-1] + (-1,)) if interleaved else np.concatenate([a, b], -1)
+
+
+def rope_backward(dout, cache):
+    """Each pair is multiplied by the rotation matrix ``[[cos, -sin], [sin, cos]]``; the gradient
+    is multiplied by its transpose, the rotation by ``-angle``: ``(da, db) = (dy_a cos + dy_b sin,
+    -dy_a sin + dy_b cos)``."""
+    cos, sin, interleaved = cache
+    d = dout.shape[-1]
+    da, db = (dout[..., 0::2], dout[..., 1::2]) if interleaved else (dout[..., : d // 2], dout[..., d // 2 :])
+    return _pairs(da * cos + db * sin, -da * sin + db * cos, interleaved)
+
+
+__all__ = [
+    "linear", "linear_backward", "embedding", "embedding_backward",
+    "softmax", "softmax_backward", "relu", "relu_backward", "gelu", "gelu_backward", "silu", "silu_backward",
+    "dropout", "dropout_backward", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
+    "cross_entropy", "cross_entropy_backward", "rope", "rope_backward",
+    "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "memory_efficient_attention", "memory_efficient_attention_backward",
+]
