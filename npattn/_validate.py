@@ -39,12 +39,14 @@ def as_float(x, name: str, dtype=None) -> np.ndarray:
     """Return ``x`` as a floating ndarray.
 
     Floating arrays keep their dtype unless ``dtype`` is given; integer arrays become ``dtype``
-    (float64 when None).  bool, complex, string and object arrays raise ``TypeError``.
+    (float64 when None).  bool, complex, string and object arrays raise ``TypeError``, and so do
+    float16 and longdouble arrays (see :func:`check_float_dtype`: float32 and float64 only).
     Never copies when no cast is needed; never writes into ``x``.
     """
     a = to_numpy(x, name)  # e.g. ragged nested lists -> TypeError naming the argument
     kind = a.dtype.kind
     if kind in _FLOAT_KINDS:
+        check_float_dtype(a.dtype, name)
         if dtype is not None and a.dtype != dtype:
             a = a.astype(dtype)
         return a
@@ -121,6 +123,8 @@ def check_dtype(dtype, name: str = "dtype") -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{name}: expected np.float32 or np.float64, got {dtype!r}") from None
+    if dt.kind == "f":
+        check_float_dtype(dt, name)
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"{name}: expected np.float32 or np.float64, got {dt}")
     return dt
@@ -166,6 +170,8 @@ def check_mask(mask, name: str, target_shape) -> np.ndarray:
         )
     if kind not in "bf":
         raise TypeError(f"{name}: expected a bool or float array, got dtype {m.dtype}")
+    if kind == "f":
+        check_float_dtype(m.dtype, name)
     try:
         if np.broadcast_shapes(m.shape, tuple(target_shape)) != tuple(target_shape):
             raise ValueError
@@ -178,9 +184,59 @@ def check_mask(mask, name: str, target_shape) -> np.ndarray:
 
 
 def check_additive_values(m: np.ndarray, name: str) -> None:
-    """A float mask: finite values or ``-inf`` only (``+inf``/NaN raise ``ValueError``)."""
+    """A float mask: finite values or ``-inf`` only (``+inf``/NaN raise ``ValueError``); float16
+    and longdouble masks raise ``TypeError`` (:func:`check_float_dtype`)."""
+    if m.dtype.kind == "f":
+        check_float_dtype(m.dtype, name)
     if m.dtype.kind == "f" and m.size and not (m < np.inf).all():  # False for +inf and NaN
         bad = "NaN" if np.isnan(m).any() else "+inf"
         raise ValueError(
             f"{name}: expected float mask values that are finite or -inf (-inf blocks a key), got {bad}"
         )
+
+
+_SUPPORTED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_UNSUPPORTED_WHY = {
+    "float16": "its range overflows in layer norm's squares and softmax's sums",
+}
+
+
+def check_float_dtype(dtype, name: str) -> np.dtype:
+    """The package's float policy: float32 and float64 are computed in their own dtype; every
+    other float dtype (float16, longdouble) raises ``TypeError`` naming the argument and
+    suggesting float32, before any arithmetic (never a silently wrong or overflowing result).
+    """
+    dt = np.dtype(dtype)
+    if dt in _SUPPORTED_FLOATS:
+        return dt
+    why = _UNSUPPORTED_WHY.get(dt.name, "npattn computes in float32 or float64 only")
+    what = name if name.isidentifier() else "it"
+    raise TypeError(
+        f"{name}: {dt.name} is not supported ({why}); convert with {what}.astype(np.float32) (or np.float64)"
+    )
+
+def check_cache(cache, expected: type, backward: str):
+    """The cache a backward was given must be the one its own forward returned."""
+    if not isinstance(cache, expected):
+        raise TypeError(
+            f"cache: {backward} expected a {expected.__name__} (the cache its forward returns), "
+            f"got {type(cache).__name__}"
+        )
+    return cache
+
+
+def check_normalized_shape(normalized_shape, x_shape, name: str = "normalized_shape") -> tuple:
+    """An int or a tuple of ints equal to the trailing axes of ``x_shape`` (at least one axis)."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape = (int(normalized_shape),)
+    elif isinstance(normalized_shape, (tuple, list)) and all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in normalized_shape
+    ):
+        shape = tuple(int(s) for s in normalized_shape)
+    else:
+        raise TypeError(f"{name}: expected an int or a tuple of ints, got {normalized_shape!r}")
+    if len(shape) == 0:
+        raise ValueError(f"{name}: expected at least one axis, got {shape}")
+    if len(shape) > len(x_shape) or tuple(x_shape[len(x_shape) - len(shape):]) != shape:
+        raise ValueError(f"{name}: expected the trailing axes of x (shape {tuple(x_shape)}), got {shape}")
+    return shape

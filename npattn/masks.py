@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import as_index, check_additive_values, check_size, to_numpy
+from ._validate import as_index, check_additive_values, check_float_dtype, check_size, to_numpy
 
 __all__ = ["causal", "padding", "sliding_window", "combine", "from_key_padding_mask", "to_additive"]
 
@@ -56,11 +56,12 @@ def to_additive(mask, dtype=np.float64) -> np.ndarray:
             dt = np.dtype(dtype)
         except TypeError:
             dt = None
-        if dt is None or dt.kind != "f":
-            raise TypeError(f"dtype: expected a floating dtype (np.float32, np.float64), got {dtype!r}")
+        if dt is None or dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"dtype: expected np.float32 or np.float64, got {dtype!r}")
         return np.where(m, 0.0, -np.inf).astype(dt)
     if m.dtype.kind != "f":
         raise TypeError(f"mask: expected a bool or float array, got dtype {m.dtype}")
+    check_float_dtype(m.dtype, "mask")
     return m
 
 
@@ -76,6 +77,8 @@ def combine(*masks):
     for m in ms:
         if m.dtype != bool and m.dtype.kind != "f":
             raise TypeError(f"masks: expected bool or float arrays, got dtype {m.dtype}")
+        if m.dtype.kind == "f":
+            check_float_dtype(m.dtype, "masks")
     try:
         np.broadcast_shapes(*(m.shape for m in ms))
     except ValueError:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import functional as F
-from ._validate import as_index, as_rng, check_dtype, check_prob, check_size
+from ._validate import as_index, as_rng, check_dtype, check_positive_float, check_prob, check_size
 from .nn.layers import Embedding, LayerNorm, Linear
 from .nn.module import Module, ModuleList, no_grad
 from .nn.transformer import EncoderBlock
@@ -71,8 +71,7 @@ class TinyTransformer(Module):
         self.context_length = check_size(context_length, "context_length")
         self.num_layers = check_size(num_layers, "num_layers")
         check_prob(dropout, "dropout")
-        if not (isinstance(embedding_std, (int, float)) and embedding_std > 0):
-            raise ValueError(f"embedding_std: expected a positive number, got {embedding_std!r}")
+        embedding_std = check_positive_float(embedding_std, "embedding_std")  # bool/str: TypeError; inf/nan/<=0: ValueError
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         self.tok_emb = Embedding(vocab_size, d_model, rng=rng, dtype=dtype)

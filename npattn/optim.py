@@ -118,6 +118,18 @@ class Optimizer:
         self._lr = lr
         self.state = [dict() for _ in plist]
 
+    def __setattr__(self, name, value):
+        """Hyper-parameters (``_hyper``) are validated on assignment as in the constructor
+        (``opt.momentum = 5.0`` raises ``ValueError`` and leaves the old value)."""
+        if name in type(self)._hyper and name != "lr":
+            value = self._validate_hyper(name, value)
+            current = {k: self.__dict__[k] for k in type(self)._hyper if k in self.__dict__}
+            self._check_combination({**current, name: value}, name)
+        object.__setattr__(self, name, value)
+
+    def _check_combination(self, hyper: dict, name: str) -> None:
+        """Constraints between hyper-parameters (``hyper`` may lack some during construction)."""
+
     @property
     def lr(self) -> float:
         return self._lr
@@ -180,15 +192,25 @@ class Optimizer:
                 "state_dict: expected a dict with keys 'hyper' and 'state' (as returned by state_dict()), "
                 f"got {type(state_dict).__name__}"
             )
-        hyper = dict(state_dict["hyper"])
-        unknown = sorted(set(hyper) - set(self._hyper))
+        hyper, state = state_dict["hyper"], state_dict["state"]
+        for part, value in (("hyper", hyper), ("state", state)):
+            if not hasattr(value, "keys") or not hasattr(value, "__getitem__"):
+                raise TypeError(f"state_dict: expected {part!r} to be a dict (as returned by state_dict()), "
+                                f"got {type(value).__name__}")
+        hyper = {k: hyper[k] for k in hyper.keys()}
+        unknown = sorted(set(hyper) - set(self._hyper), key=repr)
         if unknown:
             raise ValueError(f"state_dict: unknown hyper-parameters {unknown} for {type(self).__name__}")
         staged_hyper = {k: self._validate_hyper(k, v) for k, v in hyper.items()}
+        self._check_combination({**{k: getattr(self, k) for k in self._hyper}, **staged_hyper}, "state_dict")
 
         expected = self._state_keys()
         problems, staged = [], []
-        for key, s in dict(state_dict["state"]).items():
+        for key in state.keys():
+            s = state[key]
+            if isinstance(key, bool) or not isinstance(key, (numbers.Integral, str)):
+                problems.append(f"state index {key!r} is not an integer")
+                continue
             try:
                 i = int(key)
             except (TypeError, ValueError):
@@ -197,31 +219,44 @@ class Optimizer:
             if not 0 <= i < len(self.params):
                 problems.append(f"state index {i} out of range for {len(self.params)} parameters")
                 continue
-            s = dict(s)
+            if not hasattr(s, "keys") or not hasattr(s, "__getitem__"):
+                problems.append(f"state {i}: expected a dict with keys {sorted(expected)}, got {type(s).__name__}")
+                continue
+            s = {k: s[k] for k in s.keys()}
             if set(s) != expected:
-                problems.append(f"state {i}: expected keys {sorted(expected)}, got {sorted(s)}")
+                problems.append(f"state {i}: expected keys {sorted(expected)}, got {sorted(s, key=repr)}")
                 continue
             p = self.params[i]
             new = {}
             for k, v in s.items():
                 if k == "step":
-                    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 1:
                         problems.append(f"state {i}: 'step' must be a positive integer, got {v!r}")
                     new[k] = int(v) if isinstance(v, numbers.Integral) else v
                     continue
-                a = np.asarray(v)
+                try:
+                    a = np.asarray(v)
+                except Exception as e:  # ragged nested lists and the like
+                    problems.append(f"state {i}: {k!r} cannot be converted to an array ({e})")
+                    continue
                 if a.dtype.kind not in "fiu" or a.shape != p.data.shape:
                     problems.append(
                         f"state {i}: {k!r} must be a numeric array of shape {p.data.shape}, "
                         f"got dtype {a.dtype} shape {a.shape}"
                     )
                     continue
+                if a.dtype.kind == "f" and a.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+                    problems.append(f"state {i}: {k!r} has dtype {a.dtype}; expected float32 or float64")
+                    continue
+                if not np.isfinite(a).all():
+                    problems.append(f"state {i}: {k!r} holds inf or NaN values")
+                    continue
                 new[k] = np.array(a, dtype=p.data.dtype, copy=True)
             staged.append((i, new))
         if problems:
             raise ValueError("load_state_dict: nothing was loaded; " + "; ".join(problems))
         for k, v in staged_hyper.items():
-            setattr(self, "_lr" if k == "lr" else k, v)
+            object.__setattr__(self, "_lr" if k == "lr" else k, v)
         self.state = [dict() for _ in self.params]
         for i, new in staged:
             self.state[i] = new
@@ -284,6 +319,10 @@ class SGD(Optimizer):
         if name == "nesterov":
             return check_bool(value, "nesterov")
         return super()._validate_hyper(name, value)
+
+    def _check_combination(self, hyper, name):
+        if hyper.get("nesterov") and hyper.get("momentum", 1.0) == 0.0:
+            raise ValueError(f"{name}: Nesterov momentum requires momentum > 0, got nesterov=True with momentum=0.0")
 
     def _state_keys(self):
         return {"momentum_buffer"}

@@ -411,12 +411,7 @@ def _smooth(y, smoothing):
             raise ValueError(f"smoothing: expected a window >= 1, got {n}")
         if n == 1:
             return y
-        c = np.cumsum(np.insert(y, 0, 0.0))
-        out = np.empty_like(y)
-        for i in range(len(y)):  # a trailing window, shorter at the start
-            lo = max(0, i + 1 - n)
-            out[i] = (c[i + 1] - c[lo]) / (i + 1 - lo)
-        return out
+        return _moving_average(y, n)
     if isinstance(smoothing, numbers.Real):
         beta = float(smoothing)
         if not 0.0 < beta < 1.0:
@@ -429,6 +424,23 @@ def _smooth(y, smoothing):
             out[i] = acc / norm
         return out
     raise TypeError(f"smoothing: expected None, an int window or a float in (0, 1), got {type(smoothing).__name__}")
+
+
+def _moving_average(y, n):
+    """Trailing moving average over ``n`` values (shorter windows at the start).
+
+    Each window is summed on its own (no running cumsum), so a NaN or inf only affects the
+    windows that contain it, and a huge value cannot cancel later windows to 0 by rounding.
+    Costs ``len(y) * n`` additions, done as ``n`` shifted vector adds.
+    """
+    y = np.asarray(y, dtype=np.float64)
+    L = len(y)
+    total = np.zeros(L)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf inside a window gives NaN there only
+        for s in range(min(n, L)):  # add y[i - s] into window i
+            total[s:] += y[:L - s]
+    count = np.minimum(np.arange(1, L + 1), n)
+    return total / count
 
 
 def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabel="step", ylabel="loss"):

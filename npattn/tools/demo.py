@@ -235,9 +235,10 @@ def _train(cfg, progress):
 
 # -- pictures ----------------------------------------------------------------------------------
 def _smooth(x: np.ndarray, window: int) -> np.ndarray:
+    from ..viz import _moving_average  # per-window sums: one NaN/inf spoils only its windows
+
     window = max(1, min(window, len(x)))
-    c = np.cumsum(np.insert(x, 0, 0.0))
-    return (c[window:] - c[:-window]) / window
+    return _moving_average(x, window)[window - 1:]
 
 
 def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
