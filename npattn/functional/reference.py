@@ -80,6 +80,11 @@ def _gqa_groups(q, k, enable_gqa):
     return q.shape[-3] // k.shape[-3] if enable_gqa and q.ndim >= 3 else 1
 
 
+def _repeat_kv(k, v, groups):
+    """k and v with each kv head repeated for the ``groups`` query heads that read it."""
+    return (np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)) if groups > 1 else (k, v)
+
+
 def _unrepeat(dx_rep, shape, groups):
     """The gradient of ``np.repeat(x, groups, axis=-3)`` (x of ``shape``, broadcast afterwards):
     sum out the broadcasting, then add up the ``groups`` query heads that shared each kv head."""
@@ -116,7 +121,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     See ``npattn.functional.scaled_dot_product_attention`` for the meaning of each argument.
     """
     g = _gqa_groups(q, k, enable_gqa)
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)  # (B..., Hq, Lk, E): head h reads kv head h // G
+    kr, vr = _repeat_kv(k, v, g)  # (B..., Hq, Lk, E): head h reads kv head h // G
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     z, t = _scores(q, kr, scale, attn_mask, is_causal, causal_align, window, alibi_slopes, softcap)
     # softmax over the keys, shifted by the row max (a fully masked row: max = -inf, use 0, all e = 0)
@@ -147,7 +152,7 @@ def scaled_dot_product_attention_backward(dout, cache):
     """Backward of ``scaled_dot_product_attention``: ``(dq, dk, dv)``, then ``dmask`` (with
     ``mask_grad``), then ``dsinks`` (with ``sinks``)."""
     q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape, softcap = cache
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    kr, vr = _repeat_kv(k, v, g)
     # out = P' vr, a matrix product:  dvr = P'^T dout  and  dP' = dout vr^T
     pd = p if keep is None else p * keep * drop_scale
     dvr = pd.swapaxes(-1, -2) @ dout  # (B..., Hq, Lk, Ev)
@@ -205,7 +210,7 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=N
     "All rows at once, in a dozen lines".)
     """
     g = _gqa_groups(q, k, enable_gqa)
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)  # textbook: repeated (the fast tier does not copy)
+    kr, vr = _repeat_kv(k, v, g)  # textbook: repeated (the fast tier does not copy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block = 64 if block_size is None else block_size
     opts = dict(attn_mask=attn_mask, is_causal=is_causal, causal_align=causal_align, window=window,
@@ -249,7 +254,7 @@ def memory_efficient_attention_backward(dout, cache):
     ``dP_ij = keep_ij/(1-p) dout_i . v_j``).  Returns ``(dq, dk, dv)``, then ``dmask``, then ``dsinks``.
     """
     q, k, v, out, lse, keep, drop_scale, scale, g, block, opts, sinks, mask_grad = cache
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    kr, vr = _repeat_kv(k, v, g)
     d = (dout * out).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
     dq = np.zeros(dout.shape[:-1] + q.shape[-1:], dtype=q.dtype)
     dkr = np.zeros(dout.shape[:-2] + kr.shape[-2:], dtype=q.dtype)
