@@ -109,7 +109,11 @@ class AttentionCache(NamedTuple):
     tanh: Optional[np.ndarray]  # softcap's tanh(s / softcap), or None
     p_sink: Optional[np.ndarray]  # (B..., Hq, Lq, 1) the weight the sink took, or None
     mask_shape: Optional[tuple]  # the float mask's shape when mask_grad, else None
-    softcap: Optional[float]
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The attention weights ``P``, ``(B..., Hq, Lq, Lk)`` (before dropout; 0 where not visible)."""
+        return self.p
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
@@ -145,13 +149,20 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     pd = p if keep is None else p * keep * drop_scale
     out = pd @ vr  # (B..., Hq, Lq, Ev)
     mask_shape = np.shape(attn_mask) if mask_grad else None
-    return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape, softcap)
+    return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape)
 
 
 def scaled_dot_product_attention_backward(dout, cache):
     """Backward of ``scaled_dot_product_attention``: ``(dq, dk, dv)``, then ``dmask`` (with
-    ``mask_grad``), then ``dsinks`` (with ``sinks``)."""
-    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape, softcap = cache
+    ``mask_grad``), then ``dsinks`` (with ``sinks``).
+
+    The forward computed, in order: ``s = scale q k^T``; ``z = softcap(s) + alibi + mask`` (``-inf``
+    where hidden); ``P = softmax(z)`` over the keys (and the sink); ``P' = P * keep / (1 - p)``;
+    ``out = P' v``.  The gradient walks back through the same steps, last first.
+    (notebooks/04_gradients_by_hand.ipynb, section "3. Attention: O = softmax(s QK^T + M) V";
+    the options in notebooks/08_modern_attention.ipynb.)
+    """
+    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape = cache
     kr, vr = _repeat_kv(k, v, g)
     # out = P' vr, a matrix product:  dvr = P'^T dout  and  dP' = dout vr^T
     pd = p if keep is None else p * keep * drop_scale
@@ -300,7 +311,8 @@ def linear_backward(dout, cache):
     and ``db_o = sum_b dy_bo``, ``b`` running over every leading (batch) index."""
     x, weight, has_bias = cache
     dx = dout @ weight  # (B..., in)
-    dy, x = dout.reshape(-1, weight.shape[0]), x.reshape(-1, weight.shape[1])  # leading dims as one: (N, out), (N, in)
+    n = math.prod(x.shape[:-1])  # every leading (batch) index as one row index
+    dy, x = dout.reshape(n, weight.shape[0]), x.reshape(n, weight.shape[1])  # (N, out), (N, in)
     dweight = dy.T @ x  # (out, in)
     dbias = dy.sum(axis=0) if has_bias else None  # (out,)
     return dx, dweight, dbias
