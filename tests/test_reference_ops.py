@@ -354,3 +354,26 @@ def test_float32_stays_float32():
             assert g is None or g.dtype == np.float32, fwd.__name__
     loss, cache = R.cross_entropy(x, np.zeros((2, 3), dtype=int), label_smoothing=0.1)
     assert loss.dtype == np.float32 and R.cross_entropy_backward(np.float32(1.0), cache).dtype == np.float32
+
+
+def test_the_textbook_tier_imports_only_numpy_and_shared_primitives():
+    """No fast kernel behind the formulas: only numpy, the standard library, ``_erf`` and ``_random``."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(R))
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert modules <= {"__future__", "math", "typing", "numpy", "_erf", "_random"}, modules
+
+
+@pytest.mark.parametrize("name", [n for n in R.__all__ if not n.endswith("_backward")])
+def test_every_forward_has_its_backward_right_under_it(name):
+    """Textbook layout: ``op_backward`` is defined after ``op`` and before the next public forward."""
+    import inspect
+
+    lines = {n: inspect.getsourcelines(getattr(R, n))[1] for n in R.__all__}
+    forwards = sorted(lines[n] for n in R.__all__ if not n.endswith("_backward"))
+    start = lines[name]
+    nxt = min([ln for ln in forwards if ln > start], default=float("inf"))
+    assert start < lines[name + "_backward"] < nxt
