@@ -15,12 +15,15 @@ several times faster).  A cache is a plain tuple or ``NamedTuple`` of what the b
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from ._erf import erf
 from ._random import draw_seed, keep_mask
+
+Array = np.ndarray
+RngLike = Union[np.random.Generator, int, None]  # a Generator, an int seed, or None
 
 
 def _sum_to(x, shape):
@@ -116,9 +119,12 @@ class AttentionCache(NamedTuple):
         return self.p
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
-                                 enable_gqa=False, *, causal_align="top_left", window=None, alibi_slopes=None,
-                                 softcap=None, sinks=None, mask_grad=False):
+def scaled_dot_product_attention(q: Array, k: Array, v: Array, attn_mask: Optional[Array] = None,
+                                 is_causal: bool = False, dropout_p: float = 0.0, scale: Optional[float] = None,
+                                 rng: RngLike = None, enable_gqa: bool = False, *, causal_align: str = "top_left",
+                                 window: Optional[Tuple[int, int]] = None, alibi_slopes: Optional[Array] = None,
+                                 softcap: Optional[float] = None, sinks: Optional[Array] = None,
+                                 mask_grad: bool = False) -> Tuple[Array, AttentionCache]:
     """``out = dropout(softmax(scale q k^T + mask)) v``, the textbook formula with every option.
 
     ``q (B..., Hq, Lq, E)``, ``k (B..., Hk, Lk, E)``, ``v (B..., Hk, Lk, Ev)`` -> ``(B..., Hq, Lq, Ev)``.
@@ -148,11 +154,11 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
     pd = p if keep is None else p * keep * drop_scale
     out = pd @ vr  # (B..., Hq, Lq, Ev)
-    mask_shape = np.shape(attn_mask) if mask_grad else None
+    mask_shape = np.shape(attn_mask) if mask_grad and attn_mask is not None else None
     return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape)
 
 
-def scaled_dot_product_attention_backward(dout, cache):
+def scaled_dot_product_attention_backward(dout: Array, cache: AttentionCache) -> Tuple[Array, ...]:
     """Backward of ``scaled_dot_product_attention``: ``(dq, dk, dv)``, then ``dmask`` (with
     ``mask_grad``), then ``dsinks`` (with ``sinks``).
 
@@ -208,9 +214,13 @@ class MemoryEfficientCache(NamedTuple):
     mask_grad: bool
 
 
-def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
-                               dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                               alibi_slopes=None, softcap=None, sinks=None, mask_grad=False):
+def memory_efficient_attention(q: Array, k: Array, v: Array, attn_mask: Optional[Array] = None,
+                               is_causal: bool = False, scale: Optional[float] = None,
+                               block_size: Optional[int] = None, *, dropout_p: float = 0.0, rng: RngLike = None,
+                               enable_gqa: bool = False, causal_align: str = "top_left",
+                               window: Optional[Tuple[int, int]] = None, alibi_slopes: Optional[Array] = None,
+                               softcap: Optional[float] = None, sinks: Optional[Array] = None,
+                               mask_grad: bool = False) -> Tuple[Array, MemoryEfficientCache]:
     """FlashAttention's forward as a textbook loop: the online softmax over blocks of keys.
 
     The same result as ``scaled_dot_product_attention``.  Walking the key blocks, each query row
@@ -256,7 +266,7 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=N
                                      sinks, mask_grad)
 
 
-def memory_efficient_attention_backward(dout, cache):
+def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache) -> Tuple[Array, ...]:
     """FlashAttention-2's backward: each block of weights recomputed from the saved ``lse``.
 
     ``P = exp(z - lse)`` exactly (``lse`` is the log of the softmax denominator), then the same
@@ -297,7 +307,7 @@ def memory_efficient_attention_backward(dout, cache):
 
 # == Linear and embedding ===========================================================================
 
-def linear(x, weight, bias=None):
+def linear(x: Array, weight: Array, bias: Optional[Array] = None) -> Tuple[Array, tuple]:
     """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``."""
     y = x @ weight.T
     if bias is not None:
@@ -305,7 +315,7 @@ def linear(x, weight, bias=None):
     return y, (x, weight, bias is not None)
 
 
-def linear_backward(dout, cache):
+def linear_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array]]:
     """(notebooks/04_gradients_by_hand.ipynb, section "1. Linear: y = xW^T + b".)
     ``y_bo = sum_i x_bi W_oi + b_o``, so ``dx_bi = sum_o dy_bo W_oi``, ``dW_oi = sum_b dy_bo x_bi``
     and ``db_o = sum_b dy_bo``, ``b`` running over every leading (batch) index."""
@@ -318,7 +328,8 @@ def linear_backward(dout, cache):
     return dx, dweight, dbias
 
 
-def embedding(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+def embedding(ids: Array, weight: Array, padding_idx: Optional[int] = None, max_norm: Optional[float] = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> Tuple[Array, tuple]:
     """Row lookup ``out[...] = weight[ids[...]]``: ``ids`` integers of any shape, ``weight (num, D)``.
 
     With ``max_norm`` a looked-up row whose ``norm_type``-norm exceeds it is scaled by
@@ -333,7 +344,7 @@ def embedding(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale
     return rows, (ids, weight.shape, padding_idx, scale_grad_by_freq)
 
 
-def embedding_backward(dout, cache):
+def embedding_backward(dout: Array, cache: tuple) -> Array:
     """A lookup copies rows, so its gradient adds them back: ``dW[r] = sum of dy where ids == r``.
 
     As torch: the ``max_norm`` rescaling is treated as a change of the weight made before the
@@ -354,7 +365,7 @@ def embedding_backward(dout, cache):
 
 # == Nonlinearities =================================================================================
 
-def softmax(x, axis=-1):
+def softmax(x: Array, axis: int = -1) -> Tuple[Array, tuple]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``; an all ``-inf`` slice gives 0, a 0-d x gives 1.
     (notebooks/01_self_attention.ipynb, section "Softmax: scores to weights".)"""
     y = np.reshape(x, np.shape(x) or (1,))  # a 0-d input is a softmax over one value
@@ -365,7 +376,7 @@ def softmax(x, axis=-1):
     return y.reshape(np.shape(x)), (y, axis)
 
 
-def softmax_backward(dout, cache):
+def softmax_backward(dout: Array, cache: tuple) -> Array:
     """(notebooks/04_gradients_by_hand.ipynb, section "2. Softmax".)  ``y_i = e^{x_i} / sum_k e^{x_k}``
     has Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx_j = y_j (dy_j - sum_i dy_i y_i)``."""
     y, axis = cache
@@ -373,12 +384,12 @@ def softmax_backward(dout, cache):
     return (y * (dy - (dy * y).sum(axis=axis, keepdims=True))).reshape(np.shape(dout))
 
 
-def relu(x):
+def relu(x: Array) -> Tuple[Array, Array]:
     """``y = max(x, 0)``.  (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
     return np.maximum(x, 0), x
 
 
-def relu_backward(dout, cache):
+def relu_backward(dout: Array, cache: Array) -> Array:
     """``dy/dx`` is 1 where ``x > 0`` and 0 elsewhere (0 at ``x = 0``, as torch)."""
     return dout * (cache > 0)
 
@@ -386,7 +397,7 @@ def relu_backward(dout, cache):
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def gelu(x, approximate="none"):
+def gelu(x: Array, approximate: str = "none") -> Tuple[Array, tuple]:
     """``"none"``: ``y = x Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` the normal CDF.
     ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``.
     (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
@@ -395,7 +406,7 @@ def gelu(x, approximate="none"):
     return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))), (x, approximate)
 
 
-def gelu_backward(dout, cache):
+def gelu_backward(dout: Array, cache: tuple) -> Array:
     """``"none"``: ``d(x Phi)/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)`` the density.
     ``"tanh"``: with ``t = tanh(u)``, ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) du/dx``,
     ``du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``."""
@@ -406,20 +417,20 @@ def gelu_backward(dout, cache):
     return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x))
 
 
-def silu(x):
+def silu(x: Array) -> Tuple[Array, tuple]:
     """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows).
     (notebooks/08_modern_attention.ipynb.)"""
     s = 0.5 * (1.0 + np.tanh(0.5 * x))
     return x * s, (x, s)
 
 
-def silu_backward(dout, cache):
+def silu_backward(dout: Array, cache: tuple) -> Array:
     """``sigmoid' = s (1 - s)``, so ``d(x s)/dx = s + x s (1 - s) = s (1 + x (1 - s))``."""
     x, s = cache
     return dout * s * (1.0 + x * (1.0 - s))
 
 
-def dropout(x, p, rng=None, training=True):
+def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
     """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep = rng.random(x.shape) >= p`` (kept with
     probability ``1 - p``).  ``p = 1`` gives zeros, ``training=False`` or ``p = 0`` the identity
     (neither draws).  (notebooks/02_masks_and_dropout.ipynb, section "Dropout on the attention weights".)"""
@@ -430,7 +441,7 @@ def dropout(x, p, rng=None, training=True):
     return x * keep * scale, (keep, scale)
 
 
-def dropout_backward(dout, cache):
+def dropout_backward(dout: Array, cache: tuple) -> Array:
     """``y`` is linear in ``x`` with the same mask: ``dx = dy * keep / (1 - p)``."""
     keep, scale = cache
     return np.array(dout, copy=True) if keep is None else dout * keep * scale
@@ -447,7 +458,8 @@ def _norm_axes(x, weight, normalized_shape):
     return tuple(range(x.ndim - n, x.ndim))
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
+def layer_norm(x: Array, weight: Optional[Array] = None, bias: Optional[Array] = None, eps: float = 1e-5, *,
+               normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
     """``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the
     trailing axes (``normalized_shape``).  (notebooks/05_encoder_block_and_training.ipynb,
     section "Layer normalisation".)"""
@@ -463,7 +475,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
     return y, (xhat, rstd, weight, bias is not None, axes)
 
 
-def layer_norm_backward(dout, cache):
+def layer_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array], Optional[Array]]:
     """(notebooks/04_gradients_by_hand.ipynb, section "4. Layer norm".)
 
     ``y = xhat * w + b``: ``dw = sum dy * xhat`` and ``db = sum dy`` over the leading axes; the
@@ -483,7 +495,8 @@ def layer_norm_backward(dout, cache):
     return dx, dweight, dbias
 
 
-def rms_norm(x, weight=None, eps=None, *, normalized_shape=None):
+def rms_norm(x: Array, weight: Optional[Array] = None, eps: Optional[float] = None, *,
+             normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
     ``np.finfo(x.dtype).eps`` (as torch).  (notebooks/08_modern_attention.ipynb.)"""
     axes = _norm_axes(x, weight, normalized_shape)
@@ -493,7 +506,7 @@ def rms_norm(x, weight=None, eps=None, *, normalized_shape=None):
     return (xhat if weight is None else xhat * weight), (xhat, rstd, weight, axes)
 
 
-def rms_norm_backward(dout, cache):
+def rms_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array]]:
     """As layer norm without the mean: ``xhat_i = x_i r``, ``r = (mean(x^2) + eps)^(-1/2)``,
     ``dr/dx_j = -r^3 x_j / N = -r^2 xhat_j / N``, so with ``g = dy * w``:
     ``dx_j = r (g_j - xhat_j mean(g xhat))`` and ``dw = sum dy * xhat`` over the leading axes."""
@@ -505,7 +518,8 @@ def rms_norm_backward(dout, cache):
 
 # == Loss ===========================================================================================
 
-def cross_entropy(logits, targets, ignore_index=None, *, weight=None, reduction="mean", label_smoothing=0.0):
+def cross_entropy(logits: Array, targets: Array, ignore_index: Optional[int] = None, *, weight: Optional[Array] = None,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tuple[Array, tuple]:
     """Cross-entropy of ``softmax(logits)`` against ``targets``, classes on the **last** axis
     (torch puts them on axis 1).  ``targets``: integer class ids ``logits.shape[:-1]`` or class
     probabilities ``logits.shape``.  (notebooks/05_encoder_block_and_training.ipynb, section
@@ -540,7 +554,7 @@ def cross_entropy(logits, targets, ignore_index=None, *, weight=None, reduction=
     return loss.astype(logits.dtype), (logp, t.astype(logits.dtype), reduction, scale)
 
 
-def cross_entropy_backward(dout, cache):
+def cross_entropy_backward(dout: Array, cache: tuple) -> Array:
     """A row's loss is ``-sum_c t_c logp_c`` with ``logp_c = z_c - log sum_k e^{z_k}``, and
     ``dlogp_c/dz_j = delta_cj - softmax_j``, so ``dloss/dz_j = softmax_j sum_c t_c - t_j`` (with a
     one-hot target: ``softmax - onehot``).  Then the reduction: ``"none"`` takes each row's
@@ -552,7 +566,8 @@ def cross_entropy_backward(dout, cache):
 
 # == Rotary position embedding =====================================================================
 
-def rope(x, positions=None, *, base=10000.0, interleaved=False):
+def rope(x: Array, positions: Optional[Array] = None, *, base: float = 10000.0,
+         interleaved: bool = False) -> Tuple[Array, tuple]:
     """Rotary position embedding (RoPE) of ``x (..., L, D)``, ``D`` even.
 
     Pair ``i`` of features, ``(x_i, x_{i+D/2})`` ("rotate half", GPT-NeoX/Llama) or, interleaved,
@@ -573,7 +588,7 @@ def _pairs(a, b, interleaved):
     return np.stack([a, b], axis=-1).reshape(a.shape[:-1] + (-1,)) if interleaved else np.concatenate([a, b], -1)
 
 
-def rope_backward(dout, cache):
+def rope_backward(dout: Array, cache: tuple) -> Array:
     """Each pair is multiplied by the rotation matrix ``[[cos, -sin], [sin, cos]]``; the gradient
     is multiplied by its transpose, the rotation by ``-angle``: ``(da, db) = (dy_a cos + dy_b sin,
     -dy_a sin + dy_b cos)``."""
