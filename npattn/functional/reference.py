@@ -273,6 +273,7 @@ def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache
     chain rule as ``scaled_dot_product_attention_backward``, block by block, with the row sums
     ``D_i = sum_j dP_ij P_ij = dout_i . out_i`` (``out_i = sum_j P'_ij v_j`` and
     ``dP_ij = keep_ij/(1-p) dout_i . v_j``).  Returns ``(dq, dk, dv)``, then ``dmask``, then ``dsinks``.
+    (notebooks/06_efficient_attention.ipynb, section "What the backward keeps".)
     """
     q, k, v, out, lse, keep, drop_scale, scale, g, block, opts, sinks, mask_grad = cache
     kr, vr = _repeat_kv(k, v, g)
@@ -385,12 +386,13 @@ def softmax_backward(dout: Array, cache: tuple) -> Array:
 
 
 def relu(x: Array) -> Tuple[Array, Array]:
-    """``y = max(x, 0)``.  (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
+    """``y = max(x, 0)``."""
     return np.maximum(x, 0), x
 
 
 def relu_backward(dout: Array, cache: Array) -> Array:
-    """``dy/dx`` is 1 where ``x > 0`` and 0 elsewhere (0 at ``x = 0``, as torch)."""
+    """``dy/dx`` is 1 where ``x > 0`` and 0 elsewhere (0 at ``x = 0``, as torch).
+    (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
     return dout * (cache > 0)
 
 
@@ -399,8 +401,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 def gelu(x: Array, approximate: str = "none") -> Tuple[Array, tuple]:
     """``"none"``: ``y = x Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` the normal CDF.
-    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``.
-    (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
+    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``."""
     if approximate == "none":
         return x * 0.5 * (1.0 + erf(x / math.sqrt(2.0))), (x, approximate)
     return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))), (x, approximate)
@@ -409,7 +410,8 @@ def gelu(x: Array, approximate: str = "none") -> Tuple[Array, tuple]:
 def gelu_backward(dout: Array, cache: tuple) -> Array:
     """``"none"``: ``d(x Phi)/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)`` the density.
     ``"tanh"``: with ``t = tanh(u)``, ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) du/dx``,
-    ``du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``."""
+    ``du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
     x, approximate = cache
     if approximate == "none":
         return dout * (0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
@@ -418,14 +420,14 @@ def gelu_backward(dout: Array, cache: tuple) -> Array:
 
 
 def silu(x: Array) -> Tuple[Array, tuple]:
-    """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows).
-    (notebooks/08_modern_attention.ipynb.)"""
+    """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows)."""
     s = 0.5 * (1.0 + np.tanh(0.5 * x))
     return x * s, (x, s)
 
 
 def silu_backward(dout: Array, cache: tuple) -> Array:
-    """``sigmoid' = s (1 - s)``, so ``d(x s)/dx = s + x s (1 - s) = s (1 + x (1 - s))``."""
+    """``sigmoid' = s (1 - s)``, so ``d(x s)/dx = s + x s (1 - s) = s (1 + x (1 - s))``.
+    (notebooks/08_modern_attention.ipynb, SwiGLU.)"""
     x, s = cache
     return dout * s * (1.0 + x * (1.0 - s))
 
@@ -433,7 +435,7 @@ def silu_backward(dout: Array, cache: tuple) -> Array:
 def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
     """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep = rng.random(x.shape) >= p`` (kept with
     probability ``1 - p``).  ``p = 1`` gives zeros, ``training=False`` or ``p = 0`` the identity
-    (neither draws).  (notebooks/02_masks_and_dropout.ipynb, section "Dropout on the attention weights".)"""
+    (neither draws)."""
     if not training or p == 0.0:
         return np.array(x, copy=True), (None, 1.0)
     keep = np.zeros(np.shape(x), dtype=bool) if p == 1.0 else np.random.default_rng(rng).random(np.shape(x)) >= p
@@ -442,7 +444,8 @@ def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> T
 
 
 def dropout_backward(dout: Array, cache: tuple) -> Array:
-    """``y`` is linear in ``x`` with the same mask: ``dx = dy * keep / (1 - p)``."""
+    """``y`` is linear in ``x`` with the same mask: ``dx = dy * keep / (1 - p)``.
+    (notebooks/02_masks_and_dropout.ipynb, section "Dropout on the attention weights".)"""
     keep, scale = cache
     return np.array(dout, copy=True) if keep is None else dout * keep * scale
 
@@ -498,7 +501,7 @@ def layer_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Arra
 def rms_norm(x: Array, weight: Optional[Array] = None, eps: Optional[float] = None, *,
              normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
-    ``np.finfo(x.dtype).eps`` (as torch).  (notebooks/08_modern_attention.ipynb.)"""
+    ``np.finfo(x.dtype).eps`` (as torch)."""
     axes = _norm_axes(x, weight, normalized_shape)
     eps = np.finfo(x.dtype).eps if eps is None else eps
     rstd = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
@@ -509,7 +512,9 @@ def rms_norm(x: Array, weight: Optional[Array] = None, eps: Optional[float] = No
 def rms_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array]]:
     """As layer norm without the mean: ``xhat_i = x_i r``, ``r = (mean(x^2) + eps)^(-1/2)``,
     ``dr/dx_j = -r^3 x_j / N = -r^2 xhat_j / N``, so with ``g = dy * w``:
-    ``dx_j = r (g_j - xhat_j mean(g xhat))`` and ``dw = sum dy * xhat`` over the leading axes."""
+    ``dx_j = r (g_j - xhat_j mean(g xhat))`` and ``dw = sum dy * xhat`` over the leading axes.
+    (Layer norm's derivation: notebooks/04_gradients_by_hand.ipynb, section "4. Layer norm"; RMSNorm in
+    notebooks/08_modern_attention.ipynb.)"""
     xhat, rstd, weight, axes = cache
     dweight = (dout * xhat).sum(axis=tuple(range(dout.ndim - len(axes)))) if weight is not None else None
     g = dout if weight is None else dout * weight
@@ -558,7 +563,8 @@ def cross_entropy_backward(dout: Array, cache: tuple) -> Array:
     """A row's loss is ``-sum_c t_c logp_c`` with ``logp_c = z_c - log sum_k e^{z_k}``, and
     ``dlogp_c/dz_j = delta_cj - softmax_j``, so ``dloss/dz_j = softmax_j sum_c t_c - t_j`` (with a
     one-hot target: ``softmax - onehot``).  Then the reduction: ``"none"`` takes each row's
-    ``dout``, ``"sum"`` the scalar ``dout``, ``"mean"`` ``dout`` times the mean's ``1 / denominator``."""
+    ``dout``, ``"sum"`` the scalar ``dout``, ``"mean"`` ``dout`` times the mean's ``1 / denominator``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "Training a small transformer on a toy task".)"""
     logp, t, reduction, scale = cache
     drow = (dout if reduction == "none" else np.broadcast_to(dout * scale, logp.shape[:-1]))[..., None]
     return drow * (np.exp(logp) * t.sum(axis=-1, keepdims=True) - t)
@@ -573,7 +579,7 @@ def rope(x: Array, positions: Optional[Array] = None, *, base: float = 10000.0,
     Pair ``i`` of features, ``(x_i, x_{i+D/2})`` ("rotate half", GPT-NeoX/Llama) or, interleaved,
     ``(x_{2i}, x_{2i+1})``, is rotated by the angle ``p * base^(-2i/D)`` at position ``p``
     (``positions`` broadcastable to ``(..., L)``, default ``arange(L)``):
-    ``(a, b) -> (a cos - b sin, a sin + b cos)``.  (notebooks/08_modern_attention.ipynb.)
+    ``(a, b) -> (a cos - b sin, a sin + b cos)``.
     """
     d = x.shape[-1]
     pos = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
@@ -591,7 +597,7 @@ def _pairs(a, b, interleaved):
 def rope_backward(dout: Array, cache: tuple) -> Array:
     """Each pair is multiplied by the rotation matrix ``[[cos, -sin], [sin, cos]]``; the gradient
     is multiplied by its transpose, the rotation by ``-angle``: ``(da, db) = (dy_a cos + dy_b sin,
-    -dy_a sin + dy_b cos)``."""
+    -dy_a sin + dy_b cos)``.  (notebooks/08_modern_attention.ipynb, RoPE.)"""
     cos, sin, interleaved = cache
     d = dout.shape[-1]
     da, db = (dout[..., 0::2], dout[..., 1::2]) if interleaved else (dout[..., : d // 2], dout[..., d // 2 :])
