@@ -245,8 +245,6 @@ def test_embedding(call):
     _pairs_equal(F.embedding, R.embedding, args, kw)
 
 
-@pytest.mark.skipif(not _has(F.embedding, "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"),
-                    reason="embedding options not in the fast tier yet")
 @given(_embedding_calls(options=True))
 def test_embedding_options(call):
     args, kw = call
@@ -280,8 +278,6 @@ def test_cross_entropy(call):
     _pairs_equal(F.cross_entropy, R.cross_entropy, args, kw)
 
 
-@pytest.mark.skipif(not _has(F.cross_entropy, "weight", "reduction", "label_smoothing"),
-                    reason="cross_entropy options not in the fast tier yet")
 @given(_cross_entropy_calls(options=True))
 def test_cross_entropy_options(call):
     args, kw = call
