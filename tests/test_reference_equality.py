@@ -18,11 +18,6 @@ from npattn.testing.strategies import attention_configs  # noqa: E402
 TOL = 1e-12
 
 
-def _has(fn, *names):
-    params = inspect.signature(fn).parameters
-    return all(n in params for n in names)
-
-
 def _same(got, want, what=""):
     """``|got - want| <= 1e-12 * max(1, max |want|)``, equal shapes and dtypes, None with None."""
     if want is None or got is None:
@@ -90,13 +85,7 @@ def _attention_calls(draw, options=False, broadcast=False, dropout=True):
 
 def _mem_args(q, k, v, kw, block):
     kw = dict(kw)
-    args = (q, k, v, kw.pop("attn_mask"), kw.pop("is_causal"), kw.pop("scale"), block)
-    if kw.get("dropout_p", 0.0) == 0.0:
-        kw.pop("dropout_p", None)
-        kw.pop("rng", None)
-    if not kw.get("enable_gqa"):
-        kw.pop("enable_gqa", None)
-    return args, kw
+    return (q, k, v, kw.pop("attn_mask"), kw.pop("is_causal"), kw.pop("scale"), block), kw
 
 
 @given(_attention_calls())
@@ -105,45 +94,25 @@ def test_scaled_dot_product_attention(call):
     _pairs_equal(F.scaled_dot_product_attention, R.scaled_dot_product_attention, (q, k, v), kw)
 
 
-def _fast_broadcasts(forward, backward):
-    """Whether the fast core takes k, v with fewer batch axes than q (a temporary guard)."""
-    z = np.zeros
-    try:
-        out, cache = forward(z((2, 3, 2, 1)), z((3, 2, 1)), z((1, 3, 2, 1)))
-        backward(z(out.shape), cache)
-    except ValueError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _fast_broadcasts(F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward),
-                    reason="batch broadcasting not in the fast tier yet")
 @given(_attention_calls(broadcast=True, dropout=False))
 def test_scaled_dot_product_attention_batch_broadcasting(call):
     q, k, v, kw = call
     _pairs_equal(F.scaled_dot_product_attention, R.scaled_dot_product_attention, (q, k, v), kw)
 
 
-@pytest.mark.skipif(not _has(F.scaled_dot_product_attention, *ATTENTION_OPTIONS),
-                    reason="attention options not in the fast tier yet")
 @given(_attention_calls(options=True, broadcast=True))
 def test_scaled_dot_product_attention_options(call):
     q, k, v, kw = call
     _pairs_equal(F.scaled_dot_product_attention, R.scaled_dot_product_attention, (q, k, v), kw)
 
 
-@given(_attention_calls(dropout=False), st.sampled_from([None, 1, 2, 3, 64]))
+@given(_attention_calls(), st.sampled_from([None, 1, 2, 3, 64]))
 def test_memory_efficient_attention(call, block):
     q, k, v, kw = call
-    if kw["enable_gqa"] and not _has(F.memory_efficient_attention, "enable_gqa"):
-        k, v = (np.repeat(a, q.shape[-3] // a.shape[-3], axis=-3) for a in (k, v))
-        kw["enable_gqa"] = False
     args, kw = _mem_args(q, k, v, kw, block)
     _pairs_equal(F.memory_efficient_attention, R.memory_efficient_attention, args, kw)
 
 
-@pytest.mark.skipif(not _has(F.memory_efficient_attention, "dropout_p", "rng", "enable_gqa", *ATTENTION_OPTIONS),
-                    reason="dropout, GQA and attention options not in the fast memory-efficient core yet")
 @given(_attention_calls(options=True, broadcast=True), st.sampled_from([None, 1, 2, 3, 64]))
 def test_memory_efficient_attention_options(call, block):
     q, k, v, kw = call
