@@ -614,7 +614,9 @@ def _views(fused, params):
     for p in params:
         n = p.data.shape[0]
         w = fused[r:r + n]
+        version = p._version
         p.data = w
+        p._version = version  # the same values, only in another array: nothing a kept forward state must refuse
         views.append(w)
         r += n
     return tuple(views)
