@@ -102,6 +102,53 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
     return QKV(q, k, v, groups)
 
 
+def check_qkv_same_lead(q, k, v, enable_gqa: bool) -> QKV:
+    """``check_qkv`` without broadcasting: the leading dimensions of q, k, v must be equal (for a
+    core that does not broadcast them)."""
+    q = as_float(q, "q")
+    k = as_float(k, "k", q.dtype)
+    v = as_float(v, "v", q.dtype)
+    if q.ndim < 2:
+        raise ValueError(f"q: expected shape (..., L, E) with at least 2 dimensions, got {q.shape}")
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != q.ndim:
+            raise ValueError(f"{name}: expected {q.ndim} dimensions like q {q.shape}, got shape {a.shape}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"q: expected an embedding dimension >= 1, got shape {q.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected last dimension {q.shape[-1]} (q's E), got shape {k.shape}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v: expected shape {k.shape[:-1]} + (Ev,) to match k {k.shape}, got {v.shape}")
+    groups = 1
+    if enable_gqa and q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        hq, hk = q.shape[-3], k.shape[-3]
+        if hk == 0 or hq % hk:
+            raise ValueError(
+                f"k: with enable_gqa the number of query heads ({hq}) must be a multiple of the "
+                f"number of key/value heads, got {hk} (q {q.shape}, k {k.shape})"
+            )
+        groups = hq // hk
+        if q.shape[:-3] != k.shape[:-3]:
+            raise ValueError(
+                f"k: expected batch dimensions {q.shape[:-3]} like q {q.shape}, got shape {k.shape}")
+    elif k.shape[:-2] != q.shape[:-2]:
+        gqa = q.ndim >= 3 and q.shape[:-3] == k.shape[:-3]
+        hint = " (pass enable_gqa=True for grouped-query attention)" if gqa else ""
+        raise ValueError(
+            f"k: expected leading dimensions {q.shape[:-2]} like q {q.shape}, got shape {k.shape}{hint}")
+    return QKV(q, k, v, groups)
+
+
+def gqa_groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> int:
+    """Query heads per key/value head for shapes ``check_qkv`` accepted (no checks)."""
+    nd = max(len(q_shape), len(k_shape), len(v_shape))
+    if not enable_gqa or nd < 3:
+        return 1
+    hq = _pad(q_shape[:-2], nd - 2)[-1]
+    hk = np.broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))[-1]
+    return 1 if hq == hk else hq // hk
+
+
 def out_lead(q_shape: tuple, k_shape: tuple, v_shape: tuple, groups: int) -> tuple:
     """The leading dimensions ``(..., Hq)`` of the scores and output for checked shapes."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))

@@ -22,6 +22,7 @@ from .norm import _rms_norm as rms_norm, _rms_norm_backward as rms_norm_backward
 from .rope import _rope as rope, _rope_backward as rope_backward  # noqa: F401
 
 # -- attention ----------------------------------------------------------------------------------------
-from .attention import scaled_dot_product_attention, scaled_dot_product_attention_backward  # noqa: F401
+from .attention import _scaled_dot_product_attention as scaled_dot_product_attention  # noqa: F401
+from .attention import _scaled_dot_product_attention_backward as scaled_dot_product_attention_backward  # noqa: F401,E501
 from .memory_efficient import _memory_efficient_attention as memory_efficient_attention  # noqa: F401
 from .memory_efficient import _memory_efficient_attention_backward as memory_efficient_attention_backward  # noqa: F401,E501

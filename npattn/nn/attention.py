@@ -441,7 +441,7 @@ class MultiHeadAttention(Module):
             ctx, attn_cache = K.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, **opts)
         else:
             ctx, attn_cache = K.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal,
-                                                             **opts)
+                                                             heads_last=True, **opts)
         out, out_cache = K.linear(self._merge(ctx), self.out_proj.weight.data,
                                   None if self.out_proj.bias is None else self.out_proj.bias.data)
         state = _State(self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, self.memory_efficient)
