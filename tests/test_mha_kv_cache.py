@@ -33,10 +33,10 @@ def make(cfg, memory_efficient=False, seed=0, **extra):
                                   **CONFIGS[cfg], **extra)
     rng = np.random.default_rng(seed + 1)
     if m.sinks is not None:
-        m.sinks.data = rng.normal(0, 1, H)
+        m.sinks.data[...] = rng.normal(0, 1, H)
     if m.qk_norm:
-        m.q_norm.weight.data = rng.uniform(0.5, 1.5, HD)
-        m.k_norm.weight.data = rng.uniform(0.5, 1.5, HD)
+        m.q_norm.weight.data[...] = rng.uniform(0.5, 1.5, HD)
+        m.k_norm.weight.data[...] = rng.uniform(0.5, 1.5, HD)
     return m.eval()
 
 
