@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import npattn
+import npattn  # noqa: E402
 
 RTOL = 1e-10
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
@@ -226,6 +226,26 @@ def test_from_torch_state_dict_float16_state_dict_refused():
         npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
 
 
-def test_from_torch_state_dict_add_bias_kv_kwarg_refused():
+def test_from_torch_state_dict_add_bias_kv_kwarg_must_agree():
+    sd = torch_mha(4, 2, 0).state_dict()
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=True)
     with pytest.raises(TypeError, match="add_bias_kv"):
-        npattn.MultiHeadAttention.from_torch_state_dict(torch_mha(4, 2, 0).state_dict(), 2, add_bias_kv=True)
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=1)
+    assert not npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=False).add_bias_kv
+    sd = torch_mha(4, 2, 0, add_bias_kv=True).state_dict()
+    assert npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=True).add_bias_kv
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=False)
+
+
+def test_from_torch_state_dict_takes_the_modern_options():
+    tm = torch_mha(4, 2, 0)
+    m = npattn.MultiHeadAttention.from_torch_state_dict(tm.state_dict(), 2, sinks=True, causal=True)
+    assert m.sinks is not None and m.causal
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 4))
+    # zero sinks: one extra exp(0) in every softmax row, so the output differs from torch's
+    t_out = tm(*[torch.tensor(x)] * 3, attn_mask=torch.tensor(~np.tri(3, dtype=bool)))[0].detach().numpy()
+    m.sinks.data[...] = -1e9
+    m.sinks.bump_version()
+    np.testing.assert_allclose(m(x), t_out, rtol=0, atol=1e-12)

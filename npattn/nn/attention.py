@@ -581,8 +581,11 @@ class MultiHeadAttention(Module):
         has_bias_kv = "bias_k" in sd or "bias_v" in sd
         if has_bias_kv and not ("bias_k" in sd and "bias_v" in sd):
             raise ValueError("state_dict: expected both 'bias_k' and 'bias_v' (add_bias_kv=True) or neither")
-        if "add_bias_kv" in kwargs:
-            raise TypeError("add_bias_kv: read from the state dict (keys 'bias_k', 'bias_v'); do not pass it")
+        if "add_bias_kv" in kwargs and check_bool(kwargs.pop("add_bias_kv"), "add_bias_kv") != has_bias_kv:
+            raise ValueError(
+                f"add_bias_kv: the state dict {'has' if has_bias_kv else 'has no'} 'bias_k'/'bias_v', "
+                f"expected add_bias_kv={has_bias_kv} (or leave it out)"
+            )
         if "dtype" in kwargs:
             kwargs["dtype"] = check_dtype(kwargs["dtype"])
         else:
