@@ -145,10 +145,15 @@ class MultiHeadAttention(Module):
     plain core's for the same rng; no ``need_weights``).
     """
 
-    def __init__(self, d_in, d_out, num_heads, *, dropout=0.0, qkv_bias=False, out_bias=True, causal=False,
-                 num_kv_heads=None, kdim=None, vdim=None, memory_efficient=False, add_bias_kv=False,
-                 add_zero_attn=False, window=None, causal_align="top_left", softcap=None, alibi=False,
-                 sinks=False, rope=False, rope_base=10000.0, qk_norm=False, rng=None, dtype=np.float64):
+    _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
+    _kv_cache: _KVCache | None
+
+    def __init__(self, d_in: int, d_out: int, num_heads: int, *, dropout: float = 0.0, qkv_bias: bool = False,
+                 out_bias: bool = True, causal: bool = False, num_kv_heads: int | None = None, kdim: int | None = None,
+                 vdim: int | None = None, memory_efficient: bool = False, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, window: tuple[int, int] | None = None, causal_align: str = "top_left",
+                 softcap: float | None = None, alibi: bool = False, sinks: bool = False, rope: bool = False,
+                 rope_base: float = 10000.0, qk_norm: bool = False, rng=None, dtype=np.float64) -> None:
         super().__init__()
         self.d_in = check_size(d_in, "d_in")
         self.d_out = check_size(d_out, "d_out")
@@ -339,8 +344,8 @@ class MultiHeadAttention(Module):
         return np.concatenate(ks, axis=-2), np.concatenate(vs, axis=-2)
 
     # -- forward / backward ----------------------------------------------------------------
-    def forward(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, need_weights=False,
-                average_attn_weights=False, use_cache=False):
+    def forward(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, need_weights: bool = False,
+                average_attn_weights: bool = False, use_cache: bool = False):
         """Returns ``(..., Lq, d_out)``, or ``(out, weights)`` when ``need_weights``: per-head
         ``weights (..., num_heads, Lq, Lk)`` (after dropout, as torch), averaged over the heads to
         ``(..., Lq, Lk)`` with ``average_attn_weights=True``.  ``Lk`` counts the extra keys of
@@ -395,8 +400,8 @@ class MultiHeadAttention(Module):
         qh, kh, vh = self._split(q, H), self._split(k, Hk), self._split(v, Hk)
         qn = kn = qr = kr = None
         if self.qk_norm:
-            qh, qn = K.rms_norm(qh, self.q_norm.weight.data, self.q_norm.eps)
-            kh, kn = K.rms_norm(kh, self.k_norm.weight.data, self.k_norm.eps)
+            qh, qn = K.rms_norm(qh, self.q_norm.weight.data, self.q_norm.eps)  # type: ignore[union-attr]
+            kh, kn = K.rms_norm(kh, self.k_norm.weight.data, self.k_norm.eps)  # type: ignore[union-attr]
         if self.rope:
             qh, qr = K.rope(qh, np.arange(past, past + lq), base=self.rope_base)
             kh, kr = K.rope(kh, np.arange(past, past + k_in.shape[-2]), base=self.rope_base)
@@ -538,7 +543,7 @@ class MultiHeadAttention(Module):
                    "bias_k", "bias_v", "out_proj.weight", "out_proj.bias")
 
     @classmethod
-    def from_torch_state_dict(cls, state_dict, num_heads, **kwargs):
+    def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> MultiHeadAttention:
         """Build from the ``state_dict`` of ``torch.nn.MultiheadAttention`` (``batch_first=True``
         gives the same outputs).  Packed ``in_proj_weight`` ``[q; k; v]`` or separate
         ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias``; ``out_proj.*``;
