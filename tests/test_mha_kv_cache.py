@@ -6,6 +6,8 @@ ALiBi, bottom-right alignment), grouped-query heads, sinks, QK-norm and torch's 
 both attention cores."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import npattn
 
@@ -177,3 +179,39 @@ def test_gpt_style_usage():
     first = m(x[:, :3], use_cache=True)
     steps = [m(x[:, i:i + 1], use_cache=True) for i in range(3, 6)]
     np.testing.assert_allclose(np.concatenate([first] + steps, axis=1), m(x), rtol=0, atol=1e-12)
+
+
+# -- property: any configuration, any split -----------------------------------------------------------
+@st.composite
+def cached_cases(draw):
+    kw = {
+        "num_kv_heads": draw(st.sampled_from([1, 2, 4])),
+        "rope": draw(st.booleans()),
+        "qk_norm": draw(st.booleans()),
+        "alibi": draw(st.booleans()),
+        "sinks": draw(st.booleans()),
+        "qkv_bias": draw(st.booleans()),
+        "add_bias_kv": draw(st.booleans()),
+        "add_zero_attn": draw(st.booleans()),
+        "memory_efficient": draw(st.booleans()),
+    }
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.integers(-1, 4)), 0)
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.floats(0.5, 5.0))
+    n = draw(st.integers(2, 9))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1)))
+    split = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    lead = draw(st.sampled_from([(), (1,), (2,), (2, 1)]))
+    return kw, split, lead, draw(st.integers(0, 2**16))
+
+@settings(max_examples=60)
+@given(case=cached_cases())
+def test_property_cached_equals_full(case):
+    kw, split, lead, seed = case
+    m = npattn.MultiHeadAttention(D, D, H, causal=True, rng=seed, **kw).eval()
+    rng = np.random.default_rng(seed)
+    if m.sinks is not None:
+        m.sinks.data[...] = rng.normal(0, 1, H)
+    x = rng.standard_normal(lead + (sum(split), D))
+    np.testing.assert_allclose(decode(m, x, split), m(x), rtol=0, atol=1e-12)
