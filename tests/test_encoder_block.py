@@ -249,3 +249,22 @@ def test_from_torch_state_dict_without_bias():
     tm = _torch_encoder(4, 2, 6, True, False, "relu", 1)
     m = npattn.EncoderBlock.from_torch_state_dict(tm.state_dict(), 2, norm_first=True)
     assert not [n for n, _ in m.named_parameters() if n.endswith("bias")]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=seeds, lead=st.sampled_from([(), (2,)]), L=st.integers(2, 4), activation=st.sampled_from(
+    ["relu", "gelu", "silu", "swiglu"]))
+def test_property_post_norm_without_bias_is_centred(seed, lead, L, activation):
+    """bias=False, post-norm: the last layer norm has no bias, so every output row has mean 0 and
+    (weight 1 at start) variance var / (var + eps); with bias=True the bias shifts the mean."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(lead + (L, 4)) * 3
+    for block in (npattn.EncoderBlock(4, 2, 5, bias=False, activation=activation, rng=seed),
+                  npattn.DecoderBlock(4, 2, 5, bias=False, activation=activation, rng=seed)):
+        args = (x,) if isinstance(block, npattn.EncoderBlock) else (x, rng.standard_normal(lead + (3, 4)))
+        y = block(*args)
+        np.testing.assert_allclose(y.mean(axis=-1), 0.0, atol=1e-12)
+        assert (y.var(axis=-1) <= 1.0).all() and (y.var(axis=-1) > 0.5).all()
+    with_bias = npattn.EncoderBlock(4, 2, 5, rng=seed)
+    with_bias.layernorm2.bias.data = np.full(4, 0.5)
+    np.testing.assert_allclose(with_bias(x).mean(axis=-1), 0.5, atol=1e-12)

@@ -135,8 +135,8 @@ class LayerNorm(Module):
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        kw = {"normalized_shape": self.normalized_shape} if len(self.normalized_shape) > 1 else {}  # TEMP
-        y, cache = K.layer_norm(x, _data(self.weight), _data(self.bias), self.eps, **kw)
+        y, cache = K.layer_norm(x, _data(self.weight), _data(self.bias), self.eps,
+                                normalized_shape=self.normalized_shape)
         self._save(cache)
         return y
 
@@ -241,6 +241,12 @@ class Embedding(Module):
       in the batch.
     """
 
+    weight: Parameter
+    padding_idx: Optional[int]
+    max_norm: Optional[float]
+    norm_type: float
+    scale_grad_by_freq: bool
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  *, rng=None, dtype=np.float64) -> None:
@@ -258,7 +264,11 @@ class Embedding(Module):
             padding_idx = int(padding_idx) % n
         self.padding_idx = padding_idx
         self.max_norm = None if max_norm is None else check_positive_float(max_norm, "max_norm")
-        self.norm_type = check_positive_float(norm_type, "norm_type")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+            raise TypeError(f"norm_type: expected a float > 0 (or inf), got {norm_type!r} ({type(norm_type).__name__})")
+        if not norm_type > 0:  # also refuses NaN
+            raise ValueError(f"norm_type: expected a number > 0 (or inf), got {norm_type}")
+        self.norm_type = float(norm_type)
         self.scale_grad_by_freq = check_bool(scale_grad_by_freq, "scale_grad_by_freq")
         self._dtype = check_dtype(dtype)
         w = as_rng(rng).standard_normal((self.num_embeddings, self.embedding_dim))
@@ -283,22 +293,17 @@ class Embedding(Module):
         rows = np.unique(ids)
         w = self.weight.data
         sub = w[rows]
-        if math.isinf(self.norm_type):
-            norms = np.abs(sub).max(axis=1, initial=0.0)
-        else:
-            norms = (np.abs(sub) ** self.norm_type).sum(axis=1) ** (1.0 / self.norm_type)
+        norms = np.linalg.norm(sub, ord=self.norm_type, axis=1)
         big = norms > self.max_norm
         if big.any():
             w[rows[big]] = sub[big] * (self.max_norm / (norms[big] + 1e-7))[:, None].astype(w.dtype)
+            self.weight.bump_version()  # a forward state kept elsewhere from these rows is stale
 
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         if self.max_norm is not None:
             self._renorm_(ids)  # the rows are now within max_norm: the lookup needs no renorm of its own
-        if self.padding_idx is None and not self.scale_grad_by_freq:  # TEMP
-            y, cache = K.embedding(ids, self.weight.data)
-        else:
-            y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type,
-                                   self.scale_grad_by_freq)
+        y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type,
+                               self.scale_grad_by_freq)
         self._save(cache)
         return y
 
@@ -368,7 +373,10 @@ class FeedForward(Module):
         self.dropout = Dropout(dropout, rng=rng)
 
     def _check_input(self, x, name: str = "x") -> np.ndarray:
-        return self.linear1._check_input(x, name)
+        x = as_float(x, name, self.dtype)
+        d, d_ff = self.linear1.in_features, self.linear1.out_features
+        _check_features(x, name, d, f"FeedForward({d}, {d_ff})")
+        return x
 
     def forward(self, x) -> np.ndarray:
         return self._forward(self._check_input(x))

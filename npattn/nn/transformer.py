@@ -9,7 +9,7 @@ runs, so a refused call changes no state; it then calls its sublayers' unvalidat
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -348,7 +348,7 @@ def _torch_layer_state(state_dict, kwargs: dict, attns: Tuple[str, ...], norms: 
 def _rename_torch_state(sd: Dict[str, np.ndarray], attns: Dict[str, str], d_model: int) -> Dict[str, np.ndarray]:
     """torch's keys -> npattn's (the packed ``in_proj`` split into q, k, v); shapes are checked by
     ``load_state_dict``."""
-    out: Dict[str, Optional[np.ndarray]] = {}
+    out: Dict[str, np.ndarray] = {}
     E = d_model
     for k, v in sd.items():
         head, _, rest = k.partition(".")
