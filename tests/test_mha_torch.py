@@ -2,6 +2,7 @@
 ``add_bias_kv``, ``add_zero_attn``, ``average_attn_weights``, unbatched inputs, masks, and
 ``from_torch_state_dict`` (keys, dtype, errors).  Outputs, returned weights, input gradients and
 every parameter gradient to 1e-10."""
+
 import itertools
 
 import numpy as np
@@ -30,8 +31,17 @@ def assert_same(a, b, what=""):
 
 def torch_mha(E, H, seed, *, bias=True, add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None):
     torch.manual_seed(seed)
-    tm = torch.nn.MultiheadAttention(E, H, bias=bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-                                     kdim=kdim, vdim=vdim, batch_first=True, dtype=torch.float64)
+    tm = torch.nn.MultiheadAttention(
+        E,
+        H,
+        bias=bias,
+        add_bias_kv=add_bias_kv,
+        add_zero_attn=add_zero_attn,
+        kdim=kdim,
+        vdim=vdim,
+        batch_first=True,
+        dtype=torch.float64,
+    )
     with torch.no_grad():
         for p in tm.parameters():  # torch initialises the biases to 0
             p.uniform_(-0.7, 0.7)
@@ -43,9 +53,9 @@ def torch_grad(tparams, name, E):
     if name.startswith("W_"):
         i = {"W_query": 0, "W_key": 1, "W_value": 2}[name.split(".")[0]]
         if name.endswith("bias"):
-            return tparams["in_proj_bias"].grad[i * E:(i + 1) * E]
+            return tparams["in_proj_bias"].grad[i * E : (i + 1) * E]
         if "in_proj_weight" in tparams:
-            return tparams["in_proj_weight"].grad[i * E:(i + 1) * E]
+            return tparams["in_proj_weight"].grad[i * E : (i + 1) * E]
         return tparams[["q_proj_weight", "k_proj_weight", "v_proj_weight"][i]].grad
     return tparams[name].grad
 
@@ -162,8 +172,15 @@ def test_unbatched_masks_match_torch(layout):
     allowed[..., -1] = True
     pad = np.zeros(lk, bool)
     pad[0] = True
-    run_pair(tm, m, inputs, E, 3, {"attn_mask": allowed, "key_padding_mask": pad},
-             {"attn_mask": torch.tensor(~allowed), "key_padding_mask": torch.tensor(pad)})
+    run_pair(
+        tm,
+        m,
+        inputs,
+        E,
+        3,
+        {"attn_mask": allowed, "key_padding_mask": pad},
+        {"attn_mask": torch.tensor(~allowed), "key_padding_mask": torch.tensor(pad)},
+    )
 
 
 def test_bias_kv_zero_attn_with_dropout_masks_are_the_same_columns():
@@ -179,6 +196,7 @@ def test_bias_kv_zero_attn_with_dropout_masks_are_the_same_columns():
 
 
 # ---------------------------------------------------------------------------------- state dicts
+
 
 def test_from_torch_state_dict_reads_bias_kv():
     tm = torch_mha(4, 2, 0, add_bias_kv=True)
