@@ -228,3 +228,53 @@ def test_repr_lists_the_options():
         "q_norm",
     ):
         assert s in r
+
+
+@pytest.mark.parametrize(
+    "sd, match",
+    [
+        (
+            {
+                "q_proj_weight": np.zeros((4, 4)),
+                "k_proj_weight": np.zeros((3, 4)),
+                "v_proj_weight": np.zeros((4, 4)),
+                "out_proj.weight": np.zeros((4, 4)),
+            },
+            "k_proj_weight",
+        ),
+        (
+            {"in_proj_weight": np.zeros((12, 4)), "in_proj_bias": np.zeros(11), "out_proj.weight": np.zeros((4, 4))},
+            "in_proj_bias",
+        ),
+        (
+            {"in_proj_weight": np.zeros((12, 4)), "bias_k": np.zeros((1, 1, 4)), "out_proj.weight": np.zeros((4, 4))},
+            "bias_v",
+        ),
+        (
+            {
+                "in_proj_weight": np.zeros((12, 4)),
+                "bias_k": np.zeros((1, 1, 3)),
+                "bias_v": np.zeros((1, 1, 4)),
+                "out_proj.weight": np.zeros((4, 4)),
+            },
+            "bias_k",
+        ),
+        (
+            {"in_proj_weight": np.zeros((12, 4)), "out_proj.weight": np.zeros((4, 4)), "in_proj.weight": np.zeros(1)},
+            "unknown keys",
+        ),
+    ],
+)
+def test_from_torch_state_dict_bad_shapes_and_keys(sd, match):
+    with pytest.raises(ValueError, match=match):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
+
+
+def test_kv_cache_follows_a_dtype_change():
+    m = fresh(rope=True, causal=True)
+    x = RNG.standard_normal((1, 4, 8))
+    m(x[:, :2], use_cache=True)
+    m.to(np.float32)
+    y = m(x[:, 2:].astype(np.float32), use_cache=True)
+    assert y.dtype == np.float32 and m._kv_cache.k.dtype == np.float32
+    np.testing.assert_allclose(y, m(x.astype(np.float32))[:, 2:], rtol=0, atol=1e-5)

@@ -64,6 +64,7 @@ class _KVCache:
         self._grow(k, v, max(16, 2 * k.shape[-2]))
 
     def _grow(self, k, v, capacity):
+        """New buffers of ``capacity`` tokens in ``k``'s dtype, holding the cached tokens."""
         shape = k.shape[:-2] + (capacity, k.shape[-1])
         nk, nv = np.empty(shape, k.dtype), np.empty(shape[:-1] + (v.shape[-1],), v.dtype)
         if self.k is not None:
@@ -74,10 +75,8 @@ class _KVCache:
     def append(self, k, v):
         """Add ``k, v (..., Hk, n, hd)``; return views of every cached key and value."""
         n = k.shape[-2]
-        if self.length + n > self.k.shape[-2]:
+        if self.length + n > self.k.shape[-2] or self.k.dtype != k.dtype:  # full, or the module was cast (.to())
             self._grow(k, v, max(2 * self.k.shape[-2], self.length + n))
-        if self.k.dtype != k.dtype:  # the module was cast with .to(): keep the cache in its dtype
-            self.k, self.v = self.k.astype(k.dtype), self.v.astype(v.dtype)
         self.k[..., self.length : self.length + n, :] = k
         self.v[..., self.length : self.length + n, :] = v
         self.length += n
