@@ -50,7 +50,9 @@ class _State(NamedTuple):
     attn: tuple  # the attention kernel's cache
     out: tuple  # out_proj's linear cache
     lk: int  # number of real keys (before bias_k / the zero key)
+    n_extra: int  # number of extra keys (bias_k, the zero key)
     memory_efficient: bool
+    sinks: bool
 
 
 class _KVCache:
@@ -488,7 +490,9 @@ class MultiHeadAttention(Module):
         out, out_cache = K.linear(
             self._merge(ctx), self.out_proj.weight.data, None if self.out_proj.bias is None else self.out_proj.bias.data
         )
-        state = _State(self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, self.memory_efficient)
+        state = _State(
+            self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, n_extra, self.memory_efficient, "sinks" in opts
+        )
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
                 self._save(None)
@@ -515,7 +519,9 @@ class MultiHeadAttention(Module):
         if self.out_proj.bias is not None:
             self._accumulate(self.out_proj.bias, dbo)
         dctx = self._split(dctx, H)
-        plain = not (self.qk_norm or self.rope or self.add_bias_kv or self.add_zero_attn)
+        # with nothing between the projections and the attention core, its gradients are those of
+        # the projections' outputs
+        plain = st.q_norm is None and st.q_rope is None and st.n_extra == 0
         dqkv = None
         if st.self_attn:
             dqkv = np.empty(dy.shape[:-1] + (self.d_out + 2 * d_kv,), dy.dtype)
@@ -533,18 +539,18 @@ class MultiHeadAttention(Module):
         else:
             grads = K.scaled_dot_product_attention_backward(dctx, st.attn)
         dqh, dkh, dvh = grads[:3]
-        if self.sinks is not None:
+        if st.sinks:
             self._accumulate(self.sinks, grads[-1])
         lk = st.lk
         lead_axes = tuple(range(dkh.ndim - 3))
-        if self.add_bias_kv:  # the key/value appended at position lk, broadcast over the batch
+        if self.add_bias_kv and st.n_extra:  # the key/value appended at position lk, broadcast over the batch
             self._accumulate(self.bias_k, self._merge(dkh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
             self._accumulate(self.bias_v, self._merge(dvh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
         dkh, dvh = dkh[..., :lk, :], dvh[..., :lk, :]
-        if self.rope:
+        if st.q_rope is not None:
             dqh = K.rope_backward(dqh, st.q_rope)
             dkh = K.rope_backward(dkh, st.k_rope)
-        if self.qk_norm:
+        if st.q_norm is not None:
             dqh, dwq = K.rms_norm_backward(dqh, st.q_norm)
             dkh, dwk = K.rms_norm_backward(dkh, st.k_norm)
             self._accumulate(self.q_norm.weight, dwq)
