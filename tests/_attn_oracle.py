@@ -17,8 +17,9 @@ def torch_attention(torch, q, k, v, *, attn_mask=None, is_causal=False, scale=No
     scale = 1.0 / np.sqrt(e) if scale is None else scale
     kk, vv = kt, vt
     if enable_gqa and q.ndim >= 3 and kt.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-        g = q.shape[-3] // k.shape[-3]
-        kk, vv = kt.repeat_interleave(g, dim=-3), vt.repeat_interleave(g, dim=-3)
+        hk = max(k.shape[-3], v.shape[-3])
+        g = q.shape[-3] // hk
+        kk, vv = (a.expand(*a.shape[:-3], hk, *a.shape[-2:]).repeat_interleave(g, dim=-3) for a in (kt, vt))
     s = scale * (qt @ kk.transpose(-1, -2))
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)

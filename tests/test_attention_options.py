@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import npattn.functional as F
 import npattn.functional.attention as A
 import npattn.functional.kernels as K
+import npattn.functional.reference as R
 from npattn.testing import gradcheck
 
 sdpa, sdpa_bw = F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward
@@ -116,6 +117,21 @@ def test_forward_equals_dense_formula(name, lq, lk, height):
     want = dense(q, k, v, keep=cache.keep, **{key: val for key, val in kw.items() if key not in ("mask_grad", "rng")})
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
     assert out.flags.c_contiguous and out.dtype == q.dtype
+
+
+# -- the textbook tier: the same numbers, forward and every gradient ------------------------------------------
+@pytest.mark.parametrize("name", list(COMBOS))
+@pytest.mark.parametrize("lq,lk", [(7, 7), (5, 8), (8, 5)])
+def test_equals_the_textbook_tier(name, lq, lk, height):
+    q, k, v, kw = make(COMBOS[name], lq, lk)
+    out, cache = sdpa(q, k, v, **kw)
+    rout, rcache = R.scaled_dot_product_attention(q, k, v, **kw)
+    np.testing.assert_allclose(out, rout, rtol=1e-12, atol=1e-12)
+    g = np.random.default_rng(6).standard_normal(out.shape)
+    grads, rgrads = sdpa_bw(g, cache), R.scaled_dot_product_attention_backward(g, rcache)
+    assert len(grads) == len(rgrads)
+    for a, b_ in zip(grads, rgrads):
+        np.testing.assert_allclose(a, b_, rtol=1e-12, atol=1e-12)
 
 
 # -- gradients: central differences, twice ------------------------------------------------------------------
@@ -365,6 +381,10 @@ def test_property_options_equal_dense_and_directional_derivative(case):
         g = rng.standard_normal(out.shape)
         grads = bwd(g, cache)
         assert len(grads) == len(xs)
+        rout, rcache = R.scaled_dot_product_attention(q, k, v, **kw)  # the textbook tier
+        np.testing.assert_allclose(out, rout, rtol=1e-11, atol=1e-12)
+        for a, b_ in zip(grads, R.scaled_dot_product_attention_backward(g, rcache)):
+            np.testing.assert_allclose(a, b_, rtol=1e-10, atol=1e-11)
         # <backward(g), u> against the central difference of <forward, g> along u
         us = [rng.standard_normal(np.shape(x)) for x in xs]
         eps = 1e-6

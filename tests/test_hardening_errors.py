@@ -73,7 +73,7 @@ FUNCTIONAL = [
     row("sdpa-q-1d", sdpa, u(4), u(4), u(4), exc=ValueError, match="q: ", contains=["(4,)"]),
     row("sdpa-k-ndim", sdpa, Q, u(4), u(5, 6), exc=ValueError, match="k: ", contains=["(4,)"]),
     row("mea-q-1d", mea, u(4), u(4), u(4), exc=ValueError, match="q: ", contains=["(4,)"]),
-    row("mea-v-ndim", mea, Q, K, u(5, 6), exc=ValueError, match="v: ", contains=["(5, 6)"]),
+    row("mea-v-ndim", mea, Q, K, u(6), exc=ValueError, match="v: ", contains=["(6,)"]),
     # mismatched feature sizes
     row("linear-in", F.linear, u(2, 3), u(4, 5), exc=ValueError, match="weight: ", contains=["3", "(4, 5)"]),
     row("linear-bias", F.linear, u(2, 3), u(4, 3), u(5), exc=ValueError, match="bias: ", contains=["(4,)", "(5,)"]),
@@ -119,7 +119,7 @@ FUNCTIONAL = [
     row("mea-block-float", mea, Q, K, V, block_size=2.0, exc=TypeError, match="block_size: ", contains=["2.0"]),
     row("mea-block-bool", mea, Q, K, V, block_size=True, exc=TypeError, match="block_size: "),
     row("mea-block-zero", mea, Q, K, V, block_size=0, exc=ValueError, match="block_size: ", contains=["got 0"]),
-    row("mea-scale-nan", mea, Q, K, V, scale=NAN, exc=TypeError, match="scale: "),
+    row("mea-scale-nan", mea, Q, K, V, scale=NAN, exc=ValueError, match="scale: "),
     row("mea-causal-int", mea, Q, K, V, is_causal=1, exc=TypeError, match="is_causal: "),
     row("sdpa-scale-str", sdpa, Q, K, V, scale="big", exc=TypeError, match="scale: "),
     row("sdpa-gqa-str", sdpa, Q, K, V, enable_gqa="yes", exc=TypeError, match="enable_gqa: "),

@@ -102,43 +102,6 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
     return QKV(q, k, v, groups)
 
 
-def check_qkv_same_lead(q, k, v, enable_gqa: bool) -> QKV:
-    """``check_qkv`` without broadcasting: the leading dimensions of q, k, v must be equal (for a
-    core that does not broadcast them)."""
-    q = as_float(q, "q")
-    k = as_float(k, "k", q.dtype)
-    v = as_float(v, "v", q.dtype)
-    if q.ndim < 2:
-        raise ValueError(f"q: expected shape (..., L, E) with at least 2 dimensions, got {q.shape}")
-    for name, a in (("k", k), ("v", v)):
-        if a.ndim != q.ndim:
-            raise ValueError(f"{name}: expected {q.ndim} dimensions like q {q.shape}, got shape {a.shape}")
-    if q.shape[-1] < 1:
-        raise ValueError(f"q: expected an embedding dimension >= 1, got shape {q.shape}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k: expected last dimension {q.shape[-1]} (q's E), got shape {k.shape}")
-    if v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(f"v: expected shape {k.shape[:-1]} + (Ev,) to match k {k.shape}, got {v.shape}")
-    groups = 1
-    if enable_gqa and q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if hk == 0 or hq % hk:
-            raise ValueError(
-                f"k: with enable_gqa the number of query heads ({hq}) must be a multiple of the "
-                f"number of key/value heads, got {hk} (q {q.shape}, k {k.shape})"
-            )
-        groups = hq // hk
-        if q.shape[:-3] != k.shape[:-3]:
-            raise ValueError(
-                f"k: expected batch dimensions {q.shape[:-3]} like q {q.shape}, got shape {k.shape}")
-    elif k.shape[:-2] != q.shape[:-2]:
-        gqa = q.ndim >= 3 and q.shape[:-3] == k.shape[:-3]
-        hint = " (pass enable_gqa=True for grouped-query attention)" if gqa else ""
-        raise ValueError(
-            f"k: expected leading dimensions {q.shape[:-2]} like q {q.shape}, got shape {k.shape}{hint}")
-    return QKV(q, k, v, groups)
-
-
 def gqa_groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> int:
     """Query heads per key/value head for shapes ``check_qkv`` accepted (no checks)."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))
@@ -182,11 +145,11 @@ def sum_to(a: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 # -- scalars and options ----------------------------------------------------------------------------
-def check_scale(scale, e: int) -> float:
+def check_scale(scale, head_dim: int) -> float:
     """``scale`` or ``1/sqrt(E)`` as a python float (keeps float32 arrays float32).
     Non-real -> ``TypeError``; NaN or infinite -> ``ValueError``."""
     if scale is None:
-        return 1.0 / math.sqrt(e)
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a finite real number or None, got {scale!r} ({type(scale).__name__})")
     scale = float(scale)

@@ -23,7 +23,6 @@ from ._blocks import (
     broadcast_qkv,
     check_options,
     check_qkv,
-    check_qkv_same_lead,
     check_scale,
     distance,
     gqa_groups,
@@ -32,8 +31,6 @@ from ._blocks import (
     sum_to,
 )
 from ._blocks import scratch as _scratch
-
-_check_qkv = check_qkv_same_lead  # what memory_efficient.py imports while it does not broadcast
 
 
 class AttentionCache(NamedTuple):
@@ -107,25 +104,17 @@ def _per_group(a, lead, groups, g):
     return a[..., None, None]
 
 
-# -- blocked causal attention ----------------------------------------------------------------------
+# -- blocked causal and windowed attention ------------------------------------------------------------
 # With ``is_causal`` query ``i`` sees keys ``0..i``, so the rows of a block of queries ``r0..r1-1``
-# need the keys ``0..r1-1`` only.  The scores are therefore formed one block of query rows at a
-# time, each only as wide as the keys its rows may see (``_row_blocks``): the blocks above the
-# diagonal (almost half of ``q k^T``, ``P v`` and the four backward products) are never computed,
-# exponentiated or stored.  Without ``is_causal`` there is one block of every row and key.
-# Each block is its own compact array: its elementwise passes (max, exp, sum, ...) run on memory
-# that is contiguous.  The block height trades the work wasted on the masked half of the diagonal
-# blocks against per-call overhead and GEMM size (OpenBLAS splits each per-head GEMM over its
-# threads, which pays only for larger ones).  Forward+backward, b=8, h=12, L=256 and b=2, h=12,
-# L=1024 (E=64), 2 cores, OpenBLAS Haswell kernels, best of 7, ms:
-#
-#     height                  32     64    128    256    512    (one block, the old code:
-#     L=256   float32       64.5   60.0   54.9   64.8       -     ~2x the blocked time)
-#     L=256   float64      117.2  103.7   95.3  127.7       -
-#     L=1024  float32          -  148.0  119.5  121.7  142.2
-#     L=1024  float64          -  282.2  228.2  248.3  285.3
-# A window reuses the scheme: each block of rows spans only the keys ``c0..c1-1`` its rows may
-# see, so windowed attention forms ``L * (window + height)`` scores instead of ``L^2``.
+# need the keys ``0..r1-1`` only; with a window they need the keys ``c0..c1-1`` of the band.  The
+# scores are therefore formed one block of query rows at a time, each only as wide as the keys its
+# rows may see (``_blocks.row_blocks``): the blocks outside the band (almost half of ``q k^T``,
+# ``P v`` and the four backward products when causal; all but ``L * (window + height)`` scores
+# with a window) are never computed, exponentiated or stored.  When every row sees every key there
+# is one block of all rows.  Each block is its own compact array: its elementwise passes (max, exp,
+# sum, ...) run on contiguous memory.  The height, 128 rows, was the fastest of 32 ... 512 measured
+# with ``npattn bench`` (less work wasted on the diagonal blocks against per-call overhead and GEMMs
+# large enough for OpenBLAS to split over its threads).
 _CAUSAL_BLOCK = 128
 
 

@@ -16,6 +16,22 @@ held:
 Everything is vectorised over all leading (batch, head) dimensions at once: each block operation
 is one batched matmul or ufunc over ``(..., H)``; the only Python loops run over blocks.
 
+The same loop carries every option without ever widening what is held:
+
+* **grouped-query heads and broadcast batches** by *views*: q's heads are seen as ``(Hk, G)`` and
+  k, v get a size-1 group axis, so a batched matmul reuses each kv block for its G query heads
+  (k and v are never repeated); gradients are summed back over the broadcast axes block by block;
+* **dropout** by *regeneration*: one seed per call, and the keep-mask of a block is a pure function
+  of the seed and the block's flat score indices (``_random``), formed in the forward and again
+  in the backward; never stored, identical whatever the block sizes or threads;
+* **causal_align, window** by *skipping*: each query block runs only over the key blocks of its
+  band of visible keys (and each key block of the backward only over the query blocks of its
+  band), so cost and memory grow with ``L * window``; only blocks straddling the band's edges
+  pay for a mask;
+* **softcap, ALiBi, masks** by *rewriting the score block* in place (``_Scores``), identically in
+  both passes; **sinks** by *initialising* the online softmax (``m = sink``, ``l = 1``);
+  **mask_grad** by summing each block's ``dS`` into the mask's own (broadcast) shape.
+
 Three implementation choices, all about speed on a CPU, none changing the mathematics:
 
 * **Score blocks are held transposed**, ``S^T`` of shape ``(..., block_k, block_q)``: keys down,
@@ -41,13 +57,13 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob, check_size
 from ._blocks import Band, band, band_hidden, check_options, check_qkv, check_scale, key_range, out_lead
-from ._random import draw_seed, uniform
+from ._random import draw_seed, keep_into
 
 # Default block size (rows and columns of a score block), picked by measurement: see
 # ``_block_sizes`` for the numbers and the reasons.
@@ -135,7 +151,7 @@ def _n_workers(n_scores: int, n_blocks: int, gemm_mnk: int) -> int:
 def _shares(blocks, n: int):
     """Deal ``blocks`` to ``n`` workers in snake order (0..n-1, n-1..0, ...), balancing the
     triangular work of causal attention; each worker's share is fixed, so results are reproducible."""
-    shares = [[] for _ in range(n)]
+    shares: list = [[] for _ in range(n)]
     for idx, b in enumerate(blocks):
         r = idx % (2 * n)
         shares[r if r < n else 2 * n - 1 - r].append(b)
@@ -267,14 +283,34 @@ def _band_width(b: Band, lk: int) -> int:
     return max(0, min(lk, b.left + b.right + 1))
 
 
-def _keep_t(seed: int, p: float, n_mats: int, lq: int, lk: int, i0: int, i1: int, j0: int, j1: int):
-    """Dropout's keep-mask of the score block (queries ``i0:i1``, keys ``j0:j1``) of every matrix,
-    transposed like the scores, ``(n_mats, nk, nq)``: ``uniform(seed, flat index) >= p`` with the
-    flat index of score ``(m, i, j)`` in the C-ordered ``(..., Hq, Lq, Lk)`` array,
-    ``m*Lq*Lk + i*Lk + j`` (``npattn.functional._random.keep_mask`` on the same block, transposed)."""
-    mats = np.arange(n_mats, dtype=np.uint64)[:, None, None] * np.uint64(lq * lk)
-    index = np.arange(j0, j1, dtype=np.uint64)[:, None] + np.arange(i0, i1, dtype=np.uint64)[None, :] * np.uint64(lk)
-    return uniform(seed, mats + index) >= p
+class _Dropout:
+    """Dropout's keep-mask of any score block, regenerated from the call's seed and the block's
+    position: score ``(m, i, j)`` (matrix ``m`` of the flattened ``(..., Hq)``) has the flat index
+    ``m*Lq*Lk + i*Lk + j`` in the C-ordered ``(..., Hq, Lq, Lk)`` array and is kept iff
+    ``uniform(seed, index) >= p`` (``npattn.functional._random``): the same numbers as
+    ``keep_mask(seed, p, score_shape)[..., i0:i1, j0:j1]``, whatever the block sizes.  Blocks are
+    transposed like the scores, ``(..., nk, nq)``."""
+
+    def __init__(self, seed: int, p: float, lead: tuple, lq: int, lk: int):
+        self.seed, self.p, self.lead, self.lq, self.lk = seed, p, lead, lq, lk
+        n = math.prod(lead)
+        self.mats = (np.arange(n, dtype=np.uint64) * np.uint64(lq * lk)).reshape(lead + (1, 1))
+
+    def buffers(self, bk: int, bq: int):
+        """Per-worker scratch: two uint64 blocks, the bool mask, the (keys, queries) offsets."""
+        n = self.mats.size * bk * bq
+        return np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, bool), np.empty(bk * bq, np.uint64)
+
+    def keep_t(self, i0: int, i1: int, j0: int, j1: int, bufs) -> np.ndarray:
+        z_buf, work_buf, keep_buf, off_buf = bufs
+        nk, nq = j1 - j0, i1 - i0
+        shape = self.lead + (nk, nq)
+        off = _buffer(off_buf, (nk, nq))       # j + i * Lk, keys down
+        np.add(np.arange(j0, j1, dtype=np.uint64)[:, None], np.arange(i0, i1, dtype=np.uint64) * np.uint64(self.lk),
+               out=off)
+        z = _buffer(z_buf, shape)
+        np.add(self.mats, off, out=z)
+        return keep_into(self.seed, self.p, z, _buffer(work_buf, shape), _buffer(keep_buf, shape))
 
 
 class _Scores:
@@ -333,9 +369,12 @@ class _Scores:
         return True
 
 
-def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
-                               dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                               alibi_slopes=None, softcap=None, sinks=None, mask_grad=False):
+def memory_efficient_attention(q, k, v, attn_mask=None, is_causal: bool = False, scale: Optional[float] = None,
+                               block_size: Optional[int] = None, *, dropout_p: float = 0.0, rng=None,
+                               enable_gqa: bool = False, causal_align: str = "top_left",
+                               window: Optional[Tuple[int, int]] = None, alibi_slopes=None,
+                               softcap: Optional[float] = None, sinks=None,
+                               mask_grad: bool = False) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """``dropout(softmax(q k^T * scale + mask)) v`` computed in blocks, never holding an ``(Lq, Lk)`` array.
 
     The same result as ``scaled_dot_product_attention`` with the same arguments (the dropout mask
@@ -420,7 +459,7 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=N
         mask_grad=mask_grad)
 
 
-def memory_efficient_attention_backward(dout, cache):
+def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """Gradients of ``memory_efficient_attention``, block by block (FlashAttention-2):
     ``(dq, dk, dv)``, then ``dmask`` (with ``mask_grad``), then ``dsinks`` (with ``sinks``).
 
@@ -477,7 +516,8 @@ def memory_efficient_attention_backward(dout, cache):
 
 def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
                                 dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                                alibi_slopes=None, softcap=None, sinks=None, mask_grad=False):
+                                alibi_slopes=None, softcap=None, sinks=None,
+                                mask_grad=False) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """The kernel of ``memory_efficient_attention``: the same signature and numbers, no input checks.
 
     Its arguments must already be what the public op makes of them: ``q, k, v`` float arrays of
@@ -492,34 +532,36 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)  # a python float: keeps float32 arrays float32
     lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
-    lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead = lay.lead
     n_mats = math.prod(lead)
-    bq, bk = _block_sizes(block_size, n_mats, lq, lk, max(e, ev))
+    bq, bk = _block_sizes(block_size, n_mats, lq, lk, max(head_dim, head_dim_v))
     seed = draw_seed(rng) if dropout_p > 0.0 else 0
     bnd = band(lq, lk, is_causal, causal_align, window)
     scores = _Scores(lay, bnd, softcap, q.dtype)
+    dropout = _Dropout(seed, dropout_p, lay.lead, lq, lk) if dropout_p > 0.0 else None
 
     dt = q.dtype
     qw, kw, vw = lay.q, lay.k, lay.v
     qlead = qw.shape[:-2]
-    out = np.empty(lead + (lq, ev), dt)
+    out = np.empty(lead + (lq, head_dim_v), dt)
     lse = np.empty(lead + (lq,), dt)
     drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
     floor = np.finfo(dt).min
 
     def rows(share):
         """Forward for the query blocks in ``share``, with this worker's own buffers."""
-        qs_buf = np.empty(math.prod(qlead) * bq * e, dt)
+        qs_buf = np.empty(math.prod(qlead) * bq * head_dim, dt)
         s_buf = np.empty(n_mats * bk * bq, dt)
-        acc_buf = np.empty(n_mats * ev * bq, dt)
-        pv_buf = np.empty(n_mats * ev * bq, dt)
+        acc_buf = np.empty(n_mats * head_dim_v * bq, dt)
+        pv_buf = np.empty(n_mats * head_dim_v * bq, dt)
         stat_bufs = [np.empty(n_mats * bq, dt) for _ in range(6)]
         bias_bufs = scores.buffers(bk, bq)
+        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
         for i0, i1 in share:
             nq = i1 - i0
             row = lead + (1, nq)                      # per-query statistics, as rows
-            qs = _buffer(qs_buf, qlead + (nq, e))
+            qs = _buffer(qs_buf, qlead + (nq, head_dim))
             np.multiply(qw[..., i0:i1, :], scale, out=qs)
             qs_t = qs.swapaxes(-1, -2)
             m, m_new, shift, alpha, l, rsum = (_buffer(b, row) for b in stat_bufs)
@@ -529,9 +571,9 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
             else:                                     # the sink joins first: m = sink, l = exp(0)
                 np.copyto(m, lay.sinks)
                 l.fill(1.0)
-            acc_t = _buffer(acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
+            acc_t = _buffer(acc_buf, lead + (head_dim_v, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
-            pv_t = _buffer(pv_buf, lead + (ev, nq))
+            pv_t = _buffer(pv_buf, lead + (head_dim_v, nq))
             c0, c1 = key_range(bnd, i0, i1, lk)     # the keys some query of the block may see
             for j0, j1 in _blocks(c1, bk, c0):
                 nk = j1 - j0
@@ -549,8 +591,8 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
                 np.sum(st, axis=-2, keepdims=True, out=rsum)
                 l *= alpha
                 l += rsum                             # l' = alpha l + rowsum(P_B)
-                if dropout_p > 0.0:                   # a' sums the kept weights only
-                    st *= _keep_t(seed, dropout_p, n_mats, lq, lk, i0, i1, j0, j1).reshape(st.shape)
+                if dropout is not None:               # a' sums the kept weights only
+                    st *= dropout.keep_t(i0, i1, j0, j1, drop_bufs)
                 np.matmul(vw[..., j0:j1, :].swapaxes(-1, -2), st, out=pv_t)
                 acc_t *= alpha
                 acc_t += pv_t                         # a' = alpha a + P_B v_B  (transposed)
@@ -568,31 +610,32 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
             np.add(m, l, out=lse[..., None, i0:i1])
 
     q_blocks = _blocks(lq, bq)
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(e, ev))
+    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(head_dim, head_dim_v))
     _run(rows, _shares(q_blocks, workers))
-    out = out.reshape(lay.out_lead + (lq, ev))
+    out = out.reshape(lay.out_lead + (lq, head_dim_v))
     lse = lse.reshape(lay.out_lead + (lq,))
     return out, MemoryEfficientCache(q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed,
                                      groups, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
 
 
-def _memory_efficient_attention_backward(dout, cache):
+def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """The kernel of ``memory_efficient_attention_backward``: ``dout`` already checked (the
     output's shape, ``q``'s dtype) and ``cache`` a ``MemoryEfficientCache``."""
     (q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, causal_align, window,
      alibi_slopes, softcap, sinks, mask_grad) = cache
     lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
-    lq, lk, e, ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead = lay.lead
     dt = q.dtype
     n_mats = math.prod(lead)
     bnd = band(lq, lk, is_causal, causal_align, window)
     scores = _Scores(lay, bnd, softcap, dt)
+    dropout = _Dropout(seed, dropout_p, lead, lq, lk) if dropout_p > 0.0 else None
     qw, kw, vw = lay.q, lay.k, lay.v
     q_axes, k_axes, v_axes = (_reduce_axes(a.shape[:-2], lead) for a in (qw, kw, vw))
 
-    dout = dout.reshape(lead + (lq, ev))
-    out = out.reshape(lead + (lq, ev))
+    dout = dout.reshape(lead + (lq, head_dim_v))
+    out = out.reshape(lead + (lq, head_dim_v))
     lse_row = lse.reshape(lead + (1, lq))
     # D_i = rowsum(dO * O): O(L) work on arrays we already have; it equals rowsum(dP * P) (below)
     d_row = np.einsum("...e,...e->...", dout, out)[..., None, :]
@@ -606,35 +649,40 @@ def _memory_efficient_attention_backward(dout, cache):
     # dmask: summed to the mask's own (broadcast) shape.  Workers own disjoint key blocks, so when
     # the mask has a full key axis they write disjoint columns of one array; otherwise each has its own.
     mask = lay.mask
-    want_dmask = mask_grad and mask is not None
-    shared_dmask = want_dmask and (mask.shape[-1] == lk and lk > 1)
-    m_axes = _reduce_axes(mask.shape[:-2], lead) if want_dmask else ()
-    if want_dmask:
-        m_axes += tuple(ax for ax, n in ((-2, mask.shape[-1]), (-1, mask.shape[-2])) if n == 1)
-    dmask_shared = np.zeros(mask.shape, dt) if shared_dmask else None
+    mshape: tuple = () if mask is None else mask.shape             # the working view's shape
+    mask_shape: tuple = () if attn_mask is None else attn_mask.shape  # the caller's
+    want_dmask = bool(mask_grad) and mask is not None
+    shared_dmask = want_dmask and mshape[-1] == lk and lk > 1
+    m_axes: tuple = ()
+    if want_dmask:  # the broadcast leading axes, then keys (-2) / queries (-1) of the transposed block
+        m_axes = _reduce_axes(mshape[:-2], lead) + tuple(ax for ax, n in ((-2, mshape[-1]), (-1, mshape[-2]))
+                                                         if n == 1)
+    dmask_shared: Any = np.zeros(mshape, dt) if shared_dmask else None
 
     def columns(share, dq, dmask):
         """Backward for the key blocks in ``share``; adds this worker's dQ (and dmask) terms."""
         s_buf = np.empty(n_mats * bk * bq, dt)
         dp_buf = np.empty(n_mats * bk * bq, dt)
         t_buf = np.empty(n_mats * bk * bq, dt) if softcap is not None else None
-        dq_buf = np.empty(n_mats * bq * e, dt)
-        dk_buf = np.empty(n_mats * bk * e, dt)
-        dv_buf = np.empty(n_mats * bk * ev, dt)
-        dkacc_buf = np.empty(n_mats * bk * e, dt) if k_axes else None
-        dvacc_buf = np.empty(n_mats * bk * ev, dt) if v_axes else None
+        dq_buf = np.empty(n_mats * bq * head_dim, dt)
+        dk_buf = np.empty(n_mats * bk * head_dim, dt)
+        dv_buf = np.empty(n_mats * bk * head_dim_v, dt)
+        dkacc_buf = np.empty(n_mats * bk * head_dim, dt) if k_axes else None
+        dvacc_buf = np.empty(n_mats * bk * head_dim_v, dt) if v_axes else None
         bias_bufs = scores.buffers(bk, bq)
+        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
+        pk_buf = None if dropout is None else np.empty(n_mats * bk * bq, dt)
         for j0, j1 in share:
             nk = j1 - j0
             k_j, v_j = kw[..., j0:j1, :], vw[..., j0:j1, :]
             # dK_j, dV_j accumulate over the query blocks in the full working layout, then are
             # summed over the axes k/v were broadcast along (GQA: the G query heads of a kv head)
-            dk_j = _buffer(dkacc_buf, lead + (nk, e)) if k_axes else dk[..., j0:j1, :]
-            dv_j = _buffer(dvacc_buf, lead + (nk, ev)) if v_axes else dv[..., j0:j1, :]
+            dk_j = _buffer(dkacc_buf, lead + (nk, head_dim)) if k_axes else dk[..., j0:j1, :]
+            dv_j = _buffer(dvacc_buf, lead + (nk, head_dim_v)) if v_axes else dv[..., j0:j1, :]
             dk_j.fill(0.0)
             dv_j.fill(0.0)
-            dk_tmp = _buffer(dk_buf, lead + (nk, e))
-            dv_tmp = _buffer(dv_buf, lead + (nk, ev))
+            dk_tmp = _buffer(dk_buf, lead + (nk, head_dim))
+            dv_tmp = _buffer(dv_buf, lead + (nk, head_dim_v))
             i_lo, i_hi = _query_range(bnd, j0, j1, lq)  # queries outside the band see nothing of this key block
             for i0, i1 in _blocks(i_hi, bq, i_lo):
                 nq = i1 - i0
@@ -649,25 +697,26 @@ def _memory_efficient_attention_backward(dout, cache):
                 do_i = dout[..., i0:i1, :]
                 dpt = _buffer(dp_buf, lead + (nk, nq))
                 np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)        # dP'^T = V_j dO_i^T
-                if dropout_p > 0.0:
-                    keep = _keep_t(seed, dropout_p, n_mats, lq, lk, i0, i1, j0, j1).reshape(st.shape)
+                if dropout is not None:
+                    keep = dropout.keep_t(i0, i1, j0, j1, drop_bufs)
                     dpt *= keep                                       # dP = dP' * keep / (1-p)
-                    np.matmul(pt * keep, do_i, out=dv_tmp)            # dV_j += (P * keep)^T dO_i / (1-p)
+                    pk = np.multiply(pt, keep, out=_buffer(pk_buf, st.shape))
+                    np.matmul(pk, do_i, out=dv_tmp)                   # dV_j += (P * keep)^T dO_i / (1-p)
                 else:
                     np.matmul(pt, do_i, out=dv_tmp)                   # dV_j += P^T dO_i
                 dv_j += dv_tmp
                 np.subtract(dpt, d_row[..., i0:i1], out=dpt)
                 dst = np.multiply(dpt, pt, out=dpt)                   # dS^T = P^T * (dP^T - D)
                 if want_dmask:                                        # the mask is added to S: dmask = dS
-                    rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
-                    cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
+                    rows = slice(None) if mshape[-2] == 1 else slice(i0, i1)
+                    cols = slice(None) if mshape[-1] == 1 else slice(j0, j1)
                     dm = (dmask_shared if shared_dmask else dmask)[..., rows, cols].swapaxes(-1, -2)
                     _add_reduced(dm, dst, m_axes)
                 if t is not None:                                     # through softcap * tanh(S_raw / softcap)
                     np.multiply(t, t, out=t)
                     np.subtract(1.0, t, out=t)
                     dst *= t                                          # dS_raw = dS * (1 - tanh^2)
-                dq_tmp = _buffer(dq_buf, lead + (nq, e))
+                dq_tmp = _buffer(dq_buf, lead + (nq, head_dim))
                 np.matmul(dst.swapaxes(-1, -2), k_j, out=dq_tmp)
                 _add_reduced(dq[..., i0:i1, :], dq_tmp, q_axes)       # dQ_i += dS K_j (scaled below)
                 np.matmul(dst, qs, out=dk_tmp)
@@ -678,25 +727,22 @@ def _memory_efficient_attention_backward(dout, cache):
                 _add_reduced(dv[..., j0:j1, :], dv_j, v_axes)
 
     k_blocks = [(j0, j1) for j0, j1 in _blocks(lk, bk) if (r := _query_range(bnd, j0, j1, lq))[0] < r[1]]
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(k_blocks), bq * bk * max(e, ev))
+    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(k_blocks), bq * bk * max(head_dim, head_dim_v))
     shares = _shares(k_blocks, workers) if k_blocks else [[]]
     dqs = [np.zeros(qw.shape, dt) for _ in shares]
-    dmasks = [None if (not want_dmask or shared_dmask) else np.zeros(mask.shape, dt) for _ in shares]
+    dmasks: list = [None if (not want_dmask or shared_dmask) else np.zeros(mshape, dt) for _ in shares]
     _run(lambda i: columns(shares[i], dqs[i], dmasks[i]), list(range(len(shares))))
     dq = dqs[0]
     for extra in dqs[1:]:
         dq += extra
     dq *= scale
-    grads = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
-    if mask_grad:
-        if shared_dmask:
-            dmask = dmask_shared
-        else:
-            dmask = dmasks[0]
-            for extra in dmasks[1:]:
-                dmask += extra
-        grads += (dmask.reshape(attn_mask.shape),)
-    if sinks is not None:
+    grads: tuple = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+    if want_dmask:
+        dmask = dmask_shared if shared_dmask else dmasks[0]
+        for extra in ([] if shared_dmask else dmasks[1:]):
+            dmask += extra
+        grads += (dmask.reshape(mask_shape),)
+    if sinks is not None and lay.sinks is not None:
         # The sink is one more logit in each row's softmax, P_sink = exp(sink - lse), with value 0:
         # dP_sink = dO . 0 = 0, so dS_sink = P_sink (dP_sink - D) = -P_sink D, summed over every row
         # (and batch) of its head.
