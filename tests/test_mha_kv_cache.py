@@ -4,8 +4,11 @@ A causal sequence fed token by token (or as a prefill chunk then decoding steps)
 of one full forward over it, to 1e-12, with every option that depends on positions (RoPE, window,
 ALiBi, bottom-right alignment), grouped-query heads, sinks, QK-norm and torch's extra keys, in
 both attention cores."""
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import npattn
 
@@ -22,21 +25,32 @@ CONFIGS = {
     "alibi": {"alibi": True},
     "softcap_qk_norm": {"softcap": 1.5, "qk_norm": True},
     "extras": {"add_bias_kv": True, "add_zero_attn": True},
-    "everything": {"num_kv_heads": 2, "rope": True, "window": (3, 0), "sinks": True, "alibi": True, "softcap": 2.0,
-                   "qk_norm": True, "qkv_bias": True, "add_bias_kv": True, "add_zero_attn": True},
+    "everything": {
+        "num_kv_heads": 2,
+        "rope": True,
+        "window": (3, 0),
+        "sinks": True,
+        "alibi": True,
+        "softcap": 2.0,
+        "qk_norm": True,
+        "qkv_bias": True,
+        "add_bias_kv": True,
+        "add_zero_attn": True,
+    },
 }
 SPLITS = {"token_by_token": [1] * 7, "prefill_then_decode": [4, 1, 1, 1], "chunks": [2, 3, 2]}
 
 
 def make(cfg, memory_efficient=False, seed=0, **extra):
-    m = npattn.MultiHeadAttention(D, D, H, causal=True, memory_efficient=memory_efficient, rng=seed,
-                                  **CONFIGS[cfg], **extra)
+    m = npattn.MultiHeadAttention(
+        D, D, H, causal=True, memory_efficient=memory_efficient, rng=seed, **CONFIGS[cfg], **extra
+    )
     rng = np.random.default_rng(seed + 1)
     if m.sinks is not None:
-        m.sinks.data = rng.normal(0, 1, H)
+        m.sinks.data[...] = rng.normal(0, 1, H)
     if m.qk_norm:
-        m.q_norm.weight.data = rng.uniform(0.5, 1.5, HD)
-        m.k_norm.weight.data = rng.uniform(0.5, 1.5, HD)
+        m.q_norm.weight.data[...] = rng.uniform(0.5, 1.5, HD)
+        m.k_norm.weight.data[...] = rng.uniform(0.5, 1.5, HD)
     return m.eval()
 
 
@@ -44,7 +58,7 @@ def decode(m, x, split):
     m.reset_kv_cache()
     outs, i = [], 0
     for n in split:
-        outs.append(m(x[..., i:i + n, :], use_cache=True))
+        outs.append(m(x[..., i : i + n, :], use_cache=True))
         i += n
     assert i == x.shape[-2] and m.kv_cache_length == i
     return np.concatenate(outs, axis=-2)
@@ -175,5 +189,42 @@ def test_gpt_style_usage():
     x = np.random.default_rng(12).standard_normal((1, 6, D))
     m.reset_kv_cache()
     first = m(x[:, :3], use_cache=True)
-    steps = [m(x[:, i:i + 1], use_cache=True) for i in range(3, 6)]
+    steps = [m(x[:, i : i + 1], use_cache=True) for i in range(3, 6)]
     np.testing.assert_allclose(np.concatenate([first] + steps, axis=1), m(x), rtol=0, atol=1e-12)
+
+
+# -- property: any configuration, any split -----------------------------------------------------------
+@st.composite
+def cached_cases(draw):
+    kw = {
+        "num_kv_heads": draw(st.sampled_from([1, 2, 4])),
+        "rope": draw(st.booleans()),
+        "qk_norm": draw(st.booleans()),
+        "alibi": draw(st.booleans()),
+        "sinks": draw(st.booleans()),
+        "qkv_bias": draw(st.booleans()),
+        "add_bias_kv": draw(st.booleans()),
+        "add_zero_attn": draw(st.booleans()),
+        "memory_efficient": draw(st.booleans()),
+    }
+    if draw(st.booleans()):
+        kw["window"] = (draw(st.integers(-1, 4)), 0)
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.floats(0.5, 5.0))
+    n = draw(st.integers(2, 9))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1)))
+    split = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    lead = draw(st.sampled_from([(), (1,), (2,), (2, 1)]))
+    return kw, split, lead, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60)
+@given(case=cached_cases())
+def test_property_cached_equals_full(case):
+    kw, split, lead, seed = case
+    m = npattn.MultiHeadAttention(D, D, H, causal=True, rng=seed, **kw).eval()
+    rng = np.random.default_rng(seed)
+    if m.sinks is not None:
+        m.sinks.data[...] = rng.normal(0, 1, H)
+    x = rng.standard_normal(lead + (sum(split), D))
+    np.testing.assert_allclose(decode(m, x, split), m(x), rtol=0, atol=1e-12)

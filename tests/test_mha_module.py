@@ -1,6 +1,7 @@
 """``MultiHeadAttention`` as a module: the fused q/k/v weight it owns (its row blocks are the
 ``W_query``/``W_key``/``W_value`` parameters), weights changed between forward and backward,
 validation of every option and input before any state changes."""
+
 import copy
 
 import numpy as np
@@ -118,27 +119,30 @@ def test_grad_none_is_recreated():
 
 
 # -- validation ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, exc, match", [
-    ({"window": 3}, TypeError, "window"),
-    ({"window": (1,)}, TypeError, "window"),
-    ({"window": (1.0, 0)}, TypeError, "window"),
-    ({"window": (-2, 0)}, ValueError, "window"),
-    ({"window": (True, 0)}, TypeError, "window"),
-    ({"causal_align": "top-left"}, ValueError, "causal_align"),
-    ({"causal_align": None}, ValueError, "causal_align"),
-    ({"softcap": 0.0}, ValueError, "softcap"),
-    ({"softcap": -1.0}, ValueError, "softcap"),
-    ({"softcap": float("nan")}, ValueError, "softcap"),
-    ({"softcap": "2"}, TypeError, "softcap"),
-    ({"alibi": 1}, TypeError, "alibi"),
-    ({"sinks": None}, TypeError, "sinks"),
-    ({"rope": "yes"}, TypeError, "rope"),
-    ({"rope_base": 0.0}, ValueError, "rope_base"),
-    ({"rope_base": float("inf")}, ValueError, "rope_base"),
-    ({"qk_norm": 0}, TypeError, "qk_norm"),
-    ({"add_bias_kv": 1}, TypeError, "add_bias_kv"),
-    ({"add_zero_attn": None}, TypeError, "add_zero_attn"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        ({"window": 3}, TypeError, "window"),
+        ({"window": (1,)}, TypeError, "window"),
+        ({"window": (1.0, 0)}, TypeError, "window"),
+        ({"window": (-2, 0)}, ValueError, "window"),
+        ({"window": (True, 0)}, TypeError, "window"),
+        ({"causal_align": "top-left"}, ValueError, "causal_align"),
+        ({"causal_align": None}, ValueError, "causal_align"),
+        ({"softcap": 0.0}, ValueError, "softcap"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"softcap": float("nan")}, ValueError, "softcap"),
+        ({"softcap": "2"}, TypeError, "softcap"),
+        ({"alibi": 1}, TypeError, "alibi"),
+        ({"sinks": None}, TypeError, "sinks"),
+        ({"rope": "yes"}, TypeError, "rope"),
+        ({"rope_base": 0.0}, ValueError, "rope_base"),
+        ({"rope_base": float("inf")}, ValueError, "rope_base"),
+        ({"qk_norm": 0}, TypeError, "qk_norm"),
+        ({"add_bias_kv": 1}, TypeError, "add_bias_kv"),
+        ({"add_zero_attn": None}, TypeError, "add_zero_attn"),
+    ],
+)
 def test_bad_options_raise(kw, exc, match):
     with pytest.raises(exc, match=match):
         fresh(**kw)
@@ -149,15 +153,18 @@ def test_rope_needs_an_even_head_dim():
         npattn.MultiHeadAttention(6, 6, 2, rope=True)
 
 
-@pytest.mark.parametrize("kw, exc, match", [
-    ({"average_attn_weights": 1}, TypeError, "average_attn_weights"),
-    ({"use_cache": None}, TypeError, "use_cache"),
-    ({"need_weights": "no"}, TypeError, "need_weights"),
-    ({"attn_mask": np.ones((3, 4), bool)}, ValueError, "attn_mask"),
-    ({"attn_mask": np.ones((3, 3), np.int8)}, TypeError, "attn_mask"),
-    ({"key_padding_mask": np.zeros((2, 4), bool)}, ValueError, "key_padding_mask"),
-    ({"key_padding_mask": np.zeros((2, 3), np.float16)}, TypeError, "key_padding_mask"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        ({"average_attn_weights": 1}, TypeError, "average_attn_weights"),
+        ({"use_cache": None}, TypeError, "use_cache"),
+        ({"need_weights": "no"}, TypeError, "need_weights"),
+        ({"attn_mask": np.ones((3, 4), bool)}, ValueError, "attn_mask"),
+        ({"attn_mask": np.ones((3, 3), np.int8)}, TypeError, "attn_mask"),
+        ({"key_padding_mask": np.zeros((2, 4), bool)}, ValueError, "key_padding_mask"),
+        ({"key_padding_mask": np.zeros((2, 3), np.float16)}, TypeError, "key_padding_mask"),
+    ],
+)
 def test_bad_forward_arguments_change_no_state(kw, exc, match):
     """Every argument is checked before any arithmetic: the state of the last good forward
     survives (its backward still works) and the KV cache is untouched."""
@@ -195,8 +202,79 @@ def test_unbatched_self_and_cross_attention_gradients_shaped_like_inputs():
 
 
 def test_repr_lists_the_options():
-    r = repr(fresh(window=(2, 0), causal_align="bottom_right", softcap=3.0, alibi=True, sinks=True, rope=True,
-                   qk_norm=True, add_bias_kv=True, add_zero_attn=True))
-    for s in ("window=(2, 0)", "bottom_right", "softcap=3.0", "alibi=True", "sinks=True", "rope=True", "qk_norm=True",
-              "add_bias_kv=True", "add_zero_attn=True", "q_norm"):
+    r = repr(
+        fresh(
+            window=(2, 0),
+            causal_align="bottom_right",
+            softcap=3.0,
+            alibi=True,
+            sinks=True,
+            rope=True,
+            qk_norm=True,
+            add_bias_kv=True,
+            add_zero_attn=True,
+        )
+    )
+    for s in (
+        "window=(2, 0)",
+        "bottom_right",
+        "softcap=3.0",
+        "alibi=True",
+        "sinks=True",
+        "rope=True",
+        "qk_norm=True",
+        "add_bias_kv=True",
+        "add_zero_attn=True",
+        "q_norm",
+    ):
         assert s in r
+
+
+@pytest.mark.parametrize(
+    "sd, match",
+    [
+        (
+            {
+                "q_proj_weight": np.zeros((4, 4)),
+                "k_proj_weight": np.zeros((3, 4)),
+                "v_proj_weight": np.zeros((4, 4)),
+                "out_proj.weight": np.zeros((4, 4)),
+            },
+            "k_proj_weight",
+        ),
+        (
+            {"in_proj_weight": np.zeros((12, 4)), "in_proj_bias": np.zeros(11), "out_proj.weight": np.zeros((4, 4))},
+            "in_proj_bias",
+        ),
+        (
+            {"in_proj_weight": np.zeros((12, 4)), "bias_k": np.zeros((1, 1, 4)), "out_proj.weight": np.zeros((4, 4))},
+            "bias_v",
+        ),
+        (
+            {
+                "in_proj_weight": np.zeros((12, 4)),
+                "bias_k": np.zeros((1, 1, 3)),
+                "bias_v": np.zeros((1, 1, 4)),
+                "out_proj.weight": np.zeros((4, 4)),
+            },
+            "bias_k",
+        ),
+        (
+            {"in_proj_weight": np.zeros((12, 4)), "out_proj.weight": np.zeros((4, 4)), "in_proj.weight": np.zeros(1)},
+            "unknown keys",
+        ),
+    ],
+)
+def test_from_torch_state_dict_bad_shapes_and_keys(sd, match):
+    with pytest.raises(ValueError, match=match):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
+
+
+def test_kv_cache_follows_a_dtype_change():
+    m = fresh(rope=True, causal=True)
+    x = RNG.standard_normal((1, 4, 8))
+    m(x[:, :2], use_cache=True)
+    m.to(np.float32)
+    y = m(x[:, 2:].astype(np.float32), use_cache=True)
+    assert y.dtype == np.float32 and m._kv_cache.k.dtype == np.float32
+    np.testing.assert_allclose(y, m(x.astype(np.float32))[:, 2:], rtol=0, atol=1e-5)

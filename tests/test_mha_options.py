@@ -2,6 +2,7 @@
 qk_norm) and torch's add_bias_kv/add_zero_attn: equality with an explicit formula written here in
 plain numpy, finite differences (``npattn.gradcheck`` and the independent ``tests/_fd.py``) for
 every option and combinations, in both attention cores."""
+
 import itertools
 
 import numpy as np
@@ -24,7 +25,7 @@ def _rope(x, pos, base):
     d = x.shape[-1]
     theta = pos[:, None] * base ** (-2.0 * np.arange(d // 2) / d)
     c, s = np.cos(theta), np.sin(theta)
-    a, b = x[..., :d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
@@ -78,8 +79,13 @@ def reference(m, xq, xk=None, xv=None, attn_mask=None, key_padding_mask=None, pa
     s = s + add
     if attn_mask is not None:
         am = np.asarray(attn_mask)
-        am = np.concatenate([np.broadcast_to(am, am.shape[:-1] + (lk,)),
-                             np.full(am.shape[:-1] + (n_extra,), True if am.dtype == bool else 0.0)], -1)
+        am = np.concatenate(
+            [
+                np.broadcast_to(am, am.shape[:-1] + (lk,)),
+                np.full(am.shape[:-1] + (n_extra,), True if am.dtype == bool else 0.0),
+            ],
+            -1,
+        )
         if am.dtype == bool:
             vis = vis & am
         else:
@@ -131,13 +137,37 @@ OPTIONS = {
     "mqa_rope_qk_norm": {"num_kv_heads": 1, "rope": True, "qk_norm": True},
     "bias_kv": {"add_bias_kv": True},
     "zero_attn": {"add_zero_attn": True},
-    "extras_causal_window_alibi": {"add_bias_kv": True, "add_zero_attn": True, "causal": True, "window": (1, 0),
-                                   "alibi": True},
-    "everything": {"causal": True, "window": (3, 0), "softcap": 2.0, "alibi": True, "sinks": True, "rope": True,
-                   "qk_norm": True, "num_kv_heads": 2, "qkv_bias": True},
-    "everything_bottom_right_extras": {"causal": True, "causal_align": "bottom_right", "window": (2, 1),
-                                       "softcap": 2.0, "alibi": True, "sinks": True, "rope": True, "qk_norm": True,
-                                       "num_kv_heads": 2, "add_bias_kv": True, "add_zero_attn": True},
+    "extras_causal_window_alibi": {
+        "add_bias_kv": True,
+        "add_zero_attn": True,
+        "causal": True,
+        "window": (1, 0),
+        "alibi": True,
+    },
+    "everything": {
+        "causal": True,
+        "window": (3, 0),
+        "softcap": 2.0,
+        "alibi": True,
+        "sinks": True,
+        "rope": True,
+        "qk_norm": True,
+        "num_kv_heads": 2,
+        "qkv_bias": True,
+    },
+    "everything_bottom_right_extras": {
+        "causal": True,
+        "causal_align": "bottom_right",
+        "window": (2, 1),
+        "softcap": 2.0,
+        "alibi": True,
+        "sinks": True,
+        "rope": True,
+        "qk_norm": True,
+        "num_kv_heads": 2,
+        "add_bias_kv": True,
+        "add_zero_attn": True,
+    },
 }
 
 
@@ -199,8 +229,11 @@ def test_options_gradcheck(name, memory_efficient):
 
 def _fd_check(m, inputs, seed=0, **fwd):
     """The independent helper: inputs and the parameters that start at constants or are new."""
-    params = [(n, p) for n, p in m.named_parameters()
-              if n in ("sinks", "q_norm.weight", "k_norm.weight", "bias_k", "bias_v", "W_key.weight")]
+    params = [
+        (n, p)
+        for n, p in m.named_parameters()
+        if n in ("sinks", "q_norm.weight", "k_norm.weight", "bias_k", "bias_v", "W_key.weight")
+    ]
     out = m(*inputs, **fwd)
     g = np.random.default_rng(seed).standard_normal(out.shape)
     m.zero_grad()
@@ -210,9 +243,9 @@ def _fd_check(m, inputs, seed=0, **fwd):
     saved = [p.data.copy() for _, p in params]
 
     def f(*arrays):
-        for (_, p), a in zip(params, arrays[len(inputs):]):
+        for (_, p), a in zip(params, arrays[len(inputs) :]):
             p.data[...] = a
-        return np.sum(m(*arrays[:len(inputs)], **fwd) * g)
+        return np.sum(m(*arrays[: len(inputs)], **fwd) * g)
 
     numeric = fd_gradients(f, list(inputs) + saved)
     for (_, p), a in zip(params, saved):
@@ -223,8 +256,9 @@ def _fd_check(m, inputs, seed=0, **fwd):
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True])
-@pytest.mark.parametrize("name", ["everything", "everything_bottom_right_extras", "sinks", "rope", "qk_norm",
-                                  "extras_causal_window_alibi"])
+@pytest.mark.parametrize(
+    "name", ["everything", "everything_bottom_right_extras", "sinks", "rope", "qk_norm", "extras_causal_window_alibi"]
+)
 def test_options_independent_finite_differences(name, memory_efficient):
     m = make(name, memory_efficient)
     _fd_check(m, (np.random.default_rng(7).standard_normal((2, 4, D)),))
@@ -255,19 +289,32 @@ def test_unbatched_options_gradcheck_and_shapes():
 
 
 def test_state_dict_keys_per_contract():
-    m = npattn.MultiHeadAttention(D, D, H, qkv_bias=True, num_kv_heads=2, add_bias_kv=True, sinks=True,
-                                  qk_norm=True, rope=True, rng=0)
+    m = npattn.MultiHeadAttention(
+        D, D, H, qkv_bias=True, num_kv_heads=2, add_bias_kv=True, sinks=True, qk_norm=True, rope=True, rng=0
+    )
     sd = m.state_dict()
     kv = 2 * HD
-    expect = {"bias_k": (1, 1, kv), "bias_v": (1, 1, kv), "sinks": (H,), "W_query.weight": (D, D),
-              "W_query.bias": (D,), "W_key.weight": (kv, D), "W_key.bias": (kv,), "W_value.weight": (kv, D),
-              "W_value.bias": (kv,), "out_proj.weight": (D, D), "out_proj.bias": (D,), "q_norm.weight": (HD,),
-              "k_norm.weight": (HD,)}
+    expect = {
+        "bias_k": (1, 1, kv),
+        "bias_v": (1, 1, kv),
+        "sinks": (H,),
+        "W_query.weight": (D, D),
+        "W_query.bias": (D,),
+        "W_key.weight": (kv, D),
+        "W_key.bias": (kv,),
+        "W_value.weight": (kv, D),
+        "W_value.bias": (kv,),
+        "out_proj.weight": (D, D),
+        "out_proj.bias": (D,),
+        "q_norm.weight": (HD,),
+        "k_norm.weight": (HD,),
+    }
     assert {k: v.shape for k, v in sd.items()} == expect
     np.testing.assert_array_equal(sd["sinks"], 0.0)
     np.testing.assert_array_equal(sd["q_norm.weight"], 1.0)
-    m2 = npattn.MultiHeadAttention(D, D, H, qkv_bias=True, num_kv_heads=2, add_bias_kv=True, sinks=True,
-                                   qk_norm=True, rope=True, rng=1)
+    m2 = npattn.MultiHeadAttention(
+        D, D, H, qkv_bias=True, num_kv_heads=2, add_bias_kv=True, sinks=True, qk_norm=True, rope=True, rng=1
+    )
     m2.load_state_dict(sd)
     x = np.random.default_rng(0).standard_normal((2, 3, D))
     np.testing.assert_array_equal(m2(x), m(x))
@@ -286,8 +333,10 @@ def test_alibi_slopes():
     np.testing.assert_allclose(m.alibi_slopes(), [2.0 ** -(i + 1) for i in range(8)], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("a, b", list(itertools.combinations(["sinks", "rope", "qk_norm", "alibi", "softcap",
-                                                              "window", "bias_kv", "zero_attn"], 2)))
+@pytest.mark.parametrize(
+    "a, b",
+    list(itertools.combinations(["sinks", "rope", "qk_norm", "alibi", "softcap", "window", "bias_kv", "zero_attn"], 2)),
+)
 def test_pairs_of_options_gradcheck(a, b):
     kw = dict(OPTIONS[a], **OPTIONS[b])
     m = randomise(npattn.MultiHeadAttention(8, 8, 2, causal=True, rng=11, **kw), 12)

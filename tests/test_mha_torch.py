@@ -2,6 +2,7 @@
 ``add_bias_kv``, ``add_zero_attn``, ``average_attn_weights``, unbatched inputs, masks, and
 ``from_torch_state_dict`` (keys, dtype, errors).  Outputs, returned weights, input gradients and
 every parameter gradient to 1e-10."""
+
 import itertools
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import npattn
+import npattn  # noqa: E402
 
 RTOL = 1e-10
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
@@ -30,8 +31,17 @@ def assert_same(a, b, what=""):
 
 def torch_mha(E, H, seed, *, bias=True, add_bias_kv=False, add_zero_attn=False, kdim=None, vdim=None):
     torch.manual_seed(seed)
-    tm = torch.nn.MultiheadAttention(E, H, bias=bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-                                     kdim=kdim, vdim=vdim, batch_first=True, dtype=torch.float64)
+    tm = torch.nn.MultiheadAttention(
+        E,
+        H,
+        bias=bias,
+        add_bias_kv=add_bias_kv,
+        add_zero_attn=add_zero_attn,
+        kdim=kdim,
+        vdim=vdim,
+        batch_first=True,
+        dtype=torch.float64,
+    )
     with torch.no_grad():
         for p in tm.parameters():  # torch initialises the biases to 0
             p.uniform_(-0.7, 0.7)
@@ -43,9 +53,9 @@ def torch_grad(tparams, name, E):
     if name.startswith("W_"):
         i = {"W_query": 0, "W_key": 1, "W_value": 2}[name.split(".")[0]]
         if name.endswith("bias"):
-            return tparams["in_proj_bias"].grad[i * E:(i + 1) * E]
+            return tparams["in_proj_bias"].grad[i * E : (i + 1) * E]
         if "in_proj_weight" in tparams:
-            return tparams["in_proj_weight"].grad[i * E:(i + 1) * E]
+            return tparams["in_proj_weight"].grad[i * E : (i + 1) * E]
         return tparams[["q_proj_weight", "k_proj_weight", "v_proj_weight"][i]].grad
     return tparams[name].grad
 
@@ -162,8 +172,15 @@ def test_unbatched_masks_match_torch(layout):
     allowed[..., -1] = True
     pad = np.zeros(lk, bool)
     pad[0] = True
-    run_pair(tm, m, inputs, E, 3, {"attn_mask": allowed, "key_padding_mask": pad},
-             {"attn_mask": torch.tensor(~allowed), "key_padding_mask": torch.tensor(pad)})
+    run_pair(
+        tm,
+        m,
+        inputs,
+        E,
+        3,
+        {"attn_mask": allowed, "key_padding_mask": pad},
+        {"attn_mask": torch.tensor(~allowed), "key_padding_mask": torch.tensor(pad)},
+    )
 
 
 def test_bias_kv_zero_attn_with_dropout_masks_are_the_same_columns():
@@ -179,6 +196,7 @@ def test_bias_kv_zero_attn_with_dropout_masks_are_the_same_columns():
 
 
 # ---------------------------------------------------------------------------------- state dicts
+
 
 def test_from_torch_state_dict_reads_bias_kv():
     tm = torch_mha(4, 2, 0, add_bias_kv=True)
@@ -226,6 +244,26 @@ def test_from_torch_state_dict_float16_state_dict_refused():
         npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
 
 
-def test_from_torch_state_dict_add_bias_kv_kwarg_refused():
+def test_from_torch_state_dict_add_bias_kv_kwarg_must_agree():
+    sd = torch_mha(4, 2, 0).state_dict()
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=True)
     with pytest.raises(TypeError, match="add_bias_kv"):
-        npattn.MultiHeadAttention.from_torch_state_dict(torch_mha(4, 2, 0).state_dict(), 2, add_bias_kv=True)
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=1)
+    assert not npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=False).add_bias_kv
+    sd = torch_mha(4, 2, 0, add_bias_kv=True).state_dict()
+    assert npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=True).add_bias_kv
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        npattn.MultiHeadAttention.from_torch_state_dict(sd, 2, add_bias_kv=False)
+
+
+def test_from_torch_state_dict_takes_the_modern_options():
+    tm = torch_mha(4, 2, 0)
+    m = npattn.MultiHeadAttention.from_torch_state_dict(tm.state_dict(), 2, sinks=True, causal=True)
+    assert m.sinks is not None and m.causal
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 4))
+    # zero sinks: one extra exp(0) in every softmax row, so the output differs from torch's
+    t_out = tm(*[torch.tensor(x)] * 3, attn_mask=torch.tensor(~np.tri(3, dtype=bool)))[0].detach().numpy()
+    m.sinks.data[...] = -1e9
+    m.sinks.bump_version()
+    np.testing.assert_allclose(m(x), t_out, rtol=0, atol=1e-12)

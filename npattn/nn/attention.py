@@ -8,6 +8,7 @@ contract (``W_query.weight``, ...), but for self-attention the three projection 
 blocks of one fused ``(d_out + 2 kv, d_in)`` array (``W_query.weight.data`` *is* a view of it), so
 q, k and v come out of one GEMM without copying the weights on every call.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,15 +42,17 @@ class _State(NamedTuple):
     """What ``MultiHeadAttention.backward`` needs from its forward."""
 
     self_attn: bool
-    proj: tuple            # the linear caches: one fused (self-attention) or three
+    proj: tuple  # the linear caches: one fused (self-attention) or three
     q_norm: tuple | None  # rms_norm caches of q and k (qk_norm)
     k_norm: tuple | None
     q_rope: tuple | None  # rope caches of q and k (rope)
     k_rope: tuple | None
-    attn: tuple            # the attention kernel's cache
-    out: tuple             # out_proj's linear cache
-    lk: int                # number of real keys (before bias_k / the zero key)
+    attn: tuple  # the attention kernel's cache
+    out: tuple  # out_proj's linear cache
+    lk: int  # number of real keys (before bias_k / the zero key)
+    n_extra: int  # number of extra keys (bias_k, the zero key)
     memory_efficient: bool
+    sinks: bool
 
 
 class _KVCache:
@@ -63,24 +66,23 @@ class _KVCache:
         self._grow(k, v, max(16, 2 * k.shape[-2]))
 
     def _grow(self, k, v, capacity):
+        """New buffers of ``capacity`` tokens in ``k``'s dtype, holding the cached tokens."""
         shape = k.shape[:-2] + (capacity, k.shape[-1])
         nk, nv = np.empty(shape, k.dtype), np.empty(shape[:-1] + (v.shape[-1],), v.dtype)
         if self.k is not None:
-            nk[..., :self.length, :] = self.k[..., :self.length, :]
-            nv[..., :self.length, :] = self.v[..., :self.length, :]
+            nk[..., : self.length, :] = self.k[..., : self.length, :]
+            nv[..., : self.length, :] = self.v[..., : self.length, :]
         self.k, self.v = nk, nv
 
     def append(self, k, v):
         """Add ``k, v (..., Hk, n, hd)``; return views of every cached key and value."""
         n = k.shape[-2]
-        if self.length + n > self.k.shape[-2]:
+        if self.length + n > self.k.shape[-2] or self.k.dtype != k.dtype:  # full, or the module was cast (.to())
             self._grow(k, v, max(2 * self.k.shape[-2], self.length + n))
-        if self.k.dtype != k.dtype:  # the module was cast with .to(): keep the cache in its dtype
-            self.k, self.v = self.k.astype(k.dtype), self.v.astype(v.dtype)
-        self.k[..., self.length:self.length + n, :] = k
-        self.v[..., self.length:self.length + n, :] = v
+        self.k[..., self.length : self.length + n, :] = k
+        self.v[..., self.length : self.length + n, :] = v
         self.length += n
-        return self.k[..., :self.length, :], self.v[..., :self.length, :]
+        return self.k[..., : self.length, :], self.v[..., : self.length, :]
 
 
 def _check_window(window):
@@ -145,10 +147,36 @@ class MultiHeadAttention(Module):
     plain core's for the same rng; no ``need_weights``).
     """
 
-    def __init__(self, d_in, d_out, num_heads, *, dropout=0.0, qkv_bias=False, out_bias=True, causal=False,
-                 num_kv_heads=None, kdim=None, vdim=None, memory_efficient=False, add_bias_kv=False,
-                 add_zero_attn=False, window=None, causal_align="top_left", softcap=None, alibi=False,
-                 sinks=False, rope=False, rope_base=10000.0, qk_norm=False, rng=None, dtype=np.float64):
+    _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
+    _kv_cache: _KVCache | None
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        causal: bool = False,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        memory_efficient: bool = False,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        window: tuple[int, int] | None = None,
+        causal_align: str = "top_left",
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        qk_norm: bool = False,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         self.d_in = check_size(d_in, "d_in")
         self.d_out = check_size(d_out, "d_out")
@@ -157,9 +185,7 @@ class MultiHeadAttention(Module):
             raise ValueError(f"d_out: expected a multiple of num_heads={self.num_heads}, got {self.d_out}")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else check_size(num_kv_heads, "num_kv_heads")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}"
-            )
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}")
         self.kdim = self.d_in if kdim is None else check_size(kdim, "kdim")
         self.vdim = self.d_in if vdim is None else check_size(vdim, "vdim")
         self.head_dim = self.d_out // self.num_heads
@@ -235,8 +261,11 @@ class MultiHeadAttention(Module):
             return None
         mods = (self.W_query, self.W_key, self.W_value)
         f = self._fused
-        if f is not None and _linked(f[0], f[2], [m.weight for m in mods]) and (
-                f[1] is None or _linked(f[1], f[3], [m.bias for m in mods])):
+        if (
+            f is not None
+            and _linked(f[0], f[2], [m.weight for m in mods])
+            and (f[1] is None or _linked(f[1], f[3], [m.bias for m in mods]))
+        ):
             return f[0], f[1]
         W = np.concatenate([m.weight.data for m in mods])
         wv = _views(W, [m.weight for m in mods])
@@ -285,16 +314,18 @@ class MultiHeadAttention(Module):
         mask = None
         if attn_mask is not None:
             m = to_numpy(attn_mask, "attn_mask")
-            if (m.ndim == 3 and len(lead) == 1 and m.shape == (lead[0] * self.num_heads, lq, lk)
-                    and m.shape[0] != self.num_heads):
+            if (
+                m.ndim == 3
+                and len(lead) == 1
+                and m.shape == (lead[0] * self.num_heads, lq, lk)
+                and m.shape[0] != self.num_heads
+            ):
                 m = m.reshape(target)  # torch's (batch * num_heads, Lq, Lk)
             mask = check_mask(m, "attn_mask", target)
         if key_padding_mask is not None:
             kpm = to_numpy(key_padding_mask, "key_padding_mask")
             if kpm.dtype.kind not in "bf":
-                raise TypeError(
-                    f"key_padding_mask: expected bool (True = padding) or float, got dtype {kpm.dtype}"
-                )
+                raise TypeError(f"key_padding_mask: expected bool (True = padding) or float, got dtype {kpm.dtype}")
             if kpm.shape != lead + (lk,):
                 raise ValueError(f"key_padding_mask: expected shape {lead + (lk,)}, got {kpm.shape}")
             mask = _masks.combine(mask, _masks.from_key_padding_mask(kpm))
@@ -339,8 +370,18 @@ class MultiHeadAttention(Module):
         return np.concatenate(ks, axis=-2), np.concatenate(vs, axis=-2)
 
     # -- forward / backward ----------------------------------------------------------------
-    def forward(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, need_weights=False,
-                average_attn_weights=False, use_cache=False):
+    def forward(
+        self,
+        query,
+        key=None,
+        value=None,
+        *,
+        attn_mask=None,
+        key_padding_mask=None,
+        need_weights: bool = False,
+        average_attn_weights: bool = False,
+        use_cache: bool = False,
+    ):
         """Returns ``(..., Lq, d_out)``, or ``(out, weights)`` when ``need_weights``: per-head
         ``weights (..., num_heads, Lq, Lk)`` (after dropout, as torch), averaged over the heads to
         ``(..., Lq, Lk)`` with ``average_attn_weights=True``.  ``Lk`` counts the extra keys of
@@ -386,17 +427,19 @@ class MultiHeadAttention(Module):
             W, b = self._fused_qkv()
             qkv, c = K.linear(x, W, b)
             proj = (c,)
-            q, k, v = qkv[..., :self.d_out], qkv[..., self.d_out:self.d_out + d_kv], qkv[..., self.d_out + d_kv:]
+            q, k, v = qkv[..., : self.d_out], qkv[..., self.d_out : self.d_out + d_kv], qkv[..., self.d_out + d_kv :]
         else:
-            outs = [K.linear(a, m.weight.data, None if m.bias is None else m.bias.data)
-                    for a, m in ((x, self.W_query), (k_in, self.W_key), (v_in, self.W_value))]
+            outs = [
+                K.linear(a, m.weight.data, None if m.bias is None else m.bias.data)
+                for a, m in ((x, self.W_query), (k_in, self.W_key), (v_in, self.W_value))
+            ]
             (q, _), (k, _), (v, _) = outs
             proj = tuple(c for _, c in outs)
         qh, kh, vh = self._split(q, H), self._split(k, Hk), self._split(v, Hk)
         qn = kn = qr = kr = None
         if self.qk_norm:
-            qh, qn = K.rms_norm(qh, self.q_norm.weight.data, self.q_norm.eps)
-            kh, kn = K.rms_norm(kh, self.k_norm.weight.data, self.k_norm.eps)
+            qh, qn = K.rms_norm(qh, self.q_norm.weight.data, self.q_norm.eps)  # type: ignore[union-attr]
+            kh, kn = K.rms_norm(kh, self.k_norm.weight.data, self.k_norm.eps)  # type: ignore[union-attr]
         if self.rope:
             qh, qr = K.rope(qh, np.arange(past, past + lq), base=self.rope_base)
             kh, kr = K.rope(kh, np.arange(past, past + k_in.shape[-2]), base=self.rope_base)
@@ -416,8 +459,9 @@ class MultiHeadAttention(Module):
                 mask = _masks.combine(mask, self._positional_mask(lq, lk, align))
             if mask is not None:  # a visible column for each extra key
                 mask = np.broadcast_to(mask, mask.shape[:-1] + (lk,))
-                pad = np.broadcast_to(np.array(True if mask.dtype == bool else 0, mask.dtype),
-                                      mask.shape[:-1] + (n_extra,))
+                pad = np.broadcast_to(
+                    np.array(True if mask.dtype == bool else 0, mask.dtype), mask.shape[:-1] + (n_extra,)
+                )
                 mask = np.concatenate([mask, pad], axis=-1)
             is_causal = False
         else:
@@ -440,11 +484,15 @@ class MultiHeadAttention(Module):
         if self.memory_efficient:
             ctx, attn_cache = K.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, **opts)
         else:
-            ctx, attn_cache = K.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal,
-                                                             **opts)
-        out, out_cache = K.linear(self._merge(ctx), self.out_proj.weight.data,
-                                  None if self.out_proj.bias is None else self.out_proj.bias.data)
-        state = _State(self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, self.memory_efficient)
+            ctx, attn_cache = K.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, is_causal=is_causal, heads_last=True, **opts
+            )
+        out, out_cache = K.linear(
+            self._merge(ctx), self.out_proj.weight.data, None if self.out_proj.bias is None else self.out_proj.bias.data
+        )
+        state = _State(
+            self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, n_extra, self.memory_efficient, "sinks" in opts
+        )
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
                 self._save(None)
@@ -471,12 +519,17 @@ class MultiHeadAttention(Module):
         if self.out_proj.bias is not None:
             self._accumulate(self.out_proj.bias, dbo)
         dctx = self._split(dctx, H)
-        plain = not (self.qk_norm or self.rope or self.add_bias_kv or self.add_zero_attn)
+        # with nothing between the projections and the attention core, its gradients are those of
+        # the projections' outputs
+        plain = st.q_norm is None and st.q_rope is None and st.n_extra == 0
         dqkv = None
         if st.self_attn:
             dqkv = np.empty(dy.shape[:-1] + (self.d_out + 2 * d_kv,), dy.dtype)
-            views = (self._split(dqkv[..., :self.d_out], H), self._split(dqkv[..., self.d_out:self.d_out + d_kv], Hk),
-                     self._split(dqkv[..., self.d_out + d_kv:], Hk))
+            views = (
+                self._split(dqkv[..., : self.d_out], H),
+                self._split(dqkv[..., self.d_out : self.d_out + d_kv], Hk),
+                self._split(dqkv[..., self.d_out + d_kv :], Hk),
+            )
         if st.memory_efficient:
             grads = K.memory_efficient_attention_backward(dctx, st.attn)
         elif st.self_attn and plain:
@@ -486,18 +539,18 @@ class MultiHeadAttention(Module):
         else:
             grads = K.scaled_dot_product_attention_backward(dctx, st.attn)
         dqh, dkh, dvh = grads[:3]
-        if self.sinks is not None:
+        if st.sinks:
             self._accumulate(self.sinks, grads[-1])
         lk = st.lk
         lead_axes = tuple(range(dkh.ndim - 3))
-        if self.add_bias_kv:  # the key/value appended at position lk, broadcast over the batch
-            self._accumulate(self.bias_k, self._merge(dkh[..., lk:lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
-            self._accumulate(self.bias_v, self._merge(dvh[..., lk:lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
+        if self.add_bias_kv and st.n_extra:  # the key/value appended at position lk, broadcast over the batch
+            self._accumulate(self.bias_k, self._merge(dkh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
+            self._accumulate(self.bias_v, self._merge(dvh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
         dkh, dvh = dkh[..., :lk, :], dvh[..., :lk, :]
-        if self.rope:
+        if st.q_rope is not None:
             dqh = K.rope_backward(dqh, st.q_rope)
             dkh = K.rope_backward(dkh, st.k_rope)
-        if self.qk_norm:
+        if st.q_norm is not None:
             dqh, dwq = K.rms_norm_backward(dqh, st.q_norm)
             dkh, dwk = K.rms_norm_backward(dkh, st.k_norm)
             self._accumulate(self.q_norm.weight, dwq)
@@ -510,9 +563,9 @@ class MultiHeadAttention(Module):
             dx, dW, db = K.linear_backward(dqkv, st.proj[0])
             rows = np.cumsum([0, self.d_out, d_kv, d_kv])
             for i, m in enumerate(mods):
-                self._accumulate(m.weight, dW[rows[i]:rows[i + 1]])
+                self._accumulate(m.weight, dW[rows[i] : rows[i + 1]])
                 if m.bias is not None:
-                    self._accumulate(m.bias, db[rows[i]:rows[i + 1]])
+                    self._accumulate(m.bias, db[rows[i] : rows[i + 1]])
             return dx
         grads = []
         for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), st.proj):
@@ -534,11 +587,20 @@ class MultiHeadAttention(Module):
         return 0 if self._kv_cache is None else self._kv_cache.length
 
     # -- interop ---------------------------------------------------------------------------
-    _TORCH_KEYS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-                   "bias_k", "bias_v", "out_proj.weight", "out_proj.bias")
+    _TORCH_KEYS = (
+        "in_proj_weight",
+        "q_proj_weight",
+        "k_proj_weight",
+        "v_proj_weight",
+        "in_proj_bias",
+        "bias_k",
+        "bias_v",
+        "out_proj.weight",
+        "out_proj.bias",
+    )
 
     @classmethod
-    def from_torch_state_dict(cls, state_dict, num_heads, **kwargs):
+    def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> MultiHeadAttention:
         """Build from the ``state_dict`` of ``torch.nn.MultiheadAttention`` (``batch_first=True``
         gives the same outputs).  Packed ``in_proj_weight`` ``[q; k; v]`` or separate
         ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias``; ``out_proj.*``;
@@ -567,7 +629,7 @@ class MultiHeadAttention(Module):
             w = sd["in_proj_weight"]
             if w.shape != (3 * E, E):
                 raise ValueError(f"state_dict: expected 'in_proj_weight' of shape {(3 * E, E)}, got {w.shape}")
-            wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+            wq, wk, wv = w[:E], w[E : 2 * E], w[2 * E :]
         else:
             missing = [k for k in ("q_proj_weight", "k_proj_weight", "v_proj_weight") if k not in sd]
             if missing:
@@ -581,21 +643,33 @@ class MultiHeadAttention(Module):
         has_bias_kv = "bias_k" in sd or "bias_v" in sd
         if has_bias_kv and not ("bias_k" in sd and "bias_v" in sd):
             raise ValueError("state_dict: expected both 'bias_k' and 'bias_v' (add_bias_kv=True) or neither")
-        if "add_bias_kv" in kwargs:
-            raise TypeError("add_bias_kv: read from the state dict (keys 'bias_k', 'bias_v'); do not pass it")
+        if "add_bias_kv" in kwargs and check_bool(kwargs.pop("add_bias_kv"), "add_bias_kv") != has_bias_kv:
+            raise ValueError(
+                f"add_bias_kv: the state dict {'has' if has_bias_kv else 'has no'} 'bias_k'/'bias_v', "
+                f"expected add_bias_kv={has_bias_kv} (or leave it out)"
+            )
         if "dtype" in kwargs:
             kwargs["dtype"] = check_dtype(kwargs["dtype"])
         else:
             dt = sd["out_proj.weight"].dtype
             kwargs["dtype"] = dt if dt in (np.dtype(np.float32), np.dtype(np.float64)) else np.dtype(np.float64)
-        m = cls(wq.shape[1], E, num_heads, qkv_bias="in_proj_bias" in sd, out_bias="out_proj.bias" in sd,
-                kdim=wk.shape[1], vdim=wv.shape[1], add_bias_kv=has_bias_kv, **kwargs)
+        m = cls(
+            wq.shape[1],
+            E,
+            num_heads,
+            qkv_bias="in_proj_bias" in sd,
+            out_bias="out_proj.bias" in sd,
+            kdim=wk.shape[1],
+            vdim=wv.shape[1],
+            add_bias_kv=has_bias_kv,
+            **kwargs,
+        )
         new = {"W_query.weight": wq, "W_key.weight": wk, "W_value.weight": wv, "out_proj.weight": sd["out_proj.weight"]}
         if "in_proj_bias" in sd:
             b = sd["in_proj_bias"]
             if b.shape != (3 * E,):
                 raise ValueError(f"state_dict: expected 'in_proj_bias' of shape {(3 * E,)}, got {b.shape}")
-            new.update({"W_query.bias": b[:E], "W_key.bias": b[E:2 * E], "W_value.bias": b[2 * E:]})
+            new.update({"W_query.bias": b[:E], "W_key.bias": b[E : 2 * E], "W_value.bias": b[2 * E :]})
         for key in ("out_proj.bias", "bias_k", "bias_v"):
             if key in sd:
                 new[key] = sd[key]
@@ -613,8 +687,10 @@ def _views(fused, params):
     views, r = [], 0
     for p in params:
         n = p.data.shape[0]
-        w = fused[r:r + n]
+        w = fused[r : r + n]
+        version = p._version
         p.data = w
+        p._version = version  # the same values, only in another array: nothing a kept forward state must refuse
         views.append(w)
         r += n
     return tuple(views)
