@@ -214,3 +214,29 @@ def check_float_dtype(dtype, name: str) -> np.dtype:
     raise TypeError(
         f"{name}: {dt.name} is not supported ({why}); convert with {what}.astype(np.float32) (or np.float64)"
     )
+
+def check_cache(cache, expected: type, backward: str):
+    """The cache a backward was given must be the one its own forward returned."""
+    if not isinstance(cache, expected):
+        raise TypeError(
+            f"cache: {backward} expected a {expected.__name__} (the cache its forward returns), "
+            f"got {type(cache).__name__}"
+        )
+    return cache
+
+
+def check_normalized_shape(normalized_shape, x_shape, name: str = "normalized_shape") -> tuple:
+    """An int or a tuple of ints equal to the trailing axes of ``x_shape`` (at least one axis)."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape = (int(normalized_shape),)
+    elif isinstance(normalized_shape, (tuple, list)) and all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in normalized_shape
+    ):
+        shape = tuple(int(s) for s in normalized_shape)
+    else:
+        raise TypeError(f"{name}: expected an int or a tuple of ints, got {normalized_shape!r}")
+    if len(shape) == 0:
+        raise ValueError(f"{name}: expected at least one axis, got {shape}")
+    if len(shape) > len(x_shape) or tuple(x_shape[len(x_shape) - len(shape):]) != shape:
+        raise ValueError(f"{name}: expected the trailing axes of x (shape {tuple(x_shape)}), got {shape}")
+    return shape

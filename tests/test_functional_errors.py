@@ -109,7 +109,7 @@ def test_softmax_axis_and_ndim():
     raises(TypeError, "axis", lambda: F.softmax(u(2, 3), axis=1.0))
     raises(TypeError, "axis", lambda: F.softmax(u(2, 3), axis=None))
     raises(TypeError, "axis", lambda: F.softmax(u(2, 3), axis=True))
-    raises(ValueError, "x", lambda: F.softmax(np.float64(2.0)))
+    raises(ValueError, "axis", lambda: F.softmax(np.float64(2.0), axis=1))  # a 0-d input is one value: axis 0 or -1
 
 
 @pytest.mark.parametrize("approximate", ["fast", "Tanh", None, "", 1])
@@ -145,7 +145,7 @@ def test_dropout_training_and_rng():
 def test_layer_norm_shapes_and_eps():
     raises(ValueError, "x", lambda: F.layer_norm(np.float64(1.0)), ())
     raises(ValueError, "weight", lambda: F.layer_norm(u(2, 3), u(4)), (3,), (4,))
-    raises(ValueError, "weight", lambda: F.layer_norm(u(2, 3), u(2, 3)), (3,), (2, 3))
+    raises(ValueError, "weight", lambda: F.layer_norm(u(2, 3), u(3, 3)), (2, 3), (3, 3))  # not x's trailing axes
     raises(ValueError, "bias", lambda: F.layer_norm(u(2, 3), None, u(2)), (3,), (2,))
     for eps in (-1.0, float("nan"), float("inf")):
         raises(ValueError, "eps", lambda: F.layer_norm(u(2, 3), None, None, eps))

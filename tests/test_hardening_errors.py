@@ -65,7 +65,7 @@ FUNCTIONAL = [
     # wrong ndim
     row("linear-x-0d", F.linear, np.float64(1.0), u(4, 3), exc=ValueError, match="x: ", contains=["()"]),
     row("linear-weight-1d", F.linear, u(2, 3), u(3), exc=ValueError, match="weight: ", contains=["(3,)"]),
-    row("softmax-0d", F.softmax, np.float64(1.0), exc=ValueError, match="x: "),
+    row("softmax-0d-axis", F.softmax, np.float64(1.0), axis=1, exc=ValueError, match="axis: "),
     row("layer_norm-0d", F.layer_norm, np.float64(1.0), exc=ValueError, match="x: ", contains=["()"]),
     row("layer_norm-no-features", F.layer_norm, u(2, 0), exc=ValueError, match="x: ", contains=["(2, 0)"]),
     row("cross_entropy-0d", F.cross_entropy, np.float64(1.0), np.array(0), exc=ValueError, match="logits: "),

@@ -1,11 +1,16 @@
-"""Element-wise and row-wise nonlinearities: ``relu``, ``gelu``, ``softmax``, ``dropout``."""
+"""Element-wise and row-wise nonlinearities: ``relu``, ``gelu``, ``silu``, ``softmax``, ``dropout``.
+
+Each public op validates its arguments and calls the unvalidated kernel ``_op`` below it; each public
+backward checks ``dout`` and that the cache is its own forward's, then calls ``_op_backward``.
+"""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, as_rng, check_axis, check_bool, check_grad, check_prob
+from .._validate import as_float, as_rng, check_axis, check_bool, check_cache, check_grad, check_prob
 from ._erf import erf
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -16,73 +21,167 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _GELU_CLIP = 1e4
 
 
-def relu(x):
-    """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache is the mask ``x > 0``."""
-    x = as_float(x, "x")
-    return np.maximum(x, 0), (x > 0, x.dtype)
+class ReluCache(NamedTuple):
+    positive: np.ndarray  # the mask x > 0
+    dtype: np.dtype
 
 
-def relu_backward(dout, cache):
+class GeluCache(NamedTuple):
+    x: np.ndarray
+    aux: np.ndarray  # Phi(x) for "none", tanh(u) for "tanh"
+    approximate: str
+
+
+class SiluCache(NamedTuple):
+    x: np.ndarray
+    sig: np.ndarray  # sigmoid(x)
+
+
+class SoftmaxCache(NamedTuple):
+    y: np.ndarray
+    axis: Optional[int]  # None for a 0-d input
+
+
+class DropoutCache(NamedTuple):
+    keep: Optional[np.ndarray]  # None: the identity (eval mode or p = 0)
+    scale: float
+    shape: tuple
+    dtype: np.dtype
+
+
+# ----------------------------------------------------------------------------------------- relu
+
+def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
+    """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``."""
+    return _relu(as_float(x, "x"))
+
+
+def _relu(x):
+    return np.maximum(x, 0), ReluCache(x > 0, x.dtype)
+
+
+def relu_backward(dout: np.ndarray, cache: ReluCache) -> np.ndarray:
     """``dx = dy * [x > 0]`` (0 at x == 0, as torch)."""
-    positive, dtype = cache
-    dy = check_grad(dout, positive.shape, dtype)
-    return dy * positive
+    check_cache(cache, ReluCache, "relu_backward")
+    return _relu_backward(check_grad(dout, cache.positive.shape, cache.dtype), cache)
 
 
-def gelu(x, approximate="none"):
+def _relu_backward(dout, cache):
+    return dout * cache.positive
+
+
+# ----------------------------------------------------------------------------------------- gelu
+
+def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCache]:
     """GELU.  ``"none"``: ``y = x Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``.
     ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)`` (as torch)."""
     x = as_float(x, "x")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    return _gelu(x, approximate)
+
+
+def _gelu(x, approximate="none"):
     if approximate == "none":
         cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
-        return x * cdf, (x, cdf, approximate)
+        return x * cdf, GeluCache(x, cdf, approximate)
     xc = np.clip(x, -_GELU_CLIP, _GELU_CLIP)  # x**3 would overflow (RuntimeWarning) for huge |x|
     t = np.tanh(_SQRT_2_OVER_PI * (xc + 0.044715 * xc**3))
-    return 0.5 * x * (1.0 + t), (x, t, approximate)
+    return 0.5 * x * (1.0 + t), GeluCache(x, t, approximate)
 
 
-def gelu_backward(dout, cache):
+def gelu_backward(dout: np.ndarray, cache: GeluCache) -> np.ndarray:
     """``"none"``: ``dy/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)``.
     ``"tanh"``: ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``t = tanh(u)``."""
+    check_cache(cache, GeluCache, "gelu_backward")
+    return _gelu_backward(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
+
+
+def _gelu_backward(dout, cache):
     x, aux, approximate = cache
-    dy = check_grad(dout, x.shape, x.dtype)
     xc = np.clip(x, -_GELU_CLIP, _GELU_CLIP)  # identical below the clip; no inf * 0 above it
     if approximate == "none":
-        return dy * (aux + xc * (_INV_SQRT_2PI * np.exp(-0.5 * xc * xc)))
+        return dout * (aux + xc * (_INV_SQRT_2PI * np.exp(-0.5 * xc * xc)))
     t = aux
     du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * xc * xc)
-    return dy * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
+    return dout * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
 
 
-def softmax(x, axis=-1):
+# ----------------------------------------------------------------------------------------- silu
+
+def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
+    """SiLU (swish): ``y = x * sigmoid(x)``, ``sigmoid(x) = 1 / (1 + exp(-x))`` (as torch's ``F.silu``).
+
+    The sigmoid is evaluated without overflow for any finite x: with ``e = exp(-|x|)`` (<= 1),
+    ``sigmoid(x) = 1 / (1 + e)`` for x >= 0 and ``e / (1 + e)`` for x < 0.
+    Returns ``(y, cache)``; the cache keeps ``x`` and ``sigmoid(x)``.
+    """
+    return _silu(as_float(x, "x"))
+
+
+def _silu(x):
+    e = np.exp(-np.abs(x))
+    num = e.copy()
+    num[x >= 0] = 1.0
+    sig = num / (1.0 + e)
+    return x * sig, SiluCache(x, sig)
+
+
+def silu_backward(dout: np.ndarray, cache: SiluCache) -> np.ndarray:
+    """With ``s = sigmoid(x)``, ``ds/dx = s (1 - s)``; so ``dy/dx = s + x s (1 - s) = s (1 + x (1 - s))``
+    and ``dx = dy * s * (1 + x * (1 - s))``."""
+    check_cache(cache, SiluCache, "silu_backward")
+    return _silu_backward(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
+
+
+def _silu_backward(dout, cache):
+    x, s = cache
+    return dout * (s * (1.0 + x * (1.0 - s)))
+
+
+# -------------------------------------------------------------------------------------- softmax
+
+def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``: stable for any finite input.
 
-    A slice that is entirely ``-inf`` (every position masked) gives zeros, not NaN.
-    Returns ``(y, cache)``; the cache is ``(y, axis)``.
+    A slice that is entirely ``-inf`` (every position masked) gives zeros, not NaN.  A 0-d input is
+    a softmax over one value: ``y = 1`` and ``dx = 0`` (as torch; ``axis`` must be 0 or -1).
+    Returns ``(y, cache)``; the cache is ``(y, axis)`` (axis None for a 0-d input).
     """
     x = as_float(x, "x")
     if x.ndim == 0:
-        raise ValueError("x: expected at least 1 dimension, got a 0-d array")
-    axis = check_axis(axis, x.ndim)
+        check_axis(axis, 1)
+        return _softmax(x, None)
+    return _softmax(x, check_axis(axis, x.ndim))
+
+
+def _softmax(x, axis=-1):
+    if x.ndim == 0:  # one value: its softmax is 1 (exp(x - x) / exp(x - x))
+        y = np.ones((), dtype=x.dtype)
+        return y, SoftmaxCache(y, None)
     m = x.max(axis=axis, keepdims=True, initial=-np.inf)  # empty axis allowed
     m[~np.isfinite(m)] = 0.0  # all -inf slice: exp(-inf) = 0 below
     y = np.exp(x - m)
     s = y.sum(axis=axis, keepdims=True)
     s[s == 0] = 1.0
     y /= s
-    return y, (y, axis)
+    return y, SoftmaxCache(y, axis)
 
 
-def softmax_backward(dout, cache):
+def softmax_backward(dout: np.ndarray, cache: SoftmaxCache) -> np.ndarray:
     """Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx = y * (dy - sum(dy * y))``."""
+    check_cache(cache, SoftmaxCache, "softmax_backward")
+    return _softmax_backward(check_grad(dout, cache.y.shape, cache.y.dtype), cache)
+
+
+def _softmax_backward(dout, cache):
     y, axis = cache
-    dy = check_grad(dout, y.shape, y.dtype)
-    return y * (dy - (dy * y).sum(axis=axis, keepdims=True))
+    return y * (dout - (dout * y).sum(axis=axis, keepdims=True))  # axis None (0-d): dy - dy = 0
 
 
-def dropout(x, p, rng=None, training=True):
+# -------------------------------------------------------------------------------------- dropout
+
+def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[np.ndarray, DropoutCache]:
     """Inverted dropout: keep each entry with probability ``1 - p`` and scale it by ``1/(1 - p)``.
 
     The keep-mask is ``rng.random(x.shape) >= p`` (float64 draws whatever the dtype, so a seed
@@ -95,19 +194,28 @@ def dropout(x, p, rng=None, training=True):
     training = check_bool(training, "training")
     if not training or p == 0.0:
         as_rng(rng)  # still validate the argument
-        return x.copy(), (None, 1.0, x.shape, x.dtype)
-    rng = as_rng(rng)
+        return _dropout(x, p, None, False)
+    return _dropout(x, p, as_rng(rng), training)
+
+
+def _dropout(x, p, rng=None, training=True):
+    """Kernel: ``rng`` must be a Generator unless the call is the identity."""
+    if not training or p == 0.0:
+        return x.copy(), DropoutCache(None, 1.0, x.shape, x.dtype)
     if p == 1.0:
-        return np.zeros_like(x), (np.zeros(x.shape, dtype=bool), 0.0, x.shape, x.dtype)
+        return np.zeros_like(x), DropoutCache(np.zeros(x.shape, dtype=bool), 0.0, x.shape, x.dtype)
     keep = rng.random(x.shape) >= p
     scale = 1.0 / (1.0 - p)
-    return x * keep * scale, (keep, scale, x.shape, x.dtype)
+    return x * keep * scale, DropoutCache(keep, scale, x.shape, x.dtype)
 
 
-def dropout_backward(dout, cache):
+def dropout_backward(dout: np.ndarray, cache: DropoutCache) -> np.ndarray:
     """The forward is ``y = x * keep * s``, linear in x: ``dx = dy * keep * s`` (same mask)."""
-    keep, scale, shape, dtype = cache
-    dy = check_grad(dout, shape, dtype)
-    if keep is None:
-        return dy.copy()
-    return dy * keep * scale
+    check_cache(cache, DropoutCache, "dropout_backward")
+    return _dropout_backward(check_grad(dout, cache.shape, cache.dtype), cache)
+
+
+def _dropout_backward(dout, cache):
+    if cache.keep is None:
+        return dout.copy()
+    return dout * cache.keep * cache.scale

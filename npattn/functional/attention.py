@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, as_rng, check_bool, check_grad, check_mask, check_prob
+from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob
+from ._blocks import check_qkv, check_scale
+from ._blocks import scratch as _scratch
+
+_check_qkv = check_qkv  # the name memory_efficient.py imports
 
 
 class AttentionCache(NamedTuple):
@@ -42,39 +45,6 @@ class AttentionCache(NamedTuple):
         for (rows, c1, _), e in zip(self.blocks, self.e):
             np.multiply(e.swapaxes(-1, -2), self.inv_l[..., rows, :], out=p[..., rows, :c1])
         return _ungrouped(p, self.groups, score_shape)
-
-
-def _check_qkv(q, k, v, enable_gqa):
-    """Validate and cast q, k, v; return them with the number of query heads per kv head."""
-    q = as_float(q, "q")
-    k = as_float(k, "k", q.dtype)
-    v = as_float(v, "v", q.dtype)
-    if q.ndim < 2:
-        raise ValueError(f"q: expected shape (..., L, E) with at least 2 dimensions, got {q.shape}")
-    for name, a in (("k", k), ("v", v)):
-        if a.ndim != q.ndim:
-            raise ValueError(f"{name}: expected {q.ndim} dimensions like q {q.shape}, got shape {a.shape}")
-    if q.shape[-1] < 1:
-        raise ValueError(f"q: expected an embedding dimension >= 1, got shape {q.shape}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k: expected last dimension {q.shape[-1]} (q's E), got shape {k.shape}")
-    if v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(f"v: expected shape {k.shape[:-1]} + (Ev,) to match k {k.shape}, got {v.shape}")
-    groups = 1
-    if enable_gqa and q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if hk == 0 or hq % hk:
-            raise ValueError(
-                f"k: with enable_gqa the number of query heads ({hq}) must be a multiple of the "
-                f"number of key/value heads, got {hk} (q {q.shape}, k {k.shape})"
-            )
-        groups = hq // hk
-        if q.shape[:-3] != k.shape[:-3]:
-            raise ValueError(f"k: expected batch dimensions {q.shape[:-3]} like q {q.shape}, got shape {k.shape}")
-    elif k.shape[:-2] != q.shape[:-2]:
-        hint = " (pass enable_gqa=True for grouped-query attention)" if q.ndim >= 3 and q.shape[:-3] == k.shape[:-3] else ""
-        raise ValueError(f"k: expected leading dimensions {q.shape[:-2]} like q {q.shape}, got shape {k.shape}{hint}")
-    return q, k, v, groups
 
 
 def _grouped_shape(shape, groups):
@@ -172,11 +142,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     score_shape = q.shape[:-1] + (lk,)
     if attn_mask is not None:
         attn_mask = check_mask(attn_mask, "attn_mask", score_shape)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise TypeError(f"scale: expected a finite real number or None, got {scale!r}")
-    scale = float(scale)
+    scale = check_scale(scale, q.shape[-1])
     rng = as_rng(rng) if dropout_p > 0.0 else None
 
     keep, drop_scale = None, 1.0
@@ -322,11 +288,6 @@ def scaled_dot_product_attention_backward(dout, cache, *, out=None):
         if dst is not src:
             np.copyto(dst, src)
     return tuple(out)
-
-
-def _scratch(buf, shape):
-    """A contiguous array of ``shape`` on the start of the flat buffer ``buf`` (no allocation)."""
-    return buf[:math.prod(shape)].reshape(shape)
 
 
 def _write_or_add(a, b, acc, add, scratch):

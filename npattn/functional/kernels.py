@@ -10,11 +10,16 @@ Internal extras a kernel may take beyond the public signature are documented whe
 (e.g. the attention kernels' output layout for ``MultiHeadAttention``'s fused buffer).
 """
 # -- linear, embedding, activations, norms, loss, rope (one line per pair) --------------------------
-from .activation import dropout, dropout_backward, gelu, gelu_backward, relu, relu_backward  # noqa: F401
-from .activation import softmax, softmax_backward  # noqa: F401
+from .activation import _dropout as dropout, _dropout_backward as dropout_backward  # noqa: F401
+from .activation import _gelu as gelu, _gelu_backward as gelu_backward  # noqa: F401
+from .activation import _relu as relu, _relu_backward as relu_backward  # noqa: F401
+from .activation import _silu as silu, _silu_backward as silu_backward  # noqa: F401
+from .activation import _softmax as softmax, _softmax_backward as softmax_backward  # noqa: F401
 from .linear import embedding, embedding_backward, linear, linear_backward  # noqa: F401
 from .loss import cross_entropy, cross_entropy_backward  # noqa: F401
-from .norm import layer_norm, layer_norm_backward  # noqa: F401
+from .norm import _layer_norm as layer_norm, _layer_norm_backward as layer_norm_backward  # noqa: F401
+from .norm import _rms_norm as rms_norm, _rms_norm_backward as rms_norm_backward  # noqa: F401
+from .rope import _rope as rope, _rope_backward as rope_backward  # noqa: F401
 
 # -- attention ----------------------------------------------------------------------------------------
 from .attention import scaled_dot_product_attention, scaled_dot_product_attention_backward  # noqa: F401

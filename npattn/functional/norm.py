@@ -1,35 +1,94 @@
-"""Layer normalisation over the last axis."""
+"""Normalisation over trailing axes: ``layer_norm`` and ``rms_norm``.
+
+Both normalise each slice over the trailing ``len(normalized_shape)`` axes of ``x`` (one "row" of
+``N = prod(normalized_shape)`` values); ``weight`` and ``bias`` have shape ``normalized_shape``.
+The public ops validate and call the unvalidated kernels ``_layer_norm`` / ``_rms_norm``.
+"""
 from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_grad, check_ndim, check_positive_float
+from .._validate import (as_float, check_cache, check_grad, check_ndim, check_normalized_shape,
+                         check_positive_float)
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5):
-    """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the last axis (biased variance).
+class LayerNormCache(NamedTuple):
+    xhat: np.ndarray  # (x - mean) * rstd, x's shape
+    rstd: np.ndarray  # 1 / sqrt(var + eps), x's shape with the normalised axes kept as 1
+    weight: Optional[np.ndarray]
+    has_bias: bool
+    ndim: int  # how many trailing axes are normalised
 
-    A row of zero variance (a constant row) gives ``y = bias`` and finite gradients; with ``eps=0``
-    such a row would be ``0 / 0``: it is normalised to 0 instead of NaN (``y = bias``, ``dx = 0``).
-    Returns ``(y, cache)``; the cache is ``(xhat, rstd, weight, has_bias)``.
-    """
+
+class RMSNormCache(NamedTuple):
+    xhat: np.ndarray  # x * rstd
+    rstd: np.ndarray  # 1 / sqrt(mean(x^2) + eps)
+    weight: Optional[np.ndarray]
+    ndim: int
+
+
+def _check_norm_args(x, weight, bias, normalized_shape, eps):
+    """Shared checks: returns ``(x, weight, bias, normalized_shape, eps)`` cast and resolved."""
     x = as_float(x, "x")
     check_ndim(x, "x", 1, "(..., features)")
-    eps = check_positive_float(eps, "eps", allow_zero=True)
-    d = x.shape[-1]
-    if d < 1:
-        raise ValueError(f"x: expected at least 1 feature in the last dimension, got shape {x.shape}")
     if weight is not None:
         weight = as_float(weight, "weight", x.dtype)
-        if weight.shape != (d,):
-            raise ValueError(f"weight: expected shape ({d},) (x's last dimension), got {weight.shape}")
+    if normalized_shape is not None:
+        ns = check_normalized_shape(normalized_shape, x.shape)
+        if weight is not None and weight.shape != ns:
+            raise ValueError(f"weight: expected shape {ns} (normalized_shape), got {weight.shape}")
+    elif weight is not None:
+        ns = weight.shape
+        if weight.ndim == 0 or weight.ndim > x.ndim or x.shape[x.ndim - weight.ndim:] != ns:
+            raise ValueError(
+                f"weight: expected shape ({x.shape[-1]},) (x's last dimension) or the shape of more "
+                f"trailing axes of x {x.shape}, got {weight.shape}"
+            )
+    else:
+        ns = x.shape[-1:]
+    if math.prod(ns) < 1:
+        raise ValueError(f"x: expected at least 1 feature in the normalised axes {ns}, got shape {x.shape}")
     if bias is not None:
         bias = as_float(bias, "bias", x.dtype)
-        if bias.shape != (d,):
-            raise ValueError(f"bias: expected shape ({d},) (x's last dimension), got {bias.shape}")
-    mu = x.mean(axis=-1, keepdims=True)
+        if bias.shape != ns:
+            where = "normalized_shape" if normalized_shape is not None or weight is not None else "x's last dimension"
+            raise ValueError(f"bias: expected shape {ns} ({where}), got {bias.shape}")
+    if eps is not None:
+        eps = check_positive_float(eps, "eps", allow_zero=True)
+    return x, weight, bias, ns, eps
+
+
+def _axes(x, normalized_shape, weight):
+    k = len(normalized_shape) if normalized_shape is not None else (weight.ndim if weight is not None else 1)
+    return k, tuple(range(x.ndim - k, x.ndim))
+
+
+# ------------------------------------------------------------------------------------ layer_norm
+
+def layer_norm(x: np.ndarray, weight: Optional[np.ndarray] = None, bias: Optional[np.ndarray] = None,
+               eps: float = 1e-5, *, normalized_shape=None) -> tuple[np.ndarray, LayerNormCache]:
+    """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing axes (biased variance).
+
+    The normalised axes are ``normalized_shape`` (an int or a tuple: the trailing axes of x, as
+    ``torch.nn.functional.layer_norm``); by default ``weight.shape`` when a weight is given, else
+    the last axis.  ``weight`` and ``bias`` have shape ``normalized_shape``.
+
+    A slice of zero variance (constant values) gives ``y = bias`` and finite gradients; with ``eps=0``
+    such a slice would be ``0 / 0``: it is normalised to 0 instead of NaN (``y = bias``, ``dx = 0``).
+    Returns ``(y, cache)``.
+    """
+    x, weight, bias, ns, eps = _check_norm_args(x, weight, bias, normalized_shape, eps)
+    return _layer_norm(x, weight, bias, eps, normalized_shape=ns)
+
+
+def _layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
+    k, axes = _axes(x, normalized_shape, weight)
+    mu = x.mean(axis=axes, keepdims=True)
     xc = x - mu
-    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    var = np.mean(xc * xc, axis=axes, keepdims=True)
     std = np.sqrt(var + eps)
     if eps == 0.0:
         std[std == 0] = np.inf  # zero variance, no eps: rstd = 0, so xhat = 0 (not 0/0)
@@ -38,21 +97,77 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     y = xhat * weight if weight is not None else xhat.copy()
     if bias is not None:
         y += bias
-    return y, (xhat, rstd, weight, bias is not None)
+    return y, LayerNormCache(xhat, rstd, weight, bias is not None, k)
 
 
-def layer_norm_backward(dout, cache):
+def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
     """With ``xhat = (x - mu) * rstd`` and ``g = dy * weight`` (the gradient at xhat):
 
-    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (means over the last axis: the two
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (means over the normalised axes: the two
     terms are the gradients through ``mu`` and through ``var``), ``dweight = sum(dy * xhat)``,
-    ``dbias = sum(dy)`` over all leading axes.  Returns ``(dx, dweight, dbias)``.
+    ``dbias = sum(dy)`` over all leading axes.  Returns ``(dx, dweight, dbias)``, None where absent.
     """
-    xhat, rstd, weight, has_bias = cache
-    dy = check_grad(dout, xhat.shape, xhat.dtype)
-    lead = tuple(range(dy.ndim - 1))
-    dweight = (dy * xhat).sum(axis=lead) if weight is not None else None
-    dbias = dy.sum(axis=lead) if has_bias else None
-    g = dy * weight if weight is not None else dy
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    check_cache(cache, LayerNormCache, "layer_norm_backward")
+    return _layer_norm_backward(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
+
+
+def _layer_norm_backward(dout, cache):
+    xhat, rstd, weight, has_bias, k = cache
+    lead = tuple(range(dout.ndim - k))
+    axes = tuple(range(dout.ndim - k, dout.ndim))
+    dweight = (dout * xhat).sum(axis=lead) if weight is not None else None
+    dbias = dout.sum(axis=lead) if has_bias else None
+    g = dout * weight if weight is not None else dout
+    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
     return dx, dweight, dbias
+
+
+# -------------------------------------------------------------------------------------- rms_norm
+
+def rms_norm(x: np.ndarray, weight: Optional[np.ndarray] = None, eps: Optional[float] = None, *,
+             normalized_shape=None) -> tuple[np.ndarray, RMSNormCache]:
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes (no centring, no bias).
+
+    The normalised axes are chosen as in ``layer_norm`` (``normalized_shape``, else ``weight.shape``,
+    else the last axis).  ``eps=None`` is ``np.finfo(x.dtype).eps``, as
+    ``torch.nn.functional.rms_norm``.  A slice of zeros with ``eps=0`` gives 0 (not 0/0 = NaN).
+    Returns ``(y, cache)``.
+    """
+    x, weight, _, ns, eps = _check_norm_args(x, weight, None, normalized_shape, eps)
+    return _rms_norm(x, weight, eps, normalized_shape=ns)
+
+
+def _rms_norm(x, weight=None, eps=None, *, normalized_shape=None):
+    k, axes = _axes(x, normalized_shape, weight)
+    if eps is None:
+        eps = float(np.finfo(x.dtype).eps)
+    ms = np.mean(x * x, axis=axes, keepdims=True)
+    rms = np.sqrt(ms + eps)
+    if eps == 0.0:
+        rms[rms == 0] = np.inf  # a slice of zeros, no eps: rstd = 0, so xhat = 0 (not 0/0)
+    rstd = 1.0 / rms
+    xhat = x * rstd
+    y = xhat * weight if weight is not None else xhat.copy()
+    return y, RMSNormCache(xhat, rstd, weight, k)
+
+
+def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
+    """With ``r = (mean(x^2) + eps)^(-1/2)``, ``xhat = x r`` and ``g = dy * weight``:
+
+    ``dr/dx_j = -r^3 x_j / N``, so ``dx = r g + x * sum(g x) * (-r^3 / N) = r (g - xhat * mean(g * xhat))``
+    (mean over the N normalised values: the one term is the gradient through the rms),
+    ``dweight = sum(dy * xhat)`` over all leading axes.  Returns ``(dx, dweight)``, dweight None
+    without a weight.
+    """
+    check_cache(cache, RMSNormCache, "rms_norm_backward")
+    return _rms_norm_backward(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
+
+
+def _rms_norm_backward(dout, cache):
+    xhat, rstd, weight, k = cache
+    lead = tuple(range(dout.ndim - k))
+    axes = tuple(range(dout.ndim - k, dout.ndim))
+    dweight = (dout * xhat).sum(axis=lead) if weight is not None else None
+    g = dout * weight if weight is not None else dout
+    dx = rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return dx, dweight

@@ -1,0 +1,346 @@
+"""What both attention cores share: input checks, the option validator, and the block geometry.
+
+``scaled_dot_product_attention`` (``attention.py``) and ``memory_efficient_attention``
+(``memory_efficient.py``) both work on blocks of the score matrix held key-major, ``S^T`` of
+shape ``(..., keys, queries)``.  This module holds the pieces they have in common:
+
+* ``check_qkv``, ``check_scale``, ``check_options``: validation and casting at the public edge
+  (``ValueError``/``TypeError`` naming the argument, before any arithmetic);
+* ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the leading (batch) dimensions of q, k,
+  v, and the reduction of a gradient back to its input's own shape;
+* ``Band``, ``band``, ``key_range``, ``band_hidden``, ``distance``: which keys a query may see
+  (causal, ``causal_align``, ``window``) and the ALiBi distances, for any block of rows/keys;
+* ``Block``, ``row_blocks``: the query-row blocks of the plain core, each spanning only the keys
+  its rows may see;
+* ``scratch``: a contiguous view on the front of a preallocated flat buffer.
+
+Names: ``n`` rows of a block, ``h`` heads, ``e`` exponentials (never the head dimension).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import as_float, check_bool, check_positive_float
+
+CAUSAL_ALIGNS = ("top_left", "bottom_right")
+
+
+# -- q, k, v -----------------------------------------------------------------------------------------
+class QKV(NamedTuple):
+    """Validated q, k, v (cast to q's float dtype, shapes as given) and the number of query heads
+    per key/value head (1 without grouped-query attention)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    groups: int
+
+
+def _pad(shape: tuple, ndim: int) -> tuple:
+    return (1,) * (ndim - len(shape)) + tuple(shape)
+
+
+def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
+    """Validate and cast ``q (..., Hq, Lq, E)``, ``k (..., Hk, Lk, E)``, ``v (..., Hk, Lk, Ev)``.
+
+    The leading dimensions (everything before ``(L, E)``) broadcast against each other as in
+    torch (numpy's rules, aligned on the right).  With ``enable_gqa`` and ``Hq != Hk`` the head
+    axis (``-3``) is grouped instead: ``Hk`` (k's and v's head counts broadcast together) must
+    divide ``Hq``, and only the dimensions before the heads broadcast.  The arrays are returned
+    with their own shapes; ``broadcast_qkv`` makes the views the kernels compute on.
+    """
+    q = as_float(q, "q")
+    k = as_float(k, "k", q.dtype)
+    v = as_float(v, "v", q.dtype)
+    if q.ndim < 2:
+        raise ValueError(f"q: expected shape (..., L, E) with at least 2 dimensions, got {q.shape}")
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim < 2:
+            raise ValueError(f"{name}: expected shape (..., L, E) with at least 2 dimensions, got {a.shape}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"q: expected an embedding dimension >= 1, got shape {q.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected last dimension {q.shape[-1]} (q's E), got shape {k.shape}")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"v: expected {k.shape[-2]} keys (dimension -2) like k {k.shape}, got shape {v.shape}")
+    try:
+        kv_lead = np.broadcast_shapes(k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"v: expected leading dimensions broadcastable with k {k.shape}, got shape {v.shape}"
+        ) from None
+    groups = 1
+    nd = max(q.ndim, k.ndim, v.ndim)
+    hq = _pad(q.shape[:-2], nd - 2)[-1] if nd >= 3 else 1
+    hk = _pad(kv_lead, nd - 2)[-1] if nd >= 3 else 1
+    if enable_gqa and nd >= 3 and hq != hk:
+        if hk == 0 or hq % hk:
+            raise ValueError(
+                f"k: with enable_gqa the number of query heads ({hq}) must be a multiple of the "
+                f"number of key/value heads, got {hk} (q {q.shape}, k {k.shape})"
+            )
+        groups = hq // hk
+        try:
+            np.broadcast_shapes(_pad(q.shape[:-2], nd - 2)[:-1], _pad(kv_lead, nd - 2)[:-1])
+        except ValueError:
+            raise ValueError(
+                f"k: expected batch dimensions broadcastable with q {q.shape}, got shape {k.shape}"
+            ) from None
+        return QKV(q, k, v, groups)
+    try:
+        np.broadcast_shapes(q.shape[:-2], kv_lead)
+    except ValueError:
+        hint = (" (pass enable_gqa=True for grouped-query attention)"
+                if nd >= 3 and hk and hq % hk == 0 and not enable_gqa else "")
+        raise ValueError(
+            f"k: expected leading dimensions broadcastable with q {q.shape}, got shape {k.shape}{hint}"
+        ) from None
+    return QKV(q, k, v, groups)
+
+
+def out_lead(q_shape: tuple, k_shape: tuple, v_shape: tuple, groups: int) -> tuple:
+    """The leading dimensions ``(..., Hq)`` of the scores and output for checked shapes."""
+    nd = max(len(q_shape), len(k_shape), len(v_shape))
+    ql = _pad(q_shape[:-2], nd - 2)
+    kl = np.broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))
+    if groups == 1:
+        return tuple(np.broadcast_shapes(ql, kl))
+    return tuple(np.broadcast_shapes(ql[:-1], kl[:-1])) + (ql[-1],)
+
+
+def broadcast_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, groups: int):
+    """Views of q, k, v with the common leading dimensions ``(..., Hq)`` (k and v: ``(..., Hk)``);
+    no copy when the shapes already agree."""
+    lead = out_lead(q.shape, k.shape, v.shape, groups)
+    kv_lead = lead[:-1] + (lead[-1] // groups,) if lead else lead
+
+    def view(a, want):
+        return a if a.shape[:-2] == want else np.broadcast_to(a, want + a.shape[-2:])
+
+    return view(q, lead), view(k, kv_lead), view(v, kv_lead)
+
+
+def sum_to(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """``a`` summed over the dimensions that broadcasting added or stretched, to ``shape``."""
+    shape = tuple(shape)
+    if a.shape == shape:
+        return a
+    extra = a.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(extra + i for i, s in enumerate(shape) if s == 1 and a.shape[extra + i] != 1)
+    return a.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+# -- scalars and options ----------------------------------------------------------------------------
+def check_scale(scale, e: int) -> float:
+    """``scale`` or ``1/sqrt(E)`` as a python float (keeps float32 arrays float32).
+    Non-real -> ``TypeError``; NaN or infinite -> ``ValueError``."""
+    if scale is None:
+        return 1.0 / math.sqrt(e)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a finite real number or None, got {scale!r} ({type(scale).__name__})")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite real number or None, got {scale}")
+    return scale
+
+
+class AttentionOptions(NamedTuple):
+    """The checked attention options (see ``check_options``)."""
+
+    causal_align: str = "top_left"
+    window: Optional[tuple[int, int]] = None
+    alibi_slopes: Optional[np.ndarray] = None  # (..., Hq), broadcastable to the scores' leading dims
+    softcap: Optional[float] = None
+    sinks: Optional[np.ndarray] = None         # (Hq,)
+    mask_grad: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """True when no option changes the plain computation (alignment alone changes nothing
+        without causal masking, a window or ALiBi)."""
+        return (self.window is None and self.alibi_slopes is None and self.softcap is None
+                and self.sinks is None and not self.mask_grad)
+
+
+def _check_float_array(x, name: str, dtype) -> np.ndarray:
+    a = as_float(x, name, dtype)
+    if a.size and not np.isfinite(a).all():
+        raise ValueError(f"{name}: expected finite values, got {'NaN' if np.isnan(a).any() else 'inf'}")
+    return a
+
+
+def check_options(score_shape: tuple, dtype, attn_mask, causal_align="top_left", window=None,
+                  alibi_slopes=None, softcap=None, sinks=None, mask_grad=False) -> AttentionOptions:
+    """Validate the attention options for scores of shape ``(..., Hq, Lq, Lk)`` in ``dtype``;
+    ``attn_mask`` is the already checked mask (or None).
+
+    * ``causal_align``: ``"top_left"`` or ``"bottom_right"``;
+    * ``window``: None or ``(left, right)``, integers >= -1 (-1: unbounded on that side);
+    * ``alibi_slopes``: None or a finite float array broadcastable to ``(..., Hq)``;
+    * ``softcap``: None or a finite float > 0;
+    * ``sinks``: None or a finite float array of shape ``(Hq,)`` (``Hq`` is 1 without a head axis);
+    * ``mask_grad``: a bool; True needs a float ``attn_mask``.
+    """
+    if not isinstance(causal_align, str):
+        raise TypeError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r} "
+                        f"({type(causal_align).__name__})")
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
+    if window is not None:
+        if not isinstance(window, (tuple, list)):
+            raise TypeError(f"window: expected None or a pair (left, right) of ints, got {window!r} "
+                            f"({type(window).__name__})")
+        if len(window) != 2:
+            raise ValueError(f"window: expected a pair (left, right), got {len(window)} values {tuple(window)!r}")
+        for side, w in zip(("left", "right"), window):
+            if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+                raise TypeError(f"window: expected integer sizes, got {side} = {w!r} ({type(w).__name__})")
+            if w < -1:
+                raise ValueError(f"window: expected sizes >= -1 (-1 = unbounded), got {side} = {w}")
+        window = (int(window[0]), int(window[1]))
+    lead = tuple(score_shape[:-2])
+    if alibi_slopes is not None:
+        alibi_slopes = _check_float_array(alibi_slopes, "alibi_slopes", dtype)
+        try:
+            ok = np.broadcast_shapes(alibi_slopes.shape, lead) == lead
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"alibi_slopes: expected a shape broadcastable to {lead} (..., Hq), "
+                             f"got {alibi_slopes.shape}")
+    if softcap is not None:
+        softcap = check_positive_float(softcap, "softcap")
+    if sinks is not None:
+        sinks = _check_float_array(sinks, "sinks", dtype)
+        hq = score_shape[-3] if len(score_shape) >= 3 else 1
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {sinks.shape}")
+    mask_grad = check_bool(mask_grad, "mask_grad")
+    if mask_grad and (attn_mask is None or attn_mask.dtype == bool):
+        got = "None" if attn_mask is None else "a bool mask"
+        raise ValueError(f"mask_grad: True needs a float attn_mask (its gradient is returned), got {got}")
+    return AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+
+
+# -- which keys a query may see ------------------------------------------------------------------------
+class Band(NamedTuple):
+    """Query ``i`` sits at position ``p = i + offset`` and may see the keys ``j`` with
+    ``p - left <= j <= p + right`` (None: unbounded on that side)."""
+
+    offset: int
+    left: Optional[int]
+    right: Optional[int]
+
+    @property
+    def full(self) -> bool:
+        return self.left is None and self.right is None
+
+
+def band(lq: int, lk: int, is_causal: bool, causal_align: str = "top_left",
+         window: Optional[tuple[int, int]] = None) -> Band:
+    """The band of visible keys: causal masking bounds ``right`` by 0, the window by its sides."""
+    offset = lk - lq if causal_align == "bottom_right" else 0
+    left = right = None
+    if window is not None:
+        left = None if window[0] == -1 else window[0]
+        right = None if window[1] == -1 else window[1]
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return Band(offset, left, right)
+
+
+def key_range(b: Band, r0: int, r1: int, lk: int) -> tuple[int, int]:
+    """``(c0, c1)``: the keys ``c0..c1-1`` some query of ``r0..r1-1`` may see (``c0 == c1``: none)."""
+    if r1 <= r0:
+        return 0, 0
+    c0 = 0 if b.left is None else max(0, r0 + b.offset - b.left)
+    c1 = lk if b.right is None else max(0, min(lk, r1 - 1 + b.offset + b.right + 1))
+    c0 = min(c0, lk)
+    return c0, max(c0, c1)
+
+
+def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int) -> Optional[np.ndarray]:
+    """Key-major bool block ``(nk, nq)``: True where key ``c0 + a`` is hidden from query ``r0 + i``
+    by the band; None when the band hides nothing in the block."""
+    d0 = c0 - r0 - b.offset  # key minus query position at the block's corner
+    # d = d0 + a - i ranges over [d0 - nq + 1, d0 + nk - 1]
+    lo, hi = d0 - nq + 1, d0 + nk - 1
+    need_right = b.right is not None and hi > b.right
+    need_left = b.left is not None and lo < -b.left
+    if not (need_right or need_left) or nk == 0 or nq == 0:
+        return None
+    return _band_hidden(d0, nk, nq, b.left, b.right)
+
+
+_HIDDEN_CACHE: dict = {}
+
+
+def _band_hidden(d0, nk, nq, left, right):
+    key = (d0, nk, nq, left, right)
+    m = _HIDDEN_CACHE.get(key)
+    if m is None:
+        d = np.arange(d0, d0 + nk)[:, None] - np.arange(nq)[None, :]
+        m = np.zeros((nk, nq), bool)
+        if right is not None:
+            m |= d > right
+        if left is not None:
+            m |= d < -left
+        if len(_HIDDEN_CACHE) > 256:
+            _HIDDEN_CACHE.clear()
+        _HIDDEN_CACHE[key] = m
+    return m
+
+
+def causal_hidden(nk: int, nq: int, offset: int) -> np.ndarray:
+    """The causal diagonal mask, key-major ``(nk, nq)``: key ``j0 + a`` hidden from query ``i0 + i``
+    iff ``j0 + a > i0 + i`` (``offset = i0 - j0``)."""
+    return _band_hidden(-offset, nk, nq, None, 0)
+
+
+def distance(b: Band, c0: int, nk: int, r0: int, nq: int, dtype) -> np.ndarray:
+    """Key-major ``(nk, nq)`` block of ``|p - j|`` (query position minus key), for ALiBi."""
+    d0 = c0 - r0 - b.offset
+    return np.abs(np.arange(d0, d0 + nk, dtype=dtype)[:, None] - np.arange(nq, dtype=dtype)[None, :])
+
+
+# -- query-row blocks of the plain core -------------------------------------------------------------
+class Block(NamedTuple):
+    """One block of query rows in the grouped layout ``(..., Hk, G*Lq, ...)``: ``rows`` (a slice
+    that never straddles two query heads), the keys ``c0..c1-1`` its rows may see, and the
+    block's first query index ``r0``."""
+
+    rows: slice
+    c0: int
+    c1: int
+    r0: int
+
+    @property
+    def n(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
+def row_blocks(lq: int, lk: int, groups: int, height: Optional[int], b: Band) -> list[Block]:
+    """The query-row blocks (``height`` rows each, None: one block per group of all rows), each
+    spanning only the keys its rows may see."""
+    if lq == 0:
+        return []
+    if height is None:
+        c0, c1 = key_range(b, 0, lq, lk)
+        return [Block(slice(g * lq, (g + 1) * lq), c0, c1, 0) for g in range(groups)]
+    out = []
+    for g in range(groups):
+        for r0 in range(0, lq, height):
+            r1 = min(r0 + height, lq)
+            c0, c1 = key_range(b, r0, r1, lk)
+            out.append(Block(slice(g * lq + r0, g * lq + r1), c0, c1, r0))
+    return out
+
+
+# -- buffers -----------------------------------------------------------------------------------------
+def scratch(buf: np.ndarray, shape: tuple) -> np.ndarray:
+    """A C-contiguous array of ``shape`` on the start of the flat buffer ``buf`` (no allocation)."""
+    return buf[:math.prod(shape)].reshape(shape)
