@@ -75,7 +75,8 @@ def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.
     return st.tuples(_shape_strategy(shape), dt, seeds()).map(build)
 
 
-def relu_safe_arrays(shape, dtype=np.float64, scale: float = 1.0, margin: float = 0.05) -> st.SearchStrategy[np.ndarray]:
+def relu_safe_arrays(shape, dtype=np.float64, scale: float = 1.0,
+                     margin: float = 0.05) -> st.SearchStrategy[np.ndarray]:
     """Like :func:`arrays` but with ``|x| >= margin``: finite differences never straddle the
     ReLU kink at 0 (nor need its one-sided derivative), values of both signs still appear."""
     if not 0 < margin < scale:
@@ -127,7 +128,9 @@ def layer_norm_inputs(min_features: int = 2, max_features: int = 5, max_lead_dim
         x = x * rng.uniform(0.5, 2.0, lead + (1,)) + rng.uniform(-1.0, 1.0, lead + (1,))
         w = rng.uniform(0.5, 1.5, d) * np.where(rng.random(d) < 0.2, -1, 1) if has_w else None
         b = rng.uniform(-1.0, 1.0, d) if has_b else None
-        cast = (lambda a: None if a is None else a.astype(dtp))
+        def cast(a):
+            return None if a is None else a.astype(dtp)
+
         return LayerNormCase(cast(x), cast(w), cast(b))
 
     return st.tuples(shapes(0, max_lead_dims, 1, max_side), st.integers(min_features, max_features),
