@@ -373,7 +373,7 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
     floor = min(floor, (rtol or 1.0) / 1e4)
     top = positive.max() if positive.size else 1.0
     shown = np.where(np.isfinite(rel), np.maximum(rel, floor), max(top, rtol or 0, 1.0) * 10)
-    plt = _pyplot()
+    _pyplot()  # a clear ImportError without matplotlib
     ax = _check_ax(ax)
     ax = _new_ax(ax, (max(4.5, 0.45 * len(rows) + 2.0), 3.6))
     colors = ["#3a9d5d" if k else "#d1495b" for k in ok]
