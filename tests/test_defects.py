@@ -454,3 +454,32 @@ def test_demo_smoothing_is_local():
     s = _smooth(y, 3)
     assert np.isnan(s[:3]).all()
     np.testing.assert_array_equal(s[7:], np.ones(3))
+
+
+def _op_calls(dt):
+    x = np.ones((2, 3, 4), dt)
+    f64 = np.ones((2, 3, 4))
+    calls = {
+        "softmax": lambda: F.softmax(x), "relu": lambda: F.relu(x), "gelu": lambda: F.gelu(x),
+        "layer_norm": lambda: F.layer_norm(x), "dropout": lambda: F.dropout(x, 0.5, 0),
+        "linear-weight": lambda: F.linear(f64, np.ones((3, 4), dt)),
+        "layer_norm-weight": lambda: F.layer_norm(f64, np.ones(4, dt)),
+        "embedding-weight": lambda: F.embedding(np.array([0, 1]), np.ones((3, 4), dt)),
+        "cross_entropy": lambda: F.cross_entropy(x, np.zeros((2, 3), int)),
+        "sdpa": lambda: F.scaled_dot_product_attention(x, x, x),
+        "sdpa-v": lambda: F.scaled_dot_product_attention(f64, f64, x),
+        "mea": lambda: F.memory_efficient_attention(x, x, x),
+    }
+    for name in ("silu", "rms_norm", "rope"):
+        if hasattr(F, name):
+            calls[name] = (lambda fn: lambda: fn(x))(getattr(F, name))
+    return calls
+
+
+@pytest.mark.parametrize("dt", BAD_DTYPES)
+def test_float16_refused_by_every_functional_op(dt):
+    for name, call in _op_calls(dt).items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(TypeError, match="is not supported.*float32"):
+                call()
