@@ -483,3 +483,16 @@ def test_float16_refused_by_every_functional_op(dt):
             warnings.simplefilter("error")
             with pytest.raises(TypeError, match="is not supported.*float32"):
                 call()
+
+
+def test_exponential_average_skips_non_finite_losses():
+    from npattn.viz import _smooth
+
+    y = np.linspace(1.0, 2.0, 20)
+    ref = _smooth(np.delete(y, 3), 0.9)
+    y[3] = np.nan
+    s = _smooth(y, 0.9)
+    assert np.isnan(s[3])
+    np.testing.assert_allclose(np.delete(s, 3), ref, rtol=1e-15)
+    y[3] = np.inf
+    assert np.isinf(_smooth(y, 0.9)[3]) and np.isfinite(np.delete(_smooth(y, 0.9), 3)).all()
