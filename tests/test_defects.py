@@ -496,3 +496,17 @@ def test_exponential_average_skips_non_finite_losses():
     np.testing.assert_allclose(np.delete(s, 3), ref, rtol=1e-15)
     y[3] = np.inf
     assert np.isinf(_smooth(y, 0.9)[3]) and np.isfinite(np.delete(_smooth(y, 0.9), 3)).all()
+
+
+def test_optimizer_state_out_of_float32_range():
+    p = npattn.Parameter(np.ones(3, np.float32))
+    opt = Adam([p])
+    p.grad = np.ones(3, np.float32)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_sq"] = np.full(3, 1e300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="exp_avg_sq.*float32"):
+            opt.load_state_dict(sd)
+    assert opt.state[0]["exp_avg_sq"].max() < 1.0
