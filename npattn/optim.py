@@ -251,7 +251,7 @@ class Optimizer:
                 if not np.isfinite(a).all():
                     problems.append(f"state {i}: {k!r} holds inf or NaN values")
                     continue
-                big = np.finfo(p.data.dtype).max
+                big = float(np.finfo(p.data.dtype).max)
                 if a.size and float(np.abs(a).max()) > big:
                     problems.append(f"state {i}: {k!r} holds {float(np.abs(a).max()):g}, out of the range of "
                                     f"{p.data.dtype} (max {big:g})")

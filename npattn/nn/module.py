@@ -490,7 +490,7 @@ def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
     if arr.shape != current.shape:
         return ValueError, f"key {key!r}: expected shape {current.shape}, got {arr.shape}"
     if current.dtype.kind == "f" and arr.size and (kind in "iu" or arr.dtype.itemsize > current.dtype.itemsize):
-        big = np.finfo(current.dtype).max
+        big = float(np.finfo(current.dtype).max)
         with np.errstate(invalid="ignore"):
             finite = np.abs(arr[np.isfinite(arr)]) if kind == "f" else np.abs(arr.astype(np.float64))
         if finite.size and finite.max() > big:
