@@ -3,6 +3,15 @@
 A module's ``forward`` calls pure functional pairs, keeps their cache in ``self._cache`` and
 returns the output; ``backward(dy)`` takes that cache (releasing it), returns the gradient with
 respect to the input(s) and *adds* each parameter's gradient into ``param.grad``.
+
+What every subclass gets from this base class, without writing anything:
+
+* ``dy`` is checked (shape of the output, numeric dtype) *before* the forward state is taken,
+  whether the module ran as ``m(x)`` or ``m.forward(x)``: a refused ``dy`` loses nothing;
+* ``_save`` records the version of every parameter of the module and its submodules, and
+  ``backward`` raises ``RuntimeError`` (naming the parameter, nothing accumulated) when one was
+  changed after the forward (optimizer step, ``load_state_dict``, ``p.data = ...``);
+* a ``p.grad`` set to ``None`` is created again by the next backward (``_accumulate``).
 """
 from __future__ import annotations
 
