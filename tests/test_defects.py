@@ -510,3 +510,21 @@ def test_optimizer_state_out_of_float32_range():
         with pytest.raises(ValueError, match="exp_avg_sq.*float32"):
             opt.load_state_dict(sd)
     assert opt.state[0]["exp_avg_sq"].max() < 1.0
+
+
+@pytest.mark.parametrize("bad", [np.zeros(3), np.zeros((4, 3), int), [0.0] * 12, "grad", "readonly"])
+def test_unusable_grad_refused_before_anything_accumulates(bad):
+    m = npattn.FeedForward(3, 4, rng=0)
+    y = m(RNG.standard_normal((2, 3)))
+    if isinstance(bad, str) and bad == "readonly":
+        bad = np.zeros((4, 3))
+        bad.flags.writeable = False
+    m.linear1.weight.grad = bad
+    before = {n: np.array(p.grad, copy=True) for n, p in m.named_parameters() if n != "linear1.weight"}
+    with pytest.raises(TypeError, match=r"'linear1\.weight' has a grad"):
+        m.backward(np.ones_like(y))
+    for n, p in m.named_parameters():
+        if n != "linear1.weight":
+            np.testing.assert_array_equal(p.grad, before[n])
+    m.linear1.weight.grad = None
+    m.backward(np.ones_like(y))  # the state was kept

@@ -210,12 +210,24 @@ class Module:
             object.__setattr__(self, "_nograd_forward", True)
 
     def _check_versions(self) -> None:
-        """``RuntimeError`` when a parameter changed (or was replaced) since the forward."""
+        """``RuntimeError`` when a parameter changed (or was replaced) since the forward;
+        ``TypeError`` when a ``p.grad`` cannot accumulate (wrong shape, not a writeable float
+        array), checked before anything is accumulated."""
         saved = self.__dict__.get("_versions")
         if saved is None:
             return
         plist, versions = saved
         for (name, p), v in zip(plist, versions):
+            g = p.grad
+            if g is not None and not (isinstance(g, np.ndarray) and g.shape == p._data.shape
+                                      and g.dtype.kind == "f" and g.flags.writeable):
+                got = (f"shape {g.shape}, dtype {g.dtype}, writeable={g.flags.writeable}"
+                       if isinstance(g, np.ndarray) else type(g).__name__)
+                raise TypeError(
+                    f"{type(self).__name__}.backward: parameter {name!r} has a grad that cannot accumulate "
+                    f"(expected None or a writeable float array of shape {p._data.shape}, got {got}); "
+                    "nothing was accumulated"
+                )
             if p._version != v:
                 raise RuntimeError(
                     f"{type(self).__name__}.backward: one of the variables needed for gradient computation "
