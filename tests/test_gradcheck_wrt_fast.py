@@ -198,3 +198,10 @@ def test_rows_unpack_as_four_and_keep_their_mode():
     back = pickle.loads(pickle.dumps(row))
     assert back == row and back.mode == "direction"
     assert "direction" in repr(row)
+
+
+def test_numerical_gradient_refuses_float16():
+    from npattn.testing import numerical_gradient
+
+    with pytest.raises(TypeError, match="float16 is not supported"):
+        numerical_gradient(lambda a: float(a.sum()), np.ones(3, np.float16))

@@ -159,6 +159,9 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
         raise TypeError(f"x: expected a float ndarray, got {type(x).__name__}"
                         + (f" of dtype {x.dtype}" if isinstance(x, np.ndarray) else ""))
+    if x.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"x: {x.dtype} is not supported (eps-sized steps need float64); "
+                        "convert with x.astype(np.float64)")
     if not x.flags.writeable:
         raise ValueError("x: expected a writable array (it is perturbed in place and restored)")
     _check_tolerances(eps, 1.0, 0.0)
