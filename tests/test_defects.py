@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import functional as F
 from npattn import book, masks
+from npattn import functional as F
 from npattn.optim import SGD, Adam, AdamW
 
 RNG = np.random.default_rng(0)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("hypothesis")
+from _fd import fd_check  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -19,8 +20,6 @@ import npattn.functional.reference as R  # noqa: E402
 import npattn.testing as T  # noqa: E402
 from npattn.testing import gradcheck  # noqa: E402
 from npattn.testing.strategies import _option_names  # noqa: E402
-
-from _fd import fd_check  # noqa: E402
 
 
 def test_new_names_are_exported():

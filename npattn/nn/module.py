@@ -115,6 +115,11 @@ class Module:
     """Base class.  Subclasses set parameters/submodules as attributes and implement
     ``forward`` (storing one cache with ``self._save(cache)``) and ``backward``."""
 
+    _parameters: "OrderedDict[str, Parameter]"
+    _buffers: "OrderedDict[str, None]"
+    _modules: "OrderedDict[str, Module]"
+    _cache: object
+
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
@@ -186,12 +191,13 @@ class Module:
         cached = self.__dict__.get("_plist")
         if cached is not None and cached[0] == _structure[0]:
             return cached[1]
-        seen, plist = set(), []
+        seen: set = set()
+        found = []
         for name, p in self.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                plist.append((name, p))
-        plist = tuple(plist)
+                found.append((name, p))
+        plist = tuple(found)
         object.__setattr__(self, "_plist", (_structure[0], plist))
         return plist
 
@@ -391,7 +397,8 @@ class Module:
         entries = {key: (owner, name, is_param) for key, owner, name, is_param in self._state_entries()}
         missing = [k for k in entries if k not in state_dict]
         unexpected = [k for k in state_dict.keys() if k not in entries]
-        problems, type_problems = [], []
+        problems: list = []
+        type_problems: list = []
         if strict and missing:
             problems.append(f"missing keys {missing}")
         if strict and unexpected:
@@ -434,7 +441,7 @@ class Module:
                 raise IsADirectoryError(
                     f"save: {p!r} is a directory; expected a file name such as {os.path.join(p, 'model.npz')!r}"
                 )
-        np.savez(target, **self.state_dict())
+        np.savez(target, **self.state_dict())  # type: ignore[arg-type]
 
     def load(self, path, strict: bool = True):
         """Load an ``.npz`` written by ``save`` (atomic, as ``load_state_dict``).

@@ -56,6 +56,8 @@ class GradcheckRow(_RowFields):
     unpacks as the 4-tuple, whatever the mode.
     """
 
+    mode: str
+
     def __new__(cls, name, max_abs_err, max_rel_err, ok, mode: str = "element"):
         self = super().__new__(cls, name, max_abs_err, max_rel_err, ok)
         self.mode = mode
@@ -360,7 +362,7 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None,
     if isinstance(target, type):
         raise TypeError(f"target: expected a forward function, a (forward, backward) pair or a Module "
                         f"instance, got the class {target.__name__} (instantiate it first)")
-    opts = _Options(seed, eps, rtol, atol, wrt, bool(fast))
+    opts = _Options(int(seed), eps, rtol, atol, wrt, bool(fast))
     if isinstance(target, Module):
         return _gradcheck_module(target, inputs, opts, forward_kwargs)
     if isinstance(target, tuple):
@@ -440,7 +442,8 @@ def _run_checks(objective, checked, analytic, opts: _Options, label):
             a = np.asarray(float(np.dot(np.asarray(analytic[name], np.float64).reshape(-1), u.reshape(-1))))
             n = np.asarray(_directional(objective, arr, u, opts.eps))
             analytic[name], numerical[name] = a, n
-            rows.append(GradcheckRow(name, *_errors(a, n, opts.rtol, opts.atol), mode="direction"))
+            err_abs, err_rel, ok = _errors(a, n, opts.rtol, opts.atol)
+            rows.append(GradcheckRow(name, err_abs, err_rel, ok, mode="direction"))
     else:
         for name, arr in checked:
             num = numerical_gradient(lambda _: objective(), arr, opts.eps)

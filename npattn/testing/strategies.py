@@ -179,8 +179,8 @@ def make_mask(lq: int, lk: int, kind: str, seed: int = 0, lead: Sequence[int] = 
         m[rng.random(shape) < 0.2] = -np.inf
         return m
     # fully masked rows
-    m = rng.random(shape) < 0.7
-    rows = m.reshape(-1, lq, lk)
+    b = rng.random(shape) < 0.7
+    rows = b.reshape(-1, lq, lk)
     for r in rows:
         r[rng.integers(0, lq)] = False
     return rows.reshape(shape)
@@ -248,7 +248,7 @@ class AttentionConfig:
         """The attention options (``ATTENTION_OPTIONS``) that differ from their defaults, as
         keyword arguments (empty for a config drawn without options, so it also suits cores
         that have none)."""
-        kw = {}
+        kw: dict = {}
         if self.causal_align != "top_left":
             kw["causal_align"] = self.causal_align
         for name in ("window", "alibi_slopes", "softcap", "sinks"):
@@ -354,9 +354,9 @@ def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_ax
         cfg.window = draw(st.one_of(st.none(), windows(max_left=max_len, max_right=max_len)))
     if "softcap" in names:
         cfg.softcap = draw(st.one_of(st.none(), softcaps()))
-    if has_heads and "alibi_slopes" in names:
+    if heads is not None and "alibi_slopes" in names:
         cfg.alibi_slopes = draw(st.one_of(st.none(), alibi_slopes(heads[0], dtype=dt)))
-    if has_heads and "sinks" in names:
+    if heads is not None and "sinks" in names:
         cfg.sinks = draw(st.one_of(st.none(), sinks(heads[0], dtype=dt)))
     if "mask_grad" in names and mask is not None and mask.dtype.kind == "f":
         cfg.mask_grad = draw(st.booleans())
