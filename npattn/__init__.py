@@ -1,8 +1,8 @@
 """npattn: transformer attention in pure NumPy, every backward pass derived and written by hand.
 
 * ``npattn.functional``: pure ``op(...) -> (out, cache)`` / ``op_backward(dout, cache)`` pairs.
-* Modules (``Linear``, ``LayerNorm``, ``Dropout``, ``Embedding``, ``FeedForward``,
-  ``MultiHeadAttention``, ``EncoderBlock``): ``y = m(x)``, ``dx = m.backward(dy)``, gradients
+* Modules (``Linear``, ``LayerNorm``, ``RMSNorm``, ``Dropout``, ``Embedding``, ``FeedForward``,
+  ``MultiHeadAttention``, ``EncoderBlock``, ``DecoderBlock``): ``y = m(x)``, ``dx = m.backward(dy)``, gradients
   accumulated into ``p.grad``.
 * ``npattn.book``: the chapter-3 classes of *Build a Large Language Model (From Scratch)*.
 * ``npattn.gradcheck``: central-difference checks of functional pairs and modules.
@@ -17,12 +17,26 @@ __version__ = "0.1.0"
 
 from . import functional, masks, nn, optim  # noqa: F401
 from .models import TinyTransformer
-from .nn import (Dropout, EncoderBlock, Embedding, FeedForward, LayerNorm, Linear, Module, ModuleList,
-                 MultiHeadAttention, Parameter, is_grad_enabled, no_grad)
+from .nn import (
+    DecoderBlock,
+    Dropout,
+    Embedding,
+    EncoderBlock,
+    FeedForward,
+    LayerNorm,
+    Linear,
+    Module,
+    ModuleList,
+    MultiHeadAttention,
+    Parameter,
+    RMSNorm,
+    is_grad_enabled,
+    no_grad,
+)
 from .testing.gradcheck import GradcheckReport, gradcheck
 
 __all__ = [
     "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
-    "Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
-    "TinyTransformer", "gradcheck", "GradcheckReport", "functional", "masks", "optim", "__version__",
+    "Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
+    "DecoderBlock", "TinyTransformer", "gradcheck", "GradcheckReport", "functional", "masks", "optim", "__version__",
 ]

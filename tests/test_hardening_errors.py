@@ -232,7 +232,7 @@ MODULES = [
     # constructors: non-integer sizes, heads that do not divide, p outside [0, 1]
     row("Linear-in", npattn.Linear, 2.5, 3, exc=TypeError, match="in_features: ", contains=["2.5"]),
     row("Linear-out0", npattn.Linear, 2, 0, exc=ValueError, match="out_features: ", contains=["got 0"]),
-    row("LayerNorm-shape", npattn.LayerNorm, (2, 3), exc=ValueError, match="normalized_shape: "),
+    row("LayerNorm-shape", npattn.LayerNorm, (2, 0), exc=ValueError, match="normalized_shape: "),
     row("LayerNorm-eps", npattn.LayerNorm, 3, eps=NAN, exc=ValueError, match="eps: "),
     row("Dropout-p", npattn.Dropout, 1.5, exc=ValueError, match="p: ", contains=["[0, 1]", "1.5"]),
     row("Dropout-p-nan", npattn.Dropout, NAN, exc=ValueError, match="p: ", contains=["nan"]),

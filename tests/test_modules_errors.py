@@ -23,7 +23,8 @@ CONSTRUCTORS = [
     (lambda: npattn.Linear(2, 3, rng=-1), ValueError, "rng"),
     # LayerNorm
     (lambda: npattn.LayerNorm(3.0), TypeError, "normalized_shape"),
-    (lambda: npattn.LayerNorm((2, 3)), ValueError, "normalized_shape"),
+    (lambda: npattn.LayerNorm((2, 0)), ValueError, "normalized_shape"),
+    (lambda: npattn.LayerNorm(()), ValueError, "normalized_shape"),
     (lambda: npattn.LayerNorm(0), ValueError, "normalized_shape"),
     (lambda: npattn.LayerNorm(3, eps=-1e-5), ValueError, "eps"),
     (lambda: npattn.LayerNorm(3, eps=NAN), ValueError, "eps"),

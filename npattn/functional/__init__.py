@@ -6,7 +6,8 @@ backward sits directly under its forward, its docstring deriving it.
 from .activation import (dropout, dropout_backward, gelu, gelu_backward, relu, relu_backward, silu,
                          silu_backward, softmax, softmax_backward)
 from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
-from .linear import embedding, embedding_backward, linear, linear_backward
+from .embedding import embedding, embedding_backward
+from .linear import linear, linear_backward
 from .loss import cross_entropy, cross_entropy_backward
 from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward
 from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward

@@ -15,8 +15,9 @@ from .activation import _gelu as gelu, _gelu_backward as gelu_backward  # noqa: 
 from .activation import _relu as relu, _relu_backward as relu_backward  # noqa: F401
 from .activation import _silu as silu, _silu_backward as silu_backward  # noqa: F401
 from .activation import _softmax as softmax, _softmax_backward as softmax_backward  # noqa: F401
-from .linear import embedding, embedding_backward, linear, linear_backward  # noqa: F401
-from .loss import cross_entropy, cross_entropy_backward  # noqa: F401
+from .embedding import _embedding as embedding, _embedding_backward as embedding_backward  # noqa: F401
+from .linear import _linear as linear, _linear_backward as linear_backward  # noqa: F401
+from .loss import _cross_entropy as cross_entropy, _cross_entropy_backward as cross_entropy_backward  # noqa: F401
 from .norm import _layer_norm as layer_norm, _layer_norm_backward as layer_norm_backward  # noqa: F401
 from .norm import _rms_norm as rms_norm, _rms_norm_backward as rms_norm_backward  # noqa: F401
 from .rope import _rope as rope, _rope_backward as rope_backward  # noqa: F401

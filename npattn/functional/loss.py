@@ -1,50 +1,177 @@
-"""Losses: ``cross_entropy``."""
+"""Losses: ``cross_entropy``.  The public pair validates; the kernels ``_cross_entropy`` /
+``_cross_entropy_backward`` compute."""
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, as_index, check_grad, check_ndim
+from .._validate import as_float, check_cache, check_grad, check_ndim, check_prob, to_numpy
+
+_REDUCTIONS = ("mean", "sum", "none")
 
 
-def cross_entropy(logits, targets, ignore_index=None):
-    """Mean negative log-likelihood of ``targets`` under ``softmax(logits)``.
+class CrossEntropyCache(NamedTuple):
+    logp: np.ndarray  # log_softmax(logits), (..., C)
+    targets: np.ndarray  # integer class ids (..., ) with ignored ones set to 0, or probabilities (..., C)
+    counted: np.ndarray | None  # bool (...,): not ignored (class ids), None for probabilities
+    weight: np.ndarray | None  # (C,)
+    label_smoothing: float
+    reduction: str
+    denom: float  # what "mean" divides by (1 for "sum"/"none"); 0 means "nothing counted"
 
-    ``logits (..., C)``, integer ``targets (...)``.  Targets equal to ``ignore_index`` are not
-    counted; the mean is over the counted ones (0 with no counted target, never NaN).
-    ``log softmax`` is computed stably as ``z - log(sum(exp(z)))`` with ``z = x - max(x)``.
-    Returns ``(loss as a 0-d array, cache)``.
+
+def cross_entropy(logits: np.ndarray, targets: np.ndarray, ignore_index: int | None = None, *,
+                  weight: np.ndarray | None = None, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> tuple[np.ndarray, CrossEntropyCache]:
+    """Negative log-likelihood of ``targets`` under ``softmax(logits)``, torch's ``F.cross_entropy``.
+
+    Classes are on the **last** axis: ``logits (..., C)`` (torch puts them on axis 1, ``(N, C, ...)``;
+    move the axis, e.g. ``np.moveaxis(logits, 1, -1)``, when porting such code).  ``targets`` are
+
+    - integer class ids of shape ``logits.shape[:-1]``, each in ``[0, C)`` unless equal to
+      ``ignore_index`` (that element is not counted: loss 0, gradient 0); or
+    - float class probabilities of shape ``logits.shape`` (finite; as torch, they are not required
+      to sum to 1); ``ignore_index`` must then be None or negative (it has no effect, as in torch).
+
+    ``weight (C,)`` rescales each class; ``label_smoothing`` in ``[0, 1]`` mixes the target with the
+    uniform distribution, ``(1 - eps) * target + eps / C``.  Per element (with ``logp = log_softmax``):
+    ``loss = -(1 - eps) w[t] logp[t] - eps/C sum_c w[c] logp[c]`` for class ids, and
+    ``loss = -sum_c w[c] q[c] logp[c]`` with ``q = (1 - eps) p + eps/C`` for probabilities.
+    ``reduction``: ``"none"`` returns these per-element losses (shape ``logits.shape[:-1]``, 0 where
+    ignored), ``"sum"`` their sum, ``"mean"`` (default) torch's rule: for class ids the sum divided by
+    the total weight ``sum w[t]`` of the counted targets (their number without ``weight``), for
+    probabilities the sum divided by the number of elements.
+
+    When "mean" has nothing to divide by (every target ignored, an empty batch, or a total weight
+    of 0), torch returns NaN (0/0); npattn returns ``0.0`` (positive zero) with a zero gradient, so
+    a batch of pure padding adds nothing instead of turning every later number into NaN.
+    ``log_softmax`` is computed stably as ``z - log(sum(exp(z)))`` with ``z = x - max(x)``.
+    Returns ``(loss, cache)``: a 0-d array for "mean"/"sum", shape ``logits.shape[:-1]`` for "none".
     """
     logits = as_float(logits, "logits")
     check_ndim(logits, "logits", 1, "(..., classes)")
-    targets = as_index(targets, "targets")
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets: expected shape {logits.shape[:-1]} (logits without the class axis), got {targets.shape}")
+    c = logits.shape[-1]
+    t = to_numpy(targets, "targets")
     if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral)):
         raise TypeError(f"ignore_index: expected an int or None, got {ignore_index!r}")
-    counted = np.ones(targets.shape, dtype=bool) if ignore_index is None else targets != ignore_index
+    if t.dtype.kind in "iu":
+        if t.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"targets: expected shape {logits.shape[:-1]} (logits without the class axis), got {t.shape}"
+            )
+        counted = np.ones(t.shape, dtype=bool) if ignore_index is None else t != ignore_index
+        tc = t[counted]
+        if tc.size and (tc.min() < 0 or tc.max() >= c):
+            bad = tc.min() if tc.min() < 0 else tc.max()
+            raise ValueError(f"targets: expected class indices in [0, {c}), got {bad}")
+    elif t.dtype.kind == "f":
+        if t.shape != logits.shape:
+            kind = TypeError if t.shape == logits.shape[:-1] else ValueError
+            raise kind(
+                f"targets: expected integer class ids of shape {logits.shape[:-1]} or float class "
+                f"probabilities of shape {logits.shape}, got dtype {t.dtype} of shape {t.shape}"
+            )
+        if not np.isfinite(t).all():
+            raise ValueError("targets: expected finite class probabilities, got NaN or inf")
+        if ignore_index is not None and ignore_index >= 0:
+            raise ValueError(f"ignore_index: not supported with probability targets (as torch), got {ignore_index}")
+        t = t.astype(logits.dtype, copy=False)
+        counted = None
+    else:
+        raise TypeError(
+            "targets: expected an integer array (class ids) or a float array (class probabilities), "
+            f"got dtype {t.dtype}"
+        )
+    if weight is not None:
+        weight = as_float(weight, "weight", logits.dtype)
+        if weight.shape != (c,):
+            raise ValueError(f"weight: expected shape ({c},) (one per class, logits' last axis), got {weight.shape}")
+        if not np.isfinite(weight).all():
+            raise ValueError("weight: expected finite class weights, got NaN or inf")
+    if not isinstance(reduction, str):
+        raise TypeError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    label_smoothing = check_prob(label_smoothing, "label_smoothing")
+    return _cross_entropy(logits, t, ignore_index, weight=weight, reduction=reduction, label_smoothing=label_smoothing)
+
+
+def _cross_entropy(logits, targets, ignore_index=None, *, weight=None, reduction="mean", label_smoothing=0.0):
+    """Kernel: integer targets are class ids, float targets probabilities of logits' dtype."""
     c = logits.shape[-1]
-    t = targets[counted]
-    if t.size and (t.min() < 0 or t.max() >= c):
-        bad = t.min() if t.min() < 0 else t.max()
-        raise ValueError(f"targets: expected class indices in [0, {c}), got {bad}")
-    z = logits - logits.max(axis=-1, keepdims=True)
+    eps = label_smoothing
+    eps_c = eps / c if c else 0.0  # eps/C (no class at all: nothing to smooth over)
+    z = logits - logits.max(axis=-1, keepdims=True, initial=-np.inf)
     logsumexp = np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    logp = z - logsumexp
-    safe_t = np.where(counted, targets, 0)
-    picked = np.take_along_axis(logp, safe_t[..., None], axis=-1)[..., 0]
-    n = int(counted.sum())
-    loss = -(picked * counted).sum() / max(n, 1)
-    return np.asarray(loss, dtype=logits.dtype), (logp, safe_t, counted, n)
+    logp = z - logsumexp  # (..., C)
+    wlogp = logp * weight if weight is not None else logp
+    if targets.dtype.kind == "f":  # probabilities: loss = -sum_c w_c q_c logp_c
+        counted = None
+        q = targets if eps == 0 else (1.0 - eps) * targets + eps_c
+        losses = -(q * wlogp).sum(axis=-1)
+        denom = float(losses.size)
+    else:  # class ids
+        counted = np.ones(targets.shape, dtype=bool) if ignore_index is None else targets != ignore_index
+        targets = np.where(counted, targets, 0)  # an ignored id may lie outside [0, C)
+        picked = np.take_along_axis(wlogp, targets[..., None], axis=-1)[..., 0]  # w[t] logp[t]
+        losses = -(1.0 - eps) * picked
+        if eps:
+            losses -= eps_c * wlogp.sum(axis=-1)
+        losses *= counted
+        wt = weight[targets] * counted if weight is not None else counted
+        denom = float(wt.sum())
+    if reduction == "none":
+        loss = losses + 0.0  # + 0.0: no -0.0 for an ignored element
+        denom = 1.0
+    elif reduction == "sum":
+        loss = np.asarray(losses.sum() + 0.0, dtype=logits.dtype)
+        denom = 1.0
+    else:
+        loss = np.asarray(losses.sum() / denom + 0.0 if denom else 0.0, dtype=logits.dtype)
+    cache = CrossEntropyCache(logp, targets, counted, weight, eps, reduction, denom)
+    return loss, cache
 
 
-def cross_entropy_backward(dout, cache):
-    """``dlogits = (softmax(logits) - onehot(targets)) * counted / n * dloss``.  Returns ``dlogits``."""
-    logp, safe_t, counted, n = cache
-    g = check_grad(dout, (), logp.dtype)
-    dx = np.exp(logp)
-    np.put_along_axis(dx, safe_t[..., None], np.take_along_axis(dx, safe_t[..., None], axis=-1) - 1.0, axis=-1)
-    dx *= (counted / max(n, 1))[..., None].astype(logp.dtype)
-    dx *= g
+def cross_entropy_backward(dout: np.ndarray, cache: CrossEntropyCache) -> np.ndarray:
+    """Write each element's loss as ``-sum_j q_j logp_j`` with a target vector ``q``: for a class id
+    ``t``, ``q = (1 - eps) w[t] onehot(t) + eps/C w`` (``w = 1`` without weight); for probabilities
+    ``p``, ``q = w ((1 - eps) p + eps/C)``; ``q = 0`` for an ignored element.  Since
+    ``d logp_j / d z_k = delta_jk - softmax(z)_k``,
+
+        dloss/dz = sum(q) * softmax(z) - q,
+
+    times the upstream gradient: ``dout / denom`` for "mean" (0 when nothing was counted),
+    ``dout`` for "sum", ``dout[...]`` per element for "none".  Returns ``dlogits``.
+    """
+    check_cache(cache, CrossEntropyCache, "cross_entropy_backward")
+    shape = cache.logp.shape[:-1] if cache.reduction == "none" else ()
+    return _cross_entropy_backward(check_grad(dout, shape, cache.logp.dtype), cache)
+
+
+def _cross_entropy_backward(dout, cache):
+    logp, targets, counted, weight, eps, reduction, denom = cache
+    c = logp.shape[-1]
+    eps_c = eps / c if c else 0.0
+    p = np.exp(logp)
+    if counted is None:  # probabilities
+        q = targets if eps == 0 else (1.0 - eps) * targets + eps_c
+        if weight is not None:
+            q = q * weight
+        dx = p * q.sum(axis=-1, keepdims=True) - q
+    else:
+        # the two parts of q separately (as torch): (1 - eps) w[t] (softmax - onehot) + eps/C (sum(w) softmax - w)
+        t = targets[..., None]
+        a = (1.0 - eps) * (weight[targets] if weight is not None else np.ones(targets.shape, dtype=logp.dtype))
+        dx = p * a[..., None]
+        np.put_along_axis(dx, t, np.take_along_axis(dx, t, axis=-1) - a[..., None], axis=-1)
+        if eps:
+            wsum = weight.sum() if weight is not None else c
+            dx += eps_c * (p * wsum - (weight if weight is not None else 1.0))
+        dx *= counted[..., None]
+    if reduction == "none":
+        dx *= dout[..., None]
+    else:
+        dx *= (dout / denom) if denom else 0.0
     return dx

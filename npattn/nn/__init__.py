@@ -3,11 +3,12 @@
 Thin layers over ``npattn.functional``, each composing its submodules.
 """
 from .attention import MultiHeadAttention
-from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear
+from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
-from .transformer import EncoderBlock
+from .transformer import DecoderBlock, EncoderBlock
 
 __all__ = [
     "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
-    "Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
+    "Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
+    "DecoderBlock",
 ]

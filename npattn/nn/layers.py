@@ -1,35 +1,76 @@
-"""Basic layers: ``Linear``, ``LayerNorm``, ``Dropout``, ``Embedding``, ``FeedForward``.
+"""Basic layers: ``Linear``, ``LayerNorm``, ``RMSNorm``, ``Dropout``, ``Embedding``, ``FeedForward``.
 
 Each is thin: it holds ``Parameter``s, calls a functional pair, keeps that pair's cache and adds
 parameter gradients into ``.grad`` on ``backward``.
+
+Validation runs once, at the edge.  A public ``forward(x)`` checks and casts ``x`` and then calls
+``_forward(x)``, which calls the unvalidated kernels of ``npattn.functional.kernels``;
+``backward(dy)`` checks ``dy`` and calls ``_backward(dy)``.  A module composing others (e.g.
+``FeedForward``, ``EncoderBlock``) validates its own inputs once and then calls its children's
+``_forward`` / ``_backward`` directly: those two take arrays that are already what the public
+edge would have made of them (the module's dtype, shapes that fit).
+Every layer takes any number of leading axes, so unbatched input ``(L, features)`` works as in torch.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from .. import functional as F
-from .._validate import (as_float, as_rng, check_bool, check_dtype, check_positive_float, check_prob,
-                        check_size)
+from .._validate import (
+    as_float,
+    as_index,
+    as_rng,
+    check_bool,
+    check_dtype,
+    check_positive_float,
+    check_prob,
+    check_size,
+)
+from ..functional import kernels as K
 from .module import Module, Parameter
 
-__all__ = ["Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward"]
+__all__ = ["Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward"]
+
+ShapeLike = Union[int, Tuple[int, ...]]
 
 
-def _check_features(x, name, expected, module):
+def _check_features(x: np.ndarray, name: str, expected: int, module: str) -> None:
     if x.ndim < 1 or x.shape[-1] != expected:
         raise ValueError(
             f"{name}: expected shape (..., {expected}) for {module}, got {x.shape}"
         )
 
 
+def _normalized_shape(normalized_shape) -> Tuple[int, ...]:
+    """An int or a non-empty tuple/list of positive ints -> a tuple (torch's ``normalized_shape``)."""
+    if isinstance(normalized_shape, (tuple, list)):
+        if len(normalized_shape) == 0:
+            raise ValueError("normalized_shape: expected an int or a non-empty tuple of ints, got ()")
+        return tuple(check_size(d, "normalized_shape") for d in normalized_shape)
+    return (check_size(normalized_shape, "normalized_shape"),)
+
+
+def _check_trailing(x: np.ndarray, name: str, shape: Tuple[int, ...], module: str) -> None:
+    k = len(shape)
+    if x.ndim < k or x.shape[x.ndim - k:] != shape:
+        raise ValueError(
+            f"{name}: expected shape (..., {', '.join(map(str, shape))}) for {module}, got {x.shape}"
+        )
+
+
+def _data(p: Optional[Parameter]):
+    return None if p is None else p.data
+
+
 class Linear(Module):
     """``y = x @ weight.T + bias``; ``weight (out, in)`` and ``bias (out,)`` drawn from
     U(-1/sqrt(in), 1/sqrt(in)) as ``torch.nn.Linear``."""
 
-    def __init__(self, in_features, out_features, bias=True, *, rng=None, dtype=np.float64):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None,
+                 dtype=np.float64) -> None:
         super().__init__()
         self.in_features = check_size(in_features, "in_features")
         self.out_features = check_size(out_features, "out_features")
@@ -40,16 +81,24 @@ class Linear(Module):
         self.weight = Parameter(rng.uniform(-bound, bound, (self.out_features, self.in_features)), self._dtype)
         self.bias = Parameter(rng.uniform(-bound, bound, (self.out_features,)), self._dtype) if has_bias else None
 
-    def forward(self, x):
-        x = as_float(x, "x", self.dtype)
-        _check_features(x, "x", self.in_features, f"Linear({self.in_features}, {self.out_features})")
-        y, cache = F.linear(x, self.weight.data, None if self.bias is None else self.bias.data)
+    def _check_input(self, x, name: str = "x") -> np.ndarray:
+        x = as_float(x, name, self.dtype)
+        _check_features(x, name, self.in_features, f"Linear({self.in_features}, {self.out_features})")
+        return x
+
+    def forward(self, x) -> np.ndarray:
+        return self._forward(self._check_input(x))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        y, cache = K.linear(x, self.weight.data, _data(self.bias))
         self._save(cache)
         return y
 
-    def backward(self, dy):
-        dy = self._check_dy(dy)
-        dx, dw, db = F.linear_backward(dy, self._pop())
+    def backward(self, dy) -> np.ndarray:
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        dx, dw, db = K.linear_backward(dy, self._pop())
         self._accumulate(self.weight, dw)
         if self.bias is not None:
             self._accumulate(self.bias, db)
@@ -60,37 +109,42 @@ class Linear(Module):
 
 
 class LayerNorm(Module):
-    """Layer norm over the last axis; ``weight`` ones and ``bias`` zeros at start."""
+    """Layer norm over the trailing ``normalized_shape`` axes (an int: the last axis; a tuple:
+    that many trailing axes, as ``torch.nn.LayerNorm``); biased variance, ``eps`` inside the
+    square root.  ``weight`` (ones) and ``bias`` (zeros) have shape ``normalized_shape``;
+    ``elementwise_affine=False`` has neither, ``bias=False`` only the weight."""
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *, dtype=np.float64):
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, *, dtype=np.float64) -> None:
         super().__init__()
-        if isinstance(normalized_shape, (tuple, list)):
-            if len(normalized_shape) != 1:
-                raise ValueError(
-                    f"normalized_shape: only normalisation over the last axis is supported, expected an int "
-                    f"or a 1-tuple, got {tuple(normalized_shape)}"
-                )
-            normalized_shape = normalized_shape[0]
-        self.normalized_shape = (check_size(normalized_shape, "normalized_shape"),)
+        self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = check_positive_float(eps, "eps", allow_zero=True)
         self.elementwise_affine = check_bool(elementwise_affine, "elementwise_affine")
-        check_bool(bias, "bias")
+        bias = check_bool(bias, "bias")
         self._dtype = check_dtype(dtype)
-        d = self.normalized_shape[0]
-        self.weight = Parameter(np.ones(d), self._dtype) if self.elementwise_affine else None
-        self.bias = Parameter(np.zeros(d), self._dtype) if (self.elementwise_affine and bias) else None
+        shape = self.normalized_shape
+        self.weight = Parameter(np.ones(shape), self._dtype) if self.elementwise_affine else None
+        self.bias = Parameter(np.zeros(shape), self._dtype) if (self.elementwise_affine and bias) else None
 
-    def forward(self, x):
-        x = as_float(x, "x", self.dtype)
-        _check_features(x, "x", self.normalized_shape[0], f"LayerNorm({self.normalized_shape[0]})")
-        y, cache = F.layer_norm(x, None if self.weight is None else self.weight.data,
-                                None if self.bias is None else self.bias.data, self.eps)
+    def _check_input(self, x, name: str = "x") -> np.ndarray:
+        x = as_float(x, name, self.dtype)
+        _check_trailing(x, name, self.normalized_shape, f"LayerNorm({self.normalized_shape})")
+        return x
+
+    def forward(self, x) -> np.ndarray:
+        return self._forward(self._check_input(x))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        y, cache = K.layer_norm(x, _data(self.weight), _data(self.bias), self.eps,
+                                normalized_shape=self.normalized_shape)
         self._save(cache)
         return y
 
-    def backward(self, dy):
-        dy = self._check_dy(dy)
-        dx, dw, db = F.layer_norm_backward(dy, self._pop())
+    def backward(self, dy) -> np.ndarray:
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        dx, dw, db = K.layer_norm_backward(dy, self._pop())
         if self.weight is not None:
             self._accumulate(self.weight, dw)
         if self.bias is not None:
@@ -101,24 +155,71 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
-class Dropout(Module):
-    """Inverted dropout, active only in training mode; masks drawn from ``rng``."""
+class RMSNorm(Module):
+    """``y = x / sqrt(mean(x**2) + eps) * weight`` over the trailing ``normalized_shape`` axes, as
+    ``torch.nn.RMSNorm``; ``eps=None`` is ``np.finfo(dtype).eps`` of the module's dtype.  ``weight``
+    (ones, shape ``normalized_shape``) unless ``elementwise_affine=False``."""
 
-    def __init__(self, p=0.5, *, rng=None):
+    def __init__(self, normalized_shape: ShapeLike, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 *, dtype=np.float64) -> None:
+        super().__init__()
+        self.normalized_shape = _normalized_shape(normalized_shape)
+        self.eps = None if eps is None else check_positive_float(eps, "eps", allow_zero=True)
+        self.elementwise_affine = check_bool(elementwise_affine, "elementwise_affine")
+        self._dtype = check_dtype(dtype)
+        self.weight = Parameter(np.ones(self.normalized_shape), self._dtype) if self.elementwise_affine else None
+
+    def _check_input(self, x, name: str = "x") -> np.ndarray:
+        x = as_float(x, name, self.dtype)
+        _check_trailing(x, name, self.normalized_shape, f"RMSNorm({self.normalized_shape})")
+        return x
+
+    def forward(self, x) -> np.ndarray:
+        return self._forward(self._check_input(x))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        y, cache = K.rms_norm(x, _data(self.weight), self.eps, normalized_shape=self.normalized_shape)
+        self._save(cache)
+        return y
+
+    def backward(self, dy) -> np.ndarray:
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        dx, dw = K.rms_norm_backward(dy, self._pop())
+        if self.weight is not None:
+            self._accumulate(self.weight, dw)
+        return dx
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class Dropout(Module):
+    """Inverted dropout, active only in training mode; masks drawn from ``rng``.  Float input
+    keeps its dtype (integer input becomes float64)."""
+
+    def __init__(self, p: float = 0.5, *, rng=None) -> None:
         super().__init__()
         self.p = check_prob(p, "p")
         self.rng = as_rng(rng)
 
-    def forward(self, x):
-        y, cache = F.dropout(x, self.p, self.rng, self.training)
+    def forward(self, x) -> np.ndarray:
+        return self._forward(as_float(x, "x"))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        y, cache = K.dropout(x, self.p, self.rng, self.training)
         self._save(cache)
         return y
 
-    def backward(self, dy):
-        return F.dropout_backward(self._check_dy(dy), self._pop())
+    def backward(self, dy) -> np.ndarray:
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        return K.dropout_backward(dy, self._pop())
 
     @property
-    def active(self):
+    def active(self) -> bool:
         """True when ``forward`` changes anything (training mode and ``p > 0``)."""
         return self.training and self.p > 0.0
 
@@ -127,71 +228,185 @@ class Dropout(Module):
 
 
 class Embedding(Module):
-    """Lookup table ``weight (num_embeddings, embedding_dim)`` drawn from N(0, 1) as torch.
-    ``backward`` returns None (token ids have no gradient) and accumulates into ``weight.grad``."""
+    """Lookup table ``weight (num_embeddings, embedding_dim)`` drawn from N(0, 1), as
+    ``torch.nn.Embedding``.  ``backward`` returns None (token ids have no gradient) and adds into
+    ``weight.grad``.
 
-    def __init__(self, num_embeddings, embedding_dim, *, rng=None, dtype=np.float64):
+    * ``padding_idx`` (an int in ``[-num_embeddings, num_embeddings)``, negative counting from the
+      end): that row is zero at start and never gets a gradient;
+    * ``max_norm``: before each lookup, every looked-up row whose ``norm_type``-norm exceeds
+      ``max_norm`` is rescaled **in place** in ``weight.data`` to norm ``max_norm`` (torch's
+      ``scale = max_norm / (norm + 1e-7)``); no gradient flows through that rescaling;
+    * ``scale_grad_by_freq``: each row's gradient is divided by the number of times its id occurs
+      in the batch.
+    """
+
+    weight: Parameter
+    padding_idx: Optional[int]
+    max_norm: Optional[float]
+    norm_type: float
+    scale_grad_by_freq: bool
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 *, rng=None, dtype=np.float64) -> None:
         super().__init__()
         self.num_embeddings = check_size(num_embeddings, "num_embeddings")
         self.embedding_dim = check_size(embedding_dim, "embedding_dim")
+        if padding_idx is not None:
+            if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+                raise TypeError(f"padding_idx: expected an integer or None, got {padding_idx!r} "
+                                f"({type(padding_idx).__name__})")
+            n = self.num_embeddings
+            if not -n <= padding_idx < n:
+                raise ValueError(f"padding_idx: expected a value in [{-n}, {n - 1}] (num_embeddings={n}), "
+                                 f"got {padding_idx}")
+            padding_idx = int(padding_idx) % n
+        self.padding_idx = padding_idx
+        self.max_norm = None if max_norm is None else check_positive_float(max_norm, "max_norm")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+            raise TypeError(f"norm_type: expected a float > 0 (or inf), got {norm_type!r} ({type(norm_type).__name__})")
+        if not norm_type > 0:  # also refuses NaN
+            raise ValueError(f"norm_type: expected a number > 0 (or inf), got {norm_type}")
+        self.norm_type = float(norm_type)
+        self.scale_grad_by_freq = check_bool(scale_grad_by_freq, "scale_grad_by_freq")
         self._dtype = check_dtype(dtype)
-        self.weight = Parameter(as_rng(rng).standard_normal((self.num_embeddings, self.embedding_dim)), self._dtype)
+        w = as_rng(rng).standard_normal((self.num_embeddings, self.embedding_dim))
+        if self.padding_idx is not None:
+            w[self.padding_idx] = 0.0
+        self.weight = Parameter(w, self._dtype)
 
-    def forward(self, ids):
-        y, cache = F.embedding(ids, self.weight.data)
+    def _check_input(self, ids, name: str = "ids") -> np.ndarray:
+        ids = as_index(ids, name)
+        n = self.num_embeddings
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"{name}: expected values in [0, {n}), got {bad}")
+        return ids
+
+    def forward(self, ids) -> np.ndarray:
+        return self._forward(self._check_input(ids))
+
+    def _renorm_(self, ids: np.ndarray) -> None:
+        """torch's ``embedding_renorm_``: rescale, in place, the looked-up rows whose norm exceeds
+        ``max_norm`` (each distinct row once)."""
+        rows = np.unique(ids)
+        w = self.weight.data
+        sub = w[rows]
+        norms = np.linalg.norm(sub, ord=self.norm_type, axis=1)
+        big = norms > self.max_norm
+        if big.any():
+            w[rows[big]] = sub[big] * (self.max_norm / (norms[big] + 1e-7))[:, None].astype(w.dtype)
+            self.weight.bump_version()  # a forward state kept elsewhere from these rows is stale
+
+    def _forward(self, ids: np.ndarray) -> np.ndarray:
+        if self.max_norm is not None:
+            self._renorm_(ids)  # the rows are now within max_norm: the lookup needs no renorm of its own
+        y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type,
+                               self.scale_grad_by_freq)
         self._save(cache)
         return y
 
-    def backward(self, dy):
-        dy = self._check_dy(dy)
-        self._accumulate(self.weight, F.embedding_backward(dy, self._pop()))
+    def backward(self, dy) -> None:
+        self._backward(self._check_dy(dy))
+        return None
+
+    def _backward(self, dy: np.ndarray) -> None:
+        self._accumulate(self.weight, K.embedding_backward(dy, self._pop()))
         return None
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.max_norm is not None:
+            s += f", max_norm={self.max_norm}, norm_type={self.norm_type}"
+        if self.scale_grad_by_freq:
+            s += ", scale_grad_by_freq=True"
+        return s
 
 
+# name -> (kernel name, keyword arguments)
 _ACTIVATIONS = {
-    "relu": (F.relu, F.relu_backward, {}),
-    "gelu": (F.gelu, F.gelu_backward, {"approximate": "none"}),
-    "gelu_tanh": (F.gelu, F.gelu_backward, {"approximate": "tanh"}),
+    "relu": ("relu", {}),
+    "gelu": ("gelu", {"approximate": "none"}),
+    "gelu_tanh": ("gelu", {"approximate": "tanh"}),
+    "silu": ("silu", {}),
+    "swiglu": ("silu", {}),
 }
+
+
+def _act(name: str):
+    kernel, kwargs = _ACTIVATIONS[name]
+    return getattr(K, kernel), getattr(K, kernel + "_backward"), kwargs
 
 
 class FeedForward(Module):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))`` (as torch's encoder layer).
 
-    ``activation`` is ``"relu"``, ``"gelu"`` (erf form) or ``"gelu_tanh"``.
+    ``activation`` is ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``:
+    ``linear2(dropout(silu(linear1(x)) * linear3(x)))`` (Llama's gated unit; adds ``linear3``
+    ``(d_ff, d_model)``).  ``bias=False`` drops every linear bias.  Keys: ``linear1.*``,
+    ``linear2.*`` (and ``linear3.*`` for swiglu).
+
+    SwiGLU backward: with ``a = linear1(x)``, ``b = linear3(x)``, ``h = silu(a) * b``:
+    ``da = silu'(a) * (dh * b)``, ``db = dh * silu(a)``, and ``dx`` is the sum of both linears'
+    input gradients.
     """
 
-    def __init__(self, d_model, d_ff, *, activation="relu", dropout=0.0, rng=None, dtype=np.float64):
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "relu", dropout: float = 0.0,
+                 bias: bool = True, rng=None, dtype=np.float64) -> None:
         super().__init__()
         check_size(d_model, "d_model")
         check_size(d_ff, "d_ff")
         if not isinstance(activation, str) or activation not in _ACTIVATIONS:
             raise ValueError(f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         check_prob(dropout, "dropout")
+        bias = check_bool(bias, "bias")
         rng = as_rng(rng)
         self.activation = activation
         self._dtype = check_dtype(dtype)
-        self.linear1 = Linear(d_model, d_ff, rng=rng, dtype=dtype)
-        self.linear2 = Linear(d_ff, d_model, rng=rng, dtype=dtype)
+        self.linear1 = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
+        self.linear2 = Linear(d_ff, d_model, bias, rng=rng, dtype=dtype)
+        if activation == "swiglu":
+            self.linear3 = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
         self.dropout = Dropout(dropout, rng=rng)
 
-    def forward(self, x):
-        act, _, kwargs = _ACTIVATIONS[self.activation]
-        h, cache = act(self.linear1(x), **kwargs)
+    def _check_input(self, x, name: str = "x") -> np.ndarray:
+        x = as_float(x, name, self.dtype)
+        d, d_ff = self.linear1.in_features, self.linear1.out_features
+        _check_features(x, name, d, f"FeedForward({d}, {d_ff})")
+        return x
+
+    def forward(self, x) -> np.ndarray:
+        return self._forward(self._check_input(x))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        act, _, kwargs = _act(self.activation)
+        a = self.linear1._forward(x)
+        h, cache = act(a, **kwargs)
+        if self.activation == "swiglu":
+            b = self.linear3._forward(x)
+            cache = (cache, h, b)  # silu(a) and b, for the product's gradient
+            h = h * b
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
         self._save((cache, drop))
-        return self.linear2(self.dropout(h) if drop else h)
+        return self.linear2._forward(self.dropout._forward(h) if drop else h)
 
-    def backward(self, dy):
-        dy = self._check_dy(dy)
+    def backward(self, dy) -> np.ndarray:
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
         cache, drop = self._pop()
-        dh = self.linear2.backward(dy)
+        act_backward = _act(self.activation)[1]
+        dh = self.linear2._backward(dy)
         if drop:
-            dh = self.dropout.backward(dh)
-        return self.linear1.backward(_ACTIVATIONS[self.activation][1](dh, cache))
+            dh = self.dropout._backward(dh)
+        if self.activation == "swiglu":
+            cache, s, b = cache
+            dx3 = self.linear3._backward(dh * s)
+            return self.linear1._backward(act_backward(dh * b, cache)) + dx3
+        return self.linear1._backward(act_backward(dh, cache))
 
     def extra_repr(self):
         return f"activation={self.activation!r}"

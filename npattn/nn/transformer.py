@@ -1,14 +1,68 @@
-"""``EncoderBlock``: attention and feed-forward sublayers with residuals and layer norm."""
+"""``EncoderBlock`` and ``DecoderBlock``: attention and feed-forward sublayers with residuals and
+layer norm, as ``torch.nn.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` with
+``batch_first=True``.
+
+Each block validates *all* its inputs (arrays and masks) at its own edge, before any sublayer
+runs, so a refused call changes no state; it then calls its sublayers' unvalidated ``_forward`` /
+``_backward`` (see ``npattn.nn.layers``).  A residual ``h = x + f(x)`` gives
+``dx = dh + f.backward(dh)``.
+"""
 from __future__ import annotations
+
+from typing import Dict, Tuple
 
 import numpy as np
 
-from .._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
+from .._validate import (
+    as_float,
+    as_rng,
+    check_additive_values,
+    check_bool,
+    check_dtype,
+    check_mask,
+    check_prob,
+    check_size,
+    to_numpy,
+)
 from .attention import MultiHeadAttention
 from .layers import Dropout, FeedForward, LayerNorm
 from .module import Module
 
-__all__ = ["EncoderBlock"]
+__all__ = ["EncoderBlock", "DecoderBlock"]
+
+
+def _identity(x):
+    return x
+
+
+def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
+    """``(..., L, d)`` float array of the block's dtype (``(L, d)``: unbatched, as torch)."""
+    x = as_float(x, name, dtype)
+    if x.ndim < 2 or x.shape[-1] != d:
+        raise ValueError(f"{name}: expected shape (..., L, {d}) (d_model={d}), got {x.shape}")
+    return x
+
+
+def _check_masks(attn_mask, key_padding_mask, lead: Tuple[int, ...], num_heads: int, lq: int, lk: int,
+                 names: Tuple[str, str]) -> None:
+    """The rules of ``MultiHeadAttention``'s masks, under the block's own argument names:
+    ``attn_mask`` bool (True = may attend) or float, broadcastable to ``(..., num_heads, Lq, Lk)``
+    (torch's ``(batch * num_heads, Lq, Lk)`` accepted); ``key_padding_mask`` bool (True =
+    padding) or float, shape ``(..., Lk)``."""
+    target = lead + (num_heads, lq, lk)
+    if attn_mask is not None:
+        m = to_numpy(attn_mask, names[0])
+        if not (m.ndim == 3 and len(lead) == 1 and m.shape == (lead[0] * num_heads, lq, lk)):
+            check_mask(m, names[0], target)
+        else:
+            check_mask(m.reshape(target), names[0], target)
+    if key_padding_mask is not None:
+        kpm = to_numpy(key_padding_mask, names[1])
+        if kpm.dtype.kind not in "bf":
+            raise TypeError(f"{names[1]}: expected bool (True = padding) or float, got dtype {kpm.dtype}")
+        if kpm.shape != lead + (lk,):
+            raise ValueError(f"{names[1]}: expected shape {lead + (lk,)}, got {kpm.shape}")
+        check_additive_values(kpm, names[1])
 
 
 class EncoderBlock(Module):
@@ -18,12 +72,17 @@ class EncoderBlock(Module):
     Pre-norm (``norm_first=True``): ``x = x + Drop(MHA(LN1(x)))``, ``y = x + Drop(FFN(LN2(x)))``.
     ``dropout`` also acts on the attention weights and inside the feed-forward, as in torch.
 
-    Backward follows the same graph in reverse; a residual ``h = x + f(x)`` gives
-    ``dx = dh + f.backward(dh)``.
+    ``bias=False`` drops every linear and layer-norm bias (torch's ``bias=False``); ``qkv_bias``
+    (default False, npattn's historical default) adds the q/k/v projection biases that torch's
+    layer has with ``bias=True``.  ``causal=True`` masks future keys.  Keys: ``mha.*``,
+    ``ffn.linear1.*``, ``ffn.linear2.*``, ``layernorm1.*``, ``layernorm2.*``.  Input ``(..., L,
+    d_model)``, unbatched ``(L, d_model)`` included; masks as ``MultiHeadAttention``'s (bool
+    ``attn_mask`` True = may attend; ``key_padding_mask`` True = padding).
     """
 
-    def __init__(self, d_model, num_heads, d_ff, *, dropout=0.1, activation="relu", norm_first=False,
-                 causal=False, qkv_bias=False, rng=None, dtype=np.float64):
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, dropout: float = 0.1, activation: str = "relu",
+                 norm_first: bool = False, causal: bool = False, qkv_bias: bool = False, bias: bool = True,
+                 rng=None, dtype=np.float64) -> None:
         super().__init__()
         d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
         if d_model % num_heads:
@@ -31,51 +90,281 @@ class EncoderBlock(Module):
         check_size(d_ff, "d_ff")
         check_prob(dropout, "dropout")
         self.norm_first = check_bool(norm_first, "norm_first")
+        bias = check_bool(bias, "bias")
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
+        if qkv_bias and not bias:
+            raise ValueError("qkv_bias: bias=False drops every bias; expected qkv_bias=False, got True")
         rng = as_rng(rng)
         self._dtype = check_dtype(dtype)
-        self.mha = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=qkv_bias,
+        self.mha = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=bias,
                                       causal=causal, rng=rng, dtype=dtype)
-        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, rng=rng, dtype=dtype)
-        self.layernorm1 = LayerNorm(d_model, dtype=dtype)
-        self.layernorm2 = LayerNorm(d_model, dtype=dtype)
+        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
+        self.layernorm1 = LayerNorm(d_model, bias=bias, dtype=dtype)
+        self.layernorm2 = LayerNorm(d_model, bias=bias, dtype=dtype)
         self.dropout1 = Dropout(dropout, rng=rng)
         self.dropout2 = Dropout(dropout, rng=rng)
 
     def extra_repr(self):
         return f"norm_first={self.norm_first}"
 
-    def forward(self, x, *, attn_mask=None, key_padding_mask=None):
-        x = as_float(x, "x", self.dtype)
-        d = self.layernorm1.normalized_shape[0]
-        if x.ndim < 2 or x.shape[-1] != d:
-            raise ValueError(f"x: expected shape (..., L, {d}) (d_model={d}), got {x.shape}")
-        mha_kwargs = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+    def forward(self, x, *, attn_mask=None, key_padding_mask=None) -> np.ndarray:
+        x = _check_sequence(x, "x", self.layernorm1.normalized_shape[0], self.dtype)
+        lead, L = x.shape[:-2], x.shape[-2]
+        _check_masks(attn_mask, key_padding_mask, lead, self.mha.num_heads, L, L, ("attn_mask", "key_padding_mask"))
+        return self._forward(x, attn_mask, key_padding_mask)
+
+    def _forward(self, x: np.ndarray, attn_mask, key_padding_mask) -> np.ndarray:
+        def mha(h):
+            return self.mha(h, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+
         # an inactive dropout (p = 0 or eval) is the identity: skipped, with its copies each way
         drop = (self.dropout1.active, self.dropout2.active)
-        d1 = self.dropout1 if drop[0] else _identity
-        d2 = self.dropout2 if drop[1] else _identity
+        d1 = self.dropout1._forward if drop[0] else _identity
+        d2 = self.dropout2._forward if drop[1] else _identity
+        ln1, ln2, ffn = self.layernorm1._forward, self.layernorm2._forward, self.ffn._forward
         if self.norm_first:
-            h = x + d1(self.mha(self.layernorm1(x), **mha_kwargs))
-            y = h + d2(self.ffn(self.layernorm2(h)))
+            h = x + d1(mha(ln1(x)))
+            y = h + d2(ffn(ln2(h)))
         else:
-            h = self.layernorm1(x + d1(self.mha(x, **mha_kwargs)))
-            y = self.layernorm2(h + d2(self.ffn(h)))
+            h = ln1(x + d1(mha(x)))
+            y = ln2(h + d2(ffn(h)))
         self._save((y.shape, drop))  # the sublayers keep their own state
         return y
 
-    def backward(self, dy):
-        dy = self._check_dy(dy)  # the output's shape and the module's dtype, checked before the state is taken
+    def backward(self, dy) -> np.ndarray:
+        return self._backward(self._check_dy(dy))  # checked before any state is taken
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
         _, drop = self._pop()
-        d1 = self.dropout1.backward if drop[0] else _identity
-        d2 = self.dropout2.backward if drop[1] else _identity
+        d1 = self.dropout1._backward if drop[0] else _identity
+        d2 = self.dropout2._backward if drop[1] else _identity
+        ln1, ln2, ffn = self.layernorm1._backward, self.layernorm2._backward, self.ffn._backward
         if self.norm_first:
-            dh = dy + self.layernorm2.backward(self.ffn.backward(d2(dy)))
-            return dh + self.layernorm1.backward(self.mha.backward(d1(dh)))
-        ds = self.layernorm2.backward(dy)
-        dh = ds + self.ffn.backward(d2(ds))
-        dr = self.layernorm1.backward(dh)
+            dh = dy + ln2(ffn(d2(dy)))
+            return dh + ln1(self.mha.backward(d1(dh)))
+        ds = ln2(dy)
+        dh = ds + ffn(d2(ds))
+        dr = ln1(dh)
         return dr + self.mha.backward(d1(dr))
 
+    @classmethod
+    def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "EncoderBlock":
+        """Build from the ``state_dict`` of ``torch.nn.TransformerEncoderLayer``: the same outputs
+        and gradients as that layer with ``batch_first=True`` (pass its ``norm_first``,
+        ``activation`` and ``dropout`` as keywords; torch's default dropout is 0.1 too).
 
-def _identity(x):
-    return x
+        Keys: ``self_attn.in_proj_weight`` (packed ``[q; k; v]``), ``self_attn.in_proj_bias``,
+        ``self_attn.out_proj.*``, ``linear1.*``, ``linear2.*``, ``norm1.*``, ``norm2.*``; either
+        every bias key (``bias=True``) or none (``bias=False``).  A missing, unexpected or wrongly
+        shaped key raises ``ValueError`` naming it.  ``dtype`` defaults to the state dict's
+        (float32 tensors give a float32 block).  Remember that torch's bool ``src_mask`` means True
+        = *masked*; npattn's ``attn_mask`` means True = may attend (pass ``~mask``).
+        """
+        sd, d_model, d_ff, bias, kwargs = _torch_layer_state(state_dict, kwargs, ("self_attn",), 2)
+        m = cls(d_model, num_heads, d_ff, qkv_bias=bias, bias=bias, **kwargs)
+        m.load_state_dict(_rename_torch_state(sd, {"self_attn": "mha"}, d_model))
+        return m
+
+
+class DecoderBlock(Module):
+    """A transformer decoder layer (``torch.nn.TransformerDecoderLayer`` with ``batch_first=True``):
+    self-attention, cross-attention over ``memory`` (the encoder's output), feed-forward.
+
+    Post-norm (default)::
+
+        h1 = LN1(x + Drop1(SelfAttn(x)))
+        h2 = LN2(h1 + Drop2(CrossAttn(h1, memory)))
+        y  = LN3(h2 + Drop3(FFN(h2)))
+
+    Pre-norm (``norm_first=True``)::
+
+        h1 = x + Drop1(SelfAttn(LN1(x)))
+        h2 = h1 + Drop2(CrossAttn(LN2(h1), memory))
+        y  = h2 + Drop3(FFN(LN3(h2)))
+
+    ``dropout`` also acts on both attentions' weights and inside the feed-forward, as in torch.
+    ``causal=True`` masks future keys in the self-attention (top-left aligned), as torch's
+    ``tgt_is_causal`` with a causal ``tgt_mask``.  ``bias=False`` drops every linear and
+    layer-norm bias.  ``activation``: see ``FeedForward``.
+
+    Keys: ``self_attn.*`` and ``cross_attn.*`` (``MultiHeadAttention``'s keys: ``W_query``,
+    ``W_key``, ``W_value``, ``out_proj``, each ``.weight`` and, with ``bias``, ``.bias``),
+    ``ffn.linear1.*``, ``ffn.linear2.*``, ``layernorm1.*``, ``layernorm2.*``, ``layernorm3.*``
+    (torch: ``self_attn``, ``multihead_attn``, ``linear1``, ``linear2``, ``norm1..3``; see
+    ``from_torch_state_dict``).
+
+    ``forward(x, memory, *, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+    memory_key_padding_mask=None)``: ``x (..., L, d_model)``, ``memory (..., S, d_model)`` with the
+    same leading axes (or unbatched ``(L, d_model)`` and ``(S, d_model)``).  Masks follow npattn's
+    polarity: bool ``tgt_mask (L, L)`` / ``memory_mask (L, S)`` True = may attend (float: added to
+    the scores), broadcastable to ``(..., num_heads, L, L|S)``; key padding masks ``(..., L)`` /
+    ``(..., S)`` True = padding.  ``backward(dy)`` returns ``(dx, dmemory)``.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, dropout: float = 0.1, activation: str = "relu",
+                 norm_first: bool = False, causal: bool = False, bias: bool = True, rng=None,
+                 dtype=np.float64) -> None:
+        super().__init__()
+        d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
+        if d_model % num_heads:
+            raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
+        check_size(d_ff, "d_ff")
+        check_prob(dropout, "dropout")
+        self.norm_first = check_bool(norm_first, "norm_first")
+        causal = check_bool(causal, "causal")
+        bias = check_bool(bias, "bias")
+        rng = as_rng(rng)
+        self._dtype = check_dtype(dtype)
+        self.self_attn = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=bias,
+                                            out_bias=bias, causal=causal, rng=rng, dtype=dtype)
+        self.cross_attn = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=bias,
+                                             out_bias=bias, rng=rng, dtype=dtype)
+        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
+        self.layernorm1 = LayerNorm(d_model, bias=bias, dtype=dtype)
+        self.layernorm2 = LayerNorm(d_model, bias=bias, dtype=dtype)
+        self.layernorm3 = LayerNorm(d_model, bias=bias, dtype=dtype)
+        self.dropout1 = Dropout(dropout, rng=rng)
+        self.dropout2 = Dropout(dropout, rng=rng)
+        self.dropout3 = Dropout(dropout, rng=rng)
+
+    def extra_repr(self):
+        return f"norm_first={self.norm_first}"
+
+    def forward(self, x, memory, *, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                memory_key_padding_mask=None) -> np.ndarray:
+        d = self.layernorm1.normalized_shape[0]
+        x = _check_sequence(x, "x", d, self.dtype)
+        memory = _check_sequence(memory, "memory", d, self.dtype)
+        lead, L, S = x.shape[:-2], x.shape[-2], memory.shape[-2]
+        if memory.shape[:-2] != lead:
+            raise ValueError(f"memory: expected shape {lead + ('S', d)} (x's leading axes), got {memory.shape}")
+        H = self.self_attn.num_heads
+        _check_masks(tgt_mask, tgt_key_padding_mask, lead, H, L, L, ("tgt_mask", "tgt_key_padding_mask"))
+        _check_masks(memory_mask, memory_key_padding_mask, lead, H, L, S, ("memory_mask", "memory_key_padding_mask"))
+        return self._forward(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
+
+    def _forward(self, x: np.ndarray, memory: np.ndarray, tgt_mask, memory_mask, tgt_key_padding_mask,
+                 memory_key_padding_mask) -> np.ndarray:
+        def sa(h):
+            return self.self_attn(h, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask)
+
+        def ca(h):
+            return self.cross_attn(h, memory, memory, attn_mask=memory_mask, key_padding_mask=memory_key_padding_mask)
+
+        drop = (self.dropout1.active, self.dropout2.active, self.dropout3.active)
+        d1, d2, d3 = (m._forward if on else _identity for m, on in zip(self._dropouts(), drop))
+        ln1, ln2, ln3 = self.layernorm1._forward, self.layernorm2._forward, self.layernorm3._forward
+        ffn = self.ffn._forward
+        if self.norm_first:
+            h1 = x + d1(sa(ln1(x)))
+            h2 = h1 + d2(ca(ln2(h1)))
+            y = h2 + d3(ffn(ln3(h2)))
+        else:
+            h1 = ln1(x + d1(sa(x)))
+            h2 = ln2(h1 + d2(ca(h1)))
+            y = ln3(h2 + d3(ffn(h2)))
+        self._save((y.shape, drop))  # the sublayers keep their own state
+        return y
+
+    def _dropouts(self):
+        return self.dropout1, self.dropout2, self.dropout3
+
+    def backward(self, dy) -> Tuple[np.ndarray, np.ndarray]:
+        """Returns ``(dx, dmemory)``; ``dmemory`` sums the cross-attention's key and value gradients."""
+        return self._backward(self._check_dy(dy))  # checked before any state is taken
+
+    def _backward(self, dy: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        _, drop = self._pop()
+        d1, d2, d3 = (m._backward if on else _identity for m, on in zip(self._dropouts(), drop))
+        ln1, ln2, ln3 = self.layernorm1._backward, self.layernorm2._backward, self.layernorm3._backward
+        ffn = self.ffn._backward
+        if self.norm_first:
+            dh2 = dy + ln3(ffn(d3(dy)))
+            dq, dk, dv = self.cross_attn.backward(d2(dh2))
+            dh1 = dh2 + ln2(dq)
+            dx = dh1 + ln1(self.self_attn.backward(d1(dh1)))
+            return dx, dk + dv
+        ds3 = ln3(dy)
+        dh2 = ds3 + ffn(d3(ds3))
+        ds2 = ln2(dh2)
+        dq, dk, dv = self.cross_attn.backward(d2(ds2))
+        ds1 = ln1(ds2 + dq)
+        dx = ds1 + self.self_attn.backward(d1(ds1))
+        return dx, dk + dv
+
+    @classmethod
+    def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "DecoderBlock":
+        """Build from the ``state_dict`` of ``torch.nn.TransformerDecoderLayer``: the same outputs
+        and gradients as that layer with ``batch_first=True`` (pass its ``norm_first``,
+        ``activation`` and ``dropout`` as keywords).
+
+        Keys: ``self_attn.*`` and ``multihead_attn.*`` (``in_proj_weight`` packed ``[q; k; v]``,
+        ``in_proj_bias``, ``out_proj.*``), ``linear1.*``, ``linear2.*``, ``norm1..3.*``; either
+        every bias key (``bias=True``) or none (``bias=False``).  A missing, unexpected or wrongly
+        shaped key raises ``ValueError`` naming it.  ``dtype`` defaults to the state dict's.  Bool
+        masks: torch's True = *masked*, npattn's True = may attend (pass ``~mask``).
+        """
+        sd, d_model, d_ff, bias, kwargs = _torch_layer_state(state_dict, kwargs, ("self_attn", "multihead_attn"), 3)
+        m = cls(d_model, num_heads, d_ff, bias=bias, **kwargs)
+        m.load_state_dict(_rename_torch_state(sd, {"self_attn": "self_attn", "multihead_attn": "cross_attn"}, d_model))
+        return m
+
+
+# -- torch state dicts ----------------------------------------------------------------------------------
+
+def _torch_layer_state(state_dict, kwargs: dict, attns: Tuple[str, ...], norms: int):
+    """Check the keys of a torch transformer layer's state dict; returns ``(arrays, d_model, d_ff,
+    bias, kwargs with dtype)``."""
+    if not hasattr(state_dict, "items"):
+        raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+    for k in ("bias", "qkv_bias"):
+        if k in kwargs:
+            raise TypeError(f"{k}: set by the state dict (its bias keys), not a keyword of from_torch_state_dict")
+    sd = {k: to_numpy(v, f"state_dict[{k!r}]") for k, v in state_dict.items()}
+    weights = [f"{a}.in_proj_weight" for a in attns] + [f"{a}.out_proj.weight" for a in attns]
+    weights += ["linear1.weight", "linear2.weight"] + [f"norm{i}.weight" for i in range(1, norms + 1)]
+    biases = [f"{a}.in_proj_bias" for a in attns] + [f"{a}.out_proj.bias" for a in attns]
+    biases += ["linear1.bias", "linear2.bias"] + [f"norm{i}.bias" for i in range(1, norms + 1)]
+    unexpected = sorted(k for k in sd if k not in weights and k not in biases)
+    if unexpected:
+        raise ValueError(f"state_dict: unexpected keys {unexpected} (expected those of a torch transformer layer: "
+                         f"{weights + biases})")
+    missing = [k for k in weights if k not in sd]
+    present = [k for k in biases if k in sd]
+    if present and len(present) != len(biases):
+        missing += [k for k in biases if k not in sd]
+    if missing:
+        raise ValueError(f"state_dict: missing keys {missing}")
+    for k in ("linear1.weight", f"{attns[0]}.out_proj.weight"):
+        if sd[k].ndim != 2:
+            raise ValueError(f"state_dict: expected {k!r} of 2 dimensions, got shape {sd[k].shape}")
+    d_model, d_ff = sd[f"{attns[0]}.out_proj.weight"].shape[0], sd["linear1.weight"].shape[0]
+    if "dtype" not in kwargs:
+        dt = sd[weights[0]].dtype
+        kwargs = dict(kwargs, dtype=dt if dt in (np.float32, np.float64) else np.float64)
+    return sd, d_model, d_ff, bool(present), kwargs
+
+
+def _rename_torch_state(sd: Dict[str, np.ndarray], attns: Dict[str, str], d_model: int) -> Dict[str, np.ndarray]:
+    """torch's keys -> npattn's (the packed ``in_proj`` split into q, k, v); shapes are checked by
+    ``load_state_dict``."""
+    out: Dict[str, np.ndarray] = {}
+    E = d_model
+    for k, v in sd.items():
+        head, _, rest = k.partition(".")
+        if head in attns:
+            mine = attns[head]
+            if rest.startswith("in_proj_"):
+                kind = rest[len("in_proj_"):]
+                if v.shape[0] != 3 * E:
+                    shape = (3 * E, E) if kind == "weight" else (3 * E,)
+                    raise ValueError(f"load_state_dict: key {k!r}: expected shape {shape}, got {v.shape}")
+                for i, w in enumerate(("W_query", "W_key", "W_value")):
+                    out[f"{mine}.{w}.{kind}"] = v[i * E:(i + 1) * E]
+            else:
+                out[f"{mine}.{rest}"] = v
+        elif head.startswith("linear"):
+            out[f"ffn.{k}"] = v
+        else:
+            out[k.replace("norm", "layernorm", 1)] = v
+    return out

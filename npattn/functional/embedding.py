@@ -1,0 +1,112 @@
+"""Row lookup: ``embedding`` and ``embedding_backward``, with torch's options.
+
+The public pair validates and calls the unvalidated kernels ``_embedding`` / ``_embedding_backward``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+from .._validate import as_float, as_index, check_bool, check_cache, check_grad
+
+_RENORM_EPS = 1e-7  # torch's embedding_renorm_: scale = max_norm / (norm + 1e-7)
+
+
+class EmbeddingCache(NamedTuple):
+    ids: np.ndarray  # integer, any shape
+    weight_shape: tuple  # (num_embeddings, embedding_dim)
+    dtype: np.dtype
+    padding_idx: int | None  # in [0, num_embeddings): that row gets no gradient
+    scale_grad_by_freq: bool
+
+
+def embedding(ids, weight: np.ndarray, padding_idx: int | None = None, max_norm: float | None = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> tuple[np.ndarray, EmbeddingCache]:
+    """Row lookup ``out[...] = weight[ids[...]]``; ``ids`` integer of any shape, ``weight (num, dim)``.
+
+    Options, with ``torch.nn.functional.embedding``'s semantics for outputs and gradients:
+
+    - ``padding_idx``: an int in ``[-num, num)`` (negative counts from the end); that row gets no
+      gradient (its ``dweight`` row is 0).  The output still reads the row as it is (the module
+      ``Embedding`` starts it at zero; the functional op does not touch it).
+    - ``max_norm``: a float > 0.  Every looked-up row whose ``norm_type``-norm exceeds ``max_norm``
+      is scaled by ``max_norm / (norm + 1e-7)`` in the OUTPUT.  torch does this by renormalising the
+      given weight in place (``embedding_renorm_`` under ``no_grad``); here the given ``weight`` is
+      never modified (use the module ``Embedding``, which renormalises its own rows as torch does).
+      As in torch the rescaling is not differentiated: torch's gradient is the plain scatter-add of
+      ``dout`` into the rows (the renormalised weight is treated as a constant leaf), so
+      ``dweight`` is that same scatter-add, with or without ``max_norm``.
+    - ``norm_type``: the p of the p-norm for ``max_norm``, a float > 0 or ``inf`` (default 2).
+    - ``scale_grad_by_freq``: divide each row's gradient by the number of times it occurs in ``ids``.
+
+    Returns ``(out (*ids.shape, dim), cache)``; ids outside ``[0, num)`` raise ``ValueError``.
+    """
+    ids = as_index(ids, "ids")
+    weight = as_float(weight, "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"weight: expected shape (num_embeddings, embedding_dim), got {weight.shape}")
+    num = weight.shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= num):
+        bad = ids.min() if ids.min() < 0 else ids.max()
+        raise ValueError(f"ids: expected values in [0, {num}), got {bad}")
+    if padding_idx is not None:
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+            raise TypeError(f"padding_idx: expected an int or None, got {padding_idx!r}")
+        if not -num <= padding_idx < num:
+            raise ValueError(
+                f"padding_idx: expected a value in [{-num}, {num}) (num_embeddings {num}), got {padding_idx}"
+            )
+        padding_idx = int(padding_idx) % num
+    if max_norm is not None:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+            raise TypeError(f"max_norm: expected a float or None, got {max_norm!r}")
+        if not (math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm: expected a finite number > 0, got {max_norm}")
+        max_norm = float(max_norm)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise TypeError(f"norm_type: expected a float, got {norm_type!r}")
+    if not norm_type > 0:  # also refuses NaN; inf is the max-norm
+        raise ValueError(f"norm_type: expected a number > 0 (or inf), got {norm_type}")
+    scale_grad_by_freq = check_bool(scale_grad_by_freq, "scale_grad_by_freq")
+    return _embedding(ids, weight, padding_idx, max_norm, float(norm_type), scale_grad_by_freq)
+
+
+def _embedding(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+    """Kernel: ``padding_idx`` already in ``[0, num)``."""
+    out = weight[ids]  # (*ids.shape, dim), a copy
+    if max_norm is not None and out.size:
+        # torch renormalises each distinct looked-up row once: the same scale for every occurrence
+        norms = np.linalg.norm(out, ord=norm_type, axis=-1)  # (*ids.shape,)
+        over = norms > max_norm
+        if over.any():
+            scale = max_norm / (norms[over].astype(np.float64) + _RENORM_EPS)
+            out[over] *= scale.astype(out.dtype)[:, None]
+    cache = EmbeddingCache(ids, weight.shape, weight.dtype, padding_idx, scale_grad_by_freq)
+    return out, cache
+
+
+def embedding_backward(dout: np.ndarray, cache: EmbeddingCache) -> np.ndarray:
+    """A lookup copies rows, so its gradient scatter-adds: ``dW[i] = sum of dy where ids == i``.
+
+    With ``scale_grad_by_freq`` each ``dW[i]`` is divided by the count of ``i`` in ``ids``; the
+    ``padding_idx`` row is 0.  ``max_norm`` changes nothing here (see ``embedding``: torch does not
+    differentiate the renormalisation).  Returns ``dweight`` (ids have no gradient).
+    """
+    check_cache(cache, EmbeddingCache, "embedding_backward")
+    return _embedding_backward(check_grad(dout, cache.ids.shape + (cache.weight_shape[1],), cache.dtype), cache)
+
+
+def _embedding_backward(dout, cache):
+    ids, wshape, dtype, padding_idx, scale_grad_by_freq = cache
+    flat = ids.reshape(-1)
+    dweight = np.zeros(wshape, dtype=dtype)
+    np.add.at(dweight, flat, dout.reshape(-1, wshape[1]))
+    if scale_grad_by_freq:
+        counts = np.bincount(flat, minlength=wshape[0])
+        dweight /= np.maximum(counts, 1).astype(dtype)[:, None]
+    if padding_idx is not None:
+        dweight[padding_idx] = 0
+    return dweight

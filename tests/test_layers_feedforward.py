@@ -1,0 +1,154 @@
+"""FeedForward activations (relu, gelu, gelu_tanh, silu, swiglu) and bias=False: torch parity
+(float64, autograd on the explicit formula), finite differences with dropout, properties, bad input."""
+import copy
+
+import numpy as np
+import pytest
+from _fd import fd_gradients, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npattn
+from npattn import FeedForward
+
+seeds = st.integers(0, 2**31 - 1)
+ACTS = ["relu", "gelu", "gelu_tanh", "silu", "swiglu"]
+
+
+def assert_same(a, b, what=""):
+    b = b.detach().numpy() if hasattr(b, "detach") else np.asarray(b)
+    a = np.asarray(a, dtype=np.float64)
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    err = float(np.abs(a - b).max(initial=0.0) / max(np.abs(b).max(initial=0.0), 1e-3))
+    assert err <= 1e-10, f"{what}: relative error {err:.3e}"
+
+
+def _torch_ffn(m, torch):
+    """torch parameters with m's values and the explicit formula of m's activation."""
+    import torch.nn.functional as TF
+    P = {n: torch.tensor(p.data, requires_grad=True) for n, p in m.named_parameters()}
+
+    def lin(i, h):
+        return TF.linear(h, P[f"linear{i}.weight"], P.get(f"linear{i}.bias"))
+
+    def f(x):
+        a = lin(1, x)
+        h = {"relu": TF.relu, "gelu": TF.gelu, "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"),
+             "silu": TF.silu, "swiglu": TF.silu}[m.activation](a)
+        if m.activation == "swiglu":
+            h = h * lin(3, x)
+        return lin(2, h)
+    return f, P
+
+
+@settings(max_examples=40, deadline=None)
+@given(act=st.sampled_from(ACTS), bias=st.booleans(), d=st.integers(1, 4), d_ff=st.integers(1, 5),
+       lead=st.sampled_from([(), (3,), (2, 3)]), seed=seeds)
+def test_matches_torch(act, bias, d, d_ff, lead, seed):
+    torch = pytest.importorskip("torch")
+    m = FeedForward(d, d_ff, activation=act, bias=bias, rng=seed)
+    f, P = _torch_ffn(m, torch)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(lead + (d,)) * 2
+    dy = rng.standard_normal(x.shape)
+    tx = torch.tensor(x, requires_grad=True)
+    ty = f(tx)
+    ty.backward(torch.tensor(dy))
+    assert_same(m(x), ty, "output")
+    assert_same(m.backward(dy), tx.grad, "dx")
+    assert set(P) == {n for n, _ in m.named_parameters()}
+    for n, p in m.named_parameters():
+        assert_same(p.grad, P[n].grad, n)
+
+
+def test_keys_and_shapes():
+    sw = FeedForward(4, 6, activation="swiglu", rng=0)
+    assert [(n, p.shape) for n, p in sw.named_parameters()] == [
+        ("linear1.weight", (6, 4)), ("linear1.bias", (6,)), ("linear2.weight", (4, 6)), ("linear2.bias", (4,)),
+        ("linear3.weight", (6, 4)), ("linear3.bias", (6,))]
+    nb = FeedForward(4, 6, activation="silu", bias=False, rng=0)
+    assert [n for n, _ in nb.named_parameters()] == ["linear1.weight", "linear2.weight"]
+    # the same seed draws linear1 and linear2 as before linear3 existed
+    relu = FeedForward(4, 6, rng=0)
+    np.testing.assert_array_equal(sw.linear2.weight.data, relu.linear2.weight.data)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck_with_dropout(act, bias):
+    rng = np.random.default_rng(0)
+    m = FeedForward(3, 4, activation=act, dropout=0.3, bias=bias, rng=1)
+    x = rng.standard_normal((2, 3)) + 0.1  # unbatched (L, d); away from relu's kink
+    report = npattn.gradcheck(m, x)
+    assert report.ok, str(report)
+
+
+def test_swiglu_independent_finite_differences():
+    rng = np.random.default_rng(2)
+    m = FeedForward(3, 4, activation="swiglu", dropout=0.4, rng=3)
+    x = rng.standard_normal((2, 2, 3))
+    dy = rng.standard_normal(x.shape)
+    gen = m.dropout.rng
+    state = copy.deepcopy(gen.bit_generator.state)
+
+    def f(xx):
+        gen.bit_generator.state = copy.deepcopy(state)
+        return np.sum(m(xx) * dy)
+
+    (num,) = fd_gradients(f, [x])
+    gen.bit_generator.state = copy.deepcopy(state)
+    m(x)
+    assert rel_err(m.backward(dy), num) < 1e-6
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=seeds, d=st.integers(1, 4), d_ff=st.integers(1, 5))
+def test_property_swiglu_is_the_gated_formula(seed, d, d_ff):
+    rng = np.random.default_rng(seed)
+    m = FeedForward(d, d_ff, activation="swiglu", rng=seed)
+    x = rng.standard_normal((3, d))
+    w1, b1, w2, b2, w3, b3 = (p.data for p in m.parameters())
+    a = x @ w1.T + b1
+    expected = ((a / (1 + np.exp(-a))) * (x @ w3.T + b3)) @ w2.T + b2
+    np.testing.assert_allclose(m(x), expected, rtol=1e-12, atol=1e-13)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=seeds, c=st.floats(0.1, 10.0), act=st.sampled_from(["relu", "silu", "swiglu"]))
+def test_property_bias_false(seed, c, act):
+    """Without biases a zero input gives a zero output; relu's block is positively homogeneous."""
+    rng = np.random.default_rng(seed)
+    m = FeedForward(3, 4, activation=act, bias=False, rng=seed)
+    np.testing.assert_array_equal(m(np.zeros((2, 3))), 0.0)
+    if act == "relu":
+        x = rng.standard_normal((2, 3))
+        np.testing.assert_allclose(m(c * x), c * m(x), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="activation"):
+        FeedForward(4, 6, activation="swish")
+    with pytest.raises(ValueError, match="activation"):
+        FeedForward(4, 6, activation="SwiGLU")
+    with pytest.raises(TypeError, match="bias"):
+        FeedForward(4, 6, bias=None)
+    m = FeedForward(4, 6, activation="swiglu", rng=0)
+    x = np.random.default_rng(0).standard_normal((2, 4))
+    y = m(x)
+    ref = copy.deepcopy(m)
+    with pytest.raises(ValueError, match="x"):
+        m(np.ones((2, 5)))
+    with pytest.raises(TypeError, match="x"):
+        m(np.ones((2, 4), bool))
+    dy = np.ones_like(y)
+    np.testing.assert_array_equal(m.backward(dy), ref.backward(dy))
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        np.testing.assert_array_equal(p.grad, q.grad, err_msg=n)
+
+
+def test_float32_stays_float32():
+    m = FeedForward(3, 4, activation="swiglu", dropout=0.2, rng=0, dtype=np.float32)
+    y = m(np.ones((2, 3)))
+    assert y.dtype == np.float32
+    assert m.backward(np.ones((2, 3))).dtype == np.float32
+    assert all(p.grad.dtype == np.float32 for p in m.parameters())
