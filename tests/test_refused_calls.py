@@ -329,3 +329,26 @@ def test_known_gaps(name, refusal):
     for r in sorted(_refusals(CASES[name], np.float64)):
         if r.startswith(refusal):
             _check(name, 3, np.float64, True, r)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rejected_dy_after_the_forward_method_keeps_state(name):
+    """``m.forward(x)`` (not ``m(x)``), a refused ``dy``, then the right one: the same gradients
+    as a twin that never saw the refused ``dy`` (the README's "retry with the right dy")."""
+    case = CASES[name]
+    m = case.make(5, np.float64)
+    twin = copy.deepcopy(m)
+    args, kw = _valid_inputs(case, 5, np.float64)
+    y = _first(m.forward(*args, **kw))
+    _first(twin(*args, **kw))
+    for bad in (np.ones(y.shape[:-1] + (y.shape[-1] + 1,)), np.ones(y.shape, bool), np.ones(y.shape, np.float16)):
+        with pytest.raises((ValueError, TypeError)):
+            m.backward(bad)
+    dy = np.random.default_rng(6).standard_normal(y.shape)
+    g, g_twin = m.backward(dy), twin.backward(dy)
+    for a, b in zip(g if isinstance(g, tuple) else (g,), g_twin if isinstance(g_twin, tuple) else (g_twin,)):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_array_equal(a, b)
+    _assert_same_state(_state(m), _state(twin))
