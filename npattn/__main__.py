@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="forward+backward timings, against torch when it is importable")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--memory", action="store_true", help="peak memory of forward+backward against sequence length")
+    p.add_argument("--window", action="store_true",
+                   help="windowed attention (window=(256, 0)) of both cores against L = 1k ... 16k")
     p.add_argument("--quick", action="store_true", help="small sizes only (seconds, for smoke tests)")
     return parser
 

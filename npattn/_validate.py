@@ -228,6 +228,7 @@ def check_cache(cache, expected: type, backward: str):
 
 def check_normalized_shape(normalized_shape, x_shape, name: str = "normalized_shape") -> tuple:
     """An int or a tuple of ints equal to the trailing axes of ``x_shape`` (at least one axis)."""
+    shape: tuple[int, ...]
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape = (int(normalized_shape),)
     elif isinstance(normalized_shape, (tuple, list)) and all(

@@ -3,14 +3,13 @@ and the independent ``tests/_fd.py``), hypothesis properties, float32, the unval
 each backward's own cache type, and bad input for every new argument (clear error, nothing modified)."""
 import numpy as np
 import pytest
+from _fd import fd_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn.functional as F
 from npattn.functional import kernels
 from npattn.testing import gradcheck, seeds
-
-from _fd import fd_check
 
 RTOL = 1e-5
 
@@ -414,6 +413,14 @@ def test_rms_norm_bad_eps():
     raises(ValueError, "dout", lambda: F.rms_norm_backward(np.zeros((2, 3)), cache), "(2, 3, 4)", "(2, 3)")
 
 
+def test_softmax_0d_axis():
+    for axis in (0, -1):
+        assert F.softmax(np.float64(2.0), axis=axis)[0] == 1.0
+    raises(ValueError, "axis", lambda: F.softmax(np.float64(2.0), axis=1), "0-d", "got 1")
+    raises(TypeError, "axis", lambda: F.softmax(np.float64(2.0), axis=None))
+    raises(TypeError, "axis", lambda: F.softmax(np.float64(2.0), axis=True))
+
+
 def test_silu_bad_input():
     raises(TypeError, "x", lambda: F.silu(np.ones(3, dtype=bool)), "bool")
     raises(TypeError, "x", lambda: F.silu(np.ones(3, dtype=complex)))
@@ -463,6 +470,7 @@ def test_cross_entropy_bad_options():
     raises(TypeError, "targets", lambda: F.cross_entropy(logits, np.array([0.0, 2.0])), "(2,)", "(2, 3)")
     raises(ValueError, "targets", lambda: F.cross_entropy(logits, np.array([[0.5, np.nan, 0.5]] * 2)), "NaN")
     raises(TypeError, "targets", lambda: F.cross_entropy(logits, np.ones(2, dtype=bool)), "bool")
+    raises(TypeError, "targets", lambda: F.cross_entropy(logits, np.full((2, 3), 0.5, np.float16)), "float32")
     raises(ValueError, "ignore_index", lambda: F.cross_entropy(logits, np.full((2, 3), 1 / 3), 0), "probability")
     F.cross_entropy(logits, np.full((2, 3), 1 / 3), -100)  # a negative ignore_index has no effect, as torch
     _, cache = F.cross_entropy(logits, t, reduction="none")

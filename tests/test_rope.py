@@ -3,14 +3,13 @@ Face's ``apply_rotary_pos_emb``, interleaved as Meta's complex multiplication), 
 differences, the properties that make RoPE a relative position code, and bad input."""
 import numpy as np
 import pytest
+from _fd import fd_check
 from hypothesis import given
 from hypothesis import strategies as st
 
 import npattn.functional as F
 from npattn.functional import kernels
 from npattn.testing import gradcheck, seeds
-
-from _fd import fd_check
 
 TOL = 1e-10
 

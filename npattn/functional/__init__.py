@@ -3,8 +3,18 @@
 No hidden state: the cache is an ordinary object holding what the backward needs, and each
 backward sits directly under its forward, its docstring deriving it.
 """
-from .activation import (dropout, dropout_backward, gelu, gelu_backward, relu, relu_backward, silu,
-                         silu_backward, softmax, softmax_backward)
+from .activation import (
+    dropout,
+    dropout_backward,
+    gelu,
+    gelu_backward,
+    relu,
+    relu_backward,
+    silu,
+    silu_backward,
+    softmax,
+    softmax_backward,
+)
 from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
 from .embedding import embedding, embedding_backward
 from .linear import linear, linear_backward

@@ -102,6 +102,16 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
     return QKV(q, k, v, groups)
 
 
+def gqa_groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> int:
+    """Query heads per key/value head for shapes ``check_qkv`` accepted (no checks)."""
+    nd = max(len(q_shape), len(k_shape), len(v_shape))
+    if not enable_gqa or nd < 3:
+        return 1
+    hq = _pad(q_shape[:-2], nd - 2)[-1]
+    hk = np.broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))[-1]
+    return 1 if hq == hk else hq // hk
+
+
 def out_lead(q_shape: tuple, k_shape: tuple, v_shape: tuple, groups: int) -> tuple:
     """The leading dimensions ``(..., Hq)`` of the scores and output for checked shapes."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))
@@ -135,11 +145,11 @@ def sum_to(a: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 # -- scalars and options ----------------------------------------------------------------------------
-def check_scale(scale, e: int) -> float:
+def check_scale(scale, head_dim: int) -> float:
     """``scale`` or ``1/sqrt(E)`` as a python float (keeps float32 arrays float32).
     Non-real -> ``TypeError``; NaN or infinite -> ``ValueError``."""
     if scale is None:
-        return 1.0 / math.sqrt(e)
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a finite real number or None, got {scale!r} ({type(scale).__name__})")
     scale = float(scale)

@@ -12,6 +12,8 @@ bits make a double in ``[0, 1)``.  numpy's uint64 arithmetic wraps modulo 2**64,
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -48,3 +50,20 @@ def keep_mask(seed: int, p: float, score_shape: tuple, rows: slice = slice(None)
     m = np.arange(lead, dtype=np.uint64) * np.uint64(lq * lk)
     index = m[:, None, None] + r[None, :, None] * np.uint64(lk) + c[None, None, :]
     return (uniform(seed, index) >= p).reshape(tuple(score_shape[:-2]) + (len(r), len(c)))
+
+
+def keep_into(seed: int, p: float, z: np.ndarray, work: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``uniform(seed, z) >= p`` written into the bool array ``out``, without temporaries: ``z`` (the
+    uint64 flat indices) is overwritten and ``work`` (uint64, same shape) is scratch.  Bit for bit
+    the test of ``keep_mask``: ``u = (h >> 11) * 2**-53 >= p`` iff ``h >= ceil(p * 2**53) * 2**11``."""
+    if p >= 1.0:
+        out.fill(False)
+        return out
+    z += (_mix(np.array([seed], dtype=np.uint64) + _GOLDEN) + _GOLDEN)[0]  # as ``uniform``: index + base + golden
+    for shift, mult in ((30, _M1), (27, _M2)):
+        np.right_shift(z, np.uint64(shift), out=work)
+        z ^= work
+        z *= mult
+    np.right_shift(z, np.uint64(31), out=work)
+    z ^= work
+    return np.greater_equal(z, np.uint64(math.ceil(p * 2.0**53) << 11), out=out)

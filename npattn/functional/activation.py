@@ -6,6 +6,7 @@ backward checks ``dout`` and that the cache is its own forward's, then calls ``_
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -150,7 +151,10 @@ def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     """
     x = as_float(x, "x")
     if x.ndim == 0:
-        check_axis(axis, 1)
+        if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+            raise TypeError(f"axis: expected an integer, got {axis!r} ({type(axis).__name__})")
+        if axis not in (0, -1):
+            raise ValueError(f"axis: expected 0 or -1 for a 0-d input (a softmax over its one value), got {axis}")
         return _softmax(x, None)
     return _softmax(x, check_axis(axis, x.ndim))
 

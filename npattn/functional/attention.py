@@ -1,4 +1,11 @@
-"""Scaled dot-product attention, forward and backward, with masks, dropout and grouped-query heads."""
+"""Scaled dot-product attention, forward and backward: masks, dropout, grouped-query heads and the
+attention options (``causal_align``, ``window``, ``alibi_slopes``, ``softcap``, ``sinks``, ``mask_grad``).
+
+``scaled_dot_product_attention`` / ``scaled_dot_product_attention_backward`` are the public pair:
+they validate and cast their arguments, then call the kernels ``_scaled_dot_product_attention`` /
+``_scaled_dot_product_attention_backward`` (re-exported by ``npattn.functional.kernels``), which
+take already checked arguments plus two layout extras for ``MultiHeadAttention``'s fused buffer.
+"""
 from __future__ import annotations
 
 import math
@@ -7,23 +14,39 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob
-from ._blocks import check_qkv, check_scale
+from ._blocks import (
+    AttentionOptions,
+    Band,
+    Block,
+    band,
+    band_hidden,
+    broadcast_qkv,
+    check_options,
+    check_qkv,
+    check_scale,
+    distance,
+    gqa_groups,
+    out_lead,
+    row_blocks,
+    sum_to,
+)
 from ._blocks import scratch as _scratch
-
-_check_qkv = check_qkv  # the name memory_efficient.py imports
 
 
 class AttentionCache(NamedTuple):
     """What ``scaled_dot_product_attention_backward`` needs.
 
     Everything is in the grouped layout ``(..., Hk, G*Lq, ...)`` (``G`` query heads per kv head,
-    1 without grouped-query attention).  The probabilities are kept *unnormalised* and by blocks
-    of query rows (see ``_row_blocks``): ``e[i] = exp(S - rowmax)^T``, key-major ``(..., c1, n)``,
-    for the ``n`` rows ``blocks[i][0]`` and the keys ``0..c1-1``, ``c1 = blocks[i][1]``, all those
-    rows may see; the softmax is ``P = e^T / l`` with
-    ``l`` the row sums, kept as ``inv_l = 1 / l``.  ``keep`` is dropout's keep-mask
-    ``(..., Hq, Lq, Lk)`` (None without dropout) and ``drop_scale`` its ``1/(1-p)``.
-    ``weights`` assembles the softmax probabilities ``(..., Hq, Lq, Lk)`` (before dropout).
+    1 without grouped-query attention); ``q, k, v`` are the kernel's operands (the inputs viewed
+    with their broadcast leading dimensions), ``shapes`` the inputs' own shapes.  The
+    probabilities are kept *unnormalised* and by blocks of query rows (``blocks``, see
+    ``_blocks.row_blocks``): ``e[i] = exp(S - rowmax)^T``, key-major ``(..., c1 - c0, n)``, for
+    the ``n`` rows ``blocks[i].rows`` and the keys ``c0..c1-1`` those rows may see; the softmax is
+    ``P = e^T / l`` with ``l`` the row sums (the sink's exponential included), kept as
+    ``inv_l = 1 / l``.  ``keep`` is dropout's keep-mask ``(..., Hq, Lq, Lk)`` (None without
+    dropout) and ``drop_scale`` its ``1/(1-p)``.  ``dcap[i]``: ``1 - tanh(s/softcap)^2`` of block
+    ``i`` (softcap only); ``p_sink``: each row's sink probability (sinks only); ``mask``: the float
+    mask as given (``mask_grad`` only).  ``weights`` assembles ``P`` ``(..., Hq, Lq, Lk)``.
     """
 
     q: np.ndarray
@@ -36,14 +59,21 @@ class AttentionCache(NamedTuple):
     drop_scale: float
     scale: float
     groups: int
+    shapes: tuple = ()
+    band: Band = Band(0, None, None)
+    options: AttentionOptions = AttentionOptions()
+    dcap: Optional[tuple] = None
+    p_sink: Optional[np.ndarray] = None
+    mask: Optional[np.ndarray] = None
+    heads_last: bool = False
 
     @property
-    def weights(self):
+    def weights(self) -> np.ndarray:
         """``P = softmax(S)``, ``(..., Hq, Lq, Lk)``: zero where a query may not attend."""
         score_shape = self.q.shape[:-1] + (self.k.shape[-2],)
         p = np.zeros(_grouped_shape(score_shape, self.groups), dtype=self.q.dtype)
-        for (rows, c1, _), e in zip(self.blocks, self.e):
-            np.multiply(e.swapaxes(-1, -2), self.inv_l[..., rows, :], out=p[..., rows, :c1])
+        for blk, e in zip(self.blocks, self.e):
+            np.multiply(e.swapaxes(-1, -2), self.inv_l[..., blk.rows, :], out=p[..., blk.rows, blk.c0:blk.c1])
         return _ungrouped(p, self.groups, score_shape)
 
 
@@ -63,39 +93,34 @@ def _ungrouped(x, groups, full_shape):
     return x if groups == 1 else x.reshape(full_shape)
 
 
-# -- blocked causal attention ----------------------------------------------------------------------
+def _per_group(a, lead, groups, g):
+    """A per-head array ``a`` (broadcast to the scores' leading dims ``(..., Hq)``) for the query
+    heads ``g, G + g, 2G + g, ...`` of group ``g``, shaped ``(..., Hk, 1, 1)`` to scale a block."""
+    if a.ndim > len(lead):  # sinks (1,) of inputs without a head axis
+        a = a.reshape(a.shape[a.ndim - len(lead):])
+    a = np.broadcast_to(a, lead)
+    if groups > 1:
+        a = a.reshape(lead[:-1] + (lead[-1] // groups, groups))[..., g]
+    return a[..., None, None]
+
+
+# -- blocked causal and windowed attention ------------------------------------------------------------
 # With ``is_causal`` query ``i`` sees keys ``0..i``, so the rows of a block of queries ``r0..r1-1``
-# need the keys ``0..r1-1`` only.  The scores are therefore formed one block of query rows at a
-# time, each only as wide as the keys its rows may see (``_row_blocks``): the blocks above the
-# diagonal (almost half of ``q k^T``, ``P v`` and the four backward products) are never computed,
-# exponentiated or stored.  Without ``is_causal`` there is one block of every row and key.
-# Each block is its own compact array: its elementwise passes (max, exp, sum, ...) run on memory
-# that is contiguous.  The block height trades the work wasted on the masked half of the diagonal
-# blocks against per-call overhead and GEMM size (OpenBLAS splits each per-head GEMM over its
-# threads, which pays only for larger ones).  Forward+backward, b=8, h=12, L=256 and b=2, h=12,
-# L=1024 (E=64), 2 cores, OpenBLAS Haswell kernels, best of 7, ms:
-#
-#     height                  32     64    128    256    512    (one block, the old code:
-#     L=256   float32       64.5   60.0   54.9   64.8       -     ~2x the blocked time)
-#     L=256   float64      117.2  103.7   95.3  127.7       -
-#     L=1024  float32          -  148.0  119.5  121.7  142.2
-#     L=1024  float64          -  282.2  228.2  248.3  285.3
+# need the keys ``0..r1-1`` only; with a window they need the keys ``c0..c1-1`` of the band.  The
+# scores are therefore formed one block of query rows at a time, each only as wide as the keys its
+# rows may see (``_blocks.row_blocks``): the blocks outside the band (almost half of ``q k^T``,
+# ``P v`` and the four backward products when causal; all but ``L * (window + height)`` scores
+# with a window) are never computed, exponentiated or stored.  When every row sees every key there
+# is one block of all rows.  Each block is its own compact array: its elementwise passes (max, exp,
+# sum, ...) run on contiguous memory.  The height, 128 rows, was the fastest of 32 ... 512 measured
+# with ``npattn bench`` (less work wasted on the diagonal blocks against per-call overhead and GEMMs
+# large enough for OpenBLAS to split over its threads).
 _CAUSAL_BLOCK = 128
 
 
-def _block_height(causal):
-    """Query rows per causal block (None: not causal, a single block)."""
-    return _CAUSAL_BLOCK if causal else None
-
-
-def _row_blocks(lq, lk, groups, height):
-    """``[(rows, c1, r0), ...]``: the rows of each query block in the grouped layout (a slice of
-    the ``G*Lq`` rows that never straddles two query heads), the number ``c1`` of keys they may
-    see (keys ``0..c1-1``) and the block's first query position ``r0``."""
-    if height is None:
-        return [(slice(g * lq, (g + 1) * lq), lk, 0) for g in range(groups)] if lq else []
-    return [(slice(g * lq + r0, g * lq + min(r0 + height, lq)), min(r0 + height, lq, lk), r0)
-            for g in range(groups) for r0 in range(0, lq, height)]
+def _block_height(b: Band):
+    """Query rows per block (None: every key is visible to every row, a single block)."""
+    return None if b.full else _CAUSAL_BLOCK
 
 
 def _heads_last_empty(shape, dtype):
@@ -107,43 +132,83 @@ def _heads_last_empty(shape, dtype):
     return np.empty(tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0,
-                                 scale=None, rng=None, enable_gqa=False):
+def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
+                                 enable_gqa=False, *, causal_align="top_left", window=None, alibi_slopes=None,
+                                 softcap=None, sinks=None, mask_grad=False) -> tuple[np.ndarray, AttentionCache]:
     """``out = dropout(softmax(q k^T * scale + mask)) v``, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     Shapes: ``q (..., Hq, Lq, E)``, ``k (..., Hk, Lk, E)``, ``v (..., Hk, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``
-    (inputs without a head axis, ``(batch, L, E)``, work too).  ``scale`` defaults to ``1/sqrt(E)``.
+    (inputs without a head axis, ``(batch, L, E)``, work too); the leading dimensions broadcast
+    against each other as in torch (gradients are summed back to each input's own shape).
+    ``scale`` defaults to ``1/sqrt(E)``.
 
     * ``attn_mask``: bool (True = may attend) or float (added to the scaled scores), broadcastable
-      to ``(..., Hq, Lq, Lk)``.  ``is_causal``: query ``i`` sees keys ``0..i`` (top-left aligned,
-      also when ``Lq != Lk``); unlike torch, it may be combined with ``attn_mask`` (both apply).
+      to ``(..., Hq, Lq, Lk)``.  ``is_causal``: query ``i`` sees keys ``j <= i`` (positions per
+      ``causal_align``); unlike torch, it may be combined with ``attn_mask`` (both apply).
     * A query row that may attend to no key gives output 0 (and gradient 0), never NaN.
-    * ``dropout_p`` acts on the attention weights with a mask drawn from ``rng``.
+    * ``dropout_p`` acts on the attention weights with the mask ``rng.random((..., Hq, Lq, Lk)) >= p``.
     * ``enable_gqa``: ``Hq`` a multiple of ``Hk``; query head ``h`` uses kv head ``h // (Hq // Hk)``.
       Computed without copying k/v: query heads are grouped beside their kv head in one GEMM.
+
+    Attention options (keyword-only; each combinable with the others, masks, causal, GQA, dropout).
+    Query ``i`` sits at position ``p = i`` (``causal_align="top_left"``) or ``p = i + Lk - Lq``
+    (``"bottom_right"``, torch's ``causal_lower_right``, KV-cache decoding):
+
+    * ``window=(left, right)``: query at ``p`` sees keys ``p - left <= j <= p + right`` (``-1``:
+      unbounded on that side; with ``is_causal`` the right side is 0).  Only the band is computed:
+      cost and memory grow with ``L * window``, not ``L^2`` (the dropout mask, if any, is still
+      drawn for the whole ``(Lq, Lk)`` score array);
+    * ``alibi_slopes`` broadcastable to ``(..., Hq)``: adds ``-slope_h * |p - j|`` to the scaled scores;
+    * ``softcap > 0``: the scaled scores become ``softcap * tanh(s / softcap)`` before masks and biases;
+    * ``sinks (Hq,)``: a logit per head joining each row's softmax as an extra key of value 0 (a
+      row that sees no key puts all its weight on the sink: output 0); backward appends ``dsinks``;
+    * ``mask_grad=True`` (float ``attn_mask`` only): backward appends ``dmask``, the gradient of the
+      additive mask summed to the mask's own shape.
 
     How (the textbook formula's numbers, with less work):
 
     * the softmax of a row is ``P = E / l`` with ``E = exp(S - max S)`` and ``l = sum E``, so
       ``out = (E v) / l``: the ``(Lq, Ev)`` output is divided, never the ``(Lq, Lk)`` matrix ``E``;
-    * causal: one block of query rows at a time, only as wide as the keys those rows may see
-      (``_row_blocks``): the masked half of the score matrix is skipped;
+    * causal or windowed: one block of query rows at a time, only as wide as the keys those rows
+      may see (``_blocks.row_blocks``): the masked part of the score matrix is skipped;
     * each block is held key-major, ``S^T = k q^T`` of shape ``(keys, queries)``: the same
       numbers, but OpenBLAS splits these ``K = E`` GEMMs over its threads this way round (about
       2x faster on 2 cores than ``q k^T``); the softmax then runs down the columns.
 
-    The output is laid out in memory as ``(..., Lq, Hq, Ev)`` (a transposed view; see
-    ``_heads_last_empty``).  Returns ``(out, AttentionCache)``.
+    Returns ``(out, AttentionCache)``; ``out`` is a C-contiguous array.
     """
-    q, k, v, groups = _check_qkv(q, k, v, check_bool(enable_gqa, "enable_gqa"))
+    enable_gqa = check_bool(enable_gqa, "enable_gqa")
+    q, k, v, groups = check_qkv(q, k, v, enable_gqa)
     is_causal = check_bool(is_causal, "is_causal")
     dropout_p = check_prob(dropout_p, "dropout_p")
-    lq, lk = q.shape[-2], k.shape[-2]
-    score_shape = q.shape[:-1] + (lk,)
+    score_shape = out_lead(q.shape, k.shape, v.shape, groups) + (q.shape[-2], k.shape[-2])
     if attn_mask is not None:
         attn_mask = check_mask(attn_mask, "attn_mask", score_shape)
     scale = check_scale(scale, q.shape[-1])
-    rng = as_rng(rng) if dropout_p > 0.0 else None
+    rng = as_rng(rng) if dropout_p > 0.0 or rng is not None else None
+    opts = check_options(score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks,
+                         mask_grad)
+    return _scaled_dot_product_attention(q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa,
+                                         **opts._asdict())
+
+
+def _scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
+                                  enable_gqa=False, *, causal_align="top_left", window=None, alibi_slopes=None,
+                                  softcap=None, sinks=None, mask_grad=False, heads_last=False):
+    """The kernel of ``scaled_dot_product_attention``: arguments already checked and cast (float
+    arrays of one dtype, shapes that fit, a Generator ``rng`` when ``dropout_p > 0``).
+    ``heads_last``: lay the output out in memory as ``(..., Lq, Hq, Ev)`` (``_heads_last_empty``;
+    ``MultiHeadAttention`` then merges heads for free), and the backward's gradients likewise."""
+    shapes = (q.shape, k.shape, v.shape)
+    groups = gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
+    q, k, v = broadcast_qkv(q, k, v, groups)
+    lq, lk = q.shape[-2], k.shape[-2]
+    score_shape = q.shape[:-1] + (lk,)
+    lead = score_shape[:-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    opts = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    bnd = band(lq, lk, is_causal, causal_align, window)
 
     keep, drop_scale = None, 1.0
     if dropout_p > 0.0:
@@ -152,142 +217,240 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
 
     # Everything below runs in the grouped layout (..., Hk, G*Lq, ...): one GEMM per kv head.
     # A mask broadcast to (..., Hq, Lq, Lk) is viewed as (..., Hk, G, Lq, Lk) (no copy), and the
-    # block of query rows r0..r1 of group g is then mask[..., g, r0:r1, :c1].
+    # block of query rows r0..r1 of group g is then mask[..., g, r0:r1, c0:c1].
     def mask_view(m):
         m = np.broadcast_to(m, score_shape)
         return m if groups == 1 else m.reshape(score_shape[:-3] + (k.shape[-3], groups) + score_shape[-2:])
 
-    def mask_block(m, rows, c1, r0):
-        r1 = r0 + rows.stop - rows.start
-        return m[..., r0:r1, :c1] if groups == 1 else m[..., rows.start // lq, r0:r1, :c1]
+    def mask_block(m, blk):
+        r1 = blk.r0 + blk.n
+        if groups == 1:
+            return m[..., blk.r0:r1, blk.c0:blk.c1]
+        return m[..., blk.rows.start // lq, blk.r0:r1, blk.c0:blk.c1]
 
     hidden = None if attn_mask is None or attn_mask.dtype != bool else mask_view(~attn_mask)
     additive = None if attn_mask is None or attn_mask.dtype == bool else mask_view(attn_mask)
     keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
     qg = _grouped(q, groups)
     out_shape = q.shape[:-1] + (v.shape[-1],)
-    out = _heads_last_empty(out_shape, q.dtype) if groups == 1 else np.empty(_grouped_shape(out_shape, groups), q.dtype)
+    if heads_last and groups == 1:
+        out = _heads_last_empty(out_shape, q.dtype)
+    else:
+        out = np.empty(_grouped_shape(out_shape, groups), q.dtype)
     inv_l = np.empty(qg.shape[:-1] + (1,), q.dtype)
-    height = _block_height(is_causal)
-    blocks = _row_blocks(lq, lk, groups, height)
-    # key-major diagonal block: key r0 + b is hidden from query r0 + a when b > a (strictly below)
-    hide = np.tril(np.ones((height, height), dtype=bool), -1) if is_causal else None
-    lead = qg.shape[:-2]
-    qs_buf = np.empty(math.prod(lead) * max((r.stop - r.start for r, _, _ in blocks), default=0) * q.shape[-1], q.dtype)
+    p_sink = None if sinks is None else np.empty(qg.shape[:-1] + (1,), q.dtype)
+    blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
+    glead = qg.shape[:-2]
+    height = max((blk.n for blk in blocks), default=0)
+    qs_buf = np.empty(math.prod(glead) * height * q.shape[-1], q.dtype)
 
-    e = []
-    for rows, c1, r0 in blocks:
-        n = rows.stop - rows.start
-        # scores of the block, key-major: t = s^T = k (q * scale)^T over the keys 0..c1-1 its rows
-        # may see (the (c1, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way)
-        qs = np.multiply(qg[..., rows, :], scale, out=_scratch(qs_buf, lead + (n, q.shape[-1])))
-        t = k[..., :c1, :] @ qs.swapaxes(-1, -2)
-        if is_causal and r0 + 1 < c1:  # the diagonal part: key r0 + b is hidden from query r0 + a when b > a
-            np.copyto(t[..., r0:c1, :], -np.inf, where=hide[:c1 - r0, :n])
-        if hidden is not None:
-            np.copyto(t, -np.inf, where=mask_block(hidden, rows, c1, r0).swapaxes(-1, -2))
+    e, dcap = [], ([] if softcap is not None else None)
+    for blk in blocks:
+        rows, c0, c1, r0 = blk
+        n, g = blk.n, rows.start // lq if lq else 0
+        # scores of the block, key-major: t = s^T = k (q * scale)^T over the keys c0..c1-1 its rows
+        # may see (the (keys, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way)
+        qs = np.multiply(qg[..., rows, :], scale, out=_scratch(qs_buf, glead + (n, q.shape[-1])))
+        t = k[..., c0:c1, :] @ qs.swapaxes(-1, -2)
+        if softcap is not None:  # s -> softcap tanh(s / softcap); keep its derivative 1 - tanh^2
+            t /= softcap
+            np.tanh(t, out=t)
+            dcap.append(1.0 - t * t)
+            t *= softcap
         if additive is not None:
-            t += mask_block(additive, rows, c1, r0).swapaxes(-1, -2)
+            t += mask_block(additive, blk).swapaxes(-1, -2)
+        if alibi_slopes is not None:  # - slope_h |p - j|
+            t -= _per_group(alibi_slopes, lead, groups, g) * distance(bnd, c0, c1 - c0, r0, n, q.dtype)
+        cut = band_hidden(bnd, c0, c1 - c0, r0, n)  # causal diagonal / window edges inside the block
+        if cut is not None:
+            np.copyto(t, -np.inf, where=cut)
+        if hidden is not None:
+            np.copyto(t, -np.inf, where=mask_block(hidden, blk).swapaxes(-1, -2))
         # E = exp(s - max over keys), in place; a query with no visible key (max = -inf) gets zeros.
         # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
         m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
-        m[~np.isfinite(m)] = 0.0
+        if sinks is not None:  # the sink joins the row: m = max(m, sink), always finite
+            sink = _per_group(sinks, lead, groups, g)
+            m = np.maximum(m, sink)
+        else:
+            m[~np.isfinite(m)] = 0.0
         t -= m
         np.exp(t, out=t)
         total = t.sum(axis=-2)[..., None]  # (..., n, 1), as inv_l
-        total[total == 0] = 1.0
         il = inv_l[..., rows, :]
+        if sinks is not None:  # l includes exp(sink - m); P_sink = exp(sink - m) / l
+            es = np.exp(sink - m).swapaxes(-1, -2)
+            total += es
+            np.divide(es, total, out=p_sink[..., rows, :])
+        else:
+            total[total == 0] = 1.0
         np.divide(1.0, total, out=il)
         # out = P' v = (E [* keep]) v / l [/ (1-p)]
         o = out[..., rows, :]
-        used = t if keep_g is None else t * keep_g[..., rows, :c1].swapaxes(-1, -2)
-        np.matmul(used.swapaxes(-1, -2), v[..., :c1, :], out=o)
+        used = t if keep_g is None else t * keep_g[..., rows, c0:c1].swapaxes(-1, -2)
+        np.matmul(used.swapaxes(-1, -2), v[..., c0:c1, :], out=o)
         o *= il if keep is None else il * drop_scale
         e.append(t)
     out = _ungrouped(out, groups, out_shape)
-    return out, AttentionCache(q, k, v, tuple(e), inv_l, tuple(blocks), keep, drop_scale, scale, groups)
+    cache = AttentionCache(q, k, v, tuple(e), inv_l, tuple(blocks), keep, drop_scale, scale, groups, shapes, bnd,
+                           opts, None if dcap is None else tuple(dcap), p_sink,
+                           attn_mask if mask_grad else None, heads_last)
+    return out, cache
 
 
-def scaled_dot_product_attention_backward(dout, cache, *, out=None):
+def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     """Backward of ``out = P' v`` with ``P' = dropout(P)``, ``P = softmax(S)``, ``S = scale q k^T + mask``:
 
     * ``dv = P'^T dout`` and ``dP' = dout v^T``;
     * through dropout, ``dP = dP' * keep / (1 - p)``;
-    * through the row softmax, ``dS = P * (dP - sum_j dP * P)`` (masked entries have P = 0, so 0);
-    * ``dq = scale dS k`` and ``dk = scale dS^T q`` (the mask is a constant).
+    * through the row softmax, ``dS = P * (dP - D)`` with ``D_i = sum_j dP_ij P_ij`` (masked
+      entries have P = 0, so 0);
+    * ``dq = scale dS k`` and ``dk = scale dS^T q``.
+
+    The options enter at the scores (the textbook tier derives each line):
+
+    * ``mask_grad``: the float mask is added to the scores, so ``dmask = dS`` (summed over the
+      dimensions along which the mask was broadcast);
+    * ``alibi_slopes``: a constant bias, no gradient of its own; ``window``/causal: hidden scores
+      have P = 0, hence dS = 0;
+    * ``softcap``: ``S = c tanh(s / c) + ...`` with ``s = scale q k^T``, so ``ds = dS (1 - tanh^2)``
+      before it reaches ``dq`` and ``dk``;
+    * ``sinks``: the sink is one more logit of the row's softmax with value 0, so ``dP_sink = 0`` and
+      ``dsink_h = sum over the rows of head h of P_sink (0 - D)``.
 
     How, with the cache's unnormalised ``E`` (``P = E / l``, see the forward):
 
-    * the row sums ``D_i = sum_j dP_ij P_ij = (sum_j dP_ij E_ij) / l_i``, one ``einsum`` pass (not
-      FlashAttention's ``dout_i . out_i``: equal in exact arithmetic, but rounded differently it
-      would turn the exact zero gradient of a row that sees a single key into 1e-16);
-    * ``dS = (E * (dP - D)) / l``: the row factor ``1/l`` goes onto the rows of ``dq``, of
-      ``dout`` (for ``dv``) and of ``q`` (for ``dk``), never onto an ``(Lq, Lk)`` array;
-    * causal: the forward's row blocks, last (widest) first: its ``dk``, ``dv`` parts cover every
-      key and are written, the narrower blocks' parts are added to them.
+    * ``D_i = (sum_j dP_ij E_ij) / l_i``, one ``einsum`` pass (not FlashAttention's
+      ``dout_i . out_i``: equal in exact arithmetic, but rounded differently it would turn the
+      exact zero gradient of a row that sees a single key into 1e-16);
+    * ``dS = (E * (dP - D)) / l``: the row factor ``1/l`` goes onto the rows of ``dq``, of ``dout``
+      (for ``dv``) and of ``q`` (for ``dk``), never onto an ``(Lq, Lk)`` array;
+    * row blocks as in the forward: ``dk``, ``dv`` parts of the blocks are written or added.
 
     With grouped-query heads the products run in the grouped layout, which sums each kv head's
-    gradient over the query heads that share it.  ``out``: optional ``(dq, dk, dv)`` arrays of the
-    right shapes and dtype to write the gradients into (e.g. views of one fused buffer).
-    Returns ``(dq, dk, dv)``.
+    gradient over the query heads that share it.  Returns ``(dq, dk, dv)``, then ``dmask`` (with
+    ``mask_grad``), then ``dsinks`` (with ``sinks``); each gradient has its input's shape.
     """
-    q, k, v, e_blocks, inv_l, blocks, keep, drop_scale, scale, groups = cache
+    if not isinstance(cache, AttentionCache):
+        raise TypeError(f"cache: expected the AttentionCache returned by scaled_dot_product_attention, "
+                        f"got {type(cache).__name__}")
+    q, v = cache.q, cache.v
     dout = check_grad(dout, q.shape[:-1] + (v.shape[-1],), q.dtype)
+    return _scaled_dot_product_attention_backward(dout, cache)
+
+
+def _scaled_dot_product_attention_backward(dout, cache, out=None):
+    """The kernel of ``scaled_dot_product_attention_backward`` (``dout`` already checked).
+    ``out``: optional ``(dq, dk, dv)`` arrays of the right shapes and dtype to write the gradients
+    into (e.g. views of ``MultiHeadAttention``'s fused buffer); they are returned in place of new ones."""
+    q, k, v, groups, scale = cache.q, cache.k, cache.v, cache.groups, cache.scale
+    blocks, e_blocks, inv_l, keep, drop_scale = cache.blocks, cache.e, cache.inv_l, cache.keep, cache.drop_scale
+    opts = cache.options
+    lq = q.shape[-2]
     dog = _grouped(dout, groups)
     keep_g = None if keep is None else _grouped(keep, groups)
-    if out is not None and groups == 1:  # write straight into the caller's arrays
+    direct = out is not None and groups == 1 and all(o.shape == a.shape for o, a in zip(out, (q, k, v)))
+    if direct:  # write straight into the caller's arrays
         dq, dk, dv = out
-    elif groups == 1:
+    elif groups == 1 and cache.heads_last:
         dq, dk, dv = (_heads_last_empty(a.shape, a.dtype) for a in (q, k, v))
     else:
         dq = np.empty(_grouped_shape(q.shape, groups), q.dtype)
         dk, dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
-    # dk and dv add up the blocks' parts: the widest block comes first and is written, the
-    # others are added to it (keys no query may see get zero)
-    order = sorted(range(len(blocks)), key=lambda i: -blocks[i][1])
-    widest = blocks[order[0]][1] if blocks else 0
-    dk[..., widest:, :] = 0
-    dv[..., widest:, :] = 0
+    # dk and dv add up the blocks' parts.  Blocks that all start at key 0: the widest comes first
+    # and is written, the others are added to it (keys no query may see get zero).  Windowed
+    # blocks start anywhere: dk, dv start at zero and every block is added.
+    order = sorted(range(len(blocks)), key=lambda i: -blocks[i].c1)
+    widest = blocks[order[0]].c1 if blocks else 0
+    from_zero = all(b.c0 == 0 for b in blocks)
+    if from_zero:
+        dk[..., widest:, :] = 0
+        dv[..., widest:, :] = 0
+    else:
+        dk[...] = 0
+        dv[...] = 0
     qg = _grouped(q, groups)
+    score_lead = q.shape[:-2]
+    glead = dog.shape[:-2]
+    dsinks = None if opts.sinks is None else np.zeros(glead + (groups,), q.dtype)  # (..., Hk, G)
+    dmask = None
+    if opts.mask_grad:
+        m = cache.mask
+        dmask = np.zeros((1,) * (len(score_lead) + 2 - m.ndim) + m.shape, q.dtype)
     # Scratch, allocated once at the largest block's size and reused by every block (memory
     # that stays in cache rather than fresh pages): dS, the rows of dout / l and scale q / l,
     # and the products added into dk and dv.
-    lead = dog.shape[:-2]
-    height = max((r.stop - r.start for r, _, _ in blocks), default=0)
-    ds_buf = np.empty(math.prod(lead) * height * widest, q.dtype)
-    do_buf = np.empty(math.prod(lead) * height * v.shape[-1], q.dtype)
-    q_buf = np.empty(math.prod(lead) * height * q.shape[-1], q.dtype)
-    prod_buf = np.empty(math.prod(lead) * widest * max(k.shape[-1], v.shape[-1]) if len(blocks) > 1 else 0, q.dtype)
-    for n, i in enumerate(order):
-        (rows, c1, _), e = blocks[i], e_blocks[i]  # e: E^T, key-major (c1, h) as in the forward
-        h = rows.stop - rows.start
+    glead = dog.shape[:-2]
+    height = max((b.n for b in blocks), default=0)
+    wmax = max((b.c1 - b.c0 for b in blocks), default=0)
+    ds_buf = np.empty(math.prod(glead) * height * wmax, q.dtype)
+    do_buf = np.empty(math.prod(glead) * height * v.shape[-1], q.dtype)
+    q_buf = np.empty(math.prod(glead) * height * q.shape[-1], q.dtype)
+    many = len(blocks) > 1 or not from_zero
+    prod_buf = np.empty(math.prod(glead) * wmax * max(k.shape[-1], v.shape[-1]) if many else 0, q.dtype)
+    for j, i in enumerate(order):
+        blk, e = blocks[i], e_blocks[i]  # e: E^T, key-major (c1 - c0, n) as in the forward
+        rows, c0, c1, r0 = blk
+        n, g = blk.n, rows.start // lq
+        add = j > 0 or not from_zero
         il = inv_l[..., rows, :]
-        kb = None if keep_g is None else keep_g[..., rows, :c1].swapaxes(-1, -2)
+        kb = None if keep_g is None else keep_g[..., rows, c0:c1].swapaxes(-1, -2)
         # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
-        do_l = np.multiply(dog[..., rows, :], il if kb is None else il * drop_scale, out=_scratch(do_buf, lead + (h, v.shape[-1])))
-        _write_or_add(e if kb is None else e * kb, do_l, dv[..., :c1, :], n > 0, prod_buf)
+        do_l = np.multiply(dog[..., rows, :], il if kb is None else il * drop_scale,
+                           out=_scratch(do_buf, glead + (n, v.shape[-1])))
+        _write_or_add(e if kb is None else e * kb, do_l, dv[..., c0:c1, :], add, prod_buf)
         # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  (l dS)^T = E^T * (dP - D)^T
-        ds = _scratch(ds_buf, lead + (c1, h))
-        np.matmul(v[..., :c1, :], dog[..., rows, :].swapaxes(-1, -2), out=ds)
+        ds = _scratch(ds_buf, glead + (c1 - c0, n))
+        np.matmul(v[..., c0:c1, :], dog[..., rows, :].swapaxes(-1, -2), out=ds)
         if kb is not None:
             ds *= kb
             ds *= drop_scale
-        ds -= np.einsum("...ji,...ji->...i", ds, e)[..., None, :] * il.swapaxes(-1, -2)  # dP - D
+        d = np.einsum("...ji,...ji->...i", ds, e)[..., None, :] * il.swapaxes(-1, -2)  # D, (..., 1, n)
+        ds -= d  # dP - D
         ds *= e
+        if dsinks is not None:  # dsink_h -= sum_i P_sink_i D_i
+            dsinks[..., g] -= np.einsum("...i,...i->...", cache.p_sink[..., rows, 0], d[..., 0, :])
+        if dmask is not None:  # dmask = dS = (l dS) / l, summed to the mask's shape
+            _add_mask_grad(dmask, ds * il.swapaxes(-1, -2), blk, groups, g)
+        if cache.dcap is not None:  # through softcap: ds = dS (1 - tanh^2)
+            ds *= cache.dcap[i]
         # dq = scale dS k = (scale / l) (l dS) k;  dk = scale dS^T q = (l dS)^T (scale q / l)
         dq_rows = dq[..., rows, :]
-        np.matmul(ds.swapaxes(-1, -2), k[..., :c1, :], out=dq_rows)
+        np.matmul(ds.swapaxes(-1, -2), k[..., c0:c1, :], out=dq_rows)
         il_s = il * scale
         dq_rows *= il_s
-        q_l = np.multiply(qg[..., rows, :], il_s, out=_scratch(q_buf, lead + (h, q.shape[-1])))
-        _write_or_add(ds, q_l, dk[..., :c1, :], n > 0, prod_buf)
+        q_l = np.multiply(qg[..., rows, :], il_s, out=_scratch(q_buf, glead + (n, q.shape[-1])))
+        _write_or_add(ds, q_l, dk[..., c0:c1, :], add, prod_buf)
     dq = _ungrouped(dq, groups, q.shape)
-    if out is None:
-        return dq, dk, dv
-    for dst, src in zip(out, (dq, dk, dv)):
-        if dst is not src:
+    grads = [dq, dk, dv]
+    if cache.shapes:
+        grads = [sum_to(a, s) for a, s in zip(grads, cache.shapes)]
+    if out is not None and not direct:
+        for dst, src in zip(out, grads):
             np.copyto(dst, src)
-    return tuple(out)
+        grads = list(out)
+    elif out is not None:
+        grads = list(out)
+    if dmask is not None:
+        grads.append(dmask.reshape(cache.mask.shape).astype(cache.mask.dtype, copy=False))
+    if dsinks is not None:
+        grads.append(dsinks.sum(axis=tuple(range(dsinks.ndim - 2))).reshape(-1))  # h = hk * G + g
+    return tuple(grads)
+
+
+def _add_mask_grad(dmask, ds_t, blk: Block, groups, g):
+    """``dmask[heads of group g, rows, keys] += dS`` for one block (``ds_t`` key-major), summed over
+    the dimensions along which the mask (``dmask``'s shape, padded to the scores' rank) broadcasts."""
+    x = ds_t.swapaxes(-1, -2)  # (..., Hk, n, c1 - c0)
+    mshape = dmask.shape
+    if groups > 1 and mshape[-3] != 1:
+        head = slice(g, None, groups)
+    else:
+        head = slice(None)
+    rows = slice(None) if mshape[-2] == 1 else slice(blk.r0, blk.r0 + blk.n)
+    cols = slice(None) if mshape[-1] == 1 else slice(blk.c0, blk.c1)
+    target = dmask[..., head, rows, cols] if len(mshape) >= 3 else dmask[..., rows, cols]
+    target += sum_to(x, target.shape)
 
 
 def _write_or_add(a, b, acc, add, scratch):

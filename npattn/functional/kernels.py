@@ -9,19 +9,37 @@ would have made of them (float arrays of one dtype, shapes that fit, checked opt
 Internal extras a kernel may take beyond the public signature are documented where it is defined
 (e.g. the attention kernels' output layout for ``MultiHeadAttention``'s fused buffer).
 """
-# -- linear, embedding, activations, norms, loss, rope (one line per pair) --------------------------
-from .activation import _dropout as dropout, _dropout_backward as dropout_backward  # noqa: F401
-from .activation import _gelu as gelu, _gelu_backward as gelu_backward  # noqa: F401
-from .activation import _relu as relu, _relu_backward as relu_backward  # noqa: F401
-from .activation import _silu as silu, _silu_backward as silu_backward  # noqa: F401
-from .activation import _softmax as softmax, _softmax_backward as softmax_backward  # noqa: F401
-from .embedding import _embedding as embedding, _embedding_backward as embedding_backward  # noqa: F401
-from .linear import _linear as linear, _linear_backward as linear_backward  # noqa: F401
-from .loss import _cross_entropy as cross_entropy, _cross_entropy_backward as cross_entropy_backward  # noqa: F401
-from .norm import _layer_norm as layer_norm, _layer_norm_backward as layer_norm_backward  # noqa: F401
-from .norm import _rms_norm as rms_norm, _rms_norm_backward as rms_norm_backward  # noqa: F401
-from .rope import _rope as rope, _rope_backward as rope_backward  # noqa: F401
+from .activation import _dropout as dropout
+from .activation import _dropout_backward as dropout_backward
+from .activation import _gelu as gelu
+from .activation import _gelu_backward as gelu_backward
+from .activation import _relu as relu
+from .activation import _relu_backward as relu_backward
+from .activation import _silu as silu
+from .activation import _silu_backward as silu_backward
+from .activation import _softmax as softmax
+from .activation import _softmax_backward as softmax_backward
+from .attention import _scaled_dot_product_attention as scaled_dot_product_attention
+from .attention import _scaled_dot_product_attention_backward as scaled_dot_product_attention_backward
+from .embedding import _embedding as embedding
+from .embedding import _embedding_backward as embedding_backward
+from .linear import _linear as linear
+from .linear import _linear_backward as linear_backward
+from .loss import _cross_entropy as cross_entropy
+from .loss import _cross_entropy_backward as cross_entropy_backward
+from .memory_efficient import _memory_efficient_attention as memory_efficient_attention
+from .memory_efficient import _memory_efficient_attention_backward as memory_efficient_attention_backward
+from .norm import _layer_norm as layer_norm
+from .norm import _layer_norm_backward as layer_norm_backward
+from .norm import _rms_norm as rms_norm
+from .norm import _rms_norm_backward as rms_norm_backward
+from .rope import _rope as rope
+from .rope import _rope_backward as rope_backward
 
-# -- attention ----------------------------------------------------------------------------------------
-from .attention import scaled_dot_product_attention, scaled_dot_product_attention_backward  # noqa: F401
-from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward  # noqa: F401
+__all__ = [
+    "dropout", "dropout_backward", "gelu", "gelu_backward", "relu", "relu_backward", "silu", "silu_backward",
+    "softmax", "softmax_backward", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "embedding", "embedding_backward", "linear", "linear_backward", "cross_entropy", "cross_entropy_backward",
+    "memory_efficient_attention", "memory_efficient_attention_backward", "layer_norm", "layer_norm_backward",
+    "rms_norm", "rms_norm_backward", "rope", "rope_backward",
+]

@@ -67,6 +67,7 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray, ignore_index: int | N
             bad = tc.min() if tc.min() < 0 else tc.max()
             raise ValueError(f"targets: expected class indices in [0, {c}), got {bad}")
     elif t.dtype.kind == "f":
+        t = as_float(t, "targets", logits.dtype)  # float16/longdouble refused as everywhere
         if t.shape != logits.shape:
             kind = TypeError if t.shape == logits.shape[:-1] else ValueError
             raise kind(
@@ -77,8 +78,6 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray, ignore_index: int | N
             raise ValueError("targets: expected finite class probabilities, got NaN or inf")
         if ignore_index is not None and ignore_index >= 0:
             raise ValueError(f"ignore_index: not supported with probability targets (as torch), got {ignore_index}")
-        t = t.astype(logits.dtype, copy=False)
-        counted = None
     else:
         raise TypeError(
             "targets: expected an integer array (class ids) or a float array (class probabilities), "
@@ -163,9 +162,13 @@ def _cross_entropy_backward(dout, cache):
     else:
         # the two parts of q separately (as torch): (1 - eps) w[t] (softmax - onehot) + eps/C (sum(w) softmax - w)
         t = targets[..., None]
-        a = (1.0 - eps) * (weight[targets] if weight is not None else np.ones(targets.shape, dtype=logp.dtype))
-        dx = p * a[..., None]
-        np.put_along_axis(dx, t, np.take_along_axis(dx, t, axis=-1) - a[..., None], axis=-1)
+        if weight is None and eps == 0:  # the plain case: softmax - onehot
+            dx = p
+            np.put_along_axis(dx, t, np.take_along_axis(dx, t, axis=-1) - 1.0, axis=-1)
+        else:
+            a = (1.0 - eps) * (weight[targets] if weight is not None else np.ones(targets.shape, dtype=logp.dtype))
+            dx = p * a[..., None]
+            np.put_along_axis(dx, t, np.take_along_axis(dx, t, axis=-1) - a[..., None], axis=-1)
         if eps:
             wsum = weight.sum() if weight is not None else c
             dx += eps_c * (p * wsum - (weight if weight is not None else 1.0))

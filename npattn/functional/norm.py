@@ -11,8 +11,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import (as_float, check_cache, check_grad, check_ndim, check_normalized_shape,
-                         check_positive_float)
+from .._validate import as_float, check_cache, check_grad, check_ndim, check_normalized_shape, check_positive_float
 
 
 class LayerNormCache(NamedTuple):

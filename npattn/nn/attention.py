@@ -8,6 +8,7 @@ from .. import functional as F
 from .. import masks as _masks
 from .._validate import (as_float, as_rng, check_bool, check_dtype, check_mask, check_prob, check_size,
                         to_numpy)
+from ..functional import kernels as K
 from .layers import Linear
 from .module import Module
 
@@ -161,9 +162,9 @@ class MultiHeadAttention(Module):
             ctx, attn_cache = F.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=self.causal)
         else:
             p = self.dropout if self.training else 0.0
-            ctx, attn_cache = F.scaled_dot_product_attention(
+            ctx, attn_cache = K.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, is_causal=self.causal, dropout_p=p, rng=self.rng,
-                enable_gqa=self.num_kv_heads != self.num_heads)
+                enable_gqa=self.num_kv_heads != self.num_heads, heads_last=True)
         out, out_cache = F.linear(self._merge(ctx), self.out_proj.weight.data,
                                   None if self.out_proj.bias is None else self.out_proj.bias.data)
         self._save((self_attn, proj_cache, attn_cache, out_cache))
@@ -197,7 +198,7 @@ class MultiHeadAttention(Module):
             dqkv = np.empty(dy.shape[:-1] + (dq_ + 2 * dkv,), dy.dtype)
             views = (self._split(dqkv[..., :dq_], self.num_heads), self._split(dqkv[..., dq_:dq_ + dkv], self.num_kv_heads),
                      self._split(dqkv[..., dq_ + dkv:], self.num_kv_heads))
-            F.scaled_dot_product_attention_backward(dctx, attn_cache, out=views)
+            K.scaled_dot_product_attention_backward(dctx, attn_cache, out=views)
         else:
             dqh, dkh, dvh = F.scaled_dot_product_attention_backward(dctx, attn_cache)
         mods = (self.W_query, self.W_key, self.W_value)

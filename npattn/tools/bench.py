@@ -24,6 +24,11 @@ against ``memory_efficient_attention`` (b=1, h=12, E=64, float32, causal) for se
 lengths, each in a fresh subprocess (``VmHWM``), minus that process's resident size just
 before the call (after numpy, npattn and the inputs are loaded).
 
+``--window``: windowed attention (``window=(256, 0)``, causal; b=1, h=4, E=64, float32) of both
+cores against L = 1k ... 16k (``--quick``: 256 ... 1024), the best of 2 forward+backward runs in a fresh
+subprocess: seconds, milliseconds per 1000 query rows (constant when the work is linear in L) and
+peak extra MiB.  A core without the ``window`` option is reported as missing.
+
 Environment: some machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2
 kernels on a CPU that has AVX-512) and ``OPENBLAS_L2_SIZE``, which slow numpy's GEMM.  When they
 are set, ``main`` first measures numpy's GEMM peak with and without them (fresh subprocesses) and,
@@ -49,6 +54,7 @@ import time
 import numpy as np
 
 __all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
+           "window_table",
            "machine_info", "probe_openblas_env", "format_table"]
 
 _TORCH = None
@@ -478,6 +484,103 @@ def memory_table(lengths=(512, 1024, 2048, 4096), progress=None):
     return rows
 
 
+# -- windowed attention: work that grows with L * window ---------------------------------------------
+WINDOW = (256, 0)
+WINDOW_SHAPE = {"batch": 1, "heads": 4, "head_dim": 64}
+WINDOW_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+WINDOW_QUICK_LENGTHS = (256, 512, 1024)
+
+_WINDOW_SCRIPT = r"""
+import json, resource, sys, time
+import numpy as np
+import npattn.functional as F
+impl = sys.argv[1]
+L, left, right, h, E, repeats = (int(a) for a in sys.argv[2:8])
+if not hasattr(F, impl):
+    print(json.dumps({"missing": True}))
+    sys.exit(0)
+rng = np.random.default_rng(0)
+q, k, v, dout = (rng.standard_normal((1, h, L, E)).astype(np.float32) for _ in range(4))
+fwd, bwd = getattr(F, impl), getattr(F, impl + "_backward")
+try:  # a core without the window option is reported as missing (and the libraries are warmed up)
+    fwd(q[..., :2, :], k[..., :2, :], v[..., :2, :], is_causal=True, window=(left, right))
+except TypeError as exc:
+    if "window" in str(exc):
+        print(json.dumps({"missing": True}))
+        sys.exit(0)
+    raise
+
+def status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+before_kib = status_kib("VmRSS")
+times = []
+for _ in range(repeats):
+    t0 = time.perf_counter()
+    out, cache = fwd(q, k, v, is_causal=True, window=(left, right))
+    grads = bwd(dout, cache)
+    times.append(time.perf_counter() - t0)
+    del out, cache, grads
+print(json.dumps({"before_kib": before_kib, "peak_kib": status_kib("VmHWM"), "seconds": min(times)}))
+"""
+
+
+def window_one(impl, L, window=WINDOW, heads=WINDOW_SHAPE["heads"], head_dim=WINDOW_SHAPE["head_dim"], repeats=2):
+    """The best of ``repeats`` windowed, causal forward+backward runs of ``impl`` (b=1, float32) at
+    sequence length ``L`` and the peak memory above the inputs, in a fresh subprocess;
+    ``missing: True`` when ``impl`` has no ``window`` option."""
+    argv = [impl] + [str(a) for a in (L, window[0], window[1], heads, head_dim, repeats)]
+    proc = subprocess.run([sys.executable, "-c", _WINDOW_SCRIPT, *argv], capture_output=True, text=True,
+                          env=_child_env())
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return {"impl": impl, "seq": L, "error": tail[0]}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    if r.get("missing"):
+        return {"impl": impl, "seq": L, "missing": True}
+    return {"impl": impl, "seq": L, "seconds": r["seconds"], "ms_per_1k_rows": 1e6 * r["seconds"] / L,
+            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024}
+
+
+def window_table(lengths=WINDOW_LENGTHS, window=WINDOW, progress=None, repeats=2):
+    """Windowed attention against sequence length, both cores: with the work limited to the band,
+    time and memory per query row stay roughly constant (linear in ``L``)."""
+    rows = []
+    for L in lengths:
+        for impl in MEMORY_IMPLS:
+            if progress:
+                progress(f"window {tuple(window)} {impl} L={L}")
+            rows.append(window_one(impl, L, window, repeats=repeats))
+    return rows
+
+
+def format_window(rows, window=WINDOW):
+    """The windowed sweep as text: per core, seconds, milliseconds per 1000 query rows, MiB."""
+    shape = WINDOW_SHAPE
+    lines = [f"windowed attention, window={tuple(window)}, causal (b={shape['batch']}, h={shape['heads']}, "
+             f"E={shape['head_dim']}, float32), forward+backward in a fresh process, best of 2:",
+             f"{'L':>6} {'sdpa s':>8} {'ms/1k rows':>10} {'MiB':>7}   {'mem-eff s':>9} {'ms/1k rows':>10} {'MiB':>7}"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["seq"], {})[r["impl"]] = r
+
+    def cells(r):
+        if r is None or r.get("missing"):
+            return ("missing", "-", "-")
+        if "error" in r:
+            return ("error", "-", "-")
+        return (f"{r['seconds']:.2f}", f"{r['ms_per_1k_rows']:.1f}", f"{r['extra_mib']:.0f}")
+
+    for L, d in sorted(by.items()):
+        a, b = cells(d.get(MEMORY_IMPLS[0])), cells(d.get(MEMORY_IMPLS[1]))
+        lines.append(f"{L:>6} {a[0]:>8} {a[1]:>10} {a[2]:>7}   {b[0]:>9} {b[1]:>10} {b[2]:>7}")
+    return "\n".join(lines)
+
+
 # -- output ------------------------------------------------------------------------------------------
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
@@ -547,6 +650,8 @@ def format_table(report):
             a, b = d.get(MEMORY_IMPLS[0]), d.get(MEMORY_IMPLS[1])
             lines.append(f"{L:>6} {cell(a, 'extra_mib', '.0f'):>10} {cell(b, 'extra_mib', '.0f'):>12} "
                          f"{cell(a, 'seconds', '.2f'):>8} {cell(b, 'seconds', '.2f'):>10}")
+    if report.get("window"):
+        lines += ["", format_window(report["window"])]
     return "\n".join(lines)
 
 
@@ -575,10 +680,12 @@ def probe_openblas_env(progress=None):
     return {"vars": {k: os.environ.get(k) for k in _SLOW_ENV}, "gemm_peak_gflops": peaks, "unset": faster}
 
 
-def _collect(quick, memory, progress):
+def _collect(quick, memory, progress, window=False):
     report = run(quick=quick, progress=progress)
     if memory:
         report["memory"] = memory_table((256, 512) if quick else (512, 1024, 2048, 4096), progress=progress)
+    if window:
+        report["window"] = window_table(WINDOW_QUICK_LENGTHS if quick else WINDOW_LENGTHS, progress=progress)
     return report
 
 
@@ -587,11 +694,11 @@ def _worker():
     options as JSON in ``argv[1]``, the report as JSON on stdout, progress on stderr."""
     opts = json.loads(sys.argv[1])
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if opts["progress"] else None
-    print(json.dumps(_collect(opts["quick"], opts["memory"], progress)))
+    print(json.dumps(_collect(opts["quick"], opts["memory"], progress, opts.get("window", False))))
 
 
 def main(args):
-    """``npattn bench [--json] [--memory] [--quick]``: print the table (or the JSON report).
+    """``npattn bench [--json] [--memory] [--window] [--quick]``: print the table (or the JSON report).
 
     When this machine's ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` are measured to slow numpy's GEMM
     (``probe_openblas_env``), the benchmark runs in a subprocess without them and says so.  Never
@@ -600,6 +707,7 @@ def main(args):
     quick = bool(getattr(args, "quick", False))
     as_json = bool(getattr(args, "json", False))
     memory = bool(getattr(args, "memory", False))
+    window = bool(getattr(args, "window", False))
     progress = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     probe = None
     if not quick and os.environ.get("NPATTN_BENCH_KEEP_ENV") != "1":
@@ -607,7 +715,7 @@ def main(args):
     if probe and probe.get("unset"):
         if progress:
             progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: benchmarking in a subprocess without them")
-        opts = json.dumps({"quick": quick, "memory": memory, "progress": progress is not None})
+        opts = json.dumps({"quick": quick, "memory": memory, "window": window, "progress": progress is not None})
         proc = subprocess.run([sys.executable, "-c", "import npattn.tools.bench as b; b._worker()", opts],
                               stdout=subprocess.PIPE, text=True, env=_child_env(_SLOW_ENV))
         if proc.returncode != 0:
@@ -615,7 +723,7 @@ def main(args):
             return 1
         report = json.loads(proc.stdout.strip().splitlines()[-1])
     else:
-        report = _collect(quick, memory, progress)
+        report = _collect(quick, memory, progress, window)
     report["openblas_env_probe"] = probe
     if as_json:
         print(json.dumps(report, indent=2))
