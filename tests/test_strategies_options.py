@@ -156,7 +156,7 @@ def _fast_core_takes(name):
 
 @pytest.mark.skipif(not _fast_core_takes("window"), reason="the fast cores do not take the attention options yet")
 @settings(max_examples=60)
-@given(cfg=T.attention_configs(options=True))
+@given(cfg=T.attention_configs(options=True, head_axis=True))  # the textbook tier wants (..., H, L, E)
 def test_option_configs_fast_cores_match_the_textbook_tier(cfg):
     kw = cfg.kwargs()
     ref, _ = R.scaled_dot_product_attention(cfg.q, cfg.k, cfg.v, **kw)
@@ -166,3 +166,18 @@ def test_option_configs_fast_cores_match_the_textbook_tier(cfg):
     kw.pop("rng")
     me, _ = F.memory_efficient_attention(cfg.q, cfg.k, cfg.v, **kw)
     np.testing.assert_allclose(me, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not _fast_core_takes("window"), reason="the fast cores do not take the attention options yet")
+@settings(max_examples=40)
+@given(cfg=T.attention_configs(options=True, head_axis=True), fast=st.booleans())
+def test_option_configs_gradcheck_of_the_fast_cores(cfg, fast):
+    """What a user does with these strategies: gradcheck an attention core under every option,
+    naming the keyword inputs (sinks, a float mask with mask_grad) whose gradient it appends."""
+    kw = cfg.kwargs()
+    rep = gradcheck(F.scaled_dot_product_attention, cfg.q, cfg.k, cfg.v, wrt=_checked(cfg), fast=fast, **kw)
+    assert rep.ok, str(rep)
+    kw.pop("dropout_p")
+    kw.pop("rng")
+    rep = gradcheck(F.memory_efficient_attention, cfg.q, cfg.k, cfg.v, wrt=_checked(cfg), fast=fast, **kw)
+    assert rep.ok, str(rep)
