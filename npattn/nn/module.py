@@ -119,6 +119,7 @@ class Module:
     _buffers: "OrderedDict[str, None]"
     _modules: "OrderedDict[str, Module]"
     _cache: object
+    training: bool
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
