@@ -258,3 +258,37 @@ def test_mha_blocked_path_keeps_dtype_and_matches_small_blocks(monkeypatch, dtyp
         assert a.dtype == b_.dtype == dtype
         np.testing.assert_allclose(a, b_, **tol)
     assert np.all(np.triu(w3[..., :, :], 1) == 0)  # causal weights: zero above the diagonal
+
+
+def test_main_reports_the_own_environment_first_and_the_variant_second(monkeypatch, capsys):
+    """The default numbers are this process's (its environment untouched); the faster environment
+    without OPENBLAS_CORETYPE only adds a labelled variant, measured in a child process."""
+    row = B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)
+    part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": [row]}
+    own = dict(part, machine=B.machine_info())
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.delenv("NPATTN_BENCH_KEEP_ENV", raising=False)
+    monkeypatch.setattr(B, "_collect", lambda *a, **k: json.loads(json.dumps(own)))
+    monkeypatch.setattr(B, "probe_openblas_env", lambda progress=None: {
+        "vars": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": None},
+        "gemm_peak_gflops": {"as_set": {"float32": 1.0, "float64": 1.0}, "unset": {"float32": 2.0, "float64": 2.0}},
+        "unset": True})
+    calls = []
+
+    def fake_run(argv, **kw):
+        calls.append(kw["env"])
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(dict(part, machine=own["machine"])))
+
+    monkeypatch.setattr(B.subprocess, "run", fake_run)
+    args = type("Args", (), {"quick": False, "json": True, "memory": False, "window": False})()
+    assert B.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(calls) == 1 and "OPENBLAS_CORETYPE" not in calls[0]  # only the variant child drops it
+    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"  # this process's environment is left alone
+    assert report["results"] == own["results"]  # the default rows: this process, this environment
+    (variant,) = report["variants"]
+    assert variant["label"] == "without OPENBLAS_CORETYPE=Haswell" and variant["unset"] == list(B._SLOW_ENV)
+    monkeypatch.setenv("NPATTN_BENCH_KEEP_ENV", "1")
+    calls.clear()
+    assert B.main(args) == 0
+    assert calls == [] and json.loads(capsys.readouterr().out)["variants"] == []
