@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .nn import attention as _attention
 from . import functional as F
-from ._validate import as_float, as_rng, check_bool, check_dtype, check_prob, check_size
-from .nn.layers import Linear
-from .nn.module import Module, ModuleList, Parameter
+from ._validate import as_float, as_index, as_rng, check_bool, check_dtype, check_prob, check_size, to_numpy
+from .functional import kernels as K
+from .generation import generate as _generate
+from .nn import attention as _attention
+from .nn.layers import Dropout, Embedding, Linear
+from .nn.module import Module, ModuleList, Parameter, no_grad
 
 __all__ = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper",
            "MultiHeadAttention"]
@@ -163,7 +165,435 @@ class MultiHeadAttention(_attention.MultiHeadAttention):
         self.context_length = check_size(context_length, "context_length")
         self.register_buffer("mask", np.triu(np.ones((self.context_length,) * 2, dtype=self._dtype), k=1))
 
-    def forward(self, x):
+    def forward(self, x, use_cache=False):
+        """``x (b, num_tokens, d_in)`` -> ``(b, num_tokens, d_out)``.
+
+        ``use_cache=True`` (the book's chapter-4 KV cache): this call's keys and values join the
+        cache of ``npattn.MultiHeadAttention`` and its queries are the rows ``T .. T + n - 1`` of
+        the ``mask`` buffer over the ``T + n`` cached keys (``T`` tokens cached before), as the
+        book's ``mask[ptr:ptr + n, :T + n]``; nothing is kept for backward.  ``T + n`` may not
+        exceed ``context_length``.  ``reset_kv_cache()`` empties the cache."""
+        use_cache = check_bool(use_cache, "use_cache")
+        past = self.kv_cache_length if use_cache else 0
         x = _check_tokens(self, x, self.context_length)
         n = x.shape[-2]
-        return super().forward(x, attn_mask=self.mask[:n, :n] == 0)
+        if past + n > self.context_length:
+            raise ValueError(f"x: expected at most context_length={self.context_length} tokens with the {past} cached "
+                             f"ones, got {n} more (call reset_kv_cache() to start a new sequence)")
+        mask = self.mask[past:past + n, :past + n] == 0
+        if use_cache:
+            return super().forward(x, attn_mask=mask, use_cache=True)
+        return super().forward(x, attn_mask=mask)
+
+
+# ==============================================================================================
+# Chapter 4: the GPT model.  Chapter 5: generation with temperature / top-k, GPT-2 weights.
+# ==============================================================================================
+
+__all__ += [
+    "GELU",
+    "GPT2_MODEL_CONFIGS",
+    "GPT_CONFIG_124M",
+    "FeedForward",
+    "GPTModel",
+    "LayerNorm",
+    "TransformerBlock",
+    "generate",
+    "generate_text_simple",
+    "load_weights_into_gpt",
+]
+
+#: The book's configuration of the 124M-parameter GPT-2 (chapter 4).
+GPT_CONFIG_124M = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12, "n_layers": 12,
+                   "drop_rate": 0.1, "qkv_bias": False}
+#: The sizes of the four GPT-2 checkpoints (chapter 5; OpenAI's weights use ``qkv_bias=True``).
+GPT2_MODEL_CONFIGS = {
+    "gpt2-small (124M)": {"emb_dim": 768, "n_layers": 12, "n_heads": 12},
+    "gpt2-medium (355M)": {"emb_dim": 1024, "n_layers": 24, "n_heads": 16},
+    "gpt2-large (774M)": {"emb_dim": 1280, "n_layers": 36, "n_heads": 20},
+    "gpt2-xl (1558M)": {"emb_dim": 1600, "n_layers": 48, "n_heads": 25},
+}
+_CFG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
+
+
+def _check_cfg(cfg):
+    if not hasattr(cfg, "keys") or not hasattr(cfg, "__getitem__"):
+        raise TypeError(f"cfg: expected a dict with keys {list(_CFG_KEYS)}, got {type(cfg).__name__}")
+    missing = [k for k in _CFG_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"cfg: missing keys {missing} (expected {list(_CFG_KEYS)})")
+    for k in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+        check_size(cfg[k], f"cfg['{k}']")
+    check_prob(cfg["drop_rate"], "cfg['drop_rate']")
+    check_bool(cfg["qkv_bias"], "cfg['qkv_bias']")
+    if cfg["emb_dim"] % cfg["n_heads"]:
+        raise ValueError(
+            f"cfg['emb_dim']: expected a multiple of cfg['n_heads']={cfg['n_heads']}, got {cfg['emb_dim']}")
+    return {k: cfg[k] for k in _CFG_KEYS}
+
+
+class LayerNorm(Module):
+    """The book's layer norm: ``scale * (x - mean) / sqrt(var + eps) + shift`` over the last axis,
+    biased variance, ``eps = 1e-5``; parameters ``scale`` (ones) and ``shift`` (zeros).
+    The functional ``layer_norm`` pair with ``weight=scale``, ``bias=shift``."""
+
+    def __init__(self, emb_dim, *, dtype=np.float64):
+        super().__init__()
+        self.emb_dim = check_size(emb_dim, "emb_dim")
+        self.eps = 1e-5
+        self._dtype = check_dtype(dtype)
+        self.scale = Parameter(np.ones(self.emb_dim), self._dtype)
+        self.shift = Parameter(np.zeros(self.emb_dim), self._dtype)
+
+    def forward(self, x):
+        x = as_float(x, "x", self.dtype)
+        if x.ndim < 1 or x.shape[-1] != self.emb_dim:
+            raise ValueError(f"x: expected shape (..., {self.emb_dim}), got {x.shape}")
+        y, cache = K.layer_norm(x, self.scale.data, self.shift.data, self.eps)
+        self._save(cache)
+        return y
+
+    def backward(self, dy):
+        dx, dscale, dshift = K.layer_norm_backward(self._check_dy(dy), self._pop())
+        self._accumulate(self.scale, dscale)
+        self._accumulate(self.shift, dshift)
+        return dx
+
+
+class GELU(Module):
+    """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    def forward(self, x):
+        y, cache = K.gelu(as_float(x, "x"), "tanh")
+        self._save(cache)
+        return y
+
+    def backward(self, dy):
+        return K.gelu_backward(self._check_dy(dy), self._pop())
+
+
+class _Sequential(ModuleList):
+    """``ModuleList`` that runs its modules in order (torch's ``nn.Sequential``: keys ``0``, ``1``, ...)."""
+
+    def forward(self, x):
+        for m in self:
+            x = m(x)
+        self._save(True)
+        return x
+
+    def backward(self, dy):
+        dy = self._check_dy(dy)
+        self._pop()
+        for m in reversed(list(self)):
+            dy = m.backward(dy)
+        return dy
+
+
+class FeedForward(Module):
+    """The book's feed-forward: ``layers = Sequential(Linear(emb, 4 emb), GELU(), Linear(4 emb, emb))``
+    [``layers.0.weight``, ``layers.0.bias``, ``layers.2.weight``, ``layers.2.bias``]."""
+
+    def __init__(self, cfg, *, rng=None, dtype=np.float64):
+        super().__init__()
+        emb = check_size(cfg["emb_dim"], "cfg['emb_dim']")
+        rng = as_rng(rng)
+        self._dtype = check_dtype(dtype)
+        self.layers = _Sequential([Linear(emb, 4 * emb, rng=rng, dtype=dtype), GELU(),
+                                   Linear(4 * emb, emb, rng=rng, dtype=dtype)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def backward(self, dy):
+        return self.layers.backward(dy)
+
+
+class TransformerBlock(Module):
+    """The book's pre-norm block with its two shortcut connections::
+
+        x = x + drop_shortcut(att(norm1(x)))
+        x = x + drop_shortcut(ff(norm2(x)))
+
+    Backward: each residual sum sends ``dy`` both ways, so ``dx = dy + branch.backward(dy)``,
+    second branch first.  ``drop_shortcut`` is applied twice, so the block calls the functional
+    dropout pair itself (with the module's ``rng``) and keeps both masks.
+    """
+
+    def __init__(self, cfg, *, rng=None, dtype=np.float64):
+        super().__init__()
+        cfg = _check_cfg(cfg)
+        rng = as_rng(rng)
+        self._dtype = check_dtype(dtype)
+        self.att = MultiHeadAttention(cfg["emb_dim"], cfg["emb_dim"], cfg["context_length"], cfg["drop_rate"],
+                                      cfg["n_heads"], cfg["qkv_bias"], rng=rng, dtype=dtype)
+        self.ff = FeedForward(cfg, rng=rng, dtype=dtype)
+        self.norm1 = LayerNorm(cfg["emb_dim"], dtype=dtype)
+        self.norm2 = LayerNorm(cfg["emb_dim"], dtype=dtype)
+        self.drop_shortcut = Dropout(cfg["drop_rate"], rng=rng)
+
+    def _drop(self, x):
+        return K.dropout(x, self.drop_shortcut.p, self.drop_shortcut.rng, self.training)
+
+    def forward(self, x, *, use_cache=False):
+        x = as_float(x, "x", self.dtype)
+        a, c1 = self._drop(self.att(self.norm1(x), use_cache=use_cache))
+        x = x + a
+        f, c2 = self._drop(self.ff(self.norm2(x)))
+        self._save((c1, c2))
+        return x + f
+
+    def backward(self, dy):
+        dy = self._check_dy(dy)
+        c1, c2 = self._pop()
+        dx = dy + self.norm2.backward(self.ff.backward(K.dropout_backward(dy, c2)))
+        return dx + self.norm1.backward(self.att.backward(K.dropout_backward(dx, c1)))
+
+
+class GPTModel(Module):
+    """The book's GPT (chapter 4): ``idx (batch, num_tokens) -> logits (batch, num_tokens, vocab_size)``::
+
+        x = drop_emb(tok_emb(idx) + pos_emb(arange(num_tokens)))
+        x = trf_blocks(x)                      # n_layers TransformerBlocks
+        logits = out_head(final_norm(x))       # Linear without bias
+
+    ``cfg`` is the book's dict: ``vocab_size``, ``context_length``, ``emb_dim``, ``n_heads``,
+    ``n_layers``, ``drop_rate``, ``qkv_bias`` (e.g. ``GPT_CONFIG_124M``).  The state-dict keys
+    are the book's: ``tok_emb.weight``, ``pos_emb.weight``, ``trf_blocks.{i}.att.{mask,
+    W_query.weight, W_key.weight, W_value.weight, out_proj.weight, out_proj.bias}`` (``W_*.bias``
+    with ``qkv_bias``), ``trf_blocks.{i}.ff.layers.{0,2}.{weight,bias}``,
+    ``trf_blocks.{i}.norm{1,2}.{scale,shift}``, ``final_norm.{scale,shift}``, ``out_head.weight``;
+    initialisation as torch's defaults (embeddings N(0, 1), linears U(+-1/sqrt(in))).
+
+    ``backward(dlogits)`` accumulates every parameter's gradient (the reverse of the forward:
+    ``out_head``, ``final_norm``, the blocks last to first, the dropout, then both embeddings
+    receive ``dx``; the position table gets it summed over the batch) and returns ``None``.
+
+    ``forward(idx, use_cache=True)`` decodes incrementally: the blocks' attentions append this
+    call's keys and values to their KV cache, and positions continue after the cached ones;
+    ``reset_kv_cache()`` empties it.  Nothing is kept for backward then.  Also accepts
+    ``(num_tokens,)`` ids (logits ``(num_tokens, vocab_size)``).
+    """
+
+    def __init__(self, cfg, *, rng=None, dtype=np.float64):
+        super().__init__()
+        self.cfg = _check_cfg(cfg)
+        cfg = self.cfg
+        rng = as_rng(rng)
+        self._dtype = check_dtype(dtype)
+        self.tok_emb = Embedding(cfg["vocab_size"], cfg["emb_dim"], rng=rng, dtype=dtype)
+        self.pos_emb = Embedding(cfg["context_length"], cfg["emb_dim"], rng=rng, dtype=dtype)
+        self.drop_emb = Dropout(cfg["drop_rate"], rng=rng)
+        self.trf_blocks = _Sequential([TransformerBlock(cfg, rng=rng, dtype=dtype) for _ in range(cfg["n_layers"])])
+        self.final_norm = LayerNorm(cfg["emb_dim"], dtype=dtype)
+        self.out_head = Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False, rng=rng, dtype=dtype)
+        self.current_pos = 0
+
+    def extra_repr(self):
+        return ", ".join(f"{k}={v}" for k, v in self.cfg.items())
+
+    def _check_idx(self, idx, start):
+        idx = as_index(idx, "idx")
+        ctx = self.cfg["context_length"]
+        if idx.ndim not in (1, 2) or idx.shape[-1] < 1:
+            raise ValueError(
+                f"idx: expected token ids of shape (batch, num_tokens) or (num_tokens,), got shape {idx.shape}")
+        if start + idx.shape[-1] > ctx:
+            cached = f" after {start} cached tokens" if start else ""
+            raise ValueError(f"idx: expected at most context_length={ctx} tokens{cached}, got {idx.shape[-1]} "
+                             f"(shape {idx.shape})")
+        v = self.cfg["vocab_size"]
+        if idx.size and (idx.min() < 0 or idx.max() >= v):
+            bad = idx.min() if idx.min() < 0 else idx.max()
+            raise ValueError(f"idx: expected token ids in [0, {v}), got {bad}")
+        return idx
+
+    def forward(self, idx, use_cache=False):
+        """``idx (batch, num_tokens)`` -> ``logits (batch, num_tokens, vocab_size)``."""
+        use_cache = check_bool(use_cache, "use_cache")
+        if use_cache:
+            return self._forward_cached(idx)
+        idx = self._check_idx(idx, 0)
+        n = idx.shape[-1]
+        x, c_drop = K.dropout(self.tok_emb(idx) + self.pos_emb(np.arange(n)), self.drop_emb.p, self.drop_emb.rng,
+                              self.training)
+        logits = self.out_head(self.final_norm(self.trf_blocks(x)))
+        self._save((idx.shape, c_drop))
+        return logits
+
+    def backward(self, dlogits):
+        """Every parameter gradient from ``dlogits`` (added into ``p.grad``); returns ``None``."""
+        dlogits = self._check_dy(dlogits, "dlogits")
+        idx_shape, c_drop = self._pop()
+        dx = self.trf_blocks.backward(self.final_norm.backward(self.out_head.backward(dlogits)))
+        dx = K.dropout_backward(dx, c_drop)
+        self.tok_emb.backward(dx)
+        self.pos_emb.backward(dx.sum(axis=tuple(range(len(idx_shape) - 1))))  # one table shared by the batch
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def _forward_cached(self, idx):
+        idx = self._check_idx(idx, self.current_pos)
+        n = idx.shape[-1]
+        with no_grad():
+            pos = np.arange(self.current_pos, self.current_pos + n)
+            x, _ = K.dropout(self.tok_emb(idx) + self.pos_emb(pos), self.drop_emb.p, self.drop_emb.rng, self.training)
+            for block in self.trf_blocks:
+                x = block(x, use_cache=True)
+            logits = self.out_head(self.final_norm(x))
+            self._save(None)
+        self.current_pos += n
+        return logits
+
+    def reset_kv_cache(self) -> None:
+        """Empty every block's KV cache; the next ``forward(idx, use_cache=True)`` starts at position 0."""
+        for block in self.trf_blocks:
+            block.att.reset_kv_cache()
+        self.current_pos = 0
+
+    # -- Hugging Face GPT-2 ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_gpt2_state_dict(cls, state_dict, *, rng=None, dtype=None, **cfg):
+        """A ``GPTModel`` with the weights of a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``)
+        state dict: ``transformer.wte.weight``, ``transformer.wpe.weight``,
+        ``transformer.h.{i}.ln_1.{weight,bias}``, ``.attn.c_attn.{weight,bias}``,
+        ``.attn.c_proj.*``, ``.ln_2.*``, ``.mlp.c_fc.*``, ``.mlp.c_proj.*``,
+        ``transformer.ln_f.*`` and ``lm_head.weight`` (tied to ``wte``; used when present).
+
+        GPT-2's ``Conv1D`` stores ``(in, out)`` weights: they are transposed into the book's
+        ``(out, in)`` ``Linear`` weights, and ``c_attn`` (``(emb, 3 emb)``) is split into
+        ``W_query``, ``W_key``, ``W_value`` (so ``qkv_bias=True``).
+
+        ``**cfg`` takes the book's config keys: ``vocab_size``, ``context_length``, ``emb_dim``
+        and ``n_layers`` default to (and must agree with) the weights' shapes, ``qkv_bias`` must
+        be True, ``drop_rate`` defaults to 0.0, and ``n_heads`` (``GPT2Config.n_head``; the
+        shapes cannot tell it) defaults to ``emb_dim // 64``, GPT-2's head size, when ``emb_dim``
+        is a multiple of 64.  So ``from_hf_gpt2_state_dict(sd, **GPT_CONFIG_124M)`` works.
+        ``dtype`` defaults to the weights' (float32 or float64).  The logits are those of the
+        Hugging Face model in eval mode (its attention scale and causal mask are the book's).
+        """
+        if not hasattr(state_dict, "keys"):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        unknown = sorted(set(cfg) - set(_CFG_KEYS))
+        if unknown:
+            raise TypeError(f"from_hf_gpt2_state_dict: unexpected arguments {unknown} (expected the config keys "
+                            f"{list(_CFG_KEYS)}, rng, dtype)")
+        sd = {}
+        for k, v in state_dict.items():
+            sd[k.removeprefix("transformer.")] = to_numpy(v, f"state_dict[{k!r}]")
+        for k in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+            if k not in sd:
+                raise ValueError(f"state_dict: expected key 'transformer.{k}' (GPT2LMHeadModel's keys), "
+                                 f"got keys {sorted(state_dict.keys())[:8]}...")
+        wte = sd["wte.weight"]
+        n_layers = 0
+        while f"h.{n_layers}.ln_1.weight" in sd:
+            n_layers += 1
+        found = {"vocab_size": wte.shape[0], "context_length": sd["wpe.weight"].shape[0], "emb_dim": wte.shape[1],
+                 "n_layers": n_layers, "qkv_bias": True}
+        for k, v in found.items():
+            if k in cfg and cfg[k] != v:
+                raise ValueError(f"{k}: the state dict has {k}={v}, got {cfg[k]!r}")
+        n_heads = cfg.get("n_heads")
+        if n_heads is None:
+            if found["emb_dim"] % 64:
+                raise ValueError(f"n_heads: required (GPT2Config.n_head) when emb_dim={found['emb_dim']} is not a "
+                                 "multiple of GPT-2's head size 64; the weight shapes cannot tell it")
+            n_heads = found["emb_dim"] // 64
+        cfg = dict(found, n_heads=n_heads, drop_rate=cfg.get("drop_rate", 0.0))
+        if dtype is None:
+            dtype = wte.dtype if wte.dtype in (np.float32, np.float64) else np.float64
+        params = {"wte": wte, "wpe": sd["wpe.weight"], "g": sd["ln_f.weight"], "b": sd["ln_f.bias"], "blocks": []}
+        try:
+            for i in range(n_layers):
+                def h(name, i=i):
+                    return sd[f"h.{i}.{name}"]
+
+                params["blocks"].append({
+                    "attn": {"c_attn": {"w": h("attn.c_attn.weight"), "b": h("attn.c_attn.bias")},
+                             "c_proj": {"w": h("attn.c_proj.weight"), "b": h("attn.c_proj.bias")}},
+                    "mlp": {"c_fc": {"w": h("mlp.c_fc.weight"), "b": h("mlp.c_fc.bias")},
+                            "c_proj": {"w": h("mlp.c_proj.weight"), "b": h("mlp.c_proj.bias")}},
+                    "ln_1": {"g": h("ln_1.weight"), "b": h("ln_1.bias")},
+                    "ln_2": {"g": h("ln_2.weight"), "b": h("ln_2.bias")},
+                })
+        except KeyError as e:
+            raise ValueError(f"state_dict: expected key 'transformer.{e.args[0]}' (layer {i} of {n_layers})") from None
+        lm_head = sd.get("lm_head.weight")
+        gpt = cls(cfg, rng=0 if rng is None else rng, dtype=dtype)
+        load_weights_into_gpt(gpt, params, out_head=lm_head)
+        return gpt
+
+
+def generate_text_simple(model, idx, max_new_tokens, context_size):
+    """The book's greedy decoding (chapter 4): append ``max_new_tokens`` arg-max tokens, each
+    predicted from the last ``context_size`` tokens (``generate`` with its defaults, no cache)."""
+    return _generate(model, idx, max_new_tokens, context_size, use_cache=False)
+
+
+def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None,
+             use_cache=True):
+    """The book's ``generate`` (chapter 5) with ``rng`` and a KV cache; see
+    ``npattn.generation.generate`` for the exact semantics (temperature 0 is greedy, ``top_k``
+    masks all but the k largest logits with ``-inf``, ``eos_id`` stops, the same ``rng`` gives
+    the same tokens, the cache gives the same tokens as recomputation)."""
+    return _generate(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, rng=rng,
+                     use_cache=use_cache)
+
+
+def _param(tree, path):
+    node = tree
+    for p in path:
+        try:
+            node = node[p]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"params: expected an entry {''.join(f'[{q!r}]' for q in path)}") from None
+    return to_numpy(node, "params" + "".join(f"[{q!r}]" for q in path))
+
+
+def load_weights_into_gpt(gpt, params, *, out_head=None):
+    """Copy OpenAI's GPT-2 checkpoint, in the book's ``params`` layout (chapter 5), into ``gpt``.
+
+    ``params``: ``wte`` ``(vocab, emb)``, ``wpe`` ``(ctx, emb)``, ``g``/``b`` (final norm) and
+    ``blocks``, a list with one dict per layer: ``attn.c_attn.{w (emb, 3 emb), b (3 emb)}``,
+    ``attn.c_proj.{w, b}``, ``mlp.c_fc.{w, b}``, ``mlp.c_proj.{w, b}``, ``ln_1.{g, b}``,
+    ``ln_2.{g, b}``.  As in the book, ``c_attn`` is split in three along its last axis into
+    query, key and value, every ``w`` (stored ``(in, out)``) is transposed into a ``Linear``
+    weight ``(out, in)``, and the output head is tied to ``wte`` (``out_head`` overrides that).
+    ``gpt`` needs ``qkv_bias=True`` (GPT-2 has q/k/v biases).  Atomic: every shape is checked
+    (``ValueError`` naming the entry) before anything is copied.
+    """
+    if not isinstance(gpt, GPTModel):
+        raise TypeError(f"gpt: expected a GPTModel, got {type(gpt).__name__}")
+    if not hasattr(params, "__getitem__"):
+        raise TypeError(f"params: expected the book's nested dict of arrays, got {type(params).__name__}")
+    if not gpt.cfg["qkv_bias"]:
+        raise ValueError("gpt: GPT-2 weights have query/key/value biases; build the model with cfg['qkv_bias']=True")
+    try:
+        blocks = params["blocks"]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError("params: expected an entry ['blocks'] (one dict per layer)") from None
+    if len(blocks) != gpt.cfg["n_layers"]:
+        raise ValueError(
+            f"params['blocks']: expected {gpt.cfg['n_layers']} layers (cfg['n_layers']), got {len(blocks)}")
+    new = {"tok_emb.weight": _param(params, ("wte",)), "pos_emb.weight": _param(params, ("wpe",)),
+           "final_norm.scale": _param(params, ("g",)), "final_norm.shift": _param(params, ("b",))}
+    new["out_head.weight"] = new["tok_emb.weight"] if out_head is None else to_numpy(out_head, "out_head")
+    emb = gpt.cfg["emb_dim"]
+    for i in range(len(blocks)):
+        pre = f"trf_blocks.{i}."
+        w = _param(params, ("blocks", i, "attn", "c_attn", "w"))
+        b = _param(params, ("blocks", i, "attn", "c_attn", "b"))
+        if w.shape != (emb, 3 * emb) or b.shape != (3 * emb,):
+            raise ValueError(f"params['blocks'][{i}]['attn']['c_attn']: expected w {(emb, 3 * emb)} and "
+                             f"b {(3 * emb,)}, got {w.shape} and {b.shape}")
+        for name, wq, bq in zip(("W_query", "W_key", "W_value"), np.split(w, 3, axis=-1), np.split(b, 3, axis=-1)):
+            new[f"{pre}att.{name}.weight"] = wq.T
+            new[f"{pre}att.{name}.bias"] = bq
+        for ours, theirs in (("att.out_proj", ("attn", "c_proj")), ("ff.layers.0", ("mlp", "c_fc")),
+                             ("ff.layers.2", ("mlp", "c_proj"))):
+            new[f"{pre}{ours}.weight"] = _param(params, ("blocks", i) + theirs + ("w",)).T
+            new[f"{pre}{ours}.bias"] = _param(params, ("blocks", i) + theirs + ("b",))
+        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            new[f"{pre}{ours}.scale"] = _param(params, ("blocks", i, theirs, "g"))
+            new[f"{pre}{ours}.shift"] = _param(params, ("blocks", i, theirs, "b"))
+    gpt.load_state_dict(new, strict=False)  # atomic; the masks keep their values
+    return gpt

@@ -147,10 +147,20 @@ class TinyTransformer(Module):
         finally:
             self.train(was_training)
 
-    def generate(self, ids, max_new_tokens):
-        """Greedy autoregressive decoding: append ``max_new_tokens`` tokens, each the arg-max of
-        the model's prediction given everything before it.  ``ids (..., L)``; returns
-        ``(..., L + max_new_tokens)``.  Runs in eval mode without keeping backward state."""
+    def generate(self, ids, max_new_tokens, *, temperature=0.0, top_k=None, eos_id=None, rng=None):
+        """Autoregressive decoding: append up to ``max_new_tokens`` tokens, each predicted from
+        everything before it.  ``ids (..., L)``; returns ``(..., L + new)``.
+
+        Greedy (the arg-max) by default; ``temperature > 0`` samples from
+        ``softmax(logits / temperature)`` after ``top_k`` (all but the ``top_k`` largest logits
+        become ``-inf``); ``eos_id`` stops once every sequence has produced it (that last
+        ``eos_id`` is not appended; sequences that finished earlier are padded with it); ``rng``
+        (Generator, int seed or None) makes sampling reproducible.  The same implementation as
+        ``npattn.book.generate`` (``npattn.generation.generate``).  Runs in eval mode without
+        keeping backward state and restores the mode.
+        """
+        from .generation import generate
+
         ids = self._check_ids(ids)
         n = check_size(max_new_tokens, "max_new_tokens", minimum=0)
         if ids.shape[-1] + n > self.context_length + 1:
@@ -158,15 +168,7 @@ class TinyTransformer(Module):
                 f"max_new_tokens: {ids.shape[-1]} prompt tokens + {n} new tokens need a context of "
                 f"{ids.shape[-1] + n - 1}, more than context_length={self.context_length}"
             )
-
-        def run():
-            out = ids
-            for _ in range(n):
-                nxt = self.forward(out)[..., -1, :].argmax(axis=-1)
-                out = np.concatenate([out, nxt[..., None].astype(out.dtype)], axis=-1)
-            return out
-
-        return self._inference(run)
+        return generate(self, ids, n, self.context_length, temperature, top_k, eos_id, rng=rng, use_cache=False)
 
     def attention_weights(self, ids):
         """The attention weights of every layer and head for ``ids (..., L)``, in eval mode:

@@ -395,3 +395,16 @@ def test_property_options_equal_dense_and_directional_derivative(case):
         assert abs(ana - num) <= 1e-6 * max(1.0, abs(num)), (ana, num)
     finally:
         A._CAUSAL_BLOCK = old
+
+
+@pytest.mark.parametrize("lq,lk", [(0, 4), (4, 0), (0, 0)])
+def test_empty_sequences_with_every_option(lq, lk):
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 2, lq, 3)), rng.standard_normal((2, 1, lk, 3)), rng.standard_normal((2, 1, lk, 2))
+    kw = dict(sinks=np.ones(2), softcap=1.0, alibi_slopes=np.ones(2), attn_mask=np.zeros((lq, lk)), mask_grad=True,
+              causal_align="bottom_right", window=(2, 2), is_causal=True, dropout_p=0.5, rng=0, enable_gqa=True)
+    out, cache = sdpa(q, k, v, **kw)
+    assert out.shape == (2, 2, lq, 2) and np.all(out == 0)
+    grads = sdpa_bw(np.ones(out.shape), cache)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (lq, lk), (2,)]
+    assert all(np.all(g == 0) for g in grads)

@@ -243,7 +243,7 @@ MODULES = [
     row("MHA-kv-heads", MHA, 4, 6, 3, num_kv_heads=2, exc=ValueError, match="num_kv_heads: ", contains=["3", "2"]),
     row("MHA-heads-float", MHA, 4, 4, 2.0, exc=TypeError, match="num_heads: "),
     row("MHA-dropout", MHA, 4, 4, 2, dropout=-0.1, exc=ValueError, match="dropout: "),
-    row("MHA-memeff-dropout", MHA, 4, 4, 2, dropout=0.1, memory_efficient=True, exc=ValueError, match="dropout: "),
+    row("MHA-memeff-dropout", MHA, 4, 4, 2, dropout=1.5, memory_efficient=True, exc=ValueError, match="dropout: "),
     row("MHA-dtype", MHA, 4, 4, 2, dtype=np.float16, exc=TypeError, match="dtype: ", contains=["float16"]),
     row("MHA-rng", MHA, 4, 4, 2, rng=1.5, exc=TypeError, match="rng: "),
     row("Encoder-heads", ENC, 6, 4, 8, exc=ValueError, match="d_model: ", contains=["num_heads=4", "6"]),

@@ -205,10 +205,10 @@ def test_no_grad_is_thread_local():
 # ----------------------------------------------------------------------------------- memory
 def _kept_by_caller(m, inputs, kw):
     """ids of the arrays that outlive a backward legitimately: the caller's inputs and masks,
-    parameters, gradients and buffers."""
+    parameters (and the arrays they are views of, e.g. a fused weight), gradients and buffers."""
     keep = [*inputs, *(v for v in kw.values() if isinstance(v, np.ndarray))]
     for p in m.parameters():
-        keep += [p.data, p.grad]
+        keep += [p.data, p.grad, p.data.base]
     keep += [b for _, b in m.named_buffers()]
     return {id(a) for a in keep}
 

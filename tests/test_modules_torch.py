@@ -255,8 +255,9 @@ def test_mha_from_torch_state_dict_bad_input():
     with pytest.raises(ValueError, match="k_proj_weight"):
         npattn.MultiHeadAttention.from_torch_state_dict(
             {"q_proj_weight": np.zeros((4, 4)), "out_proj.weight": np.zeros((4, 4))}, 2)
-    sd = torch.nn.MultiheadAttention(4, 2, add_bias_kv=True).state_dict()
-    with pytest.raises(ValueError, match="bias_k"):
+    sd = dict(torch.nn.MultiheadAttention(4, 2, add_bias_kv=True).state_dict())
+    sd["unknown"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="unknown"):
         npattn.MultiHeadAttention.from_torch_state_dict(sd, 2)
     with pytest.raises(ValueError, match="d_out"):
         npattn.MultiHeadAttention.from_torch_state_dict(torch.nn.MultiheadAttention(6, 2).state_dict(), 4)

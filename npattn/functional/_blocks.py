@@ -4,12 +4,15 @@
 (``memory_efficient.py``) both work on blocks of the score matrix held key-major, ``S^T`` of
 shape ``(..., keys, queries)``.  This module holds the pieces they have in common:
 
-* ``check_qkv``, ``check_scale``, ``check_options``: validation and casting at the public edge
-  (``ValueError``/``TypeError`` naming the argument, before any arithmetic);
-* ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the leading (batch) dimensions of q, k,
-  v, and the reduction of a gradient back to its input's own shape;
-* ``Band``, ``band``, ``key_range``, ``band_hidden``, ``distance``: which keys a query may see
-  (causal, ``causal_align``, ``window``) and the ALiBi distances, for any block of rows/keys;
+* ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
+  validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
+  before any arithmetic);
+* ``gqa_groups``, ``out_lead``, ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the
+  leading (batch) dimensions of q, k, v (kernels, unchecked), and the reduction of a gradient back
+  to its input's own shape;
+* ``Band``, ``band``, ``key_range``, ``band_hidden``, ``causal_hidden``, ``distance``: which keys
+  a query may see (causal, ``causal_align``, ``window``), the hidden pairs of a key-major block
+  (the causal diagonal mask is the band ``right = 0``) and the ALiBi distances ``|p - j|``;
 * ``Block``, ``row_blocks``: the query-row blocks of the plain core, each spanning only the keys
   its rows may see;
 * ``scratch``: a contiguous view on the front of a preallocated flat buffer.
@@ -273,9 +276,12 @@ def key_range(b: Band, r0: int, r1: int, lk: int) -> tuple[int, int]:
     return c0, max(c0, c1)
 
 
-def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int) -> Optional[np.ndarray]:
+def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int, cache: Optional[dict] = None) -> Optional[np.ndarray]:
     """Key-major bool block ``(nk, nq)``: True where key ``c0 + a`` is hidden from query ``r0 + i``
-    by the band; None when the band hides nothing in the block."""
+    by the band; None when the band hides nothing in the block.  The few distinct blocks of a call
+    are built once: in ``cache`` (a dict the caller keeps for one call) when given, else in a small
+    module-wide cache of small blocks (at most ``_SHARED_MASKS`` of at most ``_SHARED_MASK_SIZE``
+    entries, oldest dropped first)."""
     d0 = c0 - r0 - b.offset  # key minus query position at the block's corner
     # d = d0 + a - i ranges over [d0 - nq + 1, d0 + nk - 1]
     lo, hi = d0 - nq + 1, d0 + nk - 1
@@ -283,32 +289,33 @@ def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int) -> Optional[np.ndar
     need_left = b.left is not None and lo < -b.left
     if not (need_right or need_left) or nk == 0 or nq == 0:
         return None
-    return _band_hidden(d0, nk, nq, b.left, b.right)
-
-
-_HIDDEN_CACHE: dict = {}
-
-
-def _band_hidden(d0, nk, nq, left, right):
-    key = (d0, nk, nq, left, right)
-    m = _HIDDEN_CACHE.get(key)
+    key = (d0, nk, nq, b.left, b.right)
+    store = cache if cache is not None else (_SHARED if nk * nq <= _SHARED_MASK_SIZE else None)
+    m = None if store is None else store.get(key)
     if m is None:
         d = np.arange(d0, d0 + nk)[:, None] - np.arange(nq)[None, :]
         m = np.zeros((nk, nq), bool)
-        if right is not None:
-            m |= d > right
-        if left is not None:
-            m |= d < -left
-        if len(_HIDDEN_CACHE) > 256:
-            _HIDDEN_CACHE.clear()
-        _HIDDEN_CACHE[key] = m
+        if b.right is not None:
+            m |= d > b.right
+        if b.left is not None:
+            m |= d < -b.left
+        if store is _SHARED and len(_SHARED) >= _SHARED_MASKS:
+            _SHARED.pop(next(iter(_SHARED)), None)
+        if store is not None:
+            store[key] = m
     return m
+
+
+_SHARED: dict = {}
+_SHARED_MASKS = 64
+_SHARED_MASK_SIZE = 128 * 128
 
 
 def causal_hidden(nk: int, nq: int, offset: int) -> np.ndarray:
     """The causal diagonal mask, key-major ``(nk, nq)``: key ``j0 + a`` hidden from query ``i0 + i``
     iff ``j0 + a > i0 + i`` (``offset = i0 - j0``)."""
-    return _band_hidden(-offset, nk, nq, None, 0)
+    m = band_hidden(Band(0, None, 0), -offset, nk, 0, nq)
+    return np.zeros((nk, nq), bool) if m is None else m
 
 
 def distance(b: Band, c0: int, nk: int, r0: int, nq: int, dtype) -> np.ndarray:

@@ -245,6 +245,7 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, drop
     qs_buf = np.empty(math.prod(glead) * height * q.shape[-1], q.dtype)
 
     e, dcap = [], ([] if softcap is not None else None)
+    masks: dict = {}  # the band's hidden pairs of each distinct block shape, built once per call
     for blk in blocks:
         rows, c0, c1, r0 = blk
         n, g = blk.n, rows.start // lq if lq else 0
@@ -261,7 +262,7 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, drop
             t += mask_block(additive, blk).swapaxes(-1, -2)
         if alibi_slopes is not None:  # - slope_h |p - j|
             t -= _per_group(alibi_slopes, lead, groups, g) * distance(bnd, c0, c1 - c0, r0, n, q.dtype)
-        cut = band_hidden(bnd, c0, c1 - c0, r0, n)  # causal diagonal / window edges inside the block
+        cut = band_hidden(bnd, c0, c1 - c0, r0, n, masks)  # causal diagonal / window edges inside the block
         if cut is not None:
             np.copyto(t, -np.inf, where=cut)
         if hidden is not None:

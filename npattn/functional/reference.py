@@ -15,12 +15,15 @@ several times faster).  A cache is a plain tuple or ``NamedTuple`` of what the b
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from ._erf import erf
 from ._random import draw_seed, keep_mask
+
+Array = np.ndarray
+RngLike = Union[np.random.Generator, int, None]  # a Generator, an int seed, or None
 
 
 def _sum_to(x, shape):
@@ -80,6 +83,11 @@ def _gqa_groups(q, k, enable_gqa):
     return q.shape[-3] // k.shape[-3] if enable_gqa and q.ndim >= 3 else 1
 
 
+def _repeat_kv(k, v, groups):
+    """k and v with each kv head repeated for the ``groups`` query heads that read it."""
+    return (np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)) if groups > 1 else (k, v)
+
+
 def _unrepeat(dx_rep, shape, groups):
     """The gradient of ``np.repeat(x, groups, axis=-3)`` (x of ``shape``, broadcast afterwards):
     sum out the broadcasting, then add up the ``groups`` query heads that shared each kv head."""
@@ -104,19 +112,26 @@ class AttentionCache(NamedTuple):
     tanh: Optional[np.ndarray]  # softcap's tanh(s / softcap), or None
     p_sink: Optional[np.ndarray]  # (B..., Hq, Lq, 1) the weight the sink took, or None
     mask_shape: Optional[tuple]  # the float mask's shape when mask_grad, else None
-    softcap: Optional[float]
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The attention weights ``P``, ``(B..., Hq, Lq, Lk)`` (before dropout; 0 where not visible)."""
+        return self.p
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
-                                 enable_gqa=False, *, causal_align="top_left", window=None, alibi_slopes=None,
-                                 softcap=None, sinks=None, mask_grad=False):
+def scaled_dot_product_attention(q: Array, k: Array, v: Array, attn_mask: Optional[Array] = None,
+                                 is_causal: bool = False, dropout_p: float = 0.0, scale: Optional[float] = None,
+                                 rng: RngLike = None, enable_gqa: bool = False, *, causal_align: str = "top_left",
+                                 window: Optional[Tuple[int, int]] = None, alibi_slopes: Optional[Array] = None,
+                                 softcap: Optional[float] = None, sinks: Optional[Array] = None,
+                                 mask_grad: bool = False) -> Tuple[Array, AttentionCache]:
     """``out = dropout(softmax(scale q k^T + mask)) v``, the textbook formula with every option.
 
     ``q (B..., Hq, Lq, E)``, ``k (B..., Hk, Lk, E)``, ``v (B..., Hk, Lk, Ev)`` -> ``(B..., Hq, Lq, Ev)``.
     See ``npattn.functional.scaled_dot_product_attention`` for the meaning of each argument.
     """
     g = _gqa_groups(q, k, enable_gqa)
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)  # (B..., Hq, Lk, E): head h reads kv head h // G
+    kr, vr = _repeat_kv(k, v, g)  # (B..., Hq, Lk, E): head h reads kv head h // G
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     z, t = _scores(q, kr, scale, attn_mask, is_causal, causal_align, window, alibi_slopes, softcap)
     # softmax over the keys, shifted by the row max (a fully masked row: max = -inf, use 0, all e = 0)
@@ -139,15 +154,22 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
     pd = p if keep is None else p * keep * drop_scale
     out = pd @ vr  # (B..., Hq, Lq, Ev)
-    mask_shape = np.shape(attn_mask) if mask_grad else None
-    return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape, softcap)
+    mask_shape = np.shape(attn_mask) if mask_grad and attn_mask is not None else None
+    return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape)
 
 
-def scaled_dot_product_attention_backward(dout, cache):
+def scaled_dot_product_attention_backward(dout: Array, cache: AttentionCache) -> Tuple[Array, ...]:
     """Backward of ``scaled_dot_product_attention``: ``(dq, dk, dv)``, then ``dmask`` (with
-    ``mask_grad``), then ``dsinks`` (with ``sinks``)."""
-    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape, softcap = cache
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    ``mask_grad``), then ``dsinks`` (with ``sinks``).
+
+    The forward computed, in order: ``s = scale q k^T``; ``z = softcap(s) + alibi + mask`` (``-inf``
+    where hidden); ``P = softmax(z)`` over the keys (and the sink); ``P' = P * keep / (1 - p)``;
+    ``out = P' v``.  The gradient walks back through the same steps, last first.
+    (notebooks/04_gradients_by_hand.ipynb, section "3. Attention: O = softmax(s QK^T + M) V";
+    the options in notebooks/08_modern_attention.ipynb.)
+    """
+    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape = cache
+    kr, vr = _repeat_kv(k, v, g)
     # out = P' vr, a matrix product:  dvr = P'^T dout  and  dP' = dout vr^T
     pd = p if keep is None else p * keep * drop_scale
     dvr = pd.swapaxes(-1, -2) @ dout  # (B..., Hq, Lk, Ev)
@@ -192,9 +214,13 @@ class MemoryEfficientCache(NamedTuple):
     mask_grad: bool
 
 
-def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
-                               dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                               alibi_slopes=None, softcap=None, sinks=None, mask_grad=False):
+def memory_efficient_attention(q: Array, k: Array, v: Array, attn_mask: Optional[Array] = None,
+                               is_causal: bool = False, scale: Optional[float] = None,
+                               block_size: Optional[int] = None, *, dropout_p: float = 0.0, rng: RngLike = None,
+                               enable_gqa: bool = False, causal_align: str = "top_left",
+                               window: Optional[Tuple[int, int]] = None, alibi_slopes: Optional[Array] = None,
+                               softcap: Optional[float] = None, sinks: Optional[Array] = None,
+                               mask_grad: bool = False) -> Tuple[Array, MemoryEfficientCache]:
     """FlashAttention's forward as a textbook loop: the online softmax over blocks of keys.
 
     The same result as ``scaled_dot_product_attention``.  Walking the key blocks, each query row
@@ -205,7 +231,7 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=N
     "All rows at once, in a dozen lines".)
     """
     g = _gqa_groups(q, k, enable_gqa)
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)  # textbook: repeated (the fast tier does not copy)
+    kr, vr = _repeat_kv(k, v, g)  # textbook: repeated (the fast tier does not copy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block = 64 if block_size is None else block_size
     opts = dict(attn_mask=attn_mask, is_causal=is_causal, causal_align=causal_align, window=window,
@@ -240,16 +266,17 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=N
                                      sinks, mask_grad)
 
 
-def memory_efficient_attention_backward(dout, cache):
+def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache) -> Tuple[Array, ...]:
     """FlashAttention-2's backward: each block of weights recomputed from the saved ``lse``.
 
     ``P = exp(z - lse)`` exactly (``lse`` is the log of the softmax denominator), then the same
     chain rule as ``scaled_dot_product_attention_backward``, block by block, with the row sums
     ``D_i = sum_j dP_ij P_ij = dout_i . out_i`` (``out_i = sum_j P'_ij v_j`` and
     ``dP_ij = keep_ij/(1-p) dout_i . v_j``).  Returns ``(dq, dk, dv)``, then ``dmask``, then ``dsinks``.
+    (notebooks/06_efficient_attention.ipynb, section "What the backward keeps".)
     """
     q, k, v, out, lse, keep, drop_scale, scale, g, block, opts, sinks, mask_grad = cache
-    kr, vr = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    kr, vr = _repeat_kv(k, v, g)
     d = (dout * out).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
     dq = np.zeros(dout.shape[:-1] + q.shape[-1:], dtype=q.dtype)
     dkr = np.zeros(dout.shape[:-2] + kr.shape[-2:], dtype=q.dtype)
@@ -277,3 +304,311 @@ def memory_efficient_attention_backward(dout, cache):
         p_sink = np.exp(np.asarray(sinks, dtype=q.dtype)[:, None, None] - lse)
         grads.append(_sum_to(-p_sink * d, (len(sinks), 1, 1)).reshape(-1))
     return tuple(grads)
+
+
+# == Linear and embedding ===========================================================================
+
+def linear(x: Array, weight: Array, bias: Optional[Array] = None) -> Tuple[Array, tuple]:
+    """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``."""
+    y = x @ weight.T
+    if bias is not None:
+        y = y + bias
+    return y, (x, weight, bias is not None)
+
+
+def linear_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array]]:
+    """(notebooks/04_gradients_by_hand.ipynb, section "1. Linear: y = xW^T + b".)
+    ``y_bo = sum_i x_bi W_oi + b_o``, so ``dx_bi = sum_o dy_bo W_oi``, ``dW_oi = sum_b dy_bo x_bi``
+    and ``db_o = sum_b dy_bo``, ``b`` running over every leading (batch) index."""
+    x, weight, has_bias = cache
+    dx = dout @ weight  # (B..., in)
+    n = math.prod(x.shape[:-1])  # every leading (batch) index as one row index
+    dy, x = dout.reshape(n, weight.shape[0]), x.reshape(n, weight.shape[1])  # (N, out), (N, in)
+    dweight = dy.T @ x  # (out, in)
+    dbias = dy.sum(axis=0) if has_bias else None  # (out,)
+    return dx, dweight, dbias
+
+
+def embedding(ids: Array, weight: Array, padding_idx: Optional[int] = None, max_norm: Optional[float] = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> Tuple[Array, tuple]:
+    """Row lookup ``out[...] = weight[ids[...]]``: ``ids`` integers of any shape, ``weight (num, D)``.
+
+    With ``max_norm`` a looked-up row whose ``norm_type``-norm exceeds it is scaled by
+    ``max_norm / (norm + 1e-7)`` in the output (as torch; the given ``weight`` is not modified).
+    """
+    rows = weight[ids]  # (ids..., D)
+    if max_norm is not None:
+        norm = np.linalg.norm(rows, ord=norm_type, axis=-1, keepdims=True)
+        rows = np.where(norm > max_norm, rows * (max_norm / (norm + 1e-7)), rows)
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return rows, (ids, weight.shape, padding_idx, scale_grad_by_freq)
+
+
+def embedding_backward(dout: Array, cache: tuple) -> Array:
+    """A lookup copies rows, so its gradient adds them back: ``dW[r] = sum of dy where ids == r``.
+
+    As torch: the ``max_norm`` rescaling is treated as a change of the weight made before the
+    lookup (no gradient flows through it), the ``padding_idx`` row gets no gradient, and with
+    ``scale_grad_by_freq`` each row's gradient is divided by how often its id occurs in ``ids``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "Training a small transformer on a toy task".)
+    """
+    ids, wshape, padding_idx, scale_grad_by_freq = cache
+    ids, dy = ids.reshape(-1), dout.reshape(-1, wshape[1])  # (N,), (N, D)
+    if scale_grad_by_freq:
+        dy = dy / np.bincount(ids, minlength=wshape[0])[ids][:, None]
+    dweight = np.zeros(wshape, dtype=dout.dtype)
+    np.add.at(dweight, ids, dy)  # scatter-add: an id seen twice collects both gradients
+    if padding_idx is not None:
+        dweight[padding_idx] = 0.0
+    return dweight
+
+
+# == Nonlinearities =================================================================================
+
+def softmax(x: Array, axis: int = -1) -> Tuple[Array, tuple]:
+    """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``; an all ``-inf`` slice gives 0, a 0-d x gives 1.
+    (notebooks/01_self_attention.ipynb, section "Softmax: scores to weights".)"""
+    y = np.reshape(x, np.shape(x) or (1,))  # a 0-d input is a softmax over one value
+    m = y.max(axis=axis, keepdims=True, initial=-np.inf)
+    e = np.exp(y - np.where(np.isfinite(m), m, 0.0))  # shifted: no overflow; all -inf: e = 0
+    total = e.sum(axis=axis, keepdims=True)
+    y = e / np.where(total == 0, 1.0, total)
+    return y.reshape(np.shape(x)), (y, axis)
+
+
+def softmax_backward(dout: Array, cache: tuple) -> Array:
+    """(notebooks/04_gradients_by_hand.ipynb, section "2. Softmax".)  ``y_i = e^{x_i} / sum_k e^{x_k}``
+    has Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx_j = y_j (dy_j - sum_i dy_i y_i)``."""
+    y, axis = cache
+    dy = dout.reshape(y.shape)
+    return (y * (dy - (dy * y).sum(axis=axis, keepdims=True))).reshape(np.shape(dout))
+
+
+def relu(x: Array) -> Tuple[Array, Array]:
+    """``y = max(x, 0)``."""
+    return np.maximum(x, 0), x
+
+
+def relu_backward(dout: Array, cache: Array) -> Array:
+    """``dy/dx`` is 1 where ``x > 0`` and 0 elsewhere (0 at ``x = 0``, as torch).
+    (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
+    return dout * (cache > 0)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu(x: Array, approximate: str = "none") -> Tuple[Array, tuple]:
+    """``"none"``: ``y = x Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` the normal CDF.
+    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``."""
+    if approximate == "none":
+        return x * 0.5 * (1.0 + erf(x / math.sqrt(2.0))), (x, approximate)
+    return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))), (x, approximate)
+
+
+def gelu_backward(dout: Array, cache: tuple) -> Array:
+    """``"none"``: ``d(x Phi)/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)`` the density.
+    ``"tanh"``: with ``t = tanh(u)``, ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) du/dx``,
+    ``du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
+    x, approximate = cache
+    if approximate == "none":
+        return dout * (0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+    t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
+    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x))
+
+
+def silu(x: Array) -> Tuple[Array, tuple]:
+    """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows)."""
+    s = 0.5 * (1.0 + np.tanh(0.5 * x))
+    return x * s, (x, s)
+
+
+def silu_backward(dout: Array, cache: tuple) -> Array:
+    """``sigmoid' = s (1 - s)``, so ``d(x s)/dx = s + x s (1 - s) = s (1 + x (1 - s))``.
+    (notebooks/08_modern_attention.ipynb, SwiGLU.)"""
+    x, s = cache
+    return dout * s * (1.0 + x * (1.0 - s))
+
+
+def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
+    """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep = rng.random(x.shape) >= p`` (kept with
+    probability ``1 - p``).  ``p = 1`` gives zeros, ``training=False`` or ``p = 0`` the identity
+    (neither draws)."""
+    if not training or p == 0.0:
+        return np.array(x, copy=True), (None, 1.0)
+    keep = np.zeros(np.shape(x), dtype=bool) if p == 1.0 else np.random.default_rng(rng).random(np.shape(x)) >= p
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    return x * keep * scale, (keep, scale)
+
+
+def dropout_backward(dout: Array, cache: tuple) -> Array:
+    """``y`` is linear in ``x`` with the same mask: ``dx = dy * keep / (1 - p)``.
+    (notebooks/02_masks_and_dropout.ipynb, section "Dropout on the attention weights".)"""
+    keep, scale = cache
+    return np.array(dout, copy=True) if keep is None else dout * keep * scale
+
+
+# == Normalisation ==================================================================================
+
+def _norm_axes(x, weight, normalized_shape):
+    """The trailing axes normalised: ``len(normalized_shape)``, else ``weight.ndim``, else 1."""
+    if normalized_shape is not None:
+        n = 1 if np.ndim(normalized_shape) == 0 else len(normalized_shape)
+    else:
+        n = 1 if weight is None else np.ndim(weight)
+    return tuple(range(x.ndim - n, x.ndim))
+
+
+def layer_norm(x: Array, weight: Optional[Array] = None, bias: Optional[Array] = None, eps: float = 1e-5, *,
+               normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
+    """``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the
+    trailing axes (``normalized_shape``).  (notebooks/05_encoder_block_and_training.ipynb,
+    section "Layer normalisation".)"""
+    axes = _norm_axes(x, weight, normalized_shape)
+    mu = x.mean(axis=axes, keepdims=True)
+    xc = x - mu
+    var = (xc * xc).mean(axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * rstd  # mean 0, variance 1 over the axes
+    y = xhat if weight is None else xhat * weight
+    if bias is not None:
+        y = y + bias
+    return y, (xhat, rstd, weight, bias is not None, axes)
+
+
+def layer_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array], Optional[Array]]:
+    """(notebooks/04_gradients_by_hand.ipynb, section "4. Layer norm".)
+
+    ``y = xhat * w + b``: ``dw = sum dy * xhat`` and ``db = sum dy`` over the leading axes; the
+    gradient at ``xhat`` is ``g = dy * w``.  With ``N`` elements normalised together,
+    ``xhat_i = (x_i - mu) r``, ``r = (var + eps)^(-1/2)``, ``dmu/dx_j = 1/N`` and
+    ``dvar/dx_j = 2 (x_j - mu) / N``, so ``dr/dx_j = -r^3 (x_j - mu) / N = -r^2 xhat_j / N`` and
+
+        dxhat_i/dx_j = r (delta_ij - 1/N) - xhat_i r xhat_j / N
+        dx_j = sum_i g_i dxhat_i/dx_j = r (g_j - mean(g) - xhat_j mean(g xhat)).
+    """
+    xhat, rstd, weight, has_bias, axes = cache
+    lead = tuple(range(dout.ndim - len(axes)))
+    dweight = (dout * xhat).sum(axis=lead) if weight is not None else None
+    dbias = dout.sum(axis=lead) if has_bias else None
+    g = dout if weight is None else dout * weight
+    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return dx, dweight, dbias
+
+
+def rms_norm(x: Array, weight: Optional[Array] = None, eps: Optional[float] = None, *,
+             normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
+    ``np.finfo(x.dtype).eps`` (as torch)."""
+    axes = _norm_axes(x, weight, normalized_shape)
+    eps = np.finfo(x.dtype).eps if eps is None else eps
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
+    xhat = x * rstd
+    return (xhat if weight is None else xhat * weight), (xhat, rstd, weight, axes)
+
+
+def rms_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array]]:
+    """As layer norm without the mean: ``xhat_i = x_i r``, ``r = (mean(x^2) + eps)^(-1/2)``,
+    ``dr/dx_j = -r^3 x_j / N = -r^2 xhat_j / N``, so with ``g = dy * w``:
+    ``dx_j = r (g_j - xhat_j mean(g xhat))`` and ``dw = sum dy * xhat`` over the leading axes.
+    (Layer norm's derivation: notebooks/04_gradients_by_hand.ipynb, section "4. Layer norm"; RMSNorm in
+    notebooks/08_modern_attention.ipynb.)"""
+    xhat, rstd, weight, axes = cache
+    dweight = (dout * xhat).sum(axis=tuple(range(dout.ndim - len(axes)))) if weight is not None else None
+    g = dout if weight is None else dout * weight
+    return rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True)), dweight
+
+
+# == Loss ===========================================================================================
+
+def cross_entropy(logits: Array, targets: Array, ignore_index: Optional[int] = None, *, weight: Optional[Array] = None,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tuple[Array, tuple]:
+    """Cross-entropy of ``softmax(logits)`` against ``targets``, classes on the **last** axis
+    (torch puts them on axis 1).  ``targets``: integer class ids ``logits.shape[:-1]`` or class
+    probabilities ``logits.shape``.  (notebooks/05_encoder_block_and_training.ipynb, section
+    "Training a small transformer on a toy task".)
+
+    Both kinds of target become one weighted target distribution ``t (..., C)`` per row:
+
+    * ids: ``t = w[y] ((1 - ls) onehot(y) + ls / C)`` per class, with ``ls = label_smoothing``
+      and the class weights ``w`` (ones by default); a row whose id is ``ignore_index`` gets ``t = 0``;
+    * probabilities: ``t = w ((1 - ls) p + ls / C)``;
+
+    the loss of a row is ``-sum_c t_c log softmax(logits)_c``.  ``reduction="none"`` returns the
+    rows, ``"sum"`` their sum and ``"mean"`` their sum divided by ``sum w[y]`` over the counted
+    rows (torch's weighted mean; the number of rows for probability targets; 0 if nothing counts).
+    """
+    c = logits.shape[-1]
+    w = np.ones(c, dtype=logits.dtype) if weight is None else np.asarray(weight, dtype=logits.dtype)
+    z = logits - logits.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))  # (..., C) log softmax, stably
+    if np.issubdtype(np.asarray(targets).dtype, np.integer):
+        counted = np.ones(targets.shape, dtype=bool) if ignore_index is None else targets != ignore_index
+        onehot = np.arange(c) == np.where(counted, targets, 0)[..., None]  # (..., C)
+        t = ((1.0 - label_smoothing) * onehot * w[np.where(counted, targets, 0)][..., None]
+             + label_smoothing / c * w) * counted[..., None]
+        denominator = (w[np.where(counted, targets, 0)] * counted).sum()
+    else:
+        t = w * ((1.0 - label_smoothing) * targets + label_smoothing / c)
+        denominator = math.prod(logits.shape[:-1])
+    rows = -(t * logp).sum(axis=-1)  # (...,)
+    scale = 1.0 if reduction != "mean" else 1.0 / (denominator if denominator != 0 else 1.0)
+    loss = rows if reduction == "none" else np.asarray(rows.sum() * scale)
+    return loss.astype(logits.dtype), (logp, t.astype(logits.dtype), reduction, scale)
+
+
+def cross_entropy_backward(dout: Array, cache: tuple) -> Array:
+    """A row's loss is ``-sum_c t_c logp_c`` with ``logp_c = z_c - log sum_k e^{z_k}``, and
+    ``dlogp_c/dz_j = delta_cj - softmax_j``, so ``dloss/dz_j = softmax_j sum_c t_c - t_j`` (with a
+    one-hot target: ``softmax - onehot``).  Then the reduction: ``"none"`` takes each row's
+    ``dout``, ``"sum"`` the scalar ``dout``, ``"mean"`` ``dout`` times the mean's ``1 / denominator``.
+    (notebooks/05_encoder_block_and_training.ipynb, section "Training a small transformer on a toy task".)"""
+    logp, t, reduction, scale = cache
+    drow = (dout if reduction == "none" else np.broadcast_to(dout * scale, logp.shape[:-1]))[..., None]
+    return drow * (np.exp(logp) * t.sum(axis=-1, keepdims=True) - t)
+
+
+# == Rotary position embedding =====================================================================
+
+def rope(x: Array, positions: Optional[Array] = None, *, base: float = 10000.0,
+         interleaved: bool = False) -> Tuple[Array, tuple]:
+    """Rotary position embedding (RoPE) of ``x (..., L, D)``, ``D`` even.
+
+    Pair ``i`` of features, ``(x_i, x_{i+D/2})`` ("rotate half", GPT-NeoX/Llama) or, interleaved,
+    ``(x_{2i}, x_{2i+1})``, is rotated by the angle ``p * base^(-2i/D)`` at position ``p``
+    (``positions`` broadcastable to ``(..., L)``, default ``arange(L)``):
+    ``(a, b) -> (a cos - b sin, a sin + b cos)``.
+    """
+    d = x.shape[-1]
+    pos = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
+    angle = pos[..., None] * base ** (-np.arange(0, d, 2) / d)  # (..., L, D/2)
+    cos, sin = np.cos(angle).astype(x.dtype), np.sin(angle).astype(x.dtype)
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : d // 2], x[..., d // 2 :])
+    return _pairs(a * cos - b * sin, a * sin + b * cos, interleaved), (cos, sin, interleaved)
+
+
+def _pairs(a, b, interleaved):
+    """Put the two halves of each pair back into one feature axis."""
+    return np.stack([a, b], axis=-1).reshape(a.shape[:-1] + (-1,)) if interleaved else np.concatenate([a, b], -1)
+
+
+def rope_backward(dout: Array, cache: tuple) -> Array:
+    """Each pair is multiplied by the rotation matrix ``[[cos, -sin], [sin, cos]]``; the gradient
+    is multiplied by its transpose, the rotation by ``-angle``: ``(da, db) = (dy_a cos + dy_b sin,
+    -dy_a sin + dy_b cos)``.  (notebooks/08_modern_attention.ipynb, RoPE.)"""
+    cos, sin, interleaved = cache
+    d = dout.shape[-1]
+    da, db = (dout[..., 0::2], dout[..., 1::2]) if interleaved else (dout[..., : d // 2], dout[..., d // 2 :])
+    return _pairs(da * cos + db * sin, -da * sin + db * cos, interleaved)
+
+
+__all__ = [
+    "linear", "linear_backward", "embedding", "embedding_backward",
+    "softmax", "softmax_backward", "relu", "relu_backward", "gelu", "gelu_backward", "silu", "silu_backward",
+    "dropout", "dropout_backward", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
+    "cross_entropy", "cross_entropy_backward", "rope", "rope_backward",
+    "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
+    "memory_efficient_attention", "memory_efficient_attention_backward",
+]

@@ -1,22 +1,114 @@
-"""``MultiHeadAttention``: projections, heads, masks, dropout and grouped-query attention over the
-functional ``linear`` and ``scaled_dot_product_attention`` pairs."""
+"""``MultiHeadAttention``: projections, heads, masks, dropout, grouped-query attention, the modern
+attention options (RoPE, QK-norm, ALiBi, sliding window, softcapping, sinks) and a KV cache, over
+the functional kernels (``npattn.functional.kernels``).
+
+The module validates everything at its own edge (``forward``), then calls the kernels, which do
+not validate again.  It owns its parameters outright: the state-dict keys are those of the
+contract (``W_query.weight``, ...), but for self-attention the three projection weights are row
+blocks of one fused ``(d_out + 2 kv, d_in)`` array (``W_query.weight.data`` *is* a view of it), so
+q, k and v come out of one GEMM without copying the weights on every call.
+"""
+
 from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
 
 import numpy as np
 
-from .. import functional as F
 from .. import masks as _masks
-from .._validate import (as_float, as_rng, check_bool, check_dtype, check_mask, check_prob, check_size,
-                        to_numpy)
+from .._validate import (
+    as_float,
+    as_rng,
+    check_bool,
+    check_dtype,
+    check_mask,
+    check_positive_float,
+    check_prob,
+    check_size,
+    to_numpy,
+)
 from ..functional import kernels as K
-from .layers import Linear
-from .module import Module
+from .layers import Linear, RMSNorm
+from .module import Module, Parameter, no_grad
 
 __all__ = ["MultiHeadAttention"]
 
+_ALIGNS = ("top_left", "bottom_right")
+
+
+class _State(NamedTuple):
+    """What ``MultiHeadAttention.backward`` needs from its forward."""
+
+    self_attn: bool
+    proj: tuple  # the linear caches: one fused (self-attention) or three
+    q_norm: tuple | None  # rms_norm caches of q and k (qk_norm)
+    k_norm: tuple | None
+    q_rope: tuple | None  # rope caches of q and k (rope)
+    k_rope: tuple | None
+    attn: tuple  # the attention kernel's cache
+    out: tuple  # out_proj's linear cache
+    lk: int  # number of real keys (before bias_k / the zero key)
+    n_extra: int  # number of extra keys (bias_k, the zero key)
+    memory_efficient: bool
+    sinks: bool
+
+
+class _KVCache:
+    """Projected (and rotated) keys and values of the tokens seen so far, ``(..., Hk, T, hd)``,
+    held in buffers whose capacity doubles as they fill (appending is amortised O(new tokens))."""
+
+    def __init__(self, k, v):
+        self.lead = k.shape[:-3]
+        self.length = 0
+        self.k = self.v = None
+        self._grow(k, v, max(16, 2 * k.shape[-2]))
+
+    def _grow(self, k, v, capacity):
+        """New buffers of ``capacity`` tokens in ``k``'s dtype, holding the cached tokens."""
+        shape = k.shape[:-2] + (capacity, k.shape[-1])
+        nk, nv = np.empty(shape, k.dtype), np.empty(shape[:-1] + (v.shape[-1],), v.dtype)
+        if self.k is not None:
+            nk[..., : self.length, :] = self.k[..., : self.length, :]
+            nv[..., : self.length, :] = self.v[..., : self.length, :]
+        self.k, self.v = nk, nv
+
+    def append(self, k, v):
+        """Add ``k, v (..., Hk, n, hd)``; return views of every cached key and value."""
+        n = k.shape[-2]
+        if self.length + n > self.k.shape[-2] or self.k.dtype != k.dtype:  # full, or the module was cast (.to())
+            self._grow(k, v, max(2 * self.k.shape[-2], self.length + n))
+        self.k[..., self.length : self.length + n, :] = k
+        self.v[..., self.length : self.length + n, :] = v
+        self.length += n
+        return self.k[..., : self.length, :], self.v[..., : self.length, :]
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected None or a pair (left, right) of integers, got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window: expected integers (left, right), got {side}={w!r} ({type(w).__name__})")
+        if w < -1:
+            raise ValueError(f"window: expected {side} >= 0 or -1 (unbounded), got {int(w)}")
+        out.append(int(w))
+    return tuple(out)
+
+
+def _check_softcap(softcap):
+    if softcap is None:
+        return None
+    return check_positive_float(softcap, "softcap")
+
 
 class MultiHeadAttention(Module):
-    """Multi-head attention, batch first: ``(..., L, d_in) -> (..., L, d_out)``.
+    """Multi-head attention, batch first: ``(..., L, d_in) -> (..., L, d_out)``; unbatched
+    ``(L, d_in) -> (L, d_out)`` too (any number of leading axes, none included).
 
     ``d_out`` is split into ``num_heads`` heads of ``d_out // num_heads``; with ``num_kv_heads``
     smaller than ``num_heads`` (and dividing it) the key/value projections have
@@ -29,14 +121,62 @@ class MultiHeadAttention(Module):
     uses the opposite) or float (added to the scaled scores), broadcastable to
     ``(..., num_heads, Lq, Lk)``; torch's ``(batch * num_heads, Lq, Lk)`` layout is accepted too.
     ``key_padding_mask`` ``(..., Lk)``: **True = padding** (ignored key), or float additive.
-    ``causal=True`` masks future keys (top-left aligned).
+    ``causal=True`` masks future keys (aligned by ``causal_align``).  With a KV cache, ``Lk``
+    counts every cached key.
+
+    torch's options: ``add_bias_kv`` appends one learnable key/value (``bias_k``, ``bias_v``, each
+    ``(1, 1, kv)``) after the projected keys/values, ``add_zero_attn`` one zero key/value per head
+    after those; the masks get a visible column for each (as torch pads them).  These extra keys
+    carry no position: they are visible to every query whatever ``causal``, ``window`` and
+    ``alibi`` say, they are not normalised (``qk_norm``) and not rotated (``rope``).
+
+    The attention options (see ``scaled_dot_product_attention``): ``window=(left, right)``,
+    ``causal_align`` (``"top_left"`` or ``"bottom_right"``), ``softcap``, ``alibi=True`` (slopes
+    ``2**(-8 (h+1) / num_heads)``), ``sinks=True`` (a learnable logit per head, parameter
+    ``sinks (num_heads,)``, zeros at start), ``rope=True`` (rotary embedding, rotate-half, of each
+    head's q and k, base ``rope_base``; query/key ``i`` at position ``i``, plus the KV cache's
+    length), ``qk_norm=True`` (RMSNorm over each head's q and k, parameters ``q_norm.weight`` and
+    ``k_norm.weight`` ``(head_dim,)``; applied before RoPE).
+
+    KV cache: ``forward(x, use_cache=True)`` (self-attention) appends this call's keys/values
+    (after RoPE) to the module's cache and lets the queries attend over every cached key,
+    with bottom-right alignment (the new queries are the last positions); see ``forward``.
 
     With ``memory_efficient=True`` the attention core is ``memory_efficient_attention`` (no
-    ``(Lq, Lk)`` array held; no attention dropout, no ``need_weights``).
+    ``(Lq, Lk)`` array held, dropout masks regenerated block by block, so they differ from the
+    plain core's for the same rng; no ``need_weights``).
     """
 
-    def __init__(self, d_in, d_out, num_heads, *, dropout=0.0, qkv_bias=False, out_bias=True, causal=False,
-                 num_kv_heads=None, kdim=None, vdim=None, memory_efficient=False, rng=None, dtype=np.float64):
+    _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
+    _kv_cache: _KVCache | None
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        causal: bool = False,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        memory_efficient: bool = False,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        window: tuple[int, int] | None = None,
+        causal_align: str = "top_left",
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        qk_norm: bool = False,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         self.d_in = check_size(d_in, "d_in")
         self.d_out = check_size(d_out, "d_out")
@@ -45,28 +185,48 @@ class MultiHeadAttention(Module):
             raise ValueError(f"d_out: expected a multiple of num_heads={self.num_heads}, got {self.d_out}")
         self.num_kv_heads = self.num_heads if num_kv_heads is None else check_size(num_kv_heads, "num_kv_heads")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}"
-            )
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}")
         self.kdim = self.d_in if kdim is None else check_size(kdim, "kdim")
         self.vdim = self.d_in if vdim is None else check_size(vdim, "vdim")
         self.head_dim = self.d_out // self.num_heads
         self.dropout = check_prob(dropout, "dropout")
         self.causal = check_bool(causal, "causal")
         self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
-        if self.memory_efficient and self.dropout > 0:
-            raise ValueError(
-                f"dropout: memory_efficient attention has no attention dropout; expected 0.0, got {self.dropout}"
-            )
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
         out_bias = check_bool(out_bias, "out_bias")
+        self.add_bias_kv = check_bool(add_bias_kv, "add_bias_kv")
+        self.add_zero_attn = check_bool(add_zero_attn, "add_zero_attn")
+        self.window = _check_window(window)
+        if not isinstance(causal_align, str) or causal_align not in _ALIGNS:
+            raise ValueError(f"causal_align: expected one of {_ALIGNS}, got {causal_align!r}")
+        self.causal_align = causal_align
+        self.softcap = _check_softcap(softcap)
+        self.alibi = check_bool(alibi, "alibi")
+        use_sinks = check_bool(sinks, "sinks")
+        self.rope = check_bool(rope, "rope")
+        self.rope_base = check_positive_float(rope_base, "rope_base")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"rope: expected an even head_dim (d_out // num_heads), got {self.head_dim}")
+        self.qk_norm = check_bool(qk_norm, "qk_norm")
         self._dtype = check_dtype(dtype)
         self.rng = as_rng(rng)
         kv = self.num_kv_heads * self.head_dim
+        # the draws of the projections come first and in this order (same seed, same weights)
         self.W_query = Linear(self.d_in, self.d_out, qkv_bias, rng=self.rng, dtype=dtype)
         self.W_key = Linear(self.kdim, kv, qkv_bias, rng=self.rng, dtype=dtype)
         self.W_value = Linear(self.vdim, kv, qkv_bias, rng=self.rng, dtype=dtype)
         self.out_proj = Linear(self.d_out, self.d_out, out_bias, rng=self.rng, dtype=dtype)
+        if self.add_bias_kv:  # torch: xavier_normal_ on (1, 1, kv), std sqrt(2 / (kv + kv))
+            std = math.sqrt(1.0 / kv)
+            self.bias_k = Parameter(self.rng.normal(0.0, std, (1, 1, kv)), self._dtype)
+            self.bias_v = Parameter(self.rng.normal(0.0, std, (1, 1, kv)), self._dtype)
+        self.sinks = Parameter(np.zeros(self.num_heads), self._dtype) if use_sinks else None
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, dtype=dtype)
+        object.__setattr__(self, "_fused", None)
+        object.__setattr__(self, "_kv_cache", None)
+        self._fused_qkv()
 
     def extra_repr(self):
         s = f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}"
@@ -76,7 +236,45 @@ class MultiHeadAttention(Module):
             s += ", causal=True"
         if self.dropout:
             s += f", dropout={self.dropout}"
+        for name in ("add_bias_kv", "add_zero_attn", "alibi", "rope", "qk_norm", "memory_efficient"):
+            if getattr(self, name):
+                s += f", {name}=True"
+        if self.sinks is not None:
+            s += ", sinks=True"
+        if self.window is not None:
+            s += f", window={self.window}"
+        if self.causal_align != "top_left":
+            s += f", causal_align={self.causal_align!r}"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap}"
         return s
+
+    # -- the fused q/k/v weight -------------------------------------------------------------
+    def _fused_qkv(self):
+        """``(W, b)``: the fused self-attention projection, ``W (d_out + 2 kv, d_in)`` whose row
+        blocks are ``W_query.weight.data``, ``W_key.weight.data``, ``W_value.weight.data`` (views;
+        ``b`` likewise for the biases, None without ``qkv_bias``).  Built once; rebuilt (and the
+        three parameters' ``.data`` re-pointed at it, same values) only when one of them was
+        replaced by another array (``Module.to``, ``copy.deepcopy``, an assignment to ``.data``).
+        None when ``kdim`` or ``vdim`` differs from ``d_in`` (no self-attention)."""
+        if self.kdim != self.d_in or self.vdim != self.d_in:
+            return None
+        mods = (self.W_query, self.W_key, self.W_value)
+        f = self._fused
+        if (
+            f is not None
+            and _linked(f[0], f[2], [m.weight for m in mods])
+            and (f[1] is None or _linked(f[1], f[3], [m.bias for m in mods]))
+        ):
+            return f[0], f[1]
+        W = np.concatenate([m.weight.data for m in mods])
+        wv = _views(W, [m.weight for m in mods])
+        b = bv = None
+        if self.W_query.bias is not None:
+            b = np.concatenate([m.bias.data for m in mods])
+            bv = _views(b, [m.bias for m in mods])
+        object.__setattr__(self, "_fused", (W, b, wv, bv))
+        return W, b
 
     # -- helpers ---------------------------------------------------------------------------
     def _split(self, t, heads):
@@ -92,7 +290,7 @@ class MultiHeadAttention(Module):
     def _check_inputs(self, query, key, value):
         x = as_float(query, "query", self.dtype)
         if x.ndim < 2 or x.shape[-1] != self.d_in:
-            raise ValueError(f"query: expected shape (..., L, {self.d_in}), got {x.shape}")
+            raise ValueError(f"query: expected shape (..., L, {self.d_in}) or (L, {self.d_in}), got {x.shape}")
         if key is None and value is None:
             if self.kdim != self.d_in or self.vdim != self.d_in:
                 raise ValueError(
@@ -116,16 +314,18 @@ class MultiHeadAttention(Module):
         mask = None
         if attn_mask is not None:
             m = to_numpy(attn_mask, "attn_mask")
-            if (m.ndim == 3 and len(lead) == 1 and m.shape == (lead[0] * self.num_heads, lq, lk)
-                    and m.shape[0] != self.num_heads):
+            if (
+                m.ndim == 3
+                and len(lead) == 1
+                and m.shape == (lead[0] * self.num_heads, lq, lk)
+                and m.shape[0] != self.num_heads
+            ):
                 m = m.reshape(target)  # torch's (batch * num_heads, Lq, Lk)
             mask = check_mask(m, "attn_mask", target)
         if key_padding_mask is not None:
             kpm = to_numpy(key_padding_mask, "key_padding_mask")
             if kpm.dtype.kind not in "bf":
-                raise TypeError(
-                    f"key_padding_mask: expected bool (True = padding) or float, got dtype {kpm.dtype}"
-                )
+                raise TypeError(f"key_padding_mask: expected bool (True = padding) or float, got dtype {kpm.dtype}")
             if kpm.shape != lead + (lk,):
                 raise ValueError(f"key_padding_mask: expected shape {lead + (lk,)}, got {kpm.shape}")
             mask = _masks.combine(mask, _masks.from_key_padding_mask(kpm))
@@ -133,134 +333,364 @@ class MultiHeadAttention(Module):
             mask = mask.astype(self.dtype)  # a float64 mask keeps a float32 module float32 (caches included)
         return mask
 
+    def alibi_slopes(self) -> np.ndarray:
+        """The ALiBi slopes ``2**(-8 (h + 1) / num_heads)``, ``(num_heads,)``."""
+        return 2.0 ** (-8.0 * np.arange(1, self.num_heads + 1, dtype=self.dtype) / self.num_heads)
+
+    def _positional_mask(self, lq, lk, align):
+        """causal, window and ALiBi over the real keys as one explicit mask (used when extra keys
+        follow them, which must stay visible and carry no position): bool ``(Lq, Lk)`` True = may
+        attend, or float ``(num_heads, Lq, Lk)`` with ALiBi's bias and ``-inf`` where hidden."""
+        p = np.arange(lq)[:, None] + (lk - lq if align == "bottom_right" else 0)
+        j = np.arange(lk)[None, :]
+        allowed = np.ones((lq, lk), bool)
+        if self.causal:
+            allowed &= j <= p
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                allowed &= j >= p - left
+            if right >= 0:
+                allowed &= j <= p + right
+        if not self.alibi:
+            return allowed
+        bias = -self.alibi_slopes()[:, None, None] * np.abs(p - j).astype(self.dtype)
+        return np.where(allowed, bias, -np.inf).astype(self.dtype)
+
+    def _with_extra_keys(self, kh, vh, lead):
+        """Append ``bias_k``/``bias_v`` and the zero key/value (``add_bias_kv``, ``add_zero_attn``)."""
+        ks, vs = [kh], [vh]
+        hk, hd = self.num_kv_heads, self.head_dim
+        if self.add_bias_kv:
+            ks.append(np.broadcast_to(self.bias_k.data.reshape(hk, 1, hd), lead + (hk, 1, hd)))
+            vs.append(np.broadcast_to(self.bias_v.data.reshape(hk, 1, hd), lead + (hk, 1, hd)))
+        if self.add_zero_attn:
+            ks.append(np.zeros(lead + (hk, 1, hd), kh.dtype))
+            vs.append(np.zeros(lead + (hk, 1, hd), vh.dtype))
+        return np.concatenate(ks, axis=-2), np.concatenate(vs, axis=-2)
+
     # -- forward / backward ----------------------------------------------------------------
-    def forward(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, need_weights=False):
-        """Returns ``(..., Lq, d_out)``, or ``(out, weights)`` with per-head ``weights``
-        ``(..., num_heads, Lq, Lk)`` (after dropout, as torch) when ``need_weights``."""
+    def forward(
+        self,
+        query,
+        key=None,
+        value=None,
+        *,
+        attn_mask=None,
+        key_padding_mask=None,
+        need_weights: bool = False,
+        average_attn_weights: bool = False,
+        use_cache: bool = False,
+    ):
+        """Returns ``(..., Lq, d_out)``, or ``(out, weights)`` when ``need_weights``: per-head
+        ``weights (..., num_heads, Lq, Lk)`` (after dropout, as torch), averaged over the heads to
+        ``(..., Lq, Lk)`` with ``average_attn_weights=True``.  ``Lk`` counts the extra keys of
+        ``add_bias_kv``/``add_zero_attn`` (last columns) and every cached key.
+
+        ``use_cache=True`` (self-attention only) decodes incrementally: this call's keys and
+        values (after RoPE) are appended to the module's KV cache and the queries attend over
+        every cached key; query ``i`` of this call sits at position ``T + i`` (``T`` the cache's
+        length before the call), for causal masking, the window, ALiBi and RoPE alike, whatever
+        ``causal_align`` says (bottom-right alignment).  Masks then cover all ``T + Lq`` keys.
+        Such a call keeps no state for backward (a ``backward`` afterwards raises
+        ``RuntimeError``, as after ``no_grad``).  ``reset_kv_cache()`` empties the cache; the
+        batch shape of every cached call must be the same.  Feeding a sequence token by token
+        (or in chunks) gives the outputs of one full causal forward over it.
+        """
+        # -- validate everything before any arithmetic or state change --------------------------
         x, k_in, v_in, self_attn = self._check_inputs(query, key, value)
         need_weights = check_bool(need_weights, "need_weights")
+        average = check_bool(average_attn_weights, "average_attn_weights")
+        use_cache = check_bool(use_cache, "use_cache")
         if need_weights and self.memory_efficient:
             raise ValueError("need_weights: memory_efficient attention never forms the weights; expected False")
-        lead, lq, lk = x.shape[:-2], x.shape[-2], k_in.shape[-2]
+        lead, lq = x.shape[:-2], x.shape[-2]
+        past = 0
+        cache = self._kv_cache
+        if use_cache:
+            if not self_attn:
+                raise ValueError("use_cache: the KV cache is for self-attention; expected key=None and value=None")
+            if cache is not None:
+                if cache.lead != lead:
+                    raise ValueError(
+                        f"query: expected the batch shape {cache.lead} of the KV cache, got {x.shape} "
+                        "(call reset_kv_cache() to start a new sequence)"
+                    )
+                past = cache.length
+        lk = past + k_in.shape[-2]  # real keys: cached + this call's
         mask = self._build_mask(attn_mask, key_padding_mask, lead, lq, lk)
-        Wq, Wk, Wv = self.W_query, self.W_key, self.W_value
-        dq_, dkv = self.d_out, self.num_kv_heads * self.head_dim
-        if self_attn:  # one fused GEMM for q, k and v
-            W = np.concatenate([Wq.weight.data, Wk.weight.data, Wv.weight.data])
-            b = None if Wq.bias is None else np.concatenate([Wq.bias.data, Wk.bias.data, Wv.bias.data])
-            qkv, proj_cache = F.linear(x, W, b)
-            q, k, v = qkv[..., :dq_], qkv[..., dq_:dq_ + dkv], qkv[..., dq_ + dkv:]
+
+        # -- projections: one GEMM for q, k and v in self-attention ----------------------------
+        H, Hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        d_kv = Hk * hd
+        if self_attn:
+            W, b = self._fused_qkv()
+            qkv, c = K.linear(x, W, b)
+            proj = (c,)
+            q, k, v = qkv[..., : self.d_out], qkv[..., self.d_out : self.d_out + d_kv], qkv[..., self.d_out + d_kv :]
         else:
-            (q, cq), (k, ck), (v, cv) = (F.linear(a, m.weight.data, None if m.bias is None else m.bias.data)
-                                         for a, m in ((x, Wq), (k_in, Wk), (v_in, Wv)))
-            proj_cache = (cq, ck, cv)
-        qh, kh, vh = self._split(q, self.num_heads), self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads)
+            outs = [
+                K.linear(a, m.weight.data, None if m.bias is None else m.bias.data)
+                for a, m in ((x, self.W_query), (k_in, self.W_key), (v_in, self.W_value))
+            ]
+            (q, _), (k, _), (v, _) = outs
+            proj = tuple(c for _, c in outs)
+        qh, kh, vh = self._split(q, H), self._split(k, Hk), self._split(v, Hk)
+        qn = kn = qr = kr = None
+        if self.qk_norm:
+            qh, qn = K.rms_norm(qh, self.q_norm.weight.data, self.q_norm.eps)  # type: ignore[union-attr]
+            kh, kn = K.rms_norm(kh, self.k_norm.weight.data, self.k_norm.eps)  # type: ignore[union-attr]
+        if self.rope:
+            qh, qr = K.rope(qh, np.arange(past, past + lq), base=self.rope_base)
+            kh, kr = K.rope(kh, np.arange(past, past + k_in.shape[-2]), base=self.rope_base)
+        if use_cache:
+            if cache is None:
+                cache = _KVCache(kh, vh)
+                object.__setattr__(self, "_kv_cache", cache)
+            kh, vh = cache.append(kh, vh)
+
+        # -- attention --------------------------------------------------------------------------
+        align = "bottom_right" if use_cache else self.causal_align
+        n_extra = int(self.add_bias_kv) + int(self.add_zero_attn)
+        opts = {}
+        if n_extra:
+            kh, vh = self._with_extra_keys(kh, vh, lead)
+            if self.causal or self.window is not None or self.alibi:
+                mask = _masks.combine(mask, self._positional_mask(lq, lk, align))
+            if mask is not None:  # a visible column for each extra key
+                mask = np.broadcast_to(mask, mask.shape[:-1] + (lk,))
+                pad = np.broadcast_to(
+                    np.array(True if mask.dtype == bool else 0, mask.dtype), mask.shape[:-1] + (n_extra,)
+                )
+                mask = np.concatenate([mask, pad], axis=-1)
+            is_causal = False
+        else:
+            is_causal = self.causal
+            if self.window is not None:
+                opts["window"] = self.window
+            if self.alibi:
+                opts["alibi_slopes"] = self.alibi_slopes()
+        if align != "top_left" and (is_causal or "window" in opts or "alibi_slopes" in opts):
+            opts["causal_align"] = align
+        if self.softcap is not None:
+            opts["softcap"] = self.softcap
+        if self.sinks is not None:
+            opts["sinks"] = self.sinks.data
+        if Hk != H:
+            opts["enable_gqa"] = True
+        p = self.dropout if self.training else 0.0
+        if p > 0:
+            opts.update(dropout_p=p, rng=self.rng)
         if self.memory_efficient:
-            groups = self.num_heads // self.num_kv_heads
-            if groups > 1:
-                kh, vh = np.repeat(kh, groups, axis=-3), np.repeat(vh, groups, axis=-3)
-            ctx, attn_cache = F.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=self.causal)
+            ctx, attn_cache = K.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, **opts)
         else:
-            p = self.dropout if self.training else 0.0
             ctx, attn_cache = K.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, is_causal=self.causal, dropout_p=p, rng=self.rng,
-                enable_gqa=self.num_kv_heads != self.num_heads, heads_last=True)
-        out, out_cache = F.linear(self._merge(ctx), self.out_proj.weight.data,
-                                  None if self.out_proj.bias is None else self.out_proj.bias.data)
-        self._save((self_attn, proj_cache, attn_cache, out_cache))
+                qh, kh, vh, attn_mask=mask, is_causal=is_causal, heads_last=True, **opts
+            )
+        out, out_cache = K.linear(
+            self._merge(ctx), self.out_proj.weight.data, None if self.out_proj.bias is None else self.out_proj.bias.data
+        )
+        state = _State(
+            self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, n_extra, self.memory_efficient, "sinks" in opts
+        )
+        if use_cache:
+            with no_grad():  # a cached call keeps nothing for backward
+                self._save(None)
+        else:
+            self._save(state)
         if not need_weights:
             return out
         c = attn_cache
         weights = c.weights.copy() if c.keep is None else c.weights * c.keep * c.drop_scale
+        if average:
+            weights = weights.mean(axis=-3)
         return out, weights
 
     def backward(self, dy):
-        """Through ``out_proj``, the attention core and the projections.  Returns ``dx`` for
-        self-attention (the sum over the input's three uses), else ``(dquery, dkey, dvalue)``."""
+        """Through ``out_proj``, the attention core, RoPE, QK-norm and the projections.  Returns
+        ``dx`` for self-attention (the sum over the input's three uses, shaped like the input),
+        else ``(dquery, dkey, dvalue)``."""
         dy = self._check_dy(dy)
-        self_attn, proj_cache, attn_cache, out_cache = self._pop()
-        dctx, dwo, dbo = F.linear_backward(dy, out_cache)
+        st = self._pop()
+        H, Hk = self.num_heads, self.num_kv_heads
+        d_kv = Hk * self.head_dim
+        dctx, dwo, dbo = K.linear_backward(dy, st.out)
         self._accumulate(self.out_proj.weight, dwo)
         if self.out_proj.bias is not None:
             self._accumulate(self.out_proj.bias, dbo)
-        dctx = self._split(dctx, self.num_heads)
-        if self.memory_efficient:
-            dqh, dkh, dvh = F.memory_efficient_attention_backward(dctx, attn_cache)
-            groups = self.num_heads // self.num_kv_heads
-            if groups > 1:  # undo the repeat: sum over the query heads sharing a kv head
-                s = dkh.shape
-                dkh = dkh.reshape(s[:-3] + (self.num_kv_heads, groups) + s[-2:]).sum(axis=-3)
-                dvh = dvh.reshape(s[:-3] + (self.num_kv_heads, groups) + dvh.shape[-2:]).sum(axis=-3)
-        elif self_attn:
-            # the attention backward writes dq, dk, dv straight into one (..., L, d_q + 2 d_kv)
-            # buffer, the gradient of the fused q/k/v projection's output (no concatenate)
-            dq_, dkv = self.d_out, self.num_kv_heads * self.head_dim
-            dqkv = np.empty(dy.shape[:-1] + (dq_ + 2 * dkv,), dy.dtype)
-            views = (self._split(dqkv[..., :dq_], self.num_heads), self._split(dqkv[..., dq_:dq_ + dkv], self.num_kv_heads),
-                     self._split(dqkv[..., dq_ + dkv:], self.num_kv_heads))
-            K.scaled_dot_product_attention_backward(dctx, attn_cache, out=views)
+        dctx = self._split(dctx, H)
+        # with nothing between the projections and the attention core, its gradients are those of
+        # the projections' outputs
+        plain = st.q_norm is None and st.q_rope is None and st.n_extra == 0
+        dqkv = None
+        if st.self_attn:
+            dqkv = np.empty(dy.shape[:-1] + (self.d_out + 2 * d_kv,), dy.dtype)
+            views = (
+                self._split(dqkv[..., : self.d_out], H),
+                self._split(dqkv[..., self.d_out : self.d_out + d_kv], Hk),
+                self._split(dqkv[..., self.d_out + d_kv :], Hk),
+            )
+        if st.memory_efficient:
+            grads = K.memory_efficient_attention_backward(dctx, st.attn)
+        elif st.self_attn and plain:
+            # the attention backward writes dq, dk, dv straight into the (..., L, d_out + 2 kv)
+            # gradient of the fused projection's output (no concatenate)
+            grads = K.scaled_dot_product_attention_backward(dctx, st.attn, out=views)
         else:
-            dqh, dkh, dvh = F.scaled_dot_product_attention_backward(dctx, attn_cache)
+            grads = K.scaled_dot_product_attention_backward(dctx, st.attn)
+        dqh, dkh, dvh = grads[:3]
+        if st.sinks:
+            self._accumulate(self.sinks, grads[-1])
+        lk = st.lk
+        lead_axes = tuple(range(dkh.ndim - 3))
+        if self.add_bias_kv and st.n_extra:  # the key/value appended at position lk, broadcast over the batch
+            self._accumulate(self.bias_k, self._merge(dkh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
+            self._accumulate(self.bias_v, self._merge(dvh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv))
+        dkh, dvh = dkh[..., :lk, :], dvh[..., :lk, :]
+        if st.q_rope is not None:
+            dqh = K.rope_backward(dqh, st.q_rope)
+            dkh = K.rope_backward(dkh, st.k_rope)
+        if st.q_norm is not None:
+            dqh, dwq = K.rms_norm_backward(dqh, st.q_norm)
+            dkh, dwk = K.rms_norm_backward(dkh, st.k_norm)
+            self._accumulate(self.q_norm.weight, dwq)
+            self._accumulate(self.k_norm.weight, dwk)
         mods = (self.W_query, self.W_key, self.W_value)
-        if self_attn:
-            if self.memory_efficient:
-                dqkv = np.concatenate([self._merge(dqh), self._merge(dkh), self._merge(dvh)], axis=-1)
-            dx, dW, db = F.linear_backward(dqkv, proj_cache)
-            splits = np.cumsum([m.out_features for m in mods])[:-1]
-            for m, dw_i, db_i in zip(mods, np.split(dW, splits), np.split(db, splits) if db is not None else (None,) * 3):
-                self._accumulate(m.weight, dw_i)
+        if st.self_attn:
+            if st.memory_efficient or not plain:
+                for view, d in zip(views, (dqh, dkh, dvh)):
+                    view[...] = d
+            dx, dW, db = K.linear_backward(dqkv, st.proj[0])
+            rows = np.cumsum([0, self.d_out, d_kv, d_kv])
+            for i, m in enumerate(mods):
+                self._accumulate(m.weight, dW[rows[i] : rows[i + 1]])
                 if m.bias is not None:
-                    self._accumulate(m.bias, db_i)
+                    self._accumulate(m.bias, db[rows[i] : rows[i + 1]])
             return dx
         grads = []
-        for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), proj_cache):
-            dx_i, dw_i, db_i = F.linear_backward(d, c)
+        for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), st.proj):
+            dx_i, dw_i, db_i = K.linear_backward(d, c)
             self._accumulate(m.weight, dw_i)
             if m.bias is not None:
                 self._accumulate(m.bias, db_i)
             grads.append(dx_i)
         return tuple(grads)
 
+    # -- KV cache --------------------------------------------------------------------------
+    def reset_kv_cache(self) -> None:
+        """Empty the KV cache (start a new sequence)."""
+        object.__setattr__(self, "_kv_cache", None)
+
+    @property
+    def kv_cache_length(self) -> int:
+        """The number of cached tokens (0 when the cache is empty)."""
+        return 0 if self._kv_cache is None else self._kv_cache.length
+
     # -- interop ---------------------------------------------------------------------------
+    _TORCH_KEYS = (
+        "in_proj_weight",
+        "q_proj_weight",
+        "k_proj_weight",
+        "v_proj_weight",
+        "in_proj_bias",
+        "bias_k",
+        "bias_v",
+        "out_proj.weight",
+        "out_proj.bias",
+    )
+
     @classmethod
-    def from_torch_state_dict(cls, state_dict, num_heads, **kwargs):
+    def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> MultiHeadAttention:
         """Build from the ``state_dict`` of ``torch.nn.MultiheadAttention`` (``batch_first=True``
         gives the same outputs).  Packed ``in_proj_weight`` ``[q; k; v]`` or separate
-        ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias``; ``out_proj.*``.
-        ``bias_k``/``bias_v`` are not supported.  Remember that torch's bool ``attn_mask`` means
-        True = *masked*; npattn's means True = may attend (pass ``~mask``)."""
+        ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``; ``in_proj_bias``; ``out_proj.*``;
+        ``bias_k``/``bias_v`` (``add_bias_kv``).  Pass ``add_zero_attn=True`` when torch's module was
+        built with it (nothing in its state dict says so).  Other keys raise ``ValueError``.
+
+        ``dtype=`` (np.float32, ``"float32"``, ``np.dtype``...) chooses the module's dtype; by default
+        the state dict's own float32/float64 (float64 otherwise).  Remember that torch's bool
+        ``attn_mask`` means True = *masked*; npattn's means True = may attend (pass ``~mask``)."""
         if not hasattr(state_dict, "items"):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        unknown = [k for k in state_dict if k not in cls._TORCH_KEYS]
+        if unknown:
+            raise ValueError(
+                f"state_dict: unknown keys {unknown} (torch.nn.MultiheadAttention has {list(cls._TORCH_KEYS)})"
+            )
         sd = {k: to_numpy(v, f"state_dict[{k!r}]") for k, v in state_dict.items()}
-        for key in ("bias_k", "bias_v"):
-            if key in sd:
-                raise ValueError(f"state_dict: {key!r} (add_bias_kv=True) is not supported")
         if "out_proj.weight" not in sd:
             raise ValueError(f"state_dict: expected key 'out_proj.weight', got keys {sorted(sd)}")
         if sd["out_proj.weight"].ndim != 2:
-            raise ValueError(f"state_dict: expected 'out_proj.weight' of shape (E, E), got {sd['out_proj.weight'].shape}")
+            raise ValueError(
+                f"state_dict: expected 'out_proj.weight' of shape (E, E), got {sd['out_proj.weight'].shape}"
+            )
         E = sd["out_proj.weight"].shape[0]
         if "in_proj_weight" in sd:
             w = sd["in_proj_weight"]
             if w.shape != (3 * E, E):
                 raise ValueError(f"state_dict: expected 'in_proj_weight' of shape {(3 * E, E)}, got {w.shape}")
-            wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+            wq, wk, wv = w[:E], w[E : 2 * E], w[2 * E :]
         else:
             missing = [k for k in ("q_proj_weight", "k_proj_weight", "v_proj_weight") if k not in sd]
             if missing:
-                raise ValueError(f"state_dict: expected 'in_proj_weight' or the separate projections, missing {missing}")
+                raise ValueError(
+                    f"state_dict: expected 'in_proj_weight' or the separate projections, missing {missing}"
+                )
             wq, wk, wv = sd["q_proj_weight"], sd["k_proj_weight"], sd["v_proj_weight"]
-        has_in_bias = "in_proj_bias" in sd
-        kwargs.setdefault("dtype", sd["out_proj.weight"].dtype if sd["out_proj.weight"].dtype.kind == "f" else np.float64)
-        if kwargs["dtype"] not in (np.float32, np.float64):
-            kwargs["dtype"] = np.float64
-        m = cls(wq.shape[1], E, num_heads, qkv_bias=has_in_bias, out_bias="out_proj.bias" in sd,
-                kdim=wk.shape[1], vdim=wv.shape[1], **kwargs)
+            for name, w in (("q_proj_weight", wq), ("k_proj_weight", wk), ("v_proj_weight", wv)):
+                if w.ndim != 2 or w.shape[0] != E:
+                    raise ValueError(f"state_dict: expected {name!r} of shape ({E}, in), got {w.shape}")
+        has_bias_kv = "bias_k" in sd or "bias_v" in sd
+        if has_bias_kv and not ("bias_k" in sd and "bias_v" in sd):
+            raise ValueError("state_dict: expected both 'bias_k' and 'bias_v' (add_bias_kv=True) or neither")
+        if "add_bias_kv" in kwargs and check_bool(kwargs.pop("add_bias_kv"), "add_bias_kv") != has_bias_kv:
+            raise ValueError(
+                f"add_bias_kv: the state dict {'has' if has_bias_kv else 'has no'} 'bias_k'/'bias_v', "
+                f"expected add_bias_kv={has_bias_kv} (or leave it out)"
+            )
+        if "dtype" in kwargs:
+            kwargs["dtype"] = check_dtype(kwargs["dtype"])
+        else:
+            dt = sd["out_proj.weight"].dtype
+            kwargs["dtype"] = dt if dt in (np.dtype(np.float32), np.dtype(np.float64)) else np.dtype(np.float64)
+        m = cls(
+            wq.shape[1],
+            E,
+            num_heads,
+            qkv_bias="in_proj_bias" in sd,
+            out_bias="out_proj.bias" in sd,
+            kdim=wk.shape[1],
+            vdim=wv.shape[1],
+            add_bias_kv=has_bias_kv,
+            **kwargs,
+        )
         new = {"W_query.weight": wq, "W_key.weight": wk, "W_value.weight": wv, "out_proj.weight": sd["out_proj.weight"]}
-        if has_in_bias:
+        if "in_proj_bias" in sd:
             b = sd["in_proj_bias"]
-            new.update({"W_query.bias": b[:E], "W_key.bias": b[E:2 * E], "W_value.bias": b[2 * E:]})
-        if "out_proj.bias" in sd:
-            new["out_proj.bias"] = sd["out_proj.bias"]
-        m.load_state_dict(new)
+            if b.shape != (3 * E,):
+                raise ValueError(f"state_dict: expected 'in_proj_bias' of shape {(3 * E,)}, got {b.shape}")
+            new.update({"W_query.bias": b[:E], "W_key.bias": b[E : 2 * E], "W_value.bias": b[2 * E :]})
+        for key in ("out_proj.bias", "bias_k", "bias_v"):
+            if key in sd:
+                new[key] = sd[key]
+        m.load_state_dict(new, strict=False)
         return m
+
+
+def _linked(fused, views, params) -> bool:
+    """True while each parameter's ``.data`` is still the view of ``fused`` handed to it."""
+    return all(p.data is w and w.base is fused for p, w in zip(params, views))
+
+
+def _views(fused, params):
+    """Point each parameter's ``.data`` at its row block of ``fused``; return the views."""
+    views, r = [], 0
+    for p in params:
+        n = p.data.shape[0]
+        w = fused[r : r + n]
+        version = p._version
+        p.data = w
+        p._version = version  # the same values, only in another array: nothing a kept forward state must refuse
+        views.append(w)
+        r += n
+    return tuple(views)

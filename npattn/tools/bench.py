@@ -66,7 +66,7 @@ import time
 import numpy as np
 
 __all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
-           "window_table", "bench_demo", "memory_torch",
+           "window_table", "bench_demo", "memory_torch", "bench_decode", "format_decode",
            "machine_info", "probe_openblas_env", "format_table"]
 
 _TORCH = None
@@ -426,6 +426,132 @@ def bench_encoder(b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_t
     return _result("encoder", {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "causal": causal},
                    dtype, _encoder_flops(b, L, d, h, d_ff, causal), times, peak, check)
 
+
+
+# -- decoding with and without the KV cache -------------------------------------------------------
+DECODE = {"vocab_size": 512, "context_length": 256, "emb_dim": 256, "n_heads": 4, "n_layers": 4, "drop_rate": 0.0,
+          "qkv_bias": False}
+DECODE_QUICK = {"vocab_size": 64, "context_length": 32, "emb_dim": 32, "n_heads": 2, "n_layers": 2, "drop_rate": 0.0,
+                "qkv_bias": False}
+
+
+def _torch_book_gpt(torch, cfg):
+    """The book's chapter-4 GPTModel in torch (eager, no cache), as ``tests/book/chapter4_torch.py``."""
+    nn = torch.nn
+
+    class LayerNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.scale, self.shift = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+        def forward(self, x):
+            mean, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+            return self.scale * (x - mean) / torch.sqrt(var + 1e-5) + self.shift
+
+    class GELU(nn.Module):
+        def forward(self, x):
+            return 0.5 * x * (1 + torch.tanh((2.0 / math.pi) ** 0.5 * (x + 0.044715 * x ** 3)))
+
+    class MHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = cfg["emb_dim"]
+            self.W_query, self.W_key, self.W_value = (nn.Linear(d, d, bias=cfg["qkv_bias"]) for _ in range(3))
+            self.out_proj = nn.Linear(d, d)
+            self.register_buffer("mask", torch.triu(torch.ones(cfg["context_length"], cfg["context_length"]), 1))
+
+        def forward(self, x):
+            b, n, d = x.shape
+            h = cfg["n_heads"]
+            q, k, v = (W(x).view(b, n, h, d // h).transpose(1, 2) for W in (self.W_query, self.W_key, self.W_value))
+            s = (q @ k.transpose(2, 3)).masked_fill(self.mask.bool()[:n, :n], -torch.inf)
+            w = torch.softmax(s / k.shape[-1] ** 0.5, dim=-1)
+            return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, d))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = cfg["emb_dim"]
+            self.att = MHA()
+            self.ff = nn.Module()
+            self.ff.layers = nn.Sequential(nn.Linear(d, 4 * d), GELU(), nn.Linear(4 * d, d))
+            self.norm1, self.norm2 = LayerNorm(d), LayerNorm(d)
+
+        def forward(self, x):
+            x = x + self.att(self.norm1(x))
+            return x + self.ff.layers(self.norm2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])
+            self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])
+            self.trf_blocks = nn.Sequential(*[Block() for _ in range(cfg["n_layers"])])
+            self.final_norm = LayerNorm(cfg["emb_dim"])
+            self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)
+
+        def forward(self, idx):
+            x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+            return self.out_head(self.final_norm(self.trf_blocks(x)))
+
+    return GPT()
+
+
+def bench_decode(cfg=None, dtype=np.float32, *, prompt_len=16, batch=1, use_torch=True, repeats=3):
+    """Greedy decoding of ``npattn.book.GPTModel`` from a ``prompt_len``-token prompt until the
+    context is full (``context_length - prompt_len`` new tokens), with the KV cache (one token
+    per step) and without (every step re-encodes the whole sequence), and torch's eager book
+    model (no cache) with the same weights.  Rows: ``{"name": "decode", "impl", "tokens_per_s",
+    "seconds", ...}``; ``same_tokens`` says whether each run produced the cached run's tokens."""
+    from ..book import GPTModel, generate
+
+    cfg = dict(DECODE if cfg is None else cfg)
+    ctx = cfg["context_length"]
+    new = ctx - prompt_len
+    model = GPTModel(cfg, rng=0, dtype=dtype)
+    prompt = np.random.default_rng(0).integers(0, cfg["vocab_size"], (batch, prompt_len))
+    outs = {}
+
+    def run_np(use_cache):
+        def fn():
+            outs[use_cache] = generate(model, prompt, new, ctx, use_cache=use_cache)
+        return fn
+
+    fns = {"npattn, KV cache": run_np(True), "npattn, no cache": run_np(False)}
+    torch = _torch() if use_torch else None
+    if torch is not None:
+        tm = _torch_book_gpt(torch, cfg).to(torch.float32 if np.dtype(dtype) == np.float32 else torch.float64).eval()
+        tm.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in model.state_dict().items()})
+
+        def run_torch():
+            idx = torch.from_numpy(prompt)
+            with torch.no_grad():
+                for _ in range(new):
+                    nxt = tm(idx[:, -ctx:])[:, -1].argmax(-1, keepdim=True)
+                    idx = torch.cat([idx, nxt], dim=1)
+            outs["torch"] = idx.numpy()
+
+        fns["torch eager, no cache"] = run_torch
+    times = time_interleaved(fns, warmup=1, repeats=repeats, pause=PAUSE)
+    keys = {"npattn, KV cache": True, "npattn, no cache": False, "torch eager, no cache": "torch"}
+    shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new, **cfg}
+    return [{"name": "decode", "impl": impl, "shape": shape, "dtype": np.dtype(dtype).name, "seconds": t,
+             "tokens_per_s": batch * new / t, "same_tokens": bool(np.array_equal(outs[keys[impl]], outs[True]))}
+            for impl, t in times.items()]
+
+
+def format_decode(rows):
+    """The decode rows as lines of text."""
+    if not rows:
+        return []
+    s = rows[0]["shape"]
+    lines = [f"greedy decoding of npattn.book.GPTModel (emb {s['emb_dim']}, {s['n_layers']} layers, {s['n_heads']} "
+             f"heads, vocab {s['vocab_size']}): a {s['prompt']}-token prompt to the full context of "
+             f"{s['context_length']}, batch {s['batch']}",
+             f"{'implementation':<24} {'dtype':<8} {'seconds':>8} {'tokens/s':>9} {'same tokens':>12}"]
+    lines += [f"{r['impl']:<24} {r['dtype']:<8} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} "
+              f"{'yes' if r['same_tokens'] else 'no':>12}" for r in rows]
+    return lines
 
 
 # -- the whole run ---------------------------------------------------------------------------------
@@ -861,6 +987,8 @@ def format_table(report):
     lines += ["", "this machine's own settings:"] + _format_results(report)
     for var in report.get("variants") or []:
         lines += ["", f"VARIANT, not this machine's settings: {var['label']}"] + _format_results(var)
+    if report.get("decode"):
+        lines += [""] + format_decode(report["decode"])
     if report.get("memory"):
         lines += ["", "peak memory of forward+backward (b=1, h=12, E=64, float32, causal): "
                   "MiB above the inputs, seconds",
@@ -910,8 +1038,14 @@ def probe_openblas_env(progress=None):
     return {"vars": {k: os.environ.get(k) for k in _SLOW_ENV}, "gemm_peak_gflops": peaks, "unset": faster}
 
 
-def _collect(quick, memory, progress, window=False):
+def _collect(quick, memory, progress, window=False, decode=False):
     report = run(quick=quick, progress=progress)
+    if decode:
+        if progress:
+            progress("decode with and without the KV cache")
+        report["decode"] = [r for dt in (np.float32, np.float64)
+                            for r in bench_decode(DECODE_QUICK if quick else DECODE, dt, prompt_len=4 if quick else 16,
+                                                  repeats=1 if quick else 3)]
     if memory:
         report["memory"] = memory_table((256, 512) if quick else (512, 1024, 2048, 4096), progress=progress)
     if window:
@@ -927,11 +1061,12 @@ def _worker():
     if opts.get("timings_only"):
         print(json.dumps(run(quick=opts["quick"], progress=progress, memory=False)))
         return
-    print(json.dumps(_collect(opts["quick"], opts["memory"], progress, opts.get("window", False))))
+    print(json.dumps(_collect(opts["quick"], opts["memory"], progress, opts.get("window", False),
+                              opts.get("decode", False))))
 
 
 def main(args):
-    """``npattn bench [--json] [--memory] [--window] [--quick]``: print the table (or the JSON report).
+    """``npattn bench [--json] [--memory] [--window] [--decode] [--quick]``: print the table (or the JSON report).
 
     Everything is measured under this machine's own environment.  When its ``OPENBLAS_CORETYPE``/
     ``OPENBLAS_L2_SIZE`` are measured to slow numpy's GEMM (``probe_openblas_env``), the timing cases
@@ -942,8 +1077,9 @@ def main(args):
     as_json = bool(getattr(args, "json", False))
     memory = bool(getattr(args, "memory", False))
     window = bool(getattr(args, "window", False))
+    decode = bool(getattr(args, "decode", False))
     progress = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    report = _collect(quick, memory, progress, window)
+    report = _collect(quick, memory, progress, window, decode)
     probe = None
     if not quick and os.environ.get("NPATTN_BENCH_KEEP_ENV") != "1":
         probe = probe_openblas_env(progress)

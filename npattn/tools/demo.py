@@ -323,6 +323,10 @@ class _Progress:
 
 
 def main(args) -> int:
+    if args.task == "chars":
+        from .demo_chars import main as chars_main
+
+        return chars_main(args)
     cfg = TASKS[args.task]
     cfg = replace(cfg, seed=args.seed, steps=args.steps if args.steps is not None else cfg.steps)
     n_params = build_model(cfg, 0).num_parameters()

@@ -1,0 +1,169 @@
+"""Autoregressive text generation for any npattn language model: greedy, temperature, top-k, EOS.
+
+One implementation, used by ``npattn.book.generate`` / ``generate_text_simple`` (the book's
+chapter 4 and 5 functions) and by ``TinyTransformer.generate``.
+
+A *model* here is anything callable as ``model(idx) -> logits``: integer token ids ``(B, L)``
+in, ``(B, L, vocab)`` logits out, where ``logits[:, t]`` predicts token ``t + 1``.  A model
+that also has ``reset_kv_cache()`` and accepts ``model(idx, use_cache=True)`` (``GPTModel``)
+decodes incrementally with a KV cache: the prompt is encoded once, then each step feeds only the
+newest token.  The tokens are the same with and without the cache.
+
+Sampling one step (the book's chapter 5, ``next_token_probs`` and ``sample_next_token``)::
+
+    logits = logits[:, -1, :]                        # the last position's prediction
+    top_k:        logits[logits < k-th largest] = -inf   (ties with the k-th value are kept)
+    temperature:  0 -> argmax (greedy);  T > 0 -> sample from softmax(logits / T)
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ._validate import as_index, as_rng, check_bool, check_size
+from .nn.module import no_grad
+
+__all__ = ["check_sampling", "generate", "next_token_probs", "sample_next_token"]
+
+
+def check_sampling(temperature, top_k, eos_id):
+    """Validate the sampling options; returns ``(temperature as float, top_k, eos_id)``."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature: expected a real number >= 0, got {temperature!r} ({type(temperature).__name__})")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature: expected a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None:
+        top_k = check_size(top_k, "top_k")
+    if eos_id is not None:
+        if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral):
+            raise TypeError(f"eos_id: expected an integer token id or None, got {eos_id!r} ({type(eos_id).__name__})")
+        eos_id = int(eos_id)
+    return temperature, top_k, eos_id
+
+
+def _top_k_mask(logits: np.ndarray, top_k: int | None) -> np.ndarray:
+    """The book's ``torch.where(logits < topk(logits, k).values[:, -1], -inf, logits)``: every
+    logit below the k-th largest becomes ``-inf`` (a k larger than the vocabulary keeps all)."""
+    v = logits.shape[-1]
+    if top_k is None or top_k >= v:
+        return logits
+    kth = np.partition(logits, v - top_k, axis=-1)[..., v - top_k:v - top_k + 1]  # the k-th largest
+    return np.where(logits < kth, -np.inf, logits).astype(logits.dtype, copy=False)
+
+
+def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None) -> np.ndarray:
+    """The distribution the next token is drawn from: ``softmax(top_k(logits) / temperature)``
+    over the last axis of ``logits (..., vocab)``.  ``temperature=0`` gives the one-hot of the
+    arg-max (greedy decoding; the first one on ties)."""
+    temperature, top_k, _ = check_sampling(temperature, top_k, None)
+    logits = np.asarray(logits)
+    if logits.dtype.kind != "f" or logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected a float array (..., vocab) with vocab >= 1, got "
+                         f"dtype {logits.dtype}, shape {logits.shape}")
+    return _probs(logits, temperature, top_k)
+
+
+def _probs(logits, temperature, top_k):
+    if temperature == 0.0:
+        out = np.zeros_like(logits)
+        np.put_along_axis(out, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
+        return out
+    z = _top_k_mask(logits, top_k)
+    # softmax(z / T) = softmax((z - max z) / T): the shifted form cannot overflow for small T
+    z = (z - z.max(axis=-1, keepdims=True)) / z.dtype.type(temperature)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of ``logits (B, vocab)``.  Greedy: the arg-max (top-k changes nothing).
+    Sampling: inverse CDF, one uniform draw ``rng.random(B)`` per step, so a seed fixes the tokens;
+    a token of probability 0 (masked by top-k) is never drawn."""
+    if temperature == 0.0:
+        return logits.argmax(axis=-1)
+    p = _probs(logits.astype(np.float64), temperature, top_k)
+    cdf = np.cumsum(p, axis=-1)
+    u = rng.random(len(p)) * cdf[:, -1]
+    return np.array([np.searchsorted(c, x, side="right") for c, x in zip(cdf, u)], dtype=np.int64)
+
+
+def sample_next_token(logits, temperature: float = 0.0, top_k: int | None = None, *, rng=None) -> np.ndarray:
+    """The book's sampling step on ``logits (B, vocab)`` (the last position's): greedy arg-max at
+    ``temperature=0``, else a draw from ``next_token_probs(logits, temperature, top_k)``.
+    Returns ``(B,)`` int64 token ids."""
+    temperature, top_k, _ = check_sampling(temperature, top_k, None)
+    logits = np.asarray(logits)
+    if logits.dtype.kind != "f" or logits.ndim != 2 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}")
+    return _sample(logits, temperature, top_k, as_rng(rng))
+
+
+def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None,
+             use_cache=True):
+    """Append up to ``max_new_tokens`` tokens to ``idx`` (integer ids ``(..., L)``, usually
+    ``(batch, L)``), each predicted from at most the last ``context_size`` tokens.
+
+    * ``temperature=0``: greedy (arg-max); ``temperature > 0``: sample from
+      ``softmax(logits / temperature)``, after ``top_k`` (keep the ``top_k`` largest logits,
+      the others become ``-inf``; ties with the k-th are kept, as the book's ``torch.where``).
+    * ``eos_id``: a sequence that produces ``eos_id`` is finished.  As in the book, generation
+      stops at the step where the (last) sequence finishes, and that step's ``eos_id`` is not
+      appended; in a batch, sequences that finished earlier are padded with ``eos_id`` until
+      then.  So the result may be shorter than ``L + max_new_tokens``.
+    * ``rng``: Generator, int seed or None; the same seed gives the same tokens (one
+      ``rng.random(batch)`` per sampled step; greedy decoding draws nothing).
+    * ``use_cache``: with a model that has a KV cache (``reset_kv_cache`` and
+      ``model(idx, use_cache=True)``), encode the prompt once and then feed one token per step.
+      Once the sequence is longer than ``context_size`` the window slides and absolute position
+      embeddings change for every kept token, so those steps re-encode the last ``context_size``
+      tokens, exactly as without the cache.  The cache is reset before and after.  Ignored for
+      models without a cache.
+
+    Runs in eval mode (dropout off) under ``no_grad`` and restores the model's mode.
+    Returns the ids ``(..., L + new)``, of ``idx``'s integer dtype.
+    """
+    idx = as_index(idx, "idx")
+    if idx.ndim < 1 or idx.shape[-1] < 1:
+        raise ValueError(f"idx: expected integer token ids of shape (..., L) with L >= 1, got shape {idx.shape}")
+    n = check_size(max_new_tokens, "max_new_tokens", minimum=0)
+    context_size = check_size(context_size, "context_size")
+    temperature, top_k, eos_id = check_sampling(temperature, top_k, eos_id)
+    rng = as_rng(rng)
+    if not callable(model):
+        raise TypeError(f"model: expected a callable model(idx) -> logits, got {type(model).__name__}")
+    use_cache = check_bool(use_cache, "use_cache") and callable(getattr(model, "reset_kv_cache", None))
+
+    lead = idx.shape[:-1]
+    out = idx.reshape(-1, idx.shape[-1])
+    finished = np.zeros(len(out), dtype=bool)
+    was_training = getattr(model, "training", None) if callable(getattr(model, "train", None)) else None
+    if was_training is not None:
+        model.train(False)
+    try:
+        with no_grad():
+            if use_cache:
+                model.reset_kv_cache()
+            primed = False
+            for _ in range(n):
+                if use_cache and out.shape[1] <= context_size:
+                    logits = model(out[:, -1:] if primed else out, use_cache=True)
+                    primed = True
+                else:
+                    logits = model(out[:, -context_size:])
+                nxt = _sample(np.asarray(logits)[:, -1, :], temperature, top_k, rng)
+                if eos_id is not None:
+                    nxt = np.where(finished, eos_id, nxt)
+                    finished |= nxt == eos_id
+                    if finished.all():
+                        break
+                out = np.concatenate([out, nxt[:, None].astype(out.dtype)], axis=1)
+    finally:
+        if use_cache:
+            model.reset_kv_cache()
+        if was_training is not None:
+            model.train(was_training)
+    return out.reshape(lead + (out.shape[1],))
