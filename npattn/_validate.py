@@ -15,7 +15,7 @@ _FLOAT_KINDS = "f"
 _INT_KINDS = "iu"
 
 
-def to_numpy(x, name: str = None):
+def to_numpy(x, name: "str | None" = None):
     """Array-like -> ndarray without copying when possible (CPU torch tensors included).
 
     With ``name``, an array-like numpy cannot convert (e.g. a ragged nested list) raises
@@ -112,6 +112,7 @@ def check_bool(x, name: str) -> bool:
 def check_axis(axis, ndim: int, name: str = "axis") -> int:
     if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
         raise TypeError(f"{name}: expected an integer, got {axis!r} ({type(axis).__name__})")
+    axis = int(axis)
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}: expected a value in [{-ndim}, {ndim - 1}] for a {ndim}-d input, got {axis}")
     return int(axis) % ndim

@@ -71,7 +71,8 @@ class TinyTransformer(Module):
         self.context_length = check_size(context_length, "context_length")
         self.num_layers = check_size(num_layers, "num_layers")
         check_prob(dropout, "dropout")
-        embedding_std = check_positive_float(embedding_std, "embedding_std")  # bool/str: TypeError; inf/nan/<=0: ValueError
+        # bool and str: TypeError; inf, nan, <= 0: ValueError
+        embedding_std = check_positive_float(embedding_std, "embedding_std")
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         self.tok_emb = Embedding(vocab_size, d_model, rng=rng, dtype=dtype)

@@ -251,6 +251,11 @@ class Optimizer:
                 if not np.isfinite(a).all():
                     problems.append(f"state {i}: {k!r} holds inf or NaN values")
                     continue
+                big = float(np.finfo(p.data.dtype).max)
+                if a.size and float(np.abs(a).max()) > big:
+                    problems.append(f"state {i}: {k!r} holds {float(np.abs(a).max()):g}, out of the range of "
+                                    f"{p.data.dtype} (max {big:g})")
+                    continue
                 new[k] = np.array(a, dtype=p.data.dtype, copy=True)
             staged.append((i, new))
         if problems:

@@ -373,7 +373,7 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
     floor = min(floor, (rtol or 1.0) / 1e4)
     top = positive.max() if positive.size else 1.0
     shown = np.where(np.isfinite(rel), np.maximum(rel, floor), max(top, rtol or 0, 1.0) * 10)
-    plt = _pyplot()
+    _pyplot()  # a clear ImportError without matplotlib
     ax = _check_ax(ax)
     ax = _new_ax(ax, (max(4.5, 0.45 * len(rows) + 2.0), 3.6))
     colors = ["#3a9d5d" if k else "#d1495b" for k in ok]
@@ -416,9 +416,12 @@ def _smooth(y, smoothing):
         beta = float(smoothing)
         if not 0.0 < beta < 1.0:
             raise ValueError(f"smoothing: expected a float in (0, 1) (EMA factor) or an int window, got {beta}")
-        out = np.empty_like(y)
+        out = np.empty(len(y))
         acc, norm = 0.0, 0.0
-        for i, v in enumerate(y):  # bias-corrected, as TensorBoard
+        for i, v in enumerate(np.asarray(y, dtype=np.float64)):  # bias-corrected, as TensorBoard
+            if not math.isfinite(v):  # a NaN/inf loss is shown as it is and kept out of the average
+                out[i] = v
+                continue
             acc = beta * acc + (1 - beta) * v
             norm = beta * norm + (1 - beta)
             out[i] = acc / norm
@@ -450,7 +453,9 @@ def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabe
       (e.g. train and validation); each may also be a list of ``(step, loss)`` pairs.
     * ``smoothing``: ``None`` (raw curve); an ``int`` window for a trailing moving average; a
       ``float`` in (0, 1) for an exponential moving average.  When smoothing, the raw curve is
-      drawn faintly behind the smoothed one.
+      drawn faintly behind the smoothed one.  A NaN/inf loss spoils only the moving-average
+      windows that contain it (each window is summed on its own), and the exponential average
+      shows it at its own step and skips it afterwards.
     * ``logy``: logarithmic loss axis.
 
     Returns the ``Axes``; its first line of each curve holds the raw values.

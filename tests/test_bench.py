@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import npattn
-import npattn.tools.bench as B
 import npattn.functional as F
 import npattn.functional.attention as A
 import npattn.functional.kernels as K
+import npattn.tools.bench as B
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {"name", "shape", "dtype", "npattn_s", "torch_s", "ratio", "gflop", "npattn_gflops", "torch_gflops",
@@ -28,6 +28,9 @@ def _has_torch():
     except ImportError:
         return False
     return True
+
+
+_NEEDS_TORCH = pytest.mark.skipif(not _has_torch(), reason="no torch")
 
 
 def _positive(x):
@@ -56,7 +59,7 @@ def test_flop_counts():
     assert B._mha_flops(b, L, d, h, True) == 3 * 8 * b * L * d * d + B._attention_flops(b, h, L, L, 4, 4, True)
 
 
-@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=pytest.mark.skipif(not _has_torch(), reason="no torch"))])
+@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=_NEEDS_TORCH)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cases_are_well_formed(use_torch, dtype):
     kw = dict(dtype=dtype, use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
@@ -85,6 +88,42 @@ def test_format_table_and_machine_info():
     json.dumps(report)
 
 
+@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=_NEEDS_TORCH)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_demo_row_is_a_training_step_equal_to_torch(use_torch, dtype):
+    r = B.bench_demo(dtype, quick=True, use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
+    assert RESULT_KEYS <= set(r) and r["name"] == "demo" and r["dtype"] == np.dtype(dtype).name
+    assert _positive(r["npattn_s"]) and _positive(r["gflop"])
+    assert r["shape"]["layers"] == B.DEMO_QUICK["layers"] and r["shape"]["vocab"] == 11
+    if use_torch:  # loss, head and token-embedding gradients agree with torch's equivalent model
+        assert _positive(r["ratio"]) and r["max_rel_diff_vs_torch"] < (1e-4 if dtype == np.float32 else 1e-10)
+    json.dumps(r)
+
+
+def test_machine_states_cpu_flags_and_blas():
+    m = B.machine_info()
+    assert isinstance(m["cpu_flags"], list) and set(m["cpu_flags"]) <= set(B._SIMD_FLAGS)
+    for blas in m["blas"] or []:
+        assert {"internal_api", "version", "architecture", "num_threads"} <= set(blas)
+
+
+def test_variant_is_a_second_labelled_section():
+    row = B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)
+    part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": [row]}
+    report = dict(part, machine=B.machine_info(), openblas_env_probe=None,
+                  variants=[dict(part, label="without OPENBLAS_CORETYPE=Haswell", unset=["OPENBLAS_CORETYPE"])])
+    text = B.format_table(report)
+    own, variant = text.index("this machine's own settings"), text.index("VARIANT, not this machine's settings")
+    assert own < variant and "OPENBLAS_CORETYPE=Haswell" in text[variant:]
+    assert text.count("mha ") == 2
+
+
+def test_torch_memory_row():
+    pytest.importorskip("torch")
+    r = B.memory_torch(64)
+    assert r["impl"] == "torch" and r["seq"] == 64 and _positive(r["peak_mib"]) and r["extra_mib"] >= 0
+
+
 def test_memory_rows():
     r = B.memory_one("scaled_dot_product_attention", 64)
     assert r["seq"] == 64 and _positive(r["peak_mib"]) and r["extra_mib"] >= 0 and r["seconds"] >= 0
@@ -100,7 +139,8 @@ def test_cli_quick_json_parses():
     report = json.loads(proc.stdout)
     assert {"machine", "gemm_peak_gflops", "results"} <= set(report)
     assert report["openblas_env_probe"] is None  # --quick leaves the environment alone
-    assert {r["name"] for r in report["results"]} == {"sdpa", "mha", "encoder"}
+    assert {r["name"] for r in report["results"]} == {"sdpa", "mha", "encoder", "demo"}
+    assert report["variants"] == []  # no variant environment with --quick
     for r in report["results"]:
         assert RESULT_KEYS <= set(r) and _positive(r["npattn_s"])
         if r["torch_s"] is not None:
@@ -185,12 +225,14 @@ def test_backward_writes_into_out_buffers(groups):
     def heads(a, h):
         return a.reshape(b, L, h, E).swapaxes(1, 2)
 
-    q, k, v = heads(fused[..., :hq * E], hq), heads(fused[..., hq * E:(hq + hk) * E], hk), heads(fused[..., (hq + hk) * E:], hk)
+    q, k, v = (heads(fused[..., :hq * E], hq), heads(fused[..., hq * E:(hq + hk) * E], hk),
+               heads(fused[..., (hq + hk) * E:], hk))
     out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
     dout = rng.standard_normal(out.shape)
     want = F.scaled_dot_product_attention_backward(dout, cache)
     buf = np.full(fused.shape, np.nan)
-    views = (heads(buf[..., :hq * E], hq), heads(buf[..., hq * E:(hq + hk) * E], hk), heads(buf[..., (hq + hk) * E:], hk))
+    views = (heads(buf[..., :hq * E], hq), heads(buf[..., hq * E:(hq + hk) * E], hk),
+             heads(buf[..., (hq + hk) * E:], hk))
     got = K.scaled_dot_product_attention_backward(dout, cache, out=views)
     assert all(g is w for g, w in zip(got, views))
     for g, w in zip(views, want):
@@ -216,3 +258,37 @@ def test_mha_blocked_path_keeps_dtype_and_matches_small_blocks(monkeypatch, dtyp
         assert a.dtype == b_.dtype == dtype
         np.testing.assert_allclose(a, b_, **tol)
     assert np.all(np.triu(w3[..., :, :], 1) == 0)  # causal weights: zero above the diagonal
+
+
+def test_main_reports_the_own_environment_first_and_the_variant_second(monkeypatch, capsys):
+    """The default numbers are this process's (its environment untouched); the faster environment
+    without OPENBLAS_CORETYPE only adds a labelled variant, measured in a child process."""
+    row = B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)
+    part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": [row]}
+    own = dict(part, machine=B.machine_info())
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.delenv("NPATTN_BENCH_KEEP_ENV", raising=False)
+    monkeypatch.setattr(B, "_collect", lambda *a, **k: json.loads(json.dumps(own)))
+    monkeypatch.setattr(B, "probe_openblas_env", lambda progress=None: {
+        "vars": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": None},
+        "gemm_peak_gflops": {"as_set": {"float32": 1.0, "float64": 1.0}, "unset": {"float32": 2.0, "float64": 2.0}},
+        "unset": True})
+    calls = []
+
+    def fake_run(argv, **kw):
+        calls.append(kw["env"])
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(dict(part, machine=own["machine"])))
+
+    monkeypatch.setattr(B.subprocess, "run", fake_run)
+    args = type("Args", (), {"quick": False, "json": True, "memory": False, "window": False})()
+    assert B.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(calls) == 1 and "OPENBLAS_CORETYPE" not in calls[0]  # only the variant child drops it
+    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"  # this process's environment is left alone
+    assert report["results"] == own["results"]  # the default rows: this process, this environment
+    (variant,) = report["variants"]
+    assert variant["label"] == "without OPENBLAS_CORETYPE=Haswell" and variant["unset"] == list(B._SLOW_ENV)
+    monkeypatch.setenv("NPATTN_BENCH_KEEP_ENV", "1")
+    calls.clear()
+    assert B.main(args) == 0
+    assert calls == [] and json.loads(capsys.readouterr().out)["variants"] == []

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import functional as F
 from npattn import book, masks
+from npattn import functional as F
 from npattn.optim import SGD, Adam, AdamW
 
 RNG = np.random.default_rng(0)
@@ -454,3 +454,77 @@ def test_demo_smoothing_is_local():
     s = _smooth(y, 3)
     assert np.isnan(s[:3]).all()
     np.testing.assert_array_equal(s[7:], np.ones(3))
+
+
+def _op_calls(dt):
+    x = np.ones((2, 3, 4), dt)
+    f64 = np.ones((2, 3, 4))
+    calls = {
+        "softmax": lambda: F.softmax(x), "relu": lambda: F.relu(x), "gelu": lambda: F.gelu(x),
+        "layer_norm": lambda: F.layer_norm(x), "dropout": lambda: F.dropout(x, 0.5, 0),
+        "linear-weight": lambda: F.linear(f64, np.ones((3, 4), dt)),
+        "layer_norm-weight": lambda: F.layer_norm(f64, np.ones(4, dt)),
+        "embedding-weight": lambda: F.embedding(np.array([0, 1]), np.ones((3, 4), dt)),
+        "cross_entropy": lambda: F.cross_entropy(x, np.zeros((2, 3), int)),
+        "sdpa": lambda: F.scaled_dot_product_attention(x, x, x),
+        "sdpa-v": lambda: F.scaled_dot_product_attention(f64, f64, x),
+        "mea": lambda: F.memory_efficient_attention(x, x, x),
+    }
+    for name in ("silu", "rms_norm", "rope"):
+        if hasattr(F, name):
+            calls[name] = (lambda fn: lambda: fn(x))(getattr(F, name))
+    return calls
+
+
+@pytest.mark.parametrize("dt", BAD_DTYPES)
+def test_float16_refused_by_every_functional_op(dt):
+    for name, call in _op_calls(dt).items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(TypeError, match="is not supported.*float32"):
+                call()
+
+
+def test_exponential_average_skips_non_finite_losses():
+    from npattn.viz import _smooth
+
+    y = np.linspace(1.0, 2.0, 20)
+    ref = _smooth(np.delete(y, 3), 0.9)
+    y[3] = np.nan
+    s = _smooth(y, 0.9)
+    assert np.isnan(s[3])
+    np.testing.assert_allclose(np.delete(s, 3), ref, rtol=1e-15)
+    y[3] = np.inf
+    assert np.isinf(_smooth(y, 0.9)[3]) and np.isfinite(np.delete(_smooth(y, 0.9), 3)).all()
+
+
+def test_optimizer_state_out_of_float32_range():
+    p = npattn.Parameter(np.ones(3, np.float32))
+    opt = Adam([p])
+    p.grad = np.ones(3, np.float32)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_sq"] = np.full(3, 1e300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="exp_avg_sq.*float32"):
+            opt.load_state_dict(sd)
+    assert opt.state[0]["exp_avg_sq"].max() < 1.0
+
+
+@pytest.mark.parametrize("bad", [np.zeros(3), np.zeros((4, 3), int), [0.0] * 12, "grad", "readonly"])
+def test_unusable_grad_refused_before_anything_accumulates(bad):
+    m = npattn.FeedForward(3, 4, rng=0)
+    y = m(RNG.standard_normal((2, 3)))
+    if isinstance(bad, str) and bad == "readonly":
+        bad = np.zeros((4, 3))
+        bad.flags.writeable = False
+    m.linear1.weight.grad = bad
+    before = {n: np.array(p.grad, copy=True) for n, p in m.named_parameters() if n != "linear1.weight"}
+    with pytest.raises(TypeError, match=r"'linear1\.weight' has a grad"):
+        m.backward(np.ones_like(y))
+    for n, p in m.named_parameters():
+        if n != "linear1.weight":
+            np.testing.assert_array_equal(p.grad, before[n])
+    m.linear1.weight.grad = None
+    m.backward(np.ones_like(y))  # the state was kept

@@ -3,14 +3,12 @@
 Each property checks twice: with ``npattn.gradcheck`` and with the independent ``tests/_fd.py``.
 """
 import numpy as np
+from _fd import fd_check
 from hypothesis import given
 from hypothesis import strategies as st
 
 import npattn.functional as F
-from npattn.testing import gradcheck
-from npattn.testing import arrays, attention_configs, layer_norm_inputs, relu_safe_arrays, seeds, shapes
-
-from _fd import fd_check
+from npattn.testing import arrays, attention_configs, gradcheck, layer_norm_inputs, relu_safe_arrays, seeds, shapes
 
 RTOL = 1e-5
 

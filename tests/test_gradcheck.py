@@ -3,12 +3,11 @@ import re
 
 import numpy as np
 import pytest
+from _fd import fd_gradients
 
 import npattn.functional as F
-from npattn.testing import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
 from npattn.nn.module import Module, Parameter
-
-from _fd import fd_gradients
+from npattn.testing import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
 
 RNG = np.random.default_rng(2024)
 X = RNG.uniform(-1, 1, (2, 3, 4))

@@ -12,14 +12,14 @@ import io
 
 import numpy as np
 import pytest
+from _hardening import assert_own_error, expect_error
 
 import npattn
 import npattn.functional as F
-from _hardening import assert_own_error, expect_error
 from npattn import book, masks
-from npattn.testing import gradcheck, numerical_gradient
 from npattn.models import TinyTransformer
 from npattn.optim import SGD, Adam, AdamW, WarmupCosine, clip_grad_norm_
+from npattn.testing import gradcheck, numerical_gradient
 
 R = np.random.default_rng(0)
 NAN, INF = float("nan"), float("inf")

@@ -9,13 +9,12 @@ are errors here).  A call that succeeds returns finite numbers and its backward 
 import warnings
 
 import numpy as np
-import pytest
+from _hardening import assert_own_error
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import npattn
 import npattn.functional as F
-from _hardening import assert_own_error
 
 SEEDS = st.integers(0, 2**32 - 1)
 ARRAY_DTYPES = ["float64", "float32", "float16", "int64", "int8", "uint8", "bool", "complex128", "object", "str"]

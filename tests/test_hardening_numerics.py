@@ -11,12 +11,12 @@
 """
 import numpy as np
 import pytest
+from _hardening import MODULES, build_case, cache_arrays, walk_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn
 import npattn.functional as F
-from _hardening import MODULES, cache_arrays, build_case, walk_arrays
 
 SEEDS = st.integers(0, 2**32 - 1)
 MHA, ENC = npattn.MultiHeadAttention, npattn.EncoderBlock

@@ -9,7 +9,6 @@
   ``(L, L)`` array is held after an inference forward, measured with ``tracemalloc``.
 """
 import gc
-import hashlib
 import os
 import subprocess
 import sys
@@ -20,12 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from _hardening import MODULES, build_case, cache_arrays, walk_arrays
 
 import npattn
 import npattn.functional as F
-from _hardening import MODULES, build_case, cache_arrays, walk_arrays
 from npattn.models import TinyTransformer
-from npattn.optim import AdamW, clip_grad_norm_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn.functional.memory_efficient as flash
-from npattn.functional.attention import (scaled_dot_product_attention,
-                                         scaled_dot_product_attention_backward)
-from npattn.functional.memory_efficient import (MemoryEfficientCache, memory_efficient_attention,
-                                     memory_efficient_attention_backward)
+from npattn.functional.attention import scaled_dot_product_attention, scaled_dot_product_attention_backward
+from npattn.functional.memory_efficient import (
+    MemoryEfficientCache,
+    memory_efficient_attention,
+    memory_efficient_attention_backward,
+)
 
 
 def _assert_close(got, ref, rtol, what=""):

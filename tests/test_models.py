@@ -6,8 +6,8 @@ import pytest
 
 from npattn import functional as F
 from npattn import gradcheck
-from npattn.tools.demo import IGNORE_INDEX, SEP, TASKS, HeldOutSet, answer_of, make_examples, train
 from npattn.models import TinyTransformer
+from npattn.tools.demo import IGNORE_INDEX, SEP, TASKS, HeldOutSet, answer_of, make_examples, train
 
 
 def tiny(num_layers=1, **kwargs):

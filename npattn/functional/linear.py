@@ -38,7 +38,10 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 
 
 def _linear(x, weight, bias=None):
-    y = x @ weight.T
+    if x.ndim > 2 and x.flags.c_contiguous:  # one (N, in) @ (in, out) GEMM, not one per leading index
+        y = (x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) @ weight.T).reshape(x.shape[:-1] + (weight.shape[0],))
+    else:
+        y = x @ weight.T
     if bias is not None:
         y += bias
     return y, LinearCache(x, weight, bias is not None)
@@ -54,10 +57,9 @@ def linear_backward(dout: np.ndarray, cache: LinearCache):
 
 def _linear_backward(dout, cache):
     x, weight, has_bias = cache
-    dy = dout
-    dx = dy @ weight
     n = math.prod(x.shape[:-1])  # not reshape(-1, ...): that fails when a feature size is 0
-    dy2 = dy.reshape(n, dy.shape[-1])
+    dy2 = dout.reshape(n, dout.shape[-1])  # (N, out): every GEMM below is one 2-d product
+    dx = (dy2 @ weight).reshape(x.shape)
     dweight = dy2.T @ x.reshape(n, x.shape[-1])
     dbias = dy2.sum(axis=0) if has_bias else None
     return dx, dweight, dbias

@@ -87,13 +87,17 @@ def _layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
     k, axes = _axes(x, normalized_shape, weight)
     mu = x.mean(axis=axes, keepdims=True)
     xc = x - mu
-    var = np.mean(xc * xc, axis=axes, keepdims=True)
+    y = np.multiply(xc, xc)  # (x - mu)^2, in what becomes y's buffer
+    var = np.mean(y, axis=axes, keepdims=True)
     std = np.sqrt(var + eps)
     if eps == 0.0:
         std[std == 0] = np.inf  # zero variance, no eps: rstd = 0, so xhat = 0 (not 0/0)
     rstd = 1.0 / std
-    xhat = xc * rstd
-    y = xhat * weight if weight is not None else xhat.copy()
+    xhat = np.multiply(xc, rstd, out=xc)  # xhat = (x - mu) * rstd, in place
+    if weight is not None:
+        np.multiply(xhat, weight, out=y)
+    else:
+        np.copyto(y, xhat)
     if bias is not None:
         y += bias
     return y, LayerNormCache(xhat, rstd, weight, bias is not None, k)
@@ -114,10 +118,17 @@ def _layer_norm_backward(dout, cache):
     xhat, rstd, weight, has_bias, k = cache
     lead = tuple(range(dout.ndim - k))
     axes = tuple(range(dout.ndim - k, dout.ndim))
-    dweight = (dout * xhat).sum(axis=lead) if weight is not None else None
+    tmp = np.multiply(dout, xhat)  # dy * xhat, then g * xhat, then xhat * mean(g * xhat): one scratch
+    dweight, g = None, dout
+    if weight is not None:
+        dweight = tmp.sum(axis=lead)
+        g = dout * weight
+        np.multiply(g, xhat, out=tmp)
     dbias = dout.sum(axis=lead) if has_bias else None
-    g = dout * weight if weight is not None else dout
-    dx = rstd * (g - g.mean(axis=axes, keepdims=True) - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    m2 = tmp.mean(axis=axes, keepdims=True)
+    dx = g - g.mean(axis=axes, keepdims=True)
+    dx -= np.multiply(xhat, m2, out=tmp)
+    dx *= rstd  # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     return dx, dweight, dbias
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from .._validate import (
     check_size,
     to_numpy,
 )
+from ..functional import AttentionCache
 from ..functional import kernels as K
 from .layers import Linear, RMSNorm
 from .module import Module, Parameter, no_grad
@@ -500,7 +501,7 @@ class MultiHeadAttention(Module):
             self._save(state)
         if not need_weights:
             return out
-        c = attn_cache
+        c = cast(AttentionCache, attn_cache)  # need_weights is refused with memory_efficient
         weights = c.weights.copy() if c.keep is None else c.weights * c.keep * c.drop_scale
         if average:
             weights = weights.mean(axis=-3)

@@ -3,6 +3,15 @@
 A module's ``forward`` calls pure functional pairs, keeps their cache in ``self._cache`` and
 returns the output; ``backward(dy)`` takes that cache (releasing it), returns the gradient with
 respect to the input(s) and *adds* each parameter's gradient into ``param.grad``.
+
+What every subclass gets from this base class, without writing anything:
+
+* ``dy`` is checked (shape of the output, numeric dtype) *before* the forward state is taken,
+  whether the module ran as ``m(x)`` or ``m.forward(x)``: a refused ``dy`` loses nothing;
+* ``_save`` records the version of every parameter of the module and its submodules, and
+  ``backward`` raises ``RuntimeError`` (naming the parameter, nothing accumulated) when one was
+  changed after the forward (optimizer step, ``load_state_dict``, ``p.data = ...``);
+* a ``p.grad`` set to ``None`` is created again by the next backward (``_accumulate``).
 """
 from __future__ import annotations
 
@@ -106,6 +115,12 @@ class Module:
     """Base class.  Subclasses set parameters/submodules as attributes and implement
     ``forward`` (storing one cache with ``self._save(cache)``) and ``backward``."""
 
+    _parameters: "OrderedDict[str, Parameter]"
+    _buffers: "OrderedDict[str, None]"
+    _modules: "OrderedDict[str, Module]"
+    _cache: object
+    training: bool
+
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
@@ -177,12 +192,13 @@ class Module:
         cached = self.__dict__.get("_plist")
         if cached is not None and cached[0] == _structure[0]:
             return cached[1]
-        seen, plist = set(), []
+        seen: set = set()
+        found = []
         for name, p in self.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                plist.append((name, p))
-        plist = tuple(plist)
+                found.append((name, p))
+        plist = tuple(found)
         object.__setattr__(self, "_plist", (_structure[0], plist))
         return plist
 
@@ -201,12 +217,24 @@ class Module:
             object.__setattr__(self, "_nograd_forward", True)
 
     def _check_versions(self) -> None:
-        """``RuntimeError`` when a parameter changed (or was replaced) since the forward."""
+        """``RuntimeError`` when a parameter changed (or was replaced) since the forward;
+        ``TypeError`` when a ``p.grad`` cannot accumulate (wrong shape, not a writeable float
+        array), checked before anything is accumulated."""
         saved = self.__dict__.get("_versions")
         if saved is None:
             return
         plist, versions = saved
         for (name, p), v in zip(plist, versions):
+            g = p.grad
+            if g is not None and not (isinstance(g, np.ndarray) and g.shape == p._data.shape
+                                      and g.dtype.kind == "f" and g.flags.writeable):
+                got = (f"shape {g.shape}, dtype {g.dtype}, writeable={g.flags.writeable}"
+                       if isinstance(g, np.ndarray) else type(g).__name__)
+                raise TypeError(
+                    f"{type(self).__name__}.backward: parameter {name!r} has a grad that cannot accumulate "
+                    f"(expected None or a writeable float array of shape {p._data.shape}, got {got}); "
+                    "nothing was accumulated"
+                )
             if p._version != v:
                 raise RuntimeError(
                     f"{type(self).__name__}.backward: one of the variables needed for gradient computation "
@@ -370,7 +398,8 @@ class Module:
         entries = {key: (owner, name, is_param) for key, owner, name, is_param in self._state_entries()}
         missing = [k for k in entries if k not in state_dict]
         unexpected = [k for k in state_dict.keys() if k not in entries]
-        problems, type_problems = [], []
+        problems: list = []
+        type_problems: list = []
         if strict and missing:
             problems.append(f"missing keys {missing}")
         if strict and unexpected:
@@ -413,7 +442,7 @@ class Module:
                 raise IsADirectoryError(
                     f"save: {p!r} is a directory; expected a file name such as {os.path.join(p, 'model.npz')!r}"
                 )
-        np.savez(target, **self.state_dict())
+        np.savez(target, **self.state_dict())  # type: ignore[arg-type]
 
     def load(self, path, strict: bool = True):
         """Load an ``.npz`` written by ``save`` (atomic, as ``load_state_dict``).
@@ -490,7 +519,7 @@ def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
     if arr.shape != current.shape:
         return ValueError, f"key {key!r}: expected shape {current.shape}, got {arr.shape}"
     if current.dtype.kind == "f" and arr.size and (kind in "iu" or arr.dtype.itemsize > current.dtype.itemsize):
-        big = np.finfo(current.dtype).max
+        big = float(np.finfo(current.dtype).max)
         with np.errstate(invalid="ignore"):
             finite = np.abs(arr[np.isfinite(arr)]) if kind == "f" else np.abs(arr.astype(np.float64))
         if finite.size and finite.max() > big:

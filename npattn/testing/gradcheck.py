@@ -15,10 +15,12 @@ differences, one element at a time, and reports the worst error of every checked
 Everything runs in float64: float inputs are copied and cast (so the caller's arrays are never
 touched); integer inputs (token ids, class targets) and bool masks are passed through untouched
 and get no gradient; a list of floats counts as a float array; anything else that is not an
-ndarray (``None``, python numbers, strings) is passed through as a constant.  Only *positional* float arrays are checked, so pass a float mask
-or any other constant array by keyword (``attn_mask=m``).  Because ``eps``, ``rtol``, ``atol``
-and ``seed`` are this function's own keywords, an op's ``eps`` (``layer_norm``) must be passed
-positionally.
+ndarray (``None``, python numbers, strings) is passed through as a constant.  Positional float
+arrays are checked; a float array passed by keyword is a constant (``attn_mask=m``) unless the
+backward appends a gradient for it (``sinks=``, ``mask_grad=True``).  ``wrt=`` names what to
+check; ``fast=True`` checks one random direction per tensor (two forwards each) instead of every
+element.  Because ``eps``, ``rtol``, ``atol``, ``seed``, ``wrt`` and ``fast`` are this
+function's own keywords, an op's ``eps`` (``layer_norm``) must be passed positionally.
 
 This module imports numpy and the standard library only.
 """
@@ -29,7 +31,7 @@ import inspect
 import math
 import numbers
 import sys
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -38,13 +40,35 @@ from ..nn.module import Module
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient"]
 
 
-class GradcheckRow(NamedTuple):
-    """One checked tensor: the worst absolute and relative error over its elements."""
-
+class _RowFields(NamedTuple):
     name: str
     max_abs_err: float
     max_rel_err: float
     ok: bool
+
+
+class GradcheckRow(_RowFields):
+    """One checked tensor: ``(name, max_abs_err, max_rel_err, ok)`` and ``.mode``.
+
+    ``mode`` is ``"element"`` (the worst error over the tensor's elements, each compared with its
+    own central difference) or ``"direction"`` (``fast=True``: the one directional derivative
+    ``<analytic gradient, u>`` against the central difference along a random ``u``).  The row
+    unpacks as the 4-tuple, whatever the mode.
+    """
+
+    mode: str
+
+    def __new__(cls, name, max_abs_err, max_rel_err, ok, mode: str = "element"):
+        self = super().__new__(cls, name, max_abs_err, max_rel_err, ok)
+        self.mode = mode
+        return self
+
+    def __getnewargs__(self):
+        return (*self, self.mode)
+
+    def __repr__(self):
+        return (f"GradcheckRow(name={self.name!r}, max_abs_err={self.max_abs_err!r}, "
+                f"max_rel_err={self.max_rel_err!r}, ok={self.ok!r}, mode={self.mode!r})")
 
 
 class GradcheckReport:
@@ -95,19 +119,28 @@ class GradcheckReport:
             raise KeyError(f"no checked tensor named {name_or_index!r}; have {[r.name for r in self.rows]}")
         return self.rows[name_or_index]
 
+    @property
+    def modes(self) -> List[str]:
+        """The modes of the rows, in order (``"element"`` or ``"direction"``)."""
+        return [getattr(r, "mode", "element") for r in self.rows]
+
     def __str__(self):
-        head = ("name", "max abs err", "max rel err", "ok")
+        with_mode = any(m != "element" for m in self.modes)
+        head = ("name", "max abs err", "max rel err", "ok") + (("mode",) if with_mode else ())
         body = [(r.name, f"{r.max_abs_err:.3e}", f"{r.max_rel_err:.3e}", "yes" if r.ok else "NO")
-                for r in self.rows]
-        widths = [max(len(row[i]) for row in [head] + body) for i in range(4)]
+                + ((m,) if with_mode else ()) for r, m in zip(self.rows, self.modes)]
+        widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
 
         def fmt(row):
             cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:3], widths[1:3])]
-            cells.append(row[3].ljust(widths[3]))
+            cells += [c.ljust(w) for c, w in zip(row[3:], widths[3:])]
             return " | ".join(cells).rstrip()
 
+        modes = set(self.modes)
+        how = ("one random direction per tensor" if modes == {"direction"} else
+               "per element" if modes <= {"element"} else "per element and by direction")
         title = (f"gradcheck {self.target}: {'ok' if self.ok else 'FAILED'} "
-                 f"(eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})")
+                 f"({how}; eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})")
         sep = "-+-".join("-" * w for w in widths)
         return "\n".join([title, fmt(head), sep] + [fmt(b) for b in body])
 
@@ -128,6 +161,9 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
         raise TypeError(f"x: expected a float ndarray, got {type(x).__name__}"
                         + (f" of dtype {x.dtype}" if isinstance(x, np.ndarray) else ""))
+    if x.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"x: {x.dtype} is not supported (eps-sized steps need float64); "
+                        "convert with x.astype(np.float64)")
     if not x.flags.writeable:
         raise ValueError("x: expected a writable array (it is perturbed in place and restored)")
     _check_tolerances(eps, 1.0, 0.0)
@@ -269,7 +305,8 @@ def _check_tolerances(eps, rtol, atol):
 
 # --------------------------------------------------------------------------------------------
 
-def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, **forward_kwargs) -> GradcheckReport:
+def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None, fast=False,
+              **forward_kwargs) -> GradcheckReport:
     """Compare a backward with central differences of ``sum(forward(*inputs) * g)``.
 
     ``target`` is one of
@@ -286,17 +323,31 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, **forward
     The upstream gradient is ``np.random.default_rng(seed).standard_normal(out.shape)``.
     Backward results are normalised to a tuple; when its length equals the number of positional
     inputs they pair up by position (``None`` gradients and non-float inputs skipped), otherwise
-    the non-``None`` gradients pair in order with the float inputs; a mismatch raises
-    ``ValueError``.
+    the non-``None`` gradients pair in order with the float inputs.  A backward that returns
+    *more* gradients than there are positional inputs (``sinks=``'s ``dsinks``, ``mask_grad``'s
+    ``dmask``) pairs the first ones by position and the extra, non-``None`` ones in order with
+    the float keyword arrays (in the forward's signature order; only those named in ``wrt`` when
+    ``wrt`` names any).  A mismatch raises ``ValueError``.
+
+    ``wrt``: the names of the tensors to check, a string or a sequence of strings (default: every
+    float array input with a gradient and, for modules, every parameter).  The names are the row
+    names: the forward's parameter names (``x``, ``q``, ``attn_mask``, ``sinks`` ...), for
+    modules ``input`` (one input) or the forward's parameter names, and the dotted parameter
+    names (``W_query.weight``).  An unknown name raises ``ValueError`` listing the valid ones.
+
+    ``fast=True`` checks one random direction ``u`` per tensor instead of every element: the
+    analytic directional derivative ``<backward(g), u>`` against the central difference
+    ``(f(x + eps u) - f(x - eps u)) / (2 eps)`` of ``f = <forward, g>``, two forwards per tensor
+    instead of two per element.  A wrong gradient is caught with probability 1 (the direction
+    is Gaussian), but the row cannot say which element is wrong; the default per-element table
+    is the one to read when learning.  Rows say their ``mode`` (``"element"``/``"direction"``).
 
     Randomness: every ``np.random.Generator`` among the arguments is snapshotted and a fresh copy
     is passed to each forward; a module's own Generator attributes are saved and restored before
     each forward, so dropout draws the same mask every time.  A forward that still gives two
     different outputs at the same point, or that writes into its inputs, raises ``RuntimeError``.
 
-    Rows are named after the forward's parameters (``x``, ``weight``, ``q``...), for modules
-    ``input`` (one input) or the forward's parameter names (``query``, ``key``, ``value``)
-    followed by the dotted parameter names.  Returns a :class:`GradcheckReport`.
+    Returns a :class:`GradcheckReport`.
     """
     _check_tolerances(eps, rtol, atol)
     if not inputs:
@@ -305,11 +356,15 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, **forward
         raise TypeError(f"seed: expected a non-negative integer, got {seed!r} ({type(seed).__name__})")
     if seed < 0:
         raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+    if not isinstance(fast, (bool, np.bool_)):
+        raise TypeError(f"fast: expected True or False, got {fast!r} ({type(fast).__name__})")
+    wrt = _normalise_wrt(wrt)
     if isinstance(target, type):
         raise TypeError(f"target: expected a forward function, a (forward, backward) pair or a Module "
                         f"instance, got the class {target.__name__} (instantiate it first)")
+    opts = _Options(int(seed), eps, rtol, atol, wrt, bool(fast))
     if isinstance(target, Module):
-        return _gradcheck_module(target, inputs, seed, eps, rtol, atol, forward_kwargs)
+        return _gradcheck_module(target, inputs, opts, forward_kwargs)
     if isinstance(target, tuple):
         if len(target) != 2 or not all(callable(t) for t in target):
             raise TypeError("target: expected a (forward, backward) pair of callables, "
@@ -326,17 +381,75 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, **forward
     else:
         raise TypeError(f"target: expected a forward function, a (forward, backward) pair or a Module "
                         f"instance, got {type(target).__name__}")
-    return _gradcheck_functional(forward, backward, inputs, seed, eps, rtol, atol, forward_kwargs)
+    return _gradcheck_functional(forward, backward, inputs, opts, forward_kwargs)
 
 
-def _run_checks(objective, checked, analytic, eps, rtol, atol, label):
+class _Options(NamedTuple):
+    seed: int
+    eps: float
+    rtol: float
+    atol: float
+    wrt: Optional[List[str]]
+    fast: bool
+
+
+def _normalise_wrt(wrt) -> Optional[List[str]]:
+    if wrt is None:
+        return None
+    if isinstance(wrt, str):
+        wrt = [wrt]
+    try:
+        names = list(wrt)
+    except TypeError:
+        raise TypeError(f"wrt: expected None, a name or a sequence of names, got {type(wrt).__name__}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"wrt: expected names (str), got {n!r} ({type(n).__name__})")
+    if not names:
+        raise ValueError("wrt: expected at least one name (None checks everything), got an empty sequence")
+    return list(dict.fromkeys(names))
+
+
+def _check_wrt_names(wrt, valid: Sequence[str], label: str) -> None:
+    if wrt is None:
+        return
+    unknown = [n for n in wrt if n not in valid]
+    if unknown:
+        raise ValueError(f"wrt: unknown name(s) {unknown} for {label}; valid names: {list(valid)}")
+
+
+def _directional(objective, arr: np.ndarray, u: np.ndarray, eps: float) -> float:
+    """Central difference of ``objective`` along ``u`` (``arr`` perturbed in place, then restored)."""
+    orig = arr.copy()
+    try:
+        arr += eps * u
+        fp = float(objective())
+        np.subtract(orig, eps * u, out=arr)
+        fm = float(objective())
+    finally:
+        arr[...] = orig
+    return (fp - fm) / (2.0 * eps)
+
+
+def _run_checks(objective, checked, analytic, opts: _Options, label):
     """Numerical gradients of ``objective`` w.r.t. each array in ``checked`` and the report."""
     rows, numerical = [], {}
-    for name, arr in checked:
-        num = numerical_gradient(lambda _: objective(), arr, eps)
-        numerical[name] = num
-        rows.append(GradcheckRow(name, *_errors(analytic[name], num, rtol, atol)))
-    return GradcheckReport(rows, target=label, eps=eps, rtol=rtol, atol=atol,
+    if opts.fast:
+        directions = np.random.default_rng([opts.seed, 1])
+        analytic = dict(analytic)
+        for name, arr in checked:
+            u = directions.standard_normal(arr.shape)
+            a = np.asarray(float(np.dot(np.asarray(analytic[name], np.float64).reshape(-1), u.reshape(-1))))
+            n = np.asarray(_directional(objective, arr, u, opts.eps))
+            analytic[name], numerical[name] = a, n
+            err_abs, err_rel, ok = _errors(a, n, opts.rtol, opts.atol)
+            rows.append(GradcheckRow(name, err_abs, err_rel, ok, mode="direction"))
+    else:
+        for name, arr in checked:
+            num = numerical_gradient(lambda _: objective(), arr, opts.eps)
+            numerical[name] = num
+            rows.append(GradcheckRow(name, *_errors(analytic[name], num, opts.rtol, opts.atol)))
+    return GradcheckReport(rows, target=label, eps=opts.eps, rtol=opts.rtol, atol=opts.atol,
                            analytic=analytic, numerical=numerical)
 
 
@@ -366,10 +479,40 @@ def _check_deterministic(out1, out2, label):
                            "pass randomness as an np.random.Generator or an int seed (rng=...)")
 
 
-def _gradcheck_functional(forward, backward, inputs, seed, eps, rtol, atol, kwargs):
+def _keyword_order(forward, kwargs) -> List[str]:
+    """The keyword arguments' names in the forward's signature order (unknown ones last)."""
+    try:
+        order = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        order = []
+    pos = {n: i for i, n in enumerate(order)}
+    return sorted(kwargs, key=lambda k: (pos.get(k, len(order)), list(kwargs).index(k)))
+
+
+def _pair_extra_grads(grads, inputs, names, kw_float, wrt, what):
+    """A backward with more results than positional inputs: the first pair by position, the
+    extra non-None ones with the float keyword arrays (``kw_float``, signature order; those in
+    ``wrt`` when it names any).  Returns ``(positional grads, {keyword: grad})`` or None."""
+    if len(grads) <= len(inputs):
+        return None
+    extra = [g for g in grads[len(inputs):] if g is not None]
+    named = [k for k in kw_float if wrt is not None and k in wrt]
+    targets = named or kw_float
+    if not extra or len(extra) != len(targets):
+        return None
+    return tuple(grads[:len(inputs)]), dict(zip(targets, extra))
+
+
+def _gradcheck_functional(forward, backward, inputs, opts, kwargs):
     label = getattr(forward, "__name__", "forward")
     inputs = [_prepare_input(x) for x in inputs]
     names = _positional_names(forward, len(inputs), "input")
+    kwargs = dict(kwargs)
+    kw_float = [k for k in _keyword_order(forward, kwargs) if _is_float_array(kwargs[k])]
+    for k in kw_float:  # float64 copies: they may be checked (perturbed in place) below
+        kwargs[k] = np.array(kwargs[k], dtype=np.float64, copy=True)
+    valid = [names[i] for i, x in enumerate(inputs) if _is_float_array(x)] + kw_float
+    _check_wrt_names(opts.wrt, valid, label)
     pos_gens = {i: copy.deepcopy(x) for i, x in enumerate(inputs) if isinstance(x, np.random.Generator)}
     kw_snapshot = _fresh_generators(kwargs)
 
@@ -380,24 +523,51 @@ def _gradcheck_functional(forward, backward, inputs, seed, eps, rtol, atol, kwar
         return forward(*args, **_fresh_generators(kw_snapshot))
 
     pristine = [x.copy() if isinstance(x, np.ndarray) else None for x in inputs]
+    kw_pristine = {k: kwargs[k].copy() for k in kw_float}
     res = call()
     if not (isinstance(res, tuple) and len(res) == 2):
         raise TypeError(f"{label}: expected the forward to return (out, cache), got {type(res).__name__}")
     out, cache = res
     _check_unmodified(inputs, pristine, names, label)
+    _check_unmodified([kwargs[k] for k in kw_float], [kw_pristine[k] for k in kw_float], kw_float, label)
     out = np.asarray(out)
-    g = np.asarray(np.random.default_rng(seed).standard_normal(out.shape))
+    g = np.asarray(np.random.default_rng(opts.seed).standard_normal(out.shape))
     _check_deterministic(out, call()[0], label)
-    grads = _pair_grads(backward(g.astype(out.dtype) if out.dtype.kind == "f" else g, cache),
-                        inputs, names, f"{getattr(backward, '__name__', 'backward')}")
-    if not grads:
+    what = f"{getattr(backward, '__name__', 'backward')}"
+    grads = backward(g.astype(out.dtype) if out.dtype.kind == "f" else g, cache)
+    if grads is None:
+        grads = ()
+    elif not isinstance(grads, (tuple, list)):
+        grads = (grads,)
+    kw_grads: Dict[str, np.ndarray] = {}
+    float_pos = [i for i, x in enumerate(inputs) if _is_float_array(x)]
+    if len(grads) > len(inputs) and len([x for x in grads if x is not None]) != len(float_pos):
+        split = _pair_extra_grads(tuple(grads), inputs, names, kw_float, opts.wrt, what)
+        if split is not None:
+            grads, kw_grads = split
+    pairs = _pair_grads(grads, inputs, names, what)
+    for k, gk in kw_grads.items():
+        gk = np.asarray(gk)
+        if gk.shape != kwargs[k].shape:
+            raise ValueError(f"{what}: the gradient of {k!r} has shape {gk.shape}, expected {kwargs[k].shape} "
+                             "(the keyword input's)")
+    if opts.wrt is not None:
+        have = {names[i] for i in pairs} | set(kw_grads)
+        lacking = [n for n in opts.wrt if n not in have]
+        if lacking:
+            raise ValueError(f"wrt: {what} returned no gradient for {lacking} (keyword inputs need a gradient "
+                             "appended by the backward, e.g. mask_grad=True for a float attn_mask)")
+    checked = [(names[i], inputs[i]) for i in sorted(pairs)] + [(k, kwargs[k]) for k in kw_grads]
+    analytic = {names[i]: np.asarray(pairs[i], dtype=np.float64) for i in sorted(pairs)}
+    analytic.update({k: np.asarray(v, dtype=np.float64) for k, v in kw_grads.items()})
+    if opts.wrt is not None:
+        checked = [(n, a) for n, a in checked if n in opts.wrt]
+    if not checked:
         raise ValueError(f"{label}: nothing to check: no positional float input")
-    checked = [(names[i], inputs[i]) for i in sorted(grads)]
-    analytic = {names[i]: np.asarray(grads[i], dtype=np.float64) for i in sorted(grads)}
-    return _run_checks(lambda: _objective(call()[0], g), checked, analytic, eps, rtol, atol, label)
+    return _run_checks(lambda: _objective(call()[0], g), checked, analytic, opts, label)
 
 
-def _gradcheck_module(module, inputs, seed, eps, rtol, atol, kwargs):
+def _gradcheck_module(module, inputs, opts, kwargs):
     label = type(module).__name__
     m = copy.deepcopy(module)
     m.to(np.float64)
@@ -414,6 +584,8 @@ def _gradcheck_module(module, inputs, seed, eps, rtol, atol, kwargs):
             seen.add(id(p))
             params.append((pname, p))
     in_names = _unique_names(in_names, taken=[n for n, _ in params])
+    valid = [in_names[i] for i in float_idx] + [n for n, p in params if p.data.dtype.kind == "f"]
+    _check_wrt_names(opts.wrt, valid, label)
 
     gens = {}
     for sub in m.modules():
@@ -432,7 +604,7 @@ def _gradcheck_module(module, inputs, seed, eps, rtol, atol, kwargs):
     _check_unmodified(inputs, pristine, in_names, label)
     _check_deterministic(out, np.asarray(call()), label)
     out = np.asarray(call())  # the forward whose state backward uses
-    g = np.asarray(np.random.default_rng(seed).standard_normal(out.shape))
+    g = np.asarray(np.random.default_rng(opts.seed).standard_normal(out.shape))
     m.zero_grad()
     grads = _pair_grads(m.backward(g), inputs, in_names, f"{label}.backward")
     analytic = {in_names[i]: np.asarray(grads[i], dtype=np.float64) for i in sorted(grads)}
@@ -440,10 +612,13 @@ def _gradcheck_module(module, inputs, seed, eps, rtol, atol, kwargs):
     for pname, p in params:
         if p.data.dtype.kind != "f":
             continue
-        analytic[pname] = np.array(p.grad, dtype=np.float64, copy=True)
+        analytic[pname] = (np.zeros(p.data.shape) if p.grad is None
+                           else np.array(p.grad, dtype=np.float64, copy=True))
         if p.data.dtype != np.float64 or not p.data.flags.writeable:
             p.data = np.array(p.data, dtype=np.float64, copy=True)
         checked.append((pname, p.data))
+    if opts.wrt is not None:
+        checked = [(n, a) for n, a in checked if n in opts.wrt]
     if not checked:
         raise ValueError(f"{label}: nothing to check: no float input and no parameter")
-    return _run_checks(lambda: _objective(call(), g), checked, analytic, eps, rtol, atol, label)
+    return _run_checks(lambda: _objective(call(), g), checked, analytic, opts, label)

@@ -31,6 +31,8 @@ except ImportError as e:  # pragma: no cover - exercised only without hypothesis
 __all__ = [
     "dtypes", "seeds", "shapes", "arrays", "relu_safe_arrays", "layer_norm_inputs", "LayerNormCase",
     "MASK_KINDS", "masks", "attention_configs", "AttentionConfig", "make_mask",
+    "ATTENTION_OPTIONS", "windows", "alibi_slopes", "standard_alibi_slopes", "softcaps", "sinks",
+    "POSITION_KINDS", "positions",
 ]
 
 _SEED_MAX = 2**32 - 1
@@ -73,7 +75,8 @@ def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.
     return st.tuples(_shape_strategy(shape), dt, seeds()).map(build)
 
 
-def relu_safe_arrays(shape, dtype=np.float64, scale: float = 1.0, margin: float = 0.05) -> st.SearchStrategy[np.ndarray]:
+def relu_safe_arrays(shape, dtype=np.float64, scale: float = 1.0,
+                     margin: float = 0.05) -> st.SearchStrategy[np.ndarray]:
     """Like :func:`arrays` but with ``|x| >= margin``: finite differences never straddle the
     ReLU kink at 0 (nor need its one-sided derivative), values of both signs still appear."""
     if not 0 < margin < scale:
@@ -125,7 +128,9 @@ def layer_norm_inputs(min_features: int = 2, max_features: int = 5, max_lead_dim
         x = x * rng.uniform(0.5, 2.0, lead + (1,)) + rng.uniform(-1.0, 1.0, lead + (1,))
         w = rng.uniform(0.5, 1.5, d) * np.where(rng.random(d) < 0.2, -1, 1) if has_w else None
         b = rng.uniform(-1.0, 1.0, d) if has_b else None
-        cast = (lambda a: None if a is None else a.astype(dtp))
+        def cast(a):
+            return None if a is None else a.astype(dtp)
+
         return LayerNormCase(cast(x), cast(w), cast(b))
 
     return st.tuples(shapes(0, max_lead_dims, 1, max_side), st.integers(min_features, max_features),
@@ -174,8 +179,8 @@ def make_mask(lq: int, lk: int, kind: str, seed: int = 0, lead: Sequence[int] = 
         m[rng.random(shape) < 0.2] = -np.inf
         return m
     # fully masked rows
-    m = rng.random(shape) < 0.7
-    rows = m.reshape(-1, lq, lk)
+    b = rng.random(shape) < 0.7
+    rows = b.reshape(-1, lq, lk)
     for r in rows:
         r[rng.integers(0, lq)] = False
     return rows.reshape(shape)
@@ -212,6 +217,12 @@ class AttentionConfig:
     batch: Tuple[int, ...] = ()
     heads: Optional[Tuple[int, int]] = None  # (Hq, Hk) or None without a head axis
     dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float64))
+    causal_align: str = "top_left"
+    window: Optional[Tuple[int, int]] = None
+    alibi_slopes: Optional[np.ndarray] = None
+    softcap: Optional[float] = None
+    sinks: Optional[np.ndarray] = None
+    mask_grad: bool = False
 
     @property
     def lq(self) -> int:
@@ -228,15 +239,44 @@ class AttentionConfig:
     def kwargs(self, rng=None) -> dict:
         """Keyword arguments for ``scaled_dot_product_attention`` (``rng`` defaults to ``seed``:
         an int seed gives the same dropout mask at every call)."""
-        return dict(attn_mask=self.attn_mask, is_causal=self.is_causal, dropout_p=self.dropout_p,
-                    scale=self.scale, rng=self.seed if rng is None else rng, enable_gqa=self.enable_gqa)
+        kw = dict(attn_mask=self.attn_mask, is_causal=self.is_causal, dropout_p=self.dropout_p,
+                  scale=self.scale, rng=self.seed if rng is None else rng, enable_gqa=self.enable_gqa)
+        kw.update(self.options())
+        return kw
+
+    def options(self) -> dict:
+        """The attention options (``ATTENTION_OPTIONS``) that differ from their defaults, as
+        keyword arguments (empty for a config drawn without options, so it also suits cores
+        that have none)."""
+        kw: dict = {}
+        if self.causal_align != "top_left":
+            kw["causal_align"] = self.causal_align
+        for name in ("window", "alibi_slopes", "softcap", "sinks"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.mask_grad:
+            kw["mask_grad"] = True
+        return kw
+
+    @property
+    def query_positions(self) -> np.ndarray:
+        """``(Lq,)``: the position of each query (``i``, or ``i + Lk - Lq`` bottom-right aligned)."""
+        return np.arange(self.lq) + (self.lk - self.lq if self.causal_align == "bottom_right" else 0)
 
     def visible(self) -> np.ndarray:
-        """Bool ``(..., Hq, Lq, Lk)``: which (query, key) pairs may attend (mask and causality)."""
+        """Bool ``(..., Hq, Lq, Lk)``: which (query, key) pairs may attend (mask, causality with
+        its alignment, window)."""
         score = self.q.shape[:-1] + (self.lk,)
         vis = np.ones(score, dtype=bool)
+        pos, key = self.query_positions[:, None], np.arange(self.lk)[None, :]
         if self.is_causal:
-            vis &= np.tri(self.lq, self.lk, dtype=bool)
+            vis &= key <= pos
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                vis &= key >= pos - left
+            if right >= 0:
+                vis &= key <= pos + right
         if self.attn_mask is not None:
             m = self.attn_mask
             vis &= (m if m.dtype == bool else np.isfinite(m))
@@ -249,7 +289,8 @@ def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_ax
                       min_len: int = 2, max_len: int = 4, max_e: int = 4, max_ev: int = 4,
                       mask_kinds: Optional[Sequence[str]] = None, causal: Optional[bool] = None,
                       dropout: bool = False, dtype=np.float64, scale_range=(0.2, 1.5),
-                      value_scale: float = 1.0) -> AttentionConfig:
+                      value_scale: float = 1.0,
+                      options: Union[bool, Sequence[str]] = False) -> AttentionConfig:
     """Attention calls covering the interesting cases, at tiny sizes.
 
     * 0..``max_batch_dims`` batch axes of 1..``max_batch``; with or without a head axis
@@ -263,7 +304,14 @@ def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_ax
       combined with a mask too, which npattn allows);
     * ``scale``: None (``1/sqrt(E)``) or uniform in ``scale_range``;
     * ``dropout=True``: ``dropout_p`` in {0, 0.1, 0.3, 0.5} with a ``seed``;
-    * q, k, v uniform in ``[-value_scale, value_scale]``, so scores stay O(E * scale).
+    * q, k, v uniform in ``[-value_scale, value_scale]``, so scores stay O(E * scale);
+    * ``options``: ``False`` (the default: no attention option is drawn, the draws are the same
+      as without this argument), ``True`` (every name of :data:`ATTENTION_OPTIONS`) or a sequence
+      of names; each named option is drawn present or absent: ``causal_align`` top-left or
+      bottom-right, ``window`` from :func:`windows`, ``softcap`` from :func:`softcaps`, and with a
+      head axis ``alibi_slopes`` (:func:`alibi_slopes`, shape ``(Hq,)``) and ``sinks``
+      (:func:`sinks`); ``mask_grad`` is drawn only for float masks.  ``cfg.kwargs()`` includes
+      the options that are set, ``cfg.visible()`` accounts for alignment and window.
     """
     dt = np.dtype(draw(dtype) if isinstance(dtype, st.SearchStrategy) else dtype)
     batch = tuple(draw(st.lists(st.integers(1, max_batch), max_size=max_batch_dims)))
@@ -297,5 +345,128 @@ def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_ax
     mask = make_mask(lq, lk, kind, seed + 1, batch + hq_axis, full_mask)
     if mask is not None and mask.dtype.kind == "f":
         mask = mask.astype(dt)
-    return AttentionConfig(q, k, v, mask, kind, is_causal, scale, enable_gqa, dropout_p, seed,
-                           batch, heads, dt)
+    cfg = AttentionConfig(q, k, v, mask, kind, is_causal, scale, enable_gqa, dropout_p, seed,
+                          batch, heads, dt)
+    names = _option_names(options)
+    if "causal_align" in names:
+        cfg.causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
+    if "window" in names:
+        cfg.window = draw(st.one_of(st.none(), windows(max_left=max_len, max_right=max_len)))
+    if "softcap" in names:
+        cfg.softcap = draw(st.one_of(st.none(), softcaps()))
+    if heads is not None and "alibi_slopes" in names:
+        cfg.alibi_slopes = draw(st.one_of(st.none(), alibi_slopes(heads[0], dtype=dt)))
+    if heads is not None and "sinks" in names:
+        cfg.sinks = draw(st.one_of(st.none(), sinks(heads[0], dtype=dt)))
+    if "mask_grad" in names and mask is not None and mask.dtype.kind == "f":
+        cfg.mask_grad = draw(st.booleans())
+    return cfg
+
+
+# ------------------------------------------------------------------------------ attention options
+
+ATTENTION_OPTIONS = ("causal_align", "window", "alibi_slopes", "softcap", "sinks", "mask_grad")
+
+
+def _option_names(options) -> Tuple[str, ...]:
+    if options is False or options is None:
+        return ()
+    if options is True:
+        return ATTENTION_OPTIONS
+    names = (options,) if isinstance(options, str) else tuple(options)
+    for n in names:
+        if n not in ATTENTION_OPTIONS:
+            raise ValueError(f"options: expected names from {ATTENTION_OPTIONS}, got {n!r}")
+    return names
+
+
+def windows(max_left: int = 4, max_right: int = 4, unbounded: bool = True) -> st.SearchStrategy[Tuple[int, int]]:
+    """Sliding windows ``(left, right)`` for the attention cores' ``window=``: each side in
+    ``0..max_<side>`` or, with ``unbounded``, ``-1`` (no limit on that side).  A window may
+    leave a query row with no visible key (its output is then 0): the cores must handle it."""
+    if max_left < 0 or max_right < 0:
+        raise ValueError(f"windows: expected max_left, max_right >= 0, got {max_left}, {max_right}")
+
+    def side(n):
+        s = st.integers(0, n)
+        return st.one_of(st.just(-1), s) if unbounded else s
+
+    return st.tuples(side(max_left), side(max_right))
+
+
+def standard_alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes ``2**(-8 (h + 1) / num_heads)``, ``h = 0..num_heads-1``."""
+    return 2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads)
+
+
+def alibi_slopes(num_heads: int, batch: Sequence[int] = (), dtype=np.float64,
+                 max_slope: float = 1.0) -> st.SearchStrategy[np.ndarray]:
+    """ALiBi slopes of shape ``(*batch, num_heads)``: the standard geometric ones or positive
+    values uniform in ``[1/256, max_slope]`` (a bias ``-slope |p - j|`` of a few units at the
+    sizes tests use, so softmax stays far from saturation)."""
+    if num_heads < 1 or not 0 < max_slope:
+        raise ValueError(f"alibi_slopes: expected num_heads >= 1 and max_slope > 0, got {num_heads}, {max_slope}")
+    shape = tuple(batch) + (num_heads,)
+
+    def build(args):
+        standard, seed = args
+        if standard:
+            return np.broadcast_to(standard_alibi_slopes(num_heads), shape).astype(dtype)
+        return np.random.default_rng(seed).uniform(1.0 / 256, max_slope, shape).astype(dtype)
+
+    return st.tuples(st.booleans(), seeds()).map(build)
+
+
+def softcaps(min_value: float = 1.0, max_value: float = 30.0) -> st.SearchStrategy[float]:
+    """Positive ``softcap`` values (``scores -> softcap * tanh(scores / softcap)``).  The default
+    range keeps ``tanh`` out of its flat tails for scores of a few units (not ill-conditioned)."""
+    if not 0 < min_value <= max_value:
+        raise ValueError(f"softcaps: expected 0 < min_value <= max_value, got {min_value}, {max_value}")
+    return st.floats(min_value, max_value, allow_nan=False, allow_infinity=False)
+
+
+def sinks(num_heads: int, dtype=np.float64, scale: float = 2.0) -> st.SearchStrategy[np.ndarray]:
+    """Attention-sink logits ``(num_heads,)`` uniform in ``[-scale, scale]``."""
+    if num_heads < 1:
+        raise ValueError(f"sinks: expected num_heads >= 1, got {num_heads}")
+    return seeds().map(lambda seed: np.random.default_rng(seed).uniform(-scale, scale, num_heads).astype(dtype))
+
+
+POSITION_KINDS = ("arange", "offset", "per_batch", "random")
+
+
+def positions(length: int, lead: Sequence[int] = (), max_offset: int = 64,
+              kinds: Optional[Sequence[str]] = None) -> st.SearchStrategy[np.ndarray]:
+    """Integer RoPE positions for ``x (*lead, length, D)``, broadcastable to ``(*lead, length)``:
+
+    * ``"arange"``: ``arange(length)`` (the default positions);
+    * ``"offset"``: ``arange(length) + t``, ``t`` in ``0..max_offset`` (new tokens after ``t``
+      cached ones);
+    * ``"per_batch"``: a different offset per sequence, shape ``(lead[0], 1, ..., 1, length)``
+      (without a leading axis, one offset: as ``"offset"``);
+    * ``"random"``: any non-negative positions below ``max_offset + length``.
+    """
+    kinds = POSITION_KINDS if kinds is None else ((kinds,) if isinstance(kinds, str) else tuple(kinds))
+    for k in kinds:
+        if k not in POSITION_KINDS:
+            raise ValueError(f"kinds: expected names from {POSITION_KINDS}, got {k!r}")
+    if length < 1 or max_offset < 0:
+        raise ValueError(f"positions: expected length >= 1 and max_offset >= 0, got {length}, {max_offset}")
+    lead = tuple(lead)
+
+    def build(args):
+        kind, seed = args
+        rng = np.random.default_rng(seed)
+        base = np.arange(length, dtype=np.int64)
+        if kind == "arange":
+            return base
+        if kind == "offset" or (kind == "per_batch" and not lead):
+            return base + int(rng.integers(0, max_offset + 1))
+        if kind == "per_batch":
+            nb = lead[0] if lead else 1
+            offsets = rng.integers(0, max_offset + 1, nb).astype(np.int64)
+            shape = (nb,) + (1,) * max(len(lead) - 1, 0) + (length,)
+            return (offsets[:, None] + base[None, :]).reshape(shape)
+        return rng.integers(0, max_offset + length, length).astype(np.int64)
+
+    return st.tuples(st.sampled_from(kinds), seeds()).map(build)

@@ -10,14 +10,24 @@ parameter gradient (the median of several runs, npattn and torch interleaved, af
   with ``is_causal=True`` and an ``nn.Linear`` output projection, with the same weights.
 * ``encoder``: ``EncoderBlock(d, h, 4d, dropout=0, causal=True, qkv_bias=True)`` (post-norm, ReLU);
   torch's ``nn.TransformerEncoderLayer(batch_first=True, dropout=0)`` with a causal mask.
+* ``demo``: one training step of ``npattn demo``'s model (``TinyTransformer`` as the demo builds it:
+  vocab 11, d_model 64, 4 heads, 2 pre-norm blocks, d_ff 256, batch 64, L 16): forward, mean
+  cross-entropy and backward; torch's equivalent (``nn.Embedding`` x 2, pre-norm
+  ``nn.TransformerEncoderLayer`` x 2, ``nn.LayerNorm``, ``nn.Linear``, ``F.cross_entropy``) with the
+  same weights.
+* ``mem_eff``: ``memory_efficient_attention`` at b=1, h=12, L=4096, E=64, causal against torch's
+  flash kernel; its row also gives the peak memory above the inputs of each (``npattn_extra_mib``,
+  ``torch_extra_mib``, float32, a fresh subprocess each).
 
-Sizes: a small one, GPT-2-small's block (batch 8, seq 256, d_model 768, 12 heads) and MHA at
-batch 2, seq 1024, each in float32 and float64.  ``--quick`` keeps small sizes only.
+Sizes: a small one (MHA(128, 4) and EncoderBlock(128, 4, 512) at batch 4, seq 64), GPT-2-small's
+block (batch 8, seq 256, d_model 768, 12 heads, d_ff 3072) and MHA at batch 2, seq 1024, each in
+float32 and float64.  ``--quick`` keeps tiny sizes only (for the test suite).
 
 FLOP rates count the *useful* multiply-adds of the GEMMs (2 FLOPs each): a causal attention
 counts only the ``L(L+1)/2`` visible (query, key) pairs, as FlashAttention's papers do, and a
 backward counts twice its forward.  They are compared with numpy's own GEMM rate measured in the
-same run (a ``2048 x 2048`` matmul; the best of several), the ceiling of anything built on it.
+same run (a ``2048 x 2048`` matmul; the best of several, at the start and again at the end of the
+run, the better kept), the ceiling of anything built on it.
 
 ``--memory``: peak resident memory of one forward+backward of ``scaled_dot_product_attention``
 against ``memory_efficient_attention`` (b=1, h=12, E=64, float32, causal) for several sequence
@@ -29,13 +39,15 @@ cores against L = 1k ... 16k (``--quick``: 256 ... 1024), the best of 2 forward+
 subprocess: seconds, milliseconds per 1000 query rows (constant when the work is linear in L) and
 peak extra MiB.  A core without the ``window`` option is reported as missing.
 
-Environment: some machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2
-kernels on a CPU that has AVX-512) and ``OPENBLAS_L2_SIZE``, which slow numpy's GEMM.  When they
-are set, ``main`` first measures numpy's GEMM peak with and without them (fresh subprocesses) and,
-only when it is faster without, runs the whole benchmark in a subprocess without them; the report
-says which, with both peaks, and names the OpenBLAS kernel in use (via ``threadpoolctl`` when
-installed).  ``--quick`` and ``NPATTN_BENCH_KEEP_ENV=1`` leave the environment alone.  torch
-links its own MKL and is not affected by these variables.
+Environment: the numbers are measured under this machine's own BLAS settings, always.  Some
+machines set ``OPENBLAS_CORETYPE`` (e.g. forcing OpenBLAS's Haswell/AVX2 kernels on a CPU that has
+AVX-512) and ``OPENBLAS_L2_SIZE``; when they are set, ``main`` then measures numpy's GEMM peak with
+and without them (fresh subprocesses) and, when it is faster without, runs the timing cases a
+second time in a subprocess without them: a second, labelled section (``variants`` in the JSON),
+never the default.  ``--quick`` and ``NPATTN_BENCH_KEEP_ENV=1`` skip the variant.  torch links its
+own BLAS and is not affected by these variables.  The report names the CPU, its SIMD flags that
+matter to a GEMM (``avx2``, ``fma``, ``avx512*``), the BLAS numpy uses (name, version, the kernel
+core type in use, threads) and torch's thread count.
 
 The machine's load matters (two cores shared with anything else that runs): the report gives
 the load average and the idle fraction measured just before the run.
@@ -54,7 +66,8 @@ import time
 import numpy as np
 
 __all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
-           "window_table", "machine_info", "probe_openblas_env", "format_table", "bench_decode", "format_decode"]
+           "window_table", "bench_demo", "memory_torch", "bench_decode", "format_decode",
+           "machine_info", "probe_openblas_env", "format_table"]
 
 _TORCH = None
 
@@ -271,6 +284,96 @@ def bench_mha(b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak
                    _mha_flops(b, L, d, h, causal), times, peak, check)
 
 
+# -- the demo's model: one training step ------------------------------------------------------------
+DEMO = dict(b=64, L=16)  # npattn demo's batch and context (2 * n_digits)
+DEMO_QUICK = dict(b=2, L=8, d=16, h=2, layers=1, d_ff=32)
+
+
+def _demo_flops(b, L, d, h, d_ff, layers, vocab):
+    return layers * _encoder_flops(b, L, d, h, d_ff, True) + 3 * 2 * b * L * d * vocab
+
+
+def _torch_demo(torch, model, L):
+    """torch's eager equivalent of a ``TinyTransformer`` (pre-norm causal blocks), same weights."""
+    nn = torch.nn
+    dt = torch.float32 if model.dtype == np.float32 else torch.float64
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    layers = [_torch_encoder(torch, blk, L) for blk in model.blocks]
+
+    class TorchTiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(*model.tok_emb.weight.data.shape)
+            self.pos = nn.Embedding(*model.pos_emb.weight.data.shape)
+            self.blocks = nn.ModuleList(layers)
+            self.norm = nn.LayerNorm(model.norm.weight.data.shape[0])
+            self.head = nn.Linear(*model.head.weight.data.shape[::-1])
+
+        def forward(self, ids):
+            x = self.tok(ids) + self.pos(torch.arange(ids.shape[-1]))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.norm(x))
+
+    m = TorchTiny().to(dt)
+    with torch.no_grad():
+        for tl, nl in ((m.tok, model.tok_emb), (m.pos, model.pos_emb), (m.norm, model.norm), (m.head, model.head)):
+            tl.weight.copy_(t(nl.weight.data))
+            if getattr(nl, "bias", None) is not None:
+                tl.bias.copy_(t(nl.bias.data))
+    return m
+
+
+def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE):
+    """One training step of ``npattn demo``'s ``TinyTransformer`` (forward, mean cross-entropy over
+    the answer half of each sequence, backward) and of torch's equivalent with the same weights."""
+    from ..models import TinyTransformer
+    from .demo import IGNORE_INDEX, VOCAB_SIZE, DemoConfig
+
+    cfg = DemoConfig()
+    b, L = (DEMO_QUICK["b"], DEMO_QUICK["L"]) if quick else (DEMO["b"], DEMO["L"])
+    d, h, layers, d_ff = ((DEMO_QUICK[k] for k in ("d", "h", "layers", "d_ff")) if quick
+                          else (cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff))
+    model = TinyTransformer(VOCAB_SIZE, L, d, h, layers, d_ff, rng=np.random.default_rng(cfg.seed), dtype=dtype)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB_SIZE, (b, L))
+    targets = rng.integers(0, VOCAB_SIZE, (b, L))
+    targets[:, : L // 2] = IGNORE_INDEX  # the prompt half is not scored, as in the demo
+
+    def run_np():
+        loss, dlogits = model.loss(ids, targets, ignore_index=IGNORE_INDEX)
+        model.backward(dlogits)
+        return loss
+
+    fns = {"npattn": run_np}
+    torch = _torch() if use_torch else None
+    check = None
+    if torch is not None:
+        tm = _torch_demo(torch, model, L)
+        tids, ttargets = torch.from_numpy(ids), torch.from_numpy(targets)
+        params = list(tm.parameters())
+
+        def run_torch():
+            for p in params:
+                p.grad = None
+            logits = tm(tids)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ttargets.reshape(-1),
+                                                     ignore_index=IGNORE_INDEX)
+            loss.backward()
+            return loss
+
+        fns["torch"] = run_torch
+        model.zero_grad()
+        loss = run_np()
+        tloss = run_torch()
+        check = max(_rel_diff(loss, tloss.item()), _rel_diff(model.head.weight.grad, tm.head.weight.grad.numpy()),
+                    _rel_diff(model.tok_emb.weight.grad, tm.tok.weight.grad.numpy()))
+    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    return _result("demo", {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "layers": layers,
+                            "vocab": VOCAB_SIZE}, dtype, _demo_flops(b, L, d, h, d_ff, layers, VOCAB_SIZE),
+                   times, peak, check)
+
+
 def _torch_encoder(torch, block, L):
     """``nn.TransformerEncoderLayer`` with the weights of the npattn ``block`` and a causal mask."""
     mha, ffn = block.mha, block.ffn
@@ -283,8 +386,11 @@ def _torch_encoder(torch, block, L):
     with torch.no_grad():
         layer.self_attn.in_proj_weight.copy_(t(np.concatenate(
             [mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data])))
-        layer.self_attn.in_proj_bias.copy_(t(np.concatenate(
-            [mha.W_query.bias.data, mha.W_key.bias.data, mha.W_value.bias.data])))
+        if mha.W_query.bias is None:  # qkv_bias=False: torch's layer always has one, kept at zero
+            layer.self_attn.in_proj_bias.zero_()
+        else:
+            layer.self_attn.in_proj_bias.copy_(t(np.concatenate(
+                [mha.W_query.bias.data, mha.W_key.bias.data, mha.W_value.bias.data])))
         layer.self_attn.out_proj.weight.copy_(t(mha.out_proj.weight.data))
         layer.self_attn.out_proj.bias.copy_(t(mha.out_proj.bias.data))
         for tl, nl in ((layer.linear1, ffn.linear1), (layer.linear2, ffn.linear2),
@@ -457,12 +563,59 @@ _SLOW_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # see the module docstrin
 
 
 def _openblas_info():
+    """The BLAS numpy uses: name, version, kernel core type, threads (threadpoolctl when installed,
+    else OpenBLAS's own ``get_config``/``get_corename``/``get_num_threads`` found in this process)."""
     try:
         import threadpoolctl
     except ImportError:
-        return None
+        return _openblas_ctypes()
     return [{k: i.get(k) for k in ("internal_api", "architecture", "num_threads", "version")}
-            for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+            for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"] or _openblas_ctypes()
+
+
+def _openblas_ctypes():
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return None
+    found = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("openblas_", "64_"), ("openblas_", "")):
+            fns = [getattr(lib, f"{prefix}get_{n}{suffix}", None) for n in ("config", "corename", "num_threads")]
+            if all(fn is not None for fn in fns):
+                fns[0].restype = fns[1].restype = ctypes.c_char_p
+                fns[2].restype = ctypes.c_int
+                config = fns[0]().decode(errors="replace")
+                words = config.split()
+                found.append({"internal_api": "openblas", "version": words[1] if len(words) > 1 else None,
+                              "architecture": fns[1]().decode(errors="replace"), "num_threads": fns[2](),
+                              "config": config})
+                break
+    return found or None
+
+
+_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+               "amx_tile", "asimd", "sve")
+
+
+def _cpu_flags():
+    """The CPU's SIMD flags that matter to a GEMM kernel (Linux ``/proc/cpuinfo``; [] elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in _SIMD_FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
 
 
 def _idle_fraction(seconds=0.5):
@@ -501,6 +654,7 @@ def machine_info():
         "torch_threads": torch.get_num_threads() if torch is not None else None,
         "cpu": _cpu_name(),
         "cpus": os.cpu_count(),
+        "cpu_flags": _cpu_flags(),
         "blas": _openblas_info(),
         "env": {k: os.environ.get(k) for k in _ENV_KEYS},
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -508,8 +662,10 @@ def machine_info():
     }
 
 
-def run(quick=False, use_torch=True, repeats=None, progress=None):
-    """All timing cases; returns a JSON-able dict (``machine``, ``gemm_peak_gflops``, ``results``)."""
+def run(quick=False, use_torch=True, repeats=None, progress=None, memory=None):
+    """All timing cases; returns a JSON-able dict (``machine``, ``gemm_peak_gflops``, ``results``).
+    ``memory`` (default: not ``quick``) adds the peak extra MiB of the ``mem_eff`` row's two kernels."""
+    memory = (not quick) if memory is None else memory
     repeats = repeats or (3 if quick else 7)
     dtypes = (np.float32, np.float64)
     machine = machine_info()
@@ -517,26 +673,41 @@ def run(quick=False, use_torch=True, repeats=None, progress=None):
     peaks = {np.dtype(dt).name: gemm_peak(dt, n=gemm_n) for dt in dtypes}
     if quick:
         plan = [("sdpa", dict(b=2, h=2, L=32, E=16)), ("mha", dict(b=2, L=32, d=32, h=4)),
-                ("encoder", dict(b=2, L=32, d=32, h=4))]
+                ("encoder", dict(b=2, L=32, d=32, h=4)), ("demo", dict(quick=True))]
     else:
         s, g = SMALL, GPT2
         plan = [("sdpa", dict(b=s["b"], h=s["h"], L=s["L"], E=s["d"] // s["h"])),
                 ("sdpa", dict(b=g["b"], h=g["h"], L=g["L"], E=g["d"] // g["h"])),
                 ("mha", SMALL), ("mha", GPT2), ("mha", LONG),
-                ("encoder", SMALL), ("encoder", GPT2),
+                ("encoder", SMALL), ("encoder", GPT2), ("demo", {}),
                 ("mem_eff", dict(b=1, h=12, L=4096, E=64))]  # against torch's CPU flash kernel
-    funcs = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder,
+    funcs = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder, "demo": bench_demo,
              "mem_eff": lambda **kw: bench_sdpa(**kw, memory_efficient=True)}
     results = []
     for name, kw in plan:
-        for dt in (dtypes if name != "mem_eff" else (np.float32,)):
+        for dt in dtypes:
             if progress:
                 progress(f"{name} {kw} {np.dtype(dt).name}")
             results.append(funcs[name](**kw, dtype=dt, use_torch=use_torch, peak=peaks[np.dtype(dt).name],
                                        repeats=repeats, pause=0.0 if quick else PAUSE))
+            if name == "mem_eff" and dt == np.float32 and memory:
+                if progress:
+                    progress("  peak memory of memory_efficient_attention and of torch's flash kernel")
+                mine = memory_one("memory_efficient_attention", kw["L"])
+                theirs = memory_torch(kw["L"]) if use_torch and _torch() is not None else {}
+                results[-1]["npattn_extra_mib"] = mine.get("extra_mib")
+                results[-1]["torch_extra_mib"] = theirs.get("extra_mib")
             if progress:
                 progress("  " + _format_row(results[-1]))
-    return {"machine": machine, "gemm_peak_gflops": peaks, "gemm_n": gemm_n, "repeats": repeats, "results": results}
+    # numpy's GEMM peak again at the end, the better of both kept: one slow spell of a shared
+    # machine at the start would otherwise inflate every row's "% of peak"
+    samples = {"start": peaks, "end": {np.dtype(dt).name: gemm_peak(dt, n=gemm_n) for dt in dtypes}}
+    peaks = {name: max(samples["start"][name], samples["end"][name]) for name in peaks}
+    for r in results:
+        r["gemm_peak_gflops"] = peaks[r["dtype"]]
+        r["fraction_of_gemm_peak"] = r["npattn_gflops"] / peaks[r["dtype"]]
+    return {"machine": machine, "gemm_peak_gflops": peaks, "gemm_peak_samples": samples, "gemm_n": gemm_n,
+            "repeats": repeats, "results": results}
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -591,6 +762,49 @@ def memory_one(impl, L):
     if r.get("missing"):
         return {"impl": impl, "seq": L, "missing": True}
     return {"impl": impl, "seq": L, "peak_mib": r["peak_kib"] / 1024,
+            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024, "seconds": r["seconds"]}
+
+
+_TORCH_MEMORY_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+L = int(sys.argv[1])
+rng = np.random.default_rng(0)
+q, k, v = (torch.from_numpy(rng.standard_normal((1, 12, L, 64)).astype(np.float32)).requires_grad_()
+           for _ in range(3))
+dout = torch.from_numpy(rng.standard_normal((1, 12, L, 64)).astype(np.float32))
+sdpa = torch.nn.functional.scaled_dot_product_attention
+sdpa(q[..., :2, :], k[..., :2, :], v[..., :2, :], is_causal=True).backward(dout[..., :2, :])  # load the kernels
+for t in (q, k, v):
+    t.grad = None
+
+def status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+
+before_kib = status_kib("VmRSS")
+t0 = time.perf_counter()
+sdpa(q, k, v, is_causal=True).backward(dout)
+seconds = time.perf_counter() - t0
+print(json.dumps({"before_kib": before_kib, "peak_kib": status_kib("VmHWM"), "seconds": seconds}))
+"""
+
+
+def memory_torch(L):
+    """As ``memory_one`` for torch's ``F.scaled_dot_product_attention`` (its CPU flash kernel here):
+    one causal forward+backward at b=1, h=12, E=64, float32 in a fresh subprocess (gradients included)."""
+    threads = os.environ.get("NPATTN_BENCH_THREADS", "2")
+    proc = subprocess.run([sys.executable, "-c", _TORCH_MEMORY_SCRIPT, str(L), threads], capture_output=True,
+                          text=True, env=_child_env())
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return {"impl": "torch", "seq": L, "error": tail[0]}
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"impl": "torch", "seq": L, "peak_mib": r["peak_kib"] / 1024,
             "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024, "seconds": r["seconds"]}
 
 
@@ -725,6 +939,26 @@ def _format_row(r):
             f"{_fmt(frac and 100 * frac, '>6.0f')}% {_fmt(r.get('max_rel_diff_vs_torch'), '>9.1e')}")
 
 
+def _format_results(report):
+    """The timing rows of ``report`` (or of one of its ``variants``) as lines of text."""
+    lines = [
+        f"numpy GEMM peak ({report.get('gemm_n', 2048)}^2 matmul, best at the start or end of this run): "
+        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in report["gemm_peak_gflops"].items()),
+        f"forward+backward (input and parameter gradients), median of {report['repeats']} interleaved runs;"
+        " GFLOP/s count useful FLOPs (causal: visible pairs only); ratio = npattn / torch",
+        "",
+        f"{'op':<8} {'shape':<29} {'dtype':<8} {'npattn ms':>10} {'torch ms':>10} {'ratio':>6} "
+        f"{'GFLOP/s':>8} {'torch':>7} {'%peak':>7} {'rel.diff':>9}",
+    ]
+    lines += [_format_row(r) for r in report["results"]]
+    for r in report["results"]:
+        if r.get("npattn_extra_mib") is not None:
+            lines.append(f"{r['name']} {_shape_str(r['shape'])} {r['dtype']}: peak extra memory npattn "
+                         f"{r['npattn_extra_mib']:.0f} MiB, torch {_fmt(r.get('torch_extra_mib'), '.0f')} MiB "
+                         "(forward+backward above the inputs, a fresh process each)")
+    return lines
+
+
 def format_table(report):
     """The report as a plain-text table."""
     m = report["machine"]
@@ -738,29 +972,26 @@ def format_table(report):
         f"{' (' + blas + ')' if blas else ''}, torch {m['torch'] or 'not installed'}"
         f"{'' if m['torch_threads'] is None else ' (' + str(m['torch_threads']) + ' threads)'}",
         f"environment: {env}"
-        + (f"; load average {load[0]:.2f}" if load else "") + (f", {100 * idle:.0f}% idle at start" if idle is not None else ""),
+        + (f"; load average {load[0]:.2f}" if load else "")
+        + (f", {100 * idle:.0f}% idle at start" if idle is not None else ""),
     ]
+    if m.get("cpu_flags") is not None:
+        lines.insert(1, "cpu flags (SIMD): " + (" ".join(m["cpu_flags"]) or "none found"))
     probe = report.get("openblas_env_probe")
     if probe and "gemm_peak_gflops" in probe:
         p = probe["gemm_peak_gflops"]
         lines.append("OpenBLAS probe, GEMM GFLOP/s with " + ", ".join(f"{k}={v}" for k, v in probe["vars"].items())
                      + f": float32 {p['as_set']['float32']:.0f}, float64 {p['as_set']['float64']:.0f}; without: "
-                     f"float32 {p['unset']['float32']:.0f}, float64 {p['unset']['float64']:.0f} -> "
-                     + ("this run without them" if probe["unset"] else "this run with them"))
-    lines += [
-        f"numpy GEMM peak ({report.get('gemm_n', 2048)}^2 matmul, this run): "
-        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in report["gemm_peak_gflops"].items()),
-        f"forward+backward (input and parameter gradients), median of {report['repeats']} interleaved runs;"
-        " GFLOP/s count useful FLOPs (causal: visible pairs only)",
-        "",
-        f"{'op':<8} {'shape':<29} {'dtype':<8} {'npattn ms':>10} {'torch ms':>10} {'ratio':>6} "
-        f"{'GFLOP/s':>8} {'torch':>7} {'%peak':>7} {'rel.diff':>9}",
-    ]
-    lines += [_format_row(r) for r in report["results"]]
+                     f"float32 {p['unset']['float32']:.0f}, float64 {p['unset']['float64']:.0f}"
+                     + (" -> a variant section below, without them" if probe["unset"] else ""))
+    lines += ["", "this machine's own settings:"] + _format_results(report)
+    for var in report.get("variants") or []:
+        lines += ["", f"VARIANT, not this machine's settings: {var['label']}"] + _format_results(var)
     if report.get("decode"):
         lines += [""] + format_decode(report["decode"])
     if report.get("memory"):
-        lines += ["", "peak memory of forward+backward (b=1, h=12, E=64, float32, causal): MiB above the inputs, seconds",
+        lines += ["", "peak memory of forward+backward (b=1, h=12, E=64, float32, causal): "
+                  "MiB above the inputs, seconds",
                   f"{'L':>6} {'sdpa MiB':>10} {'mem-eff MiB':>12} {'sdpa s':>8} {'mem-eff s':>10}"]
         by = {}
         for r in report["memory"]:
@@ -823,20 +1054,24 @@ def _collect(quick, memory, progress, window=False, decode=False):
 
 
 def _worker():
-    """The benchmark's own subprocess (started by ``main`` with an adjusted environment): the
+    """The benchmark's own subprocess (started by ``main`` for the variant environment): the
     options as JSON in ``argv[1]``, the report as JSON on stdout, progress on stderr."""
     opts = json.loads(sys.argv[1])
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if opts["progress"] else None
+    if opts.get("timings_only"):
+        print(json.dumps(run(quick=opts["quick"], progress=progress, memory=False)))
+        return
     print(json.dumps(_collect(opts["quick"], opts["memory"], progress, opts.get("window", False),
                               opts.get("decode", False))))
 
 
 def main(args):
-    """``npattn bench [--json] [--memory] [--window] [--quick]``: print the table (or the JSON report).
+    """``npattn bench [--json] [--memory] [--window] [--decode] [--quick]``: print the table (or the JSON report).
 
-    When this machine's ``OPENBLAS_CORETYPE``/``OPENBLAS_L2_SIZE`` are measured to slow numpy's GEMM
-    (``probe_openblas_env``), the benchmark runs in a subprocess without them and says so.  Never
-    with ``--quick`` (which leaves the environment alone) or ``NPATTN_BENCH_KEEP_ENV=1``.
+    Everything is measured under this machine's own environment.  When its ``OPENBLAS_CORETYPE``/
+    ``OPENBLAS_L2_SIZE`` are measured to slow numpy's GEMM (``probe_openblas_env``), the timing cases
+    run a second time in a subprocess without them: ``report["variants"]``, a second labelled
+    section.  Never with ``--quick`` or ``NPATTN_BENCH_KEEP_ENV=1``.
     """
     quick = bool(getattr(args, "quick", False))
     as_json = bool(getattr(args, "json", False))
@@ -844,23 +1079,28 @@ def main(args):
     window = bool(getattr(args, "window", False))
     decode = bool(getattr(args, "decode", False))
     progress = None if as_json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = _collect(quick, memory, progress, window, decode)
     probe = None
     if not quick and os.environ.get("NPATTN_BENCH_KEEP_ENV") != "1":
         probe = probe_openblas_env(progress)
+    report["openblas_env_probe"] = probe
+    report["variants"] = []
     if probe and probe.get("unset"):
         if progress:
-            progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: benchmarking in a subprocess without them")
-        opts = json.dumps({"quick": quick, "memory": memory, "window": window, "decode": decode,
-                           "progress": progress is not None})
+            progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: the timing cases again, in a "
+                     "subprocess without them (a labelled variant)")
+        opts = json.dumps({"quick": quick, "memory": False, "window": False, "progress": progress is not None,
+                           "timings_only": True})
         proc = subprocess.run([sys.executable, "-c", "import npattn.tools.bench as b; b._worker()", opts],
                               stdout=subprocess.PIPE, text=True, env=_child_env(_SLOW_ENV))
         if proc.returncode != 0:
-            print(f"npattn bench: the benchmark subprocess failed (exit status {proc.returncode})", file=sys.stderr)
-            return 1
-        report = json.loads(proc.stdout.strip().splitlines()[-1])
-    else:
-        report = _collect(quick, memory, progress, window, decode)
-    report["openblas_env_probe"] = probe
+            print(f"npattn bench: the variant subprocess failed (exit status {proc.returncode})", file=sys.stderr)
+        else:
+            variant = json.loads(proc.stdout.strip().splitlines()[-1])
+            variant["label"] = "without " + " and ".join(f"{k}={probe['vars'][k]}" for k in _SLOW_ENV
+                                                         if probe["vars"].get(k))
+            variant["unset"] = list(_SLOW_ENV)
+            report["variants"].append(variant)
     if as_json:
         print(json.dumps(report, indent=2))
     else:

@@ -28,8 +28,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover - for the annotations only
+    from ..models import TinyTransformer
 
 SEP = 10  # token id of the separator; digits are 0..9
 VOCAB_SIZE = 11
@@ -175,7 +179,7 @@ def single_blas_thread():
 # -- training ----------------------------------------------------------------------------------
 @dataclass
 class DemoResult:
-    model: object
+    model: "TinyTransformer"
     losses: np.ndarray
     accuracy: float
     token_accuracy: float
@@ -299,7 +303,7 @@ class _Progress:
     def __init__(self, steps: int):
         self.steps = steps
         self.every = max(1, steps // 10)
-        self.avg = None
+        self.avg: "float | None" = None
         try:
             from tqdm import tqdm
         except ImportError:
