@@ -180,10 +180,9 @@ class MultiHeadAttention(_attention.MultiHeadAttention):
         if past + n > self.context_length:
             raise ValueError(f"x: expected at most context_length={self.context_length} tokens with the {past} cached "
                              f"ones, got {n} more (call reset_kv_cache() to start a new sequence)")
-        mask = self.mask[past:past + n, :past + n] == 0
-        if use_cache:
-            return super().forward(x, attn_mask=mask, use_cache=True)
-        return super().forward(x, attn_mask=mask)
+        self._check_cache(x, True, use_cache)
+        # the mask comes from the module's own buffer, already of the shape _forward takes
+        return self._forward(x, mask=self.mask[past:past + n, :past + n] == 0, use_cache=use_cache)
 
 
 # ==============================================================================================

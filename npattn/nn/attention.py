@@ -21,6 +21,7 @@ from .. import masks as _masks
 from .._validate import (
     as_float,
     as_rng,
+    check_additive_values,
     check_bool,
     check_dtype,
     check_mask,
@@ -37,6 +38,7 @@ from .module import Module, Parameter, no_grad
 __all__ = ["MultiHeadAttention"]
 
 _ALIGNS = ("top_left", "bottom_right")
+_MASK_NAMES = ("attn_mask", "key_padding_mask")
 
 
 class _State(NamedTuple):
@@ -310,11 +312,33 @@ class MultiHeadAttention(Module):
             raise ValueError(f"value: expected shape {lead + (k.shape[-2], self.vdim)}, got {v.shape}")
         return x, k, v, False
 
-    def _build_mask(self, attn_mask, key_padding_mask, lead, lq, lk):
+    def _check_cache(self, x: np.ndarray, self_attn: bool, use_cache: bool) -> int:
+        """The number of keys in the KV cache before this call (0 without ``use_cache``); refuses
+        ``use_cache`` in cross-attention and a batch shape other than the cache's."""
+        if not use_cache:
+            return 0
+        if not self_attn:
+            raise ValueError("use_cache: the KV cache is for self-attention; expected key=None and value=None")
+        cache = self._kv_cache
+        if cache is None:
+            return 0
+        if cache.lead != x.shape[:-2]:
+            raise ValueError(
+                f"query: expected the batch shape {cache.lead} of the KV cache, got {x.shape} "
+                "(call reset_kv_cache() to start a new sequence)"
+            )
+        return cache.length
+
+    def _build_mask(
+        self, attn_mask, key_padding_mask, lead: tuple, lq: int, lk: int, names: tuple[str, str] = _MASK_NAMES
+    ) -> np.ndarray | None:
+        """Validate ``attn_mask`` and ``key_padding_mask`` for ``lq`` queries over ``lk`` real keys
+        and combine them into the one mask ``_forward`` takes (None when neither is given).
+        ``names`` are the arguments' names in the messages (a block's ``tgt_mask``...)."""
         target = lead + (self.num_heads, lq, lk)
         mask = None
         if attn_mask is not None:
-            m = to_numpy(attn_mask, "attn_mask")
+            m = to_numpy(attn_mask, names[0])
             if (
                 m.ndim == 3
                 and len(lead) == 1
@@ -322,13 +346,14 @@ class MultiHeadAttention(Module):
                 and m.shape[0] != self.num_heads
             ):
                 m = m.reshape(target)  # torch's (batch * num_heads, Lq, Lk)
-            mask = check_mask(m, "attn_mask", target)
+            mask = check_mask(m, names[0], target)
         if key_padding_mask is not None:
-            kpm = to_numpy(key_padding_mask, "key_padding_mask")
+            kpm = to_numpy(key_padding_mask, names[1])
             if kpm.dtype.kind not in "bf":
-                raise TypeError(f"key_padding_mask: expected bool (True = padding) or float, got dtype {kpm.dtype}")
+                raise TypeError(f"{names[1]}: expected bool (True = padding) or float, got dtype {kpm.dtype}")
             if kpm.shape != lead + (lk,):
-                raise ValueError(f"key_padding_mask: expected shape {lead + (lk,)}, got {kpm.shape}")
+                raise ValueError(f"{names[1]}: expected shape {lead + (lk,)}, got {kpm.shape}")
+            check_additive_values(kpm, names[1])
             mask = _masks.combine(mask, _masks.from_key_padding_mask(kpm))
         if mask is not None and mask.dtype.kind == "f" and mask.dtype != self.dtype:
             mask = mask.astype(self.dtype)  # a float64 mask keeps a float32 module float32 (caches included)
@@ -405,21 +430,40 @@ class MultiHeadAttention(Module):
         use_cache = check_bool(use_cache, "use_cache")
         if need_weights and self.memory_efficient:
             raise ValueError("need_weights: memory_efficient attention never forms the weights; expected False")
+        past = self._check_cache(x, self_attn, use_cache)
+        mask = self._build_mask(attn_mask, key_padding_mask, x.shape[:-2], x.shape[-2], past + k_in.shape[-2])
+        return self._forward(
+            x,
+            None if self_attn else k_in,
+            None if self_attn else v_in,
+            mask,
+            need_weights=need_weights,
+            average_attn_weights=average,
+            use_cache=use_cache,
+        )
+
+    def _forward(
+        self,
+        x: np.ndarray,
+        key: np.ndarray | None = None,
+        value: np.ndarray | None = None,
+        mask: np.ndarray | None = None,
+        *,
+        need_weights: bool = False,
+        average_attn_weights: bool = False,
+        use_cache: bool = False,
+    ):
+        """``forward`` on validated arguments, for npattn's own modules (which validate at their
+        own edge): ``x`` (and, for cross-attention, ``key`` and ``value``; None for
+        self-attention) arrays of the module's dtype checked by ``_check_inputs``, ``mask`` built
+        by ``_build_mask`` (over the cached keys too), flags as bools, ``use_cache`` accepted by
+        ``_check_cache``.  Nothing is checked again."""
+        self_attn = key is None or value is None
+        k_in, v_in = (x, x) if key is None or value is None else (key, value)
         lead, lq = x.shape[:-2], x.shape[-2]
-        past = 0
         cache = self._kv_cache
-        if use_cache:
-            if not self_attn:
-                raise ValueError("use_cache: the KV cache is for self-attention; expected key=None and value=None")
-            if cache is not None:
-                if cache.lead != lead:
-                    raise ValueError(
-                        f"query: expected the batch shape {cache.lead} of the KV cache, got {x.shape} "
-                        "(call reset_kv_cache() to start a new sequence)"
-                    )
-                past = cache.length
+        past = cache.length if use_cache and cache is not None else 0
         lk = past + k_in.shape[-2]  # real keys: cached + this call's
-        mask = self._build_mask(attn_mask, key_padding_mask, lead, lq, lk)
 
         # -- projections: one GEMM for q, k and v in self-attention ----------------------------
         H, Hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
@@ -503,7 +547,7 @@ class MultiHeadAttention(Module):
             return out
         c = cast(AttentionCache, attn_cache)  # need_weights is refused with memory_efficient
         weights = c.weights.copy() if c.keep is None else c.weights * c.keep * c.drop_scale
-        if average:
+        if average_attn_weights:
             weights = weights.mean(axis=-3)
         return out, weights
 
@@ -511,7 +555,10 @@ class MultiHeadAttention(Module):
         """Through ``out_proj``, the attention core, RoPE, QK-norm and the projections.  Returns
         ``dx`` for self-attention (the sum over the input's three uses, shaped like the input),
         else ``(dquery, dkey, dvalue)``."""
-        dy = self._check_dy(dy)
+        return self._backward(self._check_dy(dy))  # checked before any state is taken
+
+    def _backward(self, dy):
+        """``backward`` on a checked ``dy`` (npattn's blocks call it after their own check)."""
         st = self._pop()
         H, Hk = self.num_heads, self.num_kv_heads
         d_kv = Hk * self.head_dim

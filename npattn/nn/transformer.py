@@ -9,17 +9,15 @@ runs, so a refused call changes no state; it then calls its sublayers' unvalidat
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from .._validate import (
     as_float,
     as_rng,
-    check_additive_values,
     check_bool,
     check_dtype,
-    check_mask,
     check_prob,
     check_size,
     to_numpy,
@@ -41,28 +39,6 @@ def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
     if x.ndim < 2 or x.shape[-1] != d:
         raise ValueError(f"{name}: expected shape (..., L, {d}) (d_model={d}), got {x.shape}")
     return x
-
-
-def _check_masks(attn_mask, key_padding_mask, lead: Tuple[int, ...], num_heads: int, lq: int, lk: int,
-                 names: Tuple[str, str]) -> None:
-    """The rules of ``MultiHeadAttention``'s masks, under the block's own argument names:
-    ``attn_mask`` bool (True = may attend) or float, broadcastable to ``(..., num_heads, Lq, Lk)``
-    (torch's ``(batch * num_heads, Lq, Lk)`` accepted); ``key_padding_mask`` bool (True =
-    padding) or float, shape ``(..., Lk)``."""
-    target = lead + (num_heads, lq, lk)
-    if attn_mask is not None:
-        m = to_numpy(attn_mask, names[0])
-        if not (m.ndim == 3 and len(lead) == 1 and m.shape == (lead[0] * num_heads, lq, lk)):
-            check_mask(m, names[0], target)
-        else:
-            check_mask(m.reshape(target), names[0], target)
-    if key_padding_mask is not None:
-        kpm = to_numpy(key_padding_mask, names[1])
-        if kpm.dtype.kind not in "bf":
-            raise TypeError(f"{names[1]}: expected bool (True = padding) or float, got dtype {kpm.dtype}")
-        if kpm.shape != lead + (lk,):
-            raise ValueError(f"{names[1]}: expected shape {lead + (lk,)}, got {kpm.shape}")
-        check_additive_values(kpm, names[1])
 
 
 class EncoderBlock(Module):
@@ -110,12 +86,13 @@ class EncoderBlock(Module):
     def forward(self, x, *, attn_mask=None, key_padding_mask=None) -> np.ndarray:
         x = _check_sequence(x, "x", self.layernorm1.normalized_shape[0], self.dtype)
         lead, L = x.shape[:-2], x.shape[-2]
-        _check_masks(attn_mask, key_padding_mask, lead, self.mha.num_heads, L, L, ("attn_mask", "key_padding_mask"))
-        return self._forward(x, attn_mask, key_padding_mask)
+        mask = self.mha._build_mask(attn_mask, key_padding_mask, lead, L, L)  # refused here, before any sublayer
+        return self._forward(x, mask)
 
-    def _forward(self, x: np.ndarray, attn_mask, key_padding_mask) -> np.ndarray:
+    def _forward(self, x: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
+        """The block on a validated ``x`` and the attention's mask built by ``mha._build_mask``."""
         def mha(h):
-            return self.mha(h, attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+            return self.mha._forward(h, mask=mask)
 
         # an inactive dropout (p = 0 or eval) is the identity: skipped, with its copies each way
         drop = (self.dropout1.active, self.dropout2.active)
@@ -141,11 +118,11 @@ class EncoderBlock(Module):
         ln1, ln2, ffn = self.layernorm1._backward, self.layernorm2._backward, self.ffn._backward
         if self.norm_first:
             dh = dy + ln2(ffn(d2(dy)))
-            return dh + ln1(self.mha.backward(d1(dh)))
+            return dh + ln1(self.mha._backward(d1(dh)))
         ds = ln2(dy)
         dh = ds + ffn(d2(ds))
         dr = ln1(dh)
-        return dr + self.mha.backward(d1(dr))
+        return dr + self.mha._backward(d1(dr))
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "EncoderBlock":
@@ -238,18 +215,22 @@ class DecoderBlock(Module):
         lead, L, S = x.shape[:-2], x.shape[-2], memory.shape[-2]
         if memory.shape[:-2] != lead:
             raise ValueError(f"memory: expected shape {lead + ('S', d)} (x's leading axes), got {memory.shape}")
-        H = self.self_attn.num_heads
-        _check_masks(tgt_mask, tgt_key_padding_mask, lead, H, L, L, ("tgt_mask", "tgt_key_padding_mask"))
-        _check_masks(memory_mask, memory_key_padding_mask, lead, H, L, S, ("memory_mask", "memory_key_padding_mask"))
-        return self._forward(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
+        # both masks are refused here, before any sublayer runs
+        self_mask = self.self_attn._build_mask(tgt_mask, tgt_key_padding_mask, lead, L, L,
+                                               ("tgt_mask", "tgt_key_padding_mask"))
+        cross_mask = self.cross_attn._build_mask(memory_mask, memory_key_padding_mask, lead, L, S,
+                                                 ("memory_mask", "memory_key_padding_mask"))
+        return self._forward(x, memory, self_mask, cross_mask)
 
-    def _forward(self, x: np.ndarray, memory: np.ndarray, tgt_mask, memory_mask, tgt_key_padding_mask,
-                 memory_key_padding_mask) -> np.ndarray:
+    def _forward(self, x: np.ndarray, memory: np.ndarray, self_mask: Optional[np.ndarray],
+                 cross_mask: Optional[np.ndarray]) -> np.ndarray:
+        """The block on validated ``x`` and ``memory`` and the attentions' masks built by their
+        ``_build_mask``."""
         def sa(h):
-            return self.self_attn(h, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask)
+            return self.self_attn._forward(h, mask=self_mask)
 
         def ca(h):
-            return self.cross_attn(h, memory, memory, attn_mask=memory_mask, key_padding_mask=memory_key_padding_mask)
+            return self.cross_attn._forward(h, memory, memory, mask=cross_mask)
 
         drop = (self.dropout1.active, self.dropout2.active, self.dropout3.active)
         d1, d2, d3 = (m._forward if on else _identity for m, on in zip(self._dropouts(), drop))
@@ -280,16 +261,16 @@ class DecoderBlock(Module):
         ffn = self.ffn._backward
         if self.norm_first:
             dh2 = dy + ln3(ffn(d3(dy)))
-            dq, dk, dv = self.cross_attn.backward(d2(dh2))
+            dq, dk, dv = self.cross_attn._backward(d2(dh2))
             dh1 = dh2 + ln2(dq)
-            dx = dh1 + ln1(self.self_attn.backward(d1(dh1)))
+            dx = dh1 + ln1(self.self_attn._backward(d1(dh1)))
             return dx, dk + dv
         ds3 = ln3(dy)
         dh2 = ds3 + ffn(d3(ds3))
         ds2 = ln2(dh2)
-        dq, dk, dv = self.cross_attn.backward(d2(ds2))
+        dq, dk, dv = self.cross_attn._backward(d2(ds2))
         ds1 = ln1(ds2 + dq)
-        dx = ds1 + self.self_attn.backward(d1(ds1))
+        dx = ds1 + self.self_attn._backward(d1(ds1))
         return dx, dk + dv
 
     @classmethod
