@@ -86,16 +86,15 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
         ("sdpa (dropout, fixed rng)",
          check(F.scaled_dot_product_attention, q, k, v, dropout_p=0.3, rng=np.random.default_rng(seed))),
     ]
-    if hasattr(F, "memory_efficient_attention"):
-        out += [
-            ("memory_efficient_attention", check(F.memory_efficient_attention, q, k, v, block_size=2)),
-            ("memory_efficient_attention (causal)",
-             check(F.memory_efficient_attention, qs, ks, vs, is_causal=True, block_size=2)),
-            ("memory_efficient_attention (bool mask)",
-             check(F.memory_efficient_attention, q, k, v, attn_mask=bool_mask, block_size=2)),
-            ("memory_efficient_attention (float mask)",
-             check(F.memory_efficient_attention, q, k, v, attn_mask=float_mask, block_size=3)),
-        ]
+    out += [
+        ("memory_efficient_attention", check(F.memory_efficient_attention, q, k, v, block_size=2)),
+        ("memory_efficient_attention (causal)",
+         check(F.memory_efficient_attention, qs, ks, vs, is_causal=True, block_size=2)),
+        ("memory_efficient_attention (bool mask)",
+         check(F.memory_efficient_attention, q, k, v, attn_mask=bool_mask, block_size=2)),
+        ("memory_efficient_attention (float mask)",
+         check(F.memory_efficient_attention, q, k, v, attn_mask=float_mask, block_size=3)),
+    ]
     out += _option_cases(rng, check, seed)
 
     # -- modules -----------------------------------------------------------------------------
