@@ -13,6 +13,7 @@
 
 Importing npattn imports numpy and nothing else outside the standard library.
 """
+
 __version__ = "0.1.0"
 
 from . import functional, masks, nn, optim  # noqa: F401
@@ -36,7 +37,25 @@ from .nn import (
 from .testing.gradcheck import GradcheckReport, gradcheck
 
 __all__ = [
-    "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
-    "Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
-    "DecoderBlock", "TinyTransformer", "gradcheck", "GradcheckReport", "functional", "masks", "optim", "__version__",
+    "Module",
+    "ModuleList",
+    "Parameter",
+    "no_grad",
+    "is_grad_enabled",
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "Dropout",
+    "Embedding",
+    "FeedForward",
+    "MultiHeadAttention",
+    "EncoderBlock",
+    "DecoderBlock",
+    "TinyTransformer",
+    "gradcheck",
+    "GradcheckReport",
+    "functional",
+    "masks",
+    "optim",
+    "__version__",
 ]

@@ -1,4 +1,5 @@
 """``npattn`` / ``python -m npattn``: the command line (``check``, ``demo``, ``bench``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ from . import __version__
 
 def _int_at_least(minimum, what):
     """An argparse type: an integer >= ``minimum`` (argparse turns the error into a usage message)."""
+
     def parse(text):
         try:
             value = int(text)
@@ -17,6 +19,7 @@ def _int_at_least(minimum, what):
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
         return value
+
     return parse
 
 
@@ -34,20 +37,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0, help="seed of inputs and upstream gradients (default 0)")
 
     p = sub.add_parser("demo", help="train a small causal transformer on a toy task with numpy alone")
-    p.add_argument("--out", default="npattn-demo", help="folder for loss_curve.png and attention maps (default ./npattn-demo)")
+    p.add_argument(
+        "--out", default="npattn-demo", help="folder for loss_curve.png and attention maps (default ./npattn-demo)"
+    )
     p.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: the task's)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
-    p.add_argument("--task", default="reverse", choices=("reverse", "sort", "chars"),
-                   help="reverse or sort digits, or chars: a GPT trained on npattn's docstrings (default reverse)")
+    p.add_argument(
+        "--task",
+        default="reverse",
+        choices=("reverse", "sort", "chars"),
+        help="reverse or sort digits, or chars: a GPT trained on npattn's docstrings (default reverse)",
+    )
 
     p = sub.add_parser("bench", help="forward+backward timings, against torch when it is importable")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--memory", action="store_true", help="peak memory of forward+backward against sequence length")
-    p.add_argument("--window", action="store_true",
-                   help="windowed attention (window=(256, 0)) of both cores against L = 1k ... 16k")
+    p.add_argument(
+        "--window",
+        action="store_true",
+        help="windowed attention (window=(256, 0)) of both cores against L = 1k ... 16k",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes only (seconds, for smoke tests)")
-    p.add_argument("--decode", action="store_true",
-                   help="greedy decoding tokens/s of the book's GPT with and without the KV cache (and torch's)")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="greedy decoding tokens/s of the book's GPT with and without the KV cache (and torch's)",
+    )
     return parser
 
 

@@ -4,6 +4,7 @@ Every public entry point validates its arguments here *before* any arithmetic, s
 npattn's own ``TypeError``/``ValueError`` naming the argument and the expected and actual
 value, never a numpy broadcasting or matmul error from deep inside a computation.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,7 @@ def as_index(x, name: str) -> np.ndarray:
 def check_ndim(a: np.ndarray, name: str, min_ndim: int, desc: str = "") -> None:
     if a.ndim < min_ndim:
         raise ValueError(
-            f"{name}: expected at least {min_ndim} dimensions{' ' + desc if desc else ''}, "
-            f"got shape {a.shape}"
+            f"{name}: expected at least {min_ndim} dimensions{' ' + desc if desc else ''}, got shape {a.shape}"
         )
 
 
@@ -138,9 +138,7 @@ def as_rng(rng, name: str = "rng") -> np.random.Generator:
     if rng is None:
         return np.random.default_rng()
     if isinstance(rng, bool) or not isinstance(rng, numbers.Integral):
-        raise TypeError(
-            f"{name}: expected a numpy Generator, an int seed or None, got {type(rng).__name__}"
-        )
+        raise TypeError(f"{name}: expected a numpy Generator, an int seed or None, got {type(rng).__name__}")
     if rng < 0:
         raise ValueError(f"{name}: expected a non-negative seed, got {rng}")
     return np.random.default_rng(int(rng))
@@ -177,9 +175,7 @@ def check_mask(mask, name: str, target_shape) -> np.ndarray:
         if np.broadcast_shapes(m.shape, tuple(target_shape)) != tuple(target_shape):
             raise ValueError
     except ValueError:
-        raise ValueError(
-            f"{name}: expected a shape broadcastable to {tuple(target_shape)}, got {m.shape}"
-        ) from None
+        raise ValueError(f"{name}: expected a shape broadcastable to {tuple(target_shape)}, got {m.shape}") from None
     check_additive_values(m, name)
     return m
 
@@ -191,9 +187,7 @@ def check_additive_values(m: np.ndarray, name: str) -> None:
         check_float_dtype(m.dtype, name)
     if m.dtype.kind == "f" and m.size and not (m < np.inf).all():  # False for +inf and NaN
         bad = "NaN" if np.isnan(m).any() else "+inf"
-        raise ValueError(
-            f"{name}: expected float mask values that are finite or -inf (-inf blocks a key), got {bad}"
-        )
+        raise ValueError(f"{name}: expected float mask values that are finite or -inf (-inf blocks a key), got {bad}")
 
 
 _SUPPORTED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -215,6 +209,7 @@ def check_float_dtype(dtype, name: str) -> np.dtype:
     raise TypeError(
         f"{name}: {dt.name} is not supported ({why}); convert with {what}.astype(np.float32) (or np.float64)"
     )
+
 
 def check_cache(cache, expected: type, backward: str):
     """The cache a backward was given must be the one its own forward returned."""
@@ -239,6 +234,6 @@ def check_normalized_shape(normalized_shape, x_shape, name: str = "normalized_sh
         raise TypeError(f"{name}: expected an int or a tuple of ints, got {normalized_shape!r}")
     if len(shape) == 0:
         raise ValueError(f"{name}: expected at least one axis, got {shape}")
-    if len(shape) > len(x_shape) or tuple(x_shape[len(x_shape) - len(shape):]) != shape:
+    if len(shape) > len(x_shape) or tuple(x_shape[len(x_shape) - len(shape) :]) != shape:
         raise ValueError(f"{name}: expected the trailing axes of x (shape {tuple(x_shape)}), got {shape}")
     return shape

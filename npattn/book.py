@@ -11,6 +11,7 @@ They are thin: the projections are ``npattn.Linear`` layers (``SelfAttention_v1`
 ``keys.shape[-1] ** 0.5``), and the book's ``masked_fill_(mask.bool(), -inf)`` becomes the
 may-attend mask ``mask == 0``.  Inputs are ``(num_tokens, d_in)`` or ``(batch, num_tokens, d_in)``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,7 @@ from .nn import attention as _attention
 from .nn.layers import Dropout, Embedding, Linear
 from .nn.module import Module, ModuleList, Parameter, no_grad
 
-__all__ = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper",
-           "MultiHeadAttention"]
+__all__ = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention"]
 
 
 def _check_tokens(module, x, context_length=None):
@@ -66,8 +66,9 @@ class SelfAttention_v1(Module):
         dy = self._check_dy(dy)
         cq, ck, cv, ca = self._pop()
         dx = 0
-        for W, d, c in zip((self.W_query, self.W_key, self.W_value),
-                           F.scaled_dot_product_attention_backward(dy, ca), (cq, ck, cv)):
+        for W, d, c in zip(
+            (self.W_query, self.W_key, self.W_value), F.scaled_dot_product_attention_backward(dy, ca), (cq, ck, cv)
+        ):
             dx_i, dwt, _ = F.linear_backward(d, c)
             self._accumulate(W, dwt.T)
             dx = dx + dx_i
@@ -87,8 +88,9 @@ class _SingleHead(Module):
         self.W_value = Linear(self.d_in, self.d_out, qkv_bias, rng=self.rng, dtype=dtype)
 
     def _attend(self, x, attn_mask=None, dropout_p=0.0):
-        ctx, cache = F.scaled_dot_product_attention(self.W_query(x), self.W_key(x), self.W_value(x),
-                                                    attn_mask=attn_mask, dropout_p=dropout_p, rng=self.rng)
+        ctx, cache = F.scaled_dot_product_attention(
+            self.W_query(x), self.W_key(x), self.W_value(x), attn_mask=attn_mask, dropout_p=dropout_p, rng=self.rng
+        )
         self._save(cache)
         return ctx
 
@@ -123,8 +125,7 @@ class CausalAttention(_SingleHead):
     def forward(self, x):
         x = _check_tokens(self, x, self.context_length)
         n = x.shape[-2]
-        return self._attend(x, attn_mask=self.mask[:n, :n] == 0,
-                            dropout_p=self.dropout if self.training else 0.0)
+        return self._attend(x, attn_mask=self.mask[:n, :n] == 0, dropout_p=self.dropout if self.training else 0.0)
 
 
 class MultiHeadAttentionWrapper(Module):
@@ -132,15 +133,18 @@ class MultiHeadAttentionWrapper(Module):
     ``(..., num_tokens, num_heads * d_out)``.  Backward splits ``dy`` per head and sums the
     heads' input gradients."""
 
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, *, rng=None,
-                 dtype=np.float64):
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, *, rng=None, dtype=np.float64):
         super().__init__()
         num_heads = check_size(num_heads, "num_heads")
         rng = as_rng(rng)
         self._dtype = check_dtype(dtype)
         self.d_out = check_size(d_out, "d_out")
-        self.heads = ModuleList([CausalAttention(d_in, d_out, context_length, dropout, qkv_bias, rng=rng, dtype=dtype)
-                                 for _ in range(num_heads)])
+        self.heads = ModuleList(
+            [
+                CausalAttention(d_in, d_out, context_length, dropout, qkv_bias, rng=rng, dtype=dtype)
+                for _ in range(num_heads)
+            ]
+        )
 
     def forward(self, x):
         x = _check_tokens(self.heads[0], x, self.heads[0].context_length)
@@ -158,10 +162,10 @@ class MultiHeadAttention(_attention.MultiHeadAttention):
     """The book's batched multi-head causal attention: ``npattn.MultiHeadAttention`` with the
     book's positional signature, ``out_proj`` with bias, and the causal ``mask`` buffer."""
 
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, *, rng=None,
-                 dtype=np.float64):
-        super().__init__(d_in, d_out, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=True,
-                         rng=rng, dtype=dtype)
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, *, rng=None, dtype=np.float64):
+        super().__init__(
+            d_in, d_out, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=True, rng=rng, dtype=dtype
+        )
         self.context_length = check_size(context_length, "context_length")
         self.register_buffer("mask", np.triu(np.ones((self.context_length,) * 2, dtype=self._dtype), k=1))
 
@@ -178,11 +182,13 @@ class MultiHeadAttention(_attention.MultiHeadAttention):
         x = _check_tokens(self, x, self.context_length)
         n = x.shape[-2]
         if past + n > self.context_length:
-            raise ValueError(f"x: expected at most context_length={self.context_length} tokens with the {past} cached "
-                             f"ones, got {n} more (call reset_kv_cache() to start a new sequence)")
+            raise ValueError(
+                f"x: expected at most context_length={self.context_length} tokens with the {past} cached "
+                f"ones, got {n} more (call reset_kv_cache() to start a new sequence)"
+            )
         self._check_cache(x, True, use_cache)
         # the mask comes from the module's own buffer, already of the shape _forward takes
-        return self._forward(x, mask=self.mask[past:past + n, :past + n] == 0, use_cache=use_cache)
+        return self._forward(x, mask=self.mask[past : past + n, : past + n] == 0, use_cache=use_cache)
 
 
 # ==============================================================================================
@@ -203,8 +209,15 @@ __all__ += [
 ]
 
 #: The book's configuration of the 124M-parameter GPT-2 (chapter 4).
-GPT_CONFIG_124M = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12, "n_layers": 12,
-                   "drop_rate": 0.1, "qkv_bias": False}
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
 #: The sizes of the four GPT-2 checkpoints (chapter 5; OpenAI's weights use ``qkv_bias=True``).
 GPT2_MODEL_CONFIGS = {
     "gpt2-small (124M)": {"emb_dim": 768, "n_layers": 12, "n_heads": 12},
@@ -227,7 +240,8 @@ def _check_cfg(cfg):
     check_bool(cfg["qkv_bias"], "cfg['qkv_bias']")
     if cfg["emb_dim"] % cfg["n_heads"]:
         raise ValueError(
-            f"cfg['emb_dim']: expected a multiple of cfg['n_heads']={cfg['n_heads']}, got {cfg['emb_dim']}")
+            f"cfg['emb_dim']: expected a multiple of cfg['n_heads']={cfg['n_heads']}, got {cfg['emb_dim']}"
+        )
     return {k: cfg[k] for k in _CFG_KEYS}
 
 
@@ -297,8 +311,9 @@ class FeedForward(Module):
         emb = check_size(cfg["emb_dim"], "cfg['emb_dim']")
         rng = as_rng(rng)
         self._dtype = check_dtype(dtype)
-        self.layers = _Sequential([Linear(emb, 4 * emb, rng=rng, dtype=dtype), GELU(),
-                                   Linear(4 * emb, emb, rng=rng, dtype=dtype)])
+        self.layers = _Sequential(
+            [Linear(emb, 4 * emb, rng=rng, dtype=dtype), GELU(), Linear(4 * emb, emb, rng=rng, dtype=dtype)]
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -323,8 +338,16 @@ class TransformerBlock(Module):
         cfg = _check_cfg(cfg)
         rng = as_rng(rng)
         self._dtype = check_dtype(dtype)
-        self.att = MultiHeadAttention(cfg["emb_dim"], cfg["emb_dim"], cfg["context_length"], cfg["drop_rate"],
-                                      cfg["n_heads"], cfg["qkv_bias"], rng=rng, dtype=dtype)
+        self.att = MultiHeadAttention(
+            cfg["emb_dim"],
+            cfg["emb_dim"],
+            cfg["context_length"],
+            cfg["drop_rate"],
+            cfg["n_heads"],
+            cfg["qkv_bias"],
+            rng=rng,
+            dtype=dtype,
+        )
         self.ff = FeedForward(cfg, rng=rng, dtype=dtype)
         self.norm1 = LayerNorm(cfg["emb_dim"], dtype=dtype)
         self.norm2 = LayerNorm(cfg["emb_dim"], dtype=dtype)
@@ -395,11 +418,13 @@ class GPTModel(Module):
         ctx = self.cfg["context_length"]
         if idx.ndim not in (1, 2) or idx.shape[-1] < 1:
             raise ValueError(
-                f"idx: expected token ids of shape (batch, num_tokens) or (num_tokens,), got shape {idx.shape}")
+                f"idx: expected token ids of shape (batch, num_tokens) or (num_tokens,), got shape {idx.shape}"
+            )
         if start + idx.shape[-1] > ctx:
             cached = f" after {start} cached tokens" if start else ""
-            raise ValueError(f"idx: expected at most context_length={ctx} tokens{cached}, got {idx.shape[-1]} "
-                             f"(shape {idx.shape})")
+            raise ValueError(
+                f"idx: expected at most context_length={ctx} tokens{cached}, got {idx.shape[-1]} (shape {idx.shape})"
+            )
         v = self.cfg["vocab_size"]
         if idx.size and (idx.min() < 0 or idx.max() >= v):
             bad = idx.min() if idx.min() < 0 else idx.max()
@@ -413,8 +438,9 @@ class GPTModel(Module):
             return self._forward_cached(idx)
         idx = self._check_idx(idx, 0)
         n = idx.shape[-1]
-        x, c_drop = K.dropout(self.tok_emb(idx) + self.pos_emb(np.arange(n)), self.drop_emb.p, self.drop_emb.rng,
-                              self.training)
+        x, c_drop = K.dropout(
+            self.tok_emb(idx) + self.pos_emb(np.arange(n)), self.drop_emb.p, self.drop_emb.rng, self.training
+        )
         logits = self.out_head(self.final_norm(self.trf_blocks(x)))
         self._save((idx.shape, c_drop))
         return logits
@@ -473,29 +499,40 @@ class GPTModel(Module):
             raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
         unknown = sorted(set(cfg) - set(_CFG_KEYS))
         if unknown:
-            raise TypeError(f"from_hf_gpt2_state_dict: unexpected arguments {unknown} (expected the config keys "
-                            f"{list(_CFG_KEYS)}, rng, dtype)")
+            raise TypeError(
+                f"from_hf_gpt2_state_dict: unexpected arguments {unknown} (expected the config keys "
+                f"{list(_CFG_KEYS)}, rng, dtype)"
+            )
         sd = {}
         for k, v in state_dict.items():
             sd[k.removeprefix("transformer.")] = to_numpy(v, f"state_dict[{k!r}]")
         for k in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
             if k not in sd:
-                raise ValueError(f"state_dict: expected key 'transformer.{k}' (GPT2LMHeadModel's keys), "
-                                 f"got keys {sorted(state_dict.keys())[:8]}...")
+                raise ValueError(
+                    f"state_dict: expected key 'transformer.{k}' (GPT2LMHeadModel's keys), "
+                    f"got keys {sorted(state_dict.keys())[:8]}..."
+                )
         wte = sd["wte.weight"]
         n_layers = 0
         while f"h.{n_layers}.ln_1.weight" in sd:
             n_layers += 1
-        found = {"vocab_size": wte.shape[0], "context_length": sd["wpe.weight"].shape[0], "emb_dim": wte.shape[1],
-                 "n_layers": n_layers, "qkv_bias": True}
+        found = {
+            "vocab_size": wte.shape[0],
+            "context_length": sd["wpe.weight"].shape[0],
+            "emb_dim": wte.shape[1],
+            "n_layers": n_layers,
+            "qkv_bias": True,
+        }
         for k, v in found.items():
             if k in cfg and cfg[k] != v:
                 raise ValueError(f"{k}: the state dict has {k}={v}, got {cfg[k]!r}")
         n_heads = cfg.get("n_heads")
         if n_heads is None:
             if found["emb_dim"] % 64:
-                raise ValueError(f"n_heads: required (GPT2Config.n_head) when emb_dim={found['emb_dim']} is not a "
-                                 "multiple of GPT-2's head size 64; the weight shapes cannot tell it")
+                raise ValueError(
+                    f"n_heads: required (GPT2Config.n_head) when emb_dim={found['emb_dim']} is not a "
+                    "multiple of GPT-2's head size 64; the weight shapes cannot tell it"
+                )
             n_heads = found["emb_dim"] // 64
         cfg = dict(found, n_heads=n_heads, drop_rate=cfg.get("drop_rate", 0.0))
         if dtype is None:
@@ -503,17 +540,24 @@ class GPTModel(Module):
         params = {"wte": wte, "wpe": sd["wpe.weight"], "g": sd["ln_f.weight"], "b": sd["ln_f.bias"], "blocks": []}
         try:
             for i in range(n_layers):
+
                 def h(name, i=i):
                     return sd[f"h.{i}.{name}"]
 
-                params["blocks"].append({
-                    "attn": {"c_attn": {"w": h("attn.c_attn.weight"), "b": h("attn.c_attn.bias")},
-                             "c_proj": {"w": h("attn.c_proj.weight"), "b": h("attn.c_proj.bias")}},
-                    "mlp": {"c_fc": {"w": h("mlp.c_fc.weight"), "b": h("mlp.c_fc.bias")},
-                            "c_proj": {"w": h("mlp.c_proj.weight"), "b": h("mlp.c_proj.bias")}},
-                    "ln_1": {"g": h("ln_1.weight"), "b": h("ln_1.bias")},
-                    "ln_2": {"g": h("ln_2.weight"), "b": h("ln_2.bias")},
-                })
+                params["blocks"].append(
+                    {
+                        "attn": {
+                            "c_attn": {"w": h("attn.c_attn.weight"), "b": h("attn.c_attn.bias")},
+                            "c_proj": {"w": h("attn.c_proj.weight"), "b": h("attn.c_proj.bias")},
+                        },
+                        "mlp": {
+                            "c_fc": {"w": h("mlp.c_fc.weight"), "b": h("mlp.c_fc.bias")},
+                            "c_proj": {"w": h("mlp.c_proj.weight"), "b": h("mlp.c_proj.bias")},
+                        },
+                        "ln_1": {"g": h("ln_1.weight"), "b": h("ln_1.bias")},
+                        "ln_2": {"g": h("ln_2.weight"), "b": h("ln_2.bias")},
+                    }
+                )
         except KeyError as e:
             raise ValueError(f"state_dict: expected key 'transformer.{e.args[0]}' (layer {i} of {n_layers})") from None
         lm_head = sd.get("lm_head.weight")
@@ -528,14 +572,14 @@ def generate_text_simple(model, idx, max_new_tokens, context_size):
     return _generate(model, idx, max_new_tokens, context_size, use_cache=False)
 
 
-def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None,
-             use_cache=True):
+def generate(
+    model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None, use_cache=True
+):
     """The book's ``generate`` (chapter 5) with ``rng`` and a KV cache; see
     ``npattn.generation.generate`` for the exact semantics (temperature 0 is greedy, ``top_k``
     masks all but the k largest logits with ``-inf``, ``eos_id`` stops, the same ``rng`` gives
     the same tokens, the cache gives the same tokens as recomputation)."""
-    return _generate(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, rng=rng,
-                     use_cache=use_cache)
+    return _generate(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, rng=rng, use_cache=use_cache)
 
 
 def _param(tree, path):
@@ -572,9 +616,14 @@ def load_weights_into_gpt(gpt, params, *, out_head=None):
         raise ValueError("params: expected an entry ['blocks'] (one dict per layer)") from None
     if len(blocks) != gpt.cfg["n_layers"]:
         raise ValueError(
-            f"params['blocks']: expected {gpt.cfg['n_layers']} layers (cfg['n_layers']), got {len(blocks)}")
-    new = {"tok_emb.weight": _param(params, ("wte",)), "pos_emb.weight": _param(params, ("wpe",)),
-           "final_norm.scale": _param(params, ("g",)), "final_norm.shift": _param(params, ("b",))}
+            f"params['blocks']: expected {gpt.cfg['n_layers']} layers (cfg['n_layers']), got {len(blocks)}"
+        )
+    new = {
+        "tok_emb.weight": _param(params, ("wte",)),
+        "pos_emb.weight": _param(params, ("wpe",)),
+        "final_norm.scale": _param(params, ("g",)),
+        "final_norm.shift": _param(params, ("b",)),
+    }
     new["out_head.weight"] = new["tok_emb.weight"] if out_head is None else to_numpy(out_head, "out_head")
     emb = gpt.cfg["emb_dim"]
     for i in range(len(blocks)):
@@ -582,13 +631,18 @@ def load_weights_into_gpt(gpt, params, *, out_head=None):
         w = _param(params, ("blocks", i, "attn", "c_attn", "w"))
         b = _param(params, ("blocks", i, "attn", "c_attn", "b"))
         if w.shape != (emb, 3 * emb) or b.shape != (3 * emb,):
-            raise ValueError(f"params['blocks'][{i}]['attn']['c_attn']: expected w {(emb, 3 * emb)} and "
-                             f"b {(3 * emb,)}, got {w.shape} and {b.shape}")
+            raise ValueError(
+                f"params['blocks'][{i}]['attn']['c_attn']: expected w {(emb, 3 * emb)} and "
+                f"b {(3 * emb,)}, got {w.shape} and {b.shape}"
+            )
         for name, wq, bq in zip(("W_query", "W_key", "W_value"), np.split(w, 3, axis=-1), np.split(b, 3, axis=-1)):
             new[f"{pre}att.{name}.weight"] = wq.T
             new[f"{pre}att.{name}.bias"] = bq
-        for ours, theirs in (("att.out_proj", ("attn", "c_proj")), ("ff.layers.0", ("mlp", "c_fc")),
-                             ("ff.layers.2", ("mlp", "c_proj"))):
+        for ours, theirs in (
+            ("att.out_proj", ("attn", "c_proj")),
+            ("ff.layers.0", ("mlp", "c_fc")),
+            ("ff.layers.2", ("mlp", "c_proj")),
+        ):
             new[f"{pre}{ours}.weight"] = _param(params, ("blocks", i) + theirs + ("w",)).T
             new[f"{pre}{ours}.bias"] = _param(params, ("blocks", i) + theirs + ("b",))
         for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):

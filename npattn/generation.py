@@ -15,6 +15,7 @@ Sampling one step (the book's chapter 5, ``next_token_probs`` and ``sample_next_
     top_k:        logits[logits < k-th largest] = -inf   (ties with the k-th value are kept)
     temperature:  0 -> argmax (greedy);  T > 0 -> sample from softmax(logits / T)
 """
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,7 @@ def _top_k_mask(logits: np.ndarray, top_k: int | None) -> np.ndarray:
     v = logits.shape[-1]
     if top_k is None or top_k >= v:
         return logits
-    kth = np.partition(logits, v - top_k, axis=-1)[..., v - top_k:v - top_k + 1]  # the k-th largest
+    kth = np.partition(logits, v - top_k, axis=-1)[..., v - top_k : v - top_k + 1]  # the k-th largest
     return np.where(logits < kth, -np.inf, logits).astype(logits.dtype, copy=False)
 
 
@@ -61,8 +62,10 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None)
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits: expected a float array (..., vocab) with vocab >= 1, got "
-                         f"dtype {logits.dtype}, shape {logits.shape}")
+        raise ValueError(
+            f"logits: expected a float array (..., vocab) with vocab >= 1, got "
+            f"dtype {logits.dtype}, shape {logits.shape}"
+        )
     return _probs(logits, temperature, top_k)
 
 
@@ -98,12 +101,14 @@ def sample_next_token(logits, temperature: float = 0.0, top_k: int | None = None
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim != 2 or logits.shape[-1] < 1:
         raise ValueError(
-            f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}")
+            f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}"
+        )
     return _sample(logits, temperature, top_k, as_rng(rng))
 
 
-def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None,
-             use_cache=True):
+def generate(
+    model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None, use_cache=True
+):
     """Append up to ``max_new_tokens`` tokens to ``idx`` (integer ids ``(..., L)``, usually
     ``(batch, L)``), each predicted from at most the last ``context_size`` tokens.
 

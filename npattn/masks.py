@@ -11,6 +11,7 @@
   axes inserted so it broadcasts over heads and queries.  ``padding(lengths, L)`` is the
   complement of a key padding mask: ``key_padding_mask = ~padding(lengths, L)``.
 """
+
 from __future__ import annotations
 
 import numpy as np

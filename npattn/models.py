@@ -15,6 +15,7 @@ Typical training step::
     clip_grad_norm_(model, 1.0)
     opt.step()
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -64,8 +65,21 @@ class TinyTransformer(Module):
     ``nn.Embedding`` default); everything else uses its layer's default initialisation.
     """
 
-    def __init__(self, vocab_size, context_length, d_model, num_heads, num_layers, d_ff, *, dropout=0.0,
-                 activation="relu", embedding_std=0.02, rng=None, dtype=np.float64):
+    def __init__(
+        self,
+        vocab_size,
+        context_length,
+        d_model,
+        num_heads,
+        num_layers,
+        d_ff,
+        *,
+        dropout=0.0,
+        activation="relu",
+        embedding_std=0.02,
+        rng=None,
+        dtype=np.float64,
+    ):
         super().__init__()
         self.vocab_size = check_size(vocab_size, "vocab_size")
         self.context_length = check_size(context_length, "context_length")
@@ -79,11 +93,22 @@ class TinyTransformer(Module):
         self.pos_emb = Embedding(context_length, d_model, rng=rng, dtype=dtype)
         for emb in (self.tok_emb, self.pos_emb):
             emb.weight.data *= self._dtype.type(embedding_std)
-        self.blocks = ModuleList([
-            EncoderBlock(d_model, num_heads, d_ff, dropout=dropout, activation=activation, norm_first=True,
-                         causal=True, rng=rng, dtype=dtype)
-            for _ in range(self.num_layers)
-        ])
+        self.blocks = ModuleList(
+            [
+                EncoderBlock(
+                    d_model,
+                    num_heads,
+                    d_ff,
+                    dropout=dropout,
+                    activation=activation,
+                    norm_first=True,
+                    causal=True,
+                    rng=rng,
+                    dtype=dtype,
+                )
+                for _ in range(self.num_layers)
+            ]
+        )
         self.norm = LayerNorm(d_model, dtype=dtype)
         self.head = Linear(d_model, vocab_size, rng=rng, dtype=dtype)
 

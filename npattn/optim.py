@@ -24,6 +24,7 @@ Typical loop::
         opt.step()
         sched.step()
 """
+
 from __future__ import annotations
 
 import math
@@ -64,15 +65,12 @@ def _collect_params(params, name: str = "params") -> list:
     """A Module (its ``parameters()``) or an iterable of Parameters -> list without duplicates."""
     if isinstance(params, Parameter):
         raise TypeError(
-            f"{name}: expected an iterable of Parameters or a Module, got a single Parameter; "
-            "wrap it in a list"
+            f"{name}: expected an iterable of Parameters or a Module, got a single Parameter; wrap it in a list"
         )
     if hasattr(params, "parameters") and callable(params.parameters):
         params = params.parameters()
     if isinstance(params, (str, bytes, np.ndarray)) or not hasattr(params, "__iter__"):
-        raise TypeError(
-            f"{name}: expected an iterable of Parameters or a Module, got {type(params).__name__}"
-        )
+        raise TypeError(f"{name}: expected an iterable of Parameters or a Module, got {type(params).__name__}")
     out, seen = [], set()
     for i, p in enumerate(params):
         if not isinstance(p, Parameter):
@@ -195,8 +193,10 @@ class Optimizer:
         hyper, state = state_dict["hyper"], state_dict["state"]
         for part, value in (("hyper", hyper), ("state", state)):
             if not hasattr(value, "keys") or not hasattr(value, "__getitem__"):
-                raise TypeError(f"state_dict: expected {part!r} to be a dict (as returned by state_dict()), "
-                                f"got {type(value).__name__}")
+                raise TypeError(
+                    f"state_dict: expected {part!r} to be a dict (as returned by state_dict()), "
+                    f"got {type(value).__name__}"
+                )
         hyper = {k: hyper[k] for k in hyper.keys()}
         unknown = sorted(set(hyper) - set(self._hyper), key=repr)
         if unknown:
@@ -253,8 +253,10 @@ class Optimizer:
                     continue
                 big = float(np.finfo(p.data.dtype).max)
                 if a.size and float(np.abs(a).max()) > big:
-                    problems.append(f"state {i}: {k!r} holds {float(np.abs(a).max()):g}, out of the range of "
-                                    f"{p.data.dtype} (max {big:g})")
+                    problems.append(
+                        f"state {i}: {k!r} holds {float(np.abs(a).max()):g}, out of the range of "
+                        f"{p.data.dtype} (max {big:g})"
+                    )
                     continue
                 new[k] = np.array(a, dtype=p.data.dtype, copy=True)
             staged.append((i, new))
@@ -510,9 +512,7 @@ class WarmupCosine:
         warmup_steps = check_size(warmup_steps, "warmup_steps", minimum=0)
         total_steps = check_size(total_steps, "total_steps", minimum=1)
         if warmup_steps > total_steps:
-            raise ValueError(
-                f"warmup_steps: expected at most total_steps={total_steps}, got {warmup_steps}"
-            )
+            raise ValueError(f"warmup_steps: expected at most total_steps={total_steps}, got {warmup_steps}")
         min_lr = check_positive_float(min_lr, "min_lr", allow_zero=True)
         base_lr = optimizer.lr
         if min_lr > base_lr:
@@ -549,8 +549,13 @@ class WarmupCosine:
         return self.get_lr(self.t)
 
     def state_dict(self) -> dict:
-        return {"t": self.t, "base_lr": self.base_lr, "warmup_steps": self.warmup_steps,
-                "total_steps": self.total_steps, "min_lr": self.min_lr}
+        return {
+            "t": self.t,
+            "base_lr": self.base_lr,
+            "warmup_steps": self.warmup_steps,
+            "total_steps": self.total_steps,
+            "min_lr": self.min_lr,
+        }
 
     def load_state_dict(self, state_dict) -> None:
         """Restore the step counter and settings, and set ``optimizer.lr`` accordingly."""
@@ -571,5 +576,7 @@ class WarmupCosine:
         self.optimizer.lr = self.get_lr(t)
 
     def __repr__(self):
-        return (f"WarmupCosine(base_lr={self.base_lr}, warmup_steps={self.warmup_steps}, "
-                f"total_steps={self.total_steps}, min_lr={self.min_lr}, t={self.t})")
+        return (
+            f"WarmupCosine(base_lr={self.base_lr}, warmup_steps={self.warmup_steps}, "
+            f"total_steps={self.total_steps}, min_lr={self.min_lr}, t={self.t})"
+        )

@@ -21,6 +21,7 @@ longer need (``plt.close(fig)``) when making many of them.
 Arguments are checked before anything is drawn: a wrong type raises ``TypeError`` and a wrong
 shape or value ``ValueError``, each naming the argument.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,6 +52,7 @@ def _pyplot():
 # ---------------------------------------------------------------------------------------------
 # argument checks
 
+
 def _real_array(x, name):
     """A float64 ndarray from a real float or integer array-like (bool/complex/object: TypeError)."""
     if x is None:
@@ -79,8 +81,9 @@ def _check_tokens(tokens, n, name, axis_desc):
     if tokens is None:
         return None
     if isinstance(tokens, (str, bytes)):
-        raise TypeError(f"{name}: expected a sequence of {n} labels, got a single string {tokens!r} "
-                        "(use e.g. text.split())")
+        raise TypeError(
+            f"{name}: expected a sequence of {n} labels, got a single string {tokens!r} (use e.g. text.split())"
+        )
     try:
         labels = [str(t) for t in tokens]
     except TypeError:
@@ -95,6 +98,7 @@ def _check_ax(ax, name="ax"):
     if ax is None:
         return None
     from matplotlib.axes import Axes
+
     if not isinstance(ax, Axes):
         raise TypeError(f"{name}: expected a matplotlib Axes or None, got {type(ax).__name__}")
     return ax
@@ -122,8 +126,11 @@ def _cell_figsize(lq, lk, base=0.5, lo=3.0, hi=9.0):
 def _set_ticks(ax, labels_q, labels_k, lq, lk):
     if labels_k is not None:
         ax.set_xticks(range(lk))
-        ax.set_xticklabels(labels_k, rotation=45 if max((len(t) for t in labels_k), default=0) > 2 else 0,
-                           ha="right" if max((len(t) for t in labels_k), default=0) > 2 else "center")
+        ax.set_xticklabels(
+            labels_k,
+            rotation=45 if max((len(t) for t in labels_k), default=0) > 2 else 0,
+            ha="right" if max((len(t) for t in labels_k), default=0) > 2 else "center",
+        )
     if labels_q is not None:
         ax.set_yticks(range(lq))
         ax.set_yticklabels(labels_q)
@@ -149,6 +156,7 @@ def _annotate(ax, data, im, fmt="{:.2f}", fontsize=None):
 
 # ---------------------------------------------------------------------------------------------
 
+
 def _matrix_labels(tokens_q, tokens_k, shape, what):
     """Row and column labels of an ``(Lq, Lk)`` matrix; the keys default to the query tokens
     when the matrix is square."""
@@ -159,8 +167,19 @@ def _matrix_labels(tokens_q, tokens_k, shape, what):
     return labels_q, _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, {what} is {shape}")
 
 
-def plot_attention(weights, tokens_q=None, tokens_k=None, ax=None, annotate=None, *, title=None,
-                   cmap="viridis", vmin=None, vmax=None, colorbar=True):
+def plot_attention(
+    weights,
+    tokens_q=None,
+    tokens_k=None,
+    ax=None,
+    annotate=None,
+    *,
+    title=None,
+    cmap="viridis",
+    vmin=None,
+    vmax=None,
+    colorbar=True,
+):
     """Heatmap of one attention matrix: rows are queries, columns keys.
 
     * ``weights``: ``(Lq, Lk)`` real array (leading axes of size 1, e.g. ``(1, 1, Lq, Lk)``,
@@ -173,8 +192,9 @@ def plot_attention(weights, tokens_q=None, tokens_k=None, ax=None, annotate=None
 
     The image data (``ax.images[0].get_array()``) is exactly ``weights``.  Returns the ``Axes``.
     """
-    w = _squeeze_leading(_real_array(weights, "weights"), 2, "weights",
-                         "(Lq, Lk) (one head; use plot_heads for (H, Lq, Lk))")
+    w = _squeeze_leading(
+        _real_array(weights, "weights"), 2, "weights", "(Lq, Lk) (one head; use plot_heads for (H, Lq, Lk))"
+    )
     lq, lk = w.shape
     if lq == 0 or lk == 0:
         raise ValueError(f"weights: expected a non-empty matrix, got shape {w.shape}")
@@ -200,8 +220,9 @@ def plot_attention(weights, tokens_q=None, tokens_k=None, ax=None, annotate=None
     return ax
 
 
-def plot_heads(weights, tokens=None, *, tokens_k=None, ncols=None, annotate=False, title=None,
-               cmap="viridis", shared_scale=True):
+def plot_heads(
+    weights, tokens=None, *, tokens_k=None, ncols=None, annotate=False, title=None, cmap="viridis", shared_scale=True
+):
     """One heatmap panel per attention head, in a new figure.
 
     * ``weights``: ``(H, Lq, Lk)`` or ``(1, H, Lq, Lk)`` (one batch element; for a batch pass
@@ -219,8 +240,10 @@ def plot_heads(weights, tokens=None, *, tokens_k=None, ncols=None, annotate=Fals
         w = w[None]
     elif w.ndim == 4:
         if w.shape[0] != 1:
-            raise ValueError(f"weights: expected (H, Lq, Lk) or (1, H, Lq, Lk), got a batch of "
-                             f"{w.shape[0]} in shape {w.shape}; pass one element, e.g. weights[0]")
+            raise ValueError(
+                f"weights: expected (H, Lq, Lk) or (1, H, Lq, Lk), got a batch of "
+                f"{w.shape[0]} in shape {w.shape}; pass one element, e.g. weights[0]"
+            )
         w = w[0]
     if w.ndim != 3:
         raise ValueError(f"weights: expected shape (H, Lq, Lk) or (1, H, Lq, Lk), got {w.shape}")
@@ -241,8 +264,13 @@ def plot_heads(weights, tokens=None, *, tokens_k=None, ncols=None, annotate=Fals
     plt = _pyplot()
     nrows = math.ceil(h / ncols)
     panel = min(4.0, max(2.2, 0.3 * max(lq, lk) + 1.2))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(panel * ncols, panel * nrows + (0.4 if title else 0)),
-                             squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        nrows,
+        ncols,
+        figsize=(panel * ncols, panel * nrows + (0.4 if title else 0)),
+        squeeze=False,
+        layout="constrained",
+    )
     vmin, vmax = (np.nanmin(w), np.nanmax(w)) if shared_scale else (None, None)
     for i, ax in enumerate(axes.flat):
         if i >= h:
@@ -281,8 +309,9 @@ def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
         raise TypeError("mask: expected a bool or float array, got None")
     m = to_numpy(mask)
     if m.dtype.kind in "iu":
-        raise TypeError(f"mask: integer masks are ambiguous; pass bool (True = may attend) or float "
-                        f"(additive), got dtype {m.dtype}")
+        raise TypeError(
+            f"mask: integer masks are ambiguous; pass bool (True = may attend) or float (additive), got dtype {m.dtype}"
+        )
     if m.dtype != bool and m.dtype.kind != "f":
         raise TypeError(f"mask: expected a bool or float array, got dtype {m.dtype}")
     if m.ndim == 1:
@@ -296,12 +325,14 @@ def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
         raise ValueError("mask: a float mask must not contain NaN")
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
+
     ax = _check_ax(ax)
     ax = _new_ax(ax, _cell_figsize(lq, lk, base=0.4))
     if m.dtype == bool:
         data = m.astype(np.float64)
-        im = ax.imshow(data, cmap=ListedColormap(["#eeeeee", "#2b6ca3"]), vmin=0, vmax=1,
-                       aspect="auto", interpolation="nearest")
+        im = ax.imshow(
+            data, cmap=ListedColormap(["#eeeeee", "#2b6ca3"]), vmin=0, vmax=1, aspect="auto", interpolation="nearest"
+        )
         default_title = "mask (dark = may attend)"
     else:
         data = m.astype(np.float64)
@@ -331,8 +362,10 @@ def _gradcheck_rows(report):
     elif isinstance(report, (list, tuple)) and report and all(hasattr(r, "rows") for r in report):
         reports, prefix = list(report), True
     else:
-        raise TypeError("report: expected a GradcheckReport (from npattn.gradcheck) or a non-empty list "
-                        f"of them, got {type(report).__name__}")
+        raise TypeError(
+            "report: expected a GradcheckReport (from npattn.gradcheck) or a non-empty list "
+            f"of them, got {type(report).__name__}"
+        )
     rows, rtols = [], []
     for r in reports:
         rtol = getattr(r, "rtol", None)
@@ -390,8 +423,11 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
         ax.axhline(rtol, color="black", linestyle="--", linewidth=1, label=f"rtol = {rtol:g}")
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xticks(x)
-    ax.set_xticklabels(names, rotation=45 if len(rows) > 3 or max(map(len, names)) > 10 else 0, ha="right"
-                       if len(rows) > 3 or max(map(len, names)) > 10 else "center")
+    ax.set_xticklabels(
+        names,
+        rotation=45 if len(rows) > 3 or max(map(len, names)) > 10 else 0,
+        ha="right" if len(rows) > 3 or max(map(len, names)) > 10 else "center",
+    )
     ax.set_ylabel("max relative error")
     if title is None:
         target = getattr(report, "target", "") if hasattr(report, "rows") else ""
@@ -441,7 +477,7 @@ def _moving_average(y, n):
     total = np.zeros(L)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf inside a window gives NaN there only
         for s in range(min(n, L)):  # add y[i - s] into window i
-            total[s:] += y[:L - s]
+            total[s:] += y[: L - s]
     count = np.minimum(np.arange(1, L + 1), n)
     return total / count
 
@@ -492,8 +528,9 @@ def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabe
             ax.plot(x, y, color=color, label=label)
         else:
             ax.plot(x, y, color=color, alpha=0.25, linewidth=1)
-            ax.plot(x, _smooth(y, smoothing), color=color, linewidth=2,
-                    label=label if label is not None else "smoothed")
+            ax.plot(
+                x, _smooth(y, smoothing), color=color, linewidth=2, label=label if label is not None else "smoothed"
+            )
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)

@@ -3,6 +3,7 @@
 Written from the contract's words, sharing no code with ``npattn.functional``: every ``(Lq, Lk)``
 matrix is formed in full, k and v heads are repeated for GQA, positions are explicit.
 """
+
 import numpy as np
 
 
@@ -40,8 +41,22 @@ def repeat_kv(q, k, v, gqa):
     return k, v
 
 
-def dense(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, keep=None, enable_gqa=False,
-          causal_align="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+def dense(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    dropout_p=0.0,
+    scale=None,
+    keep=None,
+    enable_gqa=False,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+):
     """``out`` of attention with every option, in numpy (``keep``: the dropout keep-mask)."""
     k, v = repeat_kv(q, k, v, enable_gqa)
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
@@ -73,8 +88,23 @@ def dense(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, k
     return w @ v
 
 
-def dense_torch(torch, q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, keep=None,
-                enable_gqa=False, causal_align="top_left", window=None, alibi_slopes=None, softcap=None, sinks=None):
+def dense_torch(
+    torch,
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    dropout_p=0.0,
+    scale=None,
+    keep=None,
+    enable_gqa=False,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+):
     """The same formula in torch (float64 tensors), for autograd."""
     if enable_gqa and q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3]:
         g = q.shape[-3] // k.shape[-3]

@@ -1,17 +1,36 @@
 """The attention formula written out densely in torch (autograd gives every gradient): an oracle
 for ``memory_efficient_attention`` with every option.  Test support only."""
+
 import numpy as np
 
 from npattn.functional._random import keep_mask
 
 
-def torch_attention(torch, q, k, v, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0, seed=0,
-                    enable_gqa=False, causal_align="top_left", window=None, alibi_slopes=None, softcap=None,
-                    sinks=None, dout=None):
+def torch_attention(
+    torch,
+    q,
+    k,
+    v,
+    *,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    dropout_p=0.0,
+    seed=0,
+    enable_gqa=False,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    dout=None,
+):
     """``(out, grads)`` with ``grads = (dq, dk, dv[, dmask][, dsinks])`` for upstream ``dout``
     (a float ``attn_mask`` always gets a gradient here; callers pick what they compare)."""
-    t = {name: (torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True) if a is not None else None)
-         for name, a in (("q", q), ("k", k), ("v", v), ("sinks", sinks))}
+    t = {
+        name: (torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True) if a is not None else None)
+        for name, a in (("q", q), ("k", k), ("v", v), ("sinks", sinks))
+    }
     qt, kt, vt = t["q"], t["k"], t["v"]
     lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / np.sqrt(e) if scale is None else scale
@@ -49,8 +68,11 @@ def torch_attention(torch, q, k, v, *, attn_mask=None, is_causal=False, scale=No
     s = s.masked_fill(~visible, float("-inf"))
     if t["sinks"] is not None:
         hq = s.shape[-3] if s.ndim >= 3 else 1
-        col = t["sinks"].reshape(hq, 1, 1).expand(s.shape[:-1] + (1,)) if s.ndim >= 3 else \
-            t["sinks"].reshape(1, 1).expand(s.shape[:-1] + (1,))
+        col = (
+            t["sinks"].reshape(hq, 1, 1).expand(s.shape[:-1] + (1,))
+            if s.ndim >= 3
+            else t["sinks"].reshape(1, 1).expand(s.shape[:-1] + (1,))
+        )
         s = torch.cat([s, col], dim=-1)
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -2,6 +2,7 @@
 
 Deliberately tiny and separate from the package: it shares no code with ``npattn.gradcheck``.
 """
+
 import numpy as np
 
 

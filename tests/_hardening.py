@@ -1,5 +1,6 @@
 """Helpers shared by ``tests/test_hardening_*.py``: what "npattn's own error" means, and a walk
 over a module's kept forward state."""
+
 import linecache
 import os
 import re
@@ -50,8 +51,9 @@ def assert_own_error(exc, expected_type=None, name=None, contains=()):
         assert c in msg, f"{c!r} not in {msg!r}"
     path, line = innermost_frame(exc)
     assert os.path.abspath(path).startswith(PKG_DIR), f"raised outside npattn, in {path}:{line}: {msg!r}"
-    assert "raise" in linecache.getline(path, line), \
+    assert "raise" in linecache.getline(path, line), (
         f"not an explicit raise ({path}:{line}: {linecache.getline(path, line).strip()!r}): {msg!r}"
+    )
 
 
 def expect_error(fn, expected_type, name, *contains):
@@ -107,31 +109,56 @@ MODULES = {
     "Linear": (lambda dt: npattn.Linear(6, 4, rng=0, dtype=dt), _x(2, 5, 6), None),
     "LayerNorm": (lambda dt: npattn.LayerNorm(6, dtype=dt), _x(2, 5, 6), None),
     "Dropout": (lambda dt: npattn.Dropout(0.4, rng=0), _x(2, 5, 6), None),
-    "Embedding": (lambda dt: npattn.Embedding(7, 6, rng=0, dtype=dt),
-                  lambda rng, dt: (rng.integers(0, 7, (2, 5)),), None),
-    "FeedForward": (lambda dt: npattn.FeedForward(6, 10, activation="gelu_tanh", dropout=0.2, rng=0, dtype=dt),
-                    _x(2, 5, 6), None),
-    "MHA": (lambda dt: MHA(6, 8, 2, dropout=0.3, qkv_bias=True, rng=0, dtype=dt), _x(2, 5, 6),
-            lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3)),
-    "MHA-causal-gqa": (lambda dt: MHA(6, 8, 4, num_kv_heads=2, causal=True, rng=0, dtype=dt), _x(2, 5, 6),
-                       lambda rng: dict(attn_mask=rng.random((2, 1, 5, 5)) < 0.8)),
-    "MHA-cross": (lambda dt: MHA(6, 8, 2, kdim=3, vdim=4, rng=0, dtype=dt),
-                  lambda rng, dt: tuple(rng.standard_normal(s).astype(dt) for s in ((2, 5, 6), (2, 7, 3), (2, 7, 4))),
-                  lambda rng: dict(key_padding_mask=rng.standard_normal((2, 7)))),
-    "MHA-memeff": (lambda dt: MHA(6, 8, 2, num_kv_heads=1, causal=True, memory_efficient=True, rng=0, dtype=dt),
-                   _x(2, 5, 6), lambda rng: dict(attn_mask=rng.standard_normal((5, 5)),
-                                                 key_padding_mask=rng.random((2, 5)) < 0.3)),
-    "EncoderBlock": (lambda dt: ENC(6, 2, 10, dropout=0.2, rng=0, dtype=dt), _x(2, 5, 6),
-                     lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3)),
-    "EncoderBlock-prenorm": (lambda dt: ENC(6, 2, 10, norm_first=True, causal=True, activation="gelu", dropout=0.2,
-                                            rng=0, dtype=dt), _x(2, 5, 6), None),
+    "Embedding": (
+        lambda dt: npattn.Embedding(7, 6, rng=0, dtype=dt),
+        lambda rng, dt: (rng.integers(0, 7, (2, 5)),),
+        None,
+    ),
+    "FeedForward": (
+        lambda dt: npattn.FeedForward(6, 10, activation="gelu_tanh", dropout=0.2, rng=0, dtype=dt),
+        _x(2, 5, 6),
+        None,
+    ),
+    "MHA": (
+        lambda dt: MHA(6, 8, 2, dropout=0.3, qkv_bias=True, rng=0, dtype=dt),
+        _x(2, 5, 6),
+        lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3),
+    ),
+    "MHA-causal-gqa": (
+        lambda dt: MHA(6, 8, 4, num_kv_heads=2, causal=True, rng=0, dtype=dt),
+        _x(2, 5, 6),
+        lambda rng: dict(attn_mask=rng.random((2, 1, 5, 5)) < 0.8),
+    ),
+    "MHA-cross": (
+        lambda dt: MHA(6, 8, 2, kdim=3, vdim=4, rng=0, dtype=dt),
+        lambda rng, dt: tuple(rng.standard_normal(s).astype(dt) for s in ((2, 5, 6), (2, 7, 3), (2, 7, 4))),
+        lambda rng: dict(key_padding_mask=rng.standard_normal((2, 7))),
+    ),
+    "MHA-memeff": (
+        lambda dt: MHA(6, 8, 2, num_kv_heads=1, causal=True, memory_efficient=True, rng=0, dtype=dt),
+        _x(2, 5, 6),
+        lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3),
+    ),
+    "EncoderBlock": (
+        lambda dt: ENC(6, 2, 10, dropout=0.2, rng=0, dtype=dt),
+        _x(2, 5, 6),
+        lambda rng: dict(attn_mask=rng.standard_normal((5, 5)), key_padding_mask=rng.random((2, 5)) < 0.3),
+    ),
+    "EncoderBlock-prenorm": (
+        lambda dt: ENC(6, 2, 10, norm_first=True, causal=True, activation="gelu", dropout=0.2, rng=0, dtype=dt),
+        _x(2, 5, 6),
+        None,
+    ),
     "SelfAttention_v1": (lambda dt: book.SelfAttention_v1(6, 4, rng=0, dtype=dt), _x(5, 6), None),
     "SelfAttention_v2": (lambda dt: book.SelfAttention_v2(6, 4, qkv_bias=True, rng=0, dtype=dt), _x(2, 5, 6), None),
     "CausalAttention": (lambda dt: book.CausalAttention(6, 4, 8, 0.3, rng=0, dtype=dt), _x(2, 5, 6), None),
     "Wrapper": (lambda dt: book.MultiHeadAttentionWrapper(6, 4, 8, 0.3, 2, rng=0, dtype=dt), _x(2, 5, 6), None),
     "BookMHA": (lambda dt: book.MultiHeadAttention(6, 8, 8, 0.3, 2, rng=0, dtype=dt), _x(2, 5, 6), None),
-    "TinyTransformer": (lambda dt: TinyTransformer(7, 8, 8, 2, 2, 12, dropout=0.2, rng=0, dtype=dt),
-                        lambda rng, dt: (rng.integers(0, 7, (2, 5)),), None),
+    "TinyTransformer": (
+        lambda dt: TinyTransformer(7, 8, 8, 2, 2, 12, dropout=0.2, rng=0, dtype=dt),
+        lambda rng, dt: (rng.integers(0, 7, (2, 5)),),
+        None,
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 Profiles: ``ci`` (the default; derandomized, 200 examples, no deadline) and ``dev`` (1000
 examples).  Choose one with ``HYPOTHESIS_PROFILE=dev pytest``.
 """
+
 import os
 
 import pytest
@@ -14,7 +15,11 @@ except ImportError:  # tests that need hypothesis fail at their own import with 
 
 if settings is not None:
     settings.register_profile(
-        "ci", derandomize=True, deadline=None, max_examples=200, print_blob=True,
+        "ci",
+        derandomize=True,
+        deadline=None,
+        max_examples=200,
+        print_blob=True,
         suppress_health_check=[HealthCheck.too_slow],
     )
     settings.register_profile("dev", max_examples=1000, deadline=None)

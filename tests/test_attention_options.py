@@ -2,6 +2,7 @@
 (``tests/_attn_dense.py``), gradients equal to central differences (``npattn.gradcheck`` and the
 independent ``tests/_fd.py``), every block geometry equal to one block, exact zeros for rows that
 see no key, batch broadcasting, and windowed work that grows with ``L * window``."""
+
 import zlib
 
 import numpy as np
@@ -45,10 +46,27 @@ COMBOS = {
     "mask_grad-window-causal": {"mask": "float", "mask_grad": True, "window": (3, 0), "is_causal": True},
     "sinks-dropout-gqa": {"sinks": True, "dropout_p": 0.25, "gqa": True},
     "softcap-alibi-mask": {"softcap": 2.0, "alibi": True, "mask": "float", "mask_grad": True},
-    "everything": {"gqa": True, "is_causal": True, "causal_align": "bottom_right", "window": (2, 0), "alibi": True,
-                   "softcap": 1.2, "sinks": True, "mask": "float", "mask_grad": True, "dropout_p": 0.2},
-    "everything-bool": {"gqa": True, "window": (1, 2), "alibi": True, "softcap": 0.9, "sinks": True,
-                        "mask": "bool", "dropout_p": 0.2},
+    "everything": {
+        "gqa": True,
+        "is_causal": True,
+        "causal_align": "bottom_right",
+        "window": (2, 0),
+        "alibi": True,
+        "softcap": 1.2,
+        "sinks": True,
+        "mask": "float",
+        "mask_grad": True,
+        "dropout_p": 0.2,
+    },
+    "everything-bool": {
+        "gqa": True,
+        "window": (1, 2),
+        "alibi": True,
+        "softcap": 0.9,
+        "sinks": True,
+        "mask": "bool",
+        "dropout_p": 0.2,
+    },
 }
 
 
@@ -59,8 +77,11 @@ def make(combo, lq=6, lk=8, b=2, hk=2, e=3, ev=2, seed=0, dtype=np.float64):
     q = rng.standard_normal((b, hq, lq, e)).astype(dtype)
     k = rng.standard_normal((b, hk, lk, e)).astype(dtype)
     v = rng.standard_normal((b, hk, lk, ev)).astype(dtype)
-    kw = {key: combo[key] for key in ("is_causal", "causal_align", "window", "softcap", "dropout_p", "mask_grad")
-          if key in combo}
+    kw = {
+        key: combo[key]
+        for key in ("is_causal", "causal_align", "window", "softcap", "dropout_p", "mask_grad")
+        if key in combo
+    }
     kw["enable_gqa"] = bool(combo.get("gqa"))
     if combo.get("alibi"):
         kw["alibi_slopes"] = rng.uniform(0.1, 1.0, (hq,))
@@ -87,8 +108,7 @@ def grad_inputs(q, k, v, kw):
 
 def pair(kw):
     """``(forward, backward)`` taking every differentiable input positionally."""
-    fixed = {key: val for key, val in kw.items()
-             if key != "sinks" and not (key == "attn_mask" and kw.get("mask_grad"))}
+    fixed = {key: val for key, val in kw.items() if key != "sinks" and not (key == "attn_mask" and kw.get("mask_grad"))}
 
     def forward(q, k, v, *rest):
         extra = dict(fixed)
@@ -205,8 +225,13 @@ DEAD = {  # options under which the first rows (or the last) of q see no key
     "window-past-end": dict(window=(0, 0)),  # top-left, Lq > Lk: rows 4, 5 see nothing
     "window-br-causal": dict(window=(1, 0), is_causal=True, causal_align="bottom_right"),
 }
-EXTRAS = {"none": {}, "softcap": dict(softcap=1.0), "alibi": dict(alibi_slopes=np.array([0.5, 0.25])),
-          "sinks": dict(sinks=np.array([0.3, -1.0])), "dropout": dict(dropout_p=0.3, rng=1)}
+EXTRAS = {
+    "none": {},
+    "softcap": dict(softcap=1.0),
+    "alibi": dict(alibi_slopes=np.array([0.5, 0.25])),
+    "sinks": dict(sinks=np.array([0.3, -1.0])),
+    "dropout": dict(dropout_p=0.3, rng=1),
+}
 
 
 @pytest.mark.parametrize("dead", list(DEAD))
@@ -216,8 +241,11 @@ def test_rows_that_see_no_key_are_exactly_zero(dead, extra, height):
     q, k, v = rng.standard_normal((2, 2, 6, 3)), rng.standard_normal((2, 2, 4, 3)), rng.standard_normal((2, 2, 4, 3))
     kw = {**DEAD[dead], **EXTRAS[extra]}
     out, cache = sdpa(q, k, v, **kw)
-    vis = np.ones((6, 4), bool) if "attn_mask" not in kw else (kw["attn_mask"] if kw["attn_mask"].dtype == bool
-                                                                 else np.isfinite(kw["attn_mask"]))
+    vis = (
+        np.ones((6, 4), bool)
+        if "attn_mask" not in kw
+        else (kw["attn_mask"] if kw["attn_mask"].dtype == bool else np.isfinite(kw["attn_mask"]))
+    )
     vis = vis & visible(6, 4, kw.get("is_causal", False), kw.get("causal_align", "top_left"), kw.get("window"))
     dead_rows = ~vis.any(axis=-1)
     assert dead_rows.any()
@@ -344,8 +372,9 @@ def option_cases(draw):
     q = rng.standard_normal((2, hq, lq, 3))
     k = rng.standard_normal((2, hk, lk, 3))
     v = rng.standard_normal((2, hk, lk, 2))
-    kw = dict(enable_gqa=gqa, is_causal=draw(st.booleans()),
-              causal_align=draw(st.sampled_from(["top_left", "bottom_right"])))
+    kw = dict(
+        enable_gqa=gqa, is_causal=draw(st.booleans()), causal_align=draw(st.sampled_from(["top_left", "bottom_right"]))
+    )
     if draw(st.booleans()):
         kw["window"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
     if draw(st.booleans()):
@@ -401,8 +430,19 @@ def test_property_options_equal_dense_and_directional_derivative(case):
 def test_empty_sequences_with_every_option(lq, lk):
     rng = np.random.default_rng(0)
     q, k, v = rng.standard_normal((2, 2, lq, 3)), rng.standard_normal((2, 1, lk, 3)), rng.standard_normal((2, 1, lk, 2))
-    kw = dict(sinks=np.ones(2), softcap=1.0, alibi_slopes=np.ones(2), attn_mask=np.zeros((lq, lk)), mask_grad=True,
-              causal_align="bottom_right", window=(2, 2), is_causal=True, dropout_p=0.5, rng=0, enable_gqa=True)
+    kw = dict(
+        sinks=np.ones(2),
+        softcap=1.0,
+        alibi_slopes=np.ones(2),
+        attn_mask=np.zeros((lq, lk)),
+        mask_grad=True,
+        causal_align="bottom_right",
+        window=(2, 2),
+        is_causal=True,
+        dropout_p=0.5,
+        rng=0,
+        enable_gqa=True,
+    )
     out, cache = sdpa(q, k, v, **kw)
     assert out.shape == (2, 2, lq, 2) and np.all(out == 0)
     grads = sdpa_bw(np.ones(out.shape), cache)

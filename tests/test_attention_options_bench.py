@@ -1,4 +1,5 @@
 """``npattn bench --window``: the windowed sweep runs and reports per-row cost (a smoke test; no timing claims)."""
+
 import npattn.tools.bench as B
 from npattn.__main__ import build_parser
 

@@ -1,5 +1,6 @@
 """Bad input for every attention option: npattn's own clear error naming the argument, before any
 arithmetic, nothing modified; the backward recognises its own cache; ``rng`` checked always."""
+
 import re
 
 import numpy as np
@@ -133,7 +134,7 @@ def test_check_options_defaults_and_plain():
 def test_band_and_key_ranges():
     b = _blocks.band(4, 10, True, "bottom_right", (2, -1))
     assert b == _blocks.Band(6, 2, 0)
-    assert _blocks.key_range(b, 0, 2, 10) == (4, 8)      # positions 6, 7 see keys 4..7
+    assert _blocks.key_range(b, 0, 2, 10) == (4, 8)  # positions 6, 7 see keys 4..7
     assert _blocks.key_range(_blocks.band(6, 3, True, "bottom_right"), 0, 4, 3) == (0, 1)  # only row 3 sees key 0
     assert _blocks.key_range(_blocks.band(6, 3, True, "bottom_right"), 0, 3, 3) == (0, 0)  # rows 0..2 see nothing
     assert _blocks.band_hidden(_blocks.band(4, 4, False), 0, 4, 0, 4) is None

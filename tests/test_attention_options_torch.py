@@ -4,6 +4,7 @@ Where torch has the feature, its own ``scaled_dot_product_attention`` with an ex
 built from the option (``causal_lower_right`` for ``causal_align="bottom_right"``); torch autograd
 on the explicit formula (``tests/_attn_dense.py``) for softcap, sinks, ALiBi and ``dmask``.
 """
+
 import numpy as np
 import pytest
 from _attn_dense import alibi_bias, dense_torch, visible
@@ -35,6 +36,7 @@ def height(request, monkeypatch):
 @pytest.mark.parametrize("lq,lk", [(5, 9), (9, 5), (7, 7)])
 def test_bottom_right_causal_equals_causal_lower_right(lq, lk):
     from torch.nn.attention.bias import causal_lower_right
+
     rng = np.random.default_rng(0)
     q, k, v = rng.standard_normal((2, 3, lq, 4)), rng.standard_normal((2, 3, lk, 4)), rng.standard_normal((2, 3, lk, 5))
     out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True, causal_align="bottom_right")
@@ -53,8 +55,9 @@ def test_bottom_right_causal_equals_causal_lower_right(lq, lk):
 
 
 @pytest.mark.parametrize("window", [(2, 1), (0, 0), (3, -1), (-1, 2), (1, 0)])
-@pytest.mark.parametrize("causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right"),
-                                          (False, "bottom_right")])
+@pytest.mark.parametrize(
+    "causal,align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right"), (False, "bottom_right")]
+)
 def test_window_equals_sdpa_with_the_band_as_bool_mask(window, causal, align):
     rng = np.random.default_rng(1)
     lq, lk = 7, 9
@@ -80,8 +83,9 @@ def test_alibi_equals_sdpa_with_the_bias_as_float_mask(gqa):
     q, k, v = rng.standard_normal((2, hq, 6, 4)), rng.standard_normal((2, hk, 8, 4)), rng.standard_normal((2, hk, 8, 3))
     slopes = rng.uniform(0.1, 1, (2, hq))  # per batch and head
     for align in ("top_left", "bottom_right"):
-        out, cache = F.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, causal_align=align, enable_gqa=gqa,
-                                                    is_causal=True)
+        out, cache = F.scaled_dot_product_attention(
+            q, k, v, alibi_slopes=slopes, causal_align=align, enable_gqa=gqa, is_causal=True
+        )
         g = rng.standard_normal(out.shape)
         grads = F.scaled_dot_product_attention_backward(g, cache)
         bias = alibi_bias(slopes, (2, hq), 6, 8, align)

@@ -1,6 +1,7 @@
 """``npattn.bench``: well-formed results at tiny sizes (no timed assertions), the ``--json`` output,
 and the exactness of the performance machinery the benchmark exercises (blocked causal attention,
 the backward's ``out=`` buffers), at block heights small enough that tiny inputs span many blocks."""
+
 import json
 import os
 import subprocess
@@ -18,8 +19,19 @@ import npattn.functional.kernels as K
 import npattn.tools.bench as B
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT_KEYS = {"name", "shape", "dtype", "npattn_s", "torch_s", "ratio", "gflop", "npattn_gflops", "torch_gflops",
-               "gemm_peak_gflops", "fraction_of_gemm_peak"}
+RESULT_KEYS = {
+    "name",
+    "shape",
+    "dtype",
+    "npattn_s",
+    "torch_s",
+    "ratio",
+    "gflop",
+    "npattn_gflops",
+    "torch_gflops",
+    "gemm_peak_gflops",
+    "fraction_of_gemm_peak",
+}
 
 
 def _has_torch():
@@ -40,8 +52,9 @@ def _positive(x):
 # -- helpers of the benchmark --------------------------------------------------------------------------
 def test_time_interleaved_gives_a_median_per_callable():
     calls = []
-    times = B.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                               warmup=1, repeats=3, pause=0)
+    times = B.time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeats=3, pause=0
+    )
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then interleaved
 
@@ -79,10 +92,17 @@ def test_cases_are_well_formed(use_torch, dtype):
 
 
 def test_format_table_and_machine_info():
-    report = {"machine": B.machine_info(), "gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64,
-              "repeats": 1, "results": [B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)],
-              "memory": [{"impl": "scaled_dot_product_attention", "seq": 8, "peak_mib": 2.0, "extra_mib": 1.0,
-                          "seconds": 0.1}, {"impl": "memory_efficient_attention", "seq": 8, "missing": True}]}
+    report = {
+        "machine": B.machine_info(),
+        "gemm_peak_gflops": {"float32": 1.0, "float64": 0.5},
+        "gemm_n": 64,
+        "repeats": 1,
+        "results": [B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)],
+        "memory": [
+            {"impl": "scaled_dot_product_attention", "seq": 8, "peak_mib": 2.0, "extra_mib": 1.0, "seconds": 0.1},
+            {"impl": "memory_efficient_attention", "seq": 8, "missing": True},
+        ],
+    }
     text = B.format_table(report)
     assert "mha" in text and "numpy" in text and "missing" in text
     json.dumps(report)
@@ -110,8 +130,12 @@ def test_machine_states_cpu_flags_and_blas():
 def test_variant_is_a_second_labelled_section():
     row = B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)
     part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": [row]}
-    report = dict(part, machine=B.machine_info(), openblas_env_probe=None,
-                  variants=[dict(part, label="without OPENBLAS_CORETYPE=Haswell", unset=["OPENBLAS_CORETYPE"])])
+    report = dict(
+        part,
+        machine=B.machine_info(),
+        openblas_env_probe=None,
+        variants=[dict(part, label="without OPENBLAS_CORETYPE=Haswell", unset=["OPENBLAS_CORETYPE"])],
+    )
     text = B.format_table(report)
     own, variant = text.index("this machine's own settings"), text.index("VARIANT, not this machine's settings")
     assert own < variant and "OPENBLAS_CORETYPE=Haswell" in text[variant:]
@@ -133,8 +157,14 @@ def test_memory_rows():
 def test_cli_quick_json_parses():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "npattn", "bench", "--quick", "--json"], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "npattn", "bench", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert {"machine", "gemm_peak_gflops", "results"} <= set(report)
@@ -187,8 +217,13 @@ def _reference(q, k, v, mask, causal, keep, p, scale, groups):
 
 
 CASES = [  # lead, Hq, Hk, Lq, Lk, E, Ev
-    ((2,), 2, 2, 7, 7, 4, 3), ((), 3, 3, 9, 5, 4, 4), ((2,), 4, 2, 6, 11, 3, 5), ((1, 2), 6, 2, 8, 8, 4, 4),
-    ((2,), 2, 2, 5, 0, 3, 3), ((2,), 2, 2, 0, 4, 3, 3), ((2,), 2, 2, 13, 13, 4, 4),
+    ((2,), 2, 2, 7, 7, 4, 3),
+    ((), 3, 3, 9, 5, 4, 4),
+    ((2,), 4, 2, 6, 11, 3, 5),
+    ((1, 2), 6, 2, 8, 8, 4, 4),
+    ((2,), 2, 2, 5, 0, 3, 3),
+    ((2,), 2, 2, 0, 4, 3, 3),
+    ((2,), 2, 2, 13, 13, 4, 4),
 ]
 
 
@@ -202,11 +237,16 @@ def test_blocked_causal_attention_equals_the_textbook_formulas(monkeypatch, heig
     rng = np.random.default_rng(zlib.crc32(repr((height, case, mask_kind, p)).encode()))
     q, k, v = (rng.standard_normal(lead + s) for s in ((hq, lq, e), (hk, lk, e), (hk, lk, ev)))
     sshape = lead + (hq, lq, lk)
-    mask = {"none": None, "bool": rng.random(sshape) > 0.3, "float": rng.standard_normal((lq, lk)),
-            "dead": np.where(np.arange(lq)[:, None] < 2, False, rng.random((hq, lq, lk)) > 0.5)}[mask_kind]
+    mask = {
+        "none": None,
+        "bool": rng.random(sshape) > 0.3,
+        "float": rng.standard_normal((lq, lk)),
+        "dead": np.where(np.arange(lq)[:, None] < 2, False, rng.random((hq, lq, lk)) > 0.5),
+    }[mask_kind]
     for causal in (False, True):
-        out, cache = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p, rng=3,
-                                                    enable_gqa=hq != hk)
+        out, cache = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p, rng=3, enable_gqa=hq != hk
+        )
         ref_out, ref_w, ref_backward = _reference(q, k, v, mask, causal, cache.keep, p, 1 / np.sqrt(e), hq // hk)
         np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(cache.weights, ref_w, rtol=1e-12, atol=1e-14)
@@ -225,14 +265,20 @@ def test_backward_writes_into_out_buffers(groups):
     def heads(a, h):
         return a.reshape(b, L, h, E).swapaxes(1, 2)
 
-    q, k, v = (heads(fused[..., :hq * E], hq), heads(fused[..., hq * E:(hq + hk) * E], hk),
-               heads(fused[..., (hq + hk) * E:], hk))
+    q, k, v = (
+        heads(fused[..., : hq * E], hq),
+        heads(fused[..., hq * E : (hq + hk) * E], hk),
+        heads(fused[..., (hq + hk) * E :], hk),
+    )
     out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
     dout = rng.standard_normal(out.shape)
     want = F.scaled_dot_product_attention_backward(dout, cache)
     buf = np.full(fused.shape, np.nan)
-    views = (heads(buf[..., :hq * E], hq), heads(buf[..., hq * E:(hq + hk) * E], hk),
-             heads(buf[..., (hq + hk) * E:], hk))
+    views = (
+        heads(buf[..., : hq * E], hq),
+        heads(buf[..., hq * E : (hq + hk) * E], hk),
+        heads(buf[..., (hq + hk) * E :], hk),
+    )
     got = K.scaled_dot_product_attention_backward(dout, cache, out=views)
     assert all(g is w for g, w in zip(got, views))
     for g, w in zip(views, want):
@@ -269,10 +315,15 @@ def test_main_reports_the_own_environment_first_and_the_variant_second(monkeypat
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
     monkeypatch.delenv("NPATTN_BENCH_KEEP_ENV", raising=False)
     monkeypatch.setattr(B, "_collect", lambda *a, **k: json.loads(json.dumps(own)))
-    monkeypatch.setattr(B, "probe_openblas_env", lambda progress=None: {
-        "vars": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": None},
-        "gemm_peak_gflops": {"as_set": {"float32": 1.0, "float64": 1.0}, "unset": {"float32": 2.0, "float64": 2.0}},
-        "unset": True})
+    monkeypatch.setattr(
+        B,
+        "probe_openblas_env",
+        lambda progress=None: {
+            "vars": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": None},
+            "gemm_peak_gflops": {"as_set": {"float32": 1.0, "float64": 1.0}, "unset": {"float32": 2.0, "float64": 2.0}},
+            "unset": True,
+        },
+    )
     calls = []
 
     def fake_run(argv, **kw):

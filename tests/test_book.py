@@ -1,5 +1,6 @@
 """The numbers printed in chapter 3 of *Build a Large Language Model (From Scratch)*, reproduced
 with npattn from the book's seeded weights stored in ``tests/book/chapter3.npz``."""
+
 import os
 
 import numpy as np
@@ -16,7 +17,7 @@ PRINTED = 1e-4  # the book prints four decimals
 
 
 def weights(prefix):
-    return {k[len(prefix) + 1:]: NPZ[k] for k in NPZ.files if k.startswith(prefix + ".")}
+    return {k[len(prefix) + 1 :]: NPZ[k] for k in NPZ.files if k.startswith(prefix + ".")}
 
 
 def test_inputs_are_the_book_embeddings():
@@ -44,7 +45,7 @@ def test_simple_attention_for_journey_with_functional_ops():
 
 def test_manual_weights_seed_123_via_self_attention_v1():
     sa = book.SelfAttention_v1(3, 2)
-    sa.load_state_dict({k[len("manual."):]: NPZ[k] for k in NPZ.files if k.startswith("manual.")})
+    sa.load_state_dict({k[len("manual.") :]: NPZ[k] for k in NPZ.files if k.startswith("manual.")})
     query_2 = INPUTS[1] @ sa.W_query.data
     np.testing.assert_allclose(query_2, [0.4306, 1.4551], atol=PRINTED)
     keys = INPUTS @ sa.W_key.data
@@ -55,14 +56,22 @@ def test_manual_weights_seed_123_via_self_attention_v1():
     np.testing.assert_allclose(out[0], [0.2996, 0.8053], atol=PRINTED)
 
 
-@pytest.mark.parametrize("prefix,factory,x,first,last", [
-    ("sa_v1", lambda: book.SelfAttention_v1(3, 2), INPUTS, [0.2996, 0.8053], None),
-    ("sa_v2", lambda: book.SelfAttention_v2(3, 2), INPUTS, [-0.0739, 0.0713], None),
-    ("ca", lambda: book.CausalAttention(3, 2, 6, 0.0), BATCH, [-0.4519, 0.2216], [-0.5299, -0.1081]),
-    ("mhaw", lambda: book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2), BATCH,
-     [-0.4519, 0.2216, 0.4772, 0.1063], [-0.5299, -0.1081, 0.5077, 0.3493]),
-    ("mha", lambda: book.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), BATCH, [0.3190, 0.4858], [0.2575, 0.4028]),
-])
+@pytest.mark.parametrize(
+    "prefix,factory,x,first,last",
+    [
+        ("sa_v1", lambda: book.SelfAttention_v1(3, 2), INPUTS, [0.2996, 0.8053], None),
+        ("sa_v2", lambda: book.SelfAttention_v2(3, 2), INPUTS, [-0.0739, 0.0713], None),
+        ("ca", lambda: book.CausalAttention(3, 2, 6, 0.0), BATCH, [-0.4519, 0.2216], [-0.5299, -0.1081]),
+        (
+            "mhaw",
+            lambda: book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2),
+            BATCH,
+            [-0.4519, 0.2216, 0.4772, 0.1063],
+            [-0.5299, -0.1081, 0.5077, 0.3493],
+        ),
+        ("mha", lambda: book.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), BATCH, [0.3190, 0.4858], [0.2575, 0.4028]),
+    ],
+)
 @pytest.mark.parametrize("training", [False, True])
 def test_book_objects_reproduce_printed_and_stored_outputs(prefix, factory, x, first, last, training):
     m = factory()
@@ -81,13 +90,16 @@ def test_book_objects_reproduce_printed_and_stored_outputs(prefix, factory, x, f
         np.testing.assert_allclose(m(x[0]), out[0], rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("prefix,factory,x", [
-    ("sa_v1", lambda: book.SelfAttention_v1(3, 2, dtype=np.float32), INPUTS),
-    ("sa_v2", lambda: book.SelfAttention_v2(3, 2, dtype=np.float32), INPUTS),
-    ("ca", lambda: book.CausalAttention(3, 2, 6, 0.0, dtype=np.float32), BATCH),
-    ("mhaw", lambda: book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2, dtype=np.float32), BATCH),
-    ("mha", lambda: book.MultiHeadAttention(3, 2, 6, 0.0, 2, dtype=np.float32), BATCH),
-])
+@pytest.mark.parametrize(
+    "prefix,factory,x",
+    [
+        ("sa_v1", lambda: book.SelfAttention_v1(3, 2, dtype=np.float32), INPUTS),
+        ("sa_v2", lambda: book.SelfAttention_v2(3, 2, dtype=np.float32), INPUTS),
+        ("ca", lambda: book.CausalAttention(3, 2, 6, 0.0, dtype=np.float32), BATCH),
+        ("mhaw", lambda: book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2, dtype=np.float32), BATCH),
+        ("mha", lambda: book.MultiHeadAttention(3, 2, 6, 0.0, 2, dtype=np.float32), BATCH),
+    ],
+)
 def test_book_objects_in_float32(prefix, factory, x):
     m = factory()
     m.load_state_dict(weights(prefix))
@@ -98,7 +110,7 @@ def test_book_objects_in_float32(prefix, factory, x):
 
 def test_wrapper_head0_is_causal_attention():
     ca = weights("ca")
-    head0 = {k[len("heads.0."):]: v for k, v in weights("mhaw").items() if k.startswith("heads.0.")}
+    head0 = {k[len("heads.0.") :]: v for k, v in weights("mhaw").items() if k.startswith("heads.0.")}
     assert set(ca) == set(head0)
     for k in ca:
         np.testing.assert_array_equal(ca[k], head0[k])

@@ -1,4 +1,5 @@
 """The command line, run as users run it: ``python -m npattn ...`` in a subprocess."""
+
 import os
 import re
 import subprocess
@@ -32,27 +33,67 @@ def test_check_passes_and_prints_a_table():
     assert "max abs err" in header and "max rel err" in header and header.rstrip().endswith("ok")
     rows = [line for line in lines if line.count("|") == 3 and not line.startswith("name")]
     names = {line.split("|")[0].strip() for line in rows}
-    for expected in ("linear", "softmax (last axis)", "layer_norm", "cross_entropy", "sdpa (GQA)",
-                     "Linear", "LayerNorm", "Embedding", "FeedForward (gelu)", "MultiHeadAttention (GQA)",
-                     "EncoderBlock (pre-norm, causal)", "book.CausalAttention", "TinyTransformer"):
+    for expected in (
+        "linear",
+        "softmax (last axis)",
+        "layer_norm",
+        "cross_entropy",
+        "sdpa (GQA)",
+        "Linear",
+        "LayerNorm",
+        "Embedding",
+        "FeedForward (gelu)",
+        "MultiHeadAttention (GQA)",
+        "EncoderBlock (pre-norm, causal)",
+        "book.CausalAttention",
+        "TinyTransformer",
+    ):
         assert expected in names, expected
     assert all(line.rstrip().endswith("yes") for line in rows)
     assert re.search(r"(\d+)/\1 cases passed", r.stdout)
 
 
 CHECK_COVERS = (
-    "silu", "rms_norm", "rms_norm (2 axes, eps)", "rope (rotate half)", "rope (interleaved)",
-    "rope (offset positions)", "rope (per-batch positions, interleaved)", "layer_norm (2 axes)",
-    "embedding (padding_idx)", "embedding (scale_grad_by_freq)", "cross_entropy (weight)",
-    "cross_entropy (label_smoothing)", "cross_entropy (probabilities, weight)",
-    "RMSNorm", "FeedForward (swiglu)", "EncoderBlock (bias=False)", "DecoderBlock (post-norm, tgt_mask)",
-    "MultiHeadAttention (window, causal)", "MultiHeadAttention (alibi)", "MultiHeadAttention (softcap)",
-    "MultiHeadAttention (sinks)", "MultiHeadAttention (rope)", "MultiHeadAttention (qk_norm)",
-    "MultiHeadAttention (cross, bottom_right)", "MultiHeadAttention (all options, GQA, memory_efficient)",
+    "silu",
+    "rms_norm",
+    "rms_norm (2 axes, eps)",
+    "rope (rotate half)",
+    "rope (interleaved)",
+    "rope (offset positions)",
+    "rope (per-batch positions, interleaved)",
+    "layer_norm (2 axes)",
+    "embedding (padding_idx)",
+    "embedding (scale_grad_by_freq)",
+    "cross_entropy (weight)",
+    "cross_entropy (label_smoothing)",
+    "cross_entropy (probabilities, weight)",
+    "RMSNorm",
+    "FeedForward (swiglu)",
+    "EncoderBlock (bias=False)",
+    "DecoderBlock (post-norm, tgt_mask)",
+    "MultiHeadAttention (window, causal)",
+    "MultiHeadAttention (alibi)",
+    "MultiHeadAttention (softcap)",
+    "MultiHeadAttention (sinks)",
+    "MultiHeadAttention (rope)",
+    "MultiHeadAttention (qk_norm)",
+    "MultiHeadAttention (cross, bottom_right)",
+    "MultiHeadAttention (all options, GQA, memory_efficient)",
     "book.GPTModel (tiny)",
-) + tuple(f"{core} ({option})" for core in ("sdpa", "memory_efficient_attention") for option in (
-    "causal, bottom_right", "window (2, 1)", "alibi_slopes", "softcap", "sinks -> dsinks", "mask_grad -> dmask",
-    "all options, GQA -> dmask, dsinks", "options, dropout (fixed rng)"))
+) + tuple(
+    f"{core} ({option})"
+    for core in ("sdpa", "memory_efficient_attention")
+    for option in (
+        "causal, bottom_right",
+        "window (2, 1)",
+        "alibi_slopes",
+        "softcap",
+        "sinks -> dsinks",
+        "mask_grad -> dmask",
+        "all options, GQA -> dmask, dsinks",
+        "options, dropout (fixed rng)",
+    )
+)
 
 
 def test_check_covers_the_attention_options_and_new_ops():
@@ -148,16 +189,19 @@ def test_bench_quick_runs():
 
 
 # -- argument errors -----------------------------------------------------------------------------
-@pytest.mark.parametrize("args", [
-    ["demo", "--steps", "-1"],
-    ["demo", "--steps", "0"],
-    ["demo", "--steps", "abc"],
-    ["demo", "--task", "nope"],
-    ["demo", "--seed", "-3"],
-    ["check", "--seed", "x"],
-    ["nope"],
-    [],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--steps", "-1"],
+        ["demo", "--steps", "0"],
+        ["demo", "--steps", "abc"],
+        ["demo", "--task", "nope"],
+        ["demo", "--seed", "-3"],
+        ["check", "--seed", "x"],
+        ["nope"],
+        [],
+    ],
+)
 def test_bad_arguments_give_a_usage_error(args):
     r = run(*args, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr

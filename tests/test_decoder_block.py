@@ -1,5 +1,6 @@
 """DecoderBlock: torch parity (outputs, dx, dmemory, every parameter gradient; post- and pre-norm,
 masks, bias=False), finite differences with masks and dropout, refused input changes nothing."""
+
 import copy
 
 import numpy as np
@@ -27,11 +28,14 @@ def assert_same(a, b, what=""):
 def _torch_decoder(E, H, d_ff, norm_first, bias, activation, seed):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as TF
-    act = {"relu": "relu", "gelu": "gelu", "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"),
-           "silu": TF.silu}[activation]
+
+    act = {"relu": "relu", "gelu": "gelu", "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"), "silu": TF.silu}[
+        activation
+    ]
     torch.manual_seed(seed)
-    tm = torch.nn.TransformerDecoderLayer(E, H, d_ff, dropout=0.0, activation=act, batch_first=True,
-                                          norm_first=norm_first, bias=bias, dtype=torch.float64)
+    tm = torch.nn.TransformerDecoderLayer(
+        E, H, d_ff, dropout=0.0, activation=act, batch_first=True, norm_first=norm_first, bias=bias, dtype=torch.float64
+    )
     with torch.no_grad():
         for n, p in tm.named_parameters():
             p.uniform_(-0.8, 0.8)
@@ -49,7 +53,7 @@ def _torch_grad(tp, name, E):
         for i, w in enumerate(("W_query", "W_key", "W_value")):
             if rest.startswith(w):
                 kind = rest.split(".")[1]
-                return tp[f"{th}.in_proj_{kind}"].grad[i * E:(i + 1) * E]
+                return tp[f"{th}.in_proj_{kind}"].grad[i * E : (i + 1) * E]
         return tp[f"{th}.{rest}"].grad
     if head == "ffn":
         return tp[rest].grad
@@ -75,17 +79,35 @@ def _padding(rng, shape, float_form, torch):
 
 
 @settings(max_examples=40, deadline=None)
-@given(H=st.integers(1, 2), hd=st.integers(1, 3), d_ff=st.integers(1, 5), norm_first=st.booleans(),
-       bias=st.booleans(), activation=st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"]),
-       L=st.integers(2, 4), S=st.integers(1, 4), lead=st.sampled_from([(), (1,), (2,)]),
-       tgt=st.sampled_from(["none", "bool", "float", "causal", "causal_flag"]),
-       mem=st.sampled_from(["none", "bool", "float"]), tkpm=st.booleans(), mkpm=st.booleans(), seed=seeds)
+@given(
+    H=st.integers(1, 2),
+    hd=st.integers(1, 3),
+    d_ff=st.integers(1, 5),
+    norm_first=st.booleans(),
+    bias=st.booleans(),
+    activation=st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"]),
+    L=st.integers(2, 4),
+    S=st.integers(1, 4),
+    lead=st.sampled_from([(), (1,), (2,)]),
+    tgt=st.sampled_from(["none", "bool", "float", "causal", "causal_flag"]),
+    mem=st.sampled_from(["none", "bool", "float"]),
+    tkpm=st.booleans(),
+    mkpm=st.booleans(),
+    seed=seeds,
+)
 def test_matches_torch(H, hd, d_ff, norm_first, bias, activation, L, S, lead, tgt, mem, tkpm, mkpm, seed):
     torch = pytest.importorskip("torch")
     E = max(H * hd, 2 * H)  # layer norm over one feature is constant
     tm = _torch_decoder(E, H, d_ff, norm_first, bias, activation, seed)
-    m = DecoderBlock.from_torch_state_dict(tm.state_dict(), H, dropout=0.0, activation=activation,
-                                           norm_first=norm_first, causal=tgt == "causal_flag", rng=seed)
+    m = DecoderBlock.from_torch_state_dict(
+        tm.state_dict(),
+        H,
+        dropout=0.0,
+        activation=activation,
+        norm_first=norm_first,
+        causal=tgt == "causal_flag",
+        rng=seed,
+    )
     rng = np.random.default_rng(seed)
     x, memory = rng.standard_normal(lead + (L, E)), rng.standard_normal(lead + (S, E))
     np_kw, t_kw = {}, {}
@@ -99,8 +121,9 @@ def test_matches_torch(H, hd, d_ff, norm_first, bias, activation, L, S, lead, tg
     if tkpm:
         np_kw["tgt_key_padding_mask"], t_kw["tgt_key_padding_mask"] = _padding(rng, lead + (L,), tgt == "float", torch)
     if mkpm:
-        np_kw["memory_key_padding_mask"], t_kw["memory_key_padding_mask"] = _padding(rng, lead + (S,), mem == "float",
-                                                                                     torch)
+        np_kw["memory_key_padding_mask"], t_kw["memory_key_padding_mask"] = _padding(
+            rng, lead + (S,), mem == "float", torch
+        )
     dy = rng.standard_normal(x.shape)
     tx, tmem = torch.tensor(x, requires_grad=True), torch.tensor(memory, requires_grad=True)
     ty = tm(tx, tmem, **t_kw)
@@ -124,8 +147,14 @@ def test_keys():
     for att in ("self_attn", "cross_attn"):
         for w in ("W_query", "W_key", "W_value", "out_proj"):
             assert f"{att}.{w}.weight" in names and f"{att}.{w}.bias" in names
-    assert names[-6:] == ["layernorm1.weight", "layernorm1.bias", "layernorm2.weight", "layernorm2.bias",
-                          "layernorm3.weight", "layernorm3.bias"]
+    assert names[-6:] == [
+        "layernorm1.weight",
+        "layernorm1.bias",
+        "layernorm2.weight",
+        "layernorm2.bias",
+        "layernorm3.weight",
+        "layernorm3.bias",
+    ]
     assert {"ffn.linear1.weight", "ffn.linear1.bias", "ffn.linear2.weight", "ffn.linear2.bias"} <= set(names)
     assert len(names) == 16 + 4 + 6
     nb = DecoderBlock(4, 2, 6, bias=False, rng=0)
@@ -136,6 +165,7 @@ def test_keys():
 
 
 # ------------------------------------------------------------------- finite differences
+
 
 def _inputs(seed, lead=(2,), L=3, S=4, E=4):
     rng = np.random.default_rng(seed)
@@ -215,6 +245,7 @@ def test_float32_stays_float32():
 
 # ------------------------------------------------------------------- refused input changes nothing
 
+
 def _bad_calls():
     x, memory, _ = _inputs(0)
     return [
@@ -230,8 +261,7 @@ def _bad_calls():
         ("tgt_key_padding_mask", (x, memory), dict(tgt_key_padding_mask=np.zeros((2, 4), bool)), ValueError),
         ("tgt_key_padding_mask", (x, memory), dict(tgt_key_padding_mask=np.zeros((2, 3), np.int8)), TypeError),
         ("memory_key_padding_mask", (x, memory), dict(memory_key_padding_mask=np.zeros((2, 3), bool)), ValueError),
-        ("memory_key_padding_mask", (x, memory), dict(memory_key_padding_mask=np.full((2, 4), np.nan)),
-         ValueError),
+        ("memory_key_padding_mask", (x, memory), dict(memory_key_padding_mask=np.full((2, 4), np.nan)), ValueError),
     ]
 
 
@@ -288,16 +318,23 @@ def test_bad_constructor_arguments_and_dy():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=seeds, norm_first=st.booleans(), which=st.sampled_from(["tgt_mask", "memory_mask", "tgt_key_padding_mask",
-                                                                      "memory_key_padding_mask"]),
-       extra=st.integers(1, 3))
+@given(
+    seed=seeds,
+    norm_first=st.booleans(),
+    which=st.sampled_from(["tgt_mask", "memory_mask", "tgt_key_padding_mask", "memory_key_padding_mask"]),
+    extra=st.integers(1, 3),
+)
 def test_property_wrong_mask_shape_refused_without_state_change(seed, norm_first, which, extra):
     x, memory, rng = _inputs(seed)
     m = DecoderBlock(4, 2, 5, dropout=0.0, norm_first=norm_first, rng=seed)
     y = m(x, memory)
     before = {n: sub._cache for n, sub in m.named_modules()}
-    shape = {"tgt_mask": (3, 3 + extra), "memory_mask": (3 + extra, 4), "tgt_key_padding_mask": (2, 3 + extra),
-             "memory_key_padding_mask": (2 + extra, 4)}[which]
+    shape = {
+        "tgt_mask": (3, 3 + extra),
+        "memory_mask": (3 + extra, 4),
+        "tgt_key_padding_mask": (2, 3 + extra),
+        "memory_key_padding_mask": (2 + extra, 4),
+    }[which]
     with pytest.raises(ValueError, match=which):
         m(x + 1.0, memory, **{which: np.zeros(shape, bool)})
     assert all(before[n] is sub._cache for n, sub in m.named_modules())
@@ -305,6 +342,7 @@ def test_property_wrong_mask_shape_refused_without_state_change(seed, norm_first
 
 
 # ------------------------------------------------------------------- from_torch_state_dict
+
 
 def test_from_torch_state_dict_keys_and_errors():
     torch = pytest.importorskip("torch")

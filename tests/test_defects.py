@@ -5,6 +5,7 @@ a rejected ``dy`` after ``m.forward(x)``, ``TinyTransformer(embedding_std=...)``
 hyper-parameters and state dicts, ``save``/``load`` paths, ``load_state_dict`` values, and the
 moving average of ``npattn.viz.plot_loss``.
 """
+
 import copy
 import os
 import warnings
@@ -285,19 +286,22 @@ def _params():
     return [npattn.Parameter(np.ones(3))]
 
 
-@pytest.mark.parametrize("make, name, bad, exc", [
-    (lambda: SGD(_params(), lr=0.1, momentum=0.5), "momentum", 5.0, ValueError),
-    (lambda: SGD(_params(), lr=0.1, momentum=0.5), "momentum", "0.5", TypeError),
-    (lambda: SGD(_params(), lr=0.1), "weight_decay", -1.0, ValueError),
-    (lambda: SGD(_params(), lr=0.1), "nesterov", 1, TypeError),
-    (lambda: SGD(_params(), lr=0.1), "nesterov", True, ValueError),  # momentum is 0
-    (lambda: SGD(_params(), lr=0.1, momentum=0.9, nesterov=True), "momentum", 0.0, ValueError),
-    (lambda: Adam(_params()), "betas", (2.0, 0.5), ValueError),
-    (lambda: Adam(_params()), "betas", 0.9, TypeError),
-    (lambda: AdamW(_params()), "eps", 0.0, ValueError),
-    (lambda: AdamW(_params()), "weight_decay", float("nan"), ValueError),
-    (lambda: AdamW(_params()), "lr", -1.0, ValueError),
-])
+@pytest.mark.parametrize(
+    "make, name, bad, exc",
+    [
+        (lambda: SGD(_params(), lr=0.1, momentum=0.5), "momentum", 5.0, ValueError),
+        (lambda: SGD(_params(), lr=0.1, momentum=0.5), "momentum", "0.5", TypeError),
+        (lambda: SGD(_params(), lr=0.1), "weight_decay", -1.0, ValueError),
+        (lambda: SGD(_params(), lr=0.1), "nesterov", 1, TypeError),
+        (lambda: SGD(_params(), lr=0.1), "nesterov", True, ValueError),  # momentum is 0
+        (lambda: SGD(_params(), lr=0.1, momentum=0.9, nesterov=True), "momentum", 0.0, ValueError),
+        (lambda: Adam(_params()), "betas", (2.0, 0.5), ValueError),
+        (lambda: Adam(_params()), "betas", 0.9, TypeError),
+        (lambda: AdamW(_params()), "eps", 0.0, ValueError),
+        (lambda: AdamW(_params()), "weight_decay", float("nan"), ValueError),
+        (lambda: AdamW(_params()), "lr", -1.0, ValueError),
+    ],
+)
 def test_optimizer_hyper_validated_on_assignment(make, name, bad, exc):
     opt = make()
     before = getattr(opt, name)
@@ -324,18 +328,21 @@ def test_sgd_load_state_dict_refuses_nesterov_without_momentum():
     assert opt.nesterov is False
 
 
-@pytest.mark.parametrize("sd", [
-    {"hyper": 5, "state": {}},
-    {"hyper": {"lr": 0.1}, "state": 5},
-    {"hyper": {"lr": 0.1}, "state": {0: 5}},
-    {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": None, "exp_avg_sq": np.zeros(3)}}},
-    {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": "abc", "exp_avg_sq": np.zeros(3)}}},
-    {"hyper": {"lr": 0.1}, "state": {0: {"step": 1.5, "exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3)}}},
-    {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": [[1, 2], [3]], "exp_avg_sq": np.zeros(3)}}},
-    {"hyper": [("lr", 0.1, 3)], "state": {}},
-    {"hyper": {"lr": 0.1}, "state": {None: {}}},
-    {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": np.zeros(3) + np.nan, "exp_avg_sq": np.zeros(3)}}},
-])
+@pytest.mark.parametrize(
+    "sd",
+    [
+        {"hyper": 5, "state": {}},
+        {"hyper": {"lr": 0.1}, "state": 5},
+        {"hyper": {"lr": 0.1}, "state": {0: 5}},
+        {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": None, "exp_avg_sq": np.zeros(3)}}},
+        {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": "abc", "exp_avg_sq": np.zeros(3)}}},
+        {"hyper": {"lr": 0.1}, "state": {0: {"step": 1.5, "exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3)}}},
+        {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": [[1, 2], [3]], "exp_avg_sq": np.zeros(3)}}},
+        {"hyper": [("lr", 0.1, 3)], "state": {}},
+        {"hyper": {"lr": 0.1}, "state": {None: {}}},
+        {"hyper": {"lr": 0.1}, "state": {0: {"step": 1, "exp_avg": np.zeros(3) + np.nan, "exp_avg_sq": np.zeros(3)}}},
+    ],
+)
 def test_optimizer_malformed_state_dict_clear_error(sd):
     opt = Adam(_params(), lr=0.5)
     p = opt.params[0]
@@ -460,8 +467,11 @@ def _op_calls(dt):
     x = np.ones((2, 3, 4), dt)
     f64 = np.ones((2, 3, 4))
     calls = {
-        "softmax": lambda: F.softmax(x), "relu": lambda: F.relu(x), "gelu": lambda: F.gelu(x),
-        "layer_norm": lambda: F.layer_norm(x), "dropout": lambda: F.dropout(x, 0.5, 0),
+        "softmax": lambda: F.softmax(x),
+        "relu": lambda: F.relu(x),
+        "gelu": lambda: F.gelu(x),
+        "layer_norm": lambda: F.layer_norm(x),
+        "dropout": lambda: F.dropout(x, 0.5, 0),
         "linear-weight": lambda: F.linear(f64, np.ones((3, 4), dt)),
         "layer_norm-weight": lambda: F.layer_norm(f64, np.ones(4, dt)),
         "embedding-weight": lambda: F.embedding(np.array([0, 1]), np.ones((3, 4), dt)),

@@ -1,5 +1,6 @@
 """EncoderBlock: every input validated before any sublayer runs, ``bias=False``,
 ``from_torch_state_dict`` and unbatched input (torch parity in float64)."""
+
 import copy
 
 import numpy as np
@@ -87,13 +88,22 @@ def test_bad_options():
 
 # ------------------------------------------------------------------- bias=False, unbatched: gradients
 
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_bias_false_has_no_bias_and_gradchecks(norm_first):
     m = npattn.EncoderBlock(4, 2, 6, dropout=0.2, norm_first=norm_first, bias=False, rng=3)
     names = [n for n, _ in m.named_parameters()]
     assert not [n for n in names if n.endswith("bias")], names
-    assert set(names) == {"mha.W_query.weight", "mha.W_key.weight", "mha.W_value.weight", "mha.out_proj.weight",
-                          "ffn.linear1.weight", "ffn.linear2.weight", "layernorm1.weight", "layernorm2.weight"}
+    assert set(names) == {
+        "mha.W_query.weight",
+        "mha.W_key.weight",
+        "mha.W_value.weight",
+        "mha.out_proj.weight",
+        "ffn.linear1.weight",
+        "ffn.linear2.weight",
+        "layernorm1.weight",
+        "layernorm2.weight",
+    }
     x = np.random.default_rng(4).standard_normal((2, 3, 4))
     mask = np.random.default_rng(5).random((3, 3)) < 0.7
     mask[:, 0] = True
@@ -132,20 +142,31 @@ def test_unbatched_equals_batch_of_one_and_fd():
 # ------------------------------------------------------------------- torch parity
 
 torch_cases = dict(
-    H=st.integers(1, 2), hd=st.integers(1, 3), d_ff=st.integers(1, 5), norm_first=st.booleans(),
-    bias=st.booleans(), activation=st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"]),
-    L=st.integers(2, 4), lead=st.sampled_from([(), (1,), (2,)]),
-    mask=st.sampled_from(["none", "bool", "float", "causal"]), kpm=st.booleans(), seed=seeds)
+    H=st.integers(1, 2),
+    hd=st.integers(1, 3),
+    d_ff=st.integers(1, 5),
+    norm_first=st.booleans(),
+    bias=st.booleans(),
+    activation=st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"]),
+    L=st.integers(2, 4),
+    lead=st.sampled_from([(), (1,), (2,)]),
+    mask=st.sampled_from(["none", "bool", "float", "causal"]),
+    kpm=st.booleans(),
+    seed=seeds,
+)
 
 
 def _torch_encoder(E, H, d_ff, norm_first, bias, activation, seed):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as TF
-    act = {"relu": "relu", "gelu": "gelu", "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"),
-           "silu": TF.silu}[activation]
+
+    act = {"relu": "relu", "gelu": "gelu", "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"), "silu": TF.silu}[
+        activation
+    ]
     torch.manual_seed(seed)
-    tm = torch.nn.TransformerEncoderLayer(E, H, d_ff, dropout=0.0, activation=act, batch_first=True,
-                                          norm_first=norm_first, bias=bias, dtype=torch.float64)
+    tm = torch.nn.TransformerEncoderLayer(
+        E, H, d_ff, dropout=0.0, activation=act, batch_first=True, norm_first=norm_first, bias=bias, dtype=torch.float64
+    )
     with torch.no_grad():
         for p in tm.parameters():
             p.uniform_(-0.8, 0.8)
@@ -163,9 +184,9 @@ def _encoder_param_grads(tm, m):
     for n, _ in m.named_parameters():
         for i, w in enumerate(("W_query", "W_key", "W_value")):
             if n == f"mha.{w}.weight":
-                out[n] = tp["self_attn.in_proj_weight"].grad[i * E:(i + 1) * E]
+                out[n] = tp["self_attn.in_proj_weight"].grad[i * E : (i + 1) * E]
             elif n == f"mha.{w}.bias":
-                out[n] = tp["self_attn.in_proj_bias"].grad[i * E:(i + 1) * E]
+                out[n] = tp["self_attn.in_proj_bias"].grad[i * E : (i + 1) * E]
         if n not in out:
             t = n.replace("mha.", "self_attn.").replace("ffn.", "").replace("layernorm", "norm")
             out[n] = tp[t].grad
@@ -180,8 +201,9 @@ def test_from_torch_state_dict_matches_torch(H, hd, d_ff, norm_first, bias, acti
     torch = pytest.importorskip("torch")
     E = max(H * hd, 2 * H)
     tm = _torch_encoder(E, H, d_ff, norm_first, bias, activation, seed)
-    m = npattn.EncoderBlock.from_torch_state_dict(tm.state_dict(), H, dropout=0.0, activation=activation,
-                                                  norm_first=norm_first, causal=mask == "causal", rng=seed)
+    m = npattn.EncoderBlock.from_torch_state_dict(
+        tm.state_dict(), H, dropout=0.0, activation=activation, norm_first=norm_first, causal=mask == "causal", rng=seed
+    )
     assert m.dtype == np.float64
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(lead + (L, E))
@@ -252,15 +274,21 @@ def test_from_torch_state_dict_without_bias():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=seeds, lead=st.sampled_from([(), (2,)]), L=st.integers(2, 4), activation=st.sampled_from(
-    ["relu", "gelu", "silu", "swiglu"]))
+@given(
+    seed=seeds,
+    lead=st.sampled_from([(), (2,)]),
+    L=st.integers(2, 4),
+    activation=st.sampled_from(["relu", "gelu", "silu", "swiglu"]),
+)
 def test_property_post_norm_without_bias_is_centred(seed, lead, L, activation):
     """bias=False, post-norm: the last layer norm has no bias, so every output row has mean 0 and
     (weight 1 at start) variance var / (var + eps); with bias=True the bias shifts the mean."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(lead + (L, 4)) * 3
-    for block in (npattn.EncoderBlock(4, 2, 5, bias=False, activation=activation, rng=seed),
-                  npattn.DecoderBlock(4, 2, 5, bias=False, activation=activation, rng=seed)):
+    for block in (
+        npattn.EncoderBlock(4, 2, 5, bias=False, activation=activation, rng=seed),
+        npattn.DecoderBlock(4, 2, 5, bias=False, activation=activation, rng=seed),
+    ):
         args = (x,) if isinstance(block, npattn.EncoderBlock) else (x, rng.standard_normal(lead + (3, 4)))
         y = block(*args)
         np.testing.assert_allclose(y.mean(axis=-1), 0.0, atol=1e-12)

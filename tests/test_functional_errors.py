@@ -1,5 +1,6 @@
 """Bad input raises npattn's own TypeError/ValueError, naming the argument and showing what was
 expected and what was given, before any arithmetic (never a raw numpy error)."""
+
 import re
 
 import numpy as np
@@ -81,6 +82,7 @@ def test_integer_values_are_accepted_as_floats():
 
 # ------------------------------------------------------------------ linear / embedding
 
+
 def test_linear_shapes():
     raises(ValueError, "x", lambda: F.linear(np.float64(1.0), u(4, 3)), ())
     raises(ValueError, "weight", lambda: F.linear(u(2, 3), u(3)), (3,))
@@ -102,6 +104,7 @@ def test_embedding_ids_and_weight():
 
 # ------------------------------------------------------------------ softmax / activations
 
+
 def test_softmax_axis_and_ndim():
     msg = raises(ValueError, "axis", lambda: F.softmax(u(2, 3), axis=2))
     assert "[-2, 1]" in msg and "got 2" in msg
@@ -119,6 +122,7 @@ def test_gelu_bad_approximate(approximate):
 
 
 # ------------------------------------------------------------------ dropout
+
 
 @pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), float("inf"), -np.inf])
 def test_dropout_p_outside_unit_interval(p):
@@ -142,6 +146,7 @@ def test_dropout_training_and_rng():
 
 # ------------------------------------------------------------------ layer norm
 
+
 def test_layer_norm_shapes_and_eps():
     raises(ValueError, "x", lambda: F.layer_norm(np.float64(1.0)), ())
     raises(ValueError, "weight", lambda: F.layer_norm(u(2, 3), u(4)), (3,), (4,))
@@ -153,6 +158,7 @@ def test_layer_norm_shapes_and_eps():
 
 
 # ------------------------------------------------------------------ cross entropy
+
 
 def test_cross_entropy_targets():
     raises(ValueError, "targets", lambda: F.cross_entropy(u(2, 3), np.array([0, 1, 2])), (2,), (3,))
@@ -170,6 +176,7 @@ def test_cross_entropy_targets():
 
 
 # ------------------------------------------------------------------ attention
+
 
 def sdpa(q, k, v, **kw):
     return F.scaled_dot_product_attention(q, k, v, **kw)
@@ -194,15 +201,25 @@ def test_attention_kv_length_mismatch():
 def test_attention_batch_mismatch():
     raises(ValueError, "k", lambda: sdpa(u(2, 3, 4), u(3, 5, 4), u(3, 5, 4)), (2, 3, 4), (3, 5, 4))
     raises(ValueError, "k", lambda: sdpa(u(2, 2, 3, 4), u(3, 2, 5, 4), u(3, 2, 5, 4)), (2, 2, 3, 4), (3, 2, 5, 4))
-    raises(ValueError, "k", lambda: sdpa(u(3, 4, 3, 4), u(2, 2, 5, 4), u(2, 2, 5, 4), enable_gqa=True),
-           (3, 4, 3, 4), (2, 2, 5, 4))
+    raises(
+        ValueError,
+        "k",
+        lambda: sdpa(u(3, 4, 3, 4), u(2, 2, 5, 4), u(2, 2, 5, 4), enable_gqa=True),
+        (3, 4, 3, 4),
+        (2, 2, 5, 4),
+    )
 
 
 def test_attention_heads():
     msg = raises(ValueError, "k", lambda: sdpa(u(1, 4, 3, 4), u(1, 2, 5, 4), u(1, 2, 5, 4)), (1, 4, 3, 4), (1, 2, 5, 4))
     assert "enable_gqa" in msg  # the hint
-    msg = raises(ValueError, "k", lambda: sdpa(u(1, 3, 3, 4), u(1, 2, 5, 4), u(1, 2, 5, 4), enable_gqa=True),
-                 (1, 3, 3, 4), (1, 2, 5, 4))
+    msg = raises(
+        ValueError,
+        "k",
+        lambda: sdpa(u(1, 3, 3, 4), u(1, 2, 5, 4), u(1, 2, 5, 4), enable_gqa=True),
+        (1, 3, 3, 4),
+        (1, 2, 5, 4),
+    )
     assert "multiple" in msg
     raises(ValueError, "k", lambda: sdpa(u(1, 2, 3, 4), u(1, 4, 5, 4), u(1, 4, 5, 4), enable_gqa=True))
 
@@ -210,7 +227,9 @@ def test_attention_heads():
 def test_attention_masks():
     q, k, v = u(2, 3, 4), u(2, 5, 4), u(2, 5, 2)
     raises(ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=np.ones((3, 4), bool)), (2, 3, 5), (3, 4))
-    raises(ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=np.ones((3, 2, 3, 5), bool)), (2, 3, 5), (3, 2, 3, 5))
+    raises(
+        ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=np.ones((3, 2, 3, 5), bool)), (2, 3, 5), (3, 2, 3, 5)
+    )
     raises(ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=np.zeros((5, 3))), (2, 3, 5), (5, 3))
     msg = raises(TypeError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=np.ones((3, 5), int)))
     assert "int64" in msg
@@ -237,6 +256,7 @@ def test_attention_options():
 
 # ------------------------------------------------------------------ wrongly shaped / typed dout, every backward
 
+
 def _forwards():
     return {
         "linear": (F.linear(u(2, 3), u(4, 3), u(4)), F.linear_backward),
@@ -250,9 +270,16 @@ def _forwards():
         "dropout_p1": (F.dropout(u(2, 3), 1.0, 0), F.dropout_backward),
         "layer_norm": (F.layer_norm(u(2, 3), u(3), u(3)), F.layer_norm_backward),
         "cross_entropy": (F.cross_entropy(u(2, 3), np.array([0, 2])), F.cross_entropy_backward),
-        "sdpa": (F.scaled_dot_product_attention(u(2, 3, 4), u(2, 5, 4), u(2, 5, 2)), F.scaled_dot_product_attention_backward),
-        "sdpa_gqa": (F.scaled_dot_product_attention(u(1, 4, 3, 4), u(1, 2, 5, 4), u(1, 2, 5, 2), enable_gqa=True,
-                                                    dropout_p=0.3, rng=0), F.scaled_dot_product_attention_backward),
+        "sdpa": (
+            F.scaled_dot_product_attention(u(2, 3, 4), u(2, 5, 4), u(2, 5, 2)),
+            F.scaled_dot_product_attention_backward,
+        ),
+        "sdpa_gqa": (
+            F.scaled_dot_product_attention(
+                u(1, 4, 3, 4), u(1, 2, 5, 4), u(1, 2, 5, 2), enable_gqa=True, dropout_p=0.3, rng=0
+            ),
+            F.scaled_dot_product_attention_backward,
+        ),
     }
 
 

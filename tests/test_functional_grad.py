@@ -2,6 +2,7 @@
 
 Each property checks twice: with ``npattn.gradcheck`` and with the independent ``tests/_fd.py``.
 """
+
 import numpy as np
 from _fd import fd_check
 from hypothesis import given
@@ -113,8 +114,13 @@ def test_dropout(x, p, seed, training):
 def test_scaled_dot_product_attention(cfg, seed):
     kw = cfg.kwargs(rng=np.random.default_rng(cfg.seed))
     assert_gc(F.scaled_dot_product_attention, cfg.q, cfg.k, cfg.v, expect=["q", "k", "v"], seed=seed, **kw)
-    assert_fd(F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward,
-              [cfg.q, cfg.k, cfg.v], seed, **cfg.kwargs())
+    assert_fd(
+        F.scaled_dot_product_attention,
+        F.scaled_dot_product_attention_backward,
+        [cfg.q, cfg.k, cfg.v],
+        seed,
+        **cfg.kwargs(),
+    )
 
 
 @given(shapes(0, 2, 1, 3), st.integers(2, 5), st.sampled_from([None, -100, 0, 2]), st.floats(0.0, 1.0), seeds())

@@ -1,6 +1,7 @@
 """The new options of the non-attention functional ops: finite differences (``npattn.gradcheck``
 and the independent ``tests/_fd.py``), hypothesis properties, float32, the unvalidated kernels,
 each backward's own cache type, and bad input for every new argument (clear error, nothing modified)."""
+
 import numpy as np
 import pytest
 from _fd import fd_check
@@ -44,6 +45,7 @@ def trailing(draw, min_last=3):
 
 # ------------------------------------------------------------------------------ finite differences
 
+
 @settings(max_examples=60)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=3), st.sampled_from([1.0, 5.0]), seeds())
 def test_silu_fd(shape, scale, seed):
@@ -77,8 +79,10 @@ def test_layer_norm_several_axes_fd(case, with_weight, with_bias, seed):
 
     def fwd(*a):
         it = iter(a[1:])
-        return F.layer_norm(a[0], next(it) if with_weight else None, next(it) if with_bias else None,
-                            normalized_shape=ns)
+        return F.layer_norm(
+            a[0], next(it) if with_weight else None, next(it) if with_bias else None, normalized_shape=ns
+        )
+
     report = assert_gc((fwd, F.layer_norm_backward), *arrs, seed=seed)
     assert len(report.rows) == len(arrs)
     assert_fd(fwd, F.layer_norm_backward, arrs, seed)
@@ -97,8 +101,11 @@ def ce_cases(draw):
         if targets.size and draw(st.booleans()):
             targets.reshape(-1)[0] = -1  # ignored
     weight = rng.uniform(0.2, 2.0, c) if draw(st.booleans()) else None
-    kw = dict(weight=weight, reduction=draw(st.sampled_from(["mean", "sum", "none"])),
-              label_smoothing=draw(st.sampled_from([0.0, 0.25, 1.0])))
+    kw = dict(
+        weight=weight,
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.25, 1.0])),
+    )
     return rng.standard_normal(lead + (c,)) * 2, targets, None if probs else -1, kw, rng
 
 
@@ -109,6 +116,7 @@ def test_cross_entropy_options_fd(case):
 
     def fwd(z):
         return F.cross_entropy(z, targets, ignore_index, **kw)
+
     assert_gc((fwd, F.cross_entropy_backward), logits)
     out, _ = fwd(logits)
     (err,) = fd_check(fwd, F.cross_entropy_backward, [logits], rng.standard_normal(np.shape(out)))
@@ -122,6 +130,7 @@ def test_softmax_0d_gradcheck():
 
 
 # ------------------------------------------------------------------------------------------- embedding
+
 
 @st.composite
 def emb_cases(draw):
@@ -169,11 +178,16 @@ def test_embedding_max_norm_output(case, max_norm, norm_type):
     big = ~small
     expected = max_norm * norms[big] / (norms[big] + 1e-7)  # torch's scale max_norm / (norm + 1e-7)
     np.testing.assert_allclose(np.linalg.norm(out[big], ord=norm_type, axis=-1), expected, rtol=1e-12)
-    np.testing.assert_allclose(out[big] / np.linalg.norm(out[big], ord=norm_type, axis=-1)[:, None],
-                               plain[big] / norms[big][:, None], rtol=1e-12, atol=1e-15)  # same direction
+    np.testing.assert_allclose(
+        out[big] / np.linalg.norm(out[big], ord=norm_type, axis=-1)[:, None],
+        plain[big] / norms[big][:, None],
+        rtol=1e-12,
+        atol=1e-15,
+    )  # same direction
 
 
 # ------------------------------------------------------------------------------------------ properties
+
 
 @given(trailing(min_last=2), st.floats(0.01, 100.0), seeds())
 def test_rms_norm_properties(case, c, seed):
@@ -193,7 +207,7 @@ def test_several_axes_equal_one_flattened_axis(case, rms, seed):
     shape, ns = case
     rng = np.random.default_rng(seed)
     x, w, b = rng.standard_normal(shape), rng.standard_normal(ns), rng.standard_normal(ns)
-    flat = shape[:len(shape) - len(ns)] + (int(np.prod(ns)),)
+    flat = shape[: len(shape) - len(ns)] + (int(np.prod(ns)),)
     dy = rng.standard_normal(shape)
     if rms:
         y, c = F.rms_norm(x, w, normalized_shape=ns)
@@ -261,15 +275,23 @@ def test_cross_entropy_class_ids_equal_one_hot_probabilities(case):
         else:
             dl = np.float64(0.7)
             np.testing.assert_allclose(ids_loss, prob_loss, rtol=1e-12, atol=1e-12)
-            np.testing.assert_allclose(F.cross_entropy_backward(dl, ids_cache),
-                                       F.cross_entropy_backward(dl, prob_cache), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(
+                F.cross_entropy_backward(dl, ids_cache),
+                F.cross_entropy_backward(dl, prob_cache),
+                rtol=1e-12,
+                atol=1e-12,
+            )
 
 
 def test_cross_entropy_mean_over_nothing_is_positive_zero():
     logits = np.random.default_rng(0).standard_normal((2, 3))
-    for targets, kw in ((np.array([-1, -1]), {}), (np.array([-1, -1]), {"label_smoothing": 0.5}),
-                        (np.array([0, 1]), {"weight": np.array([0.0, 0.0, 1.0])}),
-                        (np.zeros((0,), int), {}), (np.zeros((0, 3)), {})):
+    for targets, kw in (
+        (np.array([-1, -1]), {}),
+        (np.array([-1, -1]), {"label_smoothing": 0.5}),
+        (np.array([0, 1]), {"weight": np.array([0.0, 0.0, 1.0])}),
+        (np.zeros((0,), int), {}),
+        (np.zeros((0, 3)), {}),
+    ):
         loss, cache = F.cross_entropy(logits[: len(targets)], targets, -1 if targets.dtype.kind == "i" else None, **kw)
         assert loss.shape == () and loss == 0.0 and not np.signbit(loss), (targets, kw)
         dx = F.cross_entropy_backward(np.float64(1.0), cache)
@@ -278,6 +300,7 @@ def test_cross_entropy_mean_over_nothing_is_positive_zero():
 
 
 # -------------------------------------------------------------------------- dtype, kernels, inputs kept
+
 
 def test_float32_stays_float32():
     rng = np.random.default_rng(0)
@@ -311,9 +334,13 @@ def test_kernels_equal_the_public_ops():
     ids, emb = np.array([[0, 3, 3]]), rng.standard_normal((4, 4)) * 2
     logits, t = rng.standard_normal((5, 4)), np.array([0, 3, -1, 2, 2])
     cases = [
-        ("silu", (x,), {}), ("relu", (x,), {}), ("gelu", (x, "tanh"), {}), ("softmax", (x, 1), {}),
+        ("silu", (x,), {}),
+        ("relu", (x,), {}),
+        ("gelu", (x, "tanh"), {}),
+        ("softmax", (x, 1), {}),
         ("softmax", (np.array(2.0),), {}),
-        ("dropout", (x, 0.3, RNG), {}), ("linear", (x, w), {}),
+        ("dropout", (x, 0.3, RNG), {}),
+        ("linear", (x, w), {}),
         ("layer_norm", (x, w, b, 1e-5), {"normalized_shape": (3, 4)}),
         ("rms_norm", (x, w, None), {"normalized_shape": (3, 4)}),
         ("embedding", (ids, emb, 1, 1.0, 2.0, True), {}),
@@ -335,6 +362,7 @@ def test_kernels_equal_the_public_ops():
 
 
 # ---------------------------------------------------------------------------------- wrong cache type
+
 
 def _caches():
     rng = np.random.default_rng(0)
@@ -370,6 +398,7 @@ def test_backward_refuses_another_ops_cache(name):
 
 
 # --------------------------------------------------------------------------------------- bad input
+
 
 def raises(exc, name, fn, *parts):
     with pytest.raises(exc, match=f"^{name}:") as info:

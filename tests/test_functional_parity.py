@@ -3,6 +3,7 @@
 ``max_norm`` / ``norm_type`` / ``scale_grad_by_freq``, ``cross_entropy``'s ``weight`` /
 ``reduction`` / ``label_smoothing`` / probability targets, ``softmax`` of a 0-d input.
 Outputs and every gradient (inputs and weights) are compared."""
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -52,6 +53,7 @@ def backward_torch(out, dout):
 
 # ------------------------------------------------------------------------------------------ silu
 
+
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=3), seeds(), st.sampled_from([1.0, 10.0, 800.0]))
 def test_silu(shape, seed, scale):
     x = np.random.default_rng(seed).standard_normal(shape) * scale  # 800: exp(-x) would overflow
@@ -66,12 +68,13 @@ def test_silu(shape, seed, scale):
 
 # -------------------------------------------------------------------------------- norms, several axes
 
+
 @st.composite
 def norm_cases(draw):
     """x of 1..4 dims, normalised over its trailing k axes (1 <= k <= ndim), with/without weight."""
     shape = tuple(draw(st.lists(st.integers(1, 4), min_size=0, max_size=3))) + (draw(st.integers(3, 5)),)
     k = draw(st.integers(1, len(shape)))  # >= 3 values per slice (2 make xhat = +-1: dx cancels to ~eps)
-    return shape, shape[len(shape) - k:], draw(st.booleans()), draw(st.booleans()), draw(seeds())
+    return shape, shape[len(shape) - k :], draw(st.booleans()), draw(st.booleans()), draw(seeds())
 
 
 @given(norm_cases(), st.sampled_from([1e-5, 0.1]))
@@ -128,6 +131,7 @@ def test_rms_norm_default_eps_is_the_dtype_eps_as_torch():
 
 # ------------------------------------------------------------------------------------------ softmax
 
+
 def test_softmax_0d():
     x = np.float64(3.7)
     y, cache = F.softmax(x)
@@ -141,6 +145,7 @@ def test_softmax_0d():
 
 # ---------------------------------------------------------------------------------------- embedding
 
+
 @st.composite
 def embedding_cases(draw):
     num = draw(st.integers(1, 6))
@@ -150,8 +155,13 @@ def embedding_cases(draw):
     max_norm = draw(st.one_of(st.none(), st.sampled_from([0.3, 1.0, 2.5])))
     norm_type = draw(st.sampled_from([2.0, 1.0, 3.0, float("inf")]))
     freq = draw(st.booleans())
-    return num, dim, ids_shape, dict(padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                                     scale_grad_by_freq=freq), draw(seeds())
+    return (
+        num,
+        dim,
+        ids_shape,
+        dict(padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type, scale_grad_by_freq=freq),
+        draw(seeds()),
+    )
 
 
 @given(embedding_cases())
@@ -173,12 +183,21 @@ def test_embedding_options(case):
 
 # ------------------------------------------------------------------------------------ cross entropy
 
+
 @st.composite
 def ce_cases(draw):
     c = draw(st.integers(1, 5))
     lead = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)))
-    return (c, lead, draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from(["mean", "sum", "none"])),
-            draw(st.sampled_from([0.0, 0.1, 0.7])), draw(st.booleans()), draw(seeds()))
+    return (
+        c,
+        lead,
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.sampled_from(["mean", "sum", "none"])),
+        draw(st.sampled_from([0.0, 0.1, 0.7])),
+        draw(st.booleans()),
+        draw(seeds()),
+    )
 
 
 def _torch_ce(logits, targets, **kw):

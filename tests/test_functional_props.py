@@ -1,4 +1,5 @@
 """Properties of the functional ops beyond their gradients: invariants, masking, dtype, purity."""
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -56,8 +57,9 @@ def test_softmax_all_minus_inf_row_gives_zeros():
 def sdpa(cfg, q=None, k=None, v=None, **over):
     kw = cfg.kwargs()
     kw.update(over)
-    return F.scaled_dot_product_attention(cfg.q if q is None else q, cfg.k if k is None else k,
-                                          cfg.v if v is None else v, **kw)
+    return F.scaled_dot_product_attention(
+        cfg.q if q is None else q, cfg.k if k is None else k, cfg.v if v is None else v, **kw
+    )
 
 
 @given(attention_configs(causal=True, mask_kinds=["none", "random", "float"], dropout=True), st.data())
@@ -67,13 +69,13 @@ def test_causal_output_ignores_future_keys(cfg, data):
     out, _ = sdpa(cfg)
     k2, v2 = cfg.k.copy(), cfg.v.copy()
     rng = np.random.default_rng(1)
-    k2[..., t + 1:, :] = rng.uniform(-5, 5, k2[..., t + 1:, :].shape)
-    v2[..., t + 1:, :] = rng.uniform(-5, 5, v2[..., t + 1:, :].shape)
+    k2[..., t + 1 :, :] = rng.uniform(-5, 5, k2[..., t + 1 :, :].shape)
+    v2[..., t + 1 :, :] = rng.uniform(-5, 5, v2[..., t + 1 :, :].shape)
     out2, _ = sdpa(cfg, k=k2, v=v2)
     rows = min(t + 1, cfg.lq)
     np.testing.assert_array_equal(out2[..., :rows, :], out[..., :rows, :])
     if t + 1 < min(cfg.lq, cfg.lk) and cfg.attn_mask is None and cfg.dropout_p == 0:
-        assert not np.array_equal(out2[..., t + 1:, :], out[..., t + 1:, :])
+        assert not np.array_equal(out2[..., t + 1 :, :], out[..., t + 1 :, :])
 
 
 @given(attention_configs(head_axis=True, gqa=True, max_groups=3, dropout=True), seeds())
@@ -93,6 +95,7 @@ def test_gqa_equals_repeated_kv_heads(cfg, seed):
 
     def group_sum(a):  # (..., Hk*G, L, D) -> (..., Hk, L, D), summing each group
         return a.reshape(a.shape[:-3] + (a.shape[-3] // g, g) + a.shape[-2:]).sum(axis=-3)
+
     np.testing.assert_allclose(dk, group_sum(dk_r), rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(dv, group_sum(dv_r), rtol=1e-12, atol=1e-14)
 
@@ -104,8 +107,9 @@ def test_float_minus_inf_mask_equals_bool_mask(cfg, seed):
     out_f, cache_f = sdpa(cfg, attn_mask=fmask)
     np.testing.assert_array_equal(out_f, out_b)
     dout = np.random.default_rng(seed).standard_normal(out_b.shape)
-    for gb, gf in zip(F.scaled_dot_product_attention_backward(dout, cache_b),
-                      F.scaled_dot_product_attention_backward(dout, cache_f)):
+    for gb, gf in zip(
+        F.scaled_dot_product_attention_backward(dout, cache_b), F.scaled_dot_product_attention_backward(dout, cache_f)
+    ):
         np.testing.assert_array_equal(gf, gb)
 
 
@@ -222,8 +226,10 @@ def test_dropout_generator_advances():
 
 def _op_cases(rng, dtype):
     """name -> (forward(*arrays) -> (out, cache), backward, float arrays, constant arrays)."""
+
     def u(*shape, s=1.0):
         return rng.uniform(-s, s, shape).astype(dtype)
+
     ids = rng.integers(0, 4, (2, 3))
     targets = rng.integers(0, 5, (2, 3))
     targets[0, 0] = -100
@@ -240,13 +246,26 @@ def _op_cases(rng, dtype):
         "gelu_tanh": (lambda x: F.gelu(x, "tanh"), F.gelu_backward, [u(2, 3, 4, s=3)], []),
         "layer_norm": (F.layer_norm, F.layer_norm_backward, [ln_x, u(5) + 1, u(5)], []),
         "dropout": (lambda x: F.dropout(x, 0.3, 5), F.dropout_backward, [u(2, 3, 4)], []),
-        "sdpa_mask": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.2, rng=3),
-                      F.scaled_dot_product_attention_backward, [u(2, 2, 3, 4), u(2, 2, 4, 4), u(2, 2, 4, 3)], [mask]),
+        "sdpa_mask": (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.2, rng=3),
+            F.scaled_dot_product_attention_backward,
+            [u(2, 2, 3, 4), u(2, 2, 4, 4), u(2, 2, 4, 3)],
+            [mask],
+        ),
         "sdpa_gqa_float_mask": (
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=fmask, is_causal=True, enable_gqa=True, scale=0.7),
-            F.scaled_dot_product_attention_backward, [u(2, 4, 3, 4), u(2, 2, 4, 4), u(2, 2, 4, 2)], [fmask]),
-        "cross_entropy": (lambda z: F.cross_entropy(z, targets, ignore_index=-100), F.cross_entropy_backward,
-                          [u(2, 3, 5, s=3)], [targets]),
+            lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=fmask, is_causal=True, enable_gqa=True, scale=0.7
+            ),
+            F.scaled_dot_product_attention_backward,
+            [u(2, 4, 3, 4), u(2, 2, 4, 4), u(2, 2, 4, 2)],
+            [fmask],
+        ),
+        "cross_entropy": (
+            lambda z: F.cross_entropy(z, targets, ignore_index=-100),
+            F.cross_entropy_backward,
+            [u(2, 3, 5, s=3)],
+            [targets],
+        ),
     }
 
 

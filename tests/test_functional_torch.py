@@ -1,4 +1,5 @@
 """Parity with PyTorch (the oracle, CPU, float64): every op, forward and backward, relative error <= 1e-10."""
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -125,8 +126,9 @@ def test_cross_entropy(lead, classes, ignore_index, frac, seed):
         return
     dout = np.asarray(dout_for((), seed))
     tz = T(logits)
-    tl = TF.cross_entropy(tz.reshape(-1, classes), T(targets.reshape(-1)),
-                          ignore_index=-100 if ignore_index is None else ignore_index)
+    tl = TF.cross_entropy(
+        tz.reshape(-1, classes), T(targets.reshape(-1)), ignore_index=-100 if ignore_index is None else ignore_index
+    )
     check(loss, [F.cross_entropy_backward(dout, cache)], tl, [tz], dout)
 
 
@@ -153,8 +155,9 @@ def torch_sdpa(cfg, tq, tk, tv):
         tri = np.tri(cfg.lq, cfg.lk, dtype=bool)
         mask = (mask & tri) if mask.dtype == bool else np.where(tri, mask, -np.inf)
         is_causal = False
-    kw = dict(attn_mask=None if mask is None else torch.from_numpy(np.array(mask)), is_causal=is_causal,
-              scale=cfg.scale)
+    kw = dict(
+        attn_mask=None if mask is None else torch.from_numpy(np.array(mask)), is_causal=is_causal, scale=cfg.scale
+    )
     if cfg.enable_gqa:
         kw["enable_gqa"] = True
     return TF.scaled_dot_product_attention(tq, tk, tv, **kw)

@@ -1,5 +1,6 @@
 """Generation (``npattn.generation``, ``npattn.book.generate``/``generate_text_simple``,
 ``TinyTransformer.generate``): greedy, temperature, top-k, EOS, determinism, the KV cache."""
+
 import numpy as np
 import pytest
 
@@ -116,9 +117,9 @@ def test_eos_in_a_batch_pads_finished_rows():
             np.testing.assert_array_equal(row[:stop], f[:stop])
             assert (row[stop:] == eos).all()
         else:
-            np.testing.assert_array_equal(row, f[:out.shape[1]])
+            np.testing.assert_array_equal(row, f[: out.shape[1]])
     # generation ran until the last row finished, or to the end
-    assert out.shape[1] == 8 or all((full[r, 2:out.shape[1] + 1] == eos).any() for r in range(2))
+    assert out.shape[1] == 8 or all((full[r, 2 : out.shape[1] + 1] == eos).any() for r in range(2))
 
 
 # -- the KV cache -----------------------------------------------------------------------------------------
@@ -165,30 +166,32 @@ def test_tiny_transformer_sampling_options():
     one = m.generate(prompt[:1], 6, temperature=1.0, top_k=4, rng=5)
     eos = int(one[0, 4])
     stop = int(np.flatnonzero(one[0, 3:] == eos)[0]) + 3
-    np.testing.assert_array_equal(m.generate(prompt[:1], 6, temperature=1.0, top_k=4, rng=5, eos_id=eos),
-                                  one[:, :stop])
+    np.testing.assert_array_equal(m.generate(prompt[:1], 6, temperature=1.0, top_k=4, rng=5, eos_id=eos), one[:, :stop])
     with pytest.raises(ValueError, match="temperature"):
         m.generate(prompt, 2, temperature=-1.0)
 
 
 # -- argument checks -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,err,match", [
-    (dict(temperature=-0.1), ValueError, "temperature"),
-    (dict(temperature=float("nan")), ValueError, "temperature"),
-    (dict(temperature=True), TypeError, "temperature"),
-    (dict(temperature="1"), TypeError, "temperature"),
-    (dict(top_k=0), ValueError, "top_k"),
-    (dict(top_k=2.0), TypeError, "top_k"),
-    (dict(eos_id=1.0), TypeError, "eos_id"),
-    (dict(rng="x"), TypeError, "rng"),
-    (dict(use_cache=1), TypeError, "use_cache"),
-    (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
-    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens"),
-    (dict(context_size=0), ValueError, "context_size"),
-    (dict(idx=np.array([[1.0, 2.0]])), TypeError, "idx"),
-    (dict(idx=np.zeros((1, 0), int)), ValueError, "idx"),
-    (dict(model=3), TypeError, "model"),
-])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(temperature=-0.1), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature=True), TypeError, "temperature"),
+        (dict(temperature="1"), TypeError, "temperature"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_k=2.0), TypeError, "top_k"),
+        (dict(eos_id=1.0), TypeError, "eos_id"),
+        (dict(rng="x"), TypeError, "rng"),
+        (dict(use_cache=1), TypeError, "use_cache"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=2.5), TypeError, "max_new_tokens"),
+        (dict(context_size=0), ValueError, "context_size"),
+        (dict(idx=np.array([[1.0, 2.0]])), TypeError, "idx"),
+        (dict(idx=np.zeros((1, 0), int)), ValueError, "idx"),
+        (dict(model=3), TypeError, "model"),
+    ],
+)
 def test_bad_arguments(kwargs, err, match):
     m = gpt()
     args = dict(model=m, idx=np.array([[1, 2]]), max_new_tokens=3, context_size=8)
@@ -212,7 +215,7 @@ def test_book_multi_head_attention_cache_token_by_token():
     m = book.MultiHeadAttention(6, 6, 5, 0.0, 2, qkv_bias=True, rng=0)
     x = np.random.default_rng(1).standard_normal((2, 5, 6))
     full = m(x)
-    steps = [m(x[:, t:t + 1], use_cache=True) for t in range(5)]
+    steps = [m(x[:, t : t + 1], use_cache=True) for t in range(5)]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-14)
     assert m.kv_cache_length == 5
     with pytest.raises(ValueError, match="5 cached"):

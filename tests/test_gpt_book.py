@@ -1,6 +1,7 @@
 """The book's chapter-4 ``GPTModel`` in NumPy (``npattn.book``): keys, logits and every gradient
 against the PyTorch reference (``tests/book/chapter4_torch.py``), through the committed
 ``tests/book/chapter4.npz`` without torch and live when torch is importable."""
+
 import os
 
 import numpy as np
@@ -19,9 +20,9 @@ def stored(name):
     cfg = {k: (int(v) if k not in ("drop_rate", "qkv_bias") else v) for k, v in zip(CFG_KEYS, vals)}
     cfg["drop_rate"], cfg["qkv_bias"] = float(vals[5]), bool(vals[6])
     pre = f"{name}.sd."
-    sd = {k[len(pre):]: NPZ[k] for k in NPZ.files if k.startswith(pre)}
+    sd = {k[len(pre) :]: NPZ[k] for k in NPZ.files if k.startswith(pre)}
     pre = f"{name}.grad."
-    grads = {k[len(pre):]: NPZ[k] for k in NPZ.files if k.startswith(pre)}
+    grads = {k[len(pre) :]: NPZ[k] for k in NPZ.files if k.startswith(pre)}
     return cfg, sd, grads
 
 
@@ -82,8 +83,9 @@ def test_greedy_generation_equals_torch_stored(name):
     out = book.generate_text_simple(m, idx, 6, cfg["context_length"])
     np.testing.assert_array_equal(out, NPZ[f"{name}.greedy"])
     for use_cache in (False, True):
-        np.testing.assert_array_equal(book.generate(m, idx, 6, cfg["context_length"], use_cache=use_cache),
-                                      NPZ[f"{name}.greedy"])
+        np.testing.assert_array_equal(
+            book.generate(m, idx, 6, cfg["context_length"], use_cache=use_cache), NPZ[f"{name}.greedy"]
+        )
 
 
 def test_float32_model_stays_float32():
@@ -108,11 +110,14 @@ def _torch_ref():
     return torch, mod
 
 
-@pytest.mark.parametrize("cfg", [
-    tiny_cfg(),
-    tiny_cfg(qkv_bias=True, n_heads=4, n_layers=1, vocab_size=5),
-    tiny_cfg(emb_dim=6, n_heads=3, n_layers=3, context_length=9),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tiny_cfg(),
+        tiny_cfg(qkv_bias=True, n_heads=4, n_layers=1, vocab_size=5),
+        tiny_cfg(emb_dim=6, n_heads=3, n_layers=3, context_length=9),
+    ],
+)
 def test_torch_parity_live(cfg):
     torch, ref = _torch_ref()
     torch.manual_seed(0)
@@ -166,10 +171,12 @@ def test_gradcheck_with_dropout_fixed_rng():
     m.backward(g)
     w = dict(m.named_parameters())
     for name in ("trf_blocks.0.att.W_key.weight", "trf_blocks.0.norm2.scale", "tok_emb.weight", "pos_emb.weight"):
+
         def loss(a, name=name):
             mm = fresh()
             dict(mm.named_parameters())[name].data[...] = a
             return np.sum(mm(idx) * g)
+
         (num,) = fd_gradients(loss, [w[name].data])
         assert rel_err(w[name].grad, num) < 1e-6, name
     # and dropout really acted
@@ -201,8 +208,10 @@ def test_configs_and_init():
     assert np.abs(a["out_head.weight"]).max() <= 1 / np.sqrt(8)
     np.testing.assert_array_equal(a["trf_blocks.1.att.mask"], np.triu(np.ones((6, 6)), 1))
     m = book.GPTModel(tiny_cfg(n_layers=12, emb_dim=16, n_heads=4, vocab_size=100))
-    assert m.num_parameters() == 100 * 16 + 6 * 16 + 12 * (4 * 16 * 16 + 16 + 2 * 4 * 16 * 16 + 4 * 16 + 16 + 4 * 16) \
-        + 2 * 16 + 16 * 100
+    assert (
+        m.num_parameters()
+        == 100 * 16 + 6 * 16 + 12 * (4 * 16 * 16 + 16 + 2 * 4 * 16 * 16 + 4 * 16 + 16 + 4 * 16) + 2 * 16 + 16 * 100
+    )
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``npattn demo --task chars`` at a few steps, and the decode rows of ``npattn bench``
 (well-formed, no timing assertions: the machine may be busy)."""
+
 import os
 import subprocess
 import sys
@@ -16,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(*args, timeout=600):
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "npattn", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "npattn", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_corpus_is_npattns_own_docstrings():
     text = demo_chars.corpus()
     assert len(text) > 20000
     import npattn.book
+
     assert npattn.book.__doc__.strip()[:60] in text
     assert text == demo_chars.corpus()  # deterministic
     tok = demo_chars.CharTokenizer(text)
@@ -34,8 +37,19 @@ def test_corpus_is_npattns_own_docstrings():
 
 
 def test_train_chars_few_steps_learns_something():
-    cfg = demo_chars.CharsConfig(steps=12, batch_size=8, context_length=16, emb_dim=16, n_heads=2, n_layers=1,
-                                 lr=1e-2, warmup_steps=2, eval_batches=2, sample_chars=20, prompt="The ")
+    cfg = demo_chars.CharsConfig(
+        steps=12,
+        batch_size=8,
+        context_length=16,
+        emb_dim=16,
+        n_heads=2,
+        n_layers=1,
+        lr=1e-2,
+        warmup_steps=2,
+        eval_batches=2,
+        sample_chars=20,
+        prompt="The ",
+    )
     r = demo_chars.train_chars(cfg)
     assert r.losses.shape == (12,) and np.isfinite(r.losses).all()
     assert r.losses[-3:].mean() < r.losses[:3].mean()
@@ -58,8 +72,7 @@ def test_cli_demo_chars(tmp_path):
 
 
 def test_bench_decode_rows():
-    rows = B.bench_decode(dict(B.DECODE_QUICK, context_length=12), np.float64, prompt_len=3, repeats=1,
-                          use_torch=False)
+    rows = B.bench_decode(dict(B.DECODE_QUICK, context_length=12), np.float64, prompt_len=3, repeats=1, use_torch=False)
     assert [r["impl"] for r in rows] == ["npattn, KV cache", "npattn, no cache"]
     for r in rows:
         assert r["name"] == "decode" and r["dtype"] == "float64" and r["shape"]["new_tokens"] == 9

@@ -2,6 +2,7 @@
 small random Hugging Face ``GPT2LMHeadModel`` built locally (never downloaded), and
 ``load_weights_into_gpt`` with the same weights in the book's ``params`` layout (OpenAI's
 checkpoint as nested dicts, chapter 5)."""
+
 import numpy as np
 import pytest
 
@@ -11,9 +12,19 @@ from npattn import book
 def hf_model(n_layer=2, n_head=3, n_embd=12, vocab=41, n_positions=10, seed=0):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-                                  n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  bos_token_id=None, eos_token_id=None, attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # random biases and norm parameters too (their init is 0 / 1)
@@ -29,14 +40,20 @@ def book_params(sd, n_layer):
     params = {"wte": a("wte.weight"), "wpe": a("wpe.weight"), "g": a("ln_f.weight"), "b": a("ln_f.bias"), "blocks": []}
     for i in range(n_layer):
         h = lambda k, i=i: a(f"h.{i}.{k}")  # noqa: E731
-        params["blocks"].append({
-            "attn": {"c_attn": {"w": h("attn.c_attn.weight"), "b": h("attn.c_attn.bias")},
-                     "c_proj": {"w": h("attn.c_proj.weight"), "b": h("attn.c_proj.bias")}},
-            "mlp": {"c_fc": {"w": h("mlp.c_fc.weight"), "b": h("mlp.c_fc.bias")},
-                    "c_proj": {"w": h("mlp.c_proj.weight"), "b": h("mlp.c_proj.bias")}},
-            "ln_1": {"g": h("ln_1.weight"), "b": h("ln_1.bias")},
-            "ln_2": {"g": h("ln_2.weight"), "b": h("ln_2.bias")},
-        })
+        params["blocks"].append(
+            {
+                "attn": {
+                    "c_attn": {"w": h("attn.c_attn.weight"), "b": h("attn.c_attn.bias")},
+                    "c_proj": {"w": h("attn.c_proj.weight"), "b": h("attn.c_proj.bias")},
+                },
+                "mlp": {
+                    "c_fc": {"w": h("mlp.c_fc.weight"), "b": h("mlp.c_fc.bias")},
+                    "c_proj": {"w": h("mlp.c_proj.weight"), "b": h("mlp.c_proj.bias")},
+                },
+                "ln_1": {"g": h("ln_1.weight"), "b": h("ln_1.bias")},
+                "ln_2": {"g": h("ln_2.weight"), "b": h("ln_2.bias")},
+            }
+        )
     return params
 
 
@@ -48,8 +65,15 @@ def test_from_hf_gpt2_state_dict_gives_the_same_logits(dtype):
     sd = model.state_dict()
     gpt = book.GPTModel.from_hf_gpt2_state_dict(sd, n_heads=cfg.n_head)
     assert gpt.dtype == np.dtype(dtype)
-    assert gpt.cfg == {"vocab_size": 41, "context_length": 10, "emb_dim": 12, "n_heads": 3, "n_layers": 2,
-                       "drop_rate": 0.0, "qkv_bias": True}
+    assert gpt.cfg == {
+        "vocab_size": 41,
+        "context_length": 10,
+        "emb_dim": 12,
+        "n_heads": 3,
+        "n_layers": 2,
+        "drop_rate": 0.0,
+        "qkv_bias": True,
+    }
     idx = np.random.default_rng(0).integers(0, 41, (3, 10))
     with torch.no_grad():
         expected = model(torch.from_numpy(idx)).logits.numpy()
@@ -70,8 +94,13 @@ def test_generation_equals_hf_greedy():
     prompt = np.array([[3, 1, 4, 1]])
     ours = book.generate(gpt, prompt, 8, 16)
     with torch.no_grad():
-        theirs = model.generate(torch.from_numpy(prompt), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                                attention_mask=torch.ones_like(torch.from_numpy(prompt)))
+        theirs = model.generate(
+            torch.from_numpy(prompt),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(torch.from_numpy(prompt)),
+        )
     np.testing.assert_array_equal(ours, theirs.numpy())
 
 
@@ -79,8 +108,18 @@ def test_load_weights_into_gpt_book_layout():
     torch, model, cfg = hf_model()
     model = model.double()
     params = book_params(model.state_dict(), cfg.n_layer)
-    gpt = book.GPTModel({"vocab_size": 41, "context_length": 10, "emb_dim": 12, "n_heads": 3, "n_layers": 2,
-                         "drop_rate": 0.0, "qkv_bias": True}, rng=0)
+    gpt = book.GPTModel(
+        {
+            "vocab_size": 41,
+            "context_length": 10,
+            "emb_dim": 12,
+            "n_heads": 3,
+            "n_layers": 2,
+            "drop_rate": 0.0,
+            "qkv_bias": True,
+        },
+        rng=0,
+    )
     assert book.load_weights_into_gpt(gpt, params) is gpt
     idx = np.random.default_rng(1).integers(0, 41, (2, 7))
     with torch.no_grad():
@@ -98,15 +137,25 @@ def _numpy_params(cfg, seed=0):
     rng = np.random.default_rng(seed)
     e, v, c = cfg["emb_dim"], cfg["vocab_size"], cfg["context_length"]
     r = lambda *s: rng.standard_normal(s)  # noqa: E731
-    blk = lambda: {"attn": {"c_attn": {"w": r(e, 3 * e), "b": r(3 * e)}, "c_proj": {"w": r(e, e), "b": r(e)}},  # noqa: E731
-                   "mlp": {"c_fc": {"w": r(e, 4 * e), "b": r(4 * e)}, "c_proj": {"w": r(4 * e, e), "b": r(e)}},
-                   "ln_1": {"g": r(e), "b": r(e)}, "ln_2": {"g": r(e), "b": r(e)}}
+    blk = lambda: {  # noqa: E731
+        "attn": {"c_attn": {"w": r(e, 3 * e), "b": r(3 * e)}, "c_proj": {"w": r(e, e), "b": r(e)}},
+        "mlp": {"c_fc": {"w": r(e, 4 * e), "b": r(4 * e)}, "c_proj": {"w": r(4 * e, e), "b": r(e)}},
+        "ln_1": {"g": r(e), "b": r(e)},
+        "ln_2": {"g": r(e), "b": r(e)},
+    }
     return {"wte": r(v, e), "wpe": r(c, e), "g": r(e), "b": r(e), "blocks": [blk() for _ in range(cfg["n_layers"])]}
 
 
 def test_load_weights_errors_change_nothing():
-    cfg = {"vocab_size": 7, "context_length": 5, "emb_dim": 4, "n_heads": 2, "n_layers": 2, "drop_rate": 0.0,
-           "qkv_bias": True}
+    cfg = {
+        "vocab_size": 7,
+        "context_length": 5,
+        "emb_dim": 4,
+        "n_heads": 2,
+        "n_layers": 2,
+        "drop_rate": 0.0,
+        "qkv_bias": True,
+    }
     gpt = book.GPTModel(cfg, rng=0)
     before = gpt.state_dict()
     params = _numpy_params(cfg)
@@ -142,11 +191,23 @@ def test_from_hf_errors():
         book.GPTModel.from_hf_gpt2_state_dict([1, 2], n_heads=2)
     with pytest.raises(ValueError, match="transformer.wte.weight"):
         book.GPTModel.from_hf_gpt2_state_dict({"transformer.wpe.weight": np.zeros((4, 4))}, n_heads=2)
-    cfg = {"vocab_size": 7, "context_length": 5, "emb_dim": 4, "n_heads": 2, "n_layers": 2, "drop_rate": 0.0,
-           "qkv_bias": True}
+    cfg = {
+        "vocab_size": 7,
+        "context_length": 5,
+        "emb_dim": 4,
+        "n_heads": 2,
+        "n_layers": 2,
+        "drop_rate": 0.0,
+        "qkv_bias": True,
+    }
     p = _numpy_params(cfg)
-    sd = {"transformer.wte.weight": p["wte"], "transformer.wpe.weight": p["wpe"],
-          "transformer.ln_f.weight": p["g"], "transformer.ln_f.bias": p["b"], "transformer.h.0.ln_1.weight": p["g"]}
+    sd = {
+        "transformer.wte.weight": p["wte"],
+        "transformer.wpe.weight": p["wpe"],
+        "transformer.ln_f.weight": p["g"],
+        "transformer.ln_f.bias": p["b"],
+        "transformer.h.0.ln_1.weight": p["g"],
+    }
     with pytest.raises(ValueError, match="n_heads"):
         book.GPTModel.from_hf_gpt2_state_dict(sd)
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight"):
@@ -160,8 +221,15 @@ def test_from_hf_takes_the_books_config_dict():
     idx = np.array([[1, 5, 7, 2]])
     with torch.no_grad():
         expected = model(torch.from_numpy(idx)).logits.numpy()
-    book_cfg = {"vocab_size": 19, "context_length": 6, "emb_dim": 64, "n_heads": 1, "n_layers": 1,
-                "drop_rate": 0.1, "qkv_bias": True}
+    book_cfg = {
+        "vocab_size": 19,
+        "context_length": 6,
+        "emb_dim": 64,
+        "n_heads": 1,
+        "n_layers": 1,
+        "drop_rate": 0.1,
+        "qkv_bias": True,
+    }
     gpt = book.GPTModel.from_hf_gpt2_state_dict(sd, **book_cfg)
     assert gpt.cfg == book_cfg
     np.testing.assert_allclose(gpt.eval()(idx), expected, rtol=1e-10, atol=1e-12)

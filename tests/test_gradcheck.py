@@ -1,4 +1,5 @@
 """``npattn.gradcheck`` itself: it passes correct backwards and, above all, it can fail."""
+
 import re
 
 import numpy as np
@@ -14,6 +15,7 @@ X = RNG.uniform(-1, 1, (2, 3, 4))
 
 
 # ------------------------------------------------------------------ functional targets
+
 
 def softmax_backward_no_sum(dout, cache):
     y, axis = cache
@@ -56,6 +58,7 @@ def test_linear_wrong_bias_gradient_fails_on_bias_only():
     def backward(dout, cache):
         dx, dw, db = F.linear_backward(dout, cache)
         return dx, dw, db + 1e-3
+
     report = gradcheck((F.linear, backward), X, w, b)
     assert [r.name for r in report.rows] == ["x", "weight", "bias"]
     assert report.failed == ["bias"]
@@ -67,6 +70,7 @@ def test_transposed_weight_gradient_fails():
     def backward(dout, cache):
         dx, dw, db = F.linear_backward(dout, cache)
         return dx, dw.T, db
+
     assert gradcheck((F.linear, backward), X, w).failed == ["weight"]
 
 
@@ -74,6 +78,7 @@ def test_transposed_weight_gradient_fails():
 def test_relative_tolerance_is_the_boundary(factor, ok):
     def backward(dout, cache):
         return F.gelu_backward(dout, cache) * factor
+
     report = gradcheck((F.gelu, backward), X + 2.0)  # gradients well away from 0
     assert report.ok is ok
     row = report.rows[0]
@@ -85,6 +90,7 @@ def test_small_gradients_use_the_absolute_floor():
     # |a - n| <= atol passes whatever the relative error
     def backward(dout, cache):
         return F.relu_backward(dout, cache) + 5e-9
+
     x = np.array([[-1.0, -2.0, -0.5]])  # true gradient is exactly 0
     report = gradcheck((F.relu, backward), x)
     assert report.ok
@@ -97,6 +103,7 @@ def test_nan_gradient_fails():
         d = F.relu_backward(dout, cache).copy()
         d.flat[0] = np.nan
         return d
+
     report = gradcheck((F.relu, backward), X + 2)
     assert not report.ok and report.rows[0].max_abs_err == np.inf
 
@@ -104,16 +111,17 @@ def test_nan_gradient_fails():
 def test_lookup_of_backward_by_name_and_missing_backward():
     def op_without_backward(x):
         return x * 2, None
+
     with pytest.raises(ValueError, match="op_without_backward_backward"):
         gradcheck(op_without_backward, X)
 
 
 def cube(x):
-    return x ** 3, x
+    return x**3, x
 
 
 def cube_backward(dout, cache):
-    return 3 * cache ** 2 * dout
+    return 3 * cache**2 * dout
 
 
 def test_backward_found_next_to_a_forward_in_any_module():
@@ -122,6 +130,7 @@ def test_backward_found_next_to_a_forward_in_any_module():
 
 
 # ------------------------------------------------------------------ inputs and pairing
+
 
 def test_integer_and_bool_inputs_pass_through_untouched():
     ids = np.array([[0, 2, 2], [1, 0, 2]])
@@ -172,6 +181,7 @@ def test_positional_pairing_with_none_gradients():
 def test_wrong_gradient_shape_raises():
     def backward(dout, cache):
         return F.relu_backward(dout, cache)[0]
+
     with pytest.raises(ValueError, match=r"shape \(3, 4\).*\(2, 3, 4\)"):
         gradcheck((F.relu, backward), X)
 
@@ -180,6 +190,7 @@ def test_too_many_gradients_raise():
     def backward(dout, cache):
         g = F.relu_backward(dout, cache)
         return g, g
+
     with pytest.raises(ValueError, match="cannot tell"):
         gradcheck((F.relu, backward), X)
 
@@ -202,11 +213,13 @@ def test_forward_that_modifies_its_input_is_refused():
 
     def sneaky_backward(dout, cache):
         return dout * 2
+
     with pytest.raises(RuntimeError, match="modified its input 'x'"):
         gradcheck((sneaky, sneaky_backward), X)
 
 
 # ------------------------------------------------------------------ randomness
+
 
 def test_generator_kwargs_are_snapshotted():
     gen = np.random.default_rng(7)
@@ -238,12 +251,14 @@ def test_positional_generator_is_snapshotted_too():
 
 # ------------------------------------------------------------------ report
 
+
 def test_report_table_format():
     w, b = RNG.uniform(-1, 1, (5, 4)), RNG.uniform(-1, 1, 5)
 
     def backward(dout, cache):
         dx, dw, db = F.linear_backward(dout, cache)
         return dx, dw * 1.5, db
+
     report = gradcheck((F.linear, backward), X, w, b)
     assert isinstance(report, GradcheckReport)
     lines = str(report).splitlines()
@@ -282,13 +297,13 @@ def test_gradcheck_agrees_with_independent_fd():
     q, k, v = RNG.uniform(-1, 1, (2, 3, 4)), RNG.uniform(-1, 1, (2, 5, 4)), RNG.uniform(-1, 1, (2, 5, 3))
     report = gradcheck(F.scaled_dot_product_attention, q, k, v, is_causal=True, seed=5)
     g = np.random.default_rng(5).standard_normal((2, 3, 3))
-    fd = fd_gradients(lambda a, b, c: np.sum(F.scaled_dot_product_attention(a, b, c, is_causal=True)[0] * g),
-                      [q, k, v])
+    fd = fd_gradients(lambda a, b, c: np.sum(F.scaled_dot_product_attention(a, b, c, is_causal=True)[0] * g), [q, k, v])
     for name, n in zip("qkv", fd):
         np.testing.assert_allclose(report.numerical[name], n, rtol=0, atol=1e-9)  # summation order differs
 
 
 # ------------------------------------------------------------------ module targets
+
 
 class TinyLinear(Module):
     """``y = dropout(x W^T + b)``, with its own Generator."""

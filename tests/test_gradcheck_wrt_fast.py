@@ -1,4 +1,5 @@
 """``gradcheck(..., wrt=..., fast=...)``: naming what to check, and one random direction per tensor."""
+
 import pickle
 import re
 
@@ -102,14 +103,20 @@ def test_keyword_input_float32_is_checked_in_float64_and_left_alone():
 
 
 # -- fast --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("target, args, kwargs", [
-    (F.softmax, (X,), {"axis": 1}),
-    (F.linear, (X, W, B), {}),
-    (F.layer_norm, (X, RNG.uniform(0.5, 1.5, 4), RNG.uniform(-1, 1, 4)), {}),
-    (F.scaled_dot_product_attention, (X, RNG.uniform(-1, 1, (2, 5, 4)), RNG.uniform(-1, 1, (2, 5, 3))),
-     {"is_causal": True}),
-    (F.gelu, (X,), {"approximate": "tanh"}),
-])
+@pytest.mark.parametrize(
+    "target, args, kwargs",
+    [
+        (F.softmax, (X,), {"axis": 1}),
+        (F.linear, (X, W, B), {}),
+        (F.layer_norm, (X, RNG.uniform(0.5, 1.5, 4), RNG.uniform(-1, 1, 4)), {}),
+        (
+            F.scaled_dot_product_attention,
+            (X, RNG.uniform(-1, 1, (2, 5, 4)), RNG.uniform(-1, 1, (2, 5, 3))),
+            {"is_causal": True},
+        ),
+        (F.gelu, (X,), {"approximate": "tanh"}),
+    ],
+)
 def test_fast_passes_correct_backwards(target, args, kwargs):
     rep = gradcheck(target, *args, fast=True, **kwargs)
     assert rep.ok, str(rep)
@@ -119,11 +126,15 @@ def test_fast_passes_correct_backwards(target, args, kwargs):
         assert np.ndim(rep.analytic[name]) == 0 and np.ndim(rep.numerical[name]) == 0
 
 
-@pytest.mark.parametrize("module", [
-    npattn.Linear(4, 3, rng=0), npattn.MultiHeadAttention(4, 4, 2, dropout=0.3, rng=1),
-    npattn.EncoderBlock(4, 2, 6, dropout=0.2, norm_first=True, rng=2),
-    npattn.book.CausalAttention(4, 3, 5, 0.2, rng=3),
-])
+@pytest.mark.parametrize(
+    "module",
+    [
+        npattn.Linear(4, 3, rng=0),
+        npattn.MultiHeadAttention(4, 4, 2, dropout=0.3, rng=1),
+        npattn.EncoderBlock(4, 2, 6, dropout=0.2, norm_first=True, rng=2),
+        npattn.book.CausalAttention(4, 3, 5, 0.2, rng=3),
+    ],
+)
 def test_fast_passes_modules(module):
     rep = gradcheck(module, X, fast=True)
     assert rep.ok, str(rep)

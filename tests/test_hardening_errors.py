@@ -7,6 +7,7 @@ Every row must raise npattn's *own* error (see ``_hardening.assert_own_error``):
 inside npattn, whose message starts with the argument's name and a colon and never reads like
 numpy's "operands could not be broadcast" / "matmul: Input operand" / "shapes ... not aligned".
 """
+
 import contextlib
 import io
 
@@ -50,8 +51,10 @@ def run_row(fn, args, kwargs, exc, match, contains):
 
 def bw(forward, backward):
     """``f(dout)``: run ``forward()`` for a fresh cache, then ``backward(dout, cache)``."""
+
     def f(dout):
         return backward(dout, forward()[1])
+
     return f
 
 
@@ -78,40 +81,111 @@ FUNCTIONAL = [
     row("linear-in", F.linear, u(2, 3), u(4, 5), exc=ValueError, match="weight: ", contains=["3", "(4, 5)"]),
     row("linear-bias", F.linear, u(2, 3), u(4, 3), u(5), exc=ValueError, match="bias: ", contains=["(4,)", "(5,)"]),
     row("layer_norm-weight", F.layer_norm, u(2, 3), u(4), exc=ValueError, match="weight: ", contains=["(3,)", "(4,)"]),
-    row("layer_norm-bias", F.layer_norm, u(2, 3), None, u(2, 3), exc=ValueError, match="bias: ",
-        contains=["(3,)", "(2, 3)"]),
+    row(
+        "layer_norm-bias",
+        F.layer_norm,
+        u(2, 3),
+        None,
+        u(2, 3),
+        exc=ValueError,
+        match="bias: ",
+        contains=["(3,)", "(2, 3)"],
+    ),
     row("sdpa-E", sdpa, Q, u(2, 5, 5), V, exc=ValueError, match="k: ", contains=["4", "(2, 5, 5)"]),
     row("sdpa-E0", sdpa, u(2, 3, 0), u(2, 5, 0), V, exc=ValueError, match="q: ", contains=["(2, 3, 0)"]),
     row("mea-E", mea, Q, u(2, 5, 5), V, exc=ValueError, match="k: ", contains=["(2, 5, 5)"]),
     # key/value length and batch mismatches
     row("sdpa-kv-len", sdpa, Q, K, u(2, 6, 6), exc=ValueError, match="v: ", contains=["(2, 5, 4)", "(2, 6, 6)"]),
-    row("sdpa-batch", sdpa, Q, u(3, 5, 4), u(3, 5, 6), exc=ValueError, match="k: ", contains=["(2, 3, 4)", "(3, 5, 4)"]),
+    row(
+        "sdpa-batch", sdpa, Q, u(3, 5, 4), u(3, 5, 6), exc=ValueError, match="k: ", contains=["(2, 3, 4)", "(3, 5, 4)"]
+    ),
     row("sdpa-v-batch", sdpa, Q, K, u(3, 5, 6), exc=ValueError, match="v: ", contains=["(3, 5, 6)"]),
     row("mea-kv-len", mea, Q, K, u(2, 6, 6), exc=ValueError, match="v: ", contains=["(2, 6, 6)"]),
     row("mea-batch", mea, Q, u(3, 5, 4), u(3, 5, 6), exc=ValueError, match="k: ", contains=["(3, 5, 4)"]),
-    row("cross_entropy-targets", F.cross_entropy, u(2, 3), np.array([0, 1, 2]), exc=ValueError, match="targets: ",
-        contains=["(2,)", "(3,)"]),
+    row(
+        "cross_entropy-targets",
+        F.cross_entropy,
+        u(2, 3),
+        np.array([0, 1, 2]),
+        exc=ValueError,
+        match="targets: ",
+        contains=["(2,)", "(3,)"],
+    ),
     # heads that do not divide
     row("sdpa-heads-no-gqa", sdpa, Q4, K4, V4, exc=ValueError, match="k: ", contains=["enable_gqa", "(2, 2, 5, 4)"]),
-    row("sdpa-gqa-not-multiple", sdpa, u(2, 3, 3, 4), K4, V4, enable_gqa=True, exc=ValueError, match="k: ",
-        contains=["multiple", "(2, 3, 3, 4)"]),
+    row(
+        "sdpa-gqa-not-multiple",
+        sdpa,
+        u(2, 3, 3, 4),
+        K4,
+        V4,
+        enable_gqa=True,
+        exc=ValueError,
+        match="k: ",
+        contains=["multiple", "(2, 3, 3, 4)"],
+    ),
     row("sdpa-gqa-zero-kv-heads", sdpa, Q4, u(2, 0, 5, 4), u(2, 0, 5, 6), enable_gqa=True, exc=ValueError, match="k: "),
     row("mea-heads", mea, Q4, K4, V4, exc=ValueError, match="k: ", contains=["(2, 2, 5, 4)"]),
     # masks: non-broadcastable, integer, non-numeric, ragged, +inf/NaN
-    row("sdpa-mask-shape", sdpa, Q, K, V, attn_mask=np.ones((3, 4), bool), exc=ValueError, match="attn_mask: ",
-        contains=["(2, 3, 5)", "(3, 4)"]),
-    row("sdpa-mask-int", sdpa, Q, K, V, attn_mask=np.ones((3, 5), int), exc=TypeError, match="attn_mask: ",
-        contains=["int64"]),
+    row(
+        "sdpa-mask-shape",
+        sdpa,
+        Q,
+        K,
+        V,
+        attn_mask=np.ones((3, 4), bool),
+        exc=ValueError,
+        match="attn_mask: ",
+        contains=["(2, 3, 5)", "(3, 4)"],
+    ),
+    row(
+        "sdpa-mask-int",
+        sdpa,
+        Q,
+        K,
+        V,
+        attn_mask=np.ones((3, 5), int),
+        exc=TypeError,
+        match="attn_mask: ",
+        contains=["int64"],
+    ),
     row("sdpa-mask-uint8", sdpa, Q, K, V, attn_mask=np.ones((3, 5), np.uint8), exc=TypeError, match="attn_mask: "),
     row("sdpa-mask-complex", sdpa, Q, K, V, attn_mask=np.ones((3, 5), complex), exc=TypeError, match="attn_mask: "),
     row("sdpa-mask-str", sdpa, Q, K, V, attn_mask="causal", exc=TypeError, match="attn_mask: "),
     row("sdpa-mask-ragged", sdpa, Q, K, V, attn_mask=[[True], [True, False]], exc=TypeError, match="attn_mask: "),
-    row("sdpa-mask-nan", sdpa, Q, K, V, attn_mask=np.full((3, 5), NAN), exc=ValueError, match="attn_mask: ",
-        contains=["NaN"]),
-    row("sdpa-mask-posinf", sdpa, Q, K, V, attn_mask=np.full((3, 5), INF), exc=ValueError, match="attn_mask: ",
-        contains=["+inf"]),
-    row("mea-mask-shape", mea, Q, K, V, attn_mask=np.ones((5, 3), bool), exc=ValueError, match="attn_mask: ",
-        contains=["(2, 3, 5)", "(5, 3)"]),
+    row(
+        "sdpa-mask-nan",
+        sdpa,
+        Q,
+        K,
+        V,
+        attn_mask=np.full((3, 5), NAN),
+        exc=ValueError,
+        match="attn_mask: ",
+        contains=["NaN"],
+    ),
+    row(
+        "sdpa-mask-posinf",
+        sdpa,
+        Q,
+        K,
+        V,
+        attn_mask=np.full((3, 5), INF),
+        exc=ValueError,
+        match="attn_mask: ",
+        contains=["+inf"],
+    ),
+    row(
+        "mea-mask-shape",
+        mea,
+        Q,
+        K,
+        V,
+        attn_mask=np.ones((5, 3), bool),
+        exc=ValueError,
+        match="attn_mask: ",
+        contains=["(2, 3, 5)", "(5, 3)"],
+    ),
     row("mea-mask-int", mea, Q, K, V, attn_mask=np.ones((3, 5), np.int8), exc=TypeError, match="attn_mask: "),
     row("mea-mask-ragged", mea, Q, K, V, attn_mask=[[1.0], [1.0, 2.0]], exc=TypeError, match="attn_mask: "),
     row("mea-mask-posinf", mea, Q, K, V, attn_mask=np.full((3, 5), INF), exc=ValueError, match="attn_mask: "),
@@ -125,25 +199,59 @@ FUNCTIONAL = [
     row("sdpa-gqa-str", sdpa, Q, K, V, enable_gqa="yes", exc=TypeError, match="enable_gqa: "),
     row("softmax-axis", F.softmax, u(2, 3), axis=2, exc=ValueError, match="axis: ", contains=["[-2, 1]", "got 2"]),
     row("softmax-axis-float", F.softmax, u(2, 3), axis=1.0, exc=TypeError, match="axis: "),
-    row("gelu-approximate", F.gelu, u(3), approximate="fast", exc=ValueError, match="approximate: ",
-        contains=["'fast'"]),
+    row(
+        "gelu-approximate", F.gelu, u(3), approximate="fast", exc=ValueError, match="approximate: ", contains=["'fast'"]
+    ),
     row("layer_norm-eps", F.layer_norm, u(2, 3), None, None, -1.0, exc=ValueError, match="eps: ", contains=["-1.0"]),
-    row("cross_entropy-class", F.cross_entropy, u(2, 3), np.array([0, 3]), exc=ValueError, match="targets: ",
-        contains=["[0, 3)"]),
-    row("cross_entropy-ignore", F.cross_entropy, u(2, 3), np.array([0, 1]), ignore_index=1.5, exc=TypeError,
-        match="ignore_index: "),
+    row(
+        "cross_entropy-class",
+        F.cross_entropy,
+        u(2, 3),
+        np.array([0, 3]),
+        exc=ValueError,
+        match="targets: ",
+        contains=["[0, 3)"],
+    ),
+    row(
+        "cross_entropy-ignore",
+        F.cross_entropy,
+        u(2, 3),
+        np.array([0, 1]),
+        ignore_index=1.5,
+        exc=TypeError,
+        match="ignore_index: ",
+    ),
     row("embedding-ids-float", F.embedding, u(3), u(4, 2), exc=TypeError, match="ids: ", contains=["float64"]),
-    row("embedding-ids-range", F.embedding, np.array([0, 4]), u(4, 2), exc=ValueError, match="ids: ",
-        contains=["[0, 4)", "4"]),
+    row(
+        "embedding-ids-range",
+        F.embedding,
+        np.array([0, 4]),
+        u(4, 2),
+        exc=ValueError,
+        match="ids: ",
+        contains=["[0, 4)", "4"],
+    ),
     row("embedding-ids-ragged", F.embedding, [[0], [1, 2]], u(4, 2), exc=TypeError, match="ids: "),
     # p outside [0, 1] or NaN
-    *[row(f"dropout-p-{p}", F.dropout, u(3), p, 0, exc=ValueError, match="p: ", contains=["[0, 1]", str(p)])
-      for p in (-0.1, 1.5, NAN, INF)],
-    *[row(f"sdpa-dropout_p-{p}", sdpa, Q, K, V, dropout_p=p, exc=ValueError, match="dropout_p: ", contains=[str(p)])
-      for p in (-0.5, 1.01, NAN)],
+    *[
+        row(f"dropout-p-{p}", F.dropout, u(3), p, 0, exc=ValueError, match="p: ", contains=["[0, 1]", str(p)])
+        for p in (-0.1, 1.5, NAN, INF)
+    ],
+    *[
+        row(f"sdpa-dropout_p-{p}", sdpa, Q, K, V, dropout_p=p, exc=ValueError, match="dropout_p: ", contains=[str(p)])
+        for p in (-0.5, 1.01, NAN)
+    ],
     row("dropout-p-str", F.dropout, u(3), "0.5", 0, exc=TypeError, match="p: "),
-    row("dropout-rng", F.dropout, u(3), 0.5, np.random.RandomState(0), exc=TypeError, match="rng: ",
-        contains=["RandomState"]),
+    row(
+        "dropout-rng",
+        F.dropout,
+        u(3),
+        0.5,
+        np.random.RandomState(0),
+        exc=TypeError,
+        match="rng: ",
+        contains=["RandomState"],
+    ),
     row("dropout-training", F.dropout, u(3), 0.5, 0, training="yes", exc=TypeError, match="training: "),
     # ragged values
     row("linear-x-ragged", F.linear, RAGGED, u(4, 2), exc=TypeError, match="x: ", contains=["list"]),
@@ -198,13 +306,24 @@ BACKWARDS = {
     "layer_norm": bw(lambda: F.layer_norm(u(2, 3), u(3), u(3)), F.layer_norm_backward),
     "cross_entropy": bw(lambda: F.cross_entropy(u(2, 3), np.array([0, 2])), F.cross_entropy_backward),
     "sdpa": bw(lambda: sdpa(Q, K, V, is_causal=True), F.scaled_dot_product_attention_backward),
-    "sdpa-gqa-dropout": bw(lambda: sdpa(Q4, K4, V4, enable_gqa=True, dropout_p=0.3, rng=0),
-                           F.scaled_dot_product_attention_backward),
+    "sdpa-gqa-dropout": bw(
+        lambda: sdpa(Q4, K4, V4, enable_gqa=True, dropout_p=0.3, rng=0), F.scaled_dot_product_attention_backward
+    ),
     "mea": bw(lambda: mea(Q, K, V, block_size=2), F.memory_efficient_attention_backward),
 }
-OUT_SHAPES = {"linear": (2, 4), "embedding": (1, 2, 2), "softmax": (2, 3), "relu": (2, 3), "gelu": (2, 3),
-              "dropout": (2, 3), "layer_norm": (2, 3), "cross_entropy": (), "sdpa": (2, 3, 6),
-              "sdpa-gqa-dropout": (2, 4, 3, 6), "mea": (2, 3, 6)}
+OUT_SHAPES = {
+    "linear": (2, 4),
+    "embedding": (1, 2, 2),
+    "softmax": (2, 3),
+    "relu": (2, 3),
+    "gelu": (2, 3),
+    "dropout": (2, 3),
+    "layer_norm": (2, 3),
+    "cross_entropy": (),
+    "sdpa": (2, 3, 6),
+    "sdpa-gqa-dropout": (2, 4, 3, 6),
+    "mea": (2, 3, 6),
+}
 
 
 @pytest.mark.parametrize("op", sorted(BACKWARDS))
@@ -237,8 +356,16 @@ MODULES = [
     row("Dropout-p", npattn.Dropout, 1.5, exc=ValueError, match="p: ", contains=["[0, 1]", "1.5"]),
     row("Dropout-p-nan", npattn.Dropout, NAN, exc=ValueError, match="p: ", contains=["nan"]),
     row("Embedding-dim", npattn.Embedding, 3, 2.0, exc=TypeError, match="embedding_dim: "),
-    row("FeedForward-act", npattn.FeedForward, 4, 8, activation="swish", exc=ValueError, match="activation: ",
-        contains=["'swish'"]),
+    row(
+        "FeedForward-act",
+        npattn.FeedForward,
+        4,
+        8,
+        activation="swish",
+        exc=ValueError,
+        match="activation: ",
+        contains=["'swish'"],
+    ),
     row("MHA-d_out-heads", MHA, 4, 6, 4, exc=ValueError, match="d_out: ", contains=["num_heads=4", "6"]),
     row("MHA-kv-heads", MHA, 4, 6, 3, num_kv_heads=2, exc=ValueError, match="num_kv_heads: ", contains=["3", "2"]),
     row("MHA-heads-float", MHA, 4, 4, 2.0, exc=TypeError, match="num_heads: "),
@@ -256,63 +383,172 @@ MODULES = [
     row("LayerNorm-x", call(lambda: npattn.LayerNorm(3), u(2, 4)), exc=ValueError, match="x: ", contains=["(2, 4)"]),
     row("FeedForward-x", call(lambda: npattn.FeedForward(3, 5), u(2, 4)), exc=ValueError, match="x: "),
     row("MHA-query-ndim", call(lambda: MHA(4, 4, 2), u(4)), exc=ValueError, match="query: ", contains=["(4,)"]),
-    row("MHA-query-features", call(lambda: MHA(4, 4, 2), u(2, 3, 5)), exc=ValueError, match="query: ",
-        contains=["(2, 3, 5)", "4"]),
-    row("MHA-key-batch", call(lambda: MHA(4, 4, 2), X, u(3, 5, 4), u(3, 5, 4)), exc=ValueError, match="key: ",
-        contains=["(3, 5, 4)"]),
-    row("MHA-value-len", call(lambda: MHA(4, 4, 2), X, u(2, 5, 4), u(2, 6, 4)), exc=ValueError, match="value: ",
-        contains=["(2, 6, 4)"]),
+    row(
+        "MHA-query-features",
+        call(lambda: MHA(4, 4, 2), u(2, 3, 5)),
+        exc=ValueError,
+        match="query: ",
+        contains=["(2, 3, 5)", "4"],
+    ),
+    row(
+        "MHA-key-batch",
+        call(lambda: MHA(4, 4, 2), X, u(3, 5, 4), u(3, 5, 4)),
+        exc=ValueError,
+        match="key: ",
+        contains=["(3, 5, 4)"],
+    ),
+    row(
+        "MHA-value-len",
+        call(lambda: MHA(4, 4, 2), X, u(2, 5, 4), u(2, 6, 4)),
+        exc=ValueError,
+        match="value: ",
+        contains=["(2, 6, 4)"],
+    ),
     row("MHA-key-only", call(lambda: MHA(4, 4, 2), X, X), exc=ValueError, match="key, value: "),
     row("MHA-kdim", call(lambda: MHA(4, 4, 2, kdim=3), X), exc=ValueError, match="key, value: ", contains=["kdim=3"]),
     # forward: masks
-    row("MHA-mask-shape", call(lambda: MHA(4, 4, 2), X, attn_mask=np.ones((4, 3), bool)), exc=ValueError,
-        match="attn_mask: ", contains=["(4, 3)", "(2, 2, 3, 3)"]),
-    row("MHA-mask-int", call(lambda: MHA(4, 4, 2), X, attn_mask=np.ones((3, 3), int)), exc=TypeError,
-        match="attn_mask: ", contains=["int64"]),
-    row("MHA-mask-ragged", call(lambda: MHA(4, 4, 2), X, attn_mask=[[True], [True, False]]), exc=TypeError,
-        match="attn_mask: "),
-    row("MHA-mask-nan", call(lambda: MHA(4, 4, 2), X, attn_mask=np.full((3, 3), NAN)), exc=ValueError,
-        match="attn_mask: ", contains=["NaN"]),
-    row("MHA-kpm-shape", call(lambda: MHA(4, 4, 2), X, key_padding_mask=np.ones((2, 4), bool)), exc=ValueError,
-        match="key_padding_mask: ", contains=["(2, 3)", "(2, 4)"]),
-    row("MHA-kpm-int", call(lambda: MHA(4, 4, 2), X, key_padding_mask=np.ones((2, 3), np.int32)), exc=TypeError,
-        match="key_padding_mask: "),
-    row("MHA-kpm-ragged", call(lambda: MHA(4, 4, 2), X, key_padding_mask=[[True], [True, False]]), exc=TypeError,
-        match="key_padding_mask: "),
-    row("MHA-kpm-posinf", call(lambda: MHA(4, 4, 2), X, key_padding_mask=np.full((2, 3), INF)), exc=ValueError,
-        match="key_padding_mask: ", contains=["+inf"]),
-    row("MHA-memeff-weights", call(lambda: MHA(4, 4, 2, memory_efficient=True), X, need_weights=True),
-        exc=ValueError, match="need_weights: "),
-    row("MHA-memeff-mask", call(lambda: MHA(4, 4, 2, memory_efficient=True), X, attn_mask=np.ones((3, 3), int)),
-        exc=TypeError, match="attn_mask: "),
+    row(
+        "MHA-mask-shape",
+        call(lambda: MHA(4, 4, 2), X, attn_mask=np.ones((4, 3), bool)),
+        exc=ValueError,
+        match="attn_mask: ",
+        contains=["(4, 3)", "(2, 2, 3, 3)"],
+    ),
+    row(
+        "MHA-mask-int",
+        call(lambda: MHA(4, 4, 2), X, attn_mask=np.ones((3, 3), int)),
+        exc=TypeError,
+        match="attn_mask: ",
+        contains=["int64"],
+    ),
+    row(
+        "MHA-mask-ragged",
+        call(lambda: MHA(4, 4, 2), X, attn_mask=[[True], [True, False]]),
+        exc=TypeError,
+        match="attn_mask: ",
+    ),
+    row(
+        "MHA-mask-nan",
+        call(lambda: MHA(4, 4, 2), X, attn_mask=np.full((3, 3), NAN)),
+        exc=ValueError,
+        match="attn_mask: ",
+        contains=["NaN"],
+    ),
+    row(
+        "MHA-kpm-shape",
+        call(lambda: MHA(4, 4, 2), X, key_padding_mask=np.ones((2, 4), bool)),
+        exc=ValueError,
+        match="key_padding_mask: ",
+        contains=["(2, 3)", "(2, 4)"],
+    ),
+    row(
+        "MHA-kpm-int",
+        call(lambda: MHA(4, 4, 2), X, key_padding_mask=np.ones((2, 3), np.int32)),
+        exc=TypeError,
+        match="key_padding_mask: ",
+    ),
+    row(
+        "MHA-kpm-ragged",
+        call(lambda: MHA(4, 4, 2), X, key_padding_mask=[[True], [True, False]]),
+        exc=TypeError,
+        match="key_padding_mask: ",
+    ),
+    row(
+        "MHA-kpm-posinf",
+        call(lambda: MHA(4, 4, 2), X, key_padding_mask=np.full((2, 3), INF)),
+        exc=ValueError,
+        match="key_padding_mask: ",
+        contains=["+inf"],
+    ),
+    row(
+        "MHA-memeff-weights",
+        call(lambda: MHA(4, 4, 2, memory_efficient=True), X, need_weights=True),
+        exc=ValueError,
+        match="need_weights: ",
+    ),
+    row(
+        "MHA-memeff-mask",
+        call(lambda: MHA(4, 4, 2, memory_efficient=True), X, attn_mask=np.ones((3, 3), int)),
+        exc=TypeError,
+        match="attn_mask: ",
+    ),
     row("Encoder-x", call(lambda: ENC(4, 2, 8), u(2, 3, 5)), exc=ValueError, match="x: ", contains=["(2, 3, 5)"]),
-    row("Encoder-mask", call(lambda: ENC(4, 2, 8), X, attn_mask=np.ones((2, 2), bool)), exc=ValueError,
-        match="attn_mask: "),
-    row("Tiny-ids-float", call(lambda: TinyTransformer(5, 4, 4, 2, 1, 8), np.zeros((1, 3))), exc=TypeError,
-        match="ids: "),
-    row("Tiny-too-long", call(lambda: TinyTransformer(5, 4, 4, 2, 1, 8), np.zeros((1, 5), int)), exc=ValueError,
-        match="ids: ", contains=["context_length=4", "(1, 5)"]),
-    row("Tiny-vocab-range", call(lambda: TinyTransformer(5, 4, 4, 2, 1, 8), np.array([[0, 5]])), exc=ValueError,
-        match="ids: ", contains=["[0, 5)"]),
+    row(
+        "Encoder-mask",
+        call(lambda: ENC(4, 2, 8), X, attn_mask=np.ones((2, 2), bool)),
+        exc=ValueError,
+        match="attn_mask: ",
+    ),
+    row(
+        "Tiny-ids-float",
+        call(lambda: TinyTransformer(5, 4, 4, 2, 1, 8), np.zeros((1, 3))),
+        exc=TypeError,
+        match="ids: ",
+    ),
+    row(
+        "Tiny-too-long",
+        call(lambda: TinyTransformer(5, 4, 4, 2, 1, 8), np.zeros((1, 5), int)),
+        exc=ValueError,
+        match="ids: ",
+        contains=["context_length=4", "(1, 5)"],
+    ),
+    row(
+        "Tiny-vocab-range",
+        call(lambda: TinyTransformer(5, 4, 4, 2, 1, 8), np.array([[0, 5]])),
+        exc=ValueError,
+        match="ids: ",
+        contains=["[0, 5)"],
+    ),
     # from_torch_state_dict
     row("from_torch-not-mapping", MHA.from_torch_state_dict, 3, 2, exc=TypeError, match="state_dict: "),
-    row("from_torch-out-1d", MHA.from_torch_state_dict, {"out_proj.weight": np.zeros(4)}, 2, exc=ValueError,
-        match="state_dict: ", contains=["(4,)"]),
-    row("from_torch-in-proj", MHA.from_torch_state_dict,
-        {"out_proj.weight": np.zeros((4, 4)), "in_proj_weight": np.zeros((12, 3))}, 2, exc=ValueError,
-        match="state_dict: ", contains=["(12, 4)", "(12, 3)"]),
-    row("from_torch-heads", MHA.from_torch_state_dict,
-        {"out_proj.weight": np.zeros((4, 4)), "in_proj_weight": np.zeros((12, 4))}, 3, exc=ValueError,
-        match="d_out: "),
-    row("from_torch-missing", MHA.from_torch_state_dict, {"in_proj_weight": np.zeros((12, 4))}, 2, exc=ValueError,
-        match="state_dict: ", contains=["out_proj.weight"]),
+    row(
+        "from_torch-out-1d",
+        MHA.from_torch_state_dict,
+        {"out_proj.weight": np.zeros(4)},
+        2,
+        exc=ValueError,
+        match="state_dict: ",
+        contains=["(4,)"],
+    ),
+    row(
+        "from_torch-in-proj",
+        MHA.from_torch_state_dict,
+        {"out_proj.weight": np.zeros((4, 4)), "in_proj_weight": np.zeros((12, 3))},
+        2,
+        exc=ValueError,
+        match="state_dict: ",
+        contains=["(12, 4)", "(12, 3)"],
+    ),
+    row(
+        "from_torch-heads",
+        MHA.from_torch_state_dict,
+        {"out_proj.weight": np.zeros((4, 4)), "in_proj_weight": np.zeros((12, 4))},
+        3,
+        exc=ValueError,
+        match="d_out: ",
+    ),
+    row(
+        "from_torch-missing",
+        MHA.from_torch_state_dict,
+        {"in_proj_weight": np.zeros((12, 4))},
+        2,
+        exc=ValueError,
+        match="state_dict: ",
+        contains=["out_proj.weight"],
+    ),
     # Parameter / Module helpers
-    *[row(f"Parameter-{k}", npattn.Parameter, make((2,)), exc=TypeError, match="data: ")
-      for k, make in sorted(BAD_KINDS.items())],
+    *[
+        row(f"Parameter-{k}", npattn.Parameter, make((2,)), exc=TypeError, match="data: ")
+        for k, make in sorted(BAD_KINDS.items())
+    ],
     row("train-mode", lambda: npattn.Linear(2, 2).train("no"), exc=TypeError, match="mode: "),
     row("to-dtype", lambda: npattn.Linear(2, 2).to(np.int32), exc=TypeError, match="dtype: "),
-    row("ModuleList-append", lambda: npattn.ModuleList([npattn.Linear(2, 2), 3]), exc=TypeError,
-        match=r"ModuleList.append: "),
+    row(
+        "ModuleList-append",
+        lambda: npattn.ModuleList([npattn.Linear(2, 2), 3]),
+        exc=TypeError,
+        match=r"ModuleList.append: ",
+    ),
 ]
 
 
@@ -322,12 +558,22 @@ def test_module_bad_input(fn, args, kwargs, exc, match, contains):
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_KINDS))
-@pytest.mark.parametrize("make,name", [
-    (lambda: npattn.Linear(3, 3), "x"), (lambda: npattn.LayerNorm(3), "x"), (lambda: npattn.Dropout(0.5), "x"),
-    (lambda: npattn.FeedForward(3, 4), "x"), (lambda: MHA(3, 4, 2), "query"), (lambda: ENC(3, 1, 4), "x"),
-    (lambda: book.SelfAttention_v1(3, 2), "x"), (lambda: book.CausalAttention(3, 2, 4, 0.0), "x"),
-    (lambda: book.MultiHeadAttentionWrapper(3, 2, 4, 0.0, 2), "x"), (lambda: book.MultiHeadAttention(3, 4, 4, 0.0, 2), "x"),
-], ids=["Linear", "LayerNorm", "Dropout", "FeedForward", "MHA", "EncoderBlock", "v1", "Causal", "Wrapper", "BookMHA"])
+@pytest.mark.parametrize(
+    "make,name",
+    [
+        (lambda: npattn.Linear(3, 3), "x"),
+        (lambda: npattn.LayerNorm(3), "x"),
+        (lambda: npattn.Dropout(0.5), "x"),
+        (lambda: npattn.FeedForward(3, 4), "x"),
+        (lambda: MHA(3, 4, 2), "query"),
+        (lambda: ENC(3, 1, 4), "x"),
+        (lambda: book.SelfAttention_v1(3, 2), "x"),
+        (lambda: book.CausalAttention(3, 2, 4, 0.0), "x"),
+        (lambda: book.MultiHeadAttentionWrapper(3, 2, 4, 0.0, 2), "x"),
+        (lambda: book.MultiHeadAttention(3, 4, 4, 0.0, 2), "x"),
+    ],
+    ids=["Linear", "LayerNorm", "Dropout", "FeedForward", "MHA", "EncoderBlock", "v1", "Causal", "Wrapper", "BookMHA"],
+)
 def test_module_non_real_inputs(make, name, kind):
     m = make()
     a = BAD_KINDS[kind]((2, 3, 3))
@@ -354,8 +600,11 @@ PROTOCOL = {
     "FeedForward": (lambda: npattn.FeedForward(4, 6, activation="gelu", dropout=0.2, rng=0), (XB,), {}),
     "MHA": (lambda: MHA(4, 4, 2, dropout=0.2, rng=0), (XB,), {}),
     "MHA-weights": (lambda: MHA(4, 4, 2, rng=0), (XB,), {"need_weights": True}),
-    "MHA-cross-gqa": (lambda: MHA(4, 4, 2, num_kv_heads=1, kdim=3, vdim=5, rng=0), (XB, u(2, 6, 3), u(2, 6, 5)),
-                      {"key_padding_mask": np.zeros((2, 6), bool)}),
+    "MHA-cross-gqa": (
+        lambda: MHA(4, 4, 2, num_kv_heads=1, kdim=3, vdim=5, rng=0),
+        (XB, u(2, 6, 3), u(2, 6, 5)),
+        {"key_padding_mask": np.zeros((2, 6), bool)},
+    ),
     "MHA-memeff": (lambda: MHA(4, 4, 2, causal=True, memory_efficient=True, rng=0), (XB,), {}),
     "EncoderBlock": (lambda: ENC(4, 2, 6, rng=0), (XB,), {}),
     "EncoderBlock-prenorm": (lambda: ENC(4, 2, 6, norm_first=True, causal=True, rng=0), (XB,), {}),
@@ -419,7 +668,7 @@ def test_float64_dy_on_float32_module_is_cast(case):
     y = _first(m(*inputs, **kw))
     assert y.dtype == np.float32
     g = m.backward(np.ones(y.shape, np.float64))
-    for a in (g if isinstance(g, tuple) else (g,)):
+    for a in g if isinstance(g, tuple) else (g,):
         assert a is None or a.dtype == np.float32
     for n, p in m.named_parameters():
         assert p.grad.dtype == np.float32, n
@@ -476,16 +725,32 @@ def test_load_state_dict_errors_are_atomic(case):
 
 # ----------------------------------------------------------------------------------- book
 BOOK = [
-    row("v1-ndim", call(lambda: book.SelfAttention_v1(3, 2), u(1, 1, 2, 3)), exc=ValueError, match="x: ",
-        contains=["(1, 1, 2, 3)"]),
-    row("v1-d_in", call(lambda: book.SelfAttention_v1(3, 2), u(2, 4)), exc=ValueError, match="x: ", contains=["(2, 4)"]),
+    row(
+        "v1-ndim",
+        call(lambda: book.SelfAttention_v1(3, 2), u(1, 1, 2, 3)),
+        exc=ValueError,
+        match="x: ",
+        contains=["(1, 1, 2, 3)"],
+    ),
+    row(
+        "v1-d_in", call(lambda: book.SelfAttention_v1(3, 2), u(2, 4)), exc=ValueError, match="x: ", contains=["(2, 4)"]
+    ),
     row("v2-ndim", call(lambda: book.SelfAttention_v2(3, 2), u(3)), exc=ValueError, match="x: "),
-    *[row(f"{n}-context", call(mk, u(1, 5, 3)), exc=ValueError, match="x: ", contains=["context_length=4", "5"])
-      for n, mk in [("Causal", lambda: book.CausalAttention(3, 2, 4, 0.0)),
-                    ("Wrapper", lambda: book.MultiHeadAttentionWrapper(3, 2, 4, 0.0, 2)),
-                    ("BookMHA", lambda: book.MultiHeadAttention(3, 2, 4, 0.0, 2))]],
-    row("Causal-context-2d", call(lambda: book.CausalAttention(3, 2, 4, 0.0), u(6, 3)), exc=ValueError, match="x: ",
-        contains=["context_length=4", "6"]),
+    *[
+        row(f"{n}-context", call(mk, u(1, 5, 3)), exc=ValueError, match="x: ", contains=["context_length=4", "5"])
+        for n, mk in [
+            ("Causal", lambda: book.CausalAttention(3, 2, 4, 0.0)),
+            ("Wrapper", lambda: book.MultiHeadAttentionWrapper(3, 2, 4, 0.0, 2)),
+            ("BookMHA", lambda: book.MultiHeadAttention(3, 2, 4, 0.0, 2)),
+        ]
+    ],
+    row(
+        "Causal-context-2d",
+        call(lambda: book.CausalAttention(3, 2, 4, 0.0), u(6, 3)),
+        exc=ValueError,
+        match="x: ",
+        contains=["context_length=4", "6"],
+    ),
     row("Causal-dropout", book.CausalAttention, 3, 2, 4, 1.5, exc=ValueError, match="dropout: "),
     row("Causal-context-float", book.CausalAttention, 3, 2, 4.0, 0.0, exc=TypeError, match="context_length: "),
     row("Wrapper-heads", book.MultiHeadAttentionWrapper, 3, 2, 4, 0.0, 0, exc=ValueError, match="num_heads: "),
@@ -516,8 +781,15 @@ GRADCHECK = [
     row("atol-neg", gradcheck, F.relu, GX, atol=-1.0, exc=ValueError, match="atol: "),
     row("module-input", gradcheck, npattn.Linear(3, 2), u(2, 4), exc=ValueError, match="x: ", contains=["(2, 4)"]),
     row("module-no-input", gradcheck, npattn.Linear(3, 2), exc=ValueError, match="inputs: "),
-    row("grad-shape", gradcheck, (F.relu, lambda d, c: np.ones(5)), GX, exc=ValueError, match="<lambda>: ",
-        contains=["(5,)", "(2, 3)"]),
+    row(
+        "grad-shape",
+        gradcheck,
+        (F.relu, lambda d, c: np.ones(5)),
+        GX,
+        exc=ValueError,
+        match="<lambda>: ",
+        contains=["(5,)", "(2, 3)"],
+    ),
     row("ng-f", numerical_gradient, 3, np.ones(2), exc=TypeError, match="f: "),
     row("ng-f-array", numerical_gradient, lambda a: a, np.ones(2), exc=TypeError, match="f: ", contains=["(2,)"]),
     row("ng-x", numerical_gradient, lambda a: 0.0, [1.0, 2.0], exc=TypeError, match="x: "),
@@ -532,8 +804,15 @@ MASKS = [
     row("window-zero", masks.sliding_window, 3, 0, exc=ValueError, match="window: "),
     row("combine-int", masks.combine, np.ones(3, int), exc=TypeError, match="masks: "),
     row("combine-ragged", masks.combine, [[True], [True, False]], exc=TypeError, match="masks: "),
-    row("combine-shapes", masks.combine, np.ones((2, 3), bool), np.ones((4, 1, 2), bool), exc=ValueError,
-        match="masks: ", contains=["(2, 3)", "(4, 1, 2)"]),
+    row(
+        "combine-shapes",
+        masks.combine,
+        np.ones((2, 3), bool),
+        np.ones((4, 1, 2), bool),
+        exc=ValueError,
+        match="masks: ",
+        contains=["(2, 3)", "(4, 1, 2)"],
+    ),
     row("to_additive-int", masks.to_additive, np.ones(3, int), exc=TypeError, match="mask: "),
     row("to_additive-dtype", masks.to_additive, np.ones(3, bool), dtype=int, exc=TypeError, match="dtype: "),
     row("to_additive-dtype-str", masks.to_additive, np.ones(3, bool), dtype="banana", exc=TypeError, match="dtype: "),
@@ -556,6 +835,7 @@ def test_numerical_gradient_restores_x_when_f_raises():
         if a[1] != 1.0:
             raise KeyError("boom")
         return float(a.sum())
+
     with pytest.raises(KeyError):
         numerical_gradient(f, x)
     np.testing.assert_array_equal(x, [0.0, 1.0, 2.0])
@@ -572,6 +852,7 @@ def _step_with_grad(opt_cls, grad, **kw):
         opt = opt_cls(ps, **kw)
         ps[0].grad = grad
         opt.step()
+
     return f
 
 
@@ -580,16 +861,37 @@ OPTIM = [
     row("adam-betas-nan", Adam, _params(), betas=(NAN, 0.9), exc=ValueError, match=r"betas\[0\]: "),
     row("adamw-eps-inf", AdamW, _params(), eps=INF, exc=ValueError, match="eps: "),
     row("adam-wd-bool", Adam, _params(), weight_decay=True, exc=TypeError, match="weight_decay: "),
-    row("sgd-grad-shape", _step_with_grad(SGD, np.ones(4), lr=0.1), exc=ValueError, match=r"SGD.step: ",
-        contains=["(3,)", "(4,)"]),
-    row("adam-grad-complex", _step_with_grad(Adam, np.ones(3, complex)), exc=TypeError, match=r"Adam.step: ",
-        contains=["complex128"]),
+    row(
+        "sgd-grad-shape",
+        _step_with_grad(SGD, np.ones(4), lr=0.1),
+        exc=ValueError,
+        match=r"SGD.step: ",
+        contains=["(3,)", "(4,)"],
+    ),
+    row(
+        "adam-grad-complex",
+        _step_with_grad(Adam, np.ones(3, complex)),
+        exc=TypeError,
+        match=r"Adam.step: ",
+        contains=["complex128"],
+    ),
     row("adamw-grad-str", _step_with_grad(AdamW, "abc"), exc=TypeError, match=r"AdamW.step: ", contains=["str"]),
     row("clip-max-norm-nan", clip_grad_norm_, _params(), NAN, exc=ValueError, match="max_norm: "),
-    row("clip-flag", clip_grad_norm_, _params(), 1.0, error_if_nonfinite="yes", exc=TypeError,
-        match="error_if_nonfinite: "),
-    row("warmup-float", lambda: WarmupCosine(SGD(_params(), lr=0.1), warmup_steps=1.5, total_steps=4),
-        exc=TypeError, match="warmup_steps: "),
+    row(
+        "clip-flag",
+        clip_grad_norm_,
+        _params(),
+        1.0,
+        error_if_nonfinite="yes",
+        exc=TypeError,
+        match="error_if_nonfinite: ",
+    ),
+    row(
+        "warmup-float",
+        lambda: WarmupCosine(SGD(_params(), lr=0.1), warmup_steps=1.5, total_steps=4),
+        exc=TypeError,
+        match="warmup_steps: ",
+    ),
 ]
 
 
@@ -606,12 +908,21 @@ def test_clip_grad_norm_of_huge_finite_gradients_is_finite():
     np.testing.assert_allclose(ps[0].grad, [0.6, 0.8, 0.0], rtol=1e-9)
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "--nope"], ["check", "--seed", "-1"], ["check", "--seed", "1.5"], ["demo", "--steps", "1.5"],
-    ["demo", "--seed", "x"], ["demo", "--task"], ["check", "extra"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--nope"],
+        ["check", "--seed", "-1"],
+        ["check", "--seed", "1.5"],
+        ["demo", "--steps", "1.5"],
+        ["demo", "--seed", "x"],
+        ["demo", "--task"],
+        ["check", "extra"],
+    ],
+)
 def test_cli_bad_arguments_exit_2_with_usage(argv):
     from npattn.__main__ import main
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
         main(argv)

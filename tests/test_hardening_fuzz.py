@@ -6,6 +6,7 @@ IndexError, AttributeError, ZeroDivisionError, numpy's AxisError (a ValueError *
 subclass: the exact-type check rejects it), FloatingPointError, or a RuntimeWarning (warnings
 are errors here).  A call that succeeds returns finite numbers and its backward succeeds too.
 """
+
 import warnings
 
 import numpy as np
@@ -39,8 +40,9 @@ def _build(shape, dtype, seed):
 
 
 def arrays(shape=SHAPES, dtypes=ARRAY_DTYPES):
-    return st.builds(_build, shape if isinstance(shape, st.SearchStrategy) else st.just(shape),
-                     st.sampled_from(dtypes), SEEDS)
+    return st.builds(
+        _build, shape if isinstance(shape, st.SearchStrategy) else st.just(shape), st.sampled_from(dtypes), SEEDS
+    )
 
 
 NON_ARRAYS = st.sampled_from([None, 1.5, 0, "abc", [], [[1.0], [1.0, 2.0]], {"a": 1}, (1, 2), object()])
@@ -80,8 +82,10 @@ def masks(draw, shape):
     return m
 
 
-PROBS = mostly(st.one_of(st.floats(0, 1), st.sampled_from([0.0, 1.0])),
-               st.sampled_from([-0.1, 1.5, float("nan"), float("inf"), -float("inf"), True, "0.5", None, 1]))
+PROBS = mostly(
+    st.one_of(st.floats(0, 1), st.sampled_from([0.0, 1.0])),
+    st.sampled_from([-0.1, 1.5, float("nan"), float("inf"), -float("inf"), True, "0.5", None, 1]),
+)
 FLAGS = mostly(st.booleans(), st.sampled_from([1, 0, None, "yes", np.bool_(True)]))
 SIZES = mostly(st.integers(1, 4), st.sampled_from([0, -1, 2.0, 1.5, True, None, "4", np.int64(2)]))
 
@@ -123,8 +127,9 @@ def then_backward(res, backward):
 def attention_args(draw):
     """q, k, v that are mostly consistent (so that the later checks and the arithmetic are
     reached), with one axis perturbed or an argument replaced by garbage now and then."""
-    b, hk, g, lq, lk, e, ev = (draw(st.integers(lo, hi)) for lo, hi in
-                               ((0, 2), (1, 2), (1, 2), (0, 4), (0, 4), (1, 3), (1, 3)))
+    b, hk, g, lq, lk, e, ev = (
+        draw(st.integers(lo, hi)) for lo, hi in ((0, 2), (1, 2), (1, 2), (0, 4), (0, 4), (1, 3), (1, 3))
+    )
     heads = draw(st.booleans())
     qs = (b, hk * g, lq, e) if heads else (b, lq, e)
     ks = (b, hk, lk, e) if heads else (b, lk, e)
@@ -135,6 +140,7 @@ def attention_args(draw):
         if draw(st.integers(0, 5)) == 5:  # perturb one axis
             s[draw(st.integers(0, len(s) - 1))] = draw(st.integers(0, 4))
         return draw(mostly(arrays(tuple(s), ["float64", "float32", "float64", "int64"]), garbage(), one_in=8))
+
     return one(qs), one(ks), one(vs), qs
 
 
@@ -142,10 +148,14 @@ def attention_args(draw):
 @given(attention_args(), st.data())
 def test_fuzz_scaled_dot_product_attention(args, data):
     q, k, v, base = args
-    kw = dict(attn_mask=data.draw(masks(base)), is_causal=data.draw(FLAGS), dropout_p=data.draw(PROBS),
-              scale=data.draw(mostly(st.one_of(st.none(), st.floats(-4, 4)), st.sampled_from([float("nan"), "2", True]))),
-              rng=data.draw(mostly(st.sampled_from([0, None, np.random.default_rng(0)]), st.sampled_from([-1, 1.5]))),
-              enable_gqa=data.draw(FLAGS))
+    kw = dict(
+        attn_mask=data.draw(masks(base)),
+        is_causal=data.draw(FLAGS),
+        dropout_p=data.draw(PROBS),
+        scale=data.draw(mostly(st.one_of(st.none(), st.floats(-4, 4)), st.sampled_from([float("nan"), "2", True]))),
+        rng=data.draw(mostly(st.sampled_from([0, None, np.random.default_rng(0)]), st.sampled_from([-1, 1.5]))),
+        enable_gqa=data.draw(FLAGS),
+    )
     then_backward(attempt(F.scaled_dot_product_attention, q, k, v, **kw), F.scaled_dot_product_attention_backward)
 
 
@@ -153,9 +163,12 @@ def test_fuzz_scaled_dot_product_attention(args, data):
 @given(attention_args(), st.data())
 def test_fuzz_memory_efficient_attention(args, data):
     q, k, v, base = args
-    kw = dict(attn_mask=data.draw(masks(base)), is_causal=data.draw(FLAGS),
-              scale=data.draw(mostly(st.one_of(st.none(), st.floats(-4, 4)), st.sampled_from([float("inf"), "2"]))),
-              block_size=data.draw(st.one_of(st.none(), SIZES)))
+    kw = dict(
+        attn_mask=data.draw(masks(base)),
+        is_causal=data.draw(FLAGS),
+        scale=data.draw(mostly(st.one_of(st.none(), st.floats(-4, 4)), st.sampled_from([float("inf"), "2"]))),
+        block_size=data.draw(st.one_of(st.none(), SIZES)),
+    )
     then_backward(attempt(F.memory_efficient_attention, q, k, v, **kw), F.memory_efficient_attention_backward)
 
 
@@ -164,8 +177,11 @@ FLOATS = ["float64", "float32", "float64", "int64"]
 
 @st.composite
 def linear_args(draw):
-    lead, n_in, n_out = draw(st.lists(st.integers(0, 3), max_size=2).map(tuple)), draw(st.integers(0, 3)), \
-        draw(st.integers(1, 3))
+    lead, n_in, n_out = (
+        draw(st.lists(st.integers(0, 3), max_size=2).map(tuple)),
+        draw(st.integers(0, 3)),
+        draw(st.integers(1, 3)),
+    )
     x = draw(mostly(arrays(lead + (n_in,), FLOATS), garbage()))
     w = draw(mostly(arrays(draw(mostly(st.just((n_out, n_in)), SHAPES)), FLOATS), garbage()))
     b = draw(st.one_of(st.none(), mostly(arrays(draw(mostly(st.just((n_out,)), SHAPES)), FLOATS), garbage())))
@@ -184,8 +200,11 @@ def layer_norm_args(draw):
     x = draw(mostly(arrays(shape, FLOATS), garbage()))
     w = draw(st.one_of(st.none(), mostly(arrays(draw(mostly(st.just(d), SHAPES)), FLOATS), garbage())))
     b = draw(st.one_of(st.none(), mostly(arrays(draw(mostly(st.just(d), SHAPES)), FLOATS), garbage())))
-    eps = draw(mostly(st.sampled_from([1e-5, 0.0, 1.0]), st.sampled_from([-1.0, float("nan"), float("inf"), "eps",
-                                                                           None, True])))
+    eps = draw(
+        mostly(
+            st.sampled_from([1e-5, 0.0, 1.0]), st.sampled_from([-1.0, float("nan"), float("inf"), "eps", None, True])
+        )
+    )
     if draw(st.booleans()) and isinstance(x, np.ndarray) and x.dtype.kind == "f" and x.ndim:
         x = np.broadcast_to(x[..., :1], x.shape).copy()  # constant rows: variance 0
     return x, w, b, eps
@@ -196,14 +215,20 @@ def test_fuzz_layer_norm(args):
     then_backward(attempt(F.layer_norm, *args), F.layer_norm_backward)
 
 
-@given(mostly(arrays(SHAPES, FLOATS), garbage()),
-       mostly(st.integers(-4, 3), st.sampled_from([5, -6, 1.0, None, True, "0", (0, 1)])))
+@given(
+    mostly(arrays(SHAPES, FLOATS), garbage()),
+    mostly(st.integers(-4, 3), st.sampled_from([5, -6, 1.0, None, True, "0", (0, 1)])),
+)
 def test_fuzz_softmax(x, axis):
     then_backward(attempt(F.softmax, x, axis=axis), F.softmax_backward)
 
 
-@given(mostly(arrays(SHAPES, FLOATS), garbage()), PROBS,
-       mostly(st.sampled_from([0, None, np.random.default_rng(1)]), st.sampled_from([-3, 2.5, "seed"])), FLAGS)
+@given(
+    mostly(arrays(SHAPES, FLOATS), garbage()),
+    PROBS,
+    mostly(st.sampled_from([0, None, np.random.default_rng(1)]), st.sampled_from([-3, 2.5, "seed"])),
+    FLAGS,
+)
 def test_fuzz_dropout(x, p, rng, training):
     then_backward(attempt(F.dropout, x, p, rng, training), F.dropout_backward)
 
@@ -215,12 +240,24 @@ def mha_args(draw):
     good = dict(d_in=draw(st.integers(1, 5)), d_out=heads * draw(st.integers(1, 2)), num_heads=heads)
     args = [draw(mostly(st.just(good[n]), SIZES, one_in=6)) for n in ("d_in", "d_out", "num_heads")]
     kw = {}
-    for name, strat in [("dropout", PROBS), ("qkv_bias", FLAGS), ("out_bias", FLAGS), ("causal", FLAGS),
-                        ("kdim", SIZES), ("vdim", SIZES), ("memory_efficient", FLAGS),
-                        ("num_kv_heads", mostly(st.just(heads // kv_div if heads % kv_div == 0 else heads), SIZES)),
-                        ("rng", mostly(st.sampled_from([0, None]), st.sampled_from([-1, 2.5, "x"]))),
-                        ("dtype", mostly(st.sampled_from([np.float32, np.float64, "float32", None]),
-                                         st.sampled_from([np.float16, np.int32, "banana", complex])))]:
+    for name, strat in [
+        ("dropout", PROBS),
+        ("qkv_bias", FLAGS),
+        ("out_bias", FLAGS),
+        ("causal", FLAGS),
+        ("kdim", SIZES),
+        ("vdim", SIZES),
+        ("memory_efficient", FLAGS),
+        ("num_kv_heads", mostly(st.just(heads // kv_div if heads % kv_div == 0 else heads), SIZES)),
+        ("rng", mostly(st.sampled_from([0, None]), st.sampled_from([-1, 2.5, "x"]))),
+        (
+            "dtype",
+            mostly(
+                st.sampled_from([np.float32, np.float64, "float32", None]),
+                st.sampled_from([np.float16, np.int32, "banana", complex]),
+            ),
+        ),
+    ]:
         if draw(st.booleans()):
             kw[name] = draw(strat)
     if kw.get("memory_efficient") is True and draw(st.booleans()):
@@ -243,10 +280,13 @@ def test_fuzz_multi_head_attention(args, data):
         key = data.draw(mostly(arrays((b, lk, m.kdim), FLOATS), garbage()))
         value = data.draw(mostly(arrays((b, lk, m.vdim), FLOATS), st.one_of(garbage(), st.none())))
     lk_ = lk if cross else lq
-    fkw = dict(attn_mask=data.draw(masks((b, m.num_heads, lq, lk_))),
-               key_padding_mask=data.draw(st.one_of(st.none(), mostly(arrays((b, lk_), ["bool", "bool", "float64"]),
-                                                                      garbage()))),
-               need_weights=data.draw(mostly(st.just(False), FLAGS)))
+    fkw = dict(
+        attn_mask=data.draw(masks((b, m.num_heads, lq, lk_))),
+        key_padding_mask=data.draw(
+            st.one_of(st.none(), mostly(arrays((b, lk_), ["bool", "bool", "float64"]), garbage()))
+        ),
+        need_weights=data.draw(mostly(st.just(False), FLAGS)),
+    )
     y = attempt(m, query, key, value, **fkw)
     if y is None:
         assert m._cache is None  # a failed forward leaves no half-built state behind

@@ -9,6 +9,7 @@
 * float32 modules stay float32 everywhere, the arrays they keep for backward included;
 * non-contiguous, transposed and Fortran-ordered inputs give the results of C-contiguous copies.
 """
+
 import numpy as np
 import pytest
 from _hardening import MODULES, build_case, cache_arrays, walk_arrays
@@ -78,10 +79,18 @@ def test_memory_efficient_attention_never_modifies_its_arguments(seed, read_only
 
 
 # ----------------------------------------------------------------------------------- masked rows
-@pytest.mark.parametrize("kw", [
-    dict(), dict(causal=True), dict(num_kv_heads=1), dict(dropout=0.5, rng=3), dict(memory_efficient=True),
-    dict(memory_efficient=True, causal=True, num_kv_heads=1),
-], ids=["plain", "causal", "gqa", "dropout", "memeff", "memeff-causal-gqa"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(causal=True),
+        dict(num_kv_heads=1),
+        dict(dropout=0.5, rng=3),
+        dict(memory_efficient=True),
+        dict(memory_efficient=True, causal=True, num_kv_heads=1),
+    ],
+    ids=["plain", "causal", "gqa", "dropout", "memeff", "memeff-causal-gqa"],
+)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_all_padding_batch_element_gives_out_proj_bias_and_zero_gradients(kw, dtype):
     rng = np.random.default_rng(0)
@@ -185,8 +194,10 @@ def test_float32_logits_of_1e4_stay_finite(big, seed):
     v = rng.uniform(-1, 1, (2, 2, 6, 3)).astype(f32)
     mask = rng.random((5, 6)) < 0.7
     for is_causal in (False, True):
-        for fwd, bwd, kw in ((F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {}),
-                             (F.memory_efficient_attention, F.memory_efficient_attention_backward, {"block_size": 2})):
+        for fwd, bwd, kw in (
+            (F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {}),
+            (F.memory_efficient_attention, F.memory_efficient_attention_backward, {"block_size": 2}),
+        ):
             out, cache = fwd(q, k, v, attn_mask=mask, is_causal=is_causal, scale=1.0, **kw)
             assert out.dtype == f32 and np.all(np.isfinite(out))
             assert np.abs(out).max() <= np.abs(v).max() * (1 + 1e-5)  # a convex combination of the values
@@ -225,8 +236,9 @@ def test_layer_norm_constant_rows(dtype, eps):
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_float32_modules_stay_float32_caches_included(name):
     m, inputs, kw = build_case(name, 5, np.float32)
-    kw = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v)
-          for k, v in kw.items()}  # float64 masks must not drag a float32 module to float64
+    kw = {
+        k: (v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v) for k, v in kw.items()
+    }  # float64 masks must not drag a float32 module to float64
     y = _first(m(*inputs, **kw))
     assert y.dtype == np.float32
     wide = [(path, a.dtype, a.shape) for path, a in cache_arrays(m) if a.dtype.kind == "f" and a.dtype != np.float32]
@@ -245,13 +257,21 @@ def test_float32_functional_ops_keep_float32_in_their_caches():
 
     def r(*s):
         return rng.standard_normal(s).astype(f)
+
     mask64 = rng.standard_normal((4, 5))
     calls = [
-        F.linear(r(2, 3), r(4, 3), r(4)), F.softmax(r(2, 3)), F.layer_norm(r(2, 3), r(3), r(3)),
-        F.gelu(r(2, 3)), F.gelu(r(2, 3), "tanh"), F.relu(r(2, 3)), F.dropout(r(2, 3), 0.5, 0),
-        F.cross_entropy(r(2, 3), np.array([0, 1])), F.embedding(np.array([0, 1]), r(3, 2)),
-        F.scaled_dot_product_attention(r(2, 4, 3), r(2, 5, 3), r(2, 5, 2), attn_mask=mask64.astype(f),
-                                       dropout_p=0.2, rng=0, is_causal=True),
+        F.linear(r(2, 3), r(4, 3), r(4)),
+        F.softmax(r(2, 3)),
+        F.layer_norm(r(2, 3), r(3), r(3)),
+        F.gelu(r(2, 3)),
+        F.gelu(r(2, 3), "tanh"),
+        F.relu(r(2, 3)),
+        F.dropout(r(2, 3), 0.5, 0),
+        F.cross_entropy(r(2, 3), np.array([0, 1])),
+        F.embedding(np.array([0, 1]), r(3, 2)),
+        F.scaled_dot_product_attention(
+            r(2, 4, 3), r(2, 5, 3), r(2, 5, 2), attn_mask=mask64.astype(f), dropout_p=0.2, rng=0, is_causal=True
+        ),
         F.memory_efficient_attention(r(2, 4, 3), r(2, 5, 3), r(2, 5, 2), block_size=2),
     ]
     for out, cache in calls:
@@ -286,14 +306,26 @@ FUNCS = {
     "softmax": (lambda x: F.softmax(x, axis=1), F.softmax_backward, [(3, 4, 5)]),
     "layer_norm": (F.layer_norm, F.layer_norm_backward, [(3, 4, 5), (5,), (5,)]),
     "gelu": (F.gelu, F.gelu_backward, [(3, 4, 5)]),
-    "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-             F.scaled_dot_product_attention_backward, [(2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3)]),
-    "sdpa-gqa-dropout": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, dropout_p=0.3, rng=1),
-                         F.scaled_dot_product_attention_backward, [(2, 4, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3)]),
-    "memory_efficient": (lambda q, k, v: F.memory_efficient_attention(q, k, v, is_causal=True, block_size=2),
-                         F.memory_efficient_attention_backward, [(2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3)]),
-    "cross_entropy": (lambda z: F.cross_entropy(z, np.array([[0, 1, 2, 3]] * 3)), F.cross_entropy_backward,
-                      [(3, 4, 5)]),
+    "sdpa": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        F.scaled_dot_product_attention_backward,
+        [(2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3)],
+    ),
+    "sdpa-gqa-dropout": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, dropout_p=0.3, rng=1),
+        F.scaled_dot_product_attention_backward,
+        [(2, 4, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3)],
+    ),
+    "memory_efficient": (
+        lambda q, k, v: F.memory_efficient_attention(q, k, v, is_causal=True, block_size=2),
+        F.memory_efficient_attention_backward,
+        [(2, 2, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3)],
+    ),
+    "cross_entropy": (
+        lambda z: F.cross_entropy(z, np.array([[0, 1, 2, 3]] * 3)),
+        F.cross_entropy_backward,
+        [(3, 4, 5)],
+    ),
 }
 
 
@@ -312,13 +344,14 @@ def test_non_contiguous_inputs_give_the_contiguous_results(op):
             args[i] = xl
             out2, cache2 = fwd(*args)
             _assert_same(out, out2, f"{op} out, input {i} {layout}")
-            for (_, dl) in _layouts(dout) if np.ndim(dout) >= 2 else [("same", dout)]:
+            for _, dl in _layouts(dout) if np.ndim(dout) >= 2 else [("same", dout)]:
                 for a, b in zip(ref, _tuple(bwd(dl, cache2))):
                     _assert_same(a, b, f"{op} grad, input {i} {layout}")
 
 
-@pytest.mark.parametrize("name", ["Linear", "LayerNorm", "FeedForward", "MHA-causal-gqa", "MHA-memeff",
-                                  "EncoderBlock-prenorm", "BookMHA"])
+@pytest.mark.parametrize(
+    "name", ["Linear", "LayerNorm", "FeedForward", "MHA-causal-gqa", "MHA-memeff", "EncoderBlock-prenorm", "BookMHA"]
+)
 def test_modules_non_contiguous_inputs(name):
     m, inputs, kw = build_case(name, 8)
     m.eval()

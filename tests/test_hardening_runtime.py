@@ -8,6 +8,7 @@
 * ``backward`` releases every array the forward kept; ``no_grad`` forwards keep none: no
   ``(L, L)`` array is held after an inference forward, measured with ``tracemalloc``.
 """
+
 import gc
 import os
 import subprocess
@@ -57,8 +58,12 @@ def test_same_seed_same_parameters_outputs_and_dropout_masks(name):
 
 
 def test_int_seed_equals_generator_and_different_seeds_differ():
-    for make in (lambda r: npattn.Linear(5, 4, rng=r), lambda r: npattn.MultiHeadAttention(6, 8, 2, rng=r),
-                 lambda r: npattn.EncoderBlock(6, 2, 8, rng=r), lambda r: TinyTransformer(5, 6, 8, 2, 1, 8, rng=r)):
+    for make in (
+        lambda r: npattn.Linear(5, 4, rng=r),
+        lambda r: npattn.MultiHeadAttention(6, 8, 2, rng=r),
+        lambda r: npattn.EncoderBlock(6, 2, 8, rng=r),
+        lambda r: TinyTransformer(5, 6, 8, 2, 1, 8, rng=r),
+    ):
         a, b, c = make(3).state_dict(), make(np.random.default_rng(3)).state_dict(), make(4).state_dict()
         for k in a:
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -101,8 +106,9 @@ def test_training_is_bit_identical_across_runs_and_processes():
     first, second, other = ns["train"](5), ns["train"](5), ns["train"](6)
     assert first == second and first != other
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONHASHSEED="random")
-    r = subprocess.run([sys.executable, "-c", TRAIN_SCRIPT + "\nprint(train(5))"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", TRAIN_SCRIPT + "\nprint(train(5))"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == first
 
@@ -111,11 +117,16 @@ def test_training_is_bit_identical_across_runs_and_processes():
 def _functional_task(seed):
     """Forward + backward of several ops on inputs drawn from ``seed``: a list of arrays."""
     rng = np.random.default_rng(seed)
-    q, k, v = rng.standard_normal((2, 4, 48, 16)), rng.standard_normal((2, 2, 64, 16)), rng.standard_normal((2, 2, 64, 8))
+    q, k, v = (
+        rng.standard_normal((2, 4, 48, 16)),
+        rng.standard_normal((2, 2, 64, 16)),
+        rng.standard_normal((2, 2, 64, 8)),
+    )
     mask = rng.random((48, 64)) < 0.8
     res = []
-    out, c = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=bool(seed % 2), enable_gqa=True,
-                                            dropout_p=0.1, rng=seed)
+    out, c = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=bool(seed % 2), enable_gqa=True, dropout_p=0.1, rng=seed
+    )
     res += [out, *F.scaled_dot_product_attention_backward(np.ones(out.shape), c)]
     kr, vr = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
     out, c = F.memory_efficient_attention(q, kr, vr, attn_mask=mask, is_causal=bool(seed % 2), block_size=16)
@@ -261,8 +272,11 @@ def _square_arrays(m):
     return found
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(memory_efficient=True, causal=True)],
-                         ids=["plain", "causal", "memory_efficient"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(causal=True), dict(memory_efficient=True, causal=True)],
+    ids=["plain", "causal", "memory_efficient"],
+)
 def test_no_grad_forward_keeps_no_square_arrays(kw):
     x = np.random.default_rng(0).standard_normal((1, L, D))
     m = npattn.MultiHeadAttention(D, D, H, rng=0, **kw)

@@ -1,6 +1,7 @@
 """Embedding options (padding_idx, max_norm + norm_type, scale_grad_by_freq): torch parity
 (output, the module's own rows renormalised in place, weight gradient), finite differences,
 properties, bad input."""
+
 import numpy as np
 import pytest
 from _fd import fd_gradients, rel_err
@@ -22,16 +23,30 @@ def assert_same(a, b, what=""):
 
 
 @settings(max_examples=50, deadline=None)
-@given(num=st.integers(2, 6), dim=st.integers(1, 4), ids_shape=st.sampled_from([(), (4,), (2, 3)]),
-       padding_idx=st.sampled_from([None, 0, 1, -1]), max_norm=st.sampled_from([None, 0.5, 1.5]),
-       norm_type=st.sampled_from([1.0, 2.0, 3.0, float("inf")]), freq=st.booleans(), seed=seeds)
+@given(
+    num=st.integers(2, 6),
+    dim=st.integers(1, 4),
+    ids_shape=st.sampled_from([(), (4,), (2, 3)]),
+    padding_idx=st.sampled_from([None, 0, 1, -1]),
+    max_norm=st.sampled_from([None, 0.5, 1.5]),
+    norm_type=st.sampled_from([1.0, 2.0, 3.0, float("inf")]),
+    freq=st.booleans(),
+    seed=seeds,
+)
 def test_matches_torch(num, dim, ids_shape, padding_idx, max_norm, norm_type, freq, seed):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(seed)
     m = Embedding(num, dim, padding_idx, max_norm, norm_type, freq, rng=seed)
     m.weight.data = rng.standard_normal((num, dim)) * 1.5  # the padding row too: torch reads it as it is
-    tm = torch.nn.Embedding(num, dim, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                            scale_grad_by_freq=freq, dtype=torch.float64)
+    tm = torch.nn.Embedding(
+        num,
+        dim,
+        padding_idx=padding_idx,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        scale_grad_by_freq=freq,
+        dtype=torch.float64,
+    )
     with torch.no_grad():
         tm.weight.copy_(torch.tensor(m.weight.data))
     ids = rng.integers(0, num, ids_shape)
@@ -126,21 +141,37 @@ def test_property_scale_grad_by_freq_divides_by_counts(seed):
     np.testing.assert_allclose(scaled.weight.grad * counts, plain.weight.grad, rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("kw,exc,name", [
-    (dict(padding_idx=5), ValueError, "padding_idx"), (dict(padding_idx=-6), ValueError, "padding_idx"),
-    (dict(padding_idx=1.0), TypeError, "padding_idx"), (dict(padding_idx=True), TypeError, "padding_idx"),
-    (dict(max_norm=0.0), ValueError, "max_norm"), (dict(max_norm=-1.0), ValueError, "max_norm"),
-    (dict(max_norm=float("nan")), ValueError, "max_norm"), (dict(max_norm="1"), TypeError, "max_norm"),
-    (dict(norm_type=0.0), ValueError, "norm_type"), (dict(norm_type=float("nan")), ValueError, "norm_type"),
-    (dict(norm_type="2"), TypeError, "norm_type"), (dict(scale_grad_by_freq=1), TypeError, "scale_grad_by_freq"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,name",
+    [
+        (dict(padding_idx=5), ValueError, "padding_idx"),
+        (dict(padding_idx=-6), ValueError, "padding_idx"),
+        (dict(padding_idx=1.0), TypeError, "padding_idx"),
+        (dict(padding_idx=True), TypeError, "padding_idx"),
+        (dict(max_norm=0.0), ValueError, "max_norm"),
+        (dict(max_norm=-1.0), ValueError, "max_norm"),
+        (dict(max_norm=float("nan")), ValueError, "max_norm"),
+        (dict(max_norm="1"), TypeError, "max_norm"),
+        (dict(norm_type=0.0), ValueError, "norm_type"),
+        (dict(norm_type=float("nan")), ValueError, "norm_type"),
+        (dict(norm_type="2"), TypeError, "norm_type"),
+        (dict(scale_grad_by_freq=1), TypeError, "scale_grad_by_freq"),
+    ],
+)
 def test_bad_options(kw, exc, name):
     with pytest.raises(exc, match=name):
         Embedding(5, 2, **kw)
 
 
-@pytest.mark.parametrize("bad,exc", [(np.array([0, 5]), ValueError), (np.array([-1, 0]), ValueError),
-                                     (np.array([0.0, 1.0]), TypeError), (np.array([True]), TypeError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (np.array([0, 5]), ValueError),
+        (np.array([-1, 0]), ValueError),
+        (np.array([0.0, 1.0]), TypeError),
+        (np.array([True]), TypeError),
+    ],
+)
 def test_bad_ids_change_nothing(bad, exc):
     m = Embedding(5, 2, max_norm=0.5, rng=0)
     y = m(np.array([1, 2]))

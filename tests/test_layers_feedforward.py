@@ -1,5 +1,6 @@
 """FeedForward activations (relu, gelu, gelu_tanh, silu, swiglu) and bias=False: torch parity
 (float64, autograd on the explicit formula), finite differences with dropout, properties, bad input."""
+
 import copy
 
 import numpy as np
@@ -26,6 +27,7 @@ def assert_same(a, b, what=""):
 def _torch_ffn(m, torch):
     """torch parameters with m's values and the explicit formula of m's activation."""
     import torch.nn.functional as TF
+
     P = {n: torch.tensor(p.data, requires_grad=True) for n, p in m.named_parameters()}
 
     def lin(i, h):
@@ -33,17 +35,29 @@ def _torch_ffn(m, torch):
 
     def f(x):
         a = lin(1, x)
-        h = {"relu": TF.relu, "gelu": TF.gelu, "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"),
-             "silu": TF.silu, "swiglu": TF.silu}[m.activation](a)
+        h = {
+            "relu": TF.relu,
+            "gelu": TF.gelu,
+            "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh"),
+            "silu": TF.silu,
+            "swiglu": TF.silu,
+        }[m.activation](a)
         if m.activation == "swiglu":
             h = h * lin(3, x)
         return lin(2, h)
+
     return f, P
 
 
 @settings(max_examples=40, deadline=None)
-@given(act=st.sampled_from(ACTS), bias=st.booleans(), d=st.integers(1, 4), d_ff=st.integers(1, 5),
-       lead=st.sampled_from([(), (3,), (2, 3)]), seed=seeds)
+@given(
+    act=st.sampled_from(ACTS),
+    bias=st.booleans(),
+    d=st.integers(1, 4),
+    d_ff=st.integers(1, 5),
+    lead=st.sampled_from([(), (3,), (2, 3)]),
+    seed=seeds,
+)
 def test_matches_torch(act, bias, d, d_ff, lead, seed):
     torch = pytest.importorskip("torch")
     m = FeedForward(d, d_ff, activation=act, bias=bias, rng=seed)
@@ -64,8 +78,13 @@ def test_matches_torch(act, bias, d, d_ff, lead, seed):
 def test_keys_and_shapes():
     sw = FeedForward(4, 6, activation="swiglu", rng=0)
     assert [(n, p.shape) for n, p in sw.named_parameters()] == [
-        ("linear1.weight", (6, 4)), ("linear1.bias", (6,)), ("linear2.weight", (4, 6)), ("linear2.bias", (4,)),
-        ("linear3.weight", (6, 4)), ("linear3.bias", (6,))]
+        ("linear1.weight", (6, 4)),
+        ("linear1.bias", (6,)),
+        ("linear2.weight", (4, 6)),
+        ("linear2.bias", (4,)),
+        ("linear3.weight", (6, 4)),
+        ("linear3.bias", (6,)),
+    ]
     nb = FeedForward(4, 6, activation="silu", bias=False, rng=0)
     assert [n for n, _ in nb.named_parameters()] == ["linear1.weight", "linear2.weight"]
     # the same seed draws linear1 and linear2 as before linear3 existed

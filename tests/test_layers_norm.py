@@ -1,5 +1,6 @@
 """LayerNorm over several trailing axes and RMSNorm: torch parity (float64), finite differences,
 properties, bad input; the modules call the unvalidated kernels (validation once, at the edge)."""
+
 import copy
 
 import numpy as np
@@ -33,9 +34,17 @@ def _random_affine(m, rng):
 
 # ------------------------------------------------------------------- torch parity
 
+
 @settings(max_examples=40, deadline=None)
-@given(ns=shapes, lead=leads, affine=st.booleans(), bias=st.booleans(), eps=st.sampled_from([1e-5, 0.1]),
-       as_int=st.booleans(), seed=seeds)
+@given(
+    ns=shapes,
+    lead=leads,
+    affine=st.booleans(),
+    bias=st.booleans(),
+    eps=st.sampled_from([1e-5, 0.1]),
+    as_int=st.booleans(),
+    seed=seeds,
+)
 def test_layernorm_matches_torch(ns, lead, affine, bias, eps, as_int, seed):
     torch = pytest.importorskip("torch")
     if np.prod(ns) == 1:
@@ -95,8 +104,10 @@ def test_rmsnorm_eps_none_is_the_dtype_epsilon():
 
 # ------------------------------------------------------------------- finite differences
 
-@pytest.mark.parametrize("cls,kw", [(LayerNorm, {}), (LayerNorm, {"bias": False}), (RMSNorm, {}),
-                                    (RMSNorm, {"eps": 1e-3})])
+
+@pytest.mark.parametrize(
+    "cls,kw", [(LayerNorm, {}), (LayerNorm, {"bias": False}), (RMSNorm, {}), (RMSNorm, {"eps": 1e-3})]
+)
 def test_gradcheck_over_two_axes(cls, kw):
     rng = np.random.default_rng(0)
     m = cls((3, 2), **kw)
@@ -119,6 +130,7 @@ def test_unbatched_input():
 
 # ------------------------------------------------------------------- properties
 
+
 @settings(max_examples=50, deadline=None)
 @given(ns=st.lists(st.integers(2, 3), min_size=1, max_size=3).map(tuple), seed=seeds)
 def test_property_multi_axis_equals_flattened(ns, seed):
@@ -132,14 +144,14 @@ def test_property_multi_axis_equals_flattened(ns, seed):
         w = rng.uniform(0.5, 1.5, ns)
         m.weight.data, flat.weight.data = w, w.reshape(d)
         np.testing.assert_allclose(m(x), flat(x.reshape(2, d)).reshape(x.shape), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(m.backward(dy), flat.backward(dy.reshape(2, d)).reshape(x.shape),
-                                   rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(
+            m.backward(dy), flat.backward(dy.reshape(2, d)).reshape(x.shape), rtol=1e-10, atol=1e-12
+        )
         np.testing.assert_allclose(m.weight.grad, flat.weight.grad.reshape(ns), rtol=1e-10, atol=1e-12)
 
 
 @settings(max_examples=50, deadline=None)
-@given(ns=st.lists(st.integers(2, 4), min_size=1, max_size=2).map(tuple), seed=seeds,
-       scale=st.floats(0.5, 20.0))
+@given(ns=st.lists(st.integers(2, 4), min_size=1, max_size=2).map(tuple), seed=seeds, scale=st.floats(0.5, 20.0))
 def test_property_statistics(ns, seed, scale):
     """eps=0: LayerNorm gives mean 0 and variance 1 over the axes; RMSNorm mean square 1;
     both invariant to a positive scale of the input."""
@@ -157,9 +169,19 @@ def test_property_statistics(ns, seed, scale):
 
 # ------------------------------------------------------------------- bad input
 
+
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
-@pytest.mark.parametrize("arg,exc", [((), ValueError), ((2, 0), ValueError), (0, ValueError), (2.5, TypeError),
-                                     ((2, "a"), TypeError), ((2, True), TypeError)])
+@pytest.mark.parametrize(
+    "arg,exc",
+    [
+        ((), ValueError),
+        ((2, 0), ValueError),
+        (0, ValueError),
+        (2.5, TypeError),
+        ((2, "a"), TypeError),
+        ((2, True), TypeError),
+    ],
+)
 def test_bad_normalized_shape(cls, arg, exc):
     with pytest.raises(exc, match="normalized_shape"):
         cls(arg)
@@ -178,8 +200,15 @@ def test_bad_options(cls):
 
 
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
-@pytest.mark.parametrize("bad,exc", [(np.ones((2, 4, 3)), ValueError), (np.ones(3), ValueError),
-                                     (np.ones((3, 4), bool), TypeError), (np.ones((3, 4), np.float16), TypeError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (np.ones((2, 4, 3)), ValueError),
+        (np.ones(3), ValueError),
+        (np.ones((3, 4), bool), TypeError),
+        (np.ones((3, 4), np.float16), TypeError),
+    ],
+)
 def test_bad_input_names_x_and_keeps_state(cls, bad, exc):
     m = cls((3, 4))
     x = np.random.default_rng(0).standard_normal((2, 3, 4))
@@ -203,26 +232,39 @@ def test_modules_call_the_unvalidated_kernels(monkeypatch):
     """The checked public ops are not called by the modules: validation runs once."""
     import importlib
 
-    act, emb, lin, norm = (importlib.import_module(f"npattn.functional.{n}")
-                           for n in ("activation", "embedding", "linear", "norm"))  # the files, not the ops
+    act, emb, lin, norm = (
+        importlib.import_module(f"npattn.functional.{n}") for n in ("activation", "embedding", "linear", "norm")
+    )  # the files, not the ops
 
     def refuse(*a, **k):
         raise AssertionError("a module called a checked functional op")
 
-    for mod, names in ((norm, ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")),
-                       (act, ("relu", "relu_backward", "gelu", "gelu_backward", "silu", "silu_backward",
-                              "dropout", "dropout_backward")),
-                       (lin, ("linear", "linear_backward")), (emb, ("embedding", "embedding_backward"))):
+    for mod, names in (
+        (norm, ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")),
+        (
+            act,
+            ("relu", "relu_backward", "gelu", "gelu_backward", "silu", "silu_backward", "dropout", "dropout_backward"),
+        ),
+        (lin, ("linear", "linear_backward")),
+        (emb, ("embedding", "embedding_backward")),
+    ):
         for n in names:
             monkeypatch.setattr(mod, n, refuse)
             monkeypatch.setattr(npattn.functional, n, refuse)  # the re-exported names too
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 4))
-    for m in (LayerNorm(4), RMSNorm((3, 4)), npattn.FeedForward(4, 5, activation="swiglu", dropout=0.5, rng=0),
-              npattn.FeedForward(4, 5, activation="gelu", rng=0), npattn.Dropout(0.3, rng=0)):
+    for m in (
+        LayerNorm(4),
+        RMSNorm((3, 4)),
+        npattn.FeedForward(4, 5, activation="swiglu", dropout=0.5, rng=0),
+        npattn.FeedForward(4, 5, activation="gelu", rng=0),
+        npattn.Dropout(0.3, rng=0),
+    ):
         y = m(x)
         m.backward(rng.standard_normal(y.shape))
-    for m, ids in ((npattn.Embedding(5, 4, padding_idx=0, max_norm=1.0, scale_grad_by_freq=True, rng=0), [[1, 0, 1]]),
-                   (npattn.Linear(4, 2, rng=0), x)):
+    for m, ids in (
+        (npattn.Embedding(5, 4, padding_idx=0, max_norm=1.0, scale_grad_by_freq=True, rng=0), [[1, 0, 1]]),
+        (npattn.Linear(4, 2, rng=0), x),
+    ):
         y = m(ids)
         m.backward(rng.standard_normal(y.shape))

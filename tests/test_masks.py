@@ -1,5 +1,6 @@
 """``npattn.masks``: causal (top-left, Lq != Lk), padding, sliding window, combine,
 from_key_padding_mask, to_additive, and bad arguments."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -71,15 +72,18 @@ def test_padding_is_complement_of_key_padding_mask_in_mha():
     np.testing.assert_allclose(m(x2, key_padding_mask=~keep)[0, :3], a[0, :3], rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("lengths,L,exc,match", [
-    ([[1, 2]], 3, ValueError, "lengths"),
-    ([-1, 2], 3, ValueError, "lengths"),
-    ([4], 3, ValueError, "lengths"),
-    ([1.5], 3, TypeError, "lengths"),
-    ([True], 3, TypeError, "lengths"),
-    ([1], 0, ValueError, "L"),
-    ([1], 2.0, TypeError, "L"),
-])
+@pytest.mark.parametrize(
+    "lengths,L,exc,match",
+    [
+        ([[1, 2]], 3, ValueError, "lengths"),
+        ([-1, 2], 3, ValueError, "lengths"),
+        ([4], 3, ValueError, "lengths"),
+        ([1.5], 3, TypeError, "lengths"),
+        ([True], 3, TypeError, "lengths"),
+        ([1], 0, ValueError, "L"),
+        ([1], 2.0, TypeError, "L"),
+    ],
+)
 def test_padding_bad_arguments(lengths, L, exc, match):
     with pytest.raises(exc, match=match):
         masks.padding(lengths, L)
@@ -100,24 +104,37 @@ def test_sliding_window(L, window):
         np.testing.assert_array_equal(m, np.eye(L, dtype=bool))
 
 
-@pytest.mark.parametrize("args,exc,match", [
-    ((0, 2), ValueError, "L"), ((3, 0), ValueError, "window"), ((3, 1.0), TypeError, "window"),
-    ((3.0, 1), TypeError, "L"), ((True, 1), TypeError, "L"),
-])
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        ((0, 2), ValueError, "L"),
+        ((3, 0), ValueError, "window"),
+        ((3, 1.0), TypeError, "window"),
+        ((3.0, 1), TypeError, "L"),
+        ((True, 1), TypeError, "L"),
+    ],
+)
 def test_sliding_window_bad_arguments(args, exc, match):
     with pytest.raises(exc, match=match):
         masks.sliding_window(*args)
 
 
-@pytest.mark.parametrize("args,exc,match", [
-    ((0,), ValueError, "Lq"), ((2, 0), ValueError, "Lk"), ((2.5,), TypeError, "Lq"), ((2, "3"), TypeError, "Lk"),
-])
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        ((0,), ValueError, "Lq"),
+        ((2, 0), ValueError, "Lk"),
+        ((2.5,), TypeError, "Lq"),
+        ((2, "3"), TypeError, "Lk"),
+    ],
+)
 def test_causal_bad_arguments(args, exc, match):
     with pytest.raises(exc, match=match):
         masks.causal(*args)
 
 
 # ------------------------------------------------------------------------------ combine
+
 
 @settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 4))
@@ -152,8 +169,9 @@ def test_combine_broadcasts_and_matches_attention():
     np.testing.assert_array_equal(out, keep_k & c)
     x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 4))
     m = npattn.MultiHeadAttention(4, 4, 2, rng=0)
-    np.testing.assert_allclose(m(x, attn_mask=out), m(x, attn_mask=masks.combine(masks.to_additive(c), keep_k)),
-                               rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(
+        m(x, attn_mask=out), m(x, attn_mask=masks.combine(masks.to_additive(c), keep_k)), rtol=1e-13, atol=1e-15
+    )
 
 
 def test_combine_nothing_and_errors():
@@ -176,6 +194,7 @@ def test_to_additive():
 
 
 # ------------------------------------------------------------------------------ key padding
+
 
 def test_from_key_padding_mask():
     kpm = np.array([[False, False, True], [False, True, True]])

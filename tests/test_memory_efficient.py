@@ -1,5 +1,6 @@
 """memory_efficient_attention: the blockwise (FlashAttention-style) forward and backward must agree
 with the plain scaled_dot_product_attention, hold no (Lq, Lk) array, and validate like it."""
+
 import math
 import os
 import tracemalloc
@@ -33,8 +34,9 @@ def _reference(q, k, v, mask, causal, scale, dout):
 
 
 def _flash(q, k, v, mask, causal, scale, dout, block_size):
-    out, cache = memory_efficient_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                            block_size=block_size)
+    out, cache = memory_efficient_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, block_size=block_size
+    )
     return (out,) + tuple(memory_efficient_attention_backward(dout, cache))
 
 
@@ -59,7 +61,7 @@ def attention_cases(draw):
         full = lead + (lq, lk)
         # a broadcastable shape: some axes kept, others 1, some leading axes dropped
         shape = tuple(n if draw(st.booleans()) else 1 for n in full)
-        shape = shape[draw(st.integers(0, len(lead))):]
+        shape = shape[draw(st.integers(0, len(lead))) :]
         if mask_kind == "bool":
             mask = rng.random(shape) < draw(st.sampled_from([0.3, 0.7, 1.0]))
         else:
@@ -166,8 +168,7 @@ def test_float32_stays_float32_and_is_close_to_float64():
     for causal, m in [(True, None), (False, mask), (True, mask > 0)]:
         ref = _flash(q, k, v, m, causal, None, dout, 16)
         m32 = m.astype(np.float32) if m is not None and m.dtype != bool else m
-        got = _flash(*(a.astype(np.float32) for a in (q, k, v)), m32, causal, None,
-                     dout.astype(np.float32), 16)
+        got = _flash(*(a.astype(np.float32) for a in (q, k, v)), m32, causal, None, dout.astype(np.float32), 16)
         for g, r in zip(got, ref):
             assert g.dtype == np.float32
             _assert_close(g, r, 2e-5)
@@ -252,8 +253,8 @@ def test_inputs_are_not_modified():
 def test_non_contiguous_and_integer_inputs():
     rng = np.random.default_rng(9)
     q = rng.standard_normal((6, 2, 5)).swapaxes(0, 1)  # (2, 6, 5), not contiguous
-    k = rng.standard_normal((5, 8, 2)).T                # (2, 8, 5)
-    v = np.arange(2 * 8 * 3).reshape(2, 8, 3) % 5        # integers become float64
+    k = rng.standard_normal((5, 8, 2)).T  # (2, 8, 5)
+    v = np.arange(2 * 8 * 3).reshape(2, 8, 3) % 5  # integers become float64
     ref = scaled_dot_product_attention(q, k, v, is_causal=True)[0]
     out, _ = memory_efficient_attention(q, k, v, is_causal=True, block_size=3)
     assert out.dtype == np.float64
@@ -262,6 +263,7 @@ def test_non_contiguous_and_integer_inputs():
 
 def test_exported_from_functional():
     import npattn.functional as F
+
     assert F.memory_efficient_attention is memory_efficient_attention
     assert F.memory_efficient_attention_backward is memory_efficient_attention_backward
 
@@ -275,8 +277,9 @@ def test_default_block_size():
     assert (cache.block_q, cache.block_k) == (10, 50)  # clipped to the lengths
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-3, ValueError), (1.5, TypeError),
-                                      (True, TypeError), ("8", TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc", [(0, ValueError), (-3, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)]
+)
 def test_bad_block_size(bad, exc):
     x = np.ones((2, 4, 3))
     with pytest.raises(exc, match="block_size") as info:

@@ -2,6 +2,7 @@
 broadcast batch dimensions: equal to the dense formula (torch autograd as the oracle for every
 gradient, 1e-10 in float64), to finite differences, exact zeros for rows that see no key, and no
 (Lq, Lk) array with dropout or windows."""
+
 import tracemalloc
 
 import numpy as np
@@ -84,8 +85,18 @@ OPTION_CASES = [
     dict(attn_mask="bool", sinks=True),
     dict(dropout_p=0.3, rng=1),
     dict(dropout_p=0.5, rng=2, is_causal=True, sinks=True),
-    dict(dropout_p=0.25, rng=3, attn_mask="float", mask_grad=True, softcap=1.5, alibi_slopes="heads",
-         sinks=True, window=(3, 1), is_causal=True, causal_align="bottom_right"),
+    dict(
+        dropout_p=0.25,
+        rng=3,
+        attn_mask="float",
+        mask_grad=True,
+        softcap=1.5,
+        alibi_slopes="heads",
+        sinks=True,
+        window=(3, 1),
+        is_causal=True,
+        causal_align="bottom_right",
+    ),
     dict(attn_mask="float_full", mask_grad=True, softcap=0.9, alibi_slopes="heads", sinks=True, window=(4, 2)),
 ]
 
@@ -123,11 +134,16 @@ def test_equals_dense_formula_with_torch_autograd(case, block_size, gqa):
 
 
 @pytest.mark.parametrize("lq, lk", [(3, 11), (11, 3), (1, 6), (6, 1)])
-@pytest.mark.parametrize("case", [dict(is_causal=True, causal_align="bottom_right"),
-                                  dict(window=(2, 0), causal_align="bottom_right", alibi_slopes="heads"),
-                                  dict(window=(0, 1), sinks=True),
-                                  dict(is_causal=True, causal_align="bottom_right", sinks=True, dropout_p=0.4, rng=0)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(is_causal=True, causal_align="bottom_right"),
+        dict(window=(2, 0), causal_align="bottom_right", alibi_slopes="heads"),
+        dict(window=(0, 1), sinks=True),
+        dict(is_causal=True, causal_align="bottom_right", sinks=True, dropout_p=0.4, rng=0),
+    ],
+    ids=str,
+)
 def test_lq_differs_from_lk(case, lq, lk):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(lq * 13 + lk)
@@ -238,12 +254,15 @@ def test_gqa_does_not_copy_k_or_v():
     assert grads[1].shape == k.shape and grads[2].shape == v.shape
 
 
-@pytest.mark.parametrize("shapes", [
-    ((1, 4, 7, 3), (2, 1, 9, 3), (2, 4, 9, 2)),   # q broadcast over the batch, k over the heads
-    ((4, 7, 3), (2, 4, 9, 3), (2, 4, 9, 2)),      # q without the batch axis
-    ((2, 4, 7, 3), (9, 3), (9, 2)),               # one k, v for everything
-    ((3, 2, 4, 7, 3), (2, 1, 9, 3), (1, 1, 9, 2)),
-])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((1, 4, 7, 3), (2, 1, 9, 3), (2, 4, 9, 2)),  # q broadcast over the batch, k over the heads
+        ((4, 7, 3), (2, 4, 9, 3), (2, 4, 9, 2)),  # q without the batch axis
+        ((2, 4, 7, 3), (9, 3), (9, 2)),  # one k, v for everything
+        ((3, 2, 4, 7, 3), (2, 1, 9, 3), (1, 1, 9, 2)),
+    ],
+)
 def test_batch_dimensions_broadcast_like_torch(shapes):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(6)
@@ -263,9 +282,23 @@ def test_gqa_with_broadcast_batch_and_every_option():
     v = rng.standard_normal((3, 2, 1, 8, 3))
     dout = rng.standard_normal((3, 2, 6, 5, 3))
     mask = rng.standard_normal((2, 6, 5, 8))
-    _compare_with_torch(torch, q, k, v, dout, block_size=3, enable_gqa=True, attn_mask=mask, mask_grad=True,
-                        sinks=rng.standard_normal(6), alibi_slopes=rng.random((3, 1, 6)), softcap=2.0,
-                        window=(3, 2), dropout_p=0.2, rng=1)
+    _compare_with_torch(
+        torch,
+        q,
+        k,
+        v,
+        dout,
+        block_size=3,
+        enable_gqa=True,
+        attn_mask=mask,
+        mask_grad=True,
+        sinks=rng.standard_normal(6),
+        alibi_slopes=rng.random((3, 1, 6)),
+        softcap=2.0,
+        window=(3, 2),
+        dropout_p=0.2,
+        rng=1,
+    )
 
 
 # -- rows that see no key ---------------------------------------------------------------------------
@@ -298,10 +331,15 @@ def test_fully_masked_rows_are_exact_zeros(case):
         np.testing.assert_array_equal(g, g0) if g.shape == q.shape else _close(g, g0, 1e-14)
 
 
-@pytest.mark.parametrize("kw", [dict(is_causal=True, causal_align="bottom_right"),
-                                dict(window=(0, 0), causal_align="bottom_right"),
-                                dict(window=(1, -1), is_causal=True, causal_align="bottom_right", sinks=np.ones(4))],
-                         ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(is_causal=True, causal_align="bottom_right"),
+        dict(window=(0, 0), causal_align="bottom_right"),
+        dict(window=(1, -1), is_causal=True, causal_align="bottom_right", sinks=np.ones(4)),
+    ],
+    ids=str,
+)
 def test_rows_before_the_first_key_are_exact_zeros(kw):
     """Bottom-right alignment with Lq > Lk puts the first queries before every key."""
     rng = np.random.default_rng(9)
@@ -317,8 +355,20 @@ def test_everything_masked_with_every_option():
     rng = np.random.default_rng(10)
     q, k, v, dout = _inputs(rng)
     mask = np.full((7, 9), -np.inf)
-    out, cache, grads = _run(q, k, v, dout, attn_mask=mask, mask_grad=True, sinks=rng.standard_normal(4),
-                             alibi_slopes=np.ones(4), softcap=1.0, dropout_p=0.5, rng=0, enable_gqa=True)
+    out, cache, grads = _run(
+        q,
+        k,
+        v,
+        dout,
+        attn_mask=mask,
+        mask_grad=True,
+        sinks=rng.standard_normal(4),
+        alibi_slopes=np.ones(4),
+        softcap=1.0,
+        dropout_p=0.5,
+        rng=0,
+        enable_gqa=True,
+    )
     assert np.all(out == 0)
     assert all(np.all(g == 0) for g in grads)
 
@@ -407,9 +457,15 @@ def _with_mask_and_sinks(q, k, v, attn_mask, sinks, **kw):
     return MEA(q, k, v, attn_mask=attn_mask, sinks=sinks, mask_grad=True, **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, softcap=0.9, alibi_slopes=np.array([0.2, 0.4])),
-                                dict(window=(1, 0), dropout_p=0.3, rng=4, causal_align="bottom_right")],
-                         ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(is_causal=True, softcap=0.9, alibi_slopes=np.array([0.2, 0.4])),
+        dict(window=(1, 0), dropout_p=0.3, rng=4, causal_align="bottom_right"),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("mask_shape", [(2, 4, 5), (4, 1), (1, 5), (2, 1, 1)])
 def test_dmask_and_dsinks_match_finite_differences(kw, mask_shape):
     rng = np.random.default_rng(14)
@@ -441,8 +497,12 @@ def option_cases(draw):
     k = rng.standard_normal((b, hk, lk, e))
     v = rng.standard_normal((b, hk, lk, ev))
     dout = rng.standard_normal((b, hq, lq, ev))
-    kw = dict(enable_gqa=gqa, block_size=draw(st.sampled_from([None, 1, 2, 3, 5])),
-              is_causal=draw(st.booleans()), causal_align=draw(st.sampled_from(["top_left", "bottom_right"])))
+    kw = dict(
+        enable_gqa=gqa,
+        block_size=draw(st.sampled_from([None, 1, 2, 3, 5])),
+        is_causal=draw(st.booleans()),
+        causal_align=draw(st.sampled_from(["top_left", "bottom_right"])),
+    )
     if draw(st.booleans()):
         kw["window"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
     if draw(st.booleans()):
@@ -455,7 +515,7 @@ def option_cases(draw):
         kw["dropout_p"], kw["rng"] = draw(st.sampled_from([0.2, 0.5])), int(seed % 1000)
     mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
     if mask_kind != "none":
-        shape = tuple(n if draw(st.booleans()) else 1 for n in (b, hq, lq, lk))[draw(st.integers(0, 2)):]
+        shape = tuple(n if draw(st.booleans()) else 1 for n in (b, hq, lq, lk))[draw(st.integers(0, 2)) :]
         if mask_kind == "bool":
             kw["attn_mask"] = rng.random(shape) < 0.7
         else:
@@ -493,8 +553,17 @@ def test_block_size_and_threads_change_nothing(case):
 def test_float32_stays_float32_with_options():
     rng = np.random.default_rng(15)
     q, k, v, dout = (a.astype(np.float32) for a in _inputs(rng))
-    kw = dict(attn_mask=rng.standard_normal((7, 9)), mask_grad=True, sinks=rng.standard_normal(4),
-              alibi_slopes=rng.random(4), softcap=2.0, window=(3, 1), dropout_p=0.2, rng=0, enable_gqa=True)
+    kw = dict(
+        attn_mask=rng.standard_normal((7, 9)),
+        mask_grad=True,
+        sinks=rng.standard_normal(4),
+        alibi_slopes=rng.random(4),
+        softcap=2.0,
+        window=(3, 1),
+        dropout_p=0.2,
+        rng=0,
+        enable_gqa=True,
+    )
     out, cache, grads = _run(q, k, v, dout, **kw)
     assert out.dtype == np.float32 and cache.lse.dtype == np.float32
     assert all(g.dtype == np.float32 for g in grads)
@@ -523,8 +592,20 @@ def test_inputs_are_not_modified_with_options():
     mask, sinks, slopes = rng.standard_normal((4, 7, 9)), rng.standard_normal(4), rng.random(4)
     arrays = (q, k, v, dout, mask, sinks, slopes)
     copies = [a.copy() for a in arrays]
-    _run(q, k, v, dout, attn_mask=mask, mask_grad=True, sinks=sinks, alibi_slopes=slopes, softcap=1.0,
-         enable_gqa=True, dropout_p=0.1, rng=0)
+    _run(
+        q,
+        k,
+        v,
+        dout,
+        attn_mask=mask,
+        mask_grad=True,
+        sinks=sinks,
+        alibi_slopes=slopes,
+        softcap=1.0,
+        enable_gqa=True,
+        dropout_p=0.1,
+        rng=0,
+    )
     for a, c in zip(arrays, copies):
         np.testing.assert_array_equal(a, c)
 
@@ -541,32 +622,35 @@ def test_cache_keeps_only_linear_statistics_with_options():
 
 
 # -- bad input ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, exc, match", [
-    (dict(dropout_p=1.5), ValueError, "^dropout_p: "),
-    (dict(dropout_p="0.1"), TypeError, "^dropout_p: "),
-    (dict(dropout_p=0.1, rng="seed"), TypeError, "^rng: "),
-    (dict(rng=1.5), TypeError, "^rng: "),                   # checked even without dropout
-    (dict(rng=-1), ValueError, "^rng: "),
-    (dict(enable_gqa=1), TypeError, "^enable_gqa: "),
-    (dict(causal_align="bottom"), ValueError, "^causal_align: "),
-    (dict(causal_align=None), TypeError, "^causal_align: "),
-    (dict(window=3), TypeError, "^window: "),
-    (dict(window=(1, 2, 3)), ValueError, "^window: "),
-    (dict(window=(1.5, 0)), TypeError, "^window: "),
-    (dict(window=(-2, 0)), ValueError, "^window: "),
-    (dict(alibi_slopes=np.ones(3)), ValueError, "^alibi_slopes: .*\\(3,\\)"),
-    (dict(alibi_slopes=np.array([1.0, np.nan, 1, 1])), ValueError, "^alibi_slopes: "),
-    (dict(alibi_slopes=np.ones(4, bool)), TypeError, "^alibi_slopes: "),
-    (dict(softcap=0.0), ValueError, "^softcap: "),
-    (dict(softcap=-1.0), ValueError, "^softcap: "),
-    (dict(softcap="1"), TypeError, "^softcap: "),
-    (dict(sinks=np.ones(3)), ValueError, "^sinks: .*\\(4,\\).*\\(3,\\)"),
-    (dict(sinks=np.ones((1, 4))), ValueError, "^sinks: "),
-    (dict(sinks=np.array([1.0, np.inf, 0, 0])), ValueError, "^sinks: "),
-    (dict(mask_grad=True), ValueError, "^mask_grad: "),
-    (dict(mask_grad=True, attn_mask=np.ones((7, 9), bool)), ValueError, "^mask_grad: "),
-    (dict(mask_grad="yes", attn_mask=np.ones((7, 9))), TypeError, "^mask_grad: "),
-])
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(dropout_p=1.5), ValueError, "^dropout_p: "),
+        (dict(dropout_p="0.1"), TypeError, "^dropout_p: "),
+        (dict(dropout_p=0.1, rng="seed"), TypeError, "^rng: "),
+        (dict(rng=1.5), TypeError, "^rng: "),  # checked even without dropout
+        (dict(rng=-1), ValueError, "^rng: "),
+        (dict(enable_gqa=1), TypeError, "^enable_gqa: "),
+        (dict(causal_align="bottom"), ValueError, "^causal_align: "),
+        (dict(causal_align=None), TypeError, "^causal_align: "),
+        (dict(window=3), TypeError, "^window: "),
+        (dict(window=(1, 2, 3)), ValueError, "^window: "),
+        (dict(window=(1.5, 0)), TypeError, "^window: "),
+        (dict(window=(-2, 0)), ValueError, "^window: "),
+        (dict(alibi_slopes=np.ones(3)), ValueError, "^alibi_slopes: .*\\(3,\\)"),
+        (dict(alibi_slopes=np.array([1.0, np.nan, 1, 1])), ValueError, "^alibi_slopes: "),
+        (dict(alibi_slopes=np.ones(4, bool)), TypeError, "^alibi_slopes: "),
+        (dict(softcap=0.0), ValueError, "^softcap: "),
+        (dict(softcap=-1.0), ValueError, "^softcap: "),
+        (dict(softcap="1"), TypeError, "^softcap: "),
+        (dict(sinks=np.ones(3)), ValueError, "^sinks: .*\\(4,\\).*\\(3,\\)"),
+        (dict(sinks=np.ones((1, 4))), ValueError, "^sinks: "),
+        (dict(sinks=np.array([1.0, np.inf, 0, 0])), ValueError, "^sinks: "),
+        (dict(mask_grad=True), ValueError, "^mask_grad: "),
+        (dict(mask_grad=True, attn_mask=np.ones((7, 9), bool)), ValueError, "^mask_grad: "),
+        (dict(mask_grad="yes", attn_mask=np.ones((7, 9))), TypeError, "^mask_grad: "),
+    ],
+)
 def test_bad_options_raise_named_errors(kw, exc, match):
     rng = np.random.default_rng(19)
     q, k, v, _ = _inputs(rng)
@@ -609,11 +693,29 @@ def test_inputs_without_a_head_axis_take_every_option():
     """``(L, E)`` inputs: one head, so ``sinks`` is ``(1,)`` and ``alibi_slopes`` a scalar."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(22)
-    q, k, v, dout = rng.standard_normal((6, 3)), rng.standard_normal((8, 3)), rng.standard_normal((8, 2)), \
-        rng.standard_normal((6, 2))
-    _compare_with_torch(torch, q, k, v, dout, block_size=3, sinks=np.array([0.3]), alibi_slopes=np.array(0.5),
-                        softcap=1.5, window=(2, 1), causal_align="bottom_right", attn_mask=rng.standard_normal((6, 8)),
-                        mask_grad=True, dropout_p=0.3, rng=2)
+    q, k, v, dout = (
+        rng.standard_normal((6, 3)),
+        rng.standard_normal((8, 3)),
+        rng.standard_normal((8, 2)),
+        rng.standard_normal((6, 2)),
+    )
+    _compare_with_torch(
+        torch,
+        q,
+        k,
+        v,
+        dout,
+        block_size=3,
+        sinks=np.array([0.3]),
+        alibi_slopes=np.array(0.5),
+        softcap=1.5,
+        window=(2, 1),
+        causal_align="bottom_right",
+        attn_mask=rng.standard_normal((6, 8)),
+        mask_grad=True,
+        dropout_p=0.3,
+        rng=2,
+    )
 
 
 def test_empty_sequences():
@@ -629,6 +731,7 @@ def test_empty_sequences():
 
 def test_bench_window_sweep_measures_the_memory_efficient_core():
     import npattn.tools.bench as B
+
     r = B.window_one("memory_efficient_attention", 256, (32, 0), heads=2, head_dim=16)
     assert "error" not in r and not r.get("missing"), r
     assert r["seconds"] > 0 and r["extra_mib"] >= 0

@@ -1,6 +1,7 @@
 """The fast memory_efficient_attention against the textbook tier (``npattn.functional.reference``:
 its dense formula and its textbook FlashAttention) and against the fast scaled_dot_product_attention:
 equal to 1e-12 in float64 over generated shapes and every option, dropout included (same rng)."""
+
 import inspect
 
 import numpy as np
@@ -35,8 +36,9 @@ def cases(draw, dropout=True):
     k = rng.standard_normal((b, hk, lk, e))
     v = rng.standard_normal((b, hk, lk, ev))
     dout = rng.standard_normal((b, hq, lq, ev))
-    kw = dict(enable_gqa=gqa, is_causal=draw(st.booleans()),
-              causal_align=draw(st.sampled_from(["top_left", "bottom_right"])))
+    kw = dict(
+        enable_gqa=gqa, is_causal=draw(st.booleans()), causal_align=draw(st.sampled_from(["top_left", "bottom_right"]))
+    )
     if draw(st.booleans()):
         kw["window"] = (draw(st.integers(-1, 4)), draw(st.integers(-1, 4)))
     if draw(st.booleans()):
@@ -49,7 +51,7 @@ def cases(draw, dropout=True):
         kw["dropout_p"], kw["rng"] = draw(st.sampled_from([0.2, 0.5, 1.0])), seed % 1000
     mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
     if mask_kind != "none":
-        shape = tuple(n if draw(st.booleans()) else 1 for n in (b, hq, lq, lk))[draw(st.integers(0, 2)):]
+        shape = tuple(n if draw(st.booleans()) else 1 for n in (b, hq, lq, lk))[draw(st.integers(0, 2)) :]
         if mask_kind == "bool":
             kw["attn_mask"] = rng.random(shape) < 0.7
         else:
@@ -69,8 +71,9 @@ def _both(fwd, bwd, q, k, v, dout, kw):
 def test_equals_the_textbook_flash_attention(case, block_size):
     """The textbook tier's memory_efficient_attention forms the same keep-mask from the same seed."""
     q, k, v, dout, kw = case
-    got = _both(memory_efficient_attention, memory_efficient_attention_backward, q, k, v, dout,
-                dict(kw, block_size=block_size))
+    got = _both(
+        memory_efficient_attention, memory_efficient_attention_backward, q, k, v, dout, dict(kw, block_size=block_size)
+    )
     ref = _both(R.memory_efficient_attention, R.memory_efficient_attention_backward, q, k, v, dout, kw)
     assert len(got) == len(ref)
     for i, (g, r) in enumerate(zip(got, ref)):
@@ -81,8 +84,9 @@ def test_equals_the_textbook_flash_attention(case, block_size):
 @given(cases(dropout=False), st.sampled_from([None, 2, 3]))
 def test_equals_the_textbook_formula(case, block_size):
     q, k, v, dout, kw = case
-    got = _both(memory_efficient_attention, memory_efficient_attention_backward, q, k, v, dout,
-                dict(kw, block_size=block_size))
+    got = _both(
+        memory_efficient_attention, memory_efficient_attention_backward, q, k, v, dout, dict(kw, block_size=block_size)
+    )
     ref = _both(R.scaled_dot_product_attention, R.scaled_dot_product_attention_backward, q, k, v, dout, kw)
     for i, (g, r) in enumerate(zip(got, ref)):
         _close(g, r, what=i)
@@ -110,9 +114,19 @@ def test_gqa_and_dropout_fixed_case_against_the_textbook_tier():
     rng = np.random.default_rng(0)
     q, k, v = rng.standard_normal((2, 6, 33, 8)), rng.standard_normal((2, 2, 40, 8)), rng.standard_normal((2, 2, 40, 5))
     dout = rng.standard_normal((2, 6, 33, 5))
-    kw = dict(enable_gqa=True, dropout_p=0.3, rng=11, is_causal=True, causal_align="bottom_right",
-              window=(9, 0), sinks=rng.standard_normal(6), alibi_slopes=rng.random(6), softcap=2.5,
-              attn_mask=rng.standard_normal((33, 40)), mask_grad=True)
+    kw = dict(
+        enable_gqa=True,
+        dropout_p=0.3,
+        rng=11,
+        is_causal=True,
+        causal_align="bottom_right",
+        window=(9, 0),
+        sinks=rng.standard_normal(6),
+        alibi_slopes=rng.random(6),
+        softcap=2.5,
+        attn_mask=rng.standard_normal((33, 40)),
+        mask_grad=True,
+    )
     got = _both(memory_efficient_attention, memory_efficient_attention_backward, q, k, v, dout, dict(kw, block_size=7))
     ref = _both(R.memory_efficient_attention, R.memory_efficient_attention_backward, q, k, v, dout, kw)
     assert len(got) == 6

@@ -1,4 +1,5 @@
 """TinyTransformer (npattn.models) and the demo's training pieces (npattn.demo)."""
+
 from dataclasses import replace
 
 import numpy as np
@@ -207,8 +208,9 @@ def test_held_out_sequences_never_in_training_batches():
     assert len(np.unique(batch, axis=0)) == 100 - len(held.digits)
 
 
-SMALL = replace(TASKS["reverse"], n_digits=4, d_model=32, d_ff=64, batch_size=32, steps=60, warmup_steps=10,
-                held_out=50)
+SMALL = replace(
+    TASKS["reverse"], n_digits=4, d_model=32, d_ff=64, batch_size=32, steps=60, warmup_steps=10, held_out=50
+)
 
 
 def test_short_training_run_halves_the_loss():

@@ -4,6 +4,7 @@ central finite differences, via ``npattn.gradcheck``, across generated configura
 Shapes are tiny (the checker perturbs one element at a time) and everything runs in float64.
 Upstream gradients are random (gradcheck draws them), sequences have >= 2 tokens.
 """
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -28,6 +29,7 @@ def _x(seed, shape, scale=1.0):
 
 
 # ------------------------------------------------------------------------------ basic layers
+
 
 @settings(max_examples=N)
 @given(lead=leads, n_in=st.integers(1, 4), n_out=st.integers(1, 4), bias=st.booleans(), seed=seeds)
@@ -78,18 +80,23 @@ def test_embedding_gradcheck(lead, num, dim, seed):
 
 
 @settings(max_examples=N)
-@given(lead=leads, d=st.integers(1, 3), d_ff=st.integers(1, 4),
-       activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
-       dropout=st.sampled_from([0.0, 0.3]), seed=seeds)
+@given(
+    lead=leads,
+    d=st.integers(1, 3),
+    d_ff=st.integers(1, 4),
+    activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
+    dropout=st.sampled_from([0.0, 0.3]),
+    seed=seeds,
+)
 def test_feedforward_gradcheck(lead, d, d_ff, activation, dropout, seed):
     m = npattn.FeedForward(d, d_ff, activation=activation, dropout=dropout, rng=seed)
     rep = npattn.gradcheck(m, _x(seed, lead + (2, d)))
     assert_ok(rep)
-    assert {r.name for r in rep.rows} == {"input", "linear1.weight", "linear1.bias",
-                                          "linear2.weight", "linear2.bias"}
+    assert {r.name for r in rep.rows} == {"input", "linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"}
 
 
 # ------------------------------------------------------------------------------ attention
+
 
 @st.composite
 def mha_cases(draw):
@@ -111,8 +118,13 @@ def mha_cases(draw):
     training = draw(st.booleans())
     kwargs = dict(
         num_kv_heads=kv if draw(st.booleans()) or kv != heads else None,
-        qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), causal=draw(st.booleans()),
-        dropout=draw(st.sampled_from([0.0, 0.0, 0.3])), kdim=kdim, vdim=vdim, rng=seed,
+        qkv_bias=draw(st.booleans()),
+        out_bias=draw(st.booleans()),
+        causal=draw(st.booleans()),
+        dropout=draw(st.sampled_from([0.0, 0.0, 0.3])),
+        kdim=kdim,
+        vdim=vdim,
+        rng=seed,
     )
     rng = np.random.default_rng(seed)
     query = rng.uniform(-1, 1, lead + (lq, d_in))
@@ -172,10 +184,14 @@ def encoder_cases(draw):
     lead = draw(leads)
     L = draw(st.integers(2, 3))
     seed = draw(seeds)
-    kwargs = dict(dropout=draw(st.sampled_from([0.0, 0.2])),
-                  activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh"])),
-                  norm_first=draw(st.booleans()), causal=draw(st.booleans()),
-                  qkv_bias=draw(st.booleans()), rng=seed)
+    kwargs = dict(
+        dropout=draw(st.sampled_from([0.0, 0.2])),
+        activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh"])),
+        norm_first=draw(st.booleans()),
+        causal=draw(st.booleans()),
+        qkv_bias=draw(st.booleans()),
+        rng=seed,
+    )
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(lead + (L, d_model))
     kind = draw(st.sampled_from(["none", "bool", "float"]))
@@ -205,6 +221,7 @@ def test_encoder_block_gradcheck(case):
 
 # ------------------------------------------------------------------------------ book classes
 
+
 @st.composite
 def book_cases(draw):
     d_in = draw(st.integers(1, 3))
@@ -218,8 +235,7 @@ def book_cases(draw):
 
 
 @settings(max_examples=N)
-@given(case=book_cases(), which=st.sampled_from(["v1", "v2", "ca", "mhaw", "mha"]),
-       num_heads=st.integers(1, 2))
+@given(case=book_cases(), which=st.sampled_from(["v1", "v2", "ca", "mhaw", "mha"]), num_heads=st.integers(1, 2))
 def test_book_gradcheck(case, which, num_heads):
     d_in, d_out, ctx, x, seed, qkv_bias, dropout, training = case
     if which == "v1":

@@ -1,4 +1,5 @@
 """Equivalences between modules, float32 vs float64, and dropout semantics."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -34,6 +35,7 @@ def rand(seed, shape):
 
 # ------------------------------------------------------------------------------ book wrappers
 
+
 @settings(max_examples=25)
 @given(seed=seeds, batched=st.booleans(), qkv_bias=st.booleans(), T=st.integers(2, 5))
 def test_wrapper_one_head_equals_causal_attention(seed, batched, qkv_bias, T):
@@ -51,8 +53,14 @@ def test_wrapper_one_head_equals_causal_attention(seed, batched, qkv_bias, T):
 
 
 @settings(max_examples=25)
-@given(seed=seeds, heads=st.integers(1, 3), d_out=st.integers(1, 3), qkv_bias=st.booleans(),
-       batched=st.booleans(), T=st.integers(2, 5))
+@given(
+    seed=seeds,
+    heads=st.integers(1, 3),
+    d_out=st.integers(1, 3),
+    qkv_bias=st.booleans(),
+    batched=st.booleans(),
+    T=st.integers(2, 5),
+)
 def test_wrapper_equals_batched_mha_with_stacked_weights(seed, heads, d_out, qkv_bias, batched, T):
     d_in = 3
     w = book.MultiHeadAttentionWrapper(d_in, d_out, 5, 0.0, heads, qkv_bias, rng=seed)
@@ -79,6 +87,7 @@ def test_wrapper_equals_batched_mha_with_stacked_weights(seed, heads, d_out, qkv
 
 # ------------------------------------------------------------------------------ grouped-query
 
+
 def _mha_inputs(seed, lead, lq, lk, d_in, cross):
     x = rand(seed, lead + (lq, d_in))
     if not cross:
@@ -87,8 +96,15 @@ def _mha_inputs(seed, lead, lq, lk, d_in, cross):
 
 
 @settings(max_examples=25)
-@given(seed=seeds, heads=st.integers(1, 3), hd=st.integers(1, 2), qkv_bias=st.booleans(),
-       causal=st.booleans(), cross=st.booleans(), lead=st.sampled_from([(), (2,), (2, 1)]))
+@given(
+    seed=seeds,
+    heads=st.integers(1, 3),
+    hd=st.integers(1, 2),
+    qkv_bias=st.booleans(),
+    causal=st.booleans(),
+    cross=st.booleans(),
+    lead=st.sampled_from([(), (2,), (2, 1)]),
+)
 def test_gqa_with_all_kv_heads_equals_mha(seed, heads, hd, qkv_bias, causal, cross, lead):
     kw = dict(qkv_bias=qkv_bias, causal=causal)
     a = npattn.MultiHeadAttention(3, heads * hd, heads, num_kv_heads=heads, rng=seed, **kw)
@@ -112,9 +128,17 @@ def _repeat_kv(w, kv, groups, hd):
 
 
 @settings(max_examples=30)
-@given(seed=seeds, kv=st.integers(1, 2), groups=st.integers(2, 3), hd=st.integers(1, 2),
-       qkv_bias=st.booleans(), causal=st.booleans(), cross=st.booleans(),
-       lead=st.sampled_from([(), (2,), (1, 2)]), need_weights=st.booleans())
+@given(
+    seed=seeds,
+    kv=st.integers(1, 2),
+    groups=st.integers(2, 3),
+    hd=st.integers(1, 2),
+    qkv_bias=st.booleans(),
+    causal=st.booleans(),
+    cross=st.booleans(),
+    lead=st.sampled_from([(), (2,), (1, 2)]),
+    need_weights=st.booleans(),
+)
 def test_gqa_equals_mha_with_repeated_kv_weights(seed, kv, groups, hd, qkv_bias, causal, cross, lead, need_weights):
     heads = kv * groups
     kw = dict(qkv_bias=qkv_bias, causal=causal)
@@ -149,6 +173,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights(seed, kv, groups, hd, qkv_bias,
 
 # ------------------------------------------------------------------------------ float32 vs float64
 
+
 def _builders():
     """(name, factory(dtype) -> module, inputs, forward kwargs)."""
     r = np.random.default_rng(0)
@@ -165,14 +190,32 @@ def _builders():
         ("ffn_relu", lambda dt: npattn.FeedForward(4, 6, rng=1, dtype=dt), (x3,), {}),
         ("ffn_gelu", lambda dt: npattn.FeedForward(4, 6, activation="gelu", dropout=0.3, rng=1, dtype=dt), (x3,), {}),
         ("ffn_gelu_tanh", lambda dt: npattn.FeedForward(4, 6, activation="gelu_tanh", rng=1, dtype=dt), (x3,), {}),
-        ("mha", lambda dt: npattn.MultiHeadAttention(4, 4, 2, qkv_bias=True, causal=True, dropout=0.2, rng=1, dtype=dt),
-         (x3,), dict(key_padding_mask=kpm, attn_mask=fmask, need_weights=True)),
-        ("mha_cross_gqa", lambda dt: npattn.MultiHeadAttention(4, 8, 4, num_kv_heads=2, kdim=3, vdim=2, rng=1, dtype=dt),
-         (xq, xk, xv), {}),
-        ("encoder_post", lambda dt: npattn.EncoderBlock(4, 2, 6, dropout=0.2, rng=1, dtype=dt), (x3,),
-         dict(key_padding_mask=kpm)),
-        ("encoder_pre", lambda dt: npattn.EncoderBlock(4, 2, 6, activation="gelu", norm_first=True, causal=True,
-                                                       qkv_bias=True, dropout=0.0, rng=1, dtype=dt), (x3,), {}),
+        (
+            "mha",
+            lambda dt: npattn.MultiHeadAttention(4, 4, 2, qkv_bias=True, causal=True, dropout=0.2, rng=1, dtype=dt),
+            (x3,),
+            dict(key_padding_mask=kpm, attn_mask=fmask, need_weights=True),
+        ),
+        (
+            "mha_cross_gqa",
+            lambda dt: npattn.MultiHeadAttention(4, 8, 4, num_kv_heads=2, kdim=3, vdim=2, rng=1, dtype=dt),
+            (xq, xk, xv),
+            {},
+        ),
+        (
+            "encoder_post",
+            lambda dt: npattn.EncoderBlock(4, 2, 6, dropout=0.2, rng=1, dtype=dt),
+            (x3,),
+            dict(key_padding_mask=kpm),
+        ),
+        (
+            "encoder_pre",
+            lambda dt: npattn.EncoderBlock(
+                4, 2, 6, activation="gelu", norm_first=True, causal=True, qkv_bias=True, dropout=0.0, rng=1, dtype=dt
+            ),
+            (x3,),
+            {},
+        ),
         ("sa_v1", lambda dt: book.SelfAttention_v1(3, 2, rng=1, dtype=dt), (xb[0],), {}),
         ("sa_v2", lambda dt: book.SelfAttention_v2(3, 2, True, rng=1, dtype=dt), (xb[0],), {}),
         ("ca", lambda dt: book.CausalAttention(3, 2, 4, 0.3, rng=1, dtype=dt), (xb,), {}),
@@ -234,6 +277,7 @@ def test_to_casts_params_and_buffers():
 
 # ------------------------------------------------------------------------------ dropout
 
+
 def test_dropout_module_training_and_eval():
     x = rand(0, (4, 50))
     d = npattn.Dropout(0.5, rng=3)
@@ -254,15 +298,19 @@ def test_dropout_module_training_and_eval():
     close(d.backward(dy), dy * (y2 != 0) * 2)  # the latest forward's mask
 
 
-@pytest.mark.parametrize("factory,x", [
-    (lambda: npattn.Dropout(0.4, rng=7), rand(0, (3, 4, 5))),
-    (lambda: npattn.FeedForward(4, 8, dropout=0.4, rng=7), rand(0, (3, 4, 4))),
-    (lambda: npattn.MultiHeadAttention(4, 4, 2, dropout=0.4, rng=7), rand(0, (3, 4, 4))),
-    (lambda: npattn.EncoderBlock(4, 2, 8, dropout=0.4, rng=7), rand(0, (3, 4, 4))),
-    (lambda: book.CausalAttention(4, 3, 4, 0.4, rng=7), rand(0, (3, 4, 4))),
-    (lambda: book.MultiHeadAttentionWrapper(4, 3, 4, 0.4, 2, rng=7), rand(0, (3, 4, 4))),
-    (lambda: book.MultiHeadAttention(4, 4, 4, 0.4, 2, rng=7), rand(0, (3, 4, 4))),
-], ids=["Dropout", "FeedForward", "MHA", "EncoderBlock", "CausalAttention", "Wrapper", "BookMHA"])
+@pytest.mark.parametrize(
+    "factory,x",
+    [
+        (lambda: npattn.Dropout(0.4, rng=7), rand(0, (3, 4, 5))),
+        (lambda: npattn.FeedForward(4, 8, dropout=0.4, rng=7), rand(0, (3, 4, 4))),
+        (lambda: npattn.MultiHeadAttention(4, 4, 2, dropout=0.4, rng=7), rand(0, (3, 4, 4))),
+        (lambda: npattn.EncoderBlock(4, 2, 8, dropout=0.4, rng=7), rand(0, (3, 4, 4))),
+        (lambda: book.CausalAttention(4, 3, 4, 0.4, rng=7), rand(0, (3, 4, 4))),
+        (lambda: book.MultiHeadAttentionWrapper(4, 3, 4, 0.4, 2, rng=7), rand(0, (3, 4, 4))),
+        (lambda: book.MultiHeadAttention(4, 4, 4, 0.4, 2, rng=7), rand(0, (3, 4, 4))),
+    ],
+    ids=["Dropout", "FeedForward", "MHA", "EncoderBlock", "CausalAttention", "Wrapper", "BookMHA"],
+)
 def test_dropout_seeded_training_only(factory, x):
     a, b = factory(), factory()
     ya1, yb1 = a(x), b(x)
@@ -329,9 +377,18 @@ def test_dropout_backward_uses_forward_mask_in_encoder():
 
 
 @settings(max_examples=30)
-@given(seed=seeds, kv=st.integers(1, 2), groups=st.integers(1, 3), hd=st.integers(1, 2), qkv_bias=st.booleans(),
-       causal=st.booleans(), cross=st.booleans(), lead=st.sampled_from([(), (2,), (1, 2)]),
-       mask=st.sampled_from(["none", "bool", "float"]), kpm=st.booleans())
+@given(
+    seed=seeds,
+    kv=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    hd=st.integers(1, 2),
+    qkv_bias=st.booleans(),
+    causal=st.booleans(),
+    cross=st.booleans(),
+    lead=st.sampled_from([(), (2,), (1, 2)]),
+    mask=st.sampled_from(["none", "bool", "float"]),
+    kpm=st.booleans(),
+)
 def test_memory_efficient_mha_equals_plain(seed, kv, groups, hd, qkv_bias, causal, cross, lead, mask, kpm):
     if not hasattr(npattn.functional, "memory_efficient_attention"):
         pytest.skip("memory_efficient_attention not available")

@@ -1,5 +1,6 @@
 """Bad input for every constructor, forward and backward: npattn's own ValueError/TypeError,
 naming the argument, raised before any arithmetic (never a raw numpy error)."""
+
 import numpy as np
 import pytest
 
@@ -148,8 +149,11 @@ FORWARDS = [
     (lambda: M(4, 4, 2)(X, key_padding_mask=np.ones((2, 4), bool)), ValueError, r"key_padding_mask: .*\(2, 4\)"),
     (lambda: M(4, 4, 2)(X, key_padding_mask=np.ones((3,), bool)), ValueError, "key_padding_mask"),
     (lambda: M(4, 4, 2)(X, key_padding_mask=np.ones((1, 2, 3), bool)), ValueError, "key_padding_mask"),
-    (lambda: M(4, 4, 2)(X, np.zeros((2, 5, 4)), np.zeros((2, 5, 4)), key_padding_mask=np.ones((2, 3), bool)),
-     ValueError, "key_padding_mask"),
+    (
+        lambda: M(4, 4, 2)(X, np.zeros((2, 5, 4)), np.zeros((2, 5, 4)), key_padding_mask=np.ones((2, 3), bool)),
+        ValueError,
+        "key_padding_mask",
+    ),
     (lambda: M(4, 4, 2)(X, need_weights=1), TypeError, "need_weights"),
     # EncoderBlock
     (lambda: E(4, 2, 4)(np.zeros((2, 3, 5))), ValueError, "x"),

@@ -7,6 +7,7 @@ every module equal torch's in float64 to a relative error of 1e-10.
 * ``EncoderBlock`` against ``torch.nn.TransformerEncoderLayer``;
 * Linear / LayerNorm / Embedding / FeedForward against their torch equivalents.
 """
+
 import importlib.util
 import os
 
@@ -22,7 +23,8 @@ import npattn  # noqa: E402
 from npattn import book  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
-    "chapter3_torch", os.path.join(os.path.dirname(__file__), "book", "chapter3_torch.py"))
+    "chapter3_torch", os.path.join(os.path.dirname(__file__), "book", "chapter3_torch.py")
+)
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)
 
@@ -78,8 +80,13 @@ def compare_module(npm, tm, inputs, dy, t_inputs=None, t_call=None, name_map=Non
 
 # ------------------------------------------------------------------------------ book classes
 
-BOOK_CLASSES = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper",
-                "MultiHeadAttention"]
+BOOK_CLASSES = [
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "CausalAttention",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+]
 
 
 def _book_pair(cls, d_in, d_out, ctx, heads, qkv_bias, seed):
@@ -107,9 +114,17 @@ def _book_pair(cls, d_in, d_out, ctx, heads, qkv_bias, seed):
 
 
 @settings(max_examples=40)
-@given(cls=st.sampled_from(BOOK_CLASSES), d_in=st.integers(1, 4), d_out=st.integers(1, 3),
-       heads=st.integers(1, 3), qkv_bias=st.booleans(), T=st.integers(2, 5), b=st.integers(1, 2),
-       training=st.booleans(), seed=seeds)
+@given(
+    cls=st.sampled_from(BOOK_CLASSES),
+    d_in=st.integers(1, 4),
+    d_out=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    qkv_bias=st.booleans(),
+    T=st.integers(2, 5),
+    b=st.integers(1, 2),
+    training=st.booleans(),
+    seed=seeds,
+)
 def test_book_classes_match_torch(cls, d_in, d_out, heads, qkv_bias, T, b, training, seed):
     npm, tm = _book_pair(cls, d_in, d_out, 6, heads, qkv_bias, seed)
     npm.train(training)
@@ -132,6 +147,7 @@ def test_book_mha_state_dict_round_trips_into_torch():
 
 # ------------------------------------------------------------------------------ torch.nn.MultiheadAttention
 
+
 def _torch_mha(E, H, seed, bias=True, kdim=None, vdim=None):
     torch.manual_seed(seed)
     tm = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=True, dtype=torch.float64)
@@ -144,16 +160,24 @@ def _torch_mha(E, H, seed, bias=True, kdim=None, vdim=None):
 def _mha_name_map(E, packed):
     """npattn parameter -> torch gradient."""
     if packed:
-        m = {"W_query.weight": lambda t: t["in_proj_weight"].grad[:E],
-             "W_key.weight": lambda t: t["in_proj_weight"].grad[E:2 * E],
-             "W_value.weight": lambda t: t["in_proj_weight"].grad[2 * E:]}
+        m = {
+            "W_query.weight": lambda t: t["in_proj_weight"].grad[:E],
+            "W_key.weight": lambda t: t["in_proj_weight"].grad[E : 2 * E],
+            "W_value.weight": lambda t: t["in_proj_weight"].grad[2 * E :],
+        }
     else:
-        m = {"W_query.weight": lambda t: t["q_proj_weight"].grad,
-             "W_key.weight": lambda t: t["k_proj_weight"].grad,
-             "W_value.weight": lambda t: t["v_proj_weight"].grad}
-    m.update({"W_query.bias": lambda t: t["in_proj_bias"].grad[:E],
-              "W_key.bias": lambda t: t["in_proj_bias"].grad[E:2 * E],
-              "W_value.bias": lambda t: t["in_proj_bias"].grad[2 * E:]})
+        m = {
+            "W_query.weight": lambda t: t["q_proj_weight"].grad,
+            "W_key.weight": lambda t: t["k_proj_weight"].grad,
+            "W_value.weight": lambda t: t["v_proj_weight"].grad,
+        }
+    m.update(
+        {
+            "W_query.bias": lambda t: t["in_proj_bias"].grad[:E],
+            "W_key.bias": lambda t: t["in_proj_bias"].grad[E : 2 * E],
+            "W_value.bias": lambda t: t["in_proj_bias"].grad[2 * E :],
+        }
+    )
     return m
 
 
@@ -168,9 +192,21 @@ def torch_mha_cases(draw):
     kdim = draw(st.integers(1, 4)) if layout == "cross_separate" else None
     vdim = draw(st.integers(1, 4)) if layout == "cross_separate" else None
     mask = draw(st.sampled_from(["none", "bool2d", "bool3d", "float2d", "float3d", "causal"]))
-    return dict(H=H, E=E, layout=layout, b=b, lq=lq, lk=lk, kdim=kdim, vdim=vdim, mask=mask,
-                kpm=draw(st.booleans()), bias=draw(st.booleans()), need_weights=draw(st.booleans()),
-                seed=draw(seeds))
+    return dict(
+        H=H,
+        E=E,
+        layout=layout,
+        b=b,
+        lq=lq,
+        lk=lk,
+        kdim=kdim,
+        vdim=vdim,
+        mask=mask,
+        kpm=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        need_weights=draw(st.booleans()),
+        seed=draw(seeds),
+    )
 
 
 @settings(max_examples=60)
@@ -251,10 +287,12 @@ def test_mha_from_torch_state_dict_bad_input():
         npattn.MultiHeadAttention.from_torch_state_dict({"in_proj_weight": np.zeros((12, 4))}, 2)
     with pytest.raises(ValueError, match="in_proj_weight"):
         npattn.MultiHeadAttention.from_torch_state_dict(
-            {"in_proj_weight": np.zeros((12, 3)), "out_proj.weight": np.zeros((4, 4))}, 2)
+            {"in_proj_weight": np.zeros((12, 3)), "out_proj.weight": np.zeros((4, 4))}, 2
+        )
     with pytest.raises(ValueError, match="k_proj_weight"):
         npattn.MultiHeadAttention.from_torch_state_dict(
-            {"q_proj_weight": np.zeros((4, 4)), "out_proj.weight": np.zeros((4, 4))}, 2)
+            {"q_proj_weight": np.zeros((4, 4)), "out_proj.weight": np.zeros((4, 4))}, 2
+        )
     sd = dict(torch.nn.MultiheadAttention(4, 2, add_bias_kv=True).state_dict())
     sd["unknown"] = torch.zeros(1)
     with pytest.raises(ValueError, match="unknown"):
@@ -292,8 +330,15 @@ def test_fully_masked_rows_npattn_zero_torch_nan():
 
 
 @settings(max_examples=20)
-@given(kv=st.integers(1, 2), groups=st.integers(1, 3), hd=st.integers(1, 2), lq=st.integers(2, 4),
-       lk=st.integers(2, 4), causal=st.booleans(), seed=seeds)
+@given(
+    kv=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    hd=st.integers(1, 2),
+    lq=st.integers(2, 4),
+    lk=st.integers(2, 4),
+    causal=st.booleans(),
+    seed=seeds,
+)
 def test_gqa_matches_torch_sdpa_enable_gqa(kv, groups, hd, lq, lk, causal, seed):
     H = kv * groups
     m = npattn.MultiHeadAttention(3, H * hd, H, num_kv_heads=kv, qkv_bias=True, causal=causal, rng=seed)
@@ -308,8 +353,14 @@ def test_gqa_matches_torch_sdpa_enable_gqa(kv, groups, hd, lq, lk, causal, seed)
     q = heads(TF.linear(tq, P["W_query.weight"], P["W_query.bias"]), H)
     k = heads(TF.linear(tk, P["W_key.weight"], P["W_key.bias"]), kv)
     v = heads(TF.linear(tv, P["W_value.weight"], P["W_value.bias"]), kv)
-    ctx = TF.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True,
-                                          attn_mask=torch.tensor(np.tri(lq, lk, dtype=bool)) if causal else None)
+    ctx = TF.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=False,
+        enable_gqa=True,
+        attn_mask=torch.tensor(np.tri(lq, lk, dtype=bool)) if causal else None,
+    )
     ctx = ctx.transpose(1, 2).reshape(2, lq, H * hd)
     t_out = TF.linear(ctx, P["out_proj.weight"], P["out_proj.bias"])
     dy = rng.standard_normal(t_out.shape)
@@ -324,50 +375,76 @@ def test_gqa_matches_torch_sdpa_enable_gqa(kv, groups, hd, lq, lk, causal, seed)
 
 # ------------------------------------------------------------------------------ EncoderBlock
 
-ENC_MAP = {"mha.out_proj.weight": "self_attn.out_proj.weight", "mha.out_proj.bias": "self_attn.out_proj.bias",
-           "ffn.linear1.weight": "linear1.weight", "ffn.linear1.bias": "linear1.bias",
-           "ffn.linear2.weight": "linear2.weight", "ffn.linear2.bias": "linear2.bias",
-           "layernorm1.weight": "norm1.weight", "layernorm1.bias": "norm1.bias",
-           "layernorm2.weight": "norm2.weight", "layernorm2.bias": "norm2.bias"}
+ENC_MAP = {
+    "mha.out_proj.weight": "self_attn.out_proj.weight",
+    "mha.out_proj.bias": "self_attn.out_proj.bias",
+    "ffn.linear1.weight": "linear1.weight",
+    "ffn.linear1.bias": "linear1.bias",
+    "ffn.linear2.weight": "linear2.weight",
+    "ffn.linear2.bias": "linear2.bias",
+    "layernorm1.weight": "norm1.weight",
+    "layernorm1.bias": "norm1.bias",
+    "layernorm2.weight": "norm2.weight",
+    "layernorm2.bias": "norm2.bias",
+}
 
 
 def _encoder_state(tm, E):
     sd = {k: v.detach().numpy() for k, v in tm.state_dict().items()}
     out = {mine: sd[theirs] for mine, theirs in ENC_MAP.items()}
     for i, n in enumerate(("W_query", "W_key", "W_value")):
-        out[f"mha.{n}.weight"] = sd["self_attn.in_proj_weight"][i * E:(i + 1) * E]
-        out[f"mha.{n}.bias"] = sd["self_attn.in_proj_bias"][i * E:(i + 1) * E]
+        out[f"mha.{n}.weight"] = sd["self_attn.in_proj_weight"][i * E : (i + 1) * E]
+        out[f"mha.{n}.bias"] = sd["self_attn.in_proj_bias"][i * E : (i + 1) * E]
     return out
 
 
 def _encoder_grad_map(E):
     m = {mine: (lambda t, th=theirs: t[th].grad) for mine, theirs in ENC_MAP.items()}
     for i, n in enumerate(("W_query", "W_key", "W_value")):
-        m[f"mha.{n}.weight"] = lambda t, i=i: t["self_attn.in_proj_weight"].grad[i * E:(i + 1) * E]
-        m[f"mha.{n}.bias"] = lambda t, i=i: t["self_attn.in_proj_bias"].grad[i * E:(i + 1) * E]
+        m[f"mha.{n}.weight"] = lambda t, i=i: t["self_attn.in_proj_weight"].grad[i * E : (i + 1) * E]
+        m[f"mha.{n}.bias"] = lambda t, i=i: t["self_attn.in_proj_bias"].grad[i * E : (i + 1) * E]
     return m
 
 
 @settings(max_examples=30)
-@given(H=st.integers(1, 2), hd=st.integers(1, 3), d_ff=st.integers(1, 5), norm_first=st.booleans(),
-       activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]), L=st.integers(2, 4), b=st.integers(1, 2),
-       mask=st.sampled_from(["none", "bool", "float", "causal"]), kpm=st.booleans(), seed=seeds)
+@given(
+    H=st.integers(1, 2),
+    hd=st.integers(1, 3),
+    d_ff=st.integers(1, 5),
+    norm_first=st.booleans(),
+    activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
+    L=st.integers(2, 4),
+    b=st.integers(1, 2),
+    mask=st.sampled_from(["none", "bool", "float", "causal"]),
+    kpm=st.booleans(),
+    seed=seeds,
+)
 def test_encoder_block_matches_torch(H, hd, d_ff, norm_first, activation, L, b, mask, kpm, seed):
     E = H * hd
     if E == 1:  # layer norm over one feature is constant: nothing to compare
         E, hd = 2 * H, 2
     act = {"relu": "relu", "gelu": "gelu", "gelu_tanh": lambda t: TF.gelu(t, approximate="tanh")}[activation]
     torch.manual_seed(seed)
-    tm = torch.nn.TransformerEncoderLayer(E, H, d_ff, dropout=0.0, activation=act, batch_first=True,
-                                          norm_first=norm_first, dtype=torch.float64)
+    tm = torch.nn.TransformerEncoderLayer(
+        E, H, d_ff, dropout=0.0, activation=act, batch_first=True, norm_first=norm_first, dtype=torch.float64
+    )
     with torch.no_grad():
         for p in tm.parameters():
             p.uniform_(-0.8, 0.8)
         tm.norm1.weight.add_(1.0)
         tm.norm2.weight.add_(1.0)
     tm.train()  # dropout 0; also keeps torch off its inference fast path
-    m = npattn.EncoderBlock(E, H, d_ff, dropout=0.0, activation=activation, norm_first=norm_first,
-                            causal=mask == "causal", qkv_bias=True, rng=seed)
+    m = npattn.EncoderBlock(
+        E,
+        H,
+        d_ff,
+        dropout=0.0,
+        activation=activation,
+        norm_first=norm_first,
+        causal=mask == "causal",
+        qkv_bias=True,
+        rng=seed,
+    )
     m.load_state_dict(_encoder_state(tm, E))
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((b, L, E))
@@ -389,15 +466,22 @@ def test_encoder_block_matches_torch(H, hd, d_ff, norm_first, activation, L, b, 
         t_kw["src_key_padding_mask"] = torch.tensor(np.where(pad, -np.inf, 0.0) if mask == "float" else pad)
     dy = rng.standard_normal((b, L, E))
     tx = leaf(x)
-    compare_module(m, tm, (x,), dy, t_inputs=[tx], t_call=lambda t: tm(t, **t_kw),
-                   name_map=_encoder_grad_map(E), **np_kw)
+    compare_module(
+        m, tm, (x,), dy, t_inputs=[tx], t_call=lambda t: tm(t, **t_kw), name_map=_encoder_grad_map(E), **np_kw
+    )
 
 
 # ------------------------------------------------------------------------------ basic layers
 
+
 @settings(max_examples=25)
-@given(n_in=st.integers(1, 4), n_out=st.integers(1, 4), bias=st.booleans(),
-       lead=st.sampled_from([(), (3,), (2, 3)]), seed=seeds)
+@given(
+    n_in=st.integers(1, 4),
+    n_out=st.integers(1, 4),
+    bias=st.booleans(),
+    lead=st.sampled_from([(), (3,), (2, 3)]),
+    seed=seeds,
+)
 def test_linear_matches_torch(n_in, n_out, bias, lead, seed):
     torch.manual_seed(seed)
     tm = torch.nn.Linear(n_in, n_out, bias=bias, dtype=torch.float64)
@@ -408,8 +492,14 @@ def test_linear_matches_torch(n_in, n_out, bias, lead, seed):
 
 
 @settings(max_examples=25)
-@given(d=st.integers(2, 5), affine=st.booleans(), bias=st.booleans(), eps=st.sampled_from([1e-5, 1e-3, 0.1]),
-       lead=st.sampled_from([(3,), (2, 3)]), seed=seeds)
+@given(
+    d=st.integers(2, 5),
+    affine=st.booleans(),
+    bias=st.booleans(),
+    eps=st.sampled_from([1e-5, 1e-3, 0.1]),
+    lead=st.sampled_from([(3,), (2, 3)]),
+    seed=seeds,
+)
 def test_layernorm_matches_torch(d, affine, bias, eps, lead, seed):
     tm = torch.nn.LayerNorm(d, eps=eps, elementwise_affine=affine, bias=bias, dtype=torch.float64)
     with torch.no_grad():
@@ -434,8 +524,9 @@ def test_embedding_matches_torch(num, dim, lead, seed):
 
 
 @settings(max_examples=25)
-@given(d=st.integers(1, 4), d_ff=st.integers(1, 5), activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
-       seed=seeds)
+@given(
+    d=st.integers(1, 4), d_ff=st.integers(1, 5), activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]), seed=seeds
+)
 def test_feedforward_matches_torch(d, d_ff, activation, seed):
     torch.manual_seed(seed)
     act = {"relu": torch.nn.ReLU(), "gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU(approximate="tanh")}

@@ -8,6 +8,7 @@ The kernel runs with ``notebooks/`` as its working directory (the notebooks read
 themselves never touch ``sys.path``.  Skipped when nbclient, nbformat or ipykernel is missing
 (``pip install ".[notebooks]"``).
 """
+
 import os
 import pathlib
 import time
@@ -23,19 +24,29 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 KERNEL = "python3"
-PER_NOTEBOOK_BUDGET = 90.0   # seconds; each notebook aims at < 30 s
-TOTAL_BUDGET = 180.0         # seconds for all of them together
+PER_NOTEBOOK_BUDGET = 90.0  # seconds; each notebook aims at < 30 s
+TOTAL_BUDGET = 180.0  # seconds for all of them together
 _durations = {}
 
 
 def _images(nb):
-    return sum(1 for cell in nb.cells if cell.cell_type == "code"
-               for out in cell.get("outputs", []) if "image/png" in out.get("data", {}))
+    return sum(
+        1
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if "image/png" in out.get("data", {})
+    )
 
 
 def _errors(nb):
-    return [(i, out.get("ename"), out.get("evalue")) for i, cell in enumerate(nb.cells)
-            if cell.cell_type == "code" for out in cell.get("outputs", []) if out.get("output_type") == "error"]
+    return [
+        (i, out.get("ename"), out.get("evalue"))
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "error"
+    ]
 
 
 def _ids(paths):
@@ -66,8 +77,7 @@ def kernel_env():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_runs(path, kernel_env):
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name=KERNEL,
-                                     resources={"metadata": {"path": str(NB_DIR)}})
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name=KERNEL, resources={"metadata": {"path": str(NB_DIR)}})
     start = time.perf_counter()
     try:
         client.execute()
@@ -96,8 +106,9 @@ def test_committed_notebook_has_outputs(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert code and all(c.get("execution_count") is not None for c in code), \
+    assert code and all(c.get("execution_count") is not None for c in code), (
         f"{path.name}: save it executed (some code cells have no execution_count)"
+    )
     counts = [c.execution_count for c in code]
     assert counts == sorted(counts), f"{path.name}: cells were not run top to bottom ({counts})"
     assert not _errors(nb), f"{path.name}: committed with error outputs {_errors(nb)}"

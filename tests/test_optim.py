@@ -1,4 +1,5 @@
 """Tests for npattn.optim: hand-computed steps, torch parity, dtypes, in-place updates, checks."""
+
 import math
 
 import numpy as np

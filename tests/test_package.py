@@ -1,4 +1,5 @@
 """Packaging contract: importing npattn pulls in numpy and the standard library only."""
+
 import subprocess
 import sys
 
@@ -28,6 +29,18 @@ def test_version_and_cli_version():
 
 
 def test_public_names():
-    for name in ("Module", "Parameter", "Linear", "LayerNorm", "Dropout", "Embedding", "FeedForward",
-                 "MultiHeadAttention", "EncoderBlock", "gradcheck", "no_grad", "TinyTransformer"):
+    for name in (
+        "Module",
+        "Parameter",
+        "Linear",
+        "LayerNorm",
+        "Dropout",
+        "Embedding",
+        "FeedForward",
+        "MultiHeadAttention",
+        "EncoderBlock",
+        "gradcheck",
+        "no_grad",
+        "TinyTransformer",
+    ):
         assert hasattr(npattn, name), name

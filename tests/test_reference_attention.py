@@ -6,6 +6,7 @@ implementation written here), against ``torch.nn.functional.scaled_dot_product_a
 torch has the feature, against each other, and against central differences (``npattn.gradcheck``
 and the independent ``tests/_fd.py``).
 """
+
 import itertools
 
 import numpy as np
@@ -23,8 +24,9 @@ def _call(core, q, k, v, mask=None, **kw):
     if core == "sdpa":
         return R.scaled_dot_product_attention(q, k, v, mask, **kw)
     kw = dict(kw)
-    return R.memory_efficient_attention(q, k, v, mask, kw.pop("is_causal", False), kw.pop("scale", None),
-                                        kw.pop("block_size", 3), **kw)
+    return R.memory_efficient_attention(
+        q, k, v, mask, kw.pop("is_causal", False), kw.pop("scale", None), kw.pop("block_size", 3), **kw
+    )
 
 
 def _backward(core, dout, cache):
@@ -35,14 +37,31 @@ def _backward(core, dout, cache):
 
 # -- torch: the explicit formula, written independently ----------------------------------------------
 
-def _torch_attention(torch, q, k, v, mask=None, *, is_causal=False, causal_align="top_left", window=None,
-                     alibi=None, softcap=None, sinks=None, keep=None, dropout_p=0.0, scale=None, enable_gqa=False):
+
+def _torch_attention(
+    torch,
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    is_causal=False,
+    causal_align="top_left",
+    window=None,
+    alibi=None,
+    softcap=None,
+    sinks=None,
+    keep=None,
+    dropout_p=0.0,
+    scale=None,
+    enable_gqa=False,
+):
     """``(out, [q, k, v, mask?, sinks?] leaves)`` by torch autograd on the textbook formula."""
     lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
     if enable_gqa and q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         g = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-    scale = 1.0 / e ** 0.5 if scale is None else scale
+    scale = 1.0 / e**0.5 if scale is None else scale
     s = scale * torch.matmul(q, k.transpose(-1, -2))
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
@@ -154,9 +173,23 @@ def test_everything_at_once_matches_torch_formula(torch_or_skip, core):
     v = rng.standard_normal((1, 2, 7, 2))
     mask = rng.standard_normal((4, 1, 7))
     mask[1, 0, 2] = -np.inf
-    _compare_to_torch(torch_or_skip, core, q, k, v, mask, sinks=rng.standard_normal(4),
-                      alibi=np.array([0.5, 0.25, 0.125, 0.0625]), dropout_p=0.3, seed=5, is_causal=True,
-                      causal_align="bottom_right", window=(3, -1), softcap=2.0, enable_gqa=True)
+    _compare_to_torch(
+        torch_or_skip,
+        core,
+        q,
+        k,
+        v,
+        mask,
+        sinks=rng.standard_normal(4),
+        alibi=np.array([0.5, 0.25, 0.125, 0.0625]),
+        dropout_p=0.3,
+        seed=5,
+        is_causal=True,
+        causal_align="bottom_right",
+        window=(3, -1),
+        softcap=2.0,
+        enable_gqa=True,
+    )
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -194,10 +227,16 @@ def test_matches_torch_sdpa(torch_or_skip, core):
         (_qkv(rng, lq=5, lk=7), None, dict(is_causal=True)),
         (_qkv(rng, lq=5, lk=7), rng.random((5, 7)) < 0.7, dict()),
         (_qkv(rng, lq=5, lk=7), rng.standard_normal((2, 1, 5, 7)), dict()),
-        ((rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 5, 3)), rng.standard_normal((2, 2, 5, 3))),
-         None, dict(enable_gqa=True)),
-        ((rng.standard_normal((3, 2, 4, 3)), rng.standard_normal((1, 2, 6, 3)), rng.standard_normal((2, 6, 5))),
-         None, dict()),
+        (
+            (rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 2, 5, 3)), rng.standard_normal((2, 2, 5, 3))),
+            None,
+            dict(enable_gqa=True),
+        ),
+        (
+            (rng.standard_normal((3, 2, 4, 3)), rng.standard_normal((1, 2, 6, 3)), rng.standard_normal((2, 6, 5))),
+            None,
+            dict(),
+        ),
     ]
     for (q, k, v), mask, kw in cases:
         out, cache = _call(core, q, k, v, mask, **kw)
@@ -212,6 +251,7 @@ def test_matches_torch_sdpa(torch_or_skip, core):
             assert rel_err(got, want.numpy()) < 1e-10
     # bottom-right causal alignment: torch's causal_lower_right bias
     from torch.nn.attention.bias import causal_lower_right
+
     q, k, v = _qkv(rng, lq=3, lk=6)
     out, cache = _call(core, q, k, v, is_causal=True, causal_align="bottom_right")
     dout = rng.standard_normal(out.shape)
@@ -226,9 +266,18 @@ def test_matches_torch_sdpa(torch_or_skip, core):
 
 # -- fully masked rows -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("core", CORES)
-@pytest.mark.parametrize("opts", [dict(), dict(softcap=1.0), dict(alibi_slopes=np.array([0.5, 0.25])),
-                                  dict(sinks=np.array([0.5, -0.5])), dict(dropout_p=0.5, rng=0)])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(softcap=1.0),
+        dict(alibi_slopes=np.array([0.5, 0.25])),
+        dict(sinks=np.array([0.5, -0.5])),
+        dict(dropout_p=0.5, rng=0),
+    ],
+)
 def test_fully_masked_rows_are_exact_zeros(core, opts):
     rng = np.random.default_rng(5)
     q, k, v = _qkv(rng, lq=4, lk=4)
@@ -250,6 +299,7 @@ def test_fully_masked_rows_are_exact_zeros(core, opts):
 
 # -- the two reference cores agree ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("opts", OPTION_CASES)
 @pytest.mark.parametrize("block", [1, 2, 64])
 def test_memory_efficient_equals_plain(opts, block):
@@ -259,12 +309,12 @@ def test_memory_efficient_equals_plain(opts, block):
     extra = dict(alibi_slopes=np.array([0.3, 0.1]), sinks=np.array([0.2, 1.0]), mask_grad=True)
     o1, c1 = R.scaled_dot_product_attention(q, k, v, mask, **opts, **extra)
     kw = dict(opts)
-    o2, c2 = R.memory_efficient_attention(q, k, v, mask, kw.pop("is_causal", False), kw.pop("scale", None),
-                                          block, **kw, **extra)
+    o2, c2 = R.memory_efficient_attention(
+        q, k, v, mask, kw.pop("is_causal", False), kw.pop("scale", None), block, **kw, **extra
+    )
     np.testing.assert_allclose(o2, o1, rtol=1e-12, atol=1e-13)
     dout = rng.standard_normal(o1.shape)
-    for a, b in zip(R.scaled_dot_product_attention_backward(dout, c1),
-                    R.memory_efficient_attention_backward(dout, c2)):
+    for a, b in zip(R.scaled_dot_product_attention_backward(dout, c1), R.memory_efficient_attention_backward(dout, c2)):
         np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-12)
 
 
@@ -314,8 +364,10 @@ def test_gradcheck(core, opts):
     if core == "sdpa":
         target = R.scaled_dot_product_attention
     else:
-        target = (lambda q, k, v, **kw: R.memory_efficient_attention(q, k, v, block_size=2, **kw),
-                  R.memory_efficient_attention_backward)
+        target = (
+            lambda q, k, v, **kw: R.memory_efficient_attention(q, k, v, block_size=2, **kw),
+            R.memory_efficient_attention_backward,
+        )
     assert gradcheck(target, q, k, v, **opts).ok
 
 
@@ -328,8 +380,9 @@ def test_independent_finite_differences_with_mask_and_sinks(core):
     v = rng.standard_normal((2, 1, 4, 2))
     mask = rng.standard_normal((2, 1, 4))
     sinks = rng.standard_normal(2)
-    opts = dict(is_causal=True, causal_align="bottom_right", softcap=3.0, alibi_slopes=np.array([0.5, 0.25]),
-                dropout_p=0.25)
+    opts = dict(
+        is_causal=True, causal_align="bottom_right", softcap=3.0, alibi_slopes=np.array([0.5, 0.25]), dropout_p=0.25
+    )
 
     def f(q, k, v, mask, sinks):
         return _call(core, q, k, v, mask, sinks=sinks, mask_grad=True, rng=np.random.default_rng(4), **opts)
@@ -347,8 +400,10 @@ def test_independent_finite_differences_with_mask_and_sinks(core):
 def test_float32_stays_float32():
     rng = np.random.default_rng(11)
     q, k, v = (a.astype(np.float32) for a in _qkv(rng))
-    for core, opts in itertools.product(CORES, [dict(), dict(alibi_slopes=np.array([0.5, 0.2]), softcap=2.0,
-                                                         sinks=np.array([0.1, 0.2]), is_causal=True)]):
+    for core, opts in itertools.product(
+        CORES,
+        [dict(), dict(alibi_slopes=np.array([0.5, 0.2]), softcap=2.0, sinks=np.array([0.1, 0.2]), is_causal=True)],
+    ):
         out, cache = _call(core, q, k, v, rng.standard_normal((5, 5)), mask_grad=True, **opts)
         assert out.dtype == np.float32
         for g in _backward(core, rng.standard_normal(out.shape).astype(np.float32), cache):

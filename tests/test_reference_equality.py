@@ -2,6 +2,7 @@
 ``npattn.functional.reference``, to 1e-12 in float64, outputs and every gradient, over generated
 shapes and options (hypothesis, the profiles of ``tests/conftest.py``).  Dropout draws from the same
 seed in both tiers, so the same weights are dropped."""
+
 import inspect
 
 import numpy as np
@@ -122,6 +123,7 @@ def test_memory_efficient_attention_options(call, block):
 
 # -- the other pairs -----------------------------------------------------------------------------------
 
+
 @st.composite
 def _arrays(draw, min_dims=1, max_dims=3, max_side=4, scale=2.0):
     shape = tuple(draw(st.lists(st.integers(1, max_side), min_size=min_dims, max_size=max_dims)))
@@ -160,7 +162,7 @@ def test_dropout(x, p, seed, training):
 def _norm_calls(draw, rms=False):
     x = draw(_arrays(min_dims=1, max_dims=4, scale=3.0))
     n = draw(st.integers(1, x.ndim))
-    nshape = x.shape[x.ndim - n:]
+    nshape = x.shape[x.ndim - n :]
     rng = np.random.default_rng(x.size + n)
     kw = {"normalized_shape": nshape}
     weight = rng.standard_normal(nshape) if draw(st.booleans()) else None
@@ -183,8 +185,12 @@ def test_rms_norm(call):
     _pairs_equal(F.rms_norm, R.rms_norm, args, kw)
 
 
-@given(_arrays(min_dims=2, max_dims=4), st.booleans(), st.sampled_from([None, "offset", "batch"]),
-       st.sampled_from([10000.0, 50.0]))
+@given(
+    _arrays(min_dims=2, max_dims=4),
+    st.booleans(),
+    st.sampled_from([None, "offset", "batch"]),
+    st.sampled_from([10000.0, 50.0]),
+)
 def test_rope(x, interleaved, positions, base):
     x = np.concatenate([x, x], axis=-1)  # D even
     lead, lq = x.shape[:-2], x.shape[-2]
@@ -255,8 +261,9 @@ def test_cross_entropy_options(call):
 
 def test_every_fast_pair_has_a_textbook_twin():
     """The same public pairs, with the same signatures (parameter names, kinds and defaults)."""
-    fast = {n for n in F.__all__ if callable(getattr(F, n)) and (n.endswith("_backward") or
-                                                                  hasattr(F, n + "_backward"))}
+    fast = {
+        n for n in F.__all__ if callable(getattr(F, n)) and (n.endswith("_backward") or hasattr(F, n + "_backward"))
+    }
     assert fast <= set(R.__all__), sorted(fast - set(R.__all__))
     for name in R.__all__:
         if name.endswith("_backward"):

@@ -1,6 +1,7 @@
 """The textbook pairs of ``npattn.functional.reference`` other than attention: against torch
 (float64, 1e-10, outputs and every gradient) and against central differences (``npattn.gradcheck``
 and the independent ``tests/_fd.py``)."""
+
 import numpy as np
 import pytest
 from _fd import fd_check, rel_err
@@ -23,6 +24,7 @@ def _check(got, want):
 
 # -- torch parity ------------------------------------------------------------------------------------
 
+
 def test_linear_matches_torch(torch_or_skip):
     torch = torch_or_skip
     rng = np.random.default_rng(0)
@@ -42,10 +44,18 @@ def test_linear_matches_torch(torch_or_skip):
             _check(db, tb.grad)
 
 
-@pytest.mark.parametrize("kw", [{}, {"padding_idx": 1}, {"padding_idx": -2}, {"scale_grad_by_freq": True},
-                                {"max_norm": 1.5}, {"max_norm": 0.8, "norm_type": 1.0},
-                                {"max_norm": 1.0, "norm_type": float("inf"), "padding_idx": 0,
-                                 "scale_grad_by_freq": True}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"padding_idx": 1},
+        {"padding_idx": -2},
+        {"scale_grad_by_freq": True},
+        {"max_norm": 1.5},
+        {"max_norm": 0.8, "norm_type": 1.0},
+        {"max_norm": 1.0, "norm_type": float("inf"), "padding_idx": 0, "scale_grad_by_freq": True},
+    ],
+)
 def test_embedding_matches_torch(torch_or_skip, kw):
     torch = torch_or_skip
     rng = np.random.default_rng(1)
@@ -133,8 +143,10 @@ def test_dropout_mask_and_gradient(torch_or_skip):
     assert np.all(y == 0) and np.all(R.dropout_backward(dy, cache) == 0)
 
 
-@pytest.mark.parametrize("shape,nshape,affine", [((2, 3, 5), (5,), True), ((2, 3, 5), (3, 5), True),
-                                                 ((4, 2, 3, 2), (2, 3, 2), True), ((3, 5), (5,), False)])
+@pytest.mark.parametrize(
+    "shape,nshape,affine",
+    [((2, 3, 5), (5,), True), ((2, 3, 5), (3, 5), True), ((4, 2, 3, 2), (2, 3, 2), True), ((3, 5), (5,), False)],
+)
 def test_layer_norm_matches_torch(torch_or_skip, shape, nshape, affine):
     torch = torch_or_skip
     rng = np.random.default_rng(5)
@@ -158,8 +170,7 @@ def test_layer_norm_matches_torch(torch_or_skip, shape, nshape, affine):
         assert dw is None and db is None
 
 
-@pytest.mark.parametrize("shape,nshape,eps", [((2, 3, 5), (5,), None), ((2, 3, 5), (3, 5), 1e-6),
-                                              ((3, 4), (4,), 0.1)])
+@pytest.mark.parametrize("shape,nshape,eps", [((2, 3, 5), (5,), None), ((2, 3, 5), (3, 5), 1e-6), ((3, 4), (4,), 0.1)])
 def test_rms_norm_matches_torch(torch_or_skip, shape, nshape, eps):
     torch = torch_or_skip
     rng = np.random.default_rng(6)
@@ -288,24 +299,32 @@ def test_rope_matches_the_llama_convention(torch_or_skip):
 
 # -- finite differences ------------------------------------------------------------------------------
 
+
 def _upstream(fwd, *arrays, **kw):
     out = fwd(*arrays, **kw)[0]
     return np.random.default_rng(11).standard_normal(np.shape(out))
 
 
 FD_CASES = [
-    (R.linear, R.linear_backward, lambda r: [r.standard_normal((2, 3, 4)), r.standard_normal((5, 4)),
-                                            r.standard_normal(5)], {}),
+    (
+        R.linear,
+        R.linear_backward,
+        lambda r: [r.standard_normal((2, 3, 4)), r.standard_normal((5, 4)), r.standard_normal(5)],
+        {},
+    ),
     (R.softmax, R.softmax_backward, lambda r: [r.standard_normal((3, 5))], {"axis": 0}),
     (R.relu, R.relu_backward, lambda r: [r.standard_normal((3, 5)) + 0.05], {}),
     (R.gelu, R.gelu_backward, lambda r: [r.standard_normal((3, 5)) * 2], {}),
     (R.gelu, R.gelu_backward, lambda r: [r.standard_normal((3, 5)) * 2], {"approximate": "tanh"}),
     (R.silu, R.silu_backward, lambda r: [r.standard_normal((3, 5)) * 2], {}),
     (R.dropout, R.dropout_backward, lambda r: [r.standard_normal((3, 5))], {"p": 0.4, "rng": 3}),
-    (R.layer_norm, R.layer_norm_backward, lambda r: [r.standard_normal((2, 3, 4)), r.standard_normal((3, 4)),
-                                                    r.standard_normal((3, 4))], {}),
-    (R.rms_norm, R.rms_norm_backward, lambda r: [r.standard_normal((2, 3, 4)), r.standard_normal((4,))],
-     {"eps": 1e-3}),
+    (
+        R.layer_norm,
+        R.layer_norm_backward,
+        lambda r: [r.standard_normal((2, 3, 4)), r.standard_normal((3, 4)), r.standard_normal((3, 4))],
+        {},
+    ),
+    (R.rms_norm, R.rms_norm_backward, lambda r: [r.standard_normal((2, 3, 4)), r.standard_normal((4,))], {"eps": 1e-3}),
     (R.rope, R.rope_backward, lambda r: [r.standard_normal((2, 3, 6))], {"interleaved": True}),
     (R.rope, R.rope_backward, lambda r: [r.standard_normal((2, 3, 6))], {"positions": np.array([3, 1, 4])}),
 ]
@@ -328,14 +347,17 @@ def test_embedding_and_cross_entropy_finite_differences():
     assert gradcheck((lambda w: R.embedding(ids, w), R.embedding_backward), w).ok
     logits = rng.standard_normal((2, 3, 4))
     targets = np.array([[0, 1, 3], [2, 2, 1]])
-    for kw in [{"ignore_index": 1, "weight": rng.random(4) + 0.5, "label_smoothing": 0.2},
-               {"reduction": "none"}, {"reduction": "sum", "label_smoothing": 0.1}]:
-        fwd = (lambda z, **k: R.cross_entropy(z, targets, **k))  # noqa: E731
+    for kw in [
+        {"ignore_index": 1, "weight": rng.random(4) + 0.5, "label_smoothing": 0.2},
+        {"reduction": "none"},
+        {"reduction": "sum", "label_smoothing": 0.1},
+    ]:
+        fwd = lambda z, **k: R.cross_entropy(z, targets, **k)  # noqa: E731
         assert gradcheck((fwd, R.cross_entropy_backward), logits, **kw).ok
         errs = fd_check(fwd, R.cross_entropy_backward, [logits], _upstream(fwd, logits, **kw), **kw)
         assert max(errs) < 1e-6
     probs = R.softmax(rng.standard_normal((2, 3, 4)))[0]
-    fwd = (lambda z, **k: R.cross_entropy(z, probs, **k))  # noqa: E731
+    fwd = lambda z, **k: R.cross_entropy(z, probs, **k)  # noqa: E731
     assert gradcheck((fwd, R.cross_entropy_backward), logits, weight=rng.random(4), label_smoothing=0.3).ok
 
 
@@ -343,10 +365,15 @@ def test_float32_stays_float32():
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 3, 4)).astype(np.float32)
     w = rng.standard_normal((4,)).astype(np.float32)
-    for fwd, bwd, args in [(R.softmax, R.softmax_backward, (x,)), (R.gelu, R.gelu_backward, (x,)),
-                           (R.silu, R.silu_backward, (x,)), (R.layer_norm, R.layer_norm_backward, (x, w, w)),
-                           (R.rms_norm, R.rms_norm_backward, (x, w)), (R.rope, R.rope_backward, (x,)),
-                           (R.linear, R.linear_backward, (x, rng.standard_normal((5, 4)).astype(np.float32)))]:
+    for fwd, bwd, args in [
+        (R.softmax, R.softmax_backward, (x,)),
+        (R.gelu, R.gelu_backward, (x,)),
+        (R.silu, R.silu_backward, (x,)),
+        (R.layer_norm, R.layer_norm_backward, (x, w, w)),
+        (R.rms_norm, R.rms_norm_backward, (x, w)),
+        (R.rope, R.rope_backward, (x,)),
+        (R.linear, R.linear_backward, (x, rng.standard_normal((5, 4)).astype(np.float32))),
+    ]:
         y, cache = fwd(*args)
         assert y.dtype == np.float32, fwd.__name__
         grads = bwd(np.ones_like(y), cache)

@@ -8,6 +8,7 @@ generators' states (a refused forward draws no dropout mask) and the kept forwar
 backward with a valid ``dy`` gives exactly what a twin module that never saw the refused call
 gives).  New modules are added with one line in ``CASES``.
 """
+
 import copy
 import inspect
 from dataclasses import dataclass
@@ -46,29 +47,43 @@ CASES = {
     "RMSNorm": Case(lambda s, dt: npattn.RMSNorm(D, dtype=dt)),
     "Dropout": Case(lambda s, dt: npattn.Dropout(0.3, rng=s), features=False),
     "Embedding": Case(lambda s, dt: npattn.Embedding(7, D, rng=s, dtype=dt), inputs="ids"),
-    "Embedding-options": Case(lambda s, dt: npattn.Embedding(7, D, padding_idx=1, max_norm=0.8, scale_grad_by_freq=True,
-                                                             rng=s, dtype=dt), inputs="ids"),
+    "Embedding-options": Case(
+        lambda s, dt: npattn.Embedding(7, D, padding_idx=1, max_norm=0.8, scale_grad_by_freq=True, rng=s, dtype=dt),
+        inputs="ids",
+    ),
     "FeedForward": Case(lambda s, dt: npattn.FeedForward(D, 6, dropout=0.2, activation="gelu", rng=s, dtype=dt)),
-    "FeedForward-swiglu": Case(lambda s, dt: npattn.FeedForward(D, 6, dropout=0.2, activation="swiglu", bias=False,
-                                                                rng=s, dtype=dt)),
-    "MultiHeadAttention": Case(lambda s, dt: npattn.MultiHeadAttention(D, D, 2, dropout=0.2, qkv_bias=True, rng=s,
-                                                                       dtype=dt), masks=True),
-    "MultiHeadAttention-gqa-cross": Case(lambda s, dt: npattn.MultiHeadAttention(
-        D, D, 2, num_kv_heads=1, kdim=3, vdim=5, causal=True, rng=s, dtype=dt), inputs="x3", masks=True),
-    "MultiHeadAttention-memeff": Case(lambda s, dt: npattn.MultiHeadAttention(
-        D, D, 2, memory_efficient=True, rng=s, dtype=dt), masks=True),
+    "FeedForward-swiglu": Case(
+        lambda s, dt: npattn.FeedForward(D, 6, dropout=0.2, activation="swiglu", bias=False, rng=s, dtype=dt)
+    ),
+    "MultiHeadAttention": Case(
+        lambda s, dt: npattn.MultiHeadAttention(D, D, 2, dropout=0.2, qkv_bias=True, rng=s, dtype=dt), masks=True
+    ),
+    "MultiHeadAttention-gqa-cross": Case(
+        lambda s, dt: npattn.MultiHeadAttention(D, D, 2, num_kv_heads=1, kdim=3, vdim=5, causal=True, rng=s, dtype=dt),
+        inputs="x3",
+        masks=True,
+    ),
+    "MultiHeadAttention-memeff": Case(
+        lambda s, dt: npattn.MultiHeadAttention(D, D, 2, memory_efficient=True, rng=s, dtype=dt), masks=True
+    ),
     "EncoderBlock": Case(lambda s, dt: npattn.EncoderBlock(D, 2, 6, dropout=0.2, rng=s, dtype=dt), masks=True),
-    "EncoderBlock-pre": Case(lambda s, dt: npattn.EncoderBlock(D, 2, 6, dropout=0.2, norm_first=True, rng=s,
-                                                               dtype=dt), masks=True),
-    "EncoderBlock-pre-nobias": Case(lambda s, dt: npattn.EncoderBlock(
-        D, 2, 6, dropout=0.2, norm_first=True, bias=False, activation="swiglu", rng=s, dtype=dt), masks=True),
+    "EncoderBlock-pre": Case(
+        lambda s, dt: npattn.EncoderBlock(D, 2, 6, dropout=0.2, norm_first=True, rng=s, dtype=dt), masks=True
+    ),
+    "EncoderBlock-pre-nobias": Case(
+        lambda s, dt: npattn.EncoderBlock(
+            D, 2, 6, dropout=0.2, norm_first=True, bias=False, activation="swiglu", rng=s, dtype=dt
+        ),
+        masks=True,
+    ),
     "SelfAttention_v1": Case(lambda s, dt: book.SelfAttention_v1(D, 3, rng=s, dtype=dt)),
     "SelfAttention_v2": Case(lambda s, dt: book.SelfAttention_v2(D, 3, qkv_bias=True, rng=s, dtype=dt)),
     "CausalAttention": Case(lambda s, dt: book.CausalAttention(D, 3, 5, 0.2, rng=s, dtype=dt)),
     "MultiHeadAttentionWrapper": Case(lambda s, dt: book.MultiHeadAttentionWrapper(D, 2, 5, 0.2, 2, rng=s, dtype=dt)),
     "book.MultiHeadAttention": Case(lambda s, dt: book.MultiHeadAttention(D, D, 5, 0.2, 2, rng=s, dtype=dt)),
-    "TinyTransformer": Case(lambda s, dt: npattn.TinyTransformer(7, 5, D, 2, 2, 6, dropout=0.1, rng=s, dtype=dt),
-                            inputs="ids", max_len=5),
+    "TinyTransformer": Case(
+        lambda s, dt: npattn.TinyTransformer(7, 5, D, 2, 2, 6, dropout=0.1, rng=s, dtype=dt), inputs="ids", max_len=5
+    ),
 }
 
 
@@ -82,17 +97,34 @@ def _takes(cls, *names):
 
 # modules and options that land on other branches join the table when they exist
 if _takes(npattn.MultiHeadAttention, "sinks", "qk_norm", "rope", "window", "alibi", "softcap"):
-    CASES["MultiHeadAttention-options"] = Case(lambda s, dt: npattn.MultiHeadAttention(
-        D, D, 2, sinks=True, qk_norm=True, rope=True, window=(2, 0), alibi=True, softcap=5.0, causal=True,
-        rng=s, dtype=dt), masks=True)
+    CASES["MultiHeadAttention-options"] = Case(
+        lambda s, dt: npattn.MultiHeadAttention(
+            D,
+            D,
+            2,
+            sinks=True,
+            qk_norm=True,
+            rope=True,
+            window=(2, 0),
+            alibi=True,
+            softcap=5.0,
+            causal=True,
+            rng=s,
+            dtype=dt,
+        ),
+        masks=True,
+    )
 if hasattr(npattn, "DecoderBlock"):
-    CASES["DecoderBlock"] = Case(lambda s, dt: npattn.DecoderBlock(D, 2, 6, dropout=0.2, rng=s, dtype=dt),
-                                 inputs="x_memory", masks=("tgt_mask", "tgt_key_padding_mask", "memory_mask",
-                                                           "memory_key_padding_mask"))
+    CASES["DecoderBlock"] = Case(
+        lambda s, dt: npattn.DecoderBlock(D, 2, 6, dropout=0.2, rng=s, dtype=dt),
+        inputs="x_memory",
+        masks=("tgt_mask", "tgt_key_padding_mask", "memory_mask", "memory_key_padding_mask"),
+    )
 if hasattr(book, "GPTModel"):
     _GPT = dict(vocab_size=11, context_length=5, emb_dim=D, n_heads=2, n_layers=2, drop_rate=0.1, qkv_bias=True)
-    CASES["GPTModel"] = Case(lambda s, dt: book.GPTModel(dict(_GPT), rng=s, dtype=dt), inputs="ids", vocab=11,
-                             max_len=5)
+    CASES["GPTModel"] = Case(
+        lambda s, dt: book.GPTModel(dict(_GPT), rng=s, dtype=dt), inputs="ids", vocab=11, max_len=5
+    )
 
 
 def _mask_names(case) -> Tuple[str, ...]:
@@ -153,6 +185,7 @@ def _refusals(case, dtype):
                 else:
                     k[key] = val
             m(*a, **k)
+
         return call
 
     if case.inputs == "ids":
@@ -194,6 +227,7 @@ def _refusals(case, dtype):
     def dy(make):
         def call(m, args, kw, y):
             m.backward(make(y))
+
         return call
 
     out["dy-shape"] = dy(lambda y: np.ones(y.shape[:-1] + (y.shape[-1] + 1,)))
@@ -206,6 +240,7 @@ def _refusals(case, dtype):
         def call(m, args, kw, y):
             d = {k: v + 1 if v.dtype.kind == "f" else v for k, v in m.state_dict().items()}
             m.load_state_dict(edit(d), strict=strict)
+
         return call
 
     def first(d):
@@ -221,11 +256,13 @@ def _refusals(case, dtype):
     out["sd-float16"] = sd(lambda d: {**d, first(d): d[first(d)].astype(np.float16)} if d else {"x": 1})
     if np.dtype(dtype) == np.float32:
         out["sd-out-of-float32-range"] = sd(
-            lambda d: {**d, first(d): np.full(d[first(d)].shape, 1e300)} if d else {"x": 1})
+            lambda d: {**d, first(d): np.full(d[first(d)].shape, 1e300)} if d else {"x": 1}
+        )
 
     def other(fn):
         def call(m, args, kw, y):
             fn(m)
+
         return call
 
     out["train-str"] = other(lambda m: m.train("yes"))
@@ -302,8 +339,9 @@ def _check(name, seed, dtype, training, refusal):
 
 @pytest.mark.parametrize("name", list(CASES))
 @settings(max_examples=25)
-@given(data=st.data(), seed=st.integers(0, 2**16), dtype=st.sampled_from([np.float64, np.float32]),
-       training=st.booleans())
+@given(
+    data=st.data(), seed=st.integers(0, 2**16), dtype=st.sampled_from([np.float64, np.float32]), training=st.booleans()
+)
 def test_refused_call_changes_no_state(name, data, seed, dtype, training):
     refusals = [r for r in sorted(_refusals(CASES[name], dtype)) if not _known_gap(name, r)]
     refusal = data.draw(st.sampled_from(refusals), label="refusal")

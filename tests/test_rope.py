@@ -1,6 +1,7 @@
 """Rotary position embedding: the explicit formulas with torch autograd (rotate-half as Hugging
 Face's ``apply_rotary_pos_emb``, interleaved as Meta's complex multiplication), finite
 differences, the properties that make RoPE a relative position code, and bad input."""
+
 import numpy as np
 import pytest
 from _fd import fd_check
@@ -41,6 +42,7 @@ def explicit_positions(x_shape, pos):
 
 # ------------------------------------------------------------------------------- torch, explicit formula
 
+
 def _torch_rope(torch, x, pos, base, interleaved):
     """The formulas as the model code writes them (independent of npattn's implementation)."""
     d = x.shape[-1]
@@ -50,7 +52,7 @@ def _torch_rope(torch, x, pos, base, interleaved):
         xc = torch.view_as_complex(x.reshape(*x.shape[:-1], d // 2, 2))
         return torch.view_as_real(xc * torch.polar(torch.ones_like(freqs), freqs)).flatten(-2)
     emb = torch.cat((freqs, freqs), dim=-1)  # Hugging Face: x * cos + rotate_half(x) * sin
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
 
 
@@ -70,6 +72,7 @@ def test_rope_equals_the_explicit_formula_with_torch_autograd(case):
 
 # ---------------------------------------------------------------------------------- finite differences
 
+
 @given(rope_cases())
 def test_rope_backward_finite_differences(case):
     x, pos, base, interleaved, rng = case
@@ -83,20 +86,31 @@ def test_rope_backward_finite_differences(case):
 
 # ------------------------------------------------------------------------------------------ properties
 
+
 @given(rope_cases())
 def test_rope_is_a_rotation(case):
     """Each pair keeps its length, and the backward (the transpose) undoes the forward."""
     x, pos, base, interleaved, _ = case
     y, cache = F.rope(x, pos, base=base, interleaved=interleaved)
     d = x.shape[-1]
-    pairs = (lambda a: np.stack([a[..., 0::2], a[..., 1::2]])) if interleaved else (
-        lambda a: np.stack([a[..., : d // 2], a[..., d // 2:]]))
+    pairs = (
+        (lambda a: np.stack([a[..., 0::2], a[..., 1::2]]))
+        if interleaved
+        else (lambda a: np.stack([a[..., : d // 2], a[..., d // 2 :]]))
+    )
     np.testing.assert_allclose(np.hypot(*pairs(y)), np.hypot(*pairs(x)), rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(F.rope_backward(y, cache), x, rtol=1e-12, atol=1e-13)
 
 
-@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 300), st.integers(0, 300), st.integers(0, 3000),
-       st.booleans(), seeds())
+@given(
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.integers(0, 300),
+    st.integers(0, 300),
+    st.integers(0, 3000),
+    st.booleans(),
+    seeds(),
+)
 def test_rope_scores_depend_on_relative_position_only(half, length, p, s, shift, interleaved, seed):
     """<rope(q at p), rope(k at s)> = <rope(q at p + t), rope(k at s + t)>: what attention sees is p - s."""
     rng = np.random.default_rng(seed)
@@ -129,8 +143,12 @@ def test_rope_defaults_and_position_zero(case):
     # an offset equals slicing a longer sequence (a KV cache decoding token by token)
     t = 7
     big = np.concatenate([np.zeros(x.shape[:-2] + (t, x.shape[-1])), x], axis=-2)
-    np.testing.assert_allclose(F.rope(x, np.arange(length) + t, base=base, interleaved=interleaved)[0],
-                               F.rope(big, base=base, interleaved=interleaved)[0][..., t:, :], rtol=0, atol=0)
+    np.testing.assert_allclose(
+        F.rope(x, np.arange(length) + t, base=base, interleaved=interleaved)[0],
+        F.rope(big, base=base, interleaved=interleaved)[0][..., t:, :],
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_rope_float32_stays_float32_and_kernel_equals_public():
@@ -158,6 +176,7 @@ def test_rope_does_not_modify_its_inputs():
 
 
 # ------------------------------------------------------------------------------------------- bad input
+
 
 def raises(exc, name, fn, *parts):
     with pytest.raises(exc, match=f"^{name}:") as info:

@@ -1,5 +1,6 @@
 """The module protocol (gradient accumulation, released state, no_grad) and state dicts
 (names, copies, atomic loading, array-likes, strict=False, .npz round trip, repr)."""
+
 import numpy as np
 import pytest
 
@@ -26,34 +27,123 @@ CASES = [
     ("LayerNorm_plain", lambda: npattn.LayerNorm(4, elementwise_affine=False), (X,), {}, []),
     ("Dropout", lambda: npattn.Dropout(0.3, rng=0), (X,), {}, []),
     ("Embedding", lambda: npattn.Embedding(5, 2, rng=0), (IDS,), {}, ["weight"]),
-    ("FeedForward", lambda: npattn.FeedForward(4, 6, activation="gelu", rng=0), (X,), {},
-     ["linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"]),
-    ("MHA", lambda: npattn.MultiHeadAttention(4, 4, 2, rng=0), (X,), {},
-     ["W_query.weight", "W_key.weight", "W_value.weight", "out_proj.weight", "out_proj.bias"]),
-    ("MHA_cross_bias", lambda: npattn.MultiHeadAttention(4, 4, 2, qkv_bias=True, out_bias=False, num_kv_heads=1,
-                                                         kdim=3, vdim=2, dropout=0.2, rng=0),
-     (X, rand(2, (2, 5, 3)), rand(3, (2, 5, 2))), dict(key_padding_mask=np.zeros((2, 5), bool)),
-     ["W_query.weight", "W_query.bias", "W_key.weight", "W_key.bias", "W_value.weight", "W_value.bias",
-      "out_proj.weight"]),
-    ("EncoderBlock", lambda: npattn.EncoderBlock(4, 2, 6, rng=0), (X,), {},
-     ["mha.W_query.weight", "mha.W_key.weight", "mha.W_value.weight", "mha.out_proj.weight", "mha.out_proj.bias",
-      "ffn.linear1.weight", "ffn.linear1.bias", "ffn.linear2.weight", "ffn.linear2.bias",
-      "layernorm1.weight", "layernorm1.bias", "layernorm2.weight", "layernorm2.bias"]),
-    ("EncoderBlock_prenorm", lambda: npattn.EncoderBlock(4, 2, 6, norm_first=True, qkv_bias=True, rng=0), (X,), {},
-     ["mha.W_query.weight", "mha.W_query.bias", "mha.W_key.weight", "mha.W_key.bias", "mha.W_value.weight",
-      "mha.W_value.bias", "mha.out_proj.weight", "mha.out_proj.bias",
-      "ffn.linear1.weight", "ffn.linear1.bias", "ffn.linear2.weight", "ffn.linear2.bias",
-      "layernorm1.weight", "layernorm1.bias", "layernorm2.weight", "layernorm2.bias"]),
+    (
+        "FeedForward",
+        lambda: npattn.FeedForward(4, 6, activation="gelu", rng=0),
+        (X,),
+        {},
+        ["linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"],
+    ),
+    (
+        "MHA",
+        lambda: npattn.MultiHeadAttention(4, 4, 2, rng=0),
+        (X,),
+        {},
+        ["W_query.weight", "W_key.weight", "W_value.weight", "out_proj.weight", "out_proj.bias"],
+    ),
+    (
+        "MHA_cross_bias",
+        lambda: npattn.MultiHeadAttention(
+            4, 4, 2, qkv_bias=True, out_bias=False, num_kv_heads=1, kdim=3, vdim=2, dropout=0.2, rng=0
+        ),
+        (X, rand(2, (2, 5, 3)), rand(3, (2, 5, 2))),
+        dict(key_padding_mask=np.zeros((2, 5), bool)),
+        [
+            "W_query.weight",
+            "W_query.bias",
+            "W_key.weight",
+            "W_key.bias",
+            "W_value.weight",
+            "W_value.bias",
+            "out_proj.weight",
+        ],
+    ),
+    (
+        "EncoderBlock",
+        lambda: npattn.EncoderBlock(4, 2, 6, rng=0),
+        (X,),
+        {},
+        [
+            "mha.W_query.weight",
+            "mha.W_key.weight",
+            "mha.W_value.weight",
+            "mha.out_proj.weight",
+            "mha.out_proj.bias",
+            "ffn.linear1.weight",
+            "ffn.linear1.bias",
+            "ffn.linear2.weight",
+            "ffn.linear2.bias",
+            "layernorm1.weight",
+            "layernorm1.bias",
+            "layernorm2.weight",
+            "layernorm2.bias",
+        ],
+    ),
+    (
+        "EncoderBlock_prenorm",
+        lambda: npattn.EncoderBlock(4, 2, 6, norm_first=True, qkv_bias=True, rng=0),
+        (X,),
+        {},
+        [
+            "mha.W_query.weight",
+            "mha.W_query.bias",
+            "mha.W_key.weight",
+            "mha.W_key.bias",
+            "mha.W_value.weight",
+            "mha.W_value.bias",
+            "mha.out_proj.weight",
+            "mha.out_proj.bias",
+            "ffn.linear1.weight",
+            "ffn.linear1.bias",
+            "ffn.linear2.weight",
+            "ffn.linear2.bias",
+            "layernorm1.weight",
+            "layernorm1.bias",
+            "layernorm2.weight",
+            "layernorm2.bias",
+        ],
+    ),
     ("SelfAttention_v1", lambda: book.SelfAttention_v1(3, 2, rng=0), (XB[0],), {}, ["W_query", "W_key", "W_value"]),
-    ("SelfAttention_v2", lambda: book.SelfAttention_v2(3, 2, rng=0), (XB[0],), {},
-     ["W_query.weight", "W_key.weight", "W_value.weight"]),
-    ("CausalAttention", lambda: book.CausalAttention(3, 2, 4, 0.1, rng=0), (XB,), {},
-     ["mask", "W_query.weight", "W_key.weight", "W_value.weight"]),
-    ("Wrapper", lambda: book.MultiHeadAttentionWrapper(3, 2, 4, 0.1, 2, qkv_bias=True, rng=0), (XB,), {},
-     [f"heads.{i}.{k}" for i in range(2) for k in
-      ["mask", "W_query.weight", "W_query.bias", "W_key.weight", "W_key.bias", "W_value.weight", "W_value.bias"]]),
-    ("BookMHA", lambda: book.MultiHeadAttention(3, 4, 4, 0.1, 2, rng=0), (XB,), {},
-     ["mask", "W_query.weight", "W_key.weight", "W_value.weight", "out_proj.weight", "out_proj.bias"]),
+    (
+        "SelfAttention_v2",
+        lambda: book.SelfAttention_v2(3, 2, rng=0),
+        (XB[0],),
+        {},
+        ["W_query.weight", "W_key.weight", "W_value.weight"],
+    ),
+    (
+        "CausalAttention",
+        lambda: book.CausalAttention(3, 2, 4, 0.1, rng=0),
+        (XB,),
+        {},
+        ["mask", "W_query.weight", "W_key.weight", "W_value.weight"],
+    ),
+    (
+        "Wrapper",
+        lambda: book.MultiHeadAttentionWrapper(3, 2, 4, 0.1, 2, qkv_bias=True, rng=0),
+        (XB,),
+        {},
+        [
+            f"heads.{i}.{k}"
+            for i in range(2)
+            for k in [
+                "mask",
+                "W_query.weight",
+                "W_query.bias",
+                "W_key.weight",
+                "W_key.bias",
+                "W_value.weight",
+                "W_value.bias",
+            ]
+        ],
+    ),
+    (
+        "BookMHA",
+        lambda: book.MultiHeadAttention(3, 4, 4, 0.1, 2, rng=0),
+        (XB,),
+        {},
+        ["mask", "W_query.weight", "W_key.weight", "W_value.weight", "out_proj.weight", "out_proj.bias"],
+    ),
 ]
 IDS_ = [c[0] for c in CASES]
 BUFFERS = {"mask"}
@@ -81,11 +171,14 @@ def test_names_match_contract_keys(name, factory, inputs, fwd, keys):
 
 
 def test_book_keys_match_torch_export():
-    for prefix, m in [("sa_v1", book.SelfAttention_v1(3, 2)), ("sa_v2", book.SelfAttention_v2(3, 2)),
-                      ("ca", book.CausalAttention(3, 2, 6, 0.0)),
-                      ("mhaw", book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2)),
-                      ("mha", book.MultiHeadAttention(3, 2, 6, 0.0, 2))]:
-        exported = [k[len(prefix) + 1:] for k in BOOK.files if k.startswith(prefix + ".")]
+    for prefix, m in [
+        ("sa_v1", book.SelfAttention_v1(3, 2)),
+        ("sa_v2", book.SelfAttention_v2(3, 2)),
+        ("ca", book.CausalAttention(3, 2, 6, 0.0)),
+        ("mhaw", book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2)),
+        ("mha", book.MultiHeadAttention(3, 2, 6, 0.0, 2)),
+    ]:
+        exported = [k[len(prefix) + 1 :] for k in BOOK.files if k.startswith(prefix + ".")]
         assert list(m.state_dict()) == exported, prefix
         for k, v in m.state_dict().items():
             assert v.shape == BOOK[f"{prefix}.{k}"].shape, (prefix, k)
@@ -94,11 +187,20 @@ def test_book_keys_match_torch_export():
 def test_mha_parameter_shapes_follow_contract():
     m = npattn.MultiHeadAttention(5, 6, 3, num_kv_heads=1, kdim=4, vdim=2, qkv_bias=True)
     shapes = {k: v.shape for k, v in m.state_dict().items()}
-    assert shapes == {"W_query.weight": (6, 5), "W_query.bias": (6,), "W_key.weight": (2, 4), "W_key.bias": (2,),
-                      "W_value.weight": (2, 2), "W_value.bias": (2,), "out_proj.weight": (6, 6), "out_proj.bias": (6,)}
+    assert shapes == {
+        "W_query.weight": (6, 5),
+        "W_query.bias": (6,),
+        "W_key.weight": (2, 4),
+        "W_key.bias": (2,),
+        "W_value.weight": (2, 2),
+        "W_value.bias": (2,),
+        "out_proj.weight": (6, 6),
+        "out_proj.bias": (6,),
+    }
 
 
 # ------------------------------------------------------------------------------ protocol
+
 
 @pytest.mark.parametrize("name,factory,inputs,fwd,keys", CASES, ids=IDS_)
 def test_backward_accumulates_and_zero_grad(name, factory, inputs, fwd, keys):
@@ -184,6 +286,7 @@ def test_train_eval_flags_propagate():
 
 
 # ------------------------------------------------------------------------------ state dicts
+
 
 def _snapshot(m):
     return {k: v.copy() for k, v in m.state_dict().items()}
@@ -312,7 +415,9 @@ def test_load_state_dict_accepts_torch_tensors():
 def test_save_load_npz(tmp_path, name, factory, inputs, fwd, keys):
     a = factory()
     rng = np.random.default_rng(3)
-    a.load_state_dict({k: (v if k.endswith("mask") else rng.standard_normal(v.shape)) for k, v in a.state_dict().items()})
+    a.load_state_dict(
+        {k: (v if k.endswith("mask") else rng.standard_normal(v.shape)) for k, v in a.state_dict().items()}
+    )
     path = tmp_path / "m.npz"
     a.save(path)
     with np.load(path) as f:
@@ -338,8 +443,16 @@ def test_load_npz_with_bad_key_changes_nothing(tmp_path):
 
 def test_repr_is_readable():
     r = repr(npattn.EncoderBlock(4, 2, 6))
-    for part in ("EncoderBlock", "(mha): MultiHeadAttention", "d_in=4", "num_heads=2", "(ffn): FeedForward",
-                 "(linear1): Linear(in_features=4, out_features=6", "(layernorm1): LayerNorm", "Dropout(p=0.1)"):
+    for part in (
+        "EncoderBlock",
+        "(mha): MultiHeadAttention",
+        "d_in=4",
+        "num_heads=2",
+        "(ffn): FeedForward",
+        "(linear1): Linear(in_features=4, out_features=6",
+        "(layernorm1): LayerNorm",
+        "Dropout(p=0.1)",
+    ):
         assert part in r, (part, r)
     assert "Linear(in_features=3, out_features=2, bias=False)" == repr(npattn.Linear(3, 2, bias=False))
     r = repr(book.MultiHeadAttentionWrapper(3, 2, 4, 0.0, 2))

@@ -5,6 +5,7 @@ textbook tier, and the fast cores where they take the option): outputs are finit
 pairs get weight 0, and the hand-written backward equals central differences at the default
 tolerances (so the draws are honestly well conditioned).
 """
+
 import inspect
 
 import numpy as np
@@ -23,8 +24,16 @@ from npattn.testing.strategies import _option_names  # noqa: E402
 
 
 def test_new_names_are_exported():
-    for name in ("windows", "alibi_slopes", "standard_alibi_slopes", "softcaps", "sinks", "positions",
-                 "ATTENTION_OPTIONS", "POSITION_KINDS"):
+    for name in (
+        "windows",
+        "alibi_slopes",
+        "standard_alibi_slopes",
+        "softcaps",
+        "sinks",
+        "positions",
+        "ATTENTION_OPTIONS",
+        "POSITION_KINDS",
+    ):
         assert name in T.__all__ and getattr(T, name) is not None
 
 
@@ -63,8 +72,12 @@ def test_sinks(s):
     assert s.shape == (3,) and s.dtype == np.float32 and np.abs(s).max() <= 2.0
 
 
-@given(data=st.data(), length=st.integers(1, 5), lead=st.lists(st.integers(1, 3), max_size=3).map(tuple),
-       kind=st.sampled_from(T.POSITION_KINDS))
+@given(
+    data=st.data(),
+    length=st.integers(1, 5),
+    lead=st.lists(st.integers(1, 3), max_size=3).map(tuple),
+    kind=st.sampled_from(T.POSITION_KINDS),
+)
 def test_positions_broadcast_and_feed_rope(data, length, lead, kind):
     pos = data.draw(T.positions(length, lead, max_offset=10, kinds=kind))
     assert pos.dtype.kind == "i" and (pos >= 0).all() and pos.max() < 10 + length
@@ -129,8 +142,14 @@ def test_option_configs_are_valid_for_the_textbook_tier(cfg):
     assert (cache.p[~vis] == 0).all()  # what visible() says is hidden gets weight 0
     rows_empty = ~vis.any(axis=-1)
     assert (out[rows_empty] == 0).all()  # a row with no visible key gives 0
-    rep = gradcheck((R.scaled_dot_product_attention, R.scaled_dot_product_attention_backward),
-                    cfg.q, cfg.k, cfg.v, wrt=_checked(cfg), **kw)
+    rep = gradcheck(
+        (R.scaled_dot_product_attention, R.scaled_dot_product_attention_backward),
+        cfg.q,
+        cfg.k,
+        cfg.v,
+        wrt=_checked(cfg),
+        **kw,
+    )
     assert rep.ok, str(rep)
 
 

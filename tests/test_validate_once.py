@@ -74,8 +74,13 @@ def test_decoder_block_builds_each_mask_once_at_its_edge(calls, norm_first):
     rng = np.random.default_rng(2)
     blk = DecoderBlock(8, 2, 16, dropout=0.0, norm_first=norm_first, causal=True, rng=3)
     x, mem = rng.standard_normal((2, 4, 8)), rng.standard_normal((2, 6, 8))
-    y = blk(x, mem, tgt_key_padding_mask=np.zeros((2, 4), bool), memory_mask=np.ones((4, 6), bool),
-            memory_key_padding_mask=np.zeros((2, 6), bool))
+    y = blk(
+        x,
+        mem,
+        tgt_key_padding_mask=np.zeros((2, 4), bool),
+        memory_mask=np.ones((4, 6), bool),
+        memory_key_padding_mask=np.zeros((2, 6), bool),
+    )
     assert calls[:2] == [("_build_mask", id(blk.self_attn)), ("_build_mask", id(blk.cross_attn))]
     assert _names(calls, {"_build_mask"}) == ["_build_mask"] * 2
     assert _names(calls, {"_check_inputs", "_check_cache", "forward"}) == []
@@ -89,13 +94,19 @@ def test_decoder_block_builds_each_mask_once_at_its_edge(calls, norm_first):
 @pytest.mark.parametrize(
     "kw, err, msg",
     [
-        ({"memory_key_padding_mask": np.array([[0.0, np.inf, 0.0]])}, ValueError, "memory_key_padding_mask: expected "
-         "float mask values that are finite or -inf"),
+        (
+            {"memory_key_padding_mask": np.array([[0.0, np.inf, 0.0]])},
+            ValueError,
+            "memory_key_padding_mask: expected float mask values that are finite or -inf",
+        ),
         ({"memory_key_padding_mask": np.zeros((1, 3), np.int64)}, TypeError, "memory_key_padding_mask: expected bool"),
         ({"memory_mask": np.ones((2, 4), bool)}, ValueError, "memory_mask: expected a shape broadcastable to"),
         ({"tgt_mask": np.ones((2, 2), np.int32)}, TypeError, "tgt_mask: integer masks are ambiguous"),
-        ({"tgt_key_padding_mask": np.zeros((1, 3), bool)}, ValueError,
-         r"tgt_key_padding_mask: expected shape \(1, 2\)"),
+        (
+            {"tgt_key_padding_mask": np.zeros((1, 3), bool)},
+            ValueError,
+            r"tgt_key_padding_mask: expected shape \(1, 2\)",
+        ),
     ],
 )
 def test_decoder_block_refuses_bad_masks_before_any_sublayer(calls, norm_first, kw, err, msg):
@@ -122,7 +133,10 @@ def test_public_mha_validates_once(calls):
     x = np.random.default_rng(5).standard_normal((2, 3, 4))
     m(x, key_padding_mask=np.zeros((2, 3), bool))
     assert _names(calls, {"_check_inputs", "_check_cache", "_build_mask"}) == [
-        "_check_inputs", "_check_cache", "_build_mask"]
+        "_check_inputs",
+        "_check_cache",
+        "_build_mask",
+    ]
 
 
 def test_book_mha_validates_once(calls):

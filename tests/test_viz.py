@@ -1,4 +1,5 @@
 """npattn.viz: every plot renders with the Agg backend, returns what it documents, shows the data."""
+
 import subprocess
 import sys
 
@@ -46,6 +47,7 @@ def test_import_stays_numpy_only():
 
 # -- plot_attention ------------------------------------------------------------------------------
 
+
 def test_plot_attention_image_ticks_and_annotations():
     w = _weights(6, 6)
     ax = viz.plot_attention(w, TOKENS)
@@ -85,14 +87,17 @@ def test_plot_attention_accepts_float32_and_lists():
     viz.plot_attention(_weights(3, 3).astype(np.float32))
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (np.zeros((2, 3, 3)), ValueError, "plot_heads"),
-    (np.zeros(4), ValueError, "weights"),
-    (np.zeros((0, 3)), ValueError, "non-empty"),
-    (np.ones((3, 3), dtype=bool), TypeError, "plot_mask"),
-    (np.ones((3, 3), dtype=complex), TypeError, "weights"),
-    (None, TypeError, "weights"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (np.zeros((2, 3, 3)), ValueError, "plot_heads"),
+        (np.zeros(4), ValueError, "weights"),
+        (np.zeros((0, 3)), ValueError, "non-empty"),
+        (np.ones((3, 3), dtype=bool), TypeError, "plot_mask"),
+        (np.ones((3, 3), dtype=complex), TypeError, "weights"),
+        (None, TypeError, "weights"),
+    ],
+)
 def test_plot_attention_rejects_bad_weights(bad, exc, match):
     with pytest.raises(exc, match=match):
         viz.plot_attention(bad)
@@ -113,6 +118,7 @@ def test_plot_attention_rejects_bad_tokens_and_options():
 
 
 # -- plot_heads ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(4, 6, 6), (1, 4, 6, 6)])
 def test_plot_heads_one_axes_per_head(shape):
@@ -151,6 +157,7 @@ def test_plot_heads_rejects_bad_input():
 
 # -- plot_mask -----------------------------------------------------------------------------------
 
+
 def test_plot_mask_bool():
     m = npattn.masks.causal(6)
     ax = viz.plot_mask(m, TOKENS)
@@ -184,6 +191,7 @@ def test_plot_mask_rejects_bad_input():
 
 
 # -- plot_gradcheck ------------------------------------------------------------------------------
+
 
 def test_plot_gradcheck_bars_and_rtol_line():
     report = npattn.gradcheck(npattn.Linear(3, 2, rng=0), np.random.default_rng(1).standard_normal((2, 3)))
@@ -227,6 +235,7 @@ def test_plot_gradcheck_rejects_non_reports():
 
 # -- plot_loss -----------------------------------------------------------------------------------
 
+
 def test_plot_loss_raw_and_smoothed():
     losses = 2.0 * np.exp(-np.arange(50) / 10) + 0.1 * np.random.default_rng(0).random(50)
     ax = viz.plot_loss(losses)
@@ -248,16 +257,19 @@ def test_plot_loss_dict_of_curves_and_step_pairs():
     np.testing.assert_array_equal(ax.get_lines()[1].get_xdata(), [0, 2])
 
 
-@pytest.mark.parametrize("history, kwargs, exc", [
-    ([], {}, ValueError),
-    (np.zeros((2, 3)), {}, ValueError),
-    ({}, {}, ValueError),
-    ([1.0, 2.0], {"smoothing": 0}, ValueError),
-    ([1.0, 2.0], {"smoothing": 1.5}, ValueError),
-    ([1.0, 2.0], {"smoothing": "ema"}, TypeError),
-    ([1.0, 0.0], {"logy": True}, ValueError),
-    (["a", "b"], {}, TypeError),
-])
+@pytest.mark.parametrize(
+    "history, kwargs, exc",
+    [
+        ([], {}, ValueError),
+        (np.zeros((2, 3)), {}, ValueError),
+        ({}, {}, ValueError),
+        ([1.0, 2.0], {"smoothing": 0}, ValueError),
+        ([1.0, 2.0], {"smoothing": 1.5}, ValueError),
+        ([1.0, 2.0], {"smoothing": "ema"}, TypeError),
+        ([1.0, 0.0], {"logy": True}, ValueError),
+        (["a", "b"], {}, TypeError),
+    ],
+)
 def test_plot_loss_rejects_bad_input(history, kwargs, exc):
     with pytest.raises(exc):
         viz.plot_loss(history, **kwargs)

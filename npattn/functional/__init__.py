@@ -3,6 +3,7 @@
 No hidden state: the cache is an ordinary object holding what the backward needs, and each
 backward sits directly under its forward, its docstring deriving it.
 """
+
 from .activation import (
     dropout,
     dropout_backward,
@@ -24,11 +25,31 @@ from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .rope import rope, rope_backward
 
 __all__ = [
-    "linear", "linear_backward", "embedding", "embedding_backward",
-    "softmax", "softmax_backward", "relu", "relu_backward", "gelu", "gelu_backward",
-    "silu", "silu_backward", "dropout", "dropout_backward", "layer_norm", "layer_norm_backward",
-    "rms_norm", "rms_norm_backward", "rope", "rope_backward",
-    "scaled_dot_product_attention", "scaled_dot_product_attention_backward", "AttentionCache",
-    "cross_entropy", "cross_entropy_backward",
-    "memory_efficient_attention", "memory_efficient_attention_backward",
+    "linear",
+    "linear_backward",
+    "embedding",
+    "embedding_backward",
+    "softmax",
+    "softmax_backward",
+    "relu",
+    "relu_backward",
+    "gelu",
+    "gelu_backward",
+    "silu",
+    "silu_backward",
+    "dropout",
+    "dropout_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+    "rope",
+    "rope_backward",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "AttentionCache",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "memory_efficient_attention",
+    "memory_efficient_attention_backward",
 ]

@@ -10,6 +10,7 @@ whole mask at once with the same function, so both tiers drop exactly the same w
 The hash is splitmix64 (Steele, Lea, Flood 2014), applied to ``index + mix(seed)``; the top 53
 bits make a double in ``[0, 1)``.  numpy's uint64 arithmetic wraps modulo 2**64, as the hash wants.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,9 @@ def uniform(seed: int, index: np.ndarray) -> np.ndarray:
     return (_mix(z) >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
 
 
-def keep_mask(seed: int, p: float, score_shape: tuple, rows: slice = slice(None), cols: slice = slice(None)) -> np.ndarray:
+def keep_mask(
+    seed: int, p: float, score_shape: tuple, rows: slice = slice(None), cols: slice = slice(None)
+) -> np.ndarray:
     """Dropout's keep-mask (True = kept) of the block ``[..., rows, cols]`` of a score array of
     shape ``score_shape`` (``(..., Lq, Lk)``): ``uniform(seed, flat index) >= p``."""
     lq, lk = score_shape[-2], score_shape[-1]

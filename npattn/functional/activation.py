@@ -3,6 +3,7 @@
 Each public op validates its arguments and calls the unvalidated kernel ``_op`` below it; each public
 backward checks ``dout`` and that the cache is its own forward's, then calls ``_op_backward``.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,6 +53,7 @@ class DropoutCache(NamedTuple):
 
 # ----------------------------------------------------------------------------------------- relu
 
+
 def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``."""
     return _relu(as_float(x, "x"))
@@ -72,6 +74,7 @@ def _relu_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------------------- gelu
+
 
 def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCache]:
     """GELU.  ``"none"``: ``y = x Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``.
@@ -110,6 +113,7 @@ def _gelu_backward(dout, cache):
 
 # ----------------------------------------------------------------------------------------- silu
 
+
 def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     """SiLU (swish): ``y = x * sigmoid(x)``, ``sigmoid(x) = 1 / (1 + exp(-x))`` (as torch's ``F.silu``).
 
@@ -141,6 +145,7 @@ def _silu_backward(dout, cache):
 
 
 # -------------------------------------------------------------------------------------- softmax
+
 
 def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``: stable for any finite input.
@@ -184,6 +189,7 @@ def _softmax_backward(dout, cache):
 
 
 # -------------------------------------------------------------------------------------- dropout
+
 
 def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[np.ndarray, DropoutCache]:
     """Inverted dropout: keep each entry with probability ``1 - p`` and scale it by ``1/(1 - p)``.

@@ -2,6 +2,7 @@
 
 The public pair validates and calls the unvalidated kernels ``_embedding`` / ``_embedding_backward``.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,14 @@ class EmbeddingCache(NamedTuple):
     scale_grad_by_freq: bool
 
 
-def embedding(ids, weight: np.ndarray, padding_idx: int | None = None, max_norm: float | None = None,
-              norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> tuple[np.ndarray, EmbeddingCache]:
+def embedding(
+    ids,
+    weight: np.ndarray,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+) -> tuple[np.ndarray, EmbeddingCache]:
     """Row lookup ``out[...] = weight[ids[...]]``; ``ids`` integer of any shape, ``weight (num, dim)``.
 
     Options, with ``torch.nn.functional.embedding``'s semantics for outputs and gradients:

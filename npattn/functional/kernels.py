@@ -9,6 +9,7 @@ would have made of them (float arrays of one dtype, shapes that fit, checked opt
 Internal extras a kernel may take beyond the public signature are documented where it is defined
 (e.g. the attention kernels' output layout for ``MultiHeadAttention``'s fused buffer).
 """
+
 from .activation import _dropout as dropout
 from .activation import _dropout_backward as dropout_backward
 from .activation import _gelu as gelu
@@ -37,9 +38,30 @@ from .rope import _rope as rope
 from .rope import _rope_backward as rope_backward
 
 __all__ = [
-    "dropout", "dropout_backward", "gelu", "gelu_backward", "relu", "relu_backward", "silu", "silu_backward",
-    "softmax", "softmax_backward", "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
-    "embedding", "embedding_backward", "linear", "linear_backward", "cross_entropy", "cross_entropy_backward",
-    "memory_efficient_attention", "memory_efficient_attention_backward", "layer_norm", "layer_norm_backward",
-    "rms_norm", "rms_norm_backward", "rope", "rope_backward",
+    "dropout",
+    "dropout_backward",
+    "gelu",
+    "gelu_backward",
+    "relu",
+    "relu_backward",
+    "silu",
+    "silu_backward",
+    "softmax",
+    "softmax_backward",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "embedding",
+    "embedding_backward",
+    "linear",
+    "linear_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "memory_efficient_attention",
+    "memory_efficient_attention_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+    "rope",
+    "rope_backward",
 ]

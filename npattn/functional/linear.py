@@ -1,4 +1,5 @@
 """The affine map ``linear``: the public pair validates, the kernels ``_linear`` / ``_linear_backward`` compute."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,7 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
         raise ValueError(f"weight: expected shape (out_features, in_features), got {weight.shape}")
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(
-            f"weight: expected in_features {x.shape[-1]} (x's last dimension), "
-            f"got weight of shape {weight.shape}"
+            f"weight: expected in_features {x.shape[-1]} (x's last dimension), got weight of shape {weight.shape}"
         )
     if bias is not None:
         bias = as_float(bias, "bias", x.dtype)

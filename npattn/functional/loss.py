@@ -1,5 +1,6 @@
 """Losses: ``cross_entropy``.  The public pair validates; the kernels ``_cross_entropy`` /
 ``_cross_entropy_backward`` compute."""
+
 from __future__ import annotations
 
 import numbers
@@ -22,9 +23,15 @@ class CrossEntropyCache(NamedTuple):
     denom: float  # what "mean" divides by (1 for "sum"/"none"); 0 means "nothing counted"
 
 
-def cross_entropy(logits: np.ndarray, targets: np.ndarray, ignore_index: int | None = None, *,
-                  weight: np.ndarray | None = None, reduction: str = "mean",
-                  label_smoothing: float = 0.0) -> tuple[np.ndarray, CrossEntropyCache]:
+def cross_entropy(
+    logits: np.ndarray,
+    targets: np.ndarray,
+    ignore_index: int | None = None,
+    *,
+    weight: np.ndarray | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> tuple[np.ndarray, CrossEntropyCache]:
     """Negative log-likelihood of ``targets`` under ``softmax(logits)``, torch's ``F.cross_entropy``.
 
     Classes are on the **last** axis: ``logits (..., C)`` (torch puts them on axis 1, ``(N, C, ...)``;

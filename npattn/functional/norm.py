@@ -4,6 +4,7 @@ Both normalise each slice over the trailing ``len(normalized_shape)`` axes of ``
 ``N = prod(normalized_shape)`` values); ``weight`` and ``bias`` have shape ``normalized_shape``.
 The public ops validate and call the unvalidated kernels ``_layer_norm`` / ``_rms_norm``.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ def _check_norm_args(x, weight, bias, normalized_shape, eps):
             raise ValueError(f"weight: expected shape {ns} (normalized_shape), got {weight.shape}")
     elif weight is not None:
         ns = weight.shape
-        if weight.ndim == 0 or weight.ndim > x.ndim or x.shape[x.ndim - weight.ndim:] != ns:
+        if weight.ndim == 0 or weight.ndim > x.ndim or x.shape[x.ndim - weight.ndim :] != ns:
             raise ValueError(
                 f"weight: expected shape ({x.shape[-1]},) (x's last dimension) or the shape of more "
                 f"trailing axes of x {x.shape}, got {weight.shape}"
@@ -67,8 +68,15 @@ def _axes(x, normalized_shape, weight):
 
 # ------------------------------------------------------------------------------------ layer_norm
 
-def layer_norm(x: np.ndarray, weight: Optional[np.ndarray] = None, bias: Optional[np.ndarray] = None,
-               eps: float = 1e-5, *, normalized_shape=None) -> tuple[np.ndarray, LayerNormCache]:
+
+def layer_norm(
+    x: np.ndarray,
+    weight: Optional[np.ndarray] = None,
+    bias: Optional[np.ndarray] = None,
+    eps: float = 1e-5,
+    *,
+    normalized_shape=None,
+) -> tuple[np.ndarray, LayerNormCache]:
     """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing axes (biased variance).
 
     The normalised axes are ``normalized_shape`` (an int or a tuple: the trailing axes of x, as
@@ -134,8 +142,10 @@ def _layer_norm_backward(dout, cache):
 
 # -------------------------------------------------------------------------------------- rms_norm
 
-def rms_norm(x: np.ndarray, weight: Optional[np.ndarray] = None, eps: Optional[float] = None, *,
-             normalized_shape=None) -> tuple[np.ndarray, RMSNormCache]:
+
+def rms_norm(
+    x: np.ndarray, weight: Optional[np.ndarray] = None, eps: Optional[float] = None, *, normalized_shape=None
+) -> tuple[np.ndarray, RMSNormCache]:
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes (no centring, no bias).
 
     The normalised axes are chosen as in ``layer_norm`` (``normalized_shape``, else ``weight.shape``,

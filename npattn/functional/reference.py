@@ -12,6 +12,7 @@ width, ``Ev`` the value width, ``C`` classes, ``D`` features.
 Read this file to learn; call ``npattn.functional`` to compute (it validates its inputs and is
 several times faster).  A cache is a plain tuple or ``NamedTuple`` of what the backward needs.
 """
+
 from __future__ import annotations
 
 import math
@@ -119,12 +120,24 @@ class AttentionCache(NamedTuple):
         return self.p
 
 
-def scaled_dot_product_attention(q: Array, k: Array, v: Array, attn_mask: Optional[Array] = None,
-                                 is_causal: bool = False, dropout_p: float = 0.0, scale: Optional[float] = None,
-                                 rng: RngLike = None, enable_gqa: bool = False, *, causal_align: str = "top_left",
-                                 window: Optional[Tuple[int, int]] = None, alibi_slopes: Optional[Array] = None,
-                                 softcap: Optional[float] = None, sinks: Optional[Array] = None,
-                                 mask_grad: bool = False) -> Tuple[Array, AttentionCache]:
+def scaled_dot_product_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    attn_mask: Optional[Array] = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    rng: RngLike = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str = "top_left",
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[Array] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Array] = None,
+    mask_grad: bool = False,
+) -> Tuple[Array, AttentionCache]:
     """``out = dropout(softmax(scale q k^T + mask)) v``, the textbook formula with every option.
 
     ``q (B..., Hq, Lq, E)``, ``k (B..., Hk, Lk, E)``, ``v (B..., Hk, Lk, Ev)`` -> ``(B..., Hq, Lq, Ev)``.
@@ -214,13 +227,25 @@ class MemoryEfficientCache(NamedTuple):
     mask_grad: bool
 
 
-def memory_efficient_attention(q: Array, k: Array, v: Array, attn_mask: Optional[Array] = None,
-                               is_causal: bool = False, scale: Optional[float] = None,
-                               block_size: Optional[int] = None, *, dropout_p: float = 0.0, rng: RngLike = None,
-                               enable_gqa: bool = False, causal_align: str = "top_left",
-                               window: Optional[Tuple[int, int]] = None, alibi_slopes: Optional[Array] = None,
-                               softcap: Optional[float] = None, sinks: Optional[Array] = None,
-                               mask_grad: bool = False) -> Tuple[Array, MemoryEfficientCache]:
+def memory_efficient_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    attn_mask: Optional[Array] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    block_size: Optional[int] = None,
+    *,
+    dropout_p: float = 0.0,
+    rng: RngLike = None,
+    enable_gqa: bool = False,
+    causal_align: str = "top_left",
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes: Optional[Array] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Array] = None,
+    mask_grad: bool = False,
+) -> Tuple[Array, MemoryEfficientCache]:
     """FlashAttention's forward as a textbook loop: the online softmax over blocks of keys.
 
     The same result as ``scaled_dot_product_attention``.  Walking the key blocks, each query row
@@ -234,8 +259,14 @@ def memory_efficient_attention(q: Array, k: Array, v: Array, attn_mask: Optional
     kr, vr = _repeat_kv(k, v, g)  # textbook: repeated (the fast tier does not copy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block = 64 if block_size is None else block_size
-    opts = dict(attn_mask=attn_mask, is_causal=is_causal, causal_align=causal_align, window=window,
-                alibi_slopes=alibi_slopes, softcap=softcap)
+    opts = dict(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        causal_align=causal_align,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+    )
     lq, lk = q.shape[-2], k.shape[-2]
     rows = np.broadcast_shapes(q.shape[:-2], kr.shape[:-2]) + (lq, 1)  # (B..., Hq, Lq, 1)
     keep, drop_scale = None, 1.0
@@ -262,8 +293,9 @@ def memory_efficient_attention(q: Array, k: Array, v: Array, attn_mask: Optional
     seen = total > 0  # False for a row that may attend to no key (and has no sink): out 0, lse 0
     out = np.where(seen, acc / np.where(seen, total, 1.0), 0.0).astype(q.dtype)
     lse = np.where(seen, np.where(np.isfinite(m), m, 0.0) + np.log(np.where(seen, total, 1.0)), 0.0)
-    return out, MemoryEfficientCache(q, k, v, out, lse.astype(q.dtype), keep, drop_scale, scale, g, block, opts,
-                                     sinks, mask_grad)
+    return out, MemoryEfficientCache(
+        q, k, v, out, lse.astype(q.dtype), keep, drop_scale, scale, g, block, opts, sinks, mask_grad
+    )
 
 
 def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache) -> Tuple[Array, ...]:
@@ -308,6 +340,7 @@ def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache
 
 # == Linear and embedding ===========================================================================
 
+
 def linear(x: Array, weight: Array, bias: Optional[Array] = None) -> Tuple[Array, tuple]:
     """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``."""
     y = x @ weight.T
@@ -329,8 +362,14 @@ def linear_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[A
     return dx, dweight, dbias
 
 
-def embedding(ids: Array, weight: Array, padding_idx: Optional[int] = None, max_norm: Optional[float] = None,
-              norm_type: float = 2.0, scale_grad_by_freq: bool = False) -> Tuple[Array, tuple]:
+def embedding(
+    ids: Array,
+    weight: Array,
+    padding_idx: Optional[int] = None,
+    max_norm: Optional[float] = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+) -> Tuple[Array, tuple]:
     """Row lookup ``out[...] = weight[ids[...]]``: ``ids`` integers of any shape, ``weight (num, D)``.
 
     With ``max_norm`` a looked-up row whose ``norm_type``-norm exceeds it is scaled by
@@ -365,6 +404,7 @@ def embedding_backward(dout: Array, cache: tuple) -> Array:
 
 
 # == Nonlinearities =================================================================================
+
 
 def softmax(x: Array, axis: int = -1) -> Tuple[Array, tuple]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``; an all ``-inf`` slice gives 0, a 0-d x gives 1.
@@ -452,6 +492,7 @@ def dropout_backward(dout: Array, cache: tuple) -> Array:
 
 # == Normalisation ==================================================================================
 
+
 def _norm_axes(x, weight, normalized_shape):
     """The trailing axes normalised: ``len(normalized_shape)``, else ``weight.ndim``, else 1."""
     if normalized_shape is not None:
@@ -461,8 +502,14 @@ def _norm_axes(x, weight, normalized_shape):
     return tuple(range(x.ndim - n, x.ndim))
 
 
-def layer_norm(x: Array, weight: Optional[Array] = None, bias: Optional[Array] = None, eps: float = 1e-5, *,
-               normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
+def layer_norm(
+    x: Array,
+    weight: Optional[Array] = None,
+    bias: Optional[Array] = None,
+    eps: float = 1e-5,
+    *,
+    normalized_shape: Union[int, Tuple[int, ...], None] = None,
+) -> Tuple[Array, tuple]:
     """``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the
     trailing axes (``normalized_shape``).  (notebooks/05_encoder_block_and_training.ipynb,
     section "Layer normalisation".)"""
@@ -498,8 +545,13 @@ def layer_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Arra
     return dx, dweight, dbias
 
 
-def rms_norm(x: Array, weight: Optional[Array] = None, eps: Optional[float] = None, *,
-             normalized_shape: Union[int, Tuple[int, ...], None] = None) -> Tuple[Array, tuple]:
+def rms_norm(
+    x: Array,
+    weight: Optional[Array] = None,
+    eps: Optional[float] = None,
+    *,
+    normalized_shape: Union[int, Tuple[int, ...], None] = None,
+) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
     ``np.finfo(x.dtype).eps`` (as torch)."""
     axes = _norm_axes(x, weight, normalized_shape)
@@ -523,8 +575,16 @@ def rms_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array]
 
 # == Loss ===========================================================================================
 
-def cross_entropy(logits: Array, targets: Array, ignore_index: Optional[int] = None, *, weight: Optional[Array] = None,
-                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tuple[Array, tuple]:
+
+def cross_entropy(
+    logits: Array,
+    targets: Array,
+    ignore_index: Optional[int] = None,
+    *,
+    weight: Optional[Array] = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tuple[Array, tuple]:
     """Cross-entropy of ``softmax(logits)`` against ``targets``, classes on the **last** axis
     (torch puts them on axis 1).  ``targets``: integer class ids ``logits.shape[:-1]`` or class
     probabilities ``logits.shape``.  (notebooks/05_encoder_block_and_training.ipynb, section
@@ -547,8 +607,9 @@ def cross_entropy(logits: Array, targets: Array, ignore_index: Optional[int] = N
     if np.issubdtype(np.asarray(targets).dtype, np.integer):
         counted = np.ones(targets.shape, dtype=bool) if ignore_index is None else targets != ignore_index
         onehot = np.arange(c) == np.where(counted, targets, 0)[..., None]  # (..., C)
-        t = ((1.0 - label_smoothing) * onehot * w[np.where(counted, targets, 0)][..., None]
-             + label_smoothing / c * w) * counted[..., None]
+        t = (
+            (1.0 - label_smoothing) * onehot * w[np.where(counted, targets, 0)][..., None] + label_smoothing / c * w
+        ) * counted[..., None]
         denominator = (w[np.where(counted, targets, 0)] * counted).sum()
     else:
         t = w * ((1.0 - label_smoothing) * targets + label_smoothing / c)
@@ -572,8 +633,10 @@ def cross_entropy_backward(dout: Array, cache: tuple) -> Array:
 
 # == Rotary position embedding =====================================================================
 
-def rope(x: Array, positions: Optional[Array] = None, *, base: float = 10000.0,
-         interleaved: bool = False) -> Tuple[Array, tuple]:
+
+def rope(
+    x: Array, positions: Optional[Array] = None, *, base: float = 10000.0, interleaved: bool = False
+) -> Tuple[Array, tuple]:
     """Rotary position embedding (RoPE) of ``x (..., L, D)``, ``D`` even.
 
     Pair ``i`` of features, ``(x_i, x_{i+D/2})`` ("rotate half", GPT-NeoX/Llama) or, interleaved,
@@ -605,10 +668,30 @@ def rope_backward(dout: Array, cache: tuple) -> Array:
 
 
 __all__ = [
-    "linear", "linear_backward", "embedding", "embedding_backward",
-    "softmax", "softmax_backward", "relu", "relu_backward", "gelu", "gelu_backward", "silu", "silu_backward",
-    "dropout", "dropout_backward", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward",
-    "cross_entropy", "cross_entropy_backward", "rope", "rope_backward",
-    "scaled_dot_product_attention", "scaled_dot_product_attention_backward",
-    "memory_efficient_attention", "memory_efficient_attention_backward",
+    "linear",
+    "linear_backward",
+    "embedding",
+    "embedding_backward",
+    "softmax",
+    "softmax_backward",
+    "relu",
+    "relu_backward",
+    "gelu",
+    "gelu_backward",
+    "silu",
+    "silu_backward",
+    "dropout",
+    "dropout_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "rope",
+    "rope_backward",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "memory_efficient_attention",
+    "memory_efficient_attention_backward",
 ]

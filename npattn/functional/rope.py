@@ -11,6 +11,7 @@ Two layouts of the pairs are in use: ``(i, i + D/2)`` ("rotate half", GPT-NeoX, 
 ``apply_rotary_pos_emb``) and ``(2i, 2i + 1)`` (``interleaved=True``: the RoFormer paper, GPT-J,
 Meta's original Llama code).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -29,8 +30,9 @@ class RopeCache(NamedTuple):
     dtype: np.dtype
 
 
-def rope(x: np.ndarray, positions=None, *, base: float = 10000.0,
-         interleaved: bool = False) -> tuple[np.ndarray, RopeCache]:
+def rope(
+    x: np.ndarray, positions=None, *, base: float = 10000.0, interleaved: bool = False
+) -> tuple[np.ndarray, RopeCache]:
     """Rotary position embedding of ``x (..., L, D)``, ``D`` even.
 
     ``positions``: integers broadcastable to ``(..., L)`` (x's shape without the feature axis);

@@ -2,13 +2,25 @@
 
 Thin layers over ``npattn.functional``, each composing its submodules.
 """
+
 from .attention import MultiHeadAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
 from .transformer import DecoderBlock, EncoderBlock
 
 __all__ = [
-    "Module", "ModuleList", "Parameter", "no_grad", "is_grad_enabled",
-    "Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward", "MultiHeadAttention", "EncoderBlock",
+    "Module",
+    "ModuleList",
+    "Parameter",
+    "no_grad",
+    "is_grad_enabled",
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "Dropout",
+    "Embedding",
+    "FeedForward",
+    "MultiHeadAttention",
+    "EncoderBlock",
     "DecoderBlock",
 ]

@@ -11,6 +11,7 @@ Validation runs once, at the edge.  A public ``forward(x)`` checks and casts ``x
 edge would have made of them (the module's dtype, shapes that fit).
 Every layer takes any number of leading axes, so unbatched input ``(L, features)`` works as in torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,9 +40,7 @@ ShapeLike = Union[int, Tuple[int, ...]]
 
 def _check_features(x: np.ndarray, name: str, expected: int, module: str) -> None:
     if x.ndim < 1 or x.shape[-1] != expected:
-        raise ValueError(
-            f"{name}: expected shape (..., {expected}) for {module}, got {x.shape}"
-        )
+        raise ValueError(f"{name}: expected shape (..., {expected}) for {module}, got {x.shape}")
 
 
 def _normalized_shape(normalized_shape) -> Tuple[int, ...]:
@@ -55,10 +54,8 @@ def _normalized_shape(normalized_shape) -> Tuple[int, ...]:
 
 def _check_trailing(x: np.ndarray, name: str, shape: Tuple[int, ...], module: str) -> None:
     k = len(shape)
-    if x.ndim < k or x.shape[x.ndim - k:] != shape:
-        raise ValueError(
-            f"{name}: expected shape (..., {', '.join(map(str, shape))}) for {module}, got {x.shape}"
-        )
+    if x.ndim < k or x.shape[x.ndim - k :] != shape:
+        raise ValueError(f"{name}: expected shape (..., {', '.join(map(str, shape))}) for {module}, got {x.shape}")
 
 
 def _data(p: Optional[Parameter]):
@@ -69,8 +66,7 @@ class Linear(Module):
     """``y = x @ weight.T + bias``; ``weight (out, in)`` and ``bias (out,)`` drawn from
     U(-1/sqrt(in), 1/sqrt(in)) as ``torch.nn.Linear``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None,
-                 dtype=np.float64) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None, dtype=np.float64) -> None:
         super().__init__()
         self.in_features = check_size(in_features, "in_features")
         self.out_features = check_size(out_features, "out_features")
@@ -114,8 +110,15 @@ class LayerNorm(Module):
     square root.  ``weight`` (ones) and ``bias`` (zeros) have shape ``normalized_shape``;
     ``elementwise_affine=False`` has neither, ``bias=False`` only the weight."""
 
-    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, *, dtype=np.float64) -> None:
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = check_positive_float(eps, "eps", allow_zero=True)
@@ -135,8 +138,9 @@ class LayerNorm(Module):
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        y, cache = K.layer_norm(x, _data(self.weight), _data(self.bias), self.eps,
-                                normalized_shape=self.normalized_shape)
+        y, cache = K.layer_norm(
+            x, _data(self.weight), _data(self.bias), self.eps, normalized_shape=self.normalized_shape
+        )
         self._save(cache)
         return y
 
@@ -160,8 +164,14 @@ class RMSNorm(Module):
     ``torch.nn.RMSNorm``; ``eps=None`` is ``np.finfo(dtype).eps`` of the module's dtype.  ``weight``
     (ones, shape ``normalized_shape``) unless ``elementwise_affine=False``."""
 
-    def __init__(self, normalized_shape: ShapeLike, eps: Optional[float] = None, elementwise_affine: bool = True,
-                 *, dtype=np.float64) -> None:
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: Optional[float] = None,
+        elementwise_affine: bool = True,
+        *,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         self.normalized_shape = _normalized_shape(normalized_shape)
         self.eps = None if eps is None else check_positive_float(eps, "eps", allow_zero=True)
@@ -247,20 +257,31 @@ class Embedding(Module):
     norm_type: float
     scale_grad_by_freq: bool
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
-                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 *, rng=None, dtype=np.float64) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        *,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         self.num_embeddings = check_size(num_embeddings, "num_embeddings")
         self.embedding_dim = check_size(embedding_dim, "embedding_dim")
         if padding_idx is not None:
             if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
-                raise TypeError(f"padding_idx: expected an integer or None, got {padding_idx!r} "
-                                f"({type(padding_idx).__name__})")
+                raise TypeError(
+                    f"padding_idx: expected an integer or None, got {padding_idx!r} ({type(padding_idx).__name__})"
+                )
             n = self.num_embeddings
             if not -n <= padding_idx < n:
-                raise ValueError(f"padding_idx: expected a value in [{-n}, {n - 1}] (num_embeddings={n}), "
-                                 f"got {padding_idx}")
+                raise ValueError(
+                    f"padding_idx: expected a value in [{-n}, {n - 1}] (num_embeddings={n}), got {padding_idx}"
+                )
             padding_idx = int(padding_idx) % n
         self.padding_idx = padding_idx
         self.max_norm = None if max_norm is None else check_positive_float(max_norm, "max_norm")
@@ -302,8 +323,7 @@ class Embedding(Module):
     def _forward(self, ids: np.ndarray) -> np.ndarray:
         if self.max_norm is not None:
             self._renorm_(ids)  # the rows are now within max_norm: the lookup needs no renorm of its own
-        y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type,
-                               self.scale_grad_by_freq)
+        y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq)
         self._save(cache)
         return y
 
@@ -354,8 +374,17 @@ class FeedForward(Module):
     input gradients.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str = "relu", dropout: float = 0.0,
-                 bias: bool = True, rng=None, dtype=np.float64) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        bias: bool = True,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         check_size(d_model, "d_model")
         check_size(d_ff, "d_ff")

@@ -13,6 +13,7 @@ What every subclass gets from this base class, without writing anything:
   changed after the forward (optimizer step, ``load_state_dict``, ``p.data = ...``);
 * a ``p.grad`` set to ``None`` is created again by the next backward (``_accumulate``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -226,10 +227,14 @@ class Module:
         plist, versions = saved
         for (name, p), v in zip(plist, versions):
             g = p.grad
-            if g is not None and not (isinstance(g, np.ndarray) and g.shape == p._data.shape
-                                      and g.dtype.kind == "f" and g.flags.writeable):
-                got = (f"shape {g.shape}, dtype {g.dtype}, writeable={g.flags.writeable}"
-                       if isinstance(g, np.ndarray) else type(g).__name__)
+            if g is not None and not (
+                isinstance(g, np.ndarray) and g.shape == p._data.shape and g.dtype.kind == "f" and g.flags.writeable
+            ):
+                got = (
+                    f"shape {g.shape}, dtype {g.dtype}, writeable={g.flags.writeable}"
+                    if isinstance(g, np.ndarray)
+                    else type(g).__name__
+                )
                 raise TypeError(
                     f"{type(self).__name__}.backward: parameter {name!r} has a grad that cannot accumulate "
                     f"(expected None or a writeable float array of shape {p._data.shape}, got {got}); "
@@ -464,8 +469,9 @@ class Module:
             with np.load(path, allow_pickle=False) as f:
                 arrays = {k: f[k] for k in f.files}
         except Exception as e:
-            raise ValueError(f"load: cannot read the .npz archive {path!r}; it may be corrupt "
-                             f"({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"load: cannot read the .npz archive {path!r}; it may be corrupt ({type(e).__name__}: {e})"
+            ) from None
         return self.load_state_dict(arrays, strict=strict)
 
     # -- repr ------------------------------------------------------------------------------
@@ -514,8 +520,9 @@ def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
     if kind not in "fiub":
         return ValueError, f"key {key!r}: expected a numeric array, got dtype {arr.dtype}"
     if kind == "f" and arr.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        return TypeError, (f"key {key!r}: {arr.dtype} is not supported; convert it with "
-                           ".astype(np.float32) (or np.float64)")
+        return TypeError, (
+            f"key {key!r}: {arr.dtype} is not supported; convert it with .astype(np.float32) (or np.float64)"
+        )
     if arr.shape != current.shape:
         return ValueError, f"key {key!r}: expected shape {current.shape}, got {arr.shape}"
     if current.dtype.kind == "f" and arr.size and (kind in "iu" or arr.dtype.itemsize > current.dtype.itemsize):
@@ -523,6 +530,8 @@ def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
         with np.errstate(invalid="ignore"):
             finite = np.abs(arr[np.isfinite(arr)]) if kind == "f" else np.abs(arr.astype(np.float64))
         if finite.size and finite.max() > big:
-            return ValueError, (f"key {key!r}: value {float(finite.max()):g} is out of the range of "
-                                f"{current.dtype} (max {big:g}); it would become inf")
+            return ValueError, (
+                f"key {key!r}: value {float(finite.max()):g} is out of the range of "
+                f"{current.dtype} (max {big:g}); it would become inf"
+            )
     return None

@@ -7,6 +7,7 @@ runs, so a refused call changes no state; it then calls its sublayers' unvalidat
 ``_backward`` (see ``npattn.nn.layers``).  A residual ``h = x + f(x)`` gives
 ``dx = dh + f.backward(dh)``.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -56,9 +57,21 @@ class EncoderBlock(Module):
     ``attn_mask`` True = may attend; ``key_padding_mask`` True = padding).
     """
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, dropout: float = 0.1, activation: str = "relu",
-                 norm_first: bool = False, causal: bool = False, qkv_bias: bool = False, bias: bool = True,
-                 rng=None, dtype=np.float64) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        causal: bool = False,
+        qkv_bias: bool = False,
+        bias: bool = True,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
         if d_model % num_heads:
@@ -72,8 +85,17 @@ class EncoderBlock(Module):
             raise ValueError("qkv_bias: bias=False drops every bias; expected qkv_bias=False, got True")
         rng = as_rng(rng)
         self._dtype = check_dtype(dtype)
-        self.mha = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=bias,
-                                      causal=causal, rng=rng, dtype=dtype)
+        self.mha = MultiHeadAttention(
+            d_model,
+            d_model,
+            num_heads,
+            dropout=dropout,
+            qkv_bias=qkv_bias,
+            out_bias=bias,
+            causal=causal,
+            rng=rng,
+            dtype=dtype,
+        )
         self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
         self.layernorm1 = LayerNorm(d_model, bias=bias, dtype=dtype)
         self.layernorm2 = LayerNorm(d_model, bias=bias, dtype=dtype)
@@ -91,6 +113,7 @@ class EncoderBlock(Module):
 
     def _forward(self, x: np.ndarray, mask: Optional[np.ndarray]) -> np.ndarray:
         """The block on a validated ``x`` and the attention's mask built by ``mha._build_mask``."""
+
         def mha(h):
             return self.mha._forward(h, mask=mask)
 
@@ -178,9 +201,20 @@ class DecoderBlock(Module):
     ``(..., S)`` True = padding.  ``backward(dy)`` returns ``(dx, dmemory)``.
     """
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, dropout: float = 0.1, activation: str = "relu",
-                 norm_first: bool = False, causal: bool = False, bias: bool = True, rng=None,
-                 dtype=np.float64) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        causal: bool = False,
+        bias: bool = True,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
         super().__init__()
         d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
         if d_model % num_heads:
@@ -192,10 +226,20 @@ class DecoderBlock(Module):
         bias = check_bool(bias, "bias")
         rng = as_rng(rng)
         self._dtype = check_dtype(dtype)
-        self.self_attn = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=bias,
-                                            out_bias=bias, causal=causal, rng=rng, dtype=dtype)
-        self.cross_attn = MultiHeadAttention(d_model, d_model, num_heads, dropout=dropout, qkv_bias=bias,
-                                             out_bias=bias, rng=rng, dtype=dtype)
+        self.self_attn = MultiHeadAttention(
+            d_model,
+            d_model,
+            num_heads,
+            dropout=dropout,
+            qkv_bias=bias,
+            out_bias=bias,
+            causal=causal,
+            rng=rng,
+            dtype=dtype,
+        )
+        self.cross_attn = MultiHeadAttention(
+            d_model, d_model, num_heads, dropout=dropout, qkv_bias=bias, out_bias=bias, rng=rng, dtype=dtype
+        )
         self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
         self.layernorm1 = LayerNorm(d_model, bias=bias, dtype=dtype)
         self.layernorm2 = LayerNorm(d_model, bias=bias, dtype=dtype)
@@ -207,8 +251,9 @@ class DecoderBlock(Module):
     def extra_repr(self):
         return f"norm_first={self.norm_first}"
 
-    def forward(self, x, memory, *, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
-                memory_key_padding_mask=None) -> np.ndarray:
+    def forward(
+        self, x, memory, *, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None, memory_key_padding_mask=None
+    ) -> np.ndarray:
         d = self.layernorm1.normalized_shape[0]
         x = _check_sequence(x, "x", d, self.dtype)
         memory = _check_sequence(memory, "memory", d, self.dtype)
@@ -216,16 +261,20 @@ class DecoderBlock(Module):
         if memory.shape[:-2] != lead:
             raise ValueError(f"memory: expected shape {lead + ('S', d)} (x's leading axes), got {memory.shape}")
         # both masks are refused here, before any sublayer runs
-        self_mask = self.self_attn._build_mask(tgt_mask, tgt_key_padding_mask, lead, L, L,
-                                               ("tgt_mask", "tgt_key_padding_mask"))
-        cross_mask = self.cross_attn._build_mask(memory_mask, memory_key_padding_mask, lead, L, S,
-                                                 ("memory_mask", "memory_key_padding_mask"))
+        self_mask = self.self_attn._build_mask(
+            tgt_mask, tgt_key_padding_mask, lead, L, L, ("tgt_mask", "tgt_key_padding_mask")
+        )
+        cross_mask = self.cross_attn._build_mask(
+            memory_mask, memory_key_padding_mask, lead, L, S, ("memory_mask", "memory_key_padding_mask")
+        )
         return self._forward(x, memory, self_mask, cross_mask)
 
-    def _forward(self, x: np.ndarray, memory: np.ndarray, self_mask: Optional[np.ndarray],
-                 cross_mask: Optional[np.ndarray]) -> np.ndarray:
+    def _forward(
+        self, x: np.ndarray, memory: np.ndarray, self_mask: Optional[np.ndarray], cross_mask: Optional[np.ndarray]
+    ) -> np.ndarray:
         """The block on validated ``x`` and ``memory`` and the attentions' masks built by their
         ``_build_mask``."""
+
         def sa(h):
             return self.self_attn._forward(h, mask=self_mask)
 
@@ -293,6 +342,7 @@ class DecoderBlock(Module):
 
 # -- torch state dicts ----------------------------------------------------------------------------------
 
+
 def _torch_layer_state(state_dict, kwargs: dict, attns: Tuple[str, ...], norms: int):
     """Check the keys of a torch transformer layer's state dict; returns ``(arrays, d_model, d_ff,
     bias, kwargs with dtype)``."""
@@ -308,8 +358,10 @@ def _torch_layer_state(state_dict, kwargs: dict, attns: Tuple[str, ...], norms: 
     biases += ["linear1.bias", "linear2.bias"] + [f"norm{i}.bias" for i in range(1, norms + 1)]
     unexpected = sorted(k for k in sd if k not in weights and k not in biases)
     if unexpected:
-        raise ValueError(f"state_dict: unexpected keys {unexpected} (expected those of a torch transformer layer: "
-                         f"{weights + biases})")
+        raise ValueError(
+            f"state_dict: unexpected keys {unexpected} (expected those of a torch transformer layer: "
+            f"{weights + biases})"
+        )
     missing = [k for k in weights if k not in sd]
     present = [k for k in biases if k in sd]
     if present and len(present) != len(biases):
@@ -336,12 +388,12 @@ def _rename_torch_state(sd: Dict[str, np.ndarray], attns: Dict[str, str], d_mode
         if head in attns:
             mine = attns[head]
             if rest.startswith("in_proj_"):
-                kind = rest[len("in_proj_"):]
+                kind = rest[len("in_proj_") :]
                 if v.shape[0] != 3 * E:
                     shape = (3 * E, E) if kind == "weight" else (3 * E,)
                     raise ValueError(f"load_state_dict: key {k!r}: expected shape {shape}, got {v.shape}")
                 for i, w in enumerate(("W_query", "W_key", "W_value")):
-                    out[f"{mine}.{w}.{kind}"] = v[i * E:(i + 1) * E]
+                    out[f"{mine}.{w}.{kind}"] = v[i * E : (i + 1) * E]
             else:
                 out[f"{mine}.{rest}"] = v
         elif head.startswith("linear"):

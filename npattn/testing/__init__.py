@@ -7,13 +7,30 @@
   attention variants: ``windows``, ``alibi_slopes``, ``softcaps``, ``sinks``, ``positions`` (RoPE)
   and ``attention_configs(options=True)``, which draws every attention option.
 """
+
 from .gradcheck import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
 
 _STRATEGIES = (
-    "dtypes", "seeds", "shapes", "arrays", "relu_safe_arrays", "layer_norm_inputs", "LayerNormCase",
-    "MASK_KINDS", "masks", "attention_configs", "AttentionConfig", "make_mask",
-    "ATTENTION_OPTIONS", "windows", "alibi_slopes", "standard_alibi_slopes", "softcaps", "sinks",
-    "POSITION_KINDS", "positions",
+    "dtypes",
+    "seeds",
+    "shapes",
+    "arrays",
+    "relu_safe_arrays",
+    "layer_norm_inputs",
+    "LayerNormCase",
+    "MASK_KINDS",
+    "masks",
+    "attention_configs",
+    "AttentionConfig",
+    "make_mask",
+    "ATTENTION_OPTIONS",
+    "windows",
+    "alibi_slopes",
+    "standard_alibi_slopes",
+    "softcaps",
+    "sinks",
+    "POSITION_KINDS",
+    "positions",
 )
 
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient", *_STRATEGIES]

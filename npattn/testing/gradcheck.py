@@ -24,6 +24,7 @@ function's own keywords, an op's ``eps`` (``layer_norm``) must be passed positio
 
 This module imports numpy and the standard library only.
 """
+
 from __future__ import annotations
 
 import copy
@@ -67,8 +68,10 @@ class GradcheckRow(_RowFields):
         return (*self, self.mode)
 
     def __repr__(self):
-        return (f"GradcheckRow(name={self.name!r}, max_abs_err={self.max_abs_err!r}, "
-                f"max_rel_err={self.max_rel_err!r}, ok={self.ok!r}, mode={self.mode!r})")
+        return (
+            f"GradcheckRow(name={self.name!r}, max_abs_err={self.max_abs_err!r}, "
+            f"max_rel_err={self.max_rel_err!r}, ok={self.ok!r}, mode={self.mode!r})"
+        )
 
 
 class GradcheckReport:
@@ -127,8 +130,11 @@ class GradcheckReport:
     def __str__(self):
         with_mode = any(m != "element" for m in self.modes)
         head = ("name", "max abs err", "max rel err", "ok") + (("mode",) if with_mode else ())
-        body = [(r.name, f"{r.max_abs_err:.3e}", f"{r.max_rel_err:.3e}", "yes" if r.ok else "NO")
-                + ((m,) if with_mode else ()) for r, m in zip(self.rows, self.modes)]
+        body = [
+            (r.name, f"{r.max_abs_err:.3e}", f"{r.max_rel_err:.3e}", "yes" if r.ok else "NO")
+            + ((m,) if with_mode else ())
+            for r, m in zip(self.rows, self.modes)
+        ]
         widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
 
         def fmt(row):
@@ -137,10 +143,17 @@ class GradcheckReport:
             return " | ".join(cells).rstrip()
 
         modes = set(self.modes)
-        how = ("one random direction per tensor" if modes == {"direction"} else
-               "per element" if modes <= {"element"} else "per element and by direction")
-        title = (f"gradcheck {self.target}: {'ok' if self.ok else 'FAILED'} "
-                 f"({how}; eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})")
+        how = (
+            "one random direction per tensor"
+            if modes == {"direction"}
+            else "per element"
+            if modes <= {"element"}
+            else "per element and by direction"
+        )
+        title = (
+            f"gradcheck {self.target}: {'ok' if self.ok else 'FAILED'} "
+            f"({how}; eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})"
+        )
         sep = "-+-".join("-" * w for w in widths)
         return "\n".join([title, fmt(head), sep] + [fmt(b) for b in body])
 
@@ -159,11 +172,14 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
     if not callable(f):
         raise TypeError(f"f: expected a function of x returning a scalar, got {type(f).__name__}")
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
-        raise TypeError(f"x: expected a float ndarray, got {type(x).__name__}"
-                        + (f" of dtype {x.dtype}" if isinstance(x, np.ndarray) else ""))
+        raise TypeError(
+            f"x: expected a float ndarray, got {type(x).__name__}"
+            + (f" of dtype {x.dtype}" if isinstance(x, np.ndarray) else "")
+        )
     if x.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"x: {x.dtype} is not supported (eps-sized steps need float64); "
-                        "convert with x.astype(np.float64)")
+        raise TypeError(
+            f"x: {x.dtype} is not supported (eps-sized steps need float64); convert with x.astype(np.float64)"
+        )
     if not x.flags.writeable:
         raise ValueError("x: expected a writable array (it is perturbed in place and restored)")
     _check_tolerances(eps, 1.0, 0.0)
@@ -190,6 +206,7 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
 
 # --------------------------------------------------------------------------------------------
 # helpers
+
 
 def _errors(a: np.ndarray, n: np.ndarray, rtol: float, atol: float):
     """(max_abs_err, max_rel_err, ok) with the element test ``|a-n| <= max(atol, rtol*max(|a|,|n|))``."""
@@ -263,8 +280,10 @@ def _pair_grads(grads, inputs, names, what: str):
             if not _is_float_array(x):
                 continue
             if g is None:
-                raise ValueError(f"{what} returned None as the gradient of float input {names[i]!r} "
-                                 f"(position {i}); pass constants by keyword or as non-float arrays")
+                raise ValueError(
+                    f"{what} returned None as the gradient of float input {names[i]!r} "
+                    f"(position {i}); pass constants by keyword or as non-float arrays"
+                )
             pairs[i] = g
     else:
         got = [g for g in grads if g is not None]
@@ -279,8 +298,9 @@ def _pair_grads(grads, inputs, names, what: str):
     for i, g in pairs.items():
         g = np.asarray(g)
         if g.shape != inputs[i].shape:
-            raise ValueError(f"{what}: the gradient of {names[i]!r} has shape {g.shape}, "
-                             f"expected {inputs[i].shape} (the input's)")
+            raise ValueError(
+                f"{what}: the gradient of {names[i]!r} has shape {g.shape}, expected {inputs[i].shape} (the input's)"
+            )
         pairs[i] = g
     return pairs
 
@@ -297,16 +317,20 @@ def _objective(out, g) -> float:
 def _check_tolerances(eps, rtol, atol):
     for name, value, zero_ok in (("eps", eps, False), ("rtol", rtol, False), ("atol", atol, True)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, "
-                            f"got {value!r} ({type(value).__name__})")
+            raise TypeError(
+                f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, "
+                f"got {value!r} ({type(value).__name__})"
+            )
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise ValueError(f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
 
-def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None, fast=False,
-              **forward_kwargs) -> GradcheckReport:
+
+def gradcheck(
+    target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None, fast=False, **forward_kwargs
+) -> GradcheckReport:
     """Compare a backward with central differences of ``sum(forward(*inputs) * g)``.
 
     ``target`` is one of
@@ -360,15 +384,18 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None,
         raise TypeError(f"fast: expected True or False, got {fast!r} ({type(fast).__name__})")
     wrt = _normalise_wrt(wrt)
     if isinstance(target, type):
-        raise TypeError(f"target: expected a forward function, a (forward, backward) pair or a Module "
-                        f"instance, got the class {target.__name__} (instantiate it first)")
+        raise TypeError(
+            f"target: expected a forward function, a (forward, backward) pair or a Module "
+            f"instance, got the class {target.__name__} (instantiate it first)"
+        )
     opts = _Options(int(seed), eps, rtol, atol, wrt, bool(fast))
     if isinstance(target, Module):
         return _gradcheck_module(target, inputs, opts, forward_kwargs)
     if isinstance(target, tuple):
         if len(target) != 2 or not all(callable(t) for t in target):
-            raise TypeError("target: expected a (forward, backward) pair of callables, "
-                            f"got a tuple of {len(target)} item(s)")
+            raise TypeError(
+                f"target: expected a (forward, backward) pair of callables, got a tuple of {len(target)} item(s)"
+            )
         forward, backward = target
     elif callable(target):
         forward = target
@@ -376,11 +403,15 @@ def gradcheck(target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None,
         mod = sys.modules.get(getattr(forward, "__module__", None) or "")
         backward = getattr(mod, f"{fname}_backward", None) if (mod is not None and fname) else None
         if not callable(backward):
-            raise ValueError(f"target: no backward '{fname}_backward' next to {fname!r} in module "
-                             f"{getattr(forward, '__module__', None)!r}; pass a (forward, backward) tuple")
+            raise ValueError(
+                f"target: no backward '{fname}_backward' next to {fname!r} in module "
+                f"{getattr(forward, '__module__', None)!r}; pass a (forward, backward) tuple"
+            )
     else:
-        raise TypeError(f"target: expected a forward function, a (forward, backward) pair or a Module "
-                        f"instance, got {type(target).__name__}")
+        raise TypeError(
+            f"target: expected a forward function, a (forward, backward) pair or a Module "
+            f"instance, got {type(target).__name__}"
+        )
     return _gradcheck_functional(forward, backward, inputs, opts, forward_kwargs)
 
 
@@ -449,8 +480,9 @@ def _run_checks(objective, checked, analytic, opts: _Options, label):
             num = numerical_gradient(lambda _: objective(), arr, opts.eps)
             numerical[name] = num
             rows.append(GradcheckRow(name, *_errors(analytic[name], num, opts.rtol, opts.atol)))
-    return GradcheckReport(rows, target=label, eps=opts.eps, rtol=opts.rtol, atol=opts.atol,
-                           analytic=analytic, numerical=numerical)
+    return GradcheckReport(
+        rows, target=label, eps=opts.eps, rtol=opts.rtol, atol=opts.atol, analytic=analytic, numerical=numerical
+    )
 
 
 def _unique_names(names: Sequence[str], taken=()) -> List[str]:
@@ -469,14 +501,17 @@ def _unique_names(names: Sequence[str], taken=()) -> List[str]:
 def _check_unmodified(inputs, pristine, names, label):
     for i, (x, p) in enumerate(zip(inputs, pristine)):
         if isinstance(p, np.ndarray) and not np.array_equal(x, p, equal_nan=p.dtype.kind == "f"):
-            raise RuntimeError(f"{label}: the forward modified its input {names[i]!r}; "
-                               "finite differences would be meaningless")
+            raise RuntimeError(
+                f"{label}: the forward modified its input {names[i]!r}; finite differences would be meaningless"
+            )
 
 
 def _check_deterministic(out1, out2, label):
     if np.shape(out1) != np.shape(out2) or not np.array_equal(np.asarray(out1), np.asarray(out2), equal_nan=True):
-        raise RuntimeError(f"{label}: two forward calls at the same point gave different outputs; "
-                           "pass randomness as an np.random.Generator or an int seed (rng=...)")
+        raise RuntimeError(
+            f"{label}: two forward calls at the same point gave different outputs; "
+            "pass randomness as an np.random.Generator or an int seed (rng=...)"
+        )
 
 
 def _keyword_order(forward, kwargs) -> List[str]:
@@ -495,12 +530,12 @@ def _pair_extra_grads(grads, inputs, names, kw_float, wrt, what):
     ``wrt`` when it names any).  Returns ``(positional grads, {keyword: grad})`` or None."""
     if len(grads) <= len(inputs):
         return None
-    extra = [g for g in grads[len(inputs):] if g is not None]
+    extra = [g for g in grads[len(inputs) :] if g is not None]
     named = [k for k in kw_float if wrt is not None and k in wrt]
     targets = named or kw_float
     if not extra or len(extra) != len(targets):
         return None
-    return tuple(grads[:len(inputs)]), dict(zip(targets, extra))
+    return tuple(grads[: len(inputs)]), dict(zip(targets, extra))
 
 
 def _gradcheck_functional(forward, backward, inputs, opts, kwargs):
@@ -549,14 +584,17 @@ def _gradcheck_functional(forward, backward, inputs, opts, kwargs):
     for k, gk in kw_grads.items():
         gk = np.asarray(gk)
         if gk.shape != kwargs[k].shape:
-            raise ValueError(f"{what}: the gradient of {k!r} has shape {gk.shape}, expected {kwargs[k].shape} "
-                             "(the keyword input's)")
+            raise ValueError(
+                f"{what}: the gradient of {k!r} has shape {gk.shape}, expected {kwargs[k].shape} (the keyword input's)"
+            )
     if opts.wrt is not None:
         have = {names[i] for i in pairs} | set(kw_grads)
         lacking = [n for n in opts.wrt if n not in have]
         if lacking:
-            raise ValueError(f"wrt: {what} returned no gradient for {lacking} (keyword inputs need a gradient "
-                             "appended by the backward, e.g. mask_grad=True for a float attn_mask)")
+            raise ValueError(
+                f"wrt: {what} returned no gradient for {lacking} (keyword inputs need a gradient "
+                "appended by the backward, e.g. mask_grad=True for a float attn_mask)"
+            )
     checked = [(names[i], inputs[i]) for i in sorted(pairs)] + [(k, kwargs[k]) for k in kw_grads]
     analytic = {names[i]: np.asarray(pairs[i], dtype=np.float64) for i in sorted(pairs)}
     analytic.update({k: np.asarray(v, dtype=np.float64) for k, v in kw_grads.items()})
@@ -612,8 +650,7 @@ def _gradcheck_module(module, inputs, opts, kwargs):
     for pname, p in params:
         if p.data.dtype.kind != "f":
             continue
-        analytic[pname] = (np.zeros(p.data.shape) if p.grad is None
-                           else np.array(p.grad, dtype=np.float64, copy=True))
+        analytic[pname] = np.zeros(p.data.shape) if p.grad is None else np.array(p.grad, dtype=np.float64, copy=True)
         if p.data.dtype != np.float64 or not p.data.flags.writeable:
             p.data = np.array(p.data, dtype=np.float64, copy=True)
         checked.append((pname, p.data))

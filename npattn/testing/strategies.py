@@ -14,6 +14,7 @@ layer norm, values bounded away from 0 for ReLU's kink.
     ... def test_runs(cfg):
     ...     out, _ = scaled_dot_product_attention(cfg.q, cfg.k, cfg.v, **cfg.kwargs())
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,15 +25,29 @@ import numpy as np
 try:
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - exercised only without hypothesis
-    raise ImportError(
-        'npattn.testing needs hypothesis; install it with: pip install "npattn[test]"'
-    ) from e
+    raise ImportError('npattn.testing needs hypothesis; install it with: pip install "npattn[test]"') from e
 
 __all__ = [
-    "dtypes", "seeds", "shapes", "arrays", "relu_safe_arrays", "layer_norm_inputs", "LayerNormCase",
-    "MASK_KINDS", "masks", "attention_configs", "AttentionConfig", "make_mask",
-    "ATTENTION_OPTIONS", "windows", "alibi_slopes", "standard_alibi_slopes", "softcaps", "sinks",
-    "POSITION_KINDS", "positions",
+    "dtypes",
+    "seeds",
+    "shapes",
+    "arrays",
+    "relu_safe_arrays",
+    "layer_norm_inputs",
+    "LayerNormCase",
+    "MASK_KINDS",
+    "masks",
+    "attention_configs",
+    "AttentionConfig",
+    "make_mask",
+    "ATTENTION_OPTIONS",
+    "windows",
+    "alibi_slopes",
+    "standard_alibi_slopes",
+    "softcaps",
+    "sinks",
+    "POSITION_KINDS",
+    "positions",
 ]
 
 _SEED_MAX = 2**32 - 1
@@ -75,8 +90,9 @@ def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.
     return st.tuples(_shape_strategy(shape), dt, seeds()).map(build)
 
 
-def relu_safe_arrays(shape, dtype=np.float64, scale: float = 1.0,
-                     margin: float = 0.05) -> st.SearchStrategy[np.ndarray]:
+def relu_safe_arrays(
+    shape, dtype=np.float64, scale: float = 1.0, margin: float = 0.05
+) -> st.SearchStrategy[np.ndarray]:
     """Like :func:`arrays` but with ``|x| >= margin``: finite differences never straddle the
     ReLU kink at 0 (nor need its one-sided derivative), values of both signs still appear."""
     if not 0 < margin < scale:
@@ -106,8 +122,14 @@ class LayerNormCase:
         return (self.x, self.weight, self.bias, self.eps)
 
 
-def layer_norm_inputs(min_features: int = 2, max_features: int = 5, max_lead_dims: int = 2, max_side: int = 3,
-                      dtype=np.float64, affine: Optional[bool] = None) -> st.SearchStrategy[LayerNormCase]:
+def layer_norm_inputs(
+    min_features: int = 2,
+    max_features: int = 5,
+    max_lead_dims: int = 2,
+    max_side: int = 3,
+    dtype=np.float64,
+    affine: Optional[bool] = None,
+) -> st.SearchStrategy[LayerNormCase]:
     """Layer-norm inputs whose rows have a non-degenerate variance.
 
     Each row is standardised then given a standard deviation in ``[0.5, 2]`` and a mean in
@@ -128,13 +150,15 @@ def layer_norm_inputs(min_features: int = 2, max_features: int = 5, max_lead_dim
         x = x * rng.uniform(0.5, 2.0, lead + (1,)) + rng.uniform(-1.0, 1.0, lead + (1,))
         w = rng.uniform(0.5, 1.5, d) * np.where(rng.random(d) < 0.2, -1, 1) if has_w else None
         b = rng.uniform(-1.0, 1.0, d) if has_b else None
+
         def cast(a):
             return None if a is None else a.astype(dtp)
 
         return LayerNormCase(cast(x), cast(w), cast(b))
 
-    return st.tuples(shapes(0, max_lead_dims, 1, max_side), st.integers(min_features, max_features),
-                     dt, seeds(), use, use).map(build)
+    return st.tuples(
+        shapes(0, max_lead_dims, 1, max_side), st.integers(min_features, max_features), dt, seeds(), use, use
+    ).map(build)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -193,7 +217,8 @@ def masks(lq: int, lk: int, kind: Optional[Union[str, Sequence[str]]] = None, le
         if k not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {MASK_KINDS}, got {k!r}")
     return st.tuples(st.sampled_from(kinds), seeds(), st.booleans()).map(
-        lambda a: make_mask(lq, lk, a[0], a[1], lead, a[2]))
+        lambda a: make_mask(lq, lk, a[0], a[1], lead, a[2])
+    )
 
 
 @dataclass
@@ -239,8 +264,14 @@ class AttentionConfig:
     def kwargs(self, rng=None) -> dict:
         """Keyword arguments for ``scaled_dot_product_attention`` (``rng`` defaults to ``seed``:
         an int seed gives the same dropout mask at every call)."""
-        kw = dict(attn_mask=self.attn_mask, is_causal=self.is_causal, dropout_p=self.dropout_p,
-                  scale=self.scale, rng=self.seed if rng is None else rng, enable_gqa=self.enable_gqa)
+        kw = dict(
+            attn_mask=self.attn_mask,
+            is_causal=self.is_causal,
+            dropout_p=self.dropout_p,
+            scale=self.scale,
+            rng=self.seed if rng is None else rng,
+            enable_gqa=self.enable_gqa,
+        )
         kw.update(self.options())
         return kw
 
@@ -279,18 +310,31 @@ class AttentionConfig:
                 vis &= key <= pos + right
         if self.attn_mask is not None:
             m = self.attn_mask
-            vis &= (m if m.dtype == bool else np.isfinite(m))
+            vis &= m if m.dtype == bool else np.isfinite(m)
         return vis
 
 
 @st.composite
-def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_axis: Optional[bool] = None,
-                      max_kv_heads: int = 2, max_groups: int = 3, gqa: Optional[bool] = None,
-                      min_len: int = 2, max_len: int = 4, max_e: int = 4, max_ev: int = 4,
-                      mask_kinds: Optional[Sequence[str]] = None, causal: Optional[bool] = None,
-                      dropout: bool = False, dtype=np.float64, scale_range=(0.2, 1.5),
-                      value_scale: float = 1.0,
-                      options: Union[bool, Sequence[str]] = False) -> AttentionConfig:
+def attention_configs(
+    draw,
+    max_batch_dims: int = 2,
+    max_batch: int = 2,
+    head_axis: Optional[bool] = None,
+    max_kv_heads: int = 2,
+    max_groups: int = 3,
+    gqa: Optional[bool] = None,
+    min_len: int = 2,
+    max_len: int = 4,
+    max_e: int = 4,
+    max_ev: int = 4,
+    mask_kinds: Optional[Sequence[str]] = None,
+    causal: Optional[bool] = None,
+    dropout: bool = False,
+    dtype=np.float64,
+    scale_range=(0.2, 1.5),
+    value_scale: float = 1.0,
+    options: Union[bool, Sequence[str]] = False,
+) -> AttentionConfig:
     """Attention calls covering the interesting cases, at tiny sizes.
 
     * 0..``max_batch_dims`` batch axes of 1..``max_batch``; with or without a head axis
@@ -345,8 +389,7 @@ def attention_configs(draw, max_batch_dims: int = 2, max_batch: int = 2, head_ax
     mask = make_mask(lq, lk, kind, seed + 1, batch + hq_axis, full_mask)
     if mask is not None and mask.dtype.kind == "f":
         mask = mask.astype(dt)
-    cfg = AttentionConfig(q, k, v, mask, kind, is_causal, scale, enable_gqa, dropout_p, seed,
-                          batch, heads, dt)
+    cfg = AttentionConfig(q, k, v, mask, kind, is_causal, scale, enable_gqa, dropout_p, seed, batch, heads, dt)
     names = _option_names(options)
     if "causal_align" in names:
         cfg.causal_align = draw(st.sampled_from(["top_left", "bottom_right"]))
@@ -399,8 +442,9 @@ def standard_alibi_slopes(num_heads: int) -> np.ndarray:
     return 2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads)
 
 
-def alibi_slopes(num_heads: int, batch: Sequence[int] = (), dtype=np.float64,
-                 max_slope: float = 1.0) -> st.SearchStrategy[np.ndarray]:
+def alibi_slopes(
+    num_heads: int, batch: Sequence[int] = (), dtype=np.float64, max_slope: float = 1.0
+) -> st.SearchStrategy[np.ndarray]:
     """ALiBi slopes of shape ``(*batch, num_heads)``: the standard geometric ones or positive
     values uniform in ``[1/256, max_slope]`` (a bias ``-slope |p - j|`` of a few units at the
     sizes tests use, so softmax stays far from saturation)."""
@@ -435,8 +479,9 @@ def sinks(num_heads: int, dtype=np.float64, scale: float = 2.0) -> st.SearchStra
 POSITION_KINDS = ("arange", "offset", "per_batch", "random")
 
 
-def positions(length: int, lead: Sequence[int] = (), max_offset: int = 64,
-              kinds: Optional[Sequence[str]] = None) -> st.SearchStrategy[np.ndarray]:
+def positions(
+    length: int, lead: Sequence[int] = (), max_offset: int = 64, kinds: Optional[Sequence[str]] = None
+) -> st.SearchStrategy[np.ndarray]:
     """Integer RoPE positions for ``x (*lead, length, D)``, broadcastable to ``(*lead, length)``:
 
     * ``"arange"``: ``arange(length)`` (the default positions);

@@ -52,6 +52,7 @@ core type in use, threads) and torch's thread count.
 The machine's load matters (two cores shared with anything else that runs): the report gives
 the load average and the idle fraction measured just before the run.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,9 +66,24 @@ import time
 
 import numpy as np
 
-__all__ = ["main", "run", "gemm_peak", "time_interleaved", "bench_sdpa", "bench_mha", "bench_encoder", "memory_table",
-           "window_table", "bench_demo", "memory_torch", "bench_decode", "format_decode",
-           "machine_info", "probe_openblas_env", "format_table"]
+__all__ = [
+    "main",
+    "run",
+    "gemm_peak",
+    "time_interleaved",
+    "bench_sdpa",
+    "bench_mha",
+    "bench_encoder",
+    "memory_table",
+    "window_table",
+    "bench_demo",
+    "memory_torch",
+    "bench_decode",
+    "format_decode",
+    "machine_info",
+    "probe_openblas_env",
+    "format_table",
+]
 
 _TORCH = None
 
@@ -156,8 +172,11 @@ def _rel_diff(a, b):
 def _result(name, shape, dtype, flops, times, peak, check=None):
     t_np, t_torch = times["npattn"], times.get("torch")
     r = {
-        "name": name, "shape": shape, "dtype": np.dtype(dtype).name,
-        "npattn_s": t_np, "torch_s": t_torch,
+        "name": name,
+        "shape": shape,
+        "dtype": np.dtype(dtype).name,
+        "npattn_s": t_np,
+        "torch_s": t_torch,
         "ratio": (t_np / t_torch) if t_torch else None,
         "gflop": flops / 1e9,
         "npattn_gflops": flops / t_np / 1e9,
@@ -171,8 +190,21 @@ def _result(name, shape, dtype, flops, times, peak, check=None):
 
 
 # -- the cases ---------------------------------------------------------------------------------------
-def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5,
-               pause=PAUSE, memory_efficient=False):
+def bench_sdpa(
+    b,
+    h,
+    L,
+    E,
+    dtype=np.float32,
+    *,
+    causal=True,
+    use_torch=True,
+    peak=None,
+    warmup=1,
+    repeats=5,
+    pause=PAUSE,
+    memory_efficient=False,
+):
     """``scaled_dot_product_attention`` (or, with ``memory_efficient``, ``memory_efficient_attention``)
     forward+backward on ``(b, h, L, E)``, and torch's ``F.scaled_dot_product_attention`` (its CPU
     flash kernel for these inputs)."""
@@ -180,8 +212,11 @@ def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, pea
 
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((b, h, L, E)).astype(dtype) for _ in range(4))
-    fwd, bwd = ((F.memory_efficient_attention, F.memory_efficient_attention_backward) if memory_efficient
-                else (F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward))
+    fwd, bwd = (
+        (F.memory_efficient_attention, F.memory_efficient_attention_backward)
+        if memory_efficient
+        else (F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward)
+    )
 
     def run_np():
         out, cache = fwd(q, k, v, is_causal=causal)
@@ -206,9 +241,15 @@ def bench_sdpa(b, h, L, E, dtype=np.float32, *, causal=True, use_torch=True, pea
         tout = run_torch()
         check = max(_rel_diff(out, tout.detach().numpy()), _rel_diff(dq, tq.grad.numpy()))
     times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
-    return _result("mem_eff" if memory_efficient else "sdpa",
-                   {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal}, dtype,
-                   _attention_flops(b, h, L, L, E, E, causal), times, peak, check)
+    return _result(
+        "mem_eff" if memory_efficient else "sdpa",
+        {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal},
+        dtype,
+        _attention_flops(b, h, L, L, E, E, causal),
+        times,
+        peak,
+        check,
+    )
 
 
 def _torch_mha(torch, mha):
@@ -232,8 +273,9 @@ def _torch_mha(torch, mha):
     dt = torch.float32 if mha.dtype == np.float32 else torch.float64
     m.to(dt)
     with torch.no_grad():
-        m.qkv.weight.copy_(torch.from_numpy(np.concatenate(
-            [mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data])))
+        m.qkv.weight.copy_(
+            torch.from_numpy(np.concatenate([mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data]))
+        )
         m.out_proj.weight.copy_(torch.from_numpy(mha.out_proj.weight.data))
         if mha.out_proj.bias is not None:
             m.out_proj.bias.copy_(torch.from_numpy(mha.out_proj.bias.data))
@@ -242,6 +284,7 @@ def _torch_mha(torch, mha):
 
 def _module_fns(module, tmodule, x, dy, torch):
     """Zero-argument callables running forward+backward of the npattn and the torch module."""
+
     def run_np():
         out = module(x)
         return out, module.backward(dy)
@@ -268,8 +311,9 @@ def _module_fns(module, tmodule, x, dy, torch):
     return fns, check
 
 
-def bench_mha(b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5,
-              pause=PAUSE):
+def bench_mha(
+    b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE
+):
     """``MultiHeadAttention(d, d, h, causal=causal)`` forward+backward on ``(b, L, d)`` (and torch's)."""
     from ..nn.attention import MultiHeadAttention
 
@@ -280,8 +324,15 @@ def bench_mha(b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak
     tm = _torch_mha(torch, mha) if torch is not None else None
     fns, check = _module_fns(mha, tm, x, dy, torch)
     times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
-    return _result("mha", {"batch": b, "seq": L, "d_model": d, "heads": h, "causal": causal}, dtype,
-                   _mha_flops(b, L, d, h, causal), times, peak, check)
+    return _result(
+        "mha",
+        {"batch": b, "seq": L, "d_model": d, "heads": h, "causal": causal},
+        dtype,
+        _mha_flops(b, L, d, h, causal),
+        times,
+        peak,
+        check,
+    )
 
 
 # -- the demo's model: one training step ------------------------------------------------------------
@@ -332,8 +383,11 @@ def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warm
 
     cfg = DemoConfig()
     b, L = (DEMO_QUICK["b"], DEMO_QUICK["L"]) if quick else (DEMO["b"], DEMO["L"])
-    d, h, layers, d_ff = ((DEMO_QUICK[k] for k in ("d", "h", "layers", "d_ff")) if quick
-                          else (cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff))
+    d, h, layers, d_ff = (
+        (DEMO_QUICK[k] for k in ("d", "h", "layers", "d_ff"))
+        if quick
+        else (cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff)
+    )
     model = TinyTransformer(VOCAB_SIZE, L, d, h, layers, d_ff, rng=np.random.default_rng(cfg.seed), dtype=dtype)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB_SIZE, (b, L))
@@ -357,8 +411,9 @@ def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warm
             for p in params:
                 p.grad = None
             logits = tm(tids)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ttargets.reshape(-1),
-                                                     ignore_index=IGNORE_INDEX)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ttargets.reshape(-1), ignore_index=IGNORE_INDEX
+            )
             loss.backward()
             return loss
 
@@ -366,35 +421,51 @@ def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warm
         model.zero_grad()
         loss = run_np()
         tloss = run_torch()
-        check = max(_rel_diff(loss, tloss.item()), _rel_diff(model.head.weight.grad, tm.head.weight.grad.numpy()),
-                    _rel_diff(model.tok_emb.weight.grad, tm.tok.weight.grad.numpy()))
+        check = max(
+            _rel_diff(loss, tloss.item()),
+            _rel_diff(model.head.weight.grad, tm.head.weight.grad.numpy()),
+            _rel_diff(model.tok_emb.weight.grad, tm.tok.weight.grad.numpy()),
+        )
     times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
-    return _result("demo", {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "layers": layers,
-                            "vocab": VOCAB_SIZE}, dtype, _demo_flops(b, L, d, h, d_ff, layers, VOCAB_SIZE),
-                   times, peak, check)
+    return _result(
+        "demo",
+        {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "layers": layers, "vocab": VOCAB_SIZE},
+        dtype,
+        _demo_flops(b, L, d, h, d_ff, layers, VOCAB_SIZE),
+        times,
+        peak,
+        check,
+    )
 
 
 def _torch_encoder(torch, block, L):
     """``nn.TransformerEncoderLayer`` with the weights of the npattn ``block`` and a causal mask."""
     mha, ffn = block.mha, block.ffn
     d, h = mha.d_out, mha.num_heads
-    layer = torch.nn.TransformerEncoderLayer(d, h, ffn.linear1.out_features, dropout=0.0, batch_first=True,
-                                             norm_first=block.norm_first)
+    layer = torch.nn.TransformerEncoderLayer(
+        d, h, ffn.linear1.out_features, dropout=0.0, batch_first=True, norm_first=block.norm_first
+    )
     dt = torch.float32 if block.dtype == np.float32 else torch.float64
     layer.to(dt)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     with torch.no_grad():
-        layer.self_attn.in_proj_weight.copy_(t(np.concatenate(
-            [mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data])))
+        layer.self_attn.in_proj_weight.copy_(
+            t(np.concatenate([mha.W_query.weight.data, mha.W_key.weight.data, mha.W_value.weight.data]))
+        )
         if mha.W_query.bias is None:  # qkv_bias=False: torch's layer always has one, kept at zero
             layer.self_attn.in_proj_bias.zero_()
         else:
-            layer.self_attn.in_proj_bias.copy_(t(np.concatenate(
-                [mha.W_query.bias.data, mha.W_key.bias.data, mha.W_value.bias.data])))
+            layer.self_attn.in_proj_bias.copy_(
+                t(np.concatenate([mha.W_query.bias.data, mha.W_key.bias.data, mha.W_value.bias.data]))
+            )
         layer.self_attn.out_proj.weight.copy_(t(mha.out_proj.weight.data))
         layer.self_attn.out_proj.bias.copy_(t(mha.out_proj.bias.data))
-        for tl, nl in ((layer.linear1, ffn.linear1), (layer.linear2, ffn.linear2),
-                       (layer.norm1, block.layernorm1), (layer.norm2, block.layernorm2)):
+        for tl, nl in (
+            (layer.linear1, ffn.linear1),
+            (layer.linear2, ffn.linear2),
+            (layer.norm1, block.layernorm1),
+            (layer.norm2, block.layernorm2),
+        ):
             tl.weight.copy_(t(nl.weight.data))
             tl.bias.copy_(t(nl.bias.data))
     mask = torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=dt)
@@ -410,8 +481,9 @@ def _torch_encoder(torch, block, L):
     return Causal()
 
 
-def bench_encoder(b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_torch=True, peak=None,
-                  warmup=1, repeats=5, pause=PAUSE):
+def bench_encoder(
+    b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE
+):
     """``EncoderBlock(d, h, d_ff, dropout=0, causal=causal, qkv_bias=True)`` forward+backward (and torch's)."""
     from ..nn.transformer import EncoderBlock
 
@@ -423,16 +495,36 @@ def bench_encoder(b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_t
     tm = _torch_encoder(torch, block, L) if torch is not None else None
     fns, check = _module_fns(block, tm, x, dy, torch)
     times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
-    return _result("encoder", {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "causal": causal},
-                   dtype, _encoder_flops(b, L, d, h, d_ff, causal), times, peak, check)
-
+    return _result(
+        "encoder",
+        {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "causal": causal},
+        dtype,
+        _encoder_flops(b, L, d, h, d_ff, causal),
+        times,
+        peak,
+        check,
+    )
 
 
 # -- decoding with and without the KV cache -------------------------------------------------------
-DECODE = {"vocab_size": 512, "context_length": 256, "emb_dim": 256, "n_heads": 4, "n_layers": 4, "drop_rate": 0.0,
-          "qkv_bias": False}
-DECODE_QUICK = {"vocab_size": 64, "context_length": 32, "emb_dim": 32, "n_heads": 2, "n_layers": 2, "drop_rate": 0.0,
-                "qkv_bias": False}
+DECODE = {
+    "vocab_size": 512,
+    "context_length": 256,
+    "emb_dim": 256,
+    "n_heads": 4,
+    "n_layers": 4,
+    "drop_rate": 0.0,
+    "qkv_bias": False,
+}
+DECODE_QUICK = {
+    "vocab_size": 64,
+    "context_length": 32,
+    "emb_dim": 32,
+    "n_heads": 2,
+    "n_layers": 2,
+    "drop_rate": 0.0,
+    "qkv_bias": False,
+}
 
 
 def _torch_book_gpt(torch, cfg):
@@ -450,7 +542,7 @@ def _torch_book_gpt(torch, cfg):
 
     class GELU(nn.Module):
         def forward(self, x):
-            return 0.5 * x * (1 + torch.tanh((2.0 / math.pi) ** 0.5 * (x + 0.044715 * x ** 3)))
+            return 0.5 * x * (1 + torch.tanh((2.0 / math.pi) ** 0.5 * (x + 0.044715 * x**3)))
 
     class MHA(nn.Module):
         def __init__(self):
@@ -515,6 +607,7 @@ def bench_decode(cfg=None, dtype=np.float32, *, prompt_len=16, batch=1, use_torc
     def run_np(use_cache):
         def fn():
             outs[use_cache] = generate(model, prompt, new, ctx, use_cache=use_cache)
+
         return fn
 
     fns = {"npattn, KV cache": run_np(True), "npattn, no cache": run_np(False)}
@@ -535,9 +628,18 @@ def bench_decode(cfg=None, dtype=np.float32, *, prompt_len=16, batch=1, use_torc
     times = time_interleaved(fns, warmup=1, repeats=repeats, pause=PAUSE)
     keys = {"npattn, KV cache": True, "npattn, no cache": False, "torch eager, no cache": "torch"}
     shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new, **cfg}
-    return [{"name": "decode", "impl": impl, "shape": shape, "dtype": np.dtype(dtype).name, "seconds": t,
-             "tokens_per_s": batch * new / t, "same_tokens": bool(np.array_equal(outs[keys[impl]], outs[True]))}
-            for impl, t in times.items()]
+    return [
+        {
+            "name": "decode",
+            "impl": impl,
+            "shape": shape,
+            "dtype": np.dtype(dtype).name,
+            "seconds": t,
+            "tokens_per_s": batch * new / t,
+            "same_tokens": bool(np.array_equal(outs[keys[impl]], outs[True])),
+        }
+        for impl, t in times.items()
+    ]
 
 
 def format_decode(rows):
@@ -545,12 +647,17 @@ def format_decode(rows):
     if not rows:
         return []
     s = rows[0]["shape"]
-    lines = [f"greedy decoding of npattn.book.GPTModel (emb {s['emb_dim']}, {s['n_layers']} layers, {s['n_heads']} "
-             f"heads, vocab {s['vocab_size']}): a {s['prompt']}-token prompt to the full context of "
-             f"{s['context_length']}, batch {s['batch']}",
-             f"{'implementation':<24} {'dtype':<8} {'seconds':>8} {'tokens/s':>9} {'same tokens':>12}"]
-    lines += [f"{r['impl']:<24} {r['dtype']:<8} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} "
-              f"{'yes' if r['same_tokens'] else 'no':>12}" for r in rows]
+    lines = [
+        f"greedy decoding of npattn.book.GPTModel (emb {s['emb_dim']}, {s['n_layers']} layers, {s['n_heads']} "
+        f"heads, vocab {s['vocab_size']}): a {s['prompt']}-token prompt to the full context of "
+        f"{s['context_length']}, batch {s['batch']}",
+        f"{'implementation':<24} {'dtype':<8} {'seconds':>8} {'tokens/s':>9} {'same tokens':>12}",
+    ]
+    lines += [
+        f"{r['impl']:<24} {r['dtype']:<8} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} "
+        f"{'yes' if r['same_tokens'] else 'no':>12}"
+        for r in rows
+    ]
     return lines
 
 
@@ -569,8 +676,11 @@ def _openblas_info():
         import threadpoolctl
     except ImportError:
         return _openblas_ctypes()
-    return [{k: i.get(k) for k in ("internal_api", "architecture", "num_threads", "version")}
-            for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"] or _openblas_ctypes()
+    return [
+        {k: i.get(k) for k in ("internal_api", "architecture", "num_threads", "version")}
+        for i in threadpoolctl.threadpool_info()
+        if i.get("user_api") == "blas"
+    ] or _openblas_ctypes()
 
 
 def _openblas_ctypes():
@@ -594,15 +704,33 @@ def _openblas_ctypes():
                 fns[2].restype = ctypes.c_int
                 config = fns[0]().decode(errors="replace")
                 words = config.split()
-                found.append({"internal_api": "openblas", "version": words[1] if len(words) > 1 else None,
-                              "architecture": fns[1]().decode(errors="replace"), "num_threads": fns[2](),
-                              "config": config})
+                found.append(
+                    {
+                        "internal_api": "openblas",
+                        "version": words[1] if len(words) > 1 else None,
+                        "architecture": fns[1]().decode(errors="replace"),
+                        "num_threads": fns[2](),
+                        "config": config,
+                    }
+                )
                 break
     return found or None
 
 
-_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-               "amx_tile", "asimd", "sve")
+_SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 
 
 def _cpu_flags():
@@ -620,10 +748,12 @@ def _cpu_flags():
 
 def _idle_fraction(seconds=0.5):
     """Fraction of all CPUs' time spent idle over ``seconds`` (Linux ``/proc/stat``; None elsewhere)."""
+
     def snap():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
         return v[3] + v[4], sum(v)
+
     try:
         i0, t0 = snap()
         time.sleep(seconds)
@@ -672,24 +802,47 @@ def run(quick=False, use_torch=True, repeats=None, progress=None, memory=None):
     gemm_n = 512 if quick else 2048
     peaks = {np.dtype(dt).name: gemm_peak(dt, n=gemm_n) for dt in dtypes}
     if quick:
-        plan = [("sdpa", dict(b=2, h=2, L=32, E=16)), ("mha", dict(b=2, L=32, d=32, h=4)),
-                ("encoder", dict(b=2, L=32, d=32, h=4)), ("demo", dict(quick=True))]
+        plan = [
+            ("sdpa", dict(b=2, h=2, L=32, E=16)),
+            ("mha", dict(b=2, L=32, d=32, h=4)),
+            ("encoder", dict(b=2, L=32, d=32, h=4)),
+            ("demo", dict(quick=True)),
+        ]
     else:
         s, g = SMALL, GPT2
-        plan = [("sdpa", dict(b=s["b"], h=s["h"], L=s["L"], E=s["d"] // s["h"])),
-                ("sdpa", dict(b=g["b"], h=g["h"], L=g["L"], E=g["d"] // g["h"])),
-                ("mha", SMALL), ("mha", GPT2), ("mha", LONG),
-                ("encoder", SMALL), ("encoder", GPT2), ("demo", {}),
-                ("mem_eff", dict(b=1, h=12, L=4096, E=64))]  # against torch's CPU flash kernel
-    funcs = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder, "demo": bench_demo,
-             "mem_eff": lambda **kw: bench_sdpa(**kw, memory_efficient=True)}
+        plan = [
+            ("sdpa", dict(b=s["b"], h=s["h"], L=s["L"], E=s["d"] // s["h"])),
+            ("sdpa", dict(b=g["b"], h=g["h"], L=g["L"], E=g["d"] // g["h"])),
+            ("mha", SMALL),
+            ("mha", GPT2),
+            ("mha", LONG),
+            ("encoder", SMALL),
+            ("encoder", GPT2),
+            ("demo", {}),
+            ("mem_eff", dict(b=1, h=12, L=4096, E=64)),
+        ]  # against torch's CPU flash kernel
+    funcs = {
+        "sdpa": bench_sdpa,
+        "mha": bench_mha,
+        "encoder": bench_encoder,
+        "demo": bench_demo,
+        "mem_eff": lambda **kw: bench_sdpa(**kw, memory_efficient=True),
+    }
     results = []
     for name, kw in plan:
         for dt in dtypes:
             if progress:
                 progress(f"{name} {kw} {np.dtype(dt).name}")
-            results.append(funcs[name](**kw, dtype=dt, use_torch=use_torch, peak=peaks[np.dtype(dt).name],
-                                       repeats=repeats, pause=0.0 if quick else PAUSE))
+            results.append(
+                funcs[name](
+                    **kw,
+                    dtype=dt,
+                    use_torch=use_torch,
+                    peak=peaks[np.dtype(dt).name],
+                    repeats=repeats,
+                    pause=0.0 if quick else PAUSE,
+                )
+            )
             if name == "mem_eff" and dt == np.float32 and memory:
                 if progress:
                     progress("  peak memory of memory_efficient_attention and of torch's flash kernel")
@@ -706,8 +859,14 @@ def run(quick=False, use_torch=True, repeats=None, progress=None, memory=None):
     for r in results:
         r["gemm_peak_gflops"] = peaks[r["dtype"]]
         r["fraction_of_gemm_peak"] = r["npattn_gflops"] / peaks[r["dtype"]]
-    return {"machine": machine, "gemm_peak_gflops": peaks, "gemm_peak_samples": samples, "gemm_n": gemm_n,
-            "repeats": repeats, "results": results}
+    return {
+        "machine": machine,
+        "gemm_peak_gflops": peaks,
+        "gemm_peak_samples": samples,
+        "gemm_n": gemm_n,
+        "repeats": repeats,
+        "results": results,
+    }
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -753,16 +912,22 @@ def memory_one(impl, L):
     """Peak RSS of one forward+backward of ``impl`` (a ``npattn.functional`` name) at sequence length
     ``L`` (b=1, h=12, E=64, float32, causal) in a fresh subprocess (``VmHWM``).  ``extra_mib``: above
     the process's resident size just before the call (numpy, npattn and the inputs loaded)."""
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, impl, str(L)], capture_output=True, text=True,
-                          env=_child_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, impl, str(L)], capture_output=True, text=True, env=_child_env()
+    )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         return {"impl": impl, "seq": L, "error": tail[0]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     if r.get("missing"):
         return {"impl": impl, "seq": L, "missing": True}
-    return {"impl": impl, "seq": L, "peak_mib": r["peak_kib"] / 1024,
-            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024, "seconds": r["seconds"]}
+    return {
+        "impl": impl,
+        "seq": L,
+        "peak_mib": r["peak_kib"] / 1024,
+        "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024,
+        "seconds": r["seconds"],
+    }
 
 
 _TORCH_MEMORY_SCRIPT = r"""
@@ -798,14 +963,20 @@ def memory_torch(L):
     """As ``memory_one`` for torch's ``F.scaled_dot_product_attention`` (its CPU flash kernel here):
     one causal forward+backward at b=1, h=12, E=64, float32 in a fresh subprocess (gradients included)."""
     threads = os.environ.get("NPATTN_BENCH_THREADS", "2")
-    proc = subprocess.run([sys.executable, "-c", _TORCH_MEMORY_SCRIPT, str(L), threads], capture_output=True,
-                          text=True, env=_child_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_MEMORY_SCRIPT, str(L), threads], capture_output=True, text=True, env=_child_env()
+    )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         return {"impl": "torch", "seq": L, "error": tail[0]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"impl": "torch", "seq": L, "peak_mib": r["peak_kib"] / 1024,
-            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024, "seconds": r["seconds"]}
+    return {
+        "impl": "torch",
+        "seq": L,
+        "peak_mib": r["peak_kib"] / 1024,
+        "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024,
+        "seconds": r["seconds"],
+    }
 
 
 MEMORY_IMPLS = ("scaled_dot_product_attention", "memory_efficient_attention")
@@ -873,16 +1044,22 @@ def window_one(impl, L, window=WINDOW, heads=WINDOW_SHAPE["heads"], head_dim=WIN
     sequence length ``L`` and the peak memory above the inputs, in a fresh subprocess;
     ``missing: True`` when ``impl`` has no ``window`` option."""
     argv = [impl] + [str(a) for a in (L, window[0], window[1], heads, head_dim, repeats)]
-    proc = subprocess.run([sys.executable, "-c", _WINDOW_SCRIPT, *argv], capture_output=True, text=True,
-                          env=_child_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", _WINDOW_SCRIPT, *argv], capture_output=True, text=True, env=_child_env()
+    )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         return {"impl": impl, "seq": L, "error": tail[0]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     if r.get("missing"):
         return {"impl": impl, "seq": L, "missing": True}
-    return {"impl": impl, "seq": L, "seconds": r["seconds"], "ms_per_1k_rows": 1e6 * r["seconds"] / L,
-            "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024}
+    return {
+        "impl": impl,
+        "seq": L,
+        "seconds": r["seconds"],
+        "ms_per_1k_rows": 1e6 * r["seconds"] / L,
+        "extra_mib": (r["peak_kib"] - r["before_kib"]) / 1024,
+    }
 
 
 def window_table(lengths=WINDOW_LENGTHS, window=WINDOW, progress=None, repeats=2):
@@ -900,9 +1077,11 @@ def window_table(lengths=WINDOW_LENGTHS, window=WINDOW, progress=None, repeats=2
 def format_window(rows, window=WINDOW):
     """The windowed sweep as text: per core, seconds, milliseconds per 1000 query rows, MiB."""
     shape = WINDOW_SHAPE
-    lines = [f"windowed attention, window={tuple(window)}, causal (b={shape['batch']}, h={shape['heads']}, "
-             f"E={shape['head_dim']}, float32), forward+backward in a fresh process, best of 2:",
-             f"{'L':>6} {'sdpa s':>8} {'ms/1k rows':>10} {'MiB':>7}   {'mem-eff s':>9} {'ms/1k rows':>10} {'MiB':>7}"]
+    lines = [
+        f"windowed attention, window={tuple(window)}, causal (b={shape['batch']}, h={shape['heads']}, "
+        f"E={shape['head_dim']}, float32), forward+backward in a fresh process, best of 2:",
+        f"{'L':>6} {'sdpa s':>8} {'ms/1k rows':>10} {'MiB':>7}   {'mem-eff s':>9} {'ms/1k rows':>10} {'MiB':>7}",
+    ]
     by = {}
     for r in rows:
         by.setdefault(r["seq"], {})[r["impl"]] = r
@@ -933,10 +1112,12 @@ def _shape_str(shape):
 def _format_row(r):
     t = r["torch_s"]
     frac = r["fraction_of_gemm_peak"]
-    return (f"{r['name']:<8} {_shape_str(r['shape']):<29} {r['dtype']:<8} {r['npattn_s'] * 1e3:>10.2f} "
-            f"{_fmt(t and t * 1e3, '>10.2f')} {_fmt(r['ratio'], '>6.2f')} "
-            f"{r['npattn_gflops']:>8.1f} {_fmt(r['torch_gflops'], '>7.1f')} "
-            f"{_fmt(frac and 100 * frac, '>6.0f')}% {_fmt(r.get('max_rel_diff_vs_torch'), '>9.1e')}")
+    return (
+        f"{r['name']:<8} {_shape_str(r['shape']):<29} {r['dtype']:<8} {r['npattn_s'] * 1e3:>10.2f} "
+        f"{_fmt(t and t * 1e3, '>10.2f')} {_fmt(r['ratio'], '>6.2f')} "
+        f"{r['npattn_gflops']:>8.1f} {_fmt(r['torch_gflops'], '>7.1f')} "
+        f"{_fmt(frac and 100 * frac, '>6.0f')}% {_fmt(r.get('max_rel_diff_vs_torch'), '>9.1e')}"
+    )
 
 
 def _format_results(report):
@@ -953,17 +1134,20 @@ def _format_results(report):
     lines += [_format_row(r) for r in report["results"]]
     for r in report["results"]:
         if r.get("npattn_extra_mib") is not None:
-            lines.append(f"{r['name']} {_shape_str(r['shape'])} {r['dtype']}: peak extra memory npattn "
-                         f"{r['npattn_extra_mib']:.0f} MiB, torch {_fmt(r.get('torch_extra_mib'), '.0f')} MiB "
-                         "(forward+backward above the inputs, a fresh process each)")
+            lines.append(
+                f"{r['name']} {_shape_str(r['shape'])} {r['dtype']}: peak extra memory npattn "
+                f"{r['npattn_extra_mib']:.0f} MiB, torch {_fmt(r.get('torch_extra_mib'), '.0f')} MiB "
+                "(forward+backward above the inputs, a fresh process each)"
+            )
     return lines
 
 
 def format_table(report):
     """The report as a plain-text table."""
     m = report["machine"]
-    blas = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']} x{b['num_threads']}"
-                     for b in (m.get("blas") or []))
+    blas = ", ".join(
+        f"{b['internal_api']} {b['version']} {b['architecture']} x{b['num_threads']}" for b in (m.get("blas") or [])
+    )
     env = ", ".join(f"{k}={v}" for k, v in m["env"].items() if v is not None) or "none of " + ", ".join(_ENV_KEYS)
     load = m.get("loadavg")
     idle = m.get("idle_at_start")
@@ -980,19 +1164,24 @@ def format_table(report):
     probe = report.get("openblas_env_probe")
     if probe and "gemm_peak_gflops" in probe:
         p = probe["gemm_peak_gflops"]
-        lines.append("OpenBLAS probe, GEMM GFLOP/s with " + ", ".join(f"{k}={v}" for k, v in probe["vars"].items())
-                     + f": float32 {p['as_set']['float32']:.0f}, float64 {p['as_set']['float64']:.0f}; without: "
-                     f"float32 {p['unset']['float32']:.0f}, float64 {p['unset']['float64']:.0f}"
-                     + (" -> a variant section below, without them" if probe["unset"] else ""))
+        lines.append(
+            "OpenBLAS probe, GEMM GFLOP/s with "
+            + ", ".join(f"{k}={v}" for k, v in probe["vars"].items())
+            + f": float32 {p['as_set']['float32']:.0f}, float64 {p['as_set']['float64']:.0f}; without: "
+            f"float32 {p['unset']['float32']:.0f}, float64 {p['unset']['float64']:.0f}"
+            + (" -> a variant section below, without them" if probe["unset"] else "")
+        )
     lines += ["", "this machine's own settings:"] + _format_results(report)
     for var in report.get("variants") or []:
         lines += ["", f"VARIANT, not this machine's settings: {var['label']}"] + _format_results(var)
     if report.get("decode"):
         lines += [""] + format_decode(report["decode"])
     if report.get("memory"):
-        lines += ["", "peak memory of forward+backward (b=1, h=12, E=64, float32, causal): "
-                  "MiB above the inputs, seconds",
-                  f"{'L':>6} {'sdpa MiB':>10} {'mem-eff MiB':>12} {'sdpa s':>8} {'mem-eff s':>10}"]
+        lines += [
+            "",
+            "peak memory of forward+backward (b=1, h=12, E=64, float32, causal): MiB above the inputs, seconds",
+            f"{'L':>6} {'sdpa MiB':>10} {'mem-eff MiB':>12} {'sdpa s':>8} {'mem-eff s':>10}",
+        ]
         by = {}
         for r in report["memory"]:
             by.setdefault(r["seq"], {})[r["impl"]] = r
@@ -1006,16 +1195,19 @@ def format_table(report):
 
         for L, d in sorted(by.items()):
             a, b = d.get(MEMORY_IMPLS[0]), d.get(MEMORY_IMPLS[1])
-            lines.append(f"{L:>6} {cell(a, 'extra_mib', '.0f'):>10} {cell(b, 'extra_mib', '.0f'):>12} "
-                         f"{cell(a, 'seconds', '.2f'):>8} {cell(b, 'seconds', '.2f'):>10}")
+            lines.append(
+                f"{L:>6} {cell(a, 'extra_mib', '.0f'):>10} {cell(b, 'extra_mib', '.0f'):>12} "
+                f"{cell(a, 'seconds', '.2f'):>8} {cell(b, 'seconds', '.2f'):>10}"
+            )
     if report.get("window"):
         lines += ["", format_window(report["window"])]
     return "\n".join(lines)
 
 
 # -- OpenBLAS environment and the command ---------------------------------------------------------
-_PEAK_SCRIPT = ("import json, npattn.tools.bench as b; "
-                "print(json.dumps({d: b.gemm_peak(d) for d in ('float32', 'float64')}))")
+_PEAK_SCRIPT = (
+    "import json, npattn.tools.bench as b; print(json.dumps({d: b.gemm_peak(d) for d in ('float32', 'float64')}))"
+)
 
 
 def probe_openblas_env(progress=None):
@@ -1029,8 +1221,9 @@ def probe_openblas_env(progress=None):
     for label, unset in (("as_set", ()), ("unset", _SLOW_ENV)):
         if progress:
             progress(f"numpy GEMM peak with the OpenBLAS variables {label.replace('_', ' ')}")
-        proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True,
-                              env=_child_env(unset))
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, env=_child_env(unset)
+        )
         if proc.returncode != 0:
             return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1], "unset": False}
         peaks[label] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1043,9 +1236,13 @@ def _collect(quick, memory, progress, window=False, decode=False):
     if decode:
         if progress:
             progress("decode with and without the KV cache")
-        report["decode"] = [r for dt in (np.float32, np.float64)
-                            for r in bench_decode(DECODE_QUICK if quick else DECODE, dt, prompt_len=4 if quick else 16,
-                                                  repeats=1 if quick else 3)]
+        report["decode"] = [
+            r
+            for dt in (np.float32, np.float64)
+            for r in bench_decode(
+                DECODE_QUICK if quick else DECODE, dt, prompt_len=4 if quick else 16, repeats=1 if quick else 3
+            )
+        ]
     if memory:
         report["memory"] = memory_table((256, 512) if quick else (512, 1024, 2048, 4096), progress=progress)
     if window:
@@ -1061,8 +1258,11 @@ def _worker():
     if opts.get("timings_only"):
         print(json.dumps(run(quick=opts["quick"], progress=progress, memory=False)))
         return
-    print(json.dumps(_collect(opts["quick"], opts["memory"], progress, opts.get("window", False),
-                              opts.get("decode", False))))
+    print(
+        json.dumps(
+            _collect(opts["quick"], opts["memory"], progress, opts.get("window", False), opts.get("decode", False))
+        )
+    )
 
 
 def main(args):
@@ -1087,18 +1287,26 @@ def main(args):
     report["variants"] = []
     if probe and probe.get("unset"):
         if progress:
-            progress(f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: the timing cases again, in a "
-                     "subprocess without them (a labelled variant)")
-        opts = json.dumps({"quick": quick, "memory": False, "window": False, "progress": progress is not None,
-                           "timings_only": True})
-        proc = subprocess.run([sys.executable, "-c", "import npattn.tools.bench as b; b._worker()", opts],
-                              stdout=subprocess.PIPE, text=True, env=_child_env(_SLOW_ENV))
+            progress(
+                f"numpy's GEMM is faster without {' and '.join(_SLOW_ENV)}: the timing cases again, in a "
+                "subprocess without them (a labelled variant)"
+            )
+        opts = json.dumps(
+            {"quick": quick, "memory": False, "window": False, "progress": progress is not None, "timings_only": True}
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", "import npattn.tools.bench as b; b._worker()", opts],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_child_env(_SLOW_ENV),
+        )
         if proc.returncode != 0:
             print(f"npattn bench: the variant subprocess failed (exit status {proc.returncode})", file=sys.stderr)
         else:
             variant = json.loads(proc.stdout.strip().splitlines()[-1])
-            variant["label"] = "without " + " and ".join(f"{k}={probe['vars'][k]}" for k in _SLOW_ENV
-                                                         if probe["vars"].get(k))
+            variant["label"] = "without " + " and ".join(
+                f"{k}={probe['vars'][k]}" for k in _SLOW_ENV if probe["vars"].get(k)
+            )
             variant["unset"] = list(_SLOW_ENV)
             report["variants"].append(variant)
     if as_json:

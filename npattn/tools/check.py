@@ -14,6 +14,7 @@ attention option (bottom-right alignment, window, ALiBi, softcap, sinks with ``d
 float mask with ``dmask``, all of them at once), and every module (with MultiHeadAttention's
 window, ALiBi, softcap, sinks, RoPE and QK-norm options, DecoderBlock, SwiGLU, book.GPTModel).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -71,9 +72,15 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
         ("layer_norm", check(F.layer_norm, x, 1 + 0.1 * randn(d), randn(d))),
         ("layer_norm (no affine)", check(F.layer_norm, x)),
         ("cross_entropy", check(F.cross_entropy, randn(b, L, 5), rng.integers(0, 5, (b, L)))),
-        ("cross_entropy (ignore_index)",
-         check(F.cross_entropy, randn(b, L, 5), np.where(rng.random((b, L)) < 0.3, -100, rng.integers(0, 5, (b, L))),
-               ignore_index=-100)),
+        (
+            "cross_entropy (ignore_index)",
+            check(
+                F.cross_entropy,
+                randn(b, L, 5),
+                np.where(rng.random((b, L)) < 0.3, -100, rng.integers(0, 5, (b, L))),
+                ignore_index=-100,
+            ),
+        ),
         ("sdpa", check(F.scaled_dot_product_attention, q, k, v)),
         ("sdpa (no head axis)", check(F.scaled_dot_product_attention, randn(b, 3, 4), randn(b, 5, 4), randn(b, 5, 3))),
         ("sdpa (causal)", check(F.scaled_dot_product_attention, qs, ks, vs, is_causal=True)),
@@ -83,17 +90,25 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
         ("sdpa (scale=0.3)", check(F.scaled_dot_product_attention, q, k, v, scale=0.3)),
         ("sdpa (GQA)", check(F.scaled_dot_product_attention, q4, k, v, enable_gqa=True)),
         ("sdpa (GQA, causal)", check(F.scaled_dot_product_attention, q4, k, v, enable_gqa=True, is_causal=True)),
-        ("sdpa (dropout, fixed rng)",
-         check(F.scaled_dot_product_attention, q, k, v, dropout_p=0.3, rng=np.random.default_rng(seed))),
+        (
+            "sdpa (dropout, fixed rng)",
+            check(F.scaled_dot_product_attention, q, k, v, dropout_p=0.3, rng=np.random.default_rng(seed)),
+        ),
     ]
     out += [
         ("memory_efficient_attention", check(F.memory_efficient_attention, q, k, v, block_size=2)),
-        ("memory_efficient_attention (causal)",
-         check(F.memory_efficient_attention, qs, ks, vs, is_causal=True, block_size=2)),
-        ("memory_efficient_attention (bool mask)",
-         check(F.memory_efficient_attention, q, k, v, attn_mask=bool_mask, block_size=2)),
-        ("memory_efficient_attention (float mask)",
-         check(F.memory_efficient_attention, q, k, v, attn_mask=float_mask, block_size=3)),
+        (
+            "memory_efficient_attention (causal)",
+            check(F.memory_efficient_attention, qs, ks, vs, is_causal=True, block_size=2),
+        ),
+        (
+            "memory_efficient_attention (bool mask)",
+            check(F.memory_efficient_attention, q, k, v, attn_mask=bool_mask, block_size=2),
+        ),
+        (
+            "memory_efficient_attention (float mask)",
+            check(F.memory_efficient_attention, q, k, v, attn_mask=float_mask, block_size=3),
+        ),
     ]
     out += _option_cases(rng, check, seed)
 
@@ -112,19 +127,24 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
     out += [
         ("MultiHeadAttention (self)", check(MultiHeadAttention(d, d, 2, rng=r), x)),
         ("MultiHeadAttention (qkv_bias)", check(MultiHeadAttention(d, d, 2, qkv_bias=True, rng=r), x)),
-        ("MultiHeadAttention (cross, kdim/vdim)",
-         check(MultiHeadAttention(d, d, 2, kdim=3, vdim=3, rng=r), x, kc, vc)),
+        ("MultiHeadAttention (cross, kdim/vdim)", check(MultiHeadAttention(d, d, 2, kdim=3, vdim=3, rng=r), x, kc, vc)),
         ("MultiHeadAttention (cross, same dims)", check(MultiHeadAttention(4, 6, 2, rng=r), randn(b, L, 4), xc, xc)),
         ("MultiHeadAttention (GQA)", check(MultiHeadAttention(8, 8, 4, num_kv_heads=2, rng=r), randn(b, L, 8))),
-        ("MultiHeadAttention (masks)",
-         check(MultiHeadAttention(d, d, 2, rng=r), x, attn_mask=attn_mask, key_padding_mask=kpm)),
+        (
+            "MultiHeadAttention (masks)",
+            check(MultiHeadAttention(d, d, 2, rng=r), x, attn_mask=attn_mask, key_padding_mask=kpm),
+        ),
         ("MultiHeadAttention (causal)", check(MultiHeadAttention(d, d, 2, causal=True, rng=r), x)),
         ("MultiHeadAttention (dropout)", check(MultiHeadAttention(d, d, 2, dropout=0.2, rng=r), x)),
-        ("MultiHeadAttention (memory_efficient)",
-         check(MultiHeadAttention(d, d, 2, causal=True, memory_efficient=True, rng=r), x)),
+        (
+            "MultiHeadAttention (memory_efficient)",
+            check(MultiHeadAttention(d, d, 2, causal=True, memory_efficient=True, rng=r), x),
+        ),
         ("EncoderBlock (post-norm)", check(EncoderBlock(d, 2, 8, dropout=0.0, rng=r), x)),
-        ("EncoderBlock (pre-norm, causal)",
-         check(EncoderBlock(d, 2, 8, dropout=0.0, norm_first=True, causal=True, rng=r), x)),
+        (
+            "EncoderBlock (pre-norm, causal)",
+            check(EncoderBlock(d, 2, 8, dropout=0.0, norm_first=True, causal=True, rng=r), x),
+        ),
         ("EncoderBlock (dropout, gelu)", check(EncoderBlock(d, 2, 8, dropout=0.2, activation="gelu", rng=r), x)),
         ("EncoderBlock (key_padding_mask)", check(EncoderBlock(d, 2, 8, dropout=0.0, rng=r), x, key_padding_mask=kpm)),
         ("book.SelfAttention_v1", check(SelfAttention_v1(d, 4, rng=r), x)),
@@ -142,14 +162,17 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
 def _opts_pair(forward: Callable, backward: Callable, extras: List[str], **opts: Any) -> Tuple[Callable, Callable]:
     """A ``(forward, backward)`` pair taking ``q, k, v`` and then ``extras`` (``"attn_mask"``,
     ``"sinks"``) positionally, so that ``gradcheck`` checks ``dmask`` and ``dsinks`` as well."""
+
     def fwd(q, k, v, *more, **kw):
         kw.update(zip(extras, more))
         if "attn_mask" in kw:
             kw["mask_grad"] = True
         return forward(q, k, v, **kw, **opts)
+
     fwd.__name__ = f"{forward.__name__}_with_{'_'.join(extras) or 'options'}"
     fwd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # the names gradcheck reports
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["q", "k", "v", *extras]])
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["q", "k", "v", *extras]]
+    )
     return fwd, backward
 
 
@@ -171,8 +194,7 @@ def _option_cases(rng, check, seed):
         ("rope (rotate half)", check(F.rope, x)),
         ("rope (interleaved)", check(F.rope, x, interleaved=True)),
         ("rope (offset positions)", check(F.rope, x, np.arange(L) + 7, base=100.0)),
-        ("rope (per-batch positions, interleaved)",
-         check(F.rope, x, rng.integers(0, 50, (b, L)), interleaved=True)),
+        ("rope (per-batch positions, interleaved)", check(F.rope, x, rng.integers(0, 50, (b, L)), interleaved=True)),
         ("layer_norm (2 axes)", check(F.layer_norm, x, 1 + 0.1 * randn(L, d), randn(L, d))),
         ("layer_norm (2 axes, no affine)", check(F.layer_norm, x, normalized_shape=(L, d))),
         ("layer_norm (weight only)", check(F.layer_norm, x, 1 + 0.1 * randn(d))),
@@ -218,14 +240,22 @@ def _option_cases(rng, check, seed):
     q, k, v = randn(b, 2, 3, 4), randn(b, 2, 5, 4), randn(b, 2, 5, 3)
     q4 = randn(b, 4, 3, 4)
     slopes, sinks, fmask = rng.uniform(0.1, 1.0, 2), randn(2), randn(3, 5)
-    cores = [("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {}),
-             ("memory_efficient_attention", F.memory_efficient_attention, F.memory_efficient_attention_backward,
-              {"block_size": 2})]
+    cores = [
+        ("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {}),
+        (
+            "memory_efficient_attention",
+            F.memory_efficient_attention,
+            F.memory_efficient_attention_backward,
+            {"block_size": 2},
+        ),
+    ]
     for core, fwd, bwd, blk in cores:
+
         def opt(label, *extras, qq=q, **opts):
             rng_kw = {"rng": opts.pop("rng")} if "rng" in opts else {}  # gradcheck renews it per call
             pair = _opts_pair(fwd, bwd, [e for e, _ in extras], **blk, **opts)
             return (f"{core} ({label})", check(pair, qq, k, v, *[a for _, a in extras], **rng_kw))
+
         out += [
             opt("causal, bottom_right", is_causal=True, causal_align="bottom_right"),
             opt("window (2, 1)", window=(2, 1)),
@@ -235,11 +265,27 @@ def _option_cases(rng, check, seed):
             opt("softcap", softcap=1.5),
             opt("sinks -> dsinks", ("sinks", sinks)),
             opt("mask_grad -> dmask", ("attn_mask", fmask)),
-            opt("all options, GQA -> dmask, dsinks", ("attn_mask", randn(b, 1, 3, 5)),
-                ("sinks", randn(4)), qq=q4, enable_gqa=True, is_causal=True, causal_align="bottom_right",
-                window=(2, 0), alibi_slopes=rng.uniform(0.1, 1.0, 4), softcap=2.0),
-            opt("options, dropout (fixed rng)", ("sinks", sinks), window=(1, 1), softcap=2.0,
-                alibi_slopes=slopes, dropout_p=0.3, rng=np.random.default_rng(seed)),
+            opt(
+                "all options, GQA -> dmask, dsinks",
+                ("attn_mask", randn(b, 1, 3, 5)),
+                ("sinks", randn(4)),
+                qq=q4,
+                enable_gqa=True,
+                is_causal=True,
+                causal_align="bottom_right",
+                window=(2, 0),
+                alibi_slopes=rng.uniform(0.1, 1.0, 4),
+                softcap=2.0,
+            ),
+            opt(
+                "options, dropout (fixed rng)",
+                ("sinks", sinks),
+                window=(1, 1),
+                softcap=2.0,
+                alibi_slopes=slopes,
+                dropout_p=0.3,
+                rng=np.random.default_rng(seed),
+            ),
         ]
     return out
 
@@ -256,28 +302,56 @@ def _module_option_cases(rng, check, r):
 
     b, L, d = 2, 4, 6
     x = randn(b, L, d)
-    out = [("RMSNorm", check(layers.RMSNorm(d), x)),
-            ("RMSNorm (2 axes, no affine)", check(layers.RMSNorm((L, d), elementwise_affine=False), x))]
-    out += [("FeedForward (silu)", check(layers.FeedForward(d, 8, activation="silu", rng=r), x)),
-            ("FeedForward (swiglu)", check(layers.FeedForward(d, 8, activation="swiglu", rng=r), x)),
-            ("FeedForward (swiglu, no bias)",
-             check(layers.FeedForward(d, 8, activation="swiglu", bias=False, rng=r), x)),
-            ("EncoderBlock (bias=False)", check(transformer.EncoderBlock(d, 2, 8, dropout=0.0, bias=False, rng=r), x))]
+    out = [
+        ("RMSNorm", check(layers.RMSNorm(d), x)),
+        ("RMSNorm (2 axes, no affine)", check(layers.RMSNorm((L, d), elementwise_affine=False), x)),
+    ]
+    out += [
+        ("FeedForward (silu)", check(layers.FeedForward(d, 8, activation="silu", rng=r), x)),
+        ("FeedForward (swiglu)", check(layers.FeedForward(d, 8, activation="swiglu", rng=r), x)),
+        ("FeedForward (swiglu, no bias)", check(layers.FeedForward(d, 8, activation="swiglu", bias=False, rng=r), x)),
+        ("EncoderBlock (bias=False)", check(transformer.EncoderBlock(d, 2, 8, dropout=0.0, bias=False, rng=r), x)),
+    ]
     xd, mem = randn(1, 3, 4), randn(1, 2, 4)
     tgt_mask = ~np.triu(np.ones((3, 3), dtype=bool), k=1)
-    out += [("DecoderBlock (post-norm, tgt_mask)",
-             check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, rng=r), xd, mem, tgt_mask=tgt_mask)),
-            ("DecoderBlock (pre-norm, causal, swiglu, bias=False)",
-             check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, norm_first=True, causal=True,
-                                            activation="swiglu", bias=False, rng=r), xd, mem))]
+    out += [
+        (
+            "DecoderBlock (post-norm, tgt_mask)",
+            check(transformer.DecoderBlock(4, 2, 6, dropout=0.0, rng=r), xd, mem, tgt_mask=tgt_mask),
+        ),
+        (
+            "DecoderBlock (pre-norm, causal, swiglu, bias=False)",
+            check(
+                transformer.DecoderBlock(
+                    4, 2, 6, dropout=0.0, norm_first=True, causal=True, activation="swiglu", bias=False, rng=r
+                ),
+                xd,
+                mem,
+            ),
+        ),
+    ]
     x8 = randn(b, 5, 8)
 
     def mha(**kw):
         return MultiHeadAttention(8, 8, 2, rng=r, **kw)
+
     sink_mha = mha(sinks=True)
     sink_mha.sinks.data[...] = randn(2)  # away from the zeros it starts with
-    all_mha = MultiHeadAttention(8, 8, 4, num_kv_heads=2, causal=True, window=(3, 0), alibi=True, softcap=2.0,
-                                 sinks=True, rope=True, qk_norm=True, memory_efficient=True, rng=r)
+    all_mha = MultiHeadAttention(
+        8,
+        8,
+        4,
+        num_kv_heads=2,
+        causal=True,
+        window=(3, 0),
+        alibi=True,
+        softcap=2.0,
+        sinks=True,
+        rope=True,
+        qk_norm=True,
+        memory_efficient=True,
+        rng=r,
+    )
     all_mha.sinks.data[...] = randn(4)
     all_mha.q_norm.weight.data[...] += 0.1 * randn(*all_mha.q_norm.weight.data.shape)
     out += [
@@ -287,19 +361,31 @@ def _module_option_cases(rng, check, r):
         ("MultiHeadAttention (sinks)", check(sink_mha, x8)),
         ("MultiHeadAttention (rope)", check(mha(causal=True, rope=True, rope_base=100.0), x8)),
         ("MultiHeadAttention (qk_norm)", check(mha(qk_norm=True), x8)),
-        ("MultiHeadAttention (cross, bottom_right)",
-         check(mha(causal=True, causal_align="bottom_right"), randn(b, 3, 8), x8, x8)),
+        (
+            "MultiHeadAttention (cross, bottom_right)",
+            check(mha(causal=True, causal_align="bottom_right"), randn(b, 3, 8), x8, x8),
+        ),
         ("MultiHeadAttention (all options, GQA, memory_efficient)", check(all_mha, x8)),
     ]
-    cfg = {"vocab_size": 7, "context_length": 6, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
-           "drop_rate": 0.0, "qkv_bias": True}
+    cfg = {
+        "vocab_size": 7,
+        "context_length": 6,
+        "emb_dim": 8,
+        "n_heads": 2,
+        "n_layers": 1,
+        "drop_rate": 0.0,
+        "qkv_bias": True,
+    }
     out.append(("book.GPTModel (tiny)", check(book.GPTModel(cfg, rng=r), rng.integers(0, 7, (b, 5)))))
     return out
 
 
 def _fmt_row(cells, widths):
-    return " | ".join([cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:3], widths[1:3])]
-                      + [cells[3].ljust(widths[3])]).rstrip()
+    return " | ".join(
+        [cells[0].ljust(widths[0])]
+        + [c.rjust(w) for c, w in zip(cells[1:3], widths[1:3])]
+        + [cells[3].ljust(widths[3])]
+    ).rstrip()
 
 
 def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
@@ -312,8 +398,9 @@ def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
         except Exception as e:  # a crash is a failure, reported in the table
             results.append((name, float("nan"), float("nan"), False, f"{type(e).__name__}: {e}"))
             continue
-        results.append((name, max(r.max_abs_err for r in report.rows), max(r.max_rel_err for r in report.rows),
-                        report.ok, report))
+        results.append(
+            (name, max(r.max_abs_err for r in report.rows), max(r.max_rel_err for r in report.rows), report.ok, report)
+        )
     head = ("name", "max abs err", "max rel err", "ok")
     body = [(n, f"{a:.2e}", f"{r:.2e}", "yes" if ok else "NO") for n, a, r, ok, _ in results]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(4)]
@@ -325,8 +412,10 @@ def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
     failed = [(n, detail) for n, _, _, ok, detail in results if not ok]
     for name, detail in failed:
         printer(f"\n{name}:\n{detail}")
-    printer(f"\n{len(results) - len(failed)}/{len(results)} cases passed "
-            f"(float64 central differences, seed {seed}) in {time.perf_counter() - start:.1f} s")
+    printer(
+        f"\n{len(results) - len(failed)}/{len(results)} cases passed "
+        f"(float64 central differences, seed {seed}) in {time.perf_counter() - start:.1f} s"
+    )
     return not failed
 
 

@@ -20,6 +20,7 @@ All randomness (weights, held-out set, batches) comes from one ``np.random.defau
 the same ``--seed`` prints the same numbers.  ``tqdm`` (progress bar) and ``matplotlib``
 (pictures) are optional and imported lazily: ``pip install "npattn[demo]"``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -138,9 +139,11 @@ def _openblas_thread_functions():
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for get_name, set_name in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                                   ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-                                   ("openblas_get_num_threads", "openblas_set_num_threads")):
+        for get_name, set_name in (
+            ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+            ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+            ("openblas_get_num_threads", "openblas_set_num_threads"),
+        ):
             get, set_ = getattr(lib, get_name, None), getattr(lib, set_name, None)
             if get is not None and set_ is not None:
                 get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
@@ -192,7 +195,7 @@ def evaluate(model, digits: np.ndarray, task: str):
     Returns ``(exact-match accuracy, per-token accuracy)``."""
     n = digits.shape[1]
     prompt = np.concatenate([digits, np.full((len(digits), 1), SEP)], axis=1)
-    predicted = model.generate(prompt, n)[:, n + 1:]
+    predicted = model.generate(prompt, n)[:, n + 1 :]
     correct = predicted == answer_of(digits, task)
     return float(correct.all(axis=1).mean()), float(correct.mean())
 
@@ -200,8 +203,9 @@ def evaluate(model, digits: np.ndarray, task: str):
 def build_model(cfg: DemoConfig, rng):
     from ..models import TinyTransformer
 
-    return TinyTransformer(VOCAB_SIZE, 2 * cfg.n_digits, cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff,
-                           rng=rng, dtype=np.float32)
+    return TinyTransformer(
+        VOCAB_SIZE, 2 * cfg.n_digits, cfg.d_model, cfg.num_heads, cfg.num_layers, cfg.d_ff, rng=rng, dtype=np.float32
+    )
 
 
 def train(cfg: DemoConfig, progress=None) -> DemoResult:
@@ -218,8 +222,9 @@ def _train(cfg, progress):
     model = build_model(cfg, rng)
     held_out = HeldOutSet(rng, cfg.n_digits, cfg.held_out)
     opt = AdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = WarmupCosine(opt, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps,
-                         min_lr=min(cfg.min_lr, cfg.lr))
+    sched = WarmupCosine(
+        opt, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps, min_lr=min(cfg.min_lr, cfg.lr)
+    )
     losses = np.empty(cfg.steps)
     start = time.perf_counter()
     for step in range(cfg.steps):
@@ -242,7 +247,7 @@ def _smooth(x: np.ndarray, window: int) -> np.ndarray:
     from ..viz import _moving_average  # per-window sums: one NaN/inf spoils only its windows
 
     window = max(1, min(window, len(x)))
-    return _moving_average(x, window)[window - 1:]
+    return _moving_average(x, window)[window - 1 :]
 
 
 def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
@@ -261,8 +266,9 @@ def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
     ax.plot(steps, result.losses, color="0.75", lw=0.8, label="loss per step")
     window = max(1, len(result.losses) // 50)
     if window > 1:
-        ax.plot(steps[window - 1:], _smooth(result.losses, window), color="C0", lw=1.5,
-                label=f"mean of {window} steps")
+        ax.plot(
+            steps[window - 1 :], _smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps"
+        )
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy on the answer tokens")
@@ -334,22 +340,30 @@ def main(args) -> int:
     cfg = TASKS[args.task]
     cfg = replace(cfg, seed=args.seed, steps=args.steps if args.steps is not None else cfg.steps)
     n_params = build_model(cfg, 0).num_parameters()
-    example = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3][:cfg.n_digits]])
+    example = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3][: cfg.n_digits]])
     full = np.concatenate([example[0], [SEP], answer_of(example, cfg.task)[0]])
-    print(f"task {cfg.task}: {cfg.n_digits} random digits, separator, answer "
-          f"(e.g. {' '.join(TOKEN_LABELS[t] for t in full)})")
-    print(f"model: causal transformer, {cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}, "
-          f"d_ff {cfg.d_ff}, {n_params} parameters, float32")
-    print(f"training: {cfg.steps} steps of {cfg.batch_size} sequences, AdamW lr {cfg.lr:g} "
-          f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}")
+    print(
+        f"task {cfg.task}: {cfg.n_digits} random digits, separator, answer "
+        f"(e.g. {' '.join(TOKEN_LABELS[t] for t in full)})"
+    )
+    print(
+        f"model: causal transformer, {cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}, "
+        f"d_ff {cfg.d_ff}, {n_params} parameters, float32"
+    )
+    print(
+        f"training: {cfg.steps} steps of {cfg.batch_size} sequences, AdamW lr {cfg.lr:g} "
+        f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}"
+    )
     progress = _Progress(cfg.steps)
     try:
         result = train(cfg, progress)
     finally:
         progress.close()
     last = min(50, len(result.losses))
-    print(f"training loss: {result.losses[0]:.4f} at the first step, {result.losses[-last:].mean():.4f} "
-          f"on average over the last {last}")
+    print(
+        f"training loss: {result.losses[0]:.4f} at the first step, {result.losses[-last:].mean():.4f} "
+        f"on average over the last {last}"
+    )
     print(f"time: {result.seconds:.1f} s")
 
     try:
@@ -364,8 +378,10 @@ def main(args) -> int:
         else:
             print(f"wrote {', '.join(written)} to {args.out}")
 
-    print(f"held-out: {len(result.held_out.digits)} sequences never trained on, answers decoded greedily "
-          f"token by token; per-token accuracy {result.token_accuracy:.3f}; "
-          f"accuracy below = exact match of the whole answer")
+    print(
+        f"held-out: {len(result.held_out.digits)} sequences never trained on, answers decoded greedily "
+        f"token by token; per-token accuracy {result.token_accuracy:.3f}; "
+        f"accuracy below = exact match of the whole answer"
+    )
     print(f"accuracy: {result.accuracy:.3f}")
     return 0

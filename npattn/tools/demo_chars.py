@@ -12,6 +12,7 @@ warm-up cosine schedule and gradient clipping, every gradient from the hand-writ
 passes.  Afterwards ``npattn.book.generate`` samples from it with the KV cache (temperature
 0.8, top-k 10).  ``tqdm`` and ``matplotlib`` are optional (progress bar, ``loss_curve.png``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -126,20 +127,27 @@ def _train(cfg, progress):
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
     rng = np.random.default_rng(cfg.seed)
-    gcfg = {"vocab_size": tok.vocab_size, "context_length": cfg.context_length, "emb_dim": cfg.emb_dim,
-            "n_heads": cfg.n_heads, "n_layers": cfg.n_layers, "drop_rate": 0.0, "qkv_bias": False}
+    gcfg = {
+        "vocab_size": tok.vocab_size,
+        "context_length": cfg.context_length,
+        "emb_dim": cfg.emb_dim,
+        "n_heads": cfg.n_heads,
+        "n_layers": cfg.n_layers,
+        "drop_rate": 0.0,
+        "qkv_bias": False,
+    }
     model = book.GPTModel(gcfg, rng=rng, dtype=np.float32)
     for emb in (model.tok_emb, model.pos_emb):  # GPT-2's N(0, 0.02) tables train faster than torch's N(0, 1)
         emb.weight.data *= np.float32(0.02)
     opt = AdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = WarmupCosine(opt, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps,
-                         min_lr=min(cfg.min_lr, cfg.lr))
+    sched = WarmupCosine(
+        opt, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps, min_lr=min(cfg.min_lr, cfg.lr)
+    )
     one = np.ones((), np.float32)
     losses = np.empty(cfg.steps)
     start = time.perf_counter()
     for step in range(cfg.steps):
-        x, y = _windows(train, rng.integers(0, len(train) - cfg.context_length - 1, cfg.batch_size),
-                        cfg.context_length)
+        x, y = _windows(train, rng.integers(0, len(train) - cfg.context_length - 1, cfg.batch_size), cfg.context_length)
         opt.zero_grad()
         loss, cache = F.cross_entropy(model(x), y)
         model.backward(F.cross_entropy_backward(one, cache))
@@ -154,13 +162,22 @@ def _train(cfg, progress):
     with no_grad():
         val_losses = []
         for _ in range(cfg.eval_batches):
-            x, y = _windows(val, vrng.integers(0, len(val) - cfg.context_length - 1, cfg.batch_size),
-                            cfg.context_length)
+            x, y = _windows(
+                val, vrng.integers(0, len(val) - cfg.context_length - 1, cfg.batch_size), cfg.context_length
+            )
             val_losses.append(float(F.cross_entropy(model(x), y)[0]))
     seconds = time.perf_counter() - start
-    prompt = tok.encode(cfg.prompt)[None, -cfg.context_length:]
-    out = book.generate(model, prompt, cfg.sample_chars, cfg.context_length, temperature=cfg.temperature,
-                        top_k=cfg.top_k, rng=cfg.seed, use_cache=True)
+    prompt = tok.encode(cfg.prompt)[None, -cfg.context_length :]
+    out = book.generate(
+        model,
+        prompt,
+        cfg.sample_chars,
+        cfg.context_length,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        rng=cfg.seed,
+        use_cache=True,
+    )
     return CharsResult(model, tok, losses, float(np.mean(val_losses)), tok.decode(out[0]), seconds, len(text))
 
 
@@ -178,10 +195,17 @@ def save_loss_curve(result: CharsResult, out_dir: str) -> str:
     ax.plot(steps, result.losses, color="0.75", lw=0.8, label="training loss per step")
     window = max(1, len(result.losses) // 40)
     if window > 1:
-        ax.plot(steps[window - 1:], _smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps")
+        ax.plot(
+            steps[window - 1 :], _smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps"
+        )
     ax.axhline(result.val_loss, color="C1", ls="--", lw=1.2, label=f"held-out loss {result.val_loss:.3f}")
-    ax.axhline(np.log(result.tokenizer.vocab_size), color="0.5", ls=":", lw=1,
-               label=f"uniform guess, ln {result.tokenizer.vocab_size}")
+    ax.axhline(
+        np.log(result.tokenizer.vocab_size),
+        color="0.5",
+        ls=":",
+        lw=1,
+        label=f"uniform guess, ln {result.tokenizer.vocab_size}",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy per character (nats)")
     ax.set_title("GPTModel on npattn's docstrings, character level")
@@ -201,12 +225,18 @@ def main(args) -> int:
         cfg = replace(cfg, steps=args.steps)
     text = corpus()
     tok = CharTokenizer(text)
-    print(f"task chars: next-character prediction on npattn's own docstrings ({len(text)} characters, "
-          f"{tok.vocab_size} distinct; the last 10% held out)")
-    print(f"model: npattn.book.GPTModel, {cfg.n_layers} layers, {cfg.n_heads} heads, emb_dim {cfg.emb_dim}, "
-          f"context {cfg.context_length}, float32")
-    print(f"training: {cfg.steps} steps of {cfg.batch_size} windows, AdamW lr {cfg.lr:g} "
-          f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}")
+    print(
+        f"task chars: next-character prediction on npattn's own docstrings ({len(text)} characters, "
+        f"{tok.vocab_size} distinct; the last 10% held out)"
+    )
+    print(
+        f"model: npattn.book.GPTModel, {cfg.n_layers} layers, {cfg.n_heads} heads, emb_dim {cfg.emb_dim}, "
+        f"context {cfg.context_length}, float32"
+    )
+    print(
+        f"training: {cfg.steps} steps of {cfg.batch_size} windows, AdamW lr {cfg.lr:g} "
+        f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}"
+    )
     progress = _Progress(cfg.steps)
     try:
         result = train_chars(cfg, progress)
@@ -229,7 +259,9 @@ def main(args) -> int:
     print(result.sample)
     print("-" * 72)
     print(f"time: {result.seconds:.1f} s")
-    print(f"training loss: {result.losses[0]:.4f} at the first step, {result.losses[-last:].mean():.4f} "
-          f"on average over the last {last}")
+    print(
+        f"training loss: {result.losses[0]:.4f} at the first step, {result.losses[-last:].mean():.4f} "
+        f"on average over the last {last}"
+    )
     print(f"final loss: {result.val_loss:.4f} (held-out cross-entropy per character, nats)")
     return 0

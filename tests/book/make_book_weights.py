@@ -75,12 +75,14 @@ def main():
     arrays = {}
 
     inputs = torch.tensor(
-        [[0.43, 0.15, 0.89],   # Your     (x^1)
-         [0.55, 0.87, 0.66],   # journey  (x^2)
-         [0.57, 0.85, 0.64],   # starts   (x^3)
-         [0.22, 0.58, 0.33],   # with     (x^4)
-         [0.77, 0.25, 0.10],   # one      (x^5)
-         [0.05, 0.80, 0.55]]   # step     (x^6)
+        [
+            [0.43, 0.15, 0.89],  # Your     (x^1)
+            [0.55, 0.87, 0.66],  # journey  (x^2)
+            [0.57, 0.85, 0.64],  # starts   (x^3)
+            [0.22, 0.58, 0.33],  # with     (x^4)
+            [0.77, 0.25, 0.10],  # one      (x^5)
+            [0.05, 0.80, 0.55],
+        ]  # step     (x^6)
     )
     arrays["inputs"] = f32(inputs)
     d_in, d_out = inputs.shape[1], 2
@@ -88,11 +90,9 @@ def main():
     # -- 3.3.1 / 3.3.2: attention without trainable weights ------------------
     query = inputs[1]
     attn_scores_2 = inputs @ query
-    check("scores(journey)", attn_scores_2,
-          [0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865])
+    check("scores(journey)", attn_scores_2, [0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865])
     attn_weights_2 = torch.softmax(attn_scores_2, dim=0)
-    check("softmax weights(journey)", attn_weights_2,
-          [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581])
+    check("softmax weights(journey)", attn_weights_2, [0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581])
     context_vec_2 = attn_weights_2 @ inputs
     check("context_vec(journey)", context_vec_2, [0.4419, 0.6515, 0.5683])
     all_context = torch.softmax(inputs @ inputs.T, dim=-1) @ inputs

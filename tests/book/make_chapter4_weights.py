@@ -16,6 +16,7 @@ stores, for each configuration ``<c>`` (``tiny``: ``qkv_bias=False``; ``bias``: 
 and ``<c>.cfg`` (the config values in ``CFG_KEYS`` order).  So ``tests/test_gpt_book.py`` checks
 the NumPy port without torch.
 """
+
 import os
 import sys
 
@@ -30,10 +31,24 @@ from chapter4_torch import GPTModel, generate_text_simple  # noqa: E402
 OUT_PATH = os.path.join(HERE, "chapter4.npz")
 CFG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
 CONFIGS = {
-    "tiny": {"vocab_size": 31, "context_length": 8, "emb_dim": 12, "n_heads": 3, "n_layers": 2, "drop_rate": 0.1,
-             "qkv_bias": False},
-    "bias": {"vocab_size": 23, "context_length": 6, "emb_dim": 8, "n_heads": 2, "n_layers": 3, "drop_rate": 0.0,
-             "qkv_bias": True},
+    "tiny": {
+        "vocab_size": 31,
+        "context_length": 8,
+        "emb_dim": 12,
+        "n_heads": 3,
+        "n_layers": 2,
+        "drop_rate": 0.1,
+        "qkv_bias": False,
+    },
+    "bias": {
+        "vocab_size": 23,
+        "context_length": 6,
+        "emb_dim": 8,
+        "n_heads": 2,
+        "n_layers": 3,
+        "drop_rate": 0.0,
+        "qkv_bias": True,
+    },
 }
 
 
