@@ -19,6 +19,7 @@ shape ``(..., keys, queries)``.  This module holds the pieces they have in commo
 
 Names: ``n`` rows of a block, ``h`` heads, ``e`` exponentials (never the head dimension).
 """
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,11 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
     try:
         np.broadcast_shapes(q.shape[:-2], kv_lead)
     except ValueError:
-        hint = (" (pass enable_gqa=True for grouped-query attention)"
-                if nd >= 3 and hk and hq % hk == 0 and not enable_gqa else "")
+        hint = (
+            " (pass enable_gqa=True for grouped-query attention)"
+            if nd >= 3 and hk and hq % hk == 0 and not enable_gqa
+            else ""
+        )
         raise ValueError(
             f"k: expected leading dimensions broadcastable with q {q.shape}, got shape {k.shape}{hint}"
         ) from None
@@ -168,15 +172,20 @@ class AttentionOptions(NamedTuple):
     window: Optional[tuple[int, int]] = None
     alibi_slopes: Optional[np.ndarray] = None  # (..., Hq), broadcastable to the scores' leading dims
     softcap: Optional[float] = None
-    sinks: Optional[np.ndarray] = None         # (Hq,)
+    sinks: Optional[np.ndarray] = None  # (Hq,)
     mask_grad: bool = False
 
     @property
     def plain(self) -> bool:
         """True when no option changes the plain computation (alignment alone changes nothing
         without causal masking, a window or ALiBi)."""
-        return (self.window is None and self.alibi_slopes is None and self.softcap is None
-                and self.sinks is None and not self.mask_grad)
+        return (
+            self.window is None
+            and self.alibi_slopes is None
+            and self.softcap is None
+            and self.sinks is None
+            and not self.mask_grad
+        )
 
 
 def _check_float_array(x, name: str, dtype) -> np.ndarray:
@@ -186,8 +195,17 @@ def _check_float_array(x, name: str, dtype) -> np.ndarray:
     return a
 
 
-def check_options(score_shape: tuple, dtype, attn_mask, causal_align="top_left", window=None,
-                  alibi_slopes=None, softcap=None, sinks=None, mask_grad=False) -> AttentionOptions:
+def check_options(
+    score_shape: tuple,
+    dtype,
+    attn_mask,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    mask_grad=False,
+) -> AttentionOptions:
     """Validate the attention options for scores of shape ``(..., Hq, Lq, Lk)`` in ``dtype``;
     ``attn_mask`` is the already checked mask (or None).
 
@@ -199,14 +217,16 @@ def check_options(score_shape: tuple, dtype, attn_mask, causal_align="top_left",
     * ``mask_grad``: a bool; True needs a float ``attn_mask``.
     """
     if not isinstance(causal_align, str):
-        raise TypeError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r} "
-                        f"({type(causal_align).__name__})")
+        raise TypeError(
+            f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r} ({type(causal_align).__name__})"
+        )
     if causal_align not in CAUSAL_ALIGNS:
         raise ValueError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
     if window is not None:
         if not isinstance(window, (tuple, list)):
-            raise TypeError(f"window: expected None or a pair (left, right) of ints, got {window!r} "
-                            f"({type(window).__name__})")
+            raise TypeError(
+                f"window: expected None or a pair (left, right) of ints, got {window!r} ({type(window).__name__})"
+            )
         if len(window) != 2:
             raise ValueError(f"window: expected a pair (left, right), got {len(window)} values {tuple(window)!r}")
         for side, w in zip(("left", "right"), window):
@@ -223,8 +243,9 @@ def check_options(score_shape: tuple, dtype, attn_mask, causal_align="top_left",
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(f"alibi_slopes: expected a shape broadcastable to {lead} (..., Hq), "
-                             f"got {alibi_slopes.shape}")
+            raise ValueError(
+                f"alibi_slopes: expected a shape broadcastable to {lead} (..., Hq), got {alibi_slopes.shape}"
+            )
     if softcap is not None:
         softcap = check_positive_float(softcap, "softcap")
     if sinks is not None:
@@ -253,8 +274,9 @@ class Band(NamedTuple):
         return self.left is None and self.right is None
 
 
-def band(lq: int, lk: int, is_causal: bool, causal_align: str = "top_left",
-         window: Optional[tuple[int, int]] = None) -> Band:
+def band(
+    lq: int, lk: int, is_causal: bool, causal_align: str = "top_left", window: Optional[tuple[int, int]] = None
+) -> Band:
     """The band of visible keys: causal masking bounds ``right`` by 0, the window by its sides."""
     offset = lk - lq if causal_align == "bottom_right" else 0
     left = right = None
@@ -360,4 +382,4 @@ def row_blocks(lq: int, lk: int, groups: int, height: Optional[int], b: Band) ->
 # -- buffers -----------------------------------------------------------------------------------------
 def scratch(buf: np.ndarray, shape: tuple) -> np.ndarray:
     """A C-contiguous array of ``shape`` on the start of the flat buffer ``buf`` (no allocation)."""
-    return buf[:math.prod(shape)].reshape(shape)
+    return buf[: math.prod(shape)].reshape(shape)

@@ -6,6 +6,7 @@ they validate and cast their arguments, then call the kernels ``_scaled_dot_prod
 ``_scaled_dot_product_attention_backward`` (re-exported by ``npattn.functional.kernels``), which
 take already checked arguments plus two layout extras for ``MultiHeadAttention``'s fused buffer.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ class AttentionCache(NamedTuple):
         score_shape = self.q.shape[:-1] + (self.k.shape[-2],)
         p = np.zeros(_grouped_shape(score_shape, self.groups), dtype=self.q.dtype)
         for blk, e in zip(self.blocks, self.e):
-            np.multiply(e.swapaxes(-1, -2), self.inv_l[..., blk.rows, :], out=p[..., blk.rows, blk.c0:blk.c1])
+            np.multiply(e.swapaxes(-1, -2), self.inv_l[..., blk.rows, :], out=p[..., blk.rows, blk.c0 : blk.c1])
         return _ungrouped(p, self.groups, score_shape)
 
 
@@ -97,7 +98,7 @@ def _per_group(a, lead, groups, g):
     """A per-head array ``a`` (broadcast to the scores' leading dims ``(..., Hq)``) for the query
     heads ``g, G + g, 2G + g, ...`` of group ``g``, shaped ``(..., Hk, 1, 1)`` to scale a block."""
     if a.ndim > len(lead):  # sinks (1,) of inputs without a head axis
-        a = a.reshape(a.shape[a.ndim - len(lead):])
+        a = a.reshape(a.shape[a.ndim - len(lead) :])
     a = np.broadcast_to(a, lead)
     if groups > 1:
         a = a.reshape(lead[:-1] + (lead[-1] // groups, groups))[..., g]
@@ -132,9 +133,24 @@ def _heads_last_empty(shape, dtype):
     return np.empty(tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
-                                 enable_gqa=False, *, causal_align="top_left", window=None, alibi_slopes=None,
-                                 softcap=None, sinks=None, mask_grad=False) -> tuple[np.ndarray, AttentionCache]:
+def scaled_dot_product_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    dropout_p=0.0,
+    scale=None,
+    rng=None,
+    enable_gqa=False,
+    *,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    mask_grad=False,
+) -> tuple[np.ndarray, AttentionCache]:
     """``out = dropout(softmax(q k^T * scale + mask)) v``, as ``torch.nn.functional.scaled_dot_product_attention``.
 
     Shapes: ``q (..., Hq, Lq, E)``, ``k (..., Hk, Lk, E)``, ``v (..., Hk, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``
@@ -186,15 +202,31 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         attn_mask = check_mask(attn_mask, "attn_mask", score_shape)
     scale = check_scale(scale, q.shape[-1])
     rng = as_rng(rng) if dropout_p > 0.0 or rng is not None else None
-    opts = check_options(score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks,
-                         mask_grad)
-    return _scaled_dot_product_attention(q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa,
-                                         **opts._asdict())
+    opts = check_options(score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    return _scaled_dot_product_attention(
+        q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa, **opts._asdict()
+    )
 
 
-def _scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, rng=None,
-                                  enable_gqa=False, *, causal_align="top_left", window=None, alibi_slopes=None,
-                                  softcap=None, sinks=None, mask_grad=False, heads_last=False):
+def _scaled_dot_product_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    dropout_p=0.0,
+    scale=None,
+    rng=None,
+    enable_gqa=False,
+    *,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    mask_grad=False,
+    heads_last=False,
+):
     """The kernel of ``scaled_dot_product_attention``: arguments already checked and cast (float
     arrays of one dtype, shapes that fit, a Generator ``rng`` when ``dropout_p > 0``).
     ``heads_last``: lay the output out in memory as ``(..., Lq, Hq, Ev)`` (``_heads_last_empty``;
@@ -225,8 +257,8 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, drop
     def mask_block(m, blk):
         r1 = blk.r0 + blk.n
         if groups == 1:
-            return m[..., blk.r0:r1, blk.c0:blk.c1]
-        return m[..., blk.rows.start // lq, blk.r0:r1, blk.c0:blk.c1]
+            return m[..., blk.r0 : r1, blk.c0 : blk.c1]
+        return m[..., blk.rows.start // lq, blk.r0 : r1, blk.c0 : blk.c1]
 
     hidden = None if attn_mask is None or attn_mask.dtype != bool else mask_view(~attn_mask)
     additive = None if attn_mask is None or attn_mask.dtype == bool else mask_view(attn_mask)
@@ -293,9 +325,25 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, drop
         o *= il if keep is None else il * drop_scale
         e.append(t)
     out = _ungrouped(out, groups, out_shape)
-    cache = AttentionCache(q, k, v, tuple(e), inv_l, tuple(blocks), keep, drop_scale, scale, groups, shapes, bnd,
-                           opts, None if dcap is None else tuple(dcap), p_sink,
-                           attn_mask if mask_grad else None, heads_last)
+    cache = AttentionCache(
+        q,
+        k,
+        v,
+        tuple(e),
+        inv_l,
+        tuple(blocks),
+        keep,
+        drop_scale,
+        scale,
+        groups,
+        shapes,
+        bnd,
+        opts,
+        None if dcap is None else tuple(dcap),
+        p_sink,
+        attn_mask if mask_grad else None,
+        heads_last,
+    )
     return out, cache
 
 
@@ -333,8 +381,9 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     ``mask_grad``), then ``dsinks`` (with ``sinks``); each gradient has its input's shape.
     """
     if not isinstance(cache, AttentionCache):
-        raise TypeError(f"cache: expected the AttentionCache returned by scaled_dot_product_attention, "
-                        f"got {type(cache).__name__}")
+        raise TypeError(
+            f"cache: expected the AttentionCache returned by scaled_dot_product_attention, got {type(cache).__name__}"
+        )
     q, v = cache.q, cache.v
     dout = check_grad(dout, q.shape[:-1] + (v.shape[-1],), q.dtype)
     return _scaled_dot_product_attention_backward(dout, cache)
@@ -397,8 +446,9 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None):
         il = inv_l[..., rows, :]
         kb = None if keep_g is None else keep_g[..., rows, c0:c1].swapaxes(-1, -2)
         # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
-        do_l = np.multiply(dog[..., rows, :], il if kb is None else il * drop_scale,
-                           out=_scratch(do_buf, glead + (n, v.shape[-1])))
+        do_l = np.multiply(
+            dog[..., rows, :], il if kb is None else il * drop_scale, out=_scratch(do_buf, glead + (n, v.shape[-1]))
+        )
         _write_or_add(e if kb is None else e * kb, do_l, dv[..., c0:c1, :], add, prod_buf)
         # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  (l dS)^T = E^T * (dP - D)^T
         ds = _scratch(ds_buf, glead + (c1 - c0, n))

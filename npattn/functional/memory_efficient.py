@@ -52,6 +52,7 @@ Three implementation choices, all about speed on a CPU, none changing the mathem
   once in all in the backward), never the larger score blocks; only the blocks straddling the
   causal diagonal pay for the causal mask.
 """
+
 from __future__ import annotations
 
 import math
@@ -196,12 +197,13 @@ def _blocks(n: int, size: int, start: int = 0):
 # (``h = hk*G + g``), so the output, ``lse`` and dropout's flat score index are those of the
 # ungrouped ``(..., Hq, Lq, Lk)`` score array.
 
+
 def _pad(a: np.ndarray, n: int) -> np.ndarray:
     """``a`` viewed with ``n`` dimensions: leading 1s added (or dropped: they must be 1)."""
     if a.ndim < n:
         return a.reshape((1,) * (n - a.ndim) + a.shape)
     if a.ndim > n:
-        return a.reshape(a.shape[a.ndim - n:])
+        return a.reshape(a.shape[a.ndim - n :])
     return a
 
 
@@ -211,18 +213,18 @@ def _split_head(a: np.ndarray, axis: int, groups: int) -> np.ndarray:
         return a
     n = a.shape[axis]
     axis %= a.ndim
-    return a.reshape(a.shape[:axis] + ((n // groups, groups) if n != 1 else (1, 1)) + a.shape[axis + 1:])
+    return a.reshape(a.shape[:axis] + ((n // groups, groups) if n != 1 else (1, 1)) + a.shape[axis + 1 :])
 
 
 class _Layout(NamedTuple):
-    q: np.ndarray                   # (*lead_q, Lq, E)     every lead_x broadcasts to ``lead``
-    k: np.ndarray                   # (*lead_k, Lk, E)
-    v: np.ndarray                   # (*lead_k, Lk, Ev)
-    lead: tuple                     # the working leading shape (..., Hk, G) or (..., H)
-    out_lead: tuple                 # the output's leading shape (..., Hq)
-    mask: Optional[np.ndarray]      # (*lead_m, Lq or 1, Lk or 1)
-    slopes: Optional[np.ndarray]    # (*lead_s, 1, 1)
-    sinks: Optional[np.ndarray]     # (*lead_s, 1, 1)
+    q: np.ndarray  # (*lead_q, Lq, E)     every lead_x broadcasts to ``lead``
+    k: np.ndarray  # (*lead_k, Lk, E)
+    v: np.ndarray  # (*lead_k, Lk, Ev)
+    lead: tuple  # the working leading shape (..., Hk, G) or (..., H)
+    out_lead: tuple  # the output's leading shape (..., Hq)
+    mask: Optional[np.ndarray]  # (*lead_m, Lq or 1, Lk or 1)
+    slopes: Optional[np.ndarray]  # (*lead_s, 1, 1)
+    sinks: Optional[np.ndarray]  # (*lead_s, 1, 1)
 
 
 def _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks) -> _Layout:
@@ -265,6 +267,7 @@ def _add_reduced(acc: np.ndarray, x: np.ndarray, axes: tuple) -> None:
 # (``_blocks.key_range``), a block of keys only the queries of one band (``_query_range``): the blocks
 # outside are never formed; inside a block, ``_blocks.band_hidden`` gives the pairs the band hides.
 
+
 def _query_range(b: Band, c0: int, c1: int, lq: int) -> Tuple[int, int]:
     """``(r0, r1)``: the queries ``r0..r1-1`` that may see some key of ``c0..c1-1`` (none: ``r0 == r1``).
     Key ``j`` is seen by the positions ``j - right .. j + left``, i.e. the queries ``p - offset``."""
@@ -305,9 +308,12 @@ class _Dropout:
         z_buf, work_buf, keep_buf, off_buf = bufs
         nk, nq = j1 - j0, i1 - i0
         shape = self.lead + (nk, nq)
-        off = _buffer(off_buf, (nk, nq))       # j + i * Lk, keys down
-        np.add(np.arange(j0, j1, dtype=np.uint64)[:, None], np.arange(i0, i1, dtype=np.uint64) * np.uint64(self.lk),
-               out=off)
+        off = _buffer(off_buf, (nk, nq))  # j + i * Lk, keys down
+        np.add(
+            np.arange(j0, j1, dtype=np.uint64)[:, None],
+            np.arange(i0, i1, dtype=np.uint64) * np.uint64(self.lk),
+            out=off,
+        )
         z = _buffer(z_buf, shape)
         np.add(self.mats, off, out=z)
         return keep_into(self.seed, self.p, z, _buffer(work_buf, shape), _buffer(keep_buf, shape))
@@ -369,12 +375,25 @@ class _Scores:
         return True
 
 
-def memory_efficient_attention(q, k, v, attn_mask=None, is_causal: bool = False, scale: Optional[float] = None,
-                               block_size: Optional[int] = None, *, dropout_p: float = 0.0, rng=None,
-                               enable_gqa: bool = False, causal_align: str = "top_left",
-                               window: Optional[Tuple[int, int]] = None, alibi_slopes=None,
-                               softcap: Optional[float] = None, sinks=None,
-                               mask_grad: bool = False) -> Tuple[np.ndarray, MemoryEfficientCache]:
+def memory_efficient_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    block_size: Optional[int] = None,
+    *,
+    dropout_p: float = 0.0,
+    rng=None,
+    enable_gqa: bool = False,
+    causal_align: str = "top_left",
+    window: Optional[Tuple[int, int]] = None,
+    alibi_slopes=None,
+    softcap: Optional[float] = None,
+    sinks=None,
+    mask_grad: bool = False,
+) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """``dropout(softmax(q k^T * scale + mask)) v`` computed in blocks, never holding an ``(Lq, Lk)`` array.
 
     The same result as ``scaled_dot_product_attention`` with the same arguments (the dropout mask
@@ -452,11 +471,26 @@ def memory_efficient_attention(q, k, v, attn_mask=None, is_causal: bool = False,
     if block_size is not None:
         check_size(block_size, "block_size")
     causal_align, window, alibi_slopes, softcap, sinks, mask_grad = check_options(
-        score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+        score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad
+    )
     return _memory_efficient_attention(
-        q, k, v, attn_mask, is_causal, scale, block_size, dropout_p=dropout_p, rng=rng, enable_gqa=enable_gqa,
-        causal_align=causal_align, window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-        mask_grad=mask_grad)
+        q,
+        k,
+        v,
+        attn_mask,
+        is_causal,
+        scale,
+        block_size,
+        dropout_p=dropout_p,
+        rng=rng,
+        enable_gqa=enable_gqa,
+        causal_align=causal_align,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
+        mask_grad=mask_grad,
+    )
 
 
 def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
@@ -509,15 +543,31 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
     if not isinstance(cache, MemoryEfficientCache):
         raise TypeError(
             f"cache: expected the MemoryEfficientCache returned by memory_efficient_attention, "
-            f"got {type(cache).__name__}")
+            f"got {type(cache).__name__}"
+        )
     dout = check_grad(dout, cache.out.shape, cache.q.dtype)
     return _memory_efficient_attention_backward(dout, cache)
 
 
-def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, block_size=None, *,
-                                dropout_p=0.0, rng=None, enable_gqa=False, causal_align="top_left", window=None,
-                                alibi_slopes=None, softcap=None, sinks=None,
-                                mask_grad=False) -> Tuple[np.ndarray, MemoryEfficientCache]:
+def _memory_efficient_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    block_size=None,
+    *,
+    dropout_p=0.0,
+    rng=None,
+    enable_gqa=False,
+    causal_align="top_left",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    mask_grad=False,
+) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """The kernel of ``memory_efficient_attention``: the same signature and numbers, no input checks.
 
     Its arguments must already be what the public op makes of them: ``q, k, v`` float arrays of
@@ -560,7 +610,7 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
         drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
         for i0, i1 in share:
             nq = i1 - i0
-            row = lead + (1, nq)                      # per-query statistics, as rows
+            row = lead + (1, nq)  # per-query statistics, as rows
             qs = _buffer(qs_buf, qlead + (nq, head_dim))
             np.multiply(qw[..., i0:i1, :], scale, out=qs)
             qs_t = qs.swapaxes(-1, -2)
@@ -568,35 +618,35 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
             if lay.sinks is None:
                 m.fill(-np.inf)
                 l.fill(0.0)
-            else:                                     # the sink joins first: m = sink, l = exp(0)
+            else:  # the sink joins first: m = sink, l = exp(0)
                 np.copyto(m, lay.sinks)
                 l.fill(1.0)
             acc_t = _buffer(acc_buf, lead + (head_dim_v, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
             pv_t = _buffer(pv_buf, lead + (head_dim_v, nq))
-            c0, c1 = key_range(bnd, i0, i1, lk)     # the keys some query of the block may see
+            c0, c1 = key_range(bnd, i0, i1, lk)  # the keys some query of the block may see
             for j0, j1 in _blocks(c1, bk, c0):
                 nk = j1 - j0
                 st = _buffer(s_buf, lead + (nk, nq))  # S^T: keys down, queries across
                 np.matmul(kw[..., j0:j1, :], qs_t, out=st)
                 if not scores.apply(st, i0, i1, j0, j1, bias_bufs):
-                    continue                          # every score of this block is masked
+                    continue  # every score of this block is masked
                 np.max(st, axis=-2, keepdims=True, out=m_new)
-                np.maximum(m_new, m, out=m_new)       # m' = max(m, max_B s)
-                np.maximum(m_new, floor, out=shift)   # a row that saw only -inf shifts by a finite number
+                np.maximum(m_new, m, out=m_new)  # m' = max(m, max_B s)
+                np.maximum(m_new, floor, out=shift)  # a row that saw only -inf shifts by a finite number
                 np.subtract(m, shift, out=alpha)
-                np.exp(alpha, out=alpha)              # alpha = exp(m - m'): 0 on a row's first block
+                np.exp(alpha, out=alpha)  # alpha = exp(m - m'): 0 on a row's first block
                 np.subtract(st, shift, out=st)
-                np.exp(st, out=st)                    # P_B^T = exp(s_B - m')
+                np.exp(st, out=st)  # P_B^T = exp(s_B - m')
                 np.sum(st, axis=-2, keepdims=True, out=rsum)
                 l *= alpha
-                l += rsum                             # l' = alpha l + rowsum(P_B)
-                if dropout is not None:               # a' sums the kept weights only
+                l += rsum  # l' = alpha l + rowsum(P_B)
+                if dropout is not None:  # a' sums the kept weights only
                     st *= dropout.keep_t(i0, i1, j0, j1, drop_bufs)
                 np.matmul(vw[..., j0:j1, :].swapaxes(-1, -2), st, out=pv_t)
                 acc_t *= alpha
-                acc_t += pv_t                         # a' = alpha a + P_B v_B  (transposed)
-                m, m_new = m_new, m                   # m <- m' (swap the two buffers, no copy)
+                acc_t += pv_t  # a' = alpha a + P_B v_B  (transposed)
+                m, m_new = m_new, m  # m <- m' (swap the two buffers, no copy)
             # o = a / l [/ (1-p)] and lse = m + log l; rows that saw no key (l = 0) keep o = 0, lse = 0
             empty = l == 0
             if empty.any():
@@ -614,15 +664,53 @@ def _memory_efficient_attention(q, k, v, attn_mask=None, is_causal=False, scale=
     _run(rows, _shares(q_blocks, workers))
     out = out.reshape(lay.out_lead + (lq, head_dim_v))
     lse = lse.reshape(lay.out_lead + (lq,))
-    return out, MemoryEfficientCache(q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed,
-                                     groups, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    return out, MemoryEfficientCache(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        is_causal,
+        scale,
+        bq,
+        bk,
+        dropout_p,
+        seed,
+        groups,
+        causal_align,
+        window,
+        alibi_slopes,
+        softcap,
+        sinks,
+        mask_grad,
+    )
 
 
 def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """The kernel of ``memory_efficient_attention_backward``: ``dout`` already checked (the
     output's shape, ``q``'s dtype) and ``cache`` a ``MemoryEfficientCache``."""
-    (q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, causal_align, window,
-     alibi_slopes, softcap, sinks, mask_grad) = cache
+    (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        attn_mask,
+        is_causal,
+        scale,
+        bq,
+        bk,
+        dropout_p,
+        seed,
+        groups,
+        causal_align,
+        window,
+        alibi_slopes,
+        softcap,
+        sinks,
+        mask_grad,
+    ) = cache
     lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
     lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     lead = lay.lead
@@ -649,14 +737,13 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
     # dmask: summed to the mask's own (broadcast) shape.  Workers own disjoint key blocks, so when
     # the mask has a full key axis they write disjoint columns of one array; otherwise each has its own.
     mask = lay.mask
-    mshape: tuple = () if mask is None else mask.shape             # the working view's shape
+    mshape: tuple = () if mask is None else mask.shape  # the working view's shape
     mask_shape: tuple = () if attn_mask is None else attn_mask.shape  # the caller's
     want_dmask = bool(mask_grad) and mask is not None
     shared_dmask = want_dmask and mshape[-1] == lk and lk > 1
     m_axes: tuple = ()
     if want_dmask:  # the broadcast leading axes, then keys (-2) / queries (-1) of the transposed block
-        m_axes = _reduce_axes(mshape[:-2], lead) + tuple(ax for ax, n in ((-2, mshape[-1]), (-1, mshape[-2]))
-                                                         if n == 1)
+        m_axes = _reduce_axes(mshape[:-2], lead) + tuple(ax for ax, n in ((-2, mshape[-1]), (-1, mshape[-2])) if n == 1)
     dmask_shared: Any = np.zeros(mshape, dt) if shared_dmask else None
 
     def columns(share, dq, dmask):
@@ -688,39 +775,39 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
                 nq = i1 - i0
                 qs = qs_all[..., i0:i1, :]
                 st = _buffer(s_buf, lead + (nk, nq))
-                np.matmul(k_j, qs.swapaxes(-1, -2), out=st)          # S^T = k_j (scale q_i)^T
+                np.matmul(k_j, qs.swapaxes(-1, -2), out=st)  # S^T = k_j (scale q_i)^T
                 t = None if t_buf is None else _buffer(t_buf, lead + (nk, nq))
                 if not scores.apply(st, i0, i1, j0, j1, bias_bufs, tanh_out=t):
                     continue
                 np.subtract(st, lse_row[..., i0:i1], out=st)
-                pt = np.exp(st, out=st)                               # P^T = exp(S^T - lse)
+                pt = np.exp(st, out=st)  # P^T = exp(S^T - lse)
                 do_i = dout[..., i0:i1, :]
                 dpt = _buffer(dp_buf, lead + (nk, nq))
-                np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)        # dP'^T = V_j dO_i^T
+                np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)  # dP'^T = V_j dO_i^T
                 if dropout is not None:
                     keep = dropout.keep_t(i0, i1, j0, j1, drop_bufs)
-                    dpt *= keep                                       # dP = dP' * keep / (1-p)
+                    dpt *= keep  # dP = dP' * keep / (1-p)
                     pk = np.multiply(pt, keep, out=_buffer(pk_buf, st.shape))
-                    np.matmul(pk, do_i, out=dv_tmp)                   # dV_j += (P * keep)^T dO_i / (1-p)
+                    np.matmul(pk, do_i, out=dv_tmp)  # dV_j += (P * keep)^T dO_i / (1-p)
                 else:
-                    np.matmul(pt, do_i, out=dv_tmp)                   # dV_j += P^T dO_i
+                    np.matmul(pt, do_i, out=dv_tmp)  # dV_j += P^T dO_i
                 dv_j += dv_tmp
                 np.subtract(dpt, d_row[..., i0:i1], out=dpt)
-                dst = np.multiply(dpt, pt, out=dpt)                   # dS^T = P^T * (dP^T - D)
-                if want_dmask:                                        # the mask is added to S: dmask = dS
+                dst = np.multiply(dpt, pt, out=dpt)  # dS^T = P^T * (dP^T - D)
+                if want_dmask:  # the mask is added to S: dmask = dS
                     rows = slice(None) if mshape[-2] == 1 else slice(i0, i1)
                     cols = slice(None) if mshape[-1] == 1 else slice(j0, j1)
                     dm = (dmask_shared if shared_dmask else dmask)[..., rows, cols].swapaxes(-1, -2)
                     _add_reduced(dm, dst, m_axes)
-                if t is not None:                                     # through softcap * tanh(S_raw / softcap)
+                if t is not None:  # through softcap * tanh(S_raw / softcap)
                     np.multiply(t, t, out=t)
                     np.subtract(1.0, t, out=t)
-                    dst *= t                                          # dS_raw = dS * (1 - tanh^2)
+                    dst *= t  # dS_raw = dS * (1 - tanh^2)
                 dq_tmp = _buffer(dq_buf, lead + (nq, head_dim))
                 np.matmul(dst.swapaxes(-1, -2), k_j, out=dq_tmp)
-                _add_reduced(dq[..., i0:i1, :], dq_tmp, q_axes)       # dQ_i += dS K_j (scaled below)
+                _add_reduced(dq[..., i0:i1, :], dq_tmp, q_axes)  # dQ_i += dS K_j (scaled below)
                 np.matmul(dst, qs, out=dk_tmp)
-                dk_j += dk_tmp                                        # dK_j += dS^T (scale Q_i)
+                dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
             if k_axes:
                 _add_reduced(dk[..., j0:j1, :], dk_j, k_axes)
             if v_axes:
@@ -739,14 +826,14 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
     grads: tuple = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
     if want_dmask:
         dmask = dmask_shared if shared_dmask else dmasks[0]
-        for extra in ([] if shared_dmask else dmasks[1:]):
+        for extra in [] if shared_dmask else dmasks[1:]:
             dmask += extra
         grads += (dmask.reshape(mask_shape),)
     if sinks is not None and lay.sinks is not None:
         # The sink is one more logit in each row's softmax, P_sink = exp(sink - lse), with value 0:
         # dP_sink = dO . 0 = 0, so dS_sink = P_sink (dP_sink - D) = -P_sink D, summed over every row
         # (and batch) of its head.
-        p_sink = np.exp(lay.sinks - lse_row)                          # (..., 1, Lq)
+        p_sink = np.exp(lay.sinks - lse_row)  # (..., 1, Lq)
         ds = -(p_sink * d_row)
         s_axes = _reduce_axes(lay.sinks.shape[:-2], lead) + (-2, -1)
         grads += (ds.sum(axis=s_axes, keepdims=True).reshape(sinks.shape),)
