@@ -1,14 +1,18 @@
 """npattn: transformer attention in pure NumPy, every backward pass derived and written by hand.
 
-* ``npattn.functional``: pure ``op(...) -> (out, cache)`` / ``op_backward(dout, cache)`` pairs.
+* ``npattn.functional``: pure ``op(...) -> (out, cache)`` / ``op_backward(dout, cache)`` pairs (the
+  fast tier); ``npattn.functional.reference``: the same pairs as textbook formulas, each backward
+  derived in comments.
 * Modules (``Linear``, ``LayerNorm``, ``RMSNorm``, ``Dropout``, ``Embedding``, ``FeedForward``,
   ``MultiHeadAttention``, ``EncoderBlock``, ``DecoderBlock``): ``y = m(x)``, ``dx = m.backward(dy)``, gradients
   accumulated into ``p.grad``.
-* ``npattn.book``: the chapter-3 classes of *Build a Large Language Model (From Scratch)*.
+* ``npattn.book``: the chapter 3-5 classes of *Build a Large Language Model (From Scratch)*
+  (attention classes, ``GPTModel``, ``generate``, GPT-2 weight loading).
 * ``npattn.gradcheck``: central-difference checks of functional pairs and modules.
 * ``npattn.masks``: causal, padding and sliding-window masks (True = may attend).
 * ``npattn.optim``: SGD, Adam, AdamW, gradient clipping, a warm-up + cosine schedule.
 * ``npattn.models.TinyTransformer``: a small causal transformer built from the public pieces.
+* ``npattn.generation``: sampling (temperature, top-k, EOS) shared by every model.
 * ``npattn.viz`` (matplotlib) and ``npattn.testing`` (hypothesis strategies): imported on demand.
 
 Importing npattn imports numpy and nothing else outside the standard library.
