@@ -135,13 +135,6 @@ def _mask_names(case) -> Tuple[str, ...]:
 
 # Refusals known to leave state behind, fixed elsewhere: (case, refusal prefix).  None today (the
 # pre-norm encoder block checks its masks before layer norm 1 runs).
-KNOWN_GAPS: set = set()
-
-
-def _known_gap(name, refusal):
-    return any(name == n and refusal.startswith(r) for n, r in KNOWN_GAPS)
-
-
 # -- the valid call ----------------------------------------------------------------------------------
 def _valid_inputs(case, seed, dtype):
     rng = np.random.default_rng(seed)
@@ -343,7 +336,7 @@ def _check(name, seed, dtype, training, refusal):
     data=st.data(), seed=st.integers(0, 2**16), dtype=st.sampled_from([np.float64, np.float32]), training=st.booleans()
 )
 def test_refused_call_changes_no_state(name, data, seed, dtype, training):
-    refusals = [r for r in sorted(_refusals(CASES[name], dtype)) if not _known_gap(name, r)]
+    refusals = sorted(_refusals(CASES[name], dtype))
     refusal = data.draw(st.sampled_from(refusals), label="refusal")
     _check(name, seed, dtype, training, refusal)
 
@@ -353,20 +346,10 @@ def test_every_refusal_once(name):
     """Each refused call of each module, deterministically (the property above samples them)."""
     for dtype in (np.float64, np.float32):
         for refusal in sorted(_refusals(CASES[name], dtype)):
-            if _known_gap(name, refusal):
-                continue
             try:
                 _check(name, 3, dtype, True, refusal)
             except BaseException as e:  # name the refusal in the failure
                 raise AssertionError(f"{name} / {np.dtype(dtype)} / {refusal}: {type(e).__name__}: {e}") from e
-
-
-@pytest.mark.xfail(reason="a refusal known to leave state behind (see KNOWN_GAPS)", strict=False)
-@pytest.mark.parametrize("name, refusal", sorted(KNOWN_GAPS))
-def test_known_gaps(name, refusal):
-    for r in sorted(_refusals(CASES[name], np.float64)):
-        if r.startswith(refusal):
-            _check(name, 3, np.float64, True, r)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -42,6 +42,14 @@ def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
     return x
 
 
+def _check_block_sizes(d_model, num_heads, d_ff, dropout) -> tuple:
+    """The constructor checks both blocks share (before any sublayer is built)."""
+    d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
+    if d_model % num_heads:
+        raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
+    return d_model, num_heads, check_size(d_ff, "d_ff"), check_prob(dropout, "dropout")
+
+
 class EncoderBlock(Module):
     """A transformer encoder layer (``torch.nn.TransformerEncoderLayer`` with ``batch_first=True``).
 
@@ -73,11 +81,7 @@ class EncoderBlock(Module):
         dtype=np.float64,
     ) -> None:
         super().__init__()
-        d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
-        if d_model % num_heads:
-            raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
-        check_size(d_ff, "d_ff")
-        check_prob(dropout, "dropout")
+        d_model, num_heads, d_ff, dropout = _check_block_sizes(d_model, num_heads, d_ff, dropout)
         self.norm_first = check_bool(norm_first, "norm_first")
         bias = check_bool(bias, "bias")
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
@@ -216,11 +220,7 @@ class DecoderBlock(Module):
         dtype=np.float64,
     ) -> None:
         super().__init__()
-        d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
-        if d_model % num_heads:
-            raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
-        check_size(d_ff, "d_ff")
-        check_prob(dropout, "dropout")
+        d_model, num_heads, d_ff, dropout = _check_block_sizes(d_model, num_heads, d_ff, dropout)
         self.norm_first = check_bool(norm_first, "norm_first")
         causal = check_bool(causal, "causal")
         bias = check_bool(bias, "bias")
