@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -56,7 +57,24 @@ def test_time_interleaved_gives_a_median_per_callable():
         {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeats=3, pause=0
     )
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
-    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then interleaved
+    # warm-up, then 3 turns each: a batch of consecutive calls (one untimed first), interleaved
+    n = B._MAX_BATCH + 1
+    assert calls == ["a", "b"] + (["a"] * n + ["b"] * n) * 3
+
+
+def test_time_interleaved_runs_long_calls_one_per_turn():
+    calls = []
+
+    def slow(name):
+        def fn():
+            calls.append(name)
+            time.sleep(0.02)
+
+        return fn
+
+    times = B.time_interleaved({"a": slow("a"), "b": slow("b")}, warmup=1, repeats=2, pause=0, batch_seconds=0.01)
+    assert calls == ["a", "b"] + ["a", "b"] * 2  # no batch, no untimed call
+    assert all(0.015 < t < 1.0 for t in times.values())
 
 
 def test_gemm_peak_is_a_rate():

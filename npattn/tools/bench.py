@@ -1,7 +1,8 @@
 """``npattn bench``: forward+backward timings of the main layers, against torch in the same run.
 
 What is timed, each time one forward and one backward producing the input gradient and every
-parameter gradient (the median of several runs, npattn and torch interleaved, after warm-up):
+parameter gradient (the median over several turns, npattn and torch taking turns after warm-up; a
+turn of short calls is a batch of consecutive calls, as a training loop makes them):
 
 * ``sdpa``: ``scaled_dot_product_attention`` on ``(b, h, L, E)`` q, k, v, causal; torch's
   ``F.scaled_dot_product_attention(..., is_causal=True)``.
@@ -109,27 +110,45 @@ def _torch():
 # (tiny sizes, no threads woken) get no pause: a sleeping machine wakes up slowly.
 PAUSE = 0.12
 _PAUSE_AFTER = 0.01  # seconds
+BATCH_SECONDS = 0.05  # a turn of short calls lasts about this long
+_MAX_BATCH = 25
 
 
-def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE):
-    """Median wall time in seconds of each zero-argument callable in ``fns`` (a dict).
+def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE, batch_seconds=BATCH_SECONDS):
+    """Median wall time in seconds per call of each zero-argument callable in ``fns`` (a dict).
 
-    After ``warmup`` calls of each, the callables run in turn ``repeats`` times (interleaved, so
-    that a slow spell of the machine hits all of them alike), each after ``pause`` seconds idle
-    when the call before it took longer than 10 ms."""
-    for fn in fns.values():
-        for _ in range(warmup):
+    After ``warmup`` calls of each, the callables take turns ``repeats`` times (interleaved, so
+    that a slow spell of the machine hits all of them alike).  A turn is a *batch* of consecutive
+    calls, as a training loop makes them: a call shorter than ``batch_seconds`` is repeated up to
+    that time (at most ``_MAX_BATCH`` calls), after ``pause`` seconds idle and one untimed call;
+    every timed call counts towards the median.  A turn of one long call starts after ``pause``
+    seconds idle when the call before it took over 10 ms.
+
+    Why batches: alternating single short calls measures each library while the other one's idle
+    thread pool still spins on the cores (OpenBLAS's threads spin for about 0.1 s after a threaded
+    GEMM, libgomp's briefly too), a cost no program that uses one library pays.  At b=4, L=64 that
+    interference alone moved a ratio between 0.6 and 1.9 on the project's machine."""
+    batch = {}
+    for name, fn in fns.items():
+        best = math.inf
+        for _ in range(max(1, warmup)):
+            t0 = time.perf_counter()
             fn()
+            best = min(best, time.perf_counter() - t0)
+        batch[name] = int(min(_MAX_BATCH, max(1, batch_seconds // max(best, 1e-9))))
     times = {name: [] for name in fns}
     last = 0.0
     for _ in range(repeats):
         for name, fn in fns.items():
-            if pause and last > _PAUSE_AFTER:
-                time.sleep(pause)
-            t0 = time.perf_counter()
-            fn()
-            last = time.perf_counter() - t0
-            times[name].append(last)
+            if pause and (last > _PAUSE_AFTER or batch[name] > 1):
+                time.sleep(pause)  # the other library's idle threads stop spinning
+            if batch[name] > 1:
+                fn()  # untimed: wakes this library's threads (and the core) after the pause
+            for _ in range(batch[name]):
+                t0 = time.perf_counter()
+                fn()
+                last = time.perf_counter() - t0
+                times[name].append(last)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -1125,7 +1144,8 @@ def _format_results(report):
     lines = [
         f"numpy GEMM peak ({report.get('gemm_n', 2048)}^2 matmul, best at the start or end of this run): "
         + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in report["gemm_peak_gflops"].items()),
-        f"forward+backward (input and parameter gradients), median of {report['repeats']} interleaved runs;"
+        f"forward+backward (input and parameter gradients), median over {report['repeats']} interleaved turns"
+        " (short calls: batches of consecutive calls);"
         " GFLOP/s count useful FLOPs (causal: visible pairs only); ratio = npattn / torch",
         "",
         f"{'op':<8} {'shape':<29} {'dtype':<8} {'npattn ms':>10} {'torch ms':>10} {'ratio':>6} "
