@@ -32,6 +32,7 @@ from ._blocks import (
     sum_to,
 )
 from ._blocks import scratch as _scratch
+from ._workspace import empty as _empty
 
 
 class AttentionCache(NamedTuple):
@@ -124,13 +125,13 @@ def _block_height(b: Band):
     return None if b.full else _CAUSAL_BLOCK
 
 
-def _heads_last_empty(shape, dtype):
+def _heads_last_empty(shape, dtype, workspace=None):
     """An array of ``shape (..., H, L, D)`` laid out in memory as ``(..., L, H, D)``: merging the
     heads back into features (``swapaxes(-2, -3)`` then ``reshape``), as ``MultiHeadAttention``
     does, is then free.  (Each ``(L, D)`` matrix is still a BLAS operand: its rows are strided.)"""
     if len(shape) < 3:
-        return np.empty(shape, dtype)
-    return np.empty(tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
+        return _empty(workspace, shape, dtype)
+    return _empty(workspace, tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
 def scaled_dot_product_attention(
@@ -226,11 +227,14 @@ def _scaled_dot_product_attention(
     sinks=None,
     mask_grad=False,
     heads_last=False,
+    workspace=None,
 ):
     """The kernel of ``scaled_dot_product_attention``: arguments already checked and cast (float
     arrays of one dtype, shapes that fit, a Generator ``rng`` when ``dropout_p > 0``).
     ``heads_last``: lay the output out in memory as ``(..., Lq, Hq, Ev)`` (``_heads_last_empty``;
-    ``MultiHeadAttention`` then merges heads for free), and the backward's gradients likewise."""
+    ``MultiHeadAttention`` then merges heads for free), and the backward's gradients likewise.
+    ``workspace``: a ``_workspace.Workspace`` the output, the cached blocks and the scratch are
+    taken from (a module's; it gives them back after the backward, ``cache_arrays``)."""
     shapes = (q.shape, k.shape, v.shape)
     groups = gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
     q, k, v = broadcast_qkv(q, k, v, groups)
@@ -266,15 +270,16 @@ def _scaled_dot_product_attention(
     qg = _grouped(q, groups)
     out_shape = q.shape[:-1] + (v.shape[-1],)
     if heads_last and groups == 1:
-        out = _heads_last_empty(out_shape, q.dtype)
+        out = _heads_last_empty(out_shape, q.dtype, workspace)
     else:
-        out = np.empty(_grouped_shape(out_shape, groups), q.dtype)
+        out = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
     inv_l = np.empty(qg.shape[:-1] + (1,), q.dtype)
     p_sink = None if sinks is None else np.empty(qg.shape[:-1] + (1,), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     glead = qg.shape[:-2]
     height = max((blk.n for blk in blocks), default=0)
-    qs_buf = np.empty(math.prod(glead) * height * q.shape[-1], q.dtype)
+    qs_buf = _empty(workspace, (math.prod(glead) * height * q.shape[-1],), q.dtype)
+    tlead = np.broadcast_shapes(k.shape[:-2], glead)
 
     e, dcap = [], ([] if softcap is not None else None)
     masks: dict = {}  # the band's hidden pairs of each distinct block shape, built once per call
@@ -284,7 +289,7 @@ def _scaled_dot_product_attention(
         # scores of the block, key-major: t = s^T = k (q * scale)^T over the keys c0..c1-1 its rows
         # may see (the (keys, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way)
         qs = np.multiply(qg[..., rows, :], scale, out=_scratch(qs_buf, glead + (n, q.shape[-1])))
-        t = k[..., c0:c1, :] @ qs.swapaxes(-1, -2)
+        t = np.matmul(k[..., c0:c1, :], qs.swapaxes(-1, -2), out=_empty(workspace, tlead + (c1 - c0, n), q.dtype))
         if softcap is not None:  # s -> softcap tanh(s / softcap); keep its derivative 1 - tanh^2
             t /= softcap
             np.tanh(t, out=t)
@@ -324,6 +329,8 @@ def _scaled_dot_product_attention(
         np.matmul(used.swapaxes(-1, -2), v[..., c0:c1, :], out=o)
         o *= il if keep is None else il * drop_scale
         e.append(t)
+    if workspace is not None:
+        workspace.give(qs_buf)
     out = _ungrouped(out, groups, out_shape)
     cache = AttentionCache(
         q,
@@ -389,10 +396,11 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     return _scaled_dot_product_attention_backward(dout, cache)
 
 
-def _scaled_dot_product_attention_backward(dout, cache, out=None):
+def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None):
     """The kernel of ``scaled_dot_product_attention_backward`` (``dout`` already checked).
     ``out``: optional ``(dq, dk, dv)`` arrays of the right shapes and dtype to write the gradients
-    into (e.g. views of ``MultiHeadAttention``'s fused buffer); they are returned in place of new ones."""
+    into (e.g. views of ``MultiHeadAttention``'s fused buffer); they are returned in place of new ones.
+    ``workspace``: where the scratch comes from (and goes back to at the end)."""
     q, k, v, groups, scale = cache.q, cache.k, cache.v, cache.groups, cache.scale
     blocks, e_blocks, inv_l, keep, drop_scale = cache.blocks, cache.e, cache.inv_l, cache.keep, cache.drop_scale
     opts = cache.options
@@ -433,11 +441,11 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None):
     glead = dog.shape[:-2]
     height = max((b.n for b in blocks), default=0)
     wmax = max((b.c1 - b.c0 for b in blocks), default=0)
-    ds_buf = np.empty(math.prod(glead) * height * wmax, q.dtype)
-    do_buf = np.empty(math.prod(glead) * height * v.shape[-1], q.dtype)
-    q_buf = np.empty(math.prod(glead) * height * q.shape[-1], q.dtype)
+    ds_buf = _empty(workspace, (math.prod(glead) * height * wmax,), q.dtype)
+    do_buf = _empty(workspace, (math.prod(glead) * height * v.shape[-1],), q.dtype)
+    q_buf = _empty(workspace, (math.prod(glead) * height * q.shape[-1],), q.dtype)
     many = len(blocks) > 1 or not from_zero
-    prod_buf = np.empty(math.prod(glead) * wmax * max(k.shape[-1], v.shape[-1]) if many else 0, q.dtype)
+    prod_buf = _empty(workspace, (math.prod(glead) * wmax * max(k.shape[-1], v.shape[-1]) if many else 0,), q.dtype)
     for j, i in enumerate(order):
         blk, e = blocks[i], e_blocks[i]  # e: E^T, key-major (c1 - c0, n) as in the forward
         rows, c0, c1, r0 = blk
@@ -472,6 +480,8 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None):
         dq_rows *= il_s
         q_l = np.multiply(qg[..., rows, :], il_s, out=_scratch(q_buf, glead + (n, q.shape[-1])))
         _write_or_add(ds, q_l, dk[..., c0:c1, :], add, prod_buf)
+    if workspace is not None:
+        workspace.give(ds_buf, do_buf, q_buf, prod_buf)
     dq = _ungrouped(dq, groups, q.shape)
     grads = [dq, dk, dv]
     if cache.shapes:

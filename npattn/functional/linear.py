@@ -37,11 +37,15 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     return _linear(x, weight, bias)
 
 
-def _linear(x, weight, bias=None):
+def _linear(x, weight, bias=None, out=None):
+    """The kernel of ``linear``; ``out``: an optional C-contiguous array of the output's shape and
+    dtype to write ``y`` into (a module's workspace)."""
+    n, d_out = math.prod(x.shape[:-1]), weight.shape[0]
     if x.ndim > 2 and x.flags.c_contiguous:  # one (N, in) @ (in, out) GEMM, not one per leading index
-        y = (x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) @ weight.T).reshape(x.shape[:-1] + (weight.shape[0],))
+        y2 = np.matmul(x.reshape(n, x.shape[-1]), weight.T, out=None if out is None else out.reshape(n, d_out))
+        y = y2.reshape(x.shape[:-1] + (d_out,))
     else:
-        y = x @ weight.T
+        y = np.matmul(x, weight.T, out=out)
     if bias is not None:
         y += bias
     return y, LinearCache(x, weight, bias is not None)
@@ -55,11 +59,13 @@ def linear_backward(dout: np.ndarray, cache: LinearCache):
     return _linear_backward(check_grad(dout, x.shape[:-1] + (weight.shape[0],), x.dtype), cache)
 
 
-def _linear_backward(dout, cache):
+def _linear_backward(dout, cache, dx_out=None):
+    """The kernel of ``linear_backward``; ``dx_out``: an optional C-contiguous array of ``x``'s
+    shape and dtype to write ``dx`` into (a module's workspace)."""
     x, weight, has_bias = cache
     n = math.prod(x.shape[:-1])  # not reshape(-1, ...): that fails when a feature size is 0
     dy2 = dout.reshape(n, dout.shape[-1])  # (N, out): every GEMM below is one 2-d product
-    dx = (dy2 @ weight).reshape(x.shape)
+    dx = np.matmul(dy2, weight, out=None if dx_out is None else dx_out.reshape(n, x.shape[-1])).reshape(x.shape)
     dweight = dy2.T @ x.reshape(n, x.shape[-1])
     dbias = dy2.sum(axis=0) if has_bias else None
     return dx, dweight, dbias

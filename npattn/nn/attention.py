@@ -33,7 +33,7 @@ from .._validate import (
 from ..functional import AttentionCache
 from ..functional import kernels as K
 from .layers import Linear, RMSNorm
-from .module import Module, Parameter, no_grad
+from .module import Module, Parameter, is_grad_enabled, no_grad
 
 __all__ = ["MultiHeadAttention"]
 
@@ -56,6 +56,7 @@ class _State(NamedTuple):
     n_extra: int  # number of extra keys (bias_k, the zero key)
     memory_efficient: bool
     sinks: bool
+    reused: tuple = ()  # arrays from the module's workspace, given back after the backward
 
 
 class _KVCache:
@@ -468,9 +469,11 @@ class MultiHeadAttention(Module):
         # -- projections: one GEMM for q, k and v in self-attention ----------------------------
         H, Hk, hd = self.num_heads, self.num_kv_heads, self.head_dim
         d_kv = Hk * hd
+        # A training step's internal arrays come from (and go back to) the module's workspace
+        ws = self._workspace() if self_attn and not use_cache and is_grad_enabled() else None
         if self_attn:
             W, b = self._fused_qkv()
-            qkv, c = K.linear(x, W, b)
+            qkv, c = K.linear(x, W, b, out=None if ws is None else ws.empty(lead + (lq, W.shape[0]), x.dtype))
             proj = (c,)
             q, k, v = qkv[..., : self.d_out], qkv[..., self.d_out : self.d_out + d_kv], qkv[..., self.d_out + d_kv :]
         else:
@@ -530,13 +533,28 @@ class MultiHeadAttention(Module):
             ctx, attn_cache = K.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, **opts)
         else:
             ctx, attn_cache = K.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, is_causal=is_causal, heads_last=True, **opts
+                qh, kh, vh, attn_mask=mask, is_causal=is_causal, heads_last=True, workspace=ws, **opts
             )
         out, out_cache = K.linear(
             self._merge(ctx), self.out_proj.weight.data, None if self.out_proj.bias is None else self.out_proj.bias.data
         )
+        reused: tuple = ()
+        if ws is not None:
+            reused = (qkv,) if self.memory_efficient else (qkv, ctx) + tuple(cast(AttentionCache, attn_cache).e)
         state = _State(
-            self_attn, proj, qn, kn, qr, kr, attn_cache, out_cache, lk, n_extra, self.memory_efficient, "sinks" in opts
+            self_attn,
+            proj,
+            qn,
+            kn,
+            qr,
+            kr,
+            attn_cache,
+            out_cache,
+            lk,
+            n_extra,
+            self.memory_efficient,
+            "sinks" in opts,
+            reused,
         )
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
@@ -562,7 +580,8 @@ class MultiHeadAttention(Module):
         st = self._pop()
         H, Hk = self.num_heads, self.num_kv_heads
         d_kv = Hk * self.head_dim
-        dctx, dwo, dbo = K.linear_backward(dy, st.out)
+        ws = self._workspace() if st.reused else None
+        dctx, dwo, dbo = K.linear_backward(dy, st.out, None if ws is None else ws.empty(st.out.x.shape, dy.dtype))
         self._accumulate(self.out_proj.weight, dwo)
         if self.out_proj.bias is not None:
             self._accumulate(self.out_proj.bias, dbo)
@@ -572,7 +591,8 @@ class MultiHeadAttention(Module):
         plain = st.q_norm is None and st.q_rope is None and st.n_extra == 0
         dqkv = None
         if st.self_attn:
-            dqkv = np.empty(dy.shape[:-1] + (self.d_out + 2 * d_kv,), dy.dtype)
+            shape = dy.shape[:-1] + (self.d_out + 2 * d_kv,)
+            dqkv = np.empty(shape, dy.dtype) if ws is None else ws.empty(shape, dy.dtype)
             views = (
                 self._split(dqkv[..., : self.d_out], H),
                 self._split(dqkv[..., self.d_out : self.d_out + d_kv], Hk),
@@ -583,7 +603,7 @@ class MultiHeadAttention(Module):
         elif st.self_attn and plain:
             # the attention backward writes dq, dk, dv straight into the (..., L, d_out + 2 kv)
             # gradient of the fused projection's output (no concatenate)
-            grads = K.scaled_dot_product_attention_backward(dctx, st.attn, out=views)
+            grads = K.scaled_dot_product_attention_backward(dctx, st.attn, out=views, workspace=ws)
         else:
             grads = K.scaled_dot_product_attention_backward(dctx, st.attn)
         dqh, dkh, dvh = grads[:3]
@@ -614,6 +634,8 @@ class MultiHeadAttention(Module):
                 self._accumulate(m.weight, dW[rows[i] : rows[i + 1]])
                 if m.bias is not None:
                     self._accumulate(m.bias, db[rows[i] : rows[i + 1]])
+            if ws is not None:  # nothing refers to them any more: the next step reuses them
+                ws.give(*st.reused, dctx, dqkv)
             return dx
         grads = []
         for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), st.proj):

@@ -26,6 +26,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
+from ..functional._workspace import Workspace
 
 __all__ = ["Parameter", "Module", "ModuleList", "no_grad", "is_grad_enabled"]
 
@@ -202,6 +203,15 @@ class Module:
         plist = tuple(found)
         object.__setattr__(self, "_plist", (_structure[0], plist))
         return plist
+
+    def _workspace(self) -> Workspace:
+        """This module's ``Workspace``: the internal arrays of one training step, reused by the
+        next (``npattn.functional._workspace``); made on first use, never copied or pickled."""
+        ws = self.__dict__.get("_ws")
+        if ws is None:
+            ws = Workspace()
+            object.__setattr__(self, "_ws", ws)
+        return ws
 
     def _save(self, cache) -> None:
         """Keep the forward state for one backward (nothing is kept under ``no_grad``), with the
