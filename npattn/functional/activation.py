@@ -59,8 +59,11 @@ def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     return _relu(as_float(x, "x"))
 
 
-def _relu(x):
-    return np.maximum(x, 0), ReluCache(x > 0, x.dtype)
+def _relu(x, out=None, mask_out=None):
+    """The kernel of ``relu``; ``out`` (may be ``x`` itself) and ``mask_out`` (bool): optional
+    arrays of ``x``'s shape to write ``y`` and the mask into (a module's workspace)."""
+    positive = np.greater(x, 0, out=mask_out)  # before ``out`` may overwrite x
+    return np.maximum(x, 0, out=out), ReluCache(positive, x.dtype)
 
 
 def relu_backward(dout: np.ndarray, cache: ReluCache) -> np.ndarray:
@@ -69,8 +72,9 @@ def relu_backward(dout: np.ndarray, cache: ReluCache) -> np.ndarray:
     return _relu_backward(check_grad(dout, cache.positive.shape, cache.dtype), cache)
 
 
-def _relu_backward(dout, cache):
-    return dout * cache.positive
+def _relu_backward(dout, cache, out=None):
+    """The kernel of ``relu_backward``; ``out`` (may be ``dout`` itself): where to write ``dx``."""
+    return np.multiply(dout, cache.positive, out=out)
 
 
 # ----------------------------------------------------------------------------------------- gelu

@@ -31,7 +31,7 @@ from .._validate import (
     check_size,
 )
 from ..functional import kernels as K
-from .module import Module, Parameter
+from .module import Module, Parameter, is_grad_enabled
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward"]
 
@@ -85,16 +85,18 @@ class Linear(Module):
     def forward(self, x) -> np.ndarray:
         return self._forward(self._check_input(x))
 
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        y, cache = K.linear(x, self.weight.data, _data(self.bias))
+    def _forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``forward`` on a checked ``x``; ``out``: where to write ``y`` (a calling module's workspace)."""
+        y, cache = K.linear(x, self.weight.data, _data(self.bias), out=out)
         self._save(cache)
         return y
 
     def backward(self, dy) -> np.ndarray:
         return self._backward(self._check_dy(dy))
 
-    def _backward(self, dy: np.ndarray) -> np.ndarray:
-        dx, dw, db = K.linear_backward(dy, self._pop())
+    def _backward(self, dy: np.ndarray, dx_out: np.ndarray | None = None) -> np.ndarray:
+        """``backward`` on a checked ``dy``; ``dx_out``: where to write ``dx`` (a calling module's workspace)."""
+        dx, dw, db = K.linear_backward(dy, self._pop(), dx_out)
         self._accumulate(self.weight, dw)
         if self.bias is not None:
             self._accumulate(self.bias, db)
@@ -412,30 +414,52 @@ class FeedForward(Module):
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         act, _, kwargs = _act(self.activation)
-        a = self.linear1._forward(x)
-        h, cache = act(a, **kwargs)
+        # A training step's (..., d_ff) arrays come from (and go back to) the module's workspace
+        ws = self._workspace() if is_grad_enabled() and self.activation != "swiglu" else None
+        if ws is None:
+            a = self.linear1._forward(x)
+            h, cache = act(a, **kwargs)
+            reused: tuple = ()
+        else:
+            a = self.linear1._forward(x, out=ws.empty(x.shape[:-1] + (self.linear1.out_features,), x.dtype))
+            if self.activation == "relu":  # in place: relu keeps only its mask
+                h, cache = K.relu(a, out=a, mask_out=ws.empty(a.shape, bool))
+                reused = (a, cache.positive)
+            else:
+                h, cache = act(a, **kwargs)
+                reused = (a,)
         if self.activation == "swiglu":
             b = self.linear3._forward(x)
             cache = (cache, h, b)  # silu(a) and b, for the product's gradient
             h = h * b
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
-        self._save((cache, drop))
+        self._save((cache, drop, reused))
         return self.linear2._forward(self.dropout._forward(h) if drop else h)
 
     def backward(self, dy) -> np.ndarray:
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        cache, drop = self._pop()
+        cache, drop, reused = self._pop()
         act_backward = _act(self.activation)[1]
-        dh = self.linear2._backward(dy)
+        ws = self._workspace() if reused else None
+        h_shape = dy.shape[:-1] + (self.linear2.in_features,)
+        dh = dh_ws = self.linear2._backward(dy, None if ws is None else ws.empty(h_shape, dy.dtype))
         if drop:
             dh = self.dropout._backward(dh)
         if self.activation == "swiglu":
             cache, s, b = cache
             dx3 = self.linear3._backward(dh * s)
             return self.linear1._backward(act_backward(dh * b, cache)) + dx3
-        return self.linear1._backward(act_backward(dh, cache))
+        if ws is None:
+            return self.linear1._backward(act_backward(dh, cache))
+        if self.activation == "relu" and not drop:  # in place on dh, a workspace array
+            da = K.relu_backward(dh, cache, out=dh)
+        else:
+            da = act_backward(dh, cache)
+        dx = self.linear1._backward(da)
+        ws.give(*reused, dh_ws)  # nothing refers to them any more: the next step reuses them
+        return dx
 
     def extra_repr(self):
         return f"activation={self.activation!r}"
