@@ -104,12 +104,11 @@ def _torch():
 
 
 # -- timing ----------------------------------------------------------------------------------------
-# Pause before each timed call that follows a long one: OpenBLAS's idle threads spin (yielding)
-# for about 0.1 s after a multithreaded GEMM and libgomp's (torch's) briefly too; without the
-# pause one library's spinning threads would steal a core from the other's next run.  Short calls
-# (tiny sizes, no threads woken) get no pause: a sleeping machine wakes up slowly.
+# Pause before each turn: OpenBLAS's idle threads spin (yielding) for about 0.1 s after a
+# multithreaded GEMM and libgomp's (torch's) briefly too; without the pause one library's spinning
+# threads would steal a core from the other's next turn.  (A sleeping machine wakes up slowly:
+# each turn's first call is untimed.)
 PAUSE = 0.12
-_PAUSE_AFTER = 0.01  # seconds
 BATCH_SECONDS = 0.05  # a turn of short calls lasts about this long
 _MAX_BATCH = 25
 
@@ -118,16 +117,17 @@ def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE, batch_seconds=BAT
     """Median wall time in seconds per call of each zero-argument callable in ``fns`` (a dict).
 
     After ``warmup`` calls of each, the callables take turns ``repeats`` times (interleaved, so
-    that a slow spell of the machine hits all of them alike).  A turn is a *batch* of consecutive
-    calls, as a training loop makes them: a call shorter than ``batch_seconds`` is repeated up to
-    that time (at most ``_MAX_BATCH`` calls), after ``pause`` seconds idle and one untimed call;
-    every timed call counts towards the median.  A turn of one long call starts after ``pause``
-    seconds idle when the call before it took over 10 ms.
+    that a slow spell of the machine hits all of them alike).  A turn is what a training loop
+    does: consecutive calls of one library.  It starts after ``pause`` seconds idle and one
+    untimed call, then times a batch: one call, or as many short calls as fit in
+    ``batch_seconds`` (at most ``_MAX_BATCH``); every timed call counts towards the median.
 
-    Why batches: alternating single short calls measures each library while the other one's idle
-    thread pool still spins on the cores (OpenBLAS's threads spin for about 0.1 s after a threaded
-    GEMM, libgomp's briefly too), a cost no program that uses one library pays.  At b=4, L=64 that
-    interference alone moved a ratio between 0.6 and 1.9 on the project's machine."""
+    Why turns and not single alternating calls: a call right after the other library's measures
+    that library's leftovers too: its idle thread pool still spinning on the cores (OpenBLAS's
+    threads spin for about 0.1 s after a threaded GEMM, libgomp's briefly too), its data in the
+    caches, and the memory it just freed, which spares the next numpy allocations their page
+    faults.  On the project's machine these moved a ratio at b=4, L=64 between 0.6 and 1.9, and
+    made code that allocates afresh every step look 10 % faster than it runs on its own."""
     batch = {}
     for name, fn in fns.items():
         best = math.inf
@@ -137,18 +137,15 @@ def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE, batch_seconds=BAT
             best = min(best, time.perf_counter() - t0)
         batch[name] = int(min(_MAX_BATCH, max(1, batch_seconds // max(best, 1e-9))))
     times = {name: [] for name in fns}
-    last = 0.0
     for _ in range(repeats):
         for name, fn in fns.items():
-            if pause and (last > _PAUSE_AFTER or batch[name] > 1):
+            if pause:
                 time.sleep(pause)  # the other library's idle threads stop spinning
-            if batch[name] > 1:
-                fn()  # untimed: wakes this library's threads (and the core) after the pause
+            fn()  # untimed: this library's threads, caches and heap, not the other's, for the timed calls
             for _ in range(batch[name]):
                 t0 = time.perf_counter()
                 fn()
-                last = time.perf_counter() - t0
-                times[name].append(last)
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
