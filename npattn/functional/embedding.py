@@ -109,8 +109,15 @@ def embedding_backward(dout: np.ndarray, cache: EmbeddingCache) -> np.ndarray:
 def _embedding_backward(dout, cache):
     ids, wshape, dtype, padding_idx, scale_grad_by_freq = cache
     flat = ids.reshape(-1)
+    rows = dout.reshape(-1, wshape[1])
     dweight = np.zeros(wshape, dtype=dtype)
-    np.add.at(dweight, flat, dout.reshape(-1, wshape[1]))
+    if flat.size:
+        # dweight[i] = the sum of the rows of dout whose id is i.  Not np.add.at (a slow scatter,
+        # one row at a time): sort the ids, then one add.reduceat sums each run of equal ids.
+        order = np.argsort(flat, kind="stable")
+        ids_sorted = flat[order]
+        starts = np.flatnonzero(np.concatenate(([True], ids_sorted[1:] != ids_sorted[:-1])))
+        dweight[ids_sorted[starts]] = np.add.reduceat(rows[order], starts, axis=0)
     if scale_grad_by_freq:
         counts = np.bincount(flat, minlength=wshape[0])
         dweight /= np.maximum(counts, 1).astype(dtype)[:, None]
