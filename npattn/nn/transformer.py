@@ -34,6 +34,12 @@ def _identity(x):
     return x
 
 
+def _plus(fresh, other):
+    """``fresh + other``, written into ``fresh``: a sublayer's new output or gradient, which nothing
+    else holds (a residual connection makes no new ``(..., L, d)`` array)."""
+    return np.add(fresh, other, out=fresh)
+
+
 def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
     """``(..., L, d)`` float array of the block's dtype (``(L, d)``: unbatched, as torch)."""
     x = as_float(x, name, dtype)
@@ -127,11 +133,11 @@ class EncoderBlock(Module):
         d2 = self.dropout2._forward if drop[1] else _identity
         ln1, ln2, ffn = self.layernorm1._forward, self.layernorm2._forward, self.ffn._forward
         if self.norm_first:
-            h = x + d1(mha(ln1(x)))
-            y = h + d2(ffn(ln2(h)))
+            h = _plus(d1(mha(ln1(x))), x)
+            y = _plus(d2(ffn(ln2(h))), h)
         else:
-            h = ln1(x + d1(mha(x)))
-            y = ln2(h + d2(ffn(h)))
+            h = ln1(_plus(d1(mha(x)), x))
+            y = ln2(_plus(d2(ffn(h)), h))
         self._save((y.shape, drop))  # the sublayers keep their own state
         return y
 
@@ -144,12 +150,12 @@ class EncoderBlock(Module):
         d2 = self.dropout2._backward if drop[1] else _identity
         ln1, ln2, ffn = self.layernorm1._backward, self.layernorm2._backward, self.ffn._backward
         if self.norm_first:
-            dh = dy + ln2(ffn(d2(dy)))
-            return dh + ln1(self.mha._backward(d1(dh)))
+            dh = _plus(ln2(ffn(d2(dy))), dy)
+            return _plus(ln1(self.mha._backward(d1(dh))), dh)
         ds = ln2(dy)
-        dh = ds + ffn(d2(ds))
+        dh = _plus(ffn(d2(ds)), ds)
         dr = ln1(dh)
-        return dr + self.mha._backward(d1(dr))
+        return _plus(self.mha._backward(d1(dr)), dr)
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "EncoderBlock":
@@ -286,13 +292,13 @@ class DecoderBlock(Module):
         ln1, ln2, ln3 = self.layernorm1._forward, self.layernorm2._forward, self.layernorm3._forward
         ffn = self.ffn._forward
         if self.norm_first:
-            h1 = x + d1(sa(ln1(x)))
-            h2 = h1 + d2(ca(ln2(h1)))
-            y = h2 + d3(ffn(ln3(h2)))
+            h1 = _plus(d1(sa(ln1(x))), x)
+            h2 = _plus(d2(ca(ln2(h1))), h1)
+            y = _plus(d3(ffn(ln3(h2))), h2)
         else:
-            h1 = ln1(x + d1(sa(x)))
-            h2 = ln2(h1 + d2(ca(h1)))
-            y = ln3(h2 + d3(ffn(h2)))
+            h1 = ln1(_plus(d1(sa(x)), x))
+            h2 = ln2(_plus(d2(ca(h1)), h1))
+            y = ln3(_plus(d3(ffn(h2)), h2))
         self._save((y.shape, drop))  # the sublayers keep their own state
         return y
 
@@ -309,18 +315,18 @@ class DecoderBlock(Module):
         ln1, ln2, ln3 = self.layernorm1._backward, self.layernorm2._backward, self.layernorm3._backward
         ffn = self.ffn._backward
         if self.norm_first:
-            dh2 = dy + ln3(ffn(d3(dy)))
+            dh2 = _plus(ln3(ffn(d3(dy))), dy)
             dq, dk, dv = self.cross_attn._backward(d2(dh2))
-            dh1 = dh2 + ln2(dq)
-            dx = dh1 + ln1(self.self_attn._backward(d1(dh1)))
-            return dx, dk + dv
+            dh1 = _plus(ln2(dq), dh2)
+            dx = _plus(ln1(self.self_attn._backward(d1(dh1))), dh1)
+            return dx, _plus(dk, dv)
         ds3 = ln3(dy)
-        dh2 = ds3 + ffn(d3(ds3))
+        dh2 = _plus(ffn(d3(ds3)), ds3)
         ds2 = ln2(dh2)
         dq, dk, dv = self.cross_attn._backward(d2(ds2))
-        ds1 = ln1(ds2 + dq)
-        dx = ds1 + self.self_attn._backward(d1(ds1))
-        return dx, dk + dv
+        ds1 = ln1(_plus(dq, ds2))
+        dx = _plus(self.self_attn._backward(d1(ds1)), ds1)
+        return dx, _plus(dk, dv)
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "DecoderBlock":
