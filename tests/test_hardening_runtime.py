@@ -268,6 +268,29 @@ def test_workspace_holds_one_step_and_does_not_grow(name):
         assert not {id(_base(o)) for o in outs} & {id(b) for b in pooled}
         held.append(sorted(id(b) for b in pooled))
     assert held[1] == held[2]
+    m.eval()  # evaluation mode releases them
+    assert not [b for _, sub in m.named_modules() for b in _workspace_arrays(sub)]
+
+
+def test_workspace_reuse_keeps_the_numbers():
+    """Steps that reuse the workspace give exactly the outputs and gradients of a fresh module."""
+    from npattn.nn import EncoderBlock
+
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((2, 2, 5, 8)), rng.standard_normal((2, 2, 5, 8))
+    warm = EncoderBlock(8, 2, 16, dropout=0.0, causal=True, rng=0)
+    for _ in range(2):  # fill the workspaces with other numbers
+        warm(rng.standard_normal(x.shape))
+        warm.backward(rng.standard_normal(x.shape))
+    warm.zero_grad()
+    fresh = EncoderBlock(8, 2, 16, dropout=0.0, causal=True, rng=0)
+    for m in (warm, fresh):
+        m.zero_grad()
+    y1, y2 = warm(x), fresh(x)
+    np.testing.assert_array_equal(y1, y2)
+    np.testing.assert_array_equal(warm.backward(dy), fresh.backward(dy))
+    for (n1, p1), (_, p2) in zip(warm.named_parameters(), fresh.named_parameters()):
+        np.testing.assert_array_equal(p1.grad, p2.grad, err_msg=n1)
 
 
 L, H, D = 512, 4, 32

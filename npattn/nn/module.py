@@ -206,7 +206,8 @@ class Module:
 
     def _workspace(self) -> Workspace:
         """This module's ``Workspace``: the internal arrays of one training step, reused by the
-        next (``npattn.functional._workspace``); made on first use, never copied or pickled."""
+        next (``npattn.functional._workspace``); made on first use, never copied or pickled,
+        released by ``eval()`` / ``train(False)`` and ``to()``."""
         ws = self.__dict__.get("_ws")
         if ws is None:
             ws = Workspace()
@@ -345,9 +346,13 @@ class Module:
             p.zero_grad()
 
     def train(self, mode: bool = True):
+        """Training mode (dropout active) or, with ``mode=False``, evaluation mode, which also
+        releases the arrays the modules keep between training steps (``_workspace``)."""
         mode = check_bool(mode, "mode")
         for m in self.modules():
             object.__setattr__(m, "training", bool(mode))
+            if not mode:
+                m.__dict__.pop("_ws", None)
         return self
 
     def eval(self):
@@ -365,6 +370,7 @@ class Module:
             object.__setattr__(m, "_cache", None)
             object.__setattr__(m, "_dy_spec", None)
             object.__setattr__(m, "_versions", None)
+            m.__dict__.pop("_ws", None)
             for p in m._parameters.values():
                 p.data = p.data.astype(dt)  # bumps the version
                 p.grad = None if p.grad is None else p.grad.astype(dt)
