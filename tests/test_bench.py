@@ -361,3 +361,29 @@ def test_main_reports_the_own_environment_first_and_the_variant_second(monkeypat
     calls.clear()
     assert B.main(args) == 0
     assert calls == [] and json.loads(capsys.readouterr().out)["variants"] == []
+
+
+def test_npattn_side_can_run_in_its_own_process():
+    """The child process rebuilds the case (same seeds) and answers warm-up and turns over a pipe;
+    it never imports torch."""
+    child = B._Child("mha", {"b": 2, "L": 8, "d": 16, "h": 2, "dtype": "float32", "causal": True})
+    try:
+        assert _positive(child.warm(2))
+        times = child.turn(3, 0.0)
+        assert len(times) == 3 and all(_positive(t) for t in times)
+        probe = child._ask({"probe": True})  # an unknown request is answered, not fatal
+        assert probe == {"ok": True}
+    finally:
+        child.close()
+    assert child.proc.returncode == 0
+
+
+def test_child_process_never_imports_torch():
+    code = (
+        "import sys, numpy as np, npattn.tools.bench as B\n"
+        "fn = B.bench_sdpa(1, 2, 8, 4, np.float64, use_torch=False, _build_only=True)\n"
+        "fn()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=B._child_env(), check=True)
+    assert out.stdout.strip() == "False"

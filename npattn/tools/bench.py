@@ -64,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -128,25 +129,121 @@ def time_interleaved(fns, *, warmup=1, repeats=5, pause=PAUSE, batch_seconds=BAT
     caches, and the memory it just freed, which spares the next numpy allocations their page
     faults.  On the project's machine these moved a ratio at b=4, L=64 between 0.6 and 1.9, and
     made code that allocates afresh every step look 10 % faster than it runs on its own."""
+    runners = {name: fn if isinstance(fn, _Child) else _Local(fn) for name, fn in fns.items()}
     batch = {}
-    for name, fn in fns.items():
-        best = math.inf
-        for _ in range(max(1, warmup)):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
+    for name, r in runners.items():
+        best = r.warm(max(1, warmup))
         batch[name] = int(min(_MAX_BATCH, max(1, batch_seconds // max(best, 1e-9))))
-    times = {name: [] for name in fns}
+    times: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():
-            if pause:
-                time.sleep(pause)  # the other library's idle threads stop spinning
-            fn()  # untimed: this library's threads, caches and heap, not the other's, for the timed calls
-            for _ in range(batch[name]):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
+        for name, r in runners.items():
+            times[name] += r.turn(batch[name], pause)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+class _Local:
+    """Turns of a callable in this process (see ``time_interleaved``)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def warm(self, n):
+        """``n`` calls; the best time."""
+        best = math.inf
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def turn(self, n, pause):
+        """``pause`` seconds idle, one untimed call, then ``n`` timed calls; their times."""
+        if pause:
+            time.sleep(pause)  # the other library's idle threads stop spinning
+        self.fn()  # untimed: this library's threads, caches and heap, not the other's, for the timed calls
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.fn()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+# npattn's side of a timed case runs in a child process that never imports torch: torch's own
+# allocations and threads in the same process change what numpy's costs (on the project's machine a
+# step that allocated afresh ran 25 % faster while torch ran beside it than on its own), and
+# npattn's users are mostly programs without torch.  The child rebuilds the same case (same seeds,
+# same weights) and answers the parent's turns over a pipe, so the two libraries still alternate.
+_CHILD_SCRIPT = "import npattn.tools.bench as b; b._serve()"
+
+
+class _Child:
+    """npattn's callable of one case, ``bench_<case>(**kw, use_torch=False, _build_only=True)``, in
+    a child process without torch; ``warm``/``turn`` as ``_Local``'s."""
+
+    def __init__(self, case, kw):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD_SCRIPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
+        )
+        self._ask({"case": case, "kw": kw})
+
+    def _ask(self, msg):
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"npattn bench: the timing subprocess ended (exit status {self.proc.wait()})")
+        return json.loads(line)
+
+    def warm(self, n):
+        return self._ask({"warm": n})["best"]
+
+    def turn(self, n, pause):
+        return self._ask({"turn": n, "pause": pause})["times"]
+
+    def close(self):
+        try:
+            self._ask({"quit": True})
+        except (RuntimeError, OSError, ValueError):
+            pass
+        self.proc.wait()
+
+
+def _serve() -> None:
+    """The child side of ``_Child``: one JSON request per line on stdin, one answer per line on stdout."""
+    runner: Any = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "case" in msg:
+            kw = dict(msg["kw"], dtype=np.dtype(msg["kw"]["dtype"]), use_torch=False, _build_only=True)
+            build: Any = _CASES[msg["case"]]
+            runner = _Local(build(**kw))
+            answer: dict = {"ok": True}
+        elif "warm" in msg:
+            answer = {"best": runner.warm(msg["warm"])}
+        elif "turn" in msg:
+            answer = {"times": runner.turn(msg["turn"], msg["pause"])}
+        else:
+            answer = {"ok": True}
+        print(json.dumps(answer), flush=True)
+        if "quit" in msg:
+            return
+
+
+def _timed(fns, case, kw, *, warmup, repeats, pause, own_process):
+    """``time_interleaved`` of ``fns``; with ``own_process`` npattn's side runs in a ``_Child``."""
+    if not own_process or "torch" not in fns:
+        return time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    child = _Child(case, {k: (np.dtype(v).name if k == "dtype" else v) for k, v in kw.items()})
+    try:
+        return time_interleaved(dict(fns, npattn=child), warmup=warmup, repeats=repeats, pause=pause)
+    finally:
+        child.close()
 
 
 def gemm_peak(dtype, n=2048, repeats=5):
@@ -220,6 +317,8 @@ def bench_sdpa(
     repeats=5,
     pause=PAUSE,
     memory_efficient=False,
+    own_process=False,
+    _build_only=False,
 ):
     """``scaled_dot_product_attention`` (or, with ``memory_efficient``, ``memory_efficient_attention``)
     forward+backward on ``(b, h, L, E)``, and torch's ``F.scaled_dot_product_attention`` (its CPU
@@ -238,6 +337,8 @@ def bench_sdpa(
         out, cache = fwd(q, k, v, is_causal=causal)
         return out, bwd(dout, cache)
 
+    if _build_only:
+        return run_np
     fns = {"npattn": run_np}
     torch = _torch() if use_torch else None
     check = None
@@ -256,7 +357,8 @@ def bench_sdpa(
         out, (dq, _, _) = run_np()
         tout = run_torch()
         check = max(_rel_diff(out, tout.detach().numpy()), _rel_diff(dq, tq.grad.numpy()))
-    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    kw = dict(b=b, h=h, L=L, E=E, dtype=dtype, causal=causal, memory_efficient=memory_efficient)
+    times = _timed(fns, "sdpa", kw, warmup=warmup, repeats=repeats, pause=pause, own_process=own_process)
     return _result(
         "mem_eff" if memory_efficient else "sdpa",
         {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal},
@@ -328,7 +430,20 @@ def _module_fns(module, tmodule, x, dy, torch):
 
 
 def bench_mha(
-    b, L, d, h, dtype=np.float32, *, causal=True, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE
+    b,
+    L,
+    d,
+    h,
+    dtype=np.float32,
+    *,
+    causal=True,
+    use_torch=True,
+    peak=None,
+    warmup=1,
+    repeats=5,
+    pause=PAUSE,
+    own_process=False,
+    _build_only=False,
 ):
     """``MultiHeadAttention(d, d, h, causal=causal)`` forward+backward on ``(b, L, d)`` (and torch's)."""
     from ..nn.attention import MultiHeadAttention
@@ -336,10 +451,13 @@ def bench_mha(
     rng = np.random.default_rng(0)
     mha = MultiHeadAttention(d, d, h, causal=causal, rng=0, dtype=dtype)
     x, dy = (rng.standard_normal((b, L, d)).astype(dtype) for _ in range(2))
+    if _build_only:
+        return _module_fns(mha, None, x, dy, None)[0]["npattn"]
     torch = _torch() if use_torch else None
     tm = _torch_mha(torch, mha) if torch is not None else None
     fns, check = _module_fns(mha, tm, x, dy, torch)
-    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    kw = dict(b=b, L=L, d=d, h=h, dtype=dtype, causal=causal)
+    times = _timed(fns, "mha", kw, warmup=warmup, repeats=repeats, pause=pause, own_process=own_process)
     return _result(
         "mha",
         {"batch": b, "seq": L, "d_model": d, "heads": h, "causal": causal},
@@ -391,7 +509,18 @@ def _torch_demo(torch, model, L):
     return m
 
 
-def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE):
+def bench_demo(
+    dtype=np.float32,
+    *,
+    quick=False,
+    use_torch=True,
+    peak=None,
+    warmup=1,
+    repeats=5,
+    pause=PAUSE,
+    own_process=False,
+    _build_only=False,
+):
     """One training step of ``npattn demo``'s ``TinyTransformer`` (forward, mean cross-entropy over
     the answer half of each sequence, backward) and of torch's equivalent with the same weights."""
     from ..models import TinyTransformer
@@ -415,6 +544,8 @@ def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warm
         model.backward(dlogits)
         return loss
 
+    if _build_only:
+        return run_np
     fns = {"npattn": run_np}
     torch = _torch() if use_torch else None
     check = None
@@ -442,7 +573,8 @@ def bench_demo(dtype=np.float32, *, quick=False, use_torch=True, peak=None, warm
             _rel_diff(model.head.weight.grad, tm.head.weight.grad.numpy()),
             _rel_diff(model.tok_emb.weight.grad, tm.tok.weight.grad.numpy()),
         )
-    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    kw = dict(dtype=dtype, quick=quick)
+    times = _timed(fns, "demo", kw, warmup=warmup, repeats=repeats, pause=pause, own_process=own_process)
     return _result(
         "demo",
         {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "layers": layers, "vocab": VOCAB_SIZE},
@@ -498,7 +630,21 @@ def _torch_encoder(torch, block, L):
 
 
 def bench_encoder(
-    b, L, d, h, dtype=np.float32, *, d_ff=None, causal=True, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE
+    b,
+    L,
+    d,
+    h,
+    dtype=np.float32,
+    *,
+    d_ff=None,
+    causal=True,
+    use_torch=True,
+    peak=None,
+    warmup=1,
+    repeats=5,
+    pause=PAUSE,
+    own_process=False,
+    _build_only=False,
 ):
     """``EncoderBlock(d, h, d_ff, dropout=0, causal=causal, qkv_bias=True)`` forward+backward (and torch's)."""
     from ..nn.transformer import EncoderBlock
@@ -507,10 +653,13 @@ def bench_encoder(
     rng = np.random.default_rng(0)
     block = EncoderBlock(d, h, d_ff, dropout=0.0, causal=causal, qkv_bias=True, rng=0, dtype=dtype)
     x, dy = (rng.standard_normal((b, L, d)).astype(dtype) for _ in range(2))
+    if _build_only:
+        return _module_fns(block, None, x, dy, None)[0]["npattn"]
     torch = _torch() if use_torch else None
     tm = _torch_encoder(torch, block, L) if torch is not None else None
     fns, check = _module_fns(block, tm, x, dy, torch)
-    times = time_interleaved(fns, warmup=warmup, repeats=repeats, pause=pause)
+    kw = dict(b=b, L=L, d=d, h=h, dtype=dtype, d_ff=d_ff, causal=causal)
+    times = _timed(fns, "encoder", kw, warmup=warmup, repeats=repeats, pause=pause, own_process=own_process)
     return _result(
         "encoder",
         {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "causal": causal},
@@ -520,6 +669,9 @@ def bench_encoder(
         peak,
         check,
     )
+
+
+_CASES = {"sdpa": bench_sdpa, "mha": bench_mha, "encoder": bench_encoder, "demo": bench_demo}
 
 
 # -- decoding with and without the KV cache -------------------------------------------------------
@@ -857,6 +1009,7 @@ def run(quick=False, use_torch=True, repeats=None, progress=None, memory=None):
                     peak=peaks[np.dtype(dt).name],
                     repeats=repeats,
                     pause=0.0 if quick else PAUSE,
+                    own_process=not quick,
                 )
             )
             if name == "mem_eff" and dt == np.float32 and memory:
