@@ -2,7 +2,8 @@
 
 What is timed, each time one forward and one backward producing the input gradient and every
 parameter gradient (the median over several turns, npattn and torch taking turns after warm-up; a
-turn of short calls is a batch of consecutive calls, as a training loop makes them):
+turn of short calls is a batch of consecutive calls, as a training loop makes them; npattn's side
+runs in a child process that never imports torch, ``_Child``):
 
 * ``sdpa``: ``scaled_dot_product_attention`` on ``(b, h, L, E)`` q, k, v, causal; torch's
   ``F.scaled_dot_product_attention(..., is_causal=True)``.
