@@ -66,6 +66,18 @@ def _axes(x, normalized_shape, weight):
     return k, tuple(range(x.ndim - k, x.ndim))
 
 
+def _mean(a, k):
+    """The mean over the last ``k`` axes of ``a``, kept as size-1 axes.  For a C-contiguous ``a``
+    it is one matrix-vector product ``(N, n) @ ones(n) / n``: BLAS sums the short rows 3-8x faster
+    than ``a.mean`` does (its reduction restarts for every row)."""
+    n = math.prod(a.shape[a.ndim - k :])
+    lead = a.shape[: a.ndim - k]
+    if n == 0 or not a.flags.c_contiguous:
+        return a.mean(axis=tuple(range(a.ndim - k, a.ndim)), keepdims=True)
+    sums = a.reshape(math.prod(lead), n) @ np.ones(n, a.dtype)
+    return np.divide(sums, n, out=sums).reshape(lead + (1,) * k)
+
+
 # ------------------------------------------------------------------------------------ layer_norm
 
 
@@ -93,10 +105,10 @@ def layer_norm(
 
 def _layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
     k, axes = _axes(x, normalized_shape, weight)
-    mu = x.mean(axis=axes, keepdims=True)
+    mu = _mean(x, k)
     xc = x - mu
     y = np.multiply(xc, xc)  # (x - mu)^2, in what becomes y's buffer
-    var = np.mean(y, axis=axes, keepdims=True)
+    var = _mean(y, k)
     std = np.sqrt(var + eps)
     if eps == 0.0:
         std[std == 0] = np.inf  # zero variance, no eps: rstd = 0, so xhat = 0 (not 0/0)
@@ -125,7 +137,6 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
 def _layer_norm_backward(dout, cache):
     xhat, rstd, weight, has_bias, k = cache
     lead = tuple(range(dout.ndim - k))
-    axes = tuple(range(dout.ndim - k, dout.ndim))
     tmp = np.multiply(dout, xhat)  # dy * xhat, then g * xhat, then xhat * mean(g * xhat): one scratch
     dweight, g = None, dout
     if weight is not None:
@@ -133,8 +144,8 @@ def _layer_norm_backward(dout, cache):
         g = dout * weight
         np.multiply(g, xhat, out=tmp)
     dbias = dout.sum(axis=lead) if has_bias else None
-    m2 = tmp.mean(axis=axes, keepdims=True)
-    dx = g - g.mean(axis=axes, keepdims=True)
+    m2 = _mean(tmp, k)
+    dx = g - _mean(g, k)
     dx -= np.multiply(xhat, m2, out=tmp)
     dx *= rstd  # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     return dx, dweight, dbias
