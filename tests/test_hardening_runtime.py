@@ -25,6 +25,7 @@ from _hardening import MODULES, build_case, cache_arrays, walk_arrays
 import npattn
 import npattn.functional as F
 from npattn.models import TinyTransformer
+from npattn.nn.module import Module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,6 +78,7 @@ def test_int_seed_equals_generator_and_different_seeds_differ():
 TRAIN_SCRIPT = r"""
 import hashlib, numpy as np
 from npattn.models import TinyTransformer
+from npattn.nn.module import Module
 from npattn.optim import AdamW, clip_grad_norm_
 
 def train(seed, steps=3):
@@ -238,7 +240,7 @@ def test_backward_releases_every_cached_array(name):
     for _, sub in m.named_modules():
         assert sub._cache is None
     # what stays is only what a module keeps in its workspace for the next step's reuse
-    pooled = {id(b) for _, sub in m.named_modules() for b in _workspace_arrays(sub)}
+    pooled = {id(b) for b in _pooled(m)}
     alive = [path for path, r in refs if r() is not None and id(_base(r())) not in pooled]
     assert not alive, f"still alive after backward: {alive}"
 
@@ -254,6 +256,12 @@ def _workspace_arrays(module):
     return [] if ws is None else [b for stack in ws._free.values() for b in stack]
 
 
+def _pooled(m):
+    """Every array kept for reuse: the modules' workspaces and the thread's shared scratch."""
+    scratch = [b for stack in Module._scratch()._free.values() for b in stack]
+    return [b for _, sub in m.named_modules() for b in _workspace_arrays(sub)] + scratch
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_workspace_holds_one_step_and_does_not_grow(name):
     """A second and third training step reuse the first step's arrays: the workspaces hold the
@@ -264,12 +272,12 @@ def test_workspace_holds_one_step_and_does_not_grow(name):
         y = _first(m(*inputs, **kw))
         grads = m.backward(np.ones(y.shape))
         outs = [y] + [g for g in (grads if isinstance(grads, tuple) else (grads,)) if isinstance(g, np.ndarray)]
-        pooled = [b for _, sub in m.named_modules() for b in _workspace_arrays(sub)]
+        pooled = _pooled(m)
         assert not {id(_base(o)) for o in outs} & {id(b) for b in pooled}
         held.append(sorted(id(b) for b in pooled))
     assert held[1] == held[2]
     m.eval()  # evaluation mode releases them
-    assert not [b for _, sub in m.named_modules() for b in _workspace_arrays(sub)]
+    assert not _pooled(m)
 
 
 def test_workspace_reuse_keeps_the_numbers():
@@ -350,3 +358,24 @@ def test_no_grad_forward_keeps_no_square_arrays(kw):
         assert _square_arrays(m)
     m.backward(np.ones((1, L, D)))
     assert not _square_arrays(m)
+
+
+def test_layers_share_one_scratch_for_their_backward():
+    """A deeper model keeps one layer's worth of backward arrays, not one per layer."""
+    from npattn.nn import EncoderBlock
+
+    def held(n_layers):
+        blocks = [EncoderBlock(16, 2, 32, dropout=0.0, rng=i) for i in range(n_layers)]
+        x = np.random.default_rng(0).standard_normal((2, 6, 16))
+        Module._scratch()  # a fresh thread-local scratch for this count
+        blocks[0].eval().train()
+        for _ in range(2):
+            h = x
+            for blk in blocks:
+                h = blk(h)
+            g = np.ones_like(h)
+            for blk in reversed(blocks):
+                g = blk.backward(g)
+        return sum(b.nbytes for stack in Module._scratch()._free.values() for b in stack)
+
+    assert held(1) > 0 and held(4) == held(1)

@@ -580,7 +580,7 @@ class MultiHeadAttention(Module):
         st = self._pop()
         H, Hk = self.num_heads, self.num_kv_heads
         d_kv = Hk * self.head_dim
-        ws = self._workspace() if st.reused else None
+        ws = self._scratch() if st.reused else None  # the backward's own arrays: shared by all modules
         dctx, dwo, dbo = K.linear_backward(dy, st.out, None if ws is None else ws.empty(st.out.x.shape, dy.dtype))
         self._accumulate(self.out_proj.weight, dwo)
         if self.out_proj.bias is not None:
@@ -635,7 +635,8 @@ class MultiHeadAttention(Module):
                 if m.bias is not None:
                     self._accumulate(m.bias, db[rows[i] : rows[i + 1]])
             if ws is not None:  # nothing refers to them any more: the next step reuses them
-                ws.give(*st.reused, dctx, dqkv)
+                ws.give(dctx, dqkv)
+                self._workspace().give(*st.reused)
             return dx
         grads = []
         for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), st.proj):

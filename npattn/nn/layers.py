@@ -442,7 +442,7 @@ class FeedForward(Module):
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         cache, drop, reused = self._pop()
         act_backward = _act(self.activation)[1]
-        ws = self._workspace() if reused else None
+        ws = self._scratch() if reused else None  # the backward's own arrays: shared by all modules
         h_shape = dy.shape[:-1] + (self.linear2.in_features,)
         dh = dh_ws = self.linear2._backward(dy, None if ws is None else ws.empty(h_shape, dy.dtype))
         if drop:
@@ -458,7 +458,8 @@ class FeedForward(Module):
         else:
             da = act_backward(dh, cache)
         dx = self.linear1._backward(da)
-        ws.give(*reused, dh_ws)  # nothing refers to them any more: the next step reuses them
+        ws.give(dh_ws)  # nothing refers to them any more: the next step reuses them
+        self._workspace().give(*reused)
         return dx
 
     def extra_repr(self):

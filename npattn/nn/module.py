@@ -205,13 +205,24 @@ class Module:
         return plist
 
     def _workspace(self) -> Workspace:
-        """This module's ``Workspace``: the internal arrays of one training step, reused by the
-        next (``npattn.functional._workspace``); made on first use, never copied or pickled,
-        released by ``eval()`` / ``train(False)`` and ``to()``."""
+        """This module's ``Workspace``: the arrays its forward keeps for its backward, reused by
+        the next step (``npattn.functional._workspace``); made on first use, never copied or
+        pickled, released by ``eval()`` / ``train(False)`` and ``to()``."""
         ws = self.__dict__.get("_ws")
         if ws is None:
             ws = Workspace()
             object.__setattr__(self, "_ws", ws)
+        return ws
+
+    @staticmethod
+    def _scratch() -> Workspace:
+        """The calling thread's ``Workspace`` for arrays that live only inside one ``backward``
+        call (inner gradients, scratch).  Shared by every module of the thread: the layers of a
+        model run their backward one after another, so they reuse one layer's worth, not one each.
+        ``eval()`` / ``train(False)`` and ``to()`` release it."""
+        ws = getattr(_state, "scratch", None)
+        if ws is None:
+            ws = _state.scratch = Workspace()
         return ws
 
     def _save(self, cache) -> None:
@@ -353,6 +364,8 @@ class Module:
             object.__setattr__(m, "training", bool(mode))
             if not mode:
                 m.__dict__.pop("_ws", None)
+        if not mode:
+            _state.scratch = None
         return self
 
     def eval(self):
@@ -371,6 +384,7 @@ class Module:
             object.__setattr__(m, "_dy_spec", None)
             object.__setattr__(m, "_versions", None)
             m.__dict__.pop("_ws", None)
+            _state.scratch = None
             for p in m._parameters.values():
                 p.data = p.data.astype(dt)  # bumps the version
                 p.grad = None if p.grad is None else p.grad.astype(dt)
