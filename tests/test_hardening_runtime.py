@@ -367,8 +367,7 @@ def test_layers_share_one_scratch_for_their_backward():
     def held(n_layers):
         blocks = [EncoderBlock(16, 2, 32, dropout=0.0, rng=i) for i in range(n_layers)]
         x = np.random.default_rng(0).standard_normal((2, 6, 16))
-        Module._scratch()  # a fresh thread-local scratch for this count
-        blocks[0].eval().train()
+        blocks[0].eval().train()  # eval() empties the thread's scratch: count this model's alone
         for _ in range(2):
             h = x
             for blk in blocks:
