@@ -378,3 +378,34 @@ def test_layers_share_one_scratch_for_their_backward():
         return sum(b.nbytes for stack in Module._scratch()._free.values() for b in stack)
 
     assert held(1) > 0 and held(4) == held(1)
+
+
+def test_workspace_gives_back_views_once_and_keys_by_dtype():
+    """``give`` takes views of the arrays ``empty`` handed out (once, however often given back);
+    ``empty`` finds them again whether the dtype is named by a type or by a ``np.dtype``."""
+    from npattn.functional._workspace import Workspace
+
+    ws = Workspace()
+    a = ws.empty((4, 6), np.float32)
+    ws.give(a.T[1:], a, None, np.ones((4, 6), np.float32)[::2])  # the last: not from a workspace
+    assert ws.nbytes() == a.nbytes
+    assert ws.empty((6, 4), np.dtype(np.float32)).base is a.base
+    assert ws.nbytes() == 0
+    assert ws.empty((24,), np.float64).base is not a.base
+
+
+def test_attention_geometry_is_reused_read_only_across_calls():
+    """The block plan and the small band masks of a call are found again by the next call with the
+    same geometry (no rebuilding each step), and the shared masks cannot be written to."""
+    from npattn.functional import _blocks
+
+    b = _blocks.band(16, 16, True, "top_left", None)
+    assert _blocks.row_blocks(16, 16, 1, 8, b) is _blocks.row_blocks(16, 16, 1, 8, b)
+    m1 = _blocks.band_hidden(b, 0, 16, 0, 8, {})
+    m2 = _blocks.band_hidden(b, 0, 16, 0, 8, {})
+    assert m1 is m2 and not m1.flags.writeable
+    np.testing.assert_array_equal(m1, np.arange(16)[:, None] > np.arange(8)[None, :])
+    with pytest.raises(ValueError):
+        m1[0, 0] = True
+    big = _blocks.band_hidden(b, 0, 200, 0, 200, {})  # above the shared size: built for the call
+    assert big.flags.writeable

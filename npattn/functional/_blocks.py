@@ -22,6 +22,7 @@ Names: ``n`` rows of a block, ``h`` heads, ``e`` exponentials (never the head di
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple, Optional
@@ -109,13 +110,22 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
     return QKV(q, k, v, groups)
 
 
+def broadcast_shapes(*shapes: tuple) -> tuple:
+    """``np.broadcast_shapes`` for shapes known to broadcast, without its cost (some microseconds,
+    a noticeable part of a small attention call) when they are all equal, the usual case."""
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return tuple(first)
+    return tuple(np.broadcast_shapes(*shapes))
+
+
 def gqa_groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> int:
     """Query heads per key/value head for shapes ``check_qkv`` accepted (no checks)."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))
     if not enable_gqa or nd < 3:
         return 1
     hq = _pad(q_shape[:-2], nd - 2)[-1]
-    hk = np.broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))[-1]
+    hk = broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))[-1]
     return 1 if hq == hk else hq // hk
 
 
@@ -123,15 +133,18 @@ def out_lead(q_shape: tuple, k_shape: tuple, v_shape: tuple, groups: int) -> tup
     """The leading dimensions ``(..., Hq)`` of the scores and output for checked shapes."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))
     ql = _pad(q_shape[:-2], nd - 2)
-    kl = np.broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))
+    kl = broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))
     if groups == 1:
-        return tuple(np.broadcast_shapes(ql, kl))
-    return tuple(np.broadcast_shapes(ql[:-1], kl[:-1])) + (ql[-1],)
+        return broadcast_shapes(ql, kl)
+    return broadcast_shapes(ql[:-1], kl[:-1]) + (ql[-1],)
 
 
 def broadcast_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, groups: int):
     """Views of q, k, v with the common leading dimensions ``(..., Hq)`` (k and v: ``(..., Hk)``);
     no copy when the shapes already agree."""
+    lead = q.shape[:-2]
+    if groups == 1 and k.shape[:-2] == lead and v.shape[:-2] == lead:  # the usual case: nothing to do
+        return q, k, v
     lead = out_lead(q.shape, k.shape, v.shape, groups)
     kv_lead = lead[:-1] + (lead[-1] // groups,) if lead else lead
 
@@ -300,10 +313,10 @@ def key_range(b: Band, r0: int, r1: int, lk: int) -> tuple[int, int]:
 
 def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int, cache: Optional[dict] = None) -> Optional[np.ndarray]:
     """Key-major bool block ``(nk, nq)``: True where key ``c0 + a`` is hidden from query ``r0 + i``
-    by the band; None when the band hides nothing in the block.  The few distinct blocks of a call
-    are built once: in ``cache`` (a dict the caller keeps for one call) when given, else in a small
-    module-wide cache of small blocks (at most ``_SHARED_MASKS`` of at most ``_SHARED_MASK_SIZE``
-    entries, oldest dropped first)."""
+    by the band; None when the band hides nothing in the block.  Small blocks (at most
+    ``_SHARED_MASK_SIZE`` entries) are built once and kept, read-only, in a module-wide cache of at
+    most ``_SHARED_MASKS`` (oldest dropped first), so that calls after the first find them; larger
+    ones are built once per call in ``cache`` (a dict the caller keeps for one call), if given."""
     d0 = c0 - r0 - b.offset  # key minus query position at the block's corner
     # d = d0 + a - i ranges over [d0 - nq + 1, d0 + nk - 1]
     lo, hi = d0 - nq + 1, d0 + nk - 1
@@ -312,7 +325,7 @@ def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int, cache: Optional[dic
     if not (need_right or need_left) or nk == 0 or nq == 0:
         return None
     key = (d0, nk, nq, b.left, b.right)
-    store = cache if cache is not None else (_SHARED if nk * nq <= _SHARED_MASK_SIZE else None)
+    store = _SHARED if nk * nq <= _SHARED_MASK_SIZE else cache
     m = None if store is None else store.get(key)
     if m is None:
         d = np.arange(d0, d0 + nk)[:, None] - np.arange(nq)[None, :]
@@ -321,8 +334,10 @@ def band_hidden(b: Band, c0: int, nk: int, r0: int, nq: int, cache: Optional[dic
             m |= d > b.right
         if b.left is not None:
             m |= d < -b.left
-        if store is _SHARED and len(_SHARED) >= _SHARED_MASKS:
-            _SHARED.pop(next(iter(_SHARED)), None)
+        if store is _SHARED:
+            m.flags.writeable = False
+            while len(_SHARED) >= _SHARED_MASKS:
+                _SHARED.pop(next(iter(_SHARED)), None)
         if store is not None:
             store[key] = m
     return m
@@ -362,21 +377,23 @@ class Block(NamedTuple):
         return self.rows.stop - self.rows.start
 
 
-def row_blocks(lq: int, lk: int, groups: int, height: Optional[int], b: Band) -> list[Block]:
+@functools.lru_cache(maxsize=64)
+def row_blocks(lq: int, lk: int, groups: int, height: Optional[int], b: Band) -> tuple[Block, ...]:
     """The query-row blocks (``height`` rows each, None: one block per group of all rows), each
-    spanning only the keys its rows may see."""
+    spanning only the keys its rows may see.  (Kept for the latest 64 geometries: a training loop
+    asks for the same ones every step.)"""
     if lq == 0:
-        return []
+        return ()
     if height is None:
         c0, c1 = key_range(b, 0, lq, lk)
-        return [Block(slice(g * lq, (g + 1) * lq), c0, c1, 0) for g in range(groups)]
+        return tuple(Block(slice(g * lq, (g + 1) * lq), c0, c1, 0) for g in range(groups))
     out = []
     for g in range(groups):
         for r0 in range(0, lq, height):
             r1 = min(r0 + height, lq)
             c0, c1 = key_range(b, r0, r1, lk)
             out.append(Block(slice(g * lq + r0, g * lq + r1), c0, c1, r0))
-    return out
+    return tuple(out)
 
 
 # -- buffers -----------------------------------------------------------------------------------------

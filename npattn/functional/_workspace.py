@@ -39,31 +39,34 @@ class Workspace:
 
     def empty(self, shape, dtype) -> np.ndarray:
         """A C-contiguous array of ``shape`` and ``dtype``, contents undefined."""
-        shape = tuple(shape)
-        dt = np.dtype(dtype)
-        stack = self._free.get((math.prod(shape), dt))
+        size = math.prod(shape)
+        stack = self._free.get((size, dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)))
         if stack:
             return stack.pop().reshape(shape)
-        return np.empty(math.prod(shape), dt).reshape(shape)
+        return np.empty(size, dtype).reshape(shape)
 
     def give(self, *arrays: Optional[np.ndarray]) -> None:
         """Put back arrays (or views of them) obtained from ``empty``; None entries are skipped.
         The caller guarantees that nothing refers to them any more."""
+        free = self._free
         for a in arrays:
             if a is None:
                 continue
-            base = a
-            while isinstance(base.base, np.ndarray):
-                base = base.base
-            if base.ndim != 1 or not base.flags.owndata:
+            base = a if a.base is None else a.base  # numpy points a view at the array owning the memory
+            if base.ndim != 1 or not isinstance(base, np.ndarray) or not base.flags.owndata:
                 continue  # not one of ours
             key = (base.size, base.dtype)
-            stack = self._free.pop(key, [])
-            if not any(b is base for b in stack):
+            stack = free.get(key)
+            if stack is None:
+                free[key] = [base]  # new keys go last: the oldest are dropped first
+                while len(free) > _MAX_KEYS:
+                    del free[next(iter(free))]
+                continue
+            for b in stack:
+                if b is base:
+                    break
+            else:
                 stack.append(base)
-            self._free[key] = stack  # most recently used last
-            while len(self._free) > _MAX_KEYS:
-                del self._free[next(iter(self._free))]
 
     def nbytes(self) -> int:
         """Bytes held in the free lists."""

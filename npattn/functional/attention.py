@@ -22,6 +22,7 @@ from ._blocks import (
     band,
     band_hidden,
     broadcast_qkv,
+    broadcast_shapes,
     check_options,
     check_qkv,
     check_scale,
@@ -279,7 +280,7 @@ def _scaled_dot_product_attention(
     glead = qg.shape[:-2]
     height = max((blk.n for blk in blocks), default=0)
     qs_buf = _empty(workspace, (math.prod(glead) * height * q.shape[-1],), q.dtype)
-    tlead = np.broadcast_shapes(k.shape[:-2], glead)
+    tlead = broadcast_shapes(k.shape[:-2], glead)
 
     e, dcap = [], ([] if softcap is not None else None)
     masks: dict = {}  # the band's hidden pairs of each distinct block shape, built once per call
