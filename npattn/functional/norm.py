@@ -74,8 +74,9 @@ def _mean(a, k):
     lead = a.shape[: a.ndim - k]
     if n == 0 or not a.flags.c_contiguous:
         return a.mean(axis=tuple(range(a.ndim - k, a.ndim)), keepdims=True)
-    sums = a.reshape(math.prod(lead), n) @ np.ones(n, a.dtype)
-    return np.divide(sums, n, out=sums).reshape(lead + (1,) * k)
+    sums = np.matmul(a.reshape(math.prod(lead), n), np.ones(n, a.dtype))
+    sums /= n
+    return sums.reshape(lead + (1,) * k)
 
 
 # ------------------------------------------------------------------------------------ layer_norm
@@ -136,19 +137,26 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
 
 def _layer_norm_backward(dout, cache):
     xhat, rstd, weight, has_bias, k = cache
-    lead = tuple(range(dout.ndim - k))
-    tmp = np.multiply(dout, xhat)  # dy * xhat, then g * xhat, then xhat * mean(g * xhat): one scratch
-    dweight, g = None, dout
-    if weight is not None:
-        dweight = tmp.sum(axis=lead)
-        g = dout * weight
-        np.multiply(g, xhat, out=tmp)
-    dbias = dout.sum(axis=lead) if has_bias else None
-    m2 = _mean(tmp, k)
-    dx = g - _mean(g, k)
-    dx -= np.multiply(xhat, m2, out=tmp)
-    dx *= rstd  # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-    return dx, dweight, dbias
+    n = math.prod(xhat.shape[xhat.ndim - k :])
+    rows = math.prod(xhat.shape[: xhat.ndim - k])
+    # As (rows, n) matrices: every sum over the rows or along a row is then a matrix-vector
+    # product (BLAS), several times faster than ndarray.sum on short rows, and the two row means
+    # come straight from dy: mean(g) = (dy @ weight) / n, mean(g * xhat) = ((dy * xhat) @ weight) / n.
+    dy = dout.reshape(rows, n)
+    xh = xhat.reshape(rows, n)
+    r = rstd.reshape(rows, 1)
+    tmp = np.multiply(dy, xh)  # dy * xhat (then xhat * mean(g * xhat): one scratch)
+    ones = np.ones(rows, dout.dtype)
+    w = np.ones(n, dout.dtype) if weight is None else weight.reshape(n)
+    dweight = None if weight is None else (ones @ tmp).reshape(weight.shape)
+    dbias = (ones @ dy).reshape(xhat.shape[xhat.ndim - k :]) if has_bias else None
+    m1 = np.divide(dy @ w, n)[:, None]  # mean(g), g = dy * weight
+    m2 = np.divide(tmp @ w, n)[:, None]  # mean(g * xhat)
+    dx = np.multiply(dy, w) if weight is not None else np.array(dy)  # g, then dx in place
+    dx -= m1
+    dx -= np.multiply(xh, m2, out=tmp)
+    dx *= r  # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    return dx.reshape(xhat.shape), dweight, dbias
 
 
 # -------------------------------------------------------------------------------------- rms_norm
