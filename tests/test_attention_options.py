@@ -353,7 +353,7 @@ def test_windowed_blocks_grow_linearly_with_length():
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, L, 4)) for _ in range(3))
         _, cache = sdpa(q, k, v, is_causal=True, window=(32, 0))
-        return sum(e.shape[-1] * e.shape[-2] for e in cache.e)
+        return sum(e.shape[-1] * e.shape[-2] for e in cache.p)
 
     a, b_ = formed(1024), formed(2048)
     assert b_ <= 2.05 * a  # linear, not quadratic

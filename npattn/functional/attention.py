@@ -42,11 +42,10 @@ class AttentionCache(NamedTuple):
     Everything is in the grouped layout ``(..., Hk, G*Lq, ...)`` (``G`` query heads per kv head,
     1 without grouped-query attention); ``q, k, v`` are the kernel's operands (the inputs viewed
     with their broadcast leading dimensions), ``shapes`` the inputs' own shapes.  The
-    probabilities are kept *unnormalised* and by blocks of query rows (``blocks``, see
-    ``_blocks.row_blocks``): ``e[i] = exp(S - rowmax)^T``, key-major ``(..., c1 - c0, n)``, for
-    the ``n`` rows ``blocks[i].rows`` and the keys ``c0..c1-1`` those rows may see; the softmax is
-    ``P = e^T / l`` with ``l`` the row sums (the sink's exponential included), kept as
-    ``inv_l = 1 / l``.  ``keep`` is dropout's keep-mask ``(..., Hq, Lq, Lk)`` (None without
+    probabilities are kept by blocks of query rows (``blocks``, see ``_blocks.row_blocks``):
+    ``p[i] = P^T``, key-major ``(..., c1 - c0, n)``, for the ``n`` rows ``blocks[i].rows`` and the
+    keys ``c0..c1-1`` those rows may see (``P = softmax(S)``, the sink's share left out of the
+    block).  ``keep`` is dropout's keep-mask ``(..., Hq, Lq, Lk)`` (None without
     dropout) and ``drop_scale`` its ``1/(1-p)``.  ``dcap[i]``: ``1 - tanh(s/softcap)^2`` of block
     ``i`` (softcap only); ``p_sink``: each row's sink probability (sinks only); ``mask``: the float
     mask as given (``mask_grad`` only).  ``weights`` assembles ``P`` ``(..., Hq, Lq, Lk)``.
@@ -55,8 +54,7 @@ class AttentionCache(NamedTuple):
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    e: tuple
-    inv_l: np.ndarray
+    p: tuple
     blocks: tuple
     keep: Optional[np.ndarray]
     drop_scale: float
@@ -75,8 +73,8 @@ class AttentionCache(NamedTuple):
         """``P = softmax(S)``, ``(..., Hq, Lq, Lk)``: zero where a query may not attend."""
         score_shape = self.q.shape[:-1] + (self.k.shape[-2],)
         p = np.zeros(_grouped_shape(score_shape, self.groups), dtype=self.q.dtype)
-        for blk, e in zip(self.blocks, self.e):
-            np.multiply(e.swapaxes(-1, -2), self.inv_l[..., blk.rows, :], out=p[..., blk.rows, blk.c0 : blk.c1])
+        for blk, pb in zip(self.blocks, self.p):
+            p[..., blk.rows, blk.c0 : blk.c1] = pb.swapaxes(-1, -2)
         return _ungrouped(p, self.groups, score_shape)
 
 
@@ -185,8 +183,11 @@ def scaled_dot_product_attention(
 
     How (the textbook formula's numbers, with less work):
 
-    * the softmax of a row is ``P = E / l`` with ``E = exp(S - max S)`` and ``l = sum E``, so
-      ``out = (E v) / l``: the ``(Lq, Ev)`` output is divided, never the ``(Lq, Lk)`` matrix ``E``;
+    * the softmax of a row is ``P = E / l`` with ``E = exp(S - max S)`` and ``l = sum E``; the
+      block of ``E`` is multiplied by ``1/l`` in place, a pass over contiguous memory (the rows of
+      q, out and their gradients are strided views of the heads in ``MultiHeadAttention``'s
+      layout, slow to pass over when the head dimension is small), and kept: the backward then
+      needs no row factor at all (``dv = P^T dout``, ``dS = P (dP - D)``);
     * causal or windowed: one block of query rows at a time, only as wide as the keys those rows
       may see (``_blocks.row_blocks``): the masked part of the score matrix is skipped;
     * each block is held key-major, ``S^T = k q^T`` of shape ``(keys, queries)``: the same
@@ -274,7 +275,6 @@ def _scaled_dot_product_attention(
         out = _heads_last_empty(out_shape, q.dtype, workspace)
     else:
         out = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
-    inv_l = np.empty(qg.shape[:-1] + (1,), q.dtype)
     p_sink = None if sinks is None else np.empty(qg.shape[:-1] + (1,), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     glead = qg.shape[:-2]
@@ -282,7 +282,7 @@ def _scaled_dot_product_attention(
     qs_buf = _empty(workspace, (math.prod(glead) * height * q.shape[-1],), q.dtype)
     tlead = broadcast_shapes(k.shape[:-2], glead)
 
-    e, dcap = [], ([] if softcap is not None else None)
+    p_blocks, dcap = [], ([] if softcap is not None else None)
     masks: dict = {}  # the band's hidden pairs of each distinct block shape, built once per call
     for blk in blocks:
         rows, c0, c1, r0 = blk
@@ -315,21 +315,22 @@ def _scaled_dot_product_attention(
             m[~np.isfinite(m)] = 0.0
         t -= m
         np.exp(t, out=t)
-        total = t.sum(axis=-2)[..., None]  # (..., n, 1), as inv_l
-        il = inv_l[..., rows, :]
+        total = t.sum(axis=-2, keepdims=True)  # l, (..., 1, n)
         if sinks is not None:  # l includes exp(sink - m); P_sink = exp(sink - m) / l
-            es = np.exp(sink - m).swapaxes(-1, -2)
+            es = np.exp(sink - m)
             total += es
-            np.divide(es, total, out=p_sink[..., rows, :])
+            np.divide(es, total, out=p_sink[..., rows, :].swapaxes(-1, -2))
         else:
             total[total == 0] = 1.0
-        np.divide(1.0, total, out=il)
-        # out = P' v = (E [* keep]) v / l [/ (1-p)]
+        t *= np.divide(1.0, total, out=total)  # P = E / l, in place
+        # out = P' v = (P [* keep / (1-p)]) v
         o = out[..., rows, :]
-        used = t if keep_g is None else t * keep_g[..., rows, c0:c1].swapaxes(-1, -2)
+        used = t
+        if keep_g is not None:
+            used = t * keep_g[..., rows, c0:c1].swapaxes(-1, -2)
+            used *= drop_scale
         np.matmul(used.swapaxes(-1, -2), v[..., c0:c1, :], out=o)
-        o *= il if keep is None else il * drop_scale
-        e.append(t)
+        p_blocks.append(t)
     if workspace is not None:
         workspace.give(qs_buf)
     out = _ungrouped(out, groups, out_shape)
@@ -337,8 +338,7 @@ def _scaled_dot_product_attention(
         q,
         k,
         v,
-        tuple(e),
-        inv_l,
+        tuple(p_blocks),
         tuple(blocks),
         keep,
         drop_scale,
@@ -375,13 +375,13 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     * ``sinks``: the sink is one more logit of the row's softmax with value 0, so ``dP_sink = 0`` and
       ``dsink_h = sum over the rows of head h of P_sink (0 - D)``.
 
-    How, with the cache's unnormalised ``E`` (``P = E / l``, see the forward):
+    How, with the cache's blocks of ``P`` (see the forward):
 
-    * ``D_i = (sum_j dP_ij E_ij) / l_i``, one ``einsum`` pass (not FlashAttention's
-      ``dout_i . out_i``: equal in exact arithmetic, but rounded differently it would turn the
-      exact zero gradient of a row that sees a single key into 1e-16);
-    * ``dS = (E * (dP - D)) / l``: the row factor ``1/l`` goes onto the rows of ``dq``, of ``dout``
-      (for ``dv``) and of ``q`` (for ``dk``), never onto an ``(Lq, Lk)`` array;
+    * ``D_i = sum_j dP_ij P_ij``, one ``einsum`` pass (not FlashAttention's ``dout_i . out_i``:
+      equal in exact arithmetic, but rounded differently it would turn the exact zero gradient of
+      a row that sees a single key into 1e-16);
+    * ``dS = P * (dP - D)``, then ``* scale`` in place: ``dq`` and ``dk`` are plain products with
+      ``k`` and ``q``, no factor on their (strided) rows;
     * row blocks as in the forward: ``dk``, ``dv`` parts of the blocks are written or added.
 
     With grouped-query heads the products run in the grouped layout, which sums each kv head's
@@ -403,7 +403,7 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None
     into (e.g. views of ``MultiHeadAttention``'s fused buffer); they are returned in place of new ones.
     ``workspace``: where the scratch comes from (and goes back to at the end)."""
     q, k, v, groups, scale = cache.q, cache.k, cache.v, cache.groups, cache.scale
-    blocks, e_blocks, inv_l, keep, drop_scale = cache.blocks, cache.e, cache.inv_l, cache.keep, cache.drop_scale
+    blocks, p_blocks, keep, drop_scale = cache.blocks, cache.p, cache.keep, cache.drop_scale
     opts = cache.options
     lq = q.shape[-2]
     dog = _grouped(dout, groups)
@@ -437,52 +437,48 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None
         m = cache.mask
         dmask = np.zeros((1,) * (len(score_lead) + 2 - m.ndim) + m.shape, q.dtype)
     # Scratch, allocated once at the largest block's size and reused by every block (memory
-    # that stays in cache rather than fresh pages): dS, the rows of dout / l and scale q / l,
-    # and the products added into dk and dv.
+    # that stays in cache rather than fresh pages): dS, and the products added into dk and dv.
     glead = dog.shape[:-2]
     height = max((b.n for b in blocks), default=0)
     wmax = max((b.c1 - b.c0 for b in blocks), default=0)
     ds_buf = _empty(workspace, (math.prod(glead) * height * wmax,), q.dtype)
-    do_buf = _empty(workspace, (math.prod(glead) * height * v.shape[-1],), q.dtype)
-    q_buf = _empty(workspace, (math.prod(glead) * height * q.shape[-1],), q.dtype)
     many = len(blocks) > 1 or not from_zero
     prod_buf = _empty(workspace, (math.prod(glead) * wmax * max(k.shape[-1], v.shape[-1]) if many else 0,), q.dtype)
     for j, i in enumerate(order):
-        blk, e = blocks[i], e_blocks[i]  # e: E^T, key-major (c1 - c0, n) as in the forward
+        blk, p = blocks[i], p_blocks[i]  # p: P^T, key-major (c1 - c0, n) as in the forward
         rows, c0, c1, r0 = blk
         n, g = blk.n, rows.start // lq
         add = j > 0 or not from_zero
-        il = inv_l[..., rows, :]
         kb = None if keep_g is None else keep_g[..., rows, c0:c1].swapaxes(-1, -2)
-        # dv = P'^T dout = (E [* keep])^T (dout / l [/(1-p)])
-        do_l = np.multiply(
-            dog[..., rows, :], il if kb is None else il * drop_scale, out=_scratch(do_buf, glead + (n, v.shape[-1]))
-        )
-        _write_or_add(e if kb is None else e * kb, do_l, dv[..., c0:c1, :], add, prod_buf)
-        # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  (l dS)^T = E^T * (dP - D)^T
+        do = dog[..., rows, :]
+        # dv = P'^T dout with P' = P [* keep / (1-p)]
+        pk = p
+        if kb is not None:
+            pk = p * kb
+            pk *= drop_scale
+        _write_or_add(pk, do, dv[..., c0:c1, :], add, prod_buf)
+        # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  dS^T = P^T * (dP - D)^T
         ds = _scratch(ds_buf, glead + (c1 - c0, n))
-        np.matmul(v[..., c0:c1, :], dog[..., rows, :].swapaxes(-1, -2), out=ds)
+        np.matmul(v[..., c0:c1, :], do.swapaxes(-1, -2), out=ds)
         if kb is not None:
             ds *= kb
             ds *= drop_scale
-        d = np.einsum("...ji,...ji->...i", ds, e)[..., None, :] * il.swapaxes(-1, -2)  # D, (..., 1, n)
+        d = np.einsum("...ji,...ji->...i", ds, p)[..., None, :]  # D_i = sum_j dP_ij P_ij, (..., 1, n)
         ds -= d  # dP - D
-        ds *= e
+        ds *= p
         if dsinks is not None:  # dsink_h -= sum_i P_sink_i D_i
             dsinks[..., g] -= np.einsum("...i,...i->...", cache.p_sink[..., rows, 0], d[..., 0, :])
-        if dmask is not None:  # dmask = dS = (l dS) / l, summed to the mask's shape
-            _add_mask_grad(dmask, ds * il.swapaxes(-1, -2), blk, groups, g)
+        if dmask is not None:  # dmask = dS, summed to the mask's shape
+            _add_mask_grad(dmask, ds, blk, groups, g)
         if cache.dcap is not None:  # through softcap: ds = dS (1 - tanh^2)
             ds *= cache.dcap[i]
-        # dq = scale dS k = (scale / l) (l dS) k;  dk = scale dS^T q = (l dS)^T (scale q / l)
-        dq_rows = dq[..., rows, :]
-        np.matmul(ds.swapaxes(-1, -2), k[..., c0:c1, :], out=dq_rows)
-        il_s = il * scale
-        dq_rows *= il_s
-        q_l = np.multiply(qg[..., rows, :], il_s, out=_scratch(q_buf, glead + (n, q.shape[-1])))
-        _write_or_add(ds, q_l, dk[..., c0:c1, :], add, prod_buf)
+        if scale != 1.0:
+            ds *= scale  # the gradient of q k^T
+        # dq = scale ds k;  dk = scale ds^T q (the scale is in ds now)
+        np.matmul(ds.swapaxes(-1, -2), k[..., c0:c1, :], out=dq[..., rows, :])
+        _write_or_add(ds, qg[..., rows, :], dk[..., c0:c1, :], add, prod_buf)
     if workspace is not None:
-        workspace.give(ds_buf, do_buf, q_buf, prod_buf)
+        workspace.give(ds_buf, prod_buf)
     dq = _ungrouped(dq, groups, q.shape)
     grads = [dq, dk, dv]
     if cache.shapes:

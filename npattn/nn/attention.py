@@ -540,7 +540,7 @@ class MultiHeadAttention(Module):
         )
         reused: tuple = ()
         if ws is not None:
-            reused = (qkv,) if self.memory_efficient else (qkv, ctx) + tuple(cast(AttentionCache, attn_cache).e)
+            reused = (qkv,) if self.memory_efficient else (qkv, ctx) + tuple(cast(AttentionCache, attn_cache).p)
         state = _State(
             self_attn,
             proj,
