@@ -278,8 +278,6 @@ def _scaled_dot_product_attention(
     p_sink = None if sinks is None else np.empty(qg.shape[:-1] + (1,), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     glead = qg.shape[:-2]
-    height = max((blk.n for blk in blocks), default=0)
-    qs_buf = _empty(workspace, (math.prod(glead) * height * q.shape[-1],), q.dtype)
     tlead = broadcast_shapes(k.shape[:-2], glead)
 
     p_blocks, dcap = [], ([] if softcap is not None else None)
@@ -287,15 +285,19 @@ def _scaled_dot_product_attention(
     for blk in blocks:
         rows, c0, c1, r0 = blk
         n, g = blk.n, rows.start // lq if lq else 0
-        # scores of the block, key-major: t = s^T = k (q * scale)^T over the keys c0..c1-1 its rows
-        # may see (the (keys, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way)
-        qs = np.multiply(qg[..., rows, :], scale, out=_scratch(qs_buf, glead + (n, q.shape[-1])))
-        t = np.matmul(k[..., c0:c1, :], qs.swapaxes(-1, -2), out=_empty(workspace, tlead + (c1 - c0, n), q.dtype))
+        # scores of the block, key-major: t = s^T = scale k q^T over the keys c0..c1-1 its rows
+        # may see (the (keys, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way;
+        # the scale goes onto the contiguous block, not onto q's strided rows)
+        t = np.matmul(
+            k[..., c0:c1, :], qg[..., rows, :].swapaxes(-1, -2), out=_empty(workspace, tlead + (c1 - c0, n), q.dtype)
+        )
         if softcap is not None:  # s -> softcap tanh(s / softcap); keep its derivative 1 - tanh^2
-            t /= softcap
+            t *= scale / softcap
             np.tanh(t, out=t)
             dcap.append(1.0 - t * t)
             t *= softcap
+        elif scale != 1.0:
+            t *= scale
         if additive is not None:
             t += mask_block(additive, blk).swapaxes(-1, -2)
         if alibi_slopes is not None:  # - slope_h |p - j|
@@ -331,8 +333,6 @@ def _scaled_dot_product_attention(
             used *= drop_scale
         np.matmul(used.swapaxes(-1, -2), v[..., c0:c1, :], out=o)
         p_blocks.append(t)
-    if workspace is not None:
-        workspace.give(qs_buf)
     out = _ungrouped(out, groups, out_shape)
     cache = AttentionCache(
         q,
