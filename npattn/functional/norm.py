@@ -105,7 +105,7 @@ def layer_norm(
 
 
 def _layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
-    k, axes = _axes(x, normalized_shape, weight)
+    k, _ = _axes(x, normalized_shape, weight)
     mu = _mean(x, k)
     xc = x - mu
     y = np.multiply(xc, xc)  # (x - mu)^2, in what becomes y's buffer
@@ -177,16 +177,19 @@ def rms_norm(
 
 
 def _rms_norm(x, weight=None, eps=None, *, normalized_shape=None):
-    k, axes = _axes(x, normalized_shape, weight)
+    k, _ = _axes(x, normalized_shape, weight)
     if eps is None:
         eps = float(np.finfo(x.dtype).eps)
-    ms = np.mean(x * x, axis=axes, keepdims=True)
-    rms = np.sqrt(ms + eps)
+    y = np.multiply(x, x, out=np.empty(x.shape, x.dtype))  # x^2, in what becomes y's buffer
+    rms = np.sqrt(_mean(y, k) + eps)
     if eps == 0.0:
         rms[rms == 0] = np.inf  # a slice of zeros, no eps: rstd = 0, so xhat = 0 (not 0/0)
     rstd = 1.0 / rms
-    xhat = x * rstd
-    y = xhat * weight if weight is not None else xhat.copy()
+    xhat = np.multiply(x, rstd, out=np.empty(x.shape, x.dtype))  # C-contiguous, whatever x's layout
+    if weight is not None:
+        np.multiply(xhat, weight, out=y)
+    else:
+        np.copyto(y, xhat)
     return y, RMSNormCache(xhat, rstd, weight, k)
 
 
@@ -204,9 +207,17 @@ def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
 
 def _rms_norm_backward(dout, cache):
     xhat, rstd, weight, k = cache
-    lead = tuple(range(dout.ndim - k))
-    axes = tuple(range(dout.ndim - k, dout.ndim))
-    dweight = (dout * xhat).sum(axis=lead) if weight is not None else None
-    g = dout * weight if weight is not None else dout
-    dx = rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True))
-    return dx, dweight
+    n = math.prod(xhat.shape[xhat.ndim - k :])
+    rows = math.prod(xhat.shape[: xhat.ndim - k])
+    # (rows, n) matrices, the sums as matrix-vector products, as in _layer_norm_backward:
+    # mean(g * xhat) = ((dy * xhat) @ weight) / n
+    dy = dout.reshape(rows, n)
+    xh = xhat.reshape(rows, n)
+    tmp = np.multiply(dy, xh)  # dy * xhat (then xhat * mean(g * xhat))
+    w = np.ones(n, dout.dtype) if weight is None else weight.reshape(n)
+    dweight = None if weight is None else (np.ones(rows, dout.dtype) @ tmp).reshape(weight.shape)
+    m2 = np.divide(tmp @ w, n)[:, None]  # mean(g * xhat), g = dy * weight
+    dx = np.multiply(dy, w) if weight is not None else np.array(dy)  # g, then dx in place
+    dx -= np.multiply(xh, m2, out=tmp)
+    dx *= rstd.reshape(rows, 1)  # dx = rstd * (g - xhat * mean(g * xhat))
+    return dx.reshape(xhat.shape), dweight
