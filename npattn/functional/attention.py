@@ -474,7 +474,7 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None
             ds *= cache.dcap[i]
         if scale != 1.0:
             ds *= scale  # the gradient of q k^T
-        # dq = scale ds k;  dk = scale ds^T q (the scale is in ds now)
+        # dq = (scale dS) k;  dk = (scale dS)^T q
         np.matmul(ds.swapaxes(-1, -2), k[..., c0:c1, :], out=dq[..., rows, :])
         _write_or_add(ds, qg[..., rows, :], dk[..., c0:c1, :], add, prod_buf)
     if workspace is not None:
