@@ -53,7 +53,7 @@ class Workspace:
             if a is None:
                 continue
             base = a if a.base is None else a.base  # numpy points a view at the array owning the memory
-            if base.ndim != 1 or not isinstance(base, np.ndarray) or not base.flags.owndata:
+            if not isinstance(base, np.ndarray) or base.ndim != 1 or not base.flags.owndata:
                 continue  # not one of ours
             key = (base.size, base.dtype)
             stack = free.get(key)
