@@ -137,25 +137,33 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
 
 def _layer_norm_backward(dout, cache):
     xhat, rstd, weight, has_bias, k = cache
+    return _norm_backward(dout, xhat, rstd, weight, k, centred=True, has_bias=has_bias)
+
+
+def _norm_backward(dout, xhat, rstd, weight, k, *, centred, has_bias=False):
+    """``dx = rstd * (g - [mean(g)] - xhat * mean(g * xhat))`` with ``g = dy * weight`` (the
+    ``mean(g)`` term for layer norm only, ``centred``), ``dweight = sum(dy * xhat)`` and
+    ``dbias = sum(dy)`` over the leading axes; shared by both norms' backward kernels.
+
+    As ``(rows, n)`` matrices every sum over the rows or along a row is a matrix-vector product
+    (BLAS), several times faster than ``ndarray.sum`` on short rows, and the row means come
+    straight from dy: ``mean(g) = (dy @ weight) / n``, ``mean(g * xhat) = ((dy * xhat) @ weight) / n``
+    (``g * xhat`` is never formed)."""
     n = math.prod(xhat.shape[xhat.ndim - k :])
     rows = math.prod(xhat.shape[: xhat.ndim - k])
-    # As (rows, n) matrices: every sum over the rows or along a row is then a matrix-vector
-    # product (BLAS), several times faster than ndarray.sum on short rows, and the two row means
-    # come straight from dy: mean(g) = (dy @ weight) / n, mean(g * xhat) = ((dy * xhat) @ weight) / n.
     dy = dout.reshape(rows, n)
     xh = xhat.reshape(rows, n)
-    r = rstd.reshape(rows, 1)
     tmp = np.multiply(dy, xh)  # dy * xhat (then xhat * mean(g * xhat): one scratch)
     ones = np.ones(rows, dout.dtype)
     w = np.ones(n, dout.dtype) if weight is None else weight.reshape(n)
     dweight = None if weight is None else (ones @ tmp).reshape(weight.shape)
     dbias = (ones @ dy).reshape(xhat.shape[xhat.ndim - k :]) if has_bias else None
-    m1 = np.divide(dy @ w, n)[:, None]  # mean(g), g = dy * weight
     m2 = np.divide(tmp @ w, n)[:, None]  # mean(g * xhat)
     dx = np.multiply(dy, w) if weight is not None else np.array(dy)  # g, then dx in place
-    dx -= m1
+    if centred:
+        dx -= np.divide(dy @ w, n)[:, None]  # mean(g)
     dx -= np.multiply(xh, m2, out=tmp)
-    dx *= r  # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dx *= rstd.reshape(rows, 1)
     return dx.reshape(xhat.shape), dweight, dbias
 
 
@@ -207,17 +215,5 @@ def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
 
 def _rms_norm_backward(dout, cache):
     xhat, rstd, weight, k = cache
-    n = math.prod(xhat.shape[xhat.ndim - k :])
-    rows = math.prod(xhat.shape[: xhat.ndim - k])
-    # (rows, n) matrices, the sums as matrix-vector products, as in _layer_norm_backward:
-    # mean(g * xhat) = ((dy * xhat) @ weight) / n
-    dy = dout.reshape(rows, n)
-    xh = xhat.reshape(rows, n)
-    tmp = np.multiply(dy, xh)  # dy * xhat (then xhat * mean(g * xhat))
-    w = np.ones(n, dout.dtype) if weight is None else weight.reshape(n)
-    dweight = None if weight is None else (np.ones(rows, dout.dtype) @ tmp).reshape(weight.shape)
-    m2 = np.divide(tmp @ w, n)[:, None]  # mean(g * xhat), g = dy * weight
-    dx = np.multiply(dy, w) if weight is not None else np.array(dy)  # g, then dx in place
-    dx -= np.multiply(xh, m2, out=tmp)
-    dx *= rstd.reshape(rows, 1)  # dx = rstd * (g - xhat * mean(g * xhat))
-    return dx.reshape(xhat.shape), dweight
+    dx, dweight, _ = _norm_backward(dout, xhat, rstd, weight, k, centred=False)
+    return dx, dweight
