@@ -1,0 +1,71 @@
+"""Writes ``docs/api/*.rst`` from the public modules' ``__all__`` (called by ``conf.py`` at build time).
+
+One page per public module; each name in its ``__all__`` gets an ``autofunction``/``autoclass``
+entry (hence its own anchor, ``id="<module>.<name>"``) on the first page that exports it, in the
+order of ``MODULES``; a later module that re-exports the same object links to that entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+
+MODULES = [
+    ("npattn", "The top-level package: modules, gradcheck, the version."),
+    ("npattn.functional", "The fast tier: every op a pure pair ``op(...) -> (out, cache)``, ``op_backward``, ``op_jvp``."),
+    ("npattn.functional.reference", "The textbook tier: the same pairs as their formulas, derivations beside the code."),
+    ("npattn.nn", "Modules, torch-style."),
+    ("npattn.models", "Models built from the modules."),
+    ("npattn.book", "The classes and functions of *Build a Large Language Model (From Scratch)*, chapters 3-5."),
+    ("npattn.optim", "Optimisers, gradient clipping and schedules."),
+    ("npattn.generation", "Sampling and generation shared by every model."),
+    ("npattn.masks", "Attention-mask helpers (True = may attend)."),
+    ("npattn.testing", "Gradient checks and hypothesis strategies for property tests (needs hypothesis)."),
+    ("npattn.viz", "Plots (needs matplotlib)."),
+]
+
+
+def _kind(obj) -> str | None:
+    if inspect.isclass(obj):
+        return "autoclass"
+    if callable(obj):
+        return "autofunction"
+    return None
+
+
+def pages() -> dict[str, str]:
+    """``{module name: reStructuredText}`` for every module of ``MODULES``."""
+    seen: dict[int, str] = {}
+    out = {}
+    for modname, blurb in MODULES:
+        mod = importlib.import_module(modname)
+        title = f"``{modname}``"
+        lines = [title, "=" * len(title), "", blurb, "", f".. automodule:: {modname}", "   :no-members:", ""]
+        lines += [f".. currentmodule:: {modname}", ""]
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            kind = _kind(obj)
+            if kind is None:  # a submodule or a constant: say what it is
+                if inspect.ismodule(obj):
+                    lines += [f"* ``{modname}.{name}``: the module ``{obj.__name__}``.", ""]
+                else:
+                    lines += [f".. data:: {name}", "", f"   ``{obj!r}``", ""]
+                continue
+            key = id(obj)
+            if key in seen:
+                lines += [f"* ``{modname}.{name}``: the same object as :py:obj:`{seen[key]}`.", ""]
+                continue
+            seen[key] = f"{modname}.{name}"
+            opts = ["   :members:", "   :special-members: __call__"] if kind == "autoclass" else []
+            lines += [f".. {kind}:: {name}", *opts, ""]
+        out[modname] = "\n".join(lines) + "\n"
+    return out
+
+
+def write_pages(directory: pathlib.Path) -> None:
+    directory.mkdir(exist_ok=True)
+    for modname, text in pages().items():
+        path = directory / f"{modname}.rst"
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
