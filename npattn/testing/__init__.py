@@ -31,6 +31,8 @@ _STRATEGIES = (
     "sinks",
     "POSITION_KINDS",
     "positions",
+    "DeltaRuleCase",
+    "delta_rule_inputs",
 )
 
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient", *_STRATEGIES]

@@ -515,3 +515,85 @@ def positions(
         return rng.integers(0, max_offset + length, length).astype(np.int64)
 
     return st.tuples(st.sampled_from(kinds), seeds()).map(build)
+
+
+# -- gated delta rule (Qwen3-Next's linear attention) ---------------------------------------------
+
+
+@dataclass
+class DeltaRuleCase:
+    """Inputs of ``gated_delta_rule`` with upstream gradients for its backward.
+
+    ``g`` is a log decay ``<= 0`` (``-softplus`` of a normal draw, as Qwen3-Next makes it), ``beta``
+    in ``(0, 1)`` (a sigmoid); keys have norm at most 1 (or are normalised by ``use_qk_l2norm``),
+    so every step's ``I - beta k k^T`` is a contraction and long sequences stay well conditioned.
+    """
+
+    q: np.ndarray  # (B..., H, L, Dk)
+    k: np.ndarray
+    v: np.ndarray  # (B..., H, L, Dv)
+    g: np.ndarray  # (B..., H, L)
+    beta: np.ndarray
+    initial_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) or None
+    use_qk_l2norm: bool
+    output_final_state: bool
+    chunk_size: int
+    dout: np.ndarray  # (B..., H, L, Dv)
+    dfinal_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) or None
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of ``gated_delta_rule`` (without ``chunk_size``)."""
+        return dict(
+            initial_state=self.initial_state,
+            output_final_state=self.output_final_state,
+            use_qk_l2norm=self.use_qk_l2norm,
+        )
+
+
+def delta_rule_inputs(
+    max_len: int = 24, max_dim: int = 5, max_heads: int = 2, dtype=np.float64
+) -> st.SearchStrategy[DeltaRuleCase]:
+    """:class:`DeltaRuleCase` draws: 0-2 batch axes, ``1..max_heads`` heads, ``L`` in ``1..max_len``,
+    ``Dk``, ``Dv`` in ``1..max_dim``, chunk sizes from 1 to past ``L`` (so ``L`` is often not a
+    multiple of the chunk), with and without an initial state, the l2 norm, the final state and
+    its upstream gradient."""
+
+    def build(args):
+        lead, steps, dk, dv, chunk, flags, seed = args
+        init, l2, final, dfinal = flags
+        rng = np.random.default_rng(seed)
+        shape = tuple(lead)
+        k = rng.standard_normal(shape + (steps, dk))
+        if not l2:  # norms in [0.5, 1]
+            k *= rng.uniform(0.5, 1.0, shape + (steps, 1)) / np.linalg.norm(k, axis=-1, keepdims=True)
+        x = rng.standard_normal(shape + (steps,))
+        return DeltaRuleCase(
+            q=rng.uniform(-1, 1, shape + (steps, dk)).astype(dtype),
+            k=k.astype(dtype),
+            v=rng.uniform(-1, 1, shape + (steps, dv)).astype(dtype),
+            g=(-np.logaddexp(0.0, x)).astype(dtype),
+            beta=(1.0 / (1.0 + np.exp(-rng.standard_normal(shape + (steps,))))).astype(dtype),
+            initial_state=rng.uniform(-1, 1, shape + (dk, dv)).astype(dtype) if init else None,
+            use_qk_l2norm=l2,
+            output_final_state=final,
+            chunk_size=chunk,
+            dout=rng.standard_normal(shape + (steps, dv)).astype(dtype),
+            dfinal_state=rng.standard_normal(shape + (dk, dv)).astype(dtype) if dfinal else None,
+        )
+
+    lead = st.tuples(st.lists(st.integers(1, 2), min_size=0, max_size=2), st.integers(1, max_heads)).map(
+        lambda t: tuple(t[0]) + (t[1],)
+    )
+    sizes = st.integers(1, max_dim)
+    return st.tuples(
+        lead,
+        st.integers(1, max_len),
+        sizes,
+        sizes,
+        st.integers(1, max_len + 2),
+        st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+        seeds(),
+    ).map(build)
+
+
+__all__ += ["DeltaRuleCase", "delta_rule_inputs"]

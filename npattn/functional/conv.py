@@ -1,0 +1,137 @@
+"""``causal_conv1d``: the short causal depthwise convolution of Qwen3-Next's linear attention.
+
+Each channel is filtered on its own along the sequence by ``K`` taps (``K`` = 4 in Qwen3-Next);
+output ``t`` sees inputs ``t - K + 1 .. t`` only, the inputs before the first coming from a carried
+state (the last ``K - 1`` inputs of the previous call) when decoding.  Layout: npattn's batch-first
+``x (B..., L, C)``; transformers' ``causal_conv1d_fn`` / ``causal_conv1d_update`` take the transpose
+``(B, C, L)``.  The taps are a loop of ``K`` whole-array multiply-adds (no windows materialised).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import as_float, check_bool, check_cache, check_grad
+from .activation import SiluCache, _silu, _silu_backward
+
+__all__ = ["causal_conv1d", "causal_conv1d_backward", "CausalConv1dCache"]
+
+
+class CausalConv1dCache(NamedTuple):
+    xp: np.ndarray  # (B..., K - 1 + L, C): the initial state (or zeros) followed by x
+    weight: np.ndarray  # (C, K)
+    has_bias: bool
+    has_initial_state: bool
+    act: Optional[SiluCache]  # silu's cache of the pre-activation, or None
+    final_state: Optional[np.ndarray]  # (B..., K - 1, C) with output_final_state, else None
+
+
+def causal_conv1d(
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: Optional[np.ndarray] = None,
+    *,
+    activation: Optional[str] = None,
+    initial_state: Optional[np.ndarray] = None,
+    output_final_state: bool = False,
+) -> tuple[np.ndarray, CausalConv1dCache]:
+    """``y_t = activation(bias + sum_j weight[:, j] * x_{t - K + 1 + j})``, channel by channel.
+
+    Parameters
+    ----------
+    x : ndarray ``(B..., L, C)``
+    weight : ndarray ``(C, K)``
+        torch's ``Conv1d(C, C, K, groups=C).weight`` ``(C, 1, K)`` without its middle axis
+        (``weight[:, K - 1]`` multiplies the current step).
+    bias : ndarray ``(C,)``, optional
+    activation : None or ``"silu"``
+    initial_state : ndarray ``(B..., K - 1, C)``, optional
+        The ``K - 1`` inputs before ``x`` (zeros if None): the state of the previous call.
+    output_final_state : bool
+        Keep the last ``K - 1`` inputs (of the initial state followed by x) as
+        ``cache.final_state``, the state for the next call.
+
+    Returns
+    -------
+    (y, cache)
+        ``y (B..., L, C)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, expected vs actual, before any arithmetic.
+    """
+    x = as_float(x, "x")
+    if x.ndim < 2 or x.shape[-2] < 1:
+        raise ValueError(f"x: expected shape (..., L, C) with L >= 1, got {x.shape}")
+    channels = x.shape[-1]
+    weight = as_float(weight, "weight", x.dtype)
+    if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"weight: expected shape ({channels}, K) (x's channels, K >= 1 taps), got {weight.shape}")
+    if bias is not None:
+        bias = as_float(bias, "bias", x.dtype)
+        if bias.shape != (channels,):
+            raise ValueError(f"bias: expected shape ({channels},), got {bias.shape}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation: expected None or 'silu', got {activation!r}")
+    if initial_state is not None:
+        initial_state = as_float(initial_state, "initial_state", x.dtype)
+        want = x.shape[:-2] + (weight.shape[1] - 1, channels)
+        if initial_state.shape != want:
+            raise ValueError(f"initial_state: expected shape {want} (..., K - 1, C), got {initial_state.shape}")
+    output_final_state = check_bool(output_final_state, "output_final_state")
+    return _causal_conv1d(
+        x, weight, bias, activation=activation, initial_state=initial_state, output_final_state=output_final_state
+    )
+
+
+def _causal_conv1d(x, weight, bias=None, *, activation=None, initial_state=None, output_final_state=False):
+    taps, steps = weight.shape[1], x.shape[-2]
+    xp = np.empty(x.shape[:-2] + (taps - 1 + steps, x.shape[-1]), x.dtype)
+    xp[..., : taps - 1, :] = 0.0 if initial_state is None else initial_state
+    xp[..., taps - 1 :, :] = x
+    z = xp[..., :steps, :] * weight[:, 0]  # tap 0 reads x_{t - K + 1}: row t of xp
+    for j in range(1, taps):
+        z += xp[..., j : j + steps, :] * weight[:, j]
+    if bias is not None:
+        z += bias
+    act = None
+    if activation == "silu":
+        z, act = _silu(z)
+    final = xp[..., steps:, :].copy() if output_final_state else None
+    return z, CausalConv1dCache(xp, weight, bias is not None, initial_state is not None, act, final)
+
+
+def causal_conv1d_backward(
+    dout: np.ndarray, cache: CausalConv1dCache
+) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+    """Input ``x_s`` fed ``z_t`` through tap ``j = s - t + K - 1``, so ``dx_s = sum_j w_j dz_{s + K - 1 - j}``
+    (the taps run backwards over dz), ``dw_j = sum_t dz_t x_{t - K + 1 + j}`` over the batch and the
+    steps, ``dbias = sum dz``; the first ``K - 1`` padded rows are the initial state's gradient.
+
+    Returns
+    -------
+    (dx, dweight, dbias, dinitial_state)
+        None where the forward had no bias / no initial state.
+    """
+    check_cache(cache, CausalConv1dCache, "causal_conv1d_backward")
+    xp = cache.xp
+    shape = xp.shape[:-2] + (xp.shape[-2] - cache.weight.shape[1] + 1, xp.shape[-1])
+    return _causal_conv1d_backward(check_grad(dout, shape, xp.dtype), cache)
+
+
+def _causal_conv1d_backward(dout, cache):
+    xp, weight, has_bias, has_initial, act, _ = cache
+    dz = dout if act is None else _silu_backward(dout, act)
+    taps, steps, channels = weight.shape[1], dz.shape[-2], dz.shape[-1]
+    dz2 = dz.reshape(-1, steps, channels)
+    xp2 = xp.reshape(-1, xp.shape[-2], channels)
+    dxp = np.zeros(xp.shape, dz.dtype)
+    dweight = np.empty(weight.shape, dz.dtype)
+    for j in range(taps):
+        dxp[..., j : j + steps, :] += dz * weight[:, j]
+        dweight[:, j] = np.einsum("blc,blc->c", dz2, xp2[:, j : j + steps])
+    dbias = dz2.sum(axis=(0, 1)) if has_bias else None
+    return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None)

@@ -1,0 +1,541 @@
+"""The gated delta rule, chunk by chunk (Qwen3-Next's linear attention), and the two norms around it.
+
+``gated_delta_rule`` gives the numbers of the step-by-step recurrence of
+``npattn.functional.reference.gated_delta_rule`` (to 1e-12 in float64), with work linear in ``L``
+and no array larger than ``(L / C) * C * C = L * C`` (``C = chunk_size``): the ``L`` steps are
+cut into chunks of ``C``; everything inside a chunk that does not depend on the state entering
+it is computed for all chunks at once (a few batched matrix products and one ``C x C``
+triangular inverse per chunk: the WY / UT transform of DeltaNet), and a loop over the ``L / C``
+chunks carries the state with two ``(C, Dk) x (Dk, Dv)`` products per chunk.
+
+The chunk form (one head; ``S`` the state entering the chunk, rows ``i, j = 1..C`` the chunk's
+steps; ``q`` already scaled, ``k`` already normalised):
+
+    gamma_i = g_1 + ... + g_i           the decay from the chunk's start, in log space
+    a_i = e^{gamma_i},  b_i = e^{gamma_C - gamma_i},  Gam_ij = e^{gamma_i - gamma_j} (j <= i, else 0)
+
+The recurrence's state after step i is ``S_i = a_i S + sum_{j<=i} Gam_ij k_j u_j^T`` (each write
+decays from its own step on).  Step i's delta ``u_i = beta_i (v_i - (e^{g_i} S_{i-1})^T k_i)``
+then reads
+
+    u_i + sum_{j<i} beta_i Gam_ij (k_i . k_j) u_j = beta_i v_i - beta_i a_i S^T k_i,
+
+a unit lower-triangular system ``(I + M) U = R`` with ``M_ij = beta_i Gam_ij (k_i . k_j)`` (j < i).
+With ``T = (I + M)^{-1}`` (the UT transform) ``U = W_v - W_k S``, ``W_v = T diag(beta) V``,
+``W_k = T diag(beta a) K``: neither depends on ``S``.  Then
+
+    O  = diag(a) Q S + P U,      P = (Q K^T) * Gam   (lower triangle, diagonal included)
+    S' = a_C S + (diag(b) K)^T U                     (the state leaving the chunk)
+
+Backward (derived beside ``_chunked_backward``): the adjoint of the state runs the chunks in
+reverse, ``dS = a_C dS' + (diag(a) Q)^T dO - W_k^T (P^T dO + diag(b) K dS')``; everything else is
+again computed for all chunks at once from the states at the chunks' starts, which are all the
+forward keeps (``(L / C) Dk Dv`` numbers per head) beside its inputs.
+
+Also here: ``l2_norm`` (``x / sqrt(sum x^2 + eps)``, the q/k normalisation) and
+``rms_norm_gated`` (``RMSNorm(x) * weight * silu(gate)``), both built on ``rms_norm``'s kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import as_float, check_bool, check_cache, check_grad, check_positive_float, check_size
+from .activation import SiluCache, _silu, _silu_backward
+from .norm import RMSNormCache, _rms_norm, _rms_norm_backward
+
+__all__ = [
+    "gated_delta_rule",
+    "gated_delta_rule_backward",
+    "GatedDeltaRuleCache",
+    "l2_norm",
+    "l2_norm_backward",
+    "rms_norm_gated",
+    "rms_norm_gated_backward",
+]
+
+_QK_EPS = 1e-6  # the eps of transformers' / FLA's l2norm of q and k
+
+
+# ------------------------------------------------------------------------------------- l2_norm
+
+
+class L2NormCache(NamedTuple):
+    norm: RMSNormCache  # rms_norm's cache of x with eps / N
+    root_n: float  # sqrt(N)
+
+
+def l2_norm(x: np.ndarray, eps: float = 1e-6) -> tuple[np.ndarray, L2NormCache]:
+    """``y = x / sqrt(sum(x^2) + eps)`` over the last axis (transformers' ``l2norm``, eps 1e-6).
+
+    Parameters
+    ----------
+    x : ndarray ``(..., N)``
+    eps : float, >= 0
+
+    Returns
+    -------
+    (y, cache)
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a non-float ``x``, a 0-d ``x`` or an empty last axis, a negative or non-finite ``eps``.
+    """
+    x = as_float(x, "x")
+    _check_rows(x, "x")
+    return _l2_norm(x, check_positive_float(eps, "eps", allow_zero=True))
+
+
+def _check_rows(x, name):
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{name}: expected shape (..., N) with N >= 1, got {x.shape}")
+
+
+def _l2_norm(x, eps=1e-6):
+    """``sum(x^2) + eps = N (mean(x^2) + eps / N)``, so ``l2_norm(x) = rms_norm(x, eps / N) / sqrt(N)``."""
+    n = x.shape[-1]
+    y, cache = _rms_norm(x, None, eps / n, normalized_shape=(n,))
+    root_n = math.sqrt(n)
+    y /= root_n
+    return y, L2NormCache(cache, root_n)
+
+
+def l2_norm_backward(dout: np.ndarray, cache: L2NormCache) -> np.ndarray:
+    """``y = rms_norm(x, eps / N) / sqrt(N)``: ``dx = rms_norm_backward(dy / sqrt(N))``, which is
+    ``r (dy - y (y . dy))`` with ``r = (sum x^2 + eps)^(-1/2)`` (the part of dy along y removed).
+
+    Returns
+    -------
+    dx : ndarray
+    """
+    check_cache(cache, L2NormCache, "l2_norm_backward")
+    return _l2_norm_backward(check_grad(dout, cache.norm.xhat.shape, cache.norm.xhat.dtype), cache)
+
+
+def _l2_norm_backward(dout, cache):
+    return _rms_norm_backward(dout / cache.root_n, cache.norm)[0]
+
+
+# ------------------------------------------------------------------------------- rms_norm_gated
+
+
+class RMSNormGatedCache(NamedTuple):
+    normed: np.ndarray  # RMSNorm(x) * weight
+    sig: np.ndarray  # silu(gate)
+    norm: RMSNormCache
+    gate: SiluCache
+
+
+def rms_norm_gated(
+    x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float = 1e-6
+) -> tuple[np.ndarray, RMSNormGatedCache]:
+    """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis (norm, then gate).
+
+    As transformers' ``Qwen3NextRMSNormGated``, which upcasts to float32 for the norm and the
+    gate: here every step runs in x's own dtype (the same numbers for float32 input, more exact
+    ones for float64).
+
+    Parameters
+    ----------
+    x, gate : ndarray ``(..., D)``, the same shape
+    weight : ndarray ``(D,)``
+    eps : float, >= 0 (Qwen3-Next's ``rms_norm_eps``, 1e-6)
+
+    Returns
+    -------
+    (y, cache)
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: non-float arrays, shapes that do not fit, a bad ``eps``.
+    """
+    x = as_float(x, "x")
+    _check_rows(x, "x")
+    gate = as_float(gate, "gate", x.dtype)
+    if gate.shape != x.shape:
+        raise ValueError(f"gate: expected x's shape {x.shape}, got {gate.shape}")
+    weight = as_float(weight, "weight", x.dtype)
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight: expected shape ({x.shape[-1]},) (x's last dimension), got {weight.shape}")
+    return _rms_norm_gated(x, gate, weight, check_positive_float(eps, "eps", allow_zero=True))
+
+
+def _rms_norm_gated(x, gate, weight, eps=1e-6):
+    normed, norm_cache = _rms_norm(x, weight, eps, normalized_shape=x.shape[-1:])
+    sig, gate_cache = _silu(gate)
+    return normed * sig, RMSNormGatedCache(normed, sig, norm_cache, gate_cache)
+
+
+def rms_norm_gated_backward(dout: np.ndarray, cache: RMSNormGatedCache) -> tuple[np.ndarray, ...]:
+    """``y = n * s``, ``n = RMSNorm(x) * weight``, ``s = silu(gate)``: the gradient at n is
+    ``dy * s`` (rms_norm's backward then gives dx and dweight), at s it is ``dy * n`` (silu's
+    backward gives dgate).
+
+    Returns
+    -------
+    (dx, dgate, dweight)
+    """
+    check_cache(cache, RMSNormGatedCache, "rms_norm_gated_backward")
+    return _rms_norm_gated_backward(check_grad(dout, cache.normed.shape, cache.normed.dtype), cache)
+
+
+def _rms_norm_gated_backward(dout, cache):
+    normed, sig, norm_cache, gate_cache = cache
+    dx, dweight = _rms_norm_backward(dout * sig, norm_cache)
+    return dx, _silu_backward(dout * normed, gate_cache), dweight
+
+
+# ----------------------------------------------------------------------------- gated_delta_rule
+
+
+class GatedDeltaRuleCache(NamedTuple):
+    """What ``gated_delta_rule_backward`` needs: the inputs as used and the chunks' start states."""
+
+    q: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm) and scaled
+    k: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm)
+    v: np.ndarray  # (B..., H, L, Dv)
+    g: np.ndarray  # (B..., H, L)
+    beta: np.ndarray  # (B..., H, L)
+    states: np.ndarray  # (B..., H, N, Dk, Dv): the state entering each of the N chunks
+    chunk: int  # C, the chunk length used
+    scale: float
+    q_norm: Optional[L2NormCache]  # with use_qk_l2norm
+    k_norm: Optional[L2NormCache]
+    has_initial_state: bool
+    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) with output_final_state, else None
+
+
+def gated_delta_rule(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[np.ndarray] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> tuple[np.ndarray, GatedDeltaRuleCache]:
+    """The gated delta rule (Qwen3-Next's linear attention), computed chunk by chunk.
+
+    From ``S_0 = initial_state`` (zeros if None), for each step t:
+    ``S = exp(g_t) S``; ``S = S + k_t (beta_t (v_t - k_t^T S))^T``; ``o_t = q_t^T S`` (the
+    recurrence of ``npattn.functional.reference.gated_delta_rule`` and of transformers'
+    ``torch_recurrent_gated_delta_rule``), in chunks of ``chunk_size`` steps (see the module
+    docstring).  Work and memory are linear in ``L``.
+
+    Parameters
+    ----------
+    q, k : ndarray ``(B..., H, L, Dk)``
+    v : ndarray ``(B..., H, L, Dv)``
+    g : ndarray ``(B..., H, L)``
+        Log decays (``<= 0`` in Qwen3-Next: the state is multiplied by ``exp(g_t)``).
+    beta : ndarray ``(B..., H, L)``
+        Write strengths (``sigmoid(b)`` in Qwen3-Next).
+    scale : float > 0, optional
+        Multiplies q (after the normalisation); default ``1 / sqrt(Dk)``.
+    initial_state : ndarray ``(B..., H, Dk, Dv)``, optional
+    output_final_state : bool
+        Keep the final state as ``cache.final_state`` (else it is None).
+    use_qk_l2norm : bool
+        Normalise q and k first: ``x / sqrt(sum(x^2) + 1e-6)`` over ``Dk``.
+    chunk_size : int >= 1
+        Steps per chunk (``min(chunk_size, L)`` is used); any value gives the same numbers.
+
+    Returns
+    -------
+    (out, cache)
+        ``out (B..., H, L, Dv)`` in the inputs' common float dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
+        (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
+    """
+    arrays = [as_float(a, name) for a, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"))]
+    dtype = np.result_type(*arrays)
+    q, k, v, g, beta = (a.astype(dtype, copy=False) for a in arrays)
+    if q.ndim < 3:
+        raise ValueError(f"q: expected shape (..., H, L, Dk), got {q.shape}")
+    lead, steps, dk = q.shape[:-2], q.shape[-2], q.shape[-1]
+    if steps < 1 or dk < 1:
+        raise ValueError(f"q: expected at least 1 step and 1 feature in (..., H, L, Dk), got {q.shape}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected q's shape {q.shape}, got {k.shape}")
+    if v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1] or v.shape[-1] < 1:
+        raise ValueError(f"v: expected shape {q.shape[:-1] + ('Dv',)} with Dv >= 1, got {v.shape}")
+    for a, name in ((g, "g"), (beta, "beta")):
+        if a.shape != q.shape[:-1]:
+            raise ValueError(f"{name}: expected shape {q.shape[:-1]} (q's without Dk), got {a.shape}")
+    scale = 1.0 / math.sqrt(dk) if scale is None else check_positive_float(scale, "scale")
+    if initial_state is not None:
+        initial_state = as_float(initial_state, "initial_state").astype(dtype, copy=False)
+        want = lead + (dk, v.shape[-1])
+        if initial_state.shape != want:
+            raise ValueError(f"initial_state: expected shape {want} (..., H, Dk, Dv), got {initial_state.shape}")
+    output_final_state = check_bool(output_final_state, "output_final_state")
+    use_qk_l2norm = check_bool(use_qk_l2norm, "use_qk_l2norm")
+    chunk_size = check_size(chunk_size, "chunk_size")
+    return _gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+    )
+
+
+def _gated_delta_rule(
+    q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=64
+):
+    """The kernel of ``gated_delta_rule`` (arguments checked, one dtype, ``scale`` resolved)."""
+    q_norm = k_norm = None
+    if use_qk_l2norm:
+        q, q_norm = _l2_norm(q, _QK_EPS)
+        k, k_norm = _l2_norm(k, _QK_EPS)
+        q *= scale  # q is l2_norm's fresh output
+    else:
+        q = q * scale
+    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    chunk = min(chunk_size, steps)
+    terms = _chunk_terms(q, k, v, g, beta, chunk)
+    rows = terms.qa.shape[0]
+    s0 = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
+    states, u, final = _scan(terms, s0)
+    # O = diag(a) Q S + P U, for every chunk at once
+    out = terms.qa @ states + terms.p @ u  # (rows, N, C, Dv)
+    out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
+    n = states.shape[1]
+    return out, GatedDeltaRuleCache(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        states.reshape(lead + (n, dk, dv)),
+        chunk,
+        scale,
+        q_norm,
+        k_norm,
+        initial_state is not None,
+        final.reshape(lead + (dk, dv)) if output_final_state else None,
+    )
+
+
+class _Chunks(NamedTuple):
+    """The state-independent quantities of every chunk (``rows`` = batch x heads, ``N`` chunks)."""
+
+    q: np.ndarray  # (rows, N, C, Dk) scaled q, zero-padded to N * C steps
+    k: np.ndarray  # (rows, N, C, Dk)
+    v: np.ndarray  # (rows, N, C, Dv)
+    beta: np.ndarray  # (rows, N, C)
+    a: np.ndarray  # (rows, N, C) e^{gamma_i}
+    b: np.ndarray  # (rows, N, C) e^{gamma_C - gamma_i}
+    gam: np.ndarray  # (rows, N, C, C) e^{gamma_i - gamma_j} for j <= i, 0 above the diagonal
+    kk: np.ndarray  # (rows, N, C, C) k_i . k_j
+    qk: np.ndarray  # (rows, N, C, C) q_i . k_j
+    t: np.ndarray  # (rows, N, C, C) (I + M)^{-1}, the UT transform
+    p: np.ndarray  # (rows, N, C, C) (Q K^T) * Gam
+    qa: np.ndarray  # (rows, N, C, Dk) diag(a) Q
+    kb: np.ndarray  # (rows, N, C, Dk) diag(b) K
+    wv: np.ndarray  # (rows, N, C, Dv) T diag(beta) V
+    wk: np.ndarray  # (rows, N, C, Dk) T diag(beta a) K
+
+
+def _pad_chunks(x, steps, chunk):
+    """``(B..., L, D)`` -> ``(rows, N, C, D)``, zero-padded at the end to ``N * C`` steps (a padded
+    step has k = v = q = 0, g = beta = 0: it leaves the state as it was and reads nothing out)."""
+    x = x.reshape((-1, steps, x.shape[-1]))
+    n = -(-steps // chunk)
+    if n * chunk != steps:
+        x = np.concatenate([x, np.zeros((x.shape[0], n * chunk - steps, x.shape[-1]), x.dtype)], axis=1)
+    return x.reshape((x.shape[0], n, chunk, x.shape[-1]))
+
+
+def _chunk_terms(q, k, v, g, beta, chunk) -> _Chunks:
+    steps = q.shape[-2]
+    q, k, v = (_pad_chunks(x, steps, chunk) for x in (q, k, v))
+    g, beta = (_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
+    gamma = np.cumsum(g, axis=-1)  # (rows, N, C) log decay from the chunk's start
+    a = np.exp(gamma)
+    b = np.exp(gamma[..., -1:] - gamma)
+    lower = np.tril(np.ones((chunk, chunk), dtype=bool))  # j <= i
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    gam = np.exp(np.where(lower, diff, -np.inf))  # masked before exp: no overflow above the diagonal
+    kt = k.swapaxes(-1, -2)
+    kk = k @ kt
+    qk = q @ kt
+    m = np.tril(beta[..., :, None] * kk * gam, -1)  # M_ij = beta_i Gam_ij k_i.k_j, j < i
+    m[..., np.arange(chunk), np.arange(chunk)] = 1.0  # I + M
+    t = np.linalg.inv(m)  # unit lower triangular, its inverse too
+    return _Chunks(
+        q,
+        k,
+        v,
+        beta,
+        a,
+        b,
+        gam,
+        kk,
+        qk,
+        t,
+        qk * gam,
+        q * a[..., None],
+        k * b[..., None],
+        t @ (v * beta[..., None]),
+        t @ (k * (beta * a)[..., None]),
+    )
+
+
+def _scan(c: _Chunks, s):
+    """The one sequential part: carry the state through the chunks.  Returns the states entering
+    each chunk ``(rows, N, Dk, Dv)``, the deltas ``U (rows, N, C, Dv)`` and the final state."""
+    rows, n = c.q.shape[:2]
+    states = np.empty((rows, n) + s.shape[-2:], s.dtype)
+    u = np.empty(c.v.shape, s.dtype)
+    decay = c.a[..., -1, None, None]  # (rows, N, 1, 1) a_C, the whole chunk's decay
+    kbt = c.kb.swapaxes(-1, -2)
+    for i in range(n):
+        states[:, i] = s
+        u[:, i] = c.wv[:, i] - c.wk[:, i] @ s  # U = W_v - W_k S
+        s = decay[:, i] * s + kbt[:, i] @ u[:, i]  # S' = a_C S + (diag(b) K)^T U
+    return states, u, s
+
+
+def gated_delta_rule_backward(
+    dout: np.ndarray, cache: GatedDeltaRuleCache, dfinal_state: Optional[np.ndarray] = None
+) -> tuple[Optional[np.ndarray], ...]:
+    """Gradients of ``gated_delta_rule``, chunk by chunk (derivation beside ``_chunked_backward``).
+
+    Parameters
+    ----------
+    dout : ndarray ``(B..., H, L, Dv)``
+    cache : GatedDeltaRuleCache
+    dfinal_state : ndarray ``(B..., H, Dk, Dv)``, optional
+        The gradient reaching the final state (e.g. from a later segment); zero if None.
+
+    Returns
+    -------
+    (dq, dk, dv, dg, dbeta, dinitial_state)
+        ``dinitial_state`` is None when the forward had no initial state.
+    """
+    check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_backward")
+    dtype = cache.v.dtype
+    dout = check_grad(dout, cache.v.shape, dtype)
+    if dfinal_state is not None:
+        want = cache.states.shape[:-3] + cache.states.shape[-2:]
+        dfinal_state = check_grad(dfinal_state, want, dtype, "dfinal_state")
+    return _gated_delta_rule_backward(dout, cache, dfinal_state)
+
+
+def _gated_delta_rule_backward(dout, cache, dfinal_state=None):
+    q, k, v, g, beta, states, chunk, scale, q_norm, k_norm, has_initial, _ = cache
+    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    c = _chunk_terms(q, k, v, g, beta, chunk)
+    rows = c.q.shape[0]
+    s = states.reshape((rows,) + states.shape[-3:])
+    dsf = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
+    grads, ds0 = _chunked_backward(c, s, _pad_chunks(dout, steps, chunk), dsf)
+    dq, dk_, dv_, dg, dbeta = (
+        x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
+    )
+    dq *= scale
+    if q_norm is not None:
+        dq, dk_ = _l2_norm_backward(dq, q_norm), _l2_norm_backward(dk_, k_norm)
+    return dq, dk_, dv_, dg, dbeta, (ds0.reshape(lead + (dk, dv)) if has_initial else None)
+
+
+def _chunked_backward(c: _Chunks, s, do, dsf):
+    """Backward of one chunk, for all chunks at once once the state's adjoint is known.
+
+    The chunk computed (``S`` entering, ``S'`` leaving, ``R = diag(beta) V - diag(beta a) K S``):
+
+        U = T R,   O = diag(a) Q S + P U,   S' = a_C S + (diag(b) K)^T U.
+
+    Given ``dO`` and ``dS'``:
+
+        dU = P^T dO + diag(b) K dS'                          (U feeds O and S')
+        dR = T^T dU                                          (U = T R)
+        dS = a_C dS' + (diag(a) Q)^T dO - (diag(beta a) K)^T dR
+           = a_C dS' + (diag(a) Q)^T dO - W_k^T dU           (W_k = T diag(beta a) K)
+
+    the last line is the reverse scan over chunks (``dS'`` of chunk n is ``dS`` of chunk n + 1,
+    ``dfinal_state`` for the last).  Then, with every ``dS'`` known, for all chunks at once:
+
+        from O:   dP = dO U^T (lower);  d(diag(a) Q) = dO S^T;  dGam += dP * (Q K^T)
+                  dQ = diag(a) dO S^T + (dP * Gam) K;  dK += (dP * Gam)^T Q;  da_i = q_i . (dO S^T)_i
+        from S':  d(diag(b) K) = U dS'^T, so dK += diag(b) U dS'^T, db_i = k_i . (U dS'^T)_i;
+                  d a_C = <dS', S>
+        from U = (I + M)^{-1} R:  dM = -dR U^T (strictly lower: M's support), and
+                  M_ij = beta_i Gam_ij (k_i . k_j):  dbeta_i += sum_j dM_ij Gam_ij (k_i . k_j),
+                  dK += (D + D^T) K with D = diag(beta) (dM * Gam),  dGam += dM * beta_i (k_i . k_j)
+        from R:   dV = diag(beta) dR;  dbeta_i += v_i . dR_i - a_i (S^T k_i) . dR_i;
+                  da_i -= beta_i (S^T k_i) . dR_i;  dK -= diag(beta a) dR S^T
+        decays:   a_i = e^{gamma_i}: dgamma_i += a_i da_i;  b_i = e^{gamma_C - gamma_i}:
+                  dgamma_i -= b_i db_i, dgamma_C += sum_i b_i db_i;  dgamma_C += a_C d a_C;
+                  Gam_ij = e^{gamma_i - gamma_j}: with G = dGam * Gam,
+                  dgamma_i += sum_j G_ij, dgamma_j -= sum_i G_ij
+        and gamma = cumsum(g) in the chunk, so dg_j = sum_{i >= j} dgamma_i.
+
+    Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk = dinitial_state)``.
+    """
+    rows, n = c.q.shape[:2]
+    pt_do = c.p.swapaxes(-1, -2) @ do  # (rows, N, C, Dv) P^T dO
+    qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (diag(a) Q)^T dO
+    wkt = c.wk.swapaxes(-1, -2)
+    decay = c.a[..., -1, None, None]
+    ds_end = np.empty(s.shape, s.dtype)  # dS' of each chunk
+    ds = dsf
+    for i in reversed(range(n)):
+        ds_end[:, i] = ds
+        ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
+    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for all chunks
+    du = pt_do + c.kb @ ds_end
+    dr = c.t.swapaxes(-1, -2) @ du
+    st = s.swapaxes(-1, -2)
+    # from O
+    dp = np.tril(do @ u.swapaxes(-1, -2))
+    dqa = do @ st  # (rows, N, C, Dk)
+    dpg = dp * c.gam
+    dq = dqa * c.a[..., None] + dpg @ c.k
+    dk = dpg.swapaxes(-1, -2) @ c.q
+    da = (c.q * dqa).sum(-1)
+    dgam = dp * c.qk
+    # from S'
+    dkb = u @ ds_end.swapaxes(-1, -2)  # (rows, N, C, Dk)
+    dk += dkb * c.b[..., None]
+    db = (c.k * dkb).sum(-1)
+    da_end = (ds_end * s).sum(axis=(-2, -1))  # (rows, N)
+    # from U = (I + M)^{-1} R
+    dm = -np.tril(dr @ u.swapaxes(-1, -2), -1)
+    dmg = dm * c.gam
+    dbeta = (dmg * c.kk).sum(-1)
+    d = dmg * c.beta[..., :, None]
+    dk += (d + d.swapaxes(-1, -2)) @ c.k
+    dgam += dm * c.kk * c.beta[..., :, None]
+    # from R = diag(beta) V - diag(beta a) K S
+    ks = c.k @ s  # (rows, N, C, Dv) S^T k_i as rows
+    ks_dr = (ks * dr).sum(-1)
+    dv = dr * c.beta[..., None]
+    dbeta += (c.v * dr).sum(-1) - c.a * ks_dr
+    da -= c.beta * ks_dr
+    dk -= (dr @ st) * (c.beta * c.a)[..., None]
+    # the decays, then gamma = cumsum(g)
+    gg = dgam * c.gam
+    dgamma = da * c.a - db * c.b + gg.sum(-1) - gg.sum(-2)
+    dgamma[..., -1] += (db * c.b).sum(-1) + da_end * c.a[..., -1]
+    dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1]
+    return (dq, dk, dv, dg, dbeta), ds
