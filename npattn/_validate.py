@@ -154,6 +154,32 @@ def check_grad(dout, shape, dtype, name: str = "dout") -> np.ndarray:
     return g
 
 
+def check_tangents(tangents: tuple, names: tuple, op: str) -> tuple:
+    """The tangents given to ``<op>_jvp``: at most ``len(names)`` of them (missing trailing ones
+    are None, i.e. zero).  Returns a tuple of ``len(names)`` entries; more raise ``TypeError``
+    listing the names expected."""
+    if len(tangents) > len(names):
+        raise TypeError(f"{op}: expected at most {len(names)} tangents ({', '.join(names)}), got {len(tangents)}")
+    return tuple(tangents) + (None,) * (len(names) - len(tangents))
+
+
+def check_tangent(t, name: str, shape, dtype, present: bool = True):
+    """A tangent of a forward's input: None (zero), or a float (or integer) array of exactly the
+    input's ``shape``, cast to the forward's ``dtype``.  bool, complex, string and object arrays
+    raise ``TypeError``; another shape raises ``ValueError``.  ``present=False`` (the forward had
+    no such input, e.g. no bias) accepts only None."""
+    if t is None:
+        return None
+    if not present:
+        raise ValueError(f"{name}: expected None (the forward had no such input), got {type(t).__name__}")
+    g = as_float(t, name)
+    if g.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} (the input's), got {g.shape}")
+    if g.dtype != dtype:
+        g = g.astype(dtype)
+    return g
+
+
 def check_mask(mask, name: str, target_shape) -> np.ndarray:
     """A bool (True = may attend) or float (additive) mask broadcastable to ``target_shape``.
 

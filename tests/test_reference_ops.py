@@ -394,13 +394,16 @@ def test_the_textbook_tier_imports_only_numpy_and_shared_primitives():
     assert modules <= {"__future__", "math", "typing", "numpy", "_erf", "_random"}, modules
 
 
-@pytest.mark.parametrize("name", [n for n in R.__all__ if not n.endswith("_backward")])
+@pytest.mark.parametrize("name", [n for n in R.__all__ if not n.endswith(("_backward", "_jvp"))])
 def test_every_forward_has_its_backward_right_under_it(name):
-    """Textbook layout: ``op_backward`` is defined after ``op`` and before the next public forward."""
+    """Textbook layout: ``op_backward`` is defined after ``op`` and before the next public forward,
+    and ``op_jvp`` (forward mode), where there is one, after the backward."""
     import inspect
 
     lines = {n: inspect.getsourcelines(getattr(R, n))[1] for n in R.__all__}
-    forwards = sorted(lines[n] for n in R.__all__ if not n.endswith("_backward"))
+    forwards = sorted(lines[n] for n in R.__all__ if not n.endswith(("_backward", "_jvp")))
     start = lines[name]
     nxt = min([ln for ln in forwards if ln > start], default=float("inf"))
     assert start < lines[name + "_backward"] < nxt
+    if name + "_jvp" in lines:
+        assert lines[name + "_backward"] < lines[name + "_jvp"] < nxt

@@ -7,66 +7,65 @@ backward sits directly under its forward, its docstring deriving it.
 from .activation import (
     dropout,
     dropout_backward,
+    dropout_jvp,
     gelu,
     gelu_backward,
+    gelu_jvp,
     relu,
     relu_backward,
+    relu_jvp,
     silu,
     silu_backward,
+    silu_jvp,
     softmax,
     softmax_backward,
-)
-from .conv import causal_conv1d, causal_conv1d_backward
-from .delta_rule import (
-    gated_delta_rule,
-    gated_delta_rule_backward,
-    l2_norm,
-    l2_norm_backward,
-    rms_norm_gated,
-    rms_norm_gated_backward,
+    softmax_jvp,
 )
 from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
-from .embedding import embedding, embedding_backward
-from .linear import linear, linear_backward
-from .loss import cross_entropy, cross_entropy_backward
+from .embedding import embedding, embedding_backward, embedding_jvp
+from .linear import linear, linear_backward, linear_jvp
+from .loss import cross_entropy, cross_entropy_backward, cross_entropy_jvp
 from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward
-from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-from .rope import rope, rope_backward
+from .norm import layer_norm, layer_norm_backward, layer_norm_jvp, rms_norm, rms_norm_backward, rms_norm_jvp
+from .rope import rope, rope_backward, rope_jvp
 
 __all__ = [
     "linear",
     "linear_backward",
+    "linear_jvp",
     "embedding",
     "embedding_backward",
+    "embedding_jvp",
     "softmax",
     "softmax_backward",
+    "softmax_jvp",
     "relu",
     "relu_backward",
+    "relu_jvp",
     "gelu",
     "gelu_backward",
+    "gelu_jvp",
     "silu",
     "silu_backward",
+    "silu_jvp",
     "dropout",
     "dropout_backward",
+    "dropout_jvp",
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_jvp",
     "rms_norm",
     "rms_norm_backward",
+    "rms_norm_jvp",
     "rope",
     "rope_backward",
+    "rope_jvp",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "AttentionCache",
     "cross_entropy",
     "cross_entropy_backward",
+    "cross_entropy_jvp",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
-    "gated_delta_rule",
-    "gated_delta_rule_backward",
-    "causal_conv1d",
-    "causal_conv1d_backward",
-    "l2_norm",
-    "l2_norm_backward",
-    "rms_norm_gated",
-    "rms_norm_gated_backward",
 ]

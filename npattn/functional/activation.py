@@ -12,7 +12,17 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, as_rng, check_axis, check_bool, check_cache, check_grad, check_prob
+from .._validate import (
+    as_float,
+    as_rng,
+    check_axis,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_prob,
+    check_tangent,
+    check_tangents,
+)
 from ._erf import erf
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -77,6 +87,41 @@ def _relu_backward(dout, cache, out=None):
     return np.multiply(dout, cache.positive, out=out)
 
 
+def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
+    """Forward mode of ``relu``: ``ty = tx * [x > 0]`` (the derivative 0 at
+    ``x == 0``, as the backward and torch).
+
+    Parameters
+    ----------
+    cache : ReluCache
+        The cache ``relu`` returned.
+    *tangents : ndarray or None
+        ``tx``, of ``x``'s shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, ReluCache, "relu_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "relu_jvp")
+    return _relu_jvp(cache, check_tangent(tx, "tx", cache.positive.shape, cache.dtype))
+
+
+def _relu_jvp(cache, tx=None):
+    """The kernel of ``relu_jvp`` (``tx`` checked, None = zero)."""
+    if tx is None:
+        return np.zeros(cache.positive.shape, cache.dtype)
+    return _relu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+
+
 # ----------------------------------------------------------------------------------------- gelu
 
 
@@ -115,6 +160,41 @@ def _gelu_backward(dout, cache):
     return dout * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
 
 
+def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
+    """Forward mode of ``gelu``: ``ty = gelu'(x) * tx`` (both forms; the
+    derivative as derived in ``gelu_backward``).
+
+    Parameters
+    ----------
+    cache : GeluCache
+        The cache ``gelu`` returned.
+    *tangents : ndarray or None
+        ``tx``, of ``x``'s shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, GeluCache, "gelu_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "gelu_jvp")
+    return _gelu_jvp(cache, check_tangent(tx, "tx", cache.x.shape, cache.x.dtype))
+
+
+def _gelu_jvp(cache, tx=None):
+    """The kernel of ``gelu_jvp`` (``tx`` checked, None = zero)."""
+    if tx is None:
+        return np.zeros(cache.x.shape, cache.x.dtype)
+    return _gelu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+
+
 # ----------------------------------------------------------------------------------------- silu
 
 
@@ -146,6 +226,41 @@ def silu_backward(dout: np.ndarray, cache: SiluCache) -> np.ndarray:
 def _silu_backward(dout, cache):
     x, s = cache
     return dout * (s * (1.0 + x * (1.0 - s)))
+
+
+def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
+    """Forward mode of ``silu``: ``ty = s (1 + x (1 - s)) * tx`` with
+    ``s = sigmoid(x)`` (derived in ``silu_backward``).
+
+    Parameters
+    ----------
+    cache : SiluCache
+        The cache ``silu`` returned.
+    *tangents : ndarray or None
+        ``tx``, of ``x``'s shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, SiluCache, "silu_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "silu_jvp")
+    return _silu_jvp(cache, check_tangent(tx, "tx", cache.x.shape, cache.x.dtype))
+
+
+def _silu_jvp(cache, tx=None):
+    """The kernel of ``silu_jvp`` (``tx`` checked, None = zero)."""
+    if tx is None:
+        return np.zeros(cache.x.shape, cache.x.dtype)
+    return _silu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 # -------------------------------------------------------------------------------------- softmax
@@ -192,6 +307,43 @@ def _softmax_backward(dout, cache):
     return y * (dout - (dout * y).sum(axis=axis, keepdims=True))  # axis None (0-d): dy - dy = 0
 
 
+def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
+    """Forward mode of ``softmax``: with ``dy_i/dx_j = y_i (delta_ij - y_j)``,
+    ``ty = y * (tx - sum(y * tx))`` along the axis (the Jacobian is symmetric, so this is also
+    the backward's formula).  A slice of all ``-inf`` has ``y = 0``, hence ``ty = 0``; a 0-d input
+    gives 0.
+
+    Parameters
+    ----------
+    cache : SoftmaxCache
+        The cache ``softmax`` returned.
+    *tangents : ndarray or None
+        ``tx``, of ``x``'s shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, SoftmaxCache, "softmax_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "softmax_jvp")
+    return _softmax_jvp(cache, check_tangent(tx, "tx", cache.y.shape, cache.y.dtype))
+
+
+def _softmax_jvp(cache, tx=None):
+    """The kernel of ``softmax_jvp`` (``tx`` checked, None = zero)."""
+    if tx is None:
+        return np.zeros(cache.y.shape, cache.y.dtype)
+    return _softmax_backward(tx, cache)  # J = diag(y) - y y^T is symmetric: J v = J^T v
+
+
 # -------------------------------------------------------------------------------------- dropout
 
 
@@ -233,3 +385,38 @@ def _dropout_backward(dout, cache):
     if cache.keep is None:
         return dout.copy()
     return dout * cache.keep * cache.scale
+
+
+def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
+    """Forward mode of ``dropout``: ``y = x * keep * s`` is linear in ``x``, so
+    ``ty = tx * keep * s`` with the forward's own mask (the identity in eval mode or with ``p = 0``).
+
+    Parameters
+    ----------
+    cache : DropoutCache
+        The cache ``dropout`` returned.
+    *tangents : ndarray or None
+        ``tx``, of ``x``'s shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, DropoutCache, "dropout_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "dropout_jvp")
+    return _dropout_jvp(cache, check_tangent(tx, "tx", cache.shape, cache.dtype))
+
+
+def _dropout_jvp(cache, tx=None):
+    """The kernel of ``dropout_jvp`` (``tx`` checked, None = zero)."""
+    if tx is None:
+        return np.zeros(cache.shape, cache.dtype)
+    return _dropout_backward(tx, cache)  # diagonal and linear: the same mask both ways

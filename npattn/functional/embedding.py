@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, as_index, check_bool, check_cache, check_grad
+from .._validate import as_float, as_index, check_bool, check_cache, check_grad, check_tangent, check_tangents
 
 _RENORM_EPS = 1e-7  # torch's embedding_renorm_: scale = max_norm / (norm + 1e-7)
 
@@ -124,3 +124,45 @@ def _embedding_backward(dout, cache):
     if padding_idx is not None:
         dweight[padding_idx] = 0
     return dweight
+
+
+def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
+    """Forward mode of ``embedding``: the lookup is linear in ``weight``, so ``tout = tweight[ids]``.
+
+    This is the directional derivative of the lookup, as ``torch.func.jvp`` gives it: the options
+    that change only torch's backward (``padding_idx``: no gradient for that row;
+    ``scale_grad_by_freq``: gradients divided by counts) do not enter it, and ``max_norm``'s
+    renormalisation is, as in the backward and in torch, a change of the weight made before the
+    lookup and not differentiated (the tangent row is not rescaled).  So ``<u, J v> = <J^T u, v>``
+    with ``embedding_backward`` holds without ``padding_idx`` and ``scale_grad_by_freq``.
+    ``ids`` are integers: they have no tangent.
+
+    Parameters
+    ----------
+    cache : EmbeddingCache
+        The cache ``embedding`` returned.
+    *tangents : ndarray or None
+        ``tweight``, of ``weight``'s shape ``(num_embeddings, embedding_dim)`` (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``tout``, of the output's shape ``(*ids.shape, embedding_dim)`` and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, EmbeddingCache, "embedding_jvp")
+    (tw,) = check_tangents(tangents, ("tweight",), "embedding_jvp")
+    return _embedding_jvp(cache, check_tangent(tw, "tweight", cache.weight_shape, cache.dtype))
+
+
+def _embedding_jvp(cache, tweight=None):
+    """The kernel of ``embedding_jvp`` (``tweight`` checked, None = zero)."""
+    if tweight is None:
+        return np.zeros(cache.ids.shape + (cache.weight_shape[1],), cache.dtype)
+    return tweight[cache.ids]

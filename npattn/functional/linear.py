@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, check_cache, check_grad, check_ndim
+from .._validate import as_float, check_cache, check_grad, check_ndim, check_tangent, check_tangents
 
 
 class LinearCache(NamedTuple):
@@ -69,3 +69,54 @@ def _linear_backward(dout, cache, dx_out=None):
     dweight = dy2.T @ x.reshape(n, x.shape[-1])
     dbias = np.ones(n, dout.dtype) @ dy2 if has_bias else None  # the column sums: one BLAS matrix-vector product
     return dx, dweight, dbias
+
+
+def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
+    """Forward mode of ``linear``: the tangent of ``y = x W^T + b`` along ``(tx, tweight, tbias)``.
+
+    ``y`` is bilinear in ``(x, W)`` and affine in ``b``, so its directional derivative is
+
+        ty = tx W^T + x tW^T + tb
+
+    (the product rule; a term whose tangent is None, i.e. zero, is skipped).  ``tangents`` come in
+    the order ``linear_backward`` returns gradients, ``(tx, tweight, tbias)``, each of its input's
+    shape or None; missing trailing ones are None; ``tbias`` must be None when the forward had no
+    bias.
+
+    Parameters
+    ----------
+    cache : LinearCache
+        The cache ``linear`` returned.
+    *tangents : ndarray or None
+        ``tx (..., in)``, ``tweight (out, in)``, ``tbias (out,)``.
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than three tangents, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape, or ``tbias`` without a bias in the forward.
+    """
+    check_cache(cache, LinearCache, "linear_jvp")
+    x, weight, has_bias = cache
+    tx, tw, tb = check_tangents(tangents, ("tx", "tweight", "tbias"), "linear_jvp")
+    tx = check_tangent(tx, "tx", x.shape, x.dtype)
+    tw = check_tangent(tw, "tweight", weight.shape, x.dtype)
+    tb = check_tangent(tb, "tbias", (weight.shape[0],), x.dtype, present=has_bias)
+    return _linear_jvp(cache, tx, tw, tb)
+
+
+def _linear_jvp(cache, tx=None, tweight=None, tbias=None):
+    """The kernel of ``linear_jvp`` (tangents checked, None = zero)."""
+    x, weight, _ = cache
+    ty = _linear(tx, weight)[0] if tx is not None else np.zeros(x.shape[:-1] + (weight.shape[0],), x.dtype)
+    if tweight is not None:
+        ty += _linear(x, tweight)[0]  # x tW^T
+    if tbias is not None:
+        ty += tbias
+    return ty

@@ -8,7 +8,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, check_cache, check_grad, check_ndim, check_prob, to_numpy
+from .._validate import (
+    as_float,
+    check_cache,
+    check_grad,
+    check_ndim,
+    check_prob,
+    check_tangent,
+    check_tangents,
+    to_numpy,
+)
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -185,3 +194,49 @@ def _cross_entropy_backward(dout, cache):
     else:
         dx *= (dout / denom) if denom else 0.0
     return dx
+
+
+def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
+    """Forward mode of ``cross_entropy`` along ``tlogits``.
+
+    Each element's loss ``-sum_j q_j logp_j`` is a scalar function of its logits ``z`` with
+    gradient ``G = sum(q) softmax(z) - q`` (``cross_entropy_backward``, where the target vector ``q``
+    carries the class weights, label smoothing and ignored elements), so its tangent is
+    ``G . tz``; the reduction then acts on these tangents as on the losses: ``"none"`` keeps one per
+    element, ``"sum"`` adds them, ``"mean"`` divides the sum by the same denominator (0 when
+    nothing was counted, as the loss).  Targets, class ids or probabilities, are data: no tangent.
+
+    Parameters
+    ----------
+    cache : CrossEntropyCache
+        The cache ``cross_entropy`` returned.
+    *tangents : ndarray or None
+        ``tlogits``, of ``logits``' shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        The loss's tangent: 0-d for ``"mean"``/``"sum"``, ``logits.shape[:-1]`` for ``"none"``.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, CrossEntropyCache, "cross_entropy_jvp")
+    (tz,) = check_tangents(tangents, ("tlogits",), "cross_entropy_jvp")
+    return _cross_entropy_jvp(cache, check_tangent(tz, "tlogits", cache.logp.shape, cache.logp.dtype))
+
+
+def _cross_entropy_jvp(cache, tlogits=None):
+    """The kernel of ``cross_entropy_jvp`` (``tlogits`` checked, None = zero)."""
+    shape = cache.logp.shape[:-1] if cache.reduction == "none" else ()
+    if tlogits is None:
+        return np.zeros(shape, cache.logp.dtype)
+    # the backward with dout = 1 per element (or for the reduced loss): each element's gradient,
+    # already divided by the mean's denominator; its dot product with tz is the loss's tangent
+    g = _cross_entropy_backward(np.ones(shape, cache.logp.dtype), cache)
+    t = np.einsum("...c,...c->...", g, tlogits)
+    return t if cache.reduction == "none" else np.asarray(t.sum(), dtype=cache.logp.dtype)

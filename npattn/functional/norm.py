@@ -12,7 +12,16 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_cache, check_grad, check_ndim, check_normalized_shape, check_positive_float
+from .._validate import (
+    as_float,
+    check_cache,
+    check_grad,
+    check_ndim,
+    check_normalized_shape,
+    check_positive_float,
+    check_tangent,
+    check_tangents,
+)
 
 
 class LayerNormCache(NamedTuple):
@@ -167,6 +176,72 @@ def _norm_backward(dout, xhat, rstd, weight, k, *, centred, has_bias=False):
     return dx.reshape(xhat.shape), dweight, dbias
 
 
+def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
+    """Forward mode of ``layer_norm``: the tangent of ``y = xhat * w + b`` along ``(tx, tweight, tbias)``.
+
+    With ``xhat = (x - mu) r``, ``r = (var + eps)^(-1/2)`` over the ``N`` normalised values:
+    ``tmu = mean(tx)``; ``tvar = 2 mean((x - mu)(tx - tmu)) = 2 mean((x - mu) tx)`` (``x - mu`` has
+    mean 0); ``tr = -r^3 tvar / 2 = -r^2 mean(xhat tx)``; so
+    ``txhat = r (tx - tmu) + (x - mu) tr = r (tx - mean(tx) - xhat mean(xhat tx))`` (the same
+    symmetric operator as the backward's), and by the product rule
+
+        ty = txhat * w + xhat * tw + tb.
+
+    A slice normalised to 0 because ``eps = 0`` and its variance is 0 (``r = 0``) gets ``txhat = 0``.
+
+    Parameters
+    ----------
+    cache : LayerNormCache
+        The cache ``layer_norm`` returned.
+    *tangents : ndarray or None
+        ``tx`` (``x``'s shape), ``tweight``, ``tbias`` (``normalized_shape``), in the order
+        ``layer_norm_backward`` returns gradients; None (or omitted at the end) is zero;
+        ``tweight``/``tbias`` must be None when the forward had no weight/bias.
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than three tangents, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape, or one for an input the forward did not have.
+    """
+    check_cache(cache, LayerNormCache, "layer_norm_jvp")
+    tx, tw, tb = check_tangents(tangents, ("tx", "tweight", "tbias"), "layer_norm_jvp")
+    xhat, _, weight, has_bias, k = cache
+    ns = xhat.shape[xhat.ndim - k :]
+    tx = check_tangent(tx, "tx", xhat.shape, xhat.dtype)
+    tw = check_tangent(tw, "tweight", ns, xhat.dtype, present=weight is not None)
+    tb = check_tangent(tb, "tbias", ns, xhat.dtype, present=has_bias)
+    return _layer_norm_jvp(cache, tx, tw, tb)
+
+
+def _layer_norm_jvp(cache, tx=None, tweight=None, tbias=None):
+    """The kernel of ``layer_norm_jvp`` (tangents checked, None = zero)."""
+    xhat, rstd, weight, _, k = cache
+    return _norm_jvp(xhat, rstd, weight, k, tx, tweight, tbias, centred=True)
+
+
+def _norm_jvp(xhat, rstd, weight, k, tx, tweight, tbias, *, centred):
+    """``ty = txhat * w + xhat * tw + tb`` with ``txhat = r (tx - [mean(tx)] - xhat mean(xhat tx))``
+    (``mean(tx)`` for layer norm only, ``centred``); shared by both norms' JVP kernels."""
+    if tx is not None:
+        ty = _norm_backward(tx, xhat, rstd, None, k, centred=centred)[0]  # txhat: the operator is symmetric
+        if weight is not None:
+            ty *= weight
+    else:
+        ty = np.zeros(xhat.shape, xhat.dtype)
+    if tweight is not None:
+        ty += xhat * tweight
+    if tbias is not None:
+        ty += tbias
+    return ty
+
+
 # -------------------------------------------------------------------------------------- rms_norm
 
 
@@ -217,3 +292,43 @@ def _rms_norm_backward(dout, cache):
     xhat, rstd, weight, k = cache
     dx, dweight, _ = _norm_backward(dout, xhat, rstd, weight, k, centred=False)
     return dx, dweight
+
+
+def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
+    """Forward mode of ``rms_norm``: the tangent of ``y = xhat * w`` along ``(tx, tweight)``.
+
+    With ``xhat = x r``, ``r = (mean(x^2) + eps)^(-1/2)``: ``tr = -r^3 mean(x tx) = -r^2 mean(xhat tx)``,
+    so ``txhat = r tx + x tr = r (tx - xhat mean(xhat tx))`` and ``ty = txhat * w + xhat * tw``.
+
+    Parameters
+    ----------
+    cache : RMSNormCache
+        The cache ``rms_norm`` returned.
+    *tangents : ndarray or None
+        ``tx`` (``x``'s shape) and ``tweight`` (``normalized_shape``; None without a weight in the
+        forward), in the order ``rms_norm_backward`` returns gradients; None (or omitted) is zero.
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than two tangents, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape, or ``tweight`` when the forward had no weight.
+    """
+    check_cache(cache, RMSNormCache, "rms_norm_jvp")
+    tx, tw = check_tangents(tangents, ("tx", "tweight"), "rms_norm_jvp")
+    xhat, _, weight, k = cache
+    tx = check_tangent(tx, "tx", xhat.shape, xhat.dtype)
+    tw = check_tangent(tw, "tweight", xhat.shape[xhat.ndim - k :], xhat.dtype, present=weight is not None)
+    return _rms_norm_jvp(cache, tx, tw)
+
+
+def _rms_norm_jvp(cache, tx=None, tweight=None):
+    """The kernel of ``rms_norm_jvp`` (tangents checked, None = zero)."""
+    xhat, rstd, weight, k = cache
+    return _norm_jvp(xhat, rstd, weight, k, tx, tweight, None, centred=False)

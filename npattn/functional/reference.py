@@ -11,6 +11,12 @@ width, ``Ev`` the value width, ``C`` classes, ``D`` features.
 
 Read this file to learn; call ``npattn.functional`` to compute (it validates its inputs and is
 several times faster).  A cache is a plain tuple or ``NamedTuple`` of what the backward needs.
+
+Forward mode: each pair also has ``<op>_jvp(cache, *tangents)``, under its backward, deriving the
+tangent of the output step by step along the forward.  Tangents come in the order the backward
+returns gradients; ``None`` (or a trailing one left out) is zero.  When every tangent is None
+and the cache does not record the output's shape (``rope``, ``dropout`` in eval mode), the
+result is None.
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ def _sum_to(x, shape):
     and the axes that were 1).  The gradient of an input that was broadcast is this sum."""
     x = x.sum(axis=tuple(range(x.ndim - len(shape))))
     return x.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1), keepdims=True)
+
+
+def _padded(tangents, n):
+    """The ``n`` tangents of a ``_jvp``, in the backward's order: the ones left out at the end are
+    None (zero)."""
+    return tuple(tangents) + (None,) * (n - len(tangents))
 
 
 # == Attention ======================================================================================
@@ -362,6 +374,23 @@ def linear_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[A
     return dx, dweight, dbias
 
 
+def linear_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """Forward mode: the tangent of ``y`` when ``(x, W, b)`` move along ``(tx, tW, tb)`` (None: not at all).
+
+    ``y = x W^T + b`` is a product of ``x`` and ``W`` plus ``b``; the product rule gives
+    ``ty = tx W^T + x tW^T + tb``."""
+    tx, tweight, tbias = _padded(tangents, 3)
+    x, weight, _ = cache
+    ty = np.zeros(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)  # (B..., out)
+    if tx is not None:
+        ty = ty + tx @ weight.T  # x moves, W fixed
+    if tweight is not None:
+        ty = ty + x @ tweight.T  # W moves, x fixed
+    if tbias is not None:
+        ty = ty + tbias
+    return ty
+
+
 def embedding(
     ids: Array,
     weight: Array,
@@ -403,6 +432,16 @@ def embedding_backward(dout: Array, cache: tuple) -> Array:
     return dweight
 
 
+def embedding_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """The lookup is linear in ``W``: moving ``W`` along ``tW`` moves each looked-up row along the
+    same row of ``tW``, so ``tout = tW[ids]``.  (``padding_idx`` and ``scale_grad_by_freq`` change
+    only torch's backward, not the derivative; ``max_norm``'s rescaling is not differentiated,
+    as in the backward and in torch.)  ``ids`` are integers: no tangent."""
+    (tweight,) = _padded(tangents, 1)
+    ids, wshape, _, _ = cache
+    return np.zeros(ids.shape + (wshape[1],)) if tweight is None else tweight[ids]
+
+
 # == Nonlinearities =================================================================================
 
 
@@ -425,6 +464,19 @@ def softmax_backward(dout: Array, cache: tuple) -> Array:
     return (y * (dy - (dy * y).sum(axis=axis, keepdims=True))).reshape(np.shape(dout))
 
 
+def softmax_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """With ``dy_i/dx_j = y_i (delta_ij - y_j)``, the tangent is
+    ``ty_i = sum_j y_i (delta_ij - y_j) tx_j = y_i (tx_i - sum_j y_j tx_j)``:
+    ``dP = P * (dS - rowsum(P * dS))`` in attention's names.  (The Jacobian is symmetric: the
+    backward's formula with ``tx`` for ``dout``.)"""
+    (tx,) = _padded(tangents, 1)
+    y, axis = cache
+    if tx is None:
+        return np.zeros_like(y)
+    t = np.reshape(tx, y.shape)
+    return (y * (t - (y * t).sum(axis=axis, keepdims=True))).reshape(np.shape(tx))
+
+
 def relu(x: Array) -> Tuple[Array, Array]:
     """``y = max(x, 0)``."""
     return np.maximum(x, 0), x
@@ -434,6 +486,12 @@ def relu_backward(dout: Array, cache: Array) -> Array:
     """``dy/dx`` is 1 where ``x > 0`` and 0 elsewhere (0 at ``x = 0``, as torch).
     (notebooks/05_encoder_block_and_training.ipynb, section "The feed-forward network".)"""
     return dout * (cache > 0)
+
+
+def relu_jvp(cache: Array, *tangents: Optional[Array]) -> Array:
+    """Elementwise: ``ty = [x > 0] tx`` (the derivative 0 at ``x = 0``, as the backward)."""
+    (tx,) = _padded(tangents, 1)
+    return np.zeros(np.shape(cache), np.asarray(cache).dtype) if tx is None else tx * (cache > 0)
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -459,6 +517,14 @@ def gelu_backward(dout: Array, cache: tuple) -> Array:
     return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x))
 
 
+def gelu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """Elementwise, so the Jacobian is the diagonal ``dy/dx`` derived in ``gelu_backward`` (both
+    forms), and ``J tx = J^T tx``: the backward's formula with ``tx`` for ``dout``."""
+    (tx,) = _padded(tangents, 1)
+    x, _ = cache
+    return np.zeros(x.shape, x.dtype) if tx is None else gelu_backward(tx, cache)
+
+
 def silu(x: Array) -> Tuple[Array, tuple]:
     """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows)."""
     s = 0.5 * (1.0 + np.tanh(0.5 * x))
@@ -470,6 +536,13 @@ def silu_backward(dout: Array, cache: tuple) -> Array:
     (notebooks/08_modern_attention.ipynb, SwiGLU.)"""
     x, s = cache
     return dout * s * (1.0 + x * (1.0 - s))
+
+
+def silu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """Elementwise: ``ty = s (1 + x (1 - s)) tx``, the derivative of ``silu_backward``."""
+    (tx,) = _padded(tangents, 1)
+    x, s = cache
+    return np.zeros(x.shape, x.dtype) if tx is None else tx * s * (1.0 + x * (1.0 - s))
 
 
 def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
@@ -488,6 +561,16 @@ def dropout_backward(dout: Array, cache: tuple) -> Array:
     (notebooks/02_masks_and_dropout.ipynb, section "Dropout on the attention weights".)"""
     keep, scale = cache
     return np.array(dout, copy=True) if keep is None else dout * keep * scale
+
+
+def dropout_jvp(cache: tuple, *tangents: Optional[Array]) -> Optional[Array]:
+    """``y = x * keep / (1 - p)`` is linear in ``x`` with the forward's own mask, so
+    ``ty = tx * keep / (1 - p)`` (the identity when the forward was)."""
+    (tx,) = _padded(tangents, 1)
+    keep, scale = cache
+    if tx is None:
+        return None if keep is None else np.zeros(keep.shape)
+    return np.array(tx, copy=True) if keep is None else tx * keep * scale
 
 
 # == Normalisation ==================================================================================
@@ -545,6 +628,33 @@ def layer_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Arra
     return dx, dweight, dbias
 
 
+def layer_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """Forward mode: the tangent of ``y = xhat * w + b`` along ``(tx, tw, tb)``.
+
+    Differentiate each step of the forward along ``tx`` (means over the normalised axes):
+
+        mu = mean(x)                       tmu = mean(tx)
+        var = mean((x - mu)^2)             tvar = 2 mean((x - mu)(tx - tmu)) = 2 mean((x - mu) tx)
+                                                  (x - mu has mean 0, so the tmu term vanishes)
+        r = (var + eps)^(-1/2)             tr = -r^3 tvar / 2 = -r^2 mean(xhat tx)
+        xhat = (x - mu) r                  txhat = (tx - tmu) r + (x - mu) tr
+                                                 = r (tx - mean(tx) - xhat mean(xhat tx))
+        y = xhat w + b                     ty = txhat w + xhat tw + tb
+
+    (``txhat`` is the backward's ``dx`` formula with ``g = tx``: that linear map is symmetric.)"""
+    tx, tweight, tbias = _padded(tangents, 3)
+    xhat, rstd, weight, _, axes = cache
+    ty = np.zeros_like(xhat)
+    if tx is not None:
+        txhat = rstd * (tx - tx.mean(axis=axes, keepdims=True) - xhat * (xhat * tx).mean(axis=axes, keepdims=True))
+        ty = ty + (txhat if weight is None else txhat * weight)
+    if tweight is not None:
+        ty = ty + xhat * tweight
+    if tbias is not None:
+        ty = ty + tbias
+    return ty
+
+
 def rms_norm(
     x: Array,
     weight: Optional[Array] = None,
@@ -571,6 +681,21 @@ def rms_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Array]
     dweight = (dout * xhat).sum(axis=tuple(range(dout.ndim - len(axes)))) if weight is not None else None
     g = dout if weight is None else dout * weight
     return rstd * (g - xhat * (g * xhat).mean(axis=axes, keepdims=True)), dweight
+
+
+def rms_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """As layer norm's without the mean: ``r = (mean(x^2) + eps)^(-1/2)``,
+    ``tr = -r^3 mean(x tx) = -r^2 mean(xhat tx)``, ``xhat = x r``, so
+    ``txhat = tx r + x tr = r (tx - xhat mean(xhat tx))`` and ``ty = txhat w + xhat tw``."""
+    tx, tweight = _padded(tangents, 2)
+    xhat, rstd, weight, axes = cache
+    ty = np.zeros_like(xhat)
+    if tx is not None:
+        txhat = rstd * (tx - xhat * (xhat * tx).mean(axis=axes, keepdims=True))
+        ty = ty + (txhat if weight is None else txhat * weight)
+    if tweight is not None:
+        ty = ty + xhat * tweight
+    return ty
 
 
 # == Loss ===========================================================================================
@@ -631,6 +756,20 @@ def cross_entropy_backward(dout: Array, cache: tuple) -> Array:
     return drow * (np.exp(logp) * t.sum(axis=-1, keepdims=True) - t)
 
 
+def cross_entropy_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """A row's loss ``-sum_c t_c logp_c`` moves, when the logits move along ``tz``, by
+    ``-sum_c t_c tlogp_c`` with ``tlogp_c = tz_c - sum_k softmax_k tz_k`` (the tangent of
+    ``z_c - log sum_k e^{z_k}``), i.e. by ``sum_j (softmax_j sum_c t_c - t_j) tz_j``: the row's
+    gradient dotted with ``tz``.  The reduction acts on the rows' tangents as on the rows
+    (``"mean"``: the sum times the same ``1 / denominator``).  Targets have no tangent."""
+    (tlogits,) = _padded(tangents, 1)
+    logp, t, reduction, scale = cache
+    if tlogits is None:
+        tlogits = np.zeros_like(logp)
+    rows = ((np.exp(logp) * t.sum(axis=-1, keepdims=True) - t) * tlogits).sum(axis=-1)  # (...,)
+    return rows if reduction == "none" else np.asarray(rows.sum() * scale, dtype=logp.dtype)
+
+
 # == Rotary position embedding =====================================================================
 
 
@@ -667,248 +806,55 @@ def rope_backward(dout: Array, cache: tuple) -> Array:
     return _pairs(da * cos + db * sin, -da * sin + db * cos, interleaved)
 
 
+def rope_jvp(cache: tuple, *tangents: Optional[Array]) -> Optional[Array]:
+    """The rotation of each pair depends on the position only, so ``y`` is linear in ``x`` and the
+    tangent is rotated as ``x`` was: ``(ta, tb) -> (ta cos - tb sin, ta sin + tb cos)``."""
+    (tx,) = _padded(tangents, 1)
+    cos, sin, interleaved = cache
+    if tx is None:
+        return None
+    r = 2 * cos.shape[-1]  # the features that rotate (all of them unless partial); the rest pass through
+    tr, tp = tx[..., :r], tx[..., r:]
+    ta, tb = (tr[..., 0::2], tr[..., 1::2]) if interleaved else (tr[..., : r // 2], tr[..., r // 2 :])
+    return np.concatenate([_pairs(ta * cos - tb * sin, ta * sin + tb * cos, interleaved), tp], axis=-1)
+
+
 __all__ = [
     "linear",
     "linear_backward",
+    "linear_jvp",
     "embedding",
     "embedding_backward",
+    "embedding_jvp",
     "softmax",
     "softmax_backward",
+    "softmax_jvp",
     "relu",
     "relu_backward",
+    "relu_jvp",
     "gelu",
     "gelu_backward",
+    "gelu_jvp",
     "silu",
     "silu_backward",
+    "silu_jvp",
     "dropout",
     "dropout_backward",
+    "dropout_jvp",
     "layer_norm",
     "layer_norm_backward",
+    "layer_norm_jvp",
     "rms_norm",
     "rms_norm_backward",
+    "rms_norm_jvp",
     "cross_entropy",
     "cross_entropy_backward",
+    "cross_entropy_jvp",
     "rope",
     "rope_backward",
+    "rope_jvp",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
-]
-
-
-# == Gated DeltaNet: the delta rule, its short convolution and its norms ===========================
-# Qwen3-Next's linear-attention layer (transformers' ``Qwen3NextGatedDeltaNet``): a short causal
-# depthwise convolution over the projected q, k, v; L2-normalised q and k; the gated delta rule, a
-# linear attention whose state ``S (Dk, Dv)`` is a fast-weight memory corrected by the delta rule;
-# a gated RMSNorm on the way out.  Shapes: ``H`` heads, ``L`` steps, ``Dk``/``Dv`` key/value width,
-# ``C`` channels, ``K`` the convolution's taps.
-
-
-class GatedDeltaRuleCache(NamedTuple):
-    """What ``gated_delta_rule_backward`` needs (textbook: every state ``S_0 .. S_{L-1}``)."""
-
-    q: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm) and scaled
-    k: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm)
-    v: np.ndarray  # (B..., H, L, Dv)
-    g: np.ndarray  # (B..., H, L) log decays
-    beta: np.ndarray  # (B..., H, L) write strengths
-    states: np.ndarray  # (B..., H, L, Dk, Dv) S_{t-1}, the state each step starts from
-    scale: float
-    q_norm: Optional[tuple]  # l2_norm's caches of q and k with use_qk_l2norm, else None
-    k_norm: Optional[tuple]
-    has_initial_state: bool
-    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) S_L with output_final_state, else None
-
-
-def gated_delta_rule(
-    q: Array,
-    k: Array,
-    v: Array,
-    g: Array,
-    beta: Array,
-    *,
-    scale: Optional[float] = None,
-    initial_state: Optional[Array] = None,
-    output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-) -> Tuple[Array, GatedDeltaRuleCache]:
-    """The gated delta rule, one step at a time (transformers' ``torch_recurrent_gated_delta_rule``).
-
-    ``q, k (B..., H, L, Dk)``, ``v (B..., H, L, Dv)``, ``g, beta (B..., H, L)``.  With
-    ``use_qk_l2norm`` q and k first become ``x / sqrt(sum x^2 + 1e-6)``; q is multiplied by
-    ``scale`` (default ``1/sqrt(Dk)``).  From ``S_0 = initial_state`` (zeros if None), each step:
-
-        S <- exp(g_t) S                       the old memory decays (g_t <= 0 in Qwen3-Next)
-        u_t = beta_t (v_t - S^T k_t)          the delta: what the memory got wrong about v_t, scaled
-        S <- S + k_t u_t^T                    write the correction under key k_t
-        o_t = S^T q_t
-
-    (a step of online regression: ``S <- S - beta_t k_t (k_t^T S - v_t^T)`` is one gradient
-    step on ``||S^T k_t - v_t||^2 / 2`` with learning rate beta_t).  Returns ``(o (B..., H, L, Dv),
-    cache)``; ``cache.final_state`` is ``S_L`` when ``output_final_state``.
-    """
-    q_norm = k_norm = None
-    if use_qk_l2norm:
-        q, q_norm = l2_norm(q, 1e-6)
-        k, k_norm = l2_norm(k, 1e-6)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * scale
-    lead, steps = q.shape[:-2], q.shape[-2]
-    S = np.zeros(lead + (k.shape[-1], v.shape[-1]), q.dtype) if initial_state is None else initial_state
-    out = np.zeros(v.shape, q.dtype)
-    states = np.zeros(lead + (steps,) + S.shape[-2:], q.dtype)
-    for t in range(steps):
-        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
-        kt, vt, qt = k[..., t, :], v[..., t, :], q[..., t, :]  # (B..., H, Dk), (B..., H, Dv)
-        S = np.exp(g[..., t])[..., None, None] * S  # decay
-        u = beta[..., t, None] * (vt - np.einsum("...kv,...k->...v", S, kt))  # the delta, (B..., H, Dv)
-        S = S + kt[..., :, None] * u[..., None, :]  # rank-1 write k_t u_t^T
-        out[..., t, :] = np.einsum("...kv,...k->...v", S, qt)  # read with q_t
-    final = S if output_final_state else None
-    return out, GatedDeltaRuleCache(q, k, v, g, beta, states, scale, q_norm, k_norm, initial_state is not None, final)
-
-
-def gated_delta_rule_backward(
-    dout: Array, cache: GatedDeltaRuleCache, dfinal_state: Optional[Array] = None
-) -> Tuple[Array, Array, Array, Array, Array, Optional[Array]]:
-    """Backpropagation through time, with ``dS`` the adjoint of the state.
-
-    Step t, starting from ``P = S_{t-1}``, computed ``A = e^{g_t} P``, ``u = beta_t (v_t - A^T k_t)``,
-    ``S_t = A + k_t u^T`` and ``o_t = S_t^T q_t``.  Later steps see ``S_t`` only, so everything
-    after step t reaches step t through one matrix ``dS = dL/dS_t`` (``dfinal_state`` at t = L,
-    else 0), and walking t = L .. 1 backwards:
-
-        o_t = S_t^T q_t:          dS += q_t do_t^T;          dq_t = S_t do_t
-        S_t = A + k_t u^T:        dA  = dS;                  dk_t = dS u;  du = dS^T k_t
-        u = beta_t (v_t - A^T k_t), with delta = v_t - A^T k_t (so u = beta_t delta):
-                                  dbeta_t = du . delta;      dv_t = beta_t du
-                                  dA -= k_t (beta_t du)^T;   dk_t -= A (beta_t du)
-        A = e^{g_t} P:            dg_t = e^{g_t} <dA, P> = <dA, A>;   dS_{t-1} = e^{g_t} dA
-
-    so ``dS_{t-1} = e^{g_t} (I - beta_t k_t k_t^T) (dS_t + q_t do_t^T)``: the adjoint runs the
-    same (transposed) decay-and-erase map in reverse time, and ``dinitial_state = dS_0``.
-    Then the chain rule through ``q = scale * l2(q_in)`` and ``k = l2(k_in)``.
-    Returns ``(dq, dk, dv, dg, dbeta, dinitial_state)``, the last None without an initial state.
-    """
-    q, k, v, g, beta, states, scale, q_norm, k_norm, has_initial, _ = cache
-    steps = q.shape[-2]
-    dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
-    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
-    dg, dbeta = np.zeros(g.shape, q.dtype), np.zeros(beta.shape, q.dtype)
-    for t in reversed(range(steps)):
-        kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
-        A = np.exp(g[..., t])[..., None, None] * states[..., t, :, :]  # recomputed from S_{t-1}
-        delta = vt - np.einsum("...kv,...k->...v", A, kt)
-        u = beta[..., t, None] * delta
-        St = A + kt[..., :, None] * u[..., None, :]
-        dS = dS + qt[..., :, None] * do[..., None, :]  # o_t = S_t^T q_t
-        dq[..., t, :] = np.einsum("...kv,...v->...k", St, do)
-        du = np.einsum("...kv,...k->...v", dS, kt)  # S_t = A + k_t u^T
-        dk[..., t, :] = np.einsum("...kv,...v->...k", dS, u)
-        dbeta[..., t] = (du * delta).sum(-1)  # u = beta_t delta
-        dv[..., t, :] = beta[..., t, None] * du
-        bdu = beta[..., t, None] * du
-        dA = dS - kt[..., :, None] * bdu[..., None, :]  # delta = v_t - A^T k_t
-        dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
-        dg[..., t] = (dA * A).sum(axis=(-2, -1))  # A = e^{g_t} S_{t-1}
-        dS = np.exp(g[..., t])[..., None, None] * dA  # dS_{t-1}
-    dq = dq * scale
-    if q_norm is not None and k_norm is not None:
-        dq, dk = l2_norm_backward(dq, q_norm), l2_norm_backward(dk, k_norm)
-    return dq, dk, dv, dg, dbeta, (dS if has_initial else None)
-
-
-def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
-    """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's)."""
-    r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
-    return x * r, (x * r, r)
-
-
-def l2_norm_backward(dout: Array, cache: tuple) -> Array:
-    """``y = x r``, ``r = (sum x^2 + eps)^(-1/2)``, ``dr/dx_j = -r^3 x_j``, so
-    ``dx = r dy - x r^3 (x . dy) = r (dy - y (y . dy))``: the part of dy along y is removed."""
-    y, r = cache
-    return r * (dout - y * (y * dout).sum(axis=-1, keepdims=True))
-
-
-def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
-    """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
-    the gate (transformers' ``Qwen3NextRMSNormGated``, "norm before gate").  That module upcasts
-    to float32 for the norm and the gate; here every step runs in x's own dtype (the same numbers
-    for float32 inputs, more exact ones for float64)."""
-    n, norm_cache = rms_norm(x, weight, eps)  # (..., D) RMSNorm(x) * weight
-    s, silu_cache = silu(gate)
-    return n * s, (n, s, norm_cache, silu_cache)
-
-
-def rms_norm_gated_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array]]:
-    """``y = n * s`` with ``n = RMSNorm(x) * weight`` and ``s = silu(gate)``: the gradient at n
-    is ``dy * s`` (then rms_norm's backward gives dx and dweight), the gradient at s is ``dy * n``
-    (then silu's gives dgate).  Returns ``(dx, dgate, dweight)``."""
-    n, s, norm_cache, silu_cache = cache
-    dx, dweight = rms_norm_backward(dout * s, norm_cache)
-    return dx, silu_backward(dout * n, silu_cache), dweight
-
-
-def causal_conv1d(
-    x: Array,
-    weight: Array,
-    bias: Optional[Array] = None,
-    *,
-    activation: Optional[str] = None,
-    initial_state: Optional[Array] = None,
-    output_final_state: bool = False,
-) -> Tuple[Array, tuple]:
-    """Short causal depthwise convolution along the sequence, channel by channel.
-
-    ``x (B..., L, C)`` (npattn's batch-first layout; transformers' ``causal_conv1d_fn`` takes the
-    transpose ``(B, C, L)``), ``weight (C, K)`` (torch's ``Conv1d(C, C, K, groups=C).weight`` of
-    shape ``(C, 1, K)`` without its middle axis), ``bias (C,)``.  Each output looks at its own
-    step and the ``K - 1`` before it:
-
-        z_t = bias + sum_j weight[:, j] * x_{t - K + 1 + j},     y_t = activation(z_t)
-
-    where the steps before the first come from ``initial_state (B..., K - 1, C)`` (the last
-    ``K - 1`` inputs of the previous call when decoding; zeros if None).  ``activation`` is None or
-    ``"silu"``.  With ``output_final_state`` the cache's last item is the last ``K - 1`` inputs
-    (the state for the next call).  Returns ``(y (B..., L, C), cache)``.
-    """
-    taps = weight.shape[-1]
-    past = np.zeros(x.shape[:-2] + (taps - 1, x.shape[-1]), x.dtype) if initial_state is None else initial_state
-    xp = np.concatenate([past, x], axis=-2)  # (B..., K - 1 + L, C)
-    windows = np.lib.stride_tricks.sliding_window_view(xp, taps, axis=-2)  # (B..., L, C, K): z_t's inputs
-    z = (windows * weight).sum(-1) + (0.0 if bias is None else bias)
-    y, act_cache = silu(z) if activation == "silu" else (z, None)
-    final = xp[..., xp.shape[-2] - (taps - 1) :, :] if output_final_state else None
-    return y, (windows, weight, bias is not None, initial_state is not None, act_cache, final)
-
-
-def causal_conv1d_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array], Optional[Array]]:
-    """``z_t = bias + sum_j w_j x_{t-K+1+j}`` (per channel): input ``x_s`` feeds ``z_t`` for
-    ``t = s + K - 1 - j``, so ``dx_s = sum_j w_j dz_{s+K-1-j}`` (the filter run backwards over
-    dz: a correlation becomes a convolution), ``dw_j = sum_t dz_t x_{t-K+1+j}`` over the batch and
-    the steps, ``dbias = sum dz``.  The first ``K - 1`` padded inputs are the initial state: their
-    gradient is ``dinitial_state``.  Returns ``(dx, dweight, dbias, dinitial_state)``, None where absent.
-    """
-    windows, weight, has_bias, has_initial, act_cache, _ = cache
-    dz = dout if act_cache is None else silu_backward(dout, act_cache)  # (B..., L, C)
-    taps, steps = weight.shape[-1], dz.shape[-2]
-    dweight = np.einsum("nck,nc->ck", windows.reshape((-1,) + windows.shape[-2:]), dz.reshape(-1, dz.shape[-1]))
-    dxp = np.zeros(dz.shape[:-2] + (steps + taps - 1, dz.shape[-1]), dz.dtype)
-    for j in range(taps):  # tap j read x_{t - K + 1 + j}, i.e. row t + j of the padded input
-        dxp[..., j : j + steps, :] += dz * weight[:, j]
-    dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if has_bias else None
-    return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None)
-
-
-__all__ += [
-    "gated_delta_rule",
-    "gated_delta_rule_backward",
-    "l2_norm",
-    "l2_norm_backward",
-    "rms_norm_gated",
-    "rms_norm_gated_backward",
-    "causal_conv1d",
-    "causal_conv1d_backward",
 ]

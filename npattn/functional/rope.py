@@ -19,7 +19,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, as_index, check_bool, check_cache, check_grad, check_ndim
+from .._validate import (
+    as_float,
+    as_index,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_ndim,
+    check_tangent,
+    check_tangents,
+)
 
 
 class RopeCache(NamedTuple):
@@ -111,3 +120,40 @@ def rope_backward(dout: np.ndarray, cache: RopeCache) -> np.ndarray:
 
 def _rope_backward(dout, cache):
     return _rotate(dout, cache.cos, -cache.sin, cache.interleaved)
+
+
+def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
+    """Forward mode of ``rope``: each pair is multiplied by a fixed rotation (the angles depend on
+    the positions only), a linear map, so the tangent is the forward applied to ``tx``:
+    ``(ta, tb) -> (ta cos - tb sin, tb cos + ta sin)``, from the cached ``cos``/``sin`` (whatever
+    the frequencies, scaled or not).
+
+    Parameters
+    ----------
+    cache : RopeCache
+        The cache ``rope`` returned.
+    *tangents : ndarray or None
+        ``tx``, of ``x``'s shape (None: zero).
+
+    Returns
+    -------
+    ndarray
+        ``ty``, of ``y``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, more than one tangent, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    check_cache(cache, RopeCache, "rope_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "rope_jvp")
+    return _rope_jvp(cache, check_tangent(tx, "tx", cache.shape, cache.dtype))
+
+
+def _rope_jvp(cache, tx=None):
+    """The kernel of ``rope_jvp`` (``tx`` checked, None = zero)."""
+    if tx is None:
+        return np.zeros(cache.shape, cache.dtype)
+    return _rotate(tx, cache.cos, cache.sin, cache.interleaved)
