@@ -21,6 +21,15 @@ from .activation import (
     softmax_backward,
     softmax_jvp,
 )
+from .conv import causal_conv1d, causal_conv1d_backward
+from .delta_rule import (
+    gated_delta_rule,
+    gated_delta_rule_backward,
+    l2_norm,
+    l2_norm_backward,
+    rms_norm_gated,
+    rms_norm_gated_backward,
+)
 from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
 from .embedding import embedding, embedding_backward, embedding_jvp
 from .linear import linear, linear_backward, linear_jvp
@@ -68,4 +77,12 @@ __all__ = [
     "cross_entropy_jvp",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
+    "gated_delta_rule",
+    "gated_delta_rule_backward",
+    "causal_conv1d",
+    "causal_conv1d_backward",
+    "l2_norm",
+    "l2_norm_backward",
+    "rms_norm_gated",
+    "rms_norm_gated_backward",
 ]

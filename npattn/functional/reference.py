@@ -858,3 +858,220 @@ __all__ = [
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
 ]
+
+
+# == Gated DeltaNet: the delta rule, its short convolution and its norms ===========================
+# Qwen3-Next's linear-attention layer (transformers' ``Qwen3NextGatedDeltaNet``): a short causal
+# depthwise convolution over the projected q, k, v; L2-normalised q and k; the gated delta rule, a
+# linear attention whose state ``S (Dk, Dv)`` is a fast-weight memory corrected by the delta rule;
+# a gated RMSNorm on the way out.  Shapes: ``H`` heads, ``L`` steps, ``Dk``/``Dv`` key/value width,
+# ``C`` channels, ``K`` the convolution's taps.
+
+
+class GatedDeltaRuleCache(NamedTuple):
+    """What ``gated_delta_rule_backward`` needs (textbook: every state ``S_0 .. S_{L-1}``)."""
+
+    q: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm) and scaled
+    k: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm)
+    v: np.ndarray  # (B..., H, L, Dv)
+    g: np.ndarray  # (B..., H, L) log decays
+    beta: np.ndarray  # (B..., H, L) write strengths
+    states: np.ndarray  # (B..., H, L, Dk, Dv) S_{t-1}, the state each step starts from
+    scale: float
+    q_norm: Optional[tuple]  # l2_norm's caches of q and k with use_qk_l2norm, else None
+    k_norm: Optional[tuple]
+    has_initial_state: bool
+    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) S_L with output_final_state, else None
+
+
+def gated_delta_rule(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Array] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+) -> Tuple[Array, GatedDeltaRuleCache]:
+    """The gated delta rule, one step at a time (transformers' ``torch_recurrent_gated_delta_rule``).
+
+    ``q, k (B..., H, L, Dk)``, ``v (B..., H, L, Dv)``, ``g, beta (B..., H, L)``.  With
+    ``use_qk_l2norm`` q and k first become ``x / sqrt(sum x^2 + 1e-6)``; q is multiplied by
+    ``scale`` (default ``1/sqrt(Dk)``).  From ``S_0 = initial_state`` (zeros if None), each step:
+
+        S <- exp(g_t) S                       the old memory decays (g_t <= 0 in Qwen3-Next)
+        u_t = beta_t (v_t - S^T k_t)          the delta: what the memory got wrong about v_t, scaled
+        S <- S + k_t u_t^T                    write the correction under key k_t
+        o_t = S^T q_t
+
+    (a step of online regression: ``S <- S - beta_t k_t (k_t^T S - v_t^T)`` is one gradient
+    step on ``||S^T k_t - v_t||^2 / 2`` with learning rate beta_t).  Returns ``(o (B..., H, L, Dv),
+    cache)``; ``cache.final_state`` is ``S_L`` when ``output_final_state``.
+    """
+    q_norm = k_norm = None
+    if use_qk_l2norm:
+        q, q_norm = l2_norm(q, 1e-6)
+        k, k_norm = l2_norm(k, 1e-6)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * scale
+    lead, steps = q.shape[:-2], q.shape[-2]
+    S = np.zeros(lead + (k.shape[-1], v.shape[-1]), q.dtype) if initial_state is None else initial_state
+    out = np.zeros(v.shape, q.dtype)
+    states = np.zeros(lead + (steps,) + S.shape[-2:], q.dtype)
+    for t in range(steps):
+        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
+        kt, vt, qt = k[..., t, :], v[..., t, :], q[..., t, :]  # (B..., H, Dk), (B..., H, Dv)
+        S = np.exp(g[..., t])[..., None, None] * S  # decay
+        u = beta[..., t, None] * (vt - np.einsum("...kv,...k->...v", S, kt))  # the delta, (B..., H, Dv)
+        S = S + kt[..., :, None] * u[..., None, :]  # rank-1 write k_t u_t^T
+        out[..., t, :] = np.einsum("...kv,...k->...v", S, qt)  # read with q_t
+    final = S if output_final_state else None
+    return out, GatedDeltaRuleCache(q, k, v, g, beta, states, scale, q_norm, k_norm, initial_state is not None, final)
+
+
+def gated_delta_rule_backward(
+    dout: Array, cache: GatedDeltaRuleCache, dfinal_state: Optional[Array] = None
+) -> Tuple[Array, Array, Array, Array, Array, Optional[Array]]:
+    """Backpropagation through time, with ``dS`` the adjoint of the state.
+
+    Step t, starting from ``P = S_{t-1}``, computed ``A = e^{g_t} P``, ``u = beta_t (v_t - A^T k_t)``,
+    ``S_t = A + k_t u^T`` and ``o_t = S_t^T q_t``.  Later steps see ``S_t`` only, so everything
+    after step t reaches step t through one matrix ``dS = dL/dS_t`` (``dfinal_state`` at t = L,
+    else 0), and walking t = L .. 1 backwards:
+
+        o_t = S_t^T q_t:          dS += q_t do_t^T;          dq_t = S_t do_t
+        S_t = A + k_t u^T:        dA  = dS;                  dk_t = dS u;  du = dS^T k_t
+        u = beta_t (v_t - A^T k_t), with delta = v_t - A^T k_t (so u = beta_t delta):
+                                  dbeta_t = du . delta;      dv_t = beta_t du
+                                  dA -= k_t (beta_t du)^T;   dk_t -= A (beta_t du)
+        A = e^{g_t} P:            dg_t = e^{g_t} <dA, P> = <dA, A>;   dS_{t-1} = e^{g_t} dA
+
+    so ``dS_{t-1} = e^{g_t} (I - beta_t k_t k_t^T) (dS_t + q_t do_t^T)``: the adjoint runs the
+    same (transposed) decay-and-erase map in reverse time, and ``dinitial_state = dS_0``.
+    Then the chain rule through ``q = scale * l2(q_in)`` and ``k = l2(k_in)``.
+    Returns ``(dq, dk, dv, dg, dbeta, dinitial_state)``, the last None without an initial state.
+    """
+    q, k, v, g, beta, states, scale, q_norm, k_norm, has_initial, _ = cache
+    steps = q.shape[-2]
+    dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
+    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+    dg, dbeta = np.zeros(g.shape, q.dtype), np.zeros(beta.shape, q.dtype)
+    for t in reversed(range(steps)):
+        kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
+        A = np.exp(g[..., t])[..., None, None] * states[..., t, :, :]  # recomputed from S_{t-1}
+        delta = vt - np.einsum("...kv,...k->...v", A, kt)
+        u = beta[..., t, None] * delta
+        St = A + kt[..., :, None] * u[..., None, :]
+        dS = dS + qt[..., :, None] * do[..., None, :]  # o_t = S_t^T q_t
+        dq[..., t, :] = np.einsum("...kv,...v->...k", St, do)
+        du = np.einsum("...kv,...k->...v", dS, kt)  # S_t = A + k_t u^T
+        dk[..., t, :] = np.einsum("...kv,...v->...k", dS, u)
+        dbeta[..., t] = (du * delta).sum(-1)  # u = beta_t delta
+        dv[..., t, :] = beta[..., t, None] * du
+        bdu = beta[..., t, None] * du
+        dA = dS - kt[..., :, None] * bdu[..., None, :]  # delta = v_t - A^T k_t
+        dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
+        dg[..., t] = (dA * A).sum(axis=(-2, -1))  # A = e^{g_t} S_{t-1}
+        dS = np.exp(g[..., t])[..., None, None] * dA  # dS_{t-1}
+    dq = dq * scale
+    if q_norm is not None and k_norm is not None:
+        dq, dk = l2_norm_backward(dq, q_norm), l2_norm_backward(dk, k_norm)
+    return dq, dk, dv, dg, dbeta, (dS if has_initial else None)
+
+
+def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
+    """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's)."""
+    r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+    return x * r, (x * r, r)
+
+
+def l2_norm_backward(dout: Array, cache: tuple) -> Array:
+    """``y = x r``, ``r = (sum x^2 + eps)^(-1/2)``, ``dr/dx_j = -r^3 x_j``, so
+    ``dx = r dy - x r^3 (x . dy) = r (dy - y (y . dy))``: the part of dy along y is removed."""
+    y, r = cache
+    return r * (dout - y * (y * dout).sum(axis=-1, keepdims=True))
+
+
+def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
+    """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
+    the gate (transformers' ``Qwen3NextRMSNormGated``, "norm before gate").  That module upcasts
+    to float32 for the norm and the gate; here every step runs in x's own dtype (the same numbers
+    for float32 inputs, more exact ones for float64)."""
+    n, norm_cache = rms_norm(x, weight, eps)  # (..., D) RMSNorm(x) * weight
+    s, silu_cache = silu(gate)
+    return n * s, (n, s, norm_cache, silu_cache)
+
+
+def rms_norm_gated_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array]]:
+    """``y = n * s`` with ``n = RMSNorm(x) * weight`` and ``s = silu(gate)``: the gradient at n
+    is ``dy * s`` (then rms_norm's backward gives dx and dweight), the gradient at s is ``dy * n``
+    (then silu's gives dgate).  Returns ``(dx, dgate, dweight)``."""
+    n, s, norm_cache, silu_cache = cache
+    dx, dweight = rms_norm_backward(dout * s, norm_cache)
+    return dx, silu_backward(dout * n, silu_cache), dweight
+
+
+def causal_conv1d(
+    x: Array,
+    weight: Array,
+    bias: Optional[Array] = None,
+    *,
+    activation: Optional[str] = None,
+    initial_state: Optional[Array] = None,
+    output_final_state: bool = False,
+) -> Tuple[Array, tuple]:
+    """Short causal depthwise convolution along the sequence, channel by channel.
+
+    ``x (B..., L, C)`` (npattn's batch-first layout; transformers' ``causal_conv1d_fn`` takes the
+    transpose ``(B, C, L)``), ``weight (C, K)`` (torch's ``Conv1d(C, C, K, groups=C).weight`` of
+    shape ``(C, 1, K)`` without its middle axis), ``bias (C,)``.  Each output looks at its own
+    step and the ``K - 1`` before it:
+
+        z_t = bias + sum_j weight[:, j] * x_{t - K + 1 + j},     y_t = activation(z_t)
+
+    where the steps before the first come from ``initial_state (B..., K - 1, C)`` (the last
+    ``K - 1`` inputs of the previous call when decoding; zeros if None).  ``activation`` is None or
+    ``"silu"``.  With ``output_final_state`` the cache's last item is the last ``K - 1`` inputs
+    (the state for the next call).  Returns ``(y (B..., L, C), cache)``.
+    """
+    taps = weight.shape[-1]
+    past = np.zeros(x.shape[:-2] + (taps - 1, x.shape[-1]), x.dtype) if initial_state is None else initial_state
+    xp = np.concatenate([past, x], axis=-2)  # (B..., K - 1 + L, C)
+    windows = np.lib.stride_tricks.sliding_window_view(xp, taps, axis=-2)  # (B..., L, C, K): z_t's inputs
+    z = (windows * weight).sum(-1) + (0.0 if bias is None else bias)
+    y, act_cache = silu(z) if activation == "silu" else (z, None)
+    final = xp[..., xp.shape[-2] - (taps - 1) :, :] if output_final_state else None
+    return y, (windows, weight, bias is not None, initial_state is not None, act_cache, final)
+
+
+def causal_conv1d_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array], Optional[Array]]:
+    """``z_t = bias + sum_j w_j x_{t-K+1+j}`` (per channel): input ``x_s`` feeds ``z_t`` for
+    ``t = s + K - 1 - j``, so ``dx_s = sum_j w_j dz_{s+K-1-j}`` (the filter run backwards over
+    dz: a correlation becomes a convolution), ``dw_j = sum_t dz_t x_{t-K+1+j}`` over the batch and
+    the steps, ``dbias = sum dz``.  The first ``K - 1`` padded inputs are the initial state: their
+    gradient is ``dinitial_state``.  Returns ``(dx, dweight, dbias, dinitial_state)``, None where absent.
+    """
+    windows, weight, has_bias, has_initial, act_cache, _ = cache
+    dz = dout if act_cache is None else silu_backward(dout, act_cache)  # (B..., L, C)
+    taps, steps = weight.shape[-1], dz.shape[-2]
+    dweight = np.einsum("nck,nc->ck", windows.reshape((-1,) + windows.shape[-2:]), dz.reshape(-1, dz.shape[-1]))
+    dxp = np.zeros(dz.shape[:-2] + (steps + taps - 1, dz.shape[-1]), dz.dtype)
+    for j in range(taps):  # tap j read x_{t - K + 1 + j}, i.e. row t + j of the padded input
+        dxp[..., j : j + steps, :] += dz * weight[:, j]
+    dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if has_bias else None
+    return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None)
+
+
+__all__ += [
+    "gated_delta_rule",
+    "gated_delta_rule_backward",
+    "l2_norm",
+    "l2_norm_backward",
+    "rms_norm_gated",
+    "rms_norm_gated_backward",
+    "causal_conv1d",
+    "causal_conv1d_backward",
+]
