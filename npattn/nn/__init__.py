@@ -4,6 +4,7 @@ Thin layers over ``npattn.functional``, each composing its submodules.
 """
 
 from .attention import MultiHeadAttention
+from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
 from .transformer import DecoderBlock, EncoderBlock
@@ -21,6 +22,7 @@ __all__ = [
     "Embedding",
     "FeedForward",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "EncoderBlock",
     "DecoderBlock",
 ]

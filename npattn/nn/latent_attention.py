@@ -1,0 +1,606 @@
+"""``MultiHeadLatentAttention``: DeepSeek-V2/V3's multi-head latent attention (MLA), with its
+latent cache, absorbed decoding and a hand-written backward.
+
+The layer (as Hugging Face ``DeepseekV3Attention``; ``H`` heads, ``dn = qk_nope_head_dim``,
+``dr = qk_rope_head_dim``, ``dv = v_head_dim``, ``r = kv_lora_rank``)::
+
+    q        = q_proj(x)                       or  q_b_proj(q_a_layernorm(q_a_proj(x)))   (..., L, H (dn + dr))
+    q_nope, q_pe = split(q)                    per head: (..., H, L, dn), (..., H, L, dr)
+    c, k_pe  = split(kv_a_proj_with_mqa(x))    (..., L, r), (..., L, dr)
+    c        = kv_a_layernorm(c)               the compressed latent: all a token leaves for keys and values
+    q_pe, k_pe = rope(q_pe), rope(k_pe)        k_pe is ONE key part shared by all heads
+    k_nope, v = split(kv_b_proj(c))            per head: (..., H, L, dn), (..., H, L, dv)
+    o        = softmax(scale [q_nope, q_pe] . [k_nope, k_pe]^T) v      per head
+    y        = o_proj(merge(o))
+
+Absorbed form.  ``kv_b_proj.weight`` is ``(H (dn + dv), r)``: per head a key block ``W_uk[h] (dn, r)``
+and a value block ``W_uv[h] (dv, r)``, with ``k_nope[h, t] = W_uk[h] c_t`` and ``v[h, t] = W_uv[h] c_t``.
+Matrix products regroup:
+
+    q_nope[h] . k_nope[h, t] = q_nope[h] . (W_uk[h] c_t) = (W_uk[h]^T q_nope[h]) . c_t
+    sum_t p[h, t] v[h, t]    = W_uv[h] (sum_t p[h, t] c_t)
+
+so with ``q_lat[h] = W_uk[h]^T q_nope[h]`` (r features) the scores are those of a query
+``[q_lat, q_pe]`` against ONE key ``[c_t, k_pe_t]`` shared by all heads, and the output is
+attention over the latents ``c_t`` (values shared by all heads too), then ``W_uv[h]``, then
+``o_proj``: multi-query attention with ``E = r + dr`` and ``Ev = r``.  A decoding step then needs,
+per past token, only ``[c_t, k_pe_t]``: ``r + dr`` numbers instead of MHA's ``H (dn + dr + dv)``.
+That is the latent cache (``cache_bytes_per_token``).  Both forms have a backward here; they give
+the same outputs and gradients (tests hold them equal to 1e-12).
+
+RoPE: pairs ``(i, i + dr/2)`` (rotate half) or, with ``rope_interleave=True`` (DeepSeek-V3's
+default), ``(2i, 2i + 1)``.  Hugging Face's ``apply_rotary_pos_emb_interleave`` rotates the same
+pairs by the same angles but writes the result de-interleaved (evens then odds); q and k are
+permuted alike, so every dot product (and so the layer) is the same as ``rope(...,
+interleaved=True)``, which keeps the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from .._validate import (
+    as_float,
+    as_index,
+    as_rng,
+    check_bool,
+    check_dtype,
+    check_mask,
+    check_positive_float,
+    check_size,
+    to_numpy,
+)
+from ..functional import kernels as K
+from .attention import _KVCache
+from .layers import Linear, RMSNorm
+from .module import Module, no_grad
+
+__all__ = ["MultiHeadLatentAttention", "kv_cache_bytes_per_token"]
+
+
+class _State(NamedTuple):
+    """What ``MultiHeadLatentAttention.backward`` needs from its forward (the submodules keep
+    their own caches)."""
+
+    absorbed: bool
+    q_rope: tuple  # rope caches of q_pe (..., H, L, dr) and of the shared k_pe (..., 1, L, dr)
+    k_rope: tuple
+    attn: tuple  # the attention kernel's cache
+    q_nope: np.ndarray | None  # absorbed form: q_nope (..., H, L, dn) and the latent output (..., H, L, r)
+    ctx_lat: np.ndarray | None
+
+
+def kv_cache_bytes_per_token(num_kv_heads: int, k_head_dim: int, v_head_dim: int, dtype=np.float64) -> int:
+    """Bytes one token adds to one layer's key/value cache in (grouped-query) multi-head
+    attention: ``num_kv_heads * (k_head_dim + v_head_dim) * itemsize``.
+
+    Parameters
+    ----------
+    num_kv_heads : int
+        Key/value heads (``num_heads`` for MHA, fewer for GQA, 1 for MQA).
+    k_head_dim, v_head_dim : int
+        Features of each cached key and value.
+    dtype : dtype
+        The cache's dtype (its item size counts).
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    TypeError, ValueError
+        A size that is not a positive integer; a dtype other than float32/float64.
+    """
+    n = check_size(num_kv_heads, "num_kv_heads")
+    dk, dv = check_size(k_head_dim, "k_head_dim"), check_size(v_head_dim, "v_head_dim")
+    return n * (dk + dv) * check_dtype(dtype).itemsize
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    """YaRN's attention temperature ``0.1 mscale ln(scale) + 1`` (1 for ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _check_rope_scaling(rope_scaling, rope_theta: float) -> dict | None:
+    """``None`` or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (a copy); its
+    ``rope_theta``, when present, must agree with ``rope_theta``."""
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, Mapping):
+        raise TypeError(
+            f"rope_scaling: expected None or a dict (Hugging Face's rope_scaling), got {type(rope_scaling).__name__}"
+        )
+    d = dict(rope_scaling)
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind != "default":
+        if not _rope_takes_scaling():
+            raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (only 'default')")
+        factor = d.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not float(factor) > 0:
+            raise ValueError(f"rope_scaling: expected a number 'factor' > 0 for rope_type {kind!r}, got {factor!r}")
+    theta = d.get("rope_theta")
+    if theta is not None and theta != rope_theta:
+        raise ValueError(
+            f"rope_scaling: its rope_theta={theta!r} disagrees with rope_theta={rope_theta!r}; pass one value"
+        )
+    return d
+
+
+def _rope_takes_scaling() -> bool:
+    """True once ``npattn.functional.rope`` takes ``scaling=`` (Hugging Face's scaled variants)."""
+    import inspect
+
+    return "scaling" in inspect.signature(K.rope).parameters
+
+
+def _softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
+    """``qk_head_dim**-0.5``, times ``mscale**2`` with ``mscale = 0.1 mscale_all_dim ln(factor) + 1``
+    when ``rope_scaling`` is not the default rotation and gives ``mscale_all_dim`` (Hugging Face's
+    ``yarn_apply_mscale``): YaRN's temperature applied to the whole score, not only the rotated part."""
+    scale = qk_head_dim**-0.5
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
+        m_all = rope_scaling.get("mscale_all_dim", 0)
+        if m_all:
+            m = _yarn_mscale(float(rope_scaling["factor"]), float(m_all))
+            scale *= m * m
+    return scale
+
+
+def _split(t: np.ndarray, heads: int) -> np.ndarray:
+    """``(..., L, heads * d) -> (..., heads, L, d)`` (a view)."""
+    return t.reshape(t.shape[:-1] + (heads, t.shape[-1] // heads)).swapaxes(-2, -3)
+
+
+def _merge(t: np.ndarray) -> np.ndarray:
+    """``(..., heads, L, d) -> (..., L, heads * d)``."""
+    t = t.swapaxes(-2, -3)
+    return t.reshape(t.shape[:-2] + (t.shape[-2] * t.shape[-1],))
+
+
+class MultiHeadLatentAttention(Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): ``(..., L, hidden_size) -> (..., L, hidden_size)``,
+    with the semantics and parameter names of Hugging Face's ``DeepseekV3Attention``.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Model width (input and output features).
+    num_heads : int
+        Attention heads ``H``.
+    kv_lora_rank : int
+        Width ``r`` of the compressed key/value latent (what the cache keeps per token).
+    qk_nope_head_dim, qk_rope_head_dim : int
+        Per head, the query/key features without position (``dn``) and the rotated ones (``dr``,
+        even; the rotated key part is one ``(dr,)`` vector per token shared by all heads).
+    v_head_dim : int
+        Value features per head.
+    q_lora_rank : int or None
+        ``None``: one query projection ``q_proj``; an int: the low-rank query
+        ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` through that many features.
+    rms_norm_eps : float
+        eps of ``q_a_layernorm`` and ``kv_a_layernorm``.  Hugging Face builds these two with its
+        RMSNorm's default ``1e-6`` whatever ``config.rms_norm_eps`` says (``from_config`` does so too).
+    attention_bias : bool
+        Biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` (never on ``q_proj``,
+        ``q_b_proj``, ``kv_b_proj``), as Hugging Face.
+    rope_theta : float
+        RoPE base.
+    rope_scaling : dict or None
+        Hugging Face's ``rope_scaling`` (or ``rope_parameters``) dict.  Besides the rotation, a
+        non-default ``rope_type`` with ``mscale_all_dim`` multiplies the softmax scale by
+        ``(0.1 mscale_all_dim ln(factor) + 1)**2`` (``yarn_apply_mscale``).
+    rope_interleave : bool
+        Rotate pairs ``(2i, 2i+1)`` (DeepSeek-V3's default, True) or ``(i, i + dr/2)``.
+    causal : bool
+        Query ``i`` sees keys ``0..i`` (True, as the model).
+    rng : Generator, int or None
+        Draws the projections (``Linear``'s torch-like uniform init) in the order q, kv_a, kv_b, o.
+    dtype : float32 or float64
+
+    Parameters (state-dict keys, Hugging Face's under ``self_attn.``): ``q_proj.weight`` or
+    ``q_a_proj.weight`` (+ ``.bias``), ``q_a_layernorm.weight``, ``q_b_proj.weight``;
+    ``kv_a_proj_with_mqa.weight (r + dr, hidden)`` (+ ``.bias``), ``kv_a_layernorm.weight (r,)``,
+    ``kv_b_proj.weight (H (dn + dv), r)``, ``o_proj.weight (hidden, H dv)`` (+ ``.bias``).
+
+    Latent cache: ``forward(x, use_cache=True)`` appends each token's ``[c, k_pe]`` (the latent after
+    ``kv_a_layernorm`` and the rotated shared key: ``r + dr`` numbers) and attends in the absorbed
+    form; feeding a sequence token by token gives the full causal pass's outputs.
+    ``reset_kv_cache()`` starts a new sequence; ``cache_bytes_per_token()`` and
+    ``cache_comparison()`` report the cache's size against MHA and GQA.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A size that is not a positive integer (``qk_rope_head_dim`` must be even), a flag that is
+        not a bool, a non-positive ``rms_norm_eps`` or ``rope_theta``, an unsupported
+        ``rope_scaling``, a dtype other than float32/float64.
+    """
+
+    _kv_cache: _KVCache | None
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
+        rope_theta: float = 10000.0,
+        rope_scaling: Mapping[str, Any] | None = None,
+        rope_interleave: bool = True,
+        causal: bool = True,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = check_size(hidden_size, "hidden_size")
+        self.num_heads = check_size(num_heads, "num_heads")
+        self.kv_lora_rank = check_size(kv_lora_rank, "kv_lora_rank")
+        self.qk_nope_head_dim = check_size(qk_nope_head_dim, "qk_nope_head_dim")
+        self.qk_rope_head_dim = check_size(qk_rope_head_dim, "qk_rope_head_dim")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim: expected an even size (pairs rotate), got {self.qk_rope_head_dim}")
+        self.v_head_dim = check_size(v_head_dim, "v_head_dim")
+        self.q_lora_rank = None if q_lora_rank is None else check_size(q_lora_rank, "q_lora_rank")
+        self.rms_norm_eps = check_positive_float(rms_norm_eps, "rms_norm_eps")
+        self.attention_bias = check_bool(attention_bias, "attention_bias")
+        self.rope_theta = check_positive_float(rope_theta, "rope_theta")
+        self.rope_scaling = _check_rope_scaling(rope_scaling, self.rope_theta)
+        self.rope_interleave = check_bool(rope_interleave, "rope_interleave")
+        self.causal = check_bool(causal, "causal")
+        self._dtype = check_dtype(dtype)
+        rng = as_rng(rng)
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.scaling = _softmax_scale(self.qk_head_dim, self.rope_scaling)
+        H, D, r = self.num_heads, self.hidden_size, self.kv_lora_rank
+        bias = self.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(D, H * self.qk_head_dim, False, rng=rng, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(D, self.q_lora_rank, bias, rng=rng, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, self.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, H * self.qk_head_dim, False, rng=rng, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(D, r + self.qk_rope_head_dim, bias, rng=rng, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(r, self.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(r, H * (self.qk_nope_head_dim + self.v_head_dim), False, rng=rng, dtype=dtype)
+        self.o_proj = Linear(H * self.v_head_dim, D, bias, rng=rng, dtype=dtype)
+        object.__setattr__(self, "_kv_cache", None)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, rng=None, dtype=np.float64) -> MultiHeadLatentAttention:
+        """Build from a Hugging Face ``DeepseekV3Config`` as a dict (``config.to_dict()``).
+
+        Reads ``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``attention_bias``,
+        ``rope_interleave`` and the rotation from ``rope_parameters`` (transformers 5) or
+        ``rope_theta`` + ``rope_scaling`` (older); the latent norms get eps ``1e-6`` as in
+        ``DeepseekV3Attention``.
+
+        Raises
+        ------
+        TypeError
+            ``config`` is not a mapping.
+        ValueError
+            A required key is missing; ``num_key_value_heads`` differs from ``num_attention_heads``
+            or ``attention_dropout`` is not 0 (not supported).
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config: expected a dict (PretrainedConfig.to_dict()), got {type(config).__name__}")
+        need = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+        missing = [k for k in need + ("v_head_dim",) if config.get(k) is None]
+        if missing:
+            raise ValueError(f"config: missing keys {missing}")
+        heads = config["num_attention_heads"]
+        if config.get("num_key_value_heads", heads) not in (None, heads):
+            raise ValueError(
+                f"config: num_key_value_heads={config['num_key_value_heads']} differs from "
+                f"num_attention_heads={heads} (not supported: MLA's keys have one head per query head)"
+            )
+        if config.get("attention_dropout", 0.0):
+            raise ValueError(f"config: attention_dropout={config['attention_dropout']} is not supported (expected 0)")
+        params: Mapping[str, Any] = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        theta: Any = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"} or None
+        return cls(
+            config["hidden_size"],
+            heads,
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_nope_head_dim=config["qk_nope_head_dim"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            q_lora_rank=config.get("q_lora_rank"),
+            attention_bias=bool(config.get("attention_bias", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_interleave=bool(config.get("rope_interleave", True)),
+            rng=rng,
+            dtype=dtype,
+        )
+
+    def extra_repr(self):
+        return (
+            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
+            f"kv_lora_rank={self.kv_lora_rank}, qk_nope_head_dim={self.qk_nope_head_dim}, "
+            f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}"
+        )
+
+    # -- the latent cache -------------------------------------------------------------------
+    def reset_kv_cache(self) -> None:
+        """Empty the latent cache (start a new sequence)."""
+        object.__setattr__(self, "_kv_cache", None)
+
+    @property
+    def kv_cache_length(self) -> int:
+        """The number of cached tokens (0 when the cache is empty)."""
+        return 0 if self._kv_cache is None else self._kv_cache.length
+
+    def cache_bytes_per_token(self) -> int:
+        """Bytes one token adds to this layer's latent cache: ``(kv_lora_rank + qk_rope_head_dim)
+        * itemsize`` (the latent after ``kv_a_layernorm`` and the rotated shared key).
+
+        Returns
+        -------
+        int
+        """
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype.itemsize
+
+    def cache_comparison(self, num_kv_heads: int | None = None) -> dict:
+        """Cache bytes per token and layer of this MLA layer against multi-head attention with the
+        same heads (``num_heads`` keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of
+        ``v_head_dim``: what the expanded keys/values would take) and grouped-query attention with
+        ``num_kv_heads`` key/value heads (default ``max(1, num_heads // 8)``), in the module's dtype.
+
+        Parameters
+        ----------
+        num_kv_heads : int or None
+            Key/value heads of the GQA row (a divisor of ``num_heads``).
+
+        Returns
+        -------
+        dict
+            ``{"mla": bytes, "mha": bytes, "gqa": bytes, "gqa_kv_heads": int, "mha_over_mla": float,
+            "gqa_over_mla": float}``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``num_kv_heads`` not a positive integer dividing ``num_heads``.
+        """
+        H = self.num_heads
+        g = max(1, H // 8) if num_kv_heads is None else check_size(num_kv_heads, "num_kv_heads")
+        if H % g:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={H}, got {g}")
+        mla = self.cache_bytes_per_token()
+        mha = kv_cache_bytes_per_token(H, self.qk_head_dim, self.v_head_dim, self.dtype)
+        gqa = kv_cache_bytes_per_token(g, self.qk_head_dim, self.v_head_dim, self.dtype)
+        return {
+            "mla": mla,
+            "mha": mha,
+            "gqa": gqa,
+            "gqa_kv_heads": g,
+            "mha_over_mla": mha / mla,
+            "gqa_over_mla": gqa / mla,
+        }
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, x, *, positions=None, attn_mask=None, use_cache: bool = False, absorb: bool | None = None):
+        """Attention of ``x (..., L, hidden_size)`` (unbatched ``(L, hidden_size)`` too) over itself.
+
+        Parameters
+        ----------
+        x : array
+            Hidden states.
+        positions : int array or None
+            Positions for RoPE, broadcastable to ``x.shape[:-1]``; default ``T + arange(L)``
+            (``T`` the cached tokens, 0 without the cache).
+        attn_mask : bool or float array or None
+            Broadcastable to ``(..., num_heads, L, Lk)`` (``Lk = T + L``): bool True = may attend,
+            float added to the scaled scores; combined with ``causal``.
+        use_cache : bool
+            Append this call's latents and rotated keys to the latent cache and attend over every
+            cached token (query ``i`` at position ``T + i``: bottom-right causal alignment).  Such a
+            call keeps nothing for backward.
+        absorb : bool or None
+            Compute in the absorbed form (queries through ``W_uk``, attention over latents, then
+            ``W_uv``) or the plain one (keys and values expanded by ``kv_b_proj``); same results.
+            Default: absorbed with ``use_cache``, plain without.
+
+        Returns
+        -------
+        ndarray ``(..., L, hidden_size)``
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``x`` not a float/int array of shape ``(..., L, hidden_size)``; ``positions`` not
+            integers of a broadcastable shape; a bad ``attn_mask``; a flag that is not a bool; a
+            batch shape other than the cache's.
+        """
+        x = as_float(x, "x", self.dtype)
+        if x.ndim < 2 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"x: expected shape (..., L, {self.hidden_size}) or (L, {self.hidden_size}), got {x.shape}"
+            )
+        use_cache = check_bool(use_cache, "use_cache")
+        absorb = use_cache if absorb is None else check_bool(absorb, "absorb")
+        lead, lq = x.shape[:-2], x.shape[-2]
+        past = 0
+        if use_cache and self._kv_cache is not None:
+            if self._kv_cache.lead != lead:
+                raise ValueError(
+                    f"x: expected the batch shape {self._kv_cache.lead} of the latent cache, got {x.shape} "
+                    "(call reset_kv_cache() to start a new sequence)"
+                )
+            past = self._kv_cache.length
+        if positions is None:
+            positions = np.arange(past, past + lq)
+        else:
+            positions = as_index(positions, "positions")
+            try:
+                ok = np.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"positions: expected a shape broadcastable to {x.shape[:-1]}, got {positions.shape}")
+        mask = None
+        if attn_mask is not None:
+            mask = check_mask(to_numpy(attn_mask, "attn_mask"), "attn_mask", lead + (self.num_heads, lq, past + lq))
+            if mask.dtype.kind == "f" and mask.dtype != self.dtype:
+                mask = mask.astype(self.dtype)
+        if use_cache:
+            with no_grad():  # a cached call keeps nothing for backward
+                return self._forward(x, positions, mask, use_cache=True, absorb=absorb)
+        return self._forward(x, positions, mask, absorb=absorb)
+
+    def _rope(self, t: np.ndarray, positions: np.ndarray):
+        """RoPE of ``t (..., heads, L, dr)``; ``positions`` broadcastable to ``(..., L)``."""
+        kw: dict = {"base": self.rope_theta, "interleaved": self.rope_interleave}
+        if self.rope_scaling is not None and _rope_takes_scaling():
+            kw["scaling"] = self.rope_scaling
+        return K.rope(t, positions[..., None, :] if positions.ndim else positions, **kw)
+
+    def _forward(self, x, positions, mask=None, *, use_cache: bool = False, absorb: bool = False):
+        """``forward`` on validated arguments (``x`` of the module's dtype and shape, integer
+        ``positions`` broadcastable to ``x.shape[:-1]``, a checked ``mask``), for npattn's own
+        models.  With ``use_cache`` the caller runs it under ``no_grad``."""
+        H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        lead = x.shape[:-2]
+        # -- queries: (..., L, H dq) -> (..., H, L, dq) --------------------------------------
+        if self.q_lora_rank is None:
+            q = self.q_proj._forward(x)
+        else:
+            q = self.q_b_proj._forward(self.q_a_layernorm._forward(self.q_a_proj._forward(x)))
+        qh = _split(q, H)
+        q_nope = qh[..., :dn]
+        q_pe, q_rope = self._rope(qh[..., dn:], positions)  # (..., H, L, dr)
+        # -- the compressed latent and the shared rotated key --------------------------------
+        ckv = self.kv_a_proj_with_mqa._forward(x)  # (..., L, r + dr)
+        c = self.kv_a_layernorm._forward(ckv[..., :r])  # (..., L, r)
+        k_pe, k_rope = self._rope(ckv[..., None, :, r:], positions)  # (..., 1, L, dr)
+        if use_cache:
+            cache = self._kv_cache
+            if cache is None:
+                cache = _KVCache(*self._latent_kv(c, k_pe))
+                object.__setattr__(self, "_kv_cache", cache)
+            full, _ = cache.append(*self._latent_kv(c, k_pe))  # (..., 1, T, r + dr)
+            c_all, k_pe_all = full[..., 0, :, :r], full[..., r:]
+        else:
+            full, c_all, k_pe_all = None, c, k_pe
+        opts: dict = {"is_causal": self.causal, "scale": self.scaling}
+        if self.causal and use_cache:
+            opts["causal_align"] = "bottom_right"
+        if absorb:
+            # q_lat[h] = W_uk[h]^T q_nope[h]: (..., H, L, dn) @ (H, dn, r) -> (..., H, L, r)
+            W_uk, W_uv = self._absorbed_weights()
+            q_lat = np.matmul(q_nope, W_uk)
+            query = np.concatenate([q_lat, q_pe], axis=-1)  # (..., H, L, r + dr)
+            if full is None:
+                full = np.concatenate([c[..., None, :, :], k_pe], axis=-1)  # (..., 1, L, r + dr)
+            # multi-query attention: one key [c, k_pe] and one value c for all heads
+            ctx_lat, attn = K.scaled_dot_product_attention(
+                query, full, full[..., :r], mask, enable_gqa=H > 1, **opts
+            )  # (..., H, L, r)
+            ctx = np.matmul(ctx_lat, W_uv.swapaxes(-1, -2))  # (..., H, L, r) @ (H, r, dv) -> (..., H, L, dv)
+            state = _State(True, q_rope, k_rope, attn, q_nope, ctx_lat)
+        else:
+            kvh = _split(self._expand(c_all, use_cache), H)  # (..., H, T, dn + dv)
+            T = kvh.shape[-2]
+            query = np.concatenate([q_nope, q_pe], axis=-1)  # (..., H, L, dq)
+            key = np.concatenate([kvh[..., :dn], np.broadcast_to(k_pe_all, lead + (H, T, k_pe.shape[-1]))], axis=-1)
+            ctx, attn = K.scaled_dot_product_attention(query, key, kvh[..., dn:], mask, **opts)  # (..., H, L, dv)
+            state = _State(False, q_rope, k_rope, attn, None, None)
+        y = self.o_proj._forward(_merge(ctx))
+        self._save(state)
+        return y
+
+    def _expand(self, c, use_cache):
+        """``kv_b_proj(c)``; in a cached call the kernel alone (nothing kept, ``kv_b_proj`` untouched)."""
+        if use_cache:
+            w = self.kv_b_proj.weight.data
+            return K.linear(c, w)[0]
+        return self.kv_b_proj._forward(c)
+
+    def _absorbed_weights(self):
+        """``W_uk (H, dn, r)`` and ``W_uv (H, dv, r)``: the row blocks of ``kv_b_proj.weight`` (views)."""
+        W = self.kv_b_proj.weight.data.reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        return W[:, : self.qk_nope_head_dim], W[:, self.qk_nope_head_dim :]
+
+    @staticmethod
+    def _latent_kv(c, k_pe):
+        """The cache's entry for new tokens: ``[c, k_pe] (..., 1, n, r + dr)`` as the cache's
+        "keys" and a zero-width "value" (the values are the keys' first ``r`` features)."""
+        new = np.concatenate([c[..., None, :, :], k_pe], axis=-1)
+        return new, new[..., :0]
+
+    # -- backward --------------------------------------------------------------------------
+    def backward(self, dy):
+        """Gradient with respect to ``x``; every parameter's gradient is added into its ``.grad``.
+
+        Raises
+        ------
+        RuntimeError
+            No forward state (none yet, already used, or a ``use_cache`` / ``no_grad`` forward).
+        TypeError, ValueError
+            ``dy`` not numeric or not of the output's shape.
+        """
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy):
+        """``backward`` on a checked ``dy``.
+
+        Plain form: the attention backward gives ``dquery = [dq_nope, dq_pe]``, ``dkey = [dk_nope,
+        dk_pe]`` and ``dvalue`` per head.  ``[dk_nope, dvalue]`` is the gradient of ``kv_b_proj``'s
+        output.  The rotated key is one vector per token broadcast to every head, so its gradient is
+        the sum over heads (a broadcast's adjoint is a sum).
+
+        Absorbed form: ``ctx[h] = ctx_lat[h] W_uv[h]^T`` gives ``dctx_lat[h] = dctx[h] W_uv[h]`` and
+        ``dW_uv[h] = sum_l dctx[h, l]^T ctx_lat[h, l]``; ``q_lat[h] = q_nope[h] W_uk[h]`` gives
+        ``dq_nope[h] = dq_lat[h] W_uk[h]^T`` and ``dW_uk[h] = sum_l q_nope[h, l]^T dq_lat[h, l]``.  The
+        attention backward already sums the shared key's and value's gradients over the heads
+        (multi-query); the latent is both the key's first ``r`` features and the value, so
+        ``dc = dkey[:r] + dvalue``.
+
+        Both: RoPE is a fixed rotation, its backward rotates back; the latent passes back through
+        ``kv_a_layernorm``; ``[dc, dk_pe]`` is the gradient of ``kv_a_proj_with_mqa``'s output; ``dx``
+        sums the query path's and the latent path's input gradients.
+        """
+        st: _State = self._pop()
+        H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        dctx = _split(self.o_proj._backward(dy), H)  # (..., H, L, dv)
+        if st.absorbed:
+            W_uk, W_uv = self._absorbed_weights()
+            lead_axes = tuple(range(dctx.ndim - 3))
+            dctx_lat = np.matmul(dctx, W_uv)  # (..., H, L, dv) @ (H, dv, r)
+            dW_uv = np.matmul(dctx.swapaxes(-1, -2), st.ctx_lat).sum(axis=lead_axes)  # (H, dv, r)
+            dquery, dkey, dvalue = K.scaled_dot_product_attention_backward(dctx_lat, st.attn)[:3]
+            dq_lat, dq_pe = dquery[..., :r], dquery[..., r:]
+            dq_nope = np.matmul(dq_lat, W_uk.swapaxes(-1, -2))  # (..., H, L, r) @ (H, r, dn)
+            dW_uk = np.matmul(st.q_nope.swapaxes(-1, -2), dq_lat).sum(axis=lead_axes)  # (H, dn, r)
+            self._accumulate(self.kv_b_proj.weight, np.concatenate([dW_uk, dW_uv], axis=1).reshape(-1, r))
+            dc = dkey[..., 0, :, :r] + dvalue[..., 0, :, :]  # (..., L, r)
+            dk_pe = dkey[..., r:]  # (..., 1, L, dr)
+        else:
+            dquery, dkey, dvalue = K.scaled_dot_product_attention_backward(dctx, st.attn)[:3]
+            dq_nope, dq_pe = dquery[..., :dn], dquery[..., dn:]
+            dc = self.kv_b_proj._backward(_merge(np.concatenate([dkey[..., :dn], dvalue], axis=-1)))
+            dk_pe = dkey[..., dn:].sum(axis=-3, keepdims=True)  # the shared key: summed over heads
+        dq_pe = K.rope_backward(dq_pe, st.q_rope)
+        dk_pe = K.rope_backward(dk_pe, st.k_rope)[..., 0, :, :]  # (..., L, dr)
+        dq = _merge(np.concatenate([dq_nope, dq_pe], axis=-1))  # (..., L, H dq)
+        if self.q_lora_rank is None:
+            dx = self.q_proj._backward(dq)
+        else:
+            dx = self.q_a_proj._backward(self.q_a_layernorm._backward(self.q_b_proj._backward(dq)))
+        dc = self.kv_a_layernorm._backward(dc)
+        dx += self.kv_a_proj_with_mqa._backward(np.concatenate([dc, dk_pe], axis=-1))
+        return dx
