@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import functional as F
-from ._validate import as_index, as_rng, check_dtype, check_positive_float, check_prob, check_size
-from .nn.layers import Embedding, LayerNorm, Linear
-from .nn.module import Module, ModuleList, no_grad
-from .nn.transformer import EncoderBlock
+from .. import functional as F
+from .._validate import as_index, as_rng, check_dtype, check_positive_float, check_prob, check_size
+from ..nn.layers import Embedding, LayerNorm, Linear
+from ..nn.module import Module, ModuleList, no_grad
+from ..nn.transformer import EncoderBlock
 
 __all__ = ["TinyTransformer"]
 
@@ -185,7 +185,7 @@ class TinyTransformer(Module):
         ``npattn.book.generate`` (``npattn.generation.generate``).  Runs in eval mode without
         keeping backward state and restores the mode.
         """
-        from .generation import generate
+        from ..generation import generate
 
         ids = self._check_ids(ids)
         n = check_size(max_new_tokens, "max_new_tokens", minimum=0)

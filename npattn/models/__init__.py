@@ -1,0 +1,14 @@
+"""Models built from npattn's modules.
+
+* ``TinyTransformer``: a small GPT-style model assembled from the public pieces (``tiny.py``).
+* ``CausalLM``: one config-driven decoder-only language model that loads Hugging Face
+  checkpoints of Llama 3, Qwen3, Gemma 3 (text), GPT-OSS, DeepSeek-V3 and Qwen3-Next
+  (``causal_lm.py``); ``CausalLMConfig`` is its configuration, made from a Hugging Face config
+  dict by ``config_from_hf`` (``configs.py``); ``hf.py`` reads safetensors checkpoints without torch.
+"""
+
+from .causal_lm import CausalLM
+from .configs import CausalLMConfig, config_from_hf
+from .tiny import TinyTransformer
+
+__all__ = ["TinyTransformer", "CausalLM", "CausalLMConfig", "config_from_hf"]

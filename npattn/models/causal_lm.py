@@ -1,0 +1,419 @@
+"""``CausalLM``: one config-driven decoder-only language model for the open model families.
+
+A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, for every family::
+
+    x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden)
+    for layer in layers:                         # pre-norm residual blocks
+        h = input_layernorm(x)
+        a = attention(h)                         # MHA (full / sliding window), MLA or gated DeltaNet
+        a = post_attention_layernorm(a)          # Gemma's "sandwich" only
+        x = x + a
+        h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
+        m = mlp(h)                               # gated MLP, or routed experts
+        m = post_feedforward_layernorm(m)        # Gemma only
+        x = x + m
+    logits = lm_head(norm(x))                    # tied: embed_tokens.weight; Gemma 2/3: c * tanh(logits / c)
+
+Backward visits the same modules in reverse.  A residual ``x + f(norm(x))`` passes its gradient
+``dx`` straight through and adds the branch's ``norm.backward(f.backward(dx))``; a sandwich norm is
+one more module on the branch.  The tied head is a second use of the embedding table, so its
+gradient ``dlogits^T h`` is added to the embedding's own (the rows of the looked-up tokens).
+
+Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``...): the decoder
+layer renames the few modules whose own names differ (``MultiHeadAttention``'s ``W_query``,
+``FeedForward``'s ``linear1``...), so ``named_parameters()``, ``state_dict()`` and
+``load_state_dict()`` speak the checkpoint's language.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import functional as F
+from .._validate import as_index, as_rng, check_bool, check_dtype
+from ..functional import kernels as K
+from ..nn.attention import MultiHeadAttention
+from ..nn.layers import Embedding, FeedForward, Linear, RMSNorm
+from ..nn.module import Module, ModuleList, no_grad
+from .configs import CausalLMConfig, config_from_hf
+
+__all__ = ["CausalLM"]
+
+_FAMILY_NEEDS = {
+    "gpt_oss": "the mixture-of-experts layer (npattn.nn.moe) and yarn RoPE scaling",
+    "deepseek_v3": "multi-head latent attention (npattn.nn.latent_attention) and the mixture-of-experts layer",
+    "qwen3_next": "gated DeltaNet (npattn.nn.delta_net), gated attention and the mixture-of-experts layer",
+}
+
+
+def unsupported(cfg: CausalLMConfig) -> str | None:
+    """A message naming the config key of the first option the layers npattn has cannot build
+    (``None`` when the model can be built)."""
+    if cfg.model_type in _FAMILY_NEEDS:
+        return f"model_type {cfg.model_type!r} not supported yet: it needs {_FAMILY_NEEDS[cfg.model_type]}"
+    for kind, params in cfg.rope.items():
+        if params.get("rope_type", "default") != "default":
+            return (
+                f"config['rope_parameters']: rope_type {params['rope_type']!r} (RoPE scaling) is not supported "
+                "by npattn yet"
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            return "config['partial_rotary_factor']: partial rotary embedding is not supported by npattn yet"
+    if cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
+        return (
+            f"config['head_dim']: num_attention_heads * head_dim = {cfg.num_attention_heads * cfg.head_dim} "
+            f"differs from hidden_size = {cfg.hidden_size}, which MultiHeadAttention does not support yet"
+        )
+    if cfg.attention_scale is not None and not math.isclose(cfg.attention_scale, cfg.head_dim**-0.5, rel_tol=1e-15):
+        return "config['query_pre_attn_scalar']: a score scale other than 1/sqrt(head_dim) is not supported yet"
+    if cfg.qk_norm and cfg.norm_offset:
+        return "config['model_type']: QK-norm with (1 + weight) is not supported by MultiHeadAttention yet"
+    return None
+
+
+# -- norms ---------------------------------------------------------------------------------
+class _OffsetRMSNorm(RMSNorm):
+    """RMSNorm that multiplies by ``1 + weight`` (Gemma, Qwen3-Next; the weight starts at 0).
+
+    ``y = x / rms(x) * (1 + w)``: the gradient of the effective scale ``1 + w`` is the gradient
+    of ``w``, so the backward is ``RMSNorm``'s."""
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        w = self.weight.data + 1  # type: ignore[union-attr]
+        y, cache = K.rms_norm(x, w, self.eps, normalized_shape=self.normalized_shape)
+        self._save(cache)
+        return y
+
+
+def _norm(cfg: CausalLMConfig, dtype) -> RMSNorm:
+    cls = _OffsetRMSNorm if cfg.norm_offset else RMSNorm
+    return cls(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+
+# -- Hugging Face names ----------------------------------------------------------------------
+class _Renamed(Module):
+    """A container whose submodules' parameter names are shown under Hugging Face's names:
+    ``_names`` maps a dotted prefix of npattn's name to the checkpoint's (``named_parameters``,
+    ``state_dict`` and ``load_state_dict`` all use the mapped names)."""
+
+    _names: dict = {}
+
+    def _rename(self, name: str) -> str:
+        for old, new in self._names.items():
+            if name == old or name.startswith(old + "."):
+                return new + name[len(old) :]
+        return name
+
+    def named_parameters(self, prefix: str = ""):
+        for name, p in super().named_parameters():
+            name = self._rename(name)
+            yield (f"{prefix}.{name}" if prefix else name), p
+
+    def _state_entries(self, prefix: str = ""):
+        for key, owner, name, is_param in super()._state_entries():
+            key = self._rename(key)
+            yield (f"{prefix}.{key}" if prefix else key), owner, name, is_param
+
+
+_MHA_NAMES = {
+    "self_attn.W_query": "self_attn.q_proj",
+    "self_attn.W_key": "self_attn.k_proj",
+    "self_attn.W_value": "self_attn.v_proj",
+    "self_attn.out_proj": "self_attn.o_proj",
+}
+_MLP_NAMES = {"mlp.linear1": "mlp.gate_proj", "mlp.linear3": "mlp.up_proj", "mlp.linear2": "mlp.down_proj"}
+_GATED = {"silu": "swiglu", "gelu_tanh": "geglu_tanh"}
+
+
+def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
+    """The attention module of layer ``i``."""
+    kind = cfg.layer_types[i]
+    rope = cfg.rope.get(kind, cfg.rope.get("default", {}))
+    window = (cfg.sliding_window - 1, 0) if kind == "sliding_attention" and cfg.sliding_window else None
+    m = MultiHeadAttention(
+        cfg.hidden_size,
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        qkv_bias=cfg.attention_bias,
+        out_bias=cfg.attention_bias,
+        causal=True,
+        dropout=cfg.attention_dropout,
+        window=window,
+        softcap=cfg.attn_logit_softcapping,
+        sinks=cfg.sinks,
+        rope=True,
+        rope_base=float(rope.get("rope_theta", 10000.0)),
+        qk_norm=cfg.qk_norm,
+        rng=rng,
+        dtype=dtype,
+    )
+    if cfg.qk_norm:  # the checkpoint's eps, not RMSNorm's default
+        m.q_norm.eps = m.k_norm.eps = cfg.rms_norm_eps
+    return m
+
+
+class DecoderLayer(_Renamed):
+    """One pre-norm residual block of ``CausalLM`` (see the module docstring), with Hugging
+    Face's names: ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``,
+    ``input_layernorm``, ``post_attention_layernorm`` (and Gemma's ``pre_feedforward_layernorm``,
+    ``post_feedforward_layernorm``)."""
+
+    def __init__(self, cfg: CausalLMConfig, index: int, *, rng=None, dtype=np.float64):
+        super().__init__()
+        self._dtype = check_dtype(dtype)
+        self.index = index
+        self.sandwich = cfg.sandwich_norm
+        self.self_attn = _attention(cfg, index, rng, dtype)
+        act = _GATED[cfg.hidden_act]
+        self.mlp = FeedForward(
+            cfg.hidden_size, cfg.intermediate_size, activation=act, bias=cfg.mlp_bias, rng=rng, dtype=dtype
+        )
+        self.input_layernorm = _norm(cfg, dtype)
+        self.post_attention_layernorm = _norm(cfg, dtype)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(cfg, dtype)
+            self.post_feedforward_layernorm = _norm(cfg, dtype)
+        object.__setattr__(self, "_names", {**_MHA_NAMES, **_MLP_NAMES})
+
+    @property
+    def attention(self) -> Module:
+        return self.self_attn
+
+    def _mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def forward(self, x, *, use_cache: bool = False):
+        """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``)."""
+        a = self.self_attn(self.input_layernorm(x), use_cache=use_cache)
+        if self.sandwich:
+            a = self.post_attention_layernorm(a)
+        x = x + a
+        m = self.mlp(self._mlp_norm()(x))
+        if self.sandwich:
+            m = self.post_feedforward_layernorm(m)
+        self._save(True)
+        return x + m
+
+    def backward(self, dy):
+        """``dx``: the residual's ``dy`` plus each branch's gradient through its norm."""
+        dy = self._check_dy(dy)
+        self._pop()
+        dm = self.post_feedforward_layernorm.backward(dy) if self.sandwich else dy
+        dx = dy + self._mlp_norm().backward(self.mlp.backward(dm))
+        da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
+        return dx + self.input_layernorm.backward(self.self_attn.backward(da))
+
+    def reset_kv_cache(self) -> None:
+        self.self_attn.reset_kv_cache()  # type: ignore[attr-defined]
+
+
+class _Backbone(Module):
+    """``model.*``: ``embed_tokens``, ``layers``, ``norm`` (a container; ``CausalLM`` runs it)."""
+
+    def __init__(self, cfg: CausalLMConfig, rng, dtype):
+        super().__init__()
+        self._dtype = check_dtype(dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, rng=rng, dtype=dtype)
+        self.layers = ModuleList([DecoderLayer(cfg, i, rng=rng, dtype=dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = _norm(cfg, dtype)
+
+
+class CausalLM(Module):
+    """A decoder-only language model of any supported family: ``ids (B, L) -> logits (B, L, vocab)``.
+
+    Build it from a Hugging Face checkpoint with ``CausalLM.from_hf(state_dict, config)`` or
+    ``CausalLM.from_pretrained(directory)``, or with random weights from a ``CausalLMConfig``
+    (or a Hugging Face config dict): ``CausalLM(config, rng=0)``.
+
+    Parameters
+    ----------
+    config : CausalLMConfig or mapping
+        The model's configuration (a mapping is read by ``config_from_hf``).
+    rng : numpy Generator, int or None
+        The initial weights' randomness (each layer's torch-style default initialisation).
+    dtype : numpy dtype
+        ``np.float64`` (default) or ``np.float32``; parameters, activations and gradients.
+
+    Notes
+    -----
+    ``forward(ids)`` keeps what ``backward(dlogits)`` needs; ``backward`` adds every parameter's
+    gradient into its ``.grad`` and returns ``None`` (ids have no gradient).
+    ``forward(ids, use_cache=True)`` decodes incrementally (each attention layer's cache; the
+    logits of the full pass over everything fed since ``reset_kv_cache()``), keeping nothing for
+    backward.  Parameter names are Hugging Face's; a tied head is ``model.embed_tokens.weight``
+    alone (as ``transformers`` lists it once).
+
+    Raises
+    ------
+    ValueError
+        A configuration npattn cannot build (the message names the config key).
+    """
+
+    def __init__(self, config, *, rng=None, dtype=np.float64):
+        super().__init__()
+        cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
+        problem = unsupported(cfg)
+        if problem is not None:
+            raise ValueError(problem)
+        self._dtype = check_dtype(dtype)
+        rng = as_rng(rng)
+        self.config = cfg
+        self.model = _Backbone(cfg, rng, dtype)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
+        )
+
+    def extra_repr(self):
+        c = self.config
+        return (
+            f"model_type={c.model_type!r}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}"
+        )
+
+    @property
+    def layers(self) -> ModuleList:
+        """``model.layers``: the decoder layers."""
+        return self.model.layers
+
+    # -- forward / backward ----------------------------------------------------------------
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = as_index(ids, "ids")
+        if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
+            raise ValueError(f"ids: expected token ids of shape (B, L) or (L,) with L >= 1, got shape {ids.shape}")
+        v = self.config.vocab_size
+        if ids.min() < 0 or ids.max() >= v:
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"ids: expected values in [0, {v}) (vocab_size), got {bad}")
+        return ids
+
+    def _embed_scale(self):
+        return self.dtype.type(math.sqrt(self.config.hidden_size)) if self.config.embed_scale else None
+
+    def forward(self, ids, *, use_cache: bool = False):
+        """``ids (B, L)`` (or ``(L,)``) integer token ids -> ``logits (B, L, vocab_size)``.
+
+        ``use_cache=True``: append these tokens to every layer's cache and return the logits of
+        their positions after everything cached (no state kept for backward)."""
+        ids = self._check_ids(ids)
+        use_cache = check_bool(use_cache, "use_cache")
+        if use_cache:
+            with no_grad():
+                return self._forward(ids, True)
+        return self._forward(ids, False)
+
+    def _forward(self, ids: np.ndarray, use_cache: bool):
+        m = self.model
+        x = m.embed_tokens(ids)
+        scale = self._embed_scale()
+        if scale is not None:  # Gemma: sqrt(hidden) cast to the dtype first, as transformers does
+            x = x * scale
+        for layer in m.layers:
+            x = layer(x, use_cache=use_cache)
+        h = m.norm(x)
+        if self.lm_head is None:
+            logits, head = K.linear(h, m.embed_tokens.weight.data)
+        else:
+            logits, head = self.lm_head(h), None
+        t = None
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # logits = c tanh(z / c); dz = dlogits (1 - tanh^2)
+            t = np.tanh(logits / logits.dtype.type(cap))
+            logits = t * logits.dtype.type(cap)
+        self._save((head, t))
+        return logits
+
+    def backward(self, dlogits):
+        """Accumulate every parameter's gradient from ``dlogits (B, L, vocab)``; returns ``None``."""
+        dlogits = self._check_dy(dlogits, "dlogits")
+        head, t = self._pop()
+        m = self.model
+        if t is not None:
+            dlogits = dlogits * (1 - t * t)
+        if head is None:
+            dh = self.lm_head.backward(dlogits)
+        else:  # the tied head: its weight gradient joins the embedding's
+            dh, dw, _ = K.linear_backward(dlogits, head)
+            self._accumulate(m.embed_tokens.weight, dw)
+        dx = m.norm.backward(dh)
+        for layer in reversed(list(m.layers)):
+            dx = layer.backward(dx)
+        scale = self._embed_scale()
+        if scale is not None:
+            dx = dx * scale
+        m.embed_tokens.backward(dx)
+        return None
+
+    def loss(self, ids, targets, *, ignore_index=None):
+        """Forward and mean cross-entropy of ``targets (B, L)`` (``ignore_index`` not counted).
+        Returns ``(loss as float, dlogits)`` for ``backward``."""
+        logits = self.forward(ids)
+        loss, cache = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+        return float(loss), F.cross_entropy_backward(np.ones((), logits.dtype), cache)
+
+    def reset_kv_cache(self) -> None:
+        """Empty every layer's cache (start a new sequence)."""
+        for layer in self.model.layers:
+            layer.reset_kv_cache()
+
+    # -- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, state_dict, config, *, dtype=None) -> CausalLM:
+        """A model with the weights of a Hugging Face ``*ForCausalLM`` state dict.
+
+        Parameters
+        ----------
+        state_dict : mapping
+            Hugging Face names (``model.embed_tokens.weight``, ``model.layers.0.self_attn.q_proj.weight``,
+            ..., ``lm_head.weight``) to numpy arrays, CPU torch tensors (bfloat16 included) or
+            the lazy tensors of ``npattn.models.hf``.  A tied head may be present or absent.
+        config : mapping or CausalLMConfig
+            The model's ``PretrainedConfig.to_dict()`` (or ``config.json``).
+        dtype : numpy dtype or None
+            The model's dtype; ``None``: the state dict's float64 or float32 (bfloat16 and float16
+            become float32).
+
+        Returns
+        -------
+        CausalLM
+
+        Raises
+        ------
+        ValueError
+            An unsupported config option (naming the key), or a missing, unexpected or wrongly
+            shaped state-dict key (naming it).  Nothing is converted before every key and shape
+            has been checked.
+        TypeError
+            A state dict that is not a mapping, or a tensor that is not a float array.
+        """
+        from .hf import load_into
+
+        return load_into(cls, state_dict, config, dtype)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, dtype=None) -> CausalLM:
+        """A model from a saved Hugging Face directory: ``config.json`` and ``model.safetensors``
+        (or the shards of ``model.safetensors.index.json``), read without torch, one tensor at a
+        time from a memory map (bfloat16, float16, float32, float64).
+
+        Parameters
+        ----------
+        directory : str or path
+        dtype : numpy dtype or None
+            ``None``: float32 (float64 for a float64 checkpoint).
+
+        Returns
+        -------
+        CausalLM
+
+        Raises
+        ------
+        FileNotFoundError
+            No ``config.json`` or no safetensors file.
+        ValueError
+            As ``from_hf``; also a malformed safetensors file.
+        """
+        from .hf import from_pretrained
+
+        return from_pretrained(cls, directory, dtype)

@@ -1,0 +1,481 @@
+"""A Hugging Face config dict -> ``CausalLMConfig``, one reader per ``model_type``.
+
+``CausalLM`` is one class; a family is a configuration of it (as LitGPT keeps one model and a
+config per family).  ``config_from_hf(d)`` reads the plain dict of ``PretrainedConfig.to_dict()``
+(or a checkpoint's ``config.json``) and returns the ``CausalLMConfig`` that describes the same
+network.  Every key of the dict is either read, known to change nothing in the forward pass
+(metadata such as ``architectures``, ``initializer_range``, ``use_cache``), or refused: an option
+npattn does not implement raises ``ValueError`` naming the key, never a silently different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["CausalLMConfig", "config_from_hf", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next")
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
+MLP_KINDS = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class CausalLMConfig:
+    """Everything that shapes a ``CausalLM``; the Hugging Face names where a key exists.
+
+    Per layer: ``layer_types[i]`` is ``"full_attention"``, ``"sliding_attention"`` (a causal
+    window of ``sliding_window`` keys, the query's own included, as Hugging Face masks),
+    ``"linear_attention"`` (gated DeltaNet) or ``"latent_attention"`` (MLA); ``mlp_types[i]`` is
+    ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``) or ``"moe"`` (routed experts).
+
+    ``rope[layer_type]`` is the Hugging Face ``rope_parameters`` dict of that kind of layer
+    (``rope_theta``, ``rope_type`` and the scaling's own keys).  ``norm_offset``: norms multiply by
+    ``1 + weight`` (Gemma, Qwen3-Next); ``sandwich_norm``: norms also after attention and after the
+    MLP (Gemma); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
+    ``attention_scale`` is the scores' factor (``None``: ``1/sqrt(head_dim)``).  ``moe``,
+    ``latent`` and ``linear_attention`` hold the Hugging Face options of those layers (keys as
+    in the config), ``None`` where the family has none.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_types: tuple
+    mlp_types: tuple
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    rope: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: bool = False
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sinks: bool = False
+    attn_output_gate: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: Any = None
+    max_position_embeddings: int | None = None
+    moe: Mapping[str, Any] | None = None
+    latent: Mapping[str, Any] | None = None
+    linear_attention: Mapping[str, Any] | None = None
+
+    def replace(self, **changes) -> CausalLMConfig:
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+# Keys of every PretrainedConfig (and of older ones on the Hub) that change nothing in the forward
+# pass of a causal LM in inference or training (generation defaults, labels, bookkeeping).
+_METADATA = frozenset(
+    {
+        "architectures",
+        "transformers_version",
+        "model_type",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "return_dict",
+        "output_hidden_states",
+        "output_attentions",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "initializer_range",
+        "use_cache",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "tokenizer_class",
+        "task_specific_params",
+        "finetuning_task",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "cache_implementation",
+        "auto_map",
+        "num_nextn_predict_layers",  # DeepSeek-V3's multi-token-prediction layers: not part of the causal LM
+        "pretraining_tp",  # the forward pass is the same whatever it says (transformers ignores it)
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    }
+)
+
+
+class _Reader:
+    """Reads keys of a config dict, remembering which were read; ``finish`` refuses the rest."""
+
+    def __init__(self, d: Mapping[str, Any], model_type: str):
+        self.d = d
+        self.model_type = model_type
+        self.used: set = set()
+
+    def has(self, key: str) -> bool:
+        return key in self.d and self.d[key] is not None
+
+    def get(self, key: str, default=None):
+        self.used.add(key)
+        v = self.d.get(key, default)
+        return default if v is None else v
+
+    def require(self, key: str):
+        self.used.add(key)
+        if self.d.get(key) is None:
+            raise ValueError(f"config: model_type {self.model_type!r} needs the key {key!r}, which is missing")
+        return self.d[key]
+
+    def int(self, key: str, default=None, *, minimum: int = 1):
+        v = self.require(key) if default is None and not self.has(key) else self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+            raise ValueError(f"config[{key!r}]: expected an integer >= {minimum}, got {v!r}")
+        return int(v)
+
+    def float(self, key: str, default=None, *, positive: bool = True):
+        v = self.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (positive and v <= 0):
+            raise ValueError(f"config[{key!r}]: expected a finite number{' > 0' if positive else ''}, got {v!r}")
+        return float(v)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            raise ValueError(f"config[{key!r}]: expected true or false, got {v!r}")
+        return v
+
+    def only(self, key: str, allowed: tuple, default=None, why: str = ""):
+        """The value of ``key``, which must be one of ``allowed`` (npattn lacks the others)."""
+        v = self.get(key, default)
+        if v not in allowed:
+            raise ValueError(
+                f"config[{key!r}] = {v!r} is not supported by npattn for model_type {self.model_type!r} "
+                f"(supported: {list(allowed)}){': ' + why if why else ''}"
+            )
+        return v
+
+    def finish(self) -> None:
+        left = [k for k in self.d if k not in self.used and k not in _METADATA and not k.startswith("_")]
+        if left:
+            raise ValueError(
+                f"config: key {left[0]!r} is not supported by npattn for model_type {self.model_type!r} "
+                f"(an option npattn does not implement; unknown keys: {left})"
+            )
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def _act(r: _Reader, key: str, default: str) -> str:
+    v = r.get(key, default)
+    if v not in _ACTIVATIONS:
+        raise ValueError(f"config[{key!r}] = {v!r} is not supported by npattn (supported: {sorted(_ACTIVATIONS)})")
+    return _ACTIVATIONS[v]
+
+
+def _rope_params(r: _Reader, default_theta: float, per_type: tuple = ()) -> dict:
+    """``{layer_type: rope parameters}`` (``"default"`` for all layers unless ``per_type``)
+    from ``rope_parameters`` or the older ``rope_theta`` / ``rope_scaling`` keys."""
+    rp = r.get("rope_parameters")
+    theta = r.get("rope_theta")
+    scaling = r.get("rope_scaling")
+    prf = r.get("partial_rotary_factor")
+    if per_type:
+        if rp is not None and all(t in rp for t in per_type):
+            out = {t: dict(rp[t]) for t in per_type}
+        else:  # Gemma's older keys: rope_theta (global), rope_local_base_freq, rope_scaling (global)
+            local = r.get("rope_local_base_freq", 10000.0)
+            out = {t: {"rope_type": "default", "rope_theta": local} for t in per_type}
+            out["full_attention"] = {"rope_type": "default", "rope_theta": theta or default_theta}
+            if scaling:
+                out["full_attention"].update(scaling)
+    else:
+        if rp is None:
+            rp = {"rope_type": "default", "rope_theta": theta if theta is not None else default_theta}
+            if scaling:
+                rp.update(scaling)
+        out = {"default": dict(rp)}
+    for params in out.values():
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", theta if theta is not None else default_theta)
+        if prf is not None:
+            params.setdefault("partial_rotary_factor", prf)
+    return out
+
+
+def _common(r: _Reader, default_theta: float = 10000.0) -> dict:
+    heads = r.int("num_attention_heads")
+    hidden = r.int("hidden_size")
+    kv = r.int("num_key_value_heads", heads)
+    if heads % kv:
+        raise ValueError(f"config['num_key_value_heads']: expected a divisor of num_attention_heads={heads}, got {kv}")
+    head_dim = r.int("head_dim", hidden // heads)
+    n_layers = r.int("num_hidden_layers")
+    dropout = r.float("attention_dropout", 0.0, positive=False)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"config['attention_dropout']: expected a probability in [0, 1), got {dropout}")
+    pad = r.d.get("pad_token_id")
+    vocab = r.int("vocab_size")
+    if pad is not None and not (isinstance(pad, numbers.Integral) and 0 <= int(pad) < vocab):
+        pad = None  # a pad id outside the table (some configs say -1) marks no embedding row
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+        attention_dropout=dropout,
+        tie_word_embeddings=bool(r.d.get("tie_word_embeddings", False)),
+        pad_token_id=pad,
+        bos_token_id=r.d.get("bos_token_id"),
+        eos_token_id=r.d.get("eos_token_id"),
+        max_position_embeddings=r.d.get("max_position_embeddings"),
+    )
+
+
+def _layer_types(r: _Reader, n: int, allowed: tuple, default: list) -> tuple:
+    lt = r.get("layer_types") or default
+    if len(lt) != n:
+        raise ValueError(f"config['layer_types']: expected {n} entries (num_hidden_layers), got {len(lt)}")
+    for t in lt:
+        if t not in allowed:
+            raise ValueError(
+                f"config['layer_types']: {t!r} is not supported by npattn for model_type {r.model_type!r} "
+                f"(supported: {list(allowed)})"
+            )
+    return tuple(lt)
+
+
+def _window(r: _Reader, layer_types: tuple):
+    if "sliding_attention" not in layer_types:
+        r.get("sliding_window")
+        return None
+    return r.int("sliding_window")
+
+
+def _llama(r: _Reader) -> dict:
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        mlp_bias=r.bool("mlp_bias"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=("full_attention",) * n,
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
+def _qwen3(r: _Reader) -> dict:
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    use_sw = r.bool("use_sliding_window")
+    mwl = r.int("max_window_layers", n, minimum=0)
+    sw = r.get("sliding_window") if use_sw else None
+    default = ["sliding_attention" if sw is not None and i >= mwl else "full_attention" for i in range(n)]
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        qk_norm=True,
+        rope=_rope_params(r, 10000.0),
+        layer_types=lt,
+        sliding_window=_window(r, lt),
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
+def _gemma3(r: _Reader) -> dict:
+    c = _common(r, 1_000_000.0)
+    n = c["num_hidden_layers"]
+    r.only("use_bidirectional_attention", (False,), False, "npattn's CausalLM is causal")
+    pattern = r.int("sliding_window_pattern", 6)
+    default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_activation", "gelu_pytorch_tanh"),
+        attention_bias=r.bool("attention_bias"),
+        qk_norm=True,
+        norm_offset=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
+        attn_logit_softcapping=r.float("attn_logit_softcapping"),
+        final_logit_softcapping=r.float("final_logit_softcapping"),
+        rope=_rope_params(r, 1_000_000.0, ("full_attention", "sliding_attention")),
+        layer_types=lt,
+        sliding_window=_window(r, lt),
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
+def _gpt_oss(r: _Reader) -> dict:
+    c = _common(r, 150000.0)
+    n = c["num_hidden_layers"]
+    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    r.only("hidden_act", ("silu",), "silu", "GPT-OSS's experts use their own clamped SwiGLU")
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        attention_bias=r.bool("attention_bias", True),
+        sinks=True,
+        rope=_rope_params(r, 150000.0),
+        layer_types=lt,
+        sliding_window=_window(r, lt),
+        mlp_types=("moe",) * n,
+        moe={
+            "num_local_experts": r.int("num_local_experts"),
+            "num_experts_per_tok": r.int("num_experts_per_tok"),
+            "swiglu_limit": r.float("swiglu_limit", 7.0),
+            "swiglu_alpha": r.float("swiglu_alpha", 1.702),
+        },
+    )
+    return c
+
+
+def _deepseek_v3(r: _Reader) -> dict:
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    k_dense = r.int("first_k_dense_replace", 0, minimum=0)
+    r.get("qk_head_dim")  # derived: qk_nope_head_dim + qk_rope_head_dim
+    q_lora = r.get("q_lora_rank")
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=("latent_attention",) * n,
+        mlp_types=tuple("dense" if i < k_dense else "moe" for i in range(n)),
+        latent={
+            "q_lora_rank": None if q_lora is None else r.int("q_lora_rank"),
+            "kv_lora_rank": r.int("kv_lora_rank"),
+            "qk_nope_head_dim": r.int("qk_nope_head_dim"),
+            "qk_rope_head_dim": r.int("qk_rope_head_dim"),
+            "v_head_dim": r.int("v_head_dim"),
+            "rope_interleave": r.bool("rope_interleave", True),
+        },
+        moe={
+            "n_routed_experts": r.int("n_routed_experts"),
+            "n_shared_experts": r.int("n_shared_experts", 0, minimum=0),
+            "num_experts_per_tok": r.int("num_experts_per_tok"),
+            "moe_intermediate_size": r.int("moe_intermediate_size"),
+            "n_group": r.int("n_group", 1),
+            "topk_group": r.int("topk_group", 1),
+            "routed_scaling_factor": r.float("routed_scaling_factor", 1.0),
+            "norm_topk_prob": r.bool("norm_topk_prob", True),
+        },
+    )
+    # the head_dim key of DeepSeek-V3's config is qk_rope_head_dim (the rotary part)
+    c["head_dim"] = c["latent"]["qk_rope_head_dim"]
+    return c
+
+
+def _qwen3_next(r: _Reader) -> dict:
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    interval = r.int("full_attention_interval", 4)
+    default = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    lt = _layer_types(r, n, ("full_attention", "linear_attention"), default)
+    step = r.int("decoder_sparse_step", 1)
+    only = set(r.get("mlp_only_layers", []) or [])
+    n_exp = r.int("num_experts")
+    mlp = tuple("moe" if i not in only and n_exp > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        qk_norm=True,
+        norm_offset=True,
+        attn_output_gate=True,
+        rope=_rope_params(r, 10000.0),
+        layer_types=lt,
+        mlp_types=mlp,
+        moe={
+            "num_experts": n_exp,
+            "num_experts_per_tok": r.int("num_experts_per_tok"),
+            "moe_intermediate_size": r.int("moe_intermediate_size"),
+            "shared_expert_intermediate_size": r.int("shared_expert_intermediate_size", 0, minimum=0),
+            "norm_topk_prob": r.bool("norm_topk_prob", True),
+        },
+        linear_attention={
+            "linear_conv_kernel_dim": r.int("linear_conv_kernel_dim"),
+            "linear_key_head_dim": r.int("linear_key_head_dim"),
+            "linear_value_head_dim": r.int("linear_value_head_dim"),
+            "linear_num_key_heads": r.int("linear_num_key_heads"),
+            "linear_num_value_heads": r.int("linear_num_value_heads"),
+        },
+    )
+    return c
+
+
+_READERS = {
+    "llama": _llama,
+    "qwen3": _qwen3,
+    "gemma3_text": _gemma3,
+    "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
+    "qwen3_next": _qwen3_next,
+}
+
+
+def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
+    """The ``CausalLMConfig`` of a Hugging Face config dict (``PretrainedConfig.to_dict()`` or a
+    checkpoint's ``config.json``).
+
+    Parameters
+    ----------
+    config : mapping
+        The config; ``config["model_type"]`` is one of ``llama``, ``qwen3``, ``gemma3_text``,
+        ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``.
+
+    Returns
+    -------
+    CausalLMConfig
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a mapping.
+    ValueError
+        An unsupported ``model_type``, a missing or malformed key, or a key naming an option
+        npattn does not implement (the message names the key).
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a mapping (PretrainedConfig.to_dict()), got {type(config).__name__}")
+    mt = config.get("model_type")
+    if mt not in _READERS:
+        raise ValueError(f"config['model_type']: expected one of {list(SUPPORTED_MODEL_TYPES)}, got {mt!r}")
+    r = _Reader(config, mt)
+    fields = _READERS[mt](r)
+    r.finish()
+    return CausalLMConfig(model_type=mt, **fields)

@@ -1,0 +1,329 @@
+"""Hugging Face checkpoints without torch: safetensors files through a memory map, bfloat16 to
+float32, state dicts into a ``CausalLM`` atomically.
+
+The safetensors format (https://github.com/huggingface/safetensors) is small enough to read
+directly, and its own numpy API has no bfloat16 (numpy has no such dtype)::
+
+    8 bytes        little-endian uint64 N: the header's length
+    N bytes        JSON: {name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...,
+                          "__metadata__": {...}}
+    the rest       raw little-endian tensor bytes; offsets count from the end of the header
+
+A bfloat16 is the upper half of a float32 (1 sign, 8 exponent, 7 mantissa bits), so widening is
+exact: ``float32 bits = uint16 bits << 16``.
+
+Loading is lazy: ``open_safetensors`` maps the file and returns ``LazyTensor`` views (nothing is
+read); the model is built without drawing random weights, every key and shape is checked, and
+only then is each tensor converted, one at a time, into its parameter.  A checkpoint therefore
+loads within about the final model's own size in memory (plus one tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from .._validate import check_dtype, to_numpy
+
+__all__ = ["LazyTensor", "open_safetensors", "open_checkpoint", "bf16_to_float32", "save_safetensors"]
+
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # the bits; widened by bf16_to_float32
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+# derived buffers some older checkpoints still carry; transformers recomputes them
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values given as their ``uint16`` bit patterns -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class LazyTensor:
+    """One tensor of a safetensors file: ``name``, ``shape``, ``dtype`` (the file's code, e.g.
+    ``"BF16"``); ``numpy(dtype)`` reads and converts it (the file stays mapped, nothing is kept)."""
+
+    __slots__ = ("name", "shape", "dtype", "_mm", "_begin", "_end")
+
+    def __init__(self, name, shape, dtype, mm, begin, end):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        self._mm, self._begin, self._end = mm, begin, end
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in _FLOAT_CODES
+
+    def numpy(self, dtype=None) -> np.ndarray:
+        """The tensor as a new ndarray of ``dtype`` (default: its own; bfloat16 becomes float32)."""
+        raw = self._mm[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
+        arr = bf16_to_float32(raw) if self.dtype == "BF16" else raw
+        return np.array(arr, dtype=dtype, copy=True)
+
+    def __repr__(self):
+        return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def open_safetensors(path) -> dict:
+    """``{name: LazyTensor}`` of a ``.safetensors`` file, memory-mapped (read on demand).
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        A malformed file (header length, JSON, dtype, shape or offsets), naming the tensor.
+    """
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"{path}: header length {n} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path}: the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    start = 8 + n
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape = info["dtype"], [int(s) for s in info["shape"]]
+            b, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        if code not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {code!r}, expected one of {sorted(_ST_DTYPES)}")
+        nbytes = math.prod(shape) * _ST_DTYPES[code].itemsize
+        if end - b != nbytes or b < 0 or start + end > size:
+            raise ValueError(
+                f"{path}: tensor {name!r} ({code} {shape}) needs {nbytes} bytes, its offsets [{b}, {end}] "
+                f"give {end - b} (file data size {size - start})"
+            )
+        out[name] = LazyTensor(name, shape, code, mm, start + b, start + end)
+    return out
+
+
+def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) -> None:
+    """Write ``{name: ndarray}`` as a safetensors file (float64/32/16 and integer arrays; pass
+    bfloat16 as ``(uint16 bits, "BF16")`` pairs).  For tests and small exports."""
+    codes = {v: k for k, v in _ST_DTYPES.items() if k != "BF16"}
+    header: dict = {}
+    blobs = []
+    offset = 0
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            arr, code = np.ascontiguousarray(value[0], dtype=_ST_DTYPES[value[1]]), value[1]
+        else:
+            arr = np.ascontiguousarray(value)
+            arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+            code = codes[arr.dtype]
+        blob = arr.tobytes()
+        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # align the data to 8 bytes, as the reference writer does
+    with open(os.fspath(path), "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+
+
+def open_checkpoint(directory) -> tuple[dict, dict]:
+    """``(config dict, {name: LazyTensor})`` of a saved Hugging Face model directory:
+    ``config.json`` and ``model.safetensors`` or the shards named by ``model.safetensors.index.json``.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such directory, no ``config.json``, or no safetensors weights (or a missing shard).
+    ValueError
+        A malformed ``config.json``, index or safetensors file.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"directory: no such directory {directory!r}")
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"directory: no config.json in {directory!r}")
+    with open(cfg_path, encoding="utf-8") as f:
+        try:
+            config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    tensors: dict = {}
+    if os.path.isfile(single):
+        tensors = open_safetensors(single)
+    elif os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: expected JSON with a 'weight_map' ({e})") from None
+        for shard in sorted(set(weight_map.values())):
+            shard_path = os.path.join(directory, shard)
+            if not os.path.isfile(shard_path):
+                raise FileNotFoundError(f"{index}: the shard {shard!r} is missing")
+            for name, t in open_safetensors(shard_path).items():
+                if weight_map.get(name) == shard:
+                    tensors[name] = t
+        missing = [k for k in weight_map if k not in tensors]
+        if missing:
+            raise ValueError(f"{index}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]!r}")
+    else:
+        raise FileNotFoundError(
+            f"directory: no model.safetensors or model.safetensors.index.json in {directory!r} "
+            "(npattn reads safetensors weights only)"
+        )
+    return config, tensors
+
+
+# -- state dicts -> CausalLM -------------------------------------------------------------
+class _Source:
+    """A state-dict value's shape and float-ness without converting it (numpy, torch, lazy)."""
+
+    __slots__ = ("value", "shape", "kind", "name")
+
+    def __init__(self, key, value):
+        self.value = value
+        self.name = key
+        if isinstance(value, LazyTensor):
+            self.shape, self.kind = value.shape, value.dtype
+        elif hasattr(value, "detach") and hasattr(value, "shape") and hasattr(value, "dtype"):  # a torch tensor
+            self.shape, self.kind = tuple(value.shape), str(value.dtype).replace("torch.", "")
+        else:
+            arr = to_numpy(value, f"state_dict[{key!r}]")
+            self.value, self.shape, self.kind = arr, arr.shape, arr.dtype.name
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind in ("float64", "float32", "float16", "bfloat16") or self.kind in _FLOAT_CODES
+
+    @property
+    def natural_dtype(self):
+        return np.dtype(np.float64) if self.kind in ("float64", "F64") else np.dtype(np.float32)
+
+    def numpy(self, dtype) -> np.ndarray:
+        v = self.value
+        if isinstance(v, LazyTensor):
+            return v.numpy(dtype)
+        if not isinstance(v, np.ndarray):  # torch: bfloat16/float16 have no numpy form; widen first
+            v = v.detach().cpu()
+            if self.kind in ("bfloat16", "float16"):
+                v = v.float()
+            v = v.numpy()
+        return np.array(v, dtype=dtype, copy=True)
+
+
+class _NoDraw(np.random.Generator):
+    """A Generator whose float draws are zeros: the modules of a model about to be loaded get
+    their arrays without spending time (and float64 temporaries) on random weights."""
+
+    def uniform(self, low=0.0, high=1.0, size=None):
+        return np.zeros(size, np.float32)
+
+    def normal(self, loc=0.0, scale=1.0, size=None):
+        return np.zeros(size, np.float32)
+
+    def standard_normal(self, size=None, dtype=np.float64, out=None):
+        return np.zeros(size, np.float32)
+
+
+def load_into(cls, state_dict, config, dtype=None):
+    """``CausalLM.from_hf``: build ``cls(config)`` without random draws, check every key and
+    shape of ``state_dict`` against it, then convert the tensors one by one into the parameters."""
+    from .configs import CausalLMConfig, config_from_hf
+
+    if not isinstance(state_dict, Mapping) and not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
+    src = {k: _Source(k, state_dict[k]) for k in state_dict.keys() if not _IGNORED.search(k)}
+    bad = [k for k, s in src.items() if not s.is_float]
+    if bad:
+        raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
+    if dtype is None:
+        first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
+        dtype = np.float32 if first is None else first.natural_dtype
+    dtype = check_dtype(dtype)
+    model = cls(cfg, rng=_NoDraw(np.random.PCG64(0)), dtype=dtype)
+    fresh = np.random.default_rng()
+    for m in model.modules():  # dropout masks must not come from the zero generator
+        if isinstance(getattr(m, "rng", None), _NoDraw):
+            object.__setattr__(m, "rng", fresh)
+    entries = {key: (owner, name, is_param) for key, owner, name, is_param in model._state_entries()}
+    tied_copy = None
+    if cfg.tie_word_embeddings and "lm_head.weight" in src:
+        tied_copy = src.pop("lm_head.weight")  # torch's state_dict() lists the tied head twice
+    missing = [k for k in entries if k not in src]
+    unexpected = [k for k in src if k not in entries]
+    if missing:
+        raise ValueError(f"state_dict: missing key {missing[0]!r} (model_type {cfg.model_type!r}; missing: {missing})")
+    if unexpected:
+        raise ValueError(
+            f"state_dict: unexpected key {unexpected[0]!r} (model_type {cfg.model_type!r}; unexpected: {unexpected})"
+        )
+
+    def current(key):
+        owner, name, is_param = entries[key]
+        return owner._parameters[name].data if is_param else getattr(owner, name)
+
+    for key, s in src.items():
+        if tuple(s.shape) != current(key).shape:
+            raise ValueError(f"state_dict[{key!r}]: expected shape {current(key).shape}, got {tuple(s.shape)}")
+    if tied_copy is not None and tuple(tied_copy.shape) != current("model.embed_tokens.weight").shape:
+        raise ValueError(
+            f"state_dict['lm_head.weight']: expected shape {current('model.embed_tokens.weight').shape} "
+            f"(tied to model.embed_tokens.weight), got {tuple(tied_copy.shape)}"
+        )
+    for key, s in src.items():  # everything checked: convert one tensor at a time
+        owner, name, is_param = entries[key]
+        arr = s.numpy(dtype)
+        if is_param:
+            p = owner._parameters[name]
+            p.data[...] = arr
+            p.bump_version()
+        else:
+            object.__setattr__(owner, name, arr.astype(current(key).dtype, copy=False))
+        del arr
+    if tied_copy is not None and not np.array_equal(tied_copy.numpy(dtype), current("model.embed_tokens.weight")):
+        raise ValueError(
+            "state_dict['lm_head.weight']: differs from 'model.embed_tokens.weight' although the config ties "
+            "them (tie_word_embeddings=True)"
+        )
+    for p in model.parameters():  # inference needs no gradient buffers; the first backward makes them
+        p.grad = None
+    return model
+
+
+def from_pretrained(cls, directory, dtype=None):
+    """``CausalLM.from_pretrained``: ``open_checkpoint`` then ``load_into``."""
+    config, tensors = open_checkpoint(directory)
+    return load_into(cls, tensors, config, dtype)
