@@ -36,6 +36,7 @@ from .nn import (
     MultiHeadLatentAttention,
     Parameter,
     RMSNorm,
+    Sequential,
     is_grad_enabled,
     no_grad,
 )
@@ -44,6 +45,7 @@ from .testing.gradcheck import GradcheckReport, gradcheck
 __all__ = [
     "Module",
     "ModuleList",
+    "Sequential",
     "Parameter",
     "no_grad",
     "is_grad_enabled",

@@ -4,6 +4,7 @@ Thin layers over ``npattn.functional``, each composing its submodules.
 """
 
 from .attention import MultiHeadAttention
+from .containers import Sequential
 from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
@@ -12,6 +13,7 @@ from .transformer import DecoderBlock, EncoderBlock
 __all__ = [
     "Module",
     "ModuleList",
+    "Sequential",
     "Parameter",
     "no_grad",
     "is_grad_enabled",

@@ -1,17 +1,29 @@
 """``Parameter``, ``Module`` and ``no_grad``: the small protocol every layer follows.
 
-A module's ``forward`` calls pure functional pairs, keeps their cache in ``self._cache`` and
-returns the output; ``backward(dy)`` takes that cache (releasing it), returns the gradient with
-respect to the input(s) and *adds* each parameter's gradient into ``param.grad``.
+A module's ``forward`` calls pure functional pairs, keeps their cache with
+``self.save_for_backward(cache)`` and returns the output; ``backward(dy)`` takes that cache back
+with ``self.pop_saved()``, returns the gradient with respect to the input(s) and *adds* each
+parameter's gradient into ``param.grad`` with ``self.accumulate_grad(param, grad)``.  After a
+forward, ``jvp(*input_tangents, param_tangents=None)`` gives the output's tangent (forward mode)
+from the same saved state without consuming it.
+
+Saved states form a stack, one entry per call: a module called twice in one forward (a shared
+``LayerNorm``, tied layers) keeps both states, and its two ``backward`` calls, made in reverse
+order as a chain rule runs, consume them latest first (as torch's autograd does).  ``backward``
+with nothing saved raises ``RuntimeError``.  Forward passes whose backward will never run should
+run under ``no_grad()`` (they then keep nothing) or be followed by ``clear_saved()``.
 
 What every subclass gets from this base class, without writing anything:
 
 * ``dy`` is checked (shape of the output, numeric dtype) *before* the forward state is taken,
   whether the module ran as ``m(x)`` or ``m.forward(x)``: a refused ``dy`` loses nothing;
-* ``_save`` records the version of every parameter of the module and its submodules, and
-  ``backward`` raises ``RuntimeError`` (naming the parameter, nothing accumulated) when one was
-  changed after the forward (optimizer step, ``load_state_dict``, ``p.data = ...``);
-* a ``p.grad`` set to ``None`` is created again by the next backward (``_accumulate``).
+* ``save_for_backward`` records the version of every parameter of the module and its submodules,
+  and ``backward`` raises ``RuntimeError`` (naming the parameter, nothing accumulated) when one
+  was changed after the forward (optimizer step, ``load_state_dict``, ``p.data = ...``);
+* a ``p.grad`` set to ``None`` is created again by the next backward (``accumulate_grad``).
+
+The private spellings ``_save``, ``_pop`` and ``_accumulate`` remain aliases of
+``save_for_backward``, ``pop_saved`` and ``accumulate_grad``.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import numpy as np
 from .._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
 from ..functional._workspace import Workspace
 
-__all__ = ["Parameter", "Module", "ModuleList", "no_grad", "is_grad_enabled"]
+__all__ = ["Parameter", "Module", "ModuleList", "ParamTangents", "no_grad", "is_grad_enabled"]
 
 _state = threading.local()
 
@@ -80,6 +92,7 @@ class Parameter:
 
     @property
     def data(self) -> np.ndarray:
+        """The parameter's values; assigning a new array bumps the version."""
         return self._data
 
     @data.setter
@@ -93,10 +106,12 @@ class Parameter:
 
     @property
     def shape(self):
+        """``data.shape``."""
         return self._data.shape
 
     @property
     def dtype(self):
+        """``data.dtype``."""
         return self._data.dtype
 
     def zero_grad(self) -> None:
@@ -113,23 +128,77 @@ class Parameter:
 _structure = [0]  # bumped whenever a module registers or replaces a parameter or submodule
 
 
+class _Saved:
+    """One saved forward state: the cache, the parameter versions at save time, and the shape
+    and dtype of the output (what ``backward`` must receive), set once the output exists.
+    (A plain object, so tools that walk a module's attributes find the arrays it keeps.)"""
+
+    def __init__(self, cache, versions):
+        self.cache = cache
+        self.versions = versions
+        self.dy_spec = None
+
+
+class ParamTangents:
+    """The parameter tangents given to :meth:`Module.jvp`, looked up by ``Parameter`` object.
+
+    ``param_tangents.get(self.weight)`` is the tangent of that parameter (an array of its shape
+    and dtype) or ``None`` (zero).  Keyed by the parameter itself, not by a name, so a parameter
+    shared by two submodules (tied weights) gets its tangent in both.
+    """
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self, by_id=None):
+        self._by_id = dict(by_id or {})
+
+    def get(self, param):
+        """The tangent of ``param`` (a ``Parameter`` or ``None``), or ``None`` when it has none."""
+        if param is None:
+            return None
+        entry = self._by_id.get(id(param))
+        return None if entry is None else entry[1]
+
+    def __bool__(self):
+        return bool(self._by_id)
+
+    def __len__(self):
+        return len(self._by_id)
+
+    def __repr__(self):
+        return f"ParamTangents({len(self._by_id)} tangent(s))"
+
+
 class Module:
-    """Base class.  Subclasses set parameters/submodules as attributes and implement
-    ``forward`` (storing one cache with ``self._save(cache)``) and ``backward``."""
+    """Base class of every layer: parameters, submodules, the forward/backward protocol.
+
+    A subclass calls ``super().__init__()``, assigns ``Parameter`` and ``Module`` attributes
+    (registered automatically, in order, for ``named_parameters`` and ``state_dict``) and
+    implements
+
+    * ``forward(*inputs)``: compute the output, keep what backward needs with
+      ``self.save_for_backward(cache)`` (one call per forward), return the output;
+    * ``backward(dy)``: take the state with ``cache = self.pop_saved()`` (after checking ``dy``
+      with ``dy = self._check_dy(dy)`` if wanted), add parameter gradients with
+      ``self.accumulate_grad(param, grad)``, return the input gradient(s);
+    * optionally ``_jvp(state, input_tangents, param_tangents)`` for forward mode (see ``jvp``).
+
+    The saved states are a stack (one per call), so a module used twice in one forward works:
+    call ``backward`` once per use, in reverse order.  See ``docs/guides/own_module.md``.
+    """
 
     _parameters: "OrderedDict[str, Parameter]"
     _buffers: "OrderedDict[str, None]"
     _modules: "OrderedDict[str, Module]"
-    _cache: object
+    _states: "list[_Saved]"
     training: bool
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
-        object.__setattr__(self, "_cache", None)
-        object.__setattr__(self, "_dy_spec", None)
-        object.__setattr__(self, "_versions", None)
+        object.__setattr__(self, "_states", [])
+        object.__setattr__(self, "_nograd_forward", False)
         object.__setattr__(self, "training", True)
 
     # -- registration ---------------------------------------------------------------------
@@ -147,7 +216,15 @@ class Module:
         object.__setattr__(self, name, value)
 
     def register_buffer(self, name: str, value) -> None:
-        """A non-trainable array saved in ``state_dict`` (e.g. the book's causal ``mask``)."""
+        """A non-trainable array saved in ``state_dict`` (e.g. the book's causal ``mask``).
+
+        Parameters
+        ----------
+        name : str
+            The attribute (and state-dict key) name.
+        value : array_like
+            The buffer's value, stored as an ndarray.
+        """
         value = np.asarray(value)
         self._buffers[name] = None
         object.__setattr__(self, name, value)
@@ -165,28 +242,66 @@ class Module:
 
         @functools.wraps(fwd)
         def forward(self, *args, **kw):
+            depth = len(self._states)
             out = fwd(self, *args, **kw)
-            self._record_output(out)
+            self._record_output(out, depth)
             return out
 
         forward._npattn_records_output = True
         cls.forward = forward
 
     def __call__(self, *args, **kwargs):
+        """``m(*inputs, **options)`` is ``m.forward(*inputs, **options)``."""
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):  # pragma: no cover - abstract
-        raise NotImplementedError
+        """Compute the output from the inputs and keep what ``backward`` needs.
+
+        Subclasses implement it: call functional pairs (or submodules), keep their caches with
+        ``self.save_for_backward(cache)`` and return the output.
+
+        Returns
+        -------
+        numpy.ndarray
+            The output (some modules return a tuple whose first element is the output).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward")
 
     def backward(self, dy):  # pragma: no cover - abstract
-        raise NotImplementedError
+        """Gradient of the loss with respect to the input(s), given ``dy``, that of the output.
 
-    def _record_output(self, out) -> None:
-        """Remember what ``backward(dy)`` must receive (see ``_check_dy``)."""
-        if self._cache is not None:
-            y = out[0] if isinstance(out, tuple) and out else out
-            if isinstance(y, np.ndarray):
-                object.__setattr__(self, "_dy_spec", (y.shape, y.dtype))
+        Consumes the latest forward state (``pop_saved``) and *adds* every parameter's gradient
+        into its ``.grad`` (``accumulate_grad``).
+
+        Parameters
+        ----------
+        dy : numpy.ndarray
+            The gradient of the loss with respect to the output, of the output's shape.
+
+        Returns
+        -------
+        numpy.ndarray or tuple or None
+            The gradient with respect to the input (a tuple for several inputs, None for
+            inputs without a gradient such as token ids).
+
+        Raises
+        ------
+        RuntimeError
+            With no forward state left (before any forward, after the last one was consumed,
+            or when the forward ran under ``no_grad``), or when a parameter changed since the
+            forward.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement backward")
+
+    def _record_output(self, out, depth=None) -> None:
+        """Remember what ``backward(dy)`` must receive (see ``_check_dy``): the shape and dtype
+        of ``out`` go with the state this call saved (if it saved one)."""
+        states = self._states
+        if not states or (depth is not None and len(states) <= depth):
+            return
+        y = out[0] if isinstance(out, tuple) and out else out
+        if isinstance(y, np.ndarray):
+            states[-1].dy_spec = (y.shape, y.dtype)
 
     def _param_list(self) -> tuple:
         """``((dotted_name, Parameter), ...)`` of this module and its submodules, each parameter
@@ -225,28 +340,45 @@ class Module:
             ws = _state.scratch = Workspace()
         return ws
 
-    def _save(self, cache) -> None:
-        """Keep the forward state for one backward (nothing is kept under ``no_grad``), with the
-        versions of every parameter of the module (submodules included), checked by ``_pop``."""
-        object.__setattr__(self, "_dy_spec", None)  # set again once the output exists
+    def save_for_backward(self, cache) -> None:
+        """Keep ``cache`` (anything: a functional pair's cache, a tuple of them) for one backward.
+
+        Call it once in each ``forward``.  The states form a stack: each call pushes one, each
+        ``pop_saved`` (in ``backward``) takes the latest.  The versions of every parameter of
+        the module and its submodules are recorded with it and checked when it is used.  Under
+        ``no_grad()`` nothing is kept.
+
+        Parameters
+        ----------
+        cache : object
+            What ``backward`` (and ``_jvp``) will need.
+        """
         if is_grad_enabled():
             plist = self._param_list()
-            object.__setattr__(self, "_versions", (plist, tuple(p._version for _, p in plist)))
-            object.__setattr__(self, "_cache", cache)
+            self._states.append(_Saved(cache, (plist, tuple(p._version for _, p in plist))))
             object.__setattr__(self, "_nograd_forward", False)
         else:
-            object.__setattr__(self, "_cache", None)
-            object.__setattr__(self, "_versions", None)
             object.__setattr__(self, "_nograd_forward", True)
 
-    def _check_versions(self) -> None:
-        """``RuntimeError`` when a parameter changed (or was replaced) since the forward;
-        ``TypeError`` when a ``p.grad`` cannot accumulate (wrong shape, not a writeable float
-        array), checked before anything is accumulated."""
-        saved = self.__dict__.get("_versions")
-        if saved is None:
-            return
-        plist, versions = saved
+    _save = save_for_backward  # the historical private name
+
+    def _no_state_error(self, what: str = "backward") -> RuntimeError:
+        if self.__dict__.get("_nograd_forward", False):
+            return RuntimeError(f"{type(self).__name__}.{what}: the last forward ran under no_grad(), nothing was kept")
+        return RuntimeError(
+            f"{type(self).__name__}.{what}: no forward state to use; call the module first "
+            "(backward releases the state, so each forward allows one backward)"
+        )
+
+    def _check_versions(self, entry=None) -> None:
+        """``RuntimeError`` when a parameter changed (or was replaced) since the forward that
+        saved ``entry`` (default: the latest); ``TypeError`` when a ``p.grad`` cannot accumulate
+        (wrong shape, not a writeable float array), checked before anything is accumulated."""
+        if entry is None:
+            if not self._states:
+                return
+            entry = self._states[-1]
+        plist, versions = entry.versions
         for (name, p), v in zip(plist, versions):
             g = p.grad
             if g is not None and not (
@@ -276,45 +408,102 @@ class Module:
                 "run the forward again"
             )
 
-    def _pop(self):
-        """Take (and release) the forward state; RuntimeError when there is none or when a
-        parameter changed since the forward (then nothing is released)."""
-        cache = self._cache
-        if cache is None:
-            if getattr(self, "_nograd_forward", False):
-                raise RuntimeError(
-                    f"{type(self).__name__}.backward: the last forward ran under no_grad(), nothing was kept"
-                )
+    def pop_saved(self):
+        """Take (and release) the latest forward state, as kept by ``save_for_backward``.
+
+        Returns
+        -------
+        object
+            The cache given to the latest ``save_for_backward`` not yet popped.
+
+        Raises
+        ------
+        RuntimeError
+            When there is none (no forward, all consumed, or a forward under ``no_grad``), or
+            when a parameter changed since that forward (then nothing is released).
+        """
+        if not self._states:
+            raise self._no_state_error()
+        self._check_versions(self._states[-1])
+        return self._states.pop().cache
+
+    _pop = pop_saved  # the historical private name
+
+    def saved_state(self, index: int = -1):
+        """The forward state kept by ``save_for_backward``, *without* releasing it (``jvp``
+        uses it; a ``backward`` may follow).
+
+        Parameters
+        ----------
+        index : int
+            Which saved state, as a list index: ``-1`` (default) is the latest, ``-2`` the one
+            before (a module called twice in one forward).
+
+        Raises
+        ------
+        RuntimeError
+            When there is no such state, or when a parameter changed since that forward.
+        """
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index: expected an int, got {index!r} ({type(index).__name__})")
+        states = self._states
+        if not states:
+            raise self._no_state_error("saved_state")
+        if not -len(states) <= index < len(states):
             raise RuntimeError(
-                f"{type(self).__name__}.backward: no forward state to use; call the module first "
-                "(backward releases the state, so each forward allows one backward)"
+                f"{type(self).__name__}.saved_state: index {index} is out of range ({len(states)} state(s) kept)"
             )
-        self._check_versions()
-        object.__setattr__(self, "_cache", None)
-        object.__setattr__(self, "_dy_spec", None)
-        object.__setattr__(self, "_versions", None)
-        return cache
+        self._check_versions(states[index])
+        return states[index].cache
+
+    @property
+    def num_saved(self) -> int:
+        """How many forward states this module keeps (calls not yet consumed by ``backward``)."""
+        return len(self._states)
+
+    def clear_saved(self) -> None:
+        """Release every kept forward state of this module and its submodules (after forward
+        passes whose backward will never run, outside ``no_grad``)."""
+        for m in self.modules():
+            m._states.clear()
+
+    @property
+    def _cache(self):
+        """The latest saved state's cache, or None (read-only view kept for old code and tests)."""
+        states = self.__dict__.get("_states")
+        return states[-1].cache if states else None
 
     def _check_dy(self, dy, name: str = "dy"):
         """Validate the upstream gradient *before* the forward state is taken (so a bad ``dy``
         neither releases the state nor adds anything into ``.grad``).
 
-        ``RuntimeError`` when there is no forward state (as ``_pop``) or when a parameter
+        ``RuntimeError`` when there is no forward state (as ``pop_saved``) or when a parameter
         changed since the forward; ``TypeError`` for a non-numeric ``dy``;
         ``ValueError("dy: expected shape <output shape> ..., got <shape>")`` for a wrongly
         shaped one.  Returns ``dy`` cast to the output's dtype.
         """
-        if self._cache is None:
-            self._pop()  # raises the protocol's RuntimeError
-        self._check_versions()
-        spec = self.__dict__.get("_dy_spec")
+        if not self._states:
+            raise self._no_state_error()
+        entry = self._states[-1]
+        self._check_versions(entry)
+        spec = entry.dy_spec
         if spec is None:
             return dy
         return check_grad(dy, spec[0], spec[1], name)
 
     @staticmethod
-    def _accumulate(param: Parameter, grad) -> None:
-        """``param.grad += grad``; a ``None`` ``param.grad`` (set by the user) is created."""
+    def accumulate_grad(param: Parameter, grad) -> None:
+        """Add ``grad`` into ``param.grad`` (``param.grad += grad``), as every ``backward`` must.
+
+        A ``None`` ``param.grad`` (set by the user) is created; a ``None`` ``grad`` adds nothing.
+
+        Parameters
+        ----------
+        param : Parameter
+            The parameter whose gradient grows.
+        grad : numpy.ndarray or None
+            Its gradient from this backward, of the parameter's shape.
+        """
         if grad is None:
             return
         if param.grad is None:
@@ -322,17 +511,104 @@ class Module:
         else:
             param.grad += grad
 
+    _accumulate = accumulate_grad  # the historical private name
+
+    # -- forward mode ----------------------------------------------------------------------
+    def jvp(self, *input_tangents, param_tangents=None):
+        """Forward mode: the tangent of the output of the latest forward along given tangents.
+
+        Uses the latest saved state *without* consuming it, so ``backward`` may follow.
+
+        Parameters
+        ----------
+        *input_tangents : numpy.ndarray or None
+            One per positional input of the forward, each of that input's shape (``None``: zero;
+            inputs without a gradient, such as token ids, take ``None``).
+        param_tangents : mapping of str to numpy.ndarray, optional
+            Tangents of parameters by their ``named_parameters`` names; missing ones are zero.
+
+        Returns
+        -------
+        numpy.ndarray
+            The directional derivative of the output, of the output's shape.
+
+        Raises
+        ------
+        RuntimeError
+            With no forward state (as ``backward``) or when a parameter changed since the forward.
+        NotImplementedError
+            When the module has no forward mode (no ``_jvp``).
+        ValueError, TypeError
+            For an unknown parameter name or a tangent of the wrong shape or kind.
+        """
+        if not self._states:
+            raise self._no_state_error("jvp")
+        entry = self._states[-1]
+        self._check_versions(entry)
+        return self._jvp(entry.cache, tuple(input_tangents), self._param_tangents(param_tangents))
+
+    def _param_tangents(self, param_tangents) -> ParamTangents:
+        """Check ``param_tangents`` (names -> arrays) and key them by parameter."""
+        if param_tangents is None:
+            return ParamTangents()
+        if isinstance(param_tangents, ParamTangents):
+            return param_tangents
+        if not hasattr(param_tangents, "items"):
+            raise TypeError(
+                f"param_tangents: expected a mapping of parameter names to arrays, got {type(param_tangents).__name__}"
+            )
+        params = dict(self.named_parameters())
+        by_id: dict = {}
+        for name, t in param_tangents.items():
+            if name not in params:
+                raise ValueError(f"param_tangents: unknown parameter {name!r}; valid names: {list(params)}")
+            if t is None:
+                continue
+            p = params[name]
+            if id(p) in by_id:
+                raise ValueError(
+                    f"param_tangents: {name!r} and {by_id[id(p)][0]!r} are the same (tied) parameter; give one tangent"
+                )
+            arr = as_float(t, f"param_tangents[{name!r}]")
+            if arr.shape != p.data.shape:
+                raise ValueError(f"param_tangents[{name!r}]: expected shape {p.data.shape}, got {arr.shape}")
+            by_id[id(p)] = (name, arr.astype(p.data.dtype, copy=False))
+        return ParamTangents(by_id)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward-mode hook: the output tangent from a saved ``state`` (what ``forward`` gave
+        ``save_for_backward``), ``input_tangents`` (a tuple, ``None`` = zero) and
+        ``param_tangents`` (a :class:`ParamTangents`: ``param_tangents.get(self.weight)``).
+        Must not change the state.  The base class has no forward mode."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no forward mode (jvp) yet: it does not implement "
+            "_jvp(state, input_tangents, param_tangents)"
+        )
+
+    def _child_jvp(self, child, state_index, input_tangents, param_tangents):
+        """``child``'s output tangent from its saved state ``state_index`` (for composites)."""
+        return child._jvp(child.saved_state(state_index), tuple(input_tangents), param_tangents)
+
     # -- traversal --------------------------------------------------------------------------
     def named_modules(self, prefix: str = ""):
+        """Yield ``(dotted_name, module)`` for this module (name ``prefix``) and every submodule.
+
+        Parameters
+        ----------
+        prefix : str
+            Prepended to every name (``""``: this module is ``""``, its children ``"linear1"``, ...).
+        """
         yield prefix, self
         for name, m in self._modules.items():
             yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def modules(self):
+        """Yield this module and every submodule, depth first (as ``named_modules``)."""
         for _, m in self.named_modules():
             yield m
 
     def children(self):
+        """An iterator over the direct submodules, in registration order."""
         return iter(self._modules.values())
 
     def named_parameters(self, prefix: str = ""):
@@ -343,16 +619,19 @@ class Module:
             yield from m.named_parameters(f"{prefix}.{name}" if prefix else name)
 
     def parameters(self):
+        """Yield every ``Parameter`` (as ``named_parameters``, without the names)."""
         for _, p in self.named_parameters():
             yield p
 
     def named_buffers(self, prefix: str = ""):
+        """Yield ``(dotted_name, array)`` for every buffer of this module and its submodules."""
         for name in self._buffers:
             yield (f"{prefix}.{name}" if prefix else name), getattr(self, name)
         for name, m in self._modules.items():
             yield from m.named_buffers(f"{prefix}.{name}" if prefix else name)
 
     def zero_grad(self) -> None:
+        """Set every parameter's ``.grad`` to zeros (``Parameter.zero_grad``)."""
         for p in self.parameters():
             p.zero_grad()
 
@@ -369,10 +648,12 @@ class Module:
         return self
 
     def eval(self):
+        """Evaluation mode: ``train(False)``.  Returns self."""
         return self.train(False)
 
     @property
     def dtype(self):
+        """The module's floating dtype (float64 unless constructed or cast ``to`` another)."""
         return getattr(self, "_dtype", np.dtype(np.float64))
 
     def to(self, dtype):
@@ -380,9 +661,7 @@ class Module:
         dt = check_dtype(dtype)
         for m in self.modules():
             object.__setattr__(m, "_dtype", dt)
-            object.__setattr__(m, "_cache", None)
-            object.__setattr__(m, "_dy_spec", None)
-            object.__setattr__(m, "_versions", None)
+            m._states.clear()
             m.__dict__.pop("_ws", None)
             _state.scratch = None
             for p in m._parameters.values():
@@ -395,6 +674,7 @@ class Module:
         return self
 
     def num_parameters(self) -> int:
+        """The number of scalar parameters (tied parameters counted once per name)."""
         return sum(p.data.size for p in self.parameters())
 
     # -- state dicts -----------------------------------------------------------------------
@@ -506,6 +786,7 @@ class Module:
 
     # -- repr ------------------------------------------------------------------------------
     def extra_repr(self) -> str:
+        """Text inside the parentheses of ``repr(module)``; subclasses override it."""
         return ""
 
     def __repr__(self):
@@ -516,30 +797,6 @@ class Module:
                 lines.append(f"  ({name}): {sub}")
             return "\n".join(lines) + "\n)"
         return lines[0] + ")"
-
-
-class ModuleList(Module):
-    """A list of submodules, named ``0``, ``1``, ... in state dicts (as ``torch.nn.ModuleList``)."""
-
-    def __init__(self, modules=()):
-        super().__init__()
-        for i, m in enumerate(modules):
-            self.append(m)
-
-    def append(self, m: Module):
-        if not isinstance(m, Module):
-            raise TypeError(f"ModuleList.append: expected a Module, got {type(m).__name__}")
-        setattr(self, str(len(self._modules)), m)
-        return self
-
-    def __getitem__(self, i):
-        return list(self._modules.values())[i]
-
-    def __len__(self):
-        return len(self._modules)
-
-    def __iter__(self):
-        return iter(self._modules.values())
 
 
 def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
@@ -565,3 +822,6 @@ def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
                 f"{current.dtype} (max {big:g}); it would become inf"
             )
     return None
+
+
+from .containers import ModuleList  # noqa: E402  (defined there; kept importable from here)
