@@ -37,8 +37,12 @@ from .loss import cross_entropy, cross_entropy_backward, cross_entropy_jvp
 from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward
 from .norm import layer_norm, layer_norm_backward, layer_norm_jvp, rms_norm, rms_norm_backward, rms_norm_jvp
 from .rope import rope, rope_backward, rope_jvp
+from .rope_scaling import rope_frequencies, rope_softmax_scale, yarn_mscale
 
 __all__ = [
+    "rope_frequencies",
+    "rope_softmax_scale",
+    "yarn_mscale",
     "linear",
     "linear_backward",
     "linear_jvp",

@@ -773,22 +773,108 @@ def cross_entropy_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
 # == Rotary position embedding =====================================================================
 
 
-def rope(
-    x: Array, positions: Optional[Array] = None, *, base: float = 10000.0, interleaved: bool = False
-) -> Tuple[Array, tuple]:
-    """Rotary position embedding (RoPE) of ``x (..., L, D)``, ``D`` even.
+def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=None) -> Tuple[Array, float]:
+    """RoPE's inverse frequencies ``(R/2,)`` and attention factor, from a Hugging Face
+    ``rope_scaling`` / ``rope_parameters`` dict (``scaling``; None: the original RoPE), pair by pair.
 
-    Pair ``i`` of features, ``(x_i, x_{i+D/2})`` ("rotate half", GPT-NeoX/Llama) or, interleaved,
-    ``(x_{2i}, x_{2i+1})``, is rotated by the angle ``p * base^(-2i/D)`` at position ``p``
-    (``positions`` broadcastable to ``(..., L)``, default ``arange(L)``):
-    ``(a, b) -> (a cos - b sin, a sin + b cos)``.
+    ``R = int(dim * partial_rotary_factor)`` features rotate.  Unscaled, pair ``i`` turns by
+    ``base^(-2i/R)`` per position.  A model trained on ``original`` positions sees, at pair ``i``,
+    ``original * f_i / (2 pi)`` full turns; the scalings act on the pairs that turned too few times
+    to have learnt their whole circle (long wavelengths):
+    - linear: every ``f_i / factor`` (positions squeezed ``factor`` times);
+    - dynamic (NTK): a longer sequence ``s > max_position_embeddings`` stretches the base to
+      ``base (factor s / max - (factor - 1))^(R / (R - 2))`` (pair ``R/2 - 1`` then spans the new
+      length as it spanned the old one);
+    - yarn: pair ``i`` is interpolated (``f_i / factor``) when it makes fewer than ``beta_slow``
+      turns over ``original`` positions, kept when more than ``beta_fast``, blended linearly in the
+      pair index between; cos and sin are scaled by ``0.1 ln(factor) + 1`` (or the ratio of the
+      two ``mscale`` values, DeepSeek-V3) so the softmax's temperature is kept;
+    - llama3: the wavelength ``2 pi / f_i`` decides: shorter than ``original / high_freq_factor``
+      kept, longer than ``original / low_freq_factor`` divided by ``factor``, a blend between.
+    """
+    s: dict = {} if scaling is None else {k: v for k, v in scaling.items() if v is not None}
+    kind = s.get("rope_type", s.get("type", "default"))
+    base = s.get("rope_theta", base)
+    r = int(dim * s.get("partial_rotary_factor", 1.0))
+    max_pos = s.get("max_position_embeddings")
+    original = s.get("original_max_position_embeddings", max_pos)
+    factor = s.get("factor")
+    if kind == "dynamic":
+        length = max_pos if seq_len is None else max(seq_len, max_pos)
+        base = base * (factor * length / max_pos - (factor - 1)) ** (r / (r - 2))
+    f = [base ** (-2 * i / r) for i in range(r // 2)]  # the unscaled frequency of each pair
+    attention_factor = 1.0
+    if kind == "linear":
+        f = [fi / factor for fi in f]
+    elif kind == "yarn":
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if s.get("attention_factor") is not None:
+            attention_factor = s["attention_factor"]
+        elif s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+        def pair_turning(turns):  # the (fractional) pair index making `turns` turns over `original`
+            return r * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = pair_turning(s.get("beta_fast") or 32), pair_turning(s.get("beta_slow") or 1)
+        if s.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, r - 1)
+        high = high + 0.001 if low == high else high
+        keep = [1.0 - min(max((i - low) / (high - low), 0.0), 1.0) for i in range(r // 2)]
+        f = [fi / factor * (1 - w) + fi * w for fi, w in zip(f, keep)]
+    elif kind == "llama3":
+        lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+        out = []
+        for fi in f:
+            wavelen = 2 * math.pi / fi
+            if wavelen < original / hi:
+                out.append(fi)
+            elif wavelen > original / lo:
+                out.append(fi / factor)
+            else:
+                t = (original / wavelen - lo) / (hi - lo)
+                out.append((1 - t) * fi / factor + t * fi)
+        f = out
+    return np.array(f, dtype=np.float64), float(attention_factor)
+
+
+def rope(
+    x: Array,
+    positions: Optional[Array] = None,
+    *,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    scaling=None,
+    rotary_dim: Optional[int] = None,
+) -> Tuple[Array, tuple]:
+    """Rotary position embedding (RoPE) of ``x (..., L, D)``.
+
+    Pair ``i`` of the first ``R`` features (``rotary_dim``; default ``D``, or
+    ``int(D * partial_rotary_factor)`` from ``scaling``), ``(x_i, x_{i+R/2})`` ("rotate half",
+    GPT-NeoX/Llama) or, interleaved, ``(x_{2i}, x_{2i+1})``, is rotated by the angle
+    ``p * f_i`` at position ``p`` (``positions`` broadcastable to ``(..., L)``, default
+    ``arange(L)``; ``f`` from ``rope_frequencies``, ``f_i = base^(-2i/R)`` unscaled):
+    ``(a, b) -> c (a cos - b sin, a sin + b cos)`` with ``c`` the attention factor (YaRN; else 1).
+    The features after ``R`` pass through.
     """
     d = x.shape[-1]
     pos = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
-    angle = pos[..., None] * base ** (-np.arange(0, d, 2) / d)  # (..., L, D/2)
-    cos, sin = np.cos(angle).astype(x.dtype), np.sin(angle).astype(x.dtype)
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : d // 2], x[..., d // 2 :])
-    return _pairs(a * cos - b * sin, a * sin + b * cos, interleaved), (cos, sin, interleaved)
+    s = scaling or {}
+    r = rotary_dim or int(d * (s.get("partial_rotary_factor") or 1.0))
+    seq_len = pos.max() + 1 if pos.size else None  # what "dynamic" reads
+    f, c = rope_frequencies(r, base, {k: v for k, v in s.items() if k != "partial_rotary_factor"}, seq_len=seq_len)
+    angle = pos[..., None] * f  # (..., L, R/2)
+    cos, sin = (c * np.cos(angle)).astype(x.dtype), (c * np.sin(angle)).astype(x.dtype)
+    xr, xp = x[..., :r], x[..., r:]  # rotated, passed through
+    a, b = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., : r // 2], xr[..., r // 2 :])
+    y = np.concatenate([_pairs(a * cos - b * sin, a * sin + b * cos, interleaved), xp], axis=-1)
+    return y, (cos, sin, interleaved)
 
 
 def _pairs(a, b, interleaved):
@@ -797,13 +883,17 @@ def _pairs(a, b, interleaved):
 
 
 def rope_backward(dout: Array, cache: tuple) -> Array:
-    """Each pair is multiplied by the rotation matrix ``[[cos, -sin], [sin, cos]]``; the gradient
-    is multiplied by its transpose, the rotation by ``-angle``: ``(da, db) = (dy_a cos + dy_b sin,
-    -dy_a sin + dy_b cos)``.  (notebooks/08_modern_attention.ipynb, RoPE.)"""
+    """Each pair is multiplied by ``c`` times the rotation matrix ``[[cos, -sin], [sin, cos]]``
+    (cos and sin cached with ``c`` in them); the gradient is multiplied by its transpose, ``c``
+    times the rotation by ``-angle``: ``(da, db) = (dy_a cos + dy_b sin, -dy_a sin + dy_b cos)``.
+    Nothing flows through the angles: they depend on the positions and the configuration, not on
+    ``x`` (``dynamic`` reads only the sequence length), and ``c`` is a constant.  The features
+    past ``R`` passed through: their gradient is ``dout``'s.  (notebooks/08_modern_attention.ipynb, RoPE.)"""
     cos, sin, interleaved = cache
-    d = dout.shape[-1]
-    da, db = (dout[..., 0::2], dout[..., 1::2]) if interleaved else (dout[..., : d // 2], dout[..., d // 2 :])
-    return _pairs(da * cos + db * sin, -da * sin + db * cos, interleaved)
+    r = 2 * cos.shape[-1]
+    dr, dp = dout[..., :r], dout[..., r:]
+    da, db = (dr[..., 0::2], dr[..., 1::2]) if interleaved else (dr[..., : r // 2], dr[..., r // 2 :])
+    return np.concatenate([_pairs(da * cos + db * sin, -da * sin + db * cos, interleaved), dp], axis=-1)
 
 
 def rope_jvp(cache: tuple, *tangents: Optional[Array]) -> Optional[Array]:

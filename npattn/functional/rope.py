@@ -29,6 +29,7 @@ from .._validate import (
     check_tangent,
     check_tangents,
 )
+from .rope_scaling import _check_scaling, _inv_freq, _resolve_base, _resolve_rotary_dim
 
 
 class RopeCache(NamedTuple):
@@ -40,22 +41,59 @@ class RopeCache(NamedTuple):
 
 
 def rope(
-    x: np.ndarray, positions=None, *, base: float = 10000.0, interleaved: bool = False
+    x: np.ndarray,
+    positions=None,
+    *,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    scaling=None,
+    rotary_dim: int | None = None,
 ) -> tuple[np.ndarray, RopeCache]:
-    """Rotary position embedding of ``x (..., L, D)``, ``D`` even.
+    """Rotary position embedding of ``x (..., L, D)``.
 
-    ``positions``: integers broadcastable to ``(..., L)`` (x's shape without the feature axis);
-    default ``arange(L)``.  Pass ``arange(L) + t`` for new tokens after ``t`` cached ones (a KV
-    cache), or a ``(batch, 1, L)`` array for per-sequence positions of ``(batch, heads, L, D)``.
-    ``base``: a finite float > 0.  Pairs are ``(i, i + D/2)`` (rotate half), or ``(2i, 2i+1)``
-    with ``interleaved=True``; pair ``i`` at position ``p`` rotates by ``p * base**(-2i/D)``.
+    Parameters
+    ----------
+    x : ndarray
+        ``(..., L, D)``, float (integers are cast to float64).
+    positions : array of int, optional
+        Integers broadcastable to ``(..., L)`` (x's shape without the feature axis); default
+        ``arange(L)``.  Pass ``arange(L) + t`` for new tokens after ``t`` cached ones (a KV
+        cache), or a ``(batch, 1, L)`` array for per-sequence positions of ``(batch, heads, L, D)``.
+    base : float
+        A finite number > 0 (``rope_theta``); a ``rope_theta`` in ``scaling`` takes its place
+        (``base`` then left at 10000 or equal to it).
+    interleaved : bool
+        Pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)`` (rotate half, as Hugging Face).
+    scaling : mapping or None
+        A Hugging Face ``rope_scaling`` / ``rope_parameters`` dict: ``rope_type`` (or ``type``)
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"`` or ``"llama3"`` and its keys (see
+        ``rope_frequencies``).  ``dynamic`` reads the sequence length as the largest position + 1.
+        YaRN's attention factor multiplies cos and sin (the rotated features only).
+    rotary_dim : int, optional
+        ``R``, the number of leading features of each head that rotate (even, at most ``D``); the
+        other ``D - R`` pass through unchanged (GPT-NeoX, Qwen3-Next).  Default: ``D``, or
+        ``int(D * partial_rotary_factor)`` when ``scaling`` has that key.
+
+    Returns
+    -------
+    y : ndarray
+        Like ``x``: pair ``i`` of the first ``R`` features at position ``p`` turned by
+        ``p * inv_freq[i]`` (``base**(-2i/R)`` unscaled) and multiplied by the attention factor.
+    cache : RopeCache
+        For ``rope_backward``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Bad input, naming the argument (a bad ``scaling`` names its key).
+
+    Notes
+    -----
     The angles are computed in float64 and their cos/sin then cast to x's dtype (float32 stays
-    float32).  Returns ``(y, cache)``.
+    float32).
     """
     x = as_float(x, "x")
     check_ndim(x, "x", 2, "(..., L, D)")
-    if x.shape[-1] % 2:
-        raise ValueError(f"x: expected an even feature size D (pairs of features rotate), got shape {x.shape}")
     if positions is not None:
         positions = as_index(positions, "positions")
         try:
@@ -71,19 +109,23 @@ def rope(
         kind = TypeError if isinstance(base, bool) or not isinstance(base, numbers.Real) else ValueError
         raise kind(f"base: expected a finite number > 0, got {base!r}")
     interleaved = check_bool(interleaved, "interleaved")
-    return _rope(x, positions, base=float(base), interleaved=interleaved)
+    params = _check_scaling(scaling)
+    if rotary_dim is None and "partial_rotary_factor" not in params and x.shape[-1] % 2:
+        raise ValueError(f"x: expected an even feature size D (pairs of features rotate), got shape {x.shape}")
+    base = _resolve_base(base, params)
+    rotary_dim = _resolve_rotary_dim(x.shape[-1], rotary_dim, params)
+    return _rope(x, positions, base=base, interleaved=interleaved, scaling=params, rotary_dim=rotary_dim)
 
 
-def _angles(positions, length, d, base):
-    """``theta[..., l, i] = positions[..., l] * base**(-2i/D)`` in float64, shape ``(..., L, D/2)``."""
+def _angles(positions, length, inv_freq):
+    """``theta[..., l, i] = positions[..., l] * inv_freq[i]`` in float64, shape ``(..., L, R/2)``."""
     if positions is None:
         positions = np.arange(length)
-    inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # (D/2,)
     return positions.astype(np.float64)[..., None] * inv_freq
 
 
 def _pairs(x, interleaved):
-    """The two members ``(a, b)`` of every pair, each ``(..., L, D/2)`` (views)."""
+    """The two members ``(a, b)`` of every pair, each ``(..., L, R/2)`` (views)."""
     if interleaved:
         return x[..., 0::2], x[..., 1::2]
     h = x.shape[-1] // 2
@@ -91,18 +133,33 @@ def _pairs(x, interleaved):
 
 
 def _rotate(x, cos, sin, interleaved):
-    """``(a, b) -> (a cos - b sin, b cos + a sin)`` for every pair."""
-    a, b = _pairs(x, interleaved)
+    """``(a, b) -> (a cos - b sin, b cos + a sin)`` for every pair of the first ``R = 2 *
+    cos.shape[-1]`` features; the others are copied (partial rotary)."""
+    r = 2 * cos.shape[-1]
+    a, b = _pairs(x[..., :r], interleaved)
     y = np.empty_like(x)  # positions broadcast to x's shape without D: cos/sin never widen x
-    ya, yb = _pairs(y, interleaved)
+    ya, yb = _pairs(y[..., :r], interleaved)
     np.subtract(a * cos, b * sin, out=ya)
     np.add(b * cos, a * sin, out=yb)
+    if r < x.shape[-1]:
+        y[..., r:] = x[..., r:]
     return y
 
 
-def _rope(x, positions=None, *, base=10000.0, interleaved=False):
-    theta = _angles(positions, x.shape[-2], x.shape[-1], base)
-    cos, sin = np.cos(theta).astype(x.dtype), np.sin(theta).astype(x.dtype)
+def _rope(x, positions=None, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
+    """The kernel of ``rope``: ``scaling`` None or checked by ``_check_scaling``, ``base`` resolved
+    with it, ``rotary_dim`` None (all of D) or checked."""
+    params = {"rope_type": "default"} if scaling is None else scaling
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    seq_len = None
+    if params["rope_type"] == "dynamic":  # the frequencies depend on the length seen (HF: max position + 1)
+        seq_len = x.shape[-2] if positions is None else (int(positions.max()) + 1 if positions.size else None)
+    inv_freq, factor = _inv_freq(r, base, params, seq_len)
+    theta = _angles(positions, x.shape[-2], inv_freq)
+    cos, sin = np.cos(theta), np.sin(theta)
+    if factor != 1.0:  # YaRN: cos and sin times a constant
+        cos, sin = cos * factor, sin * factor
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     return _rotate(x, cos, sin, interleaved), RopeCache(cos, sin, interleaved, x.shape, x.dtype)
 
 
@@ -112,7 +169,24 @@ def rope_backward(dout: np.ndarray, cache: RopeCache) -> np.ndarray:
 
         da = dya cos + dyb sin,   db = dyb cos - dya sin,
 
-    i.e. the forward with ``sin`` negated.  Returns ``dx``.
+    i.e. the forward with ``sin`` negated.  Why a plain rotation back, whatever the scaling: the
+    angles ``theta = p * inv_freq`` depend on the positions and the configuration only, never on
+    ``x`` (``dynamic`` reads the sequence *length*, not the values), so there is no term through
+    ``theta``; YaRN's attention factor ``a`` multiplies cos and sin, a constant, so the cached
+    (scaled) cos/sin give ``a R(-theta)``; features past ``rotary_dim`` are the identity and their
+    gradient passes through unchanged.  Returns ``dx``.
+
+    Parameters
+    ----------
+    dout : ndarray
+        The gradient of ``y``.
+    cache : RopeCache
+        The cache ``rope`` returned.
+
+    Returns
+    -------
+    ndarray
+        ``dx``.
     """
     check_cache(cache, RopeCache, "rope_backward")
     return _rope_backward(check_grad(dout, cache.shape, cache.dtype), cache)
