@@ -86,12 +86,17 @@ def randomize(model, seed: int = 0, scale: float = 0.2) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale
             p.copy_(p + noise)
+        persistent = set(model.state_dict())
+        for name, b in model.named_buffers():  # e.g. DeepSeek-V3's e_score_correction_bias (choice only)
+            if name in persistent and b.dtype.is_floating_point:
+                b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * scale)
 
 
 def build(config_cls, model_cls, seed: int = 0, **kwargs):
     """``(hf_model float64 eager, config dict)`` with random weights, built under ``float64_reference``."""
     cfg = config_cls(**kwargs)
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
     with float64_reference():
         torch.manual_seed(seed)
         model = model_cls(cfg).double().eval()

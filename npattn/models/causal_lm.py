@@ -35,17 +35,18 @@ from .. import functional as F
 from .._validate import as_index, as_rng, check_bool, check_dtype
 from ..functional import kernels as K
 from ..nn.attention import MultiHeadAttention
-from ..nn.layers import Embedding, FeedForward, Linear, RMSNorm
+from ..nn.latent_attention import MultiHeadLatentAttention
+from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, ModuleList, no_grad
+from ..nn.moe import GatedMLP, SparseMoeBlock
 from .configs import CausalLMConfig, config_from_hf
 
 __all__ = ["CausalLM"]
 
 _FAMILY_NEEDS = {
-    "gpt_oss": "the mixture-of-experts layer (npattn.nn.moe) and yarn RoPE scaling",
-    "deepseek_v3": "multi-head latent attention (npattn.nn.latent_attention) and the mixture-of-experts layer",
-    "qwen3_next": "gated DeltaNet (npattn.nn.delta_net), gated attention and the mixture-of-experts layer",
+    "qwen3_next": "gated DeltaNet (npattn.nn.delta_net) and gated attention",
 }
+_MHA_KINDS = ("full_attention", "sliding_attention")
 
 
 def unsupported(cfg: CausalLMConfig) -> str | None:
@@ -53,7 +54,10 @@ def unsupported(cfg: CausalLMConfig) -> str | None:
     (``None`` when the model can be built)."""
     if cfg.model_type in _FAMILY_NEEDS:
         return f"model_type {cfg.model_type!r} not supported yet: it needs {_FAMILY_NEEDS[cfg.model_type]}"
+    mha = [k for k in cfg.layer_types if k in _MHA_KINDS]
     for kind, params in cfg.rope.items():
+        if not mha or (kind in _MHA_KINDS and kind not in mha):
+            continue  # MLA applies its own rotation (and scaling)
         if params.get("rope_type", "default") != "default":
             return (
                 f"config['rope_parameters']: rope_type {params['rope_type']!r} (RoPE scaling) is not supported "
@@ -61,7 +65,7 @@ def unsupported(cfg: CausalLMConfig) -> str | None:
             )
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             return "config['partial_rotary_factor']: partial rotary embedding is not supported by npattn yet"
-    if cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
+    if mha and cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
         return (
             f"config['head_dim']: num_attention_heads * head_dim = {cfg.num_attention_heads * cfg.head_dim} "
             f"differs from hidden_size = {cfg.hidden_size}, which MultiHeadAttention does not support yet"
@@ -123,13 +127,13 @@ _MHA_NAMES = {
     "self_attn.W_value": "self_attn.v_proj",
     "self_attn.out_proj": "self_attn.o_proj",
 }
-_MLP_NAMES = {"mlp.linear1": "mlp.gate_proj", "mlp.linear3": "mlp.up_proj", "mlp.linear2": "mlp.down_proj"}
-_GATED = {"silu": "swiglu", "gelu_tanh": "geglu_tanh"}
 
 
 def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The attention module of layer ``i``."""
     kind = cfg.layer_types[i]
+    if kind == "latent_attention":
+        return MultiHeadLatentAttention.from_config(cfg.hf, rng=rng, dtype=dtype)
     rope = cfg.rope.get(kind, cfg.rope.get("default", {}))
     window = (cfg.sliding_window - 1, 0) if kind == "sliding_attention" and cfg.sliding_window else None
     m = MultiHeadAttention(
@@ -155,6 +159,13 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     return m
 
 
+def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
+    """The MLP of layer ``i``: the dense gated MLP, or the routed experts."""
+    if cfg.mlp_types[i] == "moe":
+        return SparseMoeBlock.from_hf_config(cfg.hf, rng=rng, dtype=dtype)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
+
+
 class DecoderLayer(_Renamed):
     """One pre-norm residual block of ``CausalLM`` (see the module docstring), with Hugging
     Face's names: ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``,
@@ -167,16 +178,14 @@ class DecoderLayer(_Renamed):
         self.index = index
         self.sandwich = cfg.sandwich_norm
         self.self_attn = _attention(cfg, index, rng, dtype)
-        act = _GATED[cfg.hidden_act]
-        self.mlp = FeedForward(
-            cfg.hidden_size, cfg.intermediate_size, activation=act, bias=cfg.mlp_bias, rng=rng, dtype=dtype
-        )
+        self.mlp = _mlp(cfg, index, rng, dtype)
         self.input_layernorm = _norm(cfg, dtype)
         self.post_attention_layernorm = _norm(cfg, dtype)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, dtype)
             self.post_feedforward_layernorm = _norm(cfg, dtype)
-        object.__setattr__(self, "_names", {**_MHA_NAMES, **_MLP_NAMES})
+        if isinstance(self.self_attn, MultiHeadAttention):
+            object.__setattr__(self, "_names", _MHA_NAMES)
 
     @property
     def attention(self) -> Module:

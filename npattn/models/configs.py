@@ -39,7 +39,8 @@ class CausalLMConfig:
     MLP (Gemma); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
     ``attention_scale`` is the scores' factor (``None``: ``1/sqrt(head_dim)``).  ``moe``,
     ``latent`` and ``linear_attention`` hold the Hugging Face options of those layers (keys as
-    in the config), ``None`` where the family has none.
+    in the config), ``None`` where the family has none; ``hf`` is the Hugging Face dict itself
+    (the MoE, MLA and DeltaNet modules read their options from it).
     """
 
     model_type: str
@@ -76,6 +77,7 @@ class CausalLMConfig:
     moe: Mapping[str, Any] | None = None
     latent: Mapping[str, Any] | None = None
     linear_attention: Mapping[str, Any] | None = None
+    hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def replace(self, **changes) -> CausalLMConfig:
         """A copy with ``changes`` (``dataclasses.replace``)."""
@@ -183,14 +185,14 @@ class _Reader:
             )
 
 
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-
-
 def _act(r: _Reader, key: str, default: str) -> str:
+    """The Hugging Face activation name (one of ``npattn.nn.moe.HIDDEN_ACTS``)."""
+    from ..nn.moe import HIDDEN_ACTS
+
     v = r.get(key, default)
-    if v not in _ACTIVATIONS:
-        raise ValueError(f"config[{key!r}] = {v!r} is not supported by npattn (supported: {sorted(_ACTIVATIONS)})")
-    return _ACTIVATIONS[v]
+    if v not in HIDDEN_ACTS:
+        raise ValueError(f"config[{key!r}] = {v!r} is not supported by npattn (supported: {sorted(HIDDEN_ACTS)})")
+    return v
 
 
 def _rope_params(r: _Reader, default_theta: float, per_type: tuple = ()) -> dict:
@@ -344,11 +346,12 @@ def _gpt_oss(r: _Reader) -> dict:
     n = c["num_hidden_layers"]
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
-    r.only("hidden_act", ("silu",), "silu", "GPT-OSS's experts use their own clamped SwiGLU")
+    hidden_act = r.only("hidden_act", ("silu",), "silu", "GPT-OSS's experts use their own clamped SwiGLU")
     c.update(
         intermediate_size=r.int("intermediate_size"),
         attention_bias=r.bool("attention_bias", True),
         sinks=True,
+        hidden_act=hidden_act,
         rope=_rope_params(r, 150000.0),
         layer_types=lt,
         sliding_window=_window(r, lt),
@@ -478,4 +481,4 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     r = _Reader(config, mt)
     fields = _READERS[mt](r)
     r.finish()
-    return CausalLMConfig(model_type=mt, **fields)
+    return CausalLMConfig(model_type=mt, hf=dict(config), **fields)

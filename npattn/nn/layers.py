@@ -355,10 +355,7 @@ _ACTIVATIONS = {
     "gelu_tanh": ("gelu", {"approximate": "tanh"}),
     "silu": ("silu", {}),
     "swiglu": ("silu", {}),
-    "geglu": ("gelu", {"approximate": "none"}),
-    "geglu_tanh": ("gelu", {"approximate": "tanh"}),
 }
-_GATED = ("swiglu", "geglu", "geglu_tanh")  # act(linear1(x)) * linear3(x)
 
 
 def _act(name: str):
@@ -369,14 +366,13 @@ def _act(name: str):
 class FeedForward(Module):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))`` (as torch's encoder layer).
 
-    ``activation`` is ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"``, ``"silu"``, or a gated
-    unit: ``"swiglu"`` is ``linear2(dropout(silu(linear1(x)) * linear3(x)))`` (Llama's; adds
-    ``linear3`` ``(d_ff, d_model)``), ``"geglu"`` / ``"geglu_tanh"`` the same with GELU (erf or tanh
-    form, Gemma's) in place of SiLU.  ``bias=False`` drops every linear bias.  Keys: ``linear1.*``,
-    ``linear2.*`` (and ``linear3.*`` for the gated units).
+    ``activation`` is ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``:
+    ``linear2(dropout(silu(linear1(x)) * linear3(x)))`` (Llama's gated unit; adds ``linear3``
+    ``(d_ff, d_model)``).  ``bias=False`` drops every linear bias.  Keys: ``linear1.*``,
+    ``linear2.*`` (and ``linear3.*`` for swiglu).
 
-    Gated backward: with ``a = linear1(x)``, ``b = linear3(x)``, ``h = act(a) * b``:
-    ``da = act'(a) * (dh * b)``, ``db = dh * act(a)``, and ``dx`` is the sum of both linears'
+    SwiGLU backward: with ``a = linear1(x)``, ``b = linear3(x)``, ``h = silu(a) * b``:
+    ``da = silu'(a) * (dh * b)``, ``db = dh * silu(a)``, and ``dx`` is the sum of both linears'
     input gradients.
     """
 
@@ -403,7 +399,7 @@ class FeedForward(Module):
         self._dtype = check_dtype(dtype)
         self.linear1 = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
         self.linear2 = Linear(d_ff, d_model, bias, rng=rng, dtype=dtype)
-        if activation in _GATED:
+        if activation == "swiglu":
             self.linear3 = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
         self.dropout = Dropout(dropout, rng=rng)
 
@@ -419,7 +415,7 @@ class FeedForward(Module):
     def _forward(self, x: np.ndarray) -> np.ndarray:
         act, _, kwargs = _act(self.activation)
         # A training step's (..., d_ff) arrays come from (and go back to) the module's workspace
-        ws = self._workspace() if is_grad_enabled() and self.activation not in _GATED else None
+        ws = self._workspace() if is_grad_enabled() and self.activation != "swiglu" else None
         if ws is None:
             a = self.linear1._forward(x)
             h, cache = act(a, **kwargs)
@@ -432,9 +428,9 @@ class FeedForward(Module):
             else:
                 h, cache = act(a, **kwargs)
                 reused = (a,)
-        if self.activation in _GATED:
+        if self.activation == "swiglu":
             b = self.linear3._forward(x)
-            cache = (cache, h, b)  # act(a) and b, for the product's gradient
+            cache = (cache, h, b)  # silu(a) and b, for the product's gradient
             h = h * b
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
         self._save((cache, drop, reused))
@@ -451,7 +447,7 @@ class FeedForward(Module):
         dh = dh_ws = self.linear2._backward(dy, None if ws is None else ws.empty(h_shape, dy.dtype))
         if drop:
             dh = self.dropout._backward(dh)
-        if self.activation in _GATED:
+        if self.activation == "swiglu":
             cache, s, b = cache
             dx3 = self.linear3._backward(dh * s)
             return self.linear1._backward(act_backward(dh * b, cache)) + dx3
