@@ -5,6 +5,7 @@ Thin layers over ``npattn.functional``, each composing its submodules.
 
 from .attention import MultiHeadAttention
 from .containers import Sequential
+from .delta_net import GatedDeltaNet
 from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
@@ -24,6 +25,7 @@ __all__ = [
     "Embedding",
     "FeedForward",
     "MultiHeadAttention",
+    "GatedDeltaNet",
     "MultiHeadLatentAttention",
     "EncoderBlock",
     "DecoderBlock",

@@ -1,0 +1,351 @@
+"""``GatedDeltaNet``: Qwen3-Next's linear-attention layer (``linear_attn``), backward by hand.
+
+The layer, as transformers' ``Qwen3NextGatedDeltaNet`` (shapes for one token; ``nk``/``nv`` key/value
+heads, ``r = nv / nk`` value heads per key head, ``Dk``/``Dv`` head widths):
+
+    [q k v z] = in_proj_qkvz(x)     grouped per key head: (nk, Dk + Dk + r Dv + r Dv)
+    [b a]     = in_proj_ba(x)       grouped per key head: (nk, r + r)
+    q, k, v   = silu(causal depthwise conv1d over the sequence of [q k v])   (K taps, no bias)
+    beta      = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)       (per value head)
+    o         = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)     key head h // r serves value head h
+    y         = out_proj(RMSNormGated(o, z))    RMSNorm over Dv, times norm.weight, times silu(z)
+
+Parameters carry transformers' state-dict names (under ``linear_attn.`` in a decoder layer):
+``in_proj_qkvz.weight (2 nk Dk + 2 nv Dv, hidden)``, ``in_proj_ba.weight (2 nv, hidden)``,
+``conv1d.weight (2 nk Dk + nv Dv, 1, K)``, ``dt_bias (nv,)``, ``A_log (nv,)``, ``norm.weight (Dv,)``,
+``out_proj.weight (hidden, nv Dv)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import as_float, as_rng, check_bool, check_dtype, check_positive_float, check_size
+from ..functional.conv import CausalConv1dCache, _causal_conv1d, _causal_conv1d_backward
+from ..functional.delta_rule import (
+    GatedDeltaRuleCache,
+    RMSNormGatedCache,
+    _gated_delta_rule,
+    _gated_delta_rule_backward,
+    _rms_norm_gated,
+    _rms_norm_gated_backward,
+)
+from .layers import Linear
+from .module import Module, Parameter, no_grad
+
+__all__ = ["GatedDeltaNet"]
+
+_SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus: the identity above it
+
+
+class _Weights(Module):
+    """A submodule that only holds a ``weight`` for its parent (``conv1d.weight``, ``norm.weight``):
+    the parent computes with it, so the state-dict keys are transformers' own."""
+
+    def __init__(self, weight: Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("this submodule holds its parent's parameters; call the GatedDeltaNet itself")
+
+
+class _State(NamedTuple):
+    lead: tuple  # the batch shape
+    steps: int
+    conv: CausalConv1dCache
+    rule: GatedDeltaRuleCache
+    norm: RMSNormGatedCache
+    beta: np.ndarray  # (B..., L, nv) sigmoid(b)
+    g: np.ndarray  # (B..., L, nv)
+    pre: np.ndarray  # (B..., L, nv) a + dt_bias, softplus's input
+
+
+class GatedDeltaNet(Module):
+    """Gated DeltaNet, Qwen3-Next's linear attention layer: ``(B..., L, hidden) -> (B..., L, hidden)``.
+
+    The constructor takes the fields of a Hugging Face ``Qwen3NextConfig`` by their names (their
+    defaults are that config's); :meth:`from_config` reads them from a config mapping.
+
+    Parameters
+    ----------
+    hidden_size : int
+        The model width.
+    linear_num_value_heads : int
+        ``nv``, the heads of the delta rule (of v, z, beta, g and the state).
+    linear_num_key_heads : int
+        ``nk``, the heads of q and k; must divide ``nv``: key head ``h // (nv / nk)`` serves value
+        head ``h`` (as grouped-query attention shares keys).
+    linear_key_head_dim, linear_value_head_dim : int
+        ``Dk`` and ``Dv``; each head's state is ``(Dk, Dv)``.
+    linear_conv_kernel_dim : int
+        ``K``, the taps of the short causal convolution over ``[q k v]``.
+    rms_norm_eps : float
+        The eps of the gated RMSNorm on the output.
+    hidden_act : str
+        The convolution's activation; Qwen3-Next uses ``"silu"``, the only one supported.
+    chunk_size : int
+        The delta rule's chunk length (any value gives the same numbers; see
+        ``npattn.functional.gated_delta_rule``).
+    rng, dtype
+        As every module.  Initialisation as transformers: the projections as ``torch.nn.Linear``
+        (no bias), the convolution as ``torch.nn.Conv1d`` (U(-1/sqrt(K), 1/sqrt(K))), ``dt_bias``
+        ones, ``A_log = log(U(0.01, 16))``, ``norm.weight`` ones.
+
+    Notes
+    -----
+    ``forward(x, use_cache=True)`` decodes incrementally: the layer keeps the last ``K - 1``
+    convolution inputs and each head's state and continues from them, so feeding a sequence in
+    pieces (token by token or in chunks) gives the outputs of one full pass.  Such a call keeps
+    nothing for backward (as ``MultiHeadAttention``'s KV cache); ``reset_kv_cache()`` starts a
+    new sequence.  transformers computes the delta rule, the gate and the norm in float32 for
+    bf16/fp16 models; here everything runs in the module's dtype.
+    """
+
+    _conv_state: Optional[np.ndarray]
+    _recurrent_state: Optional[np.ndarray]
+    _cache_lead: Optional[tuple]
+    _cache_length: int
+
+    def __init__(
+        self,
+        hidden_size: int,
+        linear_num_value_heads: int = 32,
+        linear_num_key_heads: int = 16,
+        linear_key_head_dim: int = 128,
+        linear_value_head_dim: int = 128,
+        linear_conv_kernel_dim: int = 4,
+        rms_norm_eps: float = 1e-6,
+        hidden_act: str = "silu",
+        *,
+        chunk_size: int = 64,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = check_size(hidden_size, "hidden_size")
+        self.num_v_heads = check_size(linear_num_value_heads, "linear_num_value_heads")
+        self.num_k_heads = check_size(linear_num_key_heads, "linear_num_key_heads")
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads: expected a multiple of linear_num_key_heads={self.num_k_heads}, "
+                f"got {self.num_v_heads}"
+            )
+        self.head_k_dim = check_size(linear_key_head_dim, "linear_key_head_dim")
+        self.head_v_dim = check_size(linear_value_head_dim, "linear_value_head_dim")
+        self.conv_kernel_size = check_size(linear_conv_kernel_dim, "linear_conv_kernel_dim")
+        self.eps = check_positive_float(rms_norm_eps, "rms_norm_eps", allow_zero=True)
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act: expected 'silu' (Qwen3-Next's), got {hidden_act!r}")
+        self.chunk_size = check_size(chunk_size, "chunk_size")
+        self._dtype = dt = check_dtype(dtype)
+        rng = as_rng(rng)
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        bound = 1.0 / math.sqrt(self.conv_kernel_size)
+        conv_w = rng.uniform(-bound, bound, (self.conv_dim, 1, self.conv_kernel_size))
+        self.conv1d = _Weights(Parameter(conv_w, dt))
+        self.in_proj_qkvz = Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, False, rng=rng, dtype=dt)
+        self.in_proj_ba = Linear(self.hidden_size, 2 * self.num_v_heads, False, rng=rng, dtype=dt)
+        self.dt_bias = Parameter(np.ones(self.num_v_heads), dt)
+        self.A_log = Parameter(np.log(rng.uniform(0.01, 16.0, self.num_v_heads)), dt)
+        self.norm = _Weights(Parameter(np.ones(self.head_v_dim), dt))
+        self.out_proj = Linear(self.value_dim, self.hidden_size, False, rng=rng, dtype=dt)
+        self.reset_kv_cache()
+
+    _CONFIG_FIELDS = (
+        "hidden_size",
+        "linear_num_value_heads",
+        "linear_num_key_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "rms_norm_eps",
+        "hidden_act",
+    )
+
+    @classmethod
+    def from_config(cls, config: Mapping, **kwargs) -> "GatedDeltaNet":
+        """A layer from a Hugging Face ``Qwen3NextConfig`` as a mapping (``config.to_dict()``).
+
+        Reads ``hidden_size`` (required) and the ``linear_*`` fields, ``rms_norm_eps``,
+        ``hidden_act`` where present; ``kwargs`` (``chunk_size``, ``rng``, ``dtype``) pass through.
+        """
+        if "hidden_size" not in config:
+            raise ValueError("config: expected a 'hidden_size' entry")
+        return cls(**{k: config[k] for k in cls._CONFIG_FIELDS if k in config}, **kwargs)
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x, *, use_cache: bool = False) -> np.ndarray:
+        """``x (B..., L, hidden)`` -> ``(B..., L, hidden)``; ``use_cache=True`` continues from (and
+        updates) the decoding cache (see the class notes)."""
+        x = as_float(x, "x", self.dtype)
+        if x.ndim < 2 or x.shape[-1] != self.hidden_size or x.shape[-2] < 1:
+            raise ValueError(f"x: expected shape (..., L, {self.hidden_size}) with L >= 1, got {x.shape}")
+        use_cache = check_bool(use_cache, "use_cache")
+        if use_cache and self._cache_lead is not None and self._cache_lead != x.shape[:-2]:
+            raise ValueError(
+                f"x: expected the batch shape {self._cache_lead} of the decoding cache, got {x.shape} "
+                "(call reset_kv_cache() to start a new sequence)"
+            )
+        if use_cache:
+            with no_grad():  # a cached call keeps nothing for backward
+                return self._forward(x, use_cache=True)
+        return self._forward(x)
+
+    def _forward(self, x: np.ndarray, use_cache: bool = False) -> np.ndarray:
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = nv // nk
+        lead, steps = x.shape[:-2], x.shape[-2]
+        qkvz = self.in_proj_qkvz._forward(x).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
+        ba = self.in_proj_ba._forward(x).reshape(lead + (steps, nk, 2 * r))
+        # [q k v] in transformers' order for the convolution: all q heads, all k heads, all v heads
+        mixed = np.concatenate(
+            [
+                qkvz[..., :dk].reshape(lead + (steps, self.key_dim)),
+                qkvz[..., dk : 2 * dk].reshape(lead + (steps, self.key_dim)),
+                qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(lead + (steps, self.value_dim)),
+            ],
+            axis=-1,
+        )
+        z = qkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
+        b = ba[..., :r].reshape(lead + (steps, nv))
+        a = ba[..., r:].reshape(lead + (steps, nv))
+        conv_out, conv_cache = _causal_conv1d(
+            mixed,
+            self.conv1d.weight.data[:, 0, :],
+            activation="silu",
+            initial_state=self._conv_state if use_cache else None,
+            output_final_state=use_cache,
+        )
+        q = conv_out[..., : self.key_dim].reshape(lead + (steps, nk, dk))
+        k = conv_out[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
+        v = conv_out[..., 2 * self.key_dim :].reshape(lead + (steps, nv, dv))
+        beta = 0.5 * (1.0 + np.tanh(0.5 * b))  # sigmoid(b), without overflow
+        pre = a + self.dt_bias.data
+        g = -np.exp(self.A_log.data) * _softplus(pre)
+        heads = (-2, -3)  # (B..., L, heads, D) <-> (B..., heads, L, D)
+        o, rule_cache = _gated_delta_rule(
+            np.repeat(q, r, axis=-2).swapaxes(*heads),
+            np.repeat(k, r, axis=-2).swapaxes(*heads),
+            v.swapaxes(*heads),
+            g.swapaxes(-1, -2),
+            beta.swapaxes(-1, -2),
+            scale=1.0 / math.sqrt(dk),
+            initial_state=self._recurrent_state if use_cache else None,
+            output_final_state=use_cache,
+            use_qk_l2norm=True,
+            chunk_size=self.chunk_size,
+        )
+        y, norm_cache = _rms_norm_gated(o.swapaxes(*heads), z, self.norm.weight.data, self.eps)
+        out = self.out_proj._forward(y.reshape(lead + (steps, self.value_dim)))
+        if use_cache:
+            object.__setattr__(self, "_conv_state", conv_cache.final_state)
+            object.__setattr__(self, "_recurrent_state", rule_cache.final_state)
+            object.__setattr__(self, "_cache_lead", lead)
+            object.__setattr__(self, "_cache_length", self._cache_length + steps)
+            self._save(None)
+        else:
+            self._save(_State(lead, steps, conv_cache, rule_cache, norm_cache, beta, g, pre))
+        return out
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, dy) -> np.ndarray:
+        """``dx (B..., L, hidden)``; every parameter's gradient is added into its ``.grad``.
+
+        The chain, last step first: ``out_proj``; the gated norm (``dx``, ``dz``, ``dnorm.weight``);
+        the delta rule's chunked backward (``dq, dk, dv, dg, dbeta``), each key head's gradient the
+        sum over the ``r`` value heads it served; ``beta = sigmoid(b)``: ``db = dbeta beta (1 - beta)``;
+        ``g = -exp(A_log) softplus(a + dt_bias)``: ``dA_log = sum dg g``, ``da = ddt_bias =
+        -dg exp(A_log) sigmoid(a + dt_bias)`` (summed over tokens for ``dt_bias``); the
+        convolution's backward (``dconv1d.weight``); the two input projections, whose input
+        gradients add up.
+        """
+        dy = self._check_dy(dy)
+        return self._backward(dy)
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = nv // nk
+        lead, steps, conv_cache, rule_cache, norm_cache, beta, g, pre = self._pop()
+        heads = (-2, -3)
+        dn = self.out_proj._backward(dy).reshape(lead + (steps, nv, dv))
+        do, dz, dnorm_w = _rms_norm_gated_backward(dn, norm_cache)
+        dq, dk_, dv_, dg, dbeta, _ = _gated_delta_rule_backward(do.swapaxes(*heads), rule_cache)
+        dq = dq.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)  # the r value heads of each key head
+        dk_ = dk_.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)
+        dg, dbeta = dg.swapaxes(-1, -2), dbeta.swapaxes(-1, -2)  # (B..., L, nv)
+        db = dbeta * beta * (1.0 - beta)
+        dA_log = (dg * g).reshape(-1, nv).sum(0)  # dg/dA_log = -exp(A_log) softplus = g
+        da = -dg * np.exp(self.A_log.data) * _softplus_grad(pre)
+        ddt_bias = da.reshape(-1, nv).sum(0)
+        dconv = np.concatenate(
+            [
+                dq.reshape(lead + (steps, self.key_dim)),
+                dk_.reshape(lead + (steps, self.key_dim)),
+                dv_.swapaxes(*heads).reshape(lead + (steps, self.value_dim)),
+            ],
+            axis=-1,
+        )
+        dmixed, dconv_w, _, _ = _causal_conv1d_backward(dconv, conv_cache)
+        dqkvz = np.empty(lead + (steps, nk, 2 * dk + 2 * r * dv), dy.dtype)
+        dqkvz[..., :dk] = dmixed[..., : self.key_dim].reshape(lead + (steps, nk, dk))
+        dqkvz[..., dk : 2 * dk] = dmixed[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
+        dqkvz[..., 2 * dk : 2 * dk + r * dv] = dmixed[..., 2 * self.key_dim :].reshape(lead + (steps, nk, r * dv))
+        dqkvz[..., 2 * dk + r * dv :] = dz.reshape(lead + (steps, nk, r * dv))
+        dba = np.concatenate([db.reshape(lead + (steps, nk, r)), da.reshape(lead + (steps, nk, r))], axis=-1).reshape(
+            lead + (steps, 2 * nv)
+        )
+        dx = self.in_proj_qkvz._backward(dqkvz.reshape(lead + (steps, -1)))
+        dx += self.in_proj_ba._backward(dba)
+        self._accumulate(self.conv1d.weight, dconv_w[:, None, :])
+        self._accumulate(self.dt_bias, ddt_bias)
+        self._accumulate(self.A_log, dA_log)
+        self._accumulate(self.norm.weight, dnorm_w)
+        return dx
+
+    # -- decoding cache -------------------------------------------------------------------------
+    def reset_kv_cache(self) -> None:
+        """Empty the decoding cache (convolution window and recurrent states): start a new sequence."""
+        object.__setattr__(self, "_conv_state", None)
+        object.__setattr__(self, "_recurrent_state", None)
+        object.__setattr__(self, "_cache_lead", None)
+        object.__setattr__(self, "_cache_length", 0)
+
+    reset_cache = reset_kv_cache
+
+    @property
+    def kv_cache_length(self) -> int:
+        """The number of tokens decoded since the last reset (0 when the cache is empty)."""
+        return self._cache_length
+
+    @property
+    def recurrent_state(self) -> Optional[np.ndarray]:
+        """The cached delta-rule states ``(B..., nv, Dk, Dv)`` (None when the cache is empty)."""
+        return self._recurrent_state
+
+    @property
+    def conv_state(self) -> Optional[np.ndarray]:
+        """The cached convolution inputs ``(B..., K - 1, 2 nk Dk + nv Dv)`` (None when empty)."""
+        return self._conv_state
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_v_heads={self.num_v_heads}, num_k_heads={self.num_k_heads}, "
+            f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}"
+        )
+
+
+def _softplus(x):
+    """``log(1 + e^x)``, and ``x`` itself above 20 (torch's ``F.softplus`` threshold)."""
+    return np.where(x > _SOFTPLUS_THRESHOLD, x, np.logaddexp(0.0, np.minimum(x, _SOFTPLUS_THRESHOLD)))
+
+
+def _softplus_grad(x):
+    """``sigmoid(x)``, and 1 above the threshold (torch's softplus backward)."""
+    return np.where(x > _SOFTPLUS_THRESHOLD, 1.0, 0.5 * (1.0 + np.tanh(0.5 * x))).astype(x.dtype)
