@@ -1,4 +1,4 @@
-"""Autoregressive text generation for any npattn language model: greedy, temperature, top-k, EOS.
+"""Autoregressive text generation for any npattn language model: greedy, temperature, top-k, top-p, EOS.
 
 One implementation, used by ``npattn.book.generate`` / ``generate_text_simple`` (the book's
 chapter 4 and 5 functions) and by ``TinyTransformer.generate``.
@@ -14,6 +14,9 @@ Sampling one step (the book's chapter 5, ``next_token_probs`` and ``sample_next_
     logits = logits[:, -1, :]                        # the last position's prediction
     top_k:        logits[logits < k-th largest] = -inf   (ties with the k-th value are kept)
     temperature:  0 -> argmax (greedy);  T > 0 -> sample from softmax(logits / T)
+    top_p:        keep the most probable tokens until their probabilities sum to top_p (nucleus
+                  sampling: a token stays when the tokens more probable than it sum to less than
+                  top_p, so the most probable one always stays), then renormalise
 """
 
 from __future__ import annotations
@@ -55,21 +58,49 @@ def _top_k_mask(logits: np.ndarray, top_k: int | None) -> np.ndarray:
     return np.where(logits < kth, -np.inf, logits).astype(logits.dtype, copy=False)
 
 
-def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None) -> np.ndarray:
+def _check_top_p(top_p) -> float | None:
+    """``top_p``: None (off) or a number in (0, 1]."""
+    if top_p is None:
+        return None
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise TypeError(f"top_p: expected a number in (0, 1] or None, got {top_p!r} ({type(top_p).__name__})")
+    if not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p}")
+    return float(top_p)
+
+
+def _top_p_filter(p: np.ndarray, top_p: float | None) -> np.ndarray:
+    """Nucleus filtering of probabilities ``p (..., vocab)``: zero every token for which the
+    tokens ranked before it (by probability, highest first) already sum to ``top_p`` or more,
+    then renormalise.  The most probable token always stays."""
+    if top_p is None or top_p >= 1.0:
+        return p
+    order = np.argsort(-p, axis=-1, kind="stable")
+    ps = np.take_along_axis(p, order, axis=-1)
+    before = np.cumsum(ps, axis=-1) - ps  # mass of the tokens ranked before each one
+    keep = np.empty_like(p, dtype=bool)
+    np.put_along_axis(keep, order, before < top_p, axis=-1)
+    q = np.where(keep, p, 0.0)
+    return q / q.sum(axis=-1, keepdims=True)
+
+
+def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, *, top_p=None) -> np.ndarray:
     """The distribution the next token is drawn from: ``softmax(top_k(logits) / temperature)``
-    over the last axis of ``logits (..., vocab)``.  ``temperature=0`` gives the one-hot of the
-    arg-max (greedy decoding; the first one on ties)."""
+    over the last axis of ``logits (..., vocab)``, then nucleus-filtered by ``top_p`` (None or
+    1: off).  ``temperature=0`` gives the one-hot of the arg-max (greedy decoding; the first one
+    on ties)."""
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
+    top_p = _check_top_p(top_p)
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(
             f"logits: expected a float array (..., vocab) with vocab >= 1, got "
             f"dtype {logits.dtype}, shape {logits.shape}"
         )
-    return _probs(logits, temperature, top_k)
+    return _probs(logits, temperature, top_k, top_p)
 
 
-def _probs(logits, temperature, top_k):
+def _probs(logits, temperature, top_k, top_p=None):
     if temperature == 0.0:
         out = np.zeros_like(logits)
         np.put_along_axis(out, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
@@ -78,43 +109,58 @@ def _probs(logits, temperature, top_k):
     # softmax(z / T) = softmax((z - max z) / T): the shifted form cannot overflow for small T
     z = (z - z.max(axis=-1, keepdims=True)) / z.dtype.type(temperature)
     e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+    return _top_p_filter(e / e.sum(axis=-1, keepdims=True), top_p)
 
 
-def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Generator) -> np.ndarray:
+def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Generator, top_p=None) -> np.ndarray:
     """One token per row of ``logits (B, vocab)``.  Greedy: the arg-max (top-k changes nothing).
     Sampling: inverse CDF, one uniform draw ``rng.random(B)`` per step, so a seed fixes the tokens;
     a token of probability 0 (masked by top-k) is never drawn."""
     if temperature == 0.0:
         return logits.argmax(axis=-1)
-    p = _probs(logits.astype(np.float64), temperature, top_k)
+    p = _probs(logits.astype(np.float64), temperature, top_k, top_p)
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(len(p)) * cdf[:, -1]
     return np.array([np.searchsorted(c, x, side="right") for c, x in zip(cdf, u)], dtype=np.int64)
 
 
-def sample_next_token(logits, temperature: float = 0.0, top_k: int | None = None, *, rng=None) -> np.ndarray:
+def sample_next_token(
+    logits, temperature: float = 0.0, top_k: int | None = None, *, rng=None, top_p=None
+) -> np.ndarray:
     """The book's sampling step on ``logits (B, vocab)`` (the last position's): greedy arg-max at
-    ``temperature=0``, else a draw from ``next_token_probs(logits, temperature, top_k)``.
+    ``temperature=0``, else a draw from ``next_token_probs(logits, temperature, top_k, top_p=top_p)``.
     Returns ``(B,)`` int64 token ids."""
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
+    top_p = _check_top_p(top_p)
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim != 2 or logits.shape[-1] < 1:
         raise ValueError(
             f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}"
         )
-    return _sample(logits, temperature, top_k, as_rng(rng))
+    return _sample(logits, temperature, top_k, as_rng(rng), top_p)
 
 
 def generate(
-    model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None, use_cache=True
+    model,
+    idx,
+    max_new_tokens,
+    context_size,
+    temperature=0.0,
+    top_k=None,
+    eos_id=None,
+    *,
+    rng=None,
+    use_cache=True,
+    top_p=None,
 ):
     """Append up to ``max_new_tokens`` tokens to ``idx`` (integer ids ``(..., L)``, usually
     ``(batch, L)``), each predicted from at most the last ``context_size`` tokens.
 
     * ``temperature=0``: greedy (arg-max); ``temperature > 0``: sample from
       ``softmax(logits / temperature)``, after ``top_k`` (keep the ``top_k`` largest logits,
-      the others become ``-inf``; ties with the k-th are kept, as the book's ``torch.where``).
+      the others become ``-inf``; ties with the k-th are kept, as the book's ``torch.where``),
+      then ``top_p`` (nucleus: the most probable tokens whose probabilities sum to ``top_p``;
+      None or 1 keeps all).
     * ``eos_id``: a sequence that produces ``eos_id`` is finished.  As in the book, generation
       stops at the step where the (last) sequence finishes, and that step's ``eos_id`` is not
       appended; in a batch, sequences that finished earlier are padded with ``eos_id`` until
@@ -137,6 +183,7 @@ def generate(
     n = check_size(max_new_tokens, "max_new_tokens", minimum=0)
     context_size = check_size(context_size, "context_size")
     temperature, top_k, eos_id = check_sampling(temperature, top_k, eos_id)
+    top_p = _check_top_p(top_p)
     rng = as_rng(rng)
     if not callable(model):
         raise TypeError(f"model: expected a callable model(idx) -> logits, got {type(model).__name__}")
@@ -159,7 +206,7 @@ def generate(
                     primed = True
                 else:
                     logits = model(out[:, -context_size:])
-                nxt = _sample(np.asarray(logits)[:, -1, :], temperature, top_k, rng)
+                nxt = _sample(np.asarray(logits)[:, -1, :], temperature, top_k, rng, top_p)
                 if eos_id is not None:
                     nxt = np.where(finished, eos_id, nxt)
                     finished |= nxt == eos_id
