@@ -9,6 +9,7 @@ from .delta_net import GatedDeltaNet
 from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
+from .moe import Experts, GatedMLP, GptOssExperts, MoE, SparseMoeBlock, TopKRouter
 from .transformer import DecoderBlock, EncoderBlock
 
 __all__ = [
@@ -27,6 +28,12 @@ __all__ = [
     "MultiHeadAttention",
     "GatedDeltaNet",
     "MultiHeadLatentAttention",
+    "TopKRouter",
+    "Experts",
+    "GptOssExperts",
+    "GatedMLP",
+    "SparseMoeBlock",
+    "MoE",
     "EncoderBlock",
     "DecoderBlock",
 ]

@@ -238,11 +238,14 @@ class TopKRouter(Module):
     def forward(self, x):
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"TopKRouter({self.hidden_size}, {self.num_experts})")
-        w, idx = self._forward(x.reshape(-1, self.hidden_size))
-        lead = x.shape[:-1]
-        self.last_logits = self.last_logits.reshape(lead + (self.num_experts,))
-        self.last_indices = idx.reshape(lead + (self.top_k,))
-        return w.reshape(lead + (self.top_k,)), self.last_indices
+        w, _ = self._forward(x.reshape(-1, self.hidden_size))
+        self._shape_stats(x.shape[:-1])
+        return w.reshape(x.shape[:-1] + (self.top_k,)), self.last_indices
+
+    def _shape_stats(self, lead: tuple) -> None:
+        """Give ``last_logits`` and ``last_indices`` the leading axes of the input."""
+        self.last_logits = self.last_logits.reshape(lead + (self.num_experts,))  # type: ignore[union-attr]
+        self.last_indices = self.last_indices.reshape(lead + (self.top_k,))  # type: ignore[union-attr]
 
     def _choice(self, scores: np.ndarray) -> np.ndarray:
         """Top-k of ``scores (N, E)`` within the ``topk_group`` best groups (all of them when
@@ -864,7 +867,9 @@ class SparseMoeBlock(Module):
     def forward(self, x) -> np.ndarray:
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"SparseMoeBlock(hidden_size={self.hidden_size})")
-        return self._forward(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        y = self._forward(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        self.router_module._shape_stats(x.shape[:-1])
+        return y
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         """``x (N, H)`` checked -> ``y (N, H)``."""
@@ -980,8 +985,8 @@ class SparseMoeBlock(Module):
                 router="softmax_topk",
                 norm_topk_prob=get("norm_topk_prob", default=True),
                 hidden_act=get("hidden_act", default="silu"),
-                shared_intermediate_size=get("shared_expert_intermediate_size"),
-                shared_expert_gate=True,
+                shared_intermediate_size=get("shared_expert_intermediate_size") or None,  # 0: none
+                shared_expert_gate=bool(get("shared_expert_intermediate_size")),
             )
         else:
             raise ValueError(

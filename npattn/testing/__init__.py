@@ -33,6 +33,8 @@ _STRATEGIES = (
     "positions",
     "DeltaRuleCase",
     "delta_rule_inputs",
+    "MoeCase",
+    "moe_configs",
 )
 
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient", *_STRATEGIES]

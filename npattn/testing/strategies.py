@@ -597,3 +597,101 @@ def delta_rule_inputs(
 
 
 __all__ += ["DeltaRuleCase", "delta_rule_inputs"]
+
+
+# -- mixture of experts (npattn.nn.moe) -------------------------------------------------------------
+
+
+@dataclass
+class MoeCase:
+    """A ``SparseMoeBlock`` configuration with an input and an upstream gradient.
+
+    ``kwargs`` are the block's keyword arguments (router variant, experts kind, shared expert...);
+    ``block()`` builds it from ``seed`` (with a random ``e_score_correction_bias`` for the sigmoid
+    router, so the correction changes choices).  Values are drawn from continuous distributions:
+    ties in the router's choice have probability zero, but a test taking finite differences
+    should still check the choice's margin."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    kwargs: dict
+    x: np.ndarray  # (lead..., hidden_size)
+    dy: np.ndarray  # like x
+    seed: int
+    dtype: np.dtype = field(default=np.dtype(np.float64))
+
+    def block(self):
+        """The ``SparseMoeBlock`` of this case (parameters from ``seed``)."""
+        from ..nn.moe import SparseMoeBlock
+
+        m = SparseMoeBlock(
+            self.hidden_size,
+            self.num_experts,
+            self.top_k,
+            self.intermediate_size,
+            rng=self.seed,
+            dtype=self.dtype,
+            **self.kwargs,
+        )
+        router = m.router_module
+        if router.variant == "sigmoid":
+            bias = np.random.default_rng(self.seed + 1).uniform(-0.3, 0.3, self.num_experts)
+            router.e_score_correction_bias[...] = bias  # in place: it stays a registered buffer
+        return m
+
+
+def moe_configs(
+    max_tokens: int = 6, max_experts: int = 8, max_hidden: int = 5, variants=None, dtype=np.float64
+) -> st.SearchStrategy[MoeCase]:
+    """:class:`MoeCase` draws: every router variant (or those in ``variants``), ``E`` in
+    ``2..max_experts``, ``k`` in ``1..E``, group-limited choice (when ``E`` has a divisor leaving
+    two experts per group), renormalised or not, a routed scaling factor, a router bias, SwiGLU
+    experts (silu, gelu, tanh-gelu) or GPT-OSS's clamped ones (with a small limit, so the clamps
+    act), with or without a shared expert and its sigmoid gate, 0-2 leading axes of tokens."""
+    from ..nn.moe import ROUTER_VARIANTS
+
+    names = tuple(variants) if variants is not None else ROUTER_VARIANTS
+    dt = np.dtype(dtype)
+
+    def build(args):
+        variant, e, h, i, lead, raw, flags, seed = args
+        k_raw, g_raw, tg_raw, act_raw, shared_raw = raw
+        norm, bias, scaled, gpt_oss, gated = flags
+        kw: dict = {"router": variant, "router_bias": bias, "routed_scaling_factor": 2.5 if scaled else 1.0}
+        if variant != "topk_softmax":
+            kw["norm_topk_prob"] = norm
+        groups = [g for g in range(2, e + 1) if e % g == 0 and e // g >= 2]
+        max_k = e
+        if groups and g_raw % 2:
+            g = groups[g_raw % len(groups)]
+            tg = 1 + tg_raw % g
+            kw.update(n_group=g, topk_group=tg)
+            max_k = tg * (e // g)
+        k = 1 + k_raw % max_k
+        if gpt_oss:
+            kw.update(experts="gpt_oss", swiglu_limit=0.6, swiglu_alpha=1.702)
+        else:
+            kw["hidden_act"] = ("silu", "gelu", "gelu_pytorch_tanh")[act_raw % 3]
+        if shared_raw % 3:
+            kw.update(shared_intermediate_size=shared_raw % 3 + 1, shared_expert_gate=gated)
+        rng = np.random.default_rng(seed)
+        x = rng.uniform(-1.5, 1.5, tuple(lead) + (h,)).astype(dt)
+        dy = rng.standard_normal(x.shape).astype(dt)
+        return MoeCase(h, e, k, i, kw, x, dy, seed, dt)
+
+    small = st.integers(0, 2**16)
+    return st.tuples(
+        st.sampled_from(names),
+        st.integers(2, max_experts),
+        st.integers(1, max_hidden),
+        st.integers(1, 4),
+        st.lists(st.integers(1, max_tokens), min_size=1, max_size=2),
+        st.tuples(small, small, small, small, small),
+        st.tuples(*(st.booleans(),) * 5),
+        seeds(),
+    ).map(build)
+
+
+__all__ += ["MoeCase", "moe_configs"]
