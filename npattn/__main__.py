@@ -49,20 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="reverse or sort digits, or chars: a GPT trained on npattn's docstrings (default reverse)",
     )
 
-    p = sub.add_parser("bench", help="forward+backward timings, against torch when it is importable")
+    p = sub.add_parser(
+        "bench", help="timings and memory against torch when it is importable; each flag runs one section"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--memory", action="store_true", help="peak memory of forward+backward against sequence length")
-    p.add_argument(
-        "--window",
-        action="store_true",
-        help="windowed attention (window=(256, 0)) of both cores against L = 1k ... 16k",
-    )
     p.add_argument("--quick", action="store_true", help="small sizes only (seconds, for smoke tests)")
-    p.add_argument(
-        "--decode",
-        action="store_true",
-        help="greedy decoding tokens/s of the book's GPT with and without the KV cache (and torch's)",
-    )
+    from .tools.bench.cli import SECTIONS  # the sections and their flags: one list
+
+    for section in SECTIONS:
+        p.add_argument(f"--{section.name}", action="store_true", help=section.help)
     return parser
 
 

@@ -1,6 +1,7 @@
-"""``npattn.bench``: well-formed results at tiny sizes (no timed assertions), the ``--json`` output,
-and the exactness of the performance machinery the benchmark exercises (blocked causal attention,
-the backward's ``out=`` buffers), at block heights small enough that tiny inputs span many blocks."""
+"""``npattn bench``: well-formed results at tiny sizes (no timed assertions), each section alone, progress
+with an estimate, aligned columns, the ``--json`` output, and the exactness of the performance
+machinery the benchmark exercises (blocked causal attention, the backward's ``out=`` buffers), at
+block heights small enough that tiny inputs span many blocks."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ import npattn.functional as F
 import npattn.functional.attention as A
 import npattn.functional.kernels as K
 import npattn.tools.bench as B
+from npattn.__main__ import build_parser
+from npattn.tools.bench import cli, decode, machine, memory, runner, text, timing, window
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {
@@ -44,13 +48,20 @@ def _has_torch():
 
 
 _NEEDS_TORCH = pytest.mark.skipif(not _has_torch(), reason="no torch")
+_TORCH_OR_NOT = [False, pytest.param(True, marks=_NEEDS_TORCH)]
 
 
 def _positive(x):
     return isinstance(x, float) and np.isfinite(x) and x > 0
 
 
-# -- helpers of the benchmark --------------------------------------------------------------------------
+def _args(**flags):
+    """What ``npattn bench`` parses from ``flags`` (e.g. ``window=True``)."""
+    argv = ["bench"] + [f"--{name}" for name, on in flags.items() if on]
+    return build_parser().parse_args(argv)
+
+
+# -- the runner ------------------------------------------------------------------------------------------
 def test_time_interleaved_gives_a_median_per_callable():
     calls = []
     times = B.time_interleaved(
@@ -58,7 +69,7 @@ def test_time_interleaved_gives_a_median_per_callable():
     )
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     # warm-up, then 3 turns each: a batch of consecutive calls (one untimed first), interleaved
-    n = B._MAX_BATCH + 1
+    n = runner._MAX_BATCH + 1
     assert calls == ["a", "b"] + (["a"] * n + ["b"] * n) * 3
 
 
@@ -77,24 +88,53 @@ def test_time_interleaved_runs_long_calls_one_per_turn():
     assert all(0.015 < t < 1.0 for t in times.values())
 
 
+def test_run_steps_shows_progress_with_an_estimate(capsys):
+    done = []
+    steps = [runner.Step(f"step {i}", 2.0, lambda i=i: done.append(i) or i) for i in range(3)]
+    assert runner.run_steps("demo section", steps, note=lambda r: f"result {r}") == [0, 1, 2]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "== demo section: 3 steps, about 6 s (a guess)"
+    assert err[1] == "[1/3] step 0 ... ~6 s left"  # before any step: the guesses
+    # later estimates scale the guesses left by measured/guessed so far (the steps are instant here)
+    assert err[3].startswith("[2/3] step 1 ... ~") and err[3].endswith(" left") and err[2] == "    result 0"
+    assert err[-1].startswith("== demo section: done in ")
+    assert done == [0, 1, 2]
+    runner.run_steps("quiet", steps, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_duration_reads_in_seconds_then_minutes():
+    assert runner._duration(42.4) == "42 s" and runner._duration(150) == "2.5 min"
+
+
 def test_gemm_peak_is_a_rate():
     assert _positive(B.gemm_peak(np.float32, n=64, repeats=2))
 
 
 def test_flop_counts():
     # causal attention counts the L(L+1)/2 visible pairs; 2 GEMMs forward, 4 backward, 2 FLOPs per MAC
-    assert B._attention_flops(1, 1, 4, 4, 8, 8, causal=True) == 3 * 2 * 10 * 16
-    assert B._attention_flops(2, 3, 4, 5, 8, 6, causal=False) == 3 * 2 * 2 * 3 * 20 * 14
+    assert B.attention_flops(1, 1, 4, 4, 8, 8, causal=True) == 3 * 2 * 10 * 16
+    assert B.attention_flops(2, 3, 4, 5, 8, 6, causal=False) == 3 * 2 * 2 * 3 * 20 * 14
     # MHA: q/k/v and output projections (8 N d^2 forward) plus attention, backward twice the forward
     b, L, d, h = 2, 4, 8, 2
-    assert B._mha_flops(b, L, d, h, True) == 3 * 8 * b * L * d * d + B._attention_flops(b, h, L, L, 4, 4, True)
+    assert B.mha_flops(b, L, d, h, True) == 3 * 8 * b * L * d * d + B.attention_flops(b, h, L, L, 4, 4, True)
+    # a window counts (roughly) its band: linear in L
+    band = B.KINDS["attention"].flops
+    assert band(b=1, h=1, L=64, E=4, window=[8, 0]) * 2 == band(b=1, h=1, L=128, E=4, window=[8, 0])
 
 
-@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=_NEEDS_TORCH)])
+# -- the timing section ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_torch", _TORCH_OR_NOT)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cases_are_well_formed(use_torch, dtype):
-    kw = dict(dtype=dtype, use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
-    results = [B.bench_sdpa(2, 2, 8, 4, **kw), B.bench_mha(2, 8, 8, 2, **kw), B.bench_encoder(2, 8, 8, 2, **kw)]
+    kw = dict(use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
+    results = [
+        B.row("attention", dict(b=2, h=2, L=8, E=4), dtype, **kw),
+        B.row("attention", dict(b=2, h=2, L=8, E=4, impl="memory_efficient_attention"), dtype, **kw),
+        B.row("mha", dict(b=2, L=8, d=8, h=2), dtype, **kw),
+        B.row("encoder", dict(b=2, L=8, d=8, h=2), dtype, **kw),
+    ]
+    assert [r["name"] for r in results] == ["sdpa", "mem_eff", "mha", "encoder"]
     for r in results:
         assert RESULT_KEYS <= set(r)
         assert r["dtype"] == np.dtype(dtype).name
@@ -109,57 +149,104 @@ def test_cases_are_well_formed(use_torch, dtype):
     json.dumps(results)  # JSON-able
 
 
-def test_format_table_and_machine_info():
-    report = {
-        "machine": B.machine_info(),
-        "gemm_peak_gflops": {"float32": 1.0, "float64": 0.5},
-        "gemm_n": 64,
-        "repeats": 1,
-        "results": [B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)],
-        "memory": [
-            {"impl": "scaled_dot_product_attention", "seq": 8, "peak_mib": 2.0, "extra_mib": 1.0, "seconds": 0.1},
-            {"impl": "memory_efficient_attention", "seq": 8, "missing": True},
-        ],
-    }
-    text = B.format_table(report)
-    assert "mha" in text and "numpy" in text and "missing" in text
-    json.dumps(report)
-
-
-@pytest.mark.parametrize("use_torch", [False, pytest.param(True, marks=_NEEDS_TORCH)])
+@pytest.mark.parametrize("use_torch", _TORCH_OR_NOT)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_demo_row_is_a_training_step_equal_to_torch(use_torch, dtype):
-    r = B.bench_demo(dtype, quick=True, use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
+    sizes = dict(timing.QUICK)["demo"]
+    r = B.row("demo", sizes, dtype, use_torch=use_torch, peak=10.0, warmup=1, repeats=1, pause=0)
     assert RESULT_KEYS <= set(r) and r["name"] == "demo" and r["dtype"] == np.dtype(dtype).name
     assert _positive(r["npattn_s"]) and _positive(r["gflop"])
-    assert r["shape"]["layers"] == B.DEMO_QUICK["layers"] and r["shape"]["vocab"] == 11
+    assert r["shape"]["layers"] == sizes["layers"] and r["shape"]["vocab"] == 11
     if use_torch:  # loss, head and token-embedding gradients agree with torch's equivalent model
         assert _positive(r["ratio"]) and r["max_rel_diff_vs_torch"] < (1e-4 if dtype == np.float32 else 1e-10)
     json.dumps(r)
 
 
+def test_demo_case_defaults_to_the_demos_own_model():
+    from npattn.tools.demo import DemoConfig
+
+    cfg = DemoConfig()
+    built = B.KINDS["demo"].build(np.dtype("float32"), None)
+    assert built.shape == {
+        "batch": cfg.batch_size,
+        "seq": 2 * cfg.n_digits,
+        "d_model": cfg.d_model,
+        "heads": cfg.num_heads,
+        "d_ff": cfg.d_ff,
+        "layers": cfg.num_layers,
+        "vocab": 11,
+    }
+    assert B.KINDS["demo"].flops() > B.KINDS["demo"].flops(b=1)
+
+
+def _report(rows, **extra):
+    part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": rows}
+    return dict(part, machine=B.machine_info(use_torch=False), **extra)
+
+
+def test_timing_table_columns_are_aligned_with_and_without_torch():
+    row = B.row("mha", dict(b=1, L=4, d=8, h=2), np.float32, use_torch=False, peak=1.0, repeats=1, pause=0)
+    with_torch = dict(row, torch_s=row["npattn_s"] / 3, ratio=3.0, torch_gflops=123.4, max_rel_diff_vs_torch=1e-7)
+    lines = timing.format_results(_report([row, with_torch]))[-3:]
+    header = lines[0]
+    for title in ("npattn ms", "torch ms", "ratio", "GFLOP/s", "%peak", "rel.diff"):
+        end = header.index(title) + len(title)  # numbers are right-aligned under their title
+        for line in lines[1:]:
+            assert line[end - 1] != " " and (len(line) == end or line[end] == " "), (title, lines)
+    assert " - " in lines[1] and "3.00" in lines[2]
+
+
+def test_text_table_pads_every_column_to_its_widest_cell():
+    lines = text.table([("name", "<"), ("n", ">")], [["a", "1"], ["longer", "12345"]])
+    assert lines == ["name        n", "a           1", "longer  12345"]
+
+
+def test_format_table_and_machine_info():
+    report = _report(
+        [B.row("mha", dict(b=1, L=4, d=8, h=2), np.float32, use_torch=False, peak=1.0, repeats=1, pause=0)],
+        memory=[
+            {"impl": "scaled_dot_product_attention", "seq": 8, "peak_mib": 2.0, "extra_mib": 1.0, "seconds": 0.1},
+            {"impl": "memory_efficient_attention", "seq": 8, "missing": True},
+            {"impl": "scaled_dot_product_attention", "seq": 16, "error": "boom"},
+        ],
+    )
+    out = B.format_table(report)
+    assert "mha" in out and "numpy" in out and "missing" in out and "error" in out and "torch not installed" in out
+    json.dumps(report)
+
+
 def test_machine_states_cpu_flags_and_blas():
     m = B.machine_info()
-    assert isinstance(m["cpu_flags"], list) and set(m["cpu_flags"]) <= set(B._SIMD_FLAGS)
+    assert isinstance(m["cpu_flags"], list) and set(m["cpu_flags"]) <= set(machine.SIMD_FLAGS)
     for blas in m["blas"] or []:
         assert {"internal_api", "version", "architecture", "num_threads"} <= set(blas)
 
 
+def test_blas_info_without_threadpoolctl(monkeypatch):
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import raises: OpenBLAS's own functions
+    for blas in machine._blas_info() or []:
+        assert blas["internal_api"] == "openblas" and isinstance(blas["num_threads"], int)
+
+
 def test_variant_is_a_second_labelled_section():
-    row = B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)
+    row = B.row("mha", dict(b=1, L=4, d=8, h=2), np.float32, use_torch=False, peak=1.0, repeats=1, pause=0)
     part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": [row]}
-    report = dict(
-        part,
-        machine=B.machine_info(),
-        openblas_env_probe=None,
+    report = _report(
+        [row],
+        openblas_env_probe={
+            "vars": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": None},
+            "gemm_peak_gflops": {"as_set": {"float32": 1.0, "float64": 1.0}, "unset": {"float32": 2.0, "float64": 2.0}},
+            "unset": True,
+        },
         variants=[dict(part, label="without OPENBLAS_CORETYPE=Haswell", unset=["OPENBLAS_CORETYPE"])],
     )
-    text = B.format_table(report)
-    own, variant = text.index("this machine's own settings"), text.index("VARIANT, not this machine's settings")
-    assert own < variant and "OPENBLAS_CORETYPE=Haswell" in text[variant:]
-    assert text.count("mha ") == 2
+    out = B.format_table(report)
+    own, variant = out.index("this machine's own settings"), out.index("VARIANT, not this machine's settings")
+    assert own < variant and "OPENBLAS_CORETYPE=Haswell" in out[variant:] and "a variant section below" in out
+    assert out.count("mha ") == 2
 
 
+# -- memory and window: a fresh process each -------------------------------------------------------------
 def test_torch_memory_row():
     pytest.importorskip("torch")
     r = B.memory_torch(64)
@@ -170,6 +257,65 @@ def test_memory_rows():
     r = B.memory_one("scaled_dot_product_attention", 64)
     assert r["seq"] == 64 and _positive(r["peak_mib"]) and r["extra_mib"] >= 0 and r["seconds"] >= 0
     assert B.memory_one("no_such_attention", 64) == {"impl": "no_such_attention", "seq": 64, "missing": True}
+
+
+def test_fresh_reports_a_failing_case_as_an_error():
+    r = runner.fresh("attention", dict(b=1, h=1, L=4, E=4, causal="not a bool"))
+    assert set(r) == {"error"} and r["error"]
+
+
+def test_a_core_without_the_window_option_is_missing(monkeypatch):
+    def no_window(q, k, v, **kw):
+        if "window" in kw:
+            raise TypeError("no_window() got an unexpected keyword argument 'window'")
+
+    monkeypatch.setattr(F, "no_window", no_window, raising=False)
+    monkeypatch.setattr(F, "no_window_backward", no_window, raising=False)
+    with pytest.raises(B.Missing):
+        B.KINDS["attention"].build(np.dtype("float32"), None, b=1, h=1, L=4, E=4, impl="no_window", window=[2, 0])
+    assert runner._measure(
+        "attention", dict(b=1, h=1, L=4, E=4, impl="no_window", window=[2, 0]), "float32", "npattn", 1
+    ) == {"missing": True}
+
+
+# -- each section alone ----------------------------------------------------------------------------------
+def test_every_section_has_its_flag():
+    for section in cli.SECTIONS:
+        assert getattr(_args(**{section.name: True}), section.name) is True
+    assert cli.selected(_args()) == [cli.SECTIONS[0]]  # no flag: the timing table
+    assert [s.name for s in cli.selected(_args(memory=True, window=True))] == ["memory", "window"]
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a section that was not asked for ran")
+
+
+@pytest.mark.parametrize("name", ["memory", "window", "decode"])
+def test_a_section_runs_alone(monkeypatch, capsys, name):
+    for section in cli.SECTIONS:
+        if section.name != name:
+            monkeypatch.setattr(section.module, "collect", _refuse)
+    monkeypatch.setattr(memory, "QUICK_LENGTHS", (32,))
+    monkeypatch.setattr(window, "QUICK_LENGTHS", (32,))
+    monkeypatch.setattr(decode, "DECODE_QUICK", dict(decode.DECODE_QUICK, context_length=8, n_layers=1))
+    assert cli.main(SimpleNamespace(**{name: True, "quick": True, "json": True})) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert set(report) == {"machine", name}
+    assert f"== {name}: " in err and "left" in err  # its progress, with an estimate
+    assert B.format_table(report).count("\n") > 3
+
+
+def test_quick_sections_print_aligned_tables(monkeypatch, capsys):
+    monkeypatch.setattr(memory, "QUICK_LENGTHS", (32,))
+    monkeypatch.setattr(window, "QUICK_LENGTHS", (32, 64))
+    assert cli.main(SimpleNamespace(memory=True, window=True, quick=True, json=False)) == 0
+    out = capsys.readouterr().out
+    assert "peak memory of forward+backward" in out and "windowed attention" in out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split()[:3] == ["L", "sdpa", "s"])
+    rows = lines[at : at + 3]
+    assert len({len(r) for r in rows}) == 1  # right-aligned numbers: equal widths
 
 
 def test_cli_quick_json_parses():
@@ -193,6 +339,7 @@ def test_cli_quick_json_parses():
         assert RESULT_KEYS <= set(r) and _positive(r["npattn_s"])
         if r["torch_s"] is not None:
             assert _positive(r["ratio"])
+    assert "[2/10] sdpa b=2 h=2 L=32 E=16 float32 ... ~" in proc.stderr  # progress on stderr
 
 
 # -- exactness of the blocked causal attention -----------------------------------------------------------
@@ -327,14 +474,13 @@ def test_mha_blocked_path_keeps_dtype_and_matches_small_blocks(monkeypatch, dtyp
 def test_main_reports_the_own_environment_first_and_the_variant_second(monkeypatch, capsys):
     """The default numbers are this process's (its environment untouched); the faster environment
     without OPENBLAS_CORETYPE only adds a labelled variant, measured in a child process."""
-    row = B.bench_mha(1, 4, 8, 2, use_torch=False, peak=1.0, repeats=1, pause=0)
+    row = B.row("mha", dict(b=1, L=4, d=8, h=2), np.float32, use_torch=False, peak=1.0, repeats=1, pause=0)
     part = {"gemm_peak_gflops": {"float32": 1.0, "float64": 0.5}, "gemm_n": 64, "repeats": 1, "results": [row]}
-    own = dict(part, machine=B.machine_info())
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
     monkeypatch.delenv("NPATTN_BENCH_KEEP_ENV", raising=False)
-    monkeypatch.setattr(B, "_collect", lambda *a, **k: json.loads(json.dumps(own)))
+    monkeypatch.setattr(timing, "collect", lambda **kw: json.loads(json.dumps(part)))
     monkeypatch.setattr(
-        B,
+        cli,
         "probe_openblas_env",
         lambda progress=None: {
             "vars": {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": None},
@@ -344,46 +490,86 @@ def test_main_reports_the_own_environment_first_and_the_variant_second(monkeypat
     )
     calls = []
 
-    def fake_run(argv, **kw):
-        calls.append(kw["env"])
-        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(dict(part, machine=own["machine"])))
+    def fake_call(function, kwargs=None, *, unset=(), show_stderr=False):
+        calls.append((function, unset))
+        return json.loads(json.dumps(part))
 
-    monkeypatch.setattr(B.subprocess, "run", fake_run)
-    args = type("Args", (), {"quick": False, "json": True, "memory": False, "window": False})()
+    monkeypatch.setattr(cli, "call_in_child", fake_call)
+    args = SimpleNamespace(quick=False, json=True)
     assert B.main(args) == 0
     report = json.loads(capsys.readouterr().out)
-    assert len(calls) == 1 and "OPENBLAS_CORETYPE" not in calls[0]  # only the variant child drops it
+    assert calls == [("cli:timing_variant", machine.SLOW_ENV)]  # only the variant child drops them
     assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"  # this process's environment is left alone
-    assert report["results"] == own["results"]  # the default rows: this process, this environment
+    assert report["results"] == part["results"]  # the default rows: this process, this environment
     (variant,) = report["variants"]
-    assert variant["label"] == "without OPENBLAS_CORETYPE=Haswell" and variant["unset"] == list(B._SLOW_ENV)
+    assert variant["label"] == "without OPENBLAS_CORETYPE=Haswell" and variant["unset"] == list(machine.SLOW_ENV)
     monkeypatch.setenv("NPATTN_BENCH_KEEP_ENV", "1")
     calls.clear()
     assert B.main(args) == 0
     assert calls == [] and json.loads(capsys.readouterr().out)["variants"] == []
 
 
+def test_a_failed_variant_is_reported_not_fatal(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "call_in_child", lambda *a, **k: {"error": "boom"})
+    assert cli._variant(False, {"vars": {"OPENBLAS_CORETYPE": "Haswell"}}) == []
+    assert "the variant subprocess failed (boom)" in capsys.readouterr().err
+
+
+def test_probe_measures_with_and_without_the_variables(monkeypatch):
+    assert machine.probe_openblas_env() is None or any(os.environ.get(k) for k in machine.SLOW_ENV)
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "1048576")
+    seen = []
+
+    def fake_call(function, kwargs=None, *, unset=(), show_stderr=False):
+        seen.append(unset)
+        return {"float32": 1.0, "float64": 1.0} if not unset else {"float32": 2.0, "float64": 2.0}
+
+    monkeypatch.setattr(machine, "call_in_child", fake_call)
+    probe = machine.probe_openblas_env(progress=lambda msg: None)
+    assert seen == [(), machine.SLOW_ENV] and probe["unset"] is True
+    monkeypatch.setattr(machine, "call_in_child", lambda *a, **k: {"error": "boom"})
+    assert machine.probe_openblas_env() == {"error": "boom", "unset": False}
+
+
+def test_variant_child_runs_the_timing_section(monkeypatch):
+    monkeypatch.setattr(timing, "collect", lambda **kw: kw)
+    assert cli.timing_variant(True) == {"quick": True, "progress": True, "memory": False}
+
+
 def test_npattn_side_can_run_in_its_own_process():
     """The child process rebuilds the case (same seeds) and answers warm-up and turns over a pipe;
     it never imports torch."""
-    child = B._Child("mha", {"b": 2, "L": 8, "d": 16, "h": 2, "dtype": "float32", "causal": True})
+    child = B.Child("mha", {"b": 2, "L": 8, "d": 16, "h": 2, "causal": True}, "float32")
     try:
-        assert _positive(child.warm(2))
-        times = child.turn(3, 0.0)
+        fn = child.fn("npattn")
+        assert _positive(fn.warm(2))
+        times = fn.turn(3, 0.0)
         assert len(times) == 3 and all(_positive(t) for t in times)
-        probe = child._ask({"probe": True})  # an unknown request is answered, not fatal
+        probe = child.ask({"probe": True})  # an unknown request is answered, not fatal
         assert probe == {"ok": True}
     finally:
         child.close()
     assert child.proc.returncode == 0
 
 
+@pytest.mark.parametrize("use_torch", _TORCH_OR_NOT)
+def test_timed_in_a_child_when_torch_is_beside_it(use_torch):
+    built, times, facts = B.time_case(
+        "mha", dict(b=1, L=4, d=8, h=2), "float64", use_torch=use_torch, own_process=True, repeats=1, pause=0
+    )
+    assert set(times) == ({"npattn", "torch"} if use_torch else {"npattn"})
+    assert all(_positive(t) for t in times.values())
+    assert (facts["max_rel_diff_vs_torch"] < 1e-10) if use_torch else facts == {}
+
+
 def test_child_process_never_imports_torch():
     code = (
         "import sys, numpy as np, npattn.tools.bench as B\n"
-        "fn = B.bench_sdpa(1, 2, 8, 4, np.float64, use_torch=False, _build_only=True)\n"
-        "fn()\n"
+        "built = B.KINDS['attention'].build(np.dtype('float64'), None, b=1, h=2, L=8, E=4)\n"
+        "built.npattn['npattn']()\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=B._child_env(), check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=runner.child_env(), check=True
+    )
     assert out.stdout.strip() == "False"

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "npattn" / "tools" / "bench.py"
 
 
 def run(*args, code=None, timeout=300):
@@ -178,14 +177,6 @@ def test_demo_without_matplotlib_and_tqdm(tmp_path):
     assert "step    20/20" in r.stdout  # plain progress lines instead of a bar
     assert re.fullmatch(r"accuracy: [0-9.]+", r.stdout.splitlines()[-1])
     assert not (tmp_path / "pics").exists()
-
-
-# -- bench -------------------------------------------------------------------------------------
-@pytest.mark.skipif(not BENCH.exists(), reason="npattn/tools/bench.py does not exist yet")
-def test_bench_quick_runs():
-    r = run("bench", "--quick")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip()
 
 
 # -- argument errors -----------------------------------------------------------------------------
