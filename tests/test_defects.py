@@ -453,7 +453,7 @@ def test_float16_refused_by_mask_helpers(dt):
 
 
 def test_demo_smoothing_is_local():
-    from npattn.tools.demo import _smooth
+    from npattn.tools._train import smooth as _smooth
 
     y = np.ones(12)
     y[2] = np.nan

@@ -23,15 +23,15 @@ the same ``--seed`` prints the same numbers.  ``tqdm`` (progress bar) and ``matp
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ._blas import single_blas_thread
+from ._train import Progress, smooth
 
 if TYPE_CHECKING:  # pragma: no cover - for the annotations only
     from ..models import TinyTransformer
@@ -41,7 +41,7 @@ VOCAB_SIZE = 11
 IGNORE_INDEX = -100
 TOKEN_LABELS = [str(d) for d in range(10)] + ["|"]
 
-__all__ = ["DemoConfig", "TASKS", "make_examples", "HeldOutSet", "train", "main"]
+__all__ = ["DemoConfig", "TASKS", "make_examples", "HeldOutSet", "train", "main", "single_blas_thread"]
 
 
 @dataclass(frozen=True)
@@ -126,59 +126,6 @@ class HeldOutSet:
             digits[seen] = rng.integers(0, 10, size=(int(seen.sum()), self.n_digits))
 
 
-# -- BLAS threads ----------------------------------------------------------------------------
-def _openblas_thread_functions():
-    """``(get, set)`` of the OpenBLAS that numpy loaded (found in ``/proc/self/maps``), or None."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for get_name, set_name in (
-            ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-            ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-            ("openblas_get_num_threads", "openblas_set_num_threads"),
-        ):
-            get, set_ = getattr(lib, get_name, None), getattr(lib, set_name, None)
-            if get is not None and set_ is not None:
-                get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
-                return get, set_
-    return None
-
-
-@contextlib.contextmanager
-def single_blas_thread():
-    """Run the block with one BLAS thread (best effort: threadpoolctl if installed, else the
-    OpenBLAS numpy ships with, else nothing).
-
-    The demo's matrices are tiny (at most 1024 x 256): a second BLAS thread saves little on an
-    idle machine and, when the cores are busy with anything else, its spin-waiting makes every
-    product 10 to 20 times slower.
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        funcs = _openblas_thread_functions()
-        if funcs is None:
-            yield
-            return
-        get, set_ = funcs
-        before = get()
-        set_(1)
-        try:
-            yield
-        finally:
-            set_(before)
-    else:
-        with threadpool_limits(limits=1, user_api="blas"):
-            yield
-
-
 # -- training ----------------------------------------------------------------------------------
 @dataclass
 class DemoResult:
@@ -243,13 +190,6 @@ def _train(cfg, progress):
 
 
 # -- pictures ----------------------------------------------------------------------------------
-def _smooth(x: np.ndarray, window: int) -> np.ndarray:
-    from ..viz import _moving_average  # per-window sums: one NaN/inf spoils only its windows
-
-    window = max(1, min(window, len(x)))
-    return _moving_average(x, window)[window - 1 :]
-
-
 def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
     """Write ``loss_curve.png`` and ``attention_layer{l}.png`` (every head of layer ``l`` for
     one held-out example).  Returns the file names written."""
@@ -266,9 +206,7 @@ def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
     ax.plot(steps, result.losses, color="0.75", lw=0.8, label="loss per step")
     window = max(1, len(result.losses) // 50)
     if window > 1:
-        ax.plot(
-            steps[window - 1 :], _smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps"
-        )
+        ax.plot(steps[window - 1 :], smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy on the answer tokens")
@@ -303,35 +241,6 @@ def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
 
 
 # -- command line ------------------------------------------------------------------------------
-class _Progress:
-    """A tqdm bar on stderr showing the loss, or (without tqdm) ten plain lines on stdout."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-        self.every = max(1, steps // 10)
-        self.avg: "float | None" = None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-            print('(install tqdm for a progress bar: pip install "npattn[demo]")')
-        else:
-            self.bar = tqdm(total=steps, desc="training", unit="step", file=sys.stderr, mininterval=0.5)
-
-    def __call__(self, step: int, loss: float):
-        self.avg = loss if self.avg is None else 0.95 * self.avg + 0.05 * loss
-        if self.bar is not None:
-            self.bar.update(1)
-            if step % 10 == 0 or step == self.steps - 1:
-                self.bar.set_postfix(loss=f"{self.avg:.4f}", refresh=False)
-        elif (step + 1) % self.every == 0 or step == self.steps - 1:
-            print(f"step {step + 1:5d}/{self.steps}  loss {self.avg:.4f}", flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
 def main(args) -> int:
     if args.task == "chars":
         from .demo_chars import main as chars_main
@@ -354,7 +263,7 @@ def main(args) -> int:
         f"training: {cfg.steps} steps of {cfg.batch_size} sequences, AdamW lr {cfg.lr:g} "
         f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}"
     )
-    progress = _Progress(cfg.steps)
+    progress = Progress(cfg.steps)
     try:
         result = train(cfg, progress)
     finally:

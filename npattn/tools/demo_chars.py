@@ -23,6 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from ._blas import single_blas_thread
+from ._train import Progress, smooth
+
 __all__ = ["CharsConfig", "corpus", "CharTokenizer", "train_chars", "main"]
 
 
@@ -109,8 +112,6 @@ def _windows(data: np.ndarray, starts: np.ndarray, n: int):
 
 def train_chars(cfg: CharsConfig, progress=None) -> CharsResult:
     """Train on ``corpus()``; ``progress(step, loss)`` after every step."""
-    from .demo import single_blas_thread
-
     with single_blas_thread():
         return _train(cfg, progress)
 
@@ -187,17 +188,13 @@ def save_loss_curve(result: CharsResult, out_dir: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .demo import _smooth
-
     os.makedirs(out_dir, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     steps = np.arange(1, len(result.losses) + 1)
     ax.plot(steps, result.losses, color="0.75", lw=0.8, label="training loss per step")
     window = max(1, len(result.losses) // 40)
     if window > 1:
-        ax.plot(
-            steps[window - 1 :], _smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps"
-        )
+        ax.plot(steps[window - 1 :], smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps")
     ax.axhline(result.val_loss, color="C1", ls="--", lw=1.2, label=f"held-out loss {result.val_loss:.3f}")
     ax.axhline(
         np.log(result.tokenizer.vocab_size),
@@ -218,8 +215,6 @@ def save_loss_curve(result: CharsResult, out_dir: str) -> str:
 
 
 def main(args) -> int:
-    from .demo import _Progress
-
     cfg = CharsConfig(seed=args.seed)
     if args.steps is not None:
         cfg = replace(cfg, steps=args.steps)
@@ -237,7 +232,7 @@ def main(args) -> int:
         f"training: {cfg.steps} steps of {cfg.batch_size} windows, AdamW lr {cfg.lr:g} "
         f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}"
     )
-    progress = _Progress(cfg.steps)
+    progress = Progress(cfg.steps)
     try:
         result = train_chars(cfg, progress)
     finally:
