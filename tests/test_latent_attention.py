@@ -20,6 +20,18 @@ CONFIGS = {
     "q_lora_bias": {"q_lora_rank": 6, "attention_bias": True},
     "rotate_half_bias": {"rope_interleave": False, "attention_bias": True},
     "not_causal": {"causal": False, "q_lora_rank": 6},
+    "yarn": {
+        "q_lora_rank": 6,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.7,
+            "original_max_position_embeddings": 4,
+            "beta_fast": 4.0,
+            "beta_slow": 1.0,
+        },
+    },
 }
 
 
@@ -163,7 +175,7 @@ def decode(m, x, split, **kw):
 
 @pytest.mark.parametrize("absorb", [None, False])
 @pytest.mark.parametrize("split", sorted(SPLITS))
-@pytest.mark.parametrize("cfg", ["q_proj", "q_lora_bias", "rotate_half_bias"])
+@pytest.mark.parametrize("cfg", ["q_proj", "q_lora_bias", "rotate_half_bias", "yarn"])
 def test_cached_decoding_equals_full_pass(cfg, split, absorb):
     m = make(cfg)
     x, _ = data((2, 7, D))
@@ -211,9 +223,11 @@ def test_cached_call_keeps_no_backward_state():
     m = make("q_lora")
     x, dy = data((2, 3, D))
     m(x, use_cache=True)
-    assert all(sub._cache is None for sub in m.modules())
     with pytest.raises(RuntimeError):
         m.backward(dy)
+    for sub, width in ((m.q_b_proj, H * 8), (m.kv_a_layernorm, DIMS["kv_lora_rank"]), (m.o_proj, D)):
+        with pytest.raises(RuntimeError):  # nor do the submodules
+            sub.backward(np.ones((2, 3, width)))
 
 
 def test_positions_shift_leaves_output_unchanged():
@@ -275,6 +289,14 @@ def test_parameters_names_shapes_and_seed():
     assert "kv_lora_rank=5" in repr(make())
 
 
+def test_yarn_scales_scores_and_rotation():
+    """YaRN's mscale(factor, mscale_all_dim)**2 on the softmax scale; the rotation is rope's."""
+    m = make("yarn")
+    m_all = 0.1 * 0.7 * np.log(4.0) + 1.0
+    assert np.isclose(m.scaling, (4 + 4) ** -0.5 * m_all**2, rtol=1e-15)
+    assert m.rope_scaling["rope_type"] == "yarn" and m.rope_theta == 10000.0
+
+
 def test_from_config():
     cfg = {
         "hidden_size": D,
@@ -312,7 +334,9 @@ def test_from_config():
         ({"attention_bias": 1}, TypeError, "attention_bias"),
         ({"rope_theta": -1.0}, ValueError, "rope_theta"),
         ({"rope_scaling": "yarn"}, TypeError, "rope_scaling"),
-        ({"rope_scaling": {"rope_type": "default", "rope_theta": 5.0}}, ValueError, "rope_theta"),
+        ({"rope_theta": 7.0, "rope_scaling": {"rope_type": "default", "rope_theta": 5.0}}, ValueError, "rope_theta"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}}, ValueError, "partial"),
+        ({"rope_scaling": {"rope_type": "mystery"}}, ValueError, "rope_type"),
         ({"rope_scaling": {"rope_type": "yarn"}}, ValueError, "rope_scaling"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, ValueError, "rope_scaling"),
         ({"rope_interleave": None}, TypeError, "rope_interleave"),

@@ -93,9 +93,7 @@ def position_embeddings(cfg, positions):
     if params.get("rope_type", "default") == "default":
         inv_freq, factor = params["rope_theta"] ** (-np.arange(0, dr, 2) / dr), 1.0
     else:
-        from npattn.functional.rope import rope_frequencies
-
-        inv_freq, factor = rope_frequencies(dr, params["rope_theta"], params)
+        inv_freq, factor = npattn.functional.rope_frequencies(dr, params["rope_theta"], params)
     np.testing.assert_allclose(inv_freq, rot.inv_freq.double().numpy(), rtol=1e-6)
     assert math.isclose(factor, rot.attention_scaling, rel_tol=1e-6)
     freqs = np.asarray(positions, np.float64)[..., None] * inv_freq
@@ -164,16 +162,8 @@ def test_softmax_scale_matches_transformers():
     ):  # fmt: skip
         cfg = make_config(None, rope_parameters=params)
         tm = hf.DeepseekV3Attention(cfg, layer_idx=0)
-        if params["rope_type"] != "default" and "scaling" not in _rope_parameters():
-            pytest.skip("rope scaling not available yet in npattn.functional.rope")
         m = npattn.MultiHeadLatentAttention.from_config(cfg.to_dict(), rng=0)
         assert math.isclose(m.scaling, tm.scaling, rel_tol=1e-15), (m.scaling, tm.scaling)
-
-
-def _rope_parameters():
-    import inspect
-
-    return inspect.signature(npattn.functional.rope).parameters
 
 
 YARN = {
@@ -191,15 +181,14 @@ YARN = {
 @pytest.mark.parametrize("absorb", [False, True])
 @pytest.mark.parametrize("q_lora_rank", [None, 7])
 def test_matches_transformers_yarn(float64_reference, q_lora_rank, absorb):
-    if "scaling" not in _rope_parameters():
-        pytest.skip("rope scaling not available yet in npattn.functional.rope")
     cfg = make_config(q_lora_rank, rope_parameters=dict(YARN))
     assert_matches(*run_both(cfg, seed=5, L=7, absorb=absorb))
 
 
-def test_cached_decoding_matches_transformers(float64_reference):
+@pytest.mark.parametrize("rope_parameters", [None, YARN], ids=["default", "yarn"])
+def test_cached_decoding_matches_transformers(float64_reference, rope_parameters):
     """Token-by-token decoding with npattn's latent cache gives HF's full causal pass."""
-    cfg = make_config(7)
+    cfg = make_config(7, rope_parameters=None if rope_parameters is None else dict(rope_parameters))
     tm = hf_attention(cfg, 11)
     m = npattn.MultiHeadLatentAttention.from_config(cfg.to_dict())
     m.load_state_dict(tm.state_dict())

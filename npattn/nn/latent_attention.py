@@ -37,8 +37,6 @@ interleaved=True)``, which keeps the layout.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -55,6 +53,7 @@ from .._validate import (
     to_numpy,
 )
 from ..functional import kernels as K
+from ..functional.rope_scaling import _check_scaling, _resolve_base, rope_softmax_scale
 from .attention import _KVCache
 from .layers import Linear, RMSNorm
 from .module import Module, no_grad
@@ -101,56 +100,6 @@ def kv_cache_bytes_per_token(num_kv_heads: int, k_head_dim: int, v_head_dim: int
     return n * (dk + dv) * check_dtype(dtype).itemsize
 
 
-def _yarn_mscale(scale: float, mscale: float) -> float:
-    """YaRN's attention temperature ``0.1 mscale ln(scale) + 1`` (1 for ``scale <= 1``)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _check_rope_scaling(rope_scaling, rope_theta: float) -> dict | None:
-    """``None`` or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (a copy); its
-    ``rope_theta``, when present, must agree with ``rope_theta``."""
-    if rope_scaling is None:
-        return None
-    if not isinstance(rope_scaling, Mapping):
-        raise TypeError(
-            f"rope_scaling: expected None or a dict (Hugging Face's rope_scaling), got {type(rope_scaling).__name__}"
-        )
-    d = dict(rope_scaling)
-    kind = d.get("rope_type", d.get("type", "default"))
-    if kind != "default":
-        if not _rope_takes_scaling():
-            raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (only 'default')")
-        factor = d.get("factor")
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not float(factor) > 0:
-            raise ValueError(f"rope_scaling: expected a number 'factor' > 0 for rope_type {kind!r}, got {factor!r}")
-    theta = d.get("rope_theta")
-    if theta is not None and theta != rope_theta:
-        raise ValueError(
-            f"rope_scaling: its rope_theta={theta!r} disagrees with rope_theta={rope_theta!r}; pass one value"
-        )
-    return d
-
-
-def _rope_takes_scaling() -> bool:
-    """True once ``npattn.functional.rope`` takes ``scaling=`` (Hugging Face's scaled variants)."""
-    import inspect
-
-    return "scaling" in inspect.signature(K.rope).parameters
-
-
-def _softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
-    """``qk_head_dim**-0.5``, times ``mscale**2`` with ``mscale = 0.1 mscale_all_dim ln(factor) + 1``
-    when ``rope_scaling`` is not the default rotation and gives ``mscale_all_dim`` (Hugging Face's
-    ``yarn_apply_mscale``): YaRN's temperature applied to the whole score, not only the rotated part."""
-    scale = qk_head_dim**-0.5
-    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-        m_all = rope_scaling.get("mscale_all_dim", 0)
-        if m_all:
-            m = _yarn_mscale(float(rope_scaling["factor"]), float(m_all))
-            scale *= m * m
-    return scale
-
-
 def _split(t: np.ndarray, heads: int) -> np.ndarray:
     """``(..., L, heads * d) -> (..., heads, L, d)`` (a view)."""
     return t.reshape(t.shape[:-1] + (heads, t.shape[-1] // heads)).swapaxes(-2, -3)
@@ -189,11 +138,14 @@ class MultiHeadLatentAttention(Module):
         Biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` (never on ``q_proj``,
         ``q_b_proj``, ``kv_b_proj``), as Hugging Face.
     rope_theta : float
-        RoPE base.
+        RoPE base (a ``rope_theta`` in ``rope_scaling`` takes its place).
     rope_scaling : dict or None
-        Hugging Face's ``rope_scaling`` (or ``rope_parameters``) dict.  Besides the rotation, a
-        non-default ``rope_type`` with ``mscale_all_dim`` multiplies the softmax scale by
-        ``(0.1 mscale_all_dim ln(factor) + 1)**2`` (``yarn_apply_mscale``).
+        Hugging Face's ``rope_scaling`` (or ``rope_parameters``) dict, as ``npattn.functional.rope``
+        takes it (``linear``, ``dynamic``, ``yarn`` with its attention factor on cos/sin,
+        ``llama3``; DeepSeek-V3 uses ``yarn``).  Besides the rotation, a non-default ``rope_type``
+        with ``mscale_all_dim`` multiplies the softmax scale by ``(0.1 mscale_all_dim ln(factor) +
+        1)**2`` (``rope_softmax_scale``, as Hugging Face's ``yarn_apply_mscale``).  Stored checked
+        and normalised as ``self.rope_scaling``.
     rope_interleave : bool
         Rotate pairs ``(2i, 2i+1)`` (DeepSeek-V3's default, True) or ``(i, i + dr/2)``.
     causal : bool
@@ -254,14 +206,22 @@ class MultiHeadLatentAttention(Module):
         self.q_lora_rank = None if q_lora_rank is None else check_size(q_lora_rank, "q_lora_rank")
         self.rms_norm_eps = check_positive_float(rms_norm_eps, "rms_norm_eps")
         self.attention_bias = check_bool(attention_bias, "attention_bias")
-        self.rope_theta = check_positive_float(rope_theta, "rope_theta")
-        self.rope_scaling = _check_rope_scaling(rope_scaling, self.rope_theta)
+        # the rotation: Hugging Face's dict checked once (names the key of a bad entry); its
+        # rope_theta takes the place of rope_theta (left at its default 10000 or equal)
+        self.rope_scaling = _check_scaling(rope_scaling, "rope_scaling")
+        self.rope_theta = _resolve_base(rope_theta, self.rope_scaling, "rope_theta")
+        if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                "rope_scaling['partial_rotary_factor']: expected 1 (all qk_rope_head_dim features rotate), "
+                f"got {self.rope_scaling['partial_rotary_factor']}"
+            )
         self.rope_interleave = check_bool(rope_interleave, "rope_interleave")
         self.causal = check_bool(causal, "causal")
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        self.scaling = _softmax_scale(self.qk_head_dim, self.rope_scaling)
+        # YaRN's temperature on the whole score: qk_head_dim**-0.5 * mscale(factor, mscale_all_dim)**2
+        self.scaling = rope_softmax_scale(self.qk_head_dim**-0.5, self.rope_scaling)
         H, D, r = self.num_heads, self.hidden_size, self.kv_lora_rank
         bias = self.attention_bias
         if self.q_lora_rank is None:
@@ -310,7 +270,9 @@ class MultiHeadLatentAttention(Module):
             raise ValueError(f"config: attention_dropout={config['attention_dropout']} is not supported (expected 0)")
         params: Mapping[str, Any] = config.get("rope_parameters") or config.get("rope_scaling") or {}
         theta: Any = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"} or None
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if config.get("max_position_embeddings") is not None:  # read beside the dict, as Hugging Face does
+            scaling.setdefault("max_position_embeddings", config["max_position_embeddings"])
         return cls(
             config["hidden_size"],
             heads,
@@ -464,10 +426,8 @@ class MultiHeadLatentAttention(Module):
 
     def _rope(self, t: np.ndarray, positions: np.ndarray):
         """RoPE of ``t (..., heads, L, dr)``; ``positions`` broadcastable to ``(..., L)``."""
-        kw: dict = {"base": self.rope_theta, "interleaved": self.rope_interleave}
-        if self.rope_scaling is not None and _rope_takes_scaling():
-            kw["scaling"] = self.rope_scaling
-        return K.rope(t, positions[..., None, :] if positions.ndim else positions, **kw)
+        pos = positions[..., None, :] if positions.ndim else positions
+        return K.rope(t, pos, base=self.rope_theta, interleaved=self.rope_interleave, scaling=self.rope_scaling)
 
     def _forward(self, x, positions, mask=None, *, use_cache: bool = False, absorb: bool = False):
         """``forward`` on validated arguments (``x`` of the module's dtype and shape, integer
