@@ -225,9 +225,25 @@ class _Backbone(Module):
     def __init__(self, cfg: CausalLMConfig, rng, dtype):
         super().__init__()
         self._dtype = check_dtype(dtype)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, rng=rng, dtype=dtype)
-        self.layers = ModuleList([DecoderLayer(cfg, i, rng=rng, dtype=dtype) for i in range(cfg.num_hidden_layers)])
+        # about to be loaded (CausalLM.from_hf): drop each part's zero gradients as soon as it is
+        # built, so that building never holds a second model's worth of arrays
+        lean = getattr(rng, "loading", False)
+        self.embed_tokens = _released(
+            Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, rng=rng, dtype=dtype), lean
+        )
+        self.layers = ModuleList(
+            [_released(DecoderLayer(cfg, i, rng=rng, dtype=dtype), lean) for i in range(cfg.num_hidden_layers)]
+        )
         self.norm = _norm(cfg, dtype)
+
+
+def _released(m: Module, release: bool) -> Module:
+    """``m`` with its parameters' gradient buffers set to None when ``release`` (the first
+    backward makes them again)."""
+    if release:
+        for p in m.parameters():
+            p.grad = None
+    return m
 
 
 class CausalLM(Module):
@@ -271,9 +287,8 @@ class CausalLM(Module):
         rng = as_rng(rng)
         self.config = cfg
         self.model = _Backbone(cfg, rng, dtype)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
-        )
+        head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
+        self.lm_head = None if head is None else _released(head, getattr(rng, "loading", False))
 
     def extra_repr(self):
         c = self.config

@@ -210,12 +210,12 @@ def _rope_params(r: _Reader, default_theta: float, per_type: tuple = ()) -> dict
             out = {t: {"rope_type": "default", "rope_theta": local} for t in per_type}
             out["full_attention"] = {"rope_type": "default", "rope_theta": theta or default_theta}
             if scaling:
-                out["full_attention"].update(scaling)
+                out["full_attention"].update({("rope_type" if k == "type" else k): v for k, v in scaling.items()})
     else:
         if rp is None:
             rp = {"rope_type": "default", "rope_theta": theta if theta is not None else default_theta}
-            if scaling:
-                rp.update(scaling)
+            if scaling:  # older configs: {"type": ..., "factor": ...}
+                rp.update({("rope_type" if k == "type" else k): v for k, v in scaling.items()})
         out = {"default": dict(rp)}
     for params in out.values():
         if "type" in params and "rope_type" not in params:

@@ -68,11 +68,27 @@ class LazyTensor:
     def is_float(self) -> bool:
         return self.dtype in _FLOAT_CODES
 
+    def _raw(self) -> np.ndarray:
+        return self._mm[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
+
     def numpy(self, dtype=None) -> np.ndarray:
         """The tensor as a new ndarray of ``dtype`` (default: its own; bfloat16 becomes float32)."""
-        raw = self._mm[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
+        raw = self._raw()
         arr = bf16_to_float32(raw) if self.dtype == "BF16" else raw
         return np.array(arr, dtype=dtype, copy=True)
+
+    def read_into(self, out: np.ndarray) -> None:
+        """Convert the tensor straight into ``out`` (a float array of its shape), without a
+        temporary copy where possible: bfloat16 into float32 widens the bits in place."""
+        raw = self._raw()
+        if self.dtype == "BF16" and out.dtype == np.float32 and out.flags.c_contiguous:
+            bits = out.view(np.uint32)
+            bits[...] = raw
+            bits <<= 16
+        elif self.dtype == "BF16":
+            out[...] = bf16_to_float32(raw)
+        else:
+            out[...] = raw
 
     def __repr__(self):
         return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -231,6 +247,12 @@ class _Source:
     def natural_dtype(self):
         return np.dtype(np.float64) if self.kind in ("float64", "F64") else np.dtype(np.float32)
 
+    def read_into(self, out: np.ndarray) -> None:
+        if isinstance(self.value, LazyTensor):
+            self.value.read_into(out)
+        else:
+            out[...] = self.numpy(out.dtype)
+
     def numpy(self, dtype) -> np.ndarray:
         v = self.value
         if isinstance(v, LazyTensor):
@@ -245,16 +267,26 @@ class _Source:
 
 class _NoDraw(np.random.Generator):
     """A Generator whose float draws are zeros: the modules of a model about to be loaded get
-    their arrays without spending time (and float64 temporaries) on random weights."""
+    their arrays without spending time (and float64 temporaries) on random weights.  ``CausalLM``
+    also releases each layer's fresh gradient buffers as it builds them when given this
+    generator (``loading``), so a loaded model never holds a second model's worth of zeros."""
+
+    loading = True
+
+    @staticmethod
+    def _zeros(size):
+        """Zeros of ``size`` held in one element (every stride 0; writing a zero keeps them zeros)."""
+        shape = () if size is None else tuple(np.atleast_1d(size))
+        return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape, (0,) * len(shape), writeable=True)
 
     def uniform(self, low=0.0, high=1.0, size=None):
-        return np.zeros(size, np.float32)
+        return self._zeros(size)
 
     def normal(self, loc=0.0, scale=1.0, size=None):
-        return np.zeros(size, np.float32)
+        return self._zeros(size)
 
     def standard_normal(self, size=None, dtype=np.float64, out=None):
-        return np.zeros(size, np.float32)
+        return self._zeros(size)
 
 
 def load_into(cls, state_dict, config, dtype=None):
@@ -305,14 +337,12 @@ def load_into(cls, state_dict, config, dtype=None):
         )
     for key, s in src.items():  # everything checked: convert one tensor at a time
         owner, name, is_param = entries[key]
-        arr = s.numpy(dtype)
         if is_param:
             p = owner._parameters[name]
-            p.data[...] = arr
+            s.read_into(p.data)
             p.bump_version()
         else:
-            object.__setattr__(owner, name, arr.astype(current(key).dtype, copy=False))
-        del arr
+            object.__setattr__(owner, name, s.numpy(current(key).dtype))
     if tied_copy is not None and not np.array_equal(tied_copy.numpy(dtype), current("model.embed_tokens.weight")):
         raise ValueError(
             "state_dict['lm_head.weight']: differs from 'model.embed_tokens.weight' although the config ties "
