@@ -21,6 +21,12 @@ from .activation import (
     softmax_backward,
     softmax_jvp,
 )
+from .attention import (
+    AttentionCache,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+    scaled_dot_product_attention_jvp,
+)
 from .conv import causal_conv1d, causal_conv1d_backward
 from .delta_rule import (
     gated_delta_rule,
@@ -30,11 +36,14 @@ from .delta_rule import (
     rms_norm_gated,
     rms_norm_gated_backward,
 )
-from .attention import AttentionCache, scaled_dot_product_attention, scaled_dot_product_attention_backward
 from .embedding import embedding, embedding_backward, embedding_jvp
 from .linear import linear, linear_backward, linear_jvp
 from .loss import cross_entropy, cross_entropy_backward, cross_entropy_jvp
-from .memory_efficient import memory_efficient_attention, memory_efficient_attention_backward
+from .memory_efficient import (
+    memory_efficient_attention,
+    memory_efficient_attention_backward,
+    memory_efficient_attention_jvp,
+)
 from .norm import layer_norm, layer_norm_backward, layer_norm_jvp, rms_norm, rms_norm_backward, rms_norm_jvp
 from .rope import rope, rope_backward, rope_jvp
 from .rope_scaling import rope_frequencies, rope_softmax_scale, yarn_mscale
@@ -75,12 +84,14 @@ __all__ = [
     "rope_jvp",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
+    "scaled_dot_product_attention_jvp",
     "AttentionCache",
     "cross_entropy",
     "cross_entropy_backward",
     "cross_entropy_jvp",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
+    "memory_efficient_attention_jvp",
     "gated_delta_rule",
     "gated_delta_rule_backward",
     "causal_conv1d",

@@ -6,7 +6,7 @@ shape ``(..., keys, queries)``.  This module holds the pieces they have in commo
 
 * ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
   validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
-  before any arithmetic);
+  before any arithmetic); ``attention_tangent_names``: the tangents a JVP takes;
 * ``gqa_groups``, ``out_lead``, ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the
   leading (batch) dimensions of q, k, v (kernels, unchecked), and the reduction of a gradient back
   to its input's own shape;
@@ -271,6 +271,12 @@ def check_options(
         got = "None" if attn_mask is None else "a bool mask"
         raise ValueError(f"mask_grad: True needs a float attn_mask (its gradient is returned), got {got}")
     return AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+
+
+def attention_tangent_names(mask_grad: bool, has_sinks: bool) -> tuple:
+    """The tangents an attention JVP takes, in the backward's order of gradients: ``tq, tk, tv``,
+    then ``tmask`` (with ``mask_grad``), then ``tsinks`` (with sinks)."""
+    return ("tq", "tk", "tv") + (("tmask",) if mask_grad else ()) + (("tsinks",) if has_sinks else ())
 
 
 # -- which keys a query may see ------------------------------------------------------------------------

@@ -14,11 +14,12 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob
+from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob, check_tangent, check_tangents
 from ._blocks import (
     AttentionOptions,
     Band,
     Block,
+    attention_tangent_names,
     band,
     band_hidden,
     broadcast_qkv,
@@ -92,6 +93,24 @@ def _grouped(x, groups):
 
 def _ungrouped(x, groups, full_shape):
     return x if groups == 1 else x.reshape(full_shape)
+
+
+def _mask_view(m, score_shape, groups):
+    """A mask broadcast to the scores ``(..., Hq, Lq, Lk)``, viewed as ``(..., Hk, G, Lq, Lk)`` with
+    grouped-query heads (no copy): the block of query rows ``r0..r1`` of group ``g`` is then
+    ``m[..., g, r0:r1, c0:c1]`` (``_mask_block``)."""
+    m = np.broadcast_to(m, score_shape)
+    if groups == 1:
+        return m
+    return m.reshape(score_shape[:-3] + (score_shape[-3] // groups, groups) + score_shape[-2:])
+
+
+def _mask_block(m, blk, groups, lq):
+    """The part of a ``_mask_view`` that the block ``blk`` of query rows covers, ``(..., n, keys)``."""
+    r1 = blk.r0 + blk.n
+    if groups == 1:
+        return m[..., blk.r0 : r1, blk.c0 : blk.c1]
+    return m[..., blk.rows.start // lq, blk.r0 : r1, blk.c0 : blk.c1]
 
 
 def _per_group(a, lead, groups, g):
@@ -254,20 +273,8 @@ def _scaled_dot_product_attention(
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
 
     # Everything below runs in the grouped layout (..., Hk, G*Lq, ...): one GEMM per kv head.
-    # A mask broadcast to (..., Hq, Lq, Lk) is viewed as (..., Hk, G, Lq, Lk) (no copy), and the
-    # block of query rows r0..r1 of group g is then mask[..., g, r0:r1, c0:c1].
-    def mask_view(m):
-        m = np.broadcast_to(m, score_shape)
-        return m if groups == 1 else m.reshape(score_shape[:-3] + (k.shape[-3], groups) + score_shape[-2:])
-
-    def mask_block(m, blk):
-        r1 = blk.r0 + blk.n
-        if groups == 1:
-            return m[..., blk.r0 : r1, blk.c0 : blk.c1]
-        return m[..., blk.rows.start // lq, blk.r0 : r1, blk.c0 : blk.c1]
-
-    hidden = None if attn_mask is None or attn_mask.dtype != bool else mask_view(~attn_mask)
-    additive = None if attn_mask is None or attn_mask.dtype == bool else mask_view(attn_mask)
+    hidden = None if attn_mask is None or attn_mask.dtype != bool else _mask_view(~attn_mask, score_shape, groups)
+    additive = None if attn_mask is None or attn_mask.dtype == bool else _mask_view(attn_mask, score_shape, groups)
     keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
     qg = _grouped(q, groups)
     out_shape = q.shape[:-1] + (v.shape[-1],)
@@ -299,14 +306,14 @@ def _scaled_dot_product_attention(
         elif scale != 1.0:
             t *= scale
         if additive is not None:
-            t += mask_block(additive, blk).swapaxes(-1, -2)
+            t += _mask_block(additive, blk, groups, lq).swapaxes(-1, -2)
         if alibi_slopes is not None:  # - slope_h |p - j|
             t -= _per_group(alibi_slopes, lead, groups, g) * distance(bnd, c0, c1 - c0, r0, n, q.dtype)
         cut = band_hidden(bnd, c0, c1 - c0, r0, n, masks)  # causal diagonal / window edges inside the block
         if cut is not None:
             np.copyto(t, -np.inf, where=cut)
         if hidden is not None:
-            np.copyto(t, -np.inf, where=mask_block(hidden, blk).swapaxes(-1, -2))
+            np.copyto(t, -np.inf, where=_mask_block(hidden, blk, groups, lq).swapaxes(-1, -2))
         # E = exp(s - max over keys), in place; a query with no visible key (max = -inf) gets zeros.
         # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
         m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
@@ -494,6 +501,118 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None
     if dsinks is not None:
         grads.append(dsinks.sum(axis=tuple(range(dsinks.ndim - 2))).reshape(-1))  # h = hk * G + g
     return tuple(grads)
+
+
+def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
+    """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` along the inputs' tangents.
+
+    The forward computed ``s = scale q k^T``, ``z = softcap(s) + alibi + mask`` (``-inf`` where
+    hidden), ``P = softmax(z)`` (with the sink's logit), ``P' = P * keep / (1 - p)``, ``out = P' v``.
+    Differentiating each step along the tangents (``t`` for tangent):
+
+    * ``ts = scale (tq k^T + q tk^T)`` (product rule);
+    * ``tz = ts * (1 - tanh^2(s / softcap))`` (softcap; else ``tz = ts``) ``+ tmask`` (the mask is
+      added, ALiBi is constant, hidden scores have ``P = 0`` and need no tangent);
+    * the softmax: ``tP = P * (tz - mu)``, ``mu_i = sum_j P_ij tz_ij + P_sink,i tsink_h`` (the sink
+      is one more logit of the row, with tangent ``tsink``);
+    * dropout with the forward's mask: ``tP' = tP * keep / (1 - p)``;
+    * ``tout = tP' v + P' tv``.
+
+    Computed block by block from the cached ``P`` (the forward's row blocks: a causal or windowed
+    call forms only its band), in the grouped layout for grouped-query heads (no copy of k, v).
+
+    Parameters
+    ----------
+    cache : AttentionCache
+        The cache ``scaled_dot_product_attention`` returned.
+    *tangents : ndarray or None
+        In the order the backward returns gradients: ``tq``, ``tk``, ``tv`` (each of its input's
+        own shape), then ``tmask`` (the float mask's shape; only with ``mask_grad``), then
+        ``tsinks`` (``(Hq,)``; only with ``sinks``).  None, or left out at the end, is zero.
+
+    Returns
+    -------
+    ndarray
+        ``tout``, of ``out``'s shape ``(..., Hq, Lq, Ev)`` and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, too many tangents, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    if not isinstance(cache, AttentionCache):
+        raise TypeError(
+            f"cache: expected the AttentionCache returned by scaled_dot_product_attention, got {type(cache).__name__}"
+        )
+    opts = cache.options
+    names = attention_tangent_names(opts.mask_grad, opts.sinks is not None)
+    given = dict(zip(names, check_tangents(tangents, names, "scaled_dot_product_attention_jvp")))
+    shapes = cache.shapes or (cache.q.shape, cache.k.shape, cache.v.shape)
+    wanted = dict(zip(("tq", "tk", "tv"), shapes))
+    if cache.mask is not None:  # kept with mask_grad only
+        wanted["tmask"] = cache.mask.shape
+    if opts.sinks is not None:
+        wanted["tsinks"] = opts.sinks.shape
+    checked = {n: check_tangent(given[n], n, wanted[n], cache.q.dtype) for n in names}
+    return _scaled_dot_product_attention_jvp(cache, *(checked.get(n) for n in ("tq", "tk", "tv", "tmask", "tsinks")))
+
+
+def _scaled_dot_product_attention_jvp(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
+    """The kernel of ``scaled_dot_product_attention_jvp``: tangents checked (each of its input's
+    own shape, q's dtype) or None (zero)."""
+    q, k, v, groups, scale = cache.q, cache.k, cache.v, cache.groups, cache.scale
+    keep, drop_scale = cache.keep, cache.drop_scale
+    lq = q.shape[-2]
+    score_shape = q.shape[:-1] + (k.shape[-2],)
+    lead = score_shape[:-2]
+    dt = q.dtype
+    # the tangents as the kernel's operands: broadcast like q, k, v; queries grouped beside their kv head
+    tqg = None if tq is None else _grouped(np.broadcast_to(tq, q.shape), groups)
+    tk = None if tk is None else np.broadcast_to(tk, k.shape)
+    tv = None if tv is None else np.broadcast_to(tv, v.shape)
+    tmask_g = None if tmask is None else _mask_view(tmask, score_shape, groups)
+    qg = _grouped(q, groups)
+    keep_g = None if keep is None else _grouped(keep, groups)
+    tout = np.zeros(_grouped_shape(q.shape[:-1] + (v.shape[-1],), groups), dt)
+    for i, blk in enumerate(cache.blocks):
+        p = cache.p[i]  # P^T, key-major (c1 - c0, n)
+        rows, c0, c1, r0 = blk
+        g = rows.start // lq if lq else 0
+        # tz^T, key-major like P^T: scale (k tq^T + tk q^T), through softcap, plus the mask's tangent
+        tz = None
+        if tqg is not None:
+            tz = np.matmul(k[..., c0:c1, :], tqg[..., rows, :].swapaxes(-1, -2))
+        if tk is not None:
+            part = np.matmul(tk[..., c0:c1, :], qg[..., rows, :].swapaxes(-1, -2))
+            tz = part if tz is None else np.add(tz, part, out=tz)
+        if tz is not None:
+            if scale != 1.0:
+                tz *= scale
+            if cache.dcap is not None:
+                tz *= cache.dcap[i]  # d(c tanh(s / c)) = (1 - tanh^2) ds
+        if tmask_g is not None:
+            part = _mask_block(tmask_g, blk, groups, lq).swapaxes(-1, -2)
+            tz = np.array(np.broadcast_to(part, p.shape)) if tz is None else np.add(tz, part, out=tz)
+        if tz is None and tsinks is not None:
+            tz = np.zeros(p.shape, dt)
+        pk = p
+        if keep_g is not None:
+            kb = keep_g[..., rows, c0:c1].swapaxes(-1, -2)
+            pk = p * kb
+            pk *= drop_scale
+        if tz is not None:
+            # tP = P (tz - mu),  mu_i = sum_j P_ij tz_ij + P_sink,i tsink
+            mu = np.einsum("...ji,...ji->...i", tz, p)[..., None, :]  # (..., 1, n)
+            if tsinks is not None:
+                mu = mu + cache.p_sink[..., rows, :].swapaxes(-1, -2) * _per_group(tsinks, lead, groups, g)
+            tz -= mu
+            tz *= pk  # tP' = tP keep / (1 - p)
+            tout[..., rows, :] += np.matmul(tz.swapaxes(-1, -2), v[..., c0:c1, :])
+        if tv is not None:
+            tout[..., rows, :] += np.matmul(pk.swapaxes(-1, -2), tv[..., c0:c1, :])  # P' tv
+    return _ungrouped(tout, groups, q.shape[:-1] + (v.shape[-1],))
 
 
 def _add_mask_grad(dmask, ds_t, blk: Block, groups, g):

@@ -62,8 +62,27 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob, check_size
-from ._blocks import Band, band, band_hidden, check_options, check_qkv, check_scale, key_range, out_lead
+from .._validate import (
+    as_rng,
+    check_bool,
+    check_grad,
+    check_mask,
+    check_prob,
+    check_size,
+    check_tangent,
+    check_tangents,
+)
+from ._blocks import (
+    Band,
+    attention_tangent_names,
+    band,
+    band_hidden,
+    check_options,
+    check_qkv,
+    check_scale,
+    key_range,
+    out_lead,
+)
 from ._random import draw_seed, keep_into
 
 # Default block size (rows and columns of a score block), picked by measurement: see
@@ -838,3 +857,199 @@ def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> T
         s_axes = _reduce_axes(lay.sinks.shape[:-2], lead) + (-2, -1)
         grads += (ds.sum(axis=s_axes, keepdims=True).reshape(sinks.shape),)
     return grads
+
+
+def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
+    """Forward mode of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
+
+    With ``S = softcap(scale q k^T) + bias + mask`` (``-inf`` where hidden), ``P = softmax(S)`` (the
+    sink's logit included), ``P' = P * keep / (1-p)`` and ``O = P' V``, the tangent along ``(tq, tk,
+    tv, tmask, tsinks)`` is (see ``scaled_dot_product_attention_jvp`` for each step)
+
+        tS = scale (tq K^T + Q tk^T) [* (1 - tanh^2)] + tmask,
+        tP = P * (tS - mu),   mu_i = sum_j P_ij tS_ij + P_sink,i tsink_h,
+        tO = tP' V + P' tV  =  sum_j P'_ij (tS_ij V_j + tV_j) - O_i mu_i,
+
+    the last line because ``sum_j P'_ij V_j = O_i``.  That is the online form: per query row, two
+    sums over the keys, ``a = sum_j P'_ij (tS_ij V_j + tV_j)`` (a vector of width ``Ev``) and
+    ``mu`` (one number), each a sum of one term per key block.  In the forward the weights of a
+    block were not known until the last block had raised the running maximum ``m`` (hence its
+    rescaling by ``exp(m - m')``); here the forward's log-sum-exp ``lse`` is known, so every
+    block's weights are exact at once, ``P = exp(S - lse)`` (as in the backward), and the sums
+    need no rescaling: ``a += (P' * tS) V_j + P'^T tV_j``, ``mu += rowsum(P * tS)`` per block, and
+    at the end ``tO = a - O mu``.  (Unnormalised, with ``e = exp(S - m)``, ``l = sum e``: ``tO =
+    sum e (tS V + tV) / l - O sum e tS / l``, the forward's accumulators with the same
+    rescaling; dividing by ``l = exp(lse - m)`` turns ``e / l`` into ``P``.)
+
+    Per (query block, key block) of the band: three GEMMs of the forward's size (``S``, ``tS`` from
+    ``tq`` and from ``tk``) and two for ``a``; dropout's keep-mask is regenerated from the seed as
+    in the backward; grouped-query heads and broadcast batches are views (k, v never repeated).
+    Memory: the tangent, the inputs' tangents and per-thread block buffers.
+
+    Parameters
+    ----------
+    cache : MemoryEfficientCache
+        The cache ``memory_efficient_attention`` returned.
+    *tangents : ndarray or None
+        In the order the backward returns gradients: ``tq``, ``tk``, ``tv`` (each of its input's
+        own shape), then ``tmask`` (the float mask's shape; only with ``mask_grad``), then
+        ``tsinks`` (``(Hq,)``; only with ``sinks``).  None, or left out at the end, is zero.
+
+    Returns
+    -------
+    ndarray
+        ``tout``, of ``out``'s shape ``(..., Hq, Lq, Ev)`` and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, too many tangents, or a tangent that is not a real array.
+    ValueError
+        A tangent of the wrong shape.
+    """
+    if not isinstance(cache, MemoryEfficientCache):
+        raise TypeError(
+            f"cache: expected the MemoryEfficientCache returned by memory_efficient_attention, "
+            f"got {type(cache).__name__}"
+        )
+    mask_grad = bool(cache.mask_grad) and cache.attn_mask is not None
+    names = attention_tangent_names(mask_grad, cache.sinks is not None)
+    given = dict(zip(names, check_tangents(tangents, names, "memory_efficient_attention_jvp")))
+    wanted = {"tq": cache.q.shape, "tk": cache.k.shape, "tv": cache.v.shape}
+    if mask_grad and cache.attn_mask is not None:
+        wanted["tmask"] = cache.attn_mask.shape
+    if cache.sinks is not None:
+        wanted["tsinks"] = cache.sinks.shape
+    checked = {n: check_tangent(given[n], n, wanted[n], cache.q.dtype) for n in names}
+    return _memory_efficient_attention_jvp(cache, *(checked.get(n) for n in ("tq", "tk", "tv", "tmask", "tsinks")))
+
+
+def _memory_efficient_attention_jvp(cache: MemoryEfficientCache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
+    """The kernel of ``memory_efficient_attention_jvp``: tangents checked (each of its input's own
+    shape, q's dtype) or None (zero)."""
+    q, k, v, out, lse, attn_mask = cache.q, cache.k, cache.v, cache.out, cache.lse, cache.attn_mask
+    scale, bq, bk, dropout_p, groups, sinks = (
+        cache.scale,
+        cache.block_q,
+        cache.block_k,
+        cache.dropout_p,
+        cache.groups,
+        cache.sinks,
+    )
+    lay = _layout(q, k, v, groups, attn_mask, cache.alibi_slopes, sinks)
+    # the tangents in the same working layout (views; a None tangent borrows its input's place, unused)
+    tlay = _layout(
+        q if tq is None else tq,
+        k if tk is None else tk,
+        v if tv is None else tv,
+        groups,
+        attn_mask if tmask is None else tmask,
+        None,
+        sinks if tsinks is None else tsinks,
+    )
+    tqw = None if tq is None else tlay.q
+    tkw = None if tk is None else tlay.k
+    tvw = None if tv is None else tlay.v
+    tmw = None if tmask is None else tlay.mask
+    tsw = None if tsinks is None else tlay.sinks
+    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    lead, dt = lay.lead, q.dtype
+    n_mats = math.prod(lead)
+    bnd = band(lq, lk, cache.is_causal, cache.causal_align, cache.window)
+    scores = _Scores(lay, bnd, cache.softcap, dt)
+    dropout = _Dropout(cache.seed, dropout_p, lead, lq, lk) if dropout_p > 0.0 else None
+    drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
+    qw, kw, vw = lay.q, lay.k, lay.v
+    qlead = qw.shape[:-2]
+    out_w = out.reshape(lead + (lq, head_dim_v))
+    lse_row = lse.reshape(lead + (1, lq))
+    tout = np.empty(lead + (lq, head_dim_v), dt)
+    has_ts = tqw is not None or tkw is not None  # tS from the scores' inputs
+    has_tz = has_ts or tmw is not None  # any tangent of the logits
+
+    def rows(share):
+        """The tangent of the query blocks in ``share``, with this worker's own buffers."""
+        qs_buf = np.empty(math.prod(qlead) * bq * head_dim, dt)
+        tqs_buf = None if tqw is None else np.empty(math.prod(tqw.shape[:-2]) * bq * head_dim, dt)
+        s_buf = np.empty(n_mats * bk * bq, dt)
+        tz_buf = np.empty(n_mats * bk * bq, dt) if has_tz else None
+        part_buf = np.empty(n_mats * bk * bq, dt) if tqw is not None and tkw is not None else None
+        t_buf = np.empty(n_mats * bk * bq, dt) if cache.softcap is not None and has_ts else None
+        acc_buf = np.empty(n_mats * head_dim_v * bq, dt)
+        pv_buf = np.empty(n_mats * head_dim_v * bq, dt)
+        mu_buf, rsum_buf = np.empty(n_mats * bq, dt), np.empty(n_mats * bq, dt)
+        bias_bufs = scores.buffers(bk, bq)
+        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
+        for i0, i1 in share:
+            nq = i1 - i0
+            qs = _buffer(qs_buf, qlead + (nq, head_dim))
+            np.multiply(qw[..., i0:i1, :], scale, out=qs)
+            qs_t = qs.swapaxes(-1, -2)
+            tqs_t = None
+            if tqw is not None:
+                tqs = _buffer(tqs_buf, tqw.shape[:-2] + (nq, head_dim))
+                np.multiply(tqw[..., i0:i1, :], scale, out=tqs)
+                tqs_t = tqs.swapaxes(-1, -2)
+            acc_t = _buffer(acc_buf, lead + (head_dim_v, nq))  # a^T, transposed like the scores
+            acc_t.fill(0.0)
+            pv_t = _buffer(pv_buf, lead + (head_dim_v, nq))
+            mu = _buffer(mu_buf, lead + (1, nq))
+            mu.fill(0.0)
+            rsum = _buffer(rsum_buf, lead + (1, nq))
+            c0, c1 = key_range(bnd, i0, i1, lk)
+            for j0, j1 in _blocks(c1, bk, c0):
+                nk = j1 - j0
+                st = _buffer(s_buf, lead + (nk, nq))  # S^T: keys down, queries across
+                np.matmul(kw[..., j0:j1, :], qs_t, out=st)
+                t = None if t_buf is None else _buffer(t_buf, lead + (nk, nq))
+                if not scores.apply(st, i0, i1, j0, j1, bias_bufs, tanh_out=t):
+                    continue  # every score of this block is masked: P = 0
+                np.subtract(st, lse_row[..., i0:i1], out=st)
+                pt = np.exp(st, out=st)  # P^T = exp(S^T - lse), exact
+                if has_tz:
+                    tz = _buffer(tz_buf, lead + (nk, nq))  # tS^T
+                    if tqs_t is not None:
+                        np.matmul(kw[..., j0:j1, :], tqs_t, out=tz)  # K (scale tq)^T
+                    if tkw is not None:
+                        if tqs_t is None:
+                            np.matmul(tkw[..., j0:j1, :], qs_t, out=tz)
+                        else:
+                            tz += np.matmul(tkw[..., j0:j1, :], qs_t, out=_buffer(part_buf, tz.shape))
+                    if t is not None:  # through softcap: (1 - tanh^2)
+                        np.multiply(t, t, out=t)
+                        np.subtract(1.0, t, out=t)
+                        tz *= t
+                    if tmw is not None:
+                        rws = slice(None) if tmw.shape[-2] == 1 else slice(i0, i1)
+                        cls = slice(None) if tmw.shape[-1] == 1 else slice(j0, j1)
+                        mb = tmw[..., rws, cls].swapaxes(-1, -2)
+                        if has_ts:
+                            tz += mb
+                        else:
+                            np.copyto(tz, np.broadcast_to(mb, tz.shape))
+                    tz *= pt  # P * tS
+                    np.sum(tz, axis=-2, keepdims=True, out=rsum)
+                    mu += rsum  # mu += rowsum(P * tS)
+                if dropout is not None:  # a sums the kept weights only (1/(1-p) at the end)
+                    keep = dropout.keep_t(i0, i1, j0, j1, drop_bufs)
+                    pt *= keep
+                    if has_tz:
+                        tz *= keep
+                if has_tz:
+                    np.matmul(vw[..., j0:j1, :].swapaxes(-1, -2), tz, out=pv_t)
+                    acc_t += pv_t  # a += (P' * tS) V_j  (transposed)
+                if tvw is not None:
+                    np.matmul(tvw[..., j0:j1, :].swapaxes(-1, -2), pt, out=pv_t)
+                    acc_t += pv_t  # a += P'^T tV_j
+            if tsw is not None:  # the sink's logit moves too: mu += P_sink tsink
+                mu += np.exp(lay.sinks - lse_row[..., i0:i1]) * tsw
+            # tO = a [/ (1-p)] - O mu; a row that saw no key has a = 0 and O = 0
+            to_t = tout[..., i0:i1, :].swapaxes(-1, -2)
+            np.multiply(acc_t, drop_scale, out=to_t) if dropout is not None else np.copyto(to_t, acc_t)
+            np.multiply(out_w[..., i0:i1, :].swapaxes(-1, -2), mu, out=pv_t)
+            to_t -= pv_t
+
+    q_blocks = _blocks(lq, bq)
+    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(head_dim, head_dim_v))
+    _run(rows, _shares(q_blocks, workers))
+    return tout.reshape(lay.out_lead + (lq, head_dim_v))

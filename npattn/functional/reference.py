@@ -101,6 +101,11 @@ def _repeat_kv(k, v, groups):
     return (np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)) if groups > 1 else (k, v)
 
 
+def _repeated(a, groups):
+    """``a`` (a kv tangent) with each head repeated for the ``groups`` query heads that read it."""
+    return a if a is None or groups == 1 else np.repeat(a, groups, axis=-3)
+
+
 def _unrepeat(dx_rep, shape, groups):
     """The gradient of ``np.repeat(x, groups, axis=-3)`` (x of ``shape``, broadcast afterwards):
     sum out the broadcasting, then add up the ``groups`` query heads that shared each kv head."""
@@ -219,6 +224,79 @@ def scaled_dot_product_attention_backward(dout: Array, cache: AttentionCache) ->
         # its dP is 0, so its dz is P_sink (0 - D); summed over every row that shared it
         grads.append(_sum_to(-p_sink * d, (p_sink.shape[-3], 1, 1)).reshape(-1))
     return tuple(grads)
+
+
+def _attention_tangents(tangents, mask_grad, has_sinks):
+    """``(tq, tk, tv, tmask, tsinks)`` from the tangents given in the backward's order (``tmask``
+    only with ``mask_grad``, ``tsinks`` only with sinks); the missing ones None."""
+    tq, tk, tv, *rest = _padded(tangents, 3 + mask_grad + has_sinks)
+    tmask = rest.pop(0) if mask_grad else None
+    tsinks = rest.pop(0) if has_sinks else None
+    return tq, tk, tv, tmask, tsinks
+
+
+def _logit_tangent(q, kr, tq, tkr, scale, t, tmask):
+    """The tangent of the logits ``z = softcap(scale q kr^T) + alibi + mask`` (for the keys of
+    ``kr``), or None when nothing moves them:
+
+        s = scale q kr^T              ts = scale (tq kr^T + q tkr^T)     (product rule)
+        c = softcap tanh(s / softcap)  tc = (1 - tanh^2(s / softcap)) ts
+        z = c + alibi + mask           tz = tc + tmask                   (ALiBi is a constant)
+
+    ``-inf`` entries (hidden keys) get a finite tangent: their weight ``P`` is 0, and every use of
+    ``tz`` below is multiplied by ``P``.
+    """
+    tz = None
+    if tq is not None:
+        tz = scale * (tq @ kr.swapaxes(-1, -2))
+    if tkr is not None:
+        part = scale * (q @ tkr.swapaxes(-1, -2))
+        tz = part if tz is None else tz + part
+    if tz is not None and t is not None:  # -- option: softcap
+        tz = tz * (1.0 - t * t)
+    if tmask is not None:  # -- option: mask_grad, the float mask's own tangent
+        tz = tmask if tz is None else tz + tmask
+    return tz
+
+
+def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents: Optional[Array]) -> Array:
+    """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` when ``q, k, v``
+    (and the float mask with ``mask_grad``, the sinks with ``sinks``) move along ``tq, tk, tv``
+    (``tmask``, ``tsinks``), given in the backward's order; None is zero.
+
+    The forward's steps, each with its tangent (``t`` for tangent), first to last:
+
+        s = scale q k^T                 ts = scale (tq k^T + q tk^T)
+        z = softcap(s) + alibi + mask   tz = (1 - tanh^2) ts + tmask          (_logit_tangent)
+        P = softmax(z, with the sink)   tP = P * (tz - mu),  mu_i = sum_j P_ij tz_ij + P_sink,i tsink
+        P' = P * keep / (1 - p)         tP' = tP * keep / (1 - p)            (the same mask)
+        out = P' v                      tout = tP' v + P' tv
+
+    The softmax line is softmax's JVP, ``dP = P * (dS - rowsum(P * dS))``: with ``P_j = e^{z_j} / l``,
+    ``l = sum_k e^{z_k} + e^{sink}``, ``tP_j = P_j tz_j - P_j (sum_k e^{z_k} tz_k + e^{sink} tsink) / l``.
+    A hidden key (``-inf``, causal, window, bool mask) has ``P = 0``, so ``tP = 0``; a row that
+    sees no key has ``P = 0`` everywhere and ``tout = 0``.  GQA: ``tk, tv`` are repeated as ``k, v``
+    were.  (The backward is this map transposed.)
+    """
+    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape = cache
+    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, mask_shape is not None, p_sink is not None)
+    kr, vr = _repeat_kv(k, v, g)
+    tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
+    pd = p if keep is None else p * keep * drop_scale  # P' (B..., Hq, Lq, Lk)
+    tout = np.zeros(p.shape[:-1] + v.shape[-1:], dtype=q.dtype)  # (B..., Hq, Lq, Ev)
+    tz = _logit_tangent(q, kr, tq, tkr, scale, t, tmask)
+    if tz is None and tsinks is not None:
+        tz = np.zeros_like(p)
+    if tz is not None:
+        mu = (p * tz).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
+        if tsinks is not None:  # -- option: sinks, the sink's logit moves by tsink_h
+            mu = mu + p_sink * np.asarray(tsinks)[:, None, None]
+        tp = p * (tz - mu)  # the softmax's tangent
+        tpd = tp if keep is None else tp * keep * drop_scale  # dropout: the same mask
+        tout = tout + tpd @ vr
+    if tvr is not None:
+        tout = tout + pd @ tvr
+    return tout
 
 
 class MemoryEfficientCache(NamedTuple):
@@ -348,6 +426,67 @@ def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache
         p_sink = np.exp(np.asarray(sinks, dtype=q.dtype)[:, None, None] - lse)
         grads.append(_sum_to(-p_sink * d, (len(sinks), 1, 1)).reshape(-1))
     return tuple(grads)
+
+
+def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optional[Array]) -> Array:
+    """Forward mode of ``memory_efficient_attention``, as an online loop over key blocks that
+    mirrors the forward's (the tangents as in ``scaled_dot_product_attention_jvp``).
+
+    Fix one query row.  With the running max ``m``, ``e_j = exp(z_j - m)``, ``l = sum_j e_j`` (plus
+    the sink's ``exp(sink - m)``) and ``o = sum_j e_j keep_j v_j / l / (1 - p)``: ``e_j / l = P_j``, so
+
+        to = sum_j P'_j (tz_j v_j + tv_j) - o mu,   mu = sum_j P_j tz_j + P_sink tsink
+           = [sum_j e_j keep_j (tz_j v_j + tv_j) / (1 - p)  -  o (sum_j e_j tz_j + e_sink tsink)] / l.
+
+    Both sums in brackets are over the keys, taken relative to ``m`` like ``l`` and ``acc``: walking
+    the key blocks, ``tacc`` (width ``Ev``) and ``tl`` (one number) are rescaled by
+    ``alpha = exp(m - m')`` whenever the max grows, exactly as ``acc`` and ``l``:
+
+        tacc' = alpha tacc + (e_B keep_B tz_B) v_B + (e_B keep_B) tv_B,   tl' = alpha tl + rowsum(e_B tz_B),
+
+    and at the end ``to = (tacc / (1 - p) - o tl) / l``.  Nothing of size ``(Lq, Lk)`` is needed.
+    (The fast tier starts from the forward's ``lse`` instead, so its blocks need no rescaling;
+    the numbers are the same.)
+    """
+    q, k, v, out, lse, keep, drop_scale, scale, g, block, opts, sinks, mask_grad = cache
+    has_mask_grad = mask_grad and opts["attn_mask"] is not None
+    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, has_mask_grad, sinks is not None)
+    kr, vr = _repeat_kv(k, v, g)
+    tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
+    lk = k.shape[-2]
+    rows = out.shape[:-1] + (1,)  # (B..., Hq, Lq, 1)
+    m = np.full(rows, -np.inf, dtype=q.dtype)  # the forward's running max, recomputed
+    total = np.zeros(rows, dtype=q.dtype)  # l
+    tacc = np.zeros(out.shape, dtype=q.dtype)  # sum e keep (tz v + tv), relative to m
+    tl = np.zeros(rows, dtype=q.dtype)  # sum e tz, relative to m
+    if sinks is not None:  # the sink starts the row: m = sink, l = 1, and its logit's tangent
+        m = np.broadcast_to(np.asarray(sinks, dtype=q.dtype)[:, None, None], rows)
+        total = np.ones(rows, dtype=q.dtype)
+        if tsinks is not None:
+            tl = tl + np.asarray(tsinks, dtype=q.dtype)[:, None, None]  # e_sink tsink with e_sink = 1
+    for j0 in range(0, lk, block):
+        cols = slice(j0, min(j0 + block, lk))
+        z, t = _scores(q, kr, scale, cols=cols, **opts)  # (B..., Hq, Lq, n)
+        m_new = np.maximum(m, z.max(axis=-1, keepdims=True, initial=-np.inf))
+        m_use = np.where(np.isfinite(m_new), m_new, 0.0)
+        alpha = np.exp(m - m_use)
+        e = np.exp(z - m_use)
+        total = alpha * total + e.sum(axis=-1, keepdims=True)
+        ed = e if keep is None else e * keep[..., cols]
+        tmask_b = None if tmask is None or np.shape(tmask)[-1] == 1 else np.asarray(tmask)[..., cols]
+        tmask_b = tmask if tmask_b is None else tmask_b  # a mask broadcast over the keys: all of it
+        tz = _logit_tangent(q, kr[..., cols, :], tq, None if tkr is None else tkr[..., cols, :], scale, t, tmask_b)
+        tacc = alpha * tacc
+        tl = alpha * tl
+        if tz is not None:
+            tacc = tacc + (ed * tz) @ vr[..., cols, :]
+            tl = tl + (e * tz).sum(axis=-1, keepdims=True)
+        if tvr is not None:
+            tacc = tacc + ed @ tvr[..., cols, :]
+        m = m_new
+    seen = total > 0  # a row that saw no key (and has no sink): out 0, tangent 0
+    tout = (tacc * drop_scale - out * tl) / np.where(seen, total, 1.0)
+    return np.where(seen, tout, 0.0).astype(q.dtype)
 
 
 # == Linear and embedding ===========================================================================
@@ -945,8 +1084,10 @@ __all__ = [
     "rope_jvp",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
+    "scaled_dot_product_attention_jvp",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
+    "memory_efficient_attention_jvp",
 ]
 
 
@@ -1072,6 +1213,44 @@ def gated_delta_rule_backward(
     return dq, dk, dv, dg, dbeta, (dS if has_initial else None)
 
 
+def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array]):
+    """Forward mode: the tangent of the outputs along ``(tq, tk, tv, tg, tbeta, tinitial_state)``
+    (the backward's order; None or left out = zero), one step at a time as the forward.
+
+    With ``A = e^{g_t} P`` (``P = S_{t-1}``), ``delta = v_t - A^T k_t``, ``u = beta_t delta``,
+    ``S_t = A + k_t u^T`` and ``o_t = S_t^T q_t``, the product rule gives
+
+        tA = e^{g_t} (tg_t P + tP)
+        tdelta = tv_t - tA^T k_t - A^T tk_t;      tu = tbeta_t delta + beta_t tdelta
+        tS_t = tA + tk_t u^T + k_t tu^T;          to_t = tS_t^T q_t + S_t^T tq_t
+
+    (``tq``, ``tk`` first through ``l2_norm``'s JVP and the scale).  Returns ``tout``, or
+    ``(tout, tfinal_state)`` when the forward kept the final state.
+    """
+    q, k, v, g, beta, states, scale, q_norm, k_norm, _, final = cache
+    tq, tk, tv, tg, tbeta, tS = _padded(tangents, 6)
+    zero = np.zeros_like
+    tq = zero(q) if tq is None else scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
+    tk = zero(k) if tk is None else (tk if k_norm is None else l2_norm_jvp(k_norm, tk))
+    tv = zero(v) if tv is None else tv
+    tg = zero(g) if tg is None else tg
+    tbeta = zero(beta) if tbeta is None else tbeta
+    tS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if tS is None else tS
+    tout = np.zeros(v.shape, q.dtype)
+    for t in range(q.shape[-2]):
+        P, decay = states[..., t, :, :], np.exp(g[..., t])[..., None, None]
+        kt, qt = k[..., t, :], q[..., t, :]
+        A = decay * P
+        tA = decay * (tg[..., t, None, None] * P + tS)
+        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
+        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
+        u = beta[..., t, None] * delta
+        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
+        S = A + kt[..., :, None] * u[..., None, :]
+        tS = tA + tk[..., t, :, None] * u[..., None, :] + kt[..., :, None] * tu[..., None, :]
+        tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
+    return tout if final is None else (tout, tS)
+
 def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's)."""
     r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
@@ -1084,6 +1263,12 @@ def l2_norm_backward(dout: Array, cache: tuple) -> Array:
     y, r = cache
     return r * (dout - y * (y * dout).sum(axis=-1, keepdims=True))
 
+
+def l2_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """``ty = r (tx - y (y . tx))``: the Jacobian ``r (I - y y^T)`` is symmetric, so the JVP is
+    the backward's formula with ``tx`` for ``dout``."""
+    (tx,) = _padded(tangents, 1)
+    return np.zeros_like(cache[0]) if tx is None else l2_norm_backward(tx, cache)
 
 def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
@@ -1103,6 +1288,18 @@ def rms_norm_gated_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Op
     dx, dweight = rms_norm_backward(dout * s, norm_cache)
     return dx, silu_backward(dout * n, silu_cache), dweight
 
+
+def rms_norm_gated_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """``y = n * s``: ``ty = tn * s + n * ts`` with ``tn`` rms_norm's JVP along ``(tx, tweight)``
+    and ``ts`` silu's along ``tgate``; tangents in the backward's order ``(tx, tgate, tweight)``."""
+    tx, tgate, tweight = _padded(tangents, 3)
+    n, s, norm_cache, silu_cache = cache
+    ty = np.zeros_like(n)
+    if tx is not None or tweight is not None:
+        ty = ty + rms_norm_jvp(norm_cache, tx, tweight) * s
+    if tgate is not None:
+        ty = ty + n * silu_jvp(silu_cache, tgate)
+    return ty
 
 def causal_conv1d(
     x: Array,
@@ -1155,13 +1352,36 @@ def causal_conv1d_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Opt
     return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None)
 
 
+def causal_conv1d_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """``z`` is bilinear in the (padded) input and the weight, plus the bias: ``tz_t = tbias +
+    sum_j (tw_j x_{t-K+1+j} + w_j tx_{t-K+1+j})`` (the padded ``tx`` starts with
+    ``tinitial_state``), then the activation's JVP.  Tangents ``(tx, tweight, tbias, tinitial_state)``."""
+    tx, tweight, tbias, tstate = _padded(tangents, 4)
+    windows, weight, _, _, act_cache, _ = cache
+    taps = weight.shape[-1]
+    tz = np.zeros(windows.shape[:-1], windows.dtype)  # (B..., L, C)
+    if tx is not None or tstate is not None:
+        lead = windows.shape[:-3]
+        tx = np.zeros(lead + windows.shape[-3:-1], windows.dtype) if tx is None else tx
+        tstate = np.zeros(lead + (taps - 1, weight.shape[0]), windows.dtype) if tstate is None else tstate
+        tz = tz + (np.lib.stride_tricks.sliding_window_view(np.concatenate([tstate, tx], -2), taps, axis=-2) * weight).sum(-1)
+    if tweight is not None:
+        tz = tz + (windows * tweight).sum(-1)
+    if tbias is not None:
+        tz = tz + tbias
+    return tz if act_cache is None else silu_jvp(act_cache, tz)
+
 __all__ += [
     "gated_delta_rule",
     "gated_delta_rule_backward",
+    "gated_delta_rule_jvp",
     "l2_norm",
     "l2_norm_backward",
+    "l2_norm_jvp",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "rms_norm_gated_jvp",
     "causal_conv1d",
     "causal_conv1d_backward",
+    "causal_conv1d_jvp",
 ]
