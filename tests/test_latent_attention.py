@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from _fd import fd_gradients, rel_err
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import npattn
 from npattn.nn.latent_attention import kv_cache_bytes_per_token
+from npattn.testing import latent_attention_configs
 
 D, H = 12, 3
 DIMS = {"kv_lora_rank": 5, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 3}
@@ -125,38 +125,26 @@ def test_absorbed_equals_plain(cfg, shape):
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    heads=st.integers(1, 3),
-    r=st.integers(1, 6),
-    dn=st.integers(1, 4),
-    half_dr=st.integers(1, 3),
-    dv=st.integers(1, 4),
-    q_lora=st.one_of(st.none(), st.integers(1, 6)),
-    interleave=st.booleans(),
-    L=st.integers(2, 5),
-    seed=st.integers(0, 2**16),
-)
-def test_absorbed_equals_plain_property(heads, r, dn, half_dr, dv, q_lora, interleave, L, seed):
-    m = npattn.MultiHeadLatentAttention(
-        8,
-        heads,
-        kv_lora_rank=r,
-        qk_nope_head_dim=dn,
-        qk_rope_head_dim=2 * half_dr,
-        v_head_dim=dv,
-        q_lora_rank=q_lora,
-        rope_interleave=interleave,
-        attention_bias=True,
-        rng=seed,
-    )
-    x, dy = data((2, L, 8), seed)
-    y, dx, g = grads(m, x, dy)
-    ya, dxa, ga = grads(m, x, dy, absorb=True)
+@given(case=latent_attention_configs())
+def test_absorbed_equals_plain_and_cache_equals_full_property(case):
+    """Over random sizes, query forms, RoPE layouts and scalings, biases and batch axes: the
+    absorbed form gives the plain one's output and every gradient, and token-by-token decoding
+    with the latent cache gives the full pass."""
+    m = case.module()
+    y, dx, g = grads(m, case.x, case.dy)
+    ya, dxa, ga = grads(m, case.x, case.dy, absorb=True)
     assert close(ya, y) and close(dxa, dx)
     assert all(close(ga[n], g[n]) for n in g)
     m.reset_kv_cache()
-    steps = [m(x[:, i : i + 1], use_cache=True) for i in range(L)]
-    assert close(np.concatenate(steps, axis=1), y)
+    steps = [m(case.x[..., i : i + 1, :], use_cache=True) for i in range(case.x.shape[-2])]
+    assert close(np.concatenate(steps, axis=-2), y)
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=latent_attention_configs(max_len=3, max_dim=3))
+def test_gradcheck_property(case):
+    report = npattn.gradcheck(case.module(), case.x, fast=True)
+    assert report.ok, str(report)
 
 
 # -- latent cache ---------------------------------------------------------------------------

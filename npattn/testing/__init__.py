@@ -35,6 +35,9 @@ _STRATEGIES = (
     "delta_rule_inputs",
     "MoeCase",
     "moe_configs",
+    "LATENT_ROPE_SCALINGS",
+    "LatentAttentionCase",
+    "latent_attention_configs",
 )
 
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient", *_STRATEGIES]

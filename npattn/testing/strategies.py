@@ -695,3 +695,93 @@ def moe_configs(
 
 
 __all__ += ["MoeCase", "moe_configs"]
+
+
+# -- multi-head latent attention (npattn.nn.latent_attention) ----------------------------------------
+
+# the RoPE dicts latent_attention_configs draws from (None: the default rotation)
+LATENT_ROPE_SCALINGS: tuple = (
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "mscale": 0.9,
+        "mscale_all_dim": 0.7,
+        "original_max_position_embeddings": 4,
+        "beta_fast": 4.0,
+        "beta_slow": 1.0,
+    },
+)
+
+
+@dataclass
+class LatentAttentionCase:
+    """A ``MultiHeadLatentAttention`` configuration with an input and an upstream gradient.
+
+    ``kwargs`` are the module's keyword arguments (the head sizes, ``q_lora_rank``,
+    ``rope_interleave``, ``attention_bias``, ``rope_scaling``); ``module()`` builds it from
+    ``seed``, with the two latent norms' weights drawn away from ones (so their gradients matter)."""
+
+    hidden_size: int
+    num_heads: int
+    kwargs: dict
+    x: np.ndarray  # (lead..., L, hidden_size)
+    dy: np.ndarray  # like x
+    seed: int
+    dtype: np.dtype = field(default=np.dtype(np.float64))
+
+    def module(self):
+        """The ``MultiHeadLatentAttention`` of this case (parameters from ``seed``)."""
+        from ..nn.latent_attention import MultiHeadLatentAttention
+
+        m = MultiHeadLatentAttention(self.hidden_size, self.num_heads, rng=self.seed, dtype=self.dtype, **self.kwargs)
+        rng = np.random.default_rng(self.seed + 1)
+        for name, p in m.named_parameters():
+            if "layernorm" in name:
+                p.data = rng.uniform(0.5, 1.5, p.shape).astype(self.dtype)
+        return m
+
+
+def latent_attention_configs(
+    max_len: int = 5, max_heads: int = 3, max_dim: int = 6, dtype=np.float64
+) -> st.SearchStrategy[LatentAttentionCase]:
+    """:class:`LatentAttentionCase` draws: ``1..max_heads`` heads; latent rank, nope, rope (even)
+    and value head sizes up to ``max_dim``; the query through ``q_proj`` or a low-rank
+    ``q_lora_rank``; interleaved or rotate-half RoPE, default, linear or YaRN scaling
+    (``LATENT_ROPE_SCALINGS``); with or without biases; ``2..max_len`` tokens after 0-2 leading axes."""
+    dt = np.dtype(dtype)
+
+    def build(args):
+        heads, hidden, (r, dn, half_dr, dv), q_lora, interleave, bias, scaling, lead, length, seed = args
+        kw = {
+            "kv_lora_rank": r,
+            "qk_nope_head_dim": dn,
+            "qk_rope_head_dim": 2 * half_dr,
+            "v_head_dim": dv,
+            "q_lora_rank": q_lora,
+            "rope_interleave": interleave,
+            "attention_bias": bias,
+            "rope_scaling": None if scaling is None else dict(scaling),
+        }
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal(tuple(lead) + (length, hidden)).astype(dt)
+        dy = rng.standard_normal(x.shape).astype(dt)
+        return LatentAttentionCase(hidden, heads, kw, x, dy, seed, dt)
+
+    size = st.integers(1, max_dim)
+    return st.tuples(
+        st.integers(1, max_heads),
+        st.integers(1, 2 * max_dim),
+        st.tuples(size, size, st.integers(1, max(1, max_dim // 2)), size),
+        st.one_of(st.none(), size),
+        st.booleans(),
+        st.booleans(),
+        st.sampled_from(LATENT_ROPE_SCALINGS),
+        st.lists(st.integers(1, 2), max_size=2),
+        st.integers(2, max_len),
+        seeds(),
+    ).map(build)
+
+
+__all__ += ["LATENT_ROPE_SCALINGS", "LatentAttentionCase", "latent_attention_configs"]
