@@ -364,6 +364,7 @@ def test_public_names_and_alias():
         assert getattr(npattn, name) is getattr(moe, name)
     assert "router_module" not in repr(_family_block("deepseek_v3"))
     assert "n_group=4" in repr(_family_block("deepseek_v3"))
+    assert "limit=0.8" in repr(_family_block("gpt_oss")) and "hidden_act='silu'" in repr(_family_block("qwen3_next"))
 
 
 # ----------------------------------------------------------------- Hugging Face names (no torch)
@@ -599,3 +600,12 @@ def test_sigmoid_renormalisation_keeps_deepseeks_epsilon():
     ref, _ = ref_route(r, x, dict(r.state_dict()))
     np.testing.assert_allclose(np.sort(w[0]), np.sort(ref[0][ref[0] > 0]), rtol=1e-12)
     assert w.sum() < 0.5
+
+
+def test_npattn_check_covers_the_moe_blocks():
+    from npattn.tools.check import cases
+
+    found = {name: thunk for name, thunk in cases(0) if name.startswith("SparseMoeBlock")}
+    assert len(found) == 3
+    for name, thunk in found.items():
+        assert thunk().ok, name

@@ -292,7 +292,7 @@ class TopKRouter(Module):
         self.last_logits = z
         self.last_indices = idx
         self.last_counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
-        self._save(RouterCache(x, idx, v, p, r, denom))
+        self.save_for_backward(RouterCache(x, idx, v, p, r, denom))
         return w, idx
 
     def backward(self, dweights) -> np.ndarray:
@@ -316,7 +316,7 @@ class TopKRouter(Module):
                             ``sum_E dp p = sum_k dv v``: ``dz = scatter(dv v) - p sum_k dv v``
         ``z = x W^T + b``                -> ``dx = dz W``, ``dW = dz^T x``, ``db = sum_N dz``.
         """
-        x, idx, v, p, r, denom = self._pop()
+        x, idx, v, p, r, denom = self.pop_saved()
         dr = dw * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else dw
         if self.variant == "topk_softmax":
             dv = r * (dr - (dr * r).sum(-1, keepdims=True))
@@ -333,9 +333,9 @@ class TopKRouter(Module):
             dvv = dv * v
             np.put_along_axis(dz, idx, dvv, -1)
             dz -= p * dvv.sum(-1, keepdims=True)
-        self._accumulate(self.weight, dz.T @ x)
+        self.accumulate_grad(self.weight, dz.T @ x)
         if self.bias is not None:
-            self._accumulate(self.bias, dz.sum(0))
+            self.accumulate_grad(self.bias, dz.sum(0))
         return dz @ self.weight.data
 
     def extra_repr(self):
@@ -414,13 +414,13 @@ class _SortedExperts(Module):
         hs, mlp = self._mlp_forward(x[tok], bounds)  # (S, H): each expert on its contiguous slice
         y_pairs = np.empty_like(hs)
         y_pairs[order] = hs * ws[:, None]  # back to (token, slot) order: the inverse permutation
-        self._save(ExpertsCache(order, tok, bounds, ws, hs, mlp, (n, k)))
+        self.save_for_backward(ExpertsCache(order, tok, bounds, ws, hs, mlp, (n, k)))
         return y_pairs.reshape(n, k, -1).sum(1)  # (N, H)
 
     def backward(self, dy):
         """``(dx (..., H), dtop_k_weights (..., k))``; adds into every parameter's ``.grad``."""
         dy = self._check_dy(dy, "dy")
-        n, k = self._cache.shape
+        n, k = self.saved_state().shape
         dx, dw = self._backward(dy.reshape(n, self.hidden_size))
         return dx.reshape(dy.shape), dw.reshape(dy.shape[:-1] + (k,))
 
@@ -431,7 +431,7 @@ class _SortedExperts(Module):
         ``dh_nj = w_nj dy_n``; each expert's backward turns its ``dh`` rows into ``dx`` rows, which
         go back to (token, slot) order through the forward's permutation and sum over the slots
         (a token chosen by k experts receives k gradients)."""
-        order, tok, bounds, ws, hs, mlp, (n, k) = self._pop()
+        order, tok, bounds, ws, hs, mlp, (n, k) = self.pop_saved()
         dys = dy[tok]  # (S, H) each sorted pair's upstream gradient
         dw = np.empty(n * k, dy.dtype)
         dw[order] = np.einsum("sh,sh->s", dys, hs)
@@ -693,7 +693,7 @@ class GatedMLP(Module):
         act, _, kwargs = _act(self._act)
         a, act_cache = act(self.gate_proj._forward(x), **kwargs)
         b = self.up_proj._forward(x)
-        self._save((act_cache, a, b))
+        self.save_for_backward((act_cache, a, b))
         return self.down_proj._forward(a * b)
 
     def backward(self, dy) -> np.ndarray:
@@ -702,7 +702,7 @@ class GatedMLP(Module):
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         """``h = a b`` with ``a = act(gate_proj x)``, ``b = up_proj x``: ``da = dh b``, ``db = dh a``,
         and ``dx`` sums the two projections' input gradients."""
-        act_cache, a, b = self._pop()
+        act_cache, a, b = self.pop_saved()
         dh = self.down_proj._backward(dy)
         dx = self.up_proj._backward(dh * a)
         dx += self.gate_proj._backward(_act(self._act)[1](dh * b, act_cache))
@@ -884,7 +884,7 @@ class SparseMoeBlock(Module):
                 y += g * s
             else:
                 y += s
-        self._save((g, s))
+        self.save_for_backward((g, s))
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -895,7 +895,7 @@ class SparseMoeBlock(Module):
         """The routed part: the experts give ``dx`` and ``dw``, the router turns ``dw`` into its
         own ``dx``.  The shared part, ``y += g s`` with ``g = sigmoid(x w_g^T)``: ``ds = g dy``,
         ``d(x w_g^T) = <dy, s> g (1 - g)``."""
-        g, s = self._pop()
+        g, s = self.pop_saved()
         dx, dw = self.experts._backward(dy)
         dx += self.router_module._backward(dw)
         shared, gate = self.shared_module, self.shared_gate_module

@@ -12,7 +12,8 @@ with weights, reductions, label smoothing and probability targets, rope in both 
 offset and per-batch positions), both attention cores with masks, causal, GQA, dropout and every
 attention option (bottom-right alignment, window, ALiBi, softcap, sinks with ``dsinks``, a learnable
 float mask with ``dmask``, all of them at once), and every module (with MultiHeadAttention's
-window, ALiBi, softcap, sinks, RoPE and QK-norm options, DecoderBlock, SwiGLU, book.GPTModel).
+window, ALiBi, softcap, sinks, RoPE and QK-norm options, DecoderBlock, SwiGLU, book.GPTModel, the
+mixture-of-experts blocks of GPT-OSS, DeepSeek-V3 and Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
         ("TinyTransformer", check(TinyTransformer(5, 6, 8, 2, 2, 12, rng=r), rng.integers(0, 5, (b, 5)))),
     ]
     out += _module_option_cases(rng, check, r)
+    out += _moe_cases(rng, check, r)
     return out
 
 
@@ -378,6 +380,31 @@ def _module_option_cases(rng, check, r):
     }
     out.append(("book.GPTModel (tiny)", check(book.GPTModel(cfg, rng=r), rng.integers(0, 7, (b, 5)))))
     return out
+
+
+def _moe_cases(rng, check, r):
+    """The mixture-of-experts blocks of the three families (router variants, both kinds of
+    experts, shared experts and their gate), built from Hugging Face config fields."""
+    from ..nn.moe import SparseMoeBlock
+
+    x = rng.uniform(-1.5, 1.5, (2, 3, 5))
+    families = {
+        "GPT-OSS: top-k then softmax, clamped SwiGLU": dict(
+            model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, intermediate_size=3
+        ),
+        "DeepSeek-V3: sigmoid, groups, shared experts": dict(
+            model_type="deepseek_v3", n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=3,
+            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        ),
+        "Qwen3-Next: softmax then top-k, gated shared expert": dict(
+            model_type="qwen3_next", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=3,
+            shared_expert_intermediate_size=4,
+        ),
+    }  # fmt: skip
+    return [
+        (f"SparseMoeBlock ({name})", check(SparseMoeBlock.from_hf_config(dict(cfg, hidden_size=5), rng=r), x))
+        for name, cfg in families.items()
+    ]
 
 
 def _fmt_row(cells, widths):
