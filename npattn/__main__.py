@@ -1,4 +1,4 @@
-"""``npattn`` / ``python -m npattn``: the command line (``check``, ``demo``, ``bench``)."""
+"""``npattn`` / ``python -m npattn``: the command line (``check``, ``demo``, ``bench``, ``generate``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _seed = _int_at_least(0, "non-negative")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npattn", description="Transformer attention in pure NumPy.")
     parser.add_argument("--version", action="version", version=f"npattn {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{check,demo,bench,generate}")
     sub.required = True
 
     p = sub.add_parser("check", help="gradcheck every module and functional op (exit 1 on a failure)")
@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     for section in SECTIONS:
         p.add_argument(f"--{section.name}", action="store_true", help=section.help)
+
+    p = sub.add_parser("generate", help="complete a prompt with a saved Hugging Face model (needs tokenizers)")
+    p.add_argument("directory", help="a save_pretrained directory: config.json, safetensors, tokenizer.json")
+    p.add_argument("prompt", help="the text to complete")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to add (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the most likely tokens up to mass p")
+    p.add_argument("--seed", type=_seed, default=None, help="random seed of the sampling")
     return parser
 
 
@@ -67,6 +76,8 @@ def main(argv=None) -> int:
         from .tools.check import main as run
     elif args.command == "demo":
         from .tools.demo import main as run
+    elif args.command == "generate":
+        from .tools.generate import main as run
     else:
         from .tools.bench import main as run
     return int(run(args) or 0)

@@ -1,0 +1,100 @@
+"""``npattn generate DIR PROMPT``: a tiny checkpoint written with numpy and a tiny word-level
+tokenizer trained here (nothing downloaded); the streamed completion is the greedy one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from npattn.__main__ import main
+from npattn.generation import generate
+from npattn.models import CausalLM
+from npattn.models.hf import save_safetensors
+
+WORDS = "the cat sat on a mat and the dog ate my hat while a bird sang".split()
+
+
+def _checkpoint(path, vocab_size, eos=None):
+    config = {
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 4,
+        "tie_word_embeddings": True,
+        "eos_token_id": eos,
+    }
+    m = CausalLM(config, rng=0, dtype=np.float32)
+    for p in m.parameters():
+        p.data[...] = p.data * 4  # a peaked distribution: greedy is stable
+    save_safetensors(m.state_dict(), path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    return m
+
+
+def _tokenizer(path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tok.train_from_iterator([" ".join(WORDS)] * 3, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+def test_generate_streams_the_greedy_completion(tmp_path, capsys):
+    tok = _tokenizer(tmp_path)
+    m = _checkpoint(tmp_path, tok.get_vocab_size())
+    prompt = "the cat sat on"
+    ids = tok.encode(prompt).ids
+    expect = generate(m, np.array([ids]), 6, 64)[0, len(ids) :].tolist()
+    assert main(["generate", str(tmp_path), prompt, "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    first, last = out.rstrip("\n").rsplit("\n", 1)
+    assert first == prompt + tok.decode(expect)
+    assert last.startswith("[6 tokens in ") and last.endswith(" tokens/s]")
+
+
+def test_generate_sampling_is_seeded_and_stops_at_eos(tmp_path, capsys):
+    tok = _tokenizer(tmp_path)
+    m = _checkpoint(tmp_path, tok.get_vocab_size())
+    args = ["generate", str(tmp_path), "a bird", "--max-new-tokens", "8", "--temperature", "1.5"]
+    args += ["--top-k", "5", "--top-p", "0.9", "--seed", "7"]
+    assert main(args) == 0
+    a = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out.split("\n")[0] == a.split("\n")[0]
+    # eos: the greedy first token, so generation stops after one token
+    ids = tok.encode("a bird").ids
+    first = int(generate(m, np.array([ids]), 1, 64)[0, -1])
+    _checkpoint(tmp_path, tok.get_vocab_size(), eos=[first])
+    assert main(["generate", str(tmp_path), "a bird"]) == 0
+    assert "[1 tokens in" in capsys.readouterr().out
+
+
+def test_generate_errors(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "x"]) == 1
+    assert "tokenizer.json" in capsys.readouterr().err
+    _tokenizer(tmp_path)
+    assert main(["generate", str(tmp_path), "the"]) == 1
+    assert "config.json" in capsys.readouterr().err
+    _checkpoint(tmp_path, 40)
+    assert main(["generate", str(tmp_path), "the", "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "", "--max-new-tokens", "2"]) == 1
+    assert "no tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", str(tmp_path)])
+
+
+def test_generate_without_tokenizers(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if not installed
+    assert main(["generate", str(tmp_path), "x"]) == 1
+    assert "tokenizers" in capsys.readouterr().err
