@@ -609,3 +609,14 @@ def test_npattn_check_covers_the_moe_blocks():
     assert len(found) == 3
     for name, thunk in found.items():
         assert thunk().ok, name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_no_tokens(family):
+    m = _family_block(family)
+    y = m(np.zeros((2, 0, 5)))
+    dx = m.backward(np.zeros((2, 0, 5)))
+    assert y.shape == dx.shape == (2, 0, 5)
+    assert not m.tokens_per_expert.any()
+    assert m.router_module.last_indices.shape == (2, 0, m.router_module.top_k)
+    assert all(not p.grad.any() for p in m.parameters())

@@ -252,12 +252,12 @@ class TopKRouter(Module):
         ``n_group == 1``).  Piecewise constant in the scores: no gradient flows through it."""
         if self.n_group > 1:
             n, g = scores.shape[0], self.n_group
-            grouped = scores.reshape(n, g, -1)
+            grouped = scores.reshape(n, g, self.num_experts // g)
             best2 = -np.partition(-grouped, 1, axis=-1)[..., :2]  # the two best of each group
             keep = _topk(best2.sum(-1), self.topk_group)  # (N, topk_group) groups
             allowed = np.zeros((n, g), bool)
             np.put_along_axis(allowed, keep, True, -1)
-            scores = np.where(allowed[..., None], grouped, -np.inf).reshape(n, -1)
+            scores = np.where(allowed[..., None], grouped, -np.inf).reshape(n, self.num_experts)
         return _topk(scores, self.top_k)
 
     def _forward(self, x: np.ndarray):
@@ -415,7 +415,7 @@ class _SortedExperts(Module):
         y_pairs = np.empty_like(hs)
         y_pairs[order] = hs * ws[:, None]  # back to (token, slot) order: the inverse permutation
         self.save_for_backward(ExpertsCache(order, tok, bounds, ws, hs, mlp, (n, k)))
-        return y_pairs.reshape(n, k, -1).sum(1)  # (N, H)
+        return y_pairs.reshape(n, k, x.shape[1]).sum(1)  # (N, H)
 
     def backward(self, dy):
         """``(dx (..., H), dtop_k_weights (..., k))``; adds into every parameter's ``.grad``."""
@@ -438,7 +438,7 @@ class _SortedExperts(Module):
         dxs = self._mlp_backward(dys * ws[:, None], mlp, bounds)  # (S, H)
         dx_pairs = np.empty_like(dxs)
         dx_pairs[order] = dxs
-        return dx_pairs.reshape(n, k, -1).sum(1), dw.reshape(n, k)
+        return dx_pairs.reshape(n, k, dy.shape[1]).sum(1), dw.reshape(n, k)
 
     def _mlp_forward(self, xs, bounds):  # pragma: no cover - abstract
         raise NotImplementedError
