@@ -1,0 +1,86 @@
+"""Fine-tuning steps on every CausalLM family in float32 (cross-entropy, AdamW, clipping): the
+loss goes down and parameters, gradients and logits stay float32; generation and cached decoding
+on the same models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _families import FAMILIES
+
+from npattn import no_grad
+from npattn.generation import generate
+from npattn.models import CausalLM, config_from_hf
+from npattn.models.causal_lm import unsupported
+from npattn.optim import AdamW, clip_grad_norm_
+
+
+def _build(name, dtype=np.float32):
+    cfg = FAMILIES[name]
+    problem = unsupported(config_from_hf(cfg))
+    if problem is not None:
+        with pytest.raises(ValueError, match="not supported"):
+            CausalLM(cfg, rng=0)
+        pytest.skip(problem)
+    return CausalLM(cfg, rng=0, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_fine_tuning_lowers_the_loss_in_float32(name):
+    m = _build(name)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 41, (2, 9))
+    x, y = ids[:, :-1], ids[:, 1:]
+    opt = AdamW(m, lr=3e-2, weight_decay=0.01)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss, dlogits = m.loss(x, y)
+        assert dlogits.dtype == np.float32
+        m.backward(dlogits)
+        clip_grad_norm_(m, 1.0)
+        opt.step()
+        losses.append(loss)
+    assert losses[-1] < losses[0] - 0.1, losses
+    for n, p in m.named_parameters():
+        assert p.data.dtype == np.float32, n
+        assert p.grad is None or p.grad.dtype == np.float32, n
+    assert m(x).dtype == np.float32
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_generation_uses_the_cache(name):
+    m = _build(name, np.float64)
+    prompt = np.array([[1, 2, 3], [4, 5, 6]])
+    out = generate(m, prompt, 5, 64)
+    slow = generate(m, prompt, 5, 64, use_cache=False)
+    np.testing.assert_array_equal(out, slow)
+    sampled = generate(m, prompt, 5, 64, temperature=1.0, top_k=10, top_p=0.9, rng=1)
+    np.testing.assert_array_equal(sampled, generate(m, prompt, 5, 64, temperature=1.0, top_k=10, top_p=0.9, rng=1))
+    with no_grad():
+        full = m(out)
+    m.reset_kv_cache()
+    step = np.concatenate(
+        [m(out[:, :3], use_cache=True)] + [m(out[:, t : t + 1], use_cache=True) for t in range(3, 8)], 1
+    )
+    np.testing.assert_allclose(step, full, rtol=1e-10, atol=1e-12)
+
+
+def test_forward_arguments_are_checked():
+    m = _build("llama")
+    with pytest.raises(ValueError, match="ids"):
+        m(np.array([[1, 41]]))
+    with pytest.raises(ValueError, match="ids"):
+        m(np.zeros((1, 1, 2), int))
+    with pytest.raises(TypeError, match="ids"):
+        m(np.array([[0.5]]))
+    with pytest.raises(TypeError, match="use_cache"):
+        m(np.array([[1]]), use_cache="yes")
+    with pytest.raises(RuntimeError):
+        m.backward(np.zeros((1, 1, 41), np.float32))
+    logits = m(np.array([1, 2, 3]))  # unbatched
+    assert logits.shape == (3, 41)
+    with pytest.raises(ValueError, match="dlogits"):
+        m.backward(np.zeros((3, 40), np.float32))
+    m.backward(np.ones((3, 41), np.float32))
+    assert "llama" in repr(m) and len(m.layers) == 2
