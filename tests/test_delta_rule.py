@@ -442,3 +442,136 @@ def test_norms_bad_input():
         F.l2_norm_backward(y[:1], F.l2_norm(x)[1])
     with pytest.raises(TypeError, match="cache"):
         F.l2_norm_backward(y, cache)
+
+
+# ------------------------------------------------------------------------------ forward mode
+
+
+def _tangents(seed, *arrays):
+    rng = np.random.default_rng(seed)
+    return [None if a is None else rng.standard_normal(a.shape).astype(a.dtype) for a in arrays]
+
+
+def _dot(xs, ys):
+    return sum(float(np.sum(x * y)) for x, y in zip(xs, ys) if x is not None and y is not None)
+
+
+@settings(max_examples=40)
+@given(delta_rule_inputs(max_len=14))
+def test_delta_rule_jvp_fast_equals_reference_and_transposes_the_backward(case):
+    (_, cache), (_, cache2) = _both(case, case.chunk_size)
+    ts = _tangents(1, case.q, case.k, case.v, case.g, case.beta, case.initial_state)
+    ref, fast = R.gated_delta_rule_jvp(cache, *ts), F.gated_delta_rule_jvp(cache2, *ts)
+    if case.output_final_state:
+        close(fast[0], ref[0])
+        close(fast[1], ref[1])
+        outs = [case.dout, case.dfinal_state]
+        tout = list(fast)
+    else:
+        close(fast, ref)
+        outs, tout = [case.dout], [fast]
+    # <dout, J t> = <J^T dout, t>: forward and reverse mode agree
+    grads = F.gated_delta_rule_backward(case.dout, cache2, case.dfinal_state if case.output_final_state else None)
+    lhs, rhs = _dot(outs, tout), _dot(grads, ts)
+    assert abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs))
+
+
+def test_delta_rule_jvp_central_differences_and_partial_tangents():
+    rng = np.random.default_rng(13)
+    c = _case(rng, lead=(1, 2), steps=6, dk=3, dv=2)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    arrays = [c[n] for n in names]
+    ts = _tangents(2, *arrays)
+    _, cache = R.gated_delta_rule(**c, use_qk_l2norm=True, output_final_state=True)
+    tout, tfinal = R.gated_delta_rule_jvp(cache, *ts)
+    eps = 1e-6
+    plus = R.gated_delta_rule(*[a + eps * t for a, t in zip(arrays[:5], ts)], initial_state=arrays[5] + eps * ts[5],
+                              use_qk_l2norm=True, output_final_state=True)  # fmt: skip
+    minus = R.gated_delta_rule(*[a - eps * t for a, t in zip(arrays[:5], ts)], initial_state=arrays[5] - eps * ts[5],
+                               use_qk_l2norm=True, output_final_state=True)  # fmt: skip
+    assert rel_err(tout, (plus[0] - minus[0]) / (2 * eps)) < 1e-6
+    assert rel_err(tfinal, (plus[1].final_state - minus[1].final_state) / (2 * eps)) < 1e-6
+    # only tg given (the others zero), without a kept final state: the tangent alone
+    _, cache = R.gated_delta_rule(**c)
+    _, cache2 = F.gated_delta_rule(**c, chunk_size=4)
+    close(
+        F.gated_delta_rule_jvp(cache2, None, None, None, ts[3]), R.gated_delta_rule_jvp(cache, None, None, None, ts[3])
+    )
+    close(F.gated_delta_rule_jvp(cache2), np.zeros_like(c["v"]))
+    close(R.gated_delta_rule_jvp(cache), np.zeros_like(c["v"]))
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_conv_jvp(activation):
+    rng = np.random.default_rng(14)
+    x, w, b, s = _conv_case(rng)
+    ts = _tangents(3, x, w, b, s)
+    y, cache = R.causal_conv1d(x, w, b, activation=activation, initial_state=s)
+    _, cache2 = F.causal_conv1d(x, w, b, activation=activation, initial_state=s)
+    ref = R.causal_conv1d_jvp(cache, *ts)
+    close(F.causal_conv1d_jvp(cache2, *ts), ref)
+    eps = 1e-6
+    plus = R.causal_conv1d(
+        *[a + eps * t for a, t in zip((x, w, b), ts)], activation=activation, initial_state=s + eps * ts[3]
+    )
+    minus = R.causal_conv1d(
+        *[a - eps * t for a, t in zip((x, w, b), ts)], activation=activation, initial_state=s - eps * ts[3]
+    )
+    assert rel_err(ref, (plus[0] - minus[0]) / (2 * eps)) < 1e-6
+    dy = rng.standard_normal(y.shape)
+    lhs, rhs = _dot([dy], [ref]), _dot(F.causal_conv1d_backward(dy, cache2), ts)
+    assert abs(lhs - rhs) <= 1e-12 * abs(lhs)
+    for part in ([ts[0]], [None, ts[1]], [None, None, ts[2]], [None, None, None, ts[3]], []):
+        close(F.causal_conv1d_jvp(cache2, *part), R.causal_conv1d_jvp(cache, *part))
+
+
+def test_norms_jvp():
+    rng = np.random.default_rng(15)
+    x, z, w = rng.standard_normal((3, 6)), rng.standard_normal((3, 6)), rng.standard_normal(6)
+    ts = _tangents(4, x, z, w)
+    y, cache = R.rms_norm_gated(x, z, w)
+    _, cache2 = F.rms_norm_gated(x, z, w)
+    ref = R.rms_norm_gated_jvp(cache, *ts)
+    close(F.rms_norm_gated_jvp(cache2, *ts), ref)
+    eps = 1e-6
+    fd = (R.rms_norm_gated(*[a + eps * t for a, t in zip((x, z, w), ts)])[0]
+          - R.rms_norm_gated(*[a - eps * t for a, t in zip((x, z, w), ts)])[0]) / (2 * eps)  # fmt: skip
+    assert rel_err(ref, fd) < 1e-6
+    for part in ([ts[0]], [None, ts[1]], [None, None, ts[2]], []):
+        close(F.rms_norm_gated_jvp(cache2, *part), R.rms_norm_gated_jvp(cache, *part))
+    ref = R.l2_norm_jvp(R.l2_norm(x)[1], ts[0])
+    close(F.l2_norm_jvp(F.l2_norm(x)[1], ts[0]), ref)
+    assert rel_err(ref, (R.l2_norm(x + eps * ts[0])[0] - R.l2_norm(x - eps * ts[0])[0]) / (2 * eps)) < 1e-6
+    close(F.l2_norm_jvp(F.l2_norm(x)[1]), np.zeros_like(x))
+    close(R.l2_norm_jvp(R.l2_norm(x)[1]), np.zeros_like(x))
+
+
+def test_jvp_bad_tangents():
+    rng = np.random.default_rng(16)
+    c = _case(rng, lead=(1, 2), steps=4, dk=3, dv=2, init=False)
+    _, cache = F.gated_delta_rule(**c)
+    with pytest.raises(TypeError, match="at most 6 tangents"):
+        F.gated_delta_rule_jvp(cache, *([None] * 7))
+    with pytest.raises(ValueError, match=r"tk: expected shape \(1, 2, 4, 3\)"):
+        F.gated_delta_rule_jvp(cache, None, np.ones((1, 2, 4, 2)))
+    with pytest.raises(ValueError, match="tinitial_state: expected None"):
+        F.gated_delta_rule_jvp(cache, None, None, None, None, None, np.ones((1, 2, 3, 2)))
+    with pytest.raises(TypeError, match="cache"):
+        F.gated_delta_rule_jvp(F.l2_norm(c["q"])[1])
+    x, w, _, _ = _conv_case(rng)
+    _, ccache = F.causal_conv1d(x, w)
+    with pytest.raises(ValueError, match="tbias: expected None"):
+        F.causal_conv1d_jvp(ccache, None, None, np.ones(5))
+    with pytest.raises(ValueError, match="tweight: expected shape"):
+        F.causal_conv1d_jvp(ccache, None, np.ones(5))
+    with pytest.raises(TypeError, match="cache"):
+        F.causal_conv1d_jvp(cache)
+    _, ncache = F.rms_norm_gated(x, x, np.ones(5))
+    with pytest.raises(ValueError, match=r"tweight: expected shape \(5,\)"):
+        F.rms_norm_gated_jvp(ncache, None, None, np.ones(4))
+    with pytest.raises(TypeError, match="at most 1 tangents"):
+        F.l2_norm_jvp(F.l2_norm(x)[1], x, x)
+    with pytest.raises(TypeError, match="cache"):
+        F.rms_norm_gated_jvp(cache)
+    with pytest.raises(TypeError, match="cache"):
+        F.l2_norm_jvp(cache)

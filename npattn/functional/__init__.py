@@ -27,14 +27,17 @@ from .attention import (
     scaled_dot_product_attention_backward,
     scaled_dot_product_attention_jvp,
 )
-from .conv import causal_conv1d, causal_conv1d_backward
+from .conv import causal_conv1d, causal_conv1d_backward, causal_conv1d_jvp
 from .delta_rule import (
     gated_delta_rule,
     gated_delta_rule_backward,
+    gated_delta_rule_jvp,
     l2_norm,
     l2_norm_backward,
+    l2_norm_jvp,
     rms_norm_gated,
     rms_norm_gated_backward,
+    rms_norm_gated_jvp,
 )
 from .embedding import embedding, embedding_backward, embedding_jvp
 from .linear import linear, linear_backward, linear_jvp
@@ -94,10 +97,14 @@ __all__ = [
     "memory_efficient_attention_jvp",
     "gated_delta_rule",
     "gated_delta_rule_backward",
+    "gated_delta_rule_jvp",
     "causal_conv1d",
     "causal_conv1d_backward",
+    "causal_conv1d_jvp",
     "l2_norm",
     "l2_norm_backward",
+    "l2_norm_jvp",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "rms_norm_gated_jvp",
 ]

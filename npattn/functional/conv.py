@@ -13,10 +13,10 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_bool, check_cache, check_grad
-from .activation import SiluCache, _silu, _silu_backward
+from .._validate import as_float, check_bool, check_cache, check_grad, check_tangent, check_tangents
+from .activation import SiluCache, _silu, _silu_backward, _silu_jvp
 
-__all__ = ["causal_conv1d", "causal_conv1d_backward", "CausalConv1dCache"]
+__all__ = ["causal_conv1d", "causal_conv1d_backward", "causal_conv1d_jvp", "CausalConv1dCache"]
 
 
 class CausalConv1dCache(NamedTuple):
@@ -135,3 +135,54 @@ def _causal_conv1d_backward(dout, cache):
         dweight[:, j] = np.einsum("blc,blc->c", dz2, xp2[:, j : j + steps])
     dbias = dz2.sum(axis=(0, 1)) if has_bias else None
     return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None)
+
+
+def causal_conv1d_jvp(cache: CausalConv1dCache, *tangents) -> np.ndarray:
+    """Forward mode of ``causal_conv1d``: ``z`` is bilinear in the padded input and the weight,
+    so ``tz_t = tbias + sum_j (tw_j x_{t-K+1+j} + w_j tx_{t-K+1+j})`` (the padded ``tx`` starting
+    with ``tinitial_state``), then the activation's JVP.
+
+    Parameters
+    ----------
+    cache : CausalConv1dCache
+    *tangents : ndarray or None
+        ``(tx, tweight, tbias, tinitial_state)``, the backward's order; None or left out: zero
+        (``tbias`` / ``tinitial_state`` must be None when the forward had none).
+
+    Returns
+    -------
+    ty : ndarray ``(B..., L, C)``
+    """
+    check_cache(cache, CausalConv1dCache, "causal_conv1d_jvp")
+    tx, tw, tb, ts = check_tangents(tangents, ("tx", "tweight", "tbias", "tinitial_state"), "causal_conv1d_jvp")
+    xp, weight = cache.xp, cache.weight
+    taps, dtype = weight.shape[1], xp.dtype
+    lead, channels = xp.shape[:-2], xp.shape[-1]
+    return _causal_conv1d_jvp(
+        cache,
+        check_tangent(tx, "tx", lead + (xp.shape[-2] - taps + 1, channels), dtype),
+        check_tangent(tw, "tweight", weight.shape, dtype),
+        check_tangent(tb, "tbias", (channels,), dtype, present=cache.has_bias),
+        check_tangent(ts, "tinitial_state", lead + (taps - 1, channels), dtype, present=cache.has_initial_state),
+    )
+
+
+def _causal_conv1d_jvp(cache, tx=None, tweight=None, tbias=None, tinitial_state=None):
+    xp, weight, _, _, act, _ = cache
+    taps = weight.shape[1]
+    steps = xp.shape[-2] - taps + 1
+    tz = np.zeros(xp.shape[:-2] + (steps, xp.shape[-1]), xp.dtype)
+    if tx is not None or tinitial_state is not None:
+        txp = np.zeros(xp.shape, xp.dtype)
+        if tinitial_state is not None:
+            txp[..., : taps - 1, :] = tinitial_state
+        if tx is not None:
+            txp[..., taps - 1 :, :] = tx
+        for j in range(taps):
+            tz += txp[..., j : j + steps, :] * weight[:, j]
+    if tweight is not None:
+        for j in range(taps):
+            tz += xp[..., j : j + steps, :] * tweight[:, j]
+    if tbias is not None:
+        tz += tbias
+    return tz if act is None else _silu_jvp(act, tz)

@@ -43,18 +43,30 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_bool, check_cache, check_grad, check_positive_float, check_size
-from .activation import SiluCache, _silu, _silu_backward
-from .norm import RMSNormCache, _rms_norm, _rms_norm_backward
+from .._validate import (
+    as_float,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_positive_float,
+    check_size,
+    check_tangent,
+    check_tangents,
+)
+from .activation import SiluCache, _silu, _silu_backward, _silu_jvp
+from .norm import RMSNormCache, _rms_norm, _rms_norm_backward, _rms_norm_jvp
 
 __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_backward",
+    "gated_delta_rule_jvp",
     "GatedDeltaRuleCache",
     "l2_norm",
     "l2_norm_backward",
+    "l2_norm_jvp",
     "rms_norm_gated",
     "rms_norm_gated_backward",
+    "rms_norm_gated_jvp",
 ]
 
 _QK_EPS = 1e-6  # the eps of transformers' / FLA's l2norm of q and k
@@ -118,6 +130,30 @@ def l2_norm_backward(dout: np.ndarray, cache: L2NormCache) -> np.ndarray:
 
 def _l2_norm_backward(dout, cache):
     return _rms_norm_backward(dout / cache.root_n, cache.norm)[0]
+
+
+def l2_norm_jvp(cache: L2NormCache, *tangents) -> np.ndarray:
+    """Forward mode of ``l2_norm``: the Jacobian ``r (I - y y^T)`` is symmetric, so
+    ``ty = r (tx - y (y . tx))``, the backward's formula with ``tx`` for ``dout``.
+
+    Parameters
+    ----------
+    cache : L2NormCache
+    *tangents : ndarray or None
+        ``tx`` (x's shape; None: zero).
+
+    Returns
+    -------
+    ty : ndarray
+    """
+    check_cache(cache, L2NormCache, "l2_norm_jvp")
+    (tx,) = check_tangents(tangents, ("tx",), "l2_norm_jvp")
+    xhat = cache.norm.xhat
+    return _l2_norm_jvp(cache, check_tangent(tx, "tx", xhat.shape, xhat.dtype))
+
+
+def _l2_norm_jvp(cache, tx=None):
+    return np.zeros(cache.norm.xhat.shape, cache.norm.xhat.dtype) if tx is None else _l2_norm_backward(tx, cache)
 
 
 # ------------------------------------------------------------------------------- rms_norm_gated
@@ -188,6 +224,40 @@ def _rms_norm_gated_backward(dout, cache):
     normed, sig, norm_cache, gate_cache = cache
     dx, dweight = _rms_norm_backward(dout * sig, norm_cache)
     return dx, _silu_backward(dout * normed, gate_cache), dweight
+
+
+def rms_norm_gated_jvp(cache: RMSNormGatedCache, *tangents) -> np.ndarray:
+    """Forward mode of ``rms_norm_gated``: ``y = n * s``, so ``ty = tn * s + n * ts`` with ``tn``
+    rms_norm's JVP along ``(tx, tweight)`` and ``ts`` silu's along ``tgate``.
+
+    Parameters
+    ----------
+    cache : RMSNormGatedCache
+    *tangents : ndarray or None
+        ``(tx, tgate, tweight)``, the backward's order; None or left out: zero.
+
+    Returns
+    -------
+    ty : ndarray
+    """
+    check_cache(cache, RMSNormGatedCache, "rms_norm_gated_jvp")
+    tx, tgate, tweight = check_tangents(tangents, ("tx", "tgate", "tweight"), "rms_norm_gated_jvp")
+    shape, dtype = cache.normed.shape, cache.normed.dtype
+    return _rms_norm_gated_jvp(
+        cache,
+        check_tangent(tx, "tx", shape, dtype),
+        check_tangent(tgate, "tgate", shape, dtype),
+        check_tangent(tweight, "tweight", shape[-1:], dtype),
+    )
+
+
+def _rms_norm_gated_jvp(cache, tx=None, tgate=None, tweight=None):
+    normed, sig, norm_cache, gate_cache = cache
+    ty = _rms_norm_jvp(norm_cache, tx, tweight)
+    ty *= sig
+    if tgate is not None:
+        ty += normed * _silu_jvp(gate_cache, tgate)
+    return ty
 
 
 # ----------------------------------------------------------------------------- gated_delta_rule
@@ -539,3 +609,98 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dgamma[..., -1] += (db * c.b).sum(-1) + da_end * c.a[..., -1]
     dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1]
     return (dq, dk, dv, dg, dbeta), ds
+
+
+# ------------------------------------------------------------------------- gated_delta_rule_jvp
+
+
+def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
+    """Forward mode of ``gated_delta_rule``, chunk by chunk (derivation beside ``_chunked_jvp``).
+
+    Parameters
+    ----------
+    cache : GatedDeltaRuleCache
+    *tangents : ndarray or None
+        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, the backward's order, each of its input's
+        shape; None or left out: zero (``tinitial_state`` must be None without an initial state).
+
+    Returns
+    -------
+    tout, or (tout, tfinal_state)
+        The latter when the forward kept the final state.
+    """
+    check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_jvp")
+    names = ("tq", "tk", "tv", "tg", "tbeta", "tinitial_state")
+    ts = check_tangents(tangents, names, "gated_delta_rule_jvp")
+    q, k, v, g = cache.q, cache.k, cache.v, cache.g
+    state_shape = cache.states.shape[:-3] + cache.states.shape[-2:]
+    shapes = (q.shape, k.shape, v.shape, g.shape, g.shape, state_shape)
+    checked = [check_tangent(t, n, sh, q.dtype) for t, n, sh in zip(ts[:5], names, shapes)]
+    checked.append(check_tangent(ts[5], names[5], state_shape, q.dtype, present=cache.has_initial_state))
+    return _gated_delta_rule_jvp(cache, *checked)
+
+
+def _gated_delta_rule_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
+    q, k, v, g, beta, states, chunk, scale, q_norm, k_norm, _, final = cache
+    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    zero = np.zeros_like
+    tq = zero(q) if tq is None else scale * (tq if q_norm is None else _l2_norm_jvp(q_norm, tq))
+    tk = zero(k) if tk is None else (tk if k_norm is None else _l2_norm_jvp(k_norm, tk))
+    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, v), (tg, g), (tbeta, beta)))
+    c = _chunk_terms(q, k, v, g, beta, chunk)
+    rows = c.q.shape[0]
+    s = states.reshape((rows,) + states.shape[-3:])
+    tc = (_pad_chunks(tq, steps, chunk), _pad_chunks(tk, steps, chunk), _pad_chunks(tv, steps, chunk))
+    tgc, tbc = (_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (tg, tbeta))
+    ts = np.zeros((rows, dk, dv), q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
+    tout, tfinal = _chunked_jvp(c, s, *tc, tgc, tbc, ts)
+    tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
+    return tout if final is None else (tout, tfinal.reshape(lead + (dk, dv)))
+
+
+def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
+    """The product rule through one chunk's formulas (module docstring), for all chunks at once
+    but for the tangent of the state, carried through the chunks as the state is:
+
+        tgamma = cumsum(tg);  ta = a tgamma;  tb = b (tgamma_C - tgamma);  tGam = Gam (tgamma_i - tgamma_j)
+        tM = beta (tK K^T + K tK^T) Gam + tbeta (K K^T) Gam + beta (K K^T) tGam   (strictly lower)
+        tT = -T tM T                                       (from T (I + M) = I)
+        tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
+        tW_k = tT diag(beta a) K + T (diag(tbeta a + beta ta) K + diag(beta a) tK)
+        tP = (tQ K^T + Q tK^T) Gam + (Q K^T) tGam          (lower, diagonal included)
+        tU = tW_v - tW_k S - W_k tS
+        tO = diag(ta) Q S + diag(a) (tQ S + Q tS) + tP U + P tU
+        tS' = ta_C S + a_C tS + (diag(tb) K + diag(b) tK)^T U + (diag(b) K)^T tU
+
+    Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
+    tgamma = np.cumsum(tg, axis=-1)
+    ta = c.a * tgamma
+    tb = c.b * (tgamma[..., -1:] - tgamma)
+    tgam = c.gam * (tgamma[..., :, None] - tgamma[..., None, :])
+    kt = c.k.swapaxes(-1, -2)
+    tkk = tk @ kt
+    tkk += tkk.swapaxes(-1, -2)
+    bcol = c.beta[..., :, None]
+    tm = np.tril(bcol * tkk * c.gam + tbeta[..., :, None] * c.kk * c.gam + bcol * c.kk * tgam, -1)
+    tt = -(c.t @ tm @ c.t)
+    twv = tt @ (c.v * c.beta[..., None]) + c.t @ (c.v * tbeta[..., None] + tv * c.beta[..., None])
+    ba = c.beta * c.a
+    twk = tt @ (c.k * ba[..., None]) + c.t @ (c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
+    tp = (tq @ kt + c.q @ tk.swapaxes(-1, -2)) * c.gam + c.qk * tgam
+    tkb = c.k * tb[..., None] + tk * c.b[..., None]
+    u = c.wv - c.wk @ s
+    rows, n = c.q.shape[:2]
+    tstates = np.empty(s.shape, s.dtype)
+    tu = np.empty(u.shape, u.dtype)
+    decay, tdecay = c.a[..., -1, None, None], ta[..., -1, None, None]
+    for i in range(n):
+        tstates[:, i] = ts
+        tu[:, i] = twv[:, i] - twk[:, i] @ s[:, i] - c.wk[:, i] @ ts
+        ts = (
+            tdecay[:, i] * s[:, i]
+            + decay[:, i] * ts
+            + tkb[:, i].swapaxes(-1, -2) @ u[:, i]
+            + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
+        )
+    tout = (tq * c.a[..., None] + c.q * ta[..., None]) @ s + c.qa @ tstates + tp @ u + c.p @ tu
+    return tout, ts

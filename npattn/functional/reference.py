@@ -1251,6 +1251,7 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array])
         tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
     return tout if final is None else (tout, tS)
 
+
 def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's)."""
     r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
@@ -1269,6 +1270,7 @@ def l2_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     the backward's formula with ``tx`` for ``dout``."""
     (tx,) = _padded(tangents, 1)
     return np.zeros_like(cache[0]) if tx is None else l2_norm_backward(tx, cache)
+
 
 def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
@@ -1300,6 +1302,7 @@ def rms_norm_gated_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     if tgate is not None:
         ty = ty + n * silu_jvp(silu_cache, tgate)
     return ty
+
 
 def causal_conv1d(
     x: Array,
@@ -1364,12 +1367,15 @@ def causal_conv1d_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
         lead = windows.shape[:-3]
         tx = np.zeros(lead + windows.shape[-3:-1], windows.dtype) if tx is None else tx
         tstate = np.zeros(lead + (taps - 1, weight.shape[0]), windows.dtype) if tstate is None else tstate
-        tz = tz + (np.lib.stride_tricks.sliding_window_view(np.concatenate([tstate, tx], -2), taps, axis=-2) * weight).sum(-1)
+        tz = tz + (
+            np.lib.stride_tricks.sliding_window_view(np.concatenate([tstate, tx], -2), taps, axis=-2) * weight
+        ).sum(-1)
     if tweight is not None:
         tz = tz + (windows * tweight).sum(-1)
     if tbias is not None:
         tz = tz + tbias
     return tz if act_cache is None else silu_jvp(act_cache, tz)
+
 
 __all__ += [
     "gated_delta_rule",
