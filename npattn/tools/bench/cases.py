@@ -122,6 +122,35 @@ def _attention_flops(*, b, h, L, E, causal=True, impl=None, window=None):
     return 3 * 2 * b * h * L * min(L, left + 1) * 2 * E  # roughly: the band's pairs
 
 
+def attention_jvp(dtype, torch, *, b, h, L, E, causal=True, impl="memory_efficient_attention", jvp=True):
+    """Forward mode of ``impl``: its forward and ``impl_jvp`` along random tangents of q, k, v
+    (``jvp=False``: the forward alone, the row to read it against).  torch's twin: its
+    ``F.scaled_dot_product_attention`` forward for ``jvp=False``; none for the JVP (torch has no
+    forward-mode derivative of its CPU attention kernels: ``torch.func.jvp`` raises)."""
+    from ... import functional as F
+
+    if not hasattr(F, impl + "_jvp"):
+        raise Missing(impl + "_jvp")
+    fwd, fjvp = getattr(F, impl), getattr(F, impl + "_jvp")
+    q, k, v, tq, tk, tv = _inputs(dtype, *[(b, h, L, E)] * 6)
+
+    def run_np():
+        out, cache = fwd(q, k, v, is_causal=causal)
+        return out, fjvp(cache, tq, tk, tv) if jvp else None
+
+    name = SHORT.get(impl, impl) + (" jvp" if jvp else " fwd")
+    shape = {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal}
+    fns: dict = {}
+    if torch is not None and not jvp:
+        fns["torch"] = twins.sdpa_forward(torch, q, k, v, causal)
+    return Built(name, shape, {"npattn": run_np}, fns)
+
+
+def _attention_jvp_flops(*, b, h, L, E, causal=True, impl=None, jvp=True):
+    """The forward's two GEMMs; the JVP's four more (tS from tq and tk, (P tS) v and P tv)."""
+    return attention_flops(b, h, L, L, E, E, causal) * (1 if jvp else 1 / 3)
+
+
 # -- modules ------------------------------------------------------------------------------------------
 def _module(module, twin, x, dy, torch):
     """npattn's forward+backward of ``module`` on ``x``; torch's ``twin`` and the check."""
@@ -270,6 +299,7 @@ def _decode_flops(*, cfg, prompt_len=16, batch=1):
 
 KINDS = {
     "attention": Kind(attention, _attention_flops),
+    "attention_jvp": Kind(attention_jvp, _attention_jvp_flops),
     "mha": Kind(mha, mha_flops),
     "encoder": Kind(encoder, encoder_flops),
     "demo": Kind(demo, _demo_flops),

@@ -40,6 +40,8 @@ TABLE = [  # (kind in cases.KINDS, its sizes)
     ("encoder", GPT2),
     ("demo", {}),
     ("attention", MEM_EFF),  # its float32 row also gives the peak memory of both kernels
+    ("attention_jvp", dict(MEM_EFF, jvp=False)),  # forward mode at L = 4096: the forward alone ...
+    ("attention_jvp", MEM_EFF),  # ... and forward + JVP (time; float32: peak memory of each)
 ]
 QUICK = [
     ("attention", dict(b=2, h=2, L=32, E=16)),
@@ -106,11 +108,11 @@ def collect(quick=False, progress=True, use_torch=True, repeats=None, memory=Non
                 own_process=not quick,
             )
             if memory and params.get("impl") == MEM_EFF["impl"] and dtype == "float32":
-                r["npattn_extra_mib"] = fresh("attention", params).get("extra_mib")
-                r["torch_extra_mib"] = fresh("attention", params, side="torch").get("extra_mib") if sides == 2 else None
+                r["npattn_extra_mib"] = fresh(kind, params).get("extra_mib")
+                r["torch_extra_mib"] = fresh(kind, params, side="torch").get("extra_mib") if sides == 2 else None
             return r
 
-        name = SHORT[params.get("impl", "scaled_dot_product_attention")] if kind == "attention" else kind
+        name = SHORT[params.get("impl", "scaled_dot_product_attention")] if kind.startswith("attention") else kind
         label = " ".join(x for x in (name, shape_str(_named(params)), dtype) if x)
         return Step(label, _guess(kind, params, dtype, repeats, pause, sides, not quick), run)
 
@@ -191,7 +193,8 @@ def format_results(report):
         + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in report["gemm_peak_gflops"].items()),
         f"forward+backward (input and parameter gradients), median over {report['repeats']} interleaved turns"
         " (short calls: batches of consecutive calls);"
-        " GFLOP/s count useful FLOPs (causal: visible pairs only); ratio = npattn / torch",
+        " GFLOP/s count useful FLOPs (causal: visible pairs only); ratio = npattn / torch;"
+        " 'fwd' / 'jvp' rows: the forward alone / forward + JVP (forward mode; torch has none on CPU)",
         "",
     ]
     lines += table(COLUMNS, [_cells(r) for r in report["results"]])
@@ -200,7 +203,7 @@ def format_results(report):
             lines.append(
                 f"{r['name']} {shape_str(r['shape'])} {r['dtype']}: peak extra memory npattn "
                 f"{r['npattn_extra_mib']:.0f} MiB, torch {fmt(r.get('torch_extra_mib'), '.0f')} MiB "
-                "(forward+backward above the inputs, a fresh process each)"
+                "(one call as timed, above the inputs, a fresh process each)"
             )
     return lines
 
