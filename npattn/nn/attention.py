@@ -32,6 +32,7 @@ from .._validate import (
 )
 from ..functional import AttentionCache
 from ..functional import kernels as K
+from ..functional.rope_scaling import _check_scaling, _resolve_base, _resolve_rotary_dim
 from .layers import Linear, RMSNorm
 from .module import Module, Parameter, is_grad_enabled, no_grad
 
@@ -57,17 +58,41 @@ class _State(NamedTuple):
     memory_efficient: bool
     sinks: bool
     reused: tuple = ()  # arrays from the module's workspace, given back after the backward
+    gate: tuple | None = None  # output_gate: (attention output (..., L, H*hd), sigmoid(gate) of its shape)
 
 
 class _KVCache:
     """Projected (and rotated) keys and values of the tokens seen so far, ``(..., Hk, T, hd)``,
-    held in buffers whose capacity doubles as they fill (appending is amortised O(new tokens))."""
+    held in buffers whose capacity doubles as they fill (appending is amortised O(new tokens)).
 
-    def __init__(self, k, v):
+    ``keep`` (a sliding window's ``left``): a rolling cache.  A later query at position ``p`` sees
+    keys ``p - left .. p`` only, so after each call (``trim``) all but the last ``keep`` tokens are
+    dropped: memory stays O(keep + tokens per call) however long the sequence.  ``length`` counts
+    the tokens held, ``position`` the tokens seen (the position of the next one)."""
+
+    def __init__(self, k, v, keep: int | None = None):
         self.lead = k.shape[:-3]
         self.length = 0
+        self.position = 0
+        self.keep = keep
         self.k = self.v = None
         self._grow(k, v, max(16, 2 * k.shape[-2]))
+
+    def trim(self):
+        """A rolling cache drops every token but the last ``keep`` (moved to the front) and shrinks
+        an oversized buffer; call it once the keys and values ``append`` returned are used."""
+        if self.keep is None or self.length <= self.keep:
+            return
+        keep, drop = self.keep, self.length - self.keep
+        cap = max(16, 2 * (keep + 1))
+        if self.k.shape[-2] > 2 * cap:  # e.g. after a long prompt: give the memory back
+            nk = np.empty(self.k.shape[:-2] + (cap, self.k.shape[-1]), self.k.dtype)
+            nv = np.empty(self.v.shape[:-2] + (cap, self.v.shape[-1]), self.v.dtype)
+        else:
+            nk, nv = self.k, self.v  # numpy copies overlapping slices correctly
+        nk[..., :keep, :] = self.k[..., drop : self.length, :]
+        nv[..., :keep, :] = self.v[..., drop : self.length, :]
+        self.k, self.v, self.length = nk, nv, keep
 
     def _grow(self, k, v, capacity):
         """New buffers of ``capacity`` tokens in ``k``'s dtype, holding the cached tokens."""
@@ -86,6 +111,7 @@ class _KVCache:
         self.k[..., self.length : self.length + n, :] = k
         self.v[..., self.length : self.length + n, :] = v
         self.length += n
+        self.position += n
         return self.k[..., : self.length, :], self.v[..., : self.length, :]
 
 
@@ -110,11 +136,19 @@ def _check_softcap(softcap):
     return check_positive_float(softcap, "softcap")
 
 
+def _sigmoid(x):
+    """``1 / (1 + exp(-x))`` without overflow: ``exp(-log(1 + exp(-x)))``."""
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention, batch first: ``(..., L, d_in) -> (..., L, d_out)``; unbatched
     ``(L, d_in) -> (L, d_out)`` too (any number of leading axes, none included).
 
-    ``d_out`` is split into ``num_heads`` heads of ``d_out // num_heads``; with ``num_kv_heads``
+    ``d_out`` is split into ``num_heads`` heads of ``d_out // num_heads`` (or, with ``head_dim``,
+    the heads have ``head_dim`` features each whatever ``d_out``: ``W_query`` is
+    ``(num_heads * head_dim, d_in)``, ``out_proj`` ``(d_out, num_heads * head_dim)``, as Qwen3,
+    Gemma 3 and GPT-OSS); with ``num_kv_heads``
     smaller than ``num_heads`` (and dividing it) the key/value projections have
     ``num_kv_heads`` heads each shared by ``num_heads // num_kv_heads`` query heads
     (grouped-query attention).  ``kdim``/``vdim`` are the key/value input widths for
@@ -142,9 +176,32 @@ class MultiHeadAttention(Module):
     length), ``qk_norm=True`` (RMSNorm over each head's q and k, parameters ``q_norm.weight`` and
     ``k_norm.weight`` ``(head_dim,)``; applied before RoPE).
 
+    Options of the open-model families (Hugging Face's attention classes):
+
+    - ``scale``: the softmax scale (default ``1/sqrt(head_dim)``), e.g. Gemma 3's
+      ``query_pre_attn_scalar**-0.5`` or DeepSeek's (``npattn.functional.rope_softmax_scale``).
+    - ``rope_scaling``: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (``linear``,
+      ``dynamic``, ``yarn``, ``llama3``; see ``npattn.functional.rope_frequencies``), its
+      ``rope_theta`` the base when given (``rope_base`` left at its default or equal);
+      ``partial_rotary_factor``: only the first ``int(head_dim * factor)`` features of each head
+      rotate (Qwen3-Next); ``rope_interleaved``: pairs ``(2i, 2i+1)`` instead of rotate-half.
+      A per-layer base (Gemma 3's local/global) is just ``rope_base`` per module.
+    - ``qk_norm_eps``: the QK-norm's eps (default ``RMSNorm``'s: the dtype's machine epsilon);
+      ``qk_norm_unit_offset=True``: ``x_norm * (1 + weight)`` with the weight zeros at start
+      (Gemma 3's and Qwen3-Next's RMSNorm; the state dict holds that weight as they do).
+    - ``output_gate=True`` (Qwen3-Next's gated attention): ``W_query`` is
+      ``(2 * num_heads * head_dim, d_in)``, each head's ``2 head_dim`` outputs its query then its
+      gate ``g``; the attention output (heads merged) is multiplied by ``sigmoid(g)`` before
+      ``out_proj``.  Backward: with ``a`` the attention output and ``s = sigmoid(g)``,
+      ``d a = d(a s) * s`` and ``d g = d(a s) * a * s (1 - s)`` (``s' = s (1 - s)``).
+    - GPT-OSS: ``qkv_bias=True, out_bias=True, sinks=True``, a ``window``, ``rope_scaling`` yarn.
+
     KV cache: ``forward(x, use_cache=True)`` (self-attention) appends this call's keys/values
     (after RoPE) to the module's cache and lets the queries attend over every cached key,
     with bottom-right alignment (the new queries are the last positions); see ``forward``.
+    With a sliding window that hides the past beyond ``left`` (``window=(left, right)`` and
+    ``causal``, or ``window=(left, 0)``), the cache rolls: it holds the last ``left`` tokens
+    between calls, never more (``kv_cache_size``), and gives the logits of the full pass.
 
     With ``memory_efficient=True`` the attention core is ``memory_efficient_attention`` (no
     ``(Lq, Lk)`` array held, dropout masks regenerated block by block, so they differ from the
@@ -178,6 +235,14 @@ class MultiHeadAttention(Module):
         rope: bool = False,
         rope_base: float = 10000.0,
         qk_norm: bool = False,
+        qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
+        head_dim: int | None = None,
+        scale: float | None = None,
+        rope_scaling=None,
+        partial_rotary_factor: float = 1.0,
+        rope_interleaved: bool = False,
+        output_gate: bool = False,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -185,14 +250,17 @@ class MultiHeadAttention(Module):
         self.d_in = check_size(d_in, "d_in")
         self.d_out = check_size(d_out, "d_out")
         self.num_heads = check_size(num_heads, "num_heads")
-        if self.d_out % self.num_heads:
+        if head_dim is not None:
+            self.head_dim = check_size(head_dim, "head_dim")
+        elif self.d_out % self.num_heads:
             raise ValueError(f"d_out: expected a multiple of num_heads={self.num_heads}, got {self.d_out}")
+        else:
+            self.head_dim = self.d_out // self.num_heads
         self.num_kv_heads = self.num_heads if num_kv_heads is None else check_size(num_kv_heads, "num_kv_heads")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}")
         self.kdim = self.d_in if kdim is None else check_size(kdim, "kdim")
         self.vdim = self.d_in if vdim is None else check_size(vdim, "vdim")
-        self.head_dim = self.d_out // self.num_heads
         self.dropout = check_prob(dropout, "dropout")
         self.causal = check_bool(causal, "causal")
         self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
@@ -208,26 +276,50 @@ class MultiHeadAttention(Module):
         self.alibi = check_bool(alibi, "alibi")
         use_sinks = check_bool(sinks, "sinks")
         self.rope = check_bool(rope, "rope")
-        self.rope_base = check_positive_float(rope_base, "rope_base")
-        if self.rope and self.head_dim % 2:
-            raise ValueError(f"rope: expected an even head_dim (d_out // num_heads), got {self.head_dim}")
+        self.rope_scaling = _check_scaling(rope_scaling, "rope_scaling")  # normalised; "default" when None
+        self.rope_base = _resolve_base(rope_base, self.rope_scaling, "rope_base")
+        self.rope_interleaved = check_bool(rope_interleaved, "rope_interleaved")
+        self.partial_rotary_factor = check_positive_float(partial_rotary_factor, "partial_rotary_factor")
+        in_dict = self.rope_scaling.get("partial_rotary_factor")
+        if self.partial_rotary_factor > 1 or (in_dict is not None and self.partial_rotary_factor not in (1.0, in_dict)):
+            raise ValueError(
+                f"partial_rotary_factor: expected a share in (0, 1] (agreeing with rope_scaling's {in_dict}), "
+                f"got {self.partial_rotary_factor}"
+            )
+        if in_dict is not None:
+            self.partial_rotary_factor = in_dict
+        self.rotary_dim = self.head_dim  # the features of each head that rotate
+        if self.rope:
+            if self.head_dim % 2 and self.partial_rotary_factor == 1.0:
+                raise ValueError(f"rope: expected an even head_dim (d_out // num_heads), got {self.head_dim}")
+            params = dict(self.rope_scaling, partial_rotary_factor=self.partial_rotary_factor)
+            self.rotary_dim = _resolve_rotary_dim(self.head_dim, None, params, "rotary_dim")
+        self.scale = None if scale is None else check_positive_float(scale, "scale")
         self.qk_norm = check_bool(qk_norm, "qk_norm")
+        qk_norm_eps = None if qk_norm_eps is None else check_positive_float(qk_norm_eps, "qk_norm_eps", allow_zero=True)
+        self.qk_norm_unit_offset = check_bool(qk_norm_unit_offset, "qk_norm_unit_offset")
+        self.output_gate = check_bool(output_gate, "output_gate")
         self._dtype = check_dtype(dtype)
         self.rng = as_rng(rng)
         kv = self.num_kv_heads * self.head_dim
+        inner = self.num_heads * self.head_dim  # the merged heads' width (d_out unless head_dim says otherwise)
+        self._q_rows = inner * (2 if self.output_gate else 1)  # query (and gate) features of the projection
         # the draws of the projections come first and in this order (same seed, same weights)
-        self.W_query = Linear(self.d_in, self.d_out, qkv_bias, rng=self.rng, dtype=dtype)
+        self.W_query = Linear(self.d_in, self._q_rows, qkv_bias, rng=self.rng, dtype=dtype)
         self.W_key = Linear(self.kdim, kv, qkv_bias, rng=self.rng, dtype=dtype)
         self.W_value = Linear(self.vdim, kv, qkv_bias, rng=self.rng, dtype=dtype)
-        self.out_proj = Linear(self.d_out, self.d_out, out_bias, rng=self.rng, dtype=dtype)
+        self.out_proj = Linear(inner, self.d_out, out_bias, rng=self.rng, dtype=dtype)
         if self.add_bias_kv:  # torch: xavier_normal_ on (1, 1, kv), std sqrt(2 / (kv + kv))
             std = math.sqrt(1.0 / kv)
             self.bias_k = Parameter(self.rng.normal(0.0, std, (1, 1, kv)), self._dtype)
             self.bias_v = Parameter(self.rng.normal(0.0, std, (1, 1, kv)), self._dtype)
         self.sinks = Parameter(np.zeros(self.num_heads), self._dtype) if use_sinks else None
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, dtype=dtype)
-            self.k_norm = RMSNorm(self.head_dim, dtype=dtype)
+            self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, dtype=dtype)
+            if self.qk_norm_unit_offset:  # x_norm * (1 + weight): the weight starts at zero
+                self.q_norm.weight = Parameter(np.zeros(self.head_dim), self._dtype)
+                self.k_norm.weight = Parameter(np.zeros(self.head_dim), self._dtype)
         object.__setattr__(self, "_fused", None)
         object.__setattr__(self, "_kv_cache", None)
         self._fused_qkv()
@@ -240,9 +332,27 @@ class MultiHeadAttention(Module):
             s += ", causal=True"
         if self.dropout:
             s += f", dropout={self.dropout}"
-        for name in ("add_bias_kv", "add_zero_attn", "alibi", "rope", "qk_norm", "memory_efficient"):
+        if self.head_dim * self.num_heads != self.d_out:
+            s += f", head_dim={self.head_dim}"
+        for name in (
+            "add_bias_kv",
+            "add_zero_attn",
+            "alibi",
+            "rope",
+            "rope_interleaved",
+            "qk_norm",
+            "qk_norm_unit_offset",
+            "output_gate",
+            "memory_efficient",
+        ):
             if getattr(self, name):
                 s += f", {name}=True"
+        if self.rope and self.rope_scaling["rope_type"] != "default":
+            s += f", rope_scaling={self.rope_scaling['rope_type']!r}"
+        if self.rope and self.rotary_dim != self.head_dim:
+            s += f", partial_rotary_factor={self.partial_rotary_factor}"
+        if self.scale is not None:
+            s += f", scale={self.scale}"
         if self.sinks is not None:
             s += ", sinks=True"
         if self.window is not None:
@@ -284,6 +394,27 @@ class MultiHeadAttention(Module):
     def _split(self, t, heads):
         """``(..., L, heads * hd) -> (..., heads, L, hd)`` (a view)."""
         return t.reshape(t.shape[:-1] + (heads, self.head_dim)).swapaxes(-2, -3)
+
+    def _split_query(self, t):
+        """``(..., L, q_rows) -> (query (..., H, L, hd), gate (..., L, H, hd) or None)``, views.
+        With ``output_gate`` each head's ``2 hd`` projected features are its query, then its gate
+        (Hugging Face Qwen3-Next's ``q_proj``, viewed ``(..., heads, 2 hd)`` and chunked)."""
+        if not self.output_gate:
+            return self._split(t, self.num_heads), None
+        t = t.reshape(t.shape[:-1] + (self.num_heads, 2 * self.head_dim))
+        return t[..., : self.head_dim].swapaxes(-2, -3), t[..., self.head_dim :]
+
+    def _qk_weight(self, norm):
+        """The weight the QK-norm multiplies by: ``weight``, or ``1 + weight`` (unit offset)."""
+        w = norm.weight.data
+        return w + 1 if self.qk_norm_unit_offset else w
+
+    def _rolling_keep(self) -> int | None:
+        """How many past tokens a later query can still see (a rolling KV cache), None for all."""
+        w = self.window
+        if w is None or w[0] < 0 or not (self.causal or w[1] == 0):
+            return None
+        return w[0]
 
     @staticmethod
     def _merge(t):
@@ -328,7 +459,7 @@ class MultiHeadAttention(Module):
                 f"query: expected the batch shape {cache.lead} of the KV cache, got {x.shape} "
                 "(call reset_kv_cache() to start a new sequence)"
             )
-        return cache.length
+        return cache.position
 
     def _build_mask(
         self, attn_mask, key_padding_mask, lead: tuple, lq: int, lk: int, names: tuple[str, str] = _MASK_NAMES
@@ -464,6 +595,11 @@ class MultiHeadAttention(Module):
         lead, lq = x.shape[:-2], x.shape[-2]
         cache = self._kv_cache
         past = cache.length if use_cache and cache is not None else 0
+        # a rolling cache no longer holds the first `dropped` keys (hidden by the window anyway):
+        # the mask, built over every key seen, loses their columns; the weights get them back as 0
+        dropped = cache.position - cache.length if use_cache and cache is not None else 0
+        if dropped and mask is not None and mask.shape[-1] != 1:
+            mask = mask[..., dropped:]
         lk = past + k_in.shape[-2]  # real keys: cached + this call's
 
         # -- projections: one GEMM for q, k and v in self-attention ----------------------------
@@ -475,7 +611,8 @@ class MultiHeadAttention(Module):
             W, b = self._fused_qkv()
             qkv, c = K.linear(x, W, b, out=None if ws is None else ws.empty(lead + (lq, W.shape[0]), x.dtype))
             proj = (c,)
-            q, k, v = qkv[..., : self.d_out], qkv[..., self.d_out : self.d_out + d_kv], qkv[..., self.d_out + d_kv :]
+            nq = self._q_rows
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + d_kv], qkv[..., nq + d_kv :]
         else:
             outs = [
                 K.linear(a, m.weight.data, None if m.bias is None else m.bias.data)
@@ -483,17 +620,24 @@ class MultiHeadAttention(Module):
             ]
             (q, _), (k, _), (v, _) = outs
             proj = tuple(c for _, c in outs)
-        qh, kh, vh = self._split(q, H), self._split(k, Hk), self._split(v, Hk)
+        (qh, gate), kh, vh = self._split_query(q), self._split(k, Hk), self._split(v, Hk)
         qn = kn = qr = kr = None
         if self.qk_norm:
-            qh, qn = K.rms_norm(qh, self.q_norm.weight.data, self.q_norm.eps)  # type: ignore[union-attr]
-            kh, kn = K.rms_norm(kh, self.k_norm.weight.data, self.k_norm.eps)  # type: ignore[union-attr]
+            qh, qn = K.rms_norm(qh, self._qk_weight(self.q_norm), self.q_norm.eps)
+            kh, kn = K.rms_norm(kh, self._qk_weight(self.k_norm), self.k_norm.eps)
         if self.rope:
-            qh, qr = K.rope(qh, np.arange(past, past + lq), base=self.rope_base)
-            kh, kr = K.rope(kh, np.arange(past, past + k_in.shape[-2]), base=self.rope_base)
+            start = cache.position if use_cache and cache is not None else 0  # rolled-out tokens count too
+            ropt = dict(
+                base=self.rope_base,
+                interleaved=self.rope_interleaved,
+                scaling=self.rope_scaling,
+                rotary_dim=self.rotary_dim,
+            )
+            qh, qr = K.rope(qh, np.arange(start, start + lq), **ropt)
+            kh, kr = K.rope(kh, np.arange(start, start + k_in.shape[-2]), **ropt)
         if use_cache:
             if cache is None:
-                cache = _KVCache(kh, vh)
+                cache = _KVCache(kh, vh, keep=self._rolling_keep())
                 object.__setattr__(self, "_kv_cache", cache)
             kh, vh = cache.append(kh, vh)
 
@@ -522,6 +666,8 @@ class MultiHeadAttention(Module):
             opts["causal_align"] = align
         if self.softcap is not None:
             opts["softcap"] = self.softcap
+        if self.scale is not None:
+            opts["scale"] = self.scale
         if self.sinks is not None:
             opts["sinks"] = self.sinks.data
         if Hk != H:
@@ -535,8 +681,15 @@ class MultiHeadAttention(Module):
             ctx, attn_cache = K.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, is_causal=is_causal, heads_last=True, workspace=ws, **opts
             )
+        merged = self._merge(ctx)  # (..., L, H * hd)
+        gated = None
+        if gate is not None:  # Qwen3-Next: the output times sigmoid(gate), feature by feature
+            s = _sigmoid(gate).reshape(merged.shape)
+            gated, merged = (merged, s), merged * s
+        if cache is not None and use_cache:
+            cache.trim()  # a rolling cache forgets what no later query can see
         out, out_cache = K.linear(
-            self._merge(ctx), self.out_proj.weight.data, None if self.out_proj.bias is None else self.out_proj.bias.data
+            merged, self.out_proj.weight.data, None if self.out_proj.bias is None else self.out_proj.bias.data
         )
         reused: tuple = ()
         if ws is not None:
@@ -555,6 +708,7 @@ class MultiHeadAttention(Module):
             self.memory_efficient,
             "sinks" in opts,
             reused,
+            gated,
         )
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
@@ -565,6 +719,8 @@ class MultiHeadAttention(Module):
             return out
         c = cast(AttentionCache, attn_cache)  # need_weights is refused with memory_efficient
         weights = c.weights.copy() if c.keep is None else c.weights * c.keep * c.drop_scale
+        if dropped:
+            weights = np.concatenate([np.zeros(weights.shape[:-1] + (dropped,), weights.dtype), weights], axis=-1)
         if average_attn_weights:
             weights = weights.mean(axis=-3)
         return out, weights
@@ -585,18 +741,25 @@ class MultiHeadAttention(Module):
         self._accumulate(self.out_proj.weight, dwo)
         if self.out_proj.bias is not None:
             self._accumulate(self.out_proj.bias, dbo)
+        dgate = None
+        if st.gate is not None:  # out_proj saw a * s: d a = d(a s) s, d g = d(a s) a s (1 - s)
+            a, s = st.gate
+            dgate = dctx * a * s * (1 - s)
+            np.multiply(dctx, s, out=dctx)
         dctx = self._split(dctx, H)
         # with nothing between the projections and the attention core, its gradients are those of
         # the projections' outputs
-        plain = st.q_norm is None and st.q_rope is None and st.n_extra == 0
+        plain = st.q_norm is None and st.q_rope is None and st.n_extra == 0 and st.gate is None
         dqkv = None
+        nq = self._q_rows
         if st.self_attn:
-            shape = dy.shape[:-1] + (self.d_out + 2 * d_kv,)
+            shape = dy.shape[:-1] + (nq + 2 * d_kv,)
             dqkv = np.empty(shape, dy.dtype) if ws is None else ws.empty(shape, dy.dtype)
+            dq_view, dgate_view = self._split_query(dqkv[..., :nq])
             views = (
-                self._split(dqkv[..., : self.d_out], H),
-                self._split(dqkv[..., self.d_out : self.d_out + d_kv], Hk),
-                self._split(dqkv[..., self.d_out + d_kv :], Hk),
+                dq_view,
+                self._split(dqkv[..., nq : nq + d_kv], Hk),
+                self._split(dqkv[..., nq + d_kv :], Hk),
             )
         if st.memory_efficient:
             grads = K.memory_efficient_attention_backward(dctx, st.attn)
@@ -628,8 +791,10 @@ class MultiHeadAttention(Module):
             if st.memory_efficient or not plain:
                 for view, d in zip(views, (dqh, dkh, dvh)):
                     view[...] = d
+            if dgate is not None:
+                dgate_view[...] = dgate.reshape(dgate_view.shape)
             dx, dW, db = K.linear_backward(dqkv, st.proj[0])
-            rows = np.cumsum([0, self.d_out, d_kv, d_kv])
+            rows = np.cumsum([0, nq, d_kv, d_kv])
             for i, m in enumerate(mods):
                 self._accumulate(m.weight, dW[rows[i] : rows[i + 1]])
                 if m.bias is not None:
@@ -639,7 +804,13 @@ class MultiHeadAttention(Module):
                 self._workspace().give(*st.reused)
             return dx
         grads = []
-        for m, d, c in zip(mods, (self._merge(dqh), self._merge(dkh), self._merge(dvh)), st.proj):
+        dq = self._merge(dqh)
+        if dgate is not None:  # interleave each head's query and gate gradients as W_query's rows are
+            dq = np.empty(dgate.shape[:-1] + (nq,), dgate.dtype)
+            dq_view, dgate_view = self._split_query(dq)
+            dq_view[...] = dqh
+            dgate_view[...] = dgate.reshape(dgate_view.shape)
+        for m, d, c in zip(mods, (dq, self._merge(dkh), self._merge(dvh)), st.proj):
             dx_i, dw_i, db_i = K.linear_backward(d, c)
             self._accumulate(m.weight, dw_i)
             if m.bias is not None:
@@ -654,7 +825,14 @@ class MultiHeadAttention(Module):
 
     @property
     def kv_cache_length(self) -> int:
-        """The number of cached tokens (0 when the cache is empty)."""
+        """The number of tokens seen through the cache (0 when it is empty): the position of the
+        next token.  A rolling cache (sliding window) holds fewer: ``kv_cache_size``."""
+        return 0 if self._kv_cache is None else self._kv_cache.position
+
+    @property
+    def kv_cache_size(self) -> int:
+        """The number of tokens whose keys and values the cache holds (at most the window's
+        ``left`` between calls for a rolling cache; ``kv_cache_length`` otherwise)."""
         return 0 if self._kv_cache is None else self._kv_cache.length
 
     # -- interop ---------------------------------------------------------------------------
