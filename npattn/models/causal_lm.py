@@ -35,6 +35,7 @@ from .. import functional as F
 from .._validate import as_index, as_rng, check_bool, check_dtype
 from ..functional import kernels as K
 from ..nn.attention import MultiHeadAttention
+from ..nn.delta_net import GatedDeltaNet
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, ModuleList, no_grad
@@ -43,37 +44,11 @@ from .configs import CausalLMConfig, config_from_hf
 
 __all__ = ["CausalLM"]
 
-_FAMILY_NEEDS = {
-    "qwen3_next": "gated DeltaNet (npattn.nn.delta_net) and gated attention",
-}
-_MHA_KINDS = ("full_attention", "sliding_attention")
-
 
 def unsupported(cfg: CausalLMConfig) -> str | None:
     """A message naming the config key of the first option the layers npattn has cannot build
-    (``None`` when the model can be built)."""
-    if cfg.model_type in _FAMILY_NEEDS:
-        return f"model_type {cfg.model_type!r} not supported yet: it needs {_FAMILY_NEEDS[cfg.model_type]}"
-    mha = [k for k in cfg.layer_types if k in _MHA_KINDS]
-    for kind, params in cfg.rope.items():
-        if not mha or (kind in _MHA_KINDS and kind not in mha):
-            continue  # MLA applies its own rotation (and scaling)
-        if params.get("rope_type", "default") != "default":
-            return (
-                f"config['rope_parameters']: rope_type {params['rope_type']!r} (RoPE scaling) is not supported "
-                "by npattn yet"
-            )
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            return "config['partial_rotary_factor']: partial rotary embedding is not supported by npattn yet"
-    if mha and cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
-        return (
-            f"config['head_dim']: num_attention_heads * head_dim = {cfg.num_attention_heads * cfg.head_dim} "
-            f"differs from hidden_size = {cfg.hidden_size}, which MultiHeadAttention does not support yet"
-        )
-    if cfg.attention_scale is not None and not math.isclose(cfg.attention_scale, cfg.head_dim**-0.5, rel_tol=1e-15):
-        return "config['query_pre_attn_scalar']: a score scale other than 1/sqrt(head_dim) is not supported yet"
-    if cfg.qk_norm and cfg.norm_offset:
-        return "config['model_type']: QK-norm with (1 + weight) is not supported by MultiHeadAttention yet"
+    (``None`` when the model can be built).  Every option the six families' configs carry is
+    built today; the modules themselves refuse values they lack, naming the argument."""
     return None
 
 
@@ -134,12 +109,15 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     kind = cfg.layer_types[i]
     if kind == "latent_attention":
         return MultiHeadLatentAttention.from_config(cfg.hf, rng=rng, dtype=dtype)
-    rope = cfg.rope.get(kind, cfg.rope.get("default", {}))
+    if kind == "linear_attention":
+        return GatedDeltaNet.from_config(cfg.hf, rng=rng, dtype=dtype)
+    rope = dict(cfg.rope.get(kind, cfg.rope.get("default", {})))
     window = (cfg.sliding_window - 1, 0) if kind == "sliding_attention" and cfg.sliding_window else None
-    m = MultiHeadAttention(
+    return MultiHeadAttention(
         cfg.hidden_size,
-        cfg.num_attention_heads * cfg.head_dim,
+        cfg.hidden_size,
         cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
         num_kv_heads=cfg.num_key_value_heads,
         qkv_bias=cfg.attention_bias,
         out_bias=cfg.attention_bias,
@@ -148,15 +126,16 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
         window=window,
         softcap=cfg.attn_logit_softcapping,
         sinks=cfg.sinks,
+        scale=cfg.attention_scale,
         rope=True,
-        rope_base=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope,  # rope_theta, the scaling's type and keys, partial_rotary_factor
         qk_norm=cfg.qk_norm,
+        qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+        qk_norm_unit_offset=cfg.qk_norm and cfg.norm_offset,
+        output_gate=cfg.attn_output_gate,
         rng=rng,
         dtype=dtype,
     )
-    if cfg.qk_norm:  # the checkpoint's eps, not RMSNorm's default
-        m.q_norm.eps = m.k_norm.eps = cfg.rms_norm_eps
-    return m
 
 
 def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
@@ -177,26 +156,29 @@ class DecoderLayer(_Renamed):
         self._dtype = check_dtype(dtype)
         self.index = index
         self.sandwich = cfg.sandwich_norm
-        self.self_attn = _attention(cfg, index, rng, dtype)
+        # Qwen3-Next names its gated DeltaNet layers linear_attn, every other attention self_attn
+        self._attn_name = "linear_attn" if cfg.layer_types[index] == "linear_attention" else "self_attn"
+        setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
         self.input_layernorm = _norm(cfg, dtype)
         self.post_attention_layernorm = _norm(cfg, dtype)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, dtype)
             self.post_feedforward_layernorm = _norm(cfg, dtype)
-        if isinstance(self.self_attn, MultiHeadAttention):
+        if isinstance(self.attention, MultiHeadAttention):
             object.__setattr__(self, "_names", _MHA_NAMES)
 
     @property
     def attention(self) -> Module:
-        return self.self_attn
+        """The attention module (``self_attn`` or ``linear_attn``)."""
+        return self._modules[self._attn_name]
 
     def _mlp_norm(self) -> RMSNorm:
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, x, *, use_cache: bool = False):
         """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``)."""
-        a = self.self_attn(self.input_layernorm(x), use_cache=use_cache)
+        a = self.attention(self.input_layernorm(x), use_cache=use_cache)
         if self.sandwich:
             a = self.post_attention_layernorm(a)
         x = x + a
@@ -213,10 +195,10 @@ class DecoderLayer(_Renamed):
         dm = self.post_feedforward_layernorm.backward(dy) if self.sandwich else dy
         dx = dy + self._mlp_norm().backward(self.mlp.backward(dm))
         da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
-        return dx + self.input_layernorm.backward(self.self_attn.backward(da))
+        return dx + self.input_layernorm.backward(self.attention.backward(da))
 
     def reset_kv_cache(self) -> None:
-        self.self_attn.reset_kv_cache()  # type: ignore[attr-defined]
+        self.attention.reset_kv_cache()  # type: ignore[attr-defined]
 
 
 class _Backbone(Module):

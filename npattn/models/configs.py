@@ -319,6 +319,8 @@ def _gemma3(r: _Reader) -> dict:
     c = _common(r, 1_000_000.0)
     n = c["num_hidden_layers"]
     r.only("use_bidirectional_attention", (False,), False, "npattn's CausalLM is causal")
+    # transformers' Gemma 3 attention never applies attn_logit_softcapping (Gemma 2's did): checked, unused
+    r.float("attn_logit_softcapping")
     pattern = r.int("sliding_window_pattern", 6)
     default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
@@ -331,7 +333,6 @@ def _gemma3(r: _Reader) -> dict:
         sandwich_norm=True,
         embed_scale=True,
         attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
-        attn_logit_softcapping=r.float("attn_logit_softcapping"),
         final_logit_softcapping=r.float("final_logit_softcapping"),
         rope=_rope_params(r, 1_000_000.0, ("full_attention", "sliding_attention")),
         layer_types=lt,

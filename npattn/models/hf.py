@@ -266,7 +266,7 @@ class _Source:
 
 
 class _NoDraw(np.random.Generator):
-    """A Generator whose float draws are zeros: the modules of a model about to be loaded get
+    """A Generator whose float draws are zeros (``uniform``: its ``low``): the modules of a model about to be loaded get
     their arrays without spending time (and float64 temporaries) on random weights.  ``CausalLM``
     also releases each layer's fresh gradient buffers as it builds them when given this
     generator (``loading``), so a loaded model never holds a second model's worth of zeros."""
@@ -274,13 +274,14 @@ class _NoDraw(np.random.Generator):
     loading = True
 
     @staticmethod
-    def _zeros(size):
-        """Zeros of ``size`` held in one element (every stride 0; writing a zero keeps them zeros)."""
+    def _zeros(size, value=0.0):
+        """``value`` (zeros) of ``size`` held in one element (every stride 0)."""
         shape = () if size is None else tuple(np.atleast_1d(size))
-        return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape, (0,) * len(shape), writeable=True)
+        one = np.full(1, value, np.float32)
+        return np.lib.stride_tricks.as_strided(one, shape, (0,) * len(shape), writeable=True)
 
     def uniform(self, low=0.0, high=1.0, size=None):
-        return self._zeros(size)
+        return self._zeros(size, low)  # a value in range (GatedDeltaNet takes its log)
 
     def normal(self, loc=0.0, scale=1.0, size=None):
         return self._zeros(size)
