@@ -34,7 +34,7 @@ from ..functional import AttentionCache
 from ..functional import kernels as K
 from ..functional.rope_scaling import _check_scaling, _resolve_base, _resolve_rotary_dim
 from .layers import Linear, RMSNorm
-from .module import Module, Parameter, is_grad_enabled, no_grad
+from .module import Module, Parameter, is_grad_enabled
 
 __all__ = ["MultiHeadAttention"]
 
@@ -711,8 +711,7 @@ class MultiHeadAttention(Module):
             gated,
         )
         if use_cache:
-            with no_grad():  # a cached call keeps nothing for backward
-                self._save(None)
+            self.clear_saved()  # a cached call keeps nothing for backward, nor an earlier forward's state
         else:
             self._save(state)
         if not need_weights:
