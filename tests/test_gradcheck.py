@@ -87,14 +87,17 @@ def test_relative_tolerance_is_the_boundary(factor, ok):
 
 
 def test_small_gradients_use_the_absolute_floor():
-    # |a - n| <= atol passes whatever the relative error
+    # the true gradient is exactly 0 and the outputs never move: by default any analytic value
+    # beyond the float64 resolution of the gradient fails; an explicit atol is honoured
     def backward(dout, cache):
         return F.relu_backward(dout, cache) + 5e-9
 
-    x = np.array([[-1.0, -2.0, -0.5]])  # true gradient is exactly 0
-    report = gradcheck((F.relu, backward), x)
+    x = np.array([[-1.0, -2.0, -0.5]])
+    assert not gradcheck((F.relu, backward), x).ok
+    report = gradcheck((F.relu, backward), x, atol=1e-8)
     assert report.ok
     assert report.rows[0].max_rel_err == pytest.approx(5e-9 / (1e-8 / 1e-5), rel=1e-3)
+    assert report.rows[0].tol == pytest.approx(1e-8)  # nothing moved: no rounding allowance
     assert not gradcheck((F.relu, backward), x, atol=1e-9).ok
 
 
@@ -263,17 +266,26 @@ def test_report_table_format():
     assert isinstance(report, GradcheckReport)
     lines = str(report).splitlines()
     assert lines[0].startswith("gradcheck linear: FAILED") and "rtol=1e-05" in lines[0]
-    assert re.fullmatch(r"name\s+\| max abs err \| max rel err \| ok", lines[1])
+    assert "eps=auto" in lines[0] and "atol=auto" in lines[0]
+    assert re.fullmatch(r"name\s+\| max abs err \| max rel err \| err/tol \| worst at\s+\| ok", lines[1])
     assert re.fullmatch(r"[-+]+", lines[2])
-    assert len(lines) == 6
-    bars = {line.index("|") for line in lines[1:2] + lines[3:]}
+    assert len(lines) == 7
+    bars = {line.index("|") for line in lines[1:2] + lines[3:6]}
     assert len(bars) == 1  # columns aligned
-    cells = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]] for line in lines[3:]}
+    cells = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")[1:]] for line in lines[3:6]}
     assert set(cells) == {"x", "weight", "bias"}
-    assert cells["weight"][2] == "NO" and cells["x"][2] == "yes" and cells["bias"][2] == "yes"
-    for name, (abs_s, rel_s, _) in cells.items():
+    assert cells["weight"][4] == "NO" and cells["x"][4] == "yes" and cells["bias"][4] == "yes"
+    for name, (abs_s, rel_s, ratio_s, at_s, _) in cells.items():
         assert float(abs_s) == pytest.approx(report[name].max_abs_err, rel=1e-3)
         assert float(rel_s) == pytest.approx(report[name].max_rel_err, rel=1e-3)
+        assert float(ratio_s) == pytest.approx(report[name].ratio, rel=0.05)
+        assert at_s == str(report[name].at)
+    # the last line points at the worst element: the weight row, where dw is 1.5 times too big
+    row = report["weight"]
+    assert report.worst is row and lines[6].startswith("FAILED at weight[")
+    assert row.analytic_value == pytest.approx(1.5 * row.numerical_value, rel=1e-6)
+    i, j = row.at
+    assert row.analytic_value == report.analytic["weight"][i, j]
     assert report.failed == ["weight"]
     assert "weight" in repr(report)
     with pytest.raises(TypeError, match="report.ok"):

@@ -769,7 +769,10 @@ GX = u(2, 3)
 GRADCHECK = [
     row("target-int", gradcheck, 42, GX, exc=TypeError, match="target: "),
     row("target-class", gradcheck, npattn.Linear, GX, exc=TypeError, match="target: ", contains=["instantiate"]),
-    row("target-triple", gradcheck, (F.relu, F.relu_backward, F.relu), GX, exc=TypeError, match="target: "),
+    row("target-4-tuple", gradcheck, (F.relu, F.relu_backward, F.relu_jvp, F.relu), GX, exc=TypeError, match="target:"),
+    row("target-no-jvp", gradcheck, (F.relu, F.relu_backward), GX, mode="fwd", exc=ValueError, match="target: "),
+    row("mode", gradcheck, F.relu, GX, mode="forward", exc=ValueError, match="mode: "),
+    row("dtype", gradcheck, F.relu, GX, dtype=np.float16, exc=ValueError, match="dtype: "),
     row("target-no-backward", gradcheck, lambda x: F.relu(x), GX, exc=ValueError, match="target: "),
     row("no-inputs", gradcheck, F.relu, exc=ValueError, match="inputs: "),
     row("bool-input", gradcheck, F.relu, np.ones(3, bool), exc=TypeError, match="x: "),

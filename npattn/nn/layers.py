@@ -20,6 +20,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
+from .. import functional as F
 from .._validate import (
     as_float,
     as_index,
@@ -62,6 +63,13 @@ def _data(p: Optional[Parameter]):
     return None if p is None else p.data
 
 
+def _input_tangent(input_tangents: tuple, module: str):
+    """The one input tangent of a single-input module (None: zero)."""
+    if len(input_tangents) > 1:
+        raise TypeError(f"{module}.jvp: expected at most one input tangent, got {len(input_tangents)}")
+    return input_tangents[0] if input_tangents else None
+
+
 class Linear(Module):
     """``y = x @ weight.T + bias``; ``weight (out, in)`` and ``bias (out,)`` drawn from
     U(-1/sqrt(in), 1/sqrt(in)) as ``torch.nn.Linear``."""
@@ -101,6 +109,11 @@ class Linear(Module):
         if self.bias is not None:
             self._accumulate(self.bias, db)
         return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``ty = tx @ W.T + x @ tW.T + tb`` (``functional.linear_jvp``)."""
+        tx = _input_tangent(input_tangents, "Linear")
+        return F.linear_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -157,6 +170,11 @@ class LayerNorm(Module):
             self._accumulate(self.bias, db)
         return dx
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``functional.layer_norm_jvp``)."""
+        tx = _input_tangent(input_tangents, "LayerNorm")
+        return F.layer_norm_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
+
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
@@ -203,6 +221,11 @@ class RMSNorm(Module):
             self._accumulate(self.weight, dw)
         return dx
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``functional.rms_norm_jvp``)."""
+        tx = _input_tangent(input_tangents, "RMSNorm")
+        return F.rms_norm_jvp(state, tx, param_tangents.get(self.weight))
+
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
@@ -229,6 +252,10 @@ class Dropout(Module):
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         return K.dropout_backward(dy, self._pop())
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the tangent through the forward's own mask (``functional.dropout_jvp``)."""
+        return F.dropout_jvp(state, _input_tangent(input_tangents, "Dropout"))
 
     @property
     def active(self) -> bool:
@@ -336,6 +363,13 @@ class Embedding(Module):
     def _backward(self, dy: np.ndarray) -> None:
         self._accumulate(self.weight, K.embedding_backward(dy, self._pop()))
         return None
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the looked-up rows of the weight's tangent (``functional.embedding_jvp``);
+        token ids have no tangent (pass None or nothing)."""
+        if _input_tangent(input_tangents, "Embedding") is not None:
+            raise TypeError("Embedding.jvp: token ids have no tangent; expected None")
+        return F.embedding_jvp(state, param_tangents.get(self.weight))
 
     def extra_repr(self):
         s = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -461,6 +495,25 @@ class FeedForward(Module):
         ws.give(dh_ws)  # nothing refers to them any more: the next step reuses them
         self._workspace().give(*reused)
         return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode, the forward's chain run on tangents: ``ta = linear1'(tx)``, ``th =
+        act'(a) * ta`` (swiglu: ``th = silu'(a) ta * b + silu(a) * tb`` with ``tb = linear3'(tx)``),
+        the dropout's own mask, then ``linear2'``.  Each child's latest state is this call's."""
+        tx = _input_tangent(input_tangents, "FeedForward")
+        cache, drop, _ = state
+        kernel = _ACTIVATIONS[self.activation][0]
+        act_jvp = getattr(F, kernel + "_jvp")
+        ta = self._child_jvp(self.linear1, -1, (tx,), param_tangents)
+        if self.activation == "swiglu":
+            cache, s, b = cache
+            tb = self._child_jvp(self.linear3, -1, (tx,), param_tangents)
+            th = act_jvp(cache, ta) * b + s * tb
+        else:
+            th = act_jvp(cache, ta)
+        if drop:
+            th = self._child_jvp(self.dropout, -1, (th,), param_tangents)
+        return self._child_jvp(self.linear2, -1, (th,), param_tangents)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"

@@ -8,7 +8,7 @@
   and ``attention_configs(options=True)``, which draws every attention option.
 """
 
-from .gradcheck import GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
+from .gradcheck import GradcheckError, GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
 
 _STRATEGIES = (
     "dtypes",
@@ -38,9 +38,11 @@ _STRATEGIES = (
     "LATENT_ROPE_SCALINGS",
     "LatentAttentionCase",
     "latent_attention_configs",
+    "ROPE_TYPES",
+    "rope_scalings",
 )
 
-__all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient", *_STRATEGIES]
+__all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "GradcheckError", "numerical_gradient", *_STRATEGIES]
 
 
 def __getattr__(name):

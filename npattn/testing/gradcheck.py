@@ -1,26 +1,57 @@
-"""Check a hand-written backward against central finite differences.
+"""Check hand-written derivatives against central finite differences, in both modes.
 
 ``gradcheck(target, *inputs, **forward_kwargs)`` runs ``target`` once to get the analytic
-gradients of ``sum(out * g)`` for a random upstream gradient ``g`` (never all ones, which would
-hide transposition and broadcasting mistakes), then estimates the same gradients by central
+gradients of ``f = sum(out * g)`` for a random upstream gradient ``g`` (never all ones, which
+would hide transposition and broadcasting mistakes), estimates the same gradients by central
 differences, one element at a time, and reports the worst error of every checked tensor::
 
     >>> import numpy as np
     >>> from npattn.functional import softmax
-    >>> from npattn.gradcheck import gradcheck
+    >>> from npattn.testing import gradcheck
     >>> report = gradcheck(softmax, np.random.default_rng(0).standard_normal((2, 3)), axis=0)
     >>> report.ok
     True
 
-Everything runs in float64: float inputs are copied and cast (so the caller's arrays are never
-touched); integer inputs (token ids, class targets) and bool masks are passed through untouched
-and get no gradient; a list of floats counts as a float array; anything else that is not an
-ndarray (``None``, python numbers, strings) is passed through as a constant.  Positional float
-arrays are checked; a float array passed by keyword is a constant (``attn_mask=m``) unless the
-backward appends a gradient for it (``sinks=``, ``mask_grad=True``).  ``wrt=`` names what to
-check; ``fast=True`` checks one random direction per tensor (two forwards each) instead of every
-element.  Because ``eps``, ``rtol``, ``atol``, ``seed``, ``wrt`` and ``fast`` are this
-function's own keywords, an op's ``eps`` (``layer_norm``) must be passed positionally.
+``mode="fwd"`` checks the forward mode (``<op>_jvp``, ``Module.jvp``) against central
+differences of the output along a random tangent; ``mode="both"`` checks both and the
+transposition identity ``<g, J v> = <J^T g, v>`` that ties the two hand-written derivatives
+together.  ``dtype=np.float32`` instead compares the float32 path of the target with its
+float64 path.
+
+How the tolerance follows the finite-difference error
+-----------------------------------------------------
+With a step ``h`` the central difference ``(f(x + h) - f(x - h)) / 2h`` is off by
+
+* truncation, ``h**2 |f'''| / 6``: the Taylor terms the difference does not cancel, and
+* rounding, about ``u * sum|terms| / h`` (``u`` = 2.2e-16): each evaluation of ``f`` is exact
+  only to ``u`` times the sum of the magnitudes of the terms ``out_j * g_j`` it adds up.
+
+Both are balanced by ``h = u**(1/3) * scale``, about ``6e-6`` times the root mean square of the
+input (rounded to a power of two, so ``x + h`` is exact more often; the step actually taken,
+``(x + h) - x``, is the one divided by).  Only the outputs that the perturbation moves enter the
+difference (``sum((out+ - out-) * g)``, the others cancel exactly), so the rounding estimate of
+each element is ``u * sum_j (|out+_j| + |out-_j|) |g_j| / 2h`` over the moved outputs ``j``.
+
+An element passes when ``|analytic - numerical| <= C * rounding + rtol * max(|analytic|,
+|numerical|) + atol``, with ``C = 32`` (the forward's own rounding is a few ``u`` per output) and
+``atol`` (default) a floor at the resolution of the analytic gradient itself, ``64 u sum|out *
+g| / scale``.  An element that fails is looked at again with half the step: if the two estimates
+differ (truncation dominates: their difference is three times the truncation error of the
+smaller step), that difference joins its tolerance, and it passes when the smaller step agrees.
+A wrong gradient agrees at every step, so it still fails.  For a float64 op these tolerances
+are some 1e-9 of the gradient's scale: a gradient off by 1e-3 of its largest element anywhere,
+or scaled by ``1 + 1e-3``, fails, and a right one does not.
+
+Inputs: float inputs are copied and cast (the caller's arrays are never touched); integer
+inputs (token ids, class targets) and bool masks are passed through untouched and get no
+gradient; a list of floats counts as a float array; anything else that is not an ndarray
+(``None``, python numbers, strings) is passed through as a constant.  Positional float arrays
+are checked; a float array passed by keyword is a constant (``attn_mask=m``) unless the backward
+appends a gradient for it (``sinks=``, ``mask_grad=True``).  ``wrt=`` names what to check;
+``fast=True`` checks one random direction per tensor (two forwards each) instead of every
+element.  Because ``eps``, ``rtol``, ``atol``, ``seed``, ``wrt``, ``fast``, ``mode``, ``dtype``
+and ``raise_exception`` are this function's own keywords, an op's ``eps`` (``layer_norm``)
+must be passed positionally.
 
 This module imports numpy and the standard library only.
 """
@@ -32,13 +63,32 @@ import inspect
 import math
 import numbers
 import sys
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..nn.module import Module
+from ..nn.module import Module, no_grad
 
-__all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "numerical_gradient"]
+__all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "GradcheckError", "numerical_gradient"]
+
+_U = float(np.finfo(np.float64).eps)  # 2.2e-16: the unit of float64 rounding used in the bounds
+_STEP = _U ** (1.0 / 3.0)  # 6.1e-6: the relative step that balances truncation and rounding
+_C_ROUND = 32.0  # safety factor on the rounding estimate (calibrated: see tests/test_gradcheck_props.py)
+_C_FLOOR = 64.0  # the analytic side's resolution, in units of u * (sum of |terms|)
+_RTOL = 1e-5  # default relative tolerance (float64 checks)
+_U32 = float(np.finfo(np.float32).eps)  # 1.2e-7
+_C32 = 64.0  # safety factor of the float32 comparison, in float32 ulps and input sensitivities
+_RTOL32 = _C32 * _U32  # default relative tolerance of the float32 path against float64 (7.6e-6)
+_MODES = ("rev", "fwd", "both")
+
+
+class GradcheckError(AssertionError):
+    """Raised by ``gradcheck(..., raise_exception=True)`` when a check fails; the message is
+    the report's table (``.report`` holds the :class:`GradcheckReport`)."""
+
+    def __init__(self, report):
+        super().__init__(str(report))
+        self.report = report
 
 
 class _RowFields(NamedTuple):
@@ -48,29 +98,75 @@ class _RowFields(NamedTuple):
     ok: bool
 
 
-class GradcheckRow(_RowFields):
-    """One checked tensor: ``(name, max_abs_err, max_rel_err, ok)`` and ``.mode``.
+_ROW_EXTRAS = ("mode", "at", "analytic_value", "numerical_value", "tol", "ratio", "step", "note")
 
-    ``mode`` is ``"element"`` (the worst error over the tensor's elements, each compared with its
-    own central difference) or ``"direction"`` (``fast=True``: the one directional derivative
-    ``<analytic gradient, u>`` against the central difference along a random ``u``).  The row
-    unpacks as the 4-tuple, whatever the mode.
+
+class GradcheckRow(_RowFields):
+    """One checked tensor: ``(name, max_abs_err, max_rel_err, ok)`` and, as attributes, where its
+    worst element is.
+
+    * ``mode``: ``"element"`` (every element against its own central difference),
+      ``"direction"`` (``fast=True``: ``<analytic gradient, u>`` against the central difference
+      along a random ``u``), ``"jvp"`` (the forward mode's output tangent, every output element,
+      against the central difference of the output along a random tangent), ``"transpose"``
+      (``<g, J v>`` from the JVP against ``<J^T g, v>`` from the backward), ``"float32"`` (the
+      float32 path against the float64 one);
+    * ``at``: the index of the worst element (the largest ``error / tolerance``; in the
+      output for ``"jvp"`` rows, ``()`` for scalar comparisons);
+    * ``analytic_value``, ``numerical_value``: the two numbers compared there (for
+      ``"transpose"``: ``<J^T g, v>`` and ``<g, J v>``; for ``"float32"``: float32 and float64);
+    * ``tol``: the tolerance of that element, ``ratio``: the largest ``error / tolerance`` (a
+      row passes iff ``ratio <= 1``), ``step``: the finite-difference step, ``note``: why a
+      row failed without a number (a wrong dtype).
+
+    The row unpacks as the 4-tuple whatever the mode; ``max_rel_err`` is
+    ``|a - n| / max(|a|, |n|)`` at the worst relative element (floored by the row's ``atol``).
     """
 
     mode: str
+    at: tuple
+    analytic_value: float
+    numerical_value: float
+    tol: float
+    ratio: float
+    step: Optional[float]
+    note: str
 
-    def __new__(cls, name, max_abs_err, max_rel_err, ok, mode: str = "element"):
+    def __new__(cls, name, max_abs_err, max_rel_err, ok, mode: str = "element", **extras):
         self = super().__new__(cls, name, max_abs_err, max_rel_err, ok)
         self.mode = mode
+        self.at = tuple(extras.pop("at", ()))
+        self.analytic_value = float(extras.pop("analytic_value", math.nan))
+        self.numerical_value = float(extras.pop("numerical_value", math.nan))
+        self.tol = float(extras.pop("tol", math.nan))
+        self.ratio = float(extras.pop("ratio", math.nan))
+        self.step = extras.pop("step", None)
+        self.note = str(extras.pop("note", ""))
+        if extras:
+            raise TypeError(f"GradcheckRow: unknown field(s) {sorted(extras)}")
         return self
 
-    def __getnewargs__(self):
-        return (*self, self.mode)
+    def __getnewargs_ex__(self):
+        return (tuple(self) + (self.mode,), {k: getattr(self, k) for k in _ROW_EXTRAS[1:]})
+
+    def where(self) -> str:
+        """``"name[i, j]: analytic ..., numerical ... (tolerance ...)"`` for the worst element."""
+        idx = "[" + ", ".join(str(int(i)) for i in self.at) + "]" if self.at else ""
+        what = {"transpose": ("<J^T g, v>", "<g, J v>"), "float32": ("float32", "float64")}.get(
+            self.mode, ("analytic", "numerical")
+        )
+        text = (
+            f"{self.name}{idx} ({self.mode}): {what[0]} {self.analytic_value:.6e}, "
+            f"{what[1]} {self.numerical_value:.6e}, |difference| {abs(self.analytic_value - self.numerical_value):.3e} "
+            f"(tolerance {self.tol:.3e})"
+        )
+        return text + (f"; {self.note}" if self.note else "")
 
     def __repr__(self):
         return (
             f"GradcheckRow(name={self.name!r}, max_abs_err={self.max_abs_err!r}, "
-            f"max_rel_err={self.max_rel_err!r}, ok={self.ok!r}, mode={self.mode!r})"
+            f"max_rel_err={self.max_rel_err!r}, ok={self.ok!r}, mode={self.mode!r}, at={self.at!r}, "
+            f"ratio={self.ratio!r})"
         )
 
 
@@ -78,21 +174,25 @@ class GradcheckReport:
     """The result of :func:`gradcheck`.
 
     * ``ok``: every element of every checked tensor passed;
-    * ``rows``: a list of :class:`GradcheckRow` ``(name, max_abs_err, max_rel_err, ok)``;
+    * ``rows``: a list of :class:`GradcheckRow` ``(name, max_abs_err, max_rel_err, ok)``, each
+      knowing its worst element (``row.at``, ``row.analytic_value``, ``row.numerical_value``,
+      ``row.tol``, ``row.ratio = max error / tolerance``);
     * ``failed``: the names of the rows that did not pass;
-    * ``analytic`` / ``numerical``: ``{name: gradient array}`` for a closer look;
-    * ``str(report)``: an aligned table.
+    * ``worst``: the row with the largest ``error / tolerance``, ``worst.where()`` says where;
+    * ``analytic`` / ``numerical``: ``{name: array}`` of the element and direction rows;
+    * ``str(report)``: an aligned table and a line pointing at the worst element.
 
-    An element passes iff ``|a - n| <= max(atol, rtol * max(|a|, |n|))``; the relative error
-    reported is ``|a - n| / max(|a|, |n|, atol / rtol)``, so a row is ok iff its
-    ``max_rel_err <= rtol``.  Truth-testing a report raises ``TypeError``: write ``report.ok``
-    (``assert gradcheck(...)`` would otherwise pass whatever the result).
+    Truth-testing a report raises ``TypeError``: write ``report.ok`` (``assert gradcheck(...)``
+    would otherwise pass whatever the result).
     """
 
-    def __init__(self, rows, *, target="", eps=1e-6, rtol=1e-5, atol=1e-8, analytic=None, numerical=None):
+    def __init__(
+        self, rows, *, target="", eps=None, rtol=_RTOL, atol=None, analytic=None, numerical=None, dtype="float64"
+    ):
         self.rows: List[GradcheckRow] = list(rows)
         self.target = target
         self.eps, self.rtol, self.atol = eps, rtol, atol
+        self.dtype = dtype
         self.analytic = dict(analytic or {})
         self.numerical = dict(numerical or {})
 
@@ -104,6 +204,17 @@ class GradcheckReport:
     def failed(self) -> List[str]:
         return [r.name for r in self.rows if not r.ok]
 
+    @property
+    def worst(self) -> Optional[GradcheckRow]:
+        """The row whose worst element is nearest to (or furthest past) its tolerance."""
+        if not self.rows:
+            return None
+
+        def key(r):
+            return (not r.ok, r.ratio if math.isfinite(r.ratio) else math.inf)
+
+        return max(self.rows, key=key)
+
     def __bool__(self):
         raise TypeError("GradcheckReport: use report.ok (truth-testing a report is ambiguous)")
 
@@ -114,7 +225,7 @@ class GradcheckReport:
         return len(self.rows)
 
     def __getitem__(self, name_or_index):
-        """``report["weight"]`` (by name) or ``report[0]`` (by position) -> a row."""
+        """``report["weight"]`` (by name: the first row of that name) or ``report[0]`` -> a row."""
         if isinstance(name_or_index, str):
             for r in self.rows:
                 if r.name == name_or_index:
@@ -122,40 +233,64 @@ class GradcheckReport:
             raise KeyError(f"no checked tensor named {name_or_index!r}; have {[r.name for r in self.rows]}")
         return self.rows[name_or_index]
 
+    def row(self, name: str, mode: str) -> GradcheckRow:
+        """The row of ``name`` checked in ``mode`` (``"element"``, ``"jvp"``, ``"transpose"`` ...)."""
+        for r in self.rows:
+            if r.name == name and r.mode == mode:
+                return r
+        raise KeyError(f"no row {name!r} in mode {mode!r}; have {[(r.name, r.mode) for r in self.rows]}")
+
     @property
     def modes(self) -> List[str]:
-        """The modes of the rows, in order (``"element"`` or ``"direction"``)."""
-        return [getattr(r, "mode", "element") for r in self.rows]
+        """The modes of the rows, in order."""
+        return [r.mode for r in self.rows]
 
     def __str__(self):
         with_mode = any(m != "element" for m in self.modes)
-        head = ("name", "max abs err", "max rel err", "ok") + (("mode",) if with_mode else ())
+        head = ("name", "max abs err", "max rel err", "err/tol", "worst at", "ok") + (("mode",) if with_mode else ())
         body = [
-            (r.name, f"{r.max_abs_err:.3e}", f"{r.max_rel_err:.3e}", "yes" if r.ok else "NO")
-            + ((m,) if with_mode else ())
-            for r, m in zip(self.rows, self.modes)
+            (
+                r.name,
+                f"{r.max_abs_err:.3e}",
+                f"{r.max_rel_err:.3e}",
+                f"{r.ratio:.2g}",
+                str(tuple(int(i) for i in r.at)) if r.at else "-",
+                "yes" if r.ok else "NO",
+            )
+            + ((r.mode,) if with_mode else ())
+            for r in self.rows
         ]
         widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
 
         def fmt(row):
-            cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:3], widths[1:3])]
-            cells += [c.ljust(w) for c, w in zip(row[3:], widths[3:])]
+            cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:4], widths[1:4])]
+            cells += [c.ljust(w) for c, w in zip(row[4:], widths[4:])]
             return " | ".join(cells).rstrip()
 
         modes = set(self.modes)
-        how = (
-            "one random direction per tensor"
-            if modes == {"direction"}
-            else "per element"
-            if modes <= {"element"}
-            else "per element and by direction"
+        how = ", ".join(
+            {
+                "element": "per element",
+                "direction": "one random direction per tensor",
+                "jvp": "forward mode",
+                "transpose": "<g, Jv> = <J^T g, v>",
+                "float32": "float32 against float64",
+            }[m]
+            for m in ("element", "direction", "jvp", "transpose", "float32")
+            if m in modes
         )
+        eps = "auto" if self.eps is None else f"{self.eps:g}"
+        atol = "auto" if self.atol is None else f"{self.atol:g}"
         title = (
             f"gradcheck {self.target}: {'ok' if self.ok else 'FAILED'} "
-            f"({how}; eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g})"
+            f"({how}; eps={eps}, rtol={self.rtol:g}, atol={atol})"
         )
         sep = "-+-".join("-" * w for w in widths)
-        return "\n".join([title, fmt(head), sep] + [fmt(b) for b in body])
+        lines = [title, fmt(head), sep] + [fmt(b) for b in body]
+        w = self.worst
+        if w is not None:
+            lines.append(("worst: " if self.ok else "FAILED at ") + w.where())
+        return "\n".join(lines)
 
     def __repr__(self):
         return f"<GradcheckReport {self.target} ok={self.ok} failed={self.failed}>"
@@ -208,40 +343,22 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
 # helpers
 
 
-def _errors(a: np.ndarray, n: np.ndarray, rtol: float, atol: float):
-    """(max_abs_err, max_rel_err, ok) with the element test ``|a-n| <= max(atol, rtol*max(|a|,|n|))``."""
-    if a.size == 0:
-        return 0.0, 0.0, True
-    a = a.astype(np.float64, copy=False)
-    err = np.abs(a - n)
-    denom = np.maximum(np.maximum(np.abs(a), np.abs(n)), atol / rtol)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(denom > 0, err / np.where(denom > 0, denom, 1.0), np.where(err > 0, np.inf, 0.0))
-    bad = ~(np.isfinite(a) & np.isfinite(n))
-    if bad.any():
-        err = np.where(bad, np.inf, err)
-        rel = np.where(bad, np.inf, rel)
-    ok_elem = err <= np.maximum(atol, rtol * np.maximum(np.abs(a), np.abs(n)))
-    ok_elem &= ~bad
-    return float(err.max()), float(rel.max()), bool(ok_elem.all())
-
-
 def _is_float_array(x) -> bool:
     return isinstance(x, np.ndarray) and x.dtype.kind == "f"
 
 
-def _prepare_input(x):
-    """float arrays (and lists of floats) -> float64 copies (checked); everything else untouched."""
+def _prepare_input(x, dtype=np.float64):
+    """float arrays (and lists of floats) -> copies in ``dtype`` (checked); everything else untouched."""
     if isinstance(x, list):
         try:
             a = np.asarray(x)
         except ValueError:  # ragged: let the forward complain
             return x
         if a.dtype.kind == "f":
-            return a.astype(np.float64)
+            return a.astype(dtype)
         return x
     if _is_float_array(x):
-        return np.array(x, dtype=np.float64, copy=True)
+        return np.array(x, dtype=dtype, copy=True)
     return x
 
 
@@ -267,14 +384,18 @@ def _fresh_generators(values):
     return {k: (copy.deepcopy(v) if isinstance(v, np.random.Generator) else v) for k, v in values.items()}
 
 
-def _pair_grads(grads, inputs, names, what: str):
-    """Map a backward's results onto the float inputs.  Returns ``{input index: grad}``."""
+def _as_tuple(grads) -> tuple:
     if grads is None:
-        grads = ()
-    elif not isinstance(grads, (tuple, list)):
-        grads = (grads,)
+        return ()
+    if not isinstance(grads, (tuple, list)):
+        return (grads,)
+    return tuple(grads)
+
+
+def _pair_grads(grads: tuple, inputs, names, what: str) -> Dict[int, Tuple[int, np.ndarray]]:
+    """Map a backward's results onto the float inputs: ``{input index: (slot in grads, grad)}``."""
     float_idx = [i for i, x in enumerate(inputs) if _is_float_array(x)]
-    pairs = {}
+    pairs: Dict[int, Tuple[int, np.ndarray]] = {}
     if len(grads) == len(inputs):
         for i, (x, g) in enumerate(zip(inputs, grads)):
             if not _is_float_array(x):
@@ -284,9 +405,9 @@ def _pair_grads(grads, inputs, names, what: str):
                     f"{what} returned None as the gradient of float input {names[i]!r} "
                     f"(position {i}); pass constants by keyword or as non-float arrays"
                 )
-            pairs[i] = g
+            pairs[i] = (i, g)
     else:
-        got = [g for g in grads if g is not None]
+        got = [(slot, g) for slot, g in enumerate(grads) if g is not None]
         if len(got) != len(float_idx):
             raise ValueError(
                 f"{what} returned {len(grads)} value(s), {len(got)} of them not None, for "
@@ -295,13 +416,13 @@ def _pair_grads(grads, inputs, names, what: str):
                 "pass constant float arrays (e.g. a float attn_mask) by keyword"
             )
         pairs = dict(zip(float_idx, got))
-    for i, g in pairs.items():
+    for i, (slot, g) in pairs.items():
         g = np.asarray(g)
         if g.shape != inputs[i].shape:
             raise ValueError(
                 f"{what}: the gradient of {names[i]!r} has shape {g.shape}, expected {inputs[i].shape} (the input's)"
             )
-        pairs[i] = g
+        pairs[i] = (slot, g)
     return pairs
 
 
@@ -309,119 +430,56 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _objective(out, g) -> float:
-    out = np.asarray(out, dtype=np.float64)
-    return float(np.dot(out.reshape(-1), g.reshape(-1)))
-
-
 def _check_tolerances(eps, rtol, atol):
     for name, value, zero_ok in (("eps", eps, False), ("rtol", rtol, False), ("atol", atol, True)):
+        if value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(
-                f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, "
+                f"{name}: expected None (automatic) or a finite number {'>= 0' if zero_ok else '> 0'}, "
                 f"got {value!r} ({type(value).__name__})"
             )
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-            raise ValueError(f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
-
-
-# --------------------------------------------------------------------------------------------
-
-
-def gradcheck(
-    target, *inputs, seed=0, eps=1e-6, rtol=1e-5, atol=1e-8, wrt=None, fast=False, **forward_kwargs
-) -> GradcheckReport:
-    """Compare a backward with central differences of ``sum(forward(*inputs) * g)``.
-
-    ``target`` is one of
-
-    * a functional forward ``op`` returning ``(out, cache)``; its backward is
-      ``<op name>_backward`` in the same python module;
-    * a ``(forward, backward)`` tuple with the same protocol;
-    * a :class:`npattn.module.Module` instance: it is deep-copied and cast to float64 (the
-      caller's module is untouched), called as ``m(*inputs, **forward_kwargs)`` (a tuple output
-      such as ``(out, weights)`` uses its first element), and ``m.backward(g)`` gives the input
-      gradient(s); every parameter is checked too, its gradient read from ``p.grad`` after
-      ``zero_grad()``.
-
-    The upstream gradient is ``np.random.default_rng(seed).standard_normal(out.shape)``.
-    Backward results are normalised to a tuple; when its length equals the number of positional
-    inputs they pair up by position (``None`` gradients and non-float inputs skipped), otherwise
-    the non-``None`` gradients pair in order with the float inputs.  A backward that returns
-    *more* gradients than there are positional inputs (``sinks=``'s ``dsinks``, ``mask_grad``'s
-    ``dmask``) pairs the first ones by position and the extra, non-``None`` ones in order with
-    the float keyword arrays (in the forward's signature order; only those named in ``wrt`` when
-    ``wrt`` names any).  A mismatch raises ``ValueError``.
-
-    ``wrt``: the names of the tensors to check, a string or a sequence of strings (default: every
-    float array input with a gradient and, for modules, every parameter).  The names are the row
-    names: the forward's parameter names (``x``, ``q``, ``attn_mask``, ``sinks`` ...), for
-    modules ``input`` (one input) or the forward's parameter names, and the dotted parameter
-    names (``W_query.weight``).  An unknown name raises ``ValueError`` listing the valid ones.
-
-    ``fast=True`` checks one random direction ``u`` per tensor instead of every element: the
-    analytic directional derivative ``<backward(g), u>`` against the central difference
-    ``(f(x + eps u) - f(x - eps u)) / (2 eps)`` of ``f = <forward, g>``, two forwards per tensor
-    instead of two per element.  A wrong gradient is caught with probability 1 (the direction
-    is Gaussian), but the row cannot say which element is wrong; the default per-element table
-    is the one to read when learning.  Rows say their ``mode`` (``"element"``/``"direction"``).
-
-    Randomness: every ``np.random.Generator`` among the arguments is snapshotted and a fresh copy
-    is passed to each forward; a module's own Generator attributes are saved and restored before
-    each forward, so dropout draws the same mask every time.  A forward that still gives two
-    different outputs at the same point, or that writes into its inputs, raises ``RuntimeError``.
-
-    Returns a :class:`GradcheckReport`.
-    """
-    _check_tolerances(eps, rtol, atol)
-    if not inputs:
-        raise ValueError("inputs: expected at least one positional input to check, got none")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed: expected a non-negative integer, got {seed!r} ({type(seed).__name__})")
-    if seed < 0:
-        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
-    if not isinstance(fast, (bool, np.bool_)):
-        raise TypeError(f"fast: expected True or False, got {fast!r} ({type(fast).__name__})")
-    wrt = _normalise_wrt(wrt)
-    if isinstance(target, type):
-        raise TypeError(
-            f"target: expected a forward function, a (forward, backward) pair or a Module "
-            f"instance, got the class {target.__name__} (instantiate it first)"
-        )
-    opts = _Options(int(seed), eps, rtol, atol, wrt, bool(fast))
-    if isinstance(target, Module):
-        return _gradcheck_module(target, inputs, opts, forward_kwargs)
-    if isinstance(target, tuple):
-        if len(target) != 2 or not all(callable(t) for t in target):
-            raise TypeError(
-                f"target: expected a (forward, backward) pair of callables, got a tuple of {len(target)} item(s)"
-            )
-        forward, backward = target
-    elif callable(target):
-        forward = target
-        fname = getattr(forward, "__name__", None)
-        mod = sys.modules.get(getattr(forward, "__module__", None) or "")
-        backward = getattr(mod, f"{fname}_backward", None) if (mod is not None and fname) else None
-        if not callable(backward):
             raise ValueError(
-                f"target: no backward '{fname}_backward' next to {fname!r} in module "
-                f"{getattr(forward, '__module__', None)!r}; pass a (forward, backward) tuple"
+                f"{name}: expected None (automatic) or a finite number {'>= 0' if zero_ok else '> 0'}, got {value!r}"
             )
-    else:
-        raise TypeError(
-            f"target: expected a forward function, a (forward, backward) pair or a Module "
-            f"instance, got {type(target).__name__}"
-        )
-    return _gradcheck_functional(forward, backward, inputs, opts, forward_kwargs)
+
+
+def _check_dtype_option(dtype):
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected None, np.float64 or np.float32, got {dtype!r}") from None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"dtype: expected None, np.float64 or np.float32, got {dt}")
+    return dt
+
+
+def _scale(arr: np.ndarray) -> float:
+    """The root mean square of ``arr`` (1 for an all-zero or empty array)."""
+    if arr.size == 0:
+        return 1.0
+    s = float(np.sqrt(np.mean(np.square(arr, dtype=np.float64))))
+    return s if s > 0 and math.isfinite(s) else 1.0
+
+
+def _step(arr: np.ndarray, eps) -> float:
+    """``eps`` when given, else ``u**(1/3) * rms(arr)`` rounded to a power of two."""
+    if eps is not None:
+        return float(eps)
+    return float(2.0 ** round(math.log2(_STEP * _scale(arr))))
 
 
 class _Options(NamedTuple):
     seed: int
-    eps: float
+    eps: Optional[float]
     rtol: float
-    atol: float
+    atol: Optional[float]
     wrt: Optional[List[str]]
     fast: bool
+    mode: str
 
 
 def _normalise_wrt(wrt) -> Optional[List[str]]:
@@ -447,42 +505,6 @@ def _check_wrt_names(wrt, valid: Sequence[str], label: str) -> None:
     unknown = [n for n in wrt if n not in valid]
     if unknown:
         raise ValueError(f"wrt: unknown name(s) {unknown} for {label}; valid names: {list(valid)}")
-
-
-def _directional(objective, arr: np.ndarray, u: np.ndarray, eps: float) -> float:
-    """Central difference of ``objective`` along ``u`` (``arr`` perturbed in place, then restored)."""
-    orig = arr.copy()
-    try:
-        arr += eps * u
-        fp = float(objective())
-        np.subtract(orig, eps * u, out=arr)
-        fm = float(objective())
-    finally:
-        arr[...] = orig
-    return (fp - fm) / (2.0 * eps)
-
-
-def _run_checks(objective, checked, analytic, opts: _Options, label):
-    """Numerical gradients of ``objective`` w.r.t. each array in ``checked`` and the report."""
-    rows, numerical = [], {}
-    if opts.fast:
-        directions = np.random.default_rng([opts.seed, 1])
-        analytic = dict(analytic)
-        for name, arr in checked:
-            u = directions.standard_normal(arr.shape)
-            a = np.asarray(float(np.dot(np.asarray(analytic[name], np.float64).reshape(-1), u.reshape(-1))))
-            n = np.asarray(_directional(objective, arr, u, opts.eps))
-            analytic[name], numerical[name] = a, n
-            err_abs, err_rel, ok = _errors(a, n, opts.rtol, opts.atol)
-            rows.append(GradcheckRow(name, err_abs, err_rel, ok, mode="direction"))
-    else:
-        for name, arr in checked:
-            num = numerical_gradient(lambda _: objective(), arr, opts.eps)
-            numerical[name] = num
-            rows.append(GradcheckRow(name, *_errors(analytic[name], num, opts.rtol, opts.atol)))
-    return GradcheckReport(
-        rows, target=label, eps=opts.eps, rtol=opts.rtol, atol=opts.atol, analytic=analytic, numerical=numerical
-    )
 
 
 def _unique_names(names: Sequence[str], taken=()) -> List[str]:
@@ -524,28 +546,440 @@ def _keyword_order(forward, kwargs) -> List[str]:
     return sorted(kwargs, key=lambda k: (pos.get(k, len(order)), list(kwargs).index(k)))
 
 
-def _pair_extra_grads(grads, inputs, names, kw_float, wrt, what):
+def _as_output(out) -> np.ndarray:
+    """The forward's output as a fresh float64 array (a module may reuse its output's memory)."""
+    return np.array(out, dtype=np.float64, copy=True)
+
+
+# --------------------------------------------------------------------------------------------
+# what is checked: one forward at a point that can be moved, its derivatives at that point
+
+
+class _Problem:
+    """A target made ready: ``run()`` evaluates the output (float64 copy) at the current values
+    of the ``checked`` arrays (perturbed in place); ``analytic`` holds the backward's gradients of
+    ``<out, g>``; ``jvp(name, t)`` the forward mode's output tangent along ``t`` for one tensor
+    (or None when the target has none); ``out`` the output at the unperturbed point."""
+
+    def __init__(self, label, run, g, out, checked, analytic, jvp=None, dtypes=None):
+        self.label = label
+        self.run = run
+        self.g = g
+        self.out = out
+        self.checked: List[Tuple[str, np.ndarray]] = checked
+        self.analytic: Dict[str, np.ndarray] = analytic
+        self.jvp = jvp
+        self.dtypes = dtypes or {}  # name -> dtype of what the target returned ("output" included)
+        self.t0 = float(np.sum(np.abs(out * g))) if out.size else 0.0
+
+
+def _moved(op: np.ndarray, om: np.ndarray, g: Optional[np.ndarray], step: float, every: bool = False):
+    """``(sum((op - om) * g) / step, u * sum over moved outputs of (|op| + |om|) |g| / step)``, or
+    with ``g=None`` the elementwise ``((op - om) / step, rounding bound per output)``.
+
+    ``every=True`` counts the outputs that did not move too: one that moved by less than its
+    last bit reads as unmoved, its change lost (the second look uses this, the wider bound)."""
+    d = op - om
+    mag = np.abs(op) + np.abs(om)
+    if not every:
+        mag = np.where(d != 0, mag, 0.0)
+    if g is None:
+        return d / step, _U * mag / step
+    gf = g.reshape(-1)
+    return float(np.dot(d.reshape(-1), gf)) / step, _U * float(np.dot(mag.reshape(-1), np.abs(gf))) / step
+
+
+def _at(problem: _Problem, arr: np.ndarray, where, plus, minus):
+    """The outputs with ``arr[where]`` set to ``plus`` and then ``minus`` (restored after)."""
+    orig = np.array(arr[where], copy=True)
+    try:
+        arr[where] = plus
+        op = problem.run()
+        arr[where] = minus
+        om = problem.run()
+    finally:
+        arr[where] = orig
+    return op, om
+
+
+def _element_fd(problem, arr, idx, h, every=False):
+    """Central difference of ``<out, g>`` along element ``idx``: (value, rounding bound)."""
+    x0 = arr[idx]
+    if not np.isfinite(x0):  # an infinite mask entry: nothing moves when it does
+        return 0.0, 0.0
+    xp, xm = x0 + h, x0 - h
+    op, om = _at(problem, arr, idx, xp, xm)
+    return _moved(op, om, problem.g, float((xp - x0) + (x0 - xm)), every)
+
+
+def _bounds(a, n, rnd, rtol, floor):
+    return _C_ROUND * rnd + rtol * np.maximum(np.abs(a), np.abs(n)) + floor
+
+
+def _row(name, a, n, bound, floor, rtol, mode, step, note="", ok=None):
+    """A row from arrays of analytic values, numerical values and tolerances (same shape)."""
+    a = np.asarray(a, dtype=np.float64)
+    n = np.asarray(n, dtype=np.float64)
+    bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), a.shape)
+    if a.size == 0:
+        return GradcheckRow(name, 0.0, 0.0, ok is not False, mode, ratio=0.0, step=step, note=note, tol=0.0)
+    finite = np.isfinite(a) & np.isfinite(n)
+    err = np.where(finite, np.abs(a - n), np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / bound)
+        denom = np.maximum(np.maximum(np.abs(a), np.abs(n)), floor / rtol)
+        rel = np.where(err == 0, 0.0, np.where(denom > 0, err / np.where(denom > 0, denom, 1.0), np.inf))
+    ratio = np.where(np.isnan(ratio), np.inf, ratio)
+    k = int(np.argmax(ratio))
+    index = np.unravel_index(k, a.shape) if a.ndim else ()
+    passed = bool(np.all(err <= bound)) if ok is None else ok
+    return GradcheckRow(
+        name,
+        float(err.max()),
+        float(rel.max()),
+        passed and not note,
+        mode,
+        at=tuple(int(i) for i in index),
+        analytic_value=float(a.reshape(-1)[k]),
+        numerical_value=float(n.reshape(-1)[k]),
+        tol=float(bound.reshape(-1)[k]),
+        ratio=float(ratio.reshape(-1)[k]),
+        step=step,
+        note=note,
+    )
+
+
+def _check_elements(problem: _Problem, name: str, arr: np.ndarray, opts: _Options):
+    a = problem.analytic[name]
+    h = _step(arr, opts.eps)
+    floor = opts.atol if opts.atol is not None else _C_FLOOR * _U * problem.t0 / _scale(arr)
+    n = np.empty(arr.shape)
+    rnd = np.empty(arr.shape)
+    for idx in np.ndindex(arr.shape):
+        n[idx], rnd[idx] = _element_fd(problem, arr, idx, h)
+    bound = _bounds(a, n, rnd, opts.rtol, floor)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(a - n) <= bound)
+    for idx in zip(*np.nonzero(bad)) if arr.ndim else ([()] if bad else []):
+        # a second look with half the step: where truncation dominates the two estimates differ
+        n2, r2 = _element_fd(problem, arr, idx, h / 2, every=True)
+        b2 = _bounds(a[idx], n2, r2, opts.rtol, floor) + abs(n[idx] - n2)
+        if abs(a[idx] - n2) <= b2:
+            n[idx], bound[idx] = n2, b2
+    return _row(name, a, n, bound, floor, opts.rtol, "element", h), n
+
+
+def _direction_fd(problem, arr, v, h, g, every=False):
+    """Outputs at ``arr ± h v``: the central difference (of ``<out, g>``, or of the output with
+    ``g=None``), its rounding bound and the realised tangent ``(x+ - x-) / 2h``."""
+    v = np.where(np.isfinite(arr), v, 0.0)  # infinite entries (masks) stay where they are
+    with np.errstate(invalid="ignore"):
+        xp, xm = np.where(v != 0, arr + h * v, arr), np.where(v != 0, arr - h * v, arr)
+    op, om = _at(problem, arr, Ellipsis, xp, xm)
+    with np.errstate(invalid="ignore"):
+        t = np.where(v != 0, xp - xm, 0.0) / (2 * h)
+    value, rnd = _moved(op, om, g, 2 * h, every)
+    return value, rnd, t
+
+
+def _check_direction(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opts: _Options):
+    a = problem.analytic[name]
+    h = _step(arr, opts.eps)
+    n, rnd, t = _direction_fd(problem, arr, v, h, problem.g)
+    av = float(np.dot(a.reshape(-1), t.reshape(-1)))
+    floor = (
+        opts.atol
+        if opts.atol is not None
+        else _C_FLOOR * _U * (float(np.sum(np.abs(a * t))) + problem.t0 / _scale(arr) * float(np.sum(np.abs(t))))
+    )
+    bound = float(_bounds(av, n, rnd, opts.rtol, floor))
+    if not abs(av - n) <= bound:
+        n2, r2, t2 = _direction_fd(problem, arr, v, h / 2, problem.g, every=True)
+        av2 = float(np.dot(a.reshape(-1), t2.reshape(-1)))
+        b2 = float(_bounds(av2, n2, r2, opts.rtol, floor)) + abs(n - n2)
+        if abs(av2 - n2) <= b2:
+            av, n, bound = av2, n2, b2
+    return _row(name, av, n, bound, floor, opts.rtol, "direction", h), (av, n)
+
+
+def _check_jvp(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opts: _Options):
+    """The forward mode along ``v`` against the central difference of the output."""
+    h = _step(arr, opts.eps)
+    n, rnd, t = _direction_fd(problem, arr, v, h, None)
+    jv = problem.jvp(name, t)
+    if jv.shape != problem.out.shape:
+        raise ValueError(f"{problem.label}: the JVP along {name!r} has shape {jv.shape}, expected {problem.out.shape}")
+    # the analytic side's resolution: u times the output's scale per unit of input scale
+    floor = (
+        opts.atol
+        if opts.atol is not None
+        else _C_FLOOR * _U * float(np.max(np.abs(problem.out), initial=0.0)) * float(np.sum(np.abs(t))) / _scale(arr)
+    )
+    bound = _bounds(jv, n, rnd, opts.rtol, floor)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(jv - n) <= bound)
+    if bad.any():
+        n2, r2, t2 = _direction_fd(problem, arr, v, h / 2, None, every=True)
+        jv2 = problem.jvp(name, t2)
+        b2 = _bounds(jv2, n2, r2, opts.rtol, floor) + np.abs(n - n2)
+        fix = bad & (np.abs(jv2 - n2) <= b2)
+        jv, n, bound = np.where(fix, jv2, jv), np.where(fix, n2, n), np.where(fix, b2, bound)
+    return _row(name, jv, n, bound, floor, opts.rtol, "jvp", h), (t, jv)
+
+
+def _check_transpose(problem: _Problem, name: str, t: np.ndarray, jv: np.ndarray):
+    """``<g, J t>`` (forward mode) against ``<J^T g, t>`` (backward): both analytic, equal up to
+    the rounding of two sums of products."""
+    a = problem.analytic[name]
+    lhs = float(np.dot(problem.g.reshape(-1), jv.reshape(-1)))
+    rhs = float(np.dot(a.reshape(-1), t.reshape(-1)))
+    terms = float(np.sum(np.abs(problem.g * jv))) + float(np.sum(np.abs(a * t)))
+    tol = _C_FLOOR * _U * math.sqrt(a.size + jv.size) * terms
+    return _row(name, rhs, lhs, tol, tol, 1.0, "transpose", None)
+
+
+def _run_checks(problem: _Problem, opts: _Options, pristine_t0=None) -> Tuple[List[GradcheckRow], dict, dict]:
+    rows: List[GradcheckRow] = []
+    analytic: dict = {}
+    numerical: dict = {}
+    directions = np.random.default_rng([opts.seed, 1])
+    tangents = np.random.default_rng([opts.seed, 2])
+    if opts.mode in ("fwd", "both") and problem.jvp is None:
+        raise ValueError(f"{problem.label}: mode={opts.mode!r} needs a forward mode (JVP) and the target has none")
+    for name, arr in problem.checked:
+        if opts.mode in ("rev", "both"):
+            if opts.fast:
+                row, (av, n) = _check_direction(problem, name, arr, directions.standard_normal(arr.shape), opts)
+                analytic[name], numerical[name] = np.asarray(av), np.asarray(n)
+            else:
+                row, n = _check_elements(problem, name, arr, opts)
+                analytic[name], numerical[name] = problem.analytic[name], n
+            rows.append(row)
+        if opts.mode in ("fwd", "both"):
+            row, (t, jv) = _check_jvp(problem, name, arr, tangents.standard_normal(arr.shape), opts)
+            rows.append(row)
+            if opts.mode == "both":
+                rows.append(_check_transpose(problem, name, t, jv))
+    return rows, analytic, numerical
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def gradcheck(
+    target,
+    *inputs,
+    seed=0,
+    eps=None,
+    rtol=None,
+    atol=None,
+    wrt=None,
+    fast=False,
+    mode="rev",
+    dtype=None,
+    raise_exception=False,
+    **forward_kwargs,
+) -> GradcheckReport:
+    """Compare hand-written derivatives with central differences of ``f = sum(forward(*inputs) * g)``.
+
+    Parameters
+    ----------
+    target : callable, tuple or Module
+        * a functional forward ``op`` returning ``(out, cache)``; its backward is
+          ``<op name>_backward`` and its forward mode ``<op name>_jvp`` in the same python module;
+        * a ``(forward, backward)`` or ``(forward, backward, jvp)`` tuple with the same protocol;
+        * a :class:`npattn.Module` instance: it is deep-copied and cast (the caller's module is
+          untouched), called as ``m(*inputs, **forward_kwargs)`` (a tuple output such as
+          ``(out, weights)`` uses its first element), ``m.backward(g)`` gives the input
+          gradient(s), ``m.jvp(*input_tangents, param_tangents=...)`` the forward mode; every
+          parameter is checked too, its gradient read from ``p.grad`` after ``zero_grad()``.
+    *inputs
+        The positional inputs; float arrays (and lists of floats) are checked.
+    seed : int
+        Seeds the upstream gradient ``g = default_rng(seed).standard_normal(out.shape)`` and the
+        random directions and tangents.
+    eps : float, optional
+        The finite-difference step.  ``None`` (default): for each input ``u**(1/3)`` times its
+        root mean square (rounded to a power of two); a number: that step for every input.
+    rtol : float, optional
+        Relative part of the tolerance; ``None`` is ``1e-5`` (``2**-13`` with ``dtype=np.float32``).
+    atol : float, optional
+        Absolute floor of the tolerance; ``None`` (default) is the analytic side's own resolution
+        (``64 u sum|out * g| / scale`` for a gradient; ``rtol * max|float64 result|`` with
+        ``dtype=np.float32``).
+    wrt : str or sequence of str, optional
+        The names of the tensors to check (default: every float array input with a gradient
+        and, for modules, every parameter): the forward's parameter names (``x``, ``q``,
+        ``attn_mask``, ``sinks`` ...), for modules ``input`` (one input) or the forward's
+        parameter names, and the dotted parameter names (``W_query.weight``).
+    fast : bool
+        Check one random direction ``u`` per tensor instead of every element: the analytic
+        ``<backward(g), u>`` against the central difference of ``f`` along ``u`` (two forwards
+        per tensor instead of two per element).  A wrong gradient is caught with probability 1,
+        but the row cannot say which element is wrong.
+    mode : {"rev", "fwd", "both"}
+        ``"rev"`` checks the backward; ``"fwd"`` the forward mode (JVP) along a random tangent
+        per tensor, every output element against the central difference of the output;
+        ``"both"`` both, and the transposition identity ``<g, J v> = <J^T g, v>``.
+    dtype : None, np.float64 or np.float32
+        ``np.float32``: run the target in float32 (inputs rounded to float32, a module cast) and
+        compare its output, gradients (and JVPs with ``mode="fwd"/"both"``) with the float64
+        path at the same values; results must also come back as float32.  ``None``/``np.float64``:
+        the finite-difference check, in float64.
+    raise_exception : bool
+        Raise :class:`GradcheckError` (an ``AssertionError`` carrying the report) when a check fails.
+    **forward_kwargs
+        Passed to the forward.
+
+    Returns
+    -------
+    GradcheckReport
+        ``report.ok``, ``report.rows``, ``report.worst``; ``str(report)`` is a table.
+
+    Raises
+    ------
+    GradcheckError
+        With ``raise_exception=True`` when a check fails.
+    TypeError, ValueError
+        For bad arguments, a target without the needed backward/JVP, or gradients that cannot
+        be paired with the inputs.
+    RuntimeError
+        When the forward modifies its inputs or gives two different outputs at the same point.
+
+    Notes
+    -----
+    Backward results are normalised to a tuple; when its length equals the number of positional
+    inputs they pair up by position (``None`` gradients and non-float inputs skipped), otherwise
+    the non-``None`` gradients pair in order with the float inputs.  A backward that returns
+    *more* gradients than there are positional inputs (``sinks=``'s ``dsinks``, ``mask_grad``'s
+    ``dmask``) pairs the first ones by position and the extra, non-``None`` ones in order with
+    the float keyword arrays (in the forward's signature order; only those named in ``wrt``).
+    The JVP is given one tangent per backward result, in the same order (``None`` for zero).
+
+    Randomness: every ``np.random.Generator`` among the arguments is snapshotted and a fresh copy
+    is passed to each forward; a module's own Generator attributes are saved and restored before
+    each forward, so dropout draws the same mask every time.
+    """
+    _check_tolerances(eps, rtol, atol)
+    if not inputs:
+        raise ValueError("inputs: expected at least one positional input to check, got none")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a non-negative integer, got {seed!r} ({type(seed).__name__})")
+    if seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+    for flag, value in (("fast", fast), ("raise_exception", raise_exception)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{flag}: expected True or False, got {value!r} ({type(value).__name__})")
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ValueError(f"mode: expected one of {list(_MODES)}, got {mode!r}")
+    dt = _check_dtype_option(dtype)
+    f32 = dt == np.dtype(np.float32)
+    wrt = _normalise_wrt(wrt)
+    opts = _Options(
+        int(seed), eps, float(rtol) if rtol is not None else (_RTOL32 if f32 else _RTOL), atol, wrt, bool(fast), mode
+    )
+    make, label = _resolve(target, mode)
+    if f32:
+        report = _float32_report(make, inputs, forward_kwargs, opts, label)
+    else:
+        problem = make(np.float64, inputs, forward_kwargs, opts, None)
+        rows, analytic, numerical = _run_checks(problem, opts)
+        report = GradcheckReport(
+            rows, target=label, eps=eps, rtol=opts.rtol, atol=atol, analytic=analytic, numerical=numerical
+        )
+    if raise_exception and not report.ok:
+        raise GradcheckError(report)
+    return report
+
+
+def _resolve(target, mode):
+    """``(make(dtype, inputs, kwargs, opts, g_dtype) -> _Problem, label)`` for any target."""
+    if isinstance(target, type):
+        raise TypeError(
+            f"target: expected a forward function, a (forward, backward) pair or a Module "
+            f"instance, got the class {target.__name__} (instantiate it first)"
+        )
+    if isinstance(target, Module):
+        base = copy.deepcopy(target)
+        base.clear_saved()
+
+        def make_module(dtype, inputs, kwargs, opts, g_dtype, jiggle=None):
+            m = copy.deepcopy(base)
+            m.to(dtype)
+            if jiggle is not None:
+                for p in m.parameters():
+                    p.data = _jiggled(p.data, jiggle)
+            return _module_problem(m, inputs, kwargs, opts, dtype, g_dtype, jiggle)
+
+        return make_module, type(target).__name__
+    jvp = None
+    if isinstance(target, tuple):
+        if len(target) not in (2, 3) or not all(callable(t) for t in target):
+            raise TypeError(
+                "target: expected a (forward, backward) or (forward, backward, jvp) tuple of callables, "
+                f"got a tuple of {len(target)} item(s)"
+            )
+        forward, backward = target[0], target[1]
+        jvp = target[2] if len(target) == 3 else None
+        if jvp is None and mode != "rev":
+            raise ValueError(f"target: mode={mode!r} needs a forward mode: pass (forward, backward, jvp)")
+    elif callable(target):
+        forward = target
+        fname = getattr(forward, "__name__", None)
+        mod = sys.modules.get(getattr(forward, "__module__", None) or "")
+        backward = getattr(mod, f"{fname}_backward", None) if (mod is not None and fname) else None
+        if not callable(backward):
+            raise ValueError(
+                f"target: no backward '{fname}_backward' next to {fname!r} in module "
+                f"{getattr(forward, '__module__', None)!r}; pass a (forward, backward) tuple"
+            )
+        jvp = getattr(mod, f"{fname}_jvp", None)
+        if mode != "rev" and not callable(jvp):
+            raise ValueError(
+                f"target: mode={mode!r} needs a forward mode and there is no '{fname}_jvp' next to "
+                f"{fname!r} in module {forward.__module__!r}; pass a (forward, backward, jvp) tuple"
+            )
+    else:
+        raise TypeError(
+            f"target: expected a forward function, a (forward, backward) pair or a Module "
+            f"instance, got {type(target).__name__}"
+        )
+
+    def make_functional(dtype, inputs, kwargs, opts, g_dtype, jiggle=None):
+        return _functional_problem(forward, backward, jvp, inputs, kwargs, opts, dtype, g_dtype, jiggle)
+
+    return make_functional, getattr(forward, "__name__", "forward")
+
+
+def _upstream(seed: int, shape, g_dtype) -> np.ndarray:
+    g = np.asarray(np.random.default_rng(seed).standard_normal(shape))
+    return g if g_dtype is None else g.astype(g_dtype).astype(np.float64)
+
+
+def _pair_extra_grads(grads, n_inputs, kw_float, wrt):
     """A backward with more results than positional inputs: the first pair by position, the
     extra non-None ones with the float keyword arrays (``kw_float``, signature order; those in
-    ``wrt`` when it names any).  Returns ``(positional grads, {keyword: grad})`` or None."""
-    if len(grads) <= len(inputs):
+    ``wrt`` when it names any).  Returns ``(positional grads, {keyword: (slot, grad)})`` or None."""
+    if len(grads) <= n_inputs:
         return None
-    extra = [g for g in grads[len(inputs) :] if g is not None]
+    extra = [(slot, g) for slot, g in enumerate(grads) if slot >= n_inputs and g is not None]
     named = [k for k in kw_float if wrt is not None and k in wrt]
     targets = named or kw_float
     if not extra or len(extra) != len(targets):
         return None
-    return tuple(grads[: len(inputs)]), dict(zip(targets, extra))
+    return tuple(grads[:n_inputs]), dict(zip(targets, extra))
 
 
-def _gradcheck_functional(forward, backward, inputs, opts, kwargs):
+def _functional_problem(forward, backward, jvp, inputs, kwargs, opts, dtype, g_dtype, jiggle=None):
     label = getattr(forward, "__name__", "forward")
-    inputs = [_prepare_input(x) for x in inputs]
+    inputs = [_prepare_input(x, dtype) for x in inputs]
+    if jiggle is not None:
+        inputs = [_jiggled(x, jiggle) if _is_float_array(x) else x for x in inputs]
     names = _positional_names(forward, len(inputs), "input")
     kwargs = dict(kwargs)
     kw_float = [k for k in _keyword_order(forward, kwargs) if _is_float_array(kwargs[k])]
-    for k in kw_float:  # float64 copies: they may be checked (perturbed in place) below
-        kwargs[k] = np.array(kwargs[k], dtype=np.float64, copy=True)
+    for k in kw_float:  # copies: they may be checked (perturbed in place) below
+        kwargs[k] = np.array(kwargs[k], dtype=dtype, copy=True)
     valid = [names[i] for i, x in enumerate(inputs) if _is_float_array(x)] + kw_float
     _check_wrt_names(opts.wrt, valid, label)
     pos_gens = {i: copy.deepcopy(x) for i, x in enumerate(inputs) if isinstance(x, np.random.Generator)}
@@ -566,22 +1000,19 @@ def _gradcheck_functional(forward, backward, inputs, opts, kwargs):
     _check_unmodified(inputs, pristine, names, label)
     _check_unmodified([kwargs[k] for k in kw_float], [kw_pristine[k] for k in kw_float], kw_float, label)
     out = np.asarray(out)
-    g = np.asarray(np.random.default_rng(opts.seed).standard_normal(out.shape))
+    g = _upstream(opts.seed, out.shape, g_dtype)
     _check_deterministic(out, call()[0], label)
     what = f"{getattr(backward, '__name__', 'backward')}"
-    grads = backward(g.astype(out.dtype) if out.dtype.kind == "f" else g, cache)
-    if grads is None:
-        grads = ()
-    elif not isinstance(grads, (tuple, list)):
-        grads = (grads,)
-    kw_grads: Dict[str, np.ndarray] = {}
+    grads = _as_tuple(backward(g.astype(out.dtype) if out.dtype.kind == "f" else g, cache))
+    n_slots = len(grads)
+    kw_grads: Dict[str, Tuple[int, np.ndarray]] = {}
     float_pos = [i for i, x in enumerate(inputs) if _is_float_array(x)]
     if len(grads) > len(inputs) and len([x for x in grads if x is not None]) != len(float_pos):
-        split = _pair_extra_grads(tuple(grads), inputs, names, kw_float, opts.wrt, what)
+        split = _pair_extra_grads(grads, len(inputs), kw_float, opts.wrt)
         if split is not None:
             grads, kw_grads = split
     pairs = _pair_grads(grads, inputs, names, what)
-    for k, gk in kw_grads.items():
+    for k, (_, gk) in kw_grads.items():
         gk = np.asarray(gk)
         if gk.shape != kwargs[k].shape:
             raise ValueError(
@@ -596,31 +1027,42 @@ def _gradcheck_functional(forward, backward, inputs, opts, kwargs):
                 "appended by the backward, e.g. mask_grad=True for a float attn_mask)"
             )
     checked = [(names[i], inputs[i]) for i in sorted(pairs)] + [(k, kwargs[k]) for k in kw_grads]
-    analytic = {names[i]: np.asarray(pairs[i], dtype=np.float64) for i in sorted(pairs)}
-    analytic.update({k: np.asarray(v, dtype=np.float64) for k, v in kw_grads.items()})
+    slots = {names[i]: pairs[i][0] for i in pairs}
+    slots.update({k: slot for k, (slot, _) in kw_grads.items()})
+    raw = {names[i]: np.asarray(pairs[i][1]) for i in sorted(pairs)}
+    raw.update({k: np.asarray(v) for k, (_, v) in kw_grads.items()})
     if opts.wrt is not None:
         checked = [(n, a) for n, a in checked if n in opts.wrt]
     if not checked:
         raise ValueError(f"{label}: nothing to check: no positional float input")
-    return _run_checks(lambda: _objective(call()[0], g), checked, analytic, opts, label)
+    dtypes = {"output": out.dtype, **{n: r.dtype for n, r in raw.items()}}
+
+    def run():
+        return _as_output(call()[0])
+
+    def tangent_of(name, t):
+        _, c = call()  # a fresh cache: the backward may have used the first one's memory
+        tangents: List[Optional[np.ndarray]] = [None] * n_slots
+        tangents[slots[name]] = np.asarray(t).astype(dtype)
+        r = np.asarray(jvp(c, *tangents))
+        dtypes[f"jvp {name}"] = r.dtype
+        return _as_output(r)
+
+    analytic = {n: np.asarray(r, dtype=np.float64) for n, r in raw.items()}
+    return _Problem(label, run, g, _as_output(out), checked, analytic, tangent_of if jvp else None, dtypes)
 
 
-def _gradcheck_module(module, inputs, opts, kwargs):
-    label = type(module).__name__
-    m = copy.deepcopy(module)
-    m.to(np.float64)
-    inputs = [_prepare_input(x) for x in inputs]
+def _module_problem(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None):
+    label = type(m).__name__
+    inputs = [_prepare_input(x, dtype) for x in inputs]
+    if jiggle is not None:
+        inputs = [_jiggled(x, jiggle) if _is_float_array(x) else x for x in inputs]
     float_idx = [i for i, x in enumerate(inputs) if _is_float_array(x)]
     if len(float_idx) == 1 and len(inputs) == 1:
         in_names = ["input"]
     else:
         in_names = _positional_names(m.forward, len(inputs), "input")
-    params = []
-    seen = set()
-    for pname, p in m.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            params.append((pname, p))
+    params = list(m._param_list())
     in_names = _unique_names(in_names, taken=[n for n, _ in params])
     valid = [in_names[i] for i in float_idx] + [n for n, p in params if p.data.dtype.kind == "f"]
     _check_wrt_names(opts.wrt, valid, label)
@@ -637,25 +1079,105 @@ def _gradcheck_module(module, inputs, opts, kwargs):
             gen.bit_generator.state = copy.deepcopy(state)
         return _first(m(*inputs, **_fresh_generators(kw_snapshot)))
 
+    def run():
+        with no_grad():
+            return _as_output(call())
+
     pristine = [x.copy() if isinstance(x, np.ndarray) else None for x in inputs]
-    out = np.asarray(call())
+    out1 = run()
     _check_unmodified(inputs, pristine, in_names, label)
-    _check_deterministic(out, np.asarray(call()), label)
-    out = np.asarray(call())  # the forward whose state backward uses
-    g = np.asarray(np.random.default_rng(opts.seed).standard_normal(out.shape))
+    _check_deterministic(out1, run(), label)
+    raw_out = np.asarray(call())  # the forward whose state backward uses
+    out = _as_output(raw_out)
+    g = _upstream(opts.seed, out.shape, g_dtype)
     m.zero_grad()
-    grads = _pair_grads(m.backward(g), inputs, in_names, f"{label}.backward")
-    analytic = {in_names[i]: np.asarray(grads[i], dtype=np.float64) for i in sorted(grads)}
+    grads = _pair_grads(_as_tuple(m.backward(g.astype(raw_out.dtype))), inputs, in_names, f"{label}.backward")
+    raw = {in_names[i]: np.asarray(grads[i][1]) for i in sorted(grads)}
     checked = [(in_names[i], inputs[i]) for i in sorted(grads)]
+    param_names = {}
     for pname, p in params:
         if p.data.dtype.kind != "f":
             continue
-        analytic[pname] = np.zeros(p.data.shape) if p.grad is None else np.array(p.grad, dtype=np.float64, copy=True)
-        if p.data.dtype != np.float64 or not p.data.flags.writeable:
-            p.data = np.array(p.data, dtype=np.float64, copy=True)
+        raw[pname] = np.zeros(p.data.shape, p.data.dtype) if p.grad is None else np.array(p.grad, copy=True)
+        if not p.data.flags.writeable:
+            p.data = np.array(p.data, copy=True)
         checked.append((pname, p.data))
+        param_names[pname] = p
     if opts.wrt is not None:
         checked = [(n, a) for n, a in checked if n in opts.wrt]
     if not checked:
         raise ValueError(f"{label}: nothing to check: no float input and no parameter")
-    return _run_checks(lambda: _objective(call(), g), checked, analytic, opts, label)
+    dtypes = {"output": raw_out.dtype, **{n: r.dtype for n, r in raw.items()}}
+    position = {in_names[i]: i for i in range(len(inputs))}
+
+    def tangent_of(name, t):
+        t = np.asarray(t).astype(dtype)
+        m.clear_saved()
+        call()  # a forward state for jvp (with gradients enabled)
+        try:
+            if name in param_names:
+                r = np.asarray(m.jvp(param_tangents={name: t}))
+            else:
+                tangents: List[Optional[np.ndarray]] = [None] * len(inputs)
+                tangents[position[name]] = t
+                r = np.asarray(m.jvp(*tangents))
+        finally:
+            m.clear_saved()
+        dtypes[f"jvp {name}"] = r.dtype
+        return _as_output(r)
+
+    analytic = {n: np.asarray(r, dtype=np.float64) for n, r in raw.items()}
+    return _Problem(label, run, g, out, checked, analytic, tangent_of, dtypes)
+
+
+def _jiggled(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``x * (1 + u32 * xi)``, ``xi`` uniform in (-1, 1): the input moved by float32 rounding."""
+    return x * (1.0 + _U32 * rng.uniform(-1.0, 1.0, x.shape))
+
+
+def _compare32(name, r32, r64, moved, opts: _Options, got_dtype):
+    """The float32 result against the float64 one at the same values.
+
+    Two things make them differ: float32 rounding inside the computation, about a few float32
+    ulps of the tensor's scale, and the problem's sensitivity: how far the float64 result moves
+    (``moved``) when the inputs move by their own float32 rounding (an ill-conditioned softmax
+    of large scores moves a lot).  Tolerance: ``C * moved + rtol * (|r64| + max|r64|)`` (``atol``
+    replaces the second ``rtol`` term when given), ``C = 64``, ``rtol = 64 u32`` by default."""
+    r64 = np.asarray(r64, dtype=np.float64)
+    floor = opts.atol if opts.atol is not None else opts.rtol * float(np.max(np.abs(r64), initial=0.0))
+    bound = _C32 * np.abs(np.asarray(moved, dtype=np.float64) - r64) + opts.rtol * np.abs(r64) + floor
+    note = "" if got_dtype == np.dtype(np.float32) else f"returned {got_dtype}, expected float32"
+    return _row(name, r32, r64, bound, floor, opts.rtol, "float32", None, note)
+
+
+def _float32_report(make, inputs, kwargs, opts: _Options, label):
+    ins32 = [_prepare_input(x, np.float32) for x in inputs]
+    kw32 = {k: (_prepare_input(v, np.float32) if _is_float_array(v) else v) for k, v in kwargs.items()}
+    p32 = make(np.float32, ins32, kw32, opts, np.float32)
+    p64 = make(np.float64, ins32, kw32, opts, np.float32)
+    pmv = make(np.float64, ins32, kw32, opts, np.float32, np.random.default_rng([opts.seed, 3]))
+    rows = [_compare32("output", p32.out, p64.out, pmv.out, opts, p32.dtypes["output"])]
+    tangents = np.random.default_rng([opts.seed, 2])
+    for name, arr in p64.checked:
+        if opts.mode in ("rev", "both"):
+            rows.append(
+                _compare32(name, p32.analytic[name], p64.analytic[name], pmv.analytic[name], opts, p32.dtypes[name])
+            )
+        if opts.mode in ("fwd", "both"):
+            if p32.jvp is None or p64.jvp is None or pmv.jvp is None:
+                raise ValueError(f"{label}: mode={opts.mode!r} needs a forward mode (JVP) and the target has none")
+            t = tangents.standard_normal(arr.shape).astype(np.float32)
+            j32 = p32.jvp(name, t)
+            rows.append(
+                _compare32(f"jvp {name}", j32, p64.jvp(name, t), pmv.jvp(name, t), opts, p32.dtypes[f"jvp {name}"])
+            )
+    return GradcheckReport(
+        rows,
+        target=label,
+        eps=opts.eps,
+        rtol=opts.rtol,
+        atol=opts.atol,
+        analytic={r: p32.analytic[r] for r, _ in p64.checked},
+        numerical={r: p64.analytic[r] for r, _ in p64.checked},
+        dtype="float32",
+    )
