@@ -45,13 +45,6 @@ from .configs import CausalLMConfig, config_from_hf
 __all__ = ["CausalLM"]
 
 
-def unsupported(cfg: CausalLMConfig) -> str | None:
-    """A message naming the config key of the first option the layers npattn has cannot build
-    (``None`` when the model can be built).  Every option the six families' configs carry is
-    built today; the modules themselves refuse values they lack, naming the argument."""
-    return None
-
-
 # -- norms ---------------------------------------------------------------------------------
 class _OffsetRMSNorm(RMSNorm):
     """RMSNorm that multiplies by ``1 + weight`` (Gemma, Qwen3-Next; the weight starts at 0).
@@ -262,9 +255,6 @@ class CausalLM(Module):
     def __init__(self, config, *, rng=None, dtype=np.float64):
         super().__init__()
         cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
-        problem = unsupported(cfg)
-        if problem is not None:
-            raise ValueError(problem)
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         self.config = cfg
