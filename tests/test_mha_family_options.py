@@ -6,9 +6,11 @@ bad arguments.  (Against Hugging Face's layers: test_mha_hf_families.py.)"""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import npattn
-from npattn.testing import gradcheck
+from npattn.testing import gradcheck, rope_scalings
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
 OPTIONS = {
@@ -214,6 +216,38 @@ def test_rolling_cache_masks_and_weights_still_cover_every_key_seen():
         assert w.shape == (2, 2, 1, t + 1)
         np.testing.assert_allclose(w, w_full[..., t : t + 1, : t + 1], rtol=0, atol=1e-12)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scaling=rope_scalings(types=("default", "linear", "yarn", "llama3"), max_position_embeddings=4),
+    gate=st.booleans(),
+    left=st.sampled_from([None, 0, 1, 3]),
+    partial=st.sampled_from([1.0, 0.5]),
+    interleaved=st.booleans(),
+    split=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_property_cached_decoding_equals_the_full_pass(scaling, gate, left, partial, interleaved, split, seed):
+    """Any scaling but ``dynamic`` (its frequencies follow the length seen, so cached keys keep
+    the rotation of their call, as in Hugging Face), gate, window (rolling cache), partial rotary."""
+    m = npattn.MultiHeadAttention(
+        8,
+        8,
+        2,
+        head_dim=4,
+        num_kv_heads=1,
+        causal=True,
+        rope=True,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        rope_interleaved=interleaved,
+        output_gate=gate,
+        window=None if left is None else (left, 0),
+        rng=seed,
+    ).eval()
+    x = np.random.default_rng(seed).standard_normal((2, sum(split), 8))
+    np.testing.assert_allclose(decode(m, x, split), m(x), rtol=0, atol=1e-12)
 
 
 def test_no_rolling_without_a_window_that_forgets():

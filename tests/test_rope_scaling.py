@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import npattn.functional as F
 from npattn.functional import kernels
 from npattn.functional import reference as R
-from npattn.testing import gradcheck
+from npattn.testing import gradcheck, rope_scalings
 
 TOL = 1e-12
 
@@ -206,21 +206,14 @@ def test_dynamic_follows_hugging_face_over_a_growing_sequence(hf64):
 
 @st.composite
 def scaled_cases(draw):
-    kind = draw(st.sampled_from(["default", "linear", "dynamic", "yarn", "llama3"]))
     half = draw(st.integers(2, 6))
     d = 2 * half + draw(st.sampled_from([0, 0, 2, 3]))  # sometimes features that pass through
     rotary_dim = None if d == 2 * half else 2 * half
-    params = {
-        "default": {},
-        "linear": {"rope_type": "linear", "factor": draw(st.floats(1.0, 8.0))},
-        "dynamic": {"rope_type": "dynamic", "factor": draw(st.floats(1.0, 8.0)), "max_position_embeddings": 4},
-        "yarn": dict(YARN, factor=draw(st.floats(1.0, 40.0))),
-        "llama3": dict(LLAMA3, original_max_position_embeddings=draw(st.sampled_from([4, 16, 64]))),
-    }[kind]
+    params = draw(rope_scalings(max_position_embeddings=4))
     length = draw(st.integers(1, 5))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     pos = np.arange(length) + draw(st.integers(0, 20))
-    return rng.standard_normal((2, length, d)), pos, params or None, rotary_dim, draw(st.booleans()), rng
+    return rng.standard_normal((2, length, d)), pos, params, rotary_dim, draw(st.booleans()), rng
 
 
 @settings(max_examples=60)

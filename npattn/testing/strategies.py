@@ -697,6 +697,49 @@ def moe_configs(
 __all__ += ["MoeCase", "moe_configs"]
 
 
+# -- RoPE as models configure it (npattn.functional.rope_frequencies) ------------------------------
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@st.composite
+def rope_scalings(draw, types: Sequence[str] = ROPE_TYPES, max_position_embeddings: int = 8):
+    """Hugging Face RoPE dicts (``rope_scaling`` / ``rope_parameters``) for ``rope(x, scaling=)`` and
+    ``MultiHeadAttention(rope_scaling=)``: one of ``types`` with its keys drawn over their useful
+    range (YaRN's optional keys sometimes present, the old spelling ``type`` sometimes), with
+    ``max_position_embeddings`` (``dynamic`` needs it; small, so short tests reach beyond it).
+    ``"default"`` gives ``None`` or a dict with ``rope_type`` only."""
+    kind = draw(st.sampled_from(tuple(types)))
+    key = draw(st.sampled_from(["rope_type", "rope_type", "type"]))
+    if kind == "default":
+        return draw(st.sampled_from([None, {key: "default"}]))
+    original = draw(st.sampled_from([2, 4, max_position_embeddings]))
+    d: dict = {key: kind, "factor": draw(st.floats(1.0, 16.0)), "max_position_embeddings": max_position_embeddings}
+    if kind == "yarn":
+        d["original_max_position_embeddings"] = original
+        for name, values in (
+            ("beta_fast", st.floats(4.0, 32.0)),
+            ("beta_slow", st.floats(0.5, 2.0)),
+            ("mscale", st.floats(0.5, 1.0)),
+            ("mscale_all_dim", st.floats(0.5, 1.0)),
+            ("attention_factor", st.floats(0.5, 2.0)),
+            ("truncate", st.booleans()),
+        ):
+            if draw(st.booleans()):
+                d[name] = draw(values)
+    elif kind == "llama3":
+        low = draw(st.floats(0.5, 2.0))
+        d.update(
+            original_max_position_embeddings=original,
+            low_freq_factor=low,
+            high_freq_factor=low + draw(st.floats(0.5, 4.0)),
+        )
+    return d
+
+
+__all__ += ["ROPE_TYPES", "rope_scalings"]
+
+
 # -- multi-head latent attention (npattn.nn.latent_attention) ----------------------------------------
 
 # the RoPE dicts latent_attention_configs draws from (None: the default rotation)
