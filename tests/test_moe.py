@@ -620,3 +620,89 @@ def test_no_tokens(family):
     assert not m.tokens_per_expert.any()
     assert m.router_module.last_indices.shape == (2, 0, m.router_module.top_k)
     assert all(not p.grad.any() for p in m.parameters())
+
+
+# --------------------------------------------------------------------------------- forward mode
+
+
+def _directional(m, x, tx, tparams, eps=1e-6):
+    """Central difference of the block's output along (tx, tparams)."""
+    params = dict(m.named_parameters())
+
+    def at(sign):
+        shifted = {n: params[n].data + sign * eps * t for n, t in tparams.items()}
+        return ref_block(m, x + sign * eps * tx, shifted)[0]
+
+    return (at(1) - at(-1)) / (2 * eps)
+
+
+@settings(max_examples=40)
+@given(moe_configs(), st.integers(0, 2**16))
+def test_jvp_against_central_differences_and_backward(case, seed):
+    """``m.jvp`` along a random input and parameter direction: equal to the central difference of
+    the dense reference, and ``<dy, J t> = <J^T dy, t>`` with the backward."""
+    m, _, margin = _block_and_margin(case)
+    assume(margin > 1e-4)
+    rng = np.random.default_rng(seed)
+    x = case.x
+    tx = rng.standard_normal(x.shape)
+    tparams = {n: rng.standard_normal(p.shape) for n, p in m.named_parameters()}
+    y = m(x)
+    ty = m.jvp(tx, param_tangents=tparams)
+    assert ty.shape == y.shape
+    assert rel_err(ty, _directional(m, x, tx, tparams)) < 1e-6
+    dx = m.backward(case.dy)  # the jvp kept the state
+    lhs = np.sum(case.dy * ty)
+    rhs = np.sum(dx * tx) + sum(np.sum(p.grad * tparams[n]) for n, p in m.named_parameters())
+    assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs))
+
+
+def test_jvp_of_router_and_experts_alone():
+    m = _family_block("deepseek_v3")
+    r, ex = m.router_module, m.experts
+    rng = np.random.default_rng(0)
+    x = _x((2, 3, 5))
+    w, idx = r(x)
+    tx, tW = rng.standard_normal(x.shape), rng.standard_normal(r.weight.shape)
+    tw = r.jvp(tx, param_tangents={"weight": tW})
+    eps = 1e-6
+
+    def route(s):
+        p = {"weight": r.weight.data + s * eps * tW, "e_score_correction_bias": r.e_score_correction_bias}
+        dense, _ = ref_route(r, (x + s * eps * tx).reshape(-1, 5), p)
+        return np.take_along_axis(dense, idx.reshape(-1, 3), -1).reshape(w.shape)
+
+    assert rel_err(tw, (route(1) - route(-1)) / (2 * eps)) < 1e-6
+    ex(x, idx, w)
+    tgu = rng.standard_normal(ex.gate_up_proj.shape)
+    ty = ex.jvp(tx, None, tw, param_tangents={"gate_up_proj": tgu})
+
+    def experts(s):
+        p = {"gate_up_proj": ex.gate_up_proj.data + s * eps * tgu, "down_proj": ex.down_proj.data}
+        outs, _ = ref_experts(ex, (x + s * eps * tx).reshape(-1, 5), p)
+        chosen = np.take_along_axis(outs, idx.reshape(-1, 3)[..., None], 1)
+        return np.einsum("nk,nkh->nh", (w + s * eps * tw).reshape(-1, 3), chosen).reshape(x.shape)
+
+    assert rel_err(ty, (experts(1) - experts(-1)) / (2 * eps)) < 1e-6
+    with pytest.raises(TypeError, match="top_k_index"):
+        ex.jvp(tx, np.ones(idx.shape), tw)
+    with pytest.raises(TypeError, match="at most 3"):
+        ex.jvp(tx, None, tw, tw)
+    with pytest.raises(ValueError, match="ttop_k_weights"):
+        ex.jvp(tx, None, tw[..., :2])
+    with pytest.raises(ValueError, match="tx"):
+        r.jvp(tx[..., :4])
+    with pytest.raises(ValueError, match="tx"):
+        m(x)
+        m.jvp(tx[0])
+    g = GatedMLP(5, 3, rng=0)
+    g(x)
+    with pytest.raises(ValueError, match="tx"):
+        g.jvp(tx[0])
+    assert np.all(m.jvp(None) == 0) and np.all(g.jvp() == 0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_gradcheck_both_modes(family):
+    report = gradcheck(_family_block(family), _x((3, 5), seed=6), mode="both")
+    assert report.ok, str(report)

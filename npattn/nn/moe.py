@@ -47,8 +47,17 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, as_index, as_rng, check_bool, check_dtype, check_positive_float, check_size
-from .layers import Linear, _act, _check_features
+from .._validate import (
+    as_float,
+    as_index,
+    as_rng,
+    check_bool,
+    check_dtype,
+    check_positive_float,
+    check_size,
+    check_tangent,
+)
+from .layers import Linear, _act, _check_features, _input_tangent
 from .module import Module, Parameter
 
 __all__ = [
@@ -128,6 +137,7 @@ class RouterCache(NamedTuple):
     p: Optional[np.ndarray]  # (N, E) softmax probabilities ("softmax_topk" only)
     r: np.ndarray  # (N, k) the weights before the routed scaling factor
     denom: Optional[np.ndarray]  # (N, 1) the renormalisation's denominator, or None
+    lead: tuple  # the leading axes of the public input (N = their product)
 
 
 class TopKRouter(Module):
@@ -238,7 +248,7 @@ class TopKRouter(Module):
     def forward(self, x):
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"TopKRouter({self.hidden_size}, {self.num_experts})")
-        w, _ = self._forward(x.reshape(-1, self.hidden_size))
+        w, _ = self._forward(x.reshape(-1, self.hidden_size), x.shape[:-1])
         self._shape_stats(x.shape[:-1])
         return w.reshape(x.shape[:-1] + (self.top_k,)), self.last_indices
 
@@ -260,8 +270,9 @@ class TopKRouter(Module):
             scores = np.where(allowed[..., None], grouped, -np.inf).reshape(n, self.num_experts)
         return _topk(scores, self.top_k)
 
-    def _forward(self, x: np.ndarray):
-        """``x (N, H)`` checked -> ``(weights (N, k), indices (N, k))``."""
+    def _forward(self, x: np.ndarray, lead: Optional[tuple] = None):
+        """``x (N, H)`` checked -> ``(weights (N, k), indices (N, k))``; ``lead``: the public
+        input's leading axes (default ``(N,)``)."""
         z = x @ self.weight.data.T  # (N, E) logits
         if self.bias is not None:
             z += self.bias.data
@@ -292,7 +303,7 @@ class TopKRouter(Module):
         self.last_logits = z
         self.last_indices = idx
         self.last_counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
-        self.save_for_backward(RouterCache(x, idx, v, p, r, denom))
+        self.save_for_backward(RouterCache(x, idx, v, p, r, denom, x.shape[:1] if lead is None else lead))
         return w, idx
 
     def backward(self, dweights) -> np.ndarray:
@@ -316,7 +327,7 @@ class TopKRouter(Module):
                             ``sum_E dp p = sum_k dv v``: ``dz = scatter(dv v) - p sum_k dv v``
         ``z = x W^T + b``                -> ``dx = dz W``, ``dW = dz^T x``, ``db = sum_N dz``.
         """
-        x, idx, v, p, r, denom = self.pop_saved()
+        x, idx, v, p, r, denom, _ = self.pop_saved()
         dr = dw * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else dw
         if self.variant == "topk_softmax":
             dv = r * (dr - (dr * r).sum(-1, keepdims=True))
@@ -337,6 +348,43 @@ class TopKRouter(Module):
         if self.bias is not None:
             self.accumulate_grad(self.bias, dz.sum(0))
         return dz @ self.weight.data
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the tangent of the weights ``(..., k)`` (the choice is constant)."""
+        tx = _input_tangent(input_tangents, "TopKRouter")
+        if tx is not None:
+            tx = check_tangent(tx, "tx", state.lead + (self.hidden_size,), state.x.dtype).reshape(state.x.shape)
+        return self._jvp_flat(state, tx, param_tangents).reshape(state.lead + (self.top_k,))
+
+    def _jvp_flat(self, state: RouterCache, tx, param_tangents) -> np.ndarray:
+        """``tx (N, H)`` or None -> ``tw (N, k)``, the backward's steps forwards:
+        ``tz = tx W^T + x tW^T + tb``; ``tv = tz_idx`` (``"topk_softmax"``), ``v (1 - v) tz_idx``
+        (``"sigmoid"``), ``v (tz_idx - sum_E p tz)`` (``"softmax_topk"``: softmax's tangent at the
+        chosen); ``tr = r (tv - sum r tv)`` (the top-k softmax), ``(tv - r sum tv) / D``
+        (renormalised), ``tv`` (otherwise); ``tw = c tr``."""
+        x, idx, v, p, r, denom, _ = state
+        tz = np.zeros((x.shape[0], self.num_experts), x.dtype)
+        if tx is not None:
+            tz += tx @ self.weight.data.T
+        tweight, tbias = param_tangents.get(self.weight), param_tangents.get(self.bias)
+        if tweight is not None:
+            tz += x @ tweight.T
+        if tbias is not None:
+            tz += tbias
+        tzi = np.take_along_axis(tz, idx, -1)
+        if self.variant == "softmax_topk":
+            tv = v * (tzi - (p * tz).sum(-1, keepdims=True))
+        elif self.variant == "sigmoid":
+            tv = v * (1.0 - v) * tzi
+        else:
+            tv = tzi
+        if self.variant == "topk_softmax":
+            tr = r * (tv - (r * tv).sum(-1, keepdims=True))
+        elif denom is not None:
+            tr = (tv - r * tv.sum(-1, keepdims=True)) / denom
+        else:
+            tr = tv
+        return tr * self.routed_scaling_factor
 
     def extra_repr(self):
         s = f"{self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, variant={self.variant!r}"
@@ -360,6 +408,7 @@ class ExpertsCache(NamedTuple):
     hs: np.ndarray  # (S, H) each pair's expert output, before weighting
     mlp: Any  # the expert MLP's own cache
     shape: tuple  # (N, k)
+    lead: tuple  # the leading axes of the public input (N = their product)
 
 
 class _SortedExperts(Module):
@@ -399,11 +448,12 @@ class _SortedExperts(Module):
         if w.shape != idx.shape:
             raise ValueError(f"top_k_weights: expected shape {idx.shape} (top_k_index's), got {w.shape}")
         k = idx.shape[-1]
-        y = self._forward(x.reshape(-1, self.hidden_size), idx.reshape(-1, k), w.reshape(-1, k))
+        y = self._forward(x.reshape(-1, self.hidden_size), idx.reshape(-1, k), w.reshape(-1, k), lead)
         return y.reshape(x.shape)
 
-    def _forward(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """Sorting dispatch: ``x (N, H)``, ``idx, w (N, k)`` checked -> ``y (N, H)``."""
+    def _forward(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray, lead: Optional[tuple] = None) -> np.ndarray:
+        """Sorting dispatch: ``x (N, H)``, ``idx, w (N, k)`` checked -> ``y (N, H)``; ``lead``: the
+        public input's leading axes (default ``(N,)``)."""
         n, k = idx.shape
         flat = idx.reshape(-1)  # pair t = n k + j is token n's j-th choice
         order = np.argsort(flat, kind="stable")  # (S,) pairs grouped by expert
@@ -414,7 +464,7 @@ class _SortedExperts(Module):
         hs, mlp = self._mlp_forward(x[tok], bounds)  # (S, H): each expert on its contiguous slice
         y_pairs = np.empty_like(hs)
         y_pairs[order] = hs * ws[:, None]  # back to (token, slot) order: the inverse permutation
-        self.save_for_backward(ExpertsCache(order, tok, bounds, ws, hs, mlp, (n, k)))
+        self.save_for_backward(ExpertsCache(order, tok, bounds, ws, hs, mlp, (n, k), (n,) if lead is None else lead))
         return y_pairs.reshape(n, k, x.shape[1]).sum(1)  # (N, H)
 
     def backward(self, dy):
@@ -431,7 +481,7 @@ class _SortedExperts(Module):
         ``dh_nj = w_nj dy_n``; each expert's backward turns its ``dh`` rows into ``dx`` rows, which
         go back to (token, slot) order through the forward's permutation and sum over the slots
         (a token chosen by k experts receives k gradients)."""
-        order, tok, bounds, ws, hs, mlp, (n, k) = self.pop_saved()
+        order, tok, bounds, ws, hs, mlp, (n, k), _ = self.pop_saved()
         dys = dy[tok]  # (S, H) each sorted pair's upstream gradient
         dw = np.empty(n * k, dy.dtype)
         dw[order] = np.einsum("sh,sh->s", dys, hs)
@@ -440,7 +490,36 @@ class _SortedExperts(Module):
         dx_pairs[order] = dxs
         return dx_pairs.reshape(n, k, dy.shape[1]).sum(1), dw.reshape(n, k)
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``input_tangents`` are ``(tx, None, ttop_k_weights)`` (the indices have
+        no tangent); returns ``ty (..., H)``."""
+        if len(input_tangents) > 3:
+            raise TypeError(f"{type(self).__name__}.jvp: expected at most 3 input tangents, got {len(input_tangents)}")
+        tx, tidx, tw = tuple(input_tangents) + (None,) * (3 - len(input_tangents))
+        if tidx is not None:
+            raise TypeError(f"{type(self).__name__}.jvp: top_k_index has no tangent; expected None")
+        (n, k), lead, dtype = state.shape, state.lead, state.hs.dtype
+        if tx is not None:
+            tx = check_tangent(tx, "tx", lead + (self.hidden_size,), dtype).reshape(n, self.hidden_size)
+        if tw is not None:
+            tw = check_tangent(tw, "ttop_k_weights", lead + (k,), dtype).reshape(n, k)
+        return self._jvp_flat(state, tx, tw, param_tangents).reshape(lead + (self.hidden_size,))
+
+    def _jvp_flat(self, state: ExpertsCache, tx, tw, param_tangents) -> np.ndarray:
+        """``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)``: the experts' tangents on the sorted rows,
+        back to (token, slot) order through the same permutation, summed over the slots."""
+        order, tok, bounds, ws, hs, mlp, (n, k), _ = state
+        ty_sorted = ws[:, None] * self._mlp_jvp(None if tx is None else tx[tok], mlp, bounds, param_tangents)
+        if tw is not None:
+            ty_sorted += tw.reshape(-1)[order][:, None] * hs
+        ty_pairs = np.empty_like(ty_sorted)
+        ty_pairs[order] = ty_sorted
+        return ty_pairs.reshape(n, k, hs.shape[1]).sum(1)
+
     def _mlp_forward(self, xs, bounds):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _mlp_jvp(self, txs, cache, bounds, param_tangents):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _mlp_backward(self, dhs, cache, bounds):  # pragma: no cover - abstract
@@ -537,6 +616,27 @@ class Experts(_SortedExperts):
             g_gu[e] += dgu[rows].T @ xs[rows]
             np.matmul(dgu[rows], self.gate_up_proj.data[e], out=dxs[rows])
         return dxs
+
+    def _mlp_jvp(self, txs, cache, bounds, param_tangents):
+        """The forward's steps on tangents: ``tgu = tx Wgu^T + x tWgu^T``; ``th = act'(gate) tgate up
+        + act(gate) tup`` (an elementwise activation's Jacobian is diagonal: its backward kernel
+        applied to a tangent gives the tangent); ``to = th Wd^T + h tWd^T``."""
+        xs, gu, a, act_cache, h = cache
+        i = self.intermediate_size
+        t_gu, t_d = param_tangents.get(self.gate_up_proj), param_tangents.get(self.down_proj)
+        tgu = np.zeros_like(gu)
+        for e, rows in self._experts(bounds):
+            if txs is not None:
+                tgu[rows] += txs[rows] @ self.gate_up_proj.data[e].T
+            if t_gu is not None:
+                tgu[rows] += xs[rows] @ t_gu[e].T
+        th = _act(self._act)[1](tgu[:, :i], act_cache) * gu[:, i:] + a * tgu[:, i:]
+        to = np.empty_like(xs)
+        for e, rows in self._experts(bounds):
+            np.matmul(th[rows], self.down_proj.data[e].T, out=to[rows])
+            if t_d is not None:
+                to[rows] += h[rows] @ t_d[e].T
+        return to
 
     def extra_repr(self):
         return super().extra_repr() + f", hidden_act={self.hidden_act!r}"
@@ -635,6 +735,35 @@ class GptOssExperts(_SortedExperts):
             np.matmul(dgu[rows], self.gate_up_proj.data[e].T, out=dxs[rows])
         return dxs
 
+    def _mlp_jvp(self, txs, cache, bounds, param_tangents):
+        """``tgu = tx Wgu + x tWgu + tbgu``; the clamps pass the tangent inside their limits;
+        ``tglu = tg s (1 + alpha g (1 - s))``; ``th = tu glu + (u + 1) tglu``;
+        ``to = th Wd + h tWd + tbd``."""
+        xs, gu, g, u, sig, glu, h = cache
+        lim = self.limit
+        t_gu, t_gub = param_tangents.get(self.gate_up_proj), param_tangents.get(self.gate_up_proj_bias)
+        t_d, t_db = param_tangents.get(self.down_proj), param_tangents.get(self.down_proj_bias)
+        tgu = np.zeros_like(gu)
+        for e, rows in self._experts(bounds):
+            if txs is not None:
+                tgu[rows] += txs[rows] @ self.gate_up_proj.data[e]
+            if t_gu is not None:
+                tgu[rows] += xs[rows] @ t_gu[e]
+            if t_gub is not None:
+                tgu[rows] += t_gub[e]
+        gate, up = gu[:, ::2], gu[:, 1::2]
+        tg = tgu[:, ::2] * (gate <= lim)
+        tu = tgu[:, 1::2] * ((up >= -lim) & (up <= lim))
+        th = tu * glu + (u + 1.0) * tg * sig * (1.0 + self.alpha * g * (1.0 - sig))
+        to = np.empty_like(xs)
+        for e, rows in self._experts(bounds):
+            np.matmul(th[rows], self.down_proj.data[e], out=to[rows])
+            if t_d is not None:
+                to[rows] += h[rows] @ t_d[e]
+            if t_db is not None:
+                to[rows] += t_db[e]
+        return to
+
     def extra_repr(self):
         return super().extra_repr() + f", alpha={self.alpha}, limit={self.limit}"
 
@@ -707,6 +836,18 @@ class GatedMLP(Module):
         dx = self.up_proj._backward(dh * a)
         dx += self.gate_proj._backward(_act(self._act)[1](dh * b, act_cache))
         return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``th = act'(g) tg b + a tb`` with the projections' tangents ``tg``, ``tb``
+        (each child's latest state is this call's), then ``down_proj``'s."""
+        tx = _input_tangent(input_tangents, "GatedMLP")
+        act_cache, a, b = state
+        if tx is not None:
+            tx = check_tangent(tx, "tx", a.shape[:-1] + (self.hidden_size,), a.dtype)
+        tg = self._child_jvp(self.gate_proj, -1, (tx,), param_tangents)
+        tb = self._child_jvp(self.up_proj, -1, (tx,), param_tangents)
+        th = _act(self._act)[1](tg, act_cache) * b + a * tb
+        return self._child_jvp(self.down_proj, -1, (th,), param_tangents)
 
     def extra_repr(self):
         return f"{self.hidden_size}, {self.intermediate_size}, hidden_act={self.hidden_act!r}"
@@ -867,12 +1008,12 @@ class SparseMoeBlock(Module):
     def forward(self, x) -> np.ndarray:
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"SparseMoeBlock(hidden_size={self.hidden_size})")
-        y = self._forward(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        y = self._forward(x.reshape(-1, self.hidden_size), x.shape[:-1]).reshape(x.shape)
         self.router_module._shape_stats(x.shape[:-1])
         return y
 
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        """``x (N, H)`` checked -> ``y (N, H)``."""
+    def _forward(self, x: np.ndarray, lead: Optional[tuple] = None) -> np.ndarray:
+        """``x (N, H)`` checked -> ``y (N, H)``; ``lead``: the public input's leading axes."""
         w, idx = self.router_module._forward(x)
         y = self.experts._forward(x, idx, w)
         shared, gate = self.shared_module, self.shared_gate_module
@@ -884,7 +1025,7 @@ class SparseMoeBlock(Module):
                 y += g * s
             else:
                 y += s
-        self.save_for_backward((g, s))
+        self.save_for_backward((g, s, x.shape[:1] if lead is None else lead))
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -895,7 +1036,7 @@ class SparseMoeBlock(Module):
         """The routed part: the experts give ``dx`` and ``dw``, the router turns ``dw`` into its
         own ``dx``.  The shared part, ``y += g s`` with ``g = sigmoid(x w_g^T)``: ``ds = g dy``,
         ``d(x w_g^T) = <dy, s> g (1 - g)``."""
-        g, s = self.pop_saved()
+        g, s, _ = self.pop_saved()
         dx, dw = self.experts._backward(dy)
         dx += self.router_module._backward(dw)
         shared, gate = self.shared_module, self.shared_gate_module
@@ -906,6 +1047,28 @@ class SparseMoeBlock(Module):
             else:
                 dx += shared._backward(dy)
         return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the router's weight tangent (the choice is constant), the experts'
+        ``sum_j (tw_j h_j + w_j th_j)``, and the shared part ``tg s + g ts`` with
+        ``tg = g (1 - g) t(x w_g^T)``.  Each child's latest state is this call's."""
+        tx = _input_tangent(input_tangents, "SparseMoeBlock")
+        g, s, lead = state
+        router, experts = self.router_module, self.experts
+        xr = router.saved_state().x
+        if tx is not None:
+            tx = check_tangent(tx, "tx", lead + (self.hidden_size,), xr.dtype).reshape(xr.shape)
+        tw = router._jvp_flat(router.saved_state(), tx, param_tangents)
+        ty = experts._jvp_flat(experts.saved_state(), tx, tw, param_tangents)
+        shared, gate = self.shared_module, self.shared_gate_module
+        if shared is not None:
+            ts = self._child_jvp(shared, -1, (tx,), param_tangents)
+            if gate is not None:
+                tgz = self._child_jvp(gate, -1, (tx,), param_tangents)
+                ty += g * ts + g * (1.0 - g) * tgz * s
+            else:
+                ty += ts
+        return ty.reshape(lead + (self.hidden_size,))
 
     # -- from a Hugging Face config ------------------------------------------------------------
     @classmethod
