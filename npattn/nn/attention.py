@@ -28,6 +28,8 @@ from .._validate import (
     check_positive_float,
     check_prob,
     check_size,
+    check_tangent,
+    check_tangents,
     to_numpy,
 )
 from ..functional import AttentionCache
@@ -819,6 +821,65 @@ class MultiHeadAttention(Module):
                 self._accumulate(m.bias, db_i)
             grads.append(dx_i)
         return tuple(grads)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``jvp``): the forward's steps in order, each by its functional JVP.
+
+        The projections (``ty = tx W^T + x tW^T + tb``; the fused self-attention weight's tangent
+        is the three weights' stacked), QK-norm and RoPE, the extra keys (``bias_k``/``bias_v``
+        move with their tangents, the zero key does not), the attention core
+        (``scaled_dot_product_attention_jvp`` or ``memory_efficient_attention_jvp``, the sinks
+        with their tangent, dropout with the forward's mask), the output gate
+        (``t(a s) = ta s + a s (1 - s) tg``, ``s = sigmoid(g)``) and ``out_proj``.  Input tangents:
+        ``tquery`` for self-attention, ``tquery, tkey, tvalue`` for cross-attention (each of its
+        input's shape, None = zero)."""
+        st = state
+        Hk, hd = self.num_kv_heads, self.head_dim
+        d_kv, nq = Hk * hd, self._q_rows
+        pt = param_tangents
+        mods = (self.W_query, self.W_key, self.W_value)
+        names = ("tquery",) if st.self_attn else ("tquery", "tkey", "tvalue")
+        dt = st.out.x.dtype
+        given = check_tangents(input_tangents, names, "MultiHeadAttention.jvp")
+        ts = [check_tangent(t, n, c.x.shape, dt) for t, n, c in zip(given, names, st.proj)]
+        if st.self_attn:  # the fused projection: its weight's (and bias') tangent stacks the three
+
+            def stacked(params):
+                tans = [pt.get(p) for p in params]
+                if all(t is None for t in tans):
+                    return None
+                return np.concatenate([np.zeros(p.data.shape, dt) if t is None else t for p, t in zip(params, tans)])
+
+            tb = stacked([m.bias for m in mods]) if self.W_query.bias is not None else None
+            tqkv = K.linear_jvp(st.proj[0], ts[0], stacked([m.weight for m in mods]), tb)
+            tq, tk, tv = tqkv[..., :nq], tqkv[..., nq : nq + d_kv], tqkv[..., nq + d_kv :]
+        else:
+            tq, tk, tv = (K.linear_jvp(c, t, pt.get(m.weight), pt.get(m.bias)) for c, t, m in zip(st.proj, ts, mods))
+        (tqh, tgate), tkh, tvh = self._split_query(tq), self._split(tk, Hk), self._split(tv, Hk)
+        if st.q_norm is not None:  # the weight is w or 1 + w: its tangent is tw either way
+            tqh = K.rms_norm_jvp(st.q_norm, tqh, pt.get(self.q_norm.weight))
+            tkh = K.rms_norm_jvp(st.k_norm, tkh, pt.get(self.k_norm.weight))
+        if st.q_rope is not None:
+            tqh, tkh = K.rope_jvp(st.q_rope, tqh), K.rope_jvp(st.k_rope, tkh)
+        if st.n_extra:  # the appended keys/values, as in _with_extra_keys
+            lead = tkh.shape[:-3]
+            tks, tvs = [tkh], [tvh]
+            extra = [(self.bias_k, self.bias_v)] if self.add_bias_kv else []
+            extra += [(None, None)] if self.add_zero_attn else []
+            for pk, pv in extra:
+                for out, p in ((tks, pk), (tvs, pv)):
+                    t = pt.get(p)
+                    shape = lead + (Hk, 1, hd)
+                    out.append(np.zeros(shape, dt) if t is None else np.broadcast_to(t.reshape(Hk, 1, hd), shape))
+            tkh, tvh = np.concatenate(tks, axis=-2), np.concatenate(tvs, axis=-2)
+        tsinks = pt.get(self.sinks) if st.sinks else None
+        core = K.memory_efficient_attention_jvp if st.memory_efficient else K.scaled_dot_product_attention_jvp
+        tmerged = self._merge(core(st.attn, tqh, tkh, tvh, None, tsinks))  # (..., L, H * hd)
+        if st.gate is not None:  # out_proj saw a * s, s = sigmoid(gate)
+            a, s = st.gate
+            tmerged = tmerged * s
+            tmerged += a * s * (1 - s) * tgate.reshape(a.shape)
+        return K.linear_jvp(st.out, tmerged, pt.get(self.out_proj.weight), pt.get(self.out_proj.bias))
 
     # -- KV cache --------------------------------------------------------------------------
     def reset_kv_cache(self) -> None:
