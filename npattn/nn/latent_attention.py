@@ -485,9 +485,8 @@ class MultiHeadLatentAttention(Module):
 
     def _expand(self, c, use_cache):
         """``kv_b_proj(c)``; in a cached call the kernel alone (nothing kept, ``kv_b_proj`` untouched)."""
-        if use_cache:
-            w = self.kv_b_proj.weight.data
-            return K.linear(c, w)[0]
+        if use_cache:  # c is a strided view of the cache: one contiguous copy keeps the product on BLAS
+            return K.linear(np.ascontiguousarray(c), self.kv_b_proj.weight.data)[0]
         return self.kv_b_proj._forward(c)
 
     def _absorbed_weights(self):
