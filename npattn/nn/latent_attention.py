@@ -55,7 +55,7 @@ from .._validate import (
 from ..functional import kernels as K
 from ..functional.rope_scaling import _check_scaling, _resolve_base, rope_softmax_scale
 from .attention import _KVCache
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, _input_tangent
 from .module import Module, no_grad
 
 __all__ = ["MultiHeadLatentAttention", "kv_cache_bytes_per_token"]
@@ -500,6 +500,47 @@ class MultiHeadLatentAttention(Module):
         "keys" and a zero-width "value" (the values are the keys' first ``r`` features)."""
         new = np.concatenate([c[..., None, :, :], k_pe], axis=-1)
         return new, new[..., :0]
+
+    # -- forward mode ----------------------------------------------------------------------
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``m.jvp(tx, param_tangents=...)``): the forward's chain run on tangents.
+        Each submodule's latest state is this call's; RoPE is linear (``rope_jvp`` rotates the
+        tangent); the attention core's tangent is ``scaled_dot_product_attention_jvp``.  Absorbed
+        form, by the product rule: ``tq_lat = tq_nope W_uk + q_nope tW_uk`` and ``tctx = tctx_lat
+        W_uv^T + ctx_lat tW_uv^T``, the shared key's tangent ``[tc, tk_pe]`` and the value's ``tc``."""
+        tx = _input_tangent(input_tangents, "MultiHeadLatentAttention")
+        st: _State = state
+        H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        jvp, pt = self._child_jvp, param_tangents
+        if self.q_lora_rank is None:
+            tq = jvp(self.q_proj, -1, (tx,), pt)
+        else:
+            ta = jvp(self.q_a_layernorm, -1, (jvp(self.q_a_proj, -1, (tx,), pt),), pt)
+            tq = jvp(self.q_b_proj, -1, (ta,), pt)
+        tqh = _split(tq, H)
+        tq_nope, tq_pe = tqh[..., :dn], K.rope_jvp(st.q_rope, tqh[..., dn:])
+        tckv = jvp(self.kv_a_proj_with_mqa, -1, (tx,), pt)
+        tc = jvp(self.kv_a_layernorm, -1, (tckv[..., :r],), pt)
+        tk_pe = K.rope_jvp(st.k_rope, tckv[..., None, :, r:])  # (..., 1, L, dr)
+        if st.absorbed:
+            W_uk, W_uv = self._absorbed_weights()
+            tW = pt.get(self.kv_b_proj.weight)
+            tq_lat = np.matmul(tq_nope, W_uk)
+            if tW is not None:
+                tW = tW.reshape(W_uk.shape[0], -1, r)
+                tq_lat += np.matmul(st.q_nope, tW[:, :dn])
+            tfull = np.concatenate([tc[..., None, :, :], tk_pe], axis=-1)
+            tquery = np.concatenate([tq_lat, tq_pe], axis=-1)
+            tctx_lat = K.scaled_dot_product_attention_jvp(st.attn, tquery, tfull, tfull[..., :r])
+            tctx = np.matmul(tctx_lat, W_uv.swapaxes(-1, -2))
+            if tW is not None:
+                tctx += np.matmul(st.ctx_lat, tW[:, dn:].swapaxes(-1, -2))
+        else:
+            tkvh = _split(jvp(self.kv_b_proj, -1, (tc,), pt), H)  # (..., H, L, dn + dv)
+            tkey = np.concatenate([tkvh[..., :dn], np.broadcast_to(tk_pe, tkvh.shape[:-1] + tk_pe.shape[-1:])], -1)
+            tquery = np.concatenate([tq_nope, tq_pe], axis=-1)
+            tctx = K.scaled_dot_product_attention_jvp(st.attn, tquery, tkey, tkvh[..., dn:])
+        return jvp(self.o_proj, -1, (_merge(tctx),), pt)
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, dy):
