@@ -167,6 +167,3 @@ class Sequential(ModuleList):
                 raise RuntimeError(f"Sequential.jvp: {type(m).__name__} kept no state in this forward")
             t = self._child_jvp(m, index, (t,), param_tangents)
         return t
-
-    def extra_repr(self) -> str:
-        return ""
