@@ -14,6 +14,8 @@ Where things are (read in this order):
 * ``decode.py``   greedy decoding tokens/s with and without the KV cache, against torch;
 * ``memory.py``   peak memory of both attention cores against sequence length;
 * ``window.py``   windowed attention against sequence length (work linear in L);
+* ``delta.py``    the chunked delta rule (gated DeltaNet) against its recurrence and transformers'
+                  torch implementation, against sequence length;
 * ``cases.py``    what can be measured: each kind of case builds npattn's callables (and torch's,
                   same weights) from its sizes; FLOP counts;
 * ``twins.py``    torch's side of each case (imported only when torch is);

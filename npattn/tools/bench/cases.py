@@ -297,6 +297,56 @@ def _decode_flops(*, cfg, prompt_len=16, batch=1):
     return 2 * batch * weights * sum(range(prompt_len, ctx))
 
 
+# -- the gated delta rule (Qwen3-Next's linear attention) ---------------------------------------------
+def delta_rule(dtype, torch, *, b, h, L, D, impls=("chunked", "recurrence"), chunk_size=64, with_torch=True):
+    """``gated_delta_rule`` forward+backward with ``use_qk_l2norm`` (as Qwen3-Next) on ``(b, h, L, D)``
+    q, k, v (``D = Dk = Dv``), for each of ``impls``: ``"chunked"`` (``npattn.functional``, work
+    linear in L) and ``"recurrence"`` (``npattn.functional.reference``, one step at a time); torch's
+    twin: transformers' ``torch_chunk_gated_delta_rule`` with autograd (when transformers is
+    importable and ``with_torch``).  ``check``: the largest relative difference of each output to
+    the chunked one's."""
+    from ... import functional as F
+    from ...functional import reference as R
+
+    q, k, v, dout = _inputs(dtype, *([(b, h, L, D)] * 4))
+    rng = np.random.default_rng(1)
+    g = (-np.logaddexp(0.0, rng.standard_normal((b, h, L)))).astype(dtype)  # log decays <= 0
+    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((b, h, L))))).astype(dtype)
+    pairs = {
+        "chunked": (F.gated_delta_rule, F.gated_delta_rule_backward, {"chunk_size": chunk_size}),
+        "recurrence": (R.gated_delta_rule, R.gated_delta_rule_backward, {}),
+    }
+
+    def step(impl):
+        forward, backward, kw = pairs[impl]
+
+        def run():
+            out, cache = forward(q, k, v, g, beta, use_qk_l2norm=True, **kw)
+            backward(dout, cache)
+            return out
+
+        return run
+
+    fns = {impl: step(impl) for impl in impls}
+    torch_fns = {}
+    if torch is not None and with_torch:
+        run = twins.gated_delta_rule(torch, q, k, v, g, beta, dout)
+        if run is not None:
+            torch_fns["torch"] = run
+
+    def check():
+        want = step("chunked")()
+        return {"max_rel_diff": {name: rel_diff(f(), want) for name, f in {**fns, **torch_fns}.items()}}
+
+    return Built("gated_delta_rule", {"b": b, "h": h, "L": L, "D": D}, fns, torch_fns, check)
+
+
+def _delta_rule_flops(*, b, h, L, D, **_):
+    """The recurrence's useful work: per step and head ``S^T k``, the rank-1 write and ``S^T q``
+    (``3 D^2`` multiply-adds), a backward twice that."""
+    return 3 * 2 * b * h * L * 3 * D * D
+
+
 KINDS = {
     "attention": Kind(attention, _attention_flops),
     "attention_jvp": Kind(attention_jvp, _attention_jvp_flops),
@@ -304,4 +354,5 @@ KINDS = {
     "encoder": Kind(encoder, encoder_flops),
     "demo": Kind(demo, _demo_flops),
     "decode": Kind(decode, _decode_flops),
+    "delta_rule": Kind(delta_rule, _delta_rule_flops),
 }

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from . import decode, memory, timing, window
+from . import decode, delta, memory, timing, window
 from .machine import ENV_KEYS, SLOW_ENV, machine_info, probe_openblas_env
 from .runner import call_in_child
 
@@ -28,6 +28,11 @@ SECTIONS = [
     Section("decode", "greedy decoding tokens/s of the book's GPT with and without the KV cache (and torch's)", decode),
     Section("memory", "peak memory of forward+backward of both attention cores against sequence length", memory),
     Section("window", "windowed attention (window=(256, 0)) of both cores against L = 1k ... 16k", window),
+    Section(
+        "delta",
+        "the chunked delta rule (gated DeltaNet) against its recurrence and transformers' torch one, L = 256 ... 4096",
+        delta,
+    ),
 ]
 
 

@@ -267,3 +267,25 @@ def book_gpt_greedy(torch, cfg, state_dict, prompt, new):
         return idx.numpy()
 
     return run
+
+
+def gated_delta_rule(torch, q, k, v, g, beta, dout):
+    """transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's torch path, chunks of 64) with
+    ``use_qk_l2norm_in_kernel`` forward+backward through autograd, on npattn's ``(b, h, L, D)``
+    arrays (its layout is ``(b, L, h, D)``): ``run`` returning the output in npattn's layout, or
+    None when transformers is not importable."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    except ImportError:
+        return None
+    leaves = [_t(torch, np.swapaxes(a, 1, 2)).requires_grad_() for a in (q, k, v, g, beta)]
+    tdout = _t(torch, np.swapaxes(dout, 1, 2))
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        out, _ = torch_chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+        out.backward(tdout)
+        return out.detach().numpy().swapaxes(1, 2)
+
+    return run
