@@ -105,6 +105,10 @@ def test_head_dim_shapes_and_default():
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert np.array_equal(p.data, q.data), n
     assert "head_dim=6" in repr(m) and "output_gate=True" in repr(m)
+    r = repr(make("everything"))
+    for part in ("rope_scaling='llama3'", "partial_rotary_factor=0.66", "scale=0.25", "qk_norm_unit_offset=True"):
+        assert part in r, (part, r)
+    assert "rope_interleaved=True" in repr(make("yarn_partial_interleaved"))
 
 
 def test_scale_and_unit_offset_norm_mean_what_they_say():

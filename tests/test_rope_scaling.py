@@ -259,6 +259,11 @@ def test_rope_theta_in_the_dict_is_the_base():
     assert np.array_equal(by_dict, F.rope(x, base=500.0, scaling={"rope_theta": 500.0})[0])
     partial, _ = F.rope(x, scaling={"partial_rotary_factor": 0.5})
     assert np.array_equal(partial, F.rope(x, rotary_dim=4)[0])
+    # as Hugging Face's standardisation: original_max_position_embeddings defaults to max_position_embeddings
+    for params in (YARN, LLAMA3):
+        short = {k: v for k, v in params.items() if k != "original_max_position_embeddings"}
+        by_max = dict(short, max_position_embeddings=params["original_max_position_embeddings"])
+        assert np.array_equal(F.rope(x, scaling=by_max)[0], F.rope(x, scaling=params)[0])
     # None values are absent keys, as in Hugging Face's configs
     assert np.array_equal(F.rope(x, scaling=dict(YARN, attention_factor=None))[0], F.rope(x, scaling=YARN)[0])
 
