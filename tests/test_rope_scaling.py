@@ -185,6 +185,45 @@ def test_rope_equals_hugging_face_rotary_class_and_autograd(hf64, case):
             assert np.array_equal(y[..., r:], x[..., r:]) and np.array_equal(dx[..., r:], dy[..., r:])
 
 
+def test_interleaved_yarn_equals_deepseek_v3(hf64, monkeypatch):
+    """DeepSeek-V3's interleaved RoPE (``apply_rotary_pos_emb_interleave``) turns pairs
+    ``(2i, 2i+1)`` and writes the result de-interleaved (first members, then second members):
+    npattn's ``interleaved=True`` output in that order, with YaRN and its mscale attention factor."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3RotaryEmbedding,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    float64_torch(monkeypatch, "models.deepseek_v3.modeling_deepseek_v3")
+    config = DeepseekV3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        max_position_embeddings=640,
+        rope_theta=500.0,
+        rope_scaling=dict(DEEPSEEK),
+    )
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 6, 8))
+    positions = np.arange(6) + 20
+    y, cache = F.rope(x, positions, interleaved=True, scaling=npattn_scaling(config))
+    dy = rng.standard_normal(y.shape)
+    dx = F.rope_backward(dy, cache)
+    tx = torch.from_numpy(x.copy()).requires_grad_(True)
+    cos, sin = DeepseekV3RotaryEmbedding(config)(tx, torch.from_numpy(positions)[None])
+    ty, _ = apply_rotary_pos_emb_interleave(tx, tx, cos, sin)
+    order = np.r_[0:8:2, 1:8:2]  # de-interleaved
+    ty.backward(torch.from_numpy(dy[..., order]))
+    np.testing.assert_allclose(y[..., order], ty.detach().numpy(), rtol=0, atol=TOL * np.abs(x).max())
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=0, atol=TOL * np.abs(dy).max())
+
+
 def test_dynamic_follows_hugging_face_over_a_growing_sequence(hf64):
     """Decoding past max_position_embeddings: HF's dynamic_rope_update recomputes the frequencies
     at every longer position; npattn computes them from the positions of each call."""
