@@ -403,3 +403,16 @@ def test_tangents_are_not_modified():
             _jvp(module, case, tangents)
         for t, c in zip(tangents, copies):
             np.testing.assert_array_equal(t, c)
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_textbook_no_tangent_is_zero(name):
+    """The textbook tier: no tangent is zero, or None where the cache does not know the output's
+    shape (rope, dropout in eval mode; documented in its module docstring)."""
+    case = _case(name)
+    out, cache = case.call(R, *case.primals)
+    t = getattr(R, case.op + "_jvp")(cache)
+    if t is None:
+        assert case.op in ("rope", "dropout")
+    else:
+        assert np.size(t) == np.size(out) and not np.any(t)

@@ -6,7 +6,7 @@ shape ``(..., keys, queries)``.  This module holds the pieces they have in commo
 
 * ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
   validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
-  before any arithmetic); ``attention_tangent_names``: the tangents a JVP takes;
+  before any arithmetic); ``check_attention_tangents``: the tangents of a JVP;
 * ``gqa_groups``, ``out_lead``, ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the
   leading (batch) dimensions of q, k, v (kernels, unchecked), and the reduction of a gradient back
   to its input's own shape;
@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_bool, check_positive_float
+from .._validate import as_float, check_bool, check_positive_float, check_tangent, check_tangents
 
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
 
@@ -273,10 +273,19 @@ def check_options(
     return AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
 
 
-def attention_tangent_names(mask_grad: bool, has_sinks: bool) -> tuple:
-    """The tangents an attention JVP takes, in the backward's order of gradients: ``tq, tk, tv``,
-    then ``tmask`` (with ``mask_grad``), then ``tsinks`` (with sinks)."""
-    return ("tq", "tk", "tv") + (("tmask",) if mask_grad else ()) + (("tsinks",) if has_sinks else ())
+def check_attention_tangents(tangents: tuple, op: str, qkv_shapes: tuple, mask_shape, sinks_shape, dtype) -> tuple:
+    """The tangents given to an attention JVP, checked: ``tq, tk, tv`` (of ``qkv_shapes``), then
+    ``tmask`` (of ``mask_shape``; only with ``mask_grad``, else pass None), then ``tsinks`` (of
+    ``sinks_shape``; only with sinks) in the backward's order of gradients; each cast to
+    ``dtype``.  Returns ``(tq, tk, tv, tmask, tsinks)``, None for zero or absent."""
+    wanted = dict(zip(("tq", "tk", "tv"), qkv_shapes))
+    if mask_shape is not None:
+        wanted["tmask"] = mask_shape
+    if sinks_shape is not None:
+        wanted["tsinks"] = sinks_shape
+    given = dict(zip(wanted, check_tangents(tangents, tuple(wanted), op)))
+    checked = {n: check_tangent(given[n], n, shape, dtype) for n, shape in wanted.items()}
+    return tuple(checked.get(n) for n in ("tq", "tk", "tv", "tmask", "tsinks"))
 
 
 # -- which keys a query may see ------------------------------------------------------------------------

@@ -14,16 +14,16 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob, check_tangent, check_tangents
+from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob
 from ._blocks import (
     AttentionOptions,
     Band,
     Block,
-    attention_tangent_names,
     band,
     band_hidden,
     broadcast_qkv,
     broadcast_shapes,
+    check_attention_tangents,
     check_options,
     check_qkv,
     check_scale,
@@ -546,17 +546,18 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
         raise TypeError(
             f"cache: expected the AttentionCache returned by scaled_dot_product_attention, got {type(cache).__name__}"
         )
-    opts = cache.options
-    names = attention_tangent_names(opts.mask_grad, opts.sinks is not None)
-    given = dict(zip(names, check_tangents(tangents, names, "scaled_dot_product_attention_jvp")))
-    shapes = cache.shapes or (cache.q.shape, cache.k.shape, cache.v.shape)
-    wanted = dict(zip(("tq", "tk", "tv"), shapes))
-    if cache.mask is not None:  # kept with mask_grad only
-        wanted["tmask"] = cache.mask.shape
-    if opts.sinks is not None:
-        wanted["tsinks"] = opts.sinks.shape
-    checked = {n: check_tangent(given[n], n, wanted[n], cache.q.dtype) for n in names}
-    return _scaled_dot_product_attention_jvp(cache, *(checked.get(n) for n in ("tq", "tk", "tv", "tmask", "tsinks")))
+    sinks = cache.options.sinks
+    return _scaled_dot_product_attention_jvp(
+        cache,
+        *check_attention_tangents(
+            tangents,
+            "scaled_dot_product_attention_jvp",
+            cache.shapes or (cache.q.shape, cache.k.shape, cache.v.shape),
+            None if cache.mask is None else cache.mask.shape,  # kept with mask_grad only
+            None if sinks is None else sinks.shape,
+            cache.q.dtype,
+        ),
+    )
 
 
 def _scaled_dot_product_attention_jvp(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):

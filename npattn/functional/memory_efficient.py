@@ -69,14 +69,12 @@ from .._validate import (
     check_mask,
     check_prob,
     check_size,
-    check_tangent,
-    check_tangents,
 )
 from ._blocks import (
     Band,
-    attention_tangent_names,
     band,
     band_hidden,
+    check_attention_tangents,
     check_options,
     check_qkv,
     check_scale,
@@ -912,16 +910,18 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
             f"cache: expected the MemoryEfficientCache returned by memory_efficient_attention, "
             f"got {type(cache).__name__}"
         )
-    mask_grad = bool(cache.mask_grad) and cache.attn_mask is not None
-    names = attention_tangent_names(mask_grad, cache.sinks is not None)
-    given = dict(zip(names, check_tangents(tangents, names, "memory_efficient_attention_jvp")))
-    wanted = {"tq": cache.q.shape, "tk": cache.k.shape, "tv": cache.v.shape}
-    if mask_grad and cache.attn_mask is not None:
-        wanted["tmask"] = cache.attn_mask.shape
-    if cache.sinks is not None:
-        wanted["tsinks"] = cache.sinks.shape
-    checked = {n: check_tangent(given[n], n, wanted[n], cache.q.dtype) for n in names}
-    return _memory_efficient_attention_jvp(cache, *(checked.get(n) for n in ("tq", "tk", "tv", "tmask", "tsinks")))
+    mask = cache.attn_mask if cache.mask_grad else None
+    return _memory_efficient_attention_jvp(
+        cache,
+        *check_attention_tangents(
+            tangents,
+            "memory_efficient_attention_jvp",
+            (cache.q.shape, cache.k.shape, cache.v.shape),
+            None if mask is None else mask.shape,
+            None if cache.sinks is None else cache.sinks.shape,
+            cache.q.dtype,
+        ),
+    )
 
 
 def _memory_efficient_attention_jvp(cache: MemoryEfficientCache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
