@@ -158,6 +158,7 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
     ]
     out += _module_option_cases(rng, check, r)
     out += _moe_cases(rng, check, r)
+    out += _delta_net_cases(rng, check, r)
     return out
 
 
@@ -405,6 +406,46 @@ def _moe_cases(rng, check, r):
         (f"SparseMoeBlock ({name})", check(SparseMoeBlock.from_hf_config(dict(cfg, hidden_size=5), rng=r), x))
         for name, cfg in families.items()
     ]
+
+
+def _delta_net_cases(rng, check, r):
+    """Gated DeltaNet's pairs (the chunked delta rule with an initial state, the short convolution
+    with its carried state, both norms) and the ``GatedDeltaNet`` layer with grouped key heads."""
+    from .. import functional as F
+    from ..nn.delta_net import GatedDeltaNet
+
+    lead, L, dk, dv = (2, 2), 7, 3, 2
+
+    def delta_rule(q, k, v, g, beta, initial_state):
+        return F.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True, chunk_size=3)
+
+    def conv(x, weight, bias, initial_state):
+        return F.causal_conv1d(x, weight, bias, activation="silu", initial_state=initial_state)
+
+    x = rng.standard_normal((2, 5, 4))
+    return [
+        (
+            "gated_delta_rule (chunks of 3, l2norm, initial state)",
+            check(
+                (delta_rule, F.gated_delta_rule_backward),
+                rng.standard_normal(lead + (L, dk)),
+                rng.standard_normal(lead + (L, dk)),
+                rng.standard_normal(lead + (L, dv)),
+                -rng.uniform(0.05, 1.0, lead + (L,)),
+                rng.uniform(0.1, 0.9, lead + (L,)),
+                rng.standard_normal(lead + (dk, dv)),
+            ),
+        ),
+        (
+            "causal_conv1d (silu, bias, initial state)",
+            check((conv, F.causal_conv1d_backward), x, rng.standard_normal((4, 3)), rng.standard_normal(4),
+                  rng.standard_normal((2, 2, 4))),
+        ),  # fmt: skip
+        ("l2_norm", check(F.l2_norm, x)),
+        ("rms_norm_gated", check(F.rms_norm_gated, x, rng.standard_normal(x.shape), 1 + 0.1 * rng.standard_normal(4))),
+        ("GatedDeltaNet (4 value heads, 2 key heads)", check(GatedDeltaNet(6, 4, 2, 2, 3, 3, chunk_size=3, rng=r),
+                                                              rng.standard_normal((2, 5, 6)))),
+    ]  # fmt: skip
 
 
 def _fmt_row(cells, widths):
