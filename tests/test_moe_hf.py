@@ -154,7 +154,7 @@ TINY_MODELS = {
 
 @pytest.mark.parametrize("family", sorted(TINY_MODELS))
 def test_names_and_shapes_as_a_whole_models_mlp(family):
-    """The keys of a tiny random model's last layer under ``mlp.``: exactly ours, same shapes."""
+    """The keys of a tiny random model's last layer under ``mlp.``: exactly ours, same shapes, same order."""
     cls = {
         "gpt_oss": transformers.GptOssForCausalLM,
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
@@ -164,6 +164,6 @@ def test_names_and_shapes_as_a_whole_models_mlp(family):
     model = cls(config)
     last = config.num_hidden_layers - 1
     prefix = f"model.layers.{last}.mlp."
-    hf = {k[len(prefix) :]: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith(prefix)}
-    ours = {k: v.shape for k, v in SparseMoeBlock.from_hf_config(config.to_dict()).state_dict().items()}
-    assert ours == hf
+    hf = [(k[len(prefix) :], tuple(v.shape)) for k, v in model.state_dict().items() if k.startswith(prefix)]
+    ours = [(k, v.shape) for k, v in SparseMoeBlock.from_hf_config(config.to_dict()).state_dict().items()]
+    assert ours == hf  # names, shapes and transformers' order

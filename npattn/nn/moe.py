@@ -982,6 +982,10 @@ class SparseMoeBlock(Module):
             )
             if gated:
                 self.shared_expert_gate = Linear(hidden_size, 1, False, rng=rng, dtype=dtype)
+        if shared_name == "shared_experts":  # transformers' DeepseekV3MoE: experts, gate, shared_experts
+            for name in (router_name, shared_name):
+                if name in self._modules:
+                    self._modules.move_to_end(name)
 
     # -- the submodules under their state-dict names -------------------------------------------
     @property
