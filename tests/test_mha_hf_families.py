@@ -105,6 +105,24 @@ def eager(config):
     return config
 
 
+def decoder_attention(config, **kw):
+    """The npattn module for a decoder layer of ``config`` (causal, RoPE, the config's head
+    counts, head size and biases), plus the family's options ``kw``."""
+    bias = config.attention_bias
+    return npattn.MultiHeadAttention(
+        config.hidden_size,
+        config.hidden_size,
+        config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        qkv_bias=bias,
+        out_bias=bias,
+        causal=True,
+        rope=True,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("head_dim", [None, 12])
 def test_llama_with_llama3_rope_scaling(hf, head_dim):
     from transformers import LlamaConfig
@@ -127,18 +145,7 @@ def test_llama_with_llama3_rope_scaling(hf, head_dim):
             },
         )
     )
-    hd = config.head_dim
-    m = npattn.MultiHeadAttention(
-        32,
-        32,
-        4,
-        num_kv_heads=2,
-        head_dim=hd,
-        out_bias=False,
-        causal=True,
-        rope=True,
-        rope_scaling=rope_scaling_of(config),
-    )
+    m = decoder_attention(config, rope_scaling=rope_scaling_of(config))
     compare(hf, LlamaAttention(config, 0), LlamaRotaryEmbedding(config), m, 32)
 
 
@@ -157,19 +164,7 @@ def test_qwen3_qk_norm_and_head_dim(hf):
             max_position_embeddings=64,
         )
     )
-    m = npattn.MultiHeadAttention(
-        24,
-        24,
-        4,
-        num_kv_heads=2,
-        head_dim=16,
-        out_bias=False,
-        causal=True,
-        rope=True,
-        rope_scaling=rope_scaling_of(config),
-        qk_norm=True,
-        qk_norm_eps=config.rms_norm_eps,
-    )
+    m = decoder_attention(config, rope_scaling=rope_scaling_of(config), qk_norm=True, qk_norm_eps=config.rms_norm_eps)
     assert m.W_query.weight.shape == (64, 24) and m.out_proj.weight.shape == (24, 64)
     compare(hf, Qwen3Attention(config, 0), Qwen3RotaryEmbedding(config), m, 24)
 
@@ -205,17 +200,10 @@ def test_gemma3_local_and_global_layers(hf, layer):
     kind = config.layer_types[layer]
     sliding = kind == "sliding_attention"
     assert config.attn_logit_softcapping is None
-    m = npattn.MultiHeadAttention(
-        32,
-        32,
-        4,
-        num_kv_heads=2,
-        head_dim=16,
-        out_bias=False,
-        causal=True,
+    m = decoder_attention(
+        config,
         window=(config.sliding_window - 1, 0) if sliding else None,
         scale=config.query_pre_attn_scalar**-0.5,
-        rope=True,
         rope_scaling=rope_scaling_of(config, kind),  # the local layers' own base
         qk_norm=True,
         qk_norm_eps=config.rms_norm_eps,
@@ -258,19 +246,8 @@ def test_gpt_oss_sinks_window_biases_and_yarn(hf):
         )
     )
     assert config.layer_types[0] == "sliding_attention" and config.attention_bias
-    m = npattn.MultiHeadAttention(
-        32,
-        32,
-        4,
-        num_kv_heads=2,
-        head_dim=12,
-        qkv_bias=True,
-        out_bias=True,
-        causal=True,
-        window=(config.sliding_window - 1, 0),
-        sinks=True,
-        rope=True,
-        rope_scaling=rope_scaling_of(config),
+    m = decoder_attention(
+        config, window=(config.sliding_window - 1, 0), sinks=True, rope_scaling=rope_scaling_of(config)
     )
     compare(hf, GptOssAttention(config, 0), GptOssRotaryEmbedding(config), m, 32, sliding_window=3, length=8)
 
@@ -297,15 +274,8 @@ def test_qwen3_next_gated_attention_with_partial_rotary(hf, partial_in_dict):
     kw = {} if partial_in_dict else {"partial_rotary_factor": 0.25}
     if not partial_in_dict:
         del scaling["partial_rotary_factor"]
-    m = npattn.MultiHeadAttention(
-        32,
-        32,
-        4,
-        num_kv_heads=2,
-        head_dim=16,
-        out_bias=False,
-        causal=True,
-        rope=True,
+    m = decoder_attention(
+        config,
         rope_scaling=scaling,
         qk_norm=True,
         qk_norm_eps=config.rms_norm_eps,
