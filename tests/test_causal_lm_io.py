@@ -208,9 +208,13 @@ def test_config_errors_name_the_key(change, key):
 def test_config_reader_details():
     with pytest.raises(TypeError, match="config"):
         config_from_hf([("model_type", "llama")])
-    del_hidden = {k: v for k, v in LLAMA.items() if k != "hidden_size"}
-    with pytest.raises(ValueError, match="hidden_size"):
-        config_from_hf(del_hidden)
+    # a key left out means transformers' default (LlamaConfig's hidden_size is 4096)
+    assert config_from_hf({"model_type": "llama"}).hidden_size == 4096
+    assert config_from_hf({"model_type": "deepseek_v3"}).hf["routed_scaling_factor"] == 2.5
+    with pytest.raises(ValueError, match="sliding_window"):
+        config_from_hf(dict(LLAMA, model_type="qwen3", layer_types=["sliding_attention"] * 2, sliding_window=None))
+    with pytest.raises(ValueError, match="max_window_layers"):
+        config_from_hf(dict(LLAMA, model_type="qwen3", max_window_layers=-1))
     old = dict(LLAMA, rope_scaling={"type": "linear", "factor": 2.0})
     assert config_from_hf(old).rope["default"]["rope_type"] == "linear"
     gemma = {
@@ -220,6 +224,7 @@ def test_config_reader_details():
         "intermediate_size": 8,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
+        "num_key_value_heads": 1,
         "head_dim": 4,
         "rope_theta": 1e6,
         "rope_local_base_freq": 1e4,
@@ -238,6 +243,10 @@ def test_config_reader_details():
     with pytest.raises(ValueError, match="layer_types"):
         config_from_hf(dict(gemma, layer_types=["sliding_attention", "chunked_attention"]))
     assert c.replace(vocab_size=12).vocab_size == 12
+    from _families import FAMILIES
+
+    with pytest.raises(ValueError, match="head_dim"):
+        config_from_hf(dict(FAMILIES["deepseek_v3"], head_dim=8))
 
 
 def test_file_errors(tmp_path):

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from _hf_oracle import build, hf_logits_and_grads, rel_err, state_dict  # noqa: E402
 
 from npattn import no_grad  # noqa: E402
-from npattn.models import CausalLM  # noqa: E402
+from npattn.models import CausalLM, config_from_hf  # noqa: E402
 
 T = pytest.importorskip("transformers")
 
@@ -286,3 +286,19 @@ def test_state_dict_round_trip_uses_hf_names(name):
     assert set(mine) == set(sd)
     for k, v in sd.items():
         np.testing.assert_array_equal(mine[k], v)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"])
+def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
+    """A hand-written dict that leaves keys out reads as transformers reads it: the same
+    CausalLMConfig as the full to_dict() of transformers' config built from it."""
+    from _families import FAMILIES as SHORT
+
+    short = SHORT[name]
+    full = T.AutoConfig.for_model(**short).to_dict()
+    meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)  # not the network
+    a, b = config_from_hf(short), config_from_hf(full)
+    assert a.replace(**meta) == b.replace(**meta)
+    for key in ("routed_scaling_factor", "norm_topk_prob", "n_group", "swiglu_limit", "linear_conv_kernel_dim"):
+        if key in full:
+            assert a.hf[key] == full[key], key

@@ -399,8 +399,14 @@ def _deepseek_v3(r: _Reader) -> dict:
             "norm_topk_prob": r.bool("norm_topk_prob", True),
         },
     )
-    # the head_dim key of DeepSeek-V3's config is qk_rope_head_dim (the rotary part)
-    c["head_dim"] = c["latent"]["qk_rope_head_dim"]
+    # the head_dim key of DeepSeek-V3's config is qk_rope_head_dim (the rotary part); transformers
+    # rotates head_dim features, so another value makes a model that cannot run
+    dr = c["latent"]["qk_rope_head_dim"]
+    if r.d.get("head_dim") not in (None, dr):
+        raise ValueError(
+            f"config['head_dim'] = {r.d['head_dim']!r}: DeepSeek-V3 expects head_dim = qk_rope_head_dim = {dr}"
+        )
+    c["head_dim"] = dr
     return c
 
 
@@ -442,6 +448,148 @@ def _qwen3_next(r: _Reader) -> dict:
     return c
 
 
+# transformers' (5.x) class defaults of the keys that shape each family's forward pass, for a config
+# dict that leaves them out (a hand-written dict, an older config.json): a missing key must mean
+# what it means to transformers, never npattn's own guess.  Keys derived from others (Llama's and
+# DeepSeek's head_dim and num_key_value_heads) are left to the readers; rope_parameters only when
+# no RoPE key at all is given.
+_DEFAULTS: dict = {
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        attention_bias=False,
+        mlp_bias=False,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        attention_bias=False,
+        use_sliding_window=False,
+        max_window_layers=28,
+    ),
+    "gemma3_text": dict(
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+    ),
+    "gpt_oss": dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+        },
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        attention_bias=True,
+    ),
+    "deepseek_v3": dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        rope_interleave=True,
+        attention_bias=False,
+    ),
+    "qwen3_next": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        decoder_sparse_step=1,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts_per_tok=10,
+        num_experts=512,
+        norm_topk_prob=True,
+    ),
+}
+
+
+def with_defaults(config: Mapping[str, Any]) -> dict:
+    """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
+    it leaves out (see ``_DEFAULTS``)."""
+    d = dict(_DEFAULTS.get(config.get("model_type"), {}))
+    if any(k in config for k in ("rope_parameters", "rope_theta", "rope_scaling")):
+        d.pop("rope_parameters", None)
+    d.update(config)
+    return d
+
+
 _READERS = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -454,7 +602,9 @@ _READERS = {
 
 def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     """The ``CausalLMConfig`` of a Hugging Face config dict (``PretrainedConfig.to_dict()`` or a
-    checkpoint's ``config.json``).
+    checkpoint's ``config.json``).  A key the dict leaves out means what it means to transformers
+    (its config class's default; ``with_defaults``), so a short hand-written dict describes the
+    same model in both.
 
     Parameters
     ----------
@@ -479,7 +629,8 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     mt = config.get("model_type")
     if mt not in _READERS:
         raise ValueError(f"config['model_type']: expected one of {list(SUPPORTED_MODEL_TYPES)}, got {mt!r}")
-    r = _Reader(config, mt)
+    full = with_defaults(config)
+    r = _Reader(full, mt)
     fields = _READERS[mt](r)
     r.finish()
-    return CausalLMConfig(model_type=mt, hf=dict(config), **fields)
+    return CausalLMConfig(model_type=mt, hf=full, **fields)
