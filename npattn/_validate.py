@@ -59,6 +59,26 @@ def as_float(x, name: str, dtype=None) -> np.ndarray:
     )
 
 
+def as_floats_of_one_dtype(*named) -> tuple:
+    """``(name, array-like)`` pairs as float arrays of one dtype, as torch requires of the operands
+    of one op (e.g. q, k and v of an attention).  Float arrays must share their dtype:
+    ``TypeError`` naming the first that differs, before any arithmetic (a silent cast would
+    compute float64 inputs in float32).  Integer arrays take that dtype (float64 when none is a
+    float array); bool, complex, float16 ... raise as in :func:`as_float`.
+    """
+    arrays = [(name, to_numpy(x, name)) for name, x in named]
+    floats = [(name, as_float(a, name)) for name, a in arrays if a.dtype.kind in _FLOAT_KINDS]
+    dtype = floats[0][1].dtype if floats else None
+    for name, a in floats[1:]:
+        if a.dtype != dtype:
+            raise TypeError(
+                f"{name}: expected the dtype of {floats[0][0]}, {dtype}, got {a.dtype} "
+                f"({', '.join(n for n, _ in arrays)} must share one dtype, as in torch; "
+                f"convert with {name}.astype(np.{dtype}))"
+            )
+    return tuple(as_float(a, name, dtype) for name, a in arrays)
+
+
 def as_index(x, name: str) -> np.ndarray:
     """Integer index array (token ids, class targets)."""
     a = to_numpy(x, name)
@@ -125,7 +145,7 @@ def check_dtype(dtype, name: str = "dtype") -> np.dtype:
     except TypeError:
         raise TypeError(f"{name}: expected np.float32 or np.float64, got {dtype!r}") from None
     if dt.kind == "f":
-        check_float_dtype(dt, name)
+        check_float_dtype(dt, name, is_dtype_argument=True)
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"{name}: expected np.float32 or np.float64, got {dt}")
     return dt
@@ -222,19 +242,22 @@ _UNSUPPORTED_WHY = {
 }
 
 
-def check_float_dtype(dtype, name: str) -> np.dtype:
+def check_float_dtype(dtype, name: str, *, is_dtype_argument: bool = False) -> np.dtype:
     """The package's float policy: float32 and float64 are computed in their own dtype; every
     other float dtype (float16, longdouble) raises ``TypeError`` naming the argument and
     suggesting float32, before any arithmetic (never a silently wrong or overflowing result).
+    The advice fits the argument: an array is converted (``x.astype(np.float32)``); a
+    ``dtype`` argument (``is_dtype_argument``) is given another value (``dtype=np.float32``).
     """
     dt = np.dtype(dtype)
     if dt in _SUPPORTED_FLOATS:
         return dt
     why = _UNSUPPORTED_WHY.get(dt.name, "npattn computes in float32 or float64 only")
-    what = name if name.isidentifier() else "it"
-    raise TypeError(
-        f"{name}: {dt.name} is not supported ({why}); convert with {what}.astype(np.float32) (or np.float64)"
-    )
+    if is_dtype_argument:
+        advice = f"pass {name + '=' if name.isidentifier() else ''}np.float32 (or np.float64)"
+    else:
+        advice = f"convert with {name if name.isidentifier() else 'it'}.astype(np.float32) (or np.float64)"
+    raise TypeError(f"{name}: {dt.name} is not supported ({why}); {advice}")
 
 
 def check_cache(cache, expected: type, backward: str):

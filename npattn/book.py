@@ -577,7 +577,8 @@ def generate(
 ):
     """The book's ``generate`` (chapter 5) with ``rng`` and a KV cache; see
     ``npattn.generation.generate`` for the exact semantics (temperature 0 is greedy, ``top_k``
-    masks all but the k largest logits with ``-inf``, ``eos_id`` stops, the same ``rng`` gives
+    masks all but the k largest logits with ``-inf``, a ``top_k`` of at least the vocabulary size
+    keeps every token, ``eos_id`` stops, the same ``rng`` gives
     the same tokens, the cache gives the same tokens as recomputation)."""
     return _generate(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, rng=rng, use_cache=use_cache)
 

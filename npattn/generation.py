@@ -87,8 +87,8 @@ def _top_p_filter(p: np.ndarray, top_p: float | None) -> np.ndarray:
 def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, *, top_p=None) -> np.ndarray:
     """The distribution the next token is drawn from: ``softmax(top_k(logits) / temperature)``
     over the last axis of ``logits (..., vocab)``, then nucleus-filtered by ``top_p`` (None or
-    1: off).  ``temperature=0`` gives the one-hot of the arg-max (greedy decoding; the first one
-    on ties)."""
+    1: off).  A ``top_k`` of at least ``vocab`` keeps every token (clamped to ``min(top_k, vocab)``).
+    ``temperature=0`` gives the one-hot of the arg-max (greedy decoding; the first one on ties)."""
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
     top_p = _check_top_p(top_p)
     logits = np.asarray(logits)
@@ -158,9 +158,11 @@ def generate(
 
     * ``temperature=0``: greedy (arg-max); ``temperature > 0``: sample from
       ``softmax(logits / temperature)``, after ``top_k`` (keep the ``top_k`` largest logits,
-      the others become ``-inf``; ties with the k-th are kept, as the book's ``torch.where``),
-      then ``top_p`` (nucleus: the most probable tokens whose probabilities sum to ``top_p``;
-      None or 1 keeps all).
+      the others become ``-inf``; ties with the k-th are kept, as the book's ``torch.where``; a
+      ``top_k`` of at least the vocabulary size keeps every token, as Hugging Face's top-k
+      warper clamps to ``min(top_k, vocab)``, where ``torch.topk`` itself would raise), then
+      ``top_p`` (nucleus: the most probable tokens whose probabilities sum to ``top_p``; None or
+      1 keeps all).
     * ``eos_id``: a sequence that produces ``eos_id`` is finished.  As in the book, generation
       stops at the step where the (last) sequence finishes, and that step's ``eos_id`` is not
       appended; in a batch, sequences that finished earlier are padded with ``eos_id`` until

@@ -29,14 +29,21 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_bool, check_positive_float, check_tangent, check_tangents
+from .._validate import (
+    as_float,
+    as_floats_of_one_dtype,
+    check_bool,
+    check_positive_float,
+    check_tangent,
+    check_tangents,
+)
 
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
 
 
 # -- q, k, v -----------------------------------------------------------------------------------------
 class QKV(NamedTuple):
-    """Validated q, k, v (cast to q's float dtype, shapes as given) and the number of query heads
+    """Validated q, k, v (one float dtype, shapes as given) and the number of query heads
     per key/value head (1 without grouped-query attention)."""
 
     q: np.ndarray
@@ -58,9 +65,7 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
     divide ``Hq``, and only the dimensions before the heads broadcast.  The arrays are returned
     with their own shapes; ``broadcast_qkv`` makes the views the kernels compute on.
     """
-    q = as_float(q, "q")
-    k = as_float(k, "k", q.dtype)
-    v = as_float(v, "v", q.dtype)
+    q, k, v = as_floats_of_one_dtype(("q", q), ("k", k), ("v", v))  # mixed float dtypes: TypeError, as torch
     if q.ndim < 2:
         raise ValueError(f"q: expected shape (..., L, E) with at least 2 dimensions, got {q.shape}")
     for name, a in (("k", k), ("v", v)):

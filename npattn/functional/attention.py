@@ -175,7 +175,8 @@ def scaled_dot_product_attention(
     Shapes: ``q (..., Hq, Lq, E)``, ``k (..., Hk, Lk, E)``, ``v (..., Hk, Lk, Ev)`` -> ``(..., Hq, Lq, Ev)``
     (inputs without a head axis, ``(batch, L, E)``, work too); the leading dimensions broadcast
     against each other as in torch (gradients are summed back to each input's own shape).
-    ``scale`` defaults to ``1/sqrt(E)``.
+    ``scale`` defaults to ``1/sqrt(E)``.  q, k and v share one float dtype, float32 or float64
+    (integer arrays take it); mixed float dtypes raise ``TypeError``, as in torch.
 
     * ``attn_mask``: bool (True = may attend) or float (added to the scaled scores), broadcastable
       to ``(..., Hq, Lq, Lk)``.  ``is_causal``: query ``i`` sees keys ``j <= i`` (positions per

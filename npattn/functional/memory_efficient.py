@@ -416,7 +416,8 @@ def memory_efficient_attention(
     The same result as ``scaled_dot_product_attention`` with the same arguments (the dropout mask
     aside, see below): ``q (..., Hq, Lq, E)``, ``k (..., Hk, Lk, E)``, ``v (..., Hk, Lk, Ev)`` ->
     ``(..., Hq, Lq, Ev)``; inputs without a head axis and any number of leading batch dimensions
-    work, and the leading dimensions of q, k, v broadcast against each other as in torch.
+    work, and the leading dimensions of q, k, v broadcast against each other as in torch; they
+    share one float dtype (integer arrays take it; mixed float dtypes raise ``TypeError``).
     ``scale`` defaults to ``1/sqrt(E)``.  ``attn_mask``: bool (True = may attend) or float (added
     to the scaled scores), broadcastable to ``(..., Hq, Lq, Lk)``; ``is_causal``: query ``i`` sees
     keys ``0..i`` (aligned by ``causal_align``), and may be combined with ``attn_mask``.  A query row

@@ -345,6 +345,8 @@ def memory_efficient_attention(
     (notebooks/06_efficient_attention.ipynb, sections "The online softmax, one query row" and
     "All rows at once, in a dozen lines".)
     """
+    q = q.astype(np.result_type(q, k, v), copy=False)  # the running sums below take q's dtype: numpy's
+    # promotion of q, k, v, as the plain formula's products give (not a check: the fast tier refuses mixed dtypes)
     g = _gqa_groups(q, k, enable_gqa)
     kr, vr = _repeat_kv(k, v, g)  # textbook: repeated (the fast tier does not copy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

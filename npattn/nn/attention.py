@@ -461,8 +461,8 @@ class MultiHeadAttention(Module):
             return 0
         if cache.lead != x.shape[:-2]:
             raise ValueError(
-                f"query: expected the batch shape {cache.lead} of the KV cache, got {x.shape} "
-                "(call reset_kv_cache() to start a new sequence)"
+                f"query: expected the batch shape {cache.lead} of the KV cache, got the batch shape "
+                f"{x.shape[:-2]} (query of shape {x.shape}; call reset_kv_cache() to start a new sequence)"
             )
         return cache.position
 
