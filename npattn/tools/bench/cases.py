@@ -297,6 +297,19 @@ def _decode_flops(*, cfg, prompt_len=16, batch=1):
     return 2 * batch * weights * sum(range(prompt_len, ctx))
 
 
+# -- decoding with multi-head latent attention: its own module (latent.py), loaded when used ------------
+def _mla_decode(dtype, torch, **params):
+    from .latent import mla_decode
+
+    return mla_decode(dtype, torch, **params)
+
+
+def _mla_decode_flops(**params):
+    from .latent import mla_decode_flops
+
+    return mla_decode_flops(**params)
+
+
 # -- the gated delta rule (Qwen3-Next's linear attention) ---------------------------------------------
 def delta_rule(dtype, torch, *, b, h, L, D, impls=("chunked", "recurrence"), chunk_size=64, with_torch=True):
     """``gated_delta_rule`` forward+backward with ``use_qk_l2norm`` (as Qwen3-Next) on ``(b, h, L, D)``
@@ -355,4 +368,5 @@ KINDS = {
     "demo": Kind(demo, _demo_flops),
     "decode": Kind(decode, _decode_flops),
     "delta_rule": Kind(delta_rule, _delta_rule_flops),
+    "mla_decode": Kind(_mla_decode, _mla_decode_flops),
 }

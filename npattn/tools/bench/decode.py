@@ -4,6 +4,12 @@
 the KV cache (one token per step) and without (every step re-encodes the whole sequence), and
 torch's eager book model (no cache) with the same weights (``cases.decode``), taking turns; with
 torch present npattn's side runs in a child process without torch.
+
+Multi-head latent attention (``latent.mla_decode``): one DeepSeek-shaped ``MultiHeadLatentAttention``
+layer decodes one token at a time with its latent cache in the absorbed form, with the latent cache
+expanded by ``kv_b_proj`` at every step, and without a cache, against torch's eager twin of the
+expanded form; the rows (``"name": "mla_decode"``) say the cache's bytes per token against MHA and
+GQA with the same heads.
 """
 
 from __future__ import annotations
@@ -33,6 +39,26 @@ DECODE_QUICK = {
 }
 
 
+MLA_DECODE = {
+    "hidden_size": 512,
+    "num_heads": 16,
+    "q_lora_rank": 192,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+}
+MLA_DECODE_QUICK = {
+    "hidden_size": 32,
+    "num_heads": 2,
+    "q_lora_rank": 12,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 4,
+}
+
+
 def bench_decode(cfg=None, dtype=np.float32, *, prompt_len=16, batch=1, use_torch=True, repeats=3, own_process=False):
     """Greedy decoding of ``npattn.book.GPTModel(cfg)`` from a ``prompt_len``-token prompt until the
     context is full (``context_length - prompt_len`` new tokens), with the KV cache and without,
@@ -58,6 +84,33 @@ def bench_decode(cfg=None, dtype=np.float32, *, prompt_len=16, batch=1, use_torc
     ]
 
 
+def bench_mla_decode(
+    cfg=None, dtype=np.float32, *, prompt_len=16, new_tokens=112, batch=1, use_torch=True, repeats=3, own_process=False
+):
+    """One ``MultiHeadLatentAttention(**cfg)`` layer (default ``MLA_DECODE``) decoding ``new_tokens``
+    hidden states after a ``prompt_len``-token prefill (``latent.mla_decode``): absorbed latent
+    cache, expanded latent cache, no cache, and torch's eager expanded twin.  Rows: ``{"name":
+    "mla_decode", "impl", "tokens_per_s", "seconds", "max_rel_diff_vs_absorbed", "shape"}``;
+    ``shape["cache_bytes_per_token"]`` is ``MultiHeadLatentAttention.cache_comparison()``."""
+    params = {"cfg": dict(MLA_DECODE if cfg is None else cfg), "prompt_len": prompt_len, "new_tokens": new_tokens}
+    params["batch"] = batch
+    built, times, facts = time_case(
+        "mla_decode", params, dtype, use_torch=use_torch, own_process=own_process, repeats=repeats
+    )
+    return [
+        {
+            "name": "mla_decode",
+            "impl": impl,
+            "shape": built.shape,
+            "dtype": np.dtype(dtype).name,
+            "seconds": t,
+            "tokens_per_s": batch * new_tokens / t,
+            "max_rel_diff_vs_absorbed": facts["max_rel_diff_vs_absorbed"][impl],
+        }
+        for impl, t in times.items()
+    ]
+
+
 def collect(quick=False, progress=True):
     cfg, prompt_len, repeats = (DECODE_QUICK, 4, 1) if quick else (DECODE, 16, 2)
     per_token = 2 * cfg["n_layers"] * 12 * cfg["emb_dim"] ** 2 / 5e9 + 2e-3  # rough seconds per cached step
@@ -70,6 +123,17 @@ def collect(quick=False, progress=True):
         )
         for dtype in ("float32", "float64")
     ]
+    mla, (mla_prompt, mla_new) = (MLA_DECODE_QUICK, (4, 12)) if quick else (MLA_DECODE, (16, 112))
+    steps += [
+        Step(
+            f"mla decode {dtype}",
+            mla_new * (0.002 if quick else 0.03) * (repeats + 3),
+            lambda dtype=dtype: bench_mla_decode(
+                mla, dtype, prompt_len=mla_prompt, new_tokens=mla_new, repeats=repeats, own_process=not quick
+            ),
+        )
+        for dtype in ("float32", "float64")
+    ]
     rows = run_steps("decode", steps, progress=progress, note=lambda rows: "; ".join(_line(r) for r in rows))
     return {"decode": [r for part in rows for r in part]}
 
@@ -79,7 +143,8 @@ def _line(r):
 
 
 def format_decode(rows):
-    """The decode rows as lines of text."""
+    """The book GPT's decode rows as lines of text."""
+    rows = [r for r in rows if r["name"] == "decode"]
     if not rows:
         return []
     s = rows[0]["shape"]
@@ -95,5 +160,38 @@ def format_decode(rows):
     ] + table(columns, cells)
 
 
+def format_mla_decode(rows):
+    """The multi-head latent attention decode rows as lines of text, with the cache's size."""
+    rows = [r for r in rows if r["name"] == "mla_decode"]
+    if not rows:
+        return []
+    s = rows[0]["shape"]
+    c = s["cache_bytes_per_token"]
+    itemsize = np.dtype(rows[0]["dtype"]).itemsize  # the cache sizes below are per element of this dtype
+    per = {k: c[k] // itemsize for k in ("mla", "mha", "gqa")}
+    cells = [
+        [r["impl"], r["dtype"], f"{r['seconds']:.3f}", f"{r['tokens_per_s']:.1f}"]
+        + [f"{r['max_rel_diff_vs_absorbed']:.1e}"]
+        for r in rows
+    ]
+    columns = [
+        ("implementation", "<"),
+        ("dtype", "<"),
+        ("seconds", ">"),
+        ("tokens/s", ">"),
+        ("max rel diff", ">"),
+    ]
+    return [
+        "",
+        f"decoding with one MultiHeadLatentAttention layer (hidden {s['hidden_size']}, {s['num_heads']} heads, "
+        f"kv_lora_rank {s['kv_lora_rank']}, q_lora_rank {s.get('q_lora_rank')}, qk {s['qk_nope_head_dim']}+"
+        f"{s['qk_rope_head_dim']}, v {s['v_head_dim']}): a {s['prompt']}-token prefill, then {s['new_tokens']} "
+        f"tokens one at a time, batch {s['batch']}",
+        f"cache per token and layer: latent {per['mla']} numbers, MHA with the same heads {per['mha']} "
+        f"({c['mha_over_mla']:.1f}x), GQA with {c['gqa_kv_heads']} kv heads {per['gqa']} ({c['gqa_over_mla']:.1f}x)",
+    ] + table(columns, cells)
+
+
 def format_section(report):
-    return [""] + format_decode(report["decode"]) if report.get("decode") else []
+    rows = report.get("decode") or []
+    return [""] + format_decode(rows) + format_mla_decode(rows) if rows else []
