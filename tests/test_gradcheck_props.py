@@ -271,3 +271,29 @@ def test_planted_bug_in_a_user_module_is_caught(bug, scale):
     rep = gradcheck(ScaledTanh(4, 5, bug=bug), x)
     assert rep.failed == ["w"], str(rep)
     assert rep.worst.name == "w" and len(rep.worst.at) == 2
+
+
+# ----------------------------------------------------------------------------- the strategies
+
+
+def _strategies():
+    return pytest.importorskip("npattn.testing.strategies")
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_strategies_serve_both_modes(data):
+    T = _strategies()
+    scale = data.draw(T.scales())
+    mode = data.draw(T.gradcheck_modes())
+    assert 0.1 <= scale <= 10 and mode in ("rev", "fwd", "both")
+    x = data.draw(T.arrays((2, 3, 4), scale=scale))
+    w = data.draw(T.arrays((3, 4)))
+    assert gradcheck(F.linear, x, w, mode=mode).ok
+    # tangents: arrays of the input's shape or None (zero); forward mode is linear in them
+    tx, tw = data.draw(T.tangents(x.shape)), data.draw(T.tangents(w.shape, allow_none=False))
+    assert tw is not None and tw.shape == w.shape
+    _, cache = F.linear(x, w)
+    both = F.linear_jvp(cache, tx, tw)
+    apart = F.linear_jvp(cache, tx, None) + F.linear_jvp(cache, None, tw)
+    np.testing.assert_allclose(both, apart, rtol=1e-12, atol=1e-12)
