@@ -75,9 +75,29 @@ def test_gradcheck_central_differences():
     m = GatedDeltaNet(6, 4, 2, 2, 3, 3, chunk_size=3, rng=0)
     m.A_log.data = np.log(np.array([0.3, 1.0, 2.0, 0.1]))
     x = np.random.default_rng(1).standard_normal((2, 7, 6))
-    report = npattn.gradcheck(m, x)
+    report = npattn.gradcheck(m, x, mode="both")  # backward, JVP, and <u, J v> = <J^T u, v>
     assert report.ok, str(report)
     assert {row[0] for row in report.rows} >= {"conv1d.weight", "A_log", "dt_bias", "norm.weight"}
+
+
+def test_jvp_is_linear_in_the_tangents_and_keeps_the_state_for_backward():
+    m = GatedDeltaNet(6, 2, 1, 3, 2, 2, chunk_size=4, rng=5)
+    rng = np.random.default_rng(6)
+    x, tx = rng.standard_normal((2, 9, 6)), rng.standard_normal((2, 9, 6))
+    y = m(x)
+    tA = {"A_log": rng.standard_normal(2), "dt_bias": rng.standard_normal(2)}
+    both = m.jvp(tx, param_tangents=tA)
+    close(both, m.jvp(tx) + m.jvp(param_tangents=tA), 1e-12)
+    close(m.jvp(), np.zeros_like(y), 0.0)
+    dy = rng.standard_normal(y.shape)
+    dx = m.backward(dy)  # the state is still there after jvp
+    grads = dict(m.named_parameters())
+    lhs = np.sum(dy * both)
+    rhs = np.sum(dx * tx) + sum(np.sum(grads[k].grad * t) for k, t in tA.items())
+    assert abs(lhs - rhs) <= 1e-12 * abs(lhs)
+    with pytest.raises(TypeError, match="at most one input tangent"):
+        m(x)
+        m.jvp(tx, tx)
 
 
 @pytest.mark.parametrize("pieces", [[1] * 10, [4, 1, 5], [10], [3, 3, 3, 1]])

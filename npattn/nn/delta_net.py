@@ -25,16 +25,18 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .._validate import as_float, as_rng, check_bool, check_dtype, check_positive_float, check_size
-from ..functional.conv import CausalConv1dCache, _causal_conv1d, _causal_conv1d_backward
+from ..functional.conv import CausalConv1dCache, _causal_conv1d, _causal_conv1d_backward, _causal_conv1d_jvp
 from ..functional.delta_rule import (
     GatedDeltaRuleCache,
     RMSNormGatedCache,
     _gated_delta_rule,
     _gated_delta_rule_backward,
+    _gated_delta_rule_jvp,
     _rms_norm_gated,
     _rms_norm_gated_backward,
+    _rms_norm_gated_jvp,
 )
-from .layers import Linear
+from .layers import Linear, _input_tangent
 from .module import Module, Parameter, no_grad
 
 __all__ = ["GatedDeltaNet"]
@@ -308,6 +310,57 @@ class GatedDeltaNet(Module):
         self._accumulate(self.A_log, dA_log)
         self._accumulate(self.norm.weight, dnorm_w)
         return dx
+
+    # -- forward mode ---------------------------------------------------------------------------
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``m.jvp(tx, param_tangents=...)``): the forward's chain run on tangents.
+        The projections, the convolution, the delta rule and the gated norm each give their JVP;
+        ``beta = sigmoid(b)``: ``tbeta = beta (1 - beta) tb``; ``g = -exp(A_log) softplus(p)``,
+        ``p = a + dt_bias``: ``tg = g tA_log - exp(A_log) sigmoid(p) (ta + tdt_bias)``; each key
+        head's tangent is repeated for the value heads it serves, as its value in the forward."""
+        tx = _input_tangent(input_tangents, "GatedDeltaNet")
+        st: _State = state
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = nv // nk
+        lead, steps, pt = st.lead, st.steps, param_tangents
+        if tx is None:
+            tx = np.zeros(lead + (steps, self.hidden_size), st.beta.dtype)
+        tqkvz = self._child_jvp(self.in_proj_qkvz, -1, (tx,), pt).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
+        tba = self._child_jvp(self.in_proj_ba, -1, (tx,), pt).reshape(lead + (steps, nk, 2 * r))
+        tmixed = np.concatenate(
+            [
+                tqkvz[..., :dk].reshape(lead + (steps, self.key_dim)),
+                tqkvz[..., dk : 2 * dk].reshape(lead + (steps, self.key_dim)),
+                tqkvz[..., 2 * dk : 2 * dk + r * dv].reshape(lead + (steps, self.value_dim)),
+            ],
+            axis=-1,
+        )
+        tw = pt.get(self.conv1d.weight)
+        tconv = _causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :])
+        tq = tconv[..., : self.key_dim].reshape(lead + (steps, nk, dk))
+        tk = tconv[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
+        tv = tconv[..., 2 * self.key_dim :].reshape(lead + (steps, nv, dv))
+        tbeta = tba[..., :r].reshape(lead + (steps, nv)) * st.beta * (1.0 - st.beta)
+        tpre = tba[..., r:].reshape(lead + (steps, nv))
+        tdt = pt.get(self.dt_bias)
+        if tdt is not None:
+            tpre = tpre + tdt
+        tg = -np.exp(self.A_log.data) * _softplus_grad(st.pre) * tpre
+        tA_log = pt.get(self.A_log)
+        if tA_log is not None:
+            tg += st.g * tA_log
+        heads = (-2, -3)
+        to = _gated_delta_rule_jvp(
+            st.rule,
+            np.repeat(tq, r, axis=-2).swapaxes(*heads),
+            np.repeat(tk, r, axis=-2).swapaxes(*heads),
+            tv.swapaxes(*heads),
+            tg.swapaxes(-1, -2),
+            tbeta.swapaxes(-1, -2),
+        )
+        tz = tqkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
+        ty = _rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), tz, pt.get(self.norm.weight))
+        return self._child_jvp(self.out_proj, -1, (ty.reshape(lead + (steps, self.value_dim)),), pt)
 
     # -- decoding cache -------------------------------------------------------------------------
     def reset_kv_cache(self) -> None:
