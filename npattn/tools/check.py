@@ -198,6 +198,30 @@ def _option_cases(rng, check, seed):
         ("rope (interleaved)", check(F.rope, x, interleaved=True)),
         ("rope (offset positions)", check(F.rope, x, np.arange(L) + 7, base=100.0)),
         ("rope (per-batch positions, interleaved)", check(F.rope, x, rng.integers(0, 50, (b, L)), interleaved=True)),
+        (
+            "rope (yarn, partial rotary)",
+            check(
+                F.rope,
+                x,
+                scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2},
+                rotary_dim=4,
+            ),
+        ),
+        (
+            "rope (llama3)",
+            check(
+                F.rope,
+                x,
+                np.arange(L) + 9,
+                scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 4,
+                },
+            ),
+        ),
         ("layer_norm (2 axes)", check(F.layer_norm, x, 1 + 0.1 * randn(L, d), randn(L, d))),
         ("layer_norm (2 axes, no affine)", check(F.layer_norm, x, normalized_shape=(L, d))),
         ("layer_norm (weight only)", check(F.layer_norm, x, 1 + 0.1 * randn(d))),
@@ -364,6 +388,36 @@ def _module_option_cases(rng, check, r):
         ("MultiHeadAttention (sinks)", check(sink_mha, x8)),
         ("MultiHeadAttention (rope)", check(mha(causal=True, rope=True, rope_base=100.0), x8)),
         ("MultiHeadAttention (qk_norm)", check(mha(qk_norm=True), x8)),
+        (
+            "MultiHeadAttention (Qwen3-Next: output gate, head_dim, partial rotary, (1 + w) qk_norm)",
+            check(
+                mha(
+                    causal=True,
+                    output_gate=True,
+                    head_dim=6,
+                    rope=True,
+                    partial_rotary_factor=2 / 3,
+                    qk_norm=True,
+                    qk_norm_unit_offset=True,
+                    qk_norm_eps=1e-6,
+                ),
+                x8,
+            ),
+        ),
+        (
+            "MultiHeadAttention (Gemma 3 / GPT-OSS: scale, window, yarn, biases)",
+            check(
+                mha(
+                    causal=True,
+                    window=(2, 0),
+                    scale=0.3,
+                    rope=True,
+                    qkv_bias=True,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2},
+                ),
+                x8,
+            ),
+        ),
         (
             "MultiHeadAttention (cross, bottom_right)",
             check(mha(causal=True, causal_align="bottom_right"), randn(b, 3, 8), x8, x8),
