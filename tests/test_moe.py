@@ -706,3 +706,28 @@ def test_jvp_of_router_and_experts_alone():
 def test_family_gradcheck_both_modes(family):
     report = gradcheck(_family_block(family), _x((3, 5), seed=6), mode="both")
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TopKRouter(4, 6, 2, variant="softmax_topk", norm_topk_prob=True, rng=0),
+        lambda: TopKRouter(4, 6, 3, variant="topk_softmax", bias=True, rng=1),
+        lambda: TopKRouter(4, 6, 2, variant="sigmoid", norm_topk_prob=True, n_group=3, topk_group=2, rng=2),
+        lambda: GatedMLP(4, 3, "gelu_pytorch_tanh", rng=3),
+    ],
+    ids=["router-softmax_topk", "router-topk_softmax", "router-sigmoid-groups", "gated_mlp"],
+)
+def test_submodules_gradcheck_both_modes(make):
+    report = gradcheck(make(), _x((2, 3, 4), seed=7), mode="both")
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("cls", [Experts, GptOssExperts])
+def test_experts_gradcheck_both_modes_with_given_routing(cls):
+    """The experts alone as a module of ``(x, top_k_index, top_k_weights)``: the weights' gradient
+    and tangent too (the indices are integers: none)."""
+    rng = np.random.default_rng(8)
+    idx = rng.integers(0, 5, (2, 3, 2))
+    report = gradcheck(cls(5, 4, 3, rng=0), _x((2, 3, 4), seed=9), idx, rng.uniform(0, 1, idx.shape), mode="both")
+    assert report.ok, str(report)
