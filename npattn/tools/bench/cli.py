@@ -12,7 +12,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from . import decode, delta, memory, timing, window
+from . import decode, delta, families, memory, timing, window
 from .machine import ENV_KEYS, SLOW_ENV, machine_info, probe_openblas_env
 from .runner import call_in_child
 
@@ -32,6 +32,11 @@ SECTIONS = [
         "delta",
         "the chunked delta rule (gated DeltaNet) against its recurrence and transformers' torch one, L = 256 ... 4096",
         delta,
+    ),
+    Section(
+        "families",
+        "CausalLM of each open-model family against transformers (eager): forward+backward and decoding tokens/s",
+        families,
     ),
 ]
 
