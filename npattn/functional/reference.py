@@ -941,8 +941,9 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
     original = s.get("original_max_position_embeddings", max_pos)
     factor = s.get("factor")
     if kind == "dynamic":
-        length = max_pos if seq_len is None else max(seq_len, max_pos)
-        base = base * (factor * length / max_pos - (factor - 1)) ** (r / (r - 2))
+        m, fac = s["max_position_embeddings"], s["factor"]
+        length = m if seq_len is None else max(seq_len, m)
+        base = base * (fac * length / m - (fac - 1)) ** (r / (r - 2))
     f = [base ** (-2 * i / r) for i in range(r // 2)]  # the unscaled frequency of each pair
     attention_factor = 1.0
     if kind == "linear":
