@@ -187,6 +187,24 @@ def make_cases(rng, dtype=np.float64, lead=(2, 3)) -> list:
             lambda t, x: t_rope(t, x, pos, True),
         )
     )
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # attention factor != 1
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    for label, kw in (("rope_yarn", dict(scaling=yarn)), ("rope_partial_llama3", dict(rotary_dim=4, scaling=llama3))):
+        cases.append(
+            Case(
+                label,
+                "rope",
+                (px,),
+                lambda M, x, kw=kw: M.rope(x, pos, **kw),
+                None,  # a scaled rotation: checked by central differences, the backward and the other tier
+            )
+        )
     # -- cross_entropy
     z = u(*lead, c, scale=2.0)
     tgt = _ids(rng, lead, c)
