@@ -246,6 +246,25 @@ class TopKRouter(Module):
         self.last_logits: Optional[np.ndarray] = None
 
     def forward(self, x):
+        """Route each token.
+
+        Parameters
+        ----------
+        x : numpy.ndarray
+            ``(..., H)`` tokens (cast to the module's dtype).
+
+        Returns
+        -------
+        weights : numpy.ndarray
+            ``(..., k)`` the chosen experts' weights.
+        indices : numpy.ndarray
+            ``(..., k)`` int64, the chosen experts, the best first (also ``last_indices``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            For an ``x`` that is not a real array of shape ``(..., H)``.
+        """
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"TopKRouter({self.hidden_size}, {self.num_experts})")
         w, _ = self._forward(x.reshape(-1, self.hidden_size), x.shape[:-1])
@@ -307,6 +326,26 @@ class TopKRouter(Module):
         return w, idx
 
     def backward(self, dweights) -> np.ndarray:
+        """Gradient through the chosen weights (the choice itself has none).
+
+        Parameters
+        ----------
+        dweights : numpy.ndarray
+            ``(..., k)`` the gradient of the loss with respect to the returned weights.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(..., H)`` the gradient with respect to ``x``; ``weight.grad`` (and ``bias.grad``)
+            grow by theirs.
+
+        Raises
+        ------
+        RuntimeError
+            Without a forward state.
+        TypeError, ValueError
+            For a ``dweights`` of another kind or shape.
+        """
         dw = self._check_dy(dweights, "dweights")
         return self._backward(dw.reshape(-1, self.top_k)).reshape(dw.shape[:-1] + (self.hidden_size,))
 
@@ -427,8 +466,21 @@ class _SortedExperts(Module):
             yield int(e), slice(int(bounds[e]), int(bounds[e + 1]))
 
     def forward(self, x, top_k_index, top_k_weights) -> np.ndarray:
-        """``y (..., H)`` for ``x (..., H)``, the chosen experts ``top_k_index (..., k)`` (integers in
-        ``[0, E)``) and their weights ``top_k_weights (..., k)``.
+        """``y_n = sum_j w_nj expert_{i_nj}(x_n)``, dispatched by sorting.
+
+        Parameters
+        ----------
+        x : numpy.ndarray
+            ``(..., H)`` tokens.
+        top_k_index : numpy.ndarray
+            ``(..., k)`` integers in ``[0, E)``: each token's experts (repeats allowed).
+        top_k_weights : numpy.ndarray
+            ``(..., k)`` their weights.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(..., H)``.
 
         Raises
         ------
@@ -468,7 +520,27 @@ class _SortedExperts(Module):
         return y_pairs.reshape(n, k, x.shape[1]).sum(1)  # (N, H)
 
     def backward(self, dy):
-        """``(dx (..., H), dtop_k_weights (..., k))``; adds into every parameter's ``.grad``."""
+        """Gradients of the inputs; every parameter's ``.grad`` grows by its own.
+
+        Parameters
+        ----------
+        dy : numpy.ndarray
+            ``(..., H)`` the gradient with respect to the output.
+
+        Returns
+        -------
+        dx : numpy.ndarray
+            ``(..., H)``.
+        dtop_k_weights : numpy.ndarray
+            ``(..., k)`` (the indices have no gradient).
+
+        Raises
+        ------
+        RuntimeError
+            Without a forward state.
+        TypeError, ValueError
+            For a ``dy`` of another kind or shape.
+        """
         dy = self._check_dy(dy, "dy")
         n, k = self.saved_state().shape
         dx, dw = self._backward(dy.reshape(n, self.hidden_size))
@@ -645,7 +717,7 @@ class Experts(_SortedExperts):
 class GptOssExperts(_SortedExperts):
     """GPT-OSS's experts: ``gate_up_proj (E, H, 2I)`` (applied as ``x @ gate_up_proj[e]``; column
     ``2j`` is gate unit ``j``, column ``2j+1`` up unit ``j``), ``gate_up_proj_bias (E, 2I)``,
-    ``down_proj (E, I, H)`` (``h @ down_proj[e]``), ``down_proj_bias (E, H)``, and the clamped SwiGLU
+    ``down_proj (E, I, H)`` (``h @ down_proj[e]``), ``down_proj_bias (E, H)``, and the clamped SwiGLU::
 
         g = min(gate, limit),  u = clamp(up, -limit, limit),  h = (u + 1) * g * sigmoid(alpha g)
 
@@ -814,6 +886,13 @@ class GatedMLP(Module):
         self.down_proj = Linear(i, h, bias, rng=rng, dtype=dtype)
 
     def forward(self, x) -> np.ndarray:
+        """``down_proj(act(gate_proj(x)) * up_proj(x))`` of ``x (..., H)``, shape ``(..., H)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For an ``x`` that is not a real array of shape ``(..., H)``.
+        """
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"GatedMLP({self.hidden_size}, {self.intermediate_size})")
         return self._forward(x)
@@ -826,6 +905,15 @@ class GatedMLP(Module):
         return self.down_proj._forward(a * b)
 
     def backward(self, dy) -> np.ndarray:
+        """``dx (..., H)`` from ``dy (..., H)``; the projections' ``.grad`` grow by theirs.
+
+        Raises
+        ------
+        RuntimeError
+            Without a forward state.
+        TypeError, ValueError
+            For a ``dy`` of another kind or shape.
+        """
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
@@ -862,7 +950,7 @@ _SHARED_NAMES = ("shared_expert", "shared_experts")
 class SparseMoeBlock(Module):
     """A sparse mixture-of-experts feed-forward block: a ``TopKRouter``, fused experts, and
     optionally a shared dense expert (every token, added to the routed output), itself optionally
-    scaled by a sigmoid gate ``sigmoid(x w_g^T)`` (Qwen3-Next):
+    scaled by a sigmoid gate ``sigmoid(x w_g^T)`` (Qwen3-Next)::
 
         y = sum_j w_j expert_{i_j}(x) [+ sigmoid(shared_expert_gate(x)) *] shared(x)
 
@@ -1010,6 +1098,14 @@ class SparseMoeBlock(Module):
 
     # -- forward / backward ---------------------------------------------------------------------
     def forward(self, x) -> np.ndarray:
+        """The block's output for ``x (..., H)``, shape ``(..., H)``; the router's statistics
+        (``tokens_per_expert``, ``router_module.last_indices`` / ``last_logits``) are this call's.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For an ``x`` that is not a real array of shape ``(..., H)``.
+        """
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"SparseMoeBlock(hidden_size={self.hidden_size})")
         y = self._forward(x.reshape(-1, self.hidden_size), x.shape[:-1]).reshape(x.shape)
@@ -1033,6 +1129,16 @@ class SparseMoeBlock(Module):
         return y
 
     def backward(self, dy) -> np.ndarray:
+        """``dx (..., H)`` from ``dy (..., H)``; every parameter's ``.grad`` grows by its own
+        (through the chosen experts and weights, never through the choice).
+
+        Raises
+        ------
+        RuntimeError
+            Without a forward state.
+        TypeError, ValueError
+            For a ``dy`` of another kind or shape.
+        """
         dy = self._check_dy(dy)
         return self._backward(dy.reshape(-1, self.hidden_size)).reshape(dy.shape)
 
