@@ -332,3 +332,36 @@ def test_functional_jvp_used_by_layers_matches_the_functional_op():
     ln(x)
     _, cache = F.layer_norm(x, ln.weight.data, ln.bias.data)
     np.testing.assert_allclose(ln.jvp(tx), F.layer_norm_jvp(cache, tx), rtol=1e-13)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+def test_a_composite_used_twice_has_each_calls_forward_mode(activation):
+    """FeedForward's _jvp reads its children's states with _child_jvp(child, -1): the state of
+    the call being differentiated, not the latest of the child's stack."""
+    ff = npattn.FeedForward(4, 8, activation=activation, dropout=0.2, rng=0)
+    net = npattn.Sequential(ff, npattn.LayerNorm(4), ff)
+    rep = gradcheck(net, rand(2, 3, 4), mode="both")
+    assert rep.ok, str(rep)
+
+
+class TwiceFF(npattn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = npattn.FeedForward(3, 5, activation="gelu", rng=1)
+
+    def forward(self, x):
+        y = self.ff(self.ff(x))
+        self.save_for_backward(None)
+        return y
+
+    def backward(self, dy):
+        self.pop_saved()
+        return self.ff.backward(self.ff.backward(dy))
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        t = self._child_jvp(self.ff, -2, input_tangents, param_tangents)  # the first call
+        return self._child_jvp(self.ff, -1, (t,), param_tangents)
+
+
+def test_child_jvp_counts_states_from_the_call():
+    assert gradcheck(TwiceFF(), rand(2, 3), mode="both").ok

@@ -543,9 +543,20 @@ class Module:
         """
         if not self._states:
             raise self._no_state_error("jvp")
-        entry = self._states[-1]
-        self._check_versions(entry)
-        return self._jvp(entry.cache, tuple(input_tangents), self._param_tangents(param_tangents))
+        return self._jvp_at(-1, tuple(input_tangents), self._param_tangents(param_tangents))
+
+    def _jvp_at(self, index: int, input_tangents: tuple, param_tangents) -> np.ndarray:
+        """``_jvp`` from saved state ``index`` (a list index; kept as ``_jvp_index``, counted from
+        the top, while it runs, so that ``_child_jvp`` finds the children's states of that call)."""
+        state = self.saved_state(index)
+        if index >= 0:
+            index -= len(self._states)
+        prev = self.__dict__.get("_jvp_index", -1)
+        object.__setattr__(self, "_jvp_index", index)
+        try:
+            return self._jvp(state, tuple(input_tangents), param_tangents)
+        finally:
+            object.__setattr__(self, "_jvp_index", prev)
 
     def _param_tangents(self, param_tangents) -> ParamTangents:
         """Check ``param_tangents`` (names -> arrays) and key them by parameter."""
@@ -586,8 +597,17 @@ class Module:
         )
 
     def _child_jvp(self, child, state_index, input_tangents, param_tangents):
-        """``child``'s output tangent from its saved state ``state_index`` (for composites)."""
-        return child._jvp(child.saved_state(state_index), tuple(input_tangents), param_tangents)
+        """``child``'s output tangent, for a composite's ``_jvp``.
+
+        ``state_index`` picks the child's saved state: a negative index counts from this call,
+        not from the top of the child's stack: ``-1`` is the child's state of the call whose
+        ``_jvp`` is running (with one child call per call of this module; so a composite called
+        twice in one forward gets each call's own children states), ``-2`` the one before it.  A
+        non-negative index is a plain position in the child's stack (``Sequential`` records them).
+        """
+        if state_index < 0:
+            state_index += self.__dict__.get("_jvp_index", -1) + 1
+        return child._jvp_at(state_index, tuple(input_tangents), param_tangents)
 
     # -- traversal --------------------------------------------------------------------------
     def named_modules(self, prefix: str = ""):
