@@ -278,3 +278,36 @@ def test_explicit_step_is_honoured():
     assert rep.ok and rep.rows[0].step == 1e-4 and "eps=0.0001" in str(rep)
     auto = gradcheck(F.softmax, X * 8)
     assert auto.rows[0].step == 2.0 ** round(np.log2(2.0 ** (-52 / 3) * np.sqrt(np.mean((X * 8) ** 2))))
+
+
+def test_jvp_of_the_wrong_shape_is_refused():
+    def bad_jvp(cache, tx=None, tw=None):
+        return cubew_jvp(cache, tx, tw)[:1]
+
+    with pytest.raises(ValueError, match="JVP along 'x' has shape"):
+        gradcheck((cubew, cubew_backward, bad_jvp), X, W, mode="fwd")
+
+
+def test_float32_mode_needs_a_jvp_for_fwd():
+    with pytest.raises(ValueError, match="forward mode"):
+        gradcheck((double, double_backward), X, dtype=np.float32, mode="fwd")
+    rep = gradcheck(double, X, dtype=np.float32)  # rev needs none
+    assert rep.ok and [r.name for r in rep.rows] == ["output", "x"]
+
+
+def test_empty_inputs_and_an_empty_report():
+    rep = gradcheck(F.softmax, np.zeros((0, 3)))
+    assert rep.ok and rep.rows[0].max_abs_err == 0.0
+    empty = npattn.GradcheckReport([])
+    assert empty.ok and empty.worst is None and empty.modes == [] and len(empty) == 0
+    rep = gradcheck(cubew, X, W, mode="both")
+    assert rep[1] is rep.rows[1] and rep.modes[:3] == ["element", "jvp", "transpose"]
+    assert "err/tol" in str(rep) and "mode" in str(rep).splitlines()[1]
+
+
+def test_infinite_mask_entries_are_not_stepped():
+    q, k, v = RNG.standard_normal((1, 2, 3)), RNG.standard_normal((1, 3, 3)), RNG.standard_normal((1, 3, 2))
+    mask = np.array([[0.0, -np.inf, 0.5], [0.2, 0.0, -np.inf]])
+    for fast in (False, True):
+        rep = gradcheck(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, mask_grad=True, fast=fast)
+        assert rep.ok and [r.name for r in rep.rows] == ["q", "k", "v", "attn_mask"], str(rep)

@@ -824,7 +824,12 @@ def gradcheck(
         ``np.float32``: run the target in float32 (inputs rounded to float32, a module cast) and
         compare its output, gradients (and JVPs with ``mode="fwd"/"both"``) with the float64
         path at the same values; results must also come back as float32.  ``None``/``np.float64``:
-        the finite-difference check, in float64.
+        the finite-difference check, in float64.  The tolerance allows some float32 ulps of each
+        tensor's scale plus 64 times how far the float64 result moves when the inputs move by
+        their own float32 rounding (the problem's conditioning); a computation that cancels
+        beyond that (attention scores of several hundred) needs a looser ``rtol``, and defaults
+        that depend on the dtype (``rms_norm``'s ``eps=None``) make the two paths different
+        functions: pass them explicitly.
     raise_exception : bool
         Raise :class:`GradcheckError` (an ``AssertionError`` carrying the report) when a check fails.
     **forward_kwargs
