@@ -772,7 +772,7 @@ def layer_norm_backward(dout: Array, cache: tuple) -> Tuple[Array, Optional[Arra
 def layer_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     """Forward mode: the tangent of ``y = xhat * w + b`` along ``(tx, tw, tb)``.
 
-    Differentiate each step of the forward along ``tx`` (means over the normalised axes):
+    Differentiate each step of the forward along ``tx`` (means over the normalised axes)::
 
         mu = mean(x)                       tmu = mean(tx)
         var = mean((x - mu)^2)             tvar = 2 mean((x - mu)(tx - tmu)) = 2 mean((x - mu) tx)
