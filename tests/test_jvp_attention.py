@@ -316,9 +316,10 @@ def test_tangents_and_cache_are_not_modified():
 
 def test_memory_efficient_jvp_never_holds_a_score_array():
     """numpy reports its allocations to tracemalloc: the JVP (every tangent, dropout and the
-    options on) never allocates anything of the size of one (H, Lq, Lk) score array."""
+    options on) never allocates anything of the size of one (H, Lq, Lk) score array (L = 2048: the
+    block buffers of up to 8 worker threads stay well below an eighth of it)."""
     rng = np.random.default_rng(7)
-    h, L, E = 2, 1024, 16
+    h, L, E = 2, 2048, 16
     q, k, v, tq, tk, tv = (rng.standard_normal((h, L, E)) for _ in range(6))
     sinks, tsinks = rng.standard_normal(h), rng.standard_normal(h)
     score_bytes = h * L * L * 8
