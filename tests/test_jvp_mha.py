@@ -119,7 +119,7 @@ def test_dropout_uses_the_forwards_mask():
     t = m.jvp(*tins, param_tangents=tp)
     u = np.random.default_rng(5).standard_normal(y.shape)
     m.zero_grad()
-    (dx,) = (m.backward(u),)
+    dx = m.backward(u)
     rhs = float(np.sum(dx * tins[0])) + sum(float(np.sum(p.grad * tp[n])) for n, p in m.named_parameters())
     assert abs(float(np.sum(u * t)) - rhs) <= 1e-10 * max(1.0, abs(rhs))
 
