@@ -48,3 +48,16 @@ def test_report_text():
     text = "\n".join(families.format_section({"families": rows}))
     assert "llama" in text and "qwen3" in text and "2.00" in text and "1e-07" in text
     assert families.format_section({}) == []
+
+
+def test_collect_runs_every_family(monkeypatch):
+    seen = []
+
+    def fake(mt, dtype, sizes, **kw):
+        seen.append((mt, kw["own_process"]))
+        return [{"name": "family_step", "model_type": mt, "impl": "npattn", "tokens_per_s": 1.0}]
+
+    monkeypatch.setattr(families, "bench_family", fake)
+    report = families.collect(quick=True, progress=False)
+    assert [mt for mt, _ in seen] == list(families.FAMILIES) and not any(own for _, own in seen)
+    assert len(report["families"]) == 6

@@ -232,6 +232,11 @@ def test_config_reader_details():
         "sliding_window_pattern": 2,
         "pad_token_id": -1,
     }
+    old_gemma = dict(gemma, rope_scaling={"type": "linear", "factor": 8.0})
+    assert config_from_hf(old_gemma).rope["full_attention"]["rope_type"] == "linear"
+    assert config_from_hf(old_gemma).rope["sliding_attention"]["rope_type"] == "default"
+    typed = dict(LLAMA, rope_parameters={"type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    assert config_from_hf(typed).rope["default"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
     c = config_from_hf(gemma)
     assert c.layer_types == ("sliding_attention", "full_attention")
     assert c.rope["sliding_attention"]["rope_theta"] == 1e4 and c.rope["full_attention"]["rope_theta"] == 1e6
@@ -335,3 +340,33 @@ def test_save_pretrained_directory(tmp_path, torch_dtype):
         ref = hf.float()(input_ids=torch.from_numpy(ids)).logits.numpy()
     with no_grad():
         np.testing.assert_allclose(loaded(ids), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"])
+def test_every_family_loads_from_a_bf16_directory(tmp_path, name):
+    """Each family from a saved directory (bfloat16 safetensors, buffers such as DeepSeek-V3's
+    correction bias included, a tied head written out too) equals from_hf of the widened tensors."""
+    from _families import FAMILIES as SHORT
+
+    cfg = SHORT[name]
+    m = _model(cfg)
+    sd = m.state_dict()
+    if cfg.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    bits = {k: (_to_bf16_bits(v), "BF16") for k, v in sd.items()}
+    _write(tmp_path, cfg, bits, shards=2)
+    loaded = CausalLM.from_pretrained(tmp_path)
+    ref = CausalLM.from_hf({k: bf16_to_float32(b) for k, (b, _) in bits.items()}, cfg)
+    assert set(loaded.state_dict()) == set(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    with no_grad():
+        np.testing.assert_array_equal(loaded(_ids()), ref(_ids()))
+
+
+def test_no_draw_generator_gives_constants():
+    from npattn.models.hf import _NoDraw
+
+    g = _NoDraw(np.random.PCG64(0))
+    assert not g.normal(0.0, 1.0, (2, 3)).any() and not g.standard_normal(4).any()
+    np.testing.assert_array_equal(g.uniform(0.5, 1.0, 3), [0.5, 0.5, 0.5])

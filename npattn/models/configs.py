@@ -140,14 +140,10 @@ class _Reader:
         v = self.d.get(key, default)
         return default if v is None else v
 
-    def require(self, key: str):
-        self.used.add(key)
-        if self.d.get(key) is None:
-            raise ValueError(f"config: model_type {self.model_type!r} needs the key {key!r}, which is missing")
-        return self.d[key]
-
     def int(self, key: str, default=None, *, minimum: int = 1):
-        v = self.require(key) if default is None and not self.has(key) else self.get(key, default)
+        if default is None and not self.has(key):
+            raise ValueError(f"config: model_type {self.model_type!r} needs the key {key!r}, which is missing")
+        v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
             raise ValueError(f"config[{key!r}]: expected an integer >= {minimum}, got {v!r}")
         return int(v)

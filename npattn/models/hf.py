@@ -64,10 +64,6 @@ class LazyTensor:
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self._mm, self._begin, self._end = mm, begin, end
 
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in _FLOAT_CODES
-
     def _raw(self) -> np.ndarray:
         return self._mm[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
 
