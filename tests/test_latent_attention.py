@@ -404,3 +404,12 @@ def test_bad_config_and_comparison_arguments():
         kv_cache_bytes_per_token(1, 4, 0)
     with pytest.raises(TypeError, match="dtype"):
         kv_cache_bytes_per_token(1, 4, 4, np.int8)
+
+
+def test_npattn_check_covers_latent_attention():
+    from npattn.tools.check import cases
+
+    found = {name: thunk for name, thunk in cases(0) if name.startswith("MultiHeadLatentAttention")}
+    assert len(found) == 3 and any("absorbed" in name for name in found)
+    for name, thunk in found.items():
+        assert thunk().ok, name

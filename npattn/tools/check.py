@@ -159,6 +159,7 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
     out += _module_option_cases(rng, check, r)
     out += _moe_cases(rng, check, r)
     out += _delta_net_cases(rng, check, r)
+    out += _latent_cases(rng, check, r)
     return out
 
 
@@ -459,6 +460,23 @@ def _moe_cases(rng, check, r):
     return [
         (f"SparseMoeBlock ({name})", check(SparseMoeBlock.from_hf_config(dict(cfg, hidden_size=5), rng=r), x))
         for name, cfg in families.items()
+    ]
+
+
+def _latent_cases(rng, check, r):
+    """``MultiHeadLatentAttention`` (DeepSeek-V3's MLA): the plain and the absorbed form, the
+    query through ``q_proj`` or the low-rank ``q_lora_rank`` path with biases and YaRN."""
+    from ..nn.latent_attention import MultiHeadLatentAttention
+
+    dims = {"kv_lora_rank": 3, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 2}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 0.7, "original_max_position_embeddings": 2}
+    x = rng.standard_normal((2, 3, 6))
+    plain = MultiHeadLatentAttention(6, 2, rng=r, **dims)
+    lora = MultiHeadLatentAttention(6, 2, q_lora_rank=4, attention_bias=True, rope_scaling=yarn, rng=r, **dims)
+    return [
+        ("MultiHeadLatentAttention (q_proj)", check(plain, x)),
+        ("MultiHeadLatentAttention (q_proj, absorbed)", check(plain, x, absorb=True)),
+        ("MultiHeadLatentAttention (q_lora_rank, bias, yarn, absorbed)", check(lora, x, absorb=True)),
     ]
 
 
