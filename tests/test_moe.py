@@ -485,6 +485,7 @@ def test_experts_refuse_bad_arguments(cls, kwargs, exc, name):
         (dict(experts="dense"), ValueError, "experts"),
         (dict(router="sparse"), ValueError, "variant"),
         (dict(router_name="route"), ValueError, "router_name"),
+        (dict(experts_first="yes"), TypeError, "experts_first"),
         (dict(shared_name="shared"), ValueError, "shared_name"),
         (dict(shared_expert_gate=True), ValueError, "shared_expert_gate"),
         (dict(shared_expert_gate=1, shared_intermediate_size=2), TypeError, "shared_expert_gate"),
@@ -578,6 +579,23 @@ def test_experts_forward_refuses_bad_routing():
         ),
         (dict(FAMILIES["deepseek_v3"], n_shared_experts=1.5), TypeError, "n_shared_experts"),
         (dict(FAMILIES["deepseek_v3"], n_group=3), ValueError, "n_group"),
+        (
+            dict(
+                model_type="mixtral",
+                hidden_size=4,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                intermediate_size=3,
+                router_jitter_noise=0.1,
+            ),
+            ValueError,
+            "router_jitter_noise",
+        ),
+        (
+            dict(model_type="qwen3_moe", hidden_size=4, num_experts_per_tok=2, moe_intermediate_size=3),
+            ValueError,
+            "num_experts",
+        ),
         (dict(FAMILIES["qwen3_next"], hidden_act="quick_gelu"), ValueError, "hidden_act"),
         (
             dict(FAMILIES["qwen3_next"], shared_expert_intermediate_size=None),

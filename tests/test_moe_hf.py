@@ -7,17 +7,26 @@ names of a whole tiny model's MoE layer under ``mlp.``."""
 import numpy as np
 import pytest
 from _fd import rel_err
-from _hf64 import float64_torch
 
 from npattn.nn.moe import SparseMoeBlock
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from _hf_oracle import float64_reference  # noqa: E402  (after the skips: it imports torch)
 
 MODULES = {
     "gpt_oss": "models.gpt_oss.modeling_gpt_oss",
     "deepseek_v3": "models.deepseek_v3.modeling_deepseek_v3",
     "qwen3_next": "models.qwen3_next.modeling_qwen3_next",
+    "qwen3_moe": "models.qwen3_moe.modeling_qwen3_moe",
+    "mixtral": "models.mixtral.modeling_mixtral",
+}
+CLASSES = {
+    "gpt_oss": ("GptOssConfig", "GptOssMLP", "GptOssForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3MoE", "DeepseekV3ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextSparseMoeBlock", "Qwen3NextForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralSparseMoeBlock", "MixtralForCausalLM"),
 }
 
 # (family, config fields): every router variant and option the three families use
@@ -33,18 +42,15 @@ CASES = [
                         shared_expert_intermediate_size=5, norm_topk_prob=True)),
     ("qwen3_next", dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=3,
                         shared_expert_intermediate_size=2, norm_topk_prob=False, hidden_act="gelu_pytorch_tanh")),
+    ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=4, norm_topk_prob=False)),
+    ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=4)),
 ]  # fmt: skip
 IDS = [f"{f}-{i}" for i, (f, _) in enumerate(CASES)]
 H = 8
 
 
 def _config(family, fields):
-    cls = {
-        "gpt_oss": transformers.GptOssConfig,
-        "deepseek_v3": transformers.DeepseekV3Config,
-        "qwen3_next": transformers.Qwen3NextConfig,
-    }[family]
-    return cls(hidden_size=H, **fields)
+    return getattr(transformers, CLASSES[family][0])(hidden_size=H, **fields)
 
 
 def _hf_block(family, config, seed=0):
@@ -52,9 +58,8 @@ def _hf_block(family, config, seed=0):
     import importlib
 
     mod = importlib.import_module(f"transformers.{MODULES[family]}")
-    cls = {"gpt_oss": "GptOssMLP", "deepseek_v3": "DeepseekV3MoE", "qwen3_next": "Qwen3NextSparseMoeBlock"}[family]
     torch.manual_seed(seed)
-    block = getattr(mod, cls)(config).double()
+    block = getattr(mod, CLASSES[family][1])(config).double()
     with torch.no_grad():
         for name, p in block.named_parameters():
             # larger gate_up entries in GPT-OSS so that the clamps act on some units
@@ -65,10 +70,11 @@ def _hf_block(family, config, seed=0):
 
 
 @pytest.fixture
-def f64(monkeypatch):
-    """transformers' float32 upcasts in the routers (``.type(torch.float32)``, ``softmax(dtype=torch.float)``)
-    become float64, so the oracle stays float64."""
-    float64_torch(monkeypatch, *MODULES.values())
+def f64():
+    """transformers' float32 upcasts in the routers (``.type(torch.float32)``, ``.float()``,
+    ``softmax(dtype=torch.float)``) become float64, so the oracle stays float64."""
+    with float64_reference():
+        yield
 
 
 def _ours(config, hf):
@@ -149,19 +155,22 @@ TINY_MODELS = {
         moe_intermediate_size=3, shared_expert_intermediate_size=5, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=4, linear_value_head_dim=4,
     ),
+    "qwen3_moe": dict(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=16,
+        intermediate_size=10, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3,
+    ),
+    "mixtral": dict(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=16,
+        intermediate_size=6, num_local_experts=4, num_experts_per_tok=2,
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(TINY_MODELS))
 def test_names_and_shapes_as_a_whole_models_mlp(family):
     """The keys of a tiny random model's last layer under ``mlp.``: exactly ours, same shapes, same order."""
-    cls = {
-        "gpt_oss": transformers.GptOssForCausalLM,
-        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
-        "qwen3_next": transformers.Qwen3NextForCausalLM,
-    }[family]
     config = _config(family, TINY_MODELS[family])
-    model = cls(config)
+    model = getattr(transformers, CLASSES[family][2])(config)
     last = config.num_hidden_layers - 1
     prefix = f"model.layers.{last}.mlp."
     hf = [(k[len(prefix) :], tuple(v.shape)) for k, v in model.state_dict().items() if k.startswith(prefix)]

@@ -985,6 +985,9 @@ class SparseMoeBlock(Module):
         The sigmoid gate on the shared expert (needs one).
     router_name, shared_name : str
         The state-dict names, see above.
+    experts_first : bool
+        List ``experts`` before the router in ``state_dict()`` / ``named_parameters()``, in the
+        order of transformers' ``DeepseekV3MoE`` and ``Qwen3MoeSparseMoeBlock``.
     rng, dtype
         As every module.
 
@@ -1015,6 +1018,7 @@ class SparseMoeBlock(Module):
         shared_expert_gate: bool = False,
         router_name: str = "gate",
         shared_name: str = "shared_expert",
+        experts_first: bool = False,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -1026,6 +1030,7 @@ class SparseMoeBlock(Module):
         if shared_name not in _SHARED_NAMES:
             raise ValueError(f"shared_name: expected one of {_SHARED_NAMES}, got {shared_name!r}")
         gated = check_bool(shared_expert_gate, "shared_expert_gate")
+        experts_first = check_bool(experts_first, "experts_first")
         if shared_intermediate_size is not None:
             shared_intermediate_size = check_size(shared_intermediate_size, "shared_intermediate_size")
         elif gated:
@@ -1070,8 +1075,8 @@ class SparseMoeBlock(Module):
             )
             if gated:
                 self.shared_expert_gate = Linear(hidden_size, 1, False, rng=rng, dtype=dtype)
-        if shared_name == "shared_experts":  # transformers' DeepseekV3MoE: experts, gate, shared_experts
-            for name in (router_name, shared_name):
+        if experts_first:  # experts, router, then the shared expert and its gate (transformers' order)
+            for name in (router_name, shared_name, "shared_expert_gate"):
                 if name in self._modules:
                     self._modules.move_to_end(name)
 
@@ -1186,7 +1191,8 @@ class SparseMoeBlock(Module):
         """The MoE block of a decoder layer of a Hugging Face model, from its config.
 
         ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with
-        ``model_type`` one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``.  Fields read:
+        ``model_type`` one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``,
+        ``"mixtral"``.  Fields read:
 
         * gpt_oss: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``,
           ``intermediate_size``, ``swiglu_alpha`` (1.702), ``swiglu_limit`` (7.0) -> variant
@@ -1199,7 +1205,13 @@ class SparseMoeBlock(Module):
         * qwen3_next: ``hidden_size``, ``num_experts``, ``num_experts_per_tok``,
           ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``norm_topk_prob``,
           ``hidden_act`` -> variant ``"softmax_topk"``, keys ``gate.weight``, ``experts.*``,
-          ``shared_expert.*``, ``shared_expert_gate.weight``.
+          ``shared_expert.*``, ``shared_expert_gate.weight``;
+        * qwen3_moe: ``hidden_size``, ``num_experts`` (or ``num_local_experts``), ``num_experts_per_tok``,
+          ``moe_intermediate_size``, ``norm_topk_prob``, ``hidden_act`` -> ``"softmax_topk"``, keys
+          ``experts.*``, ``gate.weight``;
+        * mixtral: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size``,
+          ``hidden_act`` -> ``"softmax_topk"`` renormalised, keys ``gate.weight``, ``experts.*``
+          (``router_jitter_noise``, a training-time input noise, must be 0).
 
         Raises
         ------
@@ -1251,6 +1263,7 @@ class SparseMoeBlock(Module):
                 hidden_act=get("hidden_act", default="silu"),
                 shared_intermediate_size=inter * check_size(n_shared, "n_shared_experts") if n_shared else None,
                 shared_name="shared_experts",
+                experts_first=True,
             )
         elif model_type == "qwen3_next":
             args = (get("hidden_size"), get("num_experts"), get("num_experts_per_tok"), get("moe_intermediate_size"))
@@ -1261,9 +1274,25 @@ class SparseMoeBlock(Module):
                 shared_intermediate_size=get("shared_expert_intermediate_size") or None,  # 0: none
                 shared_expert_gate=bool(get("shared_expert_intermediate_size")),
             )
+        elif model_type == "qwen3_moe":
+            experts = get("num_experts", "num_local_experts")
+            args = (get("hidden_size"), experts, get("num_experts_per_tok"), get("moe_intermediate_size"))
+            kw.update(
+                norm_topk_prob=get("norm_topk_prob", default=False),
+                hidden_act=get("hidden_act", default="silu"),
+                experts_first=True,
+            )
+        elif model_type == "mixtral":
+            jitter = get("router_jitter_noise", default=0.0)
+            if jitter:
+                raise ValueError(f"config: router_jitter_noise expected 0 (not supported), got {jitter!r}")
+            experts = get("num_local_experts", "num_experts")
+            args = (get("hidden_size"), experts, get("num_experts_per_tok"), get("intermediate_size"))
+            kw.update(norm_topk_prob=True, hidden_act=get("hidden_act", default="silu"))
         else:
             raise ValueError(
-                f"config: model_type expected one of 'gpt_oss', 'deepseek_v3', 'qwen3_next', got {model_type!r}"
+                "config: model_type expected one of 'gpt_oss', 'deepseek_v3', 'qwen3_next', 'qwen3_moe', 'mixtral', "
+                f"got {model_type!r}"
             )
         return cls(*args, **kw)
 
