@@ -102,14 +102,18 @@ def _check_hidden_act(hidden_act) -> str:
 
 
 def _check_real(x, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
+    """A finite real number (bools and non-numbers: ``TypeError``; NaN and inf: ``ValueError``)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected a finite real number, got {x!r} ({type(x).__name__})")
+    if not math.isfinite(float(x)):
+        raise ValueError(f"{name}: expected a finite real number, got {x!r}")
     return float(x)
 
 
 def _topk(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest entries of each row of ``scores (N, E)``, largest first (as
-    ``torch.topk(sorted=True)``); equal scores keep the lower index first."""
+    ``torch.topk(sorted=True)``); equal chosen scores keep the lower index first.  Which of two
+    equal scores at the boundary is chosen is not specified (nor is it by torch)."""
     n, e = scores.shape
     if k < e:
         cand = np.argpartition(-scores, k - 1, axis=-1)[:, :k]  # the k largest, unordered
