@@ -23,6 +23,7 @@ MODULES = [
     ("npattn.masks", "Attention-mask helpers (True = may attend)."),
     ("npattn.testing", "Gradient checks and hypothesis strategies for property tests (needs hypothesis)."),
     ("npattn.viz", "Plots (needs matplotlib)."),
+    ("npattn.data", "Small arrays shipped with the package (the book's weights, a PyTorch reference): what the notebooks read."),
 ]
 
 

@@ -1,23 +1,21 @@
 """The numbers printed in chapter 3 of *Build a Large Language Model (From Scratch)*, reproduced
-with npattn from the book's seeded weights stored in ``tests/book/chapter3.npz``."""
-
-import os
+with npattn from the book's seeded weights shipped as ``npattn.data.load("chapter3")``."""
 
 import numpy as np
 import pytest
 
 import npattn
-from npattn import book
+from npattn import book, data
 from npattn import functional as F
 
-NPZ = np.load(os.path.join(os.path.dirname(__file__), "book", "chapter3.npz"))
+NPZ = data.load("chapter3")
 INPUTS = NPZ["inputs"].astype(np.float64)  # "Your journey starts with one step"
 BATCH = np.stack([INPUTS, INPUTS])
 PRINTED = 1e-4  # the book prints four decimals
 
 
 def weights(prefix):
-    return {k[len(prefix) + 1 :]: NPZ[k] for k in NPZ.files if k.startswith(prefix + ".")}
+    return {k[len(prefix) + 1 :]: NPZ[k] for k in NPZ if k.startswith(prefix + ".")}
 
 
 def test_inputs_are_the_book_embeddings():
@@ -45,7 +43,7 @@ def test_simple_attention_for_journey_with_functional_ops():
 
 def test_manual_weights_seed_123_via_self_attention_v1():
     sa = book.SelfAttention_v1(3, 2)
-    sa.load_state_dict({k[len("manual.") :]: NPZ[k] for k in NPZ.files if k.startswith("manual.")})
+    sa.load_state_dict({k[len("manual.") :]: NPZ[k] for k in NPZ if k.startswith("manual.")})
     query_2 = INPUTS[1] @ sa.W_query.data
     np.testing.assert_allclose(query_2, [0.4306, 1.4551], atol=PRINTED)
     keys = INPUTS @ sa.W_key.data

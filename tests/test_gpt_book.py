@@ -1,6 +1,6 @@
 """The book's chapter-4 ``GPTModel`` in NumPy (``npattn.book``): keys, logits and every gradient
 against the PyTorch reference (``tests/book/chapter4_torch.py``), through the committed
-``tests/book/chapter4.npz`` without torch and live when torch is importable."""
+``npattn/data/chapter4.npz`` (``npattn.data.load("chapter4")``) without torch and live when torch is importable."""
 
 import os
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from _fd import fd_gradients, rel_err
 
-from npattn import book, gradcheck
+from npattn import book, data, gradcheck
 
 HERE = os.path.dirname(__file__)
-NPZ = np.load(os.path.join(HERE, "book", "chapter4.npz"))
+NPZ = data.load("chapter4")
 CFG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
 
 
@@ -20,9 +20,9 @@ def stored(name):
     cfg = {k: (int(v) if k not in ("drop_rate", "qkv_bias") else v) for k, v in zip(CFG_KEYS, vals)}
     cfg["drop_rate"], cfg["qkv_bias"] = float(vals[5]), bool(vals[6])
     pre = f"{name}.sd."
-    sd = {k[len(pre) :]: NPZ[k] for k in NPZ.files if k.startswith(pre)}
+    sd = {k[len(pre) :]: NPZ[k] for k in NPZ if k.startswith(pre)}
     pre = f"{name}.grad."
-    grads = {k[len(pre) :]: NPZ[k] for k in NPZ.files if k.startswith(pre)}
+    grads = {k[len(pre) :]: NPZ[k] for k in NPZ if k.startswith(pre)}
     return cfg, sd, grads
 
 

@@ -2,8 +2,9 @@
 and draws at least one figure; the committed copies carry their outputs (they are read on GitHub
 without being run).
 
-The kernel runs with ``notebooks/`` as its working directory (the notebooks read
-``../tests/book/chapter3.npz``) and the repository root at the front of ``PYTHONPATH``, so
+The kernel runs in an empty temporary directory outside the repository (the notebooks read their
+data through ``npattn.data.load``, shipped with the package) and the repository root at the front
+of ``PYTHONPATH``, so
 ``import npattn`` finds this checkout whether or not the package is installed.  The notebooks
 themselves never touch ``sys.path``.  Skipped when nbclient, nbformat or ipykernel is missing
 (``pip install ".[notebooks]"``).
@@ -75,9 +76,11 @@ def kernel_env():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_runs(path, kernel_env):
+def test_notebook_runs(path, kernel_env, tmp_path):
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name=KERNEL, resources={"metadata": {"path": str(NB_DIR)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name=KERNEL, resources={"metadata": {"path": str(tmp_path)}}
+    )
     start = time.perf_counter()
     try:
         client.execute()

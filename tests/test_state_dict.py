@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import npattn
-from npattn import book
+from npattn import book, data
 
-BOOK = np.load(__import__("os").path.join(__import__("os").path.dirname(__file__), "book", "chapter3.npz"))
+BOOK = data.load("chapter3")
 
 
 def rand(seed, shape):
@@ -178,7 +178,7 @@ def test_book_keys_match_torch_export():
         ("mhaw", book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, 2)),
         ("mha", book.MultiHeadAttention(3, 2, 6, 0.0, 2)),
     ]:
-        exported = [k[len(prefix) + 1 :] for k in BOOK.files if k.startswith(prefix + ".")]
+        exported = [k[len(prefix) + 1 :] for k in BOOK if k.startswith(prefix + ".")]
         assert list(m.state_dict()) == exported, prefix
         for k, v in m.state_dict().items():
             assert v.shape == BOOK[f"{prefix}.{k}"].shape, (prefix, k)

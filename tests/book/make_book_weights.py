@@ -1,4 +1,4 @@
-"""Regenerate ``tests/book/chapter3.npz`` (run by hand; needs torch):
+"""Regenerate ``npattn/data/chapter3.npz`` (read by ``npattn.data.load``; run by hand; needs torch):
 
     python tests/book/make_book_weights.py
 
@@ -54,7 +54,7 @@ from chapter3_torch import (  # noqa: E402  (standalone import, see docstring)
 )
 
 ATOL = 5e-5
-OUT_PATH = os.path.join(HERE, "chapter3.npz")
+OUT_PATH = os.path.join(HERE, "..", "..", "npattn", "data", "chapter3.npz")
 
 
 def check(name, got, expected):

@@ -1,4 +1,4 @@
-"""Regenerate ``tests/book/chapter4.npz`` (run by hand; needs torch):
+"""Regenerate ``npattn/data/chapter4.npz`` (read by ``npattn.data.load``; run by hand; needs torch):
 
     python tests/book/make_chapter4_weights.py
 
@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 
 from chapter4_torch import GPTModel, generate_text_simple  # noqa: E402
 
-OUT_PATH = os.path.join(HERE, "chapter4.npz")
+OUT_PATH = os.path.join(HERE, "..", "..", "npattn", "data", "chapter4.npz")
 CFG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers", "drop_rate", "qkv_bias")
 CONFIGS = {
     "tiny": {
