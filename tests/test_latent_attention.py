@@ -251,6 +251,9 @@ def test_float32_end_to_end():
     assert close(y, y64, 1e-5) and close(dx, dx64, 1e-5)
     assert all(close(g[n], g64[n], 1e-5) for n in g)
     assert m32(x.astype(np.float32), use_cache=True).dtype == np.float32
+    bias = np.random.default_rng(3).normal(0, 1, (4, 4))  # a float64 mask keeps the module float32
+    y = m32(x.astype(np.float32), attn_mask=bias)
+    assert y.dtype == np.float32 and close(y, m64(x, attn_mask=bias), 1e-5)
 
 
 def test_parameters_names_shapes_and_seed():
