@@ -26,7 +26,7 @@ from .runner import Step, run_steps, time_case
 from .text import table
 
 FAMILIES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next")
-FAMILY = dict(hidden=256, layers=4, vocab=2048, batch=1, L=128, prompt=16, new_tokens=32)
+FAMILY = dict(hidden=128, layers=2, vocab=1024, batch=1, L=64, prompt=8, new_tokens=16)  # about a minute in all
 FAMILY_QUICK = dict(hidden=32, layers=2, vocab=64, batch=1, L=8, prompt=4, new_tokens=4)
 
 
@@ -244,8 +244,8 @@ def bench_family(model_type, dtype=np.float32, sizes=None, *, use_torch=True, re
 
 
 def collect(quick=False, progress=True):
-    sizes, repeats = (FAMILY_QUICK, 1) if quick else (FAMILY, 3)
-    guess = 1.0 if quick else 25.0
+    sizes, repeats = (FAMILY_QUICK, 1) if quick else (FAMILY, 2)
+    guess = 1.0 if quick else 10.0
     steps = [
         Step(
             f"{mt} float32",
