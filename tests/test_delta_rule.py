@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn.functional as F
+from npattn.functional import delta_rule
 from npattn.functional import reference as R
 from npattn.testing import delta_rule_inputs
 
@@ -133,8 +134,12 @@ def test_chunked_equals_recurrence(case):
             close(a, b)
 
 
-def test_chunked_long_sequence_every_chunk_size_same_numbers():
-    """L = 203 (prime: never a multiple of the chunk), strong and weak decays, several chunks."""
+@pytest.mark.parametrize("block", [None, 1, 3000])
+def test_chunked_long_sequence_every_chunk_size_same_numbers(monkeypatch, block):
+    """L = 203 (prime: never a multiple of the chunk), strong and weak decays, several chunks;
+    chunks in blocks of the default size, of one chunk each, of a few chunks each."""
+    if block is not None:
+        monkeypatch.setattr(delta_rule, "_BLOCK", block)
     rng = np.random.default_rng(3)
     c = _case(rng, lead=(1, 2), steps=203, dk=6, dv=4)
     c["g"][0, 0, 50:60] = -30.0  # decays that underflow e^{gamma} inside a chunk
@@ -148,6 +153,9 @@ def test_chunked_long_sequence_every_chunk_size_same_numbers():
         n = -(-203 // min(chunk, 203))
         assert cache2.states.shape == (1, 2, n, 6, 4)  # the boundary states, no (L, L) array
         for a, b in zip(F.gated_delta_rule_backward(dout, cache2), ref):
+            close(a, b)
+        ts = _tangents(chunk, c["q"], c["k"], c["v"], c["g"], c["beta"], c["initial_state"])
+        for a, b in zip(F.gated_delta_rule_jvp(cache2, *ts), R.gated_delta_rule_jvp(cache, *ts)):
             close(a, b)
 
 

@@ -2,11 +2,13 @@
 
 ``gated_delta_rule`` gives the numbers of the step-by-step recurrence of
 ``npattn.functional.reference.gated_delta_rule`` (to 1e-12 in float64), with work linear in ``L``
-and no array larger than ``(L / C) * C * C = L * C`` (``C = chunk_size``): the ``L`` steps are
-cut into chunks of ``C``; everything inside a chunk that does not depend on the state entering
-it is computed for all chunks at once (a few batched matrix products and one ``C x C``
-triangular inverse per chunk: the WY / UT transform of DeltaNet), and a loop over the ``L / C``
-chunks carries the state with two ``(C, Dk) x (Dk, Dv)`` products per chunk.
+and no ``(L, L)`` array: the ``L`` steps are cut into chunks of ``C = chunk_size``; everything
+inside a chunk that does not depend on the state entering it is computed for a block of chunks
+at once (a few batched matrix products and one ``C x C`` triangular inverse per chunk: the WY / UT
+transform of DeltaNet), and a loop over the chunks carries the state with two
+``(C, Dk) x (Dk, Dv)`` products per chunk.  A block's ``C x C`` arrays hold about ``_BLOCK``
+numbers whatever ``L`` is, so they stay in the CPU's cache (the time per step does not grow with
+``L``) and the scratch memory of a call is bounded.
 
 The chunk form (one head; ``S`` the state entering the chunk, rows ``i, j = 1..C`` the chunk's
 steps; ``q`` already scaled, ``k`` already normalised):
@@ -29,7 +31,7 @@ With ``T = (I + M)^{-1}`` (the UT transform) ``U = W_v - W_k S``, ``W_v = T diag
 
 Backward (derived beside ``_chunked_backward``): the adjoint of the state runs the chunks in
 reverse, ``dS = a_C dS' + (diag(a) Q)^T dO - W_k^T (P^T dO + diag(b) K dS')``; everything else is
-again computed for all chunks at once from the states at the chunks' starts, which are all the
+again computed for a block of chunks at once from the states at the chunks' starts, which are all the
 forward keeps (``(L / C) Dk Dv`` numbers per head) beside its inputs.
 
 Also here: ``l2_norm`` (``x / sqrt(sum x^2 + eps)``, the q/k normalisation) and
@@ -381,14 +383,17 @@ def _gated_delta_rule(
         q = q * scale
     lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
     chunk = min(chunk_size, steps)
-    terms = _chunk_terms(q, k, v, g, beta, chunk)
-    rows = terms.qa.shape[0]
-    s0 = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
-    states, u, final = _scan(terms, s0)
-    # O = diag(a) Q S + P U, for every chunk at once
-    out = terms.qa @ states + terms.p @ u  # (rows, N, C, Dv)
+    qc, kc, vc, gc, bc = _chunked(steps, chunk, q, k, v, g, beta)
+    rows, n = qc.shape[:2]
+    s = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
+    states = np.empty((rows, n, dk, dv), q.dtype)
+    out = np.empty(vc.shape, q.dtype)
+    for blk in _blocks(rows, n, chunk):
+        terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
+        states[:, blk], u, s = _scan(terms, s)
+        out[:, blk] = terms.qa @ states[:, blk] + terms.p @ u  # O = diag(a) Q S + P U
+    final = s
     out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    n = states.shape[1]
     return out, GatedDeltaRuleCache(
         q,
         k,
@@ -425,6 +430,23 @@ class _Chunks(NamedTuple):
     wk: np.ndarray  # (rows, N, C, Dk) T diag(beta a) K
 
 
+_BLOCK = 1 << 18  # elements of one (rows, chunks, C, C) array of a block of chunks (1-2 MiB)
+
+
+def _blocks(rows, n, chunk):
+    """The chunks ``0 .. n-1`` in blocks (slices) small enough that a block's ``(rows, chunks, C, C)``
+    arrays hold about ``_BLOCK`` elements: they stay in the CPU's cache, so the time per step does
+    not grow with L, and the scratch memory of a call is bounded whatever L is."""
+    per = max(1, _BLOCK // (rows * chunk * chunk))
+    return [slice(i, min(i + per, n)) for i in range(0, n, per)]
+
+
+def _chunked(steps, chunk, q, k, v, g, beta):
+    """``q, k, v (B..., L, D)`` and ``g, beta (B..., L)`` as chunks ``(rows, N, C, D)`` and ``(rows, N, C)``."""
+    vectors = tuple(_pad_chunks(x, steps, chunk) for x in (q, k, v))
+    return vectors + tuple(_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
+
+
 def _pad_chunks(x, steps, chunk):
     """``(B..., L, D)`` -> ``(rows, N, C, D)``, zero-padded at the end to ``N * C`` steps (a padded
     step has k = v = q = 0, g = beta = 0: it leaves the state as it was and reads nothing out)."""
@@ -435,10 +457,9 @@ def _pad_chunks(x, steps, chunk):
     return x.reshape((x.shape[0], n, chunk, x.shape[-1]))
 
 
-def _chunk_terms(q, k, v, g, beta, chunk) -> _Chunks:
-    steps = q.shape[-2]
-    q, k, v = (_pad_chunks(x, steps, chunk) for x in (q, k, v))
-    g, beta = (_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
+def _chunk_terms(q, k, v, g, beta) -> _Chunks:
+    """The state-independent terms of the chunks given (``(rows, n, C, ...)`` arrays, see ``_chunked``)."""
+    chunk = q.shape[-2]
     gamma = np.cumsum(g, axis=-1)  # (rows, N, C) log decay from the chunk's start
     a = np.exp(gamma)
     b = np.exp(gamma[..., -1:] - gamma)
@@ -448,9 +469,7 @@ def _chunk_terms(q, k, v, g, beta, chunk) -> _Chunks:
     kt = k.swapaxes(-1, -2)
     kk = k @ kt
     qk = q @ kt
-    m = np.tril(beta[..., :, None] * kk * gam, -1)  # M_ij = beta_i Gam_ij k_i.k_j, j < i
-    m[..., np.arange(chunk), np.arange(chunk)] = 1.0  # I + M
-    t = np.linalg.inv(m)  # unit lower triangular, its inverse too
+    t = _unit_lower_inverse(np.tril(beta[..., :, None] * kk * gam, -1))  # M_ij = beta_i Gam_ij k_i.k_j, j < i
     return _Chunks(
         q,
         k,
@@ -468,6 +487,20 @@ def _chunk_terms(q, k, v, g, beta, chunk) -> _Chunks:
         t @ (v * beta[..., None]),
         t @ (k * (beta * a)[..., None]),
     )
+
+
+def _unit_lower_inverse(m):
+    """``T = (I + M)^{-1}`` for strictly lower-triangular ``M (..., C, C)``, by forward substitution:
+    ``(I + M) T = I`` gives row by row ``T_i = e_i - sum_{j<i} M_ij T_j``, and ``T_j`` (``j < i``)
+    is zero right of column ``j``, so ``T[i, :i] = -M[i, :i] T[:i, :i]``: one batched
+    vector-matrix product per row (several times faster than a general inverse, as stable as a
+    triangular solve)."""
+    c = m.shape[-1]
+    t = np.zeros(m.shape, m.dtype)
+    t[..., np.arange(c), np.arange(c)] = 1.0
+    for i in range(1, c):
+        t[..., i, :i] = -np.matmul(m[..., i, None, :i], t[..., :i, :i])[..., 0, :]
+    return t
 
 
 def _scan(c: _Chunks, s):
@@ -514,22 +547,28 @@ def gated_delta_rule_backward(
 def _gated_delta_rule_backward(dout, cache, dfinal_state=None):
     q, k, v, g, beta, states, chunk, scale, q_norm, k_norm, has_initial, _ = cache
     lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
-    c = _chunk_terms(q, k, v, g, beta, chunk)
-    rows = c.q.shape[0]
+    qc, kc, vc, gc, bc = _chunked(steps, chunk, q, k, v, g, beta)
+    doc = _pad_chunks(dout, steps, chunk)
+    rows, n = qc.shape[:2]
     s = states.reshape((rows,) + states.shape[-3:])
-    dsf = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
-    grads, ds0 = _chunked_backward(c, s, _pad_chunks(dout, steps, chunk), dsf)
+    ds = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
+    grads = tuple(np.empty(x.shape, q.dtype) for x in (qc, kc, vc, gc, bc))
+    for blk in reversed(_blocks(rows, n, chunk)):  # the last block first: the state's adjoint runs backwards
+        terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
+        block_grads, ds = _chunked_backward(terms, s[:, blk], doc[:, blk], ds)
+        for whole, part in zip(grads, block_grads):
+            whole[:, blk] = part
     dq, dk_, dv_, dg, dbeta = (
         x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
     )
     dq *= scale
     if q_norm is not None:
         dq, dk_ = _l2_norm_backward(dq, q_norm), _l2_norm_backward(dk_, k_norm)
-    return dq, dk_, dv_, dg, dbeta, (ds0.reshape(lead + (dk, dv)) if has_initial else None)
+    return dq, dk_, dv_, dg, dbeta, (ds.reshape(lead + (dk, dv)) if has_initial else None)
 
 
 def _chunked_backward(c: _Chunks, s, do, dsf):
-    """Backward of one chunk, for all chunks at once once the state's adjoint is known.
+    """Backward of the chunks of a block, all at once but for the state's adjoint.
 
     The chunk computed (``S`` entering, ``S'`` leaving, ``R = diag(beta) V - diag(beta a) K S``):
 
@@ -543,7 +582,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
            = a_C dS' + (diag(a) Q)^T dO - W_k^T dU           (W_k = T diag(beta a) K)
 
     the last line is the reverse scan over chunks (``dS'`` of chunk n is ``dS`` of chunk n + 1,
-    ``dfinal_state`` for the last).  Then, with every ``dS'`` known, for all chunks at once:
+    ``dfinal_state`` for the last).  Then, with every ``dS'`` known, for all the block's chunks at once:
 
         from O:   dP = dO U^T (lower);  d(diag(a) Q) = dO S^T;  dGam += dP * (Q K^T)
                   dQ = diag(a) dO S^T + (dP * Gam) K;  dK += (dP * Gam)^T Q;  da_i = q_i . (dO S^T)_i
@@ -572,7 +611,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     for i in reversed(range(n)):
         ds_end[:, i] = ds
         ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
-    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for all chunks
+    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
     du = pt_do + c.kb @ ds_end
     dr = c.t.swapaxes(-1, -2) @ du
     st = s.swapaxes(-1, -2)
@@ -647,20 +686,24 @@ def _gated_delta_rule_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None,
     tq = zero(q) if tq is None else scale * (tq if q_norm is None else _l2_norm_jvp(q_norm, tq))
     tk = zero(k) if tk is None else (tk if k_norm is None else _l2_norm_jvp(k_norm, tk))
     tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, v), (tg, g), (tbeta, beta)))
-    c = _chunk_terms(q, k, v, g, beta, chunk)
-    rows = c.q.shape[0]
+    qc, kc, vc, gc, bc = _chunked(steps, chunk, q, k, v, g, beta)
+    tqc, tkc, tvc, tgc, tbc = _chunked(steps, chunk, tq, tk, tv, tg, tbeta)
+    rows, n = qc.shape[:2]
     s = states.reshape((rows,) + states.shape[-3:])
-    tc = (_pad_chunks(tq, steps, chunk), _pad_chunks(tk, steps, chunk), _pad_chunks(tv, steps, chunk))
-    tgc, tbc = (_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (tg, tbeta))
     ts = np.zeros((rows, dk, dv), q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
-    tout, tfinal = _chunked_jvp(c, s, *tc, tgc, tbc, ts)
+    tout = np.empty(vc.shape, q.dtype)
+    for blk in _blocks(rows, n, chunk):
+        terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
+        tout[:, blk], ts = _chunked_jvp(
+            terms, s[:, blk], tqc[:, blk], tkc[:, blk], tvc[:, blk], tgc[:, blk], tbc[:, blk], ts
+        )
     tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return tout if final is None else (tout, tfinal.reshape(lead + (dk, dv)))
+    return tout if final is None else (tout, ts.reshape(lead + (dk, dv)))
 
 
 def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
-    """The product rule through one chunk's formulas (module docstring), for all chunks at once
-    but for the tangent of the state, carried through the chunks as the state is:
+    """The product rule through one chunk's formulas (module docstring), for a block of chunks
+    at once but for the tangent of the state, carried through the chunks as the state is:
 
         tgamma = cumsum(tg);  ta = a tgamma;  tb = b (tgamma_C - tgamma);  tGam = Gam (tgamma_i - tgamma_j)
         tM = beta (tK K^T + K tK^T) Gam + tbeta (K K^T) Gam + beta (K K^T) tGam   (strictly lower)
