@@ -10,8 +10,10 @@ from the same saved state without consuming it.
 Saved states form a stack, one entry per call: a module called twice in one forward (a shared
 ``LayerNorm``, tied layers) keeps both states, and its two ``backward`` calls, made in reverse
 order as a chain rule runs, consume them latest first (as torch's autograd does).  ``backward``
-with nothing saved raises ``RuntimeError``.  Forward passes whose backward will never run should
-run under ``no_grad()`` (they then keep nothing) or be followed by ``clear_saved()``.
+with nothing saved raises ``RuntimeError``; a forward under ``no_grad()`` keeps nothing and
+releases the states kept before it (so ``backward`` after it raises, as it always did).
+Forward passes whose backward will never run should run under ``no_grad()`` or be followed by
+``clear_saved()``: states are kept until consumed.
 
 What every subclass gets from this base class, without writing anything:
 
@@ -346,7 +348,8 @@ class Module:
         Call it once in each ``forward``.  The states form a stack: each call pushes one, each
         ``pop_saved`` (in ``backward``) takes the latest.  The versions of every parameter of
         the module and its submodules are recorded with it and checked when it is used.  Under
-        ``no_grad()`` nothing is kept.
+        ``no_grad()`` nothing is kept and the states kept before are released (as before the
+        stack: a ``backward`` after a forward under ``no_grad`` raises ``RuntimeError``).
 
         Parameters
         ----------
@@ -358,6 +361,7 @@ class Module:
             self._states.append(_Saved(cache, (plist, tuple(p._version for _, p in plist))))
             object.__setattr__(self, "_nograd_forward", False)
         else:
+            self._states.clear()
             object.__setattr__(self, "_nograd_forward", True)
 
     _save = save_for_backward  # the historical private name
