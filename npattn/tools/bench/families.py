@@ -63,6 +63,7 @@ def family_config(model_type, *, hidden, layers, vocab):
         rope["original_max_position_embeddings"] = 64
         return dict(
             base,
+            max_position_embeddings=256,  # factor x original, as YaRN's config expects
             sliding_window=window,
             layer_types=half,
             num_local_experts=8,
