@@ -14,14 +14,16 @@ exact: ``float32 bits = uint16 bits << 16``.
 
 Loading is lazy: ``open_safetensors`` maps the file and returns ``LazyTensor`` views (nothing is
 read); the model is built without drawing random weights, every key and shape is checked, and
-only then is each tensor converted, one at a time, into its parameter.  A checkpoint therefore
-loads within about the final model's own size in memory (plus one tensor).
+only then is each tensor converted, one at a time, into its parameter, after which its pages of
+the file are released.  A checkpoint therefore loads within about the final model's own size in
+memory (plus one tensor).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from collections.abc import Mapping
@@ -65,13 +67,15 @@ class LazyTensor:
         self._mm, self._begin, self._end = mm, begin, end
 
     def _raw(self) -> np.ndarray:
-        return self._mm[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
+        return self._mm.array[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
 
     def numpy(self, dtype=None) -> np.ndarray:
         """The tensor as a new ndarray of ``dtype`` (default: its own; bfloat16 becomes float32)."""
         raw = self._raw()
         arr = bf16_to_float32(raw) if self.dtype == "BF16" else raw
-        return np.array(arr, dtype=dtype, copy=True)
+        out = np.array(arr, dtype=dtype, copy=True)
+        self._mm.release(self._begin, self._end)
+        return out
 
     def read_into(self, out: np.ndarray) -> None:
         """Convert the tensor straight into ``out`` (a float array of its shape), without a
@@ -85,9 +89,36 @@ class LazyTensor:
             out[...] = bf16_to_float32(raw)
         else:
             out[...] = raw
+        self._mm.release(self._begin, self._end)
 
     def __repr__(self):
         return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+class _Mapping:
+    """A read-only memory map of a file: ``array`` (its bytes as uint8) and ``release(begin, end)``,
+    which tells the kernel this process is done with those pages (``MADV_DONTNEED``): they leave
+    the process's resident memory at once instead of staying mapped until the file is closed, so
+    loading holds the model and not the model plus the checkpoint."""
+
+    def __init__(self, path: str, size: int):
+        self.mm = None
+        self.array = np.zeros(0, np.uint8)
+        if size:
+            with open(path, "rb") as f:
+                self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.array = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def release(self, begin: int, end: int) -> None:
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if self.mm is None or advice is None or end <= begin:  # pragma: no cover - not Linux
+            return
+        page = mmap.PAGESIZE
+        start = begin // page * page
+        try:
+            self.mm.madvise(advice, start, end - start)
+        except (OSError, ValueError):  # pragma: no cover - an advice the platform refuses changes nothing
+            pass
 
 
 def open_safetensors(path) -> dict:
@@ -116,7 +147,7 @@ def open_safetensors(path) -> dict:
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object")
     start = 8 + n
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
+    mm = _Mapping(path, size if size > start else 0)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
