@@ -368,3 +368,33 @@ class TwiceFF(npattn.Module):
 
 def test_child_jvp_counts_states_from_the_call():
     assert gradcheck(TwiceFF(), rand(2, 3), mode="both").ok
+
+
+def test_jvp_argument_corners():
+    lin = npattn.Linear(2, 2, rng=0)
+    lin._check_versions()  # nothing saved: nothing to check
+    x = rand(3, 2)
+    lin(x)
+    tx = rand(3, 2)
+    np.testing.assert_allclose(lin.jvp(tx, param_tangents={"weight": None}), lin.jvp(tx))  # None: zero
+    pt = lin._param_tangents({"bias": np.ones(2)})
+    np.testing.assert_allclose(lin.jvp(param_tangents=pt), np.ones((3, 2)))  # a ParamTangents passes through
+    seq = npattn.Sequential(npattn.Linear(2, 2, rng=0))
+    seq(x)
+    with pytest.raises(TypeError, match="at most one input tangent"):
+        seq.jvp(x, x)
+
+
+def test_sequential_jvp_needs_every_child_to_keep_a_state():
+    class Stateless(npattn.Module):
+        def forward(self, x):
+            return x
+
+        def backward(self, dy):
+            return dy
+
+    seq = npattn.Sequential(npattn.Linear(2, 2, rng=0), Stateless())
+    y = seq(rand(1, 2))
+    with pytest.raises(RuntimeError, match="Stateless kept no state"):
+        seq.jvp(rand(1, 2))
+    assert seq.backward(np.ones_like(y)).shape == (1, 2)
