@@ -2,7 +2,8 @@
 
 One page per public module; each name in its ``__all__`` gets an ``autofunction``/``autoclass``
 entry (hence its own anchor, ``id="<module>.<name>"``) on the first page that exports it, in the
-order of ``MODULES``; a later module that re-exports the same object links to that entry.
+order of ``MODULES``; a later module that re-exports the same object links to that entry, under
+an anchor of its own (``id="npattn.nn.Linear"`` beside the link to ``npattn.Linear``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MODULES = [
     ("npattn.masks", "Attention-mask helpers (True = may attend)."),
     ("npattn.testing", "Gradient checks and hypothesis strategies for property tests (needs hypothesis)."),
     ("npattn.viz", "Plots (needs matplotlib)."),
-    ("npattn.data", "Small arrays shipped with the package (the book's weights, a PyTorch reference): what the notebooks read."),
+    ("npattn.data", "Small arrays shipped with the package: what the notebooks read."),
 ]
 
 
@@ -35,9 +36,15 @@ def _kind(obj) -> str | None:
     return None
 
 
+def _anchor(ident: str) -> list[str]:
+    return [".. raw:: html", "", f'   <span id="{ident}"></span>', ""]
+
+
 def pages() -> dict[str, str]:
     """``{module name: reStructuredText}`` for every module of ``MODULES``."""
     seen: dict[int, str] = {}
+    # viewcode links a source file's objects back to "<first page's module>.<name>": give them that anchor
+    first_page: dict[str, str] = {}
     out = {}
     for modname, blurb in MODULES:
         mod = importlib.import_module(modname)
@@ -55,9 +62,13 @@ def pages() -> dict[str, str]:
                 continue
             key = id(obj)
             if key in seen:
+                lines += _anchor(f"{modname}.{name}")
                 lines += [f"* ``{modname}.{name}``: the same object as :py:obj:`{seen[key]}`.", ""]
                 continue
             seen[key] = f"{modname}.{name}"
+            source = first_page.setdefault(getattr(obj, "__module__", modname), modname)
+            if source != modname:
+                lines += _anchor(f"{source}.{name}")
             opts = ["   :members:", "   :special-members: __call__"] if kind == "autoclass" else []
             lines += [f".. {kind}:: {name}", *opts, ""]
         out[modname] = "\n".join(lines) + "\n"

@@ -1174,7 +1174,7 @@ def gated_delta_rule_backward(
     Step t, starting from ``P = S_{t-1}``, computed ``A = e^{g_t} P``, ``u = beta_t (v_t - A^T k_t)``,
     ``S_t = A + k_t u^T`` and ``o_t = S_t^T q_t``.  Later steps see ``S_t`` only, so everything
     after step t reaches step t through one matrix ``dS = dL/dS_t`` (``dfinal_state`` at t = L,
-    else 0), and walking t = L .. 1 backwards:
+    else 0), and walking t = L .. 1 backwards::
 
         o_t = S_t^T q_t:          dS += q_t do_t^T;          dq_t = S_t do_t
         S_t = A + k_t u^T:        dA  = dS;                  dk_t = dS u;  du = dS^T k_t

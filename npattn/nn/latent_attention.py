@@ -154,6 +154,8 @@ class MultiHeadLatentAttention(Module):
         Draws the projections (``Linear``'s torch-like uniform init) in the order q, kv_a, kv_b, o.
     dtype : float32 or float64
 
+    Notes
+    -----
     Parameters (state-dict keys, Hugging Face's under ``self_attn.``): ``q_proj.weight`` or
     ``q_a_proj.weight`` (+ ``.bias``), ``q_a_layernorm.weight``, ``q_b_proj.weight``;
     ``kv_a_proj_with_mqa.weight (r + dr, hidden)`` (+ ``.bias``), ``kv_a_layernorm.weight (r,)``,
