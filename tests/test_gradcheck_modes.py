@@ -311,3 +311,16 @@ def test_infinite_mask_entries_are_not_stepped():
     for fast in (False, True):
         rep = gradcheck(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, mask_grad=True, fast=fast)
         assert rep.ok and [r.name for r in rep.rows] == ["q", "k", "v", "attn_mask"], str(rep)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_coarse_step_is_rescued_by_the_second_look_but_a_bug_is_not(fast):
+    """With eps=3e-3 the truncation error (~1e-6 relative) exceeds rtol; the second look at half
+    the step sees the two estimates differ by three times the smaller step's error and allows it.
+    A wrong gradient agrees with itself at both steps and still fails."""
+    x = X * 2
+    rep = gradcheck(F.gelu, x, eps=3e-3, fast=fast)
+    assert rep.ok, str(rep)
+    assert rep.rows[0].step == 3e-3
+    bad = gradcheck((F.gelu, lambda d, c: F.gelu_backward(d, c) * (1 + 1e-3)), x, eps=3e-3, fast=fast)
+    assert not bad.ok
