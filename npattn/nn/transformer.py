@@ -21,6 +21,8 @@ from .._validate import (
     check_dtype,
     check_prob,
     check_size,
+    check_tangent,
+    check_tangents,
     to_numpy,
 )
 from .attention import MultiHeadAttention
@@ -38,6 +40,17 @@ def _plus(fresh, other):
     """``fresh + other``, written into ``fresh``: a sublayer's new output or gradient, which nothing
     else holds (a residual connection makes no new ``(..., L, d)`` array)."""
     return np.add(fresh, other, out=fresh)
+
+
+def _block_tangents(block: Module, input_tangents: tuple, names: tuple, shapes: tuple) -> list:
+    """A block's input tangents, checked at its edge (naming each) and made arrays (None: zeros),
+    so the residual sums ``t + f'(t)`` need no special case."""
+    given = check_tangents(input_tangents, names, f"{type(block).__name__}.jvp")
+    dt = block.dtype
+    return [
+        np.zeros(shape, dt) if t is None else check_tangent(t, n, shape, dt)
+        for t, n, shape in zip(given, names, shapes)
+    ]
 
 
 def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
@@ -156,6 +169,28 @@ class EncoderBlock(Module):
         dh = _plus(ffn(d2(ds)), ds)
         dr = ln1(dh)
         return _plus(self.mha._backward(d1(dr)), dr)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the forward's chain on tangents, each sublayer's own ``_jvp`` from its
+        state of this call (dropouts with the forward's masks), a residual adding its input's
+        tangent.  One input tangent ``tx`` (of ``x``'s shape; None: zero); the masks have none."""
+        shape, drop = state
+        (tx,) = _block_tangents(self, input_tangents, ("tx",), (shape,))
+
+        def sub(m, t):  # the sublayer's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), param_tangents)
+
+        def d1(t):
+            return sub(self.dropout1, t) if drop[0] else t
+
+        def d2(t):
+            return sub(self.dropout2, t) if drop[1] else t
+
+        if self.norm_first:
+            th = d1(sub(self.mha, sub(self.layernorm1, tx))) + tx
+            return d2(sub(self.ffn, sub(self.layernorm2, th))) + th
+        th = sub(self.layernorm1, d1(sub(self.mha, tx)) + tx)
+        return sub(self.layernorm2, d2(sub(self.ffn, th)) + th)
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "EncoderBlock":
@@ -299,7 +334,7 @@ class DecoderBlock(Module):
             h1 = ln1(_plus(d1(sa(x)), x))
             h2 = ln2(_plus(d2(ca(h1)), h1))
             y = ln3(_plus(d3(ffn(h2)), h2))
-        self._save((y.shape, drop))  # the sublayers keep their own state
+        self._save((y.shape, drop, memory.shape))  # the sublayers keep their own state
         return y
 
     def _dropouts(self):
@@ -310,7 +345,7 @@ class DecoderBlock(Module):
         return self._backward(self._check_dy(dy))  # checked before any state is taken
 
     def _backward(self, dy: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        _, drop = self._pop()
+        _, drop, _ = self._pop()
         d1, d2, d3 = (m._backward if on else _identity for m, on in zip(self._dropouts(), drop))
         ln1, ln2, ln3 = self.layernorm1._backward, self.layernorm2._backward, self.layernorm3._backward
         ffn = self.ffn._backward
@@ -327,6 +362,28 @@ class DecoderBlock(Module):
         ds1 = ln1(_plus(dq, ds2))
         dx = _plus(self.self_attn._backward(d1(ds1)), ds1)
         return dx, _plus(dk, dv)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``jvp(tx, tmemory)`` (each of its input's shape; None: zero), the
+        forward's chain on tangents as ``EncoderBlock``'s; the cross-attention takes ``tmemory``
+        as both its key's and its value's tangent."""
+        shape, drop, memory_shape = state
+        ca = self.cross_attn
+        tx, tm = _block_tangents(self, input_tangents, ("tx", "tmemory"), (shape, memory_shape))
+
+        def sub(m, *t):  # the sublayer's tangent from its state of this call
+            return self._child_jvp(m, -1, t, param_tangents)
+
+        def drop_(i, t):
+            return sub(self._dropouts()[i], t) if drop[i] else t
+
+        if self.norm_first:
+            th1 = drop_(0, sub(self.self_attn, sub(self.layernorm1, tx))) + tx
+            th2 = drop_(1, sub(ca, sub(self.layernorm2, th1), tm, tm)) + th1
+            return drop_(2, sub(self.ffn, sub(self.layernorm3, th2))) + th2
+        th1 = sub(self.layernorm1, drop_(0, sub(self.self_attn, tx)) + tx)
+        th2 = sub(self.layernorm2, drop_(1, sub(ca, th1, tm, tm)) + th1)
+        return sub(self.layernorm3, drop_(2, sub(self.ffn, th2)) + th2)
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "DecoderBlock":
