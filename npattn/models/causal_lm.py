@@ -40,6 +40,7 @@ from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, ModuleList, no_grad
 from ..nn.moe import GatedMLP, SparseMoeBlock
+from ..nn.transformer import _block_tangents
 from .configs import CausalLMConfig, config_from_hf
 
 __all__ = ["CausalLM"]
@@ -178,7 +179,7 @@ class DecoderLayer(_Renamed):
         m = self.mlp(self._mlp_norm()(x))
         if self.sandwich:
             m = self.post_feedforward_layernorm(m)
-        self._save(True)
+        self._save(x.shape)
         return x + m
 
     def backward(self, dy):
@@ -189,6 +190,23 @@ class DecoderLayer(_Renamed):
         dx = dy + self._mlp_norm().backward(self.mlp.backward(dm))
         da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
         return dx + self.input_layernorm.backward(self.attention.backward(da))
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the forward's chain on tangents, ``tx + norm'(f'(tx))`` per residual,
+        each sublayer's ``_jvp`` from its state of this call.  One input tangent (None: zero)."""
+        (tx,) = _block_tangents(self, input_tangents, ("tx",), (state,))  # x's shape
+
+        def sub(m, t):  # the sublayer's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), param_tangents)
+
+        ta = sub(self.attention, sub(self.input_layernorm, tx))
+        if self.sandwich:
+            ta = sub(self.post_attention_layernorm, ta)
+        tx = tx + ta
+        tm = sub(self.mlp, sub(self._mlp_norm(), tx))
+        if self.sandwich:
+            tm = sub(self.post_feedforward_layernorm, tm)
+        return tx + tm
 
     def reset_kv_cache(self) -> None:
         self.attention.reset_kv_cache()  # type: ignore[attr-defined]
@@ -340,6 +358,29 @@ class CausalLM(Module):
             dx = dx * scale
         m.embed_tokens.backward(dx)
         return None
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the logits' tangent along the parameters' tangents (token ids have none:
+        pass None or nothing), the forward's chain run on tangents; the tied head's is
+        ``th E^T + h tE^T``, the final softcap's ``tz (1 - tanh^2)``."""
+        head, t = state
+        m = self.model
+
+        def sub(mod, tx):  # the submodule's tangent from its state of this call
+            return self._child_jvp(mod, -1, (tx,), param_tangents)
+
+        tx = self._child_jvp(m.embed_tokens, -1, input_tangents, param_tangents)  # refuses an ids tangent
+        scale = self._embed_scale()
+        if scale is not None:
+            tx = tx * scale
+        for layer in m.layers:
+            tx = sub(layer, tx)
+        th = sub(m.norm, tx)
+        if head is None:
+            tz = sub(self.lm_head, th)
+        else:
+            tz = K.linear_jvp(head, th, param_tangents.get(m.embed_tokens.weight))
+        return tz if t is None else tz * (1 - t * t)
 
     def loss(self, ids, targets, *, ignore_index=None):
         """Forward and mean cross-entropy of ``targets (B, L)`` (``ignore_index`` not counted).
