@@ -151,6 +151,20 @@ class TinyTransformer(Module):
         self.pos_emb.backward(dx.sum(axis=batch_axes))  # one position table shared by the batch
         return None
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the logits' tangent along the parameters' tangents (token ids have
+        none: pass None or nothing), the forward's chain run on tangents; ``x = tok + pos``
+        gives ``tx = ttok + tpos`` (the position table's tangent rows broadcast over the batch)."""
+
+        def sub(m, t):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), param_tangents)
+
+        tx = self._child_jvp(self.tok_emb, -1, input_tangents, param_tangents)  # refuses an ids tangent
+        tx = tx + sub(self.pos_emb, None)
+        for block in self.blocks:
+            tx = sub(block, tx)
+        return sub(self.head, sub(self.norm, tx))
+
     def loss(self, ids, targets, *, ignore_index=None):
         """Forward pass and mean cross-entropy of ``targets (..., L)`` under the logits.
 
