@@ -17,7 +17,18 @@ from __future__ import annotations
 import numpy as np
 
 from . import functional as F
-from ._validate import as_float, as_index, as_rng, check_bool, check_dtype, check_prob, check_size, to_numpy
+from ._validate import (
+    as_float,
+    as_index,
+    as_rng,
+    check_bool,
+    check_dtype,
+    check_prob,
+    check_size,
+    check_tangent,
+    check_tangents,
+    to_numpy,
+)
 from .functional import kernels as K
 from .generation import generate as _generate
 from .nn import attention as _attention
@@ -39,6 +50,12 @@ def _check_tokens(module, x, context_length=None):
             f"x: expected at most context_length={context_length} tokens, got {x.shape[-2]} (shape {x.shape})"
         )
     return x
+
+
+def _tx(module, input_tangents, shape, dtype):
+    """The one input tangent of a book module's ``jvp``, checked at its edge (None: zero)."""
+    (tx,) = check_tangents(input_tangents, ("tx",), f"{type(module).__name__}.jvp")
+    return check_tangent(tx, "tx", shape, dtype)
 
 
 class SelfAttention_v1(Module):
@@ -74,6 +91,18 @@ class SelfAttention_v1(Module):
             dx = dx + dx_i
         return dx
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``tq = tx W_query + x tW_query`` (and k, v alike; ``x W`` is ``linear``
+        with weight ``W^T``, so its weight tangent goes in transposed), then the attention's
+        tangent (``scaled_dot_product_attention_jvp``)."""
+        cq, ck, cv, ca = state
+        tx = _tx(self, input_tangents, cq.x.shape, cq.x.dtype)
+        tq, tk, tv = (
+            K.linear_jvp(c, tx, None if param_tangents.get(W) is None else param_tangents.get(W).T)
+            for W, c in zip((self.W_query, self.W_key, self.W_value), (cq, ck, cv))
+        )
+        return K.scaled_dot_product_attention_jvp(ca, tq, tk, tv)
+
 
 class _SingleHead(Module):
     """Three ``Linear`` projections and the functional attention pair (shared by v2 and CausalAttention)."""
@@ -98,6 +127,14 @@ class _SingleHead(Module):
         dy = self._check_dy(dy)
         dq, dk, dv = F.scaled_dot_product_attention_backward(dy, self._pop())
         return self.W_query.backward(dq) + self.W_key.backward(dk) + self.W_value.backward(dv)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the projections' tangents (each ``Linear``'s ``_jvp`` of this call), then
+        the attention's (``scaled_dot_product_attention_jvp``; dropout with the forward's mask)."""
+        tq, tk, tv = (
+            self._child_jvp(m, -1, input_tangents, param_tangents) for m in (self.W_query, self.W_key, self.W_value)
+        )
+        return K.scaled_dot_product_attention_jvp(state, tq, tk, tv)
 
 
 class SelfAttention_v2(_SingleHead):
@@ -156,6 +193,10 @@ class MultiHeadAttentionWrapper(Module):
         dy = self._check_dy(dy)
         self._pop()
         return sum(head.backward(d) for head, d in zip(self.heads, np.split(dy, len(self.heads), axis=-1)))
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the heads' tangents, concatenated as their outputs."""
+        return np.concatenate([self._child_jvp(h, -1, input_tangents, param_tangents) for h in self.heads], axis=-1)
 
 
 class MultiHeadAttention(_attention.MultiHeadAttention):
@@ -272,6 +313,11 @@ class LayerNorm(Module):
         self._accumulate(self.shift, dshift)
         return dx
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``functional.layer_norm_jvp`` with ``tweight = tscale``, ``tbias = tshift``)."""
+        tx = _tx(self, input_tangents, state.xhat.shape, state.xhat.dtype)
+        return K.layer_norm_jvp(state, tx, param_tangents.get(self.scale), param_tangents.get(self.shift))
+
 
 class GELU(Module):
     """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
@@ -283,6 +329,10 @@ class GELU(Module):
 
     def backward(self, dy):
         return K.gelu_backward(self._check_dy(dy), self._pop())
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``functional.gelu_jvp``): ``ty = gelu'(x) tx``."""
+        return K.gelu_jvp(state, _tx(self, input_tangents, state.x.shape, state.x.dtype))
 
 
 class _Sequential(ModuleList):
@@ -301,6 +351,13 @@ class _Sequential(ModuleList):
             dy = m.backward(dy)
         return dy
 
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the modules' tangents in order, each from its state of this call."""
+        t = input_tangents
+        for m in self:
+            t = (self._child_jvp(m, -1, t, param_tangents),)
+        return t[0]
+
 
 class FeedForward(Module):
     """The book's feed-forward: ``layers = Sequential(Linear(emb, 4 emb), GELU(), Linear(4 emb, emb))``
@@ -316,10 +373,18 @@ class FeedForward(Module):
         )
 
     def forward(self, x):
-        return self.layers(x)
+        y = self.layers(x)
+        self._save(True)  # the layers keep their own state
+        return y
 
     def backward(self, dy):
+        dy = self._check_dy(dy)
+        self._pop()
         return self.layers.backward(dy)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``layers``' tangent."""
+        return self._child_jvp(self.layers, -1, input_tangents, param_tangents)
 
 
 class TransformerBlock(Module):
@@ -369,6 +434,19 @@ class TransformerBlock(Module):
         c1, c2 = self._pop()
         dx = dy + self.norm2.backward(self.ff.backward(K.dropout_backward(dy, c2)))
         return dx + self.norm1.backward(self.att.backward(K.dropout_backward(dx, c1)))
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``tx + drop(att'(norm1'(tx)))``, then ``tx + drop(ff'(norm2'(tx)))``, the
+        dropouts with the forward's masks."""
+        c1, c2 = state
+        tx = _tx(self, input_tangents, c1.shape, c1.dtype)
+
+        def sub(m, t):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), param_tangents)
+
+        ta = K.dropout_jvp(c1, sub(self.att, sub(self.norm1, tx)))
+        tx = ta if tx is None else tx + ta
+        return tx + K.dropout_jvp(c2, sub(self.ff, sub(self.norm2, tx)))
 
 
 class GPTModel(Module):
@@ -453,6 +531,19 @@ class GPTModel(Module):
         dx = K.dropout_backward(dx, c_drop)
         self.tok_emb.backward(dx)
         self.pos_emb.backward(dx.sum(axis=tuple(range(len(idx_shape) - 1))))  # one table shared by the batch
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: the logits' tangent along the parameters' tangents (``idx`` has none:
+        pass None or nothing); ``drop(ttok + tpos)`` with the forward's mask, then the blocks,
+        ``final_norm`` and ``out_head``, each from its state of this call."""
+        _, c_drop = state
+
+        def sub(m, t):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), param_tangents)
+
+        tx = self._child_jvp(self.tok_emb, -1, input_tangents, param_tangents)  # refuses an idx tangent
+        tx = K.dropout_jvp(c_drop, tx + sub(self.pos_emb, None))
+        return sub(self.out_head, sub(self.final_norm, sub(self.trf_blocks, tx)))
 
     # -- KV cache ----------------------------------------------------------------------------
     def _forward_cached(self, idx):
