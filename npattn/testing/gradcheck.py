@@ -42,6 +42,12 @@ A wrong gradient agrees at every step, so it still fails.  For a float64 op thes
 are some 1e-9 of the gradient's scale: a gradient off by 1e-3 of its largest element anywhere,
 or scaled by ``1 + 1e-3``, fails, and a right one does not.
 
+Forward mode compares every output element of the JVP with ``(out(x + h v) - out(x - h v)) / 2h``
+in the same way, per output (rounding ``u (|out+| + |out-|) / 2h``, floor ``64 u max|out| / h``:
+an output that is small because its forward cancelled, as gelu's ``1 + erf(-6)``, carries an error
+of that size), with the same second look.  The transposition check needs no difference: both
+sides are analytic, equal to the rounding of their sums of products.
+
 Inputs: float inputs are copied and cast (the caller's arrays are never touched); integer
 inputs (token ids, class targets) and bool masks are passed through untouched and get no
 gradient; a list of floats counts as a float array; anything else that is not an ndarray
