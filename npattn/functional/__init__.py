@@ -47,6 +47,14 @@ from .memory_efficient import (
     memory_efficient_attention_backward,
     memory_efficient_attention_jvp,
 )
+from .moe import (
+    moe_experts,
+    moe_experts_backward,
+    moe_experts_jvp,
+    topk_router,
+    topk_router_backward,
+    topk_router_jvp,
+)
 from .norm import layer_norm, layer_norm_backward, layer_norm_jvp, rms_norm, rms_norm_backward, rms_norm_jvp
 from .rope import rope, rope_backward, rope_jvp
 from .rope_scaling import rope_frequencies, rope_softmax_scale, yarn_mscale
@@ -107,4 +115,10 @@ __all__ = [
     "rms_norm_gated",
     "rms_norm_gated_backward",
     "rms_norm_gated_jvp",
+    "topk_router",
+    "topk_router_backward",
+    "topk_router_jvp",
+    "moe_experts",
+    "moe_experts_backward",
+    "moe_experts_jvp",
 ]

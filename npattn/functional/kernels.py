@@ -40,6 +40,12 @@ from .loss import _cross_entropy_jvp as cross_entropy_jvp
 from .memory_efficient import _memory_efficient_attention as memory_efficient_attention
 from .memory_efficient import _memory_efficient_attention_backward as memory_efficient_attention_backward
 from .memory_efficient import _memory_efficient_attention_jvp as memory_efficient_attention_jvp
+from .moe import _moe_experts as moe_experts
+from .moe import _moe_experts_backward as moe_experts_backward
+from .moe import _moe_experts_jvp as moe_experts_jvp
+from .moe import _topk_router as topk_router
+from .moe import _topk_router_backward as topk_router_backward
+from .moe import _topk_router_jvp as topk_router_jvp
 from .norm import _layer_norm as layer_norm
 from .norm import _layer_norm_backward as layer_norm_backward
 from .norm import _layer_norm_jvp as layer_norm_jvp
@@ -90,4 +96,10 @@ __all__ = [
     "rope",
     "rope_backward",
     "rope_jvp",
+    "topk_router",
+    "topk_router_backward",
+    "topk_router_jvp",
+    "moe_experts",
+    "moe_experts_backward",
+    "moe_experts_jvp",
 ]

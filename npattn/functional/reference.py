@@ -1394,3 +1394,409 @@ __all__ += [
     "causal_conv1d_backward",
     "causal_conv1d_jvp",
 ]
+
+# == Mixture of experts: the top-k router and the experts ==========================================
+# GPT-OSS, DeepSeek-V3, Qwen3-Next (transformers' ``*TopKRouter`` / ``*Experts``): each token
+# ``x_n`` (``N`` tokens, width ``H``) goes to ``k`` of ``E`` experts,
+#
+#     y_n = sum_{j < k} w_nj expert_{i_nj}(x_n),
+#
+# the router giving the chosen experts ``i (N, k)`` and their weights ``w (N, k)`` from the logits
+# ``z (N, E)``.  Written here one token, one chosen expert at a time.  The choice ``i`` is a
+# piecewise-constant function of the logits: it changes only where two scores tie, so its
+# derivative is zero almost everywhere (and undefined at a tie).  No gradient flows through
+# *which* experts were chosen; it flows through the chosen weights ``w`` and the chosen experts'
+# own computations.  A correction bias that only steers the choice (DeepSeek-V3) gets none.
+
+
+def _moe_sigmoid(z):
+    """``1 / (1 + e^{-z}) = (1 + tanh(z/2)) / 2`` (the tanh form never overflows)."""
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+def _largest(scores, k):
+    """The indices of the ``k`` largest entries of a vector, the largest first."""
+    return np.argsort(-scores, kind="stable")[:k]
+
+
+class TopKRouterCache(NamedTuple):
+    """What ``topk_router_backward`` needs (textbook)."""
+
+    indices: np.ndarray  # (N, k) the chosen experts
+    src: np.ndarray  # (N, E) the scores the weights come from: p = softmax(z), z, or s = sigmoid(z)
+    r: np.ndarray  # (N, k) the weights before the routed scaling factor
+    denom: np.ndarray  # (N,) the renormalisation's denominator D (1 when there is none)
+    variant: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    logits_shape: tuple  # (..., E)
+
+
+def topk_router(
+    logits: Array,
+    top_k: int,
+    *,
+    variant: str = "softmax_topk",
+    norm_topk_prob: bool = False,
+    correction_bias: Optional[Array] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> Tuple[Tuple[Array, Array], TopKRouterCache]:
+    """Per token (a row ``z`` of ``logits (..., E)``):
+
+        "softmax_topk":  p = softmax(z);  chosen = top-k of p;          v = p_chosen
+        "topk_softmax":                   chosen = top-k of z;          v = z_chosen
+        "sigmoid":       s = sigmoid(z);  chosen = top-k of s + bias;   v = s_chosen
+
+    then ``r = softmax(v)`` ("topk_softmax"), ``r = v / D`` with ``D = sum v`` (+ 1e-20 for
+    "sigmoid") when ``norm_topk_prob``, else ``r = v``; and ``w = routed_scaling_factor * r``.
+    With ``n_group > 1`` the ``E`` experts form ``n_group`` consecutive groups, a group scores the
+    sum of its two best choice scores, and only the experts of the ``topk_group`` best groups
+    compete.  Returns ``((w (..., k), chosen (..., k) int64, the best first), cache)``.
+    """
+    E = logits.shape[-1]
+    z = logits.reshape(-1, E)
+    N = z.shape[0]
+    indices = np.zeros((N, top_k), np.int64)
+    src = np.zeros(z.shape, z.dtype)
+    r = np.zeros((N, top_k), z.dtype)
+    denom = np.ones(N, z.dtype)
+    for n in range(N):
+        if variant == "softmax_topk":
+            e = np.exp(z[n] - z[n].max())
+            src[n] = e / e.sum()
+            choice = src[n]
+        elif variant == "topk_softmax":
+            src[n] = choice = z[n]
+        else:
+            src[n] = _moe_sigmoid(z[n])
+            choice = src[n] if correction_bias is None else src[n] + correction_bias  # for the choice only
+        if n_group > 1:
+            size = E // n_group
+            group_score = np.sort(choice.reshape(n_group, size), axis=-1)[:, -2:].sum(-1)  # two best
+            allowed = np.full(E, -np.inf)
+            for g in _largest(group_score, topk_group):
+                allowed[g * size : (g + 1) * size] = choice[g * size : (g + 1) * size]
+            choice = allowed
+        chosen = _largest(choice, top_k)
+        v = src[n, chosen]
+        if variant == "topk_softmax":
+            e = np.exp(v - v.max())
+            r[n] = e / e.sum()
+        elif norm_topk_prob:
+            denom[n] = v.sum() + (1e-20 if variant == "sigmoid" else 0.0)
+            r[n] = v / denom[n]
+        else:
+            r[n] = v
+        indices[n] = chosen
+    w = routed_scaling_factor * r
+    out = logits.shape[:-1] + (top_k,)
+    cache = TopKRouterCache(indices, src, r, denom, variant, norm_topk_prob, routed_scaling_factor, logits.shape)
+    return (w.reshape(out), indices.reshape(out)), cache
+
+
+def topk_router_backward(dout: Array, cache: TopKRouterCache) -> Array:
+    """``dlogits (..., E)`` from ``dweights (..., k)``.  The chosen set is a constant (see the
+    section's head), so, per token, back through the forward's lines:
+
+        w = c r                      dr = c dw
+        r = softmax(v)               dv = r (dr - <dr, r>)               (softmax's backward)
+        r = v / D,  D = sum v (+e)   dv_j = dr_j / D - sum_i dr_i v_i / D^2 = (dr_j - <dr, r>) / D
+        r = v                        dv = dr
+        v = src_chosen               dsrc = dv at the chosen, 0 elsewhere (a gather's backward scatters)
+        src = z                      dz = dsrc
+        src = sigmoid(z)             dz = dsrc s (1 - s)                 (sigmoid' = s (1 - s))
+        src = softmax(z) = p         dz = p (dsrc - <dsrc, p>)           (softmax's backward)
+    """
+    indices, src, r, denom, variant, norm, c, shape = cache
+    dw = dout.reshape(r.shape)
+    dz = np.zeros(src.shape, src.dtype)
+    for n in range(src.shape[0]):
+        dr = c * dw[n]
+        if variant == "topk_softmax":
+            dv = r[n] * (dr - np.dot(dr, r[n]))
+        elif norm:
+            dv = (dr - np.dot(dr, r[n])) / denom[n]
+        else:
+            dv = dr
+        dsrc = np.zeros(src.shape[1], src.dtype)
+        dsrc[indices[n]] = dv
+        if variant == "topk_softmax":
+            dz[n] = dsrc
+        elif variant == "sigmoid":
+            dz[n] = dsrc * src[n] * (1.0 - src[n])
+        else:
+            dz[n] = src[n] * (dsrc - np.dot(dsrc, src[n]))
+    return dz.reshape(shape)
+
+
+def topk_router_jvp(cache: TopKRouterCache, *tangents: Optional[Array]) -> Array:
+    """``tweights (..., k)`` along ``tlogits (..., E)``: the forward's lines differentiated, per
+    token (the chosen set is constant):
+
+        src = z:           tsrc = tz
+        src = sigmoid(z):  tsrc = s (1 - s) tz
+        src = softmax(z):  tsrc = p (tz - <p, tz>)
+        v = src_chosen:    tv = tsrc_chosen
+        r = softmax(v):    tr = r (tv - <r, tv>)
+        r = v / D:         tr = tv / D - v sum(tv) / D^2 = (tv - r sum tv) / D
+        w = c r:           tw = c tr
+    """
+    (tz,) = _padded(tangents, 1)
+    indices, src, r, denom, variant, norm, c, shape = cache
+    tw = np.zeros(r.shape, r.dtype)
+    if tz is None:
+        return tw.reshape(shape[:-1] + r.shape[-1:])
+    tz = tz.reshape(src.shape)
+    for n in range(src.shape[0]):
+        if variant == "topk_softmax":
+            tsrc = tz[n]
+        elif variant == "sigmoid":
+            tsrc = src[n] * (1.0 - src[n]) * tz[n]
+        else:
+            tsrc = src[n] * (tz[n] - np.dot(src[n], tz[n]))
+        tv = tsrc[indices[n]]
+        if variant == "topk_softmax":
+            tr = r[n] * (tv - np.dot(r[n], tv))
+        elif norm:
+            tr = (tv - r[n] * tv.sum()) / denom[n]
+        else:
+            tr = tv
+        tw[n] = c * tr
+    return tw.reshape(shape[:-1] + r.shape[-1:])
+
+
+def _expert_views(kind, gate_up_e, down_e, gate_up_bias_e, down_bias_e):
+    """One expert's ``(Wg (I, H), Wu (I, H), Wd (H, I), bg (I,), bu (I,), bd (H,))``: views into the
+    fused layouts (so the same views of a gradient array add into it), None for an absent bias.
+    ``"swiglu"``: ``gate_up (2I, H)`` is the gate rows then the up rows, ``down (H, I)``.
+    ``"gpt_oss"``: ``gate_up (H, 2I)`` has the gate in the even columns and the up in the odd ones,
+    ``down (I, H)``."""
+    if kind == "swiglu":
+        i = gate_up_e.shape[0] // 2
+        Wg, Wu, Wd = gate_up_e[:i], gate_up_e[i:], down_e
+        bg, bu = (None, None) if gate_up_bias_e is None else (gate_up_bias_e[:i], gate_up_bias_e[i:])
+    else:
+        Wg, Wu, Wd = gate_up_e[:, 0::2].T, gate_up_e[:, 1::2].T, down_e.T
+        bg, bu = (None, None) if gate_up_bias_e is None else (gate_up_bias_e[0::2], gate_up_bias_e[1::2])
+    return Wg, Wu, Wd, bg, bu, down_bias_e
+
+
+def _plus(a, b):
+    """``a + b``, ``b`` None meaning no term (an absent bias)."""
+    return a if b is None else a + b
+
+
+def _moe_act(activation):
+    """A SwiGLU expert's activation and its backward, from this file."""
+    return {
+        "silu": (silu, silu_backward),
+        "gelu": (gelu, gelu_backward),
+        "gelu_tanh": (lambda a: gelu(a, "tanh"), gelu_backward),
+        "relu": (relu, relu_backward),
+    }[activation]
+
+
+class MoeExpertsCache(NamedTuple):
+    """What ``moe_experts_backward`` needs (textbook: every (token, slot) pair's intermediates)."""
+
+    x: np.ndarray  # (N, H)
+    indices: np.ndarray  # (N, k)
+    weights: np.ndarray  # (N, k)
+    h: np.ndarray  # (N, k, H) each pair's expert output
+    pairs: list  # pairs[n][j]: the expert's intermediates (gate, up, and the activation's)
+    params: tuple  # (gate_up, down, gate_up_bias, down_bias)
+    kind: str
+    activation: str
+    alpha: float
+    limit: float
+    x_shape: tuple
+
+
+def moe_experts(
+    x: Array,
+    indices: Array,
+    weights: Array,
+    gate_up: Array,
+    down: Array,
+    gate_up_bias: Optional[Array] = None,
+    down_bias: Optional[Array] = None,
+    *,
+    kind: str = "swiglu",
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tuple[Array, MoeExpertsCache]:
+    """``y_n = sum_j w_nj expert_{i_nj}(x_n)``: a loop over the tokens and their chosen experts.
+
+    Expert ``e`` (its weights viewed as ``Wg, Wu (I, H)``, ``Wd (H, I)``, see ``_expert_views``):
+
+        gate = Wg x + bg,   up = Wu x + bu
+        "swiglu":   m = act(gate) * up
+        "gpt_oss":  g = min(gate, limit),  u = clamp(up, -limit, limit),  m = (u + 1) g sigmoid(alpha g)
+        expert_e(x) = Wd m + bd
+
+    Returns ``(y (..., H), cache)``.
+    """
+    H, k = x.shape[-1], indices.shape[-1]
+    X, I, W = x.reshape(-1, H), indices.reshape(-1, k), weights.reshape(-1, k)
+    N = X.shape[0]
+    y = np.zeros(X.shape, X.dtype)
+    h = np.zeros((N, k, H), X.dtype)
+    pairs: list = [[None] * k for _ in range(N)]
+    for n in range(N):
+        for j in range(k):
+            e = I[n, j]
+            Wg, Wu, Wd, bg, bu, bd = _expert_views(
+                kind,
+                gate_up[e],
+                down[e],
+                None if gate_up_bias is None else gate_up_bias[e],
+                None if down_bias is None else down_bias[e],
+            )
+            gate, up = _plus(Wg @ X[n], bg), _plus(Wu @ X[n], bu)
+            if kind == "swiglu":
+                a, act_cache = _moe_act(activation)[0](gate)
+                m = a * up
+                pairs[n][j] = (gate, up, a, act_cache, m)
+            else:
+                g, u = np.minimum(gate, limit), np.clip(up, -limit, limit)
+                s = _moe_sigmoid(alpha * g)
+                m = (u + 1.0) * g * s
+                pairs[n][j] = (gate, up, g, u, s, m)
+            h[n, j] = _plus(Wd @ m, bd)
+            y[n] += W[n, j] * h[n, j]
+    cache = MoeExpertsCache(
+        X, I, W, h, pairs, (gate_up, down, gate_up_bias, down_bias), kind, activation, alpha, limit, x.shape
+    )
+    return y.reshape(x.shape), cache
+
+
+def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[Array], ...]:
+    """``(dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias)`` (bias gradients None when
+    absent; the indices are a constant: no gradient).  Per token n and slot j, back through the
+    forward's lines (``h = expert_e(x_n)``, ``y_n += w_nj h``):
+
+        y_n += w h          dw_nj = <dy_n, h>,       dh = w_nj dy_n
+        h = Wd m + bd       dm = Wd^T dh,            dWd += dh m^T,   dbd += dh
+        "swiglu":  m = a up, a = act(gate):   dup = dm a,   dgate = act'(gate) (dm up)
+        "gpt_oss": m = (u + 1) g s, s = sigmoid(alpha g):
+                            du = dm g s,   dg = dm (u + 1) (s + g alpha s (1 - s))
+                            (d(g s)/dg = s + g s' alpha, s' = s (1 - s));
+                   the clamps: dup = du where -limit <= up <= limit, dgate = dg where gate <= limit
+                            (0 outside, where the clamp is a constant; bounds included, as torch)
+        gate = Wg x + bg    dWg += dgate x^T,   dbg += dgate,   dx_n += Wg^T dgate   (and so for up)
+
+    A token chosen by several experts gathers the ``dx`` of each.
+    """
+    X, I, W, h, pairs, params, kind, activation, alpha, limit, x_shape = cache
+    gate_up, down, gate_up_bias, down_bias = params
+    dy = dout.reshape(X.shape)
+    N, k = I.shape
+    dx, dw = np.zeros(X.shape, X.dtype), np.zeros(I.shape, X.dtype)
+    dgate_up, ddown = np.zeros(gate_up.shape, X.dtype), np.zeros(down.shape, X.dtype)
+    dgate_up_bias = None if gate_up_bias is None else np.zeros(gate_up_bias.shape, X.dtype)
+    ddown_bias = None if down_bias is None else np.zeros(down_bias.shape, X.dtype)
+    for n in range(N):
+        for j in range(k):
+            e = I[n, j]
+            Wg, Wu, Wd, _, _, _ = _expert_views(kind, gate_up[e], down[e], None, None)
+            dWg, dWu, dWd, dbg, dbu, dbd = _expert_views(
+                kind,
+                dgate_up[e],
+                ddown[e],
+                None if dgate_up_bias is None else dgate_up_bias[e],
+                None if ddown_bias is None else ddown_bias[e],
+            )
+            dw[n, j] = np.dot(dy[n], h[n, j])
+            dh = W[n, j] * dy[n]
+            if kind == "swiglu":
+                gate, up, a, act_cache, m = pairs[n][j]
+                dm = Wd.T @ dh
+                dup = dm * a
+                dgate = _moe_act(activation)[1](dm * up, act_cache)
+            else:
+                gate, up, g, u, s, m = pairs[n][j]
+                dm = Wd.T @ dh
+                du = dm * g * s
+                dg = dm * (u + 1.0) * (s + g * alpha * s * (1.0 - s))
+                dup = du * ((up >= -limit) & (up <= limit))
+                dgate = dg * (gate <= limit)
+            dWd += np.outer(dh, m)  # the views write into ddown[e] (and the others below)
+            dWg += np.outer(dgate, X[n])
+            dWu += np.outer(dup, X[n])
+            if dbd is not None:
+                dbd += dh
+            if dbg is not None:
+                dbg += dgate
+                dbu += dup
+            dx[n] += Wg.T @ dgate + Wu.T @ dup
+    return dx.reshape(x_shape), dw.reshape(x_shape[:-1] + (k,)), dgate_up, ddown, dgate_up_bias, ddown_bias
+
+
+def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array:
+    """``ty (..., H)`` along ``(tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias)`` (the
+    backward's order; the indices have no tangent).  Per pair, the forward's lines differentiated:
+
+        tgate = Wg tx + tWg x + tbg,   tup = Wu tx + tWu x + tbu
+        "swiglu":  tm = act'(gate) tgate up + a tup
+        "gpt_oss": tg = tgate [gate <= limit],  tu = tup [-limit <= up <= limit],
+                   tm = tu g s + (u + 1) tg (s + g alpha s (1 - s))
+        th = Wd tm + tWd m + tbd
+        ty_n += tw_nj h + w_nj th
+    """
+    tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias = _padded(tangents, 6)
+    X, I, W, h, pairs, params, kind, activation, alpha, limit, x_shape = cache
+    gate_up, down, _, _ = params
+    N, k = I.shape
+    TX = None if tx is None else tx.reshape(X.shape)
+    TW = None if tweights is None else tweights.reshape(I.shape)
+    ty = np.zeros(X.shape, X.dtype)
+    for n in range(N):
+        for j in range(k):
+            e = I[n, j]
+            Wg, Wu, Wd, _, _, _ = _expert_views(kind, gate_up[e], down[e], None, None)
+            tgate, tup, th = (
+                np.zeros(Wg.shape[0], X.dtype),
+                np.zeros(Wg.shape[0], X.dtype),
+                np.zeros(Wd.shape[0], X.dtype),
+            )
+            if TX is not None:
+                tgate, tup = tgate + Wg @ TX[n], tup + Wu @ TX[n]
+            if tgate_up is not None or tgate_up_bias is not None:
+                tWg, tWu, _, tbg, tbu, _ = _expert_views(
+                    kind,
+                    np.zeros(gate_up.shape[1:], X.dtype) if tgate_up is None else tgate_up[e],
+                    down[e],
+                    None if tgate_up_bias is None else tgate_up_bias[e],
+                    None,
+                )
+                tgate, tup = _plus(tgate + tWg @ X[n], tbg), _plus(tup + tWu @ X[n], tbu)
+            if kind == "swiglu":
+                gate, up, a, act_cache, m = pairs[n][j]
+                tm = _moe_act(activation)[1](tgate, act_cache) * up + a * tup  # act' is diagonal
+            else:
+                gate, up, g, u, s, m = pairs[n][j]
+                tg = tgate * (gate <= limit)
+                tu = tup * ((up >= -limit) & (up <= limit))
+                tm = tu * g * s + (u + 1.0) * tg * (s + g * alpha * s * (1.0 - s))
+            th = th + Wd @ tm
+            if tdown is not None:
+                th = th + _expert_views(kind, gate_up[e], tdown[e], None, None)[2] @ m
+            if tdown_bias is not None:
+                th = th + tdown_bias[e]
+            ty[n] += W[n, j] * th
+            if TW is not None:
+                ty[n] += TW[n, j] * h[n, j]
+    return ty.reshape(x_shape)
+
+
+__all__ += [
+    "topk_router",
+    "topk_router_backward",
+    "topk_router_jvp",
+    "moe_experts",
+    "moe_experts_backward",
+    "moe_experts_jvp",
+]

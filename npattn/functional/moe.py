@@ -1,0 +1,766 @@
+"""Mixture of experts, the fast tier: the top-k router and the sorted dispatch of the experts.
+
+Each token ``x_n`` (``N`` tokens, width ``H``) goes to ``k`` of ``E`` experts; the block's output is
+
+    y_n = sum_{j < k} w_nj * expert_{i_nj}(x_n)
+
+where the router gives the chosen experts ``i (N, k)`` and their weights ``w (N, k)``.  Two pairs:
+
+* ``topk_router(logits, top_k, ...) -> ((weights, indices), cache)``: the routing of GPT-OSS
+  (``"topk_softmax"``), Qwen3-Next / Qwen3-MoE / Mixtral (``"softmax_topk"``) and DeepSeek-V3
+  (``"sigmoid"`` with a correction bias, group-limited choice and a routed scaling factor);
+  ``topk_router_backward(dweights, cache) -> dlogits``.
+* ``moe_experts(x, indices, weights, gate_up, down, ...) -> (y, cache)``: ``E`` gated experts
+  stored as fused 3-D weights, SwiGLU (``kind="swiglu"``) or GPT-OSS's clamped SwiGLU with biases
+  (``kind="gpt_oss"``); ``moe_experts_backward(dy, cache) -> (dx, dweights, dgate_up, ddown,
+  dgate_up_bias, ddown_bias)``.
+
+Both are written as the formula, one token and one chosen expert at a time, with their
+derivations, in the textbook tier (``npattn.functional.reference``, section "Mixture of
+experts"); this file computes the same numbers with whole-array steps and is property-tested
+equal to it.
+
+Dispatch sorts, it never computes every expert on every token: the ``S = N k`` (token, slot)
+pairs are ordered by expert id (``order = argsort(flat expert ids)``, stable), the tokens are
+gathered in that order so each expert's tokens form one contiguous slice, each expert runs once
+on its slice (two GEMMs), and the results go back to their (token, slot) places through the same
+permutation (``y_pairs[order] = ...``), to be summed over the ``k`` slots.  Backward scatters
+with that permutation again.
+
+Gradients.  The choice of experts is a piecewise-constant function of the logits (it changes only
+where two scores tie), so its derivative is zero almost everywhere: no gradient flows through
+*which* experts were chosen, only through the chosen weights and the chosen experts' own
+computations.  At a tie the function jumps and has no derivative; finite-difference checks must
+stay away from ties.  DeepSeek-V3's correction bias enters only the choice: it gets no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import (
+    as_float,
+    as_index,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_positive_float,
+    check_size,
+    check_tangent,
+    check_tangents,
+)
+from .activation import _gelu, _gelu_backward, _relu, _relu_backward, _silu, _silu_backward
+
+__all__ = [
+    "ROUTER_VARIANTS",
+    "EXPERT_KINDS",
+    "EXPERT_ACTIVATIONS",
+    "TopKRouterCache",
+    "MoeExpertsCache",
+    "topk_router",
+    "topk_router_backward",
+    "topk_router_jvp",
+    "moe_experts",
+    "moe_experts_backward",
+    "moe_experts_jvp",
+]
+
+ROUTER_VARIANTS = ("softmax_topk", "topk_softmax", "sigmoid")
+EXPERT_KINDS = ("swiglu", "gpt_oss")
+# the activations of SwiGLU-kind experts: name -> (kernel, its backward, keyword arguments)
+_ACTS = {
+    "silu": (_silu, _silu_backward, {}),
+    "gelu": (_gelu, _gelu_backward, {"approximate": "none"}),
+    "gelu_tanh": (_gelu, _gelu_backward, {"approximate": "tanh"}),
+    "relu": (_relu, _relu_backward, {}),
+}
+EXPERT_ACTIVATIONS = tuple(_ACTS)
+
+# the renormalisation ``w / (sum w + eps)``: DeepSeek-V3 adds 1e-20 to a sum of sigmoids (which
+# may underflow); a sum of softmax probabilities is >= 1/E and is divided as it is (Qwen3-Next)
+SIGMOID_NORM_EPS = 1e-20
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-z))`` without overflow: with ``e = exp(-|z|) <= 1``, ``1/(1+e)`` for z >= 0
+    and ``e/(1+e)`` for z < 0."""
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0, e) / (1.0 + e)
+
+
+def check_real(x, name: str) -> float:
+    """A finite real number (bools and non-numbers: ``TypeError``; NaN and inf: ``ValueError``)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a finite real number, got {x!r} ({type(x).__name__})")
+    if not math.isfinite(float(x)):
+        raise ValueError(f"{name}: expected a finite real number, got {x!r}")
+    return float(x)
+
+
+def check_router_options(num_experts, top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor):
+    """The router's options, checked (shared by ``topk_router`` and ``nn.TopKRouter``): returns
+    ``(top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor)``."""
+    top_k = check_size(top_k, "top_k")
+    if top_k > num_experts:
+        raise ValueError(f"top_k: expected at most num_experts ({num_experts}), got {top_k}")
+    if not isinstance(variant, str) or variant not in ROUTER_VARIANTS:
+        raise ValueError(f"variant: expected one of {ROUTER_VARIANTS}, got {variant!r}")
+    norm_topk_prob = check_bool(norm_topk_prob, "norm_topk_prob")
+    if norm_topk_prob and variant == "topk_softmax":
+        raise ValueError(
+            "norm_topk_prob: expected False with variant 'topk_softmax' (its weights already sum to 1), got True"
+        )
+    routed_scaling_factor = check_positive_float(routed_scaling_factor, "routed_scaling_factor")
+    n_group, topk_group = check_size(n_group, "n_group"), check_size(topk_group, "topk_group")
+    if n_group > 1:
+        e, g = num_experts, n_group
+        if e % g or e // g < 2:
+            raise ValueError(
+                f"n_group: expected a divisor of num_experts ({e}) leaving at least 2 experts per group, got {g}"
+            )
+        if topk_group > g:
+            raise ValueError(f"topk_group: expected at most n_group ({g}), got {topk_group}")
+        if top_k > topk_group * (e // g):
+            raise ValueError(
+                f"top_k: expected at most topk_group * num_experts / n_group = {topk_group * (e // g)} "
+                f"(the experts of the chosen groups), got {top_k}"
+            )
+    return top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor
+
+
+# ------------------------------------------------------------------------------------------ router
+
+
+class TopKRouterCache(NamedTuple):
+    indices: np.ndarray  # (N, k) chosen experts
+    v: np.ndarray  # (N, k) the chosen probabilities / logits / sigmoid scores
+    p: Optional[np.ndarray]  # (N, E) softmax probabilities ("softmax_topk" only)
+    r: np.ndarray  # (N, k) the weights before the routed scaling factor
+    denom: Optional[np.ndarray]  # (N, 1) the renormalisation's denominator, or None
+    variant: str
+    routed_scaling_factor: float
+    logits_shape: tuple  # (..., E), the public input's shape (N = the product of its leading axes)
+
+
+def _topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest entries of each row of ``scores (N, E)``, largest first (as
+    ``torch.topk(sorted=True)``); equal chosen scores keep the lower index first.  Which of two
+    equal scores at the boundary is chosen is not specified (nor is it by torch)."""
+    n, e = scores.shape
+    if k < e:
+        cand = np.argpartition(-scores, k - 1, axis=-1)[:, :k]  # the k largest, unordered
+        cand.sort(axis=-1)  # ascending index, so the stable sort below breaks ties by index
+    else:
+        cand = np.broadcast_to(np.arange(e), (n, e))
+    vals = np.take_along_axis(scores, cand, -1)
+    return np.take_along_axis(cand, np.argsort(-vals, axis=-1, kind="stable"), -1)
+
+
+def _choice(scores: np.ndarray, top_k: int, n_group: int, topk_group: int) -> np.ndarray:
+    """Top-k of ``scores (N, E)`` within the ``topk_group`` best groups (all of them when
+    ``n_group == 1``).  Piecewise constant in the scores: no gradient flows through it."""
+    if n_group > 1:
+        n, e = scores.shape
+        grouped = scores.reshape(n, n_group, e // n_group)
+        best2 = -np.partition(-grouped, 1, axis=-1)[..., :2]  # the two best of each group
+        keep = _topk(best2.sum(-1), topk_group)  # (N, topk_group) groups
+        allowed = np.zeros((n, n_group), bool)
+        np.put_along_axis(allowed, keep, True, -1)
+        scores = np.where(allowed[..., None], grouped, -np.inf).reshape(n, e)
+    return _topk(scores, top_k)
+
+
+def topk_router(
+    logits: np.ndarray,
+    top_k: int,
+    *,
+    variant: str = "softmax_topk",
+    norm_topk_prob: bool = False,
+    correction_bias: Optional[np.ndarray] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+):
+    """Choose ``top_k`` of ``E`` experts per token from the router logits ``z`` and weigh them.
+
+    Per token (a row of ``logits``):
+
+    * ``"softmax_topk"``: ``p = softmax(z)``; the chosen are the top-k of ``p``; ``w = p_chosen``,
+      divided by its sum when ``norm_topk_prob`` (Qwen3-Next, Qwen3-MoE, Mixtral);
+    * ``"topk_softmax"``: the chosen are the top-k of ``z``; ``w = softmax(z_chosen)`` (GPT-OSS);
+    * ``"sigmoid"``: ``s = sigmoid(z)``; the chosen are the top-k of ``s + correction_bias`` (used
+      for the choice only); ``w = s_chosen``, divided by ``sum + 1e-20`` when ``norm_topk_prob``
+      (DeepSeek-V3).
+
+    With ``n_group > 1`` the choice is group-limited (DeepSeek-V3): the experts form ``n_group``
+    consecutive groups; a group's score is the sum of its two best choice scores; only the
+    ``topk_group`` best groups compete for the top-k.  Finally ``w *= routed_scaling_factor``.
+
+    Parameters
+    ----------
+    logits : ndarray ``(..., E)``
+        The router's logits (``x W^T + b``).
+    top_k : int
+        ``k``, ``1 <= k <= E``.
+    variant : str
+        One of ``ROUTER_VARIANTS``.
+    norm_topk_prob : bool
+        Renormalise the chosen weights (not with ``"topk_softmax"``: they already sum to 1).
+    correction_bias : ndarray ``(E,)``, optional
+        Added to the sigmoid scores for the choice only (variant ``"sigmoid"`` only).
+    n_group, topk_group : int
+        Group-limited choice; ``n_group`` divides ``E`` with at least 2 experts per group,
+        ``topk_group <= n_group`` and ``top_k <= topk_group * E / n_group``.
+    routed_scaling_factor : float
+        Multiplies the weights (> 0; DeepSeek-V3's 2.5).
+
+    Returns
+    -------
+    ((weights, indices), cache)
+        ``weights (..., k)`` of the logits' dtype, ``indices (..., k)`` int64, the best first.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, expected vs actual, before any arithmetic.
+    """
+    logits = as_float(logits, "logits")
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape (..., E) with E >= 1 experts, got {logits.shape}")
+    e = logits.shape[-1]
+    opts = check_router_options(e, top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor)
+    if correction_bias is not None:
+        if opts[1] != "sigmoid":
+            raise ValueError(f"correction_bias: expected None with variant {opts[1]!r} (sigmoid only), got an array")
+        correction_bias = as_float(correction_bias, "correction_bias", logits.dtype)
+        if correction_bias.shape != (e,):
+            raise ValueError(f"correction_bias: expected shape ({e},) (one per expert), got {correction_bias.shape}")
+    top_k, variant, norm, n_group, topk_group, scale = opts
+    return _topk_router(
+        logits,
+        top_k,
+        variant=variant,
+        norm_topk_prob=norm,
+        correction_bias=correction_bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=scale,
+    )
+
+
+def _topk_router(
+    logits,
+    top_k,
+    *,
+    variant="softmax_topk",
+    norm_topk_prob=False,
+    correction_bias=None,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+):
+    """The kernel of ``topk_router`` (arguments checked)."""
+    e = logits.shape[-1]
+    z = logits.reshape(-1, e)  # (N, E)
+    p = denom = None
+    if variant == "softmax_topk":
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)  # (N, E)
+        idx = _choice(p, top_k, n_group, topk_group)
+        v = np.take_along_axis(p, idx, -1)
+    elif variant == "topk_softmax":
+        idx = _choice(z, top_k, n_group, topk_group)
+        v = np.take_along_axis(z, idx, -1)  # chosen logits
+    else:
+        s = _sigmoid(z)
+        idx = _choice(s if correction_bias is None else s + correction_bias, top_k, n_group, topk_group)
+        v = np.take_along_axis(s, idx, -1)  # the bias steered the choice only
+    if variant == "topk_softmax":
+        r = np.exp(v - v[:, :1])  # v[:, 0] is the row's largest
+        r /= r.sum(-1, keepdims=True)
+    elif norm_topk_prob:
+        denom = v.sum(-1, keepdims=True)
+        if variant == "sigmoid":
+            denom += SIGMOID_NORM_EPS
+        r = v / denom
+    else:
+        r = v
+    w = r * routed_scaling_factor if routed_scaling_factor != 1.0 else r.copy()
+    lead = logits.shape[:-1] + (top_k,)
+    cache = TopKRouterCache(idx, v, p, r, denom, variant, routed_scaling_factor, logits.shape)
+    return (w.reshape(lead), idx.reshape(lead)), cache
+
+
+def topk_router_backward(dout: np.ndarray, cache: TopKRouterCache) -> np.ndarray:
+    """Gradient through the chosen weights (the choice itself is piecewise constant: none).
+
+    Backward, step by step (the choice ``idx`` is a constant):
+    ``w = c r``                      -> ``dr = c dw``
+    renormalised, ``r = v / D``, ``D = sum v (+ eps)`` ->
+    ``dv_j = dr_j / D - sum_i dr_i v_i / D^2 = (dr_j - sum_i dr_i r_i) / D``;
+    otherwise ``r = v``              -> ``dv = dr``;
+    ``"topk_softmax"``, ``r = softmax(v)`` -> ``dv = r (dr - sum dr r)``.
+    ``v`` gathers at ``idx``, so its gradient scatters back there (zero elsewhere):
+    ``"topk_softmax"``: ``dz = scatter(dv)``; ``"sigmoid"``: ``dz = scatter(dv v (1 - v))``;
+    ``"softmax_topk"``: ``dp = scatter(dv)``, then softmax's ``dz = p (dp - sum dp p)``, where
+    ``sum_E dp p = sum_k dv v``: ``dz = scatter(dv v) - p sum_k dv v``.
+
+    Parameters
+    ----------
+    dout : ndarray ``(..., k)``
+        The gradient with respect to the weights (the indices have none).
+    cache : TopKRouterCache
+
+    Returns
+    -------
+    ndarray ``(..., E)``
+        ``dlogits``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A cache from another op, or a ``dout`` of another shape.
+    """
+    check_cache(cache, TopKRouterCache, "topk_router_backward")
+    shape = cache.logits_shape[:-1] + cache.indices.shape[-1:]
+    return _topk_router_backward(check_grad(dout, shape, cache.v.dtype), cache)
+
+
+def _topk_router_backward(dout, cache):
+    """The kernel of ``topk_router_backward``."""
+    idx, v, p, r, denom, variant, c, shape = cache
+    dr = dout.reshape(idx.shape) * c if c != 1.0 else dout.reshape(idx.shape)
+    if variant == "topk_softmax":
+        dv = r * (dr - (dr * r).sum(-1, keepdims=True))
+    elif denom is not None:
+        dv = (dr - (dr * r).sum(-1, keepdims=True)) / denom
+    else:
+        dv = dr
+    dz = np.zeros((idx.shape[0], shape[-1]), v.dtype)
+    if variant == "topk_softmax":
+        np.put_along_axis(dz, idx, dv, -1)
+    elif variant == "sigmoid":
+        np.put_along_axis(dz, idx, dv * v * (1.0 - v), -1)
+    else:
+        dvv = dv * v
+        np.put_along_axis(dz, idx, dvv, -1)
+        dz -= p * dvv.sum(-1, keepdims=True)
+    return dz.reshape(shape)
+
+
+def topk_router_jvp(cache: TopKRouterCache, *tangents) -> np.ndarray:
+    """Forward mode of ``topk_router``: the weights' tangent along ``tlogits`` (the choice is
+    constant), the backward's steps forwards: ``tv = tz_idx`` (``"topk_softmax"``),
+    ``v (1 - v) tz_idx`` (``"sigmoid"``), ``v (tz_idx - sum_E p tz)`` (``"softmax_topk"``:
+    softmax's tangent at the chosen); ``tr = r (tv - sum r tv)`` (the top-k softmax),
+    ``(tv - r sum tv) / D`` (renormalised), ``tv`` (otherwise); ``tw = c tr``.
+
+    Parameters
+    ----------
+    cache : TopKRouterCache
+    *tangents : ndarray or None
+        ``tlogits (..., E)`` (None: zero).
+
+    Returns
+    -------
+    ndarray ``(..., k)``
+        ``tweights``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A cache from another op, more than one tangent, or one of the wrong kind or shape.
+    """
+    check_cache(cache, TopKRouterCache, "topk_router_jvp")
+    (tz,) = check_tangents(tangents, ("tlogits",), "topk_router_jvp")
+    return _topk_router_jvp(cache, check_tangent(tz, "tlogits", cache.logits_shape, cache.v.dtype))
+
+
+def _topk_router_jvp(cache, tlogits=None):
+    """The kernel of ``topk_router_jvp`` (tangent checked, None = zero)."""
+    idx, v, p, r, denom, variant, c, shape = cache
+    out = shape[:-1] + idx.shape[-1:]
+    if tlogits is None:
+        return np.zeros(out, v.dtype)
+    tz = tlogits.reshape(-1, shape[-1])
+    tzi = np.take_along_axis(tz, idx, -1)
+    if variant == "softmax_topk":
+        tv = v * (tzi - (p * tz).sum(-1, keepdims=True))
+    elif variant == "sigmoid":
+        tv = v * (1.0 - v) * tzi
+    else:
+        tv = tzi
+    if variant == "topk_softmax":
+        tr = r * (tv - (r * tv).sum(-1, keepdims=True))
+    elif denom is not None:
+        tr = (tv - r * tv.sum(-1, keepdims=True)) / denom
+    else:
+        tr = tv
+    return (tr * c).reshape(out)
+
+
+# ----------------------------------------------------------------------------------------- experts
+
+
+class MoeExpertsCache(NamedTuple):
+    order: np.ndarray  # (S,) the (token, slot) pairs sorted by expert, S = N k
+    tok: np.ndarray  # (S,) the token of each sorted pair
+    bounds: np.ndarray  # (E + 1,) expert e owns sorted rows bounds[e]:bounds[e+1]
+    ws: np.ndarray  # (S,) the routing weight of each sorted pair
+    hs: np.ndarray  # (S, H) each pair's expert output, before weighting
+    xs: np.ndarray  # (S, H) each sorted pair's token
+    gu: np.ndarray  # (S, 2I) the gate and up pre-activations
+    mid: tuple  # the activation's intermediates (kind-dependent)
+    params: tuple  # (gate_up, down, gate_up_bias or None, down_bias or None)
+    kind: str
+    activation: str
+    alpha: float
+    limit: float
+    x_shape: tuple  # (..., H) the public input's shape
+    k: int
+
+
+def _experts_with_tokens(bounds: np.ndarray):
+    """``(e, rows)`` for every expert that has tokens (its contiguous slice of the sorted rows)."""
+    for e in np.flatnonzero(bounds[1:] > bounds[:-1]):
+        yield int(e), slice(int(bounds[e]), int(bounds[e + 1]))
+
+
+def moe_experts(
+    x: np.ndarray,
+    indices: np.ndarray,
+    weights: np.ndarray,
+    gate_up: np.ndarray,
+    down: np.ndarray,
+    gate_up_bias: Optional[np.ndarray] = None,
+    down_bias: Optional[np.ndarray] = None,
+    *,
+    kind: str = "swiglu",
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+):
+    """``y_n = sum_j w_nj expert_{i_nj}(x_n)``, dispatched by sorting the (token, slot) pairs per expert.
+
+    The experts' weights are fused 3-D arrays in the layouts of Hugging Face ``transformers`` 5.x:
+
+    * ``kind="swiglu"`` (DeepSeek-V3, Qwen3-Next, Qwen3-MoE, Mixtral): ``gate_up (E, 2I, H)`` whose
+      first ``I`` rows are the gate projection and last ``I`` the up projection, ``down (E, H, I)``:
+      ``expert_e(x) = down_e (act(gate_e x + bg) * (up_e x + bu)) + bd``;
+    * ``kind="gpt_oss"``: ``gate_up (E, H, 2I)`` applied as ``x @ gate_up[e]`` (column ``2j`` is gate
+      unit ``j``, column ``2j+1`` up unit ``j``), ``down (E, I, H)``, and the clamped SwiGLU
+      ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``h = (u + 1) g sigmoid(alpha g)``.
+
+    Parameters
+    ----------
+    x : ndarray ``(..., H)``
+    indices : ndarray ``(..., k)``
+        Integers in ``[0, E)``: each token's experts (repeats allowed), e.g. ``topk_router``'s.
+    weights : ndarray ``(..., k)``
+        Their weights.
+    gate_up, down : ndarray
+        ``(E, 2I, H)`` and ``(E, H, I)`` (``"swiglu"``), ``(E, H, 2I)`` and ``(E, I, H)`` (``"gpt_oss"``).
+    gate_up_bias, down_bias : ndarray ``(E, 2I)`` and ``(E, H)``, optional
+    kind : str
+        One of ``EXPERT_KINDS``.
+    activation : str
+        ``"swiglu"``'s activation, one of ``EXPERT_ACTIVATIONS`` (``"gpt_oss"`` ignores it).
+    alpha, limit : float
+        ``"gpt_oss"``'s ``swiglu_alpha`` (finite) and ``swiglu_limit`` (> 0).
+
+    Returns
+    -------
+    (y, cache)
+        ``y (..., H)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, expected vs actual, before any arithmetic.
+    """
+    x = as_float(x, "x")
+    if x.ndim < 1:
+        raise ValueError(f"x: expected shape (..., H), got {x.shape}")
+    lead, h = x.shape[:-1], x.shape[-1]
+    idx = as_index(indices, "indices")
+    if idx.ndim != x.ndim or idx.shape[:-1] != lead or idx.shape[-1] < 1:
+        raise ValueError(f"indices: expected shape {lead + ('k',)} (x's leading axes, k >= 1), got {idx.shape}")
+    weights = as_float(weights, "weights", x.dtype)
+    if weights.shape != idx.shape:
+        raise ValueError(f"weights: expected shape {idx.shape} (indices'), got {weights.shape}")
+    if not isinstance(kind, str) or kind not in EXPERT_KINDS:
+        raise ValueError(f"kind: expected one of {EXPERT_KINDS}, got {kind!r}")
+    if not isinstance(activation, str) or activation not in _ACTS:
+        raise ValueError(f"activation: expected one of {EXPERT_ACTIVATIONS}, got {activation!r}")
+    alpha = check_real(alpha, "alpha")
+    limit = check_positive_float(limit, "limit")
+    gate_up = as_float(gate_up, "gate_up", x.dtype)
+    want = "(E, 2I, H)" if kind == "swiglu" else "(E, H, 2I)"
+    ok = gate_up.ndim == 3 and gate_up.shape[0] >= 1
+    e, two_i = (gate_up.shape[0], gate_up.shape[1 if kind == "swiglu" else 2]) if ok else (0, 0)
+    hh = gate_up.shape[2 if kind == "swiglu" else 1] if ok else -1
+    if not ok or hh != h or two_i < 2 or two_i % 2:
+        raise ValueError(
+            f"gate_up: expected shape {want} with H = {h} (x's) and I >= 1 ({kind!r}), got {gate_up.shape}"
+        )
+    i = two_i // 2
+    down = as_float(down, "down", x.dtype)
+    want_down = (e, h, i) if kind == "swiglu" else (e, i, h)
+    if down.shape != want_down:
+        raise ValueError(f"down: expected shape {want_down} (E, I from gate_up, H from x; {kind!r}), got {down.shape}")
+    if gate_up_bias is not None:
+        gate_up_bias = as_float(gate_up_bias, "gate_up_bias", x.dtype)
+        if gate_up_bias.shape != (e, 2 * i):
+            raise ValueError(f"gate_up_bias: expected shape {(e, 2 * i)}, got {gate_up_bias.shape}")
+    if down_bias is not None:
+        down_bias = as_float(down_bias, "down_bias", x.dtype)
+        if down_bias.shape != (e, h):
+            raise ValueError(f"down_bias: expected shape {(e, h)}, got {down_bias.shape}")
+    if idx.size and (idx.min() < 0 or idx.max() >= e):
+        bad = idx.min() if idx.min() < 0 else idx.max()
+        raise ValueError(f"indices: expected values in [0, {e}) (gate_up's E), got {bad}")
+    return _moe_experts(
+        x,
+        idx,
+        weights,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        kind=kind,
+        activation=activation,
+        alpha=alpha,
+        limit=limit,
+    )
+
+
+def _moe_experts(
+    x,
+    indices,
+    weights,
+    gate_up,
+    down,
+    gate_up_bias=None,
+    down_bias=None,
+    *,
+    kind="swiglu",
+    activation="silu",
+    alpha=1.702,
+    limit=7.0,
+):
+    """The kernel of ``moe_experts`` (arguments checked): sort, run each expert on its slice, unsort."""
+    h, k, e = x.shape[-1], indices.shape[-1], gate_up.shape[0]
+    x2 = x.reshape(-1, h)  # (N, H)
+    n = x2.shape[0]
+    flat = indices.reshape(-1)  # pair t = n k + j is token n's j-th choice
+    order = np.argsort(flat, kind="stable")  # (S,) pairs grouped by expert
+    bounds = np.zeros(e + 1, np.intp)
+    np.cumsum(np.bincount(flat, minlength=e), out=bounds[1:])
+    tok = order // k  # (S,) token of each sorted pair
+    ws = weights.reshape(-1)[order]  # (S,)
+    xs = x2[tok]  # (S, H): each expert's tokens are one contiguous slice
+    swiglu = kind == "swiglu"
+    two_i = gate_up.shape[1 if swiglu else 2]
+    gu = np.empty((xs.shape[0], two_i), x.dtype)  # (S, 2I)
+    for ex, rows in _experts_with_tokens(bounds):
+        np.matmul(xs[rows], gate_up[ex].T if swiglu else gate_up[ex], out=gu[rows])
+        if gate_up_bias is not None:
+            gu[rows] += gate_up_bias[ex]
+    if swiglu:
+        i = two_i // 2
+        act, _, kw = _ACTS[activation]
+        a, act_cache = act(gu[:, :i], **kw)  # (S, I)
+        mid: tuple = (a, act_cache)
+        hmid = a * gu[:, i:]
+    else:
+        gate, up = gu[:, ::2], gu[:, 1::2]  # interleaved columns
+        g = np.minimum(gate, limit)
+        u = np.clip(up, -limit, limit)
+        sig = _sigmoid(alpha * g)
+        glu = g * sig
+        hmid = (u + 1.0) * glu  # (S, I)
+        mid = (g, u, sig, glu)
+    hs = np.empty_like(xs)  # (S, H)
+    for ex, rows in _experts_with_tokens(bounds):
+        np.matmul(hmid[rows], down[ex].T if swiglu else down[ex], out=hs[rows])
+        if down_bias is not None:
+            hs[rows] += down_bias[ex]
+    y_pairs = np.empty_like(hs)
+    y_pairs[order] = hs * ws[:, None]  # back to (token, slot) order: the inverse permutation
+    y = y_pairs.reshape(n, k, h).sum(1).reshape(x.shape)
+    params = (gate_up, down, gate_up_bias, down_bias)
+    cache = MoeExpertsCache(
+        order, tok, bounds, ws, hs, xs, gu, mid + (hmid,), params, kind, activation, alpha, limit, x.shape, k
+    )
+    return y, cache
+
+
+def moe_experts_backward(dout: np.ndarray, cache: MoeExpertsCache):
+    """Gradients of ``moe_experts``'s inputs (the indices have none: the choice is piecewise constant).
+
+    ``y_n = sum_j w_nj h_nj`` with ``h_nj = expert_{i_nj}(x_n)``: ``dw_nj = <dy_n, h_nj>``,
+    ``dh_nj = w_nj dy_n``; each expert's backward (on its sorted slice) turns its ``dh`` rows into
+    ``dx`` rows and adds into its own weights' gradients; the ``dx`` rows go back to (token, slot)
+    order through the forward's permutation and sum over the slots (a token chosen by k experts
+    receives k gradients).  Per expert, SwiGLU: ``o = m Wd^T (+ bd)``: ``dm = do Wd``,
+    ``dWd = do^T m``; ``m = a up``, ``a = act(gate)``: ``dgate = act'(gate) dm up``,
+    ``dup = dm a``; ``gu = x Wgu^T (+ bgu)``: ``dx = dgu Wgu``, ``dWgu = dgu^T x``.  GPT-OSS:
+    ``m = (u + 1) glu``, ``glu = g s``, ``s = sigmoid(alpha g)``: ``dglu = dm (u + 1)``,
+    ``du = dm glu``, ``dg = dglu s (1 + alpha g (1 - s))``; the clamps pass the gradient where the
+    input lies within the limits (bounds included, as torch's ``clamp``) and zero outside.
+
+    Parameters
+    ----------
+    dout : ndarray ``(..., H)``
+    cache : MoeExpertsCache
+
+    Returns
+    -------
+    tuple
+        ``(dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias)``, the bias gradients None
+        when the forward had no such bias.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A cache from another op, or a ``dout`` of another shape.
+    """
+    check_cache(cache, MoeExpertsCache, "moe_experts_backward")
+    return _moe_experts_backward(check_grad(dout, cache.x_shape, cache.hs.dtype), cache)
+
+
+def _moe_experts_backward(dout, cache):
+    """The kernel of ``moe_experts_backward``."""
+    order, tok, bounds, ws, hs, xs, gu, mid, params, kind, activation, alpha, limit, x_shape, k = cache
+    gate_up, down, gate_up_bias, down_bias = params
+    swiglu = kind == "swiglu"
+    h = x_shape[-1]
+    dy = dout.reshape(-1, h)
+    n = dy.shape[0]
+    dys = dy[tok]  # (S, H) each sorted pair's upstream gradient
+    dw = np.empty(n * k, dy.dtype)
+    dw[order] = np.einsum("sh,sh->s", dys, hs)
+    dhs = dys * ws[:, None]  # (S, H) the gradient of each pair's expert output
+    hmid = mid[-1]
+    dgate_up, ddown = np.zeros_like(gate_up), np.zeros_like(down)
+    dgub = None if gate_up_bias is None else np.zeros_like(gate_up_bias)
+    ddb = None if down_bias is None else np.zeros_like(down_bias)
+    dm = np.empty_like(hmid)  # (S, I)
+    for ex, rows in _experts_with_tokens(bounds):
+        if swiglu:
+            np.matmul(dhs[rows], down[ex], out=dm[rows])
+            ddown[ex] = dhs[rows].T @ hmid[rows]
+        else:
+            np.matmul(dhs[rows], down[ex].T, out=dm[rows])
+            ddown[ex] = hmid[rows].T @ dhs[rows]
+        if ddb is not None:
+            ddb[ex] = dhs[rows].sum(0)
+    dgu = np.empty_like(gu)  # (S, 2I)
+    if swiglu:
+        i = gu.shape[1] // 2
+        a, act_cache, _ = mid
+        dgu[:, :i] = _ACTS[activation][1](dm * gu[:, i:], act_cache)
+        np.multiply(dm, a, out=dgu[:, i:])
+    else:
+        g, u, sig, glu, _ = mid
+        gate, up = gu[:, ::2], gu[:, 1::2]
+        dgu[:, ::2] = dm * (u + 1.0) * sig * (1.0 + alpha * g * (1.0 - sig)) * (gate <= limit)
+        dgu[:, 1::2] = dm * glu * ((up >= -limit) & (up <= limit))
+    dxs = np.empty_like(xs)
+    for ex, rows in _experts_with_tokens(bounds):
+        if swiglu:
+            dgate_up[ex] = dgu[rows].T @ xs[rows]
+            np.matmul(dgu[rows], gate_up[ex], out=dxs[rows])
+        else:
+            dgate_up[ex] = xs[rows].T @ dgu[rows]
+            np.matmul(dgu[rows], gate_up[ex].T, out=dxs[rows])
+        if dgub is not None:
+            dgub[ex] = dgu[rows].sum(0)
+    dx_pairs = np.empty_like(dxs)
+    dx_pairs[order] = dxs
+    dx = dx_pairs.reshape(n, k, h).sum(1).reshape(x_shape)
+    return dx, dw.reshape(x_shape[:-1] + (k,)), dgate_up, ddown, dgub, ddb
+
+
+def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
+    """Forward mode of ``moe_experts``: ``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)``, the experts'
+    tangents on the sorted rows (their forward steps on tangents: ``tgu = tx Wgu^T + x tWgu^T +
+    tbgu``; SwiGLU ``tm = act'(gate) tgate up + a tup``; GPT-OSS ``tm = tu glu + (u + 1) tg s (1 +
+    alpha g (1 - s))`` with the clamps passing the tangent inside their limits; ``to = tm Wd^T +
+    m tWd^T + tbd``), back to (token, slot) order through the same permutation, summed over the
+    slots.  The indices have no tangent.
+
+    Parameters
+    ----------
+    cache : MoeExpertsCache
+    *tangents : ndarray or None
+        In the backward's order: ``tx``, ``tweights``, ``tgate_up``, ``tdown``, ``tgate_up_bias``,
+        ``tdown_bias`` (None: zero; a bias tangent only when the forward had the bias).
+
+    Returns
+    -------
+    ndarray ``(..., H)``
+        ``ty``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A cache from another op, more than six tangents, or one of the wrong kind or shape.
+    """
+    check_cache(cache, MoeExpertsCache, "moe_experts_jvp")
+    names = ("tx", "tweights", "tgate_up", "tdown", "tgate_up_bias", "tdown_bias")
+    ts = check_tangents(tangents, names, "moe_experts_jvp")
+    gate_up, down, gub, db = cache.params
+    dt = cache.hs.dtype
+    two_i = gate_up.shape[1 if cache.kind == "swiglu" else 2]
+    shapes = [cache.x_shape, cache.x_shape[:-1] + (cache.k,), gate_up.shape, down.shape]
+    shapes += [(gate_up.shape[0], two_i), (down.shape[0], cache.x_shape[-1])]
+    present = (True, True, True, True, gub is not None, db is not None)
+    checked = [check_tangent(t, nm, s, dt, present=p) for t, nm, s, p in zip(ts, names, shapes, present)]
+    return _moe_experts_jvp(cache, *checked)
+
+
+def _moe_experts_jvp(cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None):
+    """The kernel of ``moe_experts_jvp`` (tangents checked, None = zero)."""
+    order, tok, bounds, ws, hs, xs, gu, mid, params, kind, activation, alpha, limit, x_shape, k = cache
+    gate_up, down, _, _ = params
+    swiglu = kind == "swiglu"
+    h = x_shape[-1]
+    txs = None if tx is None else tx.reshape(-1, h)[tok]
+    tgu = np.zeros_like(gu)
+    for ex, rows in _experts_with_tokens(bounds):
+        if txs is not None:
+            tgu[rows] += txs[rows] @ (gate_up[ex].T if swiglu else gate_up[ex])
+        if tgate_up is not None:
+            tgu[rows] += xs[rows] @ (tgate_up[ex].T if swiglu else tgate_up[ex])
+        if tgate_up_bias is not None:
+            tgu[rows] += tgate_up_bias[ex]
+    hmid = mid[-1]
+    if swiglu:
+        i = gu.shape[1] // 2
+        a, act_cache, _ = mid
+        # an elementwise activation's Jacobian is diagonal: its backward applied to a tangent is the tangent
+        tm = _ACTS[activation][1](tgu[:, :i], act_cache) * gu[:, i:] + a * tgu[:, i:]
+    else:
+        g, u, sig, glu, _ = mid
+        gate, up = gu[:, ::2], gu[:, 1::2]
+        tg = tgu[:, ::2] * (gate <= limit)
+        tu = tgu[:, 1::2] * ((up >= -limit) & (up <= limit))
+        tm = tu * glu + (u + 1.0) * tg * sig * (1.0 + alpha * g * (1.0 - sig))
+    ths = np.empty_like(xs)
+    for ex, rows in _experts_with_tokens(bounds):
+        np.matmul(tm[rows], down[ex].T if swiglu else down[ex], out=ths[rows])
+        if tdown is not None:
+            ths[rows] += hmid[rows] @ (tdown[ex].T if swiglu else tdown[ex])
+        if tdown_bias is not None:
+            ths[rows] += tdown_bias[ex]
+    ty_sorted = ws[:, None] * ths
+    if tweights is not None:
+        ty_sorted += tweights.reshape(-1)[order][:, None] * hs
+    ty_pairs = np.empty_like(ty_sorted)
+    ty_pairs[order] = ty_sorted
+    return ty_pairs.reshape(math.prod(x_shape[:-1]), k, h).sum(1).reshape(x_shape)
