@@ -1395,6 +1395,7 @@ __all__ += [
     "causal_conv1d_jvp",
 ]
 
+
 # == Mixture of experts: the top-k router and the experts ==========================================
 # GPT-OSS, DeepSeek-V3, Qwen3-Next (transformers' ``*TopKRouter`` / ``*Experts``): each token
 # ``x_n`` (``N`` tokens, width ``H``) goes to ``k`` of ``E`` experts,
