@@ -24,26 +24,21 @@ under a decoder layer's ``mlp.`` prefix, so a state dict loads unchanged):
 * ``SparseMoeBlock`` (alias ``MoE``): router + experts + optional shared expert(s) and sigmoid
   shared-expert gate; ``SparseMoeBlock.from_hf_config(config)`` builds it from a model's config.
 
-Dispatch sorts, it never computes every expert on every token: the ``N k`` (token, slot) pairs
-are ordered by expert id (``order = argsort(flat expert ids)``, stable), the tokens are gathered
-in that order so each expert's tokens form one contiguous slice, each expert runs once on its
-slice, and the results go back to their (token, slot) places through the same permutation
-(``y_pairs[order] = ...``), to be summed over the ``k`` slots.  Backward scatters with that
-permutation again.
-
-Gradients.  The choice of experts is a piecewise-constant function of the logits (it changes only
-where two scores tie), so its derivative is zero almost everywhere: no gradient flows through
-*which* experts were chosen, only through the chosen weights ``w`` and the chosen experts' own
-computations.  At a tie the function jumps and has no derivative; finite-difference checks must
-stay away from ties.  DeepSeek-V3's ``e_score_correction_bias`` enters only the choice, so it
-gets no gradient (it is a buffer, updated by a load-balancing rule outside backprop).
+The routing and the dispatch are the functional pairs ``npattn.functional.topk_router`` and
+``npattn.functional.moe_experts`` (their textbook twins, one token at a time with the
+derivations, are in ``npattn.functional.reference``): the modules here hold the parameters, call
+those pairs' kernels and add the gradients into ``.grad``.  Dispatch sorts the ``(token, slot)``
+pairs by expert, so each expert runs once on a contiguous slice (no dense all-experts compute).
+No gradient flows through *which* experts were chosen (the choice is piecewise constant in the
+logits), only through the chosen weights and the chosen experts; DeepSeek-V3's
+``e_score_correction_bias`` enters only the choice, so it gets no gradient (it is a buffer,
+updated by a load-balancing rule outside backprop).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import numpy as np
 
@@ -56,6 +51,15 @@ from .._validate import (
     check_positive_float,
     check_size,
     check_tangent,
+)
+from ..functional import kernels as K
+from ..functional.moe import (
+    ROUTER_VARIANTS,
+    MoeExpertsCache,
+    TopKRouterCache,
+    _sigmoid,
+    check_real,
+    check_router_options,
 )
 from .layers import Linear, _act, _check_features, _input_tangent
 from .module import Module, Parameter
@@ -71,8 +75,6 @@ __all__ = [
     "MoE",
 ]
 
-ROUTER_VARIANTS = ("softmax_topk", "topk_softmax", "sigmoid")
-
 # Hugging Face ``hidden_act`` names -> npattn's activation kernels (``layers._act``)
 HIDDEN_ACTS = {
     "silu": "silu",
@@ -83,17 +85,6 @@ HIDDEN_ACTS = {
     "relu": "relu",
 }
 
-# the renormalisation ``w / (sum w + eps)``: DeepSeek-V3 adds 1e-20 to a sum of sigmoids (which
-# may underflow); a sum of softmax probabilities is >= 1/E and is divided as it is (Qwen3-Next)
-_SIGMOID_NORM_EPS = 1e-20
-
-
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-z))`` without overflow: with ``e = exp(-|z|) <= 1``, ``1/(1+e)`` for z >= 0
-    and ``e/(1+e)`` for z < 0."""
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0, e) / (1.0 + e)
-
 
 def _check_hidden_act(hidden_act) -> str:
     if not isinstance(hidden_act, str) or hidden_act not in HIDDEN_ACTS:
@@ -101,46 +92,12 @@ def _check_hidden_act(hidden_act) -> str:
     return HIDDEN_ACTS[hidden_act]
 
 
-def _check_real(x, name: str) -> float:
-    """A finite real number (bools and non-numbers: ``TypeError``; NaN and inf: ``ValueError``)."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name}: expected a finite real number, got {x!r} ({type(x).__name__})")
-    if not math.isfinite(float(x)):
-        raise ValueError(f"{name}: expected a finite real number, got {x!r}")
-    return float(x)
-
-
-def _topk(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest entries of each row of ``scores (N, E)``, largest first (as
-    ``torch.topk(sorted=True)``); equal chosen scores keep the lower index first.  Which of two
-    equal scores at the boundary is chosen is not specified (nor is it by torch)."""
-    n, e = scores.shape
-    if k < e:
-        cand = np.argpartition(-scores, k - 1, axis=-1)[:, :k]  # the k largest, unordered
-        cand.sort(axis=-1)  # ascending index, so the stable sort below breaks ties by index
-    else:
-        cand = np.broadcast_to(np.arange(e), (n, e))
-    vals = np.take_along_axis(scores, cand, -1)
-    return np.take_along_axis(cand, np.argsort(-vals, axis=-1, kind="stable"), -1)
-
-
-def _grad_buffer(p: Parameter) -> np.ndarray:
-    """``p.grad``, created as zeros when the user set it to None (experts add into it slice by slice)."""
-    if p.grad is None:
-        p.grad = np.zeros_like(p.data)
-    return p.grad
-
-
 # ------------------------------------------------------------------------------------------ router
 
 
 class RouterCache(NamedTuple):
-    x: np.ndarray  # (N, H) the router's input
-    idx: np.ndarray  # (N, k) chosen experts
-    v: np.ndarray  # (N, k) the chosen probabilities / logits / sigmoid scores
-    p: Optional[np.ndarray]  # (N, E) softmax probabilities ("softmax_topk" only)
-    r: np.ndarray  # (N, k) the weights before the routed scaling factor
-    denom: Optional[np.ndarray]  # (N, 1) the renormalisation's denominator, or None
+    linear: tuple  # the logits' linear cache (x (N, H) is its first entry)
+    route: TopKRouterCache  # topk_router's cache
     lead: tuple  # the leading axes of the public input (N = their product)
 
 
@@ -210,34 +167,17 @@ class TopKRouter(Module):
         super().__init__()
         self.hidden_size = check_size(hidden_size, "hidden_size")
         self.num_experts = check_size(num_experts, "num_experts")
-        self.top_k = check_size(top_k, "top_k")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k: expected at most num_experts ({self.num_experts}), got {self.top_k}")
-        if not isinstance(variant, str) or variant not in ROUTER_VARIANTS:
-            raise ValueError(f"variant: expected one of {ROUTER_VARIANTS}, got {variant!r}")
-        self.variant = variant
-        self.norm_topk_prob = check_bool(norm_topk_prob, "norm_topk_prob")
-        if self.norm_topk_prob and variant == "topk_softmax":
-            raise ValueError(
-                "norm_topk_prob: expected False with variant 'topk_softmax' (its weights already sum to 1), got True"
-            )
         has_bias = check_bool(bias, "bias")
-        self.routed_scaling_factor = check_positive_float(routed_scaling_factor, "routed_scaling_factor")
-        self.n_group = check_size(n_group, "n_group")
-        self.topk_group = check_size(topk_group, "topk_group")
-        if self.n_group > 1:
-            e, g = self.num_experts, self.n_group
-            if e % g or e // g < 2:
-                raise ValueError(
-                    f"n_group: expected a divisor of num_experts ({e}) leaving at least 2 experts per group, got {g}"
-                )
-            if self.topk_group > g:
-                raise ValueError(f"topk_group: expected at most n_group ({g}), got {self.topk_group}")
-            if self.top_k > self.topk_group * (e // g):
-                raise ValueError(
-                    f"top_k: expected at most topk_group * num_experts / n_group = {self.topk_group * (e // g)} "
-                    f"(the experts of the chosen groups), got {self.top_k}"
-                )
+        (
+            self.top_k,
+            self.variant,
+            self.norm_topk_prob,
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
+        ) = check_router_options(
+            self.num_experts, top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor
+        )
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         bound = 1.0 / math.sqrt(self.hidden_size)
@@ -280,53 +220,25 @@ class TopKRouter(Module):
         self.last_logits = self.last_logits.reshape(lead + (self.num_experts,))  # type: ignore[union-attr]
         self.last_indices = self.last_indices.reshape(lead + (self.top_k,))  # type: ignore[union-attr]
 
-    def _choice(self, scores: np.ndarray) -> np.ndarray:
-        """Top-k of ``scores (N, E)`` within the ``topk_group`` best groups (all of them when
-        ``n_group == 1``).  Piecewise constant in the scores: no gradient flows through it."""
-        if self.n_group > 1:
-            n, g = scores.shape[0], self.n_group
-            grouped = scores.reshape(n, g, self.num_experts // g)
-            best2 = -np.partition(-grouped, 1, axis=-1)[..., :2]  # the two best of each group
-            keep = _topk(best2.sum(-1), self.topk_group)  # (N, topk_group) groups
-            allowed = np.zeros((n, g), bool)
-            np.put_along_axis(allowed, keep, True, -1)
-            scores = np.where(allowed[..., None], grouped, -np.inf).reshape(n, self.num_experts)
-        return _topk(scores, self.top_k)
-
     def _forward(self, x: np.ndarray, lead: Optional[tuple] = None):
         """``x (N, H)`` checked -> ``(weights (N, k), indices (N, k))``; ``lead``: the public
-        input's leading axes (default ``(N,)``)."""
-        z = x @ self.weight.data.T  # (N, E) logits
-        if self.bias is not None:
-            z += self.bias.data
-        p = denom = None
-        if self.variant == "softmax_topk":
-            p = np.exp(z - z.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)  # (N, E)
-            idx = self._choice(p)
-            v = np.take_along_axis(p, idx, -1)
-        elif self.variant == "topk_softmax":
-            idx = self._choice(z)
-            v = np.take_along_axis(z, idx, -1)  # chosen logits
-        else:
-            s = _sigmoid(z)
-            idx = self._choice(s + self.e_score_correction_bias)  # the bias steers the choice only
-            v = np.take_along_axis(s, idx, -1)
-        if self.variant == "topk_softmax":
-            r = np.exp(v - v[:, :1])  # v[:, 0] is the row's largest
-            r /= r.sum(-1, keepdims=True)
-        elif self.norm_topk_prob:
-            denom = v.sum(-1, keepdims=True)
-            if self.variant == "sigmoid":
-                denom += _SIGMOID_NORM_EPS
-            r = v / denom
-        else:
-            r = v
-        w = r * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else r.copy()
+        input's leading axes (default ``(N,)``).  The logits ``z = x W^T (+ b)``, then the
+        ``topk_router`` pair."""
+        z, lin = K.linear(x, self.weight.data, None if self.bias is None else self.bias.data)  # (N, E)
+        (w, idx), route = K.topk_router(
+            z,
+            self.top_k,
+            variant=self.variant,
+            norm_topk_prob=self.norm_topk_prob,
+            correction_bias=self.e_score_correction_bias if self.variant == "sigmoid" else None,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
         self.last_logits = z
         self.last_indices = idx
         self.last_counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
-        self.save_for_backward(RouterCache(x, idx, v, p, r, denom, x.shape[:1] if lead is None else lead))
+        self.save_for_backward(RouterCache(lin, route, x.shape[:1] if lead is None else lead))
         return w, idx
 
     def backward(self, dweights) -> np.ndarray:
@@ -354,80 +266,29 @@ class TopKRouter(Module):
         return self._backward(dw.reshape(-1, self.top_k)).reshape(dw.shape[:-1] + (self.hidden_size,))
 
     def _backward(self, dw: np.ndarray) -> np.ndarray:
-        """``dw (N, k)`` -> ``dx (N, H)``.
-
-        Backward, step by step (the choice ``idx`` is a constant: see the module docstring):
-        ``w = c r``                      -> ``dr = c dw``
-        renormalised, ``r = v / D``, ``D = sum v (+ eps)`` ->
-                                            ``dv_j = dr_j / D - sum_i dr_i v_i / D^2 = (dr_j - sum_i dr_i r_i) / D``
-        otherwise ``r = v``              -> ``dv = dr``
-        ``"topk_softmax"``, ``r = softmax(v)`` -> ``dv = r (dr - sum dr r)``
-        ``v`` gathers at ``idx``, so its gradient scatters back there (zero elsewhere):
-        ``"topk_softmax"``: ``dz = scatter(dv)`` (v = z_idx)
-        ``"sigmoid"``:      ``dz = scatter(dv v (1 - v))`` (v = s_idx, s' = s (1 - s)); the correction
-                            bias sits only in the choice: it gets no gradient
-        ``"softmax_topk"``: ``dp = scatter(dv)``, then softmax's ``dz = p (dp - sum dp p)``, where
-                            ``sum_E dp p = sum_k dv v``: ``dz = scatter(dv v) - p sum_k dv v``
-        ``z = x W^T + b``                -> ``dx = dz W``, ``dW = dz^T x``, ``db = sum_N dz``.
-        """
-        x, idx, v, p, r, denom, _ = self.pop_saved()
-        dr = dw * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else dw
-        if self.variant == "topk_softmax":
-            dv = r * (dr - (dr * r).sum(-1, keepdims=True))
-        elif denom is not None:
-            dv = (dr - (dr * r).sum(-1, keepdims=True)) / denom
-        else:
-            dv = dr
-        dz = np.zeros((x.shape[0], self.num_experts), x.dtype)
-        if self.variant == "topk_softmax":
-            np.put_along_axis(dz, idx, dv, -1)
-        elif self.variant == "sigmoid":
-            np.put_along_axis(dz, idx, dv * v * (1.0 - v), -1)
-        else:
-            dvv = dv * v
-            np.put_along_axis(dz, idx, dvv, -1)
-            dz -= p * dvv.sum(-1, keepdims=True)
-        self.accumulate_grad(self.weight, dz.T @ x)
+        """``dw (N, k)`` -> ``dx (N, H)``: ``topk_router_backward`` gives ``dz`` (through the chosen
+        weights only, see its derivation), then ``z = x W^T + b``: ``dx = dz W``, ``dW = dz^T x``,
+        ``db = sum_N dz``."""
+        lin, route, _ = self.pop_saved()
+        dx, dweight, dbias = K.linear_backward(K.topk_router_backward(dw, route), lin)
+        self.accumulate_grad(self.weight, dweight)
         if self.bias is not None:
-            self.accumulate_grad(self.bias, dz.sum(0))
-        return dz @ self.weight.data
+            self.accumulate_grad(self.bias, dbias)
+        return dx
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the tangent of the weights ``(..., k)`` (the choice is constant)."""
         tx = _input_tangent(input_tangents, "TopKRouter")
+        x = state.linear.x
         if tx is not None:
-            tx = check_tangent(tx, "tx", state.lead + (self.hidden_size,), state.x.dtype).reshape(state.x.shape)
+            tx = check_tangent(tx, "tx", state.lead + (self.hidden_size,), x.dtype).reshape(x.shape)
         return self._jvp_flat(state, tx, param_tangents).reshape(state.lead + (self.top_k,))
 
     def _jvp_flat(self, state: RouterCache, tx, param_tangents) -> np.ndarray:
-        """``tx (N, H)`` or None -> ``tw (N, k)``, the backward's steps forwards:
-        ``tz = tx W^T + x tW^T + tb``; ``tv = tz_idx`` (``"topk_softmax"``), ``v (1 - v) tz_idx``
-        (``"sigmoid"``), ``v (tz_idx - sum_E p tz)`` (``"softmax_topk"``: softmax's tangent at the
-        chosen); ``tr = r (tv - sum r tv)`` (the top-k softmax), ``(tv - r sum tv) / D``
-        (renormalised), ``tv`` (otherwise); ``tw = c tr``."""
-        x, idx, v, p, r, denom, _ = state
-        tz = np.zeros((x.shape[0], self.num_experts), x.dtype)
-        if tx is not None:
-            tz += tx @ self.weight.data.T
-        tweight, tbias = param_tangents.get(self.weight), param_tangents.get(self.bias)
-        if tweight is not None:
-            tz += x @ tweight.T
-        if tbias is not None:
-            tz += tbias
-        tzi = np.take_along_axis(tz, idx, -1)
-        if self.variant == "softmax_topk":
-            tv = v * (tzi - (p * tz).sum(-1, keepdims=True))
-        elif self.variant == "sigmoid":
-            tv = v * (1.0 - v) * tzi
-        else:
-            tv = tzi
-        if self.variant == "topk_softmax":
-            tr = r * (tv - (r * tv).sum(-1, keepdims=True))
-        elif denom is not None:
-            tr = (tv - r * tv.sum(-1, keepdims=True)) / denom
-        else:
-            tr = tv
-        return tr * self.routed_scaling_factor
+        """``tx (N, H)`` or None -> ``tw (N, k)``: ``tz = tx W^T + x tW^T + tb`` (``linear_jvp``),
+        then ``topk_router_jvp``."""
+        tz = K.linear_jvp(state.linear, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
+        return K.topk_router_jvp(state.route, tz)
 
     def extra_repr(self):
         s = f"{self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, variant={self.variant!r}"
@@ -444,30 +305,20 @@ class TopKRouter(Module):
 
 
 class ExpertsCache(NamedTuple):
-    order: np.ndarray  # (S,) the (token, slot) pairs sorted by expert, S = N k
-    tok: np.ndarray  # (S,) the token of each sorted pair
-    bounds: np.ndarray  # (E + 1,) expert e owns sorted rows bounds[e]:bounds[e+1]
-    ws: np.ndarray  # (S,) the routing weight of each sorted pair
-    hs: np.ndarray  # (S, H) each pair's expert output, before weighting
-    mlp: Any  # the expert MLP's own cache
-    shape: tuple  # (N, k)
+    experts: MoeExpertsCache  # moe_experts' cache
     lead: tuple  # the leading axes of the public input (N = their product)
 
 
 class _SortedExperts(Module):
-    """What every fused-experts module shares: sorting dispatch and the weighted combine.
-    Subclasses define ``_mlp_forward(xs, bounds) -> (hs, cache)`` and ``_mlp_backward(dhs, cache,
-    bounds) -> dxs`` on the expert-sorted rows (expert ``e`` owns rows ``bounds[e]:bounds[e+1]``)."""
+    """What every fused-experts module shares: the edge checks and the calls to the
+    ``moe_experts`` pair (sorting dispatch and the weighted combine).  Subclasses define
+    ``_pair_params()`` (their parameters in the pair's order ``gate_up, down, gate_up_bias,
+    down_bias``, None for an absent one) and ``_pair_options()`` (the pair's keyword arguments)."""
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
     _dtype: np.dtype
-
-    def _experts(self, bounds: np.ndarray):
-        """``(e, rows)`` for every expert that has tokens."""
-        for e in np.flatnonzero(bounds[1:] > bounds[:-1]):
-            yield int(e), slice(int(bounds[e]), int(bounds[e + 1]))
 
     def forward(self, x, top_k_index, top_k_weights) -> np.ndarray:
         """``y_n = sum_j w_nj expert_{i_nj}(x_n)``, dispatched by sorting.
@@ -507,21 +358,19 @@ class _SortedExperts(Module):
         y = self._forward(x.reshape(-1, self.hidden_size), idx.reshape(-1, k), w.reshape(-1, k), lead)
         return y.reshape(x.shape)
 
+    def _pair_params(self) -> tuple:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _pair_options(self) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
     def _forward(self, x: np.ndarray, idx: np.ndarray, w: np.ndarray, lead: Optional[tuple] = None) -> np.ndarray:
-        """Sorting dispatch: ``x (N, H)``, ``idx, w (N, k)`` checked -> ``y (N, H)``; ``lead``: the
-        public input's leading axes (default ``(N,)``)."""
-        n, k = idx.shape
-        flat = idx.reshape(-1)  # pair t = n k + j is token n's j-th choice
-        order = np.argsort(flat, kind="stable")  # (S,) pairs grouped by expert
-        bounds = np.zeros(self.num_experts + 1, np.intp)
-        np.cumsum(np.bincount(flat, minlength=self.num_experts), out=bounds[1:])
-        tok = order // k  # (S,) token of each sorted pair
-        ws = w.reshape(-1)[order]  # (S,)
-        hs, mlp = self._mlp_forward(x[tok], bounds)  # (S, H): each expert on its contiguous slice
-        y_pairs = np.empty_like(hs)
-        y_pairs[order] = hs * ws[:, None]  # back to (token, slot) order: the inverse permutation
-        self.save_for_backward(ExpertsCache(order, tok, bounds, ws, hs, mlp, (n, k), (n,) if lead is None else lead))
-        return y_pairs.reshape(n, k, x.shape[1]).sum(1)  # (N, H)
+        """``x (N, H)``, ``idx, w (N, k)`` checked -> ``y (N, H)`` (the ``moe_experts`` kernel);
+        ``lead``: the public input's leading axes (default ``(N,)``)."""
+        params = [None if p is None else p.data for p in self._pair_params()]
+        y, cache = K.moe_experts(x, idx, w, *params, **self._pair_options())
+        self.save_for_backward(ExpertsCache(cache, x.shape[:1] if lead is None else lead))
+        return y
 
     def backward(self, dy):
         """Gradients of the inputs; every parameter's ``.grad`` grows by its own.
@@ -546,25 +395,19 @@ class _SortedExperts(Module):
             For a ``dy`` of another kind or shape.
         """
         dy = self._check_dy(dy, "dy")
-        n, k = self.saved_state().shape
-        dx, dw = self._backward(dy.reshape(n, self.hidden_size))
+        k = self.saved_state().experts.k
+        dx, dw = self._backward(dy.reshape(-1, self.hidden_size))
         return dx.reshape(dy.shape), dw.reshape(dy.shape[:-1] + (k,))
 
     def _backward(self, dy: np.ndarray):
-        """``dy (N, H)`` -> ``(dx (N, H), dw (N, k))``.
-
-        ``y_n = sum_j w_nj h_nj`` with ``h_nj = expert_{i_nj}(x_n)``: ``dw_nj = <dy_n, h_nj>``,
-        ``dh_nj = w_nj dy_n``; each expert's backward turns its ``dh`` rows into ``dx`` rows, which
-        go back to (token, slot) order through the forward's permutation and sum over the slots
-        (a token chosen by k experts receives k gradients)."""
-        order, tok, bounds, ws, hs, mlp, (n, k), _ = self.pop_saved()
-        dys = dy[tok]  # (S, H) each sorted pair's upstream gradient
-        dw = np.empty(n * k, dy.dtype)
-        dw[order] = np.einsum("sh,sh->s", dys, hs)
-        dxs = self._mlp_backward(dys * ws[:, None], mlp, bounds)  # (S, H)
-        dx_pairs = np.empty_like(dxs)
-        dx_pairs[order] = dxs
-        return dx_pairs.reshape(n, k, dy.shape[1]).sum(1), dw.reshape(n, k)
+        """``dy (N, H)`` -> ``(dx (N, H), dw (N, k))`` by ``moe_experts_backward`` (derived there);
+        the experts' weight gradients add into their ``.grad``."""
+        cache, _ = self.pop_saved()
+        dx, dw, *dparams = K.moe_experts_backward(dy, cache)
+        for p, g in zip(self._pair_params(), dparams):
+            if p is not None:
+                self.accumulate_grad(p, g)
+        return dx, dw
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``input_tangents`` are ``(tx, None, ttop_k_weights)`` (the indices have
@@ -574,7 +417,8 @@ class _SortedExperts(Module):
         tx, tidx, tw = tuple(input_tangents) + (None,) * (3 - len(input_tangents))
         if tidx is not None:
             raise TypeError(f"{type(self).__name__}.jvp: top_k_index has no tangent; expected None")
-        (n, k), lead, dtype = state.shape, state.lead, state.hs.dtype
+        cache, lead = state
+        n, k, dtype = math.prod(lead), cache.k, cache.hs.dtype
         if tx is not None:
             tx = check_tangent(tx, "tx", lead + (self.hidden_size,), dtype).reshape(n, self.hidden_size)
         if tw is not None:
@@ -582,24 +426,9 @@ class _SortedExperts(Module):
         return self._jvp_flat(state, tx, tw, param_tangents).reshape(lead + (self.hidden_size,))
 
     def _jvp_flat(self, state: ExpertsCache, tx, tw, param_tangents) -> np.ndarray:
-        """``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)``: the experts' tangents on the sorted rows,
-        back to (token, slot) order through the same permutation, summed over the slots."""
-        order, tok, bounds, ws, hs, mlp, (n, k), _ = state
-        ty_sorted = ws[:, None] * self._mlp_jvp(None if tx is None else tx[tok], mlp, bounds, param_tangents)
-        if tw is not None:
-            ty_sorted += tw.reshape(-1)[order][:, None] * hs
-        ty_pairs = np.empty_like(ty_sorted)
-        ty_pairs[order] = ty_sorted
-        return ty_pairs.reshape(n, k, hs.shape[1]).sum(1)
-
-    def _mlp_forward(self, xs, bounds):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _mlp_jvp(self, txs, cache, bounds, param_tangents):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _mlp_backward(self, dhs, cache, bounds):  # pragma: no cover - abstract
-        raise NotImplementedError
+        """``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)`` by ``moe_experts_jvp``."""
+        tparams = [None if p is None else param_tangents.get(p) for p in self._pair_params()]
+        return K.moe_experts_jvp(state.experts, tx, tw, *tparams)
 
     def extra_repr(self):
         return (
@@ -658,61 +487,11 @@ class Experts(_SortedExperts):
         self.gate_up_proj = Parameter(rng.uniform(-1, 1, (e, 2 * i, h)) / math.sqrt(h), self._dtype)
         self.down_proj = Parameter(rng.uniform(-1, 1, (e, h, i)) / math.sqrt(i), self._dtype)
 
-    def _mlp_forward(self, xs, bounds):
-        """``gu = x Wgu_e^T`` per expert slice, then ``h = act(gate) * up`` on all rows at once and
-        ``o = h Wd_e^T`` per slice."""
-        i = self.intermediate_size
-        gu = np.empty((xs.shape[0], 2 * i), xs.dtype)  # (S, 2I)
-        for e, rows in self._experts(bounds):
-            np.matmul(xs[rows], self.gate_up_proj.data[e].T, out=gu[rows])
-        act, _, kwargs = _act(self._act)
-        a, act_cache = act(gu[:, :i], **kwargs)  # (S, I)
-        h = a * gu[:, i:]
-        out = np.empty_like(xs)  # (S, H)
-        for e, rows in self._experts(bounds):
-            np.matmul(h[rows], self.down_proj.data[e].T, out=out[rows])
-        return out, (xs, gu, a, act_cache, h)
+    def _pair_params(self) -> tuple:
+        return self.gate_up_proj, self.down_proj, None, None
 
-    def _mlp_backward(self, dhs, cache, bounds):
-        """``o = h Wd^T``: ``dh = do Wd``, ``dWd = do^T h``;  ``h = a up``: ``da = dh up``,
-        ``dup = dh a``;  ``a = act(gate)``: ``dgate = act'(gate) da``;  ``gu = x Wgu^T``:
-        ``dx = dgu Wgu``, ``dWgu = dgu^T x`` (each per expert slice)."""
-        xs, gu, a, act_cache, h = cache
-        i = self.intermediate_size
-        g_gu, g_d = _grad_buffer(self.gate_up_proj), _grad_buffer(self.down_proj)
-        dh = np.empty_like(h)  # (S, I)
-        for e, rows in self._experts(bounds):
-            np.matmul(dhs[rows], self.down_proj.data[e], out=dh[rows])
-            g_d[e] += dhs[rows].T @ h[rows]
-        dgu = np.empty_like(gu)  # (S, 2I)
-        dgu[:, :i] = _act(self._act)[1](dh * gu[:, i:], act_cache)
-        np.multiply(dh, a, out=dgu[:, i:])
-        dxs = np.empty_like(xs)
-        for e, rows in self._experts(bounds):
-            g_gu[e] += dgu[rows].T @ xs[rows]
-            np.matmul(dgu[rows], self.gate_up_proj.data[e], out=dxs[rows])
-        return dxs
-
-    def _mlp_jvp(self, txs, cache, bounds, param_tangents):
-        """The forward's steps on tangents: ``tgu = tx Wgu^T + x tWgu^T``; ``th = act'(gate) tgate up
-        + act(gate) tup`` (an elementwise activation's Jacobian is diagonal: its backward kernel
-        applied to a tangent gives the tangent); ``to = th Wd^T + h tWd^T``."""
-        xs, gu, a, act_cache, h = cache
-        i = self.intermediate_size
-        t_gu, t_d = param_tangents.get(self.gate_up_proj), param_tangents.get(self.down_proj)
-        tgu = np.zeros_like(gu)
-        for e, rows in self._experts(bounds):
-            if txs is not None:
-                tgu[rows] += txs[rows] @ self.gate_up_proj.data[e].T
-            if t_gu is not None:
-                tgu[rows] += xs[rows] @ t_gu[e].T
-        th = _act(self._act)[1](tgu[:, :i], act_cache) * gu[:, i:] + a * tgu[:, i:]
-        to = np.empty_like(xs)
-        for e, rows in self._experts(bounds):
-            np.matmul(th[rows], self.down_proj.data[e].T, out=to[rows])
-            if t_d is not None:
-                to[rows] += h[rows] @ t_d[e].T
-        return to
+    def _pair_options(self) -> dict:
+        return {"kind": "swiglu", "activation": self._act}
 
     def extra_repr(self):
         return super().extra_repr() + f", hidden_act={self.hidden_act!r}"
@@ -756,7 +535,7 @@ class GptOssExperts(_SortedExperts):
     ) -> None:
         super().__init__()
         rng = _init_experts(self, num_experts, hidden_size, intermediate_size, dtype, rng)
-        self.alpha = _check_real(alpha, "alpha")
+        self.alpha = check_real(alpha, "alpha")
         self.limit = check_positive_float(limit, "limit")
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         self.gate_up_proj = Parameter(rng.uniform(-1, 1, (e, h, 2 * i)) / math.sqrt(h), self._dtype)
@@ -764,81 +543,11 @@ class GptOssExperts(_SortedExperts):
         self.down_proj = Parameter(rng.uniform(-1, 1, (e, i, h)) / math.sqrt(i), self._dtype)
         self.down_proj_bias = Parameter(rng.uniform(-1, 1, (e, h)) / math.sqrt(i), self._dtype)
 
-    def _mlp_forward(self, xs, bounds):
-        i = self.intermediate_size
-        gu = np.empty((xs.shape[0], 2 * i), xs.dtype)  # (S, 2I)
-        for e, rows in self._experts(bounds):
-            np.matmul(xs[rows], self.gate_up_proj.data[e], out=gu[rows])
-            gu[rows] += self.gate_up_proj_bias.data[e]
-        gate, up = gu[:, ::2], gu[:, 1::2]  # interleaved columns
-        g = np.minimum(gate, self.limit)
-        u = np.clip(up, -self.limit, self.limit)
-        sig = _sigmoid(self.alpha * g)
-        glu = g * sig
-        h = (u + 1.0) * glu  # (S, I)
-        out = np.empty_like(xs)
-        for e, rows in self._experts(bounds):
-            np.matmul(h[rows], self.down_proj.data[e], out=out[rows])
-            out[rows] += self.down_proj_bias.data[e]
-        return out, (xs, gu, g, u, sig, glu, h)
+    def _pair_params(self) -> tuple:
+        return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
 
-    def _mlp_backward(self, dhs, cache, bounds):
-        """``o = h Wd + bd``: ``dh = do Wd^T``, ``dWd = h^T do``, ``dbd = sum do``.
-        ``h = (u + 1) glu``: ``dglu = dh (u + 1)``, ``du = dh glu``.
-        ``glu = g sigmoid(alpha g)``: ``dg = dglu s (1 + alpha g (1 - s))``, ``s = sigmoid(alpha g)``.
-        The clamps pass the gradient where the input lies within the limits (bounds included, as
-        torch's ``clamp``) and give zero outside, where the output is a constant:
-        ``dgate = dg [gate <= limit]``, ``dup = du [-limit <= up <= limit]``.
-        ``gu = x Wgu + bgu`` (columns interleaved back): ``dx = dgu Wgu^T``, ``dWgu = x^T dgu``,
-        ``dbgu = sum dgu``."""
-        xs, gu, g, u, sig, glu, h = cache
-        lim = self.limit
-        g_gu, g_gub = _grad_buffer(self.gate_up_proj), _grad_buffer(self.gate_up_proj_bias)
-        g_d, g_db = _grad_buffer(self.down_proj), _grad_buffer(self.down_proj_bias)
-        dh = np.empty_like(h)
-        for e, rows in self._experts(bounds):
-            np.matmul(dhs[rows], self.down_proj.data[e].T, out=dh[rows])
-            g_d[e] += h[rows].T @ dhs[rows]
-            g_db[e] += dhs[rows].sum(0)
-        gate, up = gu[:, ::2], gu[:, 1::2]
-        dgu = np.empty_like(gu)
-        dgu[:, ::2] = dh * (u + 1.0) * sig * (1.0 + self.alpha * g * (1.0 - sig)) * (gate <= lim)
-        dgu[:, 1::2] = dh * glu * ((up >= -lim) & (up <= lim))
-        dxs = np.empty_like(xs)
-        for e, rows in self._experts(bounds):
-            g_gu[e] += xs[rows].T @ dgu[rows]
-            g_gub[e] += dgu[rows].sum(0)
-            np.matmul(dgu[rows], self.gate_up_proj.data[e].T, out=dxs[rows])
-        return dxs
-
-    def _mlp_jvp(self, txs, cache, bounds, param_tangents):
-        """``tgu = tx Wgu + x tWgu + tbgu``; the clamps pass the tangent inside their limits;
-        ``tglu = tg s (1 + alpha g (1 - s))``; ``th = tu glu + (u + 1) tglu``;
-        ``to = th Wd + h tWd + tbd``."""
-        xs, gu, g, u, sig, glu, h = cache
-        lim = self.limit
-        t_gu, t_gub = param_tangents.get(self.gate_up_proj), param_tangents.get(self.gate_up_proj_bias)
-        t_d, t_db = param_tangents.get(self.down_proj), param_tangents.get(self.down_proj_bias)
-        tgu = np.zeros_like(gu)
-        for e, rows in self._experts(bounds):
-            if txs is not None:
-                tgu[rows] += txs[rows] @ self.gate_up_proj.data[e]
-            if t_gu is not None:
-                tgu[rows] += xs[rows] @ t_gu[e]
-            if t_gub is not None:
-                tgu[rows] += t_gub[e]
-        gate, up = gu[:, ::2], gu[:, 1::2]
-        tg = tgu[:, ::2] * (gate <= lim)
-        tu = tgu[:, 1::2] * ((up >= -lim) & (up <= lim))
-        th = tu * glu + (u + 1.0) * tg * sig * (1.0 + self.alpha * g * (1.0 - sig))
-        to = np.empty_like(xs)
-        for e, rows in self._experts(bounds):
-            np.matmul(th[rows], self.down_proj.data[e], out=to[rows])
-            if t_d is not None:
-                to[rows] += h[rows] @ t_d[e]
-            if t_db is not None:
-                to[rows] += t_db[e]
-        return to
+    def _pair_options(self) -> dict:
+        return {"kind": "gpt_oss", "alpha": self.alpha, "limit": self.limit}
 
     def extra_repr(self):
         return super().extra_repr() + f", alpha={self.alpha}, limit={self.limit}"
@@ -1174,7 +883,7 @@ class SparseMoeBlock(Module):
         tx = _input_tangent(input_tangents, "SparseMoeBlock")
         g, s, lead = state
         router, experts = self.router_module, self.experts
-        xr = router.saved_state().x
+        xr = router.saved_state().linear.x
         if tx is not None:
             tx = check_tangent(tx, "tx", lead + (self.hidden_size,), xr.dtype).reshape(xr.shape)
         tw = router._jvp_flat(router.saved_state(), tx, param_tangents)
