@@ -371,3 +371,24 @@ def test_no_draw_generator_gives_constants():
     g = _NoDraw(np.random.PCG64(0))
     assert not g.normal(0.0, 1.0, (2, 3)).any() and not g.standard_normal(4).any()
     np.testing.assert_array_equal(g.uniform(0.5, 1.0, 3), [0.5, 0.5, 0.5])
+
+
+def test_hub_style_configs():
+    """Keys the published config.json files carry besides transformers' own: read where they
+    change nothing transformers computes, refused where they would."""
+    from _families import FAMILIES as SHORT
+
+    oss = dict(SHORT["gpt_oss"], experts_per_token=2, initial_context_length=4096)
+    assert config_from_hf(oss).moe["num_experts_per_tok"] == 2
+    with pytest.raises(ValueError, match="experts_per_token"):
+        config_from_hf(dict(oss, experts_per_token=3))
+    with pytest.raises(ValueError, match="quantization_config"):
+        config_from_hf(dict(oss, quantization_config={"quant_method": "mxfp4"}))
+    ds = dict(SHORT["deepseek_v3"], scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+    ds.update(aux_loss_alpha=0.001, seq_aux=True, ep_size=1)
+    assert config_from_hf(ds).mlp_types == ("dense", "moe")
+    for key, bad in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("moe_layer_freq", 2)):
+        with pytest.raises(ValueError, match=key):
+            config_from_hf(dict(ds, **{key: bad}))
+    nxt = dict(SHORT["qwen3_next"], use_sliding_window=False, sliding_window=None, max_window_layers=28)
+    assert config_from_hf(nxt).layer_types == ("linear_attention", "full_attention")

@@ -344,6 +344,11 @@ def _gpt_oss(r: _Reader) -> dict:
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
     hidden_act = r.only("hidden_act", ("silu",), "silu", "GPT-OSS's experts use their own clamped SwiGLU")
+    k = r.int("num_experts_per_tok")
+    # OpenAI's checkpoints also carry experts_per_token (the same number) and initial_context_length
+    # (YaRN's original length, which rope_scaling states again); transformers reads neither
+    r.only("experts_per_token", (None, k), None, "it must equal num_experts_per_tok")
+    r.get("initial_context_length")
     c.update(
         intermediate_size=r.int("intermediate_size"),
         attention_bias=r.bool("attention_bias", True),
@@ -355,7 +360,7 @@ def _gpt_oss(r: _Reader) -> dict:
         mlp_types=("moe",) * n,
         moe={
             "num_local_experts": r.int("num_local_experts"),
-            "num_experts_per_tok": r.int("num_experts_per_tok"),
+            "num_experts_per_tok": k,
             "swiglu_limit": r.float("swiglu_limit", 7.0),
             "swiglu_alpha": r.float("swiglu_alpha", 1.702),
         },
@@ -367,6 +372,13 @@ def _deepseek_v3(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
     k_dense = r.int("first_k_dense_replace", 0, minimum=0)
+    # DeepSeek's own config keys: the routing transformers implements (sigmoid scores, the
+    # auxiliary-loss-free correction bias, every layer after the dense ones routed) ...
+    r.only("scoring_func", ("sigmoid",), "sigmoid")
+    r.only("topk_method", ("noaux_tc",), "noaux_tc")
+    r.only("moe_layer_freq", (1,), 1)
+    for key in ("aux_loss_alpha", "seq_aux", "ep_size"):  # ... and training / parallelism settings
+        r.get(key)
     r.get("qk_head_dim")  # derived: qk_nope_head_dim + qk_rope_head_dim
     q_lora = r.get("q_lora_rank")
     c.update(
@@ -410,6 +422,8 @@ def _qwen3_next(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
     interval = r.int("full_attention_interval", 4)
+    for key in ("use_sliding_window", "sliding_window", "max_window_layers"):  # Qwen's configs carry them;
+        r.get(key)  # transformers' Qwen3-Next has no sliding window and ignores them
     default = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
     lt = _layer_types(r, n, ("full_attention", "linear_attention"), default)
     step = r.int("decoder_sparse_step", 1)
