@@ -32,6 +32,7 @@ from ._validate import (
 from .functional import kernels as K
 from .generation import generate as _generate
 from .nn import attention as _attention
+from .nn.containers import Sequential
 from .nn.layers import Dropout, Embedding, Linear
 from .nn.module import Module, ModuleList, Parameter, no_grad
 
@@ -335,28 +336,12 @@ class GELU(Module):
         return K.gelu_jvp(state, _tx(self, input_tangents, state.x.shape, state.x.dtype))
 
 
-class _Sequential(ModuleList):
-    """``ModuleList`` that runs its modules in order (torch's ``nn.Sequential``: keys ``0``, ``1``, ...)."""
+class _Sequential(Sequential):
+    """``nn.Sequential`` built from a list, as the book's classes build it (keys ``0``, ``1``, ...;
+    forward, backward and forward mode are ``Sequential``'s)."""
 
-    def forward(self, x):
-        for m in self:
-            x = m(x)
-        self._save(True)
-        return x
-
-    def backward(self, dy):
-        dy = self._check_dy(dy)
-        self._pop()
-        for m in reversed(list(self)):
-            dy = m.backward(dy)
-        return dy
-
-    def _jvp(self, state, input_tangents, param_tangents):
-        """Forward mode: the modules' tangents in order, each from its state of this call."""
-        t = input_tangents
-        for m in self:
-            t = (self._child_jvp(m, -1, t, param_tangents),)
-        return t[0]
+    def __init__(self, modules=()):
+        super().__init__(*modules)
 
 
 class FeedForward(Module):
