@@ -1129,6 +1129,7 @@ def gated_delta_rule(
     initial_state: Optional[Array] = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
 ) -> Tuple[Array, GatedDeltaRuleCache]:
     """The gated delta rule, one step at a time (transformers' ``torch_recurrent_gated_delta_rule``).
 
@@ -1143,7 +1144,8 @@ def gated_delta_rule(
 
     (a step of online regression: ``S <- S - beta_t k_t (k_t^T S - v_t^T)`` is one gradient
     step on ``||S^T k_t - v_t||^2 / 2`` with learning rate beta_t).  Returns ``(o (B..., H, L, Dv),
-    cache)``; ``cache.final_state`` is ``S_L`` when ``output_final_state``.
+    cache)``; ``cache.final_state`` is ``S_L`` when ``output_final_state``.  ``chunk_size`` is the
+    fast tier's (it changes nothing there either): the recurrence has no chunks.
     """
     q_norm = k_norm = None
     if use_qk_l2norm:
