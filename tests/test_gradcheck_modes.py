@@ -324,3 +324,24 @@ def test_a_coarse_step_is_rescued_by_the_second_look_but_a_bug_is_not(fast):
     assert rep.rows[0].step == 3e-3
     bad = gradcheck((F.gelu, lambda d, c: F.gelu_backward(d, c) * (1 + 1e-3)), x, eps=3e-3, fast=fast)
     assert not bad.ok
+
+
+def test_a_kink_within_a_step_is_passed_over_by_the_third_look():
+    """relu at x = 1e-6: the automatic step (2**-17 for inputs of unit scale) and its half both
+    straddle the kink, a step 64 times smaller does not."""
+    x = np.array([[0.9, -1.2, 1e-6], [-0.7, 1.1, -1e-6]])
+    x = x / np.sqrt(np.mean(x**2))  # unit scale: h = 2**-17
+    assert gradcheck(F.relu, x).rows[0].step == 2.0**-17
+    for fast in (False, True):
+        rep = gradcheck(F.relu, x, fast=fast)
+        assert rep.ok, str(rep)
+    rep = gradcheck(F.relu, x, mode="fwd")
+    assert rep.ok, str(rep)
+
+    def off_at_the_kink(dout, cache):
+        d = F.relu_backward(dout, cache).copy()
+        d[0, 2] *= 1 + 1e-3
+        return d
+
+    rep = gradcheck((F.relu, off_at_the_kink), x)
+    assert not rep.ok and rep.worst.at == (0, 2)

@@ -35,10 +35,14 @@ each element is ``u * sum_j (|out+_j| + |out-_j|) |g_j| / 2h`` over the moved ou
 An element passes when ``|analytic - numerical| <= C * rounding + rtol * max(|analytic|,
 |numerical|) + atol``, with ``C = 32`` (the forward's own rounding is a few ``u`` per output) and
 ``atol`` (default) a floor at the resolution of the analytic gradient itself, ``64 u sum|out *
-g| / scale``.  An element that fails is looked at again with half the step: if the two estimates
-differ (truncation dominates: their difference is three times the truncation error of the
-smaller step), that difference joins its tolerance, and it passes when the smaller step agrees.
-A wrong gradient agrees at every step, so it still fails.  For a float64 op these tolerances
+g| / scale``.  An element that fails is looked at again with a step 64 times smaller: its truncation
+error is 4096 times smaller (a 1/1024 share of the two estimates' difference joins the
+tolerance), a ReLU kink that the first step straddled is cleared, and the rounding bound, 64
+times larger, is still far below 1e-3 of the gradient.  If it still fails, a third look takes
+half the step and counts every output in the rounding bound (an output that moved by less than
+its last bit reads as unmoved): where truncation dominates the two estimates differ by three
+times the truncation error of the smaller step, and that difference joins the tolerance.  A
+wrong gradient agrees with itself at every step, so it still fails.  For a float64 op these tolerances
 are some 1e-9 of the gradient's scale: a gradient off by 1e-3 of its largest element anywhere,
 or scaled by ``1 + 1e-3``, fails, and a right one does not.
 
@@ -81,6 +85,7 @@ _U = float(np.finfo(np.float64).eps)  # 2.2e-16: the unit of float64 rounding us
 _STEP = _U ** (1.0 / 3.0)  # 6.1e-6: the relative step that balances truncation and rounding
 _C_ROUND = 32.0  # safety factor on the rounding estimate (calibrated: see tests/test_gradcheck_props.py)
 _C_FLOOR = 64.0  # the analytic side's resolution, in units of u * (sum of |terms|)
+_FINE = 64.0  # the third look's step is h / _FINE: truncation 4096 times smaller, clear of nearby kinks
 _RTOL = 1e-5  # default relative tolerance (float64 checks)
 _U32 = float(np.finfo(np.float32).eps)  # 1.2e-7
 _C32 = 64.0  # safety factor of the float32 comparison, in float32 ulps and input sensitivities
@@ -667,11 +672,19 @@ def _check_elements(problem: _Problem, name: str, arr: np.ndarray, opts: _Option
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(a - n) <= bound)
     for idx in zip(*np.nonzero(bad)) if arr.ndim else ([()] if bad else []):
-        # a second look with half the step: where truncation dominates the two estimates differ
-        n2, r2 = _element_fd(problem, arr, idx, h / 2, every=True)
-        b2 = _bounds(a[idx], n2, r2, opts.rtol, floor) + abs(n[idx] - n2)
+        # a second look with a step 64 times smaller: truncation 4096 times smaller (at most
+        # |n - n2| / 4095) and clear of a kink (relu) that the step straddled
+        n2, r2 = _element_fd(problem, arr, idx, h / _FINE)
+        b2 = _bounds(a[idx], n2, r2, opts.rtol, floor) + abs(n[idx] - n2) / 1024
         if abs(a[idx] - n2) <= b2:
             n[idx], bound[idx] = n2, b2
+            continue
+        # a third with half the step, counting every output (one that moved by less than its
+        # last bit reads as unmoved): where truncation dominates the two estimates differ
+        n3, r3 = _element_fd(problem, arr, idx, h / 2, every=True)
+        b3 = _bounds(a[idx], n3, r3, opts.rtol, floor) + abs(n[idx] - n3)
+        if abs(a[idx] - n3) <= b3:
+            n[idx], bound[idx] = n3, b3
     return _row(name, a, n, bound, floor, opts.rtol, "element", h), n
 
 
@@ -699,12 +712,14 @@ def _check_direction(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarra
         else _C_FLOOR * _U * (float(np.sum(np.abs(a * t))) + problem.t0 / _scale(arr) * float(np.sum(np.abs(t))))
     )
     bound = float(_bounds(av, n, rnd, opts.rtol, floor))
-    if not abs(av - n) <= bound:
-        n2, r2, t2 = _direction_fd(problem, arr, v, h / 2, problem.g, every=True)
-        av2 = float(np.dot(a.reshape(-1), t2.reshape(-1)))
-        b2 = float(_bounds(av2, n2, r2, opts.rtol, floor)) + abs(n - n2)
-        if abs(av2 - n2) <= b2:
-            av, n, bound = av2, n2, b2
+    if not abs(av - n) <= bound:  # second and third looks, as for elements
+        for step, every, share in ((h / _FINE, False, 1 / 1024), (h / 2, True, 1.0)):
+            n2, r2, t2 = _direction_fd(problem, arr, v, step, problem.g, every=every)
+            av2 = float(np.dot(a.reshape(-1), t2.reshape(-1)))
+            b2 = float(_bounds(av2, n2, r2, opts.rtol, floor)) + abs(n - n2) * share
+            if abs(av2 - n2) <= b2:
+                av, n, bound = av2, n2, b2
+                break
     return _row(name, av, n, bound, floor, opts.rtol, "direction", h), (av, n)
 
 
@@ -721,11 +736,16 @@ def _check_jvp(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opt
     bound = _bounds(jv, n, rnd, opts.rtol, floor)
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(jv - n) <= bound)
-    if bad.any():  # the same JVP against the difference at half the step (t and its t2 differ by rounding)
-        n2, r2, _ = _direction_fd(problem, arr, v, h / 2, None, every=True)
-        b2 = _bounds(jv, n2, r2, opts.rtol, floor) + np.abs(n - n2)
+    n1 = n
+    for step, every, share in ((h / _FINE, False, 1 / 1024), (h / 2, True, 1.0)):  # as for elements
+        if not bad.any():
+            break
+        # the same JVP against the smaller steps' differences (t and their tangents differ by rounding)
+        n2, r2, _ = _direction_fd(problem, arr, v, step, None, every=every)
+        b2 = _bounds(jv, n2, r2, opts.rtol, floor) + np.abs(n1 - n2) * share
         fix = bad & (np.abs(jv - n2) <= b2)
         n, bound = np.where(fix, n2, n), np.where(fix, b2, bound)
+        bad &= ~fix
     return _row(name, jv, n, bound, floor, opts.rtol, "jvp", h), (t, jv)
 
 
