@@ -82,6 +82,28 @@ def _grads(m, ins, u, jvp_args=None, **kw):
     return g, {n: p.grad.copy() for n, p in m.named_parameters()}, t
 
 
+def _assert_transposed(u, t, input_grads, tins, param_grads, tp):
+    """``<u, J t> = <J^T u, t>``: the JVP against the backward's input and parameter gradients."""
+    lhs = float(np.sum(u * t))
+    rhs = sum(float(np.sum(g * ti)) for g, ti in zip(input_grads, tins) if ti is not None)
+    rhs += sum(float(np.sum(param_grads[n] * tp[n])) for n in tp)
+    assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs)), (lhs, rhs)
+
+
+def _jvp_then_backward(m, ins, rng):
+    """One forward, its JVP along random tangents, then the backward of the same forward (with
+    dropout: the same masks); checks the transposition identity and returns ``(jvp, tins, tp)``."""
+    tins, tp = _input_tangents(ins, rng), _param_tangents(m, rng)
+    y = m(*ins)
+    t = m.jvp(*tins, param_tangents=tp)
+    u = rng.standard_normal(y.shape)
+    m.zero_grad()
+    g = m.backward(u)
+    g = g if isinstance(g, tuple) else (g,)
+    _assert_transposed(u, t, g, tins, {n: p.grad for n, p in m.named_parameters()}, tp)
+    return t, tins, tp
+
+
 def _check_jvp(m, ins, rng, fd_tol=1e-6, **kw):
     """The JVP of ``m`` at ``ins`` along random tangents of every float input and every parameter:
     central differences, the transposition identity, the state kept for backward."""
@@ -99,10 +121,7 @@ def _check_jvp(m, ins, rng, fd_tol=1e-6, **kw):
         assert (a is None and b is None) or np.array_equal(a, b)
     for n in p0:
         np.testing.assert_array_equal(p0[n], p1[n], err_msg=n)
-    lhs = float(np.sum(u * t))
-    rhs = sum(float(np.sum(g * ti)) for g, ti in zip(g1, tins) if ti is not None)
-    rhs += sum(float(np.sum(p1[n] * tp[n])) for n in tp)
-    assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs)), (lhs, rhs)
+    _assert_transposed(u, t, g1, tins, p1, tp)
     num = _fd_jvp(m, ins, tins, tp, **kw)
     assert _rel(t, num) < fd_tol, _rel(t, num)
     return t
@@ -162,17 +181,7 @@ def test_blocks_dropout_uses_the_forwards_masks(cls, norm_first):
     rng = np.random.default_rng(3)
     m = cls(8, 2, 12, dropout=0.3, norm_first=norm_first, rng=5)
     ins = (rng.standard_normal((2, 4, 8)),) + ((rng.standard_normal((2, 3, 8)),) if cls is DecoderBlock else ())
-    tins, tp = _input_tangents(ins, rng), _param_tangents(m, rng)
-    y = m(*ins)
-    t = m.jvp(*tins, param_tangents=tp)
-    u = rng.standard_normal(y.shape)
-    m.zero_grad()
-    g = m.backward(u)
-    g = g if isinstance(g, tuple) else (g,)
-    rhs = sum(float(np.sum(a * b)) for a, b in zip(g, tins))
-    rhs += sum(float(np.sum(p.grad * tp[n])) for n, p in m.named_parameters())
-    lhs = float(np.sum(u * t))
-    assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs))
+    t, tins, tp = _jvp_then_backward(m, ins, rng)
     m.eval()  # and without dropout the JVP differs: the masks did act
     m(*ins)
     assert _rel(m.jvp(*tins, param_tangents=tp), t) > 1e-3
@@ -291,15 +300,8 @@ def test_tiny_transformer_jvp():
 def test_tiny_transformer_jvp_unbatched_and_dropout():
     rng = np.random.default_rng(3)
     m = TinyTransformer(11, 6, 8, 2, 1, 12, dropout=0.2, rng=0)
-    ids = rng.integers(0, 11, (5,))
-    y = m(ids)
-    tp = _param_tangents(m, rng)
-    t = m.jvp(param_tangents=tp)
-    u = rng.standard_normal(y.shape)
-    m.zero_grad()
-    m.backward(u)
-    rhs = sum(float(np.sum(p.grad * tp[n])) for n, p in m.named_parameters())
-    assert abs(float(np.sum(u * t)) - rhs) <= 1e-10 * max(1.0, abs(rhs))
+    t, _, _ = _jvp_then_backward(m, (rng.integers(0, 11, (5,)),), rng)
+    assert t.shape == (5, 11)
 
 
 # -- the book's classes ------------------------------------------------------------------------------------
@@ -350,15 +352,7 @@ def test_book_dropout_uses_the_forwards_masks(drop_rate):
         (book.GPTModel(_cfg(drop_rate=drop_rate), rng=0), (rng.integers(0, 13, (2, 5)),)),
         (book.MultiHeadAttentionWrapper(6, 4, 5, drop_rate, 2, True, rng=0), (rng.standard_normal((2, 4, 6)),)),
     ):
-        tins, tp = _input_tangents(ins, rng), _param_tangents(m, rng)
-        y = m(*ins)
-        t = m.jvp(*tins, param_tangents=tp)
-        u = rng.standard_normal(y.shape)
-        m.zero_grad()
-        g = m.backward(u)
-        rhs = sum(float(np.sum(p.grad * tp[n])) for n, p in m.named_parameters())
-        rhs += 0.0 if tins[0] is None else float(np.sum(g * tins[0]))
-        assert abs(float(np.sum(u * t)) - rhs) <= 1e-10 * max(1.0, abs(rhs))
+        _jvp_then_backward(m, ins, rng)
 
 
 def test_book_jvp_bad_tangents_and_state():
