@@ -98,3 +98,49 @@ def test_generate_without_tokenizers(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if not installed
     assert main(["generate", str(tmp_path), "x"]) == 1
     assert "tokenizers" in capsys.readouterr().err
+
+
+def test_generate_from_save_pretrained_matches_transformers(tmp_path, capsys):
+    """A transformers save_pretrained directory (Gemma 3: sliding windows, softcapping, sandwich
+    norms) with a byte-level BPE tokenizer: npattn's greedy completion is transformers' own."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = T.Gemma3TextConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,  # a random tied model mostly repeats its last token
+    )
+    torch.manual_seed(0)
+    hf = T.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    prompt = "the dog ate"
+    ids = tok.encode(prompt).ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(ids) :]
+    assert main(["generate", str(tmp_path), prompt, "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert len(set(ref.tolist())) > 2  # a completion worth comparing, not one token repeated
+    assert out.split("\n")[0] == prompt + tok.decode(ref.tolist())
