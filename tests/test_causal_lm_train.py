@@ -78,3 +78,19 @@ def test_forward_arguments_are_checked():
         m.backward(np.zeros((3, 40), np.float32))
     m.backward(np.ones((3, 41), np.float32))
     assert "llama" in repr(m) and len(m.layers) == 2
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_load_state_dict_speaks_hugging_face_names(name):
+    a, b = _build(name, np.float64), CausalLM(FAMILIES[name], rng=1)
+    sd = a.state_dict()
+    assert all(k.startswith(("model.", "lm_head.")) for k in sd)
+    assert not any(
+        w in k for k in sd for w in ("W_query", "W_key", "W_value", "out_proj.weight") if "linear_attn" not in k
+    )
+    b.load_state_dict(sd)
+    ids = np.array([[3, 1, 4, 1, 5]])
+    with no_grad():
+        np.testing.assert_array_equal(a(ids), b(ids))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        b.load_state_dict({**sd, "model.norm.weight": np.ones(3)})
