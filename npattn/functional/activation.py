@@ -65,7 +65,35 @@ class DropoutCache(NamedTuple):
 
 
 def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
-    """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``."""
+    """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``.
+
+    Parameters
+    ----------
+    x : array_like
+        Any shape; float32 or float64 (integers are cast to float64).
+
+    Returns
+    -------
+    y : ndarray
+        ``max(x, 0)``, of ``x``'s shape and dtype.
+    cache : ReluCache
+        For ``relu_backward`` and ``relu_jvp``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.relu(np.array([-1.0, 0.0, 2.0]))
+    >>> y
+    array([0., 0., 2.])
+    >>> F.relu_backward(np.array([5.0, 5.0, 5.0]), cache)
+    array([0., 0., 5.])
+    """
     return _relu(as_float(x, "x"))
 
 
@@ -77,7 +105,27 @@ def _relu(x, out=None, mask_out=None):
 
 
 def relu_backward(dout: np.ndarray, cache: ReluCache) -> np.ndarray:
-    """``dx = dy * [x > 0]`` (0 at x == 0, as torch)."""
+    """``dx = dy * [x > 0]`` (0 at x == 0, as torch).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient ``dL/dy``, of ``y``'s shape.
+    cache : ReluCache
+        The cache ``relu`` returned.
+
+    Returns
+    -------
+    ndarray
+        ``dx``, of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
     check_cache(cache, ReluCache, "relu_backward")
     return _relu_backward(check_grad(dout, cache.positive.shape, cache.dtype), cache)
 
@@ -127,7 +175,39 @@ def _relu_jvp(cache, tx=None):
 
 def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCache]:
     """GELU.  ``"none"``: ``y = x Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``.
-    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)`` (as torch)."""
+    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)`` (as torch).
+
+    Parameters
+    ----------
+    x : array_like
+        Any shape; float32 or float64 (integers are cast to float64).
+    approximate : {"none", "tanh"}
+        The exact erf form or torch's tanh approximation.
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype.
+    cache : GeluCache
+        For ``gelu_backward`` and ``gelu_jvp``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a real numeric array.
+    ValueError
+        ``approximate`` is neither ``"none"`` nor ``"tanh"``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.gelu(np.array([-1.0, 0.0, 1.0]))
+    >>> np.round(y, 4)
+    array([-0.1587,  0.    ,  0.8413])
+    >>> np.round(F.gelu_backward(np.ones(3), cache), 4)
+    array([-0.0833,  0.5   ,  1.0833])
+    """
     x = as_float(x, "x")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
@@ -145,7 +225,27 @@ def _gelu(x, approximate="none"):
 
 def gelu_backward(dout: np.ndarray, cache: GeluCache) -> np.ndarray:
     """``"none"``: ``dy/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)``.
-    ``"tanh"``: ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``t = tanh(u)``."""
+    ``"tanh"``: ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``t = tanh(u)``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : GeluCache
+        The cache ``gelu`` returned.
+
+    Returns
+    -------
+    ndarray
+        ``dx``, of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
     check_cache(cache, GeluCache, "gelu_backward")
     return _gelu_backward(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
 
@@ -204,6 +304,33 @@ def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     The sigmoid is evaluated without overflow for any finite x: with ``e = exp(-|x|)`` (<= 1),
     ``sigmoid(x) = 1 / (1 + e)`` for x >= 0 and ``e / (1 + e)`` for x < 0.
     Returns ``(y, cache)``; the cache keeps ``x`` and ``sigmoid(x)``.
+
+    Parameters
+    ----------
+    x : array_like
+        Any shape; float32 or float64 (integers are cast to float64).
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype.
+    cache : SiluCache
+        For ``silu_backward`` and ``silu_jvp``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.silu(np.array([-2.0, 0.0, 2.0]))
+    >>> np.round(y, 4)
+    array([-0.2384,  0.    ,  1.7616])
+    >>> np.round(F.silu_backward(np.ones(3), cache), 4)
+    array([-0.0908,  0.5   ,  1.0908])
     """
     return _silu(as_float(x, "x"))
 
@@ -218,7 +345,27 @@ def _silu(x):
 
 def silu_backward(dout: np.ndarray, cache: SiluCache) -> np.ndarray:
     """With ``s = sigmoid(x)``, ``ds/dx = s (1 - s)``; so ``dy/dx = s + x s (1 - s) = s (1 + x (1 - s))``
-    and ``dx = dy * s * (1 + x * (1 - s))``."""
+    and ``dx = dy * s * (1 + x * (1 - s))``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : SiluCache
+        The cache ``silu`` returned.
+
+    Returns
+    -------
+    ndarray
+        ``dx``, of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
     check_cache(cache, SiluCache, "silu_backward")
     return _silu_backward(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
 
@@ -272,6 +419,40 @@ def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     A slice that is entirely ``-inf`` (every position masked) gives zeros, not NaN.  A 0-d input is
     a softmax over one value: ``y = 1`` and ``dx = 0`` (as torch; ``axis`` must be 0 or -1).
     Returns ``(y, cache)``; the cache is ``(y, axis)`` (axis None for a 0-d input).
+
+    Parameters
+    ----------
+    x : array_like
+        Any shape; float32 or float64 (integers are cast to float64); ``-inf`` entries allowed.
+    axis : int
+        The axis to normalise over (negative counts from the end).
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype; each slice along ``axis`` sums to 1 (or is all 0 when the slice
+        is all ``-inf``).
+    cache : SoftmaxCache
+        For ``softmax_backward`` and ``softmax_jvp``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a real numeric array, or ``axis`` is not an integer.
+    ValueError
+        ``axis`` out of range for ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.softmax(np.array([[1.0, 2.0, 3.0], [0.0, 0.0, -np.inf]]))
+    >>> np.round(y, 4)
+    array([[0.09  , 0.2447, 0.6652],
+           [0.5   , 0.5   , 0.    ]])
+    >>> dx = F.softmax_backward(np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]), cache)
+    >>> np.round(dx.sum(axis=-1), 12)   # the gradient of a normalised output sums to zero
+    array([0., 0.])
     """
     x = as_float(x, "x")
     if x.ndim == 0:
@@ -297,7 +478,27 @@ def _softmax(x, axis=-1):
 
 
 def softmax_backward(dout: np.ndarray, cache: SoftmaxCache) -> np.ndarray:
-    """Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx = y * (dy - sum(dy * y))``."""
+    """Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx = y * (dy - sum(dy * y))``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : SoftmaxCache
+        The cache ``softmax`` returned.
+
+    Returns
+    -------
+    ndarray
+        ``dx``, of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
     check_cache(cache, SoftmaxCache, "softmax_backward")
     return _softmax_backward(check_grad(dout, cache.y.shape, cache.y.dtype), cache)
 
@@ -354,6 +555,42 @@ def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[n
     gives the same mask in float32 and float64).  ``p = 1`` gives zeros; ``training=False`` or
     ``p = 0`` is the identity (no random numbers drawn).  ``rng``: Generator, int seed or None.
     Returns ``(y, cache)``; the cache is ``(keep_mask or None, scale, shape, dtype)``.
+
+    Parameters
+    ----------
+    x : array_like
+        Any shape; float32 or float64 (integers are cast to float64).
+    p : float
+        The probability of zeroing an entry, in ``[0, 1]``.
+    rng : numpy.random.Generator, int or None
+        Where the keep-mask comes from (an int seed is ``np.random.default_rng(seed)``).
+    training : bool
+        False: the identity.
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype.
+    cache : DropoutCache
+        For ``dropout_backward`` and ``dropout_jvp`` (the same mask).
+
+    Raises
+    ------
+    TypeError
+        ``x`` not a real numeric array, ``training`` not a bool, ``rng`` not a Generator/int/None.
+    ValueError
+        ``p`` outside ``[0, 1]`` or NaN.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.dropout(np.ones((2, 4)), 0.5, rng=0)
+    >>> sorted(set(y.ravel().tolist()))          # dropped, or kept and scaled by 1/(1 - p)
+    [0.0, 2.0]
+    >>> dx = F.dropout_backward(np.ones((2, 4)), cache)
+    >>> bool(np.array_equal(dx, y))              # the same mask and scale
+    True
     """
     x = as_float(x, "x")
     p = check_prob(p, "p")
@@ -376,7 +613,27 @@ def _dropout(x, p, rng=None, training=True):
 
 
 def dropout_backward(dout: np.ndarray, cache: DropoutCache) -> np.ndarray:
-    """The forward is ``y = x * keep * s``, linear in x: ``dx = dy * keep * s`` (same mask)."""
+    """The forward is ``y = x * keep * s``, linear in x: ``dx = dy * keep * s`` (same mask).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : DropoutCache
+        The cache ``dropout`` returned.
+
+    Returns
+    -------
+    ndarray
+        ``dx``, of ``x``'s shape and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
     check_cache(cache, DropoutCache, "dropout_backward")
     return _dropout_backward(check_grad(dout, cache.shape, cache.dtype), cache)
 
