@@ -573,3 +573,65 @@ def test_child_process_never_imports_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, env=runner.child_env(), check=True
     )
     assert out.stdout.strip() == "False"
+
+
+# -- what the report says about the machine, on any machine ------------------------------------------------
+def test_blas_info_from_threadpoolctl(monkeypatch):
+    fake = SimpleNamespace(
+        threadpool_info=lambda: [
+            {"user_api": "openmp", "internal_api": "openmp"},
+            {"user_api": "blas", "internal_api": "openblas", "architecture": "X", "num_threads": 2, "version": "1"},
+        ]
+    )
+    monkeypatch.setitem(sys.modules, "threadpoolctl", fake)
+    assert machine._blas_info() == [{"internal_api": "openblas", "architecture": "X", "num_threads": 2, "version": "1"}]
+    monkeypatch.setattr(machine, "openblas_functions", lambda *names: None)
+    fake.threadpool_info = lambda: []  # threadpoolctl sees no BLAS, nor does the OpenBLAS lookup
+    assert machine._blas_info() is None
+
+
+def test_machine_facts_survive_a_machine_without_proc(monkeypatch):
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    for module in (machine, runner):
+        monkeypatch.setattr(module, "open", no_proc, raising=False)
+    assert machine._cpu_flags() == [] and machine._idle_fraction(0.0) is None
+    assert isinstance(machine._cpu_name(), str)
+    assert runner.status_kib("VmHWM") > 0  # the peak from getrusage instead
+
+
+def test_child_env_puts_this_npattn_first(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    env = runner.child_env(unset=("OPENBLAS_CORETYPE",))
+    assert env["PYTHONPATH"] == str(ROOT) + os.pathsep + "/elsewhere" and "OPENBLAS_CORETYPE" not in env
+    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"  # this process's environment is untouched
+
+
+def test_a_closed_child_closes_again_quietly():
+    child = B.Child("attention", {"b": 1, "h": 1, "L": 4, "E": 4}, "float64")
+    child.close()
+    child.close()  # its pipe is gone: nothing to ask, nothing raised
+    with pytest.raises((RuntimeError, OSError, ValueError)):  # a dead child is an error, never a hang
+        child.ask({"warm": 1, "label": "npattn"})
+
+
+def test_mem_eff_row_gets_the_peak_memory_of_its_kernel(monkeypatch):
+    monkeypatch.setattr(timing, "QUICK", [("attention", dict(b=1, h=1, L=16, E=4, impl=timing.MEM_EFF["impl"]))])
+    report = timing.collect(quick=True, progress=False, use_torch=False, memory=True)
+    rows = report["results"]
+    assert [r["name"] for r in rows] == ["mem_eff", "mem_eff"]
+    assert rows[0]["npattn_extra_mib"] >= 0 and rows[0]["torch_extra_mib"] is None  # float32 only
+    assert "npattn_extra_mib" not in rows[1]
+    assert "peak extra memory npattn" in "\n".join(timing.format_results(report))
+
+
+def test_window_table_marks_missing_and_failed_cores():
+    rows = [
+        {"impl": B.MEMORY_IMPLS[0], "seq": 64, "seconds": 0.5, "ms_per_1k_rows": 7.8, "extra_mib": 3.0},
+        {"impl": B.MEMORY_IMPLS[1], "seq": 64, "missing": True},
+        {"impl": B.MEMORY_IMPLS[0], "seq": 128, "error": "boom"},
+    ]
+    lines = B.format_window(rows, (16, 0)).splitlines()
+    assert "missing" in lines[2] and "7.8" in lines[2] and "error" in lines[3] and "missing" in lines[3]

@@ -2,8 +2,10 @@
 and the benchmark's modules never import torch when they are imported."""
 
 import ast
+import contextlib
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +79,59 @@ def _get(fn):
 
     fn.restype = ctypes.c_int
     return fn()
+
+
+def test_progress_with_tqdm_shows_a_bar(monkeypatch):
+    updates = []
+
+    class FakeBar:
+        def __init__(self, **kw):
+            updates.append(("init", kw["total"]))
+
+        def update(self, n):
+            updates.append(("update", n))
+
+        def set_postfix(self, **kw):
+            updates.append(("postfix", kw["loss"]))
+
+        def close(self):
+            updates.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeBar))
+    bar = _train.Progress(3)
+    for step in range(3):
+        bar(step, 2.0)
+    bar.close()
+    assert updates[0] == ("init", 3) and updates[-1] == ("close",)
+    assert updates.count(("update", 1)) == 3 and ("postfix", "2.0000") in updates
+
+
+def test_openblas_lookup_without_openblas(monkeypatch):
+    monkeypatch.setattr(_blas, "_loaded_openblas_paths", lambda: ["/no/such/libopenblas.so"])
+    assert _blas.openblas_functions("get_num_threads") is None  # cannot be loaded: skipped
+    monkeypatch.setattr(_blas, "_loaded_openblas_paths", lambda: [])
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    with _blas.single_blas_thread():  # no BLAS to limit: the block just runs
+        pass
+
+
+def test_openblas_paths_without_proc(monkeypatch):
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(_blas, "open", no_proc, raising=False)
+    assert _blas._loaded_openblas_paths() == []
+
+
+def test_single_blas_thread_uses_threadpoolctl_when_installed(monkeypatch):
+    seen = []
+
+    @contextlib.contextmanager
+    def threadpool_limits(limits, user_api):
+        seen.append((limits, user_api))
+        yield
+
+    monkeypatch.setitem(sys.modules, "threadpoolctl", types.SimpleNamespace(threadpool_limits=threadpool_limits))
+    with _blas.single_blas_thread():
+        pass
+    assert seen == [(1, "blas")]

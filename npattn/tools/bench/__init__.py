@@ -18,7 +18,10 @@ Where things are (read in this order):
                   torch implementation, against sequence length;
 * ``cases.py``    what can be measured: each kind of case builds npattn's callables (and torch's,
                   same weights) from its sizes; FLOP counts;
-* ``twins.py``    torch's side of each case (imported only when torch is);
+* ``twins.py``    torch's side of each case (imported only when torch is; like any code that runs
+                  only beside torch, e.g. a branch marked ``# pragma: needs torch``, it is not
+                  counted by the coverage floor, so that the floor is the same with and without
+                  torch);
 * ``runner.py``   the one runner every section uses: timing in turns, npattn's side in a child
                   process without torch, fresh-process runs for seconds and peak memory, progress;
 * ``machine.py``  what the numbers were measured on (CPU, BLAS, load, numpy's GEMM peak) and the

@@ -101,7 +101,7 @@ def attention(dtype, torch, *, b, h, L, E, causal=True, impl="scaled_dot_product
     if window is not None:
         shape["window"] = list(window)
     fns, check = {}, None
-    if torch is not None and window is None:
+    if torch is not None and window is None:  # pragma: needs torch
         fns["torch"], tq = twins.sdpa(torch, q, k, v, dout, causal)
 
         def check():
@@ -141,7 +141,7 @@ def attention_jvp(dtype, torch, *, b, h, L, E, causal=True, impl="memory_efficie
     name = SHORT.get(impl, impl) + (" jvp" if jvp else " fwd")
     shape = {"batch": b, "heads": h, "seq": L, "head_dim": E, "causal": causal}
     fns: dict = {}
-    if torch is not None and not jvp:
+    if torch is not None and not jvp:  # pragma: needs torch
         fns["torch"] = twins.sdpa_forward(torch, q, k, v, causal)
     return Built(name, shape, {"npattn": run_np}, fns)
 
@@ -158,8 +158,11 @@ def _module(module, twin, x, dy, torch):
     def run_np():
         return module(x), module.backward(dy)
 
-    if twin is None:
-        return {"npattn": run_np}, {}, None
+    torch_fns, check = ({}, None) if twin is None else _module_twin(run_np, twin, x, dy, torch)
+    return {"npattn": run_np}, torch_fns, check
+
+
+def _module_twin(run_np, twin, x, dy, torch):  # pragma: needs torch
     run_torch, tx = twins.module_step(torch, twin, x, dy)
 
     def check():
@@ -167,7 +170,7 @@ def _module(module, twin, x, dy, torch):
         tout = run_torch()
         return {"max_rel_diff_vs_torch": max(rel_diff(out, tout.detach().numpy()), rel_diff(dx, tx.grad.numpy()))}
 
-    return {"npattn": run_np}, {"torch": run_torch}, check
+    return {"torch": run_torch}, check
 
 
 def mha(dtype, torch, *, b, L, d, h, causal=True):
@@ -235,9 +238,14 @@ def demo(dtype, torch, *, b=None, L=None, d=None, h=None, layers=None, d_ff=None
         return loss
 
     shape = {"batch": b, "seq": L, "d_model": d, "heads": h, "d_ff": d_ff, "layers": layers, "vocab": VOCAB_SIZE}
-    if torch is None:
-        return Built("demo", shape, {"npattn": run_np}, {})
-    tm = twins.demo(torch, model, L)
+    torch_fns, check = ({}, None) if torch is None else _demo_twin(torch, model, run_np, ids, targets)
+    return Built("demo", shape, {"npattn": run_np}, torch_fns, check)
+
+
+def _demo_twin(torch, model, run_np, ids, targets):  # pragma: needs torch
+    from ..demo import IGNORE_INDEX
+
+    tm = twins.demo(torch, model, ids.shape[-1])
     run_torch = twins.demo_step(torch, tm, ids, targets, IGNORE_INDEX)
 
     def check():
@@ -251,7 +259,7 @@ def demo(dtype, torch, *, b=None, L=None, d=None, h=None, layers=None, d_ff=None
             )
         }
 
-    return Built("demo", shape, {"npattn": run_np}, {"torch": run_torch}, check)
+    return {"torch": run_torch}, check
 
 
 def _demo_flops(*, b=None, L=None, d=None, h=None, layers=None, d_ff=None):
@@ -278,7 +286,7 @@ def decode(dtype, torch, *, cfg, prompt_len=16, batch=1):
 
     fns = {"npattn, KV cache": run_np(True), "npattn, no cache": run_np(False)}
     torch_fns = {}
-    if torch is not None:
+    if torch is not None:  # pragma: needs torch
         torch_fns["torch eager, no cache"] = twins.book_gpt_greedy(torch, cfg, model.state_dict(), prompt, new)
 
     def check():

@@ -24,7 +24,7 @@ def memory_one(impl, L):
     return {"impl": impl, "seq": L, **fresh("attention", dict(SHAPE, L=L, impl=impl))}
 
 
-def memory_torch(L):
+def memory_torch(L):  # pragma: needs torch
     """As ``memory_one`` for torch's ``F.scaled_dot_product_attention`` (its CPU flash kernel here)."""
     return {"impl": "torch", "seq": L, **fresh("attention", dict(SHAPE, L=L), side="torch")}
 

@@ -40,6 +40,10 @@ def torch_or_none():
         import torch
     except ImportError:
         return None
+    return _threads(torch)
+
+
+def _threads(torch):  # pragma: needs torch
     torch.set_num_threads(int(os.environ.get("NPATTN_BENCH_THREADS", "2")))
     return torch
 
@@ -217,12 +221,12 @@ def time_case(kind, params, dtype, *, use_torch=True, own_process=False, warmup=
     facts = built.check() if built.check is not None else {}
     fns: dict = dict(built.npattn)
     child = Child(kind, params, dtype) if own_process and built.torch else None
-    if child is not None:
+    if child is not None:  # pragma: needs torch
         fns = {label: child.fn(label) for label in built.npattn}
     try:
         times = time_interleaved(dict(fns, **built.torch), warmup=warmup, repeats=repeats, pause=pause)
     finally:
-        if child is not None:
+        if child is not None:  # pragma: needs torch
             child.close()
     return built, times, facts
 
