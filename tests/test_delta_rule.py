@@ -91,6 +91,39 @@ def test_reference_delta_rule_matches_torch_autograd(torch_or_skip, l2, init):
         assert grads[5] is None
 
 
+@pytest.mark.parametrize("l2", [False, True])
+def test_fast_delta_rule_matches_transformers_functions(monkeypatch, l2):
+    """transformers' own torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule (their
+    float32 casts made float64 by ``_hf64``), outputs, final state and every gradient by autograd;
+    L = 70: more than one of their chunks of 64, not a multiple of it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from _hf64 import float64_torch
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    float64_torch(monkeypatch, "models.qwen3_next.modeling_qwen3_next")
+    rng = np.random.default_rng(17)
+    c = _case(rng, lead=(2, 3), steps=70, dk=4, dv=5)
+    out, cache = F.gated_delta_rule(**c, output_final_state=True, use_qk_l2norm=l2, chunk_size=16)
+    dout, dfinal = rng.standard_normal(out.shape), rng.standard_normal(cache.final_state.shape)
+    grads = F.gated_delta_rule_backward(dout, cache, dfinal)
+
+    def heads_second(a):  # npattn's (B, H, L, ...) <-> transformers' (B, L, H, ...)
+        return np.ascontiguousarray(np.swapaxes(a, 1, 2))
+
+    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
+        ts = [torch.tensor(heads_second(c[n]), requires_grad=True) for n in ("q", "k", "v", "g", "beta")]
+        s0 = torch.tensor(c["initial_state"], requires_grad=True)
+        o, s = fn(*ts, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        assert o.dtype == torch.float64
+        ((o * torch.tensor(heads_second(dout))).sum() + (s * torch.tensor(dfinal)).sum()).backward()
+        close(out, heads_second(o.detach().numpy()), 1e-10)
+        close(cache.final_state, s.detach().numpy(), 1e-10)
+        for got, t in zip(grads[:5], ts):
+            close(got, heads_second(t.grad.numpy()), 1e-10)
+        close(grads[5], s0.grad.numpy(), 1e-10)
+
+
 def test_reference_delta_rule_finite_differences():
     rng = np.random.default_rng(2)
     c = _case(rng, lead=(1, 2), steps=5, dk=3, dv=2)
