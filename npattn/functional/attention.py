@@ -215,6 +215,70 @@ def scaled_dot_product_attention(
       2x faster on 2 cores than ``q k^T``); the softmax then runs down the columns.
 
     Returns ``(out, AttentionCache)``; ``out`` is a C-contiguous array.
+
+    Parameters
+    ----------
+    q : array_like
+        ``(..., Hq, Lq, E)`` (or ``(..., Lq, E)``), float32 or float64.
+    k : array_like
+        ``(..., Hk, Lk, E)``.
+    v : array_like
+        ``(..., Hk, Lk, Ev)``.
+    attn_mask : array_like, optional
+        Bool (True = may attend) or float (added to the scaled scores), broadcastable to
+        ``(..., Hq, Lq, Lk)``.
+    is_causal : bool
+        Query ``i`` sees keys at positions ``<= i`` (aligned by ``causal_align``).
+    dropout_p : float
+        Dropout on the attention weights, in ``[0, 1]``.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    rng : numpy.random.Generator, int or None
+        For dropout.
+    enable_gqa : bool
+        Grouped-query attention: ``Hq`` a multiple of ``Hk``.
+    causal_align : {"top_left", "bottom_right"}
+    window : tuple of two int, optional
+        ``(left, right)``, -1 = unbounded.
+    alibi_slopes : array_like, optional
+        Broadcastable to ``(..., Hq)``.
+    softcap : float, optional
+        > 0.
+    sinks : array_like, optional
+        ``(Hq,)``.
+    mask_grad : bool
+        With a float mask: the backward also returns ``dmask``.
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., Hq, Lq, Ev)``, in q's dtype.
+    cache : AttentionCache
+        For ``scaled_dot_product_attention_backward`` and ``_jvp``.
+
+    Raises
+    ------
+    TypeError
+        Non-numeric or mixed float dtypes of q, k, v, an integer mask, a non-bool flag.
+    ValueError
+        Shapes that do not match or broadcast, heads that do not divide, ``dropout_p`` outside
+        ``[0, 1]``, a bad ``window``/``causal_align``/``softcap``/``sinks``, ``+inf`` or NaN in a
+        float mask, ``mask_grad`` without a float mask.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 6, 8)) for _ in range(3))   # (batch, heads, L, E)
+    >>> out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True, window=(2, 0))
+    >>> out.shape
+    (2, 4, 6, 8)
+    >>> dq, dk, dv = F.scaled_dot_product_attention_backward(rng.standard_normal(out.shape), cache)
+    >>> ref, _ = R.scaled_dot_product_attention(q, k, v, is_causal=True, window=(2, 0))
+    >>> bool(np.allclose(out, ref, rtol=0, atol=1e-12))   # the textbook formula's numbers
+    True
     """
     enable_gqa = check_bool(enable_gqa, "enable_gqa")
     q, k, v, groups = check_qkv(q, k, v, enable_gqa)
@@ -395,6 +459,29 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     With grouped-query heads the products run in the grouped layout, which sums each kv head's
     gradient over the query heads that share it.  Returns ``(dq, dk, dv)``, then ``dmask`` (with
     ``mask_grad``), then ``dsinks`` (with ``sinks``); each gradient has its input's shape.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``scaled_dot_product_attention`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Each of its input's shape.
+    dmask : ndarray
+        With ``mask_grad``: of the mask's shape.
+    dsinks : ndarray
+        With ``sinks``: ``(Hq,)``.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
     """
     if not isinstance(cache, AttentionCache):
         raise TypeError(

@@ -50,6 +50,52 @@ def embedding(
     - ``scale_grad_by_freq``: divide each row's gradient by the number of times it occurs in ``ids``.
 
     Returns ``(out (*ids.shape, dim), cache)``; ids outside ``[0, num)`` raise ``ValueError``.
+
+    Parameters
+    ----------
+    ids : array_like of int
+        Any shape; each in ``[0, num)``.
+    weight : array_like
+        ``(num, dim)``, float32 or float64.
+    padding_idx : int, optional
+        A row that gets no gradient.
+    max_norm : float, optional
+        Looked-up rows longer than this (in ``norm_type``) are rescaled in the output.
+    norm_type : float
+        The p of the p-norm for ``max_norm``.
+    scale_grad_by_freq : bool
+        Divide each row's gradient by how often its id occurs.
+
+    Returns
+    -------
+    out : ndarray
+        ``ids.shape + (dim,)``, in ``weight``'s dtype.
+    cache : EmbeddingCache
+        For ``embedding_backward`` and ``embedding_jvp``.
+
+    Raises
+    ------
+    TypeError
+        Non-integer ``ids``, a non-numeric ``weight``, a non-bool flag.
+    ValueError
+        An id out of range, ``weight`` not 2-d, ``padding_idx`` out of range, a non-positive
+        ``max_norm``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> W = np.arange(8.0).reshape(4, 2)
+    >>> out, cache = F.embedding(np.array([[1, 3, 1]]), W)
+    >>> out
+    array([[[2., 3.],
+            [6., 7.],
+            [2., 3.]]])
+    >>> F.embedding_backward(np.ones((1, 3, 2)), cache)   # row 1 was looked up twice
+    array([[0., 0.],
+           [2., 2.],
+           [0., 0.],
+           [1., 1.]])
     """
     ids = as_index(ids, "ids")
     weight = as_float(weight, "weight")
@@ -101,6 +147,25 @@ def embedding_backward(dout: np.ndarray, cache: EmbeddingCache) -> np.ndarray:
     With ``scale_grad_by_freq`` each ``dW[i]`` is divided by the count of ``i`` in ``ids``; the
     ``padding_idx`` row is 0.  ``max_norm`` changes nothing here (see ``embedding``: torch does not
     differentiate the renormalisation).  Returns ``dweight`` (ids have no gradient).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``embedding`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    ndarray
+        ``dweight``, ``(num, dim)``.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
     """
     check_cache(cache, EmbeddingCache, "embedding_backward")
     return _embedding_backward(check_grad(dout, cache.ids.shape + (cache.weight_shape[1],), cache.dtype), cache)

@@ -20,6 +20,44 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     """``y = x @ weight.T + bias`` with ``x (..., in)``, ``weight (out, in)``, ``bias (out,)``.
 
     Returns ``(y, cache)``; the cache holds ``(x, weight, has_bias)``.
+
+    Parameters
+    ----------
+    x : array_like
+        ``(..., in_features)``, float32 or float64 (integers are cast to float64).
+    weight : array_like
+        ``(out_features, in_features)``, torch's layout; cast to ``x``'s dtype.
+    bias : array_like, optional
+        ``(out_features,)``.
+
+    Returns
+    -------
+    y : ndarray
+        ``(..., out_features)``, in ``x``'s dtype.
+    cache : LinearCache
+        For ``linear_backward`` and ``linear_jvp``.
+
+    Raises
+    ------
+    TypeError
+        A non-numeric array, or float16/longdouble.
+    ValueError
+        ``x`` with no feature axis, ``weight`` not 2-d or not matching ``x``'s last axis, ``bias`` of
+        the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> x = np.arange(6.0).reshape(2, 3)
+    >>> w = np.array([[1.0, 0.0, -1.0], [0.5, 0.5, 0.5]])
+    >>> y, cache = F.linear(x, w, np.array([0.0, 1.0]))
+    >>> y
+    array([[-2. ,  2.5],
+           [-2. ,  7. ]])
+    >>> dx, dw, db = F.linear_backward(np.ones((2, 2)), cache)
+    >>> dx.shape, dw.shape, db
+    ((2, 3), (2, 3), array([2., 2.]))
     """
     x = as_float(x, "x")
     weight = as_float(weight, "weight", x.dtype)
@@ -53,7 +91,31 @@ def _linear(x, weight, bias=None, out=None):
 
 def linear_backward(dout: np.ndarray, cache: LinearCache):
     """With ``y = x W^T + b``:  ``dx = dy W``, ``dW = dy^T x`` (summed over all leading dims),
-    ``db = sum(dy)`` over the leading dims.  Returns ``(dx, dweight, dbias)``."""
+    ``db = sum(dy)`` over the leading dims.  Returns ``(dx, dweight, dbias)``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``linear`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    dx : ndarray
+        Of ``x``'s shape.
+    dweight : ndarray
+        ``(out_features, in_features)``.
+    dbias : ndarray or None
+        ``(out_features,)``; None when the forward had no bias.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
     check_cache(cache, LinearCache, "linear_backward")
     x, weight, _ = cache
     return _linear_backward(check_grad(dout, x.shape[:-1] + (weight.shape[0],), x.dtype), cache)

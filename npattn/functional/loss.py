@@ -65,6 +65,47 @@ def cross_entropy(
     a batch of pure padding adds nothing instead of turning every later number into NaN.
     ``log_softmax`` is computed stably as ``z - log(sum(exp(z)))`` with ``z = x - max(x)``.
     Returns ``(loss, cache)``: a 0-d array for "mean"/"sum", shape ``logits.shape[:-1]`` for "none".
+
+    Parameters
+    ----------
+    logits : array_like
+        ``(..., C)``: classes on the last axis; float32 or float64.
+    targets : array_like
+        Class ids ``(...)`` (integers in ``[0, C)``), or class probabilities of ``logits``' shape.
+    ignore_index : int, optional
+        Class-id targets equal to it are not counted.
+    weight : array_like, optional
+        ``(C,)`` per-class weights (torch's weighted mean).
+    reduction : {"mean", "sum", "none"}
+    label_smoothing : float
+        In ``[0, 1]``.
+
+    Returns
+    -------
+    loss : ndarray
+        A 0-d array (``"mean"``, ``"sum"``) or the per-position losses (``"none"``).
+    cache : CrossEntropyCache
+        For ``cross_entropy_backward`` and ``cross_entropy_jvp``.
+
+    Raises
+    ------
+    TypeError
+        Non-numeric logits, non-integer class ids, a non-string ``reduction``.
+    ValueError
+        Shapes that do not match, a class id out of range, an unknown ``reduction``, a
+        ``label_smoothing`` outside ``[0, 1]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> logits = np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    >>> loss, cache = F.cross_entropy(logits, np.array([0, 2]))
+    >>> round(float(loss), 4)          # the mean of -log softmax at the targets: (0.2395 + ln 3) / 2
+    0.6691
+    >>> np.round(F.cross_entropy_backward(1.0, cache), 4)   # (softmax - onehot) / 2
+    array([[-0.1065,  0.0533,  0.0533],
+           [ 0.1667,  0.1667, -0.3333]])
     """
     logits = as_float(logits, "logits")
     check_ndim(logits, "logits", 1, "(..., classes)")
@@ -159,6 +200,25 @@ def cross_entropy_backward(dout: np.ndarray, cache: CrossEntropyCache) -> np.nda
 
     times the upstream gradient: ``dout / denom`` for "mean" (0 when nothing was counted),
     ``dout`` for "sum", ``dout[...]`` per element for "none".  Returns ``dlogits``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``cross_entropy`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    ndarray
+        ``dlogits``, of ``logits``' shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_backward")
     shape = cache.logp.shape[:-1] if cache.reduction == "none" else ()

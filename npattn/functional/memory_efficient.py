@@ -476,6 +476,72 @@ def memory_efficient_attention(
     keeps ``q, k, v, out, lse``, the mask as given, the dropout seed and the options.
 
     Returns ``(out, MemoryEfficientCache)``.
+
+    Parameters
+    ----------
+    q : array_like
+        ``(..., Hq, Lq, E)`` (or ``(..., Lq, E)``), float32 or float64.
+    k : array_like
+        ``(..., Hk, Lk, E)``.
+    v : array_like
+        ``(..., Hk, Lk, Ev)``.
+    attn_mask : array_like, optional
+        Bool (True = may attend) or float (added to the scaled scores), broadcastable to
+        ``(..., Hq, Lq, Lk)``.
+    is_causal : bool
+        Query ``i`` sees keys at positions ``<= i`` (aligned by ``causal_align``).
+    dropout_p : float
+        Dropout on the attention weights, in ``[0, 1]``.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    block_size : int, optional
+        Query rows and key columns per block (default: measured).
+    rng : numpy.random.Generator, int or None
+        For dropout.
+    enable_gqa : bool
+        Grouped-query attention: ``Hq`` a multiple of ``Hk``.
+    causal_align : {"top_left", "bottom_right"}
+    window : tuple of two int, optional
+        ``(left, right)``, -1 = unbounded.
+    alibi_slopes : array_like, optional
+        Broadcastable to ``(..., Hq)``.
+    softcap : float, optional
+        > 0.
+    sinks : array_like, optional
+        ``(Hq,)``.
+    mask_grad : bool
+        With a float mask: the backward also returns ``dmask``.
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., Hq, Lq, Ev)``, in q's dtype.
+    cache : MemoryEfficientCache
+        For ``memory_efficient_attention_backward`` and ``_jvp`` (q, k, v, out and the row
+        log-sum-exps: no ``(Lq, Lk)`` array).
+
+    Raises
+    ------
+    TypeError
+        Non-numeric or mixed float dtypes of q, k, v, an integer mask, a non-bool flag.
+    ValueError
+        Shapes that do not match or broadcast, heads that do not divide, ``dropout_p`` outside
+        ``[0, 1]``, a bad ``window``/``causal_align``/``softcap``/``sinks``, ``+inf`` or NaN in a
+        float mask, ``mask_grad`` without a float mask.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 40, 8)) for _ in range(3))
+    >>> out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=16)
+    >>> full, _ = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> bool(np.allclose(out, full, rtol=0, atol=1e-12))
+    True
+    >>> dq, dk, dv = F.memory_efficient_attention_backward(rng.standard_normal(out.shape), cache)
+    >>> dq.shape, dk.shape, dv.shape
+    ((1, 2, 40, 8), (1, 2, 40, 8), (1, 2, 40, 8))
     """
     q, k, v, groups = check_qkv(q, k, v, check_bool(enable_gqa, "enable_gqa"))
     is_causal = check_bool(is_causal, "is_causal")
@@ -557,6 +623,29 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
 
     A query row that saw no key has ``P = 0`` in every block, hence ``dS = 0``, and ``O = 0``,
     hence ``D = 0``: gradient exactly 0.  Returns the gradients in ``q``'s dtype.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``memory_efficient_attention`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Each of its input's shape.
+    dmask : ndarray
+        With ``mask_grad``: of the mask's shape.
+    dsinks : ndarray
+        With ``sinks``: ``(Hq,)``.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
     """
     if not isinstance(cache, MemoryEfficientCache):
         raise TypeError(

@@ -108,6 +108,43 @@ def layer_norm(
     A slice of zero variance (constant values) gives ``y = bias`` and finite gradients; with ``eps=0``
     such a slice would be ``0 / 0``: it is normalised to 0 instead of NaN (``y = bias``, ``dx = 0``).
     Returns ``(y, cache)``.
+
+    Parameters
+    ----------
+    x : array_like
+        ``(..., *normalized_shape)``, float32 or float64.
+    weight, bias : array_like, optional
+        Of shape ``normalized_shape`` (the affine scale and shift).
+    eps : float
+        Added to the variance, >= 0.
+    normalized_shape : int or tuple of int, optional
+        The trailing axes to normalise over.
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype.
+    cache : LayerNormCache
+        For ``layer_norm_backward`` and ``layer_norm_jvp``.
+
+    Raises
+    ------
+    TypeError
+        A non-numeric array, or a non-integer ``normalized_shape``.
+    ValueError
+        ``normalized_shape`` not the trailing axes of ``x``, ``weight``/``bias`` of another shape, a
+        negative or non-finite ``eps``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.layer_norm(np.array([[1.0, 2.0, 3.0, 4.0]]), np.ones(4), np.zeros(4))
+    >>> np.round(y, 4)
+    array([[-1.3416, -0.4472,  0.4472,  1.3416]])
+    >>> dx, dweight, dbias = F.layer_norm_backward(np.array([[1.0, 0.0, 0.0, 0.0]]), cache)
+    >>> np.round(dx.sum(), 12)   # shifting x changes nothing: the gradient sums to zero
+    0.0
     """
     x, weight, bias, ns, eps = _check_norm_args(x, weight, bias, normalized_shape, eps)
     return _layer_norm(x, weight, bias, eps, normalized_shape=ns)
@@ -139,6 +176,27 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
     ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (means over the normalised axes: the two
     terms are the gradients through ``mu`` and through ``var``), ``dweight = sum(dy * xhat)``,
     ``dbias = sum(dy)`` over all leading axes.  Returns ``(dx, dweight, dbias)``, None where absent.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``layer_norm`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    dx : ndarray
+        Of ``x``'s shape.
+    dweight, dbias : ndarray or None
+        Of ``normalized_shape``; None where the forward had no weight / bias.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
     """
     check_cache(cache, LayerNormCache, "layer_norm_backward")
     return _layer_norm_backward(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
@@ -254,6 +312,43 @@ def rms_norm(
     else the last axis).  ``eps=None`` is ``np.finfo(x.dtype).eps``, as
     ``torch.nn.functional.rms_norm``.  A slice of zeros with ``eps=0`` gives 0 (not 0/0 = NaN).
     Returns ``(y, cache)``.
+
+    Parameters
+    ----------
+    x : array_like
+        ``(..., *normalized_shape)``, float32 or float64.
+    weight : array_like, optional
+        Of shape ``normalized_shape``.
+    eps : float, optional
+        Added to the mean square, >= 0; None: the dtype's machine epsilon.
+    normalized_shape : int or tuple of int, optional
+        The trailing axes to normalise over.
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype.
+    cache : RMSNormCache
+        For ``rms_norm_backward`` and ``rms_norm_jvp``.
+
+    Raises
+    ------
+    TypeError
+        A non-numeric array, or a non-integer ``normalized_shape``.
+    ValueError
+        ``normalized_shape`` not the trailing axes of ``x``, ``weight`` of another shape, a negative
+        or non-finite ``eps``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.rms_norm(np.array([[3.0, 4.0]]), np.ones(2), eps=0.0)
+    >>> y                              # divided by sqrt((9 + 16) / 2)
+    array([[0.84852814, 1.13137085]])
+    >>> dx, dweight = F.rms_norm_backward(np.array([[1.0, 1.0]]), cache)
+    >>> dx.shape, dweight.shape
+    ((1, 2), (2,))
     """
     x, weight, _, ns, eps = _check_norm_args(x, weight, None, normalized_shape, eps)
     return _rms_norm(x, weight, eps, normalized_shape=ns)
@@ -283,6 +378,27 @@ def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
     (mean over the N normalised values: the one term is the gradient through the rms),
     ``dweight = sum(dy * xhat)`` over all leading axes.  Returns ``(dx, dweight)``, dweight None
     without a weight.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``rms_norm`` returned (only that op's cache is accepted).
+
+    Returns
+    -------
+    dx : ndarray
+        Of ``x``'s shape.
+    dweight : ndarray or None
+        Of ``normalized_shape``; None without a weight.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
     """
     check_cache(cache, RMSNormCache, "rms_norm_backward")
     return _rms_norm_backward(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)

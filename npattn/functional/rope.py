@@ -91,6 +91,17 @@ def rope(
     -----
     The angles are computed in float64 and their cos/sin then cast to x's dtype (float32 stays
     float32).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 8))      # (batch, L, D)
+    >>> y, cache = F.rope(x)
+    >>> bool(np.allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1)))   # a rotation
+    True
+    >>> bool(np.allclose(F.rope_backward(y, cache), x))            # its transpose undoes it
+    True
     """
     x = as_float(x, "x")
     check_ndim(x, "x", 2, "(..., L, D)")
