@@ -392,3 +392,60 @@ def test_hub_style_configs():
             config_from_hf(dict(ds, **{key: bad}))
     nxt = dict(SHORT["qwen3_next"], use_sliding_window=False, sliding_window=None, max_window_layers=28)
     assert config_from_hf(nxt).layer_types == ("linear_attention", "full_attention")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"])
+def test_every_family_from_a_save_pretrained_directory(tmp_path, name):
+    """transformers' own save_pretrained directory of each family (DeepSeek-V3 and Qwen3-Next
+    write each expert's projections apart; they are fused while loading) gives the model of its
+    in-memory state dict, and transformers' logits."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _families import FAMILIES as SHORT
+
+    config = T.AutoConfig.for_model(**SHORT[name])
+    config._experts_implementation = "eager"
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    loaded = CausalLM.from_pretrained(tmp_path)
+    direct = CausalLM.from_hf(hf.state_dict(), hf.config.to_dict())
+    for k, v in direct.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    ids = _ids() % 41
+    with torch.no_grad():
+        ref = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
+    with no_grad():
+        np.testing.assert_allclose(loaded(ids), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_per_expert_keys_are_fused_or_refused():
+    from _families import FAMILIES as SHORT
+
+    cfg = SHORT["qwen3_next"]
+    m = _model(cfg)
+    sd = m.state_dict()
+    split = {k: v for k, v in sd.items() if ".experts." not in k}
+    prefix = "model.layers.0.mlp.experts"
+    gu, down = sd[f"{prefix}.gate_up_proj"], sd[f"{prefix}.down_proj"]
+    inter = gu.shape[1] // 2
+    for e in range(gu.shape[0]):
+        split[f"{prefix}.{e}.gate_proj.weight"] = gu[e, :inter]
+        split[f"{prefix}.{e}.up_proj.weight"] = gu[e, inter:]
+        split[f"{prefix}.{e}.down_proj.weight"] = down[e]
+    for k in [k for k in sd if k.startswith("model.layers.1.mlp.experts.")]:
+        split[k] = sd[k]  # layer 1 stays fused: both forms in one state dict
+    loaded = CausalLM.from_hf(split, cfg)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    bad = dict(split)
+    del bad[f"{prefix}.2.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing key 'model.layers.0.mlp.experts.2.up_proj.weight'"):
+        CausalLM.from_hf(bad, cfg)
+    bad = dict(split, **{f"{prefix}.1.down_proj.weight": down[1][:, :-1]})
+    with pytest.raises(ValueError, match=r"experts.1.down_proj.weight.*expected a 2-D tensor of shape"):
+        CausalLM.from_hf(bad, cfg)

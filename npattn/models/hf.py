@@ -9,6 +9,9 @@ directly, and its own numpy API has no bfloat16 (numpy has no such dtype)::
                           "__metadata__": {...}}
     the rest       raw little-endian tensor bytes; offsets count from the end of the header
 
+DeepSeek-V3's and Qwen3-Next's checkpoints keep each routed expert's projections apart
+(``mlp.experts.{e}.gate_proj.weight`` ...); they are fused while loading, as transformers does.
+
 A bfloat16 is the upper half of a float32 (1 sign, 8 exponent, 7 mantissa bits), so widening is
 exact: ``float32 bits = uint16 bits << 16``.
 
@@ -292,6 +295,70 @@ class _Source:
         return np.array(v, dtype=dtype, copy=True)
 
 
+# Checkpoints of DeepSeek-V3 and Qwen3-Next (and transformers' own save_pretrained of them) keep
+# each routed expert's projections apart, ``mlp.experts.{e}.{gate,up,down}_proj.weight``; the
+# model holds them fused as transformers 5 does: ``gate_up_proj (E, 2I, H)`` (expert e's gate rows,
+# then its up rows) and ``down_proj (E, H, I)``.  transformers merges them while loading; so do we,
+# each part written straight into its slice of the fused parameter.
+_PER_EXPERT_FAMILIES = ("deepseek_v3", "qwen3_next")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class _Merged:
+    """A fused experts tensor made of per-expert parts (``_Source``s): ``rows[e]`` is the list of
+    parts stacked along axis 0 for expert ``e`` (gate then up, or down alone)."""
+
+    def __init__(self, name: str, rows: list):
+        self.name, self.rows = name, rows
+        first = rows[0]
+        for e, parts in enumerate(rows):
+            for part, ref in zip(parts, first):
+                if len(part.shape) != 2 or part.shape != ref.shape:
+                    raise ValueError(
+                        f"state_dict[{part.name!r}]: expected a 2-D tensor of shape {ref.shape} like "
+                        f"{ref.name!r}, got {tuple(part.shape)}"
+                    )
+        self.shape = (len(rows), sum(p.shape[0] for p in first), first[0].shape[1])
+        self.kind = first[0].kind
+
+    @property
+    def is_float(self) -> bool:
+        return all(p.is_float for parts in self.rows for p in parts)
+
+    @property
+    def natural_dtype(self):
+        return self.rows[0][0].natural_dtype
+
+    def read_into(self, out: np.ndarray) -> None:
+        for e, parts in enumerate(self.rows):
+            r = 0
+            for part in parts:
+                part.read_into(out[e, r : r + part.shape[0]])
+                r += part.shape[0]
+
+
+def _merge_experts(src: dict) -> dict:
+    """``src`` with every complete set of per-expert projections replaced by the two fused
+    tensors (keys ``<prefix>.gate_up_proj`` and ``<prefix>.down_proj``); an incomplete set
+    (a missing expert or projection) raises ``ValueError`` naming the missing key."""
+    groups: dict = {}
+    for key in list(src):
+        m = _PER_EXPERT.match(key)
+        if m:
+            groups.setdefault(m["prefix"], {})[(int(m["e"]), m["proj"])] = src.pop(key)
+    for prefix, parts in groups.items():
+        n = 1 + max(e for e, _ in parts)
+        for e in range(n):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if (e, proj) not in parts:
+                    raise ValueError(f"state_dict: missing key '{prefix}.{e}.{proj}.weight' (expert {e} of {n})")
+        src[f"{prefix}.gate_up_proj"] = _Merged(
+            f"{prefix}.gate_up_proj", [[parts[e, "gate_proj"], parts[e, "up_proj"]] for e in range(n)]
+        )
+        src[f"{prefix}.down_proj"] = _Merged(f"{prefix}.down_proj", [[parts[e, "down_proj"]] for e in range(n)])
+    return src
+
+
 class _NoDraw(np.random.Generator):
     """A Generator whose float draws are zeros (``uniform``: its ``low``): the modules of a model about to be loaded get
     their arrays without spending time (and float64 temporaries) on random weights.  ``CausalLM``
@@ -325,10 +392,12 @@ def load_into(cls, state_dict, config, dtype=None):
     if not isinstance(state_dict, Mapping) and not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
     cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
-    src = {k: _Source(k, state_dict[k]) for k in state_dict.keys() if not _IGNORED.search(k)}
+    src: dict = {k: _Source(k, state_dict[k]) for k in state_dict.keys() if not _IGNORED.search(k)}
     bad = [k for k, s in src.items() if not s.is_float]
     if bad:
         raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
+    if cfg.model_type in _PER_EXPERT_FAMILIES:
+        src = _merge_experts(src)
     if dtype is None:
         first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
         dtype = np.float32 if first is None else first.natural_dtype
