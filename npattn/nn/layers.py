@@ -72,7 +72,36 @@ def _input_tangent(input_tangents: tuple, module: str):
 
 class Linear(Module):
     """``y = x @ weight.T + bias``; ``weight (out, in)`` and ``bias (out,)`` drawn from
-    U(-1/sqrt(in), 1/sqrt(in)) as ``torch.nn.Linear``."""
+    U(-1/sqrt(in), 1/sqrt(in)) as ``torch.nn.Linear``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Positive sizes.
+    bias : bool
+        False: no bias.
+    rng : numpy.random.Generator, int or None
+        Draws the initial weights.
+    dtype : float32 or float64
+
+    Raises
+    ------
+    TypeError, ValueError
+        A size that is not a positive integer, a non-bool ``bias``, an unsupported dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> lin = npattn.Linear(3, 2, rng=0)
+    >>> x = np.ones((4, 3))
+    >>> y = lin(x)
+    >>> dx = lin.backward(np.ones((4, 2)))
+    >>> y.shape, dx.shape, lin.weight.grad.shape
+    ((4, 2), (4, 3), (2, 3))
+    >>> lin.bias.grad                  # the column sums of dy, added into .grad
+    array([4., 4.])
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None, dtype=np.float64) -> None:
         super().__init__()
@@ -91,6 +120,25 @@ class Linear(Module):
         return x
 
     def forward(self, x) -> np.ndarray:
+        """The forward pass: ``y = x @ weight.T + bias``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., in_features)``; cast to the module's dtype.
+
+        Returns
+        -------
+        ndarray
+            ``(..., out_features)``, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input, or float16/longdouble.
+        ValueError
+            An input whose feature size does not match the module.
+        """
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -100,6 +148,27 @@ class Linear(Module):
         return y
 
     def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns dx and adds
+        every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray, dx_out: np.ndarray | None = None) -> np.ndarray:
@@ -116,6 +185,7 @@ class Linear(Module):
         return F.linear_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
@@ -123,7 +193,19 @@ class LayerNorm(Module):
     """Layer norm over the trailing ``normalized_shape`` axes (an int: the last axis; a tuple:
     that many trailing axes, as ``torch.nn.LayerNorm``); biased variance, ``eps`` inside the
     square root.  ``weight`` (ones) and ``bias`` (zeros) have shape ``normalized_shape``;
-    ``elementwise_affine=False`` has neither, ``bias=False`` only the weight."""
+    ``elementwise_affine=False`` has neither, ``bias=False`` only the weight.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> ln = npattn.LayerNorm(4)
+    >>> y = ln(np.array([[1.0, 2.0, 3.0, 4.0]]))
+    >>> np.round(y, 4)
+    array([[-1.3416, -0.4472,  0.4472,  1.3416]])
+    >>> ln.backward(np.array([[1.0, -1.0, 2.0, 0.5]])).shape
+    (1, 4)
+    """
 
     def __init__(
         self,
@@ -150,6 +232,25 @@ class LayerNorm(Module):
         return x
 
     def forward(self, x) -> np.ndarray:
+        """The forward pass: normalise over the trailing ``normalized_shape`` axes, then scale and shift.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., *normalized_shape)``; cast to the module's dtype.
+
+        Returns
+        -------
+        ndarray
+            Of ``x``'s shape, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input, or float16/longdouble.
+        ValueError
+            An input whose feature size does not match the module.
+        """
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
@@ -160,6 +261,27 @@ class LayerNorm(Module):
         return y
 
     def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns dx and adds
+        every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
@@ -176,13 +298,23 @@ class LayerNorm(Module):
         return F.layer_norm_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class RMSNorm(Module):
     """``y = x / sqrt(mean(x**2) + eps) * weight`` over the trailing ``normalized_shape`` axes, as
     ``torch.nn.RMSNorm``; ``eps=None`` is ``np.finfo(dtype).eps`` of the module's dtype.  ``weight``
-    (ones, shape ``normalized_shape``) unless ``elementwise_affine=False``."""
+    (ones, shape ``normalized_shape``) unless ``elementwise_affine=False``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> norm = npattn.RMSNorm(2, eps=0.0)
+    >>> norm(np.array([[3.0, 4.0]]))
+    array([[0.84852814, 1.13137085]])
+    """
 
     def __init__(
         self,
@@ -205,6 +337,25 @@ class RMSNorm(Module):
         return x
 
     def forward(self, x) -> np.ndarray:
+        """The forward pass: divide by the root mean square over the trailing axes, then scale.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., *normalized_shape)``; cast to the module's dtype.
+
+        Returns
+        -------
+        ndarray
+            Of ``x``'s shape, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input, or float16/longdouble.
+        ValueError
+            An input whose feature size does not match the module.
+        """
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
@@ -213,6 +364,27 @@ class RMSNorm(Module):
         return y
 
     def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns dx and adds
+        every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
@@ -227,12 +399,24 @@ class RMSNorm(Module):
         return F.rms_norm_jvp(state, tx, param_tangents.get(self.weight))
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class Dropout(Module):
     """Inverted dropout, active only in training mode; masks drawn from ``rng``.  Float input
-    keeps its dtype (integer input becomes float64)."""
+    keeps its dtype (integer input becomes float64).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> drop = npattn.Dropout(0.5, rng=0)
+    >>> sorted(set(drop(np.ones(8)).tolist()))     # training mode: dropped or scaled by 2
+    [0.0, 2.0]
+    >>> drop.eval()(np.ones(3))                      # eval mode: the identity
+    array([1., 1., 1.])
+    """
 
     def __init__(self, p: float = 0.5, *, rng=None) -> None:
         super().__init__()
@@ -240,6 +424,24 @@ class Dropout(Module):
         self.rng = as_rng(rng)
 
     def forward(self, x) -> np.ndarray:
+        """The forward pass: in training mode, zero each entry with probability ``p`` and scale the
+        rest by ``1 / (1 - p)``; in eval mode the identity.
+
+        Parameters
+        ----------
+        x : array_like
+            Any shape.
+
+        Returns
+        -------
+        ndarray
+            Of ``x``'s shape (float input keeps its dtype).
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input.
+        """
         return self._forward(as_float(x, "x"))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
@@ -248,6 +450,27 @@ class Dropout(Module):
         return y
 
     def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns dx and adds
+        nothing (dropout has no parameters).
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
@@ -263,6 +486,7 @@ class Dropout(Module):
         return self.training and self.p > 0.0
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"p={self.p}"
 
 
@@ -278,6 +502,19 @@ class Embedding(Module):
       ``scale = max_norm / (norm + 1e-7)``); no gradient flows through that rescaling;
     * ``scale_grad_by_freq``: each row's gradient is divided by the number of times its id occurs
       in the batch.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> emb = npattn.Embedding(10, 4, padding_idx=0, rng=0)
+    >>> out = emb(np.array([[0, 3, 3]]))
+    >>> out.shape, bool((out[0, 0] == 0).all())     # the padding row is zero
+    ((1, 3, 4), True)
+    >>> emb.backward(np.ones((1, 3, 4))) is None
+    True
+    >>> emb.weight.grad[3]                           # id 3 occurred twice
+    array([2., 2., 2., 2.])
     """
 
     weight: Parameter
@@ -335,6 +572,25 @@ class Embedding(Module):
         return ids
 
     def forward(self, ids) -> np.ndarray:
+        """The forward pass: the rows of ``weight`` at ``ids`` (renormalised first with ``max_norm``).
+
+        Parameters
+        ----------
+        ids : array_like of int
+            Any shape, each in ``[0, num_embeddings)``.
+
+        Returns
+        -------
+        ndarray
+            ``ids.shape + (embedding_dim,)``, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            Non-integer ids.
+        ValueError
+            An id out of range.
+        """
         return self._forward(self._check_input(ids))
 
     def _renorm_(self, ids: np.ndarray) -> None:
@@ -357,6 +613,27 @@ class Embedding(Module):
         return y
 
     def backward(self, dy) -> None:
+        """The backward pass of the last forward: returns dx and adds
+        the rows' gradients into ``weight.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        None
+            Token ids have no gradient.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         self._backward(self._check_dy(dy))
         return None
 
@@ -372,6 +649,7 @@ class Embedding(Module):
         return F.embedding_jvp(state, param_tangents.get(self.weight))
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
@@ -408,6 +686,16 @@ class FeedForward(Module):
     SwiGLU backward: with ``a = linear1(x)``, ``b = linear3(x)``, ``h = silu(a) * b``:
     ``da = silu'(a) * (dh * b)``, ``db = dh * silu(a)``, and ``dx`` is the sum of both linears'
     input gradients.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> ff = npattn.FeedForward(8, 32, activation="swiglu", bias=False, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 5, 8))
+    >>> y = ff(x)
+    >>> ff.backward(np.ones_like(y)).shape, sorted(dict(ff.named_parameters()))
+    ((2, 5, 8), ['linear1.weight', 'linear2.weight', 'linear3.weight'])
     """
 
     def __init__(
@@ -444,6 +732,25 @@ class FeedForward(Module):
         return x
 
     def forward(self, x) -> np.ndarray:
+        """The forward pass: ``linear2(dropout(act(linear1(x))))``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., d_model)``; cast to the module's dtype.
+
+        Returns
+        -------
+        ndarray
+            ``(..., d_model)``, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input, or float16/longdouble.
+        ValueError
+            An input whose feature size does not match the module.
+        """
         return self._forward(self._check_input(x))
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
@@ -471,6 +778,27 @@ class FeedForward(Module):
         return self.linear2._forward(self.dropout._forward(h) if drop else h)
 
     def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns dx and adds
+        every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
@@ -516,4 +844,5 @@ class FeedForward(Module):
         return self._child_jvp(self.linear2, -1, (th,), param_tangents)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"activation={self.activation!r}"
