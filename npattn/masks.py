@@ -22,14 +22,67 @@ __all__ = ["causal", "padding", "sliding_window", "combine", "from_key_padding_m
 
 
 def causal(Lq, Lk=None) -> np.ndarray:
-    """Bool ``(Lq, Lk)`` mask, True where ``j <= i`` (as torch's ``is_causal``)."""
+    """Bool ``(Lq, Lk)`` mask, True where ``j <= i`` (as torch's ``is_causal``).
+
+    Parameters
+    ----------
+    Lq : int
+        The number of queries, >= 1.
+    Lk : int, optional
+        The number of keys (default ``Lq``).
+
+    Returns
+    -------
+    ndarray of bool
+        ``(Lq, Lk)``, True = may attend.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A size that is not a positive integer.
+
+    Examples
+    --------
+    >>> from npattn import masks
+    >>> masks.causal(3).astype(int)
+    array([[1, 0, 0],
+           [1, 1, 0],
+           [1, 1, 1]])
+    """
     Lq = check_size(Lq, "Lq")
     Lk = Lq if Lk is None else check_size(Lk, "Lk")
     return np.tri(Lq, Lk, dtype=bool)
 
 
 def padding(lengths, L) -> np.ndarray:
-    """Bool ``(batch, L)`` mask, True for the first ``lengths[b]`` positions (real tokens)."""
+    """Bool ``(batch, L)`` mask, True for the first ``lengths[b]`` positions (real tokens).
+
+    Parameters
+    ----------
+    lengths : array_like of int
+        ``(batch,)``, each in ``[0, L]``.
+    L : int
+        The padded length.
+
+    Returns
+    -------
+    ndarray of bool
+        ``(batch, L)``, True = a real token.
+
+    Raises
+    ------
+    TypeError
+        Non-integer lengths.
+    ValueError
+        ``lengths`` not 1-d, or a length outside ``[0, L]``.
+
+    Examples
+    --------
+    >>> from npattn import masks
+    >>> masks.padding([2, 3], 4).astype(int)
+    array([[1, 1, 0, 0],
+           [1, 1, 1, 0]])
+    """
     L = check_size(L, "L")
     lengths = as_index(lengths, "lengths")
     if lengths.ndim != 1:
@@ -40,7 +93,34 @@ def padding(lengths, L) -> np.ndarray:
 
 
 def sliding_window(L, window) -> np.ndarray:
-    """Bool ``(L, L)`` causal band: query ``i`` sees keys ``j`` with ``i - window < j <= i``."""
+    """Bool ``(L, L)`` causal band: query ``i`` sees keys ``j`` with ``i - window < j <= i``.
+
+    Parameters
+    ----------
+    L : int
+        The sequence length.
+    window : int
+        How many keys each query sees, itself included (>= 1).
+
+    Returns
+    -------
+    ndarray of bool
+        ``(L, L)``, True = may attend.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A size that is not a positive integer.
+
+    Examples
+    --------
+    >>> from npattn import masks
+    >>> masks.sliding_window(4, 2).astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]])
+    """
     L = check_size(L, "L")
     window = check_size(window, "window")
     i = np.arange(L)[:, None]
@@ -50,7 +130,32 @@ def sliding_window(L, window) -> np.ndarray:
 
 def to_additive(mask, dtype=np.float64) -> np.ndarray:
     """Bool (True = may attend) -> float ``0 / -inf`` of the floating ``dtype``; float masks are
-    returned as they are."""
+    returned as they are.
+
+    Parameters
+    ----------
+    mask : array_like
+        Bool (True = may attend) or float.
+    dtype : float32 or float64
+        For a bool mask: the float dtype to return.
+
+    Returns
+    -------
+    ndarray
+        ``0`` where attending is allowed, ``-inf`` elsewhere (a float mask unchanged).
+
+    Raises
+    ------
+    TypeError
+        A mask neither bool nor float, or an unsupported dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import masks
+    >>> masks.to_additive(np.array([True, False]))
+    array([  0., -inf])
+    """
     m = to_numpy(mask, "mask")
     if m.dtype == bool:
         try:
@@ -71,6 +176,32 @@ def combine(*masks):
 
     All bool: logical AND.  Any float: the sum of the float masks and ``to_additive`` of the bool
     ones.  Shapes broadcast.  Returns None when no mask is given.
+
+    Parameters
+    ----------
+    *masks : array_like or None
+        Bool (True = may attend) or float masks.
+
+    Returns
+    -------
+    ndarray or None
+        The combined mask (bool if all were bool, else float).
+
+    Raises
+    ------
+    TypeError
+        A mask neither bool nor float.
+    ValueError
+        Shapes that do not broadcast.
+
+    Examples
+    --------
+    >>> from npattn import masks
+    >>> m = masks.combine(masks.causal(3), masks.padding([2], 3)[:, None, :], None)
+    >>> m.astype(int)                   # causal, and never the padded third key
+    array([[[1, 0, 0],
+            [1, 1, 0],
+            [1, 1, 0]]])
     """
     ms = [to_numpy(m, "masks") for m in masks if m is not None]
     if not ms:
@@ -99,7 +230,32 @@ def combine(*masks):
 
 def from_key_padding_mask(key_padding_mask) -> np.ndarray:
     """torch-style ``key_padding_mask`` ``(..., Lk)`` (True = padding, or float additive) ->
-    ``attn_mask`` ``(..., 1, 1, Lk)`` (True = may attend, or the same float values)."""
+    ``attn_mask`` ``(..., 1, 1, Lk)`` (True = may attend, or the same float values).
+
+    Parameters
+    ----------
+    key_padding_mask : array_like
+        ``(..., Lk)``: bool (True = padding) or float (additive).
+
+    Returns
+    -------
+    ndarray
+        ``(..., 1, 1, Lk)``: broadcastable to attention scores ``(..., H, Lq, Lk)``.
+
+    Raises
+    ------
+    TypeError
+        An integer or non-numeric mask.
+    ValueError
+        A 0-d mask, or ``+inf``/NaN in a float mask.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import masks
+    >>> masks.from_key_padding_mask(np.array([[False, False, True]])).astype(int)
+    array([[[[1, 1, 0]]]])
+    """
     m = to_numpy(key_padding_mask, "key_padding_mask")
     if m.dtype.kind in "iu":
         raise TypeError(
