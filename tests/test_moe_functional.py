@@ -535,3 +535,13 @@ def test_experts_backward_and_jvp_refuse_bad_arguments():
     with pytest.raises(ValueError, match=r"tdown_bias: expected shape \(5, 4\)"):
         F.moe_experts_jvp(cache, None, None, None, None, None, np.ones((5, 3)))
     assert np.array_equal(F.moe_experts_jvp(cache), np.zeros((2, 3, 4)))
+
+
+def test_npattn_check_covers_the_pairs():
+    from npattn.tools.check import cases
+
+    found = {name: thunk for name, thunk in cases(0) if name.startswith(("topk_router", "moe_experts"))}
+    assert sorted(found) == ["moe_experts (gpt_oss)", "moe_experts (swiglu)", "topk_router (sigmoid, groups)"]
+    for name, thunk in found.items():
+        report = thunk()
+        assert report.ok and any(row.mode == "transpose" for row in report.rows), name

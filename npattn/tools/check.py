@@ -457,9 +457,39 @@ def _moe_cases(rng, check, r):
             shared_expert_intermediate_size=4,
         ),
     }  # fmt: skip
-    return [
+    out = [
         (f"SparseMoeBlock ({name})", check(SparseMoeBlock.from_hf_config(dict(cfg, hidden_size=5), rng=r), x))
         for name, cfg in families.items()
+    ]
+    return out + _moe_pair_cases(np.random.default_rng((r, 22)), check)
+
+
+def _moe_pair_cases(rng, check):
+    """The functional pairs under the blocks: ``topk_router`` (DeepSeek-V3's sigmoid routing with
+    groups; random logits are tie-free) and ``moe_experts`` (both kinds), in both modes."""
+    from .. import functional as F
+
+    bias = rng.uniform(-0.3, 0.3, 8)
+
+    def router(logits):
+        (w, _), cache = F.topk_router(
+            logits, 3, variant="sigmoid", norm_topk_prob=True, correction_bias=bias, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5,
+        )  # fmt: skip
+        return w, cache
+
+    x = rng.standard_normal((2, 3, 4))
+    idx = rng.integers(0, 5, (2, 3, 2))
+    w = rng.uniform(0.1, 1.0, (2, 3, 2))
+    swiglu = (rng.standard_normal((5, 6, 4)), rng.standard_normal((5, 4, 3)))
+    gpt_oss = tuple(rng.standard_normal(s) for s in ((5, 4, 6), (5, 3, 4), (5, 6), (5, 4)))
+    return [
+        (
+            "topk_router (sigmoid, groups)",
+            check((router, F.topk_router_backward, F.topk_router_jvp), rng.standard_normal((2, 3, 8)), mode="both"),
+        ),
+        ("moe_experts (swiglu)", check(F.moe_experts, x, idx, w, *swiglu, mode="both")),
+        ("moe_experts (gpt_oss)", check(F.moe_experts, x, idx, w, *gpt_oss, kind="gpt_oss", mode="both")),
     ]
 
 
