@@ -13,6 +13,7 @@ themselves never touch ``sys.path``.  Skipped when nbclient, nbformat or ipykern
 import os
 import pathlib
 import time
+import warnings
 
 import pytest
 
@@ -25,6 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NB_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 KERNEL = "python3"
+# Time budgets are reported as warnings, never failures: on a shared machine a notebook's time says
+# more about the other processes than about the notebook (the project's rule: no timed assertions).
 PER_NOTEBOOK_BUDGET = 90.0  # seconds; each notebook aims at < 30 s
 TOTAL_BUDGET = 180.0  # seconds for all of them together
 _durations = {}
@@ -90,7 +93,8 @@ def test_notebook_runs(path, kernel_env, tmp_path):
     _durations[path.stem] = elapsed
     assert not _errors(nb), f"{path.name}: error outputs {_errors(nb)}"
     assert _images(nb) >= 1, f"{path.name} produced no image/png output (use %matplotlib inline)"
-    assert elapsed < PER_NOTEBOOK_BUDGET, f"{path.name} took {elapsed:.1f} s (budget {PER_NOTEBOOK_BUDGET:.0f} s)"
+    if elapsed > PER_NOTEBOOK_BUDGET:
+        warnings.warn(f"{path.name} took {elapsed:.1f} s (budget {PER_NOTEBOOK_BUDGET:.0f} s)", stacklevel=1)
 
 
 @pytest.mark.slow
@@ -100,7 +104,8 @@ def test_notebooks_total_time():
         pytest.skip("not every notebook was executed in this session")
     total = sum(_durations.values())
     detail = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(_durations.items()))
-    assert total < TOTAL_BUDGET, f"notebooks took {total:.1f} s in all (budget {TOTAL_BUDGET:.0f} s): {detail}"
+    if total > TOTAL_BUDGET:
+        warnings.warn(f"notebooks took {total:.1f} s in all (budget {TOTAL_BUDGET:.0f} s): {detail}", stacklevel=1)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
