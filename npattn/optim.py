@@ -102,6 +102,14 @@ class Optimizer:
 
     Subclasses list their hyper-parameter names in ``_hyper`` (saved by ``state_dict``) and
     implement ``_update(p, grad, state)``.
+
+    Examples
+    --------
+    >>> import npattn
+    >>> from npattn import optim
+    >>> opt = optim.SGD(npattn.Linear(2, 2, rng=0), lr=0.1)
+    >>> len(opt.params), opt.lr
+    (2, 0.1)
     """
 
     _hyper: tuple = ("lr",)
@@ -130,6 +138,7 @@ class Optimizer:
 
     @property
     def lr(self) -> float:
+        """The learning rate (validated on assignment: a finite number >= 0)."""
         return self._lr
 
     @lr.setter
@@ -308,6 +317,30 @@ class SGD(Optimizer):
 
     With ``momentum == 0`` there is no buffer and the update is ``p -= lr * g``.
     ``nesterov=True`` requires ``momentum > 0`` (as in torch).
+
+    Raises
+    ------
+    TypeError, ValueError
+        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
+        ``[0, 1)``, ...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import optim
+    >>> lin = npattn.Linear(3, 1, rng=0)
+    >>> opt = optim.SGD(lin, lr=0.1, momentum=0.9)
+    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
+    >>> losses = []
+    >>> for _ in range(50):
+    ...     opt.zero_grad()
+    ...     y = lin(x)
+    ...     losses.append(float(((y - target) ** 2).mean()))
+    ...     _ = lin.backward(2 * (y - target) / y.size)
+    ...     opt.step()
+    >>> losses[-1] < 0.01 * losses[0]
+    True
     """
 
     _hyper = ("lr", "momentum", "weight_decay", "nesterov")
@@ -364,6 +397,30 @@ class Adam(Optimizer):
         p    -= (lr / bc1) * m / denom
 
     ``eps`` is added *after* the bias correction of ``sqrt(v)``, exactly as torch does.
+
+    Raises
+    ------
+    TypeError, ValueError
+        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
+        ``[0, 1)``, ...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import optim
+    >>> lin = npattn.Linear(3, 1, rng=0)
+    >>> opt = optim.Adam(lin, lr=0.1)
+    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
+    >>> losses = []
+    >>> for _ in range(50):
+    ...     opt.zero_grad()
+    ...     y = lin(x)
+    ...     losses.append(float(((y - target) ** 2).mean()))
+    ...     _ = lin.backward(2 * (y - target) / y.size)
+    ...     opt.step()
+    >>> losses[-1] < 0.01 * losses[0]
+    True
     """
 
     _hyper = ("lr", "betas", "eps", "weight_decay")
@@ -428,6 +485,30 @@ class AdamW(Adam):
         bc2   = 1 - beta2 ** t
         denom = sqrt(v) / sqrt(bc2) + eps
         p    -= (lr / bc1) * m / denom
+
+    Raises
+    ------
+    TypeError, ValueError
+        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
+        ``[0, 1)``, ...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import optim
+    >>> lin = npattn.Linear(3, 1, rng=0)
+    >>> opt = optim.AdamW(lin, lr=0.1, weight_decay=0.0)
+    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
+    >>> losses = []
+    >>> for _ in range(50):
+    ...     opt.zero_grad()
+    ...     y = lin(x)
+    ...     losses.append(float(((y - target) ** 2).mean()))
+    ...     _ = lin.backward(2 * (y - target) / y.size)
+    ...     opt.step()
+    >>> losses[-1] < 0.01 * losses[0]
+    True
     """
 
     _decoupled = True
@@ -452,6 +533,18 @@ def clip_grad_norm_(params, max_norm, eps: float = 1e-6, error_if_nonfinite: boo
     Parameters; ``None`` gradients are ignored.  Returns the total norm (before clipping) as a
     python float.  If it is not finite the gradients are left untouched (torch would multiply
     them by ``nan``/``0``), or a ``RuntimeError`` is raised with ``error_if_nonfinite=True``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import optim
+    >>> lin = npattn.Linear(2, 1, bias=False, rng=0)
+    >>> lin.weight.grad = np.array([[3.0, 4.0]])
+    >>> optim.clip_grad_norm_(lin, max_norm=1.0)          # the norm before clipping
+    5.0
+    >>> np.round(lin.weight.grad, 4)
+    array([[0.6, 0.8]])
     """
     max_norm = check_positive_float(max_norm, "max_norm")
     eps = check_positive_float(eps, "eps", allow_zero=True)
@@ -504,6 +597,20 @@ class WarmupCosine:
 
     The constructor sets ``optimizer.lr = lr(0)``; each ``step()`` (call it after
     ``optimizer.step()``) advances ``t`` by one and sets ``optimizer.lr = lr(t)``.
+
+    Examples
+    --------
+    >>> import npattn
+    >>> from npattn import optim
+    >>> opt = optim.AdamW(npattn.Linear(2, 2, rng=0), lr=1.0)
+    >>> sched = optim.WarmupCosine(opt, warmup_steps=2, total_steps=4)
+    >>> lrs = [opt.lr]
+    >>> for _ in range(4):
+    ...     opt.step()
+    ...     _ = sched.step()
+    ...     lrs.append(round(opt.lr, 4))
+    >>> lrs
+    [0.5, 1.0, 1.0, 0.5, 0.0]
     """
 
     def __init__(self, optimizer, warmup_steps, total_steps, min_lr=0.0):
@@ -549,6 +656,13 @@ class WarmupCosine:
         return self.get_lr(self.t)
 
     def state_dict(self) -> dict:
+        """The scheduler's step counter and settings, for ``load_state_dict``.
+
+        Returns
+        -------
+        dict
+            ``t``, ``base_lr``, ``warmup_steps``, ``total_steps``, ``min_lr``.
+        """
         return {
             "t": self.t,
             "base_lr": self.base_lr,
