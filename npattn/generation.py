@@ -33,7 +33,34 @@ __all__ = ["check_sampling", "generate", "next_token_probs", "sample_next_token"
 
 
 def check_sampling(temperature, top_k, eos_id):
-    """Validate the sampling options; returns ``(temperature as float, top_k, eos_id)``."""
+    """Validate the sampling options; returns ``(temperature as float, top_k, eos_id)``.
+
+    Parameters
+    ----------
+    temperature : float
+        >= 0 (0: greedy).
+    top_k : int or None
+        >= 1.
+    eos_id : int or None
+        >= 0.
+
+    Returns
+    -------
+    tuple
+        ``(temperature, top_k, eos_id)``, checked.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A non-number or negative ``temperature``, a ``top_k`` or ``eos_id`` that is not a
+        non-negative integer (``top_k`` >= 1).
+
+    Examples
+    --------
+    >>> from npattn.generation import check_sampling
+    >>> check_sampling(0, 5, None)
+    (0.0, 5, None)
+    """
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature: expected a real number >= 0, got {temperature!r} ({type(temperature).__name__})")
     temperature = float(temperature)
@@ -88,7 +115,41 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None,
     """The distribution the next token is drawn from: ``softmax(top_k(logits) / temperature)``
     over the last axis of ``logits (..., vocab)``, then nucleus-filtered by ``top_p`` (None or
     1: off).  A ``top_k`` of at least ``vocab`` keeps every token (clamped to ``min(top_k, vocab)``).
-    ``temperature=0`` gives the one-hot of the arg-max (greedy decoding; the first one on ties)."""
+    ``temperature=0`` gives the one-hot of the arg-max (greedy decoding; the first one on ties).
+
+    Parameters
+    ----------
+    logits : array_like
+        ``(..., vocab)``.
+    temperature : float
+        >= 0.
+    top_k : int, optional
+        Keep the ``top_k`` largest logits.
+    top_p : float, optional
+        In ``(0, 1]``.
+
+    Returns
+    -------
+    ndarray
+        Of ``logits``' shape: probabilities summing to 1 over the last axis.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Options out of range (see ``check_sampling``), a ``top_p`` outside ``(0, 1]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.generation import next_token_probs
+    >>> logits = np.log(np.array([0.5, 0.3, 0.2]))
+    >>> np.round(next_token_probs(logits), 4)
+    array([0.5, 0.3, 0.2])
+    >>> np.round(next_token_probs(logits, top_k=2), 4)      # renormalised over the two largest
+    array([0.625, 0.375, 0.   ])
+    >>> next_token_probs(logits, temperature=0)              # greedy: the one-hot of the arg-max
+    array([1., 0., 0.])
+    """
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
     top_p = _check_top_p(top_p)
     logits = np.asarray(logits)
@@ -129,7 +190,37 @@ def sample_next_token(
 ) -> np.ndarray:
     """The book's sampling step on ``logits (B, vocab)`` (the last position's): greedy arg-max at
     ``temperature=0``, else a draw from ``next_token_probs(logits, temperature, top_k, top_p=top_p)``.
-    Returns ``(B,)`` int64 token ids."""
+    Returns ``(B,)`` int64 token ids.
+
+    Parameters
+    ----------
+    logits : array_like
+        ``(B, vocab)``.
+    temperature, top_k, top_p
+        As ``next_token_probs``.
+    rng : numpy.random.Generator, int or None
+        For sampling (greedy draws nothing).
+
+    Returns
+    -------
+    ndarray of int64
+        ``(B,)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Options out of range, ``logits`` not 2-d.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.generation import sample_next_token
+    >>> logits = np.array([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+    >>> sample_next_token(logits)                            # temperature 0: greedy
+    array([1, 0])
+    >>> sample_next_token(logits, 1.0, top_k=1, rng=0)       # top_k=1 leaves one choice
+    array([1, 0])
+    """
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
     top_p = _check_top_p(top_p)
     logits = np.asarray(logits)
@@ -178,6 +269,45 @@ def generate(
 
     Runs in eval mode (dropout off) under ``no_grad`` and restores the model's mode.
     Returns the ids ``(..., L + new)``, of ``idx``'s integer dtype.
+
+    Parameters
+    ----------
+    model : Module
+        Maps ids ``(..., L)`` to logits ``(..., L, vocab)``.
+    idx : array_like of int
+        The prompt ids, ``(..., L)``.
+    max_new_tokens : int
+        >= 0.
+    context_size : int
+        How many of the last tokens the model sees.
+    temperature, top_k, top_p
+        As ``next_token_probs``.
+    eos_id : int, optional
+        Stop a sequence when it produces this id.
+    rng : numpy.random.Generator, int or None
+    use_cache : bool
+
+    Returns
+    -------
+    ndarray
+        The ids ``(..., L + new)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Options out of range, non-integer ids.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn.generation import generate
+    >>> model = npattn.TinyTransformer(12, 16, 16, 2, 1, 32, rng=0)
+    >>> out = generate(model, np.array([[1, 2, 3]]), max_new_tokens=4, context_size=16)
+    >>> out.shape, out[0, :3].tolist()
+    ((1, 7), [1, 2, 3])
+    >>> bool(np.array_equal(out, generate(model, np.array([[1, 2, 3]]), 4, 16, use_cache=False)))
+    True
     """
     idx = as_index(idx, "idx")
     if idx.ndim < 1 or idx.shape[-1] < 1:
