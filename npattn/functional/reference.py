@@ -1679,7 +1679,7 @@ def moe_experts(
 def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[Array], ...]:
     """``(dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias)`` (bias gradients None when
     absent; the indices are a constant: no gradient).  Per token n and slot j, back through the
-    forward's lines (``h = expert_e(x_n)``, ``y_n += w_nj h``):
+    forward's lines (``h = expert_e(x_n)``, ``y_n += w_nj h``)::
 
         y_n += w h          dw_nj = <dy_n, h>,       dh = w_nj dy_n
         h = Wd m + bd       dm = Wd^T dh,            dWd += dh m^T,   dbd += dh
@@ -1740,7 +1740,7 @@ def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[
 
 def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array:
     """``ty (..., H)`` along ``(tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias)`` (the
-    backward's order; the indices have no tangent).  Per pair, the forward's lines differentiated:
+    backward's order; the indices have no tangent).  Per pair, the forward's lines differentiated::
 
         tgate = Wg tx + tWg x + tbg,   tup = Wu tx + tWu x + tbu
         "swiglu":  tm = act'(gate) tgate up + a tup
