@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cases import KINDS
 from .runner import Step, run_steps, time_case
 from .text import table
 
 DECODE = {
     "vocab_size": 512,
-    "context_length": 128,
+    "context_length": 96,  # 80 new tokens: about half a minute a dtype on 2 idle cores
     "emb_dim": 256,
     "n_heads": 4,
     "n_layers": 4,
@@ -113,8 +114,10 @@ def bench_mla_decode(
 
 def collect(quick=False, progress=True):
     cfg, prompt_len, repeats = (DECODE_QUICK, 4, 1) if quick else (DECODE, 16, 2)
-    per_token = 2 * cfg["n_layers"] * 12 * cfg["emb_dim"] ** 2 / 5e9 + 2e-3  # rough seconds per cached step
-    guess = (cfg["context_length"] - prompt_len) * per_token * 6 * (repeats + 3)
+    # rough seconds: warm-up, the check and two calls a turn, of the no-cache runs (npattn's and torch's,
+    # re-encoding every prefix) and the cached one (a few milliseconds a token)
+    no_cache = KINDS["decode"].flops(cfg=cfg, prompt_len=prompt_len) / 15e9
+    guess = (2 * repeats + 3) * (2 * no_cache + (cfg["context_length"] - prompt_len) * 4e-3)
     steps = [
         Step(
             f"decode {dtype}",
