@@ -95,7 +95,20 @@ _MODES = ("rev", "fwd", "both")
 
 class GradcheckError(AssertionError):
     """Raised by ``gradcheck(..., raise_exception=True)`` when a check fails; the message is
-    the report's table (``.report`` holds the :class:`GradcheckReport`)."""
+    the report's table (``.report`` holds the :class:`GradcheckReport`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import functional as F
+    >>> try:
+    ...     npattn.gradcheck((F.relu, lambda d, c: 2 * F.relu_backward(d, c)), np.array([1.0, 2.0]),
+    ...                      raise_exception=True)
+    ... except npattn.testing.GradcheckError as e:
+    ...     print(e.report.failed)
+    ['x']
+    """
 
     def __init__(self, report):
         super().__init__(str(report))
@@ -132,6 +145,14 @@ class GradcheckRow(_RowFields):
 
     The row unpacks as the 4-tuple whatever the mode; ``max_rel_err`` is
     ``|a - n| / max(|a|, |n|)`` at the worst relative element (floored by the row's ``atol``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> row = npattn.gradcheck(npattn.Linear(3, 2, rng=0), np.ones((2, 3))).rows[1]
+    >>> row.name, row.ok, row.mode, row.ratio < 1
+    ('weight', True, 'element', True)
     """
 
     mode: str
@@ -195,6 +216,18 @@ class GradcheckReport:
 
     Truth-testing a report raises ``TypeError``: write ``report.ok`` (``assert gradcheck(...)``
     would otherwise pass whatever the result).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> report = npattn.gradcheck(npattn.Linear(3, 2, rng=0), np.ones((2, 3)))
+    >>> [row.name for row in report.rows], report.ok
+    (['input', 'weight', 'bias'], True)
+    >>> print(report)                                         # doctest: +ELLIPSIS
+    gradcheck Linear: ok ...
+    name   | max abs err | max rel err | err/tol | worst at | ok
+    ...
     """
 
     def __init__(
@@ -209,10 +242,12 @@ class GradcheckReport:
 
     @property
     def ok(self) -> bool:
+        """True when every element of every checked tensor passed."""
         return all(r.ok for r in self.rows)
 
     @property
     def failed(self) -> List[str]:
+        """The names of the rows that did not pass (empty when ``ok``)."""
         return [r.name for r in self.rows if not r.ok]
 
     @property
@@ -314,6 +349,35 @@ def numerical_gradient(f: Callable[[np.ndarray], float], x: np.ndarray, eps: flo
     must be a writable float ndarray; it is perturbed *in place* (so ``f`` may read it through a
     closure instead of its argument) and restored exactly afterwards.  Costs ``2 * x.size``
     calls of ``f``; the error is ``O(eps^2)`` truncation plus ``O(|f| * 1e-16 / eps)`` rounding.
+
+    Parameters
+    ----------
+    f : callable
+        ``f(x) -> float``.
+    x : ndarray
+        A writable float array (perturbed in place and restored).
+    eps : float
+        The step, > 0.
+
+    Returns
+    -------
+    ndarray
+        ``df/dx``, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        ``f`` not callable, or ``x`` not a writable float ndarray.
+    ValueError
+        A non-positive or non-finite ``eps``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.testing import numerical_gradient
+    >>> x = np.array([1.0, 2.0])
+    >>> np.round(numerical_gradient(lambda x: float((x ** 2).sum()), x), 6)
+    array([2., 4.])
     """
     if not callable(f):
         raise TypeError(f"f: expected a function of x returning a scalar, got {type(f).__name__}")
@@ -889,6 +953,22 @@ def gradcheck(
     Randomness: every ``np.random.Generator`` among the arguments is snapshotted and a fresh copy
     is passed to each forward; a module's own Generator attributes are saved and restored before
     each forward, so dropout draws the same mask every time.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import functional as F
+    >>> x = np.random.default_rng(0).standard_normal((3, 5))
+    >>> report = npattn.gradcheck(F.softmax, x)              # a pair: softmax + softmax_backward
+    >>> report.ok, report.failed
+    (True, [])
+    >>> npattn.gradcheck(npattn.LayerNorm(5), x, mode="both").ok   # a module, reverse and forward mode
+    True
+    >>> def bad_backward(dout, cache):                        # a transposition bug is caught
+    ...     return F.softmax_backward(dout, cache) * 1.001
+    >>> npattn.gradcheck((F.softmax, bad_backward), x).failed
+    ['x']
     """
     _check_tolerances(eps, rtol, atol)
     if not inputs:
