@@ -41,6 +41,13 @@ class ModuleList(Module):
     ------
     TypeError
         For an item that is not a ``Module``.
+
+    Examples
+    --------
+    >>> import npattn
+    >>> layers = npattn.ModuleList([npattn.Linear(4, 4, rng=0), npattn.Linear(4, 2, rng=1)])
+    >>> len(layers), [name for name, _ in layers.named_parameters()]
+    (2, ['0.weight', '0.bias', '1.weight', '1.bias'])
     """
 
     def __init__(self, modules=()) -> None:

@@ -48,7 +48,22 @@ _state = threading.local()
 
 
 def is_grad_enabled() -> bool:
-    """False inside ``no_grad()``: modules then keep no forward state (no caches)."""
+    """False inside ``no_grad()``: modules then keep no forward state (no caches).
+
+    Returns
+    -------
+    bool
+        Whether forward passes keep their state for backward (this thread).
+
+    Examples
+    --------
+    >>> import npattn
+    >>> npattn.is_grad_enabled()
+    True
+    >>> with npattn.no_grad():
+    ...     npattn.is_grad_enabled()
+    False
+    """
     return getattr(_state, "grad_enabled", True)
 
 
@@ -58,6 +73,19 @@ def no_grad():
 
     Thread-local, re-entrant.  ``backward`` after a forward run under ``no_grad`` raises
     ``RuntimeError``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> lin = npattn.Linear(2, 2, rng=0)
+    >>> with npattn.no_grad():
+    ...     y = lin(np.ones((1, 2)))
+    >>> try:
+    ...     lin.backward(np.ones((1, 2)))
+    ... except RuntimeError:
+    ...     print("nothing to differentiate")
+    nothing to differentiate
     """
     prev = is_grad_enabled()
     _state.grad_enabled = False
@@ -80,6 +108,14 @@ class Parameter:
     inplace operation").  Writes straight into the array (``p.data[...] = v``, ``np.add(p.data,
     1, out=p.data)``) are invisible to the counter: call ``p.bump_version()`` after them.
     ``zero_grad`` does not change ``data`` and does not bump.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> p = npattn.Parameter(np.ones(3))
+    >>> p.shape, p.dtype, p.grad
+    ((3,), dtype('float64'), array([0., 0., 0.]))
     """
 
     __slots__ = ("_data", "grad", "_version")
@@ -187,6 +223,32 @@ class Module:
 
     The saved states are a stack (one per call), so a module used twice in one forward works:
     call ``backward`` once per use, in reverse order.  See ``docs/guides/own_module.md``.
+
+    Examples
+    --------
+    A module with one parameter, ``y = x * scale``:
+
+    >>> import numpy as np
+    >>> import npattn
+    >>> class Scale(npattn.Module):
+    ...     def __init__(self, n):
+    ...         super().__init__()
+    ...         self.scale = npattn.Parameter(np.full(n, 2.0))
+    ...     def forward(self, x):
+    ...         self.save_for_backward(x)
+    ...         return x * self.scale.data
+    ...     def backward(self, dy):
+    ...         x = self.pop_saved()
+    ...         self.accumulate_grad(self.scale, (dy * x).reshape(-1, x.shape[-1]).sum(0))
+    ...         return dy * self.scale.data
+    >>> m = Scale(3)
+    >>> m(np.ones((2, 3)))
+    array([[2., 2., 2.],
+           [2., 2., 2.]])
+    >>> m.backward(np.ones((2, 3)))[0], m.scale.grad
+    (array([2., 2., 2.]), array([2., 2., 2.]))
+    >>> npattn.gradcheck(m, np.random.default_rng(0).standard_normal((2, 3))).ok
+    True
     """
 
     _parameters: "OrderedDict[str, Parameter]"
