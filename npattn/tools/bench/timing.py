@@ -78,7 +78,7 @@ def row(kind, params, dtype, *, use_torch=True, peak=None, warmup=1, repeats=5, 
 
 def _guess(kind, params, dtype, repeats, pause, sides, own_process):
     """Rough seconds of one case (for the progress estimate): warm-up, check and turns of each side."""
-    call = KINDS[kind].flops(**params) / (15e9 if dtype == "float32" else 8e9) + 2e-4
+    call = KINDS[kind].flops(**params) / (60e9 if dtype == "float32" else 30e9) + 2e-4  # 2 cores, AVX-512
     turn = pause + call + max(call, BATCH_SECONDS)
     return 0.3 + (1.0 if own_process else 0.0) + sides * (2 * call + repeats * turn)
 
