@@ -63,6 +63,19 @@ class TinyTransformer(Module):
     ``activation`` is the feed-forward's (``"relu"``, ``"gelu"``, ``"gelu_tanh"``).  Embedding
     tables start as N(0, ``embedding_std``²) (default 0.02, the GPT-2 choice; 1.0 gives torch's
     ``nn.Embedding`` default); everything else uses its layer's default initialisation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> model = npattn.TinyTransformer(vocab_size=10, context_length=8, d_model=16, num_heads=2,
+    ...                                num_layers=1, d_ff=32, rng=0)
+    >>> ids = np.array([[1, 2, 3, 4]])
+    >>> model(ids).shape
+    (1, 4, 10)
+    >>> loss, dlogits = model.loss(ids, np.array([[2, 3, 4, 5]]))
+    >>> model.backward(dlogits) is None, 1.5 < loss < 3.5          # about ln 10 = 2.3 at the start
+    (True, True)
     """
 
     def __init__(

@@ -82,6 +82,18 @@ class EncoderBlock(Module):
     ``ffn.linear1.*``, ``ffn.linear2.*``, ``layernorm1.*``, ``layernorm2.*``.  Input ``(..., L,
     d_model)``, unbatched ``(L, d_model)`` included; masks as ``MultiHeadAttention``'s (bool
     ``attn_mask`` True = may attend; ``key_padding_mask`` True = padding).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> block = npattn.EncoderBlock(16, 4, 32, dropout=0.0, norm_first=True, causal=True, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 5, 16))
+    >>> y = block(x)
+    >>> block.backward(np.ones_like(y)).shape
+    (2, 5, 16)
+    >>> npattn.gradcheck(block, x, fast=True).ok
+    True
     """
 
     def __init__(
@@ -126,9 +138,31 @@ class EncoderBlock(Module):
         self.dropout2 = Dropout(dropout, rng=rng)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"norm_first={self.norm_first}"
 
     def forward(self, x, *, attn_mask=None, key_padding_mask=None) -> np.ndarray:
+        """The forward pass.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., L, d_model)``.
+        attn_mask : array_like, optional
+            Bool (True = may attend) or float, broadcastable to ``(..., num_heads, L, L)``.
+        key_padding_mask : array_like, optional
+            ``(..., L)``, True = padding.
+
+        Returns
+        -------
+        ndarray
+            ``(..., L, d_model)``, in the module's dtype.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input or mask of the wrong kind or shape (checked before any sublayer runs).
+        """
         x = _check_sequence(x, "x", self.layernorm1.normalized_shape[0], self.dtype)
         lead, L = x.shape[:-2], x.shape[-2]
         mask = self.mha._build_mask(attn_mask, key_padding_mask, lead, L, L)  # refused here, before any sublayer
@@ -155,6 +189,26 @@ class EncoderBlock(Module):
         return y
 
     def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns ``dx`` and adds every parameter's
+        gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            ``(..., L, d_model)``.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of ``x``'s shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return self._backward(self._check_dy(dy))  # checked before any state is taken
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
@@ -244,6 +298,18 @@ class DecoderBlock(Module):
     polarity: bool ``tgt_mask (L, L)`` / ``memory_mask (L, S)`` True = may attend (float: added to
     the scores), broadcastable to ``(..., num_heads, L, L|S)``; key padding masks ``(..., L)`` /
     ``(..., S)`` True = padding.  ``backward(dy)`` returns ``(dx, dmemory)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> block = npattn.DecoderBlock(16, 4, 32, dropout=0.0, causal=True, rng=0)
+    >>> rng = np.random.default_rng(1)
+    >>> x, memory = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 7, 16))
+    >>> y = block(x, memory)
+    >>> dx, dmemory = block.backward(np.ones_like(y))
+    >>> dx.shape, dmemory.shape
+    ((2, 5, 16), (2, 7, 16))
     """
 
     def __init__(
@@ -290,11 +356,24 @@ class DecoderBlock(Module):
         self.dropout3 = Dropout(dropout, rng=rng)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"norm_first={self.norm_first}"
 
     def forward(
         self, x, memory, *, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None, memory_key_padding_mask=None
     ) -> np.ndarray:
+        """The forward pass (see the class docstring for the masks).
+
+        Returns
+        -------
+        ndarray
+            ``(..., L, d_model)``, in the module's dtype.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input or mask of the wrong kind or shape (checked before any sublayer runs).
+        """
         d = self.layernorm1.normalized_shape[0]
         x = _check_sequence(x, "x", d, self.dtype)
         memory = _check_sequence(memory, "memory", d, self.dtype)
