@@ -474,6 +474,7 @@ class GPTModel(Module):
         self.current_pos = 0
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return ", ".join(f"{k}={v}" for k, v in self.cfg.items())
 
     def _check_idx(self, idx, start):

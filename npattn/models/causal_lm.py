@@ -268,6 +268,19 @@ class CausalLM(Module):
     ------
     ValueError
         A configuration npattn cannot build (the message names the config key).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.models import CausalLM
+    >>> cfg = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+    ...        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    >>> model = CausalLM(cfg, rng=0)
+    >>> logits = model(np.array([[1, 2, 3]]))
+    >>> logits.shape, next(iter(model.state_dict()))
+    ((1, 3, 32), 'model.embed_tokens.weight')
+    >>> model.backward(np.ones_like(logits)) is None     # every .grad filled, Hugging Face names
+    True
     """
 
     def __init__(self, config, *, rng=None, dtype=np.float64):
@@ -281,6 +294,7 @@ class CausalLM(Module):
         self.lm_head = None if head is None else _released(head, getattr(rng, "loading", False))
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         c = self.config
         return (
             f"model_type={c.model_type!r}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}"

@@ -126,6 +126,7 @@ class TinyTransformer(Module):
         self.head = Linear(d_model, vocab_size, rng=rng, dtype=dtype)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"vocab_size={self.vocab_size}, context_length={self.context_length}"
 
     # -- forward / backward ----------------------------------------------------------------

@@ -211,6 +211,23 @@ class MultiHeadAttention(Module):
     With ``memory_efficient=True`` the attention core is ``memory_efficient_attention`` (no
     ``(Lq, Lk)`` array held, dropout masks regenerated block by block, so they differ from the
     plain core's for the same rng; no ``need_weights``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> mha = npattn.MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, causal=True, rope=True, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 6, 16))
+    >>> y = mha(x)
+    >>> mha.backward(np.ones_like(y)).shape, mha.W_key.weight.grad.shape   # 2 kv heads of 4 dims
+    ((2, 6, 16), (8, 16))
+
+    Decoding token by token with the KV cache gives the full causal pass's outputs:
+
+    >>> with npattn.no_grad():
+    ...     steps = [mha(x[:, t:t + 1], use_cache=True) for t in range(6)]
+    >>> bool(np.allclose(np.concatenate(steps, axis=1), y, rtol=0, atol=1e-12))
+    True
     """
 
     _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
@@ -330,6 +347,7 @@ class MultiHeadAttention(Module):
         self._fused_qkv()
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         s = f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}"
         if self.num_kv_heads != self.num_heads:
             s += f", num_kv_heads={self.num_kv_heads}"

@@ -388,6 +388,7 @@ class GatedDeltaNet(Module):
         return self._conv_state
 
     def extra_repr(self) -> str:
+        """The arguments shown by ``repr(module)``."""
         return (
             f"hidden_size={self.hidden_size}, num_v_heads={self.num_v_heads}, num_k_heads={self.num_k_heads}, "
             f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}"

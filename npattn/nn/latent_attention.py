@@ -292,6 +292,7 @@ class MultiHeadLatentAttention(Module):
         )
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
             f"kv_lora_rank={self.kv_lora_rank}, qk_nope_head_dim={self.qk_nope_head_dim}, "

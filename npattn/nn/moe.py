@@ -291,6 +291,7 @@ class TopKRouter(Module):
         return K.topk_router_jvp(state.route, tz)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         s = f"{self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, variant={self.variant!r}"
         if self.norm_topk_prob:
             s += ", norm_topk_prob=True"
@@ -431,6 +432,7 @@ class _SortedExperts(Module):
         return K.moe_experts_jvp(state.experts, tx, tw, *tparams)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}"
@@ -494,6 +496,7 @@ class Experts(_SortedExperts):
         return {"kind": "swiglu", "activation": self._act}
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return super().extra_repr() + f", hidden_act={self.hidden_act!r}"
 
 
@@ -550,6 +553,7 @@ class GptOssExperts(_SortedExperts):
         return {"kind": "gpt_oss", "alpha": self.alpha, "limit": self.limit}
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return super().extra_repr() + f", alpha={self.alpha}, limit={self.limit}"
 
 
@@ -651,6 +655,7 @@ class GatedMLP(Module):
         return self._child_jvp(self.down_proj, -1, (th,), param_tangents)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"{self.hidden_size}, {self.intermediate_size}, hidden_act={self.hidden_act!r}"
 
 
@@ -1010,6 +1015,7 @@ class SparseMoeBlock(Module):
         return cls(*args, **kw)
 
     def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
         return f"hidden_size={self.hidden_size}"
 
 
