@@ -245,7 +245,7 @@ def test_unbatched_ids():
     ids = np.random.default_rng(0).integers(0, 17, (3, 5))
     full = m(ids)
     np.testing.assert_allclose(m(ids[2]), full[2], rtol=1e-13, atol=1e-14)
-    assert gradcheck(m, ids[0]).ok
+    assert gradcheck(m, ids[0], fast=True).ok  # one direction per tensor: test_gradcheck_whole_gpt checks each entry
     with pytest.raises(ValueError, match=r"\(batch, num_tokens\)"):
         m(ids[None])
     m.eval()
