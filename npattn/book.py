@@ -61,7 +61,21 @@ def _tx(module, input_tangents, shape, dtype):
 
 class SelfAttention_v1(Module):
     """Self-attention with raw weight matrices ``W_query, W_key, W_value`` of shape ``(d_in, d_out)``
-    drawn from U[0, 1) (the book's ``torch.rand``): ``softmax(x Wq (x Wk)^T / sqrt(d_out)) x Wv``."""
+    drawn from U[0, 1) (the book's ``torch.rand``): ``softmax(x Wq (x Wk)^T / sqrt(d_out)) x Wv``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book, data
+    >>> ch3 = data.load("chapter3")                          # the book's seeded weights and inputs
+    >>> def weights(prefix):
+    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
+    >>> inputs = ch3["inputs"].astype(np.float64)           # "Your journey starts with one step"
+    >>> sa = book.SelfAttention_v1(3, 2)
+    >>> _ = sa.load_state_dict(weights("sa_v1"))
+    >>> np.round(sa(inputs)[0], 4)                           # the book prints tensor([0.2996, 0.8053])
+    array([0.2996, 0.8053])
+    """
 
     def __init__(self, d_in, d_out, *, rng=None, dtype=np.float64):
         super().__init__()
@@ -73,6 +87,23 @@ class SelfAttention_v1(Module):
         self.W_value = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
 
     def forward(self, x):
+        """The forward pass: ``(num_tokens, d_in) -> (num_tokens, d_out)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(num_tokens, d_in)``.
+
+        Returns
+        -------
+        ndarray
+            ``(num_tokens, d_out)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         x = _check_tokens(self, x)
         # x @ W is linear() with weight W.T; its weight gradient comes back transposed
         (q, cq), (k, ck), (v, cv) = (F.linear(x, W.data.T) for W in (self.W_query, self.W_key, self.W_value))
@@ -81,6 +112,26 @@ class SelfAttention_v1(Module):
         return ctx
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         dy = self._check_dy(dy)
         cq, ck, cv, ca = self._pop()
         dx = 0
@@ -125,6 +176,26 @@ class _SingleHead(Module):
         return ctx
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         dy = self._check_dy(dy)
         dq, dk, dv = F.scaled_dot_product_attention_backward(dy, self._pop())
         return self.W_query.backward(dq) + self.W_key.backward(dk) + self.W_value.backward(dv)
@@ -139,13 +210,44 @@ class _SingleHead(Module):
 
 
 class SelfAttention_v2(_SingleHead):
-    """Self-attention with ``Linear`` projections ``W_query``, ``W_key``, ``W_value``."""
+    """Self-attention with ``Linear`` projections ``W_query``, ``W_key``, ``W_value``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book, data
+    >>> ch3 = data.load("chapter3")                          # the book's seeded weights and inputs
+    >>> def weights(prefix):
+    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
+    >>> inputs = ch3["inputs"].astype(np.float64)           # "Your journey starts with one step"
+    >>> sa = book.SelfAttention_v2(3, 2)
+    >>> _ = sa.load_state_dict(weights("sa_v2"))
+    >>> bool(np.allclose(sa(inputs), ch3["out.sa_v2"], atol=1e-6))   # torch's output
+    True
+    """
 
     def __init__(self, d_in, d_out, qkv_bias=False, *, rng=None, dtype=np.float64):
         super().__init__()
         self._init_projections(d_in, d_out, qkv_bias, rng, dtype)
 
     def forward(self, x):
+        """The forward pass: ``(num_tokens, d_in) -> (num_tokens, d_out)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(num_tokens, d_in)``.
+
+        Returns
+        -------
+        ndarray
+            ``(num_tokens, d_out)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         return self._attend(_check_tokens(self, x))
 
 
@@ -161,6 +263,23 @@ class CausalAttention(_SingleHead):
         self.register_buffer("mask", np.triu(np.ones((self.context_length,) * 2, dtype=self._dtype), k=1))
 
     def forward(self, x):
+        """The forward pass: ``(batch, num_tokens, d_in) -> (batch, num_tokens, d_out)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(batch, num_tokens, d_in)``.
+
+        Returns
+        -------
+        ndarray
+            ``(batch, num_tokens, d_out)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         x = _check_tokens(self, x, self.context_length)
         n = x.shape[-2]
         return self._attend(x, attn_mask=self.mask[:n, :n] == 0, dropout_p=self.dropout if self.training else 0.0)
@@ -185,12 +304,49 @@ class MultiHeadAttentionWrapper(Module):
         )
 
     def forward(self, x):
+        """The heads' outputs concatenated: ``(batch, num_tokens, d_in) -> (batch, num_tokens, num_heads * d_out)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(batch, num_tokens, d_in)``.
+
+        Returns
+        -------
+        ndarray
+            ``(batch, num_tokens, num_heads * d_out)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         x = _check_tokens(self.heads[0], x, self.heads[0].context_length)
         out = np.concatenate([head(x) for head in self.heads], axis=-1)
         self._save(out.shape)
         return out
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         dy = self._check_dy(dy)
         self._pop()
         return sum(head.backward(d) for head, d in zip(self.heads, np.split(dy, len(self.heads), axis=-1)))
@@ -202,7 +358,24 @@ class MultiHeadAttentionWrapper(Module):
 
 class MultiHeadAttention(_attention.MultiHeadAttention):
     """The book's batched multi-head causal attention: ``npattn.MultiHeadAttention`` with the
-    book's positional signature, ``out_proj`` with bias, and the causal ``mask`` buffer."""
+    book's positional signature, ``out_proj`` with bias, and the causal ``mask`` buffer.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book, data
+    >>> ch3 = data.load("chapter3")                          # the book's seeded weights and inputs
+    >>> def weights(prefix):
+    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
+    >>> inputs = ch3["inputs"].astype(np.float64)           # "Your journey starts with one step"
+    >>> mha = book.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
+    >>> _ = mha.load_state_dict(weights("mha"))
+    >>> out = mha(np.stack([inputs, inputs]))
+    >>> np.round(out[0, 0], 4)                              # the book prints [0.3190, 0.4858]
+    array([0.319 , 0.4858])
+    >>> mha.backward(np.ones_like(out)).shape
+    (2, 6, 3)
+    """
 
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, *, rng=None, dtype=np.float64):
         super().__init__(
@@ -301,6 +474,23 @@ class LayerNorm(Module):
         self.shift = Parameter(np.zeros(self.emb_dim), self._dtype)
 
     def forward(self, x):
+        """``scale * (x - mean) / sqrt(var + eps) + shift``: ``(..., emb_dim) -> (..., emb_dim)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., emb_dim)``.
+
+        Returns
+        -------
+        ndarray
+            ``(..., emb_dim)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         x = as_float(x, "x", self.dtype)
         if x.ndim < 1 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x: expected shape (..., {self.emb_dim}), got {x.shape}")
@@ -309,6 +499,26 @@ class LayerNorm(Module):
         return y
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         dx, dscale, dshift = K.layer_norm_backward(self._check_dy(dy), self._pop())
         self._accumulate(self.scale, dscale)
         self._accumulate(self.shift, dshift)
@@ -324,11 +534,48 @@ class GELU(Module):
     """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
 
     def forward(self, x):
+        """The tanh approximation of GELU: ``(...) -> (...)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(...)``.
+
+        Returns
+        -------
+        ndarray
+            ``(...)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         y, cache = K.gelu(as_float(x, "x"), "tanh")
         self._save(cache)
         return y
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         return K.gelu_backward(self._check_dy(dy), self._pop())
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -358,11 +605,48 @@ class FeedForward(Module):
         )
 
     def forward(self, x):
+        """The forward pass: ``(..., emb_dim) -> (..., emb_dim)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(..., emb_dim)``.
+
+        Returns
+        -------
+        ndarray
+            ``(..., emb_dim)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         y = self.layers(x)
         self._save(True)  # the layers keep their own state
         return y
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         dy = self._check_dy(dy)
         self._pop()
         return self.layers.backward(dy)
@@ -407,6 +691,23 @@ class TransformerBlock(Module):
         return K.dropout(x, self.drop_shortcut.p, self.drop_shortcut.rng, self.training)
 
     def forward(self, x, *, use_cache=False):
+        """The forward pass: ``(batch, num_tokens, emb_dim) -> (batch, num_tokens, emb_dim)``.
+
+        Parameters
+        ----------
+        x : array_like
+            ``(batch, num_tokens, emb_dim)``.
+
+        Returns
+        -------
+        ndarray
+            ``(batch, num_tokens, emb_dim)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        """
         x = as_float(x, "x", self.dtype)
         a, c1 = self._drop(self.att(self.norm1(x), use_cache=use_cache))
         x = x + a
@@ -415,6 +716,26 @@ class TransformerBlock(Module):
         return x + f
 
     def backward(self, dy):
+        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
+        adds every parameter's gradient into ``p.grad``.
+
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the output's shape.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of the input's shape.
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
         dy = self._check_dy(dy)
         c1, c2 = self._pop()
         dx = dy + self.norm2.backward(self.ff.backward(K.dropout_backward(dy, c2)))
@@ -457,6 +778,20 @@ class GPTModel(Module):
     call's keys and values to their KV cache, and positions continue after the cached ones;
     ``reset_kv_cache()`` empties it.  Nothing is kept for backward then.  Also accepts
     ``(num_tokens,)`` ids (logits ``(num_tokens, vocab_size)``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
+    ...        "drop_rate": 0.0, "qkv_bias": False}
+    >>> gpt = book.GPTModel(cfg, rng=0)
+    >>> logits = gpt(np.array([[1, 2, 3]]))
+    >>> logits.shape
+    (1, 3, 50)
+    >>> gpt.backward(np.ones_like(logits))
+    >>> gpt.tok_emb.weight.grad.shape, sorted(gpt.state_dict())[:2]
+    ((50, 16), ['final_norm.scale', 'final_norm.shift'])
     """
 
     def __init__(self, cfg, *, rng=None, dtype=np.float64):
@@ -656,7 +991,20 @@ def generate(
     ``npattn.generation.generate`` for the exact semantics (temperature 0 is greedy, ``top_k``
     masks all but the k largest logits with ``-inf``, a ``top_k`` of at least the vocabulary size
     keeps every token, ``eos_id`` stops, the same ``rng`` gives
-    the same tokens, the cache gives the same tokens as recomputation)."""
+    the same tokens, the cache gives the same tokens as recomputation).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
+    ...        "drop_rate": 0.0, "qkv_bias": False}
+    >>> gpt = book.GPTModel(cfg, rng=0)
+    >>> out = book.generate(gpt, np.array([[1, 2, 3]]), max_new_tokens=4, context_size=8,
+    ...                     temperature=1.0, top_k=5, rng=0)
+    >>> out.shape, out[0, :3].tolist()
+    ((1, 7), [1, 2, 3])
+    """
     return _generate(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, rng=rng, use_cache=use_cache)
 
 
