@@ -146,6 +146,7 @@ class LayerNormCase:
     eps: float = 1e-5
 
     def args(self):
+        """``(x, weight, bias, eps)``: the positional arguments of ``layer_norm``."""
         return (self.x, self.weight, self.bias, self.eps)
 
 
@@ -278,14 +279,17 @@ class AttentionConfig:
 
     @property
     def lq(self) -> int:
+        """The number of queries (``q``'s second-to-last axis)."""
         return self.q.shape[-2]
 
     @property
     def lk(self) -> int:
+        """The number of keys (``k``'s second-to-last axis)."""
         return self.k.shape[-2]
 
     @property
     def groups(self) -> int:
+        """Query heads per kv head (1 without grouped-query heads)."""
         return 1 if self.heads is None else self.heads[0] // self.heads[1]
 
     def kwargs(self, rng=None) -> dict:
