@@ -379,17 +379,40 @@ def test_experts_match_torch_autograd(torch_or_skip, kind, activation, biases):
     assert np.all(F.moe_experts_backward(dy, cache)[2][3] == 0)  # the idle expert learns nothing
 
 
-def test_float32_stays_float32():
+@pytest.mark.parametrize("tier", [F, R], ids=["fast", "textbook"])
+def test_float32_stays_float32(tier):
     rng = np.random.default_rng(3)
     z = rng.standard_normal((4, 6)).astype(np.float32)
-    (w, _), c = F.topk_router(z, 2, variant="sigmoid", norm_topk_prob=True, correction_bias=np.zeros(6, np.float32))
-    assert w.dtype == np.float32 and F.topk_router_backward(np.ones_like(w), c).dtype == np.float32
+    bias = np.zeros(6, np.float32)
+    (w, _), c = tier.topk_router(z, 2, variant="sigmoid", norm_topk_prob=True, correction_bias=bias, n_group=2)
+    assert w.dtype == np.float32 and tier.topk_router_backward(np.ones_like(w), c).dtype == np.float32
+    assert tier.topk_router_jvp(c, np.ones_like(z)).dtype == np.float32
     x = rng.standard_normal((4, 3)).astype(np.float32)
     gu, dn = rng.standard_normal((6, 3, 4)).astype(np.float32), rng.standard_normal((6, 2, 3)).astype(np.float32)
-    y, c = F.moe_experts(x, np.zeros((4, 2), int), np.ones((4, 2), np.float32), gu, dn, kind="gpt_oss")
+    y, c = tier.moe_experts(x, np.zeros((4, 2), int), np.ones((4, 2), np.float32), gu, dn, kind="gpt_oss")
     assert y.dtype == np.float32
-    assert all(g is None or g.dtype == np.float32 for g in F.moe_experts_backward(np.ones_like(y), c))
-    assert F.moe_experts_jvp(c, np.ones_like(x)).dtype == np.float32
+    assert all(g is None or g.dtype == np.float32 for g in tier.moe_experts_backward(np.ones_like(y), c))
+    assert tier.moe_experts_jvp(c, np.ones_like(x)).dtype == np.float32
+
+
+def test_float32_gradcheck_against_float64():
+    rng = np.random.default_rng(4)
+    x, idx, w = rng.standard_normal((3, 4)), rng.integers(0, 5, (3, 2)), rng.uniform(0.1, 1, (3, 2))
+    gu, dn = rng.standard_normal((5, 6, 4)), rng.standard_normal((5, 4, 3))
+    assert gradcheck(F.moe_experts, x, idx, w, gu, dn, activation="gelu", dtype=np.float32, mode="both").ok
+
+
+@pytest.mark.parametrize("tier", [F, R], ids=["fast", "textbook"])
+def test_one_token_without_leading_axes(tier):
+    z = np.array([0.3, 1.0, -0.5, 0.9])
+    (w, idx), c = tier.topk_router(z, 2, variant="softmax_topk", norm_topk_prob=True)
+    assert idx.tolist() == [1, 3] and w.shape == (2,)
+    np.testing.assert_allclose(w, np.exp([1.0, 0.9]) / np.exp([1.0, 0.9]).sum(), rtol=1e-14)
+    assert tier.topk_router_backward(np.array([0.5, -1.0]), c).shape == (4,)
+    x = np.array([0.5, -1.0, 2.0])
+    y, c = tier.moe_experts(x, idx, w, np.ones((4, 4, 3)), np.ones((4, 3, 2)))
+    dx, dw, *_ = tier.moe_experts_backward(np.array([1.0, 2.0, -1.0]), c)
+    assert y.shape == dx.shape == (3,) and dw.shape == (2,)
 
 
 # -- bad input, every argument ------------------------------------------------------------------------
