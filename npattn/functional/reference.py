@@ -159,6 +159,20 @@ def scaled_dot_product_attention(
 
     ``q (B..., Hq, Lq, E)``, ``k (B..., Hk, Lk, E)``, ``v (B..., Hk, Lk, Ev)`` -> ``(B..., Hq, Lq, Ev)``.
     See ``npattn.functional.scaled_dot_product_attention`` for the meaning of each argument.
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 2, 5, 4)) for _ in range(3))
+    >>> out, cache = R.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=5.0)
+    >>> fast_out, _ = F.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=5.0)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
     """
     g = _gqa_groups(q, k, enable_gqa)
     kr, vr = _repeat_kv(k, v, g)  # (B..., Hq, Lk, E): head h reads kv head h // G
@@ -344,6 +358,20 @@ def memory_efficient_attention(
     ``exp(m_old - m_new)``.  At the end ``out = acc / l``, and only ``lse = m + log l`` is kept.
     (notebooks/06_efficient_attention.ipynb, sections "The online softmax, one query row" and
     "All rows at once, in a dozen lines".)
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 2, 9, 4)) for _ in range(3))
+    >>> out, cache = R.memory_efficient_attention(q, k, v, is_causal=True, block_size=4)
+    >>> fast_out, _ = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=4)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
     """
     q = q.astype(np.result_type(q, k, v), copy=False)  # the running sums below take q's dtype: numpy's
     # promotion of q, k, v, as the plain formula's products give (not a check: the fast tier refuses mixed dtypes)
@@ -495,7 +523,22 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optio
 
 
 def linear(x: Array, weight: Array, bias: Optional[Array] = None) -> Tuple[Array, tuple]:
-    """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``."""
+    """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``.
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x, w, b = rng.standard_normal((2, 5, 4)), rng.standard_normal((3, 4)), rng.standard_normal(3)
+    >>> out, cache = R.linear(x, w, b)
+    >>> fast_out, _ = F.linear(x, w, b)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     y = x @ weight.T
     if bias is not None:
         y = y + bias
@@ -544,6 +587,20 @@ def embedding(
 
     With ``max_norm`` a looked-up row whose ``norm_type``-norm exceeds it is scaled by
     ``max_norm / (norm + 1e-7)`` in the output (as torch; the given ``weight`` is not modified).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> W = rng.standard_normal((10, 4))
+    >>> out, cache = R.embedding(np.array([[1, 7, 1]]), W)
+    >>> fast_out, _ = F.embedding(np.array([[1, 7, 1]]), W)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
     """
     rows = weight[ids]  # (ids..., D)
     if max_norm is not None:
@@ -588,7 +645,22 @@ def embedding_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
 
 def softmax(x: Array, axis: int = -1) -> Tuple[Array, tuple]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``; an all ``-inf`` slice gives 0, a 0-d x gives 1.
-    (notebooks/01_self_attention.ipynb, section "Softmax: scores to weights".)"""
+    (notebooks/01_self_attention.ipynb, section "Softmax: scores to weights".)
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.softmax(x)
+    >>> fast_out, _ = F.softmax(x)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     y = np.reshape(x, np.shape(x) or (1,))  # a 0-d input is a softmax over one value
     m = y.max(axis=axis, keepdims=True, initial=-np.inf)
     e = np.exp(y - np.where(np.isfinite(m), m, 0.0))  # shifted: no overflow; all -inf: e = 0
@@ -619,7 +691,22 @@ def softmax_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
 
 
 def relu(x: Array) -> Tuple[Array, Array]:
-    """``y = max(x, 0)``."""
+    """``y = max(x, 0)``.
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.relu(x)
+    >>> fast_out, _ = F.relu(x)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     return np.maximum(x, 0), x
 
 
@@ -640,7 +727,22 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 def gelu(x: Array, approximate: str = "none") -> Tuple[Array, tuple]:
     """``"none"``: ``y = x Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` the normal CDF.
-    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``."""
+    ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``.
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.gelu(x, "tanh")
+    >>> fast_out, _ = F.gelu(x, "tanh")
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     if approximate == "none":
         return x * 0.5 * (1.0 + erf(x / math.sqrt(2.0))), (x, approximate)
     return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))), (x, approximate)
@@ -667,7 +769,22 @@ def gelu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
 
 
 def silu(x: Array) -> Tuple[Array, tuple]:
-    """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows)."""
+    """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.silu(x)
+    >>> fast_out, _ = F.silu(x)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     s = 0.5 * (1.0 + np.tanh(0.5 * x))
     return x * s, (x, s)
 
@@ -689,7 +806,22 @@ def silu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
 def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
     """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep = rng.random(x.shape) >= p`` (kept with
     probability ``1 - p``).  ``p = 1`` gives zeros, ``training=False`` or ``p = 0`` the identity
-    (neither draws)."""
+    (neither draws).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.dropout(x, 0.25, rng=5)
+    >>> fast_out, _ = F.dropout(x, 0.25, rng=5)
+    >>> bool(np.array_equal(out, fast_out))
+    True
+    """
     if not training or p == 0.0:
         return np.array(x, copy=True), (None, 1.0)
     keep = np.zeros(np.shape(x), dtype=bool) if p == 1.0 else np.random.default_rng(rng).random(np.shape(x)) >= p
@@ -736,7 +868,22 @@ def layer_norm(
 ) -> Tuple[Array, tuple]:
     """``y = (x - mean) / sqrt(var + eps) * weight + bias``, mean and biased variance over the
     trailing axes (``normalized_shape``).  (notebooks/05_encoder_block_and_training.ipynb,
-    section "Layer normalisation".)"""
+    section "Layer normalisation".)
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.layer_norm(x, np.ones(6), np.zeros(6))
+    >>> fast_out, _ = F.layer_norm(x, np.ones(6), np.zeros(6))
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     axes = _norm_axes(x, weight, normalized_shape)
     mu = x.mean(axis=axes, keepdims=True)
     xc = x - mu
@@ -804,7 +951,22 @@ def rms_norm(
     normalized_shape: Union[int, Tuple[int, ...], None] = None,
 ) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
-    ``np.finfo(x.dtype).eps`` (as torch)."""
+    ``np.finfo(x.dtype).eps`` (as torch).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.rms_norm(x, np.ones(6))
+    >>> fast_out, _ = F.rms_norm(x, np.ones(6))
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     axes = _norm_axes(x, weight, normalized_shape)
     eps = np.finfo(x.dtype).eps if eps is None else eps
     rstd = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
@@ -865,6 +1027,20 @@ def cross_entropy(
     the loss of a row is ``-sum_c t_c log softmax(logits)_c``.  ``reduction="none"`` returns the
     rows, ``"sum"`` their sum and ``"mean"`` their sum divided by ``sum w[y]`` over the counted
     rows (torch's weighted mean; the number of rows for probability targets; 0 if nothing counts).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> logits = rng.standard_normal((4, 5))
+    >>> out, cache = R.cross_entropy(logits, np.array([0, 4, 2, 2]))
+    >>> fast_out, _ = F.cross_entropy(logits, np.array([0, 4, 2, 2]))
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
     """
     c = logits.shape[-1]
     w = np.ones(c, dtype=logits.dtype) if weight is None else np.asarray(weight, dtype=logits.dtype)
@@ -1004,6 +1180,20 @@ def rope(
     ``arange(L)``; ``f`` from ``rope_frequencies``, ``f_i = base^(-2i/R)`` unscaled):
     ``(a, b) -> c (a cos - b sin, a sin + b cos)`` with ``c`` the attention factor (YaRN; else 1).
     The features after ``R`` pass through.
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 5, 8))
+    >>> out, cache = R.rope(x)
+    >>> fast_out, _ = F.rope(x)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
     """
     d = x.shape[-1]
     pos = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
@@ -1258,7 +1448,22 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array])
 
 
 def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
-    """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's)."""
+    """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.l2_norm(x)
+    >>> fast_out, _ = F.l2_norm(x)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
     return x * r, (x * r, r)
 
@@ -1281,7 +1486,22 @@ def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> T
     """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
     the gate (transformers' ``Qwen3NextRMSNormGated``, "norm before gate").  That module upcasts
     to float32 for the norm and the gate; here every step runs in x's own dtype (the same numbers
-    for float32 inputs, more exact ones for float64)."""
+    for float32 inputs, more exact ones for float64).
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x, gate = rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
+    >>> out, cache = R.rms_norm_gated(x, gate, np.ones(6))
+    >>> fast_out, _ = F.rms_norm_gated(x, gate, np.ones(6))
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
     n, norm_cache = rms_norm(x, weight, eps)  # (..., D) RMSNorm(x) * weight
     s, silu_cache = silu(gate)
     return n * s, (n, s, norm_cache, silu_cache)
@@ -1331,6 +1551,20 @@ def causal_conv1d(
     ``K - 1`` inputs of the previous call when decoding; zeros if None).  ``activation`` is None or
     ``"silu"``.  With ``output_final_state`` the cache's last item is the last ``K - 1`` inputs
     (the state for the next call).  Returns ``(y (B..., L, C), cache)``.
+
+    Examples
+    --------
+    The textbook formula gives the fast tier's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x, w = rng.standard_normal((2, 7, 3)), rng.standard_normal((3, 4))   # (batch, L, channels), (channels, taps)
+    >>> out, cache = R.causal_conv1d(x, w, activation="silu")
+    >>> fast_out, _ = F.causal_conv1d(x, w, activation="silu")
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
     """
     taps = weight.shape[-1]
     past = np.zeros(x.shape[:-2] + (taps - 1, x.shape[-1]), x.dtype) if initial_state is None else initial_state
