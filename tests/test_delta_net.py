@@ -154,6 +154,8 @@ def test_bad_arguments():
         GatedDeltaNet(8, 2, 1, 2, 2, 2, -1.0)
     with pytest.raises(ValueError, match="hidden_act: expected 'silu'"):
         GatedDeltaNet(8, 2, 1, 2, 2, 2, 1e-6, "gelu")
+    x = np.ones((1, 3, 8))
+    close(GatedDeltaNet(8, 2, 1, 2, 2, 2, 1e-6, "swish", rng=0)(x), GatedDeltaNet(8, 2, 1, 2, 2, 2, rng=0)(x), 0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         GatedDeltaNet(8, 2, 1, 2, 2, 2, chunk_size=0)
     with pytest.raises(TypeError, match="dtype"):

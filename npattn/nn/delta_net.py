@@ -24,7 +24,15 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, as_rng, check_bool, check_dtype, check_positive_float, check_size
+from .._validate import (
+    as_float,
+    as_rng,
+    check_bool,
+    check_cache_batch,
+    check_dtype,
+    check_positive_float,
+    check_size,
+)
 from ..functional.conv import CausalConv1dCache, _causal_conv1d, _causal_conv1d_backward, _causal_conv1d_jvp
 from ..functional.delta_rule import (
     GatedDeltaRuleCache,
@@ -89,7 +97,8 @@ class GatedDeltaNet(Module):
     rms_norm_eps : float
         The eps of the gated RMSNorm on the output.
     hidden_act : str
-        The convolution's activation; Qwen3-Next uses ``"silu"``, the only one supported.
+        The convolution's activation: ``"silu"`` (Qwen3-Next's; ``"swish"``, its other name in
+        transformers, is accepted too), the only one supported.
     chunk_size : int
         The delta rule's chunk length (any value gives the same numbers; see
         ``npattn.functional.gated_delta_rule``).
@@ -141,8 +150,8 @@ class GatedDeltaNet(Module):
         self.head_v_dim = check_size(linear_value_head_dim, "linear_value_head_dim")
         self.conv_kernel_size = check_size(linear_conv_kernel_dim, "linear_conv_kernel_dim")
         self.eps = check_positive_float(rms_norm_eps, "rms_norm_eps", allow_zero=True)
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act: expected 'silu' (Qwen3-Next's), got {hidden_act!r}")
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act: expected 'silu' (Qwen3-Next's) or 'swish', got {hidden_act!r}")
         self.chunk_size = check_size(chunk_size, "chunk_size")
         self._dtype = dt = check_dtype(dtype)
         rng = as_rng(rng)
@@ -190,11 +199,8 @@ class GatedDeltaNet(Module):
         if x.ndim < 2 or x.shape[-1] != self.hidden_size or x.shape[-2] < 1:
             raise ValueError(f"x: expected shape (..., L, {self.hidden_size}) with L >= 1, got {x.shape}")
         use_cache = check_bool(use_cache, "use_cache")
-        if use_cache and self._cache_lead is not None and self._cache_lead != x.shape[:-2]:
-            raise ValueError(
-                f"x: expected the batch shape {self._cache_lead} of the decoding cache, got {x.shape} "
-                "(call reset_kv_cache() to start a new sequence)"
-            )
+        if use_cache and self._cache_lead is not None:
+            check_cache_batch(self._cache_lead, x.shape, "x", "decoding cache")
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
                 return self._forward(x, use_cache=True)
