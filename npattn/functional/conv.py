@@ -62,6 +62,17 @@ def causal_conv1d(
     ------
     TypeError, ValueError
         Naming the argument, expected vs actual, before any arithmetic.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> x = np.arange(5.0).reshape(1, 5, 1)            # (batch, L, channels)
+    >>> y, cache = F.causal_conv1d(x, np.array([[1.0, 1.0]]))   # each output: x[t - 1] + x[t]
+    >>> y[0, :, 0]
+    array([0., 1., 3., 5., 7.])
+    >>> F.causal_conv1d_backward(np.ones_like(y), cache)[0][0, :, 0]
+    array([2., 2., 2., 2., 1.])
     """
     x = as_float(x, "x")
     if x.ndim < 2 or x.shape[-2] < 1:

@@ -98,6 +98,14 @@ def l2_norm(x: np.ndarray, eps: float = 1e-6) -> tuple[np.ndarray, L2NormCache]:
     ------
     TypeError, ValueError
         For a non-float ``x``, a 0-d ``x`` or an empty last axis, a negative or non-finite ``eps``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> y, cache = F.l2_norm(np.array([[3.0, 4.0]]), eps=0.0)
+    >>> y
+    array([[0.6, 0.8]])
     """
     x = as_float(x, "x")
     _check_rows(x, "x")
@@ -191,6 +199,15 @@ def rms_norm_gated(
     ------
     TypeError, ValueError
         Naming the argument: non-float arrays, shapes that do not fit, a bad ``eps``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> x, gate = np.array([[3.0, 4.0]]), np.array([[0.0, 100.0]])
+    >>> y, cache = F.rms_norm_gated(x, gate, np.ones(2), eps=0.0)
+    >>> np.round(y, 4)                  # rms_norm(x) * silu(gate): silu(0) = 0, silu(100) = 100
+    array([[  0.    , 113.1371]])
     """
     x = as_float(x, "x")
     _check_rows(x, "x")
@@ -331,6 +348,23 @@ def gated_delta_rule(
     TypeError, ValueError
         Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
         (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
+
+    Examples
+    --------
+    The chunked form gives the textbook recurrence's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
+    >>> g, beta = -rng.random((1, 2, 10)), rng.random((1, 2, 10))             # log-decay <= 0, beta in [0, 1]
+    >>> out, cache = F.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=4)
+    >>> ref, _ = R.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    >>> out.shape, bool(np.allclose(out, ref, rtol=0, atol=1e-10))
+    ((1, 2, 10, 4), True)
+    >>> len(F.gated_delta_rule_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
+    6
     """
     arrays = [as_float(a, name) for a, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"))]
     dtype = np.result_type(*arrays)

@@ -227,6 +227,15 @@ def topk_router(
     ------
     TypeError, ValueError
         Naming the argument, expected vs actual, before any arithmetic.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> logits = np.array([[2.0, 1.0, 0.0, -1.0]])
+    >>> (weights, indices), cache = F.topk_router(logits, 2, norm_topk_prob=True)
+    >>> indices, np.round(weights, 4)               # the two largest, their softmax renormalised
+    (array([[0, 1]]), array([[0.7311, 0.2689]]))
     """
     logits = as_float(logits, "logits")
     if logits.ndim < 1 or logits.shape[-1] < 1:

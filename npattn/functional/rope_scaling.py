@@ -244,6 +244,14 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len: 
     ValueError, TypeError
         A bad argument, or a bad dict (an unknown ``rope_type``, an unknown or missing key, a bad
         value), naming it.
+
+    Examples
+    --------
+    >>> from npattn.functional.rope_scaling import rope_frequencies
+    >>> rope_frequencies(8)                                  # base 10000: 10000 ** (-2i / 8)
+    (array([1.   , 0.1  , 0.01 , 0.001]), 1.0)
+    >>> rope_frequencies(8, scaling={"rope_type": "linear", "factor": 2.0})[0]
+    array([0.5   , 0.05  , 0.005 , 0.0005])
     """
     dim = check_size(dim, "dim")
     params = _check_scaling(scaling)
