@@ -107,6 +107,17 @@ class GatedDeltaNet(Module):
     nothing for backward (as ``MultiHeadAttention``'s KV cache); ``reset_kv_cache()`` starts a
     new sequence.  transformers computes the delta rule, the gate and the norm in float32 for
     bf16/fp16 models; here everything runs in the module's dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> net = npattn.GatedDeltaNet(16, linear_num_value_heads=2, linear_num_key_heads=1,
+    ...                            linear_key_head_dim=4, linear_value_head_dim=4, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 5, 16))
+    >>> y = net(x)
+    >>> y.shape, net.backward(np.ones_like(y)).shape
+    ((2, 5, 16), (2, 5, 16))
     """
 
     _conv_state: Optional[np.ndarray]

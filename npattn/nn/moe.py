@@ -145,6 +145,15 @@ class TopKRouter(Module):
     ------
     TypeError, ValueError
         For a bad argument, naming it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> router = npattn.TopKRouter(8, num_experts=4, top_k=2, rng=0)
+    >>> weights, indices = router(np.random.default_rng(1).standard_normal((3, 8)))
+    >>> weights.shape, indices.shape
+    ((3, 2), (3, 2))
     """
 
     e_score_correction_bias: np.ndarray  # a buffer, with variant "sigmoid"
@@ -577,6 +586,15 @@ class GatedMLP(Module):
     ------
     TypeError, ValueError
         For a bad argument, naming it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> mlp = npattn.GatedMLP(8, 16, rng=0)
+    >>> y = mlp(np.ones((2, 8)))
+    >>> y.shape, sorted(dict(mlp.named_parameters()))
+    ((2, 8), ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight'])
     """
 
     def __init__(
@@ -713,6 +731,18 @@ class SparseMoeBlock(Module):
     ------
     TypeError, ValueError
         For a bad argument, naming it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> moe = npattn.SparseMoeBlock(8, num_experts=4, top_k=2, intermediate_size=16, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 3, 8))
+    >>> y = moe(x)
+    >>> y.shape, [name for name, _ in moe.named_parameters()]
+    ((2, 3, 8), ['gate.weight', 'experts.gate_up_proj', 'experts.down_proj'])
+    >>> moe.backward(np.ones_like(y)).shape
+    (2, 3, 8)
     """
 
     def __init__(
