@@ -144,3 +144,33 @@ def test_generate_from_save_pretrained_matches_transformers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert len(set(ref.tolist())) > 2  # a completion worth comparing, not one token repeated
     assert out.split("\n")[0] == prompt + tok.decode(ref.tolist())
+
+
+def test_stream_holds_back_half_characters(tmp_path, capsys, monkeypatch):
+    """A byte-level tokenizer may split a character over two tokens: the stream prints it once
+    it is whole, never a replacement character in between."""
+    import npattn.tools.generate as gen
+
+    tok = _tokenizer(tmp_path)
+    _checkpoint(tmp_path, tok.get_vocab_size())
+    pieces = {1: "caf", 2: "caf\ufffd", 3: "café", 4: "café!"}
+
+    class FakeTokenizer:
+        @staticmethod
+        def from_file(path):
+            return FakeTokenizer()
+
+        def encode(self, text):
+            return type("E", (), {"ids": [1, 2]})()
+
+        def decode(self, ids):
+            return pieces[min(len(ids), 4)]
+
+    monkeypatch.setattr("tokenizers.Tokenizer", FakeTokenizer)
+    monkeypatch.setattr(gen, "stream", lambda model, prompt, n, **kw: iter([5, 6, 7, 8][:n]))
+    assert main(["generate", str(tmp_path), ">", "--max-new-tokens", "4"]) == 0
+    first = capsys.readouterr().out.split("\n")[0]
+    assert first == ">café!" and "\ufffd" not in first
+    monkeypatch.setattr(gen, "stream", lambda model, prompt, n, **kw: iter([5, 6][:n]))
+    assert main(["generate", str(tmp_path), ">", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == ">caf\ufffd"  # still incomplete at the end: printed as decoded

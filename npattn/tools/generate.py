@@ -93,11 +93,16 @@ def main(args) -> int:
     ):
         new.append(token)
         text = tokenizer.decode(new)
-        if text.startswith(shown):  # print what the new token added (a token may complete a character)
+        # print what the new token added; a byte-level token may end in the middle of a character
+        # (decoded as U+FFFD until the next token completes it): hold that back
+        if text.startswith(shown) and not text.endswith("\ufffd"):
             out.write(text[len(shown) :])
             out.flush()
             shown = text
     elapsed = time.perf_counter() - start
+    text = tokenizer.decode(new)
+    if text.startswith(shown):  # whatever was held back
+        out.write(text[len(shown) :])
     rate = len(new) / elapsed if elapsed > 0 else float("inf")
     out.write(f"\n[{len(new)} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s]\n")
     return 0
