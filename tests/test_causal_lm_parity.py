@@ -337,3 +337,17 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     for key in ("routed_scaling_factor", "norm_topk_prob", "n_group", "swiglu_limit", "linear_conv_kernel_dim"):
         if key in full:
             assert a.hf[key] == full[key], key
+
+
+def test_qwen3_next_over_several_delta_rule_chunks():
+    """70 tokens: both sides run the chunked delta rule over two chunks of 64."""
+    hf, cfg = _family("qwen3_next")
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    ids = _ids(cfg["vocab_size"], (1, 70), seed=5)
+    dlogits = np.random.default_rng(6).standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    assert rel_err(m(ids), ref) < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    for n, p in m.named_parameters():
+        assert rel_err(p.grad, ref_grads[n]) < 1e-8, n
