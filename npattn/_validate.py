@@ -260,6 +260,17 @@ def check_float_dtype(dtype, name: str, *, is_dtype_argument: bool = False) -> n
     raise TypeError(f"{name}: {dt.name} is not supported ({why}); {advice}")
 
 
+def check_cache_batch(cache_lead, x_shape, name: str, cache: str) -> None:
+    """A cached call continues the cached batch of sequences: ``x``'s batch shape (every axis but
+    the last two) must be the cache's; ``ValueError`` compares batch shape with batch shape."""
+    lead = tuple(x_shape[:-2])
+    if lead != tuple(cache_lead):
+        raise ValueError(
+            f"{name}: expected the batch shape {tuple(cache_lead)} of the {cache}, got the batch shape {lead} "
+            f"({name} of shape {tuple(x_shape)}; call reset_kv_cache() to start a new sequence)"
+        )
+
+
 def check_cache(cache, expected: type, backward: str):
     """The cache a backward was given must be the one its own forward returned."""
     if not isinstance(cache, expected):

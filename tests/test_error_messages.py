@@ -52,16 +52,31 @@ def test_dtype_argument_advice_without_an_identifier_name():
 
 
 # -- the KV cache: batch shape against batch shape -----------------------------------------------------
-def test_kv_cache_batch_change_compares_batch_shapes():
-    m = npattn.MultiHeadAttention(16, 16, 2, causal=True, rng=0)
+@pytest.mark.parametrize(
+    "build, name, cache",
+    [
+        (lambda: npattn.MultiHeadAttention(16, 16, 2, causal=True, rng=0), "query", "KV cache"),
+        (lambda: npattn.GatedDeltaNet(16, 2, 1, 4, 4, 2, rng=0), "x", "decoding cache"),
+        (
+            lambda: npattn.MultiHeadLatentAttention(
+                16, 2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, rng=0
+            ),
+            "x",
+            "latent cache",
+        ),
+    ],
+    ids=["MultiHeadAttention", "GatedDeltaNet", "MultiHeadLatentAttention"],
+)
+def test_a_cache_batch_change_compares_batch_shapes(build, name, cache):
+    m = build()
     rng = np.random.default_rng(0)
     with npattn.no_grad():
         m(rng.standard_normal((2, 3, 16)), use_cache=True)
         with pytest.raises(ValueError) as info:
             m(rng.standard_normal((1, 1, 16)), use_cache=True)
     msg = str(info.value)
-    assert msg.startswith("query: expected the batch shape (2,) of the KV cache, got the batch shape (1,)")
-    assert "query of shape (1, 1, 16)" in msg and "reset_kv_cache()" in msg
+    assert msg.startswith(f"{name}: expected the batch shape (2,) of the {cache}, got the batch shape (1,)")
+    assert f"{name} of shape (1, 1, 16)" in msg and "reset_kv_cache()" in msg
 
 
 # -- q, k, v share one dtype -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from .._validate import (
     as_rng,
     check_additive_values,
     check_bool,
+    check_cache_batch,
     check_dtype,
     check_mask,
     check_positive_float,
@@ -477,11 +478,7 @@ class MultiHeadAttention(Module):
         cache = self._kv_cache
         if cache is None:
             return 0
-        if cache.lead != x.shape[:-2]:
-            raise ValueError(
-                f"query: expected the batch shape {cache.lead} of the KV cache, got the batch shape "
-                f"{x.shape[:-2]} (query of shape {x.shape}; call reset_kv_cache() to start a new sequence)"
-            )
+        check_cache_batch(cache.lead, x.shape, "query", "KV cache")
         return cache.position
 
     def _build_mask(

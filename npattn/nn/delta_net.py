@@ -24,7 +24,15 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, as_rng, check_bool, check_dtype, check_positive_float, check_size
+from .._validate import (
+    as_float,
+    as_rng,
+    check_bool,
+    check_cache_batch,
+    check_dtype,
+    check_positive_float,
+    check_size,
+)
 from ..functional.conv import CausalConv1dCache, _causal_conv1d, _causal_conv1d_backward, _causal_conv1d_jvp
 from ..functional.delta_rule import (
     GatedDeltaRuleCache,
@@ -202,11 +210,8 @@ class GatedDeltaNet(Module):
         if x.ndim < 2 or x.shape[-1] != self.hidden_size or x.shape[-2] < 1:
             raise ValueError(f"x: expected shape (..., L, {self.hidden_size}) with L >= 1, got {x.shape}")
         use_cache = check_bool(use_cache, "use_cache")
-        if use_cache and self._cache_lead is not None and self._cache_lead != x.shape[:-2]:
-            raise ValueError(
-                f"x: expected the batch shape {self._cache_lead} of the decoding cache, got {x.shape} "
-                "(call reset_kv_cache() to start a new sequence)"
-            )
+        if use_cache and self._cache_lead is not None:
+            check_cache_batch(self._cache_lead, x.shape, "x", "decoding cache")
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
                 return self._forward(x, use_cache=True)

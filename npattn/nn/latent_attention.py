@@ -46,6 +46,7 @@ from .._validate import (
     as_index,
     as_rng,
     check_bool,
+    check_cache_batch,
     check_dtype,
     check_mask,
     check_positive_float,
@@ -401,11 +402,7 @@ class MultiHeadLatentAttention(Module):
         lead, lq = x.shape[:-2], x.shape[-2]
         past = 0
         if use_cache and self._kv_cache is not None:
-            if self._kv_cache.lead != lead:
-                raise ValueError(
-                    f"x: expected the batch shape {self._kv_cache.lead} of the latent cache, got {x.shape} "
-                    "(call reset_kv_cache() to start a new sequence)"
-                )
+            check_cache_batch(self._kv_cache.lead, x.shape, "x", "latent cache")
             past = self._kv_cache.length
         if positions is None:
             positions = np.arange(past, past + lq)
