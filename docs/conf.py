@@ -53,6 +53,9 @@ napoleon_use_rtype = False
 
 # -- MyST / notebooks ------------------------------------------------------------------------------
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
+# "page.md#slug" / "notebook.ipynb#slug" links reach a section (the derivation pages link into the
+# notebooks' sections); a slug that no heading has is a warning, so the build checks them
+myst_heading_anchors = 3
 nb_execution_mode = "off"
 suppress_warnings = ["mystnb.unknown_mime_type"]
 
