@@ -10,6 +10,9 @@ Build: ``pip install ".[docs]"`` then ``python -m sphinx -W --keep-going -b html
   anything from another host.
 * Notebooks are rendered from their committed outputs (``nb_execution_mode = "off"``; the test
   suite executes them); they are copied next to these pages at build time.
+* The derivation pages (``derivations/*.md``) are MyST notebooks executed by every build (their
+  front matter sets ``mystnb: execution_mode: "force"``): each shows a ``gradcheck`` run on tiny
+  shapes (a Jupyter kernel per page, a second or two each).
 """
 
 from __future__ import annotations
