@@ -191,6 +191,16 @@ def plot_attention(
     * ``vmin``/``vmax``: colour limits (default: the data's range); ``colorbar`` adds a colour bar.
 
     The image data (``ax.images[0].get_array()``) is exactly ``weights``.  Returns the ``Axes``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> from npattn import viz
+    >>> ax = viz.plot_attention(np.full((3, 3), 1 / 3), ["a", "b", "c"])
+    >>> ax.get_xticklabels()[0].get_text()
+    'a'
     """
     w = _squeeze_leading(
         _real_array(weights, "weights"), 2, "weights", "(Lq, Lk) (one head; use plot_heads for (H, Lq, Lk))"
@@ -234,6 +244,16 @@ def plot_heads(
 
     The figure holds exactly ``H`` Axes (no colour bar axes), in head order, each titled
     ``head h``.  Returns the ``Figure``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> from npattn import viz
+    >>> fig = viz.plot_heads(np.full((2, 3, 3), 1 / 3))       # one panel per head
+    >>> len(fig.axes) >= 2
+    True
     """
     w = _real_array(weights, "weights")
     if w.ndim == 2:
@@ -304,6 +324,17 @@ def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
     Leading axes of size 1 are dropped (``masks.from_key_padding_mask`` gives ``(b, 1, 1, Lk)``:
     pass one batch element).  Integer masks raise ``TypeError``, as everywhere in npattn.
     The image data is the mask as floats (1/0 for bool).  Returns the ``Axes``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> from npattn import viz
+    >>> from npattn import masks
+    >>> ax = viz.plot_mask(masks.causal(4))
+    >>> type(ax).__name__
+    'Axes'
     """
     if mask is None:
         raise TypeError("mask: expected a bool or float array, got None")
@@ -392,6 +423,18 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
 
     Passing rows are green, failing ones red; an error of exactly 0 is drawn at a floor value
     below the smallest non-zero one and labelled ``0``.  Returns the ``Axes``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> from npattn import viz
+    >>> import npattn
+    >>> report = npattn.gradcheck(npattn.Linear(2, 2, rng=0), np.ones((1, 2)))
+    >>> ax = viz.plot_gradcheck(report)
+    >>> type(ax).__name__
+    'Axes'
     """
     rows, rtols = _gradcheck_rows(report)
     if rtol is None:
@@ -495,6 +538,16 @@ def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabe
     * ``logy``: logarithmic loss axis.
 
     Returns the ``Axes``; its first line of each curve holds the raw values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> from npattn import viz
+    >>> ax = viz.plot_loss([3.0, 2.0, 1.5, 1.2])
+    >>> ax.get_ylabel()
+    'loss'
     """
     if isinstance(history, dict):
         if not history:

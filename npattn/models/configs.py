@@ -633,6 +633,15 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     ValueError
         An unsupported ``model_type``, a missing or malformed key, or a key naming an option
         npattn does not implement (the message names the key).
+
+    Examples
+    --------
+    >>> from npattn.models.configs import config_from_hf
+    >>> cfg = config_from_hf({"model_type": "llama", "vocab_size": 32, "hidden_size": 16,
+    ...                       "intermediate_size": 24, "num_hidden_layers": 1,
+    ...                       "num_attention_heads": 4, "num_key_value_heads": 2})
+    >>> cfg.model_type, cfg.num_key_value_heads, cfg.head_dim          # head_dim: 16 / 4
+    ('llama', 2, 4)
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"config: expected a mapping (PretrainedConfig.to_dict()), got {type(config).__name__}")
