@@ -205,6 +205,22 @@ def test_chunked_default_scale_and_float32():
     close(out64, ref)
 
 
+def test_float32_strong_decays_match_float64():
+    """Decays of -10 per step make e^{gamma} subnormal in float32 within a chunk (flushed to 0
+    there): the float32 result and gradients still match float64's."""
+    rng = np.random.default_rng(18)
+    c = _case(rng, lead=(1, 2), steps=150, dk=8, dv=4)
+    c["g"] = c["g"] * 10.0
+    out, cache = F.gated_delta_rule(**c, use_qk_l2norm=True)
+    dout = rng.standard_normal(out.shape)
+    grads = F.gated_delta_rule_backward(dout, cache)
+    c32 = {n: a.astype(np.float32) for n, a in c.items()}
+    out32, cache32 = F.gated_delta_rule(**c32, use_qk_l2norm=True)
+    np.testing.assert_allclose(out32, out, rtol=1e-4, atol=1e-5)
+    for g32, g64 in zip(F.gated_delta_rule_backward(dout.astype(np.float32), cache32), grads):
+        np.testing.assert_allclose(g32, g64, rtol=1e-3, atol=1e-4 * max(1.0, float(np.abs(g64).max())))
+
+
 def test_split_sequence_with_carried_state_equals_one_pass():
     """Two calls, the second starting from the first's final state, give the one-pass output; the
     gradient flows back across the split through dfinal_state = dinitial_state of the second."""
