@@ -1,17 +1,28 @@
-"""Hugging Face modules as float64 oracles.
+"""Hugging Face ``transformers`` as float64 oracles (torch is imported lazily, inside each helper).
 
-``transformers`` computes RoPE frequencies with ``dtype=torch.float`` (float32) and its eager
-attention and RMSNorms upcast to ``torch.float32``; in float64 tests those upcasts would be
-*down*casts.  ``float64_torch(monkeypatch, *modules)`` replaces the ``torch`` each given module
-sees by a proxy whose ``float``/``float32`` are ``torch.float64`` (everything else is torch's), so
-the same code runs in float64; ``default_float64()`` makes float64 torch's default dtype for a
-block (integer tensors times Python floats, e.g. the dynamic NTK base at a tensor ``seq_len``).
-Tensor methods (``x.float()``) are not affected: the tests patch those classes where they matter
-and say so.
+``transformers`` computes RoPE frequencies with ``dtype=torch.float`` (float32) and upcasts to
+float32 in places (softmax ``dtype=torch.float32``, RMSNorm's ``.to(torch.float32)``, RoPE's
+``.float()`` angles, the MoE routers' ``.type(torch.float32)``, DeltaNet's ``.to(torch.float32)``);
+in float64 tests those upcasts would be *down*casts, rounding the reference to float32 precision.
+Two ways to run the same code in float64 instead (the comparisons then hold to 1e-9 instead of
+being loosened to float32's 1e-6):
+
+* ``float64_torch(monkeypatch, *modules)`` replaces the ``torch`` each given module sees by a proxy
+  whose ``float``/``float32`` are ``torch.float64`` (everything else is torch's); tensor methods
+  (``x.float()``) are not affected: the tests patch those classes where they matter and say so.
+  ``default_float64()`` makes float64 torch's default dtype for a block (integer tensors times
+  Python floats, e.g. the dynamic NTK base at a tensor ``seq_len``).
+* ``float64_reference()`` turns every cast to float32 (``Tensor.to/float/type``, softmax's
+  ``dtype``) and every float32 factory into float64, torch-wide, while a whole model is built and
+  run (``build``, ``hf_logits_and_grads``: transformers' own models as oracles for
+  ``npattn.models.CausalLM``).
 """
 
 import contextlib
+import functools
 import importlib
+
+import numpy as np
 
 
 class _Float64Torch:
@@ -44,3 +55,112 @@ def default_float64():
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _dt(d):
+    import torch
+
+    return torch.float64 if d is torch.float32 else d
+
+
+@contextlib.contextmanager
+def float64_reference():
+    """Every float32 cast / factory inside becomes float64; default dtype float64."""
+    import torch
+
+    T = torch.Tensor
+    orig = {"to": T.to, "float": T.float, "type": T.type}
+    sm = torch.nn.functional.softmax
+    factories = {n: getattr(torch, n) for n in ("arange", "zeros", "ones", "tensor", "full", "empty", "linspace")}
+
+    def to(self, *args, **kwargs):
+        args = tuple(_dt(a) if isinstance(a, torch.dtype) else a for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = _dt(kwargs["dtype"])
+        return orig["to"](self, *args, **kwargs)
+
+    def flt(self, *args, **kwargs):
+        return orig["to"](self, torch.float64)
+
+    def typ(self, dtype=None, *args, **kwargs):
+        if dtype is None:
+            return orig["type"](self)
+        return orig["type"](self, _dt(dtype), *args, **kwargs)
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        return sm(input, dim=dim, dtype=_dt(dtype) if dtype is not None else None)
+
+    def factory(f):
+        @functools.wraps(f)
+        def g(*args, **kwargs):
+            if "dtype" in kwargs:
+                kwargs["dtype"] = _dt(kwargs["dtype"])
+            return f(*args, **kwargs)
+
+        return g
+
+    T.to, T.float, T.type = to, flt, typ
+    torch.nn.functional.softmax = softmax
+    for n, f in factories.items():
+        setattr(torch, n, factory(f))
+    try:
+        with default_float64():
+            yield
+    finally:
+        T.to, T.float, T.type = orig["to"], orig["float"], orig["type"]
+        torch.nn.functional.softmax = sm
+        for n, f in factories.items():
+            setattr(torch, n, f)
+
+
+def randomize(model, seed: int = 0, scale: float = 0.2) -> None:
+    """Every parameter (and float buffer of the state dict) drawn N(0, scale²); norm weights
+    around their own centre (1 for ``w`` norms, 0 for Gemma's ``1 + w``), so that every
+    gradient path carries signal."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale
+            p.copy_(p + noise)
+        persistent = set(model.state_dict())
+        for name, b in model.named_buffers():  # e.g. DeepSeek-V3's e_score_correction_bias (choice only)
+            if name in persistent and b.dtype.is_floating_point:
+                b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * scale)
+
+
+def build(config_cls, model_cls, seed: int = 0, **kwargs):
+    """``(hf_model float64 eager, config dict)`` with random weights, built under ``float64_reference``."""
+    import torch
+
+    cfg = config_cls(**kwargs)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    with float64_reference():
+        torch.manual_seed(seed)
+        model = model_cls(cfg).double().eval()
+        randomize(model, seed)
+    return model, cfg.to_dict()
+
+
+def hf_logits_and_grads(model, ids: np.ndarray, dlogits: np.ndarray):
+    """transformers' logits and every parameter's gradient of ``sum(logits * dlogits)``."""
+    import torch
+
+    model.zero_grad()
+    with float64_reference():
+        out = model(input_ids=torch.from_numpy(ids), use_cache=False).logits
+        out.backward(torch.from_numpy(dlogits))
+    grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().numpy(), grads
+
+
+def state_dict(model) -> dict:
+    """The model's state dict as numpy arrays (float64)."""
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _hf_oracle import build, hf_logits_and_grads, rel_err, state_dict  # noqa: E402
+from _hf64 import build, hf_logits_and_grads, rel_err, state_dict  # noqa: E402
 
 from npattn import no_grad  # noqa: E402
 from npattn.models import CausalLM, config_from_hf  # noqa: E402

@@ -12,7 +12,7 @@ from npattn.nn.moe import SparseMoeBlock
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from _hf_oracle import float64_reference  # noqa: E402  (after the skips: it imports torch)
+from _hf64 import float64_reference  # noqa: E402
 
 MODULES = {
     "gpt_oss": "models.gpt_oss.modeling_gpt_oss",
