@@ -58,6 +58,8 @@ def test_page_is_complete(page):
     for heading in ("## Forward", "## Backward (VJP)", "## Forward mode (JVP)"):
         assert heading in text, f"{page.name}: no section {heading!r}"
     assert text.count("$$") >= 4, f"{page.name}: no displayed math"
+    # MathJax's text mode prints a backslash before "_" as it is: write \texttt{a_b}, not \texttt{a\_b}
+    assert not re.search(r"\\text(?:tt)?\{[^}]*\\_", text), f"{page.name}: an escaped _ inside \\text or \\texttt"
     includes = _includes(page)
     assert len(includes) >= 3, f"{page.name}: the forward, backward and JVP code should be included"
     for src, obj in includes:
