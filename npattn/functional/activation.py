@@ -157,6 +157,19 @@ def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> out, cache = F.relu(x)
+    >>> tout = F.relu_jvp(cache, tx)
+    >>> f = lambda s: F.relu(x + s * tx)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, ReluCache, "relu_jvp")
     (tx,) = check_tangents(tangents, ("tx",), "relu_jvp")
@@ -282,6 +295,19 @@ def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> out, cache = F.gelu(x)
+    >>> tout = F.gelu_jvp(cache, tx)
+    >>> f = lambda s: F.gelu(x + s * tx)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, GeluCache, "gelu_jvp")
     (tx,) = check_tangents(tangents, ("tx",), "gelu_jvp")
@@ -397,6 +423,19 @@ def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> out, cache = F.silu(x)
+    >>> tout = F.silu_jvp(cache, tx)
+    >>> f = lambda s: F.silu(x + s * tx)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, SiluCache, "silu_jvp")
     (tx,) = check_tangents(tangents, ("tx",), "silu_jvp")
@@ -532,6 +571,19 @@ def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> out, cache = F.softmax(x)
+    >>> tout = F.softmax_jvp(cache, tx)
+    >>> f = lambda s: F.softmax(x + s * tx)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, SoftmaxCache, "softmax_jvp")
     (tx,) = check_tangents(tangents, ("tx",), "softmax_jvp")
@@ -666,6 +718,19 @@ def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> out, cache = F.dropout(x, 0.5, rng=1)
+    >>> tout = F.dropout_jvp(cache, tx)
+    >>> f = lambda s: F.dropout(x + s * tx, 0.5, rng=1)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, DropoutCache, "dropout_jvp")
     (tx,) = check_tangents(tangents, ("tx",), "dropout_jvp")

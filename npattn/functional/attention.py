@@ -629,6 +629,20 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
         A cache from another op, too many tangents, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    >>> tq, tk, tv = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    >>> out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> tout = F.scaled_dot_product_attention_jvp(cache, tq, tk, tv)
+    >>> f = lambda s: F.scaled_dot_product_attention(q + s * tq, k + s * tk, v + s * tv, is_causal=True)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     if not isinstance(cache, AttentionCache):
         raise TypeError(

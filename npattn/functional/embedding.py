@@ -220,6 +220,20 @@ def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> W, tW = rng.standard_normal((6, 3)), rng.standard_normal((6, 3))
+    >>> ids = np.array([[0, 5, 5]])
+    >>> out, cache = F.embedding(ids, W)
+    >>> tout = F.embedding_jvp(cache, tW)
+    >>> f = lambda s: F.embedding(ids, W + s * tW)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, EmbeddingCache, "embedding_jvp")
     (tw,) = check_tangents(tangents, ("tweight",), "embedding_jvp")

@@ -163,6 +163,20 @@ def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
         A cache from another op, more than three tangents, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape, or ``tbias`` without a bias in the forward.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> w, tw = rng.standard_normal((2, 5)), rng.standard_normal((2, 5))
+    >>> out, cache = F.linear(x, w)
+    >>> tout = F.linear_jvp(cache, tx, tw)
+    >>> f = lambda s: F.linear(x + s * tx, w + s * tw)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, LinearCache, "linear_jvp")
     x, weight, has_bias = cache

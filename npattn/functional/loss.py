@@ -284,6 +284,20 @@ def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> z, tz = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
+    >>> t = np.array([0, 5, 2, 2])
+    >>> out, cache = F.cross_entropy(z, t)
+    >>> tout = F.cross_entropy_jvp(cache, tz)
+    >>> f = lambda s: F.cross_entropy(z + s * tz, t)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_jvp")
     (tz,) = check_tangents(tangents, ("tlogits",), "cross_entropy_jvp")

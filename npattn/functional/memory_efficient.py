@@ -994,6 +994,20 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
         A cache from another op, too many tangents, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    >>> tq, tk, tv = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
+    >>> out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=2)
+    >>> tout = F.memory_efficient_attention_jvp(cache, tq, tk, tv)
+    >>> f = lambda s: F.memory_efficient_attention(q + s * tq, k + s * tk, v + s * tv, is_causal=True, block_size=2)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     if not isinstance(cache, MemoryEfficientCache):
         raise TypeError(

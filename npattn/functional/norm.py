@@ -267,6 +267,20 @@ def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
         A cache from another op, more than three tangents, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape, or one for an input the forward did not have.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> w, tw = np.ones(5), rng.standard_normal(5)
+    >>> out, cache = F.layer_norm(x, w)
+    >>> tout = F.layer_norm_jvp(cache, tx, tw)
+    >>> f = lambda s: F.layer_norm(x + s * tx, w + s * tw)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, LayerNormCache, "layer_norm_jvp")
     tx, tw, tb = check_tangents(tangents, ("tx", "tweight", "tbias"), "layer_norm_jvp")
@@ -435,6 +449,20 @@ def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
         A cache from another op, more than two tangents, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape, or ``tweight`` when the forward had no weight.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> w, tw = np.ones(5), rng.standard_normal(5)
+    >>> out, cache = F.rms_norm(x, w)
+    >>> tout = F.rms_norm_jvp(cache, tx, tw)
+    >>> f = lambda s: F.rms_norm(x + s * tx, w + s * tw)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, RMSNormCache, "rms_norm_jvp")
     tx, tw = check_tangents(tangents, ("tx", "tweight"), "rms_norm_jvp")

@@ -231,6 +231,19 @@ def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
         A cache from another op, more than one tangent, or a tangent that is not a real array.
     ValueError
         A tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((2, 4, 6)), rng.standard_normal((2, 4, 6))
+    >>> out, cache = F.rope(x)
+    >>> tout = F.rope_jvp(cache, tx)
+    >>> f = lambda s: F.rope(x + s * tx)[0]
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
     """
     check_cache(cache, RopeCache, "rope_jvp")
     (tx,) = check_tangents(tangents, ("tx",), "rope_jvp")
