@@ -253,7 +253,22 @@ class SelfAttention_v2(_SingleHead):
 
 class CausalAttention(_SingleHead):
     """Single-head causal attention with dropout on the weights and the ``mask`` buffer
-    (ones above the diagonal, as the book's ``torch.triu(torch.ones(...), diagonal=1)``)."""
+    (ones above the diagonal, as the book's ``torch.triu(torch.ones(...), diagonal=1)``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book, data
+    >>> ch3 = data.load("chapter3")
+    >>> def weights(prefix):
+    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
+    >>> batch = np.stack([ch3["inputs"], ch3["inputs"]]).astype(np.float64)   # (2, 6, 3)
+    >>> ca = book.CausalAttention(3, 2, 6, 0.0)
+    >>> _ = ca.load_state_dict(weights("ca"))
+    >>> out = ca(batch)
+    >>> bool(np.allclose(out, ch3["out.ca"], atol=1e-6)), out.shape   # torch's output
+    (True, (2, 6, 2))
+    """
 
     def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False, *, rng=None, dtype=np.float64):
         super().__init__()
@@ -288,7 +303,22 @@ class CausalAttention(_SingleHead):
 class MultiHeadAttentionWrapper(Module):
     """``num_heads`` independent ``CausalAttention`` heads, outputs concatenated:
     ``(..., num_tokens, num_heads * d_out)``.  Backward splits ``dy`` per head and sums the
-    heads' input gradients."""
+    heads' input gradients.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book, data
+    >>> ch3 = data.load("chapter3")
+    >>> def weights(prefix):
+    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
+    >>> batch = np.stack([ch3["inputs"], ch3["inputs"]]).astype(np.float64)   # (2, 6, 3)
+    >>> mhaw = book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
+    >>> _ = mhaw.load_state_dict(weights("mhaw"))
+    >>> out = mhaw(batch)
+    >>> bool(np.allclose(out, ch3["out.mhaw"], atol=1e-6)), out.shape   # the heads side by side
+    (True, (2, 6, 4))
+    """
 
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, *, rng=None, dtype=np.float64):
         super().__init__()
@@ -463,7 +493,17 @@ def _check_cfg(cfg):
 class LayerNorm(Module):
     """The book's layer norm: ``scale * (x - mean) / sqrt(var + eps) + shift`` over the last axis,
     biased variance, ``eps = 1e-5``; parameters ``scale`` (ones) and ``shift`` (zeros).
-    The functional ``layer_norm`` pair with ``weight=scale``, ``bias=shift``."""
+    The functional ``layer_norm`` pair with ``weight=scale``, ``bias=shift``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> ln = book.LayerNorm(4)
+    >>> y = ln(np.array([[1.0, 2.0, 3.0, 4.0]]))
+    >>> np.round(y, 4), sorted(ln.state_dict())              # the book's names: scale, shift
+    (array([[-1.3416, -0.4472,  0.4472,  1.3416]]), ['scale', 'shift'])
+    """
 
     def __init__(self, emb_dim, *, dtype=np.float64):
         super().__init__()
@@ -531,7 +571,16 @@ class LayerNorm(Module):
 
 
 class GELU(Module):
-    """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> gelu = book.GELU()
+    >>> np.round(gelu(np.array([-1.0, 0.0, 1.0])), 4)
+    array([-0.1588,  0.    ,  0.8412])
+    """
 
     def forward(self, x):
         """The tanh approximation of GELU: ``(...) -> (...)``.
@@ -593,7 +642,19 @@ class _Sequential(Sequential):
 
 class FeedForward(Module):
     """The book's feed-forward: ``layers = Sequential(Linear(emb, 4 emb), GELU(), Linear(4 emb, emb))``
-    [``layers.0.weight``, ``layers.0.bias``, ``layers.2.weight``, ``layers.2.bias``]."""
+    [``layers.0.weight``, ``layers.0.bias``, ``layers.2.weight``, ``layers.2.bias``].
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
+    ...        "drop_rate": 0.0, "qkv_bias": False}
+    >>> ff = book.FeedForward(cfg, rng=0)
+    >>> y = ff(np.ones((1, 3, 16)))
+    >>> y.shape, sorted(ff.state_dict())[0]
+    ((1, 3, 16), 'layers.0.bias')
+    """
 
     def __init__(self, cfg, *, rng=None, dtype=np.float64):
         super().__init__()
@@ -665,6 +726,18 @@ class TransformerBlock(Module):
     Backward: each residual sum sends ``dy`` both ways, so ``dx = dy + branch.backward(dy)``,
     second branch first.  ``drop_shortcut`` is applied twice, so the block calls the functional
     dropout pair itself (with the module's ``rng``) and keeps both masks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
+    ...        "drop_rate": 0.0, "qkv_bias": False}
+    >>> block = book.TransformerBlock(cfg, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((2, 5, 16))
+    >>> y = block(x)
+    >>> block.backward(np.ones_like(y)).shape
+    (2, 5, 16)
     """
 
     def __init__(self, cfg, *, rng=None, dtype=np.float64):
@@ -980,7 +1053,19 @@ class GPTModel(Module):
 
 def generate_text_simple(model, idx, max_new_tokens, context_size):
     """The book's greedy decoding (chapter 4): append ``max_new_tokens`` arg-max tokens, each
-    predicted from the last ``context_size`` tokens (``generate`` with its defaults, no cache)."""
+    predicted from the last ``context_size`` tokens (``generate`` with its defaults, no cache).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
+    ...        "drop_rate": 0.0, "qkv_bias": False}
+    >>> gpt = book.GPTModel(cfg, rng=0)
+    >>> out = book.generate_text_simple(gpt, np.array([[1, 2, 3]]), max_new_tokens=3, context_size=8)
+    >>> out.shape, out[0, :3].tolist()                       # greedy: the arg-max at each step
+    ((1, 6), [1, 2, 3])
+    """
     return _generate(model, idx, max_new_tokens, context_size, use_cache=False)
 
 
