@@ -62,13 +62,37 @@ def seeds() -> st.SearchStrategy[int]:
 
 
 def dtypes(*choices) -> st.SearchStrategy[np.dtype]:
-    """``np.dtype(float32)`` or ``np.dtype(float64)`` (or the given choices)."""
+    """``np.dtype(float32)`` or ``np.dtype(float64)`` (or the given choices).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.dtypes())
+    ... def test(value):
+    ...     assert value in (np.float32, np.float64)
+    >>> test()                                        # raises if a drawn example breaks the property
+    """
     choices = choices or (np.float64, np.float32)
     return st.sampled_from([np.dtype(c) for c in choices])
 
 
 def shapes(min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 4) -> st.SearchStrategy[tuple]:
-    """Array shapes: ``min_dims..max_dims`` axes of ``min_side..max_side`` each."""
+    """Array shapes: ``min_dims..max_dims`` axes of ``min_side..max_side`` each.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.shapes(min_dims=2, max_dims=3, max_side=4))
+    ... def test(value):
+    ...     assert 2 <= len(value) <= 3 and max(value) <= 4
+    >>> test()                                        # raises if a drawn example breaks the property
+    """
     if not 0 <= min_dims <= max_dims or not 0 <= min_side <= max_side:
         raise ValueError(f"shapes: bad bounds dims [{min_dims}, {max_dims}], sides [{min_side}, {max_side}]")
     return st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
@@ -83,6 +107,17 @@ def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.
 
     ``shape`` is a tuple or a strategy of tuples (e.g. :func:`shapes`); ``dtype`` a dtype or a
     strategy of dtypes (e.g. :func:`dtypes`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.arrays((2, 3), scale=10.0))
+    ... def test(value):
+    ...     assert value.shape == (2, 3) and np.isfinite(value).all()
+    >>> test()                                        # raises if a drawn example breaks the property
     """
     dt = dtype if isinstance(dtype, st.SearchStrategy) else st.just(np.dtype(dtype))
 
@@ -95,13 +130,37 @@ def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.
 
 def scales(values=(0.1, 0.3, 1.0, 3.0, 10.0)) -> st.SearchStrategy[float]:
     """Input scales to multiply test inputs by: ``gradcheck`` is proven free of false failures
-    from 0.1 to 10 (``tests/test_gradcheck_props.py``)."""
+    from 0.1 to 10 (``tests/test_gradcheck_props.py``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.scales())
+    ... def test(value):
+    ...     assert 0.1 <= value <= 10
+    >>> test()                                        # raises if a drawn example breaks the property
+    """
     return st.sampled_from(tuple(float(v) for v in values))
 
 
 def tangents(shape, dtype=np.float64, allow_none: bool = True) -> st.SearchStrategy[Optional[np.ndarray]]:
     """Tangents for forward mode (``<op>_jvp``, ``Module.jvp``): standard normal arrays of
-    ``shape`` (a tuple or a strategy of tuples), or, with ``allow_none``, sometimes ``None`` (zero)."""
+    ``shape`` (a tuple or a strategy of tuples), or, with ``allow_none``, sometimes ``None`` (zero).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.tangents((2, 3)))
+    ... def test(value):
+    ...     assert value is None or value.shape == (2, 3)
+    >>> test()                                        # raises if a drawn example breaks the property
+    """
     dt = np.dtype(dtype)
 
     def build(args):
@@ -113,7 +172,20 @@ def tangents(shape, dtype=np.float64, allow_none: bool = True) -> st.SearchStrat
 
 
 def gradcheck_modes(modes=("rev", "fwd", "both")) -> st.SearchStrategy[str]:
-    """The ``mode=`` of :func:`npattn.gradcheck`: ``"rev"`` (backward), ``"fwd"`` (JVP) or ``"both"``."""
+    """The ``mode=`` of :func:`npattn.gradcheck`: ``"rev"`` (backward), ``"fwd"`` (JVP) or ``"both"``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.gradcheck_modes())
+    ... def test(value):
+    ...     import npattn
+    ...     assert npattn.gradcheck(npattn.Linear(2, 2, rng=0), np.ones((1, 2)), mode=value).ok
+    >>> test()                                        # raises if a drawn example breaks the property
+    """
     return st.sampled_from(tuple(modes))
 
 
@@ -163,6 +235,19 @@ def layer_norm_inputs(
     Each row is standardised then given a standard deviation in ``[0.5, 2]`` and a mean in
     ``[-1, 1]``, so ``1/sqrt(var + eps)`` is well conditioned.  ``weight`` and ``bias`` are each
     present or None (``affine=True``: both present; ``False``: both None).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.layer_norm_inputs())
+    ... def test(value):
+    ...     import npattn
+    ...     from npattn import functional as F
+    ...     assert npattn.gradcheck(F.layer_norm, value.x, value.weight, value.bias, eps=value.eps).ok
+    >>> test()                                        # raises if a drawn example breaks the property
     """
     if min_features < 2:
         raise ValueError("layer_norm_inputs: rows need at least 2 features for a non-zero variance")
@@ -387,6 +472,20 @@ def attention_configs(
       head axis ``alibi_slopes`` (:func:`alibi_slopes`, shape ``(Hq,)``) and ``sinks``
       (:func:`sinks`); ``mask_grad`` is drawn only for float masks.  ``cfg.kwargs()`` includes
       the options that are set, ``cfg.visible()`` accounts for alignment and window.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.attention_configs(options=True))
+    ... def test(value):
+    ...     import npattn
+    ...     from npattn import functional as F
+    ...     out, _ = F.scaled_dot_product_attention(value.q, value.k, value.v, **value.kwargs())
+    ...     assert np.isfinite(out).all()
+    >>> test()                                        # raises if a drawn example breaks the property
     """
     dt = np.dtype(draw(dtype) if isinstance(dtype, st.SearchStrategy) else dtype)
     batch = tuple(draw(st.lists(st.integers(1, max_batch), max_size=max_batch_dims)))
@@ -457,7 +556,20 @@ def _option_names(options) -> Tuple[str, ...]:
 def windows(max_left: int = 4, max_right: int = 4, unbounded: bool = True) -> st.SearchStrategy[Tuple[int, int]]:
     """Sliding windows ``(left, right)`` for the attention cores' ``window=``: each side in
     ``0..max_<side>`` or, with ``unbounded``, ``-1`` (no limit on that side).  A window may
-    leave a query row with no visible key (its output is then 0): the cores must handle it."""
+    leave a query row with no visible key (its output is then 0): the cores must handle it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from hypothesis import given, settings
+    >>> from npattn import testing
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(testing.windows())
+    ... def test(value):
+    ...     left, right = value
+    ...     assert left >= -1 and right >= -1
+    >>> test()                                        # raises if a drawn example breaks the property
+    """
     if max_left < 0 or max_right < 0:
         raise ValueError(f"windows: expected max_left, max_right >= 0, got {max_left}, {max_right}")
 
