@@ -2,6 +2,7 @@
 ``Module.jvp``, ``Sequential`` and ``ModuleList``."""
 
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -398,3 +399,27 @@ def test_sequential_jvp_needs_every_child_to_keep_a_state():
     with pytest.raises(RuntimeError, match="Stateless kept no state"):
         seq.jvp(rand(1, 2))
     assert seq.backward(np.ones_like(y)).shape == (1, 2)
+
+
+def test_forwards_without_backward_warn_once_they_pile_up():
+    """An evaluation loop run outside no_grad keeps every forward's state (each waits for a
+    backward); past SAVED_STATES_WARNING of them the module says so, once, and names the cure."""
+    from npattn.nn import module as module_mod
+
+    lin = npattn.Linear(3, 2, rng=0)
+    x = np.random.default_rng(1).standard_normal((4, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(module_mod.SAVED_STATES_WARNING - 1):
+            lin(x)
+        assert not caught
+        for _ in range(3):
+            lin(x)
+    assert len(caught) == 1 and issubclass(caught[0].category, RuntimeWarning)
+    assert "no_grad" in str(caught[0].message) and "clear_saved" in str(caught[0].message)
+    lin.clear_saved()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with npattn.no_grad():
+            for _ in range(2 * module_mod.SAVED_STATES_WARNING):
+                lin(x)

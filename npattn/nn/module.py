@@ -34,6 +34,7 @@ import contextlib
 import functools
 import os
 import threading
+import warnings
 import zipfile
 from collections import OrderedDict
 
@@ -45,6 +46,11 @@ from ..functional._workspace import Workspace
 __all__ = ["Parameter", "Module", "ModuleList", "ParamTangents", "no_grad", "is_grad_enabled"]
 
 _state = threading.local()
+
+# A forward outside no_grad keeps its state until a backward takes it (a stack, so that a module
+# called twice in one forward gets both backwards).  Forwards whose backward never comes (an
+# evaluation loop run without no_grad) would pile states up unseen: past this many, warn once.
+SAVED_STATES_WARNING = 64
 
 
 def is_grad_enabled() -> bool:
@@ -421,6 +427,14 @@ class Module:
         if is_grad_enabled():
             plist = self._param_list()
             self._states.append(_Saved(cache, (plist, tuple(p._version for _, p in plist))))
+            if len(self._states) == SAVED_STATES_WARNING:
+                warnings.warn(
+                    f"{type(self).__name__} keeps {SAVED_STATES_WARNING} forward states that no backward has "
+                    "taken yet; run forwards whose backward never comes (evaluation) under npattn.no_grad(), "
+                    "or release them with clear_saved()",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             object.__setattr__(self, "_nograd_forward", False)
         else:
             self._states.clear()
