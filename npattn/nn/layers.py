@@ -675,6 +675,34 @@ def _act(name: str):
     return getattr(K, kernel), getattr(K, kernel + "_backward"), kwargs
 
 
+# The gated unit ``h = act(gate(x)) * up(x)`` (SwiGLU and its kin), said once for FeedForward's
+# "swiglu" (linear1, linear3) and nn.moe.GatedMLP (gate_proj, up_proj); ``state`` is
+# ``(act's cache, s = act(gate x), b = up x)``.
+def _gated(act: str, gate: Linear, up: Linear, x: np.ndarray):
+    kernel, _, kwargs = _act(act)
+    s, act_cache = kernel(gate._forward(x), **kwargs)
+    b = up._forward(x)
+    return s * b, (act_cache, s, b)
+
+
+def _gated_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state) -> np.ndarray:
+    """``h = s b`` with ``s = act(a)``, ``a = gate x``, ``b = up x``: ``db = dh s``,
+    ``da = act'(a) (dh b)``, and ``dx`` sums the two linears' input gradients."""
+    act_cache, s, b = state
+    dx = up._backward(dh * s)
+    dx += gate._backward(_act(act)[1](dh * b, act_cache))
+    return dx
+
+
+def _gated_jvp(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents) -> np.ndarray:
+    """``th = act'(a) ta b + s tb`` with the linears' tangents ``ta``, ``tb`` (the children's
+    latest states are ``module``'s call's)."""
+    act_cache, s, b = state
+    ta = module._child_jvp(gate, -1, (tx,), param_tangents)
+    tb = module._child_jvp(up, -1, (tx,), param_tangents)
+    return getattr(K, _ACTIVATIONS[act][0] + "_jvp")(act_cache, ta) * b + s * tb
+
+
 class FeedForward(Module):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))`` (as torch's encoder layer).
 
@@ -757,10 +785,11 @@ class FeedForward(Module):
         act, _, kwargs = _act(self.activation)
         # A training step's (..., d_ff) arrays come from (and go back to) the module's workspace
         ws = self._workspace() if is_grad_enabled() and self.activation != "swiglu" else None
-        if ws is None:
-            a = self.linear1._forward(x)
-            h, cache = act(a, **kwargs)
-            reused: tuple = ()
+        reused: tuple = ()
+        if self.activation == "swiglu":  # cache: silu's, silu(a) and b, for the product's gradient
+            h, cache = _gated("swiglu", self.linear1, self.linear3, x)
+        elif ws is None:
+            h, cache = act(self.linear1._forward(x), **kwargs)
         else:
             a = self.linear1._forward(x, out=ws.empty(x.shape[:-1] + (self.linear1.out_features,), x.dtype))
             if self.activation == "relu":  # in place: relu keeps only its mask
@@ -769,10 +798,6 @@ class FeedForward(Module):
             else:
                 h, cache = act(a, **kwargs)
                 reused = (a,)
-        if self.activation == "swiglu":
-            b = self.linear3._forward(x)
-            cache = (cache, h, b)  # silu(a) and b, for the product's gradient
-            h = h * b
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
         self._save((cache, drop, reused))
         return self.linear2._forward(self.dropout._forward(h) if drop else h)
@@ -810,9 +835,7 @@ class FeedForward(Module):
         if drop:
             dh = self.dropout._backward(dh)
         if self.activation == "swiglu":
-            cache, s, b = cache
-            dx3 = self.linear3._backward(dh * s)
-            return self.linear1._backward(act_backward(dh * b, cache)) + dx3
+            return _gated_backward("swiglu", self.linear1, self.linear3, dh, cache)
         if ws is None:
             return self.linear1._backward(act_backward(dh, cache))
         if self.activation == "relu" and not drop:  # in place on dh, a workspace array
@@ -830,15 +853,11 @@ class FeedForward(Module):
         the dropout's own mask, then ``linear2'``.  Each child's latest state is this call's."""
         tx = _input_tangent(input_tangents, "FeedForward")
         cache, drop, _ = state
-        kernel = _ACTIVATIONS[self.activation][0]
-        act_jvp = getattr(F, kernel + "_jvp")
-        ta = self._child_jvp(self.linear1, -1, (tx,), param_tangents)
         if self.activation == "swiglu":
-            cache, s, b = cache
-            tb = self._child_jvp(self.linear3, -1, (tx,), param_tangents)
-            th = act_jvp(cache, ta) * b + s * tb
+            th = _gated_jvp(self, "swiglu", self.linear1, self.linear3, tx, cache, param_tangents)
         else:
-            th = act_jvp(cache, ta)
+            act_jvp = getattr(F, _ACTIVATIONS[self.activation][0] + "_jvp")
+            th = act_jvp(cache, self._child_jvp(self.linear1, -1, (tx,), param_tangents))
         if drop:
             th = self._child_jvp(self.dropout, -1, (th,), param_tangents)
         return self._child_jvp(self.linear2, -1, (th,), param_tangents)

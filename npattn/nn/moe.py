@@ -61,7 +61,7 @@ from ..functional.moe import (
     check_real,
     check_router_options,
 )
-from .layers import Linear, _act, _check_features, _input_tangent
+from .layers import Linear, _check_features, _gated, _gated_backward, _gated_jvp, _input_tangent
 from .module import Module, Parameter
 
 __all__ = [
@@ -633,11 +633,9 @@ class GatedMLP(Module):
         return self._forward(x)
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        act, _, kwargs = _act(self._act)
-        a, act_cache = act(self.gate_proj._forward(x), **kwargs)
-        b = self.up_proj._forward(x)
-        self.save_for_backward((act_cache, a, b))
-        return self.down_proj._forward(a * b)
+        h, state = _gated(self._act, self.gate_proj, self.up_proj, x)
+        self.save_for_backward(state)
+        return self.down_proj._forward(h)
 
     def backward(self, dy) -> np.ndarray:
         """``dx (..., H)`` from ``dy (..., H)``; the projections' ``.grad`` grow by theirs.
@@ -652,24 +650,18 @@ class GatedMLP(Module):
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        """``h = a b`` with ``a = act(gate_proj x)``, ``b = up_proj x``: ``da = dh b``, ``db = dh a``,
-        and ``dx`` sums the two projections' input gradients."""
-        act_cache, a, b = self.pop_saved()
-        dh = self.down_proj._backward(dy)
-        dx = self.up_proj._backward(dh * a)
-        dx += self.gate_proj._backward(_act(self._act)[1](dh * b, act_cache))
-        return dx
+        """``down_proj``'s, then the gated unit's (``layers._gated_backward``)."""
+        state = self.pop_saved()
+        return _gated_backward(self._act, self.gate_proj, self.up_proj, self.down_proj._backward(dy), state)
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``th = act'(g) tg b + a tb`` with the projections' tangents ``tg``, ``tb``
         (each child's latest state is this call's), then ``down_proj``'s."""
         tx = _input_tangent(input_tangents, "GatedMLP")
-        act_cache, a, b = state
+        s = state[1]  # act(gate_proj x)
         if tx is not None:
-            tx = check_tangent(tx, "tx", a.shape[:-1] + (self.hidden_size,), a.dtype)
-        tg = self._child_jvp(self.gate_proj, -1, (tx,), param_tangents)
-        tb = self._child_jvp(self.up_proj, -1, (tx,), param_tangents)
-        th = _act(self._act)[1](tg, act_cache) * b + a * tb
+            tx = check_tangent(tx, "tx", s.shape[:-1] + (self.hidden_size,), s.dtype)
+        th = _gated_jvp(self, self._act, self.gate_proj, self.up_proj, tx, state, param_tangents)
         return self._child_jvp(self.down_proj, -1, (th,), param_tangents)
 
     def extra_repr(self):
