@@ -55,4 +55,4 @@ def test_examples_exist():
         module = importlib.import_module(modname)
         for test in doctest.DocTestFinder(exclude_empty=True).find(module, modname):
             attempted += len(test.examples)
-    assert attempted >= 300, f"only {attempted} doctest examples in npattn"
+    assert attempted >= 600, f"only {attempted} doctest examples in npattn"
