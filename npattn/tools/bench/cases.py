@@ -350,7 +350,7 @@ def delta_rule(dtype, torch, *, b, h, L, D, impls=("chunked", "recurrence"), chu
 
     fns = {impl: step(impl) for impl in impls}
     torch_fns = {}
-    if torch is not None and with_torch:
+    if torch is not None and with_torch:  # pragma: needs torch
         run = twins.gated_delta_rule(torch, q, k, v, g, beta, dout)
         if run is not None:
             torch_fns["torch"] = run

@@ -116,7 +116,7 @@ def _npattn_model(model_type, dtype, sizes):
     return cfg, CausalLM(cfg, rng=0, dtype=dtype)
 
 
-def _transformers_twin(torch, cfg, model):
+def _transformers_twin(torch, cfg, model):  # pragma: needs torch
     """transformers' model of ``cfg`` (eager attention and experts) with ``model``'s weights."""
     import transformers
 
@@ -148,7 +148,7 @@ def family_step(dtype, torch, *, model_type, **sizes):
         return logits
 
     fns, torch_fns, check = {"npattn": run_np}, {}, None
-    if torch is not None:
+    if torch is not None:  # pragma: needs torch
         tm = _transformers_twin(torch, cfg, m)
         tids, tdl = torch.from_numpy(ids), torch.from_numpy(dlogits)
         params = list(tm.parameters())
@@ -181,7 +181,7 @@ def family_decode(dtype, torch, *, model_type, **sizes):
         return generate(m, prompt, new, ctx)
 
     fns, torch_fns, check = {"npattn": run_np}, {}, None
-    if torch is not None:
+    if torch is not None:  # pragma: needs torch
         tm = _transformers_twin(torch, cfg, m)
         tprompt = torch.from_numpy(prompt)
 

@@ -52,7 +52,7 @@ def mla_decode(dtype, torch, *, cfg, prompt_len=16, new_tokens=112, batch=1):
         "npattn, no cache": recompute,
     }
     torch_fns = {}
-    if torch is not None:
+    if torch is not None:  # pragma: needs torch
         torch_fns["torch eager, latent cache expanded"] = torch_twin(torch, m, x, prompt_len)
 
     def check():
@@ -78,7 +78,7 @@ def mla_decode_flops(*, cfg, prompt_len=16, new_tokens=112, batch=1):
     return batch * (2 * weights * total + attn)
 
 
-def torch_twin(torch, m, x, prompt_len):
+def torch_twin(torch, m, x, prompt_len):  # pragma: needs torch
     """A callable decoding ``x`` as ``m`` does with a latent cache expanded at every step, in torch
     eager (``no_grad``), with ``m``'s weights: the layer of transformers' ``DeepseekV3Attention``
     (RMSNorm, RoPE on the shared key, ``kv_b_proj`` over every cached latent, softmax attention);

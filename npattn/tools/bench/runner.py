@@ -40,7 +40,7 @@ def torch_or_none():
         import torch
     except ImportError:
         return None
-    return _threads(torch)
+    return _threads(torch)  # pragma: needs torch
 
 
 def _threads(torch):  # pragma: needs torch
