@@ -272,12 +272,16 @@ def check_cache_batch(cache_lead, x_shape, name: str, cache: str) -> None:
 
 
 def check_cache(cache, expected: type, backward: str):
-    """The cache a backward was given must be the one its own forward returned."""
+    """The cache a backward was given must be the one its own forward returned.  Both tiers name
+    their caches alike, so when the two class names coincide (a textbook cache given to a fast
+    backward) the message names each with its module."""
+    got = type(cache)
     if not isinstance(cache, expected):
-        raise TypeError(
-            f"cache: {backward} expected a {expected.__name__} (the cache its forward returns), "
-            f"got {type(cache).__name__}"
-        )
+        if got.__name__ == expected.__name__:
+            want, have = (f"{t.__module__}.{t.__qualname__}" for t in (expected, got))
+        else:
+            want, have = expected.__name__, got.__name__
+        raise TypeError(f"cache: {backward} expected a {want} (the cache its forward returns), got {have}")
     return cache
 
 

@@ -543,6 +543,13 @@ def test_experts_backward_and_jvp_refuse_bad_arguments():
         F.moe_experts_backward(y, None)
     with pytest.raises(TypeError, match="cache: moe_experts_jvp"):
         F.moe_experts_jvp(None)
+    textbook = R.moe_experts(*ok.values())[1]  # the same class name in the other tier: named by module
+    with pytest.raises(
+        TypeError,
+        match=r"cache: moe_experts_backward expected a npattn\.functional\.moe\.MoeExpertsCache .*"
+        r"got npattn\.functional\.reference\.MoeExpertsCache$",
+    ):
+        F.moe_experts_backward(y, textbook)
     with pytest.raises(TypeError, match="at most 6 tangents"):
         F.moe_experts_jvp(cache, *([None] * 7))
     with pytest.raises(ValueError, match=r"tx: expected shape \(2, 3, 4\)"):
