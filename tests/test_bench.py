@@ -635,3 +635,12 @@ def test_window_table_marks_missing_and_failed_cores():
     ]
     lines = B.format_window(rows, (16, 0)).splitlines()
     assert "missing" in lines[2] and "7.8" in lines[2] and "error" in lines[3] and "missing" in lines[3]
+
+
+def test_progress_notes_name_their_units():
+    assert window._note({"seconds": 0.12, "ms_per_1k_rows": 116.6, "extra_mib": 6.0}) == (
+        "0.12 s, 116.6 ms per 1000 rows, 6 MiB"
+    )
+    assert window._note({"missing": True}) == "missing" and window._note({"error": "x"}) == "error"
+    assert memory._note({"extra_mib": 16.0, "seconds": 0.87}) == "16 MiB above the inputs, 0.87 s"
+    assert memory._note({"missing": True}) == "missing"

@@ -38,7 +38,12 @@ def memory_table(lengths=LENGTHS, progress=True):
     steps = [
         Step(f"memory {impl} L={L}", _guess(L), lambda i=impl, L=L: memory_one(i, L)) for L in lengths for impl in IMPLS
     ]
-    return run_steps("memory", steps, progress=progress, note=lambda r: " ".join(_cells(r, ("extra_mib",))) + " MiB")
+    return run_steps("memory", steps, progress=progress, note=_note)
+
+
+def _note(r):
+    mib, seconds = _cells(r, ("extra_mib", "seconds"))
+    return mib if mib in ("missing", "error") else f"{mib} MiB above the inputs, {seconds} s"
 
 
 def collect(quick=False, progress=True):

@@ -42,7 +42,12 @@ def window_table(lengths=LENGTHS, window=WINDOW, progress=True, repeats=2):
         for L in lengths
         for impl in IMPLS
     ]
-    return run_steps("window", steps, progress=progress, note=lambda r: " ".join(_cells(r)))
+    return run_steps("window", steps, progress=progress, note=_note)
+
+
+def _note(r):
+    seconds, per_rows, mib = _cells(r)
+    return seconds if mib == "-" else f"{seconds} s, {per_rows} ms per 1000 rows, {mib} MiB"
 
 
 def collect(quick=False, progress=True):
