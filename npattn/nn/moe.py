@@ -478,6 +478,18 @@ class Experts(_SortedExperts):
     ------
     TypeError, ValueError
         For a bad argument, naming it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> experts = npattn.Experts(num_experts=4, hidden_size=8, intermediate_size=16, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((3, 8))              # 3 tokens
+    >>> indices = np.array([[0, 1], [2, 3], [1, 0]])                       # each token's 2 experts
+    >>> y = experts(x, indices, np.full((3, 2), 0.5))
+    >>> dx, dweights = experts.backward(np.ones_like(y))
+    >>> y.shape, dx.shape, dweights.shape, experts.gate_up_proj.grad.shape
+    ((3, 8), (3, 8), (3, 2), (4, 32, 8))
     """
 
     def __init__(
@@ -532,6 +544,13 @@ class GptOssExperts(_SortedExperts):
     ------
     TypeError, ValueError
         For a bad argument, naming it.
+
+    Examples
+    --------
+    >>> import npattn
+    >>> experts = npattn.GptOssExperts(num_experts=4, hidden_size=8, intermediate_size=16, rng=0)
+    >>> [name for name, _ in experts.named_parameters()]
+    ['gate_up_proj', 'gate_up_proj_bias', 'down_proj', 'down_proj_bias']
     """
 
     def __init__(
