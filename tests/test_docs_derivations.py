@@ -52,7 +52,11 @@ def test_page_is_complete(page):
     front = text.split("---", 2)[1] if text.startswith("---") else ""
     executed = "file_format: mystnb" in front and 'execution_mode: "force"' in front
     assert executed, f"{page.name}: not executed by the build"
-    assert re.search(r"```\{code-cell\} python\n(?:.*\n)*?.*gradcheck\(", text), f"{page.name}: no gradcheck run"
+    cells = "".join(re.findall(r"```\{code-cell\} python\n(.*?)```", text, re.S))
+    calls = cells.count("npattn.gradcheck(")
+    assert calls >= 1, f"{page.name}: no gradcheck run"
+    # a failing check raises in its cell, and a cell that raises fails the build (-W)
+    assert cells.count("raise_exception=True") == calls, f"{page.name}: a gradcheck without raise_exception=True"
     section_link = re.search(r"\]\(\.\./notebooks/\d\d_\w+\.ipynb#[\w-]+\)", text)
     assert section_link, f"{page.name}: no link to a notebook section"
     for heading in ("## Forward", "## Backward (VJP)", "## Forward mode (JVP)"):
