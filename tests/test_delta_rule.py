@@ -282,10 +282,15 @@ def test_delta_rule_bad_input():
         F.gated_delta_rule_backward(out, cache, np.zeros((1, 2, 3)))
     with pytest.raises(TypeError, match="cache"):
         F.gated_delta_rule_backward(out, (1, 2))
-    # integers are cast; mixed float32/float64 computes in float64
+    # integers are cast; mixed float dtypes are refused (as the attention cores), naming the odd one
     out_i, _ = call(q, k, v, g, beta, initial_state=np.zeros((1, 2, 3, 2), dtype=np.int64))
     close(out_i, out)
-    assert call(q.astype(np.float32), k, v, g, beta)[0].dtype == np.float64
+    out_ki, _ = call(q, np.rint(k * 4).astype(np.int64), v, g, beta)
+    assert out_ki.dtype == np.float64
+    with pytest.raises(TypeError, match=r"k: expected the dtype of q, float32, got float64"):
+        call(q.astype(np.float32), k, v, g, beta)
+    with pytest.raises(TypeError, match=r"beta: expected the dtype of q, float64, got float32"):
+        call(q, k, v, g, beta.astype(np.float32))
 
 
 # ----------------------------------------------------------------------------- causal_conv1d

@@ -47,6 +47,7 @@ import numpy as np
 
 from .._validate import (
     as_float,
+    as_floats_of_one_dtype,
     check_bool,
     check_cache,
     check_grad,
@@ -341,7 +342,7 @@ def gated_delta_rule(
     Returns
     -------
     (out, cache)
-        ``out (B..., H, L, Dv)`` in the inputs' common float dtype.
+        ``out (B..., H, L, Dv)`` in the inputs' float dtype (integer inputs take it; mixed float dtypes raise).
 
     Raises
     ------
@@ -366,9 +367,9 @@ def gated_delta_rule(
     >>> len(F.gated_delta_rule_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
     6
     """
-    arrays = [as_float(a, name) for a, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"))]
-    dtype = np.result_type(*arrays)
-    q, k, v, g, beta = (a.astype(dtype, copy=False) for a in arrays)
+    # mixed float dtypes: TypeError, as the attention cores (a silent cast would hide float64 inputs)
+    q, k, v, g, beta = as_floats_of_one_dtype(("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
+    dtype = q.dtype
     if q.ndim < 3:
         raise ValueError(f"q: expected shape (..., H, L, Dk), got {q.shape}")
     lead, steps, dk = q.shape[:-2], q.shape[-2], q.shape[-1]
