@@ -271,6 +271,18 @@ def check_cache_batch(cache_lead, x_shape, name: str, cache: str) -> None:
         )
 
 
+def check_broadcastable(shape, target, name: str, what: str) -> None:
+    """``name``'s ``shape`` broadcasts to ``target`` without widening it (``what`` says what
+    ``target`` is, e.g. "x's shape without D"); ``ValueError`` otherwise."""
+    target = tuple(target)
+    try:
+        ok = np.broadcast_shapes(tuple(shape), target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected a shape broadcastable to {target} ({what}), got {tuple(shape)}")
+
+
 def check_cache(cache, expected: type, backward: str):
     """The cache a backward was given must be the one its own forward returned.  Both tiers name
     their caches alike, so when the two class names coincide (a textbook cache given to a fast

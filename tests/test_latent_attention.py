@@ -353,7 +353,8 @@ def test_bad_forward_arguments():
         ({"x": x > 0}, TypeError, "x"),
         ({"x": x.astype(np.complex128)}, TypeError, "x"),
         ({"positions": np.arange(4.0)}, TypeError, "positions"),
-        ({"positions": np.arange(5)}, ValueError, "positions"),
+        ({"positions": np.arange(5)}, ValueError, r"positions: expected a shape broadcastable to \(2, 4\) .* \(5,\)"),
+        ({"positions": np.zeros((3, 2, 4), int)}, ValueError, r"positions: .* got \(3, 2, 4\)"),  # would widen x
         ({"attn_mask": np.ones((4, 4), np.int64)}, TypeError, "attn_mask"),
         ({"attn_mask": np.ones((5, 4), bool)}, ValueError, "attn_mask"),
         ({"attn_mask": np.full((4, 4), np.nan)}, ValueError, "attn_mask"),

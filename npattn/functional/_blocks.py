@@ -33,6 +33,7 @@ from .._validate import (
     as_float,
     as_floats_of_one_dtype,
     check_bool,
+    check_broadcastable,
     check_positive_float,
     check_tangent,
     check_tangents,
@@ -256,14 +257,7 @@ def check_options(
     lead = tuple(score_shape[:-2])
     if alibi_slopes is not None:
         alibi_slopes = _check_float_array(alibi_slopes, "alibi_slopes", dtype)
-        try:
-            ok = np.broadcast_shapes(alibi_slopes.shape, lead) == lead
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"alibi_slopes: expected a shape broadcastable to {lead} (..., Hq), got {alibi_slopes.shape}"
-            )
+        check_broadcastable(alibi_slopes.shape, lead, "alibi_slopes", "..., Hq")
     if softcap is not None:
         softcap = check_positive_float(softcap, "softcap")
     if sinks is not None:

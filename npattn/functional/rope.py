@@ -23,6 +23,7 @@ from .._validate import (
     as_float,
     as_index,
     check_bool,
+    check_broadcastable,
     check_cache,
     check_grad,
     check_ndim,
@@ -107,15 +108,7 @@ def rope(
     check_ndim(x, "x", 2, "(..., L, D)")
     if positions is not None:
         positions = as_index(positions, "positions")
-        try:
-            ok = np.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"positions: expected a shape broadcastable to {x.shape[:-1]} (x's shape without D), "
-                f"got {positions.shape}"
-            )
+        check_broadcastable(positions.shape, x.shape[:-1], "positions", "x's shape without D")
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not np.isfinite(base) or base <= 0:
         kind = TypeError if isinstance(base, bool) or not isinstance(base, numbers.Real) else ValueError
         raise kind(f"base: expected a finite number > 0, got {base!r}")

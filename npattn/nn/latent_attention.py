@@ -46,6 +46,7 @@ from .._validate import (
     as_index,
     as_rng,
     check_bool,
+    check_broadcastable,
     check_cache_batch,
     check_dtype,
     check_mask,
@@ -408,12 +409,7 @@ class MultiHeadLatentAttention(Module):
             positions = np.arange(past, past + lq)
         else:
             positions = as_index(positions, "positions")
-            try:
-                ok = np.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(f"positions: expected a shape broadcastable to {x.shape[:-1]}, got {positions.shape}")
+            check_broadcastable(positions.shape, x.shape[:-1], "positions", "x's shape without hidden_size")
         mask = None
         if attn_mask is not None:
             mask = check_mask(to_numpy(attn_mask, "attn_mask"), "attn_mask", lead + (self.num_heads, lq, past + lq))
