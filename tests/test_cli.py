@@ -99,6 +99,20 @@ def test_check_passes_and_prints_a_table():
     assert not missing, f"npattn check lost cases: {missing}"
 
 
+def test_check_checks_the_forward_mode_too(monkeypatch):
+    """A wrong JVP beside a right backward fails its case: every case runs ``mode="both"``."""
+    import npattn.functional.activation as A
+    from npattn.tools import check
+
+    good = A.silu_jvp
+    monkeypatch.setattr(A, "silu_jvp", lambda cache, *t: 1.01 * good(cache, *t))
+    ((_, thunk),) = [(n, t) for n, t in check.cases(0) if n == "silu"]
+    report = thunk()
+    assert not report.ok
+    assert {r.mode for r in report.rows if not r.ok} == {"jvp", "transpose"}
+    assert all(r.ok for r in report.rows if r.mode == "element")
+
+
 def test_check_exit_code_1_on_a_failure(tmp_path):
     code = (
         "import sys, npattn.tools.check as c\n"

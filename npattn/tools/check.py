@@ -1,10 +1,13 @@
 """``npattn check``: ``npattn.gradcheck`` over every module and functional op, as a table.
 
-Every hand-written backward is compared with central finite differences in float64, at small
-sizes, with a random upstream gradient (``--seed`` picks the inputs and that gradient).  One
-table row per case gives the worst absolute and relative error over all checked tensors of the
-case (inputs and parameters); a failing case is followed by its full per-tensor report.  The
-exit code is 1 when any case fails (or raises), else 0.
+Every hand-written derivative is checked in both modes (``gradcheck(..., mode="both")``): the
+backward against central finite differences in float64, at small sizes, with a random upstream
+gradient, and the forward mode (the op's ``_jvp``, ``Module.jvp``) against the central difference
+of the output along a random tangent, and against the backward (``<g, J v> = <J^T g, v>``);
+``--seed`` picks the inputs, the upstream gradient and the tangents.  One table row per case
+gives the worst absolute and relative error over all checked tensors of the case (inputs and
+parameters) in both modes; a failing case is followed by its full per-tensor report (one row per
+tensor and mode).  The exit code is 1 when any case fails (or raises), else 0.
 
 Covered: every functional op (linear, embedding and its padding_idx / scale_grad_by_freq options,
 softmax, relu, gelu, silu, dropout, layer_norm and rms_norm over one or two axes, cross_entropy
@@ -43,8 +46,8 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
     def randn(*shape):
         return rng.standard_normal(shape)
 
-    def check(target, *inputs, **kwargs):
-        return lambda: gradcheck(target, *inputs, seed=seed, **kwargs)
+    def check(target, *inputs, mode="both", **kwargs):
+        return lambda: gradcheck(target, *inputs, seed=seed, mode=mode, **kwargs)
 
     b, L, d = 2, 4, 6
     x = randn(b, L, d)
@@ -163,9 +166,12 @@ def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
     return out
 
 
-def _opts_pair(forward: Callable, backward: Callable, extras: List[str], **opts: Any) -> Tuple[Callable, Callable]:
-    """A ``(forward, backward)`` pair taking ``q, k, v`` and then ``extras`` (``"attn_mask"``,
-    ``"sinks"``) positionally, so that ``gradcheck`` checks ``dmask`` and ``dsinks`` as well."""
+def _opts_pair(
+    forward: Callable, backward: Callable, jvp: Callable, extras: List[str], **opts: Any
+) -> Tuple[Callable, Callable, Callable]:
+    """A ``(forward, backward, jvp)`` triple taking ``q, k, v`` and then ``extras`` (``"attn_mask"``,
+    ``"sinks"``, in the backward's order) positionally, so that ``gradcheck`` checks ``dmask`` and
+    ``dsinks`` (and their tangents) as well."""
 
     def fwd(q, k, v, *more, **kw):
         kw.update(zip(extras, more))
@@ -177,7 +183,7 @@ def _opts_pair(forward: Callable, backward: Callable, extras: List[str], **opts:
     fwd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # the names gradcheck reports
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["q", "k", "v", *extras]]
     )
-    return fwd, backward
+    return fwd, backward, jvp
 
 
 def _option_cases(rng, check, seed):
@@ -247,6 +253,9 @@ def _option_cases(rng, check, seed):
     def emb_freq(ids, weight):
         return F.embedding(ids, weight, scale_grad_by_freq=True)
 
+    def emb_pad_jvp(cache, tw_rest):  # the held padding row does not move
+        return F.embedding_jvp(cache, np.insert(tw_rest, 2, 0.0, axis=0))
+
     def emb_freq_backward(dout, cache):
         return F.embedding_backward(dout, cache) * np.maximum(counts, 1)
 
@@ -255,8 +264,8 @@ def _option_cases(rng, check, seed):
     probs = F.softmax(randn(b, L, n_cls))[0]
     cw = rng.uniform(0.5, 2.0, n_cls)
     out += [
-        ("embedding (padding_idx)", check((emb_pad, emb_pad_backward), ids, randn(6, d))),
-        ("embedding (scale_grad_by_freq)", check((emb_freq, emb_freq_backward), ids, randn(7, d))),
+        ("embedding (padding_idx)", check((emb_pad, emb_pad_backward, emb_pad_jvp), ids, randn(6, d))),
+        ("embedding (scale_grad_by_freq)", check((emb_freq, emb_freq_backward, F.embedding_jvp), ids, randn(7, d))),
         ("cross_entropy (weight)", check(F.cross_entropy, logits, targets, weight=cw)),
         ("cross_entropy (reduction=sum)", check(F.cross_entropy, logits, targets, reduction="sum")),
         ("cross_entropy (reduction=none)", check(F.cross_entropy, logits, targets, reduction="none")),
@@ -269,19 +278,26 @@ def _option_cases(rng, check, seed):
     q4 = randn(b, 4, 3, 4)
     slopes, sinks, fmask = rng.uniform(0.1, 1.0, 2), randn(2), randn(3, 5)
     cores = [
-        ("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward, {}),
+        (
+            "sdpa",
+            F.scaled_dot_product_attention,
+            F.scaled_dot_product_attention_backward,
+            F.scaled_dot_product_attention_jvp,
+            {},
+        ),
         (
             "memory_efficient_attention",
             F.memory_efficient_attention,
             F.memory_efficient_attention_backward,
+            F.memory_efficient_attention_jvp,
             {"block_size": 2},
         ),
     ]
-    for core, fwd, bwd, blk in cores:
+    for core, fwd, bwd, jvp, blk in cores:
 
         def opt(label, *extras, qq=q, **opts):
             rng_kw = {"rng": opts.pop("rng")} if "rng" in opts else {}  # gradcheck renews it per call
-            pair = _opts_pair(fwd, bwd, [e for e, _ in extras], **blk, **opts)
+            pair = _opts_pair(fwd, bwd, jvp, [e for e, _ in extras], **blk, **opts)
             return (f"{core} ({label})", check(pair, qq, k, v, *[a for _, a in extras], **rng_kw))
 
         out += [
@@ -466,7 +482,7 @@ def _moe_cases(rng, check, r):
 
 def _moe_pair_cases(rng, check):
     """The functional pairs under the blocks: ``topk_router`` (DeepSeek-V3's sigmoid routing with
-    groups; random logits are tie-free) and ``moe_experts`` (both kinds), in both modes."""
+    groups; random logits are tie-free) and ``moe_experts`` (both kinds)."""
     from .. import functional as F
 
     bias = rng.uniform(-0.3, 0.3, 8)
@@ -486,10 +502,10 @@ def _moe_pair_cases(rng, check):
     return [
         (
             "topk_router (sigmoid, groups)",
-            check((router, F.topk_router_backward, F.topk_router_jvp), rng.standard_normal((2, 3, 8)), mode="both"),
+            check((router, F.topk_router_backward, F.topk_router_jvp), rng.standard_normal((2, 3, 8))),
         ),
-        ("moe_experts (swiglu)", check(F.moe_experts, x, idx, w, *swiglu, mode="both")),
-        ("moe_experts (gpt_oss)", check(F.moe_experts, x, idx, w, *gpt_oss, kind="gpt_oss", mode="both")),
+        ("moe_experts (swiglu)", check(F.moe_experts, x, idx, w, *swiglu)),
+        ("moe_experts (gpt_oss)", check(F.moe_experts, x, idx, w, *gpt_oss, kind="gpt_oss")),
     ]
 
 
@@ -529,7 +545,7 @@ def _delta_net_cases(rng, check, r):
         (
             "gated_delta_rule (chunks of 3, l2norm, initial state)",
             check(
-                (delta_rule, F.gated_delta_rule_backward),
+                (delta_rule, F.gated_delta_rule_backward, F.gated_delta_rule_jvp),
                 rng.standard_normal(lead + (L, dk)),
                 rng.standard_normal(lead + (L, dk)),
                 rng.standard_normal(lead + (L, dv)),
@@ -540,8 +556,8 @@ def _delta_net_cases(rng, check, r):
         ),
         (
             "causal_conv1d (silu, bias, initial state)",
-            check((conv, F.causal_conv1d_backward), x, rng.standard_normal((4, 3)), rng.standard_normal(4),
-                  rng.standard_normal((2, 2, 4))),
+            check((conv, F.causal_conv1d_backward, F.causal_conv1d_jvp), x, rng.standard_normal((4, 3)),
+                  rng.standard_normal(4), rng.standard_normal((2, 2, 4))),
         ),  # fmt: skip
         ("l2_norm", check(F.l2_norm, x)),
         ("rms_norm_gated", check(F.rms_norm_gated, x, rng.standard_normal(x.shape), 1 + 0.1 * rng.standard_normal(4))),
@@ -574,7 +590,10 @@ def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
     head = ("name", "max abs err", "max rel err", "ok")
     body = [(n, f"{a:.2e}", f"{r:.2e}", "yes" if ok else "NO") for n, a, r, ok, _ in results]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(4)]
-    printer("gradcheck: hand-written backward vs central differences (float64; errors over inputs and parameters)")
+    printer(
+        "gradcheck: hand-written backward and forward mode (JVP) vs central differences "
+        "(float64; errors over inputs and parameters, both modes)"
+    )
     printer(_fmt_row(head, widths))
     printer("-+-".join("-" * w for w in widths))
     for row in body:
@@ -584,7 +603,7 @@ def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
         printer(f"\n{name}:\n{detail}")
     printer(
         f"\n{len(results) - len(failed)}/{len(results)} cases passed "
-        f"(float64 central differences, seed {seed}) in {time.perf_counter() - start:.1f} s"
+        f"(backward and forward mode, float64 central differences, seed {seed}) in {time.perf_counter() - start:.1f} s"
     )
     return not failed
 
