@@ -223,7 +223,7 @@ def _rope_params(r: _Reader, default_theta: float, per_type: tuple = ()) -> dict
     return out
 
 
-def _common(r: _Reader, default_theta: float = 10000.0) -> dict:
+def _common(r: _Reader) -> dict:
     heads = r.int("num_attention_heads")
     hidden = r.int("hidden_size")
     kv = r.int("num_key_value_heads", heads)
@@ -266,6 +266,12 @@ def _layer_types(r: _Reader, n: int, allowed: tuple, default: list) -> tuple:
                 f"(supported: {list(allowed)})"
             )
     return tuple(lt)
+
+
+def _interleaved(n: int, interval: int, other: str) -> list:
+    """Every ``interval``-th layer (the last of each run) ``"full_attention"``, the others ``other``:
+    the default layer pattern of Gemma 3, GPT-OSS and Qwen3-Next."""
+    return [other if (i + 1) % interval else "full_attention" for i in range(n)]
 
 
 def _window(r: _Reader, layer_types: tuple):
@@ -312,13 +318,13 @@ def _qwen3(r: _Reader) -> dict:
 
 
 def _gemma3(r: _Reader) -> dict:
-    c = _common(r, 1_000_000.0)
+    c = _common(r)
     n = c["num_hidden_layers"]
     r.only("use_bidirectional_attention", (False,), False, "npattn's CausalLM is causal")
     # transformers' Gemma 3 attention never applies attn_logit_softcapping (Gemma 2's did): checked, unused
     r.float("attn_logit_softcapping")
     pattern = r.int("sliding_window_pattern", 6)
-    default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    default = _interleaved(n, pattern, "sliding_attention")
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
     c.update(
         intermediate_size=r.int("intermediate_size"),
@@ -339,9 +345,9 @@ def _gemma3(r: _Reader) -> dict:
 
 
 def _gpt_oss(r: _Reader) -> dict:
-    c = _common(r, 150000.0)
+    c = _common(r)
     n = c["num_hidden_layers"]
-    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    default = _interleaved(n, 2, "sliding_attention")
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
     hidden_act = r.only("hidden_act", ("silu",), "silu", "GPT-OSS's experts use their own clamped SwiGLU")
     k = r.int("num_experts_per_tok")
@@ -424,7 +430,7 @@ def _qwen3_next(r: _Reader) -> dict:
     interval = r.int("full_attention_interval", 4)
     for key in ("use_sliding_window", "sliding_window", "max_window_layers"):  # Qwen's configs carry them;
         r.get(key)  # transformers' Qwen3-Next has no sliding window and ignores them
-    default = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    default = _interleaved(n, interval, "linear_attention")
     lt = _layer_types(r, n, ("full_attention", "linear_attention"), default)
     step = r.int("decoder_sparse_step", 1)
     only = set(r.get("mlp_only_layers", []) or [])
