@@ -8,6 +8,7 @@ import pytest
 
 import npattn.functional as F
 from npattn.functional import _blocks
+from npattn.functional import reference as R
 
 sdpa, sdpa_bw = F.scaled_dot_product_attention, F.scaled_dot_product_attention_backward
 
@@ -100,8 +101,16 @@ def test_backward_recognises_its_own_cache():
     q, k, v = _inputs()
     out, _ = sdpa(q, k, v)
     _, me_cache = F.memory_efficient_attention(q, k, v)
-    with pytest.raises(TypeError, match=r"^cache: expected the AttentionCache .* got MemoryEfficientCache"):
+    with pytest.raises(
+        TypeError,
+        match=r"^cache: scaled_dot_product_attention_backward expected a AttentionCache .* got MemoryEfficientCache$",
+    ):
         sdpa_bw(np.ones(out.shape), me_cache)
+    textbook = R.scaled_dot_product_attention(q, k, v)[1]  # the same class name in the other tier
+    with pytest.raises(
+        TypeError, match=r"functional\.attention\.AttentionCache .* got npattn\.functional\.reference\."
+    ):
+        sdpa_bw(np.ones(out.shape), textbook)
     with pytest.raises(TypeError, match=r"^cache: .* got tuple"):
         sdpa_bw(np.ones(out.shape), (q, k, v))
     with pytest.raises(TypeError, match=r"^cache: .* got NoneType"):

@@ -671,7 +671,10 @@ def test_backward_refuses_another_cache():
     rng = np.random.default_rng(21)
     q, k, v, dout = _inputs(rng, hk=4)
     _, sdpa_cache = scaled_dot_product_attention(q, k, v)
-    with pytest.raises(TypeError, match="^cache: expected the MemoryEfficientCache.*got AttentionCache"):
+    with pytest.raises(
+        TypeError,
+        match="^cache: memory_efficient_attention_backward expected a MemoryEfficientCache.*got AttentionCache$",
+    ):
         MEB(dout, sdpa_cache)
     with pytest.raises(TypeError, match="^cache: .*got tuple"):
         MEB(dout, tuple(MEA(q, k, v)[1]))

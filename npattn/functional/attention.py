@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_rng, check_bool, check_grad, check_mask, check_prob
+from .._validate import as_rng, check_bool, check_cache, check_grad, check_mask, check_prob
 from ._blocks import (
     AttentionOptions,
     Band,
@@ -483,10 +483,7 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     ValueError
         ``dout`` of the wrong shape.
     """
-    if not isinstance(cache, AttentionCache):
-        raise TypeError(
-            f"cache: expected the AttentionCache returned by scaled_dot_product_attention, got {type(cache).__name__}"
-        )
+    check_cache(cache, AttentionCache, "scaled_dot_product_attention_backward")
     q, v = cache.q, cache.v
     dout = check_grad(dout, q.shape[:-1] + (v.shape[-1],), q.dtype)
     return _scaled_dot_product_attention_backward(dout, cache)
@@ -644,10 +641,7 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
     >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
     True
     """
-    if not isinstance(cache, AttentionCache):
-        raise TypeError(
-            f"cache: expected the AttentionCache returned by scaled_dot_product_attention, got {type(cache).__name__}"
-        )
+    check_cache(cache, AttentionCache, "scaled_dot_product_attention_jvp")
     sinks = cache.options.sinks
     return _scaled_dot_product_attention_jvp(
         cache,

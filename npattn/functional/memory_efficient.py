@@ -65,6 +65,7 @@ import numpy as np
 from .._validate import (
     as_rng,
     check_bool,
+    check_cache,
     check_grad,
     check_mask,
     check_prob,
@@ -647,11 +648,7 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
     ValueError
         ``dout`` of the wrong shape.
     """
-    if not isinstance(cache, MemoryEfficientCache):
-        raise TypeError(
-            f"cache: expected the MemoryEfficientCache returned by memory_efficient_attention, "
-            f"got {type(cache).__name__}"
-        )
+    check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_backward")
     dout = check_grad(dout, cache.out.shape, cache.q.dtype)
     return _memory_efficient_attention_backward(dout, cache)
 
@@ -1009,11 +1006,7 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
     >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
     True
     """
-    if not isinstance(cache, MemoryEfficientCache):
-        raise TypeError(
-            f"cache: expected the MemoryEfficientCache returned by memory_efficient_attention, "
-            f"got {type(cache).__name__}"
-        )
+    check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_jvp")
     mask = cache.attn_mask if cache.mask_grad else None
     return _memory_efficient_attention_jvp(
         cache,
