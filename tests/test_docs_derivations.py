@@ -64,6 +64,9 @@ def test_page_is_complete(page):
     assert text.count("$$") >= 4, f"{page.name}: no displayed math"
     # MathJax's text mode prints a backslash before "_" as it is: write \texttt{a_b}, not \texttt{a\_b}
     assert not re.search(r"\\text(?:tt)?\{[^}]*\\_", text), f"{page.name}: an escaped _ inside \\text or \\texttt"
+    # "[" opening a line of an aligned block is read as an optional argument and vanishes: write "{}["
+    bracket = re.search(r"(\\begin\{aligned\}|\\\\)[ \t]*\n[ \t]*\[", text)
+    assert not bracket, f"{page.name}: an aligned line opens with ["
     includes = _includes(page)
     assert len(includes) >= 3, f"{page.name}: the forward, backward and JVP code should be included"
     for src, obj in includes:
