@@ -67,22 +67,7 @@ def bench_decode(cfg=None, dtype=np.float32, *, prompt_len=16, batch=1, use_torc
     "impl", "tokens_per_s", "seconds", "same_tokens", ...}``; ``same_tokens`` says whether each run
     produced the cached run's tokens."""
     params = {"cfg": dict(DECODE if cfg is None else cfg), "prompt_len": prompt_len, "batch": batch}
-    built, times, facts = time_case(
-        "decode", params, dtype, use_torch=use_torch, own_process=own_process, repeats=repeats
-    )
-    new = built.shape["new_tokens"]
-    return [
-        {
-            "name": "decode",
-            "impl": impl,
-            "shape": built.shape,
-            "dtype": np.dtype(dtype).name,
-            "seconds": t,
-            "tokens_per_s": batch * new / t,
-            "same_tokens": facts["same_tokens"][impl],
-        }
-        for impl, t in times.items()
-    ]
+    return _rows("decode", params, dtype, "same_tokens", use_torch=use_torch, own_process=own_process, repeats=repeats)
 
 
 def bench_mla_decode(
@@ -95,18 +80,31 @@ def bench_mla_decode(
     ``shape["cache_bytes_per_token"]`` is ``MultiHeadLatentAttention.cache_comparison()``."""
     params = {"cfg": dict(MLA_DECODE if cfg is None else cfg), "prompt_len": prompt_len, "new_tokens": new_tokens}
     params["batch"] = batch
-    built, times, facts = time_case(
-        "mla_decode", params, dtype, use_torch=use_torch, own_process=own_process, repeats=repeats
+    return _rows(
+        "mla_decode",
+        params,
+        dtype,
+        "max_rel_diff_vs_absorbed",
+        use_torch=use_torch,
+        own_process=own_process,
+        repeats=repeats,
     )
+
+
+def _rows(name, params, dtype, fact, **timing):
+    """``time_case(name, ...)`` as one row per implementation: ``batch * new_tokens`` decoded tokens
+    (the built case's shape) per run, and the check's per-implementation ``fact``."""
+    built, times, facts = time_case(name, params, dtype, **timing)
+    tokens = params["batch"] * built.shape["new_tokens"]
     return [
         {
-            "name": "mla_decode",
+            "name": name,
             "impl": impl,
             "shape": built.shape,
             "dtype": np.dtype(dtype).name,
             "seconds": t,
-            "tokens_per_s": batch * new_tokens / t,
-            "max_rel_diff_vs_absorbed": facts["max_rel_diff_vs_absorbed"][impl],
+            "tokens_per_s": tokens / t,
+            fact: facts[fact][impl],
         }
         for impl, t in times.items()
     ]
