@@ -164,14 +164,20 @@ def as_rng(rng, name: str = "rng") -> np.random.Generator:
     return np.random.default_rng(int(rng))
 
 
-def check_grad(dout, shape, dtype, name: str = "dout") -> np.ndarray:
-    """An upstream gradient: same shape as the forward output, cast to its dtype."""
-    g = as_float(dout, name)
+def _float_of_shape(a, name: str, shape, dtype, whose: str) -> np.ndarray:
+    """A float (or integer) array of exactly ``shape`` (``whose`` shape it is, for the message),
+    cast to ``dtype``."""
+    g = as_float(a, name)
     if g.shape != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} (the forward output's), got {g.shape}")
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({whose}), got {g.shape}")
     if g.dtype != dtype:
         g = g.astype(dtype)
     return g
+
+
+def check_grad(dout, shape, dtype, name: str = "dout") -> np.ndarray:
+    """An upstream gradient: same shape as the forward output, cast to its dtype."""
+    return _float_of_shape(dout, name, shape, dtype, "the forward output's")
 
 
 def check_tangents(tangents: tuple, names: tuple, op: str) -> tuple:
@@ -192,12 +198,7 @@ def check_tangent(t, name: str, shape, dtype, present: bool = True):
         return None
     if not present:
         raise ValueError(f"{name}: expected None (the forward had no such input), got {type(t).__name__}")
-    g = as_float(t, name)
-    if g.shape != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} (the input's), got {g.shape}")
-    if g.dtype != dtype:
-        g = g.astype(dtype)
-    return g
+    return _float_of_shape(t, name, shape, dtype, "the input's")
 
 
 def check_mask(mask, name: str, target_shape) -> np.ndarray:
