@@ -2,18 +2,19 @@
 
 The HF module is built alone from a tiny random ``DeepseekV3Config`` and run as the model runs it:
 ``position_embeddings = (cos, sin)`` from the rotary embedding, an additive causal mask, eager
-attention.  Three float32 steps of the reference are replaced by their float64 equivalents (the
-tests compare float64, they do not loosen tolerances): its RMSNorm casts to float32, its eager
-softmax runs in float32, and its rotary embedding computes the angles in float32; the test computes
-``cos``/``sin`` in float64 from the same frequencies (checked equal to HF's float32 ones to float32
-precision).  The HF state dict loads into npattn's module unchanged (same keys, ``strict=True``).
-Outputs, the input gradient and every parameter gradient agree with torch autograd to 1e-10.
+attention.  The reference's float32 steps run in float64 (the tests compare float64, they do not
+loosen tolerances): its RMSNorm's cast and its eager softmax's dtype through ``_hf64.float64_torch``,
+and the rotary angles here: the test computes ``cos``/``sin`` in float64 from the same frequencies
+(checked equal to HF's to float32 precision).  The HF state dict loads into npattn's module
+unchanged (same keys, ``strict=True``).  Outputs, the input gradient and every parameter gradient
+agree with torch autograd to 1e-10.
 """
 
 import math
 
 import numpy as np
 import pytest
+from _hf64 import float64_torch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -35,25 +36,9 @@ def rel_err(a, b):
     return float(np.abs(a - b).max(initial=0.0) / max(np.abs(b).max(initial=0.0), 1e-3))
 
 
-def _rms_norm_f64(self, hidden_states):
-    """``DeepseekV3RMSNorm.forward`` without its float32 cast."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def _eager_f64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """``eager_attention_forward`` with the softmax in the inputs' dtype (float64)."""
-    w = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        w = w + attention_mask
-    w = torch.softmax(w, dim=-1)
-    return torch.matmul(w, value).transpose(1, 2).contiguous(), w
-
-
 @pytest.fixture
 def float64_reference(monkeypatch):
-    monkeypatch.setattr(hf.DeepseekV3RMSNorm, "forward", _rms_norm_f64)
-    monkeypatch.setattr(hf, "eager_attention_forward", _eager_f64)
+    float64_torch(monkeypatch, "models.deepseek_v3.modeling_deepseek_v3")
 
 
 def make_config(q_lora_rank, *, interleave=True, bias=False, rope_parameters=None, max_position_embeddings=64):
