@@ -101,6 +101,31 @@ def check_real(x, name: str) -> float:
     return float(x)
 
 
+def check_routing(indices, weights, lead: tuple, dtype, names=("indices", "weights"), num_experts=None):
+    """The routing given to the experts (shared by ``moe_experts`` and ``nn.moe``'s experts):
+    integer ``indices (*lead, k)`` over ``x``'s leading axes ``lead`` (``k >= 1``), then, with
+    ``num_experts``, their values (``check_expert_ids``), then ``weights`` of their shape, cast to
+    ``dtype``.  ``names``: the two arguments' names.  Returns ``(indices, weights)``."""
+    iname, wname = names
+    idx = as_index(indices, iname)
+    if idx.ndim != len(lead) + 1 or idx.shape[:-1] != lead or idx.shape[-1] < 1:
+        raise ValueError(f"{iname}: expected shape {lead + ('k',)} (x's leading axes, k >= 1), got {idx.shape}")
+    if num_experts is not None:
+        check_expert_ids(idx, num_experts, iname)
+    w = as_float(weights, wname, dtype)
+    if w.shape != idx.shape:
+        whose = iname + ("'" if iname.endswith("s") else "'s")
+        raise ValueError(f"{wname}: expected shape {idx.shape} ({whose}), got {w.shape}")
+    return idx, w
+
+
+def check_expert_ids(idx: np.ndarray, num_experts: int, name: str, whose: str = "") -> None:
+    """Every chosen expert in ``[0, num_experts)`` (``whose``: where that number comes from)."""
+    if idx.size and (idx.min() < 0 or idx.max() >= num_experts):
+        bad = idx.min() if idx.min() < 0 else idx.max()
+        raise ValueError(f"{name}: expected values in [0, {num_experts}){whose}, got {bad}")
+
+
 def check_router_options(num_experts, top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor):
     """The router's options, checked (shared by ``topk_router`` and ``nn.TopKRouter``): returns
     ``(top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor)``."""
@@ -495,12 +520,7 @@ def moe_experts(
     if x.ndim < 1:
         raise ValueError(f"x: expected shape (..., H), got {x.shape}")
     lead, h = x.shape[:-1], x.shape[-1]
-    idx = as_index(indices, "indices")
-    if idx.ndim != x.ndim or idx.shape[:-1] != lead or idx.shape[-1] < 1:
-        raise ValueError(f"indices: expected shape {lead + ('k',)} (x's leading axes, k >= 1), got {idx.shape}")
-    weights = as_float(weights, "weights", x.dtype)
-    if weights.shape != idx.shape:
-        raise ValueError(f"weights: expected shape {idx.shape} (indices'), got {weights.shape}")
+    idx, weights = check_routing(indices, weights, lead, x.dtype)
     if not isinstance(kind, str) or kind not in EXPERT_KINDS:
         raise ValueError(f"kind: expected one of {EXPERT_KINDS}, got {kind!r}")
     if not isinstance(activation, str) or activation not in _ACTS:
@@ -529,9 +549,7 @@ def moe_experts(
         down_bias = as_float(down_bias, "down_bias", x.dtype)
         if down_bias.shape != (e, h):
             raise ValueError(f"down_bias: expected shape {(e, h)}, got {down_bias.shape}")
-    if idx.size and (idx.min() < 0 or idx.max() >= e):
-        bad = idx.min() if idx.min() < 0 else idx.max()
-        raise ValueError(f"indices: expected values in [0, {e}) (gate_up's E), got {bad}")
+    check_expert_ids(idx, e, "indices", " (gate_up's E)")
     return _moe_experts(
         x,
         idx,

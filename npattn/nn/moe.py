@@ -44,7 +44,6 @@ import numpy as np
 
 from .._validate import (
     as_float,
-    as_index,
     as_rng,
     check_bool,
     check_dtype,
@@ -60,6 +59,7 @@ from ..functional.moe import (
     _sigmoid,
     check_real,
     check_router_options,
+    check_routing,
 )
 from .layers import Linear, _check_features, _gated, _gated_backward, _gated_jvp, _input_tangent
 from .module import Module, Parameter
@@ -354,16 +354,9 @@ class _SortedExperts(Module):
         """
         x = as_float(x, "x", self.dtype)
         _check_features(x, "x", self.hidden_size, f"{type(self).__name__}(hidden_size={self.hidden_size})")
-        idx = as_index(top_k_index, "top_k_index")
         lead = x.shape[:-1]
-        if idx.ndim != x.ndim or idx.shape[:-1] != lead or idx.shape[-1] < 1:
-            raise ValueError(f"top_k_index: expected shape {lead + ('k',)} (x's leading axes, k >= 1), got {idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= self.num_experts):
-            bad = idx.min() if idx.min() < 0 else idx.max()
-            raise ValueError(f"top_k_index: expected values in [0, {self.num_experts}), got {bad}")
-        w = as_float(top_k_weights, "top_k_weights", self.dtype)
-        if w.shape != idx.shape:
-            raise ValueError(f"top_k_weights: expected shape {idx.shape} (top_k_index's), got {w.shape}")
+        names = ("top_k_index", "top_k_weights")
+        idx, w = check_routing(top_k_index, top_k_weights, lead, self.dtype, names, self.num_experts)
         k = idx.shape[-1]
         y = self._forward(x.reshape(-1, self.hidden_size), idx.reshape(-1, k), w.reshape(-1, k), lead)
         return y.reshape(x.shape)
