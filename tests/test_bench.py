@@ -290,7 +290,7 @@ def _refuse(*args, **kwargs):
     raise AssertionError("a section that was not asked for ran")
 
 
-@pytest.mark.parametrize("name", ["memory", "window", "decode"])
+@pytest.mark.parametrize("name", ["memory", "window", "decode", "large", "long"])
 def test_a_section_runs_alone(monkeypatch, capsys, name):
     for section in cli.SECTIONS:
         if section.name != name:
@@ -644,3 +644,23 @@ def test_progress_notes_name_their_units():
     assert window._note({"missing": True}) == "missing" and window._note({"error": "x"}) == "error"
     assert memory._note({"extra_mib": 16.0, "seconds": 0.87}) == "16 MiB above the inputs, 0.87 s"
     assert memory._note({"missing": True}) == "missing"
+
+
+def test_the_larger_shapes_are_sections_of_their_own():
+    """The default table stays at about a minute: the GPT-2-block encoder, MHA at L = 1024 and the
+    L = 4096 rows (float32, fewer turns) run only with --large / --long."""
+    from npattn.tools.bench import timing
+
+    default = {(kind, tuple(sorted(p.items()))) for kind, p in timing.TABLE}
+    for kind, p in timing.LARGE + timing.LONG:
+        assert (kind, tuple(sorted(p.items()))) not in default
+    assert all(p["L"] >= 1024 for _, p in timing.LARGE if "L" in p and _ == "mha")
+    assert all(p["L"] == 4096 for _, p in timing.LONG)
+    assert timing.LONG_SECTION.dtypes == ("float32",) and timing.LONG_SECTION.repeats == 3
+    report = timing.LONG_SECTION.collect(quick=True, progress=False, use_torch=False)
+    rows = report["long"]["results"]
+    assert [r["name"] for r in rows] == ["mem_eff", "mem_eff fwd", "mem_eff jvp"]
+    assert {r["dtype"] for r in rows} == {"float32"}
+    text = "\n".join(timing.LONG_SECTION.format_section(report))
+    assert "long sequences" in text and "mem_eff jvp" in text
+    assert timing.LONG_SECTION.format_section({}) == []

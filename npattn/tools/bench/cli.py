@@ -25,6 +25,16 @@ class Section(NamedTuple):
 
 SECTIONS = [
     Section("timing", "forward+backward timings of the main layers against torch (the default)", timing),
+    Section(
+        "large",
+        "the timing table's larger shapes: GPT-2 small's block, MultiHeadAttention at L = 1024",
+        timing.LARGE_SECTION,
+    ),
+    Section(
+        "long",
+        "the memory-efficient core at L = 4096: forward+backward, forward alone, forward + JVP, peak memory",
+        timing.LONG_SECTION,
+    ),
     Section("decode", "greedy decoding tokens/s of the book's GPT with and without the KV cache (and torch's)", decode),
     Section("memory", "peak memory of forward+backward of both attention cores against sequence length", memory),
     Section("window", "windowed attention (window=(256, 0)) of both cores against L = 1k ... 16k", window),

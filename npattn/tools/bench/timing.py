@@ -9,6 +9,10 @@ compared with numpy's own GEMM rate measured in the same run (``machine.gemm_pea
 shared machine would otherwise inflate every row's share of the peak).
 
 The cases are the data below: ``TABLE`` (``QUICK`` for ``--quick``), each in float32 and float64.
+The larger shapes are sections of their own, so that each takes about a minute at its default
+size: ``--large`` (``LARGE``: GPT-2 small's block and MultiHeadAttention at L = 1024, both dtypes)
+and ``--long`` (``LONG``: the memory-efficient core at L = 4096, its forward alone and forward +
+JVP, float32, with the peak memory of each kernel).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from .text import fmt, shape_str, table
 
 SMALL = dict(b=4, L=64, d=128, h=4)  # MHA(128, 4) and EncoderBlock(128, 4, 512) at batch 4, seq 64
 GPT2 = dict(b=8, L=256, d=768, h=12)  # GPT-2 small's block at batch 8, seq 256
-LONG = dict(b=2, L=1024, d=768, h=12)
+SEQ1024 = dict(b=2, L=1024, d=768, h=12)  # MultiHeadAttention at batch 2, seq 1024
 MEM_EFF = dict(b=1, h=12, L=4096, E=64, impl="memory_efficient_attention")  # against torch's CPU flash kernel
 
 
@@ -30,18 +34,13 @@ def core_at(size):
     return dict(b=size["b"], h=size["h"], L=size["L"], E=size["d"] // size["h"])
 
 
-TABLE = [  # (kind in cases.KINDS, its sizes)
+TABLE = [  # (kind in cases.KINDS, its sizes): the default section
     ("attention", core_at(SMALL)),
     ("attention", core_at(GPT2)),
     ("mha", SMALL),
     ("mha", GPT2),
-    ("mha", LONG),
     ("encoder", SMALL),
-    ("encoder", GPT2),
     ("demo", {}),
-    ("attention", MEM_EFF),  # its float32 row also gives the peak memory of both kernels
-    ("attention_jvp", dict(MEM_EFF, jvp=False)),  # forward mode at L = 4096: the forward alone ...
-    ("attention_jvp", MEM_EFF),  # ... and forward + JVP (time; float32: peak memory of each)
 ]
 QUICK = [
     ("attention", dict(b=2, h=2, L=32, E=16)),
@@ -50,6 +49,19 @@ QUICK = [
     ("demo", dict(b=2, L=8, d=16, h=2, layers=1, d_ff=32)),
 ]
 DTYPES = ("float32", "float64")
+LARGE = [("mha", SEQ1024), ("encoder", GPT2)]  # --large, both dtypes
+LARGE_QUICK = [("mha", dict(b=1, L=48, d=32, h=4)), ("encoder", dict(b=1, L=32, d=32, h=4))]
+LONG = [  # --long, float32 (seconds per call: fewer turns)
+    ("attention", MEM_EFF),  # also gives the peak memory of both kernels
+    ("attention_jvp", dict(MEM_EFF, jvp=False)),  # forward mode at L = 4096: the forward alone ...
+    ("attention_jvp", MEM_EFF),  # ... and forward + JVP (time and peak memory of each)
+]
+_TINY_MEM_EFF = dict(MEM_EFF, b=1, h=2, L=64, E=16)
+LONG_QUICK = [
+    ("attention", _TINY_MEM_EFF),
+    ("attention_jvp", dict(_TINY_MEM_EFF, jvp=False)),
+    ("attention_jvp", _TINY_MEM_EFF),
+]
 
 
 def row(kind, params, dtype, *, use_torch=True, peak=None, warmup=1, repeats=5, pause=PAUSE, own_process=False):
@@ -83,9 +95,18 @@ def _guess(kind, params, dtype, repeats, pause, sides, own_process):
     return 0.3 + (1.0 if own_process else 0.0) + sides * (2 * call + repeats * turn)
 
 
-def collect(quick=False, progress=True, use_torch=True, repeats=None, memory=None):
-    """All timing cases: ``{"gemm_peak_gflops", "gemm_peak_samples", "gemm_n", "repeats", "results"}``.
-    ``memory`` (default: not ``quick``) adds the peak extra MiB of the ``mem_eff`` row's two kernels."""
+def collect(
+    quick=False, progress=True, use_torch=True, repeats=None, memory=None, *, cases=None, dtypes=DTYPES, title="timing"
+):
+    """Timed cases (default: ``TABLE``, or ``QUICK`` with ``quick``) in each of ``dtypes``:
+    ``{"gemm_peak_gflops", "gemm_peak_samples", "gemm_n", "repeats", "results"}``.  ``memory``
+    (default: not ``quick``) adds the peak extra MiB of the memory-efficient rows' kernels (float32)."""
+    return _collect(quick, progress, use_torch, repeats, memory, cases=cases, dtypes=dtypes, title=title)
+
+
+def _collect(quick, progress, use_torch, repeats, memory, *, cases, dtypes, title):
+    """``collect``'s work (also the ``--large``/``--long`` sections', which do not go through the
+    default section's entry point)."""
     from .machine import gemm_peaks
 
     memory = (not quick) if memory is None else memory
@@ -107,7 +128,12 @@ def collect(quick=False, progress=True, use_torch=True, repeats=None, memory=Non
                 pause=pause,
                 own_process=not quick,
             )
-            if memory and params.get("impl") == MEM_EFF["impl"] and dtype == "float32":
+            if (
+                memory
+                and params.get("impl") == MEM_EFF["impl"]
+                and dtype == "float32"
+                and kind in ("attention", "attention_jvp")
+            ):
                 r["npattn_extra_mib"] = fresh(kind, params).get("extra_mib")
                 r["torch_extra_mib"] = fresh(kind, params, side="torch").get("extra_mib") if sides == 2 else None
             return r
@@ -117,11 +143,12 @@ def collect(quick=False, progress=True, use_torch=True, repeats=None, memory=Non
         return Step(label, _guess(kind, params, dtype, repeats, pause, sides, not quick), run)
 
     steps = [Step("numpy GEMM peak", 1.0, lambda: peaks.__setitem__("start", gemm_peaks(gemm_n)))]
-    steps += [case_step(kind, params, dt) for kind, params in (QUICK if quick else TABLE) for dt in DTYPES]
+    cases = cases if cases is not None else (QUICK if quick else TABLE)
+    steps += [case_step(kind, params, dt) for kind, params in cases for dt in dtypes]
     steps.append(Step("numpy GEMM peak again", 1.0, lambda: peaks.__setitem__("end", gemm_peaks(gemm_n))))
     results = [
         r
-        for r in run_steps("timing", steps, progress=progress, note=lambda r: format_row(r) if r else "")
+        for r in run_steps(title, steps, progress=progress, note=lambda r: format_row(r) if r else "")
         if r is not None
     ]
     best = {name: max(peaks["start"][name], peaks["end"][name]) for name in DTYPES}
@@ -216,3 +243,41 @@ def format_section(report):
     for var in report.get("variants") or []:
         lines += ["", f"VARIANT, not this machine's settings: {var['label']}"] + format_results(var)
     return lines
+
+
+class Extra:
+    """A timing section beyond the default table, with its own flag: ``cases`` (``quick_cases`` with
+    ``--quick``) in ``dtypes``, ``repeats`` turns, reported under ``key`` with the table's columns."""
+
+    def __init__(self, key, title, cases, quick_cases, dtypes=DTYPES, repeats=None):
+        self.key, self.title, self.cases, self.quick_cases = key, title, cases, quick_cases
+        self.dtypes, self.repeats = dtypes, repeats
+
+    def collect(self, quick=False, progress=True, use_torch=True):
+        """``{key: the section's report}`` (as ``collect``'s)."""
+        cases = self.quick_cases if quick else self.cases
+        repeats = None if quick else self.repeats
+        return {
+            self.key: _collect(
+                quick, progress, use_torch, repeats, None, cases=cases, dtypes=self.dtypes, title=self.key
+            )
+        }
+
+    def format_section(self, report):
+        """The section's lines in the full report (none when it did not run)."""
+        if self.key not in report:
+            return []
+        return ["", self.title + ":"] + format_results(report[self.key])
+
+
+LARGE_SECTION = Extra(
+    "large", "larger shapes (GPT-2 small's block, MultiHeadAttention at L = 1024)", LARGE, LARGE_QUICK
+)
+LONG_SECTION = Extra(
+    "long",
+    "long sequences (the memory-efficient core at L = 4096: forward+backward, the forward alone, forward + JVP)",
+    LONG,
+    LONG_QUICK,
+    dtypes=("float32",),
+    repeats=3,
+)
