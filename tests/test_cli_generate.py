@@ -79,15 +79,15 @@ def test_generate_sampling_is_seeded_and_stops_at_eos(tmp_path, capsys):
 
 def test_generate_errors(tmp_path, capsys):
     pytest.importorskip("tokenizers")  # without it the first error is the missing package (next test)
-    assert main(["generate", str(tmp_path), "x"]) == 1
+    assert main(["generate", str(tmp_path), "x"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
     _tokenizer(tmp_path)
-    assert main(["generate", str(tmp_path), "the"]) == 1
+    assert main(["generate", str(tmp_path), "the"]) == 2
     assert "config.json" in capsys.readouterr().err
     _checkpoint(tmp_path, 40)
     assert main(["generate", str(tmp_path), "the", "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
-    assert main(["generate", str(tmp_path), "", "--max-new-tokens", "2"]) == 1
+    assert main(["generate", str(tmp_path), "", "--max-new-tokens", "2"]) == 2
     assert "no tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", str(tmp_path)])
@@ -97,8 +97,85 @@ def test_generate_without_tokenizers(tmp_path, capsys, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if not installed
-    assert main(["generate", str(tmp_path), "x"]) == 1
-    assert "tokenizers" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "x"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizers" in err and err.count("\n") == 1
+    assert 'pip install "npattn[hf]"' in err and 'pip install ".[hf]"' in err
+
+
+def _bad_config(key, value):
+    def damage(path):
+        config = json.loads((path / "config.json").read_text())
+        config[key] = value
+        (path / "config.json").write_text(json.dumps(config))
+
+    return damage
+
+
+def _write(name, data):
+    def damage(path):
+        (path / name).write_bytes(data)
+
+    return damage
+
+
+# (damage done to a working directory, the argument, then a word the one-line message must hold)
+BROKEN = {
+    "missing directory": (None, "missing", "no such directory"),
+    "config.json not JSON": (_write("config.json", b"{not json"), None, "config.json"),
+    "config.json a list": (_write("config.json", b"[1, 2]"), None, "mapping"),
+    "no config.json": (lambda p: (p / "config.json").unlink(), None, "config.json"),
+    "safetensors truncated": (_write("model.safetensors", b"\x10\x00\x00"), None, "model.safetensors"),
+    "safetensors malformed header": (
+        _write("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": 1}'.ljust(16)),
+        None,
+        "model.safetensors",
+    ),
+    "no safetensors": (lambda p: (p / "model.safetensors").unlink(), None, "safetensors"),
+    "no tokenizer.json": (lambda p: (p / "tokenizer.json").unlink(), None, "tokenizer.json"),
+    "tokenizer.json without a model": (_write("tokenizer.json", b"{}"), None, "tokenizer.json"),
+    "tokenizer.json not UTF-8": (_write("tokenizer.json", b"\xff\xfe\x00"), None, "tokenizer.json"),
+    "eos_token_id a string": (_bad_config("eos_token_id", "x"), None, "eos_token_id"),
+    "eos_token_id a float": (_bad_config("eos_token_id", 1.5), None, "eos_token_id"),
+    "eos_token_id a bool": (_bad_config("eos_token_id", True), None, "eos_token_id"),
+    "eos_token_id negative": (_bad_config("eos_token_id", -1), None, "eos_token_id"),
+    "eos_token_id past the vocabulary": (_bad_config("eos_token_id", 10**6), None, "eos_token_id"),
+    "eos_token_id list with null": (_bad_config("eos_token_id", [1, None]), None, "eos_token_id"),
+    "prompt past the model's vocabulary": (None, None, "vocab_size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_generate_errors_are_one_line_exit_2(tmp_path, capsys, case):
+    """Every loading, config, tokenizer or input error: one line on stderr naming what is wrong,
+    exit status 2, no traceback, and nothing on stdout (the prompt is not printed first)."""
+    damage, directory, word = BROKEN[case]
+    tok = _tokenizer(tmp_path)
+    vocab = 5 if case.startswith("prompt") else tok.get_vocab_size()  # "bird sang" has ids >= 5
+    _checkpoint(tmp_path, vocab)
+    if damage is not None:
+        damage(tmp_path)
+    target = str(tmp_path / directory) if directory else str(tmp_path)
+    assert main(["generate", target, "bird sang", "--max-new-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("npattn generate: ") and err.endswith("\n") and err.count("\n") == 1
+    assert word in err and "Traceback" not in err
+
+
+def test_generate_error_in_a_process(tmp_path):
+    """The command as a user runs it: a bad eos_token_id is one line on stderr, exit status 2."""
+    import subprocess
+    import sys
+
+    tok = _tokenizer(tmp_path)
+    _checkpoint(tmp_path, tok.get_vocab_size())
+    _bad_config("eos_token_id", "</s>")(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "npattn", "generate", str(tmp_path), "the cat"], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "eos_token_id" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_generate_from_save_pretrained_matches_transformers(tmp_path, capsys):
