@@ -8,6 +8,7 @@ __all__: list[str] = []
 def install_hint(extra: str) -> str:
     """How to install the extra ``extra``: from the package index and from a clone.
 
+    >>> from npattn._hints import install_hint
     >>> print(install_hint("hf"))
     pip install "npattn[hf]" (from a clone of the repository: pip install ".[hf]")
     """
