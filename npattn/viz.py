@@ -1,8 +1,9 @@
 """Plots for studying attention: weight heatmaps, per-head panels, masks, gradcheck reports, losses.
 
-matplotlib is optional (``pip install "npattn[viz]"``) and imported only when a function here is
-called, so ``import npattn`` and ``import npattn.viz`` stay numpy-only.  Every function works
-with the non-interactive ``Agg`` backend (nothing here calls ``plt.show``).
+matplotlib is optional (``pip install "npattn[viz]"``, or ``pip install ".[viz]"`` from a
+clone) and imported only when a function here is called, so ``import npattn`` and
+``import npattn.viz`` stay numpy-only.  Every function works with the non-interactive ``Agg``
+backend (nothing here calls ``plt.show``).
 
 What each function returns:
 
@@ -29,6 +30,7 @@ import numbers
 
 import numpy as np
 
+from ._hints import install_hint
 from ._validate import to_numpy
 
 __all__ = ["plot_attention", "plot_heads", "plot_mask", "plot_gradcheck", "plot_loss"]
@@ -43,8 +45,8 @@ def _pyplot():
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - exercised only without matplotlib
         raise ImportError(
-            "npattn.viz needs matplotlib, which is not installed; install it with "
-            '`pip install "npattn[viz]"` (or `pip install matplotlib`)'
+            f"npattn.viz needs matplotlib, which is not installed; install it with {install_hint('viz')} "
+            "(or pip install matplotlib)"
         ) from e
     return plt
 

@@ -1,9 +1,16 @@
-"""Packaging contract: importing npattn pulls in numpy and the standard library only."""
+"""Packaging contract: importing npattn pulls in numpy and the standard library only; install
+hints name both forms of an extra."""
 
+import importlib
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import npattn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 OPTIONAL = ("matplotlib", "hypothesis", "tqdm", "torch", "scipy", "threadpoolctl", "nbclient")
 
@@ -44,3 +51,71 @@ def test_public_names():
         "TinyTransformer",
     ):
         assert hasattr(npattn, name), name
+
+
+def _extras():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return sorted(cfg["options.extras_require"])
+
+
+def test_readme_lists_every_extra():
+    readme = (ROOT / "README.md").read_text()
+    extras = _extras()
+    assert {"hf", "docs", "test"} <= set(extras)
+    missing = [e for e in extras if f"`{e}`" not in readme]
+    assert not missing, f"README.md does not list the extras {missing}"
+    assert 'pip install ".[hf]"' in readme and 'pip install "npattn[hf]"' in readme
+
+
+def _both_forms(text, extra):
+    return f'pip install "npattn[{extra}]"' in text and f'pip install ".[{extra}]"' in text
+
+
+def test_every_string_naming_an_extra_says_both_install_forms():
+    """Every string of the package (messages and docstrings) that names an extra as
+    ``npattn[extra]`` also gives the form that works from a clone, ``.[extra]``."""
+    import ast
+    import re
+
+    found = 0
+    for path in sorted((ROOT / "npattn").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for extra in re.findall(r"npattn\[(\w+)\]", node.value):
+                    found += 1
+                    assert _both_forms(node.value, extra), f"{path.name}: {node.value[:200]!r}"
+    assert found >= 3  # the docstrings of viz, demo, generate and strategies
+
+
+def test_install_hint_says_both_forms():
+    from npattn._hints import install_hint
+
+    for extra in _extras():
+        assert _both_forms(install_hint(extra), extra)
+
+
+def test_missing_optional_packages_say_both_install_forms(monkeypatch, capsys):
+    """The messages printed or raised when an optional package is missing."""
+    import sys
+
+    from npattn import viz
+    from npattn.tools._train import Progress
+
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError) as e:
+        viz._pyplot()
+    assert _both_forms(str(e.value), "viz")
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    Progress(10)
+    assert _both_forms(capsys.readouterr().out, "demo")
+
+    monkeypatch.setitem(sys.modules, "hypothesis", None)
+    monkeypatch.delitem(sys.modules, "npattn.testing.strategies", raising=False)
+    monkeypatch.delitem(sys.modules, "npattn.testing", raising=False)
+    with pytest.raises(ImportError) as e:
+        importlib.import_module("npattn.testing.strategies")
+    assert _both_forms(str(e.value), "test")

@@ -1,8 +1,9 @@
 """Hypothesis strategies for property tests of attention code (the ones npattn's own tests use).
 
-Needs hypothesis (``pip install "npattn[test]"``).  Arrays are not built element by element by
-hypothesis: a strategy draws a *seed* and numpy generates the values from it, which is fast,
-reproducible and shrinks well enough (towards seed 0 and small shapes).
+Needs hypothesis (``pip install "npattn[test]"``, or ``pip install ".[test]"`` from a clone).
+Arrays are not built element by element by hypothesis: a strategy draws a *seed* and numpy
+generates the values from it, which is fast, reproducible and shrinks well enough (towards seed 0
+and small shapes).
 
 The values are honestly well conditioned, so tests need no loosened tolerances: bounded
 magnitudes (uniform in ``[-scale, scale]``), rows with a variance bounded away from zero for
@@ -22,10 +23,12 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .._hints import install_hint
+
 try:
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - exercised only without hypothesis
-    raise ImportError('npattn.testing needs hypothesis; install it with: pip install "npattn[test]"') from e
+    raise ImportError(f"npattn.testing needs hypothesis; install it with: {install_hint('test')}") from e
 
 __all__ = [
     "dtypes",

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from .._hints import install_hint
+
 
 def smooth(x: np.ndarray, window: int) -> np.ndarray:
     """The means of ``window`` consecutive values of ``x`` (``len(x) - window + 1`` of them)."""
@@ -27,7 +29,7 @@ class Progress:
             from tqdm import tqdm
         except ImportError:
             self.bar = None
-            print('(install tqdm for a progress bar: pip install "npattn[demo]")')
+            print(f"(install tqdm for a progress bar: {install_hint('demo')})")
         else:
             self.bar = tqdm(total=steps, desc="training", unit="step", file=sys.stderr, mininterval=0.5)
 

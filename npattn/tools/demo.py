@@ -18,7 +18,8 @@ every answer token is right (exact match).
 
 All randomness (weights, held-out set, batches) comes from one ``np.random.default_rng(seed)``:
 the same ``--seed`` prints the same numbers.  ``tqdm`` (progress bar) and ``matplotlib``
-(pictures) are optional and imported lazily: ``pip install "npattn[demo]"``.
+(pictures) are optional and imported lazily: ``pip install "npattn[demo]"`` (from a clone:
+``pip install ".[demo]"``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._hints import install_hint
 from ._blas import single_blas_thread
 from ._train import Progress, smooth
 
@@ -278,7 +280,7 @@ def main(args) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print('matplotlib is not installed: no pictures written (pip install "npattn[demo]")')
+        print(f"matplotlib is not installed: no pictures written ({install_hint('demo')})")
     else:
         try:
             written = save_pictures(result, cfg, args.out)

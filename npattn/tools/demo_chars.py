@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .._hints import install_hint
 from ._blas import single_blas_thread
 from ._train import Progress, smooth
 
@@ -243,7 +244,7 @@ def main(args) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print('matplotlib is not installed: no loss curve written (pip install "npattn[demo]")')
+        print(f"matplotlib is not installed: no loss curve written ({install_hint('demo')})")
     else:
         try:
             print(f"wrote {save_loss_curve(result, args.out)} to {args.out}")
