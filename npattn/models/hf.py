@@ -25,7 +25,6 @@ memory (plus one tensor).
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 import re
@@ -52,6 +51,135 @@ _ST_DTYPES: dict[str, np.dtype] = {
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 # derived buffers some older checkpoints still carry; transformers recomputes them
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# the reference reader's limit on the header (safetensors/src/tensor.rs, MAX_HEADER_SIZE)
+_MAX_HEADER = 100_000_000
+
+
+def _short(value, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a header's names and shapes can be megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _StrictJSONError(ValueError):
+    """JSON that Python's parser takes but the format does not (a duplicate key, NaN, Infinity)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _StrictJSONError(f"a duplicate key {_short(key)}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str):
+    raise _StrictJSONError(f"{name}, which is not JSON")
+
+
+def _load_json(data: bytes, path: str, what: str):
+    """``data`` (the ``what`` of the file ``path``) as strict JSON, as the reference reader
+    (serde_json) takes it: UTF-8, no duplicate keys, no ``NaN``/``Infinity``.  Any failure is a
+    ``ValueError`` naming ``path`` that quotes no byte of the file (only positions): the file may
+    be any file at all."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: {what} is not UTF-8 (invalid byte at offset {e.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except _StrictJSONError as e:
+        raise ValueError(f"{path}: {what} has {e}") from None
+    except json.JSONDecodeError as e:  # its message can quote a character: give the place only
+        raise ValueError(f"{path}: {what} is not valid JSON (line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: {what} nests its JSON too deeply to be read") from None
+    except ValueError:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"{path}: {what} is not JSON that can be read (an oversized number)") from None
+
+
+def _is_size(x) -> bool:
+    """A JSON non-negative integer (not a float such as 1.0, a string, or a bool)."""
+    return type(x) is int and x >= 0
+
+
+def _nbytes(shape: list, itemsize: int) -> int | None:
+    """``prod(shape) * itemsize``, or ``None`` when it exceeds 2**64 (no file holds that; the
+    product of a 100 MB shape is not computed in full)."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for s in shape:
+        n *= s
+        if n > 2**64:
+            return None
+    return n
+
+
+def _header_tensors(header: dict, path: str, data_size: int) -> list:
+    """The tensors of a parsed safetensors header as ``(name, dtype code, shape, begin, end)``
+    (offsets into the data buffer, header order), checked as the reference reader
+    (``read_metadata`` and ``Metadata::validate`` in safetensors/src/tensor.rs) checks them:
+    ``__metadata__`` maps strings to strings (or is null); every entry has a known ``dtype``, a
+    ``shape`` of non-negative integers and ``data_offsets`` of two, ``end - begin`` bytes being
+    ``prod(shape) * itemsize``; sorted by offset, the tensors tile the data buffer exactly (the
+    first begins at 0, each where the one before ends, the last at the buffer's end)."""
+    meta = header.get("__metadata__")
+    if meta is not None:
+        bad = [k for k, v in meta.items() if not isinstance(v, str)] if isinstance(meta, dict) else None
+        if bad is None or bad:
+            got = _short(meta) if bad is None else f"{_short(bad[0])}: {_short(meta[bad[0]])}"
+            raise ValueError(f"{path}: '__metadata__' must map strings to strings, got {got}")
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {_short(name)}"
+        if not isinstance(info, dict):
+            raise ValueError(
+                f"{where} has a malformed header entry: expected an object with 'dtype', 'shape' and "
+                f"'data_offsets', got {_short(info)}"
+            )
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in info:
+                raise ValueError(f"{where} has a malformed header entry: no {field!r}")
+        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(code, str) or code not in _ST_DTYPES:
+            raise ValueError(f"{where} has dtype {_short(code)}, expected one of {sorted(_ST_DTYPES)}")
+        if not isinstance(shape, list) or not all(_is_size(s) for s in shape):
+            raise ValueError(
+                f"{where} has a malformed header entry: 'shape' must be a list of non-negative integers, "
+                f"got {_short(shape)}"
+            )
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(o) for o in offsets):
+            raise ValueError(
+                f"{where} has a malformed header entry: 'data_offsets' must be two non-negative integers "
+                f"[begin, end], got {_short(offsets)}"
+            )
+        begin, end = offsets
+        nbytes = _nbytes(shape, _ST_DTYPES[code].itemsize)
+        if end - begin != nbytes:
+            needs = "more than 2**64 bytes" if nbytes is None else f"{nbytes} bytes"
+            raise ValueError(
+                f"{where} ({code} {_short(shape)}) needs {needs}, its data_offsets [{begin}, {end}] give {end - begin}"
+            )
+        tensors.append((name, code, shape, begin, end))
+    reached, before = 0, None
+    for name, _, _, begin, end in sorted(tensors, key=lambda t: (t[3], t[4])):
+        if begin != reached:
+            how = (
+                f"overlap tensor {_short(before)}, which ends at byte {reached}"
+                if begin < reached
+                else f"leave a gap: bytes [{reached}, {begin}) of the data belong to no tensor"
+            )
+            raise ValueError(f"{path}: tensor {_short(name)}: its data_offsets [{begin}, {end}] {how}")
+        reached, before = end, name
+    if reached != data_size:
+        last = "no tensors" if before is None else f"tensor {_short(before)}, the last, ends at byte {reached}"
+        why = "the file is truncated" if reached > data_size else f"bytes [{reached}, {data_size}) belong to no tensor"
+        raise ValueError(f"{path}: {last}, but the file has {data_size} bytes of data after the header ({why})")
+    return tensors
 
 
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -132,7 +260,12 @@ def open_safetensors(path) -> dict:
     FileNotFoundError
         No such file.
     ValueError
-        A malformed file (header length, JSON, dtype, shape or offsets), naming the tensor.
+        A malformed file, refused as the format's reference reader refuses it (a header length
+        beyond the file or over 100,000,000 bytes, JSON that is not one object without duplicate
+        keys, an unknown dtype, a shape or offsets that are not non-negative integers, offsets
+        that disagree with the shape or do not tile the data exactly, a ``__metadata__`` that is
+        not strings to strings), naming the file and the tensor.  No message shows the file's
+        bytes (a file that is not a safetensors file says so).
     """
     path = os.fspath(path)
     size = os.path.getsize(path)
@@ -140,36 +273,23 @@ def open_safetensors(path) -> dict:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        # the length is never printed: in a file that is not a safetensors file, those are its first 8 bytes
         n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise ValueError(f"{path}: header length {n} exceeds the file size {size}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: the header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: the header is not a JSON object")
-    start = 8 + n
-    mm = _Mapping(path, size if size > start else 0)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            code, shape = info["dtype"], [int(s) for s in info["shape"]]
-            b, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-        if code not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {code!r}, expected one of {sorted(_ST_DTYPES)}")
-        nbytes = math.prod(shape) * _ST_DTYPES[code].itemsize
-        if end - b != nbytes or b < 0 or start + end > size:
+        if n > _MAX_HEADER:
             raise ValueError(
-                f"{path}: tensor {name!r} ({code} {shape}) needs {nbytes} bytes, its offsets [{b}, {end}] "
-                f"give {end - b} (file data size {size - start})"
+                f"{path}: not a safetensors file (its header length exceeds the format's limit of "
+                f"{_MAX_HEADER:,} bytes)"
             )
-        out[name] = LazyTensor(name, shape, code, mm, start + b, start + end)
-    return out
+        if n > size - 8:
+            raise ValueError(f"{path}: not a safetensors file (its header length exceeds the file's {size} bytes)")
+        raw = f.read(n)
+    header = _load_json(raw, path, "the header")
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (the header is not a JSON object)")
+    start = 8 + n
+    tensors = _header_tensors(header, path, size - start)
+    mm = _Mapping(path, size if size > start else 0)
+    return {name: LazyTensor(name, shape, code, mm, start + b, start + e) for name, code, shape, b, e in tensors}
 
 
 def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) -> None:
@@ -201,6 +321,59 @@ def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) ->
             f.write(blob)
 
 
+def _shard_roots(root: str) -> list:
+    """The folders a shard of the model directory ``root`` (a real path) may resolve into:
+    ``root``, and for a Hugging Face cache snapshot (``<repo>/snapshots/<revision>[/<subfolder>]``,
+    whose files huggingface_hub keeps as symlinks ``-> ../../blobs/<hash>``) that repository's
+    ``blobs`` folder."""
+    roots = [root]
+    child, parent = root, os.path.dirname(root)
+    while parent != child:
+        if os.path.basename(parent) == "snapshots":
+            blobs = os.path.join(os.path.dirname(parent), "blobs")
+            if os.path.isdir(blobs):
+                roots.append(blobs)
+            break
+        child, parent = parent, os.path.dirname(parent)
+    return roots
+
+
+def _read_index(index: str, directory: str) -> tuple[dict, dict]:
+    """``(weight_map, {shard name: its path})`` of ``model.safetensors.index.json``, every
+    shard checked before any is opened: a file name (a non-empty string) that resolves, after
+    symlinks, inside ``directory`` (see ``_shard_roots``) and exists.
+
+    Raises ``ValueError`` naming the index and the key or shard (malformed JSON, no
+    ``weight_map`` object, a value that is not a file name, a shard outside the directory) and
+    ``FileNotFoundError`` for a missing shard."""
+    with open(index, "rb") as f:
+        obj = _load_json(f.read(), index, "the index")
+    if not isinstance(obj, dict) or "weight_map" not in obj:
+        got = "an object with no 'weight_map'" if isinstance(obj, dict) else _short(obj)
+        raise ValueError(f"{index}: expected a JSON object with a 'weight_map', got {got}")
+    weight_map = obj["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names, got {_short(weight_map)}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or "\0" in shard:
+            raise ValueError(f"{index}: weight_map[{_short(name)}] must be a shard file name, got {_short(shard)}")
+    root = os.path.realpath(directory)
+    roots = _shard_roots(root)
+    paths = {}
+    for shard in sorted(set(weight_map.values())):
+        real = os.path.realpath(os.path.join(root, shard))
+        if not any(os.path.commonpath((r, real)) == r for r in roots):
+            raise ValueError(
+                f"{index}: the shard {_short(shard)} is outside the model directory {directory!r} "
+                f"(it resolves to {real!r})"
+            )
+        paths[shard] = os.path.join(directory, shard)  # messages name the file as the index does
+    for shard, path in paths.items():
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{index}: the shard {_short(shard)} is missing")
+    return weight_map, paths
+
+
 def open_checkpoint(directory) -> tuple[dict, dict]:
     """``(config dict, {name: LazyTensor})`` of a saved Hugging Face model directory:
     ``config.json`` and ``model.safetensors`` or the shards named by ``model.safetensors.index.json``.
@@ -210,7 +383,8 @@ def open_checkpoint(directory) -> tuple[dict, dict]:
     FileNotFoundError
         No such directory, no ``config.json``, or no safetensors weights (or a missing shard).
     ValueError
-        A malformed ``config.json``, index or safetensors file.
+        A malformed ``config.json``, index or safetensors file, or a shard the index names
+        outside the directory (after symlinks), before any shard is opened.
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -229,15 +403,8 @@ def open_checkpoint(directory) -> tuple[dict, dict]:
     if os.path.isfile(single):
         tensors = open_safetensors(single)
     elif os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            try:
-                weight_map = json.load(f)["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: expected JSON with a 'weight_map' ({e})") from None
-        for shard in sorted(set(weight_map.values())):
-            shard_path = os.path.join(directory, shard)
-            if not os.path.isfile(shard_path):
-                raise FileNotFoundError(f"{index}: the shard {shard!r} is missing")
+        weight_map, paths = _read_index(index, directory)
+        for shard, shard_path in paths.items():
             for name, t in open_safetensors(shard_path).items():
                 if weight_map.get(name) == shard:
                     tensors[name] = t
