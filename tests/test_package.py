@@ -1,5 +1,5 @@
-"""Packaging contract: importing npattn pulls in numpy and the standard library only; install
-hints name both forms of an extra."""
+"""Packaging contract: importing npattn pulls in numpy and the standard library only; every
+public module has ``__all__``; ``py.typed`` ships; install hints name both forms of an extra."""
 
 import importlib
 import subprocess
@@ -51,6 +51,40 @@ def test_public_names():
         "TinyTransformer",
     ):
         assert hasattr(npattn, name), name
+
+
+def _public_modules():
+    """Every module of the package whose dotted name has no part starting with ``_``."""
+    import pkgutil
+
+    names = ["npattn"] + [i.name for i in pkgutil.walk_packages(npattn.__path__, "npattn.")]
+    return sorted(n for n in names if not any(part.startswith("_") for part in n.split(".")))
+
+
+OPTIONAL_MODULES = {"npattn.testing": "hypothesis", "npattn.testing.strategies": "hypothesis"}
+
+
+@pytest.mark.parametrize("modname", _public_modules())
+def test_every_public_module_has_all(modname):
+    """``__all__`` exists, names each public name once, and every name in it resolves (so ``from
+    m import *`` and the API pages show the module's own names, not ``np``, ``st`` or ``Optional``)."""
+    if modname in OPTIONAL_MODULES:
+        pytest.importorskip(OPTIONAL_MODULES[modname])
+    module = importlib.import_module(modname)
+    assert hasattr(module, "__all__"), f"{modname} has no __all__"
+    names = list(module.__all__)
+    assert all(isinstance(n, str) for n in names), modname
+    assert len(set(names)) == len(names), f"{modname}: __all__ repeats a name"
+    missing = [n for n in names if not hasattr(module, n)]
+    assert not missing, f"{modname}: __all__ names {missing}, which do not resolve"
+    imported = {"np", "st", "Optional", "Any", "math", "numbers"} & set(names)
+    assert not imported, f"{modname}: __all__ exports imported helpers {sorted(imported)}"
+
+
+def test_public_modules_include_the_ones_that_lacked_all():
+    mods = _public_modules()
+    for name in ("npattn.generation", "npattn.optim", "npattn.testing.strategies", "npattn.functional.attention"):
+        assert name in mods
 
 
 def _extras():

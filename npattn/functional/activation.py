@@ -25,6 +25,30 @@ from .._validate import (
 )
 from ._erf import erf
 
+__all__ = [
+    "ReluCache",
+    "GeluCache",
+    "SiluCache",
+    "SoftmaxCache",
+    "DropoutCache",
+    "relu",
+    "relu_backward",
+    "relu_jvp",
+    "gelu",
+    "gelu_backward",
+    "gelu_jvp",
+    "silu",
+    "silu_backward",
+    "silu_jvp",
+    "softmax",
+    "softmax_backward",
+    "softmax_jvp",
+    "dropout",
+    "dropout_backward",
+    "dropout_jvp",
+]
+
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)

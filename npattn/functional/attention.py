@@ -36,6 +36,13 @@ from ._blocks import (
 from ._blocks import scratch as _scratch
 from ._workspace import empty as _empty
 
+__all__ = [
+    "AttentionCache",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "scaled_dot_product_attention_jvp",
+]
+
 
 class AttentionCache(NamedTuple):
     """What ``scaled_dot_product_attention_backward`` needs.

@@ -13,6 +13,9 @@ import numpy as np
 
 from .._validate import as_float, as_index, check_bool, check_cache, check_grad, check_tangent, check_tangents
 
+__all__ = ["EmbeddingCache", "embedding", "embedding_backward", "embedding_jvp"]
+
+
 _RENORM_EPS = 1e-7  # torch's embedding_renorm_: scale = max_norm / (norm + 1e-7)
 
 

@@ -9,6 +9,8 @@ import numpy as np
 
 from .._validate import as_float, check_cache, check_grad, check_ndim, check_tangent, check_tangents
 
+__all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp"]
+
 
 class LinearCache(NamedTuple):
     x: np.ndarray  # (..., in)

@@ -19,6 +19,9 @@ from .._validate import (
     to_numpy,
 )
 
+__all__ = ["CrossEntropyCache", "cross_entropy", "cross_entropy_backward", "cross_entropy_jvp"]
+
+
 _REDUCTIONS = ("mean", "sum", "none")
 
 

@@ -84,6 +84,14 @@ from ._blocks import (
 )
 from ._random import draw_seed, keep_into
 
+__all__ = [
+    "MemoryEfficientCache",
+    "memory_efficient_attention",
+    "memory_efficient_attention_backward",
+    "memory_efficient_attention_jvp",
+]
+
+
 # Default block size (rows and columns of a score block), picked by measurement: see
 # ``_block_sizes`` for the numbers and the reasons.
 _DEFAULT_BLOCK = 64

@@ -23,6 +23,17 @@ from .._validate import (
     check_tangents,
 )
 
+__all__ = [
+    "LayerNormCache",
+    "RMSNormCache",
+    "layer_norm",
+    "layer_norm_backward",
+    "layer_norm_jvp",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_jvp",
+]
+
 
 class LayerNormCache(NamedTuple):
     xhat: np.ndarray  # (x - mean) * rstd, x's shape

@@ -32,6 +32,8 @@ from .._validate import (
 )
 from .rope_scaling import _check_scaling, _inv_freq, _resolve_base, _resolve_rotary_dim
 
+__all__ = ["RopeCache", "rope", "rope_backward", "rope_jvp"]
+
 
 class RopeCache(NamedTuple):
     cos: np.ndarray  # (..., L, D/2) broadcastable against x's pairs, x's dtype

@@ -21,6 +21,8 @@ import numpy as np
 from .._hints import install_hint
 from .._validate import check_size
 
+__all__ = ["stream", "main"]
+
 
 def _eos_ids(config, name: str = "eos_token_id") -> set:
     """The config's ``eos_token_id`` (an id, a list of ids or None) as a set of ids, each checked

@@ -21,6 +21,25 @@ import numpy as np
 
 from . import twins
 
+__all__ = [
+    "Built",
+    "Kind",
+    "Missing",
+    "rel_diff",
+    "attention_flops",
+    "mha_flops",
+    "encoder_flops",
+    "SHORT",
+    "attention",
+    "attention_jvp",
+    "mha",
+    "encoder",
+    "demo",
+    "decode",
+    "delta_rule",
+    "KINDS",
+]
+
 
 class Built(NamedTuple):
     """A case ready to run: ``name`` and ``shape`` for the report, the callables, and ``check``."""

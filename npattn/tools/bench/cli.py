@@ -16,6 +16,8 @@ from . import decode, delta, families, memory, timing, window
 from .machine import ENV_KEYS, SLOW_ENV, machine_info, probe_openblas_env
 from .runner import call_in_child
 
+__all__ = ["Section", "SECTIONS", "selected", "format_table", "timing_variant", "main"]
+
 
 class Section(NamedTuple):
     name: str  # the flag --name and what the progress lines call it

@@ -20,6 +20,20 @@ from .cases import KINDS
 from .runner import Step, run_steps, time_case
 from .text import table
 
+__all__ = [
+    "DECODE",
+    "DECODE_QUICK",
+    "MLA_DECODE",
+    "MLA_DECODE_QUICK",
+    "bench_decode",
+    "bench_mla_decode",
+    "collect",
+    "format_decode",
+    "format_mla_decode",
+    "format_section",
+]
+
+
 DECODE = {
     "vocab_size": 512,
     "context_length": 96,  # 80 new tokens: about half a minute a dtype on 2 idle cores

@@ -16,6 +16,19 @@ from __future__ import annotations
 from .runner import Step, run_steps, time_case, torch_or_none
 from .text import table
 
+__all__ = [
+    "SHAPE",
+    "LENGTHS",
+    "QUICK_LENGTHS",
+    "IMPLS",
+    "delta_one",
+    "delta_table",
+    "collect",
+    "format_delta",
+    "format_section",
+]
+
+
 SHAPE = {"b": 1, "h": 4, "D": 64}
 LENGTHS = (256, 1024, 4096)
 QUICK_LENGTHS = (32, 64, 128)

@@ -25,6 +25,19 @@ from .cases import KINDS, Built, Kind, rel_diff
 from .runner import Step, run_steps, time_case
 from .text import table
 
+__all__ = [
+    "FAMILIES",
+    "FAMILY",
+    "FAMILY_QUICK",
+    "family_config",
+    "family_step",
+    "family_decode",
+    "bench_family",
+    "collect",
+    "format_section",
+]
+
+
 FAMILIES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next")
 FAMILY = dict(hidden=128, layers=2, vocab=1024, batch=1, L=64, prompt=8, new_tokens=16)  # about a minute in all
 FAMILY_QUICK = dict(hidden=32, layers=2, vocab=64, batch=1, L=8, prompt=4, new_tokens=4)

@@ -13,6 +13,8 @@ import numpy as np
 
 from .cases import Built, _inputs, rel_diff
 
+__all__ = ["mla_decode", "mla_decode_flops", "torch_twin"]
+
 
 def mla_decode(dtype, torch, *, cfg, prompt_len=16, new_tokens=112, batch=1):
     """One ``MultiHeadLatentAttention(**cfg)`` layer decoding ``new_tokens`` hidden states one at a

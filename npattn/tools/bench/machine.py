@@ -22,6 +22,9 @@ import numpy as np
 from .._blas import openblas_functions
 from .runner import call_in_child, torch_or_none
 
+__all__ = ["ENV_KEYS", "SLOW_ENV", "SIMD_FLAGS", "gemm_peak", "gemm_peaks", "machine_info", "probe_openblas_env"]
+
+
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
 SLOW_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 SIMD_FLAGS = (

@@ -11,6 +11,19 @@ from __future__ import annotations
 from .runner import Step, fresh, run_steps
 from .text import table
 
+__all__ = [
+    "IMPLS",
+    "SHAPE",
+    "LENGTHS",
+    "QUICK_LENGTHS",
+    "memory_one",
+    "memory_torch",
+    "memory_table",
+    "collect",
+    "format_section",
+]
+
+
 IMPLS = ("scaled_dot_product_attention", "memory_efficient_attention")
 SHAPE = dict(b=1, h=12, E=64)
 LENGTHS = (512, 1024, 2048, 4096)

@@ -31,6 +31,24 @@ import numpy as np
 
 from .cases import KINDS, Missing
 
+__all__ = [
+    "CHILD",
+    "torch_or_none",
+    "child_env",
+    "status_kib",
+    "PAUSE",
+    "BATCH_SECONDS",
+    "time_interleaved",
+    "Child",
+    "time_case",
+    "fresh",
+    "call_in_child",
+    "child_main",
+    "Step",
+    "run_steps",
+]
+
+
 CHILD = "from npattn.tools.bench.runner import child_main; child_main()"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["fmt", "table", "shape_str"]
+
 
 def fmt(x, spec):
     """``format(x, spec)``, or ``"-"`` for None (a missing measurement)."""

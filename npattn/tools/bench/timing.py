@@ -23,6 +23,31 @@ from .cases import KINDS, SHORT
 from .runner import BATCH_SECONDS, PAUSE, Step, fresh, run_steps, time_case, torch_or_none
 from .text import fmt, shape_str, table
 
+__all__ = [
+    "SMALL",
+    "GPT2",
+    "SEQ1024",
+    "MEM_EFF",
+    "core_at",
+    "TABLE",
+    "QUICK",
+    "DTYPES",
+    "LARGE",
+    "LARGE_QUICK",
+    "LONG",
+    "LONG_QUICK",
+    "row",
+    "collect",
+    "COLUMNS",
+    "format_row",
+    "format_results",
+    "format_section",
+    "Extra",
+    "LARGE_SECTION",
+    "LONG_SECTION",
+]
+
+
 SMALL = dict(b=4, L=64, d=128, h=4)  # MHA(128, 4) and EncoderBlock(128, 4, 512) at batch 4, seq 64
 GPT2 = dict(b=8, L=256, d=768, h=12)  # GPT-2 small's block at batch 8, seq 256
 SEQ1024 = dict(b=2, L=1024, d=768, h=12)  # MultiHeadAttention at batch 2, seq 1024

@@ -10,6 +10,19 @@ import math
 
 import numpy as np
 
+__all__ = [
+    "sdpa",
+    "sdpa_forward",
+    "module_step",
+    "mha",
+    "encoder",
+    "demo",
+    "demo_step",
+    "book_gpt",
+    "book_gpt_greedy",
+    "gated_delta_rule",
+]
+
 
 def _dtype(torch, dtype):
     return torch.float32 if np.dtype(dtype) == np.float32 else torch.float64

@@ -12,6 +12,19 @@ from .memory import IMPLS
 from .runner import Step, fresh, run_steps
 from .text import table
 
+__all__ = [
+    "WINDOW",
+    "WINDOW_SHAPE",
+    "LENGTHS",
+    "QUICK_LENGTHS",
+    "window_one",
+    "window_table",
+    "collect",
+    "format_window",
+    "format_section",
+]
+
+
 WINDOW = (256, 0)
 WINDOW_SHAPE = {"batch": 1, "heads": 4, "head_dim": 64}
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
