@@ -29,6 +29,15 @@ With ``T = (I + M)^{-1}`` (the UT transform) ``U = W_v - W_k S``, ``W_v = T diag
     O  = diag(a) Q S + P U,      P = (Q K^T) * Gam   (lower triangle, diagonal included)
     S' = a_C S + (diag(b) K)^T U                     (the state leaving the chunk)
 
+Two things keep these numbers those of the recurrence where floating point could make them differ:
+
+* every exponent is a sum of the ``g`` it spans (``gamma_i - gamma_j = g_{j+1} + ... + g_i``,
+  ``_segment_sums``), never a difference of two running sums, which would lose the weak decays'
+  digits after a strong one in float32 and turn a reset ``g = -inf`` into ``-inf - -inf``;
+* the products with the triangular ``T`` and ``P`` never multiply their zeros by an inf or NaN
+  (``_triangular_matmul``), so a non-finite value at step t reaches exactly what it reaches in the
+  recurrence (no output before t, no gradient after t from ``dout``).
+
 Backward (derived beside ``_chunked_backward``): the adjoint of the state runs the chunks in
 reverse, ``dS = a_C dS' + (diag(a) Q)^T dO - W_k^T (P^T dO + diag(b) K dS')``; everything else is
 again computed for a block of chunks at once from the states at the chunks' starts, which are all the
@@ -426,7 +435,7 @@ def _gated_delta_rule(
     for blk in _blocks(rows, n, chunk):
         terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
         states[:, blk], u, s = _scan(terms, s)
-        out[:, blk] = terms.qa @ states[:, blk] + terms.p @ u  # O = diag(a) Q S + P U
+        out[:, blk] = terms.qa @ states[:, blk] + _triangular_matmul(terms.p, u)  # O = diag(a) Q S + P U
     final = s
     out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
     return out, GatedDeltaRuleCache(
@@ -453,10 +462,10 @@ class _Chunks(NamedTuple):
     v: np.ndarray  # (rows, N, C, Dv)
     beta: np.ndarray  # (rows, N, C)
     a: np.ndarray  # (rows, N, C) e^{gamma_i}
-    b: np.ndarray  # (rows, N, C) e^{gamma_C - gamma_i}
-    gam: np.ndarray  # (rows, N, C, C) e^{gamma_i - gamma_j} for j <= i, 0 above the diagonal
-    kk: np.ndarray  # (rows, N, C, C) k_i . k_j
-    qk: np.ndarray  # (rows, N, C, C) q_i . k_j
+    b: np.ndarray  # (rows, N, C) e^{gamma_C - gamma_i} = e^{g_{i+1} + ... + g_C}
+    gam: np.ndarray  # (rows, N, C, C) e^{gamma_i - gamma_j} = e^{g_{j+1} + ... + g_i} for j <= i, 0 above
+    kk: np.ndarray  # (rows, N, C, C) k_i . k_j for j <= i, 0 above the diagonal
+    qk: np.ndarray  # (rows, N, C, C) q_i . k_j for j <= i, 0 above the diagonal
     t: np.ndarray  # (rows, N, C, C) (I + M)^{-1}, the UT transform
     p: np.ndarray  # (rows, N, C, C) (Q K^T) * Gam
     qa: np.ndarray  # (rows, N, C, Dk) diag(a) Q
@@ -493,17 +502,19 @@ def _pad_chunks(x, steps, chunk):
 
 
 def _chunk_terms(q, k, v, g, beta) -> _Chunks:
-    """The state-independent terms of the chunks given (``(rows, n, C, ...)`` arrays, see ``_chunked``)."""
-    chunk = q.shape[-2]
-    gamma = np.cumsum(g, axis=-1)  # (rows, N, C) log decay from the chunk's start
-    a = _exp(gamma)
-    b = _exp(gamma[..., -1:] - gamma)
-    lower = np.tril(np.ones((chunk, chunk), dtype=bool))  # j <= i
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    gam = _exp(np.where(lower, diff, -np.inf))  # masked before exp: no overflow above the diagonal
+    """The state-independent terms of the chunks given (``(rows, n, C, ...)`` arrays, see ``_chunked``).
+
+    Every exponent is a sum of the ``g`` it spans, never a difference of two running sums: after
+    a strong decay (``g = -3e4``) the running sum ``gamma`` has lost the digits of the weak
+    decays that follow (float32: ``-3e4 - 0.01`` is ``-30000.0098``), so ``gamma_i - gamma_j``
+    would be off by 1e-3, and a full reset (``g = -inf``) would make it ``-inf - -inf``."""
+    lower = np.tril(np.ones(g.shape[-1:] * 2, dtype=bool))  # j <= i
+    gam = _exp(np.where(lower, _segment_sums(g), -np.inf))  # masked before exp: 0 above the diagonal
+    a = _exp(np.cumsum(g, axis=-1))  # (rows, N, C) e^{gamma_i}
+    b = gam[..., -1, :]  # e^{g_{i+1} + ... + g_C} = Gam_Ci
     kt = k.swapaxes(-1, -2)
-    kk = k @ kt
-    qk = q @ kt
+    kk = np.tril(k @ kt)  # lower triangles only: no value of a later step above the diagonal
+    qk = np.tril(q @ kt)
     t = _unit_lower_inverse(np.tril(beta[..., :, None] * kk * gam, -1))  # M_ij = beta_i Gam_ij k_i.k_j, j < i
     return _Chunks(
         q,
@@ -519,9 +530,35 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
         qk * gam,
         q * a[..., None],
         k * b[..., None],
-        t @ (v * beta[..., None]),
-        t @ (k * (beta * a)[..., None]),
+        _triangular_matmul(t, v * beta[..., None]),
+        _triangular_matmul(t, k * (beta * a)[..., None]),
     )
+
+
+def _segment_sums(x):
+    """``D_ij = x_{j+1} + ... + x_i`` for ``j <= i`` (0 on the diagonal and above) over the last
+    axis: ``(..., C) -> (..., C, C)``, each a sum of the terms it spans (a running sum down each
+    column of the matrix holding ``x_i`` below the diagonal), so no cancellation between large
+    partial sums and no ``inf - inf``."""
+    strict = np.tril(np.ones(x.shape[-1:] * 2, dtype=bool), -1)  # j < i
+    d = np.where(strict, x[..., :, None], 0)
+    return np.cumsum(d, axis=-2, out=d)
+
+
+def _triangular_matmul(m, x, upper=False):
+    """``m @ x`` for a lower- (``upper``: upper-) triangular ``m (..., C, C)`` whose other triangle
+    is exactly zero, without ever forming ``0 * inf`` across that triangle: with an inf or NaN in
+    row j of x, row i of the result (i < j; ``upper``: i > j) stays what the step-by-step
+    recurrence gives instead of becoming NaN.  All-finite x (the usual case) takes one batched
+    product; otherwise the rows are formed from their own triangle only, one row at a time."""
+    if np.isfinite(x).all():
+        return m @ x
+    c = m.shape[-1]
+    out = np.empty(np.broadcast_shapes(m.shape[:-1], x.shape[:-2] + (c,)) + x.shape[-1:], np.result_type(m, x))
+    for i in range(c):
+        span = slice(i, c) if upper else slice(0, i + 1)
+        out[..., i, :] = (m[..., i, None, span] @ x[..., span, :])[..., 0, :]
+    return out
 
 
 def _exp(x):
@@ -539,12 +576,18 @@ def _unit_lower_inverse(m):
     ``(I + M) T = I`` gives row by row ``T_i = e_i - sum_{j<i} M_ij T_j``, and ``T_j`` (``j < i``)
     is zero right of column ``j``, so ``T[i, :i] = -M[i, :i] T[:i, :i]``: one batched
     vector-matrix product per row (several times faster than a general inverse, as stable as a
-    triangular solve)."""
+    triangular solve).  With an inf or NaN in M the product skips ``T``'s zeros
+    (``_triangular_matmul``): ``T_ij`` for ``i, j`` after a non-finite ``M_il`` does not depend on it."""
     c = m.shape[-1]
     t = np.zeros(m.shape, m.dtype)
     t[..., np.arange(c), np.arange(c)] = 1.0
+    finite = bool(np.isfinite(m).all())
     for i in range(1, c):
-        t[..., i, :i] = -np.matmul(m[..., i, None, :i], t[..., :i, :i])[..., 0, :]
+        if finite:
+            t[..., i, :i] = -np.matmul(m[..., i, None, :i], t[..., :i, :i])[..., 0, :]
+        else:  # the same product as T[:i, :i]^T m_i
+            ti = t[..., :i, :i].swapaxes(-1, -2)
+            t[..., i, :i] = -_triangular_matmul(ti, m[..., i, :i, None], upper=True)[..., 0]
     return t
 
 
@@ -638,16 +681,16 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
                   dK += (D + D^T) K with D = diag(beta) (dM * Gam),  dGam += dM * beta_i (k_i . k_j)
         from R:   dV = diag(beta) dR;  dbeta_i += v_i . dR_i - a_i (S^T k_i) . dR_i;
                   da_i -= beta_i (S^T k_i) . dR_i;  dK -= diag(beta a) dR S^T
-        decays:   a_i = e^{gamma_i}: dgamma_i += a_i da_i;  b_i = e^{gamma_C - gamma_i}:
-                  dgamma_i -= b_i db_i, dgamma_C += sum_i b_i db_i;  dgamma_C += a_C d a_C;
-                  Gam_ij = e^{gamma_i - gamma_j}: with G = dGam * Gam,
-                  dgamma_i += sum_j G_ij, dgamma_j -= sum_i G_ij
-        and gamma = cumsum(g) in the chunk, so dg_j = sum_{i >= j} dgamma_i.
+        decays:   a_i = e^{gamma_i}: dgamma_i = a_i da_i, and dgamma_C += a_C d a_C; gamma = cumsum(g)
+                  in the chunk, so dg_l = sum_{i >= l} dgamma_i;
+                  Gam_ij = e^{D_ij}, D_ij = g_{j+1} + ... + g_i, and b_j = Gam_Cj: with
+                  dD = dGam * Gam and dD_Cj += b_j db_j, dg_l += sum_{i >= l > j} dD_ij
+                  (``_segment_sums_backward``; sums only, as the forward's exponents).
 
     Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk = dinitial_state)``.
     """
     rows, n = c.q.shape[:2]
-    pt_do = c.p.swapaxes(-1, -2) @ do  # (rows, N, C, Dv) P^T dO
+    pt_do = _triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
     qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (diag(a) Q)^T dO
     wkt = c.wk.swapaxes(-1, -2)
     decay = c.a[..., -1, None, None]
@@ -658,14 +701,14 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
         ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
     u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
     du = pt_do + c.kb @ ds_end
-    dr = c.t.swapaxes(-1, -2) @ du
+    dr = _triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
     st = s.swapaxes(-1, -2)
     # from O
     dp = np.tril(do @ u.swapaxes(-1, -2))
     dqa = do @ st  # (rows, N, C, Dk)
     dpg = dp * c.gam
-    dq = dqa * c.a[..., None] + dpg @ c.k
-    dk = dpg.swapaxes(-1, -2) @ c.q
+    dq = dqa * c.a[..., None] + _triangular_matmul(dpg, c.k)
+    dk = _triangular_matmul(dpg.swapaxes(-1, -2), c.q, upper=True)
     da = (c.q * dqa).sum(-1)
     dgam = dp * c.qk
     # from S'
@@ -678,7 +721,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dmg = dm * c.gam
     dbeta = (dmg * c.kk).sum(-1)
     d = dmg * c.beta[..., :, None]
-    dk += (d + d.swapaxes(-1, -2)) @ c.k
+    dk += _triangular_matmul(d, c.k) + _triangular_matmul(d.swapaxes(-1, -2), c.k, upper=True)
     dgam += dm * c.kk * c.beta[..., :, None]
     # from R = diag(beta) V - diag(beta a) K S
     ks = c.k @ s  # (rows, N, C, Dv) S^T k_i as rows
@@ -687,12 +730,25 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dbeta += (c.v * dr).sum(-1) - c.a * ks_dr
     da -= c.beta * ks_dr
     dk -= (dr @ st) * (c.beta * c.a)[..., None]
-    # the decays, then gamma = cumsum(g)
-    gg = dgam * c.gam
-    dgamma = da * c.a - db * c.b + gg.sum(-1) - gg.sum(-2)
-    dgamma[..., -1] += (db * c.b).sum(-1) + da_end * c.a[..., -1]
-    dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1]
+    # the decays: a_i = e^{gamma_i}, gamma = cumsum(g); Gam_ij = e^{D_ij} and b_j = Gam_Cj, D = _segment_sums(g)
+    dd = dgam * c.gam  # dD_ij = dGam_ij Gam_ij
+    dd[..., -1, :] += db * c.b
+    dgamma = da * c.a
+    dgamma[..., -1] += da_end * c.a[..., -1]
+    dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1] + _segment_sums_backward(dd)
     return (dq, dk, dv, dg, dbeta), ds
+
+
+def _segment_sums_backward(dd):
+    """The adjoint of ``_segment_sums`` (``dd`` is overwritten): ``D_ij = x_{j+1} +
+    ... + x_i`` holds ``x_l`` for ``j < l <= i``, so ``dx_l = sum_{i >= l} F_{i, l-1}`` with the
+    running sums along the rows ``F_im = sum_{j <= m} dD_ij``, and ``dx_1 = 0``: sums only, no
+    differences of large sums, as in the forward."""
+    f = np.cumsum(dd, axis=-1, out=dd)
+    strict = np.tril(np.ones(dd.shape[-1:] * 2, dtype=bool), -1)  # F_{i, l-1} with i >= l
+    dx = np.zeros(dd.shape[:-1], dd.dtype)
+    dx[..., 1:] = np.where(strict, f, 0).sum(-2)[..., :-1]
+    return dx
 
 
 # ------------------------------------------------------------------------- gated_delta_rule_jvp
@@ -750,7 +806,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     """The product rule through one chunk's formulas (module docstring), for a block of chunks
     at once but for the tangent of the state, carried through the chunks as the state is:
 
-        tgamma = cumsum(tg);  ta = a tgamma;  tb = b (tgamma_C - tgamma);  tGam = Gam (tgamma_i - tgamma_j)
+        ta = a cumsum(tg);  tD = _segment_sums(tg);  tGam = Gam tD;  tb_j = b_j tD_Cj
         tM = beta (tK K^T + K tK^T) Gam + tbeta (K K^T) Gam + beta (K K^T) tGam   (strictly lower)
         tT = -T tM T                                       (from T (I + M) = I)
         tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
@@ -761,20 +817,22 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
         tS' = ta_C S + a_C tS + (diag(tb) K + diag(b) tK)^T U + (diag(b) K)^T tU
 
     Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
-    tgamma = np.cumsum(tg, axis=-1)
-    ta = c.a * tgamma
-    tb = c.b * (tgamma[..., -1:] - tgamma)
-    tgam = c.gam * (tgamma[..., :, None] - tgamma[..., None, :])
+    ta = c.a * np.cumsum(tg, axis=-1)
+    td = _segment_sums(tg)  # the tangents of the exponents D_ij, sums as the forward's
+    tgam = c.gam * td
+    tb = c.b * td[..., -1, :]
     kt = c.k.swapaxes(-1, -2)
     tkk = tk @ kt
     tkk += tkk.swapaxes(-1, -2)
     bcol = c.beta[..., :, None]
     tm = np.tril(bcol * tkk * c.gam + tbeta[..., :, None] * c.kk * c.gam + bcol * c.kk * tgam, -1)
-    tt = -(c.t @ tm @ c.t)
-    twv = tt @ (c.v * c.beta[..., None]) + c.t @ (c.v * tbeta[..., None] + tv * c.beta[..., None])
+    tt = -_triangular_matmul(_triangular_matmul(c.t, tm), c.t)
+    twv = _triangular_matmul(tt, c.v * c.beta[..., None])
+    twv += _triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
     ba = c.beta * c.a
-    twk = tt @ (c.k * ba[..., None]) + c.t @ (c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
-    tp = (tq @ kt + c.q @ tk.swapaxes(-1, -2)) * c.gam + c.qk * tgam
+    twk = _triangular_matmul(tt, c.k * ba[..., None])
+    twk += _triangular_matmul(c.t, c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
+    tp = np.tril(tq @ kt + c.q @ tk.swapaxes(-1, -2)) * c.gam + c.qk * tgam
     tkb = c.k * tb[..., None] + tk * c.b[..., None]
     u = c.wv - c.wk @ s
     rows, n = c.q.shape[:2]
@@ -790,5 +848,6 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
             + tkb[:, i].swapaxes(-1, -2) @ u[:, i]
             + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
         )
-    tout = (tq * c.a[..., None] + c.q * ta[..., None]) @ s + c.qa @ tstates + tp @ u + c.p @ tu
+    tout = (tq * c.a[..., None] + c.q * ta[..., None]) @ s + c.qa @ tstates
+    tout += _triangular_matmul(tp, u) + _triangular_matmul(c.p, tu)
     return tout, ts
