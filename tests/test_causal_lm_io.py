@@ -233,7 +233,11 @@ def test_config_reader_details():
         "sliding_window_pattern": 2,
         "pad_token_id": -1,
     }
-    old_gemma = dict(gemma, rope_scaling={"type": "linear", "factor": 8.0})
+    # transformers 5 merges Gemma 3's rope_scaling into the full-attention layers' rope parameters,
+    # whose rope_type ("default") it keeps: an old-style "type" is never applied there, so refused
+    with pytest.raises(ValueError, match=r"config\['rope_scaling'\]\['type'\]"):
+        config_from_hf(dict(gemma, rope_scaling={"type": "linear", "factor": 8.0}))
+    old_gemma = dict(gemma, rope_scaling={"rope_type": "linear", "factor": 8.0})
     assert config_from_hf(old_gemma).rope["full_attention"]["rope_type"] == "linear"
     assert config_from_hf(old_gemma).rope["sliding_attention"]["rope_type"] == "default"
     typed = dict(LLAMA, rope_parameters={"type": "linear", "factor": 2.0, "rope_theta": 1e4})

@@ -132,6 +132,56 @@ def _check_scaling(scaling, name: str = "scaling") -> dict[str, Any]:
     return out
 
 
+def _standardize(
+    params: Mapping,
+    name: str,
+    *,
+    rope_theta: float,
+    partial_rotary_factor=None,
+    max_position_embeddings=None,
+) -> dict[str, Any]:
+    """One RoPE dict of a Hugging Face config as transformers 5 completes it before any model
+    reads it (``standardize_rope_params``): ``rope_type`` from the older ``type`` (default
+    ``"default"``), ``rope_theta`` and ``partial_rotary_factor`` from beside the dict where it has
+    none, and the config's ``max_position_embeddings`` as ``original_max_position_embeddings`` of
+    ``yarn`` and ``llama3`` where the dict has none.  ``dynamic`` reads the config's
+    ``max_position_embeddings`` too; npattn keeps it in the dict, where ``rope_frequencies`` looks.
+
+    Returns a new dict (keys set to None count as absent), checked by ``_check_scaling``.  Raises
+    ``ValueError``/``TypeError`` naming ``name`` and the key: also where transformers would read
+    the dict in a way npattn refuses to guess (``rope_type`` and ``type`` that disagree: transformers
+    silently takes ``rope_type``; a ``max_position_embeddings`` inside the dict that differs from
+    the config's: transformers ignores the inner one)."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{name}: expected a mapping (a RoPE parameters dict) or null, got {type(params).__name__}")
+    p = {k: v for k, v in params.items() if v is not None}
+    kind, old = p.pop("rope_type", None), p.pop("type", None)
+    if kind is not None and old is not None and kind != old:
+        raise ValueError(
+            f"{name}: 'rope_type'={kind!r} and 'type'={old!r} disagree (transformers reads 'rope_type' and "
+            "ignores 'type'; give one of them)"
+        )
+    p["rope_type"] = kind if kind is not None else old if old is not None else "default"
+    p.setdefault("rope_theta", rope_theta)
+    if partial_rotary_factor is not None:
+        p.setdefault("partial_rotary_factor", partial_rotary_factor)
+    inner = p.get("max_position_embeddings")
+    if inner is not None and max_position_embeddings is not None and inner != max_position_embeddings:
+        raise ValueError(
+            f"{name}['max_position_embeddings']: {inner!r} differs from the config's max_position_embeddings="
+            f"{max_position_embeddings} (transformers reads the config's and ignores this one)"
+        )
+    needs = {"yarn": "original_max_position_embeddings", "llama3": "original_max_position_embeddings"}
+    needs["dynamic"] = "max_position_embeddings"
+    key = needs.get(p["rope_type"]) if isinstance(p["rope_type"], str) else None
+    if key is not None and key not in p:
+        if max_position_embeddings is None:
+            raise ValueError(f"{name}: rope_type {p['rope_type']!r} needs the config's max_position_embeddings")
+        p[key] = max_position_embeddings
+    _check_scaling(p, name)
+    return p
+
+
 def _resolve_base(base, params: dict, name: str = "base") -> float:
     """The base: ``params['rope_theta']`` when the dict gives one (then ``base`` must be left at its
     default 10000 or agree), else ``base``."""

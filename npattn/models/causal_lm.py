@@ -101,8 +101,9 @@ _MHA_NAMES = {
 def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The attention module of layer ``i``."""
     kind = cfg.layer_types[i]
-    if kind == "latent_attention":
-        return MultiHeadLatentAttention.from_config(cfg.hf, rng=rng, dtype=dtype)
+    if kind == "latent_attention":  # the RoPE dict as the config reader standardized it
+        hf = dict(cfg.hf, rope_parameters=cfg.rope.get("default"), rope_scaling=None)
+        return MultiHeadLatentAttention.from_config(hf, rng=rng, dtype=dtype)
     if kind == "linear_attention":
         return GatedDeltaNet.from_config(cfg.hf, rng=rng, dtype=dtype)
     rope = dict(cfg.rope.get(kind, cfg.rope.get("default", {})))

@@ -13,8 +13,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from ..functional.rope_scaling import _standardize
 
 __all__ = ["CausalLMConfig", "config_from_hf", "SUPPORTED_MODEL_TYPES"]
 
@@ -34,7 +37,16 @@ class CausalLMConfig:
     ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``) or ``"moe"`` (routed experts).
 
     ``rope[layer_type]`` is the Hugging Face ``rope_parameters`` dict of that kind of layer
-    (``rope_theta``, ``rope_type`` and the scaling's own keys).  ``norm_offset``: norms multiply by
+    (``rope_theta``, ``rope_type`` and the scaling's own keys) as transformers 5 standardizes the
+    config's ``rope_parameters``, ``rope_scaling`` (which, when non-empty, takes the place of
+    ``rope_parameters``; Gemma 3 merges it into the full-attention layers' dict), ``rope_theta``,
+    ``partial_rotary_factor`` and ``max_position_embeddings`` (``original_max_position_embeddings``
+    of ``yarn`` and ``llama3`` where the dict has none; ``dynamic`` keeps it in the dict).
+    ``dynamic`` NTK scaling computes each call's frequencies from that call's length, as a
+    transformers model does on its first pass and for every sequence longer than any before it
+    or shorter than ``max_position_embeddings``; a transformers model instance also keeps the
+    frequencies of the longest sequence it has seen for later sequences between those (a cache of
+    its own state, which npattn does not imitate).  ``norm_offset``: norms multiply by
     ``1 + weight`` (Gemma, Qwen3-Next); ``sandwich_norm``: norms also after attention and after the
     MLP (Gemma); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
     ``attention_scale`` is the scores' factor (``None``: ``1/sqrt(head_dim)``).  ``moe``,
@@ -124,6 +136,15 @@ _METADATA = frozenset(
 )
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _show(v) -> str:
+    """``repr(v)`` shortened (a config value in a message: never a huge or deeply nested one whole)."""
+    return _REPR.repr(v)
+
+
 class _Reader:
     """Reads keys of a config dict, remembering which were read; ``finish`` refuses the rest."""
 
@@ -145,7 +166,7 @@ class _Reader:
             raise ValueError(f"config: model_type {self.model_type!r} needs the key {key!r}, which is missing")
         v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-            raise ValueError(f"config[{key!r}]: expected an integer >= {minimum}, got {v!r}")
+            raise ValueError(f"config[{key!r}]: expected an integer >= {minimum}, got {_show(v)}")
         return int(v)
 
     def float(self, key: str, default=None, *, positive: bool = True):
@@ -153,21 +174,28 @@ class _Reader:
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (positive and v <= 0):
-            raise ValueError(f"config[{key!r}]: expected a finite number{' > 0' if positive else ''}, got {v!r}")
+            raise ValueError(f"config[{key!r}]: expected a finite number{' > 0' if positive else ''}, got {_show(v)}")
         return float(v)
 
     def bool(self, key: str, default: bool = False) -> bool:
-        v = self.get(key, default)
+        """A JSON boolean only: ``"false"``, ``0`` or ``1`` are refused (a non-empty string would
+        read as True).  ``null`` reads as false where false is the default (transformers tests
+        the value's truth); where the default is true it is refused (null would be false there)."""
+        self.used.add(key)
+        v = self.d.get(key, default)
+        if v is None and not default:
+            return False
         if not isinstance(v, bool):
-            raise ValueError(f"config[{key!r}]: expected true or false, got {v!r}")
+            raise ValueError(f"config[{key!r}]: expected true or false (a JSON boolean), got {_show(v)}")
         return v
 
     def only(self, key: str, allowed: tuple, default=None, why: str = ""):
         """The value of ``key``, which must be one of ``allowed`` (npattn lacks the others)."""
         v = self.get(key, default)
-        if v not in allowed:
+        # equal and both booleans or both not (0 is not false, 1 is not true)
+        if not any(v == a and isinstance(v, bool) == isinstance(a, bool) for a in allowed):
             raise ValueError(
-                f"config[{key!r}] = {v!r} is not supported by npattn for model_type {self.model_type!r} "
+                f"config[{key!r}] = {_show(v)} is not supported by npattn for model_type {self.model_type!r} "
                 f"(supported: {list(allowed)}){': ' + why if why else ''}"
             )
         return v
@@ -187,40 +215,96 @@ def _act(r: _Reader, key: str, default: str) -> str:
 
     v = r.get(key, default)
     if v not in HIDDEN_ACTS:
-        raise ValueError(f"config[{key!r}] = {v!r} is not supported by npattn (supported: {sorted(HIDDEN_ACTS)})")
+        raise ValueError(f"config[{key!r}] = {_show(v)} is not supported by npattn (supported: {sorted(HIDDEN_ACTS)})")
     return v
 
 
-def _rope_params(r: _Reader, default_theta: float, per_type: tuple = ()) -> dict:
-    """``{layer_type: rope parameters}`` (``"default"`` for all layers unless ``per_type``)
-    from ``rope_parameters`` or the older ``rope_theta`` / ``rope_scaling`` keys."""
-    rp = r.get("rope_parameters")
+def _rope_mapping(r: _Reader, key: str):
+    v = r.get(key)
+    if v is not None and not isinstance(v, Mapping):
+        raise ValueError(f"config[{key!r}]: expected a mapping (a RoPE parameters dict) or null, got {_show(v)}")
+    return v
+
+
+def _max_positions(r: _Reader):
+    """``max_position_embeddings`` (transformers' class default where the dict has none), checked,
+    or None when absent."""
+    return r.int("max_position_embeddings") if r.has("max_position_embeddings") else None
+
+
+def _rope_params(r: _Reader, default_theta: float, default: Mapping | None = None) -> dict:
+    """``{"default": rope parameters}`` as transformers 5 reads the config
+    (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``, then ``standardize_rope_params``):
+    a non-empty ``rope_scaling`` (the older key) takes the place of ``rope_parameters`` altogether
+    (its ``rope_theta`` included); ``rope_parameters`` left out is the family's ``default``; then
+    ``rope_theta`` and ``partial_rotary_factor`` beside the dict fill what it lacks, and
+    ``max_position_embeddings`` gives ``yarn``/``llama3`` their ``original_max_position_embeddings``
+    (and ``dynamic`` its length)."""
+    rp = _rope_mapping(r, "rope_parameters")
+    scaling = _rope_mapping(r, "rope_scaling")
     theta = r.get("rope_theta")
-    scaling = r.get("rope_scaling")
+    key = "rope_scaling" if scaling else "rope_parameters"
+    chosen = scaling or (default if rp is None else rp) or {}
+    params = _standardize(
+        chosen,
+        f"config[{key!r}]",
+        rope_theta=default_theta if theta is None else theta,
+        partial_rotary_factor=r.get("partial_rotary_factor"),
+        max_position_embeddings=_max_positions(r),
+    )
+    return {"default": params}
+
+
+_GEMMA_TYPES = ("full_attention", "sliding_attention")
+
+
+def _gemma_rope_params(r: _Reader) -> dict:
+    """``{"full_attention": ..., "sliding_attention": ...}`` as transformers 5's Gemma 3 config
+    reads them (``Gemma3TextConfig.convert_rope_params_to_dict``): ``rope_parameters`` holds one
+    dict per layer type; ``rope_scaling`` (the older key) is merged into the full-attention layers'
+    dict; a base left out is ``rope_theta`` (global, default 1e6) or ``rope_local_base_freq``
+    (sliding, default 1e4)."""
+    rp = _rope_mapping(r, "rope_parameters")
+    scaling = _rope_mapping(r, "rope_scaling")
+    theta, local = r.get("rope_theta"), r.get("rope_local_base_freq")
+    out: dict = {}
+    for t, v in (rp or {}).items():
+        if t not in _GEMMA_TYPES:
+            raise ValueError(
+                f"config['rope_parameters'][{t!r}]: Gemma 3's rope_parameters holds one dict per layer type "
+                f"({list(_GEMMA_TYPES)}); transformers ignores any other key"
+            )
+        if v is not None and not isinstance(v, Mapping):
+            raise ValueError(f"config['rope_parameters'][{t!r}]: expected a mapping or null, got {_show(v)}")
+        if v is not None:
+            out[t] = dict(v)
+    for t in _GEMMA_TYPES:
+        out.setdefault(t, {"rope_type": "default"})
+    if scaling is not None:
+        full = out["full_attention"]
+        if "type" in scaling and "rope_type" not in scaling and full.get("rope_type") is not None:
+            raise ValueError(
+                f"config['rope_scaling']['type'] = {_show(scaling['type'])}: transformers merges rope_scaling into "
+                f"the full-attention layers' rope parameters, whose rope_type {full.get('rope_type')!r} it keeps, "
+                "so it never applies this 'type'; write 'rope_type' instead"
+            )
+        full.update(scaling)
+    bases = {
+        "full_attention": 1_000_000.0 if theta is None else theta,
+        "sliding_attention": 10_000.0 if local is None else local,
+    }
+    mp = _max_positions(r)
     prf = r.get("partial_rotary_factor")
-    if per_type:
-        if rp is not None and all(t in rp for t in per_type):
-            out = {t: dict(rp[t]) for t in per_type}
-        else:  # Gemma's older keys: rope_theta (global), rope_local_base_freq, rope_scaling (global)
-            local = r.get("rope_local_base_freq", 10000.0)
-            out = {t: {"rope_type": "default", "rope_theta": local} for t in per_type}
-            out["full_attention"] = {"rope_type": "default", "rope_theta": theta or default_theta}
-            if scaling:
-                out["full_attention"].update({("rope_type" if k == "type" else k): v for k, v in scaling.items()})
-    else:
-        if rp is None:
-            rp = {"rope_type": "default", "rope_theta": theta if theta is not None else default_theta}
-            if scaling:  # older configs: {"type": ..., "factor": ...}
-                rp.update({("rope_type" if k == "type" else k): v for k, v in scaling.items()})
-        out = {"default": dict(rp)}
-    for params in out.values():
-        if "type" in params and "rope_type" not in params:
-            params["rope_type"] = params.pop("type")
-        params.setdefault("rope_type", "default")
-        params.setdefault("rope_theta", theta if theta is not None else default_theta)
-        if prf is not None:
-            params.setdefault("partial_rotary_factor", prf)
-    return out
+    return {
+        t: _standardize(
+            out[t],
+            f"config['rope_parameters'][{t!r}]",
+            rope_theta=bases[t],
+            partial_rotary_factor=prf,
+            max_position_embeddings=mp,
+        )
+        for t in _GEMMA_TYPES
+    }
 
 
 def _common(r: _Reader) -> dict:
@@ -236,7 +320,9 @@ def _common(r: _Reader) -> dict:
         raise ValueError(f"config['attention_dropout']: expected a probability in [0, 1), got {dropout}")
     pad = r.d.get("pad_token_id")
     vocab = r.int("vocab_size")
-    if pad is not None and not (isinstance(pad, numbers.Integral) and 0 <= int(pad) < vocab):
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, numbers.Integral)):
+        raise ValueError(f"config['pad_token_id']: expected an integer or null, got {_show(pad)}")
+    if pad is not None and not 0 <= int(pad) < vocab:
         pad = None  # a pad id outside the table (some configs say -1) marks no embedding row
     return dict(
         vocab_size=vocab,
@@ -247,7 +333,7 @@ def _common(r: _Reader) -> dict:
         head_dim=head_dim,
         rms_norm_eps=r.float("rms_norm_eps", 1e-6),
         attention_dropout=dropout,
-        tie_word_embeddings=bool(r.d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=r.bool("tie_word_embeddings"),
         pad_token_id=pad,
         bos_token_id=r.d.get("bos_token_id"),
         eos_token_id=r.d.get("eos_token_id"),
@@ -336,7 +422,7 @@ def _gemma3(r: _Reader) -> dict:
         embed_scale=True,
         attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
         final_logit_softcapping=r.float("final_logit_softcapping"),
-        rope=_rope_params(r, 1_000_000.0, ("full_attention", "sliding_attention")),
+        rope=_gemma_rope_params(r),
         layer_types=lt,
         sliding_window=_window(r, lt),
         mlp_types=("dense",) * n,
@@ -360,7 +446,7 @@ def _gpt_oss(r: _Reader) -> dict:
         attention_bias=r.bool("attention_bias", True),
         sinks=True,
         hidden_act=hidden_act,
-        rope=_rope_params(r, 150000.0),
+        rope=_rope_params(r, 150000.0, _GPT_OSS_ROPE),
         layer_types=lt,
         sliding_window=_window(r, lt),
         mlp_types=("moe",) * n,
@@ -467,10 +553,11 @@ def _qwen3_next(r: _Reader) -> dict:
 # transformers' (5.x) class defaults of the keys that shape each family's forward pass, for a config
 # dict that leaves them out (a hand-written dict, an older config.json): a missing key must mean
 # what it means to transformers, never npattn's own guess.  Keys derived from others (Llama's and
-# DeepSeek's head_dim and num_key_value_heads) are left to the readers; rope_parameters only when
-# no RoPE key at all is given.
+# DeepSeek's head_dim and num_key_value_heads) are left to the readers, and so is RoPE (each reader's
+# base and GPT-OSS's YaRN, _GPT_OSS_ROPE, read as transformers reads them; see _rope_params).
 _DEFAULTS: dict = {
     "llama": dict(
+        max_position_embeddings=2048,
         vocab_size=32000,
         hidden_size=4096,
         intermediate_size=11008,
@@ -479,11 +566,11 @@ _DEFAULTS: dict = {
         hidden_act="silu",
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         attention_bias=False,
         mlp_bias=False,
     ),
     "qwen3": dict(
+        max_position_embeddings=32768,
         vocab_size=151936,
         hidden_size=4096,
         intermediate_size=22016,
@@ -493,12 +580,12 @@ _DEFAULTS: dict = {
         hidden_act="silu",
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         attention_bias=False,
         use_sliding_window=False,
         max_window_layers=28,
     ),
     "gemma3_text": dict(
+        max_position_embeddings=131072,
         vocab_size=262208,
         hidden_size=2304,
         intermediate_size=9216,
@@ -515,6 +602,7 @@ _DEFAULTS: dict = {
         sliding_window=4096,
     ),
     "gpt_oss": dict(
+        max_position_embeddings=131072,
         vocab_size=201088,
         hidden_size=2880,
         intermediate_size=2880,
@@ -528,20 +616,12 @@ _DEFAULTS: dict = {
         tie_word_embeddings=False,
         hidden_act="silu",
         rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "yarn",
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 4096,
-            "rope_theta": 150000.0,
-        },
         swiglu_alpha=1.702,
         swiglu_limit=7.0,
         attention_bias=True,
     ),
     "deepseek_v3": dict(
+        max_position_embeddings=4096,
         vocab_size=129280,
         hidden_size=7168,
         intermediate_size=18432,
@@ -564,11 +644,11 @@ _DEFAULTS: dict = {
         hidden_act="silu",
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         rope_interleave=True,
         attention_bias=False,
     ),
     "qwen3_next": dict(
+        max_position_embeddings=32768,
         vocab_size=151936,
         hidden_size=2048,
         intermediate_size=5632,
@@ -600,11 +680,19 @@ def with_defaults(config: Mapping[str, Any]) -> dict:
     """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
     it leaves out (see ``_DEFAULTS``)."""
     d = dict(_DEFAULTS.get(config.get("model_type"), {}))
-    if any(k in config for k in ("rope_parameters", "rope_theta", "rope_scaling")):
-        d.pop("rope_parameters", None)
     d.update(config)
     return d
 
+
+# GptOssConfig's rope_parameters when the config has none (its rope_theta read beside it)
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 _READERS = {
     "llama": _llama,

@@ -55,7 +55,7 @@ from .._validate import (
     to_numpy,
 )
 from ..functional import kernels as K
-from ..functional.rope_scaling import _check_scaling, _resolve_base, rope_softmax_scale
+from ..functional.rope_scaling import _check_scaling, _resolve_base, _standardize, rope_softmax_scale
 from .attention import _KVCache
 from .layers import Linear, RMSNorm, _input_tangent
 from .module import Module, no_grad
@@ -272,11 +272,23 @@ class MultiHeadLatentAttention(Module):
             )
         if config.get("attention_dropout", 0.0):
             raise ValueError(f"config: attention_dropout={config['attention_dropout']} is not supported (expected 0)")
-        params: Mapping[str, Any] = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta: Any = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if config.get("max_position_embeddings") is not None:  # read beside the dict, as Hugging Face does
-            scaling.setdefault("max_position_embeddings", config["max_position_embeddings"])
+        # as transformers 5 reads them: a non-empty rope_scaling (the older key) takes the place of
+        # rope_parameters; rope_theta and max_position_embeddings beside the dict fill what it lacks
+        old = config.get("rope_scaling")
+        theta = config.get("rope_theta")
+        scaling = _standardize(
+            old or config.get("rope_parameters") or {},
+            f"config[{'rope_scaling' if old else 'rope_parameters'!r}]",
+            rope_theta=10000.0 if theta is None else theta,
+            partial_rotary_factor=config.get("partial_rotary_factor"),
+            max_position_embeddings=config.get("max_position_embeddings"),
+        )
+        flags = {k: config[k] if k in config else d for k, d in (("attention_bias", False), ("rope_interleave", True))}
+        for k, v in flags.items():  # JSON booleans only ("false" would read as True; null as false)
+            if v is None and k == "attention_bias":
+                flags[k] = False
+            elif not isinstance(v, bool):
+                raise ValueError(f"config[{k!r}]: expected true or false (a JSON boolean), got {v!r}")
         return cls(
             config["hidden_size"],
             heads,
@@ -285,10 +297,10 @@ class MultiHeadLatentAttention(Module):
             qk_rope_head_dim=config["qk_rope_head_dim"],
             v_head_dim=config["v_head_dim"],
             q_lora_rank=config.get("q_lora_rank"),
-            attention_bias=bool(config.get("attention_bias", False)),
-            rope_theta=theta,
+            attention_bias=flags["attention_bias"],
+            rope_theta=scaling.pop("rope_theta"),
             rope_scaling=scaling,
-            rope_interleave=bool(config.get("rope_interleave", True)),
+            rope_interleave=flags["rope_interleave"],
             rng=rng,
             dtype=dtype,
         )
