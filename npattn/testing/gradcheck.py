@@ -15,8 +15,9 @@ differences, one element at a time, and reports the worst error of every checked
 ``mode="fwd"`` checks the forward mode (``<op>_jvp``, ``Module.jvp``) against central
 differences of the output along a random tangent; ``mode="both"`` checks both and the
 transposition identity ``<g, J v> = <J^T g, v>`` that ties the two hand-written derivatives
-together.  ``dtype=np.float32`` instead compares the float32 path of the target with its
-float64 path.
+together.  ``dtype=np.float32`` checks the float32 path of the target: its output against the
+float64 path's, its gradients (and JVPs) against central differences of the float64 forward,
+within float32 rounding (a mistake in a backward fails whatever dtype it shows in).
 
 How the tolerance follows the finite-difference error
 -----------------------------------------------------
@@ -26,9 +27,13 @@ With a step ``h`` the central difference ``(f(x + h) - f(x - h)) / 2h`` is off b
 * rounding, about ``u * sum|terms| / h`` (``u`` = 2.2e-16): each evaluation of ``f`` is exact
   only to ``u`` times the sum of the magnitudes of the terms ``out_j * g_j`` it adds up.
 
-Both are balanced by ``h = u**(1/3) * scale``, about ``6e-6`` times the root mean square of the
-input (rounded to a power of two, so ``x + h`` is exact more often; the step actually taken,
-``(x + h) - x``, is the one divided by).  Only the outputs that the perturbation moves enter the
+Both are balanced by ``h = u**(1/3) * scale``, about ``6e-6`` times the scale of the element:
+``max(|x_i|, typical)``, the typical magnitude being the tensor's root mean square with each
+magnitude capped at 8 times the median non-zero one (so one element of 1e6 among O(1) ones
+is stepped by its own scale and does not set the others' step), rounded to a power of two, so
+``x + h`` is exact more often; the step actually taken, ``(x + h) - x``, is the one divided
+by.  A direction (``fast=True``, forward mode) moves every element by the typical element's
+step along it, so that its tangent is the direction to rounding.  Only the outputs that the perturbation moves enter the
 difference (``sum((out+ - out-) * g)``, the others cancel exactly), so the rounding estimate of
 each element is ``u * sum_j (|out+_j| + |out-_j|) |g_j| / 2h`` over the moved outputs ``j``.
 
@@ -85,7 +90,8 @@ _U = float(np.finfo(np.float64).eps)  # 2.2e-16: the unit of float64 rounding us
 _STEP = _U ** (1.0 / 3.0)  # 6.1e-6: the relative step that balances truncation and rounding
 _C_ROUND = 32.0  # safety factor on the rounding estimate (calibrated: see tests/test_gradcheck_props.py)
 _C_FLOOR = 64.0  # the analytic side's resolution, in units of u * (sum of |terms|)
-_FINE = 64.0  # the third look's step is h / _FINE: truncation 4096 times smaller, clear of nearby kinks
+_FINE = 64.0  # the second look's step is h / _FINE: truncation 4096 times smaller, clear of nearby kinks
+_CAP = 8.0  # the typical scale caps each magnitude at 8 times the median non-zero one (see _scale)
 _RTOL = 1e-5  # default relative tolerance (float64 checks)
 _U32 = float(np.finfo(np.float32).eps)  # 1.2e-7
 _C32 = 64.0  # safety factor of the float32 comparison, in float32 ulps and input sensitivities
@@ -122,7 +128,7 @@ class _RowFields(NamedTuple):
     ok: bool
 
 
-_ROW_EXTRAS = ("mode", "at", "analytic_value", "numerical_value", "tol", "ratio", "step", "note")
+_ROW_EXTRAS = ("mode", "at", "analytic_value", "numerical_value", "tol", "ratio", "step", "note", "in_output")
 
 
 class GradcheckRow(_RowFields):
@@ -133,14 +139,20 @@ class GradcheckRow(_RowFields):
       ``"direction"`` (``fast=True``: ``<analytic gradient, u>`` against the central difference
       along a random ``u``), ``"jvp"`` (the forward mode's output tangent, every output element,
       against the central difference of the output along a random tangent), ``"transpose"``
-      (``<g, J v>`` from the JVP against ``<J^T g, v>`` from the backward), ``"float32"`` (the
-      float32 path against the float64 one);
-    * ``at``: the index of the worst element (the largest ``error / tolerance``; in the
-      output for ``"jvp"`` rows, ``()`` for scalar comparisons);
+      (``<g, J v>`` from the JVP against ``<J^T g, v>`` from the backward), ``"float32"``
+      (``dtype=np.float32``: the row ``output`` compares the float32 forward with the float64
+      one; the others compare the float32 path's gradient, or JVP for ``"jvp <name>"``, with
+      central differences of the float64 forward);
+    * ``at``: the index of the worst element (the largest ``error / tolerance``), ``()`` for
+      scalar comparisons; ``in_output``: whether ``at`` indexes the output rather than the
+      tensor ``name`` (forward-mode rows: the row is named after the tensor moved, its errors
+      are in the output's tangent);
     * ``analytic_value``, ``numerical_value``: the two numbers compared there (for
-      ``"transpose"``: ``<J^T g, v>`` and ``<g, J v>``; for ``"float32"``: float32 and float64);
+      ``"transpose"``: ``<J^T g, v>`` and ``<g, J v>``; for ``"float32"``: the float32 value and
+      the float64 one, or the float64 central difference);
     * ``tol``: the tolerance of that element, ``ratio``: the largest ``error / tolerance`` (a
-      row passes iff ``ratio <= 1``), ``step``: the finite-difference step, ``note``: why a
+      row passes iff ``ratio <= 1``), ``step``: the finite-difference step of an element of
+      typical size (larger elements take steps in proportion to themselves), ``note``: why a
       row failed without a number (a wrong dtype).
 
     The row unpacks as the 4-tuple whatever the mode; ``max_rel_err`` is
@@ -163,6 +175,7 @@ class GradcheckRow(_RowFields):
     ratio: float
     step: Optional[float]
     note: str
+    in_output: bool
 
     def __new__(cls, name, max_abs_err, max_rel_err, ok, mode: str = "element", **extras):
         self = super().__new__(cls, name, max_abs_err, max_rel_err, ok)
@@ -174,6 +187,8 @@ class GradcheckRow(_RowFields):
         self.ratio = float(extras.pop("ratio", math.nan))
         self.step = extras.pop("step", None)
         self.note = str(extras.pop("note", ""))
+        in_output = extras.pop("in_output", None)
+        self.in_output = mode == "jvp" if in_output is None else bool(in_output)
         if extras:
             raise TypeError(f"GradcheckRow: unknown field(s) {sorted(extras)}")
         return self
@@ -182,13 +197,16 @@ class GradcheckRow(_RowFields):
         return (tuple(self) + (self.mode,), {k: getattr(self, k) for k in _ROW_EXTRAS[1:]})
 
     def where(self) -> str:
-        """``"name[i, j]: analytic ..., numerical ... (tolerance ...)"`` for the worst element."""
+        """``"name[i, j] (mode): analytic ..., numerical ... (tolerance ...)"`` for the worst element;
+        for a forward-mode row, whose index is the output's, ``"name (jvp) at output[i, j]: ..."``."""
         idx = "[" + ", ".join(str(int(i)) for i in self.at) + "]" if self.at else ""
-        what = {"transpose": ("<J^T g, v>", "<g, J v>"), "float32": ("float32", "float64")}.get(
-            self.mode, ("analytic", "numerical")
-        )
+        if self.mode == "float32":  # the output row compares two evaluations, the others a difference
+            what = ("float32", "float64" if self.step is None else "float64 numerical")
+        else:
+            what = {"transpose": ("<J^T g, v>", "<g, J v>")}.get(self.mode, ("analytic", "numerical"))
+        place = f"{self.name} ({self.mode}) at output{idx}" if self.in_output else f"{self.name}{idx} ({self.mode})"
         text = (
-            f"{self.name}{idx} ({self.mode}): {what[0]} {self.analytic_value:.6e}, "
+            f"{place}: {what[0]} {self.analytic_value:.6e}, "
             f"{what[1]} {self.numerical_value:.6e}, |difference| {abs(self.analytic_value - self.numerical_value):.3e} "
             f"(tolerance {self.tol:.3e})"
         )
@@ -300,7 +318,7 @@ class GradcheckReport:
                 f"{r.max_abs_err:.3e}",
                 f"{r.max_rel_err:.3e}",
                 f"{r.ratio:.2g}",
-                str(tuple(int(i) for i in r.at)) if r.at else "-",
+                ("output" if r.in_output else "") + str(tuple(int(i) for i in r.at)) if r.at else "-",
                 "yes" if r.ok else "NO",
             )
             + ((r.mode,) if with_mode else ())
@@ -533,18 +551,39 @@ def _check_dtype_option(dtype):
 
 
 def _scale(arr: np.ndarray) -> float:
-    """The root mean square of ``arr`` (1 for an all-zero or empty array)."""
-    if arr.size == 0:
+    """The typical magnitude of ``arr``'s elements: the root mean square of its finite elements,
+    each magnitude capped at ``_CAP`` times the median non-zero one (1 when none is non-zero).
+
+    The cap keeps one large element from setting the scale of all: among O(1) elements a single
+    1e6 would make the plain root mean square about 1e6 / sqrt(n), and a step from it would step
+    the O(1) elements far outside where their derivative is (tanh's)."""
+    a = np.abs(arr[np.isfinite(arr)])
+    nonzero = a[a > 0]
+    if nonzero.size == 0:
         return 1.0
-    s = float(np.sqrt(np.mean(np.square(arr, dtype=np.float64))))
+    a = np.minimum(a, _CAP * float(np.median(nonzero)))
+    s = float(np.sqrt(np.mean(np.square(a, dtype=np.float64))))
     return s if s > 0 and math.isfinite(s) else 1.0
 
 
-def _step(arr: np.ndarray, eps) -> float:
-    """``eps`` when given, else ``u**(1/3) * rms(arr)`` rounded to a power of two."""
+def _pow2(x):
+    """``x`` (> 0) rounded to the nearest power of two, elementwise (``x + h`` is exact more often)."""
+    return 2.0 ** np.round(np.log2(x))
+
+
+def _steps(arr: np.ndarray, eps) -> Tuple[float, np.ndarray]:
+    """``(h, steps)``: ``h`` the step of an element of typical size, ``steps`` each element's.
+
+    ``eps`` when given (every element alike).  Otherwise ``u**(1/3) * max(|x_i|, scale)``
+    rounded to a power of two, ``scale`` the typical magnitude (:func:`_scale`): an element
+    much larger than the rest is stepped in proportion to itself, the others (and zeros) in
+    proportion to the typical one, so each difference balances truncation and rounding at its
+    own element's scale."""
     if eps is not None:
-        return float(eps)
-    return float(2.0 ** round(math.log2(_STEP * _scale(arr))))
+        return float(eps), np.full(arr.shape, float(eps))
+    s = _scale(arr)
+    mag = np.where(np.isfinite(arr), np.abs(arr), 0.0)
+    return float(_pow2(_STEP * s)), _pow2(_STEP * np.maximum(mag, s))
 
 
 class _Options(NamedTuple):
@@ -678,7 +717,7 @@ def _at(problem: _Problem, arr: np.ndarray, where, plus, minus):
 
 
 def _element_fd(problem, arr, idx, h, every=False):
-    """Central difference of ``<out, g>`` along element ``idx``: (value, rounding bound)."""
+    """Central difference of ``<out, g>`` along element ``idx`` with step ``h``: (value, rounding bound)."""
     x0 = arr[idx]
     if not np.isfinite(x0):  # an infinite mask entry: nothing moves when it does
         return 0.0, 0.0
@@ -691,13 +730,15 @@ def _bounds(a, n, rnd, rtol, floor):
     return _C_ROUND * rnd + rtol * np.maximum(np.abs(a), np.abs(n)) + floor
 
 
-def _row(name, a, n, bound, floor, rtol, mode, step, note="", ok=None):
+def _row(name, a, n, bound, floor, rtol, mode, step, note="", ok=None, in_output=None):
     """A row from arrays of analytic values, numerical values and tolerances (same shape)."""
     a = np.asarray(a, dtype=np.float64)
     n = np.asarray(n, dtype=np.float64)
     bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), a.shape)
     if a.size == 0:
-        return GradcheckRow(name, 0.0, 0.0, ok is not False, mode, ratio=0.0, step=step, note=note, tol=0.0)
+        return GradcheckRow(
+            name, 0.0, 0.0, ok is not False, mode, ratio=0.0, step=step, note=note, tol=0.0, in_output=in_output
+        )
     finite = np.isfinite(a) & np.isfinite(n)
     err = np.where(finite, np.abs(a - n), np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -721,40 +762,48 @@ def _row(name, a, n, bound, floor, rtol, mode, step, note="", ok=None):
         ratio=float(ratio.reshape(-1)[k]),
         step=step,
         note=note,
+        in_output=in_output,
     )
 
 
-def _check_elements(problem: _Problem, name: str, arr: np.ndarray, opts: _Options):
-    a = problem.analytic[name]
-    h = _step(arr, opts.eps)
+def _check_elements(problem: _Problem, name: str, arr: np.ndarray, opts: _Options, a=None, extra=0.0, mode="element"):
+    """Every element of the gradient ``a`` (default: the problem's analytic gradient of ``name``)
+    against its own central difference of the problem's forward; ``extra`` (per element) joins
+    the tolerance (the float32 mode's rounding of ``a``)."""
+    a = problem.analytic[name] if a is None else np.asarray(a, dtype=np.float64)
+    extra = np.broadcast_to(np.asarray(extra, dtype=np.float64), arr.shape)
+    h, steps = _steps(arr, opts.eps)
     floor = opts.atol if opts.atol is not None else _C_FLOOR * _U * problem.t0 / _scale(arr)
     n = np.empty(arr.shape)
     rnd = np.empty(arr.shape)
     for idx in np.ndindex(arr.shape):
-        n[idx], rnd[idx] = _element_fd(problem, arr, idx, h)
-    bound = _bounds(a, n, rnd, opts.rtol, floor)
+        n[idx], rnd[idx] = _element_fd(problem, arr, idx, steps[idx])
+    bound = _bounds(a, n, rnd, opts.rtol, floor) + extra
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(a - n) <= bound)
     for idx in zip(*np.nonzero(bad)) if arr.ndim else ([()] if bad else []):
         # a second look with a step 64 times smaller: truncation 4096 times smaller (at most
         # |n - n2| / 4095) and clear of a kink (relu) that the step straddled
-        n2, r2 = _element_fd(problem, arr, idx, h / _FINE)
-        b2 = _bounds(a[idx], n2, r2, opts.rtol, floor) + abs(n[idx] - n2) / 1024
+        n2, r2 = _element_fd(problem, arr, idx, steps[idx] / _FINE)
+        b2 = _bounds(a[idx], n2, r2, opts.rtol, floor) + abs(n[idx] - n2) / 1024 + extra[idx]
         if abs(a[idx] - n2) <= b2:
             n[idx], bound[idx] = n2, b2
             continue
         # a third with half the step, counting every output (one that moved by less than its
         # last bit reads as unmoved): where truncation dominates the two estimates differ
-        n3, r3 = _element_fd(problem, arr, idx, h / 2, every=True)
-        b3 = _bounds(a[idx], n3, r3, opts.rtol, floor) + abs(n[idx] - n3)
+        n3, r3 = _element_fd(problem, arr, idx, steps[idx] / 2, every=True)
+        b3 = _bounds(a[idx], n3, r3, opts.rtol, floor) + abs(n[idx] - n3) + extra[idx]
         if abs(a[idx] - n3) <= b3:
             n[idx], bound[idx] = n3, b3
-    return _row(name, a, n, bound, floor, opts.rtol, "element", h), n
+    return _row(name, a, n, bound, floor, opts.rtol, mode, h), n
 
 
 def _direction_fd(problem, arr, v, h, g, every=False):
     """Outputs at ``arr ± h v``: the central difference (of ``<out, g>``, or of the output with
-    ``g=None``), its rounding bound and the realised tangent ``(x+ - x-) / 2h``."""
+    ``g=None``), its rounding bound and the realised tangent ``(x+ - x-) / 2h``.
+
+    One step for the whole tensor (the tangent is ``v`` to rounding): ``h`` is its typical
+    element's, so a tensor with a few far larger elements is not stepped by their scale."""
     v = np.where(np.isfinite(arr), v, 0.0)  # infinite entries (masks) stay where they are
     with np.errstate(invalid="ignore"):
         xp, xm = np.where(v != 0, arr + h * v, arr), np.where(v != 0, arr - h * v, arr)
@@ -765,9 +814,14 @@ def _direction_fd(problem, arr, v, h, g, every=False):
     return value, rnd, t
 
 
-def _check_direction(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opts: _Options):
-    a = problem.analytic[name]
-    h = _step(arr, opts.eps)
+def _check_direction(
+    problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opts: _Options, a=None, extra=0.0, mode="direction"
+):
+    """``<a, t>`` against the central difference of ``<out, g>`` along the realised tangent
+    ``t`` of ``v``; ``extra`` (per element of ``a``) joins the tolerance as ``sum |extra t|``."""
+    a = problem.analytic[name] if a is None else np.asarray(a, dtype=np.float64)
+    extra = np.broadcast_to(np.asarray(extra, dtype=np.float64), arr.shape)
+    h, _ = _steps(arr, opts.eps)
     n, rnd, t = _direction_fd(problem, arr, v, h, problem.g)
     av = float(np.dot(a.reshape(-1), t.reshape(-1)))
     floor = (
@@ -775,29 +829,32 @@ def _check_direction(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarra
         if opts.atol is not None
         else _C_FLOOR * _U * (float(np.sum(np.abs(a * t))) + problem.t0 / _scale(arr) * float(np.sum(np.abs(t))))
     )
-    bound = float(_bounds(av, n, rnd, opts.rtol, floor))
+    bound = float(_bounds(av, n, rnd, opts.rtol, floor)) + float(np.sum(extra * np.abs(t)))
     if not abs(av - n) <= bound:  # second and third looks, as for elements
         for step, every, share in ((h / _FINE, False, 1 / 1024), (h / 2, True, 1.0)):
             n2, r2, t2 = _direction_fd(problem, arr, v, step, problem.g, every=every)
             av2 = float(np.dot(a.reshape(-1), t2.reshape(-1)))
             b2 = float(_bounds(av2, n2, r2, opts.rtol, floor)) + abs(n - n2) * share
+            b2 += float(np.sum(extra * np.abs(t2)))
             if abs(av2 - n2) <= b2:
                 av, n, bound = av2, n2, b2
                 break
-    return _row(name, av, n, bound, floor, opts.rtol, "direction", h), (av, n)
+    return _row(name, av, n, bound, floor, opts.rtol, mode, h), (av, n)
 
 
-def _check_jvp(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opts: _Options):
-    """The forward mode along ``v`` against the central difference of the output."""
-    h = _step(arr, opts.eps)
+def _check_jvp(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opts: _Options, jvp=None, mode="jvp"):
+    """The forward mode along ``v`` against the central difference of the output.  ``jvp(name,
+    t) -> (output tangent, extra tolerance per output)`` replaces the problem's own (whose
+    extra is 0): the float32 mode's."""
+    h, _ = _steps(arr, opts.eps)
     n, rnd, t = _direction_fd(problem, arr, v, h, None)
-    jv = problem.jvp(name, t)
+    jv, extra = jvp(name, t) if jvp is not None else (problem.jvp(name, t), 0.0)
     if jv.shape != problem.out.shape:
         raise ValueError(f"{problem.label}: the JVP along {name!r} has shape {jv.shape}, expected {problem.out.shape}")
     # the resolution of a difference of the outputs at their largest scale: an output that is
     # small because its forward cancelled (gelu's tail, 1 + erf(-6)) carries an error of that size
     floor = opts.atol if opts.atol is not None else _C_FLOOR * _U * float(np.max(np.abs(problem.out), initial=0.0)) / h
-    bound = _bounds(jv, n, rnd, opts.rtol, floor)
+    bound = _bounds(jv, n, rnd, opts.rtol, floor) + extra
     with np.errstate(invalid="ignore"):
         bad = ~(np.abs(jv - n) <= bound)
     n1 = n
@@ -806,11 +863,11 @@ def _check_jvp(problem: _Problem, name: str, arr: np.ndarray, v: np.ndarray, opt
             break
         # the same JVP against the smaller steps' differences (t and their tangents differ by rounding)
         n2, r2, _ = _direction_fd(problem, arr, v, step, None, every=every)
-        b2 = _bounds(jv, n2, r2, opts.rtol, floor) + np.abs(n1 - n2) * share
+        b2 = _bounds(jv, n2, r2, opts.rtol, floor) + np.abs(n1 - n2) * share + extra
         fix = bad & (np.abs(jv - n2) <= b2)
         n, bound = np.where(fix, n2, n), np.where(fix, b2, bound)
         bad &= ~fix
-    return _row(name, jv, n, bound, floor, opts.rtol, "jvp", h), (t, jv)
+    return _row(name, jv, n, bound, floor, opts.rtol, mode, h, in_output=True), (t, jv)
 
 
 def _check_transpose(problem: _Problem, name: str, arr: np.ndarray, t: np.ndarray, jv: np.ndarray):
@@ -888,8 +945,9 @@ def gradcheck(
         Seeds the upstream gradient ``g = default_rng(seed).standard_normal(out.shape)`` and the
         random directions and tangents.
     eps : float, optional
-        The finite-difference step.  ``None`` (default): for each input ``u**(1/3)`` times its
-        root mean square (rounded to a power of two); a number: that step for every input.
+        The finite-difference step.  ``None`` (default): for each element ``u**(1/3)`` times
+        ``max(|x_i|, typical magnitude of its tensor)`` (rounded to a power of two; the typical
+        magnitude is robust to a few far larger elements); a number: that step for every element.
     rtol : float, optional
         Relative part of the tolerance; ``None`` is ``1e-5`` (``2**-13`` with ``dtype=np.float32``).
     atol : float, optional
@@ -911,15 +969,17 @@ def gradcheck(
         per tensor, every output element against the central difference of the output;
         ``"both"`` both, and the transposition identity ``<g, J v> = <J^T g, v>``.
     dtype : None, np.float64 or np.float32
-        ``np.float32``: run the target in float32 (inputs rounded to float32, a module cast) and
-        compare its output, gradients (and JVPs with ``mode="fwd"/"both"``) with the float64
-        path at the same values; results must also come back as float32.  ``None``/``np.float64``:
-        the finite-difference check, in float64.  The tolerance allows some float32 ulps of each
-        tensor's scale plus 64 times how far the float64 result moves when the inputs move by
-        their own float32 rounding (the problem's conditioning); a computation that cancels
-        beyond that (attention scores of several hundred) needs a looser ``rtol``, and defaults
-        that depend on the dtype (``rms_norm``'s ``eps=None``) make the two paths different
-        functions: pass them explicitly.
+        ``np.float32``: run the target in float32 (inputs rounded to float32, a module cast),
+        compare its output with the float64 path's at the same values, and its gradients (and
+        JVPs with ``mode="fwd"/"both"``; one direction each with ``fast=True``) with central
+        differences of the float64 forward there, so that a wrong backward fails whether or
+        not its float64 path shares the mistake; results must also come back as float32.
+        ``None``/``np.float64``: the finite-difference check, in float64.  The tolerance adds to
+        the difference's own some float32 ulps of each tensor's scale plus 64 times how far the
+        float64 result moves when the inputs move by their own float32 rounding (the problem's
+        conditioning); a computation that cancels beyond that (attention scores of several
+        hundred) needs a looser ``rtol``, and defaults that depend on the dtype (``rms_norm``'s
+        ``eps=None``) make the two paths different functions: pass them explicitly.
     raise_exception : bool
         Raise :class:`GradcheckError` (an ``AssertionError`` carrying the report) when a check fails.
     **forward_kwargs
@@ -948,7 +1008,9 @@ def gradcheck(
     *more* gradients than there are positional inputs (``sinks=``'s ``dsinks``, ``mask_grad``'s
     ``dmask``) pairs the first ones by position and the extra, non-``None`` ones in order with
     the float keyword arrays (in the forward's signature order; only those named in ``wrt``).
-    The JVP is given one tangent per backward result, in the same order (``None`` for zero).
+    The JVP is given one tangent per backward result, in the same order (``None`` for zero); a
+    module's ``jvp`` one per positional input of its forward (``None`` for zero, every one of
+    them when the tangent is a parameter's), so its ``_jvp`` may unpack ``input_tangents``.
 
     Randomness: every ``np.random.Generator`` among the arguments is snapshotted and a fresh copy
     is passed to each forward; a module's own Generator attributes are saved and restored before
@@ -1224,11 +1286,11 @@ def _module_problem(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None
         t = np.asarray(t).astype(dtype)
         m.clear_saved()
         call()  # a forward state for jvp (with gradients enabled)
-        try:
+        try:  # one tangent per positional input, as Module.jvp promises its _jvp (None: zero)
+            tangents: List[Optional[np.ndarray]] = [None] * len(inputs)
             if name in param_names:
-                r = np.asarray(m.jvp(param_tangents={name: t}))
+                r = np.asarray(m.jvp(*tangents, param_tangents={name: t}))
             else:
-                tangents: List[Optional[np.ndarray]] = [None] * len(inputs)
                 tangents[position[name]] = t
                 r = np.asarray(m.jvp(*tangents))
         finally:
@@ -1245,49 +1307,80 @@ def _jiggled(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return x * (1.0 + _U32 * rng.uniform(-1.0, 1.0, x.shape))
 
 
-def _compare32(name, r32, r64, moved, opts: _Options, got_dtype):
-    """The float32 result against the float64 one at the same values.
+def _rounding32(r64, moved, opts: _Options):
+    """``(tolerance, floor)`` of a float32 result against float64 at the same values.
 
     Two things make them differ: float32 rounding inside the computation, about a few float32
     ulps of the tensor's scale, and the problem's sensitivity: how far the float64 result moves
     (``moved``) when the inputs move by their own float32 rounding (an ill-conditioned softmax
-    of large scores moves a lot).  Tolerance: ``C * moved + rtol * (|r64| + max|r64|)`` (``atol``
-    replaces the second ``rtol`` term when given), ``C = 64``, ``rtol = 64 u32`` by default."""
+    of large scores moves a lot).  Tolerance: ``C * |moved - r64| + rtol * |r64| + floor``, the
+    floor ``rtol * max|r64|`` (``atol`` when given), ``C = 64``, ``rtol = 64 u32`` by default."""
     r64 = np.asarray(r64, dtype=np.float64)
     floor = opts.atol if opts.atol is not None else opts.rtol * float(np.max(np.abs(r64), initial=0.0))
-    bound = _C32 * np.abs(np.asarray(moved, dtype=np.float64) - r64) + opts.rtol * np.abs(r64) + floor
-    note = "" if got_dtype == np.dtype(np.float32) else f"returned {got_dtype}, expected float32"
-    return _row(name, r32, r64, bound, floor, opts.rtol, "float32", None, note)
+    return _C32 * np.abs(np.asarray(moved, dtype=np.float64) - r64) + opts.rtol * np.abs(r64) + floor, floor
+
+
+def _renamed(row: GradcheckRow, name: str, note: str) -> GradcheckRow:
+    """``row`` named ``name``, failed with ``note`` when there is one."""
+    extras = {k: getattr(row, k) for k in _ROW_EXTRAS[1:] if k != "note"}
+    return GradcheckRow(name, row.max_abs_err, row.max_rel_err, row.ok and not note, row.mode, note=note, **extras)
+
+
+def _dtype_note(got_dtype) -> str:
+    return "" if got_dtype == np.dtype(np.float32) else f"returned {got_dtype}, expected float32"
 
 
 def _float32_report(make, inputs, kwargs, opts: _Options, label):
+    """``dtype=np.float32``: the float32 path's output against the float64 path's at the same
+    (float32) values, and its gradients and JVPs against central differences of the float64
+    forward there, each with the float32 rounding bound of :func:`_rounding32` added to the
+    difference's own tolerance.  (The float64 path's gradient enters only through how far it
+    moves with the inputs' float32 rounding, never as the reference: a mistake shared by both
+    paths fails here too.)"""
     ins32 = [_prepare_input(x, np.float32) for x in inputs]
     kw32 = {k: (_prepare_input(v, np.float32) if _is_float_array(v) else v) for k, v in kwargs.items()}
     p32 = make(np.float32, ins32, kw32, opts, np.float32)
     p64 = make(np.float64, ins32, kw32, opts, np.float32)
     pmv = make(np.float64, ins32, kw32, opts, np.float32, np.random.default_rng([opts.seed, 3]))
-    rows = [_compare32("output", p32.out, p64.out, pmv.out, opts, p32.dtypes["output"])]
+    bound, floor = _rounding32(p64.out, pmv.out, opts)
+    note = _dtype_note(p32.dtypes["output"])
+    rows = [_row("output", p32.out, p64.out, bound, floor, opts.rtol, "float32", None, note)]
+    analytic: dict = {}
+    numerical: dict = {}
+    directions = np.random.default_rng([opts.seed, 1])
     tangents = np.random.default_rng([opts.seed, 2])
+    if opts.mode in ("fwd", "both") and (p32.jvp is None or p64.jvp is None or pmv.jvp is None):
+        raise ValueError(f"{label}: mode={opts.mode!r} needs a forward mode (JVP) and the target has none")
     for name, arr in p64.checked:
         if opts.mode in ("rev", "both"):
-            rows.append(
-                _compare32(name, p32.analytic[name], p64.analytic[name], pmv.analytic[name], opts, p32.dtypes[name])
-            )
+            extra, _ = _rounding32(p64.analytic[name], pmv.analytic[name], opts)
+            r32 = p32.analytic[name]
+            if opts.fast:
+                v = directions.standard_normal(arr.shape)
+                row, (av, n) = _check_direction(p64, name, arr, v, opts, r32, extra, "float32")
+                analytic[name], numerical[name] = np.asarray(av), np.asarray(n)
+            else:
+                row, numerical[name] = _check_elements(p64, name, arr, opts, r32, extra, "float32")
+                analytic[name] = r32
+            rows.append(_renamed(row, name, _dtype_note(p32.dtypes[name])))
         if opts.mode in ("fwd", "both"):
-            if p32.jvp is None or p64.jvp is None or pmv.jvp is None:
-                raise ValueError(f"{label}: mode={opts.mode!r} needs a forward mode (JVP) and the target has none")
-            t = tangents.standard_normal(arr.shape).astype(np.float32)
-            j32 = p32.jvp(name, t)
-            rows.append(
-                _compare32(f"jvp {name}", j32, p64.jvp(name, t), pmv.jvp(name, t), opts, p32.dtypes[f"jvp {name}"])
-            )
+
+            def jvp32(name, t):
+                t32 = t.astype(np.float32)  # the float32 path's tangent: t rounded
+                j64 = p64.jvp(name, t32)
+                extra, _ = _rounding32(j64, pmv.jvp(name, t32), opts)
+                # t32 is t rounded: its float64 JVP's distance from t's joins the tolerance
+                return p32.jvp(name, t32), extra + _C32 * np.abs(j64 - p64.jvp(name, t))
+
+            row, _ = _check_jvp(p64, name, arr, tangents.standard_normal(arr.shape), opts, jvp32, "float32")
+            rows.append(_renamed(row, f"jvp {name}", _dtype_note(p32.dtypes[f"jvp {name}"])))
     return GradcheckReport(
         rows,
         target=label,
         eps=opts.eps,
         rtol=opts.rtol,
         atol=opts.atol,
-        analytic={r: p32.analytic[r] for r, _ in p64.checked},
-        numerical={r: p64.analytic[r] for r, _ in p64.checked},
+        analytic=analytic,
+        numerical=numerical,
         dtype="float32",
     )
