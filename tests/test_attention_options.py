@@ -1,5 +1,5 @@
 """The attention options of ``scaled_dot_product_attention``: equal to the explicit dense formula
-(``tests/_attn_dense.py``), gradients equal to central differences (``npattn.gradcheck`` and the
+(``tests/_oracles.py``), gradients equal to central differences (``npattn.gradcheck`` and the
 independent ``tests/_fd.py``), every block geometry equal to one block, exact zeros for rows that
 see no key, batch broadcasting, and windowed work that grows with ``L * window``."""
 
@@ -7,8 +7,8 @@ import zlib
 
 import numpy as np
 import pytest
-from _attn_dense import dense, visible
 from _fd import fd_check, fd_gradients
+from _oracles import dense, visible
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -2,12 +2,12 @@
 
 Where torch has the feature, its own ``scaled_dot_product_attention`` with an explicit bias or mask
 built from the option (``causal_lower_right`` for ``causal_align="bottom_right"``); torch autograd
-on the explicit formula (``tests/_attn_dense.py``) for softcap, sinks, ALiBi and ``dmask``.
+on the explicit formula (``tests/_oracles.py``) for softcap, sinks, ALiBi and ``dmask``.
 """
 
 import numpy as np
 import pytest
-from _attn_dense import alibi_bias, dense_torch, visible
+from _oracles import alibi_bias, torch_attention, visible
 from test_attention_options import BROADCAST, COMBOS, make
 
 import npattn.functional as F
@@ -139,21 +139,10 @@ def test_every_combination_equals_torch_autograd_on_the_formula(name, lq, lk):
     out, cache = F.scaled_dot_product_attention(q, k, v, **kw)
     g = np.random.default_rng(5).standard_normal(out.shape)
     grads = F.scaled_dot_product_attention_backward(g, cache)
-    tkw = {key: val for key, val in kw.items() if key not in ("rng", "mask_grad")}
-    leaves = _leaves(q, k, v)
-    if kw.get("mask_grad"):
-        leaves.append(torch.tensor(kw["attn_mask"], requires_grad=True))
-        tkw["attn_mask"] = leaves[-1]
-    elif kw.get("attn_mask") is not None:
-        tkw["attn_mask"] = torch.from_numpy(kw["attn_mask"])
-    if kw.get("sinks") is not None:
-        leaves.append(torch.tensor(kw["sinks"], requires_grad=True))
-        tkw["sinks"] = leaves[-1]
-    if kw.get("alibi_slopes") is not None:
-        tkw["alibi_slopes"] = torch.from_numpy(kw["alibi_slopes"])
-    tout = dense_torch(torch, *leaves[:3], keep=cache.keep, **tkw)
-    tout.backward(torch.from_numpy(g))
+    tkw = {key: val for key, val in kw.items() if key != "rng"}
+    tout, tgrads = torch_attention(q, k, v, dout=g, keep=cache.keep, **tkw)
     _close(out, tout)
-    assert len(grads) == len(leaves)
-    for a, t in zip(grads, leaves):
-        _close(a, t.grad)
+    assert len(grads) == len(tgrads)
+    for a, t in zip(grads, tgrads):
+        assert a.shape == t.shape
+        _close(a, t)

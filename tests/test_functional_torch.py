@@ -148,9 +148,15 @@ def test_dropout_semantics_match_torch():
 # ------------------------------------------------------------------------------ attention
 
 
-def torch_sdpa(cfg, tq, tk, tv):
-    mask = cfg.attn_mask
-    is_causal = cfg.is_causal
+@given(attention_configs(), seeds())
+def test_scaled_dot_product_attention(cfg, seed):
+    """Against torch's own ``scaled_dot_product_attention`` (the explicit formula's oracle is
+    ``tests/_oracles.py``, checked in ``test_reference_attention``)."""
+    out, cache = F.scaled_dot_product_attention(cfg.q, cfg.k, cfg.v, **cfg.kwargs())
+    dout = dout_for(out.shape, seed)
+    grads = F.scaled_dot_product_attention_backward(dout, cache)
+    ts = [T(cfg.q), T(cfg.k), T(cfg.v)]
+    mask, is_causal = cfg.attn_mask, cfg.is_causal
     if mask is not None and is_causal:  # torch refuses both: fold causality into the mask (top-left)
         tri = np.tri(cfg.lq, cfg.lk, dtype=bool)
         mask = (mask & tri) if mask.dtype == bool else np.where(tri, mask, -np.inf)
@@ -160,16 +166,7 @@ def torch_sdpa(cfg, tq, tk, tv):
     )
     if cfg.enable_gqa:
         kw["enable_gqa"] = True
-    return TF.scaled_dot_product_attention(tq, tk, tv, **kw)
-
-
-@given(attention_configs(), seeds())
-def test_scaled_dot_product_attention(cfg, seed):
-    out, cache = F.scaled_dot_product_attention(cfg.q, cfg.k, cfg.v, **cfg.kwargs())
-    dout = dout_for(out.shape, seed)
-    grads = F.scaled_dot_product_attention_backward(dout, cache)
-    ts = [T(cfg.q), T(cfg.k), T(cfg.v)]
-    check(out, grads, torch_sdpa(cfg, *ts), ts, dout)
+    check(out, grads, TF.scaled_dot_product_attention(*ts, **kw), ts, dout)
 
 
 @pytest.mark.parametrize("lq, lk", [(2, 5), (5, 2), (3, 3)])

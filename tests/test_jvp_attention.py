@@ -14,7 +14,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from _attn_oracle import attention_formula
+from _oracles import attention_formula
 from hypothesis import given, settings
 
 import npattn.functional as F
@@ -100,12 +100,11 @@ def _torch_jvp(torch, cfg, tangents, keep=None):
             mask = torch.tensor(np.asarray(mask, np.float64))
         sinks = rest.pop(0) if cfg.sinks is not None else None
         return attention_formula(
-            torch,
             q,
             k,
             v,
             mask,
-            sinks,
+            sinks=sinks,
             is_causal=cfg.is_causal,
             scale=cfg.scale,
             dropout_p=cfg.dropout_p,

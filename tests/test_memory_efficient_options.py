@@ -7,8 +7,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from _attn_oracle import torch_attention
 from _fd import fd_check
+from _oracles import torch_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,10 +51,11 @@ def _run(q, k, v, dout, **kw):
 
 def _compare_with_torch(torch, q, k, v, dout, **kw):
     out, cache, grads = _run(q, k, v, dout, **kw)
-    ref_kw = {key: val for key, val in kw.items() if key not in ("rng", "mask_grad", "block_size")}
-    ref_out, ref_grads = torch_attention(torch, q, k, v, seed=cache.seed, dout=dout, **ref_kw)
-    if kw.get("attn_mask") is not None and kw["attn_mask"].dtype != bool and not kw.get("mask_grad"):
-        ref_grads = ref_grads[:3] + ref_grads[4:]  # the oracle always differentiates a float mask
+    ref_kw = {key: val for key, val in kw.items() if key not in ("rng", "block_size")}
+    p = kw.get("dropout_p", 0.0)
+    ref_out, ref_grads = torch_attention(
+        q, k, v, dout=dout, keep=lambda shape: keep_mask(cache.seed, p, shape), **ref_kw
+    )  # the core's mask, regenerated from its seed
     _close(out, ref_out, what="out")
     assert len(grads) == len(ref_grads)
     for name, g, r in zip(("dq", "dk", "dv", "dmask/dsinks", "dsinks"), grads, ref_grads):

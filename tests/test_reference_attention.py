@@ -1,8 +1,8 @@
 """The textbook attention (``npattn.functional.reference``) against torch and finite differences.
 
 Both reference cores (``scaled_dot_product_attention`` and ``memory_efficient_attention``) are
-checked with every option: against torch autograd on the explicit formula (an independent
-implementation written here), against ``torch.nn.functional.scaled_dot_product_attention`` where
+checked with every option: against torch autograd on the explicit formula (the independent
+one in ``tests/_oracles.py``), against ``torch.nn.functional.scaled_dot_product_attention`` where
 torch has the feature, against each other, and against central differences (``npattn.gradcheck``
 and the independent ``tests/_fd.py``).
 """
@@ -12,6 +12,7 @@ import itertools
 import numpy as np
 import pytest
 from _fd import fd_gradients, rel_err
+from _oracles import torch_attention
 
 from npattn import gradcheck
 from npattn.functional import reference as R
@@ -35,67 +36,7 @@ def _backward(core, dout, cache):
     return R.memory_efficient_attention_backward(dout, cache)
 
 
-# -- torch: the explicit formula, written independently ----------------------------------------------
-
-
-def _torch_attention(
-    torch,
-    q,
-    k,
-    v,
-    mask=None,
-    *,
-    is_causal=False,
-    causal_align="top_left",
-    window=None,
-    alibi=None,
-    softcap=None,
-    sinks=None,
-    keep=None,
-    dropout_p=0.0,
-    scale=None,
-    enable_gqa=False,
-):
-    """``(out, [q, k, v, mask?, sinks?] leaves)`` by torch autograd on the textbook formula."""
-    lq, lk, e = q.shape[-2], k.shape[-2], q.shape[-1]
-    if enable_gqa and q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
-        g = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-    scale = 1.0 / e**0.5 if scale is None else scale
-    s = scale * torch.matmul(q, k.transpose(-1, -2))
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    off = lk - lq if causal_align == "bottom_right" else 0
-    ones = torch.ones(lq, lk, dtype=torch.bool)
-    allowed = ones.clone()
-    if is_causal:
-        allowed &= torch.tril(ones, diagonal=off)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            allowed &= torch.triu(ones, diagonal=off - left)
-        if right >= 0:
-            allowed &= torch.tril(ones, diagonal=off + right)
-    if alibi is not None:
-        i = torch.arange(lq, dtype=torch.float64)[:, None] + off
-        j = torch.arange(lk, dtype=torch.float64)[None, :]
-        s = s - alibi[..., None, None] * (i - j).abs()
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allowed = allowed & mask
-        else:
-            s = s + mask
-    s = s.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        col = sinks[:, None, None].expand(*s.shape[:-1], 1)
-        s = torch.cat([s, col], dim=-1)
-    dead = torch.isinf(s).all(dim=-1, keepdim=True) & (s < 0).all(dim=-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-    if sinks is not None:
-        p = p[..., :-1]
-    if keep is not None:
-        p = p * torch.as_tensor(keep) / (1.0 - dropout_p)
-    return torch.matmul(p, v)
+# -- torch: autograd on the explicit formula (tests/_oracles.py) ------------------------------------
 
 
 def _leaves(torch, *arrays):
@@ -118,20 +59,24 @@ def _compare_to_torch(torch, core, q, k, v, mask=None, sinks=None, alibi=None, d
             keep = np.random.default_rng(seed).random(score_shape) >= dropout_p
         else:
             keep = keep_mask(draw_seed(np.random.default_rng(seed)), dropout_p, score_shape)
-    tq, tk, tv = _leaves(torch, q, k, v)
-    tm = None
-    if mask is not None:
-        tm = torch.tensor(mask) if mask.dtype == bool else _leaves(torch, mask)[0]
-    ts = None if sinks is None else _leaves(torch, sinks)[0]
-    ta = None if alibi is None else torch.tensor(np.asarray(alibi, dtype=np.float64))
-    tout = _torch_attention(torch, tq, tk, tv, tm, alibi=ta, sinks=ts, keep=keep, dropout_p=dropout_p, **opts)
-    assert rel_err(out, tout.detach().numpy()) < 1e-10
-    tout.backward(torch.tensor(dout))
-    expected = [tq.grad, tk.grad, tv.grad] + ([tm.grad] if mask_grad else []) + ([ts.grad] if sinks is not None else [])
+    tout, expected = torch_attention(
+        q,
+        k,
+        v,
+        mask,
+        dout=dout,
+        mask_grad=mask_grad,
+        sinks=sinks,
+        alibi_slopes=alibi,
+        keep=keep,
+        dropout_p=dropout_p,
+        **opts,
+    )
+    assert rel_err(out, tout) < 1e-10
     assert len(grads) == len(expected)
     for got, want in zip(grads, expected):
-        assert got.shape == tuple(want.shape)
-        assert rel_err(got, want.numpy()) < 1e-10
+        assert got.shape == want.shape
+        assert rel_err(got, want) < 1e-10
 
 
 def _qkv(rng, batch=(2,), hq=2, hk=2, lq=5, lk=5, e=4, ev=3):
