@@ -174,8 +174,13 @@ class TopKRouterCache(NamedTuple):
 def _topk(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest entries of each row of ``scores (N, E)``, largest first (as
     ``torch.topk(sorted=True)``); equal chosen scores keep the lower index first.  Which of two
-    equal scores at the boundary is chosen is not specified (nor is it by torch)."""
+    equal scores at the boundary is chosen is not specified (nor is it by torch).  A NaN counts as
+    larger than every number, as in ``torch.topk``: a NaN-scored expert is chosen first, so the
+    NaN reaches the token's weights (numpy's sorts would put it last and drop it)."""
     n, e = scores.shape
+    nan = np.isnan(scores)
+    if nan.any():  # order by (not NaN, -score), stable: NaN first, then the largest, ties by index
+        return np.lexsort((-np.where(nan, 0, scores), ~nan), axis=-1)[:, :k]
     if k < e:
         cand = np.argpartition(-scores, k - 1, axis=-1)[:, :k]  # the k largest, unordered
         cand.sort(axis=-1)  # ascending index, so the stable sort below breaks ties by index
@@ -191,7 +196,8 @@ def _choice(scores: np.ndarray, top_k: int, n_group: int, topk_group: int) -> np
     if n_group > 1:
         n, e = scores.shape
         grouped = scores.reshape(n, n_group, e // n_group)
-        best2 = -np.partition(-grouped, 1, axis=-1)[..., :2]  # the two best of each group
+        flat = grouped.reshape(n * n_group, e // n_group)
+        best2 = np.take_along_axis(flat, _topk(flat, 2), -1).reshape(n, n_group, 2)  # each group's two best
         keep = _topk(best2.sum(-1), topk_group)  # (N, topk_group) groups
         allowed = np.zeros((n, n_group), bool)
         np.put_along_axis(allowed, keep, True, -1)
@@ -224,6 +230,10 @@ def topk_router(
     With ``n_group > 1`` the choice is group-limited (DeepSeek-V3): the experts form ``n_group``
     consecutive groups; a group's score is the sum of its two best choice scores; only the
     ``topk_group`` best groups compete for the top-k.  Finally ``w *= routed_scaling_factor``.
+
+    A NaN score counts as larger than every number, as in ``torch.topk``: the NaN-scored expert is
+    chosen first and the token's weights carry the NaN, as transformers' routers do (never a
+    quietly finite routing around it).
 
     Parameters
     ----------

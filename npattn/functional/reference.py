@@ -1652,8 +1652,12 @@ def _moe_sigmoid(z):
 
 
 def _largest(scores, k):
-    """The indices of the ``k`` largest entries of a vector, the largest first."""
-    return np.argsort(-scores, kind="stable")[:k]
+    """The indices of the ``k`` largest entries of a vector, the largest first, equal entries in
+    index order.  A NaN counts as larger than every number (``torch.topk``'s order): an expert
+    whose score is NaN is chosen first, and the NaN reaches the token's weights, as in
+    transformers.  (``np.argsort`` alone puts NaN last, which would quietly drop it.)"""
+    nan = np.isnan(scores)
+    return np.lexsort((-np.where(nan, 0, scores), ~nan))[:k]  # by (not NaN, -score), stable
 
 
 class TopKRouterCache(NamedTuple):
@@ -1711,7 +1715,8 @@ def topk_router(
             choice = src[n] if correction_bias is None else src[n] + correction_bias  # for the choice only
         if n_group > 1:
             size = E // n_group
-            group_score = np.sort(choice.reshape(n_group, size), axis=-1)[:, -2:].sum(-1)  # two best
+            groups = choice.reshape(n_group, size)
+            group_score = np.array([grp[_largest(grp, 2)].sum() for grp in groups])  # its two best
             allowed = np.full(E, -np.inf)
             for g in _largest(group_score, topk_group):
                 allowed[g * size : (g + 1) * size] = choice[g * size : (g + 1) * size]
