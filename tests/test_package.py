@@ -87,6 +87,18 @@ def test_public_modules_include_the_ones_that_lacked_all():
         assert name in mods
 
 
+def test_py_typed_is_shipped():
+    """PEP 561: the package carries ``py.typed`` and setup.cfg puts it into the wheel."""
+    import configparser
+    from importlib import resources
+
+    assert resources.files("npattn").joinpath("py.typed").is_file()
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    patterns = cfg["options.package_data"].get("npattn", "").split()
+    assert "py.typed" in patterns, f"setup.cfg [options.package_data] npattn = {patterns}"
+
+
 def _extras():
     import configparser
 
