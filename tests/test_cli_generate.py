@@ -123,7 +123,7 @@ def _write(name, data):
 BROKEN = {
     "missing directory": (None, "missing", "no such directory"),
     "config.json not JSON": (_write("config.json", b"{not json"), None, "config.json"),
-    "config.json a list": (_write("config.json", b"[1, 2]"), None, "mapping"),
+    "config.json a list": (_write("config.json", b"[1, 2]"), None, "config"),
     "no config.json": (lambda p: (p / "config.json").unlink(), None, "config.json"),
     "safetensors truncated": (_write("model.safetensors", b"\x10\x00\x00"), None, "model.safetensors"),
     "safetensors malformed header": (
