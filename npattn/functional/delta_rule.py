@@ -439,18 +439,18 @@ def _gated_delta_rule(
     final = s
     out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
     return out, GatedDeltaRuleCache(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        states.reshape(lead + (n, dk, dv)),
-        chunk,
-        scale,
-        q_norm,
-        k_norm,
-        initial_state is not None,
-        final.reshape(lead + (dk, dv)) if output_final_state else None,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        states=states.reshape(lead + (n, dk, dv)),
+        chunk=chunk,
+        scale=scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        has_initial_state=initial_state is not None,
+        final_state=final.reshape(lead + (dk, dv)) if output_final_state else None,
     )
 
 
@@ -491,6 +491,12 @@ def _chunked(steps, chunk, q, k, v, g, beta):
     return vectors + tuple(_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
 
 
+def _chunked_inputs(cache: GatedDeltaRuleCache):
+    """The forward's inputs as used (``q`` scaled, ``q, k`` normalised), in the forward's chunks."""
+    c = cache
+    return _chunked(c.q.shape[-2], c.chunk, c.q, c.k, c.v, c.g, c.beta)
+
+
 def _pad_chunks(x, steps, chunk):
     """``(B..., L, D)`` -> ``(rows, N, C, D)``, zero-padded at the end to ``N * C`` steps (a padded
     step has k = v = q = 0, g = beta = 0: it leaves the state as it was and reads nothing out)."""
@@ -517,21 +523,21 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
     qk = np.tril(q @ kt)
     t = _unit_lower_inverse(np.tril(beta[..., :, None] * kk * gam, -1))  # M_ij = beta_i Gam_ij k_i.k_j, j < i
     return _Chunks(
-        q,
-        k,
-        v,
-        beta,
-        a,
-        b,
-        gam,
-        kk,
-        qk,
-        t,
-        qk * gam,
-        q * a[..., None],
-        k * b[..., None],
-        _triangular_matmul(t, v * beta[..., None]),
-        _triangular_matmul(t, k * (beta * a)[..., None]),
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        a=a,
+        b=b,
+        gam=gam,
+        kk=kk,
+        qk=qk,
+        t=t,
+        p=qk * gam,  # P = (Q K^T) * Gam
+        qa=q * a[..., None],  # diag(a) Q
+        kb=k * b[..., None],  # diag(b) K
+        wv=_triangular_matmul(t, v * beta[..., None]),  # W_v = T diag(beta) V
+        wk=_triangular_matmul(t, k * (beta * a)[..., None]),  # W_k = T diag(beta a) K
     )
 
 
@@ -633,12 +639,12 @@ def gated_delta_rule_backward(
 
 
 def _gated_delta_rule_backward(dout, cache, dfinal_state=None):
-    q, k, v, g, beta, states, chunk, scale, q_norm, k_norm, has_initial, _ = cache
-    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
-    qc, kc, vc, gc, bc = _chunked(steps, chunk, q, k, v, g, beta)
+    q, chunk = cache.q, cache.chunk
+    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], cache.v.shape[-1]
+    qc, kc, vc, gc, bc = _chunked_inputs(cache)
     doc = _pad_chunks(dout, steps, chunk)
     rows, n = qc.shape[:2]
-    s = states.reshape((rows,) + states.shape[-3:])
+    s = cache.states.reshape((rows,) + cache.states.shape[-3:])
     ds = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
     grads = tuple(np.empty(x.shape, q.dtype) for x in (qc, kc, vc, gc, bc))
     for blk in reversed(_blocks(rows, n, chunk)):  # the last block first: the state's adjoint runs backwards
@@ -649,10 +655,10 @@ def _gated_delta_rule_backward(dout, cache, dfinal_state=None):
     dq, dk_, dv_, dg, dbeta = (
         x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
     )
-    dq *= scale
-    if q_norm is not None:
-        dq, dk_ = _l2_norm_backward(dq, q_norm), _l2_norm_backward(dk_, k_norm)
-    return dq, dk_, dv_, dg, dbeta, (ds.reshape(lead + (dk, dv)) if has_initial else None)
+    dq *= cache.scale
+    if cache.q_norm is not None:
+        dq, dk_ = _l2_norm_backward(dq, cache.q_norm), _l2_norm_backward(dk_, cache.k_norm)
+    return dq, dk_, dv_, dg, dbeta, (ds.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
 
 
 def _chunked_backward(c: _Chunks, s, do, dsf):
@@ -781,25 +787,25 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
 
 
 def _gated_delta_rule_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
-    q, k, v, g, beta, states, chunk, scale, q_norm, k_norm, _, final = cache
-    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    c = cache
+    lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
     zero = np.zeros_like
-    tq = zero(q) if tq is None else scale * (tq if q_norm is None else _l2_norm_jvp(q_norm, tq))
-    tk = zero(k) if tk is None else (tk if k_norm is None else _l2_norm_jvp(k_norm, tk))
-    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, v), (tg, g), (tbeta, beta)))
-    qc, kc, vc, gc, bc = _chunked(steps, chunk, q, k, v, g, beta)
-    tqc, tkc, tvc, tgc, tbc = _chunked(steps, chunk, tq, tk, tv, tg, tbeta)
+    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else _l2_norm_jvp(c.q_norm, tq))
+    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else _l2_norm_jvp(c.k_norm, tk))
+    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
+    qc, kc, vc, gc, bc = _chunked_inputs(c)
+    tqc, tkc, tvc, tgc, tbc = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
     rows, n = qc.shape[:2]
-    s = states.reshape((rows,) + states.shape[-3:])
-    ts = np.zeros((rows, dk, dv), q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
-    tout = np.empty(vc.shape, q.dtype)
-    for blk in _blocks(rows, n, chunk):
+    s = c.states.reshape((rows,) + c.states.shape[-3:])
+    ts = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
+    tout = np.empty(vc.shape, c.q.dtype)
+    for blk in _blocks(rows, n, c.chunk):
         terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
         tout[:, blk], ts = _chunked_jvp(
             terms, s[:, blk], tqc[:, blk], tkc[:, blk], tvc[:, blk], tgc[:, blk], tbc[:, blk], ts
         )
     tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return tout if final is None else (tout, ts.reshape(lead + (dk, dv)))
+    return tout if c.final_state is None else (tout, ts.reshape(lead + (dk, dv)))
 
 
 def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
