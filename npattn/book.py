@@ -32,9 +32,9 @@ from ._validate import (
 from .functional import kernels as K
 from .generation import generate as _generate
 from .nn import attention as _attention
-from .nn.containers import Sequential
+from .nn.containers import ModuleList, Sequential
 from .nn.layers import Dropout, Embedding, Linear
-from .nn.module import Module, ModuleList, Parameter, no_grad
+from .nn.module import Module, Parameter, no_grad
 
 __all__ = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention"]
 
@@ -108,7 +108,7 @@ class SelfAttention_v1(Module):
         # x @ W is linear() with weight W.T; its weight gradient comes back transposed
         (q, cq), (k, ck), (v, cv) = (F.linear(x, W.data.T) for W in (self.W_query, self.W_key, self.W_value))
         ctx, ca = F.scaled_dot_product_attention(q, k, v)
-        self._save((cq, ck, cv, ca))
+        self.save_for_backward((cq, ck, cv, ca))
         return ctx
 
     def backward(self, dy):
@@ -133,13 +133,13 @@ class SelfAttention_v1(Module):
             ``dy`` of the wrong shape.
         """
         dy = self._check_dy(dy)
-        cq, ck, cv, ca = self._pop()
+        cq, ck, cv, ca = self.pop_saved()
         dx = 0
         for W, d, c in zip(
             (self.W_query, self.W_key, self.W_value), F.scaled_dot_product_attention_backward(dy, ca), (cq, ck, cv)
         ):
             dx_i, dwt, _ = F.linear_backward(d, c)
-            self._accumulate(W, dwt.T)
+            self.accumulate_grad(W, dwt.T)
             dx = dx + dx_i
         return dx
 
@@ -172,7 +172,7 @@ class _SingleHead(Module):
         ctx, cache = F.scaled_dot_product_attention(
             self.W_query(x), self.W_key(x), self.W_value(x), attn_mask=attn_mask, dropout_p=dropout_p, rng=self.rng
         )
-        self._save(cache)
+        self.save_for_backward(cache)
         return ctx
 
     def backward(self, dy):
@@ -197,7 +197,7 @@ class _SingleHead(Module):
             ``dy`` of the wrong shape.
         """
         dy = self._check_dy(dy)
-        dq, dk, dv = F.scaled_dot_product_attention_backward(dy, self._pop())
+        dq, dk, dv = F.scaled_dot_product_attention_backward(dy, self.pop_saved())
         return self.W_query.backward(dq) + self.W_key.backward(dk) + self.W_value.backward(dv)
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -353,7 +353,7 @@ class MultiHeadAttentionWrapper(Module):
         """
         x = _check_tokens(self.heads[0], x, self.heads[0].context_length)
         out = np.concatenate([head(x) for head in self.heads], axis=-1)
-        self._save(out.shape)
+        self.save_for_backward(out.shape)
         return out
 
     def backward(self, dy):
@@ -378,7 +378,7 @@ class MultiHeadAttentionWrapper(Module):
             ``dy`` of the wrong shape.
         """
         dy = self._check_dy(dy)
-        self._pop()
+        self.pop_saved()
         return sum(head.backward(d) for head, d in zip(self.heads, np.split(dy, len(self.heads), axis=-1)))
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -535,7 +535,7 @@ class LayerNorm(Module):
         if x.ndim < 1 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x: expected shape (..., {self.emb_dim}), got {x.shape}")
         y, cache = K.layer_norm(x, self.scale.data, self.shift.data, self.eps)
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy):
@@ -559,9 +559,9 @@ class LayerNorm(Module):
         ValueError
             ``dy`` of the wrong shape.
         """
-        dx, dscale, dshift = K.layer_norm_backward(self._check_dy(dy), self._pop())
-        self._accumulate(self.scale, dscale)
-        self._accumulate(self.shift, dshift)
+        dx, dscale, dshift = K.layer_norm_backward(self._check_dy(dy), self.pop_saved())
+        self.accumulate_grad(self.scale, dscale)
+        self.accumulate_grad(self.shift, dshift)
         return dx
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -601,7 +601,7 @@ class GELU(Module):
             An input of the wrong kind or shape (more tokens than ``context_length`` included).
         """
         y, cache = K.gelu(as_float(x, "x"), "tanh")
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy):
@@ -625,7 +625,7 @@ class GELU(Module):
         ValueError
             ``dy`` of the wrong shape.
         """
-        return K.gelu_backward(self._check_dy(dy), self._pop())
+        return K.gelu_backward(self._check_dy(dy), self.pop_saved())
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode (``functional.gelu_jvp``): ``ty = gelu'(x) tx``."""
@@ -684,7 +684,7 @@ class FeedForward(Module):
             An input of the wrong kind or shape (more tokens than ``context_length`` included).
         """
         y = self.layers(x)
-        self._save(True)  # the layers keep their own state
+        self.save_for_backward(True)  # the layers keep their own state
         return y
 
     def backward(self, dy):
@@ -709,7 +709,7 @@ class FeedForward(Module):
             ``dy`` of the wrong shape.
         """
         dy = self._check_dy(dy)
-        self._pop()
+        self.pop_saved()
         return self.layers.backward(dy)
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -785,7 +785,7 @@ class TransformerBlock(Module):
         a, c1 = self._drop(self.att(self.norm1(x), use_cache=use_cache))
         x = x + a
         f, c2 = self._drop(self.ff(self.norm2(x)))
-        self._save((c1, c2))
+        self.save_for_backward((c1, c2))
         return x + f
 
     def backward(self, dy):
@@ -810,7 +810,7 @@ class TransformerBlock(Module):
             ``dy`` of the wrong shape.
         """
         dy = self._check_dy(dy)
-        c1, c2 = self._pop()
+        c1, c2 = self.pop_saved()
         dx = dy + self.norm2.backward(self.ff.backward(K.dropout_backward(dy, c2)))
         return dx + self.norm1.backward(self.att.backward(K.dropout_backward(dx, c1)))
 
@@ -914,13 +914,13 @@ class GPTModel(Module):
             self.tok_emb(idx) + self.pos_emb(np.arange(n)), self.drop_emb.p, self.drop_emb.rng, self.training
         )
         logits = self.out_head(self.final_norm(self.trf_blocks(x)))
-        self._save((idx.shape, c_drop))
+        self.save_for_backward((idx.shape, c_drop))
         return logits
 
     def backward(self, dlogits):
         """Every parameter gradient from ``dlogits`` (added into ``p.grad``); returns ``None``."""
         dlogits = self._check_dy(dlogits, "dlogits")
-        idx_shape, c_drop = self._pop()
+        idx_shape, c_drop = self.pop_saved()
         dx = self.trf_blocks.backward(self.final_norm.backward(self.out_head.backward(dlogits)))
         dx = K.dropout_backward(dx, c_drop)
         self.tok_emb.backward(dx)
@@ -949,7 +949,7 @@ class GPTModel(Module):
             for block in self.trf_blocks:
                 x = block(x, use_cache=True)
             logits = self.out_head(self.final_norm(x))
-            self._save(None)
+            self.save_for_backward(None)
         self.current_pos += n
         return logits
 

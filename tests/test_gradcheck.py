@@ -334,19 +334,19 @@ class TinyLinear(Module):
         x = np.asarray(x, dtype=self.weight.dtype)
         y, c1 = F.linear(x, self.weight.data, self.bias.data)
         y, c2 = F.dropout(y, self.p, self.rng, training=self.training)
-        self._save((c1, c2))
+        self.save_for_backward((c1, c2))
         return (y, "extra") if return_weights else y
 
     def backward(self, dy):
-        c1, c2 = self._pop()
+        c1, c2 = self.pop_saved()
         dy = F.dropout_backward(dy, c2)
         dx, dw, db = F.linear_backward(dy, c1)
         if self.broken == "bias":
             db = db * 0.5
         if self.broken == "input":
             dx = dx.T.T * 1.01
-        self._accumulate(self.weight, dw)
-        self._accumulate(self.bias, db)
+        self.accumulate_grad(self.weight, dw)
+        self.accumulate_grad(self.bias, db)
         return dx
 
 
@@ -359,11 +359,11 @@ class TwoInputs(Module):
 
     def forward(self, query, key):
         h = self.proj(query)
-        self._save((h, key))
+        self.save_for_backward((h, key))
         return h * key, None
 
     def backward(self, dy):
-        h, key = self._pop()
+        h, key = self.pop_saved()
         dquery = self.proj.backward(dy * key)
         return dquery, dy * h
 

@@ -170,6 +170,23 @@ def test_old_private_names_still_work():
     assert npattn.Module._accumulate is npattn.Module.accumulate_grad
 
 
+def test_module_does_not_import_containers():
+    """containers.py builds on module.py; module.py imports nothing of containers.py (no circle)."""
+    import ast
+    import inspect
+
+    import npattn.nn.module as module_file
+
+    imported = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module_file))):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not {name for name in imported if "containers" in name}
+
+
 def test_saved_state_peeks_without_consuming():
     m = Affine(2)
     x1, x2 = rand(3, 2), rand(3, 2)

@@ -35,10 +35,11 @@ from .. import functional as F
 from .._validate import as_index, as_rng, check_bool, check_dtype
 from ..functional import kernels as K
 from ..nn.attention import MultiHeadAttention
+from ..nn.containers import ModuleList
 from ..nn.delta_net import GatedDeltaNet
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
-from ..nn.module import Module, ModuleList, no_grad
+from ..nn.module import Module, no_grad
 from ..nn.moe import GatedMLP, SparseMoeBlock
 from ..nn.transformer import _block_tangents
 from .configs import CausalLMConfig, config_from_hf
@@ -56,7 +57,7 @@ class _OffsetRMSNorm(RMSNorm):
     def _forward(self, x: np.ndarray) -> np.ndarray:
         w = self.weight.data + 1  # type: ignore[union-attr]
         y, cache = K.rms_norm(x, w, self.eps, normalized_shape=self.normalized_shape)
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
 
@@ -180,13 +181,13 @@ class DecoderLayer(_Renamed):
         m = self.mlp(self._mlp_norm()(x))
         if self.sandwich:
             m = self.post_feedforward_layernorm(m)
-        self._save(x.shape)
+        self.save_for_backward(x.shape)
         return x + m
 
     def backward(self, dy):
         """``dx``: the residual's ``dy`` plus each branch's gradient through its norm."""
         dy = self._check_dy(dy)
-        self._pop()
+        self.pop_saved()
         dm = self.post_feedforward_layernorm.backward(dy) if self.sandwich else dy
         dx = dy + self._mlp_norm().backward(self.mlp.backward(dm))
         da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
@@ -350,13 +351,13 @@ class CausalLM(Module):
         if cap is not None:  # logits = c tanh(z / c); dz = dlogits (1 - tanh^2)
             t = np.tanh(logits / logits.dtype.type(cap))
             logits = t * logits.dtype.type(cap)
-        self._save((head, t))
+        self.save_for_backward((head, t))
         return logits
 
     def backward(self, dlogits):
         """Accumulate every parameter's gradient from ``dlogits (B, L, vocab)``; returns ``None``."""
         dlogits = self._check_dy(dlogits, "dlogits")
-        head, t = self._pop()
+        head, t = self.pop_saved()
         m = self.model
         if t is not None:
             dlogits = dlogits * (1 - t * t)
@@ -364,7 +365,7 @@ class CausalLM(Module):
             dh = self.lm_head.backward(dlogits)
         else:  # the tied head: its weight gradient joins the embedding's
             dh, dw, _ = K.linear_backward(dlogits, head)
-            self._accumulate(m.embed_tokens.weight, dw)
+            self.accumulate_grad(m.embed_tokens.weight, dw)
         dx = m.norm.backward(dh)
         for layer in reversed(list(m.layers)):
             dx = layer.backward(dx)

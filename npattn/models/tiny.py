@@ -22,8 +22,9 @@ import numpy as np
 
 from .. import functional as F
 from .._validate import as_index, as_rng, check_dtype, check_positive_float, check_prob, check_size
+from ..nn.containers import ModuleList
 from ..nn.layers import Embedding, LayerNorm, Linear
-from ..nn.module import Module, ModuleList, no_grad
+from ..nn.module import Module, no_grad
 from ..nn.transformer import EncoderBlock
 
 __all__ = ["TinyTransformer"]
@@ -149,14 +150,14 @@ class TinyTransformer(Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))
-        self._save(ids.shape)
+        self.save_for_backward(ids.shape)
         return logits
 
     def backward(self, dlogits):
         """Accumulate every parameter's gradient from ``dlogits`` (the gradient of the logits);
         returns ``None`` (token ids have no gradient).  See the class docstring for the order."""
         dlogits = self._check_dy(dlogits, "dlogits")
-        ids_shape = self._pop()
+        ids_shape = self.pop_saved()
         dx = self.norm.backward(self.head.backward(dlogits))
         for block in reversed(list(self.blocks)):
             dx = block.backward(dx)

@@ -4,11 +4,11 @@ Thin layers over ``npattn.functional``, each composing its submodules.
 """
 
 from .attention import MultiHeadAttention
-from .containers import Sequential
+from .containers import ModuleList, Sequential
 from .delta_net import GatedDeltaNet
 from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
-from .module import Module, ModuleList, Parameter, is_grad_enabled, no_grad
+from .module import Module, Parameter, is_grad_enabled, no_grad
 from .moe import Experts, GatedMLP, GptOssExperts, MoE, SparseMoeBlock, TopKRouter
 from .transformer import DecoderBlock, EncoderBlock
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from . import module
 from .module import Module
 
 __all__ = ["ModuleList", "Sequential"]
@@ -80,6 +81,10 @@ class ModuleList(Module):
 
     def __iter__(self):
         return iter(self._modules.values())
+
+
+# its old path: ``npattn.nn.module.ModuleList`` (module.py does not import this file: no import circle)
+setattr(module, "ModuleList", ModuleList)
 
 
 class Sequential(ModuleList):

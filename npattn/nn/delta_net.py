@@ -268,9 +268,13 @@ class GatedDeltaNet(Module):
             object.__setattr__(self, "_recurrent_state", rule_cache.final_state)
             object.__setattr__(self, "_cache_lead", lead)
             object.__setattr__(self, "_cache_length", self._cache_length + steps)
-            self._save(None)
+            self.save_for_backward(None)
         else:
-            self._save(_State(lead, steps, conv_cache, rule_cache, norm_cache, beta, g, pre))
+            self.save_for_backward(
+                _State(
+                    lead=lead, steps=steps, conv=conv_cache, rule=rule_cache, norm=norm_cache, beta=beta, g=g, pre=pre
+                )
+            )
         return out
 
     # -- backward -----------------------------------------------------------------------------
@@ -291,17 +295,18 @@ class GatedDeltaNet(Module):
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = nv // nk
-        lead, steps, conv_cache, rule_cache, norm_cache, beta, g, pre = self._pop()
+        st: _State = self.pop_saved()
+        lead, steps, beta = st.lead, st.steps, st.beta
         heads = (-2, -3)
         dn = self.out_proj._backward(dy).reshape(lead + (steps, nv, dv))
-        do, dz, dnorm_w = _rms_norm_gated_backward(dn, norm_cache)
-        dq, dk_, dv_, dg, dbeta, _ = _gated_delta_rule_backward(do.swapaxes(*heads), rule_cache)
+        do, dz, dnorm_w = _rms_norm_gated_backward(dn, st.norm)
+        dq, dk_, dv_, dg, dbeta, _ = _gated_delta_rule_backward(do.swapaxes(*heads), st.rule)
         dq = dq.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)  # the r value heads of each key head
         dk_ = dk_.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)
         dg, dbeta = dg.swapaxes(-1, -2), dbeta.swapaxes(-1, -2)  # (B..., L, nv)
         db = dbeta * beta * (1.0 - beta)
-        dA_log = (dg * g).reshape(-1, nv).sum(0)  # dg/dA_log = -exp(A_log) softplus = g
-        da = -dg * np.exp(self.A_log.data) * _softplus_grad(pre)
+        dA_log = (dg * st.g).reshape(-1, nv).sum(0)  # dg/dA_log = -exp(A_log) softplus = g
+        da = -dg * np.exp(self.A_log.data) * _softplus_grad(st.pre)
         ddt_bias = da.reshape(-1, nv).sum(0)
         dconv = np.concatenate(
             [
@@ -311,7 +316,7 @@ class GatedDeltaNet(Module):
             ],
             axis=-1,
         )
-        dmixed, dconv_w, _, _ = _causal_conv1d_backward(dconv, conv_cache)
+        dmixed, dconv_w, _, _ = _causal_conv1d_backward(dconv, st.conv)
         dqkvz = np.empty(lead + (steps, nk, 2 * dk + 2 * r * dv), dy.dtype)
         dqkvz[..., :dk] = dmixed[..., : self.key_dim].reshape(lead + (steps, nk, dk))
         dqkvz[..., dk : 2 * dk] = dmixed[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
@@ -322,10 +327,10 @@ class GatedDeltaNet(Module):
         )
         dx = self.in_proj_qkvz._backward(dqkvz.reshape(lead + (steps, -1)))
         dx += self.in_proj_ba._backward(dba)
-        self._accumulate(self.conv1d.weight, dconv_w[:, None, :])
-        self._accumulate(self.dt_bias, ddt_bias)
-        self._accumulate(self.A_log, dA_log)
-        self._accumulate(self.norm.weight, dnorm_w)
+        self.accumulate_grad(self.conv1d.weight, dconv_w[:, None, :])
+        self.accumulate_grad(self.dt_bias, ddt_bias)
+        self.accumulate_grad(self.A_log, dA_log)
+        self.accumulate_grad(self.norm.weight, dnorm_w)
         return dx
 
     # -- forward mode ---------------------------------------------------------------------------

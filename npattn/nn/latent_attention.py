@@ -488,7 +488,7 @@ class MultiHeadLatentAttention(Module):
             ctx, attn = K.scaled_dot_product_attention(query, key, kvh[..., dn:], mask, **opts)  # (..., H, L, dv)
             state = _State(False, q_rope, k_rope, attn, None, None)
         y = self.o_proj._forward(_merge(ctx))
-        self._save(state)
+        self.save_for_backward(state)
         return y
 
     def _expand(self, c, use_cache):
@@ -582,7 +582,7 @@ class MultiHeadLatentAttention(Module):
         ``kv_a_layernorm``; ``[dc, dk_pe]`` is the gradient of ``kv_a_proj_with_mqa``'s output; ``dx``
         sums the query path's and the latent path's input gradients.
         """
-        st: _State = self._pop()
+        st: _State = self.pop_saved()
         H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
         dctx = _split(self.o_proj._backward(dy), H)  # (..., H, L, dv)
         if st.absorbed:
@@ -594,7 +594,7 @@ class MultiHeadLatentAttention(Module):
             dq_lat, dq_pe = dquery[..., :r], dquery[..., r:]
             dq_nope = np.matmul(dq_lat, W_uk.swapaxes(-1, -2))  # (..., H, L, r) @ (H, r, dn)
             dW_uk = np.matmul(st.q_nope.swapaxes(-1, -2), dq_lat).sum(axis=lead_axes)  # (H, dn, r)
-            self._accumulate(self.kv_b_proj.weight, np.concatenate([dW_uk, dW_uv], axis=1).reshape(-1, r))
+            self.accumulate_grad(self.kv_b_proj.weight, np.concatenate([dW_uk, dW_uv], axis=1).reshape(-1, r))
             dc = dkey[..., 0, :, :r] + dvalue[..., 0, :, :]  # (..., L, r)
             dk_pe = dkey[..., r:]  # (..., 1, L, dr)
         else:

@@ -144,7 +144,7 @@ class Linear(Module):
     def _forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``forward`` on a checked ``x``; ``out``: where to write ``y`` (a calling module's workspace)."""
         y, cache = K.linear(x, self.weight.data, _data(self.bias), out=out)
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -173,10 +173,10 @@ class Linear(Module):
 
     def _backward(self, dy: np.ndarray, dx_out: np.ndarray | None = None) -> np.ndarray:
         """``backward`` on a checked ``dy``; ``dx_out``: where to write ``dx`` (a calling module's workspace)."""
-        dx, dw, db = K.linear_backward(dy, self._pop(), dx_out)
-        self._accumulate(self.weight, dw)
+        dx, dw, db = K.linear_backward(dy, self.pop_saved(), dx_out)
+        self.accumulate_grad(self.weight, dw)
         if self.bias is not None:
-            self._accumulate(self.bias, db)
+            self.accumulate_grad(self.bias, db)
         return dx
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -257,7 +257,7 @@ class LayerNorm(Module):
         y, cache = K.layer_norm(
             x, _data(self.weight), _data(self.bias), self.eps, normalized_shape=self.normalized_shape
         )
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -285,11 +285,11 @@ class LayerNorm(Module):
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        dx, dw, db = K.layer_norm_backward(dy, self._pop())
+        dx, dw, db = K.layer_norm_backward(dy, self.pop_saved())
         if self.weight is not None:
-            self._accumulate(self.weight, dw)
+            self.accumulate_grad(self.weight, dw)
         if self.bias is not None:
-            self._accumulate(self.bias, db)
+            self.accumulate_grad(self.bias, db)
         return dx
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -360,7 +360,7 @@ class RMSNorm(Module):
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         y, cache = K.rms_norm(x, _data(self.weight), self.eps, normalized_shape=self.normalized_shape)
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -388,9 +388,9 @@ class RMSNorm(Module):
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        dx, dw = K.rms_norm_backward(dy, self._pop())
+        dx, dw = K.rms_norm_backward(dy, self.pop_saved())
         if self.weight is not None:
-            self._accumulate(self.weight, dw)
+            self.accumulate_grad(self.weight, dw)
         return dx
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -446,7 +446,7 @@ class Dropout(Module):
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         y, cache = K.dropout(x, self.p, self.rng, self.training)
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -474,7 +474,7 @@ class Dropout(Module):
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        return K.dropout_backward(dy, self._pop())
+        return K.dropout_backward(dy, self.pop_saved())
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the tangent through the forward's own mask (``functional.dropout_jvp``)."""
@@ -609,7 +609,7 @@ class Embedding(Module):
         if self.max_norm is not None:
             self._renorm_(ids)  # the rows are now within max_norm: the lookup needs no renorm of its own
         y, cache = K.embedding(ids, self.weight.data, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq)
-        self._save(cache)
+        self.save_for_backward(cache)
         return y
 
     def backward(self, dy) -> None:
@@ -638,7 +638,7 @@ class Embedding(Module):
         return None
 
     def _backward(self, dy: np.ndarray) -> None:
-        self._accumulate(self.weight, K.embedding_backward(dy, self._pop()))
+        self.accumulate_grad(self.weight, K.embedding_backward(dy, self.pop_saved()))
         return None
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -799,7 +799,7 @@ class FeedForward(Module):
                 h, cache = act(a, **kwargs)
                 reused = (a,)
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
-        self._save((cache, drop, reused))
+        self.save_for_backward((cache, drop, reused))
         return self.linear2._forward(self.dropout._forward(h) if drop else h)
 
     def backward(self, dy) -> np.ndarray:
@@ -827,7 +827,7 @@ class FeedForward(Module):
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        cache, drop, reused = self._pop()
+        cache, drop, reused = self.pop_saved()
         act_backward = _act(self.activation)[1]
         ws = self._scratch() if reused else None  # the backward's own arrays: shared by all modules
         h_shape = dy.shape[:-1] + (self.linear2.in_features,)

@@ -24,8 +24,8 @@ What every subclass gets from this base class, without writing anything:
   was changed after the forward (optimizer step, ``load_state_dict``, ``p.data = ...``);
 * a ``p.grad`` set to ``None`` is created again by the next backward (``accumulate_grad``).
 
-The private spellings ``_save``, ``_pop`` and ``_accumulate`` remain aliases of
-``save_for_backward``, ``pop_saved`` and ``accumulate_grad``.
+``ModuleList`` is defined beside ``Sequential`` in ``npattn.nn.containers`` (which builds on this
+file, not the other way round); ``npattn.nn.module.ModuleList`` names the same class.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 from .._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
 from ..functional._workspace import Workspace
 
-__all__ = ["Parameter", "Module", "ModuleList", "ParamTangents", "no_grad", "is_grad_enabled"]
+__all__ = ["Parameter", "Module", "ParamTangents", "no_grad", "is_grad_enabled"]  # ModuleList: nn.containers
 
 _state = threading.local()
 
@@ -440,7 +440,7 @@ class Module:
             self._states.clear()
             object.__setattr__(self, "_nograd_forward", True)
 
-    _save = save_for_backward  # the historical private name
+    _save = save_for_backward  # the private spelling, until nn/attention.py uses the public one
 
     def _no_state_error(self, what: str = "backward") -> RuntimeError:
         if self.__dict__.get("_nograd_forward", False):
@@ -507,7 +507,7 @@ class Module:
         self._check_versions(self._states[-1])
         return self._states.pop().cache
 
-    _pop = pop_saved  # the historical private name
+    _pop = pop_saved  # the private spelling, until nn/attention.py uses the public one
 
     def saved_state(self, index: int = -1):
         """The forward state kept by ``save_for_backward``, *without* releasing it (``jvp``
@@ -591,7 +591,7 @@ class Module:
         else:
             param.grad += grad
 
-    _accumulate = accumulate_grad  # the historical private name
+    _accumulate = accumulate_grad  # the private spelling, until nn/attention.py uses the public one
 
     # -- forward mode ----------------------------------------------------------------------
     def jvp(self, *input_tangents, param_tangents=None):
@@ -922,6 +922,3 @@ def _load_problem(key: str, arr: np.ndarray, current: np.ndarray):
                 f"{current.dtype} (max {big:g}); it would become inf"
             )
     return None
-
-
-from .containers import ModuleList  # noqa: E402  (defined there; kept importable from here)

@@ -185,7 +185,7 @@ class EncoderBlock(Module):
         else:
             h = ln1(_plus(d1(mha(x)), x))
             y = ln2(_plus(d2(ffn(h)), h))
-        self._save((y.shape, drop))  # the sublayers keep their own state
+        self.save_for_backward((y.shape, drop))  # the sublayers keep their own state
         return y
 
     def backward(self, dy) -> np.ndarray:
@@ -212,7 +212,7 @@ class EncoderBlock(Module):
         return self._backward(self._check_dy(dy))  # checked before any state is taken
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        _, drop = self._pop()
+        _, drop = self.pop_saved()
         d1 = self.dropout1._backward if drop[0] else _identity
         d2 = self.dropout2._backward if drop[1] else _identity
         ln1, ln2, ffn = self.layernorm1._backward, self.layernorm2._backward, self.ffn._backward
@@ -413,7 +413,7 @@ class DecoderBlock(Module):
             h1 = ln1(_plus(d1(sa(x)), x))
             h2 = ln2(_plus(d2(ca(h1)), h1))
             y = ln3(_plus(d3(ffn(h2)), h2))
-        self._save((y.shape, drop, memory.shape))  # the sublayers keep their own state
+        self.save_for_backward((y.shape, drop, memory.shape))  # the sublayers keep their own state
         return y
 
     def _dropouts(self):
@@ -424,7 +424,7 @@ class DecoderBlock(Module):
         return self._backward(self._check_dy(dy))  # checked before any state is taken
 
     def _backward(self, dy: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        _, drop, _ = self._pop()
+        _, drop, _ = self.pop_saved()
         d1, d2, d3 = (m._backward if on else _identity for m, on in zip(self._dropouts(), drop))
         ln1, ln2, ln3 = self.layernorm1._backward, self.layernorm2._backward, self.layernorm3._backward
         ffn = self.ffn._backward
