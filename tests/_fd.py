@@ -4,6 +4,7 @@ Deliberately tiny and separate from the package: it shares no code with ``npattn
 """
 
 import numpy as np
+from _oracles import rel_err
 
 
 def fd_gradients(fun, arrays, eps=1e-6):
@@ -44,12 +45,3 @@ def fd_check(forward, backward, arrays, upstream, eps=1e-6, **kwargs):
     assert len(grads) == len(arrays), f"{len(grads)} gradients for {len(arrays)} arrays"
     num = fd_gradients(lambda *xs: np.sum(forward(*xs, **kwargs)[0] * upstream), arrays, eps)
     return [rel_err(g, n) for g, n in zip(grads, num)]
-
-
-def rel_err(a, b, floor=1e-3):
-    """max |a - b| / max(|a|, |b|, floor), 0 for empty arrays."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if a.size == 0:
-        return 0.0
-    return float(np.max(np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), floor)))

@@ -159,8 +159,3 @@ def hf_logits_and_grads(model, ids: np.ndarray, dlogits: np.ndarray):
 def state_dict(model) -> dict:
     """The model's state dict as numpy arrays (float64)."""
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))

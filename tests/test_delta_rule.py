@@ -10,7 +10,8 @@ l2_norm, rms_norm_gated.
 
 import numpy as np
 import pytest
-from _fd import fd_gradients, rel_err
+from _fd import fd_gradients
+from _oracles import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

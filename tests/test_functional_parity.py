@@ -6,6 +6,7 @@ Outputs and every gradient (inputs and weights) are compared."""
 
 import numpy as np
 import pytest
+from _oracles import rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,6 +17,8 @@ torch = pytest.importorskip("torch")
 TF = torch.nn.functional
 
 TOL = 1e-10
+# tensor-wise: max|ours - torch| / max|torch| (floor 1e-12), the same non-finite entries
+REL = dict(floor=1e-12, relative_to="max_b", match_nonfinite=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,18 +27,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def rel(a, b):
-    """Tensor-wise relative error max|a - b| / max|b| (floor 1e-12); the same non-finite pattern."""
-    a = np.asarray(a, dtype=np.float64)
-    b = b.detach().numpy() if hasattr(b, "detach") else np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if a.size == 0:
-        return 0.0
-    assert np.array_equal(np.isfinite(a), np.isfinite(b))
-    fin = np.isfinite(b)
-    return float(np.max(np.abs(a[fin] - b[fin]), initial=0.0) / max(np.max(np.abs(b[fin]), initial=0.0), 1e-12))
 
 
 def T(a, grad=True):
@@ -63,7 +54,7 @@ def test_silu(shape, seed, scale):
     tx = T(x)
     ty = TF.silu(tx)
     backward_torch(ty, dy)
-    assert rel(y, ty) <= TOL and rel(dx, tx.grad) <= TOL
+    assert rel_err(y, ty, **REL) <= TOL and rel_err(dx, tx.grad, **REL) <= TOL
 
 
 # -------------------------------------------------------------------------------- norms, several axes
@@ -90,15 +81,15 @@ def test_layer_norm_trailing_axes(case, eps):
     tx, tw, tb = T(x), None if w is None else T(w), None if b is None else T(b)
     ty = TF.layer_norm(tx, ns, tw, tb, eps)
     backward_torch(ty, dy)
-    assert rel(y, ty) <= TOL and rel(dx, tx.grad) <= TOL
+    assert rel_err(y, ty, **REL) <= TOL and rel_err(dx, tx.grad, **REL) <= TOL
     assert (dw is None) == (w is None) and (db is None) == (b is None)
     if w is not None:
-        assert rel(dw, tw.grad) <= TOL
+        assert rel_err(dw, tw.grad, **REL) <= TOL
         # the default normalised axes are weight.shape: the same result without normalized_shape
         y2, _ = F.layer_norm(x, w, b, eps)
         np.testing.assert_array_equal(y2, y)
     if b is not None:
-        assert rel(db, tb.grad) <= TOL
+        assert rel_err(db, tb.grad, **REL) <= TOL
 
 
 @given(norm_cases(), st.sampled_from([None, 1e-6, 0.5]))
@@ -113,10 +104,10 @@ def test_rms_norm(case, eps):
     tx, tw = T(x), None if w is None else T(w)
     ty = TF.rms_norm(tx, ns, tw, eps)
     backward_torch(ty, dy)
-    assert rel(y, ty) <= TOL and rel(dx, tx.grad) <= TOL
+    assert rel_err(y, ty, **REL) <= TOL and rel_err(dx, tx.grad, **REL) <= TOL
     assert (dw is None) == (w is None)
     if w is not None:
-        assert rel(dw, tw.grad) <= TOL
+        assert rel_err(dw, tw.grad, **REL) <= TOL
 
 
 def test_rms_norm_default_eps_is_the_dtype_eps_as_torch():
@@ -138,7 +129,7 @@ def test_softmax_0d():
     tx = T(np.array(x))
     ty = torch.softmax(tx, dim=0)
     ty.backward(torch.tensor(2.5, dtype=torch.float64))
-    assert y.shape == () and y == 1.0 and rel(y, ty) == 0.0
+    assert y.shape == () and y == 1.0 and rel_err(y, ty, **REL) == 0.0
     dx = F.softmax_backward(np.float64(2.5), cache)
     assert dx.shape == () and dx == 0.0 and float(tx.grad) == 0.0
 
@@ -178,7 +169,7 @@ def test_embedding_options(case):
     tw = T(w)
     tout = TF.embedding(T(ids), tw, **kw)
     backward_torch(tout, dy)
-    assert rel(out, tout) <= TOL and rel(dw, tw.grad) <= TOL
+    assert rel_err(out, tout, **REL) <= TOL and rel_err(dw, tw.grad, **REL) <= TOL
 
 
 # ------------------------------------------------------------------------------------ cross entropy
@@ -235,7 +226,7 @@ def test_cross_entropy_options(case):
     if not probs and reduction == "mean" and not (targets != -100).any():
         return  # torch: nan (0/0); npattn: 0.0 (test_cross_entropy_nothing_counted)
     backward_torch(tloss, dout)
-    assert rel(loss, tloss) <= TOL and rel(dx, tl.grad) <= TOL
+    assert rel_err(loss, tloss, **REL) <= TOL and rel_err(dx, tl.grad, **REL) <= TOL
 
 
 def test_cross_entropy_nothing_counted_is_positive_zero_where_torch_gives_nan():

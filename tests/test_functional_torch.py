@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from _oracles import rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -12,6 +13,8 @@ torch = pytest.importorskip("torch")
 TF = torch.nn.functional
 
 TOL = 1e-10
+# tensor-wise: max|ours - torch| / max|torch| (floor 1e-12), the same non-finite entries
+REL = dict(floor=1e-12, relative_to="max_b", match_nonfinite=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,28 +26,16 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def rel(a, b):
-    """Tensor-wise relative error max|a - b| / max|b| (floor 1e-12)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = b.detach().numpy() if hasattr(b, "detach") else np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if a.size == 0:
-        return 0.0
-    assert np.array_equal(np.isfinite(a), np.isfinite(b))
-    fin = np.isfinite(b)
-    return float(np.max(np.abs(a[fin] - b[fin]), initial=0.0) / max(np.max(np.abs(b[fin]), initial=0.0), 1e-12))
-
-
 def T(a, grad=True):
     t = torch.from_numpy(np.array(a, copy=True))
     return t.requires_grad_(grad) if t.dtype.is_floating_point else t
 
 
 def check(ours_out, ours_grads, torch_out, torch_inputs, dout):
-    assert rel(ours_out, torch_out) <= TOL
+    assert rel_err(ours_out, torch_out, **REL) <= TOL
     torch_out.backward(torch.from_numpy(np.array(dout, copy=True)))
     for g, t in zip(ours_grads, torch_inputs):
-        assert rel(g, t.grad) <= TOL
+        assert rel_err(g, t.grad, **REL) <= TOL
 
 
 def dout_for(shape, seed):
@@ -175,10 +166,10 @@ def test_is_causal_is_top_left_as_torch(lq, lk):
     q, k, v = rng.uniform(-1, 1, (2, lq, 4)), rng.uniform(-1, 1, (2, lk, 4)), rng.uniform(-1, 1, (2, lk, 3))
     out, _ = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     t_out = TF.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (q, k, v)), is_causal=True)
-    assert rel(out, t_out) <= TOL
+    assert rel_err(out, t_out, **REL) <= TOL
     tri = torch.ones(lq, lk, dtype=torch.bool).tril()  # top-left alignment, what torch documents
     t_ref = TF.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (q, k, v)), attn_mask=tri)
-    assert rel(out, t_ref) <= TOL
+    assert rel_err(out, t_ref, **REL) <= TOL
 
 
 def test_fully_masked_rows_match_torch_zeros():

@@ -6,7 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from _fd import fd_gradients, rel_err
+from _fd import fd_gradients
+from _oracles import rel_err
 
 from npattn import book, data, gradcheck
 

@@ -14,7 +14,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from _oracles import attention_formula
+from _oracles import attention_formula, rel_err
 from hypothesis import given, settings
 
 import npattn.functional as F
@@ -73,13 +73,6 @@ def _tangents(primals, rng, dtype=np.float64):
     return ts
 
 
-def _rel(a, b, floor=1.0):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert np.all(np.isfinite(a))
-    return float(np.max(np.abs(a - b), initial=0.0) / max(floor, float(np.max(np.abs(b), initial=0.0))))
-
-
 def _jvp(core, cfg, tangents, **extra):
     _, cache = _call(core, cfg, _primals(cfg), **extra)
     return CORES[core][1](cache, *tangents)
@@ -130,7 +123,7 @@ def test_jvp_matches_torch_func_jvp(cfg):
     _, cache = _call("sdpa", cfg, _primals(cfg))
     want = _torch_jvp(torch, cfg, tangents, None if cache.keep is None else torch.tensor(cache.keep))
     for core in ("sdpa", "sdpa_ref"):
-        assert _rel(_jvp(core, cfg, tangents), want) < 1e-10, core
+        assert rel_err(_jvp(core, cfg, tangents), want, floor=1.0, relative_to="max_b") < 1e-10, core
     # the memory-efficient cores regenerate their mask from one seed drawn from rng
 
     def me_keep(shape):
@@ -139,7 +132,7 @@ def test_jvp_matches_torch_func_jvp(cfg):
 
     want = _torch_jvp(torch, cfg, tangents, me_keep)
     for core in ("me", "me_ref"):
-        assert _rel(_jvp(core, cfg, tangents), want) < 1e-10, core
+        assert rel_err(_jvp(core, cfg, tangents), want, floor=1.0, relative_to="max_b") < 1e-10, core
 
 
 # -- central differences ----------------------------------------------------------------------------
@@ -158,7 +151,7 @@ def test_jvp_matches_central_differences(cfg):
             return _call(core, cfg, moved)[0]
 
         num = (f(1) - f(-1)) / (2 * eps)
-        assert _rel(_jvp(core, cfg, tangents), num) < 1e-6, core
+        assert rel_err(_jvp(core, cfg, tangents), num, floor=1.0, relative_to="max_b") < 1e-6, core
 
 
 # -- the tiers and the cores agree --------------------------------------------------------------------
@@ -172,10 +165,10 @@ def test_both_tiers_and_both_cores_equal(cfg):
     got = {core: _jvp(core, cfg, tangents) for core in CORES}
     for core, t in got.items():
         assert t.dtype == cfg.dtype, core
-    assert _rel(got["sdpa"], got["sdpa_ref"]) < tol
-    assert _rel(got["me"], got["me_ref"]) < tol
+    assert rel_err(got["sdpa"], got["sdpa_ref"], floor=1.0, relative_to="max_b") < tol
+    assert rel_err(got["me"], got["me_ref"], floor=1.0, relative_to="max_b") < tol
     if cfg.dropout_p == 0.0:  # the two cores draw different dropout masks
-        assert _rel(got["me"], got["sdpa"]) < tol
+        assert rel_err(got["me"], got["sdpa"], floor=1.0, relative_to="max_b") < tol
 
 
 @settings(max_examples=25)
@@ -185,7 +178,8 @@ def test_memory_efficient_block_sizes_agree(cfg):
     ref = _jvp("me_ref", cfg, tangents)
     for bs in (1, 3, 64):
         _, cache = _call("me", cfg, _primals(cfg), block_size=bs)
-        assert _rel(F.memory_efficient_attention_jvp(cache, *tangents), ref) < 1e-12, bs
+        got = F.memory_efficient_attention_jvp(cache, *tangents)
+        assert rel_err(got, ref, floor=1.0, relative_to="max_b") < 1e-12, bs
 
 
 # -- forward and reverse modes are each other's transpose ---------------------------------------------
@@ -222,7 +216,7 @@ def test_none_is_zero_and_the_tangent_is_linear(cfg):
             one = [None] * len(tangents)
             one[i] = tangents[i]
             parts.append(jvp(cache, *one[: i + 1]))  # trailing ones left out
-        assert _rel(sum(parts), full) < 1e-12, core
+        assert rel_err(sum(parts), full, floor=1.0, relative_to="max_b") < 1e-12, core
         zero = jvp(cache)
         assert zero.shape == full.shape and not np.any(zero), core
         np.testing.assert_array_equal(jvp(cache, *[np.zeros_like(t) for t in tangents]), zero)

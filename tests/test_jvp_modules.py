@@ -19,6 +19,7 @@ import os
 import numpy as np
 import pytest
 from _families import FAMILIES
+from _oracles import rel_err
 
 import npattn
 from npattn import book
@@ -26,10 +27,6 @@ from npattn.models import CausalLM, TinyTransformer
 from npattn.nn.transformer import DecoderBlock, EncoderBlock, _rename_torch_state
 
 HERE = os.path.dirname(__file__)
-
-
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
 
 
 def _perturb(m, rng, scale=0.1):
@@ -123,7 +120,7 @@ def _check_jvp(m, ins, rng, fd_tol=1e-6, **kw):
         np.testing.assert_array_equal(p0[n], p1[n], err_msg=n)
     _assert_transposed(u, t, g1, tins, p1, tp)
     num = _fd_jvp(m, ins, tins, tp, **kw)
-    assert _rel(t, num) < fd_tol, _rel(t, num)
+    assert rel_err(t, num, floor=1.0, relative_to="max_b") < fd_tol, rel_err(t, num, floor=1.0, relative_to="max_b")
     return t
 
 
@@ -184,7 +181,7 @@ def test_blocks_dropout_uses_the_forwards_masks(cls, norm_first):
     t, tins, tp = _jvp_then_backward(m, ins, rng)
     m.eval()  # and without dropout the JVP differs: the masks did act
     m(*ins)
-    assert _rel(m.jvp(*tins, param_tangents=tp), t) > 1e-3
+    assert rel_err(m.jvp(*tins, param_tangents=tp), t, floor=1.0, relative_to="max_b") > 1e-3
 
 
 def test_blocks_jvp_tangents_left_out_are_zero_and_refused():
@@ -224,7 +221,7 @@ def test_encoder_block_jvp_float32_stays_float32():
     m32(x.astype(np.float32))
     t32 = m32.jvp(tx, param_tangents=tp)
     assert t32.dtype == np.float32
-    assert _rel(t32, m64.jvp(tx, param_tangents=tp)) < 1e-4
+    assert rel_err(t32, m64.jvp(tx, param_tangents=tp), floor=1.0, relative_to="max_b") < 1e-4
 
 
 def _torch_encoder(torch, E, H, d_ff, norm_first, activation):

@@ -5,7 +5,8 @@ the cache's size, float32, and refused arguments.  (Against Hugging Face's ``Dee
 
 import numpy as np
 import pytest
-from _fd import fd_gradients, rel_err
+from _fd import fd_gradients
+from _oracles import rel_err
 from hypothesis import given, settings
 
 import npattn

@@ -5,7 +5,8 @@ import copy
 
 import numpy as np
 import pytest
-from _fd import fd_gradients, rel_err
+from _fd import fd_gradients
+from _oracles import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -7,6 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
+from _oracles import rel_err
 
 torch = pytest.importorskip("torch")
 
@@ -16,16 +17,8 @@ RTOL = 1e-10
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
 
 
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = b.detach().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert np.isfinite(a).all() and np.isfinite(b).all()
-    return float(np.abs(a - b).max(initial=0.0) / max(np.abs(b).max(initial=0.0), 1e-3))
-
-
 def assert_same(a, b, what=""):
-    err = rel_err(a, b)
+    err = rel_err(a, b, floor=1e-3, relative_to="max_b")
     assert err <= RTOL, f"{what}: relative error {err:.3e}"
 
 

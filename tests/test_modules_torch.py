@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import pytest
+from _oracles import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,19 +33,10 @@ RTOL = 1e-10
 seeds = st.integers(0, 2**31 - 1)
 
 
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = b.detach().numpy() if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert np.isfinite(a).all() and np.isfinite(b).all()
-    # floor: a gradient that is exactly 0 in theory (e.g. a key bias, which softmax ignores)
-    # comes out as rounding noise ~1e-17 in both; compare it absolutely (1e-13)
-    scale = max(np.abs(b).max(initial=0.0), 1e-3)
-    return float(np.abs(a - b).max(initial=0.0) / scale)
-
-
 def assert_same(a, b, what=""):
-    err = rel_err(a, b)
+    # floor 1e-3: a gradient that is exactly 0 in theory (e.g. a key bias, which softmax ignores)
+    # comes out as rounding noise ~1e-17 in both; compare it absolutely (1e-13)
+    err = rel_err(a, b, floor=1e-3, relative_to="max_b")
     assert err <= RTOL, f"{what}: relative error {err:.3e}"
 
 

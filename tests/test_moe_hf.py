@@ -6,7 +6,7 @@ names of a whole tiny model's MoE layer under ``mlp.``."""
 
 import numpy as np
 import pytest
-from _fd import rel_err
+from _oracles import rel_err
 
 from npattn.nn.moe import SparseMoeBlock
 

@@ -11,8 +11,8 @@ import itertools
 
 import numpy as np
 import pytest
-from _fd import fd_gradients, rel_err
-from _oracles import torch_attention
+from _fd import fd_gradients
+from _oracles import rel_err, torch_attention
 
 from npattn import gradcheck
 from npattn.functional import reference as R
