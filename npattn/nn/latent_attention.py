@@ -56,7 +56,7 @@ from .._validate import (
 )
 from ..functional import kernels as K
 from ..functional.rope_scaling import _check_scaling, _resolve_base, _standardize, rope_softmax_scale
-from .attention import _KVCache
+from .kv_cache import KVCache
 from .layers import Linear, RMSNorm, _input_tangent
 from .module import Module, no_grad
 
@@ -177,7 +177,7 @@ class MultiHeadLatentAttention(Module):
         ``rope_scaling``, a dtype other than float32/float64.
     """
 
-    _kv_cache: _KVCache | None
+    _kv_cache: KVCache | None
 
     def __init__(
         self,
@@ -458,7 +458,7 @@ class MultiHeadLatentAttention(Module):
         if use_cache:
             cache = self._kv_cache
             if cache is None:
-                cache = _KVCache(*self._latent_kv(c, k_pe))
+                cache = KVCache()
                 object.__setattr__(self, "_kv_cache", cache)
             full, _ = cache.append(*self._latent_kv(c, k_pe))  # (..., 1, T, r + dr)
             c_all, k_pe_all = full[..., 0, :, :r], full[..., r:]

@@ -1,0 +1,776 @@
+"""``MultiHeadAttentionCore``: the common path of multi-head attention, as four named stages.
+
+``project`` (q, k, v from one fused GEMM in self-attention, three in cross-attention) ->
+``position`` (QK-norm, then RoPE with the KV cache's offset) -> ``attend`` (the attention core,
+``scaled_dot_product_attention`` or ``memory_efficient_attention``, with the module's
+``AttentionOptions``) -> ``output`` (Qwen3-Next's output gate, then ``out_proj``).  The backward
+and the JVP walk the same stages, each by its own method.
+
+The attention options (``causal_align``, ``window``, ALiBi, ``softcap``) are validated once, in
+``__init__``, by the cores' own ``check_options``, and held as one ``AttentionOptions``
+(``self.options``); each call adds only what changes per call (the sinks parameter's current
+values, the bottom-right alignment of a cached call).  The KV cache is a ``KVCache`` (or a
+``RollingKVCache`` for a sliding window) of ``npattn.nn.kv_cache``.
+
+The torch-compatibility extras (``add_bias_kv``, ``add_zero_attn``, ``need_weights``,
+``from_torch_state_dict``) are not here: ``npattn.MultiHeadAttention`` (``nn/attention.py``) is
+this core plus them, overriding the ``attend`` stage (and its backward and JVP) to append the
+extra keys.  The core validates everything at its own edge (``forward``), then calls the kernels
+(``npattn.functional.kernels``), which do not validate again.  It owns its parameters outright:
+for self-attention the three projection weights are row blocks of one fused
+``(q_rows + 2 kv, d_in)`` array (``W_query.weight.data`` *is* a view of it), so q, k and v come
+out of one GEMM without copying the weights on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, cast
+
+import numpy as np
+
+from .. import masks as _masks
+from .._validate import (
+    as_float,
+    as_rng,
+    check_additive_values,
+    check_bool,
+    check_cache_batch,
+    check_dtype,
+    check_mask,
+    check_positive_float,
+    check_prob,
+    check_size,
+    check_tangent,
+    check_tangents,
+    to_numpy,
+)
+from ..functional import AttentionCache
+from ..functional import kernels as K
+from ..functional._blocks import AttentionOptions, check_options
+from ..functional.rope_scaling import _check_scaling, _resolve_base, _resolve_rotary_dim
+from .kv_cache import KVCache, RollingKVCache
+from .layers import Linear, RMSNorm
+from .module import Module, Parameter, is_grad_enabled
+
+__all__ = ["MultiHeadAttentionCore"]
+
+_MASK_NAMES = ("attn_mask", "key_padding_mask")
+
+
+class Projected(NamedTuple):
+    """The ``project`` stage's output: heads of q (and the output gate), k, v, and the caches."""
+
+    q: np.ndarray  # (..., H, L, hd)
+    gate: np.ndarray | None  # (..., L, H, hd) with output_gate
+    k: np.ndarray  # (..., Hk, L, hd)
+    v: np.ndarray
+    caches: tuple  # the linear caches: one fused (self-attention) or three
+    qkv: np.ndarray | None  # the fused projection's output (self-attention)
+
+
+class Positioned(NamedTuple):
+    """The ``position`` stage's caches: ``rms_norm`` of q and k (qk_norm), ``rope`` of q and k."""
+
+    q_norm: tuple | None = None
+    k_norm: tuple | None = None
+    q_rope: tuple | None = None
+    k_rope: tuple | None = None
+
+
+class State(NamedTuple):
+    """What the backward (and the JVP) needs from a forward."""
+
+    self_attn: bool
+    proj: tuple  # the linear caches: one fused (self-attention) or three
+    position: Positioned
+    attn: Any  # the attention kernel's cache
+    out: Any  # out_proj's linear cache
+    lk: int  # number of real keys (before any extra keys)
+    n_extra: int  # number of extra keys appended after them (torch's bias_k / zero key)
+    memory_efficient: bool
+    sinks: bool
+    reused: tuple = ()  # arrays from the module's workspace, given back after the backward
+    gate: tuple | None = None  # output_gate: (attention output (..., L, H*hd), sigmoid(gate) of its shape)
+    dropped: int = 0  # keys a rolling KV cache had dropped before this call
+
+
+def _sigmoid(x):
+    """``1 / (1 + exp(-x))`` without overflow: ``exp(-log(1 + exp(-x)))``."""
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _kernel_options(o: AttentionOptions) -> dict:
+    """The options as the kernels' keyword arguments."""
+    return {
+        "causal_align": o.causal_align,
+        "window": o.window,
+        "alibi_slopes": o.alibi_slopes,
+        "softcap": o.softcap,
+        "sinks": o.sinks,
+    }
+
+
+class MultiHeadAttentionCore(Module):
+    """The common path of ``npattn.MultiHeadAttention`` (see its docstring for the arguments):
+    batch first ``(..., L, d_in) -> (..., L, d_out)``, projections, heads, masks, dropout,
+    grouped-query attention, the attention options, RoPE, QK-norm, the output gate and a KV
+    cache, without torch's extras (``add_bias_kv``, ``add_zero_attn``, ``need_weights``)."""
+
+    _n_extra = 0  # keys appended after the real ones by a subclass's attend stage (torch's extras)
+    _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
+    _kv_cache: KVCache | None
+    _REPR_FLAGS: tuple[str, ...] = (
+        "alibi",
+        "rope",
+        "rope_interleaved",
+        "qk_norm",
+        "qk_norm_unit_offset",
+        "output_gate",
+        "memory_efficient",
+    )
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        causal: bool = False,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        memory_efficient: bool = False,
+        window: tuple[int, int] | None = None,
+        causal_align: str = "top_left",
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        qk_norm: bool = False,
+        qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
+        head_dim: int | None = None,
+        scale: float | None = None,
+        rope_scaling=None,
+        partial_rotary_factor: float = 1.0,
+        rope_interleaved: bool = False,
+        output_gate: bool = False,
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
+        super().__init__()
+        self._init_shapes(d_in, d_out, num_heads, num_kv_heads, head_dim, kdim, vdim)
+        self.dropout = check_prob(dropout, "dropout")
+        self.causal = check_bool(causal, "causal")
+        self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
+        out_bias = check_bool(out_bias, "out_bias")
+        options = check_options((self.num_heads, 1, 1), dtype, None, causal_align, window, None, softcap)
+        self.alibi = check_bool(alibi, "alibi")
+        use_sinks = check_bool(sinks, "sinks")
+        self._init_rope(rope, rope_base, rope_scaling, partial_rotary_factor, rope_interleaved)
+        self.scale = None if scale is None else check_positive_float(scale, "scale")
+        self.qk_norm = check_bool(qk_norm, "qk_norm")
+        qk_norm_eps = None if qk_norm_eps is None else check_positive_float(qk_norm_eps, "qk_norm_eps", allow_zero=True)
+        self.qk_norm_unit_offset = check_bool(qk_norm_unit_offset, "qk_norm_unit_offset")
+        self.output_gate = check_bool(output_gate, "output_gate")
+        self._dtype = check_dtype(dtype)
+        self.rng = as_rng(rng)
+        self.options = AttentionOptions(
+            causal_align=options.causal_align,
+            window=options.window,
+            alibi_slopes=self.alibi_slopes() if self.alibi else None,
+            softcap=options.softcap,
+        )
+        self._init_projections(qkv_bias, out_bias)
+        self.sinks = Parameter(np.zeros(self.num_heads), self._dtype) if use_sinks else None
+        if self.qk_norm:
+            self._init_qk_norm(qk_norm_eps)
+        object.__setattr__(self, "_fused", None)
+        object.__setattr__(self, "_kv_cache", None)
+        self._fused_qkv()
+
+    def _init_shapes(self, d_in, d_out, num_heads, num_kv_heads, head_dim, kdim, vdim) -> None:
+        """Check and set the widths: ``d_in``, ``d_out``, the heads, ``head_dim``, ``kdim``, ``vdim``."""
+        self.d_in = check_size(d_in, "d_in")
+        self.d_out = check_size(d_out, "d_out")
+        self.num_heads = check_size(num_heads, "num_heads")
+        if head_dim is not None:
+            self.head_dim = check_size(head_dim, "head_dim")
+        elif self.d_out % self.num_heads:
+            raise ValueError(f"d_out: expected a multiple of num_heads={self.num_heads}, got {self.d_out}")
+        else:
+            self.head_dim = self.d_out // self.num_heads
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else check_size(num_kv_heads, "num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, got {self.num_kv_heads}")
+        self.kdim = self.d_in if kdim is None else check_size(kdim, "kdim")
+        self.vdim = self.d_in if vdim is None else check_size(vdim, "vdim")
+
+    def _init_rope(self, rope, rope_base, rope_scaling, partial_rotary_factor, rope_interleaved) -> None:
+        """Check and set RoPE's settings: base, scaling dict, interleaving, rotary features."""
+        self.rope = check_bool(rope, "rope")
+        self.rope_scaling = _check_scaling(rope_scaling, "rope_scaling")  # normalised; "default" when None
+        self.rope_base = _resolve_base(rope_base, self.rope_scaling, "rope_base")
+        self.rope_interleaved = check_bool(rope_interleaved, "rope_interleaved")
+        self.partial_rotary_factor = check_positive_float(partial_rotary_factor, "partial_rotary_factor")
+        in_dict = self.rope_scaling.get("partial_rotary_factor")
+        if self.partial_rotary_factor > 1 or (in_dict is not None and self.partial_rotary_factor not in (1.0, in_dict)):
+            raise ValueError(
+                f"partial_rotary_factor: expected a share in (0, 1] (agreeing with rope_scaling's {in_dict}), "
+                f"got {self.partial_rotary_factor}"
+            )
+        if in_dict is not None:
+            self.partial_rotary_factor = in_dict
+        self.rotary_dim = self.head_dim  # the features of each head that rotate
+        if self.rope:
+            if self.head_dim % 2 and self.partial_rotary_factor == 1.0:
+                raise ValueError(f"rope: expected an even head_dim (d_out // num_heads), got {self.head_dim}")
+            params = dict(self.rope_scaling, partial_rotary_factor=self.partial_rotary_factor)
+            self.rotary_dim = _resolve_rotary_dim(self.head_dim, None, params, "rotary_dim")
+
+    def _init_projections(self, qkv_bias: bool, out_bias: bool) -> None:
+        """``W_query``, ``W_key``, ``W_value``, ``out_proj``: their draws come first and in this
+        order (same seed, same weights)."""
+        kv = self.num_kv_heads * self.head_dim
+        inner = self.num_heads * self.head_dim  # the merged heads' width (d_out unless head_dim says otherwise)
+        self._q_rows = inner * (2 if self.output_gate else 1)  # query (and gate) features of the projection
+        self.W_query = Linear(self.d_in, self._q_rows, qkv_bias, rng=self.rng, dtype=self._dtype)
+        self.W_key = Linear(self.kdim, kv, qkv_bias, rng=self.rng, dtype=self._dtype)
+        self.W_value = Linear(self.vdim, kv, qkv_bias, rng=self.rng, dtype=self._dtype)
+        self.out_proj = Linear(inner, self.d_out, out_bias, rng=self.rng, dtype=self._dtype)
+
+    def _init_qk_norm(self, eps) -> None:
+        self.q_norm = RMSNorm(self.head_dim, eps=eps, dtype=self._dtype)
+        self.k_norm = RMSNorm(self.head_dim, eps=eps, dtype=self._dtype)
+        if self.qk_norm_unit_offset:  # x_norm * (1 + weight): the weight starts at zero
+            self.q_norm.weight = Parameter(np.zeros(self.head_dim), self._dtype)
+            self.k_norm.weight = Parameter(np.zeros(self.head_dim), self._dtype)
+
+    # -- the attention options, read by name --------------------------------------------------
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The sliding window ``(left, right)`` or None (``self.options.window``)."""
+        return self.options.window
+
+    @property
+    def causal_align(self) -> str:
+        """``"top_left"`` or ``"bottom_right"`` (``self.options.causal_align``)."""
+        return self.options.causal_align
+
+    @property
+    def softcap(self) -> float | None:
+        """The logit softcap or None (``self.options.softcap``)."""
+        return self.options.softcap
+
+    def alibi_slopes(self) -> np.ndarray:
+        """The ALiBi slopes ``2**(-8 (h + 1) / num_heads)``, ``(num_heads,)``."""
+        return 2.0 ** (-8.0 * np.arange(1, self.num_heads + 1, dtype=self.dtype) / self.num_heads)
+
+    def _call_options(self, align: str | None) -> dict:
+        """This call's options as the kernels' keywords: the held ones, the sinks' current values,
+        ``align`` (a cached call's ``"bottom_right"``) when given."""
+        kw = _kernel_options(self.options)
+        if align is not None:
+            kw["causal_align"] = align
+        if self.alibi and kw["alibi_slopes"].dtype != self.dtype:  # cast by .to() since __init__
+            kw["alibi_slopes"] = self.alibi_slopes()
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks.data
+        return kw
+
+    def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
+        s = f"d_in={self.d_in}, d_out={self.d_out}, num_heads={self.num_heads}"
+        if self.num_kv_heads != self.num_heads:
+            s += f", num_kv_heads={self.num_kv_heads}"
+        if self.causal:
+            s += ", causal=True"
+        if self.dropout:
+            s += f", dropout={self.dropout}"
+        if self.head_dim * self.num_heads != self.d_out:
+            s += f", head_dim={self.head_dim}"
+        s += "".join(f", {name}=True" for name in self._REPR_FLAGS if getattr(self, name))
+        if self.rope and self.rope_scaling["rope_type"] != "default":
+            s += f", rope_scaling={self.rope_scaling['rope_type']!r}"
+        if self.rope and self.rotary_dim != self.head_dim:
+            s += f", partial_rotary_factor={self.partial_rotary_factor}"
+        if self.scale is not None:
+            s += f", scale={self.scale}"
+        if self.sinks is not None:
+            s += ", sinks=True"
+        if self.window is not None:
+            s += f", window={self.window}"
+        if self.causal_align != "top_left":
+            s += f", causal_align={self.causal_align!r}"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap}"
+        return s
+
+    # -- the fused q/k/v weight -------------------------------------------------------------
+    def _fused_qkv(self):
+        """``(W, b)``: the fused self-attention projection, ``W (q_rows + 2 kv, d_in)`` whose row
+        blocks are ``W_query.weight.data``, ``W_key.weight.data``, ``W_value.weight.data`` (views;
+        ``b`` likewise for the biases, None without ``qkv_bias``).  Built once; rebuilt (and the
+        three parameters' ``.data`` re-pointed at it, same values) only when one of them was
+        replaced by another array (``Module.to``, ``copy.deepcopy``, an assignment to ``.data``).
+        None when ``kdim`` or ``vdim`` differs from ``d_in`` (no self-attention)."""
+        if self.kdim != self.d_in or self.vdim != self.d_in:
+            return None
+        mods = (self.W_query, self.W_key, self.W_value)
+        f = self._fused
+        if (
+            f is not None
+            and _linked(f[0], f[2], [m.weight for m in mods])
+            and (f[1] is None or _linked(f[1], f[3], [m.bias for m in mods]))
+        ):
+            return f[0], f[1]
+        W = np.concatenate([m.weight.data for m in mods])
+        wv = _views(W, [m.weight for m in mods])
+        b = bv = None
+        if self.W_query.bias is not None:
+            b = np.concatenate([m.bias.data for m in mods])
+            bv = _views(b, [m.bias for m in mods])
+        object.__setattr__(self, "_fused", (W, b, wv, bv))
+        return W, b
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _split(self, t, heads):
+        """``(..., L, heads * hd) -> (..., heads, L, hd)`` (a view)."""
+        return t.reshape(t.shape[:-1] + (heads, self.head_dim)).swapaxes(-2, -3)
+
+    def _split_query(self, t):
+        """``(..., L, q_rows) -> (query (..., H, L, hd), gate (..., L, H, hd) or None)``, views.
+        With ``output_gate`` each head's ``2 hd`` projected features are its query, then its gate
+        (Hugging Face Qwen3-Next's ``q_proj``, viewed ``(..., heads, 2 hd)`` and chunked)."""
+        if not self.output_gate:
+            return self._split(t, self.num_heads), None
+        t = t.reshape(t.shape[:-1] + (self.num_heads, 2 * self.head_dim))
+        return t[..., : self.head_dim].swapaxes(-2, -3), t[..., self.head_dim :]
+
+    def _qk_weight(self, norm):
+        """The weight the QK-norm multiplies by: ``weight``, or ``1 + weight`` (unit offset)."""
+        w = norm.weight.data
+        return w + 1 if self.qk_norm_unit_offset else w
+
+    def _rolling_keep(self) -> int | None:
+        """How many past tokens a later query can still see (a rolling KV cache), None for all."""
+        w = self.window
+        if w is None or w[0] < 0 or not (self.causal or w[1] == 0):
+            return None
+        return w[0]
+
+    @staticmethod
+    def _merge(t):
+        """``(..., heads, L, hd) -> (..., L, heads * hd)``."""
+        t = t.swapaxes(-2, -3)
+        return t.reshape(t.shape[:-2] + (t.shape[-2] * t.shape[-1],))
+
+    # -- validation at the edge ------------------------------------------------------------
+    def _check_inputs(self, query, key, value):
+        x = as_float(query, "query", self.dtype)
+        if x.ndim < 2 or x.shape[-1] != self.d_in:
+            raise ValueError(f"query: expected shape (..., L, {self.d_in}) or (L, {self.d_in}), got {x.shape}")
+        if key is None and value is None:
+            if self.kdim != self.d_in or self.vdim != self.d_in:
+                raise ValueError(
+                    f"key, value: required when kdim={self.kdim} or vdim={self.vdim} differs from "
+                    f"d_in={self.d_in} (self-attention needs kdim == vdim == d_in), got neither"
+                )
+            return x, x, x, True
+        if key is None or value is None:
+            raise ValueError("key, value: expected both (cross-attention) or neither (self-attention), got one")
+        k = as_float(key, "key", self.dtype)
+        v = as_float(value, "value", self.dtype)
+        lead = x.shape[:-2]
+        if k.ndim != x.ndim or k.shape[:-2] != lead or k.shape[-1] != self.kdim:
+            raise ValueError(f"key: expected shape {lead + ('Lk', self.kdim)}, got {k.shape}")
+        if v.ndim != x.ndim or v.shape[:-2] != lead or v.shape[-1] != self.vdim or v.shape[-2] != k.shape[-2]:
+            raise ValueError(f"value: expected shape {lead + (k.shape[-2], self.vdim)}, got {v.shape}")
+        return x, k, v, False
+
+    def _check_cache(self, x: np.ndarray, self_attn: bool, use_cache: bool) -> int:
+        """The number of keys in the KV cache before this call (0 without ``use_cache``); refuses
+        ``use_cache`` in cross-attention and a batch shape other than the cache's."""
+        if not use_cache:
+            return 0
+        if not self_attn:
+            raise ValueError("use_cache: the KV cache is for self-attention; expected key=None and value=None")
+        cache = self._kv_cache
+        if cache is None:
+            return 0
+        check_cache_batch(cache.lead, x.shape, "query", "KV cache")
+        return cache.position
+
+    def _build_mask(
+        self, attn_mask, key_padding_mask, lead: tuple, lq: int, lk: int, names: tuple[str, str] = _MASK_NAMES
+    ) -> np.ndarray | None:
+        """Validate ``attn_mask`` and ``key_padding_mask`` for ``lq`` queries over ``lk`` real keys
+        and combine them into the one mask ``_forward`` takes (None when neither is given).
+        ``names`` are the arguments' names in the messages (a block's ``tgt_mask``...)."""
+        target = lead + (self.num_heads, lq, lk)
+        mask = None
+        if attn_mask is not None:
+            m = to_numpy(attn_mask, names[0])
+            if (
+                m.ndim == 3
+                and len(lead) == 1
+                and m.shape == (lead[0] * self.num_heads, lq, lk)
+                and m.shape[0] != self.num_heads
+            ):
+                m = m.reshape(target)  # torch's (batch * num_heads, Lq, Lk)
+            mask = check_mask(m, names[0], target)
+        if key_padding_mask is not None:
+            kpm = to_numpy(key_padding_mask, names[1])
+            if kpm.dtype.kind not in "bf":
+                raise TypeError(f"{names[1]}: expected bool (True = padding) or float, got dtype {kpm.dtype}")
+            if kpm.shape != lead + (lk,):
+                raise ValueError(f"{names[1]}: expected shape {lead + (lk,)}, got {kpm.shape}")
+            check_additive_values(kpm, names[1])
+            mask = _masks.combine(mask, _masks.from_key_padding_mask(kpm))
+        if mask is not None and mask.dtype.kind == "f" and mask.dtype != self.dtype:
+            mask = mask.astype(self.dtype)  # a float64 mask keeps a float32 module float32 (caches included)
+        return mask
+
+    def _check_call(self, query, key, value, attn_mask, key_padding_mask, use_cache):
+        """``forward``'s checks, before any arithmetic or state change: the arguments of ``_forward``
+        (``x``, ``key`` and ``value`` or None for self-attention, the mask, ``use_cache``)."""
+        x, k_in, v_in, self_attn = self._check_inputs(query, key, value)
+        use_cache = check_bool(use_cache, "use_cache")
+        past = self._check_cache(x, self_attn, use_cache)
+        mask = self._build_mask(attn_mask, key_padding_mask, x.shape[:-2], x.shape[-2], past + k_in.shape[-2])
+        return x, None if self_attn else k_in, None if self_attn else v_in, mask, use_cache
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, use_cache: bool = False):
+        """Returns ``(..., Lq, d_out)``; see ``npattn.MultiHeadAttention.forward``."""
+        x, key, value, mask, use_cache = self._check_call(query, key, value, attn_mask, key_padding_mask, use_cache)
+        return self._forward(x, key, value, mask, use_cache=use_cache)
+
+    def _forward(self, x, key=None, value=None, mask=None, *, use_cache: bool = False):
+        """``forward`` on validated arguments, for npattn's own modules (which validate at their
+        own edge): ``x`` (and, for cross-attention, ``key`` and ``value``; None for
+        self-attention) arrays of the module's dtype checked by ``_check_inputs``, ``mask`` built
+        by ``_build_mask`` (over the cached keys too), ``use_cache`` accepted by ``_check_cache``.
+        Nothing is checked again."""
+        return self._run(x, key, value, mask, use_cache)[0]
+
+    def _run(self, x, key, value, mask, use_cache: bool) -> tuple[np.ndarray, State]:
+        """The stages in order; returns the output and the state (kept for backward unless cached)."""
+        self_attn = key is None or value is None
+        # A training step's internal arrays come from (and go back to) the module's workspace
+        ws = self._workspace() if self_attn and not use_cache and is_grad_enabled() else None
+        p = self._project(x, None if self_attn else key, None if self_attn else value, ws)
+        cache = self._kv_cache_in_use() if use_cache else None
+        qh, kh, pos = self._position(p.q, p.k, 0 if cache is None else cache.position)  # rolled-out tokens count
+        vh, dropped = p.v, 0
+        if cache is not None:
+            # a rolling cache no longer holds the first `dropped` keys (hidden by the window anyway):
+            # the mask, built over every key seen, loses their columns; the weights get them back as 0
+            dropped = cache.position - cache.length
+            if dropped and mask is not None and mask.shape[-1] != 1:
+                mask = mask[..., dropped:]
+            kh, vh = cache.append(kh, vh)
+        lk = kh.shape[-2]  # real keys: cached + this call's
+        ctx, attn_cache = self._attend(qh, kh, vh, mask, "bottom_right" if use_cache else None, ws)
+        out, out_cache, gated = self._output(ctx, p.gate)
+        if cache is not None:
+            cache.trim()  # a rolling cache forgets what no later query can see
+        reused: tuple = ()
+        if ws is not None:
+            reused = (p.qkv,) if self.memory_efficient else (p.qkv, ctx) + tuple(cast(AttentionCache, attn_cache).p)
+        state = State(
+            self_attn, p.caches, pos, attn_cache, out_cache, lk, self._n_extra, self.memory_efficient,
+            self.sinks is not None, reused, gated, dropped,
+        )  # fmt: skip
+        if use_cache:
+            self.clear_saved()  # a cached call keeps nothing for backward, nor an earlier forward's state
+        else:
+            self.save_for_backward(state)
+        return out, state
+
+    def _kv_cache_in_use(self) -> KVCache:
+        """The module's KV cache, made on first use (rolling when the window allows)."""
+        if self._kv_cache is None:
+            keep = self._rolling_keep()
+            object.__setattr__(self, "_kv_cache", KVCache() if keep is None else RollingKVCache(keep))
+        return cast(KVCache, self._kv_cache)
+
+    def _project(self, x, key, value, ws) -> Projected:
+        """Stage 1: q, k, v (one GEMM in self-attention, ``key is None``), split into heads."""
+        d_kv, nq = self.num_kv_heads * self.head_dim, self._q_rows
+        qkv = None
+        if key is None:
+            W, b = self._fused_qkv()
+            out = None if ws is None else ws.empty(x.shape[:-1] + (W.shape[0],), x.dtype)
+            qkv, c = K.linear(x, W, b, out=out)
+            caches: tuple = (c,)
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + d_kv], qkv[..., nq + d_kv :]
+        else:
+            outs = [
+                K.linear(a, m.weight.data, None if m.bias is None else m.bias.data)
+                for a, m in ((x, self.W_query), (key, self.W_key), (value, self.W_value))
+            ]
+            (q, _), (k, _), (v, _) = outs
+            caches = tuple(c for _, c in outs)
+        qh, gate = self._split_query(q)
+        return Projected(qh, gate, self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads), caches, qkv)
+
+    def _position(self, qh, kh, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
+        """Stage 2: QK-norm, then RoPE (query/key ``i`` of this call at position ``start + i``)."""
+        qn = kn = qr = kr = None
+        if self.qk_norm:
+            qh, qn = K.rms_norm(qh, self._qk_weight(self.q_norm), self.q_norm.eps)
+            kh, kn = K.rms_norm(kh, self._qk_weight(self.k_norm), self.k_norm.eps)
+        if self.rope:
+            ropt = dict(
+                base=self.rope_base,
+                interleaved=self.rope_interleaved,
+                scaling=self.rope_scaling,
+                rotary_dim=self.rotary_dim,
+            )
+            qh, qr = K.rope(qh, np.arange(start, start + qh.shape[-2]), **ropt)
+            kh, kr = K.rope(kh, np.arange(start, start + kh.shape[-2]), **ropt)
+        return qh, kh, Positioned(qn, kn, qr, kr)
+
+    def _attend(self, qh, kh, vh, mask, align: str | None, ws):
+        """Stage 3: the attention core with the module's options (``align``: a cached call's
+        ``"bottom_right"``, None for the module's own)."""
+        return self._core(qh, kh, vh, mask, self.causal, self._call_options(align), ws)
+
+    def _core(self, qh, kh, vh, mask, is_causal: bool, opts: dict, ws):
+        """The attention kernel on heads: ``(ctx (..., H, Lq, hd), its cache)``."""
+        if self.scale is not None:
+            opts["scale"] = self.scale
+        if self.num_kv_heads != self.num_heads:
+            opts["enable_gqa"] = True
+        p = self.dropout if self.training else 0.0
+        if p > 0:
+            opts.update(dropout_p=p, rng=self.rng)
+        if self.memory_efficient:
+            return K.memory_efficient_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, **opts)
+        return K.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=is_causal, heads_last=True, workspace=ws, **opts
+        )
+
+    def _output(self, ctx, gate):
+        """Stage 4: heads merged, times ``sigmoid(gate)`` (output_gate), through ``out_proj``:
+        ``(out, out_proj's cache, (a, s) or None)``."""
+        merged = self._merge(ctx)  # (..., L, H * hd)
+        gated = None
+        if gate is not None:  # Qwen3-Next: the output times sigmoid(gate), feature by feature
+            s = _sigmoid(gate).reshape(merged.shape)
+            gated, merged = (merged, s), merged * s
+        bias = None if self.out_proj.bias is None else self.out_proj.bias.data
+        out, out_cache = K.linear(merged, self.out_proj.weight.data, bias)
+        return out, out_cache, gated
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, dy):
+        """Through ``out_proj``, the attention core, RoPE, QK-norm and the projections.  Returns
+        ``dx`` for self-attention (the sum over the input's three uses, shaped like the input),
+        else ``(dquery, dkey, dvalue)``."""
+        return self._backward(self._check_dy(dy))  # checked before any state is taken
+
+    def _backward(self, dy):
+        """``backward`` on a checked ``dy`` (npattn's blocks call it after their own check): the
+        stages in reverse."""
+        st: State = self.pop_saved()
+        ws = self._scratch() if st.reused else None  # the backward's own arrays: shared by all modules
+        dctx, dgate = self._output_backward(dy, st, ws)
+        # with nothing between the projections and the attention core, its gradients are those of
+        # the projections' outputs: written straight into the fused projection's output gradient
+        plain = all(c is None for c in st.position) and st.n_extra == 0 and st.gate is None
+        dqkv = views = None
+        if st.self_attn:
+            shape = dy.shape[:-1] + (self._q_rows + 2 * self.num_kv_heads * self.head_dim,)
+            dqkv = np.empty(shape, dy.dtype) if ws is None else ws.empty(shape, dy.dtype)
+            views = self._fused_views(dqkv)
+        out = views if plain and not st.memory_efficient else None
+        dqh, dkh, dvh = self._attend_backward(dctx, st, out, ws)
+        dqh, dkh = self._position_backward(dqh, dkh, st.position)
+        if not st.self_attn:
+            return self._project_backward_cross(dqh, dkh, dvh, dgate, st)
+        if out is None:
+            for view, d in zip(views[:3], (dqh, dkh, dvh)):
+                view[...] = d
+        if dgate is not None:
+            views[3][...] = dgate.reshape(views[3].shape)
+        dx = self._project_backward_fused(dqkv, st)
+        if ws is not None:  # nothing refers to them any more: the next step reuses them
+            ws.give(dctx, dqkv)
+            self._workspace().give(*st.reused)
+        return dx
+
+    def _output_backward(self, dy, st: State, ws):
+        """``out_proj`` and the output gate backward: ``(dctx (..., H, L, hd), dgate or None)``."""
+        dctx, dwo, dbo = K.linear_backward(dy, st.out, None if ws is None else ws.empty(st.out.x.shape, dy.dtype))
+        self.accumulate_grad(self.out_proj.weight, dwo)
+        if self.out_proj.bias is not None:
+            self.accumulate_grad(self.out_proj.bias, dbo)
+        dgate = None
+        if st.gate is not None:  # out_proj saw a * s: d a = d(a s) s, d g = d(a s) a s (1 - s)
+            a, s = st.gate
+            dgate = dctx * a * s * (1 - s)
+            np.multiply(dctx, s, out=dctx)
+        return self._split(dctx, self.num_heads), dgate
+
+    def _fused_views(self, dqkv):
+        """Views of the fused projection's output gradient: ``(dq heads, dk heads, dv heads, dgate)``."""
+        nq, d_kv = self._q_rows, self.num_kv_heads * self.head_dim
+        dq_view, dgate_view = self._split_query(dqkv[..., :nq])
+        dk_view = self._split(dqkv[..., nq : nq + d_kv], self.num_kv_heads)
+        return dq_view, dk_view, self._split(dqkv[..., nq + d_kv :], self.num_kv_heads), dgate_view
+
+    def _attend_backward(self, dctx, st: State, out, ws):
+        """The attention core's backward (``out``: views to write dq, dk, dv into); the sinks'
+        gradient accumulated; returns ``(dq, dk, dv)`` over every key the core saw."""
+        if st.memory_efficient:
+            grads = K.memory_efficient_attention_backward(dctx, st.attn)
+        elif out is not None:
+            grads = K.scaled_dot_product_attention_backward(dctx, st.attn, out=out[:3], workspace=ws)
+        else:
+            grads = K.scaled_dot_product_attention_backward(dctx, st.attn)
+        if st.sinks:
+            self.accumulate_grad(cast(Parameter, self.sinks), grads[-1])
+        return grads[:3]
+
+    def _position_backward(self, dqh, dkh, pos: Positioned):
+        """RoPE's backward, then QK-norm's (its weights' gradients accumulated)."""
+        if pos.q_rope is not None:
+            dqh = K.rope_backward(dqh, pos.q_rope)
+            dkh = K.rope_backward(dkh, pos.k_rope)
+        if pos.q_norm is not None:
+            dqh, dwq = K.rms_norm_backward(dqh, pos.q_norm)
+            dkh, dwk = K.rms_norm_backward(dkh, pos.k_norm)
+            self.accumulate_grad(cast(Parameter, self.q_norm.weight), dwq)
+            self.accumulate_grad(cast(Parameter, self.k_norm.weight), dwk)
+        return dqh, dkh
+
+    def _project_backward_fused(self, dqkv, st: State):
+        """The fused projection's backward: ``dx``; each weight's gradient is its row block."""
+        dx, dW, db = K.linear_backward(dqkv, st.proj[0])
+        d_kv = self.num_kv_heads * self.head_dim
+        rows = np.cumsum([0, self._q_rows, d_kv, d_kv])
+        for i, m in enumerate((self.W_query, self.W_key, self.W_value)):
+            self.accumulate_grad(m.weight, dW[rows[i] : rows[i + 1]])
+            if m.bias is not None:
+                self.accumulate_grad(m.bias, db[rows[i] : rows[i + 1]])
+        return dx
+
+    def _project_backward_cross(self, dqh, dkh, dvh, dgate, st: State):
+        """The three projections' backward (cross-attention): ``(dquery, dkey, dvalue)``."""
+        dq = self._merge(dqh)
+        if dgate is not None:  # interleave each head's query and gate gradients as W_query's rows are
+            dq = np.empty(dgate.shape[:-1] + (self._q_rows,), dgate.dtype)
+            dq_view, dgate_view = self._split_query(dq)
+            dq_view[...] = dqh
+            dgate_view[...] = dgate.reshape(dgate_view.shape)
+        grads = []
+        mods = (self.W_query, self.W_key, self.W_value)
+        for m, d, c in zip(mods, (dq, self._merge(dkh), self._merge(dvh)), st.proj):
+            dx_i, dw_i, db_i = K.linear_backward(d, c)
+            self.accumulate_grad(m.weight, dw_i)
+            if m.bias is not None:
+                self.accumulate_grad(m.bias, db_i)
+            grads.append(dx_i)
+        return tuple(grads)
+
+    # -- forward mode --------------------------------------------------------------------------
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``jvp``): the forward's stages in order, each by its functional JVP.
+
+        The projections (``ty = tx W^T + x tW^T + tb``; the fused self-attention weight's tangent
+        is the three weights' stacked), QK-norm and RoPE, the attention core
+        (``scaled_dot_product_attention_jvp`` or ``memory_efficient_attention_jvp``, the sinks
+        with their tangent, dropout with the forward's mask), the output gate
+        (``t(a s) = ta s + a s (1 - s) tg``, ``s = sigmoid(g)``) and ``out_proj``.  Input tangents:
+        ``tquery`` for self-attention, ``tquery, tkey, tvalue`` for cross-attention (each of its
+        input's shape, None = zero)."""
+        st: State = state
+        pt = param_tangents
+        tq, tk, tv = self._project_jvp(st, input_tangents, pt)
+        (tqh, tgate), tkh, tvh = (
+            self._split_query(tq),
+            self._split(tk, self.num_kv_heads),
+            self._split(tv, self.num_kv_heads),
+        )
+        pos = st.position
+        if pos.q_norm is not None:  # the weight is w or 1 + w: its tangent is tw either way
+            tqh = K.rms_norm_jvp(pos.q_norm, tqh, pt.get(self.q_norm.weight))
+            tkh = K.rms_norm_jvp(pos.k_norm, tkh, pt.get(self.k_norm.weight))
+        if pos.q_rope is not None:
+            tqh, tkh = K.rope_jvp(pos.q_rope, tqh), K.rope_jvp(pos.k_rope, tkh)
+        tmerged = self._merge(self._attend_jvp(st, tqh, tkh, tvh, pt))  # (..., L, H * hd)
+        if st.gate is not None:  # out_proj saw a * s, s = sigmoid(gate)
+            a, s = st.gate
+            tmerged = tmerged * s
+            tmerged += a * s * (1 - s) * tgate.reshape(a.shape)
+        return K.linear_jvp(st.out, tmerged, pt.get(self.out_proj.weight), pt.get(self.out_proj.bias))
+
+    def _project_jvp(self, st: State, input_tangents, pt):
+        """The projections' tangents ``(tq, tk, tv)`` (merged heads)."""
+        names = ("tquery",) if st.self_attn else ("tquery", "tkey", "tvalue")
+        dt = st.out.x.dtype
+        given = check_tangents(input_tangents, names, "MultiHeadAttention.jvp")
+        ts = [check_tangent(t, n, c.x.shape, dt) for t, n, c in zip(given, names, st.proj)]
+        mods = (self.W_query, self.W_key, self.W_value)
+        if not st.self_attn:
+            return tuple(K.linear_jvp(c, t, pt.get(m.weight), pt.get(m.bias)) for c, t, m in zip(st.proj, ts, mods))
+
+        def stacked(params):  # the fused projection: its weight's (and bias') tangent stacks the three
+            tans = [pt.get(p) for p in params]
+            if all(t is None for t in tans):
+                return None
+            return np.concatenate([np.zeros(p.data.shape, dt) if t is None else t for p, t in zip(params, tans)])
+
+        tb = stacked([m.bias for m in mods]) if self.W_query.bias is not None else None
+        tqkv = K.linear_jvp(st.proj[0], ts[0], stacked([m.weight for m in mods]), tb)
+        nq, d_kv = self._q_rows, self.num_kv_heads * self.head_dim
+        return tqkv[..., :nq], tqkv[..., nq : nq + d_kv], tqkv[..., nq + d_kv :]
+
+    def _attend_jvp(self, st: State, tqh, tkh, tvh, pt):
+        """The attention core's tangent (the sinks' tangent included)."""
+        tsinks = pt.get(self.sinks) if st.sinks else None
+        core = K.memory_efficient_attention_jvp if st.memory_efficient else K.scaled_dot_product_attention_jvp
+        return core(st.attn, tqh, tkh, tvh, None, tsinks)
+
+    # -- KV cache --------------------------------------------------------------------------
+    def reset_kv_cache(self) -> None:
+        """Empty the KV cache (start a new sequence)."""
+        object.__setattr__(self, "_kv_cache", None)
+
+    @property
+    def kv_cache_length(self) -> int:
+        """The number of tokens seen through the cache (0 when it is empty): the position of the
+        next token.  A rolling cache (sliding window) holds fewer: ``kv_cache_size``."""
+        return 0 if self._kv_cache is None else self._kv_cache.position
+
+    @property
+    def kv_cache_size(self) -> int:
+        """The number of tokens whose keys and values the cache holds (at most the window's
+        ``left`` between calls for a rolling cache; ``kv_cache_length`` otherwise)."""
+        return 0 if self._kv_cache is None else self._kv_cache.length
+
+
+def _linked(fused, views, params) -> bool:
+    """True while each parameter's ``.data`` is still the view of ``fused`` handed to it."""
+    return all(p.data is w and w.base is fused for p, w in zip(params, views))
+
+
+def _views(fused, params):
+    """Point each parameter's ``.data`` at its row block of ``fused``; return the views."""
+    views, r = [], 0
+    for p in params:
+        n = p.data.shape[0]
+        w = fused[r : r + n]
+        version = p._version
+        p.data = w
+        p._version = version  # the same values, only in another array: nothing a kept forward state must refuse
+        views.append(w)
+        r += n
+    return tuple(views)

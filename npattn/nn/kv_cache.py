@@ -1,0 +1,161 @@
+"""Key/value caches for incremental decoding: ``KVCache`` and its sliding-window form ``RollingKVCache``.
+
+A cache holds the keys and values of the tokens seen so far, ``(..., Hk, T, hd)`` (any leading
+batch axes, a head axis, the token axis, the features), in buffers whose capacity doubles as they
+fill, so appending costs O(new tokens) amortised.  ``MultiHeadAttention`` keeps its projected (and
+rotated) keys and values in one; ``MultiHeadLatentAttention`` keeps each token's latent
+``[c, k_pe]`` as a one-head "key" with a zero-width "value".
+
+The public surface, for every user of a cache (a module, or layers sharing one cache):
+
+* ``append(k, v)`` -> every held key and value (views, valid until the next ``append``/``trim``);
+* ``keys``, ``values``: the same views without appending;
+* ``length``: tokens held; ``position``: tokens seen (the position of the next token; more than
+  ``length`` once a rolling cache has dropped some); ``lead``: the batch shape (None while empty);
+* ``trim()``: forget what no later query can see (nothing for ``KVCache``; a ``RollingKVCache``
+  keeps the last ``keep`` tokens); call it once the views ``append`` returned are used;
+* ``nbytes``: bytes of the held keys and values; ``capacity``: tokens the buffers have room for;
+* ``reset()``: empty it (a new sequence).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["KVCache", "RollingKVCache"]
+
+_MIN_CAPACITY = 16
+
+
+class KVCache:
+    """Keys and values of every token seen, ``(..., Hk, T, hd)``, in growing buffers.
+
+    The buffers are made by the first ``append`` (in its dtype and batch shape) and regrown when
+    full or when the keys' dtype changes (a module cast with ``.to()``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.nn.kv_cache import KVCache
+    >>> cache = KVCache()
+    >>> k, v = cache.append(np.ones((2, 1, 3, 4)), np.zeros((2, 1, 3, 5)))
+    >>> k.shape, v.shape, cache.length
+    ((2, 1, 3, 4), (2, 1, 3, 5), 3)
+    >>> cache.append(np.ones((2, 1, 1, 4)), np.zeros((2, 1, 1, 5)))[0].shape, cache.nbytes
+    ((2, 1, 4, 4), 576)
+    """
+
+    def __init__(self) -> None:
+        self.k: np.ndarray | None = None  # the buffers, (..., Hk, capacity, hd); tokens [0, length) are held
+        self.v: np.ndarray | None = None
+        self.length = 0
+        self.position = 0
+
+    @property
+    def lead(self) -> tuple | None:
+        """The batch shape of the cached calls (the axes before ``(Hk, T, hd)``), None while empty."""
+        return None if self.k is None else self.k.shape[:-3]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffers have room for before they grow."""
+        return 0 if self.k is None else self.k.shape[-2]
+
+    @property
+    def keys(self) -> np.ndarray | None:
+        """The held keys ``(..., Hk, length, hd)`` (a view), None while empty."""
+        return None if self.k is None else self.k[..., : self.length, :]
+
+    @property
+    def values(self) -> np.ndarray | None:
+        """The held values ``(..., Hk, length, hd_v)`` (a view), None while empty."""
+        return None if self.v is None else self.v[..., : self.length, :]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the held keys and values (not of the buffers' spare room)."""
+        if self.k is None or self.v is None:
+            return 0
+        return self.length * (self.k.nbytes // self.capacity + self.v.nbytes // self.capacity)
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Add ``k (..., Hk, n, hd)`` and ``v (..., Hk, n, hd_v)``; return views of every held key
+        and value.  The caller checks the batch shape (``lead``) beforehand."""
+        n = k.shape[-2]
+        if self.k is None:
+            self._grow(k, v, max(_MIN_CAPACITY, 2 * n))
+        elif self.length + n > self.capacity or self.k.dtype != k.dtype:
+            self._grow(k, v, max(2 * self.capacity, self.length + n))
+        buf_k, buf_v = self._buffers()
+        buf_k[..., self.length : self.length + n, :] = k
+        buf_v[..., self.length : self.length + n, :] = v
+        self.length += n
+        self.position += n
+        return buf_k[..., : self.length, :], buf_v[..., : self.length, :]
+
+    def trim(self) -> None:
+        """Forget what no later query can see: nothing here (see ``RollingKVCache``)."""
+
+    def reset(self) -> None:
+        """Empty the cache (a new sequence); the buffers are released."""
+        self.k = self.v = None
+        self.length = self.position = 0
+
+    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        assert self.k is not None and self.v is not None
+        return self.k, self.v
+
+    def _grow(self, k: np.ndarray, v: np.ndarray, capacity: int) -> None:
+        """New buffers of ``capacity`` tokens in ``k``'s dtype, holding the cached tokens."""
+        shape = k.shape[:-2] + (capacity, k.shape[-1])
+        nk, nv = np.empty(shape, k.dtype), np.empty(shape[:-1] + (v.shape[-1],), v.dtype)
+        if self.k is not None and self.v is not None:
+            nk[..., : self.length, :] = self.k[..., : self.length, :]
+            nv[..., : self.length, :] = self.v[..., : self.length, :]
+        self.k, self.v = nk, nv
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(length={self.length}, position={self.position}, lead={self.lead})"
+
+
+class RollingKVCache(KVCache):
+    """A ``KVCache`` for a sliding window whose queries see at most ``keep`` past tokens.
+
+    A later query at position ``p`` sees keys ``p - keep .. p`` only, so ``trim()`` (after each
+    call) drops all but the last ``keep`` tokens: memory stays O(keep + tokens per call) however
+    long the sequence.  ``position`` still counts every token seen (RoPE and the masks use it);
+    ``position - length`` tokens have been dropped.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.nn.kv_cache import RollingKVCache
+    >>> cache = RollingKVCache(keep=2)
+    >>> _ = cache.append(np.ones((1, 5, 4)), np.ones((1, 5, 4)))
+    >>> cache.trim()
+    >>> cache.length, cache.position
+    (2, 5)
+    """
+
+    def __init__(self, keep: int) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def trim(self) -> None:
+        """Drop every token but the last ``keep`` (moved to the front); shrink an oversized buffer."""
+        if self.length <= self.keep:
+            return
+        old_k, old_v = self._buffers()
+        keep, drop = self.keep, self.length - self.keep
+        cap = max(_MIN_CAPACITY, 2 * (keep + 1))
+        if self.capacity > 2 * cap:  # e.g. after a long prompt: give the memory back
+            nk = np.empty(old_k.shape[:-2] + (cap, old_k.shape[-1]), old_k.dtype)
+            nv = np.empty(old_v.shape[:-2] + (cap, old_v.shape[-1]), old_v.dtype)
+        else:
+            nk, nv = old_k, old_v  # numpy copies overlapping slices correctly
+        nk[..., :keep, :] = old_k[..., drop : self.length, :]
+        nv[..., :keep, :] = old_v[..., drop : self.length, :]
+        self.k, self.v, self.length = nk, nv, keep
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(keep={self.keep}, length={self.length}, position={self.position})"
