@@ -1,9 +1,10 @@
 """Writes ``docs/api/*.rst`` from the public modules' ``__all__`` (called by ``conf.py`` at build time).
 
-One page per public module; each name in its ``__all__`` gets an ``autofunction``/``autoclass``
-entry (hence its own anchor, ``id="<module>.<name>"``) on the first page that exports it, in the
-order of ``MODULES``; a later module that re-exports the same object links to that entry, under
-an anchor of its own (``id="npattn.nn.Linear"`` beside the link to ``npattn.Linear``).
+``index.rst`` lists the modules, each with its line of ``MODULES``.  One page per public module;
+each name in its ``__all__`` gets an ``autofunction``/``autoclass`` entry (hence its own anchor,
+``id="<module>.<name>"``) on the first page that exports it, in the order of ``MODULES``; a later
+module that re-exports the same object links to that entry, under an anchor of its own
+(``id="npattn.nn.Linear"`` beside the link to ``npattn.Linear``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import inspect
 import pathlib
 
 MODULES = [
-    ("npattn", "The top-level package: modules, gradcheck, the version."),
-    ("npattn.functional", "The fast tier: every op a pure pair ``op(...) -> (out, cache)``, ``op_backward``, ``op_jvp``."),
-    ("npattn.functional.reference", "The textbook tier: the same pairs as their formulas, derivations beside the code."),
-    ("npattn.nn", "Modules, torch-style."),
-    ("npattn.models", "Models built from the modules."),
+    ("npattn", "The top-level package: the modules, ``no_grad``, ``gradcheck``, the version."),
+    ("npattn.functional", "The fast tier: every op a pair ``op(...) -> (out, cache)``, ``op_backward``, ``op_jvp``."),
+    ("npattn.functional.reference", "The textbook tier: the same pairs as formulas, derivations beside the code."),
+    ("npattn.nn", "Modules used like ``torch.nn``: ``y = m(x)``, ``dx = m.backward(dy)``, gradients in ``p.grad``."),
+    (
+        "npattn.models",
+        "Whole models: ``CausalLM`` from a Hugging Face config (Llama 3, Qwen3, Gemma 3, GPT-OSS, DeepSeek-V3,"
+        " Qwen3-Next) and a small GPT-style ``TinyTransformer``.",
+    ),
     ("npattn.book", "The classes and functions of *Build a Large Language Model (From Scratch)*, chapters 3-5."),
     ("npattn.optim", "Optimisers, gradient clipping and schedules."),
     ("npattn.generation", "Sampling and generation shared by every model."),
@@ -75,9 +80,21 @@ def pages() -> dict[str, str]:
     return out
 
 
+def index_page() -> str:
+    """The API index (reStructuredText): every module of ``MODULES`` linked, with its line."""
+    title = "API reference"
+    lines = [title, "=" * len(title), ""]
+    lines += ["Generated from the docstrings; every public name has its own anchor.", ""]
+    for modname, blurb in MODULES:
+        lines += [f"* :doc:`{modname}` — {blurb}"]
+    lines += ["", ".. toctree::", "   :hidden:", ""]
+    lines += [f"   {modname}" for modname, _ in MODULES]
+    return "\n".join(lines) + "\n"
+
+
 def write_pages(directory: pathlib.Path) -> None:
     directory.mkdir(exist_ok=True)
-    for modname, text in pages().items():
-        path = directory / f"{modname}.rst"
+    for name, text in {"index": index_page(), **pages()}.items():
+        path = directory / f"{name}.rst"
         if not path.exists() or path.read_text() != text:
             path.write_text(text)

@@ -12,13 +12,21 @@ Build: ``pip install ".[docs]"`` then ``python -m sphinx -W --keep-going -b html
   suite executes them); they are copied next to these pages at build time.
 * The derivation pages (``derivations/*.md``) are MyST notebooks executed by every build (their
   front matter sets ``mystnb: execution_mode: "force"``): each shows a ``gradcheck`` run on tiny
-  shapes (a Jupyter kernel per page, a second or two each).
+  shapes (a Jupyter kernel per page, a second or two each).  The kernels' sockets are encrypted
+  (``_encrypt_kernels``), so ipykernel has no plain-TCP warning to print.
+* Code included from the sources (``literalinclude``) and the code cells of the derivation pages
+  wrap within the column instead of scrolling sideways (``_static/npattn.css``, ``_wrap_code``);
+  the cells' outputs (gradcheck's tables) keep their columns.
+* Signatures show defaults as written in the source (``dtype=np.float64``, not
+  ``dtype=<class 'numpy.float64'>``); where autodoc cannot read the source, numpy's reprs are
+  spelled as written (``_numpy_defaults``).
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -49,6 +57,7 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
 # -- autodoc / napoleon (numpy-style docstrings) ------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"
+autodoc_preserve_defaults = True  # a default as the source spells it: dtype=np.float64
 autodoc_default_options = {"members": False}
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
@@ -66,6 +75,7 @@ suppress_warnings = ["mystnb.unknown_mime_type"]
 html_theme = "pydata_sphinx_theme"
 html_title = "npattn"
 html_static_path = ["_static"]
+html_css_files = ["npattn.css"]
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
@@ -94,14 +104,78 @@ def _copy_notebooks(target: pathlib.Path) -> None:
             shutil.copy2(nb, dst)
 
 
+def _encrypt_kernels() -> None:
+    """The executed pages' kernels talk to the build over CurveZMQ-encrypted sockets.
+
+    myst-nb executes a page through nbclient (``jupyter_cache``'s ``single_nb_execution``) without
+    any configuration, so the kernel manager keeps jupyter_client's ``transport_encryption =
+    "disabled"``: plain TCP, on which ipykernel (7.4 and later) logs "Kernel is running over TCP
+    without encryption ..." on its stderr, once a page.  This gives nbclient the configuration
+    that warning asks for, ``KernelManager.transport_encryption = "auto"`` (keys provisioned
+    when the kernelspec declares ``supported_encryption: curve``, as ipykernel's does): the
+    cause removed, no output filtered.  Without CurveZMQ (an older jupyter_client, or libzmq
+    without libsodium) there is no such warning either, and nothing is changed.
+    """
+    import zmq
+    from jupyter_client.manager import KernelManager
+
+    if "transport_encryption" not in KernelManager.class_trait_names() or not zmq.has("curve"):
+        return
+    from myst_nb.core.execute import direct
+    from traitlets.config import Config
+
+    run = direct.single_nb_execution
+    if getattr(run, "encrypted", False):
+        return
+
+    def single_nb_execution(*args, **kwargs):
+        kwargs.setdefault("config", Config({"KernelManager": {"transport_encryption": "auto"}}))
+        return run(*args, **kwargs)
+
+    single_nb_execution.encrypted = True  # type: ignore[attr-defined]
+    direct.single_nb_execution = single_nb_execution
+
+
+def _wrap_code(app, doctree) -> None:
+    """Marks the code that wraps within the column (the ``npattn-wrap`` class, ``_static/npattn.css``):
+    every block included from a source file (``literalinclude``), and on the derivation pages
+    every code cell too; outputs (gradcheck's tables) keep their columns."""
+    from docutils import nodes
+
+    on_derivation_page = app.env.docname.startswith("derivations/")
+    for node in doctree.findall(nodes.literal_block):
+        included = bool(node.get("source"))  # literalinclude names the file it read
+        if included or (on_derivation_page and "output" not in node["classes"]):
+            node["classes"].append("npattn-wrap")
+
+
+# what a signature shows of a default that autodoc could not read from the source (a hypothesis
+# strategy's wrapper, a dataclass's field) is its repr: numpy's types and dtypes as they are written
+_NUMPY_REPRS = [
+    (re.compile(r"<class 'numpy\.(\w+)'>"), r"np.\1"),
+    (re.compile(r"(?<![\w.])dtype\('(\w+)'\)"), r"np.dtype('\1')"),
+]
+
+
+def _numpy_defaults(app, what, name, obj, options, signature, return_annotation):
+    """``dtype=np.float64`` in a signature, never ``dtype=<class 'numpy.float64'>``."""
+    if signature:
+        for pattern, spelled in _NUMPY_REPRS:
+            signature = pattern.sub(spelled, signature)
+    return signature, return_annotation
+
+
 def _setup_sources(app) -> None:
     import _api
 
     _copy_mathjax(HERE / "_static")
     _copy_notebooks(HERE / "notebooks")
     _api.write_pages(HERE / "api")
+    _encrypt_kernels()
 
 
 def setup(app):
     os.makedirs(HERE / "_static", exist_ok=True)
     app.connect("builder-inited", _setup_sources)
+    app.connect("doctree-read", _wrap_code)
+    app.connect("autodoc-process-signature", _numpy_defaults)

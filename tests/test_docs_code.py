@@ -1,6 +1,6 @@
-"""The README and the user guides run as written: every ```python block of a page, in order, in
-one namespace (the blocks' asserts and printed comments are the checks), and the README stays a
-landing page (under 10 KB, the install and test commands first)."""
+"""The README, the site's landing page and the user guides run as written: every ```python block
+of a page, in order, in one namespace (the blocks' asserts and printed comments are the checks),
+and the README stays a landing page (under 10 KB, the install and test commands first)."""
 
 import pathlib
 import re
@@ -12,6 +12,7 @@ GUIDES = ROOT / "docs" / "guides"
 # own_module.md and forward_mode.md have tests of their own
 PAGES = [
     ROOT / "README.md",
+    ROOT / "docs" / "index.md",
     GUIDES / "getting_started.md",
     GUIDES / "gradients_by_hand.md",
     GUIDES / "numpy_project.md",

@@ -1,22 +1,32 @@
-"""The documentation site, built once and opened in a real browser (headless Chromium via Selenium).
+r"""The documentation site, built once, checked in its files and opened in a real browser (headless
+Chromium via Selenium).
 
-The site is built with warnings as errors into a temporary directory, served from a local
-``http.server`` on 127.0.0.1, and checked as a reader meets it: the math is typeset by the bundled
-MathJax (no raw TeX left in the text), the search page finds ``scaled_dot_product_attention``, the
-notebook figures load, no request leaves the machine, every internal link and anchor resolves, and
-every public name has its anchor.  A screenshot of a derivation page is saved as a CI artifact (to
-``$NPATTN_ARTIFACTS``, else ``docs/_build/screenshots/``).
+The site is built with warnings as errors into a temporary directory (or ``$NPATTN_DOCS_SITE``,
+built by ``.ci/run``).  In the built files: no page has raw TeX in its prose (text outside the
+rendered math and the code: ``$$``, ``$``, ``\frac``, any backslash command), every internal link
+and anchor resolves, every public name has its anchor, the landing page is one (what npattn is,
+the two commands, a first example, the three ways in), the API index says what each module is,
+signatures show defaults as written (``dtype=np.float64``) and the derivation pages' code is marked
+to wrap within the column.  In the browser, served from a local ``http.server`` on 127.0.0.1,
+every page is visited as a reader meets it: every formula typeset by the bundled MathJax, no raw
+TeX left in the text, no code block wider than its column where the code wraps, no request leaving
+the machine; the search page finds ``scaled_dot_product_attention`` and the notebook figures load.
+A screenshot of a derivation page is saved as a CI artifact (to ``$NPATTN_ARTIFACTS``, else
+``docs/_build/screenshots/``).
 
-Skipped cleanly when sphinx, the docs extensions, selenium, ``/usr/bin/chromium`` or
-``/usr/bin/chromedriver`` is missing (``pip install ".[docs]"``; ``apt-get install chromium
-chromium-driver``).
+Skipped cleanly when sphinx, the docs extensions or selenium is missing (``pip install
+".[docs]"``); the browser tests alone skip without ``/usr/bin/chromium`` or
+``/usr/bin/chromedriver`` (``apt-get install chromium chromium-driver``).
 """
 
 import functools
 import html.parser
 import http.server
+import importlib.util
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,15 +41,13 @@ pytest.importorskip("pydata_sphinx_theme")
 pytest.importorskip("mathjax")
 pytest.importorskip("selenium")
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-    pytest.skip("needs Debian's chromium and chromium-driver", allow_module_level=True)
-
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -86,6 +94,8 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="session")
 def browser():
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        pytest.skip("the browser tests need Debian's chromium and chromium-driver")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     profile = tempfile.mkdtemp(prefix="npattn-chromium-")
@@ -134,24 +144,98 @@ def _derivation_page(site):
     return f"derivations/{pages[0]}" if pages else "guides/forward_mode.html"
 
 
+def _pages(site):
+    """Every page a reader opens: the landing page, guides, derivations, notebooks, API pages and the
+    indexes (not the search page, which fills itself in, nor viewcode's source listings)."""
+    pages = []
+    for path in sorted(site.rglob("*.html")):
+        rel = path.relative_to(site)
+        if not {"_static", "_modules"} & set(rel.parts) and rel.name != "search.html":
+            pages.append(rel.as_posix())
+    return pages
+
+
+# raw TeX in a page's prose (its text outside the rendered math and the code): $$ or a stray $
+# (MyST left the math unparsed), any backslash command (\frac, \varepsilon, \mathcal, ...) or a
+# MathJax delimiter
+RAW_TEX = re.compile(r"\$|\\[A-Za-z]+|\\[\[\]()]")
+
+
 # -- in the browser ------------------------------------------------------------------------------
 
+# what a reader sees of a page: its prose (main's text without the code and the math), each formula
+# typeset or not, and the blocks of code wider than their column (each its longest line)
+_SEEN = """
+const main = document.querySelector('main') || document.body;
+const maths = [...main.querySelectorAll('.math')];
+const clone = main.cloneNode(true);
+clone.querySelectorAll('pre, code, script, style, textarea, mjx-container, .math, .highlight')
+     .forEach(e => e.remove());
+const pres = [...main.querySelectorAll('div[class*="highlight-"] pre')];
+return {
+  prose: clone.textContent,
+  math: maths.length,
+  untypeset: maths.filter(e => !e.querySelector('mjx-container svg')).map(e => e.textContent.slice(0, 80)),
+  wraps: main.querySelectorAll('.npattn-wrap pre').length,
+  wide: pres.filter(e => e.scrollWidth > e.clientWidth).map(e => ({
+    classes: e.closest('div[class*="highlight-"]').className.split(' '),
+    width: [e.clientWidth, e.scrollWidth],
+    code: e.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a)).slice(0, 100),
+  })),
+};
+"""
 
-def test_math_is_typeset_offline(site, server, browser):
+
+@pytest.fixture(scope="session")
+def visited(site, server, browser):
+    """Every page opened once in the browser (each asserted to load nothing from another host):
+    ``{page: what a reader sees of it}``."""
+    seen = {}
+    for page in _pages(site):
+        _open(browser, server, page)
+        seen[page] = browser.execute_script(_SEEN)
+    return seen
+
+
+def test_math_is_typeset_offline(site, server, browser, visited):
+    untypeset = {page: v["untypeset"] for page, v in visited.items() if v["untypeset"]}
+    assert not untypeset, f"formulas MathJax did not typeset: {json.dumps(untypeset, indent=1)[:3000]}"
+    with_math = [page for page, v in visited.items() if v["math"]]
+    assert len(with_math) >= 20, f"only {len(with_math)} pages with typeset math (the check would be vacuous)"
     page = _derivation_page(site)
     _open(browser, server, page)
-    typeset = browser.find_elements(By.CSS_SELECTOR, "mjx-container")
-    assert len(typeset) >= 3, f"{page}: {len(typeset)} MathJax containers (the math was not typeset)"
-    assert browser.execute_script("return document.querySelectorAll('mjx-container svg').length") >= 3
-    text = browser.find_element(By.TAG_NAME, "main").text
-    for raw in ("$$", "\\frac", "\\begin", "\\["):
-        assert raw not in text, f"{page}: raw TeX {raw!r} left in the rendered text"
+    assert len(browser.find_elements(By.CSS_SELECTOR, "mjx-container svg")) >= 3
     scripts = browser.execute_script("return [...document.scripts].map(s => s.src).filter(s => s.includes('mathjax'))")
     assert scripts and all(s.startswith(server) for s in scripts), f"MathJax not served by the site: {scripts}"
     shots = pathlib.Path(os.environ.get("NPATTN_ARTIFACTS") or DOCS / "_build" / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     path = shots / (page.replace("/", "_").replace(".html", "") + ".png")
     assert browser.save_screenshot(str(path)) and path.stat().st_size > 10_000
+
+
+def test_no_page_shows_raw_tex(visited):
+    raw = {}
+    for page, v in visited.items():
+        for line in v["prose"].splitlines():
+            if RAW_TEX.search(line):
+                raw.setdefault(page, []).append(line.strip()[:120])
+    assert not raw, f"raw TeX in the rendered text of {len(raw)} pages:\n{json.dumps(raw, indent=1)[:3000]}"
+
+
+def test_wrapped_code_stays_within_the_column(visited):
+    """Code included from the sources (anywhere) and the derivation pages' code (the included
+    functions and the code cells) fit their column: no sideways scrolling.  Outputs (gradcheck's
+    tables) and the other pages' code cells keep their lines."""
+    wide = {}
+    for page, v in visited.items():
+        derivation = page.startswith("derivations/")
+        for block in v["wide"]:
+            if "npattn-wrap" in block["classes"] or (derivation and "output" not in block["classes"]):
+                wide.setdefault(page, []).append(block)
+    assert not wide, f"code wider than its column:\n{json.dumps(wide, indent=1)[:3000]}"
+    pages = [p for p in visited if p.startswith("derivations/") and p != "derivations/index.html"]
+    bare = [p for p in pages if not visited[p]["wraps"]]
+    assert pages and not bare, f"derivation pages without wrapping code: {bare}"
 
 
 def test_search_finds_scaled_dot_product_attention(server, browser):
@@ -259,3 +343,182 @@ def test_every_public_name_has_an_anchor(site):
             if f"{modname}.{name}" not in ids:
                 missing.append(f"{modname}.{name}")
     assert not missing, f"public names without an anchor: {missing}"
+
+
+class _Prose(html.parser.HTMLParser):
+    """The text of a page a reader reads as prose: ``<body>`` without the code (``<code>``,
+    ``<pre>``, highlighted blocks), the math (``math`` spans and divs, MathJax containers), scripts
+    and styles; ``lines`` holds each text run that shows raw TeX."""
+
+    SKIP_TAGS = {"head", "script", "style", "code", "pre", "kbd", "samp", "textarea", "math", "svg", "mjx-container"}
+    SKIP_CLASSES = {"math", "highlight"}
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.open, self.skipping, self.lines = [], 0, []
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.VOID:
+            return
+        skip = tag in self.SKIP_TAGS or bool(set((dict(attrs).get("class") or "").split()) & self.SKIP_CLASSES)
+        self.open.append((tag, skip))
+        self.skipping += skip
+
+    def handle_endtag(self, tag):
+        if tag in self.VOID or tag not in {t for t, _ in self.open}:
+            return
+        while self.open:
+            t, skip = self.open.pop()
+            self.skipping -= skip
+            if t == tag:
+                break
+
+    def handle_data(self, data):
+        if not self.skipping:
+            self.lines += [line.strip()[:120] for line in data.splitlines() if RAW_TEX.search(line)]
+
+
+def test_no_page_has_raw_tex_in_its_prose(site):
+    """Display math inside a paragraph (``$$`` without blank lines around it) is not parsed by MyST
+    and reaches the page as ``$`` signs and TeX commands: no page has any outside its math."""
+    raw = {}
+    for page in _pages(site):
+        parser = _Prose()
+        parser.feed((site / page).read_text(encoding="utf-8"))
+        if parser.lines:
+            raw[page] = parser.lines
+    assert len(_pages(site)) >= 40, "fewer pages than the site has (the check would be vacuous)"
+    assert not raw, f"raw TeX in the prose of {len(raw)} pages:\n{json.dumps(raw, indent=1)[:3000]}"
+
+
+def _text(path):
+    """A page's text, tags removed, whitespace collapsed."""
+    text = re.sub(r"<[^>]+>", "", path.read_text(encoding="utf-8"))
+    return " ".join(html.unescape(text).split())
+
+
+def test_landing_page(site):
+    """The first page says what npattn is, gives the two commands and a first example, and leads
+    each of its three readers on: to study gradients, to use it in a NumPy project, to
+    property-test a module of their own (each way to its guides, notebooks, derivations)."""
+    page = site / "index.html"
+    text, links = _text(page), set(_parse(page).targets)
+    assert "pure NumPy" in text and "written by hand" in text
+    blocks = re.findall(
+        r'<div class="highlight-(\w+)[^"]*"><div class="highlight"><pre>(.*?)</pre>', page.read_text(), re.S
+    )
+    code = {lang: " ".join(html.unescape(re.sub(r"<[^>]+>", "", src)).split()) for lang, src in blocks}
+    assert 'pip install ".[test]"' in code.get("bash", "") and "python -m pytest" in code.get("bash", "")
+    assert "npattn.MultiHeadAttention" in code.get("python", "") and "gradcheck" in code.get("python", "")
+    ways = {
+        "Study gradients": [
+            "guides/gradients_by_hand.html",
+            "notebooks/04_gradients_by_hand.html",
+            "derivations/index.html",
+        ],
+        "Use it in a NumPy project": ["guides/numpy_project.html", "guides/conventions.html", "api/index.html"],
+        "Property-test your module": ["guides/own_module.html", "guides/forward_mode.html", "api/npattn.testing.html"],
+    }
+    for way, targets in ways.items():
+        assert way in text, f"the landing page does not offer the way {way!r}"
+        missing = [t for t in targets if not any(link.split("#")[0] == t for link in links)]
+        assert not missing, f"{way!r} does not link to {missing}"
+
+
+def test_api_index_says_what_each_module_is(site):
+    sys.path.insert(0, str(DOCS))
+    try:
+        import _api
+    finally:
+        sys.path.remove(str(DOCS))
+    page = site / "api" / "index.html"
+    text, links = _text(page), set(_parse(page).targets)
+    for modname, blurb in _api.MODULES:
+        assert f"{modname}.html" in links, f"the API index does not link to {modname}"
+        line = re.sub(r"``|\*", "", blurb)
+        assert f"{modname} — {line}" in text, f"the API index does not say what {modname} is ({line!r})"
+
+
+class _Signatures(html.parser.HTMLParser):
+    """The text of every signature (``<dt class="sig ...">``) of a page."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.depth, self.signatures = 0, []
+
+    def handle_starttag(self, tag, attrs):
+        if self.depth:
+            self.depth += tag == "dt"
+        elif tag == "dt" and "sig" in (dict(attrs).get("class") or "").split():
+            self.depth = 1
+            self.signatures.append("")
+
+    def handle_endtag(self, tag):
+        if self.depth and tag == "dt":
+            self.depth -= 1
+
+    def handle_data(self, data):
+        if self.depth:
+            self.signatures[-1] += data
+
+
+def test_signatures_show_defaults_as_written(site):
+    """``dtype=np.float64`` in a signature, as the source writes it, not ``dtype=<class 'numpy.float64'>``."""
+    signatures = []
+    for page in sorted((site / "api").glob("*.html")):
+        parser = _Signatures()
+        parser.feed(page.read_text(encoding="utf-8"))
+        signatures += [" ".join(s.split()) for s in parser.signatures]
+    # a repr where the source has an expression (dataclass fields' default factories show <factory>)
+    reprs = [s for s in signatures if re.search(r"<class '|(?<![\w.])dtype\('|<function |object at 0x", s)]
+    assert not reprs, f"{len(reprs)} signatures show a default's repr:\n" + "\n".join(reprs[:10])
+    assert any("dtype=np.float64" in s for s in signatures), "no signature shows dtype=np.float64"
+
+
+def test_derivation_code_is_marked_to_wrap(site):
+    """On the derivation pages every block of code (included from the sources, or a code cell) wraps
+    within the column (``npattn-wrap``: ``white-space: pre-wrap`` in ``_static/npattn.css``); the
+    outputs (gradcheck's tables) keep their columns.  The browser test measures the widths."""
+    css = (site / "_static" / "npattn.css").read_text(encoding="utf-8")
+    assert re.search(r"div\.npattn-wrap pre\s*\{[^}]*white-space:\s*pre-wrap", css)
+    pages = sorted(p for p in (site / "derivations").glob("*.html") if p.name != "index.html")
+    assert len(pages) >= 15
+    unmarked = {}
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        assert "_static/npattn.css" in text, f"{page.name} does not load npattn.css"
+        classes = re.findall(r'<div class="([^"]*\bhighlight-[^"]*)"', text)
+        code = [c.split() for c in classes if "output" not in c.split()]
+        assert len(code) >= 3, f"{page.name}: {len(code)} code blocks"
+        bare = [c for c in code if "npattn-wrap" not in c]
+        if bare:
+            unmarked[page.name] = bare
+    assert not unmarked, f"code that does not wrap: {unmarked}"
+
+
+# -- the build -----------------------------------------------------------------------------------
+
+
+def test_executed_pages_kernels_warn_of_no_plain_tcp(tmp_path, monkeypatch, capfd):
+    """myst-nb executes each derivation page in a Jupyter kernel; ipykernel (7.4 and later) prints
+    "Kernel is running over TCP without encryption" on its stderr whenever the kernel manager
+    provisions no CurveZMQ keys, once a page of the build.  ``conf.py`` gives myst-nb's executions
+    the configuration that asks for them: a page runs as before and its kernel warns of nothing."""
+    nbformat = pytest.importorskip("nbformat")
+    from myst_nb.core.execute import direct
+
+    monkeypatch.setattr(direct, "single_nb_execution", direct.single_nb_execution)  # put back afterwards
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("npattn_docs_conf", DOCS / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    conf._encrypt_kernels()
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    result = direct.single_nb_execution(nb, cwd=str(tmp_path), timeout=WAIT, allow_errors=False)
+    assert result.err is None, result.exc_string
+    assert nb.cells[0].outputs[0]["text"] == "42\n"
+    err = capfd.readouterr().err
+    assert "running over TCP" not in err, err
