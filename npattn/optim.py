@@ -91,6 +91,76 @@ def _plain(x):
     return x
 
 
+def _state_array(v, like: np.ndarray, what: str, problems: list):
+    """``v`` as a copy of ``like``'s dtype when it is a finite numeric array of ``like``'s shape
+    within that dtype's range; else None (what is wrong appended to ``problems``)."""
+    try:
+        a = np.asarray(v)
+    except Exception as e:  # ragged nested lists and the like
+        problems.append(f"{what} cannot be converted to an array ({e})")
+        return None
+    if a.dtype.kind not in "fiu" or a.shape != like.shape:
+        problems.append(f"{what} must be a numeric array of shape {like.shape}, got dtype {a.dtype} shape {a.shape}")
+        return None
+    if a.dtype.kind == "f" and a.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        problems.append(f"{what} has dtype {a.dtype}; expected float32 or float64")
+        return None
+    if not np.isfinite(a).all():
+        problems.append(f"{what} holds inf or NaN values")
+        return None
+    big = float(np.finfo(like.dtype).max)
+    if a.size and float(np.abs(a).max()) > big:
+        problems.append(f"{what} holds {float(np.abs(a).max()):g}, out of the range of {like.dtype} (max {big:g})")
+        return None
+    return np.array(a, dtype=like.dtype, copy=True)
+
+
+def _fits_a_line(construct: str):
+    """Class decorator: the optimizers' shared docstring parts written once, Adam's step (in place
+    of the line ``<Adam's step>``) and the sections Raises and Examples (fitting a ``Linear`` with
+    ``optim.<construct>``) appended to the class's own docstring."""
+
+    def add(cls):
+        doc = cls.__doc__.replace("        <Adam's step>\n", _ADAM_STEP)
+        cls.__doc__ = doc.rstrip() + "\n" + _SHARED_SECTIONS.format(construct=construct) + "\n    "
+        return cls
+
+    return add
+
+
+_ADAM_STEP = """        m     = beta1 * m + (1 - beta1) * g
+        v     = beta2 * v + (1 - beta2) * g * g
+        bc1   = 1 - beta1 ** t
+        bc2   = 1 - beta2 ** t
+        denom = sqrt(v) / sqrt(bc2) + eps
+        p    -= (lr / bc1) * m / denom
+"""
+_SHARED_SECTIONS = """
+    Raises
+    ------
+    TypeError, ValueError
+        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
+        ``[0, 1)``, ...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn import optim
+    >>> lin = npattn.Linear(3, 1, rng=0)
+    >>> opt = optim.{construct}
+    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
+    >>> losses = []
+    >>> for _ in range(50):
+    ...     opt.zero_grad()
+    ...     y = lin(x)
+    ...     losses.append(float(((y - target) ** 2).mean()))
+    ...     _ = lin.backward(2 * (y - target) / y.size)
+    ...     opt.step()
+    >>> losses[-1] < 0.01 * losses[0]
+    True"""
+
+
 # -- base class ----------------------------------------------------------------------------
 class Optimizer:
     """Base class: holds the parameter list, the learning rate and per-parameter state.
@@ -213,62 +283,8 @@ class Optimizer:
         staged_hyper = {k: self._validate_hyper(k, v) for k, v in hyper.items()}
         self._check_combination({**{k: getattr(self, k) for k in self._hyper}, **staged_hyper}, "state_dict")
 
-        expected = self._state_keys()
-        problems, staged = [], []
-        for key in state.keys():
-            s = state[key]
-            if isinstance(key, bool) or not isinstance(key, (numbers.Integral, str)):
-                problems.append(f"state index {key!r} is not an integer")
-                continue
-            try:
-                i = int(key)
-            except (TypeError, ValueError):
-                problems.append(f"state index {key!r} is not an integer")
-                continue
-            if not 0 <= i < len(self.params):
-                problems.append(f"state index {i} out of range for {len(self.params)} parameters")
-                continue
-            if not hasattr(s, "keys") or not hasattr(s, "__getitem__"):
-                problems.append(f"state {i}: expected a dict with keys {sorted(expected)}, got {type(s).__name__}")
-                continue
-            s = {k: s[k] for k in s.keys()}
-            if set(s) != expected:
-                problems.append(f"state {i}: expected keys {sorted(expected)}, got {sorted(s, key=repr)}")
-                continue
-            p = self.params[i]
-            new = {}
-            for k, v in s.items():
-                if k == "step":
-                    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 1:
-                        problems.append(f"state {i}: 'step' must be a positive integer, got {v!r}")
-                    new[k] = int(v) if isinstance(v, numbers.Integral) else v
-                    continue
-                try:
-                    a = np.asarray(v)
-                except Exception as e:  # ragged nested lists and the like
-                    problems.append(f"state {i}: {k!r} cannot be converted to an array ({e})")
-                    continue
-                if a.dtype.kind not in "fiu" or a.shape != p.data.shape:
-                    problems.append(
-                        f"state {i}: {k!r} must be a numeric array of shape {p.data.shape}, "
-                        f"got dtype {a.dtype} shape {a.shape}"
-                    )
-                    continue
-                if a.dtype.kind == "f" and a.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-                    problems.append(f"state {i}: {k!r} has dtype {a.dtype}; expected float32 or float64")
-                    continue
-                if not np.isfinite(a).all():
-                    problems.append(f"state {i}: {k!r} holds inf or NaN values")
-                    continue
-                big = float(np.finfo(p.data.dtype).max)
-                if a.size and float(np.abs(a).max()) > big:
-                    problems.append(
-                        f"state {i}: {k!r} holds {float(np.abs(a).max()):g}, out of the range of "
-                        f"{p.data.dtype} (max {big:g})"
-                    )
-                    continue
-                new[k] = np.array(a, dtype=p.data.dtype, copy=True)
-            staged.append((i, new))
+        problems: list = []
+        staged = [entry for key in state.keys() if (entry := self._stage_state(key, state[key], problems))]
         if problems:
             raise ValueError("load_state_dict: nothing was loaded; " + "; ".join(problems))
         for k, v in staged_hyper.items():
@@ -276,6 +292,40 @@ class Optimizer:
         self.state = [dict() for _ in self.params]
         for i, new in staged:
             self.state[i] = new
+
+    def _stage_state(self, key, s, problems: list):
+        """``(i, state)`` of one entry of a state dict, checked and cast to its parameter's dtype;
+        None when its index or keys are wrong (what is wrong appended to ``problems``)."""
+        expected = self._state_keys()
+        if isinstance(key, bool) or not isinstance(key, (numbers.Integral, str)):
+            problems.append(f"state index {key!r} is not an integer")
+            return None
+        try:
+            i = int(key)
+        except (TypeError, ValueError):
+            problems.append(f"state index {key!r} is not an integer")
+            return None
+        if not 0 <= i < len(self.params):
+            problems.append(f"state index {i} out of range for {len(self.params)} parameters")
+            return None
+        if not hasattr(s, "keys") or not hasattr(s, "__getitem__"):
+            problems.append(f"state {i}: expected a dict with keys {sorted(expected)}, got {type(s).__name__}")
+            return None
+        s = {k: s[k] for k in s.keys()}
+        if set(s) != expected:
+            problems.append(f"state {i}: expected keys {sorted(expected)}, got {sorted(s, key=repr)}")
+            return None
+        new = {}
+        for k, v in s.items():
+            if k == "step":
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 1:
+                    problems.append(f"state {i}: 'step' must be a positive integer, got {v!r}")
+                new[k] = int(v) if isinstance(v, numbers.Integral) else v
+            else:
+                a = _state_array(v, self.params[i].data, f"state {i}: {k!r}", problems)
+                if a is not None:
+                    new[k] = a
+        return i, new
 
     def _validated(self, **hyper) -> dict:
         """Every hyper-parameter checked (by ``_validate_hyper``, as on later assignment) before
@@ -303,6 +353,7 @@ class Optimizer:
 
 
 # -- SGD ------------------------------------------------------------------------------------
+@_fits_a_line("SGD(lin, lr=0.1, momentum=0.9)")
 class SGD(Optimizer):
     r"""Stochastic gradient descent with optional momentum, as ``torch.optim.SGD`` (dampening 0).
 
@@ -317,30 +368,6 @@ class SGD(Optimizer):
 
     With ``momentum == 0`` there is no buffer and the update is ``p -= lr * g``.
     ``nesterov=True`` requires ``momentum > 0`` (as in torch).
-
-    Raises
-    ------
-    TypeError, ValueError
-        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
-        ``[0, 1)``, ...).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import npattn
-    >>> from npattn import optim
-    >>> lin = npattn.Linear(3, 1, rng=0)
-    >>> opt = optim.SGD(lin, lr=0.1, momentum=0.9)
-    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
-    >>> losses = []
-    >>> for _ in range(50):
-    ...     opt.zero_grad()
-    ...     y = lin(x)
-    ...     losses.append(float(((y - target) ** 2).mean()))
-    ...     _ = lin.backward(2 * (y - target) / y.size)
-    ...     opt.step()
-    >>> losses[-1] < 0.01 * losses[0]
-    True
     """
 
     _hyper = ("lr", "momentum", "weight_decay", "nesterov")
@@ -382,6 +409,7 @@ class SGD(Optimizer):
 
 
 # -- Adam / AdamW ----------------------------------------------------------------------------
+@_fits_a_line("Adam(lin, lr=0.1)")
 class Adam(Optimizer):
     r"""Adam, as ``torch.optim.Adam`` (L2 weight decay added to the gradient; no amsgrad).
 
@@ -389,38 +417,9 @@ class Adam(Optimizer):
     start at zero)::
 
         g     = grad + weight_decay * p
-        m     = beta1 * m + (1 - beta1) * g
-        v     = beta2 * v + (1 - beta2) * g * g
-        bc1   = 1 - beta1 ** t
-        bc2   = 1 - beta2 ** t
-        denom = sqrt(v) / sqrt(bc2) + eps
-        p    -= (lr / bc1) * m / denom
+        <Adam's step>
 
     ``eps`` is added *after* the bias correction of ``sqrt(v)``, exactly as torch does.
-
-    Raises
-    ------
-    TypeError, ValueError
-        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
-        ``[0, 1)``, ...).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import npattn
-    >>> from npattn import optim
-    >>> lin = npattn.Linear(3, 1, rng=0)
-    >>> opt = optim.Adam(lin, lr=0.1)
-    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
-    >>> losses = []
-    >>> for _ in range(50):
-    ...     opt.zero_grad()
-    ...     y = lin(x)
-    ...     losses.append(float(((y - target) ** 2).mean()))
-    ...     _ = lin.backward(2 * (y - target) / y.size)
-    ...     opt.step()
-    >>> losses[-1] < 0.01 * losses[0]
-    True
     """
 
     _hyper = ("lr", "betas", "eps", "weight_decay")
@@ -473,42 +472,14 @@ class Adam(Optimizer):
         p.data -= step_size * (m / denom)
 
 
+@_fits_a_line("AdamW(lin, lr=0.1, weight_decay=0.0)")
 class AdamW(Adam):
     r"""AdamW, as ``torch.optim.AdamW``: Adam with *decoupled* weight decay.
 
     For each parameter ``p`` with gradient ``g``, at step ``t = 1, 2, ...``::
 
         p    *= 1 - lr * weight_decay                 # decay first, independent of the gradient
-        m     = beta1 * m + (1 - beta1) * g
-        v     = beta2 * v + (1 - beta2) * g * g
-        bc1   = 1 - beta1 ** t
-        bc2   = 1 - beta2 ** t
-        denom = sqrt(v) / sqrt(bc2) + eps
-        p    -= (lr / bc1) * m / denom
-
-    Raises
-    ------
-    TypeError, ValueError
-        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
-        ``[0, 1)``, ...).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import npattn
-    >>> from npattn import optim
-    >>> lin = npattn.Linear(3, 1, rng=0)
-    >>> opt = optim.AdamW(lin, lr=0.1, weight_decay=0.0)
-    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
-    >>> losses = []
-    >>> for _ in range(50):
-    ...     opt.zero_grad()
-    ...     y = lin(x)
-    ...     losses.append(float(((y - target) ** 2).mean()))
-    ...     _ = lin.backward(2 * (y - target) / y.size)
-    ...     opt.step()
-    >>> losses[-1] < 0.01 * losses[0]
-    True
+        <Adam's step>
     """
 
     _decoupled = True
