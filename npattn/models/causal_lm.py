@@ -28,6 +28,7 @@ layer renames the few modules whose own names differ (``MultiHeadAttention``'s `
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -139,6 +140,150 @@ def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     if cfg.mlp_types[i] == "moe":
         return SparseMoeBlock.from_hf_config(cfg.hf, rng=rng, dtype=dtype)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
+
+
+# -- shapes from the config alone ----------------------------------------------------------
+# What DecoderLayer and CausalLM build, said as (state-dict name, shape) without building anything,
+# so that a checkpoint is compared with the config before a single array is allocated and a config
+# too large to build is refused by name (tests/test_config_strict.py checks these against the
+# built modules of every family and option).
+def _lin(name: str, out: int, inp: int, bias: bool) -> list:
+    return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
+
+
+def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
+    H, heads = cfg.hidden_size, cfg.num_attention_heads
+    if kind == "latent_attention":  # MultiHeadLatentAttention
+        lat, b = cfg.latent or {}, cfg.attention_bias
+        qk = lat["qk_nope_head_dim"] + lat["qk_rope_head_dim"]
+        r, q_lora = lat["kv_lora_rank"], lat["q_lora_rank"]
+        q = (
+            _lin("q_proj", heads * qk, H, False)
+            if q_lora is None
+            else _lin("q_a_proj", q_lora, H, b)
+            + [("q_a_layernorm.weight", (q_lora,))]
+            + _lin("q_b_proj", heads * qk, q_lora, False)
+        )
+        kv = _lin("kv_a_proj_with_mqa", r + lat["qk_rope_head_dim"], H, b) + [("kv_a_layernorm.weight", (r,))]
+        kv += _lin("kv_b_proj", heads * (lat["qk_nope_head_dim"] + lat["v_head_dim"]), r, False)
+        return [(f"self_attn.{n}", s) for n, s in q + kv + _lin("o_proj", H, heads * lat["v_head_dim"], b)]
+    if kind == "linear_attention":  # GatedDeltaNet
+        la = cfg.linear_attention or {}
+        nk, nv = la["linear_num_key_heads"], la["linear_num_value_heads"]
+        key, value = nk * la["linear_key_head_dim"], nv * la["linear_value_head_dim"]
+        out = [
+            ("dt_bias", (nv,)),
+            ("A_log", (nv,)),
+            ("conv1d.weight", (2 * key + value, 1, la["linear_conv_kernel_dim"])),
+        ]
+        out += _lin("in_proj_qkvz", 2 * key + 2 * value, H, False) + _lin("in_proj_ba", 2 * nv, H, False)
+        out += [("norm.weight", (la["linear_value_head_dim"],))] + _lin("out_proj", H, value, False)
+        return [(f"linear_attn.{n}", s) for n, s in out]
+    hd, kv_rows, b = cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.attention_bias  # MultiHeadAttention
+    out = [("sinks", (heads,))] if cfg.sinks else []
+    out += _lin("q_proj", heads * hd * (2 if cfg.attn_output_gate else 1), H, b)
+    out += _lin("k_proj", kv_rows, H, b) + _lin("v_proj", kv_rows, H, b) + _lin("o_proj", H, heads * hd, b)
+    if cfg.qk_norm:
+        out += [("q_norm.weight", (hd,)), ("k_norm.weight", (hd,))]
+    return [(f"self_attn.{n}", s) for n, s in out]
+
+
+def _gated(name: str, H: int, inter: int, bias: bool = False) -> list:
+    return (
+        _lin(f"{name}.gate_proj", inter, H, bias)
+        + _lin(f"{name}.up_proj", inter, H, bias)
+        + _lin(f"{name}.down_proj", H, inter, bias)
+    )
+
+
+def _mlp_shapes(cfg: CausalLMConfig, kind: str) -> list:
+    H, moe = cfg.hidden_size, cfg.moe or {}
+    if kind == "dense":
+        return _gated("mlp", H, cfg.intermediate_size, cfg.mlp_bias)
+    if cfg.model_type == "gpt_oss":  # GptOssExperts: (E, H, 2I) interleaved, biases
+        E, inter = moe["num_local_experts"], cfg.intermediate_size
+        out = _lin("router", E, H, True)
+        out += [("experts.gate_up_proj", (E, H, 2 * inter)), ("experts.gate_up_proj_bias", (E, 2 * inter))]
+        out += [("experts.down_proj", (E, inter, H)), ("experts.down_proj_bias", (E, H))]
+    elif cfg.model_type == "deepseek_v3":
+        E, inter, shared = moe["n_routed_experts"], moe["moe_intermediate_size"], moe["n_shared_experts"]
+        out = [("experts.gate_up_proj", (E, 2 * inter, H)), ("experts.down_proj", (E, H, inter))]
+        out += [("gate.weight", (E, H)), ("gate.e_score_correction_bias", (E,))]
+        out += _gated("shared_experts", H, inter * shared) if shared else []
+    else:  # qwen3_next
+        E, inter, shared = moe["num_experts"], moe["moe_intermediate_size"], moe["shared_expert_intermediate_size"]
+        out = [
+            ("gate.weight", (E, H)),
+            ("experts.gate_up_proj", (E, 2 * inter, H)),
+            ("experts.down_proj", (E, H, inter)),
+        ]
+        out += _gated("shared_expert", H, shared) + _lin("shared_expert_gate", 1, H, False) if shared else []
+    return [(f"mlp.{n}", s) for n, s in out]
+
+
+def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
+    """``[(name under model.layers.{i}., shape), ...]`` of layer ``i``'s parameters and buffers."""
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    if cfg.sandwich_norm:
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    out = _attention_shapes(cfg, cfg.layer_types[i]) + _mlp_shapes(cfg, cfg.mlp_types[i])
+    return out + [(f"{n}.weight", (cfg.hidden_size,)) for n in norms]
+
+
+def _state_shapes(cfg: CausalLMConfig):
+    """Every ``(state-dict key, shape)`` of ``CausalLM(cfg)``, lazily, layer after layer (one
+    layer's names are worked out once per kind of layer)."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    yield "model.embed_tokens.weight", (V, H)
+    kinds: dict = {}
+    for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
+        if kind not in kinds:
+            kinds[kind] = _layer_shapes(cfg, i)
+        for name, shape in kinds[kind]:
+            yield f"model.layers.{i}.{name}", shape
+    yield "model.norm.weight", (H,)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", (V, H)
+
+
+_MAX_LAYERS = 4096  # building costs about a millisecond a layer: more is no plausible model
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def _check_plausible(cfg: CausalLMConfig, dtype) -> None:
+    """Refuse, naming the config keys, a model that cannot be built in reasonable time and memory:
+    more than ``_MAX_LAYERS`` layers, or more bytes of parameters than this machine's memory
+    (counted from the config alone, before anything is allocated)."""
+    n = cfg.num_hidden_layers
+    if n > _MAX_LAYERS:
+        raise ValueError(
+            f"config['num_hidden_layers']: {n} layers is not a plausible model (npattn builds at most {_MAX_LAYERS})"
+        )
+    counts: dict = {}
+    for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
+        counts.setdefault(kind, [i, 0])[1] += 1
+    shapes = [((cfg.vocab_size, cfg.hidden_size), 1 if cfg.tie_word_embeddings else 2)]  # embedding, head
+    shapes += [(s, c) for i, c in counts.values() for _, s in _layer_shapes(cfg, i)]
+    total = sum(math.prod(s) * c for s, c in shapes)
+    nbytes, limit = total * np.dtype(dtype).itemsize, _physical_memory()
+    if limit is not None and nbytes > limit:
+        largest = max((s for s, _ in shapes), key=math.prod)
+        sizes = {
+            k: v
+            for k, v in cfg.hf.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v in largest and k != "max_position_embeddings"
+        }
+        raise ValueError(
+            f"config: the model would hold {total:.3g} parameters ({nbytes / 2**30:.3g} GiB in "
+            f"{np.dtype(dtype).name}), more than this machine's memory ({limit / 2**30:.3g} GiB); its largest "
+            f"tensor is {largest}" + "".join(f", {k}={v}" for k, v in sizes.items()) + f", num_hidden_layers={n}"
+        )
 
 
 class DecoderLayer(_Renamed):
@@ -269,7 +414,9 @@ class CausalLM(Module):
     Raises
     ------
     ValueError
-        A configuration npattn cannot build (the message names the config key).
+        A configuration npattn cannot build (the message names the config key), or one no machine
+        could: more than 4096 layers, or more bytes of parameters than this machine's memory
+        (counted from the config before anything is allocated).
 
     Examples
     --------
@@ -289,6 +436,7 @@ class CausalLM(Module):
         super().__init__()
         cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
         self._dtype = check_dtype(dtype)
+        _check_plausible(cfg, self._dtype)  # from the config alone, before anything is built
         rng = as_rng(rng)
         self.config = cfg
         self.model = _Backbone(cfg, rng, dtype)
@@ -438,8 +586,10 @@ class CausalLM(Module):
         ------
         ValueError
             An unsupported config option (naming the key), or a missing, unexpected or wrongly
-            shaped state-dict key (naming it).  Nothing is converted before every key and shape
-            has been checked.
+            shaped state-dict key (naming it; a per-expert part by its own key, and an expert
+            index with a leading zero or per-expert keys beside their fused tensor as ambiguous).
+            Every key and shape is compared with those the config gives before any layer is
+            built or any array allocated; nothing is converted before all have been checked.
         TypeError
             A state dict that is not a mapping, or a tensor that is not a float array.
         """

@@ -392,11 +392,10 @@ def open_checkpoint(directory) -> tuple[dict, dict]:
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"directory: no config.json in {directory!r}")
-    with open(cfg_path, encoding="utf-8") as f:
-        try:
-            config = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    with open(cfg_path, "rb") as f:
+        config = _load_json(f.read(), cfg_path, "config.json")  # strict: a duplicate key is ambiguous
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object (the model's config), got {type(config).__name__}")
     single = os.path.join(directory, "model.safetensors")
     index = os.path.join(directory, "model.safetensors.index.json")
     tensors: dict = {}
@@ -468,25 +467,48 @@ class _Source:
 # then its up rows) and ``down_proj (E, H, I)``.  transformers merges them while loading; so do we,
 # each part written straight into its slice of the fused parameter.
 _PER_EXPERT_FAMILIES = ("deepseek_v3", "qwen3_next")
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 class _Merged:
     """A fused experts tensor made of per-expert parts (``_Source``s): ``rows[e]`` is the list of
-    parts stacked along axis 0 for expert ``e`` (gate then up, or down alone)."""
+    parts stacked along axis 0 for expert ``e`` (gate then up, or down alone).  ``shape`` is what
+    the parts make if each is like expert 0's first; ``mismatch(expected)`` says which part is not
+    its share of the expected fused shape."""
 
-    def __init__(self, name: str, rows: list):
-        self.name, self.rows = name, rows
-        first = rows[0]
-        for e, parts in enumerate(rows):
-            for part, ref in zip(parts, first):
-                if len(part.shape) != 2 or part.shape != ref.shape:
-                    raise ValueError(
-                        f"state_dict[{part.name!r}]: expected a 2-D tensor of shape {ref.shape} like "
-                        f"{ref.name!r}, got {tuple(part.shape)}"
+    def __init__(self, name: str, prefix: str, projs: tuple, rows: list):
+        self.name, self.prefix, self.projs, self.rows = name, prefix, projs, rows
+        first = rows[0][0]
+        self.shape = (len(rows), len(projs) * first.shape[0], *first.shape[1:])
+        self.kind = first.kind
+
+    @property
+    def first_key(self) -> str:
+        return self.rows[0][0].name
+
+    def mismatch(self, expected: tuple) -> str | None:
+        """None if the parts make ``expected`` (``(E, k * rows, cols)``); else the message naming
+        the first part (or expert) that does not."""
+        n, k = len(self.rows), len(self.projs)
+        if n != expected[0]:
+            e = min(n, expected[0])
+            what = "unexpected" if n > expected[0] else "missing"
+            return (
+                f"state_dict: {what} key '{self.prefix}.{e}.{self.projs[0]}.weight' (the config has {expected[0]} "
+                f"experts, the state dict {n})"
+            )
+        part_shape = (expected[1] // k, *expected[2:])
+        for parts in self.rows:
+            for part in parts:
+                if tuple(part.shape) != part_shape:
+                    halves = ", whose gate and up halves are equal" if k == 2 else ""
+                    return (
+                        f"state_dict[{part.name!r}]: expected a 2-D tensor of shape {part_shape} (its part of "
+                        f"{self.name} {tuple(expected)}{halves}), got {tuple(part.shape)}"
                     )
-        self.shape = (len(rows), sum(p.shape[0] for p in first), first[0].shape[1])
-        self.kind = first[0].kind
+        return None
 
     @property
     def is_float(self) -> bool:
@@ -506,12 +528,21 @@ class _Merged:
 
 def _merge_experts(src: dict) -> dict:
     """``src`` with every complete set of per-expert projections replaced by the two fused
-    tensors (keys ``<prefix>.gate_up_proj`` and ``<prefix>.down_proj``); an incomplete set
-    (a missing expert or projection) raises ``ValueError`` naming the missing key."""
+    tensors (keys ``<prefix>.gate_up_proj`` and ``<prefix>.down_proj``).  Raises ``ValueError``
+    naming the key for an incomplete set (a missing expert or projection), an expert index
+    written two ways (``experts.00`` beside ``experts.0``: any leading zero is refused), a part
+    that is not 2-D, and per-expert keys beside the fused tensor they would make."""
     groups: dict = {}
     for key in list(src):
         m = _PER_EXPERT.match(key)
         if m:
+            if m["e"] != str(int(m["e"])):
+                raise ValueError(
+                    f"state_dict[{key!r}]: expert index {m['e']!r} has a leading zero (it would name the same "
+                    f"expert as '{m['prefix']}.{int(m['e'])}.{m['proj']}.weight'); expected {str(int(m['e']))!r}"
+                )
+            if len(src[key].shape) != 2:
+                raise ValueError(f"state_dict[{key!r}]: expected a 2-D tensor, got shape {tuple(src[key].shape)}")
             groups.setdefault(m["prefix"], {})[(int(m["e"]), m["proj"])] = src.pop(key)
     for prefix, parts in groups.items():
         n = 1 + max(e for e, _ in parts)
@@ -519,10 +550,21 @@ def _merge_experts(src: dict) -> dict:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 if (e, proj) not in parts:
                     raise ValueError(f"state_dict: missing key '{prefix}.{e}.{proj}.weight' (expert {e} of {n})")
+        for fused in ("gate_up_proj", "down_proj"):
+            if f"{prefix}.{fused}" in src:
+                raise ValueError(
+                    f"state_dict: both {prefix + '.' + fused!r} and the per-expert keys "
+                    f"'{prefix}.0.gate_proj.weight', ... it is made of (give one or the other)"
+                )
         src[f"{prefix}.gate_up_proj"] = _Merged(
-            f"{prefix}.gate_up_proj", [[parts[e, "gate_proj"], parts[e, "up_proj"]] for e in range(n)]
+            f"{prefix}.gate_up_proj",
+            prefix,
+            ("gate_proj", "up_proj"),
+            [[parts[e, "gate_proj"], parts[e, "up_proj"]] for e in range(n)],
         )
-        src[f"{prefix}.down_proj"] = _Merged(f"{prefix}.down_proj", [[parts[e, "down_proj"]] for e in range(n)])
+        src[f"{prefix}.down_proj"] = _Merged(
+            f"{prefix}.down_proj", prefix, ("down_proj",), [[parts[e, "down_proj"]] for e in range(n)]
+        )
     return src
 
 
@@ -551,9 +593,54 @@ class _NoDraw(np.random.Generator):
         return self._zeros(size)
 
 
+_LISTED = 20  # keys named in a message at most
+
+
+def _check_against_config(src: dict, cfg, tied_copy) -> None:
+    """Every key and shape of ``src`` against those the config gives (``_state_shapes``), before
+    anything is built: the first missing key, else the first unexpected one, else the first
+    tensor of the wrong shape raises ``ValueError`` naming it.  The expected keys are generated
+    lazily and the walk stops at the ``_LISTED``-th missing key, so a config of a million layers
+    against a checkpoint of two fails at once."""
+    from .causal_lm import _state_shapes
+
+    seen: set = set()
+    missing: list = []
+    wrong = None
+    for key, shape in _state_shapes(cfg):
+        seen.add(key)
+        s = src.get(key)
+        if s is None:
+            missing.append(key)
+            if len(missing) == _LISTED:
+                break
+        elif wrong is None:
+            wrong = s.mismatch(shape) if isinstance(s, _Merged) else None
+            if wrong is None and tuple(s.shape) != shape:
+                wrong = f"state_dict[{key!r}]: expected shape {shape}, got {tuple(s.shape)}"
+    mt = cfg.model_type
+    if missing:
+        more = " and more" if len(missing) == _LISTED else ""
+        raise ValueError(f"state_dict: missing key {missing[0]!r} (model_type {mt!r}; missing: {missing}{more})")
+    unexpected = [(s.first_key if isinstance(s, _Merged) else k) for k, s in src.items() if k not in seen]
+    if unexpected:
+        raise ValueError(
+            f"state_dict: unexpected key {unexpected[0]!r} (model_type {mt!r}; unexpected: {unexpected[:_LISTED]})"
+        )
+    if wrong is not None:
+        raise ValueError(wrong)
+    embed = (cfg.vocab_size, cfg.hidden_size)
+    if tied_copy is not None and tuple(tied_copy.shape) != embed:
+        raise ValueError(
+            f"state_dict['lm_head.weight']: expected shape {embed} (tied to model.embed_tokens.weight), "
+            f"got {tuple(tied_copy.shape)}"
+        )
+
+
 def load_into(cls, state_dict, config, dtype=None):
-    """``CausalLM.from_hf``: build ``cls(config)`` without random draws, check every key and
-    shape of ``state_dict`` against it, then convert the tensors one by one into the parameters."""
+    """``CausalLM.from_hf``: check every key and shape of ``state_dict`` against the config (no
+    array allocated yet), build ``cls(config)`` without random draws, then convert the tensors one
+    by one into the parameters."""
     from .configs import CausalLMConfig, config_from_hf
 
     if not isinstance(state_dict, Mapping) and not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
@@ -569,36 +656,25 @@ def load_into(cls, state_dict, config, dtype=None):
         first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
         dtype = np.float32 if first is None else first.natural_dtype
     dtype = check_dtype(dtype)
+    tied_copy = None
+    if cfg.tie_word_embeddings and "lm_head.weight" in src:
+        tied_copy = src.pop("lm_head.weight")  # torch's state_dict() lists the tied head twice
+    _check_against_config(src, cfg, tied_copy)
     model = cls(cfg, rng=_NoDraw(np.random.PCG64(0)), dtype=dtype)
     fresh = np.random.default_rng()
     for m in model.modules():  # dropout masks must not come from the zero generator
         if isinstance(getattr(m, "rng", None), _NoDraw):
             object.__setattr__(m, "rng", fresh)
     entries = {key: (owner, name, is_param) for key, owner, name, is_param in model._state_entries()}
-    tied_copy = None
-    if cfg.tie_word_embeddings and "lm_head.weight" in src:
-        tied_copy = src.pop("lm_head.weight")  # torch's state_dict() lists the tied head twice
-    missing = [k for k in entries if k not in src]
-    unexpected = [k for k in src if k not in entries]
-    if missing:
-        raise ValueError(f"state_dict: missing key {missing[0]!r} (model_type {cfg.model_type!r}; missing: {missing})")
-    if unexpected:
-        raise ValueError(
-            f"state_dict: unexpected key {unexpected[0]!r} (model_type {cfg.model_type!r}; unexpected: {unexpected})"
-        )
 
     def current(key):
         owner, name, is_param = entries[key]
         return owner._parameters[name].data if is_param else getattr(owner, name)
 
-    for key, s in src.items():
-        if tuple(s.shape) != current(key).shape:
-            raise ValueError(f"state_dict[{key!r}]: expected shape {current(key).shape}, got {tuple(s.shape)}")
-    if tied_copy is not None and tuple(tied_copy.shape) != current("model.embed_tokens.weight").shape:
-        raise ValueError(
-            f"state_dict['lm_head.weight']: expected shape {current('model.embed_tokens.weight').shape} "
-            f"(tied to model.embed_tokens.weight), got {tuple(tied_copy.shape)}"
-        )
+    # the config's shapes (checked above) are the built model's: a disagreement would be npattn's bug,
+    # and must never put a tensor in the wrong place
+    if entries.keys() != src.keys() or any(tuple(s.shape) != current(k).shape for k, s in src.items()):
+        raise RuntimeError(f"npattn: the {cfg.model_type} model built differs from the shapes its config gives (a bug)")
     for key, s in src.items():  # everything checked: convert one tensor at a time
         owner, name, is_param = entries[key]
         if is_param:
