@@ -7,12 +7,15 @@ shape ``(..., keys, queries)``.  This module holds the pieces they have in commo
 * ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
   validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
   before any arithmetic); ``check_attention_tangents``: the tangents of a JVP;
-* ``gqa_groups``, ``out_lead``, ``broadcast_qkv``, ``sum_to``: torch's broadcasting of the
-  leading (batch) dimensions of q, k, v (kernels, unchecked), and the reduction of a gradient back
-  to its input's own shape;
-* ``Band``, ``band``, ``key_range``, ``band_hidden``, ``causal_hidden``, ``distance``: which keys
-  a query may see (causal, ``causal_align``, ``window``), the hidden pairs of a key-major block
-  (the causal diagonal mask is the band ``right = 0``) and the ALiBi distances ``|p - j|``;
+* ``gqa_groups``, ``fold_heads``/``fold_kv``: the one grouped-query formula and scheme (query
+  head ``h = hk * G + g`` viewed at ``(hk, g)`` beside its kv head, no copy);
+* ``out_lead``, ``broadcast_qkv``, ``pad_shape``, ``with_ndim``, ``sum_to``: torch's broadcasting
+  of the leading (batch) dimensions of q, k, v (kernels, unchecked), and the reduction of a
+  gradient back to its input's own shape;
+* ``Band``, ``band``, ``key_range``, ``query_range``, ``band_width``, ``band_hidden``,
+  ``causal_hidden``, ``distance``: which keys a query may see (causal, ``causal_align``,
+  ``window``) and which queries a key, the hidden pairs of a key-major block (the causal diagonal
+  mask is the band ``right = 0``) and the ALiBi distances ``|p - j|``;
 * ``Block``, ``row_blocks``: the query-row blocks of the plain core, each spanning only the keys
   its rows may see;
 * ``scratch``: a contiguous view on the front of a preallocated flat buffer.
@@ -53,8 +56,16 @@ class QKV(NamedTuple):
     groups: int
 
 
-def _pad(shape: tuple, ndim: int) -> tuple:
+def pad_shape(shape: tuple, ndim: int) -> tuple:
+    """``shape`` with leading 1s up to ``ndim`` dimensions (numpy's broadcasting aligns on the right)."""
     return (1,) * (ndim - len(shape)) + tuple(shape)
+
+
+def with_ndim(a: np.ndarray, ndim: int) -> np.ndarray:
+    """``a`` viewed with ``ndim`` dimensions: leading 1s added (or dropped: they must be 1)."""
+    if a.ndim > ndim:
+        return a.reshape(a.shape[a.ndim - ndim :])
+    return a if a.ndim == ndim else a.reshape(pad_shape(a.shape, ndim))
 
 
 def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
@@ -84,19 +95,18 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
         raise ValueError(
             f"v: expected leading dimensions broadcastable with k {k.shape}, got shape {v.shape}"
         ) from None
-    groups = 1
     nd = max(q.ndim, k.ndim, v.ndim)
-    hq = _pad(q.shape[:-2], nd - 2)[-1] if nd >= 3 else 1
-    hk = _pad(kv_lead, nd - 2)[-1] if nd >= 3 else 1
+    hq = pad_shape(q.shape[:-2], nd - 2)[-1] if nd >= 3 else 1
+    hk = pad_shape(kv_lead, nd - 2)[-1] if nd >= 3 else 1
     if enable_gqa and nd >= 3 and hq != hk:
         if hk == 0 or hq % hk:
             raise ValueError(
                 f"k: with enable_gqa the number of query heads ({hq}) must be a multiple of the "
                 f"number of key/value heads, got {hk} (q {q.shape}, k {k.shape})"
             )
-        groups = hq // hk
+        groups = gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
         try:
-            np.broadcast_shapes(_pad(q.shape[:-2], nd - 2)[:-1], _pad(kv_lead, nd - 2)[:-1])
+            np.broadcast_shapes(pad_shape(q.shape[:-2], nd - 2)[:-1], pad_shape(kv_lead, nd - 2)[:-1])
         except ValueError:
             raise ValueError(
                 f"k: expected batch dimensions broadcastable with q {q.shape}, got shape {k.shape}"
@@ -113,7 +123,7 @@ def check_qkv(q, k, v, enable_gqa: bool) -> QKV:
         raise ValueError(
             f"k: expected leading dimensions broadcastable with q {q.shape}, got shape {k.shape}{hint}"
         ) from None
-    return QKV(q, k, v, groups)
+    return QKV(q, k, v, 1)
 
 
 def broadcast_shapes(*shapes: tuple) -> tuple:
@@ -126,20 +136,42 @@ def broadcast_shapes(*shapes: tuple) -> tuple:
 
 
 def gqa_groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> int:
-    """Query heads per key/value head for shapes ``check_qkv`` accepted (no checks)."""
+    """``G``, the query heads per key/value head, for shapes ``check_qkv`` accepted (no checks):
+    ``Hq / Hk`` with ``enable_gqa`` (head axis -3; k's and v's head counts broadcast together),
+    else 1.  Query head ``h`` reads kv head ``h // G`` (``fold_heads``).  The one formula of
+    every attention core, the textbook tier's included."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))
     if not enable_gqa or nd < 3:
         return 1
-    hq = _pad(q_shape[:-2], nd - 2)[-1]
-    hk = broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))[-1]
+    hq = pad_shape(q_shape[:-2], nd - 2)[-1]
+    hk = broadcast_shapes(pad_shape(k_shape[:-2], nd - 2), pad_shape(v_shape[:-2], nd - 2))[-1]
     return 1 if hq == hk else hq // hk
+
+
+def fold_heads(a: np.ndarray, groups: int, axis: int = -3) -> np.ndarray:
+    """The one grouped-query scheme: ``a``'s query-head axis ``axis`` (``Hq = Hk * G``) viewed as
+    ``(Hk, G)`` (a reshape, no copy): query head ``h = hk * G + g`` sits at ``(hk, g)`` beside
+    kv head ``hk``.  A size-1 axis (an array broadcast over the heads) becomes ``(1, 1)``.  The
+    kv side gets a size-1 group axis (``fold_kv``), so a batched product of the two broadcasts
+    each kv head over its ``G`` query heads without repeating it; a kv gradient is then the sum
+    over that axis."""
+    if groups == 1:
+        return a
+    axis %= a.ndim
+    n = a.shape[axis]
+    return a.reshape(a.shape[:axis] + ((n // groups, groups) if n != 1 else (1, 1)) + a.shape[axis + 1 :])
+
+
+def fold_kv(a: np.ndarray, groups: int) -> np.ndarray:
+    """k or v ``(..., Hk, L, D)`` viewed as ``(..., Hk, 1, L, D)`` to meet ``fold_heads(q, groups)``."""
+    return a if groups == 1 else a.reshape(a.shape[:-3] + (a.shape[-3], 1) + a.shape[-2:])
 
 
 def out_lead(q_shape: tuple, k_shape: tuple, v_shape: tuple, groups: int) -> tuple:
     """The leading dimensions ``(..., Hq)`` of the scores and output for checked shapes."""
     nd = max(len(q_shape), len(k_shape), len(v_shape))
-    ql = _pad(q_shape[:-2], nd - 2)
-    kl = broadcast_shapes(_pad(k_shape[:-2], nd - 2), _pad(v_shape[:-2], nd - 2))
+    ql = pad_shape(q_shape[:-2], nd - 2)
+    kl = broadcast_shapes(pad_shape(k_shape[:-2], nd - 2), pad_shape(v_shape[:-2], nd - 2))
     if groups == 1:
         return broadcast_shapes(ql, kl)
     return broadcast_shapes(ql[:-1], kl[:-1]) + (ql[-1],)
@@ -369,10 +401,39 @@ def causal_hidden(nk: int, nq: int, offset: int) -> np.ndarray:
     return np.zeros((nk, nq), bool) if m is None else m
 
 
-def distance(b: Band, c0: int, nk: int, r0: int, nq: int, dtype) -> np.ndarray:
-    """Key-major ``(nk, nq)`` block of ``|p - j|`` (query position minus key), for ALiBi."""
-    d0 = c0 - r0 - b.offset
-    return np.abs(np.arange(d0, d0 + nk, dtype=dtype)[:, None] - np.arange(nq, dtype=dtype)[None, :])
+def query_range(b: Band, c0: int, c1: int, lq: int) -> tuple[int, int]:
+    """``(r0, r1)``: the queries ``r0..r1-1`` that may see some key of ``c0..c1-1`` (none: ``r0 == r1``);
+    ``key_range`` read the other way.  Key ``j`` is seen by the positions ``j - right .. j + left``,
+    i.e. the queries ``p - offset``."""
+    if c1 <= c0:
+        return 0, 0
+    r0 = 0 if b.right is None else max(0, c0 - b.right - b.offset)
+    r1 = lq if b.left is None else max(0, min(lq, c1 - 1 + b.left - b.offset + 1))
+    r0 = min(r0, lq)
+    return r0, max(r0, r1)
+
+
+def band_width(b: Band, lk: int) -> int:
+    """Keys a query may see at most."""
+    if b.left is None or b.right is None:
+        return lk
+    return max(0, min(lk, b.left + b.right + 1))
+
+
+def distance(b: Band, c0: int, nk: int, r0: int, nq: int, dtype, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Key-major ``(nk, nq)`` block of ``|p - j|`` (query position minus key), for ALiBi: key
+    ``c0 + a`` and query ``r0 + i`` are ``d0 + a - i`` apart with ``d0 = c0 - r0 - offset``.
+    Written into ``out`` (an ``(nk, nq)`` array of ``dtype``) if given."""
+    d = np.add(_key_minus_query(nk, nq, np.dtype(dtype)), c0 - r0 - b.offset, out=out)
+    return np.abs(d, out=d)
+
+
+@functools.lru_cache(maxsize=8)
+def _key_minus_query(nk: int, nq: int, dtype: np.dtype) -> np.ndarray:
+    """``a - i`` over a key-major ``(nk, nq)`` block, read-only (kept: every block of a call asks)."""
+    grid = np.arange(nk, dtype=dtype)[:, None] - np.arange(nq, dtype=dtype)[None, :]
+    grid.flags.writeable = False
+    return grid
 
 
 # -- query-row blocks of the plain core -------------------------------------------------------------

@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -72,15 +72,25 @@ from .._validate import (
     check_size,
 )
 from ._blocks import (
+    AttentionOptions,
     Band,
     band,
     band_hidden,
+    band_width,
     check_attention_tangents,
     check_options,
     check_qkv,
     check_scale,
+    distance,
+    fold_heads,
+    fold_kv,
+    gqa_groups,
     key_range,
     out_lead,
+    query_range,
+    scratch,
+    sum_to,
+    with_ndim,
 )
 from ._random import draw_seed, keep_into
 
@@ -115,7 +125,7 @@ class MemoryEfficientCache(NamedTuple):
     (0 for a query row that may attend to no key and has no sink); ``attn_mask`` is the mask
     exactly as the caller gave it (never expanded or copied); ``block_q``/``block_k`` are the
     block sizes used.  Dropout keeps only ``dropout_p`` and the ``seed`` its blocks are
-    regenerated from; the options are kept as checked.
+    regenerated from; ``options`` are the attention options as checked (``AttentionOptions``).
     """
 
     q: np.ndarray
@@ -131,12 +141,7 @@ class MemoryEfficientCache(NamedTuple):
     dropout_p: float = 0.0
     seed: int = 0
     groups: int = 1
-    causal_align: str = "top_left"
-    window: Optional[Tuple[int, int]] = None
-    alibi_slopes: Optional[np.ndarray] = None
-    softcap: Optional[float] = None
-    sinks: Optional[np.ndarray] = None
-    mask_grad: bool = False
+    options: AttentionOptions = AttentionOptions()
 
 
 def _block_sizes(block_size, n_mats: int, lq: int, lk: int, width: int) -> Tuple[int, int]:
@@ -193,16 +198,8 @@ def _run(worker, shares):
         return list(ex.map(worker, shares))
 
 
-def _buffer(flat: np.ndarray, shape) -> np.ndarray:
-    """A C-contiguous ``shape`` view on the front of the preallocated 1-d buffer ``flat``.
-
-    Blocks at the ragged end of a sequence are smaller than the buffer; taking the view this
-    way (instead of slicing a 2-d buffer) keeps it contiguous, which BLAS and ``out=`` like.
-    """
-    return flat[: math.prod(shape)].reshape(shape)
-
-
-def _blocks(n: int, size: int, start: int = 0):
+def _spans(n: int, size: int, start: int = 0):
+    """The blocks ``(a, b)`` of ``start..n-1``, ``size`` long (the last one may be shorter)."""
     return [(a, min(a + size, n)) for a in range(start, n, size)]
 
 
@@ -211,35 +208,17 @@ def _blocks(n: int, size: int, start: int = 0):
 # broadcasts instead of copying, each array is *viewed* (reshape that splits or inserts axes: no
 # copy) with the same number of leading dimensions ``lead``:
 #
-# * grouped-query attention splits the ``Hq`` query heads as ``(Hk, G)`` (query head ``h = hk*G + g``
-#   uses kv head ``hk = h // G``) and gives k and v a head axis ``(Hk, 1)``: a batched matmul of a
-#   ``(..., Hk, 1, n, E)`` key block with ``(..., Hk, G, E, m)`` queries reuses each kv head for its
-#   G query heads without repeating it;
+# * grouped-query attention by the shared scheme (``_blocks.fold_heads``): the ``Hq`` query heads
+#   split as ``(Hk, G)`` (query head ``h = hk*G + g`` uses kv head ``hk = h // G``) and k and v get
+#   a head axis ``(Hk, 1)``: a batched matmul of a ``(..., Hk, 1, n, E)`` key block with
+#   ``(..., Hk, G, E, m)`` queries reuses each kv head for its G query heads without repeating it;
 # * leading (batch) dimensions of q, k, v broadcast against each other as in torch; gradients are
-#   summed back over the dimensions an input was broadcast along;
+#   summed back over the dimensions an input was broadcast along (``_blocks.sum_to``);
 # * a mask, ALiBi slopes and sinks are viewed the same way (their head axis split like q's).
 #
 # ``lead`` flattened in C order is exactly the output's leading shape ``(..., Hq)`` flattened
 # (``h = hk*G + g``), so the output, ``lse`` and dropout's flat score index are those of the
 # ungrouped ``(..., Hq, Lq, Lk)`` score array.
-
-
-def _pad(a: np.ndarray, n: int) -> np.ndarray:
-    """``a`` viewed with ``n`` dimensions: leading 1s added (or dropped: they must be 1)."""
-    if a.ndim < n:
-        return a.reshape((1,) * (n - a.ndim) + a.shape)
-    if a.ndim > n:
-        return a.reshape(a.shape[a.ndim - n :])
-    return a
-
-
-def _split_head(a: np.ndarray, axis: int, groups: int) -> np.ndarray:
-    """Axis ``axis`` of ``a`` (``Hq`` query heads, or 1) viewed as ``(Hk, G)`` (or ``(1, 1)``)."""
-    if groups == 1:
-        return a
-    n = a.shape[axis]
-    axis %= a.ndim
-    return a.reshape(a.shape[:axis] + ((n // groups, groups) if n != 1 else (1, 1)) + a.shape[axis + 1 :])
 
 
 class _Layout(NamedTuple):
@@ -255,17 +234,14 @@ class _Layout(NamedTuple):
 
 def _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks) -> _Layout:
     nd = max(q.ndim, k.ndim, v.ndim)
-    q, k, v = _pad(q, nd), _pad(k, nd), _pad(v, nd)
-    if groups > 1:
-        q = _split_head(q, -3, groups)
-        k, v = (a.reshape(a.shape[:-3] + (a.shape[-3], 1) + a.shape[-2:]) for a in (k, v))  # (Hk or 1, 1)
+    q = fold_heads(with_ndim(q, nd), groups)
+    k, v = (fold_kv(with_ndim(a, nd), groups) for a in (k, v))  # (Hk or 1, 1)
     lead = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
     out_lead = lead[:-2] + (lead[-2] * lead[-1],) if groups > 1 else lead
     n = len(out_lead)
 
     def view(a, tail):  # leading (..., Hq) + tail -> leading (..., Hk, G) + tail
-        a = _pad(a, n + tail)
-        return _split_head(a, n - 1, groups) if groups > 1 else a
+        return fold_heads(with_ndim(a, n + tail), groups, n - 1)
 
     mask = None if attn_mask is None else view(attn_mask, 2)
     slopes = None if alibi_slopes is None else view(alibi_slopes, 0)[..., None, None]
@@ -273,43 +249,13 @@ def _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks) -> _Layout:
     return _Layout(q, k, v, lead, out_lead, mask, slopes, sink)
 
 
-def _reduce_axes(shape, lead) -> tuple:
-    """The leading axes along which an array of leading shape ``shape`` was broadcast to ``lead``."""
-    return tuple(i for i, (a, b) in enumerate(zip(shape, lead)) if a == 1 and b != 1)
-
-
-def _add_reduced(acc: np.ndarray, x: np.ndarray, axes: tuple) -> None:
-    """``acc += x`` summed over ``axes`` (the broadcast ones), kept as size-1 axes."""
-    if axes:
-        acc += x.sum(axis=axes, keepdims=True)
-    else:
-        acc += x
-
-
 # -- which keys a query sees -------------------------------------------------------------------------
 # ``_blocks.band``: query ``i`` sits at position ``p = i + offset`` (``offset = Lk - Lq`` for
 # ``causal_align="bottom_right"``, else 0) and may see key ``j`` iff ``p - left <= j <= p + right``
 # (``window``; causal makes ``right = 0``).  A block of queries needs only the keys of one band
-# (``_blocks.key_range``), a block of keys only the queries of one band (``_query_range``): the blocks
-# outside are never formed; inside a block, ``_blocks.band_hidden`` gives the pairs the band hides.
-
-
-def _query_range(b: Band, c0: int, c1: int, lq: int) -> Tuple[int, int]:
-    """``(r0, r1)``: the queries ``r0..r1-1`` that may see some key of ``c0..c1-1`` (none: ``r0 == r1``).
-    Key ``j`` is seen by the positions ``j - right .. j + left``, i.e. the queries ``p - offset``."""
-    if c1 <= c0:
-        return 0, 0
-    r0 = 0 if b.right is None else max(0, c0 - b.right - b.offset)
-    r1 = lq if b.left is None else max(0, min(lq, c1 - 1 + b.left - b.offset + 1))
-    r0 = min(r0, lq)
-    return r0, max(r0, r1)
-
-
-def _band_width(b: Band, lk: int) -> int:
-    """Keys a query may see at most."""
-    if b.left is None or b.right is None:
-        return lk
-    return max(0, min(lk, b.left + b.right + 1))
+# (``_blocks.key_range``), a block of keys only the queries of one band (``_blocks.query_range``):
+# the blocks outside are never formed; inside a block, ``_blocks.band_hidden`` gives the pairs the
+# band hides.
 
 
 class _Dropout:
@@ -318,10 +264,11 @@ class _Dropout:
     ``m*Lq*Lk + i*Lk + j`` in the C-ordered ``(..., Hq, Lq, Lk)`` array and is kept iff
     ``uniform(seed, index) >= p`` (``npattn.functional._random``): the same numbers as
     ``keep_mask(seed, p, score_shape)[..., i0:i1, j0:j1]``, whatever the block sizes.  Blocks are
-    transposed like the scores, ``(..., nk, nq)``."""
+    transposed like the scores, ``(..., nk, nq)``.  ``scale``: the kept weights' ``1/(1-p)``."""
 
     def __init__(self, seed: int, p: float, lead: tuple, lq: int, lk: int):
         self.seed, self.p, self.lead, self.lq, self.lk = seed, p, lead, lq, lk
+        self.scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
         n = math.prod(lead)
         self.mats = (np.arange(n, dtype=np.uint64) * np.uint64(lq * lk)).reshape(lead + (1, 1))
 
@@ -334,15 +281,15 @@ class _Dropout:
         z_buf, work_buf, keep_buf, off_buf = bufs
         nk, nq = j1 - j0, i1 - i0
         shape = self.lead + (nk, nq)
-        off = _buffer(off_buf, (nk, nq))  # j + i * Lk, keys down
+        off = scratch(off_buf, (nk, nq))  # j + i * Lk, keys down
         np.add(
             np.arange(j0, j1, dtype=np.uint64)[:, None],
             np.arange(i0, i1, dtype=np.uint64) * np.uint64(self.lk),
             out=off,
         )
-        z = _buffer(z_buf, shape)
+        z = scratch(z_buf, shape)
         np.add(self.mats, off, out=z)
-        return keep_into(self.seed, self.p, z, _buffer(work_buf, shape), _buffer(keep_buf, shape))
+        return keep_into(self.seed, self.p, z, scratch(work_buf, shape), scratch(keep_buf, shape))
 
 
 class _Scores:
@@ -360,9 +307,7 @@ class _Scores:
         """Per-worker scratch: the distance block and the bias block (ALiBi only)."""
         if self.slopes is None:
             return None
-        # c - r over the largest block: |base + c - r| is the distance of key and query
-        diff = (np.arange(bk)[:, None] - np.arange(bq)[None, :]).astype(self.dt)
-        return diff, np.empty(bk * bq, self.dt), np.empty(math.prod(self._bias_lead) * bk * bq, self.dt)
+        return np.empty(bk * bq, self.dt), np.empty(math.prod(self._bias_lead) * bk * bq, self.dt)
 
     def apply(self, st, i0, i1, j0, j1, bufs, tanh_out=None) -> bool:
         """Final scores of the block in ``st``; False when every score of it is masked (skip it).
@@ -375,13 +320,10 @@ class _Scores:
             if tanh_out is not None:
                 np.copyto(tanh_out, st)
             st *= self.softcap
-        if self.slopes is not None:
-            # ALiBi: S -= slope * |p - j|, with j - p = base + (c - r)
-            diff, dist_buf, bias_buf = bufs
-            dist = _buffer(dist_buf, (nk, nq))
-            np.add(diff[:nk, :nq], j0 - i0 - self.band.offset, out=dist)
-            np.abs(dist, out=dist)
-            bias = _buffer(bias_buf, self._bias_lead + (nk, nq))
+        if self.slopes is not None:  # ALiBi: S -= slope * |p - j|
+            dist_buf, bias_buf = bufs
+            dist = distance(self.band, j0, nk, i0, nq, self.dt, out=scratch(dist_buf, (nk, nq)))
+            bias = scratch(bias_buf, self._bias_lead + (nk, nq))
             np.multiply(self.slopes, dist, out=bias)
             st -= bias
         hidden = band_hidden(self.band, j0, nk, i0, nq)
@@ -389,9 +331,7 @@ class _Scores:
             np.copyto(st, -np.inf, where=hidden)
         mask = self.mask
         if mask is not None:
-            rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
-            cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
-            mb = mask[..., rows, cols].swapaxes(-1, -2)
+            mb = _mask_block(mask, i0, i1, j0, j1)
             if mb.dtype == bool:
                 if not mb.any():
                     return False
@@ -399,6 +339,71 @@ class _Scores:
             else:
                 st += mb.astype(st.dtype, copy=False)
         return True
+
+
+def _mask_block(mask, i0, i1, j0, j1):
+    """The key-major block ``(..., keys, queries)`` of a working-layout mask (or its tangent,
+    or its gradient) for the queries ``i0..i1-1`` and keys ``j0..j1-1`` (a size-1 axis: all)."""
+    rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
+    cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
+    return mask[..., rows, cols].swapaxes(-1, -2)
+
+
+class _Geometry(NamedTuple):
+    """What the forward, the backward and the JVP of one call share: the working layout, the band
+    of visible keys, the score rewriter, dropout's regenerator (None without dropout), the block
+    sizes and the dtype."""
+
+    lay: _Layout
+    band: Band
+    scores: _Scores
+    dropout: Optional[_Dropout]
+    bq: int
+    bk: int
+    dt: np.dtype
+
+    @property
+    def lq(self) -> int:
+        return self.lay.q.shape[-2]
+
+    @property
+    def lk(self) -> int:
+        return self.lay.k.shape[-2]
+
+    def buffer(self, *per_matrix: int) -> np.ndarray:
+        """A flat scratch buffer of ``per_matrix`` elements for each of the working layout's matrices."""
+        return np.empty(math.prod(self.lay.lead) * math.prod(per_matrix), self.dt)
+
+    def shares(self, blocks: list) -> list:
+        """``blocks`` dealt to the workers (one share, inline, for small problems)."""
+        width = max(self.lay.q.shape[-1], self.lay.v.shape[-1])
+        n_scores = math.prod(self.lay.lead) * self.lq * band_width(self.band, self.lk)
+        return _shares(blocks, _n_workers(n_scores, len(blocks), self.bq * self.bk * width)) if blocks else [[]]
+
+
+def _geometry(q, k, v, attn_mask, is_causal, groups, opts: AttentionOptions, bq, bk, dropout_p, seed) -> _Geometry:
+    lay = _layout(q, k, v, groups, attn_mask, opts.alibi_slopes, opts.sinks)
+    lq, lk = q.shape[-2], k.shape[-2]
+    bnd = band(lq, lk, is_causal, opts.causal_align, opts.window)
+    dropout = _Dropout(seed, dropout_p, lay.lead, lq, lk) if dropout_p > 0.0 else None
+    return _Geometry(lay, bnd, _Scores(lay, bnd, opts.softcap, q.dtype), dropout, bq, bk, q.dtype)
+
+
+def _cached_geometry(cache: MemoryEfficientCache) -> _Geometry:
+    """The forward's geometry again, from its cache (the backward and the JVP rebuild the blocks)."""
+    return _geometry(
+        cache.q,
+        cache.k,
+        cache.v,
+        cache.attn_mask,
+        cache.is_causal,
+        cache.groups,
+        cache.options,
+        cache.block_q,
+        cache.block_k,
+        cache.dropout_p,
+        cache.seed,
+    )
 
 
 def memory_efficient_attention(
@@ -552,7 +557,8 @@ def memory_efficient_attention(
     >>> dq.shape, dk.shape, dv.shape
     ((1, 2, 40, 8), (1, 2, 40, 8), (1, 2, 40, 8))
     """
-    q, k, v, groups = check_qkv(q, k, v, check_bool(enable_gqa, "enable_gqa"))
+    enable_gqa = check_bool(enable_gqa, "enable_gqa")
+    q, k, v, groups = check_qkv(q, k, v, enable_gqa)
     is_causal = check_bool(is_causal, "is_causal")
     dropout_p = check_prob(dropout_p, "dropout_p")
     if rng is not None or dropout_p > 0.0:
@@ -563,7 +569,7 @@ def memory_efficient_attention(
     scale = check_scale(scale, q.shape[-1])
     if block_size is not None:
         check_size(block_size, "block_size")
-    causal_align, window, alibi_slopes, softcap, sinks, mask_grad = check_options(
+    options = check_options(
         score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad
     )
     return _memory_efficient_attention(
@@ -577,12 +583,7 @@ def memory_efficient_attention(
         dropout_p=dropout_p,
         rng=rng,
         enable_gqa=enable_gqa,
-        causal_align=causal_align,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        sinks=sinks,
-        mask_grad=mask_grad,
+        options=options,
     )
 
 
@@ -679,6 +680,7 @@ def _memory_efficient_attention(
     softcap=None,
     sinks=None,
     mask_grad=False,
+    options: Optional[AttentionOptions] = None,
 ) -> Tuple[np.ndarray, MemoryEfficientCache]:
     """The kernel of ``memory_efficient_attention``: the same signature and numbers, no input checks.
 
@@ -686,270 +688,279 @@ def _memory_efficient_attention(
     one dtype whose shapes fit (``enable_gqa`` as checked), a mask that broadcasts, ``rng`` a
     ``np.random.Generator`` when ``dropout_p > 0``, options as checked (``window`` a pair of ints,
     ``alibi_slopes``/``sinks`` arrays of q's dtype); ``scale``/``block_size`` may be None.
+    ``options``: the checked ``AttentionOptions`` in one object (then the six option keywords
+    are not read), as the public op passes them.
     """
-    groups = 1
-    if enable_gqa and q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
-        groups = q.shape[-3] // k.shape[-3]
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    scale = float(scale)  # a python float: keeps float32 arrays float32
-    lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
-    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    lead = lay.lead
-    n_mats = math.prod(lead)
-    bq, bk = _block_sizes(block_size, n_mats, lq, lk, max(head_dim, head_dim_v))
+    if options is None:
+        options = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    groups = gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)  # a python float: keeps float32 float32
+    n_mats = math.prod(out_lead(q.shape, k.shape, v.shape, groups))
+    bq, bk = _block_sizes(block_size, n_mats, q.shape[-2], k.shape[-2], max(q.shape[-1], v.shape[-1]))
     seed = draw_seed(rng) if dropout_p > 0.0 else 0
-    bnd = band(lq, lk, is_causal, causal_align, window)
-    scores = _Scores(lay, bnd, softcap, q.dtype)
-    dropout = _Dropout(seed, dropout_p, lay.lead, lq, lk) if dropout_p > 0.0 else None
+    geo = _geometry(q, k, v, attn_mask, is_causal, groups, options, bq, bk, dropout_p, seed)
+    lead, lq, ev = geo.lay.lead, geo.lq, v.shape[-1]
+    out = np.empty(lead + (lq, ev), q.dtype)
+    lse = np.empty(lead + (lq,), q.dtype)
+    _run(lambda share: _ForwardWorker(geo, scale).rows(share, out, lse), geo.shares(_spans(lq, bq)))
+    out = out.reshape(geo.lay.out_lead + (lq, ev))
+    lse = lse.reshape(geo.lay.out_lead + (lq,))
+    return out, MemoryEfficientCache(
+        q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, options
+    )
 
-    dt = q.dtype
-    qw, kw, vw = lay.q, lay.k, lay.v
-    qlead = qw.shape[:-2]
-    out = np.empty(lead + (lq, head_dim_v), dt)
-    lse = np.empty(lead + (lq,), dt)
-    drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-    floor = np.finfo(dt).min
 
-    def rows(share):
-        """Forward for the query blocks in ``share``, with this worker's own buffers."""
-        qs_buf = np.empty(math.prod(qlead) * bq * head_dim, dt)
-        s_buf = np.empty(n_mats * bk * bq, dt)
-        acc_buf = np.empty(n_mats * head_dim_v * bq, dt)
-        pv_buf = np.empty(n_mats * head_dim_v * bq, dt)
-        stat_bufs = [np.empty(n_mats * bq, dt) for _ in range(6)]
-        bias_bufs = scores.buffers(bk, bq)
-        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
+class _ForwardWorker:
+    """One worker's share of the forward: its own buffers, the query blocks of its share, and the
+    online softmax's step for one key block."""
+
+    def __init__(self, geo: _Geometry, scale: float):
+        self.geo, self.scale = geo, scale
+        bq, bk, e, ev = geo.bq, geo.bk, geo.lay.q.shape[-1], geo.lay.v.shape[-1]
+        self.qs_buf = np.empty(math.prod(geo.lay.q.shape[:-2]) * bq * e, geo.dt)
+        self.s_buf, self.acc_buf, self.pv_buf = geo.buffer(bk, bq), geo.buffer(ev, bq), geo.buffer(ev, bq)
+        self.stat_bufs = [geo.buffer(bq) for _ in range(6)]
+        self.bias_bufs = geo.scores.buffers(bk, bq)
+        self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
+
+    def rows(self, share, out, lse):
+        """``out`` and ``lse`` (working layout) of the query blocks in ``share``."""
+        geo, lay = self.geo, self.geo.lay
+        lead, ev = lay.lead, lay.v.shape[-1]
         for i0, i1 in share:
             nq = i1 - i0
-            row = lead + (1, nq)  # per-query statistics, as rows
-            qs = _buffer(qs_buf, qlead + (nq, head_dim))
-            np.multiply(qw[..., i0:i1, :], scale, out=qs)
-            qs_t = qs.swapaxes(-1, -2)
-            m, m_new, shift, alpha, l, rsum = (_buffer(b, row) for b in stat_bufs)
-            if lay.sinks is None:
-                m.fill(-np.inf)
-                l.fill(0.0)
-            else:  # the sink joins first: m = sink, l = exp(0)
-                np.copyto(m, lay.sinks)
-                l.fill(1.0)
-            acc_t = _buffer(acc_buf, lead + (head_dim_v, nq))  # a^T, transposed like the scores
+            qs_t = _scaled_rows(lay.q, i0, i1, self.scale, self.qs_buf).swapaxes(-1, -2)
+            stats = _OnlineSoftmax([scratch(b, lead + (1, nq)) for b in self.stat_bufs], lay.sinks, geo.dt)
+            acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
-            pv_t = _buffer(pv_buf, lead + (head_dim_v, nq))
-            c0, c1 = key_range(bnd, i0, i1, lk)  # the keys some query of the block may see
-            for j0, j1 in _blocks(c1, bk, c0):
-                nk = j1 - j0
-                st = _buffer(s_buf, lead + (nk, nq))  # S^T: keys down, queries across
-                np.matmul(kw[..., j0:j1, :], qs_t, out=st)
-                if not scores.apply(st, i0, i1, j0, j1, bias_bufs):
+            pv_t = scratch(self.pv_buf, lead + (ev, nq))
+            c0, c1 = key_range(geo.band, i0, i1, geo.lk)  # the keys some query of the block may see
+            for j0, j1 in _spans(c1, geo.bk, c0):
+                st = scratch(self.s_buf, lead + (j1 - j0, nq))  # S^T: keys down, queries across
+                np.matmul(lay.k[..., j0:j1, :], qs_t, out=st)
+                if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs):
                     continue  # every score of this block is masked
-                np.max(st, axis=-2, keepdims=True, out=m_new)
-                np.maximum(m_new, m, out=m_new)  # m' = max(m, max_B s)
-                np.maximum(m_new, floor, out=shift)  # a row that saw only -inf shifts by a finite number
-                np.subtract(m, shift, out=alpha)
-                np.exp(alpha, out=alpha)  # alpha = exp(m - m'): 0 on a row's first block
-                np.subtract(st, shift, out=st)
-                np.exp(st, out=st)  # P_B^T = exp(s_B - m')
-                np.sum(st, axis=-2, keepdims=True, out=rsum)
-                l *= alpha
-                l += rsum  # l' = alpha l + rowsum(P_B)
-                if dropout is not None:  # a' sums the kept weights only
-                    st *= dropout.keep_t(i0, i1, j0, j1, drop_bufs)
-                np.matmul(vw[..., j0:j1, :].swapaxes(-1, -2), st, out=pv_t)
-                acc_t *= alpha
-                acc_t += pv_t  # a' = alpha a + P_B v_B  (transposed)
-                m, m_new = m_new, m  # m <- m' (swap the two buffers, no copy)
-            # o = a / l [/ (1-p)] and lse = m + log l; rows that saw no key (l = 0) keep o = 0, lse = 0
-            empty = l == 0
-            if empty.any():
-                l[empty] = 1.0
-                m[empty] = 0.0
-            o_t = out[..., i0:i1, :].swapaxes(-1, -2)
-            np.divide(acc_t, l, out=o_t)
-            if dropout_p > 0.0:
-                o_t *= drop_scale
-            np.log(l, out=l)
-            np.add(m, l, out=lse[..., None, i0:i1])
+                keep = None if geo.dropout is None else geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
+                stats.add_block(st, keep, lay.v[..., j0:j1, :], acc_t, pv_t)
+            drop_scale = None if geo.dropout is None else geo.dropout.scale
+            stats.finish(acc_t, drop_scale, out[..., i0:i1, :].swapaxes(-1, -2), lse[..., None, i0:i1])
 
-    q_blocks = _blocks(lq, bq)
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(head_dim, head_dim_v))
-    _run(rows, _shares(q_blocks, workers))
-    out = out.reshape(lay.out_lead + (lq, head_dim_v))
-    lse = lse.reshape(lay.out_lead + (lq,))
-    return out, MemoryEfficientCache(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        attn_mask,
-        is_causal,
-        scale,
-        bq,
-        bk,
-        dropout_p,
-        seed,
-        groups,
-        causal_align,
-        window,
-        alibi_slopes,
-        softcap,
-        sinks,
-        mask_grad,
-    )
+
+def _scaled_rows(qw, i0, i1, scale, buf):
+    """``scale q`` for the query rows ``i0..i1-1``, in ``buf`` (scale goes on q, never on the larger
+    score blocks)."""
+    qs = scratch(buf, qw.shape[:-2] + (i1 - i0, qw.shape[-1]))
+    return np.multiply(qw[..., i0:i1, :], scale, out=qs)
+
+
+class _OnlineSoftmax:
+    """The running statistics of one block of query rows, as rows ``(..., 1, nq)``: the maximum
+    ``m`` of the scores seen so far and the sum ``l`` of their exponentials relative to it (see
+    ``memory_efficient_attention``); a sink starts them at ``m = sink``, ``l = exp(0) = 1``."""
+
+    def __init__(self, bufs, sinks, dt):
+        self.m, self.m_new, self.shift, self.alpha, self.l, self.rsum = bufs
+        self.floor = np.finfo(dt).min
+        if sinks is None:
+            self.m.fill(-np.inf)
+            self.l.fill(0.0)
+        else:  # the sink joins first: m = sink, l = exp(0)
+            np.copyto(self.m, sinks)
+            self.l.fill(1.0)
+
+    def add_block(self, st, keep, v_j, acc_t, pv_t):
+        """One key block of final scores ``st`` (key-major, overwritten by its weights): ``m' =
+        max(m, max_B s)``, ``alpha = exp(m - m')``, ``l' = alpha l + rowsum(P_B)`` and ``a' = alpha a
+        + (P_B [* keep]) v_B`` (``a`` transposed, ``acc_t``; dropout sums the kept weights only)."""
+        m, m_new, shift, alpha, rsum = self.m, self.m_new, self.shift, self.alpha, self.rsum
+        np.max(st, axis=-2, keepdims=True, out=m_new)
+        np.maximum(m_new, m, out=m_new)  # m' = max(m, max_B s)
+        np.maximum(m_new, self.floor, out=shift)  # a row that saw only -inf shifts by a finite number
+        np.subtract(m, shift, out=alpha)
+        np.exp(alpha, out=alpha)  # alpha = exp(m - m'): 0 on a row's first block
+        np.subtract(st, shift, out=st)
+        np.exp(st, out=st)  # P_B^T = exp(s_B - m')
+        np.sum(st, axis=-2, keepdims=True, out=rsum)
+        self.l *= alpha
+        self.l += rsum  # l' = alpha l + rowsum(P_B)
+        if keep is not None:  # a' sums the kept weights only
+            st *= keep
+        np.matmul(v_j.swapaxes(-1, -2), st, out=pv_t)
+        acc_t *= alpha
+        acc_t += pv_t  # a' = alpha a + P_B v_B  (transposed)
+        self.m, self.m_new = m_new, m  # m <- m' (swap the two buffers, no copy)
+
+    def finish(self, acc_t, drop_scale, o_t, lse_row):
+        """``o = a / l [/ (1-p)]`` into ``o_t`` and ``lse = m + log l`` into ``lse_row``; rows that saw
+        no key (``l = 0``) keep ``o = 0``, ``lse = 0``."""
+        m, l = self.m, self.l
+        empty = l == 0
+        if empty.any():
+            l[empty] = 1.0
+            m[empty] = 0.0
+        np.divide(acc_t, l, out=o_t)
+        if drop_scale is not None:
+            o_t *= drop_scale
+        np.log(l, out=l)
+        np.add(m, l, out=lse_row)
 
 
 def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """The kernel of ``memory_efficient_attention_backward``: ``dout`` already checked (the
     output's shape, ``q``'s dtype) and ``cache`` a ``MemoryEfficientCache``."""
-    (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        attn_mask,
-        is_causal,
-        scale,
-        bq,
-        bk,
-        dropout_p,
-        seed,
-        groups,
-        causal_align,
-        window,
-        alibi_slopes,
-        softcap,
-        sinks,
-        mask_grad,
-    ) = cache
-    lay = _layout(q, k, v, groups, attn_mask, alibi_slopes, sinks)
-    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    lead = lay.lead
-    dt = q.dtype
-    n_mats = math.prod(lead)
-    bnd = band(lq, lk, is_causal, causal_align, window)
-    scores = _Scores(lay, bnd, softcap, dt)
-    dropout = _Dropout(seed, dropout_p, lead, lq, lk) if dropout_p > 0.0 else None
-    qw, kw, vw = lay.q, lay.k, lay.v
-    q_axes, k_axes, v_axes = (_reduce_axes(a.shape[:-2], lead) for a in (qw, kw, vw))
-
-    dout = dout.reshape(lead + (lq, head_dim_v))
-    out = out.reshape(lead + (lq, head_dim_v))
-    lse_row = lse.reshape(lead + (1, lq))
-    # D_i = rowsum(dO * O): O(L) work on arrays we already have; it equals rowsum(dP * P) (below)
-    d_row = np.einsum("...e,...e->...", dout, out)[..., None, :]
-    if dropout_p > 0.0:
-        # O = (P * keep / (1-p)) V: fold 1/(1-p) into dO once, for dV = P'^T dO and dP = dP' * keep / (1-p)
-        dout = dout * (0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p))
-    qs_all = qw * scale  # scale folded into q once (O(L) memory), so dK_j += dS^T qs is scaled
-    dk = np.zeros(kw.shape, dt)
-    dv = np.zeros(vw.shape, dt)
-
-    # dmask: summed to the mask's own (broadcast) shape.  Workers own disjoint key blocks, so when
-    # the mask has a full key axis they write disjoint columns of one array; otherwise each has its own.
-    mask = lay.mask
-    mshape: tuple = () if mask is None else mask.shape  # the working view's shape
-    mask_shape: tuple = () if attn_mask is None else attn_mask.shape  # the caller's
-    want_dmask = bool(mask_grad) and mask is not None
-    shared_dmask = want_dmask and mshape[-1] == lk and lk > 1
-    m_axes: tuple = ()
-    if want_dmask:  # the broadcast leading axes, then keys (-2) / queries (-1) of the transposed block
-        m_axes = _reduce_axes(mshape[:-2], lead) + tuple(ax for ax, n in ((-2, mshape[-1]), (-1, mshape[-2])) if n == 1)
-    dmask_shared: Any = np.zeros(mshape, dt) if shared_dmask else None
-
-    def columns(share, dq, dmask):
-        """Backward for the key blocks in ``share``; adds this worker's dQ (and dmask) terms."""
-        s_buf = np.empty(n_mats * bk * bq, dt)
-        dp_buf = np.empty(n_mats * bk * bq, dt)
-        t_buf = np.empty(n_mats * bk * bq, dt) if softcap is not None else None
-        dq_buf = np.empty(n_mats * bq * head_dim, dt)
-        dk_buf = np.empty(n_mats * bk * head_dim, dt)
-        dv_buf = np.empty(n_mats * bk * head_dim_v, dt)
-        dkacc_buf = np.empty(n_mats * bk * head_dim, dt) if k_axes else None
-        dvacc_buf = np.empty(n_mats * bk * head_dim_v, dt) if v_axes else None
-        bias_bufs = scores.buffers(bk, bq)
-        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
-        pk_buf = None if dropout is None else np.empty(n_mats * bk * bq, dt)
-        for j0, j1 in share:
-            nk = j1 - j0
-            k_j, v_j = kw[..., j0:j1, :], vw[..., j0:j1, :]
-            # dK_j, dV_j accumulate over the query blocks in the full working layout, then are
-            # summed over the axes k/v were broadcast along (GQA: the G query heads of a kv head)
-            dk_j = _buffer(dkacc_buf, lead + (nk, head_dim)) if k_axes else dk[..., j0:j1, :]
-            dv_j = _buffer(dvacc_buf, lead + (nk, head_dim_v)) if v_axes else dv[..., j0:j1, :]
-            dk_j.fill(0.0)
-            dv_j.fill(0.0)
-            dk_tmp = _buffer(dk_buf, lead + (nk, head_dim))
-            dv_tmp = _buffer(dv_buf, lead + (nk, head_dim_v))
-            i_lo, i_hi = _query_range(bnd, j0, j1, lq)  # queries outside the band see nothing of this key block
-            for i0, i1 in _blocks(i_hi, bq, i_lo):
-                nq = i1 - i0
-                qs = qs_all[..., i0:i1, :]
-                st = _buffer(s_buf, lead + (nk, nq))
-                np.matmul(k_j, qs.swapaxes(-1, -2), out=st)  # S^T = k_j (scale q_i)^T
-                t = None if t_buf is None else _buffer(t_buf, lead + (nk, nq))
-                if not scores.apply(st, i0, i1, j0, j1, bias_bufs, tanh_out=t):
-                    continue
-                np.subtract(st, lse_row[..., i0:i1], out=st)
-                pt = np.exp(st, out=st)  # P^T = exp(S^T - lse)
-                do_i = dout[..., i0:i1, :]
-                dpt = _buffer(dp_buf, lead + (nk, nq))
-                np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)  # dP'^T = V_j dO_i^T
-                if dropout is not None:
-                    keep = dropout.keep_t(i0, i1, j0, j1, drop_bufs)
-                    dpt *= keep  # dP = dP' * keep / (1-p)
-                    pk = np.multiply(pt, keep, out=_buffer(pk_buf, st.shape))
-                    np.matmul(pk, do_i, out=dv_tmp)  # dV_j += (P * keep)^T dO_i / (1-p)
-                else:
-                    np.matmul(pt, do_i, out=dv_tmp)  # dV_j += P^T dO_i
-                dv_j += dv_tmp
-                np.subtract(dpt, d_row[..., i0:i1], out=dpt)
-                dst = np.multiply(dpt, pt, out=dpt)  # dS^T = P^T * (dP^T - D)
-                if want_dmask:  # the mask is added to S: dmask = dS
-                    rows = slice(None) if mshape[-2] == 1 else slice(i0, i1)
-                    cols = slice(None) if mshape[-1] == 1 else slice(j0, j1)
-                    dm = (dmask_shared if shared_dmask else dmask)[..., rows, cols].swapaxes(-1, -2)
-                    _add_reduced(dm, dst, m_axes)
-                if t is not None:  # through softcap * tanh(S_raw / softcap)
-                    np.multiply(t, t, out=t)
-                    np.subtract(1.0, t, out=t)
-                    dst *= t  # dS_raw = dS * (1 - tanh^2)
-                dq_tmp = _buffer(dq_buf, lead + (nq, head_dim))
-                np.matmul(dst.swapaxes(-1, -2), k_j, out=dq_tmp)
-                _add_reduced(dq[..., i0:i1, :], dq_tmp, q_axes)  # dQ_i += dS K_j (scaled below)
-                np.matmul(dst, qs, out=dk_tmp)
-                dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
-            if k_axes:
-                _add_reduced(dk[..., j0:j1, :], dk_j, k_axes)
-            if v_axes:
-                _add_reduced(dv[..., j0:j1, :], dv_j, v_axes)
-
-    k_blocks = [(j0, j1) for j0, j1 in _blocks(lk, bk) if (r := _query_range(bnd, j0, j1, lq))[0] < r[1]]
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(k_blocks), bq * bk * max(head_dim, head_dim_v))
-    shares = _shares(k_blocks, workers) if k_blocks else [[]]
-    dqs = [np.zeros(qw.shape, dt) for _ in shares]
-    dmasks: list = [None if (not want_dmask or shared_dmask) else np.zeros(mshape, dt) for _ in shares]
-    _run(lambda i: columns(shares[i], dqs[i], dmasks[i]), list(range(len(shares))))
+    geo = _cached_geometry(cache)
+    lay, opts = geo.lay, cache.options
+    up = _upstream(geo, dout, cache)
+    dk, dv = np.zeros(lay.k.shape, geo.dt), np.zeros(lay.v.shape, geo.dt)
+    dmask = None
+    if opts.mask_grad and lay.mask is not None and cache.attn_mask is not None:
+        dmask = _MaskGrad(lay.mask, cache.attn_mask.shape, geo.lk, geo.dt)
+    k_blocks = [(j0, j1) for j0, j1 in _spans(geo.lk, geo.bk) if (r := query_range(geo.band, j0, j1, geo.lq))[0] < r[1]]
+    shares = geo.shares(k_blocks)
+    dqs = [np.zeros(lay.q.shape, geo.dt) for _ in shares]
+    dmasks = [None if dmask is None else dmask.for_worker() for _ in shares]
+    _run(lambda i: _BackwardWorker(geo, up, dk, dv).columns(shares[i], dqs[i], dmasks[i]), list(range(len(shares))))
     dq = dqs[0]
     for extra in dqs[1:]:
         dq += extra
-    dq *= scale
-    grads: tuple = (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
-    if want_dmask:
-        dmask = dmask_shared if shared_dmask else dmasks[0]
-        for extra in [] if shared_dmask else dmasks[1:]:
-            dmask += extra
-        grads += (dmask.reshape(mask_shape),)
-    if sinks is not None and lay.sinks is not None:
+    dq *= cache.scale
+    grads: tuple = (dq.reshape(cache.q.shape), dk.reshape(cache.k.shape), dv.reshape(cache.v.shape))
+    if dmask is not None:
+        grads += (dmask.total(dmasks),)
+    if opts.sinks is not None and lay.sinks is not None:
         # The sink is one more logit in each row's softmax, P_sink = exp(sink - lse), with value 0:
         # dP_sink = dO . 0 = 0, so dS_sink = P_sink (dP_sink - D) = -P_sink D, summed over every row
         # (and batch) of its head.
-        p_sink = np.exp(lay.sinks - lse_row)  # (..., 1, Lq)
-        ds = -(p_sink * d_row)
-        s_axes = _reduce_axes(lay.sinks.shape[:-2], lead) + (-2, -1)
-        grads += (ds.sum(axis=s_axes, keepdims=True).reshape(sinks.shape),)
+        p_sink = np.exp(lay.sinks - up.lse_row)  # (..., 1, Lq)
+        grads += (sum_to(-(p_sink * up.d_row), lay.sinks.shape).reshape(opts.sinks.shape),)
     return grads
+
+
+class _Upstream(NamedTuple):
+    """What every worker of the backward reads, in the working layout: ``dout`` (times ``1/(1-p)``
+    with dropout), the rows ``D = rowsum(dO * O)`` and ``lse`` ``(..., 1, Lq)``, and ``scale q``."""
+
+    dout: np.ndarray
+    d_row: np.ndarray
+    lse_row: np.ndarray
+    qs: np.ndarray
+
+
+def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache) -> _Upstream:
+    lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
+    dout = dout.reshape(lead + (lq, ev))
+    out = cache.out.reshape(lead + (lq, ev))
+    # D_i = rowsum(dO * O): O(L) work on arrays we already have; it equals rowsum(dP * P) (see the public op)
+    d_row = np.einsum("...e,...e->...", dout, out)[..., None, :]
+    if geo.dropout is not None:
+        # O = (P * keep / (1-p)) V: fold 1/(1-p) into dO once, for dV = P'^T dO and dP = dP' * keep / (1-p)
+        dout = dout * geo.dropout.scale
+    # scale folded into q once (O(L) memory), so dK_j += dS^T qs is scaled
+    return _Upstream(dout, d_row, cache.lse.reshape(lead + (1, lq)), geo.lay.q * cache.scale)
+
+
+class _MaskGrad:
+    """``dmask = dS`` summed to the mask's own (broadcast) working-layout shape, returned in the
+    caller's ``given`` shape.  Workers own disjoint key blocks, so when the mask has a full key
+    axis they write disjoint columns of one array; otherwise each has its own, summed at the end
+    in a fixed order."""
+
+    def __init__(self, mask: np.ndarray, given: tuple, lk: int, dt):
+        self.shape, self.given, self.dt = mask.shape, given, dt
+        self.shared = np.zeros(mask.shape, dt) if mask.shape[-1] == lk and lk > 1 else None
+
+    def for_worker(self) -> np.ndarray:
+        return self.shared if self.shared is not None else np.zeros(self.shape, self.dt)
+
+    def total(self, parts: list) -> np.ndarray:
+        total = self.shared if self.shared is not None else parts[0]
+        for extra in [] if self.shared is not None else parts[1:]:
+            total += extra
+        return total.reshape(self.given)
+
+
+class _BackwardWorker:
+    """One worker's share of the backward: its own buffers, the key blocks of its share (each
+    finishing its rows of ``dK``, ``dV``), and the step for one (key block, query block) pair."""
+
+    def __init__(self, geo: _Geometry, up: _Upstream, dk: np.ndarray, dv: np.ndarray):
+        self.geo, self.up, self.dk, self.dv = geo, up, dk, dv
+        lay, bq, bk = geo.lay, geo.bq, geo.bk
+        e, ev = lay.q.shape[-1], lay.v.shape[-1]
+        self.s_buf, self.dp_buf = geo.buffer(bk, bq), geo.buffer(bk, bq)
+        self.t_buf = geo.buffer(bk, bq) if geo.scores.softcap is not None else None
+        self.dq_buf, self.dk_buf, self.dv_buf = geo.buffer(bq, e), geo.buffer(bk, e), geo.buffer(bk, ev)
+        # k, v broadcast (GQA: the G query heads of a kv head): dK_j, dV_j accumulate in the full
+        # working layout, then are summed over the axes k/v were broadcast along
+        self.dkacc_buf = geo.buffer(bk, e) if lay.k.shape[:-2] != lay.lead else None
+        self.dvacc_buf = geo.buffer(bk, ev) if lay.v.shape[:-2] != lay.lead else None
+        self.bias_bufs = geo.scores.buffers(bk, bq)
+        self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
+        self.pk_buf = None if geo.dropout is None else geo.buffer(bk, bq)
+
+    def columns(self, share, dq, dmask):
+        """The key blocks of ``share``: ``dK_j``, ``dV_j`` finished; ``dQ`` (and ``dmask``) terms added
+        into this worker's ``dq`` (and ``dmask``)."""
+        geo, lead = self.geo, self.geo.lay.lead
+        e, ev = geo.lay.q.shape[-1], geo.lay.v.shape[-1]
+        for j0, j1 in share:
+            nk = j1 - j0
+            dk_j = self.dk[..., j0:j1, :] if self.dkacc_buf is None else scratch(self.dkacc_buf, lead + (nk, e))
+            dv_j = self.dv[..., j0:j1, :] if self.dvacc_buf is None else scratch(self.dvacc_buf, lead + (nk, ev))
+            dk_j.fill(0.0)
+            dv_j.fill(0.0)
+            i_lo, i_hi = query_range(geo.band, j0, j1, geo.lq)  # queries outside the band see nothing of it
+            for i0, i1 in _spans(i_hi, geo.bq, i_lo):
+                self.pair(i0, i1, j0, j1, dk_j, dv_j, dq, dmask)
+            if self.dkacc_buf is not None:
+                dk_s = self.dk[..., j0:j1, :]
+                dk_s += sum_to(dk_j, dk_s.shape)
+            if self.dvacc_buf is not None:
+                dv_s = self.dv[..., j0:j1, :]
+                dv_s += sum_to(dv_j, dv_s.shape)
+
+    def pair(self, i0, i1, j0, j1, dk_j, dv_j, dq, dmask):
+        """Key block ``j`` against query block ``i``: ``P`` rebuilt from ``lse``, then ``dV_j += P'^T dO_i``,
+        ``dS``, ``dQ_i += dS K_j`` and ``dK_j += dS^T (scale Q_i)`` (and ``dmask += dS``)."""
+        geo, up = self.geo, self.up
+        lead, nk, nq = geo.lay.lead, j1 - j0, i1 - i0
+        e, ev = geo.lay.q.shape[-1], geo.lay.v.shape[-1]
+        k_j, v_j, qs = geo.lay.k[..., j0:j1, :], geo.lay.v[..., j0:j1, :], up.qs[..., i0:i1, :]
+        st = scratch(self.s_buf, lead + (nk, nq))
+        np.matmul(k_j, qs.swapaxes(-1, -2), out=st)  # S^T = k_j (scale q_i)^T
+        t = None if self.t_buf is None else scratch(self.t_buf, lead + (nk, nq))
+        if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs, tanh_out=t):
+            return
+        np.subtract(st, up.lse_row[..., i0:i1], out=st)
+        pt = np.exp(st, out=st)  # P^T = exp(S^T - lse)
+        do_i = up.dout[..., i0:i1, :]
+        dpt = scratch(self.dp_buf, lead + (nk, nq))
+        np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)  # dP'^T = V_j dO_i^T
+        dv_tmp = scratch(self.dv_buf, lead + (nk, ev))
+        if geo.dropout is not None:
+            keep = geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
+            dpt *= keep  # dP = dP' * keep / (1-p)
+            pk = np.multiply(pt, keep, out=scratch(self.pk_buf, st.shape))
+            np.matmul(pk, do_i, out=dv_tmp)  # dV_j += (P * keep)^T dO_i / (1-p)
+        else:
+            np.matmul(pt, do_i, out=dv_tmp)  # dV_j += P^T dO_i
+        dv_j += dv_tmp
+        np.subtract(dpt, up.d_row[..., i0:i1], out=dpt)
+        dst = np.multiply(dpt, pt, out=dpt)  # dS^T = P^T * (dP^T - D)
+        if dmask is not None:  # the mask is added to S: dmask = dS
+            dm = _mask_block(dmask, i0, i1, j0, j1)
+            dm += sum_to(dst, dm.shape)
+        if t is not None:  # through softcap * tanh(S_raw / softcap)
+            np.multiply(t, t, out=t)
+            np.subtract(1.0, t, out=t)
+            dst *= t  # dS_raw = dS * (1 - tanh^2)
+        dq_tmp = scratch(self.dq_buf, lead + (nq, e))
+        np.matmul(dst.swapaxes(-1, -2), k_j, out=dq_tmp)
+        dq_i = dq[..., i0:i1, :]
+        dq_i += sum_to(dq_tmp, dq_i.shape)  # dQ_i += dS K_j (scaled at the end)
+        dk_tmp = scratch(self.dk_buf, lead + (nk, e))
+        np.matmul(dst, qs, out=dk_tmp)
+        dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
 
 
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
@@ -1015,7 +1026,7 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
     True
     """
     check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_jvp")
-    mask = cache.attn_mask if cache.mask_grad else None
+    mask = cache.attn_mask if cache.options.mask_grad else None
     return _memory_efficient_attention_jvp(
         cache,
         *check_attention_tangents(
@@ -1023,7 +1034,7 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
             "memory_efficient_attention_jvp",
             (cache.q.shape, cache.k.shape, cache.v.shape),
             None if mask is None else mask.shape,
-            None if cache.sinks is None else cache.sinks.shape,
+            None if cache.options.sinks is None else cache.options.sinks.shape,
             cache.q.dtype,
         ),
     )
@@ -1032,129 +1043,140 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
 def _memory_efficient_attention_jvp(cache: MemoryEfficientCache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
     """The kernel of ``memory_efficient_attention_jvp``: tangents checked (each of its input's own
     shape, q's dtype) or None (zero)."""
-    q, k, v, out, lse, attn_mask = cache.q, cache.k, cache.v, cache.out, cache.lse, cache.attn_mask
-    scale, bq, bk, dropout_p, groups, sinks = (
-        cache.scale,
-        cache.block_q,
-        cache.block_k,
-        cache.dropout_p,
-        cache.groups,
-        cache.sinks,
-    )
-    lay = _layout(q, k, v, groups, attn_mask, cache.alibi_slopes, sinks)
-    # the tangents in the same working layout (views; a None tangent borrows its input's place, unused)
-    tlay = _layout(
-        q if tq is None else tq,
-        k if tk is None else tk,
-        v if tv is None else tv,
-        groups,
-        attn_mask if tmask is None else tmask,
-        None,
-        sinks if tsinks is None else tsinks,
-    )
-    tqw = None if tq is None else tlay.q
-    tkw = None if tk is None else tlay.k
-    tvw = None if tv is None else tlay.v
-    tmw = None if tmask is None else tlay.mask
-    tsw = None if tsinks is None else tlay.sinks
-    lq, lk, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
-    lead, dt = lay.lead, q.dtype
-    n_mats = math.prod(lead)
-    bnd = band(lq, lk, cache.is_causal, cache.causal_align, cache.window)
-    scores = _Scores(lay, bnd, cache.softcap, dt)
-    dropout = _Dropout(cache.seed, dropout_p, lead, lq, lk) if dropout_p > 0.0 else None
-    drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-    qw, kw, vw = lay.q, lay.k, lay.v
-    qlead = qw.shape[:-2]
-    out_w = out.reshape(lead + (lq, head_dim_v))
-    lse_row = lse.reshape(lead + (1, lq))
-    tout = np.empty(lead + (lq, head_dim_v), dt)
-    has_ts = tqw is not None or tkw is not None  # tS from the scores' inputs
-    has_tz = has_ts or tmw is not None  # any tangent of the logits
+    geo = _cached_geometry(cache)
+    tan = _tangent_layout(cache, tq, tk, tv, tmask, tsinks)
+    lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
+    out_w = cache.out.reshape(lead + (lq, ev))
+    lse_row = cache.lse.reshape(lead + (1, lq))
+    tout = np.empty(lead + (lq, ev), geo.dt)
+    worker = lambda share: _JvpWorker(geo, cache.scale, tan).rows(share, out_w, lse_row, tout)  # noqa: E731
+    _run(worker, geo.shares(_spans(lq, geo.bq)))
+    return tout.reshape(geo.lay.out_lead + (lq, ev))
 
-    def rows(share):
-        """The tangent of the query blocks in ``share``, with this worker's own buffers."""
-        qs_buf = np.empty(math.prod(qlead) * bq * head_dim, dt)
-        tqs_buf = None if tqw is None else np.empty(math.prod(tqw.shape[:-2]) * bq * head_dim, dt)
-        s_buf = np.empty(n_mats * bk * bq, dt)
-        tz_buf = np.empty(n_mats * bk * bq, dt) if has_tz else None
-        part_buf = np.empty(n_mats * bk * bq, dt) if tqw is not None and tkw is not None else None
-        t_buf = np.empty(n_mats * bk * bq, dt) if cache.softcap is not None and has_ts else None
-        acc_buf = np.empty(n_mats * head_dim_v * bq, dt)
-        pv_buf = np.empty(n_mats * head_dim_v * bq, dt)
-        mu_buf, rsum_buf = np.empty(n_mats * bq, dt), np.empty(n_mats * bq, dt)
-        bias_bufs = scores.buffers(bk, bq)
-        drop_bufs = None if dropout is None else dropout.buffers(bk, bq)
+
+class _Tangents(NamedTuple):
+    """The tangents in the forward's working layout (views), None for zero."""
+
+    q: Optional[np.ndarray]
+    k: Optional[np.ndarray]
+    v: Optional[np.ndarray]
+    mask: Optional[np.ndarray]
+    sinks: Optional[np.ndarray]
+
+
+def _tangent_layout(cache: MemoryEfficientCache, tq, tk, tv, tmask, tsinks) -> _Tangents:
+    """The tangents viewed as their inputs are (a None tangent borrows its input's place, unused)."""
+    tlay = _layout(
+        cache.q if tq is None else tq,
+        cache.k if tk is None else tk,
+        cache.v if tv is None else tv,
+        cache.groups,
+        cache.attn_mask if tmask is None else tmask,
+        None,
+        cache.options.sinks if tsinks is None else tsinks,
+    )
+    given = (tq, tk, tv, tmask, tsinks)
+    viewed = (tlay.q, tlay.k, tlay.v, tlay.mask, tlay.sinks)
+    return _Tangents(*(None if t is None else w for t, w in zip(given, viewed)))
+
+
+class _JvpWorker:
+    """One worker's share of the JVP: its own buffers, the query blocks of its share, and the step
+    for one key block (the sums ``a`` and ``mu`` of ``memory_efficient_attention_jvp``)."""
+
+    def __init__(self, geo: _Geometry, scale: float, tan: _Tangents):
+        self.geo, self.scale, self.tan = geo, scale, tan
+        lay, bq, bk, dt = geo.lay, geo.bq, geo.bk, geo.dt
+        e, ev = lay.q.shape[-1], lay.v.shape[-1]
+        self.has_ts = tan.q is not None or tan.k is not None  # tS from the scores' inputs
+        self.has_tz = self.has_ts or tan.mask is not None  # any tangent of the logits
+        self.qs_buf = np.empty(math.prod(lay.q.shape[:-2]) * bq * e, dt)
+        self.tqs_buf = None if tan.q is None else np.empty(math.prod(tan.q.shape[:-2]) * bq * e, dt)
+        self.s_buf = geo.buffer(bk, bq)
+        self.tz_buf = geo.buffer(bk, bq) if self.has_tz else None
+        self.part_buf = geo.buffer(bk, bq) if tan.q is not None and tan.k is not None else None
+        self.t_buf = geo.buffer(bk, bq) if geo.scores.softcap is not None and self.has_ts else None
+        self.acc_buf, self.pv_buf = geo.buffer(ev, bq), geo.buffer(ev, bq)
+        self.mu_buf, self.rsum_buf = geo.buffer(bq), geo.buffer(bq)
+        self.bias_bufs = geo.scores.buffers(bk, bq)
+        self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
+
+    def rows(self, share, out_w, lse_row, tout):
+        """``tout`` (working layout) of the query blocks in ``share``: ``tO = a [/ (1-p)] - O mu``."""
+        geo, lay, tan = self.geo, self.geo.lay, self.tan
+        lead, ev = lay.lead, lay.v.shape[-1]
         for i0, i1 in share:
             nq = i1 - i0
-            qs = _buffer(qs_buf, qlead + (nq, head_dim))
-            np.multiply(qw[..., i0:i1, :], scale, out=qs)
-            qs_t = qs.swapaxes(-1, -2)
-            tqs_t = None
-            if tqw is not None:
-                tqs = _buffer(tqs_buf, tqw.shape[:-2] + (nq, head_dim))
-                np.multiply(tqw[..., i0:i1, :], scale, out=tqs)
-                tqs_t = tqs.swapaxes(-1, -2)
-            acc_t = _buffer(acc_buf, lead + (head_dim_v, nq))  # a^T, transposed like the scores
+            qs_t = _scaled_rows(lay.q, i0, i1, self.scale, self.qs_buf).swapaxes(-1, -2)
+            tqs_t = None if tan.q is None else _scaled_rows(tan.q, i0, i1, self.scale, self.tqs_buf).swapaxes(-1, -2)
+            acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
-            pv_t = _buffer(pv_buf, lead + (head_dim_v, nq))
-            mu = _buffer(mu_buf, lead + (1, nq))
+            pv_t = scratch(self.pv_buf, lead + (ev, nq))
+            mu = scratch(self.mu_buf, lead + (1, nq))
             mu.fill(0.0)
-            rsum = _buffer(rsum_buf, lead + (1, nq))
-            c0, c1 = key_range(bnd, i0, i1, lk)
-            for j0, j1 in _blocks(c1, bk, c0):
-                nk = j1 - j0
-                st = _buffer(s_buf, lead + (nk, nq))  # S^T: keys down, queries across
-                np.matmul(kw[..., j0:j1, :], qs_t, out=st)
-                t = None if t_buf is None else _buffer(t_buf, lead + (nk, nq))
-                if not scores.apply(st, i0, i1, j0, j1, bias_bufs, tanh_out=t):
-                    continue  # every score of this block is masked: P = 0
-                np.subtract(st, lse_row[..., i0:i1], out=st)
-                pt = np.exp(st, out=st)  # P^T = exp(S^T - lse), exact
-                if has_tz:
-                    tz = _buffer(tz_buf, lead + (nk, nq))  # tS^T
-                    if tqs_t is not None:
-                        np.matmul(kw[..., j0:j1, :], tqs_t, out=tz)  # K (scale tq)^T
-                    if tkw is not None:
-                        if tqs_t is None:
-                            np.matmul(tkw[..., j0:j1, :], qs_t, out=tz)
-                        else:
-                            tz += np.matmul(tkw[..., j0:j1, :], qs_t, out=_buffer(part_buf, tz.shape))
-                    if t is not None:  # through softcap: (1 - tanh^2)
-                        np.multiply(t, t, out=t)
-                        np.subtract(1.0, t, out=t)
-                        tz *= t
-                    if tmw is not None:
-                        rws = slice(None) if tmw.shape[-2] == 1 else slice(i0, i1)
-                        cls = slice(None) if tmw.shape[-1] == 1 else slice(j0, j1)
-                        mb = tmw[..., rws, cls].swapaxes(-1, -2)
-                        if has_ts:
-                            tz += mb
-                        else:
-                            np.copyto(tz, np.broadcast_to(mb, tz.shape))
-                    tz *= pt  # P * tS
-                    np.sum(tz, axis=-2, keepdims=True, out=rsum)
-                    mu += rsum  # mu += rowsum(P * tS)
-                if dropout is not None:  # a sums the kept weights only (1/(1-p) at the end)
-                    keep = dropout.keep_t(i0, i1, j0, j1, drop_bufs)
-                    pt *= keep
-                    if has_tz:
-                        tz *= keep
-                if has_tz:
-                    np.matmul(vw[..., j0:j1, :].swapaxes(-1, -2), tz, out=pv_t)
-                    acc_t += pv_t  # a += (P' * tS) V_j  (transposed)
-                if tvw is not None:
-                    np.matmul(tvw[..., j0:j1, :].swapaxes(-1, -2), pt, out=pv_t)
-                    acc_t += pv_t  # a += P'^T tV_j
-            if tsw is not None:  # the sink's logit moves too: mu += P_sink tsink
-                mu += np.exp(lay.sinks - lse_row[..., i0:i1]) * tsw
+            c0, c1 = key_range(geo.band, i0, i1, geo.lk)
+            for j0, j1 in _spans(c1, geo.bk, c0):
+                self.pair(i0, i1, j0, j1, qs_t, tqs_t, lse_row, acc_t, pv_t, mu)
+            if tan.sinks is not None:  # the sink's logit moves too: mu += P_sink tsink
+                mu += np.exp(lay.sinks - lse_row[..., i0:i1]) * tan.sinks
             # tO = a [/ (1-p)] - O mu; a row that saw no key has a = 0 and O = 0
             to_t = tout[..., i0:i1, :].swapaxes(-1, -2)
-            np.multiply(acc_t, drop_scale, out=to_t) if dropout is not None else np.copyto(to_t, acc_t)
+            if geo.dropout is not None:
+                np.multiply(acc_t, geo.dropout.scale, out=to_t)
+            else:
+                np.copyto(to_t, acc_t)
             np.multiply(out_w[..., i0:i1, :].swapaxes(-1, -2), mu, out=pv_t)
             to_t -= pv_t
 
-    q_blocks = _blocks(lq, bq)
-    workers = _n_workers(n_mats * lq * _band_width(bnd, lk), len(q_blocks), bq * bk * max(head_dim, head_dim_v))
-    _run(rows, _shares(q_blocks, workers))
-    return tout.reshape(lay.out_lead + (lq, head_dim_v))
+    def pair(self, i0, i1, j0, j1, qs_t, tqs_t, lse_row, acc_t, pv_t, mu):
+        """Query block ``i`` against key block ``j``: ``P = exp(S - lse)`` (exact), then ``a += (P' *
+        tS) V_j + P'^T tV_j`` and ``mu += rowsum(P * tS)``."""
+        geo, lay, tan = self.geo, self.geo.lay, self.tan
+        nk, nq = j1 - j0, i1 - i0
+        st = scratch(self.s_buf, lay.lead + (nk, nq))  # S^T: keys down, queries across
+        np.matmul(lay.k[..., j0:j1, :], qs_t, out=st)
+        t = None if self.t_buf is None else scratch(self.t_buf, st.shape)
+        if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs, tanh_out=t):
+            return  # every score of this block is masked: P = 0
+        np.subtract(st, lse_row[..., i0:i1], out=st)
+        pt = np.exp(st, out=st)  # P^T = exp(S^T - lse), exact
+        tz = self._weighted_logit_tangent(i0, i1, j0, j1, qs_t, tqs_t, t, pt, mu) if self.has_tz else None
+        if geo.dropout is not None:  # a sums the kept weights only (1/(1-p) at the end)
+            keep = geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
+            pt *= keep
+            if tz is not None:
+                tz *= keep
+        if tz is not None:
+            np.matmul(lay.v[..., j0:j1, :].swapaxes(-1, -2), tz, out=pv_t)
+            acc_t += pv_t  # a += (P' * tS) V_j  (transposed)
+        if tan.v is not None:
+            np.matmul(tan.v[..., j0:j1, :].swapaxes(-1, -2), pt, out=pv_t)
+            acc_t += pv_t  # a += P'^T tV_j
+
+    def _weighted_logit_tangent(self, i0, i1, j0, j1, qs_t, tqs_t, t, pt, mu):
+        """``P * tS`` of the block (key-major, in this worker's buffer), its row sums added to ``mu``:
+        ``tS = (K (scale tq)^T + tK (scale q)^T) [* (1 - tanh^2)] + tmask``."""
+        kw, tan = self.geo.lay.k, self.tan
+        tz = scratch(self.tz_buf, pt.shape)  # tS^T
+        if tqs_t is not None:
+            np.matmul(kw[..., j0:j1, :], tqs_t, out=tz)  # K (scale tq)^T
+        if tan.k is not None:
+            if tqs_t is None:
+                np.matmul(tan.k[..., j0:j1, :], qs_t, out=tz)
+            else:
+                tz += np.matmul(tan.k[..., j0:j1, :], qs_t, out=scratch(self.part_buf, tz.shape))
+        if t is not None:  # through softcap: (1 - tanh^2)
+            np.multiply(t, t, out=t)
+            np.subtract(1.0, t, out=t)
+            tz *= t
+        if tan.mask is not None:
+            mb = _mask_block(tan.mask, i0, i1, j0, j1)
+            if self.has_ts:
+                tz += mb
+            else:
+                np.copyto(tz, np.broadcast_to(mb, tz.shape))
+        tz *= pt  # P * tS
+        rsum = scratch(self.rsum_buf, mu.shape)
+        np.sum(tz, axis=-2, keepdims=True, out=rsum)
+        mu += rsum  # mu += rowsum(P * tS)
+        return tz
