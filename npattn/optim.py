@@ -32,6 +32,7 @@ import numbers
 
 import numpy as np
 
+from ._docs import shared_doc
 from ._validate import check_bool, check_positive_float, check_size
 from .nn.module import Parameter
 
@@ -115,50 +116,40 @@ def _state_array(v, like: np.ndarray, what: str, problems: list):
     return np.array(a, dtype=like.dtype, copy=True)
 
 
-def _fits_a_line(construct: str):
-    """Class decorator: the optimizers' shared docstring parts written once, Adam's step (in place
-    of the line ``<Adam's step>``) and the sections Raises and Examples (fitting a ``Linear`` with
-    ``optim.<construct>``) appended to the class's own docstring."""
-
-    def add(cls):
-        doc = cls.__doc__.replace("        <Adam's step>\n", _ADAM_STEP)
-        cls.__doc__ = doc.rstrip() + "\n" + _SHARED_SECTIONS.format(construct=construct) + "\n    "
-        return cls
-
-    return add
-
-
-_ADAM_STEP = """        m     = beta1 * m + (1 - beta1) * g
-        v     = beta2 * v + (1 - beta2) * g * g
-        bc1   = 1 - beta1 ** t
-        bc2   = 1 - beta2 ** t
-        denom = sqrt(v) / sqrt(bc2) + eps
-        p    -= (lr / bc1) * m / denom
-"""
-_SHARED_SECTIONS = """
-    Raises
-    ------
-    TypeError, ValueError
-        No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
-        ``[0, 1)``, ...).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import npattn
-    >>> from npattn import optim
-    >>> lin = npattn.Linear(3, 1, rng=0)
-    >>> opt = optim.{construct}
-    >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
-    >>> losses = []
-    >>> for _ in range(50):
-    ...     opt.zero_grad()
-    ...     y = lin(x)
-    ...     losses.append(float(((y - target) ** 2).mean()))
-    ...     _ = lin.backward(2 * (y - target) / y.size)
-    ...     opt.step()
-    >>> losses[-1] < 0.01 * losses[0]
-    True"""
+# -- docstring parts the optimizers share (npattn._docs.shared_doc) -------------------------
+_SHARED_DOC = {
+    "raises": """
+        TypeError, ValueError
+            No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
+            ``[0, 1)``, ...).
+        """,
+    "fit_setup": """
+        >>> import numpy as np
+        >>> import npattn
+        >>> from npattn import optim
+        >>> lin = npattn.Linear(3, 1, rng=0)
+        """,
+    "fit_loop": """
+        >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
+        >>> losses = []
+        >>> for _ in range(50):
+        ...     opt.zero_grad()
+        ...     y = lin(x)
+        ...     losses.append(float(((y - target) ** 2).mean()))
+        ...     _ = lin.backward(2 * (y - target) / y.size)
+        ...     opt.step()
+        >>> losses[-1] < 0.01 * losses[0]
+        True
+        """,
+}
+_ADAM_STEP = """
+    m     = beta1 * m + (1 - beta1) * g
+    v     = beta2 * v + (1 - beta2) * g * g
+    bc1   = 1 - beta1 ** t
+    bc2   = 1 - beta2 ** t
+    denom = sqrt(v) / sqrt(bc2) + eps
+    p    -= (lr / bc1) * m / denom
+    """  # Adam's and AdamW's update of the moments and the parameter
 
 
 # -- base class ----------------------------------------------------------------------------
@@ -353,7 +344,7 @@ class Optimizer:
 
 
 # -- SGD ------------------------------------------------------------------------------------
-@_fits_a_line("SGD(lin, lr=0.1, momentum=0.9)")
+@shared_doc(**_SHARED_DOC)
 class SGD(Optimizer):
     r"""Stochastic gradient descent with optional momentum, as ``torch.optim.SGD`` (dampening 0).
 
@@ -368,6 +359,16 @@ class SGD(Optimizer):
 
     With ``momentum == 0`` there is no buffer and the update is ``p -= lr * g``.
     ``nesterov=True`` requires ``momentum > 0`` (as in torch).
+
+    Raises
+    ------
+    <raises>
+
+    Examples
+    --------
+    <fit_setup>
+    >>> opt = optim.SGD(lin, lr=0.1, momentum=0.9)
+    <fit_loop>
     """
 
     _hyper = ("lr", "momentum", "weight_decay", "nesterov")
@@ -409,7 +410,7 @@ class SGD(Optimizer):
 
 
 # -- Adam / AdamW ----------------------------------------------------------------------------
-@_fits_a_line("Adam(lin, lr=0.1)")
+@shared_doc(**_SHARED_DOC, adam_step=_ADAM_STEP)
 class Adam(Optimizer):
     r"""Adam, as ``torch.optim.Adam`` (L2 weight decay added to the gradient; no amsgrad).
 
@@ -417,9 +418,19 @@ class Adam(Optimizer):
     start at zero)::
 
         g     = grad + weight_decay * p
-        <Adam's step>
+        <adam_step>
 
     ``eps`` is added *after* the bias correction of ``sqrt(v)``, exactly as torch does.
+
+    Raises
+    ------
+    <raises>
+
+    Examples
+    --------
+    <fit_setup>
+    >>> opt = optim.Adam(lin, lr=0.1)
+    <fit_loop>
     """
 
     _hyper = ("lr", "betas", "eps", "weight_decay")
@@ -472,14 +483,24 @@ class Adam(Optimizer):
         p.data -= step_size * (m / denom)
 
 
-@_fits_a_line("AdamW(lin, lr=0.1, weight_decay=0.0)")
+@shared_doc(**_SHARED_DOC, adam_step=_ADAM_STEP)
 class AdamW(Adam):
     r"""AdamW, as ``torch.optim.AdamW``: Adam with *decoupled* weight decay.
 
     For each parameter ``p`` with gradient ``g``, at step ``t = 1, 2, ...``::
 
         p    *= 1 - lr * weight_decay                 # decay first, independent of the gradient
-        <Adam's step>
+        <adam_step>
+
+    Raises
+    ------
+    <raises>
+
+    Examples
+    --------
+    <fit_setup>
+    >>> opt = optim.AdamW(lin, lr=0.1, weight_decay=0.0)
+    <fit_loop>
     """
 
     _decoupled = True

@@ -1,0 +1,57 @@
+"""Docstring parts written once (``npattn._docs.shared_doc``): every marker is filled, in place,
+indented as its line; a part the docstring does not name is an error."""
+
+import importlib
+import inspect
+import pkgutil
+import re
+
+import pytest
+
+import npattn
+from npattn._docs import shared_doc
+
+MARKER = re.compile(r"^[ \t]*<[A-Za-z_][A-Za-z0-9_]*>[ \t]*$", re.M)
+
+
+def _public_objects():
+    for info in pkgutil.walk_packages(npattn.__path__, "npattn."):
+        if ".tools" in info.name or info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency (hypothesis, matplotlib)
+            continue
+        for name in getattr(module, "__all__", []):
+            obj = getattr(module, name)
+            yield f"{info.name}.{name}", obj
+            if inspect.isclass(obj):
+                for member, value in vars(obj).items():
+                    yield f"{info.name}.{name}.{member}", value
+
+
+def test_no_marker_is_left_in_a_public_docstring():
+    left = [where for where, obj in _public_objects() if MARKER.search(getattr(obj, "__doc__", None) or "")]
+    assert not left, left
+
+
+def test_the_part_takes_the_markers_indent_and_keeps_blank_lines_blank():
+    @shared_doc(part="a\n\n    b\n")
+    def f():
+        """Head.
+
+        Notes
+        -----
+        <part>
+        tail
+        """
+
+    assert f.__doc__ == "Head.\n\n        Notes\n        -----\n        a\n\n            b\n        tail\n        "
+
+
+def test_a_part_without_its_marker_is_an_error():
+    def f():
+        """No markers here."""
+
+    with pytest.raises(ValueError, match=r"f'? has no line <raises>"):
+        shared_doc(raises="TypeError")(f)
