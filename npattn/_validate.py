@@ -201,6 +201,37 @@ def check_tangent(t, name: str, shape, dtype, present: bool = True):
     return _float_of_shape(t, name, shape, dtype, "the input's")
 
 
+def check_tangents_as(tangents: tuple, op: str, dtype, specs: tuple) -> tuple:
+    """The tangents given to ``op`` (an ``<op>_jvp`` or ``<op>_backward_jvp``), one per spec
+    ``(name, shape)`` or ``(name, shape, present)`` in the backward's order: at most
+    ``len(specs)`` of them (:func:`check_tangents`; missing trailing ones are None, i.e. zero), each
+    None or of its input's shape, cast to ``dtype`` (:func:`check_tangent`)."""
+    padded = check_tangents(tuple(tangents), tuple(s[0] for s in specs), op)
+    return tuple(check_tangent(t, s[0], s[1], dtype, *s[2:]) for t, s in zip(padded, specs))
+
+
+def check_backward_jvp(dout, tangents, ddout, op: str, shape, dtype, specs: tuple) -> tuple:
+    """The arguments of ``<op>_backward_jvp(dout, cache, tangents, ddout=None)`` after the cache:
+    ``dout`` as the backward checks it (:func:`check_grad`, the forward output's ``shape``);
+    ``tangents`` a tuple or list (None: every tangent zero) checked as ``<op>_jvp`` checks its
+    tangents (:func:`check_tangents_as` with the op's ``specs``); ``ddout`` None (zero) or of
+    ``dout``'s shape.  Returns ``(dout, tangents, ddout)``, cast to ``dtype``, tangents padded with
+    None to ``len(specs)``."""
+    dout = check_grad(dout, shape, dtype)
+    if tangents is None:
+        tangents = ()
+    elif not isinstance(tangents, (tuple, list)):
+        names = ", ".join(s[0] for s in specs)
+        raise TypeError(
+            f"tangents: expected a tuple of at most {len(specs)} tangents ({names}; None for zero) or None, "
+            f"got {type(tangents).__name__}"
+            + (f" (write ({specs[0][0]},) for one)" if hasattr(tangents, "shape") else "")
+        )
+    tangents = check_tangents_as(tangents, op, dtype, specs)
+    ddout = None if ddout is None else check_grad(ddout, shape, dtype, "ddout")
+    return dout, tangents, ddout
+
+
 def check_mask(mask, name: str, target_shape) -> np.ndarray:
     """A bool (True = may attend) or float (additive) mask broadcastable to ``target_shape``.
 

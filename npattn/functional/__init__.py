@@ -7,18 +7,23 @@ backward sits directly under its forward, its docstring deriving it.
 from .activation import (
     dropout,
     dropout_backward,
+    dropout_backward_jvp,
     dropout_jvp,
     gelu,
     gelu_backward,
+    gelu_backward_jvp,
     gelu_jvp,
     relu,
     relu_backward,
+    relu_backward_jvp,
     relu_jvp,
     silu,
     silu_backward,
+    silu_backward_jvp,
     silu_jvp,
     softmax,
     softmax_backward,
+    softmax_backward_jvp,
     softmax_jvp,
 )
 from .attention import (
@@ -27,21 +32,23 @@ from .attention import (
     scaled_dot_product_attention_backward,
     scaled_dot_product_attention_jvp,
 )
-from .conv import causal_conv1d, causal_conv1d_backward, causal_conv1d_jvp
+from .conv import causal_conv1d, causal_conv1d_backward, causal_conv1d_backward_jvp, causal_conv1d_jvp
 from .delta_rule import (
     gated_delta_rule,
     gated_delta_rule_backward,
     gated_delta_rule_jvp,
     l2_norm,
     l2_norm_backward,
+    l2_norm_backward_jvp,
     l2_norm_jvp,
     rms_norm_gated,
     rms_norm_gated_backward,
+    rms_norm_gated_backward_jvp,
     rms_norm_gated_jvp,
 )
-from .embedding import embedding, embedding_backward, embedding_jvp
-from .linear import linear, linear_backward, linear_jvp
-from .loss import cross_entropy, cross_entropy_backward, cross_entropy_jvp
+from .embedding import embedding, embedding_backward, embedding_backward_jvp, embedding_jvp
+from .linear import linear, linear_backward, linear_backward_jvp, linear_jvp
+from .loss import cross_entropy, cross_entropy_backward, cross_entropy_backward_jvp, cross_entropy_jvp
 from .memory_efficient import (
     memory_efficient_attention,
     memory_efficient_attention_backward,
@@ -55,8 +62,17 @@ from .moe import (
     topk_router_backward,
     topk_router_jvp,
 )
-from .norm import layer_norm, layer_norm_backward, layer_norm_jvp, rms_norm, rms_norm_backward, rms_norm_jvp
-from .rope import rope, rope_backward, rope_jvp
+from .norm import (
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_backward_jvp,
+    layer_norm_jvp,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_backward_jvp,
+    rms_norm_jvp,
+)
+from .rope import rope, rope_backward, rope_backward_jvp, rope_jvp
 from .rope_scaling import rope_frequencies, rope_softmax_scale, yarn_mscale
 
 __all__ = [
@@ -66,33 +82,43 @@ __all__ = [
     "linear",
     "linear_backward",
     "linear_jvp",
+    "linear_backward_jvp",
     "embedding",
     "embedding_backward",
     "embedding_jvp",
+    "embedding_backward_jvp",
     "softmax",
     "softmax_backward",
     "softmax_jvp",
+    "softmax_backward_jvp",
     "relu",
     "relu_backward",
     "relu_jvp",
+    "relu_backward_jvp",
     "gelu",
     "gelu_backward",
     "gelu_jvp",
+    "gelu_backward_jvp",
     "silu",
     "silu_backward",
     "silu_jvp",
+    "silu_backward_jvp",
     "dropout",
     "dropout_backward",
     "dropout_jvp",
+    "dropout_backward_jvp",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_jvp",
+    "layer_norm_backward_jvp",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_jvp",
+    "rms_norm_backward_jvp",
     "rope",
     "rope_backward",
     "rope_jvp",
+    "rope_backward_jvp",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_jvp",
@@ -100,6 +126,7 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_backward",
     "cross_entropy_jvp",
+    "cross_entropy_backward_jvp",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
     "memory_efficient_attention_jvp",
@@ -109,12 +136,15 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_backward",
     "causal_conv1d_jvp",
+    "causal_conv1d_backward_jvp",
     "l2_norm",
     "l2_norm_backward",
     "l2_norm_jvp",
+    "l2_norm_backward_jvp",
     "rms_norm_gated",
     "rms_norm_gated_backward",
     "rms_norm_gated_jvp",
+    "rms_norm_gated_backward_jvp",
     "topk_router",
     "topk_router_backward",
     "topk_router_jvp",

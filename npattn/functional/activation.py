@@ -16,12 +16,12 @@ from .._validate import (
     as_float,
     as_rng,
     check_axis,
+    check_backward_jvp,
     check_bool,
     check_cache,
     check_grad,
     check_prob,
-    check_tangent,
-    check_tangents,
+    check_tangents_as,
 )
 from ._erf import erf
 
@@ -34,18 +34,23 @@ __all__ = [
     "relu",
     "relu_backward",
     "relu_jvp",
+    "relu_backward_jvp",
     "gelu",
     "gelu_backward",
     "gelu_jvp",
+    "gelu_backward_jvp",
     "silu",
     "silu_backward",
     "silu_jvp",
+    "silu_backward_jvp",
     "softmax",
     "softmax_backward",
     "softmax_jvp",
+    "softmax_backward_jvp",
     "dropout",
     "dropout_backward",
     "dropout_jvp",
+    "dropout_backward_jvp",
 ]
 
 
@@ -196,8 +201,7 @@ def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, ReluCache, "relu_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "relu_jvp")
-    return _relu_jvp(cache, check_tangent(tx, "tx", cache.positive.shape, cache.dtype))
+    return _relu_jvp(cache, *check_tangents_as(tangents, "relu_jvp", cache.dtype, (("tx", cache.positive.shape),)))
 
 
 def _relu_jvp(cache, tx=None):
@@ -205,6 +209,46 @@ def _relu_jvp(cache, tx=None):
     if tx is None:
         return np.zeros(cache.positive.shape, cache.dtype)
     return _relu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+
+
+def relu_backward_jvp(dout: np.ndarray, cache: ReluCache, tangents, ddout=None):
+    """Second order of ``relu``: ``dx = dy * [x > 0]`` is linear in ``dy`` and its mask is
+    piecewise constant in ``x`` (its derivative is 0 away from ``x = 0``, as torch's), so
+    ``tdx = ddout * [x > 0]`` whatever ``tx`` is.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : ReluCache
+        The cache ``relu`` returned.
+    tangents : tuple
+        ``(tx,)`` as ``relu_jvp`` takes it (``x``'s shape); None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dx``, exactly ``relu_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdx``, its tangent, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    """
+    return _elementwise_backward_jvp(_relu_backward_jvp, ReluCache, "relu", cache, dout, tangents, ddout)
+
+
+def _relu_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``relu_backward_jvp``: ``tx`` does not enter."""
+    grads = _relu_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else _relu_backward(ddout, cache))
 
 
 # ----------------------------------------------------------------------------------------- gelu
@@ -334,8 +378,7 @@ def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, GeluCache, "gelu_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "gelu_jvp")
-    return _gelu_jvp(cache, check_tangent(tx, "tx", cache.x.shape, cache.x.dtype))
+    return _gelu_jvp(cache, *check_tangents_as(tangents, "gelu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
 
 
 def _gelu_jvp(cache, tx=None):
@@ -343,6 +386,66 @@ def _gelu_jvp(cache, tx=None):
     if tx is None:
         return np.zeros(cache.x.shape, cache.x.dtype)
     return _gelu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+
+
+def gelu_backward_jvp(dout: np.ndarray, cache: GeluCache, tangents, ddout=None):
+    """Second order of ``gelu``: ``dx = dy * gelu'(x)``, so ``tdx = ddout * gelu'(x) + dy *
+    gelu''(x) * tx``, with
+
+    - ``"none"``: ``gelu' = Phi + x phi`` and ``phi' = -x phi``, so ``gelu'' = 2 phi - x^2 phi =
+      phi(x) (2 - x^2)``;
+    - ``"tanh"``: ``gelu' = (1 + t)/2 + x/2 (1 - t^2) u'`` with ``t = tanh(u)``, ``t' = (1 - t^2) u'``,
+      ``u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``u'' = 6 sqrt(2/pi) 0.044715 x``, so
+      ``gelu'' = (1 - t^2) (u' - x t u'^2 + x u'' / 2)``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : GeluCache
+        The cache ``gelu`` returned.
+    tangents : tuple
+        ``(tx,)`` as ``gelu_jvp`` takes it (``x``'s shape); None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dx``, exactly ``gelu_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdx``, its tangent, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    """
+    return _elementwise_backward_jvp(_gelu_backward_jvp, GeluCache, "gelu", cache, dout, tangents, ddout)
+
+
+def _gelu_second(cache):
+    """``gelu''(x)`` (derived in ``gelu_backward_jvp``), clipped as the backward is."""
+    x, aux, approximate = cache
+    xc = np.clip(x, -_GELU_CLIP, _GELU_CLIP)
+    if approximate == "none":
+        return _INV_SQRT_2PI * np.exp(-0.5 * xc * xc) * (2.0 - xc * xc)
+    t = aux
+    du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * xc * xc)
+    return (1.0 - t * t) * (du - xc * t * du * du + 3.0 * _SQRT_2_OVER_PI * 0.044715 * xc * xc)
+
+
+def _gelu_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``gelu_backward_jvp``."""
+    (tx,) = tangents
+    grads = _gelu_backward(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else _gelu_backward(ddout, cache)
+    if tx is not None:
+        tdx += dout * _gelu_second(cache) * tx
+    return grads, tdx
 
 
 # ----------------------------------------------------------------------------------------- silu
@@ -462,8 +565,7 @@ def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, SiluCache, "silu_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "silu_jvp")
-    return _silu_jvp(cache, check_tangent(tx, "tx", cache.x.shape, cache.x.dtype))
+    return _silu_jvp(cache, *check_tangents_as(tangents, "silu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
 
 
 def _silu_jvp(cache, tx=None):
@@ -471,6 +573,51 @@ def _silu_jvp(cache, tx=None):
     if tx is None:
         return np.zeros(cache.x.shape, cache.x.dtype)
     return _silu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+
+
+def silu_backward_jvp(dout: np.ndarray, cache: SiluCache, tangents, ddout=None):
+    """Second order of ``silu``: ``dx = dy * silu'(x)``, ``silu' = s (1 + x (1 - s))`` with
+    ``s = sigmoid(x)``, ``s' = s (1 - s)``, so ``silu'' = s (1 - s) (1 + x (1 - s)) + s ((1 - s) -
+    x s (1 - s)) = s (1 - s) (2 + x (1 - 2 s))`` and ``tdx = ddout * silu'(x) + dy * silu''(x) * tx``.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : SiluCache
+        The cache ``silu`` returned.
+    tangents : tuple
+        ``(tx,)`` as ``silu_jvp`` takes it (``x``'s shape); None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dx``, exactly ``silu_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdx``, its tangent, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    """
+    return _elementwise_backward_jvp(_silu_backward_jvp, SiluCache, "silu", cache, dout, tangents, ddout)
+
+
+def _silu_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``silu_backward_jvp``."""
+    (tx,) = tangents
+    x, s = cache
+    grads = _silu_backward(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else _silu_backward(ddout, cache)
+    if tx is not None:
+        tdx += dout * (s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s))) * tx
+    return grads, tdx
 
 
 # -------------------------------------------------------------------------------------- softmax
@@ -610,8 +757,7 @@ def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, SoftmaxCache, "softmax_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "softmax_jvp")
-    return _softmax_jvp(cache, check_tangent(tx, "tx", cache.y.shape, cache.y.dtype))
+    return _softmax_jvp(cache, *check_tangents_as(tangents, "softmax_jvp", cache.y.dtype, (("tx", cache.y.shape),)))
 
 
 def _softmax_jvp(cache, tx=None):
@@ -619,6 +765,57 @@ def _softmax_jvp(cache, tx=None):
     if tx is None:
         return np.zeros(cache.y.shape, cache.y.dtype)
     return _softmax_backward(tx, cache)  # J = diag(y) - y y^T is symmetric: J v = J^T v
+
+
+def softmax_backward_jvp(dout: np.ndarray, cache: SoftmaxCache, tangents, ddout=None):
+    """Second order of ``softmax``: the backward ``dx = y * (g - <g, y>)`` (``g = dout``, ``<.,.>``
+    the sum along the axis) is a product of ``y`` and ``g``; with ``ty = y * (tx - <y, tx>)``
+    (``softmax_jvp``) and ``tg = ddout`` the product rule gives
+
+        tdx = ty * (g - <g, y>) + y * (tg - <tg, y> - <g, ty>),
+
+    i.e. ``softmax_backward(ddout)`` plus ``ty * (g - <g, y>) - y <g, ty>``.  A slice of all
+    ``-inf`` (``y = 0``) and a 0-d input give 0.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : SoftmaxCache
+        The cache ``softmax`` returned.
+    tangents : tuple
+        ``(tx,)`` as ``softmax_jvp`` takes it (``x``'s shape); None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dx``, exactly ``softmax_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdx``, its tangent, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    """
+    return _elementwise_backward_jvp(_softmax_backward_jvp, SoftmaxCache, "softmax", cache, dout, tangents, ddout)
+
+
+def _softmax_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``softmax_backward_jvp``."""
+    (tx,) = tangents
+    y, axis = cache
+    grads = _softmax_backward(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else _softmax_backward(ddout, cache)
+    if tx is not None:
+        ty = _softmax_jvp(cache, tx)
+        tdx += ty * (dout - (dout * y).sum(axis=axis, keepdims=True)) - y * (dout * ty).sum(axis=axis, keepdims=True)
+    return grads, tdx
 
 
 # -------------------------------------------------------------------------------------- dropout
@@ -757,8 +954,7 @@ def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, DropoutCache, "dropout_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "dropout_jvp")
-    return _dropout_jvp(cache, check_tangent(tx, "tx", cache.shape, cache.dtype))
+    return _dropout_jvp(cache, *check_tangents_as(tangents, "dropout_jvp", cache.dtype, (("tx", cache.shape),)))
 
 
 def _dropout_jvp(cache, tx=None):
@@ -766,3 +962,61 @@ def _dropout_jvp(cache, tx=None):
     if tx is None:
         return np.zeros(cache.shape, cache.dtype)
     return _dropout_backward(tx, cache)  # diagonal and linear: the same mask both ways
+
+
+def dropout_backward_jvp(dout: np.ndarray, cache: DropoutCache, tangents, ddout=None):
+    """Second order of ``dropout``: ``dx = dy * keep * s`` is linear in ``dy`` and does not read
+    ``x``, so ``tdx = ddout * keep * s`` (the forward's own mask) whatever ``tx`` is.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : DropoutCache
+        The cache ``dropout`` returned.
+    tangents : tuple
+        ``(tx,)`` as ``dropout_jvp`` takes it (``x``'s shape); None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dx``, exactly ``dropout_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdx``, its tangent, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    """
+    return _elementwise_backward_jvp(_dropout_backward_jvp, DropoutCache, "dropout", cache, dout, tangents, ddout)
+
+
+def _dropout_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``dropout_backward_jvp``: ``tx`` does not enter."""
+    grads = _dropout_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else _dropout_backward(ddout, cache))
+
+
+def _elementwise_backward_jvp(kernel, cache_type, op, cache, dout, tangents, ddout):
+    """The public edge of the activations' ``<op>_backward_jvp``: the cache, ``dout``, ``(tx,)``
+    and ``ddout`` checked (of the input's shape, cast to its dtype), then ``kernel``."""
+    name = f"{op}_backward_jvp"
+    check_cache(cache, cache_type, name)
+    shape, dtype = _INPUT_OF[cache_type](cache)
+    dout, tangents, ddout = check_backward_jvp(dout, tangents, ddout, name, shape, dtype, (("tx", shape),))
+    return kernel(dout, cache, tangents, ddout)
+
+
+_INPUT_OF = {  # the input's shape and dtype, from each activation's cache
+    ReluCache: lambda c: (c.positive.shape, c.dtype),
+    GeluCache: lambda c: (c.x.shape, c.x.dtype),
+    SiluCache: lambda c: (c.x.shape, c.x.dtype),
+    SoftmaxCache: lambda c: (c.y.shape, c.y.dtype),
+    DropoutCache: lambda c: (c.shape, c.dtype),
+}

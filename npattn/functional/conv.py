@@ -13,10 +13,16 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_float, check_bool, check_cache, check_grad, check_tangent, check_tangents
-from .activation import SiluCache, _silu, _silu_backward, _silu_jvp
+from .._validate import as_float, check_backward_jvp, check_bool, check_cache, check_grad, check_tangents_as
+from .activation import SiluCache, _silu, _silu_backward, _silu_backward_jvp, _silu_jvp
 
-__all__ = ["causal_conv1d", "causal_conv1d_backward", "causal_conv1d_jvp", "CausalConv1dCache"]
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_backward",
+    "causal_conv1d_jvp",
+    "causal_conv1d_backward_jvp",
+    "CausalConv1dCache",
+]
 
 
 class CausalConv1dCache(NamedTuple):
@@ -165,16 +171,20 @@ def causal_conv1d_jvp(cache: CausalConv1dCache, *tangents) -> np.ndarray:
     ty : ndarray ``(B..., L, C)``
     """
     check_cache(cache, CausalConv1dCache, "causal_conv1d_jvp")
-    tx, tw, tb, ts = check_tangents(tangents, ("tx", "tweight", "tbias", "tinitial_state"), "causal_conv1d_jvp")
+    specs = _conv_tangent_specs(cache)
+    return _causal_conv1d_jvp(cache, *check_tangents_as(tangents, "causal_conv1d_jvp", cache.xp.dtype, specs))
+
+
+def _conv_tangent_specs(cache):
+    """``(name, shape, present)`` of each tangent, in the backward's order; the first is ``x``'s
+    (and the output's) shape."""
     xp, weight = cache.xp, cache.weight
-    taps, dtype = weight.shape[1], xp.dtype
-    lead, channels = xp.shape[:-2], xp.shape[-1]
-    return _causal_conv1d_jvp(
-        cache,
-        check_tangent(tx, "tx", lead + (xp.shape[-2] - taps + 1, channels), dtype),
-        check_tangent(tw, "tweight", weight.shape, dtype),
-        check_tangent(tb, "tbias", (channels,), dtype, present=cache.has_bias),
-        check_tangent(ts, "tinitial_state", lead + (taps - 1, channels), dtype, present=cache.has_initial_state),
+    taps, lead, channels = weight.shape[1], xp.shape[:-2], xp.shape[-1]
+    return (
+        ("tx", lead + (xp.shape[-2] - taps + 1, channels), True),
+        ("tweight", weight.shape, True),
+        ("tbias", (channels,), cache.has_bias),
+        ("tinitial_state", lead + (taps - 1, channels), cache.has_initial_state),
     )
 
 
@@ -197,3 +207,87 @@ def _causal_conv1d_jvp(cache, tx=None, tweight=None, tbias=None, tinitial_state=
     if tbias is not None:
         tz += tbias
     return tz if act is None else _silu_jvp(act, tz)
+
+
+def causal_conv1d_backward_jvp(dout: np.ndarray, cache: CausalConv1dCache, tangents, ddout=None):
+    """Second order of ``causal_conv1d``: the backward's gradients and their tangents.
+
+    The backward is ``dz = act'(z) dy`` (the activation's backward; ``dz = dy`` without one),
+    then ``B(dz; xp, w)``: ``dxp_s = sum_j w_j dz_{s+K-1-j}``, ``dw_j = sum_t dz_t
+    xp_{t+j}``, ``dbias = sum dz``, bilinear in ``dz`` and ``(xp, w)``.  Along ``(tx, tweight,
+    tbias, tinitial_state)`` and ``ddout``: the pre-activation moves by ``tz`` (the JVP without the
+    activation), so ``tdz`` is silu's second order along ``(tz, ddout)`` (``tdz = ddout`` without
+    an activation), and the product rule gives
+
+        (tdx, tdw, tdbias, tdinitial_state) = B(tdz; xp, w) + B(dz; txp, tw)
+
+    where ``txp`` is ``tinitial_state`` followed by ``tx`` and ``B(dz; txp, tw)`` has no bias term.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient ``(B..., L, C)``.
+    cache : CausalConv1dCache
+        The cache ``causal_conv1d`` returned.
+    tangents : tuple
+        ``(tx, tweight, tbias, tinitial_state)`` as ``causal_conv1d_jvp`` takes them; None (or left
+        out at the end): zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : tuple
+        ``(dx, dweight, dbias, dinitial_state)``, exactly ``causal_conv1d_backward(dout, cache)``.
+    grad_tangents : tuple
+        Their tangents, of the same shapes, None where the gradient is None.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+        not real.
+    ValueError
+        ``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward
+        did not have.
+    """
+    check_cache(cache, CausalConv1dCache, "causal_conv1d_backward_jvp")
+    specs = _conv_tangent_specs(cache)
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "causal_conv1d_backward_jvp", specs[0][1], cache.xp.dtype, specs
+    )
+    return _causal_conv1d_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _causal_conv1d_backward_jvp(dout, cache, tangents, ddout=None):
+    """The kernel of ``causal_conv1d_backward_jvp`` (``tangents`` the checked four)."""
+    tx, tweight, tbias, tinitial_state = tangents
+    xp, weight, _, _, act, _ = cache
+    linear = cache._replace(act=None)  # B(.; xp, w): the backward after the activation
+    if act is None:
+        dz, tdz = dout, ddout
+    else:
+        moved = any(t is not None for t in tangents)
+        tz = _causal_conv1d_jvp(linear, tx, tweight, tbias, tinitial_state) if moved else None
+        dz, tdz = _silu_backward_jvp(dout, act, (tz,), ddout)
+    grads = _causal_conv1d_backward(dz, linear)
+    if tdz is not None:
+        tgrads = list(_causal_conv1d_backward(tdz, linear))
+    else:
+        tgrads = [None if g is None else np.zeros_like(g) for g in grads]
+    if tx is not None or tinitial_state is not None or tweight is not None:
+        taps = weight.shape[1]
+        txp = np.zeros_like(xp)
+        if tinitial_state is not None:
+            txp[..., : taps - 1, :] = tinitial_state
+        if tx is not None:
+            txp[..., taps - 1 :, :] = tx
+        tw = np.zeros_like(weight) if tweight is None else tweight
+        mdx, mdweight, _, mdinitial = _causal_conv1d_backward(
+            dz, linear._replace(xp=txp, weight=tw, has_bias=False, has_initial_state=True)
+        )
+        tgrads[0] += mdx
+        tgrads[1] += mdweight
+        if tgrads[3] is not None:
+            tgrads[3] += mdinitial
+    return grads, tuple(tgrads)

@@ -57,6 +57,7 @@ import numpy as np
 from .._validate import (
     as_float,
     as_floats_of_one_dtype,
+    check_backward_jvp,
     check_bool,
     check_cache,
     check_grad,
@@ -64,9 +65,10 @@ from .._validate import (
     check_size,
     check_tangent,
     check_tangents,
+    check_tangents_as,
 )
-from .activation import SiluCache, _silu, _silu_backward, _silu_jvp
-from .norm import RMSNormCache, _rms_norm, _rms_norm_backward, _rms_norm_jvp
+from .activation import SiluCache, _silu, _silu_backward, _silu_backward_jvp, _silu_jvp
+from .norm import RMSNormCache, _rms_norm, _rms_norm_backward, _rms_norm_backward_jvp, _rms_norm_jvp
 
 __all__ = [
     "gated_delta_rule",
@@ -76,9 +78,11 @@ __all__ = [
     "l2_norm",
     "l2_norm_backward",
     "l2_norm_jvp",
+    "l2_norm_backward_jvp",
     "rms_norm_gated",
     "rms_norm_gated_backward",
     "rms_norm_gated_jvp",
+    "rms_norm_gated_backward_jvp",
 ]
 
 _QK_EPS = 1e-6  # the eps of transformers' / FLA's l2norm of q and k
@@ -167,13 +171,49 @@ def l2_norm_jvp(cache: L2NormCache, *tangents) -> np.ndarray:
     ty : ndarray
     """
     check_cache(cache, L2NormCache, "l2_norm_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "l2_norm_jvp")
-    xhat = cache.norm.xhat
-    return _l2_norm_jvp(cache, check_tangent(tx, "tx", xhat.shape, xhat.dtype))
+    return _l2_norm_jvp(cache, *check_tangents_as(tangents, "l2_norm_jvp", cache.norm.xhat.dtype, _l2_specs(cache)))
+
+
+def _l2_specs(cache):
+    return (("tx", cache.norm.xhat.shape),)
 
 
 def _l2_norm_jvp(cache, tx=None):
     return np.zeros(cache.norm.xhat.shape, cache.norm.xhat.dtype) if tx is None else _l2_norm_backward(tx, cache)
+
+
+def l2_norm_backward_jvp(dout: np.ndarray, cache: L2NormCache, tangents, ddout=None):
+    """Second order of ``l2_norm``: ``y = rms_norm(x, eps / N) / sqrt(N)``, so the backward is
+    ``rms_norm_backward(dy / sqrt(N))`` and its tangent ``rms_norm_backward_jvp``'s along
+    ``(tx,)`` and ``ddout / sqrt(N)``: with ``r = (sum x^2 + eps)^(-1/2)``, ``dx = r (dy - y (y .
+    dy))``, ``ty = r (tx - y (y . tx))`` and ``tr = -r^2 (y . tx)``,
+
+        tdx = (tr / r) dx + r (ddy - y (y . ddy)) - r (ty (y . dy) + y (ty . dy)).
+
+    Parameters
+    ----------
+    dout, cache, tangents, ddout
+        As ``l2_norm_backward`` and ``l2_norm_jvp`` take them: ``tangents = (tx,)``; None: zero.
+
+    Returns
+    -------
+    (dx, tdx)
+        ``dx`` exactly ``l2_norm_backward(dout, cache)``, ``tdx`` its tangent.
+    """
+    check_cache(cache, L2NormCache, "l2_norm_backward_jvp")
+    xhat = cache.norm.xhat
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "l2_norm_backward_jvp", xhat.shape, xhat.dtype, _l2_specs(cache)
+    )
+    return _l2_norm_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _l2_norm_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    root = cache.root_n
+    (dx, _), (tdx, _) = _rms_norm_backward_jvp(
+        dout / root, cache.norm, (tangents[0], None), None if ddout is None else ddout / root
+    )
+    return dx, tdx
 
 
 # ------------------------------------------------------------------------------- rms_norm_gated
@@ -270,14 +310,13 @@ def rms_norm_gated_jvp(cache: RMSNormGatedCache, *tangents) -> np.ndarray:
     ty : ndarray
     """
     check_cache(cache, RMSNormGatedCache, "rms_norm_gated_jvp")
-    tx, tgate, tweight = check_tangents(tangents, ("tx", "tgate", "tweight"), "rms_norm_gated_jvp")
-    shape, dtype = cache.normed.shape, cache.normed.dtype
-    return _rms_norm_gated_jvp(
-        cache,
-        check_tangent(tx, "tx", shape, dtype),
-        check_tangent(tgate, "tgate", shape, dtype),
-        check_tangent(tweight, "tweight", shape[-1:], dtype),
-    )
+    specs = _gated_specs(cache)
+    return _rms_norm_gated_jvp(cache, *check_tangents_as(tangents, "rms_norm_gated_jvp", cache.normed.dtype, specs))
+
+
+def _gated_specs(cache):
+    shape = cache.normed.shape
+    return (("tx", shape), ("tgate", shape), ("tweight", shape[-1:]))
 
 
 def _rms_norm_gated_jvp(cache, tx=None, tgate=None, tweight=None):
@@ -287,6 +326,51 @@ def _rms_norm_gated_jvp(cache, tx=None, tgate=None, tweight=None):
     if tgate is not None:
         ty += normed * _silu_jvp(gate_cache, tgate)
     return ty
+
+
+def rms_norm_gated_backward_jvp(dout: np.ndarray, cache: RMSNormGatedCache, tangents, ddout=None):
+    """Second order of ``rms_norm_gated``: ``y = n * s`` with ``n = RMSNorm(x) * weight``, ``s =
+    silu(gate)``; the backward hands ``dy * s`` to rms_norm's backward (dx, dweight) and ``dy * n``
+    to silu's (dgate).  Along ``(tx, tgate, tweight)`` and ``ddout`` those two upstream gradients
+    move by ``ddy * s + dy * ts`` and ``ddy * n + dy * tn`` (``ts`` silu's JVP along ``tgate``,
+    ``tn`` rms_norm's along ``(tx, tweight)``), so the tangents are rms_norm's second order along
+    ``((tx, tweight), ddy * s + dy * ts)`` and silu's along ``((tgate,), ddy * n + dy * tn)``.
+
+    Parameters
+    ----------
+    dout, cache, tangents, ddout
+        As ``rms_norm_gated_backward`` and ``rms_norm_gated_jvp`` take them: ``tangents = (tx,
+        tgate, tweight)``; None (or left out at the end): zero.
+
+    Returns
+    -------
+    ((dx, dgate, dweight), (tdx, tdgate, tdweight))
+        The gradients exactly ``rms_norm_gated_backward(dout, cache)``, then their tangents.
+    """
+    check_cache(cache, RMSNormGatedCache, "rms_norm_gated_backward_jvp")
+    shape, dtype = cache.normed.shape, cache.normed.dtype
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "rms_norm_gated_backward_jvp", shape, dtype, _gated_specs(cache)
+    )
+    return _rms_norm_gated_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _rms_norm_gated_backward_jvp(dout, cache, tangents, ddout=None):
+    normed, sig, norm_cache, gate_cache = cache
+    tx, tgate, tweight = tangents
+    ts = None if tgate is None else _silu_jvp(gate_cache, tgate)
+    tn = None if tx is None and tweight is None else _rms_norm_jvp(norm_cache, tx, tweight)
+    (dx, dweight), (tdx, tdweight) = _rms_norm_backward_jvp(
+        dout * sig, norm_cache, (tx, tweight), _sum_of(ddout, sig, dout, ts)
+    )
+    dgate, tdgate = _silu_backward_jvp(dout * normed, gate_cache, (tgate,), _sum_of(ddout, normed, dout, tn))
+    return (dx, dgate, dweight), (tdx, tdgate, tdweight)
+
+
+def _sum_of(a, b, c, d):
+    """``a * b + c * d`` where a None factor makes its product zero; None when both are."""
+    terms = [u * v for u, v in ((a, b), (c, d)) if u is not None and v is not None]
+    return None if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
 # ----------------------------------------------------------------------------- gated_delta_rule

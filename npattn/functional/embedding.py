@@ -11,9 +11,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, as_index, check_bool, check_cache, check_grad, check_tangent, check_tangents
+from .._validate import (
+    as_float,
+    as_index,
+    check_backward_jvp,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_tangents_as,
+)
 
-__all__ = ["EmbeddingCache", "embedding", "embedding_backward", "embedding_jvp"]
+__all__ = ["EmbeddingCache", "embedding", "embedding_backward", "embedding_jvp", "embedding_backward_jvp"]
 
 
 _RENORM_EPS = 1e-7  # torch's embedding_renorm_: scale = max_norm / (norm + 1e-7)
@@ -239,8 +247,14 @@ def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, EmbeddingCache, "embedding_jvp")
-    (tw,) = check_tangents(tangents, ("tweight",), "embedding_jvp")
-    return _embedding_jvp(cache, check_tangent(tw, "tweight", cache.weight_shape, cache.dtype))
+    return _embedding_jvp(
+        cache, *check_tangents_as(tangents, "embedding_jvp", cache.dtype, _embedding_tangent_specs(cache))
+    )
+
+
+def _embedding_tangent_specs(cache):
+    """``(name, shape)`` of the one tangent, ``tweight``."""
+    return (("tweight", cache.weight_shape),)
 
 
 def _embedding_jvp(cache, tweight=None):
@@ -248,3 +262,56 @@ def _embedding_jvp(cache, tweight=None):
     if tweight is None:
         return np.zeros(cache.ids.shape + (cache.weight_shape[1],), cache.dtype)
     return tweight[cache.ids]
+
+
+def embedding_backward_jvp(dout: np.ndarray, cache: EmbeddingCache, tangents, ddout=None):
+    """Second order (forward over reverse): ``embedding_backward``'s gradient and its tangent.
+
+    The backward scatter-adds ``dy`` into the rows of ``ids`` (divided by the counts with
+    ``scale_grad_by_freq``, the ``padding_idx`` row zeroed): it is linear in ``dy`` and does not
+    read ``weight``.  So moving ``weight`` along ``tweight`` changes nothing, and moving ``dy``
+    along ``ddout`` moves ``dweight`` by the same scatter-add of ``ddout``: ``tdweight =
+    embedding_backward(ddout)`` (zero without ``ddout``).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : EmbeddingCache
+        The cache ``embedding`` returned.
+    tangents : tuple
+        ``(tweight,)`` as ``embedding_jvp`` takes it; None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dweight``, exactly ``embedding_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdweight``, of ``weight``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, or an array that is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tweight`` of the wrong shape.
+    """
+    check_cache(cache, EmbeddingCache, "embedding_backward_jvp")
+    dout, tangents, ddout = check_backward_jvp(
+        dout,
+        tangents,
+        ddout,
+        "embedding_backward_jvp",
+        cache.ids.shape + (cache.weight_shape[1],),
+        cache.dtype,
+        _embedding_tangent_specs(cache),
+    )
+    return _embedding_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _embedding_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``embedding_backward_jvp``: ``tweight`` does not enter."""
+    grads = _embedding_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else _embedding_backward(ddout, cache))

@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import as_float, check_cache, check_grad, check_ndim, check_tangent, check_tangents
+from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
 
-__all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp"]
+__all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp", "linear_backward_jvp"]
 
 
 class LinearCache(NamedTuple):
@@ -181,12 +181,13 @@ def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, LinearCache, "linear_jvp")
+    return _linear_jvp(cache, *check_tangents_as(tangents, "linear_jvp", cache.x.dtype, _linear_tangent_specs(cache)))
+
+
+def _linear_tangent_specs(cache):
+    """``(name, shape[, present])`` of each tangent, in the backward's order."""
     x, weight, has_bias = cache
-    tx, tw, tb = check_tangents(tangents, ("tx", "tweight", "tbias"), "linear_jvp")
-    tx = check_tangent(tx, "tx", x.shape, x.dtype)
-    tw = check_tangent(tw, "tweight", weight.shape, x.dtype)
-    tb = check_tangent(tb, "tbias", (weight.shape[0],), x.dtype, present=has_bias)
-    return _linear_jvp(cache, tx, tw, tb)
+    return (("tx", x.shape), ("tweight", weight.shape), ("tbias", (weight.shape[0],), has_bias))
 
 
 def _linear_jvp(cache, tx=None, tweight=None, tbias=None):
@@ -198,3 +199,89 @@ def _linear_jvp(cache, tx=None, tweight=None, tbias=None):
     if tbias is not None:
         ty += tbias
     return ty
+
+
+def linear_backward_jvp(dout: np.ndarray, cache: LinearCache, tangents, ddout=None):
+    """Second order (forward over reverse): ``linear_backward``'s gradients and their tangents.
+
+    The backward ``dx = dy W``, ``dW = dy^T x``, ``db = sum(dy)`` is bilinear in ``(dy, (x, W))``,
+    so when ``(x, W, b)`` move along ``tangents = (tx, tweight, tbias)`` and ``dy`` along ``ddout``,
+    the product rule gives
+
+        tdx = ddy W + dy tW,   tdW = ddy^T x + dy^T tx,   tdb = sum(ddy)
+
+    (``tb`` does not enter: the backward does not read ``b``).  The textbook tier derives it line
+    by line (``npattn.functional.reference.linear_backward_jvp``).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : LinearCache
+        The cache ``linear`` returned.
+    tangents : tuple
+        ``(tx, tweight, tbias)`` as ``linear_jvp`` takes them; None (or left out at the end): zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : tuple
+        ``(dx, dweight, dbias)``, exactly ``linear_backward(dout, cache)``.
+    grad_tangents : tuple
+        ``(tdx, tdweight, tdbias)``, of the same shapes; ``tdbias`` None without a bias.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+        not real.
+    ValueError
+        ``dout``, ``ddout`` or a tangent of the wrong shape, or ``tbias`` without a bias.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    >>> w, dy = rng.standard_normal((2, 4)), rng.standard_normal((3, 2))
+    >>> _, cache = F.linear(x, w)
+    >>> (dx, dw, db), (tdx, tdw, tdb) = F.linear_backward_jvp(dy, cache, (tx,))
+    >>> bool(np.allclose(tdw, dy.T @ tx)), bool(tdx.any()), db
+    (True, False, None)
+    """
+    check_cache(cache, LinearCache, "linear_backward_jvp")
+    x, weight, _ = cache
+    dout, tangents, ddout = check_backward_jvp(
+        dout,
+        tangents,
+        ddout,
+        "linear_backward_jvp",
+        x.shape[:-1] + (weight.shape[0],),
+        x.dtype,
+        _linear_tangent_specs(cache),
+    )
+    return _linear_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _linear_backward_jvp(dout, cache, tangents, ddout=None):
+    """The kernel of ``linear_backward_jvp`` (``tangents`` the checked ``(tx, tweight, tbias)``)."""
+    x, weight, has_bias = cache
+    tx, tweight, _ = tangents
+    grads = _linear_backward(dout, cache)
+    # ddy enters as dy did (the backward is linear in dy); tx and tW enter the backward of the
+    # moved cache with dy: dx = dy tW, dW = dy^T tx
+    if ddout is not None:
+        tdx, tdweight, tdbias = _linear_backward(ddout, cache)
+    else:
+        tdx, tdweight = np.zeros_like(grads[0]), np.zeros_like(grads[1])
+        tdbias = np.zeros_like(grads[2]) if has_bias else None
+    if tx is not None or tweight is not None:
+        moved = LinearCache(
+            np.zeros_like(x) if tx is None else tx, np.zeros_like(weight) if tweight is None else tweight, False
+        )
+        mdx, mdweight, _ = _linear_backward(dout, moved)
+        tdx += mdx
+        tdweight += mdweight
+    return grads, (tdx, tdweight, tdbias)

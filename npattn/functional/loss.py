@@ -10,16 +10,23 @@ import numpy as np
 
 from .._validate import (
     as_float,
+    check_backward_jvp,
     check_cache,
     check_grad,
     check_ndim,
     check_prob,
-    check_tangent,
-    check_tangents,
+    check_tangents_as,
     to_numpy,
 )
+from .activation import SoftmaxCache, _softmax_jvp
 
-__all__ = ["CrossEntropyCache", "cross_entropy", "cross_entropy_backward", "cross_entropy_jvp"]
+__all__ = [
+    "CrossEntropyCache",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "cross_entropy_jvp",
+    "cross_entropy_backward_jvp",
+]
 
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -303,8 +310,8 @@ def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_jvp")
-    (tz,) = check_tangents(tangents, ("tlogits",), "cross_entropy_jvp")
-    return _cross_entropy_jvp(cache, check_tangent(tz, "tlogits", cache.logp.shape, cache.logp.dtype))
+    specs = (("tlogits", cache.logp.shape),)
+    return _cross_entropy_jvp(cache, *check_tangents_as(tangents, "cross_entropy_jvp", cache.logp.dtype, specs))
 
 
 def _cross_entropy_jvp(cache, tlogits=None):
@@ -317,3 +324,91 @@ def _cross_entropy_jvp(cache, tlogits=None):
     g = _cross_entropy_backward(np.ones(shape, cache.logp.dtype), cache)
     t = np.einsum("...c,...c->...", g, tlogits)
     return t if cache.reduction == "none" else np.asarray(t.sum(), dtype=cache.logp.dtype)
+
+
+def cross_entropy_backward_jvp(dout: np.ndarray, cache: CrossEntropyCache, tangents, ddout=None):
+    """Second order of ``cross_entropy``: ``cross_entropy_backward``'s gradient and its tangent.
+
+    Per element the backward is ``dz = d (sum(q) p - q)`` with ``p = softmax(z)``, the target
+    vector ``q`` (class weights, label smoothing and ignored elements in it, see
+    ``cross_entropy_backward``) and the element's share ``d`` of ``dout`` (``dout / denom`` for
+    "mean", ``dout`` for "sum", ``dout[...]`` for "none").  ``q`` and the denominator are data;
+    ``d`` is linear in ``dout`` and only ``p`` depends on the logits, ``tp = p (tz - <p, tz>)``
+    (``softmax_jvp``), so
+
+        tdz = cross_entropy_backward(ddout) + d sum(q) tp.
+
+    That is the Hessian of the loss times ``tz`` plus the backward of ``ddout``; with "mean" and
+    nothing counted both are 0, as the gradient.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the loss's shape.
+    cache : CrossEntropyCache
+        The cache ``cross_entropy`` returned.
+    tangents : tuple
+        ``(tlogits,)`` as ``cross_entropy_jvp`` takes it; None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dlogits``, exactly ``cross_entropy_backward(dout, cache)``.
+    grad_tangents : ndarray
+        Its tangent, of ``logits``' shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tlogits`` of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> z, tz = np.array([[1.0, 0.0, -1.0]]), np.array([[0.0, 1.0, 0.0]])
+    >>> loss, cache = F.cross_entropy(z, np.array([0]))
+    >>> dz, hv = F.cross_entropy_backward_jvp(1.0, cache, (tz,))      # the Hessian times tz
+    >>> p = np.exp(z) / np.exp(z).sum()
+    >>> bool(np.allclose(hv, (np.diag(p[0]) - np.outer(p[0], p[0])) @ tz[0]))
+    True
+    """
+    check_cache(cache, CrossEntropyCache, "cross_entropy_backward_jvp")
+    logp = cache.logp
+    dout, tangents, ddout = check_backward_jvp(
+        dout,
+        tangents,
+        ddout,
+        "cross_entropy_backward_jvp",
+        logp.shape[:-1] if cache.reduction == "none" else (),
+        logp.dtype,
+        (("tlogits", logp.shape),),
+    )
+    return _cross_entropy_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _cross_entropy_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``cross_entropy_backward_jvp``."""
+    (tz,) = tangents
+    grads = _cross_entropy_backward(dout, cache)
+    tdz = np.zeros_like(grads) if ddout is None else _cross_entropy_backward(ddout, cache)
+    if tz is not None:
+        logp, targets, counted, weight, eps, reduction, denom = cache
+        c = logp.shape[-1]
+        if counted is None:  # probabilities: sum(q) = sum_c w_c ((1 - eps) p_c + eps/C)
+            q = targets if eps == 0 else (1.0 - eps) * targets + (eps / c if c else 0.0)
+            mass = (q if weight is None else q * weight).sum(axis=-1)
+        else:  # class ids: sum(q) = (1 - eps) w[t] + eps/C sum(w), 0 where ignored
+            mass = (1.0 - eps) * (weight[targets] if weight is not None else 1.0)
+            if eps:
+                mass = mass + eps / c * (weight.sum() if weight is not None else c)
+            mass = mass * counted
+        share = dout if reduction == "none" else ((dout / denom) if denom else np.zeros_like(dout))
+        tp = _softmax_jvp(SoftmaxCache(np.exp(logp), -1), tz)
+        tdz += (share * mass).astype(logp.dtype)[..., None] * tp
+    return grads, tdz

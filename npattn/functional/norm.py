@@ -14,13 +14,13 @@ import numpy as np
 
 from .._validate import (
     as_float,
+    check_backward_jvp,
     check_cache,
     check_grad,
     check_ndim,
     check_normalized_shape,
     check_positive_float,
-    check_tangent,
-    check_tangents,
+    check_tangents_as,
 )
 
 __all__ = [
@@ -29,9 +29,11 @@ __all__ = [
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_jvp",
+    "layer_norm_backward_jvp",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_jvp",
+    "rms_norm_backward_jvp",
 ]
 
 
@@ -294,13 +296,17 @@ def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, LayerNormCache, "layer_norm_jvp")
-    tx, tw, tb = check_tangents(tangents, ("tx", "tweight", "tbias"), "layer_norm_jvp")
-    xhat, _, weight, has_bias, k = cache
+    specs = _norm_tangent_specs(cache)
+    return _layer_norm_jvp(cache, *check_tangents_as(tangents, "layer_norm_jvp", cache.xhat.dtype, specs))
+
+
+def _norm_tangent_specs(cache):
+    """``(name, shape, present)`` of each tangent of ``layer_norm`` or ``rms_norm``, in the
+    backward's order: ``tx``, ``tweight`` (and ``tbias`` for layer norm)."""
+    xhat, weight, k = cache.xhat, cache.weight, cache.ndim
     ns = xhat.shape[xhat.ndim - k :]
-    tx = check_tangent(tx, "tx", xhat.shape, xhat.dtype)
-    tw = check_tangent(tw, "tweight", ns, xhat.dtype, present=weight is not None)
-    tb = check_tangent(tb, "tbias", ns, xhat.dtype, present=has_bias)
-    return _layer_norm_jvp(cache, tx, tw, tb)
+    specs = (("tx", xhat.shape, True), ("tweight", ns, weight is not None))
+    return specs + (("tbias", ns, cache.has_bias),) if isinstance(cache, LayerNormCache) else specs
 
 
 def _layer_norm_jvp(cache, tx=None, tweight=None, tbias=None):
@@ -323,6 +329,97 @@ def _norm_jvp(xhat, rstd, weight, k, tx, tweight, tbias, *, centred):
     if tbias is not None:
         ty += tbias
     return ty
+
+
+def layer_norm_backward_jvp(dout: np.ndarray, cache: LayerNormCache, tangents, ddout=None):
+    """Second order of ``layer_norm``: ``layer_norm_backward``'s gradients and their tangents.
+
+    The backward (``g = dy w``, means over the normalised axes, ``m = mean(g xhat)``)::
+
+        dx = r (g - mean(g) - xhat m),   dw = sum(dy xhat),   db = sum(dy)
+
+    differentiated along ``(tx, tw, tb)`` and ``ddy``, with ``txhat = r (tx - mean(tx) - xhat
+    mean(xhat tx))`` and ``tr = -r^2 mean(xhat tx)`` (as in ``layer_norm_jvp``) and ``tg = ddy w +
+    dy tw``::
+
+        tdx = (tr / r) dx + r (tg - mean(tg) - xhat mean(tg xhat)) - r (txhat m + xhat mean(g txhat))
+        tdw = sum(ddy xhat + dy txhat),   tdb = sum(ddy)
+
+    (``tb`` does not enter; the middle term of ``tdx`` is the backward's own operator applied to
+    ``tg``).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : LayerNormCache
+        The cache ``layer_norm`` returned.
+    tangents : tuple
+        ``(tx, tweight, tbias)`` as ``layer_norm_jvp`` takes them; None (or left out at the end): zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : tuple
+        ``(dx, dweight, dbias)``, exactly ``layer_norm_backward(dout, cache)``.
+    grad_tangents : tuple
+        Their tangents, of the same shapes, None where the gradient is None.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+        not real.
+    ValueError
+        ``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward
+        did not have.
+    """
+    check_cache(cache, LayerNormCache, "layer_norm_backward_jvp")
+    xhat = cache.xhat
+    specs = _norm_tangent_specs(cache)
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "layer_norm_backward_jvp", xhat.shape, xhat.dtype, specs
+    )
+    return _layer_norm_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _layer_norm_backward_jvp(dout, cache, tangents, ddout=None):
+    """The kernel of ``layer_norm_backward_jvp`` (``tangents`` the checked ``(tx, tweight, tbias)``)."""
+    xhat, rstd, weight, has_bias, k = cache
+    tx, tweight, _ = tangents
+    return _norm_backward_jvp(dout, xhat, rstd, weight, k, tx, tweight, ddout, centred=True, has_bias=has_bias)
+
+
+def _norm_backward_jvp(dout, xhat, rstd, weight, k, tx, tweight, ddout, *, centred, has_bias=False):
+    """Both norms' second order (derived in ``layer_norm_backward_jvp``; ``centred``: layer norm's
+    ``mean`` terms): ``(grads, grad_tangents)`` as ``_norm_backward`` returns them, each part
+    from ``_norm_backward``'s operator where it is one."""
+    grads = _norm_backward(dout, xhat, rstd, weight, k, centred=centred, has_bias=has_bias)
+    dx, dweight, dbias = grads
+    if ddout is not None:  # the backward is linear in dy
+        tdx, tdweight, tdbias = _norm_backward(ddout, xhat, rstd, weight, k, centred=centred, has_bias=has_bias)
+    else:
+        tdx = np.zeros_like(dx)
+        tdweight = None if dweight is None else np.zeros_like(dweight)
+        tdbias = None if dbias is None else np.zeros_like(dbias)
+    if tweight is not None:  # tg = dy tw through the operator r (tg - mean(tg) - xhat mean(tg xhat))
+        tdx += _norm_backward(dout * tweight, xhat, rstd, None, k, centred=centred)[0]
+    if tx is not None:  # xhat and r move
+        n = math.prod(xhat.shape[xhat.ndim - k :])
+        rows = math.prod(xhat.shape[: xhat.ndim - k])
+        txhat = _norm_backward(tx, xhat, rstd, None, k, centred=centred)[0].reshape(rows, n)
+        r = rstd.reshape(rows, 1)
+        xh, dy = xhat.reshape(rows, n), dout.reshape(rows, n)
+        g = dy if weight is None else dy * weight.reshape(n)
+        m = (g * xh).mean(axis=1, keepdims=True)
+        rho = -r * (xh * tx.reshape(rows, n)).mean(axis=1, keepdims=True)  # tr / r
+        tdx += (rho * dx.reshape(rows, n) - r * (txhat * m + xh * (g * txhat).mean(axis=1, keepdims=True))).reshape(
+            dx.shape
+        )
+        if tdweight is not None:
+            tdweight += (dy * txhat).sum(axis=0).reshape(tdweight.shape)
+    return grads, (tdx, tdweight, tdbias)
 
 
 # -------------------------------------------------------------------------------------- rms_norm
@@ -476,14 +573,65 @@ def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, RMSNormCache, "rms_norm_jvp")
-    tx, tw = check_tangents(tangents, ("tx", "tweight"), "rms_norm_jvp")
-    xhat, _, weight, k = cache
-    tx = check_tangent(tx, "tx", xhat.shape, xhat.dtype)
-    tw = check_tangent(tw, "tweight", xhat.shape[xhat.ndim - k :], xhat.dtype, present=weight is not None)
-    return _rms_norm_jvp(cache, tx, tw)
+    specs = _norm_tangent_specs(cache)
+    return _rms_norm_jvp(cache, *check_tangents_as(tangents, "rms_norm_jvp", cache.xhat.dtype, specs))
 
 
 def _rms_norm_jvp(cache, tx=None, tweight=None):
     """The kernel of ``rms_norm_jvp`` (tangents checked, None = zero)."""
     xhat, rstd, weight, k = cache
     return _norm_jvp(xhat, rstd, weight, k, tx, tweight, None, centred=False)
+
+
+def rms_norm_backward_jvp(dout: np.ndarray, cache: RMSNormCache, tangents, ddout=None):
+    """Second order of ``rms_norm``: as ``layer_norm_backward_jvp`` without the means of ``g``
+    and ``tx`` and without a bias: with ``dx = r (g - xhat m)``, ``m = mean(g xhat)``, ``txhat =
+    r (tx - xhat mean(xhat tx))``, ``tr = -r^2 mean(xhat tx)`` and ``tg = ddy w + dy tw``::
+
+        tdx = (tr / r) dx + r (tg - xhat mean(tg xhat)) - r (txhat m + xhat mean(g txhat))
+        tdw = sum(ddy xhat + dy txhat)
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : RMSNormCache
+        The cache ``rms_norm`` returned.
+    tangents : tuple
+        ``(tx, tweight)`` as ``rms_norm_jvp`` takes them; None (or left out at the end): zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : tuple
+        ``(dx, dweight)``, exactly ``rms_norm_backward(dout, cache)``.
+    grad_tangents : tuple
+        Their tangents, of the same shapes, None where the gradient is None.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+        not real.
+    ValueError
+        ``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward
+        did not have.
+    """
+    check_cache(cache, RMSNormCache, "rms_norm_backward_jvp")
+    xhat = cache.xhat
+    specs = _norm_tangent_specs(cache)
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "rms_norm_backward_jvp", xhat.shape, xhat.dtype, specs
+    )
+    return _rms_norm_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _rms_norm_backward_jvp(dout, cache, tangents, ddout=None):
+    """The kernel of ``rms_norm_backward_jvp`` (``tangents`` the checked ``(tx, tweight)``)."""
+    xhat, rstd, weight, k = cache
+    tx, tweight = tangents
+    (dx, dweight, _), (tdx, tdweight, _) = _norm_backward_jvp(
+        dout, xhat, rstd, weight, k, tx, tweight, ddout, centred=False
+    )
+    return (dx, dweight), (tdx, tdweight)

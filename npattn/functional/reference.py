@@ -575,6 +575,33 @@ def linear_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return ty
 
 
+def linear_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order, forward over reverse: ``linear_backward``'s gradients and their tangents
+    when ``(x, W, b)`` move along ``tangents = (tx, tW, tb)`` and ``dout`` along ``ddout`` (None:
+    not at all).  Differentiate each line of the backward (the product rule; the backward does
+    not read ``b``, so ``tb`` does not enter)::
+
+        dx = dy W                 tdx = ddy W + dy tW
+        dW = dy^T x               tdW = ddy^T x + dy^T tx
+        db = sum_b dy             tdb = sum_b ddy
+
+    Returns ``((dx, dW, db), (tdx, tdW, tdb))``, None for the bias without one."""
+    tx, tweight, _ = _padded(tangents, 3)
+    x, weight, has_bias = cache
+    grads = linear_backward(dout, cache)
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    tdx = ddy @ weight  # dy moves, W fixed
+    if tweight is not None:
+        tdx = tdx + dout @ tweight  # W moves, dy fixed
+    n = math.prod(x.shape[:-1])
+    dy, ddy, x = dout.reshape(n, weight.shape[0]), ddy.reshape(n, weight.shape[0]), x.reshape(n, weight.shape[1])
+    tdweight = ddy.T @ x  # dy moves, x fixed
+    if tx is not None:
+        tdweight = tdweight + dy.T @ tx.reshape(n, weight.shape[1])  # x moves, dy fixed
+    tdbias = ddy.sum(axis=0) if has_bias else None
+    return grads, (tdx, tdweight, tdbias)
+
+
 def embedding(
     ids: Array,
     weight: Array,
@@ -640,6 +667,16 @@ def embedding_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return np.zeros(ids.shape + (wshape[1],)) if tweight is None else tweight[ids]
 
 
+def embedding_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: the backward scatter-adds ``dy`` (divided by the counts with
+    ``scale_grad_by_freq``, the ``padding_idx`` row zeroed) and never reads ``W``: it is linear
+    in ``dy`` and constant in ``W``.  So ``tdW = embedding_backward(ddy)`` and ``tangents = (tW,)``
+    does not enter.  Returns ``(dW, tdW)``."""
+    _, wshape, _, _ = cache
+    grads = embedding_backward(dout, cache)
+    return grads, (np.zeros(wshape, dtype=dout.dtype) if ddout is None else embedding_backward(ddout, cache))
+
+
 # == Nonlinearities =================================================================================
 
 
@@ -690,6 +727,28 @@ def softmax_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return (y * (t - (y * t).sum(axis=axis, keepdims=True))).reshape(np.shape(tx))
 
 
+def softmax_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order, the chain of softmax twice: the tangent of ``dx`` when ``x`` moves along
+    ``tangents = (tx,)`` and ``dy`` along ``ddout``.  Differentiate each line of the backward::
+
+        y = softmax(x)            ty = y (tx - sum(y tx))               (softmax_jvp)
+        s = sum(dy y)             ts = sum(ddy y) + sum(dy ty)
+        dx = y (dy - s)           tdx = ty (dy - s) + y (ddy - ts)
+
+    (sums along the axis).  Written out, ``tdx = y (ddy - sum(ddy y)) + ty (dy - sum(dy y)) -
+    y sum(dy ty)``: the backward of ``ddy``, plus the Hessian of ``<dy, softmax(x)>`` times ``tx``."""
+    (tx,) = _padded(tangents, 1)
+    y, axis = cache
+    grads = softmax_backward(dout, cache)
+    dy = np.reshape(dout, y.shape)  # a 0-d input was kept as one value
+    ddy = np.zeros_like(y) if ddout is None else np.reshape(ddout, y.shape)
+    ty = np.zeros_like(y) if tx is None else np.reshape(softmax_jvp(cache, tx), y.shape)
+    s = (dy * y).sum(axis=axis, keepdims=True)
+    ts = (ddy * y).sum(axis=axis, keepdims=True) + (dy * ty).sum(axis=axis, keepdims=True)
+    tdx = ty * (dy - s) + y * (ddy - ts)
+    return grads, tdx.reshape(np.shape(dout))
+
+
 def relu(x: Array) -> Tuple[Array, Array]:
     """``y = max(x, 0)``.
 
@@ -720,6 +779,13 @@ def relu_jvp(cache: Array, *tangents: Optional[Array]) -> Array:
     """Elementwise: ``ty = [x > 0] tx`` (the derivative 0 at ``x = 0``, as the backward)."""
     (tx,) = _padded(tangents, 1)
     return np.zeros(np.shape(cache), np.asarray(cache).dtype) if tx is None else tx * (cache > 0)
+
+
+def relu_backward_jvp(dout: Array, cache: Array, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dx = dy [x > 0]``; the mask is piecewise constant in ``x`` (derivative 0
+    away from ``x = 0``), so ``tdx = ddy [x > 0]`` and ``tangents = (tx,)`` does not enter."""
+    grads = relu_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else relu_backward(ddout, cache))
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -768,6 +834,35 @@ def gelu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return np.zeros(x.shape, x.dtype) if tx is None else gelu_backward(tx, cache)
 
 
+def gelu_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dx = dy gelu'(x)``, so ``tdx = ddy gelu'(x) + dy gelu''(x) tx``.
+
+    ``"none"``: ``gelu' = Phi + x phi`` with ``Phi' = phi`` and ``phi' = -x phi`` (the normal
+    density), so ``gelu'' = phi + phi + x (-x phi) = phi (2 - x^2)``.
+    ``"tanh"``: ``gelu' = (1 + t)/2 + x/2 (1 - t^2) u'`` with ``t = tanh(u)``, ``t' = (1 - t^2) u'``,
+    ``u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)`` and ``u'' = sqrt(2/pi) 6 * 0.044715 x``; term by term::
+
+        d/dx (1 + t)/2                 = (1 - t^2) u' / 2
+        d/dx x/2 (1 - t^2) u'          = (1 - t^2) u' / 2 - x t (1 - t^2) u'^2 + x/2 (1 - t^2) u''
+    """
+    (tx,) = _padded(tangents, 1)
+    x, approximate = cache
+    grads = gelu_backward(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else gelu_backward(ddout, cache)  # dy moves: gelu'(x) ddy
+    if tx is not None:
+        if approximate == "none":
+            phi = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+            second = phi * (2.0 - x * x)
+        else:
+            t = np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3))
+            du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
+            ddu = _SQRT_2_OVER_PI * 6.0 * 0.044715 * x
+            second = (1.0 - t * t) * du / 2 + (1.0 - t * t) * du / 2 - x * t * (1.0 - t * t) * du**2
+            second = second + 0.5 * x * (1.0 - t * t) * ddu
+        tdx = tdx + dout * second * tx  # x moves: gelu''(x) tx dy
+    return grads, tdx
+
+
 def silu(x: Array) -> Tuple[Array, tuple]:
     """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows).
 
@@ -801,6 +896,20 @@ def silu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     (tx,) = _padded(tangents, 1)
     x, s = cache
     return np.zeros(x.shape, x.dtype) if tx is None else tx * s * (1.0 + x * (1.0 - s))
+
+
+def silu_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dx = dy silu'(x)`` with ``silu' = s (1 + x (1 - s))``, ``s' = s (1 - s)``;
+    the product rule gives ``silu'' = s' (1 + x (1 - s)) + s ((1 - s) - x s')``, and
+    ``tdx = ddy silu'(x) + dy silu''(x) tx`` (``tangents = (tx,)``)."""
+    (tx,) = _padded(tangents, 1)
+    x, s = cache
+    grads = silu_backward(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else silu_backward(ddout, cache)
+    if tx is not None:
+        ds = s * (1.0 - s)  # sigmoid'
+        tdx = tdx + dout * (ds * (1.0 + x * (1.0 - s)) + s * ((1.0 - s) - x * ds)) * tx
+    return grads, tdx
 
 
 def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
@@ -844,6 +953,13 @@ def dropout_jvp(cache: tuple, *tangents: Optional[Array]) -> Optional[Array]:
     if tx is None:
         return None if keep is None else np.zeros(keep.shape)
     return np.array(tx, copy=True) if keep is None else tx * keep * scale
+
+
+def dropout_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dx = dy keep / (1 - p)`` is linear in ``dy`` and does not read ``x``:
+    ``tdx = ddy keep / (1 - p)`` with the forward's mask; ``tangents = (tx,)`` does not enter."""
+    grads = dropout_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else dropout_backward(ddout, cache))
 
 
 # == Normalisation ==================================================================================
@@ -943,6 +1059,40 @@ def layer_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return ty
 
 
+def layer_norm_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: the tangents of ``(dx, dw, db)`` when ``(x, w, b)`` move along ``tangents =
+    (tx, tw, tb)`` and ``dy`` along ``ddout``.  ``xhat`` and ``r`` move as ``layer_norm_jvp``
+    derives (``tr = -r^2 mean(xhat tx)``, ``txhat = r (tx - mean(tx) - xhat mean(xhat tx))``); then
+    differentiate each line of the backward (means over the normalised axes, sums over the rest)::
+
+        dw = sum(dy xhat)         tdw = sum(ddy xhat + dy txhat)
+        db = sum(dy)              tdb = sum(ddy)
+        g = dy w                  tg = ddy w + dy tw
+        m1 = mean(g)              tm1 = mean(tg)
+        m2 = mean(g xhat)         tm2 = mean(tg xhat + g txhat)
+        dx = r (g - m1 - xhat m2) tdx = tr (g - m1 - xhat m2) + r (tg - tm1 - txhat m2 - xhat tm2)
+
+    (``b`` is not read by the backward: ``tb`` does not enter.)"""
+    tx, tweight, _ = _padded(tangents, 3)
+    xhat, rstd, weight, has_bias, axes = cache
+    grads = layer_norm_backward(dout, cache)
+    lead = tuple(range(dout.ndim - len(axes)))
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    tx = np.zeros_like(xhat) if tx is None else tx
+    tr = -(rstd**2) * (xhat * tx).mean(axis=axes, keepdims=True)
+    txhat = rstd * (tx - tx.mean(axis=axes, keepdims=True) - xhat * (xhat * tx).mean(axis=axes, keepdims=True))
+    tdweight = (ddy * xhat + dout * txhat).sum(axis=lead) if weight is not None else None
+    tdbias = ddy.sum(axis=lead) if has_bias else None
+    g = dout if weight is None else dout * weight
+    tg = ddy if weight is None else ddy * weight
+    if tweight is not None:
+        tg = tg + dout * tweight
+    m1, m2 = g.mean(axis=axes, keepdims=True), (g * xhat).mean(axis=axes, keepdims=True)
+    tm1, tm2 = tg.mean(axis=axes, keepdims=True), (tg * xhat + g * txhat).mean(axis=axes, keepdims=True)
+    tdx = tr * (g - m1 - xhat * m2) + rstd * (tg - tm1 - txhat * m2 - xhat * tm2)
+    return grads, (tdx, tdweight, tdbias)
+
+
 def rms_norm(
     x: Array,
     weight: Optional[Array] = None,
@@ -999,6 +1149,34 @@ def rms_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     if tweight is not None:
         ty = ty + xhat * tweight
     return ty
+
+
+def rms_norm_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: as ``layer_norm_backward_jvp`` without the means of ``g`` and ``tx`` and
+    without a bias, ``tangents = (tx, tw)``.  ``tr = -r^2 mean(xhat tx)``, ``txhat = r (tx - xhat
+    mean(xhat tx))`` (``rms_norm_jvp``), then line by line::
+
+        dw = sum(dy xhat)         tdw = sum(ddy xhat + dy txhat)
+        g = dy w                  tg = ddy w + dy tw
+        m = mean(g xhat)          tm = mean(tg xhat + g txhat)
+        dx = r (g - xhat m)       tdx = tr (g - xhat m) + r (tg - txhat m - xhat tm)
+    """
+    tx, tweight = _padded(tangents, 2)
+    xhat, rstd, weight, axes = cache
+    grads = rms_norm_backward(dout, cache)
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    tx = np.zeros_like(xhat) if tx is None else tx
+    tr = -(rstd**2) * (xhat * tx).mean(axis=axes, keepdims=True)
+    txhat = rstd * (tx - xhat * (xhat * tx).mean(axis=axes, keepdims=True))
+    lead = tuple(range(dout.ndim - len(axes)))
+    tdweight = (ddy * xhat + dout * txhat).sum(axis=lead) if weight is not None else None
+    g = dout if weight is None else dout * weight
+    tg = ddy if weight is None else ddy * weight
+    if tweight is not None:
+        tg = tg + dout * tweight
+    m, tm = (g * xhat).mean(axis=axes, keepdims=True), (tg * xhat + g * txhat).mean(axis=axes, keepdims=True)
+    tdx = tr * (g - xhat * m) + rstd * (tg - txhat * m - xhat * tm)
+    return grads, (tdx, tdweight)
 
 
 # == Loss ===========================================================================================
@@ -1085,6 +1263,30 @@ def cross_entropy_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
         tlogits = np.zeros_like(logp)
     rows = ((np.exp(logp) * t.sum(axis=-1, keepdims=True) - t) * tlogits).sum(axis=-1)  # (...,)
     return rows if reduction == "none" else np.asarray(rows.sum() * scale, dtype=logp.dtype)
+
+
+def cross_entropy_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: the tangent of ``dlogits`` when the logits move along ``tangents = (tz,)``
+    and ``dout`` along ``ddout``.  The target rows ``t`` and the mean's ``1 / denominator`` are
+    data; differentiate each line of the backward::
+
+        drow = dout (per row, or times the mean's scale)    tdrow = ddout (likewise)
+        p = softmax(z) = exp(logp)                          tp = p (tz - sum(p tz))
+        dz = drow (p sum(t) - t)                            tdz = tdrow (p sum(t) - t) + drow sum(t) tp
+
+    With ``dout = 1`` and no ``ddout`` this is the Hessian of the loss times ``tz``:
+    ``sum(t) (diag(p) - p p^T) tz`` per row."""
+    (tz,) = _padded(tangents, 1)
+    logp, t, reduction, scale = cache
+    grads = cross_entropy_backward(dout, cache)
+    ddout = np.zeros_like(dout) if ddout is None else ddout
+    rows = logp.shape[:-1]
+    drow = (dout if reduction == "none" else np.broadcast_to(dout * scale, rows))[..., None]
+    tdrow = (ddout if reduction == "none" else np.broadcast_to(ddout * scale, rows))[..., None]
+    p = np.exp(logp)
+    tp = np.zeros_like(p) if tz is None else p * (tz - (p * tz).sum(axis=-1, keepdims=True))
+    mass = t.sum(axis=-1, keepdims=True)  # sum(t): the row's total target weight
+    return grads, tdrow * (p * mass - t) + drow * mass * tp
 
 
 # == Rotary position embedding =====================================================================
@@ -1241,40 +1443,60 @@ def rope_jvp(cache: tuple, *tangents: Optional[Array]) -> Optional[Array]:
     return np.concatenate([_pairs(ta * cos - tb * sin, ta * sin + tb * cos, interleaved), tp], axis=-1)
 
 
+def rope_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: the backward rotates ``dy`` back by angles that depend on the positions and
+    the configuration only (every scaling, the attention factor, partial rotary), not on ``x``:
+    it is linear in ``dy`` and constant in ``x``, so ``tdx = rope_backward(ddy)`` and
+    ``tangents = (tx,)`` does not enter."""
+    grads = rope_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else rope_backward(ddout, cache))
+
+
 __all__ = [
     "linear",
     "linear_backward",
     "linear_jvp",
+    "linear_backward_jvp",
     "embedding",
     "embedding_backward",
     "embedding_jvp",
+    "embedding_backward_jvp",
     "softmax",
     "softmax_backward",
     "softmax_jvp",
+    "softmax_backward_jvp",
     "relu",
     "relu_backward",
     "relu_jvp",
+    "relu_backward_jvp",
     "gelu",
     "gelu_backward",
     "gelu_jvp",
+    "gelu_backward_jvp",
     "silu",
     "silu_backward",
     "silu_jvp",
+    "silu_backward_jvp",
     "dropout",
     "dropout_backward",
     "dropout_jvp",
+    "dropout_backward_jvp",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_jvp",
+    "layer_norm_backward_jvp",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_jvp",
+    "rms_norm_backward_jvp",
     "cross_entropy",
     "cross_entropy_backward",
     "cross_entropy_jvp",
+    "cross_entropy_backward_jvp",
     "rope",
     "rope_backward",
     "rope_jvp",
+    "rope_backward_jvp",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_jvp",
@@ -1482,6 +1704,26 @@ def l2_norm_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return np.zeros_like(cache[0]) if tx is None else l2_norm_backward(tx, cache)
 
 
+def l2_norm_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``x`` moves along ``tangents = (tx,)`` and ``dy`` along ``ddout``.  With
+    ``r = (sum x^2 + eps)^(-1/2)`` and ``y = x r``: ``tr = -r^3 (x . tx) = -r^2 (y . tx)`` and
+    ``ty = r (tx - y (y . tx))`` (``l2_norm_jvp``); then the backward's one line::
+
+        dx = r (dy - y (y . dy))
+        tdx = tr (dy - y (y . dy)) + r (ddy - ty (y . dy) - y (ty . dy + y . ddy))
+    """
+    (tx,) = _padded(tangents, 1)
+    y, r = cache
+    grads = l2_norm_backward(dout, cache)
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    tx = np.zeros_like(y) if tx is None else tx
+    tr = -(r**2) * (y * tx).sum(axis=-1, keepdims=True)
+    ty = r * (tx - y * (y * tx).sum(axis=-1, keepdims=True))
+    ydy = (y * dout).sum(axis=-1, keepdims=True)
+    tydy = (ty * dout + y * ddy).sum(axis=-1, keepdims=True)
+    return grads, tr * (dout - y * ydy) + r * (ddy - ty * ydy - y * tydy)
+
+
 def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
     the gate (transformers' ``Qwen3NextRMSNormGated``, "norm before gate").  That module upcasts
@@ -1527,6 +1769,26 @@ def rms_norm_gated_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     if tgate is not None:
         ty = ty + n * silu_jvp(silu_cache, tgate)
     return ty
+
+
+def rms_norm_gated_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``tangents = (tx, tgate, tweight)``.  The backward hands ``gn = dy s`` to
+    rms_norm's backward and ``gs = dy n`` to silu's; along the tangents ``n`` and ``s`` move by
+    ``tn`` (rms_norm's JVP along ``(tx, tweight)``) and ``ts`` (silu's along ``tgate``), so::
+
+        gn = dy s                 tgn = ddy s + dy ts
+        gs = dy n                 tgs = ddy n + dy tn
+
+    and each backward is differentiated by its own second order: rms_norm's along ``((tx,
+    tweight), tgn)``, silu's along ``((tgate,), tgs)``.  Returns ``((dx, dgate, dweight), (tdx,
+    tdgate, tdweight))``."""
+    tx, tgate, tweight = _padded(tangents, 3)
+    n, s, norm_cache, silu_cache = cache
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    tn, ts = rms_norm_jvp(norm_cache, tx, tweight), silu_jvp(silu_cache, tgate)
+    (dx, dweight), (tdx, tdweight) = rms_norm_backward_jvp(dout * s, norm_cache, (tx, tweight), ddy * s + dout * ts)
+    dgate, tdgate = silu_backward_jvp(dout * n, silu_cache, (tgate,), ddy * n + dout * tn)
+    return (dx, dgate, dweight), (tdx, tdgate, tdweight)
 
 
 def causal_conv1d(
@@ -1616,6 +1878,43 @@ def causal_conv1d_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
     return tz if act_cache is None else silu_jvp(act_cache, tz)
 
 
+def causal_conv1d_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``tangents = (tx, tweight, tbias, tinitial_state)``.  The pre-activation
+    moves by ``tz`` (``causal_conv1d_jvp`` without the activation); then each line of the
+    backward, with ``windows`` moving by the windows ``twindows`` of the padded ``tx``::
+
+        dz = act'(z) dy                    tdz: silu's second order along (tz, ddy) (= ddy without act)
+        dw_j = sum_t dz_t windows_tj       tdw_j = sum_t (tdz_t windows_tj + dz_t twindows_tj)
+        dxp_{t+j} += dz_t w_j              tdxp_{t+j} += tdz_t w_j + dz_t tw_j
+        dbias = sum dz                     tdbias = sum tdz
+    """
+    tx, tweight, tbias, tstate = _padded(tangents, 4)
+    windows, weight, has_bias, has_initial, act_cache, _ = cache
+    taps = weight.shape[-1]
+    lead = windows.shape[:-3]
+    tx = np.zeros(lead + windows.shape[-3:-1], windows.dtype) if tx is None else tx
+    tstate = np.zeros(lead + (taps - 1, weight.shape[0]), windows.dtype) if tstate is None else tstate
+    tweight = np.zeros_like(weight) if tweight is None else tweight
+    twindows = np.lib.stride_tricks.sliding_window_view(np.concatenate([tstate, tx], -2), taps, axis=-2)
+    tz = (twindows * weight).sum(-1) + (windows * tweight).sum(-1) + (0.0 if tbias is None else tbias)
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    dz, tdz = (dout, ddy) if act_cache is None else silu_backward_jvp(dout, act_cache, (tz,), ddy)
+    steps = dz.shape[-2]
+    flat = (-1,) + windows.shape[-2:]
+    dweight = np.einsum("nck,nc->ck", windows.reshape(flat), dz.reshape(-1, dz.shape[-1]))
+    tdweight = np.einsum("nck,nc->ck", windows.reshape(flat), tdz.reshape(-1, dz.shape[-1]))
+    tdweight = tdweight + np.einsum("nck,nc->ck", twindows.reshape(flat), dz.reshape(-1, dz.shape[-1]))
+    dxp = np.zeros(dz.shape[:-2] + (steps + taps - 1, dz.shape[-1]), dz.dtype)
+    tdxp = np.zeros_like(dxp)
+    for j in range(taps):
+        dxp[..., j : j + steps, :] += dz * weight[:, j]
+        tdxp[..., j : j + steps, :] += tdz * weight[:, j] + dz * tweight[:, j]
+    rows = (-1, dz.shape[-1])
+    dbias, tdbias = (dz.reshape(rows).sum(0), tdz.reshape(rows).sum(0)) if has_bias else (None, None)
+    grads = (dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None))
+    return grads, (tdxp[..., taps - 1 :, :], tdweight, tdbias, (tdxp[..., : taps - 1, :] if has_initial else None))
+
+
 __all__ += [
     "gated_delta_rule",
     "gated_delta_rule_backward",
@@ -1623,12 +1922,15 @@ __all__ += [
     "l2_norm",
     "l2_norm_backward",
     "l2_norm_jvp",
+    "l2_norm_backward_jvp",
     "rms_norm_gated",
     "rms_norm_gated_backward",
     "rms_norm_gated_jvp",
+    "rms_norm_gated_backward_jvp",
     "causal_conv1d",
     "causal_conv1d_backward",
     "causal_conv1d_jvp",
+    "causal_conv1d_backward_jvp",
 ]
 
 

@@ -22,17 +22,17 @@ import numpy as np
 from .._validate import (
     as_float,
     as_index,
+    check_backward_jvp,
     check_bool,
     check_broadcastable,
     check_cache,
     check_grad,
     check_ndim,
-    check_tangent,
-    check_tangents,
+    check_tangents_as,
 )
 from .rope_scaling import _check_scaling, _inv_freq, _resolve_base, _resolve_rotary_dim
 
-__all__ = ["RopeCache", "rope", "rope_backward", "rope_jvp"]
+__all__ = ["RopeCache", "rope", "rope_backward", "rope_jvp", "rope_backward_jvp"]
 
 
 class RopeCache(NamedTuple):
@@ -241,8 +241,7 @@ def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, RopeCache, "rope_jvp")
-    (tx,) = check_tangents(tangents, ("tx",), "rope_jvp")
-    return _rope_jvp(cache, check_tangent(tx, "tx", cache.shape, cache.dtype))
+    return _rope_jvp(cache, *check_tangents_as(tangents, "rope_jvp", cache.dtype, (("tx", cache.shape),)))
 
 
 def _rope_jvp(cache, tx=None):
@@ -250,3 +249,48 @@ def _rope_jvp(cache, tx=None):
     if tx is None:
         return np.zeros(cache.shape, cache.dtype)
     return _rotate(tx, cache.cos, cache.sin, cache.interleaved)
+
+
+def rope_backward_jvp(dout: np.ndarray, cache: RopeCache, tangents, ddout=None):
+    """Second order of ``rope``: the backward rotates ``dout`` back by angles that depend on the
+    positions and the configuration only (every scaling, YaRN's factor and partial rotary
+    included, see ``rope_backward``), never on ``x``.  So it is linear in ``dout`` and constant in
+    ``x``: ``tdx = rope_backward(ddout)``, whatever ``tx`` is.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of ``y``'s shape.
+    cache : RopeCache
+        The cache ``rope`` returned.
+    tangents : tuple
+        ``(tx,)`` as ``rope_jvp`` takes it; None or ``()``: zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : ndarray
+        ``dx``, exactly ``rope_backward(dout, cache)``.
+    grad_tangents : ndarray
+        ``tdx``, of ``x``'s shape.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
+        is not real.
+    ValueError
+        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    """
+    check_cache(cache, RopeCache, "rope_backward_jvp")
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "rope_backward_jvp", cache.shape, cache.dtype, (("tx", cache.shape),)
+    )
+    return _rope_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _rope_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``rope_backward_jvp``: ``tx`` does not enter."""
+    grads = _rope_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else _rope_backward(ddout, cache))
