@@ -30,10 +30,19 @@ import numbers
 
 import numpy as np
 
+from ._docs import shared_doc
 from ._hints import install_hint
 from ._validate import to_numpy
 
 __all__ = ["plot_attention", "plot_heads", "plot_mask", "plot_gradcheck", "plot_loss"]
+
+# the first lines of every Examples section here
+_AGG_SETUP = """
+    >>> import numpy as np
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> from npattn import viz
+    """
 
 #: matrices up to this many rows and columns get their values written in the cells by default
 ANNOTATE_MAX = 12
@@ -113,9 +122,10 @@ def _check_bool_or_none(x, name):
 
 
 def _new_ax(ax, figsize):
-    plt = _pyplot()
+    """``ax`` checked, or a new figure's Axes of ``figsize`` when it is None."""
+    ax = _check_ax(ax)
     if ax is None:
-        _, ax = plt.subplots(figsize=figsize, layout="constrained")
+        _, ax = _pyplot().subplots(figsize=figsize, layout="constrained")
     return ax
 
 
@@ -125,14 +135,15 @@ def _cell_figsize(lq, lk, base=0.5, lo=3.0, hi=9.0):
     return w, h
 
 
+def _slant(slanted):
+    """Tick-label options: long or many labels slanted by 45 degrees, aligned at their ends."""
+    return {"rotation": 45, "ha": "right"} if slanted else {"rotation": 0, "ha": "center"}
+
+
 def _set_ticks(ax, labels_q, labels_k, lq, lk):
     if labels_k is not None:
         ax.set_xticks(range(lk))
-        ax.set_xticklabels(
-            labels_k,
-            rotation=45 if max((len(t) for t in labels_k), default=0) > 2 else 0,
-            ha="right" if max((len(t) for t in labels_k), default=0) > 2 else "center",
-        )
+        ax.set_xticklabels(labels_k, **_slant(max((len(t) for t in labels_k), default=0) > 2))
     if labels_q is not None:
         ax.set_yticks(range(lq))
         ax.set_yticklabels(labels_q)
@@ -159,16 +170,16 @@ def _annotate(ax, data, im, fmt="{:.2f}", fontsize=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _matrix_labels(tokens_q, tokens_k, shape, what):
-    """Row and column labels of an ``(Lq, Lk)`` matrix; the keys default to the query tokens
-    when the matrix is square."""
-    lq, lk = shape
-    labels_q = _check_tokens(tokens_q, lq, "tokens_q", f"one per query row, {what} is {shape}")
+def _matrix_labels(tokens_q, tokens_k, lq, lk, about, q_name="tokens_q"):
+    """Row and column labels of an ``(Lq, Lk)`` matrix (``about``: what the messages say of its
+    shape); the keys default to the query tokens when the matrix is square."""
+    labels_q = _check_tokens(tokens_q, lq, q_name, f"one per query row, {about}")
     if tokens_k is None and labels_q is not None and lq == lk:
         return labels_q, labels_q
-    return labels_q, _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, {what} is {shape}")
+    return labels_q, _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, {about}")
 
 
+@shared_doc(agg_setup=_AGG_SETUP)
 def plot_attention(
     weights,
     tokens_q=None,
@@ -196,10 +207,7 @@ def plot_attention(
 
     Examples
     --------
-    >>> import numpy as np
-    >>> import matplotlib
-    >>> matplotlib.use("Agg")
-    >>> from npattn import viz
+    <agg_setup>
     >>> ax = viz.plot_attention(np.full((3, 3), 1 / 3), ["a", "b", "c"])
     >>> ax.get_xticklabels()[0].get_text()
     'a'
@@ -210,14 +218,13 @@ def plot_attention(
     lq, lk = w.shape
     if lq == 0 or lk == 0:
         raise ValueError(f"weights: expected a non-empty matrix, got shape {w.shape}")
-    labels_q, labels_k = _matrix_labels(tokens_q, tokens_k, w.shape, "weights")
+    labels_q, labels_k = _matrix_labels(tokens_q, tokens_k, lq, lk, f"weights is {w.shape}")
     annotate = _check_bool_or_none(annotate, "annotate")
     if annotate is None:
         annotate = lq <= ANNOTATE_MAX and lk <= ANNOTATE_MAX
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title: expected a string or None, got {type(title).__name__}")
     plt = _pyplot()
-    ax = _check_ax(ax)
     ax = _new_ax(ax, _cell_figsize(lq, lk, base=0.6 if annotate else 0.35))
     im = ax.imshow(w, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
     _set_ticks(ax, labels_q, labels_k, lq, lk)
@@ -232,6 +239,7 @@ def plot_attention(
     return ax
 
 
+@shared_doc(agg_setup=_AGG_SETUP)
 def plot_heads(
     weights, tokens=None, *, tokens_k=None, ncols=None, annotate=False, title=None, cmap="viridis", shared_scale=True
 ):
@@ -249,10 +257,7 @@ def plot_heads(
 
     Examples
     --------
-    >>> import numpy as np
-    >>> import matplotlib
-    >>> matplotlib.use("Agg")
-    >>> from npattn import viz
+    <agg_setup>
     >>> fig = viz.plot_heads(np.full((2, 3, 3), 1 / 3))       # one panel per head
     >>> len(fig.axes) >= 2
     True
@@ -272,11 +277,7 @@ def plot_heads(
     h, lq, lk = w.shape
     if h == 0 or lq == 0 or lk == 0:
         raise ValueError(f"weights: expected at least one head and a non-empty matrix, got shape {w.shape}")
-    labels_q = _check_tokens(tokens, lq, "tokens", f"one per query row, weights is {w.shape}")
-    if tokens_k is None and labels_q is not None and lq == lk:
-        labels_k = labels_q
-    else:
-        labels_k = _check_tokens(tokens_k, lk, "tokens_k", f"one per key column, weights is {w.shape}")
+    labels_q, labels_k = _matrix_labels(tokens, tokens_k, lq, lk, f"weights is {w.shape}", q_name="tokens")
     if ncols is None:
         ncols = h if h <= 4 else 4
     elif isinstance(ncols, bool) or not isinstance(ncols, numbers.Integral) or ncols < 1:
@@ -317,6 +318,7 @@ def plot_heads(
     return fig
 
 
+@shared_doc(agg_setup=_AGG_SETUP)
 def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
     """Picture of an attention mask, rows queries and columns keys.
 
@@ -329,10 +331,7 @@ def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
 
     Examples
     --------
-    >>> import numpy as np
-    >>> import matplotlib
-    >>> matplotlib.use("Agg")
-    >>> from npattn import viz
+    <agg_setup>
     >>> from npattn import masks
     >>> ax = viz.plot_mask(masks.causal(4))
     >>> type(ax).__name__
@@ -353,13 +352,12 @@ def plot_mask(mask, tokens_q=None, tokens_k=None, ax=None, *, title=None):
     lq, lk = m.shape
     if lq == 0 or lk == 0:
         raise ValueError(f"mask: expected a non-empty matrix, got shape {m.shape}")
-    labels_q, labels_k = _matrix_labels(tokens_q, tokens_k, m.shape, "mask")
+    labels_q, labels_k = _matrix_labels(tokens_q, tokens_k, lq, lk, f"mask is {m.shape}")
     if m.dtype.kind == "f" and np.isnan(m).any():
         raise ValueError("mask: a float mask must not contain NaN")
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
 
-    ax = _check_ax(ax)
     ax = _new_ax(ax, _cell_figsize(lq, lk, base=0.4))
     if m.dtype == bool:
         data = m.astype(np.float64)
@@ -416,6 +414,7 @@ def _gradcheck_rows(report):
     return rows, rtols
 
 
+@shared_doc(agg_setup=_AGG_SETUP)
 def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
     """Bar chart of each checked tensor's maximum relative error (log scale), with the ``rtol`` line.
 
@@ -428,10 +427,7 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
 
     Examples
     --------
-    >>> import numpy as np
-    >>> import matplotlib
-    >>> matplotlib.use("Agg")
-    >>> from npattn import viz
+    <agg_setup>
     >>> import npattn
     >>> report = npattn.gradcheck(npattn.Linear(2, 2, rng=0), np.ones((1, 2)))
     >>> ax = viz.plot_gradcheck(report)
@@ -452,7 +448,6 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
     top = positive.max() if positive.size else 1.0
     shown = np.where(np.isfinite(rel), np.maximum(rel, floor), max(top, rtol or 0, 1.0) * 10)
     _pyplot()  # a clear ImportError without matplotlib
-    ax = _check_ax(ax)
     ax = _new_ax(ax, (max(4.5, 0.45 * len(rows) + 2.0), 3.6))
     colors = ["#3a9d5d" if k else "#d1495b" for k in ok]
     x = np.arange(len(rows))
@@ -468,11 +463,7 @@ def plot_gradcheck(report, ax=None, *, rtol=None, title=None):
         ax.axhline(rtol, color="black", linestyle="--", linewidth=1, label=f"rtol = {rtol:g}")
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xticks(x)
-    ax.set_xticklabels(
-        names,
-        rotation=45 if len(rows) > 3 or max(map(len, names)) > 10 else 0,
-        ha="right" if len(rows) > 3 or max(map(len, names)) > 10 else "center",
-    )
+    ax.set_xticklabels(names, **_slant(len(rows) > 3 or max(map(len, names)) > 10))
     ax.set_ylabel("max relative error")
     if title is None:
         target = getattr(report, "target", "") if hasattr(report, "rows") else ""
@@ -527,6 +518,7 @@ def _moving_average(y, n):
     return total / count
 
 
+@shared_doc(agg_setup=_AGG_SETUP)
 def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabel="step", ylabel="loss"):
     """Loss curve(s).
 
@@ -543,10 +535,7 @@ def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabe
 
     Examples
     --------
-    >>> import numpy as np
-    >>> import matplotlib
-    >>> matplotlib.use("Agg")
-    >>> from npattn import viz
+    <agg_setup>
     >>> ax = viz.plot_loss([3.0, 2.0, 1.5, 1.2])
     >>> ax.get_ylabel()
     'loss'
@@ -575,7 +564,6 @@ def plot_loss(history, smoothing=None, ax=None, *, logy=False, title=None, xlabe
             _smooth(y[:1], smoothing)
     if logy and any((y[np.isfinite(y)] <= 0).any() for _, _, y in parsed):
         raise ValueError("logy: losses must be positive for a logarithmic axis")
-    ax = _check_ax(ax)
     ax = _new_ax(ax, (6.0, 3.6))
     for idx, (label, x, y) in enumerate(parsed):
         color = f"C{idx}"
