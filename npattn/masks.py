@@ -16,11 +16,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._docs import shared_doc
 from ._validate import as_index, check_additive_values, check_float_dtype, check_size, to_numpy
 
 __all__ = ["causal", "padding", "sliding_window", "combine", "from_key_padding_mask", "to_additive"]
 
 
+def _band_doc(shape: str):
+    """The Returns and Raises sections of ``causal`` and ``sliding_window`` (a bool mask of ``shape``)."""
+    return shared_doc(
+        returns_raises=f"""
+        Returns
+        -------
+        ndarray of bool
+            ``{shape}``, True = may attend.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A size that is not a positive integer.
+        """
+    )
+
+
+@_band_doc("(Lq, Lk)")
 def causal(Lq, Lk=None) -> np.ndarray:
     """Bool ``(Lq, Lk)`` mask, True where ``j <= i`` (as torch's ``is_causal``).
 
@@ -31,15 +50,7 @@ def causal(Lq, Lk=None) -> np.ndarray:
     Lk : int, optional
         The number of keys (default ``Lq``).
 
-    Returns
-    -------
-    ndarray of bool
-        ``(Lq, Lk)``, True = may attend.
-
-    Raises
-    ------
-    TypeError, ValueError
-        A size that is not a positive integer.
+    <returns_raises>
 
     Examples
     --------
@@ -92,6 +103,7 @@ def padding(lengths, L) -> np.ndarray:
     return np.arange(L) < lengths[:, None]
 
 
+@_band_doc("(L, L)")
 def sliding_window(L, window) -> np.ndarray:
     """Bool ``(L, L)`` causal band: query ``i`` sees keys ``j`` with ``i - window < j <= i``.
 
@@ -102,15 +114,7 @@ def sliding_window(L, window) -> np.ndarray:
     window : int
         How many keys each query sees, itself included (>= 1).
 
-    Returns
-    -------
-    ndarray of bool
-        ``(L, L)``, True = may attend.
-
-    Raises
-    ------
-    TypeError, ValueError
-        A size that is not a positive integer.
+    <returns_raises>
 
     Examples
     --------
