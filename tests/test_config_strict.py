@@ -229,3 +229,15 @@ def test_other_strict_reads():
         config_from_hf(
             dict(FAMILIES["gpt_oss"], rope_parameters=dict(FAMILIES["gpt_oss"]["rope_parameters"], truncate="no"))
         )
+
+
+def test_moe_block_from_hf_config_reads_booleans_strictly():
+    from npattn.nn.moe import SparseMoeBlock
+
+    cfg = dict(FAMILIES["qwen3_next"])
+    assert SparseMoeBlock.from_hf_config(dict(cfg, norm_topk_prob=False)) is not None
+    for value in ("false", 0, None):  # "false" read as True; null is false to transformers, true by default here
+        with pytest.raises(ValueError, match=r"config\['norm_topk_prob'\]"):
+            SparseMoeBlock.from_hf_config(dict(cfg, norm_topk_prob=value))
+    moe = dict(cfg, model_type="qwen3_moe", norm_topk_prob=None)  # default false: null reads as false
+    assert SparseMoeBlock.from_hf_config(moe).gate.norm_topk_prob is False

@@ -986,6 +986,16 @@ class SparseMoeBlock(Module):
                 raise ValueError(f"config: model_type {model_type!r} needs {' or '.join(map(repr, names))}, missing")
             return default
 
+        def flag(name, default: bool) -> bool:
+            """A JSON boolean only ("false" would read as True); null is false, as transformers tests
+            the value's truth, and refused where the default is true."""
+            v = config.get(name, default)
+            if v is None and not default:
+                return False
+            if not isinstance(v, bool):
+                raise ValueError(f"config[{name!r}]: expected true or false (a JSON boolean), got {v!r}")
+            return v
+
         kw: dict = dict(rng=rng, dtype=dtype)
         if model_type == "gpt_oss":
             args = (
@@ -1008,7 +1018,7 @@ class SparseMoeBlock(Module):
             args = (get("hidden_size"), get("n_routed_experts", "num_local_experts"), get("num_experts_per_tok"), inter)
             kw.update(
                 router="sigmoid",
-                norm_topk_prob=get("norm_topk_prob", default=True),
+                norm_topk_prob=flag("norm_topk_prob", True),
                 routed_scaling_factor=get("routed_scaling_factor", default=1.0),
                 n_group=get("n_group", default=1),
                 topk_group=get("topk_group", default=1),
@@ -1021,7 +1031,7 @@ class SparseMoeBlock(Module):
             args = (get("hidden_size"), get("num_experts"), get("num_experts_per_tok"), get("moe_intermediate_size"))
             kw.update(
                 router="softmax_topk",
-                norm_topk_prob=get("norm_topk_prob", default=True),
+                norm_topk_prob=flag("norm_topk_prob", True),
                 hidden_act=get("hidden_act", default="silu"),
                 shared_intermediate_size=get("shared_expert_intermediate_size") or None,  # 0: none
                 shared_expert_gate=bool(get("shared_expert_intermediate_size")),
@@ -1030,7 +1040,7 @@ class SparseMoeBlock(Module):
             experts = get("num_experts", "num_local_experts")
             args = (get("hidden_size"), experts, get("num_experts_per_tok"), get("moe_intermediate_size"))
             kw.update(
-                norm_topk_prob=get("norm_topk_prob", default=False),
+                norm_topk_prob=flag("norm_topk_prob", False),
                 hidden_act=get("hidden_act", default="silu"),
                 experts_first=True,
             )
