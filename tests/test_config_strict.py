@@ -241,3 +241,18 @@ def test_moe_block_from_hf_config_reads_booleans_strictly():
             SparseMoeBlock.from_hf_config(dict(cfg, norm_topk_prob=value))
     moe = dict(cfg, model_type="qwen3_moe", norm_topk_prob=None)  # default false: null reads as false
     assert SparseMoeBlock.from_hf_config(moe).gate.norm_topk_prob is False
+
+
+def test_rope_dicts_transformers_would_read_otherwise_than_written_are_refused():
+    """transformers silently ignores these: Gemma 3's flat rope_parameters (it wants one dict per
+    layer type), 'type' beside a different 'rope_type' (it takes rope_type), a
+    max_position_embeddings inside the dict (it reads the config's)."""
+    gemma = dict(FAMILIES["gemma3_text"], rope_parameters={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"config\['rope_parameters'\]\['rope_type'\].*layer type"):
+        config_from_hf(gemma)
+    both = dict(FAMILIES["llama"], rope_parameters={"rope_type": "linear", "type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"config\['rope_parameters'\].*'rope_type'='linear' and 'type'='yarn'"):
+        config_from_hf(both)
+    inner = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 16}
+    with pytest.raises(ValueError, match=r"\['max_position_embeddings'\]: 16 differs .* max_position_embeddings=8"):
+        config_from_hf(dict(FAMILIES["llama"], max_position_embeddings=8, rope_parameters=inner))
