@@ -28,12 +28,14 @@ from ._blocks import (
     check_qkv,
     check_scale,
     distance,
+    fold_heads,
     gqa_groups,
     out_lead,
     row_blocks,
+    scratch,
     sum_to,
+    with_ndim,
 )
-from ._blocks import scratch as _scratch
 from ._workspace import empty as _empty
 
 __all__ = [
@@ -94,8 +96,10 @@ def _grouped_shape(shape, groups):
 
 
 def _grouped(x, groups):
-    """``(..., Hk*G, L, D) -> (..., Hk, G*L, D)``: query head ``h`` sits with kv head ``h // G``."""
-    return x if groups == 1 else x.reshape(_grouped_shape(x.shape, groups))
+    """``(..., Hk*G, L, D) -> (..., Hk, G*L, D)``: the shared scheme (``_blocks.fold_heads``, query
+    head ``h = hk*G + g`` beside kv head ``hk``) with the ``G`` query heads of a kv head stacked
+    along the rows, so that one GEMM per kv head serves them all."""
+    return x if groups == 1 else fold_heads(x, groups).reshape(_grouped_shape(x.shape, groups))
 
 
 def _ungrouped(x, groups, full_shape):
@@ -104,12 +108,9 @@ def _ungrouped(x, groups, full_shape):
 
 def _mask_view(m, score_shape, groups):
     """A mask broadcast to the scores ``(..., Hq, Lq, Lk)``, viewed as ``(..., Hk, G, Lq, Lk)`` with
-    grouped-query heads (no copy): the block of query rows ``r0..r1`` of group ``g`` is then
-    ``m[..., g, r0:r1, c0:c1]`` (``_mask_block``)."""
-    m = np.broadcast_to(m, score_shape)
-    if groups == 1:
-        return m
-    return m.reshape(score_shape[:-3] + (score_shape[-3] // groups, groups) + score_shape[-2:])
+    grouped-query heads (``fold_heads``, no copy): the block of query rows ``r0..r1`` of group ``g``
+    is then ``m[..., g, r0:r1, c0:c1]`` (``_mask_block``)."""
+    return fold_heads(np.broadcast_to(m, score_shape), groups)
 
 
 def _mask_block(m, blk, groups, lq):
@@ -123,11 +124,9 @@ def _mask_block(m, blk, groups, lq):
 def _per_group(a, lead, groups, g):
     """A per-head array ``a`` (broadcast to the scores' leading dims ``(..., Hq)``) for the query
     heads ``g, G + g, 2G + g, ...`` of group ``g``, shaped ``(..., Hk, 1, 1)`` to scale a block."""
-    if a.ndim > len(lead):  # sinks (1,) of inputs without a head axis
-        a = a.reshape(a.shape[a.ndim - len(lead) :])
-    a = np.broadcast_to(a, lead)
+    a = np.broadcast_to(with_ndim(a, len(lead)), lead)  # sinks (1,) of inputs without a head axis too
     if groups > 1:
-        a = a.reshape(lead[:-1] + (lead[-1] // groups, groups))[..., g]
+        a = fold_heads(a, groups, -1)[..., g]
     return a[..., None, None]
 
 
@@ -297,9 +296,7 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, q.shape[-1])
     rng = as_rng(rng) if dropout_p > 0.0 or rng is not None else None
     opts = check_options(score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
-    return _scaled_dot_product_attention(
-        q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa, **opts._asdict()
-    )
+    return _scaled_dot_product_attention(q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa, options=opts)
 
 
 def _scaled_dot_product_attention(
@@ -321,98 +318,44 @@ def _scaled_dot_product_attention(
     mask_grad=False,
     heads_last=False,
     workspace=None,
+    options: Optional[AttentionOptions] = None,
 ):
     """The kernel of ``scaled_dot_product_attention``: arguments already checked and cast (float
     arrays of one dtype, shapes that fit, a Generator ``rng`` when ``dropout_p > 0``).
     ``heads_last``: lay the output out in memory as ``(..., Lq, Hq, Ev)`` (``_heads_last_empty``;
     ``MultiHeadAttention`` then merges heads for free), and the backward's gradients likewise.
     ``workspace``: a ``_workspace.Workspace`` the output, the cached blocks and the scratch are
-    taken from (a module's; it gives them back after the backward, ``cache_arrays``)."""
+    taken from (a module's; it gives them back after the backward, ``cache_arrays``).
+    ``options``: the checked ``AttentionOptions`` in one object (then the six option keywords
+    are not read), as the public op passes them."""
+    if options is None:
+        options = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
     shapes = (q.shape, k.shape, v.shape)
     groups = gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
     q, k, v = broadcast_qkv(q, k, v, groups)
     lq, lk = q.shape[-2], k.shape[-2]
     score_shape = q.shape[:-1] + (lk,)
-    lead = score_shape[:-2]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    opts = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
-    bnd = band(lq, lk, is_causal, causal_align, window)
-
+    bnd = band(lq, lk, is_causal, options.causal_align, options.window)
     keep, drop_scale = None, 1.0
     if dropout_p > 0.0:
         keep = rng.random(score_shape) >= dropout_p
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-
-    # Everything below runs in the grouped layout (..., Hk, G*Lq, ...): one GEMM per kv head.
-    hidden = None if attn_mask is None or attn_mask.dtype != bool else _mask_view(~attn_mask, score_shape, groups)
-    additive = None if attn_mask is None or attn_mask.dtype == bool else _mask_view(attn_mask, score_shape, groups)
-    keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
-    qg = _grouped(q, groups)
+    rows = _Rows(q, k, v, groups, scale, bnd, options, attn_mask, keep, drop_scale, workspace)
     out_shape = q.shape[:-1] + (v.shape[-1],)
     if heads_last and groups == 1:
         out = _heads_last_empty(out_shape, q.dtype, workspace)
     else:
         out = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
-    p_sink = None if sinks is None else np.empty(qg.shape[:-1] + (1,), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
-    glead = qg.shape[:-2]
-    tlead = broadcast_shapes(k.shape[:-2], glead)
-
-    p_blocks, dcap = [], ([] if softcap is not None else None)
-    masks: dict = {}  # the band's hidden pairs of each distinct block shape, built once per call
+    p_blocks, dcap = [], []
     for blk in blocks:
-        rows, c0, c1, r0 = blk
-        n, g = blk.n, rows.start // lq if lq else 0
-        # scores of the block, key-major: t = s^T = scale k q^T over the keys c0..c1-1 its rows
-        # may see (the (keys, n) orientation: OpenBLAS runs these K=E GEMMs on both cores this way;
-        # the scale goes onto the contiguous block, not onto q's strided rows)
-        t = np.matmul(
-            k[..., c0:c1, :], qg[..., rows, :].swapaxes(-1, -2), out=_empty(workspace, tlead + (c1 - c0, n), q.dtype)
-        )
-        if softcap is not None:  # s -> softcap tanh(s / softcap); keep its derivative 1 - tanh^2
-            t *= scale / softcap
-            np.tanh(t, out=t)
-            dcap.append(1.0 - t * t)
-            t *= softcap
-        elif scale != 1.0:
-            t *= scale
-        if additive is not None:
-            t += _mask_block(additive, blk, groups, lq).swapaxes(-1, -2)
-        if alibi_slopes is not None:  # - slope_h |p - j|
-            t -= _per_group(alibi_slopes, lead, groups, g) * distance(bnd, c0, c1 - c0, r0, n, q.dtype)
-        cut = band_hidden(bnd, c0, c1 - c0, r0, n, masks)  # causal diagonal / window edges inside the block
-        if cut is not None:
-            np.copyto(t, -np.inf, where=cut)
-        if hidden is not None:
-            np.copyto(t, -np.inf, where=_mask_block(hidden, blk, groups, lq).swapaxes(-1, -2))
-        # E = exp(s - max over keys), in place; a query with no visible key (max = -inf) gets zeros.
-        # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
-        m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
-        if sinks is not None:  # the sink joins the row: m = max(m, sink), always finite
-            sink = _per_group(sinks, lead, groups, g)
-            m = np.maximum(m, sink)
-        else:
-            m[~np.isfinite(m)] = 0.0
-        t -= m
-        np.exp(t, out=t)
-        total = t.sum(axis=-2, keepdims=True)  # l, (..., 1, n)
-        if sinks is not None:  # l includes exp(sink - m); P_sink = exp(sink - m) / l
-            es = np.exp(sink - m)
-            total += es
-            np.divide(es, total, out=p_sink[..., rows, :].swapaxes(-1, -2))
-        else:
-            total[total == 0] = 1.0
-        t *= np.divide(1.0, total, out=total)  # P = E / l, in place
-        # out = P' v = (P [* keep / (1-p)]) v
-        o = out[..., rows, :]
-        used = t
-        if keep_g is not None:
-            used = t * keep_g[..., rows, c0:c1].swapaxes(-1, -2)
-            used *= drop_scale
-        np.matmul(used.swapaxes(-1, -2), v[..., c0:c1, :], out=o)
+        t, cap = rows.scores(blk)
+        rows.softmax(t, blk)
+        rows.attend(t, blk, out)
         p_blocks.append(t)
-    out = _ungrouped(out, groups, out_shape)
+        dcap.append(cap)
     cache = AttentionCache(
         q,
         k,
@@ -425,13 +368,96 @@ def _scaled_dot_product_attention(
         groups,
         shapes,
         bnd,
-        opts,
-        None if dcap is None else tuple(dcap),
-        p_sink,
-        attn_mask if mask_grad else None,
+        options,
+        None if options.softcap is None else tuple(dcap),
+        rows.p_sink,
+        attn_mask if options.mask_grad else None,
         heads_last,
     )
-    return out, cache
+    return _ungrouped(out, groups, out_shape), cache
+
+
+class _Rows:
+    """The forward of one call, block of query rows by block, in the grouped layout ``(..., Hk,
+    G*Lq, ...)`` (one GEMM per kv head): each step of the scores (an option each), the softmax
+    (with the sink) and the output.  Holds the call's operands and options."""
+
+    def __init__(self, q, k, v, groups, scale, bnd, opts: AttentionOptions, attn_mask, keep, drop_scale, workspace):
+        self.k, self.v, self.groups, self.scale, self.band, self.opts = k, v, groups, scale, bnd, opts
+        self.qg = _grouped(q, groups)
+        self.lq, self.lead, self.dt = q.shape[-2], q.shape[:-2], q.dtype
+        score_shape = q.shape[:-1] + (k.shape[-2],)
+        is_bool = attn_mask is not None and attn_mask.dtype == bool
+        self.hidden = _mask_view(~attn_mask, score_shape, groups) if is_bool else None
+        self.additive = _mask_view(attn_mask, score_shape, groups) if attn_mask is not None and not is_bool else None
+        self.keep_g = None if keep is None else _grouped(keep, groups)  # contiguous: a view
+        self.drop_scale, self.workspace = drop_scale, workspace
+        self.p_sink = None if opts.sinks is None else np.empty(self.qg.shape[:-1] + (1,), q.dtype)
+        self.tlead = broadcast_shapes(k.shape[:-2], self.qg.shape[:-2])
+        self.masks: dict = {}  # the band's hidden pairs of each distinct block shape, built once per call
+
+    def scores(self, blk: Block):
+        """The final scores of the block, key-major: ``t = s^T = scale k q^T`` over the keys
+        ``c0..c1-1`` its rows may see (the ``(keys, n)`` orientation: OpenBLAS runs these ``K = E``
+        GEMMs on both cores this way; the scale goes onto the contiguous block, not onto q's
+        strided rows), then softcap, the float mask, ALiBi, the band and the bool mask.  Returns
+        ``(t, 1 - tanh^2)`` (the second None without softcap)."""
+        c0, c1, n, opts = blk.c0, blk.c1, blk.n, self.opts
+        t = _empty(self.workspace, self.tlead + (c1 - c0, n), self.dt)
+        np.matmul(self.k[..., c0:c1, :], self.qg[..., blk.rows, :].swapaxes(-1, -2), out=t)
+        dcap = None
+        if opts.softcap is not None:  # s -> softcap tanh(s / softcap); keep its derivative 1 - tanh^2
+            t *= self.scale / opts.softcap
+            np.tanh(t, out=t)
+            dcap = 1.0 - t * t
+            t *= opts.softcap
+        elif self.scale != 1.0:
+            t *= self.scale
+        if self.additive is not None:
+            t += _mask_block(self.additive, blk, self.groups, self.lq).swapaxes(-1, -2)
+        if opts.alibi_slopes is not None:  # - slope_h |p - j|
+            slopes = _per_group(opts.alibi_slopes, self.lead, self.groups, self._group(blk))
+            t -= slopes * distance(self.band, c0, c1 - c0, blk.r0, n, self.dt)
+        cut = band_hidden(self.band, c0, c1 - c0, blk.r0, n, self.masks)  # causal diagonal / window edges
+        if cut is not None:
+            np.copyto(t, -np.inf, where=cut)
+        if self.hidden is not None:
+            np.copyto(t, -np.inf, where=_mask_block(self.hidden, blk, self.groups, self.lq).swapaxes(-1, -2))
+        return t, dcap
+
+    def _group(self, blk: Block) -> int:
+        return blk.rows.start // self.lq if self.lq else 0
+
+    def softmax(self, t, blk: Block):
+        """``P = E / l`` in place, ``E = exp(S - max over keys)``, ``l = sum E``; a query with no
+        visible key (max = -inf) gets zeros.  A sink joins the row: ``m = max(m, sink)`` (always
+        finite), ``l`` includes ``exp(sink - m)`` and ``P_sink = exp(sink - m) / l`` is kept."""
+        # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
+        m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
+        sink = None
+        if self.opts.sinks is not None:
+            sink = _per_group(self.opts.sinks, self.lead, self.groups, self._group(blk))
+            m = np.maximum(m, sink)
+        else:
+            m[~np.isfinite(m)] = 0.0
+        t -= m
+        np.exp(t, out=t)
+        total = t.sum(axis=-2, keepdims=True)  # l, (..., 1, n)
+        if sink is not None and self.p_sink is not None:
+            es = np.exp(sink - m)
+            total += es
+            np.divide(es, total, out=self.p_sink[..., blk.rows, :].swapaxes(-1, -2))
+        else:
+            total[total == 0] = 1.0
+        t *= np.divide(1.0, total, out=total)  # P = E / l, in place
+
+    def attend(self, p, blk: Block, out):
+        """``out = P' v = (P [* keep / (1-p)]) v`` for the block's rows."""
+        used = p
+        if self.keep_g is not None:
+            used = p * self.keep_g[..., blk.rows, blk.c0 : blk.c1].swapaxes(-1, -2)
+            used *= self.drop_scale
+        np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=out[..., blk.rows, :])
 
 
 def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
@@ -501,98 +527,115 @@ def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None
     ``out``: optional ``(dq, dk, dv)`` arrays of the right shapes and dtype to write the gradients
     into (e.g. views of ``MultiHeadAttention``'s fused buffer); they are returned in place of new ones.
     ``workspace``: where the scratch comes from (and goes back to at the end)."""
-    q, k, v, groups, scale = cache.q, cache.k, cache.v, cache.groups, cache.scale
-    blocks, p_blocks, keep, drop_scale = cache.blocks, cache.p, cache.keep, cache.drop_scale
-    opts = cache.options
-    lq = q.shape[-2]
-    dog = _grouped(dout, groups)
-    keep_g = None if keep is None else _grouped(keep, groups)
-    direct = out is not None and groups == 1 and all(o.shape == a.shape for o, a in zip(out, (q, k, v)))
-    if direct:  # write straight into the caller's arrays
-        dq, dk, dv = out
-    elif groups == 1 and cache.heads_last:
-        dq, dk, dv = (_heads_last_empty(a.shape, a.dtype) for a in (q, k, v))
-    else:
-        dq = np.empty(_grouped_shape(q.shape, groups), q.dtype)
-        dk, dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
-    # dk and dv add up the blocks' parts.  Blocks that all start at key 0: the widest comes first
-    # and is written, the others are added to it (keys no query may see get zero).  Windowed
-    # blocks start anywhere: dk, dv start at zero and every block is added.
-    order = sorted(range(len(blocks)), key=lambda i: -blocks[i].c1)
-    widest = blocks[order[0]].c1 if blocks else 0
-    from_zero = all(b.c0 == 0 for b in blocks)
-    if from_zero:
-        dk[..., widest:, :] = 0
-        dv[..., widest:, :] = 0
-    else:
-        dk[...] = 0
-        dv[...] = 0
-    qg = _grouped(q, groups)
-    score_lead = q.shape[:-2]
-    glead = dog.shape[:-2]
-    dsinks = None if opts.sinks is None else np.zeros(glead + (groups,), q.dtype)  # (..., Hk, G)
-    dmask = None
-    if opts.mask_grad:
-        m = cache.mask
-        dmask = np.zeros((1,) * (len(score_lead) + 2 - m.ndim) + m.shape, q.dtype)
-    # Scratch, allocated once at the largest block's size and reused by every block (memory
-    # that stays in cache rather than fresh pages): dS, and the products added into dk and dv.
-    glead = dog.shape[:-2]
-    height = max((b.n for b in blocks), default=0)
-    wmax = max((b.c1 - b.c0 for b in blocks), default=0)
-    ds_buf = _empty(workspace, (math.prod(glead) * height * wmax,), q.dtype)
-    many = len(blocks) > 1 or not from_zero
-    prod_buf = _empty(workspace, (math.prod(glead) * wmax * max(k.shape[-1], v.shape[-1]) if many else 0,), q.dtype)
-    for j, i in enumerate(order):
-        blk, p = blocks[i], p_blocks[i]  # p: P^T, key-major (c1 - c0, n) as in the forward
-        rows, c0, c1, r0 = blk
-        n, g = blk.n, rows.start // lq
-        add = j > 0 or not from_zero
-        kb = None if keep_g is None else keep_g[..., rows, c0:c1].swapaxes(-1, -2)
-        do = dog[..., rows, :]
-        # dv = P'^T dout with P' = P [* keep / (1-p)]
-        pk = p
+    back = _Backward(cache, dout, out, workspace)
+    for j, i in enumerate(back.order):
+        back.block(i, add=j > 0 or not back.from_zero)
+    return back.finish()
+
+
+class _Backward:
+    """The backward of one call, block of query rows by block, in the forward's grouped layout:
+    the gradients being filled (``dq``, ``dk``, ``dv``; ``dmask``, ``dsinks`` with their options)
+    and the scratch every block reuses."""
+
+    def __init__(self, cache: AttentionCache, dout, out, workspace):
+        q, k, v, groups = cache.q, cache.k, cache.v, cache.groups
+        self.cache, self.out, self.workspace = cache, out, workspace
+        self.dog, self.qg = _grouped(dout, groups), _grouped(q, groups)
+        self.keep_g = None if cache.keep is None else _grouped(cache.keep, groups)
+        self.direct = out is not None and groups == 1 and all(o.shape == a.shape for o, a in zip(out, (q, k, v)))
+        if self.direct:  # write straight into the caller's arrays
+            self.dq, self.dk, self.dv = out
+        elif groups == 1 and cache.heads_last:
+            self.dq, self.dk, self.dv = (_heads_last_empty(a.shape, a.dtype) for a in (q, k, v))
+        else:
+            self.dq = np.empty(_grouped_shape(q.shape, groups), q.dtype)
+            self.dk, self.dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
+        self.order, self.from_zero = self._zero_unseen(cache.blocks)
+        glead = self.dog.shape[:-2]
+        self.dsinks = None if cache.options.sinks is None else np.zeros(glead + (groups,), q.dtype)  # (..., Hk, G)
+        self.dmask = None
+        if cache.options.mask_grad and cache.mask is not None:
+            m = cache.mask
+            self.dmask = np.zeros((1,) * (len(q.shape) - m.ndim) + m.shape, q.dtype)
+        # Scratch, allocated once at the largest block's size and reused by every block (memory
+        # that stays in cache rather than fresh pages): dS, and the products added into dk and dv.
+        height = max((b.n for b in cache.blocks), default=0)
+        wmax = max((b.c1 - b.c0 for b in cache.blocks), default=0)
+        self.ds_buf = _empty(workspace, (math.prod(glead) * height * wmax,), q.dtype)
+        many = len(cache.blocks) > 1 or not self.from_zero
+        width = max(k.shape[-1], v.shape[-1])
+        self.prod_buf = _empty(workspace, (math.prod(glead) * wmax * width if many else 0,), q.dtype)
+
+    def _zero_unseen(self, blocks):
+        """dk and dv add up the blocks' parts.  Blocks that all start at key 0: the widest comes first
+        and is written, the others are added to it (keys no query may see get zero).  Windowed
+        blocks start anywhere: dk, dv start at zero and every block is added."""
+        order = sorted(range(len(blocks)), key=lambda i: -blocks[i].c1)
+        widest = blocks[order[0]].c1 if blocks else 0
+        from_zero = all(b.c0 == 0 for b in blocks)
+        if from_zero:
+            self.dk[..., widest:, :] = 0
+            self.dv[..., widest:, :] = 0
+        else:
+            self.dk[...] = 0
+            self.dv[...] = 0
+        return order, from_zero
+
+    def block(self, i: int, add: bool):
+        """Block ``i`` of query rows: ``dv = P'^T dout``, ``dS = P (dP - D)``, then ``dq = scale dS k``,
+        ``dk = scale dS^T q`` (``dk``, ``dv`` written, or added when ``add``)."""
+        cache = self.cache
+        blk, p = cache.blocks[i], cache.p[i]  # p: P^T, key-major (c1 - c0, n) as in the forward
+        rows, c0, c1 = blk.rows, blk.c0, blk.c1
+        g = rows.start // cache.q.shape[-2]
+        kb = None if self.keep_g is None else self.keep_g[..., rows, c0:c1].swapaxes(-1, -2)
+        do = self.dog[..., rows, :]
+        pk = p  # dv = P'^T dout with P' = P [* keep / (1-p)]
         if kb is not None:
             pk = p * kb
-            pk *= drop_scale
-        _write_or_add(pk, do, dv[..., c0:c1, :], add, prod_buf)
+            pk *= cache.drop_scale
+        _write_or_add(pk, do, self.dv[..., c0:c1, :], add, self.prod_buf)
         # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  dS^T = P^T * (dP - D)^T
-        ds = _scratch(ds_buf, glead + (c1 - c0, n))
-        np.matmul(v[..., c0:c1, :], do.swapaxes(-1, -2), out=ds)
+        ds = scratch(self.ds_buf, self.dog.shape[:-2] + (c1 - c0, blk.n))
+        np.matmul(cache.v[..., c0:c1, :], do.swapaxes(-1, -2), out=ds)
         if kb is not None:
             ds *= kb
-            ds *= drop_scale
+            ds *= cache.drop_scale
         d = np.einsum("...ji,...ji->...i", ds, p)[..., None, :]  # D_i = sum_j dP_ij P_ij, (..., 1, n)
         ds -= d  # dP - D
         ds *= p
-        if dsinks is not None:  # dsink_h -= sum_i P_sink_i D_i
-            dsinks[..., g] -= np.einsum("...i,...i->...", cache.p_sink[..., rows, 0], d[..., 0, :])
-        if dmask is not None:  # dmask = dS, summed to the mask's shape
-            _add_mask_grad(dmask, ds, blk, groups, g)
+        if self.dsinks is not None and cache.p_sink is not None:  # dsink_h -= sum_i P_sink_i D_i
+            self.dsinks[..., g] -= np.einsum("...i,...i->...", cache.p_sink[..., rows, 0], d[..., 0, :])
+        if self.dmask is not None:  # dmask = dS, summed to the mask's shape
+            _add_mask_grad(self.dmask, ds, blk, cache.groups, g)
         if cache.dcap is not None:  # through softcap: ds = dS (1 - tanh^2)
             ds *= cache.dcap[i]
-        if scale != 1.0:
-            ds *= scale  # the gradient of q k^T
+        if cache.scale != 1.0:
+            ds *= cache.scale  # the gradient of q k^T
         # dq = (scale dS) k;  dk = (scale dS)^T q
-        np.matmul(ds.swapaxes(-1, -2), k[..., c0:c1, :], out=dq[..., rows, :])
-        _write_or_add(ds, qg[..., rows, :], dk[..., c0:c1, :], add, prod_buf)
-    if workspace is not None:
-        workspace.give(ds_buf, prod_buf)
-    dq = _ungrouped(dq, groups, q.shape)
-    grads = [dq, dk, dv]
-    if cache.shapes:
-        grads = [sum_to(a, s) for a, s in zip(grads, cache.shapes)]
-    if out is not None and not direct:
-        for dst, src in zip(out, grads):
-            np.copyto(dst, src)
-        grads = list(out)
-    elif out is not None:
-        grads = list(out)
-    if dmask is not None:
-        grads.append(dmask.reshape(cache.mask.shape).astype(cache.mask.dtype, copy=False))
-    if dsinks is not None:
-        grads.append(dsinks.sum(axis=tuple(range(dsinks.ndim - 2))).reshape(-1))  # h = hk * G + g
-    return tuple(grads)
+        np.matmul(ds.swapaxes(-1, -2), cache.k[..., c0:c1, :], out=self.dq[..., rows, :])
+        _write_or_add(ds, self.qg[..., rows, :], self.dk[..., c0:c1, :], add, self.prod_buf)
+
+    def finish(self) -> tuple:
+        """The gradients in their inputs' shapes (written into ``out`` if given), then ``dmask``,
+        ``dsinks``; the scratch back to the workspace."""
+        cache, out = self.cache, self.out
+        if self.workspace is not None:
+            self.workspace.give(self.ds_buf, self.prod_buf)
+        grads = [_ungrouped(self.dq, cache.groups, cache.q.shape), self.dk, self.dv]
+        if cache.shapes:
+            grads = [sum_to(a, s) for a, s in zip(grads, cache.shapes)]
+        if out is not None and not self.direct:
+            for dst, src in zip(out, grads):
+                np.copyto(dst, src)
+        if out is not None:
+            grads = list(out)
+        if self.dmask is not None and cache.mask is not None:
+            grads.append(self.dmask.reshape(cache.mask.shape).astype(cache.mask.dtype, copy=False))
+        if self.dsinks is not None:  # h = hk * G + g
+            grads.append(self.dsinks.sum(axis=tuple(range(self.dsinks.ndim - 2))).reshape(-1))
+        return tuple(grads)
 
 
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
@@ -734,10 +777,10 @@ def _add_mask_grad(dmask, ds_t, blk: Block, groups, g):
     target += sum_to(x, target.shape)
 
 
-def _write_or_add(a, b, acc, add, scratch):
-    """``acc += a @ b`` (the product formed in ``scratch``) when ``add``, else ``acc[...] = a @ b``."""
+def _write_or_add(a, b, acc, add, buf):
+    """``acc += a @ b`` (the product formed in the scratch ``buf``) when ``add``, else ``acc[...] = a @ b``."""
     if add:
-        prod = _scratch(scratch, acc.shape)
+        prod = scratch(buf, acc.shape)
         np.matmul(a, b, out=prod)
         acc += prod
     else:
