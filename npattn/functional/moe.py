@@ -376,7 +376,8 @@ def topk_router_backward(dout: np.ndarray, cache: TopKRouterCache) -> np.ndarray
 
 def _topk_router_backward(dout, cache):
     """The kernel of ``topk_router_backward``."""
-    idx, v, p, r, denom, variant, c, shape = cache
+    idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
+    c, shape = cache.routed_scaling_factor, cache.logits_shape
     dr = dout.reshape(idx.shape) * c if c != 1.0 else dout.reshape(idx.shape)
     if variant == "topk_softmax":
         dv = r * (dr - (dr * r).sum(-1, keepdims=True))
@@ -392,7 +393,7 @@ def _topk_router_backward(dout, cache):
     else:
         dvv = dv * v
         np.put_along_axis(dz, idx, dvv, -1)
-        dz -= p * dvv.sum(-1, keepdims=True)
+        dz -= cache.p * dvv.sum(-1, keepdims=True)
     return dz.reshape(shape)
 
 
@@ -426,14 +427,15 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents) -> np.ndarray:
 
 def _topk_router_jvp(cache, tlogits=None):
     """The kernel of ``topk_router_jvp`` (tangent checked, None = zero)."""
-    idx, v, p, r, denom, variant, c, shape = cache
+    idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
+    c, shape = cache.routed_scaling_factor, cache.logits_shape
     out = shape[:-1] + idx.shape[-1:]
     if tlogits is None:
         return np.zeros(out, v.dtype)
     tz = tlogits.reshape(-1, shape[-1])
     tzi = np.take_along_axis(tz, idx, -1)
     if variant == "softmax_topk":
-        tv = v * (tzi - (p * tz).sum(-1, keepdims=True))
+        tv = v * (tzi - (cache.p * tz).sum(-1, keepdims=True))
     elif variant == "sigmoid":
         tv = v * (1.0 - v) * tzi
     else:
@@ -672,15 +674,16 @@ def moe_experts_backward(dout: np.ndarray, cache: MoeExpertsCache):
 
 def _moe_experts_backward(dout, cache):
     """The kernel of ``moe_experts_backward``."""
-    order, tok, bounds, ws, hs, xs, gu, mid, params, kind, activation, alpha, limit, x_shape, k = cache
-    gate_up, down, gate_up_bias, down_bias = params
-    swiglu = kind == "swiglu"
+    order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
+    gate_up, down, gate_up_bias, down_bias = cache.params
+    alpha, limit, x_shape, k = cache.alpha, cache.limit, cache.x_shape, cache.k
+    swiglu = cache.kind == "swiglu"
     h = x_shape[-1]
     dy = dout.reshape(-1, h)
     n = dy.shape[0]
     dys = dy[tok]  # (S, H) each sorted pair's upstream gradient
     dw = np.empty(n * k, dy.dtype)
-    dw[order] = np.einsum("sh,sh->s", dys, hs)
+    dw[order] = np.einsum("sh,sh->s", dys, cache.hs)
     dhs = dys * ws[:, None]  # (S, H) the gradient of each pair's expert output
     hmid = mid[-1]
     dgate_up, ddown = np.zeros_like(gate_up), np.zeros_like(down)
@@ -700,7 +703,7 @@ def _moe_experts_backward(dout, cache):
     if swiglu:
         i = gu.shape[1] // 2
         a, act_cache, _ = mid
-        dgu[:, :i] = _ACTS[activation][1](dm * gu[:, i:], act_cache)
+        dgu[:, :i] = _ACTS[cache.activation][1](dm * gu[:, i:], act_cache)
         np.multiply(dm, a, out=dgu[:, i:])
     else:
         g, u, sig, glu, _ = mid
@@ -763,9 +766,10 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
 
 def _moe_experts_jvp(cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None):
     """The kernel of ``moe_experts_jvp`` (tangents checked, None = zero)."""
-    order, tok, bounds, ws, hs, xs, gu, mid, params, kind, activation, alpha, limit, x_shape, k = cache
-    gate_up, down, _, _ = params
-    swiglu = kind == "swiglu"
+    tok, bounds, xs, gu, mid = cache.tok, cache.bounds, cache.xs, cache.gu, cache.mid
+    gate_up, down, _, _ = cache.params
+    alpha, limit, x_shape = cache.alpha, cache.limit, cache.x_shape
+    swiglu = cache.kind == "swiglu"
     h = x_shape[-1]
     txs = None if tx is None else tx.reshape(-1, h)[tok]
     tgu = np.zeros_like(gu)
@@ -781,7 +785,7 @@ def _moe_experts_jvp(cache, tx=None, tweights=None, tgate_up=None, tdown=None, t
         i = gu.shape[1] // 2
         a, act_cache, _ = mid
         # an elementwise activation's Jacobian is diagonal: its backward applied to a tangent is the tangent
-        tm = _ACTS[activation][1](tgu[:, :i], act_cache) * gu[:, i:] + a * tgu[:, i:]
+        tm = _ACTS[cache.activation][1](tgu[:, :i], act_cache) * gu[:, i:] + a * tgu[:, i:]
     else:
         g, u, sig, glu, _ = mid
         gate, up = gu[:, ::2], gu[:, 1::2]
@@ -795,9 +799,9 @@ def _moe_experts_jvp(cache, tx=None, tweights=None, tgate_up=None, tdown=None, t
             ths[rows] += hmid[rows] @ (tdown[ex].T if swiglu else tdown[ex])
         if tdown_bias is not None:
             ths[rows] += tdown_bias[ex]
-    ty_sorted = ws[:, None] * ths
+    ty_sorted = cache.ws[:, None] * ths
     if tweights is not None:
-        ty_sorted += tweights.reshape(-1)[order][:, None] * hs
+        ty_sorted += tweights.reshape(-1)[cache.order][:, None] * cache.hs
     ty_pairs = np.empty_like(ty_sorted)
-    ty_pairs[order] = ty_sorted
-    return ty_pairs.reshape(math.prod(x_shape[:-1]), k, h).sum(1).reshape(x_shape)
+    ty_pairs[cache.order] = ty_sorted
+    return ty_pairs.reshape(math.prod(x_shape[:-1]), cache.k, h).sum(1).reshape(x_shape)

@@ -1602,7 +1602,8 @@ def gated_delta_rule_backward(
     Then the chain rule through ``q = scale * l2(q_in)`` and ``k = l2(k_in)``.
     Returns ``(dq, dk, dv, dg, dbeta, dinitial_state)``, the last None without an initial state.
     """
-    q, k, v, g, beta, states, scale, q_norm, k_norm, has_initial, _ = cache
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    states = cache.states  # S_{t-1} of every step
     steps = q.shape[-2]
     dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
     dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
@@ -1624,10 +1625,10 @@ def gated_delta_rule_backward(
         dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
         dg[..., t] = (dA * A).sum(axis=(-2, -1))  # A = e^{g_t} S_{t-1}
         dS = np.exp(g[..., t])[..., None, None] * dA  # dS_{t-1}
-    dq = dq * scale
-    if q_norm is not None and k_norm is not None:
-        dq, dk = l2_norm_backward(dq, q_norm), l2_norm_backward(dk, k_norm)
-    return dq, dk, dv, dg, dbeta, (dS if has_initial else None)
+    dq = dq * cache.scale
+    if cache.q_norm is not None and cache.k_norm is not None:
+        dq, dk = l2_norm_backward(dq, cache.q_norm), l2_norm_backward(dk, cache.k_norm)
+    return dq, dk, dv, dg, dbeta, (dS if cache.has_initial_state else None)
 
 
 def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array]):
@@ -1644,10 +1645,11 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array])
     (``tq``, ``tk`` first through ``l2_norm``'s JVP and the scale).  Returns ``tout``, or
     ``(tout, tfinal_state)`` when the forward kept the final state.
     """
-    q, k, v, g, beta, states, scale, q_norm, k_norm, _, final = cache
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    states, q_norm, k_norm = cache.states, cache.q_norm, cache.k_norm
     tq, tk, tv, tg, tbeta, tS = _padded(tangents, 6)
     zero = np.zeros_like
-    tq = zero(q) if tq is None else scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
+    tq = zero(q) if tq is None else cache.scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
     tk = zero(k) if tk is None else (tk if k_norm is None else l2_norm_jvp(k_norm, tk))
     tv = zero(v) if tv is None else tv
     tg = zero(g) if tg is None else tg
@@ -1666,7 +1668,7 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array])
         S = A + kt[..., :, None] * u[..., None, :]
         tS = tA + tk[..., t, :, None] * u[..., None, :] + kt[..., :, None] * tu[..., None, :]
         tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
-    return tout if final is None else (tout, tS)
+    return tout if cache.final_state is None else (tout, tS)
 
 
 def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
@@ -1791,6 +1793,17 @@ def rms_norm_gated_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Opti
     return (dx, dgate, dweight), (tdx, tdgate, tdweight)
 
 
+class CausalConv1dCache(NamedTuple):
+    """What ``causal_conv1d_backward`` needs: every output's window of inputs, the filter."""
+
+    windows: np.ndarray  # (B..., L, C, K) the K inputs z_t reads, the padded steps included
+    weight: np.ndarray  # (C, K)
+    has_bias: bool
+    has_initial_state: bool
+    act: Optional[tuple]  # silu's cache of z with activation="silu", else None
+    final_state: Optional[np.ndarray]  # (B..., K - 1, C) the last K - 1 inputs with output_final_state
+
+
 def causal_conv1d(
     x: Array,
     weight: Array,
@@ -1799,7 +1812,7 @@ def causal_conv1d(
     activation: Optional[str] = None,
     initial_state: Optional[Array] = None,
     output_final_state: bool = False,
-) -> Tuple[Array, tuple]:
+) -> Tuple[Array, CausalConv1dCache]:
     """Short causal depthwise convolution along the sequence, channel by channel.
 
     ``x (B..., L, C)`` (npattn's batch-first layout; transformers' ``causal_conv1d_fn`` takes the
@@ -1811,8 +1824,8 @@ def causal_conv1d(
 
     where the steps before the first come from ``initial_state (B..., K - 1, C)`` (the last
     ``K - 1`` inputs of the previous call when decoding; zeros if None).  ``activation`` is None or
-    ``"silu"``.  With ``output_final_state`` the cache's last item is the last ``K - 1`` inputs
-    (the state for the next call).  Returns ``(y (B..., L, C), cache)``.
+    ``"silu"``.  With ``output_final_state``, ``cache.final_state`` (its last item) is the last
+    ``K - 1`` inputs (the state for the next call).  Returns ``(y (B..., L, C), cache)``.
 
     Examples
     --------
@@ -1835,33 +1848,35 @@ def causal_conv1d(
     z = (windows * weight).sum(-1) + (0.0 if bias is None else bias)
     y, act_cache = silu(z) if activation == "silu" else (z, None)
     final = xp[..., xp.shape[-2] - (taps - 1) :, :] if output_final_state else None
-    return y, (windows, weight, bias is not None, initial_state is not None, act_cache, final)
+    return y, CausalConv1dCache(windows, weight, bias is not None, initial_state is not None, act_cache, final)
 
 
-def causal_conv1d_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Optional[Array], Optional[Array]]:
+def causal_conv1d_backward(
+    dout: Array, cache: CausalConv1dCache
+) -> Tuple[Array, Array, Optional[Array], Optional[Array]]:
     """``z_t = bias + sum_j w_j x_{t-K+1+j}`` (per channel): input ``x_s`` feeds ``z_t`` for
     ``t = s + K - 1 - j``, so ``dx_s = sum_j w_j dz_{s+K-1-j}`` (the filter run backwards over
     dz: a correlation becomes a convolution), ``dw_j = sum_t dz_t x_{t-K+1+j}`` over the batch and
     the steps, ``dbias = sum dz``.  The first ``K - 1`` padded inputs are the initial state: their
     gradient is ``dinitial_state``.  Returns ``(dx, dweight, dbias, dinitial_state)``, None where absent.
     """
-    windows, weight, has_bias, has_initial, act_cache, _ = cache
-    dz = dout if act_cache is None else silu_backward(dout, act_cache)  # (B..., L, C)
+    windows, weight = cache.windows, cache.weight
+    dz = dout if cache.act is None else silu_backward(dout, cache.act)  # (B..., L, C)
     taps, steps = weight.shape[-1], dz.shape[-2]
     dweight = np.einsum("nck,nc->ck", windows.reshape((-1,) + windows.shape[-2:]), dz.reshape(-1, dz.shape[-1]))
     dxp = np.zeros(dz.shape[:-2] + (steps + taps - 1, dz.shape[-1]), dz.dtype)
     for j in range(taps):  # tap j read x_{t - K + 1 + j}, i.e. row t + j of the padded input
         dxp[..., j : j + steps, :] += dz * weight[:, j]
-    dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if has_bias else None
-    return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if has_initial else None)
+    dbias = dz.reshape(-1, dz.shape[-1]).sum(0) if cache.has_bias else None
+    return dxp[..., taps - 1 :, :], dweight, dbias, (dxp[..., : taps - 1, :] if cache.has_initial_state else None)
 
 
-def causal_conv1d_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+def causal_conv1d_jvp(cache: CausalConv1dCache, *tangents: Optional[Array]) -> Array:
     """``z`` is bilinear in the (padded) input and the weight, plus the bias: ``tz_t = tbias +
     sum_j (tw_j x_{t-K+1+j} + w_j tx_{t-K+1+j})`` (the padded ``tx`` starts with
     ``tinitial_state``), then the activation's JVP.  Tangents ``(tx, tweight, tbias, tinitial_state)``."""
     tx, tweight, tbias, tstate = _padded(tangents, 4)
-    windows, weight, _, _, act_cache, _ = cache
+    windows, weight = cache.windows, cache.weight
     taps = weight.shape[-1]
     tz = np.zeros(windows.shape[:-1], windows.dtype)  # (B..., L, C)
     if tx is not None or tstate is not None:
@@ -1875,10 +1890,10 @@ def causal_conv1d_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
         tz = tz + (windows * tweight).sum(-1)
     if tbias is not None:
         tz = tz + tbias
-    return tz if act_cache is None else silu_jvp(act_cache, tz)
+    return tz if cache.act is None else silu_jvp(cache.act, tz)
 
 
-def causal_conv1d_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+def causal_conv1d_backward_jvp(dout: Array, cache: CausalConv1dCache, tangents, ddout: Optional[Array] = None):
     """Second order: ``tangents = (tx, tweight, tbias, tinitial_state)``.  The pre-activation
     moves by ``tz`` (``causal_conv1d_jvp`` without the activation); then each line of the
     backward, with ``windows`` moving by the windows ``twindows`` of the padded ``tx``::
@@ -1889,7 +1904,8 @@ def causal_conv1d_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optio
         dbias = sum dz                     tdbias = sum tdz
     """
     tx, tweight, tbias, tstate = _padded(tangents, 4)
-    windows, weight, has_bias, has_initial, act_cache, _ = cache
+    windows, weight, act_cache = cache.windows, cache.weight, cache.act
+    has_bias, has_initial = cache.has_bias, cache.has_initial_state
     taps = weight.shape[-1]
     lead = windows.shape[:-3]
     tx = np.zeros(lead + windows.shape[-3:-1], windows.dtype) if tx is None else tx
@@ -2053,7 +2069,8 @@ def topk_router_backward(dout: Array, cache: TopKRouterCache) -> Array:
         src = sigmoid(z)             dz = dsrc s (1 - s)                 (sigmoid' = s (1 - s))
         src = softmax(z) = p         dz = p (dsrc - <dsrc, p>)           (softmax's backward)
     """
-    indices, src, r, denom, variant, norm, c, shape = cache
+    indices, src, r, denom = cache.indices, cache.src, cache.r, cache.denom
+    variant, norm, c, shape = cache.variant, cache.norm_topk_prob, cache.routed_scaling_factor, cache.logits_shape
     dw = dout.reshape(r.shape)
     dz = np.zeros(src.shape, src.dtype)
     for n in range(src.shape[0]):
@@ -2088,7 +2105,8 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents: Optional[Array]) -> Array
         w = c r:           tw = c tr
     """
     (tz,) = _padded(tangents, 1)
-    indices, src, r, denom, variant, norm, c, shape = cache
+    indices, src, r, denom = cache.indices, cache.src, cache.r, cache.denom
+    variant, norm, c, shape = cache.variant, cache.norm_topk_prob, cache.routed_scaling_factor, cache.logits_shape
     tw = np.zeros(r.shape, r.dtype)
     if tz is None:
         return tw.reshape(shape[:-1] + r.shape[-1:])
@@ -2234,8 +2252,9 @@ def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[
 
     A token chosen by several experts gathers the ``dx`` of each.
     """
-    X, I, W, h, pairs, params, kind, activation, alpha, limit, x_shape = cache
-    gate_up, down, gate_up_bias, down_bias = params
+    X, I, W, h, pairs = cache.x, cache.indices, cache.weights, cache.h, cache.pairs
+    kind, activation, alpha, limit, x_shape = cache.kind, cache.activation, cache.alpha, cache.limit, cache.x_shape
+    gate_up, down, gate_up_bias, down_bias = cache.params
     dy = dout.reshape(X.shape)
     N, k = I.shape
     dx, dw = np.zeros(X.shape, X.dtype), np.zeros(I.shape, X.dtype)
@@ -2291,8 +2310,9 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
         ty_n += tw_nj h + w_nj th
     """
     tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias = _padded(tangents, 6)
-    X, I, W, h, pairs, params, kind, activation, alpha, limit, x_shape = cache
-    gate_up, down, _, _ = params
+    X, I, W, h, pairs = cache.x, cache.indices, cache.weights, cache.h, cache.pairs
+    kind, activation, alpha, limit, x_shape = cache.kind, cache.activation, cache.alpha, cache.limit, cache.x_shape
+    gate_up, down, _, _ = cache.params
     N, k = I.shape
     TX = None if tx is None else tx.reshape(X.shape)
     TW = None if tweights is None else tweights.reshape(I.shape)

@@ -801,8 +801,7 @@ def moe_configs(
     names = tuple(variants) if variants is not None else ROUTER_VARIANTS
     dt = np.dtype(dtype)
 
-    def build(args):
-        variant, e, h, i, lead, raw, flags, seed = args
+    def build(variant, e, h, i, lead, raw, flags, seed):  # e experts, width h, an expert's width i
         k_raw, g_raw, tg_raw, act_raw, shared_raw = raw
         norm, bias, scaled, gpt_oss, gated = flags
         kw: dict = {"router": variant, "router_bias": bias, "routed_scaling_factor": 2.5 if scaled else 1.0}
@@ -828,7 +827,7 @@ def moe_configs(
         return MoeCase(h, e, k, i, kw, x, dy, seed, dt)
 
     small = st.integers(0, 2**16)
-    return st.tuples(
+    return st.tuples(  # build's arguments, in its order
         st.sampled_from(names),
         st.integers(2, max_experts),
         st.integers(1, max_hidden),
@@ -837,7 +836,7 @@ def moe_configs(
         st.tuples(small, small, small, small, small),
         st.tuples(*(st.booleans(),) * 5),
         seeds(),
-    ).map(build)
+    ).map(lambda args: build(*args))
 
 
 __all__ += ["MoeCase", "moe_configs"]
@@ -941,8 +940,8 @@ def latent_attention_configs(
     (``LATENT_ROPE_SCALINGS``); with or without biases; ``2..max_len`` tokens after 0-2 leading axes."""
     dt = np.dtype(dtype)
 
-    def build(args):
-        heads, hidden, (r, dn, half_dr, dv), q_lora, interleave, bias, scaling, lead, length, seed = args
+    def build(heads, hidden, sizes, q_lora, interleave, bias, scaling, lead, length, seed):
+        r, dn, half_dr, dv = sizes  # the latent rank, the nope, half the rope and the value head sizes
         kw = {
             "kv_lora_rank": r,
             "qk_nope_head_dim": dn,
@@ -959,7 +958,7 @@ def latent_attention_configs(
         return LatentAttentionCase(hidden, heads, kw, x, dy, seed, dt)
 
     size = st.integers(1, max_dim)
-    return st.tuples(
+    return st.tuples(  # build's arguments, in its order
         st.integers(1, max_heads),
         st.integers(1, 2 * max_dim),
         st.tuples(size, size, st.integers(1, max(1, max_dim // 2)), size),
@@ -970,7 +969,7 @@ def latent_attention_configs(
         st.lists(st.integers(1, 2), max_size=2),
         st.integers(2, max_len),
         seeds(),
-    ).map(build)
+    ).map(lambda args: build(*args))
 
 
 __all__ += ["LATENT_ROPE_SCALINGS", "LatentAttentionCase", "latent_attention_configs"]
