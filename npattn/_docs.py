@@ -13,7 +13,15 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["shared_doc"]
+__all__ = ["shared_doc", "BACKWARD_RAISES"]
+
+#: The entries of a module's ``backward`` under its docstring's ``Raises`` header.
+BACKWARD_RAISES = """
+    RuntimeError
+        No forward to differentiate.
+    ValueError
+        ``dy`` of the wrong shape.
+    """
 
 
 def shared_doc(**parts: str) -> Callable[[T], T]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import functional as F
+from ._docs import BACKWARD_RAISES, shared_doc
 from ._validate import (
     as_float,
     as_index,
@@ -59,58 +60,53 @@ def _tx(module, input_tangents, shape, dtype):
     return check_tangent(tx, "tx", shape, dtype)
 
 
-class SelfAttention_v1(Module):
-    """Self-attention with raw weight matrices ``W_query, W_key, W_value`` of shape ``(d_in, d_out)``
-    drawn from U[0, 1) (the book's ``torch.rand``): ``softmax(x Wq (x Wk)^T / sqrt(d_out)) x Wv``.
-
-    Examples
-    --------
+# the first lines of the Examples sections: chapter 3's weights and inputs (``data.load``), and a
+# tiny GPT configuration (chapters 4 and 5)
+_CHAPTER3 = """
     >>> import numpy as np
     >>> from npattn import book, data
     >>> ch3 = data.load("chapter3")                          # the book's seeded weights and inputs
     >>> def weights(prefix):
     ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
     >>> inputs = ch3["inputs"].astype(np.float64)           # "Your journey starts with one step"
-    >>> sa = book.SelfAttention_v1(3, 2)
-    >>> _ = sa.load_state_dict(weights("sa_v1"))
-    >>> np.round(sa(inputs)[0], 4)                           # the book prints tensor([0.2996, 0.8053])
-    array([0.2996, 0.8053])
+    """
+_TINY_CFG = """
+    >>> import numpy as np
+    >>> from npattn import book
+    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
+    ...        "drop_rate": 0.0, "qkv_bias": False}
     """
 
-    def __init__(self, d_in, d_out, *, rng=None, dtype=np.float64):
-        super().__init__()
-        self.d_in, self.d_out = check_size(d_in, "d_in"), check_size(d_out, "d_out")
-        self._dtype = check_dtype(dtype)
-        rng = as_rng(rng)
-        self.W_query = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
-        self.W_key = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
-        self.W_value = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
 
-    def forward(self, x):
-        """The forward pass: ``(num_tokens, d_in) -> (num_tokens, d_out)``.
-
+def _forward_doc(x, out):
+    """A book class's ``forward`` documented: its line ``<io>`` becomes the Parameters (``x`` of shape
+    ``x``), Returns (of shape ``out``) and Raises sections."""
+    return shared_doc(
+        io=f"""
         Parameters
         ----------
         x : array_like
-            ``(num_tokens, d_in)``.
+            ``{x}``.
 
         Returns
         -------
         ndarray
-            ``(num_tokens, d_out)``.
+            ``{out}``.
 
         Raises
         ------
         TypeError, ValueError
             An input of the wrong kind or shape (more tokens than ``context_length`` included).
         """
-        x = _check_tokens(self, x)
-        # x @ W is linear() with weight W.T; its weight gradient comes back transposed
-        (q, cq), (k, ck), (v, cv) = (F.linear(x, W.data.T) for W in (self.W_query, self.W_key, self.W_value))
-        ctx, ca = F.scaled_dot_product_attention(q, k, v)
-        self.save_for_backward((cq, ck, cv, ca))
-        return ctx
+    )
 
+
+class _BookModule(Module):
+    """What npattn adds to a book class: ``backward`` (the book leaves it to autograd) checks ``dy``
+    and takes the last forward's state, which the class's ``_backward(dy, saved)`` turns into ``dx``
+    (adding every parameter's gradient into ``p.grad``)."""
+
+    @shared_doc(raises=BACKWARD_RAISES)
     def backward(self, dy):
         """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
         adds every parameter's gradient into ``p.grad``.
@@ -127,13 +123,53 @@ class SelfAttention_v1(Module):
 
         Raises
         ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
+        <raises>
         """
         dy = self._check_dy(dy)
-        cq, ck, cv, ca = self.pop_saved()
+        return self._backward(dy, self.pop_saved())
+
+    def _backward(self, dy, saved):  # pragma: no cover - every book class has its own
+        raise NotImplementedError
+
+
+@shared_doc(chapter3=_CHAPTER3)
+class SelfAttention_v1(_BookModule):
+    """Self-attention with raw weight matrices ``W_query, W_key, W_value`` of shape ``(d_in, d_out)``
+    drawn from U[0, 1) (the book's ``torch.rand``): ``softmax(x Wq (x Wk)^T / sqrt(d_out)) x Wv``.
+
+    Examples
+    --------
+    <chapter3>
+    >>> sa = book.SelfAttention_v1(3, 2)
+    >>> _ = sa.load_state_dict(weights("sa_v1"))
+    >>> np.round(sa(inputs)[0], 4)                           # the book prints tensor([0.2996, 0.8053])
+    array([0.2996, 0.8053])
+    """
+
+    def __init__(self, d_in, d_out, *, rng=None, dtype=np.float64):
+        super().__init__()
+        self.d_in, self.d_out = check_size(d_in, "d_in"), check_size(d_out, "d_out")
+        self._dtype = check_dtype(dtype)
+        rng = as_rng(rng)
+        self.W_query = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
+        self.W_key = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
+        self.W_value = Parameter(rng.random((self.d_in, self.d_out)), self._dtype)
+
+    @_forward_doc("(num_tokens, d_in)", "(num_tokens, d_out)")
+    def forward(self, x):
+        """The forward pass: ``(num_tokens, d_in) -> (num_tokens, d_out)``.
+
+        <io>
+        """
+        x = _check_tokens(self, x)
+        # x @ W is linear() with weight W.T; its weight gradient comes back transposed
+        (q, cq), (k, ck), (v, cv) = (F.linear(x, W.data.T) for W in (self.W_query, self.W_key, self.W_value))
+        ctx, ca = F.scaled_dot_product_attention(q, k, v)
+        self.save_for_backward((cq, ck, cv, ca))
+        return ctx
+
+    def _backward(self, dy, saved):
+        cq, ck, cv, ca = saved
         dx = 0
         for W, d, c in zip(
             (self.W_query, self.W_key, self.W_value), F.scaled_dot_product_attention_backward(dy, ca), (cq, ck, cv)
@@ -156,7 +192,7 @@ class SelfAttention_v1(Module):
         return K.scaled_dot_product_attention_jvp(ca, tq, tk, tv)
 
 
-class _SingleHead(Module):
+class _SingleHead(_BookModule):
     """Three ``Linear`` projections and the functional attention pair (shared by v2 and CausalAttention)."""
 
     def _init_projections(self, d_in, d_out, qkv_bias, rng, dtype):
@@ -175,29 +211,8 @@ class _SingleHead(Module):
         self.save_for_backward(cache)
         return ctx
 
-    def backward(self, dy):
-        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
-        adds every parameter's gradient into ``p.grad``.
-
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
-        """
-        dy = self._check_dy(dy)
-        dq, dk, dv = F.scaled_dot_product_attention_backward(dy, self.pop_saved())
+    def _backward(self, dy, cache):
+        dq, dk, dv = F.scaled_dot_product_attention_backward(dy, cache)
         return self.W_query.backward(dq) + self.W_key.backward(dk) + self.W_value.backward(dv)
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -209,17 +224,13 @@ class _SingleHead(Module):
         return K.scaled_dot_product_attention_jvp(state, tq, tk, tv)
 
 
+@shared_doc(chapter3=_CHAPTER3)
 class SelfAttention_v2(_SingleHead):
     """Self-attention with ``Linear`` projections ``W_query``, ``W_key``, ``W_value``.
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book, data
-    >>> ch3 = data.load("chapter3")                          # the book's seeded weights and inputs
-    >>> def weights(prefix):
-    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
-    >>> inputs = ch3["inputs"].astype(np.float64)           # "Your journey starts with one step"
+    <chapter3>
     >>> sa = book.SelfAttention_v2(3, 2)
     >>> _ = sa.load_state_dict(weights("sa_v2"))
     >>> bool(np.allclose(sa(inputs), ch3["out.sa_v2"], atol=1e-6))   # torch's output
@@ -230,39 +241,24 @@ class SelfAttention_v2(_SingleHead):
         super().__init__()
         self._init_projections(d_in, d_out, qkv_bias, rng, dtype)
 
+    @_forward_doc("(num_tokens, d_in)", "(num_tokens, d_out)")
     def forward(self, x):
         """The forward pass: ``(num_tokens, d_in) -> (num_tokens, d_out)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(num_tokens, d_in)``.
-
-        Returns
-        -------
-        ndarray
-            ``(num_tokens, d_out)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         return self._attend(_check_tokens(self, x))
 
 
+@shared_doc(chapter3=_CHAPTER3)
 class CausalAttention(_SingleHead):
     """Single-head causal attention with dropout on the weights and the ``mask`` buffer
     (ones above the diagonal, as the book's ``torch.triu(torch.ones(...), diagonal=1)``).
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book, data
-    >>> ch3 = data.load("chapter3")
-    >>> def weights(prefix):
-    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
-    >>> batch = np.stack([ch3["inputs"], ch3["inputs"]]).astype(np.float64)   # (2, 6, 3)
+    <chapter3>
+    >>> batch = np.stack([inputs, inputs])                   # (2, 6, 3)
     >>> ca = book.CausalAttention(3, 2, 6, 0.0)
     >>> _ = ca.load_state_dict(weights("ca"))
     >>> out = ca(batch)
@@ -277,42 +273,27 @@ class CausalAttention(_SingleHead):
         self.dropout = check_prob(dropout, "dropout")
         self.register_buffer("mask", np.triu(np.ones((self.context_length,) * 2, dtype=self._dtype), k=1))
 
+    @_forward_doc("(batch, num_tokens, d_in)", "(batch, num_tokens, d_out)")
     def forward(self, x):
         """The forward pass: ``(batch, num_tokens, d_in) -> (batch, num_tokens, d_out)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(batch, num_tokens, d_in)``.
-
-        Returns
-        -------
-        ndarray
-            ``(batch, num_tokens, d_out)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         x = _check_tokens(self, x, self.context_length)
         n = x.shape[-2]
         return self._attend(x, attn_mask=self.mask[:n, :n] == 0, dropout_p=self.dropout if self.training else 0.0)
 
 
-class MultiHeadAttentionWrapper(Module):
+@shared_doc(chapter3=_CHAPTER3)
+class MultiHeadAttentionWrapper(_BookModule):
     """``num_heads`` independent ``CausalAttention`` heads, outputs concatenated:
     ``(..., num_tokens, num_heads * d_out)``.  Backward splits ``dy`` per head and sums the
     heads' input gradients.
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book, data
-    >>> ch3 = data.load("chapter3")
-    >>> def weights(prefix):
-    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
-    >>> batch = np.stack([ch3["inputs"], ch3["inputs"]]).astype(np.float64)   # (2, 6, 3)
+    <chapter3>
+    >>> batch = np.stack([inputs, inputs])                   # (2, 6, 3)
     >>> mhaw = book.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
     >>> _ = mhaw.load_state_dict(weights("mhaw"))
     >>> out = mhaw(batch)
@@ -333,52 +314,18 @@ class MultiHeadAttentionWrapper(Module):
             ]
         )
 
+    @_forward_doc("(batch, num_tokens, d_in)", "(batch, num_tokens, num_heads * d_out)")
     def forward(self, x):
         """The heads' outputs concatenated: ``(batch, num_tokens, d_in) -> (batch, num_tokens, num_heads * d_out)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(batch, num_tokens, d_in)``.
-
-        Returns
-        -------
-        ndarray
-            ``(batch, num_tokens, num_heads * d_out)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         x = _check_tokens(self.heads[0], x, self.heads[0].context_length)
         out = np.concatenate([head(x) for head in self.heads], axis=-1)
         self.save_for_backward(out.shape)
         return out
 
-    def backward(self, dy):
-        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
-        adds every parameter's gradient into ``p.grad``.
-
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
-        """
-        dy = self._check_dy(dy)
-        self.pop_saved()
+    def _backward(self, dy, _):
         return sum(head.backward(d) for head, d in zip(self.heads, np.split(dy, len(self.heads), axis=-1)))
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -386,18 +333,14 @@ class MultiHeadAttentionWrapper(Module):
         return np.concatenate([self._child_jvp(h, -1, input_tangents, param_tangents) for h in self.heads], axis=-1)
 
 
+@shared_doc(chapter3=_CHAPTER3)
 class MultiHeadAttention(_attention.MultiHeadAttention):
     """The book's batched multi-head causal attention: ``npattn.MultiHeadAttention`` with the
     book's positional signature, ``out_proj`` with bias, and the causal ``mask`` buffer.
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book, data
-    >>> ch3 = data.load("chapter3")                          # the book's seeded weights and inputs
-    >>> def weights(prefix):
-    ...     return {k[len(prefix) + 1:]: v for k, v in ch3.items() if k.startswith(prefix + ".")}
-    >>> inputs = ch3["inputs"].astype(np.float64)           # "Your journey starts with one step"
+    <chapter3>
     >>> mha = book.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
     >>> _ = mha.load_state_dict(weights("mha"))
     >>> out = mha(np.stack([inputs, inputs]))
@@ -490,7 +433,7 @@ def _check_cfg(cfg):
     return {k: cfg[k] for k in _CFG_KEYS}
 
 
-class LayerNorm(Module):
+class LayerNorm(_BookModule):
     """The book's layer norm: ``scale * (x - mean) / sqrt(var + eps) + shift`` over the last axis,
     biased variance, ``eps = 1e-5``; parameters ``scale`` (ones) and ``shift`` (zeros).
     The functional ``layer_norm`` pair with ``weight=scale``, ``bias=shift``.
@@ -513,23 +456,11 @@ class LayerNorm(Module):
         self.scale = Parameter(np.ones(self.emb_dim), self._dtype)
         self.shift = Parameter(np.zeros(self.emb_dim), self._dtype)
 
+    @_forward_doc("(..., emb_dim)", "(..., emb_dim)")
     def forward(self, x):
         """``scale * (x - mean) / sqrt(var + eps) + shift``: ``(..., emb_dim) -> (..., emb_dim)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(..., emb_dim)``.
-
-        Returns
-        -------
-        ndarray
-            ``(..., emb_dim)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         x = as_float(x, "x", self.dtype)
         if x.ndim < 1 or x.shape[-1] != self.emb_dim:
@@ -538,28 +469,8 @@ class LayerNorm(Module):
         self.save_for_backward(cache)
         return y
 
-    def backward(self, dy):
-        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
-        adds every parameter's gradient into ``p.grad``.
-
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
-        """
-        dx, dscale, dshift = K.layer_norm_backward(self._check_dy(dy), self.pop_saved())
+    def _backward(self, dy, cache):
+        dx, dscale, dshift = K.layer_norm_backward(dy, cache)
         self.accumulate_grad(self.scale, dscale)
         self.accumulate_grad(self.shift, dshift)
         return dx
@@ -570,7 +481,7 @@ class LayerNorm(Module):
         return K.layer_norm_jvp(state, tx, param_tangents.get(self.scale), param_tangents.get(self.shift))
 
 
-class GELU(Module):
+class GELU(_BookModule):
     """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
 
     Examples
@@ -582,50 +493,18 @@ class GELU(Module):
     array([-0.1588,  0.    ,  0.8412])
     """
 
+    @_forward_doc("(...)", "(...)")
     def forward(self, x):
         """The tanh approximation of GELU: ``(...) -> (...)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(...)``.
-
-        Returns
-        -------
-        ndarray
-            ``(...)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         y, cache = K.gelu(as_float(x, "x"), "tanh")
         self.save_for_backward(cache)
         return y
 
-    def backward(self, dy):
-        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
-        adds every parameter's gradient into ``p.grad``.
-
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
-        """
-        return K.gelu_backward(self._check_dy(dy), self.pop_saved())
+    def _backward(self, dy, cache):
+        return K.gelu_backward(dy, cache)
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode (``functional.gelu_jvp``): ``ty = gelu'(x) tx``."""
@@ -640,16 +519,14 @@ class _Sequential(Sequential):
         super().__init__(*modules)
 
 
-class FeedForward(Module):
+@shared_doc(tiny_cfg=_TINY_CFG)
+class FeedForward(_BookModule):
     """The book's feed-forward: ``layers = Sequential(Linear(emb, 4 emb), GELU(), Linear(4 emb, emb))``
     [``layers.0.weight``, ``layers.0.bias``, ``layers.2.weight``, ``layers.2.bias``].
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book
-    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
-    ...        "drop_rate": 0.0, "qkv_bias": False}
+    <tiny_cfg>
     >>> ff = book.FeedForward(cfg, rng=0)
     >>> y = ff(np.ones((1, 3, 16)))
     >>> y.shape, sorted(ff.state_dict())[0]
@@ -665,51 +542,17 @@ class FeedForward(Module):
             [Linear(emb, 4 * emb, rng=rng, dtype=dtype), GELU(), Linear(4 * emb, emb, rng=rng, dtype=dtype)]
         )
 
+    @_forward_doc("(..., emb_dim)", "(..., emb_dim)")
     def forward(self, x):
         """The forward pass: ``(..., emb_dim) -> (..., emb_dim)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(..., emb_dim)``.
-
-        Returns
-        -------
-        ndarray
-            ``(..., emb_dim)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         y = self.layers(x)
         self.save_for_backward(True)  # the layers keep their own state
         return y
 
-    def backward(self, dy):
-        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
-        adds every parameter's gradient into ``p.grad``.
-
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
-        """
-        dy = self._check_dy(dy)
-        self.pop_saved()
+    def _backward(self, dy, _):
         return self.layers.backward(dy)
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -717,7 +560,8 @@ class FeedForward(Module):
         return self._child_jvp(self.layers, -1, input_tangents, param_tangents)
 
 
-class TransformerBlock(Module):
+@shared_doc(tiny_cfg=_TINY_CFG)
+class TransformerBlock(_BookModule):
     """The book's pre-norm block with its two shortcut connections::
 
         x = x + drop_shortcut(att(norm1(x)))
@@ -729,10 +573,7 @@ class TransformerBlock(Module):
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book
-    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
-    ...        "drop_rate": 0.0, "qkv_bias": False}
+    <tiny_cfg>
     >>> block = book.TransformerBlock(cfg, rng=0)
     >>> x = np.random.default_rng(1).standard_normal((2, 5, 16))
     >>> y = block(x)
@@ -763,23 +604,11 @@ class TransformerBlock(Module):
     def _drop(self, x):
         return K.dropout(x, self.drop_shortcut.p, self.drop_shortcut.rng, self.training)
 
+    @_forward_doc("(batch, num_tokens, emb_dim)", "(batch, num_tokens, emb_dim)")
     def forward(self, x, *, use_cache=False):
         """The forward pass: ``(batch, num_tokens, emb_dim) -> (batch, num_tokens, emb_dim)``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(batch, num_tokens, emb_dim)``.
-
-        Returns
-        -------
-        ndarray
-            ``(batch, num_tokens, emb_dim)``.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input of the wrong kind or shape (more tokens than ``context_length`` included).
+        <io>
         """
         x = as_float(x, "x", self.dtype)
         a, c1 = self._drop(self.att(self.norm1(x), use_cache=use_cache))
@@ -788,29 +617,8 @@ class TransformerBlock(Module):
         self.save_for_backward((c1, c2))
         return x + f
 
-    def backward(self, dy):
-        """The backward pass of the last forward (the book leaves it to autograd): returns ``dx`` and
-        adds every parameter's gradient into ``p.grad``.
-
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
-        """
-        dy = self._check_dy(dy)
-        c1, c2 = self.pop_saved()
+    def _backward(self, dy, saved):
+        c1, c2 = saved
         dx = dy + self.norm2.backward(self.ff.backward(K.dropout_backward(dy, c2)))
         return dx + self.norm1.backward(self.att.backward(K.dropout_backward(dx, c1)))
 
@@ -828,6 +636,7 @@ class TransformerBlock(Module):
         return tx + K.dropout_jvp(c2, sub(self.ff, sub(self.norm2, tx)))
 
 
+@shared_doc(tiny_cfg=_TINY_CFG)
 class GPTModel(Module):
     """The book's GPT (chapter 4): ``idx (batch, num_tokens) -> logits (batch, num_tokens, vocab_size)``::
 
@@ -854,10 +663,7 @@ class GPTModel(Module):
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book
-    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
-    ...        "drop_rate": 0.0, "qkv_bias": False}
+    <tiny_cfg>
     >>> gpt = book.GPTModel(cfg, rng=0)
     >>> logits = gpt(np.array([[1, 2, 3]]))
     >>> logits.shape
@@ -1051,16 +857,14 @@ class GPTModel(Module):
         return gpt
 
 
+@shared_doc(tiny_cfg=_TINY_CFG)
 def generate_text_simple(model, idx, max_new_tokens, context_size):
     """The book's greedy decoding (chapter 4): append ``max_new_tokens`` arg-max tokens, each
     predicted from the last ``context_size`` tokens (``generate`` with its defaults, no cache).
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book
-    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
-    ...        "drop_rate": 0.0, "qkv_bias": False}
+    <tiny_cfg>
     >>> gpt = book.GPTModel(cfg, rng=0)
     >>> out = book.generate_text_simple(gpt, np.array([[1, 2, 3]]), max_new_tokens=3, context_size=8)
     >>> out.shape, out[0, :3].tolist()                       # greedy: the arg-max at each step
@@ -1069,6 +873,7 @@ def generate_text_simple(model, idx, max_new_tokens, context_size):
     return _generate(model, idx, max_new_tokens, context_size, use_cache=False)
 
 
+@shared_doc(tiny_cfg=_TINY_CFG)
 def generate(
     model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None, *, rng=None, use_cache=True
 ):
@@ -1080,10 +885,7 @@ def generate(
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import book
-    >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 16, "n_heads": 2, "n_layers": 1,
-    ...        "drop_rate": 0.0, "qkv_bias": False}
+    <tiny_cfg>
     >>> gpt = book.GPTModel(cfg, rng=0)
     >>> out = book.generate(gpt, np.array([[1, 2, 3]]), max_new_tokens=4, context_size=8,
     ...                     temperature=1.0, top_k=5, rng=0)
