@@ -169,6 +169,7 @@ class MultiHeadAttention(MultiHeadAttentionCore):
             rope_interleaved=rope_interleaved, output_gate=output_gate, rng=rng, dtype=dtype,
         )  # fmt: skip
         self.add_bias_kv, self.add_zero_attn = add_bias_kv, add_zero_attn
+        self._n_extra = int(add_bias_kv) + int(add_zero_attn)  # keys appended after the real ones
         if add_bias_kv:  # torch: xavier_normal_ on (1, 1, kv), std sqrt(2 / (kv + kv)); drawn after out_proj
             kv = self.num_kv_heads * self.head_dim
             std = math.sqrt(1.0 / kv)
@@ -176,11 +177,6 @@ class MultiHeadAttention(MultiHeadAttentionCore):
             self.bias_v = Parameter(self.rng.normal(0.0, std, (1, 1, kv)), self._dtype)
             if self.sinks is not None:  # registered again: after bias_k, bias_v, as in the state dict's order
                 self.sinks = self.sinks
-
-    @property
-    def _n_extra(self) -> int:  # type: ignore[override]
-        """Keys appended after the real ones: ``bias_k`` and the zero key."""
-        return int(self.add_bias_kv) + int(self.add_zero_attn)
 
     # -- the edge: need_weights ------------------------------------------------------------------
     def forward(

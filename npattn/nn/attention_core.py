@@ -47,7 +47,7 @@ from .._validate import (
 from ..functional import AttentionCache
 from ..functional import kernels as K
 from ..functional._blocks import AttentionOptions, check_options
-from ..functional.rope_scaling import _check_scaling, _resolve_base, _resolve_rotary_dim
+from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
 from .kv_cache import KVCache, RollingKVCache
 from .layers import Linear, RMSNorm
 from .module import Module, Parameter, is_grad_enabled
@@ -99,24 +99,13 @@ def _sigmoid(x):
     return np.exp(-np.logaddexp(0.0, -x))
 
 
-def _kernel_options(o: AttentionOptions) -> dict:
-    """The options as the kernels' keyword arguments."""
-    return {
-        "causal_align": o.causal_align,
-        "window": o.window,
-        "alibi_slopes": o.alibi_slopes,
-        "softcap": o.softcap,
-        "sinks": o.sinks,
-    }
-
-
 class MultiHeadAttentionCore(Module):
     """The common path of ``npattn.MultiHeadAttention`` (see its docstring for the arguments):
     batch first ``(..., L, d_in) -> (..., L, d_out)``, projections, heads, masks, dropout,
     grouped-query attention, the attention options, RoPE, QK-norm, the output gate and a KV
     cache, without torch's extras (``add_bias_kv``, ``add_zero_attn``, ``need_weights``)."""
 
-    _n_extra = 0  # keys appended after the real ones by a subclass's attend stage (torch's extras)
+    _n_extra: int = 0  # keys appended after the real ones by a subclass's attend stage (torch's extras)
     _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
     _kv_cache: KVCache | None
     _REPR_FLAGS: tuple[str, ...] = (
@@ -169,7 +158,7 @@ class MultiHeadAttentionCore(Module):
         self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
         out_bias = check_bool(out_bias, "out_bias")
-        options = check_options((self.num_heads, 1, 1), dtype, None, causal_align, window, None, softcap)
+        options = self._check_options(causal_align, window, softcap, dtype)
         self.alibi = check_bool(alibi, "alibi")
         use_sinks = check_bool(sinks, "sinks")
         self._init_rope(rope, rope_base, rope_scaling, partial_rotary_factor, rope_interleaved)
@@ -186,6 +175,13 @@ class MultiHeadAttentionCore(Module):
             alibi_slopes=self.alibi_slopes() if self.alibi else None,
             softcap=options.softcap,
         )
+        self._options_kw: dict[str, Any] = {  # the options as the kernels' keyword arguments
+            "causal_align": self.options.causal_align,
+            "window": self.options.window,
+            "alibi_slopes": self.options.alibi_slopes,
+            "softcap": self.options.softcap,
+            "sinks": None,
+        }
         self._init_projections(qkv_bias, out_bias)
         self.sinks = Parameter(np.zeros(self.num_heads), self._dtype) if use_sinks else None
         if self.qk_norm:
@@ -193,6 +189,16 @@ class MultiHeadAttentionCore(Module):
         object.__setattr__(self, "_fused", None)
         object.__setattr__(self, "_kv_cache", None)
         self._fused_qkv()
+
+    def _check_options(self, causal_align, window, softcap, dtype) -> AttentionOptions:
+        """The options checked by the cores' own ``check_options``; a window that is not a pair and
+        a ``causal_align`` that is not a string keep the module's exception types (``TypeError``,
+        ``ValueError``), which its callers rely on."""
+        if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2):
+            raise TypeError(f"window: expected None or a pair (left, right) of integers, got {window!r}")
+        if not isinstance(causal_align, str):
+            raise ValueError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
+        return check_options((self.num_heads, 1, 1), dtype, None, causal_align, window, None, softcap)
 
     def _init_shapes(self, d_in, d_out, num_heads, num_kv_heads, head_dim, kdim, vdim) -> None:
         """Check and set the widths: ``d_in``, ``d_out``, the heads, ``head_dim``, ``kdim``, ``vdim``."""
@@ -214,8 +220,8 @@ class MultiHeadAttentionCore(Module):
     def _init_rope(self, rope, rope_base, rope_scaling, partial_rotary_factor, rope_interleaved) -> None:
         """Check and set RoPE's settings: base, scaling dict, interleaving, rotary features."""
         self.rope = check_bool(rope, "rope")
-        self.rope_scaling = _check_scaling(rope_scaling, "rope_scaling")  # normalised; "default" when None
-        self.rope_base = _resolve_base(rope_base, self.rope_scaling, "rope_base")
+        self.rope_scaling = check_scaling(rope_scaling, "rope_scaling")  # normalised; "default" when None
+        self.rope_base = resolve_base(rope_base, self.rope_scaling, "rope_base")
         self.rope_interleaved = check_bool(rope_interleaved, "rope_interleaved")
         self.partial_rotary_factor = check_positive_float(partial_rotary_factor, "partial_rotary_factor")
         in_dict = self.rope_scaling.get("partial_rotary_factor")
@@ -231,7 +237,7 @@ class MultiHeadAttentionCore(Module):
             if self.head_dim % 2 and self.partial_rotary_factor == 1.0:
                 raise ValueError(f"rope: expected an even head_dim (d_out // num_heads), got {self.head_dim}")
             params = dict(self.rope_scaling, partial_rotary_factor=self.partial_rotary_factor)
-            self.rotary_dim = _resolve_rotary_dim(self.head_dim, None, params, "rotary_dim")
+            self.rotary_dim = resolve_rotary_dim(self.head_dim, None, params, "rotary_dim")
 
     def _init_projections(self, qkv_bias: bool, out_bias: bool) -> None:
         """``W_query``, ``W_key``, ``W_value``, ``out_proj``: their draws come first and in this
@@ -274,7 +280,7 @@ class MultiHeadAttentionCore(Module):
     def _call_options(self, align: str | None) -> dict:
         """This call's options as the kernels' keywords: the held ones, the sinks' current values,
         ``align`` (a cached call's ``"bottom_right"``) when given."""
-        kw = _kernel_options(self.options)
+        kw = dict(self._options_kw)
         if align is not None:
             kw["causal_align"] = align
         if self.alibi and kw["alibi_slopes"].dtype != self.dtype:  # cast by .to() since __init__

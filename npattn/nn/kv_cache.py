@@ -20,6 +20,8 @@ The public surface, for every user of a cache (a module, or layers sharing one c
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 __all__ = ["KVCache", "RollingKVCache"]
@@ -81,17 +83,16 @@ class KVCache:
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add ``k (..., Hk, n, hd)`` and ``v (..., Hk, n, hd_v)``; return views of every held key
         and value.  The caller checks the batch shape (``lead``) beforehand."""
-        n = k.shape[-2]
+        n, t = k.shape[-2], self.length
         if self.k is None:
             self._grow(k, v, max(_MIN_CAPACITY, 2 * n))
-        elif self.length + n > self.capacity or self.k.dtype != k.dtype:
-            self._grow(k, v, max(2 * self.capacity, self.length + n))
-        buf_k, buf_v = self._buffers()
-        buf_k[..., self.length : self.length + n, :] = k
-        buf_v[..., self.length : self.length + n, :] = v
-        self.length += n
-        self.position += n
-        return buf_k[..., : self.length, :], buf_v[..., : self.length, :]
+        elif t + n > self.k.shape[-2] or self.k.dtype != k.dtype:
+            self._grow(k, v, max(2 * self.k.shape[-2], t + n))
+        buf_k, buf_v = cast(np.ndarray, self.k), cast(np.ndarray, self.v)
+        buf_k[..., t : t + n, :] = k
+        buf_v[..., t : t + n, :] = v
+        self.length, self.position = t + n, self.position + n
+        return buf_k[..., : t + n, :], buf_v[..., : t + n, :]
 
     def trim(self) -> None:
         """Forget what no later query can see: nothing here (see ``RollingKVCache``)."""
