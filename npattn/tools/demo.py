@@ -24,16 +24,14 @@ the same ``--seed`` prints the same numbers.  ``tqdm`` (progress bar) and ``matp
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._hints import install_hint
 from ._blas import single_blas_thread
-from ._train import Progress, smooth
+from ._train import fit, loss_line, plot_losses, pyplot, save_figure, training_line, with_progress, write_pictures
 
 if TYPE_CHECKING:  # pragma: no cover - for the annotations only
     from ..models import TinyTransformer
@@ -165,28 +163,16 @@ def train(cfg: DemoConfig, progress=None) -> DemoResult:
 
 
 def _train(cfg, progress):
-    from ..optim import AdamW, WarmupCosine, clip_grad_norm_
-
     rng = np.random.default_rng(cfg.seed)
     model = build_model(cfg, rng)
     held_out = HeldOutSet(rng, cfg.n_digits, cfg.held_out)
-    opt = AdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = WarmupCosine(
-        opt, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps, min_lr=min(cfg.min_lr, cfg.lr)
-    )
-    losses = np.empty(cfg.steps)
-    start = time.perf_counter()
-    for step in range(cfg.steps):
+
+    def loss_and_grad():  # teacher forcing on a batch, the prompt positions ignored
         ids, targets = make_examples(held_out.training_digits(rng, cfg.batch_size), cfg.task)
-        opt.zero_grad()
-        loss, dlogits = model.loss(ids, targets, ignore_index=IGNORE_INDEX)
-        model.backward(dlogits)
-        clip_grad_norm_(model, cfg.clip)
-        opt.step()
-        sched.step()
-        losses[step] = loss
-        if progress is not None:
-            progress(step, loss)
+        return model.loss(ids, targets, ignore_index=IGNORE_INDEX)
+
+    start = time.perf_counter()
+    losses = fit(model, cfg, loss_and_grad, progress)
     accuracy, token_accuracy = evaluate(model, held_out.digits, cfg.task)
     return DemoResult(model, losses, accuracy, token_accuracy, held_out, time.perf_counter() - start)
 
@@ -195,29 +181,16 @@ def _train(cfg, progress):
 def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
     """Write ``loss_curve.png`` and ``attention_layer{l}.png`` (every head of layer ``l`` for
     one held-out example).  Returns the file names written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(out_dir, exist_ok=True)
-    written = []
-
+    plt = pyplot(out_dir)
     fig, ax = plt.subplots(figsize=(6, 4))
-    steps = np.arange(1, len(result.losses) + 1)
-    ax.plot(steps, result.losses, color="0.75", lw=0.8, label="loss per step")
-    window = max(1, len(result.losses) // 50)
-    if window > 1:
-        ax.plot(steps[window - 1 :], smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps")
+    plot_losses(ax, result.losses, "loss per step", 50)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy on the answer tokens")
     ax.set_title(f"{cfg.task}, {cfg.n_digits} digits: held-out exact match {result.accuracy:.3f}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss_curve.png"), dpi=100)
-    plt.close(fig)
-    written.append("loss_curve.png")
+    written = [save_figure(plt, fig, out_dir, "loss_curve.png")]
 
     ids, _ = make_examples(result.held_out.digits[:1], cfg.task)
     weights = result.model.attention_weights(ids)[:, 0]  # (layers, heads, L, L)
@@ -235,10 +208,7 @@ def save_pictures(result: DemoResult, cfg: DemoConfig, out_dir: str):
             if h == 0:
                 ax.set_ylabel("query (current token)")
         fig.suptitle(f"{cfg.task}: attention of layer {layer}, held-out example {' '.join(labels)}")
-        name = f"attention_layer{layer}.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=100)
-        plt.close(fig)
-        written.append(name)
+        written.append(save_figure(plt, fig, out_dir, f"attention_layer{layer}.png"))
     return written
 
 
@@ -261,33 +231,11 @@ def main(args) -> int:
         f"model: causal transformer, {cfg.num_layers} layers, {cfg.num_heads} heads, d_model {cfg.d_model}, "
         f"d_ff {cfg.d_ff}, {n_params} parameters, float32"
     )
-    print(
-        f"training: {cfg.steps} steps of {cfg.batch_size} sequences, AdamW lr {cfg.lr:g} "
-        f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}"
-    )
-    progress = Progress(cfg.steps)
-    try:
-        result = train(cfg, progress)
-    finally:
-        progress.close()
-    last = min(50, len(result.losses))
-    print(
-        f"training loss: {result.losses[0]:.4f} at the first step, {result.losses[-last:].mean():.4f} "
-        f"on average over the last {last}"
-    )
+    print(training_line(cfg, "sequences"))
+    result = with_progress(train, cfg)
+    print(loss_line(result.losses))
     print(f"time: {result.seconds:.1f} s")
-
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"matplotlib is not installed: no pictures written ({install_hint('demo')})")
-    else:
-        try:
-            written = save_pictures(result, cfg, args.out)
-        except OSError as e:
-            print(f"could not write the pictures to {args.out}: {e}")
-        else:
-            print(f"wrote {', '.join(written)} to {args.out}")
+    write_pictures("pictures", lambda out: save_pictures(result, cfg, out), args.out)
 
     print(
         f"held-out: {len(result.held_out.digits)} sequences never trained on, answers decoded greedily "

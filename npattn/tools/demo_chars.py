@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .._hints import install_hint
 from ._blas import single_blas_thread
-from ._train import Progress, smooth
+from ._train import fit, loss_line, plot_losses, pyplot, save_figure, training_line, with_progress, write_pictures
 
 __all__ = ["CharsConfig", "corpus", "CharTokenizer", "train_chars", "main"]
 
@@ -121,7 +120,6 @@ def _train(cfg, progress):
     from .. import book
     from .. import functional as F
     from ..nn.module import no_grad
-    from ..optim import AdamW, WarmupCosine, clip_grad_norm_
 
     text = corpus()
     tok = CharTokenizer(text)
@@ -141,24 +139,15 @@ def _train(cfg, progress):
     model = book.GPTModel(gcfg, rng=rng, dtype=np.float32)
     for emb in (model.tok_emb, model.pos_emb):  # GPT-2's N(0, 0.02) tables train faster than torch's N(0, 1)
         emb.weight.data *= np.float32(0.02)
-    opt = AdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = WarmupCosine(
-        opt, warmup_steps=min(cfg.warmup_steps, cfg.steps), total_steps=cfg.steps, min_lr=min(cfg.min_lr, cfg.lr)
-    )
     one = np.ones((), np.float32)
-    losses = np.empty(cfg.steps)
-    start = time.perf_counter()
-    for step in range(cfg.steps):
+
+    def loss_and_grad():  # next-character prediction on random windows
         x, y = _windows(train, rng.integers(0, len(train) - cfg.context_length - 1, cfg.batch_size), cfg.context_length)
-        opt.zero_grad()
         loss, cache = F.cross_entropy(model(x), y)
-        model.backward(F.cross_entropy_backward(one, cache))
-        clip_grad_norm_(model, cfg.clip)
-        opt.step()
-        sched.step()
-        losses[step] = float(loss)
-        if progress is not None:
-            progress(step, float(loss))
+        return float(loss), F.cross_entropy_backward(one, cache)
+
+    start = time.perf_counter()
+    losses = fit(model, cfg, loss_and_grad, progress)
     model.eval()
     vrng = np.random.default_rng(12345)  # the same validation windows for every run
     with no_grad():
@@ -184,18 +173,9 @@ def _train(cfg, progress):
 
 
 def save_loss_curve(result: CharsResult, out_dir: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(out_dir, exist_ok=True)
+    plt = pyplot(out_dir)
     fig, ax = plt.subplots(figsize=(6, 4))
-    steps = np.arange(1, len(result.losses) + 1)
-    ax.plot(steps, result.losses, color="0.75", lw=0.8, label="training loss per step")
-    window = max(1, len(result.losses) // 40)
-    if window > 1:
-        ax.plot(steps[window - 1 :], smooth(result.losses, window), color="C0", lw=1.5, label=f"mean of {window} steps")
+    plot_losses(ax, result.losses, "training loss per step", 40)
     ax.axhline(result.val_loss, color="C1", ls="--", lw=1.2, label=f"held-out loss {result.val_loss:.3f}")
     ax.axhline(
         np.log(result.tokenizer.vocab_size),
@@ -209,10 +189,7 @@ def save_loss_curve(result: CharsResult, out_dir: str) -> str:
     ax.set_title("GPTModel on npattn's docstrings, character level")
     ax.legend()
     fig.tight_layout()
-    path = os.path.join(out_dir, "loss_curve.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return "loss_curve.png"
+    return save_figure(plt, fig, out_dir, "loss_curve.png")
 
 
 def main(args) -> int:
@@ -229,35 +206,15 @@ def main(args) -> int:
         f"model: npattn.book.GPTModel, {cfg.n_layers} layers, {cfg.n_heads} heads, emb_dim {cfg.emb_dim}, "
         f"context {cfg.context_length}, float32"
     )
-    print(
-        f"training: {cfg.steps} steps of {cfg.batch_size} windows, AdamW lr {cfg.lr:g} "
-        f"(warm-up {min(cfg.warmup_steps, cfg.steps)}, cosine), grad clip {cfg.clip:g}, seed {cfg.seed}"
-    )
-    progress = Progress(cfg.steps)
-    try:
-        result = train_chars(cfg, progress)
-    finally:
-        progress.close()
-    n_params = result.model.num_parameters()
-    last = min(50, len(result.losses))
-    print(f"parameters: {n_params}")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"matplotlib is not installed: no loss curve written ({install_hint('demo')})")
-    else:
-        try:
-            print(f"wrote {save_loss_curve(result, args.out)} to {args.out}")
-        except OSError as e:
-            print(f"could not write the loss curve to {args.out}: {e}")
+    print(training_line(cfg, "windows"))
+    result = with_progress(train_chars, cfg)
+    print(f"parameters: {result.model.num_parameters()}")
+    write_pictures("loss curve", lambda out: [save_loss_curve(result, out)], args.out)
     print(f"sample (temperature {cfg.temperature:g}, top-k {cfg.top_k}, KV cache):")
     print("-" * 72)
     print(result.sample)
     print("-" * 72)
     print(f"time: {result.seconds:.1f} s")
-    print(
-        f"training loss: {result.losses[0]:.4f} at the first step, {result.losses[-last:].mean():.4f} "
-        f"on average over the last {last}"
-    )
+    print(loss_line(result.losses))
     print(f"final loss: {result.val_loss:.4f} (held-out cross-entropy per character, nats)")
     return 0
