@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from ._blocks import gqa_groups
 from ._erf import erf
 from ._random import draw_seed, keep_mask
 
@@ -91,9 +92,10 @@ def _scores(q, kr, scale, attn_mask, is_causal, causal_align, window, alibi_slop
     return np.where(visible, s, -np.inf).astype(s.dtype), t
 
 
-def _gqa_groups(q, k, enable_gqa):
-    """G, the number of query heads per kv head: query head h uses kv head h // G."""
-    return q.shape[-3] // k.shape[-3] if enable_gqa and q.ndim >= 3 else 1
+def _gqa_groups(q, k, v, enable_gqa):
+    """G, the number of query heads per kv head: query head h uses kv head h // G (``Hq / Hk``
+    with ``enable_gqa``, else 1; the one formula of every attention core, ``_blocks.gqa_groups``)."""
+    return gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
 
 
 def _repeat_kv(k, v, groups):
@@ -174,7 +176,7 @@ def scaled_dot_product_attention(
     >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
     True
     """
-    g = _gqa_groups(q, k, enable_gqa)
+    g = _gqa_groups(q, k, v, enable_gqa)
     kr, vr = _repeat_kv(k, v, g)  # (B..., Hq, Lk, E): head h reads kv head h // G
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     z, t = _scores(q, kr, scale, attn_mask, is_causal, causal_align, window, alibi_slopes, softcap)
@@ -212,7 +214,8 @@ def scaled_dot_product_attention_backward(dout: Array, cache: AttentionCache) ->
     (notebooks/04_gradients_by_hand.ipynb, section "3. Attention: O = softmax(s QK^T + M) V";
     the options in notebooks/08_modern_attention.ipynb.)
     """
-    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape = cache
+    q, k, v, p, keep, drop_scale = cache.q, cache.k, cache.v, cache.p, cache.keep, cache.drop_scale
+    scale, g, t, p_sink, mask_shape = cache.scale, cache.groups, cache.tanh, cache.p_sink, cache.mask_shape
     kr, vr = _repeat_kv(k, v, g)
     # out = P' vr, a matrix product:  dvr = P'^T dout  and  dP' = dout vr^T
     pd = p if keep is None else p * keep * drop_scale
@@ -292,7 +295,8 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents: Optional[
     sees no key has ``P = 0`` everywhere and ``tout = 0``.  GQA: ``tk, tv`` are repeated as ``k, v``
     were.  (The backward is this map transposed.)
     """
-    q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape = cache
+    q, k, v, p, keep, drop_scale = cache.q, cache.k, cache.v, cache.p, cache.keep, cache.drop_scale
+    scale, g, t, p_sink, mask_shape = cache.scale, cache.groups, cache.tanh, cache.p_sink, cache.mask_shape
     tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, mask_shape is not None, p_sink is not None)
     kr, vr = _repeat_kv(k, v, g)
     tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
@@ -375,7 +379,7 @@ def memory_efficient_attention(
     """
     q = q.astype(np.result_type(q, k, v), copy=False)  # the running sums below take q's dtype: numpy's
     # promotion of q, k, v, as the plain formula's products give (not a check: the fast tier refuses mixed dtypes)
-    g = _gqa_groups(q, k, enable_gqa)
+    g = _gqa_groups(q, k, v, enable_gqa)
     kr, vr = _repeat_kv(k, v, g)  # textbook: repeated (the fast tier does not copy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block = 64 if block_size is None else block_size
@@ -427,7 +431,9 @@ def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache
     ``dP_ij = keep_ij/(1-p) dout_i . v_j``).  Returns ``(dq, dk, dv)``, then ``dmask``, then ``dsinks``.
     (notebooks/06_efficient_attention.ipynb, section "What the backward keeps".)
     """
-    q, k, v, out, lse, keep, drop_scale, scale, g, block, opts, sinks, mask_grad = cache
+    q, k, v, out, lse = cache.q, cache.k, cache.v, cache.out, cache.lse
+    keep, drop_scale, scale, g = cache.keep, cache.drop_scale, cache.scale, cache.groups
+    block, opts, sinks, mask_grad = cache.block_size, cache.options, cache.sinks, cache.mask_grad
     kr, vr = _repeat_kv(k, v, g)
     d = (dout * out).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
     dq = np.zeros(dout.shape[:-1] + q.shape[-1:], dtype=q.dtype)
@@ -478,7 +484,9 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optio
     (The fast tier starts from the forward's ``lse`` instead, so its blocks need no rescaling;
     the numbers are the same.)
     """
-    q, k, v, out, lse, keep, drop_scale, scale, g, block, opts, sinks, mask_grad = cache
+    q, k, v, out = cache.q, cache.k, cache.v, cache.out
+    keep, drop_scale, scale, g = cache.keep, cache.drop_scale, cache.scale, cache.groups
+    block, opts, sinks, mask_grad = cache.block_size, cache.options, cache.sinks, cache.mask_grad
     has_mask_grad = mask_grad and opts["attn_mask"] is not None
     tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, has_mask_grad, sinks is not None)
     kr, vr = _repeat_kv(k, v, g)
