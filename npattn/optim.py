@@ -117,19 +117,23 @@ def _state_array(v, like: np.ndarray, what: str, problems: list):
 
 
 # -- docstring parts the optimizers share (npattn._docs.shared_doc) -------------------------
-_SHARED_DOC = {
-    "raises": """
+def _raises_and_example(construct: str) -> str:
+    """The optimizers' Raises and Examples sections (the example fits a ``Linear`` with
+    ``optim.<construct>``), for their docstrings' line ``<raises_and_example>``."""
+    return f"""
+        Raises
+        ------
         TypeError, ValueError
             No parameters, or a hyper-parameter out of range (a negative ``lr``, betas outside
             ``[0, 1)``, ...).
-        """,
-    "fit_setup": """
+
+        Examples
+        --------
         >>> import numpy as np
         >>> import npattn
         >>> from npattn import optim
         >>> lin = npattn.Linear(3, 1, rng=0)
-        """,
-    "fit_loop": """
+        >>> opt = optim.{construct}
         >>> x, target = np.ones((4, 3)), np.zeros((4, 1))
         >>> losses = []
         >>> for _ in range(50):
@@ -140,8 +144,9 @@ _SHARED_DOC = {
         ...     opt.step()
         >>> losses[-1] < 0.01 * losses[0]
         True
-        """,
-}
+        """
+
+
 _ADAM_STEP = """
     m     = beta1 * m + (1 - beta1) * g
     v     = beta2 * v + (1 - beta2) * g * g
@@ -344,7 +349,7 @@ class Optimizer:
 
 
 # -- SGD ------------------------------------------------------------------------------------
-@shared_doc(**_SHARED_DOC)
+@shared_doc(raises_and_example=_raises_and_example("SGD(lin, lr=0.1, momentum=0.9)"))
 class SGD(Optimizer):
     r"""Stochastic gradient descent with optional momentum, as ``torch.optim.SGD`` (dampening 0).
 
@@ -360,15 +365,7 @@ class SGD(Optimizer):
     With ``momentum == 0`` there is no buffer and the update is ``p -= lr * g``.
     ``nesterov=True`` requires ``momentum > 0`` (as in torch).
 
-    Raises
-    ------
-    <raises>
-
-    Examples
-    --------
-    <fit_setup>
-    >>> opt = optim.SGD(lin, lr=0.1, momentum=0.9)
-    <fit_loop>
+    <raises_and_example>
     """
 
     _hyper = ("lr", "momentum", "weight_decay", "nesterov")
@@ -410,7 +407,7 @@ class SGD(Optimizer):
 
 
 # -- Adam / AdamW ----------------------------------------------------------------------------
-@shared_doc(**_SHARED_DOC, adam_step=_ADAM_STEP)
+@shared_doc(adam_step=_ADAM_STEP, raises_and_example=_raises_and_example("Adam(lin, lr=0.1)"))
 class Adam(Optimizer):
     r"""Adam, as ``torch.optim.Adam`` (L2 weight decay added to the gradient; no amsgrad).
 
@@ -422,15 +419,7 @@ class Adam(Optimizer):
 
     ``eps`` is added *after* the bias correction of ``sqrt(v)``, exactly as torch does.
 
-    Raises
-    ------
-    <raises>
-
-    Examples
-    --------
-    <fit_setup>
-    >>> opt = optim.Adam(lin, lr=0.1)
-    <fit_loop>
+    <raises_and_example>
     """
 
     _hyper = ("lr", "betas", "eps", "weight_decay")
@@ -483,7 +472,7 @@ class Adam(Optimizer):
         p.data -= step_size * (m / denom)
 
 
-@shared_doc(**_SHARED_DOC, adam_step=_ADAM_STEP)
+@shared_doc(adam_step=_ADAM_STEP, raises_and_example=_raises_and_example("AdamW(lin, lr=0.1, weight_decay=0.0)"))
 class AdamW(Adam):
     r"""AdamW, as ``torch.optim.AdamW``: Adam with *decoupled* weight decay.
 
@@ -492,15 +481,7 @@ class AdamW(Adam):
         p    *= 1 - lr * weight_decay                 # decay first, independent of the gradient
         <adam_step>
 
-    Raises
-    ------
-    <raises>
-
-    Examples
-    --------
-    <fit_setup>
-    >>> opt = optim.AdamW(lin, lr=0.1, weight_decay=0.0)
-    <fit_loop>
+    <raises_and_example>
     """
 
     _decoupled = True
