@@ -265,10 +265,10 @@ def test_both_tiers_equal_and_the_kernel_equals_the_public_op(case):
     np.testing.assert_allclose(ry, y, rtol=0, atol=TOL)
     dy = rng.standard_normal(y.shape)
     np.testing.assert_allclose(R.rope_backward(dy, rcache), F.rope_backward(dy, cache), rtol=0, atol=TOL)
-    from npattn.functional.rope_scaling import _check_scaling
+    from npattn.functional.rope_scaling import check_scaling
 
     ky, _ = kernels.rope(
-        x, pos, base=500.0, interleaved=interleaved, scaling=_check_scaling(params), rotary_dim=rotary_dim
+        x, pos, base=500.0, interleaved=interleaved, scaling=check_scaling(params), rotary_dim=rotary_dim
     )
     assert np.array_equal(ky, y)
 

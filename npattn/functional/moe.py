@@ -85,7 +85,7 @@ EXPERT_ACTIVATIONS = tuple(_ACTS)
 SIGMOID_NORM_EPS = 1e-20
 
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
+def sigmoid(z: np.ndarray) -> np.ndarray:
     """``1 / (1 + exp(-z))`` without overflow: with ``e = exp(-|z|) <= 1``, ``1/(1+e)`` for z >= 0
     and ``e/(1+e)`` for z < 0."""
     e = np.exp(-np.abs(z))
@@ -320,7 +320,7 @@ def _topk_router(
         idx = _choice(z, top_k, n_group, topk_group)
         v = np.take_along_axis(z, idx, -1)  # chosen logits
     else:
-        s = _sigmoid(z)
+        s = sigmoid(z)
         idx = _choice(s if correction_bias is None else s + correction_bias, top_k, n_group, topk_group)
         v = np.take_along_axis(s, idx, -1)  # the bias steered the choice only
     if variant == "topk_softmax":
@@ -619,7 +619,7 @@ def _moe_experts(
         gate, up = gu[:, ::2], gu[:, 1::2]  # interleaved columns
         g = np.minimum(gate, limit)
         u = np.clip(up, -limit, limit)
-        sig = _sigmoid(alpha * g)
+        sig = sigmoid(alpha * g)
         glu = g * sig
         hmid = (u + 1.0) * glu  # (S, I)
         mid = (g, u, sig, glu)

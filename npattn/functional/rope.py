@@ -30,7 +30,7 @@ from .._validate import (
     check_ndim,
     check_tangents_as,
 )
-from .rope_scaling import _check_scaling, _inv_freq, _resolve_base, _resolve_rotary_dim
+from .rope_scaling import check_scaling, inverse_frequencies, resolve_base, resolve_rotary_dim
 
 __all__ = ["RopeCache", "rope", "rope_backward", "rope_jvp", "rope_backward_jvp"]
 
@@ -115,11 +115,11 @@ def rope(
         kind = TypeError if isinstance(base, bool) or not isinstance(base, numbers.Real) else ValueError
         raise kind(f"base: expected a finite number > 0, got {base!r}")
     interleaved = check_bool(interleaved, "interleaved")
-    params = _check_scaling(scaling)
+    params = check_scaling(scaling)
     if rotary_dim is None and "partial_rotary_factor" not in params and x.shape[-1] % 2:
         raise ValueError(f"x: expected an even feature size D (pairs of features rotate), got shape {x.shape}")
-    base = _resolve_base(base, params)
-    rotary_dim = _resolve_rotary_dim(x.shape[-1], rotary_dim, params)
+    base = resolve_base(base, params)
+    rotary_dim = resolve_rotary_dim(x.shape[-1], rotary_dim, params)
     return _rope(x, positions, base=base, interleaved=interleaved, scaling=params, rotary_dim=rotary_dim)
 
 
@@ -153,14 +153,14 @@ def _rotate(x, cos, sin, interleaved):
 
 
 def _rope(x, positions=None, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
-    """The kernel of ``rope``: ``scaling`` None or checked by ``_check_scaling``, ``base`` resolved
+    """The kernel of ``rope``: ``scaling`` None or checked by ``check_scaling``, ``base`` resolved
     with it, ``rotary_dim`` None (all of D) or checked."""
     params = {"rope_type": "default"} if scaling is None else scaling
     r = x.shape[-1] if rotary_dim is None else rotary_dim
     seq_len = None
     if params["rope_type"] == "dynamic":  # the frequencies depend on the length seen (HF: max position + 1)
         seq_len = x.shape[-2] if positions is None else (int(positions.max()) + 1 if positions.size else None)
-    inv_freq, factor = _inv_freq(r, base, params, seq_len)
+    inv_freq, factor = inverse_frequencies(r, base, params, seq_len)
     theta = _angles(positions, x.shape[-2], inv_freq)
     cos, sin = np.cos(theta), np.sin(theta)
     if factor != 1.0:  # YaRN: cos and sin times a constant

@@ -43,6 +43,8 @@ import numpy as np
 from .._validate import check_positive_float, check_size
 
 __all__ = ["rope_frequencies", "rope_softmax_scale", "yarn_mscale"]
+# shared with functional.rope and the attention modules (public names outside
+# __all__): check_scaling, resolve_base, resolve_rotary_dim, inverse_frequencies
 
 # the keys each rope_type reads (beside the common ones), as Hugging Face's validators list them
 _TYPE_KEYS: dict[str, tuple[str, ...]] = {
@@ -66,7 +68,7 @@ _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "max
 _MAY_BE_ZERO = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _check_scaling(scaling, name: str = "scaling") -> dict[str, Any]:
+def check_scaling(scaling, name: str = "scaling") -> dict[str, Any]:
     """A Hugging Face RoPE dict checked and normalised: ``{"rope_type": t, key: float, ...}``, keys
     set to None dropped, ``original_max_position_embeddings`` filled from
     ``max_position_embeddings`` where Hugging Face's ``standardize_rope_params`` does.  ``None``
@@ -147,7 +149,7 @@ def _standardize(
     ``yarn`` and ``llama3`` where the dict has none.  ``dynamic`` reads the config's
     ``max_position_embeddings`` too; npattn keeps it in the dict, where ``rope_frequencies`` looks.
 
-    Returns a new dict (keys set to None count as absent), checked by ``_check_scaling``.  Raises
+    Returns a new dict (keys set to None count as absent), checked by ``check_scaling``.  Raises
     ``ValueError``/``TypeError`` naming ``name`` and the key: also where transformers would read
     the dict in a way npattn refuses to guess (``rope_type`` and ``type`` that disagree: transformers
     silently takes ``rope_type``; a ``max_position_embeddings`` inside the dict that differs from
@@ -178,11 +180,11 @@ def _standardize(
         if max_position_embeddings is None:
             raise ValueError(f"{name}: rope_type {p['rope_type']!r} needs the config's max_position_embeddings")
         p[key] = max_position_embeddings
-    _check_scaling(p, name)
+    check_scaling(p, name)
     return p
 
 
-def _resolve_base(base, params: dict, name: str = "base") -> float:
+def resolve_base(base, params: dict, name: str = "base") -> float:
     """The base: ``params['rope_theta']`` when the dict gives one (then ``base`` must be left at its
     default 10000 or agree), else ``base``."""
     b = check_positive_float(base, name)
@@ -194,7 +196,7 @@ def _resolve_base(base, params: dict, name: str = "base") -> float:
     return theta
 
 
-def _resolve_rotary_dim(d: int, rotary_dim, params: dict, name: str = "rotary_dim") -> int:
+def resolve_rotary_dim(d: int, rotary_dim, params: dict, name: str = "rotary_dim") -> int:
     """The number of rotated features of a head of ``d``: ``rotary_dim``, or
     ``int(d * partial_rotary_factor)`` (Hugging Face's rule), or ``d``; even, at most ``d``."""
     f = params.get("partial_rotary_factor")
@@ -256,7 +258,7 @@ def rope_softmax_scale(scale: float, scaling=None) -> float:
         A bad ``scale`` or a bad dict (naming the key).
     """
     scale = check_positive_float(scale, "scale")
-    params = _check_scaling(scaling)
+    params = check_scaling(scaling)
     m = params.get("mscale_all_dim", 0.0)  # a yarn key only
     if params["rope_type"] == "default" or not m:
         return scale
@@ -304,17 +306,17 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len: 
     array([0.5   , 0.05  , 0.005 , 0.0005])
     """
     dim = check_size(dim, "dim")
-    params = _check_scaling(scaling)
-    b = _resolve_base(base, params)
-    r = _resolve_rotary_dim(dim, None, params, "dim")
+    params = check_scaling(scaling)
+    b = resolve_base(base, params)
+    r = resolve_rotary_dim(dim, None, params, "dim")
     if seq_len is not None:
         seq_len = check_size(seq_len, "seq_len")
-    return _inv_freq(r, b, params, seq_len)
+    return inverse_frequencies(r, b, params, seq_len)
 
 
-def _inv_freq(dim: int, base: float, params: dict, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+def inverse_frequencies(dim: int, base: float, params: dict, seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """The kernel of ``rope_frequencies``: ``dim`` the number of rotated features (even), ``base``
-    resolved, ``params`` from ``_check_scaling``.  Returns ``(inv_freq (dim/2,) float64, factor)``."""
+    resolved, ``params`` from ``check_scaling``.  Returns ``(inv_freq (dim/2,) float64, factor)``."""
     kind = params["rope_type"]
     exponent = np.arange(0, dim, 2, dtype=np.float64) / dim  # 2i / dim
     if kind == "dynamic":

@@ -44,7 +44,7 @@ from ..functional.delta_rule import (
     _rms_norm_gated_backward,
     _rms_norm_gated_jvp,
 )
-from .layers import Linear, _input_tangent
+from .layers import Linear, input_tangent
 from .module import Module, Parameter, no_grad
 
 __all__ = ["GatedDeltaNet"]
@@ -340,7 +340,7 @@ class GatedDeltaNet(Module):
         ``beta = sigmoid(b)``: ``tbeta = beta (1 - beta) tb``; ``g = -exp(A_log) softplus(p)``,
         ``p = a + dt_bias``: ``tg = g tA_log - exp(A_log) sigmoid(p) (ta + tdt_bias)``; each key
         head's tangent is repeated for the value heads it serves, as its value in the forward."""
-        tx = _input_tangent(input_tangents, "GatedDeltaNet")
+        tx = input_tangent(input_tangents, "GatedDeltaNet")
         st: _State = state
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = nv // nk

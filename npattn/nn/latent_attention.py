@@ -55,9 +55,9 @@ from .._validate import (
     to_numpy,
 )
 from ..functional import kernels as K
-from ..functional.rope_scaling import _check_scaling, _resolve_base, _standardize, rope_softmax_scale
+from ..functional.rope_scaling import _standardize, check_scaling, resolve_base, rope_softmax_scale
 from .kv_cache import KVCache
-from .layers import Linear, RMSNorm, _input_tangent
+from .layers import Linear, RMSNorm, input_tangent
 from .module import Module, no_grad
 
 __all__ = ["MultiHeadLatentAttention", "kv_cache_bytes_per_token"]
@@ -212,8 +212,8 @@ class MultiHeadLatentAttention(Module):
         self.attention_bias = check_bool(attention_bias, "attention_bias")
         # the rotation: Hugging Face's dict checked once (names the key of a bad entry); its
         # rope_theta takes the place of rope_theta (left at its default 10000 or equal)
-        self.rope_scaling = _check_scaling(rope_scaling, "rope_scaling")
-        self.rope_theta = _resolve_base(rope_theta, self.rope_scaling, "rope_theta")
+        self.rope_scaling = check_scaling(rope_scaling, "rope_scaling")
+        self.rope_theta = resolve_base(rope_theta, self.rope_scaling, "rope_theta")
         if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(
                 "rope_scaling['partial_rotary_factor']: expected 1 (all qk_rope_head_dim features rotate), "
@@ -516,7 +516,7 @@ class MultiHeadLatentAttention(Module):
         tangent); the attention core's tangent is ``scaled_dot_product_attention_jvp``.  Absorbed
         form, by the product rule: ``tq_lat = tq_nope W_uk + q_nope tW_uk`` and ``tctx = tctx_lat
         W_uv^T + ctx_lat tW_uv^T``, the shared key's tangent ``[tc, tk_pe]`` and the value's ``tc``."""
-        tx = _input_tangent(input_tangents, "MultiHeadLatentAttention")
+        tx = input_tangent(input_tangents, "MultiHeadLatentAttention")
         st: _State = state
         H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
         jvp, pt = self._child_jvp, param_tangents

@@ -39,7 +39,8 @@ __all__ = ["Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForwar
 ShapeLike = Union[int, Tuple[int, ...]]
 
 
-def _check_features(x: np.ndarray, name: str, expected: int, module: str) -> None:
+def check_features(x: np.ndarray, name: str, expected: int, module: str) -> None:
+    """``x (..., expected)``, else a ValueError naming the argument and the module (every module's input)."""
     if x.ndim < 1 or x.shape[-1] != expected:
         raise ValueError(f"{name}: expected shape (..., {expected}) for {module}, got {x.shape}")
 
@@ -63,7 +64,7 @@ def _data(p: Optional[Parameter]):
     return None if p is None else p.data
 
 
-def _input_tangent(input_tangents: tuple, module: str):
+def input_tangent(input_tangents: tuple, module: str):
     """The one input tangent of a single-input module (None: zero)."""
     if len(input_tangents) > 1:
         raise TypeError(f"{module}.jvp: expected at most one input tangent, got {len(input_tangents)}")
@@ -116,7 +117,7 @@ class Linear(Module):
 
     def _check_input(self, x, name: str = "x") -> np.ndarray:
         x = as_float(x, name, self.dtype)
-        _check_features(x, name, self.in_features, f"Linear({self.in_features}, {self.out_features})")
+        check_features(x, name, self.in_features, f"Linear({self.in_features}, {self.out_features})")
         return x
 
     def forward(self, x) -> np.ndarray:
@@ -181,7 +182,7 @@ class Linear(Module):
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``ty = tx @ W.T + x @ tW.T + tb`` (``functional.linear_jvp``)."""
-        tx = _input_tangent(input_tangents, "Linear")
+        tx = input_tangent(input_tangents, "Linear")
         return F.linear_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
     def extra_repr(self):
@@ -294,7 +295,7 @@ class LayerNorm(Module):
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode (``functional.layer_norm_jvp``)."""
-        tx = _input_tangent(input_tangents, "LayerNorm")
+        tx = input_tangent(input_tangents, "LayerNorm")
         return F.layer_norm_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
     def extra_repr(self):
@@ -395,7 +396,7 @@ class RMSNorm(Module):
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode (``functional.rms_norm_jvp``)."""
-        tx = _input_tangent(input_tangents, "RMSNorm")
+        tx = input_tangent(input_tangents, "RMSNorm")
         return F.rms_norm_jvp(state, tx, param_tangents.get(self.weight))
 
     def extra_repr(self):
@@ -478,7 +479,7 @@ class Dropout(Module):
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the tangent through the forward's own mask (``functional.dropout_jvp``)."""
-        return F.dropout_jvp(state, _input_tangent(input_tangents, "Dropout"))
+        return F.dropout_jvp(state, input_tangent(input_tangents, "Dropout"))
 
     @property
     def active(self) -> bool:
@@ -644,7 +645,7 @@ class Embedding(Module):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the looked-up rows of the weight's tangent (``functional.embedding_jvp``);
         token ids have no tangent (pass None or nothing)."""
-        if _input_tangent(input_tangents, "Embedding") is not None:
+        if input_tangent(input_tangents, "Embedding") is not None:
             raise TypeError("Embedding.jvp: token ids have no tangent; expected None")
         return F.embedding_jvp(state, param_tangents.get(self.weight))
 
@@ -677,15 +678,16 @@ def _act(name: str):
 
 # The gated unit ``h = act(gate(x)) * up(x)`` (SwiGLU and its kin), said once for FeedForward's
 # "swiglu" (linear1, linear3) and nn.moe.GatedMLP (gate_proj, up_proj); ``state`` is
-# ``(act's cache, s = act(gate x), b = up x)``.
-def _gated(act: str, gate: Linear, up: Linear, x: np.ndarray):
+# ``(act's cache, s = act(gate x), b = up x)``.  Shared with nn.moe (as check_features and
+# input_tangent with every module): public names, outside __all__.
+def gated_unit(act: str, gate: Linear, up: Linear, x: np.ndarray):
     kernel, _, kwargs = _act(act)
     s, act_cache = kernel(gate._forward(x), **kwargs)
     b = up._forward(x)
     return s * b, (act_cache, s, b)
 
 
-def _gated_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state) -> np.ndarray:
+def gated_unit_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state) -> np.ndarray:
     """``h = s b`` with ``s = act(a)``, ``a = gate x``, ``b = up x``: ``db = dh s``,
     ``da = act'(a) (dh b)``, and ``dx`` sums the two linears' input gradients."""
     act_cache, s, b = state
@@ -694,7 +696,7 @@ def _gated_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state) -
     return dx
 
 
-def _gated_jvp(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents) -> np.ndarray:
+def gated_unit_jvp(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents) -> np.ndarray:
     """``th = act'(a) ta b + s tb`` with the linears' tangents ``ta``, ``tb`` (the children's
     latest states are ``module``'s call's)."""
     act_cache, s, b = state
@@ -756,7 +758,7 @@ class FeedForward(Module):
     def _check_input(self, x, name: str = "x") -> np.ndarray:
         x = as_float(x, name, self.dtype)
         d, d_ff = self.linear1.in_features, self.linear1.out_features
-        _check_features(x, name, d, f"FeedForward({d}, {d_ff})")
+        check_features(x, name, d, f"FeedForward({d}, {d_ff})")
         return x
 
     def forward(self, x) -> np.ndarray:
@@ -787,7 +789,7 @@ class FeedForward(Module):
         ws = self._workspace() if is_grad_enabled() and self.activation != "swiglu" else None
         reused: tuple = ()
         if self.activation == "swiglu":  # cache: silu's, silu(a) and b, for the product's gradient
-            h, cache = _gated("swiglu", self.linear1, self.linear3, x)
+            h, cache = gated_unit("swiglu", self.linear1, self.linear3, x)
         elif ws is None:
             h, cache = act(self.linear1._forward(x), **kwargs)
         else:
@@ -835,7 +837,7 @@ class FeedForward(Module):
         if drop:
             dh = self.dropout._backward(dh)
         if self.activation == "swiglu":
-            return _gated_backward("swiglu", self.linear1, self.linear3, dh, cache)
+            return gated_unit_backward("swiglu", self.linear1, self.linear3, dh, cache)
         if ws is None:
             return self.linear1._backward(act_backward(dh, cache))
         if self.activation == "relu" and not drop:  # in place on dh, a workspace array
@@ -851,10 +853,10 @@ class FeedForward(Module):
         """Forward mode, the forward's chain run on tangents: ``ta = linear1'(tx)``, ``th =
         act'(a) * ta`` (swiglu: ``th = silu'(a) ta * b + silu(a) * tb`` with ``tb = linear3'(tx)``),
         the dropout's own mask, then ``linear2'``.  Each child's latest state is this call's."""
-        tx = _input_tangent(input_tangents, "FeedForward")
+        tx = input_tangent(input_tangents, "FeedForward")
         cache, drop, _ = state
         if self.activation == "swiglu":
-            th = _gated_jvp(self, "swiglu", self.linear1, self.linear3, tx, cache, param_tangents)
+            th = gated_unit_jvp(self, "swiglu", self.linear1, self.linear3, tx, cache, param_tangents)
         else:
             act_jvp = getattr(F, _ACTIVATIONS[self.activation][0] + "_jvp")
             th = act_jvp(cache, self._child_jvp(self.linear1, -1, (tx,), param_tangents))

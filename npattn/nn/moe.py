@@ -56,12 +56,12 @@ from ..functional.moe import (
     ROUTER_VARIANTS,
     MoeExpertsCache,
     TopKRouterCache,
-    _sigmoid,
     check_real,
     check_router_options,
     check_routing,
+    sigmoid,
 )
-from .layers import Linear, _check_features, _gated, _gated_backward, _gated_jvp, _input_tangent
+from .layers import Linear, check_features, gated_unit, gated_unit_backward, gated_unit_jvp, input_tangent
 from .module import Module, Parameter
 
 __all__ = [
@@ -219,7 +219,7 @@ class TopKRouter(Module):
             For an ``x`` that is not a real array of shape ``(..., H)``.
         """
         x = as_float(x, "x", self.dtype)
-        _check_features(x, "x", self.hidden_size, f"TopKRouter({self.hidden_size}, {self.num_experts})")
+        check_features(x, "x", self.hidden_size, f"TopKRouter({self.hidden_size}, {self.num_experts})")
         w, _ = self._forward(x.reshape(-1, self.hidden_size), x.shape[:-1])
         self._shape_stats(x.shape[:-1])
         return w.reshape(x.shape[:-1] + (self.top_k,)), self.last_indices
@@ -287,7 +287,7 @@ class TopKRouter(Module):
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the tangent of the weights ``(..., k)`` (the choice is constant)."""
-        tx = _input_tangent(input_tangents, "TopKRouter")
+        tx = input_tangent(input_tangents, "TopKRouter")
         x = state.linear.x
         if tx is not None:
             tx = check_tangent(tx, "tx", state.lead + (self.hidden_size,), x.dtype).reshape(x.shape)
@@ -353,7 +353,7 @@ class _SortedExperts(Module):
             For a bad argument, naming it.
         """
         x = as_float(x, "x", self.dtype)
-        _check_features(x, "x", self.hidden_size, f"{type(self).__name__}(hidden_size={self.hidden_size})")
+        check_features(x, "x", self.hidden_size, f"{type(self).__name__}(hidden_size={self.hidden_size})")
         lead = x.shape[:-1]
         names = ("top_k_index", "top_k_weights")
         idx, w = check_routing(top_k_index, top_k_weights, lead, self.dtype, names, self.num_experts)
@@ -641,11 +641,11 @@ class GatedMLP(Module):
             For an ``x`` that is not a real array of shape ``(..., H)``.
         """
         x = as_float(x, "x", self.dtype)
-        _check_features(x, "x", self.hidden_size, f"GatedMLP({self.hidden_size}, {self.intermediate_size})")
+        check_features(x, "x", self.hidden_size, f"GatedMLP({self.hidden_size}, {self.intermediate_size})")
         return self._forward(x)
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        h, state = _gated(self._act, self.gate_proj, self.up_proj, x)
+        h, state = gated_unit(self._act, self.gate_proj, self.up_proj, x)
         self.save_for_backward(state)
         return self.down_proj._forward(h)
 
@@ -662,18 +662,18 @@ class GatedMLP(Module):
         return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
-        """``down_proj``'s, then the gated unit's (``layers._gated_backward``)."""
+        """``down_proj``'s, then the gated unit's (``layers.gated_unit_backward``)."""
         state = self.pop_saved()
-        return _gated_backward(self._act, self.gate_proj, self.up_proj, self.down_proj._backward(dy), state)
+        return gated_unit_backward(self._act, self.gate_proj, self.up_proj, self.down_proj._backward(dy), state)
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``th = act'(g) tg b + a tb`` with the projections' tangents ``tg``, ``tb``
         (each child's latest state is this call's), then ``down_proj``'s."""
-        tx = _input_tangent(input_tangents, "GatedMLP")
+        tx = input_tangent(input_tangents, "GatedMLP")
         s = state[1]  # act(gate_proj x)
         if tx is not None:
             tx = check_tangent(tx, "tx", s.shape[:-1] + (self.hidden_size,), s.dtype)
-        th = _gated_jvp(self, self._act, self.gate_proj, self.up_proj, tx, state, param_tangents)
+        th = gated_unit_jvp(self, self._act, self.gate_proj, self.up_proj, tx, state, param_tangents)
         return self._child_jvp(self.down_proj, -1, (th,), param_tangents)
 
     def extra_repr(self):
@@ -685,6 +685,26 @@ class GatedMLP(Module):
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_expert", "shared_experts")
+
+
+def _check_layout(experts, router_name, shared_name, shared_intermediate_size, shared_expert_gate, experts_first):
+    """``SparseMoeBlock``'s choice of submodules and their names, checked before anything is built:
+    returns ``(shared_intermediate_size, shared_expert_gate, experts_first)``."""
+    if not isinstance(experts, str) or experts not in ("swiglu", "gpt_oss"):
+        raise ValueError(f"experts: expected 'swiglu' or 'gpt_oss', got {experts!r}")
+    if router_name not in _ROUTER_NAMES:
+        raise ValueError(f"router_name: expected one of {_ROUTER_NAMES}, got {router_name!r}")
+    if shared_name not in _SHARED_NAMES:
+        raise ValueError(f"shared_name: expected one of {_SHARED_NAMES}, got {shared_name!r}")
+    gated = check_bool(shared_expert_gate, "shared_expert_gate")
+    experts_first = check_bool(experts_first, "experts_first")
+    if shared_intermediate_size is not None:
+        shared_intermediate_size = check_size(shared_intermediate_size, "shared_intermediate_size")
+    elif gated:
+        raise ValueError(
+            "shared_expert_gate: expected False without a shared expert (shared_intermediate_size=None), got True"
+        )
+    return shared_intermediate_size, gated, experts_first
 
 
 class SparseMoeBlock(Module):
@@ -775,20 +795,9 @@ class SparseMoeBlock(Module):
         dtype=np.float64,
     ) -> None:
         super().__init__()
-        if not isinstance(experts, str) or experts not in ("swiglu", "gpt_oss"):
-            raise ValueError(f"experts: expected 'swiglu' or 'gpt_oss', got {experts!r}")
-        if router_name not in _ROUTER_NAMES:
-            raise ValueError(f"router_name: expected one of {_ROUTER_NAMES}, got {router_name!r}")
-        if shared_name not in _SHARED_NAMES:
-            raise ValueError(f"shared_name: expected one of {_SHARED_NAMES}, got {shared_name!r}")
-        gated = check_bool(shared_expert_gate, "shared_expert_gate")
-        experts_first = check_bool(experts_first, "experts_first")
-        if shared_intermediate_size is not None:
-            shared_intermediate_size = check_size(shared_intermediate_size, "shared_intermediate_size")
-        elif gated:
-            raise ValueError(
-                "shared_expert_gate: expected False without a shared expert (shared_intermediate_size=None), got True"
-            )
+        shared_intermediate_size, gated, experts_first = _check_layout(
+            experts, router_name, shared_name, shared_intermediate_size, shared_expert_gate, experts_first
+        )
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         self.hidden_size = check_size(hidden_size, "hidden_size")
@@ -864,7 +873,7 @@ class SparseMoeBlock(Module):
             For an ``x`` that is not a real array of shape ``(..., H)``.
         """
         x = as_float(x, "x", self.dtype)
-        _check_features(x, "x", self.hidden_size, f"SparseMoeBlock(hidden_size={self.hidden_size})")
+        check_features(x, "x", self.hidden_size, f"SparseMoeBlock(hidden_size={self.hidden_size})")
         y = self._forward(x.reshape(-1, self.hidden_size), x.shape[:-1]).reshape(x.shape)
         self.router_module._shape_stats(x.shape[:-1])
         return y
@@ -878,7 +887,7 @@ class SparseMoeBlock(Module):
         if shared is not None:
             s = shared._forward(x)
             if gate is not None:
-                g = _sigmoid(gate._forward(x))  # (N, 1)
+                g = sigmoid(gate._forward(x))  # (N, 1)
                 y += g * s
             else:
                 y += s
@@ -919,7 +928,7 @@ class SparseMoeBlock(Module):
         """Forward mode: the router's weight tangent (the choice is constant), the experts'
         ``sum_j (tw_j h_j + w_j th_j)``, and the shared part ``tg s + g ts`` with
         ``tg = g (1 - g) t(x w_g^T)``.  Each child's latest state is this call's."""
-        tx = _input_tangent(input_tangents, "SparseMoeBlock")
+        tx = input_tangent(input_tangents, "SparseMoeBlock")
         g, s, lead = state
         router, experts = self.router_module, self.experts
         xr = router.saved_state().linear.x
