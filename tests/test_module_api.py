@@ -164,10 +164,11 @@ def test_public_hooks_make_a_module_gradcheck_in_both_modes():
     assert gradcheck(Affine(4), rand(2, 3, 4), mode="both").ok
 
 
-def test_old_private_names_still_work():
-    assert npattn.Module._save is npattn.Module.save_for_backward
-    assert npattn.Module._pop is npattn.Module.pop_saved
-    assert npattn.Module._accumulate is npattn.Module.accumulate_grad
+def test_the_protocol_has_one_spelling_the_public_one():
+    for private in ("_save", "_pop", "_accumulate"):
+        assert not hasattr(npattn.Module, private), private
+    for public in ("save_for_backward", "pop_saved", "accumulate_grad"):
+        assert callable(getattr(npattn.Module, public)), public
 
 
 def test_module_does_not_import_containers():

@@ -440,8 +440,6 @@ class Module:
             self._states.clear()
             object.__setattr__(self, "_nograd_forward", True)
 
-    _save = save_for_backward  # the private spelling, until nn/attention.py uses the public one
-
     def _no_state_error(self, what: str = "backward") -> RuntimeError:
         if self.__dict__.get("_nograd_forward", False):
             return RuntimeError(f"{type(self).__name__}.{what}: the last forward ran under no_grad(), nothing was kept")
@@ -506,8 +504,6 @@ class Module:
             raise self._no_state_error()
         self._check_versions(self._states[-1])
         return self._states.pop().cache
-
-    _pop = pop_saved  # the private spelling, until nn/attention.py uses the public one
 
     def saved_state(self, index: int = -1):
         """The forward state kept by ``save_for_backward``, *without* releasing it (``jvp``
@@ -590,8 +586,6 @@ class Module:
             param.grad = np.array(grad, dtype=param.data.dtype, copy=True)
         else:
             param.grad += grad
-
-    _accumulate = accumulate_grad  # the private spelling, until nn/attention.py uses the public one
 
     # -- forward mode ----------------------------------------------------------------------
     def jvp(self, *input_tangents, param_tangents=None):
