@@ -383,7 +383,7 @@ def test_hub_style_configs():
     from _families import FAMILIES as SHORT
 
     oss = dict(SHORT["gpt_oss"], experts_per_token=2, initial_context_length=4096)
-    assert config_from_hf(oss).moe["num_experts_per_tok"] == 2
+    assert config_from_hf(oss).moe.top_k == 2  # the typed MoEConfig: SparseMoeBlock's top_k
     with pytest.raises(ValueError, match="experts_per_token"):
         config_from_hf(dict(oss, experts_per_token=3))
     with pytest.raises(ValueError, match="quantization_config"):

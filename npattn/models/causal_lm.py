@@ -101,45 +101,28 @@ _MHA_NAMES = {
 
 
 def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
-    """The attention module of layer ``i``."""
+    """The attention module of layer ``i``, from its typed sub-config."""
     kind = cfg.layer_types[i]
-    if kind == "latent_attention":  # the RoPE dict as the config reader standardized it
-        hf = dict(cfg.hf, rope_parameters=cfg.rope.get("default"), rope_scaling=None)
-        return MultiHeadLatentAttention.from_config(hf, rng=rng, dtype=dtype)
+    if kind == "latent_attention":
+        return MultiHeadLatentAttention(**_sub(cfg.latent).kwargs(), rng=rng, dtype=dtype)
     if kind == "linear_attention":
-        return GatedDeltaNet.from_config(cfg.hf, rng=rng, dtype=dtype)
-    rope = dict(cfg.rope.get(kind, cfg.rope.get("default", {})))
-    window = (cfg.sliding_window - 1, 0) if kind == "sliding_attention" and cfg.sliding_window else None
-    return MultiHeadAttention(
-        cfg.hidden_size,
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        head_dim=cfg.head_dim,
-        num_kv_heads=cfg.num_key_value_heads,
-        qkv_bias=cfg.attention_bias,
-        out_bias=cfg.attention_bias,
-        causal=True,
-        dropout=cfg.attention_dropout,
-        window=window,
-        softcap=cfg.attn_logit_softcapping,
-        sinks=cfg.sinks,
-        scale=cfg.attention_scale,
-        rope=True,
-        rope_scaling=rope,  # rope_theta, the scaling's type and keys, partial_rotary_factor
-        qk_norm=cfg.qk_norm,
-        qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-        qk_norm_unit_offset=cfg.qk_norm and cfg.norm_offset,
-        output_gate=cfg.attn_output_gate,
-        rng=rng,
-        dtype=dtype,
-    )
+        return GatedDeltaNet(**_sub(cfg.linear_attention).kwargs(), rng=rng, dtype=dtype)
+    mha = cfg.attention_config(kind).kwargs()
+    return MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
 
 
 def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The MLP of layer ``i``: the dense gated MLP, or the routed experts."""
     if cfg.mlp_types[i] == "moe":
-        return SparseMoeBlock.from_hf_config(cfg.hf, rng=rng, dtype=dtype)
+        return SparseMoeBlock(**_sub(cfg.moe).kwargs(), rng=rng, dtype=dtype)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
+
+
+def _sub(sub):
+    """A layer's sub-config, which the config reader gives whenever a layer of its kind exists."""
+    if sub is None:  # pragma: no cover - a CausalLMConfig not made by config_from_hf
+        raise ValueError("config: a layer's kind has no sub-config (moe, latent or linear_attention is None)")
+    return sub
 
 
 # -- shapes from the config alone ----------------------------------------------------------
@@ -154,9 +137,9 @@ def _lin(name: str, out: int, inp: int, bias: bool) -> list:
 def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
     H, heads = cfg.hidden_size, cfg.num_attention_heads
     if kind == "latent_attention":  # MultiHeadLatentAttention
-        lat, b = cfg.latent or {}, cfg.attention_bias
-        qk = lat["qk_nope_head_dim"] + lat["qk_rope_head_dim"]
-        r, q_lora = lat["kv_lora_rank"], lat["q_lora_rank"]
+        lat = _sub(cfg.latent)
+        b, dn, dr, dv = lat.attention_bias, lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim
+        qk, r, q_lora = dn + dr, lat.kv_lora_rank, lat.q_lora_rank
         q = (
             _lin("q_proj", heads * qk, H, False)
             if q_lora is None
@@ -164,26 +147,23 @@ def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
             + [("q_a_layernorm.weight", (q_lora,))]
             + _lin("q_b_proj", heads * qk, q_lora, False)
         )
-        kv = _lin("kv_a_proj_with_mqa", r + lat["qk_rope_head_dim"], H, b) + [("kv_a_layernorm.weight", (r,))]
-        kv += _lin("kv_b_proj", heads * (lat["qk_nope_head_dim"] + lat["v_head_dim"]), r, False)
-        return [(f"self_attn.{n}", s) for n, s in q + kv + _lin("o_proj", H, heads * lat["v_head_dim"], b)]
+        kv = _lin("kv_a_proj_with_mqa", r + dr, H, b) + [("kv_a_layernorm.weight", (r,))]
+        kv += _lin("kv_b_proj", heads * (dn + dv), r, False)
+        return [(f"self_attn.{n}", s) for n, s in q + kv + _lin("o_proj", H, heads * dv, b)]
     if kind == "linear_attention":  # GatedDeltaNet
-        la = cfg.linear_attention or {}
-        nk, nv = la["linear_num_key_heads"], la["linear_num_value_heads"]
-        key, value = nk * la["linear_key_head_dim"], nv * la["linear_value_head_dim"]
-        out = [
-            ("dt_bias", (nv,)),
-            ("A_log", (nv,)),
-            ("conv1d.weight", (2 * key + value, 1, la["linear_conv_kernel_dim"])),
-        ]
+        la = _sub(cfg.linear_attention)
+        nk, nv = la.linear_num_key_heads, la.linear_num_value_heads
+        key, value = nk * la.linear_key_head_dim, nv * la.linear_value_head_dim
+        out = [("dt_bias", (nv,)), ("A_log", (nv,)), ("conv1d.weight", (2 * key + value, 1, la.linear_conv_kernel_dim))]
         out += _lin("in_proj_qkvz", 2 * key + 2 * value, H, False) + _lin("in_proj_ba", 2 * nv, H, False)
-        out += [("norm.weight", (la["linear_value_head_dim"],))] + _lin("out_proj", H, value, False)
+        out += [("norm.weight", (la.linear_value_head_dim,))] + _lin("out_proj", H, value, False)
         return [(f"linear_attn.{n}", s) for n, s in out]
-    hd, kv_rows, b = cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.attention_bias  # MultiHeadAttention
-    out = [("sinks", (heads,))] if cfg.sinks else []
-    out += _lin("q_proj", heads * hd * (2 if cfg.attn_output_gate else 1), H, b)
-    out += _lin("k_proj", kv_rows, H, b) + _lin("v_proj", kv_rows, H, b) + _lin("o_proj", H, heads * hd, b)
-    if cfg.qk_norm:
+    a = cfg.attention_config(kind)  # MultiHeadAttention
+    hd, kv_rows, b = a.head_dim, a.num_kv_heads * a.head_dim, a.qkv_bias
+    out = [("sinks", (heads,))] if a.sinks else []
+    out += _lin("q_proj", heads * hd * (2 if a.output_gate else 1), H, b)
+    out += _lin("k_proj", kv_rows, H, b) + _lin("v_proj", kv_rows, H, b) + _lin("o_proj", H, heads * hd, a.out_bias)
+    if a.qk_norm:
         out += [("q_norm.weight", (hd,)), ("k_norm.weight", (hd,))]
     return [(f"self_attn.{n}", s) for n, s in out]
 
@@ -197,27 +177,22 @@ def _gated(name: str, H: int, inter: int, bias: bool = False) -> list:
 
 
 def _mlp_shapes(cfg: CausalLMConfig, kind: str) -> list:
-    H, moe = cfg.hidden_size, cfg.moe or {}
+    H = cfg.hidden_size
     if kind == "dense":
         return _gated("mlp", H, cfg.intermediate_size, cfg.mlp_bias)
-    if cfg.model_type == "gpt_oss":  # GptOssExperts: (E, H, 2I) interleaved, biases
-        E, inter = moe["num_local_experts"], cfg.intermediate_size
-        out = _lin("router", E, H, True)
-        out += [("experts.gate_up_proj", (E, H, 2 * inter)), ("experts.gate_up_proj_bias", (E, 2 * inter))]
-        out += [("experts.down_proj", (E, inter, H)), ("experts.down_proj_bias", (E, H))]
-    elif cfg.model_type == "deepseek_v3":
-        E, inter, shared = moe["n_routed_experts"], moe["moe_intermediate_size"], moe["n_shared_experts"]
-        out = [("experts.gate_up_proj", (E, 2 * inter, H)), ("experts.down_proj", (E, H, inter))]
-        out += [("gate.weight", (E, H)), ("gate.e_score_correction_bias", (E,))]
-        out += _gated("shared_experts", H, inter * shared) if shared else []
-    else:  # qwen3_next
-        E, inter, shared = moe["num_experts"], moe["moe_intermediate_size"], moe["shared_expert_intermediate_size"]
-        out = [
-            ("gate.weight", (E, H)),
-            ("experts.gate_up_proj", (E, 2 * inter, H)),
-            ("experts.down_proj", (E, H, inter)),
-        ]
-        out += _gated("shared_expert", H, shared) + _lin("shared_expert_gate", 1, H, False) if shared else []
+    moe = _sub(cfg.moe)  # SparseMoeBlock: router, experts, shared expert and its gate
+    E, inter, name = moe.num_experts, moe.intermediate_size, moe.router_name
+    router = _lin(name, E, H, moe.router_bias)
+    router += [(f"{name}.e_score_correction_bias", (E,))] if moe.router == "sigmoid" else []
+    if moe.experts == "gpt_oss":  # GptOssExperts: (E, H, 2I) interleaved, biases
+        experts = [("experts.gate_up_proj", (E, H, 2 * inter)), ("experts.gate_up_proj_bias", (E, 2 * inter))]
+        experts += [("experts.down_proj", (E, inter, H)), ("experts.down_proj_bias", (E, H))]
+    else:  # Experts: (E, 2I, H) gate rows then up rows, (E, H, I)
+        experts = [("experts.gate_up_proj", (E, 2 * inter, H)), ("experts.down_proj", (E, H, inter))]
+    out = experts + router if moe.experts_first else router + experts
+    if moe.shared_intermediate_size is not None:
+        out += _gated(moe.shared_name, H, moe.shared_intermediate_size)
+        out += _lin("shared_expert_gate", 1, H, False) if moe.shared_expert_gate else []
     return [(f"mlp.{n}", s) for n, s in out]
 
 
@@ -445,10 +420,7 @@ class CausalLM(Module):
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
-        c = self.config
-        return (
-            f"model_type={c.model_type!r}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}"
-        )
+        return self.config.describe()
 
     @property
     def layers(self) -> ModuleList:

@@ -17,14 +17,134 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .._validate import check_size
 from ..functional.rope_scaling import _standardize
 
-__all__ = ["CausalLMConfig", "config_from_hf", "SUPPORTED_MODEL_TYPES"]
+__all__ = [
+    "CausalLMConfig",
+    "config_from_hf",
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionConfig",
+    "LatentConfig",
+    "DeltaNetConfig",
+    "MoEConfig",
+    "CheckpointLayout",
+    "latent_config",
+    "delta_net_config",
+    "moe_config",
+]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next")
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
 MLP_KINDS = ("dense", "moe")
+
+
+# -- the typed sub-configs: each is one module's constructor arguments, by name -------------------
+class _Kwargs:
+    """A frozen dataclass whose fields are a module constructor's keyword arguments."""
+
+    def kwargs(self) -> dict:
+        """The fields as keyword arguments (``Module(**sub.kwargs())``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class AttentionConfig(_Kwargs):
+    """``MultiHeadAttention``'s arguments for one kind of layer (full or sliding-window attention)
+    of a ``CausalLM`` (``CausalLMConfig.attention_config(layer_type)``): the keyword arguments by
+    their names, ``num_heads`` included; ``embed_dim`` is the model's ``hidden_size``."""
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    qkv_bias: bool
+    out_bias: bool
+    causal: bool
+    dropout: float
+    window: tuple | None
+    softcap: float | None
+    sinks: bool
+    scale: float | None
+    rope: bool
+    rope_scaling: Mapping[str, Any]  # rope_theta, the scaling's type and keys, partial_rotary_factor
+    qk_norm: bool
+    qk_norm_eps: float | None
+    qk_norm_unit_offset: bool
+    output_gate: bool
+
+
+@dataclass(frozen=True)
+class LatentConfig(_Kwargs):
+    """``MultiHeadLatentAttention``'s keyword arguments (DeepSeek-V3's MLA), by their names."""
+
+    hidden_size: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+    attention_bias: bool
+    rope_theta: float
+    rope_scaling: Mapping[str, Any]
+    rope_interleave: bool
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig(_Kwargs):
+    """``GatedDeltaNet``'s keyword arguments (Qwen3-Next's linear attention), by their names (which
+    are the Hugging Face config's)."""
+
+    hidden_size: int
+    linear_num_value_heads: int
+    linear_num_key_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+
+
+@dataclass(frozen=True)
+class MoEConfig(_Kwargs):
+    """``SparseMoeBlock``'s keyword arguments (the routed experts of one family), by their names:
+    the router's variant and options, the experts' kind, the shared expert and the state-dict
+    names (see ``SparseMoeBlock``)."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    router_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    experts: str = "swiglu"
+    hidden_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    router_name: str = "gate"
+    shared_name: str = "shared_expert"
+    experts_first: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How a family's checkpoint is written, as ``npattn.models.hf`` reads it.
+
+    ``family``: the name the loader's messages give the model (its ``model_type``);
+    ``per_expert``: the routed experts may come one expert at a time
+    (``mlp.experts.{e}.{gate,up,down}_proj.weight``, as DeepSeek-V3's and Qwen3-Next's checkpoints
+    and ``save_pretrained`` write them), fused while loading into the ``(E, 2I, H)`` and
+    ``(E, H, I)`` tensors the model holds, as transformers does."""
+
+    family: str = ""
+    per_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,9 +170,11 @@ class CausalLMConfig:
     ``1 + weight`` (Gemma, Qwen3-Next); ``sandwich_norm``: norms also after attention and after the
     MLP (Gemma); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
     ``attention_scale`` is the scores' factor (``None``: ``1/sqrt(head_dim)``).  ``moe``,
-    ``latent`` and ``linear_attention`` hold the Hugging Face options of those layers (keys as
-    in the config), ``None`` where the family has none; ``hf`` is the Hugging Face dict itself
-    (the MoE, MLA and DeltaNet modules read their options from it).
+    ``latent`` and ``linear_attention`` are the typed arguments of those layers' modules
+    (``MoEConfig``, ``LatentConfig``, ``DeltaNetConfig``), ``None`` where the model has no such
+    layer; ``attention_config(layer_type)`` gives ``MultiHeadAttention``'s (``AttentionConfig``).
+    ``layout`` says how the checkpoint is written (``CheckpointLayout``); ``hf`` is the Hugging
+    Face dict itself, completed with transformers' defaults (for messages; nothing is built from it).
     """
 
     model_type: str
@@ -86,14 +208,49 @@ class CausalLMConfig:
     bos_token_id: int | None = None
     eos_token_id: Any = None
     max_position_embeddings: int | None = None
-    moe: Mapping[str, Any] | None = None
-    latent: Mapping[str, Any] | None = None
-    linear_attention: Mapping[str, Any] | None = None
+    moe: MoEConfig | None = None
+    latent: LatentConfig | None = None
+    linear_attention: DeltaNetConfig | None = None
+    layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def replace(self, **changes) -> CausalLMConfig:
         """A copy with ``changes`` (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+    def attention_config(self, layer_type: str) -> AttentionConfig:
+        """``MultiHeadAttention``'s arguments for the layers of kind ``layer_type``
+        (``"full_attention"`` or ``"sliding_attention"``): the RoPE parameters of that kind (or
+        the model's one ``"default"``), a causal window of ``sliding_window`` keys on sliding
+        layers."""
+        rope = dict(self.rope.get(layer_type, self.rope.get("default", {})))
+        sliding = layer_type == "sliding_attention" and self.sliding_window
+        return AttentionConfig(
+            num_heads=self.num_attention_heads,
+            head_dim=self.head_dim,
+            num_kv_heads=self.num_key_value_heads,
+            qkv_bias=self.attention_bias,
+            out_bias=self.attention_bias,
+            causal=True,
+            dropout=self.attention_dropout,
+            window=(self.sliding_window - 1, 0) if sliding else None,  # type: ignore[operator]
+            softcap=self.attn_logit_softcapping,
+            sinks=self.sinks,
+            scale=self.attention_scale,
+            rope=True,
+            rope_scaling=rope,
+            qk_norm=self.qk_norm,
+            qk_norm_eps=self.rms_norm_eps if self.qk_norm else None,
+            qk_norm_unit_offset=self.qk_norm and self.norm_offset,
+            output_gate=self.attn_output_gate,
+        )
+
+    def describe(self) -> str:
+        """The one line ``repr(CausalLM)`` shows: family, layers, width and vocabulary."""
+        return (
+            f"model_type={self.model_type!r}, layers={self.num_hidden_layers}, hidden={self.hidden_size}, "
+            f"vocab={self.vocab_size}"
+        )
 
 
 # Keys of every PretrainedConfig (and of older ones on the Hub) that change nothing in the forward
@@ -338,6 +495,7 @@ def _common(r: _Reader) -> dict:
         bos_token_id=r.d.get("bos_token_id"),
         eos_token_id=r.d.get("eos_token_id"),
         max_position_embeddings=r.d.get("max_position_embeddings"),
+        layout=CheckpointLayout(r.model_type),
     )
 
 
@@ -450,13 +608,11 @@ def _gpt_oss(r: _Reader) -> dict:
         layer_types=lt,
         sliding_window=_window(r, lt),
         mlp_types=("moe",) * n,
-        moe={
-            "num_local_experts": r.int("num_local_experts"),
-            "num_experts_per_tok": k,
-            "swiglu_limit": r.float("swiglu_limit", 7.0),
-            "swiglu_alpha": r.float("swiglu_alpha", 1.702),
-        },
     )
+    r.int("num_local_experts")
+    r.float("swiglu_limit", 7.0)
+    r.float("swiglu_alpha", 1.702)
+    c.update(moe=moe_config(r.d))  # the block's arguments (keys checked above), as from_hf_config reads them
     return c
 
 
@@ -480,33 +636,33 @@ def _deepseek_v3(r: _Reader) -> dict:
         rope=_rope_params(r, 10000.0),
         layer_types=("latent_attention",) * n,
         mlp_types=tuple("dense" if i < k_dense else "moe" for i in range(n)),
-        latent={
-            "q_lora_rank": None if q_lora is None else r.int("q_lora_rank"),
-            "kv_lora_rank": r.int("kv_lora_rank"),
-            "qk_nope_head_dim": r.int("qk_nope_head_dim"),
-            "qk_rope_head_dim": r.int("qk_rope_head_dim"),
-            "v_head_dim": r.int("v_head_dim"),
-            "rope_interleave": r.bool("rope_interleave", True),
-        },
-        moe={
-            "n_routed_experts": r.int("n_routed_experts"),
-            "n_shared_experts": r.int("n_shared_experts", 0, minimum=0),
-            "num_experts_per_tok": r.int("num_experts_per_tok"),
-            "moe_intermediate_size": r.int("moe_intermediate_size"),
-            "n_group": r.int("n_group", 1),
-            "topk_group": r.int("topk_group", 1),
-            "routed_scaling_factor": r.float("routed_scaling_factor", 1.0),
-            "norm_topk_prob": r.bool("norm_topk_prob", True),
-        },
+        layout=CheckpointLayout(r.model_type, per_expert=True),
     )
+    if q_lora is not None:
+        r.int("q_lora_rank")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        r.int(key)
+    r.bool("rope_interleave", True)
+    r.int("n_routed_experts")
+    r.int("n_shared_experts", 0, minimum=0)
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        r.int(key)
+    r.int("n_group", 1)
+    r.int("topk_group", 1)
+    r.float("routed_scaling_factor", 1.0)
+    r.bool("norm_topk_prob", True)
     # the head_dim key of DeepSeek-V3's config is qk_rope_head_dim (the rotary part); transformers
     # rotates head_dim features, so another value makes a model that cannot run
-    dr = c["latent"]["qk_rope_head_dim"]
+    dr = r.int("qk_rope_head_dim")
     if r.d.get("head_dim") not in (None, dr):
         raise ValueError(
             f"config['head_dim'] = {r.d['head_dim']!r}: DeepSeek-V3 expects head_dim = qk_rope_head_dim = {dr}"
         )
     c["head_dim"] = dr
+    # the modules' arguments (the keys checked above), as from_config / from_hf_config read them;
+    # MLA's rotation is the one standardized above
+    rope = dict(r.d, rope_parameters=c["rope"]["default"], rope_scaling=None)
+    c.update(latent=latent_config(rope), moe=moe_config(r.d) if "moe" in c["mlp_types"] else None)
     return c
 
 
@@ -532,20 +688,18 @@ def _qwen3_next(r: _Reader) -> dict:
         rope=_rope_params(r, 10000.0),
         layer_types=lt,
         mlp_types=mlp,
-        moe={
-            "num_experts": n_exp,
-            "num_experts_per_tok": r.int("num_experts_per_tok"),
-            "moe_intermediate_size": r.int("moe_intermediate_size"),
-            "shared_expert_intermediate_size": r.int("shared_expert_intermediate_size", 0, minimum=0),
-            "norm_topk_prob": r.bool("norm_topk_prob", True),
-        },
-        linear_attention={
-            "linear_conv_kernel_dim": r.int("linear_conv_kernel_dim"),
-            "linear_key_head_dim": r.int("linear_key_head_dim"),
-            "linear_value_head_dim": r.int("linear_value_head_dim"),
-            "linear_num_key_heads": r.int("linear_num_key_heads"),
-            "linear_num_value_heads": r.int("linear_num_value_heads"),
-        },
+        layout=CheckpointLayout(r.model_type, per_expert=True),
+    )
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        r.int(key)
+    r.int("shared_expert_intermediate_size", 0, minimum=0)
+    r.bool("norm_topk_prob", True)
+    for key in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
+        r.int("linear_" + key)
+    # the modules' arguments (the keys checked above), as from_hf_config / from_config read them
+    c.update(
+        moe=moe_config(r.d) if "moe" in mlp else None,
+        linear_attention=delta_net_config(r.d) if "linear_attention" in lt else None,
     )
     return c
 
@@ -682,6 +836,235 @@ def with_defaults(config: Mapping[str, Any]) -> dict:
     d = dict(_DEFAULTS.get(config.get("model_type"), {}))
     d.update(config)
     return d
+
+
+# -- one module's arguments from a Hugging Face config -------------------------------------------
+# The readers behind MultiHeadLatentAttention.from_config, GatedDeltaNet.from_config and
+# SparseMoeBlock.from_hf_config (and, on a dict the family reader above has checked, behind
+# CausalLM's layers): they read only their module's keys and leave the rest of the config alone.
+
+
+class _Loose:
+    """Reads one module's keys from a config mapping: a missing key names the ``model_type``; a
+    flag is a JSON boolean only."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self.d = config
+        self.model_type = config.get("model_type")
+
+    def get(self, *names, default: Any = KeyError):
+        """The first of ``names`` the config has (not null), else ``default`` (required without one)."""
+        for name in names:
+            if self.d.get(name) is not None:
+                return self.d[name]
+        if default is KeyError:
+            raise ValueError(f"config: model_type {self.model_type!r} needs {' or '.join(map(repr, names))}, missing")
+        return default
+
+    def flag(self, name: str, default: bool) -> bool:
+        """A JSON boolean only ("false" would read as True); null is false, as transformers tests
+        the value's truth, and refused where the default is true."""
+        v = self.d.get(name, default)
+        if v is None and not default:
+            return False
+        if not isinstance(v, bool):
+            raise ValueError(f"config[{name!r}]: expected true or false (a JSON boolean), got {v!r}")
+        return v
+
+
+def latent_config(config: Mapping[str, Any]) -> LatentConfig:
+    """``MultiHeadLatentAttention``'s arguments from a Hugging Face ``DeepseekV3Config`` as a dict.
+
+    Reads ``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``attention_bias``,
+    ``rope_interleave`` and the rotation from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (older), as transformers 5 reads them: a non-empty
+    ``rope_scaling`` takes the place of ``rope_parameters``; ``rope_theta`` and
+    ``max_position_embeddings`` beside the dict fill what it lacks.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a mapping.
+    ValueError
+        A required key is missing; ``num_key_value_heads`` differs from ``num_attention_heads``
+        or ``attention_dropout`` is not 0 (not supported); a flag that is not a JSON boolean.
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a dict (PretrainedConfig.to_dict()), got {type(config).__name__}")
+    need = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+    missing = [k for k in need + ("v_head_dim",) if config.get(k) is None]
+    if missing:
+        raise ValueError(f"config: missing keys {missing}")
+    heads = config["num_attention_heads"]
+    if config.get("num_key_value_heads", heads) not in (None, heads):
+        raise ValueError(
+            f"config: num_key_value_heads={config['num_key_value_heads']} differs from "
+            f"num_attention_heads={heads} (not supported: MLA's keys have one head per query head)"
+        )
+    if config.get("attention_dropout", 0.0):
+        raise ValueError(f"config: attention_dropout={config['attention_dropout']} is not supported (expected 0)")
+    old = config.get("rope_scaling")
+    theta = config.get("rope_theta")
+    scaling = _standardize(
+        old or config.get("rope_parameters") or {},
+        f"config[{'rope_scaling' if old else 'rope_parameters'!r}]",
+        rope_theta=10000.0 if theta is None else theta,
+        partial_rotary_factor=config.get("partial_rotary_factor"),
+        max_position_embeddings=config.get("max_position_embeddings"),
+    )
+    flags = {k: config[k] if k in config else d for k, d in (("attention_bias", False), ("rope_interleave", True))}
+    for k, v in flags.items():  # JSON booleans only ("false" would read as True; null as false)
+        if v is None and k == "attention_bias":
+            flags[k] = False
+        elif not isinstance(v, bool):
+            raise ValueError(f"config[{k!r}]: expected true or false (a JSON boolean), got {v!r}")
+    return LatentConfig(
+        hidden_size=config["hidden_size"],
+        num_heads=heads,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        q_lora_rank=config.get("q_lora_rank"),
+        attention_bias=flags["attention_bias"],
+        rope_theta=scaling.pop("rope_theta"),
+        rope_scaling=scaling,
+        rope_interleave=flags["rope_interleave"],
+    )
+
+
+def delta_net_config(config: Mapping[str, Any]) -> DeltaNetConfig:
+    """``GatedDeltaNet``'s arguments from a Hugging Face ``Qwen3NextConfig`` as a mapping:
+    ``hidden_size`` (required), the ``linear_*`` fields, ``rms_norm_eps`` and ``hidden_act``, each
+    left out meaning transformers' default (``Qwen3NextConfig``'s, which are the module's too).
+
+    Raises
+    ------
+    ValueError
+        No ``hidden_size``.
+    """
+    if "hidden_size" not in config:
+        raise ValueError("config: expected a 'hidden_size' entry")
+    defaults = _DEFAULTS["qwen3_next"]
+    names = [f.name for f in dataclasses.fields(DeltaNetConfig)]
+    return DeltaNetConfig(**{k: config[k] if k in config else defaults[k] for k in names})
+
+
+def _moe_gpt_oss(c: _Loose) -> MoEConfig:
+    # variant "topk_softmax" with a router bias, GptOssExperts, keys router.*, experts.*
+    return MoEConfig(
+        c.get("hidden_size"),
+        c.get("num_local_experts", "num_experts"),
+        c.get("num_experts_per_tok"),
+        c.get("intermediate_size"),
+        router="topk_softmax",
+        router_bias=True,
+        experts="gpt_oss",
+        swiglu_alpha=c.get("swiglu_alpha", default=1.702),
+        swiglu_limit=c.get("swiglu_limit", default=7.0),
+        router_name="router",
+    )
+
+
+def _moe_deepseek_v3(c: _Loose) -> MoEConfig:
+    # sigmoid scores, keys gate.weight, gate.e_score_correction_bias, experts.*, shared_experts.*
+    inter = c.get("moe_intermediate_size")
+    n_shared = c.get("n_shared_experts", default=0)
+    return MoEConfig(
+        c.get("hidden_size"),
+        c.get("n_routed_experts", "num_local_experts"),
+        c.get("num_experts_per_tok"),
+        inter,
+        router="sigmoid",
+        norm_topk_prob=c.flag("norm_topk_prob", True),
+        routed_scaling_factor=c.get("routed_scaling_factor", default=1.0),
+        n_group=c.get("n_group", default=1),
+        topk_group=c.get("topk_group", default=1),
+        hidden_act=c.get("hidden_act", default="silu"),
+        shared_intermediate_size=inter * check_size(n_shared, "n_shared_experts") if n_shared else None,
+        shared_name="shared_experts",
+        experts_first=True,
+    )
+
+
+def _moe_qwen3_next(c: _Loose) -> MoEConfig:
+    # softmax then top-k, keys gate.weight, experts.*, shared_expert.*, shared_expert_gate.weight
+    return MoEConfig(
+        c.get("hidden_size"),
+        c.get("num_experts"),
+        c.get("num_experts_per_tok"),
+        c.get("moe_intermediate_size"),
+        router="softmax_topk",
+        norm_topk_prob=c.flag("norm_topk_prob", True),
+        hidden_act=c.get("hidden_act", default="silu"),
+        shared_intermediate_size=c.get("shared_expert_intermediate_size") or None,  # 0: none
+        shared_expert_gate=bool(c.get("shared_expert_intermediate_size")),
+    )
+
+
+def _moe_qwen3_moe(c: _Loose) -> MoEConfig:
+    # softmax then top-k, keys experts.*, gate.weight
+    return MoEConfig(
+        c.get("hidden_size"),
+        c.get("num_experts", "num_local_experts"),
+        c.get("num_experts_per_tok"),
+        c.get("moe_intermediate_size"),
+        norm_topk_prob=c.flag("norm_topk_prob", False),
+        hidden_act=c.get("hidden_act", default="silu"),
+        experts_first=True,
+    )
+
+
+def _moe_mixtral(c: _Loose) -> MoEConfig:
+    # softmax then top-k, renormalised, keys gate.weight, experts.*
+    jitter = c.get("router_jitter_noise", default=0.0)
+    if jitter:
+        raise ValueError(f"config: router_jitter_noise expected 0 (not supported), got {jitter!r}")
+    return MoEConfig(
+        c.get("hidden_size"),
+        c.get("num_local_experts", "num_experts"),
+        c.get("num_experts_per_tok"),
+        c.get("intermediate_size"),
+        norm_topk_prob=True,
+        hidden_act=c.get("hidden_act", default="silu"),
+    )
+
+
+_MOE_READERS = {
+    "gpt_oss": _moe_gpt_oss,
+    "deepseek_v3": _moe_deepseek_v3,
+    "qwen3_next": _moe_qwen3_next,
+    "qwen3_moe": _moe_qwen3_moe,
+    "mixtral": _moe_mixtral,
+}
+
+
+def moe_config(config) -> MoEConfig:
+    """``SparseMoeBlock``'s arguments for a decoder layer of a Hugging Face model, from its config.
+
+    ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
+    one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"`` (the
+    fields each reads: ``SparseMoeBlock.from_hf_config``).
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a mapping or a config object.
+    ValueError
+        An unsupported ``model_type``, a missing field (named) or a bad value (named).
+    """
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a mapping (a config's to_dict()), got {type(config).__name__}")
+    c = _Loose(config)
+    if not isinstance(c.model_type, str) or c.model_type not in _MOE_READERS:
+        raise ValueError(
+            "config: model_type expected one of 'gpt_oss', 'deepseek_v3', 'qwen3_next', 'qwen3_moe', 'mixtral', "
+            f"got {c.model_type!r}"
+        )
+    return _MOE_READERS[c.model_type](c)
 
 
 # GptOssConfig's rope_parameters when the config has none (its rope_theta read beside it)

@@ -465,8 +465,8 @@ class _Source:
 # each routed expert's projections apart, ``mlp.experts.{e}.{gate,up,down}_proj.weight``; the
 # model holds them fused as transformers 5 does: ``gate_up_proj (E, 2I, H)`` (expert e's gate rows,
 # then its up rows) and ``down_proj (E, H, I)``.  transformers merges them while loading; so do we,
-# each part written straight into its slice of the fused parameter.
-_PER_EXPERT_FAMILIES = ("deepseek_v3", "qwen3_next")
+# each part written straight into its slice of the fused parameter, where the config's
+# ``CheckpointLayout`` says its family's checkpoints may be written so (``per_expert``).
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
@@ -618,7 +618,7 @@ def _check_against_config(src: dict, cfg, tied_copy) -> None:
             wrong = s.mismatch(shape) if isinstance(s, _Merged) else None
             if wrong is None and tuple(s.shape) != shape:
                 wrong = f"state_dict[{key!r}]: expected shape {shape}, got {tuple(s.shape)}"
-    mt = cfg.model_type
+    mt = cfg.layout.family
     if missing:
         more = " and more" if len(missing) == _LISTED else ""
         raise ValueError(f"state_dict: missing key {missing[0]!r} (model_type {mt!r}; missing: {missing}{more})")
@@ -650,7 +650,7 @@ def load_into(cls, state_dict, config, dtype=None):
     bad = [k for k, s in src.items() if not s.is_float]
     if bad:
         raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
-    if cfg.model_type in _PER_EXPERT_FAMILIES:
+    if cfg.layout.per_expert:
         src = _merge_experts(src)
     if dtype is None:
         first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
@@ -674,7 +674,9 @@ def load_into(cls, state_dict, config, dtype=None):
     # the config's shapes (checked above) are the built model's: a disagreement would be npattn's bug,
     # and must never put a tensor in the wrong place
     if entries.keys() != src.keys() or any(tuple(s.shape) != current(k).shape for k, s in src.items()):
-        raise RuntimeError(f"npattn: the {cfg.model_type} model built differs from the shapes its config gives (a bug)")
+        raise RuntimeError(
+            f"npattn: the {cfg.layout.family} model built differs from the shapes its config gives (a bug)"
+        )
     for key, s in src.items():  # everything checked: convert one tensor at a time
         owner, name, is_param = entries[key]
         if is_param:

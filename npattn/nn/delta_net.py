@@ -180,27 +180,19 @@ class GatedDeltaNet(Module):
         self.out_proj = Linear(self.value_dim, self.hidden_size, False, rng=rng, dtype=dt)
         self.reset_kv_cache()
 
-    _CONFIG_FIELDS = (
-        "hidden_size",
-        "linear_num_value_heads",
-        "linear_num_key_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_conv_kernel_dim",
-        "rms_norm_eps",
-        "hidden_act",
-    )
-
     @classmethod
     def from_config(cls, config: Mapping, **kwargs) -> "GatedDeltaNet":
         """A layer from a Hugging Face ``Qwen3NextConfig`` as a mapping (``config.to_dict()``).
 
-        Reads ``hidden_size`` (required) and the ``linear_*`` fields, ``rms_norm_eps``,
-        ``hidden_act`` where present; ``kwargs`` (``chunk_size``, ``rng``, ``dtype``) pass through.
+        A compatibility wrapper: ``npattn.models.configs.delta_net_config(config)`` reads the
+        arguments (a ``DeltaNetConfig``), which are then passed to the constructor, as ``CausalLM``
+        does.  Reads ``hidden_size`` (required) and the ``linear_*`` fields, ``rms_norm_eps``,
+        ``hidden_act`` where present (transformers' defaults, which are the constructor's, where
+        not); ``kwargs`` (``chunk_size``, ``rng``, ``dtype``) pass through.
         """
-        if "hidden_size" not in config:
-            raise ValueError("config: expected a 'hidden_size' entry")
-        return cls(**{k: config[k] for k in cls._CONFIG_FIELDS if k in config}, **kwargs)
+        from ..models.configs import delta_net_config  # models sits above nn: imported when called
+
+        return cls(**delta_net_config(config).kwargs(), **kwargs)
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x, *, use_cache: bool = False) -> np.ndarray:

@@ -55,7 +55,7 @@ from .._validate import (
     to_numpy,
 )
 from ..functional import kernels as K
-from ..functional.rope_scaling import _standardize, check_scaling, resolve_base, rope_softmax_scale
+from ..functional.rope_scaling import check_scaling, resolve_base, rope_softmax_scale
 from .kv_cache import KVCache
 from .layers import Linear, RMSNorm, input_tangent
 from .module import Module, no_grad
@@ -244,7 +244,9 @@ class MultiHeadLatentAttention(Module):
     def from_config(cls, config: Mapping[str, Any], *, rng=None, dtype=np.float64) -> MultiHeadLatentAttention:
         """Build from a Hugging Face ``DeepseekV3Config`` as a dict (``config.to_dict()``).
 
-        Reads ``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
+        A compatibility wrapper: ``npattn.models.configs.latent_config(config)`` reads the
+        arguments (a ``LatentConfig``), which are then passed to the constructor, as ``CausalLM``
+        does.  Reads ``hidden_size``, ``num_attention_heads``, ``q_lora_rank``, ``kv_lora_rank``,
         ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``attention_bias``,
         ``rope_interleave`` and the rotation from ``rope_parameters`` (transformers 5) or
         ``rope_theta`` + ``rope_scaling`` (older); the latent norms get eps ``1e-6`` as in
@@ -258,52 +260,9 @@ class MultiHeadLatentAttention(Module):
             A required key is missing; ``num_key_value_heads`` differs from ``num_attention_heads``
             or ``attention_dropout`` is not 0 (not supported).
         """
-        if not isinstance(config, Mapping):
-            raise TypeError(f"config: expected a dict (PretrainedConfig.to_dict()), got {type(config).__name__}")
-        need = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-        missing = [k for k in need + ("v_head_dim",) if config.get(k) is None]
-        if missing:
-            raise ValueError(f"config: missing keys {missing}")
-        heads = config["num_attention_heads"]
-        if config.get("num_key_value_heads", heads) not in (None, heads):
-            raise ValueError(
-                f"config: num_key_value_heads={config['num_key_value_heads']} differs from "
-                f"num_attention_heads={heads} (not supported: MLA's keys have one head per query head)"
-            )
-        if config.get("attention_dropout", 0.0):
-            raise ValueError(f"config: attention_dropout={config['attention_dropout']} is not supported (expected 0)")
-        # as transformers 5 reads them: a non-empty rope_scaling (the older key) takes the place of
-        # rope_parameters; rope_theta and max_position_embeddings beside the dict fill what it lacks
-        old = config.get("rope_scaling")
-        theta = config.get("rope_theta")
-        scaling = _standardize(
-            old or config.get("rope_parameters") or {},
-            f"config[{'rope_scaling' if old else 'rope_parameters'!r}]",
-            rope_theta=10000.0 if theta is None else theta,
-            partial_rotary_factor=config.get("partial_rotary_factor"),
-            max_position_embeddings=config.get("max_position_embeddings"),
-        )
-        flags = {k: config[k] if k in config else d for k, d in (("attention_bias", False), ("rope_interleave", True))}
-        for k, v in flags.items():  # JSON booleans only ("false" would read as True; null as false)
-            if v is None and k == "attention_bias":
-                flags[k] = False
-            elif not isinstance(v, bool):
-                raise ValueError(f"config[{k!r}]: expected true or false (a JSON boolean), got {v!r}")
-        return cls(
-            config["hidden_size"],
-            heads,
-            kv_lora_rank=config["kv_lora_rank"],
-            qk_nope_head_dim=config["qk_nope_head_dim"],
-            qk_rope_head_dim=config["qk_rope_head_dim"],
-            v_head_dim=config["v_head_dim"],
-            q_lora_rank=config.get("q_lora_rank"),
-            attention_bias=flags["attention_bias"],
-            rope_theta=scaling.pop("rope_theta"),
-            rope_scaling=scaling,
-            rope_interleave=flags["rope_interleave"],
-            rng=rng,
-            dtype=dtype,
-        )
+        from ..models.configs import latent_config  # models sits above nn: imported when called
+
+        return cls(**latent_config(config).kwargs(), rng=rng, dtype=dtype)
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""

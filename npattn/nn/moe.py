@@ -38,7 +38,7 @@ updated by a load-balancing rule outside backprop).
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -974,6 +974,10 @@ class SparseMoeBlock(Module):
           ``hidden_act`` -> ``"softmax_topk"`` renormalised, keys ``gate.weight``, ``experts.*``
           (``router_jitter_noise``, a training-time input noise, must be 0).
 
+        A compatibility wrapper: ``npattn.models.configs.moe_config(config)`` reads the arguments
+        (a ``MoEConfig``; each family's reader lives there), which are then passed to the
+        constructor, as ``CausalLM`` does.
+
         Raises
         ------
         TypeError
@@ -981,91 +985,9 @@ class SparseMoeBlock(Module):
         ValueError
             An unsupported ``model_type``, a missing field (named) or a bad value (named).
         """
-        if hasattr(config, "to_dict") and not isinstance(config, Mapping):
-            config = config.to_dict()
-        if not isinstance(config, Mapping):
-            raise TypeError(f"config: expected a mapping (a config's to_dict()), got {type(config).__name__}")
-        model_type = config.get("model_type")
+        from ..models.configs import moe_config  # models sits above nn: imported when called
 
-        def get(*names, default=KeyError):
-            for name in names:
-                if config.get(name) is not None:
-                    return config[name]
-            if default is KeyError:
-                raise ValueError(f"config: model_type {model_type!r} needs {' or '.join(map(repr, names))}, missing")
-            return default
-
-        def flag(name, default: bool) -> bool:
-            """A JSON boolean only ("false" would read as True); null is false, as transformers tests
-            the value's truth, and refused where the default is true."""
-            v = config.get(name, default)
-            if v is None and not default:
-                return False
-            if not isinstance(v, bool):
-                raise ValueError(f"config[{name!r}]: expected true or false (a JSON boolean), got {v!r}")
-            return v
-
-        kw: dict = dict(rng=rng, dtype=dtype)
-        if model_type == "gpt_oss":
-            args = (
-                get("hidden_size"),
-                get("num_local_experts", "num_experts"),
-                get("num_experts_per_tok"),
-                get("intermediate_size"),
-            )
-            kw.update(
-                router="topk_softmax",
-                router_bias=True,
-                experts="gpt_oss",
-                swiglu_alpha=get("swiglu_alpha", default=1.702),
-                swiglu_limit=get("swiglu_limit", default=7.0),
-                router_name="router",
-            )
-        elif model_type == "deepseek_v3":
-            inter = get("moe_intermediate_size")
-            n_shared = get("n_shared_experts", default=0)
-            args = (get("hidden_size"), get("n_routed_experts", "num_local_experts"), get("num_experts_per_tok"), inter)
-            kw.update(
-                router="sigmoid",
-                norm_topk_prob=flag("norm_topk_prob", True),
-                routed_scaling_factor=get("routed_scaling_factor", default=1.0),
-                n_group=get("n_group", default=1),
-                topk_group=get("topk_group", default=1),
-                hidden_act=get("hidden_act", default="silu"),
-                shared_intermediate_size=inter * check_size(n_shared, "n_shared_experts") if n_shared else None,
-                shared_name="shared_experts",
-                experts_first=True,
-            )
-        elif model_type == "qwen3_next":
-            args = (get("hidden_size"), get("num_experts"), get("num_experts_per_tok"), get("moe_intermediate_size"))
-            kw.update(
-                router="softmax_topk",
-                norm_topk_prob=flag("norm_topk_prob", True),
-                hidden_act=get("hidden_act", default="silu"),
-                shared_intermediate_size=get("shared_expert_intermediate_size") or None,  # 0: none
-                shared_expert_gate=bool(get("shared_expert_intermediate_size")),
-            )
-        elif model_type == "qwen3_moe":
-            experts = get("num_experts", "num_local_experts")
-            args = (get("hidden_size"), experts, get("num_experts_per_tok"), get("moe_intermediate_size"))
-            kw.update(
-                norm_topk_prob=flag("norm_topk_prob", False),
-                hidden_act=get("hidden_act", default="silu"),
-                experts_first=True,
-            )
-        elif model_type == "mixtral":
-            jitter = get("router_jitter_noise", default=0.0)
-            if jitter:
-                raise ValueError(f"config: router_jitter_noise expected 0 (not supported), got {jitter!r}")
-            experts = get("num_local_experts", "num_experts")
-            args = (get("hidden_size"), experts, get("num_experts_per_tok"), get("intermediate_size"))
-            kw.update(norm_topk_prob=True, hidden_act=get("hidden_act", default="silu"))
-        else:
-            raise ValueError(
-                "config: model_type expected one of 'gpt_oss', 'deepseek_v3', 'qwen3_next', 'qwen3_moe', 'mixtral', "
-                f"got {model_type!r}"
-            )
-        return cls(*args, **kw)
+        return cls(**moe_config(config).kwargs(), rng=rng, dtype=dtype)
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
