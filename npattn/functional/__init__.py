@@ -47,6 +47,7 @@ from .delta_rule import (
     rms_norm_gated_jvp,
 )
 from .embedding import embedding, embedding_backward, embedding_backward_jvp, embedding_jvp
+from .kda import kimi_delta_attention, kimi_delta_attention_backward, kimi_delta_attention_jvp
 from .linear import linear, linear_backward, linear_backward_jvp, linear_jvp
 from .loss import cross_entropy, cross_entropy_backward, cross_entropy_backward_jvp, cross_entropy_jvp
 from .memory_efficient import (
@@ -133,6 +134,9 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_backward",
     "gated_delta_rule_jvp",
+    "kimi_delta_attention",
+    "kimi_delta_attention_backward",
+    "kimi_delta_attention_jvp",
     "causal_conv1d",
     "causal_conv1d_backward",
     "causal_conv1d_jvp",

@@ -460,6 +460,28 @@ def gated_delta_rule(
     >>> len(F.gated_delta_rule_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
     6
     """
+    arrays, options = _checked_inputs(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+    )
+    return _gated_delta_rule(*arrays, **options)
+
+
+def _checked_inputs(
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, chunk_size, per_channel=False
+):
+    """The checks of ``gated_delta_rule`` (and, ``per_channel``: ``g`` of q's shape, one log decay
+    per key channel, of ``kda.kimi_delta_attention``), before any arithmetic: ``((q, k, v, g,
+    beta), options)``, the arrays of one float dtype, the options the kernel's keywords (``scale``
+    resolved, ``initial_state`` in that dtype)."""
     # mixed float dtypes: TypeError, as the attention cores (a silent cast would hide float64 inputs)
     q, k, v, g, beta = as_floats_of_one_dtype(("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))
     dtype = q.dtype
@@ -472,30 +494,24 @@ def gated_delta_rule(
         raise ValueError(f"k: expected q's shape {q.shape}, got {k.shape}")
     if v.ndim != q.ndim or v.shape[:-1] != q.shape[:-1] or v.shape[-1] < 1:
         raise ValueError(f"v: expected shape {q.shape[:-1] + ('Dv',)} with Dv >= 1, got {v.shape}")
-    for a, name in ((g, "g"), (beta, "beta")):
-        if a.shape != q.shape[:-1]:
-            raise ValueError(f"{name}: expected shape {q.shape[:-1]} (q's without Dk), got {a.shape}")
+    g_shape = (q.shape, "q's: a log decay per key channel") if per_channel else (q.shape[:-1], "q's without Dk")
+    for a, name, (want, what) in ((g, "g", g_shape), (beta, "beta", (q.shape[:-1], "q's without Dk"))):
+        if a.shape != want:
+            raise ValueError(f"{name}: expected shape {want} ({what}), got {a.shape}")
     scale = 1.0 / math.sqrt(dk) if scale is None else check_positive_float(scale, "scale")
     if initial_state is not None:
         initial_state = as_float(initial_state, "initial_state").astype(dtype, copy=False)
         want = lead + (dk, v.shape[-1])
         if initial_state.shape != want:
             raise ValueError(f"initial_state: expected shape {want} (..., H, Dk, Dv), got {initial_state.shape}")
-    output_final_state = check_bool(output_final_state, "output_final_state")
-    use_qk_l2norm = check_bool(use_qk_l2norm, "use_qk_l2norm")
-    chunk_size = check_size(chunk_size, "chunk_size")
-    return _gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
+    options = dict(
         scale=scale,
         initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size,
+        output_final_state=check_bool(output_final_state, "output_final_state"),
+        use_qk_l2norm=check_bool(use_qk_l2norm, "use_qk_l2norm"),
+        chunk_size=check_size(chunk_size, "chunk_size"),
     )
+    return (q, k, v, g, beta), options
 
 
 def _gated_delta_rule(

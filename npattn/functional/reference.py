@@ -2372,3 +2372,207 @@ __all__ += [
     "moe_experts_backward",
     "moe_experts_jvp",
 ]
+
+
+# == Kimi Delta Attention: the gated delta rule with a decay per channel ============================
+# Kimi Linear's linear-attention layer (transformers' ``KimiLinearDeltaAttention``, its
+# ``recurrent_kimi_delta_attention``; FLA's ``naive_recurrent_kda``): the gated delta rule above,
+# but the log decay of a step is a vector ``g_t (Dk,)``, one number per row of the state ``S (Dk,
+# Dv)``: the memory forgets each key channel at its own rate, ``S <- diag(e^{g_t}) S``.  With
+# ``g_t`` the same in every channel it is ``gated_delta_rule`` exactly.
+
+
+class KimiDeltaAttentionCache(NamedTuple):
+    """What ``kimi_delta_attention_backward`` needs (textbook: every state ``S_0 .. S_{L-1}``)."""
+
+    q: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm) and scaled
+    k: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm)
+    v: np.ndarray  # (B..., H, L, Dv)
+    g: np.ndarray  # (B..., H, L, Dk) log decays, one per key channel
+    beta: np.ndarray  # (B..., H, L) write strengths
+    states: np.ndarray  # (B..., H, L, Dk, Dv) S_{t-1}, the state each step starts from
+    scale: float
+    q_norm: Optional[tuple]  # l2_norm's caches of q and k with use_qk_l2norm, else None
+    k_norm: Optional[tuple]
+    has_initial_state: bool
+    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) S_L with output_final_state, else None
+
+
+def kimi_delta_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[Array] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> Tuple[Array, KimiDeltaAttentionCache]:
+    """Kimi Delta Attention, one step at a time (transformers' ``recurrent_kimi_delta_attention``).
+
+    ``q, k (B..., H, L, Dk)``, ``v (B..., H, L, Dv)``, ``g (B..., H, L, Dk)``, ``beta (B..., H,
+    L)``.  With ``use_qk_l2norm`` q and k first become ``x / sqrt(sum x^2 + 1e-6)``; q is
+    multiplied by ``scale`` (default ``1/sqrt(Dk)``).  From ``S_0 = initial_state`` (zeros if
+    None), each step:
+
+        S <- diag(e^{g_t}) S                  row d of the memory decays by e^{g_td} (g_t <= 0 in Kimi)
+        u_t = beta_t (v_t - S^T k_t)          the delta: what the memory got wrong about v_t, scaled
+        S <- S + k_t u_t^T                    write the correction under key k_t
+        o_t = S^T q_t
+
+    The decay is the only change from ``gated_delta_rule``: there ``e^{g_t}`` is one number, here
+    a diagonal matrix, so a channel of the key space can keep its memory for long while another
+    forgets within a few steps.  Returns ``(o (B..., H, L, Dv), cache)``; ``cache.final_state`` is
+    ``S_L`` when ``output_final_state``.  ``chunk_size`` is the fast tier's (it changes nothing
+    there either): the recurrence has no chunks.
+
+    Examples
+    --------
+    A decay the same in every channel is the gated delta rule:
+
+    >>> import numpy as np
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 5, 3)) for _ in range(3))
+    >>> g, beta = -rng.random((1, 2, 5)), rng.random((1, 2, 5))
+    >>> out, _ = R.kimi_delta_attention(q, k, v, np.repeat(g[..., None], 3, -1), beta, use_qk_l2norm=True)
+    >>> ref, _ = R.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    >>> bool(np.allclose(out, ref, rtol=0, atol=1e-14))
+    True
+    """
+    q_norm = k_norm = None
+    if use_qk_l2norm:
+        q, q_norm = l2_norm(q, 1e-6)
+        k, k_norm = l2_norm(k, 1e-6)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * scale
+    lead, steps = q.shape[:-2], q.shape[-2]
+    S = np.zeros(lead + (k.shape[-1], v.shape[-1]), q.dtype) if initial_state is None else initial_state
+    out = np.zeros(v.shape, q.dtype)
+    states = np.zeros(lead + (steps,) + S.shape[-2:], q.dtype)
+    for t in range(steps):
+        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
+        kt, vt, qt = k[..., t, :], v[..., t, :], q[..., t, :]  # (B..., H, Dk), (B..., H, Dv)
+        S = np.exp(g[..., t, :])[..., :, None] * S  # decay: row d times e^{g_td}
+        u = beta[..., t, None] * (vt - np.einsum("...kv,...k->...v", S, kt))  # the delta, (B..., H, Dv)
+        S = S + kt[..., :, None] * u[..., None, :]  # rank-1 write k_t u_t^T
+        out[..., t, :] = np.einsum("...kv,...k->...v", S, qt)  # read with q_t
+    final = S if output_final_state else None
+    return out, KimiDeltaAttentionCache(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        states=states,
+        scale=scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        has_initial_state=initial_state is not None,
+        final_state=final,
+    )
+
+
+def kimi_delta_attention_backward(
+    dout: Array, cache: KimiDeltaAttentionCache, dfinal_state: Optional[Array] = None
+) -> Tuple[Array, Array, Array, Array, Array, Optional[Array]]:
+    """Backpropagation through time, with ``dS`` the adjoint of the state.
+
+    Step t, starting from ``P = S_{t-1}``, computed ``A = diag(e^{g_t}) P`` (``A_dv = e^{g_td}
+    P_dv``), ``u = beta_t (v_t - A^T k_t)``, ``S_t = A + k_t u^T`` and ``o_t = S_t^T q_t``.  Later
+    steps see ``S_t`` only, so everything after step t reaches it through one matrix ``dS =
+    dL/dS_t`` (``dfinal_state`` at t = L, else 0); walking t = L .. 1 backwards::
+
+        o_t = S_t^T q_t:          dS += q_t do_t^T;          dq_t = S_t do_t
+        S_t = A + k_t u^T:        dA  = dS;                  dk_t = dS u;  du = dS^T k_t
+        u = beta_t (v_t - A^T k_t), with delta = v_t - A^T k_t (so u = beta_t delta):
+                                  dbeta_t = du . delta;      dv_t = beta_t du
+                                  dA -= k_t (beta_t du)^T;   dk_t -= A (beta_t du)
+        A_dv = e^{g_td} P_dv:     dg_td = e^{g_td} sum_v dA_dv P_dv = sum_v dA_dv A_dv  (row d of <dA, A>)
+                                  dS_{t-1} = diag(e^{g_t}) dA
+
+    so ``dS_{t-1} = diag(e^{g_t}) (I - beta_t k_t k_t^T) (dS_t + q_t do_t^T)``: the adjoint runs
+    the same decay-and-erase map, transposed, in reverse time (``diag(e^{g_t})`` is its own
+    transpose); ``dinitial_state = dS_0``.  The scalar rule's ``dg_t = <dA, A>`` is the sum of
+    these rows: a decay shared by the channels gets the sum of their gradients.  Then the chain
+    rule through ``q = scale * l2(q_in)`` and ``k = l2(k_in)``.  Returns ``(dq, dk, dv, dg, dbeta,
+    dinitial_state)``, the last None without an initial state.
+    """
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    states = cache.states  # S_{t-1} of every step
+    steps = q.shape[-2]
+    dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
+    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+    dg, dbeta = np.zeros(g.shape, q.dtype), np.zeros(beta.shape, q.dtype)
+    for t in reversed(range(steps)):
+        kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
+        decay = np.exp(g[..., t, :])[..., :, None]  # (B..., H, Dk, 1) e^{g_t} per row of S
+        A = decay * states[..., t, :, :]  # recomputed from S_{t-1}
+        delta = vt - np.einsum("...kv,...k->...v", A, kt)
+        u = beta[..., t, None] * delta
+        St = A + kt[..., :, None] * u[..., None, :]
+        dS = dS + qt[..., :, None] * do[..., None, :]  # o_t = S_t^T q_t
+        dq[..., t, :] = np.einsum("...kv,...v->...k", St, do)
+        du = np.einsum("...kv,...k->...v", dS, kt)  # S_t = A + k_t u^T
+        dk[..., t, :] = np.einsum("...kv,...v->...k", dS, u)
+        dbeta[..., t] = (du * delta).sum(-1)  # u = beta_t delta
+        dv[..., t, :] = beta[..., t, None] * du
+        bdu = beta[..., t, None] * du
+        dA = dS - kt[..., :, None] * bdu[..., None, :]  # delta = v_t - A^T k_t
+        dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
+        dg[..., t, :] = (dA * A).sum(-1)  # A = diag(e^{g_t}) S_{t-1}: one number per row
+        dS = decay * dA  # dS_{t-1}
+    dq = dq * cache.scale
+    if cache.q_norm is not None and cache.k_norm is not None:
+        dq, dk = l2_norm_backward(dq, cache.q_norm), l2_norm_backward(dk, cache.k_norm)
+    return dq, dk, dv, dg, dbeta, (dS if cache.has_initial_state else None)
+
+
+def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents: Optional[Array]):
+    """Forward mode: the tangent of the outputs along ``(tq, tk, tv, tg, tbeta, tinitial_state)``
+    (the backward's order; None or left out = zero), one step at a time as the forward.
+
+    With ``A = diag(e^{g_t}) P`` (``P = S_{t-1}``), ``delta = v_t - A^T k_t``, ``u = beta_t
+    delta``, ``S_t = A + k_t u^T`` and ``o_t = S_t^T q_t``, the product rule gives
+
+        tA = diag(e^{g_t}) (diag(tg_t) P + tP)     (row d: e^{g_td} (tg_td P_d + tP_d))
+        tdelta = tv_t - tA^T k_t - A^T tk_t;      tu = tbeta_t delta + beta_t tdelta
+        tS_t = tA + tk_t u^T + k_t tu^T;          to_t = tS_t^T q_t + S_t^T tq_t
+
+    (``tq``, ``tk`` first through ``l2_norm``'s JVP and the scale).  Returns ``tout``, or
+    ``(tout, tfinal_state)`` when the forward kept the final state.
+    """
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    states, q_norm, k_norm = cache.states, cache.q_norm, cache.k_norm
+    tq, tk, tv, tg, tbeta, tS = _padded(tangents, 6)
+    zero = np.zeros_like
+    tq = zero(q) if tq is None else cache.scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
+    tk = zero(k) if tk is None else (tk if k_norm is None else l2_norm_jvp(k_norm, tk))
+    tv = zero(v) if tv is None else tv
+    tg = zero(g) if tg is None else tg
+    tbeta = zero(beta) if tbeta is None else tbeta
+    tS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if tS is None else tS
+    tout = np.zeros(v.shape, q.dtype)
+    for t in range(q.shape[-2]):
+        P, decay = states[..., t, :, :], np.exp(g[..., t, :])[..., :, None]
+        kt, qt = k[..., t, :], q[..., t, :]
+        A = decay * P
+        tA = decay * (tg[..., t, :, None] * P + tS)
+        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
+        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
+        u = beta[..., t, None] * delta
+        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
+        S = A + kt[..., :, None] * u[..., None, :]
+        tS = tA + tk[..., t, :, None] * u[..., None, :] + kt[..., :, None] * tu[..., None, :]
+        tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
+    return tout if cache.final_state is None else (tout, tS)
+
+
+__all__ += [
+    "kimi_delta_attention",
+    "kimi_delta_attention_backward",
+    "kimi_delta_attention_jvp",
+]

@@ -1,0 +1,599 @@
+"""Kimi Delta Attention chunk by chunk: the gated delta rule with a decay per key channel.
+
+``kimi_delta_attention`` gives the numbers of the step-by-step recurrence of
+``npattn.functional.reference.kimi_delta_attention`` (to 1e-12 in float64) with work linear in
+``L``: the chunked form of ``gated_delta_rule`` (``delta_rule.py``, whose helpers this file uses),
+with the chunk's decays made per channel.  One head; ``S`` the state entering the chunk, rows
+``i, j = 1..C`` the chunk's steps, ``d`` a key channel; ``q`` already scaled, ``k`` normalised:
+
+    gamma_id = g_1d + ... + g_id        the decay of channel d from the chunk's start (log space)
+    a_id = e^{gamma_id},  b_id = e^{g_{i+1,d} + ... + g_Cd},  Gam_ijd = e^{g_{j+1,d} + ... + g_id}  (j <= i)
+
+The state after step i is ``S_i = diag(a_i) S + sum_{j<=i} diag(Gam_ij) k_j u_j^T``, so step i's
+delta ``u_i = beta_i (v_i - (diag(e^{g_i}) S_{i-1})^T k_i)`` solves
+
+    u_i + sum_{j<i} beta_i (k_i . Gam_ij . k_j) u_j = beta_i v_i - beta_i (a_i * k_i)^T S,
+
+with ``x . Gam_ij . y = sum_d x_d Gam_ijd y_d``: the unit lower-triangular system ``(I + M) U =
+R``, ``M_ij = beta_i (k_i . Gam_ij . k_j)``.  With ``T = (I + M)^{-1}``, ``U = W_v - W_k S``,
+``W_v = T diag(beta) V``, ``W_k = T diag(beta) (A * K)`` (``A`` the ``(C, Dk)`` matrix of the
+``a_id``, ``*`` elementwise), and
+
+    O  = (A * Q) S + P U,      P_ij = q_i . Gam_ij . k_j   (j <= i, else 0)
+    S' = diag(a_C) S + (B * K)^T U.
+
+**The per-channel decay inside a chunk.**  A scalar decay factors out of ``q_i . k_j``
+(``Gam_ij (q_i . k_j)``, one ``(C, C)`` matrix); a per-channel one sits inside the sum over
+channels.  FLA (``fla/ops/gla``, ``fla/ops/kda``) and transformers' ``chunk_kimi_delta_attention``
+factor it as ``e^{gamma_i - gamma_j} = e^{gamma_i} e^{-gamma_j}``: q scaled by ``e^{gamma}``, k by
+``e^{-gamma}``, one matrix product.  After a strong decay that breaks down: ``e^{-gamma_j}``
+overflows (float32: past ``gamma = -88``; one step of ``g = -100`` is enough), and the difference
+``gamma_i - gamma_j`` of two large running sums has lost the weak decays' digits.  FLA's kernels
+cut the chunk into sub-chunks of 16 with a reference step per sub-chunk (two factors each at most 1
+when ``g <= 0``) and compute the diagonal sub-chunks pair by pair.  Here every pair is formed
+directly: ``Gam (C, Dk, C)`` per chunk, each exponent the sum of the decays it spans
+(``delta_rule._segment_sums`` along each channel), as ``gated_delta_rule`` forms its ``(C, C)``
+matrix.  It is exact where the recurrence is (strong decays, ``g = -inf`` resets, decays of either
+sign: no factor is ever larger than the product it stands for), and costs ``C Dk`` numbers and
+exponentials per step: linear in ``L`` as the rest, and of the order of the ``(C, Dk) x (Dk, C)``
+products that a factorisation would save; no step's arithmetic depends on where a strong decay falls.
+The contractions over channels are batched matrix-vector products, and a block of chunks holds
+about ``_BLOCK`` numbers of these ``(C, Dk, C)`` arrays (rows of the batch are split too when one
+chunk of every row would not fit).
+
+Non-finite values: as ``delta_rule``, products with the triangular ``T``, ``P`` skip their zeros
+when the other factor is not finite (``_triangular_matmul``), and the pairwise arrays are masked
+(``np.where``, never multiplied by a zero) above the diagonal, so a NaN or inf at step t reaches what it
+reaches in the recurrence.
+
+Backward and JVP: as ``gated_delta_rule``'s (``_chunked_backward``, ``_chunked_jvp`` beside the
+formulas), the decay gradients per channel: ``dg_ld = sum_{i >= l} a_id da_id`` plus the segment
+sums' adjoint along channel d.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import check_cache, check_grad, check_tangents_as
+from . import delta_rule
+from .delta_rule import (
+    _QK_EPS,
+    L2NormCache,
+    _blocks,
+    _checked_inputs,
+    _exp,
+    _l2_norm,
+    _l2_norm_backward,
+    _l2_norm_jvp,
+    _pad_chunks,
+    _segment_sums,
+    _segment_sums_backward,
+    _triangular_matmul,
+    _unit_lower_inverse,
+)
+
+__all__ = [
+    "kimi_delta_attention",
+    "kimi_delta_attention_backward",
+    "kimi_delta_attention_jvp",
+    "KimiDeltaAttentionCache",
+]
+
+
+class KimiDeltaAttentionCache(NamedTuple):
+    """What ``kimi_delta_attention_backward`` needs: the inputs as used and the chunks' start states."""
+
+    q: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm) and scaled
+    k: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm)
+    v: np.ndarray  # (B..., H, L, Dv)
+    g: np.ndarray  # (B..., H, L, Dk) log decays, one per key channel
+    beta: np.ndarray  # (B..., H, L)
+    states: np.ndarray  # (B..., H, N, Dk, Dv): the state entering each of the N chunks
+    chunk: int  # C, the chunk length used
+    scale: float
+    q_norm: Optional[L2NormCache]  # with use_qk_l2norm
+    k_norm: Optional[L2NormCache]
+    has_initial_state: bool
+    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) with output_final_state, else None
+
+
+def kimi_delta_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[np.ndarray] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+) -> tuple[np.ndarray, KimiDeltaAttentionCache]:
+    """Kimi Delta Attention (Kimi Linear's linear attention), computed chunk by chunk.
+
+    From ``S_0 = initial_state`` (zeros if None), for each step t:
+    ``S = diag(exp(g_t)) S`` (row d of the state times ``exp(g_td)``);
+    ``S = S + k_t (beta_t (v_t - k_t^T S))^T``; ``o_t = q_t^T S`` (the recurrence of
+    ``npattn.functional.reference.kimi_delta_attention`` and of transformers'
+    ``recurrent_kimi_delta_attention``), in chunks of ``chunk_size`` steps (see the module
+    docstring).  Work and memory are linear in ``L``.  With ``g`` the same in every channel
+    (``g[..., None]`` broadcast) this is ``gated_delta_rule``.
+
+    Parameters
+    ----------
+    q, k : ndarray ``(B..., H, L, Dk)``
+    v : ndarray ``(B..., H, L, Dv)``
+    g : ndarray ``(B..., H, L, Dk)``
+        Log decays, one per key channel (``<= 0`` in Kimi Linear: row d of the state is
+        multiplied by ``exp(g_td)``).
+    beta : ndarray ``(B..., H, L)``
+        Write strengths (``sigmoid(b)`` in Kimi Linear).
+    scale : float > 0, optional
+        Multiplies q (after the normalisation); default ``1 / sqrt(Dk)`` (transformers' only choice).
+    initial_state : ndarray ``(B..., H, Dk, Dv)``, optional
+    output_final_state : bool
+        Keep the final state as ``cache.final_state`` (else it is None).
+    use_qk_l2norm : bool
+        Normalise q and k first: ``x / sqrt(sum(x^2) + 1e-6)`` over ``Dk``.
+    chunk_size : int >= 1
+        Steps per chunk (``min(chunk_size, L)`` is used); any value gives the same numbers.
+
+    Returns
+    -------
+    (out, cache)
+        ``out (B..., H, L, Dv)`` in the inputs' float dtype (integer inputs take it; mixed float dtypes raise).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
+        (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
+
+    Examples
+    --------
+    The chunked form gives the textbook recurrence's numbers:
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
+    >>> g, beta = -rng.random((1, 2, 10, 4)), rng.random((1, 2, 10))          # a log decay per channel
+    >>> out, cache = F.kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=4)
+    >>> ref, _ = R.kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True)
+    >>> out.shape, bool(np.allclose(out, ref, rtol=0, atol=1e-10))
+    ((1, 2, 10, 4), True)
+    >>> len(F.kimi_delta_attention_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
+    6
+    """
+    arrays, options = _checked_inputs(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        per_channel=True,
+    )
+    return _kimi_delta_attention(*arrays, **options)
+
+
+def _kimi_delta_attention(
+    q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=64
+):
+    """The kernel of ``kimi_delta_attention`` (arguments checked, one dtype, ``scale`` resolved)."""
+    q_norm = k_norm = None
+    if use_qk_l2norm:
+        q, q_norm = _l2_norm(q, _QK_EPS)
+        k, k_norm = _l2_norm(k, _QK_EPS)
+        q *= scale  # q is l2_norm's fresh output
+    else:
+        q = q * scale
+    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
+    chunk = min(chunk_size, steps)
+    chunks = _chunked(steps, chunk, q, k, v, g, beta)
+    rows, n = chunks[0].shape[:2]
+    s0 = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
+    states = np.empty((rows, n, dk, dv), q.dtype)
+    out = np.empty(chunks[2].shape, q.dtype)
+    final = np.empty((rows, dk, dv), q.dtype)
+    for rs, blocks in _groups(rows, n, chunk, dk):
+        s = s0[rs]
+        for blk in blocks:
+            terms = _chunk_terms(*(x[rs, blk] for x in chunks))
+            states[rs, blk], u, s = _scan(terms, s)
+            out[rs, blk] = terms.qa @ states[rs, blk] + _triangular_matmul(terms.p, u)  # O = (A * Q) S + P U
+        final[rs] = s
+    out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
+    return out, KimiDeltaAttentionCache(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        states=states.reshape(lead + (n, dk, dv)),
+        chunk=chunk,
+        scale=scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        has_initial_state=initial_state is not None,
+        final_state=final.reshape(lead + (dk, dv)) if output_final_state else None,
+    )
+
+
+class _Chunks(NamedTuple):
+    """The state-independent quantities of every chunk (``rows`` = batch x heads, ``N`` chunks)."""
+
+    q: np.ndarray  # (rows, N, C, Dk) scaled q, zero-padded to N * C steps
+    k: np.ndarray  # (rows, N, C, Dk)
+    v: np.ndarray  # (rows, N, C, Dv)
+    beta: np.ndarray  # (rows, N, C)
+    lower: np.ndarray  # (C, 1, C) j <= i, to mask the pairwise arrays
+    a: np.ndarray  # (rows, N, C, Dk) e^{gamma_id}
+    b: np.ndarray  # (rows, N, C, Dk) e^{g_{i+1,d} + ... + g_Cd} = Gam_Cid
+    gam: np.ndarray  # (rows, N, C, Dk, C) [i, d, j] = Gam_ijd = e^{g_{j+1,d} + ... + g_id} for j <= i, 0 above
+    xk: np.ndarray  # (rows, N, C, Dk, C) [i, d, j] = Gam_ijd k_jd (j <= i, 0 above): k_j decayed to step i
+    kk: np.ndarray  # (rows, N, C, C) k_i . Gam_ij . k_j for j < i, 0 on and above the diagonal
+    t: np.ndarray  # (rows, N, C, C) (I + M)^{-1}, M = diag(beta) kk, the UT transform
+    p: np.ndarray  # (rows, N, C, C) q_i . Gam_ij . k_j for j <= i, 0 above
+    qa: np.ndarray  # (rows, N, C, Dk) A * Q
+    ka: np.ndarray  # (rows, N, C, Dk) A * K
+    kb: np.ndarray  # (rows, N, C, Dk) B * K
+    wv: np.ndarray  # (rows, N, C, Dv) T diag(beta) V
+    wk: np.ndarray  # (rows, N, C, Dk) T diag(beta) (A * K)
+
+
+def _groups(rows, n, chunk, dk):
+    """The batch rows in groups, each with its blocks of chunks (``delta_rule._blocks``): a block's
+    ``(rows, chunks, C, Dk, C)`` arrays hold about ``delta_rule._BLOCK`` numbers (one chunk of
+    one row at least), so the time per step does not grow with L and the scratch memory of a call
+    is bounded."""
+    per = max(1, delta_rule._BLOCK // (chunk * chunk * dk))
+    groups = [slice(r, min(r + per, rows)) for r in range(0, rows, per)]
+    return [(rs, _blocks((rs.stop - rs.start) * dk, n, chunk)) for rs in groups]
+
+
+def _chunked(steps, chunk, q, k, v, g, beta):
+    """``q, k, v, g (B..., L, D)`` and ``beta (B..., L)`` as chunks ``(rows, N, C, D)`` and
+    ``(rows, N, C)`` (a padded step has k = q = v = 0, g = beta = 0: it changes nothing)."""
+    vectors = tuple(_pad_chunks(x, steps, chunk) for x in (q, k, v, g))
+    return vectors + (_pad_chunks(beta[..., None], steps, chunk)[..., 0],)
+
+
+def _chunked_inputs(cache: KimiDeltaAttentionCache):
+    """The forward's inputs as used (``q`` scaled, ``q, k`` normalised), in the forward's chunks."""
+    c = cache
+    return _chunked(c.q.shape[-2], c.chunk, c.q, c.k, c.v, c.g, c.beta)
+
+
+def _decayed(gam, lower, x):
+    """``X[i, d, j] = Gam_ijd x_jd`` (``x (..., C, Dk)``: step j's vector decayed to step i), 0 for
+    ``j > i`` by a mask, not by the zero of ``Gam``: no ``0 * inf`` from a later step."""
+    return np.where(lower, gam * x.swapaxes(-1, -2)[..., None, :, :], 0.0)
+
+
+def _decayed_rows(gam, lower, x):
+    """``Y[i, d, j] = Gam_ijd x_id`` (step i's vector with the decay from step j), 0 for ``j > i``."""
+    return np.where(lower, gam * x[..., :, :, None], 0.0)
+
+
+def _pair(x, xs):
+    """``sum_d x_id X[i, d, j]`` for ``x (..., C, Dk)``, ``X (..., C, Dk, C)``: ``(..., C, C)``
+    (one vector-matrix product per step i, batched)."""
+    return (x[..., :, None, :] @ xs)[..., 0, :]
+
+
+def _rows(m, xs):
+    """``sum_j m_ij X[i, d, j]``: ``(..., C, Dk)``."""
+    return (xs @ m[..., :, :, None])[..., 0]
+
+
+def _cols(m, ys):
+    """``sum_i m_ij Y[i, d, j]``, indexed ``[j, d]``: ``(..., C, Dk)``."""
+    return (ys.swapaxes(-1, -3) @ m.swapaxes(-1, -2)[..., :, :, None])[..., 0]
+
+
+def _chunk_terms(q, k, v, g, beta) -> _Chunks:
+    """The state-independent terms of the chunks given (``(rows, n, C, ...)`` arrays).
+
+    Every exponent is the sum of the decays it spans, per channel (``_segment_sums`` along the
+    steps of each channel), never a difference of running sums nor a product of two factors
+    ``e^{gamma_i} e^{-gamma_j}`` (module docstring)."""
+    c = g.shape[-2]
+    lower = np.tril(np.ones((c, c), dtype=bool))[:, None, :]  # [i, ., j]: j <= i
+    seg = _segment_sums(g.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j] = g_{j+1,d} + ... + g_id
+    gam = _exp(np.where(lower, seg, -np.inf))  # masked before exp: 0 above the diagonal
+    a = _exp(np.cumsum(g, axis=-2))  # e^{gamma_id}
+    b = gam[..., -1, :, :].swapaxes(-1, -2)  # Gam_Cjd as [j, d]
+    xk = _decayed(gam, lower, k)
+    kk = np.tril(_pair(k, xk), -1)  # strictly lower: M's support
+    p = np.tril(_pair(q, xk))  # lower triangles only: no value of a later step above the diagonal
+    t = _unit_lower_inverse(beta[..., :, None] * kk)  # M_ij = beta_i (k_i . Gam_ij . k_j), j < i
+    ka = k * a
+    return _Chunks(
+        q=q,
+        k=k,
+        v=v,
+        beta=beta,
+        lower=lower,
+        a=a,
+        b=b,
+        gam=gam,
+        xk=xk,
+        kk=kk,
+        t=t,
+        p=p,
+        qa=q * a,
+        ka=ka,
+        kb=k * b,
+        wv=_triangular_matmul(t, v * beta[..., None]),  # W_v = T diag(beta) V
+        wk=_triangular_matmul(t, ka * beta[..., None]),  # W_k = T diag(beta) (A * K)
+    )
+
+
+def _scan(c: _Chunks, s):
+    """The one sequential part: carry the state through the chunks.  Returns the states entering
+    each chunk ``(rows, N, Dk, Dv)``, the deltas ``U (rows, N, C, Dv)`` and the final state."""
+    n = c.q.shape[1]
+    states = np.empty(s.shape[:1] + (n,) + s.shape[1:], s.dtype)
+    u = np.empty(c.v.shape, s.dtype)
+    decay = c.a[..., -1, :, None]  # (rows, N, Dk, 1) a_C, the whole chunk's decay of each row of S
+    kbt = c.kb.swapaxes(-1, -2)
+    for i in range(n):
+        states[:, i] = s
+        u[:, i] = c.wv[:, i] - c.wk[:, i] @ s  # U = W_v - W_k S
+        s = decay[:, i] * s + kbt[:, i] @ u[:, i]  # S' = diag(a_C) S + (B * K)^T U
+    return states, u, s
+
+
+def kimi_delta_attention_backward(
+    dout: np.ndarray, cache: KimiDeltaAttentionCache, dfinal_state: Optional[np.ndarray] = None
+) -> tuple[Optional[np.ndarray], ...]:
+    """Gradients of ``kimi_delta_attention``, chunk by chunk (derivation beside ``_chunked_backward``).
+
+    Parameters
+    ----------
+    dout : ndarray ``(B..., H, L, Dv)``
+    cache : KimiDeltaAttentionCache
+    dfinal_state : ndarray ``(B..., H, Dk, Dv)``, optional
+        The gradient reaching the final state (e.g. from a later segment); zero if None.
+
+    Returns
+    -------
+    (dq, dk, dv, dg, dbeta, dinitial_state)
+        ``dg`` of g's shape ``(B..., H, L, Dk)``; ``dinitial_state`` is None when the forward had
+        no initial state.
+    """
+    check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_backward")
+    dtype = cache.v.dtype
+    dout = check_grad(dout, cache.v.shape, dtype)
+    if dfinal_state is not None:
+        want = cache.states.shape[:-3] + cache.states.shape[-2:]
+        dfinal_state = check_grad(dfinal_state, want, dtype, "dfinal_state")
+    return _kimi_delta_attention_backward(dout, cache, dfinal_state)
+
+
+def _kimi_delta_attention_backward(dout, cache, dfinal_state=None):
+    q, chunk = cache.q, cache.chunk
+    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], cache.v.shape[-1]
+    chunks = _chunked_inputs(cache)
+    doc = _pad_chunks(dout, steps, chunk)
+    rows, n = chunks[0].shape[:2]
+    s = cache.states.reshape((rows,) + cache.states.shape[-3:])
+    dsf = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
+    ds0 = np.empty((rows, dk, dv), q.dtype)
+    grads = tuple(np.empty(x.shape, q.dtype) for x in chunks)
+    for rs, blocks in _groups(rows, n, chunk, dk):
+        ds = dsf[rs]
+        for blk in reversed(blocks):  # the last block first: the state's adjoint runs backwards
+            terms = _chunk_terms(*(x[rs, blk] for x in chunks))
+            block_grads, ds = _chunked_backward(terms, s[rs, blk], doc[rs, blk], ds)
+            for whole, part in zip(grads, block_grads):
+                whole[rs, blk] = part
+        ds0[rs] = ds
+    dq, dk_, dv_, dg, dbeta = (
+        x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
+    )
+    dq *= cache.scale
+    if cache.q_norm is not None:
+        dq, dk_ = _l2_norm_backward(dq, cache.q_norm), _l2_norm_backward(dk_, cache.k_norm)
+    return dq, dk_, dv_, dg, dbeta, (ds0.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
+
+
+def _chunked_backward(c: _Chunks, s, do, dsf):
+    """Backward of the chunks of a block, all at once but for the state's adjoint.
+
+    The chunk computed (``S`` entering, ``S'`` leaving, ``R = diag(beta) V - diag(beta) (A * K) S``):
+
+        U = T R,   O = (A * Q) S + P U,   S' = diag(a_C) S + (B * K)^T U.
+
+    Given ``dO`` and ``dS'``:
+
+        dU = P^T dO + (B * K) dS'                            (U feeds O and S')
+        dR = T^T dU                                          (U = T R)
+        dS = diag(a_C) dS' + (A * Q)^T dO - W_k^T dU         (W_k = T diag(beta) (A * K))
+
+    the last line is the reverse scan over chunks (``dS'`` of chunk n is ``dS`` of chunk n + 1,
+    ``dfinal_state`` for the last).  Then, with every ``dS'`` known, for all the block's chunks at once:
+
+        from O:   dP = dO U^T (lower);  d(A * Q) = dO S^T, so dQ = A * (dO S^T), dA = Q * (dO S^T);
+                  P_ij = sum_d q_id Gam_ijd k_jd:  dq_id += sum_j dP_ij Gam_ijd k_jd,
+                  dk_jd += sum_i dP_ij Gam_ijd q_id,  dGam_ijd += dP_ij q_id k_jd
+        from S':  d(B * K) = U dS'^T: dK += B * (U dS'^T), dB = K * (U dS'^T);
+                  d a_Cd = sum_v dS'_dv S_dv  (row d of <dS', S>)
+        from U = (I + M)^{-1} R:  dM = -dR U^T (strictly lower), and with D = diag(beta) dM,
+                  M_ij = beta_i sum_d k_id Gam_ijd k_jd:  dbeta_i += sum_j dM_ij (k_i . Gam_ij . k_j),
+                  dk_id += sum_j D_ij Gam_ijd k_jd,  dk_jd += sum_i D_ij Gam_ijd k_id,
+                  dGam_ijd += D_ij k_id k_jd
+        from R:   dV = diag(beta) dR;  dbeta_i += v_i . dR_i - ((a_i * k_i)^T S) . dR_i;
+                  d(A * K) = -diag(beta) dR S^T:  dK += A * that,  dA += K * that
+        decays:   a_id = e^{gamma_id}: dgamma_id = a_id da_id, and dgamma_Cd += a_Cd d a_Cd;
+                  gamma = cumsum(g) along the chunk, so dg_ld = sum_{i >= l} dgamma_id;
+                  Gam_ijd = e^{D_ijd}, D_ijd = g_{j+1,d} + ... + g_id, and b_jd = Gam_Cjd: with
+                  dD = dGam * Gam = Gam_ijd k_jd (dP_ij q_id + D_ij k_id) and dD_Cjd += b_jd db_jd,
+                  dg_ld += sum_{i >= l > j} dD_ijd  (``_segment_sums_backward`` along each channel).
+
+    Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk)``.
+    """
+    n = c.q.shape[1]
+    pt_do = _triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
+    qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (A * Q)^T dO
+    wkt = c.wk.swapaxes(-1, -2)
+    decay = c.a[..., -1, :, None]
+    ds_end = np.empty(s.shape, s.dtype)  # dS' of each chunk
+    ds = dsf
+    for i in reversed(range(n)):
+        ds_end[:, i] = ds
+        ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
+    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
+    du = pt_do + c.kb @ ds_end
+    dr = _triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
+    st = s.swapaxes(-1, -2)
+    # from O
+    dp = np.tril(do @ u.swapaxes(-1, -2))
+    dqa = do @ st  # (rows, N, C, Dk)
+    dq = dqa * c.a + _rows(dp, c.xk)
+    da = c.q * dqa
+    dk = _cols(dp, _decayed_rows(c.gam, c.lower, c.q))
+    # from S'
+    dkb = u @ ds_end.swapaxes(-1, -2)  # (rows, N, C, Dk)
+    dk += dkb * c.b
+    db = c.k * dkb
+    da_end = (ds_end * s).sum(-1)  # (rows, N, Dk)
+    # from U = (I + M)^{-1} R
+    dm = -np.tril(dr @ u.swapaxes(-1, -2), -1)
+    dbeta = (dm * c.kk).sum(-1)
+    d = dm * c.beta[..., :, None]
+    dk += _rows(d, c.xk) + _cols(d, _decayed_rows(c.gam, c.lower, c.k))
+    # from R = diag(beta) V - diag(beta) (A * K) S
+    ks = c.ka @ s  # (rows, N, C, Dv) (a_i * k_i)^T S as rows
+    dv = dr * c.beta[..., None]
+    dbeta += ((c.v - ks) * dr).sum(-1)
+    dka = -(dv @ st)  # d(A * K) = -diag(beta) dR S^T
+    dk += dka * c.a
+    da += dka * c.k
+    # the decays: a = e^{gamma}, gamma = cumsum(g); Gam_ijd = e^{D_ijd}, b_jd = Gam_Cjd, D = _segment_sums(g)
+    dd = np.where(
+        c.lower, c.xk * (dp[..., :, None, :] * c.q[..., :, :, None] + d[..., :, None, :] * c.k[..., :, :, None]), 0
+    )
+    dd[..., -1, :, :] += (db * c.b).swapaxes(-1, -2)
+    dgamma = da * c.a
+    dgamma[..., -1, :] += da_end * c.a[..., -1, :]
+    dg = np.cumsum(dgamma[..., ::-1, :], axis=-2)[..., ::-1, :]
+    dg += _segment_sums_backward(dd.swapaxes(-3, -2)).swapaxes(-1, -2)
+    return (dq, dk, dv, dg, dbeta), ds
+
+
+# ------------------------------------------------------------------------ kimi_delta_attention_jvp
+
+
+def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents):
+    """Forward mode of ``kimi_delta_attention``, chunk by chunk (derivation beside ``_chunked_jvp``).
+
+    Parameters
+    ----------
+    cache : KimiDeltaAttentionCache
+    *tangents : ndarray or None
+        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, the backward's order, each of its input's
+        shape; None or left out: zero (``tinitial_state`` must be None without an initial state).
+
+    Returns
+    -------
+    tout, or (tout, tfinal_state)
+        The latter when the forward kept the final state.
+    """
+    check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_jvp")
+    c = cache
+    state_shape = c.states.shape[:-3] + c.states.shape[-2:]
+    specs = (
+        ("tq", c.q.shape),
+        ("tk", c.k.shape),
+        ("tv", c.v.shape),
+        ("tg", c.g.shape),
+        ("tbeta", c.beta.shape),
+        ("tinitial_state", state_shape, c.has_initial_state),
+    )
+    return _kimi_delta_attention_jvp(c, *check_tangents_as(tangents, "kimi_delta_attention_jvp", c.q.dtype, specs))
+
+
+def _kimi_delta_attention_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
+    c = cache
+    lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
+    zero = np.zeros_like
+    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else _l2_norm_jvp(c.q_norm, tq))
+    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else _l2_norm_jvp(c.k_norm, tk))
+    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
+    chunks = _chunked_inputs(c)
+    tchunks = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
+    rows, n = chunks[0].shape[:2]
+    s = c.states.reshape((rows,) + c.states.shape[-3:])
+    ts0 = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
+    tout = np.empty(chunks[2].shape, c.q.dtype)
+    tfinal = np.empty((rows, dk, dv), c.q.dtype)
+    for rs, blocks in _groups(rows, n, c.chunk, dk):
+        ts = ts0[rs]
+        for blk in blocks:
+            terms = _chunk_terms(*(x[rs, blk] for x in chunks))
+            tout[rs, blk], ts = _chunked_jvp(terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts)
+        tfinal[rs] = ts
+    tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
+    return tout if c.final_state is None else (tout, tfinal.reshape(lead + (dk, dv)))
+
+
+def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
+    """The product rule through one chunk's formulas (module docstring), for a block of chunks
+    at once but for the tangent of the state, carried through the chunks as the state is:
+
+        tA = A * cumsum(tg);  tD = _segment_sums(tg) per channel;  tGam = Gam * tD;  tb_jd = b_jd tD_Cjd
+        tkk_ij = sum_d (tk_id Gam_ijd k_jd + k_id (Gam_ijd tk_jd + tGam_ijd k_jd))      (strictly lower)
+        tM = diag(beta) tkk + diag(tbeta) kk;  tT = -T tM T          (from T (I + M) = I)
+        tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
+        tW_k = tT diag(beta) (A * K) + T (diag(tbeta) (A * K) + diag(beta) (tA * K + A * tK))
+        tP_ij = sum_d (tq_id Gam_ijd k_jd + q_id (Gam_ijd tk_jd + tGam_ijd k_jd))         (lower)
+        tU = tW_v - tW_k S - W_k tS
+        tO = (tA * Q + A * tQ) S + (A * Q) tS + tP U + P tU
+        tS' = diag(ta_C) S + diag(a_C) tS + (tB * K + B * tK)^T U + (B * K)^T tU
+
+    Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
+    ta = c.a * np.cumsum(tg, axis=-2)
+    td = _segment_sums(tg.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j]: the tangents of the exponents
+    tgam = c.gam * td
+    tb = c.b * td[..., -1, :, :].swapaxes(-1, -2)
+    txk = np.where(
+        c.lower, c.gam * tk.swapaxes(-1, -2)[..., None, :, :] + tgam * c.k.swapaxes(-1, -2)[..., None, :, :], 0
+    )
+    tkk = np.tril(_pair(tk, c.xk) + _pair(c.k, txk), -1)
+    tm = c.beta[..., :, None] * tkk + tbeta[..., :, None] * c.kk
+    tt = -_triangular_matmul(_triangular_matmul(c.t, tm), c.t)
+    twv = _triangular_matmul(tt, c.v * c.beta[..., None])
+    twv += _triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
+    tka = ta * c.k + c.a * tk
+    twk = _triangular_matmul(tt, c.ka * c.beta[..., None])
+    twk += _triangular_matmul(c.t, c.ka * tbeta[..., None] + tka * c.beta[..., None])
+    tp = np.tril(_pair(tq, c.xk) + _pair(c.q, txk))
+    tkb = tb * c.k + c.b * tk
+    u = c.wv - c.wk @ s
+    n = c.q.shape[1]
+    tstates = np.empty(s.shape, s.dtype)
+    tu = np.empty(u.shape, u.dtype)
+    decay, tdecay = c.a[..., -1, :, None], ta[..., -1, :, None]
+    for i in range(n):
+        tstates[:, i] = ts
+        tu[:, i] = twv[:, i] - twk[:, i] @ s[:, i] - c.wk[:, i] @ ts
+        ts = (
+            tdecay[:, i] * s[:, i]
+            + decay[:, i] * ts
+            + tkb[:, i].swapaxes(-1, -2) @ u[:, i]
+            + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
+        )
+    tout = (ta * c.q + c.a * tq) @ s + c.qa @ tstates
+    tout += _triangular_matmul(tp, u) + _triangular_matmul(c.p, tu)
+    return tout, ts
