@@ -8,7 +8,8 @@
   accumulated into ``p.grad``.
 * ``npattn.book``: the chapter 3-5 classes of *Build a Large Language Model (From Scratch)*
   (attention classes, ``GPTModel``, ``generate``, GPT-2 weight loading).
-* ``npattn.gradcheck``: central-difference checks of functional pairs and modules.
+* ``npattn.gradcheck``: central-difference checks of functional pairs and modules;
+  ``npattn.gradgradcheck`` checks their second order (``backward_jvp``).
 * ``npattn.masks``: causal, padding and sliding-window masks (True = may attend).
 * ``npattn.optim``: SGD, Adam, AdamW, gradient clipping, a warm-up + cosine schedule.
 * ``npattn.models.TinyTransformer``: a small causal transformer built from the public pieces.
@@ -24,11 +25,13 @@ from . import functional, masks, nn, optim  # noqa: F401
 from .models import TinyTransformer
 from .nn import *  # noqa: F403  (every name of nn.__all__)
 from .testing.gradcheck import GradcheckReport, gradcheck
+from .testing.gradgradcheck import gradgradcheck
 
 __all__ = [
     *nn.__all__,
     "TinyTransformer",
     "gradcheck",
+    "gradgradcheck",
     "GradcheckReport",
     "functional",
     "masks",

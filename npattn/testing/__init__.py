@@ -2,6 +2,8 @@
 
 * ``gradcheck``, ``GradcheckReport``, ``GradcheckRow``, ``numerical_gradient``: central-difference
   checks of functional pairs and modules (numpy only; also ``npattn.gradcheck``).
+* ``gradgradcheck``: the second order (``backward_jvp``) against central differences of the
+  backward, and the Hessian's symmetry (also ``npattn.gradgradcheck``).
 * The hypothesis strategies of npattn's own property tests (``arrays``, ``attention_configs``, ...,
   see ``npattn.testing.strategies``): loaded on first use, so only they need hypothesis.  For
   attention variants: ``windows``, ``alibi_slopes``, ``softcaps``, ``sinks``, ``positions`` (RoPE)
@@ -9,6 +11,7 @@
 """
 
 from .gradcheck import GradcheckError, GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
+from .gradgradcheck import gradgradcheck
 
 _STRATEGIES = (
     "dtypes",
@@ -45,7 +48,15 @@ _STRATEGIES = (
     "rope_scalings",
 )
 
-__all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "GradcheckError", "numerical_gradient", *_STRATEGIES]
+__all__ = [
+    "gradcheck",
+    "gradgradcheck",
+    "GradcheckReport",
+    "GradcheckRow",
+    "GradcheckError",
+    "numerical_gradient",
+    *_STRATEGIES,
+]
 
 
 def __getattr__(name):

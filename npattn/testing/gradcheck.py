@@ -82,7 +82,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..nn.module import Module, no_grad
+from ..nn.module import Module, Parameter, no_grad
 
 __all__ = ["gradcheck", "GradcheckReport", "GradcheckRow", "GradcheckError", "numerical_gradient"]
 
@@ -97,6 +97,16 @@ _U32 = float(np.finfo(np.float32).eps)  # 1.2e-7
 _C32 = 64.0  # safety factor of the float32 comparison, in float32 ulps and input sensitivities
 _RTOL32 = _C32 * _U32  # default relative tolerance of the float32 path against float64 (7.6e-6)
 _MODES = ("rev", "fwd", "both")
+# each row mode: (how the report's title says it, the two numbers compared as where() names them)
+_MODE_TEXT = {
+    "element": ("per element", "analytic", "numerical"),
+    "direction": ("one random direction per tensor", "analytic", "numerical"),
+    "jvp": ("forward mode", "analytic", "numerical"),
+    "transpose": ("<g, Jv> = <J^T g, v>", "<J^T g, v>", "<g, J v>"),
+    "float32": ("float32 against float64", "float32", "float64"),
+    "backward_jvp": ("backward_jvp against central differences of the backward", "backward_jvp", "numerical"),
+    "symmetry": ("<u, Hv> = <Hu, v>", "<u, Hv>", "<Hu, v>"),
+}
 
 
 class GradcheckError(AssertionError):
@@ -203,8 +213,11 @@ class GradcheckRow(_RowFields):
         if self.mode == "float32":  # the output row compares two evaluations, the others a difference
             what = ("float32", "float64" if self.step is None else "float64 numerical")
         else:
-            what = {"transpose": ("<J^T g, v>", "<g, J v>")}.get(self.mode, ("analytic", "numerical"))
+            what = _MODE_TEXT.get(self.mode, ("", "analytic", "numerical"))[1:]
         place = f"{self.name} ({self.mode}) at output{idx}" if self.in_output else f"{self.name}{idx} ({self.mode})"
+        if self.mode == "backward_jvp":  # "dx along x": the index is dx's
+            grad, _, moved = self.name.partition(" along ")
+            place = f"{grad}{idx} along {moved} ({self.mode})"
         text = (
             f"{place}: {what[0]} {self.analytic_value:.6e}, "
             f"{what[1]} {self.numerical_value:.6e}, |difference| {abs(self.analytic_value - self.numerical_value):.3e} "
@@ -249,10 +262,21 @@ class GradcheckReport:
     """
 
     def __init__(
-        self, rows, *, target="", eps=None, rtol=_RTOL, atol=None, analytic=None, numerical=None, dtype="float64"
+        self,
+        rows,
+        *,
+        target="",
+        eps=None,
+        rtol=_RTOL,
+        atol=None,
+        analytic=None,
+        numerical=None,
+        dtype="float64",
+        kind="gradcheck",
     ):
         self.rows: List[GradcheckRow] = list(rows)
         self.target = target
+        self.kind = kind  # the check that made it, the table's first word: "gradcheck", "gradgradcheck"
         self.eps, self.rtol, self.atol = eps, rtol, atol
         self.dtype = dtype
         self.analytic = dict(analytic or {})
@@ -332,21 +356,11 @@ class GradcheckReport:
             return " | ".join(cells).rstrip()
 
         modes = set(self.modes)
-        how = ", ".join(
-            {
-                "element": "per element",
-                "direction": "one random direction per tensor",
-                "jvp": "forward mode",
-                "transpose": "<g, Jv> = <J^T g, v>",
-                "float32": "float32 against float64",
-            }[m]
-            for m in ("element", "direction", "jvp", "transpose", "float32")
-            if m in modes
-        )
+        how = ", ".join(text for m, (text, _, _) in _MODE_TEXT.items() if m in modes)
         eps = "auto" if self.eps is None else f"{self.eps:g}"
         atol = "auto" if self.atol is None else f"{self.atol:g}"
         title = (
-            f"gradcheck {self.target}: {'ok' if self.ok else 'FAILED'} "
+            f"{self.kind} {self.target}: {'ok' if self.ok else 'FAILED'} "
             f"({how}; eps={eps}, rtol={self.rtol:g}, atol={atol})"
         )
         sep = "-+-".join("-" * w for w in widths)
@@ -1032,16 +1046,7 @@ def gradcheck(
     >>> npattn.gradcheck((F.softmax, bad_backward), x).failed
     ['x']
     """
-    _check_tolerances(eps, rtol, atol)
-    if not inputs:
-        raise ValueError("inputs: expected at least one positional input to check, got none")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed: expected a non-negative integer, got {seed!r} ({type(seed).__name__})")
-    if seed < 0:
-        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
-    for flag, value in (("fast", fast), ("raise_exception", raise_exception)):
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{flag}: expected True or False, got {value!r} ({type(value).__name__})")
+    _check_arguments(inputs, seed, eps, rtol, atol, fast=fast, raise_exception=raise_exception)
     if not isinstance(mode, str) or mode not in _MODES:
         raise ValueError(f"mode: expected one of {list(_MODES)}, got {mode!r}")
     dt = _check_dtype_option(dtype)
@@ -1064,13 +1069,35 @@ def gradcheck(
     return report
 
 
+def _companion(forward, suffix: str):
+    """``<forward's name><suffix>`` from the python module that defines ``forward`` (None when absent)."""
+    fname = getattr(forward, "__name__", None)
+    mod = sys.modules.get(getattr(forward, "__module__", None) or "")
+    return getattr(mod, f"{fname}{suffix}", None) if (mod is not None and fname) else None
+
+
+def _refuse_class(target, expected: str) -> None:
+    if isinstance(target, type):
+        raise TypeError(f"target: expected {expected}, got the class {target.__name__} (instantiate it first)")
+
+
+def _check_arguments(inputs, seed, eps, rtol, atol, **flags) -> None:
+    """The checks' common arguments: at least one input, a seed >= 0, tolerances, True/False flags."""
+    _check_tolerances(eps, rtol, atol)
+    if not inputs:
+        raise ValueError("inputs: expected at least one positional input to check, got none")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected a non-negative integer, got {seed!r} ({type(seed).__name__})")
+    if seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+    for flag, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{flag}: expected True or False, got {value!r} ({type(value).__name__})")
+
+
 def _resolve(target, mode):
     """``(make(dtype, inputs, kwargs, opts, g_dtype) -> _Problem, label)`` for any target."""
-    if isinstance(target, type):
-        raise TypeError(
-            f"target: expected a forward function, a (forward, backward) pair or a Module "
-            f"instance, got the class {target.__name__} (instantiate it first)"
-        )
+    _refuse_class(target, "a forward function, a (forward, backward) pair or a Module instance")
     if isinstance(target, Module):
         base = copy.deepcopy(target)
         base.clear_saved()
@@ -1098,14 +1125,13 @@ def _resolve(target, mode):
     elif callable(target):
         forward = target
         fname = getattr(forward, "__name__", None)
-        mod = sys.modules.get(getattr(forward, "__module__", None) or "")
-        backward = getattr(mod, f"{fname}_backward", None) if (mod is not None and fname) else None
+        backward = _companion(forward, "_backward")
         if not callable(backward):
             raise ValueError(
                 f"target: no backward '{fname}_backward' next to {fname!r} in module "
                 f"{getattr(forward, '__module__', None)!r}; pass a (forward, backward) tuple"
             )
-        jvp = getattr(mod, f"{fname}_jvp", None)
+        jvp = _companion(forward, "_jvp")
         if mode != "rev" and not callable(jvp):
             raise ValueError(
                 f"target: mode={mode!r} needs a forward mode and there is no '{fname}_jvp' next to "
@@ -1142,7 +1168,34 @@ def _pair_extra_grads(grads, n_inputs, kw_float, wrt):
     return tuple(grads[:n_inputs]), dict(zip(targets, extra))
 
 
-def _functional_problem(forward, backward, jvp, inputs, kwargs, opts, dtype, g_dtype, jiggle=None):
+class _FunctionalSetup(NamedTuple):
+    """A functional target made ready at its point: ``call()`` runs the forward at the current
+    values of the ``checked`` arrays (copies, perturbed in place) and returns ``(out, cache)``;
+    ``g`` the upstream gradient; ``out`` the first output; ``tensors`` every array with a
+    gradient by name (``checked``: those ``wrt`` names); ``raw`` the backward's results at ``g``
+    by name; ``slots`` each name's position among the backward's ``n_slots`` results (the order
+    in which ``<op>_jvp`` and ``<op>_backward_jvp`` take tangents)."""
+
+    label: str
+    call: Callable[[], tuple]
+    g: np.ndarray
+    out: np.ndarray
+    checked: List[Tuple[str, np.ndarray]]
+    tensors: Dict[str, np.ndarray]
+    raw: Dict[str, np.ndarray]
+    slots: Dict[str, int]
+    n_slots: int
+    dtypes: dict
+
+    def tangents(self, by_name: Dict[str, np.ndarray], dtype) -> List[Optional[np.ndarray]]:
+        """One tangent per backward result, in its order (``None``: zero), from ``{name: tangent}``."""
+        tangents: List[Optional[np.ndarray]] = [None] * self.n_slots
+        for name, t in by_name.items():
+            tangents[self.slots[name]] = np.asarray(t).astype(dtype)
+        return tangents
+
+
+def _functional_setup(forward, backward, inputs, kwargs, opts, dtype, g_dtype, jiggle=None) -> _FunctionalSetup:
     label = getattr(forward, "__name__", "forward")
     inputs = [_prepare_input(x, dtype) for x in inputs]
     if jiggle is not None:
@@ -1203,28 +1256,72 @@ def _functional_problem(forward, backward, jvp, inputs, kwargs, opts, dtype, g_d
     slots.update({k: slot for k, (slot, _) in kw_grads.items()})
     raw = {names[i]: np.asarray(pairs[i][1]) for i in sorted(pairs)}
     raw.update({k: np.asarray(v) for k, (_, v) in kw_grads.items()})
+    tensors = dict(checked)
     if opts.wrt is not None:
         checked = [(n, a) for n, a in checked if n in opts.wrt]
     if not checked:
         raise ValueError(f"{label}: nothing to check: no positional float input")
     dtypes = {"output": out.dtype, **{n: r.dtype for n, r in raw.items()}}
+    return _FunctionalSetup(label, call, g, out, checked, tensors, raw, slots, n_slots, dtypes)
+
+
+def _functional_problem(forward, backward, jvp, inputs, kwargs, opts, dtype, g_dtype, jiggle=None):
+    s = _functional_setup(forward, backward, inputs, kwargs, opts, dtype, g_dtype, jiggle)
 
     def run():
-        return _as_output(call()[0])
+        return _as_output(s.call()[0])
 
     def tangent_of(name, t):
-        _, c = call()  # a fresh cache: the backward may have used the first one's memory
-        tangents: List[Optional[np.ndarray]] = [None] * n_slots
-        tangents[slots[name]] = np.asarray(t).astype(dtype)
-        r = np.asarray(jvp(c, *tangents))
-        dtypes[f"jvp {name}"] = r.dtype
+        _, c = s.call()  # a fresh cache: the backward may have used the first one's memory
+        r = np.asarray(jvp(c, *s.tangents({name: t}, dtype)))
+        s.dtypes[f"jvp {name}"] = r.dtype
         return _as_output(r)
 
-    analytic = {n: np.asarray(r, dtype=np.float64) for n, r in raw.items()}
-    return _Problem(label, run, g, _as_output(out), checked, analytic, tangent_of if jvp else None, dtypes)
+    analytic = {n: np.asarray(r, dtype=np.float64) for n, r in s.raw.items()}
+    return _Problem(s.label, run, s.g, _as_output(s.out), s.checked, analytic, tangent_of if jvp else None, s.dtypes)
 
 
-def _module_problem(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None):
+class _ModuleSetup(NamedTuple):
+    """A module target made ready at its point: ``call()`` runs the forward (keeping its state) at
+    the current values of the ``checked`` arrays (the inputs' copies and the parameters' data,
+    perturbed in place), ``run()`` without gradients; ``g`` the upstream gradient; ``raw_out``
+    the forward's output, ``out`` its float64 copy; ``tensors`` every array with a gradient by
+    name (``checked``: those ``wrt`` names); ``raw`` the backward's results at ``g`` by name
+    (inputs as ``in_names``, parameters by their dotted names, ``params``); ``position`` each
+    input name's place among the forward's positional ``inputs``."""
+
+    label: str
+    m: Module
+    inputs: list
+    in_names: List[str]
+    call: Callable[[], np.ndarray]
+    run: Callable[[], np.ndarray]
+    g: np.ndarray
+    raw_out: np.ndarray
+    out: np.ndarray
+    checked: List[Tuple[str, np.ndarray]]
+    tensors: Dict[str, np.ndarray]
+    raw: Dict[str, np.ndarray]
+    params: Dict[str, Parameter]
+    position: Dict[str, int]
+    dtypes: dict
+
+    def tangents(self, by_name: Dict[str, np.ndarray], dtype) -> Tuple[List[Optional[np.ndarray]], Optional[dict]]:
+        """``{name: tangent}`` as ``Module.jvp`` takes it: one tangent per positional input
+        (``None``: zero, as ``Module.jvp`` promises its ``_jvp``) and the parameters' by name
+        (``None`` when there is none)."""
+        input_tangents: List[Optional[np.ndarray]] = [None] * len(self.inputs)
+        param_tangents = {}
+        for name, t in by_name.items():
+            t = np.asarray(t).astype(dtype)
+            if name in self.params:
+                param_tangents[name] = t
+            else:
+                input_tangents[self.position[name]] = t
+        return input_tangents, (param_tangents or None)
+
+
+def _module_setup(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None) -> _ModuleSetup:
     label = type(m).__name__
     inputs = [_prepare_input(x, dtype) for x in inputs]
     if jiggle is not None:
@@ -1275,31 +1372,34 @@ def _module_problem(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None
             p.data = np.array(p.data, copy=True)
         checked.append((pname, p.data))
         param_names[pname] = p
+    tensors = dict(checked)
     if opts.wrt is not None:
         checked = [(n, a) for n, a in checked if n in opts.wrt]
     if not checked:
         raise ValueError(f"{label}: nothing to check: no float input and no parameter")
     dtypes = {"output": raw_out.dtype, **{n: r.dtype for n, r in raw.items()}}
     position = {in_names[i]: i for i in range(len(inputs))}
+    return _ModuleSetup(
+        label, m, inputs, in_names, call, run, g, raw_out, out, checked, tensors, raw, param_names, position, dtypes
+    )
+
+
+def _module_problem(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None):
+    s = _module_setup(m, inputs, kwargs, opts, dtype, g_dtype, jiggle)
 
     def tangent_of(name, t):
-        t = np.asarray(t).astype(dtype)
+        input_tangents, param_tangents = s.tangents({name: t}, dtype)
         m.clear_saved()
-        call()  # a forward state for jvp (with gradients enabled)
-        try:  # one tangent per positional input, as Module.jvp promises its _jvp (None: zero)
-            tangents: List[Optional[np.ndarray]] = [None] * len(inputs)
-            if name in param_names:
-                r = np.asarray(m.jvp(*tangents, param_tangents={name: t}))
-            else:
-                tangents[position[name]] = t
-                r = np.asarray(m.jvp(*tangents))
+        s.call()  # a forward state for jvp (with gradients enabled)
+        try:
+            r = np.asarray(m.jvp(*input_tangents, param_tangents=param_tangents))
         finally:
             m.clear_saved()
-        dtypes[f"jvp {name}"] = r.dtype
+        s.dtypes[f"jvp {name}"] = r.dtype
         return _as_output(r)
 
-    analytic = {n: np.asarray(r, dtype=np.float64) for n, r in raw.items()}
-    return _Problem(label, run, g, out, checked, analytic, tangent_of, dtypes)
+    analytic = {n: np.asarray(r, dtype=np.float64) for n, r in s.raw.items()}
+    return _Problem(s.label, s.run, s.g, s.out, s.checked, analytic, tangent_of, s.dtypes)
 
 
 def _jiggled(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -1320,10 +1420,12 @@ def _rounding32(r64, moved, opts: _Options):
     return _C32 * np.abs(np.asarray(moved, dtype=np.float64) - r64) + opts.rtol * np.abs(r64) + floor, floor
 
 
-def _renamed(row: GradcheckRow, name: str, note: str) -> GradcheckRow:
-    """``row`` named ``name``, failed with ``note`` when there is one."""
-    extras = {k: getattr(row, k) for k in _ROW_EXTRAS[1:] if k != "note"}
-    return GradcheckRow(name, row.max_abs_err, row.max_rel_err, row.ok and not note, row.mode, note=note, **extras)
+def _renamed(row: GradcheckRow, name: str, note: str = "", **changes) -> GradcheckRow:
+    """``row`` named ``name``, failed with ``note`` when there is one; ``changes`` replace extras
+    (``mode``, ``in_output``, ...)."""
+    extras = {k: getattr(row, k) for k in _ROW_EXTRAS if k != "note"}
+    extras.update(changes)
+    return GradcheckRow(name, row.max_abs_err, row.max_rel_err, row.ok and not note, note=note, **extras)
 
 
 def _dtype_note(got_dtype) -> str:
