@@ -2409,7 +2409,7 @@ def kimi_delta_attention(
     initial_state: Optional[Array] = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> Tuple[Array, KimiDeltaAttentionCache]:
     """Kimi Delta Attention, one step at a time (transformers' ``recurrent_kimi_delta_attention``).
 
