@@ -13,7 +13,10 @@ DeepSeek-V3's and Qwen3-Next's checkpoints keep each routed expert's projections
 (``mlp.experts.{e}.gate_proj.weight`` ...); they are fused while loading, as transformers does.
 
 A bfloat16 is the upper half of a float32 (1 sign, 8 exponent, 7 mantissa bits), so widening is
-exact: ``float32 bits = uint16 bits << 16``.
+exact: ``float32 bits = uint16 bits << 16``.  An ``F8_E4M3`` byte (float8 e4m3fn: 1 sign, 4
+exponent bits of bias 7, 3 mantissa bits, no infinity, ``S.1111.111`` NaN) is widened through a
+table of its 256 values, exact too.  Released quantized checkpoints (MXFP4, block-scaled FP8) are
+dequantized by ``npattn.models.quant`` on top of these tensors.
 
 Loading is lazy: ``open_safetensors`` maps the file and returns ``LazyTensor`` views (nothing is
 read); the model is built without drawing random weights, every key and shape is checked, and
@@ -34,13 +37,21 @@ import numpy as np
 
 from .._validate import check_dtype, to_numpy
 
-__all__ = ["LazyTensor", "open_safetensors", "open_checkpoint", "bf16_to_float32", "save_safetensors"]
+__all__ = [
+    "LazyTensor",
+    "open_safetensors",
+    "open_checkpoint",
+    "bf16_to_float32",
+    "f8_e4m3_to_float32",
+    "save_safetensors",
+]
 
 _ST_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"),  # the bits; widened by bf16_to_float32
+    "F8_E4M3": np.dtype("u1"),  # the bits; widened by f8_e4m3_to_float32
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -48,7 +59,8 @@ _ST_DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
-_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3")
+_BITS_CODES = ("BF16", "F8_E4M3")  # stored as unsigned integers: their bits, widened when read
 # derived buffers some older checkpoints still carry; transformers recomputes them
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # the reference reader's limit on the header (safetensors/src/tensor.rs, MAX_HEADER_SIZE)
@@ -187,6 +199,39 @@ def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _f8_e4m3_table() -> np.ndarray:
+    """The 256 values of float8 e4m3fn (torch's ``float8_e4m3fn``, safetensors' ``F8_E4M3``) by
+    bit pattern: ``(-1)**s * 2**(e - 7) * (1 + m/8)`` for an exponent field ``e`` of 1..15,
+    ``(-1)**s * 2**-6 * (m/8)`` for ``e = 0`` (subnormal; ``0x80`` is -0.0), NaN for
+    ``S.1111.111`` (the format has no infinity: ``S.1111.110`` is 448, the largest), its sign and
+    mantissa bits moved into the float32 NaN as torch's conversion does (``0xFF -> 0xFFF00000``)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 0xF, (b & 0x7).astype(np.float64)
+    magnitude = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0))
+    values = np.where(b & 0x80, -magnitude, magnitude).astype(np.float32)  # every value is exact
+    nan = (b & 0x7F) == 0x7F
+    values.view(np.uint32)[nan] = (b[nan].astype(np.uint32) >> 7 << 31) | 0x7FF00000
+    return values
+
+
+_F8_E4M3 = _f8_e4m3_table()
+
+
+def f8_e4m3_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn values given as their ``uint8`` bit patterns -> float32 (exact, by table)."""
+    return _F8_E4M3[np.asarray(bits, dtype=np.uint8)]
+
+
+def _widened(code: str, raw: np.ndarray) -> np.ndarray:
+    """The values of ``raw``, a tensor's data as stored (``_ST_DTYPES[code]``): bit patterns of
+    bfloat16 and float8 become float32, every other dtype is itself."""
+    if code == "BF16":
+        return bf16_to_float32(raw)
+    if code == "F8_E4M3":
+        return f8_e4m3_to_float32(raw)
+    return raw
+
+
 class LazyTensor:
     """One tensor of a safetensors file: ``name``, ``shape``, ``dtype`` (the file's code, e.g.
     ``"BF16"``); ``numpy(dtype)`` reads and converts it (the file stays mapped, nothing is kept)."""
@@ -201,10 +246,9 @@ class LazyTensor:
         return self._mm.array[self._begin : self._end].view(_ST_DTYPES[self.dtype]).reshape(self.shape)
 
     def numpy(self, dtype=None) -> np.ndarray:
-        """The tensor as a new ndarray of ``dtype`` (default: its own; bfloat16 becomes float32)."""
-        raw = self._raw()
-        arr = bf16_to_float32(raw) if self.dtype == "BF16" else raw
-        out = np.array(arr, dtype=dtype, copy=True)
+        """The tensor as a new ndarray of ``dtype`` (default: its own; bfloat16 and float8 become
+        float32)."""
+        out = np.array(_widened(self.dtype, self._raw()), dtype=dtype, copy=True)
         self._mm.release(self._begin, self._end)
         return out
 
@@ -216,10 +260,8 @@ class LazyTensor:
             bits = out.view(np.uint32)
             bits[...] = raw
             bits <<= 16
-        elif self.dtype == "BF16":
-            out[...] = bf16_to_float32(raw)
         else:
-            out[...] = raw
+            out[...] = _widened(self.dtype, raw)
         self._mm.release(self._begin, self._end)
 
     def __repr__(self):
@@ -294,8 +336,9 @@ def open_safetensors(path) -> dict:
 
 def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) -> None:
     """Write ``{name: ndarray}`` as a safetensors file (float64/32/16 and integer arrays; pass
-    bfloat16 as ``(uint16 bits, "BF16")`` pairs).  For tests and small exports."""
-    codes = {v: k for k, v in _ST_DTYPES.items() if k != "BF16"}
+    bfloat16 as ``(uint16 bits, "BF16")`` pairs and float8 as ``(uint8 bits, "F8_E4M3")``).  For
+    tests and small exports."""
+    codes = {v: k for k, v in _ST_DTYPES.items() if k not in _BITS_CODES}
     header: dict = {}
     blobs = []
     offset = 0
@@ -696,6 +739,11 @@ def load_into(cls, state_dict, config, dtype=None):
 
 
 def from_pretrained(cls, directory, dtype=None):
-    """``CausalLM.from_pretrained``: ``open_checkpoint`` then ``load_into``."""
+    """``CausalLM.from_pretrained``: ``open_checkpoint``, the released quantized formats
+    dequantized (``npattn.models.quant``), then ``load_into``."""
     config, tensors = open_checkpoint(directory)
+    if "quantization_config" in config:
+        from .quant import dequantize_checkpoint
+
+        config, tensors = dequantize_checkpoint(config, tensors, os.fspath(directory))
     return load_into(cls, tensors, config, dtype)
