@@ -14,9 +14,17 @@ Typical training step::
     model.backward(dlogits)                                       # every p.grad filled
     clip_grad_norm_(model, 1.0)
     opt.step()
+
+The module also holds ``TINY_CONFIGS``, the one table of tiny Hugging Face configs of every
+``CausalLM`` family (the tests, the bench, the guides build from it): ``tiny_config(family)`` is a
+fresh copy of one, ``scaled_config(family, hidden=..., layers=..., vocab=...)`` the same options at
+other sizes.
 """
 
 from __future__ import annotations
+
+import copy
+import math
 
 import numpy as np
 
@@ -27,7 +35,7 @@ from ..nn.layers import Embedding, LayerNorm, Linear
 from ..nn.module import Module, no_grad
 from ..nn.transformer import EncoderBlock
 
-__all__ = ["TinyTransformer"]
+__all__ = ["TinyTransformer", "TINY_CONFIGS", "tiny_config", "scaled_config"]
 
 
 class TinyTransformer(Module):
@@ -245,3 +253,154 @@ class TinyTransformer(Module):
             return np.stack(weights)
 
         return self._inference(run)
+
+
+# -- the tiny configs of the CausalLM families ----------------------------------------------------
+_BASE = dict(vocab_size=41, hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2)
+
+#: One tiny Hugging Face config dict per ``CausalLM`` family (``model_type``), each exercising the
+#: family's own options (windows, softcapping, sinks and YaRN, MLA and routed experts, DeltaNet and
+#: a gated shared expert) at width 16 with 2 layers: the table the tests, the bench
+#: (``scaled_config``), the notebooks and the guides build from.  Read it; change a copy
+#: (``tiny_config``).  Adding a family to ``CausalLM`` adds its entry here.
+TINY_CONFIGS: dict = {
+    "llama": dict(_BASE, model_type="llama", num_hidden_layers=2, attention_bias=True, rope_theta=500.0),
+    "qwen3": dict(
+        _BASE,
+        model_type="qwen3",
+        num_hidden_layers=2,
+        head_dim=4,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        tie_word_embeddings=True,
+    ),
+    "gemma3_text": dict(
+        _BASE,
+        model_type="gemma3_text",
+        num_hidden_layers=2,
+        head_dim=4,
+        query_pre_attn_scalar=8,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    ),
+    "gpt_oss": dict(
+        _BASE,
+        model_type="gpt_oss",
+        num_hidden_layers=2,
+        head_dim=4,
+        sliding_window=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 1000.0,
+        },
+    ),
+    "deepseek_v3": dict(
+        _BASE,
+        model_type="deepseek_v3",
+        num_hidden_layers=2,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        moe_intermediate_size=8,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+    ),
+    "qwen3_next": dict(
+        _BASE,
+        model_type="qwen3_next",
+        num_hidden_layers=2,
+        head_dim=4,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=4,
+        linear_value_head_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        partial_rotary_factor=0.5,
+    ),
+}
+
+
+def tiny_config(model_type: str, **changes) -> dict:
+    """A fresh copy of ``TINY_CONFIGS[model_type]`` with ``changes`` (keys of the config).
+
+    Raises
+    ------
+    ValueError
+        ``model_type`` has no tiny config.
+
+    Examples
+    --------
+    >>> from npattn.models import CausalLM
+    >>> from npattn.models.tiny import tiny_config
+    >>> CausalLM(tiny_config("qwen3", num_hidden_layers=3), rng=0).config.layer_types
+    ('full_attention', 'sliding_attention', 'sliding_attention')
+    """
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"model_type: expected one of {list(TINY_CONFIGS)}, got {model_type!r}")
+    return dict(copy.deepcopy(TINY_CONFIGS[model_type]), **changes)
+
+
+# the keys that are widths (features of a head, a projection or an expert): they grow with hidden_size
+_WIDTHS = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "head_dim",
+    "query_pre_attn_scalar",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+
+
+def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> dict:
+    """``TINY_CONFIGS[model_type]``'s options at width ``hidden`` (a multiple of its 16), with
+    ``layers`` layers (an explicit ``layer_types`` repeated) and a ``vocab``-token vocabulary:
+    every width (``_WIDTHS``: heads' features, projections, experts) times ``hidden / 16``, head
+    and expert counts, windows and the rest unchanged.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``model_type`` or a ``hidden`` that is not a multiple of the tiny width.
+    """
+    d = tiny_config(model_type)
+    base = d["hidden_size"]
+    if not isinstance(hidden, int) or hidden < base or hidden % base:
+        raise ValueError(f"hidden: expected a multiple of {base} (the tiny config's width), got {hidden!r}")
+    for key in _WIDTHS:
+        if key in d:
+            d[key] *= hidden // base
+    if "layer_types" in d:
+        d["layer_types"] = (d["layer_types"] * math.ceil(layers / len(d["layer_types"])))[:layers]
+    d.update(num_hidden_layers=layers, vocab_size=vocab)
+    return d

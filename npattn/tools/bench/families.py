@@ -44,82 +44,13 @@ FAMILY_QUICK = dict(hidden=32, layers=2, vocab=64, batch=1, L=8, prompt=4, new_t
 
 
 def family_config(model_type, *, hidden, layers, vocab):
-    """A Hugging Face config dict of ``model_type`` with width ``hidden`` (heads of 32, or ``hidden/4``
-    when smaller), ``layers`` layers and a ``vocab``-token vocabulary, exercising the family's own
-    options (windows, sinks, MLA, experts, DeltaNet)."""
-    hd = min(32, hidden // 4)
-    heads = hidden // hd
-    base = dict(
-        model_type=model_type,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=hd,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=model_type in ("qwen3", "gemma3_text"),
-    )
-    half = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    window = max(4, hidden // 8)
-    if model_type == "qwen3":
-        return base
-    if model_type == "gemma3_text":
-        return dict(
-            base, query_pre_attn_scalar=hd, sliding_window=window, layer_types=half, final_logit_softcapping=30.0
-        )
-    if model_type == "gpt_oss":
-        rope = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=1.5e5)
-        rope["original_max_position_embeddings"] = 64
-        return dict(
-            base,
-            max_position_embeddings=256,  # factor x original, as YaRN's config expects
-            sliding_window=window,
-            layer_types=half,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            rope_parameters=rope,
-        )
-    if model_type == "deepseek_v3":
-        r = max(8, hidden // 4)
-        base.pop("head_dim")  # DeepSeek-V3's head_dim is its qk_rope_head_dim
-        return dict(
-            base,
-            num_key_value_heads=heads,
-            first_k_dense_replace=1,
-            moe_intermediate_size=hidden // 2,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            q_lora_rank=2 * r,
-            kv_lora_rank=r,
-            qk_nope_head_dim=hd,
-            qk_rope_head_dim=max(4, hd // 2),
-            v_head_dim=hd,
-        )
-    if model_type == "qwen3_next":
-        return dict(
-            base,
-            # one full-attention layer in four, the last one full (transformers' cache needs one)
-            layer_types=[
-                "full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention" for i in range(layers)
-            ],
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=hd,
-            linear_value_head_dim=hd,
-            linear_num_key_heads=max(1, heads // 2),
-            linear_num_value_heads=heads,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=hidden // 2,
-            shared_expert_intermediate_size=hidden // 2,
-        )
-    return dict(base, rope_theta=5e5)  # llama
+    """A Hugging Face config dict of ``model_type`` with width ``hidden`` (a multiple of 16),
+    ``layers`` layers and a ``vocab``-token vocabulary: the family's tiny config of
+    ``npattn.models.tiny.TINY_CONFIGS`` (the one table the tests use too), exercising the family's
+    own options (windows, sinks, MLA, experts, DeltaNet), at these sizes (``scaled_config``)."""
+    from ...models.tiny import scaled_config
+
+    return scaled_config(model_type, hidden=hidden, layers=layers, vocab=vocab)
 
 
 def _npattn_model(model_type, dtype, sizes):
