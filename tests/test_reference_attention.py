@@ -263,6 +263,23 @@ def test_memory_efficient_equals_plain(opts, block):
         np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-12)
 
 
+def test_memory_efficient_takes_a_mask_broadcast_over_the_keys():
+    """A float mask of shape ``(Lq, 1)`` (one bias per query, broadcast over the keys) with key
+    blocks after the first: every block reads the whole size-1 axis (it was sliced to nothing)."""
+    rng = np.random.default_rng(8)
+    q, k, v = _qkv(rng, lq=4, lk=5)
+    mask = rng.standard_normal((4, 1))
+    o1, c1 = R.scaled_dot_product_attention(q, k, v, mask, mask_grad=True)
+    o2, c2 = R.memory_efficient_attention(q, k, v, mask, block_size=2, mask_grad=True)
+    np.testing.assert_allclose(o2, o1, rtol=1e-12, atol=1e-13)
+    dout = rng.standard_normal(o1.shape)
+    for a, b in zip(R.scaled_dot_product_attention_backward(dout, c1), R.memory_efficient_attention_backward(dout, c2)):
+        np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-12)
+    tangents = [rng.standard_normal(a.shape) for a in (q, k, v, mask)]
+    t1 = R.scaled_dot_product_attention_jvp(c1, *tangents)
+    np.testing.assert_allclose(R.memory_efficient_attention_jvp(c2, *tangents), t1, rtol=1e-11, atol=1e-12)
+
+
 def test_memory_efficient_dropout_uses_the_counter_based_mask():
     """One seed drawn per call, the keep-mask of the whole score shape from ``keep_mask``."""
     rng = np.random.default_rng(7)

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
-from ._blocks import gqa_groups
+from ._blocks import AttentionOptions, gqa_groups
 from ._erf import erf
 from ._random import draw_seed, keep_mask
 
@@ -53,45 +53,198 @@ def _padded(tangents, n):
 # notebooks/02_masks_and_dropout.ipynb (masks, fully masked rows, dropout),
 # notebooks/03_multi_head_attention.ipynb, section "Grouped-query attention",
 # notebooks/08_modern_attention.ipynb (the attention options: causal_align, window, ALiBi, softcap, sinks).
+#
+# The plain core is four lines: s = scale q k^T, P = softmax(s), P' = dropout(P), out = P' v.  Each
+# option is one small step below, with its derivative beside it, and the core calls them in order:
+#
+#     s = _raw_scores          the scores                    ds -> dq, dk (a matrix product)
+#     c = _softcap(s)          softcap                       dc/ds = 1 - tanh^2
+#     visible = _band(...)     causal, causal_align, window  hides pairs: no derivative
+#     z = c + _alibi(...)      ALiBi                         a constant: no derivative
+#     z, visible = _mask(...)  bool / float attn_mask        dz/dM = 1 (mask_grad)
+#     P = _softmax_with_sink   softmax, with the sink        the sink is one more logit
+#     P' = _dropped(P)         dropout                       the same mask both ways
+#     kr = _repeat_kv(k)       grouped-query heads           a copy: its gradient adds up
+#
+# The options are read by name from one ``AttentionOptions`` (``_blocks``, the fast tier's checked
+# object too), held by the cache.
 
 
-def _scores(q, kr, scale, attn_mask, is_causal, causal_align, window, alibi_slopes, softcap, cols=slice(None)):
-    """The logits the softmax sees, for the keys ``cols`` (all of them by default):
-    ``z = softcap(scale q k^T) + alibi + float mask``, ``-inf`` where a query may not look.
+# -- the scores ------------------------------------------------------------------------------------------
+def _raw_scores(q, kr, scale, cols=slice(None)):
+    """``s = scale q kr^T`` for the keys ``cols``: ``q (B..., H, Lq, E)``, ``kr (B..., H, Lk, E)``
+    -> ``(B..., H, Lq, n)`` (batch dims broadcast).  A matrix product: its gradient is
+    ``dq = scale ds kr``, ``dkr = scale ds^T q``, its tangent ``ts = scale (tq kr^T + q tkr^T)``."""
+    return scale * (q @ kr[..., cols, :].swapaxes(-1, -2))
 
-    ``q (B..., H, Lq, E)``, ``kr (B..., H, Lk, E)`` (kv heads already repeated for GQA).
-    Returns ``(z (B..., H, Lq, n), tanh(s / softcap) or None)``, ``n`` the number of keys in ``cols``.
+
+def _score_tangent(q, kr, tq, tkr, scale, cols=slice(None)):
+    """``ts = scale (tq kr^T + q tkr^T)`` (the product rule on ``_raw_scores``), or None when
+    neither ``q`` nor ``k`` moves."""
+    ts = None
+    if tq is not None:
+        ts = scale * (tq @ kr[..., cols, :].swapaxes(-1, -2))
+    if tkr is not None:
+        part = scale * (q @ tkr[..., cols, :].swapaxes(-1, -2))
+        ts = part if ts is None else ts + part
+    return ts
+
+
+# -- option: softcap ---------------------------------------------------------------------------------
+def _softcap(s, softcap):
+    """Gemma 2's cap on the raw scores, before masks and biases: ``c = softcap tanh(s / softcap)``.
+    Returns ``(c, T)`` with ``T = tanh(s / softcap)`` (kept: the derivatives need it), or
+    ``(s, None)`` without softcap.
+
+        dc/ds = softcap (1 / softcap) (1 - T^2) = 1 - T^2        (elementwise: its own transpose)
+        d(1 - T^2) = -2 T dT = -2 T (1 - T^2) ds / softcap       (the second order's extra term)
     """
-    lq, lk = q.shape[-2], kr.shape[-2]
-    s = scale * (q @ kr[..., cols, :].swapaxes(-1, -2))  # (B..., H, Lq, n): batch dims broadcast
-    t = None
-    if softcap is not None:  # -- option: softcap (before masks and biases)
-        t = np.tanh(s / softcap)
-        s = softcap * t
-    # positions: query i sits at i (top-left) or i + Lk - Lq (bottom-right, KV-cache decoding); key j at j
-    pos = np.arange(lq)[:, None] + (lk - lq if causal_align == "bottom_right" else 0)  # (Lq, 1)
-    key = np.arange(lk)[None, cols]  # (1, n)
-    visible = np.ones((lq, key.shape[1]), dtype=bool)
+    if softcap is None:
+        return s, None
+    t = np.tanh(s / softcap)
+    return softcap * t, t
+
+
+# -- option: causal_align, is_causal, window ---------------------------------------------------------
+def _positions(lq, lk, causal_align, cols=slice(None)):
+    """Query ``i`` sits at position ``p = i`` (``"top_left"``) or ``i + Lk - Lq`` (``"bottom_right"``,
+    KV-cache decoding), key ``j`` at ``j``: ``(p (Lq, 1), j (1, n))`` for the keys ``cols``.  The
+    same positions serve causality, the window and ALiBi."""
+    pos = np.arange(lq)[:, None] + (lk - lq if causal_align == "bottom_right" else 0)
+    return pos, np.arange(lk)[None, cols]
+
+
+def _band(pos, key, is_causal, window):
+    """``(Lq, n)`` bool, the pairs the band leaves visible: causal ``j <= p``; the window
+    ``p - left <= j <= p + right`` (``-1``: unbounded on that side).  A hidden pair's logit is
+    ``-inf``, its weight ``P = 0``: it has no gradient and no tangent of its own (every derivative
+    below is multiplied by ``P``)."""
+    visible = np.ones((pos.shape[0], key.shape[1]), dtype=bool)
     if is_causal:
         visible &= key <= pos
-    if window is not None:  # -- option: sliding window, p - left <= j <= p + right (-1: unbounded)
+    if window is not None:
         left, right = window
         if left >= 0:
             visible &= key >= pos - left
         if right >= 0:
             visible &= key <= pos + right
-    if alibi_slopes is not None:  # -- option: ALiBi, -slope_h |p - j|
-        slopes = np.asarray(alibi_slopes, dtype=s.dtype)[..., None, None]  # (B..., H, 1, 1)
-        s = s - slopes * np.abs(pos - key).astype(s.dtype)
-    if attn_mask is not None:
-        mask = np.asarray(attn_mask)[..., cols]
-        if mask.dtype == bool:  # True = may attend
-            visible = visible & mask
-        else:  # float: added to the scores
-            s = s + mask.astype(s.dtype)
-    return np.where(visible, s, -np.inf).astype(s.dtype), t
+    return visible
 
 
+# -- option: ALiBi -----------------------------------------------------------------------------------
+def _alibi(slopes, pos, key, dtype):
+    """``-slope_h |p - j|``, ``(B..., H, Lq, n)``: a bias of the positions only, so a constant of
+    q, k, v: no gradient and no tangent (it moves ``P`` through the softmax, nothing else)."""
+    slopes = np.asarray(slopes, dtype=dtype)[..., None, None]  # (B..., H, 1, 1)
+    return -(slopes * np.abs(pos - key).astype(dtype))
+
+
+# -- option: attn_mask (bool or float), mask_grad -----------------------------------------------------
+def _mask(c, visible, attn_mask, cols=slice(None)):
+    """A bool mask hides pairs (True = may attend): ``visible &= mask``, no derivative.  A float
+    mask ``M`` is added, ``z = c + M``: ``dz/dM = 1``, so with ``mask_grad`` its gradient is
+    ``dz`` summed to ``M``'s shape (``_sum_to``) and its tangent enters as ``tz += tM``.
+    Returns ``(z, visible)``."""
+    if attn_mask is None:
+        return c, visible
+    mask = np.asarray(_mask_cols(attn_mask, cols))
+    if mask.dtype == bool:
+        return c, visible & mask
+    return c + mask.astype(c.dtype), visible
+
+
+def _mask_grad_shape(attn_mask, opts):
+    """The float mask's shape when its gradient is asked for (``mask_grad``), else None."""
+    return np.shape(attn_mask) if opts.mask_grad and attn_mask is not None else None
+
+
+def _logits(q, kr, scale, attn_mask, is_causal, opts, cols=slice(None)):
+    """The logits the softmax sees, for the keys ``cols`` (all of them by default), each option one
+    step: ``z = softcap(scale q k^T) + alibi + float mask``, ``-inf`` where the band or a bool mask
+    hides the pair.  ``opts`` is the ``AttentionOptions``.  Returns ``(z (B..., H, Lq, n), T)``,
+    ``T = tanh(s / softcap)`` (None without softcap)."""
+    c, t = _softcap(_raw_scores(q, kr, scale, cols), opts.softcap)
+    pos, key = _positions(q.shape[-2], kr.shape[-2], opts.causal_align, cols)
+    visible = _band(pos, key, is_causal, opts.window)
+    if opts.alibi_slopes is not None:
+        c = c + _alibi(opts.alibi_slopes, pos, key, c.dtype)
+    z, visible = _mask(c, visible, attn_mask, cols)
+    return np.where(visible, z, -np.inf).astype(z.dtype), t
+
+
+def _logit_tangent(ts, t, tmask):
+    """The tangent of the logits ``z = softcap(s) + alibi + mask`` from ``ts``, the scores' tangent
+    (``_score_tangent``), or None when nothing moves them:
+
+        c = softcap tanh(s / softcap)  tc = (1 - T^2) ts
+        z = c + alibi + mask           tz = tc + tmask        (ALiBi is a constant)
+
+    ``-inf`` entries (hidden keys) get a finite tangent: their weight ``P`` is 0, and every use of
+    ``tz`` is multiplied by ``P``.
+    """
+    if ts is not None and t is not None:  # -- option: softcap
+        ts = ts * (1.0 - t * t)
+    if tmask is not None:  # -- option: mask_grad, the float mask's own tangent
+        ts = tmask if ts is None else ts + tmask
+    return ts
+
+
+# -- the softmax, option: sinks ------------------------------------------------------------------------
+def _softmax_with_sink(z, sinks):
+    """``P = softmax(z)`` over the keys, shifted by the row max; with ``sinks`` one more logit
+    ``sink_h`` per head joins every row (a key of value 0).  Returns ``(P, P_sink)``
+    (``P_sink (B..., H, Lq, 1)`` the weight the sink took, None without sinks).
+
+    A row that may attend to no key has max ``-inf``: it is shifted by 0, all ``e = 0``, its
+    total becomes 1, so ``P = 0`` and ``out = 0``, never NaN.  The sink is key "0" of an extended
+    softmax: its gradient is the softmax's ``dz = P (dP - D)`` for that column with ``dP_sink = 0``
+    (value 0), i.e. ``-P_sink D`` (``_sink_grad``); its tangent enters the softmax's mean.
+    """
+    m = z.max(axis=-1, keepdims=True, initial=-np.inf)  # (B..., H, Lq, 1)
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=z.dtype)[:, None, None]  # (H, 1, 1)
+        m = np.maximum(m, sink)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m)  # (B..., H, Lq, Lk)
+    total = e.sum(axis=-1, keepdims=True)
+    e_sink = None
+    if sink is not None:
+        e_sink = np.exp(sink - m)
+        total = total + e_sink
+    total = np.where(total == 0, 1.0, total)  # no key at all: P = 0, so out = 0
+    return e / total, None if e_sink is None else e_sink / total
+
+
+def _sink_grad(p_sink, d, sinks):
+    """``dsink_h = sum over every row (and batch) of head h of P_sink (0 - D)``: the softmax's
+    backward for the sink's column, whose value is 0 (``dP_sink = 0``)."""
+    return _sum_to(-p_sink * d, (len(sinks), 1, 1)).reshape(-1)
+
+
+# -- option: dropout -----------------------------------------------------------------------------------
+def _dropout_keep(shape, dropout_p, rng):
+    """The keep-mask ``rng.random(shape) >= p`` and the factor ``1 / (1 - p)`` (0 for ``p = 1``);
+    ``(None, 1.0)`` without dropout."""
+    if dropout_p <= 0.0:
+        return None, 1.0
+    keep = np.random.default_rng(rng).random(shape) >= dropout_p
+    return keep, 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
+
+
+def _dropped(a, keep, drop_scale):
+    """``a * keep / (1 - p)``: inverted dropout with a fixed mask, linear and diagonal in ``a``, so
+    the backward (``dP = dP' keep / (1 - p)``) and the tangent (``tP' = tP keep / (1 - p)``) apply
+    the forward's own mask the same way."""
+    return a if keep is None else a * keep * drop_scale
+
+
+# -- option: grouped-query heads -----------------------------------------------------------------------
+# Query head h reads kv head h // G, G = Hq / Hk counted by ``_blocks.gqa_groups`` (the one formula
+# of every core).  The textbook tier repeats k and v explicitly (np.repeat) rather than folding the
+# query heads beside their kv head (``_blocks.fold_heads``, the fast tier's no-copy view): after the
+# repeat every head is plain attention, and the gradient of a copy, "add the copies back", is one
+# reshape and sum (``_unrepeat``) that a reader can check against the forward by eye.
 def _gqa_groups(q, k, v, enable_gqa):
     """G, the number of query heads per kv head: query head h uses kv head h // G (``Hq / Hk``
     with ``enable_gqa``, else 1; the one formula of every attention core, ``_blocks.gqa_groups``)."""
@@ -118,6 +271,15 @@ def _unrepeat(dx_rep, shape, groups):
     return d
 
 
+def _attention_tangents(tangents, mask_grad, has_sinks):
+    """``(tq, tk, tv, tmask, tsinks)`` from the tangents given in the backward's order (``tmask``
+    only with ``mask_grad``, ``tsinks`` only with sinks); the missing ones None."""
+    tq, tk, tv, *rest = _padded(tangents, 3 + mask_grad + has_sinks)
+    tmask = rest.pop(0) if mask_grad else None
+    tsinks = rest.pop(0) if has_sinks else None
+    return tq, tk, tv, tmask, tsinks
+
+
 class AttentionCache(NamedTuple):
     """What ``scaled_dot_product_attention_backward`` needs (textbook: the whole weight matrix)."""
 
@@ -129,14 +291,20 @@ class AttentionCache(NamedTuple):
     drop_scale: float  # 1 / (1 - p)
     scale: float
     groups: int
+    attn_mask: Optional[np.ndarray]  # as given
+    options: AttentionOptions  # causal_align, window, alibi_slopes, softcap, sinks, mask_grad
     tanh: Optional[np.ndarray]  # softcap's tanh(s / softcap), or None
     p_sink: Optional[np.ndarray]  # (B..., Hq, Lq, 1) the weight the sink took, or None
-    mask_shape: Optional[tuple]  # the float mask's shape when mask_grad, else None
 
     @property
     def weights(self) -> np.ndarray:
         """The attention weights ``P``, ``(B..., Hq, Lq, Lk)`` (before dropout; 0 where not visible)."""
         return self.p
+
+    @property
+    def mask_shape(self) -> Optional[tuple]:
+        """The float mask's shape with ``mask_grad`` (the backward then returns ``dmask``), else None."""
+        return _mask_grad_shape(self.attn_mask, self.options)
 
 
 def scaled_dot_product_attention(
@@ -176,32 +344,15 @@ def scaled_dot_product_attention(
     >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
     True
     """
+    opts = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
     g = _gqa_groups(q, k, v, enable_gqa)
     kr, vr = _repeat_kv(k, v, g)  # (B..., Hq, Lk, E): head h reads kv head h // G
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    z, t = _scores(q, kr, scale, attn_mask, is_causal, causal_align, window, alibi_slopes, softcap)
-    # softmax over the keys, shifted by the row max (a fully masked row: max = -inf, use 0, all e = 0)
-    m = z.max(axis=-1, keepdims=True, initial=-np.inf)  # (B..., Hq, Lq, 1)
-    if sinks is not None:  # -- option: sinks, one more logit per head in every row's softmax
-        sink = np.asarray(sinks, dtype=z.dtype)[:, None, None]  # (Hq, 1, 1)
-        m = np.maximum(m, sink)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(z - m)  # (B..., Hq, Lq, Lk)
-    total = e.sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
-    if sinks is not None:
-        e_sink = np.exp(sink - m)
-        total = total + e_sink
-    total = np.where(total == 0, 1.0, total)  # no key at all: P = 0, so out = 0
-    p = e / total  # (B..., Hq, Lq, Lk)
-    p_sink = e_sink / total if sinks is not None else None
-    keep, drop_scale = None, 1.0
-    if dropout_p > 0.0:  # inverted dropout on the weights: P' = P * keep / (1 - p)
-        keep = np.random.default_rng(rng).random(p.shape) >= dropout_p
-        drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-    pd = p if keep is None else p * keep * drop_scale
-    out = pd @ vr  # (B..., Hq, Lq, Ev)
-    mask_shape = np.shape(attn_mask) if mask_grad and attn_mask is not None else None
-    return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, t, p_sink, mask_shape)
+    z, t = _logits(q, kr, scale, attn_mask, is_causal, opts)  # (B..., Hq, Lq, Lk)
+    p, p_sink = _softmax_with_sink(z, opts.sinks)
+    keep, drop_scale = _dropout_keep(p.shape, dropout_p, rng)
+    out = _dropped(p, keep, drop_scale) @ vr  # (B..., Hq, Lq, Ev)
+    return out, AttentionCache(q, k, v, p, keep, drop_scale, scale, g, attn_mask, opts, t, p_sink)
 
 
 def scaled_dot_product_attention_backward(dout: Array, cache: AttentionCache) -> Tuple[Array, ...]:
@@ -214,66 +365,30 @@ def scaled_dot_product_attention_backward(dout: Array, cache: AttentionCache) ->
     (notebooks/04_gradients_by_hand.ipynb, section "3. Attention: O = softmax(s QK^T + M) V";
     the options in notebooks/08_modern_attention.ipynb.)
     """
-    q, k, v, p, keep, drop_scale = cache.q, cache.k, cache.v, cache.p, cache.keep, cache.drop_scale
-    scale, g, t, p_sink, mask_shape = cache.scale, cache.groups, cache.tanh, cache.p_sink, cache.mask_shape
+    q, k, v, p, g, t, opts = cache.q, cache.k, cache.v, cache.p, cache.groups, cache.tanh, cache.options
     kr, vr = _repeat_kv(k, v, g)
     # out = P' vr, a matrix product:  dvr = P'^T dout  and  dP' = dout vr^T
-    pd = p if keep is None else p * keep * drop_scale
-    dvr = pd.swapaxes(-1, -2) @ dout  # (B..., Hq, Lk, Ev)
+    dvr = _dropped(p, cache.keep, cache.drop_scale).swapaxes(-1, -2) @ dout  # (B..., Hq, Lk, Ev)
     dpd = dout @ vr.swapaxes(-1, -2)  # (B..., Hq, Lq, Lk)
     # P' = P * keep / (1 - p) is elementwise in P:  dP = dP' * keep / (1 - p)
-    dp = dpd if keep is None else dpd * keep * drop_scale
+    dp = _dropped(dpd, cache.keep, cache.drop_scale)
     # P = softmax(z) along each row: dP_ij/dz_il = P_ij (delta_jl - P_il), so
     # dz = P * (dP - D) with D_i = sum_j dP_ij P_ij (a masked entry has P = 0: its dz is 0)
     d = (dp * p).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
     dz = p * (dp - d)
-    # z = s_capped + alibi + mask: the additive parts pass dz through unchanged
-    # s_capped = softcap tanh(s / softcap):  ds = dz (1 - tanh^2)
+    # z = c + alibi + mask: the additive parts pass dz through unchanged
+    # c = softcap tanh(s / softcap):  ds = dz (1 - tanh^2)
     ds = dz if t is None else dz * (1.0 - t * t)
     # s = scale q kr^T:  dq = scale ds kr  and  dkr = scale ds^T q
-    dq = _sum_to(scale * (ds @ kr), q.shape)
-    dkr = scale * (ds.swapaxes(-1, -2) @ q)
+    dq = _sum_to(cache.scale * (ds @ kr), q.shape)
+    dkr = cache.scale * (ds.swapaxes(-1, -2) @ q)
     # kr = repeat(k, G) broadcast against q's batch: sum back to k's own shape (same for v)
     grads = [dq, _unrepeat(dkr, k.shape, g), _unrepeat(dvr, v.shape, g)]
-    if mask_shape is not None:  # -- option: mask_grad, the mask was added to z, so dmask = dz
-        grads.append(_sum_to(dz, mask_shape))
-    if p_sink is not None:  # -- option: sinks. The sink is one more logit in the softmax, with value 0:
-        # its dP is 0, so its dz is P_sink (0 - D); summed over every row that shared it
-        grads.append(_sum_to(-p_sink * d, (p_sink.shape[-3], 1, 1)).reshape(-1))
+    if cache.mask_shape is not None:  # -- option: mask_grad, the mask was added to z, so dmask = dz
+        grads.append(_sum_to(dz, cache.mask_shape))
+    if opts.sinks is not None:  # -- option: sinks, one more logit of value 0 (_sink_grad)
+        grads.append(_sink_grad(cache.p_sink, d, opts.sinks))
     return tuple(grads)
-
-
-def _attention_tangents(tangents, mask_grad, has_sinks):
-    """``(tq, tk, tv, tmask, tsinks)`` from the tangents given in the backward's order (``tmask``
-    only with ``mask_grad``, ``tsinks`` only with sinks); the missing ones None."""
-    tq, tk, tv, *rest = _padded(tangents, 3 + mask_grad + has_sinks)
-    tmask = rest.pop(0) if mask_grad else None
-    tsinks = rest.pop(0) if has_sinks else None
-    return tq, tk, tv, tmask, tsinks
-
-
-def _logit_tangent(q, kr, tq, tkr, scale, t, tmask):
-    """The tangent of the logits ``z = softcap(scale q kr^T) + alibi + mask`` (for the keys of
-    ``kr``), or None when nothing moves them:
-
-        s = scale q kr^T              ts = scale (tq kr^T + q tkr^T)     (product rule)
-        c = softcap tanh(s / softcap)  tc = (1 - tanh^2(s / softcap)) ts
-        z = c + alibi + mask           tz = tc + tmask                   (ALiBi is a constant)
-
-    ``-inf`` entries (hidden keys) get a finite tangent: their weight ``P`` is 0, and every use of
-    ``tz`` below is multiplied by ``P``.
-    """
-    tz = None
-    if tq is not None:
-        tz = scale * (tq @ kr.swapaxes(-1, -2))
-    if tkr is not None:
-        part = scale * (q @ tkr.swapaxes(-1, -2))
-        tz = part if tz is None else tz + part
-    if tz is not None and t is not None:  # -- option: softcap
-        tz = tz * (1.0 - t * t)
-    if tmask is not None:  # -- option: mask_grad, the float mask's own tangent
-        tz = tmask if tz is None else tz + tmask
-    return tz
 
 
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents: Optional[Array]) -> Array:
@@ -283,7 +398,7 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents: Optional[
 
     The forward's steps, each with its tangent (``t`` for tangent), first to last:
 
-        s = scale q k^T                 ts = scale (tq k^T + q tk^T)
+        s = scale q k^T                 ts = scale (tq k^T + q tk^T)         (_score_tangent)
         z = softcap(s) + alibi + mask   tz = (1 - tanh^2) ts + tmask          (_logit_tangent)
         P = softmax(z, with the sink)   tP = P * (tz - mu),  mu_i = sum_j P_ij tz_ij + P_sink,i tsink
         P' = P * keep / (1 - p)         tP' = tP * keep / (1 - p)            (the same mask)
@@ -295,26 +410,34 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents: Optional[
     sees no key has ``P = 0`` everywhere and ``tout = 0``.  GQA: ``tk, tv`` are repeated as ``k, v``
     were.  (The backward is this map transposed.)
     """
-    q, k, v, p, keep, drop_scale = cache.q, cache.k, cache.v, cache.p, cache.keep, cache.drop_scale
-    scale, g, t, p_sink, mask_shape = cache.scale, cache.groups, cache.tanh, cache.p_sink, cache.mask_shape
-    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, mask_shape is not None, p_sink is not None)
+    q, k, v, p, g = cache.q, cache.k, cache.v, cache.p, cache.groups
+    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, cache.mask_shape is not None, cache.p_sink is not None)
     kr, vr = _repeat_kv(k, v, g)
     tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
-    pd = p if keep is None else p * keep * drop_scale  # P' (B..., Hq, Lq, Lk)
     tout = np.zeros(p.shape[:-1] + v.shape[-1:], dtype=q.dtype)  # (B..., Hq, Lq, Ev)
-    tz = _logit_tangent(q, kr, tq, tkr, scale, t, tmask)
-    if tz is None and tsinks is not None:
-        tz = np.zeros_like(p)
-    if tz is not None:
-        mu = (p * tz).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
-        if tsinks is not None:  # -- option: sinks, the sink's logit moves by tsink_h
-            mu = mu + p_sink * np.asarray(tsinks)[:, None, None]
-        tp = p * (tz - mu)  # the softmax's tangent
-        tpd = tp if keep is None else tp * keep * drop_scale  # dropout: the same mask
-        tout = tout + tpd @ vr
+    tz = _logit_tangent(_score_tangent(q, kr, tq, tkr, cache.scale), cache.tanh, tmask)
+    if tz is not None or tsinks is not None:
+        tp, _ = _softmax_tangent(p, cache.p_sink, tz, tsinks)
+        tout = tout + _dropped(tp, cache.keep, cache.drop_scale) @ vr  # dropout: the same mask
     if tvr is not None:
-        tout = tout + pd @ tvr
+        tout = tout + _dropped(p, cache.keep, cache.drop_scale) @ tvr
     return tout
+
+
+def _softmax_tangent(p, p_sink, tz, tsinks):
+    """The softmax's tangent with the sink, ``(tP, tP_sink)``: every logit of the row moves (the
+    keys' by ``tz``, None for zero, the sink's by ``tsink_h``), and softmax's JVP gives
+
+        tP = P * (tz - mu),   tP_sink = P_sink * (tsink - mu),   mu_i = sum_j P_ij tz_ij + P_sink,i tsink_h
+
+    (``tP_sink`` None without sinks)."""
+    mu = 0.0 if tz is None else (p * tz).sum(axis=-1, keepdims=True)  # (B..., H, Lq, 1)
+    tsink = None if tsinks is None else np.asarray(tsinks)[:, None, None]
+    if tsink is not None:  # -- option: sinks, the sink's logit moves by tsink_h
+        mu = mu + p_sink * tsink
+    tp = p * ((0.0 if tz is None else tz) - mu)
+    tp_sink = None if p_sink is None else p_sink * ((0.0 if tsink is None else tsink) - mu)
+    return tp, tp_sink
 
 
 class MemoryEfficientCache(NamedTuple):
@@ -330,9 +453,22 @@ class MemoryEfficientCache(NamedTuple):
     scale: float
     groups: int
     block_size: int
-    options: dict  # attn_mask, is_causal, causal_align, window, alibi_slopes, softcap
-    sinks: Optional[np.ndarray]
-    mask_grad: bool
+    attn_mask: Optional[np.ndarray]  # as given
+    is_causal: bool
+    options: AttentionOptions  # causal_align, window, alibi_slopes, softcap, sinks, mask_grad
+
+    @property
+    def mask_shape(self) -> Optional[tuple]:
+        """The float mask's shape with ``mask_grad`` (the backward then returns ``dmask``), else None."""
+        return _mask_grad_shape(self.attn_mask, self.options)
+
+    def blocks(self) -> list:
+        """The key blocks of the forward's loop (``_key_blocks``)."""
+        return _key_blocks(self.k.shape[-2], self.block_size)
+
+    def logits(self, kr, cols):
+        """``(z, T)`` of the keys ``cols`` (``_logits`` with the forward's options)."""
+        return _logits(self.q, kr, self.scale, self.attn_mask, self.is_causal, self.options, cols)
 
 
 def memory_efficient_attention(
@@ -379,18 +515,11 @@ def memory_efficient_attention(
     """
     q = q.astype(np.result_type(q, k, v), copy=False)  # the running sums below take q's dtype: numpy's
     # promotion of q, k, v, as the plain formula's products give (not a check: the fast tier refuses mixed dtypes)
+    opts = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
     g = _gqa_groups(q, k, v, enable_gqa)
     kr, vr = _repeat_kv(k, v, g)  # textbook: repeated (the fast tier does not copy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block = 64 if block_size is None else block_size
-    opts = dict(
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        causal_align=causal_align,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-    )
     lq, lk = q.shape[-2], k.shape[-2]
     rows = np.broadcast_shapes(q.shape[:-2], kr.shape[:-2]) + (lq, 1)  # (B..., Hq, Lq, 1)
     keep, drop_scale = None, 1.0
@@ -403,9 +532,8 @@ def memory_efficient_attention(
     if sinks is not None:  # -- option: sinks, a first "key" with logit sink_h and value 0
         m = np.broadcast_to(np.asarray(sinks, dtype=q.dtype)[:, None, None], rows)
         total = np.ones(rows, dtype=q.dtype)
-    for j0 in range(0, lk, block):
-        cols = slice(j0, min(j0 + block, lk))
-        z, _ = _scores(q, kr, scale, cols=cols, **opts)  # (B..., Hq, Lq, n)
+    for cols in _key_blocks(lk, block):
+        z, _ = _logits(q, kr, scale, attn_mask, is_causal, opts, cols)  # (B..., Hq, Lq, n)
         m_new = np.maximum(m, z.max(axis=-1, keepdims=True, initial=-np.inf))
         m_use = np.where(np.isfinite(m_new), m_new, 0.0)  # nothing seen yet: shift by 0, all e = 0
         alpha = np.exp(m - m_use)  # rescales what was summed against the old max
@@ -418,8 +546,14 @@ def memory_efficient_attention(
     out = np.where(seen, acc / np.where(seen, total, 1.0), 0.0).astype(q.dtype)
     lse = np.where(seen, np.where(np.isfinite(m), m, 0.0) + np.log(np.where(seen, total, 1.0)), 0.0)
     return out, MemoryEfficientCache(
-        q, k, v, out, lse.astype(q.dtype), keep, drop_scale, scale, g, block, opts, sinks, mask_grad
+        q, k, v, out, lse.astype(q.dtype), keep, drop_scale, scale, g, block, attn_mask, is_causal, opts
     )
+
+
+def _key_blocks(lk, block):
+    """The key blocks of the online loops: ``slice(j0, j0 + block)`` for ``j0 = 0, block, ...``
+    (the last one may be shorter)."""
+    return [slice(j0, min(j0 + block, lk)) for j0 in range(0, lk, block)]
 
 
 def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache) -> Tuple[Array, ...]:
@@ -431,37 +565,36 @@ def memory_efficient_attention_backward(dout: Array, cache: MemoryEfficientCache
     ``dP_ij = keep_ij/(1-p) dout_i . v_j``).  Returns ``(dq, dk, dv)``, then ``dmask``, then ``dsinks``.
     (notebooks/06_efficient_attention.ipynb, section "What the backward keeps".)
     """
-    q, k, v, out, lse = cache.q, cache.k, cache.v, cache.out, cache.lse
-    keep, drop_scale, scale, g = cache.keep, cache.drop_scale, cache.scale, cache.groups
-    block, opts, sinks, mask_grad = cache.block_size, cache.options, cache.sinks, cache.mask_grad
+    q, k, v, lse, g, opts = cache.q, cache.k, cache.v, cache.lse, cache.groups, cache.options
     kr, vr = _repeat_kv(k, v, g)
-    d = (dout * out).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
+    d = (dout * cache.out).sum(axis=-1, keepdims=True)  # (B..., Hq, Lq, 1)
     dq = np.zeros(dout.shape[:-1] + q.shape[-1:], dtype=q.dtype)
     dkr = np.zeros(dout.shape[:-2] + kr.shape[-2:], dtype=q.dtype)
     dvr = np.zeros(dout.shape[:-2] + vr.shape[-2:], dtype=q.dtype)
-    dz_all = np.zeros(dout.shape[:-1] + (k.shape[-2],), dtype=q.dtype) if mask_grad else None
-    for j0 in range(0, k.shape[-2], block):
-        cols = slice(j0, min(j0 + block, k.shape[-2]))
-        z, t = _scores(q, kr, scale, cols=cols, **opts)
+    dz_all = np.zeros(dout.shape[:-1] + (k.shape[-2],), dtype=q.dtype) if cache.mask_shape else None
+    for cols in cache.blocks():
+        z, t = cache.logits(kr, cols)
         p = np.exp(z - lse)  # (B..., Hq, Lq, n): the forward's weights of these keys, recomputed
-        pd = p if keep is None else p * keep[..., cols] * drop_scale
-        dvr[..., cols, :] = pd.swapaxes(-1, -2) @ dout  # dv = P'^T dout
-        dp = dout @ vr[..., cols, :].swapaxes(-1, -2)  # dP' = dout v^T
-        if keep is not None:
-            dp = dp * keep[..., cols] * drop_scale  # dP = dP' keep / (1 - p)
+        keep = None if cache.keep is None else cache.keep[..., cols]
+        dvr[..., cols, :] = _dropped(p, keep, cache.drop_scale).swapaxes(-1, -2) @ dout  # dv = P'^T dout
+        dp = _dropped(dout @ vr[..., cols, :].swapaxes(-1, -2), keep, cache.drop_scale)  # dP = (dout v^T) keep / (1-p)
         dz = p * (dp - d)  # through the softmax
         if dz_all is not None:
             dz_all[..., cols] = dz
         ds = dz if t is None else dz * (1.0 - t * t)  # through softcap
-        dq += scale * (ds @ kr[..., cols, :])
-        dkr[..., cols, :] = scale * (ds.swapaxes(-1, -2) @ q)
+        dq += cache.scale * (ds @ kr[..., cols, :])
+        dkr[..., cols, :] = cache.scale * (ds.swapaxes(-1, -2) @ q)
     grads = [_sum_to(dq, q.shape), _unrepeat(dkr, k.shape, g), _unrepeat(dvr, v.shape, g)]
-    if mask_grad:
-        grads.append(_sum_to(dz_all, np.shape(opts["attn_mask"])))
-    if sinks is not None:  # the sink's weight is exp(sink - lse); its dz is P_sink (0 - D)
-        p_sink = np.exp(np.asarray(sinks, dtype=q.dtype)[:, None, None] - lse)
-        grads.append(_sum_to(-p_sink * d, (len(sinks), 1, 1)).reshape(-1))
+    if dz_all is not None:
+        grads.append(_sum_to(dz_all, cache.mask_shape))
+    if opts.sinks is not None:  # the sink's weight is exp(sink - lse); its dz is P_sink (0 - D)
+        grads.append(_sink_grad(_sink_weight(opts.sinks, lse), d, opts.sinks))
     return tuple(grads)
+
+
+def _sink_weight(sinks, lse):
+    """``P_sink = exp(sink_h - lse)``, the weight each row gave its sink, ``(B..., H, Lq, 1)``."""
+    return np.exp(np.asarray(sinks, dtype=lse.dtype)[:, None, None] - lse)
 
 
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optional[Array]) -> Array:
@@ -484,14 +617,18 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optio
     (The fast tier starts from the forward's ``lse`` instead, so its blocks need no rescaling;
     the numbers are the same.)
     """
-    q, k, v, out = cache.q, cache.k, cache.v, cache.out
-    keep, drop_scale, scale, g = cache.keep, cache.drop_scale, cache.scale, cache.groups
-    block, opts, sinks, mask_grad = cache.block_size, cache.options, cache.sinks, cache.mask_grad
-    has_mask_grad = mask_grad and opts["attn_mask"] is not None
-    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, has_mask_grad, sinks is not None)
+    return _online_tangent(cache, tangents)[0]
+
+
+def _online_tangent(cache: MemoryEfficientCache, tangents):
+    """``(tout, mu)``: ``memory_efficient_attention_jvp``'s online loop, and the softmax's mean
+    ``mu = tl / l`` of every row (``(B..., Hq, Lq, 1)``, what the tangent of a recomputed block
+    of weights needs: ``tP = P (tz - mu)``)."""
+    q, k, v, out, keep, g = cache.q, cache.k, cache.v, cache.out, cache.keep, cache.groups
+    sinks = cache.options.sinks
+    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, cache.mask_shape is not None, sinks is not None)
     kr, vr = _repeat_kv(k, v, g)
     tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
-    lk = k.shape[-2]
     rows = out.shape[:-1] + (1,)  # (B..., Hq, Lq, 1)
     m = np.full(rows, -np.inf, dtype=q.dtype)  # the forward's running max, recomputed
     total = np.zeros(rows, dtype=q.dtype)  # l
@@ -502,18 +639,15 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optio
         total = np.ones(rows, dtype=q.dtype)
         if tsinks is not None:
             tl = tl + np.asarray(tsinks, dtype=q.dtype)[:, None, None]  # e_sink tsink with e_sink = 1
-    for j0 in range(0, lk, block):
-        cols = slice(j0, min(j0 + block, lk))
-        z, t = _scores(q, kr, scale, cols=cols, **opts)  # (B..., Hq, Lq, n)
+    for cols in cache.blocks():
+        z, t = cache.logits(kr, cols)  # (B..., Hq, Lq, n)
         m_new = np.maximum(m, z.max(axis=-1, keepdims=True, initial=-np.inf))
         m_use = np.where(np.isfinite(m_new), m_new, 0.0)
         alpha = np.exp(m - m_use)
         e = np.exp(z - m_use)
         total = alpha * total + e.sum(axis=-1, keepdims=True)
         ed = e if keep is None else e * keep[..., cols]
-        tmask_b = None if tmask is None or np.shape(tmask)[-1] == 1 else np.asarray(tmask)[..., cols]
-        tmask_b = tmask if tmask_b is None else tmask_b  # a mask broadcast over the keys: all of it
-        tz = _logit_tangent(q, kr[..., cols, :], tq, None if tkr is None else tkr[..., cols, :], scale, t, tmask_b)
+        tz = _logit_tangent(_score_tangent(q, kr, tq, tkr, cache.scale, cols), t, _mask_cols(tmask, cols))
         tacc = alpha * tacc
         tl = alpha * tl
         if tz is not None:
@@ -523,8 +657,16 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents: Optio
             tacc = tacc + ed @ tvr[..., cols, :]
         m = m_new
     seen = total > 0  # a row that saw no key (and has no sink): out 0, tangent 0
-    tout = (tacc * drop_scale - out * tl) / np.where(seen, total, 1.0)
-    return np.where(seen, tout, 0.0).astype(q.dtype)
+    tout = (tacc * cache.drop_scale - out * tl) / np.where(seen, total, 1.0)
+    mu = np.where(seen, tl / np.where(seen, total, 1.0), 0.0)
+    return np.where(seen, tout, 0.0).astype(q.dtype), mu
+
+
+def _mask_cols(tmask, cols):
+    """The keys ``cols`` of a mask or its tangent (all of it when it is broadcast over the keys)."""
+    if tmask is None or np.ndim(tmask) == 0 or np.shape(tmask)[-1] == 1:
+        return tmask
+    return np.asarray(tmask)[..., cols]
 
 
 # == Linear and embedding ===========================================================================
