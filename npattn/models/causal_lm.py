@@ -573,7 +573,11 @@ class CausalLM(Module):
     def from_pretrained(cls, directory, *, dtype=None) -> CausalLM:
         """A model from a saved Hugging Face directory: ``config.json`` and ``model.safetensors``
         (or the shards of ``model.safetensors.index.json``), read without torch, one tensor at a
-        time from a memory map (bfloat16, float16, float32, float64).
+        time from a memory map (bfloat16, float16, float32, float64, float8 e4m3).  Released
+        quantized checkpoints (``quantization_config`` with ``quant_method`` ``"mxfp4"``: GPT-OSS's
+        ``*_blocks``/``*_scales`` experts; ``"fp8"``: DeepSeek-V3's ``weight_scale_inv`` per
+        ``weight_block_size`` block) are dequantized as transformers and DeepSeek do
+        (``npattn.models.quant``).
 
         Parameters
         ----------
@@ -590,8 +594,41 @@ class CausalLM(Module):
         FileNotFoundError
             No ``config.json`` or no safetensors file.
         ValueError
-            As ``from_hf``; also a malformed safetensors file.
+            As ``from_hf``; also a malformed safetensors file, or a quantization npattn does not
+            read or a malformed quantized tensor (named).
         """
         from .hf import from_pretrained
 
         return from_pretrained(cls, directory, dtype)
+
+    @classmethod
+    def from_gguf(cls, path, *, dtype=None) -> CausalLM:
+        """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama`` and
+        ``qwen3`` files of ``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q5_K`` and
+        ``Q6_K`` tensors, dequantized by the ``gguf`` package; the config from the file's
+        metadata, the tensors under Hugging Face's names, llama.cpp's q/k RoPE permutation undone
+        (``npattn.models.gguf``).
+
+        Parameters
+        ----------
+        path : str or path
+        dtype : numpy dtype or None
+            ``None``: float32.
+
+        Returns
+        -------
+        CausalLM
+
+        Raises
+        ------
+        ImportError
+            Without the ``gguf`` package.
+        FileNotFoundError
+            No such file.
+        ValueError
+            A file that is not GGUF, an architecture, option or tensor type npattn does not read
+            (named), or a tensor the model does not have; as ``from_hf`` for the rest.
+        """
+        from .gguf import from_gguf
+
+        return from_gguf(cls, path, dtype)

@@ -1,0 +1,237 @@
+"""GGUF files (llama.cpp's format) into a ``CausalLM``, read by the ``gguf`` package.
+
+``gguf`` is llama.cpp's own Python reader (numpy only; the extra ``gguf``).  A GGUF file holds
+the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>.attention.head_count``,
+..., the tokenizer under ``tokenizer.ggml.*``) and its tensors under llama.cpp's names
+(``token_embd.weight``, ``blk.{i}.attn_q.weight``, ...), each in a GGML type: ``F32``, ``F16``,
+``BF16`` or a block quantization (``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q5_K``, ``Q6_K`` here).
+
+Reading one:
+
+1. the metadata becomes the Hugging Face config dict of the same network (``_config``), which
+   goes through ``config_from_hf`` as a ``config.json`` would;
+2. every tensor name is translated by ``gguf``'s own ``TensorNameMap`` (the table llama.cpp's
+   converter writes with), from the names the config says the model has;
+3. each tensor is dequantized by ``gguf.quants.dequantize`` (float32) when it is loaded, one at a
+   time, straight into its parameter;
+4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
+   interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
+   ``(2, D/2)`` become ``(D/2, 2)``); the reverse reordering gives back Hugging Face's
+   rotate-half rows.  ``qwen3`` files use the rotate-half (NeoX) RoPE and are not permuted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._hints import install_hint
+from .hf import LazyTensor, _short, load_into
+
+__all__ = ["from_gguf", "read_gguf", "GGUF_TYPES"]
+
+# the GGML types npattn reads (each dequantized by gguf.quants.dequantize)
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _gguf():
+    """The ``gguf`` package, imported when a GGUF file is read."""
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(f"reading GGUF files needs the gguf package: {install_hint('gguf')}") from None
+    return gguf
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """What a GGUF architecture is in Hugging Face terms: its ``model_type``, the config keys read
+    from ``<arch>.<metadata key>`` (``None``: optional), and whether llama.cpp's converter
+    permuted the q/k rows (``permute_qk``)."""
+
+    model_type: str
+    permute_qk: bool = False
+    extra: dict = field(default_factory=dict)  # fixed config entries of the family's files
+
+
+# config key <- metadata key under "<arch>."; required unless marked optional below
+_COMMON = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "head_dim": "attention.key_length",
+}
+_OPTIONAL = {"num_key_value_heads", "rope_theta", "max_position_embeddings", "head_dim"}
+# metadata keys read only to be checked (against the config they imply)
+_CHECKED = {"vocab_size", "rope.dimension_count", "attention.value_length"}
+
+_ARCHES = {
+    "llama": _Arch("llama", permute_qk=True),
+    "qwen3": _Arch("qwen3"),
+}
+
+
+@dataclass
+class _File:
+    """A GGUF file opened: its path, the reader, the architecture and its metadata by key."""
+
+    path: str
+    reader: object
+    arch: str
+    meta: dict
+
+
+def _open(path) -> _File:
+    gguf = _gguf()
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: no such file {path!r}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader's own errors (a bad magic, a truncated file) name no file
+        raise ValueError(f"{path}: not a GGUF file gguf can read ({type(e).__name__}: {_short(str(e))})") from None
+    meta = {}
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF."):
+            try:
+                meta[key] = f.contents()
+            except Exception:  # pragma: no cover - a field type this gguf version cannot decode
+                meta[key] = None
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHES:
+        raise ValueError(
+            f"{path}: general.architecture {_short(arch)} is not supported (npattn reads {sorted(_ARCHES)})"
+        )
+    return _File(path, reader, arch, meta)
+
+
+def _config(f: _File, tensor_names: set) -> dict:
+    """The Hugging Face config dict of the GGUF file's model."""
+    spec, arch, meta = _ARCHES[f.arch], f.arch, f.meta
+    config: dict = {"model_type": spec.model_type, **spec.extra}
+    for key, suffix in _COMMON.items():
+        name = f"{arch}.{suffix}"
+        if name in meta:
+            config[key] = meta[name]
+        elif key not in _OPTIONAL:
+            raise ValueError(f"{f.path}: no metadata {name!r} (the model's {key})")
+    known = {f"{arch}.{s}" for s in (*_COMMON.values(), *_CHECKED)}
+    unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k not in known)
+    if unknown:
+        raise ValueError(f"{f.path}: metadata {unknown[0]!r} is not supported by npattn's GGUF reader")
+    embed = next((t for t in f.reader.tensors if t.name == "token_embd.weight"), None)  # type: ignore[attr-defined]
+    if embed is None:
+        raise ValueError(f"{f.path}: no tensor 'token_embd.weight'")
+    config["vocab_size"] = int(embed.shape[-1])  # GGUF shapes are innermost first: (hidden, vocab)
+    if meta.get(f"{arch}.vocab_size", config["vocab_size"]) != config["vocab_size"]:
+        raise ValueError(
+            f"{f.path}: metadata '{arch}.vocab_size' {meta[f'{arch}.vocab_size']} differs from token_embd.weight's "
+            f"{config['vocab_size']} rows"
+        )
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if f"tokenizer.ggml.{name}" in meta:
+            config[key] = meta[f"tokenizer.ggml.{name}"]
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    for suffix in ("rope.dimension_count", "attention.value_length"):
+        value = meta.get(f"{arch}.{suffix}", head_dim)
+        if value != head_dim:
+            raise ValueError(
+                f"{f.path}: metadata '{arch}.{suffix}' is {value}, but the heads have {head_dim} dimensions (npattn "
+                "reads full-width RoPE and equal key and value heads)"
+            )
+    return config
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of llama.cpp's ``LlamaModel.permute(w, n_head, n_head)``: each head's rows
+    ``(D/2, 2)`` (the pairs llama.cpp's interleaved RoPE rotates) back to ``(2, D/2)``
+    (Hugging Face's rotate-half halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _GGUFTensor(LazyTensor):
+    """One tensor of a GGUF file under its Hugging Face name: ``numpy``/``read_into`` dequantize
+    it with ``gguf.quants.dequantize`` (and undo llama.cpp's q/k permutation where ``heads`` is
+    set)."""
+
+    __slots__ = ("_tensor", "_heads")
+
+    def __init__(self, name: str, tensor, heads: int | None):
+        self.name, self.shape, self.dtype = name, tuple(int(s) for s in reversed(tensor.shape)), "F32"
+        self._tensor, self._heads = tensor, heads
+
+    def numpy(self, dtype=None) -> np.ndarray:
+        out = np.empty(self.shape, np.float32 if dtype is None else dtype)
+        self.read_into(out)
+        return out
+
+    def read_into(self, out: np.ndarray) -> None:
+        t = self._tensor
+        values = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape)
+        out[...] = values if self._heads is None else _unpermute(values, self._heads)
+
+    def __repr__(self):
+        return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={self._tensor.name!r})"
+
+
+def read_gguf(path) -> tuple[dict, dict]:
+    """``(Hugging Face config dict, {Hugging Face name: lazy float32 tensor})`` of a GGUF file;
+    the tensors are dequantized when read.
+
+    Raises
+    ------
+    ImportError
+        Without the ``gguf`` package (with the install hint).
+    FileNotFoundError
+        No such file.
+    ValueError
+        A file ``gguf`` cannot read, an architecture npattn does not read, metadata missing or
+        naming an option npattn does not implement (named), a tensor of a GGML type npattn does
+        not read (named, with its type), or a tensor no name of the model maps to (named).
+    """
+    from .causal_lm import _state_shapes
+    from .configs import config_from_hf
+
+    gguf = _gguf()
+    f = _open(path)
+    tensors = {t.name: t for t in f.reader.tensors}  # type: ignore[attr-defined]
+    for name, t in tensors.items():
+        kind = t.tensor_type.name
+        if kind not in GGUF_TYPES:
+            raise ValueError(
+                f"{f.path}: tensor {name!r} has type {kind}, which npattn does not read (it reads {list(GGUF_TYPES)})"
+            )
+    config = _config(f, set(tensors))
+    cfg = config_from_hf(config)
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[f.arch]
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    spec = _ARCHES[f.arch]
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    out: dict = {}
+    for key, _ in _state_shapes(cfg):
+        gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        t = tensors.get(gguf_name) if gguf_name is not None else None
+        if t is None:
+            raise ValueError(f"{f.path}: no tensor {gguf_name or key!r} (the model's {key!r})")
+        proj = key.rsplit(".", 2)[-2]
+        out[key] = _GGUFTensor(key, t, heads[proj] if spec.permute_qk and proj in heads else None)
+    used = {t._tensor.name for t in out.values()}
+    extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
+    if extra:
+        raise ValueError(f"{f.path}: tensor {extra[0]!r} is not part of the {f.arch} model npattn builds")
+    return config, out
+
+
+def from_gguf(cls, path, dtype=None):
+    """``CausalLM.from_gguf``: ``read_gguf`` then ``load_into``."""
+    config, tensors = read_gguf(path)
+    return load_into(cls, tensors, config, dtype)
