@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="gradcheck every module and functional op (exit 1 on a failure)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of inputs and upstream gradients (default 0)")
+    p.add_argument(
+        "--order",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: the backward and forward mode (default); 2: the second order (backward_jvp, gradgradcheck)",
+    )
 
     p = sub.add_parser("demo", help="train a small causal transformer on a toy task with numpy alone")
     p.add_argument(

@@ -9,6 +9,13 @@ gives the worst absolute and relative error over all checked tensors of the case
 parameters) in both modes; a failing case is followed by its full per-tensor report (one row per
 tensor and mode).  The exit code is 1 when any case fails (or raises), else 0.
 
+``--order 2`` runs ``npattn.gradgradcheck`` on the same cases, with the same inputs: each
+``backward_jvp`` (a pair's ``<op>_backward_jvp``, a module's ``backward_jvp``) against central
+differences of the backward along every input, parameter and the upstream gradient, and the
+Hessian's symmetry.  A case without a second order (no ``<op>_backward_jvp`` yet, a module whose
+``backward_jvp`` is missing or not implemented) is shown as skipped and listed with the reason;
+it neither passes nor fails.
+
 Covered: every functional op (linear, embedding and its padding_idx / scale_grad_by_freq options,
 softmax, relu, gelu, silu, dropout, layer_norm and rms_norm over one or two axes, cross_entropy
 with weights, reductions, label smoothing and probability targets, rope in both layouts with
@@ -24,7 +31,7 @@ from __future__ import annotations
 import inspect
 import operator
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -35,10 +42,12 @@ from ..nn import layers, transformer
 from ..nn.attention import MultiHeadAttention
 from ..nn.delta_net import GatedDeltaNet
 from ..nn.latent_attention import MultiHeadLatentAttention
+from ..nn.module import Module
 from ..nn.moe import SparseMoeBlock
-from ..testing.gradcheck import gradcheck
+from ..testing.gradcheck import _companion, gradcheck
+from ..testing.gradgradcheck import gradgradcheck
 
-__all__ = ["cases", "run", "main"]
+__all__ = ["cases", "run", "main", "Skipped"]
 
 # The cases are a table: parts of (inputs, rows), built in order by ``cases`` with one generator
 # (``--seed``), so that the n-th case always checks the same numbers.  An input or a row's argument
@@ -154,8 +163,9 @@ class _Part(NamedTuple):
     stream: Any = None  # None: the table's generator; else default_rng((seed, stream))
 
 
-def _build(table: List[_Part], seed: int) -> List[Tuple[str, Callable[[], Any]]]:
-    """The table's ``[(name, thunk)]``: a row's arguments are made before its target."""
+def _build(table: List[_Part], seed: int, order: int = 1) -> List[Tuple[str, Callable[[], Any]]]:
+    """The table's ``[(name, thunk)]``: a row's arguments are made before its target (the same
+    draws whatever the order)."""
     streams = {None: np.random.default_rng(seed)}
     scopes: Dict[str, Dict[str, Any]] = {}
     out = []
@@ -168,7 +178,7 @@ def _build(table: List[_Part], seed: int) -> List[Tuple[str, Callable[[], Any]]]
         for row in part.rows:
             args, kwargs = _make(row.args, ctx), _make(row.kwargs, ctx)
             target = _make(row.target, ctx)
-            out.append((row.name, _thunk(target, args, kwargs, seed)))
+            out.append((row.name, (_thunk if order == 1 else _second_order_thunk)(target, args, kwargs, seed)))
     return out
 
 
@@ -176,9 +186,48 @@ def _thunk(target, args, kwargs, seed):
     return lambda: gradcheck(target, *args, seed=seed, mode="both", **kwargs)
 
 
-def cases(seed: int = 0) -> List[Tuple[str, Callable[[], Any]]]:
-    """``[(name, thunk)]``: each thunk runs one ``gradcheck`` and returns its report."""
-    return _build(_TABLE, seed)
+class Skipped(NamedTuple):
+    """What a second-order thunk returns for a case without a second order: why."""
+
+    reason: str
+
+
+def _second_order(target) -> Tuple[Any, str]:
+    """``(gradgradcheck target, "")`` for a case's target, or ``(None, why not)``: a pair's
+    ``<op>_backward_jvp`` found by name, a tuple's ``<backward>_jvp`` (or its backward's
+    ``backward_jvp`` attribute), a module's public ``backward_jvp``."""
+    if isinstance(target, Module):
+        found = callable(getattr(target, "backward_jvp", None))
+        return (target, "") if found else (None, f"{type(target).__name__} has no backward_jvp")
+    if isinstance(target, tuple):
+        forward, backward = target[:2]
+        backward_jvp = getattr(backward, "backward_jvp", None) or _companion(backward, "_jvp")
+        if callable(backward_jvp):
+            return (forward, backward, backward_jvp), ""
+        return None, f"no {backward.__name__}_jvp"
+    found = callable(_companion(target, "_backward_jvp"))
+    return (target, "") if found else (None, f"no {target.__name__}_backward_jvp")
+
+
+def _second_order_thunk(target, args, kwargs, seed):
+    def check():
+        second, reason = _second_order(target)
+        if second is None:
+            return Skipped(reason)
+        try:
+            return gradgradcheck(second, *args, seed=seed, **kwargs)
+        except TypeError as e:  # a module whose backward_jvp is not implemented yet
+            if isinstance(e.__cause__, NotImplementedError):
+                return Skipped(str(e.__cause__) or f"{type(target).__name__}.backward_jvp is not implemented")
+            raise
+
+    return check
+
+
+def cases(seed: int = 0, order: int = 1) -> List[Tuple[str, Callable[[], Any]]]:
+    """``[(name, thunk)]``: each thunk runs one ``gradcheck`` (``order=2``: ``gradgradcheck``, or
+    returns :class:`Skipped` for a case without a second order) and returns its report."""
+    return _build(_TABLE, seed, order)
 
 
 # -- helpers the table calls --------------------------------------------------------------------
@@ -235,15 +284,27 @@ def emb_pad_jvp(cache, tw_rest):  # the held padding row does not move
     return F.embedding_jvp(cache, np.insert(tw_rest, 2, 0.0, axis=0))
 
 
+def emb_pad_backward_jvp(dout, cache, tangents, ddout=None):
+    (tw_rest,) = tuple(tangents or ()) or (None,)
+    tw = None if tw_rest is None else np.insert(tw_rest, 2, 0.0, axis=0)
+    dweight, tangent = F.embedding_backward_jvp(dout, cache, (tw,), ddout)
+    return np.delete(dweight, 2, axis=0), np.delete(tangent, 2, axis=0)
+
+
 def _emb_freq_pair(ids):
-    counts = np.bincount(ids.ravel(), minlength=7)[:, None]
+    counts = np.maximum(np.bincount(ids.ravel(), minlength=7)[:, None], 1)
 
     def emb_freq(ids, weight):
         return F.embedding(ids, weight, scale_grad_by_freq=True)
 
     def emb_freq_backward(dout, cache):
-        return F.embedding_backward(dout, cache) * np.maximum(counts, 1)
+        return F.embedding_backward(dout, cache) * counts
 
+    def emb_freq_backward_jvp(dout, cache, tangents, ddout=None):
+        dweight, tangent = F.embedding_backward_jvp(dout, cache, tangents, ddout)
+        return dweight * counts, tangent * counts
+
+    emb_freq_backward.backward_jvp = emb_freq_backward_jvp  # for --order 2
     return emb_freq, emb_freq_backward, F.embedding_jvp
 
 
@@ -751,39 +812,65 @@ def _fmt_row(cells, widths):
     ).rstrip()
 
 
-def run(seed: int = 0, printer: Callable[[str], Any] = print) -> bool:
-    """Run every case, print the table; True when all pass."""
+_TITLES = {
+    1: (
+        "gradcheck: hand-written backward and forward mode (JVP) vs central differences "
+        "(float64; errors over inputs and parameters, both modes)",
+        "backward and forward mode",
+    ),
+    2: (
+        "gradgradcheck: hand-written second order (backward_jvp) vs central differences of the backward, "
+        "and <u, Hv> = <Hu, v> (float64; errors over every gradient along every input, parameter and dout)",
+        "second order",
+    ),
+}
+
+
+def run(seed: int = 0, printer: Callable[[str], Any] = print, order: int = 1) -> bool:
+    """Run every case, print the table; True when all pass.  ``order=2`` runs ``gradgradcheck``
+    where a case has a second order; the others are listed as skipped, with the reason."""
     start = time.perf_counter()
-    results = []  # (name, abs, rel, ok, report_or_error)
-    for name, thunk in cases(seed):
+    results: List[Tuple[str, float, float, Optional[bool], Any]] = []  # (name, abs, rel, ok, detail); ok None: skipped
+    for name, thunk in cases(seed) if order == 1 else cases(seed, order):
         try:
             report = thunk()
         except Exception as e:  # a crash is a failure, reported in the table
             results.append((name, float("nan"), float("nan"), False, f"{type(e).__name__}: {e}"))
             continue
+        if isinstance(report, Skipped):
+            results.append((name, float("nan"), float("nan"), None, report.reason))
+            continue
         results.append(
             (name, max(r.max_abs_err for r in report.rows), max(r.max_rel_err for r in report.rows), report.ok, report)
         )
     head = ("name", "max abs err", "max rel err", "ok")
-    body = [(n, f"{a:.2e}", f"{r:.2e}", "yes" if ok else "NO") for n, a, r, ok, _ in results]
+    body = [
+        (n, "-", "-", "skipped") if ok is None else (n, f"{a:.2e}", f"{r:.2e}", "yes" if ok else "NO")
+        for n, a, r, ok, _ in results
+    ]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(4)]
-    printer(
-        "gradcheck: hand-written backward and forward mode (JVP) vs central differences "
-        "(float64; errors over inputs and parameters, both modes)"
-    )
+    title, what = _TITLES[order]
+    printer(title)
     printer(_fmt_row(head, widths))
     printer("-+-".join("-" * w for w in widths))
     for row in body:
         printer(_fmt_row(row, widths))
-    failed = [(n, detail) for n, _, _, ok, detail in results if not ok]
+    failed = [(n, detail) for n, _, _, ok, detail in results if ok is False]
     for name, detail in failed:
         printer(f"\n{name}:\n{detail}")
+    skipped = [(n, reason) for n, _, _, ok, reason in results if ok is None]
+    if skipped:
+        printer(f"\nskipped, no {what} to check ({len(skipped)}):")
+        for name, reason in skipped:
+            printer(f"  {name}: {reason}")
+    checked = len(results) - len(skipped)
     printer(
-        f"\n{len(results) - len(failed)}/{len(results)} cases passed "
-        f"(backward and forward mode, float64 central differences, seed {seed}) in {time.perf_counter() - start:.1f} s"
+        f"\n{checked - len(failed)}/{checked} cases passed"
+        + (f", {len(skipped)} skipped" if skipped else "")
+        + f" ({what}, float64 central differences, seed {seed}) in {time.perf_counter() - start:.1f} s"
     )
     return not failed
 
 
 def main(args: Any) -> int:
-    return 0 if run(getattr(args, "seed", 0)) else 1
+    return 0 if run(getattr(args, "seed", 0), order=getattr(args, "order", 1)) else 1
