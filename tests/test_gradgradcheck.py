@@ -312,15 +312,23 @@ def test_module_planted_bug_in_grad_tangent():
     assert set(report.failed) == {"dweight along input", "dweight along weight", "dweight along dy", "hessian"}, report
 
 
-class NoSecondOrder(npattn.Module):
+class Doubling(npattn.Module):
+    """First order only (``Module.backward_jvp``, where the base class has it, finds no hook)."""
+
     def forward(self, x):
+        self.save_for_backward(None)
         return 2 * x
 
     def backward(self, dy):
+        self.pop_saved()
         return 2 * dy
 
 
-class Unfinished(NoSecondOrder):
+class NoSecondOrder(Doubling):
+    backward_jvp = None  # no method at all
+
+
+class Unfinished(Doubling):
     def backward_jvp(self, dy, *input_tangents, param_tangents=None, ddy=None):
         raise NotImplementedError("Unfinished has no _backward_jvp")
 
@@ -330,6 +338,8 @@ def test_module_without_second_order_is_a_type_error():
     for m in (NoSecondOrder(), Unfinished()):
         with pytest.raises(TypeError, match=rf"target: {type(m).__name__}.*backward_jvp\(dy, \*input_tangents"):
             gradgradcheck(m, x)
+    with pytest.raises(TypeError, match=r"target: Doubling.*backward_jvp"):
+        gradgradcheck(Doubling(), x)
 
 
 # -------------------------------------------------------------------- the targets and errors
