@@ -1,7 +1,7 @@
 """Element-wise and row-wise nonlinearities: ``relu``, ``gelu``, ``silu``, ``softmax``, ``dropout``.
 
-Each public op validates its arguments and calls the unvalidated kernel ``_op`` below it; each public
-backward checks ``dout`` and that the cache is its own forward's, then calls ``_op_backward``.
+Each public op validates its arguments and calls the unvalidated kernel ``op_kernel`` below it; each public
+backward checks ``dout`` and that the cache is its own forward's, then calls ``op_backward_kernel``.
 """
 
 from __future__ import annotations
@@ -123,10 +123,10 @@ def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     >>> F.relu_backward(np.array([5.0, 5.0, 5.0]), cache)
     array([0., 0., 5.])
     """
-    return _relu(as_float(x, "x"))
+    return relu_kernel(as_float(x, "x"))
 
 
-def _relu(x, out=None, mask_out=None):
+def relu_kernel(x, out=None, mask_out=None):
     """The kernel of ``relu``; ``out`` (may be ``x`` itself) and ``mask_out`` (bool): optional
     arrays of ``x``'s shape to write ``y`` and the mask into (a module's workspace)."""
     positive = np.greater(x, 0, out=mask_out)  # before ``out`` may overwrite x
@@ -156,10 +156,10 @@ def relu_backward(dout: np.ndarray, cache: ReluCache) -> np.ndarray:
         ``dout`` of the wrong shape.
     """
     check_cache(cache, ReluCache, "relu_backward")
-    return _relu_backward(check_grad(dout, cache.positive.shape, cache.dtype), cache)
+    return relu_backward_kernel(check_grad(dout, cache.positive.shape, cache.dtype), cache)
 
 
-def _relu_backward(dout, cache, out=None):
+def relu_backward_kernel(dout, cache, out=None):
     """The kernel of ``relu_backward``; ``out`` (may be ``dout`` itself): where to write ``dx``."""
     return np.multiply(dout, cache.positive, out=out)
 
@@ -201,14 +201,16 @@ def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, ReluCache, "relu_jvp")
-    return _relu_jvp(cache, *check_tangents_as(tangents, "relu_jvp", cache.dtype, (("tx", cache.positive.shape),)))
+    return relu_jvp_kernel(
+        cache, *check_tangents_as(tangents, "relu_jvp", cache.dtype, (("tx", cache.positive.shape),))
+    )
 
 
-def _relu_jvp(cache, tx=None):
+def relu_jvp_kernel(cache, tx=None):
     """The kernel of ``relu_jvp`` (``tx`` checked, None = zero)."""
     if tx is None:
         return np.zeros(cache.positive.shape, cache.dtype)
-    return _relu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+    return relu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 def relu_backward_jvp(dout: np.ndarray, cache: ReluCache, tangents, ddout=None):
@@ -242,13 +244,13 @@ def relu_backward_jvp(dout: np.ndarray, cache: ReluCache, tangents, ddout=None):
     ValueError
         ``dout``, ``ddout`` or ``tx`` of the wrong shape.
     """
-    return _elementwise_backward_jvp(_relu_backward_jvp, ReluCache, "relu", cache, dout, tangents, ddout)
+    return _elementwise_backward_jvp(relu_backward_jvp_kernel, ReluCache, "relu", cache, dout, tangents, ddout)
 
 
-def _relu_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def relu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``relu_backward_jvp``: ``tx`` does not enter."""
-    grads = _relu_backward(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else _relu_backward(ddout, cache))
+    grads = relu_backward_kernel(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else relu_backward_kernel(ddout, cache))
 
 
 # ----------------------------------------------------------------------------------------- gelu
@@ -292,10 +294,10 @@ def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCach
     x = as_float(x, "x")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
-    return _gelu(x, approximate)
+    return gelu_kernel(x, approximate)
 
 
-def _gelu(x, approximate="none"):
+def gelu_kernel(x, approximate="none"):
     if approximate == "none":
         cdf = 0.5 * (1.0 + erf(x * _INV_SQRT_2))
         return x * cdf, GeluCache(x, cdf, approximate)
@@ -328,10 +330,10 @@ def gelu_backward(dout: np.ndarray, cache: GeluCache) -> np.ndarray:
         ``dout`` of the wrong shape.
     """
     check_cache(cache, GeluCache, "gelu_backward")
-    return _gelu_backward(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
+    return gelu_backward_kernel(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
 
 
-def _gelu_backward(dout, cache):
+def gelu_backward_kernel(dout, cache):
     x, aux, approximate = cache
     xc = np.clip(x, -_GELU_CLIP, _GELU_CLIP)  # identical below the clip; no inf * 0 above it
     if approximate == "none":
@@ -378,14 +380,14 @@ def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, GeluCache, "gelu_jvp")
-    return _gelu_jvp(cache, *check_tangents_as(tangents, "gelu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
+    return gelu_jvp_kernel(cache, *check_tangents_as(tangents, "gelu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
 
 
-def _gelu_jvp(cache, tx=None):
+def gelu_jvp_kernel(cache, tx=None):
     """The kernel of ``gelu_jvp`` (``tx`` checked, None = zero)."""
     if tx is None:
         return np.zeros(cache.x.shape, cache.x.dtype)
-    return _gelu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+    return gelu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 def gelu_backward_jvp(dout: np.ndarray, cache: GeluCache, tangents, ddout=None):
@@ -424,7 +426,7 @@ def gelu_backward_jvp(dout: np.ndarray, cache: GeluCache, tangents, ddout=None):
     ValueError
         ``dout``, ``ddout`` or ``tx`` of the wrong shape.
     """
-    return _elementwise_backward_jvp(_gelu_backward_jvp, GeluCache, "gelu", cache, dout, tangents, ddout)
+    return _elementwise_backward_jvp(gelu_backward_jvp_kernel, GeluCache, "gelu", cache, dout, tangents, ddout)
 
 
 def _gelu_second(cache):
@@ -438,11 +440,11 @@ def _gelu_second(cache):
     return (1.0 - t * t) * (du - xc * t * du * du + 3.0 * _SQRT_2_OVER_PI * 0.044715 * xc * xc)
 
 
-def _gelu_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def gelu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``gelu_backward_jvp``."""
     (tx,) = tangents
-    grads = _gelu_backward(dout, cache)
-    tdx = np.zeros_like(grads) if ddout is None else _gelu_backward(ddout, cache)
+    grads = gelu_backward_kernel(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else gelu_backward_kernel(ddout, cache)
     if tx is not None:
         tdx += dout * _gelu_second(cache) * tx
     return grads, tdx
@@ -485,10 +487,10 @@ def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     >>> np.round(F.silu_backward(np.ones(3), cache), 4)
     array([-0.0908,  0.5   ,  1.0908])
     """
-    return _silu(as_float(x, "x"))
+    return silu_kernel(as_float(x, "x"))
 
 
-def _silu(x):
+def silu_kernel(x):
     e = np.exp(-np.abs(x))
     num = e.copy()
     num[x >= 0] = 1.0
@@ -520,10 +522,10 @@ def silu_backward(dout: np.ndarray, cache: SiluCache) -> np.ndarray:
         ``dout`` of the wrong shape.
     """
     check_cache(cache, SiluCache, "silu_backward")
-    return _silu_backward(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
+    return silu_backward_kernel(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
 
 
-def _silu_backward(dout, cache):
+def silu_backward_kernel(dout, cache):
     x, s = cache
     return dout * (s * (1.0 + x * (1.0 - s)))
 
@@ -565,14 +567,14 @@ def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, SiluCache, "silu_jvp")
-    return _silu_jvp(cache, *check_tangents_as(tangents, "silu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
+    return silu_jvp_kernel(cache, *check_tangents_as(tangents, "silu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
 
 
-def _silu_jvp(cache, tx=None):
+def silu_jvp_kernel(cache, tx=None):
     """The kernel of ``silu_jvp`` (``tx`` checked, None = zero)."""
     if tx is None:
         return np.zeros(cache.x.shape, cache.x.dtype)
-    return _silu_backward(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+    return silu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 def silu_backward_jvp(dout: np.ndarray, cache: SiluCache, tangents, ddout=None):
@@ -606,15 +608,15 @@ def silu_backward_jvp(dout: np.ndarray, cache: SiluCache, tangents, ddout=None):
     ValueError
         ``dout``, ``ddout`` or ``tx`` of the wrong shape.
     """
-    return _elementwise_backward_jvp(_silu_backward_jvp, SiluCache, "silu", cache, dout, tangents, ddout)
+    return _elementwise_backward_jvp(silu_backward_jvp_kernel, SiluCache, "silu", cache, dout, tangents, ddout)
 
 
-def _silu_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def silu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``silu_backward_jvp``."""
     (tx,) = tangents
     x, s = cache
-    grads = _silu_backward(dout, cache)
-    tdx = np.zeros_like(grads) if ddout is None else _silu_backward(ddout, cache)
+    grads = silu_backward_kernel(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else silu_backward_kernel(ddout, cache)
     if tx is not None:
         tdx += dout * (s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s))) * tx
     return grads, tdx
@@ -670,11 +672,11 @@ def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
             raise TypeError(f"axis: expected an integer, got {axis!r} ({type(axis).__name__})")
         if axis not in (0, -1):
             raise ValueError(f"axis: expected 0 or -1 for a 0-d input (a softmax over its one value), got {axis}")
-        return _softmax(x, None)
-    return _softmax(x, check_axis(axis, x.ndim))
+        return softmax_kernel(x, None)
+    return softmax_kernel(x, check_axis(axis, x.ndim))
 
 
-def _softmax(x, axis=-1):
+def softmax_kernel(x, axis=-1):
     if x.ndim == 0:  # one value: its softmax is 1 (exp(x - x) / exp(x - x))
         y = np.ones((), dtype=x.dtype)
         return y, SoftmaxCache(y, None)
@@ -710,10 +712,10 @@ def softmax_backward(dout: np.ndarray, cache: SoftmaxCache) -> np.ndarray:
         ``dout`` of the wrong shape.
     """
     check_cache(cache, SoftmaxCache, "softmax_backward")
-    return _softmax_backward(check_grad(dout, cache.y.shape, cache.y.dtype), cache)
+    return softmax_backward_kernel(check_grad(dout, cache.y.shape, cache.y.dtype), cache)
 
 
-def _softmax_backward(dout, cache):
+def softmax_backward_kernel(dout, cache):
     y, axis = cache
     return y * (dout - (dout * y).sum(axis=axis, keepdims=True))  # axis None (0-d): dy - dy = 0
 
@@ -757,14 +759,16 @@ def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, SoftmaxCache, "softmax_jvp")
-    return _softmax_jvp(cache, *check_tangents_as(tangents, "softmax_jvp", cache.y.dtype, (("tx", cache.y.shape),)))
+    return softmax_jvp_kernel(
+        cache, *check_tangents_as(tangents, "softmax_jvp", cache.y.dtype, (("tx", cache.y.shape),))
+    )
 
 
-def _softmax_jvp(cache, tx=None):
+def softmax_jvp_kernel(cache, tx=None):
     """The kernel of ``softmax_jvp`` (``tx`` checked, None = zero)."""
     if tx is None:
         return np.zeros(cache.y.shape, cache.y.dtype)
-    return _softmax_backward(tx, cache)  # J = diag(y) - y y^T is symmetric: J v = J^T v
+    return softmax_backward_kernel(tx, cache)  # J = diag(y) - y y^T is symmetric: J v = J^T v
 
 
 def softmax_backward_jvp(dout: np.ndarray, cache: SoftmaxCache, tangents, ddout=None):
@@ -803,17 +807,17 @@ def softmax_backward_jvp(dout: np.ndarray, cache: SoftmaxCache, tangents, ddout=
     ValueError
         ``dout``, ``ddout`` or ``tx`` of the wrong shape.
     """
-    return _elementwise_backward_jvp(_softmax_backward_jvp, SoftmaxCache, "softmax", cache, dout, tangents, ddout)
+    return _elementwise_backward_jvp(softmax_backward_jvp_kernel, SoftmaxCache, "softmax", cache, dout, tangents, ddout)
 
 
-def _softmax_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def softmax_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``softmax_backward_jvp``."""
     (tx,) = tangents
     y, axis = cache
-    grads = _softmax_backward(dout, cache)
-    tdx = np.zeros_like(grads) if ddout is None else _softmax_backward(ddout, cache)
+    grads = softmax_backward_kernel(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else softmax_backward_kernel(ddout, cache)
     if tx is not None:
-        ty = _softmax_jvp(cache, tx)
+        ty = softmax_jvp_kernel(cache, tx)
         tdx += ty * (dout - (dout * y).sum(axis=axis, keepdims=True)) - y * (dout * ty).sum(axis=axis, keepdims=True)
     return grads, tdx
 
@@ -870,11 +874,11 @@ def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[n
     training = check_bool(training, "training")
     if not training or p == 0.0:
         as_rng(rng)  # still validate the argument
-        return _dropout(x, p, None, False)
-    return _dropout(x, p, as_rng(rng), training)
+        return dropout_kernel(x, p, None, False)
+    return dropout_kernel(x, p, as_rng(rng), training)
 
 
-def _dropout(x, p, rng=None, training=True):
+def dropout_kernel(x, p, rng=None, training=True):
     """Kernel: ``rng`` must be a Generator unless the call is the identity."""
     if not training or p == 0.0:
         return x.copy(), DropoutCache(None, 1.0, x.shape, x.dtype)
@@ -908,10 +912,10 @@ def dropout_backward(dout: np.ndarray, cache: DropoutCache) -> np.ndarray:
         ``dout`` of the wrong shape.
     """
     check_cache(cache, DropoutCache, "dropout_backward")
-    return _dropout_backward(check_grad(dout, cache.shape, cache.dtype), cache)
+    return dropout_backward_kernel(check_grad(dout, cache.shape, cache.dtype), cache)
 
 
-def _dropout_backward(dout, cache):
+def dropout_backward_kernel(dout, cache):
     if cache.keep is None:
         return dout.copy()
     return dout * cache.keep * cache.scale
@@ -954,14 +958,14 @@ def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, DropoutCache, "dropout_jvp")
-    return _dropout_jvp(cache, *check_tangents_as(tangents, "dropout_jvp", cache.dtype, (("tx", cache.shape),)))
+    return dropout_jvp_kernel(cache, *check_tangents_as(tangents, "dropout_jvp", cache.dtype, (("tx", cache.shape),)))
 
 
-def _dropout_jvp(cache, tx=None):
+def dropout_jvp_kernel(cache, tx=None):
     """The kernel of ``dropout_jvp`` (``tx`` checked, None = zero)."""
     if tx is None:
         return np.zeros(cache.shape, cache.dtype)
-    return _dropout_backward(tx, cache)  # diagonal and linear: the same mask both ways
+    return dropout_backward_kernel(tx, cache)  # diagonal and linear: the same mask both ways
 
 
 def dropout_backward_jvp(dout: np.ndarray, cache: DropoutCache, tangents, ddout=None):
@@ -994,13 +998,13 @@ def dropout_backward_jvp(dout: np.ndarray, cache: DropoutCache, tangents, ddout=
     ValueError
         ``dout``, ``ddout`` or ``tx`` of the wrong shape.
     """
-    return _elementwise_backward_jvp(_dropout_backward_jvp, DropoutCache, "dropout", cache, dout, tangents, ddout)
+    return _elementwise_backward_jvp(dropout_backward_jvp_kernel, DropoutCache, "dropout", cache, dout, tangents, ddout)
 
 
-def _dropout_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def dropout_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``dropout_backward_jvp``: ``tx`` does not enter."""
-    grads = _dropout_backward(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else _dropout_backward(ddout, cache))
+    grads = dropout_backward_kernel(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else dropout_backward_kernel(ddout, cache))
 
 
 def _elementwise_backward_jvp(kernel, cache_type, op, cache, dout, tangents, ddout):

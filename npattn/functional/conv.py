@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .._validate import as_float, check_backward_jvp, check_bool, check_cache, check_grad, check_tangents_as
-from .activation import SiluCache, _silu, _silu_backward, _silu_backward_jvp, _silu_jvp
+from .activation import SiluCache, silu_backward_jvp_kernel, silu_backward_kernel, silu_jvp_kernel, silu_kernel
 
 __all__ = [
     "causal_conv1d",
@@ -99,12 +99,12 @@ def causal_conv1d(
         if initial_state.shape != want:
             raise ValueError(f"initial_state: expected shape {want} (..., K - 1, C), got {initial_state.shape}")
     output_final_state = check_bool(output_final_state, "output_final_state")
-    return _causal_conv1d(
+    return causal_conv1d_kernel(
         x, weight, bias, activation=activation, initial_state=initial_state, output_final_state=output_final_state
     )
 
 
-def _causal_conv1d(x, weight, bias=None, *, activation=None, initial_state=None, output_final_state=False):
+def causal_conv1d_kernel(x, weight, bias=None, *, activation=None, initial_state=None, output_final_state=False):
     taps, steps = weight.shape[1], x.shape[-2]
     xp = np.empty(x.shape[:-2] + (taps - 1 + steps, x.shape[-1]), x.dtype)
     xp[..., : taps - 1, :] = 0.0 if initial_state is None else initial_state
@@ -116,7 +116,7 @@ def _causal_conv1d(x, weight, bias=None, *, activation=None, initial_state=None,
         z += bias
     act = None
     if activation == "silu":
-        z, act = _silu(z)
+        z, act = silu_kernel(z)
     final = xp[..., steps:, :].copy() if output_final_state else None
     return z, CausalConv1dCache(xp, weight, bias is not None, initial_state is not None, act, final)
 
@@ -136,12 +136,12 @@ def causal_conv1d_backward(
     check_cache(cache, CausalConv1dCache, "causal_conv1d_backward")
     xp = cache.xp
     shape = xp.shape[:-2] + (xp.shape[-2] - cache.weight.shape[1] + 1, xp.shape[-1])
-    return _causal_conv1d_backward(check_grad(dout, shape, xp.dtype), cache)
+    return causal_conv1d_backward_kernel(check_grad(dout, shape, xp.dtype), cache)
 
 
-def _causal_conv1d_backward(dout, cache):
+def causal_conv1d_backward_kernel(dout, cache):
     xp, weight, has_bias, has_initial, act, _ = cache
-    dz = dout if act is None else _silu_backward(dout, act)
+    dz = dout if act is None else silu_backward_kernel(dout, act)
     taps, steps, channels = weight.shape[1], dz.shape[-2], dz.shape[-1]
     dz2 = dz.reshape(-1, steps, channels)
     xp2 = xp.reshape(-1, xp.shape[-2], channels)
@@ -172,7 +172,7 @@ def causal_conv1d_jvp(cache: CausalConv1dCache, *tangents) -> np.ndarray:
     """
     check_cache(cache, CausalConv1dCache, "causal_conv1d_jvp")
     specs = _conv_tangent_specs(cache)
-    return _causal_conv1d_jvp(cache, *check_tangents_as(tangents, "causal_conv1d_jvp", cache.xp.dtype, specs))
+    return causal_conv1d_jvp_kernel(cache, *check_tangents_as(tangents, "causal_conv1d_jvp", cache.xp.dtype, specs))
 
 
 def _conv_tangent_specs(cache):
@@ -188,7 +188,7 @@ def _conv_tangent_specs(cache):
     )
 
 
-def _causal_conv1d_jvp(cache, tx=None, tweight=None, tbias=None, tinitial_state=None):
+def causal_conv1d_jvp_kernel(cache, tx=None, tweight=None, tbias=None, tinitial_state=None):
     xp, weight, _, _, act, _ = cache
     taps = weight.shape[1]
     steps = xp.shape[-2] - taps + 1
@@ -206,7 +206,7 @@ def _causal_conv1d_jvp(cache, tx=None, tweight=None, tbias=None, tinitial_state=
             tz += xp[..., j : j + steps, :] * tweight[:, j]
     if tbias is not None:
         tz += tbias
-    return tz if act is None else _silu_jvp(act, tz)
+    return tz if act is None else silu_jvp_kernel(act, tz)
 
 
 def causal_conv1d_backward_jvp(dout: np.ndarray, cache: CausalConv1dCache, tangents, ddout=None):
@@ -256,10 +256,10 @@ def causal_conv1d_backward_jvp(dout: np.ndarray, cache: CausalConv1dCache, tange
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, "causal_conv1d_backward_jvp", specs[0][1], cache.xp.dtype, specs
     )
-    return _causal_conv1d_backward_jvp(dout, cache, tangents, ddout)
+    return causal_conv1d_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _causal_conv1d_backward_jvp(dout, cache, tangents, ddout=None):
+def causal_conv1d_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     """The kernel of ``causal_conv1d_backward_jvp`` (``tangents`` the checked four)."""
     tx, tweight, tbias, tinitial_state = tangents
     xp, weight, _, _, act, _ = cache
@@ -268,11 +268,11 @@ def _causal_conv1d_backward_jvp(dout, cache, tangents, ddout=None):
         dz, tdz = dout, ddout
     else:
         moved = any(t is not None for t in tangents)
-        tz = _causal_conv1d_jvp(linear, tx, tweight, tbias, tinitial_state) if moved else None
-        dz, tdz = _silu_backward_jvp(dout, act, (tz,), ddout)
-    grads = _causal_conv1d_backward(dz, linear)
+        tz = causal_conv1d_jvp_kernel(linear, tx, tweight, tbias, tinitial_state) if moved else None
+        dz, tdz = silu_backward_jvp_kernel(dout, act, (tz,), ddout)
+    grads = causal_conv1d_backward_kernel(dz, linear)
     if tdz is not None:
-        tgrads = list(_causal_conv1d_backward(tdz, linear))
+        tgrads = list(causal_conv1d_backward_kernel(tdz, linear))
     else:
         tgrads = [None if g is None else np.zeros_like(g) for g in grads]
     if tx is not None or tinitial_state is not None or tweight is not None:
@@ -283,7 +283,7 @@ def _causal_conv1d_backward_jvp(dout, cache, tangents, ddout=None):
         if tx is not None:
             txp[..., taps - 1 :, :] = tx
         tw = np.zeros_like(weight) if tweight is None else tweight
-        mdx, mdweight, _, mdinitial = _causal_conv1d_backward(
+        mdx, mdweight, _, mdinitial = causal_conv1d_backward_kernel(
             dz, linear._replace(xp=txp, weight=tw, has_bias=False, has_initial_state=True)
         )
         tgrads[0] += mdx

@@ -32,10 +32,10 @@ With ``T = (I + M)^{-1}`` (the UT transform) ``U = W_v - W_k S``, ``W_v = T diag
 Two things keep these numbers those of the recurrence where floating point could make them differ:
 
 * every exponent is a sum of the ``g`` it spans (``gamma_i - gamma_j = g_{j+1} + ... + g_i``,
-  ``_segment_sums``), never a difference of two running sums, which would lose the weak decays'
+  ``segment_sums``), never a difference of two running sums, which would lose the weak decays'
   digits after a strong one in float32 and turn a reset ``g = -inf`` into ``-inf - -inf``;
 * the products with the triangular ``T`` and ``P`` never multiply their zeros by an inf or NaN
-  (``_triangular_matmul``), so a non-finite value at step t reaches exactly what it reaches in the
+  (``triangular_matmul``), so a non-finite value at step t reaches exactly what it reaches in the
   recurrence (no output before t, no gradient after t from ``dout``).
 
 Backward (derived beside ``_chunked_backward``): the adjoint of the state runs the chunks in
@@ -67,8 +67,14 @@ from .._validate import (
     check_tangents,
     check_tangents_as,
 )
-from .activation import SiluCache, _silu, _silu_backward, _silu_backward_jvp, _silu_jvp
-from .norm import RMSNormCache, _rms_norm, _rms_norm_backward, _rms_norm_backward_jvp, _rms_norm_jvp
+from .activation import SiluCache, silu_backward_jvp_kernel, silu_backward_kernel, silu_jvp_kernel, silu_kernel
+from .norm import (
+    RMSNormCache,
+    rms_norm_backward_jvp_kernel,
+    rms_norm_backward_kernel,
+    rms_norm_jvp_kernel,
+    rms_norm_kernel,
+)
 
 __all__ = [
     "gated_delta_rule",
@@ -85,7 +91,7 @@ __all__ = [
     "rms_norm_gated_backward_jvp",
 ]
 
-_QK_EPS = 1e-6  # the eps of transformers' / FLA's l2norm of q and k
+QK_EPS = 1e-6  # the eps of transformers' / FLA's l2norm of q and k
 
 
 # ------------------------------------------------------------------------------------- l2_norm
@@ -123,7 +129,7 @@ def l2_norm(x: np.ndarray, eps: float = 1e-6) -> tuple[np.ndarray, L2NormCache]:
     """
     x = as_float(x, "x")
     _check_rows(x, "x")
-    return _l2_norm(x, check_positive_float(eps, "eps", allow_zero=True))
+    return l2_norm_kernel(x, check_positive_float(eps, "eps", allow_zero=True))
 
 
 def _check_rows(x, name):
@@ -131,10 +137,10 @@ def _check_rows(x, name):
         raise ValueError(f"{name}: expected shape (..., N) with N >= 1, got {x.shape}")
 
 
-def _l2_norm(x, eps=1e-6):
+def l2_norm_kernel(x, eps=1e-6):
     """``sum(x^2) + eps = N (mean(x^2) + eps / N)``, so ``l2_norm(x) = rms_norm(x, eps / N) / sqrt(N)``."""
     n = x.shape[-1]
-    y, cache = _rms_norm(x, None, eps / n, normalized_shape=(n,))
+    y, cache = rms_norm_kernel(x, None, eps / n, normalized_shape=(n,))
     root_n = math.sqrt(n)
     y /= root_n
     return y, L2NormCache(cache, root_n)
@@ -149,11 +155,11 @@ def l2_norm_backward(dout: np.ndarray, cache: L2NormCache) -> np.ndarray:
     dx : ndarray
     """
     check_cache(cache, L2NormCache, "l2_norm_backward")
-    return _l2_norm_backward(check_grad(dout, cache.norm.xhat.shape, cache.norm.xhat.dtype), cache)
+    return l2_norm_backward_kernel(check_grad(dout, cache.norm.xhat.shape, cache.norm.xhat.dtype), cache)
 
 
-def _l2_norm_backward(dout, cache):
-    return _rms_norm_backward(dout / cache.root_n, cache.norm)[0]
+def l2_norm_backward_kernel(dout, cache):
+    return rms_norm_backward_kernel(dout / cache.root_n, cache.norm)[0]
 
 
 def l2_norm_jvp(cache: L2NormCache, *tangents) -> np.ndarray:
@@ -171,15 +177,17 @@ def l2_norm_jvp(cache: L2NormCache, *tangents) -> np.ndarray:
     ty : ndarray
     """
     check_cache(cache, L2NormCache, "l2_norm_jvp")
-    return _l2_norm_jvp(cache, *check_tangents_as(tangents, "l2_norm_jvp", cache.norm.xhat.dtype, _l2_specs(cache)))
+    return l2_norm_jvp_kernel(
+        cache, *check_tangents_as(tangents, "l2_norm_jvp", cache.norm.xhat.dtype, _l2_specs(cache))
+    )
 
 
 def _l2_specs(cache):
     return (("tx", cache.norm.xhat.shape),)
 
 
-def _l2_norm_jvp(cache, tx=None):
-    return np.zeros(cache.norm.xhat.shape, cache.norm.xhat.dtype) if tx is None else _l2_norm_backward(tx, cache)
+def l2_norm_jvp_kernel(cache, tx=None):
+    return np.zeros(cache.norm.xhat.shape, cache.norm.xhat.dtype) if tx is None else l2_norm_backward_kernel(tx, cache)
 
 
 def l2_norm_backward_jvp(dout: np.ndarray, cache: L2NormCache, tangents, ddout=None):
@@ -205,12 +213,12 @@ def l2_norm_backward_jvp(dout: np.ndarray, cache: L2NormCache, tangents, ddout=N
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, "l2_norm_backward_jvp", xhat.shape, xhat.dtype, _l2_specs(cache)
     )
-    return _l2_norm_backward_jvp(dout, cache, tangents, ddout)
+    return l2_norm_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _l2_norm_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def l2_norm_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     root = cache.root_n
-    (dx, _), (tdx, _) = _rms_norm_backward_jvp(
+    (dx, _), (tdx, _) = rms_norm_backward_jvp_kernel(
         dout / root, cache.norm, (tangents[0], None), None if ddout is None else ddout / root
     )
     return dx, tdx
@@ -267,12 +275,12 @@ def rms_norm_gated(
     weight = as_float(weight, "weight", x.dtype)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight: expected shape ({x.shape[-1]},) (x's last dimension), got {weight.shape}")
-    return _rms_norm_gated(x, gate, weight, check_positive_float(eps, "eps", allow_zero=True))
+    return rms_norm_gated_kernel(x, gate, weight, check_positive_float(eps, "eps", allow_zero=True))
 
 
-def _rms_norm_gated(x, gate, weight, eps=1e-6):
-    normed, norm_cache = _rms_norm(x, weight, eps, normalized_shape=x.shape[-1:])
-    sig, gate_cache = _silu(gate)
+def rms_norm_gated_kernel(x, gate, weight, eps=1e-6):
+    normed, norm_cache = rms_norm_kernel(x, weight, eps, normalized_shape=x.shape[-1:])
+    sig, gate_cache = silu_kernel(gate)
     return normed * sig, RMSNormGatedCache(normed, sig, norm_cache, gate_cache)
 
 
@@ -286,13 +294,13 @@ def rms_norm_gated_backward(dout: np.ndarray, cache: RMSNormGatedCache) -> tuple
     (dx, dgate, dweight)
     """
     check_cache(cache, RMSNormGatedCache, "rms_norm_gated_backward")
-    return _rms_norm_gated_backward(check_grad(dout, cache.normed.shape, cache.normed.dtype), cache)
+    return rms_norm_gated_backward_kernel(check_grad(dout, cache.normed.shape, cache.normed.dtype), cache)
 
 
-def _rms_norm_gated_backward(dout, cache):
+def rms_norm_gated_backward_kernel(dout, cache):
     normed, sig, norm_cache, gate_cache = cache
-    dx, dweight = _rms_norm_backward(dout * sig, norm_cache)
-    return dx, _silu_backward(dout * normed, gate_cache), dweight
+    dx, dweight = rms_norm_backward_kernel(dout * sig, norm_cache)
+    return dx, silu_backward_kernel(dout * normed, gate_cache), dweight
 
 
 def rms_norm_gated_jvp(cache: RMSNormGatedCache, *tangents) -> np.ndarray:
@@ -311,7 +319,9 @@ def rms_norm_gated_jvp(cache: RMSNormGatedCache, *tangents) -> np.ndarray:
     """
     check_cache(cache, RMSNormGatedCache, "rms_norm_gated_jvp")
     specs = _gated_specs(cache)
-    return _rms_norm_gated_jvp(cache, *check_tangents_as(tangents, "rms_norm_gated_jvp", cache.normed.dtype, specs))
+    return rms_norm_gated_jvp_kernel(
+        cache, *check_tangents_as(tangents, "rms_norm_gated_jvp", cache.normed.dtype, specs)
+    )
 
 
 def _gated_specs(cache):
@@ -319,12 +329,12 @@ def _gated_specs(cache):
     return (("tx", shape), ("tgate", shape), ("tweight", shape[-1:]))
 
 
-def _rms_norm_gated_jvp(cache, tx=None, tgate=None, tweight=None):
+def rms_norm_gated_jvp_kernel(cache, tx=None, tgate=None, tweight=None):
     normed, sig, norm_cache, gate_cache = cache
-    ty = _rms_norm_jvp(norm_cache, tx, tweight)
+    ty = rms_norm_jvp_kernel(norm_cache, tx, tweight)
     ty *= sig
     if tgate is not None:
-        ty += normed * _silu_jvp(gate_cache, tgate)
+        ty += normed * silu_jvp_kernel(gate_cache, tgate)
     return ty
 
 
@@ -352,18 +362,18 @@ def rms_norm_gated_backward_jvp(dout: np.ndarray, cache: RMSNormGatedCache, tang
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, "rms_norm_gated_backward_jvp", shape, dtype, _gated_specs(cache)
     )
-    return _rms_norm_gated_backward_jvp(dout, cache, tangents, ddout)
+    return rms_norm_gated_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _rms_norm_gated_backward_jvp(dout, cache, tangents, ddout=None):
+def rms_norm_gated_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     normed, sig, norm_cache, gate_cache = cache
     tx, tgate, tweight = tangents
-    ts = None if tgate is None else _silu_jvp(gate_cache, tgate)
-    tn = None if tx is None and tweight is None else _rms_norm_jvp(norm_cache, tx, tweight)
-    (dx, dweight), (tdx, tdweight) = _rms_norm_backward_jvp(
+    ts = None if tgate is None else silu_jvp_kernel(gate_cache, tgate)
+    tn = None if tx is None and tweight is None else rms_norm_jvp_kernel(norm_cache, tx, tweight)
+    (dx, dweight), (tdx, tdweight) = rms_norm_backward_jvp_kernel(
         dout * sig, norm_cache, (tx, tweight), _sum_of(ddout, sig, dout, ts)
     )
-    dgate, tdgate = _silu_backward_jvp(dout * normed, gate_cache, (tgate,), _sum_of(ddout, normed, dout, tn))
+    dgate, tdgate = silu_backward_jvp_kernel(dout * normed, gate_cache, (tgate,), _sum_of(ddout, normed, dout, tn))
     return (dx, dgate, dweight), (tdx, tdgate, tdweight)
 
 
@@ -460,7 +470,7 @@ def gated_delta_rule(
     >>> len(F.gated_delta_rule_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
     6
     """
-    arrays, options = _checked_inputs(
+    arrays, options = checked_inputs(
         q,
         k,
         v,
@@ -472,10 +482,10 @@ def gated_delta_rule(
         use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size,
     )
-    return _gated_delta_rule(*arrays, **options)
+    return gated_delta_rule_kernel(*arrays, **options)
 
 
-def _checked_inputs(
+def checked_inputs(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, chunk_size, per_channel=False
 ):
     """The checks of ``gated_delta_rule`` (and, ``per_channel``: ``g`` of q's shape, one log decay
@@ -514,14 +524,14 @@ def _checked_inputs(
     return (q, k, v, g, beta), options
 
 
-def _gated_delta_rule(
+def gated_delta_rule_kernel(
     q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=64
 ):
     """The kernel of ``gated_delta_rule`` (arguments checked, one dtype, ``scale`` resolved)."""
     q_norm = k_norm = None
     if use_qk_l2norm:
-        q, q_norm = _l2_norm(q, _QK_EPS)
-        k, k_norm = _l2_norm(k, _QK_EPS)
+        q, q_norm = l2_norm_kernel(q, QK_EPS)
+        k, k_norm = l2_norm_kernel(k, QK_EPS)
         q *= scale  # q is l2_norm's fresh output
     else:
         q = q * scale
@@ -532,10 +542,10 @@ def _gated_delta_rule(
     s = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
     states = np.empty((rows, n, dk, dv), q.dtype)
     out = np.empty(vc.shape, q.dtype)
-    for blk in _blocks(rows, n, chunk):
+    for blk in chunk_blocks(rows, n, chunk):
         terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
         states[:, blk], u, s = _scan(terms, s)
-        out[:, blk] = terms.qa @ states[:, blk] + _triangular_matmul(terms.p, u)  # O = diag(a) Q S + P U
+        out[:, blk] = terms.qa @ states[:, blk] + triangular_matmul(terms.p, u)  # O = diag(a) Q S + P U
     final = s
     out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
     return out, GatedDeltaRuleCache(
@@ -577,7 +587,7 @@ class _Chunks(NamedTuple):
 _BLOCK = 1 << 18  # elements of one (rows, chunks, C, C) array of a block of chunks (1-2 MiB)
 
 
-def _blocks(rows, n, chunk):
+def chunk_blocks(rows, n, chunk):
     """The chunks ``0 .. n-1`` in blocks (slices) small enough that a block's ``(rows, chunks, C, C)``
     arrays hold about ``_BLOCK`` elements: they stay in the CPU's cache, so the time per step does
     not grow with L, and the scratch memory of a call is bounded whatever L is."""
@@ -587,8 +597,8 @@ def _blocks(rows, n, chunk):
 
 def _chunked(steps, chunk, q, k, v, g, beta):
     """``q, k, v (B..., L, D)`` and ``g, beta (B..., L)`` as chunks ``(rows, N, C, D)`` and ``(rows, N, C)``."""
-    vectors = tuple(_pad_chunks(x, steps, chunk) for x in (q, k, v))
-    return vectors + tuple(_pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
+    vectors = tuple(pad_chunks(x, steps, chunk) for x in (q, k, v))
+    return vectors + tuple(pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
 
 
 def _chunked_inputs(cache: GatedDeltaRuleCache):
@@ -597,7 +607,7 @@ def _chunked_inputs(cache: GatedDeltaRuleCache):
     return _chunked(c.q.shape[-2], c.chunk, c.q, c.k, c.v, c.g, c.beta)
 
 
-def _pad_chunks(x, steps, chunk):
+def pad_chunks(x, steps, chunk):
     """``(B..., L, D)`` -> ``(rows, N, C, D)``, zero-padded at the end to ``N * C`` steps (a padded
     step has k = v = q = 0, g = beta = 0: it leaves the state as it was and reads nothing out)."""
     x = x.reshape((-1, steps, x.shape[-1]))
@@ -615,13 +625,13 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
     decays that follow (float32: ``-3e4 - 0.01`` is ``-30000.0098``), so ``gamma_i - gamma_j``
     would be off by 1e-3, and a full reset (``g = -inf``) would make it ``-inf - -inf``."""
     lower = np.tril(np.ones(g.shape[-1:] * 2, dtype=bool))  # j <= i
-    gam = _exp(np.where(lower, _segment_sums(g), -np.inf))  # masked before exp: 0 above the diagonal
-    a = _exp(np.cumsum(g, axis=-1))  # (rows, N, C) e^{gamma_i}
+    gam = flushed_exp(np.where(lower, segment_sums(g), -np.inf))  # masked before exp: 0 above the diagonal
+    a = flushed_exp(np.cumsum(g, axis=-1))  # (rows, N, C) e^{gamma_i}
     b = gam[..., -1, :]  # e^{g_{i+1} + ... + g_C} = Gam_Ci
     kt = k.swapaxes(-1, -2)
     kk = np.tril(k @ kt)  # lower triangles only: no value of a later step above the diagonal
     qk = np.tril(q @ kt)
-    t = _unit_lower_inverse(np.tril(beta[..., :, None] * kk * gam, -1))  # M_ij = beta_i Gam_ij k_i.k_j, j < i
+    t = unit_lower_inverse(np.tril(beta[..., :, None] * kk * gam, -1))  # M_ij = beta_i Gam_ij k_i.k_j, j < i
     return _Chunks(
         q=q,
         k=k,
@@ -636,12 +646,12 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
         p=qk * gam,  # P = (Q K^T) * Gam
         qa=q * a[..., None],  # diag(a) Q
         kb=k * b[..., None],  # diag(b) K
-        wv=_triangular_matmul(t, v * beta[..., None]),  # W_v = T diag(beta) V
-        wk=_triangular_matmul(t, k * (beta * a)[..., None]),  # W_k = T diag(beta a) K
+        wv=triangular_matmul(t, v * beta[..., None]),  # W_v = T diag(beta) V
+        wk=triangular_matmul(t, k * (beta * a)[..., None]),  # W_k = T diag(beta a) K
     )
 
 
-def _segment_sums(x):
+def segment_sums(x):
     """``D_ij = x_{j+1} + ... + x_i`` for ``j <= i`` (0 on the diagonal and above) over the last
     axis: ``(..., C) -> (..., C, C)``, each a sum of the terms it spans (a running sum down each
     column of the matrix holding ``x_i`` below the diagonal), so no cancellation between large
@@ -651,7 +661,7 @@ def _segment_sums(x):
     return np.cumsum(d, axis=-2, out=d)
 
 
-def _triangular_matmul(m, x, upper=False):
+def triangular_matmul(m, x, upper=False):
     """``m @ x`` for a lower- (``upper``: upper-) triangular ``m (..., C, C)`` whose other triangle
     is exactly zero, without ever forming ``0 * inf`` across that triangle: with an inf or NaN in
     row j of x, row i of the result (i < j; ``upper``: i > j) stays what the step-by-step
@@ -667,7 +677,7 @@ def _triangular_matmul(m, x, upper=False):
     return out
 
 
-def _exp(x):
+def flushed_exp(x):
     """``exp(x)`` with results below the dtype's smallest normal number set to 0.  Strong decays
     make ``e^{gamma}`` subnormal inside a chunk (float32: below 1.2e-38, at gamma < -87), and
     arithmetic on subnormals runs 10-100 times slower on x86 CPUs; such a factor changes a result
@@ -677,13 +687,13 @@ def _exp(x):
     return y
 
 
-def _unit_lower_inverse(m):
+def unit_lower_inverse(m):
     """``T = (I + M)^{-1}`` for strictly lower-triangular ``M (..., C, C)``, by forward substitution:
     ``(I + M) T = I`` gives row by row ``T_i = e_i - sum_{j<i} M_ij T_j``, and ``T_j`` (``j < i``)
     is zero right of column ``j``, so ``T[i, :i] = -M[i, :i] T[:i, :i]``: one batched
     vector-matrix product per row (several times faster than a general inverse, as stable as a
     triangular solve).  With an inf or NaN in M the product skips ``T``'s zeros
-    (``_triangular_matmul``): ``T_ij`` for ``i, j`` after a non-finite ``M_il`` does not depend on it."""
+    (``triangular_matmul``): ``T_ij`` for ``i, j`` after a non-finite ``M_il`` does not depend on it."""
     c = m.shape[-1]
     t = np.zeros(m.shape, m.dtype)
     t[..., np.arange(c), np.arange(c)] = 1.0
@@ -693,7 +703,7 @@ def _unit_lower_inverse(m):
             t[..., i, :i] = -np.matmul(m[..., i, None, :i], t[..., :i, :i])[..., 0, :]
         else:  # the same product as T[:i, :i]^T m_i
             ti = t[..., :i, :i].swapaxes(-1, -2)
-            t[..., i, :i] = -_triangular_matmul(ti, m[..., i, :i, None], upper=True)[..., 0]
+            t[..., i, :i] = -triangular_matmul(ti, m[..., i, :i, None], upper=True)[..., 0]
     return t
 
 
@@ -735,19 +745,19 @@ def gated_delta_rule_backward(
     if dfinal_state is not None:
         want = cache.states.shape[:-3] + cache.states.shape[-2:]
         dfinal_state = check_grad(dfinal_state, want, dtype, "dfinal_state")
-    return _gated_delta_rule_backward(dout, cache, dfinal_state)
+    return gated_delta_rule_backward_kernel(dout, cache, dfinal_state)
 
 
-def _gated_delta_rule_backward(dout, cache, dfinal_state=None):
+def gated_delta_rule_backward_kernel(dout, cache, dfinal_state=None):
     q, chunk = cache.q, cache.chunk
     lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], cache.v.shape[-1]
     qc, kc, vc, gc, bc = _chunked_inputs(cache)
-    doc = _pad_chunks(dout, steps, chunk)
+    doc = pad_chunks(dout, steps, chunk)
     rows, n = qc.shape[:2]
     s = cache.states.reshape((rows,) + cache.states.shape[-3:])
     ds = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
     grads = tuple(np.empty(x.shape, q.dtype) for x in (qc, kc, vc, gc, bc))
-    for blk in reversed(_blocks(rows, n, chunk)):  # the last block first: the state's adjoint runs backwards
+    for blk in reversed(chunk_blocks(rows, n, chunk)):  # the last block first: the state's adjoint runs backwards
         terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
         block_grads, ds = _chunked_backward(terms, s[:, blk], doc[:, blk], ds)
         for whole, part in zip(grads, block_grads):
@@ -757,7 +767,7 @@ def _gated_delta_rule_backward(dout, cache, dfinal_state=None):
     )
     dq *= cache.scale
     if cache.q_norm is not None:
-        dq, dk_ = _l2_norm_backward(dq, cache.q_norm), _l2_norm_backward(dk_, cache.k_norm)
+        dq, dk_ = l2_norm_backward_kernel(dq, cache.q_norm), l2_norm_backward_kernel(dk_, cache.k_norm)
     return dq, dk_, dv_, dg, dbeta, (ds.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
 
 
@@ -791,12 +801,12 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
                   in the chunk, so dg_l = sum_{i >= l} dgamma_i;
                   Gam_ij = e^{D_ij}, D_ij = g_{j+1} + ... + g_i, and b_j = Gam_Cj: with
                   dD = dGam * Gam and dD_Cj += b_j db_j, dg_l += sum_{i >= l > j} dD_ij
-                  (``_segment_sums_backward``; sums only, as the forward's exponents).
+                  (``segment_sums_backward``; sums only, as the forward's exponents).
 
     Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk = dinitial_state)``.
     """
     rows, n = c.q.shape[:2]
-    pt_do = _triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
+    pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
     qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (diag(a) Q)^T dO
     wkt = c.wk.swapaxes(-1, -2)
     decay = c.a[..., -1, None, None]
@@ -807,14 +817,14 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
         ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
     u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
     du = pt_do + c.kb @ ds_end
-    dr = _triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
+    dr = triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
     st = s.swapaxes(-1, -2)
     # from O
     dp = np.tril(do @ u.swapaxes(-1, -2))
     dqa = do @ st  # (rows, N, C, Dk)
     dpg = dp * c.gam
-    dq = dqa * c.a[..., None] + _triangular_matmul(dpg, c.k)
-    dk = _triangular_matmul(dpg.swapaxes(-1, -2), c.q, upper=True)
+    dq = dqa * c.a[..., None] + triangular_matmul(dpg, c.k)
+    dk = triangular_matmul(dpg.swapaxes(-1, -2), c.q, upper=True)
     da = (c.q * dqa).sum(-1)
     dgam = dp * c.qk
     # from S'
@@ -827,7 +837,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dmg = dm * c.gam
     dbeta = (dmg * c.kk).sum(-1)
     d = dmg * c.beta[..., :, None]
-    dk += _triangular_matmul(d, c.k) + _triangular_matmul(d.swapaxes(-1, -2), c.k, upper=True)
+    dk += triangular_matmul(d, c.k) + triangular_matmul(d.swapaxes(-1, -2), c.k, upper=True)
     dgam += dm * c.kk * c.beta[..., :, None]
     # from R = diag(beta) V - diag(beta a) K S
     ks = c.k @ s  # (rows, N, C, Dv) S^T k_i as rows
@@ -836,17 +846,17 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dbeta += (c.v * dr).sum(-1) - c.a * ks_dr
     da -= c.beta * ks_dr
     dk -= (dr @ st) * (c.beta * c.a)[..., None]
-    # the decays: a_i = e^{gamma_i}, gamma = cumsum(g); Gam_ij = e^{D_ij} and b_j = Gam_Cj, D = _segment_sums(g)
+    # the decays: a_i = e^{gamma_i}, gamma = cumsum(g); Gam_ij = e^{D_ij} and b_j = Gam_Cj, D = segment_sums(g)
     dd = dgam * c.gam  # dD_ij = dGam_ij Gam_ij
     dd[..., -1, :] += db * c.b
     dgamma = da * c.a
     dgamma[..., -1] += da_end * c.a[..., -1]
-    dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1] + _segment_sums_backward(dd)
+    dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1] + segment_sums_backward(dd)
     return (dq, dk, dv, dg, dbeta), ds
 
 
-def _segment_sums_backward(dd):
-    """The adjoint of ``_segment_sums`` (``dd`` is overwritten): ``D_ij = x_{j+1} +
+def segment_sums_backward(dd):
+    """The adjoint of ``segment_sums`` (``dd`` is overwritten): ``D_ij = x_{j+1} +
     ... + x_i`` holds ``x_l`` for ``j < l <= i``, so ``dx_l = sum_{i >= l} F_{i, l-1}`` with the
     running sums along the rows ``F_im = sum_{j <= m} dD_ij``, and ``dx_1 = 0``: sums only, no
     differences of large sums, as in the forward."""
@@ -883,15 +893,15 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
     shapes = (q.shape, k.shape, v.shape, g.shape, g.shape, state_shape)
     checked = [check_tangent(t, n, sh, q.dtype) for t, n, sh in zip(ts[:5], names, shapes)]
     checked.append(check_tangent(ts[5], names[5], state_shape, q.dtype, present=cache.has_initial_state))
-    return _gated_delta_rule_jvp(cache, *checked)
+    return gated_delta_rule_jvp_kernel(cache, *checked)
 
 
-def _gated_delta_rule_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
+def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
     c = cache
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
     zero = np.zeros_like
-    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else _l2_norm_jvp(c.q_norm, tq))
-    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else _l2_norm_jvp(c.k_norm, tk))
+    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else l2_norm_jvp_kernel(c.q_norm, tq))
+    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else l2_norm_jvp_kernel(c.k_norm, tk))
     tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
     qc, kc, vc, gc, bc = _chunked_inputs(c)
     tqc, tkc, tvc, tgc, tbc = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
@@ -899,7 +909,7 @@ def _gated_delta_rule_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None,
     s = c.states.reshape((rows,) + c.states.shape[-3:])
     ts = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
     tout = np.empty(vc.shape, c.q.dtype)
-    for blk in _blocks(rows, n, c.chunk):
+    for blk in chunk_blocks(rows, n, c.chunk):
         terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
         tout[:, blk], ts = _chunked_jvp(
             terms, s[:, blk], tqc[:, blk], tkc[:, blk], tvc[:, blk], tgc[:, blk], tbc[:, blk], ts
@@ -912,7 +922,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     """The product rule through one chunk's formulas (module docstring), for a block of chunks
     at once but for the tangent of the state, carried through the chunks as the state is:
 
-        ta = a cumsum(tg);  tD = _segment_sums(tg);  tGam = Gam tD;  tb_j = b_j tD_Cj
+        ta = a cumsum(tg);  tD = segment_sums(tg);  tGam = Gam tD;  tb_j = b_j tD_Cj
         tM = beta (tK K^T + K tK^T) Gam + tbeta (K K^T) Gam + beta (K K^T) tGam   (strictly lower)
         tT = -T tM T                                       (from T (I + M) = I)
         tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
@@ -924,7 +934,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
 
     Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
     ta = c.a * np.cumsum(tg, axis=-1)
-    td = _segment_sums(tg)  # the tangents of the exponents D_ij, sums as the forward's
+    td = segment_sums(tg)  # the tangents of the exponents D_ij, sums as the forward's
     tgam = c.gam * td
     tb = c.b * td[..., -1, :]
     kt = c.k.swapaxes(-1, -2)
@@ -932,12 +942,12 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     tkk += tkk.swapaxes(-1, -2)
     bcol = c.beta[..., :, None]
     tm = np.tril(bcol * tkk * c.gam + tbeta[..., :, None] * c.kk * c.gam + bcol * c.kk * tgam, -1)
-    tt = -_triangular_matmul(_triangular_matmul(c.t, tm), c.t)
-    twv = _triangular_matmul(tt, c.v * c.beta[..., None])
-    twv += _triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
+    tt = -triangular_matmul(triangular_matmul(c.t, tm), c.t)
+    twv = triangular_matmul(tt, c.v * c.beta[..., None])
+    twv += triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
     ba = c.beta * c.a
-    twk = _triangular_matmul(tt, c.k * ba[..., None])
-    twk += _triangular_matmul(c.t, c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
+    twk = triangular_matmul(tt, c.k * ba[..., None])
+    twk += triangular_matmul(c.t, c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
     tp = np.tril(tq @ kt + c.q @ tk.swapaxes(-1, -2)) * c.gam + c.qk * tgam
     tkb = c.k * tb[..., None] + tk * c.b[..., None]
     u = c.wv - c.wk @ s
@@ -955,5 +965,5 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
             + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
         )
     tout = (tq * c.a[..., None] + c.q * ta[..., None]) @ s + c.qa @ tstates
-    tout += _triangular_matmul(tp, u) + _triangular_matmul(c.p, tu)
+    tout += triangular_matmul(tp, u) + triangular_matmul(c.p, tu)
     return tout, ts

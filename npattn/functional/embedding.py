@@ -1,6 +1,6 @@
 """Row lookup: ``embedding`` and ``embedding_backward``, with torch's options.
 
-The public pair validates and calls the unvalidated kernels ``_embedding`` / ``_embedding_backward``.
+The public pair validates and calls the unvalidated kernels ``embedding_kernel`` / ``embedding_backward_kernel``.
 """
 
 from __future__ import annotations
@@ -135,10 +135,10 @@ def embedding(
     if not norm_type > 0:  # also refuses NaN; inf is the max-norm
         raise ValueError(f"norm_type: expected a number > 0 (or inf), got {norm_type}")
     scale_grad_by_freq = check_bool(scale_grad_by_freq, "scale_grad_by_freq")
-    return _embedding(ids, weight, padding_idx, max_norm, float(norm_type), scale_grad_by_freq)
+    return embedding_kernel(ids, weight, padding_idx, max_norm, float(norm_type), scale_grad_by_freq)
 
 
-def _embedding(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+def embedding_kernel(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
     """Kernel: ``padding_idx`` already in ``[0, num)``."""
     out = weight[ids]  # (*ids.shape, dim), a copy
     if max_norm is not None and out.size:
@@ -179,10 +179,10 @@ def embedding_backward(dout: np.ndarray, cache: EmbeddingCache) -> np.ndarray:
         ``dout`` of the wrong shape.
     """
     check_cache(cache, EmbeddingCache, "embedding_backward")
-    return _embedding_backward(check_grad(dout, cache.ids.shape + (cache.weight_shape[1],), cache.dtype), cache)
+    return embedding_backward_kernel(check_grad(dout, cache.ids.shape + (cache.weight_shape[1],), cache.dtype), cache)
 
 
-def _embedding_backward(dout, cache):
+def embedding_backward_kernel(dout, cache):
     ids, wshape, dtype, padding_idx, scale_grad_by_freq = cache
     flat = ids.reshape(-1)
     rows = dout.reshape(-1, wshape[1])
@@ -247,7 +247,7 @@ def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, EmbeddingCache, "embedding_jvp")
-    return _embedding_jvp(
+    return embedding_jvp_kernel(
         cache, *check_tangents_as(tangents, "embedding_jvp", cache.dtype, _embedding_tangent_specs(cache))
     )
 
@@ -257,7 +257,7 @@ def _embedding_tangent_specs(cache):
     return (("tweight", cache.weight_shape),)
 
 
-def _embedding_jvp(cache, tweight=None):
+def embedding_jvp_kernel(cache, tweight=None):
     """The kernel of ``embedding_jvp`` (``tweight`` checked, None = zero)."""
     if tweight is None:
         return np.zeros(cache.ids.shape + (cache.weight_shape[1],), cache.dtype)
@@ -308,10 +308,10 @@ def embedding_backward_jvp(dout: np.ndarray, cache: EmbeddingCache, tangents, dd
         cache.dtype,
         _embedding_tangent_specs(cache),
     )
-    return _embedding_backward_jvp(dout, cache, tangents, ddout)
+    return embedding_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _embedding_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def embedding_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``embedding_backward_jvp``: ``tweight`` does not enter."""
-    grads = _embedding_backward(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else _embedding_backward(ddout, cache))
+    grads = embedding_backward_kernel(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else embedding_backward_kernel(ddout, cache))

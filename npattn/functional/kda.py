@@ -32,7 +32,7 @@ overflows (float32: past ``gamma = -88``; one step of ``g = -100`` is enough), a
 cut the chunk into sub-chunks of 16 with a reference step per sub-chunk (two factors each at most 1
 when ``g <= 0``) and compute the diagonal sub-chunks pair by pair.  Here every pair is formed
 directly: ``Gam (C, Dk, C)`` per chunk, each exponent the sum of the decays it spans
-(``delta_rule._segment_sums`` along each channel), as ``gated_delta_rule`` forms its ``(C, C)``
+(``delta_rule.segment_sums`` along each channel), as ``gated_delta_rule`` forms its ``(C, C)``
 matrix.  It is exact where the recurrence is (strong decays, ``g = -inf`` resets, decays of either
 sign: no factor is ever larger than the product it stands for), and costs ``C Dk`` numbers and
 exponentials per step: linear in ``L`` as the rest, and of the order of the ``(C, Dk) x (Dk, C)``
@@ -42,7 +42,7 @@ about ``_BLOCK`` numbers of these ``(C, Dk, C)`` arrays (rows of the batch are s
 chunk of every row would not fit).
 
 Non-finite values: as ``delta_rule``, products with the triangular ``T``, ``P`` skip their zeros
-when the other factor is not finite (``_triangular_matmul``), and the pairwise arrays are masked
+when the other factor is not finite (``triangular_matmul``), and the pairwise arrays are masked
 (``np.where``, never multiplied by a zero) above the diagonal, so a NaN or inf at step t reaches what it
 reaches in the recurrence.
 
@@ -60,19 +60,19 @@ import numpy as np
 from .._validate import check_cache, check_grad, check_tangents_as
 from . import delta_rule
 from .delta_rule import (
-    _QK_EPS,
+    QK_EPS,
     L2NormCache,
-    _blocks,
-    _checked_inputs,
-    _exp,
-    _l2_norm,
-    _l2_norm_backward,
-    _l2_norm_jvp,
-    _pad_chunks,
-    _segment_sums,
-    _segment_sums_backward,
-    _triangular_matmul,
-    _unit_lower_inverse,
+    checked_inputs,
+    chunk_blocks,
+    flushed_exp,
+    l2_norm_backward_kernel,
+    l2_norm_jvp_kernel,
+    l2_norm_kernel,
+    pad_chunks,
+    segment_sums,
+    segment_sums_backward,
+    triangular_matmul,
+    unit_lower_inverse,
 )
 
 __all__ = [
@@ -172,7 +172,7 @@ def kimi_delta_attention(
     >>> len(F.kimi_delta_attention_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
     6
     """
-    arrays, options = _checked_inputs(
+    arrays, options = checked_inputs(
         q,
         k,
         v,
@@ -194,8 +194,8 @@ def _kimi_delta_attention(
     """The kernel of ``kimi_delta_attention`` (arguments checked, one dtype, ``scale`` resolved)."""
     q_norm = k_norm = None
     if use_qk_l2norm:
-        q, q_norm = _l2_norm(q, _QK_EPS)
-        k, k_norm = _l2_norm(k, _QK_EPS)
+        q, q_norm = l2_norm_kernel(q, QK_EPS)
+        k, k_norm = l2_norm_kernel(k, QK_EPS)
         q *= scale  # q is l2_norm's fresh output
     else:
         q = q * scale
@@ -212,7 +212,7 @@ def _kimi_delta_attention(
         for blk in blocks:
             terms = _chunk_terms(*(x[rs, blk] for x in chunks))
             states[rs, blk], u, s = _scan(terms, s)
-            out[rs, blk] = terms.qa @ states[rs, blk] + _triangular_matmul(terms.p, u)  # O = (A * Q) S + P U
+            out[rs, blk] = terms.qa @ states[rs, blk] + triangular_matmul(terms.p, u)  # O = (A * Q) S + P U
         final[rs] = s
     out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
     return out, KimiDeltaAttentionCache(
@@ -254,20 +254,20 @@ class _Chunks(NamedTuple):
 
 
 def _groups(rows, n, chunk, dk):
-    """The batch rows in groups, each with its blocks of chunks (``delta_rule._blocks``): a block's
+    """The batch rows in groups, each with its blocks of chunks (``delta_rule.chunk_blocks``): a block's
     ``(rows, chunks, C, Dk, C)`` arrays hold about ``delta_rule._BLOCK`` numbers (one chunk of
     one row at least), so the time per step does not grow with L and the scratch memory of a call
     is bounded."""
     per = max(1, delta_rule._BLOCK // (chunk * chunk * dk))
     groups = [slice(r, min(r + per, rows)) for r in range(0, rows, per)]
-    return [(rs, _blocks((rs.stop - rs.start) * dk, n, chunk)) for rs in groups]
+    return [(rs, chunk_blocks((rs.stop - rs.start) * dk, n, chunk)) for rs in groups]
 
 
 def _chunked(steps, chunk, q, k, v, g, beta):
     """``q, k, v, g (B..., L, D)`` and ``beta (B..., L)`` as chunks ``(rows, N, C, D)`` and
     ``(rows, N, C)`` (a padded step has k = q = v = 0, g = beta = 0: it changes nothing)."""
-    vectors = tuple(_pad_chunks(x, steps, chunk) for x in (q, k, v, g))
-    return vectors + (_pad_chunks(beta[..., None], steps, chunk)[..., 0],)
+    vectors = tuple(pad_chunks(x, steps, chunk) for x in (q, k, v, g))
+    return vectors + (pad_chunks(beta[..., None], steps, chunk)[..., 0],)
 
 
 def _chunked_inputs(cache: KimiDeltaAttentionCache):
@@ -306,19 +306,19 @@ def _cols(m, ys):
 def _chunk_terms(q, k, v, g, beta) -> _Chunks:
     """The state-independent terms of the chunks given (``(rows, n, C, ...)`` arrays).
 
-    Every exponent is the sum of the decays it spans, per channel (``_segment_sums`` along the
+    Every exponent is the sum of the decays it spans, per channel (``segment_sums`` along the
     steps of each channel), never a difference of running sums nor a product of two factors
     ``e^{gamma_i} e^{-gamma_j}`` (module docstring)."""
     c = g.shape[-2]
     lower = np.tril(np.ones((c, c), dtype=bool))[:, None, :]  # [i, ., j]: j <= i
-    seg = _segment_sums(g.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j] = g_{j+1,d} + ... + g_id
-    gam = _exp(np.where(lower, seg, -np.inf))  # masked before exp: 0 above the diagonal
-    a = _exp(np.cumsum(g, axis=-2))  # e^{gamma_id}
+    seg = segment_sums(g.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j] = g_{j+1,d} + ... + g_id
+    gam = flushed_exp(np.where(lower, seg, -np.inf))  # masked before exp: 0 above the diagonal
+    a = flushed_exp(np.cumsum(g, axis=-2))  # e^{gamma_id}
     b = gam[..., -1, :, :].swapaxes(-1, -2)  # Gam_Cjd as [j, d]
     xk = _decayed(gam, lower, k)
     kk = np.tril(_pair(k, xk), -1)  # strictly lower: M's support
     p = np.tril(_pair(q, xk))  # lower triangles only: no value of a later step above the diagonal
-    t = _unit_lower_inverse(beta[..., :, None] * kk)  # M_ij = beta_i (k_i . Gam_ij . k_j), j < i
+    t = unit_lower_inverse(beta[..., :, None] * kk)  # M_ij = beta_i (k_i . Gam_ij . k_j), j < i
     ka = k * a
     return _Chunks(
         q=q,
@@ -336,8 +336,8 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
         qa=q * a,
         ka=ka,
         kb=k * b,
-        wv=_triangular_matmul(t, v * beta[..., None]),  # W_v = T diag(beta) V
-        wk=_triangular_matmul(t, ka * beta[..., None]),  # W_k = T diag(beta) (A * K)
+        wv=triangular_matmul(t, v * beta[..., None]),  # W_v = T diag(beta) V
+        wk=triangular_matmul(t, ka * beta[..., None]),  # W_k = T diag(beta) (A * K)
     )
 
 
@@ -387,7 +387,7 @@ def _kimi_delta_attention_backward(dout, cache, dfinal_state=None):
     q, chunk = cache.q, cache.chunk
     lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], cache.v.shape[-1]
     chunks = _chunked_inputs(cache)
-    doc = _pad_chunks(dout, steps, chunk)
+    doc = pad_chunks(dout, steps, chunk)
     rows, n = chunks[0].shape[:2]
     s = cache.states.reshape((rows,) + cache.states.shape[-3:])
     dsf = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
@@ -406,7 +406,7 @@ def _kimi_delta_attention_backward(dout, cache, dfinal_state=None):
     )
     dq *= cache.scale
     if cache.q_norm is not None:
-        dq, dk_ = _l2_norm_backward(dq, cache.q_norm), _l2_norm_backward(dk_, cache.k_norm)
+        dq, dk_ = l2_norm_backward_kernel(dq, cache.q_norm), l2_norm_backward_kernel(dk_, cache.k_norm)
     return dq, dk_, dv_, dg, dbeta, (ds0.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
 
 
@@ -441,12 +441,12 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
                   gamma = cumsum(g) along the chunk, so dg_ld = sum_{i >= l} dgamma_id;
                   Gam_ijd = e^{D_ijd}, D_ijd = g_{j+1,d} + ... + g_id, and b_jd = Gam_Cjd: with
                   dD = dGam * Gam = Gam_ijd k_jd (dP_ij q_id + D_ij k_id) and dD_Cjd += b_jd db_jd,
-                  dg_ld += sum_{i >= l > j} dD_ijd  (``_segment_sums_backward`` along each channel).
+                  dg_ld += sum_{i >= l > j} dD_ijd  (``segment_sums_backward`` along each channel).
 
     Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk)``.
     """
     n = c.q.shape[1]
-    pt_do = _triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
+    pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
     qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (A * Q)^T dO
     wkt = c.wk.swapaxes(-1, -2)
     decay = c.a[..., -1, :, None]
@@ -457,7 +457,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
         ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
     u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
     du = pt_do + c.kb @ ds_end
-    dr = _triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
+    dr = triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
     st = s.swapaxes(-1, -2)
     # from O
     dp = np.tril(do @ u.swapaxes(-1, -2))
@@ -482,7 +482,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dka = -(dv @ st)  # d(A * K) = -diag(beta) dR S^T
     dk += dka * c.a
     da += dka * c.k
-    # the decays: a = e^{gamma}, gamma = cumsum(g); Gam_ijd = e^{D_ijd}, b_jd = Gam_Cjd, D = _segment_sums(g)
+    # the decays: a = e^{gamma}, gamma = cumsum(g); Gam_ijd = e^{D_ijd}, b_jd = Gam_Cjd, D = segment_sums(g)
     dd = np.where(
         c.lower, c.xk * (dp[..., :, None, :] * c.q[..., :, :, None] + d[..., :, None, :] * c.k[..., :, :, None]), 0
     )
@@ -490,7 +490,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dgamma = da * c.a
     dgamma[..., -1, :] += da_end * c.a[..., -1, :]
     dg = np.cumsum(dgamma[..., ::-1, :], axis=-2)[..., ::-1, :]
-    dg += _segment_sums_backward(dd.swapaxes(-3, -2)).swapaxes(-1, -2)
+    dg += segment_sums_backward(dd.swapaxes(-3, -2)).swapaxes(-1, -2)
     return (dq, dk, dv, dg, dbeta), ds
 
 
@@ -530,8 +530,8 @@ def _kimi_delta_attention_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=N
     c = cache
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
     zero = np.zeros_like
-    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else _l2_norm_jvp(c.q_norm, tq))
-    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else _l2_norm_jvp(c.k_norm, tk))
+    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else l2_norm_jvp_kernel(c.q_norm, tq))
+    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else l2_norm_jvp_kernel(c.k_norm, tk))
     tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
     chunks = _chunked_inputs(c)
     tchunks = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
@@ -554,7 +554,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     """The product rule through one chunk's formulas (module docstring), for a block of chunks
     at once but for the tangent of the state, carried through the chunks as the state is:
 
-        tA = A * cumsum(tg);  tD = _segment_sums(tg) per channel;  tGam = Gam * tD;  tb_jd = b_jd tD_Cjd
+        tA = A * cumsum(tg);  tD = segment_sums(tg) per channel;  tGam = Gam * tD;  tb_jd = b_jd tD_Cjd
         tkk_ij = sum_d (tk_id Gam_ijd k_jd + k_id (Gam_ijd tk_jd + tGam_ijd k_jd))      (strictly lower)
         tM = diag(beta) tkk + diag(tbeta) kk;  tT = -T tM T          (from T (I + M) = I)
         tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
@@ -566,7 +566,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
 
     Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
     ta = c.a * np.cumsum(tg, axis=-2)
-    td = _segment_sums(tg.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j]: the tangents of the exponents
+    td = segment_sums(tg.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j]: the tangents of the exponents
     tgam = c.gam * td
     tb = c.b * td[..., -1, :, :].swapaxes(-1, -2)
     txk = np.where(
@@ -574,12 +574,12 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     )
     tkk = np.tril(_pair(tk, c.xk) + _pair(c.k, txk), -1)
     tm = c.beta[..., :, None] * tkk + tbeta[..., :, None] * c.kk
-    tt = -_triangular_matmul(_triangular_matmul(c.t, tm), c.t)
-    twv = _triangular_matmul(tt, c.v * c.beta[..., None])
-    twv += _triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
+    tt = -triangular_matmul(triangular_matmul(c.t, tm), c.t)
+    twv = triangular_matmul(tt, c.v * c.beta[..., None])
+    twv += triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
     tka = ta * c.k + c.a * tk
-    twk = _triangular_matmul(tt, c.ka * c.beta[..., None])
-    twk += _triangular_matmul(c.t, c.ka * tbeta[..., None] + tka * c.beta[..., None])
+    twk = triangular_matmul(tt, c.ka * c.beta[..., None])
+    twk += triangular_matmul(c.t, c.ka * tbeta[..., None] + tka * c.beta[..., None])
     tp = np.tril(_pair(tq, c.xk) + _pair(c.q, txk))
     tkb = tb * c.k + c.b * tk
     u = c.wv - c.wk @ s
@@ -597,5 +597,5 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
             + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
         )
     tout = (ta * c.q + c.a * tq) @ s + c.qa @ tstates
-    tout += _triangular_matmul(tp, u) + _triangular_matmul(c.p, tu)
+    tout += triangular_matmul(tp, u) + triangular_matmul(c.p, tu)
     return tout, ts

@@ -1,4 +1,5 @@
-"""The affine map ``linear``: the public pair validates, the kernels ``_linear`` / ``_linear_backward`` compute."""
+"""The affine map ``linear``: the public pair validates, the kernels ``linear_kernel`` /
+``linear_backward_kernel`` compute."""
 
 from __future__ import annotations
 
@@ -74,10 +75,10 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
         bias = as_float(bias, "bias", x.dtype)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {bias.shape}")
-    return _linear(x, weight, bias)
+    return linear_kernel(x, weight, bias)
 
 
-def _linear(x, weight, bias=None, out=None):
+def linear_kernel(x, weight, bias=None, out=None):
     """The kernel of ``linear``; ``out``: an optional C-contiguous array of the output's shape and
     dtype to write ``y`` into (a module's workspace)."""
     n, d_out = math.prod(x.shape[:-1]), weight.shape[0]
@@ -120,10 +121,10 @@ def linear_backward(dout: np.ndarray, cache: LinearCache):
     """
     check_cache(cache, LinearCache, "linear_backward")
     x, weight, _ = cache
-    return _linear_backward(check_grad(dout, x.shape[:-1] + (weight.shape[0],), x.dtype), cache)
+    return linear_backward_kernel(check_grad(dout, x.shape[:-1] + (weight.shape[0],), x.dtype), cache)
 
 
-def _linear_backward(dout, cache, dx_out=None):
+def linear_backward_kernel(dout, cache, dx_out=None):
     """The kernel of ``linear_backward``; ``dx_out``: an optional C-contiguous array of ``x``'s
     shape and dtype to write ``dx`` into (a module's workspace)."""
     x, weight, has_bias = cache
@@ -181,7 +182,9 @@ def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, LinearCache, "linear_jvp")
-    return _linear_jvp(cache, *check_tangents_as(tangents, "linear_jvp", cache.x.dtype, _linear_tangent_specs(cache)))
+    return linear_jvp_kernel(
+        cache, *check_tangents_as(tangents, "linear_jvp", cache.x.dtype, _linear_tangent_specs(cache))
+    )
 
 
 def _linear_tangent_specs(cache):
@@ -190,12 +193,12 @@ def _linear_tangent_specs(cache):
     return (("tx", x.shape), ("tweight", weight.shape), ("tbias", (weight.shape[0],), has_bias))
 
 
-def _linear_jvp(cache, tx=None, tweight=None, tbias=None):
+def linear_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
     """The kernel of ``linear_jvp`` (tangents checked, None = zero)."""
     x, weight, _ = cache
-    ty = _linear(tx, weight)[0] if tx is not None else np.zeros(x.shape[:-1] + (weight.shape[0],), x.dtype)
+    ty = linear_kernel(tx, weight)[0] if tx is not None else np.zeros(x.shape[:-1] + (weight.shape[0],), x.dtype)
     if tweight is not None:
-        ty += _linear(x, tweight)[0]  # x tW^T
+        ty += linear_kernel(x, tweight)[0]  # x tW^T
     if tbias is not None:
         ty += tbias
     return ty
@@ -262,18 +265,18 @@ def linear_backward_jvp(dout: np.ndarray, cache: LinearCache, tangents, ddout=No
         x.dtype,
         _linear_tangent_specs(cache),
     )
-    return _linear_backward_jvp(dout, cache, tangents, ddout)
+    return linear_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _linear_backward_jvp(dout, cache, tangents, ddout=None):
+def linear_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     """The kernel of ``linear_backward_jvp`` (``tangents`` the checked ``(tx, tweight, tbias)``)."""
     x, weight, has_bias = cache
     tx, tweight, _ = tangents
-    grads = _linear_backward(dout, cache)
+    grads = linear_backward_kernel(dout, cache)
     # ddy enters as dy did (the backward is linear in dy); tx and tW enter the backward of the
     # moved cache with dy: dx = dy tW, dW = dy^T tx
     if ddout is not None:
-        tdx, tdweight, tdbias = _linear_backward(ddout, cache)
+        tdx, tdweight, tdbias = linear_backward_kernel(ddout, cache)
     else:
         tdx, tdweight = np.zeros_like(grads[0]), np.zeros_like(grads[1])
         tdbias = np.zeros_like(grads[2]) if has_bias else None
@@ -281,7 +284,7 @@ def _linear_backward_jvp(dout, cache, tangents, ddout=None):
         moved = LinearCache(
             np.zeros_like(x) if tx is None else tx, np.zeros_like(weight) if tweight is None else tweight, False
         )
-        mdx, mdweight, _ = _linear_backward(dout, moved)
+        mdx, mdweight, _ = linear_backward_kernel(dout, moved)
         tdx += mdx
         tdweight += mdweight
     return grads, (tdx, tdweight, tdbias)

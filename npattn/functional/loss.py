@@ -1,5 +1,5 @@
-"""Losses: ``cross_entropy``.  The public pair validates; the kernels ``_cross_entropy`` /
-``_cross_entropy_backward`` compute."""
+"""Losses: ``cross_entropy``.  The public pair validates; the kernels ``cross_entropy_kernel`` /
+``cross_entropy_backward_kernel`` compute."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .._validate import (
     check_tangents_as,
     to_numpy,
 )
-from .activation import SoftmaxCache, _softmax_jvp
+from .activation import SoftmaxCache, softmax_jvp_kernel
 
 __all__ = [
     "CrossEntropyCache",
@@ -161,10 +161,12 @@ def cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
     label_smoothing = check_prob(label_smoothing, "label_smoothing")
-    return _cross_entropy(logits, t, ignore_index, weight=weight, reduction=reduction, label_smoothing=label_smoothing)
+    return cross_entropy_kernel(
+        logits, t, ignore_index, weight=weight, reduction=reduction, label_smoothing=label_smoothing
+    )
 
 
-def _cross_entropy(logits, targets, ignore_index=None, *, weight=None, reduction="mean", label_smoothing=0.0):
+def cross_entropy_kernel(logits, targets, ignore_index=None, *, weight=None, reduction="mean", label_smoothing=0.0):
     """Kernel: integer targets are class ids, float targets probabilities of logits' dtype."""
     c = logits.shape[-1]
     eps = label_smoothing
@@ -232,10 +234,10 @@ def cross_entropy_backward(dout: np.ndarray, cache: CrossEntropyCache) -> np.nda
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_backward")
     shape = cache.logp.shape[:-1] if cache.reduction == "none" else ()
-    return _cross_entropy_backward(check_grad(dout, shape, cache.logp.dtype), cache)
+    return cross_entropy_backward_kernel(check_grad(dout, shape, cache.logp.dtype), cache)
 
 
-def _cross_entropy_backward(dout, cache):
+def cross_entropy_backward_kernel(dout, cache):
     logp, targets, counted, weight, eps, reduction, denom = cache
     c = logp.shape[-1]
     eps_c = eps / c if c else 0.0
@@ -311,17 +313,17 @@ def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_jvp")
     specs = (("tlogits", cache.logp.shape),)
-    return _cross_entropy_jvp(cache, *check_tangents_as(tangents, "cross_entropy_jvp", cache.logp.dtype, specs))
+    return cross_entropy_jvp_kernel(cache, *check_tangents_as(tangents, "cross_entropy_jvp", cache.logp.dtype, specs))
 
 
-def _cross_entropy_jvp(cache, tlogits=None):
+def cross_entropy_jvp_kernel(cache, tlogits=None):
     """The kernel of ``cross_entropy_jvp`` (``tlogits`` checked, None = zero)."""
     shape = cache.logp.shape[:-1] if cache.reduction == "none" else ()
     if tlogits is None:
         return np.zeros(shape, cache.logp.dtype)
     # the backward with dout = 1 per element (or for the reduced loss): each element's gradient,
     # already divided by the mean's denominator; its dot product with tz is the loss's tangent
-    g = _cross_entropy_backward(np.ones(shape, cache.logp.dtype), cache)
+    g = cross_entropy_backward_kernel(np.ones(shape, cache.logp.dtype), cache)
     t = np.einsum("...c,...c->...", g, tlogits)
     return t if cache.reduction == "none" else np.asarray(t.sum(), dtype=cache.logp.dtype)
 
@@ -389,14 +391,14 @@ def cross_entropy_backward_jvp(dout: np.ndarray, cache: CrossEntropyCache, tange
         logp.dtype,
         (("tlogits", logp.shape),),
     )
-    return _cross_entropy_backward_jvp(dout, cache, tangents, ddout)
+    return cross_entropy_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _cross_entropy_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def cross_entropy_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``cross_entropy_backward_jvp``."""
     (tz,) = tangents
-    grads = _cross_entropy_backward(dout, cache)
-    tdz = np.zeros_like(grads) if ddout is None else _cross_entropy_backward(ddout, cache)
+    grads = cross_entropy_backward_kernel(dout, cache)
+    tdz = np.zeros_like(grads) if ddout is None else cross_entropy_backward_kernel(ddout, cache)
     if tz is not None:
         logp, targets, counted, weight, eps, reduction, denom = cache
         c = logp.shape[-1]
@@ -409,6 +411,6 @@ def _cross_entropy_backward_jvp(dout, cache, tangents=(None,), ddout=None):
                 mass = mass + eps / c * (weight.sum() if weight is not None else c)
             mass = mass * counted
         share = dout if reduction == "none" else ((dout / denom) if denom else np.zeros_like(dout))
-        tp = _softmax_jvp(SoftmaxCache(np.exp(logp), -1), tz)
+        tp = softmax_jvp_kernel(SoftmaxCache(np.exp(logp), -1), tz)
         tdz += (share * mass).astype(logp.dtype)[..., None] * tp
     return grads, tdz

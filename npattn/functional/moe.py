@@ -53,7 +53,14 @@ from .._validate import (
     check_tangent,
     check_tangents,
 )
-from .activation import _gelu, _gelu_backward, _relu, _relu_backward, _silu, _silu_backward
+from .activation import (
+    gelu_backward_kernel,
+    gelu_kernel,
+    relu_backward_kernel,
+    relu_kernel,
+    silu_backward_kernel,
+    silu_kernel,
+)
 
 __all__ = [
     "ROUTER_VARIANTS",
@@ -73,10 +80,10 @@ ROUTER_VARIANTS = ("softmax_topk", "topk_softmax", "sigmoid")
 EXPERT_KINDS = ("swiglu", "gpt_oss")
 # the activations of SwiGLU-kind experts: name -> (kernel, its backward, keyword arguments)
 _ACTS = {
-    "silu": (_silu, _silu_backward, {}),
-    "gelu": (_gelu, _gelu_backward, {"approximate": "none"}),
-    "gelu_tanh": (_gelu, _gelu_backward, {"approximate": "tanh"}),
-    "relu": (_relu, _relu_backward, {}),
+    "silu": (silu_kernel, silu_backward_kernel, {}),
+    "gelu": (gelu_kernel, gelu_backward_kernel, {"approximate": "none"}),
+    "gelu_tanh": (gelu_kernel, gelu_backward_kernel, {"approximate": "tanh"}),
+    "relu": (relu_kernel, relu_backward_kernel, {}),
 }
 EXPERT_ACTIVATIONS = tuple(_ACTS)
 
@@ -284,7 +291,7 @@ def topk_router(
         if correction_bias.shape != (e,):
             raise ValueError(f"correction_bias: expected shape ({e},) (one per expert), got {correction_bias.shape}")
     top_k, variant, norm, n_group, topk_group, scale = opts
-    return _topk_router(
+    return topk_router_kernel(
         logits,
         top_k,
         variant=variant,
@@ -296,7 +303,7 @@ def topk_router(
     )
 
 
-def _topk_router(
+def topk_router_kernel(
     logits,
     top_k,
     *,
@@ -371,10 +378,10 @@ def topk_router_backward(dout: np.ndarray, cache: TopKRouterCache) -> np.ndarray
     """
     check_cache(cache, TopKRouterCache, "topk_router_backward")
     shape = cache.logits_shape[:-1] + cache.indices.shape[-1:]
-    return _topk_router_backward(check_grad(dout, shape, cache.v.dtype), cache)
+    return topk_router_backward_kernel(check_grad(dout, shape, cache.v.dtype), cache)
 
 
-def _topk_router_backward(dout, cache):
+def topk_router_backward_kernel(dout, cache):
     """The kernel of ``topk_router_backward``."""
     idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
     c, shape = cache.routed_scaling_factor, cache.logits_shape
@@ -422,10 +429,10 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents) -> np.ndarray:
     """
     check_cache(cache, TopKRouterCache, "topk_router_jvp")
     (tz,) = check_tangents(tangents, ("tlogits",), "topk_router_jvp")
-    return _topk_router_jvp(cache, check_tangent(tz, "tlogits", cache.logits_shape, cache.v.dtype))
+    return topk_router_jvp_kernel(cache, check_tangent(tz, "tlogits", cache.logits_shape, cache.v.dtype))
 
 
-def _topk_router_jvp(cache, tlogits=None):
+def topk_router_jvp_kernel(cache, tlogits=None):
     """The kernel of ``topk_router_jvp`` (tangent checked, None = zero)."""
     idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
     c, shape = cache.routed_scaling_factor, cache.logits_shape
@@ -562,7 +569,7 @@ def moe_experts(
         if down_bias.shape != (e, h):
             raise ValueError(f"down_bias: expected shape {(e, h)}, got {down_bias.shape}")
     check_expert_ids(idx, e, "indices", " (gate_up's E)")
-    return _moe_experts(
+    return moe_experts_kernel(
         x,
         idx,
         weights,
@@ -577,7 +584,7 @@ def moe_experts(
     )
 
 
-def _moe_experts(
+def moe_experts_kernel(
     x,
     indices,
     weights,
@@ -669,10 +676,10 @@ def moe_experts_backward(dout: np.ndarray, cache: MoeExpertsCache):
         A cache from another op, or a ``dout`` of another shape.
     """
     check_cache(cache, MoeExpertsCache, "moe_experts_backward")
-    return _moe_experts_backward(check_grad(dout, cache.x_shape, cache.hs.dtype), cache)
+    return moe_experts_backward_kernel(check_grad(dout, cache.x_shape, cache.hs.dtype), cache)
 
 
-def _moe_experts_backward(dout, cache):
+def moe_experts_backward_kernel(dout, cache):
     """The kernel of ``moe_experts_backward``."""
     order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
     gate_up, down, gate_up_bias, down_bias = cache.params
@@ -761,10 +768,12 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
     shapes += [(gate_up.shape[0], two_i), (down.shape[0], cache.x_shape[-1])]
     present = (True, True, True, True, gub is not None, db is not None)
     checked = [check_tangent(t, nm, s, dt, present=p) for t, nm, s, p in zip(ts, names, shapes, present)]
-    return _moe_experts_jvp(cache, *checked)
+    return moe_experts_jvp_kernel(cache, *checked)
 
 
-def _moe_experts_jvp(cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None):
+def moe_experts_jvp_kernel(
+    cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None
+):
     """The kernel of ``moe_experts_jvp`` (tangents checked, None = zero)."""
     tok, bounds, xs, gu, mid = cache.tok, cache.bounds, cache.xs, cache.gu, cache.mid
     gate_up, down, _, _ = cache.params

@@ -2,7 +2,7 @@
 
 Both normalise each slice over the trailing ``len(normalized_shape)`` axes of ``x`` (one "row" of
 ``N = prod(normalized_shape)`` values); ``weight`` and ``bias`` have shape ``normalized_shape``.
-The public ops validate and call the unvalidated kernels ``_layer_norm`` / ``_rms_norm``.
+The public ops validate and call the unvalidated kernels ``layer_norm_kernel`` / ``rms_norm_kernel``.
 """
 
 from __future__ import annotations
@@ -160,10 +160,10 @@ def layer_norm(
     0.0
     """
     x, weight, bias, ns, eps = _check_norm_args(x, weight, bias, normalized_shape, eps)
-    return _layer_norm(x, weight, bias, eps, normalized_shape=ns)
+    return layer_norm_kernel(x, weight, bias, eps, normalized_shape=ns)
 
 
-def _layer_norm(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
+def layer_norm_kernel(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=None):
     k, _ = _axes(x, normalized_shape, weight)
     mu = _mean(x, k)
     xc = x - mu
@@ -212,10 +212,10 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
         ``dout`` of the wrong shape.
     """
     check_cache(cache, LayerNormCache, "layer_norm_backward")
-    return _layer_norm_backward(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
+    return layer_norm_backward_kernel(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
 
 
-def _layer_norm_backward(dout, cache):
+def layer_norm_backward_kernel(dout, cache):
     xhat, rstd, weight, has_bias, k = cache
     return _norm_backward(dout, xhat, rstd, weight, k, centred=True, has_bias=has_bias)
 
@@ -297,7 +297,7 @@ def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
     """
     check_cache(cache, LayerNormCache, "layer_norm_jvp")
     specs = _norm_tangent_specs(cache)
-    return _layer_norm_jvp(cache, *check_tangents_as(tangents, "layer_norm_jvp", cache.xhat.dtype, specs))
+    return layer_norm_jvp_kernel(cache, *check_tangents_as(tangents, "layer_norm_jvp", cache.xhat.dtype, specs))
 
 
 def _norm_tangent_specs(cache):
@@ -309,7 +309,7 @@ def _norm_tangent_specs(cache):
     return specs + (("tbias", ns, cache.has_bias),) if isinstance(cache, LayerNormCache) else specs
 
 
-def _layer_norm_jvp(cache, tx=None, tweight=None, tbias=None):
+def layer_norm_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
     """The kernel of ``layer_norm_jvp`` (tangents checked, None = zero)."""
     xhat, rstd, weight, _, k = cache
     return _norm_jvp(xhat, rstd, weight, k, tx, tweight, tbias, centred=True)
@@ -381,10 +381,10 @@ def layer_norm_backward_jvp(dout: np.ndarray, cache: LayerNormCache, tangents, d
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, "layer_norm_backward_jvp", xhat.shape, xhat.dtype, specs
     )
-    return _layer_norm_backward_jvp(dout, cache, tangents, ddout)
+    return layer_norm_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _layer_norm_backward_jvp(dout, cache, tangents, ddout=None):
+def layer_norm_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     """The kernel of ``layer_norm_backward_jvp`` (``tangents`` the checked ``(tx, tweight, tbias)``)."""
     xhat, rstd, weight, has_bias, k = cache
     tx, tweight, _ = tangents
@@ -473,10 +473,10 @@ def rms_norm(
     ((1, 2), (2,))
     """
     x, weight, _, ns, eps = _check_norm_args(x, weight, None, normalized_shape, eps)
-    return _rms_norm(x, weight, eps, normalized_shape=ns)
+    return rms_norm_kernel(x, weight, eps, normalized_shape=ns)
 
 
-def _rms_norm(x, weight=None, eps=None, *, normalized_shape=None):
+def rms_norm_kernel(x, weight=None, eps=None, *, normalized_shape=None):
     k, _ = _axes(x, normalized_shape, weight)
     if eps is None:
         eps = float(np.finfo(x.dtype).eps)
@@ -523,10 +523,10 @@ def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
         ``dout`` of the wrong shape.
     """
     check_cache(cache, RMSNormCache, "rms_norm_backward")
-    return _rms_norm_backward(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
+    return rms_norm_backward_kernel(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
 
 
-def _rms_norm_backward(dout, cache):
+def rms_norm_backward_kernel(dout, cache):
     xhat, rstd, weight, k = cache
     dx, dweight, _ = _norm_backward(dout, xhat, rstd, weight, k, centred=False)
     return dx, dweight
@@ -574,10 +574,10 @@ def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
     """
     check_cache(cache, RMSNormCache, "rms_norm_jvp")
     specs = _norm_tangent_specs(cache)
-    return _rms_norm_jvp(cache, *check_tangents_as(tangents, "rms_norm_jvp", cache.xhat.dtype, specs))
+    return rms_norm_jvp_kernel(cache, *check_tangents_as(tangents, "rms_norm_jvp", cache.xhat.dtype, specs))
 
 
-def _rms_norm_jvp(cache, tx=None, tweight=None):
+def rms_norm_jvp_kernel(cache, tx=None, tweight=None):
     """The kernel of ``rms_norm_jvp`` (tangents checked, None = zero)."""
     xhat, rstd, weight, k = cache
     return _norm_jvp(xhat, rstd, weight, k, tx, tweight, None, centred=False)
@@ -624,10 +624,10 @@ def rms_norm_backward_jvp(dout: np.ndarray, cache: RMSNormCache, tangents, ddout
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, "rms_norm_backward_jvp", xhat.shape, xhat.dtype, specs
     )
-    return _rms_norm_backward_jvp(dout, cache, tangents, ddout)
+    return rms_norm_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _rms_norm_backward_jvp(dout, cache, tangents, ddout=None):
+def rms_norm_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     """The kernel of ``rms_norm_backward_jvp`` (``tangents`` the checked ``(tx, tweight)``)."""
     xhat, rstd, weight, k = cache
     tx, tweight = tangents

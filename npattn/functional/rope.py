@@ -120,7 +120,7 @@ def rope(
         raise ValueError(f"x: expected an even feature size D (pairs of features rotate), got shape {x.shape}")
     base = resolve_base(base, params)
     rotary_dim = resolve_rotary_dim(x.shape[-1], rotary_dim, params)
-    return _rope(x, positions, base=base, interleaved=interleaved, scaling=params, rotary_dim=rotary_dim)
+    return rope_kernel(x, positions, base=base, interleaved=interleaved, scaling=params, rotary_dim=rotary_dim)
 
 
 def _angles(positions, length, inv_freq):
@@ -152,7 +152,7 @@ def _rotate(x, cos, sin, interleaved):
     return y
 
 
-def _rope(x, positions=None, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
+def rope_kernel(x, positions=None, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
     """The kernel of ``rope``: ``scaling`` None or checked by ``check_scaling``, ``base`` resolved
     with it, ``rotary_dim`` None (all of D) or checked."""
     params = {"rope_type": "default"} if scaling is None else scaling
@@ -195,10 +195,10 @@ def rope_backward(dout: np.ndarray, cache: RopeCache) -> np.ndarray:
         ``dx``.
     """
     check_cache(cache, RopeCache, "rope_backward")
-    return _rope_backward(check_grad(dout, cache.shape, cache.dtype), cache)
+    return rope_backward_kernel(check_grad(dout, cache.shape, cache.dtype), cache)
 
 
-def _rope_backward(dout, cache):
+def rope_backward_kernel(dout, cache):
     return _rotate(dout, cache.cos, -cache.sin, cache.interleaved)
 
 
@@ -241,10 +241,10 @@ def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
     True
     """
     check_cache(cache, RopeCache, "rope_jvp")
-    return _rope_jvp(cache, *check_tangents_as(tangents, "rope_jvp", cache.dtype, (("tx", cache.shape),)))
+    return rope_jvp_kernel(cache, *check_tangents_as(tangents, "rope_jvp", cache.dtype, (("tx", cache.shape),)))
 
 
-def _rope_jvp(cache, tx=None):
+def rope_jvp_kernel(cache, tx=None):
     """The kernel of ``rope_jvp`` (``tx`` checked, None = zero)."""
     if tx is None:
         return np.zeros(cache.shape, cache.dtype)
@@ -287,10 +287,10 @@ def rope_backward_jvp(dout: np.ndarray, cache: RopeCache, tangents, ddout=None):
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, "rope_backward_jvp", cache.shape, cache.dtype, (("tx", cache.shape),)
     )
-    return _rope_backward_jvp(dout, cache, tangents, ddout)
+    return rope_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _rope_backward_jvp(dout, cache, tangents=(None,), ddout=None):
+def rope_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``rope_backward_jvp``: ``tx`` does not enter."""
-    grads = _rope_backward(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else _rope_backward(ddout, cache))
+    grads = rope_backward_kernel(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else rope_backward_kernel(ddout, cache))

@@ -33,17 +33,9 @@ from .._validate import (
     check_positive_float,
     check_size,
 )
-from ..functional.conv import CausalConv1dCache, _causal_conv1d, _causal_conv1d_backward, _causal_conv1d_jvp
-from ..functional.delta_rule import (
-    GatedDeltaRuleCache,
-    RMSNormGatedCache,
-    _gated_delta_rule,
-    _gated_delta_rule_backward,
-    _gated_delta_rule_jvp,
-    _rms_norm_gated,
-    _rms_norm_gated_backward,
-    _rms_norm_gated_jvp,
-)
+from ..functional import kernels as K
+from ..functional.conv import CausalConv1dCache
+from ..functional.delta_rule import GatedDeltaRuleCache, RMSNormGatedCache
 from .layers import Linear, input_tangent
 from .module import Module, Parameter, no_grad
 
@@ -227,7 +219,7 @@ class GatedDeltaNet(Module):
         z = qkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
         b = ba[..., :r].reshape(lead + (steps, nv))
         a = ba[..., r:].reshape(lead + (steps, nv))
-        conv_out, conv_cache = _causal_conv1d(
+        conv_out, conv_cache = K.causal_conv1d(
             mixed,
             self.conv1d.weight.data[:, 0, :],
             activation="silu",
@@ -241,7 +233,7 @@ class GatedDeltaNet(Module):
         pre = a + self.dt_bias.data
         g = -np.exp(self.A_log.data) * _softplus(pre)
         heads = (-2, -3)  # (B..., L, heads, D) <-> (B..., heads, L, D)
-        o, rule_cache = _gated_delta_rule(
+        o, rule_cache = K.gated_delta_rule(
             np.repeat(q, r, axis=-2).swapaxes(*heads),
             np.repeat(k, r, axis=-2).swapaxes(*heads),
             v.swapaxes(*heads),
@@ -253,7 +245,7 @@ class GatedDeltaNet(Module):
             use_qk_l2norm=True,
             chunk_size=self.chunk_size,
         )
-        y, norm_cache = _rms_norm_gated(o.swapaxes(*heads), z, self.norm.weight.data, self.eps)
+        y, norm_cache = K.rms_norm_gated(o.swapaxes(*heads), z, self.norm.weight.data, self.eps)
         out = self.out_proj._forward(y.reshape(lead + (steps, self.value_dim)))
         if use_cache:
             object.__setattr__(self, "_conv_state", conv_cache.final_state)
@@ -291,8 +283,8 @@ class GatedDeltaNet(Module):
         lead, steps, beta = st.lead, st.steps, st.beta
         heads = (-2, -3)
         dn = self.out_proj._backward(dy).reshape(lead + (steps, nv, dv))
-        do, dz, dnorm_w = _rms_norm_gated_backward(dn, st.norm)
-        dq, dk_, dv_, dg, dbeta, _ = _gated_delta_rule_backward(do.swapaxes(*heads), st.rule)
+        do, dz, dnorm_w = K.rms_norm_gated_backward(dn, st.norm)
+        dq, dk_, dv_, dg, dbeta, _ = K.gated_delta_rule_backward(do.swapaxes(*heads), st.rule)
         dq = dq.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)  # the r value heads of each key head
         dk_ = dk_.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)
         dg, dbeta = dg.swapaxes(-1, -2), dbeta.swapaxes(-1, -2)  # (B..., L, nv)
@@ -308,7 +300,7 @@ class GatedDeltaNet(Module):
             ],
             axis=-1,
         )
-        dmixed, dconv_w, _, _ = _causal_conv1d_backward(dconv, st.conv)
+        dmixed, dconv_w, _, _ = K.causal_conv1d_backward(dconv, st.conv)
         dqkvz = np.empty(lead + (steps, nk, 2 * dk + 2 * r * dv), dy.dtype)
         dqkvz[..., :dk] = dmixed[..., : self.key_dim].reshape(lead + (steps, nk, dk))
         dqkvz[..., dk : 2 * dk] = dmixed[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
@@ -350,7 +342,7 @@ class GatedDeltaNet(Module):
             axis=-1,
         )
         tw = pt.get(self.conv1d.weight)
-        tconv = _causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :])
+        tconv = K.causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :])
         tq = tconv[..., : self.key_dim].reshape(lead + (steps, nk, dk))
         tk = tconv[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
         tv = tconv[..., 2 * self.key_dim :].reshape(lead + (steps, nv, dv))
@@ -364,7 +356,7 @@ class GatedDeltaNet(Module):
         if tA_log is not None:
             tg += st.g * tA_log
         heads = (-2, -3)
-        to = _gated_delta_rule_jvp(
+        to = K.gated_delta_rule_jvp(
             st.rule,
             np.repeat(tq, r, axis=-2).swapaxes(*heads),
             np.repeat(tk, r, axis=-2).swapaxes(*heads),
@@ -373,7 +365,7 @@ class GatedDeltaNet(Module):
             tbeta.swapaxes(-1, -2),
         )
         tz = tqkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
-        ty = _rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), tz, pt.get(self.norm.weight))
+        ty = K.rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), tz, pt.get(self.norm.weight))
         return self._child_jvp(self.out_proj, -1, (ty.reshape(lead + (steps, self.value_dim)),), pt)
 
     # -- decoding cache -------------------------------------------------------------------------
