@@ -54,9 +54,10 @@ def _check_tokens(module, x, context_length=None):
     return x
 
 
-def _tx(module, input_tangents, shape, dtype):
-    """The one input tangent of a book module's ``jvp``, checked at its edge (None: zero)."""
-    (tx,) = check_tangents(input_tangents, ("tx",), f"{type(module).__name__}.jvp")
+def _tx(module, input_tangents, shape, dtype, method="jvp"):
+    """The one input tangent of a book module's ``jvp`` (or ``backward_jvp``), checked at its edge
+    (None: zero)."""
+    (tx,) = check_tangents(input_tangents, ("tx",), f"{type(module).__name__}.{method}")
     return check_tangent(tx, "tx", shape, dtype)
 
 
@@ -104,7 +105,8 @@ def _forward_doc(x, out):
 class _BookModule(Module):
     """What npattn adds to a book class: ``backward`` (the book leaves it to autograd) checks ``dy``
     and takes the last forward's state, which the class's ``_backward(dy, saved)`` turns into ``dx``
-    (adding every parameter's gradient into ``p.grad``)."""
+    (adding every parameter's gradient into ``p.grad``); ``jvp`` and ``backward_jvp`` are
+    ``Module``'s, through each class's ``_jvp`` and ``_backward_jvp`` hooks."""
 
     @shared_doc(raises=BACKWARD_RAISES)
     def backward(self, dy):
@@ -480,6 +482,14 @@ class LayerNorm(_BookModule):
         tx = _tx(self, input_tangents, state.xhat.shape, state.xhat.dtype)
         return K.layer_norm_jvp(state, tx, param_tangents.get(self.scale), param_tangents.get(self.shift))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.layer_norm_backward_jvp``, weight ``scale``, bias ``shift``)."""
+        tx = _tx(self, input_tangents, state.xhat.shape, state.xhat.dtype, "backward_jvp")
+        tangents = (tx, param_tangents.get(self.scale), param_tangents.get(self.shift))
+        (dx, dscale, dshift), (tdx, tdscale, tdshift) = K.layer_norm_backward_jvp(dy, state, tangents, ddy)
+        self._accumulate_second(((self.scale, dscale, tdscale), (self.shift, dshift, tdshift)))
+        return dx, tdx
+
 
 class GELU(_BookModule):
     """The book's GELU, the tanh form: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
@@ -509,6 +519,11 @@ class GELU(_BookModule):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode (``functional.gelu_jvp``): ``ty = gelu'(x) tx``."""
         return K.gelu_jvp(state, _tx(self, input_tangents, state.x.shape, state.x.dtype))
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.gelu_backward_jvp``): ``tdx = ddy gelu'(x) + dy gelu''(x) tx``."""
+        tx = _tx(self, input_tangents, state.x.shape, state.x.dtype, "backward_jvp")
+        return K.gelu_backward_jvp(dy, state, (tx,), ddy)
 
 
 class _Sequential(Sequential):
@@ -558,6 +573,10 @@ class FeedForward(_BookModule):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``layers``' tangent."""
         return self._child_jvp(self.layers, -1, input_tangents, param_tangents)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: ``layers``' (``Sequential``'s)."""
+        return self._child_backward_jvp(self.layers, dy, input_tangents, param_tangents, ddy)
 
 
 @shared_doc(tiny_cfg=_TINY_CFG)

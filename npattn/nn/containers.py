@@ -6,9 +6,10 @@ torch's ``nn.ModuleList`` / ``nn.Sequential`` (and a ``Sequential`` inside a mod
 
 ``Sequential``'s backward is the chain rule of a chain: the children's backwards in reverse order,
 each fed the gradient the next one returned.  Its forward mode is the same chain run forwards:
-each child's ``_jvp`` from the state it saved in this call.  A module may appear twice in one
-``Sequential`` (shared weights): each call keeps its own state, the two backwards add both
-gradients into the shared parameters.
+each child's ``_jvp`` from the state it saved in this call; its second order (``backward_jvp``)
+runs both: the tangents of the children's inputs forwards, their ``backward_jvp`` backwards.  A
+module may appear twice in one ``Sequential`` (shared weights): each call keeps its own state, the
+two backwards add both gradients into the shared parameters.
 """
 
 from __future__ import annotations
@@ -179,3 +180,22 @@ class Sequential(ModuleList):
                 raise RuntimeError(f"Sequential.jvp: {type(m).__name__} kept no state in this forward")
             t = self._child_jvp(m, index, (t,), param_tangents)
         return t
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order of the chain: each child's input tangent from the forward's chain run on
+        tangents (its ``_jvp`` from the state it saved in this call), then each child's
+        ``backward_jvp``, last to first, fed the tangent of its input and of its upstream
+        gradient (the next child's ``dx_tangent``)."""
+        if len(input_tangents) > 1:
+            raise TypeError(f"Sequential.backward_jvp: expected at most one input tangent, got {len(input_tangents)}")
+        t = input_tangents[0] if input_tangents else None
+        inputs = []
+        for m, index in zip(self, state):
+            if index is None:
+                raise RuntimeError(f"Sequential.backward_jvp: {type(m).__name__} kept no state in this forward")
+            inputs.append(t)
+            if len(inputs) < len(state):  # the last output's tangent is not needed
+                t = self._child_jvp(m, index, (t,), param_tangents)
+        for m, t in zip(reversed(list(self)), reversed(inputs)):
+            dy, ddy = self._child_backward_jvp(m, dy, (t,), param_tangents, ddy)
+        return dy, ddy

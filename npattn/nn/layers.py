@@ -64,10 +64,11 @@ def _data(p: Optional[Parameter]):
     return None if p is None else p.data
 
 
-def input_tangent(input_tangents: tuple, module: str):
-    """The one input tangent of a single-input module (None: zero)."""
+def input_tangent(input_tangents: tuple, module: str, method: str = "jvp"):
+    """The one input tangent of a single-input module (None: zero); ``method`` names the caller
+    in the message (``jvp`` or ``backward_jvp``)."""
     if len(input_tangents) > 1:
-        raise TypeError(f"{module}.jvp: expected at most one input tangent, got {len(input_tangents)}")
+        raise TypeError(f"{module}.{method}: expected at most one input tangent, got {len(input_tangents)}")
     return input_tangents[0] if input_tangents else None
 
 
@@ -185,6 +186,15 @@ class Linear(Module):
         tx = input_tangent(input_tangents, "Linear")
         return F.linear_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.linear_backward_jvp``): ``tdx = ddy W + dy tW``, ``tdW =
+        ddy^T x + dy^T tx``, ``tdb = sum(ddy)``."""
+        tx = input_tangent(input_tangents, "Linear", "backward_jvp")
+        tw, tb = param_tangents.get(self.weight), param_tangents.get(self.bias)
+        (dx, dw, db), (tdx, tdw, tdb) = F.linear_backward_jvp(dy, state, (tx, tw, tb), ddy)
+        self._accumulate_second(((self.weight, dw, tdw), (self.bias, db, tdb)))
+        return dx, tdx
+
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -298,6 +308,14 @@ class LayerNorm(Module):
         tx = input_tangent(input_tangents, "LayerNorm")
         return F.layer_norm_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.layer_norm_backward_jvp``)."""
+        tx = input_tangent(input_tangents, "LayerNorm", "backward_jvp")
+        tangents = (tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
+        (dx, dw, db), (tdx, tdw, tdb) = F.layer_norm_backward_jvp(dy, state, tangents, ddy)
+        self._accumulate_second(((self.weight, dw, tdw), (self.bias, db, tdb)))
+        return dx, tdx
+
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -399,6 +417,13 @@ class RMSNorm(Module):
         tx = input_tangent(input_tangents, "RMSNorm")
         return F.rms_norm_jvp(state, tx, param_tangents.get(self.weight))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.rms_norm_backward_jvp``)."""
+        tx = input_tangent(input_tangents, "RMSNorm", "backward_jvp")
+        (dx, dw), (tdx, tdw) = F.rms_norm_backward_jvp(dy, state, (tx, param_tangents.get(self.weight)), ddy)
+        self._accumulate_second(((self.weight, dw, tdw),))
+        return dx, tdx
+
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -480,6 +505,12 @@ class Dropout(Module):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the tangent through the forward's own mask (``functional.dropout_jvp``)."""
         return F.dropout_jvp(state, input_tangent(input_tangents, "Dropout"))
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: ``dx = mask dy / (1 - p)`` is linear in ``dy`` alone, so ``tdx`` is the
+        same map of ``ddy`` (``functional.dropout_backward_jvp``)."""
+        tx = input_tangent(input_tangents, "Dropout", "backward_jvp")
+        return F.dropout_backward_jvp(dy, state, (tx,), ddy)
 
     @property
     def active(self) -> bool:
@@ -649,6 +680,16 @@ class Embedding(Module):
             raise TypeError("Embedding.jvp: token ids have no tangent; expected None")
         return F.embedding_jvp(state, param_tangents.get(self.weight))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: ``dweight`` scatters ``dy`` into the looked-up rows, linear in ``dy``
+        alone, so its tangent scatters ``ddy`` (``functional.embedding_backward_jvp``); the ids
+        have neither a gradient nor a tangent (``(None, None)``)."""
+        if input_tangent(input_tangents, "Embedding", "backward_jvp") is not None:
+            raise TypeError("Embedding.backward_jvp: token ids have no tangent; expected None")
+        dw, tdw = F.embedding_backward_jvp(dy, state, (param_tangents.get(self.weight),), ddy)
+        self._accumulate_second(((self.weight, dw, tdw),))
+        return None, None
+
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
         s = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -699,10 +740,36 @@ def gated_unit_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, stat
 def gated_unit_jvp(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents) -> np.ndarray:
     """``th = act'(a) ta b + s tb`` with the linears' tangents ``ta``, ``tb`` (the children's
     latest states are ``module``'s call's)."""
+    return gated_unit_tangents(module, act, gate, up, tx, state, param_tangents)[0]
+
+
+def gated_unit_tangents(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents):
+    """``(th, (ta, ts, tb))``: the unit's output tangent and those of ``a = gate x``, ``s =
+    act(a)`` and ``b = up x`` (what ``gated_unit_backward_jvp`` needs)."""
     act_cache, s, b = state
     ta = module._child_jvp(gate, -1, (tx,), param_tangents)
     tb = module._child_jvp(up, -1, (tx,), param_tangents)
-    return getattr(K, _ACTIVATIONS[act][0] + "_jvp")(act_cache, ta) * b + s * tb
+    ts = getattr(K, _ACTIVATIONS[act][0] + "_jvp")(act_cache, ta)
+    return ts * b + s * tb, (ta, ts, tb)
+
+
+def gated_unit_backward_jvp(
+    module: Module, act: str, gate: Linear, up: Linear, dh, tdh, tx, inner, state, param_tangents
+):
+    """Second order of ``gated_unit_backward``, ``inner = (ta, ts, tb)`` from ``gated_unit_tangents``:
+    the backward ``db = dh s``, ``u = dh b``, ``da = act'(a) u`` differentiated by the product rule,
+    ``tdb = tdh s + dh ts``, ``tu = tdh b + dh tb``, ``tda`` from ``<act>_backward_jvp(u, (ta,),
+    tu)``; each linear's ``backward_jvp`` with ``tx``; ``dx`` and its tangent summed."""
+    act_cache, s, b = state
+    ta, ts, tb = inner
+    tdb, tu = dh * ts, dh * tb
+    if tdh is not None:
+        tdb += tdh * s
+        tu += tdh * b
+    da, tda = getattr(K, _ACTIVATIONS[act][0] + "_backward_jvp")(dh * b, act_cache, (ta,), tu)
+    dx, tdx = module._child_backward_jvp(up, dh * s, (tx,), param_tangents, tdb)
+    dx_gate, tdx_gate = module._child_backward_jvp(gate, da, (tx,), param_tangents, tda)
+    return dx + dx_gate, tdx + tdx_gate
 
 
 class FeedForward(Module):
@@ -863,6 +930,32 @@ class FeedForward(Module):
         if drop:
             th = self._child_jvp(self.dropout, -1, (th,), param_tangents)
         return self._child_jvp(self.linear2, -1, (th,), param_tangents)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the tangents of the forward's chain first (as ``_jvp``: ``ta``, ``th``,
+        the dropout's), then the backward's chain in reverse, each step's ``backward_jvp`` fed
+        the tangent of its input and the tangent of its upstream gradient (``linear2``'s, the
+        dropout's, ``<act>_backward_jvp``'s or the gated unit's, ``linear1``'s)."""
+        tx = input_tangent(input_tangents, "FeedForward", "backward_jvp")
+        cache, drop, reused = state
+        pt = param_tangents
+        kernel = _ACTIVATIONS[self.activation][0]
+        if self.activation == "swiglu":
+            th, inner = gated_unit_tangents(self, "swiglu", self.linear1, self.linear3, tx, cache, pt)
+        else:
+            ta = self._child_jvp(self.linear1, -1, (tx,), pt)
+            th = getattr(K, kernel + "_jvp")(cache, ta)
+        th_out = self._child_jvp(self.dropout, -1, (th,), pt) if drop else th
+        dh, tdh = self._child_backward_jvp(self.linear2, dy, (th_out,), pt, ddy)
+        if drop:
+            dh, tdh = self._child_backward_jvp(self.dropout, dh, (th,), pt, tdh)
+        if self.activation == "swiglu":
+            return gated_unit_backward_jvp(self, "swiglu", self.linear1, self.linear3, dh, tdh, tx, inner, cache, pt)
+        da, tda = getattr(K, kernel + "_backward_jvp")(dh, cache, (ta,), tdh)
+        result = self._child_backward_jvp(self.linear1, da, (tx,), pt, tda)
+        if reused:
+            self._workspace().give(*reused)
+        return result
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""

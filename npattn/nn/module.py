@@ -5,7 +5,10 @@ A module's ``forward`` calls pure functional pairs, keeps their cache with
 with ``self.pop_saved()``, returns the gradient with respect to the input(s) and *adds* each
 parameter's gradient into ``param.grad`` with ``self.accumulate_grad(param, grad)``.  After a
 forward, ``jvp(*input_tangents, param_tangents=None)`` gives the output's tangent (forward mode)
-from the same saved state without consuming it.
+from the same saved state without consuming it, and ``backward_jvp(dy, *input_tangents,
+param_tangents=None, ddy=None)`` is the second order (forward over reverse): the backward's
+gradients and their tangents when the inputs, the parameters and ``dy`` move along tangents,
+consuming the state as ``backward`` does.
 
 Saved states form a stack, one entry per call: a module called twice in one forward (a shared
 ``LayerNorm``, tied layers) keeps both states, and its two ``backward`` calls, made in reverse
@@ -104,6 +107,11 @@ def no_grad():
 class Parameter:
     """A trainable array: ``.data`` and ``.grad`` (same shape and dtype; grad starts at zero).
 
+    ``grad_tangent`` is where ``Module.backward_jvp`` adds the tangent of the gradient (the
+    Hessian-vector product of the loss, for a scalar loss): ``None`` until the first
+    ``backward_jvp`` makes it (an array of ``grad``'s shape and dtype), set to zeros in place by
+    ``zero_grad``.
+
     ``grad`` may be set to ``None`` (as in torch): ``zero_grad`` and the next module ``backward``
     create it again, optimizers skip the parameter meanwhile.
 
@@ -124,7 +132,7 @@ class Parameter:
     ((3,), dtype('float64'), array([0., 0., 0.]))
     """
 
-    __slots__ = ("_data", "grad", "_version")
+    __slots__ = ("_data", "grad", "grad_tangent", "_version")
 
     def __init__(self, data, dtype=None):
         data = as_float(data, "data")  # bool, complex, string, object, float16: TypeError
@@ -133,6 +141,7 @@ class Parameter:
         self._data = np.array(data, dtype=dtype, copy=True)
         self._version = 0
         self.grad = np.zeros_like(self._data)
+        self.grad_tangent = None  # made by the first backward_jvp (second order is rare: no array before)
 
     @property
     def data(self) -> np.ndarray:
@@ -159,11 +168,14 @@ class Parameter:
         return self._data.dtype
 
     def zero_grad(self) -> None:
-        """Set ``grad`` to zeros in place (a ``None`` grad becomes a zero array)."""
+        """Set ``grad`` to zeros in place (a ``None`` grad becomes a zero array), and
+        ``grad_tangent`` too when it exists (a ``None`` one stays ``None``)."""
         if self.grad is None:
             self.grad = np.zeros_like(self._data)
         else:
             self.grad[...] = 0
+        if getattr(self, "grad_tangent", None) is not None:
+            self.grad_tangent[...] = 0
 
     def __repr__(self):
         return f"Parameter(shape={self._data.shape}, dtype={self._data.dtype})"
@@ -225,7 +237,9 @@ class Module:
     * ``backward(dy)``: take the state with ``cache = self.pop_saved()`` (after checking ``dy``
       with ``dy = self._check_dy(dy)`` if wanted), add parameter gradients with
       ``self.accumulate_grad(param, grad)``, return the input gradient(s);
-    * optionally ``_jvp(state, input_tangents, param_tangents)`` for forward mode (see ``jvp``).
+    * optionally ``_jvp(state, input_tangents, param_tangents)`` for forward mode (see ``jvp``)
+      and ``_backward_jvp(state, dy, input_tangents, param_tangents, ddy)`` for the second order
+      (see ``backward_jvp``).
 
     The saved states are a stack (one per call), so a module used twice in one forward works:
     call ``backward`` once per use, in reverse order.  See ``docs/guides/own_module.md``.
@@ -683,6 +697,140 @@ class Module:
             state_index += self.__dict__.get("_jvp_index", -1) + 1
         return child._jvp_at(state_index, tuple(input_tangents), param_tangents)
 
+    # -- second order (forward over reverse) -----------------------------------------------
+    def backward_jvp(self, dy, *input_tangents, param_tangents=None, ddy=None):
+        """Second order: ``backward``'s gradients and their tangents along given tangents.
+
+        The backward is a function of the forward's inputs, of the parameters and of ``dy``;
+        when they move along ``input_tangents``, ``param_tangents`` and ``ddy``, each gradient
+        moves too, and this gives that directional derivative (forward mode over the reverse
+        pass).  Consumes the latest forward state as ``backward`` does, adds each parameter's
+        gradient into ``p.grad`` (as ``backward``) and the gradient's tangent into
+        ``p.grad_tangent`` (created at zero when ``None``).  With a scalar loss ``L`` whose
+        ``dy`` is the output's gradient, the input and parameter tangents ``v`` and ``ddy`` the
+        tangent of ``dy`` that they cause, ``p.grad_tangent`` is the Hessian-vector product ``H v``.
+
+        A module implements the hook ``_backward_jvp(state, dy, input_tangents, param_tangents,
+        ddy) -> (dx, dx_tangent)`` (``state``: what its forward gave ``save_for_backward``;
+        ``param_tangents.get(p)`` as in ``_jvp``; it adds into ``p.grad`` with
+        ``accumulate_grad`` and into ``p.grad_tangent`` with ``accumulate_grad_tangent``), or
+        overrides this method as it overrides ``backward``.  A composite calls its children's
+        with ``_child_backward_jvp``.
+
+        Parameters
+        ----------
+        dy : numpy.ndarray
+            The upstream gradient, of the output's shape (as ``backward``'s).
+        *input_tangents : numpy.ndarray or None
+            One per positional input of the forward, each of that input's shape (``None``: zero;
+            inputs without a gradient, such as token ids, take ``None``), as ``jvp`` takes them.
+        param_tangents : mapping of str to numpy.ndarray, optional
+            Tangents of parameters by their ``named_parameters`` names; missing ones are zero.
+        ddy : numpy.ndarray, optional
+            The tangent of ``dy`` (``None``: zero), of ``dy``'s shape.
+
+        Returns
+        -------
+        dx : numpy.ndarray or tuple or None
+            Exactly what ``backward(dy)`` returns.
+        dx_tangent : numpy.ndarray or tuple or None
+            Its tangent, of the same structure and shapes (``None`` where ``dx`` is ``None``).
+
+        Raises
+        ------
+        RuntimeError
+            With no forward state (as ``backward``) or when a parameter changed since the forward.
+        NotImplementedError
+            When the module has no second order (no ``_backward_jvp``); nothing is consumed.
+        ValueError, TypeError
+            ``dy`` or ``ddy`` of the wrong shape, an unknown parameter name, a tangent of the wrong
+            shape or kind, or a ``p.grad_tangent`` that cannot accumulate.
+        """
+        dy = self._check_dy(dy)
+        if ddy is not None:
+            ddy = self._check_dy(ddy, "ddy")
+        param_tangents = self._param_tangents(param_tangents)
+        self._check_grad_tangents()
+        entry = self._states[-1]
+        result = self._backward_jvp(entry.cache, dy, tuple(input_tangents), param_tangents, ddy)
+        self._release(entry)
+        return result
+
+    def _release(self, entry) -> None:
+        """Drop the saved state ``entry`` (a hook that popped it itself changes nothing)."""
+        for i in range(len(self._states) - 1, -1, -1):
+            if self._states[i] is entry:
+                del self._states[i]
+                return
+
+    def _check_grad_tangents(self) -> None:
+        """``TypeError`` (before anything is consumed or accumulated) when a ``p.grad_tangent``
+        is neither ``None`` nor a writeable float array of the parameter's shape."""
+        for name, p in self._param_list():
+            g = getattr(p, "grad_tangent", None)
+            if g is not None and not (
+                isinstance(g, np.ndarray) and g.shape == p._data.shape and g.dtype.kind == "f" and g.flags.writeable
+            ):
+                got = f"shape {g.shape}, dtype {g.dtype}" if isinstance(g, np.ndarray) else type(g).__name__
+                raise TypeError(
+                    f"{type(self).__name__}.backward_jvp: parameter {name!r} has a grad_tangent that cannot "
+                    f"accumulate (expected None or a writeable float array of shape {p._data.shape}, got {got}); "
+                    "nothing was accumulated"
+                )
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second-order hook: ``(dx, dx_tangent)`` from the saved ``state`` (what ``forward``
+        gave ``save_for_backward``; ``backward_jvp`` releases it after the hook returns), the
+        checked ``dy``, ``input_tangents`` (a tuple, ``None`` = zero), ``param_tangents`` (a
+        :class:`ParamTangents`) and ``ddy`` (``None`` = zero).  Adds each parameter's gradient
+        with ``accumulate_grad`` and its tangent with ``accumulate_grad_tangent``.  The base class
+        has no second order."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no second order (backward_jvp) yet: it does not implement "
+            "_backward_jvp(state, dy, input_tangents, param_tangents, ddy)"
+        )
+
+    @staticmethod
+    def accumulate_grad_tangent(param: Parameter, tangent) -> None:
+        """Add ``tangent`` into ``param.grad_tangent`` (created when ``None``), as every
+        ``_backward_jvp`` must; a ``None`` ``tangent`` adds nothing.
+
+        Parameters
+        ----------
+        param : Parameter
+            The parameter whose gradient's tangent grows.
+        tangent : numpy.ndarray or None
+            The tangent of its gradient from this ``backward_jvp``, of the parameter's shape.
+        """
+        if tangent is None:
+            return
+        if getattr(param, "grad_tangent", None) is None:
+            param.grad_tangent = np.array(tangent, dtype=param.data.dtype, copy=True)
+        else:
+            param.grad_tangent += tangent
+
+    def _accumulate_second(self, pairs) -> None:
+        """``accumulate_grad`` and ``accumulate_grad_tangent`` for each ``(param, grad,
+        grad_tangent)`` (a ``None`` parameter is skipped: an absent bias)."""
+        for p, g, t in pairs:
+            if p is not None:
+                self.accumulate_grad(p, g)
+                self.accumulate_grad_tangent(p, t)
+
+    def _child_backward_jvp(self, child, dy, input_tangents, param_tangents, ddy):
+        """``child``'s ``(dx, dx_tangent)`` from its latest state, for a composite's
+        ``_backward_jvp`` (``dy`` and ``ddy`` already what the child's output takes; the child's
+        state is consumed).  A child that overrides ``backward_jvp`` itself is called through it."""
+        if type(child).backward_jvp is not Module.backward_jvp:
+            return child.backward_jvp(dy, *input_tangents, param_tangents=param_tangents, ddy=ddy)
+        if not child._states:
+            raise child._no_state_error("backward_jvp")
+        entry = child._states[-1]
+        child._check_versions(entry)
+        result = child._backward_jvp(entry.cache, dy, tuple(input_tangents), param_tangents, ddy)
+        child._release(entry)
+        return result
+
     # -- traversal --------------------------------------------------------------------------
     def named_modules(self, prefix: str = ""):
         """Yield ``(dotted_name, module)`` for this module (name ``prefix``) and every submodule.
@@ -761,6 +909,8 @@ class Module:
             for p in m._parameters.values():
                 p.data = p.data.astype(dt)  # bumps the version
                 p.grad = None if p.grad is None else p.grad.astype(dt)
+                if getattr(p, "grad_tangent", None) is not None:
+                    p.grad_tangent = p.grad_tangent.astype(dt)
             for name in m._buffers:
                 b = getattr(m, name)
                 if b.dtype.kind == "f":
