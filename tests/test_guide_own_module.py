@@ -19,4 +19,5 @@ def test_the_guide_runs(capsys):
     out = capsys.readouterr().out
     assert "proj_a.weight" in out and "step 2: loss" in out
     assert "gradcheck GatedUnit: ok" in out
+    assert "backward_jvp matches central differences" in out and "gradgradcheck GatedUnit: ok" in out
     assert "['proj_b.weight'" in out or "'proj_b.weight'" in out  # the broken beta is found there
