@@ -61,6 +61,7 @@ from .moe import (
     moe_experts_jvp,
     topk_router,
     topk_router_backward,
+    topk_router_backward_jvp,
     topk_router_jvp,
 )
 from .norm import (
@@ -152,6 +153,7 @@ __all__ = [
     "topk_router",
     "topk_router_backward",
     "topk_router_jvp",
+    "topk_router_backward_jvp",
     "moe_experts",
     "moe_experts_backward",
     "moe_experts_jvp",

@@ -45,6 +45,7 @@ import numpy as np
 from .._validate import (
     as_float,
     as_index,
+    check_backward_jvp,
     check_bool,
     check_cache,
     check_grad,
@@ -71,6 +72,7 @@ __all__ = [
     "topk_router",
     "topk_router_backward",
     "topk_router_jvp",
+    "topk_router_backward_jvp",
     "moe_experts",
     "moe_experts_backward",
     "moe_experts_jvp",
@@ -381,17 +383,21 @@ def topk_router_backward(dout: np.ndarray, cache: TopKRouterCache) -> np.ndarray
     return topk_router_backward_kernel(check_grad(dout, shape, cache.v.dtype), cache)
 
 
+def _router_dv(dr, r, denom, variant):
+    """``dv`` from ``dr``: the backward through ``r = softmax(v)``, ``v / D`` or ``v``."""
+    if variant == "topk_softmax":
+        return r * (dr - (dr * r).sum(-1, keepdims=True))
+    if denom is not None:
+        return (dr - (dr * r).sum(-1, keepdims=True)) / denom
+    return dr
+
+
 def topk_router_backward_kernel(dout, cache):
     """The kernel of ``topk_router_backward``."""
     idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
     c, shape = cache.routed_scaling_factor, cache.logits_shape
     dr = dout.reshape(idx.shape) * c if c != 1.0 else dout.reshape(idx.shape)
-    if variant == "topk_softmax":
-        dv = r * (dr - (dr * r).sum(-1, keepdims=True))
-    elif denom is not None:
-        dv = (dr - (dr * r).sum(-1, keepdims=True)) / denom
-    else:
-        dv = dr
+    dv = _router_dv(dr, r, denom, variant)
     dz = np.zeros((idx.shape[0], shape[-1]), v.dtype)
     if variant == "topk_softmax":
         np.put_along_axis(dz, idx, dv, -1)
@@ -434,12 +440,17 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents) -> np.ndarray:
 
 def topk_router_jvp_kernel(cache, tlogits=None):
     """The kernel of ``topk_router_jvp`` (tangent checked, None = zero)."""
-    idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
     c, shape = cache.routed_scaling_factor, cache.logits_shape
-    out = shape[:-1] + idx.shape[-1:]
+    out = shape[:-1] + cache.indices.shape[-1:]
     if tlogits is None:
-        return np.zeros(out, v.dtype)
-    tz = tlogits.reshape(-1, shape[-1])
+        return np.zeros(out, cache.v.dtype)
+    return (_router_tangents(cache, tlogits.reshape(-1, shape[-1]))[2] * c).reshape(out)
+
+
+def _router_tangents(cache, tz):
+    """``(tzi, tv, tr)`` along ``tz (N, E)``: the logits' tangent at the chosen, then ``v``'s and
+    ``r``'s (``topk_router_jvp``'s steps)."""
+    idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
     tzi = np.take_along_axis(tz, idx, -1)
     if variant == "softmax_topk":
         tv = v * (tzi - (cache.p * tz).sum(-1, keepdims=True))
@@ -453,7 +464,86 @@ def topk_router_jvp_kernel(cache, tlogits=None):
         tr = (tv - r * tv.sum(-1, keepdims=True)) / denom
     else:
         tr = tv
-    return (tr * c).reshape(out)
+    return tzi, tv, tr
+
+
+def topk_router_backward_jvp(dout: np.ndarray, cache: TopKRouterCache, tangents, ddout=None):
+    """Second order of ``topk_router``: ``dlogits`` and its tangent along ``tangents = (tlogits,)``
+    and ``ddout`` (the tangent of ``dweights``).
+
+    The choice of experts is piecewise constant in the logits: a tangent does not move it (its
+    derivative is zero away from ties, undefined at one), so only the chosen values ``v``, the
+    weights ``r`` and the denominator ``D`` move.  The backward is linear in ``dweights``: its
+    part along ``ddout`` is ``topk_router_backward(ddout)``; the rest is the product rule on its
+    steps with ``dr = c dweights`` fixed (``tv``, ``tr`` from ``topk_router_jvp``, ``tD = sum tv``)::
+
+        dv = r (dr - <dr, r>)            +  tr (dr - <dr, r>) - r <dr, tr>     ("topk_softmax")
+        dv = (dr - <dr, r>) / D          +  -(<dr, tr> + dv tD) / D            (renormalised)
+        dz = scatter(dv)                 +  scatter(tdv)                       ("topk_softmax")
+        dz = scatter(dv v (1 - v))       +  scatter(tdv v (1 - v) + dv (1 - 2v) tv)   ("sigmoid")
+        dz = scatter(dv v) - p sum dv v  +  scatter(tdv v + dv tv) - tp sum dv v - p sum (tdv v + dv tv)
+                                            ("softmax_topk", ``tp = p (tz - <p, tz>)``)
+
+    Parameters
+    ----------
+    dout : ndarray ``(..., k)``
+        ``dweights``.
+    cache : TopKRouterCache
+    tangents : tuple or None
+        ``(tlogits,)`` as ``topk_router_jvp`` takes it (None: zero).
+    ddout : ndarray ``(..., k)``, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    (dlogits, tdlogits)
+        ``dlogits`` exactly ``topk_router_backward(dout, cache)``; both ``(..., E)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A cache from another op, ``dout``, ``ddout`` or the tangent of the wrong kind or shape.
+    """
+    check_cache(cache, TopKRouterCache, "topk_router_backward_jvp")
+    shape = cache.logits_shape[:-1] + cache.indices.shape[-1:]
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "topk_router_backward_jvp", shape, cache.v.dtype, (("tlogits", cache.logits_shape),)
+    )
+    return topk_router_backward_jvp_kernel(dout, cache, tangents, ddout)
+
+
+def topk_router_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
+    """The kernel of ``topk_router_backward_jvp`` (arguments checked, None = zero)."""
+    (tlogits,) = tangents
+    grads = topk_router_backward_kernel(dout, cache)
+    tgrads = np.zeros_like(grads) if ddout is None else topk_router_backward_kernel(ddout, cache)
+    if tlogits is None:
+        return grads, tgrads
+    idx, v, r, denom, variant = cache.indices, cache.v, cache.r, cache.denom, cache.variant
+    c, shape = cache.routed_scaling_factor, cache.logits_shape
+    tz = tlogits.reshape(-1, shape[-1])
+    _, tv, tr = _router_tangents(cache, tz)
+    dr = dout.reshape(idx.shape) * c
+    dv = _router_dv(dr, r, denom, variant)
+    drtr = (dr * tr).sum(-1, keepdims=True)
+    if variant == "topk_softmax":
+        tdv = tr * (dr - (dr * r).sum(-1, keepdims=True)) - r * drtr
+    elif denom is not None:
+        tdv = -(drtr + dv * tv.sum(-1, keepdims=True)) / denom
+    else:
+        tdv = np.zeros_like(dv)
+    tdz = np.zeros((idx.shape[0], shape[-1]), v.dtype)
+    if variant == "topk_softmax":
+        np.put_along_axis(tdz, idx, tdv, -1)
+    elif variant == "sigmoid":
+        np.put_along_axis(tdz, idx, tdv * v * (1.0 - v) + dv * (1.0 - 2.0 * v) * tv, -1)
+    else:
+        p = cache.p
+        tdvv = tdv * v + dv * tv
+        np.put_along_axis(tdz, idx, tdvv, -1)
+        tp = p * (tz - (p * tz).sum(-1, keepdims=True))
+        tdz -= tp * (dv * v).sum(-1, keepdims=True) + p * tdvv.sum(-1, keepdims=True)
+    return grads, tgrads + tdz.reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------- experts

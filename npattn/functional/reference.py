@@ -2279,6 +2279,70 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents: Optional[Array]) -> Array
     return tw.reshape(shape[:-1] + r.shape[-1:])
 
 
+def topk_router_backward_jvp(dout: Array, cache: TopKRouterCache, tangents, ddout: Optional[Array] = None):
+    """Second order: ``topk_router_backward``'s ``dlogits`` and its tangent when the logits move
+    along ``tangents = (tlogits,)`` and ``dweights`` along ``ddout`` (None: zero).  The choice is
+    piecewise constant: a tangent does not move which experts are chosen (the derivative of the
+    choice is zero away from ties), so ``indices`` stay, and only ``src``, ``v``, ``r``, ``D``
+    move (``topk_router_jvp``'s lines give ``tsrc``, ``tv``, ``tr``; ``tD = sum tv``).  Each line
+    of the backward differentiated by the product rule, per token, ``tdw = ddout``::
+
+        dr = c dw                       tdr = c tdw
+        dv = r (dr - <dr, r>)           tdv = tr (dr - <dr, r>) + r (tdr - <tdr, r> - <dr, tr>)
+        dv = (dr - <dr, r>) / D         tdv = (tdr - <tdr, r> - <dr, tr>) / D - dv tD / D
+        dv = dr                         tdv = tdr
+        dsrc = scatter(dv)              tdsrc = scatter(tdv)                (linear, the choice fixed)
+        dz = dsrc                       tdz = tdsrc
+        dz = dsrc s (1 - s)             tdz = tdsrc s (1 - s) + dsrc (1 - 2 s) ts,   ts = s (1 - s) tz
+        dz = p (dsrc - <dsrc, p>)       tdz = tp (dsrc - <dsrc, p>) + p (tdsrc - <tdsrc, p> - <dsrc, tp>)
+
+    Returns ``(dlogits, tdlogits)``, both ``(..., E)``.
+    """
+    (tz,) = _padded(tangents or (), 1)
+    indices, src, r, denom = cache.indices, cache.src, cache.r, cache.denom
+    variant, norm, c, shape = cache.variant, cache.norm_topk_prob, cache.routed_scaling_factor, cache.logits_shape
+    grads = topk_router_backward(dout, cache)
+    dw = dout.reshape(r.shape)
+    tdw = np.zeros(r.shape, r.dtype) if ddout is None else ddout.reshape(r.shape)
+    tz = np.zeros(src.shape, src.dtype) if tz is None else tz.reshape(src.shape)
+    tdz = np.zeros(src.shape, src.dtype)
+    for n in range(src.shape[0]):
+        # the forward's tangents (topk_router_jvp's lines)
+        if variant == "topk_softmax":
+            tsrc = tz[n]
+        elif variant == "sigmoid":
+            tsrc = src[n] * (1.0 - src[n]) * tz[n]
+        else:
+            tsrc = src[n] * (tz[n] - np.dot(src[n], tz[n]))
+        tv = tsrc[indices[n]]
+        # dr = c dw: c is a constant
+        dr, tdr = c * dw[n], c * tdw[n]
+        if variant == "topk_softmax":  # dv = r (dr - <dr, r>): r and dr both move
+            dv = r[n] * (dr - np.dot(dr, r[n]))
+            tr = r[n] * (tv - np.dot(r[n], tv))
+            tdv = tr * (dr - np.dot(dr, r[n])) + r[n] * (tdr - np.dot(tdr, r[n]) - np.dot(dr, tr))
+        elif norm:  # dv = (dr - <dr, r>) / D: the quotient rule, tD = sum tv
+            dv = (dr - np.dot(dr, r[n])) / denom[n]
+            tr = (tv - r[n] * tv.sum()) / denom[n]
+            tdv = (tdr - np.dot(tdr, r[n]) - np.dot(dr, tr)) / denom[n] - dv * tv.sum() / denom[n]
+        else:  # dv = dr: linear
+            dv, tdv = dr, tdr
+        # dsrc = scatter(dv) at the chosen (fixed) experts: linear
+        dsrc = np.zeros(src.shape[1], src.dtype)
+        tdsrc = np.zeros(src.shape[1], src.dtype)
+        dsrc[indices[n]] = dv
+        tdsrc[indices[n]] = tdv
+        if variant == "topk_softmax":  # dz = dsrc
+            tdz[n] = tdsrc
+        elif variant == "sigmoid":  # dz = dsrc s' with s' = s (1 - s): d(s') = (1 - 2 s) ts
+            tdz[n] = tdsrc * src[n] * (1.0 - src[n]) + dsrc * (1.0 - 2.0 * src[n]) * tsrc
+        else:  # dz = p (dsrc - <dsrc, p>): softmax's backward, p moving by tp = tsrc
+            tdz[n] = tsrc * (dsrc - np.dot(dsrc, src[n])) + src[n] * (
+                tdsrc - np.dot(tdsrc, src[n]) - np.dot(dsrc, tsrc)
+            )
+    return grads, tdz.reshape(shape)
+
+
 def _expert_views(kind, gate_up_e, down_e, gate_up_bias_e, down_bias_e):
     """One expert's ``(Wg (I, H), Wu (I, H), Wd (H, I), bg (I,), bu (I,), bd (H,))``: views into the
     fused layouts (so the same views of a gradient array add into it), None for an absent bias.
@@ -2510,6 +2574,7 @@ __all__ += [
     "topk_router",
     "topk_router_backward",
     "topk_router_jvp",
+    "topk_router_backward_jvp",
     "moe_experts",
     "moe_experts_backward",
     "moe_experts_jvp",

@@ -1,0 +1,232 @@
+"""Second order (``<op>_backward_jvp``) of the mixture-of-experts pairs and the delta rules, both tiers.
+
+``<op>_backward_jvp(dout, cache, tangents, ddout)`` returns ``(grads, grad_tangents)``: ``grads``
+exactly ``<op>_backward(dout, cache)``, ``grad_tangents`` the directional derivative of those
+gradients when the inputs move along ``tangents`` and ``dout`` along ``ddout``.  Each case is
+checked against central differences of the backward along ``(tangents, ddout)`` in float64 with
+random ``dout``, ``ddout`` and tangents, the fast tier against the textbook one (1e-12), and
+against ``torch.func.jvp`` of ``torch.func.vjp`` of the explicit formula (skipped without torch).
+
+The router's choice of experts is piecewise constant: the cases draw well-separated scores, so
+that no step of the central differences flips the choice.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import pytest
+from _oracles import rel_err
+
+import npattn.functional as F
+import npattn.functional.reference as R
+
+
+class Case(NamedTuple):
+    """One forward call: ``op`` names the pair; ``primals`` the differentiable inputs in the
+    tangents' order; ``call(M, *primals) -> (out, cache)`` with ``M`` either tier; ``torch_fn(torch,
+    *tensors)`` the formula in torch (None: no oracle); ``out_of`` picks the differentiated output."""
+
+    name: str
+    op: str
+    primals: tuple
+    call: Callable
+    torch_fn: Optional[Callable]
+    out_of: Callable = lambda out: out
+
+
+def _separated_logits(rng, lead, e, gap=0.4):
+    """Logits whose entries in each row differ by at least ``gap`` / 2 (a shuffled ladder plus small
+    noise): neither the top-k nor the groups' ranking flips under a step of 1e-6."""
+    ladder = np.arange(e) * gap - e * gap / 2
+    rows = np.stack([rng.permutation(ladder) for _ in range(int(np.prod(lead)))]).reshape(lead + (e,))
+    return rows + rng.uniform(-gap / 4, gap / 4, rows.shape)
+
+
+def _torch_router(t, z, idx, variant, norm, c):
+    """The router's formula with the choice ``idx`` (int64) a constant."""
+    if variant == "softmax_topk":
+        v = t.gather(t.softmax(z, -1), -1, idx)
+    elif variant == "sigmoid":
+        v = t.gather(t.sigmoid(z), -1, idx)
+    else:
+        v = t.softmax(t.gather(z, -1, idx), -1)
+    if norm:
+        v = v / (v.sum(-1, keepdim=True) + (1e-20 if variant == "sigmoid" else 0.0))
+    return c * v
+
+
+def router_cases(rng, lead=(2, 3)) -> list:
+    e, cases = 8, []
+    z = _separated_logits(rng, tuple(lead), e)
+    options = [
+        ("router_softmax_topk", dict(variant="softmax_topk")),
+        ("router_softmax_topk_norm", dict(variant="softmax_topk", norm_topk_prob=True)),
+        ("router_topk_softmax", dict(variant="topk_softmax")),
+        ("router_sigmoid", dict(variant="sigmoid")),
+        ("router_sigmoid_norm_scaled", dict(variant="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5)),
+        (
+            "router_sigmoid_grouped",
+            dict(
+                variant="sigmoid",
+                norm_topk_prob=True,
+                correction_bias=rng.uniform(-0.05, 0.05, e),
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=1.5,
+            ),
+        ),
+    ]
+    for name, kw in options:
+        (_, idx), _ = F.topk_router(z, 3, **kw)
+        norm, c = kw.get("norm_topk_prob", False), kw.get("routed_scaling_factor", 1.0)
+        cases.append(
+            Case(
+                name,
+                "topk_router",
+                (z,),
+                lambda M, z, kw=kw: M.topk_router(z, 3, **kw),
+                lambda t, z, idx=idx, v=kw["variant"], n=norm, c=c: _torch_router(t, z, t.tensor(idx), v, n, c),
+                lambda out: out[0],
+            )
+        )
+    return cases
+
+
+CASES = {c.name: c for c in router_cases(np.random.default_rng(0))}
+
+
+def _case(name, seed=0):
+    make = router_cases if name.startswith("router") else None
+    return next(c for c in make(np.random.default_rng(seed)) if c.name == name)
+
+
+def _tuple(g):
+    return g if isinstance(g, tuple) else (g,)
+
+
+def _draws(case, rng):
+    """Random ``dout``, ``ddout`` (never ones) and tangents (one per primal) for ``case``."""
+    out = case.out_of(case.call(F, *case.primals)[0])
+    tangents = tuple(rng.standard_normal(np.shape(p)) for p in case.primals)
+    return rng.standard_normal(np.shape(out)), tangents, rng.standard_normal(np.shape(out))
+
+
+def _backward_jvp(module, case, dout, tangents, ddout, **kw):
+    _, cache = case.call(module, *case.primals)
+    return getattr(module, case.op + "_backward_jvp")(dout, cache, tangents, ddout, **kw)
+
+
+def _central(module, case, dout, tangents, ddout, h=1e-6):
+    """``(backward(dout + h ddout, cache(x + h t)) - backward(dout - h ddout, cache(x - h t))) / 2h``."""
+    backward = getattr(module, case.op + "_backward")
+
+    def at(sign):
+        moved = [p + sign * h * t for p, t in zip(case.primals, tangents)]
+        return _tuple(backward(dout + sign * h * ddout, case.call(module, *moved)[1]))
+
+    return [None if a is None else (a - b) / (2 * h) for a, b in zip(at(1), at(-1))]
+
+
+def _check(case, seed):
+    """(a) grads equal the backward's, (b) grad_tangents against central differences of the
+    backward, (c) the two tiers agree to 1e-12."""
+    dout, tangents, ddout = _draws(case, np.random.default_rng(seed))
+    results = {}
+    for module in (F, R):
+        grads, tans = (_tuple(r) for r in _backward_jvp(module, case, dout, tangents, ddout))
+        _, cache = case.call(module, *case.primals)
+        want = _tuple(getattr(module, case.op + "_backward")(dout, cache))
+        assert len(grads) == len(tans) == len(want), case.name
+        for g, w, t in zip(grads, want, tans):  # (a)
+            assert (g is None) == (w is None) == (t is None), case.name
+            if g is not None:
+                np.testing.assert_array_equal(g, w)
+                assert t.shape == g.shape and t.dtype == g.dtype, case.name
+        for t, n in zip(tans, _central(module, case, dout, tangents, ddout)):  # (b)
+            if t is not None:
+                assert np.any(n), case.name  # a case whose tangent is zero proves nothing
+                assert rel_err(t, n, floor=1.0, relative_to="max_b") < 1e-6, (case.name, module.__name__)
+        results[module] = grads + tans
+    for a, b in zip(results[F], results[R]):  # (c)
+        if a is not None:
+            assert rel_err(a, b, floor=1.0, relative_to="max_b") < 1e-12, case.name
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_grads_and_tangents(name, seed):
+    _check(_case(name, seed), seed + 10)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch_jvp_of_vjp(name, torch_or_skip):
+    """(d) ``torch.func.jvp`` of ``torch.func.vjp`` of the explicit formula, float64."""
+    torch = torch_or_skip
+    case = _case(name, seed=3)
+    dout, tangents, ddout = _draws(case, np.random.default_rng(4))
+    k = len(case.primals)
+
+    def grads_of(*args):
+        _, vjp = torch.func.vjp(lambda *p: case.torch_fn(torch, *p), *args[:k])
+        return vjp(args[k])
+
+    args = tuple(torch.tensor(np.asarray(a, np.float64)) for a in case.primals + (dout,))
+    targs = tuple(torch.tensor(a) for a in tangents + (ddout,))
+    want_grads, want_tans = torch.func.jvp(grads_of, args, targs)
+    for module in (F, R):
+        grads, tans = (_tuple(r) for r in _backward_jvp(module, case, dout, tangents, ddout))
+        grads, tans = [g for g in grads if g is not None], [t for t in tans if t is not None]
+        assert len(grads) == len(want_grads) == len(tans), name
+        for g, t, wg, wt in zip(grads, tans, want_grads, want_tans):
+            assert rel_err(g, wg, floor=1.0, relative_to="max_b") < 1e-10, (name, module.__name__)
+            assert rel_err(t, wt, floor=1.0, relative_to="max_b") < 1e-10, (name, module.__name__)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_none_is_zero(name):
+    """No tangent and no ddout: zero tangents; float32 stays float32."""
+    case = _case(name, seed=5)
+    dout, tangents, ddout = _draws(case, np.random.default_rng(6))
+    for module in (F, R):
+        grads, tans = (_tuple(r) for r in _backward_jvp(module, case, dout, (), None))
+        for g, t in zip(grads, tans):
+            assert (g is None) == (t is None)
+            if t is not None:
+                assert t.shape == g.shape and not np.any(t), (name, module.__name__)
+    case32 = case._replace(primals=tuple(np.asarray(p, np.float32) for p in case.primals))
+    _, tans = _backward_jvp(F, case32, dout.astype(np.float32), tangents, ddout.astype(np.float32))
+    assert all(t.dtype == np.float32 for t in _tuple(tans) if t is not None), name
+
+
+def test_router_choice_does_not_move():
+    """The choice is piecewise constant: ``tdlogits`` is zero outside the chosen experts for the
+    selection-only variants, and the tangent is the same whether or not the chosen indices would
+    flip a finite step away (it is the derivative at the point)."""
+    rng = np.random.default_rng(7)
+    z = _separated_logits(rng, (4,), 6)
+    (_, idx), cache = F.topk_router(z, 2, variant="topk_softmax")
+    dout, tz, ddout = rng.standard_normal((4, 2)), rng.standard_normal((4, 6)), rng.standard_normal((4, 2))
+    for module in (F, R):
+        _, cache = module.topk_router(z, 2, variant="topk_softmax")
+        _, tdz = module.topk_router_backward_jvp(dout, cache, (tz,), ddout)
+        chosen = np.zeros(z.shape, bool)
+        np.put_along_axis(chosen, idx, True, -1)
+        assert np.all(tdz[~chosen] == 0) and np.any(tdz[chosen])
+
+
+def test_router_bad_arguments_are_refused_naming_them():
+    z = _separated_logits(np.random.default_rng(8), (3,), 5)
+    (_, _), cache = F.topk_router(z, 2)
+    dout = np.ones((3, 2)) * 0.3
+    with pytest.raises(ValueError, match="tlogits"):
+        F.topk_router_backward_jvp(dout, cache, (np.zeros((3, 4)),))
+    with pytest.raises(TypeError, match="at most 1"):
+        F.topk_router_backward_jvp(dout, cache, (z, z))
+    with pytest.raises(ValueError, match="ddout"):
+        F.topk_router_backward_jvp(dout, cache, (z,), np.zeros((3, 5)))
+    with pytest.raises(ValueError, match="dout"):
+        F.topk_router_backward_jvp(np.zeros((3, 5)), cache, (z,))
+    with pytest.raises(TypeError, match="cache"):
+        F.topk_router_backward_jvp(dout, (1, 2), (z,))
