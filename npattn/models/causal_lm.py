@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import functional as F
-from .._validate import as_index, as_rng, check_bool, check_dtype
+from .._validate import as_index, as_rng, check_bool, check_dtype, to_numpy
 from ..functional import kernels as K
 from ..nn.attention import MultiHeadAttention
 from ..nn.containers import ModuleList
@@ -261,6 +262,14 @@ def _check_plausible(cfg: CausalLMConfig, dtype) -> None:
         )
 
 
+class _Padding(NamedTuple):
+    """A padded batch's per-call arrays (``CausalLM.forward(ids, attention_mask=...)``)."""
+
+    tokens: np.ndarray  # (B, L) bool: this call's tokens (False: padding)
+    keys: np.ndarray  # (B, T + L) bool: every key seen (the cache's and this call's) that is a token
+    positions: np.ndarray  # (B, L) int: each token's position, cumsum(mask) - 1 (padding: 0)
+
+
 class DecoderLayer(_Renamed):
     """One pre-norm residual block of ``CausalLM`` (see the module docstring), with Hugging
     Face's names: ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``,
@@ -292,9 +301,23 @@ class DecoderLayer(_Renamed):
     def _mlp_norm(self) -> RMSNorm:
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
-    def forward(self, x, *, use_cache: bool = False):
+    def _attend(self, h, use_cache: bool, padding: _Padding | None):
+        """The attention sublayer on ``h``; a padded batch gives each kind its plain arrays: the
+        padded keys (MHA's ``key_padding_mask``, MLA's ``attn_mask``), the positions, DeltaNet's
+        ``attention_mask``."""
+        att = self.attention
+        if padding is None:
+            return att(h, use_cache=use_cache)
+        if isinstance(att, GatedDeltaNet):
+            return att(h, use_cache=use_cache, attention_mask=padding.tokens)
+        if isinstance(att, MultiHeadLatentAttention):
+            mask = padding.keys[:, None, None, :]  # (B, 1, 1, Lk) True = may attend
+            return att(h, use_cache=use_cache, attn_mask=mask, positions=padding.positions)
+        return att(h, use_cache=use_cache, key_padding_mask=~padding.keys, positions=padding.positions)
+
+    def forward(self, x, *, use_cache: bool = False, padding: _Padding | None = None):
         """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``)."""
-        a = self.attention(self.input_layernorm(x), use_cache=use_cache)
+        a = self._attend(self.input_layernorm(x), use_cache, padding)
         if self.sandwich:
             a = self.post_attention_layernorm(a)
         x = x + a
@@ -407,6 +430,9 @@ class CausalLM(Module):
     True
     """
 
+    _seen: int  # tokens fed through the cache since reset_kv_cache()
+    _mask_history: np.ndarray | None  # their attention_mask (None: all tokens)
+
     def __init__(self, config, *, rng=None, dtype=np.float64):
         super().__init__()
         cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
@@ -417,6 +443,7 @@ class CausalLM(Module):
         self.model = _Backbone(cfg, rng, dtype)
         head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
         self.lm_head = None if head is None else _released(head, getattr(rng, "loading", False))
+        self.reset_kv_cache()
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
@@ -441,26 +468,91 @@ class CausalLM(Module):
     def _embed_scale(self):
         return self.dtype.type(math.sqrt(self.config.hidden_size)) if self.config.embed_scale else None
 
-    def forward(self, ids, *, use_cache: bool = False):
+    def forward(self, ids, *, use_cache: bool = False, attention_mask=None):
         """``ids (B, L)`` (or ``(L,)``) integer token ids -> ``logits (B, L, vocab_size)``.
 
         ``use_cache=True``: append these tokens to every layer's cache and return the logits of
-        their positions after everything cached (no state kept for backward)."""
+        their positions after everything cached (no state kept for backward).
+
+        ``attention_mask``: a batch of prompts of different lengths, ``(B, L)`` like ``ids``, 1
+        (True) for a token and 0 (False) for padding (left padding, as transformers generates; right
+        padding too without a cache), or with ``use_cache`` also ``(B, T + L)`` over everything fed
+        since ``reset_kv_cache()`` (transformers' convention; its first ``T`` columns must be the
+        earlier calls'); after a padded call, a cached call without a mask counts its tokens as
+        tokens.  Each token's position is ``cumsum(mask) - 1`` over its row (padding at 0), as
+        transformers' ``generate`` computes ``position_ids``; padded keys are never attended;
+        gated DeltaNet layers pass padded steps with their state unchanged; so each row's logits
+        at its tokens are those of its prompt run alone, and cached decoding continues each row as
+        alone.  The logits at padded positions are 0, so the backward and the JVP get nothing from
+        them.  A row's tokens must be contiguous (no padding between two tokens: ValueError)."""
         ids = self._check_ids(ids)
         use_cache = check_bool(use_cache, "use_cache")
+        padding = self._check_attention_mask(attention_mask, ids, use_cache)
         if use_cache:
             with no_grad():
-                return self._forward(ids, True)
-        return self._forward(ids, False)
+                return self._forward(ids, True, padding)
+        return self._forward(ids, False, padding)
 
-    def _forward(self, ids: np.ndarray, use_cache: bool):
+    def _check_attention_mask(self, attention_mask, ids: np.ndarray, use_cache: bool) -> _Padding | None:
+        """The padded batch's arrays from ``attention_mask`` (and, cached, the mask of the keys
+        already seen), checked before anything changes; None for a batch without padding."""
+        past = self._seen if use_cache else 0
+        history = self._mask_history if use_cache else None
+        if attention_mask is None and history is None:
+            return None
+        lead, n = ids.shape[:-1], ids.shape[-1]
+        if attention_mask is None:
+            new = np.ones(ids.shape, bool)
+        else:
+            m = to_numpy(attention_mask, "attention_mask")
+            if m.dtype != bool and (m.dtype.kind not in "iuf" or not np.isin(m, (0, 1)).all()):
+                raise ValueError(f"attention_mask: expected 1/True for tokens and 0/False for padding, got {m.dtype}")
+            m = m.astype(bool)
+            if m.shape == ids.shape:
+                new = m
+            elif use_cache and past and m.shape == lead + (past + n,):
+                old = np.ones(lead + (past,), bool) if history is None else history
+                if not np.array_equal(m[..., :past], old):
+                    raise ValueError("attention_mask: its first columns differ from the cached calls' mask")
+                new = m[..., past:]
+            else:
+                want = f"{ids.shape} (ids')"
+                if use_cache and past:
+                    want += f" or {lead + (past + n,)} (cached and new)"
+                raise ValueError(f"attention_mask: expected shape {want}, got {m.shape}")
+        if past and history is None:
+            history = np.ones(lead + (past,), bool)
+        keys = new if history is None else np.concatenate([history, new], axis=-1)
+        count = keys.sum(-1)
+        idx = np.arange(keys.shape[-1])
+        first = np.where(keys, idx, keys.shape[-1]).min(-1)
+        last = np.where(keys, idx, -1).max(-1)
+        if ((count > 0) & (last - first + 1 != count)).any():
+            raise ValueError("attention_mask: a row has padding between two of its tokens; expected left padding")
+        positions = np.where(keys, np.cumsum(keys, axis=-1) - 1, 0)[..., past:]
+        if ids.ndim == 1:  # one sequence: the modules see a batch of one
+            new, keys, positions = new[None], keys[None], positions[None]
+        return _Padding(new, keys, positions)
+
+    def _forward(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None = None):
         m = self.model
         x = m.embed_tokens(ids)
         scale = self._embed_scale()
         if scale is not None:  # Gemma: sqrt(hidden) cast to the dtype first, as transformers does
             x = x * scale
+        if padding is not None and ids.ndim == 1:
+            x = x[None]
         for layer in m.layers:
-            x = layer(x, use_cache=use_cache)
+            x = layer(x, use_cache=use_cache, padding=padding)
+        keep = None
+        if padding is not None:
+            if ids.ndim == 1:
+                x = x[0]
+            keep = padding.tokens.reshape(ids.shape)[..., None]
+        if use_cache:  # the keys seen, for the next cached call's mask and positions
+            if padding is not None:
+                object.__setattr__(self, "_mask_history", padding.keys.reshape(ids.shape[:-1] + (-1,)))
+            object.__setattr__(self, "_seen", self._seen + ids.shape[-1])
         h = m.norm(x)
         if self.lm_head is None:
             logits, head = K.linear(h, m.embed_tokens.weight.data)
@@ -471,14 +563,18 @@ class CausalLM(Module):
         if cap is not None:  # logits = c tanh(z / c); dz = dlogits (1 - tanh^2)
             t = np.tanh(logits / logits.dtype.type(cap))
             logits = t * logits.dtype.type(cap)
-        self.save_for_backward((head, t))
+        if keep is not None:  # padded positions: logits 0 (transformers' are arbitrary there)
+            logits = logits * keep
+        self.save_for_backward((head, t, keep))
         return logits
 
     def backward(self, dlogits):
         """Accumulate every parameter's gradient from ``dlogits (B, L, vocab)``; returns ``None``."""
         dlogits = self._check_dy(dlogits, "dlogits")
-        head, t = self.pop_saved()
+        head, t, keep = self.pop_saved()
         m = self.model
+        if keep is not None:
+            dlogits = dlogits * keep
         if t is not None:
             dlogits = dlogits * (1 - t * t)
         if head is None:
@@ -499,7 +595,7 @@ class CausalLM(Module):
         """Forward mode: the logits' tangent along the parameters' tangents (token ids have none:
         pass None or nothing), the forward's chain run on tangents; the tied head's is
         ``th E^T + h tE^T``, the final softcap's ``tz (1 - tanh^2)``."""
-        head, t = state
+        head, t, keep = state
         m = self.model
 
         def sub(mod, tx):  # the submodule's tangent from its state of this call
@@ -516,12 +612,14 @@ class CausalLM(Module):
             tz = sub(self.lm_head, th)
         else:
             tz = K.linear_jvp(head, th, param_tangents.get(m.embed_tokens.weight))
-        return tz if t is None else tz * (1 - t * t)
+        tz = tz if t is None else tz * (1 - t * t)
+        return tz if keep is None else tz * keep
 
-    def loss(self, ids, targets, *, ignore_index=None):
-        """Forward and mean cross-entropy of ``targets (B, L)`` (``ignore_index`` not counted).
+    def loss(self, ids, targets, *, ignore_index=None, attention_mask=None):
+        """Forward and mean cross-entropy of ``targets (B, L)`` (``ignore_index`` not counted;
+        ``attention_mask`` as ``forward``'s, its padded targets best set to ``ignore_index``).
         Returns ``(loss as float, dlogits)`` for ``backward``."""
-        logits = self.forward(ids)
+        logits = self.forward(ids, attention_mask=attention_mask)
         loss, cache = F.cross_entropy(logits, targets, ignore_index=ignore_index)
         return float(loss), F.cross_entropy_backward(np.ones((), logits.dtype), cache)
 
@@ -529,6 +627,8 @@ class CausalLM(Module):
         """Empty every layer's cache (start a new sequence)."""
         for layer in self.model.layers:
             layer.reset_kv_cache()
+        object.__setattr__(self, "_seen", 0)  # tokens fed through the cache
+        object.__setattr__(self, "_mask_history", None)  # their attention_mask (None: all tokens)
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod

@@ -190,6 +190,7 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         need_weights: bool = False,
         average_attn_weights: bool = False,
         use_cache: bool = False,
+        positions=None,
     ):
         """Returns ``(..., Lq, d_out)``, or ``(out, weights)`` when ``need_weights``: per-head
         ``weights (..., num_heads, Lq, Lk)`` (after dropout, as torch), averaged over the heads to
@@ -211,8 +212,16 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         if need_weights and self.memory_efficient:
             raise ValueError("need_weights: memory_efficient attention never forms the weights; expected False")
         x, key, value, mask, use_cache = self._check_call(query, key, value, attn_mask, key_padding_mask, use_cache)
+        positions = self._check_positions(positions, x)
         return self._forward(
-            x, key, value, mask, need_weights=need_weights, average_attn_weights=average, use_cache=use_cache
+            x,
+            key,
+            value,
+            mask,
+            need_weights=need_weights,
+            average_attn_weights=average,
+            use_cache=use_cache,
+            positions=positions,
         )
 
     def _forward(
@@ -225,9 +234,10 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         need_weights: bool = False,
         average_attn_weights: bool = False,
         use_cache: bool = False,
+        positions=None,
     ):
         """``forward`` on validated arguments (see ``MultiHeadAttentionCore._forward``)."""
-        out, state = self._run(x, key, value, mask, use_cache)
+        out, state = self._run(x, key, value, mask, use_cache, positions)
         if not need_weights:
             return out
         return out, self._weights(state, average_attn_weights)

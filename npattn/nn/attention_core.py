@@ -31,9 +31,11 @@ import numpy as np
 from .. import masks as _masks
 from .._validate import (
     as_float,
+    as_index,
     as_rng,
     check_additive_values,
     check_bool,
+    check_broadcastable,
     check_cache_batch,
     check_dtype,
     check_mask,
@@ -442,6 +444,15 @@ class MultiHeadAttentionCore(Module):
             mask = mask.astype(self.dtype)  # a float64 mask keeps a float32 module float32 (caches included)
         return mask
 
+    def _check_positions(self, positions, x: np.ndarray):
+        """``positions`` (None, or integers broadcastable to ``x.shape[:-1]``: each query's and
+        key's RoPE position in place of ``T + i``), checked before any arithmetic."""
+        if positions is None:
+            return None
+        positions = as_index(positions, "positions")
+        check_broadcastable(positions.shape, x.shape[:-1], "positions", "query's shape without d_in")
+        return positions
+
     def _check_call(self, query, key, value, attn_mask, key_padding_mask, use_cache):
         """``forward``'s checks, before any arithmetic or state change: the arguments of ``_forward``
         (``x``, ``key`` and ``value`` or None for self-attention, the mask, ``use_cache``)."""
@@ -452,27 +463,39 @@ class MultiHeadAttentionCore(Module):
         return x, None if self_attn else k_in, None if self_attn else v_in, mask, use_cache
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, use_cache: bool = False):
+    def forward(
+        self,
+        query,
+        key=None,
+        value=None,
+        *,
+        attn_mask=None,
+        key_padding_mask=None,
+        use_cache: bool = False,
+        positions=None,
+    ):
         """Returns ``(..., Lq, d_out)``; see ``npattn.MultiHeadAttention.forward``."""
         x, key, value, mask, use_cache = self._check_call(query, key, value, attn_mask, key_padding_mask, use_cache)
-        return self._forward(x, key, value, mask, use_cache=use_cache)
+        positions = self._check_positions(positions, x)
+        return self._forward(x, key, value, mask, use_cache=use_cache, positions=positions)
 
-    def _forward(self, x, key=None, value=None, mask=None, *, use_cache: bool = False):
+    def _forward(self, x, key=None, value=None, mask=None, *, use_cache: bool = False, positions=None):
         """``forward`` on validated arguments, for npattn's own modules (which validate at their
         own edge): ``x`` (and, for cross-attention, ``key`` and ``value``; None for
         self-attention) arrays of the module's dtype checked by ``_check_inputs``, ``mask`` built
         by ``_build_mask`` (over the cached keys too), ``use_cache`` accepted by ``_check_cache``.
-        Nothing is checked again."""
-        return self._run(x, key, value, mask, use_cache)[0]
+        Nothing is checked again.  ``positions``: RoPE's positions, None for ``T + i``."""
+        return self._run(x, key, value, mask, use_cache, positions)[0]
 
-    def _run(self, x, key, value, mask, use_cache: bool) -> tuple[np.ndarray, State]:
+    def _run(self, x, key, value, mask, use_cache: bool, positions=None) -> tuple[np.ndarray, State]:
         """The stages in order; returns the output and the state (kept for backward unless cached)."""
         self_attn = key is None or value is None
         # A training step's internal arrays come from (and go back to) the module's workspace
         ws = self._workspace() if self_attn and not use_cache and is_grad_enabled() else None
         p = self._project(x, None if self_attn else key, None if self_attn else value, ws)
         cache = self._kv_cache_in_use() if use_cache else None
-        qh, kh, pos = self._position(p.q, p.k, 0 if cache is None else cache.position)  # rolled-out tokens count
+        start = 0 if cache is None else cache.position  # rolled-out tokens count
+        qh, kh, pos = self._position(p.q, p.k, start, positions)
         vh, dropped = p.v, 0
         if cache is not None:
             # a rolling cache no longer holds the first `dropped` keys (hidden by the window anyway):
@@ -526,8 +549,9 @@ class MultiHeadAttentionCore(Module):
         qh, gate = self._split_query(q)
         return Projected(qh, gate, self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads), caches, qkv)
 
-    def _position(self, qh, kh, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
-        """Stage 2: QK-norm, then RoPE (query/key ``i`` of this call at position ``start + i``)."""
+    def _position(self, qh, kh, start: int, positions=None) -> tuple[np.ndarray, np.ndarray, Positioned]:
+        """Stage 2: QK-norm, then RoPE (query/key ``i`` of this call at position ``start + i``, or
+        at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows)."""
         qn = kn = qr = kr = None
         if self.qk_norm:
             qh, qn = K.rms_norm(qh, self._qk_weight(self.q_norm), self.q_norm.eps)
@@ -539,8 +563,12 @@ class MultiHeadAttentionCore(Module):
                 scaling=self.rope_scaling,
                 rotary_dim=self.rotary_dim,
             )
-            qh, qr = K.rope(qh, np.arange(start, start + qh.shape[-2]), **ropt)
-            kh, kr = K.rope(kh, np.arange(start, start + kh.shape[-2]), **ropt)
+            if positions is None:
+                qpos, kpos = np.arange(start, start + qh.shape[-2]), np.arange(start, start + kh.shape[-2])
+            else:  # (..., L) -> (..., 1, L): one row of positions for every head
+                qpos = kpos = positions[..., None, :] if positions.ndim > 1 else positions
+            qh, qr = K.rope(qh, qpos, **ropt)
+            kh, kr = K.rope(kh, kpos, **ropt)
         return qh, kh, Positioned(qn, kn, qr, kr)
 
     def _attend(self, qh, kh, vh, mask, align: str | None, ws):

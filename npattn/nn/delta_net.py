@@ -32,6 +32,7 @@ from .._validate import (
     check_dtype,
     check_positive_float,
     check_size,
+    to_numpy,
 )
 from ..functional import kernels as K
 from ..functional.conv import CausalConv1dCache
@@ -65,6 +66,7 @@ class _State(NamedTuple):
     beta: np.ndarray  # (B..., L, nv) sigmoid(b)
     g: np.ndarray  # (B..., L, nv)
     pre: np.ndarray  # (B..., L, nv) a + dt_bias, softplus's input
+    keep: np.ndarray | None = None  # (B..., L, 1): 1 at a token, 0 at padding (attention_mask given)
 
 
 class GatedDeltaNet(Module):
@@ -187,24 +189,41 @@ class GatedDeltaNet(Module):
         return cls(**delta_net_config(config).kwargs(), **kwargs)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, x, *, use_cache: bool = False) -> np.ndarray:
+    def forward(self, x, *, use_cache: bool = False, attention_mask=None) -> np.ndarray:
         """``x (B..., L, hidden)`` -> ``(B..., L, hidden)``; ``use_cache=True`` continues from (and
-        updates) the decoding cache (see the class notes)."""
+        updates) the decoding cache (see the class notes).
+
+        ``attention_mask (B..., L)``: 1 (True) at a token, 0 (False) at padding.  Padded steps leave
+        the layer untouched: their input is zeroed (transformers' ``apply_mask_to_padding_states``,
+        so the convolution sees zeros there, as before a sequence's start) and their decay and
+        write strength are ``g = 0``, ``beta = 0``, so the recurrent state passes them unchanged
+        (``S <- e^0 S + 0``, whatever the state); their output is 0, and no gradient or tangent
+        reaches anything through them."""
         x = as_float(x, "x", self.dtype)
         if x.ndim < 2 or x.shape[-1] != self.hidden_size or x.shape[-2] < 1:
             raise ValueError(f"x: expected shape (..., L, {self.hidden_size}) with L >= 1, got {x.shape}")
         use_cache = check_bool(use_cache, "use_cache")
         if use_cache and self._cache_lead is not None:
             check_cache_batch(self._cache_lead, x.shape, "x", "decoding cache")
+        keep = None
+        if attention_mask is not None:
+            m = to_numpy(attention_mask, "attention_mask")
+            if m.shape != x.shape[:-1]:
+                raise ValueError(f"attention_mask: expected shape {x.shape[:-1]} (x's without hidden), got {m.shape}")
+            if m.dtype != bool and not (m.dtype.kind in "iuf" and np.isin(m, (0, 1)).all()):
+                raise ValueError("attention_mask: expected 1/True at tokens and 0/False at padding")
+            keep = m.astype(self.dtype)[..., None]
         if use_cache:
             with no_grad():  # a cached call keeps nothing for backward
-                return self._forward(x, use_cache=True)
-        return self._forward(x)
+                return self._forward(x, use_cache=True, keep=keep)
+        return self._forward(x, keep=keep)
 
-    def _forward(self, x: np.ndarray, use_cache: bool = False) -> np.ndarray:
+    def _forward(self, x: np.ndarray, use_cache: bool = False, keep: np.ndarray | None = None) -> np.ndarray:
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = nv // nk
         lead, steps = x.shape[:-2], x.shape[-2]
+        if keep is not None:
+            x = x * keep  # padded steps: zero input (convolution window and projections)
         qkvz = self.in_proj_qkvz._forward(x).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
         ba = self.in_proj_ba._forward(x).reshape(lead + (steps, nk, 2 * r))
         # [q k v] in transformers' order for the convolution: all q heads, all k heads, all v heads
@@ -232,13 +251,14 @@ class GatedDeltaNet(Module):
         beta = 0.5 * (1.0 + np.tanh(0.5 * b))  # sigmoid(b), without overflow
         pre = a + self.dt_bias.data
         g = -np.exp(self.A_log.data) * _softplus(pre)
+        g_in, beta_in = (g, beta) if keep is None else (g * keep, beta * keep)  # padding: S unchanged
         heads = (-2, -3)  # (B..., L, heads, D) <-> (B..., heads, L, D)
         o, rule_cache = K.gated_delta_rule(
             np.repeat(q, r, axis=-2).swapaxes(*heads),
             np.repeat(k, r, axis=-2).swapaxes(*heads),
             v.swapaxes(*heads),
-            g.swapaxes(-1, -2),
-            beta.swapaxes(-1, -2),
+            g_in.swapaxes(-1, -2),
+            beta_in.swapaxes(-1, -2),
             scale=1.0 / math.sqrt(dk),
             initial_state=self._recurrent_state if use_cache else None,
             output_final_state=use_cache,
@@ -256,8 +276,16 @@ class GatedDeltaNet(Module):
         else:
             self.save_for_backward(
                 _State(
-                    lead=lead, steps=steps, conv=conv_cache, rule=rule_cache, norm=norm_cache, beta=beta, g=g, pre=pre
-                )
+                    lead=lead,
+                    steps=steps,
+                    conv=conv_cache,
+                    rule=rule_cache,
+                    norm=norm_cache,
+                    beta=beta,
+                    g=g,
+                    pre=pre,
+                    keep=keep,
+                )  # fmt: skip
             )
         return out
 
@@ -288,6 +316,8 @@ class GatedDeltaNet(Module):
         dq = dq.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)  # the r value heads of each key head
         dk_ = dk_.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2)
         dg, dbeta = dg.swapaxes(-1, -2), dbeta.swapaxes(-1, -2)  # (B..., L, nv)
+        if st.keep is not None:  # g * keep, beta * keep
+            dg, dbeta = dg * st.keep, dbeta * st.keep
         db = dbeta * beta * (1.0 - beta)
         dA_log = (dg * st.g).reshape(-1, nv).sum(0)  # dg/dA_log = -exp(A_log) softplus = g
         da = -dg * np.exp(self.A_log.data) * _softplus_grad(st.pre)
@@ -311,6 +341,8 @@ class GatedDeltaNet(Module):
         )
         dx = self.in_proj_qkvz._backward(dqkvz.reshape(lead + (steps, -1)))
         dx += self.in_proj_ba._backward(dba)
+        if st.keep is not None:  # x * keep
+            dx *= st.keep
         self.accumulate_grad(self.conv1d.weight, dconv_w[:, None, :])
         self.accumulate_grad(self.dt_bias, ddt_bias)
         self.accumulate_grad(self.A_log, dA_log)
@@ -331,6 +363,8 @@ class GatedDeltaNet(Module):
         lead, steps, pt = st.lead, st.steps, param_tangents
         if tx is None:
             tx = np.zeros(lead + (steps, self.hidden_size), st.beta.dtype)
+        elif st.keep is not None:  # x * keep
+            tx = tx * st.keep
         tqkvz = self._child_jvp(self.in_proj_qkvz, -1, (tx,), pt).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
         tba = self._child_jvp(self.in_proj_ba, -1, (tx,), pt).reshape(lead + (steps, nk, 2 * r))
         tmixed = np.concatenate(
@@ -355,6 +389,8 @@ class GatedDeltaNet(Module):
         tA_log = pt.get(self.A_log)
         if tA_log is not None:
             tg += st.g * tA_log
+        if st.keep is not None:  # g * keep, beta * keep
+            tg, tbeta = tg * st.keep, tbeta * st.keep
         heads = (-2, -3)
         to = K.gated_delta_rule_jvp(
             st.rule,
