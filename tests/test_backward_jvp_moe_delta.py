@@ -94,11 +94,64 @@ def router_cases(rng, lead=(2, 3)) -> list:
     return cases
 
 
-CASES = {c.name: c for c in router_cases(np.random.default_rng(0))}
+def _torch_experts(t, x, w, gate_up, down, gub=None, db=None, *, idx, kind, activation, alpha, limit):
+    """``y_n = sum_j w_nj expert_{i_nj}(x_n)`` with the fused weights gathered per pair."""
+    h, k = x.shape[-1], idx.shape[-1]
+    X, I, W = x.reshape(-1, h), t.tensor(idx.reshape(-1, k)), w.reshape(-1, k)
+    if kind == "swiglu":
+        gu = t.einsum("nkih,nh->nki", gate_up[I], X) + (0.0 if gub is None else gub[I])
+        i = gu.shape[-1] // 2
+        act = {
+            "silu": t.nn.functional.silu,
+            "gelu": t.nn.functional.gelu,
+            "gelu_tanh": lambda a: t.nn.functional.gelu(a, approximate="tanh"),
+            "relu": t.relu,
+        }[activation]
+        m = act(gu[..., :i]) * gu[..., i:]
+        out = t.einsum("nkhi,nki->nkh", down[I], m)
+    else:
+        gu = t.einsum("nkhi,nh->nki", gate_up[I], X) + (0.0 if gub is None else gub[I])
+        g, u = t.clamp(gu[..., ::2], max=limit), t.clamp(gu[..., 1::2], -limit, limit)
+        m = (u + 1.0) * g * t.sigmoid(alpha * g)
+        out = t.einsum("nkih,nki->nkh", down[I], m)
+    out = out + (0.0 if db is None else db[I])
+    return (W[..., None] * out).sum(1).reshape(x.shape)
+
+
+def expert_cases(rng, lead=(2, 3)) -> list:
+    lead = tuple(lead)
+    e, k, hid, inter = 4, 2, 5, 3
+    x = rng.standard_normal(lead + (hid,))
+    idx = rng.integers(0, e - 1, lead + (k,))  # the last expert has no token
+    w = rng.uniform(0.2, 1.0, lead + (k,))
+    cases = []
+    for kind in ("swiglu", "gpt_oss"):
+        for activation in ("silu", "gelu", "gelu_tanh", "relu") if kind == "swiglu" else ("silu",):
+            for bias in (True, False):
+                if kind == "swiglu":
+                    gate_up, down = rng.standard_normal((e, 2 * inter, hid)), rng.standard_normal((e, hid, inter))
+                else:
+                    gate_up, down = rng.standard_normal((e, hid, 2 * inter)), rng.standard_normal((e, inter, hid))
+                biases = (rng.standard_normal((e, 2 * inter)), rng.standard_normal((e, hid))) if bias else ()
+                kw = dict(kind=kind, activation=activation, alpha=1.702, limit=1.5)  # the clamps active
+                name = f"experts_{kind}" + (f"_{activation}" if kind == "swiglu" else "") + ("_bias" if bias else "")
+                cases.append(
+                    Case(
+                        name,
+                        "moe_experts",
+                        (x, w, gate_up, down) + biases,
+                        lambda M, x, w, gu, d, *b, kw=kw: M.moe_experts(x, idx, w, gu, d, *b, **kw),
+                        lambda t, *a, kw=kw: _torch_experts(t, *a, idx=idx, **kw),
+                    )
+                )
+    return cases
+
+
+CASES = {c.name: c for c in router_cases(np.random.default_rng(0)) + expert_cases(np.random.default_rng(0))}
 
 
 def _case(name, seed=0):
-    make = router_cases if name.startswith("router") else None
+    make = router_cases if name.startswith("router") else expert_cases
     return next(c for c in make(np.random.default_rng(seed)) if c.name == name)
 
 
@@ -230,3 +283,28 @@ def test_router_bad_arguments_are_refused_naming_them():
         F.topk_router_backward_jvp(np.zeros((3, 5)), cache, (z,))
     with pytest.raises(TypeError, match="cache"):
         F.topk_router_backward_jvp(dout, (1, 2), (z,))
+
+
+def test_experts_bad_arguments_are_refused_naming_them():
+    case = _case("experts_swiglu_silu")  # no biases
+    _, cache = case.call(F, *case.primals)
+    dout, tangents, ddout = _draws(case, np.random.default_rng(9))
+    fn = F.moe_experts_backward_jvp
+    for i, name in enumerate(("tx", "tweights", "tgate_up", "tdown")):
+        wrong = list(tangents)
+        wrong[i] = np.zeros(np.shape(tangents[i]) + (2,))
+        with pytest.raises(ValueError, match=name):
+            fn(dout, cache, tuple(wrong), ddout)
+    with pytest.raises(ValueError, match="tgate_up_bias.*expected None"):
+        fn(dout, cache, tangents + (np.zeros((4, 6)),), ddout)
+    with pytest.raises(TypeError, match="at most 6"):
+        fn(dout, cache, tangents + (None, None, tangents[0]), ddout)
+    with pytest.raises(ValueError, match="ddout"):
+        fn(dout, cache, tangents, np.zeros(np.shape(ddout) + (2,)))
+    with pytest.raises(TypeError, match="cache"):
+        fn(dout, (1, 2), tangents, ddout)
+    copies = [a.copy() for a in (dout, ddout) + tangents]
+    for module in (F, R):
+        _backward_jvp(module, case, dout, tangents, ddout)
+    for a, c in zip((dout, ddout) + tangents, copies):
+        np.testing.assert_array_equal(a, c)

@@ -58,6 +58,7 @@ from .memory_efficient import (
 from .moe import (
     moe_experts,
     moe_experts_backward,
+    moe_experts_backward_jvp,
     moe_experts_jvp,
     topk_router,
     topk_router_backward,
@@ -157,4 +158,5 @@ __all__ = [
     "moe_experts",
     "moe_experts_backward",
     "moe_experts_jvp",
+    "moe_experts_backward_jvp",
 ]

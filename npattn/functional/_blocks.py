@@ -6,7 +6,8 @@ shape ``(..., keys, queries)``.  This module holds the pieces they have in commo
 
 * ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
   validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
-  before any arithmetic); ``check_attention_tangents``: the tangents of a JVP;
+  before any arithmetic); ``check_attention_tangents``: the tangents of a JVP
+  (``attention_tangent_specs``, ``split_attention_tangents``: shared with the second order);
 * ``gqa_groups``, ``fold_heads``/``fold_kv``: the one grouped-query formula and scheme (query
   head ``h = hk * G + g`` viewed at ``(hk, g)`` beside its kv head, no copy);
 * ``out_lead``, ``broadcast_qkv``, ``pad_shape``, ``with_ndim``, ``sum_to``: torch's broadcasting
@@ -38,8 +39,7 @@ from .._validate import (
     check_bool,
     check_broadcastable,
     check_positive_float,
-    check_tangent,
-    check_tangents,
+    check_tangents_as,
 )
 
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
@@ -304,19 +304,36 @@ def check_options(
     return AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
 
 
-def check_attention_tangents(tangents: tuple, op: str, qkv_shapes: tuple, mask_shape, sinks_shape, dtype) -> tuple:
-    """The tangents given to an attention JVP, checked: ``tq, tk, tv`` (of ``qkv_shapes``), then
-    ``tmask`` (of ``mask_shape``; only with ``mask_grad``, else pass None), then ``tsinks`` (of
-    ``sinks_shape``; only with sinks) in the backward's order of gradients; each cast to
-    ``dtype``.  Returns ``(tq, tk, tv, tmask, tsinks)``, None for zero or absent."""
-    wanted = dict(zip(("tq", "tk", "tv"), qkv_shapes))
+def attention_tangent_specs(qkv_shapes: tuple, mask_shape, sinks_shape) -> tuple:
+    """The tangents an attention JVP or second order takes, as ``check_tangents_as`` specs in the
+    backward's order of gradients: ``tq, tk, tv`` (of ``qkv_shapes``), then ``tmask`` (of
+    ``mask_shape``; only with ``mask_grad``, else pass None), then ``tsinks`` (of ``sinks_shape``;
+    only with sinks)."""
+    specs = [("tq", qkv_shapes[0]), ("tk", qkv_shapes[1]), ("tv", qkv_shapes[2])]
     if mask_shape is not None:
-        wanted["tmask"] = mask_shape
+        specs.append(("tmask", mask_shape))
     if sinks_shape is not None:
-        wanted["tsinks"] = sinks_shape
-    given = dict(zip(wanted, check_tangents(tangents, tuple(wanted), op)))
-    checked = {n: check_tangent(given[n], n, shape, dtype) for n, shape in wanted.items()}
-    return tuple(checked.get(n) for n in ("tq", "tk", "tv", "tmask", "tsinks"))
+        specs.append(("tsinks", sinks_shape))
+    return tuple(specs)
+
+
+def split_attention_tangents(tangents: tuple, mask_grad: bool, has_sinks: bool) -> tuple:
+    """``(tq, tk, tv, tmask, tsinks)`` from tangents in the backward's order (``tmask`` only with
+    ``mask_grad``, ``tsinks`` only with sinks; those left out at the end are None, i.e. zero)."""
+    tq, tk, tv, *rest = tuple(tangents) + (None,) * (3 + mask_grad + has_sinks - len(tangents))
+    tmask = rest.pop(0) if mask_grad else None
+    tsinks = rest.pop(0) if has_sinks else None
+    return tq, tk, tv, tmask, tsinks
+
+
+def check_attention_tangents(tangents: tuple, op: str, qkv_shapes: tuple, mask_shape, sinks_shape, dtype) -> tuple:
+    """The tangents given to an attention JVP, checked (``check_tangents_as`` with
+    ``attention_tangent_specs``), each cast to ``dtype``.  Returns ``(tq, tk, tv, tmask, tsinks)``,
+    None for zero or absent."""
+    specs = attention_tangent_specs(qkv_shapes, mask_shape, sinks_shape)
+    return split_attention_tangents(
+        check_tangents_as(tangents, op, dtype, specs), mask_shape is not None, sinks_shape is not None
+    )
 
 
 # -- which keys a query may see ------------------------------------------------------------------------

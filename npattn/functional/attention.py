@@ -14,16 +14,25 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import as_rng, check_bool, check_cache, check_grad, check_mask, check_prob
+from .._validate import (
+    as_rng,
+    check_backward_jvp,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_mask,
+    check_prob,
+    check_tangents_as,
+)
 from ._blocks import (
     AttentionOptions,
     Band,
     Block,
+    attention_tangent_specs,
     band,
     band_hidden,
     broadcast_qkv,
     broadcast_shapes,
-    check_attention_tangents,
     check_options,
     check_qkv,
     check_scale,
@@ -33,6 +42,7 @@ from ._blocks import (
     out_lead,
     row_blocks,
     scratch,
+    split_attention_tangents,
     sum_to,
     with_ndim,
 )
@@ -43,6 +53,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_jvp",
+    "scaled_dot_product_attention_backward_jvp",
 ]
 
 
@@ -623,19 +634,30 @@ class _Backward:
         cache, out = self.cache, self.out
         if self.workspace is not None:
             self.workspace.give(self.ds_buf, self.prod_buf)
-        grads = [_ungrouped(self.dq, cache.groups, cache.q.shape), self.dk, self.dv]
-        if cache.shapes:
-            grads = [sum_to(a, s) for a, s in zip(grads, cache.shapes)]
+        grads = _qkv_shaped(cache, self.dq, self.dk, self.dv)
         if out is not None and not self.direct:
             for dst, src in zip(out, grads):
                 np.copyto(dst, src)
         if out is not None:
             grads = list(out)
-        if self.dmask is not None and cache.mask is not None:
-            grads.append(self.dmask.reshape(cache.mask.shape).astype(cache.mask.dtype, copy=False))
-        if self.dsinks is not None:  # h = hk * G + g
-            grads.append(self.dsinks.sum(axis=tuple(range(self.dsinks.ndim - 2))).reshape(-1))
-        return tuple(grads)
+        return tuple(grads + _option_grads(cache, self.dmask, self.dsinks))
+
+
+def _qkv_shaped(cache: AttentionCache, dq, dk, dv) -> list:
+    """``[dq, dk, dv]`` from the grouped layout to the inputs' own shapes (summed over broadcast axes)."""
+    grads = [_ungrouped(dq, cache.groups, cache.q.shape), dk, dv]
+    return [sum_to(a, s) for a, s in zip(grads, cache.shapes)] if cache.shapes else grads
+
+
+def _option_grads(cache: AttentionCache, dmask, dsinks) -> list:
+    """``[dmask]`` in the mask's shape (with ``mask_grad``), then ``[dsinks]`` ``(Hq,)`` from the
+    per-group sums ``(..., Hk, G)`` (``h = hk * G + g``)."""
+    grads = []
+    if dmask is not None and cache.mask is not None:
+        grads.append(dmask.reshape(cache.mask.shape).astype(cache.mask.dtype, copy=False))
+    if dsinks is not None:
+        grads.append(dsinks.sum(axis=tuple(range(dsinks.ndim - 2))).reshape(-1))
+    return grads
 
 
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
@@ -692,24 +714,16 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
     True
     """
     check_cache(cache, AttentionCache, "scaled_dot_product_attention_jvp")
-    sinks = cache.options.sinks
+    checked = check_tangents_as(tangents, "scaled_dot_product_attention_jvp", cache.q.dtype, _tangent_specs(cache))
     return _scaled_dot_product_attention_jvp(
-        cache,
-        *check_attention_tangents(
-            tangents,
-            "scaled_dot_product_attention_jvp",
-            cache.shapes or (cache.q.shape, cache.k.shape, cache.v.shape),
-            None if cache.mask is None else cache.mask.shape,  # kept with mask_grad only
-            None if sinks is None else sinks.shape,
-            cache.q.dtype,
-        ),
+        cache, *split_attention_tangents(checked, cache.mask is not None, cache.options.sinks is not None)
     )
 
 
 def _scaled_dot_product_attention_jvp(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
     """The kernel of ``scaled_dot_product_attention_jvp``: tangents checked (each of its input's
     own shape, q's dtype) or None (zero)."""
-    q, k, v, groups, scale = cache.q, cache.k, cache.v, cache.groups, cache.scale
+    q, k, v, groups = cache.q, cache.k, cache.v, cache.groups
     keep, drop_scale = cache.keep, cache.drop_scale
     lq = q.shape[-2]
     score_shape = q.shape[:-1] + (k.shape[-2],)
@@ -728,20 +742,7 @@ def _scaled_dot_product_attention_jvp(cache, tq=None, tk=None, tv=None, tmask=No
         rows, c0, c1, r0 = blk
         g = rows.start // lq if lq else 0
         # tz^T, key-major like P^T: scale (k tq^T + tk q^T), through softcap, plus the mask's tangent
-        tz = None
-        if tqg is not None:
-            tz = np.matmul(k[..., c0:c1, :], tqg[..., rows, :].swapaxes(-1, -2))
-        if tk is not None:
-            part = np.matmul(tk[..., c0:c1, :], qg[..., rows, :].swapaxes(-1, -2))
-            tz = part if tz is None else np.add(tz, part, out=tz)
-        if tz is not None:
-            if scale != 1.0:
-                tz *= scale
-            if cache.dcap is not None:
-                tz *= cache.dcap[i]  # d(c tanh(s / c)) = (1 - tanh^2) ds
-        if tmask_g is not None:
-            part = _mask_block(tmask_g, blk, groups, lq).swapaxes(-1, -2)
-            tz = np.array(np.broadcast_to(part, p.shape)) if tz is None else np.add(tz, part, out=tz)
+        tz = _logit_tangent(cache, i, _score_tangent(cache, blk, qg, tqg, tk), tmask_g)
         if tz is None and tsinks is not None:
             tz = np.zeros(p.shape, dt)
         pk = p
@@ -760,6 +761,233 @@ def _scaled_dot_product_attention_jvp(cache, tq=None, tk=None, tv=None, tmask=No
         if tv is not None:
             tout[..., rows, :] += np.matmul(pk.swapaxes(-1, -2), tv[..., c0:c1, :])  # P' tv
     return _ungrouped(tout, groups, q.shape[:-1] + (v.shape[-1],))
+
+
+def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents, ddout=None) -> tuple:
+    """Second order, forward over reverse: ``(grads, grad_tangents)``.
+
+    ``grads`` is ``scaled_dot_product_attention_backward(dout, cache)``; ``grad_tangents``, in the
+    same order and shapes, are the directional derivatives of those gradients when the inputs move
+    along ``tangents`` (``scaled_dot_product_attention_jvp``'s tangents as a tuple: ``tq, tk, tv``,
+    then ``tmask`` with ``mask_grad``, then ``tsinks`` with sinks; None or left out: zero) and
+    ``dout`` along ``ddout`` (None: zero).  With ``ddout`` zero it is the Hessian of
+    ``<dout, out>`` times the tangents.
+
+    Each line of the backward differentiated by the product rule (the textbook tier derives each
+    line; ``t`` for tangent, ``tP = P (tz - mu)`` the forward's tangent of the weights from the
+    JVP's ``tz`` and ``mu``):
+
+    * ``tdv = tP'^T dout + P'^T ddout``;
+    * ``tdP = (ddout v^T + dout tv^T) * keep / (1 - p)`` (the forward's own mask);
+    * ``tD = rowsum(tdP P + dP tP)``, ``tdS = tP (dP - D) + P (tdP - tD)`` (softmax twice);
+    * softcap: ``tds = tdS (1 - T^2) - 2 dS T (1 - T^2) ts / softcap`` (``T`` recomputed per
+      block from ``q k^T``: the cache keeps only ``1 - T^2``);
+    * ``tdq = scale (tds k + ds tk)``, ``tdk = scale (tds^T q + ds^T tq)``; ``tdmask = tdS``;
+      ``tdsink = -sum (tP_sink D + P_sink tD)`` with ``tP_sink = P_sink (tsink - mu)``.
+
+    Computed block by block from the cached ``P`` (the forward's row blocks, so a causal or
+    windowed call forms only its band), in the grouped layout (no copy of k, v).
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : AttentionCache
+        The cache ``scaled_dot_product_attention`` returned.
+    tangents : tuple or None
+        ``(tq, tk, tv[, tmask][, tsinks])`` as ``scaled_dot_product_attention_jvp`` takes them,
+        each None or of its input's shape; None or ``()``: all zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : tuple of ndarray
+        ``(dq, dk, dv[, dmask][, dsinks])``, the backward's.
+    grad_tangents : tuple of ndarray
+        Their tangents, the same order, shapes and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+        not real.
+    ValueError
+        ``dout``, ``ddout`` or a tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, tq, tk, tv, dy = (rng.standard_normal((1, 2, 4, 3)) for _ in range(7))
+    >>> out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> (dq, dk, dv), (tdq, tdk, tdv) = F.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv))
+    >>> def moved(s):
+    ...     _, c = F.scaled_dot_product_attention(q + s * tq, k + s * tk, v + s * tv, is_causal=True)
+    ...     return F.scaled_dot_product_attention_backward(dy, c)
+    >>> fd = (moved(1e-6)[0] - moved(-1e-6)[0]) / 2e-6      # the central difference of dq
+    >>> bool(np.allclose(tdq, fd, rtol=1e-5, atol=1e-7))
+    True
+    """
+    op = "scaled_dot_product_attention_backward_jvp"
+    check_cache(cache, AttentionCache, op)
+    q, v = cache.q, cache.v
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, op, q.shape[:-1] + (v.shape[-1],), q.dtype, _tangent_specs(cache)
+    )
+    return _scaled_dot_product_attention_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _tangent_specs(cache: AttentionCache) -> tuple:
+    """The tangents' specs (``_blocks.attention_tangent_specs``), the JVP's and the second order's."""
+    sinks = cache.options.sinks
+    return attention_tangent_specs(
+        cache.shapes or (cache.q.shape, cache.k.shape, cache.v.shape),
+        None if cache.mask is None else cache.mask.shape,  # kept with mask_grad only
+        None if sinks is None else sinks.shape,
+    )
+
+
+def _scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents=(), ddout=None) -> tuple:
+    """The kernel of ``scaled_dot_product_attention_backward_jvp``: ``dout`` (and ``ddout``, None
+    for zero) checked, ``tangents`` checked in the backward's order (each None or of its input's
+    own shape, q's dtype)."""
+    tq, tk, tv, tmask, tsinks = split_attention_tangents(
+        tangents, cache.mask is not None, cache.options.sinks is not None
+    )
+    grads = _scaled_dot_product_attention_backward(dout, cache)
+    second = _BackwardTangents(cache, dout, ddout, tq, tk, tv, tmask, tsinks)
+    for i in range(len(cache.blocks)):
+        second.block(i)
+    return grads, second.finish()
+
+
+class _BackwardTangents:
+    """The tangents of the backward's gradients, block of query rows by block (the forward's
+    blocks, grouped layout): the inputs' tangents as the kernel's operands, and the gradients'
+    tangents being added up (``tdq``, ``tdk``, ``tdv``; ``tdmask``, ``tdsinks`` with their options)."""
+
+    def __init__(self, cache: AttentionCache, dout, ddout, tq, tk, tv, tmask, tsinks):
+        q, k, v, groups = cache.q, cache.k, cache.v, cache.groups
+        score_shape = q.shape[:-1] + (k.shape[-2],)
+        self.cache, self.lead, self.tsinks = cache, score_shape[:-2], tsinks
+        self.qg, self.dog = _grouped(q, groups), _grouped(dout, groups)
+        self.tdog = None if ddout is None else _grouped(ddout, groups)
+        # the tangents broadcast like q, k, v; queries grouped beside their kv head
+        self.tqg = None if tq is None else _grouped(np.broadcast_to(tq, q.shape), groups)
+        self.tk = None if tk is None else np.broadcast_to(tk, k.shape)
+        self.tv = None if tv is None else np.broadcast_to(tv, v.shape)
+        self.tmask_g = None if tmask is None else _mask_view(tmask, score_shape, groups)
+        self.keep_g = None if cache.keep is None else _grouped(cache.keep, groups)
+        self.tdq = np.zeros(_grouped_shape(q.shape, groups), q.dtype)
+        self.tdk, self.tdv = np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+        self.tdsinks = None if cache.options.sinks is None else np.zeros(self.dog.shape[:-2] + (groups,), q.dtype)
+        self.tdmask = None
+        if cache.mask is not None:  # kept with mask_grad only
+            self.tdmask = np.zeros((1,) * (len(q.shape) - cache.mask.ndim) + cache.mask.shape, q.dtype)
+
+    def block(self, i: int):
+        """Block ``i``: the backward's lines (``dP``, ``D``, ``dS``, ``ds``) and each one's tangent,
+        key-major like the cached ``P^T``; ``tdq`` of its rows, ``tdk``, ``tdv`` of its keys added."""
+        cache, blk = self.cache, self.cache.blocks[i]
+        p, rows, c0, c1 = cache.p[i], blk.rows, blk.c0, blk.c1
+        g = rows.start // cache.q.shape[-2] if cache.q.shape[-2] else 0
+        do, tdo = self.dog[..., rows, :], None if self.tdog is None else self.tdog[..., rows, :]
+        ts = _score_tangent(cache, blk, self.qg, self.tqg, self.tk)
+        tz = _logit_tangent(cache, i, None if ts is None else ts.copy(), self.tmask_g)
+        # the forward's tangent of the weights: tP = P (tz - mu), mu = rowsum(P tz) + P_sink tsink
+        mu = (
+            np.zeros(p.shape[:-2] + (1, p.shape[-1]), p.dtype)
+            if tz is None
+            else np.einsum("...ji,...ji->...i", tz, p)[..., None, :]
+        )
+        p_sink = None if cache.p_sink is None else cache.p_sink[..., rows, :].swapaxes(-1, -2)  # (..., 1, n)
+        tsink = None if self.tsinks is None else _per_group(self.tsinks, self.lead, cache.groups, g)
+        if tsink is not None:
+            mu = mu + p_sink * tsink
+        tp = p * ((0.0 if tz is None else tz) - mu)
+        kb = None if self.keep_g is None else self.keep_g[..., rows, c0:c1].swapaxes(-1, -2) * cache.drop_scale
+        pk, tpk = (p, tp) if kb is None else (p * kb, tp * kb)
+        # dv = P'^T dout:  tdv = tP'^T dout + P'^T ddout
+        self.tdv[..., c0:c1, :] += np.matmul(tpk, do) + (0.0 if tdo is None else np.matmul(pk, tdo))
+        # dP^T = (v dout^T) keep / (1-p):  tdP^T = (v ddout^T + tv dout^T) keep / (1-p)
+        dp = np.matmul(cache.v[..., c0:c1, :], do.swapaxes(-1, -2))
+        tdp = np.zeros_like(dp) if tdo is None else np.matmul(cache.v[..., c0:c1, :], tdo.swapaxes(-1, -2))
+        if self.tv is not None:
+            tdp += np.matmul(self.tv[..., c0:c1, :], do.swapaxes(-1, -2))
+        if kb is not None:
+            dp, tdp = dp * kb, tdp * kb
+        # D = rowsum(dP P), dS = P (dP - D): the softmax's backward and its tangent
+        d = np.einsum("...ji,...ji->...i", dp, p)[..., None, :]
+        td = (np.einsum("...ji,...ji->...i", tdp, p) + np.einsum("...ji,...ji->...i", dp, tp))[..., None, :]
+        ds = p * (dp - d)
+        tds = tp * (dp - d) + p * (tdp - td)
+        if self.tdsinks is not None and p_sink is not None:  # dsink = -sum P_sink D
+            tp_sink = p_sink * ((0.0 if tsink is None else tsink) - mu)
+            self.tdsinks[..., g] -= np.einsum("...ji,...ji->...", tp_sink, d) + np.einsum(
+                "...ji,...ji->...", p_sink, td
+            )
+        if self.tdmask is not None:  # dmask = dS
+            _add_mask_grad(self.tdmask, tds, blk, cache.groups, g)
+        if cache.dcap is not None and cache.options.softcap is not None:
+            ds, tds = self._through_softcap(i, ds, tds, ts, cache.dcap[i], cache.options.softcap)
+        # dq = scale ds k, dk = scale ds^T q: products of two moving factors
+        tdq = np.matmul(tds.swapaxes(-1, -2), cache.k[..., c0:c1, :])
+        tdk = np.matmul(tds, self.qg[..., rows, :])
+        if self.tk is not None:
+            tdq += np.matmul(ds.swapaxes(-1, -2), self.tk[..., c0:c1, :])
+        if self.tqg is not None:
+            tdk += np.matmul(ds, self.tqg[..., rows, :])
+        self.tdq[..., rows, :] += cache.scale * tdq
+        self.tdk[..., c0:c1, :] += cache.scale * tdk
+
+    def _through_softcap(self, i: int, ds, tds, ts, dcap, softcap: float):
+        """``ds = dS (1 - T^2)`` and ``tds = tdS (1 - T^2) - 2 dS T (1 - T^2) ts / softcap``; ``T``
+        from the block's scores again (the cache keeps ``dcap = 1 - T^2``, not ``T``'s sign)."""
+        cache, blk = self.cache, self.cache.blocks[i]
+        out = tds * dcap
+        if ts is not None:
+            s = np.matmul(cache.k[..., blk.c0 : blk.c1, :], self.qg[..., blk.rows, :].swapaxes(-1, -2))
+            t = np.tanh(s * (cache.scale / softcap))
+            out -= (2.0 / softcap) * ds * t * dcap * ts
+        return ds * dcap, out
+
+    def finish(self) -> tuple:
+        """The gradients' tangents in their inputs' shapes, then ``tdmask``, ``tdsinks``."""
+        return tuple(
+            _qkv_shaped(self.cache, self.tdq, self.tdk, self.tdv) + _option_grads(self.cache, self.tdmask, self.tdsinks)
+        )
+
+
+def _score_tangent(cache: AttentionCache, blk: Block, qg, tqg, tk):
+    """``ts^T = scale (k tq^T + tk q^T)`` of one block, key-major ``(..., c1 - c0, n)`` (the product
+    rule on the scores; ``qg``, ``tqg`` in the grouped layout), a new array, or None when neither
+    q nor k moves."""
+    rows, c0, c1 = blk.rows, blk.c0, blk.c1
+    ts = None
+    if tqg is not None:
+        ts = np.matmul(cache.k[..., c0:c1, :], tqg[..., rows, :].swapaxes(-1, -2))
+    if tk is not None:
+        part = np.matmul(tk[..., c0:c1, :], qg[..., rows, :].swapaxes(-1, -2))
+        ts = part if ts is None else np.add(ts, part, out=ts)
+    if ts is not None and cache.scale != 1.0:
+        ts *= cache.scale
+    return ts
+
+
+def _logit_tangent(cache: AttentionCache, i: int, ts, tmask_g):
+    """``tz^T = ts^T (1 - tanh^2) + tmask^T`` of block ``i`` (softcap's derivative, the float
+    mask's own tangent; ALiBi is a constant), in place in ``ts`` when given; None when nothing
+    moves the logits."""
+    blk = cache.blocks[i]
+    if ts is not None and cache.dcap is not None:
+        ts *= cache.dcap[i]  # d(c tanh(s / c)) = (1 - tanh^2) ds
+    if tmask_g is not None:
+        part = _mask_block(tmask_g, blk, cache.groups, cache.q.shape[-2]).swapaxes(-1, -2)
+        shape = cache.p[i].shape
+        ts = np.array(np.broadcast_to(part, shape), cache.q.dtype) if ts is None else np.add(ts, part, out=ts)
+    return ts
 
 
 def _add_mask_grad(dmask, ds_t, blk: Block, groups, g):

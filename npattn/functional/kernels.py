@@ -34,6 +34,7 @@ from .activation import softmax_jvp_kernel as softmax_jvp
 from .activation import softmax_kernel as softmax
 from .attention import _scaled_dot_product_attention as scaled_dot_product_attention
 from .attention import _scaled_dot_product_attention_backward as scaled_dot_product_attention_backward
+from .attention import _scaled_dot_product_attention_backward_jvp as scaled_dot_product_attention_backward_jvp
 from .attention import _scaled_dot_product_attention_jvp as scaled_dot_product_attention_jvp
 from .conv import causal_conv1d_backward_jvp_kernel as causal_conv1d_backward_jvp
 from .conv import causal_conv1d_backward_kernel as causal_conv1d_backward
@@ -64,6 +65,7 @@ from .loss import cross_entropy_jvp_kernel as cross_entropy_jvp
 from .loss import cross_entropy_kernel as cross_entropy
 from .memory_efficient import _memory_efficient_attention as memory_efficient_attention
 from .memory_efficient import _memory_efficient_attention_backward as memory_efficient_attention_backward
+from .memory_efficient import _memory_efficient_attention_backward_jvp as memory_efficient_attention_backward_jvp
 from .memory_efficient import _memory_efficient_attention_jvp as memory_efficient_attention_jvp
 from .moe import moe_experts_backward_kernel as moe_experts_backward
 from .moe import moe_experts_jvp_kernel as moe_experts_jvp

@@ -64,20 +64,22 @@ import numpy as np
 
 from .._validate import (
     as_rng,
+    check_backward_jvp,
     check_bool,
     check_cache,
     check_grad,
     check_mask,
     check_prob,
     check_size,
+    check_tangents_as,
 )
 from ._blocks import (
     AttentionOptions,
     Band,
+    attention_tangent_specs,
     band,
     band_hidden,
     band_width,
-    check_attention_tangents,
     check_options,
     check_qkv,
     check_scale,
@@ -89,6 +91,7 @@ from ._blocks import (
     out_lead,
     query_range,
     scratch,
+    split_attention_tangents,
     sum_to,
     with_ndim,
 )
@@ -99,6 +102,7 @@ __all__ = [
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
     "memory_efficient_attention_jvp",
+    "memory_efficient_attention_backward_jvp",
 ]
 
 
@@ -1026,17 +1030,10 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
     True
     """
     check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_jvp")
-    mask = cache.attn_mask if cache.options.mask_grad else None
+    checked = check_tangents_as(tangents, "memory_efficient_attention_jvp", cache.q.dtype, _tangent_specs(cache))
+    has_mask_grad = cache.options.mask_grad and cache.attn_mask is not None
     return _memory_efficient_attention_jvp(
-        cache,
-        *check_attention_tangents(
-            tangents,
-            "memory_efficient_attention_jvp",
-            (cache.q.shape, cache.k.shape, cache.v.shape),
-            None if mask is None else mask.shape,
-            None if cache.options.sinks is None else cache.options.sinks.shape,
-            cache.q.dtype,
-        ),
+        cache, *split_attention_tangents(checked, has_mask_grad, cache.options.sinks is not None)
     )
 
 
@@ -1044,14 +1041,8 @@ def _memory_efficient_attention_jvp(cache: MemoryEfficientCache, tq=None, tk=Non
     """The kernel of ``memory_efficient_attention_jvp``: tangents checked (each of its input's own
     shape, q's dtype) or None (zero)."""
     geo = _cached_geometry(cache)
-    tan = _tangent_layout(cache, tq, tk, tv, tmask, tsinks)
-    lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
-    out_w = cache.out.reshape(lead + (lq, ev))
-    lse_row = cache.lse.reshape(lead + (1, lq))
-    tout = np.empty(lead + (lq, ev), geo.dt)
-    worker = lambda share: _JvpWorker(geo, cache.scale, tan).rows(share, out_w, lse_row, tout)  # noqa: E731
-    _run(worker, geo.shares(_spans(lq, geo.bq)))
-    return tout.reshape(geo.lay.out_lead + (lq, ev))
+    tout, _ = _tangent_and_mean(geo, cache, _tangent_layout(cache, tq, tk, tv, tmask, tsinks))
+    return tout.reshape(geo.lay.out_lead + (geo.lq, cache.v.shape[-1]))
 
 
 class _Tangents(NamedTuple):
@@ -1101,8 +1092,9 @@ class _JvpWorker:
         self.bias_bufs = geo.scores.buffers(bk, bq)
         self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
 
-    def rows(self, share, out_w, lse_row, tout):
-        """``tout`` (working layout) of the query blocks in ``share``: ``tO = a [/ (1-p)] - O mu``."""
+    def rows(self, share, out_w, lse_row, tout, mu_out=None):
+        """``tout`` (working layout) of the query blocks in ``share``: ``tO = a [/ (1-p)] - O mu``;
+        ``mu`` of each row into ``mu_out`` ``(..., 1, Lq)`` if given (the second order needs it)."""
         geo, lay, tan = self.geo, self.geo.lay, self.tan
         lead, ev = lay.lead, lay.v.shape[-1]
         for i0, i1 in share:
@@ -1119,6 +1111,8 @@ class _JvpWorker:
                 self.pair(i0, i1, j0, j1, qs_t, tqs_t, lse_row, acc_t, pv_t, mu)
             if tan.sinks is not None:  # the sink's logit moves too: mu += P_sink tsink
                 mu += np.exp(lay.sinks - lse_row[..., i0:i1]) * tan.sinks
+            if mu_out is not None:
+                np.copyto(mu_out[..., i0:i1], mu)
             # tO = a [/ (1-p)] - O mu; a row that saw no key has a = 0 and O = 0
             to_t = tout[..., i0:i1, :].swapaxes(-1, -2)
             if geo.dropout is not None:
@@ -1180,3 +1174,233 @@ class _JvpWorker:
         np.sum(tz, axis=-2, keepdims=True, out=rsum)
         mu += rsum  # mu += rowsum(P * tS)
         return tz
+
+
+def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, tangents, ddout=None) -> tuple:
+    """Second order of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
+
+    Returns ``(grads, grad_tangents)``: ``grads`` is ``memory_efficient_attention_backward(dout,
+    cache)``, ``grad_tangents`` their directional derivatives when the inputs move along
+    ``tangents`` and ``dout`` along ``ddout`` (arguments and lines as
+    ``scaled_dot_product_attention_backward_jvp``).
+
+    The backward's lines need, per (key block, query block) pair, ``P = exp(S - lse)`` (recomputed
+    as the backward does) and its tangent ``tP = P (tS - mu)``, where ``mu_i = sum_j P_ij tS_ij +
+    P_sink,i tsink`` needs a whole row: the JVP's pass gives it, with the output's tangent ``tO``,
+    first (O(L) each).  The row sums of the backward, ``D = rowsum(dO * O)``, then move as a
+    product, ``tD = rowsum(ddO * O + dO * tO)`` (O(L) again), and every pair adds
+
+        tdV_j += tP'^T dO_i + P'^T ddO_i,   tdP = (ddO_i V_j^T + dO_i tV_j^T) [* keep / (1-p)],
+        tdS = tP (dP - D_i) + P (tdP - tD_i),
+        tds = tdS (1 - T^2) - 2 dS T (1 - T^2) tS_raw / softcap     (softcap; else tds = tdS),
+        tdQ_i += scale (tds K_j + ds tK_j),   tdK_j += scale (tds^T Q_i + ds^T tQ_i),   tdmask += tdS,
+
+    and ``tdsinks = -sum (tP_sink D + P_sink tD)`` with ``tP_sink = P_sink (tsink - mu)``.
+    Dropout's keep-mask is regenerated from the seed; grouped-query heads and broadcast batches
+    are views.  Memory: the gradients, their tangents, O(L) rows and per-thread blocks.
+
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : MemoryEfficientCache
+        The cache ``memory_efficient_attention`` returned.
+    tangents : tuple or None
+        ``(tq, tk, tv[, tmask][, tsinks])`` as ``memory_efficient_attention_jvp`` takes them, each
+        None or of its input's shape; None or ``()``: all zero.
+    ddout : array_like, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    grads : tuple of ndarray
+        ``(dq, dk, dv[, dmask][, dsinks])``, the backward's.
+    grad_tangents : tuple of ndarray
+        Their tangents, the same order, shapes and dtype.
+
+    Raises
+    ------
+    TypeError
+        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+        not real.
+    ValueError
+        ``dout``, ``ddout`` or a tangent of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, tq, tk, tv, dy = (rng.standard_normal((1, 2, 5, 3)) for _ in range(7))
+    >>> out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=2)
+    >>> grads, tangents = F.memory_efficient_attention_backward_jvp(dy, cache, (tq, tk, tv))
+    >>> _, plain = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> want = F.scaled_dot_product_attention_backward_jvp(dy, plain, (tq, tk, tv))[1]
+    >>> all(np.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(tangents, want))
+    True
+    """
+    op = "memory_efficient_attention_backward_jvp"
+    check_cache(cache, MemoryEfficientCache, op)
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, op, cache.out.shape, cache.q.dtype, _tangent_specs(cache)
+    )
+    return _memory_efficient_attention_backward_jvp(dout, cache, tangents, ddout)
+
+
+def _tangent_specs(cache: MemoryEfficientCache) -> tuple:
+    """The tangents' specs (``_blocks.attention_tangent_specs``), the JVP's and the second order's."""
+    mask = cache.attn_mask if cache.options.mask_grad else None
+    return attention_tangent_specs(
+        (cache.q.shape, cache.k.shape, cache.v.shape),
+        None if mask is None else mask.shape,
+        None if cache.options.sinks is None else cache.options.sinks.shape,
+    )
+
+
+def _memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, tangents=(), ddout=None) -> tuple:
+    """The kernel of ``memory_efficient_attention_backward_jvp``: ``dout`` (``ddout``, None for zero)
+    and ``tangents`` (the backward's order, each None or of its input's own shape) checked."""
+    opts = cache.options
+    has_mask_grad = opts.mask_grad and cache.attn_mask is not None
+    tq, tk, tv, tmask, tsinks = split_attention_tangents(tangents, has_mask_grad, opts.sinks is not None)
+    grads = _memory_efficient_attention_backward(dout, cache)
+    geo = _cached_geometry(cache)
+    lay, lead, lq, ev = geo.lay, geo.lay.lead, geo.lq, cache.v.shape[-1]
+    tan = _tangent_layout(cache, tq, tk, tv, tmask, tsinks)
+    tout, mu = _tangent_and_mean(geo, cache, tan)  # (lead, Lq, Ev), (lead, 1, Lq)
+    up = _upstream(geo, dout, cache)
+    ddo = None if ddout is None else ddout.reshape(lead + (lq, ev))
+    # tD = rowsum(ddO * O + dO * tO): the tangent of D = rowsum(dO * O)
+    td = np.einsum("...e,...e->...", dout.reshape(lead + (lq, ev)), tout)
+    if ddo is not None:
+        td += np.einsum("...e,...e->...", ddo, cache.out.reshape(lead + (lq, ev)))
+    if ddo is not None and geo.dropout is not None:
+        ddo = ddo * geo.dropout.scale  # folded as dO is (_upstream)
+    rows = _TangentRows(ddo, td[..., None, :], mu, None if tan.q is None else tan.q * cache.scale)
+    tdk, tdv = np.zeros(lay.k.shape, geo.dt), np.zeros(lay.v.shape, geo.dt)
+    tdmask = None
+    if has_mask_grad and lay.mask is not None and cache.attn_mask is not None:
+        tdmask = _MaskGrad(lay.mask, cache.attn_mask.shape, geo.lk, geo.dt)
+    k_blocks = [(j0, j1) for j0, j1 in _spans(geo.lk, geo.bk) if (r := query_range(geo.band, j0, j1, lq))[0] < r[1]]
+    shares = geo.shares(k_blocks)
+    tdqs = [np.zeros(lay.q.shape, geo.dt) for _ in shares]
+    tdmasks = [None if tdmask is None else tdmask.for_worker() for _ in shares]
+    worker = _BackwardJvpWorker(geo, up, rows, tan, tdk, tdv)
+    _run(lambda i: worker.columns(shares[i], tdqs[i], tdmasks[i]), list(range(len(shares))))
+    tdq = tdqs[0]
+    for extra in tdqs[1:]:
+        tdq += extra
+    tdq *= cache.scale
+    out: tuple = (tdq.reshape(cache.q.shape), tdk.reshape(cache.k.shape), tdv.reshape(cache.v.shape))
+    if tdmask is not None:
+        out += (tdmask.total(tdmasks),)
+    if opts.sinks is not None and lay.sinks is not None:
+        # dsink = -sum P_sink D with P_sink = exp(sink - lse): tdsink = -sum (tP_sink D + P_sink tD),
+        # tP_sink = P_sink (tsink - mu) (the sink's logit is one more of the softmax)
+        p_sink = np.exp(lay.sinks - up.lse_row)
+        tp_sink = p_sink * ((0.0 if tan.sinks is None else tan.sinks) - mu)
+        out += (sum_to(-(tp_sink * up.d_row + p_sink * rows.td), lay.sinks.shape).reshape(opts.sinks.shape),)
+    return grads, out
+
+
+def _tangent_and_mean(geo: _Geometry, cache: MemoryEfficientCache, tan: _Tangents):
+    """The JVP's pass in the working layout: ``(tO (lead, Lq, Ev), mu (lead, 1, Lq))``, ``mu`` the
+    softmax's mean ``rowsum(P tS) + P_sink tsink`` of every row."""
+    lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
+    out_w = cache.out.reshape(lead + (lq, ev))
+    lse_row = cache.lse.reshape(lead + (1, lq))
+    tout = np.empty(lead + (lq, ev), geo.dt)
+    mu = np.empty(lead + (1, lq), geo.dt)
+    worker = lambda share: _JvpWorker(geo, cache.scale, tan).rows(share, out_w, lse_row, tout, mu)  # noqa: E731
+    _run(worker, geo.shares(_spans(lq, geo.bq)))
+    return tout, mu
+
+
+class _TangentRows(NamedTuple):
+    """What every worker of the second order reads beside ``_Upstream``, in the working layout:
+    ``ddO`` (times ``1/(1-p)`` with dropout; None for zero), the rows ``tD`` and ``mu``
+    ``(..., 1, Lq)``, and ``scale tq`` (None for zero)."""
+
+    ddout: Optional[np.ndarray]
+    td: np.ndarray
+    mu: np.ndarray
+    tqs: Optional[np.ndarray]
+
+
+class _BackwardJvpWorker:
+    """The second order's key blocks (a worker's share): per key block ``j``, ``tdK_j``, ``tdV_j``
+    finished; per (key block, query block) pair the backward's lines and their tangents
+    (``memory_efficient_attention_backward_jvp``), ``tdQ`` (and ``tdmask``) terms added into the
+    worker's own arrays.  Blocks are key-major, as in the backward."""
+
+    def __init__(self, geo: _Geometry, up: _Upstream, rows: _TangentRows, tan: _Tangents, tdk, tdv):
+        self.geo, self.up, self.rows, self.tan, self.tdk, self.tdv = geo, up, rows, tan, tdk, tdv
+
+    def columns(self, share, tdq, tdmask):
+        geo, lead = self.geo, self.geo.lay.lead
+        e, ev = geo.lay.q.shape[-1], geo.lay.v.shape[-1]
+        for j0, j1 in share:
+            tdk_j, tdv_j = np.zeros(lead + (j1 - j0, e), geo.dt), np.zeros(lead + (j1 - j0, ev), geo.dt)
+            i_lo, i_hi = query_range(geo.band, j0, j1, geo.lq)
+            for i0, i1 in _spans(i_hi, geo.bq, i_lo):
+                self.pair(i0, i1, j0, j1, tdk_j, tdv_j, tdq, tdmask)
+            dk_s, dv_s = self.tdk[..., j0:j1, :], self.tdv[..., j0:j1, :]
+            dk_s += sum_to(tdk_j, dk_s.shape)
+            dv_s += sum_to(tdv_j, dv_s.shape)
+
+    def pair(self, i0, i1, j0, j1, tdk_j, tdv_j, tdq, tdmask):
+        geo, up, rows, tan, lay = self.geo, self.up, self.rows, self.tan, self.geo.lay
+        k_j, v_j, qs = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :], up.qs[..., i0:i1, :]
+        st = np.matmul(k_j, qs.swapaxes(-1, -2))  # S^T = k_j (scale q_i)^T
+        t = None if geo.scores.softcap is None else np.empty(st.shape, geo.dt)
+        if not geo.scores.apply(st, i0, i1, j0, j1, geo.scores.buffers(j1 - j0, i1 - i0), tanh_out=t):
+            return
+        p = np.exp(st - up.lse_row[..., i0:i1])  # P^T = exp(S^T - lse)
+        ts = None  # tS_raw^T = K_j (scale tq_i)^T + tK_j (scale q_i)^T
+        if rows.tqs is not None:
+            ts = np.matmul(k_j, rows.tqs[..., i0:i1, :].swapaxes(-1, -2))
+        if tan.k is not None:
+            part = np.matmul(tan.k[..., j0:j1, :], qs.swapaxes(-1, -2))
+            ts = part if ts is None else ts + part
+        dcap = None if t is None else 1.0 - t * t
+        tz = None if ts is None else (ts if dcap is None else ts * dcap)
+        if tan.mask is not None:
+            mb = _mask_block(tan.mask, i0, i1, j0, j1)
+            tz = mb if tz is None else tz + mb
+        tp = p * ((0.0 if tz is None else tz) - rows.mu[..., i0:i1])  # tP = P (tS - mu)
+        do = up.dout[..., i0:i1, :]
+        ddo = None if rows.ddout is None else rows.ddout[..., i0:i1, :]
+        keep = (
+            None if geo.dropout is None else geo.dropout.keep_t(i0, i1, j0, j1, geo.dropout.buffers(j1 - j0, i1 - i0))
+        )
+        pk, tpk = (p, tp) if keep is None else (p * keep, tp * keep)
+        tdv_j += np.matmul(tpk, do)  # tdV_j += tP'^T dO_i + P'^T ddO_i (1/(1-p) folded into dO)
+        dp = np.matmul(v_j, do.swapaxes(-1, -2))
+        tdp = np.zeros_like(dp)
+        if ddo is not None:
+            tdv_j += np.matmul(pk, ddo)
+            tdp += np.matmul(v_j, ddo.swapaxes(-1, -2))
+        if tan.v is not None:
+            tdp += np.matmul(tan.v[..., j0:j1, :], do.swapaxes(-1, -2))
+        if keep is not None:
+            dp, tdp = dp * keep, tdp * keep
+        d, td = up.d_row[..., i0:i1], rows.td[..., i0:i1]
+        ds = p * (dp - d)  # dS^T = P^T (dP^T - D)
+        tds = tp * (dp - d) + p * (tdp - td)
+        if tdmask is not None:  # dmask = dS
+            dm = _mask_block(tdmask, i0, i1, j0, j1)
+            dm += sum_to(tds, dm.shape)
+        if dcap is not None and t is not None:  # through softcap, T = tanh(S_raw / softcap)
+            if ts is not None:
+                tds = tds * dcap - (2.0 / geo.scores.softcap) * ds * t * dcap * ts
+            else:
+                tds = tds * dcap
+            ds = ds * dcap
+        tdq_i = np.matmul(tds.swapaxes(-1, -2), k_j)  # tdQ_i += tds K_j + ds tK_j (scaled at the end)
+        tdk_j += np.matmul(tds, qs)  # tdK_j += tds^T (scale Q_i) + ds^T (scale tQ_i)
+        if tan.k is not None:
+            tdq_i += np.matmul(ds.swapaxes(-1, -2), tan.k[..., j0:j1, :])
+        if rows.tqs is not None:
+            tdk_j += np.matmul(ds, rows.tqs[..., i0:i1, :])
+        dq_i = tdq[..., i0:i1, :]
+        dq_i += sum_to(tdq_i, dq_i.shape)

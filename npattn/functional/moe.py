@@ -53,12 +53,16 @@ from .._validate import (
     check_size,
     check_tangent,
     check_tangents,
+    check_tangents_as,
 )
 from .activation import (
+    gelu_backward_jvp_kernel,
     gelu_backward_kernel,
     gelu_kernel,
+    relu_backward_jvp_kernel,
     relu_backward_kernel,
     relu_kernel,
+    silu_backward_jvp_kernel,
     silu_backward_kernel,
     silu_kernel,
 )
@@ -76,6 +80,7 @@ __all__ = [
     "moe_experts",
     "moe_experts_backward",
     "moe_experts_jvp",
+    "moe_experts_backward_jvp",
 ]
 
 ROUTER_VARIANTS = ("softmax_topk", "topk_softmax", "sigmoid")
@@ -88,6 +93,13 @@ _ACTS = {
     "relu": (relu_kernel, relu_backward_kernel, {}),
 }
 EXPERT_ACTIVATIONS = tuple(_ACTS)
+# their second order (the kernels of ``<act>_backward_jvp``)
+_ACT_SECOND = {
+    "silu": silu_backward_jvp_kernel,
+    "gelu": gelu_backward_jvp_kernel,
+    "gelu_tanh": gelu_backward_jvp_kernel,
+    "relu": relu_backward_jvp_kernel,
+}
 
 # the renormalisation ``w / (sum w + eps)``: DeepSeek-V3 adds 1e-20 to a sum of sigmoids (which
 # may underflow); a sum of softmax probabilities is >= 1/E and is divided as it is (Qwen3-Next)
@@ -849,27 +861,46 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
         A cache from another op, more than six tangents, or one of the wrong kind or shape.
     """
     check_cache(cache, MoeExpertsCache, "moe_experts_jvp")
-    names = ("tx", "tweights", "tgate_up", "tdown", "tgate_up_bias", "tdown_bias")
-    ts = check_tangents(tangents, names, "moe_experts_jvp")
+    return moe_experts_jvp_kernel(cache, *check_tangents_as(tangents, "moe_experts_jvp", cache.hs.dtype, _specs(cache)))
+
+
+def _specs(cache):
+    """The tangents' ``(name, shape, present)`` in the backward's order (a bias's only when the
+    forward had it)."""
     gate_up, down, gub, db = cache.params
-    dt = cache.hs.dtype
     two_i = gate_up.shape[1 if cache.kind == "swiglu" else 2]
-    shapes = [cache.x_shape, cache.x_shape[:-1] + (cache.k,), gate_up.shape, down.shape]
-    shapes += [(gate_up.shape[0], two_i), (down.shape[0], cache.x_shape[-1])]
-    present = (True, True, True, True, gub is not None, db is not None)
-    checked = [check_tangent(t, nm, s, dt, present=p) for t, nm, s, p in zip(ts, names, shapes, present)]
-    return moe_experts_jvp_kernel(cache, *checked)
+    return (
+        ("tx", cache.x_shape, True),
+        ("tweights", cache.x_shape[:-1] + (cache.k,), True),
+        ("tgate_up", gate_up.shape, True),
+        ("tdown", down.shape, True),
+        ("tgate_up_bias", (gate_up.shape[0], two_i), gub is not None),
+        ("tdown_bias", (down.shape[0], cache.x_shape[-1]), db is not None),
+    )
 
 
 def moe_experts_jvp_kernel(
     cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None
 ):
     """The kernel of ``moe_experts_jvp`` (tangents checked, None = zero)."""
+    x_shape, h = cache.x_shape, cache.x_shape[-1]
+    _, _, _, ths = _experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
+    ty_sorted = cache.ws[:, None] * ths
+    if tweights is not None:
+        ty_sorted += tweights.reshape(-1)[cache.order][:, None] * cache.hs
+    ty_pairs = np.empty_like(ty_sorted)
+    ty_pairs[cache.order] = ty_sorted
+    return ty_pairs.reshape(math.prod(x_shape[:-1]), cache.k, h).sum(1).reshape(x_shape)
+
+
+def _experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias):
+    """``(txs, tgu, tm, ths)`` on the sorted rows: the token's tangent (None for zero), the gate
+    and up pre-activations', the activation's output's and the expert output's (``moe_experts_jvp``'s
+    steps without the weights)."""
     tok, bounds, xs, gu, mid = cache.tok, cache.bounds, cache.xs, cache.gu, cache.mid
     gate_up, down, _, _ = cache.params
-    alpha, limit, x_shape = cache.alpha, cache.limit, cache.x_shape
+    alpha, limit, h = cache.alpha, cache.limit, cache.x_shape[-1]
     swiglu = cache.kind == "swiglu"
-    h = x_shape[-1]
     txs = None if tx is None else tx.reshape(-1, h)[tok]
     tgu = np.zeros_like(gu)
     for ex, rows in _experts_with_tokens(bounds):
@@ -898,9 +929,129 @@ def moe_experts_jvp_kernel(
             ths[rows] += hmid[rows] @ (tdown[ex].T if swiglu else tdown[ex])
         if tdown_bias is not None:
             ths[rows] += tdown_bias[ex]
-    ty_sorted = cache.ws[:, None] * ths
+    return txs, tgu, tm, ths
+
+
+def moe_experts_backward_jvp(dout: np.ndarray, cache: MoeExpertsCache, tangents, ddout=None):
+    """Second order of ``moe_experts``: the backward's gradients and their tangents along
+    ``tangents = (tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias)`` (``moe_experts_jvp``'s
+    order; None or left out: zero) and ``ddout`` (``tdy``).
+
+    The indices have no tangent (the choice is piecewise constant).  On the sorted rows, with the
+    forward's tangents ``tgu``, ``tm``, ``th`` (``moe_experts_jvp``'s steps), each backward step
+    by the product rule: ``tdw = <tdy, h> + <dy, th>``; ``tdh = tw dy + w tdy``; per expert ``tdm
+    = tdh Wd + dh tWd``, ``tdWd = tdh^T m + dh^T tm``, ``tdbd = sum tdh``; SwiGLU ``tdup = tdm a +
+    dm act'(gate) tgate`` and ``tdgate`` the activation's own second order of ``dm up`` along
+    ``(tgate, tdm up + dm tup)``; GPT-OSS, with ``phi(g) = g s``, ``phi' = s (1 + alpha g (1 -
+    s))``, ``phi'' = alpha s (1 - s) (2 + alpha g (1 - 2 s))``: ``tdup = (tdm phi + dm phi' tg)
+    [in]``, ``tdgate = (tdm (u + 1) phi' + dm tu phi' + dm (u + 1) phi'' tg) [gate <= limit]``
+    (the clamps' masks constant, ``tg``, ``tu`` the clamped tangents); ``tdgu`` back through the
+    gate-up projection: ``tdx = tdgu Wgu + dgu tWgu``, ``tdWgu = tdgu^T x + dgu^T tx``, ``tdbgu = sum
+    tdgu``; the ``tdx`` rows summed over the slots as the backward's.
+
+    Parameters
+    ----------
+    dout : ndarray ``(..., H)``
+    cache : MoeExpertsCache
+    tangents : tuple or None
+        As ``moe_experts_jvp`` takes them (a bias tangent only when the forward had the bias).
+    ddout : ndarray ``(..., H)``, optional
+        The tangent of ``dout`` (None: zero).
+
+    Returns
+    -------
+    (grads, grad_tangents)
+        ``grads`` exactly ``moe_experts_backward(dout, cache)``; ``grad_tangents`` in its order and
+        shapes, None where it has None.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A cache from another op, ``dout``, ``ddout`` or a tangent of the wrong kind or shape, or
+        a tangent for a bias the forward did not have.
+    """
+    check_cache(cache, MoeExpertsCache, "moe_experts_backward_jvp")
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "moe_experts_backward_jvp", cache.x_shape, cache.hs.dtype, _specs(cache)
+    )
+    return moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout)
+
+
+def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None):
+    """The kernel of ``moe_experts_backward_jvp`` (``tangents`` the checked six, None = zero)."""
+    tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias = tangents
+    grads = moe_experts_backward_kernel(dout, cache)
+    order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
+    gate_up, down, gate_up_bias, down_bias = cache.params
+    alpha, limit, x_shape, k = cache.alpha, cache.limit, cache.x_shape, cache.k
+    swiglu = cache.kind == "swiglu"
+    h = x_shape[-1]
+    txs, tgu, tm, ths = _experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
+    dys = dout.reshape(-1, h)[tok]  # (S, H)
+    n = dys.shape[0] // k
+    tdys = np.zeros_like(dys) if ddout is None else ddout.reshape(-1, h)[tok]
+    # dw = <dy, h>
+    tdw = np.empty(n * k, dys.dtype)
+    tdw[order] = np.einsum("sh,sh->s", tdys, cache.hs) + np.einsum("sh,sh->s", dys, ths)
+    # dh = w dy
+    dhs = dys * ws[:, None]
+    tdhs = tdys * ws[:, None]
     if tweights is not None:
-        ty_sorted += tweights.reshape(-1)[cache.order][:, None] * cache.hs
-    ty_pairs = np.empty_like(ty_sorted)
-    ty_pairs[cache.order] = ty_sorted
-    return ty_pairs.reshape(math.prod(x_shape[:-1]), cache.k, h).sum(1).reshape(x_shape)
+        tdhs += dys * tweights.reshape(-1)[order][:, None]
+    hmid = mid[-1]
+    tdgate_up, tddown = np.zeros_like(gate_up), np.zeros_like(down)
+    tdgub = None if gate_up_bias is None else np.zeros_like(gate_up_bias)
+    tddb = None if down_bias is None else np.zeros_like(down_bias)
+    dm, tdm = np.empty_like(hmid), np.empty_like(hmid)
+    for ex, rows in _experts_with_tokens(bounds):  # dm = dh Wd, dWd = dh^T m, dbd = sum dh
+        wd = down[ex] if swiglu else down[ex].T
+        np.matmul(dhs[rows], wd, out=dm[rows])
+        np.matmul(tdhs[rows], wd, out=tdm[rows])
+        if tdown is not None:
+            tdm[rows] += dhs[rows] @ (tdown[ex] if swiglu else tdown[ex].T)
+        if swiglu:
+            tddown[ex] = tdhs[rows].T @ hmid[rows] + dhs[rows].T @ tm[rows]
+        else:
+            tddown[ex] = hmid[rows].T @ tdhs[rows] + tm[rows].T @ dhs[rows]
+        if tddb is not None:
+            tddb[ex] = tdhs[rows].sum(0)
+    dgu, tdgu = np.empty_like(gu), np.empty_like(gu)
+    if swiglu:
+        i = gu.shape[1] // 2
+        a, act_cache, _ = mid
+        up, tgate, tup = gu[:, i:], tgu[:, :i], tgu[:, i:]
+        ta = _ACTS[cache.activation][1](tgate, act_cache)  # act' is diagonal
+        dgu[:, :i], tdgu[:, :i] = _ACT_SECOND[cache.activation](dm * up, act_cache, (tgate,), tdm * up + dm * tup)
+        dgu[:, i:] = dm * a
+        tdgu[:, i:] = tdm * a + dm * ta
+    else:
+        g, u, sig, glu, _ = mid
+        gate, up = gu[:, ::2], gu[:, 1::2]
+        below, inside = gate <= limit, (up >= -limit) & (up <= limit)
+        tg, tu = tgu[:, ::2] * below, tgu[:, 1::2] * inside
+        dphi = sig * (1.0 + alpha * g * (1.0 - sig))
+        d2phi = alpha * sig * (1.0 - sig) * (2.0 + alpha * g * (1.0 - 2.0 * sig))
+        dgu[:, ::2] = dm * (u + 1.0) * dphi * below
+        dgu[:, 1::2] = dm * glu * inside
+        tdgu[:, ::2] = (tdm * (u + 1.0) * dphi + dm * tu * dphi + dm * (u + 1.0) * d2phi * tg) * below
+        tdgu[:, 1::2] = (tdm * glu + dm * dphi * tg) * inside
+    tdxs = np.empty_like(xs)
+    for ex, rows in _experts_with_tokens(bounds):  # dx = dgu Wgu, dWgu = dgu^T x, dbgu = sum dgu
+        wgu = gate_up[ex] if swiglu else gate_up[ex].T
+        np.matmul(tdgu[rows], wgu, out=tdxs[rows])
+        if tgate_up is not None:
+            tdxs[rows] += dgu[rows] @ (tgate_up[ex] if swiglu else tgate_up[ex].T)
+        if swiglu:
+            tdgate_up[ex] = tdgu[rows].T @ xs[rows]
+            if txs is not None:
+                tdgate_up[ex] += dgu[rows].T @ txs[rows]
+        else:
+            tdgate_up[ex] = xs[rows].T @ tdgu[rows]
+            if txs is not None:
+                tdgate_up[ex] += txs[rows].T @ dgu[rows]
+        if tdgub is not None:
+            tdgub[ex] = tdgu[rows].sum(0)
+    tdx_pairs = np.empty_like(tdxs)
+    tdx_pairs[order] = tdxs
+    tdx = tdx_pairs.reshape(n, k, h).sum(1).reshape(x_shape)
+    return grads, (tdx, tdw.reshape(x_shape[:-1] + (k,)), tdgate_up, tddown, tdgub, tddb)

@@ -2570,6 +2570,127 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
     return ty.reshape(x_shape)
 
 
+def _moe_act_second(activation):
+    """A SwiGLU expert's activation's second order (``<act>_backward_jvp``), from this file."""
+    return {"silu": silu_backward_jvp, "gelu": gelu_backward_jvp, "gelu_tanh": gelu_backward_jvp}.get(
+        activation, relu_backward_jvp
+    )
+
+
+def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddout: Optional[Array] = None):
+    """Second order: ``moe_experts_backward``'s gradients and their tangents along ``tangents =
+    (tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias)`` (``moe_experts_jvp``'s order,
+    None or left out: zero) and ``ddout`` (``tdy``; None: zero).  The indices are a constant (the
+    choice is piecewise constant: no tangent).  Per pair, the forward's tangents first
+    (``moe_experts_jvp``'s lines: ``tgate``, ``tup``, ``tm``, ``th``), then each line of the
+    backward differentiated by the product rule::
+
+        dw = <dy, h>             tdw = <tdy, h> + <dy, th>
+        dh = w dy                tdh = tw dy + w tdy
+        dm = Wd^T dh             tdm = tWd^T dh + Wd^T tdh
+        dWd += dh m^T            tdWd += tdh m^T + dh tm^T,     tdbd += tdh
+        "swiglu":  dup = dm a                tdup = tdm a + dm ta,   ta = act'(gate) tgate
+                   dgate = act'(gate) dm up  tdgate = act'(gate) (tdm up + dm tup) + act''(gate) tgate dm up
+                                             (the activation's own second order)
+        "gpt_oss": phi(g) = g s, phi' = s + g alpha s (1 - s), phi'' = alpha s (1 - s) (2 + alpha g (1 - 2 s))
+                   du = dm phi(g)            tdu = tdm phi(g) + dm phi' tg
+                   dg = dm (u + 1) phi'      tdg = tdm (u + 1) phi' + dm tu phi' + dm (u + 1) phi'' tg
+                   the clamps: constants masks, tdup = tdu [in], tdgate = tdg [gate <= limit]
+                   (with tg, tu the clamped tangents, as in the JVP)
+        dWg += dgate x^T         tdWg += tdgate x^T + dgate tx^T,   tdbg += tdgate     (and so for up)
+        dx += Wg^T dgate + ...   tdx += tWg^T dgate + Wg^T tdgate + tWu^T dup + Wu^T tdup
+
+    Returns ``(grads, grad_tangents)``, both in the backward's order (the bias entries None when
+    the forward had no such bias).
+    """
+    tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias = _padded(tangents or (), 6)
+    X, I, W, h, pairs = cache.x, cache.indices, cache.weights, cache.h, cache.pairs
+    kind, activation, alpha, limit, x_shape = cache.kind, cache.activation, cache.alpha, cache.limit, cache.x_shape
+    gate_up, down, gate_up_bias, down_bias = cache.params
+    grads = moe_experts_backward(dout, cache)
+    dy = dout.reshape(X.shape)
+    N, k = I.shape
+
+    def zeros(a):
+        return np.zeros(a.shape, X.dtype)
+
+    tdy = zeros(X) if ddout is None else ddout.reshape(X.shape)
+    TX = zeros(X) if tx is None else tx.reshape(X.shape)
+    TW = np.zeros(I.shape, X.dtype) if tweights is None else tweights.reshape(I.shape)
+    tgate_up = zeros(gate_up) if tgate_up is None else tgate_up
+    tdown = zeros(down) if tdown is None else tdown
+    tdx, tdw = zeros(X), np.zeros(I.shape, X.dtype)
+    tdgate_up, tddown = zeros(gate_up), zeros(down)
+    tdgate_up_bias = None if gate_up_bias is None else zeros(gate_up_bias)
+    tddown_bias = None if down_bias is None else zeros(down_bias)
+    for n in range(N):
+        for j in range(k):
+            e = I[n, j]
+            Wg, Wu, Wd, _, _, _ = _expert_views(kind, gate_up[e], down[e], None, None)
+            tWg, tWu, tWd, tbg, tbu, tbd = _expert_views(
+                kind,
+                tgate_up[e],
+                tdown[e],
+                None if tgate_up_bias is None else tgate_up_bias[e],
+                None if tdown_bias is None else tdown_bias[e],
+            )
+            tdWg, tdWu, tdWd, tdbg, tdbu, tdbd = _expert_views(
+                kind,
+                tdgate_up[e],
+                tddown[e],
+                None if tdgate_up_bias is None else tdgate_up_bias[e],
+                None if tddown_bias is None else tddown_bias[e],
+            )
+            # the forward's tangents (moe_experts_jvp's lines)
+            tgate, tup = _plus(Wg @ TX[n] + tWg @ X[n], tbg), _plus(Wu @ TX[n] + tWu @ X[n], tbu)
+            # dh = w dy: both factors move
+            dh = W[n, j] * dy[n]
+            tdh = TW[n, j] * dy[n] + W[n, j] * tdy[n]
+            # dm = Wd^T dh: both factors move
+            dm = Wd.T @ dh
+            tdm = tWd.T @ dh + Wd.T @ tdh
+            if kind == "swiglu":
+                gate, up, a, act_cache, m = pairs[n][j]
+                backward = _moe_act(activation)[1]
+                ta = backward(tgate, act_cache)  # act' is diagonal: its backward applied to tgate
+                tm = ta * up + a * tup
+                # dup = dm a: product rule
+                dup = dm * a
+                tdup = tdm * a + dm * ta
+                # dgate = act'(gate) (dm up): the activation's second order along (tgate, d(dm up))
+                dgate, tdgate = _moe_act_second(activation)(dm * up, act_cache, (tgate,), tdm * up + dm * tup)
+            else:
+                gate, up, g, u, s, m = pairs[n][j]
+                inside, below = (up >= -limit) & (up <= limit), gate <= limit  # the clamps' masks: constants
+                tg, tu = tgate * below, tup * inside
+                dphi = s + g * alpha * s * (1.0 - s)  # phi'(g), phi(g) = g sigmoid(alpha g)
+                d2phi = alpha * s * (1.0 - s) * (2.0 + alpha * g * (1.0 - 2.0 * s))  # phi''(g)
+                tm = tu * g * s + (u + 1.0) * dphi * tg
+                # du = dm phi(g): tdu = tdm phi(g) + dm phi'(g) tg
+                dup = dm * g * s * inside
+                tdup = (tdm * g * s + dm * dphi * tg) * inside
+                # dg = dm (u + 1) phi'(g): three moving factors
+                dgate = dm * (u + 1.0) * dphi * below
+                tdgate = (tdm * (u + 1.0) * dphi + dm * tu * dphi + dm * (u + 1.0) * d2phi * tg) * below
+            th = _plus(Wd @ tm + tWd @ m, tbd)
+            # dw = <dy, h>: both move
+            tdw[n, j] = np.dot(tdy[n], h[n, j]) + np.dot(dy[n], th)
+            # dWd += dh m^T, dbd += dh
+            tdWd += np.outer(tdh, m) + np.outer(dh, tm)
+            if tdbd is not None:
+                tdbd += tdh
+            # dWg += dgate x^T (and up), dbg += dgate
+            tdWg += np.outer(tdgate, X[n]) + np.outer(dgate, TX[n])
+            tdWu += np.outer(tdup, X[n]) + np.outer(dup, TX[n])
+            if tdbg is not None:
+                tdbg += tdgate
+                tdbu += tdup
+            # dx += Wg^T dgate + Wu^T dup
+            tdx[n] += tWg.T @ dgate + Wg.T @ tdgate + tWu.T @ dup + Wu.T @ tdup
+    tangents_out = (tdx.reshape(x_shape), tdw.reshape(x_shape[:-1] + (k,)), tdgate_up, tddown)
+    return grads, tangents_out + (tdgate_up_bias, tddown_bias)
+
+
 __all__ += [
     "topk_router",
     "topk_router_backward",
@@ -2578,6 +2699,7 @@ __all__ += [
     "moe_experts",
     "moe_experts_backward",
     "moe_experts_jvp",
+    "moe_experts_backward_jvp",
 ]
 
 
