@@ -32,12 +32,36 @@ __all__ = [
     "latent_config",
     "delta_net_config",
     "moe_config",
+    "GgufFamily",
+    "GGUF_FAMILIES",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next")
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
 MLP_KINDS = ("dense", "moe")
+
+
+# -- GGUF files: which family each llama.cpp architecture is (read by models/gguf.py) -------------
+@dataclass(frozen=True)
+class GgufFamily:
+    """What a GGUF ``general.architecture`` is in Hugging Face terms: its ``model_type``, fixed
+    config entries of the family's files (``extra``), and whether llama.cpp's converter permuted
+    the q/k rows for its interleaved RoPE (``permute_qk``)."""
+
+    model_type: str
+    permute_qk: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def base_config(self) -> dict:
+        """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
+        return {"model_type": self.model_type, **self.extra}
+
+
+GGUF_FAMILIES = {
+    "llama": GgufFamily("llama", permute_qk=True),
+    "qwen3": GgufFamily("qwen3"),
+}
 
 
 # -- the typed sub-configs: each is one module's constructor arguments, by name -------------------

@@ -23,11 +23,12 @@ Reading one:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .._hints import install_hint
+from .configs import GGUF_FAMILIES
 from .hf import LazyTensor, _short, load_into
 
 __all__ = ["from_gguf", "read_gguf", "GGUF_TYPES"]
@@ -43,17 +44,6 @@ def _gguf():
     except ImportError:
         raise ImportError(f"reading GGUF files needs the gguf package: {install_hint('gguf')}") from None
     return gguf
-
-
-@dataclass(frozen=True)
-class _Arch:
-    """What a GGUF architecture is in Hugging Face terms: its ``model_type``, the config keys read
-    from ``<arch>.<metadata key>`` (``None``: optional), and whether llama.cpp's converter
-    permuted the q/k rows (``permute_qk``)."""
-
-    model_type: str
-    permute_qk: bool = False
-    extra: dict = field(default_factory=dict)  # fixed config entries of the family's files
 
 
 # config key <- metadata key under "<arch>."; required unless marked optional below
@@ -72,10 +62,7 @@ _OPTIONAL = {"num_key_value_heads", "rope_theta", "max_position_embeddings", "he
 # metadata keys read only to be checked (against the config they imply)
 _CHECKED = {"vocab_size", "rope.dimension_count", "attention.value_length"}
 
-_ARCHES = {
-    "llama": _Arch("llama", permute_qk=True),
-    "qwen3": _Arch("qwen3"),
-}
+_ARCHES = GGUF_FAMILIES
 
 
 @dataclass
@@ -115,7 +102,7 @@ def _open(path) -> _File:
 def _config(f: _File, tensor_names: set) -> dict:
     """The Hugging Face config dict of the GGUF file's model."""
     spec, arch, meta = _ARCHES[f.arch], f.arch, f.meta
-    config: dict = {"model_type": spec.model_type, **spec.extra}
+    config: dict = spec.base_config()
     for key, suffix in _COMMON.items():
         name = f"{arch}.{suffix}"
         if name in meta:
