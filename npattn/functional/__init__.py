@@ -30,6 +30,7 @@ from .attention import (
     AttentionCache,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
+    scaled_dot_product_attention_backward_jvp,
     scaled_dot_product_attention_jvp,
 )
 from .conv import causal_conv1d, causal_conv1d_backward, causal_conv1d_backward_jvp, causal_conv1d_jvp
@@ -53,6 +54,7 @@ from .loss import cross_entropy, cross_entropy_backward, cross_entropy_backward_
 from .memory_efficient import (
     memory_efficient_attention,
     memory_efficient_attention_backward,
+    memory_efficient_attention_backward_jvp,
     memory_efficient_attention_jvp,
 )
 from .moe import (
@@ -125,6 +127,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_jvp",
+    "scaled_dot_product_attention_backward_jvp",
     "AttentionCache",
     "cross_entropy",
     "cross_entropy_backward",
@@ -133,6 +136,7 @@ __all__ = [
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
     "memory_efficient_attention_jvp",
+    "memory_efficient_attention_backward_jvp",
     "gated_delta_rule",
     "gated_delta_rule_backward",
     "gated_delta_rule_jvp",

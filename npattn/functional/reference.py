@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
-from ._blocks import AttentionOptions, gqa_groups
+from ._blocks import AttentionOptions, gqa_groups, split_attention_tangents
 from ._erf import erf
 from ._random import draw_seed, keep_mask
 
@@ -271,15 +271,6 @@ def _unrepeat(dx_rep, shape, groups):
     return d
 
 
-def _attention_tangents(tangents, mask_grad, has_sinks):
-    """``(tq, tk, tv, tmask, tsinks)`` from the tangents given in the backward's order (``tmask``
-    only with ``mask_grad``, ``tsinks`` only with sinks); the missing ones None."""
-    tq, tk, tv, *rest = _padded(tangents, 3 + mask_grad + has_sinks)
-    tmask = rest.pop(0) if mask_grad else None
-    tsinks = rest.pop(0) if has_sinks else None
-    return tq, tk, tv, tmask, tsinks
-
-
 class AttentionCache(NamedTuple):
     """What ``scaled_dot_product_attention_backward`` needs (textbook: the whole weight matrix)."""
 
@@ -411,7 +402,8 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents: Optional[
     were.  (The backward is this map transposed.)
     """
     q, k, v, p, g = cache.q, cache.k, cache.v, cache.p, cache.groups
-    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, cache.mask_shape is not None, cache.p_sink is not None)
+    has_mask_grad, has_sinks = cache.mask_shape is not None, cache.p_sink is not None
+    tq, tk, tv, tmask, tsinks = split_attention_tangents(tangents, has_mask_grad, has_sinks)
     kr, vr = _repeat_kv(k, v, g)
     tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
     tout = np.zeros(p.shape[:-1] + v.shape[-1:], dtype=q.dtype)  # (B..., Hq, Lq, Ev)
@@ -438,6 +430,92 @@ def _softmax_tangent(p, p_sink, tz, tsinks):
     tp = p * ((0.0 if tz is None else tz) - mu)
     tp_sink = None if p_sink is None else p_sink * ((0.0 if tsink is None else tsink) - mu)
     return tp, tp_sink
+
+
+def scaled_dot_product_attention_backward_jvp(
+    dout: Array, cache: AttentionCache, tangents, ddout: Optional[Array] = None
+) -> Tuple[Tuple[Array, ...], Tuple[Array, ...]]:
+    """Second order, forward over reverse: ``scaled_dot_product_attention_backward``'s gradients
+    and their tangents when the inputs move along ``tangents = (tq, tk, tv[, tmask][, tsinks])``
+    (``scaled_dot_product_attention_jvp``'s order; None or left out: zero) and ``dout`` along
+    ``ddout`` (None: zero).  Returns ``(grads, grad_tangents)``, both in the backward's order.
+
+    The forward's tangents first (``scaled_dot_product_attention_jvp``'s lines: ``ts``, ``tz``,
+    ``tP`` and the sink's ``tP_sink``), then each line of the backward differentiated by the
+    product rule, ``t`` for tangent, ``g = dout``:
+
+        dv = P'^T g                  tdv = tP'^T g + P'^T tg
+        dP' = g v^T                  tdP' = tg v^T + g tv^T
+        dP = dP' keep / (1 - p)      tdP = tdP' keep / (1 - p)          (the forward's own mask)
+        D = rowsum(dP P)             tD = rowsum(tdP P + dP tP)
+        dz = P (dP - D)              tdz = tP (dP - D) + P (tdP - tD)    (softmax twice: softmax.md)
+        ds = dz (1 - T^2)            tds = tdz (1 - T^2) - 2 dz T (1 - T^2) ts / softcap
+        dq = scale ds k              tdq = scale (tds k + ds tk)
+        dk = scale ds^T q            tdk = scale (tds^T q + ds^T tq)
+        dmask = dz                   tdmask = tdz                        (summed to the mask's shape)
+        dsink = -sum P_sink D        tdsink = -sum (tP_sink D + P_sink tD)
+
+    GQA: ``k, v`` and their tangents repeated, the tangents of ``dk, dv`` summed back like the
+    gradients (``_unrepeat`` and ``_sum_to`` are linear).  A hidden pair has ``P = 0``, hence
+    ``tP = 0`` and every term above 0; a row that sees no key gives 0.  With ``tangents`` zero,
+    ``grad_tangents`` is the backward of ``ddout``; with ``ddout`` zero, the Hessian of
+    ``<dout, out>`` times the tangents.
+    """
+    q, k, v, p, g, t, opts = cache.q, cache.k, cache.v, cache.p, cache.groups, cache.tanh, cache.options
+    keep, drop_scale, scale = cache.keep, cache.drop_scale, cache.scale
+    has_mask_grad, has_sinks = cache.mask_shape is not None, opts.sinks is not None
+    tq, tk, tv, tmask, tsinks = split_attention_tangents(tangents or (), has_mask_grad, has_sinks)
+    grads = scaled_dot_product_attention_backward(dout, cache)
+    kr, vr = _repeat_kv(k, v, g)
+    tkr, tvr = _repeated(tk, g), _repeated(tv, g)
+    tg = np.zeros_like(dout) if ddout is None else ddout
+    # the forward's tangents: ts, tz, then tP (and the sink's) from the softmax's JVP
+    ts = _score_tangent(q, kr, tq, tkr, scale)
+    tp, tp_sink = _softmax_tangent(p, cache.p_sink, _logit_tangent(ts, t, tmask), tsinks)
+    # dvr = P'^T g, a product of two moving factors
+    tdvr = _dropped(tp, keep, drop_scale).swapaxes(-1, -2) @ dout + _dropped(p, keep, drop_scale).swapaxes(-1, -2) @ tg
+    # dP' = g vr^T;  dP = dP' keep / (1 - p): the mask is a constant
+    dp = _dropped(dout @ vr.swapaxes(-1, -2), keep, drop_scale)
+    tdpd = tg @ vr.swapaxes(-1, -2)
+    if tvr is not None:
+        tdpd = tdpd + dout @ tvr.swapaxes(-1, -2)
+    tdp = _dropped(tdpd, keep, drop_scale)
+    # D = rowsum(dP P) and dz = P (dP - D): the softmax's backward, differentiated (softmax.md)
+    d = (dp * p).sum(axis=-1, keepdims=True)
+    td = (tdp * p + dp * tp).sum(axis=-1, keepdims=True)
+    dz = p * (dp - d)
+    tdz = tp * (dp - d) + p * (tdp - td)
+    ds, tds = _softcap_backward_tangent(dz, tdz, t, ts, opts.softcap)
+    # dq = scale ds kr, dkr = scale ds^T q: products of two moving factors
+    tdq = scale * (tds @ kr)
+    tdkr = scale * (tds.swapaxes(-1, -2) @ q)
+    if tkr is not None:
+        tdq = tdq + scale * (ds @ tkr)
+    if tq is not None:
+        tdkr = tdkr + scale * (ds.swapaxes(-1, -2) @ tq)
+    grad_tangents = [_sum_to(tdq, q.shape), _unrepeat(tdkr, k.shape, g), _unrepeat(tdvr, v.shape, g)]
+    if cache.mask_shape is not None:  # -- option: mask_grad, dmask = dz
+        grad_tangents.append(_sum_to(tdz, cache.mask_shape))
+    if opts.sinks is not None:  # -- option: sinks, dsink = -sum P_sink D
+        grad_tangents.append(_sink_grad(tp_sink, d, opts.sinks) + _sink_grad(cache.p_sink, td, opts.sinks))
+    return grads, tuple(grad_tangents)
+
+
+def _softcap_backward_tangent(dz, tdz, t, ts, softcap):
+    """``(ds, tds)``: the backward's line through softcap, ``ds = dz (1 - T^2)``, and its tangent.
+    ``T = tanh(s / softcap)`` moves with ``s``: ``tT = (1 - T^2) ts / softcap``, so
+    ``t(1 - T^2) = -2 T tT`` and
+
+        tds = tdz (1 - T^2) - 2 dz T (1 - T^2) ts / softcap.
+
+    Without softcap ``ds = dz`` and ``tds = tdz``; ``ts`` None: the scores do not move."""
+    if t is None:
+        return dz, tdz
+    dcap = 1.0 - t * t
+    ds, tds = dz * dcap, tdz * dcap
+    if ts is not None:
+        tds = tds - 2.0 * dz * t * dcap * ts / softcap
+    return ds, tds
 
 
 class MemoryEfficientCache(NamedTuple):
@@ -626,7 +704,7 @@ def _online_tangent(cache: MemoryEfficientCache, tangents):
     of weights needs: ``tP = P (tz - mu)``)."""
     q, k, v, out, keep, g = cache.q, cache.k, cache.v, cache.out, cache.keep, cache.groups
     sinks = cache.options.sinks
-    tq, tk, tv, tmask, tsinks = _attention_tangents(tangents, cache.mask_shape is not None, sinks is not None)
+    tq, tk, tv, tmask, tsinks = split_attention_tangents(tangents, cache.mask_shape is not None, sinks is not None)
     kr, vr = _repeat_kv(k, v, g)
     tkr, tvr = _repeated(tk, g), _repeated(tv, g)  # moved as k, v: repeated for GQA
     rows = out.shape[:-1] + (1,)  # (B..., Hq, Lq, 1)
@@ -660,6 +738,77 @@ def _online_tangent(cache: MemoryEfficientCache, tangents):
     tout = (tacc * cache.drop_scale - out * tl) / np.where(seen, total, 1.0)
     mu = np.where(seen, tl / np.where(seen, total, 1.0), 0.0)
     return np.where(seen, tout, 0.0).astype(q.dtype), mu
+
+
+def memory_efficient_attention_backward_jvp(
+    dout: Array, cache: MemoryEfficientCache, tangents, ddout: Optional[Array] = None
+) -> Tuple[Tuple[Array, ...], Tuple[Array, ...]]:
+    """Second order of ``memory_efficient_attention``, block by block: the backward's gradients
+    and their tangents (arguments and lines as ``scaled_dot_product_attention_backward_jvp``).
+
+    Nothing of size ``(Lq, Lk)``: each block of weights is recomputed as the backward does,
+    ``P = exp(z - lse)``, and its tangent ``tP = P (tz - mu)`` needs one number per row, the
+    softmax's mean ``mu = sum_j P_j tz_j + P_sink tsink``: the JVP's online loop gives it, and
+    the output's tangent ``tout``, first (``_online_tangent``).  The backward's row sums
+    ``D = dout . out`` move as a product,
+
+        tD = ddout . out + dout . tout,
+
+    (``D_i = sum_j dP_ij P_ij`` exactly, so this is the plain core's ``rowsum(tdP P + dP tP)``),
+    and every other line is the plain core's, on one block of keys at a time.
+    """
+    q, k, v, out, lse, g, opts = cache.q, cache.k, cache.v, cache.out, cache.lse, cache.groups, cache.options
+    drop_scale, scale = cache.drop_scale, cache.scale
+    tangents = tangents or ()
+    tq, tk, tv, tmask, tsinks = split_attention_tangents(tangents, cache.mask_shape is not None, opts.sinks is not None)
+    grads = memory_efficient_attention_backward(dout, cache)
+    tout, mu = _online_tangent(cache, tangents)  # (B..., Hq, Lq, Ev), (B..., Hq, Lq, 1)
+    kr, vr = _repeat_kv(k, v, g)
+    tkr, tvr = _repeated(tk, g), _repeated(tv, g)
+    tg = np.zeros_like(dout) if ddout is None else ddout
+    d = (dout * out).sum(axis=-1, keepdims=True)  # D = dout . out
+    td = (tg * out + dout * tout).sum(axis=-1, keepdims=True)  # its tangent
+    tdq = np.zeros(dout.shape[:-1] + q.shape[-1:], dtype=q.dtype)
+    tdkr = np.zeros(dout.shape[:-2] + kr.shape[-2:], dtype=q.dtype)
+    tdvr = np.zeros(dout.shape[:-2] + vr.shape[-2:], dtype=q.dtype)
+    tdz_all = np.zeros(dout.shape[:-1] + (k.shape[-2],), dtype=q.dtype) if cache.mask_shape else None
+    for cols in cache.blocks():
+        z, t = cache.logits(kr, cols)
+        p = np.exp(z - lse)  # the forward's weights of these keys, recomputed
+        ts = _score_tangent(q, kr, tq, tkr, scale, cols)
+        tz = _logit_tangent(ts, t, _mask_cols(tmask, cols))
+        tp = p * ((0.0 if tz is None else tz) - mu)  # tP = P (tz - mu), mu from the online loop
+        keep = None if cache.keep is None else cache.keep[..., cols]
+        vc, tvc = vr[..., cols, :], None if tvr is None else tvr[..., cols, :]
+        # dv = P'^T g;  dP = (g v^T) keep / (1 - p);  D, dz: each with its tangent
+        tdvr[..., cols, :] = (
+            _dropped(tp, keep, drop_scale).swapaxes(-1, -2) @ dout + _dropped(p, keep, drop_scale).swapaxes(-1, -2) @ tg
+        )
+        dp = _dropped(dout @ vc.swapaxes(-1, -2), keep, drop_scale)
+        tdpd = tg @ vc.swapaxes(-1, -2)
+        if tvc is not None:
+            tdpd = tdpd + dout @ tvc.swapaxes(-1, -2)
+        tdp = _dropped(tdpd, keep, drop_scale)
+        dz = p * (dp - d)
+        tdz = tp * (dp - d) + p * (tdp - td)
+        if tdz_all is not None:
+            tdz_all[..., cols] = tdz
+        ds, tds = _softcap_backward_tangent(dz, tdz, t, ts, opts.softcap)
+        tdq += scale * (tds @ kr[..., cols, :])
+        tdkr[..., cols, :] = scale * (tds.swapaxes(-1, -2) @ q)
+        if tkr is not None:
+            tdq += scale * (ds @ tkr[..., cols, :])
+        if tq is not None:
+            tdkr[..., cols, :] += scale * (ds.swapaxes(-1, -2) @ tq)
+    grad_tangents = [_sum_to(tdq, q.shape), _unrepeat(tdkr, k.shape, g), _unrepeat(tdvr, v.shape, g)]
+    if tdz_all is not None:
+        grad_tangents.append(_sum_to(tdz_all, cache.mask_shape))
+    if opts.sinks is not None:  # P_sink = exp(sink - lse) moves as the softmax's: tP_sink = P_sink (tsink - mu)
+        p_sink = _sink_weight(opts.sinks, lse)
+        tsink = 0.0 if tsinks is None else np.asarray(tsinks)[:, None, None]
+        tp_sink = p_sink * (tsink - mu)
+        grad_tangents.append(_sink_grad(tp_sink, d, opts.sinks) + _sink_grad(p_sink, td, opts.sinks))
+    return grads, tuple(grad_tangents)
 
 
 def _mask_cols(tmask, cols):
@@ -1650,9 +1799,11 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "scaled_dot_product_attention_jvp",
+    "scaled_dot_product_attention_backward_jvp",
     "memory_efficient_attention",
     "memory_efficient_attention_backward",
     "memory_efficient_attention_jvp",
+    "memory_efficient_attention_backward_jvp",
 ]
 
 
