@@ -630,6 +630,36 @@ class CausalLM(Module):
         object.__setattr__(self, "_seen", 0)  # tokens fed through the cache
         object.__setattr__(self, "_mask_history", None)  # their attention_mask (None: all tokens)
 
+    # -- saving and generating ---------------------------------------------------------------
+    def save_pretrained(self, directory, *, max_shard_size="5GB") -> None:
+        """Write the model as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained``
+        and ``CausalLM.from_pretrained`` read: ``config.json`` (the config the model was built from,
+        ``dtype`` the model's) and its tensors as safetensors under the checkpoint's names (a tied
+        head once; each routed expert apart where the family's checkpoints keep them so), in
+        ``model.safetensors`` or, above ``max_shard_size``, in shards listed by
+        ``model.safetensors.index.json``.  Atomic: written into a temporary sibling directory,
+        flushed to disk, then renamed into place; an existing directory is replaced only once the
+        new one is complete (its other files, e.g. a tokenizer, are carried over), and a failed or
+        interrupted save leaves it as it was (``npattn.models.save``).
+
+        Parameters
+        ----------
+        directory : str or path
+        max_shard_size : int or str
+            Bytes, or a size as transformers parses it: ``"5GB"`` (default), ``"500MB"`` (powers of 1000).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A malformed ``max_shard_size``, a ``directory`` that is a file, a config that is not
+            a Hugging Face dict (before anything is written).
+        OSError
+            From the file system (the old directory, if any, as it was).
+        """
+        from .save import save_pretrained
+
+        save_pretrained(self, directory, max_shard_size)
+
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, state_dict, config, *, dtype=None) -> CausalLM:

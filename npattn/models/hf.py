@@ -336,11 +336,12 @@ def open_safetensors(path) -> dict:
 
 def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) -> None:
     """Write ``{name: ndarray}`` as a safetensors file (float64/32/16 and integer arrays; pass
-    bfloat16 as ``(uint16 bits, "BF16")`` pairs and float8 as ``(uint8 bits, "F8_E4M3")``).  For
-    tests and small exports."""
+    bfloat16 as ``(uint16 bits, "BF16")`` pairs and float8 as ``(uint8 bits, "F8_E4M3")``).  The
+    header is made from the shapes first, then each tensor's bytes are written straight from its
+    array (a contiguous one is not copied), so writing holds no second copy of the tensors."""
     codes = {v: k for k, v in _ST_DTYPES.items() if k not in _BITS_CODES}
     header: dict = {}
-    blobs = []
+    arrays = []
     offset = 0
     for name, value in tensors.items():
         if isinstance(value, tuple):
@@ -349,10 +350,9 @@ def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) ->
             arr = np.ascontiguousarray(value)
             arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
             code = codes[arr.dtype]
-        blob = arr.tobytes()
-        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
+        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        arrays.append(arr)
+        offset += arr.nbytes
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     text = json.dumps(header).encode()
@@ -360,8 +360,9 @@ def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) ->
     with open(os.fspath(path), "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for blob in blobs:
-            f.write(blob)
+        for arr in arrays:
+            if arr.nbytes:  # (a memoryview of an empty array cannot be cast to bytes)
+                f.write(arr.data.cast("B"))
 
 
 def _shard_roots(root: str) -> list:

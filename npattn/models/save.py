@@ -1,0 +1,288 @@
+"""``CausalLM.save_pretrained``: a Hugging Face model directory, written atomically.
+
+What transformers' ``save_pretrained`` writes, and what ``from_pretrained`` (both transformers'
+and npattn's) reads::
+
+    config.json                      the Hugging Face config the model was built from, "dtype" the saved one
+    model.safetensors                every tensor, under the checkpoint's names     (one shard), or
+    model-00001-of-0000N.safetensors ... and model.safetensors.index.json          (N shards)
+
+The tensors are the model's state dict (a tied head once, as transformers writes it), each
+family's checkpoint layout restored: where ``CheckpointLayout.per_expert`` says the family's
+checkpoints keep each routed expert apart (DeepSeek-V3, Qwen3-Next), the fused
+``mlp.experts.gate_up_proj (E, 2I, H)`` and ``mlp.experts.down_proj (E, H, I)`` are written as
+``mlp.experts.{e}.gate_proj.weight``, ``up_proj.weight`` and ``down_proj.weight``, as
+transformers' own ``save_pretrained`` reverts its fusion.  Shards are cut as huggingface_hub's
+``split_state_dict_into_shards_factory`` cuts them (in state-dict order, a new shard when the next
+tensor would pass ``max_shard_size``; a larger tensor alone), sizes parsed as its
+``parse_size_to_int`` (``"5GB"``: decimal units TB, GB, MB, KB) or given as an int of bytes.
+
+Atomic: everything is written into a new hidden sibling directory, every file and the directory
+flushed to disk (``fsync``), and only then is it renamed into place.  An existing directory is
+replaced in one step where the system can exchange two names (Linux ``renameat2``), else by two
+renames (the old directory out of the way, the new one in; the old one is deleted only after).  A
+save that fails or is interrupted at any point before that leaves the old directory as it was and
+no new directory under the target's name; its temporary sibling is removed.  The files of an
+existing directory that a save does not write (a tokenizer, a generation config, a README) are
+carried over into the new one (hard links where possible), as transformers' ``save_pretrained``
+leaves them in place; its old weights (``model.safetensors``, the index and the
+``model-XXXXX-of-XXXXX.safetensors`` shards) are not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import numbers
+import os
+import re
+import secrets
+import shutil
+import stat
+
+import numpy as np
+
+from .hf import save_safetensors
+
+__all__ = ["parse_shard_size", "checkpoint_tensors", "save_pretrained"]
+
+# huggingface_hub's SIZE_UNITS (serialization/_base.py), which transformers' save_pretrained uses
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+_WEIGHTS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# the fused experts of a family whose checkpoints keep each expert apart (hf.py's _PER_EXPERT, reversed)
+_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def parse_shard_size(size) -> int:
+    """``max_shard_size`` in bytes: an int, or a string of a number and a unit as huggingface_hub's
+    ``parse_size_to_int`` reads it (what transformers' ``save_pretrained`` passes it to):
+    ``"5GB"`` is ``5 * 10**9``, ``"500MB"``, ``"1.5GB"``, ``"64KB"``, ``"1TB"`` (units in any case,
+    powers of 1000).
+
+    Raises
+    ------
+    TypeError
+        Neither an int nor a string (a bool included).
+    ValueError
+        A string without one of those units or without a number before it, or a size below one byte.
+
+    Examples
+    --------
+    >>> from npattn.models.save import parse_shard_size
+    >>> parse_shard_size("5GB"), parse_shard_size("1.5mb"), parse_shard_size(1024)
+    (5000000000, 1500000, 1024)
+    """
+    if isinstance(size, bool) or not isinstance(size, (numbers.Integral, str)):
+        raise TypeError(
+            f"max_shard_size: expected an int (bytes) or a string such as '5GB', got {size!r} ({type(size).__name__})"
+        )
+    if isinstance(size, str):
+        text = size.strip()
+        unit = text[-2:].upper()
+        if unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"max_shard_size: expected a number and one of the units {list(_SIZE_UNITS)} (powers of 1000, "
+                f"as transformers), e.g. '5GB' or '500MB', got {size!r}"
+            )
+        try:
+            value = float(text[:-2].strip())
+        except ValueError:
+            raise ValueError(f"max_shard_size: expected a number before {unit!r}, got {size!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"max_shard_size: expected a finite size, got {size!r}")
+        n = int(value * _SIZE_UNITS[unit])
+    else:
+        n = int(size)
+    if n < 1:
+        raise ValueError(f"max_shard_size: expected at least 1 byte, got {size!r} ({n} bytes)")
+    return n
+
+
+def checkpoint_tensors(model) -> dict:
+    """``{checkpoint name: array}`` of ``model`` (a ``CausalLM``), views of its parameters and
+    buffers (nothing copied), in state-dict order, the routed experts written one expert at a
+    time where the config's ``CheckpointLayout.per_expert`` says so."""
+    split = model.config.layout.per_expert
+    out: dict = {}
+    for key, owner, name, is_param in model._state_entries():
+        arr = owner._parameters[name].data if is_param else getattr(owner, name)
+        m = _FUSED.match(key) if split else None
+        if m is None:
+            out[key] = arr
+        elif m["proj"] == "gate_up_proj":  # (E, 2I, H): expert e's gate rows, then its up rows
+            half = arr.shape[1] // 2
+            for e in range(arr.shape[0]):
+                out[f"{m['prefix']}.{e}.gate_proj.weight"] = arr[e, :half]
+                out[f"{m['prefix']}.{e}.up_proj.weight"] = arr[e, half:]
+        else:  # down_proj (E, H, I)
+            for e in range(arr.shape[0]):
+                out[f"{m['prefix']}.{e}.down_proj.weight"] = arr[e]
+    return out
+
+
+def _shards(tensors: dict, limit: int) -> list:
+    """The names of each shard, as huggingface_hub's ``split_state_dict_into_shards_factory``."""
+    shards: list = []
+    current: list = []
+    size = 0
+    for name, arr in tensors.items():
+        n = arr.nbytes
+        if n > limit:  # alone in its own shard, which is larger than the limit
+            shards.append([name])
+            continue
+        if size + n > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def _config_text(model, dtype: np.dtype) -> str:
+    """``config.json``: the Hugging Face config the model was read from, with the saved dtype."""
+    config = dict(model.config.hf)
+    if "model_type" not in config:
+        raise ValueError(
+            "model.config: has no Hugging Face config to write (hf is empty: a CausalLMConfig not made by "
+            "config_from_hf); build the model from a Hugging Face config dict"
+        )
+    config["dtype"] = dtype.name
+    if "torch_dtype" in config:  # an older spelling transformers still reads: keep the two equal
+        config["torch_dtype"] = dtype.name
+    try:
+        return json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model.config.hf: cannot be written as JSON ({e})") from None
+
+
+def _fsync(path: str) -> None:
+    """Flush a file or directory to disk (a directory's fsync is not possible everywhere)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. a directory on Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - a file system that cannot
+        pass
+    finally:
+        os.close(fd)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _carry_over(old: str, new: str, written: set) -> None:
+    """Bring the entries of the existing directory ``old`` that this save does not write into
+    ``new``: symlinks as symlinks, files as hard links (copies across file systems), folders whole."""
+    for entry in os.scandir(old):
+        if entry.name in written or entry.name in (_WEIGHTS, _INDEX) or _SHARD.fullmatch(entry.name):
+            continue
+        dst = os.path.join(new, entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry.path, dst)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system has no such call (the caller then renames twice)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - not glibc
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _sibling(parent: str, base: str, what: str) -> str:
+    """A new hidden name beside ``base`` in ``parent`` that nothing holds yet."""
+    while True:
+        path = os.path.join(parent, f".{base}.{what}-{secrets.token_hex(4)}")
+        if not os.path.lexists(path):
+            return path
+
+
+def _replace(tmp: str, target: str) -> None:
+    """Put the complete directory ``tmp`` at ``target``; an existing ``target`` goes only after."""
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        return
+    if _exchange(tmp, target):  # target is the new directory, tmp the old one
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = _sibling(os.path.dirname(target), os.path.basename(target), "old")
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pretrained(model, directory, max_shard_size="5GB") -> None:
+    """``CausalLM.save_pretrained`` (see the module docstring).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A ``max_shard_size`` that is not a size (``parse_shard_size``), a ``directory`` that is a
+        file, a config that cannot be written as JSON; before anything is written.
+    OSError
+        From the file system; the old directory (if any) is then as it was.
+    """
+    limit = parse_shard_size(max_shard_size)
+    target = os.path.realpath(os.fspath(directory))  # a symlinked directory: the one it points to
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise ValueError(f"directory: {os.fspath(directory)!r} exists and is not a directory")
+    tensors = checkpoint_tensors(model)
+    dtype = np.dtype(model.dtype)
+    config = _config_text(model, dtype)
+    shards = _shards(tensors, limit)
+    n = len(shards)
+    names = [_WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    parent, base = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = _sibling(parent, base, "tmp")
+    os.mkdir(tmp)  # the mode a new directory gets (mkdtemp's would be 0700)
+    try:
+        if os.path.isdir(target):
+            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+        files = ["config.json"]
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            f.write(config)
+        for name, keys in zip(names, shards):
+            save_safetensors({k: tensors[k] for k in keys}, os.path.join(tmp, name), {"format": "pt"})
+            files.append(name)
+        if len(shards) > 1:
+            index = {
+                "metadata": {
+                    "total_parameters": sum(p.data.size for p in model.parameters()),
+                    "total_size": sum(a.nbytes for a in tensors.values()),
+                },
+                "weight_map": {k: name for name, keys in zip(names, shards) for k in keys},
+            }
+            with open(os.path.join(tmp, _INDEX), "w", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            files.append(_INDEX)
+        for name in files:
+            _fsync(os.path.join(tmp, name))
+        if os.path.isdir(target):
+            _carry_over(target, tmp, set(files))
+        _fsync(tmp)
+        _replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync(parent)
