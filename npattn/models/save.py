@@ -146,7 +146,7 @@ def _shards(tensors: dict, limit: int) -> list:
 def _config_text(model, dtype: np.dtype) -> str:
     """``config.json``: the Hugging Face config the model was read from, with the saved dtype."""
     config = dict(model.config.hf)
-    if "model_type" not in config:
+    if not config:
         raise ValueError(
             "model.config: has no Hugging Face config to write (hf is empty: a CausalLMConfig not made by "
             "config_from_hf); build the model from a Hugging Face config dict"
