@@ -44,17 +44,129 @@ def shared_doc(**parts: str) -> Callable[[T], T]:
     """
 
     def fill(obj: T) -> T:
-        doc = obj.__doc__
-        if doc is None:  # python -OO
-            return obj
-        for name, text in parts.items():
-            block = textwrap.dedent(text).strip("\n") + "\n"
-            doc, n = re.subn(
-                rf"^([ \t]*)<{re.escape(name)}>\n", lambda m: textwrap.indent(block, m.group(1)), doc, flags=re.M
-            )
-            if n == 0:
-                raise ValueError(f"shared_doc: {getattr(obj, '__qualname__', obj)!r} has no line <{name}>")
-        obj.__doc__ = doc
+        if obj.__doc__ is not None:  # None under python -OO
+            obj.__doc__ = _fill(obj.__doc__, parts, getattr(obj, "__qualname__", obj))
         return obj
 
     return fill
+
+
+def _fill(doc: str, parts: dict[str, str], owner: object) -> str:
+    """``doc`` with each line ``<name>`` replaced by ``parts[name]``, indented as that line."""
+    for name, text in parts.items():
+        block = textwrap.dedent(text).strip("\n") + "\n"
+        doc, n = re.subn(
+            rf"^([ \t]*)<{re.escape(name)}>\n", lambda m: textwrap.indent(block, m.group(1)), doc, flags=re.M
+        )
+        if n == 0:
+            raise ValueError(f"shared_doc: {owner!r} has no line <{name}>")
+    return doc
+
+
+# -- the functional pairs' sections ----------------------------------------------------------------
+# Every fast op's ``op_jvp`` and ``op_backward_jvp`` documents the same arguments, results and errors,
+# with the op's own names: the sections below, filled per op (``<jvp_sections>``,
+# ``<backward_jvp_sections>``), and the last lines of each ``op_jvp`` example (``<fd_check>``).
+
+#: The end of every ``op_jvp`` example: ``tout`` against the central difference of ``f`` along the tangent.
+FD_CHECK = """
+    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
+    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
+    True
+    """
+
+
+def _wrapped(text: str) -> str:
+    """``text`` wrapped as the pairs' docstrings are: an entry's description (8 columns in) ends by column 100."""
+    return textwrap.fill(text, 92, break_long_words=False, break_on_hyphens=False)
+
+
+def jvp_sections(
+    op: str,
+    cache: str,
+    tangents: str = "``tx``, of ``x``'s shape (None: zero).",
+    returns: str = "``ty``, of ``y``'s shape and dtype.",
+    most: str = "one tangent",
+    wrong: str = "",
+) -> str:
+    """The Parameters, Returns and Raises of ``op_jvp(cache, *tangents)`` (defaults: one input ``x``;
+    ``most``: how many tangents it takes, ``wrong``: what else is a ValueError)."""
+    text = f"""
+        Parameters
+        ----------
+        cache : {cache}
+            The cache ``{op}`` returned.
+        *tangents : ndarray or None
+            <tangents>
+
+        Returns
+        -------
+        ndarray
+            <returns>
+
+        Raises
+        ------
+        TypeError
+            <type_error>
+        ValueError
+            A tangent of the wrong shape{wrong}.
+        """
+    type_error = f"A cache from another op, more than {most}, or a tangent that is not a real array."
+    parts = {"tangents": tangents, "returns": returns, "type_error": type_error}
+    return _fill(textwrap.dedent(text), {k: _wrapped(v) for k, v in parts.items()}, f"{op}_jvp")
+
+
+#: ``backward_jvp_sections``' errors for an op with several inputs that have tangents.
+SEVERAL_TANGENTS = {
+    "too_many": "too many tangents, ",
+    "wrong": "``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward did not have.",
+}
+
+
+def backward_jvp_sections(
+    op: str,
+    cache: str,
+    dout: str = ", of ``y``'s shape.",
+    tangents: str = "",
+    grads: str = "``dx``",
+    grad_tangents: str = "``tdx``, its tangent, of ``x``'s shape.",
+    too_many: str = "more than one tangent, ",
+    wrong: str = "``dout``, ``ddout`` or ``tx`` of the wrong shape.",
+) -> str:
+    """The Parameters, Returns and Raises of ``op_backward_jvp(dout, cache, tangents, ddout)``
+    (defaults: one input ``x``; ``dout`` is what follows "The upstream gradient", ``too_many`` and
+    ``wrong`` the op's TypeError and ValueError)."""
+    kind = "tuple" if grads.startswith("``(") else "ndarray"
+    text = f"""
+        Parameters
+        ----------
+        dout : array_like
+            The upstream gradient{dout}
+        cache : {cache}
+            The cache ``{op}`` returned.
+        tangents : tuple
+            <tangents>
+        ddout : array_like, optional
+            The tangent of ``dout`` (None: zero).
+
+        Returns
+        -------
+        grads : {kind}
+            {grads}, exactly ``{op}_backward(dout, cache)``.
+        grad_tangents : {kind}
+            <grad_tangents>
+
+        Raises
+        ------
+        TypeError
+            <type_error>
+        ValueError
+            <wrong>
+        """
+    parts = {
+        "tangents": tangents or f"``(tx,)`` as ``{op}_jvp`` takes it (``x``'s shape); None or ``()``: zero.",
+        "grad_tangents": grad_tangents,
+        "type_error": f"A cache from another op, ``tangents`` not a tuple, {too_many}or an array that is not real.",
+        "wrong": wrong,
+    }
+    return _fill(textwrap.dedent(text), {k: _wrapped(v) for k, v in parts.items()}, f"{op}_backward_jvp")

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_rng,
@@ -164,28 +165,12 @@ def relu_backward_kernel(dout, cache, out=None):
     return np.multiply(dout, cache.positive, out=out)
 
 
+@shared_doc(jvp_sections=jvp_sections("relu", "ReluCache"), fd_check=FD_CHECK)
 def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
     """Forward mode of ``relu``: ``ty = tx * [x > 0]`` (the derivative 0 at
     ``x == 0``, as the backward and torch).
 
-    Parameters
-    ----------
-    cache : ReluCache
-        The cache ``relu`` returned.
-    *tangents : ndarray or None
-        ``tx``, of ``x``'s shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -196,9 +181,7 @@ def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
     >>> out, cache = F.relu(x)
     >>> tout = F.relu_jvp(cache, tx)
     >>> f = lambda s: F.relu(x + s * tx)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, ReluCache, "relu_jvp")
     return relu_jvp_kernel(
@@ -213,36 +196,13 @@ def relu_jvp_kernel(cache, tx=None):
     return relu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
+@shared_doc(backward_jvp_sections=backward_jvp_sections("relu", "ReluCache"))
 def relu_backward_jvp(dout: np.ndarray, cache: ReluCache, tangents, ddout=None):
     """Second order of ``relu``: ``dx = dy * [x > 0]`` is linear in ``dy`` and its mask is
     piecewise constant in ``x`` (its derivative is 0 away from ``x = 0``, as torch's), so
     ``tdx = ddout * [x > 0]`` whatever ``tx`` is.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : ReluCache
-        The cache ``relu`` returned.
-    tangents : tuple
-        ``(tx,)`` as ``relu_jvp`` takes it (``x``'s shape); None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dx``, exactly ``relu_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdx``, its tangent, of ``x``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    <backward_jvp_sections>
     """
     return _elementwise_backward_jvp(relu_backward_jvp_kernel, ReluCache, "relu", cache, dout, tangents, ddout)
 
@@ -343,28 +303,12 @@ def gelu_backward_kernel(dout, cache):
     return dout * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
 
 
+@shared_doc(jvp_sections=jvp_sections("gelu", "GeluCache"), fd_check=FD_CHECK)
 def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
     """Forward mode of ``gelu``: ``ty = gelu'(x) * tx`` (both forms; the
     derivative as derived in ``gelu_backward``).
 
-    Parameters
-    ----------
-    cache : GeluCache
-        The cache ``gelu`` returned.
-    *tangents : ndarray or None
-        ``tx``, of ``x``'s shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -375,9 +319,7 @@ def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
     >>> out, cache = F.gelu(x)
     >>> tout = F.gelu_jvp(cache, tx)
     >>> f = lambda s: F.gelu(x + s * tx)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, GeluCache, "gelu_jvp")
     return gelu_jvp_kernel(cache, *check_tangents_as(tangents, "gelu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
@@ -390,6 +332,7 @@ def gelu_jvp_kernel(cache, tx=None):
     return gelu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
+@shared_doc(backward_jvp_sections=backward_jvp_sections("gelu", "GeluCache"))
 def gelu_backward_jvp(dout: np.ndarray, cache: GeluCache, tangents, ddout=None):
     """Second order of ``gelu``: ``dx = dy * gelu'(x)``, so ``tdx = ddout * gelu'(x) + dy *
     gelu''(x) * tx``, with
@@ -400,31 +343,7 @@ def gelu_backward_jvp(dout: np.ndarray, cache: GeluCache, tangents, ddout=None):
       ``u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``u'' = 6 sqrt(2/pi) 0.044715 x``, so
       ``gelu'' = (1 - t^2) (u' - x t u'^2 + x u'' / 2)``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : GeluCache
-        The cache ``gelu`` returned.
-    tangents : tuple
-        ``(tx,)`` as ``gelu_jvp`` takes it (``x``'s shape); None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dx``, exactly ``gelu_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdx``, its tangent, of ``x``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    <backward_jvp_sections>
     """
     return _elementwise_backward_jvp(gelu_backward_jvp_kernel, GeluCache, "gelu", cache, dout, tangents, ddout)
 
@@ -530,28 +449,12 @@ def silu_backward_kernel(dout, cache):
     return dout * (s * (1.0 + x * (1.0 - s)))
 
 
+@shared_doc(jvp_sections=jvp_sections("silu", "SiluCache"), fd_check=FD_CHECK)
 def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
     """Forward mode of ``silu``: ``ty = s (1 + x (1 - s)) * tx`` with
     ``s = sigmoid(x)`` (derived in ``silu_backward``).
 
-    Parameters
-    ----------
-    cache : SiluCache
-        The cache ``silu`` returned.
-    *tangents : ndarray or None
-        ``tx``, of ``x``'s shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -562,9 +465,7 @@ def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
     >>> out, cache = F.silu(x)
     >>> tout = F.silu_jvp(cache, tx)
     >>> f = lambda s: F.silu(x + s * tx)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, SiluCache, "silu_jvp")
     return silu_jvp_kernel(cache, *check_tangents_as(tangents, "silu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
@@ -577,36 +478,13 @@ def silu_jvp_kernel(cache, tx=None):
     return silu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
+@shared_doc(backward_jvp_sections=backward_jvp_sections("silu", "SiluCache"))
 def silu_backward_jvp(dout: np.ndarray, cache: SiluCache, tangents, ddout=None):
     """Second order of ``silu``: ``dx = dy * silu'(x)``, ``silu' = s (1 + x (1 - s))`` with
     ``s = sigmoid(x)``, ``s' = s (1 - s)``, so ``silu'' = s (1 - s) (1 + x (1 - s)) + s ((1 - s) -
     x s (1 - s)) = s (1 - s) (2 + x (1 - 2 s))`` and ``tdx = ddout * silu'(x) + dy * silu''(x) * tx``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : SiluCache
-        The cache ``silu`` returned.
-    tangents : tuple
-        ``(tx,)`` as ``silu_jvp`` takes it (``x``'s shape); None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dx``, exactly ``silu_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdx``, its tangent, of ``x``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    <backward_jvp_sections>
     """
     return _elementwise_backward_jvp(silu_backward_jvp_kernel, SiluCache, "silu", cache, dout, tangents, ddout)
 
@@ -720,30 +598,14 @@ def softmax_backward_kernel(dout, cache):
     return y * (dout - (dout * y).sum(axis=axis, keepdims=True))  # axis None (0-d): dy - dy = 0
 
 
+@shared_doc(jvp_sections=jvp_sections("softmax", "SoftmaxCache"), fd_check=FD_CHECK)
 def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
     """Forward mode of ``softmax``: with ``dy_i/dx_j = y_i (delta_ij - y_j)``,
     ``ty = y * (tx - sum(y * tx))`` along the axis (the Jacobian is symmetric, so this is also
     the backward's formula).  A slice of all ``-inf`` has ``y = 0``, hence ``ty = 0``; a 0-d input
     gives 0.
 
-    Parameters
-    ----------
-    cache : SoftmaxCache
-        The cache ``softmax`` returned.
-    *tangents : ndarray or None
-        ``tx``, of ``x``'s shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -754,9 +616,7 @@ def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
     >>> out, cache = F.softmax(x)
     >>> tout = F.softmax_jvp(cache, tx)
     >>> f = lambda s: F.softmax(x + s * tx)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, SoftmaxCache, "softmax_jvp")
     return softmax_jvp_kernel(
@@ -771,6 +631,7 @@ def softmax_jvp_kernel(cache, tx=None):
     return softmax_backward_kernel(tx, cache)  # J = diag(y) - y y^T is symmetric: J v = J^T v
 
 
+@shared_doc(backward_jvp_sections=backward_jvp_sections("softmax", "SoftmaxCache"))
 def softmax_backward_jvp(dout: np.ndarray, cache: SoftmaxCache, tangents, ddout=None):
     """Second order of ``softmax``: the backward ``dx = y * (g - <g, y>)`` (``g = dout``, ``<.,.>``
     the sum along the axis) is a product of ``y`` and ``g``; with ``ty = y * (tx - <y, tx>)``
@@ -781,31 +642,7 @@ def softmax_backward_jvp(dout: np.ndarray, cache: SoftmaxCache, tangents, ddout=
     i.e. ``softmax_backward(ddout)`` plus ``ty * (g - <g, y>) - y <g, ty>``.  A slice of all
     ``-inf`` (``y = 0``) and a 0-d input give 0.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : SoftmaxCache
-        The cache ``softmax`` returned.
-    tangents : tuple
-        ``(tx,)`` as ``softmax_jvp`` takes it (``x``'s shape); None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dx``, exactly ``softmax_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdx``, its tangent, of ``x``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    <backward_jvp_sections>
     """
     return _elementwise_backward_jvp(softmax_backward_jvp_kernel, SoftmaxCache, "softmax", cache, dout, tangents, ddout)
 
@@ -921,28 +758,12 @@ def dropout_backward_kernel(dout, cache):
     return dout * cache.keep * cache.scale
 
 
+@shared_doc(jvp_sections=jvp_sections("dropout", "DropoutCache"), fd_check=FD_CHECK)
 def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
     """Forward mode of ``dropout``: ``y = x * keep * s`` is linear in ``x``, so
     ``ty = tx * keep * s`` with the forward's own mask (the identity in eval mode or with ``p = 0``).
 
-    Parameters
-    ----------
-    cache : DropoutCache
-        The cache ``dropout`` returned.
-    *tangents : ndarray or None
-        ``tx``, of ``x``'s shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -953,9 +774,7 @@ def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
     >>> out, cache = F.dropout(x, 0.5, rng=1)
     >>> tout = F.dropout_jvp(cache, tx)
     >>> f = lambda s: F.dropout(x + s * tx, 0.5, rng=1)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, DropoutCache, "dropout_jvp")
     return dropout_jvp_kernel(cache, *check_tangents_as(tangents, "dropout_jvp", cache.dtype, (("tx", cache.shape),)))
@@ -968,35 +787,12 @@ def dropout_jvp_kernel(cache, tx=None):
     return dropout_backward_kernel(tx, cache)  # diagonal and linear: the same mask both ways
 
 
+@shared_doc(backward_jvp_sections=backward_jvp_sections("dropout", "DropoutCache"))
 def dropout_backward_jvp(dout: np.ndarray, cache: DropoutCache, tangents, ddout=None):
     """Second order of ``dropout``: ``dx = dy * keep * s`` is linear in ``dy`` and does not read
     ``x``, so ``tdx = ddout * keep * s`` (the forward's own mask) whatever ``tx`` is.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : DropoutCache
-        The cache ``dropout`` returned.
-    tangents : tuple
-        ``(tx,)`` as ``dropout_jvp`` takes it (``x``'s shape); None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dx``, exactly ``dropout_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdx``, its tangent, of ``x``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    <backward_jvp_sections>
     """
     return _elementwise_backward_jvp(dropout_backward_jvp_kernel, DropoutCache, "dropout", cache, dout, tangents, ddout)
 

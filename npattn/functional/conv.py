@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import SEVERAL_TANGENTS, backward_jvp_sections, shared_doc
 from .._validate import as_float, check_backward_jvp, check_bool, check_cache, check_grad, check_tangents_as
 from .activation import SiluCache, silu_backward_jvp_kernel, silu_backward_kernel, silu_jvp_kernel, silu_kernel
 
@@ -209,6 +210,20 @@ def causal_conv1d_jvp_kernel(cache, tx=None, tweight=None, tbias=None, tinitial_
     return tz if act is None else silu_jvp_kernel(act, tz)
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "causal_conv1d",
+        "CausalConv1dCache",
+        dout=" ``(B..., L, C)``.",
+        tangents=(
+            "``(tx, tweight, tbias, tinitial_state)`` as ``causal_conv1d_jvp`` takes them; None (or "
+            "left out at the end): zero."
+        ),
+        grads="``(dx, dweight, dbias, dinitial_state)``",
+        grad_tangents="Their tangents, of the same shapes, None where the gradient is None.",
+        **SEVERAL_TANGENTS,
+    )
+)
 def causal_conv1d_backward_jvp(dout: np.ndarray, cache: CausalConv1dCache, tangents, ddout=None):
     """Second order of ``causal_conv1d``: the backward's gradients and their tangents.
 
@@ -223,33 +238,7 @@ def causal_conv1d_backward_jvp(dout: np.ndarray, cache: CausalConv1dCache, tange
 
     where ``txp`` is ``tinitial_state`` followed by ``tx`` and ``B(dz; txp, tw)`` has no bias term.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient ``(B..., L, C)``.
-    cache : CausalConv1dCache
-        The cache ``causal_conv1d`` returned.
-    tangents : tuple
-        ``(tx, tweight, tbias, tinitial_state)`` as ``causal_conv1d_jvp`` takes them; None (or left
-        out at the end): zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : tuple
-        ``(dx, dweight, dbias, dinitial_state)``, exactly ``causal_conv1d_backward(dout, cache)``.
-    grad_tangents : tuple
-        Their tangents, of the same shapes, None where the gradient is None.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
-        not real.
-    ValueError
-        ``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward
-        did not have.
+    <backward_jvp_sections>
     """
     check_cache(cache, CausalConv1dCache, "causal_conv1d_backward_jvp")
     specs = _conv_tangent_specs(cache)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -202,6 +203,15 @@ def embedding_backward_kernel(dout, cache):
     return dweight
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "embedding",
+        "EmbeddingCache",
+        tangents="``tweight``, of ``weight``'s shape ``(num_embeddings, embedding_dim)`` (None: zero).",
+        returns="``tout``, of the output's shape ``(*ids.shape, embedding_dim)`` and dtype.",
+    ),
+    fd_check=FD_CHECK,
+)
 def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
     """Forward mode of ``embedding``: the lookup is linear in ``weight``, so ``tout = tweight[ids]``.
 
@@ -213,24 +223,7 @@ def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
     with ``embedding_backward`` holds without ``padding_idx`` and ``scale_grad_by_freq``.
     ``ids`` are integers: they have no tangent.
 
-    Parameters
-    ----------
-    cache : EmbeddingCache
-        The cache ``embedding`` returned.
-    *tangents : ndarray or None
-        ``tweight``, of ``weight``'s shape ``(num_embeddings, embedding_dim)`` (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``tout``, of the output's shape ``(*ids.shape, embedding_dim)`` and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -242,9 +235,7 @@ def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
     >>> out, cache = F.embedding(ids, W)
     >>> tout = F.embedding_jvp(cache, tW)
     >>> f = lambda s: F.embedding(ids, W + s * tW)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, EmbeddingCache, "embedding_jvp")
     return embedding_jvp_kernel(
@@ -264,6 +255,18 @@ def embedding_jvp_kernel(cache, tweight=None):
     return tweight[cache.ids]
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "embedding",
+        "EmbeddingCache",
+        dout=", of the output's shape.",
+        tangents="``(tweight,)`` as ``embedding_jvp`` takes it; None or ``()``: zero.",
+        grads="``dweight``",
+        grad_tangents="``tdweight``, of ``weight``'s shape.",
+        too_many="",
+        wrong="``dout``, ``ddout`` or ``tweight`` of the wrong shape.",
+    )
+)
 def embedding_backward_jvp(dout: np.ndarray, cache: EmbeddingCache, tangents, ddout=None):
     """Second order (forward over reverse): ``embedding_backward``'s gradient and its tangent.
 
@@ -273,30 +276,7 @@ def embedding_backward_jvp(dout: np.ndarray, cache: EmbeddingCache, tangents, dd
     along ``ddout`` moves ``dweight`` by the same scatter-add of ``ddout``: ``tdweight =
     embedding_backward(ddout)`` (zero without ``ddout``).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : EmbeddingCache
-        The cache ``embedding`` returned.
-    tangents : tuple
-        ``(tweight,)`` as ``embedding_jvp`` takes it; None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dweight``, exactly ``embedding_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdweight``, of ``weight``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, or an array that is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tweight`` of the wrong shape.
+    <backward_jvp_sections>
     """
     check_cache(cache, EmbeddingCache, "embedding_backward_jvp")
     dout, tangents, ddout = check_backward_jvp(

@@ -67,9 +67,11 @@ from .memory_efficient import _memory_efficient_attention as memory_efficient_at
 from .memory_efficient import _memory_efficient_attention_backward as memory_efficient_attention_backward
 from .memory_efficient import _memory_efficient_attention_backward_jvp as memory_efficient_attention_backward_jvp
 from .memory_efficient import _memory_efficient_attention_jvp as memory_efficient_attention_jvp
+from .moe import moe_experts_backward_jvp_kernel as moe_experts_backward_jvp
 from .moe import moe_experts_backward_kernel as moe_experts_backward
 from .moe import moe_experts_jvp_kernel as moe_experts_jvp
 from .moe import moe_experts_kernel as moe_experts
+from .moe import topk_router_backward_jvp_kernel as topk_router_backward_jvp
 from .moe import topk_router_backward_kernel as topk_router_backward
 from .moe import topk_router_jvp_kernel as topk_router_jvp
 from .moe import topk_router_kernel as topk_router

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
 
 __all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp", "linear_backward_jvp"]
@@ -136,6 +137,16 @@ def linear_backward_kernel(dout, cache, dx_out=None):
     return dx, dweight, dbias
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "linear",
+        "LinearCache",
+        tangents="``tx (..., in)``, ``tweight (out, in)``, ``tbias (out,)``.",
+        most="three tangents",
+        wrong=", or ``tbias`` without a bias in the forward",
+    ),
+    fd_check=FD_CHECK,
+)
 def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
     """Forward mode of ``linear``: the tangent of ``y = x W^T + b`` along ``(tx, tweight, tbias)``.
 
@@ -148,24 +159,7 @@ def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
     shape or None; missing trailing ones are None; ``tbias`` must be None when the forward had no
     bias.
 
-    Parameters
-    ----------
-    cache : LinearCache
-        The cache ``linear`` returned.
-    *tangents : ndarray or None
-        ``tx (..., in)``, ``tweight (out, in)``, ``tbias (out,)``.
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than three tangents, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape, or ``tbias`` without a bias in the forward.
+    <jvp_sections>
 
     Examples
     --------
@@ -177,9 +171,7 @@ def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
     >>> out, cache = F.linear(x, w)
     >>> tout = F.linear_jvp(cache, tx, tw)
     >>> f = lambda s: F.linear(x + s * tx, w + s * tw)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, LinearCache, "linear_jvp")
     return linear_jvp_kernel(
@@ -204,6 +196,18 @@ def linear_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
     return ty
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "linear",
+        "LinearCache",
+        dout=", of the output's shape.",
+        tangents="``(tx, tweight, tbias)`` as ``linear_jvp`` takes them; None (or left out at the end): zero.",
+        grads="``(dx, dweight, dbias)``",
+        grad_tangents="``(tdx, tdweight, tdbias)``, of the same shapes; ``tdbias`` None without a bias.",
+        too_many="too many tangents, ",
+        wrong="``dout``, ``ddout`` or a tangent of the wrong shape, or ``tbias`` without a bias.",
+    )
+)
 def linear_backward_jvp(dout: np.ndarray, cache: LinearCache, tangents, ddout=None):
     """Second order (forward over reverse): ``linear_backward``'s gradients and their tangents.
 
@@ -216,31 +220,7 @@ def linear_backward_jvp(dout: np.ndarray, cache: LinearCache, tangents, ddout=No
     (``tb`` does not enter: the backward does not read ``b``).  The textbook tier derives it line
     by line (``npattn.functional.reference.linear_backward_jvp``).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : LinearCache
-        The cache ``linear`` returned.
-    tangents : tuple
-        ``(tx, tweight, tbias)`` as ``linear_jvp`` takes them; None (or left out at the end): zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : tuple
-        ``(dx, dweight, dbias)``, exactly ``linear_backward(dout, cache)``.
-    grad_tangents : tuple
-        ``(tdx, tdweight, tdbias)``, of the same shapes; ``tdbias`` None without a bias.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
-        not real.
-    ValueError
-        ``dout``, ``ddout`` or a tangent of the wrong shape, or ``tbias`` without a bias.
+    <backward_jvp_sections>
 
     Examples
     --------

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     check_backward_jvp,
@@ -268,6 +269,15 @@ def cross_entropy_backward_kernel(dout, cache):
     return dx
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "cross_entropy",
+        "CrossEntropyCache",
+        tangents="``tlogits``, of ``logits``' shape (None: zero).",
+        returns='The loss\'s tangent: 0-d for ``"mean"``/``"sum"``, ``logits.shape[:-1]`` for ``"none"``.',
+    ),
+    fd_check=FD_CHECK,
+)
 def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
     """Forward mode of ``cross_entropy`` along ``tlogits``.
 
@@ -278,24 +288,7 @@ def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
     element, ``"sum"`` adds them, ``"mean"`` divides the sum by the same denominator (0 when
     nothing was counted, as the loss).  Targets, class ids or probabilities, are data: no tangent.
 
-    Parameters
-    ----------
-    cache : CrossEntropyCache
-        The cache ``cross_entropy`` returned.
-    *tangents : ndarray or None
-        ``tlogits``, of ``logits``' shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        The loss's tangent: 0-d for ``"mean"``/``"sum"``, ``logits.shape[:-1]`` for ``"none"``.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -307,9 +300,7 @@ def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
     >>> out, cache = F.cross_entropy(z, t)
     >>> tout = F.cross_entropy_jvp(cache, tz)
     >>> f = lambda s: F.cross_entropy(z + s * tz, t)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_jvp")
     specs = (("tlogits", cache.logp.shape),)
@@ -328,6 +319,17 @@ def cross_entropy_jvp_kernel(cache, tlogits=None):
     return t if cache.reduction == "none" else np.asarray(t.sum(), dtype=cache.logp.dtype)
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "cross_entropy",
+        "CrossEntropyCache",
+        dout=", of the loss's shape.",
+        tangents="``(tlogits,)`` as ``cross_entropy_jvp`` takes it; None or ``()``: zero.",
+        grads="``dlogits``",
+        grad_tangents="Its tangent, of ``logits``' shape.",
+        wrong="``dout``, ``ddout`` or ``tlogits`` of the wrong shape.",
+    )
+)
 def cross_entropy_backward_jvp(dout: np.ndarray, cache: CrossEntropyCache, tangents, ddout=None):
     """Second order of ``cross_entropy``: ``cross_entropy_backward``'s gradient and its tangent.
 
@@ -343,31 +345,7 @@ def cross_entropy_backward_jvp(dout: np.ndarray, cache: CrossEntropyCache, tange
     That is the Hessian of the loss times ``tz`` plus the backward of ``ddout``; with "mean" and
     nothing counted both are 0, as the gradient.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the loss's shape.
-    cache : CrossEntropyCache
-        The cache ``cross_entropy`` returned.
-    tangents : tuple
-        ``(tlogits,)`` as ``cross_entropy_jvp`` takes it; None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dlogits``, exactly ``cross_entropy_backward(dout, cache)``.
-    grad_tangents : ndarray
-        Its tangent, of ``logits``' shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tlogits`` of the wrong shape.
+    <backward_jvp_sections>
 
     Examples
     --------

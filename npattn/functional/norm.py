@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import FD_CHECK, SEVERAL_TANGENTS, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     check_backward_jvp,
@@ -247,6 +248,20 @@ def _norm_backward(dout, xhat, rstd, weight, k, *, centred, has_bias=False):
     return dx.reshape(xhat.shape), dweight, dbias
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "layer_norm",
+        "LayerNormCache",
+        tangents=(
+            "``tx`` (``x``'s shape), ``tweight``, ``tbias`` (``normalized_shape``), in the order "
+            "``layer_norm_backward`` returns gradients; None (or omitted at the end) is zero; "
+            "``tweight``/``tbias`` must be None when the forward had no weight/bias."
+        ),
+        most="three tangents",
+        wrong=", or one for an input the forward did not have",
+    ),
+    fd_check=FD_CHECK,
+)
 def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
     """Forward mode of ``layer_norm``: the tangent of ``y = xhat * w + b`` along ``(tx, tweight, tbias)``.
 
@@ -260,26 +275,7 @@ def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
 
     A slice normalised to 0 because ``eps = 0`` and its variance is 0 (``r = 0``) gets ``txhat = 0``.
 
-    Parameters
-    ----------
-    cache : LayerNormCache
-        The cache ``layer_norm`` returned.
-    *tangents : ndarray or None
-        ``tx`` (``x``'s shape), ``tweight``, ``tbias`` (``normalized_shape``), in the order
-        ``layer_norm_backward`` returns gradients; None (or omitted at the end) is zero;
-        ``tweight``/``tbias`` must be None when the forward had no weight/bias.
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than three tangents, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape, or one for an input the forward did not have.
+    <jvp_sections>
 
     Examples
     --------
@@ -291,9 +287,7 @@ def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
     >>> out, cache = F.layer_norm(x, w)
     >>> tout = F.layer_norm_jvp(cache, tx, tw)
     >>> f = lambda s: F.layer_norm(x + s * tx, w + s * tw)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, LayerNormCache, "layer_norm_jvp")
     specs = _norm_tangent_specs(cache)
@@ -532,31 +526,27 @@ def rms_norm_backward_kernel(dout, cache):
     return dx, dweight
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "rms_norm",
+        "RMSNormCache",
+        tangents=(
+            "``tx`` (``x``'s shape) and ``tweight`` (``normalized_shape``; None without a weight in "
+            "the forward), in the order ``rms_norm_backward`` returns gradients; None (or omitted) is "
+            "zero."
+        ),
+        most="two tangents",
+        wrong=", or ``tweight`` when the forward had no weight",
+    ),
+    fd_check=FD_CHECK,
+)
 def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
     """Forward mode of ``rms_norm``: the tangent of ``y = xhat * w`` along ``(tx, tweight)``.
 
     With ``xhat = x r``, ``r = (mean(x^2) + eps)^(-1/2)``: ``tr = -r^3 mean(x tx) = -r^2 mean(xhat tx)``,
     so ``txhat = r tx + x tr = r (tx - xhat mean(xhat tx))`` and ``ty = txhat * w + xhat * tw``.
 
-    Parameters
-    ----------
-    cache : RMSNormCache
-        The cache ``rms_norm`` returned.
-    *tangents : ndarray or None
-        ``tx`` (``x``'s shape) and ``tweight`` (``normalized_shape``; None without a weight in the
-        forward), in the order ``rms_norm_backward`` returns gradients; None (or omitted) is zero.
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than two tangents, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape, or ``tweight`` when the forward had no weight.
+    <jvp_sections>
 
     Examples
     --------
@@ -568,9 +558,7 @@ def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
     >>> out, cache = F.rms_norm(x, w)
     >>> tout = F.rms_norm_jvp(cache, tx, tw)
     >>> f = lambda s: F.rms_norm(x + s * tx, w + s * tw)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, RMSNormCache, "rms_norm_jvp")
     specs = _norm_tangent_specs(cache)
@@ -583,6 +571,17 @@ def rms_norm_jvp_kernel(cache, tx=None, tweight=None):
     return _norm_jvp(xhat, rstd, weight, k, tx, tweight, None, centred=False)
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "rms_norm",
+        "RMSNormCache",
+        dout=", of the output's shape.",
+        tangents="``(tx, tweight)`` as ``rms_norm_jvp`` takes them; None (or left out at the end): zero.",
+        grads="``(dx, dweight)``",
+        grad_tangents="Their tangents, of the same shapes, None where the gradient is None.",
+        **SEVERAL_TANGENTS,
+    )
+)
 def rms_norm_backward_jvp(dout: np.ndarray, cache: RMSNormCache, tangents, ddout=None):
     """Second order of ``rms_norm``: as ``layer_norm_backward_jvp`` without the means of ``g``
     and ``tx`` and without a bias: with ``dx = r (g - xhat m)``, ``m = mean(g xhat)``, ``txhat =
@@ -591,32 +590,7 @@ def rms_norm_backward_jvp(dout: np.ndarray, cache: RMSNormCache, tangents, ddout
         tdx = (tr / r) dx + r (tg - xhat mean(tg xhat)) - r (txhat m + xhat mean(g txhat))
         tdw = sum(ddy xhat + dy txhat)
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : RMSNormCache
-        The cache ``rms_norm`` returned.
-    tangents : tuple
-        ``(tx, tweight)`` as ``rms_norm_jvp`` takes them; None (or left out at the end): zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : tuple
-        ``(dx, dweight)``, exactly ``rms_norm_backward(dout, cache)``.
-    grad_tangents : tuple
-        Their tangents, of the same shapes, None where the gradient is None.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
-        not real.
-    ValueError
-        ``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward
-        did not have.
+    <backward_jvp_sections>
     """
     check_cache(cache, RMSNormCache, "rms_norm_backward_jvp")
     xhat = cache.xhat

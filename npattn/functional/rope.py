@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -202,30 +203,14 @@ def rope_backward_kernel(dout, cache):
     return _rotate(dout, cache.cos, -cache.sin, cache.interleaved)
 
 
+@shared_doc(jvp_sections=jvp_sections("rope", "RopeCache"), fd_check=FD_CHECK)
 def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
     """Forward mode of ``rope``: each pair is multiplied by a fixed rotation (the angles depend on
     the positions only), a linear map, so the tangent is the forward applied to ``tx``:
     ``(ta, tb) -> (ta cos - tb sin, tb cos + ta sin)``, from the cached ``cos``/``sin`` (whatever
     the frequencies, scaled or not).
 
-    Parameters
-    ----------
-    cache : RopeCache
-        The cache ``rope`` returned.
-    *tangents : ndarray or None
-        ``tx``, of ``x``'s shape (None: zero).
-
-    Returns
-    -------
-    ndarray
-        ``ty``, of ``y``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, more than one tangent, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -236,9 +221,7 @@ def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
     >>> out, cache = F.rope(x)
     >>> tout = F.rope_jvp(cache, tx)
     >>> f = lambda s: F.rope(x + s * tx)[0]
-    >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent
-    >>> bool(np.allclose(tout, fd, rtol=1e-5, atol=1e-7))
-    True
+    <fd_check>
     """
     check_cache(cache, RopeCache, "rope_jvp")
     return rope_jvp_kernel(cache, *check_tangents_as(tangents, "rope_jvp", cache.dtype, (("tx", cache.shape),)))
@@ -251,37 +234,21 @@ def rope_jvp_kernel(cache, tx=None):
     return _rotate(tx, cache.cos, cache.sin, cache.interleaved)
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "rope",
+        "RopeCache",
+        tangents="``(tx,)`` as ``rope_jvp`` takes it; None or ``()``: zero.",
+        grad_tangents="``tdx``, of ``x``'s shape.",
+    )
+)
 def rope_backward_jvp(dout: np.ndarray, cache: RopeCache, tangents, ddout=None):
     """Second order of ``rope``: the backward rotates ``dout`` back by angles that depend on the
     positions and the configuration only (every scaling, YaRN's factor and partial rotary
     included, see ``rope_backward``), never on ``x``.  So it is linear in ``dout`` and constant in
     ``x``: ``tdx = rope_backward(ddout)``, whatever ``tx`` is.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : RopeCache
-        The cache ``rope`` returned.
-    tangents : tuple
-        ``(tx,)`` as ``rope_jvp`` takes it; None or ``()``: zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : ndarray
-        ``dx``, exactly ``rope_backward(dout, cache)``.
-    grad_tangents : ndarray
-        ``tdx``, of ``x``'s shape.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, more than one tangent, or an array that
-        is not real.
-    ValueError
-        ``dout``, ``ddout`` or ``tx`` of the wrong shape.
+    <backward_jvp_sections>
     """
     check_cache(cache, RopeCache, "rope_backward_jvp")
     dout, tangents, ddout = check_backward_jvp(
