@@ -1,7 +1,9 @@
 """Autoregressive text generation for any npattn language model: greedy, temperature, top-k, top-p, EOS.
 
 One implementation, used by ``npattn.book.generate`` / ``generate_text_simple`` (the book's
-chapter 4 and 5 functions) and by ``TinyTransformer.generate``.
+chapter 4 and 5 functions), by ``TinyTransformer.generate``, and with Hugging Face transformers'
+conventions (``do_sample``, ``eos_token_id``, a finished row continuing with the pad token) by
+``generate_tokens`` / ``stream_tokens``, which ``CausalLM.generate`` and ``CausalLM.stream`` are.
 
 A *model* here is anything callable as ``model(idx) -> logits``: integer token ids ``(B, L)``
 in, ``(B, L, vocab)`` logits out, where ``logits[:, t]`` predicts token ``t + 1``.  A model
@@ -21,15 +23,16 @@ Sampling one step (the book's chapter 5, ``next_token_probs`` and ``sample_next_
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
 import numpy as np
 
-from ._validate import as_index, as_rng, check_bool, check_size
+from ._validate import as_index, as_rng, check_bool, check_size, to_numpy
 from .nn.module import no_grad
 
-__all__ = ["check_sampling", "generate", "next_token_probs", "sample_next_token"]
+__all__ = ["check_sampling", "generate", "generate_tokens", "next_token_probs", "sample_next_token", "stream_tokens"]
 
 
 def check_sampling(temperature, top_k, eos_id):
@@ -324,30 +327,253 @@ def generate(
     lead = idx.shape[:-1]
     out = idx.reshape(-1, idx.shape[-1])
     finished = np.zeros(len(out), dtype=bool)
+
+    def choose(last):  # the book's EOS: the step where the last sequence finishes appends nothing
+        nxt = _sample(last, temperature, top_k, rng, top_p)
+        if eos_id is not None:
+            nxt = np.where(finished, eos_id, nxt)
+            finished[...] |= nxt == eos_id
+            if finished.all():
+                return None
+        return nxt, False
+
+    steps = [t[:, None] for t in _decode(model, out, n, choose, context_size=context_size, use_cache=use_cache)]
+    out = np.concatenate([out, *steps], axis=1).astype(idx.dtype, copy=False)
+    return out.reshape(lead + (out.shape[1],))
+
+
+def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_cache=True, mask=None):
+    """The decoding loop of every generator here: ``n`` steps on the prompt ``out (B, L)``, each
+    the last position's logits ``(B, vocab)`` -> ``choose(logits)``, which returns ``(tokens (B,),
+    last)`` (``last``: this step's tokens are the final ones) or ``None`` (stop, nothing appended);
+    yields each step's tokens.  With a model that has a cache (``reset_kv_cache`` and
+    ``model(idx, use_cache=True)``) and ``use_cache``, the prompt is encoded once and each step
+    feeds one token; past ``context_size`` tokens (None: no limit) the last ``context_size`` are
+    re-encoded each step.  ``mask``: the prompt's ``attention_mask (B, L)`` (left padding) for a
+    model whose forward takes one, given with the prompt (the new tokens are tokens: a cached step
+    needs no mask, an uncached pass gets the prompt's followed by ones).  Eval mode (dropout off)
+    while the loop runs, each forward under ``no_grad`` (nothing else between two steps is); the
+    cache is reset before and after and the model's mode restored when the loop ends or the
+    generator is closed."""
+    use_cache = use_cache and callable(getattr(model, "reset_kv_cache", None))
     was_training = getattr(model, "training", None) if callable(getattr(model, "train", None)) else None
     if was_training is not None:
         model.train(False)
     try:
-        with no_grad():
-            if use_cache:
-                model.reset_kv_cache()
-            primed = False
-            for _ in range(n):
-                if use_cache and out.shape[1] <= context_size:
-                    logits = model(out[:, -1:] if primed else out, use_cache=True)
+        if use_cache:
+            model.reset_kv_cache()
+        primed = False
+        for _ in range(n):
+            with no_grad():
+                if use_cache and (context_size is None or out.shape[1] <= context_size):
+                    if primed:
+                        logits = model(out[:, -1:], use_cache=True)
+                    else:
+                        logits = model(out, use_cache=True, **({} if mask is None else {"attention_mask": mask}))
                     primed = True
                 else:
-                    logits = model(out[:, -context_size:])
-                nxt = _sample(np.asarray(logits)[:, -1, :], temperature, top_k, rng, top_p)
-                if eos_id is not None:
-                    nxt = np.where(finished, eos_id, nxt)
-                    finished |= nxt == eos_id
-                    if finished.all():
-                        break
-                out = np.concatenate([out, nxt[:, None].astype(out.dtype)], axis=1)
+                    start = 0 if context_size is None else max(0, out.shape[1] - context_size)
+                    kw = {}
+                    if mask is not None:
+                        new = np.ones((len(out), out.shape[1] - mask.shape[1]), mask.dtype)
+                        kw["attention_mask"] = np.concatenate([mask, new], axis=1)[:, start:]
+                    logits = model(out[:, start:], **kw)
+            step = choose(np.asarray(logits)[:, -1, :])
+            if step is None:
+                return
+            tokens, last = step
+            tokens = tokens.astype(out.dtype, copy=False)
+            out = np.concatenate([out, tokens[:, None]], axis=1)
+            yield tokens
+            if last:
+                return
     finally:
         if use_cache:
             model.reset_kv_cache()
         if was_training is not None:
             model.train(was_training)
-    return out.reshape(lead + (out.shape[1],))
+
+
+def _check_token_ids(value, name: str, *, many: bool = True) -> list:
+    """``eos_token_id`` (None, an id or, with ``many``, a list of ids) or ``pad_token_id`` (None
+    or an id) as a list of ids, each an integer >= 0."""
+    if value is None:
+        return []
+    ids = list(value) if many and isinstance(value, (list, tuple, np.ndarray)) else [value]
+    what = "a token id (an integer >= 0)" + (", a list of them" if many else "") + " or None"
+    for e in ids:
+        if isinstance(e, (bool, np.bool_)) or not isinstance(e, numbers.Integral):
+            raise TypeError(f"{name}: expected {what}, got {value!r}")
+        if e < 0:
+            raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return [int(e) for e in ids]
+
+
+def _takes_mask(model) -> bool:
+    """Whether ``model``'s forward has an ``attention_mask`` argument (padded batches)."""
+    forward = getattr(model, "forward", model)
+    try:
+        return "attention_mask" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a callable without a signature
+        return False
+
+
+def _check_attention_mask(attention_mask, shape, model) -> np.ndarray | None:
+    """``attention_mask`` as a bool array of the prompt's ``shape`` (as the model takes it), or
+    None when it marks no padding (all ones) or is None.  A 0 (left padding) needs a model whose
+    forward takes ``attention_mask``: ``NotImplementedError`` otherwise."""
+    if attention_mask is None:
+        return None
+    mask = to_numpy(attention_mask, "attention_mask")
+    if mask.dtype.kind not in "biu":
+        raise TypeError(
+            f"attention_mask: expected integers or booleans (1 = token, 0 = padding), got dtype {mask.dtype}"
+        )
+    if mask.shape != shape:
+        raise ValueError(f"attention_mask: expected the shape of ids {shape}, got {mask.shape}")
+    if ((mask != 0) & (mask != 1)).any():
+        bad = mask[(mask != 0) & (mask != 1)].flat[0]
+        raise ValueError(f"attention_mask: expected 1 (token) and 0 (padding) only, got {bad}")
+    if mask.all():
+        return None
+    if not _takes_mask(model):
+        raise NotImplementedError(
+            f"attention_mask: a 0 (a padded prompt) needs a model whose forward takes attention_mask, and "
+            f"{type(model).__name__}.forward does not; generate prompts of equal length together (a mask of ones) "
+            "or one prompt at a time"
+        )
+    if (mask.sum(-1) == 0).any():
+        raise ValueError("attention_mask: a row has no token (all 0); expected at least one 1 per row")
+    return mask.astype(bool).reshape(-1, shape[-1])
+
+
+def stream_tokens(
+    model,
+    ids,
+    max_new_tokens,
+    *,
+    attention_mask=None,
+    do_sample=False,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    rng=None,
+):
+    """Decode up to ``max_new_tokens`` tokens after ``ids`` as Hugging Face transformers'
+    ``generate`` does, yielding each step's tokens as they come: an integer array of
+    ``ids.shape[:-1]`` (``(B,)`` for a batch ``(B, L)``) per step.  Every argument is checked
+    here, before the first token (the returned generator then only decodes).
+
+    transformers' conventions:
+
+    * greedy (the arg-max, the first on ties) unless ``do_sample``; sampling draws from
+      ``softmax(logits / temperature)`` after ``top_k`` (None or 0: off) and ``top_p`` (None or
+      1: off), as transformers' temperature, top-k and top-p warpers in that order (where
+      transformers' ``GenerationConfig`` leaves ``top_k`` unset it uses 50: pass ``top_k=50`` for
+      its default);
+    * ``eos_token_id`` (an id or a list of ids): a row that has produced one is finished and
+      continues with ``pad_token_id`` (None: the first eos id); the loop stops when every row is
+      finished, so fewer than ``max_new_tokens`` steps may come;
+    * ``attention_mask``: ``(B, L)``, 1 for a token and 0 for (left) padding, as transformers
+      takes it: given to the model's forward with the prompt (``CausalLM(ids, attention_mask=...)``),
+      so that each row continues as its prompt alone would; a model whose forward takes no
+      ``attention_mask`` decodes batches without padding only (a 0 raises ``NotImplementedError``).
+
+    Parameters
+    ----------
+    model : Module
+        ``model(ids) -> logits (B, L, vocab)``; with ``reset_kv_cache`` and
+        ``model(ids, use_cache=True)`` the prompt is encoded once and each step feeds one token.
+    ids : array_like of int
+        ``(B, L)`` or ``(L,)``, ``L >= 1``.
+    max_new_tokens : int
+        >= 0.
+    attention_mask : array_like, optional
+    do_sample : bool
+    temperature : float
+        > 0 when sampling.
+    top_k : int, optional
+    top_p : float, optional
+        In ``(0, 1]``.
+    eos_token_id : int or list of int, optional
+    pad_token_id : int, optional
+    rng : numpy.random.Generator, int or None
+        The sampling's randomness (one ``rng.random(B)`` per sampled step; greedy draws nothing).
+
+    Returns
+    -------
+    generator of ndarray
+        One array of ``ids.shape[:-1]`` per step, of ``ids``' integer dtype.  While it runs the
+        model is in eval mode and holds its cache; both are restored when it ends or is closed.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Arguments out of range, naming them.
+    NotImplementedError
+        An ``attention_mask`` with a 0 for a model whose forward takes no ``attention_mask``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn.generation import stream_tokens
+    >>> model = npattn.TinyTransformer(12, 16, 16, 2, 1, 32, rng=0)
+    >>> steps = list(stream_tokens(model, np.array([[1, 2, 3], [4, 5, 6]]), 3))
+    >>> len(steps), steps[0].shape
+    (3, (2,))
+    """
+    ids = as_index(ids, "ids")
+    if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
+        raise ValueError(f"ids: expected token ids of shape (B, L) or (L,) with L >= 1, got shape {ids.shape}")
+    n = check_size(max_new_tokens, "max_new_tokens", minimum=0)
+    mask = _check_attention_mask(attention_mask, ids.shape, model)
+    do_sample = check_bool(do_sample, "do_sample")
+    if isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k == 0:
+        top_k = None  # transformers: 0 is no top-k
+    temperature, top_k, _ = check_sampling(temperature, top_k, None)
+    if do_sample and temperature == 0.0:
+        raise ValueError("temperature: expected a number > 0 with do_sample=True, got 0.0 (do_sample=False is greedy)")
+    top_p = _check_top_p(top_p)
+    eos = _check_token_ids(eos_token_id, "eos_token_id")
+    pad = _check_token_ids(pad_token_id, "pad_token_id", many=False)
+    pad_id = pad[0] if pad else (eos[0] if eos else None)
+    rng = as_rng(rng)
+    if not callable(model):
+        raise TypeError(f"model: expected a callable model(ids) -> logits, got {type(model).__name__}")
+    lead = ids.shape[:-1]
+    out = ids.reshape(-1, ids.shape[-1])
+    unfinished = np.ones(len(out), dtype=bool)
+    t = temperature if do_sample else 0.0  # _sample: 0 is the arg-max
+
+    def choose(last):
+        nxt = _sample(last, t, top_k, rng, top_p)
+        if eos:
+            nxt = np.where(unfinished, nxt, pad_id)
+            unfinished[...] &= ~np.isin(nxt, eos)
+        return nxt, not unfinished.any()
+
+    return (step.reshape(lead) for step in _decode(model, out, n, choose, mask=mask))
+
+
+def generate_tokens(model, ids, max_new_tokens, **options) -> np.ndarray:
+    """The prompt followed by the tokens of ``stream_tokens(model, ids, max_new_tokens,
+    **options)`` (see there): ``(B, L + steps)`` for ``ids (B, L)`` (``(L + steps,)`` for
+    ``(L,)``), ``steps <= max_new_tokens`` (fewer when every row has finished), as transformers'
+    ``generate`` returns them, of ``ids``' integer dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> from npattn.generation import generate_tokens
+    >>> model = npattn.TinyTransformer(12, 16, 16, 2, 1, 32, rng=0)
+    >>> out = generate_tokens(model, np.array([[1, 2, 3]]), 4)
+    >>> out.shape, out[0, :3].tolist()
+    ((1, 7), [1, 2, 3])
+    """
+    steps = stream_tokens(model, ids, max_new_tokens, **options)
+    ids = as_index(ids, "ids")
+    return np.concatenate([ids, *(s[..., None] for s in steps)], axis=-1)

@@ -660,6 +660,105 @@ class CausalLM(Module):
 
         save_pretrained(self, directory, max_shard_size)
 
+    def _generation_options(self, ids, eos_token_id) -> tuple:
+        """``ids`` checked against the vocabulary, and the eos and pad ids: ``eos_token_id`` or the
+        config's; the config's ``pad_token_id``."""
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        return self._check_ids(ids), {"eos_token_id": eos, "pad_token_id": self.config.pad_token_id}
+
+    def generate(
+        self,
+        ids,
+        max_new_tokens,
+        *,
+        attention_mask=None,
+        do_sample=False,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        eos_token_id=None,
+        rng=None,
+    ) -> np.ndarray:
+        """The prompt ``ids (B, L)`` followed by up to ``max_new_tokens`` new tokens, as
+        transformers' ``generate`` returns them: greedy unless ``do_sample`` (then ``temperature``,
+        ``top_k``, ``top_p``; ``rng`` an int seed or a Generator); ``eos_token_id`` (an id or a
+        list) defaults to the config's; a row that has produced it continues with the config's
+        ``pad_token_id`` (its eos where there is none), and decoding stops when every row has
+        finished, so the result is ``(B, L + steps)`` with ``steps <= max_new_tokens``.  The prompt
+        is encoded once into the cache, then one token per step (``npattn.generation.stream_tokens``
+        has the details).  ``attention_mask (B, L)``: 0 for left padding, where ``forward`` takes
+        one (a model whose forward does not refuses a 0 with ``NotImplementedError``).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from npattn.models import CausalLM
+        >>> from npattn.models.tiny import tiny_config
+        >>> model = CausalLM(tiny_config("llama"), rng=0)
+        >>> model.generate(np.array([[1, 2, 3], [4, 5, 6]]), 4).shape
+        (2, 7)
+        """
+        from ..generation import generate_tokens
+
+        ids, special = self._generation_options(ids, eos_token_id)
+        return generate_tokens(
+            self,
+            ids,
+            max_new_tokens,
+            attention_mask=attention_mask,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            rng=rng,
+            **special,
+        )
+
+    def stream(
+        self,
+        ids,
+        max_new_tokens,
+        *,
+        attention_mask=None,
+        do_sample=False,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        eos_token_id=None,
+        rng=None,
+    ):
+        """``generate``'s new tokens as they come: a generator of one ``(B,)`` array per step
+        (``()`` for a prompt ``(L,)``), the same tokens ``generate`` appends.  The arguments are
+        checked before it is returned; while it runs the model is in eval mode and holds its
+        cache (both restored when it ends or is closed).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from npattn.models import CausalLM
+        >>> from npattn.models.tiny import tiny_config
+        >>> model = CausalLM(tiny_config("llama"), rng=0)
+        >>> ids = np.array([[1, 2, 3]])
+        >>> steps = list(model.stream(ids, 4))
+        >>> bool((np.stack(steps, axis=-1) == model.generate(ids, 4)[:, 3:]).all())
+        True
+        """
+        from ..generation import stream_tokens
+
+        ids, special = self._generation_options(ids, eos_token_id)
+        return stream_tokens(
+            self,
+            ids,
+            max_new_tokens,
+            attention_mask=attention_mask,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            rng=rng,
+            **special,
+        )
+
     # -- loading ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, state_dict, config, *, dtype=None) -> CausalLM:

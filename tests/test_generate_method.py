@@ -1,0 +1,236 @@
+"""CausalLM.generate / CausalLM.stream with transformers' conventions: greedy tokens equal to
+transformers' generate on the same model (every family; equal-length and left-padded batches; eos
+and pad), sampling with transformers' warpers, arguments checked before the first token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from npattn.generation import generate_tokens, stream_tokens
+from npattn.models import CausalLM
+from npattn.models.tiny import TINY_CONFIGS, tiny_config
+
+FAMILIES = sorted(TINY_CONFIGS)
+IDS = np.array([[1, 5, 9, 2, 30, 7], [3, 3, 0, 36, 11, 4]])
+MASK = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+# a random tied Gemma 3 (embeddings times sqrt(hidden)) mostly repeats one token: nothing to compare
+UNTIED = {"gemma3_text": dict(tie_word_embeddings=False)}
+
+
+def _pair(name, **changes):
+    """transformers' model of the family (float64, eager, weights N(w, 0.5²): peaked logits) and
+    npattn's from its state dict."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import randomize
+
+    config = T.AutoConfig.for_model(**tiny_config(name, **changes))
+    config._experts_implementation = "eager"
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = T.AutoModelForCausalLM.from_config(config).double().eval()
+    randomize(hf, 0, scale=0.5)
+    return hf, CausalLM.from_hf(hf.state_dict(), hf.config.to_dict())
+
+
+def _hf_generate(hf, ids, n, **kwargs):
+    import torch
+    from _hf64 import float64_reference
+
+    kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    with torch.no_grad(), float64_reference():
+        return hf.generate(torch.from_numpy(ids), max_new_tokens=n, do_sample=False, **kwargs).numpy()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_equals_transformers(name):
+    """An equal-length batch, the config's eos (Llama's 2, DeepSeek-V3's and Gemma 3's 1) as the
+    default; then a left-padded batch with its attention_mask, each row as its prompt alone."""
+    hf, m = _pair(name, **UNTIED.get(name, {}))
+    out = m.generate(IDS, 10)
+    ref = _hf_generate(hf, IDS, 10)
+    np.testing.assert_array_equal(out, ref)
+    assert len(set(out[:, 6:].ravel().tolist())) > 3  # a completion worth comparing
+    padded = np.where(MASK == 1, IDS, 0)
+    out = m.generate(padded, 10, attention_mask=MASK)
+    np.testing.assert_array_equal(out, _hf_generate(hf, padded, 10, attention_mask=MASK, pad_token_id=0))
+    alone = m.generate(IDS[:1, 2:], 10)[0, 4:]  # shorter when it reaches eos before the batch ends
+    np.testing.assert_array_equal(out[0, 6 : 6 + len(alone)], alone)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_finished_rows_continue_with_pad_as_transformers(name):
+    """A row that has produced an eos id continues with the pad token (Gemma 3's config has one,
+    0; Llama's has none: its eos), decoding stops when every row has finished (a shorter result);
+    an eos given as a list; eos_token_id overrides the config's."""
+    hf, m = _pair(name)
+    free = m.generate(IDS, 10, eos_token_id=[])  # no eos: all 10 steps
+    assert free.shape == (2, 16)
+    first = int(free[0, 7])  # row 0's second new token
+    for eos in (first, [first, int(free[1, 9])], [int(free[0, 6]), int(free[1, 6])]):
+        out = m.generate(IDS, 10, eos_token_id=eos)
+        ref = _hf_generate(hf, IDS, 10, eos_token_id=eos)
+        np.testing.assert_array_equal(out, ref)
+    assert out.shape == (2, 7)  # both rows finished at once at the first step
+    pad = m.config.pad_token_id if m.config.pad_token_id is not None else first
+    out = m.generate(IDS, 10, eos_token_id=first)
+    row = out[0, 6:].tolist()
+    assert row[: row.index(first) + 1] == free[0, 6 : 6 + row.index(first) + 1].tolist()
+    assert set(row[row.index(first) + 1 :]) <= {pad}
+
+
+def test_stream_yields_generate_tokens_step_by_step():
+    m = CausalLM(tiny_config("qwen3"), rng=0)
+    out = m.generate(IDS, 7)
+    steps = list(m.stream(IDS, 7))
+    assert len(steps) == 7 and all(s.shape == (2,) and s.dtype == IDS.dtype for s in steps)
+    np.testing.assert_array_equal(np.stack(steps, axis=1), out[:, 6:])
+    one = list(m.stream(IDS[0], 3))  # a single prompt (L,): one token per step
+    assert [s.shape for s in one] == [()] * 3
+    np.testing.assert_array_equal(m.generate(IDS[0], 3), np.concatenate([IDS[0], one]))
+    np.testing.assert_array_equal(m.generate(IDS[0], 3), m.generate(IDS[:1], 3)[0])
+
+
+def test_stream_restores_mode_and_cache_when_closed():
+    """Eval mode and the cache while a stream runs; its model's mode back and its cache empty when
+    it is closed (a cached call then starts a new sequence)."""
+    from npattn import no_grad
+
+    m = CausalLM(tiny_config("gemma3_text"), rng=0)
+    m.train()
+    s = m.stream(IDS, 5)
+    assert m.training  # nothing runs before the first token is asked for
+    next(s)
+    assert not m.training
+    s.close()
+    assert m.training
+    with no_grad():
+        np.testing.assert_array_equal(m(IDS, use_cache=True), m(IDS))
+    m.reset_kv_cache()
+    m.generate(IDS, 3)
+    assert m.training
+
+
+class _Fixed:
+    """A model whose next-token logits are always ``logits``: the sampler's distribution alone."""
+
+    def __init__(self, logits):
+        self.logits = np.asarray(logits, np.float64)
+
+    def __call__(self, ids, **kwargs):
+        return np.broadcast_to(self.logits, ids.shape + self.logits.shape[-1:])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=3),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=0.9, top_k=4, top_p=0.7),
+        dict(top_k=0, top_p=1.0),  # transformers' "off" values
+    ],
+)
+def test_sampling_draws_from_transformers_warpers(options):
+    """do_sample draws from softmax of transformers' temperature, top-k and top-p warpers (in
+    that order) applied to the logits: frequencies over 40000 rows within 5 standard errors."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = np.array([2.0, 1.5, 1.4, 0.3, -0.5, -1.0, -3.0])
+    warpers = LogitsProcessorList()
+    t, k, p = options.get("temperature", 1.0), options.get("top_k"), options.get("top_p")
+    if t != 1.0:
+        warpers.append(TemperatureLogitsWarper(t))
+    if k:
+        warpers.append(TopKLogitsWarper(k))
+    if p is not None and p < 1.0:
+        warpers.append(TopPLogitsWarper(p))
+    scores = warpers(torch.zeros(1, 1, dtype=torch.long), torch.from_numpy(logits)[None])
+    expect = torch.softmax(scores, -1)[0].numpy()
+    n = 40000
+    (tokens,) = stream_tokens(_Fixed(logits), np.zeros((n, 1), np.int64), 1, do_sample=True, rng=0, **options)
+    freq = np.bincount(tokens, minlength=len(logits)) / n
+    assert (freq[expect == 0] == 0).all()
+    np.testing.assert_array_less(np.abs(freq - expect), 5 * np.sqrt(expect * (1 - expect) / n) + 1e-12)
+
+
+def test_sampling_is_seeded():
+    m = CausalLM(tiny_config("llama"), rng=0)
+    a = m.generate(IDS, 6, do_sample=True, temperature=1.5, rng=3)
+    np.testing.assert_array_equal(a, m.generate(IDS, 6, do_sample=True, temperature=1.5, rng=3))
+    assert not np.array_equal(a, m.generate(IDS, 6, do_sample=True, temperature=1.5, rng=4))
+    # top_k=1 leaves one choice: the greedy tokens; greedy ignores temperature (as transformers)
+    np.testing.assert_array_equal(m.generate(IDS, 6, do_sample=True, top_k=1, rng=5), m.generate(IDS, 6))
+    np.testing.assert_array_equal(m.generate(IDS, 6, temperature=0.1), m.generate(IDS, 6))
+
+
+def test_generic_model_and_book_generate_share_the_loop():
+    """generate_tokens works on any npattn model (TinyTransformer: no cache of CausalLM's kind),
+    with the book's generate's greedy tokens when no eos is involved."""
+    import npattn
+    from npattn.generation import generate
+
+    tiny = npattn.TinyTransformer(12, 32, 16, 2, 1, 32, rng=0)
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(generate_tokens(tiny, ids, 5), generate(tiny, ids, 5, 32))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,word",
+    [
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=1.5), TypeError, "max_new_tokens"),
+        (dict(do_sample=1), TypeError, "do_sample"),
+        (dict(do_sample=True, temperature=0.0), ValueError, "temperature"),
+        (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(top_k=-2), ValueError, "top_k"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(eos_token_id="2"), TypeError, "eos_token_id"),
+        (dict(eos_token_id=[1, -1]), ValueError, "eos_token_id"),
+        (dict(eos_token_id=True), TypeError, "eos_token_id"),
+        (dict(attention_mask=np.ones((2, 5), int)), ValueError, "attention_mask"),
+        (dict(attention_mask=np.ones((2, 6))), TypeError, "attention_mask"),
+        (dict(attention_mask=np.full((2, 6), 2)), ValueError, "attention_mask"),
+        (dict(attention_mask=np.array([[0] * 6, [1] * 6])), ValueError, "attention_mask"),
+        (dict(ids=np.array([[1, 2, 99]])), ValueError, "vocab_size"),
+        (dict(ids=np.array([[1.0, 2.0]])), TypeError, "ids"),
+    ],
+)
+def test_arguments_are_checked_before_the_first_token(kwargs, error, word):
+    m = CausalLM(tiny_config("llama"), rng=0)
+    args = dict(ids=IDS, max_new_tokens=3) | kwargs
+    for method in (m.generate, m.stream):  # stream: when called, not at the first next()
+        with pytest.raises(error, match=word):
+            method(args["ids"], args["max_new_tokens"], **_opts(args))
+
+
+def _opts(args):
+    return {k: v for k, v in args.items() if k not in ("ids", "max_new_tokens")}
+
+
+def test_padding_needs_a_model_that_takes_a_mask():
+    """A 0 in attention_mask for a model whose forward takes none: NotImplementedError naming the
+    missing piece; a mask of ones is an unpadded batch."""
+    import npattn
+
+    tiny = npattn.TinyTransformer(12, 32, 16, 2, 1, 32, rng=0)
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(NotImplementedError, match="attention_mask.*TinyTransformer.forward"):
+        stream_tokens(tiny, ids, 2, attention_mask=np.array([[0, 1, 1], [1, 1, 1]]))
+    np.testing.assert_array_equal(
+        generate_tokens(tiny, ids, 2, attention_mask=np.ones((2, 3), bool)), generate_tokens(tiny, ids, 2)
+    )
+
+
+def test_max_new_tokens_zero_returns_the_prompt():
+    m = CausalLM(tiny_config("llama"), rng=0)
+    np.testing.assert_array_equal(m.generate(IDS, 0), IDS)
+    assert list(m.stream(IDS, 0)) == []
