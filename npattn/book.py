@@ -34,7 +34,7 @@ from .functional import kernels as K
 from .generation import generate as _generate
 from .nn import attention as _attention
 from .nn.containers import ModuleList, Sequential
-from .nn.layers import Dropout, Embedding, Linear
+from .nn.layers import Dropout, Embedding, Linear, input_tangent
 from .nn.module import Module, Parameter, no_grad
 
 __all__ = ["SelfAttention_v1", "SelfAttention_v2", "CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention"]
@@ -193,6 +193,23 @@ class SelfAttention_v1(_BookModule):
         )
         return K.scaled_dot_product_attention_jvp(ca, tq, tk, tv)
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the projections' tangents (as ``_jvp``), the attention's
+        ``scaled_dot_product_attention_backward_jvp``, then each ``x W`` by ``linear_backward_jvp``
+        (weight ``W^T``: its tangent goes in and its gradient's tangent comes out transposed)."""
+        cq, ck, cv, ca = state
+        tx = _tx(self, input_tangents, cq.x.shape, cq.x.dtype, "backward_jvp")
+        mats, caches = (self.W_query, self.W_key, self.W_value), (cq, ck, cv)
+        tws = [None if param_tangents.get(W) is None else param_tangents.get(W).T for W in mats]
+        tqkv = [K.linear_jvp(c, tx, tw) for c, tw in zip(caches, tws)]
+        grads, tangents = K.scaled_dot_product_attention_backward_jvp(dy, ca, tuple(tqkv), ddy)
+        dx = tdx = 0
+        for W, c, tw, d, td in zip(mats, caches, tws, grads, tangents):
+            (dx_i, dwt, _), (tdx_i, tdwt, _) = K.linear_backward_jvp(d, c, (tx, tw, None), td)
+            self._accumulate_second(((W, dwt.T, tdwt.T),))
+            dx, tdx = dx + dx_i, tdx + tdx_i
+        return dx, tdx
+
 
 class _SingleHead(_BookModule):
     """Three ``Linear`` projections and the functional attention pair (shared by v2 and CausalAttention)."""
@@ -224,6 +241,20 @@ class _SingleHead(_BookModule):
             self._child_jvp(m, -1, input_tangents, param_tangents) for m in (self.W_query, self.W_key, self.W_value)
         )
         return K.scaled_dot_product_attention_jvp(state, tq, tk, tv)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the projections' tangents (each ``Linear``'s ``_jvp`` of this call), the
+        attention's ``scaled_dot_product_attention_backward_jvp``, each projection's
+        ``backward_jvp``; the three input gradients and their tangents summed."""
+        (tx,) = check_tangents(input_tangents, ("tx",), f"{type(self).__name__}.backward_jvp")
+        projections = (self.W_query, self.W_key, self.W_value)
+        tqkv = tuple(self._child_jvp(m, -1, (tx,), param_tangents) for m in projections)
+        grads, tangents = K.scaled_dot_product_attention_backward_jvp(dy, state, tqkv, ddy)
+        dx = tdx = 0
+        for m, d, td in zip(projections, grads, tangents):
+            dx_i, tdx_i = self._child_backward_jvp(m, d, (tx,), param_tangents, td)
+            dx, tdx = dx + dx_i, tdx + tdx_i
+        return dx, tdx
 
 
 @shared_doc(chapter3=_CHAPTER3)
@@ -333,6 +364,17 @@ class MultiHeadAttentionWrapper(_BookModule):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the heads' tangents, concatenated as their outputs."""
         return np.concatenate([self._child_jvp(h, -1, input_tangents, param_tangents) for h in self.heads], axis=-1)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: ``dy`` and ``ddy`` split per head, each head's ``backward_jvp``, the input
+        gradients and their tangents summed."""
+        n = len(self.heads)
+        ddys = [None] * n if ddy is None else np.split(ddy, n, axis=-1)
+        dx = tdx = 0
+        for head, d, dd in zip(self.heads, np.split(dy, n, axis=-1), ddys):
+            dx_i, tdx_i = self._child_backward_jvp(head, d, input_tangents, param_tangents, dd)
+            dx, tdx = dx + dx_i, tdx + tdx_i
+        return dx, tdx
 
 
 @shared_doc(chapter3=_CHAPTER3)
@@ -654,6 +696,34 @@ class TransformerBlock(_BookModule):
         tx = ta if tx is None else tx + ta
         return tx + K.dropout_jvp(c2, sub(self.ff, sub(self.norm2, tx)))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the forward's tangents (as ``_jvp``), then the backward's chain with each
+        submodule's ``backward_jvp`` and the shortcut dropouts' ``dropout_backward_jvp`` (the
+        forward's masks); each residual adds both branches' gradients and their tangents."""
+        c1, c2 = state
+        tx = _tx(self, input_tangents, c1.shape, c1.dtype, "backward_jvp")
+        tx = np.zeros(c1.shape, c1.dtype) if tx is None else tx
+        ddy = np.zeros_like(dy) if ddy is None else ddy
+        pt = param_tangents
+
+        def sub(m, t):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), pt)
+
+        def back(m, g, t):  # its backward_jvp on (gradient, tangent), its input's tangent t
+            return self._child_backward_jvp(m, g[0], (t,), pt, g[1])
+
+        def drop(c, g):
+            return K.dropout_backward_jvp(g[0], c, (None,), g[1])
+
+        tn1 = sub(self.norm1, tx)
+        ta = sub(self.att, tn1)
+        th = tx + K.dropout_jvp(c1, ta)
+        tn2 = sub(self.norm2, th)
+        gf = back(self.norm2, back(self.ff, drop(c2, (dy, ddy)), tn2), th)
+        dh, tdh = dy + gf[0], ddy + gf[1]
+        gx = back(self.norm1, back(self.att, drop(c1, (dh, tdh)), tn1), tx)
+        return dh + gx[0], tdh + gx[1]
+
 
 @shared_doc(tiny_cfg=_TINY_CFG)
 class GPTModel(Module):
@@ -763,6 +833,32 @@ class GPTModel(Module):
         tx = self._child_jvp(self.tok_emb, -1, input_tangents, param_tangents)  # refuses an idx tangent
         tx = K.dropout_jvp(c_drop, tx + sub(self.pos_emb, None))
         return sub(self.out_head, sub(self.final_norm, sub(self.trf_blocks, tx)))
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the forward's tangents (as ``_jvp``), then ``out_head``, ``final_norm``,
+        the blocks, the embedding dropout and both embeddings by their ``backward_jvp`` (the
+        position table's gradient and its tangent summed over the batch).  ``idx`` takes no
+        tangent; returns ``(None, None)``."""
+        idx_shape, c_drop = state
+        pt = param_tangents
+        if input_tangent(input_tangents, "GPTModel", "backward_jvp") is not None:
+            raise TypeError("GPTModel.backward_jvp: token ids have no tangent; expected None")
+
+        def sub(m, t):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), pt)
+
+        def back(m, g, t):  # its backward_jvp on (gradient, tangent), its input's tangent t
+            return self._child_backward_jvp(m, g[0], (t,), pt, g[1])
+
+        t0 = K.dropout_jvp(c_drop, sub(self.tok_emb, None) + sub(self.pos_emb, None))
+        t1 = sub(self.trf_blocks, t0)
+        t2 = sub(self.final_norm, t1)
+        g = back(self.trf_blocks, back(self.final_norm, back(self.out_head, (dy, ddy), t2), t1), t0)
+        g = K.dropout_backward_jvp(g[0], c_drop, (None,), g[1])
+        back(self.tok_emb, g, None)
+        batch = tuple(range(len(idx_shape) - 1))  # one position table shared by the batch
+        back(self.pos_emb, (g[0].sum(axis=batch), g[1].sum(axis=batch)), None)
+        return None, None
 
     # -- KV cache ----------------------------------------------------------------------------
     def _forward_cached(self, idx):

@@ -95,6 +95,7 @@ def check_second_order(m, ins, rng, eps=1e-5, tol=1e-6, **kw):
     replay = _Replay(m)
     replay()
     y = m(*ins, **kw)
+    y = y[0] if isinstance(y, tuple) else y  # a router's (weights, indices)
     m.clear_saved()
     dy, ddy = rng.standard_normal(y.shape), rng.standard_normal(y.shape)
     tins, tp = _tangents(m, ins, rng)
@@ -208,6 +209,12 @@ BOOK = {
     "GELU": lambda: book.GELU(),
     "LayerNorm": lambda: book.LayerNorm(6),
     "FeedForward": lambda: book.FeedForward(dict(emb_dim=6), rng=0),
+    "SelfAttention_v1": lambda: book.SelfAttention_v1(6, 4, rng=0),
+    "SelfAttention_v2": lambda: book.SelfAttention_v2(6, 4, True, rng=0),
+    "CausalAttention": lambda: book.CausalAttention(6, 4, 5, 0.2, True, rng=0),
+    "MultiHeadAttentionWrapper": lambda: book.MultiHeadAttentionWrapper(6, 4, 5, 0.2, 2, True, rng=0),
+    "MultiHeadAttention": lambda: book.MultiHeadAttention(6, 4, 5, 0.2, 2, True, rng=0),
+    "TransformerBlock": lambda: book.TransformerBlock(dict(_GPT, drop_rate=0.2), rng=0),
 }
 
 
@@ -217,6 +224,17 @@ def test_book_second_order(name):
     m = BOOK[name]()
     _perturb(m, rng)
     check_second_order(m, (rng.standard_normal((2, 4, 6)),), rng)
+
+
+@pytest.mark.parametrize("drop_rate", [0.0, 0.2])
+def test_book_gpt_second_order(drop_rate):
+    rng = np.random.default_rng(6)
+    m = book.GPTModel(dict(_GPT, drop_rate=drop_rate), rng=0)
+    _perturb(m, rng)
+    assert check_second_order(m, (rng.integers(0, 13, (2, 5)),), rng) == (None,)
+    m(np.array([1, 2, 3]))
+    with pytest.raises(TypeError, match="token ids have no tangent"):
+        m.backward_jvp(np.ones((3, 13)), np.ones(3))
 
 
 # -- the protocol ----------------------------------------------------------------------------------------
@@ -396,3 +414,171 @@ def test_gradgradcheck_checks_the_modules():
         _perturb(m, rng)
         report = gradgradcheck(m, x)
         assert report.ok, str(report)
+
+
+# -- MultiHeadAttention ----------------------------------------------------------------------------------
+
+MHA_OPTIONS = {
+    "plain": dict(),
+    "biases-causal": dict(qkv_bias=True, causal=True),
+    "gqa-rope-qknorm": dict(num_kv_heads=1, rope=True, qk_norm=True, qk_norm_eps=1e-6, causal=True),
+    "qknorm-offset-partial-rope": dict(
+        qk_norm=True, qk_norm_unit_offset=True, rope=True, partial_rotary_factor=0.5, head_dim=4
+    ),
+    "gate-sinks-window": dict(output_gate=True, sinks=True, window=(2, 0), causal=True, qkv_bias=True),
+    "softcap-alibi": dict(softcap=5.0, alibi=True, causal=True),
+    "memory-efficient": dict(memory_efficient=True, causal=True, sinks=True, num_kv_heads=1),
+    "bias-kv-zero-attn": dict(add_bias_kv=True, add_zero_attn=True, causal=True, qkv_bias=True),
+    "dropout": dict(dropout=0.3, qkv_bias=True),
+    "dropout-memory-efficient": dict(dropout=0.3, memory_efficient=True),
+}
+
+
+@pytest.mark.parametrize("name", list(MHA_OPTIONS))
+def test_multi_head_attention_second_order(name):
+    rng = np.random.default_rng(12)
+    m = npattn.MultiHeadAttention(6, 8, 2, rng=0, **MHA_OPTIONS[name])
+    _perturb(m, rng)
+    check_second_order(m, (rng.standard_normal((2, 5, 6)),), rng)
+
+
+def test_multi_head_attention_masks_and_unbatched():
+    rng = np.random.default_rng(13)
+    m = npattn.MultiHeadAttention(6, 8, 2, qkv_bias=True, rng=0)
+    _perturb(m, rng)
+    pad = np.array([[False, False, False, True, True], [False] * 5])
+    check_second_order(m, (rng.standard_normal((2, 5, 6)),), rng, key_padding_mask=pad)
+    check_second_order(m, (rng.standard_normal((5, 6)),), rng, attn_mask=np.tri(5, dtype=bool))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(output_gate=True, qkv_bias=True, num_kv_heads=1)])
+def test_cross_attention_second_order(kw):
+    """Three inputs: dx and dx_tangent are tuples (dquery, dkey, dvalue), as backward returns."""
+    rng = np.random.default_rng(14)
+    m = npattn.MultiHeadAttention(6, 8, 2, kdim=5, vdim=3, rng=0, **kw)
+    _perturb(m, rng)
+    ins = (rng.standard_normal((2, 4, 6)), rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 3, 3)))
+    tdx = check_second_order(m, ins, rng)
+    assert len(tdx) == 3
+
+
+# -- the blocks ------------------------------------------------------------------------------------------
+
+BLOCKS = [
+    dict(norm_first=False, activation="relu", dropout=0.0),
+    dict(norm_first=True, activation="gelu", causal=True, dropout=0.0),
+    dict(norm_first=False, activation="swiglu", bias=False, dropout=0.2),
+    dict(norm_first=True, activation="silu", dropout=0.2),
+]
+
+
+@pytest.mark.parametrize("kw", BLOCKS)
+def test_encoder_block_second_order(kw):
+    rng = np.random.default_rng(15)
+    m = npattn.EncoderBlock(8, 2, 12, rng=1, **kw)
+    _perturb(m, rng)
+    pad = np.array([[False, False, False, True], [False] * 4])
+    check_second_order(m, (rng.standard_normal((2, 4, 8)),), rng, key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("kw", BLOCKS)
+def test_decoder_block_second_order(kw):
+    rng = np.random.default_rng(16)
+    kw = {k: v for k, v in kw.items() if k != "causal"}
+    m = npattn.DecoderBlock(8, 2, 12, causal=True, rng=2, **kw)
+    _perturb(m, rng)
+    ins = (rng.standard_normal((2, 4, 8)), rng.standard_normal((2, 3, 8)))
+    mem_pad = np.array([[False, False, True], [False] * 3])
+    tdx = check_second_order(m, ins, rng, memory_key_padding_mask=mem_pad)
+    assert len(tdx) == 2
+
+
+# -- TinyTransformer -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [dict(activation="gelu"), dict(dropout=0.2, activation="swiglu")])
+def test_tiny_transformer_second_order(kw):
+    from npattn.models import TinyTransformer
+
+    rng = np.random.default_rng(17)
+    m = TinyTransformer(11, 6, 8, 2, 2, 12, embedding_std=1.0, rng=0, **kw)
+    _perturb(m, rng)
+    assert check_second_order(m, (rng.integers(0, 11, (2, 5)),), rng) == (None,)
+    check_second_order(m, (rng.integers(0, 11, (5,)),), rng)  # unbatched
+
+
+# -- MultiHeadLatentAttention ----------------------------------------------------------------------------
+
+_MLA = dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3)
+
+
+@pytest.mark.parametrize(
+    "kw, absorb",
+    [
+        (dict(), False),
+        (dict(), True),
+        (dict(q_lora_rank=5, attention_bias=True, rope_interleave=False), False),
+        (dict(q_lora_rank=5, attention_bias=True), True),
+    ],
+)
+def test_latent_attention_second_order(kw, absorb):
+    rng = np.random.default_rng(18)
+    m = npattn.MultiHeadLatentAttention(8, 2, rng=0, **_MLA, **kw)
+    _perturb(m, rng)
+    x = rng.standard_normal((2, 4, 8))
+    check_second_order(m, (x,), rng, absorb=absorb)
+    check_second_order(m, (x,), rng, absorb=absorb, positions=np.array([[0, 1, 2, 3], [3, 4, 5, 6]]))
+
+
+# -- mixture of experts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
+def test_gated_mlp_second_order(act):
+    from npattn.nn.moe import GatedMLP
+
+    rng = np.random.default_rng(19)
+    m = GatedMLP(5, 6, act, bias=True, rng=0)
+    _perturb(m, rng)
+    check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(variant="topk_softmax", bias=True),
+        dict(variant="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
+        dict(variant="softmax_topk", norm_topk_prob=True),
+    ],
+)
+def test_router_second_order(kw):
+    """The router's weights (``forward`` returns ``(weights, indices)``): the choice of experts is
+    constant under small moves (random scores are well apart at this step)."""
+    from npattn.nn.moe import TopKRouter
+
+    rng = np.random.default_rng(20)
+    m = TopKRouter(5, 6, 2, rng=0, **kw)
+    _perturb(m, rng, scale=1.0)
+    check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)
+
+
+def test_experts_without_their_pair_say_so():
+    from npattn.nn.moe import SparseMoeBlock
+
+    rng = np.random.default_rng(21)
+    m = SparseMoeBlock(4, 4, 2, 3, rng=0)
+    x = rng.standard_normal((3, 4))
+    y = m(x)
+    with pytest.raises(NotImplementedError, match="moe_experts_backward_jvp"):
+        m.backward_jvp(np.ones_like(y))
+    m.backward(np.ones_like(y))  # nothing consumed
+
+
+def test_gated_delta_net_without_its_pair_says_so():
+    rng = np.random.default_rng(22)
+    m = npattn.GatedDeltaNet(8, 2, 2, 4, 4, rng=0)
+    y = m(rng.standard_normal((1, 3, 8)))
+    with pytest.raises(NotImplementedError, match="gated_delta_rule_backward_jvp"):
+        m.backward_jvp(np.ones_like(y))
+    m.backward(np.ones_like(y))  # nothing consumed

@@ -188,6 +188,31 @@ class TinyTransformer(Module):
             tx = sub(block, tx)
         return sub(self.head, sub(self.norm, tx))
 
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the forward's tangents (as ``_jvp``: each block's input tangent), then
+        ``head``, ``norm``, the blocks last to first and both embeddings by their
+        ``backward_jvp`` (the position table's gradient and its tangent summed over the batch).
+        Token ids take no tangent; returns ``(None, None)``."""
+        ids_shape = state
+
+        def sub(m, t):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (t,), param_tangents)
+
+        def back(m, g, t):  # its backward_jvp on (gradient, tangent), its input's tangent t
+            return self._child_backward_jvp(m, g[0], (t,), param_tangents, g[1])
+
+        tx = self._child_jvp(self.tok_emb, -1, input_tangents, param_tangents)  # refuses an ids tangent
+        inputs = [tx + sub(self.pos_emb, None)]
+        for block in self.blocks:
+            inputs.append(sub(block, inputs[-1]))
+        g = back(self.norm, back(self.head, (dy, ddy), sub(self.norm, inputs[-1])), inputs[-1])
+        for block, t in zip(reversed(list(self.blocks)), reversed(inputs[:-1])):
+            g = back(block, g, t)
+        back(self.tok_emb, g, None)
+        batch = tuple(range(len(ids_shape) - 1))
+        back(self.pos_emb, (g[0].sum(axis=batch), g[1].sum(axis=batch)), None)
+        return None, None
+
     def loss(self, ids, targets, *, ignore_index=None):
         """Forward pass and mean cross-entropy of ``targets (..., L)`` under the logits.
 

@@ -5,7 +5,7 @@ Why two classes: the common path every model uses (projections, RoPE and QK-norm
 core with its options, the output gate, the KV cache) lives in ``nn/attention_core.py`` as four
 named stages, readable without torch's special cases.  ``torch.nn.MultiheadAttention``'s extras
 live here, apart: ``add_bias_kv`` and ``add_zero_attn`` (keys appended after the real ones, with
-their mask columns and positional mask, their gradients and tangents), ``need_weights`` /
+their mask columns and positional mask, their gradients, tangents and second order), ``need_weights`` /
 ``average_attn_weights`` and ``from_torch_state_dict``.  They override exactly one stage of the
 core, ``attend`` (with its backward and JVP), and the edge (``forward``, ``__init__``).
 
@@ -310,33 +310,57 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         dqh, dkh, dvh = super()._attend_backward(dctx, st, out, ws)
         if not st.n_extra:
             return dqh, dkh, dvh
-        lk, d_kv = st.lk, self.num_kv_heads * self.head_dim
+        lk = st.lk
         if self.add_bias_kv:
-            lead_axes = tuple(range(dkh.ndim - 3))
-            self.accumulate_grad(
-                self.bias_k, self._merge(dkh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv)
-            )
-            self.accumulate_grad(
-                self.bias_v, self._merge(dvh[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, d_kv)
-            )
+            self.accumulate_grad(self.bias_k, self._extra_key_grad(dkh, lk))
+            self.accumulate_grad(self.bias_v, self._extra_key_grad(dvh, lk))
         return dqh, dkh[..., :lk, :], dvh[..., :lk, :]
 
+    def _extra_key_grad(self, d, lk: int):
+        """``bias_k``'s (or ``bias_v``'s) share of a key (value) gradient ``d (..., Hk, Lk', hd)``:
+        the row at position ``lk``, summed over the batch, shaped ``(1, 1, kv)``."""
+        lead_axes = tuple(range(d.ndim - 3))
+        return self._merge(d[..., lk : lk + 1, :]).sum(axis=lead_axes).reshape(1, 1, self.num_kv_heads * self.head_dim)
+
+    def _extra_key_tangents(self, st: State, tkh, tvh, pt):
+        """The keys' and values' tangents with the extra keys' appended as in ``_with_extra_keys``
+        (``bias_k``/``bias_v``'s move with their tangents, the zero key's do not)."""
+        lead, dt = tkh.shape[:-3], st.out.x.dtype
+        shape = lead + (self.num_kv_heads, 1, self.head_dim)
+        tks, tvs = [tkh], [tvh]
+        extra: list[tuple[Parameter | None, Parameter | None]] = []
+        extra += [(self.bias_k, self.bias_v)] if self.add_bias_kv else []
+        extra += [(None, None)] if self.add_zero_attn else []
+        for pk, pv in extra:
+            for out, p in ((tks, pk), (tvs, pv)):
+                t = pt.get(p)
+                out.append(np.zeros(shape, dt) if t is None else np.broadcast_to(t.reshape(shape[-3:]), shape))
+        return np.concatenate(tks, axis=-2), np.concatenate(tvs, axis=-2)
+
     def _attend_jvp(self, st: State, tqh, tkh, tvh, pt):
-        """The core's, after the extra keys' tangents (``bias_k``/``bias_v``'s move with their
-        tangents, the zero key's do not) are appended as in ``_with_extra_keys``."""
+        """The core's, after the extra keys' tangents are appended (``_extra_key_tangents``)."""
         if st.n_extra:
-            lead, dt = tkh.shape[:-3], st.out.x.dtype
-            shape = lead + (self.num_kv_heads, 1, self.head_dim)
-            tks, tvs = [tkh], [tvh]
-            extra: list[tuple[Parameter | None, Parameter | None]] = []
-            extra += [(self.bias_k, self.bias_v)] if self.add_bias_kv else []
-            extra += [(None, None)] if self.add_zero_attn else []
-            for pk, pv in extra:
-                for out, p in ((tks, pk), (tvs, pv)):
-                    t = pt.get(p)
-                    out.append(np.zeros(shape, dt) if t is None else np.broadcast_to(t.reshape(shape[-3:]), shape))
-            tkh, tvh = np.concatenate(tks, axis=-2), np.concatenate(tvs, axis=-2)
+            tkh, tvh = self._extra_key_tangents(st, tkh, tvh, pt)
         return super()._attend_jvp(st, tqh, tkh, tvh, pt)
+
+    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt):
+        """The core's second order with the extra keys' tangents appended; ``bias_k``/``bias_v``'s
+        gradients and their tangents (the rows at ``lk``) accumulated, the extra keys' rows dropped."""
+        tqh, tkh, tvh = tangents
+        if not st.n_extra:
+            return super()._attend_backward_jvp(dctx, tdctx, st, tangents, pt)
+        tkh, tvh = self._extra_key_tangents(st, tkh, tvh, pt)
+        (dqh, dkh, dvh), (tdqh, tdkh, tdvh) = super()._attend_backward_jvp(dctx, tdctx, st, (tqh, tkh, tvh), pt)
+        lk = st.lk
+        if self.add_bias_kv:
+            self._accumulate_second(
+                (
+                    (self.bias_k, self._extra_key_grad(dkh, lk), self._extra_key_grad(tdkh, lk)),
+                    (self.bias_v, self._extra_key_grad(dvh, lk), self._extra_key_grad(tdvh, lk)),
+                )
+            )
+        cut = (..., slice(None, lk), slice(None))
+        return (dqh, dkh[cut], dvh[cut]), (tdqh, tdkh[cut], tdvh[cut])
 
     # -- interop ---------------------------------------------------------------------------
     _TORCH_KEYS = (

@@ -96,6 +96,19 @@ class State(NamedTuple):
     dropped: int = 0  # keys a rolling KV cache had dropped before this call
 
 
+class _Tangents(NamedTuple):
+    """The forward's tangents stage by stage (``_forward_tangents``), what the second order feeds
+    each stage's ``backward_jvp``."""
+
+    inputs: list  # the checked input tangents (tquery[, tkey, tvalue])
+    projected: tuple  # (tq, tk) heads after the projections
+    normed: tuple  # (tq, tk) after QK-norm (RoPE's input)
+    attended: tuple  # (tq, tk, tv) the core's input tangents
+    gate: Any  # the output gate's tangent (..., L, H, hd), or None
+    merged: np.ndarray  # the core's output, heads merged (..., L, H * hd)
+    out_in: np.ndarray  # out_proj's input (merged times the gate)
+
+
 def _sigmoid(x):
     """``1 / (1 + exp(-x))`` without overflow: ``exp(-log(1 + exp(-x)))``."""
     return np.exp(-np.logaddexp(0.0, -x))
@@ -727,43 +740,59 @@ class MultiHeadAttentionCore(Module):
         input's shape, None = zero)."""
         st: State = state
         pt = param_tangents
-        tq, tk, tv = self._project_jvp(st, input_tangents, pt)
-        (tqh, tgate), tkh, tvh = (
+        tangents = self._forward_tangents(st, self._input_tangents(st, input_tangents, "jvp"), pt)
+        return K.linear_jvp(st.out, tangents.out_in, pt.get(self.out_proj.weight), pt.get(self.out_proj.bias))
+
+    def _forward_tangents(self, st: State, ts, pt) -> "_Tangents":
+        """The forward's stages on tangents, from the checked input tangents ``ts``: each stage's
+        input tangent, kept for the second order (``_jvp`` needs only ``out_proj``'s)."""
+        tq, tk, tv = self._project_jvp(st, ts, pt)
+        (tq0, tgate), tk0, tv0 = (
             self._split_query(tq),
             self._split(tk, self.num_kv_heads),
             self._split(tv, self.num_kv_heads),
         )
         pos = st.position
+        tq1, tk1 = tq0, tk0
         if pos.q_norm is not None:  # the weight is w or 1 + w: its tangent is tw either way
-            tqh = K.rms_norm_jvp(pos.q_norm, tqh, pt.get(self.q_norm.weight))
-            tkh = K.rms_norm_jvp(pos.k_norm, tkh, pt.get(self.k_norm.weight))
+            tq1 = K.rms_norm_jvp(pos.q_norm, tq0, pt.get(self.q_norm.weight))
+            tk1 = K.rms_norm_jvp(pos.k_norm, tk0, pt.get(self.k_norm.weight))
+        tq2, tk2 = tq1, tk1
         if pos.q_rope is not None:
-            tqh, tkh = K.rope_jvp(pos.q_rope, tqh), K.rope_jvp(pos.k_rope, tkh)
-        tmerged = self._merge(self._attend_jvp(st, tqh, tkh, tvh, pt))  # (..., L, H * hd)
+            tq2, tk2 = K.rope_jvp(pos.q_rope, tq1), K.rope_jvp(pos.k_rope, tk1)
+        tmerged = self._merge(self._attend_jvp(st, tq2, tk2, tv0, pt))  # (..., L, H * hd)
+        out_in = tmerged
         if st.gate is not None:  # out_proj saw a * s, s = sigmoid(gate)
             a, s = st.gate
-            tmerged = tmerged * s
-            tmerged += a * s * (1 - s) * tgate.reshape(a.shape)
-        return K.linear_jvp(st.out, tmerged, pt.get(self.out_proj.weight), pt.get(self.out_proj.bias))
+            out_in = tmerged * s
+            out_in += a * s * (1 - s) * tgate.reshape(a.shape)
+        return _Tangents(ts, (tq0, tk0), (tq1, tk1), (tq2, tk2, tv0), tgate, tmerged, out_in)
 
-    def _project_jvp(self, st: State, input_tangents, pt):
-        """The projections' tangents ``(tq, tk, tv)`` (merged heads)."""
+    def _input_tangents(self, st: State, input_tangents, method: str) -> list:
+        """The input tangents of ``jvp`` / ``backward_jvp`` checked by name (``tquery`` for
+        self-attention, ``tquery, tkey, tvalue`` for cross-attention), each None or of its input's
+        shape, cast to the module's dtype."""
         names = ("tquery",) if st.self_attn else ("tquery", "tkey", "tvalue")
         dt = st.out.x.dtype
-        given = check_tangents(input_tangents, names, "MultiHeadAttention.jvp")
-        ts = [check_tangent(t, n, c.x.shape, dt) for t, n, c in zip(given, names, st.proj)]
+        given = check_tangents(input_tangents, names, f"MultiHeadAttention.{method}")
+        return [check_tangent(t, n, c.x.shape, dt) for t, n, c in zip(given, names, st.proj)]
+
+    def _stacked_tangent(self, params, pt, dtype):
+        """The fused projection's weight (or bias) tangent: the three parameters' stacked, None
+        when none has one."""
+        tans = [pt.get(p) for p in params]
+        if all(t is None for t in tans):
+            return None
+        return np.concatenate([np.zeros(p.data.shape, dtype) if t is None else t for p, t in zip(params, tans)])
+
+    def _project_jvp(self, st: State, ts, pt):
+        """The projections' tangents ``(tq, tk, tv)`` (merged heads) from the checked input tangents."""
         mods = (self.W_query, self.W_key, self.W_value)
         if not st.self_attn:
             return tuple(K.linear_jvp(c, t, pt.get(m.weight), pt.get(m.bias)) for c, t, m in zip(st.proj, ts, mods))
-
-        def stacked(params):  # the fused projection: its weight's (and bias') tangent stacks the three
-            tans = [pt.get(p) for p in params]
-            if all(t is None for t in tans):
-                return None
-            return np.concatenate([np.zeros(p.data.shape, dt) if t is None else t for p, t in zip(params, tans)])
-
-        tb = stacked([m.bias for m in mods]) if self.W_query.bias is not None else None
-        tqkv = K.linear_jvp(st.proj[0], ts[0], stacked([m.weight for m in mods]), tb)
+        dt = st.out.x.dtype
+        tb = self._stacked_tangent([m.bias for m in mods], pt, dt) if self.W_query.bias is not None else None
+        tqkv = K.linear_jvp(st.proj[0], ts[0], self._stacked_tangent([m.weight for m in mods], pt, dt), tb)
         nq, d_kv = self._q_rows, self.num_kv_heads * self.head_dim
         return tqkv[..., :nq], tqkv[..., nq : nq + d_kv], tqkv[..., nq + d_kv :]
 
@@ -772,6 +801,100 @@ class MultiHeadAttentionCore(Module):
         tsinks = pt.get(self.sinks) if st.sinks else None
         core = K.memory_efficient_attention_jvp if st.memory_efficient else K.scaled_dot_product_attention_jvp
         return core(st.attn, tqh, tkh, tvh, None, tsinks)
+
+    # -- second order --------------------------------------------------------------------------
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``backward_jvp``): the forward's tangents stage by stage (as ``_jvp``),
+        then the backward's stages in reverse, each by its functional ``<op>_backward_jvp`` fed
+        the tangents of its inputs and of its upstream gradient: ``out_proj``; the output gate by
+        the product rule (``m = a s``: ``dg = dm a s (1 - s)`` and ``da = dm s`` differentiated
+        with ``ts = s (1 - s) tg``); the attention core
+        (``scaled_dot_product_attention_backward_jvp`` or
+        ``memory_efficient_attention_backward_jvp``, the sinks' tangent included, dropout with
+        the forward's mask); RoPE; QK-norm; the projections (the fused one's weight tangent the
+        three stacked, its gradient's tangent split as its gradient)."""
+        st: State = state
+        pt = param_tangents
+        tg = self._forward_tangents(st, self._input_tangents(st, input_tangents, "backward_jvp"), pt)
+        wo, bo = self.out_proj.weight, self.out_proj.bias
+        (dm, dwo, dbo), (tdm, tdwo, tdbo) = K.linear_backward_jvp(dy, st.out, (tg.out_in, pt.get(wo), pt.get(bo)), ddy)
+        self._accumulate_second(((wo, dwo, tdwo), (bo, dbo, tdbo)))
+        dgate = tdgate = None
+        if st.gate is not None:
+            a, s = st.gate
+            sp = s * (1 - s)
+            ts = sp * tg.gate.reshape(a.shape)
+            dgate = dm * a * s * (1 - s)  # as the backward rounds it
+            tdgate = tdm * a * sp + dm * (tg.merged * sp + a * (1 - 2 * s) * ts)
+            dm, tdm = dm * s, tdm * s + dm * ts
+        (dq, dk, dv), (tdq, tdk, tdv) = self._attend_backward_jvp(
+            self._split(dm, self.num_heads), self._split(tdm, self.num_heads), st, tg.attended, pt
+        )
+        pos = st.position
+        if pos.q_rope is not None:
+            dq, tdq = K.rope_backward_jvp(dq, pos.q_rope, (tg.normed[0],), tdq)
+            dk, tdk = K.rope_backward_jvp(dk, pos.k_rope, (tg.normed[1],), tdk)
+        if pos.q_norm is not None:
+            wq, wk = cast(Parameter, self.q_norm.weight), cast(Parameter, self.k_norm.weight)
+            (dq, dwq), (tdq, tdwq) = K.rms_norm_backward_jvp(dq, pos.q_norm, (tg.projected[0], pt.get(wq)), tdq)
+            (dk, dwk), (tdk, tdwk) = K.rms_norm_backward_jvp(dk, pos.k_norm, (tg.projected[1], pt.get(wk)), tdk)
+            self._accumulate_second(((wq, dwq, tdwq), (wk, dwk, tdwk)))
+        grads = (self._join_query(dq, dgate), self._merge(dk), self._merge(dv))
+        tangents = (self._join_query(tdq, tdgate), self._merge(tdk), self._merge(tdv))
+        mods = (self.W_query, self.W_key, self.W_value)
+        if st.self_attn:
+            dt = dy.dtype
+            tw = self._stacked_tangent([m.weight for m in mods], pt, dt)
+            tb = self._stacked_tangent([m.bias for m in mods], pt, dt) if self.W_query.bias is not None else None
+            (dx, dW, db), (tdx, tdW, tdb) = K.linear_backward_jvp(
+                np.concatenate(grads, -1), st.proj[0], (tg.inputs[0], tw, tb), np.concatenate(tangents, -1)
+            )
+            rows = np.cumsum([0] + [g.shape[-1] for g in grads])
+            for i, m in enumerate(mods):
+                part = slice(rows[i], rows[i + 1])
+                self._accumulate_second(((m.weight, dW[part], tdW[part]),))
+                if m.bias is not None:
+                    self._accumulate_second(((m.bias, db[part], tdb[part]),))
+            result: tuple = (dx, tdx)
+        else:
+            dxs, tdxs = [], []
+            for m, g, t, c, tin in zip(mods, grads, tangents, st.proj, tg.inputs):
+                (dx_i, dw_i, db_i), (tdx_i, tdw_i, tdb_i) = K.linear_backward_jvp(
+                    g, c, (tin, pt.get(m.weight), pt.get(m.bias)), t
+                )
+                self._accumulate_second(((m.weight, dw_i, tdw_i), (m.bias, db_i, tdb_i)))
+                dxs.append(dx_i)
+                tdxs.append(tdx_i)
+            result = (tuple(dxs), tuple(tdxs))
+        if st.reused:  # nothing refers to them any more: the next step reuses them
+            self._workspace().give(*st.reused)
+        return result
+
+    def _join_query(self, dqh, dgate):
+        """The inverse of ``_split_query``: ``(..., L, q_rows)`` from the query heads and the gate
+        (each head's query, then its gate, as ``W_query``'s rows)."""
+        if dgate is None:
+            return self._merge(dqh)
+        out = np.empty(dgate.shape[:-1] + (self._q_rows,), dgate.dtype)
+        q_view, gate_view = self._split_query(out)
+        q_view[...] = dqh
+        gate_view[...] = dgate.reshape(gate_view.shape)
+        return out
+
+    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt):
+        """The attention core's second order: ``((dq, dk, dv), their tangents)`` over every key
+        the core saw, from ``tangents = (tq, tk, tv)`` of its inputs; the sinks' gradient and its
+        tangent accumulated."""
+        core_tangents = tuple(tangents) + ((pt.get(self.sinks),) if st.sinks else ())
+        core = (
+            K.memory_efficient_attention_backward_jvp
+            if st.memory_efficient
+            else K.scaled_dot_product_attention_backward_jvp
+        )
+        grads, tans = core(dctx, st.attn, core_tangents, tdctx)
+        if st.sinks:
+            self._accumulate_second(((cast(Parameter, self.sinks), grads[-1], tans[-1]),))
+        return tuple(grads[:3]), tuple(tans[:3])
 
     # -- KV cache --------------------------------------------------------------------------
     def reset_kv_cache(self) -> None:

@@ -349,6 +349,13 @@ class GatedDeltaNet(Module):
         self.accumulate_grad(self.norm.weight, dnorm_w)
         return dx
 
+    # -- second order ---------------------------------------------------------------------------
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        raise NotImplementedError(
+            "GatedDeltaNet.backward_jvp: the second order of the layer needs the functional pair "
+            "gated_delta_rule_backward_jvp, which npattn does not have yet"
+        )
+
     # -- forward mode ---------------------------------------------------------------------------
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode (``m.jvp(tx, param_tangents=...)``): the forward's chain run on tangents.

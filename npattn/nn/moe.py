@@ -60,8 +60,18 @@ from ..functional.moe import (
     check_router_options,
     check_routing,
     sigmoid,
+    topk_router_backward_jvp,
 )
-from .layers import Linear, check_features, gated_unit, gated_unit_backward, gated_unit_jvp, input_tangent
+from .layers import (
+    Linear,
+    check_features,
+    gated_unit,
+    gated_unit_backward,
+    gated_unit_backward_jvp,
+    gated_unit_jvp,
+    gated_unit_tangents,
+    input_tangent,
+)
 from .module import Module, Parameter
 
 __all__ = [
@@ -299,6 +309,28 @@ class TopKRouter(Module):
         tz = K.linear_jvp(state.linear, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
         return K.topk_router_jvp(state.route, tz)
 
+    def _backward_jvp(self, state, dweights, input_tangents, param_tangents, ddweights):
+        """Second order (``backward_jvp(dweights, tx, ...)``): ``tz`` as ``_jvp``, then
+        ``topk_router_backward_jvp`` (the choice constant) and ``linear_backward_jvp``."""
+        tx = input_tangent(input_tangents, "TopKRouter", "backward_jvp")
+        x = state.linear.x
+        if tx is not None:
+            tx = check_tangent(tx, "tx", state.lead + (self.hidden_size,), x.dtype).reshape(x.shape)
+        dx, tdx = self._backward_jvp_flat(state, dweights.reshape(-1, self.top_k), tx, param_tangents, ddweights)
+        shape = state.lead + (self.hidden_size,)
+        return dx.reshape(shape), tdx.reshape(shape)
+
+    def _backward_jvp_flat(self, state: RouterCache, dw, tx, param_tangents, ddw):
+        """``dw (N, k)``, ``tx (N, H)`` or None -> ``(dx, tdx)`` of ``(N, H)``; parameters'
+        gradients and their tangents accumulated."""
+        tW, tb = param_tangents.get(self.weight), param_tangents.get(self.bias)
+        tz = K.linear_jvp(state.linear, tx, tW, tb)
+        ddw = None if ddw is None else ddw.reshape(dw.shape)
+        dz, tdz = topk_router_backward_jvp(dw, state.route, (tz,), ddw)  # the checked pair (no kernel export yet)
+        (dx, dW, db), (tdx, tdW, tdb) = K.linear_backward_jvp(dz, state.linear, (tx, tW, tb), tdz)
+        self._accumulate_second(((self.weight, dW, tdW), (self.bias, db, tdb)))
+        return dx, tdx
+
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
         s = f"{self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, variant={self.variant!r}"
@@ -432,6 +464,12 @@ class _SortedExperts(Module):
         """``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)`` by ``moe_experts_jvp``."""
         tparams = [None if p is None else param_tangents.get(p) for p in self._pair_params()]
         return K.moe_experts_jvp(state.experts, tx, tw, *tparams)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        raise NotImplementedError(
+            f"{type(self).__name__}.backward_jvp: the second order of the experts needs the functional pair "
+            "moe_experts_backward_jvp, which npattn does not have yet"
+        )
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
@@ -675,6 +713,18 @@ class GatedMLP(Module):
             tx = check_tangent(tx, "tx", s.shape[:-1] + (self.hidden_size,), s.dtype)
         th = gated_unit_jvp(self, self._act, self.gate_proj, self.up_proj, tx, state, param_tangents)
         return self._child_jvp(self.down_proj, -1, (th,), param_tangents)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the gated unit's tangents (``layers.gated_unit_tangents``), ``down_proj``'s
+        ``backward_jvp``, then the gated unit's (``layers.gated_unit_backward_jvp``)."""
+        tx = input_tangent(input_tangents, "GatedMLP", "backward_jvp")
+        s = state[1]
+        if tx is not None:
+            tx = check_tangent(tx, "tx", s.shape[:-1] + (self.hidden_size,), s.dtype)
+        pt = param_tangents
+        th, inner = gated_unit_tangents(self, self._act, self.gate_proj, self.up_proj, tx, state, pt)
+        dh, tdh = self._child_backward_jvp(self.down_proj, dy, (th,), pt, ddy)
+        return gated_unit_backward_jvp(self, self._act, self.gate_proj, self.up_proj, dh, tdh, tx, inner, state, pt)
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
@@ -945,6 +995,12 @@ class SparseMoeBlock(Module):
             else:
                 ty += ts
         return ty.reshape(lead + (self.hidden_size,))
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        raise NotImplementedError(
+            "SparseMoeBlock.backward_jvp: the second order of the routed experts needs the functional pair "
+            "moe_experts_backward_jvp, which npattn does not have yet"
+        )
 
     # -- from a Hugging Face config ------------------------------------------------------------
     @classmethod

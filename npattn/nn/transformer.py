@@ -42,15 +42,42 @@ def _plus(fresh, other):
     return np.add(fresh, other, out=fresh)
 
 
-def _block_tangents(block: Module, input_tangents: tuple, names: tuple, shapes: tuple) -> list:
+def _block_tangents(block: Module, input_tangents: tuple, names: tuple, shapes: tuple, method: str = "jvp") -> list:
     """A block's input tangents, checked at its edge (naming each) and made arrays (None: zeros),
     so the residual sums ``t + f'(t)`` need no special case."""
-    given = check_tangents(input_tangents, names, f"{type(block).__name__}.jvp")
+    given = check_tangents(input_tangents, names, f"{type(block).__name__}.{method}")
     dt = block.dtype
     return [
         np.zeros(shape, dt) if t is None else check_tangent(t, n, shape, dt)
         for t, n, shape in zip(given, names, shapes)
     ]
+
+
+class _SecondOrder:
+    """A block's second order in its own words: ``sub(m, *t)`` a sublayer's output tangent from
+    its state of this call (forward mode, nothing consumed), ``back(m, g, *t)`` its
+    ``backward_jvp`` on ``g = (gradient, its tangent)`` with ``t`` its inputs' tangents (consumed),
+    ``drop(i, ...)`` the same for the i-th dropout when it was active (else the identity), and
+    ``plus(g, h)`` a residual's sum of two such pairs."""
+
+    def __init__(self, block: Module, drop: tuple, param_tangents):
+        self.block, self.active, self.pt = block, drop, param_tangents
+
+    def sub(self, m, *t):
+        return self.block._child_jvp(m, -1, t, self.pt)
+
+    def back(self, m, g, *t):
+        return self.block._child_backward_jvp(m, g[0], t, self.pt, g[1])
+
+    def drop_sub(self, i, t):
+        return self.sub(self.block._dropouts()[i], t) if self.active[i] else t
+
+    def drop_back(self, i, g, t):
+        return self.back(self.block._dropouts()[i], g, t) if self.active[i] else g
+
+    @staticmethod
+    def plus(g, h):
+        return _plus(g[0], h[0]), _plus(g[1], h[1])
 
 
 def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
@@ -245,6 +272,35 @@ class EncoderBlock(Module):
             return d2(sub(self.ffn, sub(self.layernorm2, th))) + th
         th = sub(self.layernorm1, d1(sub(self.mha, tx)) + tx)
         return sub(self.layernorm2, d2(sub(self.ffn, th)) + th)
+
+    def _dropouts(self):
+        return self.dropout1, self.dropout2
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the forward's tangents first (as ``_jvp``: each sublayer's input
+        tangent), then the backward's chain with each sublayer's ``backward_jvp``, a residual
+        adding both branches' gradients and their tangents."""
+        shape, drop = state
+        (tx,) = _block_tangents(self, input_tangents, ("tx",), (shape,), "backward_jvp")
+        so = _SecondOrder(self, drop, param_tangents)
+        g = (dy, np.zeros_like(dy) if ddy is None else ddy)
+        if self.norm_first:
+            tn1 = so.sub(self.layernorm1, tx)
+            tm = so.sub(self.mha, tn1)
+            th = so.drop_sub(0, tm) + tx
+            tn2 = so.sub(self.layernorm2, th)
+            tf = so.sub(self.ffn, tn2)
+            gh = so.plus(so.back(self.layernorm2, so.back(self.ffn, so.drop_back(1, g, tf), tn2), th), g)
+            return so.plus(so.back(self.layernorm1, so.back(self.mha, so.drop_back(0, gh, tm), tn1), tx), gh)
+        tm = so.sub(self.mha, tx)
+        r1 = so.drop_sub(0, tm) + tx
+        th = so.sub(self.layernorm1, r1)
+        tf = so.sub(self.ffn, th)
+        r2 = so.drop_sub(1, tf) + th
+        gs = so.back(self.layernorm2, g, r2)
+        gh = so.plus(so.back(self.ffn, so.drop_back(1, gs, tf), th), gs)
+        gr = so.back(self.layernorm1, gh, r1)
+        return so.plus(so.back(self.mha, so.drop_back(0, gr, tm), tx), gr)
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "EncoderBlock":
@@ -463,6 +519,51 @@ class DecoderBlock(Module):
         th1 = sub(self.layernorm1, drop_(0, sub(self.self_attn, tx)) + tx)
         th2 = sub(self.layernorm2, drop_(1, sub(ca, th1, tm, tm)) + th1)
         return sub(self.layernorm3, drop_(2, sub(self.ffn, th2)) + th2)
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: ``backward_jvp(dy, tx, tmemory, ...)``, the forward's tangents first (as
+        ``_jvp``), then the backward's chain with each sublayer's ``backward_jvp``; returns
+        ``((dx, dmemory), (tdx, tdmemory))``, the memory's the cross-attention's key and value
+        parts summed."""
+        shape, drop, memory_shape = state
+        ca = self.cross_attn
+        tx, tmem = _block_tangents(self, input_tangents, ("tx", "tmemory"), (shape, memory_shape), "backward_jvp")
+        so = _SecondOrder(self, drop, param_tangents)
+        g = (dy, np.zeros_like(dy) if ddy is None else ddy)
+
+        def cross(gc, tq):  # the cross-attention's backward_jvp: (query's pair, memory's pair)
+            (dq, dk, dv), (tdq, tdk, tdv) = so.back(ca, gc, tq, tmem, tmem)
+            return (dq, tdq), (_plus(dk, dv), _plus(tdk, tdv))
+
+        if self.norm_first:
+            tn1 = so.sub(self.layernorm1, tx)
+            ts = so.sub(self.self_attn, tn1)
+            th1 = so.drop_sub(0, ts) + tx
+            tn2 = so.sub(self.layernorm2, th1)
+            tc = so.sub(ca, tn2, tmem, tmem)
+            th2 = so.drop_sub(1, tc) + th1
+            tn3 = so.sub(self.layernorm3, th2)
+            tf = so.sub(self.ffn, tn3)
+            gh2 = so.plus(so.back(self.layernorm3, so.back(self.ffn, so.drop_back(2, g, tf), tn3), th2), g)
+            gq, gm = cross(so.drop_back(1, gh2, tc), tn2)
+            gh1 = so.plus(so.back(self.layernorm2, gq, th1), gh2)
+            gx = so.plus(so.back(self.layernorm1, so.back(self.self_attn, so.drop_back(0, gh1, ts), tn1), tx), gh1)
+            return (gx[0], gm[0]), (gx[1], gm[1])
+        ts = so.sub(self.self_attn, tx)
+        r1 = so.drop_sub(0, ts) + tx
+        th1 = so.sub(self.layernorm1, r1)
+        tc = so.sub(ca, th1, tmem, tmem)
+        r2 = so.drop_sub(1, tc) + th1
+        th2 = so.sub(self.layernorm2, r2)
+        tf = so.sub(self.ffn, th2)
+        r3 = so.drop_sub(2, tf) + th2
+        gs3 = so.back(self.layernorm3, g, r3)
+        gh2 = so.plus(so.back(self.ffn, so.drop_back(2, gs3, tf), th2), gs3)
+        gs2 = so.back(self.layernorm2, gh2, r2)
+        gq, gm = cross(so.drop_back(1, gs2, tc), th1)
+        gs1 = so.back(self.layernorm1, so.plus(gq, gs2), r1)
+        gx = so.plus(so.back(self.self_attn, so.drop_back(0, gs1, ts), tx), gs1)
+        return (gx[0], gm[0]), (gx[1], gm[1])
 
     @classmethod
     def from_torch_state_dict(cls, state_dict, num_heads: int, **kwargs) -> "DecoderBlock":
