@@ -68,12 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="complete a prompt with a saved Hugging Face model (needs tokenizers)")
     p.add_argument("directory", help="a save_pretrained directory: config.json, safetensors, tokenizer.json")
-    p.add_argument("prompt", help="the text to complete")
+    p.add_argument("prompt", help="the text to complete (token ids with --ids)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to add (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the most likely tokens up to mass p")
     p.add_argument("--seed", type=_seed, default=None, help="random seed of the sampling")
+    p.add_argument(
+        "--chat", action="store_true", help="the prompt as a user message in the chat template of tokenizer_config.json"
+    )
+    p.add_argument(
+        "--ids", action="store_true", help="the prompt is token ids ('1 5 9'): no tokenizer needed, ids printed"
+    )
     return parser
 
 

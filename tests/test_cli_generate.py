@@ -252,3 +252,161 @@ def test_stream_holds_back_half_characters(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gen, "stream", lambda model, prompt, n, **kw: iter([5, 6][:n]))
     assert main(["generate", str(tmp_path), ">", "--max-new-tokens", "2"]) == 0
     assert capsys.readouterr().out.split("\n")[0] == ">caf\ufffd"  # still incomplete at the end: printed as decoded
+
+
+# -- --chat, --ids, a missing tokenizer ----------------------------------------------------------
+CHAT = """{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] not in ['user', 'assistant'] %}
+        {{ raise_exception('roles: user and assistant only') }}
+    {% endif %}
+    <|{{ message['role'] }}|> {{ message['content'] | trim }} {{ eos_token }}
+    {% if loop.last %}{% break %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def _chat_dir(path, template=CHAT, jinja=None, **config):
+    """A tokenizer with chat tokens, tokenizer_config.json with ``template`` (None: none) and
+    the special tokens (eos as an added-token object, as transformers writes them), optionally
+    chat_template.jinja; a checkpoint of its vocabulary."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    special = ["[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    tok.train_from_iterator([" ".join(WORDS)] * 3, tokenizers.trainers.WordLevelTrainer(special_tokens=special))
+    tok.add_special_tokens(special)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "unk_token": "[UNK]"}
+    cfg["eos_token"] = {
+        "content": "</s>",
+        "lstrip": False,
+        "normalized": False,
+        "special": True,
+        "__type": "AddedToken",
+    }
+    if template is not None:
+        cfg["chat_template"] = template
+    cfg.update(config)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if jinja is not None:
+        (path / "chat_template.jinja").write_text(jinja)
+    return tok, _checkpoint(path, tok.get_vocab_size())
+
+
+def _prompt_ids(monkeypatch, args):
+    """The prompt ids ``npattn generate`` decodes from (its stream replaced by one that records them)."""
+    import npattn.tools.generate as gen
+
+    seen = []
+    monkeypatch.setattr(gen, "stream", lambda model, prompt, n, **kw: seen.append(list(prompt)) or iter(()))
+    assert main(["generate", *args]) == 0
+    return seen[0]
+
+
+TEMPLATES = {
+    "config": dict(),
+    "named templates": dict(template=[{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHAT}]),
+    "chat_template.jinja first": dict(
+        template="{{ raise_exception('not this one') }}", jinja=CHAT.replace("|>", "|> ")
+    ),
+    "tojson and a loop": dict(
+        template="{% for m in messages %}{{ m | tojson }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEMPLATES))
+def test_chat_renders_the_template_as_transformers(tmp_path, monkeypatch, capsys, case):
+    """--chat: the ids are transformers' apply_chat_template(add_generation_prompt=True) of the
+    prompt as a user message, from the same directory (tokenizer_config.json's template, a list
+    of named ones, chat_template.jinja before it)."""
+    T = pytest.importorskip("transformers")
+    pytest.importorskip("jinja2")
+    _chat_dir(tmp_path, **TEMPLATES[case])
+    prompt = "  the cat sat on  "
+    ids = _prompt_ids(monkeypatch, [str(tmp_path), prompt, "--chat"])
+    hf = T.AutoTokenizer.from_pretrained(tmp_path)
+    ref = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    assert len(ids) > 3
+
+
+def test_chat_prints_the_reply(tmp_path, capsys):
+    pytest.importorskip("jinja2")
+    import npattn.tools.generate as gen
+
+    tok, m = _chat_dir(tmp_path)
+    ids = tok.encode(gen._chat_text(str(tmp_path), "a bird"), add_special_tokens=False).ids
+    assert ids[0] == tok.token_to_id("<s>") and ids[-1] == tok.token_to_id("<|assistant|>")
+    expect = m.generate(np.array([ids]), 5)[0, len(ids) :].tolist()
+    assert main(["generate", str(tmp_path), "a bird", "--chat", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n")[0] == tok.decode(expect)  # the reply alone, not the prompt
+
+
+CHAT_ERRORS = {
+    "no template": (dict(template=None), "no chat template"),
+    "raise_exception": (dict(template="{{ raise_exception('roles: user only, please') }}"), "roles: user only, please"),
+    "sandboxed": (dict(template="{{ ''.__class__.__mro__[1].__subclasses__() }}"), "SecurityError"),
+    "syntax": (dict(template="{% for m in messages %}"), "chat template failed"),
+    "named templates without a default": (dict(template=[{"name": "tool_use", "template": "x"}]), "no chat template"),
+    "tokenizer_config.json not JSON": (dict(), "tokenizer_config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAT_ERRORS))
+def test_chat_errors_are_one_line_exit_2(tmp_path, capsys, case):
+    pytest.importorskip("jinja2")
+    changes, word = CHAT_ERRORS[case]
+    _chat_dir(tmp_path, **changes)
+    if case == "tokenizer_config.json not JSON":
+        (tmp_path / "tokenizer_config.json").write_text("{not json")
+    assert main(["generate", str(tmp_path), "the cat", "--chat"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("npattn generate: ") and err.count("\n") == 1
+    assert word in err and "Traceback" not in err
+
+
+def test_chat_without_jinja2_and_with_ids(tmp_path, capsys, monkeypatch):
+    import sys
+
+    _chat_dir(tmp_path)
+    assert main(["generate", str(tmp_path), "1 2", "--chat", "--ids"]) == 2
+    assert "--ids" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # import fails as if not installed
+    assert main(["generate", str(tmp_path), "the cat", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "jinja2" in err and 'pip install "npattn[hf]"' in err and err.count("\n") == 1
+
+
+def test_ids_need_no_tokenizer(tmp_path, capsys, monkeypatch):
+    """--ids: token ids in, token ids out, with neither tokenizer.json nor the tokenizers package."""
+    import sys
+
+    m = _checkpoint(tmp_path, 40)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    expect = m.generate(np.array([[3, 1, 4, 1, 5]]), 6)[0].tolist()
+    for prompt in ("3 1 4 1 5", "3,1,4,1,5", " 3, 1 4,1  5 "):
+        assert main(["generate", str(tmp_path), prompt, "--ids", "--max-new-tokens", "6"]) == 0
+        first, last = capsys.readouterr().out.rstrip("\n").split("\n")
+        assert first == " ".join(map(str, expect)) and last.startswith("[6 tokens in ")
+
+
+@pytest.mark.parametrize(
+    "prompt,word", [("1 x 2", "'x'"), ("", "nothing"), (" , ", "nothing"), ("1 -2", "'-2'"), ("1 40", "vocab_size")]
+)
+def test_bad_ids_are_one_line_exit_2(tmp_path, capsys, prompt, word):
+    _checkpoint(tmp_path, 40)
+    assert main(["generate", str(tmp_path), prompt, "--ids"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and word in err and "PROMPT" in err
+
+
+def test_missing_tokenizer_says_what_to_do(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    _checkpoint(tmp_path, 40)
+    assert main(["generate", str(tmp_path), "the cat"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer.json" in err and "--ids" in err and "copy" in err

@@ -2,17 +2,31 @@
 
 The directory holds ``config.json``, the safetensors weights and ``tokenizer.json``; the
 ``tokenizers`` package (``pip install "npattn[hf]"``, or ``pip install ".[hf]"`` from a clone)
-turns the prompt into ids and the ids back into text.  The prompt is encoded once into every
-layer's cache, then each new token is one cached step (``CausalLM(ids, use_cache=True)``),
-sampled by ``npattn.generation`` (greedy at temperature 0; ``--top-k``, ``--top-p``,
-``--seed``).  Text is printed as it grows (the decoded completion's new characters after each
-token); the last line reports tokens per second.  Every loading, config, tokenizer or input error
-is one line on stderr and exit status 2, before the prompt is printed.
+turns the prompt into ids and the ids back into text.  The tokens come from ``CausalLM.stream``
+(the prompt encoded once into every layer's cache, then one cached step per token; greedy at
+temperature 0, else sampled with ``--top-k``, ``--top-p``, ``--seed``; the config's
+``eos_token_id`` ends it).  Text is printed as it grows (the decoded completion's new characters
+after each token); the last line reports tokens per second.
+
+``--chat``: the prompt is one user message, put into the model's chat template (``chat_template``
+of ``tokenizer_config.json``, or ``chat_template.jinja`` beside it, which transformers prefers) as
+transformers' ``apply_chat_template(..., add_generation_prompt=True)`` renders it: jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the loop controls,
+``raise_exception``, ``strftime_now`` and transformers' ``tojson``, the special tokens of
+``tokenizer_config.json`` (``bos_token`` ...) as variables; the text is encoded without adding
+special tokens and only the reply is printed.  ``--ids``: PROMPT is token ids (``"1 5 9"`` or
+``"1,5,9"``), for a model without a tokenizer: ids in, ids out, no ``tokenizers`` needed.
+
+Every loading, config, tokenizer, template or input error is one line on stderr and exit status
+2, before anything is printed.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import re
 import sys
 import time
 
@@ -48,25 +62,22 @@ def _one_line(e: BaseException) -> str:
 
 
 def stream(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, rng=None, eos=()):
-    """Yield up to ``max_new_tokens`` token ids after ``prompt_ids`` (a list of ints), one cached
-    step each; stops after an id in ``eos`` (which is yielded).  Resets the model's cache."""
-    from ..generation import sample_next_token
-    from ..nn.module import no_grad
-
-    rng = np.random.default_rng(rng) if not isinstance(rng, np.random.Generator) else rng
-    model.eval()
-    model.reset_kv_cache()
-    try:
-        with no_grad():
-            logits = model(np.asarray([prompt_ids]), use_cache=True)
-            for _ in range(max_new_tokens):
-                nxt = int(sample_next_token(logits[:, -1, :], temperature, top_k, rng=rng, top_p=top_p)[0])
-                yield nxt
-                if nxt in eos:
-                    return
-                logits = model(np.asarray([[nxt]]), use_cache=True)
-    finally:
-        model.reset_kv_cache()
+    """Yield up to ``max_new_tokens`` token ids after ``prompt_ids`` (a list of ints): the one row
+    of ``model.stream`` (greedy at ``temperature`` 0, else sampled); stops after an id in ``eos``
+    (which is yielded; empty: none)."""
+    sample = temperature > 0
+    steps = model.stream(
+        np.asarray([prompt_ids]),
+        max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else 1.0,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=sorted(eos),
+        rng=rng,
+    )
+    for step in steps:
+        yield int(step[0])
 
 
 def main(args) -> int:
@@ -86,15 +97,14 @@ _LOAD_ERRORS = (OSError, ValueError, TypeError, KeyError, RecursionError, Memory
 
 
 def _load(args):
-    """The model, the tokenizer, the prompt's ids and the eos ids, every check done; raises
-    ``_Failure``."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise _Failure(f"needs the tokenizers package ({install_hint('hf')})") from None
+    """The model, the tokenizer (None with ``--ids``), the prompt's ids and the eos ids, every
+    check done; raises ``_Failure``."""
     from ..generation import _check_top_p, check_sampling
     from ..models import CausalLM
 
+    if args.ids and args.chat:
+        raise _Failure("--chat puts text into the chat template: it cannot be used with --ids")
+    tokenizer = None if args.ids else _tokenizer_class()
     try:
         check_sampling(args.temperature, args.top_k, None)
         _check_top_p(args.top_p)
@@ -103,36 +113,153 @@ def _load(args):
     if not os.path.isdir(args.directory):
         raise _Failure(f"directory: no such directory {args.directory!r}")
     tok_path = os.path.join(args.directory, "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        raise _Failure(f"no tokenizer.json in {args.directory!r}")
-    try:
-        tokenizer = Tokenizer.from_file(tok_path)
-    except Exception as e:  # tokenizers raises a bare Exception for every malformed file
-        raise _Failure(f"{tok_path}: not a readable tokenizer ({_one_line(e)})") from None
+    if tokenizer is not None:
+        tokenizer = _tokenizer(tokenizer, tok_path, args.directory)
     try:
         model = CausalLM.from_pretrained(args.directory)
         eos = _eos_ids(model.config, f"{os.path.join(args.directory, 'config.json')}: eos_token_id")
     except _LOAD_ERRORS as e:
         raise _Failure(_one_line(e)) from None
-    try:
-        prompt_ids = tokenizer.encode(args.prompt).ids
-    except Exception as e:
-        raise _Failure(f"{tok_path}: cannot encode the prompt ({_one_line(e)})") from None
+    vocab = model.config.vocab_size
+    if tokenizer is None:
+        prompt_ids, where = _parse_ids(args.prompt), "PROMPT"
+    else:
+        text = _chat_text(args.directory, args.prompt) if args.chat else args.prompt
+        try:
+            # a chat template writes its special tokens itself (transformers: add_special_tokens=False)
+            prompt_ids = (tokenizer.encode(text, add_special_tokens=False) if args.chat else tokenizer.encode(text)).ids
+        except Exception as e:
+            raise _Failure(f"{tok_path}: cannot encode the prompt ({_one_line(e)})") from None
+        where = tok_path
     if not prompt_ids:
         raise _Failure("the prompt encodes to no tokens")
-    vocab = model.config.vocab_size
     if max(prompt_ids) >= vocab:
         raise _Failure(
-            f"{tok_path}: the prompt's token id {max(prompt_ids)} is outside the model's vocabulary "
+            f"{where}: the prompt's token id {max(prompt_ids)} is outside the model's vocabulary "
             f"[0, {vocab}) (vocab_size)"
         )
     return model, tokenizer, prompt_ids, eos
 
 
+def _tokenizer_class():
+    """``tokenizers.Tokenizer``, or ``_Failure`` saying how to install it (or to pass ``--ids``)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise _Failure(
+            f"needs the tokenizers package ({install_hint('hf')}), or the prompt as token ids with --ids"
+        ) from None
+    return Tokenizer
+
+
+def _tokenizer(cls, tok_path: str, directory: str):
+    if not os.path.isfile(tok_path):
+        raise _Failure(
+            f"no tokenizer.json in {directory!r}: copy the model's tokenizer.json there (from its Hugging Face "
+            "repository), or pass the prompt as token ids with --ids"
+        )
+    try:
+        return cls.from_file(tok_path)
+    except Exception as e:  # tokenizers raises a bare Exception for every malformed file
+        raise _Failure(f"{tok_path}: not a readable tokenizer ({_one_line(e)})") from None
+
+
+def _parse_ids(prompt: str) -> list:
+    """``--ids``: the token ids of PROMPT, integers separated by spaces or commas."""
+    words = [w for w in re.split(r"[\s,]+", prompt) if w]
+    bad = [w for w in words if not w.isdigit()]
+    if bad or not words:
+        got = repr(bad[0]) if bad else "nothing"
+        raise _Failure(
+            f"PROMPT: with --ids, expected token ids (integers >= 0 separated by spaces or commas), got {got}"
+        )
+    return [int(w) for w in words]
+
+
+# transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES: the template's variables
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _chat_template(directory: str) -> tuple:
+    """``(template, special tokens, where)``: ``chat_template.jinja`` if the directory has one
+    (transformers 5 saves it so and prefers it), else ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of named templates whose ``"default"`` is taken); the
+    special tokens (strings, or added-token objects' ``content``) from ``tokenizer_config.json``."""
+    cfg_path = os.path.join(directory, "tokenizer_config.json")
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    config: dict = {}
+    template: object
+    where = cfg_path
+    try:
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                config = json.load(f)
+            if not isinstance(config, dict):
+                raise ValueError(f"expected a JSON object, got {type(config).__name__}")
+        template = config.get("chat_template")
+        if os.path.isfile(jinja_path):
+            where = jinja_path
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _Failure(f"--chat: cannot read {where} ({_one_line(e)})") from None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str):
+        raise _Failure(
+            f"--chat: no chat template in {directory!r} (neither chat_template.jinja nor a 'chat_template' string "
+            "in tokenizer_config.json): the model may not be a chat model; run without --chat"
+        )
+    special = {}
+    for name in _SPECIAL_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return template, special, where
+
+
+def _chat_text(directory: str, prompt: str) -> str:
+    """The prompt as the user message of the model's chat template, rendered as transformers'
+    ``apply_chat_template(messages, add_generation_prompt=True)`` renders it (see the module
+    docstring)."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise _Failure(f"--chat needs the jinja2 package ({install_hint('hf')})") from None
+    template, special, where = _chat_template(directory)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' own filter: jinja's would escape HTML characters
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    messages = [{"role": "user", "content": prompt}]
+    try:
+        return env.from_string(template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=True, **special
+        )
+    except Exception as e:  # a template is a program: any error it raises is the template's
+        raise _Failure(f"{where}: the chat template failed ({type(e).__name__}: {_one_line(e)})") from None
+
+
 def _run(args, model, tokenizer, prompt_ids, eos) -> int:
-    """Print the prompt, then the completion as it grows, then the tokens per second."""
+    """Print the prompt (not with ``--chat``: the reply alone), then the completion as it grows,
+    then the tokens per second.  Without a tokenizer (``--ids``) the ids themselves."""
     out = sys.stdout
-    out.write(args.prompt)
+    if tokenizer is None:
+        out.write(" ".join(map(str, prompt_ids)))
+    elif not args.chat:
+        out.write(args.prompt)
     out.flush()
     new: list = []
     shown = ""
@@ -148,6 +275,10 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
         eos=eos,
     ):
         new.append(token)
+        if tokenizer is None:
+            out.write(f" {token}")
+            out.flush()
+            continue
         text = tokenizer.decode(new)
         # print what the new token added; a byte-level token may end in the middle of a character
         # (decoded as U+FFFD until the next token completes it): hold that back
@@ -156,9 +287,10 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
             out.flush()
             shown = text
     elapsed = time.perf_counter() - start
-    text = tokenizer.decode(new)
-    if text.startswith(shown):  # whatever was held back
-        out.write(text[len(shown) :])
+    if tokenizer is not None:
+        text = tokenizer.decode(new)
+        if text.startswith(shown):  # whatever was held back
+            out.write(text[len(shown) :])
     rate = len(new) / elapsed if elapsed > 0 else float("inf")
     out.write(f"\n[{len(new)} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s]\n")
     return 0
