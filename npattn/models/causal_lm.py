@@ -4,9 +4,9 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
 
     x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden)
     for layer in layers:                         # pre-norm residual blocks
-        h = input_layernorm(x)
+        h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
         a = attention(h)                         # MHA (full / sliding window), MLA or gated DeltaNet
-        a = post_attention_layernorm(a)          # Gemma's "sandwich" only
+        a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a
         h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
         m = mlp(h)                               # gated MLP, or routed experts
@@ -164,8 +164,9 @@ def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
     out = [("sinks", (heads,))] if a.sinks else []
     out += _lin("q_proj", heads * hd * (2 if a.output_gate else 1), H, b)
     out += _lin("k_proj", kv_rows, H, b) + _lin("v_proj", kv_rows, H, b) + _lin("o_proj", H, heads * hd, a.out_bias)
-    if a.qk_norm:
-        out += [("q_norm.weight", (hd,)), ("k_norm.weight", (hd,))]
+    if a.qk_norm:  # each head's features, or all heads' (qk_norm_scope "all_heads")
+        whole = a.qk_norm_scope == "all_heads"
+        out += [("q_norm.weight", (heads * hd if whole else hd,)), ("k_norm.weight", (kv_rows if whole else hd,))]
     return [(f"self_attn.{n}", s) for n, s in out]
 
 
@@ -199,9 +200,10 @@ def _mlp_shapes(cfg: CausalLMConfig, kind: str) -> list:
 
 def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
     """``[(name under model.layers.{i}., shape), ...]`` of layer ``i``'s parameters and buffers."""
-    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm") if cfg.pre_norm else ()
     if cfg.sandwich_norm:
-        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        pre_mlp = ("pre_feedforward_layernorm",) if cfg.pre_norm else ("post_attention_layernorm",)
+        norms += pre_mlp + ("post_feedforward_layernorm",)
     out = _attention_shapes(cfg, cfg.layer_types[i]) + _mlp_shapes(cfg, cfg.mlp_types[i])
     return out + [(f"{n}.weight", (cfg.hidden_size,)) for n in norms]
 
@@ -271,24 +273,28 @@ class _Padding(NamedTuple):
 
 
 class DecoderLayer(_Renamed):
-    """One pre-norm residual block of ``CausalLM`` (see the module docstring), with Hugging
-    Face's names: ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``,
-    ``input_layernorm``, ``post_attention_layernorm`` (and Gemma's ``pre_feedforward_layernorm``,
-    ``post_feedforward_layernorm``)."""
+    """One residual block of ``CausalLM`` (see the module docstring), with Hugging Face's names:
+    ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``, ``input_layernorm``,
+    ``post_attention_layernorm`` (and Gemma's ``pre_feedforward_layernorm``,
+    ``post_feedforward_layernorm``).  Without ``cfg.pre_norm`` (OLMo 2/3) there is no norm before
+    a sublayer: ``x + post_attention_layernorm(attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``."""
 
     def __init__(self, cfg: CausalLMConfig, index: int, *, rng=None, dtype=np.float64):
         super().__init__()
         self._dtype = check_dtype(dtype)
         self.index = index
         self.sandwich = cfg.sandwich_norm
+        self.pre_norm = cfg.pre_norm
         # Qwen3-Next names its gated DeltaNet layers linear_attn, every other attention self_attn
         self._attn_name = "linear_attn" if cfg.layer_types[index] == "linear_attention" else "self_attn"
         setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
-        self.input_layernorm = _norm(cfg, dtype)
+        if self.pre_norm:
+            self.input_layernorm = _norm(cfg, dtype)
         self.post_attention_layernorm = _norm(cfg, dtype)
         if self.sandwich:
-            self.pre_feedforward_layernorm = _norm(cfg, dtype)
+            if self.pre_norm:
+                self.pre_feedforward_layernorm = _norm(cfg, dtype)
             self.post_feedforward_layernorm = _norm(cfg, dtype)
         if isinstance(self.attention, MultiHeadAttention):
             object.__setattr__(self, "_names", _MHA_NAMES)
@@ -298,8 +304,20 @@ class DecoderLayer(_Renamed):
         """The attention module (``self_attn`` or ``linear_attn``)."""
         return self._modules[self._attn_name]
 
-    def _mlp_norm(self) -> RMSNorm:
+    def _mlp_norm(self) -> RMSNorm | None:
+        if not self.pre_norm:
+            return None
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def _pre(self, norm: RMSNorm | None, x):
+        """``norm(x)``, or ``x`` where the block has no pre-norm (its backward: ``_pre_back``)."""
+        return x if norm is None else norm(x)
+
+    def _pre_back(self, norm: RMSNorm | None, dx):
+        return dx if norm is None else norm.backward(dx)
+
+    def _attn_norm(self) -> RMSNorm | None:
+        return self.input_layernorm if self.pre_norm else None
 
     def _attend(self, h, use_cache: bool, padding: _Padding | None):
         """The attention sublayer on ``h``; a padded batch gives each kind its plain arrays: the
@@ -317,11 +335,11 @@ class DecoderLayer(_Renamed):
 
     def forward(self, x, *, use_cache: bool = False, padding: _Padding | None = None):
         """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``)."""
-        a = self._attend(self.input_layernorm(x), use_cache, padding)
+        a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
         if self.sandwich:
             a = self.post_attention_layernorm(a)
         x = x + a
-        m = self.mlp(self._mlp_norm()(x))
+        m = self.mlp(self._pre(self._mlp_norm(), x))
         if self.sandwich:
             m = self.post_feedforward_layernorm(m)
         self.save_for_backward(x.shape)
@@ -332,19 +350,19 @@ class DecoderLayer(_Renamed):
         dy = self._check_dy(dy)
         self.pop_saved()
         dm = self.post_feedforward_layernorm.backward(dy) if self.sandwich else dy
-        dx = dy + self._mlp_norm().backward(self.mlp.backward(dm))
+        dx = dy + self._pre_back(self._mlp_norm(), self.mlp.backward(dm))
         da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
-        return dx + self.input_layernorm.backward(self.attention.backward(da))
+        return dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the forward's chain on tangents, ``tx + norm'(f'(tx))`` per residual,
         each sublayer's ``_jvp`` from its state of this call.  One input tangent (None: zero)."""
         (tx,) = _block_tangents(self, input_tangents, ("tx",), (state,))  # x's shape
 
-        def sub(m, t):  # the sublayer's tangent from its state of this call
-            return self._child_jvp(m, -1, (t,), param_tangents)
+        def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
+            return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
 
-        ta = sub(self.attention, sub(self.input_layernorm, tx))
+        ta = sub(self.attention, sub(self._attn_norm(), tx))
         if self.sandwich:
             ta = sub(self.post_attention_layernorm, ta)
         tx = tx + ta
@@ -682,12 +700,13 @@ class CausalLM(Module):
         """The prompt ``ids (B, L)`` followed by up to ``max_new_tokens`` new tokens, as
         transformers' ``generate`` returns them: greedy unless ``do_sample`` (then ``temperature``,
         ``top_k``, ``top_p``; ``rng`` an int seed or a Generator); ``eos_token_id`` (an id or a
-        list) defaults to the config's; a row that has produced it continues with the config's
-        ``pad_token_id`` (its eos where there is none), and decoding stops when every row has
-        finished, so the result is ``(B, L + steps)`` with ``steps <= max_new_tokens``.  The prompt
-        is encoded once into the cache, then one token per step (``npattn.generation.stream_tokens``
-        has the details).  ``attention_mask (B, L)``: 0 for left padding, where ``forward`` takes
-        one (a model whose forward does not refuses a 0 with ``NotImplementedError``).
+        list; ``[]``: none) defaults to the config's; a row that has produced it continues with the
+        config's ``pad_token_id`` (its eos where there is none), and decoding stops when every row
+        has finished, so the result is ``(B, L + steps)`` with ``steps <= max_new_tokens``.  The
+        prompt is encoded once into the cache, then one token per step
+        (``npattn.generation.stream_tokens`` has the details).  ``attention_mask (B, L)``: 1 for a
+        token, 0 for left padding (as ``forward``'s), so that each row continues as its prompt
+        alone would.
 
         Examples
         --------

@@ -36,7 +36,7 @@ __all__ = [
     "GGUF_FAMILIES",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next", "olmo3")
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
 MLP_KINDS = ("dense", "moe")
@@ -96,6 +96,7 @@ class AttentionConfig(_Kwargs):
     qk_norm_eps: float | None
     qk_norm_unit_offset: bool
     output_gate: bool
+    qk_norm_scope: str = "head"
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,10 @@ class CausalLMConfig:
     frequencies of the longest sequence it has seen for later sequences between those (a cache of
     its own state, which npattn does not imitate).  ``norm_offset``: norms multiply by
     ``1 + weight`` (Gemma, Qwen3-Next); ``sandwich_norm``: norms also after attention and after the
-    MLP (Gemma); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
+    MLP (Gemma); ``pre_norm``: the norms before attention and before the MLP (False: OLMo 2/3's
+    post-norm, each sublayer's output normalised before its residual sum, with ``sandwich_norm``);
+    ``qk_norm_scope``: the QK-norm over each head (``"head"``) or over the whole projection
+    (``"all_heads"``, OLMo 2/3); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
     ``attention_scale`` is the scores' factor (``None``: ``1/sqrt(head_dim)``).  ``moe``,
     ``latent`` and ``linear_attention`` are the typed arguments of those layers' modules
     (``MoEConfig``, ``LatentConfig``, ``DeltaNetConfig``), ``None`` where the model has no such
@@ -220,6 +224,8 @@ class CausalLMConfig:
     qk_norm: bool = False
     norm_offset: bool = False
     sandwich_norm: bool = False
+    pre_norm: bool = True
+    qk_norm_scope: str = "head"
     embed_scale: bool = False
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
@@ -267,6 +273,7 @@ class CausalLMConfig:
             qk_norm_eps=self.rms_norm_eps if self.qk_norm else None,
             qk_norm_unit_offset=self.qk_norm and self.norm_offset,
             output_gate=self.attn_output_gate,
+            qk_norm_scope=self.qk_norm_scope,
         )
 
     def describe(self) -> str:
@@ -445,14 +452,26 @@ def _gemma_rope_params(r: _Reader) -> dict:
     dict per layer type; ``rope_scaling`` (the older key) is merged into the full-attention layers'
     dict; a base left out is ``rope_theta`` (global, default 1e6) or ``rope_local_base_freq``
     (sliding, default 1e4)."""
+    theta, local = r.get("rope_theta"), r.get("rope_local_base_freq")
+    bases = {
+        "full_attention": 1_000_000.0 if theta is None else theta,
+        "sliding_attention": 10_000.0 if local is None else local,
+    }
+    return _typed_rope_params(r, bases, "Gemma 3")
+
+
+def _typed_rope_params(r: _Reader, bases: dict, family: str) -> dict:
+    """``{"full_attention": ..., "sliding_attention": ...}``, one RoPE dict per layer type, as the
+    configs of Gemma 3 and OLMo 3 read them: ``rope_parameters`` holds one dict per layer type;
+    ``rope_scaling`` (the older key) is merged into the full-attention layers' dict; a base left
+    out is ``bases[layer_type]``."""
     rp = _rope_mapping(r, "rope_parameters")
     scaling = _rope_mapping(r, "rope_scaling")
-    theta, local = r.get("rope_theta"), r.get("rope_local_base_freq")
     out: dict = {}
     for t, v in (rp or {}).items():
         if t not in _GEMMA_TYPES:
             raise ValueError(
-                f"config['rope_parameters'][{t!r}]: Gemma 3's rope_parameters holds one dict per layer type "
+                f"config['rope_parameters'][{t!r}]: {family}'s rope_parameters holds one dict per layer type "
                 f"({list(_GEMMA_TYPES)}); transformers ignores any other key"
             )
         if v is not None and not isinstance(v, Mapping):
@@ -470,10 +489,6 @@ def _gemma_rope_params(r: _Reader) -> dict:
                 "so it never applies this 'type'; write 'rope_type' instead"
             )
         full.update(scaling)
-    bases = {
-        "full_attention": 1_000_000.0 if theta is None else theta,
-        "sliding_attention": 10_000.0 if local is None else local,
-    }
     mp = _max_positions(r)
     prf = r.get("partial_rotary_factor")
     return {
@@ -728,6 +743,33 @@ def _qwen3_next(r: _Reader) -> dict:
     return c
 
 
+def _olmo3(r: _Reader) -> dict:
+    """OLMo 3: post-norm (each sublayer's output normalised, then added: no norm before attention
+    or the MLP), q/k RMSNorm over the whole projection, sliding-window layers (by default three
+    of every four), one RoPE dict per layer type."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    lt = _layer_types(r, n, _GEMMA_TYPES, _interleaved(n, 4, "sliding_attention"))
+    # transformers' Olmo3Config.convert_rope_params_to_dict: the legacy rope_theta is taken (popped)
+    # for the full-attention layers only; the sliding layers' base left out is the class's 500000
+    theta = r.get("rope_theta")
+    bases = {"full_attention": 500_000.0 if theta is None else theta, "sliding_attention": 500_000.0}
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        qk_norm=True,
+        qk_norm_scope="all_heads",
+        pre_norm=False,
+        sandwich_norm=True,
+        rope=_typed_rope_params(r, bases, "OLMo 3"),
+        layer_types=lt,
+        sliding_window=_window(r, lt),
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
 # transformers' (5.x) class defaults of the keys that shape each family's forward pass, for a config
 # dict that leaves them out (a hand-written dict, an older config.json): a missing key must mean
 # what it means to transformers, never npattn's own guess.  Keys derived from others (Llama's and
@@ -850,6 +892,21 @@ _DEFAULTS: dict = {
         num_experts_per_tok=10,
         num_experts=512,
         norm_topk_prob=True,
+    ),
+    "olmo3": dict(
+        max_position_embeddings=2048,
+        vocab_size=50304,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        pad_token_id=1,
+        eos_token_id=50279,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        sliding_window=4096,
     ),
 }
 
@@ -1108,6 +1165,7 @@ _READERS = {
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
     "qwen3_next": _qwen3_next,
+    "olmo3": _olmo3,
 }
 
 
@@ -1121,7 +1179,7 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     ----------
     config : mapping
         The config; ``config["model_type"]`` is one of ``llama``, ``qwen3``, ``gemma3_text``,
-        ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``.
+        ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``, ``olmo3``.
 
     Returns
     -------

@@ -366,6 +366,19 @@ TINY_CONFIGS: dict = {
         shared_expert_intermediate_size=8,
         partial_rotary_factor=0.5,
     ),
+    "olmo3": dict(
+        _BASE,
+        model_type="olmo3",
+        num_hidden_layers=2,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        },
+        attention_bias=True,
+        eos_token_id=2,
+    ),
 }
 
 

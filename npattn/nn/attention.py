@@ -84,7 +84,10 @@ class MultiHeadAttention(MultiHeadAttentionCore):
       rotation of their call), exactly as in Hugging Face's models.
     - ``qk_norm_eps``: the QK-norm's eps (default ``RMSNorm``'s: the dtype's machine epsilon);
       ``qk_norm_unit_offset=True``: ``x_norm * (1 + weight)`` with the weight zeros at start
-      (Gemma 3's and Qwen3-Next's RMSNorm; the state dict holds that weight as they do).
+      (Gemma 3's and Qwen3-Next's RMSNorm; the state dict holds that weight as they do);
+      ``qk_norm_scope="all_heads"``: one RMSNorm over all heads' features of a token instead of
+      each head's (OLMo 2/3's ``q_norm``/``k_norm`` over the whole projection, weights
+      ``(num_heads * head_dim,)`` and ``(num_kv_heads * head_dim,)``).
     - ``output_gate=True`` (Qwen3-Next's gated attention): ``W_query`` is
       ``(2 * num_heads * head_dim, d_in)``, each head's ``2 head_dim`` outputs its query then its
       gate ``g``; the attention output (heads merged) is multiplied by ``sigmoid(g)`` before
@@ -149,6 +152,7 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         qk_norm: bool = False,
         qk_norm_eps: float | None = None,
         qk_norm_unit_offset: bool = False,
+        qk_norm_scope: str = "head",
         head_dim: int | None = None,
         scale: float | None = None,
         rope_scaling=None,
@@ -164,7 +168,8 @@ class MultiHeadAttention(MultiHeadAttentionCore):
             d_in, d_out, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias, causal=causal,
             num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, memory_efficient=memory_efficient, window=window,
             causal_align=causal_align, softcap=softcap, alibi=alibi, sinks=sinks, rope=rope, rope_base=rope_base,
-            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_unit_offset=qk_norm_unit_offset, head_dim=head_dim,
+            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_unit_offset=qk_norm_unit_offset,
+            qk_norm_scope=qk_norm_scope, head_dim=head_dim,
             scale=scale, rope_scaling=rope_scaling, partial_rotary_factor=partial_rotary_factor,
             rope_interleaved=rope_interleaved, output_gate=output_gate, rng=rng, dtype=dtype,
         )  # fmt: skip

@@ -57,6 +57,7 @@ from .module import Module, Parameter, is_grad_enabled
 __all__ = ["MultiHeadAttentionCore"]
 
 _MASK_NAMES = ("attn_mask", "key_padding_mask")
+QK_NORM_SCOPES = ("head", "all_heads")  # QK-norm over each head's features, or over all heads' of a token
 
 
 class Projected(NamedTuple):
@@ -157,6 +158,7 @@ class MultiHeadAttentionCore(Module):
         qk_norm: bool = False,
         qk_norm_eps: float | None = None,
         qk_norm_unit_offset: bool = False,
+        qk_norm_scope: str = "head",
         head_dim: int | None = None,
         scale: float | None = None,
         rope_scaling=None,
@@ -181,6 +183,9 @@ class MultiHeadAttentionCore(Module):
         self.qk_norm = check_bool(qk_norm, "qk_norm")
         qk_norm_eps = None if qk_norm_eps is None else check_positive_float(qk_norm_eps, "qk_norm_eps", allow_zero=True)
         self.qk_norm_unit_offset = check_bool(qk_norm_unit_offset, "qk_norm_unit_offset")
+        if qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope: expected one of {list(QK_NORM_SCOPES)}, got {qk_norm_scope!r}")
+        self.qk_norm_scope = qk_norm_scope
         self.output_gate = check_bool(output_gate, "output_gate")
         self._dtype = check_dtype(dtype)
         self.rng = as_rng(rng)
@@ -266,11 +271,16 @@ class MultiHeadAttentionCore(Module):
         self.out_proj = Linear(inner, self.d_out, out_bias, rng=self.rng, dtype=self._dtype)
 
     def _init_qk_norm(self, eps) -> None:
-        self.q_norm = RMSNorm(self.head_dim, eps=eps, dtype=self._dtype)
-        self.k_norm = RMSNorm(self.head_dim, eps=eps, dtype=self._dtype)
+        """``q_norm``, ``k_norm``: ``(head_dim,)`` weights, or with ``qk_norm_scope="all_heads"``
+        one weight over every head's features (``(num_heads * head_dim,)``, ``(num_kv_heads * head_dim,)``)."""
+        heads = self.qk_norm_scope == "all_heads"
+        nq = self.num_heads * self.head_dim if heads else self.head_dim
+        nk = self.num_kv_heads * self.head_dim if heads else self.head_dim
+        self.q_norm = RMSNorm(nq, eps=eps, dtype=self._dtype)
+        self.k_norm = RMSNorm(nk, eps=eps, dtype=self._dtype)
         if self.qk_norm_unit_offset:  # x_norm * (1 + weight): the weight starts at zero
-            self.q_norm.weight = Parameter(np.zeros(self.head_dim), self._dtype)
-            self.k_norm.weight = Parameter(np.zeros(self.head_dim), self._dtype)
+            self.q_norm.weight = Parameter(np.zeros(nq), self._dtype)
+            self.k_norm.weight = Parameter(np.zeros(nk), self._dtype)
 
     # -- the attention options, read by name --------------------------------------------------
     @property
@@ -377,6 +387,39 @@ class MultiHeadAttentionCore(Module):
         """The weight the QK-norm multiplies by: ``weight``, or ``1 + weight`` (unit offset)."""
         w = norm.weight.data
         return w + 1 if self.qk_norm_unit_offset else w
+
+    # QK-norm on heads ``(..., h, L, hd)``: over each head's ``hd`` features, or with
+    # ``qk_norm_scope="all_heads"`` over all ``h * hd`` features of a token (OLMo 2/3 normalise the
+    # whole projection): the heads' view ``(..., L, h, hd)`` normalised over its last two axes with
+    # the weight seen as ``(h, hd)``; the gradients come back in the heads' layout, the weight's flat.
+    def _qk_heads(self, x):
+        return x.swapaxes(-2, -3) if self.qk_norm_scope == "all_heads" else x
+
+    def _qk_w(self, w, h: int):
+        return w if w is None or self.qk_norm_scope == "head" else w.reshape(h, self.head_dim)
+
+    def _qk_norm(self, x, norm):
+        """``(normed x, cache)``."""
+        y, c = K.rms_norm(self._qk_heads(x), self._qk_w(self._qk_weight(norm), x.shape[-3]), norm.eps)
+        return self._qk_heads(y), c
+
+    def _qk_norm_backward(self, dy, cache):
+        """``(dx, dweight)`` (the weight's flat shape)."""
+        dx, dw = K.rms_norm_backward(self._qk_heads(dy), cache)
+        return self._qk_heads(dx), dw.reshape(-1)
+
+    def _qk_norm_jvp(self, cache, t, tw):
+        """The output's tangent along ``t`` (heads' layout) and the weight's ``tw`` (flat or None)."""
+        return self._qk_heads(K.rms_norm_jvp(cache, self._qk_heads(t), self._qk_w(tw, t.shape[-3])))
+
+    def _qk_norm_backward_jvp(self, dy, cache, t, tw, tdy):
+        """``((dx, dweight), (their tangents))`` along ``t``, ``tw`` and ``tdy``."""
+        h, q = dy.shape[-3], self._qk_heads
+        tdy = None if tdy is None else q(tdy)
+        t = None if t is None else q(t)
+        (dx, dw), (tdx, tdw) = K.rms_norm_backward_jvp(q(dy), cache, (t, self._qk_w(tw, h)), tdy)
+        flat = (lambda a: a) if self.qk_norm_scope == "head" else (lambda a: None if a is None else a.reshape(-1))
+        return (q(dx), flat(dw)), (q(tdx), flat(tdw))
 
     def _rolling_keep(self) -> int | None:
         """How many past tokens a later query can still see (a rolling KV cache), None for all."""
@@ -567,8 +610,8 @@ class MultiHeadAttentionCore(Module):
         at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows)."""
         qn = kn = qr = kr = None
         if self.qk_norm:
-            qh, qn = K.rms_norm(qh, self._qk_weight(self.q_norm), self.q_norm.eps)
-            kh, kn = K.rms_norm(kh, self._qk_weight(self.k_norm), self.k_norm.eps)
+            qh, qn = self._qk_norm(qh, self.q_norm)
+            kh, kn = self._qk_norm(kh, self.k_norm)
         if self.rope:
             ropt = dict(
                 base=self.rope_base,
@@ -692,8 +735,8 @@ class MultiHeadAttentionCore(Module):
             dqh = K.rope_backward(dqh, pos.q_rope)
             dkh = K.rope_backward(dkh, pos.k_rope)
         if pos.q_norm is not None:
-            dqh, dwq = K.rms_norm_backward(dqh, pos.q_norm)
-            dkh, dwk = K.rms_norm_backward(dkh, pos.k_norm)
+            dqh, dwq = self._qk_norm_backward(dqh, pos.q_norm)
+            dkh, dwk = self._qk_norm_backward(dkh, pos.k_norm)
             self.accumulate_grad(cast(Parameter, self.q_norm.weight), dwq)
             self.accumulate_grad(cast(Parameter, self.k_norm.weight), dwk)
         return dqh, dkh
@@ -755,8 +798,8 @@ class MultiHeadAttentionCore(Module):
         pos = st.position
         tq1, tk1 = tq0, tk0
         if pos.q_norm is not None:  # the weight is w or 1 + w: its tangent is tw either way
-            tq1 = K.rms_norm_jvp(pos.q_norm, tq0, pt.get(self.q_norm.weight))
-            tk1 = K.rms_norm_jvp(pos.k_norm, tk0, pt.get(self.k_norm.weight))
+            tq1 = self._qk_norm_jvp(pos.q_norm, tq0, pt.get(self.q_norm.weight))
+            tk1 = self._qk_norm_jvp(pos.k_norm, tk0, pt.get(self.k_norm.weight))
         tq2, tk2 = tq1, tk1
         if pos.q_rope is not None:
             tq2, tk2 = K.rope_jvp(pos.q_rope, tq1), K.rope_jvp(pos.k_rope, tk1)
@@ -836,8 +879,8 @@ class MultiHeadAttentionCore(Module):
             dk, tdk = K.rope_backward_jvp(dk, pos.k_rope, (tg.normed[1],), tdk)
         if pos.q_norm is not None:
             wq, wk = cast(Parameter, self.q_norm.weight), cast(Parameter, self.k_norm.weight)
-            (dq, dwq), (tdq, tdwq) = K.rms_norm_backward_jvp(dq, pos.q_norm, (tg.projected[0], pt.get(wq)), tdq)
-            (dk, dwk), (tdk, tdwk) = K.rms_norm_backward_jvp(dk, pos.k_norm, (tg.projected[1], pt.get(wk)), tdk)
+            (dq, dwq), (tdq, tdwq) = self._qk_norm_backward_jvp(dq, pos.q_norm, tg.projected[0], pt.get(wq), tdq)
+            (dk, dwk), (tdk, tdwk) = self._qk_norm_backward_jvp(dk, pos.k_norm, tg.projected[1], pt.get(wk), tdk)
             self._accumulate_second(((wq, dwq, tdwq), (wk, dwk, tdwk)))
         grads = (self._join_query(dq, dgate), self._merge(dk), self._merge(dv))
         tangents = (self._join_query(tdq, tdgate), self._merge(tdk), self._merge(tdv))

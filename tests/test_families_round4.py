@@ -1,0 +1,282 @@
+"""The families of issue 30 in ``CausalLM`` against transformers' own model classes (eager
+attention, float64 with transformers' float32 casts made float64): logits to 1e-9, every
+parameter's gradient to 1e-8 by its Hugging Face name, cached decoding and padded batches to
+1e-10, the state dict and ``from_pretrained`` round trips, short config dicts read as transformers
+reads them, and options refused by name.  Skipped without torch/transformers.
+
+OLMo 3 (``olmo3``): post-norm blocks (``x + post_attention_layernorm(attn(x))``, then
+``x + post_feedforward_layernorm(mlp(x))``, no norm before a sublayer), q/k RMSNorm over the whole
+projection (weights ``(heads * head_dim,)``), sliding-window layers (three of four by default) with
+one RoPE dict per layer type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+T = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from _hf64 import build, float64_reference, hf_logits_and_grads, state_dict  # noqa: E402
+from _oracles import rel_err  # noqa: E402
+
+import npattn  # noqa: E402
+from npattn import no_grad  # noqa: E402
+from npattn.models import CausalLM, config_from_hf  # noqa: E402
+from npattn.models.tiny import tiny_config  # noqa: E402
+from npattn.nn.attention import MultiHeadAttention  # noqa: E402
+
+
+def _kwargs(family: str, **changes) -> dict:
+    d = tiny_config(family, **changes)
+    d.pop("model_type")
+    return d
+
+
+# each case: (config class, model class, the config's keyword arguments)
+CASES = {
+    # the tiny table's entry: a window of 3 keys (shorter than the sequences), one RoPE base per
+    # layer type, biases, grouped-query attention
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _kwargs("olmo3")),
+    # the default layer pattern (sliding, sliding, sliding, full), head_dim apart from
+    # hidden / heads, YaRN on the full-attention layers only, a tied head, no biases
+    "olmo3_default_layers": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        _kwargs(
+            "olmo3",
+            num_hidden_layers=4,
+            layer_types=None,
+            head_dim=6,
+            num_key_value_heads=1,
+            attention_bias=False,
+            tie_word_embeddings=True,
+            sliding_window=4,
+            max_position_embeddings=32,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 300.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 2000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 8,
+                },
+            },
+        ),
+    ),
+}
+
+
+def _case(name):
+    cfg_cls, model_cls, kwargs = CASES[name]
+    return build(getattr(T, cfg_cls), getattr(T, model_cls), **kwargs)
+
+
+def _ids(vocab, shape=(2, 9), seed=0):
+    ids = np.random.default_rng(seed).integers(0, vocab, shape)
+    ids[0, 1] = 1  # OLMo's pad_token_id: its embedding row is looked up too
+    return ids
+
+
+def _hf_logits(hf, ids, **kwargs):
+    with float64_reference(), torch.no_grad():
+        return hf(input_ids=torch.from_numpy(ids), use_cache=False, **kwargs).logits.numpy()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_and_every_gradient_match_transformers(name):
+    hf, cfg = _case(name)
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    assert m.dtype == np.float64
+    ids = _ids(cfg["vocab_size"])
+    dlogits = np.random.default_rng(1).standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    assert rel_err(m(ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    names = dict(m.named_parameters())
+    assert set(names) == set(ref_grads), set(names) ^ set(ref_grads)
+    for n, p in names.items():
+        assert rel_err(p.grad, ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cached_decoding_matches_transformers(name):
+    """Nine tokens through a window of 3 or 4 keys: the sliding layers' cache rolls."""
+    hf, cfg = _case(name)
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    ids = _ids(cfg["vocab_size"], seed=3)
+    ref = _hf_logits(hf, ids)
+    m.reset_kv_cache()
+    with no_grad():
+        parts = [m(ids[:, :4], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(4, 9)]
+    assert rel_err(np.concatenate(parts, axis=1), ref, floor=1e-300, relative_to="max_b") < 1e-10
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_padded_batch_matches_transformers_and_each_row_alone(name):
+    hf, cfg = _case(name)
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    rng = np.random.default_rng(4)
+    lens, L = (7, 4, 1), 7
+    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
+    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
+    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)  # generate's, as transformers 5.24
+    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
+    with no_grad():
+        out = m(ids, attention_mask=mask)
+        real = mask.astype(bool)
+        assert rel_err(out[real], ref[real], floor=1e-300, relative_to="max_b") < 1e-10
+        for i, n in enumerate(lens):
+            alone = m(ids[i : i + 1, L - n :])[0]
+            assert rel_err(out[i, L - n :], alone, floor=1e-300, relative_to="max_b") < 1e-10, i
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_state_dict_and_from_pretrained_round_trip(name, tmp_path):
+    hf, cfg = _case(name)
+    sd = state_dict(hf)
+    m = CausalLM.from_hf(sd, cfg)
+    mine = m.state_dict()
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight")  # listed once, as save_pretrained does
+    assert set(mine) == set(sd)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(mine[k], v)
+    hf.save_pretrained(tmp_path)  # transformers' own config.json and safetensors
+    loaded = CausalLM.from_pretrained(tmp_path)
+    assert loaded.dtype == np.float64 and loaded.config == m.config
+    ids = _ids(cfg["vocab_size"])
+    with no_grad():
+        np.testing.assert_array_equal(loaded(ids), m(ids))
+
+
+def test_olmo3_blocks_are_post_norm_with_whole_projection_qk_norm():
+    hf, cfg = _case("olmo3")
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    c = m.config
+    assert not c.pre_norm and c.sandwich_norm and c.qk_norm_scope == "all_heads"
+    layer = m.model.layers[0]
+    names = {n for n, _ in layer.named_parameters()}
+    assert not {"input_layernorm.weight", "pre_feedforward_layernorm.weight"} & names
+    assert {"post_attention_layernorm.weight", "post_feedforward_layernorm.weight"} <= names
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], c.head_dim
+    assert layer.self_attn.q_norm.weight.shape == (heads * hd,)
+    assert layer.self_attn.k_norm.weight.shape == (kv * hd,)
+    assert c.layer_types == ("sliding_attention", "full_attention") and c.sliding_window == 3
+    assert c.rope["sliding_attention"]["rope_theta"] == 1000.0 and c.rope["full_attention"]["rope_theta"] == 5000.0
+
+
+@pytest.mark.parametrize(
+    "short",
+    [
+        dict(
+            model_type="olmo3",
+            vocab_size=41,
+            hidden_size=16,
+            intermediate_size=24,
+            num_attention_heads=2,
+            num_hidden_layers=5,
+        ),
+        # the legacy rope_theta: transformers gives it to the full-attention layers only
+        dict(
+            model_type="olmo3",
+            vocab_size=41,
+            hidden_size=16,
+            intermediate_size=24,
+            num_attention_heads=4,
+            num_hidden_layers=4,
+            rope_theta=700.0,
+        ),
+        # the legacy rope_scaling: merged into the full-attention layers' dict
+        dict(
+            model_type="olmo3",
+            vocab_size=41,
+            hidden_size=16,
+            intermediate_size=24,
+            num_attention_heads=4,
+            num_hidden_layers=4,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ],
+)
+def test_short_config_dicts_mean_what_they_mean_to_transformers(short):
+    full = T.AutoConfig.for_model(**short).to_dict()
+    meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)  # not the network
+    a, b = config_from_hf(short), config_from_hf(full)
+    assert a.replace(**meta) == b.replace(**meta)
+    assert a.rope == b.rope and a.layer_types == tuple(full["layer_types"])
+
+
+def test_olmo3_refusals_name_the_key():
+    with pytest.raises(ValueError, match="'use_bidirectional_attention'"):
+        config_from_hf(tiny_config("olmo3", use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match=r"\['rope_parameters'\]\['rope_type'\].*OLMo 3"):
+        config_from_hf(tiny_config("olmo3", rope_parameters={"rope_type": "default", "rope_theta": 10.0}))
+    with pytest.raises(ValueError, match="'chunked_attention'"):
+        config_from_hf(tiny_config("olmo3", layer_types=["sliding_attention", "chunked_attention"]))
+    with pytest.raises(ValueError, match="qk_norm_scope"):
+        MultiHeadAttention(16, 16, 4, qk_norm=True, qk_norm_scope="token")
+
+
+def _torch_whole_projection_query(mha, x):
+    """transformers' OLMo query: RMSNorm over all heads' features of the projection."""
+    W = torch.from_numpy(mha.W_query.weight.data)
+    w = torch.from_numpy(mha.q_norm.weight.data)
+    q = torch.from_numpy(x) @ W.T
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + mha.q_norm.eps) * w
+    return q
+
+
+def test_whole_projection_qk_norm_gradients_and_jvp_against_central_differences():
+    """The module alone (RoPE, one KV head for three query heads): backward and JVP of
+    ``qk_norm_scope="all_heads"`` against central differences, the normalised query against
+    transformers' whole-projection RMSNorm, gradcheck and gradgradcheck."""
+    rng = np.random.default_rng(0)
+    mha = MultiHeadAttention(
+        12, 12, 3, num_kv_heads=1, head_dim=4, causal=True, rope=True, qk_norm=True, qk_norm_eps=1e-5,
+        qk_norm_scope="all_heads", rng=0,
+    )  # fmt: skip
+    for p in (mha.q_norm.weight, mha.k_norm.weight):
+        p.data[...] = 1 + 0.3 * rng.standard_normal(p.data.shape)
+    x = rng.standard_normal((2, 5, 12))
+    dy = rng.standard_normal((2, 5, 12))
+    tx = rng.standard_normal(x.shape)
+    tw = rng.standard_normal(mha.q_norm.weight.shape)
+    y = mha(x)
+    ty = mha.jvp(tx, param_tangents={"q_norm.weight": tw})
+    mha.zero_grad()
+    dx = mha.backward(dy)
+
+    def f(xx):
+        with no_grad():
+            return float((mha(xx) * dy).sum())
+
+    eps = 1e-6
+    fd = (f(x + eps * tx) - f(x - eps * tx)) / (2 * eps)
+    assert abs((dx * tx).sum() - fd) < 1e-7 * max(1.0, abs(fd))
+    for p in (mha.q_norm.weight, mha.k_norm.weight):
+        tp = rng.standard_normal(p.data.shape)
+        p.data += eps * tp
+        up = f(x)
+        p.data -= 2 * eps * tp
+        down = f(x)
+        p.data += eps * tp
+        fd = (up - down) / (2 * eps)
+        assert abs((p.grad * tp).sum() - fd) < 1e-7 * max(1.0, abs(fd))
+    # JVP along the input and the q-norm's weight against central differences of the output
+    with no_grad():
+        mha.q_norm.weight.data += eps * tw
+        up = mha(x + eps * tx)
+        mha.q_norm.weight.data -= 2 * eps * tw
+        down = mha(x - eps * tx)
+        mha.q_norm.weight.data += eps * tw
+    assert rel_err(ty, (up - down) / (2 * eps), floor=1e-300, relative_to="max_b") < 1e-7
+    # the normalised query is torch's whole-projection RMSNorm
+    q = _torch_whole_projection_query(mha, x).numpy()
+    qh = mha._qk_norm(mha._split(x @ mha.W_query.weight.data.T, 3), mha.q_norm)[0]
+    assert rel_err(qh.swapaxes(-2, -3).reshape(q.shape), q, floor=1e-300, relative_to="max_b") < 1e-13
+    assert y.shape == x.shape and ty.shape == y.shape
+    # every gradient and the second order (backward_jvp) by npattn's own checks
+    assert npattn.gradcheck(mha, x).ok and npattn.gradgradcheck(mha, x).ok
