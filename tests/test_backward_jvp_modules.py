@@ -563,16 +563,35 @@ def test_router_second_order(kw):
     check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)
 
 
-def test_experts_without_their_pair_say_so():
-    from npattn.nn.moe import SparseMoeBlock
+@pytest.mark.parametrize("cls", ["Experts", "GptOssExperts"])
+def test_experts_second_order(cls):
+    """Three inputs ``(x, top_k_index, top_k_weights)``: the indices take no tangent; ``dx`` and
+    ``dx_tangent`` are ``(dx, dtop_k_weights)`` pairs."""
+    import npattn.nn.moe as moe
 
     rng = np.random.default_rng(21)
-    m = SparseMoeBlock(4, 4, 2, 3, rng=0)
-    x = rng.standard_normal((3, 4))
-    y = m(x)
-    with pytest.raises(NotImplementedError, match="moe_experts_backward_jvp"):
-        m.backward_jvp(np.ones_like(y))
-    m.backward(np.ones_like(y))  # nothing consumed
+    m = getattr(moe, cls)(4, 5, 3, rng=0)
+    _perturb(m, rng)
+    x, idx, w = rng.standard_normal((2, 3, 5)), rng.integers(0, 4, (2, 3, 2)), rng.random((2, 3, 2))
+    tdx = check_second_order(m, (x, idx, w), rng)
+    assert len(tdx) == 2
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(shared_intermediate_size=3, shared_expert_gate=True, norm_topk_prob=True),
+        dict(shared_intermediate_size=3, router="sigmoid", routed_scaling_factor=1.5),
+        dict(experts="gpt_oss", router="topk_softmax", router_bias=True),
+    ],
+)
+def test_sparse_moe_block_second_order(kw):
+    from npattn.nn.moe import SparseMoeBlock
+
+    rng = np.random.default_rng(22)
+    m = SparseMoeBlock(5, 4, 2, 3, rng=0, **kw)
+    _perturb(m, rng, scale=0.5)
+    check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)
 
 
 def test_gated_delta_net_without_its_pair_says_so():

@@ -59,6 +59,7 @@ from ..functional.moe import (
     check_real,
     check_router_options,
     check_routing,
+    moe_experts_backward_jvp,
     sigmoid,
     topk_router_backward_jvp,
 )
@@ -447,18 +448,26 @@ class _SortedExperts(Module):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``input_tangents`` are ``(tx, None, ttop_k_weights)`` (the indices have
         no tangent); returns ``ty (..., H)``."""
+        tx, tw = self._input_tangents(state, input_tangents, "jvp")
+        return self._jvp_flat(state, tx, tw, param_tangents).reshape(state.lead + (self.hidden_size,))
+
+    def _input_tangents(self, state: ExpertsCache, input_tangents, method: str):
+        """``(tx (N, H), tw (N, k))`` checked from ``(tx, None, ttop_k_weights)`` (the indices have
+        no tangent), each None for zero."""
         if len(input_tangents) > 3:
-            raise TypeError(f"{type(self).__name__}.jvp: expected at most 3 input tangents, got {len(input_tangents)}")
+            raise TypeError(
+                f"{type(self).__name__}.{method}: expected at most 3 input tangents, got {len(input_tangents)}"
+            )
         tx, tidx, tw = tuple(input_tangents) + (None,) * (3 - len(input_tangents))
         if tidx is not None:
-            raise TypeError(f"{type(self).__name__}.jvp: top_k_index has no tangent; expected None")
+            raise TypeError(f"{type(self).__name__}.{method}: top_k_index has no tangent; expected None")
         cache, lead = state
         n, k, dtype = math.prod(lead), cache.k, cache.hs.dtype
         if tx is not None:
             tx = check_tangent(tx, "tx", lead + (self.hidden_size,), dtype).reshape(n, self.hidden_size)
         if tw is not None:
             tw = check_tangent(tw, "ttop_k_weights", lead + (k,), dtype).reshape(n, k)
-        return self._jvp_flat(state, tx, tw, param_tangents).reshape(lead + (self.hidden_size,))
+        return tx, tw
 
     def _jvp_flat(self, state: ExpertsCache, tx, tw, param_tangents) -> np.ndarray:
         """``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)`` by ``moe_experts_jvp``."""
@@ -466,10 +475,25 @@ class _SortedExperts(Module):
         return K.moe_experts_jvp(state.experts, tx, tw, *tparams)
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        raise NotImplementedError(
-            f"{type(self).__name__}.backward_jvp: the second order of the experts needs the functional pair "
-            "moe_experts_backward_jvp, which npattn does not have yet"
+        """Second order: ``backward_jvp(dy, tx, None, ttop_k_weights, ...) -> ((dx, dtop_k_weights),
+        their tangents)`` by ``moe_experts_backward_jvp`` (the indices have no tangent)."""
+        tx, tw = self._input_tangents(state, input_tangents, "backward_jvp")
+        lead, n, k = state.lead, math.prod(state.lead), state.experts.k
+        flat = (dy.reshape(n, self.hidden_size), None if ddy is None else ddy.reshape(n, self.hidden_size))
+        (dx, dw), (tdx, tdw) = self._backward_jvp_flat(state, flat[0], tx, tw, param_tangents, flat[1])
+        shapes = (lead + (self.hidden_size,), lead + (k,))
+        return (dx.reshape(shapes[0]), dw.reshape(shapes[1])), (tdx.reshape(shapes[0]), tdw.reshape(shapes[1]))
+
+    def _backward_jvp_flat(self, state: ExpertsCache, dy, tx, tw, param_tangents, ddy):
+        """``dy (N, H)`` -> ``((dx, dw), (tdx, tdw))``; the parameters' gradients and their
+        tangents accumulated."""
+        params = self._pair_params()
+        tparams = [None if p is None else param_tangents.get(p) for p in params]
+        (dx, dw, *dparams), (tdx, tdw, *tdparams) = moe_experts_backward_jvp(  # the checked pair
+            dy, state.experts, (tx, tw, *tparams), ddy
         )
+        self._accumulate_second(zip(params, dparams, tdparams))
+        return (dx, dw), (tdx, tdw)
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
@@ -997,10 +1021,44 @@ class SparseMoeBlock(Module):
         return ty.reshape(lead + (self.hidden_size,))
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        raise NotImplementedError(
-            "SparseMoeBlock.backward_jvp: the second order of the routed experts needs the functional pair "
-            "moe_experts_backward_jvp, which npattn does not have yet"
-        )
+        """Second order: the router's weight tangent and the shared part's tangents first (as
+        ``_jvp``), then the experts' ``backward_jvp`` (``dx``, ``dw`` and their tangents), the
+        router's on ``(dw, tdw)``, and the shared part ``y += g s`` by the product rule: ``ds = g
+        dy`` with ``tds = tg dy + g tdy``; ``dz = c g (1 - g)``, ``c = <dy, s>``, with ``tdz = tc g
+        (1 - g) + c (1 - 2 g) tg``, ``tc = <tdy, s> + <dy, ts>``."""
+        tx = input_tangent(input_tangents, "SparseMoeBlock", "backward_jvp")
+        g, s, lead = state
+        pt = param_tangents
+        router, experts = self.router_module, self.experts
+        xr = router.saved_state().linear.x
+        if tx is not None:
+            tx = check_tangent(tx, "tx", lead + (self.hidden_size,), xr.dtype).reshape(xr.shape)
+        dy = dy.reshape(xr.shape)
+        ddy = np.zeros_like(dy) if ddy is None else ddy.reshape(xr.shape)
+        tw = router._jvp_flat(router.saved_state(), tx, pt)
+        shared, gate = self.shared_module, self.shared_gate_module
+        ts = tgz = None
+        if shared is not None:
+            ts = self._child_jvp(shared, -1, (tx,), pt)
+            tgz = None if gate is None else self._child_jvp(gate, -1, (tx,), pt)
+        (dx, dw), (tdx, tdw) = experts._backward_jvp_flat(experts.pop_saved(), dy, tx, tw, pt, ddy)
+        dxr, tdxr = router._backward_jvp_flat(router.pop_saved(), dw, tx, pt, tdw)
+        dx += dxr
+        tdx += tdxr
+        if shared is not None:
+            if gate is not None:
+                tg = g * (1.0 - g) * tgz
+                c = np.einsum("nh,nh->n", dy, s)[:, None]
+                tc = (np.einsum("nh,nh->n", ddy, s) + np.einsum("nh,nh->n", dy, ts))[:, None]
+                dz, tdz = c * g * (1.0 - g), tc * g * (1.0 - g) + c * (1.0 - 2.0 * g) * tg
+                dxg, tdxg = self._child_backward_jvp(gate, dz, (tx,), pt, tdz)
+                dxs, tdxs = self._child_backward_jvp(shared, dy * g, (tx,), pt, ddy * g + dy * tg)
+                dx, tdx = dx + dxg + dxs, tdx + tdxg + tdxs
+            else:
+                dxs, tdxs = self._child_backward_jvp(shared, dy, (tx,), pt, ddy)
+                dx, tdx = dx + dxs, tdx + tdxs
+        shape = lead + (self.hidden_size,)
+        return dx.reshape(shape), tdx.reshape(shape)
 
     # -- from a Hugging Face config ------------------------------------------------------------
     @classmethod
