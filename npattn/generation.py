@@ -473,7 +473,7 @@ def stream_tokens(
       1: off), as transformers' temperature, top-k and top-p warpers in that order (where
       transformers' ``GenerationConfig`` leaves ``top_k`` unset it uses 50: pass ``top_k=50`` for
       its default);
-    * ``eos_token_id`` (an id or a list of ids): a row that has produced one is finished and
+    * ``eos_token_id`` (an id or a list of ids; None or ``[]``: none): a row that has produced one is finished and
       continues with ``pad_token_id`` (None: the first eos id); the loop stops when every row is
       finished, so fewer than ``max_new_tokens`` steps may come;
     * ``attention_mask``: ``(B, L)``, 1 for a token and 0 for (left) padding, as transformers
