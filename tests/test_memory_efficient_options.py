@@ -575,8 +575,8 @@ def test_float32_stays_float32_with_options():
 
 
 def test_kernels_reexport_the_unchecked_pair():
-    assert kernels.memory_efficient_attention is me._memory_efficient_attention
-    assert kernels.memory_efficient_attention_backward is me._memory_efficient_attention_backward
+    assert kernels.memory_efficient_attention is me.memory_efficient_attention_kernel
+    assert kernels.memory_efficient_attention_backward is me.memory_efficient_attention_backward_kernel
     rng = np.random.default_rng(16)
     q, k, v, dout = _inputs(rng)
     kw = dict(is_causal=True, enable_gqa=True, sinks=rng.standard_normal(4), window=(2, 0))

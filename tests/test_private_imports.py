@@ -21,6 +21,7 @@ import npattn.nn.moe as nmoe
 
 # by import_module: the package's attributes embedding, linear, rope ... are the ops, not the files
 activation = importlib.import_module("npattn.functional.activation")
+attention = importlib.import_module("npattn.functional.attention")
 conv = importlib.import_module("npattn.functional.conv")
 delta_rule = importlib.import_module("npattn.functional.delta_rule")
 embedding = importlib.import_module("npattn.functional.embedding")
@@ -28,11 +29,15 @@ kda = importlib.import_module("npattn.functional.kda")
 kernels = importlib.import_module("npattn.functional.kernels")
 linear = importlib.import_module("npattn.functional.linear")
 loss = importlib.import_module("npattn.functional.loss")
+memory_efficient = importlib.import_module("npattn.functional.memory_efficient")
 fmoe = importlib.import_module("npattn.functional.moe")
 norm = importlib.import_module("npattn.functional.norm")
 frope = importlib.import_module("npattn.functional.rope")
 rope_scaling = importlib.import_module("npattn.functional.rope_scaling")
-OP_FILES = [activation, conv, delta_rule, embedding, linear, loss, fmoe, norm, frope]
+OP_FILES = [activation, attention, conv, delta_rule, embedding, linear, loss, memory_efficient, fmoe, norm, frope]
+gradcheck = importlib.import_module("npattn.testing.gradcheck")
+gradgradcheck = importlib.import_module("npattn.testing.gradgradcheck")
+check = importlib.import_module("npattn.tools.check")
 
 
 def _private_imports(module):
@@ -46,7 +51,9 @@ def _private_imports(module):
     ]
 
 
-@pytest.mark.parametrize("module", [nmoe, layers, delta_net, kda, *OP_FILES], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [nmoe, layers, delta_net, kda, kernels, gradgradcheck, check, *OP_FILES], ids=lambda m: m.__name__
+)
 def test_no_private_name_imported_from_another_file(module):
     assert inspect.ismodule(module)
     assert _private_imports(module) == []
@@ -57,6 +64,7 @@ def test_no_private_name_imported_from_another_file(module):
     [
         (layers, ("check_features", "input_tangent", "gated_unit", "gated_unit_backward", "gated_unit_jvp")),
         (fmoe, ("sigmoid",)),
+        (gradcheck, ("companion",)),
         (rope_scaling, ("check_scaling", "resolve_base", "resolve_rotary_dim", "inverse_frequencies")),
         (
             delta_rule,
@@ -89,3 +97,13 @@ def test_each_op_has_its_public_kernel_outside_all(module):
         assert callable(kernel) and op + "_kernel" not in module.__all__, op
         assert getattr(kernels, op) is kernel, op
         assert op + "_kernel" not in F.__all__, op
+
+
+def test_gradgradcheck_is_gradchecks_second_order_at_every_path():
+    """One engine for first and second order: the old module path re-exports the same function."""
+    import npattn
+    import npattn.testing
+
+    assert gradgradcheck.gradgradcheck is gradcheck.gradgradcheck is npattn.gradgradcheck
+    assert npattn.testing.gradgradcheck is npattn.gradgradcheck
+    assert "gradgradcheck" in gradcheck.__all__

@@ -2,8 +2,8 @@
 attention options (``causal_align``, ``window``, ``alibi_slopes``, ``softcap``, ``sinks``, ``mask_grad``).
 
 ``scaled_dot_product_attention`` / ``scaled_dot_product_attention_backward`` are the public pair:
-they validate and cast their arguments, then call the kernels ``_scaled_dot_product_attention`` /
-``_scaled_dot_product_attention_backward`` (re-exported by ``npattn.functional.kernels``), which
+they validate and cast their arguments, then call the kernels ``scaled_dot_product_attention_kernel`` /
+``scaled_dot_product_attention_backward_kernel`` (re-exported by ``npattn.functional.kernels``), which
 take already checked arguments plus two layout extras for ``MultiHeadAttention``'s fused buffer.
 """
 
@@ -307,10 +307,12 @@ def scaled_dot_product_attention(
     scale = check_scale(scale, q.shape[-1])
     rng = as_rng(rng) if dropout_p > 0.0 or rng is not None else None
     opts = check_options(score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
-    return _scaled_dot_product_attention(q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa, options=opts)
+    return scaled_dot_product_attention_kernel(
+        q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa, options=opts
+    )
 
 
-def _scaled_dot_product_attention(
+def scaled_dot_product_attention_kernel(
     q,
     k,
     v,
@@ -530,10 +532,10 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     check_cache(cache, AttentionCache, "scaled_dot_product_attention_backward")
     q, v = cache.q, cache.v
     dout = check_grad(dout, q.shape[:-1] + (v.shape[-1],), q.dtype)
-    return _scaled_dot_product_attention_backward(dout, cache)
+    return scaled_dot_product_attention_backward_kernel(dout, cache)
 
 
-def _scaled_dot_product_attention_backward(dout, cache, out=None, workspace=None):
+def scaled_dot_product_attention_backward_kernel(dout, cache, out=None, workspace=None):
     """The kernel of ``scaled_dot_product_attention_backward`` (``dout`` already checked).
     ``out``: optional ``(dq, dk, dv)`` arrays of the right shapes and dtype to write the gradients
     into (e.g. views of ``MultiHeadAttention``'s fused buffer); they are returned in place of new ones.
@@ -715,12 +717,12 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
     """
     check_cache(cache, AttentionCache, "scaled_dot_product_attention_jvp")
     checked = check_tangents_as(tangents, "scaled_dot_product_attention_jvp", cache.q.dtype, _tangent_specs(cache))
-    return _scaled_dot_product_attention_jvp(
+    return scaled_dot_product_attention_jvp_kernel(
         cache, *split_attention_tangents(checked, cache.mask is not None, cache.options.sinks is not None)
     )
 
 
-def _scaled_dot_product_attention_jvp(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
+def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
     """The kernel of ``scaled_dot_product_attention_jvp``: tangents checked (each of its input's
     own shape, q's dtype) or None (zero)."""
     q, k, v, groups = cache.q, cache.k, cache.v, cache.groups
@@ -836,7 +838,7 @@ def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tange
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, op, q.shape[:-1] + (v.shape[-1],), q.dtype, _tangent_specs(cache)
     )
-    return _scaled_dot_product_attention_backward_jvp(dout, cache, tangents, ddout)
+    return scaled_dot_product_attention_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
 def _tangent_specs(cache: AttentionCache) -> tuple:
@@ -849,14 +851,14 @@ def _tangent_specs(cache: AttentionCache) -> tuple:
     )
 
 
-def _scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents=(), ddout=None) -> tuple:
+def scaled_dot_product_attention_backward_jvp_kernel(dout, cache: AttentionCache, tangents=(), ddout=None) -> tuple:
     """The kernel of ``scaled_dot_product_attention_backward_jvp``: ``dout`` (and ``ddout``, None
     for zero) checked, ``tangents`` checked in the backward's order (each None or of its input's
     own shape, q's dtype)."""
     tq, tk, tv, tmask, tsinks = split_attention_tangents(
         tangents, cache.mask is not None, cache.options.sinks is not None
     )
-    grads = _scaled_dot_product_attention_backward(dout, cache)
+    grads = scaled_dot_product_attention_backward_kernel(dout, cache)
     second = _BackwardTangents(cache, dout, ddout, tq, tk, tv, tmask, tsinks)
     for i in range(len(cache.blocks)):
         second.block(i)

@@ -576,7 +576,7 @@ def memory_efficient_attention(
     options = check_options(
         score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad
     )
-    return _memory_efficient_attention(
+    return memory_efficient_attention_kernel(
         q,
         k,
         v,
@@ -663,10 +663,10 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
     """
     check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_backward")
     dout = check_grad(dout, cache.out.shape, cache.q.dtype)
-    return _memory_efficient_attention_backward(dout, cache)
+    return memory_efficient_attention_backward_kernel(dout, cache)
 
 
-def _memory_efficient_attention(
+def memory_efficient_attention_kernel(
     q,
     k,
     v,
@@ -809,7 +809,7 @@ class _OnlineSoftmax:
         np.add(m, l, out=lse_row)
 
 
-def _memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
+def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """The kernel of ``memory_efficient_attention_backward``: ``dout`` already checked (the
     output's shape, ``q``'s dtype) and ``cache`` a ``MemoryEfficientCache``."""
     geo = _cached_geometry(cache)
@@ -1032,12 +1032,14 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
     check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_jvp")
     checked = check_tangents_as(tangents, "memory_efficient_attention_jvp", cache.q.dtype, _tangent_specs(cache))
     has_mask_grad = cache.options.mask_grad and cache.attn_mask is not None
-    return _memory_efficient_attention_jvp(
+    return memory_efficient_attention_jvp_kernel(
         cache, *split_attention_tangents(checked, has_mask_grad, cache.options.sinks is not None)
     )
 
 
-def _memory_efficient_attention_jvp(cache: MemoryEfficientCache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
+def memory_efficient_attention_jvp_kernel(
+    cache: MemoryEfficientCache, tq=None, tk=None, tv=None, tmask=None, tsinks=None
+):
     """The kernel of ``memory_efficient_attention_jvp``: tangents checked (each of its input's own
     shape, q's dtype) or None (zero)."""
     geo = _cached_geometry(cache)
@@ -1244,7 +1246,7 @@ def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, t
     dout, tangents, ddout = check_backward_jvp(
         dout, tangents, ddout, op, cache.out.shape, cache.q.dtype, _tangent_specs(cache)
     )
-    return _memory_efficient_attention_backward_jvp(dout, cache, tangents, ddout)
+    return memory_efficient_attention_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
 def _tangent_specs(cache: MemoryEfficientCache) -> tuple:
@@ -1257,13 +1259,13 @@ def _tangent_specs(cache: MemoryEfficientCache) -> tuple:
     )
 
 
-def _memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, tangents=(), ddout=None) -> tuple:
+def memory_efficient_attention_backward_jvp_kernel(dout, cache: MemoryEfficientCache, tangents=(), ddout=None) -> tuple:
     """The kernel of ``memory_efficient_attention_backward_jvp``: ``dout`` (``ddout``, None for zero)
     and ``tangents`` (the backward's order, each None or of its input's own shape) checked."""
     opts = cache.options
     has_mask_grad = opts.mask_grad and cache.attn_mask is not None
     tq, tk, tv, tmask, tsinks = split_attention_tangents(tangents, has_mask_grad, opts.sinks is not None)
-    grads = _memory_efficient_attention_backward(dout, cache)
+    grads = memory_efficient_attention_backward_kernel(dout, cache)
     geo = _cached_geometry(cache)
     lay, lead, lq, ev = geo.lay, geo.lay.lead, geo.lq, cache.v.shape[-1]
     tan = _tangent_layout(cache, tq, tk, tv, tmask, tsinks)

@@ -44,7 +44,7 @@ from ..nn.delta_net import GatedDeltaNet
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.module import Module
 from ..nn.moe import SparseMoeBlock
-from ..testing.gradcheck import _companion, gradcheck
+from ..testing.gradcheck import companion, gradcheck
 from ..testing.gradgradcheck import gradgradcheck
 
 __all__ = ["cases", "run", "main", "Skipped"]
@@ -201,11 +201,11 @@ def _second_order(target) -> Tuple[Any, str]:
         return (target, "") if found else (None, f"{type(target).__name__} has no backward_jvp")
     if isinstance(target, tuple):
         forward, backward = target[:2]
-        backward_jvp = getattr(backward, "backward_jvp", None) or _companion(backward, "_jvp")
+        backward_jvp = getattr(backward, "backward_jvp", None) or companion(backward, "_jvp")
         if callable(backward_jvp):
             return (forward, backward, backward_jvp), ""
         return None, f"no {backward.__name__}_jvp"
-    found = callable(_companion(target, "_backward_jvp"))
+    found = callable(companion(target, "_backward_jvp"))
     return (target, "") if found else (None, f"no {target.__name__}_backward_jvp")
 
 
