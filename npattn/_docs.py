@@ -66,7 +66,8 @@ def _fill(doc: str, parts: dict[str, str], owner: object) -> str:
 # -- the functional pairs' sections ----------------------------------------------------------------
 # Every fast op's ``op_jvp`` and ``op_backward_jvp`` documents the same arguments, results and errors,
 # with the op's own names: the sections below, filled per op (``<jvp_sections>``,
-# ``<backward_jvp_sections>``), and the last lines of each ``op_jvp`` example (``<fd_check>``).
+# ``<backward_jvp_sections>``; an activation's ``op_backward``: ``<backward_sections>``), and the last
+# lines of each ``op_jvp`` example (``<fd_check>``).
 
 #: The end of every ``op_jvp`` example: ``tout`` against the central difference of ``f`` along the tangent.
 FD_CHECK = """
@@ -114,6 +115,33 @@ def jvp_sections(
     type_error = f"A cache from another op, more than {most}, or a tangent that is not a real array."
     parts = {"tangents": tangents, "returns": returns, "type_error": type_error}
     return _fill(textwrap.dedent(text), {k: _wrapped(v) for k, v in parts.items()}, f"{op}_jvp")
+
+
+def backward_sections(op: str, cache: str, dout: str = ", of ``y``'s shape.") -> str:
+    """The Parameters, Returns and Raises of ``op_backward(dout, cache)`` for an op of one input
+    ``x`` (``dout``: what follows "The upstream gradient")."""
+    return textwrap.dedent(
+        f"""
+        Parameters
+        ----------
+        dout : array_like
+            The upstream gradient{dout}
+        cache : {cache}
+            The cache ``{op}`` returned.
+
+        Returns
+        -------
+        ndarray
+            ``dx``, of ``x``'s shape and dtype.
+
+        Raises
+        ------
+        TypeError
+            A cache from another op, or ``dout`` not a real array.
+        ValueError
+            ``dout`` of the wrong shape.
+        """
+    )
 
 
 #: ``backward_jvp_sections``' errors for an op with several inputs that have tangents.

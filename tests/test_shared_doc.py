@@ -6,6 +6,7 @@ import inspect
 import pkgutil
 import re
 
+import numpy as np
 import pytest
 
 import npattn
@@ -55,3 +56,20 @@ def test_a_part_without_its_marker_is_an_error():
 
     with pytest.raises(ValueError, match=r"f'? has no line <raises>"):
         shared_doc(raises="TypeError")(f)
+
+
+@pytest.mark.parametrize("op", ["relu", "gelu", "silu", "softmax", "dropout"])
+def test_the_activations_backward_sections_are_written_once_and_name_the_op(op):
+    import textwrap
+
+    from npattn._docs import backward_sections
+    from npattn.functional import activation
+
+    backward = getattr(activation, f"{op}_backward")
+    cache = type(getattr(activation, op)(np.ones(3), *((0.0,) if op == "dropout" else ()))[1]).__name__
+    sections = textwrap.indent(textwrap.dedent(backward_sections(op, cache, "")).strip("\n"), "    ")
+    # the op's own text around "The upstream gradient" (relu's names dL/dy) aside, the sections read whole
+    doc = re.sub(r"The upstream gradient.*\n", "The upstream gradient\n", backward.__doc__)
+    assert sections in doc
+    assert f"cache : {cache}\n        The cache ``{op}`` returned." in backward.__doc__
+    assert "Returns\n    -------\n    ndarray\n        ``dx``, of ``x``'s shape and dtype." in backward.__doc__

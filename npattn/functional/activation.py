@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import FD_CHECK, backward_jvp_sections, backward_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_rng,
@@ -134,27 +134,11 @@ def relu_kernel(x, out=None, mask_out=None):
     return np.maximum(x, 0, out=out), ReluCache(positive, x.dtype)
 
 
+@shared_doc(backward_sections=backward_sections("relu", "ReluCache", " ``dL/dy``, of ``y``'s shape."))
 def relu_backward(dout: np.ndarray, cache: ReluCache) -> np.ndarray:
     """``dx = dy * [x > 0]`` (0 at x == 0, as torch).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient ``dL/dy``, of ``y``'s shape.
-    cache : ReluCache
-        The cache ``relu`` returned.
-
-    Returns
-    -------
-    ndarray
-        ``dx``, of ``x``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, ReluCache, "relu_backward")
     return relu_backward_kernel(check_grad(dout, cache.positive.shape, cache.dtype), cache)
@@ -266,28 +250,12 @@ def gelu_kernel(x, approximate="none"):
     return 0.5 * x * (1.0 + t), GeluCache(x, t, approximate)
 
 
+@shared_doc(backward_sections=backward_sections("gelu", "GeluCache"))
 def gelu_backward(dout: np.ndarray, cache: GeluCache) -> np.ndarray:
     """``"none"``: ``dy/dx = Phi(x) + x phi(x)``, ``phi(x) = exp(-x^2/2) / sqrt(2 pi)``.
     ``"tanh"``: ``dy/dx = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``t = tanh(u)``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : GeluCache
-        The cache ``gelu`` returned.
-
-    Returns
-    -------
-    ndarray
-        ``dx``, of ``x``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, GeluCache, "gelu_backward")
     return gelu_backward_kernel(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
@@ -417,28 +385,12 @@ def silu_kernel(x):
     return x * sig, SiluCache(x, sig)
 
 
+@shared_doc(backward_sections=backward_sections("silu", "SiluCache"))
 def silu_backward(dout: np.ndarray, cache: SiluCache) -> np.ndarray:
     """With ``s = sigmoid(x)``, ``ds/dx = s (1 - s)``; so ``dy/dx = s + x s (1 - s) = s (1 + x (1 - s))``
     and ``dx = dy * s * (1 + x * (1 - s))``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : SiluCache
-        The cache ``silu`` returned.
-
-    Returns
-    -------
-    ndarray
-        ``dx``, of ``x``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, SiluCache, "silu_backward")
     return silu_backward_kernel(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
@@ -567,27 +519,11 @@ def softmax_kernel(x, axis=-1):
     return y, SoftmaxCache(y, axis)
 
 
+@shared_doc(backward_sections=backward_sections("softmax", "SoftmaxCache"))
 def softmax_backward(dout: np.ndarray, cache: SoftmaxCache) -> np.ndarray:
     """Jacobian ``dy_i/dx_j = y_i (delta_ij - y_j)``, so ``dx = y * (dy - sum(dy * y))``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : SoftmaxCache
-        The cache ``softmax`` returned.
-
-    Returns
-    -------
-    ndarray
-        ``dx``, of ``x``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, SoftmaxCache, "softmax_backward")
     return softmax_backward_kernel(check_grad(dout, cache.y.shape, cache.y.dtype), cache)
@@ -726,27 +662,11 @@ def dropout_kernel(x, p, rng=None, training=True):
     return x * keep * scale, DropoutCache(keep, scale, x.shape, x.dtype)
 
 
+@shared_doc(backward_sections=backward_sections("dropout", "DropoutCache"))
 def dropout_backward(dout: np.ndarray, cache: DropoutCache) -> np.ndarray:
     """The forward is ``y = x * keep * s``, linear in x: ``dx = dy * keep * s`` (same mask).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of ``y``'s shape.
-    cache : DropoutCache
-        The cache ``dropout`` returned.
-
-    Returns
-    -------
-    ndarray
-        ``dx``, of ``x``'s shape and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, DropoutCache, "dropout_backward")
     return dropout_backward_kernel(check_grad(dout, cache.shape, cache.dtype), cache)
