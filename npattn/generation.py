@@ -480,6 +480,9 @@ def stream_tokens(
       takes it: given to the model's forward with the prompt (``CausalLM(ids, attention_mask=...)``),
       so that each row continues as its prompt alone would; a model whose forward takes no
       ``attention_mask`` decodes batches without padding only (a 0 raises ``NotImplementedError``).
+      None means every token is real: transformers' ``generate`` would guess a mask from the pad
+      token where the prompt contains it (``ids != pad_token_id``), npattn takes no token for
+      padding unless the mask says so (pass the tokenizer's mask).
 
     Parameters
     ----------

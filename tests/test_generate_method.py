@@ -35,9 +35,13 @@ def _pair(name, **changes):
 
 
 def _hf_generate(hf, ids, n, **kwargs):
+    """transformers' greedy generate in float64; the attention mask given (ones by default),
+    since without one it takes every pad id in the prompt for padding (OLMo 3's pad id 1 is one
+    of these prompts' tokens), which npattn does not."""
     import torch
     from _hf64 import float64_reference
 
+    kwargs.setdefault("attention_mask", np.ones_like(ids))
     kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     with torch.no_grad(), float64_reference():
         return hf.generate(torch.from_numpy(ids), max_new_tokens=n, do_sample=False, **kwargs).numpy()
