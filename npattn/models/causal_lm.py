@@ -156,7 +156,11 @@ def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
         nk, nv = la.linear_num_key_heads, la.linear_num_value_heads
         key, value = nk * la.linear_key_head_dim, nv * la.linear_value_head_dim
         out = [("dt_bias", (nv,)), ("A_log", (nv,)), ("conv1d.weight", (2 * key + value, 1, la.linear_conv_kernel_dim))]
-        out += _lin("in_proj_qkvz", 2 * key + 2 * value, H, False) + _lin("in_proj_ba", 2 * nv, H, False)
+        if la.projections == "qkvz_ba":
+            out += _lin("in_proj_qkvz", 2 * key + 2 * value, H, False) + _lin("in_proj_ba", 2 * nv, H, False)
+        else:  # Qwen3.5's four
+            out += _lin("in_proj_qkv", 2 * key + value, H, False) + _lin("in_proj_z", value, H, False)
+            out += _lin("in_proj_b", nv, H, False) + _lin("in_proj_a", nv, H, False)
         out += [("norm.weight", (la.linear_value_head_dim,))] + _lin("out_proj", H, value, False)
         return [(f"linear_attn.{n}", s) for n, s in out]
     a = cfg.attention_config(kind)  # MultiHeadAttention
@@ -370,6 +374,31 @@ class DecoderLayer(_Renamed):
         if self.sandwich:
             tm = sub(self.post_feedforward_layernorm, tm)
         return tx + tm
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the forward's tangents first (as ``_jvp``: each sublayer's input
+        tangent), then the backward's chain with each sublayer's ``backward_jvp`` on (gradient,
+        its tangent), a residual adding both branches' pairs.  One input tangent (None: zero)."""
+        (tx,) = _block_tangents(self, input_tangents, ("tx",), (state,), "backward_jvp")
+
+        def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
+            return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
+
+        def back(m, g, t):  # its backward_jvp on g = (gradient, tangent), its input's tangent t
+            return g if m is None else self._child_backward_jvp(m, g[0], (t,), param_tangents, g[1])
+
+        post_attn = self.post_attention_layernorm if self.sandwich else None
+        post_mlp = self.post_feedforward_layernorm if self.sandwich else None
+        th = sub(self._attn_norm(), tx)  # the attention's input
+        ta = sub(self.attention, th)  # its output (the sandwich norm's input)
+        tx2 = tx + sub(post_attn, ta)  # the first residual's sum
+        tm_in = sub(self._mlp_norm(), tx2)  # the MLP's input
+        tm = sub(self.mlp, tm_in)  # its output
+        g = (dy, np.zeros_like(dy) if ddy is None else ddy)
+        gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, g, tm), tm_in), tx2)
+        gx = (g[0] + gm[0], g[1] + gm[1])  # the residual: both branches
+        ga = back(self._attn_norm(), back(self.attention, back(post_attn, gx, ta), th), tx)
+        return gx[0] + ga[0], gx[1] + ga[1]
 
     def reset_kv_cache(self) -> None:
         self.attention.reset_kv_cache()  # type: ignore[attr-defined]
@@ -632,6 +661,132 @@ class CausalLM(Module):
             tz = K.linear_jvp(head, th, param_tangents.get(m.embed_tokens.weight))
         tz = tz if t is None else tz * (1 - t * t)
         return tz if keep is None else tz * keep
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: the forward's tangents first (as ``_jvp``: each layer's input tangent),
+        then ``backward``'s chain on (gradient, its tangent) with each child's ``backward_jvp``.
+        The final softcap ``c tanh(z / c)`` has backward ``dz = dl (1 - t^2)``, so ``tdz = ddl
+        (1 - t^2) - 2 dl t tt`` with ``tt = (1 - t^2) tz / c``; the tied head is
+        ``linear_backward_jvp`` with the embedding table as its weight, whose gradient and tangent
+        join the embedding's.  Token ids take no tangent; returns ``(None, None)``."""
+        head, t, keep = state
+        m = self.model
+
+        def sub(mod, tx):  # the submodule's tangent from its state of this call
+            return self._child_jvp(mod, -1, (tx,), param_tangents)
+
+        def back(mod, g, tx):  # its backward_jvp on g = (gradient, tangent), its input's tangent tx
+            return self._child_backward_jvp(mod, g[0], (tx,), param_tangents, g[1])
+
+        tx = self._child_jvp(m.embed_tokens, -1, input_tangents, param_tangents)  # refuses an ids tangent
+        scale = self._embed_scale()
+        if scale is not None:
+            tx = tx * scale
+        inputs = [tx]  # each layer's input tangent, then the final norm's
+        for layer in m.layers:
+            inputs.append(sub(layer, inputs[-1]))
+        th = sub(m.norm, inputs[-1])
+        table = m.embed_tokens.weight
+        g = (dy, np.zeros_like(dy) if ddy is None else ddy)
+        if keep is not None:
+            g = (g[0] * keep, g[1] * keep)
+        if t is not None:
+            tz = sub(self.lm_head, th) if head is None else K.linear_jvp(head, th, param_tangents.get(table))
+            slope = 1 - t * t
+            tt = slope * tz / t.dtype.type(self.config.final_logit_softcapping)
+            g = (g[0] * slope, g[1] * slope - 2 * g[0] * t * tt)
+        if head is None:
+            gh = back(self.lm_head, g, th)
+        else:  # the tied head: its weight gradient and that gradient's tangent join the embedding's
+            (dh, dw, _), (tdh, tdw, _) = K.linear_backward_jvp(g[0], head, (th, param_tangents.get(table), None), g[1])
+            self._accumulate_second(((table, dw, tdw),))
+            gh = (dh, tdh)
+        gx = back(m.norm, gh, inputs[-1])
+        for layer, tin in zip(reversed(list(m.layers)), reversed(inputs[:-1])):
+            gx = back(layer, gx, tin)
+        if scale is not None:
+            gx = (gx[0] * scale, gx[1] * scale)
+        back(m.embed_tokens, gx, None)
+        return None, None
+
+    def loss_hvp(self, ids, targets, param_tangents, *, ignore_index=None):
+        """The loss, its gradient and its Hessian-vector product along ``param_tangents``.
+
+        The loss is the mean cross-entropy of ``self(ids)`` against ``targets`` (as ``loss``:
+        no shift, ``targets`` of ``ids``' shape, ``ignore_index`` not counted).  Forward over
+        reverse: the forward, the logits' tangent along ``param_tangents`` (``jvp``), then
+        ``cross_entropy_backward_jvp`` gives ``dlogits`` and its tangent (the loss's Hessian in
+        the logits times their tangent), and ``backward_jvp`` carries both back through every
+        layer; the parameters' gradient tangents are ``H v``.
+
+        Parameters
+        ----------
+        ids : array of int, shape (B, L) or (L,)
+            Token ids.
+        targets : array of int, ids' shape
+            The class of each position (``ignore_index`` ones not counted).
+        param_tangents : mapping of str to numpy.ndarray
+            The direction ``v`` by Hugging Face name (``named_parameters``'); missing names are
+            zero; a tied head is ``model.embed_tokens.weight`` alone.
+        ignore_index : int, optional
+            As ``loss``'s.
+
+        Returns
+        -------
+        loss : float
+            What ``loss(ids, targets)`` returns first.
+        grads : dict of str to numpy.ndarray
+            Every parameter's gradient by Hugging Face name (what ``backward`` of ``loss``'s
+            ``dlogits`` adds into ``p.grad`` from zero).
+        hvp : dict of str to numpy.ndarray
+            The Hessian-vector product ``H v``, by the same names and shapes.
+
+        Notes
+        -----
+        The model is left as this call found it: ``p.grad`` and ``p.grad_tangent`` are the same
+        arrays holding the same values after the call (the returned dicts are new arrays, not
+        accumulated into them), and the forward state is consumed.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Bad ``ids``, ``targets`` or ``ignore_index``, an unknown name or a tangent of the
+            wrong shape in ``param_tangents`` (before anything is computed).
+        NotImplementedError
+            A family whose layers have no second order yet (Qwen3-Next's gated DeltaNet), before
+            anything is computed.
+        """
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.attention, GatedDeltaNet):
+                raise NotImplementedError(
+                    f"CausalLM.loss_hvp: layer {i}'s linear_attn (GatedDeltaNet) has no second order yet: it "
+                    "needs the fast (chunked) tier's gated_delta_rule_backward_jvp, which npattn does not have yet"
+                )
+        ids = self._check_ids(ids)
+        targets = as_index(targets, "targets")
+        if targets.shape != ids.shape:
+            raise ValueError(f"targets: expected ids' shape {ids.shape} (no shift), got {targets.shape}")
+        v = self.config.vocab_size
+        bad = targets[((targets < 0) | (targets >= v)) & (targets != ignore_index)]
+        if bad.size:
+            raise ValueError(f"targets: expected values in [0, {v}) (vocab_size) or ignore_index, got {bad.flat[0]}")
+        pt = self._param_tangents(param_tangents)
+        params = list(self.named_parameters())
+        kept = [(p.grad, p.grad_tangent) for _, p in params]
+        for _, p in params:  # fresh buffers: backward_jvp makes them from the first contribution
+            p.grad = p.grad_tangent = None
+        try:
+            logits = self.forward(ids)
+            loss, cache = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+            tlogits = self.jvp(param_tangents=pt)
+            dlogits, tdlogits = K.cross_entropy_backward_jvp(np.ones((), logits.dtype), cache, (tlogits,))
+            self.backward_jvp(dlogits, param_tangents=pt, ddy=tdlogits)
+            grads = {n: np.zeros_like(p.data) if p.grad is None else p.grad for n, p in params}
+            hvp = {n: np.zeros_like(p.data) if p.grad_tangent is None else p.grad_tangent for n, p in params}
+        finally:
+            for (_, p), (grad, tangent) in zip(params, kept):
+                p.grad, p.grad_tangent = grad, tangent
+        return float(loss), grads, hvp
 
     def loss(self, ids, targets, *, ignore_index=None, attention_mask=None):
         """Forward and mean cross-entropy of ``targets (B, L)`` (``ignore_index`` not counted;

@@ -1,0 +1,227 @@
+"""CausalLM.loss_hvp: the mean cross-entropy, its gradient and its Hessian-vector product along
+parameter tangents (forward over reverse through every layer), for each family with a second
+order: against central differences of the gradient, symmetric (<u, H v> = <H u, v>), its loss and
+gradient those of ``loss`` + ``backward``, the model's gradients left as they were, and a tiny
+Llama against torch's double backward through transformers' own LlamaForCausalLM (float64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _oracles import rel_err
+
+from npattn.models import CausalLM
+from npattn.models.tiny import TINY_CONFIGS
+
+FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3"]
+IGNORE = -1
+
+
+def _setup(name, seed=0, shape=(2, 5)):
+    m = CausalLM(TINY_CONFIGS[name], rng=seed)
+    rng = np.random.default_rng(seed + 1)
+    v = m.config.vocab_size
+    ids = rng.integers(0, v, shape)
+    targets = rng.integers(0, v, shape)
+    targets[0, 1] = IGNORE  # one position not counted
+    return m, ids, targets, rng
+
+
+def _direction(m, rng, scale=0.1):
+    return {n: scale * rng.standard_normal(p.data.shape) for n, p in m.named_parameters()}
+
+
+def _grads(m, ids, targets, v=None, s=0.0):
+    """loss and every gradient (fresh) at the parameters moved by s v, by loss + backward."""
+    params = dict(m.named_parameters())
+    saved = {n: p.data for n, p in params.items()}
+    for n, p in params.items():
+        p.data = saved[n] + (s * v[n] if v is not None else 0)
+        p.grad = None
+    try:
+        loss, dlogits = m.loss(ids, targets, ignore_index=IGNORE)
+        m.backward(dlogits)
+        return loss, {n: p.grad.copy() for n, p in params.items()}
+    finally:
+        for n, p in params.items():
+            p.data = saved[n]
+
+
+def _flat(d, names):
+    return np.concatenate([d[n].ravel() for n in names])
+
+
+def _no_state(m):
+    return all(not mod._states for mod in m.modules())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hvp_is_the_central_difference_of_the_gradient(name):
+    m, ids, targets, rng = _setup(name)
+    v = _direction(m, rng)
+    loss, grads, hvp = m.loss_hvp(ids, targets, v, ignore_index=IGNORE)
+    names = list(dict(m.named_parameters()))
+    assert set(grads) == set(hvp) == set(names)
+    eps = 1e-5
+    _, gp = _grads(m, ids, targets, v, eps)
+    _, gm = _grads(m, ids, targets, v, -eps)
+    numeric = (_flat(gp, names) - _flat(gm, names)) / (2 * eps)
+    assert np.abs(numeric).max() > 1e-3  # a direction that moves the gradient
+    assert rel_err(_flat(hvp, names), numeric, floor=1e-300, relative_to="max_b") < 1e-6
+    for n in names:  # each parameter's block on its own scale too
+        num = (gp[n] - gm[n]) / (2 * eps)
+        assert rel_err(hvp[n], num, floor=1e-6 * np.abs(numeric).max(), relative_to="max_b") < 1e-5, n
+    assert _no_state(m)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hessian_is_symmetric(name):
+    m, ids, targets, rng = _setup(name, seed=3)
+    u, v = _direction(m, rng), _direction(m, rng)
+    names = list(u)
+    _, _, hu = m.loss_hvp(ids, targets, u, ignore_index=IGNORE)
+    _, _, hv = m.loss_hvp(ids, targets, v, ignore_index=IGNORE)
+    uhv, vhu = _flat(u, names) @ _flat(hv, names), _flat(v, names) @ _flat(hu, names)
+    scale = np.linalg.norm(_flat(u, names)) * np.linalg.norm(_flat(hv, names))
+    assert abs(uhv - vhu) < 1e-12 * scale, (uhv, vhu)
+    # linear in the direction: H(u + 2v) = Hu + 2 Hv
+    _, _, hw = m.loss_hvp(ids, targets, {n: u[n] + 2 * v[n] for n in names}, ignore_index=IGNORE)
+    assert rel_err(_flat(hw, names), _flat(hu, names) + 2 * _flat(hv, names), floor=1e-300, relative_to="max_b") < 1e-12
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_loss_and_grads_are_loss_and_backward_and_the_model_is_left_as_it_was(name):
+    m, ids, targets, rng = _setup(name, seed=5)
+    v = _direction(m, rng)
+    ref_loss, ref_grads = _grads(m, ids, targets)
+    params = dict(m.named_parameters())
+    before = {n: (p.grad, None if p.grad is None else p.grad.copy(), p.grad_tangent) for n, p in params.items()}
+    some = next(iter(params.values()))
+    some.grad_tangent = np.full(some.data.shape, 7.0)  # a user's own buffer, left alone
+    kept_tangent = some.grad_tangent
+    loss, grads, hvp = m.loss_hvp(ids, targets, v, ignore_index=IGNORE)
+    assert loss == pytest.approx(ref_loss, rel=1e-14)
+    for n in params:
+        assert rel_err(grads[n], ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-12, n
+        p = params[n]
+        assert p.grad is before[n][0]  # the same array, the same values
+        np.testing.assert_array_equal(p.grad, before[n][1])
+        assert grads[n] is not p.grad and hvp[n] is not p.grad_tangent
+    assert some.grad_tangent is kept_tangent and (kept_tangent == 7.0).all()
+    assert all(p.grad_tangent is None for p in params.values() if p is not some)
+    assert _no_state(m)
+
+
+def test_missing_names_are_zero_and_a_zero_direction_gives_zero():
+    m, ids, targets, rng = _setup("llama", seed=7)
+    v = _direction(m, rng)
+    part = {n: t for i, (n, t) in enumerate(v.items()) if i % 3 == 0}
+    full = {n: part.get(n, np.zeros_like(t)) for n, t in v.items()}
+    _, g1, h1 = m.loss_hvp(ids, targets, part, ignore_index=IGNORE)
+    _, g2, h2 = m.loss_hvp(ids, targets, full, ignore_index=IGNORE)
+    for n in v:
+        np.testing.assert_allclose(h1[n], h2[n], rtol=0, atol=1e-14)
+        np.testing.assert_array_equal(g1[n], g2[n])
+    _, _, h0 = m.loss_hvp(ids, targets, {}, ignore_index=IGNORE)
+    assert all(not h.any() for h in h0.values())
+
+
+def test_refusals_compute_nothing():
+    m, ids, targets, rng = _setup("llama")
+    v = _direction(m, rng)
+    with pytest.raises(ValueError, match="unknown parameter 'nope'"):
+        m.loss_hvp(ids, targets, {"nope": np.zeros(3)}, ignore_index=IGNORE)
+    with pytest.raises(ValueError, match=r"param_tangents\['model.norm.weight'\]: expected shape"):
+        m.loss_hvp(ids, targets, {"model.norm.weight": np.zeros(3)}, ignore_index=IGNORE)
+    with pytest.raises(ValueError, match="targets: expected ids' shape"):
+        m.loss_hvp(ids, targets[:, :-1], v, ignore_index=IGNORE)
+    with pytest.raises(ValueError, match=r"targets: expected values in \[0, "):
+        m.loss_hvp(ids, targets, v)  # IGNORE without ignore_index
+    with pytest.raises(ValueError, match="ids: "):
+        m.loss_hvp(ids + 1000, targets, v, ignore_index=IGNORE)
+    assert _no_state(m)
+    assert all(p.grad_tangent is None for p in m.parameters())
+
+
+def test_tied_head_takes_one_tangent_by_the_embedding_name():
+    m, ids, targets, rng = _setup("qwen3")
+    names = dict(m.named_parameters())
+    assert "lm_head.weight" not in names
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        m.loss_hvp(
+            ids,
+            targets,
+            ignore_index=IGNORE,
+            param_tangents={"lm_head.weight": rng.standard_normal(names["model.embed_tokens.weight"].shape)},
+        )
+
+
+def test_a_family_without_second_order_says_what_it_lacks():
+    m = CausalLM(TINY_CONFIGS["qwen3_next"], rng=0)
+    ids = np.array([[1, 2, 3]])
+    with pytest.raises(NotImplementedError, match="gated_delta_rule_backward_jvp") as err:
+        m.loss_hvp(ids, ids, {})
+    assert "fast" in str(err.value) and "GatedDeltaNet" in str(err.value)
+    assert _no_state(m)
+    assert all(p.grad_tangent is None for p in m.parameters())
+
+
+# -- against transformers' own model ---------------------------------------------------------------
+
+LLAMAS = {
+    "untied": dict(
+        vocab_size=29,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_theta=500.0,
+    ),
+    "tied": dict(
+        vocab_size=29,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("which", sorted(LLAMAS))
+def test_llama_against_torch_double_backward_through_transformers(which):
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build, float64_reference, state_dict
+
+    hf, cfg = build(T.LlamaConfig, T.LlamaForCausalLM, seed=2, **LLAMAS[which])
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    rng = np.random.default_rng(4)
+    vocab = cfg["vocab_size"]
+    ids = rng.integers(0, vocab, (2, 6))
+    targets = rng.integers(0, vocab, (2, 6))
+    targets[1, 2] = -100  # torch's default ignore_index
+    hf_params = dict(hf.named_parameters())
+    v = {n: rng.standard_normal(p.shape) for n, p in hf_params.items()}
+    assert set(v) == set(dict(m.named_parameters()))
+
+    with float64_reference():
+        names = list(hf_params)
+        ps = [hf_params[n] for n in names]
+        logits = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(targets).reshape(-1))
+        grads = torch.autograd.grad(loss, ps, create_graph=True)
+        gv = sum((g * torch.from_numpy(v[n])).sum() for g, n in zip(grads, names))
+        hvps = torch.autograd.grad(gv, ps)
+    ref_g = {n: g.detach().numpy() for n, g in zip(names, grads)}
+    ref_h = {n: h.detach().numpy() for n, h in zip(names, hvps)}
+
+    mine_loss, mine_g, mine_h = m.loss_hvp(ids, targets, v, ignore_index=-100)
+    assert mine_loss == pytest.approx(loss.item(), rel=1e-12)
+    for n in names:
+        assert rel_err(mine_g[n], ref_g[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+        assert rel_err(mine_h[n], ref_h[n], floor=1e-300, relative_to="max_b") < 1e-8, n
