@@ -486,3 +486,15 @@ def test_bad_input_is_named():
         F.kimi_delta_attention_jvp(cache, None, None, None, None, None, np.zeros((1, 2, 3, 2)))
     with pytest.raises(TypeError, match="at most 6 tangents"):
         F.kimi_delta_attention_jvp(cache, *([None] * 7))
+
+
+def test_textbook_cache_is_the_gated_delta_rules_with_a_decay_per_channel():
+    """The textbook KDA cache is the gated delta rule's, written once: the same fields, its own name."""
+    rng = np.random.default_rng(7)
+    q, k = rng.standard_normal((2, 1, 3, 4))
+    v, g, beta = rng.standard_normal((1, 3, 2)), -rng.random((1, 3, 4)), rng.random((1, 3))
+    _, cache = R.kimi_delta_attention(q, k, v, g, beta, output_final_state=True)
+    assert type(cache) is R.KimiDeltaAttentionCache and isinstance(cache, R.GatedDeltaRuleCache)
+    assert cache._fields == R.GatedDeltaRuleCache._fields
+    assert repr(cache).startswith("KimiDeltaAttentionCache(q=") and cache.g.shape == (1, 3, 4)
+    assert type(cache._replace(scale=1.0)) is R.KimiDeltaAttentionCache

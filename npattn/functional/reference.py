@@ -2978,20 +2978,11 @@ __all__ += [
 # ``g_t`` the same in every channel it is ``gated_delta_rule`` exactly.
 
 
-class KimiDeltaAttentionCache(NamedTuple):
-    """What ``kimi_delta_attention_backward`` needs (textbook: every state ``S_0 .. S_{L-1}``)."""
+class KimiDeltaAttentionCache(GatedDeltaRuleCache):
+    """What ``kimi_delta_attention_backward`` needs (textbook: every state ``S_0 .. S_{L-1}``): the
+    gated delta rule's fields, but ``g (B..., H, L, Dk)``, one log decay per key channel."""
 
-    q: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm) and scaled
-    k: np.ndarray  # (B..., H, L, Dk) as used: l2-normalised (with use_qk_l2norm)
-    v: np.ndarray  # (B..., H, L, Dv)
-    g: np.ndarray  # (B..., H, L, Dk) log decays, one per key channel
-    beta: np.ndarray  # (B..., H, L) write strengths
-    states: np.ndarray  # (B..., H, L, Dk, Dv) S_{t-1}, the state each step starts from
-    scale: float
-    q_norm: Optional[tuple]  # l2_norm's caches of q and k with use_qk_l2norm, else None
-    k_norm: Optional[tuple]
-    has_initial_state: bool
-    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) S_L with output_final_state, else None
+    __slots__ = ()
 
 
 def kimi_delta_attention(
