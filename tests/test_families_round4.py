@@ -7,7 +7,12 @@ reads them, and options refused by name.  Skipped without torch/transformers.
 OLMo 3 (``olmo3``): post-norm blocks (``x + post_attention_layernorm(attn(x))``, then
 ``x + post_feedforward_layernorm(mlp(x))``, no norm before a sublayer), q/k RMSNorm over the whole
 projection (weights ``(heads * head_dim,)``), sliding-window layers (three of four by default) with
-one RoPE dict per layer type."""
+one RoPE dict per layer type.
+
+Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``): Qwen3-Next's gated DeltaNet and gated full
+attention (3:1 by default, partial RoPE, ``1 + w`` norms) with the DeltaNet's four input
+projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) and mRoPE, plain RoPE
+for text; the MoE variant routes every layer (always renormalised) beside a gated shared expert."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from npattn import no_grad  # noqa: E402
 from npattn.models import CausalLM, config_from_hf  # noqa: E402
 from npattn.models.tiny import tiny_config  # noqa: E402
 from npattn.nn.attention import MultiHeadAttention  # noqa: E402
+from npattn.nn.delta_net import GatedDeltaNet  # noqa: E402
 
 
 def _kwargs(family: str, **changes) -> dict:
@@ -62,6 +68,29 @@ CASES = {
                     "factor": 4.0,
                     "original_max_position_embeddings": 8,
                 },
+            },
+        ),
+    ),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _kwargs("qwen3_5_text")),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _kwargs("qwen3_5_moe_text")),
+    # the default 3:1 layout (full attention every fourth layer), grouped-query attention, a tied
+    # head and mRoPE's interleaved split of a wider head
+    "qwen3_5_text_default_layers": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        _kwargs(
+            "qwen3_5_text",
+            num_hidden_layers=4,
+            layer_types=None,
+            head_dim=8,
+            tie_word_embeddings=True,
+            linear_num_key_heads=1,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
             },
         ),
     ),
@@ -152,6 +181,35 @@ def test_state_dict_and_from_pretrained_round_trip(name, tmp_path):
         np.testing.assert_array_equal(loaded(ids), m(ids))
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_qwen3_5_over_several_delta_rule_chunks(name):
+    """70 tokens: both sides run the chunked delta rule over two chunks of 64."""
+    hf, cfg = _case(name)
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    ids = _ids(cfg["vocab_size"], (1, 70), seed=5)
+    dlogits = np.random.default_rng(6).standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    assert rel_err(m(ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    for n, p in m.named_parameters():
+        assert rel_err(p.grad, ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+
+
+def test_qwen3_5_layers_are_qwen3_next_with_four_projections():
+    hf, cfg = _case("qwen3_5_text_default_layers")
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    c = m.config
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert c.linear_attention is not None and c.linear_attention.projections == "qkv_z_b_a"
+    names = {n for n, _ in m.model.layers[0].named_parameters()}
+    assert {f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")} <= names
+    assert not {"linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"} & names
+    moe = config_from_hf(CASES["qwen3_5_moe_text"][2] | {"model_type": "qwen3_5_moe_text"})
+    assert moe.mlp_types == ("moe", "moe") and moe.moe is not None and moe.moe.norm_topk_prob
+    assert moe.moe.shared_expert_gate and moe.layout.per_expert
+
+
 def test_olmo3_blocks_are_post_norm_with_whole_projection_qk_norm():
     hf, cfg = _case("olmo3")
     m = CausalLM.from_hf(state_dict(hf), cfg)
@@ -201,12 +259,57 @@ def test_olmo3_blocks_are_post_norm_with_whole_projection_qk_norm():
         ),
     ],
 )
-def test_short_config_dicts_mean_what_they_mean_to_transformers(short):
+def test_olmo3_short_config_dicts_mean_what_they_mean_to_transformers(short):
     full = T.AutoConfig.for_model(**short).to_dict()
     meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)  # not the network
     a, b = config_from_hf(short), config_from_hf(full)
     assert a.replace(**meta) == b.replace(**meta)
     assert a.rope == b.rope and a.layer_types == tuple(full["layer_types"])
+
+
+_QWEN35_SHORT = dict(
+    vocab_size=41,
+    hidden_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    num_hidden_layers=4,
+    linear_key_head_dim=4,
+    linear_value_head_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+
+@pytest.mark.parametrize(
+    "short",
+    [
+        dict(_QWEN35_SHORT, model_type="qwen3_5_text", intermediate_size=24),
+        dict(_QWEN35_SHORT, model_type="qwen3_5_text", intermediate_size=24, full_attention_interval=2),
+        dict(_QWEN35_SHORT, model_type="qwen3_5_moe_text", moe_intermediate_size=8, num_experts=4),
+    ],
+)
+def test_qwen3_5_short_config_dicts_mean_what_they_mean_to_transformers(short):
+    full = T.AutoConfig.for_model(**short).to_dict()
+    meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)  # not the network
+    a, b = config_from_hf(short), config_from_hf(full)
+    assert a.replace(**meta) == b.replace(**meta)
+    assert a.layer_types == tuple(full["layer_types"]) and a.rope == b.rope
+
+
+def test_qwen3_5_refusals_name_the_key():
+    with pytest.raises(ValueError, match=r"'mrope_section'"):
+        config_from_hf(
+            tiny_config("qwen3_5_text", rope_parameters={"rope_type": "default", "mrope_section": "11,11,10"})
+        )
+    with pytest.raises(ValueError, match="'norm_topk_prob'"):
+        config_from_hf(tiny_config("qwen3_5_moe_text", norm_topk_prob=False))
+    with pytest.raises(ValueError, match="'decoder_sparse_step'"):
+        config_from_hf(tiny_config("qwen3_5_moe_text", decoder_sparse_step=2))
+    with pytest.raises(ValueError, match="'sliding_attention'"):
+        config_from_hf(tiny_config("qwen3_5_text", layer_types=["linear_attention", "sliding_attention"]))
+    with pytest.raises(ValueError, match="projections"):
+        GatedDeltaNet(16, 4, 2, 4, 4, projections="qkv")
 
 
 def test_olmo3_refusals_name_the_key():

@@ -36,7 +36,17 @@ __all__ = [
     "GGUF_FAMILIES",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next", "olmo3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen3",
+    "gemma3_text",
+    "gpt_oss",
+    "deepseek_v3",
+    "qwen3_next",
+    "olmo3",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+)
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
 MLP_KINDS = ("dense", "moe")
@@ -129,6 +139,7 @@ class DeltaNetConfig(_Kwargs):
     linear_conv_kernel_dim: int
     rms_norm_eps: float
     hidden_act: str
+    projections: str = "qkvz_ba"
 
 
 @dataclass(frozen=True)
@@ -743,6 +754,66 @@ def _qwen3_next(r: _Reader) -> dict:
     return c
 
 
+def _text_mrope(r: _Reader) -> None:
+    """Qwen3.5's ``rope_parameters`` carry ``mrope_section`` and ``mrope_interleaved`` (how the
+    rotary features are split between the temporal, height and width positions of images and
+    video).  For text the three positions are each the token's own (transformers' text model
+    expands its position ids to all three), so the rotation is plain RoPE whatever the split: the
+    two keys are checked and set aside."""
+    rp = _rope_mapping(r, "rope_parameters")
+    if rp is None or not ({"mrope_section", "mrope_interleaved"} & set(rp)):
+        return
+    rp = dict(rp)
+    sec, inter = rp.pop("mrope_section", None), rp.pop("mrope_interleaved", None)
+    if sec is not None and not (
+        isinstance(sec, (list, tuple))
+        and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0 for v in sec)
+    ):
+        raise ValueError(f"config['rope_parameters']['mrope_section']: expected a list of integers, got {_show(sec)}")
+    if inter is not None and not isinstance(inter, bool):
+        raise ValueError(f"config['rope_parameters']['mrope_interleaved']: expected true or false, got {_show(inter)}")
+    r.d = dict(r.d, rope_parameters=rp)
+
+
+def _qwen3_5(r: _Reader) -> dict:
+    """Qwen3.5, dense (``qwen3_5_text``) and MoE (``qwen3_5_moe_text``): Qwen3-Next's layers (gated
+    DeltaNet and gated full attention, 3:1 by default, partial RoPE, ``1 + w`` norms) with the
+    DeltaNet's four input projections (``delta_net_config``) and mRoPE that is plain RoPE for text
+    (``_text_mrope``); the MoE variant routes every layer (softmax, top-k, always renormalised, a
+    gated shared expert), the dense one has a gated MLP on every layer."""
+    _text_mrope(r)
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    interval = r.int("full_attention_interval", 4)
+    lt = _layer_types(r, n, ("full_attention", "linear_attention"), _interleaved(n, interval, "linear_attention"))
+    moe = r.model_type == "qwen3_5_moe_text"
+    c.update(
+        # the MoE variant has no dense MLP: intermediate_size is unused there (the experts' width)
+        intermediate_size=r.int("moe_intermediate_size" if moe else "intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        qk_norm=True,
+        norm_offset=True,
+        attn_output_gate=True,
+        rope=_rope_params(r, 10000.0),
+        layer_types=lt,
+        mlp_types=("moe" if moe else "dense",) * n,
+        layout=CheckpointLayout(r.model_type, per_expert=moe),
+    )
+    for key in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
+        r.int("linear_" + key)
+    if moe:
+        r.get("intermediate_size")  # transformers' MoE text model has no dense MLP and ignores it
+        for key in ("num_experts", "num_experts_per_tok"):
+            r.int(key)
+        r.int("shared_expert_intermediate_size", 0, minimum=0)
+    c.update(
+        moe=moe_config(r.d) if moe else None,
+        linear_attention=delta_net_config(r.d) if "linear_attention" in lt else None,
+    )
+    return c
+
+
 def _olmo3(r: _Reader) -> dict:
     """OLMo 3: post-norm (each sublayer's output normalised, then added: no norm before attention
     or the MLP), q/k RMSNorm over the whole projection, sliding-window layers (by default three
@@ -893,6 +964,49 @@ _DEFAULTS: dict = {
         num_experts=512,
         norm_topk_prob=True,
     ),
+    "qwen3_5_text": dict(
+        max_position_embeddings=32768,
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+    ),
+    "qwen3_5_moe_text": dict(
+        max_position_embeddings=32768,
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts_per_tok=8,
+        num_experts=256,
+    ),
     "olmo3": dict(
         max_position_embeddings=2048,
         vocab_size=50304,
@@ -1028,8 +1142,14 @@ def delta_net_config(config: Mapping[str, Any]) -> DeltaNetConfig:
     if "hidden_size" not in config:
         raise ValueError("config: expected a 'hidden_size' entry")
     defaults = _DEFAULTS["qwen3_next"]
-    names = [f.name for f in dataclasses.fields(DeltaNetConfig)]
-    return DeltaNetConfig(**{k: config[k] if k in config else defaults[k] for k in names})
+    names = [f.name for f in dataclasses.fields(DeltaNetConfig) if f.name != "projections"]
+    projections = _DELTA_PROJECTIONS.get(str(config.get("model_type")), "qkvz_ba")
+    return DeltaNetConfig(**{k: config[k] if k in config else defaults[k] for k in names}, projections=projections)
+
+
+# GatedDeltaNet's input projections by family: Qwen3.5's four (in_proj_qkv, in_proj_z, in_proj_b,
+# in_proj_a), not Qwen3-Next's two grouped per key head (the default)
+_DELTA_PROJECTIONS = {"qwen3_5_text": "qkv_z_b_a", "qwen3_5_moe_text": "qkv_z_b_a"}
 
 
 def _moe_gpt_oss(c: _Loose) -> MoEConfig:
@@ -1084,6 +1204,11 @@ def _moe_qwen3_next(c: _Loose) -> MoEConfig:
     )
 
 
+def _moe_qwen3_5_moe(c: _Loose) -> MoEConfig:
+    # Qwen3-Next's block; its router (Qwen3VLMoeTextTopKRouter) always renormalises the top k
+    return dataclasses.replace(_moe_qwen3_next(c), norm_topk_prob=True)
+
+
 def _moe_qwen3_moe(c: _Loose) -> MoEConfig:
     # softmax then top-k, keys experts.*, gate.weight
     return MoEConfig(
@@ -1116,6 +1241,7 @@ _MOE_READERS = {
     "gpt_oss": _moe_gpt_oss,
     "deepseek_v3": _moe_deepseek_v3,
     "qwen3_next": _moe_qwen3_next,
+    "qwen3_5_moe_text": _moe_qwen3_5_moe,
     "qwen3_moe": _moe_qwen3_moe,
     "mixtral": _moe_mixtral,
 }
@@ -1142,8 +1268,7 @@ def moe_config(config) -> MoEConfig:
     c = _Loose(config)
     if not isinstance(c.model_type, str) or c.model_type not in _MOE_READERS:
         raise ValueError(
-            "config: model_type expected one of 'gpt_oss', 'deepseek_v3', 'qwen3_next', 'qwen3_moe', 'mixtral', "
-            f"got {c.model_type!r}"
+            f"config: model_type expected one of {', '.join(map(repr, _MOE_READERS))}, got {c.model_type!r}"
         )
     return _MOE_READERS[c.model_type](c)
 
@@ -1166,6 +1291,8 @@ _READERS = {
     "deepseek_v3": _deepseek_v3,
     "qwen3_next": _qwen3_next,
     "olmo3": _olmo3,
+    "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe_text": _qwen3_5,
 }
 
 
@@ -1179,7 +1306,8 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     ----------
     config : mapping
         The config; ``config["model_type"]`` is one of ``llama``, ``qwen3``, ``gemma3_text``,
-        ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``, ``olmo3``.
+        ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``, ``olmo3``, ``qwen3_5_text``,
+        ``qwen3_5_moe_text``.
 
     Returns
     -------

@@ -379,6 +379,42 @@ TINY_CONFIGS: dict = {
         attention_bias=True,
         eos_token_id=2,
     ),
+    "qwen3_5_text": dict(
+        _BASE,
+        model_type="qwen3_5_text",
+        num_hidden_layers=2,
+        head_dim=4,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=4,
+        linear_value_head_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [1, 0, 0],
+            "mrope_interleaved": True,
+        },
+    ),
+    "qwen3_5_moe_text": dict(
+        {k: v for k, v in _BASE.items() if k != "intermediate_size"},  # no dense MLP
+        model_type="qwen3_5_moe_text",
+        num_hidden_layers=2,
+        head_dim=4,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=4,
+        linear_value_head_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+    ),
 }
 
 

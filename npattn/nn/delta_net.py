@@ -10,8 +10,14 @@ heads, ``r = nv / nk`` value heads per key head, ``Dk``/``Dv`` head widths):
     o         = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)     key head h // r serves value head h
     y         = out_proj(RMSNormGated(o, z))    RMSNorm over Dv, times norm.weight, times silu(z)
 
+Qwen3.5 (``projections="qkv_z_b_a"``) projects the same q, k, v, z, b, a with four separate
+matrices, each in plain head order: ``in_proj_qkv`` (all q heads, all k heads, all v heads: the
+convolution's channels as they are), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+
 Parameters carry transformers' state-dict names (under ``linear_attn.`` in a decoder layer):
-``in_proj_qkvz.weight (2 nk Dk + 2 nv Dv, hidden)``, ``in_proj_ba.weight (2 nv, hidden)``,
+``in_proj_qkvz.weight (2 nk Dk + 2 nv Dv, hidden)``, ``in_proj_ba.weight (2 nv, hidden)`` (or
+``in_proj_qkv.weight (2 nk Dk + nv Dv, hidden)``, ``in_proj_z.weight (nv Dv, hidden)``,
+``in_proj_b.weight``, ``in_proj_a.weight (nv, hidden)``),
 ``conv1d.weight (2 nk Dk + nv Dv, 1, K)``, ``dt_bias (nv,)``, ``A_log (nv,)``, ``norm.weight (Dv,)``,
 ``out_proj.weight (hidden, nv Dv)``.
 """
@@ -42,6 +48,7 @@ from .module import Module, Parameter, no_grad
 
 __all__ = ["GatedDeltaNet"]
 
+PROJECTIONS = ("qkvz_ba", "qkv_z_b_a")  # Qwen3-Next's two input projections, Qwen3.5's four
 _SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus: the identity above it
 
 
@@ -93,6 +100,10 @@ class GatedDeltaNet(Module):
     hidden_act : str
         The convolution's activation: ``"silu"`` (Qwen3-Next's; ``"swish"``, its other name in
         transformers, is accepted too), the only one supported.
+    projections : str
+        ``"qkvz_ba"`` (Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head) or
+        ``"qkv_z_b_a"`` (Qwen3.5: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
+        each in head order); the same layer otherwise.
     chunk_size : int
         The delta rule's chunk length (any value gives the same numbers; see
         ``npattn.functional.gated_delta_rule``).
@@ -137,6 +148,7 @@ class GatedDeltaNet(Module):
         linear_conv_kernel_dim: int = 4,
         rms_norm_eps: float = 1e-6,
         hidden_act: str = "silu",
+        projections: str = "qkvz_ba",
         *,
         chunk_size: int = 64,
         rng=None,
@@ -157,6 +169,9 @@ class GatedDeltaNet(Module):
         self.eps = check_positive_float(rms_norm_eps, "rms_norm_eps", allow_zero=True)
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act: expected 'silu' (Qwen3-Next's) or 'swish', got {hidden_act!r}")
+        if projections not in PROJECTIONS:
+            raise ValueError(f"projections: expected one of {list(PROJECTIONS)}, got {projections!r}")
+        self.projections = projections
         self.chunk_size = check_size(chunk_size, "chunk_size")
         self._dtype = dt = check_dtype(dtype)
         rng = as_rng(rng)
@@ -166,8 +181,15 @@ class GatedDeltaNet(Module):
         bound = 1.0 / math.sqrt(self.conv_kernel_size)
         conv_w = rng.uniform(-bound, bound, (self.conv_dim, 1, self.conv_kernel_size))
         self.conv1d = _Weights(Parameter(conv_w, dt))
-        self.in_proj_qkvz = Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, False, rng=rng, dtype=dt)
-        self.in_proj_ba = Linear(self.hidden_size, 2 * self.num_v_heads, False, rng=rng, dtype=dt)
+        if projections == "qkvz_ba":
+            qkvz = 2 * self.key_dim + 2 * self.value_dim
+            self.in_proj_qkvz = Linear(self.hidden_size, qkvz, False, rng=rng, dtype=dt)
+            self.in_proj_ba = Linear(self.hidden_size, 2 * self.num_v_heads, False, rng=rng, dtype=dt)
+        else:
+            self.in_proj_qkv = Linear(self.hidden_size, self.conv_dim, False, rng=rng, dtype=dt)
+            self.in_proj_z = Linear(self.hidden_size, self.value_dim, False, rng=rng, dtype=dt)
+            self.in_proj_b = Linear(self.hidden_size, self.num_v_heads, False, rng=rng, dtype=dt)
+            self.in_proj_a = Linear(self.hidden_size, self.num_v_heads, False, rng=rng, dtype=dt)
         self.dt_bias = Parameter(np.ones(self.num_v_heads), dt)
         self.A_log = Parameter(np.log(rng.uniform(0.01, 16.0, self.num_v_heads)), dt)
         self.norm = _Weights(Parameter(np.ones(self.head_v_dim), dt))
@@ -224,20 +246,7 @@ class GatedDeltaNet(Module):
         lead, steps = x.shape[:-2], x.shape[-2]
         if keep is not None:
             x = x * keep  # padded steps: zero input (convolution window and projections)
-        qkvz = self.in_proj_qkvz._forward(x).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
-        ba = self.in_proj_ba._forward(x).reshape(lead + (steps, nk, 2 * r))
-        # [q k v] in transformers' order for the convolution: all q heads, all k heads, all v heads
-        mixed = np.concatenate(
-            [
-                qkvz[..., :dk].reshape(lead + (steps, self.key_dim)),
-                qkvz[..., dk : 2 * dk].reshape(lead + (steps, self.key_dim)),
-                qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(lead + (steps, self.value_dim)),
-            ],
-            axis=-1,
-        )
-        z = qkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
-        b = ba[..., :r].reshape(lead + (steps, nv))
-        a = ba[..., r:].reshape(lead + (steps, nv))
+        mixed, z, b, a = self._projected(lambda m: m._forward(x), lead, steps)
         conv_out, conv_cache = K.causal_conv1d(
             mixed,
             self.conv1d.weight.data[:, 0, :],
@@ -289,6 +298,54 @@ class GatedDeltaNet(Module):
             )
         return out
 
+    # -- the input projections ------------------------------------------------------------------
+    def _projected(self, run, lead: tuple, steps: int):
+        """``(mixed (B..., L, 2 nk Dk + nv Dv), z (B..., L, nv, Dv), b, a (B..., L, nv))`` from
+        ``run(linear)``, each input projection's output (the forward's, or its tangent): ``mixed``
+        is ``[q k v]`` in transformers' order for the convolution (all q heads, all k heads, all v
+        heads).  Qwen3-Next's two projections are grouped per key head and regrouped here;
+        Qwen3.5's four are in that order already."""
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.projections == "qkv_z_b_a":
+            z = run(self.in_proj_z).reshape(lead + (steps, nv, dv))
+            return run(self.in_proj_qkv), z, run(self.in_proj_b), run(self.in_proj_a)
+        r = nv // nk
+        qkvz = run(self.in_proj_qkvz).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
+        ba = run(self.in_proj_ba).reshape(lead + (steps, nk, 2 * r))
+        mixed = np.concatenate(
+            [
+                qkvz[..., :dk].reshape(lead + (steps, self.key_dim)),
+                qkvz[..., dk : 2 * dk].reshape(lead + (steps, self.key_dim)),
+                qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(lead + (steps, self.value_dim)),
+            ],
+            axis=-1,
+        )
+        z = qkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
+        return mixed, z, ba[..., :r].reshape(lead + (steps, nv)), ba[..., r:].reshape(lead + (steps, nv))
+
+    def _projected_backward(self, dmixed, dz, db, da, lead: tuple, steps: int) -> np.ndarray:
+        """``dx`` of the input projections (their weights' gradients accumulated) from the
+        gradients of ``_projected``'s four outputs."""
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.projections == "qkv_z_b_a":
+            dx = self.in_proj_qkv._backward(dmixed)
+            dx += self.in_proj_z._backward(dz.reshape(lead + (steps, self.value_dim)))
+            dx += self.in_proj_b._backward(db)
+            dx += self.in_proj_a._backward(da)
+            return dx
+        r = nv // nk
+        dqkvz = np.empty(lead + (steps, nk, 2 * dk + 2 * r * dv), dmixed.dtype)
+        dqkvz[..., :dk] = dmixed[..., : self.key_dim].reshape(lead + (steps, nk, dk))
+        dqkvz[..., dk : 2 * dk] = dmixed[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
+        dqkvz[..., 2 * dk : 2 * dk + r * dv] = dmixed[..., 2 * self.key_dim :].reshape(lead + (steps, nk, r * dv))
+        dqkvz[..., 2 * dk + r * dv :] = dz.reshape(lead + (steps, nk, r * dv))
+        dba = np.concatenate([db.reshape(lead + (steps, nk, r)), da.reshape(lead + (steps, nk, r))], axis=-1).reshape(
+            lead + (steps, 2 * nv)
+        )
+        dx = self.in_proj_qkvz._backward(dqkvz.reshape(lead + (steps, -1)))
+        dx += self.in_proj_ba._backward(dba)
+        return dx
+
     # -- backward -----------------------------------------------------------------------------
     def backward(self, dy) -> np.ndarray:
         """``dx (B..., L, hidden)``; every parameter's gradient is added into its ``.grad``.
@@ -331,16 +388,7 @@ class GatedDeltaNet(Module):
             axis=-1,
         )
         dmixed, dconv_w, _, _ = K.causal_conv1d_backward(dconv, st.conv)
-        dqkvz = np.empty(lead + (steps, nk, 2 * dk + 2 * r * dv), dy.dtype)
-        dqkvz[..., :dk] = dmixed[..., : self.key_dim].reshape(lead + (steps, nk, dk))
-        dqkvz[..., dk : 2 * dk] = dmixed[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
-        dqkvz[..., 2 * dk : 2 * dk + r * dv] = dmixed[..., 2 * self.key_dim :].reshape(lead + (steps, nk, r * dv))
-        dqkvz[..., 2 * dk + r * dv :] = dz.reshape(lead + (steps, nk, r * dv))
-        dba = np.concatenate([db.reshape(lead + (steps, nk, r)), da.reshape(lead + (steps, nk, r))], axis=-1).reshape(
-            lead + (steps, 2 * nv)
-        )
-        dx = self.in_proj_qkvz._backward(dqkvz.reshape(lead + (steps, -1)))
-        dx += self.in_proj_ba._backward(dba)
+        dx = self._projected_backward(dmixed, dz, db, da, lead, steps)
         if st.keep is not None:  # x * keep
             dx *= st.keep
         self.accumulate_grad(self.conv1d.weight, dconv_w[:, None, :])
@@ -372,23 +420,14 @@ class GatedDeltaNet(Module):
             tx = np.zeros(lead + (steps, self.hidden_size), st.beta.dtype)
         elif st.keep is not None:  # x * keep
             tx = tx * st.keep
-        tqkvz = self._child_jvp(self.in_proj_qkvz, -1, (tx,), pt).reshape(lead + (steps, nk, 2 * dk + 2 * r * dv))
-        tba = self._child_jvp(self.in_proj_ba, -1, (tx,), pt).reshape(lead + (steps, nk, 2 * r))
-        tmixed = np.concatenate(
-            [
-                tqkvz[..., :dk].reshape(lead + (steps, self.key_dim)),
-                tqkvz[..., dk : 2 * dk].reshape(lead + (steps, self.key_dim)),
-                tqkvz[..., 2 * dk : 2 * dk + r * dv].reshape(lead + (steps, self.value_dim)),
-            ],
-            axis=-1,
-        )
+        tmixed, tz, tb, ta = self._projected(lambda m: self._child_jvp(m, -1, (tx,), pt), lead, steps)
         tw = pt.get(self.conv1d.weight)
         tconv = K.causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :])
         tq = tconv[..., : self.key_dim].reshape(lead + (steps, nk, dk))
         tk = tconv[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
         tv = tconv[..., 2 * self.key_dim :].reshape(lead + (steps, nv, dv))
-        tbeta = tba[..., :r].reshape(lead + (steps, nv)) * st.beta * (1.0 - st.beta)
-        tpre = tba[..., r:].reshape(lead + (steps, nv))
+        tbeta = tb * st.beta * (1.0 - st.beta)
+        tpre = ta
         tdt = pt.get(self.dt_bias)
         if tdt is not None:
             tpre = tpre + tdt
@@ -407,7 +446,6 @@ class GatedDeltaNet(Module):
             tg.swapaxes(-1, -2),
             tbeta.swapaxes(-1, -2),
         )
-        tz = tqkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
         ty = K.rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), tz, pt.get(self.norm.weight))
         return self._child_jvp(self.out_proj, -1, (ty.reshape(lead + (steps, self.value_dim)),), pt)
 
