@@ -54,11 +54,13 @@ def test_greedy_equals_transformers(name):
     hf, m = _pair(name, **UNTIED.get(name, {}))
     out = m.generate(IDS, 10)
     ref = _hf_generate(hf, IDS, 10)
-    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(out[:, : ref.shape[1]], ref)
+    assert out.shape == (2, 16)  # the contract's width, whether or not every row finished
     assert len(set(out[:, 6:].ravel().tolist())) > 3  # a completion worth comparing
     padded = np.where(MASK == 1, IDS, 0)
     out = m.generate(padded, 10, attention_mask=MASK)
-    np.testing.assert_array_equal(out, _hf_generate(hf, padded, 10, attention_mask=MASK, pad_token_id=0))
+    ref = _hf_generate(hf, padded, 10, attention_mask=MASK, pad_token_id=0)
+    np.testing.assert_array_equal(out[:, : ref.shape[1]], ref)
     alone = m.generate(IDS[:1, 2:], 10)[0, 4:]  # shorter when it reaches eos before the batch ends
     np.testing.assert_array_equal(out[0, 6 : 6 + len(alone)], alone)
 
@@ -66,7 +68,8 @@ def test_greedy_equals_transformers(name):
 @pytest.mark.parametrize("name", ["llama", "gemma3_text"])
 def test_finished_rows_continue_with_pad_as_transformers(name):
     """A row that has produced an eos id continues with the pad token (Gemma 3's config has one,
-    0; Llama's has none: its eos), decoding stops when every row has finished (a shorter result);
+    0; Llama's has none: its eos); decoding stops when every row has finished (transformers then
+    returns fewer columns, npattn fills the contract's (B, L + max_new_tokens) with the pad token);
     an eos given as a list; eos_token_id overrides the config's."""
     hf, m = _pair(name)
     free = m.generate(IDS, 10, eos_token_id=[])  # no eos: all 10 steps
@@ -75,9 +78,12 @@ def test_finished_rows_continue_with_pad_as_transformers(name):
     for eos in (first, [first, int(free[1, 9])], [int(free[0, 6]), int(free[1, 6])]):
         out = m.generate(IDS, 10, eos_token_id=eos)
         ref = _hf_generate(hf, IDS, 10, eos_token_id=eos)
-        np.testing.assert_array_equal(out, ref)
-    assert out.shape == (2, 7)  # both rows finished at once at the first step
+        np.testing.assert_array_equal(out[:, : ref.shape[1]], ref)
+        assert out.shape == (2, 16)
+    assert ref.shape == (2, 7)  # both rows finished at once at the first step: transformers stops
     pad = m.config.pad_token_id if m.config.pad_token_id is not None else first
+    eos0 = eos[0] if isinstance(eos, list) else eos
+    assert set(out[:, 7:].ravel().tolist()) == {m.config.pad_token_id if m.config.pad_token_id is not None else eos0}
     out = m.generate(IDS, 10, eos_token_id=first)
     row = out[0, 6:].tolist()
     assert row[: row.index(first) + 1] == free[0, 6 : 6 + row.index(first) + 1].tolist()

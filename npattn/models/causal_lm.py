@@ -28,6 +28,7 @@ layer renames the few modules whose own names differ (``MultiHeadAttention``'s `
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import NamedTuple
 
@@ -856,8 +857,10 @@ class CausalLM(Module):
         transformers' ``generate`` returns them: greedy unless ``do_sample`` (then ``temperature``,
         ``top_k``, ``top_p``; ``rng`` an int seed or a Generator); ``eos_token_id`` (an id or a
         list; ``[]``: none) defaults to the config's; a row that has produced it continues with the
-        config's ``pad_token_id`` (its eos where there is none), and decoding stops when every row
-        has finished, so the result is ``(B, L + steps)`` with ``steps <= max_new_tokens``.  The
+        config's ``pad_token_id`` (its eos where there is none).  The result is always
+        ``(B, L + max_new_tokens)``: decoding stops when every row has finished (as transformers',
+        which then returns fewer columns) and the remaining columns hold that pad token, so the
+        tokens transformers returns are this result's first columns.  The
         prompt is encoded once into the cache, then one token per step
         (``npattn.generation.stream_tokens`` has the details).  ``attention_mask (B, L)``: 1 for a
         token, 0 for left padding (as ``forward``'s), so that each row continues as its prompt
@@ -875,7 +878,7 @@ class CausalLM(Module):
         from ..generation import generate_tokens
 
         ids, special = self._generation_options(ids, eos_token_id)
-        return generate_tokens(
+        out = generate_tokens(
             self,
             ids,
             max_new_tokens,
@@ -887,6 +890,13 @@ class CausalLM(Module):
             rng=rng,
             **special,
         )
+        missing = ids.shape[-1] + int(max_new_tokens) - out.shape[-1]
+        if missing:  # every row finished early: each continues with the pad token (or its eos)
+            eos = special["eos_token_id"]
+            pad = special["pad_token_id"]
+            pad = pad if pad is not None else (eos if isinstance(eos, numbers.Integral) else list(eos)[0])
+            out = np.concatenate([out, np.full(out.shape[:-1] + (missing,), pad, dtype=out.dtype)], axis=-1)
+        return out
 
     def stream(
         self,
