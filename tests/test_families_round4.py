@@ -383,3 +383,61 @@ def test_whole_projection_qk_norm_gradients_and_jvp_against_central_differences(
     assert y.shape == x.shape and ty.shape == y.shape
     # every gradient and the second order (backward_jvp) by npattn's own checks
     assert npattn.gradcheck(mha, x).ok and npattn.gradgradcheck(mha, x).ok
+
+
+# a tiny vision tower beside the text model (its weights are set aside when loading)
+_VISION = dict(
+    depth=1,
+    hidden_size=8,
+    intermediate_size=16,
+    num_heads=2,
+    out_hidden_size=16,
+    patch_size=2,
+    temporal_patch_size=1,
+    spatial_merge_size=1,
+    num_position_embeddings=4,
+    in_channels=3,
+)
+
+
+@pytest.mark.parametrize(
+    "wrapper, family",
+    [("Qwen3_5Config", "qwen3_5_text"), ("Qwen3_5MoeConfig", "qwen3_5_moe_text")],
+)
+def test_multimodal_checkpoint_loads_its_text_model(wrapper, family, tmp_path):
+    """A ``qwen3_5`` / ``qwen3_5_moe`` directory (``text_config``, weights under
+    ``model.language_model.*`` beside ``model.visual.*`` and multi-token-prediction ``mtp.*``):
+    from_pretrained loads the text model with the logits of transformers' multimodal class on
+    text, and says which towers' tensors it left aside; anything else is refused by name."""
+    from npattn.models.hf import open_safetensors, save_safetensors
+
+    model_cls = (
+        "Qwen3_5ForConditionalGeneration" if wrapper == "Qwen3_5Config" else "Qwen3_5MoeForConditionalGeneration"
+    )
+    hf, cfg = build(getattr(T, wrapper), getattr(T, model_cls), text_config=_kwargs(family), vision_config=_VISION)
+    hf.save_pretrained(tmp_path)
+    tensors = {k: t.numpy() for k, t in open_safetensors(tmp_path / "model.safetensors").items()}
+    tensors["mtp.fc.weight"] = np.ones((16, 32))  # a released checkpoint's MTP layer
+    save_safetensors(tensors, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"model\.visual\.\* \(\d+ tensors\), mtp\.\* \(1 tensors\)"):
+        m = CausalLM.from_pretrained(tmp_path)
+    assert m.config.model_type == family
+    ids = _ids(cfg["text_config"]["vocab_size"])
+    with no_grad():
+        assert rel_err(m(ids), _hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
+    # a tensor of no known tower, a top-level option and a disagreeing tie are refused by name
+    save_safetensors(dict(tensors, **{"model.audio_tower.w": np.ones(2)}), tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="'model.audio_tower.w'"):
+        CausalLM.from_pretrained(tmp_path)
+    save_safetensors(tensors, tmp_path / "model.safetensors")
+    import json
+
+    good = json.loads((tmp_path / "config.json").read_text())
+    for change, key in [
+        ({"audio_config": {}}, "'audio_config'"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"text_config": dict(good["text_config"], model_type="qwen3_next")}, r"\['model_type'\]"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(dict(good, **change)))
+        with pytest.raises(ValueError, match=key):
+            CausalLM.from_pretrained(tmp_path)

@@ -34,6 +34,9 @@ __all__ = [
     "moe_config",
     "GgufFamily",
     "GGUF_FAMILIES",
+    "TextTower",
+    "MULTIMODAL",
+    "text_checkpoint",
 ]
 
 SUPPORTED_MODEL_TYPES = (
@@ -72,6 +75,75 @@ GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True),
     "qwen3": GgufFamily("qwen3"),
 }
+
+
+# -- multimodal checkpoints: their text model (read by models/hf.py's from_pretrained) ------------
+@dataclass(frozen=True)
+class TextTower:
+    """Where a multimodal checkpoint keeps its text model: the ``text_config``'s ``model_type``
+    (``text_type``), the prefix of its weights (``text_prefix``, read as ``model.``), the other
+    towers' weight prefixes and config keys (set aside by name: ``towers``, ``tower_keys``)."""
+
+    text_type: str
+    text_prefix: str = "model.language_model."
+    towers: tuple = ()
+    tower_keys: tuple = ()
+
+
+_QWEN3_5_TOWERS = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction layers
+_QWEN3_5_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+MULTIMODAL = {
+    "qwen3_5": TextTower("qwen3_5_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
+    "qwen3_5_moe": TextTower("qwen3_5_moe_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
+}
+
+
+def text_checkpoint(config: Mapping[str, Any], tensors: Mapping) -> tuple[Mapping[str, Any], dict, dict]:
+    """``(text config, tensors, set aside)`` of a checkpoint: for a multimodal one (``MULTIMODAL``)
+    its ``text_config`` and its text model's tensors under ``model.*`` (``lm_head.weight`` as it
+    is), the other towers' tensors set aside (``{prefix: count}``); any other checkpoint as given.
+    A top-level key that is neither metadata, a tower's nor ``text_config`` is refused by name, and
+    so is a ``tie_word_embeddings`` that disagrees with the text config's.  A tensor under no known
+    prefix stays, so that the loader refuses it as unexpected."""
+    tower = MULTIMODAL.get(config.get("model_type"))  # type: ignore[arg-type]
+    if tower is None:
+        return config, dict(tensors), {}
+    mt = config["model_type"]
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"config['text_config']: expected the text model's config (a mapping), got {_show(text)}")
+    if text.get("model_type") != tower.text_type:
+        raise ValueError(
+            f"config['text_config']['model_type']: expected {tower.text_type!r} in a {mt!r} checkpoint, "
+            f"got {_show(text.get('model_type'))}"
+        )
+    known = set(_METADATA) | set(tower.tower_keys) | {"text_config"}
+    left = [k for k in config if k not in known and not k.startswith("_")]
+    if left:
+        raise ValueError(
+            f"config: key {left[0]!r} is not supported by npattn for model_type {mt!r} "
+            f"(an option npattn does not implement; unknown keys: {left})"
+        )
+    outer, inner = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+    if outer is not None and inner is not None and outer != inner:
+        raise ValueError(
+            f"config['tie_word_embeddings'] = {_show(outer)} disagrees with config['text_config']"
+            f"['tie_word_embeddings'] = {_show(inner)}"
+        )
+    text = dict(text) if inner is not None or outer is None else dict(text, tie_word_embeddings=outer)
+    out: dict = {}
+    aside: dict = {}
+    n = len(tower.text_prefix)
+    for key, t in tensors.items():
+        if key.startswith(tower.text_prefix):
+            out["model." + key[n:]] = t
+            continue
+        prefix = next((p for p in tower.towers if key.startswith(p)), None)
+        if prefix is None:
+            out[key] = t
+        else:
+            aside[prefix] = aside.get(prefix, 0) + 1
+    return text, out, aside
 
 
 # -- the typed sub-configs: each is one module's constructor arguments, by name -------------------

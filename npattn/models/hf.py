@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import re
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -742,7 +743,17 @@ def load_into(cls, state_dict, config, dtype=None):
 def from_pretrained(cls, directory, dtype=None):
     """``CausalLM.from_pretrained``: ``open_checkpoint``, the released quantized formats
     dequantized (``npattn.models.quant``), then ``load_into``."""
+    from .configs import text_checkpoint
+
     config, tensors = open_checkpoint(directory)
+    config, tensors, aside = text_checkpoint(config, tensors)  # a multimodal checkpoint's text model
+    if aside:
+        listed = ", ".join(f"{p}* ({n} tensors)" for p, n in aside.items())
+        warnings.warn(
+            f"from_pretrained: {os.fspath(directory)!r} is a multimodal checkpoint; loading its text model "
+            f"and leaving the other towers' tensors aside: {listed}",
+            stacklevel=3,
+        )
     if "quantization_config" in config:
         from .quant import dequantize_checkpoint
 
