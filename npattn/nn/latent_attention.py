@@ -37,6 +37,7 @@ interleaved=True)``, which keeps the layout.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -111,6 +112,12 @@ def _merge(t: np.ndarray) -> np.ndarray:
     """``(..., heads, L, d) -> (..., L, heads * d)``."""
     t = t.swapaxes(-2, -3)
     return t.reshape(t.shape[:-2] + (t.shape[-2] * t.shape[-1],))
+
+
+def _core_backward_jvp(d, cache, tangents, td):
+    """The attention core's ``(dq, dk, dv)`` and their tangents (second order)."""
+    grads, grad_tangents = K.scaled_dot_product_attention_backward_jvp(d, cache, tangents, td)
+    return grads[:3], grad_tangents[:3]
 
 
 class MultiHeadLatentAttention(Module):
@@ -519,105 +526,114 @@ class MultiHeadLatentAttention(Module):
         ``dW_uk = sum q_nope^T dq_lat`` (``W_uk``, ``W_uv`` moving with ``kv_b_proj``'s tangent)."""
         tx = input_tangent(input_tangents, "MultiHeadLatentAttention", "backward_jvp")
         st: _State = state
-        H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        H, dn = self.num_heads, self.qk_nope_head_dim
         pt = param_tangents
+        t = self._second_order_tangents(st, tx, pt)  # the forward's tangents
 
-        def jvp(m, t):  # the submodule's tangent from its state of this call
-            return self._child_jvp(m, -1, (t,), pt)
+        def back(m, g, tin):  # a submodule's backward_jvp on (gradient, tangent), its input's tangent
+            return self._child_backward_jvp(m, g[0], (tin,), pt, g[1])
 
-        def back(m, g, t):  # its backward_jvp on (gradient, tangent), its input's tangent t
-            return self._child_backward_jvp(m, g[0], (t,), pt, g[1])
-
-        def core(d, cache, tangents, td):  # the attention core's (dq, dk, dv) and their tangents
-            grads, grad_tangents = K.scaled_dot_product_attention_backward_jvp(d, cache, tangents, td)
-            return grads[:3], grad_tangents[:3]
-
-        # the forward's tangents
-        if self.q_lora_rank is None:
-            tq = jvp(self.q_proj, tx)
-        else:
-            ta0 = jvp(self.q_a_proj, tx)
-            ta1 = jvp(self.q_a_layernorm, ta0)
-            tq = jvp(self.q_b_proj, ta1)
-        tqh = _split(tq, H)
-        tq_nope, tq_pe0 = tqh[..., :dn], tqh[..., dn:]
-        tq_pe = K.rope_jvp(st.q_rope, tq_pe0)
-        tckv = jvp(self.kv_a_proj_with_mqa, tx)
-        tc0, tk_pe0 = tckv[..., :r], tckv[..., None, :, r:]
-        tc = jvp(self.kv_a_layernorm, tc0)
-        tk_pe = K.rope_jvp(st.k_rope, tk_pe0)  # (..., 1, L, dr)
-        if st.absorbed:
-            W_uk, W_uv = self._absorbed_weights()
-            tW = pt.get(self.kv_b_proj.weight)
-            tW_uk = tW_uv = None
-            if tW is not None:
-                tW = tW.reshape(H, -1, r)
-                tW_uk, tW_uv = tW[:, :dn], tW[:, dn:]
-            tq_lat = np.matmul(tq_nope, W_uk)
-            if tW_uk is not None:
-                tq_lat += np.matmul(st.q_nope, tW_uk)
-            tfull = np.concatenate([tc[..., None, :, :], tk_pe], axis=-1)
-            core_tangents = (np.concatenate([tq_lat, tq_pe], axis=-1), tfull, tfull[..., :r])
-            tctx_lat = K.scaled_dot_product_attention_jvp(st.attn, *core_tangents)
-            tctx = np.matmul(tctx_lat, W_uv.swapaxes(-1, -2))
-            if tW_uv is not None:
-                tctx += np.matmul(st.ctx_lat, tW_uv.swapaxes(-1, -2))
-        else:
-            tkvh = _split(jvp(self.kv_b_proj, tc), H)  # (..., H, L, dn + dv)
-            tkey = np.concatenate([tkvh[..., :dn], np.broadcast_to(tk_pe, tkvh.shape[:-1] + tk_pe.shape[-1:])], -1)
-            core_tangents = (np.concatenate([tq_nope, tq_pe], axis=-1), tkey, tkvh[..., dn:])
-            tctx = K.scaled_dot_product_attention_jvp(st.attn, *core_tangents)
         # the backward's chain with its tangents
-        dctx, tdctx = (_split(a, H) for a in back(self.o_proj, (dy, ddy), _merge(tctx)))
+        dctx, tdctx = (_split(a, H) for a in back(self.o_proj, (dy, ddy), _merge(t.ctx)))
         if st.absorbed:
-            lead_axes = tuple(range(dctx.ndim - 3))
-            dctx_lat, tdctx_lat = np.matmul(dctx, W_uv), np.matmul(tdctx, W_uv)
-            dW_uv = np.matmul(dctx.swapaxes(-1, -2), st.ctx_lat).sum(axis=lead_axes)
-            tdW_uv = np.matmul(tdctx.swapaxes(-1, -2), st.ctx_lat) + np.matmul(dctx.swapaxes(-1, -2), tctx_lat)
-            tdW_uv = tdW_uv.sum(axis=lead_axes)
-            if tW_uv is not None:
-                tdctx_lat += np.matmul(dctx, tW_uv)
-            (dquery, dkey, dvalue), (tdquery, tdkey, tdvalue) = core(dctx_lat, st.attn, core_tangents, tdctx_lat)
-            dq_lat, dq_pe, tdq_lat, tdq_pe = dquery[..., :r], dquery[..., r:], tdquery[..., :r], tdquery[..., r:]
-            dq_nope = np.matmul(dq_lat, W_uk.swapaxes(-1, -2))
-            tdq_nope = np.matmul(tdq_lat, W_uk.swapaxes(-1, -2))
-            if tW_uk is not None:
-                tdq_nope += np.matmul(dq_lat, tW_uk.swapaxes(-1, -2))
-            dW_uk = np.matmul(st.q_nope.swapaxes(-1, -2), dq_lat).sum(axis=lead_axes)
-            tdW_uk = np.matmul(tq_nope.swapaxes(-1, -2), dq_lat) + np.matmul(st.q_nope.swapaxes(-1, -2), tdq_lat)
-            tdW_uk = tdW_uk.sum(axis=lead_axes)
-            self._accumulate_second(
-                (
-                    (
-                        self.kv_b_proj.weight,
-                        np.concatenate([dW_uk, dW_uv], axis=1).reshape(-1, r),
-                        np.concatenate([tdW_uk, tdW_uv], axis=1).reshape(-1, r),
-                    ),
-                )
-            )
-            gc = (dkey[..., 0, :, :r] + dvalue[..., 0, :, :], tdkey[..., 0, :, :r] + tdvalue[..., 0, :, :])
-            dk_pe, tdk_pe = dkey[..., r:], tdkey[..., r:]
+            dq_nope, dq_pe, tdq_nope, tdq_pe, gc, dk_pe, tdk_pe = self._absorbed_backward_jvp(st, t, dctx, tdctx)
         else:
-            (dquery, dkey, dvalue), (tdquery, tdkey, tdvalue) = core(dctx, st.attn, core_tangents, tdctx)
+            (dquery, dkey, dvalue), (tdquery, tdkey, tdvalue) = _core_backward_jvp(dctx, st.attn, t.core, tdctx)
             dq_nope, dq_pe, tdq_nope, tdq_pe = dquery[..., :dn], dquery[..., dn:], tdquery[..., :dn], tdquery[..., dn:]
             gkv = (dkey, dvalue), (tdkey, tdvalue)
-            gc = back(self.kv_b_proj, tuple(_merge(np.concatenate([k[..., :dn], v], axis=-1)) for k, v in gkv), tc)
+            gc = back(self.kv_b_proj, tuple(_merge(np.concatenate([k[..., :dn], v], axis=-1)) for k, v in gkv), t.c)
             dk_pe = dkey[..., dn:].sum(axis=-3, keepdims=True)  # the shared key: summed over heads
             tdk_pe = tdkey[..., dn:].sum(axis=-3, keepdims=True)
-        dq_pe, tdq_pe = K.rope_backward_jvp(dq_pe, st.q_rope, (tq_pe0,), tdq_pe)
-        dk_pe, tdk_pe = K.rope_backward_jvp(dk_pe, st.k_rope, (tk_pe0,), tdk_pe)
+        dq_pe, tdq_pe = K.rope_backward_jvp(dq_pe, st.q_rope, (t.q_pe0,), tdq_pe)
+        dk_pe, tdk_pe = K.rope_backward_jvp(dk_pe, st.k_rope, (t.k_pe0,), tdk_pe)
         gq = (_merge(np.concatenate([dq_nope, dq_pe], axis=-1)), _merge(np.concatenate([tdq_nope, tdq_pe], axis=-1)))
         if self.q_lora_rank is None:
             gx = back(self.q_proj, gq, tx)
         else:
-            gx = back(self.q_a_proj, back(self.q_a_layernorm, back(self.q_b_proj, gq, ta1), ta0), tx)
-        gc = back(self.kv_a_layernorm, gc, tc0)
+            gx = back(self.q_a_proj, back(self.q_a_layernorm, back(self.q_b_proj, gq, t.a1), t.a0), tx)
+        gc = back(self.kv_a_layernorm, gc, t.c0)
         gk = back(
             self.kv_a_proj_with_mqa,
             (np.concatenate([gc[0], dk_pe[..., 0, :, :]], -1), np.concatenate([gc[1], tdk_pe[..., 0, :, :]], -1)),
             tx,
         )
         return gx[0] + gk[0], gx[1] + gk[1]
+
+    def _second_order_tangents(self, st, tx, pt):
+        """The forward's tangents that the second-order chain needs, by name: ``a0``, ``a1`` (the
+        low-rank query path), ``q_nope``, ``q_pe0`` / ``q_pe`` (before / after RoPE), ``c0`` / ``c``
+        (the latent before / after its norm), ``k_pe0`` / ``k_pe``, the core's input tangents
+        ``core``, its output's ``ctx`` (and ``ctx_lat`` in the absorbed form), and the tangents
+        ``W_uk``, ``W_uv`` of the absorbed weights (None when ``kv_b_proj`` does not move)."""
+        H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        t = SimpleNamespace(a0=None, a1=None, ctx_lat=None, W_uk=None, W_uv=None)
+
+        def jvp(m, tin):  # the submodule's tangent from its state of this call
+            return self._child_jvp(m, -1, (tin,), pt)
+
+        if self.q_lora_rank is None:
+            tq = jvp(self.q_proj, tx)
+        else:
+            t.a0 = jvp(self.q_a_proj, tx)
+            t.a1 = jvp(self.q_a_layernorm, t.a0)
+            tq = jvp(self.q_b_proj, t.a1)
+        tqh = _split(tq, H)
+        t.q_nope, t.q_pe0 = tqh[..., :dn], tqh[..., dn:]
+        t.q_pe = K.rope_jvp(st.q_rope, t.q_pe0)
+        tckv = jvp(self.kv_a_proj_with_mqa, tx)
+        t.c0, t.k_pe0 = tckv[..., :r], tckv[..., None, :, r:]
+        t.c = jvp(self.kv_a_layernorm, t.c0)
+        t.k_pe = K.rope_jvp(st.k_rope, t.k_pe0)  # (..., 1, L, dr)
+        if st.absorbed:
+            W_uk, W_uv = self._absorbed_weights()
+            tW = pt.get(self.kv_b_proj.weight)
+            if tW is not None:
+                tW = tW.reshape(H, -1, r)
+                t.W_uk, t.W_uv = tW[:, :dn], tW[:, dn:]
+            tq_lat = np.matmul(t.q_nope, W_uk)
+            if t.W_uk is not None:
+                tq_lat += np.matmul(st.q_nope, t.W_uk)
+            tfull = np.concatenate([t.c[..., None, :, :], t.k_pe], axis=-1)
+            t.core = (np.concatenate([tq_lat, t.q_pe], axis=-1), tfull, tfull[..., :r])
+            t.ctx_lat = K.scaled_dot_product_attention_jvp(st.attn, *t.core)
+            t.ctx = np.matmul(t.ctx_lat, W_uv.swapaxes(-1, -2))
+            if t.W_uv is not None:
+                t.ctx += np.matmul(st.ctx_lat, t.W_uv.swapaxes(-1, -2))
+        else:
+            tkvh = _split(jvp(self.kv_b_proj, t.c), H)  # (..., H, L, dn + dv)
+            tkey = np.concatenate([tkvh[..., :dn], np.broadcast_to(t.k_pe, tkvh.shape[:-1] + t.k_pe.shape[-1:])], -1)
+            t.core = (np.concatenate([t.q_nope, t.q_pe], axis=-1), tkey, tkvh[..., dn:])
+            t.ctx = K.scaled_dot_product_attention_jvp(st.attn, *t.core)
+        return t
+
+    def _absorbed_backward_jvp(self, st, t, dctx, tdctx):
+        """The absorbed form's core step of the second-order chain: ``dctx`` and its tangent
+        through ``W_uv``, the attention core, and ``W_uk`` (each product by the product rule), with
+        ``kv_b_proj``'s gradient and its tangent accumulated.  Returns ``(dq_nope, dq_pe,
+        tdq_nope, tdq_pe, gc, dk_pe, tdk_pe)``, ``gc`` the latent's (gradient, tangent)."""
+        r = self.kv_lora_rank
+        W_uk, W_uv = self._absorbed_weights()
+        lead_axes = tuple(range(dctx.ndim - 3))
+        dctx_lat, tdctx_lat = np.matmul(dctx, W_uv), np.matmul(tdctx, W_uv)
+        dW_uv = np.matmul(dctx.swapaxes(-1, -2), st.ctx_lat).sum(axis=lead_axes)
+        tdW_uv = np.matmul(tdctx.swapaxes(-1, -2), st.ctx_lat) + np.matmul(dctx.swapaxes(-1, -2), t.ctx_lat)
+        tdW_uv = tdW_uv.sum(axis=lead_axes)
+        if t.W_uv is not None:
+            tdctx_lat += np.matmul(dctx, t.W_uv)
+        (dquery, dkey, dvalue), (tdquery, tdkey, tdvalue) = _core_backward_jvp(dctx_lat, st.attn, t.core, tdctx_lat)
+        dq_lat, dq_pe, tdq_lat, tdq_pe = dquery[..., :r], dquery[..., r:], tdquery[..., :r], tdquery[..., r:]
+        dq_nope = np.matmul(dq_lat, W_uk.swapaxes(-1, -2))
+        tdq_nope = np.matmul(tdq_lat, W_uk.swapaxes(-1, -2))
+        if t.W_uk is not None:
+            tdq_nope += np.matmul(dq_lat, t.W_uk.swapaxes(-1, -2))
+        dW_uk = np.matmul(st.q_nope.swapaxes(-1, -2), dq_lat).sum(axis=lead_axes)
+        tdW_uk = np.matmul(t.q_nope.swapaxes(-1, -2), dq_lat) + np.matmul(st.q_nope.swapaxes(-1, -2), tdq_lat)
+        tdW_uk = tdW_uk.sum(axis=lead_axes)
+        dW = np.concatenate([dW_uk, dW_uv], axis=1).reshape(-1, r)
+        tdW = np.concatenate([tdW_uk, tdW_uv], axis=1).reshape(-1, r)
+        self._accumulate_second(((self.kv_b_proj.weight, dW, tdW),))
+        gc = (dkey[..., 0, :, :r] + dvalue[..., 0, :, :], tdkey[..., 0, :, :r] + tdvalue[..., 0, :, :])
+        return dq_nope, dq_pe, tdq_nope, tdq_pe, gc, dkey[..., r:], tdkey[..., r:]
 
     # -- backward --------------------------------------------------------------------------
     def backward(self, dy):
