@@ -2844,6 +2844,39 @@ def _moe_act_second(activation):
     )
 
 
+def _swiglu_second(pair, activation, tgate, tup, dm, tdm):
+    """One token-expert pair of a SwiGLU expert, second order: the tangent ``tm`` of the gated
+    unit ``m = act(gate) up``, and ``dup``, ``dgate`` with their tangents."""
+    gate, up, a, act_cache, m = pair
+    backward = _moe_act(activation)[1]
+    ta = backward(tgate, act_cache)  # act' is diagonal: its backward applied to tgate
+    tm = ta * up + a * tup
+    # dup = dm a: product rule
+    dup = dm * a
+    tdup = tdm * a + dm * ta
+    # dgate = act'(gate) (dm up): the activation's second order along (tgate, d(dm up))
+    dgate, tdgate = _moe_act_second(activation)(dm * up, act_cache, (tgate,), tdm * up + dm * tup)
+    return tm, dup, tdup, dgate, tdgate
+
+
+def _gpt_oss_second(pair, alpha, limit, tgate, tup, dm, tdm):
+    """One token-expert pair of GPT-OSS's clamped SwiGLU, second order: ``m = (u + 1) phi(g)``,
+    ``phi(g) = g sigmoid(alpha g)``, its tangent ``tm``, and ``dup``, ``dgate`` with their tangents."""
+    gate, up, g, u, s, m = pair
+    inside, below = (up >= -limit) & (up <= limit), gate <= limit  # the clamps' masks: constants
+    tg, tu = tgate * below, tup * inside
+    dphi = s + g * alpha * s * (1.0 - s)  # phi'(g), phi(g) = g sigmoid(alpha g)
+    d2phi = alpha * s * (1.0 - s) * (2.0 + alpha * g * (1.0 - 2.0 * s))  # phi''(g)
+    tm = tu * g * s + (u + 1.0) * dphi * tg
+    # du = dm phi(g): tdu = tdm phi(g) + dm phi'(g) tg
+    dup = dm * g * s * inside
+    tdup = (tdm * g * s + dm * dphi * tg) * inside
+    # dg = dm (u + 1) phi'(g): three moving factors
+    dgate = dm * (u + 1.0) * dphi * below
+    tdgate = (tdm * (u + 1.0) * dphi + dm * tu * dphi + dm * (u + 1.0) * d2phi * tg) * below
+    return tm, dup, tdup, dgate, tdgate
+
+
 def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddout: Optional[Array] = None):
     """Second order: ``moe_experts_backward``'s gradients and their tangents along ``tangents =
     (tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias)`` (``moe_experts_jvp``'s order,
@@ -2917,28 +2950,11 @@ def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddou
             dm = Wd.T @ dh
             tdm = tWd.T @ dh + Wd.T @ tdh
             if kind == "swiglu":
-                gate, up, a, act_cache, m = pairs[n][j]
-                backward = _moe_act(activation)[1]
-                ta = backward(tgate, act_cache)  # act' is diagonal: its backward applied to tgate
-                tm = ta * up + a * tup
-                # dup = dm a: product rule
-                dup = dm * a
-                tdup = tdm * a + dm * ta
-                # dgate = act'(gate) (dm up): the activation's second order along (tgate, d(dm up))
-                dgate, tdgate = _moe_act_second(activation)(dm * up, act_cache, (tgate,), tdm * up + dm * tup)
+                m = pairs[n][j][-1]
+                tm, dup, tdup, dgate, tdgate = _swiglu_second(pairs[n][j], activation, tgate, tup, dm, tdm)
             else:
-                gate, up, g, u, s, m = pairs[n][j]
-                inside, below = (up >= -limit) & (up <= limit), gate <= limit  # the clamps' masks: constants
-                tg, tu = tgate * below, tup * inside
-                dphi = s + g * alpha * s * (1.0 - s)  # phi'(g), phi(g) = g sigmoid(alpha g)
-                d2phi = alpha * s * (1.0 - s) * (2.0 + alpha * g * (1.0 - 2.0 * s))  # phi''(g)
-                tm = tu * g * s + (u + 1.0) * dphi * tg
-                # du = dm phi(g): tdu = tdm phi(g) + dm phi'(g) tg
-                dup = dm * g * s * inside
-                tdup = (tdm * g * s + dm * dphi * tg) * inside
-                # dg = dm (u + 1) phi'(g): three moving factors
-                dgate = dm * (u + 1.0) * dphi * below
-                tdgate = (tdm * (u + 1.0) * dphi + dm * tu * dphi + dm * (u + 1.0) * d2phi * tg) * below
+                m = pairs[n][j][-1]
+                tm, dup, tdup, dgate, tdgate = _gpt_oss_second(pairs[n][j], alpha, limit, tgate, tup, dm, tdm)
             th = _plus(Wd @ tm + tWd @ m, tbd)
             # dw = <dy, h>: both move
             tdw[n, j] = np.dot(tdy[n], h[n, j]) + np.dot(dy[n], th)
