@@ -73,3 +73,29 @@ def test_the_activations_backward_sections_are_written_once_and_name_the_op(op):
     assert sections in doc
     assert f"cache : {cache}\n        The cache ``{op}`` returned." in backward.__doc__
     assert "Returns\n    -------\n    ndarray\n        ``dx``, of ``x``'s shape and dtype." in backward.__doc__
+
+
+@pytest.mark.parametrize("cls", ["Linear", "LayerNorm", "RMSNorm", "Dropout", "FeedForward", "Embedding"])
+def test_the_layers_backward_and_forward_sections_are_written_once(cls):
+    import textwrap
+
+    from npattn.nn import layers
+
+    def block(text):
+        return textwrap.indent(textwrap.dedent(text).strip("\n"), "        ")
+
+    returns = ("None", "Token ids have no gradient.") if cls == "Embedding" else ()
+    assert block(layers._backward_sections(*returns)) in getattr(layers, cls).backward.__doc__
+    if cls in ("LayerNorm", "RMSNorm"):
+        assert block(layers._NORM_FORWARD_SECTIONS) in getattr(layers, cls).forward.__doc__
+        assert "``(..., *normalized_shape)``; cast to the module's dtype." in getattr(layers, cls).forward.__doc__
+
+
+@pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
+def test_the_norms_share_one_input_check_naming_their_class_and_shape(cls):
+    import npattn
+
+    norm = getattr(npattn, cls)((2, 3))
+    with pytest.raises(ValueError, match=re.escape(f"x: expected shape (..., 2, 3) for {cls}((2, 3)), got (4, 3)")):
+        norm(np.ones((4, 3)))
+    assert norm(np.ones((4, 2, 3))).dtype == np.float64

@@ -21,6 +21,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 
 from .. import functional as F
+from .._docs import shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -54,10 +55,68 @@ def _normalized_shape(normalized_shape) -> Tuple[int, ...]:
     return (check_size(normalized_shape, "normalized_shape"),)
 
 
-def _check_trailing(x: np.ndarray, name: str, shape: Tuple[int, ...], module: str) -> None:
+def _as_trailing(x, name: str, dtype, shape: Tuple[int, ...], module: str) -> np.ndarray:
+    """``x`` cast to ``dtype``, of shape ``(..., *shape)``, else a ValueError naming the argument and
+    ``module(shape)`` (a norm's input)."""
+    x = as_float(x, name, dtype)
     k = len(shape)
     if x.ndim < k or x.shape[x.ndim - k :] != shape:
-        raise ValueError(f"{name}: expected shape (..., {', '.join(map(str, shape))}) for {module}, got {x.shape}")
+        raise ValueError(
+            f"{name}: expected shape (..., {', '.join(map(str, shape))}) for {module}({shape}), got {x.shape}"
+        )
+    return x
+
+
+def _backward_sections(kind: str = "ndarray", returns: str = "``dx``, of the input's shape.") -> str:
+    """A layer's ``backward`` sections: ``dy``, what it returns (``kind``: its type) and its errors."""
+    return f"""
+        Parameters
+        ----------
+        dy : array_like
+            The upstream gradient, of the forward output's shape.
+
+        Returns
+        -------
+        {kind}
+            {returns}
+
+        Raises
+        ------
+        RuntimeError
+            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
+            parameter changed since the forward.
+        ValueError
+            ``dy`` of the wrong shape.
+        """
+
+
+_BACKWARD_SECTIONS = _backward_sections()
+
+
+def _forward_sections(x: str, y: str) -> str:
+    """A feature layer's ``forward`` sections: ``x`` (its shape), the output (``y``: its shape), the errors."""
+    return f"""
+        Parameters
+        ----------
+        x : array_like
+            {x}; cast to the module's dtype.
+
+        Returns
+        -------
+        ndarray
+            {y}, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input, or float16/longdouble.
+        ValueError
+            An input whose feature size does not match the module.
+        """
+
+
+#: ``LayerNorm.forward``'s and ``RMSNorm.forward``'s sections.
+_NORM_FORWARD_SECTIONS = _forward_sections("``(..., *normalized_shape)``", "Of ``x``'s shape")
 
 
 def _data(p: Optional[Parameter]):
@@ -121,25 +180,11 @@ class Linear(Module):
         check_features(x, name, self.in_features, f"Linear({self.in_features}, {self.out_features})")
         return x
 
+    @shared_doc(forward_sections=_forward_sections("``(..., in_features)``", "``(..., out_features)``"))
     def forward(self, x) -> np.ndarray:
         """The forward pass: ``y = x @ weight.T + bias``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(..., in_features)``; cast to the module's dtype.
-
-        Returns
-        -------
-        ndarray
-            ``(..., out_features)``, in the module's dtype.
-
-        Raises
-        ------
-        TypeError
-            A non-numeric input, or float16/longdouble.
-        ValueError
-            An input whose feature size does not match the module.
+        <forward_sections>
         """
         return self._forward(self._check_input(x))
 
@@ -149,27 +194,12 @@ class Linear(Module):
         self.save_for_backward(cache)
         return y
 
+    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
     def backward(self, dy) -> np.ndarray:
         """The backward pass of the last forward: returns dx and adds
         every parameter's gradient into ``p.grad``.
 
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the forward output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
-            parameter changed since the forward.
-        ValueError
-            ``dy`` of the wrong shape.
+        <backward_sections>
         """
         return self._backward(self._check_dy(dy))
 
@@ -238,29 +268,13 @@ class LayerNorm(Module):
         self.bias = Parameter(np.zeros(shape), self._dtype) if (self.elementwise_affine and bias) else None
 
     def _check_input(self, x, name: str = "x") -> np.ndarray:
-        x = as_float(x, name, self.dtype)
-        _check_trailing(x, name, self.normalized_shape, f"LayerNorm({self.normalized_shape})")
-        return x
+        return _as_trailing(x, name, self.dtype, self.normalized_shape, "LayerNorm")
 
+    @shared_doc(norm_forward_sections=_NORM_FORWARD_SECTIONS)
     def forward(self, x) -> np.ndarray:
         """The forward pass: normalise over the trailing ``normalized_shape`` axes, then scale and shift.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(..., *normalized_shape)``; cast to the module's dtype.
-
-        Returns
-        -------
-        ndarray
-            Of ``x``'s shape, in the module's dtype.
-
-        Raises
-        ------
-        TypeError
-            A non-numeric input, or float16/longdouble.
-        ValueError
-            An input whose feature size does not match the module.
+        <norm_forward_sections>
         """
         return self._forward(self._check_input(x))
 
@@ -271,27 +285,12 @@ class LayerNorm(Module):
         self.save_for_backward(cache)
         return y
 
+    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
     def backward(self, dy) -> np.ndarray:
         """The backward pass of the last forward: returns dx and adds
         every parameter's gradient into ``p.grad``.
 
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the forward output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
-            parameter changed since the forward.
-        ValueError
-            ``dy`` of the wrong shape.
+        <backward_sections>
         """
         return self._backward(self._check_dy(dy))
 
@@ -351,29 +350,13 @@ class RMSNorm(Module):
         self.weight = Parameter(np.ones(self.normalized_shape), self._dtype) if self.elementwise_affine else None
 
     def _check_input(self, x, name: str = "x") -> np.ndarray:
-        x = as_float(x, name, self.dtype)
-        _check_trailing(x, name, self.normalized_shape, f"RMSNorm({self.normalized_shape})")
-        return x
+        return _as_trailing(x, name, self.dtype, self.normalized_shape, "RMSNorm")
 
+    @shared_doc(norm_forward_sections=_NORM_FORWARD_SECTIONS)
     def forward(self, x) -> np.ndarray:
         """The forward pass: divide by the root mean square over the trailing axes, then scale.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(..., *normalized_shape)``; cast to the module's dtype.
-
-        Returns
-        -------
-        ndarray
-            Of ``x``'s shape, in the module's dtype.
-
-        Raises
-        ------
-        TypeError
-            A non-numeric input, or float16/longdouble.
-        ValueError
-            An input whose feature size does not match the module.
+        <norm_forward_sections>
         """
         return self._forward(self._check_input(x))
 
@@ -382,27 +365,12 @@ class RMSNorm(Module):
         self.save_for_backward(cache)
         return y
 
+    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
     def backward(self, dy) -> np.ndarray:
         """The backward pass of the last forward: returns dx and adds
         every parameter's gradient into ``p.grad``.
 
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the forward output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
-            parameter changed since the forward.
-        ValueError
-            ``dy`` of the wrong shape.
+        <backward_sections>
         """
         return self._backward(self._check_dy(dy))
 
@@ -475,27 +443,12 @@ class Dropout(Module):
         self.save_for_backward(cache)
         return y
 
+    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
     def backward(self, dy) -> np.ndarray:
         """The backward pass of the last forward: returns dx and adds
         nothing (dropout has no parameters).
 
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the forward output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
-            parameter changed since the forward.
-        ValueError
-            ``dy`` of the wrong shape.
+        <backward_sections>
         """
         return self._backward(self._check_dy(dy))
 
@@ -644,27 +597,12 @@ class Embedding(Module):
         self.save_for_backward(cache)
         return y
 
+    @shared_doc(backward_sections=_backward_sections("None", "Token ids have no gradient."))
     def backward(self, dy) -> None:
         """The backward pass of the last forward: returns dx and adds
         the rows' gradients into ``weight.grad``.
 
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the forward output's shape.
-
-        Returns
-        -------
-        None
-            Token ids have no gradient.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
-            parameter changed since the forward.
-        ValueError
-            ``dy`` of the wrong shape.
+        <backward_sections>
         """
         self._backward(self._check_dy(dy))
         return None
@@ -828,25 +766,11 @@ class FeedForward(Module):
         check_features(x, name, d, f"FeedForward({d}, {d_ff})")
         return x
 
+    @shared_doc(forward_sections=_forward_sections("``(..., d_model)``", "``(..., d_model)``"))
     def forward(self, x) -> np.ndarray:
         """The forward pass: ``linear2(dropout(act(linear1(x))))``.
 
-        Parameters
-        ----------
-        x : array_like
-            ``(..., d_model)``; cast to the module's dtype.
-
-        Returns
-        -------
-        ndarray
-            ``(..., d_model)``, in the module's dtype.
-
-        Raises
-        ------
-        TypeError
-            A non-numeric input, or float16/longdouble.
-        ValueError
-            An input whose feature size does not match the module.
+        <forward_sections>
         """
         return self._forward(self._check_input(x))
 
@@ -871,27 +795,12 @@ class FeedForward(Module):
         self.save_for_backward((cache, drop, reused))
         return self.linear2._forward(self.dropout._forward(h) if drop else h)
 
+    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
     def backward(self, dy) -> np.ndarray:
         """The backward pass of the last forward: returns dx and adds
         every parameter's gradient into ``p.grad``.
 
-        Parameters
-        ----------
-        dy : array_like
-            The upstream gradient, of the forward output's shape.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of the input's shape.
-
-        Raises
-        ------
-        RuntimeError
-            No forward to differentiate (none yet, already used, or run under ``no_grad``), or a
-            parameter changed since the forward.
-        ValueError
-            ``dy`` of the wrong shape.
+        <backward_sections>
         """
         return self._backward(self._check_dy(dy))
 
