@@ -198,3 +198,154 @@ def backward_jvp_sections(
         "wrong": wrong,
     }
     return _fill(textwrap.dedent(text), {k: _wrapped(v) for k, v in parts.items()}, f"{op}_backward_jvp")
+
+
+# -- the attention cores' sections ---------------------------------------------------------------
+# ``scaled_dot_product_attention`` and ``memory_efficient_attention`` take the same arguments and
+# options and their pairs document the same gradients and tangents: the parts below, with each
+# core's own op and cache names.
+
+#: The attention cores' first arguments, ``q`` to ``scale`` (their ``Parameters``' head).
+ATTENTION_ARGS = """
+    q : array_like
+        ``(..., Hq, Lq, E)`` (or ``(..., Lq, E)``), float32 or float64.
+    k : array_like
+        ``(..., Hk, Lk, E)``.
+    v : array_like
+        ``(..., Hk, Lk, Ev)``.
+    attn_mask : array_like, optional
+        Bool (True = may attend) or float (added to the scaled scores), broadcastable to
+        ``(..., Hq, Lq, Lk)``.
+    is_causal : bool
+        Query ``i`` sees keys at positions ``<= i`` (aligned by ``causal_align``).
+    dropout_p : float
+        Dropout on the attention weights, in ``[0, 1]``.
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    """
+
+#: The attention cores' other arguments, ``rng`` to ``mask_grad`` (their ``Parameters``' tail).
+ATTENTION_OPTIONS = """
+    rng : numpy.random.Generator, int or None
+        For dropout.
+    enable_gqa : bool
+        Grouped-query attention: ``Hq`` a multiple of ``Hk``.
+    causal_align : {"top_left", "bottom_right"}
+    window : tuple of two int, optional
+        ``(left, right)``, -1 = unbounded.
+    alibi_slopes : array_like, optional
+        Broadcastable to ``(..., Hq)``.
+    softcap : float, optional
+        > 0.
+    sinks : array_like, optional
+        ``(Hq,)``.
+    mask_grad : bool
+        With a float mask: the backward also returns ``dmask``.
+    """
+
+#: The attention cores' forward errors (the entries under ``Raises``).
+ATTENTION_RAISES = """
+    TypeError
+        Non-numeric or mixed float dtypes of q, k, v, an integer mask, a non-bool flag.
+    ValueError
+        Shapes that do not match or broadcast, heads that do not divide, ``dropout_p`` outside
+        ``[0, 1]``, a bad ``window``/``causal_align``/``softcap``/``sinks``, ``+inf`` or NaN in a
+        float mask, ``mask_grad`` without a float mask.
+    """
+
+
+def attention_backward_sections(op: str) -> str:
+    """The Parameters, Returns and Raises of an attention core's ``op_backward(dout, cache)``."""
+    return textwrap.dedent(
+        f"""
+        Parameters
+        ----------
+        dout : array_like
+            The upstream gradient, of the output's shape.
+        cache : tuple
+            The cache ``{op}`` returned (only that op's cache is accepted).
+
+        Returns
+        -------
+        dq, dk, dv : ndarray
+            Each of its input's shape.
+        dmask : ndarray
+            With ``mask_grad``: of the mask's shape.
+        dsinks : ndarray
+            With ``sinks``: ``(Hq,)``.
+
+        Raises
+        ------
+        TypeError
+            A cache from another op, or ``dout`` not a real array.
+        ValueError
+            ``dout`` of the wrong shape.
+        """
+    )
+
+
+def attention_jvp_sections(op: str, cache: str) -> str:
+    """The Parameters, Returns and Raises of an attention core's ``op_jvp(cache, *tangents)``."""
+    return textwrap.dedent(
+        f"""
+        Parameters
+        ----------
+        cache : {cache}
+            The cache ``{op}`` returned.
+        *tangents : ndarray or None
+            In the order the backward returns gradients: ``tq``, ``tk``, ``tv`` (each of its input's
+            own shape), then ``tmask`` (the float mask's shape; only with ``mask_grad``), then
+            ``tsinks`` (``(Hq,)``; only with ``sinks``).  None, or left out at the end, is zero.
+
+        Returns
+        -------
+        ndarray
+            ``tout``, of ``out``'s shape ``(..., Hq, Lq, Ev)`` and dtype.
+
+        Raises
+        ------
+        TypeError
+            A cache from another op, too many tangents, or a tangent that is not a real array.
+        ValueError
+            A tangent of the wrong shape.
+        """
+    )
+
+
+def attention_backward_jvp_sections(op: str, cache: str) -> str:
+    """The Parameters, Returns and Raises of an attention core's
+    ``op_backward_jvp(dout, cache, tangents, ddout)``."""
+    text = """
+        Parameters
+        ----------
+        dout : array_like
+            The upstream gradient, of the output's shape.
+        cache : {cache}
+            The cache ``{op}`` returned.
+        tangents : tuple or None
+            <tangents>
+        ddout : array_like, optional
+            The tangent of ``dout`` (None: zero).
+
+        Returns
+        -------
+        grads : tuple of ndarray
+            ``(dq, dk, dv[, dmask][, dsinks])``, the backward's.
+        grad_tangents : tuple of ndarray
+            Their tangents, the same order, shapes and dtype.
+
+        Raises
+        ------
+        TypeError
+            A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
+            not real.
+        ValueError
+            ``dout``, ``ddout`` or a tangent of the wrong shape.
+        """.format(cache=cache, op=op)
+    tangents = (
+        f"``(tq, tk, tv[, tmask][, tsinks])`` as ``{op}_jvp`` takes them, each None or of its input's shape;"
+        " None or ``()``: all zero."
+    )
+    # wrapped one column narrower than _wrapped: the width these entries were first written at
+    wrapped = textwrap.fill(tangents, 91, break_long_words=False, break_on_hyphens=False)
+    return _fill(textwrap.dedent(text), {"tangents": wrapped}, f"{op}_backward_jvp")

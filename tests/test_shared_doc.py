@@ -99,3 +99,27 @@ def test_the_norms_share_one_input_check_naming_their_class_and_shape(cls):
     with pytest.raises(ValueError, match=re.escape(f"x: expected shape (..., 2, 3) for {cls}((2, 3)), got (4, 3)")):
         norm(np.ones((4, 3)))
     assert norm(np.ones((4, 2, 3))).dtype == np.float64
+
+
+@pytest.mark.parametrize(
+    "op, cache",
+    [("scaled_dot_product_attention", "AttentionCache"), ("memory_efficient_attention", "MemoryEfficientCache")],
+)
+def test_the_attention_cores_share_their_sections_naming_their_own_op(op, cache):
+    import textwrap
+
+    from npattn import _docs
+    from npattn import functional as F
+
+    def block(text):
+        return textwrap.indent(textwrap.dedent(text).strip("\n"), "    ")
+
+    forward = getattr(F, op).__doc__
+    for part in (_docs.ATTENTION_ARGS, _docs.ATTENTION_OPTIONS, _docs.ATTENTION_RAISES):
+        assert block(part) in forward
+    assert block(_docs.attention_backward_sections(op)) in getattr(F, f"{op}_backward").__doc__
+    assert block(_docs.attention_jvp_sections(op, cache)) in getattr(F, f"{op}_jvp").__doc__
+    backward_jvp = getattr(F, f"{op}_backward_jvp").__doc__
+    assert block(_docs.attention_backward_jvp_sections(op, cache)) in backward_jvp
+    assert f"cache : {cache}\n        The cache ``{op}`` returned." in backward_jvp
+    assert f"as ``{op}_jvp`` takes them" in backward_jvp

@@ -14,6 +14,15 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import (
+    ATTENTION_ARGS,
+    ATTENTION_OPTIONS,
+    ATTENTION_RAISES,
+    attention_backward_jvp_sections,
+    attention_backward_sections,
+    attention_jvp_sections,
+    shared_doc,
+)
 from .._validate import (
     as_rng,
     check_backward_jvp,
@@ -169,6 +178,7 @@ def _heads_last_empty(shape, dtype, workspace=None):
     return _empty(workspace, tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
+@shared_doc(attention_args=ATTENTION_ARGS, attention_options=ATTENTION_OPTIONS, attention_raises=ATTENTION_RAISES)
 def scaled_dot_product_attention(
     q,
     k,
@@ -235,36 +245,8 @@ def scaled_dot_product_attention(
 
     Parameters
     ----------
-    q : array_like
-        ``(..., Hq, Lq, E)`` (or ``(..., Lq, E)``), float32 or float64.
-    k : array_like
-        ``(..., Hk, Lk, E)``.
-    v : array_like
-        ``(..., Hk, Lk, Ev)``.
-    attn_mask : array_like, optional
-        Bool (True = may attend) or float (added to the scaled scores), broadcastable to
-        ``(..., Hq, Lq, Lk)``.
-    is_causal : bool
-        Query ``i`` sees keys at positions ``<= i`` (aligned by ``causal_align``).
-    dropout_p : float
-        Dropout on the attention weights, in ``[0, 1]``.
-    scale : float, optional
-        Default ``1 / sqrt(E)``.
-    rng : numpy.random.Generator, int or None
-        For dropout.
-    enable_gqa : bool
-        Grouped-query attention: ``Hq`` a multiple of ``Hk``.
-    causal_align : {"top_left", "bottom_right"}
-    window : tuple of two int, optional
-        ``(left, right)``, -1 = unbounded.
-    alibi_slopes : array_like, optional
-        Broadcastable to ``(..., Hq)``.
-    softcap : float, optional
-        > 0.
-    sinks : array_like, optional
-        ``(Hq,)``.
-    mask_grad : bool
-        With a float mask: the backward also returns ``dmask``.
+    <attention_args>
+    <attention_options>
 
     Returns
     -------
@@ -275,12 +257,7 @@ def scaled_dot_product_attention(
 
     Raises
     ------
-    TypeError
-        Non-numeric or mixed float dtypes of q, k, v, an integer mask, a non-bool flag.
-    ValueError
-        Shapes that do not match or broadcast, heads that do not divide, ``dropout_p`` outside
-        ``[0, 1]``, a bad ``window``/``causal_align``/``softcap``/``sinks``, ``+inf`` or NaN in a
-        float mask, ``mask_grad`` without a float mask.
+    <attention_raises>
 
     Examples
     --------
@@ -473,6 +450,7 @@ class _Rows:
         np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=out[..., blk.rows, :])
 
 
+@shared_doc(backward_sections=attention_backward_sections("scaled_dot_product_attention"))
 def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     """Backward of ``out = P' v`` with ``P' = dropout(P)``, ``P = softmax(S)``, ``S = scale q k^T + mask``:
 
@@ -506,28 +484,7 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     gradient over the query heads that share it.  Returns ``(dq, dk, dv)``, then ``dmask`` (with
     ``mask_grad``), then ``dsinks`` (with ``sinks``); each gradient has its input's shape.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``scaled_dot_product_attention`` returned (only that op's cache is accepted).
-
-    Returns
-    -------
-    dq, dk, dv : ndarray
-        Each of its input's shape.
-    dmask : ndarray
-        With ``mask_grad``: of the mask's shape.
-    dsinks : ndarray
-        With ``sinks``: ``(Hq,)``.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, AttentionCache, "scaled_dot_product_attention_backward")
     q, v = cache.q, cache.v
@@ -662,6 +619,7 @@ def _option_grads(cache: AttentionCache, dmask, dsinks) -> list:
     return grads
 
 
+@shared_doc(jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
     """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` along the inputs' tangents.
 
@@ -680,26 +638,7 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
     Computed block by block from the cached ``P`` (the forward's row blocks: a causal or windowed
     call forms only its band), in the grouped layout for grouped-query heads (no copy of k, v).
 
-    Parameters
-    ----------
-    cache : AttentionCache
-        The cache ``scaled_dot_product_attention`` returned.
-    *tangents : ndarray or None
-        In the order the backward returns gradients: ``tq``, ``tk``, ``tv`` (each of its input's
-        own shape), then ``tmask`` (the float mask's shape; only with ``mask_grad``), then
-        ``tsinks`` (``(Hq,)``; only with ``sinks``).  None, or left out at the end, is zero.
-
-    Returns
-    -------
-    ndarray
-        ``tout``, of ``out``'s shape ``(..., Hq, Lq, Ev)`` and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, too many tangents, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -765,6 +704,7 @@ def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tm
     return _ungrouped(tout, groups, q.shape[:-1] + (v.shape[-1],))
 
 
+@shared_doc(backward_jvp_sections=attention_backward_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
 def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents, ddout=None) -> tuple:
     """Second order, forward over reverse: ``(grads, grad_tangents)``.
 
@@ -790,32 +730,7 @@ def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tange
     Computed block by block from the cached ``P`` (the forward's row blocks, so a causal or
     windowed call forms only its band), in the grouped layout (no copy of k, v).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : AttentionCache
-        The cache ``scaled_dot_product_attention`` returned.
-    tangents : tuple or None
-        ``(tq, tk, tv[, tmask][, tsinks])`` as ``scaled_dot_product_attention_jvp`` takes them,
-        each None or of its input's shape; None or ``()``: all zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : tuple of ndarray
-        ``(dq, dk, dv[, dmask][, dsinks])``, the backward's.
-    grad_tangents : tuple of ndarray
-        Their tangents, the same order, shapes and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
-        not real.
-    ValueError
-        ``dout``, ``ddout`` or a tangent of the wrong shape.
+    <backward_jvp_sections>
 
     Examples
     --------

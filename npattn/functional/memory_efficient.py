@@ -62,6 +62,15 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .._docs import (
+    ATTENTION_ARGS,
+    ATTENTION_OPTIONS,
+    ATTENTION_RAISES,
+    attention_backward_jvp_sections,
+    attention_backward_sections,
+    attention_jvp_sections,
+    shared_doc,
+)
 from .._validate import (
     as_rng,
     check_backward_jvp,
@@ -410,6 +419,7 @@ def _cached_geometry(cache: MemoryEfficientCache) -> _Geometry:
     )
 
 
+@shared_doc(attention_args=ATTENTION_ARGS, attention_options=ATTENTION_OPTIONS, attention_raises=ATTENTION_RAISES)
 def memory_efficient_attention(
     q,
     k,
@@ -497,38 +507,10 @@ def memory_efficient_attention(
 
     Parameters
     ----------
-    q : array_like
-        ``(..., Hq, Lq, E)`` (or ``(..., Lq, E)``), float32 or float64.
-    k : array_like
-        ``(..., Hk, Lk, E)``.
-    v : array_like
-        ``(..., Hk, Lk, Ev)``.
-    attn_mask : array_like, optional
-        Bool (True = may attend) or float (added to the scaled scores), broadcastable to
-        ``(..., Hq, Lq, Lk)``.
-    is_causal : bool
-        Query ``i`` sees keys at positions ``<= i`` (aligned by ``causal_align``).
-    dropout_p : float
-        Dropout on the attention weights, in ``[0, 1]``.
-    scale : float, optional
-        Default ``1 / sqrt(E)``.
+    <attention_args>
     block_size : int, optional
         Query rows and key columns per block (default: measured).
-    rng : numpy.random.Generator, int or None
-        For dropout.
-    enable_gqa : bool
-        Grouped-query attention: ``Hq`` a multiple of ``Hk``.
-    causal_align : {"top_left", "bottom_right"}
-    window : tuple of two int, optional
-        ``(left, right)``, -1 = unbounded.
-    alibi_slopes : array_like, optional
-        Broadcastable to ``(..., Hq)``.
-    softcap : float, optional
-        > 0.
-    sinks : array_like, optional
-        ``(Hq,)``.
-    mask_grad : bool
-        With a float mask: the backward also returns ``dmask``.
+    <attention_options>
 
     Returns
     -------
@@ -540,12 +522,7 @@ def memory_efficient_attention(
 
     Raises
     ------
-    TypeError
-        Non-numeric or mixed float dtypes of q, k, v, an integer mask, a non-bool flag.
-    ValueError
-        Shapes that do not match or broadcast, heads that do not divide, ``dropout_p`` outside
-        ``[0, 1]``, a bad ``window``/``causal_align``/``softcap``/``sinks``, ``+inf`` or NaN in a
-        float mask, ``mask_grad`` without a float mask.
+    <attention_raises>
 
     Examples
     --------
@@ -591,6 +568,7 @@ def memory_efficient_attention(
     )
 
 
+@shared_doc(backward_sections=attention_backward_sections("memory_efficient_attention"))
 def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """Gradients of ``memory_efficient_attention``, block by block (FlashAttention-2):
     ``(dq, dk, dv)``, then ``dmask`` (with ``mask_grad``), then ``dsinks`` (with ``sinks``).
@@ -638,28 +616,7 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
     A query row that saw no key has ``P = 0`` in every block, hence ``dS = 0``, and ``O = 0``,
     hence ``D = 0``: gradient exactly 0.  Returns the gradients in ``q``'s dtype.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``memory_efficient_attention`` returned (only that op's cache is accepted).
-
-    Returns
-    -------
-    dq, dk, dv : ndarray
-        Each of its input's shape.
-    dmask : ndarray
-        With ``mask_grad``: of the mask's shape.
-    dsinks : ndarray
-        With ``sinks``: ``(Hq,)``.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_sections>
     """
     check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_backward")
     dout = check_grad(dout, cache.out.shape, cache.q.dtype)
@@ -967,6 +924,7 @@ class _BackwardWorker:
         dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
 
 
+@shared_doc(jvp_sections=attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
     """Forward mode of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
 
@@ -994,26 +952,7 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
     in the backward; grouped-query heads and broadcast batches are views (k, v never repeated).
     Memory: the tangent, the inputs' tangents and per-thread block buffers.
 
-    Parameters
-    ----------
-    cache : MemoryEfficientCache
-        The cache ``memory_efficient_attention`` returned.
-    *tangents : ndarray or None
-        In the order the backward returns gradients: ``tq``, ``tk``, ``tv`` (each of its input's
-        own shape), then ``tmask`` (the float mask's shape; only with ``mask_grad``), then
-        ``tsinks`` (``(Hq,)``; only with ``sinks``).  None, or left out at the end, is zero.
-
-    Returns
-    -------
-    ndarray
-        ``tout``, of ``out``'s shape ``(..., Hq, Lq, Ev)`` and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, too many tangents, or a tangent that is not a real array.
-    ValueError
-        A tangent of the wrong shape.
+    <jvp_sections>
 
     Examples
     --------
@@ -1178,6 +1117,7 @@ class _JvpWorker:
         return tz
 
 
+@shared_doc(backward_jvp_sections=attention_backward_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
 def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, tangents, ddout=None) -> tuple:
     """Second order of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
 
@@ -1201,32 +1141,7 @@ def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, t
     Dropout's keep-mask is regenerated from the seed; grouped-query heads and broadcast batches
     are views.  Memory: the gradients, their tangents, O(L) rows and per-thread blocks.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : MemoryEfficientCache
-        The cache ``memory_efficient_attention`` returned.
-    tangents : tuple or None
-        ``(tq, tk, tv[, tmask][, tsinks])`` as ``memory_efficient_attention_jvp`` takes them, each
-        None or of its input's shape; None or ``()``: all zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : tuple of ndarray
-        ``(dq, dk, dv[, dmask][, dsinks])``, the backward's.
-    grad_tangents : tuple of ndarray
-        Their tangents, the same order, shapes and dtype.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
-        not real.
-    ValueError
-        ``dout``, ``ddout`` or a tangent of the wrong shape.
+    <backward_jvp_sections>
 
     Examples
     --------
