@@ -195,7 +195,7 @@ CASES = {
     + delta_cases(np.random.default_rng(0))
 }
 # the pairs whose fast tier has no second order yet: checked in the textbook tier only
-TEXTBOOK_ONLY = ("gated_delta_rule",)
+TEXTBOOK_ONLY: tuple = ()
 
 
 def _case(name, seed=0):
@@ -400,3 +400,79 @@ def test_delta_rule_with_the_final_state():
     for g_, t_, wg, wt in zip(grads, tans, want_grads, want_tans):
         assert rel_err(g_, wg, floor=1.0, relative_to="max_b") < 1e-10
         assert rel_err(t_, wt, floor=1.0, relative_to="max_b") < 1e-10
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 64])
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_delta_rule_chunked_equals_textbook_and_central_differences(chunk, l2, with_state):
+    """The chunked tier's second order over chunk sizes (7 steps: a partial last chunk but for
+    C = 1 and 64), with and without q/k normalisation, initial state and dfinal_state/ddfinal_state:
+    the gradients are exactly the chunked backward's, the tangents the textbook tier's to 1e-12
+    and central differences of the chunked backward's."""
+    rng = np.random.default_rng(20 + chunk)
+    lead, length, dk, dv = (2, 2), 7, 3, 2
+    q, k = rng.standard_normal(lead + (length, dk)), rng.standard_normal(lead + (length, dk))
+    v = rng.standard_normal(lead + (length, dv))
+    g, beta = -rng.uniform(0.1, 1.0, lead + (length,)), rng.uniform(0.2, 0.9, lead + (length,))
+    primals = (q, k, v, g, beta) + ((rng.standard_normal(lead + (dk, dv)),) if with_state else ())
+    tangents = tuple(rng.standard_normal(p.shape) for p in primals)
+    dout, ddout = rng.standard_normal(v.shape), rng.standard_normal(v.shape)
+    dfin, ddfin = (rng.standard_normal(lead + (dk, dv)) for _ in range(2)) if with_state else (None, None)
+
+    def cache_at(module, *p, **extra):
+        kw = dict(initial_state=p[5] if with_state else None, use_qk_l2norm=l2, output_final_state=with_state)
+        return module.gated_delta_rule(*p[:5], **kw, **extra)[1]
+
+    fast = cache_at(F, *primals, chunk_size=chunk)
+    grads, tans = F.gated_delta_rule_backward_jvp(dout, fast, tangents, ddout, dfin, ddfin)
+    for a, b in zip(grads, F.gated_delta_rule_backward(dout, fast, dfin)):
+        assert (a is None) == (b is None) == (not with_state and a is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+    want = R.gated_delta_rule_backward_jvp(dout, cache_at(R, *primals), tangents, ddout, dfin, ddfin)[1]
+    for t, w in zip(tans, want):
+        assert (t is None) == (w is None)
+        if t is not None:
+            assert t.shape == w.shape and rel_err(t, w, floor=1.0, relative_to="max_b") < 1e-12
+    h = 1e-6
+
+    def at(sign):
+        moved = [p + sign * h * t for p, t in zip(primals, tangents)]
+        dfin_moved = None if dfin is None else dfin + sign * h * ddfin
+        return F.gated_delta_rule_backward(dout + sign * h * ddout, cache_at(F, *moved, chunk_size=chunk), dfin_moved)
+
+    for t, a, b in zip(tans, at(1), at(-1)):
+        if t is not None:
+            assert np.any(t) and rel_err(t, (a - b) / (2 * h), floor=1.0, relative_to="max_b") < 1e-6
+
+
+def test_delta_rule_chunked_second_order_long_float32():
+    """A long float32 sequence (2000 steps in chunks of 4, several blocks of chunks): finite
+    tangents that stay float32, no tinitial_state's without an initial state."""
+    rng = np.random.default_rng(30)
+    q, k = rng.standard_normal((1, 1, 2000, 4)), rng.standard_normal((1, 1, 2000, 4))
+    v, g, beta = rng.standard_normal((1, 1, 2000, 3)), -rng.uniform(0, 1, (1, 1, 2000)), rng.uniform(0, 1, (1, 1, 2000))
+    args = tuple(a.astype(np.float32) for a in (q, k, v, g, beta))
+    _, cache = F.gated_delta_rule(*args, use_qk_l2norm=True, chunk_size=4)
+    tangents = tuple(rng.standard_normal(a.shape) for a in args)
+    dout = rng.standard_normal(v.shape).astype(np.float32)
+    grads, tans = F.gated_delta_rule_backward_jvp(dout, cache, tangents, dout[..., ::-1].copy())
+    assert all(t.dtype == np.float32 and np.isfinite(t).all() for t in tans[:5]) and tans[5] is None
+
+
+def test_delta_rule_chunked_bad_arguments_are_refused_naming_them():
+    case = _case("delta_rule")
+    _, cache = case.call(F, *case.primals)
+    dout, tangents, ddout = _draws(case, np.random.default_rng(12))
+    fn = F.gated_delta_rule_backward_jvp
+    with pytest.raises(ValueError, match="tinitial_state.*expected None"):
+        fn(dout, cache, tangents + (np.zeros((2, 2, 3, 2)),), ddout)
+    with pytest.raises(ValueError, match="tg"):
+        fn(dout, cache, (None, None, None, np.zeros((2, 2, 5))), ddout)
+    with pytest.raises(ValueError, match="ddfinal_state"):
+        fn(dout, cache, tangents, ddout, None, np.zeros((2, 2, 3)))
+    with pytest.raises(ValueError, match="ddout"):
+        fn(dout, cache, tangents, np.zeros((2, 2, 5, 2)))
+    with pytest.raises(TypeError, match="cache"):
+        fn(dout, (1, 2), tangents, ddout)

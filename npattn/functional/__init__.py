@@ -37,6 +37,7 @@ from .conv import causal_conv1d, causal_conv1d_backward, causal_conv1d_backward_
 from .delta_rule import (
     gated_delta_rule,
     gated_delta_rule_backward,
+    gated_delta_rule_backward_jvp,
     gated_delta_rule_jvp,
     l2_norm,
     l2_norm_backward,
@@ -139,6 +140,7 @@ __all__ = [
     "memory_efficient_attention_backward_jvp",
     "gated_delta_rule",
     "gated_delta_rule_backward",
+    "gated_delta_rule_backward_jvp",
     "gated_delta_rule_jvp",
     "kimi_delta_attention",
     "kimi_delta_attention_backward",

@@ -80,6 +80,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_backward",
     "gated_delta_rule_jvp",
+    "gated_delta_rule_backward_jvp",
     "GatedDeltaRuleCache",
     "l2_norm",
     "l2_norm_backward",
@@ -771,7 +772,31 @@ def gated_delta_rule_backward_kernel(dout, cache, dfinal_state=None):
     return dq, dk_, dv_, dg, dbeta, (ds.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
 
 
-def _chunked_backward(c: _Chunks, s, do, dsf):
+class _BackwardParts(NamedTuple):
+    """The intermediates of ``_chunked_backward`` its forward-mode derivative reads (names as there)."""
+
+    pt_do: np.ndarray
+    ds_end: np.ndarray
+    u: np.ndarray
+    du: np.ndarray
+    dr: np.ndarray
+    dp: np.ndarray
+    dqa: np.ndarray
+    dpg: np.ndarray
+    dkb: np.ndarray
+    dm: np.ndarray
+    dmg: np.ndarray
+    d: np.ndarray
+    ks: np.ndarray
+    ks_dr: np.ndarray
+    dr_st: np.ndarray
+    dgam: np.ndarray
+    da: np.ndarray
+    db: np.ndarray
+    da_end: np.ndarray
+
+
+def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
     """Backward of the chunks of a block, all at once but for the state's adjoint.
 
     The chunk computed (``S`` entering, ``S'`` leaving, ``R = diag(beta) V - diag(beta a) K S``):
@@ -803,7 +828,8 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
                   dD = dGam * Gam and dD_Cj += b_j db_j, dg_l += sum_{i >= l > j} dD_ij
                   (``segment_sums_backward``; sums only, as the forward's exponents).
 
-    Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk = dinitial_state)``.
+    Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk = dinitial_state)``, and
+    with ``keep`` the intermediates as ``_BackwardParts`` third (for ``_chunked_backward_jvp``).
     """
     rows, n = c.q.shape[:2]
     pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
@@ -845,14 +871,93 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dv = dr * c.beta[..., None]
     dbeta += (c.v * dr).sum(-1) - c.a * ks_dr
     da -= c.beta * ks_dr
-    dk -= (dr @ st) * (c.beta * c.a)[..., None]
+    dr_st = dr @ st
+    dk -= dr_st * (c.beta * c.a)[..., None]
     # the decays: a_i = e^{gamma_i}, gamma = cumsum(g); Gam_ij = e^{D_ij} and b_j = Gam_Cj, D = segment_sums(g)
     dd = dgam * c.gam  # dD_ij = dGam_ij Gam_ij
     dd[..., -1, :] += db * c.b
     dgamma = da * c.a
     dgamma[..., -1] += da_end * c.a[..., -1]
     dg = np.cumsum(dgamma[..., ::-1], axis=-1)[..., ::-1] + segment_sums_backward(dd)
-    return (dq, dk, dv, dg, dbeta), ds
+    if not keep:
+        return (dq, dk, dv, dg, dbeta), ds
+    parts = (pt_do, ds_end, u, du, dr, dp, dqa, dpg, dkb, dm, dmg, d, ks, ks_dr, dr_st, dgam, da, db, da_end)
+    return (dq, dk, dv, dg, dbeta), ds, _BackwardParts(*parts)
+
+
+def _chunked_backward_jvp(c: _Chunks, tc: _Chunks, s, ts, do, tdo, dsf, tdsf):
+    """``_chunked_backward`` and its forward-mode derivative: each of its lines by the product
+    rule, the terms moving along ``tc`` (``_term_tangents``), the states along ``ts`` (the
+    forward's tangents, ``_tangent_scan``), ``dO`` along ``tdo`` and ``dS'`` of the last chunk along
+    ``tdsf``.  The state's adjoint and its tangent run the chunks in reverse together:
+
+        tdS = ta_C dS' + a_C tdS' + t(Q_a^T dO) - tW_k^T (P^T dO + K_b dS') - W_k^T t(P^T dO + K_b dS')
+
+    every other line is a sum of products, each moving one factor at a time (the linear steps,
+    the reversed cumsum and ``segment_sums_backward``, take the tangents as they are).
+
+    Returns ``(grads, dS, tgrads, tdS)`` in ``_chunked_backward``'s order."""
+    grads, ds, b = _chunked_backward(c, s, do, dsf, keep=True)
+    n = c.q.shape[1]
+    tpt_do = triangular_matmul(tc.p.swapaxes(-1, -2), do, upper=True)
+    tpt_do += triangular_matmul(c.p.swapaxes(-1, -2), tdo, upper=True)
+    tqa_do = tc.qa.swapaxes(-1, -2) @ do + c.qa.swapaxes(-1, -2) @ tdo
+    decay, tdecay = c.a[..., -1, None, None], tc.a[..., -1, None, None]
+    tds_end = np.empty(s.shape, s.dtype)
+    tds = tdsf
+    for i in reversed(range(n)):
+        tds_end[:, i] = tds
+        dsi = b.ds_end[:, i]
+        tds = (
+            tdecay[:, i] * dsi
+            + decay[:, i] * tds
+            + tqa_do[:, i]
+            - tc.wk[:, i].swapaxes(-1, -2) @ (b.pt_do[:, i] + c.kb[:, i] @ dsi)
+            - c.wk[:, i].swapaxes(-1, -2) @ (tpt_do[:, i] + tc.kb[:, i] @ dsi + c.kb[:, i] @ tds)
+        )
+    tu = tc.wv - tc.wk @ s - c.wk @ ts
+    tdu = tpt_do + tc.kb @ b.ds_end + c.kb @ tds_end
+    tdr = triangular_matmul(tc.t.swapaxes(-1, -2), b.du, upper=True)
+    tdr += triangular_matmul(c.t.swapaxes(-1, -2), tdu, upper=True)
+    st, tst = s.swapaxes(-1, -2), ts.swapaxes(-1, -2)
+    # from O
+    tdp = np.tril(tdo @ b.u.swapaxes(-1, -2) + do @ tu.swapaxes(-1, -2))
+    tdqa = tdo @ st + do @ tst
+    tdpg = tdp * c.gam + b.dp * tc.gam
+    tdq = tdqa * c.a[..., None] + b.dqa * tc.a[..., None]
+    tdq += triangular_matmul(tdpg, c.k) + triangular_matmul(b.dpg, tc.k)
+    tdk = triangular_matmul(tdpg.swapaxes(-1, -2), c.q, upper=True)
+    tdk += triangular_matmul(b.dpg.swapaxes(-1, -2), tc.q, upper=True)
+    tda = (tc.q * b.dqa + c.q * tdqa).sum(-1)
+    tdgam = tdp * c.qk + b.dp * tc.qk
+    # from S'
+    tdkb = tu @ b.ds_end.swapaxes(-1, -2) + b.u @ tds_end.swapaxes(-1, -2)
+    tdk += tdkb * c.b[..., None] + b.dkb * tc.b[..., None]
+    tdb = (tc.k * b.dkb + c.k * tdkb).sum(-1)
+    tda_end = (tds_end * s + b.ds_end * ts).sum(axis=(-2, -1))
+    # from U = (I + M)^{-1} R
+    tdm = -np.tril(tdr @ b.u.swapaxes(-1, -2) + b.dr @ tu.swapaxes(-1, -2), -1)
+    tdmg = tdm * c.gam + b.dm * tc.gam
+    tdbeta = (tdmg * c.kk + b.dmg * tc.kk).sum(-1)
+    td = tdmg * c.beta[..., :, None] + b.dmg * tc.beta[..., :, None]
+    tdk += triangular_matmul(td, c.k) + triangular_matmul(b.d, tc.k)
+    tdk += triangular_matmul(td.swapaxes(-1, -2), c.k, upper=True)
+    tdk += triangular_matmul(b.d.swapaxes(-1, -2), tc.k, upper=True)
+    tdgam += (tdm * c.kk + b.dm * tc.kk) * c.beta[..., :, None] + b.dm * c.kk * tc.beta[..., :, None]
+    # from R = diag(beta) V - diag(beta a) K S
+    tks = tc.k @ s + c.k @ ts
+    tks_dr = (tks * b.dr + b.ks * tdr).sum(-1)
+    tdv = tdr * c.beta[..., None] + b.dr * tc.beta[..., None]
+    tdbeta += (tc.v * b.dr + c.v * tdr).sum(-1) - tc.a * b.ks_dr - c.a * tks_dr
+    tda -= tc.beta * b.ks_dr + c.beta * tks_dr
+    tdk -= (tdr @ st + b.dr @ tst) * (c.beta * c.a)[..., None] + b.dr_st * (tc.beta * c.a + c.beta * tc.a)[..., None]
+    # the decays: linear in (dgam, db, da, da_end) given the terms
+    tdd = tdgam * c.gam + b.dgam * tc.gam
+    tdd[..., -1, :] += tdb * c.b + b.db * tc.b
+    tdgamma = tda * c.a + b.da * tc.a
+    tdgamma[..., -1] += tda_end * c.a[..., -1] + b.da_end * tc.a[..., -1]
+    tdg = np.cumsum(tdgamma[..., ::-1], axis=-1)[..., ::-1] + segment_sums_backward(tdd)
+    return grads, ds, (tdq, tdk, tdv, tdg, tdbeta), tds
 
 
 def segment_sums_backward(dd):
@@ -899,10 +1004,7 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
 def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
     c = cache
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
-    zero = np.zeros_like
-    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else l2_norm_jvp_kernel(c.q_norm, tq))
-    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else l2_norm_jvp_kernel(c.k_norm, tk))
-    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
+    tq, tk, tv, tg, tbeta = _used_tangents(c, tq, tk, tv, tg, tbeta)
     qc, kc, vc, gc, bc = _chunked_inputs(c)
     tqc, tkc, tvc, tgc, tbc = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
     rows, n = qc.shape[:2]
@@ -916,6 +1018,124 @@ def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta
         )
     tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
     return tout if c.final_state is None else (tout, ts.reshape(lead + (dk, dv)))
+
+
+def _used_tangents(c: GatedDeltaRuleCache, tq, tk, tv, tg, tbeta):
+    """The tangents of the inputs as the forward used them: q's through ``l2_norm``'s JVP and the
+    scale, k's through ``l2_norm``'s JVP (``use_qk_l2norm``); None as zeros."""
+    zero = np.zeros_like
+    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else l2_norm_jvp_kernel(c.q_norm, tq))
+    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else l2_norm_jvp_kernel(c.k_norm, tk))
+    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
+    return tq, tk, tv, tg, tbeta
+
+
+def gated_delta_rule_backward_jvp(
+    dout: np.ndarray,
+    cache: GatedDeltaRuleCache,
+    tangents,
+    ddout: Optional[np.ndarray] = None,
+    dfinal_state: Optional[np.ndarray] = None,
+    ddfinal_state: Optional[np.ndarray] = None,
+):
+    """Second order of ``gated_delta_rule``, chunk by chunk: ``gated_delta_rule_backward(dout,
+    cache, dfinal_state)``'s gradients and their tangents when the inputs move along ``tangents``,
+    ``dout`` along ``ddout`` and ``dfinal_state`` along ``ddfinal_state``.
+
+    A first pass carries the state's tangent through the chunks as ``gated_delta_rule_jvp`` does
+    (keeping the tangent entering each chunk: ``(L / C) Dk Dv`` numbers per head, as the
+    forward's states); the second runs the chunks in reverse as the backward does, each line of
+    ``_chunked_backward`` with its tangent (derivation beside ``_chunked_backward_jvp``); then
+    the scale and, with ``use_qk_l2norm``, ``l2_norm``'s second order along the raw tangents.
+    Work linear in ``L``, no ``(L, L)`` array.
+
+    Parameters
+    ----------
+    dout, cache, dfinal_state
+        As ``gated_delta_rule_backward`` takes them.
+    tangents : tuple or None
+        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, ``gated_delta_rule_jvp``'s order; None or
+        left out: zero (``tinitial_state`` must be None without an initial state).
+    ddout : ndarray of ``dout``'s shape, optional
+    ddfinal_state : ndarray of the final state's shape, optional
+        The tangents of ``dout`` and ``dfinal_state`` (None: zero).
+
+    Returns
+    -------
+    (grads, grad_tangents)
+        ``grads`` exactly ``gated_delta_rule_backward(dout, cache, dfinal_state)``, ``grad_tangents``
+        their tangents in the same order (``dinitial_state``'s None without an initial state).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: a wrong cache, shapes that do not fit, too many tangents.
+    """
+    check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_backward_jvp")
+    q, g, dtype = cache.q, cache.g, cache.v.dtype
+    state_shape = cache.states.shape[:-3] + cache.states.shape[-2:]
+    specs = (
+        ("tq", q.shape),
+        ("tk", q.shape),
+        ("tv", cache.v.shape),
+        ("tg", g.shape),
+        ("tbeta", g.shape),
+        ("tinitial_state", state_shape, cache.has_initial_state),
+    )
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "gated_delta_rule_backward_jvp", cache.v.shape, dtype, specs
+    )
+    dfinal_state, ddfinal_state = (
+        None if x is None else check_grad(x, state_shape, dtype, name)
+        for x, name in ((dfinal_state, "dfinal_state"), (ddfinal_state, "ddfinal_state"))
+    )
+    return gated_delta_rule_backward_jvp_kernel(dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
+
+
+def gated_delta_rule_backward_jvp_kernel(dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None):
+    c = cache
+    tq_in, tk_in, tv, tg, tbeta, ts0 = (tuple(tangents) + (None,) * 6)[:6]
+    lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
+    used = _used_tangents(c, tq_in, tk_in, tv, tg, tbeta)
+    qc, kc, vc, gc, bc = _chunked_inputs(c)
+    tqc, tkc, tvc, tgc, tbc = _chunked(steps, c.chunk, *used)
+    doc = pad_chunks(dout, steps, c.chunk)
+    tdoc = np.zeros_like(doc) if ddout is None else pad_chunks(ddout, steps, c.chunk)
+    rows, n = qc.shape[:2]
+    s = c.states.reshape((rows,) + c.states.shape[-3:])
+    zeros = np.zeros((rows, dk, dv), c.q.dtype)
+    blocks = chunk_blocks(rows, n, c.chunk)
+
+    def terms(blk):
+        t = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
+        return t, _term_tangents(t, tqc[:, blk], tkc[:, blk], tvc[:, blk], tgc[:, blk], tbc[:, blk])
+
+    tstates, ts = np.empty(s.shape, s.dtype), (zeros if ts0 is None else ts0.reshape(rows, dk, dv))
+    for blk in blocks:  # the states' tangents, forwards
+        tstates[:, blk], _, _, ts = _tangent_scan(*terms(blk), s[:, blk], ts)
+    ds = zeros if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
+    tds = zeros if ddfinal_state is None else ddfinal_state.reshape(rows, dk, dv)
+    grads = tuple(np.empty(x.shape, c.q.dtype) for x in (qc, kc, vc, gc, bc) * 2)
+    for blk in reversed(blocks):  # the backward and its tangent, the last block first
+        t, tt = terms(blk)
+        block_grads, ds, block_tangents, tds = _chunked_backward_jvp(
+            t, tt, s[:, blk], tstates[:, blk], doc[:, blk], tdoc[:, blk], ds, tds
+        )
+        for whole, part in zip(grads, block_grads + block_tangents):
+            whole[:, blk] = part
+    dq, dk_, dv_, dg, dbeta, tdq, tdk, tdv, tdg, tdbeta = (
+        x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
+    )
+    dq *= c.scale
+    tdq *= c.scale
+    if c.q_norm is not None:
+        dq, tdq = l2_norm_backward_jvp_kernel(dq, c.q_norm, (tq_in,), tdq)
+        dk_, tdk = l2_norm_backward_jvp_kernel(dk_, c.k_norm, (tk_in,), tdk)
+    state = c.has_initial_state
+    return (
+        (dq, dk_, dv_, dg, dbeta, ds.reshape(lead + (dk, dv)) if state else None),
+        (tdq, tdk, tdv, tdg, tdbeta, tds.reshape(lead + (dk, dv)) if state else None),
+    )
 
 
 def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
@@ -933,13 +1153,23 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
         tS' = ta_C S + a_C tS + (diag(tb) K + diag(b) tK)^T U + (diag(b) K)^T tU
 
     Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
+    tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
+    tstates, u, tu, ts = _tangent_scan(c, tc, s, ts)
+    tout = tc.qa @ s + c.qa @ tstates
+    tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
+    return tout, ts
+
+
+def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
+    """The tangents of the chunks' terms (``_chunked_jvp``'s first lines), field by field as a
+    ``_Chunks``; the lower triangles only, as the terms."""
     ta = c.a * np.cumsum(tg, axis=-1)
     td = segment_sums(tg)  # the tangents of the exponents D_ij, sums as the forward's
     tgam = c.gam * td
     tb = c.b * td[..., -1, :]
     kt = c.k.swapaxes(-1, -2)
     tkk = tk @ kt
-    tkk += tkk.swapaxes(-1, -2)
+    tkk = np.tril(tkk + tkk.swapaxes(-1, -2))
     bcol = c.beta[..., :, None]
     tm = np.tril(bcol * tkk * c.gam + tbeta[..., :, None] * c.kk * c.gam + bcol * c.kk * tgam, -1)
     tt = -triangular_matmul(triangular_matmul(c.t, tm), c.t)
@@ -948,22 +1178,42 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     ba = c.beta * c.a
     twk = triangular_matmul(tt, c.k * ba[..., None])
     twk += triangular_matmul(c.t, c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
-    tp = np.tril(tq @ kt + c.q @ tk.swapaxes(-1, -2)) * c.gam + c.qk * tgam
-    tkb = c.k * tb[..., None] + tk * c.b[..., None]
+    tqk = np.tril(tq @ kt + c.q @ tk.swapaxes(-1, -2))
+    return _Chunks(
+        q=tq,
+        k=tk,
+        v=tv,
+        beta=tbeta,
+        a=ta,
+        b=tb,
+        gam=tgam,
+        kk=tkk,
+        qk=tqk,
+        t=tt,
+        p=tqk * c.gam + c.qk * tgam,
+        qa=tq * c.a[..., None] + c.q * ta[..., None],
+        kb=c.k * tb[..., None] + tk * c.b[..., None],
+        wv=twv,
+        wk=twk,
+    )
+
+
+def _tangent_scan(c: _Chunks, tc: _Chunks, s, ts):
+    """``_scan``'s tangent: the states' tangents entering each chunk, ``U`` and ``tU``, and the
+    final state's tangent (``tU = tW_v - tW_k S - W_k tS``, ``tS' = ta_C S + a_C tS + tK_b^T U +
+    K_b^T tU``)."""
     u = c.wv - c.wk @ s
-    rows, n = c.q.shape[:2]
+    n = c.q.shape[1]
     tstates = np.empty(s.shape, s.dtype)
     tu = np.empty(u.shape, u.dtype)
-    decay, tdecay = c.a[..., -1, None, None], ta[..., -1, None, None]
+    decay, tdecay = c.a[..., -1, None, None], tc.a[..., -1, None, None]
     for i in range(n):
         tstates[:, i] = ts
-        tu[:, i] = twv[:, i] - twk[:, i] @ s[:, i] - c.wk[:, i] @ ts
+        tu[:, i] = tc.wv[:, i] - tc.wk[:, i] @ s[:, i] - c.wk[:, i] @ ts
         ts = (
             tdecay[:, i] * s[:, i]
             + decay[:, i] * ts
-            + tkb[:, i].swapaxes(-1, -2) @ u[:, i]
+            + tc.kb[:, i].swapaxes(-1, -2) @ u[:, i]
             + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
         )
-    tout = (tq * c.a[..., None] + c.q * ta[..., None]) @ s + c.qa @ tstates
-    tout += triangular_matmul(tp, u) + triangular_matmul(c.p, tu)
-    return tout, ts
+    return tstates, u, tu, ts

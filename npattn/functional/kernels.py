@@ -40,6 +40,7 @@ from .conv import causal_conv1d_backward_jvp_kernel as causal_conv1d_backward_jv
 from .conv import causal_conv1d_backward_kernel as causal_conv1d_backward
 from .conv import causal_conv1d_jvp_kernel as causal_conv1d_jvp
 from .conv import causal_conv1d_kernel as causal_conv1d
+from .delta_rule import gated_delta_rule_backward_jvp_kernel as gated_delta_rule_backward_jvp
 from .delta_rule import gated_delta_rule_backward_kernel as gated_delta_rule_backward
 from .delta_rule import gated_delta_rule_jvp_kernel as gated_delta_rule_jvp
 from .delta_rule import gated_delta_rule_kernel as gated_delta_rule

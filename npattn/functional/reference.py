@@ -1972,7 +1972,6 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array])
     return tout if cache.final_state is None else (tout, tS)
 
 
-# not in __all__ until the fast (chunked) tier has its twin: the tiers export the same pairs
 def gated_delta_rule_backward_jvp(
     dout: Array,
     cache: GatedDeltaRuleCache,
@@ -2352,6 +2351,7 @@ __all__ += [
     "gated_delta_rule",
     "gated_delta_rule_backward",
     "gated_delta_rule_jvp",
+    "gated_delta_rule_backward_jvp",
     "l2_norm",
     "l2_norm_backward",
     "l2_norm_jvp",
