@@ -148,6 +148,7 @@ SECOND_ORDER_COVERS = (
     "rope (yarn, partial rotary)",
     "cross_entropy (probabilities, weight)",
     "cross_entropy (ignore_index)",
+    "gated_delta_rule (chunks of 3, l2norm, initial state)",
     "causal_conv1d (silu, bias, initial state)",
     "l2_norm",
     "rms_norm_gated",
