@@ -123,3 +123,16 @@ def test_the_attention_cores_share_their_sections_naming_their_own_op(op, cache)
     assert block(_docs.attention_backward_jvp_sections(op, cache)) in backward_jvp
     assert f"cache : {cache}\n        The cache ``{op}`` returned." in backward_jvp
     assert f"as ``{op}_jvp`` takes them" in backward_jvp
+
+
+@pytest.mark.parametrize(
+    "op, args", [("relu", ""), ("gelu", ""), ("silu", ""), ("softmax", ""), ("dropout", ", 0.5, rng=1")]
+)
+def test_the_activations_jvp_examples_are_written_once_and_call_their_own_op(op, args):
+    import textwrap
+
+    from npattn.functional import activation
+
+    doc = getattr(activation, f"{op}_jvp").__doc__
+    assert textwrap.indent(textwrap.dedent(activation._jvp_example(op, args)).strip("\n"), "    ") in doc
+    assert f">>> tout = F.{op}_jvp(cache, tx)\n    >>> f = lambda s: F.{op}(x + s * tx{args})[0]\n    >>> fd = " in doc

@@ -91,6 +91,20 @@ class DropoutCache(NamedTuple):
     dtype: np.dtype
 
 
+def _jvp_example(op: str, args: str = "") -> str:
+    """An activation's ``op_jvp`` example: ``tout`` against the central difference of ``op`` (called
+    with ``args`` after ``x``) along a random tangent."""
+    return f"""
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> out, cache = F.{op}(x{args})
+    >>> tout = F.{op}_jvp(cache, tx)
+    >>> f = lambda s: F.{op}(x + s * tx{args})[0]
+    """ + FD_CHECK.lstrip()
+
+
 # ----------------------------------------------------------------------------------------- relu
 
 
@@ -149,7 +163,7 @@ def relu_backward_kernel(dout, cache, out=None):
     return np.multiply(dout, cache.positive, out=out)
 
 
-@shared_doc(jvp_sections=jvp_sections("relu", "ReluCache"), fd_check=FD_CHECK)
+@shared_doc(jvp_sections=jvp_sections("relu", "ReluCache"), jvp_example=_jvp_example("relu"))
 def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
     """Forward mode of ``relu``: ``ty = tx * [x > 0]`` (the derivative 0 at
     ``x == 0``, as the backward and torch).
@@ -158,26 +172,14 @@ def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> out, cache = F.relu(x)
-    >>> tout = F.relu_jvp(cache, tx)
-    >>> f = lambda s: F.relu(x + s * tx)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, ReluCache, "relu_jvp")
-    return relu_jvp_kernel(
-        cache, *check_tangents_as(tangents, "relu_jvp", cache.dtype, (("tx", cache.positive.shape),))
-    )
+    return _elementwise_jvp(relu_jvp_kernel, ReluCache, "relu", cache, tangents)
 
 
 def relu_jvp_kernel(cache, tx=None):
     """The kernel of ``relu_jvp`` (``tx`` checked, None = zero)."""
-    if tx is None:
-        return np.zeros(cache.positive.shape, cache.dtype)
-    return relu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+    return _transposed(relu_backward_kernel, cache, tx)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 @shared_doc(backward_jvp_sections=backward_jvp_sections("relu", "ReluCache"))
@@ -193,8 +195,7 @@ def relu_backward_jvp(dout: np.ndarray, cache: ReluCache, tangents, ddout=None):
 
 def relu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``relu_backward_jvp``: ``tx`` does not enter."""
-    grads = relu_backward_kernel(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else relu_backward_kernel(ddout, cache))
+    return _linear_part(relu_backward_kernel, dout, cache, ddout)
 
 
 # ----------------------------------------------------------------------------------------- gelu
@@ -271,7 +272,7 @@ def gelu_backward_kernel(dout, cache):
     return dout * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
 
 
-@shared_doc(jvp_sections=jvp_sections("gelu", "GeluCache"), fd_check=FD_CHECK)
+@shared_doc(jvp_sections=jvp_sections("gelu", "GeluCache"), jvp_example=_jvp_example("gelu"))
 def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
     """Forward mode of ``gelu``: ``ty = gelu'(x) * tx`` (both forms; the
     derivative as derived in ``gelu_backward``).
@@ -280,24 +281,14 @@ def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> out, cache = F.gelu(x)
-    >>> tout = F.gelu_jvp(cache, tx)
-    >>> f = lambda s: F.gelu(x + s * tx)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, GeluCache, "gelu_jvp")
-    return gelu_jvp_kernel(cache, *check_tangents_as(tangents, "gelu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
+    return _elementwise_jvp(gelu_jvp_kernel, GeluCache, "gelu", cache, tangents)
 
 
 def gelu_jvp_kernel(cache, tx=None):
     """The kernel of ``gelu_jvp`` (``tx`` checked, None = zero)."""
-    if tx is None:
-        return np.zeros(cache.x.shape, cache.x.dtype)
-    return gelu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+    return _transposed(gelu_backward_kernel, cache, tx)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 @shared_doc(backward_jvp_sections=backward_jvp_sections("gelu", "GeluCache"))
@@ -330,8 +321,7 @@ def _gelu_second(cache):
 def gelu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``gelu_backward_jvp``."""
     (tx,) = tangents
-    grads = gelu_backward_kernel(dout, cache)
-    tdx = np.zeros_like(grads) if ddout is None else gelu_backward_kernel(ddout, cache)
+    grads, tdx = _linear_part(gelu_backward_kernel, dout, cache, ddout)
     if tx is not None:
         tdx += dout * _gelu_second(cache) * tx
     return grads, tdx
@@ -401,7 +391,7 @@ def silu_backward_kernel(dout, cache):
     return dout * (s * (1.0 + x * (1.0 - s)))
 
 
-@shared_doc(jvp_sections=jvp_sections("silu", "SiluCache"), fd_check=FD_CHECK)
+@shared_doc(jvp_sections=jvp_sections("silu", "SiluCache"), jvp_example=_jvp_example("silu"))
 def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
     """Forward mode of ``silu``: ``ty = s (1 + x (1 - s)) * tx`` with
     ``s = sigmoid(x)`` (derived in ``silu_backward``).
@@ -410,24 +400,14 @@ def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> out, cache = F.silu(x)
-    >>> tout = F.silu_jvp(cache, tx)
-    >>> f = lambda s: F.silu(x + s * tx)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, SiluCache, "silu_jvp")
-    return silu_jvp_kernel(cache, *check_tangents_as(tangents, "silu_jvp", cache.x.dtype, (("tx", cache.x.shape),)))
+    return _elementwise_jvp(silu_jvp_kernel, SiluCache, "silu", cache, tangents)
 
 
 def silu_jvp_kernel(cache, tx=None):
     """The kernel of ``silu_jvp`` (``tx`` checked, None = zero)."""
-    if tx is None:
-        return np.zeros(cache.x.shape, cache.x.dtype)
-    return silu_backward_kernel(tx, cache)  # elementwise: the Jacobian is diagonal, J v = J^T v
+    return _transposed(silu_backward_kernel, cache, tx)  # elementwise: the Jacobian is diagonal, J v = J^T v
 
 
 @shared_doc(backward_jvp_sections=backward_jvp_sections("silu", "SiluCache"))
@@ -445,8 +425,7 @@ def silu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``silu_backward_jvp``."""
     (tx,) = tangents
     x, s = cache
-    grads = silu_backward_kernel(dout, cache)
-    tdx = np.zeros_like(grads) if ddout is None else silu_backward_kernel(ddout, cache)
+    grads, tdx = _linear_part(silu_backward_kernel, dout, cache, ddout)
     if tx is not None:
         tdx += dout * (s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s))) * tx
     return grads, tdx
@@ -534,7 +513,7 @@ def softmax_backward_kernel(dout, cache):
     return y * (dout - (dout * y).sum(axis=axis, keepdims=True))  # axis None (0-d): dy - dy = 0
 
 
-@shared_doc(jvp_sections=jvp_sections("softmax", "SoftmaxCache"), fd_check=FD_CHECK)
+@shared_doc(jvp_sections=jvp_sections("softmax", "SoftmaxCache"), jvp_example=_jvp_example("softmax"))
 def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
     """Forward mode of ``softmax``: with ``dy_i/dx_j = y_i (delta_ij - y_j)``,
     ``ty = y * (tx - sum(y * tx))`` along the axis (the Jacobian is symmetric, so this is also
@@ -545,26 +524,14 @@ def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> out, cache = F.softmax(x)
-    >>> tout = F.softmax_jvp(cache, tx)
-    >>> f = lambda s: F.softmax(x + s * tx)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, SoftmaxCache, "softmax_jvp")
-    return softmax_jvp_kernel(
-        cache, *check_tangents_as(tangents, "softmax_jvp", cache.y.dtype, (("tx", cache.y.shape),))
-    )
+    return _elementwise_jvp(softmax_jvp_kernel, SoftmaxCache, "softmax", cache, tangents)
 
 
 def softmax_jvp_kernel(cache, tx=None):
     """The kernel of ``softmax_jvp`` (``tx`` checked, None = zero)."""
-    if tx is None:
-        return np.zeros(cache.y.shape, cache.y.dtype)
-    return softmax_backward_kernel(tx, cache)  # J = diag(y) - y y^T is symmetric: J v = J^T v
+    return _transposed(softmax_backward_kernel, cache, tx)  # J = diag(y) - y y^T is symmetric: J v = J^T v
 
 
 @shared_doc(backward_jvp_sections=backward_jvp_sections("softmax", "SoftmaxCache"))
@@ -587,8 +554,7 @@ def softmax_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``softmax_backward_jvp``."""
     (tx,) = tangents
     y, axis = cache
-    grads = softmax_backward_kernel(dout, cache)
-    tdx = np.zeros_like(grads) if ddout is None else softmax_backward_kernel(ddout, cache)
+    grads, tdx = _linear_part(softmax_backward_kernel, dout, cache, ddout)
     if tx is not None:
         ty = softmax_jvp_kernel(cache, tx)
         tdx += ty * (dout - (dout * y).sum(axis=axis, keepdims=True)) - y * (dout * ty).sum(axis=axis, keepdims=True)
@@ -678,7 +644,7 @@ def dropout_backward_kernel(dout, cache):
     return dout * cache.keep * cache.scale
 
 
-@shared_doc(jvp_sections=jvp_sections("dropout", "DropoutCache"), fd_check=FD_CHECK)
+@shared_doc(jvp_sections=jvp_sections("dropout", "DropoutCache"), jvp_example=_jvp_example("dropout", ", 0.5, rng=1"))
 def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
     """Forward mode of ``dropout``: ``y = x * keep * s`` is linear in ``x``, so
     ``ty = tx * keep * s`` with the forward's own mask (the identity in eval mode or with ``p = 0``).
@@ -687,24 +653,14 @@ def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> out, cache = F.dropout(x, 0.5, rng=1)
-    >>> tout = F.dropout_jvp(cache, tx)
-    >>> f = lambda s: F.dropout(x + s * tx, 0.5, rng=1)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, DropoutCache, "dropout_jvp")
-    return dropout_jvp_kernel(cache, *check_tangents_as(tangents, "dropout_jvp", cache.dtype, (("tx", cache.shape),)))
+    return _elementwise_jvp(dropout_jvp_kernel, DropoutCache, "dropout", cache, tangents)
 
 
 def dropout_jvp_kernel(cache, tx=None):
     """The kernel of ``dropout_jvp`` (``tx`` checked, None = zero)."""
-    if tx is None:
-        return np.zeros(cache.shape, cache.dtype)
-    return dropout_backward_kernel(tx, cache)  # diagonal and linear: the same mask both ways
+    return _transposed(dropout_backward_kernel, cache, tx)  # diagonal and linear: the same mask both ways
 
 
 @shared_doc(backward_jvp_sections=backward_jvp_sections("dropout", "DropoutCache"))
@@ -719,8 +675,7 @@ def dropout_backward_jvp(dout: np.ndarray, cache: DropoutCache, tangents, ddout=
 
 def dropout_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
     """The kernel of ``dropout_backward_jvp``: ``tx`` does not enter."""
-    grads = dropout_backward_kernel(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else dropout_backward_kernel(ddout, cache))
+    return _linear_part(dropout_backward_kernel, dout, cache, ddout)
 
 
 def _elementwise_backward_jvp(kernel, cache_type, op, cache, dout, tangents, ddout):
@@ -740,3 +695,27 @@ _INPUT_OF = {  # the input's shape and dtype, from each activation's cache
     SoftmaxCache: lambda c: (c.y.shape, c.y.dtype),
     DropoutCache: lambda c: (c.shape, c.dtype),
 }
+
+
+def _elementwise_jvp(kernel, cache_type, op, cache, tangents):
+    """The public edge of the activations' ``<op>_jvp``: the cache and ``(tx,)`` checked (of the
+    input's shape, cast to its dtype), then ``kernel``."""
+    name = f"{op}_jvp"
+    check_cache(cache, cache_type, name)
+    shape, dtype = _INPUT_OF[cache_type](cache)
+    return kernel(cache, *check_tangents_as(tangents, name, dtype, (("tx", shape),)))
+
+
+def _transposed(backward_kernel, cache, tx):
+    """An activation's ``J tx`` from its ``J^T`` (``backward_kernel``), for a Jacobian that is
+    symmetric; ``tx`` None: zero."""
+    if tx is None:
+        return np.zeros(*_INPUT_OF[type(cache)](cache))
+    return backward_kernel(tx, cache)
+
+
+def _linear_part(backward_kernel, dout, cache, ddout):
+    """``dx`` and the part of its tangent that ``ddout`` makes (the backward is linear in ``dout``:
+    ``backward_kernel(ddout)``; None: zero)."""
+    grads = backward_kernel(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else backward_kernel(ddout, cache))
