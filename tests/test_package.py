@@ -165,3 +165,22 @@ def test_missing_optional_packages_say_both_install_forms(monkeypatch, capsys):
     with pytest.raises(ImportError) as e:
         importlib.import_module("npattn.testing.strategies")
     assert _both_forms(str(e.value), "test")
+
+
+def test_the_strategy_names_are_listed_once_and_all_resolve():
+    import npattn.testing as testing
+    from npattn.testing import _names
+
+    strategies = pytest.importorskip("npattn.testing.strategies")
+    assert strategies.__all__ == list(_names.STRATEGIES)
+    assert [n for n in testing.__all__ if n in _names.STRATEGIES] == list(_names.STRATEGIES)
+    for name in _names.STRATEGIES:
+        assert getattr(testing, name) is getattr(strategies, name)
+    assert not [
+        n
+        for n in dir(strategies)
+        if n[0] != "_"
+        and callable(getattr(strategies, n))
+        and n not in strategies.__all__
+        and getattr(getattr(strategies, n), "__module__", "") == strategies.__name__
+    ]

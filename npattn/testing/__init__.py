@@ -10,43 +10,9 @@
   and ``attention_configs(options=True)``, which draws every attention option.
 """
 
+from ._names import STRATEGIES as _STRATEGIES
 from .gradcheck import GradcheckError, GradcheckReport, GradcheckRow, gradcheck, numerical_gradient
 from .gradgradcheck import gradgradcheck
-
-_STRATEGIES = (
-    "dtypes",
-    "seeds",
-    "shapes",
-    "arrays",
-    "relu_safe_arrays",
-    "layer_norm_inputs",
-    "LayerNormCase",
-    "MASK_KINDS",
-    "masks",
-    "attention_configs",
-    "AttentionConfig",
-    "make_mask",
-    "ATTENTION_OPTIONS",
-    "windows",
-    "alibi_slopes",
-    "standard_alibi_slopes",
-    "softcaps",
-    "sinks",
-    "POSITION_KINDS",
-    "positions",
-    "scales",
-    "tangents",
-    "gradcheck_modes",
-    "DeltaRuleCase",
-    "delta_rule_inputs",
-    "MoeCase",
-    "moe_configs",
-    "LATENT_ROPE_SCALINGS",
-    "LatentAttentionCase",
-    "latent_attention_configs",
-    "ROPE_TYPES",
-    "rope_scalings",
-)
 
 __all__ = [
     "gradcheck",

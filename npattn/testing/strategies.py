@@ -24,37 +24,14 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .._hints import install_hint
+from ._names import STRATEGIES
 
 try:
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - exercised only without hypothesis
     raise ImportError(f"npattn.testing needs hypothesis; install it with: {install_hint('test')}") from e
 
-__all__ = [
-    "dtypes",
-    "seeds",
-    "shapes",
-    "arrays",
-    "relu_safe_arrays",
-    "layer_norm_inputs",
-    "LayerNormCase",
-    "MASK_KINDS",
-    "masks",
-    "attention_configs",
-    "AttentionConfig",
-    "make_mask",
-    "ATTENTION_OPTIONS",
-    "windows",
-    "alibi_slopes",
-    "standard_alibi_slopes",
-    "softcaps",
-    "sinks",
-    "POSITION_KINDS",
-    "positions",
-    "scales",
-    "tangents",
-    "gradcheck_modes",
-]
+__all__ = list(STRATEGIES)  # the names npattn.testing loads from here on first use
 
 _SEED_MAX = 2**32 - 1
 
@@ -742,9 +719,6 @@ def delta_rule_inputs(
     ).map(build)
 
 
-__all__ += ["DeltaRuleCase", "delta_rule_inputs"]
-
-
 # -- mixture of experts (npattn.nn.moe) -------------------------------------------------------------
 
 
@@ -839,9 +813,6 @@ def moe_configs(
     ).map(lambda args: build(*args))
 
 
-__all__ += ["MoeCase", "moe_configs"]
-
-
 # -- RoPE as models configure it (npattn.functional.rope_frequencies) ------------------------------
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -880,9 +851,6 @@ def rope_scalings(draw, types: Sequence[str] = ROPE_TYPES, max_position_embeddin
             high_freq_factor=low + draw(st.floats(0.5, 4.0)),
         )
     return d
-
-
-__all__ += ["ROPE_TYPES", "rope_scalings"]
 
 
 # -- multi-head latent attention (npattn.nn.latent_attention) ----------------------------------------
@@ -970,6 +938,3 @@ def latent_attention_configs(
         st.integers(2, max_len),
         seeds(),
     ).map(lambda args: build(*args))
-
-
-__all__ += ["LATENT_ROPE_SCALINGS", "LatentAttentionCase", "latent_attention_configs"]

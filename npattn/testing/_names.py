@@ -1,0 +1,38 @@
+"""The names ``npattn.testing`` loads from ``npattn.testing.strategies`` on first use, listed once:
+``strategies.__all__`` and ``npattn.testing``'s lazy ``__getattr__`` both read it (this module
+imports nothing, so ``import npattn.testing`` stays free of hypothesis)."""
+
+STRATEGIES = (
+    "dtypes",
+    "seeds",
+    "shapes",
+    "arrays",
+    "relu_safe_arrays",
+    "layer_norm_inputs",
+    "LayerNormCase",
+    "MASK_KINDS",
+    "masks",
+    "attention_configs",
+    "AttentionConfig",
+    "make_mask",
+    "ATTENTION_OPTIONS",
+    "windows",
+    "alibi_slopes",
+    "standard_alibi_slopes",
+    "softcaps",
+    "sinks",
+    "POSITION_KINDS",
+    "positions",
+    "scales",
+    "tangents",
+    "gradcheck_modes",
+    "DeltaRuleCase",
+    "delta_rule_inputs",
+    "MoeCase",
+    "moe_configs",
+    "LATENT_ROPE_SCALINGS",
+    "LatentAttentionCase",
+    "latent_attention_configs",
+    "ROPE_TYPES",
+    "rope_scalings",
+)
