@@ -136,3 +136,17 @@ def test_the_activations_jvp_examples_are_written_once_and_call_their_own_op(op,
     doc = getattr(activation, f"{op}_jvp").__doc__
     assert textwrap.indent(textwrap.dedent(activation._jvp_example(op, args)).strip("\n"), "    ") in doc
     assert f">>> tout = F.{op}_jvp(cache, tx)\n    >>> f = lambda s: F.{op}(x + s * tx{args})[0]\n    >>> fd = " in doc
+
+
+def test_the_blocks_share_their_forward_returns_and_the_backward_raises():
+    import textwrap
+
+    from npattn._docs import BACKWARD_RAISES
+    from npattn.nn import transformer
+
+    def block(text, indent):
+        return textwrap.indent(textwrap.dedent(text).strip("\n"), indent)
+
+    for cls in (transformer.EncoderBlock, transformer.DecoderBlock):
+        assert block(transformer._FORWARD_RETURNS, "        ") in cls.forward.__doc__
+    assert "Raises\n        ------\n" + block(BACKWARD_RAISES, "        ") in transformer.EncoderBlock.backward.__doc__

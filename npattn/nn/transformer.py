@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from .._docs import BACKWARD_RAISES, shared_doc
 from .._validate import (
     as_float,
     as_rng,
@@ -96,6 +97,20 @@ def _check_block_sizes(d_model, num_heads, d_ff, dropout) -> tuple:
     return d_model, num_heads, check_size(d_ff, "d_ff"), check_prob(dropout, "dropout")
 
 
+#: The blocks' ``forward`` Returns and Raises.
+_FORWARD_RETURNS = """
+    Returns
+    -------
+    ndarray
+        ``(..., L, d_model)``, in the module's dtype.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An input or mask of the wrong kind or shape (checked before any sublayer runs).
+    """
+
+
 class EncoderBlock(Module):
     """A transformer encoder layer (``torch.nn.TransformerEncoderLayer`` with ``batch_first=True``).
 
@@ -168,6 +183,7 @@ class EncoderBlock(Module):
         """The arguments shown by ``repr(module)``."""
         return f"norm_first={self.norm_first}"
 
+    @shared_doc(forward_returns=_FORWARD_RETURNS)
     def forward(self, x, *, attn_mask=None, key_padding_mask=None) -> np.ndarray:
         """The forward pass.
 
@@ -180,15 +196,7 @@ class EncoderBlock(Module):
         key_padding_mask : array_like, optional
             ``(..., L)``, True = padding.
 
-        Returns
-        -------
-        ndarray
-            ``(..., L, d_model)``, in the module's dtype.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input or mask of the wrong kind or shape (checked before any sublayer runs).
+        <forward_returns>
         """
         x = _check_sequence(x, "x", self.layernorm1.normalized_shape[0], self.dtype)
         lead, L = x.shape[:-2], x.shape[-2]
@@ -215,6 +223,7 @@ class EncoderBlock(Module):
         self.save_for_backward((y.shape, drop))  # the sublayers keep their own state
         return y
 
+    @shared_doc(raises=BACKWARD_RAISES)
     def backward(self, dy) -> np.ndarray:
         """The backward pass of the last forward: returns ``dx`` and adds every parameter's
         gradient into ``p.grad``.
@@ -231,10 +240,7 @@ class EncoderBlock(Module):
 
         Raises
         ------
-        RuntimeError
-            No forward to differentiate.
-        ValueError
-            ``dy`` of the wrong shape.
+        <raises>
         """
         return self._backward(self._check_dy(dy))  # checked before any state is taken
 
@@ -415,20 +421,13 @@ class DecoderBlock(Module):
         """The arguments shown by ``repr(module)``."""
         return f"norm_first={self.norm_first}"
 
+    @shared_doc(forward_returns=_FORWARD_RETURNS)
     def forward(
         self, x, memory, *, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None, memory_key_padding_mask=None
     ) -> np.ndarray:
         """The forward pass (see the class docstring for the masks).
 
-        Returns
-        -------
-        ndarray
-            ``(..., L, d_model)``, in the module's dtype.
-
-        Raises
-        ------
-        TypeError, ValueError
-            An input or mask of the wrong kind or shape (checked before any sublayer runs).
+        <forward_returns>
         """
         d = self.layernorm1.normalized_shape[0]
         x = _check_sequence(x, "x", d, self.dtype)
