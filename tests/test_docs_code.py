@@ -17,6 +17,7 @@ PAGES = [
     GUIDES / "gradients_by_hand.md",
     GUIDES / "numpy_project.md",
     GUIDES / "conventions.md",
+    GUIDES / "curvature.md",
 ]
 
 
