@@ -150,3 +150,19 @@ def test_the_blocks_share_their_forward_returns_and_the_backward_raises():
     for cls in (transformer.EncoderBlock, transformer.DecoderBlock):
         assert block(transformer._FORWARD_RETURNS, "        ") in cls.forward.__doc__
     assert "Raises\n        ------\n" + block(BACKWARD_RAISES, "        ") in transformer.EncoderBlock.backward.__doc__
+
+
+def test_the_moe_modules_share_their_raises_sections():
+    import textwrap
+
+    from npattn.nn import moe
+
+    def entries(text, indent):
+        return "Raises\n" + indent + "------\n" + textwrap.indent(textwrap.dedent(text).strip("\n"), indent)
+
+    for cls in (moe.TopKRouter, moe.Experts, moe.GptOssExperts, moe.GatedMLP, moe.SparseMoeBlock):
+        assert entries(moe._INIT_RAISES, "    ") in cls.__doc__
+    for cls in (moe.TopKRouter, moe.GatedMLP, moe.SparseMoeBlock):
+        assert entries(moe._FORWARD_RAISES, "        ") in cls.forward.__doc__
+    for cls in (moe.Experts, moe.GatedMLP, moe.SparseMoeBlock):
+        assert entries(moe._BACKWARD_RAISES, "        ") in cls.backward.__doc__

@@ -42,6 +42,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import shared_doc
 from .._validate import (
     as_float,
     as_rng,
@@ -74,6 +75,26 @@ from .layers import (
     input_tangent,
 )
 from .module import Module, Parameter
+
+#: The entries under ``Raises`` of the modules' constructors.
+_INIT_RAISES = """
+    TypeError, ValueError
+        For a bad argument, naming it.
+    """
+
+#: The entries under ``Raises`` of the modules' ``forward(x)``.
+_FORWARD_RAISES = """
+    TypeError, ValueError
+        For an ``x`` that is not a real array of shape ``(..., H)``.
+    """
+
+#: The entries under ``Raises`` of the modules' ``backward(dy)``.
+_BACKWARD_RAISES = """
+    RuntimeError
+        Without a forward state.
+    TypeError, ValueError
+        For a ``dy`` of another kind or shape.
+    """
 
 __all__ = [
     "ROUTER_VARIANTS",
@@ -112,6 +133,7 @@ class RouterCache(NamedTuple):
     lead: tuple  # the leading axes of the public input (N = their product)
 
 
+@shared_doc(init_raises=_INIT_RAISES)
 class TopKRouter(Module):
     """Chooses ``top_k`` of ``num_experts`` experts per token and weighs them.
 
@@ -154,8 +176,7 @@ class TopKRouter(Module):
 
     Raises
     ------
-    TypeError, ValueError
-        For a bad argument, naming it.
+    <init_raises>
 
     Examples
     --------
@@ -209,6 +230,7 @@ class TopKRouter(Module):
         self.last_indices: Optional[np.ndarray] = None
         self.last_logits: Optional[np.ndarray] = None
 
+    @shared_doc(forward_raises=_FORWARD_RAISES)
     def forward(self, x):
         """Route each token.
 
@@ -226,8 +248,7 @@ class TopKRouter(Module):
 
         Raises
         ------
-        TypeError, ValueError
-            For an ``x`` that is not a real array of shape ``(..., H)``.
+        <forward_raises>
         """
         x = as_float(x, "x", self.dtype)
         check_features(x, "x", self.hidden_size, f"TopKRouter({self.hidden_size}, {self.num_experts})")
@@ -408,6 +429,7 @@ class _SortedExperts(Module):
         self.save_for_backward(ExpertsCache(cache, x.shape[:1] if lead is None else lead))
         return y
 
+    @shared_doc(backward_raises=_BACKWARD_RAISES)
     def backward(self, dy):
         """Gradients of the inputs; every parameter's ``.grad`` grows by its own.
 
@@ -425,10 +447,7 @@ class _SortedExperts(Module):
 
         Raises
         ------
-        RuntimeError
-            Without a forward state.
-        TypeError, ValueError
-            For a ``dy`` of another kind or shape.
+        <backward_raises>
         """
         dy = self._check_dy(dy, "dy")
         k = self.saved_state().experts.k
@@ -511,6 +530,7 @@ def _init_experts(module: Module, num_experts, hidden_size, intermediate_size, d
     return as_rng(rng)
 
 
+@shared_doc(init_raises=_INIT_RAISES)
 class Experts(_SortedExperts):
     """``E`` gated experts as fused 3-D parameters (DeepSeek-V3, Qwen3-Next, Qwen3-MoE, Mixtral in
     ``transformers`` 5.x): ``gate_up_proj (E, 2I, H)``, whose first ``I`` rows are the gate
@@ -531,8 +551,7 @@ class Experts(_SortedExperts):
 
     Raises
     ------
-    TypeError, ValueError
-        For a bad argument, naming it.
+    <init_raises>
 
     Examples
     --------
@@ -576,6 +595,7 @@ class Experts(_SortedExperts):
         return super().extra_repr() + f", hidden_act={self.hidden_act!r}"
 
 
+@shared_doc(init_raises=_INIT_RAISES)
 class GptOssExperts(_SortedExperts):
     """GPT-OSS's experts: ``gate_up_proj (E, H, 2I)`` (applied as ``x @ gate_up_proj[e]``; column
     ``2j`` is gate unit ``j``, column ``2j+1`` up unit ``j``), ``gate_up_proj_bias (E, 2I)``,
@@ -597,8 +617,7 @@ class GptOssExperts(_SortedExperts):
 
     Raises
     ------
-    TypeError, ValueError
-        For a bad argument, naming it.
+    <init_raises>
 
     Examples
     --------
@@ -640,6 +659,7 @@ class GptOssExperts(_SortedExperts):
         return super().extra_repr() + f", alpha={self.alpha}, limit={self.limit}"
 
 
+@shared_doc(init_raises=_INIT_RAISES)
 class GatedMLP(Module):
     """The dense gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))`` [``gate_proj.weight (I, H)``,
     ``up_proj.weight (I, H)``, ``down_proj.weight (H, I)``, no biases], as Hugging Face's
@@ -658,8 +678,7 @@ class GatedMLP(Module):
 
     Raises
     ------
-    TypeError, ValueError
-        For a bad argument, naming it.
+    <init_raises>
 
     Examples
     --------
@@ -694,13 +713,13 @@ class GatedMLP(Module):
         self.up_proj = Linear(h, i, bias, rng=rng, dtype=dtype)
         self.down_proj = Linear(i, h, bias, rng=rng, dtype=dtype)
 
+    @shared_doc(forward_raises=_FORWARD_RAISES)
     def forward(self, x) -> np.ndarray:
         """``down_proj(act(gate_proj(x)) * up_proj(x))`` of ``x (..., H)``, shape ``(..., H)``.
 
         Raises
         ------
-        TypeError, ValueError
-            For an ``x`` that is not a real array of shape ``(..., H)``.
+        <forward_raises>
         """
         x = as_float(x, "x", self.dtype)
         check_features(x, "x", self.hidden_size, f"GatedMLP({self.hidden_size}, {self.intermediate_size})")
@@ -711,15 +730,13 @@ class GatedMLP(Module):
         self.save_for_backward(state)
         return self.down_proj._forward(h)
 
+    @shared_doc(backward_raises=_BACKWARD_RAISES)
     def backward(self, dy) -> np.ndarray:
         """``dx (..., H)`` from ``dy (..., H)``; the projections' ``.grad`` grow by theirs.
 
         Raises
         ------
-        RuntimeError
-            Without a forward state.
-        TypeError, ValueError
-            For a ``dy`` of another kind or shape.
+        <backward_raises>
         """
         return self._backward(self._check_dy(dy))
 
@@ -781,6 +798,7 @@ def _check_layout(experts, router_name, shared_name, shared_intermediate_size, s
     return shared_intermediate_size, gated, experts_first
 
 
+@shared_doc(init_raises=_INIT_RAISES)
 class SparseMoeBlock(Module):
     """A sparse mixture-of-experts feed-forward block: a ``TopKRouter``, fused experts, and
     optionally a shared dense expert (every token, added to the routed output), itself optionally
@@ -827,8 +845,7 @@ class SparseMoeBlock(Module):
 
     Raises
     ------
-    TypeError, ValueError
-        For a bad argument, naming it.
+    <init_raises>
 
     Examples
     --------
@@ -937,14 +954,14 @@ class SparseMoeBlock(Module):
         return self.router_module.last_counts
 
     # -- forward / backward ---------------------------------------------------------------------
+    @shared_doc(forward_raises=_FORWARD_RAISES)
     def forward(self, x) -> np.ndarray:
         """The block's output for ``x (..., H)``, shape ``(..., H)``; the router's statistics
         (``tokens_per_expert``, ``router_module.last_indices`` / ``last_logits``) are this call's.
 
         Raises
         ------
-        TypeError, ValueError
-            For an ``x`` that is not a real array of shape ``(..., H)``.
+        <forward_raises>
         """
         x = as_float(x, "x", self.dtype)
         check_features(x, "x", self.hidden_size, f"SparseMoeBlock(hidden_size={self.hidden_size})")
@@ -968,16 +985,14 @@ class SparseMoeBlock(Module):
         self.save_for_backward((g, s, x.shape[:1] if lead is None else lead))
         return y
 
+    @shared_doc(backward_raises=_BACKWARD_RAISES)
     def backward(self, dy) -> np.ndarray:
         """``dx (..., H)`` from ``dy (..., H)``; every parameter's ``.grad`` grows by its own
         (through the chosen experts and weights, never through the choice).
 
         Raises
         ------
-        RuntimeError
-            Without a forward state.
-        TypeError, ValueError
-            For a ``dy`` of another kind or shape.
+        <backward_raises>
         """
         dy = self._check_dy(dy)
         return self._backward(dy.reshape(-1, self.hidden_size)).reshape(dy.shape)
