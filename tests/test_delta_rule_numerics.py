@@ -6,6 +6,8 @@
   borders; a full reset ``g = -inf`` gives the textbook tier's finite numbers.
 * Strong decays in float32 (item 9): ``g = -3e4`` at any step of a chunk, then weak decays: the
   float32 forward, backward and JVP stay within 1e-4 of float64.
+* The second order (``gated_delta_rule_backward_jvp``, issue 31) keeps both: no later step reached
+  from ``dout`` or ``ddout``, a full reset finite, float32 within 1e-4 after a strong decay.
 """
 
 import warnings
@@ -97,6 +99,37 @@ def test_non_finite_upstream_gradient_reaches_no_later_step(value):
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("which", ["dout", "ddout"])
+def test_second_order_non_finite_upstream_reaches_no_later_step(which, value):
+    """``gated_delta_rule_backward_jvp`` keeps the first order's causality: a NaN or inf in
+    ``dout`` or ``ddout`` at step t reaches the gradients and their tangents of steps <= t only,
+    finite exactly where the textbook tier's are and equal to them there."""
+    rng = np.random.default_rng(3)
+    for t in POSITIONS:
+        c = _case(rng)
+        dout, ddout = rng.standard_normal(c["v"].shape), rng.standard_normal(c["v"].shape)
+        (dout if which == "dout" else ddout)[0, 1, t, 2] = value
+        tangents = _tangents(rng, c)
+        dfinal, ddfinal = (rng.standard_normal(c["initial_state"].shape) for _ in range(2))
+        results = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for tier, extra in ((F, dict(chunk_size=CHUNK)), (R, {})):
+                _, cache = tier.gated_delta_rule(**c, use_qk_l2norm=True, output_final_state=True, **extra)
+                grads, tans = tier.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfinal, ddfinal)
+                results.append(grads + tans)
+        for i, (a, b) in enumerate(zip(*results)):
+            fa, fb = np.isfinite(a), np.isfinite(b)
+            assert np.array_equal(fa, fb), (which, value, t, i, np.argwhere(fa != fb)[:5])
+            err = float(np.max(np.abs(np.subtract(a, b, out=np.zeros(b.shape), where=fb)), initial=0.0))
+            assert err <= 1e-10 * max(1.0, float(np.max(np.abs(np.where(fb, b, 0.0))))), (which, t, i, err)
+        fast = results[0]
+        for x in fast[:5] + fast[6:11]:  # dq .. dbeta and their tangents
+            assert np.isfinite(x[0, 1, t + 1 :]).all(), (which, value, t)
+        assert not np.isfinite(fast[11][0, 1]).all()  # dinitial_state's tangent
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
 def test_non_finite_tangent_reaches_no_earlier_step(name, value):
     rng = np.random.default_rng(2)
@@ -157,3 +190,40 @@ def test_float32_after_a_strong_decay_at_the_first_step():
 def test_float32_after_a_strong_decay_anywhere(position, strength):
     """Wherever the strong decay falls in a chunk of 64 (and in the shorter last chunk)."""
     assert max(_float32_against_float64(position, strength)) < 1e-4
+
+
+@pytest.mark.parametrize("position", [0, 37, 64, 129])
+def test_second_order_full_reset_and_float32_strong_decay(position):
+    """``gated_delta_rule_backward_jvp`` on the first order's hard cases: ``g = -inf`` twice in a
+    chunk and at a border gives the textbook tier's finite numbers; ``g = -3e4`` at ``position``
+    then weak decays keeps float32 within 1e-4 of float64 (sums of spans, as the first order)."""
+    rng = np.random.default_rng(4)
+    c = _case(rng)
+    c["g"][..., [2, 3, 8]] = -np.inf
+    dout, ddout = rng.standard_normal(c["v"].shape), rng.standard_normal(c["v"].shape)
+    dfinal, ddfinal = (rng.standard_normal(c["initial_state"].shape) for _ in range(2))
+    tangents = _tangents(rng, c)
+    results = []
+    for tier, extra in ((F, dict(chunk_size=CHUNK)), (R, {})):
+        _, cache = tier.gated_delta_rule(**c, use_qk_l2norm=True, output_final_state=True, **extra)
+        grads, tans = tier.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfinal, ddfinal)
+        results.append(grads + tans)
+    for a, b in zip(*results):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12 * max(1.0, float(np.abs(b).max())))
+
+    c = _case(rng, lead=(1, 2), steps=130, dk=16, dv=8)
+    c["g"] = np.full(c["g"].shape, -0.01)
+    c["g"][..., position] = -3e4
+    c = {n: a.astype(np.float32).astype(np.float64) for n, a in c.items()}  # the same numbers in both
+    dout, ddout = (rng.standard_normal(c["v"].shape).astype(np.float32) for _ in range(2))
+    tangents = [t.astype(np.float32) for t in _tangents(rng, c)]
+    results = []
+    for dtype in (np.float64, np.float32):
+        _, cache = F.gated_delta_rule(**{n: a.astype(dtype) for n, a in c.items()}, use_qk_l2norm=True)
+        cast = [t.astype(dtype) for t in tangents]
+        grads, tans = F.gated_delta_rule_backward_jvp(dout.astype(dtype), cache, cast, ddout.astype(dtype))
+        results.append(grads + tans)
+    for a, b in zip(results[1], results[0]):
+        assert a.dtype == np.float32
+        assert float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())) < 1e-4
