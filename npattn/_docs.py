@@ -254,6 +254,15 @@ ATTENTION_RAISES = """
     """
 
 
+#: The attention cores' forward parts by name (``<attention_args>``, ``<attention_options>``,
+#: ``<attention_raises>``).
+ATTENTION_FORWARD = {
+    "attention_args": ATTENTION_ARGS,
+    "attention_options": ATTENTION_OPTIONS,
+    "attention_raises": ATTENTION_RAISES,
+}
+
+
 def attention_backward_sections(op: str) -> str:
     """The Parameters, Returns and Raises of an attention core's ``op_backward(dout, cache)``."""
     return textwrap.dedent(

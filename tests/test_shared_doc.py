@@ -115,7 +115,7 @@ def test_the_attention_cores_share_their_sections_naming_their_own_op(op, cache)
         return textwrap.indent(textwrap.dedent(text).strip("\n"), "    ")
 
     forward = getattr(F, op).__doc__
-    for part in (_docs.ATTENTION_ARGS, _docs.ATTENTION_OPTIONS, _docs.ATTENTION_RAISES):
+    for part in _docs.ATTENTION_FORWARD.values():
         assert block(part) in forward
     assert block(_docs.attention_backward_sections(op)) in getattr(F, f"{op}_backward").__doc__
     assert block(_docs.attention_jvp_sections(op, cache)) in getattr(F, f"{op}_jvp").__doc__

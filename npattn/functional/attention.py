@@ -14,15 +14,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import (
-    ATTENTION_ARGS,
-    ATTENTION_OPTIONS,
-    ATTENTION_RAISES,
-    attention_backward_jvp_sections,
-    attention_backward_sections,
-    attention_jvp_sections,
-    shared_doc,
-)
+from .. import _docs
+from .._docs import shared_doc
 from .._validate import (
     as_rng,
     check_backward_jvp,
@@ -178,7 +171,7 @@ def _heads_last_empty(shape, dtype, workspace=None):
     return _empty(workspace, tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
-@shared_doc(attention_args=ATTENTION_ARGS, attention_options=ATTENTION_OPTIONS, attention_raises=ATTENTION_RAISES)
+@shared_doc(**_docs.ATTENTION_FORWARD)
 def scaled_dot_product_attention(
     q,
     k,
@@ -450,7 +443,7 @@ class _Rows:
         np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=out[..., blk.rows, :])
 
 
-@shared_doc(backward_sections=attention_backward_sections("scaled_dot_product_attention"))
+@shared_doc(attention_backward_sections=_docs.attention_backward_sections("scaled_dot_product_attention"))
 def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     """Backward of ``out = P' v`` with ``P' = dropout(P)``, ``P = softmax(S)``, ``S = scale q k^T + mask``:
 
@@ -484,7 +477,7 @@ def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     gradient over the query heads that share it.  Returns ``(dq, dk, dv)``, then ``dmask`` (with
     ``mask_grad``), then ``dsinks`` (with ``sinks``); each gradient has its input's shape.
 
-    <backward_sections>
+    <attention_backward_sections>
     """
     check_cache(cache, AttentionCache, "scaled_dot_product_attention_backward")
     q, v = cache.q, cache.v
@@ -619,7 +612,7 @@ def _option_grads(cache: AttentionCache, dmask, dsinks) -> list:
     return grads
 
 
-@shared_doc(jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
+@shared_doc(attention_jvp_sections=_docs.attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
     """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` along the inputs' tangents.
 
@@ -638,7 +631,7 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
     Computed block by block from the cached ``P`` (the forward's row blocks: a causal or windowed
     call forms only its band), in the grouped layout for grouped-query heads (no copy of k, v).
 
-    <jvp_sections>
+    <attention_jvp_sections>
 
     Examples
     --------
@@ -704,7 +697,11 @@ def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tm
     return _ungrouped(tout, groups, q.shape[:-1] + (v.shape[-1],))
 
 
-@shared_doc(backward_jvp_sections=attention_backward_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
+@shared_doc(
+    attention_backward_jvp_sections=_docs.attention_backward_jvp_sections(
+        "scaled_dot_product_attention", "AttentionCache"
+    )
+)
 def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents, ddout=None) -> tuple:
     """Second order, forward over reverse: ``(grads, grad_tangents)``.
 
@@ -730,7 +727,7 @@ def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tange
     Computed block by block from the cached ``P`` (the forward's row blocks, so a causal or
     windowed call forms only its band), in the grouped layout (no copy of k, v).
 
-    <backward_jvp_sections>
+    <attention_backward_jvp_sections>
 
     Examples
     --------

@@ -62,15 +62,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .._docs import (
-    ATTENTION_ARGS,
-    ATTENTION_OPTIONS,
-    ATTENTION_RAISES,
-    attention_backward_jvp_sections,
-    attention_backward_sections,
-    attention_jvp_sections,
-    shared_doc,
-)
+from .. import _docs
+from .._docs import shared_doc
 from .._validate import (
     as_rng,
     check_backward_jvp,
@@ -419,7 +412,7 @@ def _cached_geometry(cache: MemoryEfficientCache) -> _Geometry:
     )
 
 
-@shared_doc(attention_args=ATTENTION_ARGS, attention_options=ATTENTION_OPTIONS, attention_raises=ATTENTION_RAISES)
+@shared_doc(**_docs.ATTENTION_FORWARD)
 def memory_efficient_attention(
     q,
     k,
@@ -568,7 +561,7 @@ def memory_efficient_attention(
     )
 
 
-@shared_doc(backward_sections=attention_backward_sections("memory_efficient_attention"))
+@shared_doc(attention_backward_sections=_docs.attention_backward_sections("memory_efficient_attention"))
 def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """Gradients of ``memory_efficient_attention``, block by block (FlashAttention-2):
     ``(dq, dk, dv)``, then ``dmask`` (with ``mask_grad``), then ``dsinks`` (with ``sinks``).
@@ -616,7 +609,7 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
     A query row that saw no key has ``P = 0`` in every block, hence ``dS = 0``, and ``O = 0``,
     hence ``D = 0``: gradient exactly 0.  Returns the gradients in ``q``'s dtype.
 
-    <backward_sections>
+    <attention_backward_sections>
     """
     check_cache(cache, MemoryEfficientCache, "memory_efficient_attention_backward")
     dout = check_grad(dout, cache.out.shape, cache.q.dtype)
@@ -924,7 +917,7 @@ class _BackwardWorker:
         dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
 
 
-@shared_doc(jvp_sections=attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
+@shared_doc(attention_jvp_sections=_docs.attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
     """Forward mode of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
 
@@ -952,7 +945,7 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
     in the backward; grouped-query heads and broadcast batches are views (k, v never repeated).
     Memory: the tangent, the inputs' tangents and per-thread block buffers.
 
-    <jvp_sections>
+    <attention_jvp_sections>
 
     Examples
     --------
@@ -1117,7 +1110,11 @@ class _JvpWorker:
         return tz
 
 
-@shared_doc(backward_jvp_sections=attention_backward_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
+@shared_doc(
+    attention_backward_jvp_sections=_docs.attention_backward_jvp_sections(
+        "memory_efficient_attention", "MemoryEfficientCache"
+    )
+)
 def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, tangents, ddout=None) -> tuple:
     """Second order of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
 
@@ -1141,7 +1138,7 @@ def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, t
     Dropout's keep-mask is regenerated from the seed; grouped-query heads and broadcast batches
     are views.  Memory: the gradients, their tangents, O(L) rows and per-thread blocks.
 
-    <backward_jvp_sections>
+    <attention_backward_jvp_sections>
 
     Examples
     --------
