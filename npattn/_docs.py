@@ -117,6 +117,29 @@ def jvp_sections(
     return _fill(textwrap.dedent(text), {k: _wrapped(v) for k, v in parts.items()}, f"{op}_jvp")
 
 
+#: A fast op's ``op_backward(dout, cache)`` errors: its docstring's ``Raises`` section.
+OP_BACKWARD_RAISES = """
+    Raises
+    ------
+    TypeError
+        A cache from another op, or ``dout`` not a real array.
+    ValueError
+        ``dout`` of the wrong shape.
+    """
+
+
+def op_backward_args(op: str) -> str:
+    """The ``Parameters`` section of ``op_backward(dout, cache)`` for an op whose cache is a tuple."""
+    return f"""
+    Parameters
+    ----------
+    dout : array_like
+        The upstream gradient, of the output's shape.
+    cache : tuple
+        The cache ``{op}`` returned (only that op's cache is accepted).
+    """
+
+
 def backward_sections(op: str, cache: str, dout: str = ", of ``y``'s shape.") -> str:
     """The Parameters, Returns and Raises of ``op_backward(dout, cache)`` for an op of one input
     ``x`` (``dout``: what follows "The upstream gradient")."""
@@ -133,15 +156,8 @@ def backward_sections(op: str, cache: str, dout: str = ", of ``y``'s shape.") ->
         -------
         ndarray
             ``dx``, of ``x``'s shape and dtype.
-
-        Raises
-        ------
-        TypeError
-            A cache from another op, or ``dout`` not a real array.
-        ValueError
-            ``dout`` of the wrong shape.
         """
-    )
+    ) + textwrap.dedent(OP_BACKWARD_RAISES)
 
 
 #: ``backward_jvp_sections``' errors for an op with several inputs that have tangents.
@@ -265,32 +281,17 @@ ATTENTION_FORWARD = {
 
 def attention_backward_sections(op: str) -> str:
     """The Parameters, Returns and Raises of an attention core's ``op_backward(dout, cache)``."""
-    return textwrap.dedent(
-        f"""
-        Parameters
-        ----------
-        dout : array_like
-            The upstream gradient, of the output's shape.
-        cache : tuple
-            The cache ``{op}`` returned (only that op's cache is accepted).
-
-        Returns
-        -------
-        dq, dk, dv : ndarray
-            Each of its input's shape.
-        dmask : ndarray
-            With ``mask_grad``: of the mask's shape.
-        dsinks : ndarray
-            With ``sinks``: ``(Hq,)``.
-
-        Raises
-        ------
-        TypeError
-            A cache from another op, or ``dout`` not a real array.
-        ValueError
-            ``dout`` of the wrong shape.
-        """
-    )
+    returns = """
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Each of its input's shape.
+    dmask : ndarray
+        With ``mask_grad``: of the mask's shape.
+    dsinks : ndarray
+        With ``sinks``: ``(Hq,)``.
+    """
+    return "".join(textwrap.dedent(part) for part in (op_backward_args(op), returns, OP_BACKWARD_RAISES))
 
 
 def attention_jvp_sections(op: str, cache: str) -> str:

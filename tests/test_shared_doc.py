@@ -166,3 +166,18 @@ def test_the_moe_modules_share_their_raises_sections():
         assert entries(moe._FORWARD_RAISES, "        ") in cls.forward.__doc__
     for cls in (moe.Experts, moe.GatedMLP, moe.SparseMoeBlock):
         assert entries(moe._BACKWARD_RAISES, "        ") in cls.backward.__doc__
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "linear", "embedding", "cross_entropy"])
+def test_the_ops_backward_arguments_and_raises_are_written_once_and_name_the_op(op):
+    import textwrap
+
+    from npattn import functional as F
+    from npattn._docs import OP_BACKWARD_RAISES, op_backward_args
+
+    def block(text):
+        return textwrap.indent(textwrap.dedent(text).strip("\n"), "    ")
+
+    doc = getattr(F, f"{op}_backward").__doc__
+    assert block(op_backward_args(op)) in doc and block(OP_BACKWARD_RAISES) in doc
+    assert f"The cache ``{op}`` returned (only that op's cache is accepted)." in doc

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -153,6 +153,7 @@ def embedding_kernel(ids, weight, padding_idx=None, max_norm=None, norm_type=2.0
     return out, cache
 
 
+@shared_doc(backward_args=op_backward_args("embedding"), backward_raises=OP_BACKWARD_RAISES)
 def embedding_backward(dout: np.ndarray, cache: EmbeddingCache) -> np.ndarray:
     """A lookup copies rows, so its gradient scatter-adds: ``dW[i] = sum of dy where ids == i``.
 
@@ -160,24 +161,14 @@ def embedding_backward(dout: np.ndarray, cache: EmbeddingCache) -> np.ndarray:
     ``padding_idx`` row is 0.  ``max_norm`` changes nothing here (see ``embedding``: torch does not
     differentiate the renormalisation).  Returns ``dweight`` (ids have no gradient).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``embedding`` returned (only that op's cache is accepted).
+    <backward_args>
 
     Returns
     -------
     ndarray
         ``dweight``, ``(num, dim)``.
 
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_raises>
     """
     check_cache(cache, EmbeddingCache, "embedding_backward")
     return embedding_backward_kernel(check_grad(dout, cache.ids.shape + (cache.weight_shape[1],), cache.dtype), cache)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
 
 __all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp", "linear_backward_jvp"]
@@ -93,16 +93,12 @@ def linear_kernel(x, weight, bias=None, out=None):
     return y, LinearCache(x, weight, bias is not None)
 
 
+@shared_doc(backward_args=op_backward_args("linear"), backward_raises=OP_BACKWARD_RAISES)
 def linear_backward(dout: np.ndarray, cache: LinearCache):
     """With ``y = x W^T + b``:  ``dx = dy W``, ``dW = dy^T x`` (summed over all leading dims),
     ``db = sum(dy)`` over the leading dims.  Returns ``(dx, dweight, dbias)``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``linear`` returned (only that op's cache is accepted).
+    <backward_args>
 
     Returns
     -------
@@ -113,12 +109,7 @@ def linear_backward(dout: np.ndarray, cache: LinearCache):
     dbias : ndarray or None
         ``(out_features,)``; None when the forward had no bias.
 
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_raises>
     """
     check_cache(cache, LinearCache, "linear_backward")
     x, weight, _ = cache

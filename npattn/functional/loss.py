@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import (
     as_float,
     check_backward_jvp,
@@ -203,6 +203,7 @@ def cross_entropy_kernel(logits, targets, ignore_index=None, *, weight=None, red
     return loss, cache
 
 
+@shared_doc(backward_args=op_backward_args("cross_entropy"), backward_raises=OP_BACKWARD_RAISES)
 def cross_entropy_backward(dout: np.ndarray, cache: CrossEntropyCache) -> np.ndarray:
     """Write each element's loss as ``-sum_j q_j logp_j`` with a target vector ``q``: for a class id
     ``t``, ``q = (1 - eps) w[t] onehot(t) + eps/C w`` (``w = 1`` without weight); for probabilities
@@ -214,24 +215,14 @@ def cross_entropy_backward(dout: np.ndarray, cache: CrossEntropyCache) -> np.nda
     times the upstream gradient: ``dout / denom`` for "mean" (0 when nothing was counted),
     ``dout`` for "sum", ``dout[...]`` per element for "none".  Returns ``dlogits``.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``cross_entropy`` returned (only that op's cache is accepted).
+    <backward_args>
 
     Returns
     -------
     ndarray
         ``dlogits``, of ``logits``' shape.
 
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_raises>
     """
     check_cache(cache, CrossEntropyCache, "cross_entropy_backward")
     shape = cache.logp.shape[:-1] if cache.reduction == "none" else ()

@@ -12,7 +12,15 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import FD_CHECK, SEVERAL_TANGENTS, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import (
+    FD_CHECK,
+    OP_BACKWARD_RAISES,
+    SEVERAL_TANGENTS,
+    backward_jvp_sections,
+    jvp_sections,
+    op_backward_args,
+    shared_doc,
+)
 from .._validate import (
     as_float,
     check_backward_jvp,
@@ -184,6 +192,7 @@ def layer_norm_kernel(x, weight=None, bias=None, eps=1e-5, *, normalized_shape=N
     return y, LayerNormCache(xhat, rstd, weight, bias is not None, k)
 
 
+@shared_doc(backward_args=op_backward_args("layer_norm"), backward_raises=OP_BACKWARD_RAISES)
 def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
     """With ``xhat = (x - mu) * rstd`` and ``g = dy * weight`` (the gradient at xhat):
 
@@ -191,12 +200,7 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
     terms are the gradients through ``mu`` and through ``var``), ``dweight = sum(dy * xhat)``,
     ``dbias = sum(dy)`` over all leading axes.  Returns ``(dx, dweight, dbias)``, None where absent.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``layer_norm`` returned (only that op's cache is accepted).
+    <backward_args>
 
     Returns
     -------
@@ -205,12 +209,7 @@ def layer_norm_backward(dout: np.ndarray, cache: LayerNormCache):
     dweight, dbias : ndarray or None
         Of ``normalized_shape``; None where the forward had no weight / bias.
 
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_raises>
     """
     check_cache(cache, LayerNormCache, "layer_norm_backward")
     return layer_norm_backward_kernel(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
@@ -487,6 +486,7 @@ def rms_norm_kernel(x, weight=None, eps=None, *, normalized_shape=None):
     return y, RMSNormCache(xhat, rstd, weight, k)
 
 
+@shared_doc(backward_args=op_backward_args("rms_norm"), backward_raises=OP_BACKWARD_RAISES)
 def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
     """With ``r = (mean(x^2) + eps)^(-1/2)``, ``xhat = x r`` and ``g = dy * weight``:
 
@@ -495,12 +495,7 @@ def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
     ``dweight = sum(dy * xhat)`` over all leading axes.  Returns ``(dx, dweight)``, dweight None
     without a weight.
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : tuple
-        The cache ``rms_norm`` returned (only that op's cache is accepted).
+    <backward_args>
 
     Returns
     -------
@@ -509,12 +504,7 @@ def rms_norm_backward(dout: np.ndarray, cache: RMSNormCache):
     dweight : ndarray or None
         Of ``normalized_shape``; None without a weight.
 
-    Raises
-    ------
-    TypeError
-        A cache from another op, or ``dout`` not a real array.
-    ValueError
-        ``dout`` of the wrong shape.
+    <backward_raises>
     """
     check_cache(cache, RMSNormCache, "rms_norm_backward")
     return rms_norm_backward_kernel(check_grad(dout, cache.xhat.shape, cache.xhat.dtype), cache)
