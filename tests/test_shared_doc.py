@@ -181,3 +181,14 @@ def test_the_ops_backward_arguments_and_raises_are_written_once_and_name_the_op(
     doc = getattr(F, f"{op}_backward").__doc__
     assert block(op_backward_args(op)) in doc and block(OP_BACKWARD_RAISES) in doc
     assert f"The cache ``{op}`` returned (only that op's cache is accepted)." in doc
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_the_norms_jvp_examples_are_written_once_and_call_their_own_op(op):
+    import textwrap
+
+    from npattn.functional import norm
+
+    doc = getattr(norm, f"{op}_jvp").__doc__
+    assert textwrap.indent(textwrap.dedent(norm._jvp_example(op)).strip("\n"), "    ") in doc
+    assert f">>> tout = F.{op}_jvp(cache, tx, tw)\n" in doc

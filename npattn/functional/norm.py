@@ -247,6 +247,29 @@ def _norm_backward(dout, xhat, rstd, weight, k, *, centred, has_bias=False):
     return dx.reshape(xhat.shape), dweight, dbias
 
 
+def _jvp_example(op: str) -> str:
+    """A norm's ``op_jvp`` example: ``tout`` along ``(tx, tweight)`` against the central difference
+    of ``op``."""
+    return f"""
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> rng = np.random.default_rng(0)
+    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    >>> w, tw = np.ones(5), rng.standard_normal(5)
+    >>> out, cache = F.{op}(x, w)
+    >>> tout = F.{op}_jvp(cache, tx, tw)
+    >>> f = lambda s: F.{op}(x + s * tx, w + s * tw)[0]
+    """ + FD_CHECK.lstrip()
+
+
+def _checked_jvp(kernel, cache_type, op: str, cache, tangents):
+    """The public edge of a norm's ``op_jvp``: the cache and the tangents checked (``_norm_tangent_specs``),
+    then ``kernel``."""
+    check_cache(cache, cache_type, f"{op}_jvp")
+    specs = _norm_tangent_specs(cache)
+    return kernel(cache, *check_tangents_as(tangents, f"{op}_jvp", cache.xhat.dtype, specs))
+
+
 @shared_doc(
     jvp_sections=jvp_sections(
         "layer_norm",
@@ -259,7 +282,7 @@ def _norm_backward(dout, xhat, rstd, weight, k, *, centred, has_bias=False):
         most="three tangents",
         wrong=", or one for an input the forward did not have",
     ),
-    fd_check=FD_CHECK,
+    jvp_example=_jvp_example("layer_norm"),
 )
 def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
     """Forward mode of ``layer_norm``: the tangent of ``y = xhat * w + b`` along ``(tx, tweight, tbias)``.
@@ -278,19 +301,9 @@ def layer_norm_jvp(cache: LayerNormCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> w, tw = np.ones(5), rng.standard_normal(5)
-    >>> out, cache = F.layer_norm(x, w)
-    >>> tout = F.layer_norm_jvp(cache, tx, tw)
-    >>> f = lambda s: F.layer_norm(x + s * tx, w + s * tw)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, LayerNormCache, "layer_norm_jvp")
-    specs = _norm_tangent_specs(cache)
-    return layer_norm_jvp_kernel(cache, *check_tangents_as(tangents, "layer_norm_jvp", cache.xhat.dtype, specs))
+    return _checked_jvp(layer_norm_jvp_kernel, LayerNormCache, "layer_norm", cache, tangents)
 
 
 def _norm_tangent_specs(cache):
@@ -528,7 +541,7 @@ def rms_norm_backward_kernel(dout, cache):
         most="two tangents",
         wrong=", or ``tweight`` when the forward had no weight",
     ),
-    fd_check=FD_CHECK,
+    jvp_example=_jvp_example("rms_norm"),
 )
 def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
     """Forward mode of ``rms_norm``: the tangent of ``y = xhat * w`` along ``(tx, tweight)``.
@@ -540,19 +553,9 @@ def rms_norm_jvp(cache: RMSNormCache, *tangents) -> np.ndarray:
 
     Examples
     --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> rng = np.random.default_rng(0)
-    >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
-    >>> w, tw = np.ones(5), rng.standard_normal(5)
-    >>> out, cache = F.rms_norm(x, w)
-    >>> tout = F.rms_norm_jvp(cache, tx, tw)
-    >>> f = lambda s: F.rms_norm(x + s * tx, w + s * tw)[0]
-    <fd_check>
+    <jvp_example>
     """
-    check_cache(cache, RMSNormCache, "rms_norm_jvp")
-    specs = _norm_tangent_specs(cache)
-    return rms_norm_jvp_kernel(cache, *check_tangents_as(tangents, "rms_norm_jvp", cache.xhat.dtype, specs))
+    return _checked_jvp(rms_norm_jvp_kernel, RMSNormCache, "rms_norm", cache, tangents)
 
 
 def rms_norm_jvp_kernel(cache, tx=None, tweight=None):
