@@ -6,6 +6,7 @@ Thin layers over ``npattn.functional``, each composing its submodules.
 from .attention import MultiHeadAttention
 from .containers import ModuleList, Sequential
 from .delta_net import GatedDeltaNet
+from .kimi_delta import KimiDeltaAttention
 from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, Parameter, is_grad_enabled, no_grad
@@ -27,6 +28,7 @@ __all__ = [
     "FeedForward",
     "MultiHeadAttention",
     "GatedDeltaNet",
+    "KimiDeltaAttention",
     "MultiHeadLatentAttention",
     "TopKRouter",
     "Experts",

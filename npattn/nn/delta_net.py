@@ -53,15 +53,20 @@ _SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus: the identity above it
 
 
 class _Weights(Module):
-    """A submodule that only holds a ``weight`` for its parent (``conv1d.weight``, ``norm.weight``):
-    the parent computes with it, so the state-dict keys are transformers' own."""
+    """A submodule that only holds parameters (and linear maps) for its parent (``conv1d.weight``,
+    ``norm.weight``, Kimi's ``forget_gate.*``): the parent computes with them, so the state-dict
+    keys are transformers' own."""
 
-    def __init__(self, weight: Parameter) -> None:
+    def __init__(self, weight: Optional[Parameter] = None, *, owner: str = "GatedDeltaNet", **members) -> None:
         super().__init__()
-        self.weight = weight
+        object.__setattr__(self, "_owner", owner)
+        if weight is not None:
+            self.weight = weight
+        for name, member in members.items():
+            setattr(self, name, member)
 
     def forward(self, *args, **kwargs):
-        raise TypeError("this submodule holds its parent's parameters; call the GatedDeltaNet itself")
+        raise TypeError(f"this submodule holds its parent's parameters; call the {self._owner} itself")
 
 
 class _State(NamedTuple):
@@ -76,7 +81,88 @@ class _State(NamedTuple):
     keep: np.ndarray | None = None  # (B..., L, 1): 1 at a token, 0 at padding (attention_mask given)
 
 
-class GatedDeltaNet(Module):
+class RecurrentLayer(Module):
+    """What the linear-attention layers (``GatedDeltaNet``, ``KimiDeltaAttention``) share: the
+    forward's checks of ``x``, ``use_cache`` and ``attention_mask`` (a subclass implements
+    ``_forward(x, use_cache, keep)``), and the decoding cache of a convolution window and a
+    recurrent state per head (``_conv_state``, ``_recurrent_state``), kept by ``_forward``."""
+
+    hidden_size: int
+    _conv_state: Optional[np.ndarray]
+    _recurrent_state: Optional[np.ndarray]
+    _cache_lead: Optional[tuple]
+    _cache_length: int
+
+    def _forward(self, x: np.ndarray, use_cache: bool = False, keep: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def _keep_cache(
+        self, lead: tuple, steps: int, conv_state: Optional[np.ndarray], recurrent_state: Optional[np.ndarray]
+    ) -> None:
+        """After a cached call: the new convolution window and states, ``steps`` more tokens."""
+        object.__setattr__(self, "_conv_state", conv_state)
+        object.__setattr__(self, "_recurrent_state", recurrent_state)
+        object.__setattr__(self, "_cache_lead", lead)
+        object.__setattr__(self, "_cache_length", self._cache_length + steps)
+        self.save_for_backward(None)
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x, *, use_cache: bool = False, attention_mask=None) -> np.ndarray:
+        """``x (B..., L, hidden)`` -> ``(B..., L, hidden)``; ``use_cache=True`` continues from (and
+        updates) the decoding cache (see the class notes).
+
+        ``attention_mask (B..., L)``: 1 (True) at a token, 0 (False) at padding.  Padded steps leave
+        the layer untouched: their input is zeroed (transformers' ``apply_mask_to_padding_states``,
+        so the convolution sees zeros there, as before a sequence's start) and their decay and
+        write strength are ``g = 0``, ``beta = 0``, so the recurrent state passes them unchanged
+        (``S <- e^0 S + 0``, whatever the state); their output is 0, and no gradient or tangent
+        reaches anything through them (a per-channel decay likewise: ``g = 0`` in every channel)."""
+        x = as_float(x, "x", self.dtype)
+        if x.ndim < 2 or x.shape[-1] != self.hidden_size or x.shape[-2] < 1:
+            raise ValueError(f"x: expected shape (..., L, {self.hidden_size}) with L >= 1, got {x.shape}")
+        use_cache = check_bool(use_cache, "use_cache")
+        if use_cache and self._cache_lead is not None:
+            check_cache_batch(self._cache_lead, x.shape, "x", "decoding cache")
+        keep = None
+        if attention_mask is not None:
+            m = to_numpy(attention_mask, "attention_mask")
+            if m.shape != x.shape[:-1]:
+                raise ValueError(f"attention_mask: expected shape {x.shape[:-1]} (x's without hidden), got {m.shape}")
+            if m.dtype != bool and not (m.dtype.kind in "iuf" and np.isin(m, (0, 1)).all()):
+                raise ValueError("attention_mask: expected 1/True at tokens and 0/False at padding")
+            keep = m.astype(self.dtype)[..., None]
+        if use_cache:
+            with no_grad():  # a cached call keeps nothing for backward
+                return self._forward(x, use_cache=True, keep=keep)
+        return self._forward(x, keep=keep)
+
+    # -- decoding cache -------------------------------------------------------------------------
+    def reset_kv_cache(self) -> None:
+        """Empty the decoding cache (convolution window and recurrent states): start a new sequence."""
+        object.__setattr__(self, "_conv_state", None)
+        object.__setattr__(self, "_recurrent_state", None)
+        object.__setattr__(self, "_cache_lead", None)
+        object.__setattr__(self, "_cache_length", 0)
+
+    reset_cache = reset_kv_cache
+
+    @property
+    def kv_cache_length(self) -> int:
+        """The number of tokens decoded since the last reset (0 when the cache is empty)."""
+        return self._cache_length
+
+    @property
+    def recurrent_state(self) -> Optional[np.ndarray]:
+        """The cached delta-rule states ``(B..., heads, Dk, Dv)`` (None when the cache is empty)."""
+        return self._recurrent_state
+
+    @property
+    def conv_state(self) -> Optional[np.ndarray]:
+        """The cached convolution inputs ``(B..., K - 1, channels)`` (None when empty)."""
+        return self._conv_state
+
+
+class GatedDeltaNet(RecurrentLayer):
     """Gated DeltaNet, Qwen3-Next's linear attention layer: ``(B..., L, hidden) -> (B..., L, hidden)``.
 
     The constructor takes the fields of a Hugging Face ``Qwen3NextConfig`` by their names (their
@@ -132,11 +218,6 @@ class GatedDeltaNet(Module):
     >>> y.shape, net.backward(np.ones_like(y)).shape
     ((2, 5, 16), (2, 5, 16))
     """
-
-    _conv_state: Optional[np.ndarray]
-    _recurrent_state: Optional[np.ndarray]
-    _cache_lead: Optional[tuple]
-    _cache_length: int
 
     def __init__(
         self,
@@ -210,36 +291,6 @@ class GatedDeltaNet(Module):
 
         return cls(**delta_net_config(config).kwargs(), **kwargs)
 
-    # -- forward ------------------------------------------------------------------------------
-    def forward(self, x, *, use_cache: bool = False, attention_mask=None) -> np.ndarray:
-        """``x (B..., L, hidden)`` -> ``(B..., L, hidden)``; ``use_cache=True`` continues from (and
-        updates) the decoding cache (see the class notes).
-
-        ``attention_mask (B..., L)``: 1 (True) at a token, 0 (False) at padding.  Padded steps leave
-        the layer untouched: their input is zeroed (transformers' ``apply_mask_to_padding_states``,
-        so the convolution sees zeros there, as before a sequence's start) and their decay and
-        write strength are ``g = 0``, ``beta = 0``, so the recurrent state passes them unchanged
-        (``S <- e^0 S + 0``, whatever the state); their output is 0, and no gradient or tangent
-        reaches anything through them."""
-        x = as_float(x, "x", self.dtype)
-        if x.ndim < 2 or x.shape[-1] != self.hidden_size or x.shape[-2] < 1:
-            raise ValueError(f"x: expected shape (..., L, {self.hidden_size}) with L >= 1, got {x.shape}")
-        use_cache = check_bool(use_cache, "use_cache")
-        if use_cache and self._cache_lead is not None:
-            check_cache_batch(self._cache_lead, x.shape, "x", "decoding cache")
-        keep = None
-        if attention_mask is not None:
-            m = to_numpy(attention_mask, "attention_mask")
-            if m.shape != x.shape[:-1]:
-                raise ValueError(f"attention_mask: expected shape {x.shape[:-1]} (x's without hidden), got {m.shape}")
-            if m.dtype != bool and not (m.dtype.kind in "iuf" and np.isin(m, (0, 1)).all()):
-                raise ValueError("attention_mask: expected 1/True at tokens and 0/False at padding")
-            keep = m.astype(self.dtype)[..., None]
-        if use_cache:
-            with no_grad():  # a cached call keeps nothing for backward
-                return self._forward(x, use_cache=True, keep=keep)
-        return self._forward(x, keep=keep)
-
     def _forward(self, x: np.ndarray, use_cache: bool = False, keep: np.ndarray | None = None) -> np.ndarray:
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = nv // nk
@@ -277,11 +328,7 @@ class GatedDeltaNet(Module):
         y, norm_cache = K.rms_norm_gated(o.swapaxes(*heads), z, self.norm.weight.data, self.eps)
         out = self.out_proj._forward(y.reshape(lead + (steps, self.value_dim)))
         if use_cache:
-            object.__setattr__(self, "_conv_state", conv_cache.final_state)
-            object.__setattr__(self, "_recurrent_state", rule_cache.final_state)
-            object.__setattr__(self, "_cache_lead", lead)
-            object.__setattr__(self, "_cache_length", self._cache_length + steps)
-            self.save_for_backward(None)
+            self._keep_cache(lead, steps, conv_cache.final_state, rule_cache.final_state)
         else:
             self.save_for_backward(
                 _State(
@@ -448,31 +495,6 @@ class GatedDeltaNet(Module):
         )
         ty = K.rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), tz, pt.get(self.norm.weight))
         return self._child_jvp(self.out_proj, -1, (ty.reshape(lead + (steps, self.value_dim)),), pt)
-
-    # -- decoding cache -------------------------------------------------------------------------
-    def reset_kv_cache(self) -> None:
-        """Empty the decoding cache (convolution window and recurrent states): start a new sequence."""
-        object.__setattr__(self, "_conv_state", None)
-        object.__setattr__(self, "_recurrent_state", None)
-        object.__setattr__(self, "_cache_lead", None)
-        object.__setattr__(self, "_cache_length", 0)
-
-    reset_cache = reset_kv_cache
-
-    @property
-    def kv_cache_length(self) -> int:
-        """The number of tokens decoded since the last reset (0 when the cache is empty)."""
-        return self._cache_length
-
-    @property
-    def recurrent_state(self) -> Optional[np.ndarray]:
-        """The cached delta-rule states ``(B..., nv, Dk, Dv)`` (None when the cache is empty)."""
-        return self._recurrent_state
-
-    @property
-    def conv_state(self) -> Optional[np.ndarray]:
-        """The cached convolution inputs ``(B..., K - 1, 2 nk Dk + nv Dv)`` (None when empty)."""
-        return self._conv_state
 
     def extra_repr(self) -> str:
         """The arguments shown by ``repr(module)``."""

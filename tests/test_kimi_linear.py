@@ -1,0 +1,150 @@
+"""Kimi Linear's KDA layer (``npattn.nn.kimi_delta.KimiDeltaAttention``) against transformers' own
+``KimiLinearDeltaAttention`` in float64 (its float32 casts made float64 by ``float64_reference``):
+outputs 1e-9, every parameter's gradient by its Hugging Face name and the input's 1e-8, decoding
+with the cache (conv window and recurrent state) 1e-10, a left-padded batch 1e-10 at the real
+tokens; the JVP against central differences; the second order refused by name."""
+
+import numpy as np
+import pytest
+
+from npattn.nn.kimi_delta import KimiDeltaAttention
+from tests._hf64 import float64_reference, randomize
+
+H, D, HIDDEN, K_TAPS = 2, 4, 12, 3
+
+
+def _pair(seed=0):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.kimi_linear import configuration_kimi_linear as C
+    from transformers.models.kimi_linear import modeling_kimi_linear as M
+
+    cfg = C.KimiLinearConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        linear_attn_config={
+            "num_heads": H,
+            "head_dim": D,
+            "short_conv_kernel_size": K_TAPS,
+            "kda_layers": [1],
+            "full_attn_layers": [2],
+        },
+        rms_norm_eps=1e-5,
+    )
+    with float64_reference():
+        torch.manual_seed(seed)
+        hf = M.KimiLinearDeltaAttention(cfg, 0).double().eval()
+        # a bare layer skips the model's _init_weights: A_log and dt_bias (torch.empty) drawn as there
+        with torch.no_grad():
+            hf.forget_gate.A_log.copy_(torch.empty(1, 1, H, 1).uniform_(1.0, 16.0).log())
+            dt = torch.empty(H * D).uniform_(np.log(1e-3), np.log(1e-1)).exp()
+            hf.forget_gate.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        randomize(hf, seed, scale=0.3)
+    ours = KimiDeltaAttention(
+        HIDDEN,
+        linear_num_heads=H,
+        linear_head_dim=D,
+        linear_conv_kernel_dim=K_TAPS,
+        rms_norm_eps=1e-5,
+        chunk_size=4,
+        rng=0,
+    )
+    ours.load_state_dict({k: v.detach().numpy().copy() for k, v in hf.state_dict().items()})
+    return torch, M, cfg, hf, ours
+
+
+def test_forward_and_every_gradient_match_transformers():
+    torch, M, cfg, hf, ours = _pair()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 11, HIDDEN))
+    dy = rng.standard_normal((2, 11, HIDDEN))
+    xt = torch.from_numpy(x).requires_grad_(True)
+    with float64_reference():
+        yt = hf(xt)
+        yt.backward(torch.from_numpy(dy))
+    y = ours(x)
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=0, atol=1e-9)
+    dx = ours.backward(dy)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=0, atol=1e-8)
+    params = dict(ours.named_parameters())
+    for name, p in hf.named_parameters():
+        np.testing.assert_allclose(params[name].grad, p.grad.numpy(), rtol=0, atol=1e-8, err_msg=name)
+    assert set(params) == {n for n, _ in hf.named_parameters()}
+
+
+def test_cached_decoding_matches_transformers():
+    torch, M, cfg, hf, ours = _pair(2)
+    from transformers.cache_utils import DynamicCache
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 9, HIDDEN))
+    cache = DynamicCache(config=cfg)  # layer 0 is the KDA layer
+    outs, ref = [], []
+    with float64_reference(), torch.no_grad():
+        for a, b in ((0, 5), (5, 6), (6, 7), (7, 9)):
+            ref.append(hf(torch.from_numpy(x[:, a:b]), cache=cache).numpy())
+    for a, b in ((0, 5), (5, 6), (6, 7), (7, 9)):
+        outs.append(ours(x[:, a:b], use_cache=True))
+    np.testing.assert_allclose(np.concatenate(outs, 1), np.concatenate(ref, 1), rtol=0, atol=1e-10)
+    ours.reset_kv_cache()
+    np.testing.assert_allclose(np.concatenate(outs, 1), ours(x), rtol=0, atol=1e-10)
+
+
+def test_padded_batch_matches_each_row_alone():
+    torch, M, cfg, hf, ours = _pair(4)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 8, HIDDEN))
+    mask = np.ones((2, 8), np.int64)
+    mask[1, :3] = 0  # left padding
+    with float64_reference(), torch.no_grad():
+        ref = hf(torch.from_numpy(x), attention_mask=torch.from_numpy(mask)).numpy()
+    y = ours(x, attention_mask=mask)
+    np.testing.assert_allclose(y[mask == 1], ref[mask == 1], rtol=0, atol=1e-10)
+    np.testing.assert_allclose(y[1, 3:], ours(x[1:, 3:])[0], rtol=0, atol=1e-10)
+    # backward honours the mask: the padded inputs get no gradient
+    ours(x, attention_mask=mask)
+    dx = ours.backward(rng.standard_normal(x.shape))
+    assert np.all(dx[1, :3] == 0)
+
+
+def test_jvp_matches_central_differences():
+    torch, M, cfg, hf, ours = _pair(6)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 7, HIDDEN))
+    tx = rng.standard_normal(x.shape)
+    params = dict(ours.named_parameters())
+    tangents = {n: rng.standard_normal(p.data.shape) for n, p in params.items()}
+    pt = {params[n]: t for n, t in tangents.items()}
+    mask = np.ones((2, 7))
+    mask[0, :2] = 0
+    ours(x, attention_mask=mask)
+    ty = ours.jvp(tx, param_tangents=tangents)
+    eps = 1e-6
+    saved = {p: p.data.copy() for p in pt}
+
+    def at(s):
+        for p, t in pt.items():
+            p.data = saved[p] + s * t
+        return ours(x + s * tx, attention_mask=mask)
+
+    fd = (at(eps) - at(-eps)) / (2 * eps)
+    at(0.0)
+    assert np.max(np.abs(ty - fd)) <= 1e-6 * max(1.0, np.max(np.abs(fd)))
+    # and the jvp equals <backward, tangent> (adjoint identity)
+    dy = rng.standard_normal(ty.shape)
+    for p in pt:
+        p.grad = None
+    ours(x, attention_mask=mask)
+    dx = ours.backward(dy)
+    lhs = np.sum(ty * dy)
+    rhs = np.sum(dx * tx) + sum(np.sum(p.grad * t) for p, t in pt.items())
+    assert abs(lhs - rhs) <= 1e-9 * max(1.0, abs(lhs))
+
+
+def test_second_order_refused_by_name():
+    rng = np.random.default_rng(8)
+    kda = KimiDeltaAttention(HIDDEN, linear_num_heads=H, linear_head_dim=D, rng=0)
+    x = rng.standard_normal((1, 4, HIDDEN))
+    y = kda(x)
+    with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp"):
+        kda.backward_jvp(rng.standard_normal(y.shape), rng.standard_normal(x.shape))
