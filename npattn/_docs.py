@@ -143,6 +143,18 @@ def op_backward_args(op: str) -> str:
 def backward_sections(op: str, cache: str, dout: str = ", of ``y``'s shape.") -> str:
     """The Parameters, Returns and Raises of ``op_backward(dout, cache)`` for an op of one input
     ``x`` (``dout``: what follows "The upstream gradient")."""
+    returns = """
+    Returns
+    -------
+    ndarray
+        ``dx``, of ``x``'s shape and dtype.
+    """
+    return _dout_and_cache(op, cache, dout) + textwrap.dedent(returns) + textwrap.dedent(OP_BACKWARD_RAISES)
+
+
+def _dout_and_cache(op: str, cache: str, dout: str) -> str:
+    """The head of a pair's backward ``Parameters``: ``dout`` (``dout``: what follows "The upstream
+    gradient") and the ``cache`` of type ``cache`` that ``op`` returned."""
     return textwrap.dedent(
         f"""
         Parameters
@@ -151,13 +163,8 @@ def backward_sections(op: str, cache: str, dout: str = ", of ``y``'s shape.") ->
             The upstream gradient{dout}
         cache : {cache}
             The cache ``{op}`` returned.
-
-        Returns
-        -------
-        ndarray
-            ``dx``, of ``x``'s shape and dtype.
         """
-    ) + textwrap.dedent(OP_BACKWARD_RAISES)
+    )
 
 
 #: ``backward_jvp_sections``' errors for an op with several inputs that have tangents.
@@ -182,12 +189,7 @@ def backward_jvp_sections(
     ``wrong`` the op's TypeError and ValueError)."""
     kind = "tuple" if grads.startswith("``(") else "ndarray"
     text = f"""
-        Parameters
-        ----------
-        dout : array_like
-            The upstream gradient{dout}
-        cache : {cache}
-            The cache ``{op}`` returned.
+        <dout_and_cache>
         tangents : tuple
             <tangents>
         ddout : array_like, optional
@@ -213,7 +215,8 @@ def backward_jvp_sections(
         "type_error": f"A cache from another op, ``tangents`` not a tuple, {too_many}or an array that is not real.",
         "wrong": wrong,
     }
-    return _fill(textwrap.dedent(text), {k: _wrapped(v) for k, v in parts.items()}, f"{op}_backward_jvp")
+    text = _fill(textwrap.dedent(text), {"dout_and_cache": _dout_and_cache(op, cache, dout)}, f"{op}_backward_jvp")
+    return _fill(text, {k: _wrapped(v) for k, v in parts.items()}, f"{op}_backward_jvp")
 
 
 # -- the attention cores' sections ---------------------------------------------------------------
