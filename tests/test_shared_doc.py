@@ -192,3 +192,14 @@ def test_the_norms_jvp_examples_are_written_once_and_call_their_own_op(op):
     doc = getattr(norm, f"{op}_jvp").__doc__
     assert textwrap.indent(textwrap.dedent(norm._jvp_example(op)).strip("\n"), "    ") in doc
     assert f">>> tout = F.{op}_jvp(cache, tx, tw)\n" in doc
+
+
+@pytest.mark.parametrize("op, cache", [("layer_norm", "LayerNormCache"), ("rms_norm", "RMSNormCache")])
+def test_the_norms_forward_sections_are_written_once_and_name_the_op(op, cache):
+    import textwrap
+
+    from npattn.functional import norm
+
+    doc = getattr(norm, op).__doc__
+    assert textwrap.indent(textwrap.dedent(norm._forward_tail(op, cache)).strip("\n"), "    ") in doc
+    assert f"cache : {cache}\n        For ``{op}_backward`` and ``{op}_jvp``." in doc

@@ -113,6 +113,28 @@ def _mean(a, k):
 # ------------------------------------------------------------------------------------ layer_norm
 
 
+def _forward_tail(op: str, cache: str) -> str:
+    """A norm's forward sections from ``normalized_shape`` to its ``TypeError`` (its ``ValueError``
+    follows in its own docstring)."""
+    return f"""
+    normalized_shape : int or tuple of int, optional
+        The trailing axes to normalise over.
+
+    Returns
+    -------
+    y : ndarray
+        Of ``x``'s shape and dtype.
+    cache : {cache}
+        For ``{op}_backward`` and ``{op}_jvp``.
+
+    Raises
+    ------
+    TypeError
+        A non-numeric array, or a non-integer ``normalized_shape``.
+    """
+
+
+@shared_doc(forward_tail=_forward_tail("layer_norm", "LayerNormCache"))
 def layer_norm(
     x: np.ndarray,
     weight: Optional[np.ndarray] = None,
@@ -139,20 +161,7 @@ def layer_norm(
         Of shape ``normalized_shape`` (the affine scale and shift).
     eps : float
         Added to the variance, >= 0.
-    normalized_shape : int or tuple of int, optional
-        The trailing axes to normalise over.
-
-    Returns
-    -------
-    y : ndarray
-        Of ``x``'s shape and dtype.
-    cache : LayerNormCache
-        For ``layer_norm_backward`` and ``layer_norm_jvp``.
-
-    Raises
-    ------
-    TypeError
-        A non-numeric array, or a non-integer ``normalized_shape``.
+    <forward_tail>
     ValueError
         ``normalized_shape`` not the trailing axes of ``x``, ``weight``/``bias`` of another shape, a
         negative or non-finite ``eps``.
@@ -431,6 +440,7 @@ def _norm_backward_jvp(dout, xhat, rstd, weight, k, tx, tweight, ddout, *, centr
 # -------------------------------------------------------------------------------------- rms_norm
 
 
+@shared_doc(forward_tail=_forward_tail("rms_norm", "RMSNormCache"))
 def rms_norm(
     x: np.ndarray, weight: Optional[np.ndarray] = None, eps: Optional[float] = None, *, normalized_shape=None
 ) -> tuple[np.ndarray, RMSNormCache]:
@@ -449,20 +459,7 @@ def rms_norm(
         Of shape ``normalized_shape``.
     eps : float, optional
         Added to the mean square, >= 0; None: the dtype's machine epsilon.
-    normalized_shape : int or tuple of int, optional
-        The trailing axes to normalise over.
-
-    Returns
-    -------
-    y : ndarray
-        Of ``x``'s shape and dtype.
-    cache : RMSNormCache
-        For ``rms_norm_backward`` and ``rms_norm_jvp``.
-
-    Raises
-    ------
-    TypeError
-        A non-numeric array, or a non-integer ``normalized_shape``.
+    <forward_tail>
     ValueError
         ``normalized_shape`` not the trailing axes of ``x``, ``weight`` of another shape, a negative
         or non-finite ``eps``.
