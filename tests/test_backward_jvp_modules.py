@@ -594,10 +594,25 @@ def test_sparse_moe_block_second_order(kw):
     check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)
 
 
-def test_gated_delta_net_without_its_pair_says_so():
-    rng = np.random.default_rng(22)
-    m = npattn.GatedDeltaNet(8, 2, 2, 4, 4, rng=0)
-    y = m(rng.standard_normal((1, 3, 8)))
-    with pytest.raises(NotImplementedError, match="gated_delta_rule_backward_jvp"):
-        m.backward_jvp(np.ones_like(y))
-    m.backward(np.ones_like(y))  # nothing consumed
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(projections="qkv_z_b_a"),
+        dict(chunk_size=2, attention_mask=np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])),
+        dict(chunk_size=64, projections="qkv_z_b_a", attention_mask=np.array([[1, 1, 1, 0, 1], [0, 1, 1, 1, 1]])),
+    ],
+)
+def test_gated_delta_net_second_order(kw):
+    """Grouped key heads (4 value heads on 2 key heads), both projection layouts, chunks of 3, 2
+    and 64 over 5 steps, left and inner padding: the chunked gated_delta_rule_backward_jvp with
+    the convolution's and the gated norm's, against central differences of the backward (eps
+    1e-6: at 1e-5 their eps^2 error is 3e-5 of the largest element)."""
+    kw = dict(kw)
+    mask = kw.pop("attention_mask", None)
+    rng = np.random.default_rng(23)
+    layout = kw.pop("projections", "qkvz_ba")
+    m = npattn.GatedDeltaNet(8, 4, 2, 3, 2, projections=layout, rng=0, **{"chunk_size": 3, **kw})
+    _perturb(m, rng, scale=0.3)
+    extra = {} if mask is None else dict(attention_mask=mask)
+    check_second_order(m, (rng.standard_normal((2, 5, 8)),), rng, eps=1e-6, **extra)

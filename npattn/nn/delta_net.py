@@ -370,16 +370,13 @@ class GatedDeltaNet(RecurrentLayer):
         z = qkvz[..., 2 * dk + r * dv :].reshape(lead + (steps, nv, dv))
         return mixed, z, ba[..., :r].reshape(lead + (steps, nv)), ba[..., r:].reshape(lead + (steps, nv))
 
-    def _projected_backward(self, dmixed, dz, db, da, lead: tuple, steps: int) -> np.ndarray:
-        """``dx`` of the input projections (their weights' gradients accumulated) from the
-        gradients of ``_projected``'s four outputs."""
+    def _projected_grads(self, dmixed, dz, db, da, lead: tuple, steps: int) -> list:
+        """``[(projection, the gradient at its output)]`` from the gradients of ``_projected``'s
+        four outputs (or their tangents: the regrouping is linear)."""
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         if self.projections == "qkv_z_b_a":
-            dx = self.in_proj_qkv._backward(dmixed)
-            dx += self.in_proj_z._backward(dz.reshape(lead + (steps, self.value_dim)))
-            dx += self.in_proj_b._backward(db)
-            dx += self.in_proj_a._backward(da)
-            return dx
+            dz = dz.reshape(lead + (steps, self.value_dim))
+            return [(self.in_proj_qkv, dmixed), (self.in_proj_z, dz), (self.in_proj_b, db), (self.in_proj_a, da)]
         r = nv // nk
         dqkvz = np.empty(lead + (steps, nk, 2 * dk + 2 * r * dv), dmixed.dtype)
         dqkvz[..., :dk] = dmixed[..., : self.key_dim].reshape(lead + (steps, nk, dk))
@@ -389,8 +386,15 @@ class GatedDeltaNet(RecurrentLayer):
         dba = np.concatenate([db.reshape(lead + (steps, nk, r)), da.reshape(lead + (steps, nk, r))], axis=-1).reshape(
             lead + (steps, 2 * nv)
         )
-        dx = self.in_proj_qkvz._backward(dqkvz.reshape(lead + (steps, -1)))
-        dx += self.in_proj_ba._backward(dba)
+        return [(self.in_proj_qkvz, dqkvz.reshape(lead + (steps, -1))), (self.in_proj_ba, dba)]
+
+    def _projected_backward(self, dmixed, dz, db, da, lead: tuple, steps: int) -> np.ndarray:
+        """``dx`` of the input projections (their weights' gradients accumulated) from the
+        gradients of ``_projected``'s four outputs."""
+        pairs = self._projected_grads(dmixed, dz, db, da, lead, steps)
+        dx = pairs[0][0]._backward(pairs[0][1])
+        for m, d in pairs[1:]:
+            dx += m._backward(d)
         return dx
 
     # -- backward -----------------------------------------------------------------------------
@@ -446,10 +450,80 @@ class GatedDeltaNet(RecurrentLayer):
 
     # -- second order ---------------------------------------------------------------------------
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        raise NotImplementedError(
-            "GatedDeltaNet.backward_jvp: the second order of the layer needs the functional pair "
-            "gated_delta_rule_backward_jvp, which npattn does not have yet"
+        """Second order (``backward_jvp``): the forward's tangents (``_forward_tangents``, the
+        rule's and the gated norm's JVPs for ``out_proj``'s input), then ``backward``'s chain in
+        reverse, each stage by its ``<op>_backward_jvp`` fed the tangents of its inputs and of its
+        upstream gradient: ``out_proj``, ``rms_norm_gated``, the chunked
+        ``gated_delta_rule_backward_jvp`` (the key heads' sums over their value heads), then the
+        gates by the product rule: ``db = dbeta s'`` with ``s' = beta (1 - beta)``, ``ts' = (1 -
+        2 beta) tbeta``; ``dA_log = sum dg g``; ``da = -dg e^{A_log} sigma(p)`` with ``sigma' =
+        sigma (1 - sigma)`` (0 above softplus' threshold); ``causal_conv1d_backward_jvp``; the
+        input projections."""
+        st: _State = state
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        r = nv // nk
+        lead, steps, beta, pt = st.lead, st.steps, st.beta, param_tangents
+        heads = (-2, -3)
+        t = self._forward_tangents(st, input_tangent(input_tangents, "GatedDeltaNet", "backward_jvp"), pt)
+        to = K.gated_delta_rule_jvp(st.rule, *t.rule).swapaxes(*heads)
+        nw = self.norm.weight
+        ty = K.rms_norm_gated_jvp(st.norm, to, t.z, pt.get(nw))
+        dn, tdn = self._child_backward_jvp(self.out_proj, dy, (ty.reshape(lead + (steps, self.value_dim)),), pt, ddy)
+        shape = lead + (steps, nv, dv)
+        (do, dz, dnw), (tdo, tdz, tdnw) = K.rms_norm_gated_backward_jvp(
+            dn.reshape(shape), st.norm, (to, t.z, pt.get(nw)), tdn.reshape(shape)
         )
+        grads, tans = K.gated_delta_rule_backward_jvp(do.swapaxes(*heads), st.rule, t.rule, tdo.swapaxes(*heads))
+        (dq, dk_, dv_, dg, dbeta), (tdq, tdk, tdv, tdg, tdbeta) = grads[:5], tans[:5]
+        dq, tdq, dk_, tdk = (x.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2) for x in (dq, tdq, dk_, tdk))
+        dg, tdg, dbeta, tdbeta = (x.swapaxes(-1, -2) for x in (dg, tdg, dbeta, tdbeta))  # (B..., L, nv)
+        if st.keep is not None:  # g * keep, beta * keep
+            dg, tdg, dbeta, tdbeta = (x * st.keep for x in (dg, tdg, dbeta, tdbeta))
+        # beta = sigmoid(b): db = dbeta s', s' = beta (1 - beta), ts' = (1 - 2 beta) tbeta
+        db = dbeta * beta * (1.0 - beta)  # as the backward rounds it
+        tdb = tdbeta * beta * (1.0 - beta) + dbeta * (1.0 - 2.0 * beta) * t.beta
+        # g = -exp(A_log) softplus(p): dA_log = sum dg g, da = -dg exp(A_log) sigma(p)
+        dA_log = (dg * st.g).reshape(-1, nv).sum(0)
+        tdA_log = (tdg * st.g + dg * t.g).reshape(-1, nv).sum(0)
+        e, sig = np.exp(self.A_log.data), _softplus_grad(st.pre)
+        dsig = np.where(st.pre > _SOFTPLUS_THRESHOLD, 0.0, sig * (1.0 - sig))  # sigma' (softplus'')
+        da = -dg * e * sig
+        tda = -tdg * e * sig - dg * e * dsig * t.pre
+        if t.A_log is not None:
+            tda -= dg * e * t.A_log * sig
+        dconv, tdconv = (
+            np.concatenate(
+                [
+                    q.reshape(lead + (steps, self.key_dim)),
+                    k.reshape(lead + (steps, self.key_dim)),
+                    v.swapaxes(*heads).reshape(lead + (steps, self.value_dim)),
+                ],
+                axis=-1,
+            )
+            for q, k, v in ((dq, dk_, dv_), (tdq, tdk, tdv))
+        )
+        tw = t.conv_weight
+        (dmixed, dconv_w, _, _), (tdmixed, tdconv_w, _, _) = K.causal_conv1d_backward_jvp(
+            dconv, st.conv, (t.mixed, None if tw is None else tw[:, 0, :], None, None), tdconv
+        )
+        dx = tdx = None
+        for (m, d), (_, td) in zip(
+            self._projected_grads(dmixed, dz, db, da, lead, steps),
+            self._projected_grads(tdmixed, tdz, tdb, tda, lead, steps),
+        ):
+            mdx, mtdx = self._child_backward_jvp(m, d, (t.x,), pt, td)
+            dx, tdx = (mdx, mtdx) if dx is None else (dx + mdx, tdx + mtdx)
+        if st.keep is not None:  # x * keep
+            dx, tdx = dx * st.keep, tdx * st.keep
+        self._accumulate_second(
+            (
+                (self.conv1d.weight, dconv_w[:, None, :], tdconv_w[:, None, :]),
+                (self.dt_bias, da.reshape(-1, nv).sum(0), tda.reshape(-1, nv).sum(0)),
+                (self.A_log, dA_log, tdA_log),
+                (nw, dnw, tdnw),
+            )
+        )
+        return dx, tdx
 
     # -- forward mode ---------------------------------------------------------------------------
     def _jvp(self, state, input_tangents, param_tangents):
@@ -458,11 +532,19 @@ class GatedDeltaNet(RecurrentLayer):
         ``beta = sigmoid(b)``: ``tbeta = beta (1 - beta) tb``; ``g = -exp(A_log) softplus(p)``,
         ``p = a + dt_bias``: ``tg = g tA_log - exp(A_log) sigmoid(p) (ta + tdt_bias)``; each key
         head's tangent is repeated for the value heads it serves, as its value in the forward."""
-        tx = input_tangent(input_tangents, "GatedDeltaNet")
         st: _State = state
+        tx = input_tangent(input_tangents, "GatedDeltaNet")
+        t = self._forward_tangents(st, tx, param_tangents)
+        heads = (-2, -3)
+        to = K.gated_delta_rule_jvp(st.rule, *t.rule)
+        ty = K.rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), t.z, param_tangents.get(self.norm.weight))
+        return self._child_jvp(self.out_proj, -1, (ty.reshape(st.lead + (st.steps, self.value_dim)),), param_tangents)
+
+    def _forward_tangents(self, st: _State, tx, pt) -> "_Tangents":
+        """The tangents of the forward's stages up to the delta rule's inputs (``_jvp``'s chain)."""
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         r = nv // nk
-        lead, steps, pt = st.lead, st.steps, param_tangents
+        lead, steps = st.lead, st.steps
         if tx is None:
             tx = np.zeros(lead + (steps, self.hidden_size), st.beta.dtype)
         elif st.keep is not None:  # x * keep
@@ -482,19 +564,16 @@ class GatedDeltaNet(RecurrentLayer):
         tA_log = pt.get(self.A_log)
         if tA_log is not None:
             tg += st.g * tA_log
-        if st.keep is not None:  # g * keep, beta * keep
-            tg, tbeta = tg * st.keep, tbeta * st.keep
+        tg_in, tbeta_in = (tg, tbeta) if st.keep is None else (tg * st.keep, tbeta * st.keep)  # g * keep, beta * keep
         heads = (-2, -3)
-        to = K.gated_delta_rule_jvp(
-            st.rule,
+        rule = (
             np.repeat(tq, r, axis=-2).swapaxes(*heads),
             np.repeat(tk, r, axis=-2).swapaxes(*heads),
             tv.swapaxes(*heads),
-            tg.swapaxes(-1, -2),
-            tbeta.swapaxes(-1, -2),
+            tg_in.swapaxes(-1, -2),
+            tbeta_in.swapaxes(-1, -2),
         )
-        ty = K.rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), tz, pt.get(self.norm.weight))
-        return self._child_jvp(self.out_proj, -1, (ty.reshape(lead + (steps, self.value_dim)),), pt)
+        return _Tangents(x=tx, mixed=tmixed, z=tz, conv_weight=tw, beta=tbeta, g=tg, pre=tpre, A_log=tA_log, rule=rule)
 
     def extra_repr(self) -> str:
         """The arguments shown by ``repr(module)``."""
@@ -502,6 +581,20 @@ class GatedDeltaNet(RecurrentLayer):
             f"hidden_size={self.hidden_size}, num_v_heads={self.num_v_heads}, num_k_heads={self.num_k_heads}, "
             f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}"
         )
+
+
+class _Tangents(NamedTuple):
+    """The forward's tangents ``GatedDeltaNet._forward_tangents`` gives, by stage."""
+
+    x: np.ndarray  # the input's (masked as the input)
+    mixed: np.ndarray  # [q k v] before the convolution
+    z: np.ndarray  # the output gate
+    conv_weight: Optional[np.ndarray]  # conv1d.weight's (C, 1, taps), None: zero
+    beta: np.ndarray  # beta's, unmasked
+    g: np.ndarray  # g's, unmasked
+    pre: np.ndarray  # a + dt_bias's
+    A_log: Optional[np.ndarray]
+    rule: tuple  # gated_delta_rule's (tq, tk, tv, tg, tbeta), as the rule takes them
 
 
 def _softplus(x):
