@@ -148,3 +148,137 @@ def test_second_order_refused_by_name():
     y = kda(x)
     with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp"):
         kda.backward_jvp(rng.standard_normal(y.shape), rng.standard_normal(x.shape))
+
+
+# -- the family in CausalLM: transformers' KimiLinearForCausalLM from TINY_CONFIGS["kimi_linear"] ----
+def _model(seed=0, **changes):
+    pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from npattn.models import CausalLM
+    from npattn.models.tiny import tiny_config
+    from tests._hf64 import build, state_dict
+
+    kwargs = {k: v for k, v in tiny_config("kimi_linear", **changes).items() if k != "model_type"}
+    hf, cfg = build(T.KimiLinearConfig, T.KimiLinearForCausalLM, seed=seed, **kwargs)
+    return hf, cfg, CausalLM.from_hf(state_dict(hf), cfg)
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def test_model_mixes_kda_nope_mla_and_routed_experts():
+    from npattn.nn.latent_attention import MultiHeadLatentAttention
+    from npattn.nn.moe import SparseMoeBlock
+
+    hf, cfg, m = _model()
+    kinds = [type(layer.attention) for layer in m.model.layers]
+    assert kinds == [KimiDeltaAttention, MultiHeadLatentAttention, KimiDeltaAttention]  # kda_layers [1, 3]: 1-indexed
+    assert m.model.layers[1].attention.rope is False
+    assert [type(layer.mlp) is SparseMoeBlock for layer in m.model.layers] == [False, True, True]
+    assert [t for t in cfg["layer_types"]] == ["linear_attention", "full_attention", "linear_attention"]
+    # the short dict (no layer_types / mlp_layer_types: linear_attn_config's 1-indexed lists and
+    # first_k_dense_replace) reads as transformers' to_dict of it
+    from npattn.models import config_from_hf
+    from npattn.models.tiny import tiny_config
+
+    short = config_from_hf(tiny_config("kimi_linear"))
+    assert "layer_types" not in tiny_config("kimi_linear")
+    assert short == m.config
+    assert short.layer_types == ("linear_attention", "latent_attention", "linear_attention")
+
+
+def test_model_logits_and_every_gradient_match_transformers():
+    from tests._hf64 import hf_logits_and_grads
+
+    hf, cfg, m = _model()
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg["vocab_size"], (2, 21))  # 21 steps: several KDA chunks of 16
+    dlogits = rng.standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    assert _rel(m(ids), ref) < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    names = dict(m.named_parameters())
+    assert set(names) == set(ref_grads), set(names) ^ set(ref_grads)
+    for n, p in names.items():
+        assert _rel(p.grad, ref_grads[n]) < 1e-8, n
+
+
+def _hf_logits(hf, ids, **kwargs):
+    import torch
+
+    with float64_reference(), torch.no_grad():
+        return hf(input_ids=torch.from_numpy(ids), use_cache=False, **kwargs).logits.numpy()
+
+
+def test_model_cached_decoding_matches_transformers():
+    from npattn import no_grad
+
+    hf, cfg, m = _model(3)
+    ids = np.random.default_rng(3).integers(0, cfg["vocab_size"], (2, 9))
+    ref = _hf_logits(hf, ids)
+    m.reset_kv_cache()
+    with no_grad():
+        parts = [m(ids[:, :4], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(4, 9)]
+    assert _rel(np.concatenate(parts, axis=1), ref) < 1e-10
+
+
+def test_model_padded_batch_matches_transformers_and_each_row_alone():
+    import torch
+
+    from npattn import no_grad
+
+    hf, cfg, m = _model(4)
+    rng = np.random.default_rng(4)
+    lens, L = (7, 4, 1), 7
+    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
+    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
+    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
+    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
+    with no_grad():
+        out = m(ids, attention_mask=mask)
+        real = mask.astype(bool)
+        assert _rel(out[real], ref[real]) < 1e-10
+        for i, n in enumerate(lens):
+            assert _rel(out[i, L - n :], m(ids[i : i + 1, L - n :])[0]) < 1e-10, i
+
+
+def test_checkpoint_in_kimis_own_names_round_trips(tmp_path):
+    """transformers' save_pretrained writes Kimi's checkpoint names (block_sparse_moe, experts.{e}.w1/w3/w2,
+    q/k/v_conv1d, the forget gate under self_attn); npattn reads them, writes them back, and transformers
+    reads npattn's checkpoint with equal logits."""
+    import torch
+    import transformers as T
+
+    from npattn import no_grad
+    from npattn.models import CausalLM
+    from npattn.models.hf import open_checkpoint
+
+    hf, cfg, m = _model(5)
+    hf.save_pretrained(tmp_path / "hf")
+    theirs = set(open_checkpoint(tmp_path / "hf")[1])
+    assert (
+        "model.layers.0.self_attn.q_conv1d.weight" in theirs
+        and "model.layers.1.block_sparse_moe.experts.0.w3.weight" in theirs
+    )
+    loaded = CausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config == m.config
+    ids = np.random.default_rng(5).integers(0, cfg["vocab_size"], (1, 6))
+    with no_grad():
+        np.testing.assert_array_equal(loaded(ids), m(ids))
+    m.save_pretrained(tmp_path / "ours")
+    assert set(open_checkpoint(tmp_path / "ours")[1]) == theirs
+    with float64_reference():
+        back = T.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "ours", attn_implementation="eager", experts_implementation="eager"
+        ).eval()
+    assert back.dtype == torch.float64
+    assert _rel(_hf_logits(back, ids), _hf_logits(hf, ids)) < 1e-12
+
+
+def test_loss_hvp_refuses_kda_by_name():
+    hf, cfg, m = _model()
+    ids = np.zeros((1, 3), np.int64)
+    with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp"):
+        m.loss_hvp(ids, ids, {})

@@ -39,13 +39,14 @@ from .._validate import as_index, as_rng, check_bool, check_dtype, to_numpy
 from ..functional import kernels as K
 from ..nn.attention import MultiHeadAttention
 from ..nn.containers import ModuleList
-from ..nn.delta_net import GatedDeltaNet
+from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
+from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, no_grad
 from ..nn.moe import GatedMLP, SparseMoeBlock
 from ..nn.transformer import _block_tangents
-from .configs import CausalLMConfig, config_from_hf
+from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, config_from_hf
 
 __all__ = ["CausalLM"]
 
@@ -108,7 +109,9 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     if kind == "latent_attention":
         return MultiHeadLatentAttention(**_sub(cfg.latent).kwargs(), rng=rng, dtype=dtype)
     if kind == "linear_attention":
-        return GatedDeltaNet(**_sub(cfg.linear_attention).kwargs(), rng=rng, dtype=dtype)
+        la = _sub(cfg.linear_attention)
+        layer = KimiDeltaAttention if isinstance(la, KdaConfig) else GatedDeltaNet
+        return layer(**la.kwargs(), rng=rng, dtype=dtype)
     mha = cfg.attention_config(kind).kwargs()
     return MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
 
@@ -152,8 +155,20 @@ def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
         kv = _lin("kv_a_proj_with_mqa", r + dr, H, b) + [("kv_a_layernorm.weight", (r,))]
         kv += _lin("kv_b_proj", heads * (dn + dv), r, False)
         return [(f"self_attn.{n}", s) for n, s in q + kv + _lin("o_proj", H, heads * dv, b)]
+    if kind == "linear_attention" and isinstance(cfg.linear_attention, KdaConfig):  # KimiDeltaAttention
+        kda = cfg.linear_attention
+        d, hd = kda.linear_head_dim, kda.linear_num_heads * kda.linear_head_dim
+        out = _lin("q_proj", hd, H, False) + _lin("k_proj", hd, H, False) + _lin("v_proj", hd, H, False)
+        out += [("conv1d.weight", (3 * hd, 1, kda.linear_conv_kernel_dim))]
+        out += [("forget_gate.dt_bias", (hd,)), ("forget_gate.A_log", (1, 1, kda.linear_num_heads, 1))]
+        out += _lin("forget_gate.f_a_proj", d, H, False) + _lin("forget_gate.f_b_proj", hd, d, False)
+        out += _lin("b_proj", kda.linear_num_heads, H, False)
+        out += _lin("g_a_proj", d, H, False) + _lin("g_b_proj", hd, d, False)
+        out += [("o_norm.weight", (d,))] + _lin("o_proj", H, hd, False)
+        return [(f"self_attn.{n}", s) for n, s in out]
     if kind == "linear_attention":  # GatedDeltaNet
         la = _sub(cfg.linear_attention)
+        assert isinstance(la, DeltaNetConfig)
         nk, nv = la.linear_num_key_heads, la.linear_num_value_heads
         key, value = nk * la.linear_key_head_dim, nv * la.linear_value_head_dim
         out = [("dt_bias", (nv,)), ("A_log", (nv,)), ("conv1d.weight", (2 * key + value, 1, la.linear_conv_kernel_dim))]
@@ -290,8 +305,9 @@ class DecoderLayer(_Renamed):
         self.index = index
         self.sandwich = cfg.sandwich_norm
         self.pre_norm = cfg.pre_norm
-        # Qwen3-Next names its gated DeltaNet layers linear_attn, every other attention self_attn
-        self._attn_name = "linear_attn" if cfg.layer_types[index] == "linear_attention" else "self_attn"
+        # Qwen3-Next names its gated DeltaNet layers linear_attn, every other attention (Kimi's KDA too) self_attn
+        delta_net = cfg.layer_types[index] == "linear_attention" and isinstance(cfg.linear_attention, DeltaNetConfig)
+        self._attn_name = "linear_attn" if delta_net else "self_attn"
         setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
         if self.pre_norm:
@@ -331,7 +347,7 @@ class DecoderLayer(_Renamed):
         att = self.attention
         if padding is None:
             return att(h, use_cache=use_cache)
-        if isinstance(att, GatedDeltaNet):
+        if isinstance(att, RecurrentLayer):  # GatedDeltaNet, KimiDeltaAttention
             return att(h, use_cache=use_cache, attention_mask=padding.tokens)
         if isinstance(att, MultiHeadLatentAttention):
             mask = padding.keys[:, None, None, :]  # (B, 1, 1, Lk) True = may attend
@@ -758,6 +774,11 @@ class CausalLM(Module):
             anything is computed.
         """
         for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.attention, KimiDeltaAttention):
+                raise NotImplementedError(
+                    f"CausalLM.loss_hvp: layer {i}'s self_attn (KimiDeltaAttention) has no second order yet: it "
+                    "needs the fast (chunked) tier's kimi_delta_attention_backward_jvp, which npattn does not have yet"
+                )
             if isinstance(layer.attention, GatedDeltaNet):
                 raise NotImplementedError(
                     f"CausalLM.loss_hvp: layer {i}'s linear_attn (GatedDeltaNet) has no second order yet: it "

@@ -27,10 +27,12 @@ __all__ = [
     "AttentionConfig",
     "LatentConfig",
     "DeltaNetConfig",
+    "KdaConfig",
     "MoEConfig",
     "CheckpointLayout",
     "latent_config",
     "delta_net_config",
+    "kda_config",
     "moe_config",
     "GgufFamily",
     "GGUF_FAMILIES",
@@ -49,6 +51,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmo3",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "kimi_linear",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -196,6 +199,7 @@ class LatentConfig(_Kwargs):
     rope_theta: float
     rope_scaling: Mapping[str, Any]
     rope_interleave: bool
+    rope: bool = True
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,19 @@ class DeltaNetConfig(_Kwargs):
     rms_norm_eps: float
     hidden_act: str
     projections: str = "qkvz_ba"
+
+
+@dataclass(frozen=True)
+class KdaConfig(_Kwargs):
+    """``KimiDeltaAttention``'s keyword arguments (Kimi Linear's linear attention), by their names
+    (the Hugging Face ``KimiLinearConfig``'s)."""
+
+    hidden_size: int
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    hidden_act: str
 
 
 @dataclass(frozen=True)
@@ -249,10 +266,18 @@ class CheckpointLayout:
     ``per_expert``: the routed experts may come one expert at a time
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``, as DeepSeek-V3's and Qwen3-Next's checkpoints
     and ``save_pretrained`` write them), fused while loading into the ``(E, 2I, H)`` and
-    ``(E, H, I)`` tensors the model holds, as transformers does."""
+    ``(E, H, I)`` tensors the model holds, as transformers does; ``expert_projs`` names the three
+    per-expert projections (Kimi's ``w1``, ``w3``, ``w2``).  ``renames``: pairs of a part of the
+    model's key and the part the checkpoint writes instead (Kimi's ``block_sparse_moe`` for
+    ``mlp``, its forget gate's parameters directly under ``self_attn``); ``split_conv``: a KDA
+    layer's convolution written as three tensors, q's, k's and v's channels (transformers'
+    ``conversion_mapping`` for ``kimi_linear``, both directions)."""
 
     family: str = ""
     per_expert: bool = False
+    expert_projs: tuple = ("gate_proj", "up_proj", "down_proj")  # a per-expert checkpoint's gate, up, down names
+    renames: tuple = ()  # (model name part, checkpoint name part): the checkpoint's keys say the second
+    split_conv: bool = False  # KDA's self_attn.conv1d.weight kept as q_conv1d, k_conv1d, v_conv1d (thirds)
 
 
 @dataclass(frozen=True)
@@ -323,7 +348,7 @@ class CausalLMConfig:
     max_position_embeddings: int | None = None
     moe: MoEConfig | None = None
     latent: LatentConfig | None = None
-    linear_attention: DeltaNetConfig | None = None
+    linear_attention: DeltaNetConfig | KdaConfig | None = None
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -886,6 +911,87 @@ def _qwen3_5(r: _Reader) -> dict:
     return c
 
 
+def _kimi_linear(r: _Reader) -> dict:
+    """Kimi Linear: KDA layers (``KimiDeltaAttention``) and MLA layers without RoPE, a dense MLP
+    in the first ``first_k_dense_replace`` layers and DeepSeek-V3's routed experts after them.
+    ``linear_attn_config`` lists the layers of each kind 1-indexed (``kda_layers``,
+    ``full_attn_layers``), as transformers reads it; its fields (and the aliases transformers'
+    ``attribute_map`` gives the MoE keys) are read by ``kda_config`` and the MoE reader."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    lac = r.get("linear_attn_config", {})
+    if not isinstance(lac, Mapping):
+        raise ValueError(f"config['linear_attn_config']: expected a dict, got {_show(lac)}")
+    left = sorted(set(lac) - {"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers"})
+    if left:
+        raise ValueError(f"config['linear_attn_config']: key {left[0]!r} is not supported by npattn for kimi_linear")
+    if r.has("layer_types") or not ("kda_layers" in lac and "full_attn_layers" in lac):
+        default = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    else:
+        given: list = [None] * n
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for i in lac[key]:
+                if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 1 <= int(i) <= n:
+                    raise ValueError(f"config['linear_attn_config'][{key!r}]: expected layers 1..{n}, got {_show(i)}")
+                given[int(i) - 1] = kind  # 1-indexed, as transformers reads them
+        if None in given:
+            raise ValueError(f"config['linear_attn_config']: layer {given.index(None) + 1} is in no list")
+        default = given
+    lt = _layer_types(r, n, ("full_attention", "linear_attention"), default)
+    k_dense = r.int("first_k_dense_replace", 1, minimum=0)
+    mlp = r.get("mlp_layer_types") or ["dense" if i < k_dense else "sparse" for i in range(n)]
+    if len(mlp) != n or any(t not in ("dense", "sparse") for t in mlp):
+        raise ValueError(f"config['mlp_layer_types']: expected {n} entries of 'dense' or 'sparse', got {_show(mlp)}")
+    for key in ("model_max_length", "qk_head_dim", "head_dim", "q_lora_rank"):  # derived or read below
+        r.get(key)
+    for key in ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        r.int(key, 1)
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size"):
+        r.int(key)
+    moe = tuple("moe" if t == "sparse" else "dense" for t in mlp)
+    for group in _KIMI_MOE_KEYS:  # each key under either of its names (transformers' attribute_map)
+        for key in group:
+            r.get(key)
+    r.float("routed_scaling_factor", 1.0)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        layer_types=tuple("latent_attention" if t == "full_attention" else t for t in lt),
+        mlp_types=moe,
+        head_dim=r.int("qk_rope_head_dim"),
+        layout=CheckpointLayout(
+            r.model_type, per_expert=True, expert_projs=("w1", "w3", "w2"), renames=_KIMI_RENAMES, split_conv=True
+        ),
+    )
+    c.update(
+        latent=dataclasses.replace(latent_config(r.d), rope=False) if "full_attention" in lt else None,
+        moe=moe_config(r.d) if "moe" in moe else None,
+        linear_attention=kda_config(r.d) if "linear_attention" in lt else None,
+    )
+    return c
+
+
+# Kimi Linear's checkpoint names (transformers' conversion_mapping): (model's part, checkpoint's part)
+_KIMI_RENAMES = (
+    (".mlp.", ".block_sparse_moe."),
+    ("self_attn.forget_gate.f_a_proj.", "self_attn.f_a_proj."),
+    ("self_attn.forget_gate.f_b_proj.", "self_attn.f_b_proj."),
+    ("self_attn.forget_gate.dt_bias", "self_attn.dt_bias"),
+    ("self_attn.forget_gate.A_log", "self_attn.A_log"),
+)
+
+# Kimi Linear's MoE keys: transformers' attribute_map lets a config say either name
+_KIMI_MOE_KEYS = (
+    ("num_experts", "num_local_experts"),
+    ("num_experts_per_token", "num_experts_per_tok"),
+    ("num_shared_experts", "n_shared_experts"),
+    ("num_expert_group", "n_group"),
+    ("topk_group",),
+    ("moe_renormalize", "norm_topk_prob"),
+)
+
+
 def _olmo3(r: _Reader) -> dict:
     """OLMo 3: post-norm (each sublayer's output normalised, then added: no norm before attention
     or the MLP), q/k RMSNorm over the whole projection, sliding-window layers (by default three
@@ -1009,6 +1115,28 @@ _DEFAULTS: dict = {
         tie_word_embeddings=False,
         rope_interleave=True,
         attention_bias=False,
+    ),
+    "kimi_linear": dict(  # KimiLinearConfig's class defaults (the MoE keys with two names: the reader's)
+        vocab_size=163840,
+        hidden_size=2304,
+        intermediate_size=9216,
+        moe_intermediate_size=1024,
+        num_hidden_layers=27,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        routed_scaling_factor=2.446,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_group=1,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        linear_head_dim=128,
+        linear_num_heads=32,
+        linear_conv_kernel_dim=4,
     ),
     "qwen3_next": dict(
         max_position_embeddings=32768,
@@ -1219,6 +1347,35 @@ def delta_net_config(config: Mapping[str, Any]) -> DeltaNetConfig:
     return DeltaNetConfig(**{k: config[k] if k in config else defaults[k] for k in names}, projections=projections)
 
 
+def kda_config(config: Mapping[str, Any]) -> KdaConfig:
+    """``KimiDeltaAttention``'s arguments from a Hugging Face ``KimiLinearConfig`` as a mapping:
+    ``hidden_size`` (required), ``linear_attn_config``'s ``num_heads``, ``head_dim`` and
+    ``short_conv_kernel_size`` (or the config's ``linear_num_heads``, ``linear_head_dim``,
+    ``linear_conv_kernel_dim``, which transformers fills from them), ``rms_norm_eps``,
+    ``hidden_act``; each left out meaning transformers' default.
+
+    Raises
+    ------
+    ValueError
+        No ``hidden_size``; a size that is not a positive integer (named).
+    """
+    if "hidden_size" not in config:
+        raise ValueError("config: expected a 'hidden_size' entry")
+    d = _DEFAULTS["kimi_linear"]
+    lac = config.get("linear_attn_config") or {}
+    sizes = {}
+    for name, key in (("linear_num_heads", "num_heads"), ("linear_head_dim", "head_dim")):
+        sizes[name] = check_size(lac.get(key, config.get(name, d[name])), name)
+    taps = lac.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", d["linear_conv_kernel_dim"]))
+    return KdaConfig(
+        hidden_size=config["hidden_size"],
+        linear_conv_kernel_dim=check_size(taps, "linear_conv_kernel_dim"),
+        rms_norm_eps=config.get("rms_norm_eps", d["rms_norm_eps"]),
+        hidden_act=config.get("hidden_act", d["hidden_act"]),
+        **sizes,
+    )
+
+
 # GatedDeltaNet's input projections by family: Qwen3.5's four (in_proj_qkv, in_proj_z, in_proj_b,
 # in_proj_a), not Qwen3-Next's two grouped per key head (the default)
 _DELTA_PROJECTIONS = {"qwen3_5_text": "qkv_z_b_a", "qwen3_5_moe_text": "qkv_z_b_a"}
@@ -1256,6 +1413,29 @@ def _moe_deepseek_v3(c: _Loose) -> MoEConfig:
         topk_group=c.get("topk_group", default=1),
         hidden_act=c.get("hidden_act", default="silu"),
         shared_intermediate_size=inter * check_size(n_shared, "n_shared_experts") if n_shared else None,
+        shared_name="shared_experts",
+        experts_first=True,
+    )
+
+
+def _moe_kimi_linear(c: _Loose) -> MoEConfig:
+    # DeepSeek-V3's block (sigmoid scores, correction bias, groups, shared experts) under Kimi's
+    # key names (each also under transformers' attribute_map alias)
+    inter = c.get("moe_intermediate_size")
+    n_shared = c.get("num_shared_experts", "n_shared_experts", default=1)
+    renorm = "moe_renormalize" if c.d.get("moe_renormalize") is not None else "norm_topk_prob"
+    return MoEConfig(
+        c.get("hidden_size"),
+        c.get("num_experts", "num_local_experts", default=256),
+        c.get("num_experts_per_token", "num_experts_per_tok", default=8),
+        inter,
+        router="sigmoid",
+        norm_topk_prob=c.flag(renorm, True),
+        routed_scaling_factor=c.get("routed_scaling_factor", default=2.446),
+        n_group=c.get("num_expert_group", "n_group", default=1),
+        topk_group=c.get("topk_group", default=1),
+        hidden_act=c.get("hidden_act", default="silu"),
+        shared_intermediate_size=inter * check_size(n_shared, "num_shared_experts") if n_shared else None,
         shared_name="shared_experts",
         experts_first=True,
     )
@@ -1312,6 +1492,7 @@ def _moe_mixtral(c: _Loose) -> MoEConfig:
 _MOE_READERS = {
     "gpt_oss": _moe_gpt_oss,
     "deepseek_v3": _moe_deepseek_v3,
+    "kimi_linear": _moe_kimi_linear,
     "qwen3_next": _moe_qwen3_next,
     "qwen3_5_moe_text": _moe_qwen3_5_moe,
     "qwen3_moe": _moe_qwen3_moe,
@@ -1365,6 +1546,7 @@ _READERS = {
     "olmo3": _olmo3,
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe_text": _qwen3_5,
+    "kimi_linear": _kimi_linear,
 }
 
 

@@ -512,9 +512,10 @@ class _Source:
 # then its up rows) and ``down_proj (E, H, I)``.  transformers merges them while loading; so do we,
 # each part written straight into its slice of the fused parameter, where the config's
 # ``CheckpointLayout`` says its family's checkpoints may be written so (``per_expert``).
-_PER_EXPERT = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>[0-9]+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
+def _per_expert(projs: tuple) -> re.Pattern:
+    """The per-expert key pattern for the three projection names ``projs`` (gate, up, down)."""
+    names = "|".join(map(re.escape, projs))
+    return re.compile(rf"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>[0-9]+)\.(?P<proj>{names})\.weight$")
 
 
 class _Merged:
@@ -571,15 +572,88 @@ class _Merged:
                 r += part.shape[0]
 
 
-def _merge_experts(src: dict) -> dict:
+class _Stacked:
+    """One model tensor a checkpoint writes in parts along axis 0 (Kimi's ``q_conv1d``,
+    ``k_conv1d``, ``v_conv1d`` for a KDA layer's ``conv1d.weight``), equal parts in order."""
+
+    def __init__(self, name: str, parts: list):
+        self.name, self.parts = name, parts
+        first = parts[0]
+        self.shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+        self.kind = first.kind
+
+    @property
+    def first_key(self) -> str:
+        return self.parts[0].name
+
+    def mismatch(self, expected: tuple) -> str | None:
+        share = (expected[0] // len(self.parts), *expected[1:])
+        for part in self.parts:
+            if tuple(part.shape) != share:
+                return (
+                    f"state_dict[{part.name!r}]: expected shape {share} (its part of {self.name} "
+                    f"{tuple(expected)}), got {tuple(part.shape)}"
+                )
+        return None
+
+    @property
+    def is_float(self) -> bool:
+        return all(p.is_float for p in self.parts)
+
+    @property
+    def natural_dtype(self):
+        return self.parts[0].natural_dtype
+
+    def read_into(self, out: np.ndarray) -> None:
+        r = 0
+        for part in self.parts:
+            part.read_into(out[r : r + part.shape[0]])
+            r += part.shape[0]
+
+
+_CONV_PART = re.compile(r"^(?P<prefix>.*\.self_attn\.)(?P<part>[qkv])_conv1d\.weight$")
+
+
+def _checkpoint_names(src: dict, layout) -> dict:
+    """``src`` under the model's names where the family's checkpoints write others
+    (``CheckpointLayout.renames``, ``split_conv``); a key reached two ways is refused by name."""
+    out: dict = {}
+    for key, s in src.items():
+        new = key
+        for model_part, checkpoint_part in layout.renames:
+            new = new.replace(checkpoint_part, model_part)
+        if new in out:
+            raise ValueError(f"state_dict: {key!r} and {out[new].name!r} are the same tensor {new!r} (give one)")
+        out[new] = s
+    if not layout.split_conv:
+        return out
+    groups: dict = {}
+    for key in list(out):
+        m = _CONV_PART.match(key)
+        if m:
+            groups.setdefault(m["prefix"], {})[m["part"]] = out.pop(key)
+    for prefix, parts in groups.items():
+        for part in "qkv":
+            if part not in parts:
+                raise ValueError(f"state_dict: missing key '{prefix}{part}_conv1d.weight' (with its q, k, v parts)")
+        name = prefix + "conv1d.weight"
+        if name in out:
+            raise ValueError(f"state_dict: both {name!r} and '{prefix}q_conv1d.weight', ... (give one or the other)")
+        out[name] = _Stacked(name, [parts[p] for p in "qkv"])
+    return out
+
+
+def _merge_experts(src: dict, projs: tuple = ("gate_proj", "up_proj", "down_proj")) -> dict:
     """``src`` with every complete set of per-expert projections replaced by the two fused
     tensors (keys ``<prefix>.gate_up_proj`` and ``<prefix>.down_proj``).  Raises ``ValueError``
     naming the key for an incomplete set (a missing expert or projection), an expert index
     written two ways (``experts.00`` beside ``experts.0``: any leading zero is refused), a part
     that is not 2-D, and per-expert keys beside the fused tensor they would make."""
+    gate, up, down = projs
+    pattern = _per_expert(projs)
     groups: dict = {}
     for key in list(src):
-        m = _PER_EXPERT.match(key)
+        m = pattern.match(key)
         if m:
             if m["e"] != str(int(m["e"])):
                 raise ValueError(
@@ -592,23 +666,23 @@ def _merge_experts(src: dict) -> dict:
     for prefix, parts in groups.items():
         n = 1 + max(e for e, _ in parts)
         for e in range(n):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
+            for proj in projs:
                 if (e, proj) not in parts:
                     raise ValueError(f"state_dict: missing key '{prefix}.{e}.{proj}.weight' (expert {e} of {n})")
         for fused in ("gate_up_proj", "down_proj"):
             if f"{prefix}.{fused}" in src:
                 raise ValueError(
                     f"state_dict: both {prefix + '.' + fused!r} and the per-expert keys "
-                    f"'{prefix}.0.gate_proj.weight', ... it is made of (give one or the other)"
+                    f"'{prefix}.0.{gate}.weight', ... it is made of (give one or the other)"
                 )
         src[f"{prefix}.gate_up_proj"] = _Merged(
             f"{prefix}.gate_up_proj",
             prefix,
-            ("gate_proj", "up_proj"),
-            [[parts[e, "gate_proj"], parts[e, "up_proj"]] for e in range(n)],
+            (gate, up),
+            [[parts[e, gate], parts[e, up]] for e in range(n)],
         )
         src[f"{prefix}.down_proj"] = _Merged(
-            f"{prefix}.down_proj", prefix, ("down_proj",), [[parts[e, "down_proj"]] for e in range(n)]
+            f"{prefix}.down_proj", prefix, (down,), [[parts[e, down]] for e in range(n)]
         )
     return src
 
@@ -660,14 +734,14 @@ def _check_against_config(src: dict, cfg, tied_copy) -> None:
             if len(missing) == _LISTED:
                 break
         elif wrong is None:
-            wrong = s.mismatch(shape) if isinstance(s, _Merged) else None
+            wrong = s.mismatch(shape) if isinstance(s, (_Merged, _Stacked)) else None
             if wrong is None and tuple(s.shape) != shape:
                 wrong = f"state_dict[{key!r}]: expected shape {shape}, got {tuple(s.shape)}"
     mt = cfg.layout.family
     if missing:
         more = " and more" if len(missing) == _LISTED else ""
         raise ValueError(f"state_dict: missing key {missing[0]!r} (model_type {mt!r}; missing: {missing}{more})")
-    unexpected = [(s.first_key if isinstance(s, _Merged) else k) for k, s in src.items() if k not in seen]
+    unexpected = [(s.first_key if isinstance(s, (_Merged, _Stacked)) else k) for k, s in src.items() if k not in seen]
     if unexpected:
         raise ValueError(
             f"state_dict: unexpected key {unexpected[0]!r} (model_type {mt!r}; unexpected: {unexpected[:_LISTED]})"
@@ -695,8 +769,9 @@ def load_into(cls, state_dict, config, dtype=None):
     bad = [k for k, s in src.items() if not s.is_float]
     if bad:
         raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
+    src = _checkpoint_names(src, cfg.layout)
     if cfg.layout.per_expert:
-        src = _merge_experts(src)
+        src = _merge_experts(src, cfg.layout.expert_projs)
     if dtype is None:
         first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
         dtype = np.float32 if first is None else first.natural_dtype

@@ -52,7 +52,7 @@ _SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# the fused experts of a family whose checkpoints keep each expert apart (hf.py's _PER_EXPERT, reversed)
+# the fused experts of a family whose checkpoints keep each expert apart (hf.py's _per_expert, reversed)
 _FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -105,22 +105,37 @@ def checkpoint_tensors(model) -> dict:
     """``{checkpoint name: array}`` of ``model`` (a ``CausalLM``), views of its parameters and
     buffers (nothing copied), in state-dict order, the routed experts written one expert at a
     time where the config's ``CheckpointLayout.per_expert`` says so."""
-    split = model.config.layout.per_expert
+    layout = model.config.layout
+    split = layout.per_expert
+    gate, up, down = layout.expert_projs
     out: dict = {}
     for key, owner, name, is_param in model._state_entries():
         arr = owner._parameters[name].data if is_param else getattr(owner, name)
         m = _FUSED.match(key) if split else None
-        if m is None:
+        if layout.split_conv and key.endswith("self_attn.conv1d.weight"):  # KDA: q's, k's, v's channels
+            third = arr.shape[0] // 3
+            for i, part in enumerate("qkv"):
+                out[key[: -len("conv1d.weight")] + f"{part}_conv1d.weight"] = arr[i * third : (i + 1) * third]
+        elif m is None:
             out[key] = arr
         elif m["proj"] == "gate_up_proj":  # (E, 2I, H): expert e's gate rows, then its up rows
             half = arr.shape[1] // 2
             for e in range(arr.shape[0]):
-                out[f"{m['prefix']}.{e}.gate_proj.weight"] = arr[e, :half]
-                out[f"{m['prefix']}.{e}.up_proj.weight"] = arr[e, half:]
+                out[f"{m['prefix']}.{e}.{gate}.weight"] = arr[e, :half]
+                out[f"{m['prefix']}.{e}.{up}.weight"] = arr[e, half:]
         else:  # down_proj (E, H, I)
             for e in range(arr.shape[0]):
-                out[f"{m['prefix']}.{e}.down_proj.weight"] = arr[e]
+                out[f"{m['prefix']}.{e}.{down}.weight"] = arr[e]
+    if layout.renames:
+        out = {_renamed(k, layout.renames): v for k, v in out.items()}
     return out
+
+
+def _renamed(key: str, renames: tuple) -> str:
+    """``key`` as the family's checkpoint writes it (each model part replaced by the checkpoint's)."""
+    for model_part, checkpoint_part in renames:
+        key = key.replace(model_part, checkpoint_part)
+    return key
 
 
 def _shards(tensors: dict, limit: int) -> list:

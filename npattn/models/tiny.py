@@ -366,6 +366,34 @@ TINY_CONFIGS: dict = {
         shared_expert_intermediate_size=8,
         partial_rotary_factor=0.5,
     ),
+    "kimi_linear": dict(  # KDA and NoPE MLA layers mixed (1-indexed lists), a dense layer, then routed experts
+        _BASE,
+        model_type="kimi_linear",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        linear_attn_config={
+            "num_heads": 2,
+            "head_dim": 4,
+            "short_conv_kernel_size": 3,
+            "kda_layers": [1, 3],
+            "full_attn_layers": [2],
+        },
+        first_k_dense_replace=1,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        num_expert_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=4,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
     "olmo3": dict(
         _BASE,
         model_type="olmo3",
@@ -476,5 +504,12 @@ def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> d
             d[key] *= hidden // base
     if "layer_types" in d:
         d["layer_types"] = (d["layer_types"] * math.ceil(layers / len(d["layer_types"])))[:layers]
+    lac = d.get("linear_attn_config")
+    if lac:  # Kimi Linear: the head width scaled, the 1-indexed layer lists' pattern repeated
+        lac["head_dim"] *= hidden // base
+        n = d["num_hidden_layers"]
+        kda = [i % n + 1 in lac["kda_layers"] for i in range(layers)]
+        lac["kda_layers"] = [i + 1 for i in range(layers) if kda[i]]
+        lac["full_attn_layers"] = [i + 1 for i in range(layers) if not kda[i]]
     d.update(num_hidden_layers=layers, vocab_size=vocab)
     return d

@@ -157,6 +157,10 @@ class MultiHeadLatentAttention(Module):
         and normalised as ``self.rope_scaling``.
     rope_interleave : bool
         Rotate pairs ``(2i, 2i+1)`` (DeepSeek-V3's default, True) or ``(i, i + dr/2)``.
+    rope : bool
+        False: no rotation at all (Kimi Linear's MLA, "NoPE"): the ``qk_rope_head_dim`` features
+        of q and the shared key part enter the scores as they are (computed as RoPE at position 0,
+        an exact identity, so backward and JVP are unchanged); ``rope_scaling`` is then unused.
     causal : bool
         Query ``i`` sees keys ``0..i`` (True, as the model).
     rng : Generator, int or None
@@ -202,12 +206,14 @@ class MultiHeadLatentAttention(Module):
         rope_scaling: Mapping[str, Any] | None = None,
         rope_interleave: bool = True,
         causal: bool = True,
+        rope: bool = True,
         rng=None,
         dtype=np.float64,
     ) -> None:
         super().__init__()
         self.hidden_size = check_size(hidden_size, "hidden_size")
         self.num_heads = check_size(num_heads, "num_heads")
+        self.rope = check_bool(rope, "rope")
         self.kv_lora_rank = check_size(kv_lora_rank, "kv_lora_rank")
         self.qk_nope_head_dim = check_size(qk_nope_head_dim, "qk_nope_head_dim")
         self.qk_rope_head_dim = check_size(qk_rope_head_dim, "qk_rope_head_dim")
@@ -232,7 +238,8 @@ class MultiHeadLatentAttention(Module):
         rng = as_rng(rng)
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         # YaRN's temperature on the whole score: qk_head_dim**-0.5 * mscale(factor, mscale_all_dim)**2
-        self.scaling = rope_softmax_scale(self.qk_head_dim**-0.5, self.rope_scaling)
+        plain = self.qk_head_dim**-0.5
+        self.scaling = rope_softmax_scale(plain, self.rope_scaling) if self.rope else plain
         H, D, r = self.num_heads, self.hidden_size, self.kv_lora_rank
         bias = self.attention_bias
         if self.q_lora_rank is None:
@@ -401,6 +408,8 @@ class MultiHeadLatentAttention(Module):
     def _rope(self, t: np.ndarray, positions: np.ndarray):
         """RoPE of ``t (..., heads, L, dr)``; ``positions`` broadcastable to ``(..., L)``."""
         pos = positions[..., None, :] if positions.ndim else positions
+        if not self.rope:  # Kimi Linear's MLA: no rotation, the rope part kept as it is (position 0 rotates by 0)
+            return K.rope(t, np.zeros_like(pos), base=self.rope_theta, interleaved=self.rope_interleave)
         return K.rope(t, pos, base=self.rope_theta, interleaved=self.rope_interleave, scaling=self.rope_scaling)
 
     def _forward(self, x, positions, mask=None, *, use_cache: bool = False, absorb: bool = False):
