@@ -282,3 +282,48 @@ def test_loss_hvp_refuses_kda_by_name():
     ids = np.zeros((1, 3), np.int64)
     with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp"):
         m.loss_hvp(ids, ids, {})
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"linear_attn_config": {"num_heads": 2, "head_dim": 4, "chunk": 8}}, "'chunk' is not supported"),
+        (
+            {"linear_attn_config": {"num_heads": 2, "head_dim": 4, "kda_layers": [1, 4], "full_attn_layers": [2]}},
+            r"\['kda_layers'\]: expected layers 1..3, got 4",
+        ),
+        (
+            {"linear_attn_config": {"num_heads": 2, "head_dim": 4, "kda_layers": [1], "full_attn_layers": [2]}},
+            "layer 3 is in no list",
+        ),
+        ({"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
+        ({"moe_renormalize": "yes"}, "moe_renormalize"),
+        ({"mla_use_nope": True}, "'mla_use_nope' is not supported"),
+    ],
+)
+def test_config_refusals_name_the_key(changes, message):
+    from npattn.models import config_from_hf
+    from npattn.models.tiny import tiny_config
+
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(tiny_config("kimi_linear", **changes))
+
+
+def test_checkpoint_without_a_conv_part_is_refused_by_name():
+    from npattn.models import CausalLM
+    from npattn.models.save import checkpoint_tensors
+    from npattn.models.tiny import tiny_config
+
+    m = CausalLM(tiny_config("kimi_linear"), rng=0)
+    tensors = dict(checkpoint_tensors(m))
+    assert "model.layers.2.self_attn.conv1d.weight" not in tensors
+    del tensors["model.layers.2.self_attn.v_conv1d.weight"]
+    with pytest.raises(ValueError, match="missing key 'model.layers.2.self_attn.v_conv1d.weight'"):
+        CausalLM.from_hf(tensors, tiny_config("kimi_linear"))
+    tensors = dict(checkpoint_tensors(m))
+    tensors["model.layers.0.self_attn.k_conv1d.weight"] = tensors["model.layers.0.self_attn.k_conv1d.weight"][:-1]
+    with pytest.raises(ValueError, match=r"state_dict\['model.layers.0.self_attn.k_conv1d.weight'\]: expected shape"):
+        CausalLM.from_hf(tensors, tiny_config("kimi_linear"))
+    back = CausalLM.from_hf(dict(checkpoint_tensors(m)), tiny_config("kimi_linear"))
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[k], v)
