@@ -13,7 +13,7 @@ from _oracles import rel_err
 from npattn.models import CausalLM
 from npattn.models.tiny import TINY_CONFIGS
 
-FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3"]
+FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3", "qwen3_next", "qwen3_5_text"]
 IGNORE = -1
 
 
@@ -157,11 +157,11 @@ def test_tied_head_takes_one_tangent_by_the_embedding_name():
 
 
 def test_a_family_without_second_order_says_what_it_lacks():
-    m = CausalLM(TINY_CONFIGS["qwen3_next"], rng=0)
+    m = CausalLM(TINY_CONFIGS["kimi_linear"], rng=0)
     ids = np.array([[1, 2, 3]])
-    with pytest.raises(NotImplementedError, match="gated_delta_rule_backward_jvp") as err:
+    with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp") as err:
         m.loss_hvp(ids, ids, {})
-    assert "fast" in str(err.value) and "GatedDeltaNet" in str(err.value)
+    assert "fast" in str(err.value) and "KimiDeltaAttention" in str(err.value)
     assert _no_state(m)
     assert all(p.grad_tangent is None for p in m.parameters())
 
