@@ -4,11 +4,14 @@ outputs 1e-9, every parameter's gradient by its Hugging Face name and the input'
 with the cache (conv window and recurrent state) 1e-10, a left-padded batch 1e-10 at the real
 tokens; the JVP against central differences; the second order refused by name."""
 
+import functools
+
 import numpy as np
 import pytest
 
 from npattn.nn.kimi_delta import KimiDeltaAttention
 from tests._hf64 import float64_reference, randomize
+from tests._oracles import rel_err
 
 H, D, HIDDEN, K_TAPS = 2, 4, 12, 3
 
@@ -163,8 +166,8 @@ def _model(seed=0, **changes):
     return hf, cfg, CausalLM.from_hf(state_dict(hf), cfg)
 
 
-def _rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+# the one relative-error helper, relative to the reference tensor's largest entry
+_rel = functools.partial(rel_err, floor=1e-300, relative_to="max_b")
 
 
 def test_model_mixes_kda_nope_mla_and_routed_experts():

@@ -1123,9 +1123,9 @@ def gated_delta_rule_backward_jvp_kernel(dout, cache, tangents=(), ddout=None, d
         )
         for whole, part in zip(grads, block_grads + block_tangents):
             whole[:, blk] = part
-    dq, dk_, dv_, dg, dbeta, tdq, tdk, tdv, tdg, tdbeta = (
-        x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
-    )
+    whole = [x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads]
+    dq, dk_, dv_, dg, dbeta = whole[:5]  # the gradients, unpadded to the steps
+    tdq, tdk, tdv, tdg, tdbeta = whole[5:]  # their tangents
     dq *= c.scale
     tdq *= c.scale
     if c.q_norm is not None:
