@@ -14,8 +14,13 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .. import _docs
-from .._docs import shared_doc
+from .._docs import (
+    ATTENTION_FORWARD,
+    attention_backward_jvp_sections,
+    attention_backward_sections,
+    attention_jvp_sections,
+    shared_doc,
+)
 from .._validate import (
     as_rng,
     check_backward_jvp,
@@ -171,7 +176,7 @@ def _heads_last_empty(shape, dtype, workspace=None):
     return _empty(workspace, tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
-@shared_doc(**_docs.ATTENTION_FORWARD)
+@shared_doc(**ATTENTION_FORWARD)
 def scaled_dot_product_attention(
     q,
     k,
@@ -443,7 +448,7 @@ class _Rows:
         np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=out[..., blk.rows, :])
 
 
-@shared_doc(attention_backward_sections=_docs.attention_backward_sections("scaled_dot_product_attention"))
+@shared_doc(attention_backward_sections=attention_backward_sections("scaled_dot_product_attention"))
 def scaled_dot_product_attention_backward(dout, cache: AttentionCache) -> tuple:
     """Backward of ``out = P' v`` with ``P' = dropout(P)``, ``P = softmax(S)``, ``S = scale q k^T + mask``:
 
@@ -612,7 +617,7 @@ def _option_grads(cache: AttentionCache, dmask, dsinks) -> list:
     return grads
 
 
-@shared_doc(attention_jvp_sections=_docs.attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
+@shared_doc(attention_jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
     """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` along the inputs' tangents.
 
@@ -698,9 +703,7 @@ def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tm
 
 
 @shared_doc(
-    attention_backward_jvp_sections=_docs.attention_backward_jvp_sections(
-        "scaled_dot_product_attention", "AttentionCache"
-    )
+    attention_backward_jvp_sections=attention_backward_jvp_sections("scaled_dot_product_attention", "AttentionCache")
 )
 def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents, ddout=None) -> tuple:
     """Second order, forward over reverse: ``(grads, grad_tangents)``.

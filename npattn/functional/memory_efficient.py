@@ -62,8 +62,13 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .. import _docs
-from .._docs import shared_doc
+from .._docs import (
+    ATTENTION_FORWARD,
+    attention_backward_jvp_sections,
+    attention_backward_sections,
+    attention_jvp_sections,
+    shared_doc,
+)
 from .._validate import (
     as_rng,
     check_backward_jvp,
@@ -412,7 +417,7 @@ def _cached_geometry(cache: MemoryEfficientCache) -> _Geometry:
     )
 
 
-@shared_doc(**_docs.ATTENTION_FORWARD)
+@shared_doc(**ATTENTION_FORWARD)
 def memory_efficient_attention(
     q,
     k,
@@ -561,7 +566,7 @@ def memory_efficient_attention(
     )
 
 
-@shared_doc(attention_backward_sections=_docs.attention_backward_sections("memory_efficient_attention"))
+@shared_doc(attention_backward_sections=attention_backward_sections("memory_efficient_attention"))
 def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tuple[np.ndarray, ...]:
     """Gradients of ``memory_efficient_attention``, block by block (FlashAttention-2):
     ``(dq, dk, dv)``, then ``dmask`` (with ``mask_grad``), then ``dsinks`` (with ``sinks``).
@@ -917,7 +922,7 @@ class _BackwardWorker:
         dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
 
 
-@shared_doc(attention_jvp_sections=_docs.attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
+@shared_doc(attention_jvp_sections=attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
     """Forward mode of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
 
@@ -1111,7 +1116,7 @@ class _JvpWorker:
 
 
 @shared_doc(
-    attention_backward_jvp_sections=_docs.attention_backward_jvp_sections(
+    attention_backward_jvp_sections=attention_backward_jvp_sections(
         "memory_efficient_attention", "MemoryEfficientCache"
     )
 )
