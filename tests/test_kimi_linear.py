@@ -5,6 +5,9 @@ with the cache (conv window and recurrent state) 1e-10, a left-padded batch 1e-1
 tokens; the JVP against central differences; the second order refused by name."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -167,6 +170,7 @@ def _model(seed=0, **changes):
 
 
 # the one relative-error helper, relative to the reference tensor's largest entry
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _rel = functools.partial(rel_err, floor=1e-300, relative_to="max_b")
 
 
@@ -251,8 +255,8 @@ def test_checkpoint_in_kimis_own_names_round_trips(tmp_path):
     """transformers' save_pretrained writes Kimi's checkpoint names (block_sparse_moe, experts.{e}.w1/w3/w2,
     q/k/v_conv1d, the forget gate under self_attn); npattn reads them, writes them back, and transformers
     reads npattn's checkpoint with equal logits."""
-    torch = pytest.importorskip("torch")
-    T = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
 
     from npattn import no_grad
     from npattn.models import CausalLM
@@ -272,12 +276,24 @@ def test_checkpoint_in_kimis_own_names_round_trips(tmp_path):
         np.testing.assert_array_equal(loaded(ids), m(ids))
     m.save_pretrained(tmp_path / "ours")
     assert set(open_checkpoint(tmp_path / "ours")[1]) == theirs
-    with float64_reference():
-        back = T.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "ours", attn_implementation="eager", experts_implementation="eager"
-        ).eval()
-    assert back.dtype == torch.float64
-    assert _rel(_hf_logits(back, ids), _hf_logits(hf, ids)) < 1e-12
+    # transformers reads npattn's directory in a process of its own: its from_pretrained of a Kimi
+    # directory leaves loading state behind that changed later models' logits in this process
+    np.save(tmp_path / "ids.npy", ids)
+    script = (
+        "import sys, numpy as np, torch, transformers as T\n"
+        f"sys.path.insert(0, {os.fspath(ROOT)!r})\n"
+        "from tests._hf64 import float64_reference\n"
+        f"d = {os.fspath(tmp_path)!r}\n"
+        "with float64_reference():\n"
+        "    back = T.AutoModelForCausalLM.from_pretrained(d + '/ours', attn_implementation='eager',"
+        " experts_implementation='eager').eval()\n"
+        "    assert back.dtype == torch.float64\n"
+        "    with torch.no_grad():\n"
+        "        out = back(input_ids=torch.from_numpy(np.load(d + '/ids.npy')), use_cache=False).logits\n"
+        "np.save(d + '/back.npy', out.numpy())\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    assert _rel(np.load(tmp_path / "back.npy"), _hf_logits(hf, ids)) < 1e-12
 
 
 def test_loss_hvp_refuses_kda_by_name():
