@@ -416,8 +416,14 @@ def test_landing_page(site):
             "guides/gradients_by_hand.html",
             "notebooks/04_gradients_by_hand.html",
             "derivations/index.html",
+            "guides/curvature.html",
+            "notebooks/12_curvature.html",
         ],
-        "Use it in a NumPy project": ["guides/numpy_project.html", "guides/conventions.html", "api/index.html"],
+        "Use it in a NumPy project": [
+            "guides/numpy_project.html",
+            "guides/conventions.html",
+            "api/index.html",
+        ],
         "Property-test your module": ["guides/own_module.html", "guides/forward_mode.html", "api/npattn.testing.html"],
     }
     for way, targets in ways.items():
