@@ -2,7 +2,8 @@
 parameter tangents (forward over reverse through every layer), for each family with a second
 order: against central differences of the gradient, symmetric (<u, H v> = <H u, v>), its loss and
 gradient those of ``loss`` + ``backward``, the model's gradients left as they were, and a tiny
-Llama against torch's double backward through transformers' own LlamaForCausalLM (float64)."""
+Llama, Qwen3-Next and Qwen3.5 against torch's double backward through transformers' own models
+(float64, transformers' float32 casts made float64, 1e-8)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from _oracles import rel_err
 
 from npattn.models import CausalLM
-from npattn.models.tiny import TINY_CONFIGS
+from npattn.models.tiny import TINY_CONFIGS, tiny_config
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3", "qwen3_next", "qwen3_5_text"]
 IGNORE = -1
@@ -192,36 +193,78 @@ LLAMAS = {
 }
 
 
-@pytest.mark.parametrize("which", sorted(LLAMAS))
-def test_llama_against_torch_double_backward_through_transformers(which):
+def _kwargs(family: str, **changes) -> dict:
+    d = tiny_config(family, **changes)
+    d.pop("model_type")
+    return d
+
+
+# each case: (config class, model class, the config's keyword arguments, (batch, length)); the
+# GatedDeltaNet families run transformers' torch fallback of the chunked delta rule (no fla
+# kernels), a torch graph differentiable twice; 70 tokens run it over two chunks of 64 on both sides
+CASES = {
+    "llama_untied": ("LlamaConfig", "LlamaForCausalLM", LLAMAS["untied"], (2, 6)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", LLAMAS["tied"], (2, 6)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _kwargs("qwen3_next", mlp_only_layers=[1]), (2, 6)),
+    "qwen3_next_two_chunks": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _kwargs("qwen3_next"), (1, 70)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _kwargs("qwen3_5_text"), (2, 6)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _kwargs("qwen3_5_moe_text"), (2, 6)),
+}
+
+
+def _torch_fallbacks(monkeypatch, hf):
+    """transformers' torch implementations of the delta rule and the short convolution, even where
+    flash-linear-attention or causal-conv1d is installed (its kernels are float32/GPU, and the
+    oracle is torch's own graph): the module's names rebound to the functions its decorator wraps."""
+    import sys
+
+    modeling = sys.modules[type(hf).__module__]
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        wrapped = getattr(getattr(modeling, name, None), "__wrapped__", None)
+        if wrapped is not None:
+            monkeypatch.setattr(modeling, name, wrapped)
+
+
+def _torch_loss_grads_hvp(torch, hf, ids, targets, v):
+    """torch's mean cross-entropy of transformers' logits, its gradient (``create_graph``) and the
+    gradient of ``<grad, v>``: double backward, transformers' float32 casts made float64."""
+    from _hf64 import float64_reference
+
+    params = dict(hf.named_parameters())
+    names = list(params)
+    with float64_reference():
+        logits = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits
+        vocab = logits.shape[-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(targets).reshape(-1))
+        grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
+        gv = sum((g * torch.from_numpy(v[n])).sum() for g, n in zip(grads, names))
+        hvps = torch.autograd.grad(gv, [params[n] for n in names])
+    grads_np = {n: g.detach().numpy() for n, g in zip(names, grads)}
+    return loss.item(), grads_np, {n: h.detach().numpy() for n, h in zip(names, hvps)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_torch_double_backward_through_transformers(monkeypatch, name):
     torch = pytest.importorskip("torch")
     T = pytest.importorskip("transformers")
-    from _hf64 import build, float64_reference, state_dict
+    from _hf64 import build, state_dict
 
-    hf, cfg = build(T.LlamaConfig, T.LlamaForCausalLM, seed=2, **LLAMAS[which])
+    cfg_cls, model_cls, kwargs, shape = CASES[name]
+    hf, cfg = build(getattr(T, cfg_cls), getattr(T, model_cls), seed=2, **kwargs)
+    _torch_fallbacks(monkeypatch, hf)
     m = CausalLM.from_hf(state_dict(hf), cfg)
     rng = np.random.default_rng(4)
     vocab = cfg["vocab_size"]
-    ids = rng.integers(0, vocab, (2, 6))
-    targets = rng.integers(0, vocab, (2, 6))
-    targets[1, 2] = -100  # torch's default ignore_index
-    hf_params = dict(hf.named_parameters())
-    v = {n: rng.standard_normal(p.shape) for n, p in hf_params.items()}
+    ids = rng.integers(0, vocab, shape)
+    targets = rng.integers(0, vocab, shape)
+    targets[0, 2] = -100  # torch's default ignore_index
+    v = {n: rng.standard_normal(p.shape) for n, p in hf.named_parameters()}
     assert set(v) == set(dict(m.named_parameters()))
-
-    with float64_reference():
-        names = list(hf_params)
-        ps = [hf_params[n] for n in names]
-        logits = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(targets).reshape(-1))
-        grads = torch.autograd.grad(loss, ps, create_graph=True)
-        gv = sum((g * torch.from_numpy(v[n])).sum() for g, n in zip(grads, names))
-        hvps = torch.autograd.grad(gv, ps)
-    ref_g = {n: g.detach().numpy() for n, g in zip(names, grads)}
-    ref_h = {n: h.detach().numpy() for n, h in zip(names, hvps)}
+    ref_loss, ref_g, ref_h = _torch_loss_grads_hvp(torch, hf, ids, targets, v)
 
     mine_loss, mine_g, mine_h = m.loss_hvp(ids, targets, v, ignore_index=-100)
-    assert mine_loss == pytest.approx(loss.item(), rel=1e-12)
-    for n in names:
+    assert mine_loss == pytest.approx(ref_loss, rel=1e-12)
+    for n in v:
+        assert np.abs(ref_h[n]).max() > 0, n  # every parameter's block is compared, none is zero
         assert rel_err(mine_g[n], ref_g[n], floor=1e-300, relative_to="max_b") < 1e-8, n
         assert rel_err(mine_h[n], ref_h[n], floor=1e-300, relative_to="max_b") < 1e-8, n
