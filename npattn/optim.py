@@ -212,12 +212,11 @@ class Optimizer:
         self._lr = check_positive_float(value, "lr", allow_zero=True)
 
     def zero_grad(self) -> None:
-        """Set every gradient to zero, in place (a ``None`` grad becomes a zero array)."""
+        """Set every gradient to zero, in place (a ``None`` grad becomes a zero array), and every
+        ``grad_tangent`` too when it exists (``backward_jvp`` accumulates into it; a ``None`` one
+        stays ``None``): ``Parameter.zero_grad`` of each parameter, as ``Module.zero_grad``."""
         for p in self.params:
-            if p.grad is None:
-                p.grad = np.zeros_like(p.data)
-            else:
-                p.grad[...] = 0
+            p.zero_grad()
 
     def step(self) -> None:
         """Apply one update to every parameter with a gradient."""

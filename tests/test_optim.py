@@ -277,6 +277,20 @@ def test_zero_grad_in_place():
     assert p.grad is g and np.all(g == 0)
 
 
+@pytest.mark.parametrize("make", [SGD, Adam, AdamW])
+def test_zero_grad_zeroes_grad_tangent_as_module_zero_grad_does(make):
+    """backward_jvp accumulates into p.grad_tangent: the optimizer's zero_grad clears it in place
+    (as Parameter.zero_grad and Module.zero_grad), a None one stays None."""
+    p, q = _param([1.0, 2.0]), _param([3.0])
+    p.grad_tangent = np.array([4.0, -5.0])
+    t = p.grad_tangent
+    q.grad_tangent = None
+    make([p, q], lr=0.1).zero_grad()
+    assert p.grad_tangent is t and np.all(t == 0)
+    assert q.grad_tangent is None
+    assert np.all(p.grad == 0) and np.all(q.grad == 0)
+
+
 # -- state dicts ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "make",
