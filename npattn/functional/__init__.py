@@ -80,6 +80,24 @@ from .norm import (
 )
 from .rope import rope, rope_backward, rope_backward_jvp, rope_jvp
 from .rope_scaling import rope_frequencies, rope_softmax_scale, yarn_mscale
+from .sparse_attention import (
+    IndexerKLCache,
+    LightningIndexerCache,
+    SparseAttentionCache,
+    index_topk,
+    indexer_kl_loss,
+    indexer_kl_loss_backward,
+    indexer_kl_loss_backward_jvp,
+    indexer_kl_loss_jvp,
+    lightning_indexer,
+    lightning_indexer_backward,
+    lightning_indexer_backward_jvp,
+    lightning_indexer_jvp,
+    sparse_attention,
+    sparse_attention_backward,
+    sparse_attention_backward_jvp,
+    sparse_attention_jvp,
+)
 
 __all__ = [
     "rope_frequencies",
@@ -165,4 +183,20 @@ __all__ = [
     "moe_experts_backward",
     "moe_experts_jvp",
     "moe_experts_backward_jvp",
+    "lightning_indexer",
+    "lightning_indexer_backward",
+    "lightning_indexer_jvp",
+    "lightning_indexer_backward_jvp",
+    "LightningIndexerCache",
+    "index_topk",
+    "sparse_attention",
+    "sparse_attention_backward",
+    "sparse_attention_jvp",
+    "sparse_attention_backward_jvp",
+    "SparseAttentionCache",
+    "indexer_kl_loss",
+    "indexer_kl_loss_backward",
+    "indexer_kl_loss_jvp",
+    "indexer_kl_loss_backward_jvp",
+    "IndexerKLCache",
 ]

@@ -3179,3 +3179,327 @@ __all__ += [
     "kimi_delta_attention_backward",
     "kimi_delta_attention_jvp",
 ]
+
+
+# == DeepSeek sparse attention (DSA) ==================================================================
+# DeepSeek-V3.2's attention (transformers' ``deepseek_v32``, ``DeepseekV32Indexer`` and
+# ``DeepseekV32Attention``): a small "lightning indexer" scores every (query, key) pair cheaply, each
+# query keeps its ``topk`` best keys, and the main (MLA) attention runs over those keys only.  Three
+# pairs: the indexer's scores, attention restricted to a given set of keys, and the indexer's own
+# training loss (a KL divergence to the main attention's distribution).
+#
+# The choice of the top-k keys is piecewise constant: a small move of the scores leaves the chosen
+# set as it is (away from ties), so its derivative is 0 wherever it exists.  No gradient reaches the
+# indexer through the main attention; the indexer learns from its KL loss alone (DeepSeek detaches
+# the indexer's input there, and transformers runs the indexer under ``no_grad``).
+
+
+class LightningIndexerCache(NamedTuple):
+    """What ``lightning_indexer_backward`` needs: the inputs and the scores before the ReLU."""
+
+    q: np.ndarray  # (B..., H, Lq, D) indexer queries
+    k: np.ndarray  # (B..., Lk, D) indexer keys, one per token shared by the heads
+    weights: np.ndarray  # (B..., Lq, H) per-query head weights
+    s: np.ndarray  # (B..., H, Lq, Lk) scale q k^T, before the ReLU
+    scale: float
+
+
+def lightning_indexer(
+    q: Array, k: Array, weights: Array, *, scale: Optional[float] = None
+) -> Tuple[Array, LightningIndexerCache]:
+    """The lightning indexer's scores: ``I (B..., Lq, Lk)``,
+
+        I[l, t] = sum_h weights[l, h] * relu(scale * q[h, l] . k[t])
+
+    ``q (B..., H, Lq, D)`` (one indexer query per head), ``k (B..., Lk, D)`` (one indexer key per
+    token, shared by the heads), ``weights (B..., Lq, H)`` (transformers: ``weights_proj(x) *
+    H**-0.5``); ``scale`` defaults to ``1/sqrt(D)``.  No mask here: the caller hides keys before the
+    top-k choice.  The scores are not a distribution (negative weights make negative scores).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, w = rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)), rng.standard_normal((3, 2))
+    >>> out, _ = R.lightning_indexer(q, k, w)
+    >>> one = sum(w[1, h] * max(q[h, 1] @ k[4] / 2.0, 0.0) for h in range(2))
+    >>> bool(np.isclose(out[1, 4], one, rtol=0, atol=1e-14))
+    True
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * (q @ k[..., None, :, :].swapaxes(-1, -2))  # (B..., H, Lq, Lk): every head against the shared keys
+    out = np.zeros(s.shape[:-3] + s.shape[-2:], s.dtype)
+    for h in range(q.shape[-3]):  # a weighted sum of the heads' ReLU scores
+        out = out + weights[..., :, h, None] * np.maximum(s[..., h, :, :], 0)
+    return out, LightningIndexerCache(q, k, weights, s, scale)
+
+
+def lightning_indexer_backward(dout: Array, cache: LightningIndexerCache) -> Tuple[Array, Array, Array]:
+    """Backward of ``lightning_indexer``: ``(dq, dk, dweights)``.
+
+    With ``s_h = scale q_h k^T``, ``r_h = relu(s_h)`` and ``I = sum_h w_h r_h`` (``w_h`` a column
+    ``(Lq, 1)``, broadcast over the keys), line by line backwards::
+
+        I = sum_h w_h r_h:       dw_h = sum_t dI r_h      (one number per query: summed over keys)
+                                 dr_h = w_h dI
+        r_h = relu(s_h):         ds_h = dr_h [s_h > 0]    (0 at the kink, as torch)
+        s_h = scale q_h k^T:     dq_h = scale ds_h k;     dk = scale sum_h ds_h^T q_h
+
+    The key is shared by the heads, so its gradient is the sum over the heads (a broadcast's
+    adjoint is a sum)."""
+    q, k, w, s, scale = cache.q, cache.k, cache.weights, cache.s, cache.scale
+    r = np.maximum(s, 0)
+    dw = np.zeros(w.shape, s.dtype)
+    ds = np.zeros(s.shape, s.dtype)
+    for h in range(q.shape[-3]):
+        dw[..., :, h] = (dout * r[..., h, :, :]).sum(axis=-1)  # dw_h = sum_t dI r_h
+        ds[..., h, :, :] = w[..., :, h, None] * dout * (s[..., h, :, :] > 0)  # ds_h = w_h dI [s_h > 0]
+    dq = scale * (ds @ k[..., None, :, :])  # (B..., H, Lq, D)
+    dk = scale * (ds.swapaxes(-1, -2) @ q).sum(axis=-3)  # (B..., Lk, D): the shared key, summed over heads
+    return dq, dk, dw
+
+
+def lightning_indexer_jvp(cache: LightningIndexerCache, *tangents: Optional[Array]) -> Array:
+    """Forward mode along ``(tq, tk, tweights)``: by the product rule,
+
+    ts_h = scale (tq_h k^T + q_h tk^T);    tI = sum_h (tw_h r_h + w_h [s_h > 0] ts_h)
+    """
+    q, k, w, s, scale = cache.q, cache.k, cache.weights, cache.s, cache.scale
+    tq, tk, tw = _padded(tangents, 3)
+    ts = np.zeros(s.shape, s.dtype)
+    if tq is not None:
+        ts = ts + scale * (tq @ k[..., None, :, :].swapaxes(-1, -2))
+    if tk is not None:
+        ts = ts + scale * (q @ tk[..., None, :, :].swapaxes(-1, -2))
+    out = np.zeros(s.shape[:-3] + s.shape[-2:], s.dtype)
+    for h in range(q.shape[-3]):
+        out = out + w[..., :, h, None] * (s[..., h, :, :] > 0) * ts[..., h, :, :]
+        if tw is not None:
+            out = out + tw[..., :, h, None] * np.maximum(s[..., h, :, :], 0)
+    return out
+
+
+def lightning_indexer_backward_jvp(dout: Array, cache: LightningIndexerCache, tangents, ddout: Optional[Array] = None):
+    """Second order: ``lightning_indexer_backward``'s gradients and their tangents along
+    ``tangents = (tq, tk, tweights)`` and ``ddout``.  Each line of the backward by the product
+    rule (the ReLU's mask is piecewise constant: its own tangent is 0)::
+
+        dw_h = sum_t dI r_h                tdw_h = sum_t (tdI r_h + dI [s_h > 0] ts_h)
+        ds_h = w_h dI [s_h > 0]            tds_h = (tw_h dI + w_h tdI) [s_h > 0]
+        dq_h = scale ds_h k                tdq_h = scale (tds_h k + ds_h tk)
+        dk = scale sum_h ds_h^T q_h        tdk = scale sum_h (tds_h^T q_h + ds_h^T tq_h)
+    """
+    q, k, w, s, scale = cache.q, cache.k, cache.weights, cache.s, cache.scale
+    tq, tk, tw = _padded(tuple(tangents or ()), 3)
+    grads = lightning_indexer_backward(dout, cache)
+    tdout = np.zeros_like(dout) if ddout is None else ddout
+    on = s > 0
+    ts = np.zeros(s.shape, s.dtype)
+    if tq is not None:
+        ts = ts + scale * (tq @ k[..., None, :, :].swapaxes(-1, -2))
+    if tk is not None:
+        ts = ts + scale * (q @ tk[..., None, :, :].swapaxes(-1, -2))
+    ds = np.zeros(s.shape, s.dtype)
+    tds = np.zeros(s.shape, s.dtype)
+    tdw = np.zeros(w.shape, s.dtype)
+    for h in range(q.shape[-3]):
+        r_h, on_h = np.maximum(s[..., h, :, :], 0), on[..., h, :, :]
+        tdw[..., :, h] = (tdout * r_h + dout * on_h * ts[..., h, :, :]).sum(axis=-1)
+        ds[..., h, :, :] = w[..., :, h, None] * dout * on_h
+        tds_h = w[..., :, h, None] * tdout
+        if tw is not None:
+            tds_h = tds_h + tw[..., :, h, None] * dout
+        tds[..., h, :, :] = tds_h * on_h
+    tdq = scale * (tds @ k[..., None, :, :])
+    tdk = scale * (tds.swapaxes(-1, -2) @ q).sum(axis=-3)
+    if tk is not None:
+        tdq = tdq + scale * (ds @ tk[..., None, :, :])
+    if tq is not None:
+        tdk = tdk + scale * (ds.swapaxes(-1, -2) @ tq).sum(axis=-3)
+    return grads, (tdq, tdk, tdw)
+
+
+def _selected(indices, lk):
+    """The mask ``[t in S_l]`` of a top-k choice: ``indices (B..., Lq, K)`` (key positions, -1 for
+    an empty slot) -> bool ``(B..., 1, Lq, Lk)`` (True = may attend; one head axis, shared)."""
+    mask = np.zeros(indices.shape[:-1] + (lk,), bool)
+    for slot in range(indices.shape[-1]):
+        mask |= indices[..., slot, None] == np.arange(lk)
+    return mask[..., None, :, :]
+
+
+def sparse_attention(
+    q: Array, k: Array, v: Array, indices: Array, *, scale: Optional[float] = None
+) -> Tuple[Array, AttentionCache]:
+    """Attention restricted to chosen keys: query ``l`` attends to the keys ``S_l = {indices[l, j]}``
+    only (DeepSeek sparse attention's main attention, its keys chosen by the indexer's top-k),
+
+        out[h, l] = sum_{t in S_l} softmax_{t in S_l}(scale q[h, l] . k[t]) v[t]
+
+    ``q (B..., H, Lq, E)``, ``k (B..., Hk, Lk, E)``, ``v (B..., Hk, Lk, Ev)`` (``Hk`` divides ``H``:
+    query head h reads kv head ``h // (H / Hk)``; MLA's absorbed form has ``Hk = 1``), ``indices
+    (B..., Lq, K)`` integer key positions, distinct within a row, ``-1`` for an empty slot (a query
+    with fewer than K keys to choose from); the same keys for every head.  A query with no key gets 0.
+
+    Textbook form: restricting the softmax to ``S_l`` is attention with the boolean mask
+    ``M[l, t] = [t in S_l]``, which is what this computes (``scaled_dot_product_attention`` with that
+    mask; the cache is its cache).  The fast tier gathers the K keys instead and never forms an
+    ``(Lq, Lk)`` array.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((1, 2, 3)), rng.standard_normal((1, 4, 3)), rng.standard_normal((1, 4, 2))
+    >>> out, _ = R.sparse_attention(q, k, v, np.array([[1, 3], [0, -1]]))
+    >>> s = q[0, 0] @ k[0, [1, 3]].T / np.sqrt(3)
+    >>> p = np.exp(s) / np.exp(s).sum()
+    >>> bool(np.allclose(out[0, 0], p @ v[0, [1, 3]], rtol=0, atol=1e-14))
+    True
+    """
+    mask = _selected(indices, k.shape[-2])
+    return scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=True)
+
+
+def sparse_attention_backward(dout: Array, cache: AttentionCache) -> Tuple[Array, ...]:
+    """Backward of ``sparse_attention``: ``(dq, dk, dv)``; the indices get none.
+
+    The chosen set enters as a constant mask: for fixed ``S`` the op is masked attention, so its
+    gradient is masked attention's (``scaled_dot_product_attention_backward``: ``dz = P (dP -
+    rowsum(dP P))`` with ``P = 0`` off ``S``, hence no gradient to a key no query chose).  The
+    choice itself, made from the indexer's scores, is piecewise constant; its derivative is 0
+    (and undefined at a tie), so nothing flows back to the indices."""
+    return scaled_dot_product_attention_backward(dout, cache)[:3]
+
+
+def sparse_attention_jvp(cache: AttentionCache, *tangents: Optional[Array]) -> Array:
+    """Forward mode along ``(tq, tk, tv)``: masked attention's JVP, the mask fixed (``tP = 0`` off ``S``)."""
+    return scaled_dot_product_attention_jvp(cache, *_padded(tangents, 3)[:3])
+
+
+def sparse_attention_backward_jvp(dout: Array, cache: AttentionCache, tangents, ddout: Optional[Array] = None):
+    """Second order: masked attention's (``scaled_dot_product_attention_backward_jvp``), the mask fixed."""
+    grads, grad_tangents = scaled_dot_product_attention_backward_jvp(
+        dout, cache, _padded(tuple(tangents or ()), 3)[:3], ddout
+    )
+    return grads[:3], grad_tangents[:3]
+
+
+class IndexerKLCache(NamedTuple):
+    """What ``indexer_kl_loss_backward`` needs: the indexer's distribution, the target and the weights."""
+
+    p_index: np.ndarray  # (B..., Lq, Lk) softmax of the indexer's scores over the visible keys
+    target: np.ndarray  # (B..., Lq, Lk) the main attention's distribution (heads summed, normalised)
+    has_target: np.ndarray  # (B..., Lq, 1) 1 where the row's target has mass, else 0
+    weight: float  # 1 (reduction "sum") or 1 / rows ("mean")
+
+
+def indexer_kl_loss(
+    scores: Array, attn: Array, *, mask: Optional[Array] = None, reduction: str = "sum"
+) -> Tuple[Array, IndexerKLCache]:
+    """The lightning indexer's training loss (DeepSeek-V3.2): for each query row,
+
+        target = sum_h attn[h] restricted to the visible keys, normalised to sum 1   (held fixed)
+        loss_l = KL(target_l || softmax(scores_l)) = sum_t target_lt (log target_lt - log softmax(scores_l)_t)
+
+    summed over the rows (``reduction="sum"``, DeepSeek's formula) or averaged over them (``"mean"``).
+    ``scores (B..., Lq, Lk)`` are the indexer's (``lightning_indexer``), ``attn (B..., H, Lq, Lk)``
+    the main attention's weights; ``mask`` bool ``(B..., Lq, Lk)`` True = visible (causal, and in the
+    sparse stage the chosen keys), None = all.  The softmax runs over the visible keys;
+    ``0 log 0 = 0``; a row with no visible key or no target mass adds 0.  The target is a constant
+    (DeepSeek detaches it: the main attention is not trained to follow the indexer), so the backward
+    returns ``dscores`` alone.
+
+    Examples
+    --------
+    A target equal to the indexer's own distribution costs nothing:
+
+    >>> import numpy as np
+    >>> from npattn.functional import reference as R
+    >>> s = np.random.default_rng(0).standard_normal((3, 4))
+    >>> p = np.exp(s) / np.exp(s).sum(-1, keepdims=True)
+    >>> loss, _ = R.indexer_kl_loss(s, np.stack([p, p]))
+    >>> bool(abs(loss) < 1e-14)
+    True
+    """
+    visible = np.ones(scores.shape, bool) if mask is None else np.broadcast_to(mask, scores.shape)
+    mass = np.where(visible, attn.sum(axis=-3), 0)  # the heads' weights summed, hidden keys dropped
+    total = mass.sum(axis=-1, keepdims=True)
+    has_target = (total > 0).astype(scores.dtype)
+    target = mass / np.where(total > 0, total, 1)  # normalised: a distribution over the visible keys
+    z = np.where(visible, scores, -np.inf)
+    top = np.max(z, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)  # a row with no visible key: every weight 0 below
+    e = np.where(visible, np.exp(z - top), 0)
+    norm = e.sum(axis=-1, keepdims=True)
+    p_index = e / np.where(norm > 0, norm, 1)
+    log_p_index = z - top - np.log(np.where(norm > 0, norm, 1))
+    # KL, with 0 log 0 = 0: only the keys the target weighs count
+    pos = target > 0  # (then the key is visible and log_p_index finite)
+    terms = np.where(pos, target * (np.log(np.where(pos, target, 1)) - np.where(pos, log_p_index, 0)), 0)
+    rows = math.prod(scores.shape[:-1])
+    weight = 1.0 if reduction == "sum" else 1.0 / max(rows, 1)
+    loss = np.asarray(terms.sum() * weight, dtype=scores.dtype)
+    return loss, IndexerKLCache(p_index, target, has_target, weight)
+
+
+def indexer_kl_loss_backward(dout: Array, cache: IndexerKLCache) -> Array:
+    """Backward of ``indexer_kl_loss``: ``dscores`` (the target is held fixed: no gradient).
+
+    Per row, ``loss = sum_t p_t log p_t - sum_t p_t log q_t`` with ``q = softmax(scores)`` over the
+    visible keys and ``p`` the target.  The first sum does not move with the scores; ``log q_t =
+    s_t - logsumexp(s)`` gives ``d(log q_t)/ds_u = [t = u] - q_u``, so
+
+        dloss/ds_u = -p_u + (sum_t p_t) q_u = q_u - p_u        (sum_t p_t = 1 where the row has a target)
+
+    times ``dout`` and the reduction's weight; a hidden key has ``q_u = p_u = 0``; a row without
+    target mass gets 0.  The same gradient as cross-entropy with soft labels: the indexer's
+    distribution is pulled towards the main attention's."""
+    return dout * cache.weight * (cache.has_target * cache.p_index - cache.target)
+
+
+def indexer_kl_loss_jvp(cache: IndexerKLCache, *tangents: Optional[Array]) -> Array:
+    """Forward mode along ``tscores`` (the target has no tangent: it is held fixed): the
+    gradient's inner product, ``tloss = weight * sum (has_target q - p) * tscores``."""
+    (ts,) = _padded(tangents, 1)
+    if ts is None:
+        return np.zeros((), cache.p_index.dtype)
+    return np.asarray(cache.weight * ((cache.has_target * cache.p_index - cache.target) * ts).sum())
+
+
+def indexer_kl_loss_backward_jvp(dout: Array, cache: IndexerKLCache, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dscores = dout w (h q - p)`` (``h`` = has_target, ``w`` the weight) moves
+    with ``dout`` and with ``q = softmax(scores)``, whose tangent is softmax's JVP::
+
+        tq = q (ts - sum_t q_t ts_t)
+        tdscores = ddout w (h q - p) + dout w h tq
+
+    (the Hessian of the loss in the scores is ``w h (diag(q) - q q^T)`` per row, softmax's Jacobian)."""
+    (ts,) = _padded(tuple(tangents or ()), 1)
+    q, w, h = cache.p_index, cache.weight, cache.has_target
+    grads = (indexer_kl_loss_backward(dout, cache),)
+    tgrad = np.zeros_like(q)
+    if ddout is not None:
+        tgrad = tgrad + ddout * w * (h * q - cache.target)
+    if ts is not None:
+        tq = q * (ts - (q * ts).sum(axis=-1, keepdims=True))
+        tgrad = tgrad + dout * w * h * tq
+    return grads, (tgrad,)
+
+
+__all__ += [
+    "lightning_indexer",
+    "lightning_indexer_backward",
+    "lightning_indexer_jvp",
+    "lightning_indexer_backward_jvp",
+    "sparse_attention",
+    "sparse_attention_backward",
+    "sparse_attention_jvp",
+    "sparse_attention_backward_jvp",
+    "indexer_kl_loss",
+    "indexer_kl_loss_backward",
+    "indexer_kl_loss_jvp",
+    "indexer_kl_loss_backward_jvp",
+]
