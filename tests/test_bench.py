@@ -281,7 +281,7 @@ def test_a_core_without_the_window_option_is_missing(monkeypatch):
 # -- each section alone ----------------------------------------------------------------------------------
 def test_every_section_has_its_flag():
     for section in cli.SECTIONS:
-        assert getattr(_args(**{section.name: True}), section.name) is True
+        assert getattr(_args(**{section.name: True}), section.dest) is True
     assert cli.selected(_args()) == [cli.SECTIONS[0]]  # no flag: the timing table
     assert [s.name for s in cli.selected(_args(memory=True, window=True))] == ["memory", "window"]
 

@@ -16,6 +16,8 @@ Where things are (read in this order):
 * ``window.py``   windowed attention against sequence length (work linear in L);
 * ``delta.py``    the chunked delta rule (gated DeltaNet) against its recurrence and transformers'
                   torch implementation, against sequence length;
+* ``second_order.py`` a Hessian-vector product against forward+backward (MultiHeadAttention,
+                  ``CausalLM.loss_hvp``), the memory-efficient core's second-order memory;
 * ``cases.py``    what can be measured: each kind of case builds npattn's callables (and torch's,
                   same weights) from its sizes; FLOP counts;
 * ``twins.py``    torch's side of each case (imported only when torch is; like any code that runs

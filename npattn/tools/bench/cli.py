@@ -12,7 +12,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from . import decode, delta, families, memory, timing, window
+from . import decode, delta, families, memory, second_order, timing, window
 from .machine import ENV_KEYS, SLOW_ENV, machine_info, probe_openblas_env
 from .runner import call_in_child
 
@@ -23,6 +23,11 @@ class Section(NamedTuple):
     name: str  # the flag --name and what the progress lines call it
     help: str
     module: object  # collect(quick, progress) and format_section(report)
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse gives the flag ``--name`` (``second-order``: ``second_order``)."""
+        return self.name.replace("-", "_")
 
 
 SECTIONS = [
@@ -50,12 +55,18 @@ SECTIONS = [
         "CausalLM of each open-model family against transformers (eager): forward+backward and decoding tokens/s",
         families,
     ),
+    Section(
+        "second-order",
+        "a Hessian-vector product against forward+backward (MHA, CausalLM.loss_hvp) and the memory-efficient "
+        "core's backward_jvp memory at L = 4096 against its backward's",
+        second_order,
+    ),
 ]
 
 
 def selected(args):
     """The sections named by ``args`` (``--timing``, ``--memory`` ...), or the timing section alone."""
-    chosen = [s for s in SECTIONS if getattr(args, s.name, False)]
+    chosen = [s for s in SECTIONS if getattr(args, s.dest, False)]
     return chosen or [SECTIONS[0]]
 
 
@@ -113,7 +124,7 @@ def _variant(quick, probe):
 
 
 def main(args):
-    """``npattn bench [--json] [--quick] [--timing] [--decode] [--memory] [--window]``: run the chosen
+    """``npattn bench [--json] [--quick] [--timing] [--decode] [--memory] [--window] ...``: run the chosen
     sections (default: timing), print the table (or the JSON report); progress goes to stderr.
 
     Everything is measured under this machine's own environment.  When its ``OPENBLAS_CORETYPE``/
