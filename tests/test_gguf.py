@@ -20,6 +20,24 @@ Q = gguf.GGMLQuantizationType
 LLAMA = dict(FAMILIES["llama"], hidden_size=256, intermediate_size=256, attention_bias=False, num_attention_heads=4)
 QWEN3 = dict(FAMILIES["qwen3"], hidden_size=256, intermediate_size=256, head_dim=64, use_sliding_window=False)
 QWEN3.pop("sliding_window"), QWEN3.pop("max_window_layers")
+# every layer routed (llama.cpp's qwen3moe), the experts' rows 256 wide too
+QWEN3_MOE = dict(FAMILIES["qwen3_moe"], hidden_size=256, intermediate_size=256, head_dim=64, moe_intermediate_size=256)
+QWEN3_MOE.pop("mlp_only_layers")
+# six layers: llama.cpp's pattern makes the sixth full and the others sliding; linear RoPE scaling
+# on the full layers, the sliding layers' own base
+GEMMA3 = dict(
+    FAMILIES["gemma3_text"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 300.0},
+    },
+)
+GEMMA3.pop("layer_types")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -28,49 +46,87 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _raw_blocks(qtype, shape, rng) -> np.ndarray:
-    """Random bytes of a K-quant tensor of ``shape`` (rows, cols), its float16 scales sane."""
+    """Random bytes of a K-quant tensor of ``shape`` (..., cols), its float16 scales sane."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
     scales = {Q.Q4_K: (0, 4), Q.Q5_K: (0, 4), Q.Q6_K: (size - 2, size)}[qtype]  # d (and dmin) as float16
     raw[..., scales[0] : scales[1]] = (
-        rng.uniform(1e-3, 1e-2, (shape[0], shape[1] // block, (scales[1] - scales[0]) // 2))
+        rng.uniform(1e-3, 1e-2, (*shape[:-1], shape[-1] // block, (scales[1] - scales[0]) // 2))
         .astype(np.float16)
         .view(np.uint8)
     )
-    return raw.reshape(shape[0], -1)
+    return raw.reshape(*shape[:-1], -1)
 
 
-def _write(path, config, sd, qtype, arch):
-    """``sd`` (Hugging Face names) as a GGUF file of ``arch``, 2-D weights in ``qtype``, norms
-    float32; returns {HF name: the float32 values the file holds, in llama.cpp's row order}."""
-    rng = np.random.default_rng(7)
+def _metadata(w, config, arch):
+    """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
+    and the architecture's own keys)."""
     H, heads = config["hidden_size"], config["num_attention_heads"]
-    kv, hd = config["num_key_value_heads"], config.get("head_dim", H // heads)
-    w = gguf.GGUFWriter(str(path), arch)
+    hd = config.get("head_dim", H // heads)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(64)
     w.add_embedding_length(H)
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+    w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
-    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 2)
-    held = {}
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters: the global base, the window, the softcap
+        full, local = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType(full["rope_type"]))
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_sliding_window(config["sliding_window"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+    else:
+        w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    if arch == "qwen3moe":
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
+    """{(HF name, GGUF name): values} as llama.cpp's converter writes them: the experts' fused
+    gate_up_proj split into ffn_gate_exps and ffn_up_exps, a llama model's q/k rows permuted,
+    Gemma's norms plus one."""
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 64)
+    out = {}
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
+        if key.endswith("experts.gate_up_proj"):
+            half = value.shape[1] // 2
+            for part, v in (("gate_proj", value[:, :half]), ("up_proj", value[:, half:])):
+                out[key, names.get_name(key.replace("gate_up_proj", part)) + ".weight"] = np.ascontiguousarray(v)
+            continue
         if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            value = _permute(value, heads if "q_proj" in key else kv)
+            kv = config["num_key_value_heads"]
+            value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
+        if arch == "gemma3" and key.endswith("norm.weight"):
+            value = value + np.float32(1.0)
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        if value.ndim == 1 or qtype == Q.F32:
+        out[key, name if key.endswith((".weight", ".bias")) else name + ".weight"] = value
+    return out
+
+
+def _write(path, config, sd, qtype, arch):
+    """``sd`` (Hugging Face names) as a GGUF file of ``arch``, 2-D and 3-D weights in ``qtype``
+    (the router and the norms float32, as the converter keeps them); returns {GGUF name: the
+    float32 values the file holds, in llama.cpp's row order}."""
+    rng = np.random.default_rng(7)
+    w = gguf.GGUFWriter(str(path), arch)
+    _metadata(w, config, arch)
+    held = {}
+    for (key, name), value in _as_gguf(sd, config, arch).items():
+        if value.ndim == 1 or qtype == Q.F32 or name.endswith("ffn_gate_inp.weight"):
             w.add_tensor(name, value)
-            held[key] = value
+            held[name] = value
         elif qtype == Q.F16:
             w.add_tensor(name, value.astype(np.float16))
-            held[key] = value.astype(np.float16).astype(np.float32)
+            held[name] = value.astype(np.float16).astype(np.float32)
         else:
             data = (
                 _raw_blocks(qtype, value.shape, rng)
@@ -78,7 +134,7 @@ def _write(path, config, sd, qtype, arch):
                 else gguf.quants.quantize(value, qtype)
             )
             w.add_tensor(name, data, raw_dtype=qtype)
-            held[key] = gguf.quants.dequantize(data, qtype).reshape(value.shape)
+            held[name] = gguf.quants.dequantize(data, qtype).reshape(value.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -86,15 +142,20 @@ def _write(path, config, sd, qtype, arch):
     return held
 
 
-def _unpermuted(held: dict, config: dict, arch: str) -> dict:
-    """The file's values in Hugging Face's row order: llama.cpp's permutation (llama files only)
-    inverted as a row index."""
-    out = dict(held)
-    for key, v in held.items():
+def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
+    """The file's values under Hugging Face's names and conventions: llama.cpp's permutation
+    (llama files) inverted as a row index, Gemma's norms minus one, the experts' gate and up
+    joined again."""
+    names = {name: key for key, name in _as_gguf(sd, config, arch)}
+    out: dict = {}
+    for name, v in held.items():
+        key = names[name]
         if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
             n = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
-            order = _permute(np.arange(v.shape[0]), n)
-            out[key] = v[np.argsort(order)]
+            v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
+        if arch == "gemma3" and key.endswith("norm.weight"):
+            v = v - np.float32(1.0)
+        out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     return out
 
 
@@ -103,36 +164,44 @@ def _logits(m, ids):
         return m(ids)
 
 
-CASES = [(LLAMA, "llama"), (QWEN3, "qwen3")]
+CASES = [(LLAMA, "llama"), (QWEN3, "qwen3"), (QWEN3_MOE, "qwen3moe"), (GEMMA3, "gemma3")]
 
 
-@pytest.mark.parametrize("config, arch", CASES)
+@pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
 def test_f32_file_is_the_source_model(tmp_path, config, arch):
     src = _model(config)
     _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
-    for k, v in src.state_dict().items():
+    want = src.state_dict()
+    if arch == "gemma3":  # (w + 1) - 1 in float32: w to within a rounding of 1
+        for k in want:
+            if k.endswith("norm.weight"):
+                np.testing.assert_allclose(loaded.state_dict()[k], want[k], rtol=0, atol=2**-23, err_msg=k)
+                want[k] = (want[k] + np.float32(1)) - np.float32(1)
+    assert set(loaded.state_dict()) == set(want)
+    for k, v in want.items():
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
-    np.testing.assert_array_equal(_logits(loaded, ids), _logits(src, ids))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
-@pytest.mark.parametrize("config, arch", CASES)
+@pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
 def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     src = _model(config)
-    held = _write(tmp_path / "m.gguf", config, src.state_dict(), qtype, arch)
-    want = _unpermuted(held, config, arch)
+    sd = src.state_dict()
+    held = _write(tmp_path / "m.gguf", config, sd, qtype, arch)
+    want = _hf_values(held, sd, config, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert set(loaded.state_dict()) == set(want)
     for k, v in loaded.state_dict().items():
         np.testing.assert_array_equal(v, want[k], err_msg=k)
     if arch == "llama":  # the permutation matters: the file's rows are not Hugging Face's
-        assert not np.array_equal(
-            held["model.layers.0.self_attn.q_proj.weight"], want["model.layers.0.self_attn.q_proj.weight"]
-        )
+        assert not np.array_equal(held["blk.0.attn_q.weight"], want["model.layers.0.self_attn.q_proj.weight"])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
-    if qtype in (Q.F16, Q.BF16, Q.Q8_0):  # close to the source model too
+    if qtype in (Q.F16, Q.BF16, Q.Q8_0) and arch != "qwen3moe":  # close to the source model too (a router's
+        # near-tie may pick another expert after rounding: no such bound for the MoE model)
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
@@ -155,3 +224,76 @@ def test_unknown_type_and_architecture_are_refused(tmp_path):
         CausalLM.from_gguf(tmp_path / "not.gguf")
     with pytest.raises(FileNotFoundError):
         CausalLM.from_gguf(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.BF16, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "config, arch, classes",
+    [
+        (QWEN3_MOE, "qwen3moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
+        (GEMMA3, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM")),
+    ],
+    ids=["qwen3moe", "gemma3"],
+)
+def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
+    """The file read in float64 is transformers' model (float64, eager) whose weights are the
+    values the file holds, in Hugging Face's conventions (its config the source's)."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build, hf_logits_and_grads
+    from _oracles import rel_err
+
+    sd = _model(config).state_dict()
+    want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
+    hf, _ = build(
+        getattr(T, classes[0]), getattr(T, classes[1]), **{k: v for k, v in config.items() if k != "model_type"}
+    )
+    missing, unexpected = hf.load_state_dict(
+        {k: torch.from_numpy(v.astype(np.float64)) for k, v in want.items()}, strict=False
+    )
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # Gemma's head is the embedding
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf", dtype=np.float64)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 7))
+    ref, _ = hf_logits_and_grads(hf, ids, np.random.default_rng(2).standard_normal((2, 7, config["vocab_size"])))
+    assert rel_err(_logits(loaded, ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+
+
+def test_what_llama_cpp_derives_rather_than_reads():
+    """Gemma 3: no sliding window means every layer full; the 62-layer (27B) model scales its
+    scores by hidden/heads (Gemma's query_pre_attn_scalar of 168), the others by head_dim; an
+    unknown RoPE scaling is refused by name.  Qwen3-MoE: no expert count is refused by name, and
+    the experts' width defaults to feed_forward_length / expert_used_count (llama.cpp's)."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    gemma = GGUF_FAMILIES["gemma3"].derive
+    c = dict(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128, rope_theta=1e6)
+    gemma(c, {"attention.sliding_window": 1024})
+    assert c["query_pre_attn_scalar"] == 168 and c["sliding_window"] == 1024
+    assert c["layer_types"][4:7] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert c["rope_parameters"] == {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    c = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, head_dim=16)
+    gemma(c, {})
+    assert c["layer_types"] == ["full_attention"] * 4 and "sliding_window" not in c
+    assert c["query_pre_attn_scalar"] == 16
+    with pytest.raises(ValueError, match=r"'gemma3.rope.scaling.type' 'yarn' is not supported"):
+        gemma(dict(c), {"rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match=r"'gemma3.rope.scaling.factor' missing"):
+        gemma(dict(c), {"rope.scaling.type": "linear"})
+    moe = GGUF_FAMILIES["qwen3moe"].derive
+    with pytest.raises(ValueError, match=r"'qwen3moe.expert_count' missing or 0 \(the model's num_experts\)"):
+        moe(dict(intermediate_size=64, num_experts_per_tok=2), {})
+    c = dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+    moe(c, {})
+    assert c["moe_intermediate_size"] == 32
+
+
+def test_a_refused_entry_names_the_file(tmp_path):
+    config = dict(GEMMA3, rope_parameters=dict(GEMMA3["rope_parameters"]))
+    config["rope_parameters"]["full_attention"] = dict(config["rope_parameters"]["full_attention"], rope_type="yarn")
+    path = tmp_path / "g.gguf"
+    _write(path, config, _model(GEMMA3).state_dict(), Q.F32, "gemma3")
+    with pytest.raises(ValueError, match=r"g.gguf: metadata 'gemma3.rope.scaling.type' 'yarn' is not supported"):
+        CausalLM.from_gguf(path)

@@ -1032,10 +1032,12 @@ class CausalLM(Module):
 
     @classmethod
     def from_gguf(cls, path, *, dtype=None) -> CausalLM:
-        """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama`` and
-        ``qwen3`` files of ``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q5_K`` and
-        ``Q6_K`` tensors, dequantized by the ``gguf`` package; the config from the file's
-        metadata, the tensors under Hugging Face's names, llama.cpp's q/k RoPE permutation undone
+        """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama``,
+        ``qwen3``, ``qwen3moe`` and ``gemma3`` files of ``F32``, ``F16``, ``BF16``, ``Q8_0``,
+        ``Q4_0``, ``Q4_K``, ``Q5_K`` and ``Q6_K`` tensors, dequantized by the ``gguf`` package;
+        the config from the file's metadata (and what llama.cpp derives: Gemma 3's window pattern
+        and score scale), the tensors under Hugging Face's names, llama.cpp's q/k RoPE permutation
+        and Gemma's ``1 + w`` norm storage undone, the experts' gate and up joined
         (``npattn.models.gguf``).
 
         Parameters

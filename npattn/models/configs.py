@@ -44,6 +44,7 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "qwen3",
+    "qwen3_moe",
     "gemma3_text",
     "gpt_oss",
     "deepseek_v3",
@@ -62,21 +63,85 @@ MLP_KINDS = ("dense", "moe")
 @dataclass(frozen=True)
 class GgufFamily:
     """What a GGUF ``general.architecture`` is in Hugging Face terms: its ``model_type``, fixed
-    config entries of the family's files (``extra``), and whether llama.cpp's converter permuted
-    the q/k rows for its interleaved RoPE (``permute_qk``)."""
+    config entries of the family's files (``extra``), whether llama.cpp's converter permuted the
+    q/k rows for its interleaved RoPE (``permute_qk``), more config keys read from the metadata
+    (``keys``: config key -> metadata key under ``"<arch>."``, each optional), the number the
+    converter added to every norm weight (``norm_shift``: Gemma's ``1 + w`` norms are stored as
+    ``1 + w``), and ``derive(config, meta)``, which fills the entries llama.cpp derives rather than
+    reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``)."""
 
     model_type: str
     permute_qk: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
+    keys: Mapping[str, str] = field(default_factory=dict)
+    norm_shift: float = 0.0
+    derive: Any = None
+    reads: tuple = ()
 
     def base_config(self) -> dict:
         """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
         return {"model_type": self.model_type, **self.extra}
 
 
+def _gguf_qwen3moe(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``qwen3moe`` (``llama_model_qwen3moe``): every layer routed, softmax then top-k,
+    the top k always renormalised (``norm_w`` true whatever the file says), no shared expert; the
+    experts' width ``expert_feed_forward_length``, else ``feed_forward_length / expert_used_count``."""
+    for key in ("num_experts", "num_experts_per_tok"):
+        if not config.get(key):
+            name = "qwen3moe." + GGUF_FAMILIES["qwen3moe"].keys[key]
+            raise ValueError(f"metadata {name!r} missing or 0 (the model's {key})")
+    config.setdefault("moe_intermediate_size", config["intermediate_size"] // config["num_experts_per_tok"])
+
+
+def _gguf_gemma3(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``gemma3`` (``llama_load_hparams_gemma3``; ``Gemma3Model`` in
+    ``convert_hf_to_gguf.py``): with ``attention.sliding_window`` (> 0) every sixth layer full and
+    the others sliding (llama.cpp's fixed pattern of 6), else every layer full; the sliding layers'
+    RoPE base ``rope.freq_base_swa`` (llama.cpp's fixed 10000 where absent), the full layers'
+    ``rope.freq_base`` with ``rope.scaling.type`` ``linear`` (``rope.scaling.factor``) applied to
+    them only; the scores scaled by ``1/sqrt(head_dim)``, or ``1/sqrt(hidden/heads)`` for the
+    62-layer (27B) model (Gemma's ``query_pre_attn_scalar``, which the file does not store)."""
+    n, window = config["num_hidden_layers"], meta.get("attention.sliding_window")
+    sliding = window is not None and window > 0
+    config["layer_types"] = _interleaved(n, 6, "sliding_attention") if sliding else ["full_attention"] * n
+    if sliding:
+        config["sliding_window"] = window
+    head_dim = config.get("head_dim", 256)
+    config["head_dim"] = head_dim
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if n == 62 else head_dim
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta", 10000.0)}
+    kind = meta.get("rope.scaling.type", "none")
+    if kind == "linear":
+        if "rope.scaling.factor" not in meta:
+            raise ValueError("metadata 'gemma3.rope.scaling.factor' missing (rope.scaling.type is linear)")
+        full.update(rope_type="linear", factor=meta["rope.scaling.factor"])
+    elif kind != "none":
+        raise ValueError(f"metadata 'gemma3.rope.scaling.type' {_show(kind)} is not supported (npattn reads 'linear')")
+    swa = {"rope_type": "default", "rope_theta": meta.get("rope.freq_base_swa", 10000.0)}
+    config["rope_parameters"] = {"full_attention": full, "sliding_attention": swa}
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True),
     "qwen3": GgufFamily("qwen3"),
+    "qwen3moe": GgufFamily(
+        "qwen3_moe",
+        extra={"norm_topk_prob": True},
+        keys={
+            "num_experts": "expert_count",
+            "num_experts_per_tok": "expert_used_count",
+            "moe_intermediate_size": "expert_feed_forward_length",
+        },
+        derive=_gguf_qwen3moe,
+    ),
+    "gemma3": GgufFamily(
+        "gemma3_text",
+        keys={"final_logit_softcapping": "final_logit_softcapping"},
+        norm_shift=1.0,
+        derive=_gguf_gemma3,
+        reads=("attention.sliding_window", "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor"),
+    ),
 }
 
 
@@ -708,6 +773,47 @@ def _qwen3(r: _Reader) -> dict:
     return c
 
 
+def _qwen3_moe(r: _Reader) -> dict:
+    """Qwen3-MoE: Qwen3's attention (QK-norm) and routed experts (softmax, top-k, renormalised
+    when ``norm_topk_prob``, no shared expert) on every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers`` (those keep Qwen3's gated MLP of ``intermediate_size``).  With
+    ``use_sliding_window`` every layer attends through ``sliding_window`` (transformers' Qwen3-MoE
+    has no ``max_window_layers``: the key is read and changes nothing)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    r.get("max_window_layers")
+    sliding = r.bool("use_sliding_window") and r.get("sliding_window") is not None
+    r.get("sliding_window")
+    lt = ("sliding_attention" if sliding else "full_attention",) * n
+    step = r.int("decoder_sparse_step", 1)
+    only = r.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ValueError(f"config['mlp_only_layers']: expected a list of layer indices, got {_show(only)}")
+    mlp_types = tuple("moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n))
+    # transformers' attribute_map lets the config say num_experts or num_local_experts (to_dict's)
+    experts = {k: r.int(k) for k in ("num_experts", "num_local_experts") if r.has(k)}
+    if len(set(experts.values())) > 1:
+        raise ValueError(f"config: num_experts and num_local_experts differ ({experts})")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        r.int(key)
+    r.bool("norm_topk_prob")
+    r.bool("output_router_logits")
+    r.float("router_aux_loss_coef", positive=False)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        qk_norm=True,
+        rope=_rope_params(r, 10000.0),
+        layer_types=lt,
+        sliding_window=r.int("sliding_window") if sliding else None,
+        mlp_types=mlp_types,
+        moe=moe_config({**r.d, "num_experts": next(iter(experts.values()), 128)}) if "moe" in mlp_types else None,
+        layout=CheckpointLayout(r.model_type, per_expert=True),
+    )
+    return c
+
+
 def _gemma3(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
@@ -1052,6 +1158,25 @@ _DEFAULTS: dict = {
         attention_bias=False,
         use_sliding_window=False,
         max_window_layers=28,
+    ),
+    "qwen3_moe": dict(
+        max_position_embeddings=32768,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=4096,
+        decoder_sparse_step=1,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,  # num_experts (128): the reader's, as it has two names
+        norm_topk_prob=False,
     ),
     "gemma3_text": dict(
         max_position_embeddings=131072,
@@ -1539,6 +1664,7 @@ _GPT_OSS_ROPE = {
 _READERS = {
     "llama": _llama,
     "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
     "gemma3_text": _gemma3,
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,

@@ -3,21 +3,29 @@
 ``gguf`` is llama.cpp's own Python reader (numpy only; the extra ``gguf``).  A GGUF file holds
 the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>.attention.head_count``,
 ..., the tokenizer under ``tokenizer.ggml.*``) and its tensors under llama.cpp's names
-(``token_embd.weight``, ``blk.{i}.attn_q.weight``, ...), each in a GGML type: ``F32``, ``F16``,
-``BF16`` or a block quantization (``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q5_K``, ``Q6_K`` here).
+(``token_embd.weight``, ``blk.{i}.attn_q.weight``, ``blk.{i}.ffn_gate_exps.weight``, ...), each in
+a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (``Q8_0``, ``Q4_0``, ``Q4_K``,
+``Q5_K``, ``Q6_K`` here).  The architectures read (``llama``, ``qwen3``, ``qwen3moe``, ``gemma3``)
+and what each means in Hugging Face terms are ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
 
-1. the metadata becomes the Hugging Face config dict of the same network (``_config``), which
-   goes through ``config_from_hf`` as a ``config.json`` would;
+1. the metadata becomes the Hugging Face config dict of the same network (``_config``): the keys
+   every architecture has, the family's own (``GgufFamily.keys``: the experts' counts), and what
+   llama.cpp derives rather than reads (``GgufFamily.derive``: Gemma 3's sliding-window pattern of
+   6, its sliding layers' RoPE base and its score scale); the dict goes through ``config_from_hf``
+   as a ``config.json`` would;
 2. every tensor name is translated by ``gguf``'s own ``TensorNameMap`` (the table llama.cpp's
-   converter writes with), from the names the config says the model has;
+   converter writes with), from the names the config says the model has; the experts' fused
+   ``gate_up_proj`` ``(E, 2I, H)`` is the file's ``ffn_gate_exps`` and ``ffn_up_exps`` joined;
 3. each tensor is dequantized by ``gguf.quants.dequantize`` (float32) when it is loaded, one at a
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
    ``(2, D/2)`` become ``(D/2, 2)``); the reverse reordering gives back Hugging Face's
-   rotate-half rows.  ``qwen3`` files use the rotate-half (NeoX) RoPE and are not permuted.
+   rotate-half rows.  ``qwen3``, ``qwen3moe`` and ``gemma3`` files use the rotate-half (NeoX)
+   RoPE and are not permuted.  The converter stores Gemma's norm weights as ``1 + w`` (what
+   ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
 """
 
 from __future__ import annotations
@@ -103,13 +111,13 @@ def _config(f: _File, tensor_names: set) -> dict:
     """The Hugging Face config dict of the GGUF file's model."""
     spec, arch, meta = _ARCHES[f.arch], f.arch, f.meta
     config: dict = spec.base_config()
-    for key, suffix in _COMMON.items():
+    for key, suffix in (*_COMMON.items(), *spec.keys.items()):
         name = f"{arch}.{suffix}"
         if name in meta:
             config[key] = meta[name]
-        elif key not in _OPTIONAL:
+        elif key in _COMMON and key not in _OPTIONAL:
             raise ValueError(f"{f.path}: no metadata {name!r} (the model's {key})")
-    known = {f"{arch}.{s}" for s in (*_COMMON.values(), *_CHECKED)}
+    known = {f"{arch}.{s}" for s in (*_COMMON.values(), *_CHECKED, *spec.keys.values(), *spec.reads)}
     unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k not in known)
     if unknown:
         raise ValueError(f"{f.path}: metadata {unknown[0]!r} is not supported by npattn's GGUF reader")
@@ -124,9 +132,9 @@ def _config(f: _File, tensor_names: set) -> dict:
         )
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        if f"tokenizer.ggml.{name}" in meta:
-            config[key] = meta[f"tokenizer.ggml.{name}"]
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        if f"tokenizer.ggml.{key}" in meta:
+            config[key.replace("padding", "pad")] = meta[f"tokenizer.ggml.{key}"]
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     for suffix in ("rope.dimension_count", "attention.value_length"):
         value = meta.get(f"{arch}.{suffix}", head_dim)
@@ -135,6 +143,11 @@ def _config(f: _File, tensor_names: set) -> dict:
                 f"{f.path}: metadata '{arch}.{suffix}' is {value}, but the heads have {head_dim} dimensions (npattn "
                 "reads full-width RoPE and equal key and value heads)"
             )
+    if spec.derive is not None:
+        try:
+            spec.derive(config, {k[len(arch) + 1 :]: v for k, v in meta.items() if k.startswith(f"{arch}.")})
+        except ValueError as e:
+            raise ValueError(f"{f.path}: {e}") from None
     return config
 
 
@@ -146,15 +159,20 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class _GGUFTensor(LazyTensor):
-    """One tensor of a GGUF file under its Hugging Face name: ``numpy``/``read_into`` dequantize
-    it with ``gguf.quants.dequantize`` (and undo llama.cpp's q/k permutation where ``heads`` is
-    set)."""
+    """One tensor of the model under its Hugging Face name, from one or more tensors of a GGUF
+    file (``parts``, joined along the second-to-last axis: the experts' gate and up projections
+    are one ``(E, 2I, H)`` tensor in the model, two ``(E, I, H)`` in the file): ``numpy`` and
+    ``read_into`` dequantize them with ``gguf.quants.dequantize``, then undo llama.cpp's q/k
+    permutation where ``heads`` is set and subtract the converter's ``shift`` (Gemma's norms)."""
 
-    __slots__ = ("_tensor", "_heads")
+    __slots__ = ("_parts", "_heads", "_shift")
 
-    def __init__(self, name: str, tensor, heads: int | None):
-        self.name, self.shape, self.dtype = name, tuple(int(s) for s in reversed(tensor.shape)), "F32"
-        self._tensor, self._heads = tensor, heads
+    def __init__(self, name: str, parts: list, heads: int | None = None, shift: float = 0.0):
+        shapes = [tuple(int(s) for s in reversed(t.shape)) for t in parts]
+        rows = sum(s[-2] for s in shapes) if len(shapes) > 1 else None
+        self.name, self.dtype = name, "F32"
+        self.shape = shapes[0] if rows is None else (*shapes[0][:-2], rows, shapes[0][-1])
+        self._parts, self._heads, self._shift = parts, heads, shift
 
     def numpy(self, dtype=None) -> np.ndarray:
         out = np.empty(self.shape, np.float32 if dtype is None else dtype)
@@ -162,12 +180,34 @@ class _GGUFTensor(LazyTensor):
         return out
 
     def read_into(self, out: np.ndarray) -> None:
-        t = self._tensor
-        values = _gguf().quants.dequantize(t.data, t.tensor_type).reshape(self.shape)
-        out[...] = values if self._heads is None else _unpermute(values, self._heads)
+        quants, start = _gguf().quants, 0
+        for t in self._parts:
+            shape = tuple(int(s) for s in reversed(t.shape))
+            values = quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            if self._heads is not None:
+                values = _unpermute(values, self._heads)
+            if self._shift:
+                values = values - np.float32(self._shift)
+            if len(self._parts) == 1:
+                out[...] = values
+            else:
+                out[..., start : start + shape[-2], :] = values
+                start += shape[-2]
 
     def __repr__(self):
-        return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={self._tensor.name!r})"
+        return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={[t.name for t in self._parts]!r})"
+
+
+def _gguf_names(names, key: str) -> list:
+    """The GGUF tensors that hold the model's ``key`` (by ``gguf``'s ``TensorNameMap``): one, or
+    the gate and up experts that make up ``mlp.experts.gate_up_proj``; a key the map does not
+    know is returned as it is (and then missing from the file)."""
+    if key.endswith(".experts.gate_up_proj"):
+        return [n for part in ("gate_proj", "up_proj") for n in _gguf_names(names, key[: -len("gate_up_proj")] + part)]
+    name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        return [key]
+    return [name if key.endswith((".weight", ".bias")) else name + ".weight"]
 
 
 def read_gguf(path) -> tuple[dict, dict]:
@@ -205,13 +245,18 @@ def read_gguf(path) -> tuple[dict, dict]:
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out: dict = {}
     for key, _ in _state_shapes(cfg):
-        gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        t = tensors.get(gguf_name) if gguf_name is not None else None
-        if t is None:
-            raise ValueError(f"{f.path}: no tensor {gguf_name or key!r} (the model's {key!r})")
+        parts = [tensors.get(n) for n in _gguf_names(names, key)]
+        if None in parts:
+            missing = _gguf_names(names, key)[parts.index(None)]
+            raise ValueError(f"{f.path}: no tensor {missing!r} (the model's {key!r})")
         proj = key.rsplit(".", 2)[-2]
-        out[key] = _GGUFTensor(key, t, heads[proj] if spec.permute_qk and proj in heads else None)
-    used = {t._tensor.name for t in out.values()}
+        out[key] = _GGUFTensor(
+            key,
+            parts,
+            heads[proj] if spec.permute_qk and proj in heads else None,
+            spec.norm_shift if key.endswith("norm.weight") else 0.0,
+        )
+    used = {t.name for v in out.values() for t in v._parts}
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
         raise ValueError(f"{f.path}: tensor {extra[0]!r} is not part of the {f.arch} model npattn builds")

@@ -300,6 +300,17 @@ TINY_CONFIGS: dict = {
         max_window_layers=1,
         tie_word_embeddings=True,
     ),
+    "qwen3_moe": dict(
+        _BASE,
+        model_type="qwen3_moe",
+        num_hidden_layers=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
     "gemma3_text": dict(
         _BASE,
         model_type="gemma3_text",
