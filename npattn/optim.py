@@ -34,6 +34,7 @@ import numpy as np
 
 from ._docs import shared_doc
 from ._validate import check_bool, check_positive_float, check_size
+from .functional._bfloat16 import BFloat16Array
 from .nn.module import Parameter
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm_", "WarmupCosine"]
@@ -78,6 +79,12 @@ def _collect_params(params, name: str = "params") -> list:
             raise TypeError(
                 f"{name}: element {i} is {type(p).__name__}, expected npattn.module.Parameter"
                 + (" (wrap arrays in Parameter(...))" if isinstance(p, np.ndarray) else "")
+            )
+        if isinstance(p.data, BFloat16Array):
+            raise ValueError(
+                f"{name}: element {i} is stored as bfloat16 (CausalLM.from_pretrained(..., weights_dtype='bfloat16'), "
+                "for inference); an optimizer updates float weights: load without weights_dtype, or call "
+                "model.to(np.float32) first"
             )
         if id(p) not in seen:  # tied weights are listed once, so they are stepped once
             seen.add(id(p))

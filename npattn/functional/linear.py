@@ -10,6 +10,7 @@ import numpy as np
 
 from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
+from ._bfloat16 import BFloat16Array, matmul_t
 
 __all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp", "linear_backward_jvp"]
 
@@ -83,7 +84,10 @@ def linear_kernel(x, weight, bias=None, out=None):
     """The kernel of ``linear``; ``out``: an optional C-contiguous array of the output's shape and
     dtype to write ``y`` into (a module's workspace)."""
     n, d_out = math.prod(x.shape[:-1]), weight.shape[0]
-    if x.ndim > 2 and x.flags.c_contiguous:  # one (N, in) @ (in, out) GEMM, not one per leading index
+    if isinstance(weight, BFloat16Array):  # bfloat16 storage: widened block by block into a reused buffer
+        x2 = np.ascontiguousarray(x.reshape(n, x.shape[-1]), dtype=np.float32)
+        y = matmul_t(x2, weight, None if out is None else out.reshape(n, d_out)).reshape(x.shape[:-1] + (d_out,))
+    elif x.ndim > 2 and x.flags.c_contiguous:  # one (N, in) @ (in, out) GEMM, not one per leading index
         y2 = np.matmul(x.reshape(n, x.shape[-1]), weight.T, out=None if out is None else out.reshape(n, d_out))
         y = y2.reshape(x.shape[:-1] + (d_out,))
     else:

@@ -37,6 +37,7 @@ import numpy as np
 from .. import functional as F
 from .._validate import as_index, as_rng, check_bool, check_dtype, to_numpy
 from ..functional import kernels as K
+from ..functional._bfloat16 import BFloat16Array, to_bfloat16_bits
 from ..nn.attention import MultiHeadAttention
 from ..nn.containers import ModuleList
 from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
@@ -44,11 +45,11 @@ from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, no_grad
-from ..nn.moe import GatedMLP, SparseMoeBlock
+from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
 from ..nn.transformer import _block_tangents
 from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, config_from_hf
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "bfloat16_parameters", "store_bfloat16"]
 
 
 # -- norms ---------------------------------------------------------------------------------
@@ -429,22 +430,50 @@ class _Backbone(Module):
         self._dtype = check_dtype(dtype)
         # about to be loaded (CausalLM.from_hf): drop each part's zero gradients as soon as it is
         # built, so that building never holds a second model's worth of arrays
-        lean = getattr(rng, "loading", False)
         self.embed_tokens = _released(
-            Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, rng=rng, dtype=dtype), lean
+            Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, rng=rng, dtype=dtype), rng
         )
         self.layers = ModuleList(
-            [_released(DecoderLayer(cfg, i, rng=rng, dtype=dtype), lean) for i in range(cfg.num_hidden_layers)]
+            [_released(DecoderLayer(cfg, i, rng=rng, dtype=dtype), rng) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = _norm(cfg, dtype)
 
 
-def _released(m: Module, release: bool) -> Module:
-    """``m`` with its parameters' gradient buffers set to None when ``release`` (the first
-    backward makes them again)."""
-    if release:
+def _released(m: Module, rng) -> Module:
+    """``m`` as built for loading when ``rng`` is the loader's generator (``rng.loading``): its
+    parameters' gradient buffers set to None (the first backward makes them again) and, with
+    ``rng.bfloat16``, its large matrices kept as bfloat16 (zero bits, to be loaded), so that
+    building never holds a second model's worth of arrays."""
+    if getattr(rng, "loading", False):
         for p in m.parameters():
             p.grad = None
+        if getattr(rng, "bfloat16", False):
+            store_bfloat16(m, zeros=True)
+    return m
+
+
+def bfloat16_parameters(m: Module) -> list:
+    """The parameters ``weights_dtype="bfloat16"`` keeps as bfloat16: the large matrices, every
+    ``Linear``'s and ``Embedding``'s weight and the routed experts' stacked projections (norms,
+    biases, routers, convolutions and gates stay float32)."""
+    out: list = []
+    for sub in m.modules():
+        if isinstance(sub, (Linear, Embedding)):
+            out.append(sub.weight)
+        elif isinstance(sub, (Experts, GptOssExperts)):
+            out += [sub.gate_up_proj, sub.down_proj]
+    return out
+
+
+def store_bfloat16(m: Module, *, zeros: bool = False) -> Module:
+    """Keep ``m``'s large matrices (``bfloat16_parameters``) as bfloat16 bits (a ``BFloat16Array``
+    each), their values rounded to nearest even as torch's ``.to(torch.bfloat16)`` (``zeros``:
+    zero bits, for a model about to be loaded); their gradients become None.  Returns ``m``."""
+    for p in bfloat16_parameters(m):
+        if not isinstance(p.data, BFloat16Array):
+            bits = np.zeros(p.shape, np.uint16) if zeros else to_bfloat16_bits(p.data)
+            p.data = BFloat16Array(bits)
+        p.grad = p.grad_tangent = None
     return m
 
 
@@ -506,12 +535,18 @@ class CausalLM(Module):
         self.config = cfg
         self.model = _Backbone(cfg, rng, dtype)
         head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
-        self.lm_head = None if head is None else _released(head, getattr(rng, "loading", False))
+        self.lm_head = None if head is None else _released(head, rng)
         self.reset_kv_cache()
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
         return self.config.describe()
+
+    @property
+    def weights_dtype(self) -> str | None:
+        """``"bfloat16"`` when the large matrices are kept as bfloat16 (``from_pretrained(...,
+        weights_dtype="bfloat16")``), else None (every parameter in ``dtype``)."""
+        return "bfloat16" if any(isinstance(p.data, BFloat16Array) for p in self.parameters()) else None
 
     @property
     def layers(self) -> ModuleList:
@@ -961,7 +996,7 @@ class CausalLM(Module):
 
     # -- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, state_dict, config, *, dtype=None) -> CausalLM:
+    def from_hf(cls, state_dict, config, *, dtype=None, weights_dtype=None) -> CausalLM:
         """A model with the weights of a Hugging Face ``*ForCausalLM`` state dict.
 
         Parameters
@@ -978,6 +1013,8 @@ class CausalLM(Module):
         dtype : numpy dtype or None
             The model's dtype; ``None``: the state dict's float64 or float32 (bfloat16 and float16
             become float32).
+        weights_dtype : None or "bfloat16"
+            As in ``from_pretrained``.
 
         Returns
         -------
@@ -996,10 +1033,10 @@ class CausalLM(Module):
         """
         from .hf import load_into
 
-        return load_into(cls, state_dict, config, dtype)
+        return load_into(cls, state_dict, config, dtype, weights_dtype)
 
     @classmethod
-    def from_pretrained(cls, directory, *, dtype=None) -> CausalLM:
+    def from_pretrained(cls, directory, *, dtype=None, weights_dtype=None) -> CausalLM:
         """A model from a saved Hugging Face directory: ``config.json`` and ``model.safetensors``
         (or the shards of ``model.safetensors.index.json``), read without torch, one tensor at a
         time from a memory map (bfloat16, float16, float32, float64, float8 e4m3).  Released
@@ -1013,6 +1050,18 @@ class CausalLM(Module):
         directory : str or path
         dtype : numpy dtype or None
             ``None``: float32 (float64 for a float64 checkpoint).
+        weights_dtype : None or "bfloat16"
+            ``"bfloat16"``: keep the large matrices (every linear layer's weight, the embedding
+            table, the routed experts: ``bfloat16_parameters``) as bfloat16 bits and compute in
+            float32 — half the bytes; the logits are those of a float32 model whose weights were
+            rounded to bfloat16 (round to nearest even, as torch's ``.to(torch.bfloat16)``;
+            a bfloat16 checkpoint's bits are kept as they are, read straight into place without
+            a float32 copy).  Each matrix is widened where it is used, block by block into a
+            reused buffer (``npattn.functional._bfloat16``).  Such a model is for inference and
+            ``save_pretrained`` (which then writes bfloat16 tensors): ``backward``, ``jvp``,
+            ``backward_jvp`` and optimizers refuse its bfloat16 weights (``RuntimeError`` /
+            ``ValueError`` naming the option); ``model.to(np.float32)`` makes a float32 model of
+            the same values that trains.  ``dtype`` must then be None or float32.
 
         Returns
         -------
@@ -1024,11 +1073,12 @@ class CausalLM(Module):
             No ``config.json`` or no safetensors file.
         ValueError
             As ``from_hf``; also a malformed safetensors file, or a quantization npattn does not
-            read or a malformed quantized tensor (named).
+            read or a malformed quantized tensor (named); a ``weights_dtype`` other than None and
+            ``"bfloat16"`` (or with a ``dtype`` other than float32), before any file is read.
         """
         from .hf import from_pretrained
 
-        return from_pretrained(cls, directory, dtype)
+        return from_pretrained(cls, directory, dtype, weights_dtype)
 
     @classmethod
     def from_gguf(cls, path, *, dtype=None) -> CausalLM:

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._validate import check_dtype, to_numpy
+from ..functional._bfloat16 import BFloat16Array, to_bfloat16_bits, widened
 
 __all__ = [
     "LazyTensor",
@@ -197,7 +198,7 @@ def _header_tensors(header: dict, path: str, data_size: int) -> list:
 
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 values given as their ``uint16`` bit patterns -> float32 (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return widened(np.asarray(bits, dtype=np.uint16))
 
 
 def _f8_e4m3_table() -> np.ndarray:
@@ -263,6 +264,11 @@ class LazyTensor:
             bits <<= 16
         else:
             out[...] = _widened(self.dtype, raw)
+        self._mm.release(self._begin, self._end)
+
+    def read_bits_into(self, out: np.ndarray) -> None:
+        """A ``BF16`` tensor's bits, as stored, into ``out`` (``uint16`` of its shape)."""
+        out[...] = self._raw()
         self._mm.release(self._begin, self._end)
 
     def __repr__(self):
@@ -518,6 +524,22 @@ def _per_expert(projs: tuple) -> re.Pattern:
     return re.compile(rf"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>[0-9]+)\.(?P<proj>{names})\.weight$")
 
 
+def _read_part(s, out: np.ndarray) -> None:
+    """``s`` (a source, or a part of a fused one) into ``out``: a float array, or ``uint16``
+    bfloat16 bits — a ``BF16`` tensor's bits as stored (exact, no float32 copy), any other tensor
+    read as float32 and rounded to nearest even."""
+    if out.dtype != np.uint16 or isinstance(s, (_Merged, _Stacked)):
+        s.read_into(out)  # a fused tensor reads each of its parts through _read_part
+        return
+    v = s.value if isinstance(s, _Source) else s
+    if isinstance(v, LazyTensor) and v.dtype == "BF16":
+        v.read_bits_into(out)
+    else:
+        tmp = np.empty(out.shape, np.float32)
+        s.read_into(tmp)
+        to_bfloat16_bits(tmp, out=out)
+
+
 class _Merged:
     """A fused experts tensor made of per-expert parts (``_Source``s): ``rows[e]`` is the list of
     parts stacked along axis 0 for expert ``e`` (gate then up, or down alone).  ``shape`` is what
@@ -568,7 +590,7 @@ class _Merged:
         for e, parts in enumerate(self.rows):
             r = 0
             for part in parts:
-                part.read_into(out[e, r : r + part.shape[0]])
+                _read_part(part, out[e, r : r + part.shape[0]])
                 r += part.shape[0]
 
 
@@ -607,7 +629,7 @@ class _Stacked:
     def read_into(self, out: np.ndarray) -> None:
         r = 0
         for part in self.parts:
-            part.read_into(out[r : r + part.shape[0]])
+            _read_part(part, out[r : r + part.shape[0]])
             r += part.shape[0]
 
 
@@ -694,6 +716,7 @@ class _NoDraw(np.random.Generator):
     generator (``loading``), so a loaded model never holds a second model's worth of zeros."""
 
     loading = True
+    bfloat16 = False  # CausalLM keeps its large matrices as bfloat16 bits (weights_dtype="bfloat16")
 
     @staticmethod
     def _zeros(size, value=0.0):
@@ -703,7 +726,7 @@ class _NoDraw(np.random.Generator):
         return np.lib.stride_tricks.as_strided(one, shape, (0,) * len(shape), writeable=True)
 
     def uniform(self, low=0.0, high=1.0, size=None):
-        return self._zeros(size, low)  # a value in range (GatedDeltaNet takes its log)
+        return self._zeros(size, 0.0 if low <= 0.0 <= high else low)  # in range (GatedDeltaNet takes its log)
 
     def normal(self, loc=0.0, scale=1.0, size=None):
         return self._zeros(size)
@@ -756,11 +779,31 @@ def _check_against_config(src: dict, cfg, tied_copy) -> None:
         )
 
 
-def load_into(cls, state_dict, config, dtype=None):
+WEIGHTS_DTYPES = (None, "bfloat16")
+
+
+def check_weights_dtype(weights_dtype, dtype):
+    """``(weights_dtype, dtype)`` checked: ``weights_dtype`` None or ``"bfloat16"`` (which computes
+    in float32, so ``dtype`` must then be None or float32); ``ValueError`` naming the argument."""
+    if isinstance(weights_dtype, str) or weights_dtype is None:
+        if weights_dtype in WEIGHTS_DTYPES:
+            if weights_dtype is not None and dtype is not None and check_dtype(dtype) != np.float32:
+                raise ValueError(
+                    f"dtype: weights_dtype='bfloat16' computes in float32; expected dtype None or float32, got "
+                    f"{np.dtype(dtype).name}"
+                )
+            return weights_dtype, (np.float32 if weights_dtype is not None else dtype)
+    raise ValueError(f"weights_dtype: expected None or 'bfloat16', got {weights_dtype!r}")
+
+
+def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
     """``CausalLM.from_hf``: check every key and shape of ``state_dict`` against the config (no
     array allocated yet), build ``cls(config)`` without random draws, then convert the tensors one
-    by one into the parameters."""
+    by one into the parameters (``weights_dtype="bfloat16"``: the large matrices into bfloat16
+    bits, ``npattn.functional._bfloat16``)."""
     from .configs import CausalLMConfig, config_from_hf
+
+    weights_dtype, dtype = check_weights_dtype(weights_dtype, dtype)
 
     if not isinstance(state_dict, Mapping) and not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -780,7 +823,9 @@ def load_into(cls, state_dict, config, dtype=None):
     if cfg.tie_word_embeddings and "lm_head.weight" in src:
         tied_copy = src.pop("lm_head.weight")  # torch's state_dict() lists the tied head twice
     _check_against_config(src, cfg, tied_copy)
-    model = cls(cfg, rng=_NoDraw(np.random.PCG64(0)), dtype=dtype)
+    nodraw = _NoDraw(np.random.PCG64(0))
+    nodraw.bfloat16 = weights_dtype == "bfloat16"
+    model = cls(cfg, rng=nodraw, dtype=dtype)
     fresh = np.random.default_rng()
     for m in model.modules():  # dropout masks must not come from the zero generator
         if isinstance(getattr(m, "rng", None), _NoDraw):
@@ -801,11 +846,16 @@ def load_into(cls, state_dict, config, dtype=None):
         owner, name, is_param = entries[key]
         if is_param:
             p = owner._parameters[name]
-            s.read_into(p.data)
+            _read_part(s, p.data.bits if isinstance(p.data, BFloat16Array) else p.data)
             p.bump_version()
         else:
             object.__setattr__(owner, name, s.numpy(current(key).dtype))
-    if tied_copy is not None and not np.array_equal(tied_copy.numpy(dtype), current("model.embed_tokens.weight")):
+    embed = None if tied_copy is None else current("model.embed_tokens.weight")
+    if isinstance(embed, BFloat16Array):  # compared as stored: the copy rounded as the table was
+        same = np.array_equal(to_bfloat16_bits(tied_copy.numpy(np.float32)), embed.bits)
+    else:
+        same = embed is None or np.array_equal(tied_copy.numpy(dtype), embed)
+    if not same:
         raise ValueError(
             "state_dict['lm_head.weight']: differs from 'model.embed_tokens.weight' although the config ties "
             "them (tie_word_embeddings=True)"
@@ -815,10 +865,12 @@ def load_into(cls, state_dict, config, dtype=None):
     return model
 
 
-def from_pretrained(cls, directory, dtype=None):
+def from_pretrained(cls, directory, dtype=None, weights_dtype=None):
     """``CausalLM.from_pretrained``: ``open_checkpoint``, the released quantized formats
     dequantized (``npattn.models.quant``), then ``load_into``."""
     from .configs import text_checkpoint
+
+    check_weights_dtype(weights_dtype, dtype)  # before any file is read
 
     config, tensors = open_checkpoint(directory)
     config, tensors, aside = text_checkpoint(config, tensors)  # a multimodal checkpoint's text model
@@ -833,4 +885,4 @@ def from_pretrained(cls, directory, dtype=None):
         from .quant import dequantize_checkpoint
 
         config, tensors = dequantize_checkpoint(config, tensors, os.fspath(directory))
-    return load_into(cls, tensors, config, dtype)
+    return load_into(cls, tensors, config, dtype, weights_dtype)

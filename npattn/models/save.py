@@ -43,6 +43,7 @@ import stat
 
 import numpy as np
 
+from ..functional._bfloat16 import BFloat16Array, to_bfloat16_bits
 from .hf import save_safetensors
 
 __all__ = ["parse_shard_size", "checkpoint_tensors", "save_pretrained"]
@@ -104,13 +105,18 @@ def parse_shard_size(size) -> int:
 def checkpoint_tensors(model) -> dict:
     """``{checkpoint name: array}`` of ``model`` (a ``CausalLM``), views of its parameters and
     buffers (nothing copied), in state-dict order, the routed experts written one expert at a
-    time where the config's ``CheckpointLayout.per_expert`` says so."""
+    time where the config's ``CheckpointLayout.per_expert`` says so.  A model with bfloat16
+    storage (``weights_dtype="bfloat16"``) gives ``(uint16 bits, "BF16")`` pairs for every tensor
+    (the float32 ones, norms and biases, rounded to nearest even), as a bfloat16 checkpoint holds."""
     layout = model.config.layout
     split = layout.per_expert
     gate, up, down = layout.expert_projs
     out: dict = {}
+    bf16 = model.weights_dtype == "bfloat16"
     for key, owner, name, is_param in model._state_entries():
         arr = owner._parameters[name].data if is_param else getattr(owner, name)
+        if bf16:  # every tensor as bfloat16 bits: the stored ones as they are, the others rounded
+            arr = arr.bits if isinstance(arr, BFloat16Array) else to_bfloat16_bits(arr)
         m = _FUSED.match(key) if split else None
         if layout.split_conv and key.endswith("self_attn.conv1d.weight"):  # KDA: q's, k's, v's channels
             third = arr.shape[0] // 3
@@ -128,6 +134,8 @@ def checkpoint_tensors(model) -> dict:
                 out[f"{m['prefix']}.{e}.{down}.weight"] = arr[e]
     if layout.renames:
         out = {_renamed(k, layout.renames): v for k, v in out.items()}
+    if bf16:
+        out = {k: (v, "BF16") for k, v in out.items()}
     return out
 
 
@@ -144,7 +152,7 @@ def _shards(tensors: dict, limit: int) -> list:
     current: list = []
     size = 0
     for name, arr in tensors.items():
-        n = arr.nbytes
+        n = _nbytes(arr)
         if n > limit:  # alone in its own shard, which is larger than the limit
             shards.append([name])
             continue
@@ -158,7 +166,12 @@ def _shards(tensors: dict, limit: int) -> list:
     return shards
 
 
-def _config_text(model, dtype: np.dtype) -> str:
+def _nbytes(value) -> int:
+    """The bytes of a tensor of ``checkpoint_tensors``: an array or a ``(bits, code)`` pair."""
+    return (value[0] if isinstance(value, tuple) else value).nbytes
+
+
+def _config_text(model, dtype: str) -> str:
     """``config.json``: the Hugging Face config the model was read from, with the saved dtype."""
     config = dict(model.config.hf)
     if not config:
@@ -166,9 +179,9 @@ def _config_text(model, dtype: np.dtype) -> str:
             "model.config: has no Hugging Face config to write (hf is empty: a CausalLMConfig not made by "
             "config_from_hf); build the model from a Hugging Face config dict"
         )
-    config["dtype"] = dtype.name
+    config["dtype"] = dtype
     if "torch_dtype" in config:  # an older spelling transformers still reads: keep the two equal
-        config["torch_dtype"] = dtype.name
+        config["torch_dtype"] = dtype
     try:
         return json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except (TypeError, ValueError) as e:
@@ -262,8 +275,7 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
     if os.path.lexists(target) and not os.path.isdir(target):
         raise ValueError(f"directory: {os.fspath(directory)!r} exists and is not a directory")
     tensors = checkpoint_tensors(model)
-    dtype = np.dtype(model.dtype)
-    config = _config_text(model, dtype)
+    config = _config_text(model, model.weights_dtype or np.dtype(model.dtype).name)
     shards = _shards(tensors, limit)
     n = len(shards)
     names = [_WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -284,7 +296,7 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
             index = {
                 "metadata": {
                     "total_parameters": sum(p.data.size for p in model.parameters()),
-                    "total_size": sum(a.nbytes for a in tensors.values()),
+                    "total_size": sum(_nbytes(a) for a in tensors.values()),
                 },
                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys},
             }

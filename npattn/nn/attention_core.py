@@ -48,6 +48,7 @@ from .._validate import (
 )
 from ..functional import AttentionCache
 from ..functional import kernels as K
+from ..functional._bfloat16 import BFloat16Array
 from ..functional._blocks import AttentionOptions, check_options
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
 from .kv_cache import KVCache, RollingKVCache
@@ -360,7 +361,11 @@ class MultiHeadAttentionCore(Module):
             and (f[1] is None or _linked(f[1], f[3], [m.bias for m in mods]))
         ):
             return f[0], f[1]
-        W = np.concatenate([m.weight.data for m in mods])
+        datas = [m.weight.data for m in mods]
+        if all(isinstance(d, BFloat16Array) for d in datas):  # bfloat16 storage: fuse the bits
+            W = BFloat16Array(np.concatenate([d.bits for d in datas]))
+        else:
+            W = np.concatenate(datas)
         wv = _views(W, [m.weight for m in mods])
         b = bv = None
         if self.W_query.bias is not None:
@@ -967,7 +972,7 @@ def _views(fused, params):
     views, r = [], 0
     for p in params:
         n = p.data.shape[0]
-        w = fused[r : r + n]
+        w = fused.part(slice(r, r + n)) if isinstance(fused, BFloat16Array) else fused[r : r + n]
         version = p._version
         p.data = w
         p._version = version  # the same values, only in another array: nothing a kept forward state must refuse

@@ -44,6 +44,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .._validate import as_float, check_bool, check_dtype, check_grad, to_numpy
+from ..functional._bfloat16 import BFloat16Array, to_bfloat16_bits
 from ..functional._workspace import Workspace
 
 __all__ = ["Parameter", "Module", "ParamTangents", "no_grad", "is_grad_enabled"]  # ModuleList: nn.containers
@@ -138,7 +139,11 @@ class Parameter:
         data = as_float(data, "data")  # bool, complex, string, object, float16: TypeError
         if dtype is not None:
             dtype = check_dtype(dtype)
-        self._data = np.array(data, dtype=dtype, copy=True)
+        if data.size > 1 and not any(data.strides) and not data.flat[0]:
+            # a broadcast zero (a model about to be loaded): fresh zero pages, none touched until written
+            self._data = np.zeros(data.shape, data.dtype if dtype is None else dtype)
+        else:
+            self._data = np.array(data, dtype=dtype, copy=True)
         self._version = 0
         self.grad = np.zeros_like(self._data)
         self.grad_tangent = None  # made by the first backward_jvp (second order is rare: no array before)
@@ -150,7 +155,7 @@ class Parameter:
 
     @data.setter
     def data(self, value) -> None:
-        self._data = as_float(value, "data")
+        self._data = value if isinstance(value, BFloat16Array) else as_float(value, "data")
         self._version += 1
 
     def bump_version(self) -> None:
@@ -169,7 +174,10 @@ class Parameter:
 
     def zero_grad(self) -> None:
         """Set ``grad`` to zeros in place (a ``None`` grad becomes a zero array), and
-        ``grad_tangent`` too when it exists (a ``None`` one stays ``None``)."""
+        ``grad_tangent`` too when it exists (a ``None`` one stays ``None``).  A parameter kept as
+        bfloat16 (``BFloat16Array``: no gradient is ever computed for it) keeps ``None``."""
+        if isinstance(self._data, BFloat16Array):
+            return
         if self.grad is None:
             self.grad = np.zeros_like(self._data)
         else:
@@ -472,6 +480,13 @@ class Module:
             entry = self._states[-1]
         plist, versions = entry.versions
         for (name, p), v in zip(plist, versions):
+            if isinstance(p._data, BFloat16Array):
+                raise RuntimeError(
+                    f"{type(self).__name__}: parameter {name!r} is stored as bfloat16 "
+                    "(CausalLM.from_pretrained(..., weights_dtype='bfloat16')), which is for inference: backward, "
+                    "jvp and backward_jvp need float weights; load without weights_dtype, or convert with "
+                    "model.to(np.float32) first"
+                )
             g = p.grad
             if g is not None and not (
                 isinstance(g, np.ndarray) and g.shape == p._data.shape and g.dtype.kind == "f" and g.flags.writeable
@@ -984,7 +999,10 @@ class Module:
         for owner, name, is_param, arr in staged:
             if is_param:
                 p = owner._parameters[name]
-                p.data[...] = arr.astype(p.data.dtype, copy=False)
+                if isinstance(p.data, BFloat16Array):  # kept as bfloat16: the values rounded into its bits
+                    to_bfloat16_bits(arr, out=p.data.bits)
+                else:
+                    p.data[...] = arr.astype(p.data.dtype, copy=False)
                 p.bump_version()
             else:
                 cur = getattr(owner, name)

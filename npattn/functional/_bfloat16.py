@@ -1,0 +1,181 @@
+"""bfloat16 storage: weights kept as their 16 bits, used as float32.
+
+A bfloat16 is the upper half of a float32 (1 sign, 8 exponent, 7 mantissa bits), so a weight
+matrix kept as ``uint16`` bit patterns holds half the bytes of its float32 form and widens
+exactly::
+
+    float32 bits = uint32(bfloat16 bits) << 16          (the lower 16 mantissa bits are 0)
+
+NumPy has no bfloat16 dtype, and its own float16 conversion would be slow and wrong here (float16
+is another format), so the widening is written with integer shifts, ``(bits.astype(np.uint32) <<
+16).view(np.float32)``, into a reused buffer.
+
+``BFloat16Array`` is what a ``Parameter`` holds as ``.data`` when a model was loaded with
+``weights_dtype="bfloat16"``.  It is not an ndarray, on purpose: code that would do arithmetic on
+the raw ``uint16`` bits (and silently compute with integers) cannot; every NumPy function that
+takes it converts it through ``__array__`` to the exact float32 values (a new array), indexing
+(``w[ids]``, ``w[e]``) widens the selected rows or experts only, and Python operators it does not
+define (``w + 1``, ``w.T``) raise ``TypeError``/``AttributeError``.  The fast path is
+``matmul_t``: ``linear``'s kernel computes ``x @ W.T`` block by block, each block of rows of
+``W`` widened into a buffer of about 2 MB that stays in the cache and is reused by every call,
+so a matrix-vector product (decoding) reads 2 bytes per weight from memory instead of 4.
+
+Rounding to bfloat16 (``to_bfloat16_bits``) is round-to-nearest-even, as torch's
+``tensor.to(torch.bfloat16)`` (c10's ``round_to_nearest_even``): add ``0x7FFF`` plus the lowest
+kept bit, drop the 16 low bits; a NaN becomes ``0xFFFF`` (a NaN), as torch's tensor conversion
+(its vectorised ``cvtfp32_bf16``) writes every NaN.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+__all__ = ["BFloat16Array", "to_bfloat16_bits", "widen_into", "widened", "matmul_t"]
+
+_CHUNK = 1 << 20  # elements rounded at a time (bounds the uint32 temporaries)
+BLOCK = 1 << 19  # float32 elements of one widened block of rows in matmul_t (2 MB)
+_local = threading.local()
+
+
+def to_bfloat16_bits(x, out: np.ndarray | None = None) -> np.ndarray:
+    """The bfloat16 bit patterns (``uint16``) of ``x``'s values rounded to nearest even, as
+    torch's ``.to(torch.bfloat16)``; ``x`` is read as float32 (float64 is rounded to float32
+    first, as torch does).  ``out``: a C-contiguous ``uint16`` array of ``x``'s shape to write
+    into.  Works ``_CHUNK`` elements at a time, so no full-size temporary is made.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.functional._bfloat16 import to_bfloat16_bits
+    >>> [hex(b) for b in to_bfloat16_bits(np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, np.nan], np.float32))]
+    ['0x3f80', '0x3f80', '0x3f82', '0xffff']
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if out is None:
+        out = np.empty(x.shape, np.uint16)
+    elif out.dtype != np.uint16 or out.shape != x.shape or not out.flags.c_contiguous:
+        raise ValueError(f"out: expected a C-contiguous uint16 array of shape {x.shape}, got {out.dtype} {out.shape}")
+    flat_in, flat_out = x.reshape(-1).view(np.uint32), out.reshape(-1)
+    for i in range(0, flat_in.size, _CHUNK):
+        c = flat_in[i : i + _CHUNK]
+        r = (c + (np.uint32(0x7FFF) + ((c >> 16) & np.uint32(1)))) >> 16  # a NaN's sum may wrap: replaced below
+        r[(c & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)] = 0xFFFF
+        flat_out[i : i + _CHUNK] = r
+    return out
+
+
+def widen_into(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[...] = (bits.astype(np.uint32) << 16).view(np.float32)`` without a temporary:
+    ``out`` (float32, ``bits``' shape, C-contiguous) seen as ``uint32`` takes the bits, then
+    shifts them in place.  Exact.  Returns ``out``."""
+    u = out.view(np.uint32)
+    np.copyto(u, bits, casting="safe")
+    u <<= 16
+    return out
+
+
+def widened(bits: np.ndarray) -> np.ndarray:
+    """``bits`` as a new float32 array (exact)."""
+    return widen_into(bits, np.empty(np.shape(bits), np.float32))
+
+
+def _buffer(size: int) -> np.ndarray:
+    """The calling thread's reused float32 scratch of at least ``size`` elements (flat)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _local.buf = np.empty(max(size, BLOCK), np.float32)
+    return buf
+
+
+def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) -> np.ndarray:
+    """``x2 (n, in) @ w.T`` in float32 for ``w (out, in)`` kept as bfloat16: each block of about
+    ``BLOCK`` elements of ``w``'s rows is widened into this thread's reused buffer and multiplied
+    (one BLAS call per block), so ``w`` is never widened whole.  ``out``: an ``(n, out)`` float32
+    C-contiguous array to write into."""
+    bits = w.bits
+    rows, cols = bits.shape
+    n = x2.shape[0]
+    y = np.empty((n, rows), np.float32) if out is None else out
+    r = max(1, min(rows, BLOCK // max(cols, 1)))
+    buf = _buffer(r * cols)
+    for i in range(0, rows, r):
+        k = min(r, rows - i)
+        block = widen_into(bits[i : i + k], buf[: k * cols].reshape(k, cols))
+        if n == 1:  # y[:, i:i+k] is contiguous: the matrix-vector product writes in place
+            np.matmul(x2, block.T, out=y[:, i : i + k])
+        else:
+            y[:, i : i + k] = x2 @ block.T
+    return y
+
+
+class BFloat16Array:
+    """A float32 array kept as bfloat16 bits (``bits``, ``uint16``): half the bytes, used as float32.
+
+    ``shape``, ``ndim``, ``size`` are the array's; ``nbytes`` its stored bytes (``bits.nbytes``);
+    ``dtype`` float32, the dtype of its values wherever they are used.  ``np.asarray(a)`` (and any
+    NumPy function given ``a``) is the exact float32 array, a new one; ``a[index]`` widens the
+    indexed part only (embedding rows, one expert); ``a.part(index)`` and ``a.reshape(...)`` are
+    ``BFloat16Array`` views of the same bits; ``a.astype(dtype)`` the values in ``dtype``.  NumPy
+    ufuncs (``x @ a``, ``np.add(a, 1)``) compute on those values; Python's operators on ``a``
+    itself (``a + 1``, ``a.T``) and item assignment are not defined (see the module docstring).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.functional._bfloat16 import BFloat16Array, to_bfloat16_bits
+    >>> a = BFloat16Array(to_bfloat16_bits(np.array([[1.0, -2.5], [3.0, 0.1]])))
+    >>> a.shape, a.nbytes, np.asarray(a)[1, 1]
+    ((2, 2), 8, 0.100097656)
+    >>> a[1]
+    array([3.       , 0.10009766], dtype=float32)
+    """
+
+    __slots__ = ("bits", "base")
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, bits: np.ndarray, base: BFloat16Array | None = None):
+        if not isinstance(bits, np.ndarray) or bits.dtype != np.uint16:
+            got = bits.dtype if isinstance(bits, np.ndarray) else type(bits).__name__
+            raise TypeError(f"bits: expected a uint16 ndarray of bfloat16 bit patterns, got {got}")
+        self.bits, self.base = bits, base
+
+    shape = property(lambda self: self.bits.shape, doc="The array's shape.")
+    ndim = property(lambda self: self.bits.ndim, doc="The number of axes.")
+    size = property(lambda self: self.bits.size, doc="The number of values.")
+    nbytes = property(lambda self: self.bits.nbytes, doc="The bytes stored (2 a value).")
+
+    def __len__(self) -> int:
+        return len(self.bits)
+
+    def __array__(self, dtype=None, copy=None):
+        v = widened(self.bits)
+        return v if dtype is None else v.astype(dtype, copy=False)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return widened(self.bits[index])
+
+    def part(self, index) -> BFloat16Array:
+        """``bits[index]`` as a ``BFloat16Array`` (a view of the same bits)."""
+        return BFloat16Array(self.bits[index], base=self)
+
+    def reshape(self, *shape) -> BFloat16Array:
+        return BFloat16Array(self.bits.reshape(*shape), base=self)
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+        return widened(self.bits).astype(dtype, copy=False)
+
+    def copy(self) -> BFloat16Array:
+        return BFloat16Array(self.bits.copy())
+
+    def __repr__(self):
+        return f"BFloat16Array(shape={self.shape})"
+
+    # NumPy's ufuncs (also ndarray's operators with this on the right) compute on the float32
+    # values; none may write into the bits
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        args = [np.asarray(a) if isinstance(a, BFloat16Array) else a for a in inputs]
+        if any(isinstance(a, BFloat16Array) for a in kwargs.get("out", ())):
+            raise TypeError("BFloat16Array: cannot be written into (it holds bfloat16 bits)")
+        return getattr(ufunc, method)(*args, **kwargs)
