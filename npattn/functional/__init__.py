@@ -4,199 +4,54 @@ No hidden state: the cache is an ordinary object holding what the backward needs
 backward sits directly under its forward, its docstring deriving it.
 """
 
-from .activation import (
-    dropout,
-    dropout_backward,
-    dropout_backward_jvp,
-    dropout_jvp,
-    gelu,
-    gelu_backward,
-    gelu_backward_jvp,
-    gelu_jvp,
-    relu,
-    relu_backward,
-    relu_backward_jvp,
-    relu_jvp,
-    silu,
-    silu_backward,
-    silu_backward_jvp,
-    silu_jvp,
-    softmax,
-    softmax_backward,
-    softmax_backward_jvp,
-    softmax_jvp,
-)
-from .attention import (
-    AttentionCache,
-    scaled_dot_product_attention,
-    scaled_dot_product_attention_backward,
-    scaled_dot_product_attention_backward_jvp,
-    scaled_dot_product_attention_jvp,
-)
-from .conv import causal_conv1d, causal_conv1d_backward, causal_conv1d_backward_jvp, causal_conv1d_jvp
-from .delta_rule import (
-    gated_delta_rule,
-    gated_delta_rule_backward,
-    gated_delta_rule_backward_jvp,
-    gated_delta_rule_jvp,
-    l2_norm,
-    l2_norm_backward,
-    l2_norm_backward_jvp,
-    l2_norm_jvp,
-    rms_norm_gated,
-    rms_norm_gated_backward,
-    rms_norm_gated_backward_jvp,
-    rms_norm_gated_jvp,
-)
-from .embedding import embedding, embedding_backward, embedding_backward_jvp, embedding_jvp
-from .kda import kimi_delta_attention, kimi_delta_attention_backward, kimi_delta_attention_jvp
-from .linear import linear, linear_backward, linear_backward_jvp, linear_jvp
-from .loss import cross_entropy, cross_entropy_backward, cross_entropy_backward_jvp, cross_entropy_jvp
-from .memory_efficient import (
-    memory_efficient_attention,
-    memory_efficient_attention_backward,
-    memory_efficient_attention_backward_jvp,
-    memory_efficient_attention_jvp,
-)
-from .moe import (
-    moe_experts,
-    moe_experts_backward,
-    moe_experts_backward_jvp,
-    moe_experts_jvp,
-    topk_router,
-    topk_router_backward,
-    topk_router_backward_jvp,
-    topk_router_jvp,
-)
-from .norm import (
-    layer_norm,
-    layer_norm_backward,
-    layer_norm_backward_jvp,
-    layer_norm_jvp,
-    rms_norm,
-    rms_norm_backward,
-    rms_norm_backward_jvp,
-    rms_norm_jvp,
-)
-from .rope import rope, rope_backward, rope_backward_jvp, rope_jvp
-from .rope_scaling import rope_frequencies, rope_softmax_scale, yarn_mscale
-from .sparse_attention import (
-    IndexerKLCache,
-    LightningIndexerCache,
-    SparseAttentionCache,
-    index_topk,
-    indexer_kl_loss,
-    indexer_kl_loss_backward,
-    indexer_kl_loss_backward_jvp,
-    indexer_kl_loss_jvp,
-    lightning_indexer,
-    lightning_indexer_backward,
-    lightning_indexer_backward_jvp,
-    lightning_indexer_jvp,
-    sparse_attention,
-    sparse_attention_backward,
-    sparse_attention_backward_jvp,
-    sparse_attention_jvp,
-)
+# ruff: noqa: F403  (each submodule's names, as its __all__ lists them)
+# the submodules under private names first: the star imports then rebind `embedding`, `linear` and
+# `rope` to the functions of those names
+from . import activation as _activation
+from . import attention as _attention
+from . import conv as _conv
+from . import delta_rule as _delta_rule
+from . import embedding as _embedding
+from . import kda as _kda
+from . import linear as _linear
+from . import loss as _loss
+from . import memory_efficient as _memory_efficient
+from . import moe as _moe
+from . import norm as _norm
+from . import rope as _rope
+from . import rope_scaling as _rope_scaling
+from . import sparse_attention as _sparse_attention
+from .activation import *
+from .attention import *
+from .conv import *
+from .delta_rule import *
+from .embedding import *
+from .kda import *
+from .linear import *
+from .loss import *
+from .memory_efficient import *
+from .moe import *
+from .norm import *
+from .rope import *
+from .rope_scaling import *
+from .sparse_attention import *
 
-__all__ = [
-    "rope_frequencies",
-    "rope_softmax_scale",
-    "yarn_mscale",
-    "linear",
-    "linear_backward",
-    "linear_jvp",
-    "linear_backward_jvp",
-    "embedding",
-    "embedding_backward",
-    "embedding_jvp",
-    "embedding_backward_jvp",
-    "softmax",
-    "softmax_backward",
-    "softmax_jvp",
-    "softmax_backward_jvp",
-    "relu",
-    "relu_backward",
-    "relu_jvp",
-    "relu_backward_jvp",
-    "gelu",
-    "gelu_backward",
-    "gelu_jvp",
-    "gelu_backward_jvp",
-    "silu",
-    "silu_backward",
-    "silu_jvp",
-    "silu_backward_jvp",
-    "dropout",
-    "dropout_backward",
-    "dropout_jvp",
-    "dropout_backward_jvp",
-    "layer_norm",
-    "layer_norm_backward",
-    "layer_norm_jvp",
-    "layer_norm_backward_jvp",
-    "rms_norm",
-    "rms_norm_backward",
-    "rms_norm_jvp",
-    "rms_norm_backward_jvp",
-    "rope",
-    "rope_backward",
-    "rope_jvp",
-    "rope_backward_jvp",
-    "scaled_dot_product_attention",
-    "scaled_dot_product_attention_backward",
-    "scaled_dot_product_attention_jvp",
-    "scaled_dot_product_attention_backward_jvp",
-    "AttentionCache",
-    "cross_entropy",
-    "cross_entropy_backward",
-    "cross_entropy_jvp",
-    "cross_entropy_backward_jvp",
-    "memory_efficient_attention",
-    "memory_efficient_attention_backward",
-    "memory_efficient_attention_jvp",
-    "memory_efficient_attention_backward_jvp",
-    "gated_delta_rule",
-    "gated_delta_rule_backward",
-    "gated_delta_rule_backward_jvp",
-    "gated_delta_rule_jvp",
-    "kimi_delta_attention",
-    "kimi_delta_attention_backward",
-    "kimi_delta_attention_jvp",
-    "causal_conv1d",
-    "causal_conv1d_backward",
-    "causal_conv1d_jvp",
-    "causal_conv1d_backward_jvp",
-    "l2_norm",
-    "l2_norm_backward",
-    "l2_norm_jvp",
-    "l2_norm_backward_jvp",
-    "rms_norm_gated",
-    "rms_norm_gated_backward",
-    "rms_norm_gated_jvp",
-    "rms_norm_gated_backward_jvp",
-    "topk_router",
-    "topk_router_backward",
-    "topk_router_jvp",
-    "topk_router_backward_jvp",
-    "moe_experts",
-    "moe_experts_backward",
-    "moe_experts_jvp",
-    "moe_experts_backward_jvp",
-    "lightning_indexer",
-    "lightning_indexer_backward",
-    "lightning_indexer_jvp",
-    "lightning_indexer_backward_jvp",
-    "LightningIndexerCache",
-    "index_topk",
-    "sparse_attention",
-    "sparse_attention_backward",
-    "sparse_attention_jvp",
-    "sparse_attention_backward_jvp",
-    "SparseAttentionCache",
-    "indexer_kl_loss",
-    "indexer_kl_loss_backward",
-    "indexer_kl_loss_jvp",
-    "indexer_kl_loss_backward_jvp",
-    "IndexerKLCache",
-]
+# every submodule's public names, as its own __all__ lists them (the one place they are written)
+__all__: list = []
+for _module in (
+    _activation,
+    _attention,
+    _conv,
+    _delta_rule,
+    _embedding,
+    _kda,
+    _linear,
+    _loss,
+    _memory_efficient,
+    _moe,
+    _norm,
+    _rope,
+    _rope_scaling,
+    _sparse_attention,
+):
+    __all__ += _module.__all__

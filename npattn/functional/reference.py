@@ -1751,60 +1751,26 @@ def rope_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array
     return grads, (np.zeros_like(grads) if ddout is None else rope_backward(ddout, cache))
 
 
-__all__ = [
+def _op_names(*ops: str) -> list:
+    """Each op's four public names: ``op``, ``op_backward``, ``op_jvp``, ``op_backward_jvp``."""
+    return [f"{op}{part}" for op in ops for part in ("", "_backward", "_jvp", "_backward_jvp")]
+
+
+__all__ = _op_names(
     "linear",
-    "linear_backward",
-    "linear_jvp",
-    "linear_backward_jvp",
     "embedding",
-    "embedding_backward",
-    "embedding_jvp",
-    "embedding_backward_jvp",
     "softmax",
-    "softmax_backward",
-    "softmax_jvp",
-    "softmax_backward_jvp",
     "relu",
-    "relu_backward",
-    "relu_jvp",
-    "relu_backward_jvp",
     "gelu",
-    "gelu_backward",
-    "gelu_jvp",
-    "gelu_backward_jvp",
     "silu",
-    "silu_backward",
-    "silu_jvp",
-    "silu_backward_jvp",
     "dropout",
-    "dropout_backward",
-    "dropout_jvp",
-    "dropout_backward_jvp",
     "layer_norm",
-    "layer_norm_backward",
-    "layer_norm_jvp",
-    "layer_norm_backward_jvp",
     "rms_norm",
-    "rms_norm_backward",
-    "rms_norm_jvp",
-    "rms_norm_backward_jvp",
     "cross_entropy",
-    "cross_entropy_backward",
-    "cross_entropy_jvp",
-    "cross_entropy_backward_jvp",
     "rope",
-    "rope_backward",
-    "rope_jvp",
-    "rope_backward_jvp",
     "scaled_dot_product_attention",
-    "scaled_dot_product_attention_backward",
-    "scaled_dot_product_attention_jvp",
-    "scaled_dot_product_attention_backward_jvp",
     "memory_efficient_attention",
-    "memory_efficient_attention_backward",
-    "memory_efficient_attention_jvp",
-    "memory_efficient_attention_backward_jvp",
-]
+)
 
 
 # == Gated DeltaNet: the delta rule, its short convolution and its norms ===========================
@@ -2347,24 +2313,7 @@ def causal_conv1d_backward_jvp(dout: Array, cache: CausalConv1dCache, tangents, 
     return grads, (tdxp[..., taps - 1 :, :], tdweight, tdbias, (tdxp[..., : taps - 1, :] if has_initial else None))
 
 
-__all__ += [
-    "gated_delta_rule",
-    "gated_delta_rule_backward",
-    "gated_delta_rule_jvp",
-    "gated_delta_rule_backward_jvp",
-    "l2_norm",
-    "l2_norm_backward",
-    "l2_norm_jvp",
-    "l2_norm_backward_jvp",
-    "rms_norm_gated",
-    "rms_norm_gated_backward",
-    "rms_norm_gated_jvp",
-    "rms_norm_gated_backward_jvp",
-    "causal_conv1d",
-    "causal_conv1d_backward",
-    "causal_conv1d_jvp",
-    "causal_conv1d_backward_jvp",
-]
+__all__ += _op_names("gated_delta_rule", "l2_norm", "rms_norm_gated", "causal_conv1d")
 
 
 # == Mixture of experts: the top-k router and the experts ==========================================
@@ -2974,16 +2923,7 @@ def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddou
     return grads, tangents_out + (tdgate_up_bias, tddown_bias)
 
 
-__all__ += [
-    "topk_router",
-    "topk_router_backward",
-    "topk_router_jvp",
-    "topk_router_backward_jvp",
-    "moe_experts",
-    "moe_experts_backward",
-    "moe_experts_jvp",
-    "moe_experts_backward_jvp",
-]
+__all__ += _op_names("topk_router", "moe_experts")
 
 
 # == Kimi Delta Attention: the gated delta rule with a decay per channel ============================
@@ -3489,17 +3429,4 @@ def indexer_kl_loss_backward_jvp(dout: Array, cache: IndexerKLCache, tangents, d
     return grads, (tgrad,)
 
 
-__all__ += [
-    "lightning_indexer",
-    "lightning_indexer_backward",
-    "lightning_indexer_jvp",
-    "lightning_indexer_backward_jvp",
-    "sparse_attention",
-    "sparse_attention_backward",
-    "sparse_attention_jvp",
-    "sparse_attention_backward_jvp",
-    "indexer_kl_loss",
-    "indexer_kl_loss_backward",
-    "indexer_kl_loss_jvp",
-    "indexer_kl_loss_backward_jvp",
-]
+__all__ += _op_names("lightning_indexer", "sparse_attention", "indexer_kl_loss")
