@@ -16,6 +16,7 @@ PAGES = [
     GUIDES / "getting_started.md",
     GUIDES / "gradients_by_hand.md",
     GUIDES / "numpy_project.md",
+    GUIDES / "open_models.md",
     GUIDES / "conventions.md",
     GUIDES / "curvature.md",
 ]

@@ -422,6 +422,8 @@ def test_landing_page(site):
         "Use it in a NumPy project": [
             "guides/numpy_project.html",
             "guides/conventions.html",
+            "guides/open_models.html",
+            "notebooks/13_open_model_numpy.html",
             "api/index.html",
         ],
         "Property-test your module": ["guides/own_module.html", "guides/forward_mode.html", "api/npattn.testing.html"],
