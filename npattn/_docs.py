@@ -69,6 +69,14 @@ def _fill(doc: str, parts: dict[str, str], owner: object) -> str:
 # ``<backward_jvp_sections>``; an activation's ``op_backward``: ``<backward_sections>``), and the last
 # lines of each ``op_jvp`` example (``<fd_check>``).
 
+#: The head of a functional op's examples: the section's header and the two imports they start from.
+EXAMPLES = """
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    """
+
 #: The end of every ``op_jvp`` example: ``tout`` against the central difference of ``f`` along the tangent.
 FD_CHECK = """
     >>> fd = (f(1e-6) - f(-1e-6)) / 2e-6                # the central difference along the tangent

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, backward_sections, jvp_sections, shared_doc
+from .._docs import EXAMPLES, FD_CHECK, backward_jvp_sections, backward_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_rng,
@@ -108,6 +108,7 @@ def _jvp_example(op: str, args: str = "") -> str:
 # ----------------------------------------------------------------------------------------- relu
 
 
+@shared_doc(examples=EXAMPLES)
 def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``.
 
@@ -128,10 +129,7 @@ def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     TypeError
         ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.relu(np.array([-1.0, 0.0, 2.0]))
     >>> y
     array([0., 0., 2.])
@@ -201,6 +199,7 @@ def relu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # ----------------------------------------------------------------------------------------- gelu
 
 
+@shared_doc(examples=EXAMPLES)
 def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCache]:
     """GELU.  ``"none"``: ``y = x Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``.
     ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)`` (as torch).
@@ -226,10 +225,7 @@ def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCach
     ValueError
         ``approximate`` is neither ``"none"`` nor ``"tanh"``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.gelu(np.array([-1.0, 0.0, 1.0]))
     >>> np.round(y, 4)
     array([-0.1587,  0.    ,  0.8413])
@@ -330,6 +326,7 @@ def gelu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # ----------------------------------------------------------------------------------------- silu
 
 
+@shared_doc(examples=EXAMPLES)
 def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     """SiLU (swish): ``y = x * sigmoid(x)``, ``sigmoid(x) = 1 / (1 + exp(-x))`` (as torch's ``F.silu``).
 
@@ -354,10 +351,7 @@ def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     TypeError
         ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.silu(np.array([-2.0, 0.0, 2.0]))
     >>> np.round(y, 4)
     array([-0.2384,  0.    ,  1.7616])
@@ -434,6 +428,7 @@ def silu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # -------------------------------------------------------------------------------------- softmax
 
 
+@shared_doc(examples=EXAMPLES)
 def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``: stable for any finite input.
 
@@ -463,10 +458,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     ValueError
         ``axis`` out of range for ``x``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.softmax(np.array([[1.0, 2.0, 3.0], [0.0, 0.0, -np.inf]]))
     >>> np.round(y, 4)
     array([[0.09  , 0.2447, 0.6652],
@@ -564,6 +556,7 @@ def softmax_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # -------------------------------------------------------------------------------------- dropout
 
 
+@shared_doc(examples=EXAMPLES)
 def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[np.ndarray, DropoutCache]:
     """Inverted dropout: keep each entry with probability ``1 - p`` and scale it by ``1/(1 - p)``.
 
@@ -597,10 +590,7 @@ def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[n
     ValueError
         ``p`` outside ``[0, 1]`` or NaN.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.dropout(np.ones((2, 4)), 0.5, rng=0)
     >>> sorted(set(y.ravel().tolist()))          # dropped, or kept and scaled by 1/(1 - p)
     [0.0, 2.0]

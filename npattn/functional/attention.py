@@ -16,6 +16,7 @@ import numpy as np
 
 from .._docs import (
     ATTENTION_FORWARD,
+    EXAMPLES,
     attention_backward_jvp_sections,
     attention_backward_sections,
     attention_jvp_sections,
@@ -176,7 +177,7 @@ def _heads_last_empty(shape, dtype, workspace=None):
     return _empty(workspace, tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
-@shared_doc(**ATTENTION_FORWARD)
+@shared_doc(examples=EXAMPLES, **ATTENTION_FORWARD)
 def scaled_dot_product_attention(
     q,
     k,
@@ -257,10 +258,7 @@ def scaled_dot_product_attention(
     ------
     <attention_raises>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> from npattn.functional import reference as R
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((2, 4, 6, 8)) for _ in range(3))   # (batch, heads, L, E)
@@ -617,7 +615,9 @@ def _option_grads(cache: AttentionCache, dmask, dsinks) -> list:
     return grads
 
 
-@shared_doc(attention_jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
+@shared_doc(
+    examples=EXAMPLES, attention_jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache")
+)
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
     """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` along the inputs' tangents.
 
@@ -638,10 +638,7 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
 
     <attention_jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
     >>> tq, tk, tv = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
@@ -703,7 +700,8 @@ def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tm
 
 
 @shared_doc(
-    attention_backward_jvp_sections=attention_backward_jvp_sections("scaled_dot_product_attention", "AttentionCache")
+    examples=EXAMPLES,
+    attention_backward_jvp_sections=attention_backward_jvp_sections("scaled_dot_product_attention", "AttentionCache"),
 )
 def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents, ddout=None) -> tuple:
     """Second order, forward over reverse: ``(grads, grad_tangents)``.
@@ -732,10 +730,7 @@ def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tange
 
     <attention_backward_jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> q, k, v, tq, tk, tv, dy = (rng.standard_normal((1, 2, 4, 3)) for _ in range(7))
     >>> out, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True)

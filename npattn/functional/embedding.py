@@ -11,7 +11,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
+from .._docs import (
+    EXAMPLES,
+    FD_CHECK,
+    OP_BACKWARD_RAISES,
+    backward_jvp_sections,
+    jvp_sections,
+    op_backward_args,
+    shared_doc,
+)
 from .._validate import (
     as_float,
     as_index,
@@ -36,6 +44,7 @@ class EmbeddingCache(NamedTuple):
     scale_grad_by_freq: bool
 
 
+@shared_doc(examples=EXAMPLES)
 def embedding(
     ids,
     weight: np.ndarray,
@@ -93,10 +102,7 @@ def embedding(
         An id out of range, ``weight`` not 2-d, ``padding_idx`` out of range, a non-positive
         ``max_norm``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> W = np.arange(8.0).reshape(4, 2)
     >>> out, cache = F.embedding(np.array([[1, 3, 1]]), W)
     >>> out
@@ -195,6 +201,7 @@ def embedding_backward_kernel(dout, cache):
 
 
 @shared_doc(
+    examples=EXAMPLES,
     jvp_sections=jvp_sections(
         "embedding",
         "EmbeddingCache",
@@ -216,10 +223,7 @@ def embedding_jvp(cache: EmbeddingCache, *tangents) -> np.ndarray:
 
     <jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> W, tW = rng.standard_normal((6, 3)), rng.standard_normal((6, 3))
     >>> ids = np.array([[0, 5, 5]])

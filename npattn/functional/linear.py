@@ -8,7 +8,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
+from .._docs import (
+    EXAMPLES,
+    FD_CHECK,
+    OP_BACKWARD_RAISES,
+    backward_jvp_sections,
+    jvp_sections,
+    op_backward_args,
+    shared_doc,
+)
 from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
 from ._bfloat16 import BFloat16Array, matmul_t
 
@@ -21,6 +29,7 @@ class LinearCache(NamedTuple):
     has_bias: bool
 
 
+@shared_doc(examples=EXAMPLES)
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, LinearCache]:
     """``y = x @ weight.T + bias`` with ``x (..., in)``, ``weight (out, in)``, ``bias (out,)``.
 
@@ -50,10 +59,7 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
         ``x`` with no feature axis, ``weight`` not 2-d or not matching ``x``'s last axis, ``bias`` of
         the wrong shape.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> x = np.arange(6.0).reshape(2, 3)
     >>> w = np.array([[1.0, 0.0, -1.0], [0.5, 0.5, 0.5]])
     >>> y, cache = F.linear(x, w, np.array([0.0, 1.0]))
@@ -133,6 +139,7 @@ def linear_backward_kernel(dout, cache, dx_out=None):
 
 
 @shared_doc(
+    examples=EXAMPLES,
     jvp_sections=jvp_sections(
         "linear",
         "LinearCache",
@@ -156,10 +163,7 @@ def linear_jvp(cache: LinearCache, *tangents) -> np.ndarray:
 
     <jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> x, tx = rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
     >>> w, tw = rng.standard_normal((2, 5)), rng.standard_normal((2, 5))
@@ -192,6 +196,7 @@ def linear_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
 
 
 @shared_doc(
+    examples=EXAMPLES,
     backward_jvp_sections=backward_jvp_sections(
         "linear",
         "LinearCache",
@@ -201,7 +206,7 @@ def linear_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
         grad_tangents="``(tdx, tdweight, tdbias)``, of the same shapes; ``tdbias`` None without a bias.",
         too_many="too many tangents, ",
         wrong="``dout``, ``ddout`` or a tangent of the wrong shape, or ``tbias`` without a bias.",
-    )
+    ),
 )
 def linear_backward_jvp(dout: np.ndarray, cache: LinearCache, tangents, ddout=None):
     """Second order (forward over reverse): ``linear_backward``'s gradients and their tangents.
@@ -217,10 +222,7 @@ def linear_backward_jvp(dout: np.ndarray, cache: LinearCache, tangents, ddout=No
 
     <backward_jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> x, tx = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
     >>> w, dy = rng.standard_normal((2, 4)), rng.standard_normal((3, 2))

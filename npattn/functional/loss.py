@@ -8,7 +8,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
+from .._docs import (
+    EXAMPLES,
+    FD_CHECK,
+    OP_BACKWARD_RAISES,
+    backward_jvp_sections,
+    jvp_sections,
+    op_backward_args,
+    shared_doc,
+)
 from .._validate import (
     as_float,
     check_backward_jvp,
@@ -43,6 +51,7 @@ class CrossEntropyCache(NamedTuple):
     denom: float  # what "mean" divides by (1 for "sum"/"none"); 0 means "nothing counted"
 
 
+@shared_doc(examples=EXAMPLES)
 def cross_entropy(
     logits: np.ndarray,
     targets: np.ndarray,
@@ -106,10 +115,7 @@ def cross_entropy(
         Shapes that do not match, a class id out of range, an unknown ``reduction``, a
         ``label_smoothing`` outside ``[0, 1]``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> logits = np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     >>> loss, cache = F.cross_entropy(logits, np.array([0, 2]))
     >>> round(float(loss), 4)          # the mean of -log softmax at the targets: (0.2395 + ln 3) / 2
@@ -261,6 +267,7 @@ def cross_entropy_backward_kernel(dout, cache):
 
 
 @shared_doc(
+    examples=EXAMPLES,
     jvp_sections=jvp_sections(
         "cross_entropy",
         "CrossEntropyCache",
@@ -281,10 +288,7 @@ def cross_entropy_jvp(cache: CrossEntropyCache, *tangents) -> np.ndarray:
 
     <jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> z, tz = rng.standard_normal((4, 6)), rng.standard_normal((4, 6))
     >>> t = np.array([0, 5, 2, 2])
@@ -311,6 +315,7 @@ def cross_entropy_jvp_kernel(cache, tlogits=None):
 
 
 @shared_doc(
+    examples=EXAMPLES,
     backward_jvp_sections=backward_jvp_sections(
         "cross_entropy",
         "CrossEntropyCache",
@@ -319,7 +324,7 @@ def cross_entropy_jvp_kernel(cache, tlogits=None):
         grads="``dlogits``",
         grad_tangents="Its tangent, of ``logits``' shape.",
         wrong="``dout``, ``ddout`` or ``tlogits`` of the wrong shape.",
-    )
+    ),
 )
 def cross_entropy_backward_jvp(dout: np.ndarray, cache: CrossEntropyCache, tangents, ddout=None):
     """Second order of ``cross_entropy``: ``cross_entropy_backward``'s gradient and its tangent.
@@ -338,10 +343,7 @@ def cross_entropy_backward_jvp(dout: np.ndarray, cache: CrossEntropyCache, tange
 
     <backward_jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> z, tz = np.array([[1.0, 0.0, -1.0]]), np.array([[0.0, 1.0, 0.0]])
     >>> loss, cache = F.cross_entropy(z, np.array([0]))
     >>> dz, hv = F.cross_entropy_backward_jvp(1.0, cache, (tz,))      # the Hessian times tz

@@ -64,6 +64,7 @@ import numpy as np
 
 from .._docs import (
     ATTENTION_FORWARD,
+    EXAMPLES,
     attention_backward_jvp_sections,
     attention_backward_sections,
     attention_jvp_sections,
@@ -417,7 +418,7 @@ def _cached_geometry(cache: MemoryEfficientCache) -> _Geometry:
     )
 
 
-@shared_doc(**ATTENTION_FORWARD)
+@shared_doc(examples=EXAMPLES, **ATTENTION_FORWARD)
 def memory_efficient_attention(
     q,
     k,
@@ -522,10 +523,7 @@ def memory_efficient_attention(
     ------
     <attention_raises>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 40, 8)) for _ in range(3))
     >>> out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=16)
@@ -922,7 +920,10 @@ class _BackwardWorker:
         dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
 
 
-@shared_doc(attention_jvp_sections=attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"))
+@shared_doc(
+    examples=EXAMPLES,
+    attention_jvp_sections=attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"),
+)
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
     """Forward mode of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
 
@@ -952,10 +953,7 @@ def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np
 
     <attention_jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
     >>> tq, tk, tv = (rng.standard_normal((1, 2, 5, 4)) for _ in range(3))
@@ -1116,9 +1114,10 @@ class _JvpWorker:
 
 
 @shared_doc(
+    examples=EXAMPLES,
     attention_backward_jvp_sections=attention_backward_jvp_sections(
         "memory_efficient_attention", "MemoryEfficientCache"
-    )
+    ),
 )
 def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, tangents, ddout=None) -> tuple:
     """Second order of ``memory_efficient_attention``, block by block: never an ``(Lq, Lk)`` array.
@@ -1145,10 +1144,7 @@ def memory_efficient_attention_backward_jvp(dout, cache: MemoryEfficientCache, t
 
     <attention_backward_jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> q, k, v, tq, tk, tv, dy = (rng.standard_normal((1, 2, 5, 3)) for _ in range(7))
     >>> out, cache = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=2)

@@ -42,6 +42,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import EXAMPLES, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -226,6 +227,7 @@ def _choice(scores: np.ndarray, top_k: int, n_group: int, topk_group: int) -> np
     return _topk(scores, top_k)
 
 
+@shared_doc(examples=EXAMPLES)
 def topk_router(
     logits: np.ndarray,
     top_k: int,
@@ -284,10 +286,7 @@ def topk_router(
     TypeError, ValueError
         Naming the argument, expected vs actual, before any arithmetic.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> logits = np.array([[2.0, 1.0, 0.0, -1.0]])
     >>> (weights, indices), cache = F.topk_router(logits, 2, norm_topk_prob=True)
     >>> indices, np.round(weights, 4)               # the two largest, their softmax renormalised

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .._docs import (
+    EXAMPLES,
     FD_CHECK,
     OP_BACKWARD_RAISES,
     SEVERAL_TANGENTS,
@@ -134,7 +135,7 @@ def _forward_tail(op: str, cache: str) -> str:
     """
 
 
-@shared_doc(forward_tail=_forward_tail("layer_norm", "LayerNormCache"))
+@shared_doc(examples=EXAMPLES, forward_tail=_forward_tail("layer_norm", "LayerNormCache"))
 def layer_norm(
     x: np.ndarray,
     weight: Optional[np.ndarray] = None,
@@ -166,10 +167,7 @@ def layer_norm(
         ``normalized_shape`` not the trailing axes of ``x``, ``weight``/``bias`` of another shape, a
         negative or non-finite ``eps``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.layer_norm(np.array([[1.0, 2.0, 3.0, 4.0]]), np.ones(4), np.zeros(4))
     >>> np.round(y, 4)
     array([[-1.3416, -0.4472,  0.4472,  1.3416]])
@@ -440,7 +438,7 @@ def _norm_backward_jvp(dout, xhat, rstd, weight, k, tx, tweight, ddout, *, centr
 # -------------------------------------------------------------------------------------- rms_norm
 
 
-@shared_doc(forward_tail=_forward_tail("rms_norm", "RMSNormCache"))
+@shared_doc(examples=EXAMPLES, forward_tail=_forward_tail("rms_norm", "RMSNormCache"))
 def rms_norm(
     x: np.ndarray, weight: Optional[np.ndarray] = None, eps: Optional[float] = None, *, normalized_shape=None
 ) -> tuple[np.ndarray, RMSNormCache]:
@@ -464,10 +462,7 @@ def rms_norm(
         ``normalized_shape`` not the trailing axes of ``x``, ``weight`` of another shape, a negative
         or non-finite ``eps``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.rms_norm(np.array([[3.0, 4.0]]), np.ones(2), eps=0.0)
     >>> y                              # divided by sqrt((9 + 16) / 2)
     array([[0.84852814, 1.13137085]])

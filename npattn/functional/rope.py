@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import EXAMPLES, FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -44,6 +44,7 @@ class RopeCache(NamedTuple):
     dtype: np.dtype
 
 
+@shared_doc(examples=EXAMPLES)
 def rope(
     x: np.ndarray,
     positions=None,
@@ -96,10 +97,7 @@ def rope(
     The angles are computed in float64 and their cos/sin then cast to x's dtype (float32 stays
     float32).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> x = np.random.default_rng(0).standard_normal((2, 5, 8))      # (batch, L, D)
     >>> y, cache = F.rope(x)
     >>> bool(np.allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1)))   # a rotation
@@ -203,7 +201,7 @@ def rope_backward_kernel(dout, cache):
     return _rotate(dout, cache.cos, -cache.sin, cache.interleaved)
 
 
-@shared_doc(jvp_sections=jvp_sections("rope", "RopeCache"), fd_check=FD_CHECK)
+@shared_doc(examples=EXAMPLES, jvp_sections=jvp_sections("rope", "RopeCache"), fd_check=FD_CHECK)
 def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
     """Forward mode of ``rope``: each pair is multiplied by a fixed rotation (the angles depend on
     the positions only), a linear map, so the tangent is the forward applied to ``tx``:
@@ -212,10 +210,7 @@ def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
 
     <jvp_sections>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> rng = np.random.default_rng(0)
     >>> x, tx = rng.standard_normal((2, 4, 6)), rng.standard_normal((2, 4, 6))
     >>> out, cache = F.rope(x)
