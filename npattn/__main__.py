@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{section.name}", action="store_true", help=section.help)
 
     p = sub.add_parser("generate", help="complete a prompt with a saved Hugging Face model (needs tokenizers)")
-    p.add_argument("directory", help="a save_pretrained directory: config.json, safetensors, tokenizer.json")
+    p.add_argument(
+        "directory", help="a save_pretrained directory (config.json, safetensors, tokenizer.json) or a GGUF file"
+    )
     p.add_argument("prompt", help="the text to complete (token ids with --ids)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to add (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

@@ -297,3 +297,195 @@ def test_a_refused_entry_names_the_file(tmp_path):
     _write(path, config, _model(GEMMA3).state_dict(), Q.F32, "gemma3")
     with pytest.raises(ValueError, match=r"g.gguf: metadata 'gemma3.rope.scaling.type' 'yarn' is not supported"):
         CausalLM.from_gguf(path)
+
+
+# -- the tokenizer of a GGUF file ---------------------------------------------------------------------
+TEXTS = [
+    "Hello world",
+    "the cat's  hat\n\n  sat on\tthe mat",
+    "numbers 12345 and 6789, ünïcödé: café",
+    "<|im_start|>user\nhi there<|im_end|>",
+    "a<think>b</think>  c!!",
+    "   leading and trailing   ",
+    "(hello) [world] DON'T WE'LL 2024\n\n\n  x",
+    "cafe\u0301 = café",  # NFC (Qwen2's normalizer) makes the first e + accent the second's é
+]
+_SPLITS = {  # the originals' split regexes (tokenizer.json of Llama 3 and Qwen2), None: GPT-2's
+    "gpt-2": None,
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def _bpe_tokenizer(pre: str):
+    """A tiny byte-level BPE trained here, shaped as GPT-2's, Llama 3's or Qwen2's tokenizer.json:
+    three special tokens and one added non-special token."""
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE(ignore_merges=pre == "llama-bpe"))
+    split = _SPLITS[pre]
+    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+    tok.pre_tokenizer = (
+        byte_level
+        if split is None
+        else tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"), byte_level])
+    )
+    if pre == "qwen2":
+        tok.normalizer = tk.normalizers.NFC()
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["the cat sat on the mat; the dog's hat, 123 4567 89!", "Hello world, hello there: café ünïcödé"] * 20
+    corpus += ["(hello) [world] DON'T WE'LL 2024 \n\n\n  x"] * 20  # where the three splits differ
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([tk.AddedToken("<think>", special=False, normalized=False)])
+    return tok
+
+
+def _write_tokenizer(w, tok, pre: str, directory, chat_template=None):
+    """The tokenizer metadata as llama.cpp's converter writes it (``TextModel._set_vocab_gpt2``:
+    the tokens by id, CONTROL for special added tokens, USER_DEFINED for the other added ones,
+    NORMAL for the rest; the merges by ``gguf.SpecialVocab`` from tokenizer.json)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    added = tok.get_added_tokens_decoder()
+    by_id = {i: t for t, i in vocab.items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    types = [
+        (gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        if i in added
+        else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
+    tok.save(str(directory / "tokenizer.json"))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(w)
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    return tokens
+
+
+@pytest.mark.parametrize("pre", sorted(_SPLITS))
+def test_tokenizer_from_the_metadata_encodes_as_the_original(tmp_path, pre):
+    from npattn.models.gguf import gguf_tokenizer
+
+    tok = _bpe_tokenizer(pre)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "qwen3")
+    _write_tokenizer(w, tok, pre, tmp_path)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = gguf_tokenizer(tmp_path / "t.gguf")
+    assert got.get_vocab(with_added_tokens=True) == tok.get_vocab(with_added_tokens=True)
+    for text in TEXTS:
+        ids = tok.encode(text).ids
+        assert len(ids) >= 2
+        assert got.encode(text).ids == ids, text
+        for skip in (True, False):
+            assert got.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), text
+
+
+def test_tokenizer_adds_bos_where_the_file_says(tmp_path):
+    from npattn.models.gguf import gguf_tokenizer
+
+    tok = _bpe_tokenizer("qwen2")
+    path = tmp_path / "b.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    _write_tokenizer(w, tok, "qwen2", tmp_path)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = gguf_tokenizer(path)
+    bos = tok.token_to_id("<|endoftext|>")
+    assert got.encode("Hello world").ids == [bos, *tok.encode("Hello world").ids]
+    assert got.encode("Hello world", add_special_tokens=False).ids == tok.encode("Hello world").ids
+
+
+def _tokenizer_file(path, metadata):
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    metadata(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tokenizers_npattn_does_not_build_are_refused_by_name(tmp_path):
+    from npattn.models.gguf import gguf_tokenizer
+
+    def spm(w):
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "a"])
+
+    with pytest.raises(ValueError, match=r"s.gguf: tokenizer.ggml.model 'llama' is not a BPE tokenizer"):
+        gguf_tokenizer(_tokenizer_file(tmp_path / "s.gguf", spm))
+
+    def other_pre(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("deepseek-coder")
+        w.add_token_list(["a", "b"])
+        w.add_token_merges([])
+
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'deepseek-coder' is not a pre-tokenizer npattn knows"):
+        gguf_tokenizer(_tokenizer_file(tmp_path / "p.gguf", other_pre))
+
+    def bad_merge(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_merges(["a b", "ab"])
+
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.merges\[1\] 'ab' is not two tokens"):
+        gguf_tokenizer(_tokenizer_file(tmp_path / "m.gguf", bad_merge))
+
+
+def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys):
+    """The CLI on a GGUF file: the model by from_gguf, the prompt encoded by the file's tokenizer,
+    the greedy completion printed; --chat renders the file's chat template."""
+    from npattn.__main__ import main
+
+    tok = _bpe_tokenizer("qwen2")
+    config = dict(QWEN3, vocab_size=tok.get_vocab_size(), eos_token_id=None)
+    src = _model(config)
+    for p in src.parameters():
+        p.data[...] = p.data * 4  # a peaked distribution: greedy is stable
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    _metadata(w, config, "qwen3")
+    _write_tokenizer(w, tok, "qwen2", tmp_path, chat_template="<|im_start|>{{ messages[0]['content'] }}<|im_end|>")
+    for (key, name), value in _as_gguf(src.state_dict(), config, "qwen3").items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loaded = CausalLM.from_gguf(path)
+    prompt = "the cat sat"
+    ids = tok.encode(prompt).ids
+    eos = tok.token_to_id("<|im_end|>")
+    expect = loaded.generate(np.array([ids]), 5, eos_token_id=eos)[0, len(ids) :].tolist()
+    if eos in expect:
+        expect = expect[: expect.index(eos) + 1]
+    assert main(["generate", str(path), prompt, "--max-new-tokens", "5"]) == 0
+    first, last = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    assert first == prompt + tok.decode(expect)
+    assert last.startswith(f"[{len(expect)} tokens in ")
+    chat_ids = tok.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False).ids
+    expect = loaded.generate(np.array([chat_ids]), 3, eos_token_id=eos)[0, len(chat_ids) :].tolist()
+    if eos in expect:
+        expect = expect[: expect.index(eos) + 1]
+    assert main(["generate", str(path), "hi", "--max-new-tokens", "3", "--chat"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == tok.decode(expect)
+    assert main(["generate", str(tmp_path / "none.gguf"), "hi"]) == 2
+    assert "no such directory or GGUF file" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from .._hints import install_hint
 from .configs import GGUF_FAMILIES
 from .hf import LazyTensor, _short, load_into
 
-__all__ = ["from_gguf", "read_gguf", "GGUF_TYPES"]
+__all__ = ["from_gguf", "read_gguf", "gguf_tokenizer", "gguf_chat_template", "GGUF_TYPES", "GGUF_PRE_TOKENIZERS"]
 
 # the GGML types npattn reads (each dequantized by gguf.quants.dequantize)
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
@@ -83,7 +83,8 @@ class _File:
     meta: dict
 
 
-def _open(path) -> _File:
+def _read(path) -> _File:
+    """The file opened by ``gguf.GGUFReader`` and its metadata (any architecture)."""
     gguf = _gguf()
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -99,12 +100,16 @@ def _open(path) -> _File:
                 meta[key] = f.contents()
             except Exception:  # pragma: no cover - a field type this gguf version cannot decode
                 meta[key] = None
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHES:
+    return _File(path, reader, meta.get("general.architecture"), meta)  # type: ignore[arg-type]
+
+
+def _open(path) -> _File:
+    f = _read(path)
+    if f.arch not in _ARCHES:
         raise ValueError(
-            f"{path}: general.architecture {_short(arch)} is not supported (npattn reads {sorted(_ARCHES)})"
+            f"{f.path}: general.architecture {_short(f.arch)} is not supported (npattn reads {sorted(_ARCHES)})"
         )
-    return _File(path, reader, arch, meta)
+    return f
 
 
 def _config(f: _File, tensor_names: set) -> dict:
@@ -267,3 +272,127 @@ def from_gguf(cls, path, dtype=None):
     """``CausalLM.from_gguf``: ``read_gguf`` then ``load_into``."""
     config, tensors = read_gguf(path)
     return load_into(cls, tensors, config, dtype)
+
+
+# -- the tokenizer of a GGUF file -------------------------------------------------------------------
+# tokenizer.ggml.pre -> the pre-tokenizer's split regex as the original tokenizer.json states it (the
+# one llama.cpp's llama-vocab.cpp rewrites for its own engine; None: GPT-2's, ByteLevel's own) and
+# whether the original BPE takes a word found whole in the vocabulary without merging (ignore_merges)
+# and normalizes to NFC first
+_GPT4_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+#: The ``tokenizer.ggml.pre`` values ``gguf_tokenizer`` reads: ``(split regex or None for GPT-2's,
+#: ignore_merges, NFC)``.
+GGUF_PRE_TOKENIZERS = {
+    "gpt-2": (None, False, False),
+    "llama-bpe": (_GPT4_SPLIT, True, False),
+    "llama3": (_GPT4_SPLIT, True, False),
+    "llama-v3": (_GPT4_SPLIT, True, False),
+    "qwen2": (_QWEN2_SPLIT, False, True),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+
+
+def _tokenizer_meta(f: _File) -> tuple:
+    """``(tokens, token types, merges as pairs, pre-tokenizer entry)`` of the file's BPE
+    tokenizer, each checked; ValueError naming the key otherwise."""
+    meta, where = f.meta, f.path
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"{where}: tokenizer.ggml.model {_short(model)} is not a BPE tokenizer npattn builds (it reads 'gpt2'; "
+            "'llama' is SentencePiece): pass the prompt as token ids"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ValueError(
+            f"{where}: tokenizer.ggml.pre {_short(pre)} is not a pre-tokenizer npattn knows "
+            f"(it reads {sorted(GGUF_PRE_TOKENIZERS)})"
+        )
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens or ())
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{where}: tokenizer.ggml.tokens: expected a list of strings")
+    if len(types) != len(tokens):
+        raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}")
+    if not isinstance(merges, list):
+        raise ValueError(f"{where}: tokenizer.ggml.merges: expected a list of 'a b' strings, got {_short(merges)}")
+    pairs = [m.split(" ") if isinstance(m, str) else () for m in merges]
+    bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise ValueError(f"{where}: tokenizer.ggml.merges[{bad}] {_short(merges[bad])} is not two tokens 'a b'")
+    return tokens, types, [tuple(p) for p in pairs], GGUF_PRE_TOKENIZERS[pre]
+
+
+def gguf_tokenizer(path):
+    """The ``tokenizers.Tokenizer`` of a GGUF file's BPE tokenizer (``tokenizer.ggml.model``
+    ``"gpt2"``), built as the original ``tokenizer.json`` was: byte-level BPE of
+    ``tokenizer.ggml.tokens`` (ids by position) and ``tokenizer.ggml.merges``, the pre-tokenizer
+    of ``tokenizer.ggml.pre`` (``GGUF_PRE_TOKENIZERS``), the ``CONTROL`` tokens special and the
+    ``USER_DEFINED`` ones added (both matched whole, before the BPE), ``tokenizer.ggml.bos_token_id``
+    and ``eos_token_id`` added where ``add_bos_token`` / ``add_eos_token`` say so.
+
+    Raises
+    ------
+    ImportError
+        Without the ``gguf`` or ``tokenizers`` package (with the install hint).
+    FileNotFoundError
+        No such file.
+    ValueError
+        Not a GGUF file, a tokenizer model other than ``gpt2`` (SentencePiece's ``llama``
+        among them) or a pre-tokenizer npattn does not know (named), malformed tokenizer metadata.
+    """
+    try:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    except ImportError:
+        raise ImportError(f"a GGUF file's tokenizer needs the tokenizers package: {install_hint('hf')}") from None
+    f = _read(path)
+    tokens, types, merges, (split, ignore_merges, nfc) = _tokenizer_meta(f)
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=split is None)
+    tok.pre_tokenizer = (
+        byte_level
+        if split is None
+        else pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    )
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    )
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    )
+    ends = {}
+    for end in ("bos", "eos"):
+        i = f.meta.get(f"tokenizer.ggml.{end}_token_id")
+        if f.meta.get(f"tokenizer.ggml.add_{end}_token", False) and isinstance(i, int) and 0 <= i < len(tokens):
+            ends[end] = (tokens[i], i)
+    if ends:
+        single = [
+            f"{ends[e][0]}:0" if e in ends else "$A:0" for e in ("bos", "text", "eos") if e in ends or e == "text"
+        ]
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(ends.values()))
+    return tok
+
+
+def gguf_chat_template(path) -> tuple:
+    """``(tokenizer.chat_template or None, {"bos_token": ..., "eos_token": ...})`` of a GGUF
+    file: the template its converter copied from ``tokenizer_config.json`` and the special tokens
+    a template refers to, by the ids of ``tokenizer.ggml.bos_token_id`` / ``eos_token_id``."""
+    f = _read(path)
+    tokens = f.meta.get("tokenizer.ggml.tokens") or []
+    special = {}
+    for end in ("bos", "eos"):
+        i = f.meta.get(f"tokenizer.ggml.{end}_token_id")
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            special[f"{end}_token"] = tokens[i]
+    return f.meta.get("tokenizer.chat_template"), special

@@ -2,11 +2,13 @@
 
 The directory holds ``config.json``, the safetensors weights and ``tokenizer.json``; the
 ``tokenizers`` package (``pip install "npattn[hf]"``, or ``pip install ".[hf]"`` from a clone)
-turns the prompt into ids and the ids back into text.  The tokens come from ``CausalLM.stream``
-(the prompt encoded once into every layer's cache, then one cached step per token; greedy at
-temperature 0, else sampled with ``--top-k``, ``--top-p``, ``--seed``; the config's
-``eos_token_id`` ends it).  Text is printed as it grows (the decoded completion's new characters
-after each token); the last line reports tokens per second.
+turns the prompt into ids and the ids back into text.  DIRECTORY may also be a GGUF file
+(``CausalLM.from_gguf``; the ``gguf`` package): its BPE tokenizer is built from the file's
+metadata (``npattn.models.gguf.gguf_tokenizer``), ``--chat`` takes its ``tokenizer.chat_template``.
+The tokens come from ``CausalLM.stream`` (the prompt encoded once into every layer's cache, then
+one cached step per token; greedy at temperature 0, else sampled with ``--top-k``, ``--top-p``,
+``--seed``; the config's ``eos_token_id`` ends it).  Text is printed as it grows (the decoded
+completion's new characters after each token); the last line reports tokens per second.
 
 ``--chat``: the prompt is one user message, put into the model's chat template (``chat_template``
 of ``tokenizer_config.json``, or ``chat_template.jinja`` beside it, which transformers prefers) as
@@ -110,14 +112,22 @@ def _load(args):
         _check_top_p(args.top_p)
     except (TypeError, ValueError) as e:
         raise _Failure(_one_line(e)) from None
-    if not os.path.isdir(args.directory):
-        raise _Failure(f"directory: no such directory {args.directory!r}")
-    tok_path = os.path.join(args.directory, "tokenizer.json")
-    if tokenizer is not None:
-        tokenizer = _tokenizer(tokenizer, tok_path, args.directory)
+    if os.path.isfile(args.directory):
+        model, tokenizer, tok_path = _from_gguf(args.directory, tokenizer is not None)
+        eos_name = f"{args.directory}: tokenizer.ggml.eos_token_id"
+    elif not os.path.isdir(args.directory):
+        raise _Failure(f"directory: no such directory or GGUF file {args.directory!r}")
+    else:
+        tok_path = os.path.join(args.directory, "tokenizer.json")
+        if tokenizer is not None:
+            tokenizer = _tokenizer(tokenizer, tok_path, args.directory)
+        try:
+            model = CausalLM.from_pretrained(args.directory)
+        except _LOAD_ERRORS as e:
+            raise _Failure(_one_line(e)) from None
+        eos_name = f"{os.path.join(args.directory, 'config.json')}: eos_token_id"
     try:
-        model = CausalLM.from_pretrained(args.directory)
-        eos = _eos_ids(model.config, f"{os.path.join(args.directory, 'config.json')}: eos_token_id")
+        eos = _eos_ids(model.config, eos_name)
     except _LOAD_ERRORS as e:
         raise _Failure(_one_line(e)) from None
     vocab = model.config.vocab_size
@@ -139,6 +149,20 @@ def _load(args):
             f"[0, {vocab}) (vocab_size)"
         )
     return model, tokenizer, prompt_ids, eos
+
+
+def _from_gguf(path: str, with_tokenizer: bool) -> tuple:
+    """``(model, tokenizer or None, where)`` of a GGUF file; raises ``_Failure``."""
+    from ..models import CausalLM
+    from ..models.gguf import gguf_tokenizer
+
+    try:
+        model = CausalLM.from_gguf(path)
+        return model, gguf_tokenizer(path) if with_tokenizer else None, path
+    except ImportError as e:
+        raise _Failure(_one_line(e)) from None
+    except _LOAD_ERRORS as e:
+        raise _Failure(_one_line(e)) from None
 
 
 def _tokenizer_class():
@@ -185,6 +209,8 @@ def _chat_template(directory: str) -> tuple:
     (transformers 5 saves it so and prefers it), else ``tokenizer_config.json``'s
     ``chat_template`` (a string, or a list of named templates whose ``"default"`` is taken); the
     special tokens (strings, or added-token objects' ``content``) from ``tokenizer_config.json``."""
+    if os.path.isfile(directory):
+        return _gguf_chat_template(directory)
     cfg_path = os.path.join(directory, "tokenizer_config.json")
     jinja_path = os.path.join(directory, "chat_template.jinja")
     config: dict = {}
@@ -218,6 +244,19 @@ def _chat_template(directory: str) -> tuple:
         if isinstance(value, str):
             special[name] = value
     return template, special, where
+
+
+def _gguf_chat_template(path: str) -> tuple:
+    """``_chat_template`` of a GGUF file: ``tokenizer.chat_template`` and the bos and eos tokens."""
+    from ..models.gguf import gguf_chat_template
+
+    try:
+        template, special = gguf_chat_template(path)
+    except _LOAD_ERRORS as e:
+        raise _Failure(f"--chat: {_one_line(e)}") from None
+    if not isinstance(template, str):
+        raise _Failure(f"--chat: no tokenizer.chat_template in {path!r}: the model may not be a chat model")
+    return template, special, path
 
 
 def _chat_text(directory: str, prompt: str) -> str:
