@@ -125,7 +125,7 @@ def lightning_indexer(q, k, weights, *, scale=None) -> tuple[np.ndarray, Lightni
     lead, (h, lq, d) = q.shape[:-3], q.shape[-3:]
     _lead_of(k, "k", lead, (None, d), "q's batch shape, then (Lk, D)")
     _lead_of(weights, "weights", lead, (lq, h), "q's batch shape, then (Lq, H)")
-    return _lightning_indexer(q, k, weights, _scale(scale, d))
+    return lightning_indexer_kernel(q, k, weights, _scale(scale, d))
 
 
 def _head_sum(r, w):
@@ -133,7 +133,8 @@ def _head_sum(r, w):
     return (w[..., None, :] @ r.swapaxes(-3, -2))[..., 0, :]
 
 
-def _lightning_indexer(q, k, w, scale):
+def lightning_indexer_kernel(q, k, w, scale):
+    """``lightning_indexer`` on checked arguments (``scale`` resolved)."""
     s = q @ k[..., None, :, :].swapaxes(-1, -2)  # (B..., H, Lq, Lk)
     s *= scale
     return _head_sum(np.maximum(s, 0), w), LightningIndexerCache(q, k, w, s, scale)

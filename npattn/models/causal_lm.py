@@ -155,7 +155,13 @@ def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
         )
         kv = _lin("kv_a_proj_with_mqa", r + dr, H, b) + [("kv_a_layernorm.weight", (r,))]
         kv += _lin("kv_b_proj", heads * (dn + dv), r, False)
-        return [(f"self_attn.{n}", s) for n, s in q + kv + _lin("o_proj", H, heads * dv, b)]
+        out = q + kv + _lin("o_proj", H, heads * dv, b)
+        if lat.index_topk is not None:  # DeepSeek-V3.2's lightning indexer (LightningIndexer)
+            ih, idim = lat.index_n_heads or 64, lat.index_head_dim or 128
+            out += _lin("indexer.wq_b", ih * idim, q_lora or 0, False) + _lin("indexer.wk", idim, H, False)
+            out += [("indexer.k_norm.weight", (idim,)), ("indexer.k_norm.bias", (idim,))]
+            out += _lin("indexer.weights_proj", ih, H, False)
+        return [(f"self_attn.{n}", s) for n, s in out]
     if kind == "linear_attention" and isinstance(cfg.linear_attention, KdaConfig):  # KimiDeltaAttention
         kda = cfg.linear_attention
         d, hd = kda.linear_head_dim, kda.linear_num_heads * kda.linear_head_dim

@@ -53,6 +53,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "kimi_linear",
+    "deepseek_v32",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -265,6 +266,9 @@ class LatentConfig(_Kwargs):
     rope_scaling: Mapping[str, Any]
     rope_interleave: bool
     rope: bool = True
+    index_topk: int | None = None  # DeepSeek-V3.2's sparse attention: the lightning indexer's choice
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -919,6 +923,44 @@ def _deepseek_v3(r: _Reader) -> dict:
     return c
 
 
+def _mlp_layer_types(r: _Reader, n: int, default: list) -> tuple:
+    """``mlp_layer_types`` (``"dense"`` or ``"sparse"`` per layer; ``default`` when absent) as
+    ``CausalLMConfig.mlp_types`` (``"dense"`` / ``"moe"``)."""
+    mlp = r.get("mlp_layer_types") or default
+    if len(mlp) != n or any(t not in ("dense", "sparse") for t in mlp):
+        raise ValueError(f"config['mlp_layer_types']: expected {n} entries of 'dense' or 'sparse', got {_show(mlp)}")
+    return tuple("moe" if t == "sparse" else "dense" for t in mlp)
+
+
+def _deepseek_v32(r: _Reader) -> dict:
+    """DeepSeek-V3.2: DeepSeek-V3's model (``_deepseek_v3``: MLA, dense then routed MLPs, its
+    checkpoint names) whose every attention layer is sparse: a lightning indexer (``index_n_heads``
+    heads of ``index_head_dim`` features) chooses each query's ``index_topk`` keys
+    (``LatentConfig.index_topk``; ``layer_types`` all ``"indexed_attention"``, as transformers'
+    config says).  ``mlp_layer_types`` (``"dense"``/``"sparse"``) takes the place of
+    ``first_k_dense_replace`` when given; transformers' MLPs have no bias whatever ``mlp_bias`` says,
+    and its attention always rotates interleaved pairs."""
+    r.only("rope_interleave", (True,), True, "DeepseekV32Attention always rotates interleaved pairs")
+    r.get("mlp_bias")  # DeepseekV32MLP builds its projections without bias whatever it says
+    c = _deepseek_v3(r)
+    n = c["num_hidden_layers"]
+    _layer_types(r, n, ("indexed_attention",), ["indexed_attention"] * n)
+    default = ["sparse" if t == "moe" else "dense" for t in c["mlp_types"]]  # from first_k_dense_replace
+    c["mlp_types"] = _mlp_layer_types(r, n, default)
+    r.int("q_lora_rank")  # transformers' sparse attention has no full-rank query path
+    index = {key: r.int(key) for key in ("index_topk", "index_n_heads", "index_head_dim")}
+    if index["index_head_dim"] < c["head_dim"]:
+        raise ValueError(
+            f"config['index_head_dim']: expected at least qk_rope_head_dim={c['head_dim']} (its rotated part), "
+            f"got {index['index_head_dim']}"
+        )
+    c.update(
+        latent=dataclasses.replace(c["latent"], **index),
+        moe=moe_config(r.d) if "moe" in c["mlp_types"] else None,
+    )
+    return c
+
+
 def _qwen3_next(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
@@ -1045,16 +1087,13 @@ def _kimi_linear(r: _Reader) -> dict:
         default = given
     lt = _layer_types(r, n, ("full_attention", "linear_attention"), default)
     k_dense = r.int("first_k_dense_replace", 1, minimum=0)
-    mlp = r.get("mlp_layer_types") or ["dense" if i < k_dense else "sparse" for i in range(n)]
-    if len(mlp) != n or any(t not in ("dense", "sparse") for t in mlp):
-        raise ValueError(f"config['mlp_layer_types']: expected {n} entries of 'dense' or 'sparse', got {_show(mlp)}")
+    moe = _mlp_layer_types(r, n, ["dense" if i < k_dense else "sparse" for i in range(n)])
     for key in ("model_max_length", "qk_head_dim", "head_dim", "q_lora_rank"):  # derived or read below
         r.get(key)
     for key in ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
         r.int(key, 1)
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size"):
         r.int(key)
-    moe = tuple("moe" if t == "sparse" else "dense" for t in mlp)
     for group in _KIMI_MOE_KEYS:  # each key under either of its names (transformers' attribute_map)
         for key in group:
             r.get(key)
@@ -1331,6 +1370,19 @@ _DEFAULTS: dict = {
 }
 
 
+# DeepseekV32Config's class defaults: DeepSeek-V3's but for these (no rope_interleave key: always interleaved)
+_DEFAULTS["deepseek_v32"] = dict(
+    _DEFAULTS["deepseek_v3"],
+    max_position_embeddings=163840,
+    num_key_value_heads=128,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=64,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
 def with_defaults(config: Mapping[str, Any]) -> dict:
     """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
     it leaves out (see ``_DEFAULTS``)."""
@@ -1598,6 +1650,7 @@ def _moe_mixtral(c: _Loose) -> MoEConfig:
 _MOE_READERS = {
     "gpt_oss": _moe_gpt_oss,
     "deepseek_v3": _moe_deepseek_v3,
+    "deepseek_v32": _moe_deepseek_v3,
     "kimi_linear": _moe_kimi_linear,
     "qwen3_next": _moe_qwen3_next,
     "qwen3_5_moe_text": _moe_qwen3_5_moe,
@@ -1654,6 +1707,7 @@ _READERS = {
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe_text": _qwen3_5,
     "kimi_linear": _kimi_linear,
+    "deepseek_v32": _deepseek_v32,
 }
 
 

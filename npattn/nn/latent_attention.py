@@ -57,11 +57,12 @@ from .._validate import (
 )
 from ..functional import kernels as K
 from ..functional.rope_scaling import check_scaling, resolve_base, rope_softmax_scale
+from ..functional.sparse_attention import index_topk_kernel, lightning_indexer_kernel
 from .kv_cache import KVCache
-from .layers import Linear, RMSNorm, input_tangent
+from .layers import LayerNorm, Linear, RMSNorm, input_tangent
 from .module import Module, no_grad
 
-__all__ = ["MultiHeadLatentAttention", "kv_cache_bytes_per_token"]
+__all__ = ["MultiHeadLatentAttention", "LightningIndexer", "kv_cache_bytes_per_token"]
 
 
 class _State(NamedTuple):
@@ -120,6 +121,58 @@ def _core_backward_jvp(d, cache, tangents, td):
     return grads[:3], grad_tangents[:3]
 
 
+class LightningIndexer(Module):
+    """DeepSeek-V3.2's lightning indexer: which keys each query of a ``MultiHeadLatentAttention``
+    attends to (its ``index_topk`` best), with the parameter names of transformers'
+    ``DeepseekV32Indexer``: ``wq_b.weight (H D, q_lora_rank)``, ``wk.weight (D, hidden)``,
+    ``k_norm.weight``, ``k_norm.bias (D,)`` (a LayerNorm, eps 1e-6), ``weights_proj.weight (H, hidden)``.
+
+    For a token ``x`` with the attention's low-rank query ``a = q_a_layernorm(q_a_proj(x))``::
+
+        q_h = rope(wq_b(a)_h)      k = rope(k_norm(wk(x)))      w = weights_proj(x) / sqrt(H)
+        I[l, t] = sum_h w[l, h] relu(q_h[l] . k[t] / sqrt(D))            (lightning_indexer)
+
+    RoPE rotates the first ``qk_rope_head_dim`` features of q and k in the rotate-half layout
+    (pairs ``(i, i + dr/2)``), whatever the attention's layout; the rest pass unrotated.  The choice
+    of keys is piecewise constant, so nothing is differentiated through it: its parameters get no
+    gradient from the model's loss (zero, as transformers' ``no_grad``); they are trained by the
+    indexer's own KL loss (``npattn.functional.indexer_kl_loss``).  A parameter holder: the
+    attention calls ``scores``; ``keys`` is what its cache keeps per token (``D`` numbers).
+    """
+
+    def __init__(self, hidden_size, q_lora_rank, num_heads, head_dim, rope_dim, *, rng=None, dtype=np.float64):
+        super().__init__()
+        self.num_heads = check_size(num_heads, "index_n_heads")
+        self.head_dim = check_size(head_dim, "index_head_dim")
+        if self.head_dim < rope_dim:
+            raise ValueError(f"index_head_dim: expected at least qk_rope_head_dim={rope_dim}, got {self.head_dim}")
+        self.rope_dim = rope_dim
+        self._dtype = check_dtype(dtype)
+        self.wq_b = Linear(q_lora_rank, self.num_heads * self.head_dim, False, rng=rng, dtype=dtype)
+        self.wk = Linear(hidden_size, self.head_dim, False, rng=rng, dtype=dtype)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
+        self.weights_proj = Linear(hidden_size, self.num_heads, False, rng=rng, dtype=dtype)
+
+    def forward(self, x):  # pragma: no cover - called through its attention
+        raise RuntimeError("LightningIndexer: call it through its MultiHeadLatentAttention (it has no forward)")
+
+    def _rotated(self, t, rope):
+        """RoPE of the first ``rope_dim`` features of ``t (..., heads, L, D)``, rotate-half."""
+        return np.concatenate([rope(t[..., : self.rope_dim]), t[..., self.rope_dim :]], axis=-1)
+
+    def keys(self, x, rope):
+        """The indexer keys of ``x (..., L, hidden)``: ``(..., L, D)`` (``rope(t)`` rotates ``(..., 1, L, dr)``)."""
+        k = K.layer_norm(K.linear(x, self.wk.weight.data)[0], self.k_norm.weight.data, self.k_norm.bias.data, 1e-6)[0]
+        return self._rotated(k[..., None, :, :], rope)[..., 0, :, :]
+
+    def scores(self, x, a, keys, rope):
+        """``I (..., L, T)``: the queries of ``x`` (low-rank query ``a``) against ``keys (..., T, D)``."""
+        q = K.linear(a, self.wq_b.weight.data)[0]
+        q = self._rotated(_split(q, self.num_heads), rope)  # (..., H, L, D)
+        w = K.linear(x, self.weights_proj.weight.data)[0] * self.num_heads**-0.5
+        return lightning_indexer_kernel(q, keys, w, self.head_dim**-0.5)[0]
+
+
 class MultiHeadLatentAttention(Module):
     """Multi-head latent attention (DeepSeek-V2/V3): ``(..., L, hidden_size) -> (..., L, hidden_size)``,
     with the semantics and parameter names of Hugging Face's ``DeepseekV3Attention``.
@@ -163,8 +216,18 @@ class MultiHeadLatentAttention(Module):
         an exact identity, so backward and JVP are unchanged); ``rope_scaling`` is then unused.
     causal : bool
         Query ``i`` sees keys ``0..i`` (True, as the model).
+    index_topk, index_n_heads, index_head_dim : int or None
+        DeepSeek-V3.2's sparse attention (``deepseek_v32``): with ``index_topk`` a
+        ``LightningIndexer`` (``self.indexer``; ``index_n_heads`` heads of ``index_head_dim``
+        features, needs ``q_lora_rank``) scores every key for every query, and each query attends
+        to its ``index_topk`` best visible keys only (``npattn.functional.index_topk``; all of them
+        when it sees fewer), as transformers' ``DeepseekV32Attention`` with its eager mask.  The
+        choice is a constant mask for the backward and the JVPs: the gradient is that of the
+        selected attention, the indexer's parameters get zero (``LightningIndexer``).  The cache
+        keeps each token's indexer key beside its latent.  None (default): dense MLA.
     rng : Generator, int or None
-        Draws the projections (``Linear``'s torch-like uniform init) in the order q, kv_a, kv_b, o.
+        Draws the projections (``Linear``'s torch-like uniform init) in the order q, kv_a, kv_b, o
+        (then the indexer's wq_b, wk, weights_proj).
     dtype : float32 or float64
 
     Notes
@@ -207,6 +270,9 @@ class MultiHeadLatentAttention(Module):
         rope_interleave: bool = True,
         causal: bool = True,
         rope: bool = True,
+        index_topk: int | None = None,
+        index_n_heads: int | None = None,
+        index_head_dim: int | None = None,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -252,7 +318,19 @@ class MultiHeadLatentAttention(Module):
         self.kv_a_layernorm = RMSNorm(r, self.rms_norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(r, H * (self.qk_nope_head_dim + self.v_head_dim), False, rng=rng, dtype=dtype)
         self.o_proj = Linear(H * self.v_head_dim, D, bias, rng=rng, dtype=dtype)
+        self.index_topk = None if index_topk is None else check_size(index_topk, "index_topk")
+        if self.index_topk is not None:
+            if self.q_lora_rank is None:
+                raise ValueError("index_topk: the lightning indexer reads the low-rank query; q_lora_rank is needed")
+            heads, dim = (
+                (64 if index_n_heads is None else index_n_heads),
+                (128 if index_head_dim is None else index_head_dim),
+            )
+            self.indexer = LightningIndexer(
+                D, self.q_lora_rank, heads, dim, self.qk_rope_head_dim, rng=rng, dtype=dtype
+            )
         object.__setattr__(self, "_kv_cache", None)
+        object.__setattr__(self, "_index_keys", None)  # the indexer keys of the cached tokens
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, rng=None, dtype=np.float64) -> MultiHeadLatentAttention:
@@ -288,8 +366,9 @@ class MultiHeadLatentAttention(Module):
 
     # -- the latent cache -------------------------------------------------------------------
     def reset_kv_cache(self) -> None:
-        """Empty the latent cache (start a new sequence)."""
+        """Empty the latent cache (and the indexer keys' cache; start a new sequence)."""
         object.__setattr__(self, "_kv_cache", None)
+        object.__setattr__(self, "_index_keys", None)
 
     @property
     def kv_cache_length(self) -> int:
@@ -419,10 +498,12 @@ class MultiHeadLatentAttention(Module):
         H, dn, r = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
         lead = x.shape[:-2]
         # -- queries: (..., L, H dq) -> (..., H, L, dq) --------------------------------------
+        a = None
         if self.q_lora_rank is None:
             q = self.q_proj._forward(x)
         else:
-            q = self.q_b_proj._forward(self.q_a_layernorm._forward(self.q_a_proj._forward(x)))
+            a = self.q_a_layernorm._forward(self.q_a_proj._forward(x))
+            q = self.q_b_proj._forward(a)
         qh = _split(q, H)
         q_nope = qh[..., :dn]
         q_pe, q_rope = self._rope(qh[..., dn:], positions)  # (..., H, L, dr)
@@ -442,6 +523,8 @@ class MultiHeadLatentAttention(Module):
         opts: dict = {"is_causal": self.causal, "scale": self.scaling}
         if self.causal and use_cache:
             opts["causal_align"] = "bottom_right"
+        if self.index_topk is not None:
+            mask = self._sparse_mask(x, a, positions, mask, use_cache)
         if absorb:
             # q_lat[h] = W_uk[h]^T q_nope[h]: (..., H, L, dn) @ (H, dn, r) -> (..., H, L, r)
             W_uk, W_uv = self._absorbed_weights()
@@ -465,6 +548,45 @@ class MultiHeadLatentAttention(Module):
         y = self.o_proj._forward(_merge(ctx))
         self.save_for_backward(state)
         return y
+
+    def _sparse_mask(self, x, a, positions, mask, use_cache):
+        """DeepSeek-V3.2's choice as an attention mask: the indexer's scores of this call's
+        queries against every key (the cached tokens' indexer keys and this call's), hidden where
+        causality (query ``i`` at ``T + i``) or ``mask`` hides the key (a float mask is added to the
+        scores, as transformers does), each query's ``index_topk`` best kept: ``mask`` restricted
+        to them, ``(..., 1, L, T + L)`` bool (True = may attend) or float (-inf off the choice)."""
+        pos = positions[..., None, :] if positions.ndim else positions
+
+        def rope(t):  # rotate-half, the attention's frequencies and scaling
+            return K.rope(t, pos, base=self.rope_theta, interleaved=False, scaling=self.rope_scaling)[0]
+
+        keys = self.indexer.keys(x, rope)  # (..., L, D)
+        if use_cache:
+            old = self._index_keys
+            keys = keys if old is None else np.concatenate([old, keys], axis=-2)
+            object.__setattr__(self, "_index_keys", keys)
+        scores = self.indexer.scores(x, a, keys, rope)  # (..., L, T)
+        lq, lk = scores.shape[-2:]
+        visible = np.ones(scores.shape, bool)
+        if self.causal:
+            visible = np.broadcast_to(np.arange(lk) <= np.arange(lq)[:, None] + (lk - lq), scores.shape)
+        if mask is not None:
+            if mask.ndim >= 3 and mask.shape[-3] != 1:
+                raise ValueError(f"attn_mask: expected one mask for every head (axis -3 of size 1), got {mask.shape}")
+            m = mask[..., 0, :, :] if mask.ndim >= 3 else mask
+            if m.dtype == bool:
+                visible = visible & m
+            else:
+                scores = scores + m
+                visible = visible & np.isfinite(m)
+        idx = index_topk_kernel(scores, self.index_topk, np.broadcast_to(visible, scores.shape))
+        chosen = np.zeros(scores.shape, bool)
+        np.put_along_axis(chosen, np.maximum(idx, 0), True, axis=-1)  # an empty slot (-1) marks key 0 ...
+        chosen &= visible  # ... which stays hidden unless the query sees it (then it was chosen anyway)
+        chosen = chosen[..., None, :, :]
+        if mask is None or mask.dtype == bool:
+            return chosen if mask is None else chosen & mask
+        return np.where(chosen, mask, -np.inf).astype(mask.dtype)
 
     def _expand(self, c, use_cache):
         """``kv_b_proj(c)``; in a cached call the kernel alone (nothing kept, ``kv_b_proj`` untouched)."""
@@ -705,4 +827,7 @@ class MultiHeadLatentAttention(Module):
             dx = self.q_a_proj._backward(self.q_a_layernorm._backward(self.q_b_proj._backward(dq)))
         dc = self.kv_a_layernorm._backward(dc)
         dx += self.kv_a_proj_with_mqa._backward(np.concatenate([dc, dk_pe], axis=-1))
+        if self.index_topk is not None:  # the choice is piecewise constant: the indexer gets 0
+            for p in self.indexer.parameters():
+                self.accumulate_grad(p, np.zeros_like(p.data))
         return dx

@@ -1,0 +1,174 @@
+"""DeepSeek-V3.2 (``deepseek_v32``) in ``CausalLM`` against transformers' own ``DeepseekV32ForCausalLM``
+in float64 (its float32 casts made float64 by ``float64_reference``), the tiny config's indexer
+choosing 3 keys of up to 9 so that the choice matters:
+
+* logits 1e-9 and every parameter's gradient by its Hugging Face name 1e-8 (the indexer's, which
+  transformers computes under ``no_grad``, get zero: the choice is piecewise constant);
+* cached decoding (the indexer keys kept beside the latents) 1e-10 against the full pass;
+* a left-padded batch 1e-10 at the real tokens against transformers and each row alone;
+* the choice is stable: every choice made in these tests has a clear gap between the k-th and the
+  (k+1)-th visible score (asserted on each call), and it matters (the dense model differs);
+* the indexer's parameters trained by its KL loss: their gradient against torch autograd of the
+  same loss on transformers' layer;
+* checkpoints both ways (transformers' save_pretrained read by npattn, the same names written back).
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from _oracles import rel_err
+
+from npattn import no_grad
+
+_rel = functools.partial(rel_err, floor=1e-300, relative_to="max_b")
+GAP = 1e-6  # the smallest gap (relative to the row's largest |score|) between the k-th and (k+1)-th
+
+
+@pytest.fixture(autouse=True)
+def stable_choice(monkeypatch):
+    """Every top-k choice the model makes in these tests has a clear gap at its border (no tie
+    that a rounding could break differently in torch); the gaps seen are returned."""
+    import npattn.nn.latent_attention as LA
+
+    real = LA.index_topk_kernel
+    seen = []
+
+    def checked(scores, topk, visible=None):
+        z = np.where(visible, scores, -np.inf) if visible is not None else scores
+        srt = -np.sort(-z, axis=-1)
+        if srt.shape[-1] > topk:
+            kth, nxt = srt[..., topk - 1], srt[..., topk]
+            rows = np.isfinite(nxt)  # rows that see more than topk keys: the choice is a real one
+            if rows.any():
+                scale = np.maximum(np.abs(srt[..., :1]).max(-1), 1e-30)[rows]
+                gap = ((kth - nxt)[rows] / scale).min()
+                assert gap > GAP, f"a near tie at the top-{topk} border: relative gap {gap}"
+                seen.append(gap)
+        return real(scores, topk, visible)
+
+    monkeypatch.setattr(LA, "index_topk_kernel", checked)
+    return seen
+
+
+def _model(seed=0, **changes):
+    pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build, state_dict
+
+    from npattn.models import CausalLM
+    from npattn.models.tiny import tiny_config
+
+    kwargs = {k: v for k, v in tiny_config("deepseek_v32", **changes).items() if k != "model_type"}
+    hf, cfg = build(T.DeepseekV32Config, T.DeepseekV32ForCausalLM, seed=seed, **kwargs)
+    return hf, cfg, CausalLM.from_hf(state_dict(hf), cfg)
+
+
+def _hf_logits(hf, ids, **kwargs):
+    import torch
+    from _hf64 import float64_reference
+
+    with float64_reference(), torch.no_grad():
+        return hf(input_ids=torch.from_numpy(ids), use_cache=False, **kwargs).logits.numpy()
+
+
+def test_config_reads_as_transformers(stable_choice):
+    from npattn.models import config_from_hf
+    from npattn.models.tiny import tiny_config
+    from npattn.nn.latent_attention import LightningIndexer, MultiHeadLatentAttention
+
+    hf, cfg, m = _model()
+    assert config_from_hf(tiny_config("deepseek_v32")) == m.config  # the short dict as transformers' to_dict
+    lat = m.config.latent
+    assert (lat.index_topk, lat.index_n_heads, lat.index_head_dim) == (3, 16, 8)
+    for layer in m.model.layers:
+        assert isinstance(layer.attention, MultiHeadLatentAttention)
+        assert isinstance(layer.attention.indexer, LightningIndexer)
+    assert m.config.mlp_types == ("dense", "moe")
+
+
+def test_logits_and_every_gradient_match_transformers(stable_choice):
+    from _hf64 import hf_logits_and_grads
+
+    hf, cfg, m = _model()
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, cfg["vocab_size"], (2, 9))
+    dlogits = rng.standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    out = m(ids)
+    assert _rel(out, ref) < 1e-9
+    assert stable_choice  # choices were made (rows seeing more than 3 keys), each with a clear gap
+    m.zero_grad()
+    m.backward(dlogits)
+    names = dict(m.named_parameters())
+    assert set(names) == {n for n, _ in hf.named_parameters()}
+    no_grad_names = set(names) - set(ref_grads)
+    assert no_grad_names and all(".indexer." in n for n in no_grad_names)  # transformers: no_grad
+    for n, p in names.items():
+        if n in ref_grads:
+            assert _rel(p.grad, ref_grads[n]) < 1e-8, n
+        else:
+            assert p.grad is not None and not p.grad.any(), n
+    # the choice matters: the same weights attending densely give other logits
+    from npattn.models import CausalLM
+
+    dense = CausalLM.from_hf(m.state_dict(), dict(cfg, index_topk=9))
+    with no_grad():
+        assert _rel(dense(ids), ref) > 1e-3
+
+
+def test_cached_decoding_matches_the_full_pass(stable_choice):
+    hf, cfg, m = _model(3)
+    ids = np.random.default_rng(3).integers(0, cfg["vocab_size"], (2, 9))
+    ref = _hf_logits(hf, ids)
+    m.reset_kv_cache()
+    with no_grad():
+        parts = [m(ids[:, :4], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(4, 9)]
+    assert _rel(np.concatenate(parts, axis=1), ref) < 1e-10
+    att = m.model.layers[0].attention
+    assert att._index_keys.shape == (2, 9, 8)  # each token's indexer key, beside its latent
+    m.reset_kv_cache()
+    assert att._index_keys is None
+
+
+def test_padded_batch_matches_transformers_and_each_row_alone(stable_choice):
+    torch = pytest.importorskip("torch")
+    hf, cfg, m = _model(4)
+    rng = np.random.default_rng(4)
+    lens, L = (8, 5, 2), 8
+    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
+    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
+    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
+    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
+    real = mask.astype(bool)
+    with no_grad():
+        out = m(ids, attention_mask=mask)
+        assert _rel(out[real], ref[real]) < 1e-10
+        for i, n in enumerate(lens):
+            assert _rel(out[i, L - n :], m(ids[i : i + 1, L - n :])[0]) < 1e-10, i
+        # decoding after the padded prompt continues each row as alone
+        m.reset_kv_cache()
+        m(ids, attention_mask=mask, use_cache=True)
+        nxt = rng.integers(0, cfg["vocab_size"], (len(lens), 2))
+        steps = [m(nxt[:, t : t + 1], use_cache=True) for t in range(2)]
+        for i, n in enumerate(lens):
+            alone = m.__class__.from_hf(m.state_dict(), cfg)
+            full = alone(np.concatenate([ids[i : i + 1, L - n :], nxt[i : i + 1]], axis=1))
+            assert _rel(np.concatenate([s[i] for s in steps]), full[0, -2:]) < 1e-10, i
+
+
+def test_checkpoint_round_trips(tmp_path, stable_choice):
+    from npattn.models import CausalLM
+    from npattn.models.hf import open_checkpoint
+
+    hf, cfg, m = _model(5)
+    hf.save_pretrained(tmp_path / "hf")
+    theirs = set(open_checkpoint(tmp_path / "hf")[1])
+    assert "model.layers.0.self_attn.indexer.wq_b.weight" in theirs
+    loaded = CausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config == m.config
+    ids = np.random.default_rng(5).integers(0, cfg["vocab_size"], (1, 7))
+    with no_grad():
+        np.testing.assert_array_equal(loaded(ids), m(ids))
+    m.save_pretrained(tmp_path / "ours")
+    assert set(open_checkpoint(tmp_path / "ours")[1]) == theirs
