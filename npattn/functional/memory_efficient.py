@@ -1191,7 +1191,8 @@ def memory_efficient_attention_backward_jvp_kernel(dout, cache: MemoryEfficientC
         td += np.einsum("...e,...e->...", ddo, cache.out.reshape(lead + (lq, ev)))
     if ddo is not None and geo.dropout is not None:
         ddo = ddo * geo.dropout.scale  # folded as dO is (_upstream)
-    rows = _TangentRows(ddo, td[..., None, :], mu, None if tan.q is None else tan.q * cache.scale)
+    del tout  # only tD needs it: not held through the key blocks (the peak memory)
+    rows = _TangentRows(ddo, td[..., None, :], mu, tan.q, cache.scale)
     tdk, tdv = np.zeros(lay.k.shape, geo.dt), np.zeros(lay.v.shape, geo.dt)
     tdmask = None
     if has_mask_grad and lay.mask is not None and cache.attn_mask is not None:
@@ -1234,12 +1235,14 @@ def _tangent_and_mean(geo: _Geometry, cache: MemoryEfficientCache, tan: _Tangent
 class _TangentRows(NamedTuple):
     """What every worker of the second order reads beside ``_Upstream``, in the working layout:
     ``ddO`` (times ``1/(1-p)`` with dropout; None for zero), the rows ``tD`` and ``mu``
-    ``(..., 1, Lq)``, and ``scale tq`` (None for zero)."""
+    ``(..., 1, Lq)``, and ``tq`` (None for zero) with the ``scale`` each block of its rows is
+    multiplied by (``scale tq`` block by block, not a second q-sized array)."""
 
     ddout: Optional[np.ndarray]
     td: np.ndarray
     mu: np.ndarray
-    tqs: Optional[np.ndarray]
+    tq: Optional[np.ndarray]
+    scale: float
 
 
 class _BackwardJvpWorker:
@@ -1272,8 +1275,9 @@ class _BackwardJvpWorker:
             return
         p = np.exp(st - up.lse_row[..., i0:i1])  # P^T = exp(S^T - lse)
         ts = None  # tS_raw^T = K_j (scale tq_i)^T + tK_j (scale q_i)^T
-        if rows.tqs is not None:
-            ts = np.matmul(k_j, rows.tqs[..., i0:i1, :].swapaxes(-1, -2))
+        tqs = None if rows.tq is None else rows.tq[..., i0:i1, :] * rows.scale
+        if tqs is not None:
+            ts = np.matmul(k_j, tqs.swapaxes(-1, -2))
         if tan.k is not None:
             part = np.matmul(tan.k[..., j0:j1, :], qs.swapaxes(-1, -2))
             ts = part if ts is None else ts + part
@@ -1315,7 +1319,7 @@ class _BackwardJvpWorker:
         tdk_j += np.matmul(tds, qs)  # tdK_j += tds^T (scale Q_i) + ds^T (scale tQ_i)
         if tan.k is not None:
             tdq_i += np.matmul(ds.swapaxes(-1, -2), tan.k[..., j0:j1, :])
-        if rows.tqs is not None:
-            tdk_j += np.matmul(ds, rows.tqs[..., i0:i1, :])
+        if tqs is not None:
+            tdk_j += np.matmul(ds, tqs)
         dq_i = tdq[..., i0:i1, :]
         dq_i += sum_to(tdq_i, dq_i.shape)
