@@ -26,7 +26,8 @@ BACKWARD_RAISES = """
 
 def shared_doc(**parts: str) -> Callable[[T], T]:
     """Decorator: each line ``<name>`` of the docstring becomes ``parts[name]`` (its lines indented
-    as the marker; blank lines stay blank).  A part its docstring does not name is an error.
+    as the marker; blank lines stay blank).  A part its docstring does not name is an error.  The
+    standard parts (``<examples>``, :data:`EXAMPLES`) are filled where the docstring names them.
 
     Examples
     --------
@@ -45,7 +46,10 @@ def shared_doc(**parts: str) -> Callable[[T], T]:
 
     def fill(obj: T) -> T:
         if obj.__doc__ is not None:  # None under python -OO
-            obj.__doc__ = _fill(obj.__doc__, parts, getattr(obj, "__qualname__", obj))
+            owner = getattr(obj, "__qualname__", obj)
+            doc = _fill(obj.__doc__, parts, owner)
+            named = {k: v for k, v in STANDARD_PARTS.items() if re.search(rf"^[ \t]*<{k}>$", doc, flags=re.M)}
+            obj.__doc__ = _fill(doc, named, owner)
         return obj
 
     return fill
@@ -76,6 +80,9 @@ EXAMPLES = """
     >>> import numpy as np
     >>> from npattn import functional as F
     """
+
+#: The parts :func:`shared_doc` fills wherever a docstring names them, without being passed.
+STANDARD_PARTS = {"examples": EXAMPLES}
 
 #: The end of every ``op_jvp`` example: ``tout`` against the central difference of ``f`` along the tangent.
 FD_CHECK = """

@@ -203,3 +203,31 @@ def test_the_norms_forward_sections_are_written_once_and_name_the_op(op, cache):
     doc = getattr(norm, op).__doc__
     assert textwrap.indent(textwrap.dedent(norm._forward_tail(op, cache)).strip("\n"), "    ") in doc
     assert f"cache : {cache}\n        For ``{op}_backward`` and ``{op}_jvp``." in doc
+
+
+def test_the_standard_examples_part_is_filled_where_named_and_optional_elsewhere():
+    from npattn._docs import EXAMPLES
+
+    @shared_doc()
+    def f():
+        """Do it.
+
+        <examples>
+        >>> 1
+        1
+        """
+
+    @shared_doc()
+    def g():
+        """Nothing to fill."""
+
+    assert f.__doc__.splitlines()[2:6] == [
+        "        Examples",
+        "        --------",
+        "        >>> import numpy as np",
+        "        >>> from npattn import functional as F",
+    ]
+    assert EXAMPLES.split() == " ".join(f.__doc__.splitlines()[2:6]).split()
+    assert g.__doc__ == "Nothing to fill."
+    with pytest.raises(ValueError, match="<other>"):
+        shared_doc(other="x")(g)

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import EXAMPLES, FD_CHECK, backward_jvp_sections, backward_sections, jvp_sections, shared_doc
+from .._docs import FD_CHECK, backward_jvp_sections, backward_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_rng,
@@ -108,7 +108,7 @@ def _jvp_example(op: str, args: str = "") -> str:
 # ----------------------------------------------------------------------------------------- relu
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``.
 
@@ -199,7 +199,7 @@ def relu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # ----------------------------------------------------------------------------------------- gelu
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCache]:
     """GELU.  ``"none"``: ``y = x Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``.
     ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)`` (as torch).
@@ -326,7 +326,7 @@ def gelu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # ----------------------------------------------------------------------------------------- silu
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     """SiLU (swish): ``y = x * sigmoid(x)``, ``sigmoid(x) = 1 / (1 + exp(-x))`` (as torch's ``F.silu``).
 
@@ -428,7 +428,7 @@ def silu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # -------------------------------------------------------------------------------------- softmax
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def softmax(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, SoftmaxCache]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``: stable for any finite input.
 
@@ -556,7 +556,7 @@ def softmax_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
 # -------------------------------------------------------------------------------------- dropout
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def dropout(x: np.ndarray, p: float, rng=None, training: bool = True) -> tuple[np.ndarray, DropoutCache]:
     """Inverted dropout: keep each entry with probability ``1 - p`` and scale it by ``1/(1 - p)``.
 

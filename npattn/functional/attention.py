@@ -16,7 +16,6 @@ import numpy as np
 
 from .._docs import (
     ATTENTION_FORWARD,
-    EXAMPLES,
     attention_backward_jvp_sections,
     attention_backward_sections,
     attention_jvp_sections,
@@ -177,7 +176,7 @@ def _heads_last_empty(shape, dtype, workspace=None):
     return _empty(workspace, tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1]), dtype).swapaxes(-2, -3)
 
 
-@shared_doc(examples=EXAMPLES, **ATTENTION_FORWARD)
+@shared_doc(**ATTENTION_FORWARD)
 def scaled_dot_product_attention(
     q,
     k,
@@ -615,9 +614,7 @@ def _option_grads(cache: AttentionCache, dmask, dsinks) -> list:
     return grads
 
 
-@shared_doc(
-    examples=EXAMPLES, attention_jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache")
-)
+@shared_doc(attention_jvp_sections=attention_jvp_sections("scaled_dot_product_attention", "AttentionCache"))
 def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.ndarray:
     """Forward mode of ``scaled_dot_product_attention``: the tangent of ``out`` along the inputs' tangents.
 
@@ -700,7 +697,6 @@ def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tm
 
 
 @shared_doc(
-    examples=EXAMPLES,
     attention_backward_jvp_sections=attention_backward_jvp_sections("scaled_dot_product_attention", "AttentionCache"),
 )
 def scaled_dot_product_attention_backward_jvp(dout, cache: AttentionCache, tangents, ddout=None) -> tuple:

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import EXAMPLES, SEVERAL_TANGENTS, backward_jvp_sections, shared_doc
+from .._docs import SEVERAL_TANGENTS, backward_jvp_sections, shared_doc
 from .._validate import as_float, check_backward_jvp, check_bool, check_cache, check_grad, check_tangents_as
 from .activation import SiluCache, silu_backward_jvp_kernel, silu_backward_kernel, silu_jvp_kernel, silu_kernel
 
@@ -35,7 +35,7 @@ class CausalConv1dCache(NamedTuple):
     final_state: Optional[np.ndarray]  # (B..., K - 1, C) with output_final_state, else None
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def causal_conv1d(
     x: np.ndarray,
     weight: np.ndarray,

@@ -11,15 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import (
-    EXAMPLES,
-    FD_CHECK,
-    OP_BACKWARD_RAISES,
-    backward_jvp_sections,
-    jvp_sections,
-    op_backward_args,
-    shared_doc,
-)
+from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -44,7 +36,7 @@ class EmbeddingCache(NamedTuple):
     scale_grad_by_freq: bool
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def embedding(
     ids,
     weight: np.ndarray,
@@ -201,7 +193,6 @@ def embedding_backward_kernel(dout, cache):
 
 
 @shared_doc(
-    examples=EXAMPLES,
     jvp_sections=jvp_sections(
         "embedding",
         "EmbeddingCache",

@@ -8,15 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import (
-    EXAMPLES,
-    FD_CHECK,
-    OP_BACKWARD_RAISES,
-    backward_jvp_sections,
-    jvp_sections,
-    op_backward_args,
-    shared_doc,
-)
+from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
 from ._bfloat16 import BFloat16Array, matmul_t
 
@@ -29,7 +21,7 @@ class LinearCache(NamedTuple):
     has_bias: bool
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, LinearCache]:
     """``y = x @ weight.T + bias`` with ``x (..., in)``, ``weight (out, in)``, ``bias (out,)``.
 
@@ -139,7 +131,6 @@ def linear_backward_kernel(dout, cache, dx_out=None):
 
 
 @shared_doc(
-    examples=EXAMPLES,
     jvp_sections=jvp_sections(
         "linear",
         "LinearCache",
@@ -196,7 +187,6 @@ def linear_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
 
 
 @shared_doc(
-    examples=EXAMPLES,
     backward_jvp_sections=backward_jvp_sections(
         "linear",
         "LinearCache",

@@ -8,15 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import (
-    EXAMPLES,
-    FD_CHECK,
-    OP_BACKWARD_RAISES,
-    backward_jvp_sections,
-    jvp_sections,
-    op_backward_args,
-    shared_doc,
-)
+from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import (
     as_float,
     check_backward_jvp,
@@ -51,7 +43,7 @@ class CrossEntropyCache(NamedTuple):
     denom: float  # what "mean" divides by (1 for "sum"/"none"); 0 means "nothing counted"
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def cross_entropy(
     logits: np.ndarray,
     targets: np.ndarray,
@@ -267,7 +259,6 @@ def cross_entropy_backward_kernel(dout, cache):
 
 
 @shared_doc(
-    examples=EXAMPLES,
     jvp_sections=jvp_sections(
         "cross_entropy",
         "CrossEntropyCache",
@@ -315,7 +306,6 @@ def cross_entropy_jvp_kernel(cache, tlogits=None):
 
 
 @shared_doc(
-    examples=EXAMPLES,
     backward_jvp_sections=backward_jvp_sections(
         "cross_entropy",
         "CrossEntropyCache",

@@ -64,7 +64,6 @@ import numpy as np
 
 from .._docs import (
     ATTENTION_FORWARD,
-    EXAMPLES,
     attention_backward_jvp_sections,
     attention_backward_sections,
     attention_jvp_sections,
@@ -418,7 +417,7 @@ def _cached_geometry(cache: MemoryEfficientCache) -> _Geometry:
     )
 
 
-@shared_doc(examples=EXAMPLES, **ATTENTION_FORWARD)
+@shared_doc(**ATTENTION_FORWARD)
 def memory_efficient_attention(
     q,
     k,
@@ -921,7 +920,6 @@ class _BackwardWorker:
 
 
 @shared_doc(
-    examples=EXAMPLES,
     attention_jvp_sections=attention_jvp_sections("memory_efficient_attention", "MemoryEfficientCache"),
 )
 def memory_efficient_attention_jvp(cache: MemoryEfficientCache, *tangents) -> np.ndarray:
@@ -1114,7 +1112,6 @@ class _JvpWorker:
 
 
 @shared_doc(
-    examples=EXAMPLES,
     attention_backward_jvp_sections=attention_backward_jvp_sections(
         "memory_efficient_attention", "MemoryEfficientCache"
     ),

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import EXAMPLES, shared_doc
+from .._docs import shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -227,7 +227,7 @@ def _choice(scores: np.ndarray, top_k: int, n_group: int, topk_group: int) -> np
     return _topk(scores, top_k)
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def topk_router(
     logits: np.ndarray,
     top_k: int,

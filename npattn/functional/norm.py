@@ -13,7 +13,6 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .._docs import (
-    EXAMPLES,
     FD_CHECK,
     OP_BACKWARD_RAISES,
     SEVERAL_TANGENTS,
@@ -135,7 +134,7 @@ def _forward_tail(op: str, cache: str) -> str:
     """
 
 
-@shared_doc(examples=EXAMPLES, forward_tail=_forward_tail("layer_norm", "LayerNormCache"))
+@shared_doc(forward_tail=_forward_tail("layer_norm", "LayerNormCache"))
 def layer_norm(
     x: np.ndarray,
     weight: Optional[np.ndarray] = None,
@@ -438,7 +437,7 @@ def _norm_backward_jvp(dout, xhat, rstd, weight, k, tx, tweight, ddout, *, centr
 # -------------------------------------------------------------------------------------- rms_norm
 
 
-@shared_doc(examples=EXAMPLES, forward_tail=_forward_tail("rms_norm", "RMSNormCache"))
+@shared_doc(forward_tail=_forward_tail("rms_norm", "RMSNormCache"))
 def rms_norm(
     x: np.ndarray, weight: Optional[np.ndarray] = None, eps: Optional[float] = None, *, normalized_shape=None
 ) -> tuple[np.ndarray, RMSNormCache]:

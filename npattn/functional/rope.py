@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._docs import EXAMPLES, FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
+from .._docs import FD_CHECK, backward_jvp_sections, jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -44,7 +44,7 @@ class RopeCache(NamedTuple):
     dtype: np.dtype
 
 
-@shared_doc(examples=EXAMPLES)
+@shared_doc()
 def rope(
     x: np.ndarray,
     positions=None,
@@ -201,7 +201,7 @@ def rope_backward_kernel(dout, cache):
     return _rotate(dout, cache.cos, -cache.sin, cache.interleaved)
 
 
-@shared_doc(examples=EXAMPLES, jvp_sections=jvp_sections("rope", "RopeCache"), fd_check=FD_CHECK)
+@shared_doc(jvp_sections=jvp_sections("rope", "RopeCache"), fd_check=FD_CHECK)
 def rope_jvp(cache: RopeCache, *tangents) -> np.ndarray:
     """Forward mode of ``rope``: each pair is multiplied by a fixed rotation (the angles depend on
     the positions only), a linear map, so the tangent is the forward applied to ``tx``:
