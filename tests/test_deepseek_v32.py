@@ -172,3 +172,56 @@ def test_checkpoint_round_trips(tmp_path, stable_choice):
         np.testing.assert_array_equal(loaded(ids), m(ids))
     m.save_pretrained(tmp_path / "ours")
     assert set(open_checkpoint(tmp_path / "ours")[1]) == theirs
+
+
+def test_indexer_kl_training_gradients_match_torch_autograd(stable_choice):
+    """The indexer learns from its own loss: ``indexer_loss`` (the KL divergence of the main
+    attention's head-summed, normalised weights over each query's chosen keys, held fixed, to the
+    indexer's softmax over them) and its gradient to each indexer parameter, against torch autograd
+    of the same loss written on transformers' own layer (its indexer's scoring lines without
+    ``no_grad``, its eager attention's weights detached)."""
+    torch = pytest.importorskip("torch")
+    from _hf64 import float64_reference
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as M
+
+    from npattn.nn.latent_attention import MultiHeadLatentAttention
+
+    hf, cfg, _ = _model(6)
+    layer = hf.model.layers[1].self_attn
+    ours = MultiHeadLatentAttention.from_config(cfg)
+    ours.load_state_dict({k: v.detach().numpy().copy() for k, v in layer.state_dict().items()})
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 9, cfg["hidden_size"]))
+    L = x.shape[1]
+    with float64_reference():
+        h = torch.from_numpy(x)
+        pos = torch.arange(L)[None]
+        cos, sin = hf.model.rotary_emb(h, pos)
+        causal = torch.full((L, L), torch.finfo(torch.float64).min).triu(1)[None, None].expand(2, 1, L, L)
+        _, weights = layer(hidden_states=h, position_embeddings=(cos, sin), attention_mask=causal)
+        target = weights.detach()  # (B, H, L, L): 0 off the chosen keys
+        ix = layer.indexer
+        q_resid = layer.q_a_layernorm(layer.q_a_proj(h))
+        q = ix.wq_b(q_resid).view(2, L, ix.n_heads, ix.head_dim)
+        k = ix.k_norm(ix.wk(h)).unsqueeze(2)
+        dr = ix.qk_rope_head_dim
+        q_rot, k_rot = M.apply_rotary_pos_emb(q[..., :dr], k[..., :dr], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., dr:]], -1).transpose(1, 2)  # (B, Hi, L, D)
+        k = torch.cat([k_rot, k[..., dr:]], -1).squeeze(2)  # (B, L, D)
+        s = torch.relu(q @ k.transpose(-1, -2).unsqueeze(1) * ix.softmax_scale)
+        w = ix.weights_proj(h) * ix.n_heads**-0.5  # (B, L, Hi)
+        scores = (w.transpose(-1, -2).unsqueeze(-1) * s).sum(1)  # (B, L, L)
+        chosen = target.sum(1) > 0
+        p = target.sum(1) / target.sum((1, 3)).unsqueeze(-1)
+        logq = torch.log_softmax(scores.masked_fill(~chosen, float("-inf")), -1)
+        loss = torch.where(chosen, p * (torch.log(torch.where(chosen, p, 1.0)) - logq), 0.0).sum()
+        loss.backward()
+    assert chosen.sum(-1).max() == 3 and (chosen.sum(-1) < 3).any()  # top 3, fewer for early queries
+    ours.zero_grad()
+    got = ours.indexer_loss(x)
+    assert _rel(got, loss.item()) < 1e-12
+    params = dict(ours.named_parameters())
+    for name, prm in ix.named_parameters():
+        assert _rel(params["indexer." + name].grad, prm.grad.numpy()) < 1e-8, name
+    # only the indexer learns from this loss
+    assert all(not p.grad.any() for n, p in params.items() if not n.startswith("indexer."))

@@ -1484,7 +1484,17 @@ def latent_config(config: Mapping[str, Any]) -> LatentConfig:
         rope_theta=scaling.pop("rope_theta"),
         rope_scaling=scaling,
         rope_interleave=flags["rope_interleave"],
+        **_indexer(config),
     )
+
+
+def _indexer(config: Mapping[str, Any]) -> dict:
+    """DeepSeek-V3.2's lightning indexer (``index_topk``, ``index_n_heads``, ``index_head_dim``,
+    transformers' defaults where absent) for ``LatentConfig``; none for another family."""
+    if config.get("model_type") != "deepseek_v32":
+        return {}
+    d = _DEFAULTS["deepseek_v32"]
+    return {k: config.get(k, d[k]) for k in ("index_topk", "index_n_heads", "index_head_dim")}
 
 
 def delta_net_config(config: Mapping[str, Any]) -> DeltaNetConfig:

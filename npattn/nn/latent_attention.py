@@ -115,6 +115,11 @@ def _merge(t: np.ndarray) -> np.ndarray:
     return t.reshape(t.shape[:-2] + (t.shape[-2] * t.shape[-1],))
 
 
+def _data(p):
+    """A parameter's array, or None for an absent one (no bias)."""
+    return None if p is None else p.data
+
+
 def _core_backward_jvp(d, cache, tangents, td):
     """The attention core's ``(dq, dk, dv)`` and their tangents (second order)."""
     grads, grad_tangents = K.scaled_dot_product_attention_backward_jvp(d, cache, tangents, td)
@@ -545,9 +550,88 @@ class MultiHeadLatentAttention(Module):
             key = np.concatenate([kvh[..., :dn], np.broadcast_to(k_pe_all, lead + (H, T, k_pe.shape[-1]))], axis=-1)
             ctx, attn = K.scaled_dot_product_attention(query, key, kvh[..., dn:], mask, **opts)  # (..., H, L, dv)
             state = _State(False, q_rope, k_rope, attn, None, None)
+        if getattr(self, "_want_weights", False):  # indexer_loss reads the main attention's weights
+            object.__setattr__(self, "_weights", attn.weights)
         y = self.o_proj._forward(_merge(ctx))
         self.save_for_backward(state)
         return y
+
+    def indexer_loss(self, x, *, reduction: str = "sum"):
+        """DeepSeek-V3.2's indexer training step on ``x (..., L, hidden_size)`` (no cache, no
+        mask but causality): the KL divergence of the main attention's distribution over each
+        query's chosen keys (its weights summed over the heads and normalised, held fixed) to the
+        indexer's softmax over the same keys (``npattn.functional.indexer_kl_loss``; DeepSeek's
+        sparse training stage), summed over the queries (``reduction="sum"``) or averaged.  The
+        indexer's input is detached, as DeepSeek trains it: the gradient reaches the indexer's
+        parameters only, added into their ``.grad``; nothing is kept for a backward.
+
+        Backward by hand: ``dI`` from the loss pair, ``(dq, dk, dw)`` from
+        ``lightning_indexer_backward``, then ``w = weights_proj(x) / sqrt(H)``, the queries'
+        ``q = rope(wq_b(a))`` and the keys' ``k = rope(k_norm(wk(x)))`` backwards (RoPE rotates
+        back, the LayerNorm's pair, the projections' weight gradients ``d^T x``).
+
+        Returns
+        -------
+        float
+            The loss.
+
+        Raises
+        ------
+        ValueError, TypeError
+            No indexer (``index_topk`` None); ``x`` of the wrong shape or type; a bad ``reduction``.
+        """
+        from ..functional.sparse_attention import indexer_kl_loss_kernel, lightning_indexer_backward
+
+        if self.index_topk is None:
+            raise ValueError("index_topk: this MultiHeadLatentAttention has no lightning indexer")
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
+        x = as_float(x, "x", self.dtype)
+        if x.ndim < 2 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected shape (..., L, {self.hidden_size}), got {x.shape}")
+        positions = np.arange(x.shape[-2])
+        object.__setattr__(self, "_want_weights", True)
+        try:
+            with no_grad():
+                self._forward(x, positions)
+        finally:
+            object.__setattr__(self, "_want_weights", False)
+        attn = self.__dict__.pop("_weights")  # (..., H, L, L), 0 off the chosen keys
+        ix = self.indexer
+        a = K.rms_norm(
+            K.linear(x, self.q_a_proj.weight.data, _data(self.q_a_proj.bias))[0],
+            self.q_a_layernorm.weight.data,  # type: ignore[union-attr]
+            self.rms_norm_eps,
+        )[0]
+        pos = positions[None, :]
+        dr = ix.rope_dim
+        k0, lin_k = K.linear(x, ix.wk.weight.data)
+        k1, ln = K.layer_norm(k0, ix.k_norm.weight.data, ix.k_norm.bias.data, 1e-6)
+        k_rot, k_rope = K.rope(k1[..., None, :, :dr], pos, base=self.rope_theta, scaling=self.rope_scaling)
+        q0 = _split(K.linear(a, ix.wq_b.weight.data)[0], ix.num_heads)
+        q_rot, q_rope = K.rope(q0[..., :dr], pos, base=self.rope_theta, scaling=self.rope_scaling)
+        q = np.concatenate([q_rot, q0[..., dr:]], axis=-1)
+        k = np.concatenate([k_rot[..., 0, :, :], k1[..., dr:]], axis=-1)
+        w0 = K.linear(x, ix.weights_proj.weight.data)[0]
+        scores, icache = lightning_indexer_kernel(q, k, w0 * ix.num_heads**-0.5, ix.head_dim**-0.5)
+        loss, kl = indexer_kl_loss_kernel(scores, attn, attn.sum(axis=-3) > 0, reduction)
+        dq, dk, dw = lightning_indexer_backward(kl.weight * (kl.has_target * kl.p_index - kl.target), icache)
+
+        def outer(d, inp):  # a projection's weight gradient: sum over tokens of d inp^T
+            return d.reshape(-1, d.shape[-1]).T @ inp.reshape(-1, inp.shape[-1])
+
+        dq = np.concatenate([K.rope_backward(dq[..., :dr], q_rope), dq[..., dr:]], axis=-1)
+        dk1 = np.concatenate([K.rope_backward(dk[..., None, :, :dr], k_rope)[..., 0, :, :], dk[..., dr:]], axis=-1)
+        dk0, dln_w, dln_b = K.layer_norm_backward(dk1, ln)
+        for p, g in (
+            (ix.wq_b.weight, outer(_merge(dq), a)),
+            (ix.wk.weight, K.linear_backward(dk0, lin_k)[1]),
+            (ix.k_norm.weight, dln_w),
+            (ix.k_norm.bias, dln_b),
+            (ix.weights_proj.weight, outer(dw * ix.num_heads**-0.5, x)),
+        ):
+            self.accumulate_grad(p, g)
+        return float(loss)
 
     def _sparse_mask(self, x, a, positions, mask, use_cache):
         """DeepSeek-V3.2's choice as an attention mask: the indexer's scores of this call's
