@@ -15,6 +15,7 @@ from npattn.models import CausalLM
 from npattn.models.tiny import TINY_CONFIGS, tiny_config
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3", "qwen3_next", "qwen3_5_text"]
+FAMILIES += ["gemma4_text"]  # cross-layer KV sharing: the reusing layers' second order sent home
 IGNORE = -1
 
 

@@ -1591,6 +1591,15 @@ def cross_entropy_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optio
 # == Rotary position embedding =====================================================================
 
 
+def _proportional_frequencies(dim: int, base: float, s: dict) -> Array:
+    """Gemma 4's proportional RoPE: every pair of the head; the first ``int(p dim // 2)`` turn at
+    ``base^(-2i/dim)`` (``p`` the ``partial_rotary_factor``), the others not at all (frequency 0);
+    all divided by ``factor``."""
+    turning = int(s.get("partial_rotary_factor", 1.0) * dim // 2)
+    f = [base ** (-2 * i / dim) if i < turning else 0.0 for i in range(dim // 2)]
+    return np.array(f, dtype=np.float64) / s.get("factor", 1.0)
+
+
 def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=None) -> Tuple[Array, float]:
     """RoPE's inverse frequencies ``(R/2,)`` and attention factor, from a Hugging Face
     ``rope_scaling`` / ``rope_parameters`` dict (``scaling``; None: the original RoPE), pair by pair.
@@ -1608,11 +1617,15 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
       pair index between; cos and sin are scaled by ``0.1 ln(factor) + 1`` (or the ratio of the
       two ``mscale`` values, DeepSeek-V3) so the softmax's temperature is kept;
     - llama3: the wavelength ``2 pi / f_i`` decides: shorter than ``original / high_freq_factor``
-      kept, longer than ``original / low_freq_factor`` divided by ``factor``, a blend between.
+      kept, longer than ``original / low_freq_factor`` divided by ``factor``, a blend between;
+    - proportional (Gemma 4): all ``dim / 2`` pairs, the first ``int(partial_rotary_factor dim // 2)``
+      at ``base^(-2i/dim)``, the rest at 0 (not rotated), each divided by ``factor``.
     """
     s: dict = {} if scaling is None else {k: v for k, v in scaling.items() if v is not None}
     kind = s.get("rope_type", s.get("type", "default"))
     base = s.get("rope_theta", base)
+    if kind == "proportional":
+        return _proportional_frequencies(dim, base, s), 1.0
     r = int(dim * s.get("partial_rotary_factor", 1.0))
     max_pos = s.get("max_position_embeddings")
     original = s.get("original_max_position_embeddings", max_pos)
@@ -1699,9 +1712,12 @@ def rope(
     d = x.shape[-1]
     pos = np.arange(x.shape[-2]) if positions is None else np.asarray(positions)
     s = scaling or {}
-    r = rotary_dim or int(d * (s.get("partial_rotary_factor") or 1.0))
+    # "proportional" (Gemma 4) turns every pair, its factor choosing how many at a non-zero frequency
+    whole = s.get("rope_type") == "proportional"
+    r = rotary_dim or (d if whole else int(d * (s.get("partial_rotary_factor") or 1.0)))
     seq_len = pos.max() + 1 if pos.size else None  # what "dynamic" reads
-    f, c = rope_frequencies(r, base, {k: v for k, v in s.items() if k != "partial_rotary_factor"}, seq_len=seq_len)
+    kept = s if whole else {k: v for k, v in s.items() if k != "partial_rotary_factor"}
+    f, c = rope_frequencies(r, base, kept, seq_len=seq_len)
     angle = pos[..., None] * f  # (..., L, R/2)
     cos, sin = (c * np.cos(angle)).astype(x.dtype), (c * np.sin(angle)).astype(x.dtype)
     xr, xp = x[..., :r], x[..., r:]  # rotated, passed through

@@ -22,6 +22,12 @@ change these frequencies; Hugging Face configurations say how in a ``rope_scalin
   mscale_all_dim)**2``, see ``rope_softmax_scale``).
 - ``"llama3"`` (Llama 3.1): wavelengths shorter than ``original / high_freq_factor`` kept, longer
   than ``original / low_freq_factor`` divided by ``factor``, a smooth blend between.
+- ``"proportional"`` (Gemma 4's global layers): every pair of the head rotates, but only the first
+  ``int(partial_rotary_factor * dim // 2)`` pairs at the default frequencies ``base**(-2i/dim)``
+  (``dim`` the whole head, not the rotated part); the others have frequency 0 (cos 1, sin 0: the
+  identity), all divided by ``factor`` (default 1).  Unlike the other types' partial rotary, which
+  rotates the first features as a smaller head (pairs ``(i, i + R/2)``, frequencies over ``R``),
+  the pairs stay ``(i, i + dim/2)``.
 
 Each mirrors the function of the same type in ``transformers.modeling_rope_utils``
 (``ROPE_INIT_FUNCTIONS``), in float64.  The dict may also hold ``rope_theta`` (the base),
@@ -62,6 +68,7 @@ _TYPE_KEYS: dict[str, tuple[str, ...]] = {
         "truncate",
     ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "proportional": ("factor",),
 }
 _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "max_position_embeddings")
 # values that may be 0 (Hugging Face reads them with `or`/truthiness: 0 means "not given")
@@ -198,8 +205,10 @@ def resolve_base(base, params: dict, name: str = "base") -> float:
 
 def resolve_rotary_dim(d: int, rotary_dim, params: dict, name: str = "rotary_dim") -> int:
     """The number of rotated features of a head of ``d``: ``rotary_dim``, or
-    ``int(d * partial_rotary_factor)`` (Hugging Face's rule), or ``d``; even, at most ``d``."""
-    f = params.get("partial_rotary_factor")
+    ``int(d * partial_rotary_factor)`` (Hugging Face's rule), or ``d``; even, at most ``d``.
+    ``"proportional"`` rotates every pair (its ``partial_rotary_factor`` says how many turn at a
+    non-zero frequency: ``inverse_frequencies``), so ``d``."""
+    f = None if params["rope_type"] == "proportional" else params.get("partial_rotary_factor")
     from_factor = None if f is None else int(d * f)
     if rotary_dim is None:
         r = d if from_factor is None else from_factor
@@ -319,6 +328,10 @@ def inverse_frequencies(dim: int, base: float, params: dict, seq_len: int | None
     resolved, ``params`` from ``check_scaling``.  Returns ``(inv_freq (dim/2,) float64, factor)``."""
     kind = params["rope_type"]
     exponent = np.arange(0, dim, 2, dtype=np.float64) / dim  # 2i / dim
+    if kind == "proportional":  # the first int(f dim // 2) pairs at base**(-2i/dim), the rest at 0
+        turning = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv_freq = np.where(np.arange(dim // 2) < turning, 1.0 / base**exponent, 0.0)
+        return inv_freq / params.get("factor", 1.0), 1.0
     if kind == "dynamic":
         # NTK-aware: a longer sequence stretches the base, so that the slowest pair's angle over
         # seq_len tokens stays inside what training saw; at or below max_position_embeddings the

@@ -46,6 +46,7 @@ from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, no_grad
 from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
+from ..nn.shared_kv import PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..nn.transformer import _block_tangents
 from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, config_from_hf
 
@@ -104,9 +105,20 @@ _MHA_NAMES = {
 }
 
 
+# Gemma 4's per-layer input parts under their checkpoint names: a decoder layer's, the backbone's
+_PER_LAYER_NAMES = {
+    f"per_layer.{n}": n for n in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+}
+_PER_LAYER_MODEL_NAMES = {
+    f"per_layer.{n}": n for n in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+}
+
+
 def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The attention module of layer ``i``, from its typed sub-config."""
     kind = cfg.layer_types[i]
+    if cfg.shared_kv is not None:  # Gemma 4
+        return SharedKVAttention(**cfg.shared_kv[kind].kwargs(), reuse=cfg.reuses_kv(i), rng=rng, dtype=dtype)
     if kind == "latent_attention":
         return MultiHeadLatentAttention(**_sub(cfg.latent).kwargs(), rng=rng, dtype=dtype)
     if kind == "linear_attention":
@@ -121,7 +133,7 @@ def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The MLP of layer ``i``: the dense gated MLP, or the routed experts."""
     if cfg.mlp_types[i] == "moe":
         return SparseMoeBlock(**_sub(cfg.moe).kwargs(), rng=rng, dtype=dtype)
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
+    return GatedMLP(cfg.hidden_size, cfg.mlp_size(i), cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
 
 
 def _sub(sub):
@@ -140,8 +152,16 @@ def _lin(name: str, out: int, inp: int, bias: bool) -> list:
     return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if bias else [])
 
 
-def _attention_shapes(cfg: CausalLMConfig, kind: str) -> list:
-    H, heads = cfg.hidden_size, cfg.num_attention_heads
+def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
+    H, heads, kind = cfg.hidden_size, cfg.num_attention_heads, cfg.layer_types[i]
+    if cfg.shared_kv is not None:  # SharedKVAttention (Gemma 4): a reusing layer has no k/v projection
+        s = cfg.shared_kv[kind]
+        hd, kv_rows, b = s.head_dim, s.num_kv_heads * s.head_dim, s.bias
+        out = _lin("q_proj", heads * hd, H, b) + [("q_norm.weight", (hd,))]
+        if not cfg.reuses_kv(i):
+            out += _lin("k_proj", kv_rows, H, b) + ([] if s.k_eq_v else _lin("v_proj", kv_rows, H, b))
+            out += [("k_norm.weight", (hd,))]
+        return [(f"self_attn.{n}", s) for n, s in out + _lin("o_proj", H, heads * hd, b)]
     if kind == "latent_attention":  # MultiHeadLatentAttention
         lat = _sub(cfg.latent)
         b, dn, dr, dv = lat.attention_bias, lat.qk_nope_head_dim, lat.qk_rope_head_dim, lat.v_head_dim
@@ -205,10 +225,10 @@ def _gated(name: str, H: int, inter: int, bias: bool = False) -> list:
     )
 
 
-def _mlp_shapes(cfg: CausalLMConfig, kind: str) -> list:
-    H = cfg.hidden_size
+def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
+    H, kind = cfg.hidden_size, cfg.mlp_types[i]
     if kind == "dense":
-        return _gated("mlp", H, cfg.intermediate_size, cfg.mlp_bias)
+        return _gated("mlp", H, cfg.mlp_size(i), cfg.mlp_bias)
     moe = _sub(cfg.moe)  # SparseMoeBlock: router, experts, shared expert and its gate
     E, inter, name = moe.num_experts, moe.intermediate_size, moe.router_name
     router = _lin(name, E, H, moe.router_bias)
@@ -231,8 +251,36 @@ def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
     if cfg.sandwich_norm:
         pre_mlp = ("pre_feedforward_layernorm",) if cfg.pre_norm else ("post_attention_layernorm",)
         norms += pre_mlp + ("post_feedforward_layernorm",)
-    out = _attention_shapes(cfg, cfg.layer_types[i]) + _mlp_shapes(cfg, cfg.mlp_types[i])
-    return out + [(f"{n}.weight", (cfg.hidden_size,)) for n in norms]
+    out: list = [("layer_scalar", (1,))] if cfg.layer_scalar else []  # a buffer: before the children, as torch
+    out += _attention_shapes(cfg, i) + _mlp_shapes(cfg, i)
+    out += [(f"{n}.weight", (cfg.hidden_size,)) for n in norms]
+    P = cfg.per_layer_input_size
+    if P:  # PerLayerInput
+        out += [
+            ("per_layer_input_gate.weight", (P, cfg.hidden_size)),
+            ("per_layer_projection.weight", (cfg.hidden_size, P)),
+        ]
+        out += [("post_per_layer_input_norm.weight", (cfg.hidden_size,))]
+    return out
+
+
+def _layer_kind(cfg: CausalLMConfig, i: int) -> tuple:
+    """What makes layer ``i``'s names and shapes: its attention and MLP kinds, whether it reuses
+    another layer's keys and values."""
+    return cfg.layer_types[i], cfg.mlp_types[i], cfg.reuses_kv(i)
+
+
+def _model_shapes(cfg: CausalLMConfig) -> list:
+    """The backbone's own tensors beside the layers: the per-layer input embeddings (Gemma 4)."""
+    P = cfg.per_layer_input_size
+    if not P:
+        return []
+    n = cfg.num_hidden_layers * P
+    return [
+        ("model.embed_tokens_per_layer.weight", (cfg.per_layer_vocab_size, n)),
+        ("model.per_layer_model_projection.weight", (n, cfg.hidden_size)),
+        ("model.per_layer_projection_norm.weight", (P,)),
+    ]
 
 
 def _state_shapes(cfg: CausalLMConfig):
@@ -241,12 +289,14 @@ def _state_shapes(cfg: CausalLMConfig):
     V, H = cfg.vocab_size, cfg.hidden_size
     yield "model.embed_tokens.weight", (V, H)
     kinds: dict = {}
-    for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
+    for i in range(cfg.num_hidden_layers):
+        kind = _layer_kind(cfg, i)
         if kind not in kinds:
             kinds[kind] = _layer_shapes(cfg, i)
         for name, shape in kinds[kind]:
             yield f"model.layers.{i}.{name}", shape
     yield "model.norm.weight", (H,)
+    yield from _model_shapes(cfg)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (V, H)
 
@@ -271,9 +321,10 @@ def _check_plausible(cfg: CausalLMConfig, dtype) -> None:
             f"config['num_hidden_layers']: {n} layers is not a plausible model (npattn builds at most {_MAX_LAYERS})"
         )
     counts: dict = {}
-    for i, kind in enumerate(zip(cfg.layer_types, cfg.mlp_types)):
-        counts.setdefault(kind, [i, 0])[1] += 1
+    for i in range(n):
+        counts.setdefault(_layer_kind(cfg, i), [i, 0])[1] += 1
     shapes = [((cfg.vocab_size, cfg.hidden_size), 1 if cfg.tie_word_embeddings else 2)]  # embedding, head
+    shapes += [(s, 1) for _, s in _model_shapes(cfg)]
     shapes += [(s, c) for i, c in counts.values() for _, s in _layer_shapes(cfg, i)]
     total = sum(math.prod(s) * c for s, c in shapes)
     nbytes, limit = total * np.dtype(dtype).itemsize, _physical_memory()
@@ -324,8 +375,17 @@ class DecoderLayer(_Renamed):
             if self.pre_norm:
                 self.pre_feedforward_layernorm = _norm(cfg, dtype)
             self.post_feedforward_layernorm = _norm(cfg, dtype)
-        if isinstance(self.attention, MultiHeadAttention):
-            object.__setattr__(self, "_names", _MHA_NAMES)
+        names = dict(_MHA_NAMES) if isinstance(self.attention, MultiHeadAttention) else {}
+        self.per_layer = None
+        if cfg.per_layer_input_size:  # Gemma 4: x + its per-layer input branch, after the MLP
+            eps = cfg.rms_norm_eps
+            self.per_layer = PerLayerInput(
+                cfg.hidden_size, cfg.per_layer_input_size, cfg.hidden_act, eps=eps, rng=rng, dtype=dtype
+            )
+            names.update(_PER_LAYER_NAMES)
+        if cfg.layer_scalar:  # Gemma 4: the layer's output times this buffer (no gradient, as transformers)
+            self.register_buffer("layer_scalar", np.ones(1, self._dtype))
+        object.__setattr__(self, "_names", names)
 
     @property
     def attention(self) -> Module:
@@ -361,8 +421,14 @@ class DecoderLayer(_Renamed):
             return att(h, use_cache=use_cache, attn_mask=mask, positions=padding.positions)
         return att(h, use_cache=use_cache, key_padding_mask=~padding.keys, positions=padding.positions)
 
-    def forward(self, x, *, use_cache: bool = False, padding: _Padding | None = None):
-        """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``)."""
+    def _scalar(self):
+        return None if "layer_scalar" not in self._buffers else self.layer_scalar
+
+    def forward(self, x, per_layer_input=None, *, use_cache: bool = False, padding: _Padding | None = None):
+        """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``); Gemma 4's layers also take
+        their per-layer input ``(B, L, P)``."""
+        if (per_layer_input is None) != (self.per_layer is None):
+            raise ValueError(f"per_layer_input: expected {'none' if self.per_layer is None else 'an array'}")
         a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
         if self.sandwich:
             a = self.post_attention_layernorm(a)
@@ -371,21 +437,31 @@ class DecoderLayer(_Renamed):
         if self.sandwich:
             m = self.post_feedforward_layernorm(m)
         self.save_for_backward(x.shape)
-        return x + m
+        y = x + m
+        if self.per_layer is not None:
+            y = self.per_layer._forward(y, per_layer_input)
+        return y if self._scalar() is None else y * self._scalar()
 
     def backward(self, dy):
-        """``dx``: the residual's ``dy`` plus each branch's gradient through its norm."""
+        """``dx``: the residual's ``dy`` plus each branch's gradient through its norm; with a
+        per-layer input ``(dx, dper_layer_input)``."""
         dy = self._check_dy(dy)
         self.pop_saved()
+        if self._scalar() is not None:
+            dy = dy * self._scalar()
+        dp = None
+        if self.per_layer is not None:
+            dy, dp = self.per_layer._backward(dy)
         dm = self.post_feedforward_layernorm.backward(dy) if self.sandwich else dy
         dx = dy + self._pre_back(self._mlp_norm(), self.mlp.backward(dm))
         da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
-        return dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
+        dx = dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
+        return dx if dp is None else (dx, dp)
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the forward's chain on tangents, ``tx + norm'(f'(tx))`` per residual,
         each sublayer's ``_jvp`` from its state of this call.  One input tangent (None: zero)."""
-        (tx,) = _block_tangents(self, input_tangents, ("tx",), (state,))  # x's shape
+        tx, tp = self._input_tangents(state, input_tangents, "jvp")
 
         def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
             return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
@@ -397,13 +473,24 @@ class DecoderLayer(_Renamed):
         tm = sub(self.mlp, sub(self._mlp_norm(), tx))
         if self.sandwich:
             tm = sub(self.post_feedforward_layernorm, tm)
-        return tx + tm
+        ty = tx + tm
+        if self.per_layer is not None:
+            ty = self._child_jvp(self.per_layer, -1, (ty, tp), param_tangents)
+        return ty if self._scalar() is None else ty * self._scalar()
+
+    def _input_tangents(self, shape, input_tangents, method: str) -> tuple:
+        """``(tx, tp)``: x's tangent (zeros for None) and the per-layer input's (None: zero)."""
+        if self.per_layer is None:
+            (tx,) = _block_tangents(self, input_tangents, ("tx",), (shape,), method)
+            return tx, None
+        p_shape = shape[:-1] + (self.per_layer.per_layer_size,)
+        return tuple(_block_tangents(self, input_tangents, ("tx", "tper_layer_input"), (shape, p_shape), method))
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
         """Second order: the forward's tangents first (as ``_jvp``: each sublayer's input
         tangent), then the backward's chain with each sublayer's ``backward_jvp`` on (gradient,
         its tangent), a residual adding both branches' pairs.  One input tangent (None: zero)."""
-        (tx,) = _block_tangents(self, input_tangents, ("tx",), (state,), "backward_jvp")
+        tx, tp = self._input_tangents(state, input_tangents, "backward_jvp")
 
         def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
             return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
@@ -419,17 +506,28 @@ class DecoderLayer(_Renamed):
         tm_in = sub(self._mlp_norm(), tx2)  # the MLP's input
         tm = sub(self.mlp, tm_in)  # its output
         g = (dy, np.zeros_like(dy) if ddy is None else ddy)
+        if self._scalar() is not None:
+            g = (g[0] * self._scalar(), g[1] * self._scalar())
+        gp = None
+        if self.per_layer is not None:  # its input: the MLP residual's sum
+            ty = tx2 + sub(post_mlp, tm)
+            (dy2, dp), (tdy2, tdp) = self._child_backward_jvp(self.per_layer, g[0], (ty, tp), param_tangents, g[1])
+            g, gp = (dy2, tdy2), (dp, tdp)
         gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, g, tm), tm_in), tx2)
         gx = (g[0] + gm[0], g[1] + gm[1])  # the residual: both branches
         ga = back(self._attn_norm(), back(self.attention, back(post_attn, gx, ta), th), tx)
-        return gx[0] + ga[0], gx[1] + ga[1]
+        if gp is None:
+            return gx[0] + ga[0], gx[1] + ga[1]
+        return (gx[0] + ga[0], gp[0]), (gx[1] + ga[1], gp[1])
 
     def reset_kv_cache(self) -> None:
         self.attention.reset_kv_cache()  # type: ignore[attr-defined]
 
 
-class _Backbone(Module):
-    """``model.*``: ``embed_tokens``, ``layers``, ``norm`` (a container; ``CausalLM`` runs it)."""
+class _Backbone(_Renamed):
+    """``model.*``: ``embed_tokens``, ``layers``, ``norm`` (a container; ``CausalLM`` runs it);
+    Gemma 4's per-layer input embeddings (``per_layer``, under their checkpoint names), and its
+    reusing layers pointed at the layers whose keys and values they attend over."""
 
     def __init__(self, cfg: CausalLMConfig, rng, dtype):
         super().__init__()
@@ -443,6 +541,18 @@ class _Backbone(Module):
             [_released(DecoderLayer(cfg, i, rng=rng, dtype=dtype), rng) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = _norm(cfg, dtype)
+        self.per_layer = None
+        if cfg.per_layer_input_size:
+            rows, P = cfg.per_layer_vocab_size or cfg.vocab_size, cfg.per_layer_input_size
+            ple = PerLayerEmbeddings(
+                rows, cfg.hidden_size, cfg.num_hidden_layers, P, padding_idx=cfg.pad_token_id, eps=cfg.rms_norm_eps,
+                rng=rng, dtype=dtype,
+            )  # fmt: skip
+            self.per_layer = _released(ple, rng)
+            object.__setattr__(self, "_names", _PER_LAYER_MODEL_NAMES)
+        for i, source in enumerate(cfg.kv_sources or ()):
+            if source != i:
+                self.layers[i].attention.share_from(self.layers[source].attention)
 
 
 def _released(m: Module, rng) -> Module:
@@ -564,7 +674,7 @@ class CausalLM(Module):
         ids = as_index(ids, "ids")
         if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
             raise ValueError(f"ids: expected token ids of shape (B, L) or (L,) with L >= 1, got shape {ids.shape}")
-        v = self.config.vocab_size
+        v = self.config.vocab_size  # (Gemma 4's per-layer table has at least as many rows)
         if ids.min() < 0 or ids.max() >= v:
             bad = ids.min() if ids.min() < 0 else ids.max()
             raise ValueError(f"ids: expected values in [0, {v}) (vocab_size), got {bad}")
@@ -645,10 +755,15 @@ class CausalLM(Module):
         scale = self._embed_scale()
         if scale is not None:  # Gemma: sqrt(hidden) cast to the dtype first, as transformers does
             x = x * scale
+        ple = None if m.per_layer is None else m.per_layer(ids, x)  # Gemma 4: (..., L, layers, P)
         if padding is not None and ids.ndim == 1:
             x = x[None]
-        for layer in m.layers:
-            x = layer(x, use_cache=use_cache, padding=padding)
+            ple = None if ple is None else ple[None]
+        for i, layer in enumerate(m.layers):
+            if ple is None:
+                x = layer(x, use_cache=use_cache, padding=padding)
+            else:
+                x = layer(x, ple[..., i, :], use_cache=use_cache, padding=padding)
         keep = None
         if padding is not None:
             if ids.ndim == 1:
@@ -670,13 +785,22 @@ class CausalLM(Module):
             logits = t * logits.dtype.type(cap)
         if keep is not None:  # padded positions: logits 0 (transformers' are arbitrary there)
             logits = logits * keep
-        self.save_for_backward((head, t, keep))
+        self.save_for_backward((head, t, keep, None if ple is None else ple.shape))
         return logits
+
+    def _layers_backward(self, dx, ple_shape):
+        """Every layer's backward, last first: ``(dx, dper_layer_inputs or None)``."""
+        dple = None if ple_shape is None else np.zeros(ple_shape, dx.dtype)
+        for i, layer in reversed(list(enumerate(self.model.layers))):
+            dx = layer.backward(dx)
+            if dple is not None:
+                dx, dple[..., i, :] = dx
+        return dx, dple
 
     def backward(self, dlogits):
         """Accumulate every parameter's gradient from ``dlogits (B, L, vocab)``; returns ``None``."""
         dlogits = self._check_dy(dlogits, "dlogits")
-        head, t, keep = self.pop_saved()
+        head, t, keep, ple_shape = self.pop_saved()
         m = self.model
         if keep is not None:
             dlogits = dlogits * keep
@@ -687,9 +811,9 @@ class CausalLM(Module):
         else:  # the tied head: its weight gradient joins the embedding's
             dh, dw, _ = K.linear_backward(dlogits, head)
             self.accumulate_grad(m.embed_tokens.weight, dw)
-        dx = m.norm.backward(dh)
-        for layer in reversed(list(m.layers)):
-            dx = layer.backward(dx)
+        dx, dple = self._layers_backward(m.norm.backward(dh), ple_shape)
+        if dple is not None:  # the per-layer inputs were made from the scaled embeddings too
+            dx = dx + m.per_layer.backward(dple.reshape(dx.shape[:-1] + dple.shape[-2:]))
         scale = self._embed_scale()
         if scale is not None:
             dx = dx * scale
@@ -700,7 +824,7 @@ class CausalLM(Module):
         """Forward mode: the logits' tangent along the parameters' tangents (token ids have none:
         pass None or nothing), the forward's chain run on tangents; the tied head's is
         ``th E^T + h tE^T``, the final softcap's ``tz (1 - tanh^2)``."""
-        head, t, keep = state
+        head, t, keep, _ = state
         m = self.model
 
         def sub(mod, tx):  # the submodule's tangent from its state of this call
@@ -710,8 +834,9 @@ class CausalLM(Module):
         scale = self._embed_scale()
         if scale is not None:
             tx = tx * scale
-        for layer in m.layers:
-            tx = sub(layer, tx)
+        tple = None if m.per_layer is None else self._child_jvp(m.per_layer, -1, (None, tx), param_tangents)
+        for i, layer in enumerate(m.layers):
+            tx = sub(layer, tx) if tple is None else self._child_jvp(layer, -1, (tx, tple[..., i, :]), param_tangents)
         th = sub(m.norm, tx)
         if head is None:
             tz = sub(self.lm_head, th)
@@ -727,7 +852,7 @@ class CausalLM(Module):
         (1 - t^2) - 2 dl t tt`` with ``tt = (1 - t^2) tz / c``; the tied head is
         ``linear_backward_jvp`` with the embedding table as its weight, whose gradient and tangent
         join the embedding's.  Token ids take no tangent; returns ``(None, None)``."""
-        head, t, keep = state
+        head, t, keep, ple_shape = state
         m = self.model
 
         def sub(mod, tx):  # the submodule's tangent from its state of this call
@@ -740,9 +865,11 @@ class CausalLM(Module):
         scale = self._embed_scale()
         if scale is not None:
             tx = tx * scale
+        tple = None if m.per_layer is None else self._child_jvp(m.per_layer, -1, (None, tx), param_tangents)
         inputs = [tx]  # each layer's input tangent, then the final norm's
-        for layer in m.layers:
-            inputs.append(sub(layer, inputs[-1]))
+        for i, layer in enumerate(m.layers):
+            tin = (inputs[-1],) if tple is None else (inputs[-1], tple[..., i, :])
+            inputs.append(self._child_jvp(layer, -1, tin, param_tangents))
         th = sub(m.norm, inputs[-1])
         table = m.embed_tokens.weight
         g = (dy, np.zeros_like(dy) if ddy is None else ddy)
@@ -759,13 +886,27 @@ class CausalLM(Module):
             (dh, dw, _), (tdh, tdw, _) = K.linear_backward_jvp(g[0], head, (th, param_tangents.get(table), None), g[1])
             self._accumulate_second(((table, dw, tdw),))
             gh = (dh, tdh)
-        gx = back(m.norm, gh, inputs[-1])
-        for layer, tin in zip(reversed(list(m.layers)), reversed(inputs[:-1])):
-            gx = back(layer, gx, tin)
+        gx = self._layers_backward_jvp(back(m.norm, gh, inputs[-1]), inputs, tple, param_tangents)
+        if tple is not None:  # the per-layer inputs' gradient pair reaches the scaled embeddings too
+            dple, tdple = gx[2]
+            ge = self._child_backward_jvp(m.per_layer, dple, (None, tx), param_tangents, tdple)
+            gx = (gx[0] + ge[0], gx[1] + ge[1])
         if scale is not None:
             gx = (gx[0] * scale, gx[1] * scale)
         back(m.embed_tokens, gx, None)
         return None, None
+
+    def _layers_backward_jvp(self, gx, inputs, tple, param_tangents):
+        """Every layer's ``backward_jvp``, last first, on ``gx = (gradient, tangent)``:
+        ``(dx, tdx)``, with a third entry ``(dper_layer_inputs, their tangent)`` for Gemma 4."""
+        gp = None if tple is None else (np.zeros_like(tple), np.zeros_like(tple))
+        for i, layer in reversed(list(enumerate(self.model.layers))):
+            tin = (inputs[i],) if tple is None else (inputs[i], tple[..., i, :])
+            gx = self._child_backward_jvp(layer, gx[0], tin, param_tangents, gx[1])
+            if gp is not None:
+                (dx, gp[0][..., i, :]), (tdx, gp[1][..., i, :]) = gx
+                gx = (dx, tdx)
+        return gx if gp is None else (gx[0], gx[1], gp)
 
     def loss_hvp(self, ids, targets, param_tangents, *, ignore_index=None):
         """The loss, its gradient and its Hessian-vector product along ``param_tangents``.

@@ -28,6 +28,7 @@ __all__ = [
     "LatentConfig",
     "DeltaNetConfig",
     "KdaConfig",
+    "SharedKVConfig",
     "MoEConfig",
     "CheckpointLayout",
     "latent_config",
@@ -54,6 +55,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_moe_text",
     "kimi_linear",
     "deepseek_v32",
+    "gemma4_text",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -161,9 +163,23 @@ class TextTower:
 
 _QWEN3_5_TOWERS = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction layers
 _QWEN3_5_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# Gemma 4's vision and audio towers and their embedders into the text model
+_GEMMA4_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_GEMMA4_KEYS = (
+    "vision_config",
+    "audio_config",
+    "boi_token_id",
+    "eoi_token_id",
+    "image_token_id",
+    "video_token_id",
+    "boa_token_id",
+    "eoa_token_index",
+    "audio_token_id",
+)
 MULTIMODAL = {
     "qwen3_5": TextTower("qwen3_5_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
     "qwen3_5_moe": TextTower("qwen3_5_moe_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
+    "gemma4": TextTower("gemma4_text", towers=_GEMMA4_TOWERS, tower_keys=_GEMMA4_KEYS),
 }
 
 
@@ -301,6 +317,24 @@ class KdaConfig(_Kwargs):
 
 
 @dataclass(frozen=True)
+class SharedKVConfig(_Kwargs):
+    """``SharedKVAttention``'s keyword arguments for one kind of layer (Gemma 4's full or sliding
+    attention), by their names; whether a layer makes its keys and values or reuses another's is
+    per layer (``CausalLMConfig.kv_sources``)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool
+    window: tuple | None
+    rope_scaling: Mapping[str, Any]
+    k_eq_v: bool
+    eps: float
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class MoEConfig(_Kwargs):
     """``SparseMoeBlock``'s keyword arguments (the routed experts of one family), by their names:
     the router's variant and options, the experts' kind, the shared expert and the state-dict
@@ -380,6 +414,14 @@ class CausalLMConfig:
     layer; ``attention_config(layer_type)`` gives ``MultiHeadAttention``'s (``AttentionConfig``).
     ``layout`` says how the checkpoint is written (``CheckpointLayout``); ``hf`` is the Hugging
     Face dict itself, completed with transformers' defaults (for messages; nothing is built from it).
+
+    Gemma 4: ``shared_kv`` holds ``SharedKVAttention``'s arguments per layer type (its layers are
+    built from them instead of ``attention_config``), ``kv_sources[i]`` the layer whose keys and
+    values layer ``i`` attends over (``i`` itself: it makes its own; cross-layer KV sharing);
+    ``per_layer_input_size`` the per-layer input embeddings' width ``P`` (0: none) and
+    ``per_layer_vocab_size`` their table's rows; ``layer_scalar``: each layer's output times its
+    ``layer_scalar`` buffer; ``double_wide_mlp``: the MLPs of the reusing layers are twice as wide
+    (``mlp_size``).
     """
 
     model_type: str
@@ -418,8 +460,23 @@ class CausalLMConfig:
     moe: MoEConfig | None = None
     latent: LatentConfig | None = None
     linear_attention: DeltaNetConfig | KdaConfig | None = None
+    shared_kv: Mapping[str, SharedKVConfig] | None = None
+    kv_sources: tuple | None = None
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int | None = None
+    layer_scalar: bool = False
+    double_wide_mlp: bool = False
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def reuses_kv(self, i: int) -> bool:
+        """Whether layer ``i`` attends over another layer's keys and values (``kv_sources``)."""
+        return self.kv_sources is not None and self.kv_sources[i] != i
+
+    def mlp_size(self, i: int) -> int:
+        """The intermediate size of layer ``i``'s dense MLP (twice ``intermediate_size`` on a
+        reusing layer with ``double_wide_mlp``)."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.reuses_kv(i) else 1)
 
     def replace(self, **changes) -> CausalLMConfig:
         """A copy with ``changes`` (``dataclasses.replace``)."""
@@ -1164,6 +1221,180 @@ def _olmo3(r: _Reader) -> dict:
     return c
 
 
+def _gemma4(r: _Reader) -> dict:
+    """Gemma 4's text model: Gemma's sandwich-normed blocks (plain ``w`` norms, embeddings times
+    ``sqrt(hidden)``, a final softcap) with ``SharedKVAttention`` (q/k norms with a weight, a value
+    norm without, scale 1; the full-attention layers' own ``head_dim`` and kv heads, keys as values
+    with ``attention_k_eq_v``, proportional RoPE), the last ``num_kv_shared_layers`` layers
+    reusing the keys and values of the last layer of their type before them (``_kv_sources``),
+    the per-layer input embeddings (``hidden_size_per_layer_input``) and a ``layer_scalar`` per
+    layer.  transformers makes the last layer full attention whatever ``layer_types`` says; so does
+    this reader."""
+    c = _common(r)
+    n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    r.only(
+        "use_bidirectional_attention", (None, "vision"), None, "npattn's CausalLM is causal ('vision': image tokens)"
+    )
+    r.only("enable_moe_block", (False,), False, "Gemma 4's MoE block (router and experts beside the MLP)")
+    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):  # read by the MoE block only
+        r.get(key)
+    if c["attention_dropout"]:
+        raise ValueError(
+            f"config['attention_dropout'] = {c['attention_dropout']} is not supported by npattn for gemma4_text"
+        )
+    lt = _layer_types(r, n, _GEMMA_TYPES, _interleaved(n, 6, "sliding_attention"))[:-1] + ("full_attention",)
+    k_eq_v = r.bool("attention_k_eq_v")
+    shapes = _gemma4_heads(r, lt, c["head_dim"], c["num_key_value_heads"], k_eq_v)
+    for t, (_, kv) in shapes.items():
+        if heads % kv:
+            raise ValueError(
+                f"config: {t} layers' num_key_value_heads={kv} does not divide num_attention_heads={heads}"
+            )
+    rope = _gemma4_rope(r, lt)
+    window = _window(r, lt)
+    bias = r.bool("attention_bias")
+    shared = {
+        t: SharedKVConfig(
+            c["hidden_size"],
+            heads,
+            kv,
+            hd,
+            bias,
+            (window - 1, 0) if t == "sliding_attention" else None,
+            rope[t],
+            k_eq_v and t == "full_attention",
+            c["rms_norm_eps"],
+        )  # fmt: skip
+        for t, (hd, kv) in shapes.items()
+    }
+    ple = r.int("hidden_size_per_layer_input", 0, minimum=0)
+    vp = r.int("vocab_size_per_layer_input", c["vocab_size"]) if ple else r.get("vocab_size_per_layer_input")
+    if ple and vp < c["vocab_size"]:
+        raise ValueError(
+            f"config['vocab_size_per_layer_input']: expected >= vocab_size={c['vocab_size']} (a row per token), "
+            f"got {vp}"
+        )
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_activation", "gelu_pytorch_tanh"),
+        attention_bias=bias,
+        sandwich_norm=True,
+        embed_scale=True,
+        attention_scale=1.0,
+        final_logit_softcapping=r.float("final_logit_softcapping"),
+        rope=rope,
+        layer_types=lt,
+        sliding_window=window,
+        mlp_types=("dense",) * n,
+        shared_kv=shared,
+        kv_sources=_kv_sources(lt, r.int("num_kv_shared_layers", 0, minimum=0)),
+        per_layer_input_size=ple,
+        per_layer_vocab_size=vp if ple else None,
+        layer_scalar=True,
+        double_wide_mlp=r.bool("use_double_wide_mlp"),
+    )
+    return c
+
+
+def _gemma4_heads(r: _Reader, lt: tuple, head_dim: int, kv: int, k_eq_v: bool) -> dict:
+    """``{layer type: (head_dim, num_key_value_heads)}`` as transformers' ``Gemma4TextConfig`` gives
+    them: ``per_layer_config`` (what its ``save_pretrained`` writes: overrides by layer index, the
+    same for every layer of a type), or else the full-attention layers' ``global_head_dim``
+    (default 512) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``."""
+    per = r.get("per_layer_config")
+    r.get("global_head_dim")  # read below when there is no per_layer_config (transformers: ignored then)
+    gkv = r.get("num_global_key_value_heads")
+    if per is None:
+        full = (
+            r.int("global_head_dim", 512),
+            r.int("num_global_key_value_heads") if k_eq_v and gkv is not None else kv,
+        )
+        return {t: full if t == "full_attention" else (head_dim, kv) for t in dict.fromkeys(lt)}
+    if not isinstance(per, Mapping):
+        raise ValueError(
+            f"config['per_layer_config']: expected a mapping of layer indices to overrides, got {_show(per)}"
+        )
+    layers = [(head_dim, kv)] * len(lt)
+    for key, over in per.items():
+        i = int(key) if isinstance(key, (str, numbers.Integral)) and str(key).isdigit() else -1
+        if not 0 <= i < len(lt) or not isinstance(over, Mapping):
+            raise ValueError(f"config['per_layer_config'][{key!r}]: expected a layer index < {len(lt)} and a mapping")
+        left = sorted(set(over) - {"head_dim", "num_key_value_heads"})
+        if left:
+            raise ValueError(
+                f"config['per_layer_config'][{key!r}]: key {left[0]!r} is not supported by npattn for gemma4_text"
+            )
+        for name in over:
+            v = over[name]
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(
+                    f"config['per_layer_config'][{key!r}][{name!r}]: expected an integer >= 1, got {_show(v)}"
+                )
+        layers[i] = (int(over.get("head_dim", head_dim)), int(over.get("num_key_value_heads", kv)))
+    out: dict = {}
+    for i, t in enumerate(lt):
+        if out.setdefault(t, layers[i]) != layers[i]:
+            raise ValueError(
+                f"config['per_layer_config']: layer {i} ({t}) has (head_dim, num_key_value_heads) {layers[i]}, "
+                f"another {t} layer {out[t]} (transformers needs one per layer type)"
+            )
+    return out
+
+
+_GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+def _gemma4_rope(r: _Reader, lt: tuple) -> dict:
+    """One RoPE dict per layer type (``rope_parameters``, transformers' two by default), each
+    with its ``rope_theta``; ``"default"`` (whose ``partial_rotary_factor`` transformers' Gemma 4
+    ignores: refused) or ``"proportional"``."""
+    rp = _rope_mapping(r, "rope_parameters") or _GEMMA4_ROPE
+    for t in rp:
+        if t not in _GEMMA_TYPES:
+            raise ValueError(
+                f"config['rope_parameters'][{t!r}]: Gemma 4 holds one dict per layer type {list(_GEMMA_TYPES)}"
+            )
+    out = {}
+    for t in dict.fromkeys(lt):
+        name = f"config['rope_parameters'][{t!r}]"
+        v: Any = rp.get(t)
+        if not isinstance(v, Mapping) or v.get("rope_theta") is None:
+            raise ValueError(
+                f"{name}: expected a mapping with its 'rope_theta' (transformers needs one), got {_show(v)}"
+            )
+        params = _standardize(v, name, rope_theta=float(v["rope_theta"]), max_position_embeddings=_max_positions(r))
+        kind = params["rope_type"]
+        if kind not in ("default", "proportional") or (kind == "default" and "partial_rotary_factor" in params):
+            what = "partial_rotary_factor" if kind == "default" else "rope_type"
+            raise ValueError(
+                f"{name}[{what!r}] is not supported by npattn for gemma4_text (rope_type 'default' or 'proportional')"
+            )
+        out[t] = params
+    return out
+
+
+def _kv_sources(lt: tuple, shared: int) -> tuple:
+    """Each layer's keys' and values' layer (transformers' ``kv_sharing_modes``): the last
+    ``shared`` layers reuse those of the last layer of their type before them."""
+    n = len(lt)
+    if shared >= n:
+        raise ValueError(f"config['num_kv_shared_layers']: expected fewer than num_hidden_layers={n}, got {shared}")
+    first = n - shared
+    out = list(range(n))
+    for i in range(first, n):
+        makers = [j for j in range(first) if lt[j] == lt[i]]
+        if not makers:
+            raise ValueError(
+                f"config['num_kv_shared_layers'] = {shared}: no {lt[i]} layer before layer {first} makes the keys "
+                f"and values layer {i} would reuse"
+            )
+        out[i] = makers[-1]
+    return tuple(out)
+
+
 # The defaults Qwen3-Next, Qwen3.5 and Qwen3.5-MoE share (their hybrid layers' shapes and options).
 _QWEN_HYBRID: dict = dict(
     max_position_embeddings=32768,
@@ -1351,6 +1582,26 @@ _DEFAULTS: dict = {
         **_QWEN_HYBRID_MOE,
         num_experts_per_tok=8,
         num_experts=256,
+    ),
+    "gemma4_text": dict(  # Gemma4TextConfig's class defaults (global_head_dim: the reader's, 512)
+        max_position_embeddings=131072,
+        vocab_size=262144,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        sliding_window=512,
+        vocab_size_per_layer_input=262144,
+        hidden_size_per_layer_input=256,
     ),
     "olmo3": dict(
         max_position_embeddings=2048,
@@ -1718,6 +1969,7 @@ _READERS = {
     "qwen3_5_moe_text": _qwen3_5,
     "kimi_linear": _kimi_linear,
     "deepseek_v32": _deepseek_v32,
+    "gemma4_text": _gemma4,
 }
 
 
@@ -1732,7 +1984,7 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     config : mapping
         The config; ``config["model_type"]`` is one of ``llama``, ``qwen3``, ``gemma3_text``,
         ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``, ``olmo3``, ``qwen3_5_text``,
-        ``qwen3_5_moe_text``.
+        ``qwen3_5_moe_text``, ``kimi_linear``, ``gemma4_text``.
 
     Returns
     -------

@@ -477,6 +477,32 @@ TINY_CONFIGS: dict = {
         shared_expert_intermediate_size=8,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
     ),
+    # Gemma 4: the last three layers reuse keys and values (two of them the same sliding layer's,
+    # the last the first full layer's), the full-attention layers with their own wider heads, one
+    # kv head used as keys and values (k_eq_v) and proportional RoPE; per-layer input embeddings;
+    # a final softcap
+    "gemma4_text": dict(
+        _BASE,
+        model_type="gemma4_text",
+        num_hidden_layers=6,
+        head_dim=4,
+        global_head_dim=8,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=3,
+        layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=3,
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=41,
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000.0},
+        },
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    ),
 }
 
 
@@ -515,6 +541,8 @@ _WIDTHS = (
     "v_head_dim",
     "linear_key_head_dim",
     "linear_value_head_dim",
+    "global_head_dim",
+    "hidden_size_per_layer_input",
 )
 
 
@@ -545,5 +573,11 @@ def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> d
         kda = [i % n + 1 in lac["kda_layers"] for i in range(layers)]
         lac["kda_layers"] = [i + 1 for i in range(layers) if kda[i]]
         lac["full_attn_layers"] = [i + 1 for i in range(layers) if not kda[i]]
+    if "num_kv_shared_layers" in d:  # Gemma 4: the same share of reusing layers, each with a layer of
+        lt = d["layer_types"][:-1] + ["full_attention"]  # its type before them (the last: full, as transformers)
+        k = d["num_kv_shared_layers"] * layers // d["num_hidden_layers"]
+        while k and not set(lt[layers - k :]) <= set(lt[: layers - k]):
+            k -= 1
+        d.update(num_kv_shared_layers=k, vocab_size_per_layer_input=vocab)
     d.update(num_hidden_layers=layers, vocab_size=vocab)
     return d

@@ -14,6 +14,7 @@ Every layer takes any number of leading axes, so unbatched input ``(L, features)
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional, Tuple, Union
@@ -653,6 +654,14 @@ _ACTIVATIONS = {
 def _act(name: str):
     kernel, kwargs = _ACTIVATIONS[name]
     return getattr(K, kernel), getattr(K, kernel + "_backward"), kwargs
+
+
+def act_kernels(name: str) -> tuple:
+    """``(forward, backward, jvp, backward_jvp)``: the kernels of the activation ``name`` (one of
+    ``_ACTIVATIONS``), the forward's keywords bound, for a module that applies one by hand."""
+    kernel, kwargs = _ACTIVATIONS[name]
+    ops = (getattr(K, kernel + suffix) for suffix in ("_backward", "_jvp", "_backward_jvp"))
+    return (functools.partial(getattr(K, kernel), **kwargs), *ops)
 
 
 # The gated unit ``h = act(gate(x)) * up(x)`` (SwiGLU and its kin), said once for FeedForward's
