@@ -6,6 +6,8 @@
   ``torch.func.jvp``) give every derivative, of the mask and the sinks included.
   ``torch_attention`` runs it on numpy inputs and returns ``(out, grads)``.
 * ``dense`` -- the same formula in numpy, for the tests that run without torch.
+* ``torch_delta_rule`` -- the gated delta rule (and, with a decay per key channel, Kimi Delta
+  Attention) as the step-by-step recurrence in torch, for autograd and ``torch.func``.
 * ``rel_err`` -- the relative error every comparison uses (its floor and its scale as parameters).
 
 Written from the contract's words, sharing no code with ``npattn.functional``: every ``(Lq, Lk)``
@@ -201,6 +203,28 @@ def dense(
     if keep is not None:
         w = w * keep / (1 - dropout_p)
     return w @ v
+
+
+# -- the delta rules, step by step ---------------------------------------------------------------------------
+
+
+def torch_delta_rule(t, q, k, v, g, beta, s0=None, *, l2, final=False):
+    """The gated delta rule step by step (the contract's recurrence) in torch ``t``; ``g`` of q's
+    shape (a log decay per key channel) makes it Kimi Delta Attention: row d of the state decays
+    by ``exp(g_td)``."""
+    if l2:
+        q, k = (x / t.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    S = t.zeros(q.shape[:-2] + (k.shape[-1], v.shape[-1]), dtype=q.dtype) if s0 is None else s0
+    outs = []
+    for i in range(q.shape[-2]):
+        decay = t.exp(g[..., i, :])[..., :, None] if g.ndim == q.ndim else t.exp(g[..., i])[..., None, None]
+        S = decay * S
+        u = beta[..., i, None] * (v[..., i, :] - t.einsum("...kv,...k->...v", S, k[..., i, :]))
+        S = S + k[..., i, :, None] * u[..., None, :]
+        outs.append(t.einsum("...kv,...k->...v", S, q[..., i, :]))
+    out = t.stack(outs, -2)
+    return (out, S) if final else out
 
 
 # -- the relative error ------------------------------------------------------------------------------------------

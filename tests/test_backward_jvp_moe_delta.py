@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import pytest
-from _oracles import rel_err
+from _oracles import rel_err, torch_delta_rule
 
 import npattn.functional as F
 import npattn.functional.reference as R
@@ -147,22 +147,6 @@ def expert_cases(rng, lead=(2, 3)) -> list:
     return cases
 
 
-def _torch_delta_rule(t, q, k, v, g, beta, s0=None, *, l2, final=False):
-    """The gated delta rule step by step (the contract's recurrence)."""
-    if l2:
-        q, k = (x / t.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    q = q / q.shape[-1] ** 0.5
-    S = t.zeros(q.shape[:-2] + (k.shape[-1], v.shape[-1]), dtype=q.dtype) if s0 is None else s0
-    outs = []
-    for i in range(q.shape[-2]):
-        S = t.exp(g[..., i])[..., None, None] * S
-        u = beta[..., i, None] * (v[..., i, :] - t.einsum("...kv,...k->...v", S, k[..., i, :]))
-        S = S + k[..., i, :, None] * u[..., None, :]
-        outs.append(t.einsum("...kv,...k->...v", S, q[..., i, :]))
-    out = t.stack(outs, -2)
-    return (out, S) if final else out
-
-
 def delta_cases(rng, lead=(2, 2), length=4) -> list:
     lead = tuple(lead)
     dk, dv = 3, 2
@@ -176,14 +160,14 @@ def delta_cases(rng, lead=(2, 2), length=4) -> list:
             "gated_delta_rule",
             (q, k, v, g, beta),
             lambda M, *a: M.gated_delta_rule(*a),
-            lambda t, *a: _torch_delta_rule(t, *a, l2=False),
+            lambda t, *a: torch_delta_rule(t, *a, l2=False),
         ),
         Case(
             "delta_rule_l2_initial_state",
             "gated_delta_rule",
             (q, k, v, g, beta, s0),
             lambda M, *a: M.gated_delta_rule(*a[:5], initial_state=a[5], use_qk_l2norm=True),
-            lambda t, *a: _torch_delta_rule(t, *a, l2=True),
+            lambda t, *a: torch_delta_rule(t, *a, l2=True),
         ),
     ]
 
@@ -392,7 +376,7 @@ def test_delta_rule_with_the_final_state():
     torch = pytest.importorskip("torch")
 
     def grads_of(*args):
-        _, vjp = torch.func.vjp(lambda *p: _torch_delta_rule(torch, *p, l2=True, final=True), *args[:6])
+        _, vjp = torch.func.vjp(lambda *p: torch_delta_rule(torch, *p, l2=True, final=True), *args[:6])
         return vjp((args[6], args[7]))
 
     args = tuple(torch.tensor(a) for a in primals + (dout, dfin))

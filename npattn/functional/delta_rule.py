@@ -50,7 +50,7 @@ Also here: ``l2_norm`` (``x / sqrt(sum x^2 + eps)``, the q/k normalisation) and
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -387,13 +387,16 @@ def _sum_of(a, b, c, d):
 # ----------------------------------------------------------------------------- gated_delta_rule
 
 
-class GatedDeltaRuleCache(NamedTuple):
-    """What ``gated_delta_rule_backward`` needs: the inputs as used and the chunks' start states."""
+class DeltaRuleCache(NamedTuple):
+    """The fields of the chunked delta rules' caches (``GatedDeltaRuleCache``, and
+    ``kda.KimiDeltaAttentionCache`` with a log decay per key channel), written once: the inputs as
+    used and the chunks' start states.  Each rule's cache is its own subclass, so a backward
+    refuses the other rule's."""
 
     q: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm) and scaled
     k: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm)
     v: np.ndarray  # (B..., H, L, Dv)
-    g: np.ndarray  # (B..., H, L)
+    g: np.ndarray  # (B..., H, L), or (B..., H, L, Dk): one log decay per key channel
     beta: np.ndarray  # (B..., H, L)
     states: np.ndarray  # (B..., H, N, Dk, Dv): the state entering each of the N chunks
     chunk: int  # C, the chunk length used
@@ -402,6 +405,13 @@ class GatedDeltaRuleCache(NamedTuple):
     k_norm: Optional[L2NormCache]
     has_initial_state: bool
     final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) with output_final_state, else None
+
+
+class GatedDeltaRuleCache(DeltaRuleCache):
+    """What ``gated_delta_rule_backward`` needs: the inputs as used and the chunks' start states
+    (``DeltaRuleCache``'s fields, ``g (B..., H, L)``)."""
+
+    __slots__ = ()
 
 
 def gated_delta_rule(
@@ -529,6 +539,26 @@ def gated_delta_rule_kernel(
     q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=64
 ):
     """The kernel of ``gated_delta_rule`` (arguments checked, one dtype, ``scale`` resolved)."""
+    return chunked_forward(
+        _RULE,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+    )
+
+
+def chunked_forward(rule, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, chunk_size):
+    """The chunked forward of ``rule`` (this rule's ``_RULE``, or ``kda``'s): q and k normalised
+    (``use_qk_l2norm``), q scaled, then per group of batch rows the blocks of chunks in order, the
+    state carried by ``_scan``, ``O = diag(a) Q S + P U`` (``(A * Q) S + P U`` with a decay per
+    channel).  Returns ``(out, rule.cache(...))``."""
     q_norm = k_norm = None
     if use_qk_l2norm:
         q, q_norm = l2_norm_kernel(q, QK_EPS)
@@ -538,18 +568,21 @@ def gated_delta_rule_kernel(
         q = q * scale
     lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
     chunk = min(chunk_size, steps)
-    qc, kc, vc, gc, bc = _chunked(steps, chunk, q, k, v, g, beta)
-    rows, n = qc.shape[:2]
-    s = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
+    chunks = rule.chunked(steps, chunk, q, k, v, g, beta)
+    rows, n = chunks[0].shape[:2]
+    s0 = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
     states = np.empty((rows, n, dk, dv), q.dtype)
-    out = np.empty(vc.shape, q.dtype)
-    for blk in chunk_blocks(rows, n, chunk):
-        terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
-        states[:, blk], u, s = _scan(terms, s)
-        out[:, blk] = terms.qa @ states[:, blk] + triangular_matmul(terms.p, u)  # O = diag(a) Q S + P U
-    final = s
+    out = np.empty(chunks[2].shape, q.dtype)
+    final = np.empty((rows, dk, dv), q.dtype)
+    for rs, blocks in rule.groups(rows, n, chunk, dk):
+        s = s0[rs]
+        for blk in blocks:
+            terms = rule.terms(*(x[rs, blk] for x in chunks))
+            states[rs, blk], u, s = _scan(terms, s)
+            out[rs, blk] = terms.qa @ states[rs, blk] + triangular_matmul(terms.p, u)  # O = diag(a) Q S + P U
+        final[rs] = s
     out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return out, GatedDeltaRuleCache(
+    return out, rule.cache(
         q=q,
         k=k,
         v=v,
@@ -600,12 +633,6 @@ def _chunked(steps, chunk, q, k, v, g, beta):
     """``q, k, v (B..., L, D)`` and ``g, beta (B..., L)`` as chunks ``(rows, N, C, D)`` and ``(rows, N, C)``."""
     vectors = tuple(pad_chunks(x, steps, chunk) for x in (q, k, v))
     return vectors + tuple(pad_chunks(x[..., None], steps, chunk)[..., 0] for x in (g, beta))
-
-
-def _chunked_inputs(cache: GatedDeltaRuleCache):
-    """The forward's inputs as used (``q`` scaled, ``q, k`` normalised), in the forward's chunks."""
-    c = cache
-    return _chunked(c.q.shape[-2], c.chunk, c.q, c.k, c.v, c.g, c.beta)
 
 
 def pad_chunks(x, steps, chunk):
@@ -708,13 +735,14 @@ def unit_lower_inverse(m):
     return t
 
 
-def _scan(c: _Chunks, s):
+def _scan(c, s):
     """The one sequential part: carry the state through the chunks.  Returns the states entering
-    each chunk ``(rows, N, Dk, Dv)``, the deltas ``U (rows, N, C, Dv)`` and the final state."""
+    each chunk ``(rows, N, Dk, Dv)``, the deltas ``U (rows, N, C, Dv)`` and the final state (the
+    chunks' terms ``c`` of this rule or of ``kda``'s, whose ``a_C`` is one number per key channel)."""
     rows, n = c.q.shape[:2]
     states = np.empty((rows, n) + s.shape[-2:], s.dtype)
     u = np.empty(c.v.shape, s.dtype)
-    decay = c.a[..., -1, None, None]  # (rows, N, 1, 1) a_C, the whole chunk's decay
+    decay = chunk_decay(c.a)  # (rows, N, 1, 1) a_C, the whole chunk's decay ((rows, N, Dk, 1): one per channel)
     kbt = c.kb.swapaxes(-1, -2)
     for i in range(n):
         states[:, i] = s
@@ -750,26 +778,37 @@ def gated_delta_rule_backward(
 
 
 def gated_delta_rule_backward_kernel(dout, cache, dfinal_state=None):
+    return chunked_backward(_RULE, dout, cache, dfinal_state)
+
+
+def chunked_backward(rule, dout, cache, dfinal_state=None):
+    """The chunked backward of ``rule``: per group of batch rows the blocks of chunks in reverse
+    (the state's adjoint runs backwards, ``rule.backward`` for each block), then the scale and
+    ``l2_norm``'s backward.  Returns the backward's six gradients."""
     q, chunk = cache.q, cache.chunk
     lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], cache.v.shape[-1]
-    qc, kc, vc, gc, bc = _chunked_inputs(cache)
+    chunks = rule.chunked(steps, chunk, q, cache.k, cache.v, cache.g, cache.beta)
     doc = pad_chunks(dout, steps, chunk)
-    rows, n = qc.shape[:2]
+    rows, n = chunks[0].shape[:2]
     s = cache.states.reshape((rows,) + cache.states.shape[-3:])
-    ds = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
-    grads = tuple(np.empty(x.shape, q.dtype) for x in (qc, kc, vc, gc, bc))
-    for blk in reversed(chunk_blocks(rows, n, chunk)):  # the last block first: the state's adjoint runs backwards
-        terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
-        block_grads, ds = _chunked_backward(terms, s[:, blk], doc[:, blk], ds)
-        for whole, part in zip(grads, block_grads):
-            whole[:, blk] = part
+    dsf = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
+    ds0 = np.empty((rows, dk, dv), q.dtype)
+    grads = tuple(np.empty(x.shape, q.dtype) for x in chunks)
+    for rs, blocks in rule.groups(rows, n, chunk, dk):
+        ds = dsf[rs]
+        for blk in reversed(blocks):  # the last block first: the state's adjoint runs backwards
+            terms = rule.terms(*(x[rs, blk] for x in chunks))
+            block_grads, ds = rule.backward(terms, s[rs, blk], doc[rs, blk], ds)
+            for whole, part in zip(grads, block_grads):
+                whole[rs, blk] = part
+        ds0[rs] = ds
     dq, dk_, dv_, dg, dbeta = (
         x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
     )
     dq *= cache.scale
     if cache.q_norm is not None:
         dq, dk_ = l2_norm_backward_kernel(dq, cache.q_norm), l2_norm_backward_kernel(dk_, cache.k_norm)
-    return dq, dk_, dv_, dg, dbeta, (ds.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
+    return dq, dk_, dv_, dg, dbeta, (ds0.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
 
 
 class _BackwardParts(NamedTuple):
@@ -888,7 +927,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
 def _chunked_backward_jvp(c: _Chunks, tc: _Chunks, s, ts, do, tdo, dsf, tdsf):
     """``_chunked_backward`` and its forward-mode derivative: each of its lines by the product
     rule, the terms moving along ``tc`` (``_term_tangents``), the states along ``ts`` (the
-    forward's tangents, ``_tangent_scan``), ``dO`` along ``tdo`` and ``dS'`` of the last chunk along
+    forward's tangents, ``tangent_scan``), ``dO`` along ``tdo`` and ``dS'`` of the last chunk along
     ``tdsf``.  The state's adjoint and its tangent run the chunks in reverse together:
 
         tdS = ta_C dS' + a_C tdS' + t(Q_a^T dO) - tW_k^T (P^T dO + K_b dS') - W_k^T t(P^T dO + K_b dS')
@@ -898,27 +937,7 @@ def _chunked_backward_jvp(c: _Chunks, tc: _Chunks, s, ts, do, tdo, dsf, tdsf):
 
     Returns ``(grads, dS, tgrads, tdS)`` in ``_chunked_backward``'s order."""
     grads, ds, b = _chunked_backward(c, s, do, dsf, keep=True)
-    n = c.q.shape[1]
-    tpt_do = triangular_matmul(tc.p.swapaxes(-1, -2), do, upper=True)
-    tpt_do += triangular_matmul(c.p.swapaxes(-1, -2), tdo, upper=True)
-    tqa_do = tc.qa.swapaxes(-1, -2) @ do + c.qa.swapaxes(-1, -2) @ tdo
-    decay, tdecay = c.a[..., -1, None, None], tc.a[..., -1, None, None]
-    tds_end = np.empty(s.shape, s.dtype)
-    tds = tdsf
-    for i in reversed(range(n)):
-        tds_end[:, i] = tds
-        dsi = b.ds_end[:, i]
-        tds = (
-            tdecay[:, i] * dsi
-            + decay[:, i] * tds
-            + tqa_do[:, i]
-            - tc.wk[:, i].swapaxes(-1, -2) @ (b.pt_do[:, i] + c.kb[:, i] @ dsi)
-            - c.wk[:, i].swapaxes(-1, -2) @ (tpt_do[:, i] + tc.kb[:, i] @ dsi + c.kb[:, i] @ tds)
-        )
-    tu = tc.wv - tc.wk @ s - c.wk @ ts
-    tdu = tpt_do + tc.kb @ b.ds_end + c.kb @ tds_end
-    tdr = triangular_matmul(tc.t.swapaxes(-1, -2), b.du, upper=True)
-    tdr += triangular_matmul(c.t.swapaxes(-1, -2), tdu, upper=True)
+    tds_end, tds, tu, tdr = adjoint_tangents(c, tc, b, s, ts, do, tdo, tdsf)
     st, tst = s.swapaxes(-1, -2), ts.swapaxes(-1, -2)
     # from O
     tdp = np.tril(tdo @ b.u.swapaxes(-1, -2) + do @ tu.swapaxes(-1, -2))
@@ -958,6 +977,40 @@ def _chunked_backward_jvp(c: _Chunks, tc: _Chunks, s, ts, do, tdo, dsf, tdsf):
     tdgamma[..., -1] += tda_end * c.a[..., -1] + b.da_end * tc.a[..., -1]
     tdg = np.cumsum(tdgamma[..., ::-1], axis=-1)[..., ::-1] + segment_sums_backward(tdd)
     return grads, ds, (tdq, tdk, tdv, tdg, tdbeta), tds
+
+
+def adjoint_tangents(c, tc, b, s, ts, do, tdo, tdsf):
+    """The tangents of the state's adjoint and of the deltas through a block of chunks (``c``,
+    ``tc`` the terms and their tangents, ``b`` the backward's intermediates; this rule's or
+    ``kda``'s, whose ``a_C`` is one number per key channel: ``chunk_decay``).  The adjoint's
+    tangent runs the chunks in reverse:
+
+        tdS = ta_C dS' + a_C tdS' + t(Q_a^T dO) - tW_k^T (P^T dO + K_b dS') - W_k^T t(P^T dO + K_b dS')
+
+    then ``tU = tW_v - tW_k S - W_k tS`` and ``tdR = tT^T dU + T^T tdU`` with ``tdU = t(P^T dO) +
+    tK_b dS' + K_b tdS'``.  Returns ``(tdS' of each chunk, tdS of the first, tU, tdR)``."""
+    n = c.q.shape[1]
+    tpt_do = triangular_matmul(tc.p.swapaxes(-1, -2), do, upper=True)
+    tpt_do += triangular_matmul(c.p.swapaxes(-1, -2), tdo, upper=True)
+    tqa_do = tc.qa.swapaxes(-1, -2) @ do + c.qa.swapaxes(-1, -2) @ tdo
+    decay, tdecay = chunk_decay(c.a), chunk_decay(tc.a)
+    tds_end = np.empty(s.shape, s.dtype)
+    tds = tdsf
+    for i in reversed(range(n)):
+        tds_end[:, i] = tds
+        dsi = b.ds_end[:, i]
+        tds = (
+            tdecay[:, i] * dsi
+            + decay[:, i] * tds
+            + tqa_do[:, i]
+            - tc.wk[:, i].swapaxes(-1, -2) @ (b.pt_do[:, i] + c.kb[:, i] @ dsi)
+            - c.wk[:, i].swapaxes(-1, -2) @ (tpt_do[:, i] + tc.kb[:, i] @ dsi + c.kb[:, i] @ tds)
+        )
+    tu = tc.wv - tc.wk @ s - c.wk @ ts
+    tdu = tpt_do + tc.kb @ b.ds_end + c.kb @ tds_end
+    tdr = triangular_matmul(tc.t.swapaxes(-1, -2), b.du, upper=True)
+    tdr += triangular_matmul(c.t.swapaxes(-1, -2), tdu, upper=True)
+    return tds_end, tds, tu, tdr
 
 
 def segment_sums_backward(dd):
@@ -1002,25 +1055,33 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
 
 
 def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
+    return chunked_jvp(_RULE, cache, tq, tk, tv, tg, tbeta, ts0)
+
+
+def chunked_jvp(rule, cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
+    """The chunked forward mode of ``rule``: the tangents as the forward used its inputs
+    (``used_tangents``), then per group of batch rows the blocks of chunks in order, the state's
+    tangent carried by ``rule.jvp``.  Returns ``tout``, or ``(tout, tfinal_state)``."""
     c = cache
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
-    tq, tk, tv, tg, tbeta = _used_tangents(c, tq, tk, tv, tg, tbeta)
-    qc, kc, vc, gc, bc = _chunked_inputs(c)
-    tqc, tkc, tvc, tgc, tbc = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
-    rows, n = qc.shape[:2]
+    chunks = rule.chunked(steps, c.chunk, c.q, c.k, c.v, c.g, c.beta)
+    tchunks = rule.chunked(steps, c.chunk, *used_tangents(c, tq, tk, tv, tg, tbeta))
+    rows, n = chunks[0].shape[:2]
     s = c.states.reshape((rows,) + c.states.shape[-3:])
-    ts = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
-    tout = np.empty(vc.shape, c.q.dtype)
-    for blk in chunk_blocks(rows, n, c.chunk):
-        terms = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
-        tout[:, blk], ts = _chunked_jvp(
-            terms, s[:, blk], tqc[:, blk], tkc[:, blk], tvc[:, blk], tgc[:, blk], tbc[:, blk], ts
-        )
+    ts0 = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
+    tout = np.empty(chunks[2].shape, c.q.dtype)
+    tfinal = np.empty((rows, dk, dv), c.q.dtype)
+    for rs, blocks in rule.groups(rows, n, c.chunk, dk):
+        ts = ts0[rs]
+        for blk in blocks:
+            terms = rule.terms(*(x[rs, blk] for x in chunks))
+            tout[rs, blk], ts = rule.jvp(terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts)
+        tfinal[rs] = ts
     tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return tout if c.final_state is None else (tout, ts.reshape(lead + (dk, dv)))
+    return tout if c.final_state is None else (tout, tfinal.reshape(lead + (dk, dv)))
 
 
-def _used_tangents(c: GatedDeltaRuleCache, tq, tk, tv, tg, tbeta):
+def used_tangents(c: DeltaRuleCache, tq, tk, tv, tg, tbeta):
     """The tangents of the inputs as the forward used them: q's through ``l2_norm``'s JVP and the
     scale, k's through ``l2_norm``'s JVP (``use_qk_l2norm``); None as zeros."""
     zero = np.zeros_like
@@ -1093,36 +1154,63 @@ def gated_delta_rule_backward_jvp(
 
 
 def gated_delta_rule_backward_jvp_kernel(dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None):
+    return second_order_kernel(_RULE, dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
+
+
+class ChunkedRule(NamedTuple):
+    """A chunked delta rule's own pieces, which ``chunked_forward``, ``chunked_backward``,
+    ``chunked_jvp`` and ``second_order_kernel`` drive (this rule's ``_RULE``; ``kda``'s with a
+    decay per key channel)."""
+
+    cache: Callable  # the rule's cache class, a ``DeltaRuleCache``
+    chunked: Callable  # (steps, chunk, q, k, v, g, beta) -> the five as chunks (``_chunked``)
+    groups: Callable  # (rows, N, C, Dk) -> [(rows' slice, [blocks of chunks])]
+    terms: Callable  # the state-independent terms of a block (``_chunk_terms``)
+    term_tangents: Callable  # their tangents (``_term_tangents``)
+    backward: Callable  # ``_chunked_backward``
+    jvp: Callable  # ``_chunked_jvp``
+    backward_jvp: Callable  # ``_chunked_backward_jvp``
+
+
+def second_order_kernel(rule, dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None):
+    """The chunked second order (``gated_delta_rule_backward_jvp``, ``kimi_delta_attention_backward_jvp``)
+    of ``rule``'s pieces: per group of batch rows, the states' tangents forwards through the
+    blocks of chunks (``tangent_scan``, the tangent entering each chunk kept as the forward keeps
+    the states), then the backward and its tangent through the blocks in reverse
+    (``rule.backward_jvp``); last the scale and, with ``use_qk_l2norm``, ``l2_norm``'s second
+    order along the raw ``tq``, ``tk``.  Work linear in ``L``, no ``(L, L)`` array."""
     c = cache
     tq_in, tk_in, tv, tg, tbeta, ts0 = (tuple(tangents) + (None,) * 6)[:6]
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
-    used = _used_tangents(c, tq_in, tk_in, tv, tg, tbeta)
-    qc, kc, vc, gc, bc = _chunked_inputs(c)
-    tqc, tkc, tvc, tgc, tbc = _chunked(steps, c.chunk, *used)
+    chunks = rule.chunked(steps, c.chunk, c.q, c.k, c.v, c.g, c.beta)
+    tchunks = rule.chunked(steps, c.chunk, *used_tangents(c, tq_in, tk_in, tv, tg, tbeta))
     doc = pad_chunks(dout, steps, c.chunk)
     tdoc = np.zeros_like(doc) if ddout is None else pad_chunks(ddout, steps, c.chunk)
-    rows, n = qc.shape[:2]
+    rows, n = chunks[0].shape[:2]
     s = c.states.reshape((rows,) + c.states.shape[-3:])
     zeros = np.zeros((rows, dk, dv), c.q.dtype)
-    blocks = chunk_blocks(rows, n, c.chunk)
+    ts_all, ds_all, tds_all = (
+        zeros if x is None else x.reshape(rows, dk, dv) for x in (ts0, dfinal_state, ddfinal_state)
+    )
+    grads = tuple(np.empty(x.shape, c.q.dtype) for x in chunks * 2)
+    ds0, tds0 = np.empty_like(zeros), np.empty_like(zeros)
 
-    def terms(blk):
-        t = _chunk_terms(qc[:, blk], kc[:, blk], vc[:, blk], gc[:, blk], bc[:, blk])
-        return t, _term_tangents(t, tqc[:, blk], tkc[:, blk], tvc[:, blk], tgc[:, blk], tbc[:, blk])
+    def terms(rs, blk):
+        t = rule.terms(*(x[rs, blk] for x in chunks))
+        return t, rule.term_tangents(t, *(x[rs, blk] for x in tchunks))
 
-    tstates, ts = np.empty(s.shape, s.dtype), (zeros if ts0 is None else ts0.reshape(rows, dk, dv))
-    for blk in blocks:  # the states' tangents, forwards
-        tstates[:, blk], _, _, ts = _tangent_scan(*terms(blk), s[:, blk], ts)
-    ds = zeros if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
-    tds = zeros if ddfinal_state is None else ddfinal_state.reshape(rows, dk, dv)
-    grads = tuple(np.empty(x.shape, c.q.dtype) for x in (qc, kc, vc, gc, bc) * 2)
-    for blk in reversed(blocks):  # the backward and its tangent, the last block first
-        t, tt = terms(blk)
-        block_grads, ds, block_tangents, tds = _chunked_backward_jvp(
-            t, tt, s[:, blk], tstates[:, blk], doc[:, blk], tdoc[:, blk], ds, tds
-        )
-        for whole, part in zip(grads, block_grads + block_tangents):
-            whole[:, blk] = part
+    for rs, blocks in rule.groups(rows, n, c.chunk, dk):
+        tstates, ts = np.empty(s[rs].shape, s.dtype), ts_all[rs]
+        for blk in blocks:  # the states' tangents, forwards
+            tstates[:, blk], _, _, ts = tangent_scan(*terms(rs, blk), s[rs, blk], ts)
+        ds, tds = ds_all[rs], tds_all[rs]
+        for blk in reversed(blocks):  # the backward and its tangent, the last block first
+            block_grads, ds, block_tangents, tds = rule.backward_jvp(
+                *terms(rs, blk), s[rs, blk], tstates[:, blk], doc[rs, blk], tdoc[rs, blk], ds, tds
+            )
+            for whole, part in zip(grads, block_grads + block_tangents):
+                whole[rs, blk] = part
+        ds0[rs], tds0[rs] = ds, tds
     whole = [x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads]
     dq, dk_, dv_, dg, dbeta = whole[:5]  # the gradients, unpadded to the steps
     tdq, tdk, tdv, tdg, tdbeta = whole[5:]  # their tangents
@@ -1133,8 +1221,8 @@ def gated_delta_rule_backward_jvp_kernel(dout, cache, tangents=(), ddout=None, d
         dk_, tdk = l2_norm_backward_jvp_kernel(dk_, c.k_norm, (tk_in,), tdk)
     state = c.has_initial_state
     return (
-        (dq, dk_, dv_, dg, dbeta, ds.reshape(lead + (dk, dv)) if state else None),
-        (tdq, tdk, tdv, tdg, tdbeta, tds.reshape(lead + (dk, dv)) if state else None),
+        (dq, dk_, dv_, dg, dbeta, ds0.reshape(lead + (dk, dv)) if state else None),
+        (tdq, tdk, tdv, tdg, tdbeta, tds0.reshape(lead + (dk, dv)) if state else None),
     )
 
 
@@ -1154,7 +1242,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
 
     Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
-    tstates, u, tu, ts = _tangent_scan(c, tc, s, ts)
+    tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
     tout = tc.qa @ s + c.qa @ tstates
     tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
     return tout, ts
@@ -1198,15 +1286,16 @@ def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
     )
 
 
-def _tangent_scan(c: _Chunks, tc: _Chunks, s, ts):
+def tangent_scan(c, tc, s, ts):
     """``_scan``'s tangent: the states' tangents entering each chunk, ``U`` and ``tU``, and the
     final state's tangent (``tU = tW_v - tW_k S - W_k tS``, ``tS' = ta_C S + a_C tS + tK_b^T U +
-    K_b^T tU``)."""
+    K_b^T tU``).  ``c``, ``tc``: the chunks' terms and their tangents, of this rule or of
+    ``kda`` (``a_C`` a number per chunk or one per key channel: ``chunk_decay``)."""
     u = c.wv - c.wk @ s
     n = c.q.shape[1]
     tstates = np.empty(s.shape, s.dtype)
     tu = np.empty(u.shape, u.dtype)
-    decay, tdecay = c.a[..., -1, None, None], tc.a[..., -1, None, None]
+    decay, tdecay = chunk_decay(c.a), chunk_decay(tc.a)
     for i in range(n):
         tstates[:, i] = ts
         tu[:, i] = tc.wv[:, i] - tc.wk[:, i] @ s[:, i] - c.wk[:, i] @ ts
@@ -1217,3 +1306,22 @@ def _tangent_scan(c: _Chunks, tc: _Chunks, s, ts):
             + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
         )
     return tstates, u, tu, ts
+
+
+def chunk_decay(a):
+    """The whole chunk's decay ``a_C`` of each row of the state, ``(rows, N, 1, 1)`` from ``a (rows,
+    N, C)`` (one number) or ``(rows, N, Dk, 1)`` from ``a (rows, N, C, Dk)`` (one per key channel)."""
+    last = a[:, :, -1]
+    return last.reshape(last.shape[:2] + (-1, 1))
+
+
+_RULE = ChunkedRule(
+    cache=GatedDeltaRuleCache,
+    chunked=_chunked,
+    groups=lambda rows, n, chunk, dk: [(slice(None), chunk_blocks(rows, n, chunk))],
+    terms=_chunk_terms,
+    term_tangents=_term_tangents,
+    backward=_chunked_backward,
+    jvp=_chunked_jvp,
+    backward_jvp=_chunked_backward_jvp,
+)

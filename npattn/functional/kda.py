@@ -48,7 +48,9 @@ reaches in the recurrence.
 
 Backward and JVP: as ``gated_delta_rule``'s (``_chunked_backward``, ``_chunked_jvp`` beside the
 formulas), the decay gradients per channel: ``dg_ld = sum_{i >= l} a_id da_id`` plus the segment
-sums' adjoint along channel d.
+sums' adjoint along channel d; the second order (``_chunked_backward_jvp``) each of the backward's
+lines by the product rule.  The drivers over the groups of rows and blocks of chunks (forward,
+backward, JVP, second order) and the scans are ``delta_rule``'s, given this rule's pieces (``_RULE``).
 """
 
 from __future__ import annotations
@@ -57,20 +59,23 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import check_cache, check_grad, check_tangents_as
+from .._validate import check_backward_jvp, check_cache, check_grad, check_tangents_as
 from . import delta_rule
 from .delta_rule import (
-    QK_EPS,
-    L2NormCache,
+    ChunkedRule,
+    DeltaRuleCache,
+    adjoint_tangents,
     checked_inputs,
     chunk_blocks,
+    chunked_backward,
+    chunked_forward,
+    chunked_jvp,
     flushed_exp,
-    l2_norm_backward_kernel,
-    l2_norm_jvp_kernel,
-    l2_norm_kernel,
     pad_chunks,
+    second_order_kernel,
     segment_sums,
     segment_sums_backward,
+    tangent_scan,
     triangular_matmul,
     unit_lower_inverse,
 )
@@ -79,25 +84,17 @@ __all__ = [
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
     "kimi_delta_attention_jvp",
+    "kimi_delta_attention_backward_jvp",
     "KimiDeltaAttentionCache",
 ]
 
 
-class KimiDeltaAttentionCache(NamedTuple):
-    """What ``kimi_delta_attention_backward`` needs: the inputs as used and the chunks' start states."""
+class KimiDeltaAttentionCache(DeltaRuleCache):
+    """What ``kimi_delta_attention_backward`` needs: the inputs as used and the chunks' start states
+    (the gated delta rule's fields, ``delta_rule.DeltaRuleCache``, but ``g (B..., H, L, Dk)``, one
+    log decay per key channel)."""
 
-    q: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm) and scaled
-    k: np.ndarray  # (B..., H, L, Dk) normalised (use_qk_l2norm)
-    v: np.ndarray  # (B..., H, L, Dv)
-    g: np.ndarray  # (B..., H, L, Dk) log decays, one per key channel
-    beta: np.ndarray  # (B..., H, L)
-    states: np.ndarray  # (B..., H, N, Dk, Dv): the state entering each of the N chunks
-    chunk: int  # C, the chunk length used
-    scale: float
-    q_norm: Optional[L2NormCache]  # with use_qk_l2norm
-    k_norm: Optional[L2NormCache]
-    has_initial_state: bool
-    final_state: Optional[np.ndarray]  # (B..., H, Dk, Dv) with output_final_state, else None
+    __slots__ = ()
 
 
 def kimi_delta_attention(
@@ -172,7 +169,18 @@ def kimi_delta_attention(
     >>> len(F.kimi_delta_attention_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
     6
     """
-    arrays, options = checked_inputs(
+    kw = dict(initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    arrays, options = checked_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, per_channel=True, **kw)
+    return _kimi_delta_attention(*arrays, **options)
+
+
+def _kimi_delta_attention(
+    q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=16
+):
+    """The kernel of ``kimi_delta_attention`` (arguments checked, one dtype, ``scale`` resolved):
+    the gated delta rule's chunked forward (``delta_rule.chunked_forward``) with this rule's chunks."""
+    return chunked_forward(
+        _RULE,
         q,
         k,
         v,
@@ -183,51 +191,6 @@ def kimi_delta_attention(
         output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size,
-        per_channel=True,
-    )
-    return _kimi_delta_attention(*arrays, **options)
-
-
-def _kimi_delta_attention(
-    q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=16
-):
-    """The kernel of ``kimi_delta_attention`` (arguments checked, one dtype, ``scale`` resolved)."""
-    q_norm = k_norm = None
-    if use_qk_l2norm:
-        q, q_norm = l2_norm_kernel(q, QK_EPS)
-        k, k_norm = l2_norm_kernel(k, QK_EPS)
-        q *= scale  # q is l2_norm's fresh output
-    else:
-        q = q * scale
-    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], v.shape[-1]
-    chunk = min(chunk_size, steps)
-    chunks = _chunked(steps, chunk, q, k, v, g, beta)
-    rows, n = chunks[0].shape[:2]
-    s0 = np.zeros((rows, dk, dv), q.dtype) if initial_state is None else initial_state.reshape(rows, dk, dv)
-    states = np.empty((rows, n, dk, dv), q.dtype)
-    out = np.empty(chunks[2].shape, q.dtype)
-    final = np.empty((rows, dk, dv), q.dtype)
-    for rs, blocks in _groups(rows, n, chunk, dk):
-        s = s0[rs]
-        for blk in blocks:
-            terms = _chunk_terms(*(x[rs, blk] for x in chunks))
-            states[rs, blk], u, s = _scan(terms, s)
-            out[rs, blk] = terms.qa @ states[rs, blk] + triangular_matmul(terms.p, u)  # O = (A * Q) S + P U
-        final[rs] = s
-    out = out.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return out, KimiDeltaAttentionCache(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        states=states.reshape(lead + (n, dk, dv)),
-        chunk=chunk,
-        scale=scale,
-        q_norm=q_norm,
-        k_norm=k_norm,
-        has_initial_state=initial_state is not None,
-        final_state=final.reshape(lead + (dk, dv)) if output_final_state else None,
     )
 
 
@@ -268,12 +231,6 @@ def _chunked(steps, chunk, q, k, v, g, beta):
     ``(rows, N, C)`` (a padded step has k = q = v = 0, g = beta = 0: it changes nothing)."""
     vectors = tuple(pad_chunks(x, steps, chunk) for x in (q, k, v, g))
     return vectors + (pad_chunks(beta[..., None], steps, chunk)[..., 0],)
-
-
-def _chunked_inputs(cache: KimiDeltaAttentionCache):
-    """The forward's inputs as used (``q`` scaled, ``q, k`` normalised), in the forward's chunks."""
-    c = cache
-    return _chunked(c.q.shape[-2], c.chunk, c.q, c.k, c.v, c.g, c.beta)
 
 
 def _decayed(gam, lower, x):
@@ -341,21 +298,6 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
     )
 
 
-def _scan(c: _Chunks, s):
-    """The one sequential part: carry the state through the chunks.  Returns the states entering
-    each chunk ``(rows, N, Dk, Dv)``, the deltas ``U (rows, N, C, Dv)`` and the final state."""
-    n = c.q.shape[1]
-    states = np.empty(s.shape[:1] + (n,) + s.shape[1:], s.dtype)
-    u = np.empty(c.v.shape, s.dtype)
-    decay = c.a[..., -1, :, None]  # (rows, N, Dk, 1) a_C, the whole chunk's decay of each row of S
-    kbt = c.kb.swapaxes(-1, -2)
-    for i in range(n):
-        states[:, i] = s
-        u[:, i] = c.wv[:, i] - c.wk[:, i] @ s  # U = W_v - W_k S
-        s = decay[:, i] * s + kbt[:, i] @ u[:, i]  # S' = diag(a_C) S + (B * K)^T U
-    return states, u, s
-
-
 def kimi_delta_attention_backward(
     dout: np.ndarray, cache: KimiDeltaAttentionCache, dfinal_state: Optional[np.ndarray] = None
 ) -> tuple[Optional[np.ndarray], ...]:
@@ -384,33 +326,10 @@ def kimi_delta_attention_backward(
 
 
 def _kimi_delta_attention_backward(dout, cache, dfinal_state=None):
-    q, chunk = cache.q, cache.chunk
-    lead, steps, dk, dv = q.shape[:-2], q.shape[-2], q.shape[-1], cache.v.shape[-1]
-    chunks = _chunked_inputs(cache)
-    doc = pad_chunks(dout, steps, chunk)
-    rows, n = chunks[0].shape[:2]
-    s = cache.states.reshape((rows,) + cache.states.shape[-3:])
-    dsf = np.zeros((rows, dk, dv), dtype=q.dtype) if dfinal_state is None else dfinal_state.reshape(rows, dk, dv)
-    ds0 = np.empty((rows, dk, dv), q.dtype)
-    grads = tuple(np.empty(x.shape, q.dtype) for x in chunks)
-    for rs, blocks in _groups(rows, n, chunk, dk):
-        ds = dsf[rs]
-        for blk in reversed(blocks):  # the last block first: the state's adjoint runs backwards
-            terms = _chunk_terms(*(x[rs, blk] for x in chunks))
-            block_grads, ds = _chunked_backward(terms, s[rs, blk], doc[rs, blk], ds)
-            for whole, part in zip(grads, block_grads):
-                whole[rs, blk] = part
-        ds0[rs] = ds
-    dq, dk_, dv_, dg, dbeta = (
-        x.reshape((rows, -1) + x.shape[3:])[:, :steps].reshape(lead + (steps,) + x.shape[3:]) for x in grads
-    )
-    dq *= cache.scale
-    if cache.q_norm is not None:
-        dq, dk_ = l2_norm_backward_kernel(dq, cache.q_norm), l2_norm_backward_kernel(dk_, cache.k_norm)
-    return dq, dk_, dv_, dg, dbeta, (ds0.reshape(lead + (dk, dv)) if cache.has_initial_state else None)
+    return chunked_backward(_RULE, dout, cache, dfinal_state)
 
 
-def _chunked_backward(c: _Chunks, s, do, dsf):
+def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
     """Backward of the chunks of a block, all at once but for the state's adjoint.
 
     The chunk computed (``S`` entering, ``S'`` leaving, ``R = diag(beta) V - diag(beta) (A * K) S``):
@@ -443,7 +362,8 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
                   dD = dGam * Gam = Gam_ijd k_jd (dP_ij q_id + D_ij k_id) and dD_Cjd += b_jd db_jd,
                   dg_ld += sum_{i >= l > j} dD_ijd  (``segment_sums_backward`` along each channel).
 
-    Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk)``.
+    Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk)``, and with ``keep`` the
+    intermediates as ``_BackwardParts`` third (for ``_chunked_backward_jvp``).
     """
     n = c.q.shape[1]
     pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
@@ -491,7 +411,91 @@ def _chunked_backward(c: _Chunks, s, do, dsf):
     dgamma[..., -1, :] += da_end * c.a[..., -1, :]
     dg = np.cumsum(dgamma[..., ::-1, :], axis=-2)[..., ::-1, :]
     dg += segment_sums_backward(dd.swapaxes(-3, -2)).swapaxes(-1, -2)
-    return (dq, dk, dv, dg, dbeta), ds
+    if not keep:
+        return (dq, dk, dv, dg, dbeta), ds
+    parts = _BackwardParts(pt_do, ds_end, u, du, dr, dp, dqa, dkb, dm, d, ks, dv, dka, da, db, da_end)
+    return (dq, dk, dv, dg, dbeta), ds, parts
+
+
+class _BackwardParts(NamedTuple):
+    """The intermediates of ``_chunked_backward`` its forward-mode derivative reads (names as there)."""
+
+    pt_do: np.ndarray  # P^T dO
+    ds_end: np.ndarray  # dS' of each chunk
+    u: np.ndarray
+    du: np.ndarray
+    dr: np.ndarray
+    dp: np.ndarray
+    dqa: np.ndarray  # d(A * Q)
+    dkb: np.ndarray  # d(B * K)
+    dm: np.ndarray
+    d: np.ndarray  # diag(beta) dM
+    ks: np.ndarray  # (A * K) S
+    dv: np.ndarray  # diag(beta) dR
+    dka: np.ndarray  # d(A * K)
+    da: np.ndarray
+    db: np.ndarray
+    da_end: np.ndarray
+
+
+def _chunked_backward_jvp(c: _Chunks, tc: _Chunks, s, ts, do, tdo, dsf, tdsf):
+    """``_chunked_backward`` and its forward-mode derivative, for a block of chunks: each of its
+    lines by the product rule, the terms moving along ``tc`` (``_term_tangents``), the states along
+    ``ts`` (``delta_rule.tangent_scan``), ``dO`` along ``tdo`` and ``dS'`` of the last chunk along
+    ``tdsf``.  The state's adjoint and its tangent run the chunks in reverse together, then ``tU``
+    and ``tdR`` (``delta_rule.adjoint_tangents``, shared with the gated delta rule: ``a_C`` one
+    number per channel here); every other line is a sum of products, moving one factor at a time:
+
+        from O:   tdP = tdO U^T + dO tU^T (lower);  td(A * Q) = tdO S^T + dO tS^T;
+                  tdq = td(A * Q) * A + d(A * Q) * tA + sum_j (tdP_ij Gam_ij k_j + dP_ij t(Gam_ij k_j));
+                  tdk_jd += sum_i (tdP_ij Gam_ijd q_id + dP_ij t(Gam_ijd q_id))
+        from S':  td(B * K) = tU dS'^T + U tdS'^T, and so on for dK, dB;  tda_C = <tdS', S> + <dS', tS>
+        from U:   tdM = -(tdR U^T + dR tU^T) (strictly lower);  tD = diag(beta) tdM + diag(tbeta) dM
+        from R:   t((A * K) S) = t(A * K) S + (A * K) tS;  tdV = diag(beta) tdR + diag(tbeta) dR
+        decays:   tdD = t(Gam_ijd k_jd) (dP_ij q_id + D_ij k_id) + Gam_ijd k_jd t(dP_ij q_id + D_ij k_id),
+                  then the reversed cumsum and ``segment_sums_backward`` (linear) take the tangents.
+
+    Returns ``(grads, dS, tgrads, tdS)`` in ``_chunked_backward``'s order."""
+    grads, ds, b = _chunked_backward(c, s, do, dsf, keep=True)
+    tds_end, tds, tu, tdr = adjoint_tangents(c, tc, b, s, ts, do, tdo, tdsf)
+    st, tst = s.swapaxes(-1, -2), ts.swapaxes(-1, -2)
+    lower = c.lower
+    # from O = (A * Q) S + P U
+    tdp = np.tril(tdo @ b.u.swapaxes(-1, -2) + do @ tu.swapaxes(-1, -2))
+    tdqa = tdo @ st + do @ tst
+    tdq = tdqa * c.a + b.dqa * tc.a + _rows(tdp, c.xk) + _rows(b.dp, tc.xk)
+    tda = tc.q * b.dqa + c.q * tdqa
+    tqrows = _decayed_rows(tc.gam, lower, c.q) + _decayed_rows(c.gam, lower, tc.q)
+    tdk = _cols(tdp, _decayed_rows(c.gam, lower, c.q)) + _cols(b.dp, tqrows)
+    # from S' = diag(a_C) S + (B * K)^T U
+    tdkb = tu @ b.ds_end.swapaxes(-1, -2) + b.u @ tds_end.swapaxes(-1, -2)
+    tdk += tdkb * c.b + b.dkb * tc.b
+    tdb = tc.k * b.dkb + c.k * tdkb
+    tda_end = (tds_end * s + b.ds_end * ts).sum(-1)
+    # from U = (I + M)^{-1} R
+    tdm = -np.tril(tdr @ b.u.swapaxes(-1, -2) + b.dr @ tu.swapaxes(-1, -2), -1)
+    tdbeta = (tdm * c.kk + b.dm * tc.kk).sum(-1)
+    td = tdm * c.beta[..., :, None] + b.dm * tc.beta[..., :, None]
+    tkrows = _decayed_rows(tc.gam, lower, c.k) + _decayed_rows(c.gam, lower, tc.k)
+    tdk += _rows(td, c.xk) + _rows(b.d, tc.xk) + _cols(td, _decayed_rows(c.gam, lower, c.k)) + _cols(b.d, tkrows)
+    # from R = diag(beta) V - diag(beta) (A * K) S
+    tks = tc.ka @ s + c.ka @ ts
+    tdv = tdr * c.beta[..., None] + b.dr * tc.beta[..., None]
+    tdbeta += ((tc.v - tks) * b.dr + (c.v - b.ks) * tdr).sum(-1)
+    tdka = -(tdv @ st + b.dv @ tst)
+    tdk += tdka * c.a + b.dka * tc.a
+    tda += tdka * c.k + b.dka * tc.k
+    # the decays: linear in (dD, da, da_end) given the terms
+    qi, ki, tqi, tki = (x[..., :, :, None] for x in (c.q, c.k, tc.q, tc.k))  # [i, d, .]
+    dpj, dj, tdpj, tdj = (x[..., :, None, :] for x in (b.dp, b.d, tdp, td))  # [i, ., j]
+    tdd = tc.xk * (dpj * qi + dj * ki) + c.xk * (tdpj * qi + dpj * tqi + tdj * ki + dj * tki)
+    tdd = np.where(lower, tdd, 0)
+    tdd[..., -1, :, :] += (tdb * c.b + b.db * tc.b).swapaxes(-1, -2)
+    tdgamma = tda * c.a + b.da * tc.a
+    tdgamma[..., -1, :] += tda_end * c.a[..., -1, :] + b.da_end * tc.a[..., -1, :]
+    tdg = np.cumsum(tdgamma[..., ::-1, :], axis=-2)[..., ::-1, :]
+    tdg += segment_sums_backward(tdd.swapaxes(-3, -2)).swapaxes(-1, -2)
+    return grads, ds, (tdq, tdk, tdv, tdg, tdbeta), tds
 
 
 # ------------------------------------------------------------------------ kimi_delta_attention_jvp
@@ -514,40 +518,27 @@ def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents):
     """
     check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_jvp")
     c = cache
-    state_shape = c.states.shape[:-3] + c.states.shape[-2:]
-    specs = (
+    return _kimi_delta_attention_jvp(c, *check_tangents_as(tangents, "kimi_delta_attention_jvp", c.q.dtype, _specs(c)))
+
+
+def _specs(c: KimiDeltaAttentionCache):
+    """The tangents' names and shapes, in the backward's order (``check_tangents_as``'s specs)."""
+    return (
         ("tq", c.q.shape),
         ("tk", c.k.shape),
         ("tv", c.v.shape),
         ("tg", c.g.shape),
         ("tbeta", c.beta.shape),
-        ("tinitial_state", state_shape, c.has_initial_state),
+        ("tinitial_state", _state_shape(c), c.has_initial_state),
     )
-    return _kimi_delta_attention_jvp(c, *check_tangents_as(tangents, "kimi_delta_attention_jvp", c.q.dtype, specs))
+
+
+def _state_shape(c: KimiDeltaAttentionCache):
+    return c.states.shape[:-3] + c.states.shape[-2:]
 
 
 def _kimi_delta_attention_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
-    c = cache
-    lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
-    zero = np.zeros_like
-    tq = zero(c.q) if tq is None else c.scale * (tq if c.q_norm is None else l2_norm_jvp_kernel(c.q_norm, tq))
-    tk = zero(c.k) if tk is None else (tk if c.k_norm is None else l2_norm_jvp_kernel(c.k_norm, tk))
-    tv, tg, tbeta = (zero(a) if t is None else t for t, a in ((tv, c.v), (tg, c.g), (tbeta, c.beta)))
-    chunks = _chunked_inputs(c)
-    tchunks = _chunked(steps, c.chunk, tq, tk, tv, tg, tbeta)
-    rows, n = chunks[0].shape[:2]
-    s = c.states.reshape((rows,) + c.states.shape[-3:])
-    ts0 = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
-    tout = np.empty(chunks[2].shape, c.q.dtype)
-    tfinal = np.empty((rows, dk, dv), c.q.dtype)
-    for rs, blocks in _groups(rows, n, c.chunk, dk):
-        ts = ts0[rs]
-        for blk in blocks:
-            terms = _chunk_terms(*(x[rs, blk] for x in chunks))
-            tout[rs, blk], ts = _chunked_jvp(terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts)
-        tfinal[rs] = ts
-    tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return tout if c.final_state is None else (tout, tfinal.reshape(lead + (dk, dv)))
+    return chunked_jvp(_RULE, cache, tq, tk, tv, tg, tbeta, ts0)
 
 
 def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
@@ -565,6 +556,16 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
         tS' = diag(ta_C) S + diag(a_C) tS + (tB * K + B * tK)^T U + (B * K)^T tU
 
     Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
+    tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
+    tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
+    tout = tc.qa @ s + c.qa @ tstates
+    tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
+    return tout, ts
+
+
+def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
+    """The tangents of the chunks' terms (``_chunked_jvp``'s first lines), field by field as a
+    ``_Chunks`` (``lower`` the terms' own); the lower triangles only, as the terms."""
     ta = c.a * np.cumsum(tg, axis=-2)
     td = segment_sums(tg.swapaxes(-1, -2)).swapaxes(-3, -2)  # [i, d, j]: the tangents of the exponents
     tgam = c.gam * td
@@ -580,22 +581,92 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     tka = ta * c.k + c.a * tk
     twk = triangular_matmul(tt, c.ka * c.beta[..., None])
     twk += triangular_matmul(c.t, c.ka * tbeta[..., None] + tka * c.beta[..., None])
-    tp = np.tril(_pair(tq, c.xk) + _pair(c.q, txk))
-    tkb = tb * c.k + c.b * tk
-    u = c.wv - c.wk @ s
-    n = c.q.shape[1]
-    tstates = np.empty(s.shape, s.dtype)
-    tu = np.empty(u.shape, u.dtype)
-    decay, tdecay = c.a[..., -1, :, None], ta[..., -1, :, None]
-    for i in range(n):
-        tstates[:, i] = ts
-        tu[:, i] = twv[:, i] - twk[:, i] @ s[:, i] - c.wk[:, i] @ ts
-        ts = (
-            tdecay[:, i] * s[:, i]
-            + decay[:, i] * ts
-            + tkb[:, i].swapaxes(-1, -2) @ u[:, i]
-            + c.kb[:, i].swapaxes(-1, -2) @ tu[:, i]
-        )
-    tout = (ta * c.q + c.a * tq) @ s + c.qa @ tstates
-    tout += triangular_matmul(tp, u) + triangular_matmul(c.p, tu)
-    return tout, ts
+    return _Chunks(
+        q=tq,
+        k=tk,
+        v=tv,
+        beta=tbeta,
+        lower=c.lower,
+        a=ta,
+        b=tb,
+        gam=tgam,
+        xk=txk,
+        kk=tkk,
+        t=tt,
+        p=np.tril(_pair(tq, c.xk) + _pair(c.q, txk)),
+        qa=ta * c.q + c.a * tq,
+        ka=tka,
+        kb=tb * c.k + c.b * tk,
+        wv=twv,
+        wk=twk,
+    )
+
+
+# --------------------------------------------------------------- kimi_delta_attention_backward_jvp
+
+
+def kimi_delta_attention_backward_jvp(
+    dout: np.ndarray,
+    cache: KimiDeltaAttentionCache,
+    tangents,
+    ddout: Optional[np.ndarray] = None,
+    dfinal_state: Optional[np.ndarray] = None,
+    ddfinal_state: Optional[np.ndarray] = None,
+):
+    """Second order of ``kimi_delta_attention``, chunk by chunk: ``kimi_delta_attention_backward(dout,
+    cache, dfinal_state)``'s gradients and their tangents when the inputs move along ``tangents``,
+    ``dout`` along ``ddout`` and ``dfinal_state`` along ``ddfinal_state``.
+
+    A first pass carries the state's tangent through the chunks as ``kimi_delta_attention_jvp``
+    does (keeping the tangent entering each chunk: ``(L / C) Dk Dv`` numbers per head, as the
+    forward's states); the second runs the chunks in reverse as the backward does, each line of
+    ``_chunked_backward`` with its tangent (derivation beside ``_chunked_backward_jvp``); then the
+    scale and, with ``use_qk_l2norm``, ``l2_norm``'s second order along the raw tangents (the
+    driver is the gated delta rule's, ``delta_rule.second_order_kernel``).  Work linear in ``L``,
+    no ``(L, L)`` array: a block of chunks holds its ``(C, Dk, C)`` arrays, as the backward.
+
+    Parameters
+    ----------
+    dout, cache, dfinal_state
+        As ``kimi_delta_attention_backward`` takes them.
+    tangents : tuple or None
+        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, ``kimi_delta_attention_jvp``'s order; None or
+        left out: zero (``tinitial_state`` must be None without an initial state).
+    ddout : ndarray of ``dout``'s shape, optional
+    ddfinal_state : ndarray of the final state's shape, optional
+        The tangents of ``dout`` and ``dfinal_state`` (None: zero).
+
+    Returns
+    -------
+    (grads, grad_tangents)
+        ``grads`` exactly ``kimi_delta_attention_backward(dout, cache, dfinal_state)``,
+        ``grad_tangents`` their tangents in the same order (``dinitial_state``'s None without an
+        initial state).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument: a wrong cache, shapes that do not fit, too many tangents.
+    """
+    check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_backward_jvp")
+    shape, dtype = cache.v.shape, cache.v.dtype
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "kimi_delta_attention_backward_jvp", shape, dtype, _specs(cache)
+    )
+    dfinal_state, ddfinal_state = (
+        None if x is None else check_grad(x, _state_shape(cache), dtype, name)
+        for x, name in ((dfinal_state, "dfinal_state"), (ddfinal_state, "ddfinal_state"))
+    )
+    return second_order_kernel(_RULE, dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
+
+
+_RULE = ChunkedRule(
+    cache=KimiDeltaAttentionCache,
+    chunked=_chunked,
+    groups=_groups,
+    terms=_chunk_terms,
+    term_tangents=_term_tangents,
+    backward=_chunked_backward,
+    jvp=_chunked_jvp,
+    backward_jvp=_chunked_backward_jvp,
+)

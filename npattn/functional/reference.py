@@ -1990,44 +1990,47 @@ def gated_delta_rule_backward_jvp(
     order along the raw ``tq``, ``tk``.  Returns ``(grads, grad_tangents)``, both in the backward's
     order (``dinitial_state`` and its tangent None without an initial state).
     """
-    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
-    states, q_norm, k_norm, scale = cache.states, cache.q_norm, cache.k_norm, cache.scale
     grads = gated_delta_rule_backward(dout, cache, dfinal_state)
-    tq_in, tk_in, tv, tg, tbeta, tS = _padded(tangents or (), 6)
+    return grads, _delta_rule_grad_tangents(
+        gated_delta_rule_backward, dout, cache, tangents, ddout, dfinal_state, ddfinal_state
+    )
+
+
+def _delta_rule_grad_tangents(backward, dout, cache, tangents, ddout, dfinal_state, ddfinal_state):
+    """The gradients' tangents of ``gated_delta_rule_backward_jvp`` and, with ``g`` of q's shape (a
+    log decay per key channel), of ``kimi_delta_attention_backward_jvp``: the decay is held as
+    ``e^{g_t}`` per row of the state, ``(B..., H, Dk, 1)`` (one row for the scalar rule,
+    broadcasting over the ``Dk`` rows), its gradient as the row sums of ``<dA, A>``, summed over
+    the rows when the decay is one number.  ``backward`` is the pair's own (the l2 step's input)."""
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    q_norm, k_norm, scale = cache.q_norm, cache.k_norm, cache.scale
+    tq_in, tk_in, tv, tg, tbeta, tS0 = _padded(tangents or (), 6)
     zero = np.zeros_like
+    per_channel = g.ndim == q.ndim
+    rows = g if per_channel else g[..., None]  # (B..., H, L, Dk) or (B..., H, L, 1): the log decay of each row
     # the used q, k's tangents: through l2_norm's JVP and the scale
     tq = zero(q) if tq_in is None else scale * (tq_in if q_norm is None else l2_norm_jvp(q_norm, tq_in))
     tk = zero(k) if tk_in is None else (tk_in if k_norm is None else l2_norm_jvp(k_norm, tk_in))
     tv = zero(v) if tv is None else tv
-    tg = zero(g) if tg is None else tg
+    trows = zero(rows) if tg is None else tg.reshape(rows.shape)
     tbeta = zero(beta) if tbeta is None else tbeta
-    state_shape = states.shape[:-3] + states.shape[-2:]
-    tS = np.zeros(state_shape, q.dtype) if tS is None else tS
+    tstates = _delta_rule_tangent_states(cache, rows, tk, tv, trows, tbeta, tS0)
+    state_shape = tstates.shape[:-3] + tstates.shape[-2:]
     tdo_all = zero(dout) if ddout is None else ddout
-    # the forward's tangents: tS_{t-1} of every step (gated_delta_rule_jvp's recurrence)
-    tstates = np.zeros(states.shape, q.dtype)
-    for t in range(q.shape[-2]):
-        tstates[..., t, :, :] = tS
-        P, decay, kt = states[..., t, :, :], np.exp(g[..., t])[..., None, None], k[..., t, :]
-        A = decay * P
-        tA = decay * (tg[..., t, None, None] * P + tS)
-        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
-        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
-        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
-        tS = tA + tk[..., t, :, None] * (beta[..., t, None] * delta)[..., None, :] + kt[..., :, None] * tu[..., None, :]
     # the backward's walk, each line with its tangent
     dS = np.zeros(state_shape, q.dtype) if dfinal_state is None else dfinal_state
     tdS = np.zeros(state_shape, q.dtype) if ddfinal_state is None else ddfinal_state
     tdq, tdk, tdv = zero(q), zero(k), zero(v)
-    tdg, tdbeta = zero(g), zero(beta)
+    tdrows, tdbeta = zero(rows), zero(beta)
     for t in reversed(range(q.shape[-2])):
         kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
         tkt, tvt, tqt, tdo = tk[..., t, :], tv[..., t, :], tq[..., t, :], tdo_all[..., t, :]
         bt, tbt = beta[..., t, None], tbeta[..., t, None]
-        P, tP, decay = states[..., t, :, :], tstates[..., t, :, :], np.exp(g[..., t])[..., None, None]
-        # A = e^{g_t} P: both factors move
+        P, tP = cache.states[..., t, :, :], tstates[..., t, :, :]
+        decay, tgt = np.exp(rows[..., t, :])[..., :, None], trows[..., t, :, None]  # per row of the state
+        # A = diag(e^{g_t}) P: both factors move
         A = decay * P
-        tA = decay * (tg[..., t, None, None] * P + tP)
+        tA = decay * (tgt * P + tP)
         # delta = v_t - A^T k_t, u = beta_t delta, S_t = A + k_t u^T
         delta = vt - np.einsum("...kv,...k->...v", A, kt)
         tdelta = tvt - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tkt)
@@ -2053,20 +2056,38 @@ def gated_delta_rule_backward_jvp(
         dA = dS - kt[..., :, None] * bdu[..., None, :]
         tdA = tdS - tkt[..., :, None] * bdu[..., None, :] - kt[..., :, None] * tbdu[..., None, :]
         tdk[..., t, :] = tdk_t - np.einsum("...kv,...v->...k", tA, bdu) - np.einsum("...kv,...v->...k", A, tbdu)
-        # dg_t = <dA, A>
-        tdg[..., t] = (tdA * A).sum(axis=(-2, -1)) + (dA * tA).sum(axis=(-2, -1))
-        # dS_{t-1} = e^{g_t} dA: both factors move
-        tdS = decay * (tg[..., t, None, None] * dA + tdA)
+        # dg_td = sum_v dA_dv A_dv (row d of <dA, A>); one decay for all rows: the sum of the rows'
+        trow = (tdA * A).sum(-1) + (dA * tA).sum(-1)
+        tdrows[..., t, :] = trow if per_channel else trow.sum(-1, keepdims=True)
+        # dS_{t-1} = diag(e^{g_t}) dA: both factors move
+        tdS = decay * (tgt * dA + tdA)
         dS = decay * dA
     # dq = scale dq (the scale is a constant), then l2_norm's second order along the raw tangents,
     # at the gradients l2_norm_backward received (the backward's without its last step)
     tdq = scale * tdq
     if q_norm is not None and k_norm is not None:
-        dq_pre, dk_pre = gated_delta_rule_backward(dout, cache._replace(q_norm=None, k_norm=None), dfinal_state)[:2]
+        dq_pre, dk_pre = backward(dout, cache._replace(q_norm=None, k_norm=None), dfinal_state)[:2]
         tdq = l2_norm_backward_jvp(dq_pre, q_norm, (tq_in,), tdq)[1]
         tdk = l2_norm_backward_jvp(dk_pre, k_norm, (tk_in,), tdk)[1]
-    grad_tangents = (tdq, tdk, tdv, tdg, tdbeta, (tdS if cache.has_initial_state else None))
-    return grads, grad_tangents
+    return tdq, tdk, tdv, tdrows.reshape(g.shape), tdbeta, (tdS if cache.has_initial_state else None)
+
+
+def _delta_rule_tangent_states(cache, rows, tk, tv, trows, tbeta, tS):
+    """The forward's tangents ``tS_{t-1}`` of every step (the JVP's recurrence), ``rows`` the log
+    decays per row of the state as ``_delta_rule_grad_tangents`` holds them."""
+    k, v, beta, states = cache.k, cache.v, cache.beta, cache.states
+    tS = np.zeros(states.shape[:-3] + states.shape[-2:], k.dtype) if tS is None else tS
+    tstates = np.zeros(states.shape, k.dtype)
+    for t in range(k.shape[-2]):
+        tstates[..., t, :, :] = tS
+        P, decay, kt = states[..., t, :, :], np.exp(rows[..., t, :])[..., :, None], k[..., t, :]
+        A = decay * P
+        tA = decay * (trows[..., t, :, None] * P + tS)
+        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
+        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
+        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
+        tS = tA + tk[..., t, :, None] * (beta[..., t, None] * delta)[..., None, :] + kt[..., :, None] * tu[..., None, :]
+    return tstates
 
 
 def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
@@ -3130,10 +3151,59 @@ def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents: Optional
     return tout if cache.final_state is None else (tout, tS)
 
 
+def kimi_delta_attention_backward_jvp(
+    dout: Array,
+    cache: KimiDeltaAttentionCache,
+    tangents,
+    ddout: Optional[Array] = None,
+    dfinal_state: Optional[Array] = None,
+    ddfinal_state: Optional[Array] = None,
+):
+    """Second order: ``kimi_delta_attention_backward(dout, cache, dfinal_state)``'s gradients and
+    their tangents when the inputs move along ``tangents = (tq, tk, tv, tg, tbeta,
+    tinitial_state)`` (``kimi_delta_attention_jvp``'s order; None or left out: zero), ``dout``
+    along ``ddout`` and ``dfinal_state`` along ``ddfinal_state`` (None: zero).
+
+    First the forward's tangents (``kimi_delta_attention_jvp``'s lines), keeping every
+    ``tS_{t-1}`` beside ``S_{t-1}``; then the backward's walk t = L .. 1, each line differentiated
+    by the product rule, ``tdS`` starting at ``ddfinal_state``; ``E = diag(e^{g_t})`` and ``tG =
+    diag(tg_t)`` (diagonal: ``E tG = tG E``, each its own transpose)::
+
+        A = E P                         tA = E (tG P + tP)
+        delta = v_t - A^T k_t           tdelta = tv_t - tA^T k_t - A^T tk_t
+        u = beta_t delta                tu = tbeta_t delta + beta_t tdelta
+        S_t = A + k_t u^T               tS_t = tA + tk_t u^T + k_t tu^T
+        dS += q_t do_t^T                tdS += tq_t do_t^T + q_t tdo_t^T
+        dq_t = S_t do_t                 tdq_t = tS_t do_t + S_t tdo_t
+        du = dS^T k_t                   tdu = tdS^T k_t + dS^T tk_t
+        dk_t = dS u                     tdk_t = tdS u + dS tu
+        dbeta_t = du . delta            tdbeta_t = tdu . delta + du . tdelta
+        dv_t = beta_t du                tdv_t = tbeta_t du + beta_t tdu
+        dA = dS - k_t (beta_t du)^T     tdA = tdS - tk_t (beta_t du)^T - k_t tdv_t^T
+        dk_t -= A (beta_t du)           tdk_t -= tA (beta_t du) + A tdv_t
+        dg_td = sum_v dA_dv A_dv        tdg_td = sum_v (tdA_dv A_dv + dA_dv tA_dv)     (row d)
+        dS_{t-1} = E dA                 tdS_{t-1} = E (tG dA + tdA)
+
+    the gated delta rule's walk (``gated_delta_rule_backward_jvp``) with the decay a diagonal
+    matrix: both rules share it (``_delta_rule_grad_tangents``), the scalar rule's decay being
+    one row that broadcasts over the ``Dk`` rows and its ``tdg_t`` the sum of the rows'.  Then
+    ``dq = scale dq``, ``tdq = scale tdq`` and, with ``use_qk_l2norm``, ``l2_norm``'s second order
+    along the raw ``tq``, ``tk``.  Returns ``(grads, grad_tangents)``, both in the backward's
+    order (``dinitial_state`` and its tangent None without an initial state); ``tdg`` of g's
+    shape ``(B..., H, L, Dk)``.
+    """
+    grads = kimi_delta_attention_backward(dout, cache, dfinal_state)
+    tans = _delta_rule_grad_tangents(
+        kimi_delta_attention_backward, dout, cache, tangents, ddout, dfinal_state, ddfinal_state
+    )
+    return grads, tans
+
+
 __all__ += [
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
     "kimi_delta_attention_jvp",
+    "kimi_delta_attention_backward_jvp",
 ]
 
 
