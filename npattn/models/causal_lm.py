@@ -652,6 +652,8 @@ class CausalLM(Module):
         self.model = _Backbone(cfg, rng, dtype)
         head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
         self.lm_head = None if head is None else _released(head, rng)
+        # generation_config.json as from_pretrained read it (None: none read; generation_defaults)
+        self.generation_config: dict | None = None
         self.reset_kv_cache()
 
     def extra_repr(self):
@@ -1032,11 +1034,22 @@ class CausalLM(Module):
 
         save_pretrained(self, directory, max_shard_size)
 
+    @property
+    def generation_defaults(self) -> dict:
+        """``{"eos_token_id": ..., "pad_token_id": ...}``, what ``generate`` and ``stream`` use
+        when not given, as transformers' ``generate`` takes them from ``model.generation_config``:
+        ``generation_config.json``'s values where ``from_pretrained`` read one (a key the file
+        leaves out is None there, as in transformers), else the config's (``config.json``'s)."""
+        source = self.generation_config if self.generation_config is not None else vars(self.config)
+        return {key: source.get(key) for key in ("eos_token_id", "pad_token_id")}
+
     def _generation_options(self, ids, eos_token_id) -> tuple:
-        """``ids`` checked against the vocabulary, and the eos and pad ids: ``eos_token_id`` or the
-        config's; the config's ``pad_token_id``."""
-        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        return self._check_ids(ids), {"eos_token_id": eos, "pad_token_id": self.config.pad_token_id}
+        """``ids`` checked against the vocabulary, and the eos and pad ids: ``eos_token_id`` or
+        ``generation_defaults``' eos; its ``pad_token_id``."""
+        special = self.generation_defaults
+        if eos_token_id is not None:
+            special["eos_token_id"] = eos_token_id
+        return self._check_ids(ids), special
 
     def generate(
         self,
@@ -1054,8 +1067,9 @@ class CausalLM(Module):
         """The prompt ``ids (B, L)`` followed by up to ``max_new_tokens`` new tokens, as
         transformers' ``generate`` returns them: greedy unless ``do_sample`` (then ``temperature``,
         ``top_k``, ``top_p``; ``rng`` an int seed or a Generator); ``eos_token_id`` (an id or a
-        list; ``[]``: none) defaults to the config's; a row that has produced it continues with the
-        config's ``pad_token_id`` (its eos where there is none).  The result is always
+        list; ``[]``: none) defaults to ``generation_defaults``' (``generation_config.json``'s,
+        else the config's); a row that has produced it continues with the ``pad_token_id`` of
+        ``generation_defaults`` (its eos where there is none).  The result is always
         ``(B, L + max_new_tokens)``: decoding stops when every row has finished (as transformers',
         which then returns fewer columns) and the remaining columns hold that pad token, so the
         tokens transformers returns are this result's first columns.  The

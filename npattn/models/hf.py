@@ -865,14 +865,39 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
     return model
 
 
+def read_generation_config(directory) -> dict | None:
+    """``generation_config.json`` of a saved directory as a dict (None without one): strict JSON
+    as ``config.json`` is read, an object whose ``eos_token_id`` is null, a token id or a list of
+    ids and whose ``pad_token_id`` is null or a token id (ValueError naming the file and the key
+    otherwise).  transformers' ``from_pretrained`` makes it the model's ``generation_config``,
+    whose ``eos_token_id`` and ``pad_token_id`` ``generate`` uses (``config.json``'s only where
+    there is no such file)."""
+    path = os.path.join(os.fspath(directory), "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        gc = _load_json(f.read(), path, "generation_config.json")
+    if not isinstance(gc, dict):
+        raise ValueError(f"{path}: expected a JSON object (the generation config), got {type(gc).__name__}")
+    for key, many in (("eos_token_id", True), ("pad_token_id", False)):
+        value = gc.get(key)
+        ids = value if many and isinstance(value, list) else [] if value is None else [value]
+        if not all(_is_size(i) for i in ids):
+            what = "a token id (an integer >= 0)" + (", a list of them" if many else "")
+            raise ValueError(f"{path}: {key}: expected {what} or null, got {_short(value)}")
+    return gc
+
+
 def from_pretrained(cls, directory, dtype=None, weights_dtype=None):
     """``CausalLM.from_pretrained``: ``open_checkpoint``, the released quantized formats
-    dequantized (``npattn.models.quant``), then ``load_into``."""
+    dequantized (``npattn.models.quant``), then ``load_into``; ``generation_config.json`` (where
+    the directory has one) becomes the model's ``generation_config``."""
     from .configs import text_checkpoint
 
     check_weights_dtype(weights_dtype, dtype)  # before any file is read
 
     config, tensors = open_checkpoint(directory)
+    generation_config = read_generation_config(directory)  # checked before any tensor is read
     config, tensors, aside = text_checkpoint(config, tensors)  # a multimodal checkpoint's text model
     if aside:
         listed = ", ".join(f"{p}* ({n} tensors)" for p, n in aside.items())
@@ -885,4 +910,6 @@ def from_pretrained(cls, directory, dtype=None, weights_dtype=None):
         from .quant import dequantize_checkpoint
 
         config, tensors = dequantize_checkpoint(config, tensors, os.fspath(directory))
-    return load_into(cls, tensors, config, dtype, weights_dtype)
+    model = load_into(cls, tensors, config, dtype, weights_dtype)
+    model.generation_config = generation_config
+    return model

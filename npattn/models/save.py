@@ -4,6 +4,7 @@ What transformers' ``save_pretrained`` writes, and what ``from_pretrained`` (bot
 and npattn's) reads::
 
     config.json                      the Hugging Face config the model was built from, "dtype" the saved one
+    generation_config.json           the one from_pretrained read (model.generation_config), where it read one
     model.safetensors                every tensor, under the checkpoint's names     (one shard), or
     model-00001-of-0000N.safetensors ... and model.safetensors.index.json          (N shards)
 
@@ -289,6 +290,10 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
         files = ["config.json"]
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             f.write(config)
+        if getattr(model, "generation_config", None) is not None:  # as from_pretrained read it
+            files.append("generation_config.json")
+            with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
+                f.write(json.dumps(model.generation_config, indent=2, sort_keys=True) + "\n")
         for name, keys in zip(names, shards):
             save_safetensors({k: tensors[k] for k in keys}, os.path.join(tmp, name), {"format": "pt"})
             files.append(name)

@@ -7,8 +7,9 @@ turns the prompt into ids and the ids back into text.  DIRECTORY may also be a G
 metadata (``npattn.models.gguf.gguf_tokenizer``), ``--chat`` takes its ``tokenizer.chat_template``.
 The tokens come from ``CausalLM.stream`` (the prompt encoded once into every layer's cache, then
 one cached step per token; greedy at temperature 0, else sampled with ``--top-k``, ``--top-p``,
-``--seed``; the config's ``eos_token_id`` ends it).  Text is printed as it grows (the decoded
-completion's new characters after each token); the last line reports tokens per second.
+``--seed``; the ``eos_token_id`` of ``generation_config.json``, else of ``config.json``, ends it).
+Text is printed as it grows (the decoded completion's new characters after each token); the last
+line reports tokens per second.
 
 ``--chat``: the prompt is one user message, put into the model's chat template (``chat_template``
 of ``tokenizer_config.json``, or ``chat_template.jinja`` beside it, which transformers prefers) as
@@ -40,17 +41,16 @@ from .._validate import check_size
 __all__ = ["stream", "main"]
 
 
-def _eos_ids(config, name: str = "eos_token_id") -> set:
-    """The config's ``eos_token_id`` (an id, a list of ids or None) as a set of ids, each checked
-    to be an integer in ``[0, vocab_size)`` (ValueError/TypeError naming ``name`` otherwise)."""
-    eos = config.eos_token_id
+def _eos_ids(eos, vocab_size: int, name: str = "eos_token_id") -> set:
+    """``eos`` (an id, a list of ids or None) as a set of ids, each checked to be an integer in
+    ``[0, vocab_size)`` (ValueError/TypeError naming ``name`` otherwise)."""
     if eos is None:
         return set()
     ids = eos if isinstance(eos, (list, tuple)) else [eos]
     for e in ids:
         check_size(e, name, minimum=0)
-        if e >= config.vocab_size:
-            raise ValueError(f"{name}: expected token ids in [0, {config.vocab_size}) (vocab_size), got {e}")
+        if e >= vocab_size:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab_size}) (vocab_size), got {e}")
     return {int(e) for e in ids}
 
 
@@ -125,9 +125,10 @@ def _load(args):
             model = CausalLM.from_pretrained(args.directory)
         except _LOAD_ERRORS as e:
             raise _Failure(_one_line(e)) from None
-        eos_name = f"{os.path.join(args.directory, 'config.json')}: eos_token_id"
+        source = "config.json" if model.generation_config is None else "generation_config.json"
+        eos_name = f"{os.path.join(args.directory, source)}: eos_token_id"
     try:
-        eos = _eos_ids(model.config, eos_name)
+        eos = _eos_ids(model.generation_defaults["eos_token_id"], model.config.vocab_size, eos_name)
     except _LOAD_ERRORS as e:
         raise _Failure(_one_line(e)) from None
     vocab = model.config.vocab_size
