@@ -16,6 +16,7 @@ from npattn.models.tiny import TINY_CONFIGS, tiny_config
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3", "qwen3_next", "qwen3_5_text"]
 FAMILIES += ["gemma4_text"]  # cross-layer KV sharing: the reusing layers' second order sent home
+FAMILIES += ["deepseek_v32"]  # MLA restricted to the indexer's choice (a constant mask)
 IGNORE = -1
 
 

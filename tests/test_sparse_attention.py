@@ -356,3 +356,14 @@ def test_bad_input_is_named():
     _, cache = F.indexer_kl_loss(scores, attn)
     with pytest.raises(TypeError, match="cache: sparse_attention_backward expected"):
         F.sparse_attention_backward(np.zeros(3), cache)
+
+
+def test_npattn_check_covers_sparse_attention():
+    """``npattn check`` (both orders) runs the three pairs and MLA restricted to the indexer's choice."""
+    from npattn.tools.check import cases
+
+    for order in (1, 2):
+        found = {n: t for n, t in cases(0, order=order) if n.startswith(("lightning", "sparse", "indexer", "DeepSeek"))}
+        assert len(found) == 4, sorted(found)
+        for name, thunk in found.items():
+            assert thunk().ok, (order, name)

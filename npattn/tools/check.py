@@ -787,6 +787,42 @@ _LATENT = _Part(
     ],
 )
 
+
+def _causal_topk(scores, topk):
+    """Each query's ``topk`` best causal keys (empty slots -1): a fixed choice for ``sparse_attention``."""
+    return F.index_topk(scores, topk, mask=np.tril(np.ones(scores.shape[-2:], bool)))
+
+
+# DeepSeek-V3.2's sparse attention: the lightning indexer, attention over a causal top-2 choice
+# (early queries with empty slots, grouped heads), the indexer's KL loss, and MLA restricted to the
+# indexer's top 2 keys (the choice a constant: its parameters' gradient is 0, as the differences say).
+_SPARSE = _Part(
+    "sparse",
+    {"scores": N(2, 5, 5)},
+    [
+        _case("lightning_indexer", F.lightning_indexer, N(2, 3, 5, 4), N(2, 6, 4), N(2, 5, 3)),
+        _case(
+            "sparse_attention (top 2 causal, 4 heads on 2)",
+            F.sparse_attention,
+            *(N(2, 4, 5, 3), N(2, 2, 5, 3), N(2, 2, 5, 2)),
+            indices=Call(_causal_topk, S.scores, 2),
+        ),
+        _case(
+            "indexer_kl_loss (causal)",
+            F.indexer_kl_loss,
+            S.scores,
+            attn=U(0.0, 1.0, 2, 3, 5, 5),
+            mask=Call(np.tril, Call(np.ones, (5, 5), bool)),
+        ),
+        _case(
+            "DeepSeek-V3.2 sparse MLA (top 2 keys)",
+            Call(_MLA, 6, 2, q_lora_rank=4, index_topk=2, index_n_heads=4, index_head_dim=3, rng=R, **_MLA_DIMS),
+            N(2, 5, 6),
+        ),
+    ],
+    stream=31,
+)
+
 _TABLE = [
     _CORE_OPS,
     _OP_OPTIONS,
@@ -801,6 +837,7 @@ _TABLE = [
     _MOE_PAIRS,
     _DELTA_NET,
     _LATENT,
+    _SPARSE,
 ]
 
 
