@@ -462,3 +462,30 @@ def test_proportional_rope_in_both_tiers_is_transformers():
         if p < 1:
             partial, _ = F.rope(x, pos, scaling={"partial_rotary_factor": p, "rope_theta": 500.0})
             assert rel_err(partial, fast, floor=1e-300, relative_to="max_b") > 1e-3
+
+
+def test_reusing_layers_hold_no_cache():
+    """Cache bytes: a reusing layer holds none (it reads its source's), so the model with KV
+    sharing holds exactly the reusing layers' worth less than the same model without; the logits
+    of its cached decoding are the full pass's."""
+    ids = _ids(41, (2, 9), seed=9)
+
+    def decode(cfg):
+        m = CausalLM(cfg, rng=0)
+        with no_grad():
+            full = m(ids)
+            m.reset_kv_cache()
+            out = np.concatenate(
+                [m(ids[:, :5], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(5, 9)], 1
+            )
+        assert rel_err(out, full, floor=1e-300, relative_to="max_b") < 1e-12
+        return [layer.attention for layer in m.model.layers]
+
+    shared = decode(tiny_config("gemma4_text"))
+    alone = decode(tiny_config("gemma4_text", num_kv_shared_layers=0))
+    assert [a.kv_cache_nbytes == 0 for a in shared] == [False, False, False, True, True, True]
+    assert all(a.kv_cache_length == 9 for a in shared)
+    sliding, full = alone[2].kv_cache_nbytes, alone[1].kv_cache_nbytes
+    # tokens x (keys, values) x batch x kv heads x head_dim x 8 bytes: a window of 2 past keys, 9 keys
+    assert sliding == 2 * 2 * 2 * 2 * 4 * 8 and full == 9 * 2 * 2 * 1 * 8 * 8
+    assert sum(a.kv_cache_nbytes for a in alone) - sum(a.kv_cache_nbytes for a in shared) == 2 * sliding + full

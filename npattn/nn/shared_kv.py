@@ -220,6 +220,19 @@ class SharedKVAttention(Module):
         object.__setattr__(self, "_kv_cache", None)
         object.__setattr__(self, "_last", None)
 
+    @property
+    def kv_cache_length(self) -> int:
+        """The tokens seen through the cache (a reusing layer: its source's)."""
+        layer = self._source if self.reuse else self
+        cache = None if layer is None else layer._kv_cache
+        return 0 if cache is None else cache.position
+
+    @property
+    def kv_cache_nbytes(self) -> int:
+        """The bytes of keys and values this layer's cache holds: 0 in a reusing layer (what
+        cross-layer KV sharing saves); a sliding layer's rolling cache holds its window's."""
+        return 0 if self._kv_cache is None else self._kv_cache.nbytes
+
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x, *, use_cache: bool = False, key_padding_mask=None, positions=None):
         """``x (..., L, hidden)`` -> ``(..., L, hidden)``.  ``use_cache``: append this call's keys
