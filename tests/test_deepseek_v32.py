@@ -225,3 +225,43 @@ def test_indexer_kl_training_gradients_match_torch_autograd(stable_choice):
         assert _rel(params["indexer." + name].grad, prm.grad.numpy()) < 1e-8, name
     # only the indexer learns from this loss
     assert all(not p.grad.any() for n, p in params.items() if not n.startswith("indexer."))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(index_head_dim=2), r"config\['index_head_dim'\]: expected at least qk_rope_head_dim=4"),
+        (dict(index_topk=0), r"config\['index_topk'\]: expected an integer >= 1"),
+        (dict(layer_types=["indexed_attention", "full_attention"]), r"config\['layer_types'\]: 'full_attention'"),
+        (dict(mlp_layer_types=["dense", "moe"]), r"config\['mlp_layer_types'\]: expected 2 entries"),
+        (dict(rope_interleave=False), r"config\['rope_interleave'\] = False is not supported"),
+        (dict(q_lora_rank=None), r"needs the key 'q_lora_rank'"),
+        (dict(index_share_weights=True), r"config: key 'index_share_weights' is not supported"),
+    ],
+)
+def test_config_refusals_name_the_key(changes, message):
+    from npattn.models import config_from_hf
+    from npattn.models.tiny import tiny_config
+
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(tiny_config("deepseek_v32", **changes))
+
+
+def test_module_refusals_name_the_argument():
+    from npattn.nn.latent_attention import MultiHeadLatentAttention
+
+    dims = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    with pytest.raises(ValueError, match="index_topk: the lightning indexer reads the low-rank query"):
+        MultiHeadLatentAttention(16, 4, index_topk=2, **dims)
+    with pytest.raises(ValueError, match="index_head_dim: expected at least qk_rope_head_dim=4, got 2"):
+        MultiHeadLatentAttention(16, 4, q_lora_rank=8, index_topk=2, index_head_dim=2, **dims)
+    dense = MultiHeadLatentAttention(16, 4, q_lora_rank=8, **dims)
+    with pytest.raises(ValueError, match="index_topk: this MultiHeadLatentAttention has no lightning indexer"):
+        dense.indexer_loss(np.zeros((1, 3, 16)))
+    sparse = MultiHeadLatentAttention(16, 4, q_lora_rank=8, index_topk=2, index_n_heads=2, index_head_dim=4, **dims)
+    with pytest.raises(ValueError, match=r"x: expected shape \(\.\.\., L, 16\)"):
+        sparse.indexer_loss(np.zeros((1, 3, 15)))
+    with pytest.raises(ValueError, match="reduction: expected 'sum' or 'mean'"):
+        sparse.indexer_loss(np.zeros((1, 3, 16)), reduction="none")
+    with pytest.raises(ValueError, match="attn_mask: expected one mask for every head"):
+        sparse(np.zeros((1, 3, 16)), attn_mask=np.ones((1, 4, 3, 3), bool))

@@ -1684,7 +1684,8 @@ def latent_config(config: Mapping[str, Any]) -> LatentConfig:
     ``rope_interleave`` and the rotation from ``rope_parameters`` (transformers 5) or
     ``rope_theta`` + ``rope_scaling`` (older), as transformers 5 reads them: a non-empty
     ``rope_scaling`` takes the place of ``rope_parameters``; ``rope_theta`` and
-    ``max_position_embeddings`` beside the dict fill what it lacks.
+    ``max_position_embeddings`` beside the dict fill what it lacks.  A ``deepseek_v32`` config's
+    ``index_topk``, ``index_n_heads`` and ``index_head_dim`` too (the lightning indexer).
 
     Raises
     ------

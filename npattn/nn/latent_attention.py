@@ -596,7 +596,7 @@ class MultiHeadLatentAttention(Module):
                 self._forward(x, positions)
         finally:
             object.__setattr__(self, "_want_weights", False)
-        attn = self.__dict__.pop("_weights")  # (..., H, L, L), 0 off the chosen keys
+        attn, chosen = self.__dict__.pop("_weights"), self.__dict__.pop("_chosen")  # (..., H, L, L), (..., L, L)
         ix = self.indexer
         a = K.rms_norm(
             K.linear(x, self.q_a_proj.weight.data, _data(self.q_a_proj.bias))[0],
@@ -614,7 +614,7 @@ class MultiHeadLatentAttention(Module):
         k = np.concatenate([k_rot[..., 0, :, :], k1[..., dr:]], axis=-1)
         w0 = K.linear(x, ix.weights_proj.weight.data)[0]
         scores, icache = lightning_indexer_kernel(q, k, w0 * ix.num_heads**-0.5, ix.head_dim**-0.5)
-        loss, kl = indexer_kl_loss_kernel(scores, attn, attn.sum(axis=-3) > 0, reduction)
+        loss, kl = indexer_kl_loss_kernel(scores, attn, chosen, reduction)
         dq, dk, dw = lightning_indexer_backward(kl.weight * (kl.has_target * kl.p_index - kl.target), icache)
 
         def outer(d, inp):  # a projection's weight gradient: sum over tokens of d inp^T
@@ -667,6 +667,8 @@ class MultiHeadLatentAttention(Module):
         chosen = np.zeros(scores.shape, bool)
         np.put_along_axis(chosen, np.maximum(idx, 0), True, axis=-1)  # an empty slot (-1) marks key 0 ...
         chosen &= visible  # ... which stays hidden unless the query sees it (then it was chosen anyway)
+        if getattr(self, "_want_weights", False):  # indexer_loss's distribution runs over the chosen keys
+            object.__setattr__(self, "_chosen", chosen)
         chosen = chosen[..., None, :, :]
         if mask is None or mask.dtype == bool:
             return chosen if mask is None else chosen & mask
