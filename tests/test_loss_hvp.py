@@ -270,3 +270,73 @@ def test_against_torch_double_backward_through_transformers(monkeypatch, name):
         assert np.abs(ref_h[n]).max() > 0, n  # every parameter's block is compared, none is zero
         assert rel_err(mine_g[n], ref_g[n], floor=1e-300, relative_to="max_b") < 1e-8, n
         assert rel_err(mine_h[n], ref_h[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+
+
+# -- each forward tangent computed once ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_loss_hvp_computes_each_layers_forward_tangents_once(monkeypatch, name):
+    """loss_hvp's jvp (the logits' tangent) and backward_jvp (every layer's input tangent, then each
+    module's own stages) share the forward tangents: each attention / DeltaNet layer's stages and
+    each module's output tangent are computed once per call, not once per pass."""
+    from npattn.nn.attention_core import MultiHeadAttentionCore
+    from npattn.nn.delta_net import GatedDeltaNet
+    from npattn.nn.module import Module
+
+    m, ids, targets, rng = _setup(name, seed=9)
+    v = _direction(m, rng)
+    want = m.loss_hvp(ids, targets, v, ignore_index=IGNORE)
+    calls: dict = {}
+
+    def counted(cls, attr):
+        original = getattr(cls, attr)
+
+        def wrapper(self, *args, **kwargs):
+            key = (attr, type(self).__name__, id(self), id(args[0]))  # the module and its saved state
+            calls[key] = calls.get(key, 0) + 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, attr, wrapper)
+
+    counted(MultiHeadAttentionCore, "_forward_tangents")
+    counted(GatedDeltaNet, "_forward_tangents")
+    for cls in {type(mod) for mod in m.modules()}:
+        if "_jvp" in vars(cls):
+            counted(cls, "_jvp")
+    got = m.loss_hvp(ids, targets, v, ignore_index=IGNORE)
+    stages = [k for k in calls if k[0] == "_forward_tangents"]
+    assert len(stages) == m.config.num_hidden_layers  # one attention or DeltaNet layer each
+    assert all(n == 1 for n in calls.values()), [(k[:2], n) for k, n in calls.items() if n > 1]
+    assert got[0] == want[0]
+    for n in v:
+        np.testing.assert_array_equal(got[1][n], want[1][n])
+        np.testing.assert_array_equal(got[2][n], want[2][n])
+    assert isinstance(m, Module)
+
+
+def test_jvp_then_backward_jvp_outside_loss_hvp_remembers_nothing():
+    """A user's jvp then backward_jvp (the curvature guide's recipe) computes the forward tangents
+    again from the tangents as they are then: changed in place in between, the product follows."""
+    import npattn
+
+    rng = np.random.default_rng(3)
+    mha = npattn.MultiHeadAttention(8, 8, 2, causal=True, rope=True, rng=0)
+    x, t = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 8))
+    v = {n: rng.standard_normal(p.data.shape) for n, p in mha.named_parameters()}
+
+    def hvp(tangents, scale_after_jvp=1.0):
+        mha.zero_grad()
+        for p in mha.parameters():
+            p.grad_tangent = None
+        y = mha(x)
+        ty = mha.jvp(param_tangents=tangents)
+        for a in tangents.values():
+            a *= scale_after_jvp  # in place, between the two calls
+        mha.backward_jvp(y - t, param_tangents=tangents, ddy=ty * scale_after_jvp)
+        return {n: p.grad_tangent.copy() for n, p in mha.named_parameters()}
+
+    doubled = hvp({n: a.copy() for n, a in v.items()}, scale_after_jvp=2.0)
+    want = hvp({n: 2 * a for n, a in v.items()})
+    for n in v:
+        assert rel_err(doubled[n], want[n], floor=1e-300, relative_to="max_b") < 1e-12, n

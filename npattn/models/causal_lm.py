@@ -462,18 +462,10 @@ class DecoderLayer(_Renamed):
         """Forward mode: the forward's chain on tangents, ``tx + norm'(f'(tx))`` per residual,
         each sublayer's ``_jvp`` from its state of this call.  One input tangent (None: zero)."""
         tx, tp = self._input_tangents(state, input_tangents, "jvp")
-
-        def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
-            return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
-
-        ta = sub(self.attention, sub(self._attn_norm(), tx))
+        _, _, tx2, _, tm = self._stage_tangents(state, tx, param_tangents)
         if self.sandwich:
-            ta = sub(self.post_attention_layernorm, ta)
-        tx = tx + ta
-        tm = sub(self.mlp, sub(self._mlp_norm(), tx))
-        if self.sandwich:
-            tm = sub(self.post_feedforward_layernorm, tm)
-        ty = tx + tm
+            tm = self._child_jvp(self.post_feedforward_layernorm, -1, (tm,), param_tangents)
+        ty = tx2 + tm
         if self.per_layer is not None:
             ty = self._child_jvp(self.per_layer, -1, (ty, tp), param_tangents)
         return ty if self._scalar() is None else ty * self._scalar()
@@ -486,31 +478,42 @@ class DecoderLayer(_Renamed):
         p_shape = shape[:-1] + (self.per_layer.per_layer_size,)
         return tuple(_block_tangents(self, input_tangents, ("tx", "tper_layer_input"), (shape, p_shape), method))
 
+    def _stage_tangents(self, state, tx, param_tangents) -> tuple:
+        """``(th, ta, tx2, tm_in, tm)``: the tangents of the attention's input and output, of the
+        first residual's sum, of the MLP's input and output (before a sandwich norm), each
+        sublayer's ``_jvp`` from its state of this call; computed once per state and ``tx`` while
+        ``param_tangents`` remembers (``loss_hvp``: its ``jvp``, then its ``backward_jvp``)."""
+
+        def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
+            return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
+
+        def compute():
+            th = sub(self._attn_norm(), tx)
+            ta = sub(self.attention, th)
+            tx2 = tx + sub(self.post_attention_layernorm if self.sandwich else None, ta)
+            tm_in = sub(self._mlp_norm(), tx2)
+            return th, ta, tx2, tm_in, sub(self.mlp, tm_in)
+
+        return param_tangents._remember((self, "stages", state, tx), compute)
+
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
         """Second order: the forward's tangents first (as ``_jvp``: each sublayer's input
         tangent), then the backward's chain with each sublayer's ``backward_jvp`` on (gradient,
         its tangent), a residual adding both branches' pairs.  One input tangent (None: zero)."""
         tx, tp = self._input_tangents(state, input_tangents, "backward_jvp")
 
-        def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
-            return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
-
         def back(m, g, t):  # its backward_jvp on g = (gradient, tangent), its input's tangent t
             return g if m is None else self._child_backward_jvp(m, g[0], (t,), param_tangents, g[1])
 
         post_attn = self.post_attention_layernorm if self.sandwich else None
         post_mlp = self.post_feedforward_layernorm if self.sandwich else None
-        th = sub(self._attn_norm(), tx)  # the attention's input
-        ta = sub(self.attention, th)  # its output (the sandwich norm's input)
-        tx2 = tx + sub(post_attn, ta)  # the first residual's sum
-        tm_in = sub(self._mlp_norm(), tx2)  # the MLP's input
-        tm = sub(self.mlp, tm_in)  # its output
+        th, ta, tx2, tm_in, tm = self._stage_tangents(state, tx, param_tangents)
         g = (dy, np.zeros_like(dy) if ddy is None else ddy)
         if self._scalar() is not None:
             g = (g[0] * self._scalar(), g[1] * self._scalar())
         gp = None
         if self.per_layer is not None:  # its input: the MLP residual's sum
-            ty = tx2 + sub(post_mlp, tm)
+            ty = tx2 + (tm if post_mlp is None else self._child_jvp(post_mlp, -1, (tm,), param_tangents))
             (dy2, dp), (tdy2, tdp) = self._child_backward_jvp(self.per_layer, g[0], (ty, tp), param_tangents, g[1])
             g, gp = (dy2, tdy2), (dp, tdp)
         gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, g, tm), tm_in), tx2)
@@ -971,7 +974,8 @@ class CausalLM(Module):
         bad = targets[((targets < 0) | (targets >= v)) & (targets != ignore_index)]
         if bad.size:
             raise ValueError(f"targets: expected values in [0, {v}) (vocab_size) or ignore_index, got {bad.flat[0]}")
-        pt = self._param_tangents(param_tangents)
+        # the jvp below and the backward_jvp after it share their forward tangents (computed once)
+        pt = self._param_tangents(param_tangents)._remembering()
         params = list(self.named_parameters())
         kept = [(p.grad, p.grad_tangent) for _, p in params]
         for _, p in params:  # fresh buffers: backward_jvp makes them from the first contribution

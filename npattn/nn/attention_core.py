@@ -788,8 +788,16 @@ class MultiHeadAttentionCore(Module):
         input's shape, None = zero)."""
         st: State = state
         pt = param_tangents
-        tangents = self._forward_tangents(st, self._input_tangents(st, input_tangents, "jvp"), pt)
+        tangents = self._stage_tangents(st, input_tangents, pt, "jvp")
         return K.linear_jvp(st.out, tangents.out_in, pt.get(self.out_proj.weight), pt.get(self.out_proj.bias))
+
+    def _stage_tangents(self, st: State, input_tangents, pt, method: str) -> "_Tangents":
+        """``_forward_tangents`` from the unchecked input tangents of ``jvp`` / ``backward_jvp``
+        (``method``), computed once per state and tangents while ``pt`` remembers (``loss_hvp``)."""
+        return pt._remember(
+            (self, "stages", st) + tuple(input_tangents),
+            lambda: self._forward_tangents(st, self._input_tangents(st, input_tangents, method), pt),
+        )
 
     def _forward_tangents(self, st: State, ts, pt) -> "_Tangents":
         """The forward's stages on tangents, from the checked input tangents ``ts``: each stage's
@@ -863,7 +871,7 @@ class MultiHeadAttentionCore(Module):
         three stacked, its gradient's tangent split as its gradient)."""
         st: State = state
         pt = param_tangents
-        tg = self._forward_tangents(st, self._input_tangents(st, input_tangents, "backward_jvp"), pt)
+        tg = self._stage_tangents(st, input_tangents, pt, "backward_jvp")
         wo, bo = self.out_proj.weight, self.out_proj.bias
         (dm, dwo, dbo), (tdm, tdwo, tdbo) = K.linear_backward_jvp(dy, st.out, (tg.out_in, pt.get(wo), pt.get(bo)), ddy)
         self._accumulate_second(((wo, dwo, tdwo), (bo, dbo, tdbo)))

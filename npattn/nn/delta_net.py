@@ -464,10 +464,8 @@ class GatedDeltaNet(RecurrentLayer):
         r = nv // nk
         lead, steps, beta, pt = st.lead, st.steps, st.beta, param_tangents
         heads = (-2, -3)
-        t = self._forward_tangents(st, input_tangent(input_tangents, "GatedDeltaNet", "backward_jvp"), pt)
-        to = K.gated_delta_rule_jvp(st.rule, *t.rule).swapaxes(*heads)
+        t, to, ty = self._output_tangents(st, input_tangents, pt, "backward_jvp")
         nw = self.norm.weight
-        ty = K.rms_norm_gated_jvp(st.norm, to, t.z, pt.get(nw))
         dn, tdn = self._child_backward_jvp(self.out_proj, dy, (ty.reshape(lead + (steps, self.value_dim)),), pt, ddy)
         shape = lead + (steps, nv, dv)
         (do, dz, dnw), (tdo, tdz, tdnw) = K.rms_norm_gated_backward_jvp(
@@ -533,12 +531,21 @@ class GatedDeltaNet(RecurrentLayer):
         ``p = a + dt_bias``: ``tg = g tA_log - exp(A_log) sigmoid(p) (ta + tdt_bias)``; each key
         head's tangent is repeated for the value heads it serves, as its value in the forward."""
         st: _State = state
-        tx = input_tangent(input_tangents, "GatedDeltaNet")
-        t = self._forward_tangents(st, tx, param_tangents)
-        heads = (-2, -3)
-        to = K.gated_delta_rule_jvp(st.rule, *t.rule)
-        ty = K.rms_norm_gated_jvp(st.norm, to.swapaxes(*heads), t.z, param_tangents.get(self.norm.weight))
+        _, _, ty = self._output_tangents(st, input_tangents, param_tangents, "jvp")
         return self._child_jvp(self.out_proj, -1, (ty.reshape(st.lead + (st.steps, self.value_dim)),), param_tangents)
+
+    def _output_tangents(self, st: _State, input_tangents, pt, method: str) -> tuple:
+        """``(stages, to, ty)``: ``_forward_tangents``, the delta rule's output tangent (heads before
+        steps, as the gated norm takes it) and the gated norm's (``out_proj``'s input), from the
+        unchecked input tangents of ``jvp`` / ``backward_jvp`` (``method``); computed once per
+        state and tangents while ``pt`` remembers (``loss_hvp``)."""
+
+        def compute():
+            t = self._forward_tangents(st, input_tangent(input_tangents, "GatedDeltaNet", method), pt)
+            to = K.gated_delta_rule_jvp(st.rule, *t.rule).swapaxes(-2, -3)
+            return t, to, K.rms_norm_gated_jvp(st.norm, to, t.z, pt.get(self.norm.weight))
+
+        return pt._remember((self, "stages", st) + tuple(input_tangents), compute)
 
     def _forward_tangents(self, st: _State, tx, pt) -> "_Tangents":
         """The tangents of the forward's stages up to the delta rule's inputs (``_jvp``'s chain)."""

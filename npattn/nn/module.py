@@ -211,10 +211,33 @@ class ParamTangents:
     shared by two submodules (tied weights) gets its tangent in both.
     """
 
-    __slots__ = ("_by_id",)
+    __slots__ = ("_by_id", "_memo")
 
     def __init__(self, by_id=None):
         self._by_id = dict(by_id or {})
+        self._memo = None  # forward tangents already computed, while remembering (_remembering)
+
+    def _remembering(self) -> "ParamTangents":
+        """The same tangents, remembering the forward tangents computed with them (``_remember``):
+        for one second-order pass that runs a ``jvp`` and then a ``backward_jvp`` from the same
+        forward states with the same tangent arrays, unchanged in between (``CausalLM.loss_hvp``:
+        its ``jvp`` gives the logits' tangent, and its ``backward_jvp`` needs every layer's
+        forward tangents again, each module's own once more)."""
+        out = ParamTangents()
+        out._by_id, out._memo = self._by_id, {}
+        return out
+
+    def _remember(self, objs: tuple, compute):
+        """``compute()`` once per ``objs`` (a module, what is computed, its saved state, the input
+        tangents: compared by identity, and kept alive with the result so that no id is reused)
+        while remembering; otherwise ``compute()`` every time."""
+        if self._memo is None:
+            return compute()
+        key = tuple(map(id, objs))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = (objs, compute())
+        return hit[1]
 
     def get(self, param):
         """The tangent of ``param`` (a ``Parameter`` or ``None``), or ``None`` when it has none."""
@@ -657,7 +680,12 @@ class Module:
         prev = self.__dict__.get("_jvp_index", -1)
         object.__setattr__(self, "_jvp_index", index)
         try:
-            return self._jvp(state, tuple(input_tangents), param_tangents)
+            if not isinstance(param_tangents, ParamTangents):
+                return self._jvp(state, tuple(input_tangents), param_tangents)
+            return param_tangents._remember(
+                (self, "jvp", state) + tuple(input_tangents),
+                lambda: self._jvp(state, tuple(input_tangents), param_tangents),
+            )
         finally:
             object.__setattr__(self, "_jvp_index", prev)
 

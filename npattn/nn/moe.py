@@ -1017,23 +1017,31 @@ class SparseMoeBlock(Module):
         """Forward mode: the router's weight tangent (the choice is constant), the experts'
         ``sum_j (tw_j h_j + w_j th_j)``, and the shared part ``tg s + g ts`` with
         ``tg = g (1 - g) t(x w_g^T)``.  Each child's latest state is this call's."""
-        tx = input_tangent(input_tangents, "SparseMoeBlock")
         g, s, lead = state
-        router, experts = self.router_module, self.experts
-        xr = router.saved_state().linear.x
-        if tx is not None:
-            tx = check_tangent(tx, "tx", lead + (self.hidden_size,), xr.dtype).reshape(xr.shape)
-        tw = router._jvp_flat(router.saved_state(), tx, param_tangents)
-        ty = experts._jvp_flat(experts.saved_state(), tx, tw, param_tangents)
-        shared, gate = self.shared_module, self.shared_gate_module
-        if shared is not None:
-            ts = self._child_jvp(shared, -1, (tx,), param_tangents)
-            if gate is not None:
-                tgz = self._child_jvp(gate, -1, (tx,), param_tangents)
-                ty += g * ts + g * (1.0 - g) * tgz * s
-            else:
-                ty += ts
+        tx, tw, ts, tgz = self._stage_tangents(state, input_tangents, param_tangents, "jvp")
+        ty = self.experts._jvp_flat(self.experts.saved_state(), tx, tw, param_tangents)
+        if ts is not None:
+            ty += ts if tgz is None else g * ts + g * (1.0 - g) * tgz * s
         return ty.reshape(lead + (self.hidden_size,))
+
+    def _stage_tangents(self, state, input_tangents, pt, method: str) -> tuple:
+        """``(tx, tw, ts, tgz)``: the input tangent (checked, flat as the router's input), the
+        router's weights', the shared expert's output and its gate's logit (None without them),
+        from the unchecked input tangents of ``jvp`` / ``backward_jvp`` (``method``); computed once
+        per state and tangents while ``pt`` remembers (``loss_hvp``)."""
+
+        def compute():
+            tx = input_tangent(input_tangents, "SparseMoeBlock", method)
+            router, shared, gate = self.router_module, self.shared_module, self.shared_gate_module
+            xr = router.saved_state().linear.x
+            if tx is not None:
+                tx = check_tangent(tx, "tx", state[2] + (self.hidden_size,), xr.dtype).reshape(xr.shape)
+            tw = router._jvp_flat(router.saved_state(), tx, pt)
+            ts = None if shared is None else self._child_jvp(shared, -1, (tx,), pt)
+            tgz = None if shared is None or gate is None else self._child_jvp(gate, -1, (tx,), pt)
+            return tx, tw, ts, tgz
+
+        return pt._remember((self, "stages", state) + tuple(input_tangents), compute)
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
         """Second order: the router's weight tangent and the shared part's tangents first (as
@@ -1041,21 +1049,14 @@ class SparseMoeBlock(Module):
         router's on ``(dw, tdw)``, and the shared part ``y += g s`` by the product rule: ``ds = g
         dy`` with ``tds = tg dy + g tdy``; ``dz = c g (1 - g)``, ``c = <dy, s>``, with ``tdz = tc g
         (1 - g) + c (1 - 2 g) tg``, ``tc = <tdy, s> + <dy, ts>``."""
-        tx = input_tangent(input_tangents, "SparseMoeBlock", "backward_jvp")
         g, s, lead = state
         pt = param_tangents
         router, experts = self.router_module, self.experts
         xr = router.saved_state().linear.x
-        if tx is not None:
-            tx = check_tangent(tx, "tx", lead + (self.hidden_size,), xr.dtype).reshape(xr.shape)
+        tx, tw, ts, tgz = self._stage_tangents(state, input_tangents, pt, "backward_jvp")
         dy = dy.reshape(xr.shape)
         ddy = np.zeros_like(dy) if ddy is None else ddy.reshape(xr.shape)
-        tw = router._jvp_flat(router.saved_state(), tx, pt)
         shared, gate = self.shared_module, self.shared_gate_module
-        ts = tgz = None
-        if shared is not None:
-            ts = self._child_jvp(shared, -1, (tx,), pt)
-            tgz = None if gate is None else self._child_jvp(gate, -1, (tx,), pt)
         (dx, dw), (tdx, tdw) = experts._backward_jvp_flat(experts.pop_saved(), dy, tx, tw, pt, ddy)
         dxr, tdxr = router._backward_jvp_flat(router.pop_saved(), dw, tx, pt, tdw)
         dx += dxr
