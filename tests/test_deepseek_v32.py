@@ -265,3 +265,13 @@ def test_module_refusals_name_the_argument():
         sparse.indexer_loss(np.zeros((1, 3, 16)), reduction="none")
     with pytest.raises(ValueError, match="attn_mask: expected one mask for every head"):
         sparse(np.zeros((1, 3, 16)), attn_mask=np.ones((1, 4, 3, 3), bool))
+
+
+def test_scaled_config_scales_the_indexer_width():
+    """The bench's sizes (``scaled_config``): the indexer's head width grows with the rotated part it
+    contains (at width 128 it was left at 8 below qk_rope_head_dim = 32, a model neither library builds)."""
+    from npattn.models import config_from_hf
+    from npattn.models.tiny import scaled_config
+
+    cfg = config_from_hf(scaled_config("deepseek_v32", hidden=128, layers=3, vocab=1024))
+    assert (cfg.latent.index_head_dim, cfg.latent.qk_rope_head_dim, cfg.latent.index_topk) == (64, 32, 3)

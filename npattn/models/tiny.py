@@ -538,6 +538,7 @@ _WIDTHS = (
     "kv_lora_rank",
     "qk_nope_head_dim",
     "qk_rope_head_dim",
+    "index_head_dim",
     "v_head_dim",
     "linear_key_head_dim",
     "linear_value_head_dim",
