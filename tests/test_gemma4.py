@@ -489,3 +489,15 @@ def test_reusing_layers_hold_no_cache():
     # tokens x (keys, values) x batch x kv heads x head_dim x 8 bytes: a window of 2 past keys, 9 keys
     assert sliding == 2 * 2 * 2 * 2 * 4 * 8 and full == 9 * 2 * 2 * 1 * 8 * 8
     assert sum(a.kv_cache_nbytes for a in alone) - sum(a.kv_cache_nbytes for a in shared) == 2 * sliding + full
+
+
+def test_npattn_check_covers_gemma4s_layers():
+    """``npattn check`` (both orders) runs SharedKVAttention (keys as values with proportional RoPE,
+    a window with biases), the per-layer input and the per-layer embeddings."""
+    from npattn.tools.check import cases
+
+    for order in (1, 2):
+        found = {n: t for n, t in cases(0, order=order) if n.startswith(("SharedKVAttention", "PerLayer"))}
+        assert len(found) == 4, sorted(found)
+        for name, thunk in found.items():
+            assert thunk().ok, (order, name)

@@ -44,6 +44,7 @@ from ..nn.delta_net import GatedDeltaNet
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.module import Module
 from ..nn.moe import SparseMoeBlock
+from ..nn.shared_kv import PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..testing.gradcheck import companion, gradcheck
 from ..testing.gradgradcheck import gradgradcheck
 
@@ -823,6 +824,34 @@ _SPARSE = _Part(
     stream=31,
 )
 
+# Gemma 4's layers: SharedKVAttention with keys as values and proportional RoPE (full layers), with
+# a window (sliding layers), the per-layer input of a decoder layer and the per-layer embeddings.
+_GEMMA4_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 50.0}
+_SHARED_KV = _Part(
+    "shared kv",
+    {"x": N(2, 5, 8)},
+    [
+        _case(
+            "SharedKVAttention (k_eq_v, proportional RoPE, 4 heads on 1)",
+            Call(SharedKVAttention, 8, 4, 1, 6, k_eq_v=True, rope_scaling=_GEMMA4_ROPE, rng=R),
+            S.x,
+        ),
+        _case(
+            "SharedKVAttention (window 2, bias, 4 heads on 2)",
+            Call(SharedKVAttention, 8, 4, 2, 4, bias=True, window=(2, 0), rope_scaling={"rope_theta": 30.0}, rng=R),
+            S.x,
+        ),
+        _case("PerLayerInput (gelu tanh gate)", Call(PerLayerInput, 8, 3, rng=R), S.x, N(2, 5, 3)),
+        _case(
+            "PerLayerEmbeddings (3 layers of 2)",  # no padding row: it has no gradient, as torch's
+            Call(PerLayerEmbeddings, 7, 8, 3, 2, rng=R),
+            np.array([[1, 0, 4, 6, 2], [3, 5, 5, 0, 1]]),
+            S.x,
+        ),
+    ],
+    stream=41,
+)
+
 _TABLE = [
     _CORE_OPS,
     _OP_OPTIONS,
@@ -838,6 +867,7 @@ _TABLE = [
     _DELTA_NET,
     _LATENT,
     _SPARSE,
+    _SHARED_KV,
 ]
 
 
