@@ -425,12 +425,19 @@ def _tokenizer_file(path, metadata):
 def test_tokenizers_npattn_does_not_build_are_refused_by_name(tmp_path):
     from npattn.models.gguf import gguf_tokenizer
 
-    def spm(w):
+    def t5(w):
+        w.add_tokenizer_model("t5")
+        w.add_token_list(["<unk>", "a"])
+
+    with pytest.raises(ValueError, match=r"t.gguf: tokenizer.ggml.model 't5' is not a tokenizer npattn builds"):
+        gguf_tokenizer(_tokenizer_file(tmp_path / "t.gguf", t5))
+
+    def spm_without_scores(w):
         w.add_tokenizer_model("llama")
         w.add_token_list(["<unk>", "a"])
 
-    with pytest.raises(ValueError, match=r"s.gguf: tokenizer.ggml.model 'llama' is not a BPE tokenizer"):
-        gguf_tokenizer(_tokenizer_file(tmp_path / "s.gguf", spm))
+    with pytest.raises(ValueError, match=r"s.gguf: tokenizer.ggml.scores: expected one number per token, got None"):
+        gguf_tokenizer(_tokenizer_file(tmp_path / "s.gguf", spm_without_scores))
 
     def other_pre(w):
         w.add_tokenizer_model("gpt2")
@@ -489,3 +496,92 @@ def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == tok.decode(expect)
     assert main(["generate", str(tmp_path / "none.gguf"), "hi"]) == 2
     assert "no such directory or GGUF file" in capsys.readouterr().err
+
+
+# -- SentencePiece (tokenizer.ggml.model "llama": Llama 2's, Gemma's) --------------------------------
+SPM_TEXTS = [
+    "Hello world",
+    "the cat sat on the mat",
+    "  two  spaces, then € and 日本 outside the vocabulary",
+    "tabs\tand\nnew lines",
+    "<start_of_turn>user\nhi<end_of_turn>",
+]
+
+
+def _llama_cpp_spm(text: str, tokens: list, scores: list, types: list, prefix: bool) -> list:
+    """llama.cpp's SentencePiece tokenization (``llama_vocab::tokenize``, ``llm_tokenizer_spm``),
+    written out: special and user-defined tokens matched whole first; in each stretch of text
+    between them a space put first (with ``add_space_prefix``), spaces as ``▁``, then the adjacent
+    pair whose joint piece is in the vocabulary and scores highest (the leftmost of equals) merged
+    until none is; a piece outside the vocabulary as its UTF-8 bytes ``<0xXX>``."""
+    import re
+
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    whole = sorted((t for t, k in zip(tokens, types) if k in (3, 4)), key=len, reverse=True)
+    parts = re.split("(" + "|".join(map(re.escape, whole)) + ")", text) if whole else [text]
+    ids: list = []
+    for n, part in enumerate(parts):
+        if n % 2:
+            ids.append(vocab[part])
+            continue
+        if not part:
+            continue
+        symbols = list((" " + part if prefix else part).replace(" ", "\u2581"))
+        while True:
+            best = None
+            for i in range(len(symbols) - 1):
+                j = vocab.get(symbols[i] + symbols[i + 1])
+                if j is not None and (best is None or scores[j] > best[0]):
+                    best = (scores[j], i)
+            if best is None:
+                break
+            i = best[1]
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        for sym in symbols:
+            ids += [vocab[sym]] if sym in vocab else [vocab[f"<0x{b:02X}>"] for b in sym.encode()]
+    return ids
+
+
+def _spm_file(path, prefix: bool):
+    """A SentencePiece-shaped vocabulary as llama.cpp's converter writes one (``_set_vocab_sentencepiece``):
+    <unk>, <bos>, <eos>, the 256 byte tokens, the characters and pieces of a BPE trained here on
+    ``▁`` for spaces, each scored by its rank (later pieces lower), two turn markers."""
+    tk = pytest.importorskip("tokenizers")
+    bpe = tk.Tokenizer(tk.models.BPE())
+    bpe.normalizer = tk.normalizers.Replace(" ", "\u2581")
+    corpus = ["the cat sat on the mat and the dog sat on the hat", "Hello world, hello there"] * 20
+    bpe.train_from_iterator(corpus, tk.trainers.BpeTrainer(vocab_size=120))
+    pieces = sorted(bpe.get_vocab(), key=bpe.get_vocab().get)
+    tokens = ["<unk>", "<bos>", "<eos>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    tokens += ["<start_of_turn>", "<end_of_turn>"]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3, 4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_space_prefix(prefix)
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens, scores, types
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["gemma", "llama2"])
+def test_sentencepiece_tokenizer_encodes_as_llama_cpp(tmp_path, prefix):
+    from npattn.models.gguf import gguf_tokenizer
+
+    tokens, scores, types = _spm_file(tmp_path / "s.gguf", prefix)
+    got = gguf_tokenizer(tmp_path / "s.gguf")
+    for text in SPM_TEXTS:
+        want = _llama_cpp_spm(text, tokens, scores, types, prefix)
+        assert got.encode(text).ids == want, text
+        if "<" not in text:  # the text back, the bytes of the characters outside the vocabulary joined
+            assert got.decode(want) == text
+    assert len(_llama_cpp_spm(SPM_TEXTS[1], tokens, scores, types, prefix)) < len(SPM_TEXTS[1]) // 2  # merged

@@ -299,44 +299,88 @@ GGUF_PRE_TOKENIZERS = {
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 
 
-def _tokenizer_meta(f: _File) -> tuple:
-    """``(tokens, token types, merges as pairs, pre-tokenizer entry)`` of the file's BPE
-    tokenizer, each checked; ValueError naming the key otherwise."""
-    meta, where = f.meta, f.path
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(
-            f"{where}: tokenizer.ggml.model {_short(model)} is not a BPE tokenizer npattn builds (it reads 'gpt2'; "
-            "'llama' is SentencePiece): pass the prompt as token ids"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+def _tokens(f: _File) -> tuple:
+    """``(tokens, token types)`` of the file's tokenizer, checked (ValueError naming the key)."""
+    tokens = f.meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{f.path}: tokenizer.ggml.tokens: expected a list of strings")
+    types = f.meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{f.path}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}")
+    return tokens, types
+
+
+def _bpe(f: _File, vocab: dict, tk) -> tuple:
+    """``(model, normalizer, pre-tokenizer, decoder)`` of a ``gpt2`` (byte-level BPE) tokenizer:
+    ``tokenizer.ggml.merges`` split as llama.cpp splits them (at the first space after the first
+    character), the pre-tokenizer of ``tokenizer.ggml.pre``."""
+    pre = f.meta.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in GGUF_PRE_TOKENIZERS:
         raise ValueError(
-            f"{where}: tokenizer.ggml.pre {_short(pre)} is not a pre-tokenizer npattn knows "
+            f"{f.path}: tokenizer.ggml.pre {_short(pre)} is not a pre-tokenizer npattn knows "
             f"(it reads {sorted(GGUF_PRE_TOKENIZERS)})"
         )
-    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens or ())
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
-        raise ValueError(f"{where}: tokenizer.ggml.tokens: expected a list of strings")
-    if len(types) != len(tokens):
-        raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries, tokens {len(tokens)}")
+    split, ignore_merges, nfc = GGUF_PRE_TOKENIZERS[pre]
+    merges = f.meta.get("tokenizer.ggml.merges")
     if not isinstance(merges, list):
-        raise ValueError(f"{where}: tokenizer.ggml.merges: expected a list of 'a b' strings, got {_short(merges)}")
-    pairs = [m.split(" ") if isinstance(m, str) else () for m in merges]
-    bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
+        raise ValueError(f"{f.path}: tokenizer.ggml.merges: expected a list of 'a b' strings, got {_short(merges)}")
+    cut = [m.find(" ", 1) if isinstance(m, str) else -1 for m in merges]
+    bad = next((i for i, c in enumerate(cut) if c < 0), None)
     if bad is not None:
-        raise ValueError(f"{where}: tokenizer.ggml.merges[{bad}] {_short(merges[bad])} is not two tokens 'a b'")
-    return tokens, types, [tuple(p) for p in pairs], GGUF_PRE_TOKENIZERS[pre]
+        raise ValueError(f"{f.path}: tokenizer.ggml.merges[{bad}] {_short(merges[bad])} is not two tokens 'a b'")
+    pairs = [(m[:c], m[c + 1 :]) for m, c in zip(merges, cut)]
+    model = tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
+    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=split is None)
+    if split is not None:
+        byte_level = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(split), "isolated"), byte_level])
+    return model, tk.normalizers.NFC() if nfc else None, byte_level, tk.decoders.ByteLevel()
+
+
+def _spm(f: _File, vocab: dict, tk) -> tuple:
+    """``(model, normalizer, pre-tokenizer, decoder)`` of a ``llama`` (SentencePiece BPE) tokenizer
+    as llama.cpp's ``llm_tokenizer_spm`` runs it: spaces as ``▁`` (one put first where
+    ``tokenizer.ggml.add_space_prefix``, llama.cpp's default true), then adjacent pieces merged
+    highest ``tokenizer.ggml.scores`` first while the merged piece is in the vocabulary, a
+    character outside it as its UTF-8 bytes (``<0xXX>``).  As a BPE: each piece's splits into two
+    pieces of the vocabulary, ranked by its score (transformers' ``SentencePieceExtractor``)."""
+    scores = f.meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) <= max(vocab.values()):
+        raise ValueError(f"{f.path}: tokenizer.ggml.scores: expected one number per token, got {_short(scores)}")
+    score = {t: float(scores[i]) for t, i in vocab.items()}
+    merges = []
+    for piece, i in vocab.items():
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += [(score[piece], i, vocab[a], vocab[b], a, b) for a, b in splits]
+    merges.sort(key=lambda m: (-m[0], m[1], m[2], m[3]))
+    unk = f.meta.get("tokenizer.ggml.unknown_token_id", 0)
+    tokens = {i: t for t, i in vocab.items()}
+    model = tk.models.BPE(
+        vocab=vocab,
+        merges=[m[4:] for m in merges],
+        unk_token=tokens.get(unk) if isinstance(unk, int) else None,
+        byte_fallback=True,
+        fuse_unk=True,
+    )
+    prefix = f.meta.get("tokenizer.ggml.add_space_prefix", True)
+    spaces = [tk.normalizers.Replace(" ", "▁")]
+    normalizer = tk.normalizers.Sequence(([tk.normalizers.Prepend("▁")] if prefix else []) + spaces)
+    steps = [tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
+    decoder = tk.decoders.Sequence(steps + ([tk.decoders.Strip(" ", 1, 0)] if prefix else []))
+    return model, normalizer, None, decoder
+
+
+_TOKENIZER_MODELS = {"gpt2": _bpe, "llama": _spm}
 
 
 def gguf_tokenizer(path):
-    """The ``tokenizers.Tokenizer`` of a GGUF file's BPE tokenizer (``tokenizer.ggml.model``
-    ``"gpt2"``), built as the original ``tokenizer.json`` was: byte-level BPE of
-    ``tokenizer.ggml.tokens`` (ids by position) and ``tokenizer.ggml.merges``, the pre-tokenizer
-    of ``tokenizer.ggml.pre`` (``GGUF_PRE_TOKENIZERS``), the ``CONTROL`` tokens special and the
-    ``USER_DEFINED`` ones added (both matched whole, before the BPE), ``tokenizer.ggml.bos_token_id``
-    and ``eos_token_id`` added where ``add_bos_token`` / ``add_eos_token`` say so.
+    """The ``tokenizers.Tokenizer`` of a GGUF file's tokenizer, built as the original was:
+    ``tokenizer.ggml.model`` ``"gpt2"`` is byte-level BPE of ``tokenizer.ggml.tokens`` (ids by
+    position) and ``tokenizer.ggml.merges`` with the pre-tokenizer of ``tokenizer.ggml.pre``
+    (``GGUF_PRE_TOKENIZERS``); ``"llama"`` is SentencePiece's BPE of the tokens and their
+    ``tokenizer.ggml.scores`` (Llama 2's, Gemma's; byte fallback).  The ``CONTROL`` tokens are
+    special and the ``USER_DEFINED`` ones added (both matched whole, first), and
+    ``tokenizer.ggml.bos_token_id`` / ``eos_token_id`` are added where ``add_bos_token`` /
+    ``add_eos_token`` say so.
 
     Raises
     ------
@@ -345,42 +389,40 @@ def gguf_tokenizer(path):
     FileNotFoundError
         No such file.
     ValueError
-        Not a GGUF file, a tokenizer model other than ``gpt2`` (SentencePiece's ``llama``
-        among them) or a pre-tokenizer npattn does not know (named), malformed tokenizer metadata.
+        Not a GGUF file, a tokenizer model other than ``gpt2`` and ``llama`` or a pre-tokenizer
+        npattn does not know (named), malformed tokenizer metadata (named).
     """
     try:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+        import tokenizers as tk
     except ImportError:
         raise ImportError(f"a GGUF file's tokenizer needs the tokenizers package: {install_hint('hf')}") from None
     f = _read(path)
-    tokens, types, merges, (split, ignore_merges, nfc) = _tokenizer_meta(f)
+    kind = f.meta.get("tokenizer.ggml.model")
+    if kind not in _TOKENIZER_MODELS:
+        raise ValueError(
+            f"{f.path}: tokenizer.ggml.model {_short(kind)} is not a tokenizer npattn builds (it reads "
+            f"{sorted(_TOKENIZER_MODELS)}): pass the prompt as token ids"
+        )
+    tokens, types = _tokens(f)
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=split is None)
-    tok.pre_tokenizer = (
-        byte_level
-        if split is None
-        else pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-    )
-    if nfc:
-        tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-    )
-    tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    )
+    model, normalizer, pre_tokenizer, decoder = _TOKENIZER_MODELS[kind](f, vocab, tk)
+    tok = tk.Tokenizer(model)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoder
+    kinds = list(zip(tokens, types))
+    tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False) for t, k in kinds if k == _CONTROL])
+    tok.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED])
     ends = {}
-    for end in ("bos", "eos"):
+    for end, default in (("bos", kind == "llama"), ("eos", False)):  # llama.cpp's defaults
         i = f.meta.get(f"tokenizer.ggml.{end}_token_id")
-        if f.meta.get(f"tokenizer.ggml.add_{end}_token", False) and isinstance(i, int) and 0 <= i < len(tokens):
+        if f.meta.get(f"tokenizer.ggml.add_{end}_token", default) and isinstance(i, int) and 0 <= i < len(tokens):
             ends[end] = (tokens[i], i)
     if ends:
-        single = [
-            f"{ends[e][0]}:0" if e in ends else "$A:0" for e in ("bos", "text", "eos") if e in ends or e == "text"
-        ]
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(ends.values()))
+        single = [f"{ends[e][0]}:0" if e in ends else "$A:0" for e in ("bos", "$A", "eos") if e in ends or e == "$A"]
+        tok.post_processor = tk.processors.TemplateProcessing(single=single, special_tokens=list(ends.values()))
     return tok
 
 

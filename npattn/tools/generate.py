@@ -3,7 +3,7 @@
 The directory holds ``config.json``, the safetensors weights and ``tokenizer.json``; the
 ``tokenizers`` package (``pip install "npattn[hf]"``, or ``pip install ".[hf]"`` from a clone)
 turns the prompt into ids and the ids back into text.  DIRECTORY may also be a GGUF file
-(``CausalLM.from_gguf``; the ``gguf`` package): its BPE tokenizer is built from the file's
+(``CausalLM.from_gguf``; the ``gguf`` package): its tokenizer is built from the file's
 metadata (``npattn.models.gguf.gguf_tokenizer``), ``--chat`` takes its ``tokenizer.chat_template``.
 The tokens come from ``CausalLM.stream`` (the prompt encoded once into every layer's cache, then
 one cached step per token; greedy at temperature 0, else sampled with ``--top-k``, ``--top-p``,
