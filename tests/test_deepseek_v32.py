@@ -275,3 +275,30 @@ def test_scaled_config_scales_the_indexer_width():
 
     cfg = config_from_hf(scaled_config("deepseek_v32", hidden=128, layers=3, vocab=1024))
     assert (cfg.latent.index_head_dim, cfg.latent.qk_rope_head_dim, cfg.latent.index_topk) == (64, 32, 3)
+
+
+def _sparse_layer(topk, seed=0):
+    from npattn.nn.latent_attention import MultiHeadLatentAttention
+
+    dims = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, q_lora_rank=8)
+    sparse = MultiHeadLatentAttention(16, 4, index_topk=topk, index_n_heads=16, index_head_dim=8, rng=seed, **dims)
+    dense = MultiHeadLatentAttention(16, 4, rng=seed, **dims)
+    dense.load_state_dict({k: v for k, v in sparse.state_dict().items() if not k.startswith("indexer.")})
+    return sparse, dense
+
+
+def test_a_choice_of_every_key_is_dense_mla_and_masks_combine(stable_choice):
+    """``index_topk`` at least the sequence: every visible key chosen, dense MLA's outputs and
+    gradients exactly; a float mask (0 / -inf) chooses and attends as the boolean one."""
+    rng = np.random.default_rng(7)
+    x, dy = rng.standard_normal((2, 6, 16)), rng.standard_normal((2, 6, 16))
+    sparse, dense = _sparse_layer(6)
+    np.testing.assert_array_equal(sparse(x), dense(x))
+    np.testing.assert_array_equal(sparse.backward(dy), dense.backward(dy))
+    sparse, _ = _sparse_layer(2)
+    keep = rng.random((2, 1, 1, 6)) > 0.2
+    keep[..., 0] = True
+    a = sparse(x, attn_mask=keep)
+    b = sparse(x, attn_mask=np.where(keep, 0.0, -np.inf))
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-15)
+    assert not np.allclose(a, sparse(x))  # the mask changed the choice and the attention

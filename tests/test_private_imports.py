@@ -34,6 +34,7 @@ fmoe = importlib.import_module("npattn.functional.moe")
 norm = importlib.import_module("npattn.functional.norm")
 frope = importlib.import_module("npattn.functional.rope")
 rope_scaling = importlib.import_module("npattn.functional.rope_scaling")
+sparse = importlib.import_module("npattn.functional.sparse_attention")
 OP_FILES = [activation, attention, conv, delta_rule, embedding, linear, loss, memory_efficient, fmoe, norm, frope]
 gradcheck = importlib.import_module("npattn.testing.gradcheck")
 gradgradcheck = importlib.import_module("npattn.testing.gradgradcheck")
@@ -52,7 +53,7 @@ def _private_imports(module):
 
 
 @pytest.mark.parametrize(
-    "module", [nmoe, layers, delta_net, kda, kernels, gradgradcheck, check, *OP_FILES], ids=lambda m: m.__name__
+    "module", [nmoe, layers, delta_net, kda, sparse, kernels, gradgradcheck, check, *OP_FILES], ids=lambda m: m.__name__
 )
 def test_no_private_name_imported_from_another_file(module):
     assert inspect.ismodule(module)

@@ -57,7 +57,12 @@ from .._validate import (
 )
 from ..functional import kernels as K
 from ..functional.rope_scaling import check_scaling, resolve_base, rope_softmax_scale
-from ..functional.sparse_attention import index_topk_kernel, lightning_indexer_kernel
+from ..functional.sparse_attention import (
+    index_topk_kernel,
+    indexer_kl_loss_kernel,
+    lightning_indexer_backward,
+    lightning_indexer_kernel,
+)
 from .kv_cache import KVCache
 from .layers import LayerNorm, Linear, RMSNorm, input_tangent
 from .module import Module, no_grad
@@ -580,8 +585,6 @@ class MultiHeadLatentAttention(Module):
         ValueError, TypeError
             No indexer (``index_topk`` None); ``x`` of the wrong shape or type; a bad ``reduction``.
         """
-        from ..functional.sparse_attention import indexer_kl_loss_kernel, lightning_indexer_backward
-
         if self.index_topk is None:
             raise ValueError("index_topk: this MultiHeadLatentAttention has no lightning indexer")
         if reduction not in ("sum", "mean"):
