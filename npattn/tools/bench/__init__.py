@@ -18,6 +18,8 @@ Where things are (read in this order):
                   torch implementation, against sequence length;
 * ``second_order.py`` a Hessian-vector product against forward+backward (MultiHeadAttention,
                   ``CausalLM.loss_hvp``), the memory-efficient core's second-order memory;
+* ``decode_large.py`` decoding a Qwen3-0.6B-shaped model (float32 and bfloat16 storage) against
+                  the GEMV bandwidth limit and transformers, prefill, the load's peak memory;
 * ``cases.py``    what can be measured: each kind of case builds npattn's callables (and torch's,
                   same weights) from its sizes; FLOP counts;
 * ``twins.py``    torch's side of each case (imported only when torch is; like any code that runs

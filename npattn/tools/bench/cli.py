@@ -12,7 +12,7 @@ import os
 import sys
 from typing import NamedTuple
 
-from . import decode, delta, families, memory, second_order, timing, window
+from . import decode, decode_large, delta, families, memory, second_order, timing, window
 from .machine import ENV_KEYS, SLOW_ENV, machine_info, probe_openblas_env
 from .runner import call_in_child
 
@@ -60,6 +60,12 @@ SECTIONS = [
         "a Hessian-vector product against forward+backward (MHA, CausalLM.loss_hvp) and the memory-efficient "
         "core's backward_jvp memory at L = 4096 against its backward's",
         second_order,
+    ),
+    Section(
+        "decode-large",
+        "decoding a Qwen3-0.6B-shaped model (float32 and bfloat16 storage) against the GEMV bandwidth limit and "
+        "transformers, prefill of 512 tokens, the peak memory of loading a bfloat16 checkpoint",
+        decode_large,
     ),
 ]
 

@@ -1,0 +1,345 @@
+"""The large decoding section (``npattn bench --decode-large``): decoding against the memory-bandwidth limit.
+
+Decoding one token multiplies every weight matrix by one vector: it reads each weight once, so its
+speed is bounded by the memory bandwidth, ``tokens/s <= bandwidth / bytes of weights read per
+token``.  This section measures how close npattn comes (issue 32, item 5), on a model of
+Qwen3-0.6B's shape (``QWEN3_06B``: 596M parameters, hidden 1024, 28 layers, 16 heads, 8 KV heads,
+head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weights:
+
+* ``bandwidth``: the machine's matrix-vector bandwidth, a float32 GEMV over a matrix of the output
+  head's shape (far larger than the caches) with the BLAS threads in use, GB/s of the median call;
+* ``npattn_side``: the model loaded from a bfloat16 checkpoint written once into a temporary
+  directory (``write_checkpoint``), in float32 and with ``weights_dtype="bfloat16"``: greedy
+  decoding after a 16-token prompt, tokens/s of the median step (each step one token through the
+  KV cache), and the prefill of 512 tokens (the best of ``repeats``); ``fraction`` = tokens/s over
+  the limit ``bandwidth / bytes_per_token``, where ``bytes_per_token`` counts every parameter's
+  stored bytes (the tied head reads the whole embedding table; an untied model's table is left
+  out: decoding reads one row of it);
+* ``transformers_side``: transformers' eager model of the same checkpoint in float32, with the
+  same threads (``runner.torch_or_none``), the same steps (skipped without torch/transformers);
+* ``load_peak``: the peak resident memory of ``from_pretrained(..., weights_dtype="bfloat16")``
+  of that checkpoint, in a fresh process, above what was resident before the call (``VmHWM`` less
+  ``VmRSS`` from ``/proc/self/status``, as ``resource.getrusage``'s ``ru_maxrss`` would give
+  without the parent's size), against the loaded model's parameter bytes.
+
+Each runs in a child process of its own (npattn's without torch), one after another.  The goals
+(issue 32): float32 decoding at >= 90 % of the limit, bfloat16 storage at >= 0.7x float32's
+tokens/s, prefill at least transformers' speed, loading within 10 % of the model's bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from .runner import Step, call_in_child, run_steps, status_kib, torch_or_none
+from .text import fmt, table
+
+__all__ = [
+    "QWEN3_06B",
+    "QUICK",
+    "SIZES",
+    "SIZES_QUICK",
+    "GOALS",
+    "bandwidth",
+    "write_checkpoint",
+    "npattn_side",
+    "transformers_side",
+    "load_peak",
+    "collect",
+    "format_section",
+]
+
+QWEN3_06B = {  # Qwen/Qwen3-0.6B's config.json, the sizes that matter
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+QUICK = dict(
+    QWEN3_06B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SIZES = dict(prompt=16, new_tokens=24, prefill=512, repeats=2)
+SIZES_QUICK = dict(prompt=4, new_tokens=3, prefill=8, repeats=1)
+GOALS = {"fraction": 0.9, "bf16_over_f32": 0.7, "prefill_over_transformers": 1.0, "load_over_model": 1.1}
+
+
+def bandwidth(rows: int, cols: int, repeats: int = 5) -> dict:
+    """float32 GEMV ``W (rows, cols) @ x``: ``{"gb_per_s", "bytes", "threads"}`` of the median call."""
+    from .._blas import openblas_functions
+
+    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    x = np.ones(cols, np.float32)
+    y = np.empty(rows, np.float32)
+    np.matmul(w, x, out=y)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.matmul(w, x, out=y)
+        times.append(time.perf_counter() - t)
+    threads = openblas_functions("get_num_threads")
+    return {
+        "gb_per_s": w.nbytes / statistics.median(times) / 1e9,
+        "bytes": w.nbytes,
+        "threads": threads[0]() if threads else None,
+    }
+
+
+def write_checkpoint(directory: str, config: dict) -> dict:
+    """A model of ``config`` with random weights (seed 0) saved with bfloat16 storage into
+    ``directory`` (every tensor BF16, as released checkpoints are): ``{"parameters"}``."""
+    from ...models import CausalLM
+    from ...models.causal_lm import store_bfloat16
+
+    m = CausalLM(config, rng=0, dtype=np.float32)
+    store_bfloat16(m)
+    m.save_pretrained(directory)
+    return {"parameters": m.num_parameters()}
+
+
+def _bytes_per_token(params, tied: bool, embedding) -> int:
+    """The weight bytes one decoding step reads: every parameter, less an untied embedding table."""
+    total = sum(p.data.nbytes for p in params)
+    return total if tied else total - embedding.data.nbytes
+
+
+def _steps(forward, prompt: int, new_tokens: int) -> list:
+    """Seconds of each greedy step after the prompt; ``forward(ids, first)`` -> last logits."""
+    rng = np.random.default_rng(1)
+    logits = forward(rng.integers(3, 100, (1, prompt)), True)
+    times = []
+    for _ in range(new_tokens):
+        nxt = np.asarray(logits).argmax(-1).reshape(1, 1)
+        t = time.perf_counter()
+        logits = forward(nxt, False)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _prefill(forward, prefill: int, repeats: int) -> float:
+    ids = np.random.default_rng(2).integers(3, 100, (1, prefill))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        forward(ids, True)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _row(impl, times, prefill: int, prefill_s: float, bytes_per_token: int, model_bytes: int) -> dict:
+    return {
+        "impl": impl,
+        "tokens_per_s": 1.0 / statistics.median(times),
+        "prefill_tokens_per_s": prefill / prefill_s,
+        "bytes_per_token": bytes_per_token,
+        "model_bytes": model_bytes,
+    }
+
+
+def npattn_side(directory: str, weights_dtype, prompt: int, new_tokens: int, prefill: int, repeats: int) -> dict:
+    """npattn's decoding and prefill of the checkpoint in ``directory`` (float32, or bfloat16 storage)."""
+    from ... import no_grad
+    from ...models import CausalLM
+
+    m = CausalLM.from_pretrained(directory, weights_dtype=weights_dtype)
+
+    def forward(ids, first):
+        if first:
+            m.reset_kv_cache()
+        with no_grad():
+            return m(ids, use_cache=True)[:, -1]
+
+    times = _steps(forward, prompt, new_tokens)
+    prefill_s = _prefill(forward, prefill, repeats)
+    params = list(m.parameters())
+    nbytes = _bytes_per_token(params, m.lm_head is None, m.model.embed_tokens.weight)
+    model_bytes = sum(p.data.nbytes for p in params)
+    return _row(f"npattn {weights_dtype or 'float32'}", times, prefill, prefill_s, nbytes, model_bytes)
+
+
+def transformers_side(directory: str, prompt: int, new_tokens: int, prefill: int, repeats: int) -> dict:
+    """transformers' eager float32 model of the same checkpoint, the same steps (``{"missing"}``
+    without torch or transformers)."""
+    torch = torch_or_none()
+    if torch is None or importlib.util.find_spec("transformers") is None:
+        return {"impl": "transformers", "missing": "torch" if torch is None else "transformers"}
+    import transformers  # pragma: needs torch
+
+    tm = transformers.AutoModelForCausalLM.from_pretrained(  # pragma: needs torch
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    state: dict = {}
+
+    def forward(ids, first):  # pragma: needs torch
+        with torch.no_grad():
+            out = tm(
+                torch.from_numpy(ids),
+                cache=None if first else state["cache"],
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        state["cache"] = out.cache
+        return out.logits[:, -1].numpy()
+
+    times = _steps(forward, prompt, new_tokens)  # pragma: needs torch
+    prefill_s = _prefill(forward, prefill, repeats)
+    params = list(tm.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return _row("transformers float32", times, prefill, prefill_s, nbytes, nbytes)
+
+
+def load_peak(directory: str) -> dict:
+    """The peak resident memory of loading ``directory`` with bfloat16 storage, above what was
+    resident before, against the loaded model's bytes (run it in a fresh process)."""
+    from ...models import CausalLM
+
+    before = status_kib("VmRSS")
+    t = time.perf_counter()
+    m = CausalLM.from_pretrained(directory, weights_dtype="bfloat16")
+    seconds = time.perf_counter() - t
+    peak = status_kib("VmHWM")
+    model = sum(p.data.nbytes for p in m.parameters())
+    above = (peak - before) * 1024
+    return {"peak_bytes": above, "model_bytes": model, "ratio": above / model, "seconds": seconds}
+
+
+def collect(quick=False, progress=True):
+    config, sizes = (QUICK, SIZES_QUICK) if quick else (QWEN3_06B, SIZES)
+    big = not quick
+    with tempfile.TemporaryDirectory(prefix="npattn-decode-large-") as tmp:
+        d = os.path.join(tmp, "model")
+        gemv = (config["vocab_size"], config["hidden_size"])
+
+        def child(fn, **kw):
+            return lambda: call_in_child(f"decode_large:{fn}", kw)
+
+        steps = [
+            Step(
+                "write a bfloat16 checkpoint",
+                60.0 if big else 1.0,
+                child("write_checkpoint", directory=d, config=config),
+            ),
+            Step("GEMV bandwidth", 10.0 if big else 1.0, child("bandwidth", rows=gemv[0], cols=gemv[1])),
+            Step(
+                "npattn float32", 60.0 if big else 1.0, child("npattn_side", directory=d, weights_dtype=None, **sizes)
+            ),
+            Step(
+                "npattn bfloat16 storage",
+                60.0 if big else 1.0,
+                child("npattn_side", directory=d, weights_dtype="bfloat16", **sizes),
+            ),
+            Step("transformers float32", 90.0 if big else 2.0, child("transformers_side", directory=d, **sizes)),
+            Step("load peak (bfloat16 storage)", 20.0 if big else 1.0, child("load_peak", directory=d)),
+        ]
+        written, bw, f32, bf16, hf, load = run_steps("decode-large", steps, progress=progress, note=_note)
+    return {
+        "decode_large": {
+            "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
+            "sizes": sizes,
+            "checkpoint": written,
+            "bandwidth": bw,
+            "rows": [f32, bf16, hf],
+            "load": load,
+            "goals": GOALS,
+        }
+    }
+
+
+def _note(r):
+    if "error" in r or "missing" in r:
+        return r.get("error") or f"skipped: no {r['missing']}"
+    if "tokens_per_s" in r:
+        return f"{r['tokens_per_s']:.1f} tokens/s, prefill {r['prefill_tokens_per_s']:.0f} tokens/s"
+    if "gb_per_s" in r:
+        return f"{r['gb_per_s']:.1f} GB/s"
+    if "ratio" in r:
+        return f"peak {r['peak_bytes'] / 2**20:.0f} MiB for {r['model_bytes'] / 2**20:.0f} MiB of model"
+    return ""
+
+
+def _verdict(value, goal, at_most=False):
+    if value is None:
+        return "-"
+    return "yes" if (value <= goal if at_most else value >= goal) else "NO"
+
+
+def format_section(report):
+    r = report.get("decode_large")
+    if not r:
+        return []
+    bw = r["bandwidth"].get("gb_per_s")
+    rows = [x for x in r["rows"] if "tokens_per_s" in x]
+    by = {x["impl"]: x for x in rows}
+    f32, bf16, hf = by.get("npattn float32"), by.get("npattn bfloat16"), by.get("transformers float32")
+    cells = []
+    for x in rows:
+        limit = None if bw is None else bw * 1e9 / x["bytes_per_token"]
+        frac = None if limit is None else x["tokens_per_s"] / limit
+        cells.append(
+            [
+                x["impl"],
+                f"{x['bytes_per_token'] / 1e9:.2f}",
+                fmt(limit, ".1f"),
+                f"{x['tokens_per_s']:.1f}",
+                fmt(frac, ".2f"),
+                f"{x['prefill_tokens_per_s']:.0f}",
+            ]
+        )
+    columns = [
+        ("impl", "<"),
+        ("GB/token", ">"),
+        ("limit tok/s", ">"),
+        ("decode tok/s", ">"),
+        ("of limit", ">"),
+        (f"prefill {r['sizes']['prefill']} tok/s", ">"),
+    ]
+    c = r["config"]
+    g = r["goals"]
+    lines = [
+        "",
+        f"decoding against the memory-bandwidth limit: a Qwen3-0.6B-shaped model (hidden {c['hidden_size']}, "
+        f"{c['num_hidden_layers']} layers, vocab {c['vocab_size']}, {r['checkpoint'].get('parameters', 0) / 1e6:.0f}M "
+        f"parameters, random weights); float32 GEMV bandwidth {fmt(bw, '.1f')} GB/s with "
+        f"{r['bandwidth'].get('threads') or '?'} BLAS threads; decoding after {r['sizes']['prompt']} tokens (median "
+        f"of {r['sizes']['new_tokens']} steps); limit = bandwidth / bytes of weights per token",
+    ] + table(columns, cells)
+    for x in r["rows"]:
+        if "tokens_per_s" not in x:
+            lines.append(f"{x.get('impl', '?')}: " + (x.get("error") or f"skipped (no {x.get('missing')})"))
+    frac = None if f32 is None or bw is None else f32["tokens_per_s"] * f32["bytes_per_token"] / (bw * 1e9)
+    ratio = None if f32 is None or bf16 is None else bf16["tokens_per_s"] / f32["tokens_per_s"]
+    pre = None if f32 is None or hf is None else f32["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
+    load = r["load"].get("ratio")
+    lines.append(
+        f"goals: float32 at {fmt(frac, '.2f')} of the limit (>= {g['fraction']}: {_verdict(frac, g['fraction'])}); "
+        f"bfloat16 storage at {fmt(ratio, '.2f')}x float32's tokens/s (>= {g['bf16_over_f32']}: "
+        f"{_verdict(ratio, g['bf16_over_f32'])}); prefill at {fmt(pre, '.2f')}x transformers' (>= "
+        f"{g['prefill_over_transformers']}: {_verdict(pre, g['prefill_over_transformers'])}); loading the bfloat16 "
+        f"checkpoint peaks at {fmt(load, '.2f')}x the model's bytes (<= {g['load_over_model']}: "
+        f"{_verdict(load, g['load_over_model'], at_most=True)})"
+    )
+    return lines

@@ -1,0 +1,124 @@
+"""The large decoding section of ``npattn bench`` (``--decode-large``, issue 32 item 5) at tiny sizes:
+its parts measure what they say (the checkpoint is the config's model in bfloat16, both npattn
+sides and transformers decode the same model), the section runs alone, and its table computes the
+fractions and the goals' verdicts from the rows (no timed assertions)."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from npattn.models import CausalLM
+from npattn.tools.bench import cli, decode_large
+from npattn.tools.bench.cli import SECTIONS
+
+SIZES = dict(decode_large.SIZES_QUICK)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("decode_large") / "model")
+    written = decode_large.write_checkpoint(d, decode_large.QUICK)
+    return d, written
+
+
+def test_the_real_config_is_qwen3_06b():
+    from npattn.models.causal_lm import _state_shapes
+    from npattn.models.configs import config_from_hf
+
+    cfg = config_from_hf(decode_large.QWEN3_06B)
+    n = sum(int(np.prod(shape)) for _, shape in _state_shapes(cfg))
+    assert 595e6 < n < 597e6  # 596M parameters, the tied head counted once
+
+
+def test_checkpoint_is_the_model_in_bfloat16(checkpoint):
+    d, written = checkpoint
+    m = CausalLM.from_pretrained(d, weights_dtype="bfloat16")
+    assert m.weights_dtype == "bfloat16" and written["parameters"] == m.num_parameters()
+    assert json.load(open(f"{d}/config.json"))["dtype"] == "bfloat16"
+
+
+def test_npattn_sides_decode_the_same_model(checkpoint):
+    d, _ = checkpoint
+    f32 = decode_large.npattn_side(d, None, **SIZES)
+    bf16 = decode_large.npattn_side(d, "bfloat16", **SIZES)
+    assert f32["impl"] == "npattn float32" and bf16["impl"] == "npattn bfloat16"
+    assert bf16["model_bytes"] < 0.6 * f32["model_bytes"]
+    assert f32["bytes_per_token"] == f32["model_bytes"]  # tied: the head reads the whole table
+    assert all(r["tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 for r in (f32, bf16))
+
+
+def test_transformers_side(checkpoint):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    d, _ = checkpoint
+    row = decode_large.transformers_side(d, **SIZES)
+    f32 = decode_large.npattn_side(d, None, **SIZES)
+    assert row["impl"] == "transformers float32" and row["bytes_per_token"] == f32["bytes_per_token"]
+
+
+def test_bandwidth_and_load_peak(checkpoint):
+    d, _ = checkpoint
+    bw = decode_large.bandwidth(256, 64, repeats=2)
+    assert bw["gb_per_s"] > 0 and bw["bytes"] == 256 * 64 * 4
+    load = decode_large.load_peak(d)
+    m = CausalLM.from_pretrained(d, weights_dtype="bfloat16")
+    assert load["model_bytes"] == sum(p.data.nbytes for p in m.parameters()) and load["peak_bytes"] >= 0
+
+
+def _report(f32_tps=10.0, bf16_tps=8.0, hf_prefill=50.0, load_ratio=1.05):
+    gb = 2e9
+
+    def row(impl, tps, prefill, nbytes):
+        return dict(
+            impl=impl, tokens_per_s=tps, prefill_tokens_per_s=prefill, bytes_per_token=nbytes, model_bytes=nbytes
+        )
+
+    rows = [
+        row("npattn float32", f32_tps, 100.0, gb),
+        row("npattn bfloat16", bf16_tps, 90.0, gb / 2),
+        row("transformers float32", 5.0, hf_prefill, gb),
+    ]
+    return {
+        "decode_large": {
+            "config": {"hidden_size": 1024, "num_hidden_layers": 28, "vocab_size": 151936},
+            "sizes": decode_large.SIZES,
+            "checkpoint": {"parameters": 596_000_000},
+            "bandwidth": {"gb_per_s": 20.0, "bytes": 1, "threads": 2},
+            "rows": rows,
+            "load": {"ratio": load_ratio, "peak_bytes": 1, "model_bytes": 1},
+            "goals": decode_large.GOALS,
+        }
+    }
+
+
+def test_table_fractions_and_verdicts():
+    text = "\n".join(decode_large.format_section(_report()))
+    # limit 20 GB/s / 2 GB = 10 tokens/s: float32 at 1.00 of it; bfloat16's limit is 20
+    assert "10.0" in text and "20.0" in text and " 1.00 " in text
+    assert "float32 at 1.00 of the limit (>= 0.9: yes)" in text
+    assert "bfloat16 storage at 0.80x float32's tokens/s (>= 0.7: yes)" in text
+    assert "prefill at 2.00x transformers' (>= 1.0: yes)" in text
+    assert "peaks at 1.05x the model's bytes (<= 1.1: yes)" in text
+    bad = "\n".join(decode_large.format_section(_report(f32_tps=5.0, bf16_tps=2.0, hf_prefill=200.0, load_ratio=2.0)))
+    assert bad.count(": NO)") == 4
+    assert decode_large.format_section({}) == []
+
+
+def test_table_without_transformers():
+    report = _report()
+    report["decode_large"]["rows"][2] = {"impl": "transformers", "missing": "torch"}
+    text = "\n".join(decode_large.format_section(report))
+    assert "transformers: skipped (no torch)" in text and "prefill at -x transformers'" in text
+
+
+def test_section_alone_quick(capsys, monkeypatch):
+    assert "decode-large" in [s.name for s in SECTIONS]
+    args = SimpleNamespace(decode_large=True, quick=True, json=True)
+    assert cli.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    r = report["decode_large"]
+    assert r["config"]["vocab_size"] == decode_large.QUICK["vocab_size"]
+    assert [x.get("impl") for x in r["rows"][:2]] == ["npattn float32", "npattn bfloat16"]
+    assert r["load"]["model_bytes"] > 0 and r["bandwidth"]["gb_per_s"] > 0
