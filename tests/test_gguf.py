@@ -5,6 +5,8 @@ source model's logits."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from _families import FAMILIES
@@ -309,6 +311,7 @@ TEXTS = [
     "   leading and trailing   ",
     "(hello) [world] DON'T WE'LL 2024\n\n\n  x",
     "cafe\u0301 = café",  # NFC (Qwen2's normalizer) makes the first e + accent the second's é
+    "a zebra sat",
 ]
 _SPLITS = {  # the originals' split regexes (tokenizer.json of Llama 3 and Qwen2), None: GPT-2's
     "gpt-2": None,
@@ -342,6 +345,10 @@ def _bpe_tokenizer(pre: str):
     corpus = ["the cat sat on the mat; the dog's hat, 123 4567 89!", "Hello world, hello there: café ünïcödé"] * 20
     corpus += ["(hello) [world] DON'T WE'LL 2024 \n\n\n  x"] * 20  # where the three splits differ
     tok.train_from_iterator(corpus, trainer)
+    # a word in the vocabulary that no merge makes: Llama 3's BPE (ignore_merges) takes it whole
+    spec = json.loads(tok.to_str())
+    spec["model"]["vocab"]["\u0120zebra"] = len(spec["model"]["vocab"])
+    tok = tk.Tokenizer.from_str(json.dumps(spec))
     tok.add_tokens([tk.AddedToken("<think>", special=False, normalized=False)])
     return tok
 
