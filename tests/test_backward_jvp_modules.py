@@ -616,3 +616,30 @@ def test_gated_delta_net_second_order(kw):
     _perturb(m, rng, scale=0.3)
     extra = {} if mask is None else dict(attention_mask=mask)
     check_second_order(m, (rng.standard_normal((2, 5, 8)),), rng, eps=1e-6, **extra)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(chunk_size=2, attention_mask=np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])),
+        dict(chunk_size=16, attention_mask=np.array([[1, 1, 1, 0, 1], [0, 1, 1, 1, 1]])),
+    ],
+)
+def test_kimi_delta_attention_second_order(kw):
+    """Kimi Linear's KDA layer (2 heads of 3, a decay per channel), chunks of 3, 2 and 16 over 5
+    steps, left and inner padding: the chunked kimi_delta_attention_backward_jvp with the
+    convolution's, the gates' and the norm's second order, against central differences of the
+    backward, and ``npattn.gradgradcheck`` (the Hessian's symmetry included)."""
+    from npattn.nn.kimi_delta import KimiDeltaAttention
+
+    kw = dict(kw)
+    mask = kw.pop("attention_mask", None)
+    rng = np.random.default_rng(24)
+    m = KimiDeltaAttention(8, 2, 3, 3, rng=0, **{"chunk_size": 3, **kw})
+    _perturb(m, rng, scale=0.3)
+    extra = {} if mask is None else dict(attention_mask=mask)
+    x = rng.standard_normal((2, 5, 8))
+    check_second_order(m, (x,), rng, eps=1e-6, **extra)
+    report = npattn.gradgradcheck(m, x, **extra)
+    assert report.ok, str(report)

@@ -2,7 +2,7 @@
 ``KimiLinearDeltaAttention`` in float64 (its float32 casts made float64 by ``float64_reference``):
 outputs 1e-9, every parameter's gradient by its Hugging Face name and the input's 1e-8, decoding
 with the cache (conv window and recurrent state) 1e-10, a left-padded batch 1e-10 at the real
-tokens; the JVP against central differences; the second order refused by name."""
+tokens; the JVP against central differences; the second order by gradgradcheck."""
 
 import functools
 import os
@@ -147,13 +147,19 @@ def test_jvp_matches_central_differences():
     assert abs(lhs - rhs) <= 1e-9 * max(1.0, abs(lhs))
 
 
-def test_second_order_refused_by_name():
+def test_second_order_by_gradgradcheck():
+    """``backward_jvp`` (the chunked kimi_delta_attention_backward_jvp inside the layer's chain)
+    against central differences of the backward, a left-padded batch over two chunks, and the
+    Hessian's symmetry (``npattn.gradgradcheck``); ``CausalLM.loss_hvp`` is checked against
+    transformers' double backward in ``tests/test_loss_hvp.py``."""
+    import npattn
+
     rng = np.random.default_rng(8)
-    kda = KimiDeltaAttention(HIDDEN, linear_num_heads=H, linear_head_dim=D, rng=0)
-    x = rng.standard_normal((1, 4, HIDDEN))
-    y = kda(x)
-    with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp"):
-        kda.backward_jvp(rng.standard_normal(y.shape), rng.standard_normal(x.shape))
+    kda = KimiDeltaAttention(HIDDEN, linear_num_heads=H, linear_head_dim=D, rng=0, chunk_size=3)
+    x = rng.standard_normal((2, 5, HIDDEN))
+    mask = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    report = npattn.gradgradcheck(kda, x, attention_mask=mask)
+    assert report.ok, str(report)
 
 
 # -- the family in CausalLM: transformers' KimiLinearForCausalLM from TINY_CONFIGS["kimi_linear"] ----
@@ -294,13 +300,6 @@ def test_checkpoint_in_kimis_own_names_round_trips(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
     assert _rel(np.load(tmp_path / "back.npy"), _hf_logits(hf, ids)) < 1e-12
-
-
-def test_loss_hvp_refuses_kda_by_name():
-    hf, cfg, m = _model()
-    ids = np.zeros((1, 3), np.int64)
-    with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp"):
-        m.loss_hvp(ids, ids, {})
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """CausalLM.loss_hvp: the mean cross-entropy, its gradient and its Hessian-vector product along
-parameter tangents (forward over reverse through every layer), for each family with a second
-order: against central differences of the gradient, symmetric (<u, H v> = <H u, v>), its loss and
-gradient those of ``loss`` + ``backward``, the model's gradients left as they were, and a tiny
-Llama, Qwen3-Next and Qwen3.5 against torch's double backward through transformers' own models
-(float64, transformers' float32 casts made float64, 1e-8)."""
+parameter tangents (forward over reverse through every layer), for each family (Kimi Linear's KDA
+layers included): against central differences of the gradient, symmetric (<u, H v> = <H u, v>)
+and linear in the direction, its loss and gradient those of ``loss`` + ``backward``, the model's
+gradients left as they were, and a tiny Llama, Qwen3-Next, Qwen3.5 and Kimi Linear against torch's
+double backward through transformers' own models (float64, transformers' float32 casts made
+float64, 1e-8)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from npattn.models.tiny import TINY_CONFIGS, tiny_config
 FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3", "qwen3_next", "qwen3_5_text"]
 FAMILIES += ["gemma4_text"]  # cross-layer KV sharing: the reusing layers' second order sent home
 FAMILIES += ["deepseek_v32"]  # MLA restricted to the indexer's choice (a constant mask)
+FAMILIES += ["kimi_linear"]  # KDA layers (the chunked kimi_delta_attention_backward_jvp) beside MLA and MoE
 IGNORE = -1
 
 
@@ -159,16 +161,6 @@ def test_tied_head_takes_one_tangent_by_the_embedding_name():
         )
 
 
-def test_a_family_without_second_order_says_what_it_lacks():
-    m = CausalLM(TINY_CONFIGS["kimi_linear"], rng=0)
-    ids = np.array([[1, 2, 3]])
-    with pytest.raises(NotImplementedError, match="kimi_delta_attention_backward_jvp") as err:
-        m.loss_hvp(ids, ids, {})
-    assert "fast" in str(err.value) and "KimiDeltaAttention" in str(err.value)
-    assert _no_state(m)
-    assert all(p.grad_tangent is None for p in m.parameters())
-
-
 # -- against transformers' own model ---------------------------------------------------------------
 
 LLAMAS = {
@@ -202,8 +194,9 @@ def _kwargs(family: str, **changes) -> dict:
 
 
 # each case: (config class, model class, the config's keyword arguments, (batch, length)); the
-# GatedDeltaNet families run transformers' torch fallback of the chunked delta rule (no fla
+# GatedDeltaNet and KDA families run transformers' torch fallback of the chunked delta rules (no fla
 # kernels), a torch graph differentiable twice; 70 tokens run it over two chunks of 64 on both sides
+# (KDA's over five chunks of 16 here, npattn's default, and two of 64 in transformers)
 CASES = {
     "llama_untied": ("LlamaConfig", "LlamaForCausalLM", LLAMAS["untied"], (2, 6)),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", LLAMAS["tied"], (2, 6)),
@@ -211,6 +204,8 @@ CASES = {
     "qwen3_next_two_chunks": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _kwargs("qwen3_next"), (1, 70)),
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _kwargs("qwen3_5_text"), (2, 6)),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _kwargs("qwen3_5_moe_text"), (2, 6)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", _kwargs("kimi_linear"), (2, 6)),
+    "kimi_linear_chunks": ("KimiLinearConfig", "KimiLinearForCausalLM", _kwargs("kimi_linear"), (1, 70)),
 }
 
 
@@ -221,7 +216,7 @@ def _torch_fallbacks(monkeypatch, hf):
     import sys
 
     modeling = sys.modules[type(hf).__module__]
-    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+    for name in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "causal_conv1d_fn"):
         wrapped = getattr(getattr(modeling, name, None), "__wrapped__", None)
         if wrapped is not None:
             monkeypatch.setattr(modeling, name, wrapped)

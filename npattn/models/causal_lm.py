@@ -956,16 +956,7 @@ class CausalLM(Module):
         ValueError, TypeError
             Bad ``ids``, ``targets`` or ``ignore_index``, an unknown name or a tangent of the
             wrong shape in ``param_tangents`` (before anything is computed).
-        NotImplementedError
-            A family whose layers have no second order yet (Kimi Linear's KDA), before
-            anything is computed.
         """
-        for i, layer in enumerate(self.model.layers):
-            if isinstance(layer.attention, KimiDeltaAttention):
-                raise NotImplementedError(
-                    f"CausalLM.loss_hvp: layer {i}'s self_attn (KimiDeltaAttention) has no second order yet: it "
-                    "needs the fast (chunked) tier's kimi_delta_attention_backward_jvp, which npattn does not have yet"
-                )
         ids = self._check_ids(ids)
         targets = as_index(targets, "targets")
         if targets.shape != ids.shape:

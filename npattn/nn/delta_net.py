@@ -484,9 +484,8 @@ class GatedDeltaNet(RecurrentLayer):
         dA_log = (dg * st.g).reshape(-1, nv).sum(0)
         tdA_log = (tdg * st.g + dg * t.g).reshape(-1, nv).sum(0)
         e, sig = np.exp(self.A_log.data), _softplus_grad(st.pre)
-        dsig = np.where(st.pre > _SOFTPLUS_THRESHOLD, 0.0, sig * (1.0 - sig))  # sigma' (softplus'')
         da = -dg * e * sig
-        tda = -tdg * e * sig - dg * e * dsig * t.pre
+        tda = -tdg * e * sig - dg * e * _softplus_second(st.pre) * t.pre
         if t.A_log is not None:
             tda -= dg * e * t.A_log * sig
         dconv, tdconv = (
@@ -612,3 +611,10 @@ def _softplus(x):
 def _softplus_grad(x):
     """``sigmoid(x)``, and 1 above the threshold (torch's softplus backward)."""
     return np.where(x > _SOFTPLUS_THRESHOLD, 1.0, 0.5 * (1.0 + np.tanh(0.5 * x))).astype(x.dtype)
+
+
+def _softplus_second(x):
+    """softplus'' = ``sigmoid'(x) = sigmoid (1 - sigmoid)``, and 0 above the threshold (where
+    softplus is the identity)."""
+    sig = _softplus_grad(x)
+    return np.where(x > _SOFTPLUS_THRESHOLD, 0.0, sig * (1.0 - sig))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -38,10 +38,16 @@ from ..functional.kda import (
     KimiDeltaAttentionCache,
     kimi_delta_attention,
     kimi_delta_attention_backward,
+    kimi_delta_attention_backward_jvp,
     kimi_delta_attention_jvp,
 )
-from ..functional.norm import rms_norm_backward_kernel, rms_norm_jvp_kernel, rms_norm_kernel
-from .delta_net import RecurrentLayer, _softplus, _softplus_grad, _Weights
+from ..functional.norm import (
+    rms_norm_backward_jvp_kernel,
+    rms_norm_backward_kernel,
+    rms_norm_jvp_kernel,
+    rms_norm_kernel,
+)
+from .delta_net import RecurrentLayer, _softplus, _softplus_grad, _softplus_second, _Weights
 from .layers import Linear, input_tangent
 from .module import Parameter
 
@@ -107,8 +113,9 @@ class KimiDeltaAttention(RecurrentLayer):
     -----
     Decoding with ``forward(x, use_cache=True)``, ``attention_mask`` and ``reset_kv_cache()`` are
     ``GatedDeltaNet``'s (``RecurrentLayer``).  transformers computes the rule, the decay and the
-    norm in float32 for bf16/fp16 models; here everything runs in the module's dtype.  The second
-    order (``backward_jvp``) waits for ``kimi_delta_attention_backward_jvp``.
+    norm in float32 for bf16/fp16 models; here everything runs in the module's dtype.
+    ``backward_jvp`` (the second order, ``CausalLM.loss_hvp``'s) runs the chunked
+    ``kimi_delta_attention_backward_jvp`` inside the chain.
 
     Examples
     --------
@@ -276,23 +283,128 @@ class KimiDeltaAttention(RecurrentLayer):
 
     # -- second order ---------------------------------------------------------------------------
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        raise NotImplementedError(
-            "KimiDeltaAttention.backward_jvp: the second order of the layer needs the functional pair "
-            "kimi_delta_attention_backward_jvp, which npattn does not have yet"
+        """Second order (``backward_jvp``): the forward's tangents (``_forward_tangents``, shared
+        with ``_jvp``; the rule's and the norm's JVPs for ``o_proj``'s input), then ``backward``'s
+        chain in reverse, each stage by its ``<op>_backward_jvp`` fed the tangents of its inputs
+        and of its upstream gradient: ``o_proj``; ``y = n s``: rms_norm's second order along
+        ``((to, tw), tdy s + dy ts)``, and ``dgate = dy n s'`` with ``s' = s (1 - s)``, ``ts' =
+        (1 - 2 s) ts`` (through ``g_b_proj``, ``g_a_proj``); the chunked
+        ``kimi_delta_attention_backward_jvp``; the gates (``_gates_backward_jvp``);
+        ``causal_conv1d_backward_jvp``; the q, k, v projections."""
+        st: _State = state
+        h, d, hd = self.num_heads, self.head_dim, self.qkv_dim
+        lead, steps, pt = st.lead, st.steps, param_tangents
+        heads, flat, sw = lead + (steps, h, d), lead + (steps, hd), (-2, -3)
+        t, to, tn, ty = self._output_tangents(st, input_tangents, pt, "backward_jvp")
+        tnw = pt.get(self.o_norm.weight)
+        dn, tdn = self._child_backward_jvp(self.o_proj, dy, (ty.reshape(flat),), pt, ddy)
+        dn, tdn = dn.reshape(heads), tdn.reshape(heads)
+        (do, dnw), (tdo, tdnw) = rms_norm_backward_jvp_kernel(
+            dn * st.gate, st.norm, (to, tnw), tdn * st.gate + dn * t.gate
         )
+        # y = n s, s = sigmoid(gate): dgate = dy n s', s' = s (1 - s), ts' = (1 - 2 s) ts
+        ds = st.gate * (1.0 - st.gate)
+        dgate = dn * st.normed * st.gate * (1.0 - st.gate)  # as the backward rounds it
+        tdgate = (tdn * st.normed + dn * tn) * ds + dn * st.normed * (1.0 - 2.0 * st.gate) * t.gate
+        dh, tdh = self._child_backward_jvp(self.g_b_proj, dgate.reshape(flat), (t.gate_a,), pt, tdgate.reshape(flat))
+        dx, tdx = self._child_backward_jvp(self.g_a_proj, dh, (t.x,), pt, tdh)
+        grads, tans = kimi_delta_attention_backward_jvp(do.swapaxes(*sw), st.rule, t.rule, tdo.swapaxes(*sw))
+        dx, tdx = self._gates_backward_jvp(st, t, pt, grads[3:5], tans[3:5], dx, tdx)
+        dconv, tdconv = (
+            np.concatenate([np.asarray(x).swapaxes(*sw).reshape(flat) for x in xs[:3]], axis=-1) for xs in (grads, tans)
+        )
+        tw = t.conv_weight
+        (dmixed, dconv_w, _, _), (tdmixed, tdconv_w, _, _) = K.causal_conv1d_backward_jvp(
+            dconv, st.conv, (t.mixed, None if tw is None else tw[:, 0, :], None, None), tdconv
+        )
+        for i, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
+            part = slice(i * hd, (i + 1) * hd)
+            mdx, mtdx = self._child_backward_jvp(proj, dmixed[..., part], (t.x,), pt, tdmixed[..., part])
+            dx, tdx = dx + mdx, tdx + mtdx
+        if st.keep is not None:  # x * keep
+            dx, tdx = dx * st.keep, tdx * st.keep
+        self._accumulate_second(
+            (
+                (self.conv1d.weight, dconv_w[:, None, :], tdconv_w[:, None, :]),
+                (self.o_norm.weight, dnw, tdnw),
+            )
+        )
+        return dx, tdx
+
+    def _gates_backward_jvp(self, st: "_State", t: "_Tangents", pt, grads, tans, dx, tdx):
+        """The second order of the decay and the write strength, from the rule's ``(dg, dbeta)``
+        and their tangents: ``dx`` and its tangent with ``b_proj``'s and ``f_a_proj``'s (through
+        ``f_b_proj``) added, in the backward's order; ``dt_bias``' and ``A_log``'s gradients and
+        tangents accumulated.  By the product
+        rule: ``beta = sigmoid(b)``: ``db = dbeta s'``, ``s' = beta (1 - beta)``, ``ts' = (1 - 2
+        beta) tbeta``; ``g = -e^{A_log} softplus(p)``: ``dA_log = sum dg g``, ``tdA_log = sum (tdg
+        g + dg tg)``, ``dp = -dg e^{A_log} sigma(p)``, ``tdp = -(tdg sigma(p) + dg sigma'(p) tp +
+        dg tA_log sigma(p)) e^{A_log}`` (``sigma' = 0`` above softplus' threshold)."""
+        h, d, hd = self.num_heads, self.head_dim, self.qkv_dim
+        fg, flat = self.forget_gate, st.lead + (st.steps, hd)
+        dg, tdg = (x.swapaxes(-2, -3) for x in (grads[0], tans[0]))  # (B..., L, H, D)
+        dbeta, tdbeta = (x.swapaxes(-1, -2) for x in (grads[1], tans[1]))  # (B..., L, H)
+        if st.keep is not None:  # g * keep, beta * keep
+            dg, tdg, dbeta, tdbeta = (
+                dg * st.keep[..., None],
+                tdg * st.keep[..., None],
+                dbeta * st.keep,
+                tdbeta * st.keep,
+            )
+        beta = st.beta
+        db = dbeta * beta * (1.0 - beta)
+        tdb = tdbeta * beta * (1.0 - beta) + dbeta * (1.0 - 2.0 * beta) * t.beta
+        bdx, btdx = self._child_backward_jvp(self.b_proj, db, (t.x,), pt, tdb)
+        dx, tdx = dx + bdx, tdx + btdx
+        dA_log = (dg * st.g).reshape(-1, h, d).sum((0, 2))
+        tdA_log = (tdg * st.g + dg * t.g).reshape(-1, h, d).sum((0, 2))
+        e, sig = np.exp(fg.A_log.data[0, 0]), _softplus_grad(st.pre)
+        dpre = -dg * e * sig
+        tdpre = -tdg * e * sig - dg * e * _softplus_second(st.pre) * t.pre
+        if t.A_log is not None:
+            tdpre -= dg * e * t.A_log[0, 0] * sig
+        dpre, tdpre = dpre.reshape(flat), tdpre.reshape(flat)
+        df, tdf = self._child_backward_jvp(fg.f_b_proj, dpre, (t.forget_a,), pt, tdpre)
+        fdx, ftdx = self._child_backward_jvp(fg.f_a_proj, df, (t.x,), pt, tdf)
+        self._accumulate_second(
+            (
+                (fg.dt_bias, dpre.reshape(-1, hd).sum(0), tdpre.reshape(-1, hd).sum(0)),
+                (fg.A_log, dA_log.reshape(1, 1, h, 1), tdA_log.reshape(1, 1, h, 1)),
+            )
+        )
+        return dx + fdx, tdx + ftdx  # in the backward's order: g_a, b, f_a, then q, k, v
 
     # -- forward mode ---------------------------------------------------------------------------
     def _jvp(self, state, input_tangents, param_tangents):
-        """Forward mode (``m.jvp(tx, param_tangents=...)``): the forward's chain run on tangents.
-        The projections, the convolution, KDA and RMSNorm each give their JVP; ``beta =
-        sigmoid(b)``: ``tbeta = beta (1 - beta) tb``; ``g = -exp(A_log) softplus(p)``: ``tg = g
-        tA_log - exp(A_log) sigmoid(p) tp``, ``tp = f_b(f_a(tx))``'s tangent ``+ tdt_bias``; ``y =
-        n s``: ``ty = tn s + n s (1 - s) tgate``."""
-        tx = input_tangent(input_tangents, "KimiDeltaAttention")
+        """Forward mode (``m.jvp(tx, param_tangents=...)``): the forward's chain run on tangents
+        (``_forward_tangents``), then KDA's and RMSNorm's JVPs; ``y = n s``: ``ty = tn s + n ts``."""
         st: _State = state
+        ty = self._output_tangents(st, input_tangents, param_tangents, "jvp")[3]
+        return self._child_jvp(self.o_proj, -1, (ty.reshape(st.lead + (st.steps, self.qkv_dim)),), param_tangents)
+
+    def _output_tangents(self, st: _State, input_tangents, pt, method: str) -> tuple:
+        """``(stages, to, tn, ty)``: ``_forward_tangents``, KDA's output tangent (steps before heads,
+        as the norm takes it), the norm's and ``o_proj``'s input's, from the unchecked input
+        tangents of ``jvp`` / ``backward_jvp`` (``method``); computed once per state and tangents
+        while ``pt`` remembers (``loss_hvp``), as ``GatedDeltaNet._output_tangents``."""
+
+        def compute():
+            t = self._forward_tangents(st, input_tangent(input_tangents, "KimiDeltaAttention", method), pt)
+            to = kimi_delta_attention_jvp(st.rule, *t.rule).swapaxes(-2, -3)
+            tn = rms_norm_jvp_kernel(st.norm, to, pt.get(self.o_norm.weight))
+            return t, to, tn, tn * st.gate + st.normed * t.gate
+
+        return pt._remember((self, "stages", st) + tuple(input_tangents), compute)
+
+    def _forward_tangents(self, st: _State, tx, pt) -> "_Tangents":
+        """The tangents of the forward's stages up to the rule's inputs and the output gate: the
+        projections, the convolution and KDA each by their JVP; ``beta = sigmoid(b)``: ``tbeta =
+        beta (1 - beta) tb``; ``g = -exp(A_log) softplus(p)``: ``tg = g tA_log - exp(A_log)
+        sigmoid(p) tp``, ``tp = f_b(f_a(tx))``'s tangent ``+ tdt_bias``; ``s = sigmoid(gate)``:
+        ``ts = s (1 - s) tgate``."""
         h, d, hd = self.num_heads, self.head_dim, self.qkv_dim
-        lead, steps, pt, fg = st.lead, st.steps, param_tangents, self.forget_gate
-        heads, flat = lead + (steps, h, d), lead + (steps, hd)
+        lead, steps, fg = st.lead, st.steps, self.forget_gate
+        heads = lead + (steps, h, d)
         if tx is None:
             tx = np.zeros(lead + (steps, self.hidden_size), st.beta.dtype)
         elif st.keep is not None:  # x * keep
@@ -305,25 +417,35 @@ class KimiDeltaAttention(RecurrentLayer):
         tw = pt.get(self.conv1d.weight)
         tconv = K.causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :])
         tq, tk, tv = (tconv[..., i * hd : (i + 1) * hd].reshape(heads) for i in range(3))
-        tpre = lin(fg.f_b_proj, lin(fg.f_a_proj, tx))
+        forget_a = lin(fg.f_a_proj, tx)
+        tpre = lin(fg.f_b_proj, forget_a)
         tdt = pt.get(fg.dt_bias)
         if tdt is not None:
             tpre = tpre + tdt
-        tg = -np.exp(fg.A_log.data[0, 0]) * _softplus_grad(st.pre) * tpre.reshape(heads)
+        tpre = tpre.reshape(heads)
+        tg = -np.exp(fg.A_log.data[0, 0]) * _softplus_grad(st.pre) * tpre
         tA_log = pt.get(fg.A_log)
         if tA_log is not None:
             tg += st.g * tA_log[0, 0]
         tbeta = lin(self.b_proj, tx) * st.beta * (1.0 - st.beta)
-        if st.keep is not None:  # g * keep, beta * keep
-            tg, tbeta = tg * st.keep[..., None], tbeta * st.keep
+        tg_in, tbeta_in = (tg, tbeta) if st.keep is None else (tg * st.keep[..., None], tbeta * st.keep)
+        gate_a = lin(self.g_a_proj, tx)
+        tgate = st.gate * (1.0 - st.gate) * lin(self.g_b_proj, gate_a).reshape(heads)
         sw = (-2, -3)
-        to = kimi_delta_attention_jvp(
-            st.rule, tq.swapaxes(*sw), tk.swapaxes(*sw), tv.swapaxes(*sw), tg.swapaxes(*sw), tbeta.swapaxes(-1, -2)
+        rule = (tq.swapaxes(*sw), tk.swapaxes(*sw), tv.swapaxes(*sw), tg_in.swapaxes(*sw), tbeta_in.swapaxes(-1, -2))
+        return _Tangents(
+            x=tx,
+            mixed=tmixed,
+            conv_weight=tw,
+            forget_a=forget_a,
+            pre=tpre,
+            g=tg,
+            A_log=tA_log,
+            beta=tbeta,
+            gate_a=gate_a,
+            gate=tgate,
+            rule=rule,
         )
-        tn = rms_norm_jvp_kernel(st.norm, to.swapaxes(*sw), pt.get(self.o_norm.weight))
-        tgate = lin(self.g_b_proj, lin(self.g_a_proj, tx)).reshape(heads)
-        ty = tn * st.gate + st.normed * st.gate * (1.0 - st.gate) * tgate
-        return lin(self.o_proj, ty.reshape(flat))
 
     def extra_repr(self) -> str:
         """The arguments shown by ``repr(module)``."""
@@ -331,3 +453,19 @@ class KimiDeltaAttention(RecurrentLayer):
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
             f"conv_kernel_size={self.conv_kernel_size}"
         )
+
+
+class _Tangents(NamedTuple):
+    """The forward's tangents ``KimiDeltaAttention._forward_tangents`` gives, by stage."""
+
+    x: np.ndarray  # the input's (masked as the input)
+    mixed: np.ndarray  # [q k v] before the convolution
+    conv_weight: Optional[np.ndarray]  # conv1d.weight's (3 H D, 1, K), None: zero
+    forget_a: np.ndarray  # f_a_proj's output
+    pre: np.ndarray  # (B..., L, H, D) p = f_b(f_a(x)) + dt_bias
+    g: np.ndarray  # (B..., L, H, D) g's, unmasked
+    A_log: Optional[np.ndarray]
+    beta: np.ndarray  # (B..., L, H) beta's, unmasked
+    gate_a: np.ndarray  # g_a_proj's output
+    gate: np.ndarray  # (B..., L, H, D) the sigmoid output gate's
+    rule: tuple  # kimi_delta_attention's (tq, tk, tv, tg, tbeta), as the rule takes them
