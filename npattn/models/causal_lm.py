@@ -558,6 +558,16 @@ class _Backbone(_Renamed):
                 self.layers[i].attention.share_from(self.layers[source].attention)
 
 
+def _lifted(a, lifted: bool):
+    """``a`` with the batch axis of one that the layers of a padded one-sequence call see (None stays None)."""
+    return a[None] if lifted and a is not None else a
+
+
+def _unlifted(a, lifted: bool):
+    """``_lifted`` undone."""
+    return a[0] if lifted and a is not None else a
+
+
 def _released(m: Module, rng) -> Module:
     """``m`` as built for loading when ``rng`` is the loader's generator (``rng.loading``): its
     parameters' gradient buffers set to None (the first backward makes them again) and, with
@@ -790,7 +800,8 @@ class CausalLM(Module):
             logits = t * logits.dtype.type(cap)
         if keep is not None:  # padded positions: logits 0 (transformers' are arbitrary there)
             logits = logits * keep
-        self.save_for_backward((head, t, keep, None if ple is None else ple.shape))
+        lifted = padding is not None and ids.ndim == 1  # the layers saw a batch of one
+        self.save_for_backward((head, t, keep, None if ple is None else ple.shape, lifted))
         return logits
 
     def _layers_backward(self, dx, ple_shape):
@@ -805,7 +816,7 @@ class CausalLM(Module):
     def backward(self, dlogits):
         """Accumulate every parameter's gradient from ``dlogits (B, L, vocab)``; returns ``None``."""
         dlogits = self._check_dy(dlogits, "dlogits")
-        head, t, keep, ple_shape = self.pop_saved()
+        head, t, keep, ple_shape, lifted = self.pop_saved()
         m = self.model
         if keep is not None:
             dlogits = dlogits * keep
@@ -816,9 +827,10 @@ class CausalLM(Module):
         else:  # the tied head: its weight gradient joins the embedding's
             dh, dw, _ = K.linear_backward(dlogits, head)
             self.accumulate_grad(m.embed_tokens.weight, dw)
-        dx, dple = self._layers_backward(m.norm.backward(dh), ple_shape)
+        dx, dple = self._layers_backward(_lifted(m.norm.backward(dh), lifted), ple_shape)
+        dx, dple = _unlifted(dx, lifted), _unlifted(dple, lifted)
         if dple is not None:  # the per-layer inputs were made from the scaled embeddings too
-            dx = dx + m.per_layer.backward(dple.reshape(dx.shape[:-1] + dple.shape[-2:]))
+            dx = dx + m.per_layer.backward(dple)
         scale = self._embed_scale()
         if scale is not None:
             dx = dx * scale
@@ -829,7 +841,7 @@ class CausalLM(Module):
         """Forward mode: the logits' tangent along the parameters' tangents (token ids have none:
         pass None or nothing), the forward's chain run on tangents; the tied head's is
         ``th E^T + h tE^T``, the final softcap's ``tz (1 - tanh^2)``."""
-        head, t, keep, _ = state
+        head, t, keep, _, lifted = state
         m = self.model
 
         def sub(mod, tx):  # the submodule's tangent from its state of this call
@@ -840,9 +852,10 @@ class CausalLM(Module):
         if scale is not None:
             tx = tx * scale
         tple = None if m.per_layer is None else self._child_jvp(m.per_layer, -1, (None, tx), param_tangents)
+        tx, tple = _lifted(tx, lifted), _lifted(tple, lifted)
         for i, layer in enumerate(m.layers):
             tx = sub(layer, tx) if tple is None else self._child_jvp(layer, -1, (tx, tple[..., i, :]), param_tangents)
-        th = sub(m.norm, tx)
+        th = sub(m.norm, _unlifted(tx, lifted))
         if head is None:
             tz = sub(self.lm_head, th)
         else:
@@ -857,7 +870,7 @@ class CausalLM(Module):
         (1 - t^2) - 2 dl t tt`` with ``tt = (1 - t^2) tz / c``; the tied head is
         ``linear_backward_jvp`` with the embedding table as its weight, whose gradient and tangent
         join the embedding's.  Token ids take no tangent; returns ``(None, None)``."""
-        head, t, keep, ple_shape = state
+        head, t, keep, _, lifted = state
         m = self.model
 
         def sub(mod, tx):  # the submodule's tangent from its state of this call
@@ -871,11 +884,12 @@ class CausalLM(Module):
         if scale is not None:
             tx = tx * scale
         tple = None if m.per_layer is None else self._child_jvp(m.per_layer, -1, (None, tx), param_tangents)
-        inputs = [tx]  # each layer's input tangent, then the final norm's
+        tple = _lifted(tple, lifted)
+        inputs = [_lifted(tx, lifted)]  # each layer's input tangent, then the final norm's
         for i, layer in enumerate(m.layers):
             tin = (inputs[-1],) if tple is None else (inputs[-1], tple[..., i, :])
             inputs.append(self._child_jvp(layer, -1, tin, param_tangents))
-        th = sub(m.norm, inputs[-1])
+        th = sub(m.norm, _unlifted(inputs[-1], lifted))
         table = m.embed_tokens.weight
         g = (dy, np.zeros_like(dy) if ddy is None else ddy)
         if keep is not None:
@@ -891,9 +905,11 @@ class CausalLM(Module):
             (dh, dw, _), (tdh, tdw, _) = K.linear_backward_jvp(g[0], head, (th, param_tangents.get(table), None), g[1])
             self._accumulate_second(((table, dw, tdw),))
             gh = (dh, tdh)
-        gx = self._layers_backward_jvp(back(m.norm, gh, inputs[-1]), inputs, tple, param_tangents)
+        gn = back(m.norm, gh, _unlifted(inputs[-1], lifted))
+        out = self._layers_backward_jvp(tuple(_lifted(a, lifted) for a in gn), inputs, tple, param_tangents)
+        gx = (_unlifted(out[0], lifted), _unlifted(out[1], lifted))
         if tple is not None:  # the per-layer inputs' gradient pair reaches the scaled embeddings too
-            dple, tdple = gx[2]
+            dple, tdple = (_unlifted(a, lifted) for a in out[2])
             ge = self._child_backward_jvp(m.per_layer, dple, (None, tx), param_tangents, tdple)
             gx = (gx[0] + ge[0], gx[1] + ge[1])
         if scale is not None:
