@@ -803,7 +803,8 @@ class _BackwardTangents:
         g = rows.start // cache.q.shape[-2] if cache.q.shape[-2] else 0
         do, tdo = self.dog[..., rows, :], None if self.tdog is None else self.tdog[..., rows, :]
         ts = _score_tangent(cache, blk, self.qg, self.tqg, self.tk)
-        tz = _logit_tangent(cache, i, None if ts is None else ts.copy(), self.tmask_g)
+        # ts is read again only through softcap: a copy then, else tz (and tP) are formed in its array
+        tz = _logit_tangent(cache, i, ts if ts is None or cache.dcap is None else ts.copy(), self.tmask_g)
         # the forward's tangent of the weights: tP = P (tz - mu), mu = rowsum(P tz) + P_sink tsink
         mu = (
             np.zeros(p.shape[:-2] + (1, p.shape[-1]), p.dtype)
@@ -814,7 +815,7 @@ class _BackwardTangents:
         tsink = None if self.tsinks is None else _per_group(self.tsinks, self.lead, cache.groups, g)
         if tsink is not None:
             mu = mu + p_sink * tsink
-        tp = p * ((0.0 if tz is None else tz) - mu)
+        tp = p * (0.0 - mu) if tz is None else np.multiply(p, np.subtract(tz, mu, out=tz), out=tz)  # in place
         kb = None if self.keep_g is None else self.keep_g[..., rows, c0:c1].swapaxes(-1, -2) * cache.drop_scale
         pk, tpk = (p, tp) if kb is None else (p * kb, tp * kb)
         # dv = P'^T dout:  tdv = tP'^T dout + P'^T ddout
@@ -829,8 +830,10 @@ class _BackwardTangents:
         # D = rowsum(dP P), dS = P (dP - D): the softmax's backward and its tangent
         d = np.einsum("...ji,...ji->...i", dp, p)[..., None, :]
         td = (np.einsum("...ji,...ji->...i", tdp, p) + np.einsum("...ji,...ji->...i", dp, tp))[..., None, :]
-        ds = p * (dp - d)
-        tds = tp * (dp - d) + p * (tdp - td)
+        r = dp - d
+        ds = p * r
+        tds = np.multiply(tp, r, out=r)  # tP (dP - D) + P (tdP - tD), the second in tdp's array
+        tds += np.multiply(p, np.subtract(tdp, td, out=tdp), out=tdp)
         if self.tdsinks is not None and p_sink is not None:  # dsink = -sum P_sink D
             tp_sink = p_sink * ((0.0 if tsink is None else tsink) - mu)
             self.tdsinks[..., g] -= np.einsum("...ji,...ji->...", tp_sink, d) + np.einsum(
