@@ -343,6 +343,17 @@ def _norm_jvp(xhat, rstd, weight, k, tx, tweight, tbias, *, centred):
     return ty
 
 
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "layer_norm",
+        "LayerNormCache",
+        dout=", of the output's shape.",
+        tangents="``(tx, tweight, tbias)`` as ``layer_norm_jvp`` takes them; None (or left out at the end): zero.",
+        grads="``(dx, dweight, dbias)``",
+        grad_tangents="Their tangents, of the same shapes, None where the gradient is None.",
+        **SEVERAL_TANGENTS,
+    )
+)
 def layer_norm_backward_jvp(dout: np.ndarray, cache: LayerNormCache, tangents, ddout=None):
     """Second order of ``layer_norm``: ``layer_norm_backward``'s gradients and their tangents.
 
@@ -360,32 +371,7 @@ def layer_norm_backward_jvp(dout: np.ndarray, cache: LayerNormCache, tangents, d
     (``tb`` does not enter; the middle term of ``tdx`` is the backward's own operator applied to
     ``tg``).
 
-    Parameters
-    ----------
-    dout : array_like
-        The upstream gradient, of the output's shape.
-    cache : LayerNormCache
-        The cache ``layer_norm`` returned.
-    tangents : tuple
-        ``(tx, tweight, tbias)`` as ``layer_norm_jvp`` takes them; None (or left out at the end): zero.
-    ddout : array_like, optional
-        The tangent of ``dout`` (None: zero).
-
-    Returns
-    -------
-    grads : tuple
-        ``(dx, dweight, dbias)``, exactly ``layer_norm_backward(dout, cache)``.
-    grad_tangents : tuple
-        Their tangents, of the same shapes, None where the gradient is None.
-
-    Raises
-    ------
-    TypeError
-        A cache from another op, ``tangents`` not a tuple, too many tangents, or an array that is
-        not real.
-    ValueError
-        ``dout``, ``ddout`` or a tangent of the wrong shape, or a tangent for an input the forward
-        did not have.
+    <backward_jvp_sections>
     """
     check_cache(cache, LayerNormCache, "layer_norm_backward_jvp")
     xhat = cache.xhat

@@ -356,11 +356,8 @@ class MultiHeadLatentAttention(Module):
 
         Raises
         ------
-        TypeError
-            ``config`` is not a mapping.
-        ValueError
-            A required key is missing; ``num_key_value_heads`` differs from ``num_attention_heads``
-            or ``attention_dropout`` is not 0 (not supported).
+        TypeError, ValueError
+            As ``latent_config``, which reads the config.
         """
         from ..models.configs import latent_config  # models sits above nn: imported when called
 

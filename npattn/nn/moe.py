@@ -1110,10 +1110,8 @@ class SparseMoeBlock(Module):
 
         Raises
         ------
-        TypeError
-            ``config`` is not a mapping or a config object.
-        ValueError
-            An unsupported ``model_type``, a missing field (named) or a bad value (named).
+        TypeError, ValueError
+            As ``moe_config``, which reads the config.
         """
         from ..models.configs import moe_config  # models sits above nn: imported when called
 
