@@ -501,3 +501,16 @@ def test_npattn_check_covers_gemma4s_layers():
         assert len(found) == 4, sorted(found)
         for name, thunk in found.items():
             assert thunk().ok, (order, name)
+
+
+def test_bidirectional_vision_is_causal_text():
+    """``use_bidirectional_attention="vision"`` (the released configs') concerns image tokens only:
+    the text model is causal, as transformers' is; ``"all"`` is refused (test_refusals_name_the_key)."""
+    hf, cfg = build(
+        T.Gemma4TextConfig, T.Gemma4ForCausalLM, **dict(CASES["tiny"], use_bidirectional_attention="vision")
+    )
+    assert cfg["use_bidirectional_attention"] == "vision"
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    ids = _ids(cfg["vocab_size"], seed=10)
+    with no_grad():
+        assert rel_err(m(ids), _hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
