@@ -282,3 +282,14 @@ def test_fast_cache_shares_the_gated_delta_rules_fields():
     assert type(cache) is kda.KimiDeltaAttentionCache and cache._fields == delta_rule.GatedDeltaRuleCache._fields
     assert isinstance(cache, delta_rule.DeltaRuleCache) and not isinstance(cache, delta_rule.GatedDeltaRuleCache)
     assert repr(cache).startswith("KimiDeltaAttentionCache(q=") and type(cache._replace(scale=1.0)) is type(cache)
+
+
+def test_npattn_check_covers_kda():
+    """``npattn check`` (both orders) runs the chunked pair and the KimiDeltaAttention layer."""
+    from npattn.tools.check import cases
+
+    for order in (1, 2):
+        found = {n: t for n, t in cases(0, order=order) if n.startswith(("kimi_delta_attention", "KimiDelta"))}
+        assert len(found) == 2, sorted(found)
+        for name, thunk in found.items():
+            assert thunk().ok, (order, name)

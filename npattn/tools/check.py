@@ -41,6 +41,7 @@ from ..models import TinyTransformer
 from ..nn import layers, transformer
 from ..nn.attention import MultiHeadAttention
 from ..nn.delta_net import GatedDeltaNet
+from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.module import Module
 from ..nn.moe import SparseMoeBlock
@@ -367,6 +368,10 @@ def _sigmoid_router(bias):
 
 def delta_rule(q, k, v, g, beta, initial_state):
     return F.gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True, chunk_size=3)
+
+
+def kda(q, k, v, g, beta, initial_state):
+    return F.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True, chunk_size=3)
 
 
 def conv(x, weight, bias, initial_state):
@@ -852,6 +857,27 @@ _SHARED_KV = _Part(
     stream=41,
 )
 
+# Kimi Linear's KDA: the chunked rule with a decay per key channel and an initial state, and the
+# KimiDeltaAttention layer (short convolutions, low-rank decay, sigmoid output gate, norm).
+_KDA = _Part(
+    "kda",
+    {},
+    [
+        _case(
+            "kimi_delta_attention (chunks of 3, l2norm, initial state)",
+            (kda, F.kimi_delta_attention_backward, F.kimi_delta_attention_jvp),
+            *(N(2, 2, 7, 3), N(2, 2, 7, 3), N(2, 2, 7, 2)),  # q, k, v: (lead..., L, dk | dv)
+            Call(np.negative, U(0.05, 1.0, 2, 2, 7, 3)),  # g: one per key channel
+            U(0.1, 0.9, 2, 2, 7),  # beta
+            N(2, 2, 3, 2),  # initial state (lead..., dk, dv)
+        ),
+        _case(
+            "KimiDeltaAttention (2 heads of 3)", Call(KimiDeltaAttention, 6, 2, 3, 3, chunk_size=3, rng=R), N(2, 5, 6)
+        ),
+    ],
+    stream=51,
+)
+
 _TABLE = [
     _CORE_OPS,
     _OP_OPTIONS,
@@ -868,6 +894,7 @@ _TABLE = [
     _LATENT,
     _SPARSE,
     _SHARED_KV,
+    _KDA,
 ]
 
 
