@@ -302,3 +302,33 @@ def test_a_choice_of_every_key_is_dense_mla_and_masks_combine(stable_choice):
     b = sparse(x, attn_mask=np.where(keep, 0.0, -np.inf))
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-15)
     assert not np.allclose(a, sparse(x))  # the mask changed the choice and the attention
+
+
+def test_yarn_rotation_of_the_indexer_matches_transformers(stable_choice):
+    """DeepSeek-V3.2's released configs rotate with YaRN: the indexer's rotate-half RoPE takes the
+    same frequencies and attention factor on cos/sin as MLA's interleaved one (transformers passes
+    both the one ``position_embeddings``), and MLA's softmax scale its mscale."""
+    from _hf64 import hf_logits_and_grads
+
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 4,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.7,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+    hf, cfg, m = _model(8, rope_parameters=yarn)
+    assert m.config.latent.rope_scaling["rope_type"] == "yarn"
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, cfg["vocab_size"], (2, 9))
+    dlogits = rng.standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    assert _rel(m(ids), ref) < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    for n, p in m.named_parameters():
+        if n in ref_grads:
+            assert _rel(p.grad, ref_grads[n]) < 1e-8, n
