@@ -464,7 +464,7 @@ def test_tokenizers_npattn_does_not_build_are_refused_by_name(tmp_path):
         gguf_tokenizer(_tokenizer_file(tmp_path / "m.gguf", bad_merge))
 
 
-def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys):
+def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys, monkeypatch):
     """The CLI on a GGUF file: the model by from_gguf, the prompt encoded by the file's tokenizer,
     the greedy completion printed; --chat renders the file's chat template."""
     from npattn.__main__ import main
@@ -499,8 +499,12 @@ def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys):
     expect = loaded.generate(np.array([chat_ids]), 3, eos_token_id=eos)[0, len(chat_ids) :].tolist()
     if eos in expect:
         expect = expect[: expect.index(eos) + 1]
+    opened = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, _r=gguf.GGUFReader: opened.append(p) or _r(p, *a))
+    path.touch()  # a new modification time: read again, once for the model, the tokenizer and the template
     assert main(["generate", str(path), "hi", "--max-new-tokens", "3", "--chat"]) == 0
     assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == tok.decode(expect)
+    assert opened == [str(path)]
     assert main(["generate", str(tmp_path / "none.gguf"), "hi"]) == 2
     assert "no such directory or GGUF file" in capsys.readouterr().err
 

@@ -30,6 +30,7 @@ Reading one:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -84,13 +85,23 @@ class _File:
 
 
 def _read(path) -> _File:
-    """The file opened by ``gguf.GGUFReader`` and its metadata (any architecture)."""
-    gguf = _gguf()
+    """The file opened by ``gguf.GGUFReader`` and its metadata (any architecture).  The reader
+    parses every metadata array item by item when it opens a file (a tokenizer's 150k-260k
+    tokens, scores, types and merges take seconds), so the last two files read are kept, by
+    path, size and modification time: ``npattn generate`` reads the model, the tokenizer and the
+    chat template from one parse."""
+    _gguf()
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no such file {path!r}")
+    st = os.stat(path)
+    return _read_once(path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_once(path: str, size: int, mtime_ns: int, inode: int) -> _File:
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _gguf().GGUFReader(path)
     except Exception as e:  # the reader's own errors (a bad magic, a truncated file) name no file
         raise ValueError(f"{path}: not a GGUF file gguf can read ({type(e).__name__}: {_short(str(e))})") from None
     meta = {}
