@@ -238,15 +238,17 @@ def _split_experts(sd: dict) -> dict:
 DEEPSEEK = FAMILIES["deepseek_v3"]
 
 
-def _fp8_checkpoint(directory, block=(8, 8), shards=3, quantization_config=None, tamper=None):
-    """A tiny DeepSeek-V3 written as released: every projection's weight random F8_E4M3 bits
-    (no NaN) beside a float32 weight_scale_inv per block, one tensor per expert, the rest bfloat16;
-    returns the float32 state dict it holds, dequantized by DeepSeek's formula."""
+def _fp8_checkpoint(directory, block=(8, 8), shards=3, quantization_config=None, tamper=None, config=DEEPSEEK):
+    """A tiny DeepSeek-V3 (or V3.2: ``config``) written as released: every projection's weight
+    random F8_E4M3 bits (no NaN) beside a float32 weight_scale_inv per block, one tensor per
+    expert, the rest bfloat16 (V3.2's indexer: wq_b and wk in FP8, weights_proj bfloat16); returns
+    the float32 state dict it holds, dequantized by DeepSeek's formula."""
     rng = np.random.default_rng(4)
-    files, values = _bf16(_split_experts(_model(DEEPSEEK).state_dict()))
+    files, values = _bf16(_split_experts(_model(config).state_dict()))
     for k in list(files):
-        if not (k.endswith("_proj.weight") or k.endswith("_proj_with_mqa.weight")):
-            continue  # norms, embeddings, the head and the router stay bfloat16
+        fp8 = k.endswith(("_proj.weight", "_proj_with_mqa.weight", ".indexer.wq_b.weight", ".indexer.wk.weight"))
+        if not fp8 or k.endswith(".indexer.weights_proj.weight"):
+            continue  # norms, embeddings, the head, the router and the indexer's head weights stay bfloat16
         rows, cols = files[k][0].shape
         bits = rng.integers(0, 0x7F, (rows, cols), dtype=np.uint8) | (
             rng.integers(0, 2, (rows, cols), dtype=np.uint8) << 7
@@ -262,7 +264,7 @@ def _fp8_checkpoint(directory, block=(8, 8), shards=3, quantization_config=None,
         "quant_method": "fp8",
         "weight_block_size": list(block),
     }
-    _write(directory, dict(DEEPSEEK, quantization_config=qc), files, shards)
+    _write(directory, dict(config, quantization_config=qc), files, shards)
     return values
 
 
@@ -275,6 +277,20 @@ def test_deepseek_fp8_checkpoint_loads(tmp_path, block):
     for k, v in want.state_dict().items():
         np.testing.assert_array_equal(got_sd[k], v, err_msg=k)
     ids = _ids(DEEPSEEK["vocab_size"])
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(want, ids))
+
+
+def test_deepseek_v32_fp8_checkpoint_loads(tmp_path):
+    """DeepSeek-V3.2 as released: the lightning indexer's wq_b and wk in FP8 blocks too."""
+    config = FAMILIES["deepseek_v32"]
+    values = _fp8_checkpoint(tmp_path, (8, 8), config=config)
+    loaded = CausalLM.from_pretrained(tmp_path)
+    want = CausalLM.from_hf(values, config)
+    got_sd = loaded.state_dict()
+    assert "model.layers.0.self_attn.indexer.wq_b.weight" in got_sd
+    for k, v in want.state_dict().items():
+        np.testing.assert_array_equal(got_sd[k], v, err_msg=k)
+    ids = _ids(config["vocab_size"])
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(want, ids))
 
 
