@@ -293,3 +293,45 @@ def test_npattn_check_covers_kda():
         assert len(found) == 2, sorted(found)
         for name, thunk in found.items():
             assert thunk().ok, (order, name)
+
+
+@pytest.mark.parametrize("upstream", ["dout", "ddout"])
+@pytest.mark.parametrize("step", [2, 4, 5, 8])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_chunked_non_finite_upstream_reaches_what_the_textbook_reaches(upstream, step, value):
+    """A NaN or inf in ``dout`` or ``ddout`` at one step (chunks of 4: inside a chunk, at a border,
+    in the padded last chunk): the gradients and their tangents are finite exactly where the
+    textbook tier's are, and equal there (as the gated delta rule's second order)."""
+    rng = np.random.default_rng(40 + step)
+    primals = _inputs(rng, lead=(1, 2), steps=9, init=False)
+    tangents, dout, ddout, _, _ = _draws(rng, primals)
+    (dout if upstream == "dout" else ddout)[0, 1, step, 0] = value
+    with np.errstate(all="ignore"):
+        fast = F.kimi_delta_attention_backward_jvp(dout, _cache(F, primals, True, chunk_size=4), tangents, ddout)
+        ref = R.kimi_delta_attention_backward_jvp(dout, _cache(R, primals, True), tangents, ddout)
+    assert not all(np.isfinite(t).all() for t in ref[1][:5])  # the value reaches the tangents
+    for a, b in zip(fast[0][:5] + fast[1][:5], ref[0][:5] + ref[1][:5]):
+        finite = np.isfinite(b)
+        np.testing.assert_array_equal(np.isfinite(a), finite)
+        assert rel_err(a[finite], b[finite], floor=1.0, relative_to="max_b") < 1e-12
+
+
+@pytest.mark.parametrize("steps", [(0,), (3,), (4,), (1, 2), (5, 7)])
+@pytest.mark.parametrize("channels", [slice(None), slice(1, 2)], ids=["all", "one"])
+def test_chunked_full_resets_stay_finite_and_equal_the_textbook(steps, channels):
+    """``g = -inf`` (the state's rows forgotten) at chunk borders, inside a chunk, twice in one, in
+    every channel or one: no floating-point exception in the chunked second order (every
+    exponent a sum, nothing divided), finite, the textbook's numbers."""
+    rng = np.random.default_rng(50 + len(steps))
+    primals = _inputs(rng, lead=(1, 2), steps=9)
+    for s in steps:
+        primals[3][..., s, channels] = -np.inf
+    tangents, dout, ddout, dfin, ddfin = _draws(rng, primals)
+    with np.errstate(all="raise"):
+        _, tans = F.kimi_delta_attention_backward_jvp(
+            dout, _cache(F, primals, True, chunk_size=4), tangents, ddout, dfin, ddfin
+        )
+    with np.errstate(all="ignore"):  # exp(-inf) in the recurrence
+        _, want = R.kimi_delta_attention_backward_jvp(dout, _cache(R, primals, True), tangents, ddout, dfin, ddfin)
+    for t, w in zip(tans, want):
+        assert np.isfinite(t).all() and rel_err(t, w, floor=1.0, relative_to="max_b") < 1e-12
