@@ -127,6 +127,7 @@ def test_cached_decoding_matches_the_full_pass(stable_choice):
     assert _rel(np.concatenate(parts, axis=1), ref) < 1e-10
     att = m.model.layers[0].attention
     assert att._index_keys.shape == (2, 9, 8)  # each token's indexer key, beside its latent
+    assert att.cache_bytes_per_token() == (8 + 4 + 8) * 8  # latent, rotated key, indexer key; float64
     m.reset_kv_cache()
     assert att._index_keys is None
 

@@ -384,13 +384,15 @@ class MultiHeadLatentAttention(Module):
 
     def cache_bytes_per_token(self) -> int:
         """Bytes one token adds to this layer's latent cache: ``(kv_lora_rank + qk_rope_head_dim)
-        * itemsize`` (the latent after ``kv_a_layernorm`` and the rotated shared key).
+        * itemsize`` (the latent after ``kv_a_layernorm`` and the rotated shared key), plus
+        ``index_head_dim * itemsize`` with a lightning indexer (the token's indexer key).
 
         Returns
         -------
         int
         """
-        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype.itemsize
+        index = self.indexer.head_dim if self.index_topk is not None else 0
+        return (self.kv_lora_rank + self.qk_rope_head_dim + index) * self.dtype.itemsize
 
     def cache_comparison(self, num_kv_heads: int | None = None) -> dict:
         """Cache bytes per token and layer of this MLA layer against multi-head attention with the
