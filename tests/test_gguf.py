@@ -596,3 +596,30 @@ def test_sentencepiece_tokenizer_encodes_as_llama_cpp(tmp_path, prefix):
         if "<" not in text:  # the text back, the bytes of the characters outside the vocabulary joined
             assert got.decode(want) == text
     assert len(_llama_cpp_spm(SPM_TEXTS[1], tokens, scores, types, prefix)) < len(SPM_TEXTS[1]) // 2  # merged
+
+
+def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
+    """tokenizer.ggml.padding_token_id pads generate's finished rows (the model's generation
+    config, with the file's eos); the config's pad_token_id, which would freeze an embedding row
+    in training, stays the family's (none for Qwen3)."""
+    config = dict(QWEN3, eos_token_id=None)
+    src = _model(config)
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    _metadata(w, config, "qwen3")
+    free = src.generate(np.array([[1, 2, 3]]), 6, eos_token_id=[])[0, 3:].tolist()
+    k = next(k for k in range(1, 6) if free[k] not in free[:k])  # the eos: a token first produced at step k
+    eos, pad = free[k], next(t for t in range(config["vocab_size"]) if t not in free[: k + 1])
+    w.add_eos_token_id(eos)
+    w.add_pad_token_id(pad)
+    for (key, name), value in _as_gguf(src.state_dict(), config, "qwen3").items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    m = CausalLM.from_gguf(path)
+    assert m.config.pad_token_id is None
+    assert m.generation_defaults == {"eos_token_id": eos, "pad_token_id": pad}
+    out = m.generate(np.array([[1, 2, 3]]), 6)[0, 3:].tolist()
+    assert out == free[: k + 1] + [pad] * (5 - k)

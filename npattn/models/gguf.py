@@ -148,9 +148,9 @@ def _config(f: _File, tensor_names: set) -> dict:
         )
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+    for key in ("bos_token_id", "eos_token_id"):  # the padding id is generate's (from_gguf), not the embedding's
         if f"tokenizer.ggml.{key}" in meta:
-            config[key.replace("padding", "pad")] = meta[f"tokenizer.ggml.{key}"]
+            config[key] = meta[f"tokenizer.ggml.{key}"]
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     for suffix in ("rope.dimension_count", "attention.value_length"):
         value = meta.get(f"{arch}.{suffix}", head_dim)
@@ -280,9 +280,18 @@ def read_gguf(path) -> tuple[dict, dict]:
 
 
 def from_gguf(cls, path, dtype=None):
-    """``CausalLM.from_gguf``: ``read_gguf`` then ``load_into``."""
+    """``CausalLM.from_gguf``: ``read_gguf`` then ``load_into``.  ``tokenizer.ggml.padding_token_id``
+    becomes the model's ``generation_config`` pad (with the file's eos), what a Hugging Face
+    directory keeps in ``generation_config.json``: a config's ``pad_token_id`` would also make its
+    embedding row untrainable (``padding_idx``), which the original model's config may not say."""
     config, tensors = read_gguf(path)
-    return load_into(cls, tensors, config, dtype)
+    pad = _read(path).meta.get("tokenizer.ggml.padding_token_id")
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
+        raise ValueError(f"{os.fspath(path)}: tokenizer.ggml.padding_token_id: expected a token id, got {_short(pad)}")
+    model = load_into(cls, tensors, config, dtype)
+    if pad is not None:
+        model.generation_config = {"eos_token_id": model.config.eos_token_id, "pad_token_id": pad}
+    return model
 
 
 # -- the tokenizer of a GGUF file -------------------------------------------------------------------
