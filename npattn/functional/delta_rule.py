@@ -686,7 +686,17 @@ def segment_sums(x):
     partial sums and no ``inf - inf``."""
     strict = np.tril(np.ones(x.shape[-1:] * 2, dtype=bool), -1)  # j < i
     d = np.where(strict, x[..., :, None], 0)
-    return np.cumsum(d, axis=-2, out=d)
+    return running_sum(d, -2)
+
+
+def running_sum(x, axis):
+    """``np.cumsum(x, axis, out=x)``: the same additions in the same order, as ``C - 1`` in-place
+    vector additions along ``axis`` (a chunk's few steps).  Several times faster than numpy's
+    cumsum along an inner axis of the chunks' ``(C, C)`` and ``(C, Dk, C)`` arrays."""
+    y = np.moveaxis(x, axis, 0)  # a view: the additions land in x
+    for i in range(1, y.shape[0]):
+        y[i] += y[i - 1]
+    return x
 
 
 def triangular_matmul(m, x, upper=False):
@@ -1018,7 +1028,7 @@ def segment_sums_backward(dd):
     ... + x_i`` holds ``x_l`` for ``j < l <= i``, so ``dx_l = sum_{i >= l} F_{i, l-1}`` with the
     running sums along the rows ``F_im = sum_{j <= m} dD_ij``, and ``dx_1 = 0``: sums only, no
     differences of large sums, as in the forward."""
-    f = np.cumsum(dd, axis=-1, out=dd)
+    f = running_sum(dd, -1)
     strict = np.tril(np.ones(dd.shape[-1:] * 2, dtype=bool), -1)  # F_{i, l-1} with i >= l
     dx = np.zeros(dd.shape[:-1], dd.dtype)
     dx[..., 1:] = np.where(strict, f, 0).sum(-2)[..., :-1]
