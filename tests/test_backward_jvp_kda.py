@@ -6,7 +6,8 @@ directional derivatives when the inputs move along ``tangents``, ``dout`` along 
 ``dfinal_state`` along ``ddfinal_state``.  In float64 with random upstream gradients and tangents:
 
 * the textbook tier against central differences of its backward (every input, the final state's
-  gradient moving too) and ``npattn.gradgradcheck`` (``<u, Hv> = <Hu, v>`` included);
+  gradient moving too) and ``npattn.gradgradcheck`` (``<u, Hv> = <Hu, v>`` included); both tiers'
+  ``H w`` against ``_fd.fd_gradients`` of ``<grad, w>`` (the Hessian's symmetry);
 * the textbook tier against ``torch.func.jvp`` of ``torch.func.vjp`` of the explicit recurrence
   (``_oracles.torch_delta_rule`` with a decay per channel; skipped without torch);
 * a decay shared by the channels gives the gated delta rule's second order (``tdg`` summed);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _fd import fd_gradients
 from _oracles import rel_err, torch_delta_rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -89,6 +91,27 @@ def test_textbook_against_central_differences_of_the_backward(l2, with_state):
         if t is not None:
             assert t.shape == p.shape and np.any(n)  # a tangent that is zero proves nothing
             assert rel_err(t, n, floor=1.0, relative_to="max_b") < 1e-6
+
+
+@pytest.mark.parametrize("tier", [R, F], ids=["textbook", "fast"])
+def test_hessian_times_w_is_the_gradient_of_the_gradients_projection(tier):
+    """With ``L = <dout, out> + <dfinal, S_L>`` the gradients are ``grad L`` and their tangents
+    along ``w`` (``ddout = 0``) are ``H w``; ``H`` is symmetric, so ``H w`` is also the gradient of
+    ``phi(x) = <grad L(x), w>``, here by ``_fd.fd_gradients`` entry by entry (an independent
+    check: not along the direction, and sharing no code with npattn)."""
+    rng = np.random.default_rng(13)
+    primals = _inputs(rng, lead=(1, 1), steps=4, dk=2, dv=2)
+    w, dout, _, dfin, _ = _draws(rng, primals)
+    extra = {} if tier is R else dict(chunk_size=3)
+
+    def phi(*xs):
+        grads = tier.kimi_delta_attention_backward(dout, _cache(tier, xs, True, **extra), dfin)
+        return sum(np.sum(g * t) for g, t in zip(grads, w))
+
+    numeric = fd_gradients(phi, primals)
+    _, hw = tier.kimi_delta_attention_backward_jvp(dout, _cache(tier, primals, True, **extra), w, None, dfin)
+    for t, n in zip(hw, numeric):
+        assert np.any(n) and rel_err(t, n, floor=1.0, relative_to="max_b") < 1e-6
 
 
 @pytest.mark.parametrize("l2", [False, True])
