@@ -333,3 +333,28 @@ def test_yarn_rotation_of_the_indexer_matches_transformers(stable_choice):
     for n, p in m.named_parameters():
         if n in ref_grads:
             assert _rel(p.grad, ref_grads[n]) < 1e-8, n
+
+
+def test_decoding_gathers_the_chosen_latents(monkeypatch, stable_choice):
+    """A cached call reads each query's chosen latents only (the gathered ``sparse_attention``),
+    never the dense core, with the full pass's logits."""
+    import npattn.nn.latent_attention as LA
+
+    hf, cfg, m = _model(9)
+    ids = np.random.default_rng(9).integers(0, cfg["vocab_size"], (2, 8))
+    with no_grad():
+        full = m(ids)
+    calls = []
+    real = LA.sparse_attention_kernel
+
+    def counted(q, k, v, indices, scale):
+        calls.append(indices.shape)
+        return real(q, k, v, indices, scale)
+
+    monkeypatch.setattr(LA, "sparse_attention_kernel", counted)
+    monkeypatch.setattr(LA.K, "scaled_dot_product_attention", None)  # the dense core is not called
+    m.reset_kv_cache()
+    with no_grad():
+        parts = [m(ids[:, :5], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(5, 8)]
+    assert _rel(np.concatenate(parts, axis=1), full) < 1e-12
+    assert calls == [(2, 5, 3)] * 2 + [(2, 1, 3)] * 6  # two layers per call: K = 3 keys per query

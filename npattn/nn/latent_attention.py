@@ -62,6 +62,7 @@ from ..functional.sparse_attention import (
     indexer_kl_loss_kernel,
     lightning_indexer_backward,
     lightning_indexer_kernel,
+    sparse_attention_kernel,
 )
 from .kv_cache import KVCache
 from .layers import LayerNorm, Linear, RMSNorm, input_tangent
@@ -532,8 +533,9 @@ class MultiHeadLatentAttention(Module):
         opts: dict = {"is_causal": self.causal, "scale": self.scaling}
         if self.causal and use_cache:
             opts["causal_align"] = "bottom_right"
+        idx = None  # DeepSeek-V3.2: the chosen keys' positions
         if self.index_topk is not None:
-            mask = self._sparse_mask(x, a, positions, mask, use_cache)
+            mask, idx = self._sparse_mask(x, a, positions, mask, use_cache)
         if absorb:
             # q_lat[h] = W_uk[h]^T q_nope[h]: (..., H, L, dn) @ (H, dn, r) -> (..., H, L, r)
             W_uk, W_uv = self._absorbed_weights()
@@ -542,9 +544,12 @@ class MultiHeadLatentAttention(Module):
             if full is None:
                 full = np.concatenate([c[..., None, :, :], k_pe], axis=-1)  # (..., 1, L, r + dr)
             # multi-query attention: one key [c, k_pe] and one value c for all heads
-            ctx_lat, attn = K.scaled_dot_product_attention(
-                query, full, full[..., :r], mask, enable_gqa=H > 1, **opts
-            )  # (..., H, L, r)
+            if use_cache and idx is not None:  # decoding: only the chosen latents are read (the gathered pair)
+                ctx_lat, attn = sparse_attention_kernel(query, full, full[..., :r], idx, self.scaling)
+            else:
+                ctx_lat, attn = K.scaled_dot_product_attention(
+                    query, full, full[..., :r], mask, enable_gqa=H > 1, **opts
+                )  # (..., H, L, r)
             ctx = np.matmul(ctx_lat, W_uv.swapaxes(-1, -2))  # (..., H, L, r) @ (H, r, dv) -> (..., H, L, dv)
             state = _State(True, q_rope, k_rope, attn, q_nope, ctx_lat)
         else:
@@ -640,7 +645,9 @@ class MultiHeadLatentAttention(Module):
         queries against every key (the cached tokens' indexer keys and this call's), hidden where
         causality (query ``i`` at ``T + i``) or ``mask`` hides the key (a float mask is added to the
         scores, as transformers does), each query's ``index_topk`` best kept: ``mask`` restricted
-        to them, ``(..., 1, L, T + L)`` bool (True = may attend) or float (-inf off the choice)."""
+        to them, ``(..., 1, L, T + L)`` bool (True = may attend) or float (-inf off the choice);
+        and, without a float mask, the chosen positions ``(..., L, K)`` (-1: an empty slot), which
+        a cached call's absorbed attention gathers (``sparse_attention``) instead of masking."""
         pos = positions[..., None, :] if positions.ndim else positions
 
         def rope(t):  # rotate-half, the attention's frequencies and scaling
@@ -672,9 +679,9 @@ class MultiHeadLatentAttention(Module):
         if getattr(self, "_want_weights", False):  # indexer_loss's distribution runs over the chosen keys
             object.__setattr__(self, "_chosen", chosen)
         chosen = chosen[..., None, :, :]
-        if mask is None or mask.dtype == bool:
-            return chosen if mask is None else chosen & mask
-        return np.where(chosen, mask, -np.inf).astype(mask.dtype)
+        if mask is None or mask.dtype == bool:  # the choice alone says who attends: its indices too
+            return (chosen if mask is None else chosen & mask), idx
+        return np.where(chosen, mask, -np.inf).astype(mask.dtype), None
 
     def _expand(self, c, use_cache):
         """``kv_b_proj(c)``; in a cached call the kernel alone (nothing kept, ``kv_b_proj`` untouched)."""
