@@ -368,8 +368,11 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
                 if use_cache and (context_size is None or out.shape[1] <= context_size):
                     if primed:
                         logits = model(out[:, -1:], use_cache=True)
-                    else:
-                        logits = model(out, use_cache=True, **({} if mask is None else {"attention_mask": mask}))
+                    else:  # the prompt: only its last position's logits are needed, where the model can say so
+                        kw = {} if mask is None else {"attention_mask": mask}
+                        if _keeps_logits(model):
+                            kw["logits_to_keep"] = 1
+                        logits = model(out, use_cache=True, **kw)
                     primed = True
                 else:
                     start = 0 if context_size is None else max(0, out.shape[1] - context_size)
@@ -392,6 +395,14 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
             model.reset_kv_cache()
         if was_training is not None:
             model.train(was_training)
+
+
+def _keeps_logits(model) -> bool:
+    """Whether ``model``'s forward takes ``logits_to_keep`` (``CausalLM``, transformers' models)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _check_token_ids(value, name: str, *, many: bool = True) -> list:

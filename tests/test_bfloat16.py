@@ -14,6 +14,7 @@ from _oracles import rel_err
 
 from npattn import no_grad, optim
 from npattn.functional._bfloat16 import BFloat16Array, matmul_t, to_bfloat16_bits, widened
+from npattn.functional._bfloat16 import split_matmul_t as matmul_split
 from npattn.models import CausalLM
 from npattn.models.causal_lm import bfloat16_parameters
 from npattn.models.hf import open_safetensors
@@ -100,8 +101,12 @@ def test_widening_is_the_upper_half_of_float32():
     np.testing.assert_array_equal(to_bfloat16_bits(w[np.isfinite(w)]), bits[np.isfinite(w)])
 
 
-@pytest.mark.parametrize("n,rows,cols", [(1, 3, 5), (4, 1000, 700), (1, 1500, 600), (3, 2, 1)])
-def test_matmul_t_equals_the_widened_product(n, rows, cols):
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n,rows,cols", [(1, 3, 5), (4, 1000, 700), (1, 1500, 600), (2, 3000, 64), (3, 2, 1)])
+def test_matmul_t_equals_the_widened_product(n, rows, cols, threads, monkeypatch):
+    from npattn.functional import _bfloat16
+
+    monkeypatch.setattr(_bfloat16, "_threads", lambda: threads)
     rng = np.random.default_rng(n + rows)
     w = BFloat16Array(to_bfloat16_bits(rng.standard_normal((rows, cols))))
     x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -253,3 +258,18 @@ def test_bfloat16_storage_computes_in_float32(tmp_path):
     with pytest.raises(ValueError, match="dtype: weights_dtype='bfloat16' computes in float32"):
         CausalLM.from_pretrained(d, weights_dtype="bfloat16", dtype=np.float64)
     assert CausalLM.from_pretrained(d, weights_dtype="bfloat16", dtype=np.float32).dtype == np.float32
+
+
+@pytest.mark.parametrize("rows,cols", [(4096, 1024), (1024, 3072), (70000, 64)])
+def test_float32_decoding_split_equals_one_blas_call(rows, cols, monkeypatch):
+    from npattn.functional import _bfloat16
+    from npattn.functional import kernels as K
+
+    monkeypatch.setattr(_bfloat16, "_threads", lambda: 2)  # as on a 2-core machine, whatever this one has
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal((1, 1, cols)).astype(np.float32)
+    split = matmul_split(x[0], w)
+    assert split is not None  # large enough to split over the threads
+    np.testing.assert_array_equal(split, x[0] @ w.T)
+    np.testing.assert_array_equal(K.linear(x, w)[0], (x[0] @ w.T)[None])

@@ -244,3 +244,29 @@ def test_max_new_tokens_zero_returns_the_prompt():
     m = CausalLM(tiny_config("llama"), rng=0)
     np.testing.assert_array_equal(m.generate(IDS, 0), IDS)
     assert list(m.stream(IDS, 0)) == []
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_logits_to_keep_is_the_last_positions_of_the_cached_pass(name):
+    m = CausalLM(tiny_config(name), rng=0)
+    want = m(IDS, use_cache=True, attention_mask=MASK)
+    m.reset_kv_cache()
+    got = m(IDS, use_cache=True, attention_mask=MASK, logits_to_keep=2)
+    np.testing.assert_array_equal(got, want[:, -2:])
+    step = m(IDS[:, :1], use_cache=True, logits_to_keep=1)  # a decoding step after it: the same cache
+    m.reset_kv_cache()
+    m(IDS, use_cache=True, attention_mask=MASK)
+    np.testing.assert_array_equal(step, m(IDS[:, :1], use_cache=True))
+    m.reset_kv_cache()
+    last = m(IDS[0], use_cache=True, logits_to_keep=1)  # one sequence (L,): (1, vocab)
+    np.testing.assert_allclose(last, m(IDS[0])[-1:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_logits_to_keep_refused_by_name(bad):
+    m = CausalLM(tiny_config("llama"), rng=0)
+    with pytest.raises(ValueError, match="logits_to_keep: expected an int >= 0"):
+        m(IDS, use_cache=True, logits_to_keep=bad)
+    with pytest.raises(ValueError, match="logits_to_keep: 1 needs use_cache=True"):
+        m(IDS, logits_to_keep=1)
+    assert m._seen == 0  # refused before anything was cached

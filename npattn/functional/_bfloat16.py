@@ -28,14 +28,19 @@ kept bit, drop the 16 low bits; a NaN becomes ``0xFFFF`` (a NaN), as torch's ten
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["BFloat16Array", "to_bfloat16_bits", "widen_into", "widened", "matmul_t"]
+__all__ = ["BFloat16Array", "to_bfloat16_bits", "widen_into", "widened", "matmul_t", "split_matmul_t"]
 
 _CHUNK = 1 << 20  # elements rounded at a time (bounds the uint32 temporaries)
 BLOCK = 1 << 19  # float32 elements of one widened block of rows in matmul_t (2 MB)
+# n * in * rows of a decoding block: below OpenBLAS's threading threshold for a GEMM
+# (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD = 65536 * 4), so each product stays on its thread
+GEMV_ELEMS = 196608
 _local = threading.local()
 
 
@@ -89,25 +94,85 @@ def _buffer(size: int) -> np.ndarray:
     return buf
 
 
-def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) -> np.ndarray:
-    """``x2 (n, in) @ w.T`` in float32 for ``w (out, in)`` kept as bfloat16: each block of about
-    ``BLOCK`` elements of ``w``'s rows is widened into this thread's reused buffer and multiplied
-    (one BLAS call per block), so ``w`` is never widened whole.  ``out``: an ``(n, out)`` float32
-    C-contiguous array to write into."""
-    bits = w.bits
-    rows, cols = bits.shape
-    n = x2.shape[0]
-    y = np.empty((n, rows), np.float32) if out is None else out
-    r = max(1, min(rows, BLOCK // max(cols, 1)))
-    buf = _buffer(r * cols)
-    for i in range(0, rows, r):
-        k = min(r, rows - i)
-        block = widen_into(bits[i : i + k], buf[: k * cols].reshape(k, cols))
+def _threads() -> int:
+    """How many threads the decoding product splits its rows over: the BLAS's own setting where
+    the environment gives one (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``), else the CPUs this
+    process may run on."""
+    for key in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_pool: list = []  # [ThreadPoolExecutor, its size], made on first use
+
+
+def _executor(n: int) -> ThreadPoolExecutor:
+    if not _pool or _pool[1] != n:
+        if _pool:
+            _pool[0].shutdown(wait=False)
+        _pool[:] = [ThreadPoolExecutor(n, thread_name_prefix="npattn-bf16"), n]
+    return _pool[0]
+
+
+def _rows_into(x2: np.ndarray, bits: np.ndarray, y: np.ndarray, lo: int, hi: int, r: int) -> None:
+    """``y[:, lo:hi] = x2 @ widened(bits[lo:hi]).T``, ``r`` rows of ``bits`` widened at a time into
+    this thread's buffer (one BLAS call per block); ``bits`` may be a float32 matrix, used as it is."""
+    n, cols = x2.shape
+    buf = None if bits.dtype == np.float32 else _buffer(r * cols)  # float32 (split_matmul_t): used as it is
+    for i in range(lo, hi, r):
+        k = min(r, hi - i)
+        block = bits[i : i + k] if buf is None else widen_into(bits[i : i + k], buf[: k * cols].reshape(k, cols))
         if n == 1:  # y[:, i:i+k] is contiguous: the matrix-vector product writes in place
             np.matmul(x2, block.T, out=y[:, i : i + k])
         else:
             y[:, i : i + k] = x2 @ block.T
+
+
+def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) -> np.ndarray:
+    """``x2 (n, in) @ w.T`` in float32 for ``w (out, in)`` kept as bfloat16: each block of ``w``'s
+    rows is widened into a reused per-thread buffer and multiplied (one BLAS call per block), so
+    ``w`` is never widened whole.  ``out``: an ``(n, out)`` float32 C-contiguous array to write into.
+
+    Decoding (``n * in * rows of a block`` below ``GEMV_ELEMS``): blocks small enough that
+    OpenBLAS runs each product on the calling thread (under its threading threshold), the rows
+    split over ``_threads()`` threads of a pool, each widening and multiplying its own share: the
+    widening (NumPy's, one core each) and the products run on every core without OpenBLAS
+    synchronising its threads at each of the many small calls.  Larger ``n`` (a prompt): blocks of
+    ``BLOCK`` elements on the calling thread, each product a GEMM the BLAS threads itself."""
+    bits = w.bits
+    rows, cols = bits.shape
+    y = np.empty((x2.shape[0], rows), np.float32) if out is None else out
+    if not _split(x2, bits, y):
+        _rows_into(x2, bits, y, 0, rows, max(1, min(rows, BLOCK // max(cols, 1))))
     return y
+
+
+def split_matmul_t(x2: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
+    """``x2 (n, in) @ w.T`` for a float32 ``w (out, in)`` as ``matmul_t`` decodes (blocks of rows
+    under OpenBLAS's threading threshold, split over ``_threads()`` threads), or None where that
+    split does not apply (a prompt, a small matrix, one thread): the caller's one BLAS call then."""
+    y = np.empty((x2.shape[0], w.shape[0]), np.float32) if out is None else out
+    return y if _split(x2, w, y) else None
+
+
+def _split(x2: np.ndarray, bits: np.ndarray, y: np.ndarray) -> bool:
+    """``y = x2 @ widened(bits).T`` by row shares over the pool, when decoding (see ``matmul_t``);
+    False (nothing done) otherwise."""
+    rows, cols = bits.shape
+    n = x2.shape[0]
+    r = GEMV_ELEMS // max(cols * n, 1)
+    threads = _threads()
+    if r < 16 or threads < 2 or rows < 4 * r:
+        return False
+    share = -(-rows // threads)
+    jobs = [
+        _executor(threads).submit(_rows_into, x2, bits, y, lo, min(rows, lo + share), r) for lo in range(0, rows, share)
+    ]
+    for job in jobs:
+        job.result()
+    return True
 
 
 class BFloat16Array:

@@ -698,7 +698,7 @@ class CausalLM(Module):
     def _embed_scale(self):
         return self.dtype.type(math.sqrt(self.config.hidden_size)) if self.config.embed_scale else None
 
-    def forward(self, ids, *, use_cache: bool = False, attention_mask=None):
+    def forward(self, ids, *, use_cache: bool = False, attention_mask=None, logits_to_keep: int = 0):
         """``ids (B, L)`` (or ``(L,)``) integer token ids -> ``logits (B, L, vocab_size)``.
 
         ``use_cache=True``: append these tokens to every layer's cache and return the logits of
@@ -714,13 +714,24 @@ class CausalLM(Module):
         gated DeltaNet layers pass padded steps with their state unchanged; so each row's logits
         at its tokens are those of its prompt run alone, and cached decoding continues each row as
         alone.  The logits at padded positions are 0, so the backward and the JVP get nothing from
-        them.  A row's tokens must be contiguous (no padding between two tokens: ValueError)."""
+        them.  A row's tokens must be contiguous (no padding between two tokens: ValueError).
+
+        ``logits_to_keep``: with ``use_cache``, a positive ``k`` returns the logits of the last
+        ``k`` positions only, ``(B, k, vocab_size)`` (transformers' name; a prompt's prefill needs
+        the last one, and the output head over every position would cost more than the layers);
+        0 (default) keeps all."""
         ids = self._check_ids(ids)
         use_cache = check_bool(use_cache, "use_cache")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, numbers.Integral) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep: expected an int >= 0 (0: every position), got {logits_to_keep!r}")
+        if logits_to_keep and not use_cache:
+            raise ValueError(
+                f"logits_to_keep: {logits_to_keep} needs use_cache=True (a pass for backward keeps every position)"
+            )
         padding = self._check_attention_mask(attention_mask, ids, use_cache)
         if use_cache:
             with no_grad():
-                return self._forward(ids, True, padding)
+                return self._forward(ids, True, padding, int(logits_to_keep))
         return self._forward(ids, False, padding)
 
     def _check_attention_mask(self, attention_mask, ids: np.ndarray, use_cache: bool) -> _Padding | None:
@@ -764,7 +775,7 @@ class CausalLM(Module):
             new, keys, positions = new[None], keys[None], positions[None]
         return _Padding(new, keys, positions)
 
-    def _forward(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None = None):
+    def _forward(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None = None, keep_last: int = 0):
         m = self.model
         x = m.embed_tokens(ids)
         scale = self._embed_scale()
@@ -788,6 +799,9 @@ class CausalLM(Module):
             if padding is not None:
                 object.__setattr__(self, "_mask_history", padding.keys.reshape(ids.shape[:-1] + (-1,)))
             object.__setattr__(self, "_seen", self._seen + ids.shape[-1])
+        if keep_last:  # the last positions only (cached, so nothing is kept for backward)
+            x = x[..., -keep_last:, :]
+            keep = None if keep is None else keep[..., -keep_last:, :]
         h = m.norm(x)
         if self.lm_head is None:
             logits, head = K.linear(h, m.embed_tokens.weight.data)
