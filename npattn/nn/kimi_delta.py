@@ -283,7 +283,7 @@ class KimiDeltaAttention(RecurrentLayer):
 
     # -- second order ---------------------------------------------------------------------------
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        """Second order (``backward_jvp``): the forward's tangents (``_forward_tangents``, shared
+        """Second order (``backward_jvp``): the forward's tangents (``_output_tangents``, shared
         with ``_jvp``; the rule's and the norm's JVPs for ``o_proj``'s input), then ``backward``'s
         chain in reverse, each stage by its ``<op>_backward_jvp`` fed the tangents of its inputs
         and of its upstream gradient: ``o_proj``; ``y = n s``: rms_norm's second order along
