@@ -273,3 +273,27 @@ def test_float32_decoding_split_equals_one_blas_call(rows, cols, monkeypatch):
     assert split is not None  # large enough to split over the threads
     np.testing.assert_array_equal(split, x[0] @ w.T)
     np.testing.assert_array_equal(K.linear(x, w)[0], (x[0] @ w.T)[None])
+
+
+def test_loading_keeps_no_float32_copy(tmp_path, monkeypatch):
+    """The loaded model holds its bits and nothing of a float32 copy: no stale fused q/k/v of the
+    float32 weights (each attention layer fuses them at build), and a bfloat16 tensor is copied in
+    parts (``_COPIED`` bytes, each part's file pages released) with the same bits."""
+    from npattn.models import hf
+
+    _, d = _saved(tmp_path, "qwen3")
+    m = CausalLM.from_pretrained(d, weights_dtype="bfloat16")
+    m.save_pretrained(tmp_path / "bf16")
+    monkeypatch.setattr(hf, "_COPIED", 64)  # many parts per tensor
+    back = CausalLM.from_pretrained(tmp_path / "bf16", weights_dtype="bfloat16")
+    fused = [sub._fused for sub in back.modules() if getattr(sub, "_fused", None) is not None]
+    assert all(isinstance(f[0], BFloat16Array) for f in fused)
+    with no_grad():
+        back(IDS)  # the first forward fuses the bits
+    fused = [sub._fused for sub in back.modules() if getattr(sub, "_fused", None) is not None]
+    assert fused and all(isinstance(f[0], BFloat16Array) for f in fused)
+    for (name, p), (_, q) in zip(m.named_parameters(), back.named_parameters()):
+        if isinstance(p.data, BFloat16Array):
+            np.testing.assert_array_equal(q.data.bits, p.data.bits, err_msg=name)
+    arrays = [v for sub in back.modules() for v in vars(sub).values() if isinstance(v, np.ndarray)]
+    assert sum(a.nbytes for a in arrays) < 0.05 * sum(p.data.nbytes for p in back.parameters())

@@ -603,6 +603,9 @@ def store_bfloat16(m: Module, *, zeros: bool = False) -> Module:
             bits = np.zeros(p.shape, np.uint16) if zeros else to_bfloat16_bits(p.data)
             p.data = BFloat16Array(bits)
         p.grad = p.grad_tangent = None
+    for sub in m.modules():  # a fused q/k/v of the float32 weights is stale: made again from the bits
+        if getattr(sub, "_fused", None) is not None:
+            object.__setattr__(sub, "_fused", None)
     return m
 
 

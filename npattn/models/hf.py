@@ -67,6 +67,7 @@ _BITS_CODES = ("BF16", "F8_E4M3")  # stored as unsigned integers: their bits, wi
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # the reference reader's limit on the header (safetensors/src/tensor.rs, MAX_HEADER_SIZE)
 _MAX_HEADER = 100_000_000
+_COPIED = 1 << 24  # bytes of a bfloat16 tensor copied (and their file pages released) at a time
 
 
 def _short(value, limit: int = 200) -> str:
@@ -267,9 +268,18 @@ class LazyTensor:
         self._mm.release(self._begin, self._end)
 
     def read_bits_into(self, out: np.ndarray) -> None:
-        """A ``BF16`` tensor's bits, as stored, into ``out`` (``uint16`` of its shape)."""
-        out[...] = self._raw()
-        self._mm.release(self._begin, self._end)
+        """A ``BF16`` tensor's bits, as stored, into ``out`` (``uint16`` of its shape), ``_COPIED``
+        bytes at a time, each part's pages of the file released once copied: a large tensor (an
+        embedding table) never holds its file pages and its copy at once."""
+        src, dst = self._raw().reshape(-1), out.reshape(-1)
+        if not np.shares_memory(dst, out):  # (out not contiguous: one copy)
+            out[...] = self._raw()
+            self._mm.release(self._begin, self._end)
+            return
+        step = _COPIED // 2
+        for i in range(0, src.size, step):
+            dst[i : i + step] = src[i : i + step]
+            self._mm.release(self._begin + 2 * i, self._begin + 2 * min(src.size, i + step))
 
     def __repr__(self):
         return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -735,6 +745,19 @@ class _NoDraw(np.random.Generator):
         return self._zeros(size)
 
 
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return the heap's free memory to the system.  Building a model
+    for bfloat16 storage frees each part's float32 arrays as its bits replace them; arrays up to
+    glibc's mmap threshold (raised to 32 MB as large arrays are freed) live in the heap, whose
+    free chunks stay resident until trimmed.  Nothing where there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
 _LISTED = 20  # keys named in a message at most
 
 
@@ -826,6 +849,7 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
     nodraw = _NoDraw(np.random.PCG64(0))
     nodraw.bfloat16 = weights_dtype == "bfloat16"
     model = cls(cfg, rng=nodraw, dtype=dtype)
+    _trim_heap()  # the building's freed arrays (each part's float32 before its bfloat16 bits) back to the system
     fresh = np.random.default_rng()
     for m in model.modules():  # dropout masks must not come from the zero generator
         if isinstance(getattr(m, "rng", None), _NoDraw):

@@ -145,7 +145,7 @@ class Parameter:
         else:
             self._data = np.array(data, dtype=dtype, copy=True)
         self._version = 0
-        self.grad = np.zeros_like(self._data)
+        self.grad = np.zeros(self._data.shape, self._data.dtype)  # calloc'd: no page touched until written
         self.grad_tangent = None  # made by the first backward_jvp (second order is rare: no array before)
 
     @property
