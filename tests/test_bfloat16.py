@@ -297,3 +297,26 @@ def test_loading_keeps_no_float32_copy(tmp_path, monkeypatch):
             np.testing.assert_array_equal(q.data.bits, p.data.bits, err_msg=name)
     arrays = [v for sub in back.modules() for v in vars(sub).values() if isinstance(v, np.ndarray)]
     assert sum(a.nbytes for a in arrays) < 0.05 * sum(p.data.nbytes for p in back.parameters())
+
+
+def test_decoding_after_a_fork(monkeypatch):
+    """The threads' pool is made again in a forked child (a copy of the parent's has no threads)."""
+    import os
+
+    from npattn.functional import _bfloat16
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    monkeypatch.setattr(_bfloat16, "_threads", lambda: 2)
+    w = np.random.default_rng(0).standard_normal((4096, 256)).astype(np.float32)
+    x = np.ones((1, 256), np.float32)
+    want = matmul_split(x, w)  # the pool exists in this process now
+    pid = os.fork()
+    if pid == 0:  # the child: the same product, through a pool of its own (a stale pool would hang: alarm)
+        import signal
+
+        signal.alarm(30)
+        ok = np.array_equal(matmul_split(x, w), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -105,14 +105,15 @@ def _threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-_pool: list = []  # [ThreadPoolExecutor, its size], made on first use
+_pool: list = []  # [ThreadPoolExecutor, its size, the process it was made in], made on first use
 
 
 def _executor(n: int) -> ThreadPoolExecutor:
-    if not _pool or _pool[1] != n:
-        if _pool:
+    """The pool of ``n`` threads; made again in a forked child (whose copy has no threads)."""
+    if not _pool or _pool[1] != n or _pool[2] != os.getpid():
+        if _pool and _pool[2] == os.getpid():
             _pool[0].shutdown(wait=False)
-        _pool[:] = [ThreadPoolExecutor(n, thread_name_prefix="npattn-bf16"), n]
+        _pool[:] = [ThreadPoolExecutor(n, thread_name_prefix="npattn-bf16"), n, os.getpid()]
     return _pool[0]
 
 

@@ -85,7 +85,7 @@ QUICK = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-SIZES = dict(prompt=16, new_tokens=24, prefill=512, repeats=2)
+SIZES = dict(prompt=16, new_tokens=24, prefill=512, repeats=3)
 SIZES_QUICK = dict(prompt=4, new_tokens=3, prefill=8, repeats=1)
 GOALS = {"fraction": 0.9, "bf16_over_f32": 0.7, "prefill_over_transformers": 1.0, "load_over_model": 1.1}
 
