@@ -34,6 +34,18 @@ VARIANTS.update(
         "qwen3_next_no_shared": dict(
             FAMILIES["qwen3_next"], shared_expert_intermediate_size=0, mlp_only_layers=[1], attention_bias=True
         ),
+        "gemma4_moe_double_wide": dict(
+            FAMILIES["gemma4_text"],
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=8,
+            use_double_wide_mlp=True,
+            attention_k_eq_v=False,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),  # fmt: skip
+        "gemma4_no_per_layer_inputs": dict(FAMILIES["gemma4_text"], hidden_size_per_layer_input=0),
     }
 )
 

@@ -46,7 +46,7 @@ from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, no_grad
 from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
-from ..nn.shared_kv import PerLayerEmbeddings, PerLayerInput, SharedKVAttention
+from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..nn.transformer import _block_tangents
 from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, config_from_hf
 
@@ -105,6 +105,19 @@ _MHA_NAMES = {
 }
 
 
+# Gemma 4's MLP beside routed experts (DenseWithExperts, the decoder layer's mlp) under its checkpoint names
+_DENSE_WITH_EXPERTS_NAMES = {
+    f"mlp.{n}": n
+    for n in (
+        "pre_feedforward_layernorm",
+        "mlp",
+        "post_feedforward_layernorm_1",
+        "router",
+        "experts",
+        "pre_feedforward_layernorm_2",
+        "post_feedforward_layernorm_2",
+    )
+}
 # Gemma 4's per-layer input parts under their checkpoint names: a decoder layer's, the backbone's
 _PER_LAYER_NAMES = {
     f"per_layer.{n}": n for n in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
@@ -133,6 +146,12 @@ def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The MLP of layer ``i``: the dense gated MLP, or the routed experts."""
     if cfg.mlp_types[i] == "moe":
         return SparseMoeBlock(**_sub(cfg.moe).kwargs(), rng=rng, dtype=dtype)
+    if cfg.mlp_types[i] == "dense_and_experts":  # Gemma 4: the MLP and routed experts side by side
+        e = _sub(cfg.moe)
+        return DenseWithExperts(
+            cfg.hidden_size, cfg.mlp_size(i), e.num_experts, e.top_k, e.intermediate_size, e.hidden_act,
+            eps=cfg.rms_norm_eps, rng=rng, dtype=dtype,
+        )  # fmt: skip
     return GatedMLP(cfg.hidden_size, cfg.mlp_size(i), cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
 
 
@@ -229,6 +248,21 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     H, kind = cfg.hidden_size, cfg.mlp_types[i]
     if kind == "dense":
         return _gated("mlp", H, cfg.mlp_size(i), cfg.mlp_bias)
+    if kind == "dense_and_experts":  # DenseWithExperts, under the decoder layer's own names
+        e = _sub(cfg.moe)
+        E, mi = e.num_experts, e.intermediate_size
+        out = [("pre_feedforward_layernorm.weight", (H,))] + _gated("mlp", H, cfg.mlp_size(i))
+        out += [
+            ("post_feedforward_layernorm_1.weight", (H,)),
+            ("router.scale", (H,)),
+            ("router.per_expert_scale", (E,)),
+        ]
+        out += [
+            ("router.proj.weight", (E, H)),
+            ("experts.gate_up_proj", (E, 2 * mi, H)),
+            ("experts.down_proj", (E, H, mi)),
+        ]
+        return out + [(f"{n}.weight", (H,)) for n in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")]
     moe = _sub(cfg.moe)  # SparseMoeBlock: router, experts, shared expert and its gate
     E, inter, name = moe.num_experts, moe.intermediate_size, moe.router_name
     router = _lin(name, E, H, moe.router_bias)
@@ -249,7 +283,9 @@ def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
     """``[(name under model.layers.{i}., shape), ...]`` of layer ``i``'s parameters and buffers."""
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm") if cfg.pre_norm else ()
     if cfg.sandwich_norm:
-        pre_mlp = ("pre_feedforward_layernorm",) if cfg.pre_norm else ("post_attention_layernorm",)
+        pre_mlp: tuple[str, ...] = ("pre_feedforward_layernorm",) if cfg.pre_norm else ("post_attention_layernorm",)
+        if cfg.mlp_types[i] == "dense_and_experts":  # DenseWithExperts has its own
+            pre_mlp = ()
         norms += pre_mlp + ("post_feedforward_layernorm",)
     out: list = [("layer_scalar", (1,))] if cfg.layer_scalar else []  # a buffer: before the children, as torch
     out += _attention_shapes(cfg, i) + _mlp_shapes(cfg, i)
@@ -368,14 +404,17 @@ class DecoderLayer(_Renamed):
         self._attn_name = "linear_attn" if delta_net else "self_attn"
         setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
+        self._mlp_normed = isinstance(self.mlp, DenseWithExperts)  # it holds its pre_feedforward_layernorm
         if self.pre_norm:
             self.input_layernorm = _norm(cfg, dtype)
         self.post_attention_layernorm = _norm(cfg, dtype)
         if self.sandwich:
-            if self.pre_norm:
+            if self.pre_norm and not self._mlp_normed:
                 self.pre_feedforward_layernorm = _norm(cfg, dtype)
             self.post_feedforward_layernorm = _norm(cfg, dtype)
         names = dict(_MHA_NAMES) if isinstance(self.attention, MultiHeadAttention) else {}
+        if self._mlp_normed:
+            names.update(_DENSE_WITH_EXPERTS_NAMES)
         self.per_layer = None
         if cfg.per_layer_input_size:  # Gemma 4: x + its per-layer input branch, after the MLP
             eps = cfg.rms_norm_eps
@@ -393,7 +432,7 @@ class DecoderLayer(_Renamed):
         return self._modules[self._attn_name]
 
     def _mlp_norm(self) -> RMSNorm | None:
-        if not self.pre_norm:
+        if not self.pre_norm or self._mlp_normed:
             return None
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 

@@ -59,7 +59,7 @@ SUPPORTED_MODEL_TYPES = (
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
-MLP_KINDS = ("dense", "moe")
+MLP_KINDS = ("dense", "moe", "dense_and_experts")
 
 
 # -- GGUF files: which family each llama.cpp architecture is (read by models/gguf.py) -------------
@@ -390,7 +390,9 @@ class CausalLMConfig:
     Per layer: ``layer_types[i]`` is ``"full_attention"``, ``"sliding_attention"`` (a causal
     window of ``sliding_window`` keys, the query's own included, as Hugging Face masks),
     ``"linear_attention"`` (gated DeltaNet) or ``"latent_attention"`` (MLA); ``mlp_types[i]`` is
-    ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``) or ``"moe"`` (routed experts).
+    ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"moe"`` (routed experts) or
+    ``"dense_and_experts"`` (Gemma 4's ``enable_moe_block``: both, each with its own norms, summed;
+    ``moe`` holds the experts' sizes).
 
     ``rope[layer_type]`` is the Hugging Face ``rope_parameters`` dict of that kind of layer
     (``rope_theta``, ``rope_type`` and the scaling's own keys) as transformers 5 standardizes the
@@ -1235,7 +1237,13 @@ def _gemma4(r: _Reader) -> dict:
     r.only(
         "use_bidirectional_attention", (None, "vision"), None, "npattn's CausalLM is causal ('vision': image tokens)"
     )
-    r.only("enable_moe_block", (False,), False, "Gemma 4's MoE block (router and experts beside the MLP)")
+    moe = None
+    if r.bool("enable_moe_block"):  # routed experts beside every layer's MLP (DenseWithExperts)
+        E, k = r.int("num_experts"), r.int("top_k_experts")
+        if k > E:
+            raise ValueError(f"config['top_k_experts']: expected at most num_experts={E}, got {k}")
+        act = _act(r, "hidden_activation", "gelu_pytorch_tanh")
+        moe = MoEConfig(c["hidden_size"], E, k, r.int("moe_intermediate_size"), norm_topk_prob=True, hidden_act=act)
     for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):  # read by the MoE block only
         r.get(key)
     if c["attention_dropout"]:
@@ -1285,7 +1293,8 @@ def _gemma4(r: _Reader) -> dict:
         rope=rope,
         layer_types=lt,
         sliding_window=window,
-        mlp_types=("dense",) * n,
+        mlp_types=("dense" if moe is None else "dense_and_experts",) * n,
+        moe=moe,
         shared_kv=shared,
         kv_sources=_kv_sources(lt, r.int("num_kv_shared_layers", 0, minimum=0)),
         per_layer_input_size=ple,

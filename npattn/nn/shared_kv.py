@@ -53,9 +53,9 @@ from ..functional import kernels as K
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
 from .kv_cache import KVCache, RollingKVCache
 from .layers import Embedding, Linear, RMSNorm, act_kernels
-from .module import Module
+from .module import Module, Parameter
 
-__all__ = ["SharedKVAttention", "SharedKV", "PerLayerInput", "PerLayerEmbeddings"]
+__all__ = ["SharedKVAttention", "SharedKV", "PerLayerInput", "PerLayerEmbeddings", "ScaledRouter", "DenseWithExperts"]
 
 
 class SharedKV:
@@ -654,3 +654,199 @@ class PerLayerEmbeddings(Module):
         return self._child_backward_jvp(
             self.per_layer_model_projection, dn.reshape(flat) * s_proj, (te,), pt, tdn.reshape(flat) * s_proj
         )
+
+
+class ScaledRouter(Module):
+    """Gemma 4's router, ``x (N, hidden) -> (weights (N, k), indices (N, k))``: the chosen experts
+    of ``TopKRouter`` (``proj``: softmax, top-k, renormalised) on ``RMSNorm(x) * scale /
+    sqrt(hidden)`` (a norm without weight, then the learnt ``scale``), each weight times its
+    expert's ``per_expert_scale``.  The choice is piecewise constant: the gradient flows through
+    the chosen weights (``TopKRouter``), and ``per_expert_scale`` gets ``sum dw w`` per expert."""
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, *, eps: float = 1e-6, rng=None, dtype=np.float64
+    ):
+        from .moe import TopKRouter
+
+        super().__init__()
+        self.hidden_size = check_size(hidden_size, "hidden_size")
+        self.num_experts = check_size(num_experts, "num_experts")
+        self.eps = check_positive_float(eps, "eps", allow_zero=True)
+        self._dtype = dt = check_dtype(dtype)
+        self.proj = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob=True, rng=rng, dtype=dt)
+        self.scale = Parameter(np.ones(self.hidden_size), dt)
+        self.per_expert_scale = Parameter(np.ones(self.num_experts), dt)
+
+    def _c(self):
+        return self.dtype.type(self.hidden_size**-0.5)
+
+    def forward(self, x):
+        """``x (N, hidden)`` -> ``(weights (N, k), indices (N, k))``."""
+        x = as_float(x, "x", self.dtype)
+        if x.ndim != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x: expected shape (N, {self.hidden_size}), got {x.shape}")
+        return self._forward(x)
+
+    def _forward(self, x):
+        h, norm = K.rms_norm(x, self.scale.data * self._c(), self.eps)
+        w, idx = self.proj._forward(h)
+        self.save_for_backward((norm, w, idx))
+        return w * self.per_expert_scale.data[idx], idx
+
+    def backward(self, dweights):
+        """``dx``: ``dw = dweights * per_expert_scale[idx]`` through ``proj`` and the norm."""
+        return self._backward(self._check_dy(dweights, "dweights"))
+
+    def _scatter(self, idx, v):
+        return np.bincount(idx.reshape(-1), weights=v.reshape(-1), minlength=self.num_experts).astype(self.dtype)
+
+    def _backward(self, dout):
+        norm, w, idx = self.pop_saved()
+        self.accumulate_grad(self.per_expert_scale, self._scatter(idx, dout * w))
+        dx, dweight = K.rms_norm_backward(self.proj._backward(dout * self.per_expert_scale.data[idx]), norm)
+        self.accumulate_grad(self.scale, dweight * self._c())
+        return dx
+
+    def _tangents(self, state, input_tangents, pt, method):
+        norm, w, idx = state
+        tx = input_tangent_of(input_tangents, "ScaledRouter", method)
+        ts = pt.get(self.scale)
+        th = K.rms_norm_jvp(norm, tx, None if ts is None else ts * self._c())
+        tw = self._child_jvp(self.proj, -1, (th,), pt)
+        return tx, th, tw
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``tout = tw * s[idx] + w * ts[idx]`` (``s`` the per-expert scale)."""
+        _, w, idx = state
+        _, _, tw = self._tangents(state, input_tangents, param_tangents, "jvp")
+        tpes = param_tangents.get(self.per_expert_scale)
+        tout = tw * self.per_expert_scale.data[idx]
+        return tout if tpes is None else tout + w * tpes[idx]
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: ``dw = dy s[idx]`` and ``dper_expert_scale = scatter(dy w)`` by the product
+        rule, then ``proj``'s and the norm's ``backward_jvp``."""
+        norm, w, idx = state
+        pt = param_tangents
+        tx, th, tw = self._tangents(state, input_tangents, pt, "backward_jvp")
+        pes, tpes = self.per_expert_scale.data[idx], pt.get(self.per_expert_scale)
+        ddy = np.zeros_like(dy) if ddy is None else ddy
+        dw, tdw = dy * pes, ddy * pes + (0 if tpes is None else dy * tpes[idx])
+        pairs = [(self.per_expert_scale, self._scatter(idx, dy * w), self._scatter(idx, ddy * w + dy * tw))]
+        dh, tdh = self._child_backward_jvp(self.proj, dw, (th,), pt, tdw)
+        ts = pt.get(self.scale)
+        (dx, dwt), (tdx, tdwt) = K.rms_norm_backward_jvp(dh, norm, (tx, None if ts is None else ts * self._c()), tdh)
+        self._accumulate_second(pairs + [(self.scale, dwt * self._c(), tdwt * self._c())])
+        return dx, tdx
+
+
+def input_tangent_of(input_tangents: tuple, module: str, method: str):
+    """The one input tangent of a module (None: zero), at most one given."""
+    (t,) = check_tangents(input_tangents, ("tx",), f"{module}.{method}")
+    return t
+
+
+class DenseWithExperts(Module):
+    """Gemma 4's feed-forward with routed experts beside the dense MLP (``enable_moe_block``),
+    ``x (..., hidden) -> (..., hidden)``, as transformers' ``Gemma4TextDecoderLayer``::
+
+        y = post_feedforward_layernorm_1(mlp(pre_feedforward_layernorm(x)))
+          + post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(x), router(x)))
+
+    (the decoder layer's ``post_feedforward_layernorm`` follows).  Backward: the sum's gradient goes
+    to both branches; the experts return the gradients of their input and of the routing weights,
+    which the router takes back to ``x``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 moe_intermediate_size: int, hidden_act: str = "gelu_pytorch_tanh", *, eps: float = 1e-6,
+                 rng=None, dtype=np.float64) -> None:  # fmt: skip
+        from .moe import Experts, GatedMLP
+
+        super().__init__()
+        self.hidden_size = h = check_size(hidden_size, "hidden_size")
+        self._dtype = dt = check_dtype(dtype)
+        rng = as_rng(rng)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype=dt)
+        self.mlp = GatedMLP(h, intermediate_size, hidden_act, rng=rng, dtype=dt)
+        self.post_feedforward_layernorm_1 = RMSNorm(h, eps, dtype=dt)
+        self.router = ScaledRouter(h, num_experts, top_k, eps=eps, rng=rng, dtype=dt)
+        self.experts = Experts(num_experts, h, moe_intermediate_size, hidden_act=hidden_act, rng=rng, dtype=dt)
+        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, dtype=dt)
+        self.post_feedforward_layernorm_2 = RMSNorm(h, eps, dtype=dt)
+
+    def forward(self, x):
+        """``x (..., hidden)`` -> ``(..., hidden)``."""
+        x = as_float(x, "x", self.dtype)
+        if x.shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"x: expected shape (..., {self.hidden_size}), got {x.shape}")
+        return self._forward(x)
+
+    def _forward(self, x):
+        flat = x.reshape(-1, self.hidden_size)
+        a = self.post_feedforward_layernorm_1._forward(self.mlp._forward(self.pre_feedforward_layernorm._forward(flat)))
+        w, idx = self.router._forward(flat)
+        e = self.experts._forward(self.pre_feedforward_layernorm_2._forward(flat), idx, w)
+        self.save_for_backward((x.shape, idx))
+        return (a + self.post_feedforward_layernorm_2._forward(e)).reshape(x.shape)
+
+    def backward(self, dy):
+        """``dx``: both branches' and the router's."""
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy):
+        shape, _ = self.pop_saved()
+        d = dy.reshape(-1, self.hidden_size)
+        de, dw = self.experts._backward(self.post_feedforward_layernorm_2._backward(d))
+        dx = self.pre_feedforward_layernorm_2._backward(de) + self.router._backward(dw)
+        dm = self.mlp._backward(self.post_feedforward_layernorm_1._backward(d))
+        return (dx + self.pre_feedforward_layernorm._backward(dm)).reshape(shape)
+
+    def _forward_tangents(self, state, input_tangents, pt, method):
+        """``(tx, the dense branch's inputs, the experts' input, the routing weights' tangent)``."""
+        shape, _ = state
+        tx = check_tangent(input_tangent_of(input_tangents, "DenseWithExperts", method), "tx", shape, self.dtype)
+        tx = (
+            np.zeros((int(np.prod(shape[:-1])), self.hidden_size), self.dtype)
+            if tx is None
+            else tx.reshape(-1, self.hidden_size)
+        )
+
+        def sub(m, t):
+            return self._child_jvp(m, -1, (t,), pt)
+
+        t_pre = sub(self.pre_feedforward_layernorm, tx)
+        t_mlp = sub(self.mlp, t_pre)
+        return tx, (t_pre, t_mlp), sub(self.pre_feedforward_layernorm_2, tx), sub(self.router, tx)
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: each branch's chain of JVPs, summed; the experts' with the routing
+        weights' tangent (the choice constant)."""
+        pt = param_tangents
+        _, (_, t_mlp), t_pre2, tw = self._forward_tangents(state, input_tangents, pt, "jvp")
+        ta = self._child_jvp(self.post_feedforward_layernorm_1, -1, (t_mlp,), pt)
+        te = self._child_jvp(self.experts, -1, (t_pre2, None, tw), pt)
+        tb = self._child_jvp(self.post_feedforward_layernorm_2, -1, (te,), pt)
+        return (ta + tb).reshape(state[0])
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: each child's ``backward_jvp`` in the backward's order, the branches'
+        ``(dx, tdx)`` summed."""
+        pt = param_tangents
+        shape = state[0]
+        tx, (t_pre, t_mlp), t_pre2, tw = self._forward_tangents(state, input_tangents, pt, "backward_jvp")
+        te = self._child_jvp(self.experts, -1, (t_pre2, None, tw), pt)
+        d = dy.reshape(-1, self.hidden_size)
+        td = np.zeros_like(d) if ddy is None else ddy.reshape(d.shape)
+
+        def back(m, g, *t):
+            return self._child_backward_jvp(m, g[0], t, pt, g[1])
+
+        gb = back(self.post_feedforward_layernorm_2, (d, td), te)
+        (de, dw), (tde, tdw) = back(self.experts, gb, t_pre2, None, tw)
+        g2 = back(self.pre_feedforward_layernorm_2, (de, tde), tx)
+        gr = back(self.router, (dw, tdw), tx)
+        ga = back(self.post_feedforward_layernorm_1, (d, td), t_mlp)
+        g1 = back(self.pre_feedforward_layernorm, back(self.mlp, ga, t_pre), tx)
+        dx = g2[0] + gr[0] + g1[0]
+        tdx = g2[1] + gr[1] + g1[1]
+        return dx.reshape(shape), tdx.reshape(shape)

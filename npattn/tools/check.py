@@ -45,7 +45,7 @@ from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.module import Module
 from ..nn.moe import SparseMoeBlock
-from ..nn.shared_kv import PerLayerEmbeddings, PerLayerInput, SharedKVAttention
+from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..testing.gradcheck import companion, gradcheck
 from ..testing.gradgradcheck import gradgradcheck
 
@@ -830,7 +830,8 @@ _SPARSE = _Part(
 )
 
 # Gemma 4's layers: SharedKVAttention with keys as values and proportional RoPE (full layers), with
-# a window (sliding layers), the per-layer input of a decoder layer and the per-layer embeddings.
+# a window (sliding layers), the per-layer input of a decoder layer, routed experts beside the MLP
+# (its router's own norm, scale and per-expert scales) and the per-layer embeddings.
 _GEMMA4_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 50.0}
 _SHARED_KV = _Part(
     "shared kv",
@@ -847,6 +848,9 @@ _SHARED_KV = _Part(
             S.x,
         ),
         _case("PerLayerInput (gelu tanh gate)", Call(PerLayerInput, 8, 3, rng=R), S.x, N(2, 5, 3)),
+        _case(
+            "DenseWithExperts (top 2 of 3 experts beside the MLP)", Call(DenseWithExperts, 8, 6, 3, 2, 4, rng=R), S.x
+        ),
         _case(
             "PerLayerEmbeddings (3 layers of 2)",  # no padding row: it has no gradient, as torch's
             Call(PerLayerEmbeddings, 7, 8, 3, 2, rng=R),
