@@ -418,6 +418,7 @@ def test_landing_page(site):
             "derivations/index.html",
             "guides/curvature.html",
             "notebooks/12_curvature.html",
+            "notebooks/11_attention_2026.html",
         ],
         "Use it in a NumPy project": [
             "guides/numpy_project.html",
