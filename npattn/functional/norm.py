@@ -268,6 +268,17 @@ def _jvp_example(op: str) -> str:
     """ + FD_CHECK.lstrip()
 
 
+def _checked_backward_jvp(kernel, cache_type, op: str, dout, cache, tangents, ddout):
+    """The public edge of a norm's ``op_backward_jvp``: the cache, ``dout``, the tangents and ``ddout``
+    checked, then ``kernel``."""
+    check_cache(cache, cache_type, f"{op}_backward_jvp")
+    xhat = cache.xhat
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, f"{op}_backward_jvp", xhat.shape, xhat.dtype, _norm_tangent_specs(cache)
+    )
+    return kernel(dout, cache, tangents, ddout)
+
+
 def _checked_jvp(kernel, cache_type, op: str, cache, tangents):
     """The public edge of a norm's ``op_jvp``: the cache and the tangents checked (``_norm_tangent_specs``),
     then ``kernel``."""
@@ -343,17 +354,22 @@ def _norm_jvp(xhat, rstd, weight, k, tx, tweight, tbias, *, centred):
     return ty
 
 
-@shared_doc(
-    backward_jvp_sections=backward_jvp_sections(
-        "layer_norm",
-        "LayerNormCache",
+def _backward_jvp_sections(op: str, cache: str, inputs: tuple) -> str:
+    """A norm's ``op_backward_jvp`` sections: the gradients of ``inputs`` (``x`` and the affine
+    parameters it has) and their tangents."""
+    tangents, grads = (", ".join(f"{p}{n}" for n in inputs) for p in ("t", "d"))
+    return backward_jvp_sections(
+        op,
+        cache,
         dout=", of the output's shape.",
-        tangents="``(tx, tweight, tbias)`` as ``layer_norm_jvp`` takes them; None (or left out at the end): zero.",
-        grads="``(dx, dweight, dbias)``",
+        tangents=f"``({tangents})`` as ``{op}_jvp`` takes them; None (or left out at the end): zero.",
+        grads=f"``({grads})``",
         grad_tangents="Their tangents, of the same shapes, None where the gradient is None.",
         **SEVERAL_TANGENTS,
     )
-)
+
+
+@shared_doc(backward_jvp_sections=_backward_jvp_sections("layer_norm", "LayerNormCache", ("x", "weight", "bias")))
 def layer_norm_backward_jvp(dout: np.ndarray, cache: LayerNormCache, tangents, ddout=None):
     """Second order of ``layer_norm``: ``layer_norm_backward``'s gradients and their tangents.
 
@@ -373,13 +389,9 @@ def layer_norm_backward_jvp(dout: np.ndarray, cache: LayerNormCache, tangents, d
 
     <backward_jvp_sections>
     """
-    check_cache(cache, LayerNormCache, "layer_norm_backward_jvp")
-    xhat = cache.xhat
-    specs = _norm_tangent_specs(cache)
-    dout, tangents, ddout = check_backward_jvp(
-        dout, tangents, ddout, "layer_norm_backward_jvp", xhat.shape, xhat.dtype, specs
+    return _checked_backward_jvp(
+        layer_norm_backward_jvp_kernel, LayerNormCache, "layer_norm", dout, cache, tangents, ddout
     )
-    return layer_norm_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
 def layer_norm_backward_jvp_kernel(dout, cache, tangents, ddout=None):
@@ -541,17 +553,7 @@ def rms_norm_jvp_kernel(cache, tx=None, tweight=None):
     return _norm_jvp(xhat, rstd, weight, k, tx, tweight, None, centred=False)
 
 
-@shared_doc(
-    backward_jvp_sections=backward_jvp_sections(
-        "rms_norm",
-        "RMSNormCache",
-        dout=", of the output's shape.",
-        tangents="``(tx, tweight)`` as ``rms_norm_jvp`` takes them; None (or left out at the end): zero.",
-        grads="``(dx, dweight)``",
-        grad_tangents="Their tangents, of the same shapes, None where the gradient is None.",
-        **SEVERAL_TANGENTS,
-    )
-)
+@shared_doc(backward_jvp_sections=_backward_jvp_sections("rms_norm", "RMSNormCache", ("x", "weight")))
 def rms_norm_backward_jvp(dout: np.ndarray, cache: RMSNormCache, tangents, ddout=None):
     """Second order of ``rms_norm``: as ``layer_norm_backward_jvp`` without the means of ``g``
     and ``tx`` and without a bias: with ``dx = r (g - xhat m)``, ``m = mean(g xhat)``, ``txhat =
@@ -562,13 +564,7 @@ def rms_norm_backward_jvp(dout: np.ndarray, cache: RMSNormCache, tangents, ddout
 
     <backward_jvp_sections>
     """
-    check_cache(cache, RMSNormCache, "rms_norm_backward_jvp")
-    xhat = cache.xhat
-    specs = _norm_tangent_specs(cache)
-    dout, tangents, ddout = check_backward_jvp(
-        dout, tangents, ddout, "rms_norm_backward_jvp", xhat.shape, xhat.dtype, specs
-    )
-    return rms_norm_backward_jvp_kernel(dout, cache, tangents, ddout)
+    return _checked_backward_jvp(rms_norm_backward_jvp_kernel, RMSNormCache, "rms_norm", dout, cache, tangents, ddout)
 
 
 def rms_norm_backward_jvp_kernel(dout, cache, tangents, ddout=None):
