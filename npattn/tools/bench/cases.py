@@ -36,6 +36,7 @@ __all__ = [
     "encoder",
     "demo",
     "decode",
+    "DELTA_RULES",
     "delta_rule",
     "KINDS",
 ]
@@ -337,24 +338,45 @@ def _mla_decode_flops(**params):
     return mla_decode_flops(**params)
 
 
-# -- the gated delta rule (Qwen3-Next's linear attention) ---------------------------------------------
-def delta_rule(dtype, torch, *, b, h, L, D, impls=("chunked", "recurrence"), chunk_size=64, with_torch=True):
-    """``gated_delta_rule`` forward+backward with ``use_qk_l2norm`` (as Qwen3-Next) on ``(b, h, L, D)``
-    q, k, v (``D = Dk = Dv``), for each of ``impls``: ``"chunked"`` (``npattn.functional``, work
-    linear in L) and ``"recurrence"`` (``npattn.functional.reference``, one step at a time); torch's
-    twin: transformers' ``torch_chunk_gated_delta_rule`` with autograd (when transformers is
-    importable and ``with_torch``).  ``check``: the largest relative difference of each output to
-    the chunked one's."""
+# -- the delta rules (Qwen3-Next's gated DeltaNet, Kimi Linear's KDA) ----------------------------------
+# per rule: whether the decay is per key channel (else a scalar per step) and npattn's chunk size
+# (each rule's fastest here: KDA's pairwise decays cost C * Dk numbers per step)
+DELTA_RULES = {"gated_delta_rule": (False, 64), "kimi_delta_attention": (True, 16)}
+
+
+def delta_rule(
+    dtype,
+    torch,
+    *,
+    b,
+    h,
+    L,
+    D,
+    rule="gated_delta_rule",
+    impls=("chunked", "recurrence"),
+    chunk_size=None,
+    with_torch=True,
+):
+    """``rule`` forward+backward with ``use_qk_l2norm`` (as Qwen3-Next and Kimi Linear) on ``(b, h,
+    L, D)`` q, k, v (``D = Dk = Dv``): ``"gated_delta_rule"`` (a log decay ``g (b, h, L)`` per step)
+    or ``"kimi_delta_attention"`` (``g (b, h, L, D)``, one per key channel), for each of ``impls``:
+    ``"chunked"`` (``npattn.functional``, work linear in L, chunks of ``chunk_size``, default the
+    rule's in ``DELTA_RULES``) and ``"recurrence"`` (``npattn.functional.reference``, one step at a
+    time); torch's twin: transformers' own torch implementation with autograd
+    (``twins.delta_rule``, when transformers is importable and ``with_torch``).  ``check``: the
+    largest relative difference of each output to the chunked one's."""
     from ... import functional as F
     from ...functional import reference as R
 
+    per_channel, default_chunk = DELTA_RULES[rule]
     q, k, v, dout = _inputs(dtype, *([(b, h, L, D)] * 4))
     rng = np.random.default_rng(1)
-    g = (-np.logaddexp(0.0, rng.standard_normal((b, h, L)))).astype(dtype)  # log decays <= 0
+    g_shape = (b, h, L, D) if per_channel else (b, h, L)
+    g = (-np.logaddexp(0.0, rng.standard_normal(g_shape))).astype(dtype)  # log decays <= 0
     beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((b, h, L))))).astype(dtype)
     pairs = {
-        "chunked": (F.gated_delta_rule, F.gated_delta_rule_backward, {"chunk_size": chunk_size}),
-        "recurrence": (R.gated_delta_rule, R.gated_delta_rule_backward, {}),
+        "chunked": (getattr(F, rule), getattr(F, f"{rule}_backward"), {"chunk_size": chunk_size or default_chunk}),
+        "recurrence": (getattr(R, rule), getattr(R, f"{rule}_backward"), {}),
     }
 
     def step(impl):
@@ -370,7 +392,7 @@ def delta_rule(dtype, torch, *, b, h, L, D, impls=("chunked", "recurrence"), chu
     fns = {impl: step(impl) for impl in impls}
     torch_fns = {}
     if torch is not None and with_torch:  # pragma: needs torch
-        run = twins.gated_delta_rule(torch, q, k, v, g, beta, dout)
+        run = twins.delta_rule(torch, rule, q, k, v, g, beta, dout)
         if run is not None:
             torch_fns["torch"] = run
 
@@ -378,12 +400,13 @@ def delta_rule(dtype, torch, *, b, h, L, D, impls=("chunked", "recurrence"), chu
         want = step("chunked")()
         return {"max_rel_diff": {name: rel_diff(f(), want) for name, f in {**fns, **torch_fns}.items()}}
 
-    return Built("gated_delta_rule", {"b": b, "h": h, "L": L, "D": D}, fns, torch_fns, check)
+    return Built(rule, {"b": b, "h": h, "L": L, "D": D}, fns, torch_fns, check)
 
 
 def _delta_rule_flops(*, b, h, L, D, **_):
     """The recurrence's useful work: per step and head ``S^T k``, the rank-1 write and ``S^T q``
-    (``3 D^2`` multiply-adds), a backward twice that."""
+    (``3 D^2`` multiply-adds), a backward twice that (either rule: KDA's per-channel decay is one
+    more scaling of the state's rows)."""
     return 3 * 2 * b * h * L * 3 * D * D
 
 

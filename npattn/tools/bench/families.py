@@ -1,8 +1,9 @@
 """The families section (``npattn bench --families``): ``npattn.models.CausalLM`` of each open-model
 family against the ``transformers`` model of the same config and weights.
 
-For each ``model_type`` (Llama, Qwen3, Gemma 3, GPT-OSS, DeepSeek-V3, Qwen3-Next) one small model
-(``FAMILY`` sizes, ``FAMILY_QUICK`` with ``--quick``) built from a Hugging Face config dict, two cases:
+For every ``model_type`` of ``npattn.models.tiny.TINY_CONFIGS`` (each family of that
+table, in its order: ``FAMILIES``) one small model (``FAMILY`` sizes, ``FAMILY_QUICK`` with ``--quick``)
+built from a Hugging Face config dict, two cases:
 
 * ``family_step``: one forward and backward on ``(batch, L)`` token ids with a fixed upstream
   gradient of the logits, every parameter gradient produced;
@@ -48,7 +49,7 @@ def family_config(model_type, *, hidden, layers, vocab):
     """A Hugging Face config dict of ``model_type`` with width ``hidden`` (a multiple of 16),
     ``layers`` layers and a ``vocab``-token vocabulary: the family's tiny config of
     ``npattn.models.tiny.TINY_CONFIGS`` (the one table the tests use too), exercising the family's
-    own options (windows, sinks, MLA, experts, DeltaNet), at these sizes (``scaled_config``)."""
+    own options (windows, sinks, MLA, experts, DeltaNet, KDA, ...), at these sizes (``scaled_config``)."""
     return scaled_config(model_type, hidden=hidden, layers=layers, vocab=vocab)
 
 

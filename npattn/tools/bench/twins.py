@@ -6,6 +6,7 @@ the ``*_step`` helpers return a zero-argument callable that runs one forward+bac
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -20,7 +21,8 @@ __all__ = [
     "demo_step",
     "book_gpt",
     "book_gpt_greedy",
-    "gated_delta_rule",
+    "TORCH_DELTA_RULES",
+    "delta_rule",
 ]
 
 
@@ -282,13 +284,23 @@ def book_gpt_greedy(torch, cfg, state_dict, prompt, new):
     return run
 
 
-def gated_delta_rule(torch, q, k, v, g, beta, dout):
-    """transformers' ``torch_chunk_gated_delta_rule`` (Qwen3-Next's torch path, chunks of 64) with
-    ``use_qk_l2norm_in_kernel`` forward+backward through autograd, on npattn's ``(b, h, L, D)``
-    arrays (its layout is ``(b, L, h, D)``): ``run`` returning the output in npattn's layout, or
-    None when transformers is not importable."""
+# transformers' torch path of each delta rule: (module under transformers.models, function name)
+TORCH_DELTA_RULES = {
+    "gated_delta_rule": ("qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule"),
+    "kimi_delta_attention": ("kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention"),
+}
+
+
+def delta_rule(torch, rule, q, k, v, g, beta, dout):
+    """transformers' torch implementation of ``rule`` (chunks of 64): for ``"gated_delta_rule"``
+    ``torch_chunk_gated_delta_rule`` (Qwen3-Next's torch path), for ``"kimi_delta_attention"``
+    ``chunk_kimi_delta_attention`` (Kimi Linear's; its torch fallback when FLA is not installed),
+    with ``use_qk_l2norm_in_kernel`` forward+backward through autograd, on npattn's ``(b, h, L,
+    ...)`` arrays (its layout is ``(b, L, h, ...)``): ``run`` returning the output in npattn's
+    layout, or None when transformers is not importable."""
+    module, name = TORCH_DELTA_RULES[rule]
     try:
-        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+        fn = getattr(importlib.import_module(f"transformers.models.{module}"), name)
     except ImportError:
         return None
     leaves = [_t(torch, np.swapaxes(a, 1, 2)).requires_grad_() for a in (q, k, v, g, beta)]
@@ -297,7 +309,7 @@ def gated_delta_rule(torch, q, k, v, g, beta, dout):
     def run():
         for t in leaves:
             t.grad = None
-        out, _ = torch_chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+        out, _ = fn(*leaves, use_qk_l2norm_in_kernel=True)
         out.backward(tdout)
         return out.detach().numpy().swapaxes(1, 2)
 
