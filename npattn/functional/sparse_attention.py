@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._docs import shared_doc
 from .._validate import (
     as_floats_of_one_dtype,
     as_index,
@@ -55,6 +56,35 @@ __all__ = [
     "indexer_kl_loss_backward_jvp",
     "IndexerKLCache",
 ]
+
+
+def _backward_jvp_sections(dout: str, cache: str, ddout: str = "ndarray or None") -> str:
+    """The ``Parameters`` and ``Returns`` of this module's ``op_backward_jvp(dout, cache, tangents, ddout)``
+    (``dout``, ``ddout``: their types; ``cache``: the cache's class)."""
+    return f"""
+    Parameters
+    ----------
+    dout : {dout}
+    cache : {cache}
+    tangents : tuple or None
+    ddout : {ddout}
+
+    Returns
+    -------
+    (grads, grad_tangents)
+    """
+
+
+def _bool_mask(mask, shape: tuple, meaning: str) -> np.ndarray:
+    """``mask`` checked and broadcast to ``shape``: a bool array (True = ``meaning``), or a
+    TypeError/ValueError naming it."""
+    m = to_numpy(mask, "mask")
+    if m.dtype != bool:
+        raise TypeError(f"mask: expected a bool array (True = {meaning}), got dtype {m.dtype}")
+    try:
+        return np.broadcast_to(m, shape)
+    except ValueError:
+        raise ValueError(f"mask: expected a shape broadcastable to {shape}, got {m.shape}") from None
 
 
 def _scale(scale, d: int) -> float:
@@ -212,20 +242,12 @@ def lightning_indexer_jvp(cache: LightningIndexerCache, *tangents):
     return out
 
 
+@shared_doc(backward_jvp_sections=_backward_jvp_sections("ndarray ``(B..., Lq, Lk)``", "LightningIndexerCache"))
 def lightning_indexer_backward_jvp(dout, cache: LightningIndexerCache, tangents, ddout=None):
     """Second order of ``lightning_indexer`` (derivation: the textbook tier's): the backward's
     ``(dq, dk, dweights)`` and their tangents along ``tangents = (tq, tk, tweights)`` and ``ddout``.
 
-    Parameters
-    ----------
-    dout : ndarray ``(B..., Lq, Lk)``
-    cache : LightningIndexerCache
-    tangents : tuple or None
-    ddout : ndarray or None
-
-    Returns
-    -------
-    (grads, grad_tangents)
+    <backward_jvp_sections>
     """
     c = check_cache(cache, LightningIndexerCache, "lightning_indexer_backward_jvp")
     shape = c.s.shape[:-3] + c.s.shape[-2:]
@@ -294,13 +316,7 @@ def index_topk(scores, topk: int, *, mask=None) -> np.ndarray:
         raise ValueError(f"scores: expected shape (B..., Lq, Lk), got {scores.shape}")
     visible = None
     if mask is not None:
-        m = to_numpy(mask, "mask")
-        if m.dtype != bool:
-            raise TypeError(f"mask: expected a bool array (True = may see), got dtype {m.dtype}")
-        try:
-            visible = np.broadcast_to(m, scores.shape)
-        except ValueError:
-            raise ValueError(f"mask: expected a shape broadcastable to {scores.shape}, got {m.shape}") from None
+        visible = _bool_mask(mask, scores.shape, "may see")
     return index_topk_kernel(scores, topk, visible)
 
 
@@ -506,6 +522,7 @@ def sparse_attention_jvp(cache: SparseAttentionCache, *tangents):
     return _sparse_tangents(c, tq, tk, tv)[1].reshape(c.q.shape[:-1] + c.v.shape[-1:])
 
 
+@shared_doc(backward_jvp_sections=_backward_jvp_sections("ndarray ``(B..., H, Lq, Ev)``", "SparseAttentionCache"))
 def sparse_attention_backward_jvp(dout, cache: SparseAttentionCache, tangents, ddout=None):
     """Second order of ``sparse_attention``: ``(dq, dk, dv)`` and their tangents along
     ``tangents = (tq, tk, tv)`` and ``ddout``, each line of the backward by the product rule
@@ -514,16 +531,7 @@ def sparse_attention_backward_jvp(dout, cache: SparseAttentionCache, tangents, d
         tdP = tdO V^T + dO tV^T;   tD = rowsum(tdP P + dP tP);   tdS = tP (dP - D) + P (tdP - tD)
         tdq = scale (tdS K + dS tK);   tdK = scale (tdS^T q + dS^T tq);   tdV = tP^T dO + P^T tdO
 
-    Parameters
-    ----------
-    dout : ndarray ``(B..., H, Lq, Ev)``
-    cache : SparseAttentionCache
-    tangents : tuple or None
-    ddout : ndarray or None
-
-    Returns
-    -------
-    (grads, grad_tangents)
+    <backward_jvp_sections>
     """
     c = check_cache(cache, SparseAttentionCache, "sparse_attention_backward_jvp")
     shape = c.q.shape[:-1] + c.v.shape[-1:]
@@ -619,13 +627,7 @@ def indexer_kl_loss(scores, attn, *, mask=None, reduction: str = "sum") -> tuple
         raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
     visible = np.ones(scores.shape, bool)
     if mask is not None:
-        m = to_numpy(mask, "mask")
-        if m.dtype != bool:
-            raise TypeError(f"mask: expected a bool array (True = visible), got dtype {m.dtype}")
-        try:
-            visible = np.broadcast_to(m, scores.shape)
-        except ValueError:
-            raise ValueError(f"mask: expected a shape broadcastable to {scores.shape}, got {m.shape}") from None
+        visible = _bool_mask(mask, scores.shape, "visible")
     return indexer_kl_loss_kernel(scores, attn, visible, reduction)
 
 
@@ -693,20 +695,14 @@ def indexer_kl_loss_jvp(cache: IndexerKLCache, *tangents):
     return np.asarray((_kl_grad(c) * ts).sum())
 
 
+@shared_doc(
+    backward_jvp_sections=_backward_jvp_sections("float or 0-d ndarray", "IndexerKLCache", "float, 0-d ndarray or None")
+)
 def indexer_kl_loss_backward_jvp(dout, cache: IndexerKLCache, tangents, ddout=None):
     """Second order of ``indexer_kl_loss``: ``dscores`` and its tangent along ``(tscores,)`` and
     ``ddout``: ``ddout w (h q - p) + dout w h q (ts - rowsum(q ts))`` (softmax's Jacobian).
 
-    Parameters
-    ----------
-    dout : float or 0-d ndarray
-    cache : IndexerKLCache
-    tangents : tuple or None
-    ddout : float, 0-d ndarray or None
-
-    Returns
-    -------
-    (grads, grad_tangents)
+    <backward_jvp_sections>
     """
     c = check_cache(cache, IndexerKLCache, "indexer_kl_loss_backward_jvp")
     dout, (ts,), ddout = check_backward_jvp(
