@@ -281,7 +281,35 @@ class TinyTransformer(Module):
 
 
 # -- the tiny configs of the CausalLM families ----------------------------------------------------
-_BASE = dict(vocab_size=41, hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2)
+# width 16, 4 query heads sharing 2 key/value heads, 2 layers (an entry overrides what differs)
+_HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
+_BASE = dict(vocab_size=41, hidden_size=16, intermediate_size=24, **_HEADS, num_hidden_layers=2)
+# MLA's head sizes (deepseek_v3, deepseek_v32, kimi_linear)
+_MLA_HEADS = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+# DeepSeek-V3's MLA with a dense first layer and routed experts in groups (deepseek_v3, deepseek_v32)
+_DEEPSEEK_V3 = dict(
+    _BASE,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    moe_intermediate_size=8,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    q_lora_rank=8,
+    **_MLA_HEADS,
+)
+
+# Qwen3-MoE's routed experts (qwen3_moe; with a gated shared expert: qwen3_next, qwen3_5_moe_text)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+# Qwen3-Next's Gated DeltaNet layer before a full-attention one (qwen3_next, qwen3_5_text, qwen3_5_moe_text)
+_LINEAR_HEADS = dict(linear_key_head_dim=4, linear_value_head_dim=4, linear_num_key_heads=2, linear_num_value_heads=4)
+_GATED_DELTA = dict(
+    _LINEAR_HEADS, head_dim=4, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=3
+)
+_SHARED_EXPERT_MOE = dict(_QWEN_MOE, shared_expert_intermediate_size=8)
 
 #: One tiny Hugging Face config dict per ``CausalLM`` family (``model_type``), each exercising the
 #: family's own options (windows, softcapping, sinks and YaRN, MLA and routed experts, DeltaNet and
@@ -289,11 +317,10 @@ _BASE = dict(vocab_size=41, hidden_size=16, intermediate_size=24, num_attention_
 #: (``scaled_config``), the notebooks and the guides build from.  Read it; change a copy
 #: (``tiny_config``).  Adding a family to ``CausalLM`` adds its entry here.
 TINY_CONFIGS: dict = {
-    "llama": dict(_BASE, model_type="llama", num_hidden_layers=2, attention_bias=True, rope_theta=500.0),
+    "llama": dict(_BASE, model_type="llama", attention_bias=True, rope_theta=500.0),
     "qwen3": dict(
         _BASE,
         model_type="qwen3",
-        num_hidden_layers=2,
         head_dim=4,
         use_sliding_window=True,
         sliding_window=3,
@@ -303,18 +330,14 @@ TINY_CONFIGS: dict = {
     "qwen3_moe": dict(
         _BASE,
         model_type="qwen3_moe",
-        num_hidden_layers=2,
         head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
+        **_QWEN_MOE,
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
     "gemma3_text": dict(
         _BASE,
         model_type="gemma3_text",
-        num_hidden_layers=2,
         head_dim=4,
         query_pre_attn_scalar=8,
         sliding_window=3,
@@ -326,7 +349,6 @@ TINY_CONFIGS: dict = {
     "gpt_oss": dict(
         _BASE,
         model_type="gpt_oss",
-        num_hidden_layers=2,
         head_dim=4,
         sliding_window=3,
         num_local_experts=4,
@@ -341,43 +363,10 @@ TINY_CONFIGS: dict = {
             "rope_theta": 1000.0,
         },
     ),
-    "deepseek_v3": dict(
-        _BASE,
-        model_type="deepseek_v3",
-        num_hidden_layers=2,
-        num_key_value_heads=4,
-        first_k_dense_replace=1,
-        moe_intermediate_size=8,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        q_lora_rank=8,
-        kv_lora_rank=8,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=4,
-    ),
+    "deepseek_v3": dict(_DEEPSEEK_V3, model_type="deepseek_v3"),
     "deepseek_v32": dict(  # DeepSeek-V3.2: every layer's MLA restricted to the indexer's top 3 keys
-        _BASE,
+        _DEEPSEEK_V3,
         model_type="deepseek_v32",
-        num_hidden_layers=2,
-        num_key_value_heads=4,
-        first_k_dense_replace=1,
-        moe_intermediate_size=8,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        q_lora_rank=8,
-        kv_lora_rank=8,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=4,
         index_topk=3,
         index_n_heads=16,  # many heads: a score of exactly 0 (every head's ReLU at 0) ties too rarely to matter
         index_head_dim=8,
@@ -386,18 +375,8 @@ TINY_CONFIGS: dict = {
     "qwen3_next": dict(
         _BASE,
         model_type="qwen3_next",
-        num_hidden_layers=2,
-        head_dim=4,
-        layer_types=["linear_attention", "full_attention"],
-        linear_conv_kernel_dim=3,
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=8,
+        **_GATED_DELTA,
+        **_SHARED_EXPERT_MOE,
         partial_rotary_factor=0.5,
     ),
     "kimi_linear": dict(  # KDA and NoPE MLA layers mixed (1-indexed lists), a dense layer, then routed experts
@@ -420,10 +399,7 @@ TINY_CONFIGS: dict = {
         num_expert_group=2,
         topk_group=1,
         routed_scaling_factor=2.5,
-        kv_lora_rank=8,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=4,
+        **_MLA_HEADS,
         eos_token_id=2,
         pad_token_id=0,
         bos_token_id=1,
@@ -431,7 +407,6 @@ TINY_CONFIGS: dict = {
     "olmo3": dict(
         _BASE,
         model_type="olmo3",
-        num_hidden_layers=2,
         sliding_window=3,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={
@@ -444,14 +419,7 @@ TINY_CONFIGS: dict = {
     "qwen3_5_text": dict(
         _BASE,
         model_type="qwen3_5_text",
-        num_hidden_layers=2,
-        head_dim=4,
-        layer_types=["linear_attention", "full_attention"],
-        linear_conv_kernel_dim=3,
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        **_GATED_DELTA,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 1000.0,
@@ -463,18 +431,8 @@ TINY_CONFIGS: dict = {
     "qwen3_5_moe_text": dict(
         {k: v for k, v in _BASE.items() if k != "intermediate_size"},  # no dense MLP
         model_type="qwen3_5_moe_text",
-        num_hidden_layers=2,
-        head_dim=4,
-        layer_types=["linear_attention", "full_attention"],
-        linear_conv_kernel_dim=3,
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=8,
+        **_GATED_DELTA,
+        **_SHARED_EXPERT_MOE,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
     ),
     # Gemma 4: the last three layers reuse keys and values (two of them the same sliding layer's,
