@@ -54,6 +54,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
+from .._docs import shared_doc
 from .._validate import (
     as_float,
     as_floats_of_one_dtype,
@@ -103,6 +104,19 @@ class L2NormCache(NamedTuple):
     root_n: float  # sqrt(N)
 
 
+#: The two normalisations' ``Returns`` and the head of their ``Raises`` (each one's errors follow).
+_Y_CACHE_RAISES = """
+    Returns
+    -------
+    (y, cache)
+
+    Raises
+    ------
+    TypeError, ValueError
+    """
+
+
+@shared_doc(y_cache_raises=_Y_CACHE_RAISES)
 def l2_norm(x: np.ndarray, eps: float = 1e-6) -> tuple[np.ndarray, L2NormCache]:
     """``y = x / sqrt(sum(x^2) + eps)`` over the last axis (transformers' ``l2norm``, eps 1e-6).
 
@@ -111,19 +125,10 @@ def l2_norm(x: np.ndarray, eps: float = 1e-6) -> tuple[np.ndarray, L2NormCache]:
     x : ndarray ``(..., N)``
     eps : float, >= 0
 
-    Returns
-    -------
-    (y, cache)
-
-    Raises
-    ------
-    TypeError, ValueError
+    <y_cache_raises>
         For a non-float ``x``, a 0-d ``x`` or an empty last axis, a negative or non-finite ``eps``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> y, cache = F.l2_norm(np.array([[3.0, 4.0]]), eps=0.0)
     >>> y
     array([[0.6, 0.8]])
@@ -235,6 +240,7 @@ class RMSNormGatedCache(NamedTuple):
     gate: SiluCache
 
 
+@shared_doc(y_cache_raises=_Y_CACHE_RAISES)
 def rms_norm_gated(
     x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float = 1e-6
 ) -> tuple[np.ndarray, RMSNormGatedCache]:
@@ -250,19 +256,10 @@ def rms_norm_gated(
     weight : ndarray ``(D,)``
     eps : float, >= 0 (Qwen3-Next's ``rms_norm_eps``, 1e-6)
 
-    Returns
-    -------
-    (y, cache)
-
-    Raises
-    ------
-    TypeError, ValueError
+    <y_cache_raises>
         Naming the argument: non-float arrays, shapes that do not fit, a bad ``eps``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from npattn import functional as F
+    <examples>
     >>> x, gate = np.array([[3.0, 4.0]]), np.array([[0.0, 100.0]])
     >>> y, cache = F.rms_norm_gated(x, gate, np.ones(2), eps=0.0)
     >>> np.round(y, 4)                  # rms_norm(x) * silu(gate): silu(0) = 0, silu(100) = 100
@@ -481,18 +478,8 @@ def gated_delta_rule(
     >>> len(F.gated_delta_rule_backward(rng.standard_normal(out.shape), cache))   # dq, dk, dv, dg, dbeta, dS0
     6
     """
-    arrays, options = checked_inputs(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size,
-    )
+    kw = dict(initial_state=initial_state, output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    arrays, options = checked_inputs(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, **kw)
     return gated_delta_rule_kernel(*arrays, **options)
 
 
