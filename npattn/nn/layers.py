@@ -132,7 +132,24 @@ def input_tangent(input_tangents: tuple, module: str, method: str = "jvp"):
     return input_tangents[0] if input_tangents else None
 
 
-class Linear(Module):
+class _Layer(Module):
+    """A layer whose ``backward`` checks ``dy`` and hands it to ``_backward`` (which returns dx and
+    adds the parameters' gradients)."""
+
+    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
+    def backward(self, dy) -> np.ndarray:
+        """The backward pass of the last forward: returns dx and adds
+        every parameter's gradient into ``p.grad``.
+
+        <backward_sections>
+        """
+        return self._backward(self._check_dy(dy))
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class Linear(_Layer):
     """``y = x @ weight.T + bias``; ``weight (out, in)`` and ``bias (out,)`` drawn from
     U(-1/sqrt(in), 1/sqrt(in)) as ``torch.nn.Linear``.
 
@@ -195,15 +212,6 @@ class Linear(Module):
         self.save_for_backward(cache)
         return y
 
-    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
-    def backward(self, dy) -> np.ndarray:
-        """The backward pass of the last forward: returns dx and adds
-        every parameter's gradient into ``p.grad``.
-
-        <backward_sections>
-        """
-        return self._backward(self._check_dy(dy))
-
     def _backward(self, dy: np.ndarray, dx_out: np.ndarray | None = None) -> np.ndarray:
         """``backward`` on a checked ``dy``; ``dx_out``: where to write ``dx`` (a calling module's workspace)."""
         dx, dw, db = K.linear_backward(dy, self.pop_saved(), dx_out)
@@ -231,7 +239,66 @@ class Linear(Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class LayerNorm(Module):
+class _Norm(_Layer):
+    """What ``LayerNorm`` and ``RMSNorm`` share: the checks, passes and repr around the kernel
+    ``functional.<_OP>`` (its ``_backward``, ``_jvp``, ``_backward_jvp``) with the affine
+    parameters ``_affine()`` (None: absent), in the kernel's order."""
+
+    _OP: str  # the functional pair: "layer_norm" or "rms_norm"
+    _NAME: str  # the module's name in error messages
+    normalized_shape: Tuple[int, ...]
+    eps: Optional[float]
+    elementwise_affine: bool
+
+    def _affine(self) -> tuple:
+        raise NotImplementedError
+
+    def _check_input(self, x, name: str = "x") -> np.ndarray:
+        return _as_trailing(x, name, self.dtype, self.normalized_shape, self._NAME)
+
+    @shared_doc(norm_forward_sections=_NORM_FORWARD_SECTIONS)
+    def forward(self, x) -> np.ndarray:
+        """The forward pass over the trailing ``normalized_shape`` axes: ``LayerNorm`` subtracts the
+        mean and divides by the standard deviation, then scales and shifts; ``RMSNorm`` divides by
+        the root mean square, then scales.
+
+        <norm_forward_sections>
+        """
+        return self._forward(self._check_input(x))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        params = [_data(p) for p in self._affine()]
+        y, cache = getattr(K, self._OP)(x, *params, self.eps, normalized_shape=self.normalized_shape)
+        self.save_for_backward(cache)
+        return y
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        dx, *grads = getattr(K, self._OP + "_backward")(dy, self.pop_saved())
+        for p, g in zip(self._affine(), grads):
+            if p is not None:
+                self.accumulate_grad(p, g)
+        return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``functional.layer_norm_jvp`` / ``rms_norm_jvp``)."""
+        tx = input_tangent(input_tangents, self._NAME)
+        return getattr(F, self._OP + "_jvp")(state, tx, *[param_tangents.get(p) for p in self._affine()])
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.layer_norm_backward_jvp`` / ``rms_norm_backward_jvp``)."""
+        tx = input_tangent(input_tangents, self._NAME, "backward_jvp")
+        params = self._affine()
+        tangents = (tx, *[param_tangents.get(p) for p in params])
+        (dx, *grads), (tdx, *tgrads) = getattr(F, self._OP + "_backward_jvp")(dy, state, tangents, ddy)
+        self._accumulate_second(tuple(zip(params, grads, tgrads)))
+        return dx, tdx
+
+    def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(_Norm):
     """Layer norm over the trailing ``normalized_shape`` axes (an int: the last axis; a tuple:
     that many trailing axes, as ``torch.nn.LayerNorm``); biased variance, ``eps`` inside the
     square root.  ``weight`` (ones) and ``bias`` (zeros) have shape ``normalized_shape``;
@@ -248,6 +315,8 @@ class LayerNorm(Module):
     >>> ln.backward(np.array([[1.0, -1.0, 2.0, 0.5]])).shape
     (1, 4)
     """
+
+    _OP, _NAME = "layer_norm", "LayerNorm"
 
     def __init__(
         self,
@@ -268,60 +337,11 @@ class LayerNorm(Module):
         self.weight = Parameter(np.ones(shape), self._dtype) if self.elementwise_affine else None
         self.bias = Parameter(np.zeros(shape), self._dtype) if (self.elementwise_affine and bias) else None
 
-    def _check_input(self, x, name: str = "x") -> np.ndarray:
-        return _as_trailing(x, name, self.dtype, self.normalized_shape, "LayerNorm")
-
-    @shared_doc(norm_forward_sections=_NORM_FORWARD_SECTIONS)
-    def forward(self, x) -> np.ndarray:
-        """The forward pass: normalise over the trailing ``normalized_shape`` axes, then scale and shift.
-
-        <norm_forward_sections>
-        """
-        return self._forward(self._check_input(x))
-
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        y, cache = K.layer_norm(
-            x, _data(self.weight), _data(self.bias), self.eps, normalized_shape=self.normalized_shape
-        )
-        self.save_for_backward(cache)
-        return y
-
-    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
-    def backward(self, dy) -> np.ndarray:
-        """The backward pass of the last forward: returns dx and adds
-        every parameter's gradient into ``p.grad``.
-
-        <backward_sections>
-        """
-        return self._backward(self._check_dy(dy))
-
-    def _backward(self, dy: np.ndarray) -> np.ndarray:
-        dx, dw, db = K.layer_norm_backward(dy, self.pop_saved())
-        if self.weight is not None:
-            self.accumulate_grad(self.weight, dw)
-        if self.bias is not None:
-            self.accumulate_grad(self.bias, db)
-        return dx
-
-    def _jvp(self, state, input_tangents, param_tangents):
-        """Forward mode (``functional.layer_norm_jvp``)."""
-        tx = input_tangent(input_tangents, "LayerNorm")
-        return F.layer_norm_jvp(state, tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
-
-    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        """Second order (``functional.layer_norm_backward_jvp``)."""
-        tx = input_tangent(input_tangents, "LayerNorm", "backward_jvp")
-        tangents = (tx, param_tangents.get(self.weight), param_tangents.get(self.bias))
-        (dx, dw, db), (tdx, tdw, tdb) = F.layer_norm_backward_jvp(dy, state, tangents, ddy)
-        self._accumulate_second(((self.weight, dw, tdw), (self.bias, db, tdb)))
-        return dx, tdx
-
-    def extra_repr(self):
-        """The arguments shown by ``repr(module)``."""
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+    def _affine(self) -> tuple:
+        return (self.weight, self.bias)
 
 
-class RMSNorm(Module):
+class RMSNorm(_Norm):
     """``y = x / sqrt(mean(x**2) + eps) * weight`` over the trailing ``normalized_shape`` axes, as
     ``torch.nn.RMSNorm``; ``eps=None`` is ``np.finfo(dtype).eps`` of the module's dtype.  ``weight``
     (ones, shape ``normalized_shape``) unless ``elementwise_affine=False``.
@@ -334,6 +354,8 @@ class RMSNorm(Module):
     >>> norm(np.array([[3.0, 4.0]]))
     array([[0.84852814, 1.13137085]])
     """
+
+    _OP, _NAME = "rms_norm", "RMSNorm"
 
     def __init__(
         self,
@@ -350,52 +372,8 @@ class RMSNorm(Module):
         self._dtype = check_dtype(dtype)
         self.weight = Parameter(np.ones(self.normalized_shape), self._dtype) if self.elementwise_affine else None
 
-    def _check_input(self, x, name: str = "x") -> np.ndarray:
-        return _as_trailing(x, name, self.dtype, self.normalized_shape, "RMSNorm")
-
-    @shared_doc(norm_forward_sections=_NORM_FORWARD_SECTIONS)
-    def forward(self, x) -> np.ndarray:
-        """The forward pass: divide by the root mean square over the trailing axes, then scale.
-
-        <norm_forward_sections>
-        """
-        return self._forward(self._check_input(x))
-
-    def _forward(self, x: np.ndarray) -> np.ndarray:
-        y, cache = K.rms_norm(x, _data(self.weight), self.eps, normalized_shape=self.normalized_shape)
-        self.save_for_backward(cache)
-        return y
-
-    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
-    def backward(self, dy) -> np.ndarray:
-        """The backward pass of the last forward: returns dx and adds
-        every parameter's gradient into ``p.grad``.
-
-        <backward_sections>
-        """
-        return self._backward(self._check_dy(dy))
-
-    def _backward(self, dy: np.ndarray) -> np.ndarray:
-        dx, dw = K.rms_norm_backward(dy, self.pop_saved())
-        if self.weight is not None:
-            self.accumulate_grad(self.weight, dw)
-        return dx
-
-    def _jvp(self, state, input_tangents, param_tangents):
-        """Forward mode (``functional.rms_norm_jvp``)."""
-        tx = input_tangent(input_tangents, "RMSNorm")
-        return F.rms_norm_jvp(state, tx, param_tangents.get(self.weight))
-
-    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
-        """Second order (``functional.rms_norm_backward_jvp``)."""
-        tx = input_tangent(input_tangents, "RMSNorm", "backward_jvp")
-        (dx, dw), (tdx, tdw) = F.rms_norm_backward_jvp(dy, state, (tx, param_tangents.get(self.weight)), ddy)
-        self._accumulate_second(((self.weight, dw, tdw),))
-        return dx, tdx
-
-    def extra_repr(self):
-        """The arguments shown by ``repr(module)``."""
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+    def _affine(self) -> tuple:
+        return (self.weight,)
 
 
 class Dropout(Module):
@@ -719,7 +697,7 @@ def gated_unit_backward_jvp(
     return dx + dx_gate, tdx + tdx_gate
 
 
-class FeedForward(Module):
+class FeedForward(_Layer):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))`` (as torch's encoder layer).
 
     ``activation`` is ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``:
@@ -803,15 +781,6 @@ class FeedForward(Module):
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
         self.save_for_backward((cache, drop, reused))
         return self.linear2._forward(self.dropout._forward(h) if drop else h)
-
-    @shared_doc(backward_sections=_BACKWARD_SECTIONS)
-    def backward(self, dy) -> np.ndarray:
-        """The backward pass of the last forward: returns dx and adds
-        every parameter's gradient into ``p.grad``.
-
-        <backward_sections>
-        """
-        return self._backward(self._check_dy(dy))
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         cache, drop, reused = self.pop_saved()
