@@ -87,6 +87,7 @@ class RecurrentLayer(Module):
     ``_forward(x, use_cache, keep)``), and the decoding cache of a convolution window and a
     recurrent state per head (``_conv_state``, ``_recurrent_state``), kept by ``_forward``."""
 
+    _REPR_FIELDS: tuple[str, ...] = ("hidden_size",)
     hidden_size: int
     _conv_state: Optional[np.ndarray]
     _recurrent_state: Optional[np.ndarray]
@@ -95,6 +96,10 @@ class RecurrentLayer(Module):
 
     def _forward(self, x: np.ndarray, use_cache: bool = False, keep: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        """The arguments shown by ``repr(module)``: the attributes ``_REPR_FIELDS`` names."""
+        return ", ".join(f"{name}={getattr(self, name)}" for name in self._REPR_FIELDS)
 
     def _keep_cache(
         self, lead: tuple, steps: int, conv_state: Optional[np.ndarray], recurrent_state: Optional[np.ndarray]
@@ -218,6 +223,8 @@ class GatedDeltaNet(RecurrentLayer):
     >>> y.shape, net.backward(np.ones_like(y)).shape
     ((2, 5, 16), (2, 5, 16))
     """
+
+    _REPR_FIELDS = ("hidden_size", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "conv_kernel_size")
 
     def __init__(
         self,
@@ -580,13 +587,6 @@ class GatedDeltaNet(RecurrentLayer):
             tbeta_in.swapaxes(-1, -2),
         )
         return _Tangents(x=tx, mixed=tmixed, z=tz, conv_weight=tw, beta=tbeta, g=tg, pre=tpre, A_log=tA_log, rule=rule)
-
-    def extra_repr(self) -> str:
-        """The arguments shown by ``repr(module)``."""
-        return (
-            f"hidden_size={self.hidden_size}, num_v_heads={self.num_v_heads}, num_k_heads={self.num_k_heads}, "
-            f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, conv_kernel_size={self.conv_kernel_size}"
-        )
 
 
 class _Tangents(NamedTuple):

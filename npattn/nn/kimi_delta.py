@@ -129,6 +129,8 @@ class KimiDeltaAttention(RecurrentLayer):
     ((2, 5, 16), (2, 5, 16))
     """
 
+    _REPR_FIELDS = ("hidden_size", "num_heads", "head_dim", "conv_kernel_size")
+
     def __init__(
         self,
         hidden_size: int,
@@ -445,13 +447,6 @@ class KimiDeltaAttention(RecurrentLayer):
             gate_a=gate_a,
             gate=tgate,
             rule=rule,
-        )
-
-    def extra_repr(self) -> str:
-        """The arguments shown by ``repr(module)``."""
-        return (
-            f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
-            f"conv_kernel_size={self.conv_kernel_size}"
         )
 
 
