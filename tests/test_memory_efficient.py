@@ -319,3 +319,34 @@ def test_scale_default_is_inverse_sqrt_e():
     a, _ = memory_efficient_attention(q, k, v)
     b, _ = memory_efficient_attention(q, k, v, scale=1 / math.sqrt(7))
     np.testing.assert_array_equal(a, b)
+
+
+def test_key_max_equals_numpy_max():
+    """The forward's halving maximum over the key axis: exactly ``np.max`` for odd and even key
+    counts, with -inf rows and NaN."""
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 3, 5, 64, 77, 341):
+        st = rng.standard_normal((2, 3, n, 7))
+        st[0, 1, :, 2] = -np.inf
+        st[1, 2, n // 2, 4] = np.nan
+        tmp = np.empty(2 * 3 * ((n + 1) // 2) * 7)
+        out = np.empty((2, 3, 1, 7))
+        flash._key_max(st, tmp, out)
+        np.testing.assert_array_equal(out, np.max(st, axis=-2, keepdims=True))
+
+
+def test_long_forward_key_blocks_match_short_ones():
+    """With the default block size the forward runs long key blocks (``_forward_key_block``); its
+    output and lse equal the 64 x 64 blocked forward's up to summation order, with a float mask,
+    sinks and ALiBi."""
+    rng = np.random.default_rng(12)
+    h, L, E = 3, 700, 16
+    q, k, v = (rng.standard_normal((h, L, E)) for _ in range(3))
+    mask = rng.standard_normal((L, L))
+    opts = dict(attn_mask=mask, is_causal=True, sinks=rng.standard_normal(h), alibi_slopes=rng.random(h))
+    assert flash._forward_key_block(None, h, 64, 64, L, 8) > 64
+    out, cache = memory_efficient_attention(q, k, v, **opts)
+    ref, ref_cache = memory_efficient_attention(q, k, v, block_size=64, **opts)
+    assert cache.block_k == 64
+    _assert_close(out, ref, 1e-13, "out")
+    _assert_close(cache.lse, ref_cache.lse, 1e-13, "lse")

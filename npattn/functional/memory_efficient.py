@@ -126,6 +126,9 @@ _BLAS_SINGLE_THREAD_MNK = 1 << 18
 # Problems with fewer score elements than this (summed over batch and heads) run on one thread.
 _PARALLEL_MIN_SCORES = 1 << 20
 _MAX_WORKERS = 8
+# The forward's key blocks (default block size only) are as long as a score block of this many
+# bytes per worker allows (summed over the matrices): see ``_forward_key_block``.
+_FORWARD_BLOCK_BYTES = 1 << 20
 
 
 class MemoryEfficientCache(NamedTuple):
@@ -177,6 +180,22 @@ def _block_sizes(block_size, n_mats: int, lq: int, lk: int, width: int) -> Tuple
     else:
         bq = bk = check_size(block_size, "block_size")
     return max(1, min(bq, lq)), max(1, min(bk, lk))
+
+
+def _forward_key_block(block_size, n_mats: int, bq: int, bk: int, lk: int, itemsize: int) -> int:
+    """The forward's key block: with the default block size, as many keys as a score block of
+    ``_FORWARD_BLOCK_BYTES`` per worker allows (at least ``bk``, at most ``Lk``).
+
+    Per key block the online softmax makes about ten elementwise passes (max, shift, exp, sum,
+    rescaling ``l`` and the accumulator) beside its two GEMMs; at 64 x 64 blocks they took about
+    half the forward's time.  With one long key block a query block needs one max, one exp, one
+    sum and no rescaling at all, while the memory stays ``O(block_q * key block)``, never
+    ``(Lq, Lk)``.  The GEMMs still run in ``bk``-key slices (``_ForwardWorker``), under OpenBLAS's
+    threading limit, so the workers keep both cores busy.  An explicit ``block_size`` is kept.
+    """
+    if block_size is not None:
+        return bk
+    return max(bk, min(lk, _FORWARD_BLOCK_BYTES // (itemsize * max(1, n_mats * bq))))
 
 
 def _n_workers(n_scores: int, n_blocks: int, gemm_mnk: int) -> int:
@@ -658,7 +677,9 @@ def memory_efficient_attention_kernel(
     lead, lq, ev = geo.lay.lead, geo.lq, v.shape[-1]
     out = np.empty(lead + (lq, ev), q.dtype)
     lse = np.empty(lead + (lq,), q.dtype)
-    _run(lambda share: _ForwardWorker(geo, scale).rows(share, out, lse), geo.shares(_spans(lq, bq)))
+    fbk = _forward_key_block(block_size, n_mats, bq, bk, geo.lk, geo.dt.itemsize)
+    fgeo = geo._replace(bk=fbk)  # the forward's key blocks; the cache keeps bk
+    _run(lambda share: _ForwardWorker(fgeo, scale, bk).rows(share, out, lse), geo.shares(_spans(lq, bq)))
     out = out.reshape(geo.lay.out_lead + (lq, ev))
     lse = lse.reshape(geo.lay.out_lead + (lq,))
     return out, MemoryEfficientCache(
@@ -668,14 +689,15 @@ def memory_efficient_attention_kernel(
 
 class _ForwardWorker:
     """One worker's share of the forward: its own buffers, the query blocks of its share, and the
-    online softmax's step for one key block."""
+    online softmax's step for one key block (``geo.bk`` keys; its GEMMs in slices of ``gemm_keys``)."""
 
-    def __init__(self, geo: _Geometry, scale: float):
-        self.geo, self.scale = geo, scale
+    def __init__(self, geo: _Geometry, scale: float, gemm_keys: int):
+        self.geo, self.scale, self.gemm_keys = geo, scale, gemm_keys
         bq, bk, e, ev = geo.bq, geo.bk, geo.lay.q.shape[-1], geo.lay.v.shape[-1]
         self.qs_buf = np.empty(math.prod(geo.lay.q.shape[:-2]) * bq * e, geo.dt)
         self.s_buf, self.acc_buf, self.pv_buf = geo.buffer(bk, bq), geo.buffer(ev, bq), geo.buffer(ev, bq)
         self.stat_bufs = [geo.buffer(bq) for _ in range(6)]
+        self.max_buf = geo.buffer((geo.bk + 1) // 2, bq)
         self.bias_bufs = geo.scores.buffers(bk, bq)
         self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
 
@@ -686,20 +708,43 @@ class _ForwardWorker:
         for i0, i1 in share:
             nq = i1 - i0
             qs_t = _scaled_rows(lay.q, i0, i1, self.scale, self.qs_buf).swapaxes(-1, -2)
-            stats = _OnlineSoftmax([scratch(b, lead + (1, nq)) for b in self.stat_bufs], lay.sinks, geo.dt)
+            stat_rows = [scratch(b, lead + (1, nq)) for b in self.stat_bufs]
+            stats = _OnlineSoftmax(stat_rows, self.max_buf, lay.sinks, geo.dt)
             acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
             pv_t = scratch(self.pv_buf, lead + (ev, nq))
             c0, c1 = key_range(geo.band, i0, i1, geo.lk)  # the keys some query of the block may see
             for j0, j1 in _spans(c1, geo.bk, c0):
                 st = scratch(self.s_buf, lead + (j1 - j0, nq))  # S^T: keys down, queries across
-                np.matmul(lay.k[..., j0:j1, :], qs_t, out=st)
+                for a, b in _spans(j1 - j0, self.gemm_keys):
+                    np.matmul(lay.k[..., j0 + a : j0 + b, :], qs_t, out=st[..., a:b, :])
                 if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs):
                     continue  # every score of this block is masked
                 keep = None if geo.dropout is None else geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
-                stats.add_block(st, keep, lay.v[..., j0:j1, :], acc_t, pv_t)
+                stats.add_block(st, keep, lay.v[..., j0:j1, :], acc_t, pv_t, self.gemm_keys)
             drop_scale = None if geo.dropout is None else geo.dropout.scale
             stats.finish(acc_t, drop_scale, out[..., i0:i1, :].swapaxes(-1, -2), lse[..., None, i0:i1])
+
+
+def _key_max(st, tmp, out):
+    """``max(st, axis=-2)`` into ``out`` (..., 1, nq) by halving: ``max(x[:h], x[n-h:])`` with
+    ``h = ceil(n/2)`` (an overlap compares a row with itself, harmless for a maximum), then the
+    same on ``tmp`` until one row is left.  The same numbers as ``np.max`` (a maximum is exact),
+    about twice as fast on key-major blocks, whose reduction ``np.max`` runs along the strided
+    axis.  ``tmp``: a flat buffer of at least ``ceil(n/2) * st.size // n`` elements."""
+    n = st.shape[-2]
+    if n == 1:
+        np.copyto(out, st)
+        return out
+    h = (n + 1) // 2
+    x = scratch(tmp, st.shape[:-2] + (h, st.shape[-1]))
+    np.maximum(st[..., :h, :], st[..., n - h :, :], out=x)
+    while h > 1:
+        h2 = (h + 1) // 2
+        np.maximum(x[..., :h2, :], x[..., h - h2 : h, :], out=x[..., :h2, :])
+        h = h2
+    np.copyto(out, x[..., :1, :])
+    return out
 
 
 def _scaled_rows(qw, i0, i1, scale, buf):
@@ -714,8 +759,9 @@ class _OnlineSoftmax:
     ``m`` of the scores seen so far and the sum ``l`` of their exponentials relative to it (see
     ``memory_efficient_attention``); a sink starts them at ``m = sink``, ``l = exp(0) = 1``."""
 
-    def __init__(self, bufs, sinks, dt):
+    def __init__(self, bufs, max_buf, sinks, dt):
         self.m, self.m_new, self.shift, self.alpha, self.l, self.rsum = bufs
+        self.max_buf = max_buf  # scratch for ``_key_max``
         self.floor = np.finfo(dt).min
         if sinks is None:
             self.m.fill(-np.inf)
@@ -724,12 +770,13 @@ class _OnlineSoftmax:
             np.copyto(self.m, sinks)
             self.l.fill(1.0)
 
-    def add_block(self, st, keep, v_j, acc_t, pv_t):
+    def add_block(self, st, keep, v_j, acc_t, pv_t, gemm_keys):
         """One key block of final scores ``st`` (key-major, overwritten by its weights): ``m' =
         max(m, max_B s)``, ``alpha = exp(m - m')``, ``l' = alpha l + rowsum(P_B)`` and ``a' = alpha a
-        + (P_B [* keep]) v_B`` (``a`` transposed, ``acc_t``; dropout sums the kept weights only)."""
+        + (P_B [* keep]) v_B`` (``a`` transposed, ``acc_t``; dropout sums the kept weights only);
+        ``P_B v_B`` is summed over slices of ``gemm_keys`` keys."""
         m, m_new, shift, alpha, rsum = self.m, self.m_new, self.shift, self.alpha, self.rsum
-        np.max(st, axis=-2, keepdims=True, out=m_new)
+        _key_max(st, self.max_buf, m_new)
         np.maximum(m_new, m, out=m_new)  # m' = max(m, max_B s)
         np.maximum(m_new, self.floor, out=shift)  # a row that saw only -inf shifts by a finite number
         np.subtract(m, shift, out=alpha)
@@ -741,9 +788,10 @@ class _OnlineSoftmax:
         self.l += rsum  # l' = alpha l + rowsum(P_B)
         if keep is not None:  # a' sums the kept weights only
             st *= keep
-        np.matmul(v_j.swapaxes(-1, -2), st, out=pv_t)
         acc_t *= alpha
-        acc_t += pv_t  # a' = alpha a + P_B v_B  (transposed)
+        for a, b in _spans(st.shape[-2], gemm_keys):
+            np.matmul(v_j[..., a:b, :].swapaxes(-1, -2), st[..., a:b, :], out=pv_t)
+            acc_t += pv_t  # a' = alpha a + P_B v_B  (transposed)
         self.m, self.m_new = m_new, m  # m <- m' (swap the two buffers, no copy)
 
     def finish(self, acc_t, drop_scale, o_t, lse_row):
