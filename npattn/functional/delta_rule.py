@@ -50,6 +50,7 @@ Also here: ``l2_norm`` (``x / sqrt(sum x^2 + eps)``, the q/k normalisation) and
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -64,8 +65,6 @@ from .._validate import (
     check_grad,
     check_positive_float,
     check_size,
-    check_tangent,
-    check_tangents,
     check_tangents_as,
 )
 from .activation import SiluCache, silu_backward_jvp_kernel, silu_backward_kernel, silu_jvp_kernel, silu_kernel
@@ -411,6 +410,172 @@ class GatedDeltaRuleCache(DeltaRuleCache):
     __slots__ = ()
 
 
+#: The parts of the chunked rules' forward docstrings that ``gated_delta_rule`` and
+#: ``kda.kimi_delta_attention`` share (``<rule_qkv>``, ``<rule_options>``, ``<rule_returns>``,
+#: ``<rule_examples>``); each rule writes its own ``g`` and the rest.
+RULE_FORWARD_DOC = {
+    "rule_qkv": """
+        q, k : ndarray ``(B..., H, L, Dk)``
+        v : ndarray ``(B..., H, L, Dv)``
+        """,
+    "rule_options": """
+        initial_state : ndarray ``(B..., H, Dk, Dv)``, optional
+        output_final_state : bool
+            Keep the final state as ``cache.final_state`` (else it is None).
+        use_qk_l2norm : bool
+            Normalise q and k first: ``x / sqrt(sum(x^2) + 1e-6)`` over ``Dk``.
+        chunk_size : int >= 1
+            Steps per chunk (``min(chunk_size, L)`` is used); any value gives the same numbers.
+        """,
+    "rule_returns": """
+        Returns
+        -------
+        (out, cache)
+            ``out (B..., H, L, Dv)`` in the inputs' float dtype (integer inputs take it; mixed float dtypes raise).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
+            (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
+        """,
+    "rule_examples": """
+        Examples
+        --------
+        The chunked form gives the textbook recurrence's numbers:
+
+        >>> import numpy as np
+        >>> from npattn import functional as F
+        >>> from npattn.functional import reference as R
+        >>> rng = np.random.default_rng(0)
+        >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
+        """,
+}
+
+
+def rule_backward_doc(cache: str) -> dict:
+    """The ``Parameters`` and the head of the ``Returns`` of a chunked rule's backward (``<rule_backward>``)
+    whose cache is of class ``cache``."""
+    return {
+        "rule_backward": f"""
+        Parameters
+        ----------
+        dout : ndarray ``(B..., H, L, Dv)``
+        cache : {cache}
+        dfinal_state : ndarray ``(B..., H, Dk, Dv)``, optional
+            The gradient reaching the final state (e.g. from a later segment); zero if None.
+
+        Returns
+        -------
+        (dq, dk, dv, dg, dbeta, dinitial_state)
+        """
+    }
+
+
+def rule_jvp_doc(cache: str) -> dict:
+    """The ``Parameters`` and ``Returns`` of a chunked rule's ``_jvp`` (``<rule_jvp>``) whose cache is
+    of class ``cache``."""
+    return {
+        "rule_jvp": f"""
+        Parameters
+        ----------
+        cache : {cache}
+        *tangents : ndarray or None
+            ``(tq, tk, tv, tg, tbeta, tinitial_state)``, the backward's order, each of its input's
+            shape; None or left out: zero (``tinitial_state`` must be None without an initial state).
+
+        Returns
+        -------
+        tout, or (tout, tfinal_state)
+            The latter when the forward kept the final state.
+        """
+    }
+
+
+def rule_backward_jvp_doc(op: str) -> dict:
+    """The ``Parameters``, ``Returns`` and ``Raises`` of a chunked rule ``op``'s ``_backward_jvp``
+    (``<rule_backward_jvp>``)."""
+    grads = (
+        f"``grads`` exactly ``{op}_backward(dout, cache, dfinal_state)``, ``grad_tangents`` their tangents"
+        " in the same order (``dinitial_state``'s None without an initial state)."
+    )
+    tangents = (
+        f"``(tq, tk, tv, tg, tbeta, tinitial_state)``, ``{op}_jvp``'s order; None or left out: zero"
+        " (``tinitial_state`` must be None without an initial state)."
+    )
+
+    def wrap(text: str) -> str:  # an entry's description, as the pairs' docstrings wrap it (col 100)
+        return "\n".join(textwrap.wrap(text, 92, break_long_words=False, break_on_hyphens=False)).replace(
+            "\n", "\n" + " " * 12
+        )
+
+    return {
+        "rule_backward_jvp": f"""
+        Parameters
+        ----------
+        dout, cache, dfinal_state
+            As ``{op}_backward`` takes them.
+        tangents : tuple or None
+            {wrap(tangents)}
+        ddout : ndarray of ``dout``'s shape, optional
+        ddfinal_state : ndarray of the final state's shape, optional
+            The tangents of ``dout`` and ``dfinal_state`` (None: zero).
+
+        Returns
+        -------
+        (grads, grad_tangents)
+            {wrap(grads)}
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the argument: a wrong cache, shapes that do not fit, too many tangents.
+        """
+    }
+
+
+def state_shape(c: DeltaRuleCache) -> tuple:
+    """The state's shape ``(B..., H, Dk, Dv)`` of a chunked rule's cache."""
+    return c.states.shape[:-3] + c.states.shape[-2:]
+
+
+def tangent_specs(c: DeltaRuleCache) -> tuple:
+    """The tangents' names and shapes, in the backward's order (``check_tangents_as``'s specs)."""
+    return (
+        ("tq", c.q.shape),
+        ("tk", c.k.shape),
+        ("tv", c.v.shape),
+        ("tg", c.g.shape),
+        ("tbeta", c.beta.shape),
+        ("tinitial_state", state_shape(c), c.has_initial_state),
+    )
+
+
+def checked_backward(op: str, cache, cache_type: type, dout, dfinal_state) -> tuple:
+    """The checks of a chunked rule's backward ``op`` (the cache of ``cache_type``, ``dout`` of
+    ``v``'s shape, ``dfinal_state`` of the state's), before any arithmetic: ``(dout, dfinal_state)``."""
+    check_cache(cache, cache_type, op)
+    dtype = cache.v.dtype
+    dout = check_grad(dout, cache.v.shape, dtype)
+    if dfinal_state is not None:
+        dfinal_state = check_grad(dfinal_state, state_shape(cache), dtype, "dfinal_state")
+    return dout, dfinal_state
+
+
+def checked_backward_jvp(op: str, cache, cache_type: type, dout, tangents, ddout, dfinal_state, ddfinal_state):
+    """The checks of a chunked rule's second order ``op``, before any arithmetic: ``(dout,
+    tangents, ddout, dfinal_state, ddfinal_state)``, each checked (None stays None)."""
+    check_cache(cache, cache_type, op)
+    dtype = cache.v.dtype
+    dout, tangents, ddout = check_backward_jvp(dout, tangents, ddout, op, cache.v.shape, dtype, tangent_specs(cache))
+    dfinal_state, ddfinal_state = (
+        None if x is None else check_grad(x, state_shape(cache), dtype, name)
+        for x, name in ((dfinal_state, "dfinal_state"), (ddfinal_state, "ddfinal_state"))
+    )
+    return dout, tangents, ddout, dfinal_state, ddfinal_state
+
+
+@shared_doc(**RULE_FORWARD_DOC)
 def gated_delta_rule(
     q: np.ndarray,
     k: np.ndarray,
@@ -434,42 +599,18 @@ def gated_delta_rule(
 
     Parameters
     ----------
-    q, k : ndarray ``(B..., H, L, Dk)``
-    v : ndarray ``(B..., H, L, Dv)``
+    <rule_qkv>
     g : ndarray ``(B..., H, L)``
         Log decays (``<= 0`` in Qwen3-Next: the state is multiplied by ``exp(g_t)``).
     beta : ndarray ``(B..., H, L)``
         Write strengths (``sigmoid(b)`` in Qwen3-Next).
     scale : float > 0, optional
         Multiplies q (after the normalisation); default ``1 / sqrt(Dk)``.
-    initial_state : ndarray ``(B..., H, Dk, Dv)``, optional
-    output_final_state : bool
-        Keep the final state as ``cache.final_state`` (else it is None).
-    use_qk_l2norm : bool
-        Normalise q and k first: ``x / sqrt(sum(x^2) + 1e-6)`` over ``Dk``.
-    chunk_size : int >= 1
-        Steps per chunk (``min(chunk_size, L)`` is used); any value gives the same numbers.
+    <rule_options>
 
-    Returns
-    -------
-    (out, cache)
-        ``out (B..., H, L, Dv)`` in the inputs' float dtype (integer inputs take it; mixed float dtypes raise).
+    <rule_returns>
 
-    Raises
-    ------
-    TypeError, ValueError
-        Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
-        (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
-
-    Examples
-    --------
-    The chunked form gives the textbook recurrence's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
+    <rule_examples>
     >>> g, beta = -rng.random((1, 2, 10)), rng.random((1, 2, 10))             # log-decay <= 0, beta in [0, 1]
     >>> out, cache = F.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=4)
     >>> ref, _ = R.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
@@ -748,29 +889,16 @@ def _scan(c, s):
     return states, u, s
 
 
+@shared_doc(**rule_backward_doc("GatedDeltaRuleCache"))
 def gated_delta_rule_backward(
     dout: np.ndarray, cache: GatedDeltaRuleCache, dfinal_state: Optional[np.ndarray] = None
 ) -> tuple[Optional[np.ndarray], ...]:
     """Gradients of ``gated_delta_rule``, chunk by chunk (derivation beside ``_chunked_backward``).
 
-    Parameters
-    ----------
-    dout : ndarray ``(B..., H, L, Dv)``
-    cache : GatedDeltaRuleCache
-    dfinal_state : ndarray ``(B..., H, Dk, Dv)``, optional
-        The gradient reaching the final state (e.g. from a later segment); zero if None.
-
-    Returns
-    -------
-    (dq, dk, dv, dg, dbeta, dinitial_state)
+    <rule_backward>
         ``dinitial_state`` is None when the forward had no initial state.
     """
-    check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_backward")
-    dtype = cache.v.dtype
-    dout = check_grad(dout, cache.v.shape, dtype)
-    if dfinal_state is not None:
-        want = cache.states.shape[:-3] + cache.states.shape[-2:]
-        dfinal_state = check_grad(dfinal_state, want, dtype, "dfinal_state")
+    dout, dfinal_state = checked_backward("gated_delta_rule_backward", cache, GatedDeltaRuleCache, dout, dfinal_state)
     return gated_delta_rule_backward_kernel(dout, cache, dfinal_state)
 
 
@@ -1025,30 +1153,16 @@ def segment_sums_backward(dd):
 # ------------------------------------------------------------------------- gated_delta_rule_jvp
 
 
+@shared_doc(**rule_jvp_doc("GatedDeltaRuleCache"))
 def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
     """Forward mode of ``gated_delta_rule``, chunk by chunk (derivation beside ``_chunked_jvp``).
 
-    Parameters
-    ----------
-    cache : GatedDeltaRuleCache
-    *tangents : ndarray or None
-        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, the backward's order, each of its input's
-        shape; None or left out: zero (``tinitial_state`` must be None without an initial state).
-
-    Returns
-    -------
-    tout, or (tout, tfinal_state)
-        The latter when the forward kept the final state.
+    <rule_jvp>
     """
-    check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_jvp")
-    names = ("tq", "tk", "tv", "tg", "tbeta", "tinitial_state")
-    ts = check_tangents(tangents, names, "gated_delta_rule_jvp")
-    q, k, v, g = cache.q, cache.k, cache.v, cache.g
-    state_shape = cache.states.shape[:-3] + cache.states.shape[-2:]
-    shapes = (q.shape, k.shape, v.shape, g.shape, g.shape, state_shape)
-    checked = [check_tangent(t, n, sh, q.dtype) for t, n, sh in zip(ts[:5], names, shapes)]
-    checked.append(check_tangent(ts[5], names[5], state_shape, q.dtype, present=cache.has_initial_state))
-    return gated_delta_rule_jvp_kernel(cache, *checked)
+    c = check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_jvp")
+    return gated_delta_rule_jvp_kernel(
+        c, *check_tangents_as(tangents, "gated_delta_rule_jvp", c.q.dtype, tangent_specs(c))
+    )
 
 
 def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
@@ -1088,6 +1202,7 @@ def used_tangents(c: DeltaRuleCache, tq, tk, tv, tg, tbeta):
     return tq, tk, tv, tg, tbeta
 
 
+@shared_doc(**rule_backward_jvp_doc("gated_delta_rule"))
 def gated_delta_rule_backward_jvp(
     dout: np.ndarray,
     cache: GatedDeltaRuleCache,
@@ -1107,45 +1222,10 @@ def gated_delta_rule_backward_jvp(
     the scale and, with ``use_qk_l2norm``, ``l2_norm``'s second order along the raw tangents.
     Work linear in ``L``, no ``(L, L)`` array.
 
-    Parameters
-    ----------
-    dout, cache, dfinal_state
-        As ``gated_delta_rule_backward`` takes them.
-    tangents : tuple or None
-        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, ``gated_delta_rule_jvp``'s order; None or
-        left out: zero (``tinitial_state`` must be None without an initial state).
-    ddout : ndarray of ``dout``'s shape, optional
-    ddfinal_state : ndarray of the final state's shape, optional
-        The tangents of ``dout`` and ``dfinal_state`` (None: zero).
-
-    Returns
-    -------
-    (grads, grad_tangents)
-        ``grads`` exactly ``gated_delta_rule_backward(dout, cache, dfinal_state)``, ``grad_tangents``
-        their tangents in the same order (``dinitial_state``'s None without an initial state).
-
-    Raises
-    ------
-    TypeError, ValueError
-        Naming the argument: a wrong cache, shapes that do not fit, too many tangents.
+    <rule_backward_jvp>
     """
-    check_cache(cache, GatedDeltaRuleCache, "gated_delta_rule_backward_jvp")
-    q, g, dtype = cache.q, cache.g, cache.v.dtype
-    state_shape = cache.states.shape[:-3] + cache.states.shape[-2:]
-    specs = (
-        ("tq", q.shape),
-        ("tk", q.shape),
-        ("tv", cache.v.shape),
-        ("tg", g.shape),
-        ("tbeta", g.shape),
-        ("tinitial_state", state_shape, cache.has_initial_state),
-    )
-    dout, tangents, ddout = check_backward_jvp(
-        dout, tangents, ddout, "gated_delta_rule_backward_jvp", cache.v.shape, dtype, specs
-    )
-    dfinal_state, ddfinal_state = (
-        None if x is None else check_grad(x, state_shape, dtype, name)
-        for x, name in ((dfinal_state, "dfinal_state"), (ddfinal_state, "ddfinal_state"))
+    dout, tangents, ddout, dfinal_state, ddfinal_state = checked_backward_jvp(
+        "gated_delta_rule_backward_jvp", cache, GatedDeltaRuleCache, dout, tangents, ddout, dfinal_state, ddfinal_state
     )
     return gated_delta_rule_backward_jvp_kernel(dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
 

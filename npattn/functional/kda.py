@@ -59,12 +59,16 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._validate import check_backward_jvp, check_cache, check_grad, check_tangents_as
+from .._docs import shared_doc
+from .._validate import check_cache, check_tangents_as
 from . import delta_rule
 from .delta_rule import (
+    RULE_FORWARD_DOC,
     ChunkedRule,
     DeltaRuleCache,
     adjoint_tangents,
+    checked_backward,
+    checked_backward_jvp,
     checked_inputs,
     chunk_blocks,
     chunked_backward,
@@ -72,10 +76,14 @@ from .delta_rule import (
     chunked_jvp,
     flushed_exp,
     pad_chunks,
+    rule_backward_doc,
+    rule_backward_jvp_doc,
+    rule_jvp_doc,
     second_order_kernel,
     segment_sums,
     segment_sums_backward,
     tangent_scan,
+    tangent_specs,
     triangular_matmul,
     unit_lower_inverse,
 )
@@ -97,6 +105,7 @@ class KimiDeltaAttentionCache(DeltaRuleCache):
     __slots__ = ()
 
 
+@shared_doc(**RULE_FORWARD_DOC)
 def kimi_delta_attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -122,8 +131,7 @@ def kimi_delta_attention(
 
     Parameters
     ----------
-    q, k : ndarray ``(B..., H, L, Dk)``
-    v : ndarray ``(B..., H, L, Dv)``
+    <rule_qkv>
     g : ndarray ``(B..., H, L, Dk)``
         Log decays, one per key channel (``<= 0`` in Kimi Linear: row d of the state is
         multiplied by ``exp(g_td)``).
@@ -131,36 +139,13 @@ def kimi_delta_attention(
         Write strengths (``sigmoid(b)`` in Kimi Linear).
     scale : float > 0, optional
         Multiplies q (after the normalisation); default ``1 / sqrt(Dk)`` (transformers' only choice).
-    initial_state : ndarray ``(B..., H, Dk, Dv)``, optional
-    output_final_state : bool
-        Keep the final state as ``cache.final_state`` (else it is None).
-    use_qk_l2norm : bool
-        Normalise q and k first: ``x / sqrt(sum(x^2) + 1e-6)`` over ``Dk``.
-    chunk_size : int >= 1
-        Steps per chunk (``min(chunk_size, L)`` is used); any value gives the same numbers.  The
-        pairwise decays cost ``C Dk`` per step, so the default is 16 (FLA's sub-chunk), not the
+    <rule_options>
+        The pairwise decays cost ``C Dk`` per step, so the default is 16 (FLA's sub-chunk), not the
         gated delta rule's 64.
 
-    Returns
-    -------
-    (out, cache)
-        ``out (B..., H, L, Dv)`` in the inputs' float dtype (integer inputs take it; mixed float dtypes raise).
+    <rule_returns>
 
-    Raises
-    ------
-    TypeError, ValueError
-        Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
-        (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
-
-    Examples
-    --------
-    The chunked form gives the textbook recurrence's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
+    <rule_examples>
     >>> g, beta = -rng.random((1, 2, 10, 4)), rng.random((1, 2, 10))          # a log decay per channel
     >>> out, cache = F.kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=4)
     >>> ref, _ = R.kimi_delta_attention(q, k, v, g, beta, use_qk_l2norm=True)
@@ -298,30 +283,19 @@ def _chunk_terms(q, k, v, g, beta) -> _Chunks:
     )
 
 
+@shared_doc(**rule_backward_doc("KimiDeltaAttentionCache"))
 def kimi_delta_attention_backward(
     dout: np.ndarray, cache: KimiDeltaAttentionCache, dfinal_state: Optional[np.ndarray] = None
 ) -> tuple[Optional[np.ndarray], ...]:
     """Gradients of ``kimi_delta_attention``, chunk by chunk (derivation beside ``_chunked_backward``).
 
-    Parameters
-    ----------
-    dout : ndarray ``(B..., H, L, Dv)``
-    cache : KimiDeltaAttentionCache
-    dfinal_state : ndarray ``(B..., H, Dk, Dv)``, optional
-        The gradient reaching the final state (e.g. from a later segment); zero if None.
-
-    Returns
-    -------
-    (dq, dk, dv, dg, dbeta, dinitial_state)
+    <rule_backward>
         ``dg`` of g's shape ``(B..., H, L, Dk)``; ``dinitial_state`` is None when the forward had
         no initial state.
     """
-    check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_backward")
-    dtype = cache.v.dtype
-    dout = check_grad(dout, cache.v.shape, dtype)
-    if dfinal_state is not None:
-        want = cache.states.shape[:-3] + cache.states.shape[-2:]
-        dfinal_state = check_grad(dfinal_state, want, dtype, "dfinal_state")
+    dout, dfinal_state = checked_backward(
+        "kimi_delta_attention_backward", cache, KimiDeltaAttentionCache, dout, dfinal_state
+    )
     return _kimi_delta_attention_backward(dout, cache, dfinal_state)
 
 
@@ -501,40 +475,16 @@ def _chunked_backward_jvp(c: _Chunks, tc: _Chunks, s, ts, do, tdo, dsf, tdsf):
 # ------------------------------------------------------------------------ kimi_delta_attention_jvp
 
 
+@shared_doc(**rule_jvp_doc("KimiDeltaAttentionCache"))
 def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents):
     """Forward mode of ``kimi_delta_attention``, chunk by chunk (derivation beside ``_chunked_jvp``).
 
-    Parameters
-    ----------
-    cache : KimiDeltaAttentionCache
-    *tangents : ndarray or None
-        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, the backward's order, each of its input's
-        shape; None or left out: zero (``tinitial_state`` must be None without an initial state).
-
-    Returns
-    -------
-    tout, or (tout, tfinal_state)
-        The latter when the forward kept the final state.
+    <rule_jvp>
     """
-    check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_jvp")
-    c = cache
-    return _kimi_delta_attention_jvp(c, *check_tangents_as(tangents, "kimi_delta_attention_jvp", c.q.dtype, _specs(c)))
-
-
-def _specs(c: KimiDeltaAttentionCache):
-    """The tangents' names and shapes, in the backward's order (``check_tangents_as``'s specs)."""
-    return (
-        ("tq", c.q.shape),
-        ("tk", c.k.shape),
-        ("tv", c.v.shape),
-        ("tg", c.g.shape),
-        ("tbeta", c.beta.shape),
-        ("tinitial_state", _state_shape(c), c.has_initial_state),
+    c = check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_jvp")
+    return _kimi_delta_attention_jvp(
+        c, *check_tangents_as(tangents, "kimi_delta_attention_jvp", c.q.dtype, tangent_specs(c))
     )
-
-
-def _state_shape(c: KimiDeltaAttentionCache):
-    return c.states.shape[:-3] + c.states.shape[-2:]
 
 
 def _kimi_delta_attention_jvp(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
@@ -605,6 +555,7 @@ def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
 # --------------------------------------------------------------- kimi_delta_attention_backward_jvp
 
 
+@shared_doc(**rule_backward_jvp_doc("kimi_delta_attention"))
 def kimi_delta_attention_backward_jvp(
     dout: np.ndarray,
     cache: KimiDeltaAttentionCache,
@@ -625,37 +576,11 @@ def kimi_delta_attention_backward_jvp(
     driver is the gated delta rule's, ``delta_rule.second_order_kernel``).  Work linear in ``L``,
     no ``(L, L)`` array: a block of chunks holds its ``(C, Dk, C)`` arrays, as the backward.
 
-    Parameters
-    ----------
-    dout, cache, dfinal_state
-        As ``kimi_delta_attention_backward`` takes them.
-    tangents : tuple or None
-        ``(tq, tk, tv, tg, tbeta, tinitial_state)``, ``kimi_delta_attention_jvp``'s order; None or
-        left out: zero (``tinitial_state`` must be None without an initial state).
-    ddout : ndarray of ``dout``'s shape, optional
-    ddfinal_state : ndarray of the final state's shape, optional
-        The tangents of ``dout`` and ``dfinal_state`` (None: zero).
-
-    Returns
-    -------
-    (grads, grad_tangents)
-        ``grads`` exactly ``kimi_delta_attention_backward(dout, cache, dfinal_state)``,
-        ``grad_tangents`` their tangents in the same order (``dinitial_state``'s None without an
-        initial state).
-
-    Raises
-    ------
-    TypeError, ValueError
-        Naming the argument: a wrong cache, shapes that do not fit, too many tangents.
+    <rule_backward_jvp>
     """
-    check_cache(cache, KimiDeltaAttentionCache, "kimi_delta_attention_backward_jvp")
-    shape, dtype = cache.v.shape, cache.v.dtype
-    dout, tangents, ddout = check_backward_jvp(
-        dout, tangents, ddout, "kimi_delta_attention_backward_jvp", shape, dtype, _specs(cache)
-    )
-    dfinal_state, ddfinal_state = (
-        None if x is None else check_grad(x, _state_shape(cache), dtype, name)
-        for x, name in ((dfinal_state, "dfinal_state"), (ddfinal_state, "ddfinal_state"))
+    name, cache_type = "kimi_delta_attention_backward_jvp", KimiDeltaAttentionCache
+    dout, tangents, ddout, dfinal_state, ddfinal_state = checked_backward_jvp(
+        name, cache, cache_type, dout, tangents, ddout, dfinal_state, ddfinal_state
     )
     return second_order_kernel(_RULE, dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
 
