@@ -643,6 +643,16 @@ def _act(r: _Reader, key: str, default: str) -> str:
     return v
 
 
+def _mlp_and_bias(r: _Reader, act_key: str = "hidden_act", act_default: str = "silu") -> dict:
+    """The dense MLP's ``intermediate_size`` and activation (``act_key``, ``act_default``) and the
+    attention projections' ``attention_bias``, as most families' readers read them."""
+    return dict(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, act_key, act_default),
+        attention_bias=r.bool("attention_bias"),
+    )
+
+
 def _rope_mapping(r: _Reader, key: str):
     v = r.get(key)
     if v is not None and not isinstance(v, Mapping):
@@ -804,9 +814,7 @@ def _llama(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         mlp_bias=r.bool("mlp_bias"),
         rope=_rope_params(r, 10000.0),
         layer_types=("full_attention",) * n,
@@ -824,9 +832,7 @@ def _qwen3(r: _Reader) -> dict:
     default = ["sliding_attention" if sw is not None and i >= mwl else "full_attention" for i in range(n)]
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         qk_norm=True,
         rope=_rope_params(r, 10000.0),
         layer_types=lt,
@@ -863,9 +869,7 @@ def _qwen3_moe(r: _Reader) -> dict:
     r.bool("output_router_logits")
     r.float("router_aux_loss_coef", positive=False)
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         qk_norm=True,
         rope=_rope_params(r, 10000.0),
         layer_types=lt,
@@ -887,9 +891,7 @@ def _gemma3(r: _Reader) -> dict:
     default = _interleaved(n, pattern, "sliding_attention")
     lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_activation", "gelu_pytorch_tanh"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r, "hidden_activation", "gelu_pytorch_tanh"),
         qk_norm=True,
         norm_offset=True,
         sandwich_norm=True,
@@ -946,9 +948,7 @@ def _deepseek_v3(r: _Reader) -> dict:
     r.get("qk_head_dim")  # derived: qk_nope_head_dim + qk_rope_head_dim
     q_lora = r.get("q_lora_rank")
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         rope=_rope_params(r, 10000.0),
         layer_types=("latent_attention",) * n,
         mlp_types=tuple("dense" if i < k_dense else "moe" for i in range(n)),
@@ -1033,9 +1033,7 @@ def _qwen3_next(r: _Reader) -> dict:
     n_exp = r.int("num_experts")
     mlp = tuple("moe" if i not in only and n_exp > 0 and (i + 1) % step == 0 else "dense" for i in range(n))
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         qk_norm=True,
         norm_offset=True,
         attn_output_gate=True,
@@ -1158,9 +1156,7 @@ def _kimi_linear(r: _Reader) -> dict:
             r.get(key)
     r.float("routed_scaling_factor", 1.0)
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         layer_types=tuple("latent_attention" if t == "full_attention" else t for t in lt),
         mlp_types=moe,
         head_dim=r.int("qk_rope_head_dim"),
@@ -1208,9 +1204,7 @@ def _olmo3(r: _Reader) -> dict:
     theta = r.get("rope_theta")
     bases = {"full_attention": 500_000.0 if theta is None else theta, "sliding_attention": 500_000.0}
     c.update(
-        intermediate_size=r.int("intermediate_size"),
-        hidden_act=_act(r, "hidden_act", "silu"),
-        attention_bias=r.bool("attention_bias"),
+        _mlp_and_bias(r),
         qk_norm=True,
         qk_norm_scope="all_heads",
         pre_norm=False,
@@ -1423,53 +1417,61 @@ _QWEN_HYBRID: dict = dict(
 _QWEN_HYBRID_MOE: dict = dict(moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 
+# The defaults families share: Llama's sizes (OLMo 3's too), Qwen3's (Qwen3-MoE's), Gemma 3's
+# (Gemma 4's), DeepSeek-V3's MLA heads (Kimi Linear's), and the SiLU MLP without biases or tied
+# embeddings most have.
+_SILU: dict = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)
+_LLAMA_SIZES: dict = dict(
+    max_position_embeddings=2048,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+)
+_QWEN3: dict = dict(
+    _SILU,
+    max_position_embeddings=32768,
+    vocab_size=151936,
+    num_attention_heads=32,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
+_GEMMA: dict = dict(
+    max_position_embeddings=131072,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+_MLA: dict = dict(kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)
+
 # transformers' (5.x) class defaults of the keys that shape each family's forward pass, for a config
 # dict that leaves them out (a hand-written dict, an older config.json): a missing key must mean
 # what it means to transformers, never npattn's own guess.  Keys derived from others (Llama's and
 # DeepSeek's head_dim and num_key_value_heads) are left to the readers, and so is RoPE (each reader's
 # base and GPT-OSS's YaRN, _GPT_OSS_ROPE, read as transformers reads them; see _rope_params).
 _DEFAULTS: dict = {
-    "llama": dict(
-        max_position_embeddings=2048,
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    ),
+    "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
     "qwen3": dict(
-        max_position_embeddings=32768,
-        vocab_size=151936,
+        _QWEN3,
         hidden_size=4096,
         intermediate_size=22016,
         num_hidden_layers=32,
-        num_attention_heads=32,
         head_dim=128,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        use_sliding_window=False,
         max_window_layers=28,
     ),
     "qwen3_moe": dict(
-        max_position_embeddings=32768,
-        vocab_size=151936,
+        _QWEN3,
         hidden_size=2048,
         intermediate_size=6144,
         num_hidden_layers=24,
-        num_attention_heads=32,
         num_key_value_heads=4,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        use_sliding_window=False,
         sliding_window=4096,
         decoder_sparse_step=1,
         moe_intermediate_size=768,
@@ -1477,23 +1479,14 @@ _DEFAULTS: dict = {
         norm_topk_prob=False,
     ),
     "gemma3_text": dict(
-        max_position_embeddings=131072,
+        _GEMMA,
         vocab_size=262208,
-        hidden_size=2304,
-        intermediate_size=9216,
         num_hidden_layers=26,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=256,
-        hidden_activation="gelu_pytorch_tanh",
-        rms_norm_eps=1e-6,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-        attention_bias=False,
         query_pre_attn_scalar=256,
         sliding_window=4096,
     ),
     "gpt_oss": dict(
+        _SILU,
         max_position_embeddings=131072,
         vocab_size=201088,
         hidden_size=2880,
@@ -1505,14 +1498,13 @@ _DEFAULTS: dict = {
         num_local_experts=128,
         num_experts_per_tok=4,
         sliding_window=128,
-        tie_word_embeddings=False,
-        hidden_act="silu",
         rms_norm_eps=1e-5,
         swiglu_alpha=1.702,
         swiglu_limit=7.0,
         attention_bias=True,
     ),
     "deepseek_v3": dict(
+        _MLA,
         max_position_embeddings=4096,
         vocab_size=129280,
         hidden_size=7168,
@@ -1523,23 +1515,18 @@ _DEFAULTS: dict = {
         n_shared_experts=1,
         n_routed_experts=256,
         routed_scaling_factor=2.5,
-        kv_lora_rank=512,
         q_lora_rank=1536,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        qk_nope_head_dim=128,
         n_group=8,
         topk_group=4,
         num_experts_per_tok=8,
         first_k_dense_replace=3,
         norm_topk_prob=True,
-        hidden_act="silu",
+        **_SILU,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         rope_interleave=True,
-        attention_bias=False,
     ),
     "kimi_linear": dict(  # KimiLinearConfig's class defaults (the MoE keys with two names: the reader's)
+        _MLA,
         vocab_size=163840,
         hidden_size=2304,
         intermediate_size=9216,
@@ -1548,15 +1535,9 @@ _DEFAULTS: dict = {
         num_attention_heads=32,
         num_key_value_heads=32,
         routed_scaling_factor=2.446,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        qk_nope_head_dim=128,
         topk_group=1,
-        hidden_act="silu",
+        **_SILU,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attention_bias=False,
         linear_head_dim=128,
         linear_num_heads=32,
         linear_conv_kernel_dim=4,
@@ -1593,38 +1574,22 @@ _DEFAULTS: dict = {
         num_experts=256,
     ),
     "gemma4_text": dict(  # Gemma4TextConfig's class defaults (global_head_dim: the reader's, 512)
-        max_position_embeddings=131072,
+        _GEMMA,
         vocab_size=262144,
-        hidden_size=2304,
-        intermediate_size=9216,
         num_hidden_layers=30,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=256,
-        hidden_activation="gelu_pytorch_tanh",
-        rms_norm_eps=1e-6,
-        pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
-        tie_word_embeddings=True,
-        attention_bias=False,
         sliding_window=512,
         vocab_size_per_layer_input=262144,
         hidden_size_per_layer_input=256,
     ),
     "olmo3": dict(
-        max_position_embeddings=2048,
+        _LLAMA_SIZES,
         vocab_size=50304,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        hidden_act="silu",
+        **_SILU,
         rms_norm_eps=1e-5,
         pad_token_id=1,
         eos_token_id=50279,
-        tie_word_embeddings=False,
-        attention_bias=False,
         sliding_window=4096,
     ),
 }
