@@ -159,24 +159,11 @@ def kimi_delta_attention(
     return _kimi_delta_attention(*arrays, **options)
 
 
-def _kimi_delta_attention(
-    q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, use_qk_l2norm=False, chunk_size=16
-):
-    """The kernel of ``kimi_delta_attention`` (arguments checked, one dtype, ``scale`` resolved):
-    the gated delta rule's chunked forward (``delta_rule.chunked_forward``) with this rule's chunks."""
-    return chunked_forward(
-        _RULE,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size,
-    )
+def _kimi_delta_attention(q, k, v, g, beta, **options):
+    """The kernel of ``kimi_delta_attention`` (arguments checked, one dtype, ``options`` the keywords
+    ``checked_inputs`` gives): the gated delta rule's chunked forward (``delta_rule.chunked_forward``)
+    with this rule's chunks."""
+    return chunked_forward(_RULE, q, k, v, g, beta, **options)
 
 
 class _Chunks(NamedTuple):
