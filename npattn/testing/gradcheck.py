@@ -119,6 +119,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._docs import shared_doc
 from ..nn.module import Module, Parameter, no_grad
 
 __all__ = ["gradcheck", "gradgradcheck", "GradcheckReport", "GradcheckRow", "GradcheckError", "numerical_gradient"]
@@ -963,6 +964,42 @@ def _run_checks(problem: _Problem, opts: _Options, pristine_t0=None) -> Tuple[Li
 # --------------------------------------------------------------------------------------------
 
 
+#: The docstring sections that gradcheck and gradgradcheck share (their targets, tolerances and results differ).
+_CHECK_DOC = {
+    "target": """
+        Parameters
+        ----------
+        target : callable, tuple or Module
+        """,
+    "forward_kwargs_returns": """
+        **forward_kwargs
+            Passed to the forward.
+
+        Returns
+        -------
+        GradcheckReport
+        """,
+    "raises": """
+        Raises
+        ------
+        GradcheckError
+            With ``raise_exception=True`` when a check fails.
+        """,
+    "runtime_error": """
+        RuntimeError
+            When the forward modifies its inputs or gives two different outputs at the same point.
+        """,
+    "npattn_examples": """
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import npattn
+        >>> from npattn import functional as F
+        """,
+}
+
+
+@shared_doc(**_CHECK_DOC)
 def gradcheck(
     target,
     *inputs,
@@ -979,9 +1016,7 @@ def gradcheck(
 ) -> GradcheckReport:
     """Compare hand-written derivatives with central differences of ``f = sum(forward(*inputs) * g)``.
 
-    Parameters
-    ----------
-    target : callable, tuple or Module
+    <target>
         * a functional forward ``op`` returning ``(out, cache)``; its backward is
           ``<op name>_backward`` and its forward mode ``<op name>_jvp`` in the same python module;
         * a ``(forward, backward)`` or ``(forward, backward, jvp)`` tuple with the same protocol;
@@ -1033,23 +1068,14 @@ def gradcheck(
         ``eps=None``) make the two paths different functions: pass them explicitly.
     raise_exception : bool
         Raise :class:`GradcheckError` (an ``AssertionError`` carrying the report) when a check fails.
-    **forward_kwargs
-        Passed to the forward.
-
-    Returns
-    -------
-    GradcheckReport
+    <forward_kwargs_returns>
         ``report.ok``, ``report.rows``, ``report.worst``; ``str(report)`` is a table.
 
-    Raises
-    ------
-    GradcheckError
-        With ``raise_exception=True`` when a check fails.
+    <raises>
     TypeError, ValueError
         For bad arguments, a target without the needed backward/JVP, or gradients that cannot
         be paired with the inputs.
-    RuntimeError
-        When the forward modifies its inputs or gives two different outputs at the same point.
+    <runtime_error>
 
     Notes
     -----
@@ -1067,11 +1093,7 @@ def gradcheck(
     is passed to each forward; a module's own Generator attributes are saved and restored before
     each forward, so dropout draws the same mask every time.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import npattn
-    >>> from npattn import functional as F
+    <npattn_examples>
     >>> x = np.random.default_rng(0).standard_normal((3, 5))
     >>> report = npattn.gradcheck(F.softmax, x)              # a pair: softmax + softmax_backward
     >>> report.ok, report.failed
@@ -1546,22 +1568,13 @@ class _SecondOrder(NamedTuple):
     scales: Dict[str, float]  # the typical magnitude of each tensor with a gradient
 
 
+@shared_doc(**_CHECK_DOC)
 def gradgradcheck(
-    target,
-    *inputs,
-    seed=0,
-    eps=None,
-    rtol=None,
-    atol=None,
-    wrt=None,
-    raise_exception=False,
-    **forward_kwargs,
+    target, *inputs, seed=0, eps=None, rtol=None, atol=None, wrt=None, raise_exception=False, **forward_kwargs
 ) -> GradcheckReport:
     """Compare ``backward_jvp`` with central differences of the backward, and check ``<u, Hv> = <Hu, v>``.
 
-    Parameters
-    ----------
-    target : callable, tuple or Module
+    <target>
         * a functional forward ``op`` returning ``(out, cache)``: its backward is ``<op
           name>_backward`` and its second order ``<op name>_backward_jvp(dout, cache, tangents,
           ddout=None) -> (grads, grad_tangents)`` in the same python module;
@@ -1591,34 +1604,21 @@ def gradgradcheck(
         compared along each; the symmetry row uses the named inputs and parameters.
     raise_exception : bool
         Raise :class:`GradcheckError` (carrying the report) when a check fails.
-    **forward_kwargs
-        Passed to the forward.
-
-    Returns
-    -------
-    GradcheckReport
+    <forward_kwargs_returns>
         One row ``"d<gradient> along <moved>"`` (mode ``"backward_jvp"``) per gradient and moved
         tensor, whose ``at`` indexes the gradient, and a row ``"hessian"`` (mode ``"symmetry"``);
         ``str(report)`` is a table titled ``gradgradcheck``.
 
-    Raises
-    ------
-    GradcheckError
-        With ``raise_exception=True`` when a check fails.
+    <raises>
     TypeError
         A target without a second order (no ``<op>_backward_jvp``, a module without
         ``backward_jvp`` or whose ``backward_jvp`` raises ``NotImplementedError``), a tuple that
         is not ``(forward, backward, backward_jvp)``, or bad arguments (as gradcheck's).
     ValueError
         Bad arguments, unknown ``wrt`` names, or results of the wrong number or shape.
-    RuntimeError
-        When the forward modifies its inputs or gives two different outputs at the same point.
+    <runtime_error>
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import npattn
-    >>> from npattn import functional as F
+    <npattn_examples>
     >>> rng = np.random.default_rng(0)
     >>> logits, targets = rng.standard_normal((4, 5)), np.array([0, 2, 4, 1])
     >>> npattn.gradgradcheck(F.cross_entropy, logits, targets).ok      # a scalar loss: its Hessian
