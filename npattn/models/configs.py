@@ -1791,48 +1791,59 @@ def _moe_gpt_oss(c: _Loose) -> MoEConfig:
     )
 
 
-def _moe_deepseek_v3(c: _Loose) -> MoEConfig:
+# DeepSeek-V3's block under each family's key names: per argument, the keys (the first, then its
+# aliases) and the default (KeyError: required); Kimi's each also under transformers' attribute_map alias
+_SIGMOID_MOE_KEYS: dict = {
+    "deepseek_v3": dict(
+        experts=(("n_routed_experts", "num_local_experts"), KeyError),
+        top_k=(("num_experts_per_tok",), KeyError),
+        scaling=(("routed_scaling_factor",), 1.0),
+        n_group=(("n_group",), 1),
+        n_shared=(("n_shared_experts",), 0),
+    ),
+    "kimi_linear": dict(
+        experts=(("num_experts", "num_local_experts"), 256),
+        top_k=(("num_experts_per_token", "num_experts_per_tok"), 8),
+        scaling=(("routed_scaling_factor",), 2.446),
+        n_group=(("num_expert_group", "n_group"), 1),
+        n_shared=(("num_shared_experts", "n_shared_experts"), 1),
+    ),
+}
+
+
+def _moe_sigmoid(c: _Loose, keys: Mapping[str, tuple], renorm: str = "norm_topk_prob") -> MoEConfig:
     # sigmoid scores, keys gate.weight, gate.e_score_correction_bias, experts.*, shared_experts.*
+    def read(arg: str):
+        names, default = keys[arg]
+        return c.get(*names, default=default)
+
     inter = c.get("moe_intermediate_size")
-    n_shared = c.get("n_shared_experts", default=0)
+    n_shared = read("n_shared")
     return MoEConfig(
         c.get("hidden_size"),
-        c.get("n_routed_experts", "num_local_experts"),
-        c.get("num_experts_per_tok"),
-        inter,
-        router="sigmoid",
-        norm_topk_prob=c.flag("norm_topk_prob", True),
-        routed_scaling_factor=c.get("routed_scaling_factor", default=1.0),
-        n_group=c.get("n_group", default=1),
-        topk_group=c.get("topk_group", default=1),
-        hidden_act=c.get("hidden_act", default="silu"),
-        shared_intermediate_size=inter * check_size(n_shared, "n_shared_experts") if n_shared else None,
-        shared_name="shared_experts",
-        experts_first=True,
-    )
-
-
-def _moe_kimi_linear(c: _Loose) -> MoEConfig:
-    # DeepSeek-V3's block (sigmoid scores, correction bias, groups, shared experts) under Kimi's
-    # key names (each also under transformers' attribute_map alias)
-    inter = c.get("moe_intermediate_size")
-    n_shared = c.get("num_shared_experts", "n_shared_experts", default=1)
-    renorm = "moe_renormalize" if c.d.get("moe_renormalize") is not None else "norm_topk_prob"
-    return MoEConfig(
-        c.get("hidden_size"),
-        c.get("num_experts", "num_local_experts", default=256),
-        c.get("num_experts_per_token", "num_experts_per_tok", default=8),
+        read("experts"),
+        read("top_k"),
         inter,
         router="sigmoid",
         norm_topk_prob=c.flag(renorm, True),
-        routed_scaling_factor=c.get("routed_scaling_factor", default=2.446),
-        n_group=c.get("num_expert_group", "n_group", default=1),
+        routed_scaling_factor=read("scaling"),
+        n_group=read("n_group"),
         topk_group=c.get("topk_group", default=1),
         hidden_act=c.get("hidden_act", default="silu"),
-        shared_intermediate_size=inter * check_size(n_shared, "num_shared_experts") if n_shared else None,
+        shared_intermediate_size=inter * check_size(n_shared, keys["n_shared"][0][0]) if n_shared else None,
         shared_name="shared_experts",
         experts_first=True,
     )
+
+
+def _moe_deepseek_v3(c: _Loose) -> MoEConfig:
+    return _moe_sigmoid(c, _SIGMOID_MOE_KEYS["deepseek_v3"])
+
+
+def _moe_kimi_linear(c: _Loose) -> MoEConfig:
+    # DeepSeek-V3's block (sigmoid scores, correction bias, groups, shared experts) under Kimi's key names
+    renorm = "moe_renormalize" if c.d.get("moe_renormalize") is not None else "norm_topk_prob"
+    return _moe_sigmoid(c, _SIGMOID_MOE_KEYS["kimi_linear"], renorm)
 
 
 def _moe_qwen3_next(c: _Loose) -> MoEConfig:
