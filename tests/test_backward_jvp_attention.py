@@ -326,3 +326,37 @@ def test_memory_efficient_second_order_never_holds_a_score_array():
     assert tgrads[0].shape == q.shape
     io_bytes = 16 * q.nbytes  # 8 gradients and tangents, O(L) rows (tO, tD, scale q, scale tq, dO, ddO)
     assert peak < io_bytes + score_bytes / 8, (peak, score_bytes)
+
+
+def test_second_order_forms_the_backward_score_product_once(monkeypatch):
+    """The fast second order takes the backward's own ``dP = dout v^T`` and ``D`` block by block
+    (issue 31, item 7): 14 score-sized GEMMs a block with every tangent and ``ddout`` (the
+    backward's 4: dv, dP, dq, dk; then ts 2, tdv 2, tdP 2, tdq 2, tdk 2), not 15; the result
+    still the backward's, its central difference and the textbook tier's."""
+    rng = np.random.default_rng(7)
+    q, k, v, dy, ddy, tq, tk, tv = rng.standard_normal((8, 2, 3, 300, 8))
+    _, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    calls = []
+    matmul = np.matmul
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return matmul(*args, **kwargs)
+
+    monkeypatch.setattr(np, "matmul", counting)
+    grads, tans = F.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy)
+    monkeypatch.setattr(np, "matmul", matmul)
+    assert len(cache.blocks) > 1 and len(calls) == 14 * len(cache.blocks)
+    for a, b in zip(grads, F.scaled_dot_product_attention_backward(dy, cache)):
+        assert np.array_equal(a, b)
+    h = 1e-6
+
+    def moved(s):
+        _, c = F.scaled_dot_product_attention(q + s * tq, k + s * tk, v + s * tv, is_causal=True)
+        return F.scaled_dot_product_attention_backward(dy + s * ddy, c)
+
+    for t, plus, minus in zip(tans, moved(h), moved(-h)):
+        assert rel_err(t, (plus - minus) / (2 * h), floor=1.0, relative_to="max_b") < 1e-6
+    _, ref_cache = R.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for t, want in zip(tans, R.scaled_dot_product_attention_backward_jvp(dy, ref_cache, (tq, tk, tv), ddy)[1]):
+        assert rel_err(t, want) < 1e-12

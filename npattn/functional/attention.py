@@ -517,6 +517,7 @@ class _Backward:
             self.dq = np.empty(_grouped_shape(q.shape, groups), q.dtype)
             self.dk, self.dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
         self.order, self.from_zero = self._zero_unseen(cache.blocks)
+        self.kept: list | None = None  # [dP^T, D] of the last block, when the second order asks
         glead = self.dog.shape[:-2]
         self.dsinks = None if cache.options.sinks is None else np.zeros(glead + (groups,), q.dtype)  # (..., Hk, G)
         self.dmask = None
@@ -568,6 +569,8 @@ class _Backward:
             ds *= kb
             ds *= cache.drop_scale
         d = np.einsum("...ji,...ji->...i", ds, p)[..., None, :]  # D_i = sum_j dP_ij P_ij, (..., 1, n)
+        if self.kept is not None:
+            self.kept[:] = (ds.copy(), d)
         ds -= d  # dP - D
         ds *= p
         if self.dsinks is not None and cache.p_sink is not None:  # dsink_h -= sum_i P_sink_i D_i
@@ -764,11 +767,15 @@ def scaled_dot_product_attention_backward_jvp_kernel(dout, cache: AttentionCache
     tq, tk, tv, tmask, tsinks = split_attention_tangents(
         tangents, cache.mask is not None, cache.options.sinks is not None
     )
-    grads = scaled_dot_product_attention_backward_kernel(dout, cache)
+    # the backward block by block, each block's tangents right after it from the backward's own
+    # dP and D (kept for that block only): the score-sized product v dout^T formed once
+    back = _Backward(cache, dout, None, None)
+    kept = back.kept = []
     second = _BackwardTangents(cache, dout, ddout, tq, tk, tv, tmask, tsinks)
-    for i in range(len(cache.blocks)):
-        second.block(i)
-    return grads, second.finish()
+    for j, i in enumerate(back.order):
+        back.block(i, add=j > 0 or not back.from_zero)
+        second.block(i, *kept)
+    return back.finish(), second.finish()
 
 
 class _BackwardTangents:
@@ -795,9 +802,10 @@ class _BackwardTangents:
         if cache.mask is not None:  # kept with mask_grad only
             self.tdmask = np.zeros((1,) * (len(q.shape) - cache.mask.ndim) + cache.mask.shape, q.dtype)
 
-    def block(self, i: int):
-        """Block ``i``: the backward's lines (``dP``, ``D``, ``dS``, ``ds``) and each one's tangent,
-        key-major like the cached ``P^T``; ``tdq`` of its rows, ``tdk``, ``tdv`` of its keys added."""
+    def block(self, i: int, dp, d):
+        """Block ``i``: the backward's lines (``dS``, ``ds``; ``dP^T``, after dropout, and ``D``
+        given: the backward's own) and each one's tangent, key-major like the cached ``P^T``;
+        ``tdq`` of its rows, ``tdk``, ``tdv`` of its keys added."""
         cache, blk = self.cache, self.cache.blocks[i]
         p, rows, c0, c1 = cache.p[i], blk.rows, blk.c0, blk.c1
         g = rows.start // cache.q.shape[-2] if cache.q.shape[-2] else 0
@@ -821,14 +829,12 @@ class _BackwardTangents:
         # dv = P'^T dout:  tdv = tP'^T dout + P'^T ddout
         self.tdv[..., c0:c1, :] += np.matmul(tpk, do) + (0.0 if tdo is None else np.matmul(pk, tdo))
         # dP^T = (v dout^T) keep / (1-p):  tdP^T = (v ddout^T + tv dout^T) keep / (1-p)
-        dp = np.matmul(cache.v[..., c0:c1, :], do.swapaxes(-1, -2))
         tdp = np.zeros_like(dp) if tdo is None else np.matmul(cache.v[..., c0:c1, :], tdo.swapaxes(-1, -2))
         if self.tv is not None:
             tdp += np.matmul(self.tv[..., c0:c1, :], do.swapaxes(-1, -2))
         if kb is not None:
-            dp, tdp = dp * kb, tdp * kb
+            tdp *= kb
         # D = rowsum(dP P), dS = P (dP - D): the softmax's backward and its tangent
-        d = np.einsum("...ji,...ji->...i", dp, p)[..., None, :]
         td = (np.einsum("...ji,...ji->...i", tdp, p) + np.einsum("...ji,...ji->...i", dp, tp))[..., None, :]
         r = dp - d
         ds = p * r

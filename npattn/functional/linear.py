@@ -193,9 +193,12 @@ def _linear_tangent_specs(cache):
 def linear_jvp_kernel(cache, tx=None, tweight=None, tbias=None):
     """The kernel of ``linear_jvp`` (tangents checked, None = zero)."""
     x, weight, _ = cache
-    ty = linear_kernel(tx, weight)[0] if tx is not None else np.zeros(x.shape[:-1] + (weight.shape[0],), x.dtype)
-    if tweight is not None:
-        ty += linear_kernel(x, tweight)[0]  # x tW^T
+    ty = None if tx is None else linear_kernel(tx, weight)[0]
+    if tweight is not None:  # x tW^T, formed in place of the zero a missing tx would give
+        part = linear_kernel(x, tweight)[0]
+        ty = part if ty is None else np.add(ty, part, out=ty)
+    if ty is None:
+        ty = np.zeros(x.shape[:-1] + (weight.shape[0],), x.dtype)
     if tbias is not None:
         ty += tbias
     return ty
@@ -262,11 +265,12 @@ def linear_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     else:
         tdx, tdweight = np.zeros_like(grads[0]), np.zeros_like(grads[1])
         tdbias = np.zeros_like(grads[2]) if has_bias else None
-    if tx is not None or tweight is not None:
-        moved = LinearCache(
-            np.zeros_like(x) if tx is None else tx, np.zeros_like(weight) if tweight is None else tweight, False
-        )
-        mdx, mdweight, _ = linear_backward_kernel(dout, moved)
-        tdx += mdx
-        tdweight += mdweight
+    # only the products of a moving factor: a zero tangent's GEMM would add zeros (a third of a
+    # Hessian-vector product's work in a projection whose input does not move)
+    n = math.prod(x.shape[:-1])
+    dy2 = dout.reshape(n, dout.shape[-1])
+    if tweight is not None:
+        tdx += np.matmul(dy2, tweight).reshape(x.shape)
+    if tx is not None:
+        tdweight += dy2.T @ tx.reshape(n, x.shape[-1])
     return grads, (tdx, tdweight, tdbias)
