@@ -1398,10 +1398,27 @@ def _kv_sources(lt: tuple, shared: int) -> tuple:
     return tuple(out)
 
 
+_SIZE_KEYS = {
+    "positions": "max_position_embeddings",
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "expert": "moe_intermediate_size",
+    "top_k": "num_experts_per_tok",
+}
+
+
+def _sizes(**sizes: int) -> dict:
+    """A family's sizes by their short names (``_SIZE_KEYS``) as config keys."""
+    return {_SIZE_KEYS[k]: v for k, v in sizes.items()}
+
+
 # The defaults Qwen3-Next, Qwen3.5 and Qwen3.5-MoE share (their hybrid layers' shapes and options).
 _QWEN_HYBRID: dict = dict(
-    max_position_embeddings=32768,
-    num_attention_heads=16,
+    **_sizes(positions=32768, heads=16),
     head_dim=256,
     hidden_act="silu",
     rms_norm_eps=1e-6,
@@ -1421,27 +1438,15 @@ _QWEN_HYBRID_MOE: dict = dict(moe_intermediate_size=512, shared_expert_intermedi
 # (Gemma 4's), DeepSeek-V3's MLA heads (Kimi Linear's), and the SiLU MLP without biases or tied
 # embeddings most have.
 _SILU: dict = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)
-_LLAMA_SIZES: dict = dict(
-    max_position_embeddings=2048,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-)
+_LLAMA_SIZES: dict = _sizes(positions=2048, hidden=4096, intermediate=11008, layers=32, heads=32)
 _QWEN3: dict = dict(
     _SILU,
-    max_position_embeddings=32768,
-    vocab_size=151936,
-    num_attention_heads=32,
+    **_sizes(positions=32768, vocab=151936, heads=32),
     rms_norm_eps=1e-6,
     use_sliding_window=False,
 )
 _GEMMA: dict = dict(
-    max_position_embeddings=131072,
-    hidden_size=2304,
-    intermediate_size=9216,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+    **_sizes(positions=131072, hidden=2304, intermediate=9216, heads=8, kv_heads=4),
     head_dim=256,
     hidden_activation="gelu_pytorch_tanh",
     rms_norm_eps=1e-6,
@@ -1450,6 +1455,7 @@ _GEMMA: dict = dict(
     attention_bias=False,
 )
 _MLA: dict = dict(kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)
+
 
 # transformers' (5.x) class defaults of the keys that shape each family's forward pass, for a config
 # dict that leaves them out (a hand-written dict, an older config.json): a missing key must mean
@@ -1460,43 +1466,31 @@ _DEFAULTS: dict = {
     "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
     "qwen3": dict(
         _QWEN3,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
+        **_sizes(hidden=4096, intermediate=22016, layers=32),
         head_dim=128,
         max_window_layers=28,
     ),
     "qwen3_moe": dict(
         _QWEN3,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_key_value_heads=4,
+        **_sizes(hidden=2048, intermediate=6144, layers=24, kv_heads=4, expert=768),
         sliding_window=4096,
         decoder_sparse_step=1,
-        moe_intermediate_size=768,
         num_experts_per_tok=8,  # num_experts (128): the reader's, as it has two names
         norm_topk_prob=False,
     ),
     "gemma3_text": dict(
         _GEMMA,
-        vocab_size=262208,
-        num_hidden_layers=26,
+        **_sizes(vocab=262208, layers=26),
         query_pre_attn_scalar=256,
         sliding_window=4096,
     ),
     "gpt_oss": dict(
         _SILU,
-        max_position_embeddings=131072,
-        vocab_size=201088,
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=36,
-        num_attention_heads=64,
-        num_key_value_heads=8,
+        **_sizes(
+            positions=131072, vocab=201088, hidden=2880, intermediate=2880, layers=36, heads=64, kv_heads=8, top_k=4
+        ),
         head_dim=64,
         num_local_experts=128,
-        num_experts_per_tok=4,
         sliding_window=128,
         rms_norm_eps=1e-5,
         swiglu_alpha=1.702,
@@ -1505,20 +1499,15 @@ _DEFAULTS: dict = {
     ),
     "deepseek_v3": dict(
         _MLA,
-        max_position_embeddings=4096,
-        vocab_size=129280,
-        hidden_size=7168,
-        intermediate_size=18432,
-        moe_intermediate_size=2048,
-        num_hidden_layers=61,
-        num_attention_heads=128,
+        **_sizes(
+            positions=4096, vocab=129280, hidden=7168, intermediate=18432, layers=61, heads=128, expert=2048, top_k=8
+        ),
         n_shared_experts=1,
         n_routed_experts=256,
         routed_scaling_factor=2.5,
         q_lora_rank=1536,
         n_group=8,
         topk_group=4,
-        num_experts_per_tok=8,
         first_k_dense_replace=3,
         norm_topk_prob=True,
         **_SILU,
@@ -1527,13 +1516,7 @@ _DEFAULTS: dict = {
     ),
     "kimi_linear": dict(  # KimiLinearConfig's class defaults (the MoE keys with two names: the reader's)
         _MLA,
-        vocab_size=163840,
-        hidden_size=2304,
-        intermediate_size=9216,
-        moe_intermediate_size=1024,
-        num_hidden_layers=27,
-        num_attention_heads=32,
-        num_key_value_heads=32,
+        **_sizes(vocab=163840, hidden=2304, intermediate=9216, layers=27, heads=32, kv_heads=32, expert=1024),
         routed_scaling_factor=2.446,
         topk_group=1,
         **_SILU,
@@ -1544,39 +1527,25 @@ _DEFAULTS: dict = {
     ),
     "qwen3_next": dict(
         _QWEN_HYBRID,
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=48,
-        num_key_value_heads=2,
+        **_sizes(vocab=151936, hidden=2048, intermediate=5632, layers=48, kv_heads=2, top_k=10),
         decoder_sparse_step=1,
         **_QWEN_HYBRID_MOE,
-        num_experts_per_tok=10,
         num_experts=512,
         norm_topk_prob=True,
     ),
     "qwen3_5_text": dict(
         _QWEN_HYBRID,
-        vocab_size=248320,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=32,
-        num_key_value_heads=4,
+        **_sizes(vocab=248320, hidden=4096, intermediate=12288, layers=32, kv_heads=4),
     ),
     "qwen3_5_moe_text": dict(
         _QWEN_HYBRID,
-        vocab_size=248320,
-        hidden_size=2048,
-        num_hidden_layers=40,
-        num_key_value_heads=2,
+        **_sizes(vocab=248320, hidden=2048, layers=40, kv_heads=2, top_k=8),
         **_QWEN_HYBRID_MOE,
-        num_experts_per_tok=8,
         num_experts=256,
     ),
     "gemma4_text": dict(  # Gemma4TextConfig's class defaults (global_head_dim: the reader's, 512)
         _GEMMA,
-        vocab_size=262144,
-        num_hidden_layers=30,
+        **_sizes(vocab=262144, layers=30),
         eos_token_id=1,
         bos_token_id=2,
         sliding_window=512,
@@ -1598,8 +1567,7 @@ _DEFAULTS: dict = {
 # DeepseekV32Config's class defaults: DeepSeek-V3's but for these (no rope_interleave key: always interleaved)
 _DEFAULTS["deepseek_v32"] = dict(
     _DEFAULTS["deepseek_v3"],
-    max_position_embeddings=163840,
-    num_key_value_heads=128,
+    **_sizes(positions=163840, kv_heads=128),
     index_topk=2048,
     index_head_dim=128,
     index_n_heads=64,
