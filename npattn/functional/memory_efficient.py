@@ -513,8 +513,10 @@ def memory_efficient_attention(
     ``a = 0``; a row whose keys are all masked then has ``lse = z`` and output 0.
 
     **Blocks and cost.**  Query blocks of ``block_q`` rows run over key blocks of ``block_k``
-    columns; each step is two batched GEMMs (``S^T = k_j (scale q_i)^T`` and ``P v_j``) and a few
-    elementwise passes over one ``(..., block_k, block_q)`` buffer.  The key loop covers only the
+    columns (with the default ``block_size``, over longer key blocks, up to a 1 MiB score block per
+    thread: fewer online-softmax steps, the GEMMs still in ``block_k``-key slices); each step is two
+    batched GEMMs (``S^T = k_j (scale q_i)^T`` and ``P v_j``) and a few elementwise passes over one
+    ``(..., keys, block_q)`` buffer.  The key loop covers only the
     band a query block may see (``is_causal`` stops it at the diagonal, ``window`` bounds both
     ends), so blocks outside are never computed; key blocks entirely hidden by a bool
     ``attn_mask`` are skipped.  Memory: the output, ``lse`` and per-thread block buffers; the cache
