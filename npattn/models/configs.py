@@ -569,6 +569,16 @@ def _show(v) -> str:
     return _REPR.repr(v)
 
 
+def _json_bool(key: str, v, default: bool, show=_show) -> bool:
+    """``config[key]``'s value ``v`` as a flag: a JSON boolean only; null is false where the default
+    is (transformers tests the value's truth), refused where the default is true."""
+    if v is None and not default:
+        return False
+    if not isinstance(v, bool):
+        raise ValueError(f"config[{key!r}]: expected true or false (a JSON boolean), got {show(v)}")
+    return v
+
+
 class _Reader:
     """Reads keys of a config dict, remembering which were read; ``finish`` refuses the rest."""
 
@@ -606,12 +616,7 @@ class _Reader:
         read as True).  ``null`` reads as false where false is the default (transformers tests
         the value's truth); where the default is true it is refused (null would be false there)."""
         self.used.add(key)
-        v = self.d.get(key, default)
-        if v is None and not default:
-            return False
-        if not isinstance(v, bool):
-            raise ValueError(f"config[{key!r}]: expected true or false (a JSON boolean), got {_show(v)}")
-        return v
+        return _json_bool(key, self.d.get(key, default), default)
 
     def only(self, key: str, allowed: tuple, default=None, why: str = ""):
         """The value of ``key``, which must be one of ``allowed`` (npattn lacks the others)."""
@@ -1416,28 +1421,27 @@ def _sizes(**sizes: int) -> dict:
     return {_SIZE_KEYS[k]: v for k, v in sizes.items()}
 
 
+# The SiLU MLP without biases or tied embeddings most families have.
+_SILU: dict = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)
+
 # The defaults Qwen3-Next, Qwen3.5 and Qwen3.5-MoE share (their hybrid layers' shapes and options).
+_DELTA_HEADS: dict = dict(
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32
+)
 _QWEN_HYBRID: dict = dict(
+    _SILU,
     **_sizes(positions=32768, heads=16),
     head_dim=256,
-    hidden_act="silu",
     rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
     partial_rotary_factor=0.25,
-    attention_bias=False,
     linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
+    **_DELTA_HEADS,
 )
 _QWEN_HYBRID_MOE: dict = dict(moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 
 # The defaults families share: Llama's sizes (OLMo 3's too), Qwen3's (Qwen3-MoE's), Gemma 3's
-# (Gemma 4's), DeepSeek-V3's MLA heads (Kimi Linear's), and the SiLU MLP without biases or tied
-# embeddings most have.
-_SILU: dict = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False)
+# (Gemma 4's), DeepSeek-V3's MLA heads (Kimi Linear's).
 _LLAMA_SIZES: dict = _sizes(positions=2048, hidden=4096, intermediate=11008, layers=32, heads=32)
 _QWEN3: dict = dict(
     _SILU,
@@ -1486,11 +1490,10 @@ _DEFAULTS: dict = {
     ),
     "gpt_oss": dict(
         _SILU,
-        **_sizes(
-            positions=131072, vocab=201088, hidden=2880, intermediate=2880, layers=36, heads=64, kv_heads=8, top_k=4
-        ),
+        **_sizes(positions=131072, vocab=201088, hidden=2880, intermediate=2880, layers=36, heads=64, kv_heads=8),
         head_dim=64,
         num_local_experts=128,
+        num_experts_per_tok=4,
         sliding_window=128,
         rms_norm_eps=1e-5,
         swiglu_alpha=1.702,
@@ -1499,9 +1502,8 @@ _DEFAULTS: dict = {
     ),
     "deepseek_v3": dict(
         _MLA,
-        **_sizes(
-            positions=4096, vocab=129280, hidden=7168, intermediate=18432, layers=61, heads=128, expert=2048, top_k=8
-        ),
+        **_sizes(positions=4096, vocab=129280, hidden=7168, intermediate=18432, layers=61, heads=128, expert=2048),
+        num_experts_per_tok=8,
         n_shared_experts=1,
         n_routed_experts=256,
         routed_scaling_factor=2.5,
@@ -1610,12 +1612,7 @@ class _Loose:
     def flag(self, name: str, default: bool) -> bool:
         """A JSON boolean only ("false" would read as True); null is false, as transformers tests
         the value's truth, and refused where the default is true."""
-        v = self.d.get(name, default)
-        if v is None and not default:
-            return False
-        if not isinstance(v, bool):
-            raise ValueError(f"config[{name!r}]: expected true or false (a JSON boolean), got {v!r}")
-        return v
+        return _json_bool(name, self.d.get(name, default), default, repr)
 
 
 def latent_config(config: Mapping[str, Any]) -> LatentConfig:
@@ -1743,13 +1740,21 @@ def kda_config(config: Mapping[str, Any]) -> KdaConfig:
 _DELTA_PROJECTIONS = {"qwen3_5_text": "qkv_z_b_a", "qwen3_5_moe_text": "qkv_z_b_a"}
 
 
+def _moe_sizes(c: _Loose, experts: tuple, inter: str) -> dict:
+    """``MoEConfig``'s sizes: ``hidden_size``, the experts (the first of ``experts`` the config has),
+    ``num_experts_per_tok`` and the experts' width ``inter``."""
+    return dict(
+        hidden_size=c.get("hidden_size"),
+        num_experts=c.get(*experts),
+        top_k=c.get("num_experts_per_tok"),
+        intermediate_size=c.get(inter),
+    )
+
+
 def _moe_gpt_oss(c: _Loose) -> MoEConfig:
     # variant "topk_softmax" with a router bias, GptOssExperts, keys router.*, experts.*
     return MoEConfig(
-        c.get("hidden_size"),
-        c.get("num_local_experts", "num_experts"),
-        c.get("num_experts_per_tok"),
-        c.get("intermediate_size"),
+        **_moe_sizes(c, ("num_local_experts", "num_experts"), "intermediate_size"),
         router="topk_softmax",
         router_bias=True,
         experts="gpt_oss",
@@ -1817,10 +1822,7 @@ def _moe_kimi_linear(c: _Loose) -> MoEConfig:
 def _moe_qwen3_next(c: _Loose) -> MoEConfig:
     # softmax then top-k, keys gate.weight, experts.*, shared_expert.*, shared_expert_gate.weight
     return MoEConfig(
-        c.get("hidden_size"),
-        c.get("num_experts"),
-        c.get("num_experts_per_tok"),
-        c.get("moe_intermediate_size"),
+        **_moe_sizes(c, ("num_experts",), "moe_intermediate_size"),
         router="softmax_topk",
         norm_topk_prob=c.flag("norm_topk_prob", True),
         hidden_act=c.get("hidden_act", default="silu"),
@@ -1837,10 +1839,7 @@ def _moe_qwen3_5_moe(c: _Loose) -> MoEConfig:
 def _moe_qwen3_moe(c: _Loose) -> MoEConfig:
     # softmax then top-k, keys experts.*, gate.weight
     return MoEConfig(
-        c.get("hidden_size"),
-        c.get("num_experts", "num_local_experts"),
-        c.get("num_experts_per_tok"),
-        c.get("moe_intermediate_size"),
+        **_moe_sizes(c, ("num_experts", "num_local_experts"), "moe_intermediate_size"),
         norm_topk_prob=c.flag("norm_topk_prob", False),
         hidden_act=c.get("hidden_act", default="silu"),
         experts_first=True,
@@ -1853,10 +1852,7 @@ def _moe_mixtral(c: _Loose) -> MoEConfig:
     if jitter:
         raise ValueError(f"config: router_jitter_noise expected 0 (not supported), got {jitter!r}")
     return MoEConfig(
-        c.get("hidden_size"),
-        c.get("num_local_experts", "num_experts"),
-        c.get("num_experts_per_tok"),
-        c.get("intermediate_size"),
+        **_moe_sizes(c, ("num_local_experts", "num_experts"), "intermediate_size"),
         norm_topk_prob=True,
         hidden_act=c.get("hidden_act", default="silu"),
     )
