@@ -89,6 +89,8 @@ class RecurrentLayer(Module):
 
     _REPR_FIELDS: tuple[str, ...] = ("hidden_size",)
     hidden_size: int
+    chunk_size: int
+    conv1d: "_Weights"
     _conv_state: Optional[np.ndarray]
     _recurrent_state: Optional[np.ndarray]
     _cache_lead: Optional[tuple]
@@ -100,6 +102,18 @@ class RecurrentLayer(Module):
     def extra_repr(self) -> str:
         """The arguments shown by ``repr(module)``: the attributes ``_REPR_FIELDS`` names."""
         return ", ".join(f"{name}={getattr(self, name)}" for name in self._REPR_FIELDS)
+
+    def _convolve(self, mixed: np.ndarray, use_cache: bool) -> tuple:
+        """The short causal convolution (SiLU) over ``mixed = [q k v]``, continuing from the kept
+        window when ``use_cache``: ``(out, CausalConv1dCache)``."""
+        initial = self._conv_state if use_cache else None
+        w = self.conv1d.weight.data[:, 0, :]
+        return K.causal_conv1d(mixed, w, activation="silu", initial_state=initial, output_final_state=use_cache)
+
+    def _rule_options(self, use_cache: bool) -> dict:
+        """The delta rule's options: the kept state when ``use_cache``, L2-normed q and k, the chunk."""
+        initial = self._recurrent_state if use_cache else None
+        return dict(initial_state=initial, output_final_state=use_cache, use_qk_l2norm=True, chunk_size=self.chunk_size)
 
     def _keep_cache(
         self, lead: tuple, steps: int, conv_state: Optional[np.ndarray], recurrent_state: Optional[np.ndarray]
@@ -305,13 +319,7 @@ class GatedDeltaNet(RecurrentLayer):
         if keep is not None:
             x = x * keep  # padded steps: zero input (convolution window and projections)
         mixed, z, b, a = self._projected(lambda m: m._forward(x), lead, steps)
-        conv_out, conv_cache = K.causal_conv1d(
-            mixed,
-            self.conv1d.weight.data[:, 0, :],
-            activation="silu",
-            initial_state=self._conv_state if use_cache else None,
-            output_final_state=use_cache,
-        )
+        conv_out, conv_cache = self._convolve(mixed, use_cache)
         q = conv_out[..., : self.key_dim].reshape(lead + (steps, nk, dk))
         k = conv_out[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
         v = conv_out[..., 2 * self.key_dim :].reshape(lead + (steps, nv, dv))
@@ -327,10 +335,7 @@ class GatedDeltaNet(RecurrentLayer):
             g_in.swapaxes(-1, -2),
             beta_in.swapaxes(-1, -2),
             scale=1.0 / math.sqrt(dk),
-            initial_state=self._recurrent_state if use_cache else None,
-            output_final_state=use_cache,
-            use_qk_l2norm=True,
-            chunk_size=self.chunk_size,
+            **self._rule_options(use_cache),
         )
         y, norm_cache = K.rms_norm_gated(o.swapaxes(*heads), z, self.norm.weight.data, self.eps)
         out = self.out_proj._forward(y.reshape(lead + (steps, self.value_dim)))

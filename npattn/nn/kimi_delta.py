@@ -200,13 +200,7 @@ class KimiDeltaAttention(RecurrentLayer):
             x = x * keep  # padded steps: zero input (convolution window and projections)
         fg = self.forget_gate
         mixed = np.concatenate([self.q_proj._forward(x), self.k_proj._forward(x), self.v_proj._forward(x)], axis=-1)
-        conv_out, conv_cache = K.causal_conv1d(
-            mixed,
-            self.conv1d.weight.data[:, 0, :],
-            activation="silu",
-            initial_state=self._conv_state if use_cache else None,
-            output_final_state=use_cache,
-        )
+        conv_out, conv_cache = self._convolve(mixed, use_cache)
         q, k, v = (conv_out[..., i * hd : (i + 1) * hd].reshape(heads) for i in range(3))
         pre = (fg.f_b_proj._forward(fg.f_a_proj._forward(x)) + fg.dt_bias.data).reshape(heads)
         g = self._decay(pre)
@@ -220,10 +214,7 @@ class KimiDeltaAttention(RecurrentLayer):
             g_in.swapaxes(*sw),
             beta_in.swapaxes(-1, -2),
             scale=1.0 / math.sqrt(d),
-            initial_state=self._recurrent_state if use_cache else None,
-            output_final_state=use_cache,
-            use_qk_l2norm=True,
-            chunk_size=self.chunk_size,
+            **self._rule_options(use_cache),
         )
         normed, norm_cache = rms_norm_kernel(o.swapaxes(*sw), self.o_norm.weight.data, self.eps, normalized_shape=(d,))
         gate = _sigmoid(self.g_b_proj._forward(self.g_a_proj._forward(x)).reshape(heads))
