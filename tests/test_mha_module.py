@@ -278,22 +278,3 @@ def test_kv_cache_follows_a_dtype_change():
     y = m(x[:, 2:].astype(np.float32), use_cache=True)
     assert y.dtype == np.float32 and m._kv_cache.k.dtype == np.float32
     np.testing.assert_allclose(y, m(x.astype(np.float32))[:, 2:], rtol=0, atol=1e-5)
-
-
-def test_the_public_signature_is_the_cores_with_torchs_two_extras():
-    """MultiHeadAttention passes the core's keywords on (written once, in the core) and shows the
-    core's signature with add_bias_kv and add_zero_attn after memory_efficient."""
-    import inspect
-
-    from npattn.nn.attention_core import MultiHeadAttentionCore
-
-    core = list(inspect.signature(MultiHeadAttentionCore).parameters.values())
-    public = list(inspect.signature(npattn.MultiHeadAttention).parameters.values())
-    at = [p.name for p in core].index("memory_efficient") + 1
-    assert [p.name for p in public] == [p.name for p in core[:at]] + ["add_bias_kv", "add_zero_attn"] + [
-        p.name for p in core[at:]
-    ]
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in public[3:])
-    assert public[at].default is False and public[at + 1].default is False
-    with pytest.raises(TypeError, match="no_such_option"):
-        npattn.MultiHeadAttention(8, 8, 2, no_such_option=True)

@@ -20,7 +20,6 @@ not a torch special case.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import cast
 
@@ -133,15 +132,47 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         d_out: int,
         num_heads: int,
         *,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        causal: bool = False,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        memory_efficient: bool = False,
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
-        **options,
+        window: tuple[int, int] | None = None,
+        causal_align: str = "top_left",
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        qk_norm: bool = False,
+        qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
+        qk_norm_scope: str = "head",
+        head_dim: int | None = None,
+        scale: float | None = None,
+        rope_scaling=None,
+        partial_rotary_factor: float = 1.0,
+        rope_interleaved: bool = False,
+        output_gate: bool = False,
+        rng=None,
+        dtype=np.float64,
     ) -> None:
-        # ``options``: the core's keyword arguments, passed on (the signature shown is the core's
-        # with these two among them: see _with_torch_extras below)
         add_bias_kv = check_bool(add_bias_kv, "add_bias_kv")
         add_zero_attn = check_bool(add_zero_attn, "add_zero_attn")
-        super().__init__(d_in, d_out, num_heads, **options)
+        super().__init__(
+            d_in, d_out, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias, causal=causal,
+            num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, memory_efficient=memory_efficient, window=window,
+            causal_align=causal_align, softcap=softcap, alibi=alibi, sinks=sinks, rope=rope, rope_base=rope_base,
+            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_unit_offset=qk_norm_unit_offset,
+            qk_norm_scope=qk_norm_scope, head_dim=head_dim,
+            scale=scale, rope_scaling=rope_scaling, partial_rotary_factor=partial_rotary_factor,
+            rope_interleaved=rope_interleaved, output_gate=output_gate, rng=rng, dtype=dtype,
+        )  # fmt: skip
         self.add_bias_kv, self.add_zero_attn = add_bias_kv, add_zero_attn
         self._n_extra = int(add_bias_kv) + int(add_zero_attn)  # keys appended after the real ones
         if add_bias_kv:  # torch: xavier_normal_ on (1, 1, kv), std sqrt(2 / (kv + kv)); drawn after out_proj
@@ -425,21 +456,3 @@ class MultiHeadAttention(MultiHeadAttentionCore):
                 new[key] = sd[key]
         m.load_state_dict(new, strict=False)
         return m
-
-
-def _with_torch_extras(core: inspect.Signature, own: inspect.Signature) -> inspect.Signature:
-    """The core's constructor signature with ``add_bias_kv`` and ``add_zero_attn`` after
-    ``memory_efficient``, as ``help()``, ``inspect`` and the API pages show the public constructor."""
-    params = list(core.parameters.values())
-    at = [p.name for p in params].index("memory_efficient") + 1
-    params[at:at] = [own.parameters["add_bias_kv"], own.parameters["add_zero_attn"]]
-    return core.replace(parameters=params)
-
-
-setattr(
-    MultiHeadAttention.__init__,
-    "__signature__",
-    _with_torch_extras(
-        inspect.signature(MultiHeadAttentionCore.__init__), inspect.signature(MultiHeadAttention.__init__)
-    ),
-)
