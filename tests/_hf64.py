@@ -159,3 +159,63 @@ def hf_logits_and_grads(model, ids: np.ndarray, dlogits: np.ndarray):
 def state_dict(model) -> dict:
     """The model's state dict as numpy arrays (float64)."""
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def hf_logits(model, ids: np.ndarray, **kwargs) -> np.ndarray:
+    """transformers' float64 logits of ``ids`` (no gradient, no cache; ``kwargs``, tensors, to the model)."""
+    import torch
+
+    with float64_reference(), torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids), use_cache=False, **kwargs).logits.numpy()
+
+
+def _close(a, b, what) -> None:
+    from _oracles import rel_err
+
+    err = rel_err(a, b, floor=1e-300, relative_to="max_b")
+    assert err < 1e-10, (what, err)
+
+
+def check_cached_decoding(m, hf, ids: np.ndarray, prompt: int = 4) -> None:
+    """npattn's ``m`` decoding ``ids`` with its cache (``prompt`` tokens, then one at a time) gives
+    transformers' full-pass logits (1e-10)."""
+    from npattn import no_grad
+
+    ref = hf_logits(hf, ids)
+    m.reset_kv_cache()
+    with no_grad():
+        parts = [m(ids[:, :prompt], use_cache=True)]
+        parts += [m(ids[:, t : t + 1], use_cache=True) for t in range(prompt, ids.shape[1])]
+    _close(np.concatenate(parts, axis=1), ref, "cached decoding")
+
+
+def check_padded_batch(m, hf, vocab: int, lens, *, seed: int = 4, decode: int = 0) -> None:
+    """A left-padded batch (row ``i`` holds ``lens[i]`` real tokens): npattn's logits of the real
+    tokens equal transformers' with the same mask and generate's positions (as transformers 5.24
+    computes them), and each row's equal that prompt run alone (1e-10); with ``decode`` > 0, that
+    many tokens more through the cache continue each row as alone."""
+    import torch
+
+    from npattn import no_grad
+
+    rng = np.random.default_rng(seed)
+    L = max(lens)
+    ids = rng.integers(0, vocab, (len(lens), L))
+    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
+    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
+    ref = hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
+    real = mask.astype(bool)
+    with no_grad():
+        out = m(ids, attention_mask=mask)
+        _close(out[real], ref[real], "padded batch")
+        for i, n in enumerate(lens):
+            _close(out[i, L - n :], m(ids[i : i + 1, L - n :])[0], f"row {i} alone")
+        if not decode:
+            return
+        nxt = rng.integers(0, vocab, (len(lens), decode))
+        m.reset_kv_cache()
+        m(ids, attention_mask=mask, use_cache=True)
+        steps = np.concatenate([m(nxt[:, t : t + 1], use_cache=True) for t in range(decode)], axis=1)
+        for i, n in enumerate(lens):
+            alone = m(np.concatenate([ids[i, L - n :], nxt[i]])[None])[0, -decode:]
+            _close(steps[i], alone, f"row {i} decoded after the padded prompt")

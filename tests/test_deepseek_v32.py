@@ -133,29 +133,11 @@ def test_cached_decoding_matches_the_full_pass(stable_choice):
 
 
 def test_padded_batch_matches_transformers_and_each_row_alone(stable_choice):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
+    from _hf64 import check_padded_batch
+
     hf, cfg, m = _model(4)
-    rng = np.random.default_rng(4)
-    lens, L = (8, 5, 2), 8
-    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
-    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
-    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
-    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
-    real = mask.astype(bool)
-    with no_grad():
-        out = m(ids, attention_mask=mask)
-        assert _rel(out[real], ref[real]) < 1e-10
-        for i, n in enumerate(lens):
-            assert _rel(out[i, L - n :], m(ids[i : i + 1, L - n :])[0]) < 1e-10, i
-        # decoding after the padded prompt continues each row as alone
-        m.reset_kv_cache()
-        m(ids, attention_mask=mask, use_cache=True)
-        nxt = rng.integers(0, cfg["vocab_size"], (len(lens), 2))
-        steps = [m(nxt[:, t : t + 1], use_cache=True) for t in range(2)]
-        for i, n in enumerate(lens):
-            alone = m.__class__.from_hf(m.state_dict(), cfg)
-            full = alone(np.concatenate([ids[i : i + 1, L - n :], nxt[i : i + 1]], axis=1))
-            assert _rel(np.concatenate([s[i] for s in steps]), full[0, -2:]) < 1e-10, i
+    check_padded_batch(m, hf, cfg["vocab_size"], (8, 5, 2), decode=2)
 
 
 def test_checkpoint_round_trips(tmp_path, stable_choice):

@@ -23,7 +23,14 @@ pytest.importorskip("torch")
 T = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from _hf64 import build, float64_reference, hf_logits_and_grads, state_dict  # noqa: E402
+from _hf64 import (  # noqa: E402
+    build,
+    check_cached_decoding,
+    check_padded_batch,
+    hf_logits,
+    hf_logits_and_grads,
+    state_dict,
+)
 from _oracles import rel_err  # noqa: E402
 
 import npattn  # noqa: E402
@@ -108,11 +115,6 @@ def _ids(vocab, shape=(2, 9), seed=0):
     return ids
 
 
-def _hf_logits(hf, ids, **kwargs):
-    with float64_reference(), torch.no_grad():
-        return hf(input_ids=torch.from_numpy(ids), use_cache=False, **kwargs).logits.numpy()
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_and_every_gradient_match_transformers(name):
     hf, cfg = _case(name)
@@ -134,32 +136,13 @@ def test_logits_and_every_gradient_match_transformers(name):
 def test_cached_decoding_matches_transformers(name):
     """Nine tokens through a window of 3 or 4 keys: the sliding layers' cache rolls."""
     hf, cfg = _case(name)
-    m = CausalLM.from_hf(state_dict(hf), cfg)
-    ids = _ids(cfg["vocab_size"], seed=3)
-    ref = _hf_logits(hf, ids)
-    m.reset_kv_cache()
-    with no_grad():
-        parts = [m(ids[:, :4], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(4, 9)]
-    assert rel_err(np.concatenate(parts, axis=1), ref, floor=1e-300, relative_to="max_b") < 1e-10
+    check_cached_decoding(CausalLM.from_hf(state_dict(hf), cfg), hf, _ids(cfg["vocab_size"], seed=3))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_padded_batch_matches_transformers_and_each_row_alone(name):
     hf, cfg = _case(name)
-    m = CausalLM.from_hf(state_dict(hf), cfg)
-    rng = np.random.default_rng(4)
-    lens, L = (7, 4, 1), 7
-    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
-    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
-    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)  # generate's, as transformers 5.24
-    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
-    with no_grad():
-        out = m(ids, attention_mask=mask)
-        real = mask.astype(bool)
-        assert rel_err(out[real], ref[real], floor=1e-300, relative_to="max_b") < 1e-10
-        for i, n in enumerate(lens):
-            alone = m(ids[i : i + 1, L - n :])[0]
-            assert rel_err(out[i, L - n :], alone, floor=1e-300, relative_to="max_b") < 1e-10, i
+    check_padded_batch(CausalLM.from_hf(state_dict(hf), cfg), hf, cfg["vocab_size"], (7, 4, 1))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -424,7 +407,7 @@ def test_multimodal_checkpoint_loads_its_text_model(wrapper, family, tmp_path):
     assert m.config.model_type == family
     ids = _ids(cfg["text_config"]["vocab_size"])
     with no_grad():
-        assert rel_err(m(ids), _hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
+        assert rel_err(m(ids), hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
     # a tensor of no known tower, a top-level option and a disagreeing tie are refused by name
     save_safetensors(dict(tensors, **{"model.audio_tower.w": np.ones(2)}), tmp_path / "model.safetensors")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="'model.audio_tower.w'"):

@@ -26,7 +26,15 @@ pytest.importorskip("torch")
 T = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from _hf64 import build, float64_reference, hf_logits_and_grads, state_dict  # noqa: E402
+from _hf64 import (  # noqa: E402
+    build,
+    check_cached_decoding,
+    check_padded_batch,
+    float64_reference,
+    hf_logits,
+    hf_logits_and_grads,
+    state_dict,
+)
 from _oracles import rel_err  # noqa: E402
 
 import npattn  # noqa: E402
@@ -77,11 +85,6 @@ def _ids(vocab, shape=(2, 9), seed=0):
     return ids
 
 
-def _hf_logits(hf, ids, **kwargs):
-    with float64_reference(), torch.no_grad():
-        return hf(input_ids=torch.from_numpy(ids), use_cache=False, **kwargs).logits.numpy()
-
-
 def test_the_tiny_config_exercises_gemma4s_twists():
     c = config_from_hf(tiny_config("gemma4_text"))
     assert c.kv_sources == (0, 1, 2, 2, 2, 1)  # two layers reuse a sliding layer's keys, one a full one's
@@ -124,41 +127,13 @@ def test_cached_decoding_matches_transformers(name):
     """Nine tokens, a prompt of four then one at a time: the producing sliding layer's cache rolls
     and the reusing layers read it."""
     hf, cfg = _case(name)
-    m = CausalLM.from_hf(state_dict(hf), cfg)
-    ids = _ids(cfg["vocab_size"], seed=3)
-    ref = _hf_logits(hf, ids)
-    m.reset_kv_cache()
-    with no_grad():
-        parts = [m(ids[:, :4], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(4, 9)]
-    assert rel_err(np.concatenate(parts, axis=1), ref, floor=1e-300, relative_to="max_b") < 1e-10
+    check_cached_decoding(CausalLM.from_hf(state_dict(hf), cfg), hf, _ids(cfg["vocab_size"], seed=3))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_padded_batch_matches_transformers_and_each_row_alone(name):
     hf, cfg = _case(name)
-    m = CausalLM.from_hf(state_dict(hf), cfg)
-    rng = np.random.default_rng(4)
-    lens, L = (7, 4, 1), 7
-    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
-    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
-    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)  # generate's, as transformers 5.24
-    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
-    with no_grad():
-        out = m(ids, attention_mask=mask)
-        real = mask.astype(bool)
-        assert rel_err(out[real], ref[real], floor=1e-300, relative_to="max_b") < 1e-10
-        for i, n in enumerate(lens):
-            alone = m(ids[i : i + 1, L - n :])[0]
-            assert rel_err(out[i, L - n :], alone, floor=1e-300, relative_to="max_b") < 1e-10, i
-    # decoding after the padded prompt continues each row as alone
-    nxt = rng.integers(0, cfg["vocab_size"], (len(lens), 2))
-    m.reset_kv_cache()
-    with no_grad():
-        m(ids, attention_mask=mask, use_cache=True)
-        steps = np.concatenate([m(nxt[:, t : t + 1], use_cache=True) for t in range(2)], axis=1)
-        for i, n in enumerate(lens):
-            alone = m(np.concatenate([ids[i, L - n :], nxt[i]])[None])[0, -2:]
-            assert rel_err(steps[i], alone, floor=1e-300, relative_to="max_b") < 1e-10, i
+    check_padded_batch(CausalLM.from_hf(state_dict(hf), cfg), hf, cfg["vocab_size"], (7, 4, 1), decode=2)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -205,10 +180,10 @@ def test_checkpoints_both_ways(name, tmp_path):
     # its logits: near ours with the RoPE frequencies transformers made in float32 while loading
     # (float32's 6e-8 per angle, grown through the layers), 1e-9 in a model built in float64 holding
     # what it read
-    assert rel_err(_hf_logits(back, ids), ours, floor=1e-300, relative_to="max_b") < 1e-5
+    assert rel_err(hf_logits(back, ids), ours, floor=1e-300, relative_to="max_b") < 1e-5
     twin, _ = _case(name)
     twin.load_state_dict(back.state_dict())
-    assert rel_err(_hf_logits(twin, ids), ours, floor=1e-300, relative_to="max_b") < 1e-9
+    assert rel_err(hf_logits(twin, ids), ours, floor=1e-300, relative_to="max_b") < 1e-9
 
 
 def test_jvp_is_the_central_difference_of_the_logits():
@@ -267,7 +242,7 @@ def test_a_fine_tuning_step_is_transformers():
     assert loss == pytest.approx(float(ref_loss), rel=1e-12)
     with no_grad():
         after = m(ids)
-    assert rel_err(after, _hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
+    assert rel_err(after, hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
 
 
 # a tiny vision and audio tower beside the text model (their weights are set aside when loading)
@@ -309,7 +284,7 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert m.config.model_type == "gemma4_text"
     ids = _ids(cfg["text_config"]["vocab_size"])
     with no_grad():
-        assert rel_err(m(ids), _hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
+        assert rel_err(m(ids), hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
     tensors = {k: t.numpy() for k, t in open_safetensors(tmp_path / "model.safetensors").items()}
     save_safetensors(dict(tensors, **{"model.speech_tower.w": np.ones(2)}), tmp_path / "model.safetensors")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="'model.speech_tower.w'"):
@@ -521,7 +496,7 @@ def test_bidirectional_vision_is_causal_text():
     m = CausalLM.from_hf(state_dict(hf), cfg)
     ids = _ids(cfg["vocab_size"], seed=10)
     with no_grad():
-        assert rel_err(m(ids), _hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
+        assert rel_err(m(ids), hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
 
 
 def test_moe_hvp_is_the_central_difference_of_the_gradient():

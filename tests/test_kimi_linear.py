@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from npattn.nn.kimi_delta import KimiDeltaAttention
-from tests._hf64 import float64_reference, randomize
+from tests._hf64 import check_cached_decoding, check_padded_batch, float64_reference, randomize
 from tests._oracles import rel_err
 
 H, D, HIDDEN, K_TAPS = 2, 4, 12, 3
@@ -226,35 +226,14 @@ def _hf_logits(hf, ids, **kwargs):
 
 
 def test_model_cached_decoding_matches_transformers():
-    from npattn import no_grad
-
     hf, cfg, m = _model(3)
-    ids = np.random.default_rng(3).integers(0, cfg["vocab_size"], (2, 9))
-    ref = _hf_logits(hf, ids)
-    m.reset_kv_cache()
-    with no_grad():
-        parts = [m(ids[:, :4], use_cache=True)] + [m(ids[:, t : t + 1], use_cache=True) for t in range(4, 9)]
-    assert _rel(np.concatenate(parts, axis=1), ref) < 1e-10
+    check_cached_decoding(m, hf, np.random.default_rng(3).integers(0, cfg["vocab_size"], (2, 9)))
 
 
 def test_model_padded_batch_matches_transformers_and_each_row_alone():
-    torch = pytest.importorskip("torch")
-
-    from npattn import no_grad
-
+    pytest.importorskip("torch")
     hf, cfg, m = _model(4)
-    rng = np.random.default_rng(4)
-    lens, L = (7, 4, 1), 7
-    ids = rng.integers(0, cfg["vocab_size"], (len(lens), L))
-    mask = np.array([[0] * (L - n) + [1] * n for n in lens])
-    position_ids = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
-    ref = _hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(position_ids))
-    with no_grad():
-        out = m(ids, attention_mask=mask)
-        real = mask.astype(bool)
-        assert _rel(out[real], ref[real]) < 1e-10
-        for i, n in enumerate(lens):
-            assert _rel(out[i, L - n :], m(ids[i : i + 1, L - n :])[0]) < 1e-10, i
+    check_padded_batch(m, hf, cfg["vocab_size"], (7, 4, 1))
 
 
 def test_checkpoint_in_kimis_own_names_round_trips(tmp_path):
