@@ -34,13 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["BFloat16Array", "to_bfloat16_bits", "widen_into", "widened", "matmul_t", "split_matmul_t"]
+__all__ = ["BFloat16Array", "to_bfloat16_bits", "widen_into", "widened", "matmul_t"]
 
 _CHUNK = 1 << 20  # elements rounded at a time (bounds the uint32 temporaries)
 BLOCK = 1 << 19  # float32 elements of one widened block of rows in matmul_t (2 MB)
 # n * in * rows of a decoding block: below OpenBLAS's threading threshold for a GEMM
 # (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD = 65536 * 4), so each product stays on its thread
 GEMV_ELEMS = 196608
+PAIR_ELEMS = 1 << 19  # float32 elements of one block of rows when decoding (_pairs_into)
+_HIGH, _SIXTEEN = np.uint32(0xFFFF0000), np.uint32(16)
 _local = threading.local()
 
 
@@ -119,16 +121,40 @@ def _executor(n: int) -> ThreadPoolExecutor:
 
 def _rows_into(x2: np.ndarray, bits: np.ndarray, y: np.ndarray, lo: int, hi: int, r: int) -> None:
     """``y[:, lo:hi] = x2 @ widened(bits[lo:hi]).T``, ``r`` rows of ``bits`` widened at a time into
-    this thread's buffer (one BLAS call per block); ``bits`` may be a float32 matrix, used as it is."""
+    this thread's buffer.  One row of ``x2`` (decoding) goes through ``_pairs_into``; more rows
+    make one BLAS call per block."""
     n, cols = x2.shape
-    buf = None if bits.dtype == np.float32 else _buffer(r * cols)  # float32 (split_matmul_t): used as it is
+    if n == 1 and cols % 2 == 0 and bits.strides[-1] == 2 and bits.strides[0] == 2 * cols:
+        return _pairs_into(x2[0], bits, y[0], lo, hi, max(r, PAIR_ELEMS // cols))
+    buf = _buffer(r * cols)
     for i in range(lo, hi, r):
         k = min(r, hi - i)
-        block = bits[i : i + k] if buf is None else widen_into(bits[i : i + k], buf[: k * cols].reshape(k, cols))
-        if n == 1:  # y[:, i:i+k] is contiguous: the matrix-vector product writes in place
-            np.matmul(x2, block.T, out=y[:, i : i + k])
-        else:
-            y[:, i : i + k] = x2 @ block.T
+        y[:, i : i + k] = x2 @ widen_into(bits[i : i + k], buf[: k * cols].reshape(k, cols)).T
+
+
+def _pairs_into(x: np.ndarray, bits: np.ndarray, y: np.ndarray, lo: int, hi: int, r: int) -> None:
+    """``y[lo:hi] = widened(bits[lo:hi]) @ x`` for one vector ``x`` (decoding), in one pass per
+    half.  Two neighbouring bfloat16s ``a = bits[i, 2j]``, ``b = bits[i, 2j+1]`` are the two halves
+    of one little-endian ``uint32`` ``p = b << 16 | a``, so::
+
+        float32 of b = p & 0xFFFF0000        float32 of a = p << 16
+
+    Each block of rows becomes ``[b's | a's]`` in the buffer, and ``y = [b's | a's] @ [x_odd | x_even]``:
+    the same products as ``widened(bits) @ x``, summed in another order (float32 rounding apart, the
+    same dot products).  The product is NumPy's own SIMD loop (``einsum``), not the BLAS: the BLAS
+    would thread each small call again and the pool's threads would wait for each other."""
+    cols = bits.shape[1]
+    half = cols // 2
+    p = bits.view(np.uint32)  # (rows, cols / 2)
+    xp = np.concatenate([x[1::2], x[0::2]])
+    buf = _buffer(r * cols)
+    for i in range(lo, hi, r):
+        k = min(r, hi - i)
+        block = buf[: k * cols].reshape(k, cols)
+        u = block.view(np.uint32)
+        np.bitwise_and(p[i : i + k], _HIGH, out=u[:, :half])
+        np.left_shift(p[i : i + k], _SIXTEEN, out=u[:, half:])
+        np.einsum("ij,j->i", block, xp, out=y[i : i + k])
 
 
 def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) -> np.ndarray:
@@ -136,26 +162,17 @@ def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) ->
     rows is widened into a reused per-thread buffer and multiplied (one BLAS call per block), so
     ``w`` is never widened whole.  ``out``: an ``(n, out)`` float32 C-contiguous array to write into.
 
-    Decoding (``n * in * rows of a block`` below ``GEMV_ELEMS``): blocks small enough that
-    OpenBLAS runs each product on the calling thread (under its threading threshold), the rows
-    split over ``_threads()`` threads of a pool, each widening and multiplying its own share: the
-    widening (NumPy's, one core each) and the products run on every core without OpenBLAS
-    synchronising its threads at each of the many small calls.  Larger ``n`` (a prompt): blocks of
-    ``BLOCK`` elements on the calling thread, each product a GEMM the BLAS threads itself."""
+    Decoding (``n * in * rows of a block`` below ``GEMV_ELEMS``): the rows split over
+    ``_threads()`` threads of a pool, each widening and multiplying its own share (one vector:
+    ``_pairs_into``), so that the widening, NumPy's and one core per call, runs on every core.
+    Larger ``n`` (a prompt): blocks of ``BLOCK`` elements on the calling thread, each product a
+    GEMM the BLAS threads itself."""
     bits = w.bits
     rows, cols = bits.shape
     y = np.empty((x2.shape[0], rows), np.float32) if out is None else out
     if not _split(x2, bits, y):
         _rows_into(x2, bits, y, 0, rows, max(1, min(rows, BLOCK // max(cols, 1))))
     return y
-
-
-def split_matmul_t(x2: np.ndarray, w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-    """``x2 (n, in) @ w.T`` for a float32 ``w (out, in)`` as ``matmul_t`` decodes (blocks of rows
-    under OpenBLAS's threading threshold, split over ``_threads()`` threads), or None where that
-    split does not apply (a prompt, a small matrix, one thread): the caller's one BLAS call then."""
-    y = np.empty((x2.shape[0], w.shape[0]), np.float32) if out is None else out
-    return y if _split(x2, w, y) else None
 
 
 def _split(x2: np.ndarray, bits: np.ndarray, y: np.ndarray) -> bool:

@@ -24,6 +24,7 @@ from .activation import relu_backward_jvp_kernel as relu_backward_jvp
 from .activation import relu_backward_kernel as relu_backward
 from .activation import relu_jvp_kernel as relu_jvp
 from .activation import relu_kernel as relu
+from .activation import sigmoid
 from .activation import silu_backward_jvp_kernel as silu_backward_jvp
 from .activation import silu_backward_kernel as silu_backward
 from .activation import silu_jvp_kernel as silu_jvp

@@ -10,15 +10,9 @@ import numpy as np
 
 from .._docs import FD_CHECK, OP_BACKWARD_RAISES, backward_jvp_sections, jvp_sections, op_backward_args, shared_doc
 from .._validate import as_float, check_backward_jvp, check_cache, check_grad, check_ndim, check_tangents_as
-from ._bfloat16 import BFloat16Array, matmul_t, split_matmul_t
+from ._bfloat16 import BFloat16Array, matmul_t
 
 __all__ = ["LinearCache", "linear", "linear_backward", "linear_jvp", "linear_backward_jvp"]
-
-
-# one row of input (decoding one token) against a float32 matrix of at least this many weights:
-# the product runs as matmul_t decodes, in row shares over threads (_bfloat16.split_matmul_t); each
-# output is the same dot product of one row as in one BLAS call (equal bits, tested)
-_DECODE_ROWS, _SPLIT_SIZE = 1, 1 << 20
 
 
 class LinearCache(NamedTuple):
@@ -91,15 +85,6 @@ def linear_kernel(x, weight, bias=None, out=None):
     if isinstance(weight, BFloat16Array):  # bfloat16 storage: widened block by block into a reused buffer
         x2 = np.ascontiguousarray(x.reshape(n, x.shape[-1]), dtype=np.float32)
         y = matmul_t(x2, weight, None if out is None else out.reshape(n, d_out)).reshape(x.shape[:-1] + (d_out,))
-    elif (
-        n <= _DECODE_ROWS
-        and weight.dtype == x.dtype == np.float32
-        and weight.size >= _SPLIT_SIZE
-        and weight.flags.c_contiguous
-        and (y2 := split_matmul_t(x.reshape(n, x.shape[-1]), weight, None if out is None else out.reshape(n, d_out)))
-        is not None
-    ):  # decoding a large float32 matrix: row shares over threads, each product under OpenBLAS's threading
-        y = y2.reshape(x.shape[:-1] + (d_out,))
     elif x.ndim > 2 and x.flags.c_contiguous:  # one (N, in) @ (in, out) GEMM, not one per leading index
         y2 = np.matmul(x.reshape(n, x.shape[-1]), weight.T, out=None if out is None else out.reshape(n, d_out))
         y = y2.reshape(x.shape[:-1] + (d_out,))

@@ -63,6 +63,7 @@ from .activation import (
     relu_backward_jvp_kernel,
     relu_backward_kernel,
     relu_kernel,
+    sigmoid,
     silu_backward_jvp_kernel,
     silu_backward_kernel,
     silu_kernel,
@@ -105,13 +106,6 @@ _ACT_SECOND = {
 # the renormalisation ``w / (sum w + eps)``: DeepSeek-V3 adds 1e-20 to a sum of sigmoids (which
 # may underflow); a sum of softmax probabilities is >= 1/E and is divided as it is (Qwen3-Next)
 SIGMOID_NORM_EPS = 1e-20
-
-
-def sigmoid(z: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-z))`` without overflow: with ``e = exp(-|z|) <= 1``, ``1/(1+e)`` for z >= 0
-    and ``e/(1+e)`` for z < 0."""
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0, e) / (1.0 + e)
 
 
 def check_real(x, name: str) -> float:

@@ -77,10 +77,6 @@ class _ForgetGate(_Weights):
     A_log: Parameter
 
 
-def _sigmoid(x):
-    return 0.5 * (1.0 + np.tanh(0.5 * x))  # without overflow
-
-
 class KimiDeltaAttention(RecurrentLayer):
     """Kimi Delta Attention, Kimi Linear's linear attention layer: ``(B..., L, hidden) -> (B..., L, hidden)``.
 
@@ -204,7 +200,7 @@ class KimiDeltaAttention(RecurrentLayer):
         q, k, v = (conv_out[..., i * hd : (i + 1) * hd].reshape(heads) for i in range(3))
         pre = (fg.f_b_proj._forward(fg.f_a_proj._forward(x)) + fg.dt_bias.data).reshape(heads)
         g = self._decay(pre)
-        beta = _sigmoid(self.b_proj._forward(x))
+        beta = K.sigmoid(self.b_proj._forward(x))
         g_in, beta_in = (g, beta) if keep is None else (g * keep[..., None], beta * keep)  # padding: S unchanged
         sw = (-2, -3)  # (B..., L, H, D) <-> (B..., H, L, D)
         o, rule_cache = kimi_delta_attention(
@@ -217,7 +213,7 @@ class KimiDeltaAttention(RecurrentLayer):
             **self._rule_options(use_cache),
         )
         normed, norm_cache = rms_norm_kernel(o.swapaxes(*sw), self.o_norm.weight.data, self.eps, normalized_shape=(d,))
-        gate = _sigmoid(self.g_b_proj._forward(self.g_a_proj._forward(x)).reshape(heads))
+        gate = K.sigmoid(self.g_b_proj._forward(self.g_a_proj._forward(x)).reshape(heads))
         out = self.o_proj._forward((normed * gate).reshape(lead + (steps, hd)))
         if use_cache:
             self._keep_cache(lead, steps, conv_cache.final_state, rule_cache.final_state)

@@ -7,9 +7,8 @@ Qwen3-0.6B's shape (``QWEN3_06B``: 596M parameters, hidden 1024, 28 layers, 16 h
 head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weights:
 
 * ``bandwidth``: the machine's matrix-vector bandwidth, a float32 GEMV over a matrix of the output
-  head's shape (far larger than the caches) with the threads in use, GB/s of the median call, the
-  better of one BLAS call and the rows split over the threads as npattn decodes (on a loaded
-  machine OpenBLAS's threads wait for each other at every call; the split waits once);
+  head's shape (far larger than the caches) with the threads in use, GB/s of the median call (one
+  BLAS call, as npattn decodes a float32 matrix);
 * ``npattn_side``: the model loaded from a bfloat16 checkpoint written once into a temporary
   directory (``write_checkpoint``), in float32 and with ``weights_dtype="bfloat16"``: greedy
   decoding after a 16-token prompt, tokens/s of the median step (each step one token through the
@@ -91,33 +90,23 @@ GOALS = {"fraction": 0.9, "bf16_over_f32": 0.7, "prefill_over_transformers": 1.0
 
 
 def bandwidth(rows: int, cols: int, repeats: int = 5) -> dict:
-    """float32 GEMV ``x (1, cols) @ W.T`` over ``W (rows, cols)``, GB/s of the median call, two
-    ways: one BLAS call (``"one_call"``, OpenBLAS threading it) and the rows split over the threads
-    as npattn decodes (``"split"``, ``functional._bfloat16.split_matmul_t``); ``"gb_per_s"``, the
-    limit, is the larger (each is bandwidth actually reached on this machine with these threads)."""
-    from ...functional._bfloat16 import split_matmul_t
+    """float32 GEMV ``x (1, cols) @ W.T`` over ``W (rows, cols)`` as npattn decodes a float32
+    matrix (one BLAS call, OpenBLAS threading it): ``"gb_per_s"``, the limit, the GB/s of the
+    median call."""
     from .._blas import openblas_functions
 
     w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     x = np.ones((1, cols), np.float32)
     y = np.empty((1, rows), np.float32)
-    ways = {"one_call": lambda: np.matmul(x, w.T, out=y), "split": lambda: split_matmul_t(x, w, y)}
-    times: dict = {k: [] for k in ways}
-    for f in ways.values():
-        f()
-    for _ in range(repeats):  # the two in turns, so that a change of load hits both
-        for k, f in ways.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
+    np.matmul(x, w.T, out=y)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.matmul(x, w.T, out=y)
+        times.append(time.perf_counter() - t)
     blas = openblas_functions("get_num_threads")
-    speeds = {k: w.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-    return {
-        "gb_per_s": max(speeds.values()),
-        **speeds,
-        "bytes": w.nbytes,
-        "threads": blas[0]() if blas else None,
-    }
+    gb_per_s = w.nbytes / statistics.median(times) / 1e9
+    return {"gb_per_s": gb_per_s, "bytes": w.nbytes, "threads": blas[0]() if blas else None}
 
 
 def write_checkpoint(directory: str, config: dict) -> dict:
@@ -335,10 +324,9 @@ def format_section(report):
         f"decoding against the memory-bandwidth limit: a Qwen3-0.6B-shaped model (hidden {c['hidden_size']}, "
         f"{c['num_hidden_layers']} layers, vocab {c['vocab_size']}, {r['checkpoint'].get('parameters', 0) / 1e6:.0f}M "
         f"parameters, random weights); float32 GEMV bandwidth {fmt(bw, '.1f')} GB/s with "
-        f"{r['bandwidth'].get('threads') or '?'} threads (the better of one BLAS call, "
-        f"{fmt(r['bandwidth'].get('one_call'), '.1f')}, and rows split over the threads, "
-        f"{fmt(r['bandwidth'].get('split'), '.1f')}); decoding after {r['sizes']['prompt']} tokens (median "
-        f"of {r['sizes']['new_tokens']} steps); limit = bandwidth / bytes of weights per token",
+        f"{r['bandwidth'].get('threads') or '?'} threads (one BLAS call); decoding after "
+        f"{r['sizes']['prompt']} tokens (median of {r['sizes']['new_tokens']} steps); "
+        "limit = bandwidth / bytes of weights per token",
     ] + table(columns, cells)
     for x in r["rows"]:
         if "tokens_per_s" not in x:
