@@ -335,3 +335,18 @@ def test_jvp_then_backward_jvp_outside_loss_hvp_remembers_nothing():
     want = hvp({n: 2 * a for n, a in v.items()})
     for n in v:
         assert rel_err(doubled[n], want[n], floor=1e-300, relative_to="max_b") < 1e-12, n
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_model_backward_jvp_gives_every_parameter_its_gradient_tangent(name):
+    """After ``m(ids)`` and ``m.backward_jvp``, every parameter that got a gradient got its
+    gradient's tangent (DeepSeek-V3.2's indexer: zero for both, its choice being piecewise constant)."""
+    m, ids, _, rng = _setup(name, seed=7)
+    v = _direction(m, rng)
+    m.zero_grad()
+    logits = m(ids)
+    m.backward_jvp(rng.standard_normal(logits.shape), param_tangents=v)
+    for n, p in m.named_parameters():
+        assert p.grad is not None and p.grad_tangent is not None, n
+        if ".indexer." in n:
+            assert not p.grad.any() and not p.grad_tangent.any(), n

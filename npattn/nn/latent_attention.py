@@ -783,6 +783,7 @@ class MultiHeadLatentAttention(Module):
             (np.concatenate([gc[0], dk_pe[..., 0, :, :]], -1), np.concatenate([gc[1], tdk_pe[..., 0, :, :]], -1)),
             tx,
         )
+        self._indexer_zero(second_order=True)
         return gx[0] + gk[0], gx[1] + gk[1]
 
     def _second_order_tangents(self, st, tx, pt):
@@ -922,7 +923,15 @@ class MultiHeadLatentAttention(Module):
             dx = self.q_a_proj._backward(self.q_a_layernorm._backward(self.q_b_proj._backward(dq)))
         dc = self.kv_a_layernorm._backward(dc)
         dx += self.kv_a_proj_with_mqa._backward(np.concatenate([dc, dk_pe], axis=-1))
-        if self.index_topk is not None:  # the choice is piecewise constant: the indexer gets 0
+        self._indexer_zero()
+        return dx
+
+    def _indexer_zero(self, second_order: bool = False) -> None:
+        """The indexer's share of a backward (and of a ``backward_jvp``: ``second_order``): the
+        choice of keys is piecewise constant, so its parameters get a zero gradient (and a zero
+        gradient tangent), as under transformers' ``no_grad`` indexer."""
+        if self.index_topk is not None:
             for p in self.indexer.parameters():
                 self.accumulate_grad(p, np.zeros_like(p.data))
-        return dx
+                if second_order:
+                    self.accumulate_grad_tangent(p, np.zeros_like(p.data))
