@@ -1139,7 +1139,10 @@ class CausalLM(Module):
         ``generation_defaults`` (its eos where there is none).  The result is always
         ``(B, L + max_new_tokens)``: decoding stops when every row has finished (as transformers',
         which then returns fewer columns) and the remaining columns hold that pad token, so the
-        tokens transformers returns are this result's first columns.  The
+        tokens transformers returns are this result's first columns.  Sampling settings in
+        ``generation_config.json`` (``do_sample``, ``temperature``, ``top_k``, ``top_p``) are not
+        applied: the defaults are this signature's (greedy), as transformers' with
+        ``do_sample=False``; pass them to sample as the checkpoint suggests.  The
         prompt is encoded once into the cache, then one token per step
         (``npattn.generation.stream_tokens`` has the details).  ``attention_mask (B, L)``: 1 for a
         token, 0 for left padding (as ``forward``'s), so that each row continues as its prompt
