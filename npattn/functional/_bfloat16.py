@@ -163,7 +163,7 @@ def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) ->
     ``w`` is never widened whole.  ``out``: an ``(n, out)`` float32 C-contiguous array to write into.
 
     Decoding (``n * in * rows of a block`` below ``GEMV_ELEMS``): the rows split over
-    ``_threads()`` threads of a pool, each widening and multiplying its own share (one vector:
+    ``_threads()`` threads (this one and a pool), each widening and multiplying its own share (one vector:
     ``_pairs_into``), so that the widening, NumPy's and one core per call, runs on every core.
     Larger ``n`` (a prompt): blocks of ``BLOCK`` elements on the calling thread, each product a
     GEMM the BLAS threads itself."""
@@ -185,9 +185,10 @@ def _split(x2: np.ndarray, bits: np.ndarray, y: np.ndarray) -> bool:
     if r < 16 or threads < 2 or rows < 4 * r:
         return False
     share = -(-rows // threads)
-    jobs = [
-        _executor(threads).submit(_rows_into, x2, bits, y, lo, min(rows, lo + share), r) for lo in range(0, rows, share)
-    ]
+    starts = range(0, rows, share)
+    pool = _executor(threads - 1)
+    jobs = [pool.submit(_rows_into, x2, bits, y, lo, min(rows, lo + share), r) for lo in starts[1:]]
+    _rows_into(x2, bits, y, 0, min(rows, share), r)  # the first share on this thread, the others in the pool
     for job in jobs:
         job.result()
     return True
