@@ -172,3 +172,25 @@ def test_float32_stays_float32():
     assert y.dtype == np.float32
     assert m.backward(np.ones((2, 3))).dtype == np.float32
     assert all(p.grad.dtype == np.float32 for p in m.parameters())
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("which", ["feedforward swiglu", "gated silu", "gated gelu_pytorch_tanh", "gated relu"])
+def test_gated_unit_without_grad_is_the_kept_path_bit_for_bit(which, dtype):
+    """Under no_grad the gated unit forms act(a) * b in the gate's own array (issue 32, item 5):
+    the same roundings as the forward that keeps its state, FeedForward's and GatedMLP's alike."""
+    from npattn.nn.moe import GatedMLP
+
+    kind, act = which.split()
+    if kind == "feedforward":
+        m = FeedForward(8, 24, activation=act, rng=1, dtype=dtype)
+    else:
+        m = GatedMLP(8, 24, act, rng=1, dtype=dtype)
+    x = np.random.default_rng(3).standard_normal((2, 5, 8)).astype(dtype)
+    kept = m(x)
+    m.clear_saved()
+    with npattn.no_grad():
+        free = m(x)
+    assert free.dtype == dtype and np.abs(kept).max() > 0
+    assert np.array_equal(free, kept)
+    assert np.array_equal(m(x), kept)  # and the kept path after it is unchanged
