@@ -144,8 +144,13 @@ def _rotate(x, cos, sin, interleaved):
     a, b = _pairs(x[..., :r], interleaved)
     y = np.empty_like(x)  # positions broadcast to x's shape without D: cos/sin never widen x
     ya, yb = _pairs(y[..., :r], interleaved)
-    np.subtract(a * cos, b * sin, out=ya)
-    np.add(b * cos, a * sin, out=yb)
+    # each product written once, into y or one scratch array: the same roundings as
+    # (a cos) - (b sin) and (b cos) + (a sin), without four fresh arrays of x's size
+    np.multiply(a, cos, out=ya)
+    tmp = np.multiply(b, sin)
+    ya -= tmp
+    np.multiply(b, cos, out=yb)
+    yb += np.multiply(a, sin, out=tmp)
     if r < x.shape[-1]:
         y[..., r:] = x[..., r:]
     return y
