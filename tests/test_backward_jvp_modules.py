@@ -643,3 +643,82 @@ def test_kimi_delta_attention_second_order(kw):
     check_second_order(m, (x,), rng, eps=1e-6, **extra)
     report = npattn.gradgradcheck(m, x, **extra)
     assert report.ok, str(report)
+
+
+# -- a jvp's forward tangents reused by the backward_jvp after it ------------------------------------------
+
+
+def _reuse_case(kind, rng):
+    """A module with every parameter moved, its input and a random ``dy``."""
+    if kind == "mha":
+        m = npattn.MultiHeadAttention(6, 8, 2, causal=True, rope=True, qk_norm=True, output_gate=True, rng=0)
+        x = rng.standard_normal((2, 5, 6))
+    else:  # a composite: its children's forward tangents are remembered through it
+        m = Sequential(npattn.MultiHeadAttention(6, 6, 2, causal=True, rng=0), npattn.LayerNorm(6))
+        x = rng.standard_normal((2, 5, 6))
+    _perturb(m, rng)
+    return m, x, rng.standard_normal((2, 5, 8 if kind == "mha" else 6))
+
+
+def _second(m, x, dy, *, jvp=None, tx=None, v=None, ddy=None, mutate=None):
+    """``backward_jvp(dy, tx, param_tangents=v, ddy=ddy)`` after a fresh forward, with first a
+    ``jvp(*jvp[0], param_tangents=jvp[1])`` of that state when given (then ``mutate(v)``)."""
+    m.zero_grad()
+    for p in m.parameters():
+        p.grad_tangent = None
+    m(x)
+    if jvp is not None:
+        m.jvp(*jvp[0], param_tangents=jvp[1])
+        if mutate is not None:
+            mutate(v)
+    dx, tdx = m.backward_jvp(dy, tx, param_tangents=v, ddy=ddy)
+    return [dx, tdx] + [p.grad_tangent.copy() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["mha", "sequential"])
+def test_backward_jvp_reuses_only_the_same_tangents(kind, monkeypatch):
+    """After ``jvp`` along the tangents that ``backward_jvp`` gets (the same arrays, or equal
+    copies), the forward tangents are computed once (counted) and the result is the one worked
+    from scratch bit for bit; along other values (other arrays, the same dict with its arrays
+    replaced, the same arrays changed in place, another input tangent, a new forward in between)
+    nothing the ``jvp`` computed is used: a stale reuse would give the first direction's
+    curvature, far from the second's."""
+    rng = np.random.default_rng(40)
+    m, x, dy = _reuse_case(kind, rng)
+    draw = lambda: {n: rng.standard_normal(p.data.shape) for n, p in m.named_parameters()}  # noqa: E731
+    v1, v2, v3 = draw(), draw(), draw()
+    tx1, tx2, ddy = rng.standard_normal(x.shape), rng.standard_normal(x.shape), rng.standard_normal(dy.shape)
+    core = npattn.nn.attention_core.MultiHeadAttentionCore
+    calls = []
+    original = core._forward_tangents
+    monkeypatch.setattr(core, "_forward_tangents", lambda *a: calls.append(1) or original(*a))
+
+    want = _second(m, x, dy, tx=tx2, v=v2, ddy=ddy)
+    calls.clear()
+    for tangents in ((tx2,), v2), ((tx2.copy(),), {n: a.copy() for n, a in v2.items()}):
+        calls.clear()
+        got = _second(m, x, dy, jvp=tangents, tx=tx2, v=v2, ddy=ddy)
+        assert len(calls) == 1  # the jvp's, reused
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+    other = _second(m, x, dy, tx=tx1, v=v1, ddy=ddy)
+    assert rel_err(other[1], want[1]) > 1e-3  # dx's tangent: so a stale reuse shows
+    stale_cases = [
+        dict(jvp=((tx1,), v1), tx=tx2, v=v2),  # other arrays
+        dict(jvp=((tx2,), v1), tx=tx2, v=v1, mutate=lambda v: v.update(v2)),  # the same dict, arrays replaced
+        dict(jvp=((tx2,), v3), tx=tx2, v=v3, mutate=lambda v: [v[n].__setitem__(..., v2[n]) for n in v]),  # in place
+    ]
+    for case in stale_cases:
+        calls.clear()
+        got = _second(m, x, dy, ddy=ddy, **case)
+        assert len(calls) == 2
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    calls.clear()
+    got = _second(m, x, dy, jvp=((tx1,), v2), tx=tx2, v=v2, ddy=ddy)  # another input tangent
+    assert len(calls) == 2 and all(np.array_equal(a, b) for a, b in zip(got, want))
+    m(x)  # a jvp of one forward, a backward_jvp of the next: that state has no jvp of its own
+    m.jvp(tx1, param_tangents=v1)
+    calls.clear()
+    got = _second(m, x, dy, tx=tx2, v=v2, ddy=ddy)
+    assert len(calls) == 1 and all(np.array_equal(a, b) for a, b in zip(got, want))
+    m.clear_saved()

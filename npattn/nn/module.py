@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import threading
 import warnings
@@ -201,6 +202,44 @@ class _Saved:
         self.cache = cache
         self.versions = versions
         self.dy_spec = None
+        self.jvp_tangents = None  # the latest jvp's tangents and forward tangents (_JvpTangents)
+
+
+class _JvpTangents:
+    """What a user's ``jvp`` computed from one forward state, for a ``backward_jvp`` of that state
+    along the same tangents: the input tangents as given, a fingerprint of the tangents' values
+    (``_tangents_key``: the input tangents, then the ``param_tangents`` dict's names and arrays)
+    and the remembering :class:`ParamTangents` that holds every stage's forward tangents."""
+
+    __slots__ = ("inputs", "key", "pt")
+
+    def __init__(self, inputs: tuple, param_tangents, pt: "ParamTangents"):
+        self.inputs = inputs
+        self.key = _tangents_key(inputs, param_tangents)
+        self.pt = pt
+
+    def matches(self, inputs: tuple, param_tangents) -> bool:
+        """True when ``inputs`` and ``param_tangents`` hold the values given to the ``jvp`` (the
+        same names, shapes, dtypes and bytes, whether the same arrays or not, changed in place or
+        not): then its forward tangents are theirs."""
+        return _tangents_key(inputs, param_tangents) == self.key
+
+
+def _fingerprint(a):
+    """``a``'s shape, dtype and SHA-256 of its bytes (one pass over it); an object equal to nothing
+    else for what is neither ``None`` nor a numeric array."""
+    if a is None:
+        return None
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "fiu":
+        return object()
+    data = memoryview(np.ascontiguousarray(a)).cast("B")
+    return a.shape, a.dtype.str, hashlib.sha256(data).digest()
+
+
+def _tangents_key(inputs: tuple, param_tangents):
+    """The fingerprints of a ``jvp``'s or ``backward_jvp``'s tangents (``_JvpTangents``)."""
+    items = () if param_tangents is None else tuple(param_tangents.items())
+    return tuple(map(_fingerprint, inputs)), tuple((n, _fingerprint(a)) for n, a in items)
 
 
 class ParamTangents:
@@ -238,6 +277,11 @@ class ParamTangents:
         if hit is None:
             hit = self._memo[key] = (objs, compute())
         return hit[1]
+
+    def _forget(self, objs: tuple) -> None:
+        """Drop what ``_remember`` keeps for ``objs`` (nothing when not remembering)."""
+        if self._memo is not None:
+            self._memo.pop(tuple(map(id, objs)), None)
 
     def get(self, param):
         """The tangent of ``param`` (a ``Parameter`` or ``None``), or ``None`` when it has none."""
@@ -643,7 +687,9 @@ class Module:
     def jvp(self, *input_tangents, param_tangents=None):
         """Forward mode: the tangent of the output of the latest forward along given tangents.
 
-        Uses the latest saved state *without* consuming it, so ``backward`` may follow.
+        Uses the latest saved state *without* consuming it, so ``backward`` may follow.  The
+        forward tangents of every stage stay on that state until it is consumed (or until the next
+        ``jvp`` of it), for a ``backward_jvp`` along the same tangents (see there).
 
         Parameters
         ----------
@@ -669,7 +715,17 @@ class Module:
         """
         if not self._states:
             raise self._no_state_error("jvp")
-        return self._jvp_at(-1, tuple(input_tangents), self._param_tangents(param_tangents))
+        inputs, pt = tuple(input_tangents), self._param_tangents(param_tangents)
+        if isinstance(param_tangents, ParamTangents):  # a composite's or loss_hvp's own remembering
+            return self._jvp_at(-1, inputs, pt)
+        entry = self._states[-1]
+        entry.jvp_tangents = None  # the previous jvp's are released first
+        pt = pt._remembering()
+        out = self._jvp_at(-1, inputs, pt)
+        pt._forget((self, "jvp", entry.cache) + inputs)
+        entry.jvp_tangents = _JvpTangents(inputs, param_tangents, pt)
+        # the caller's own array: a change in place must not reach what backward_jvp reuses
+        return out.copy() if isinstance(out, np.ndarray) else out
 
     def _jvp_at(self, index: int, input_tangents: tuple, param_tangents) -> np.ndarray:
         """``_jvp`` from saved state ``index`` (a list index; kept as ``_jvp_index``, counted from
@@ -753,6 +809,13 @@ class Module:
         ``dy`` is the output's gradient, the input and parameter tangents ``v`` and ``ddy`` the
         tangent of ``dy`` that they cause, ``p.grad_tangent`` is the Hessian-vector product ``H v``.
 
+        After ``jvp`` of the same forward state along the same tangents (each input tangent, and
+        the ``param_tangents`` dict's names and arrays, compared by value: a SHA-256 of each
+        array's bytes, one pass over them), the forward tangents that ``jvp`` computed are reused
+        instead of computed again (the Hessian-vector recipe: forward, ``jvp``, ``backward_jvp``).
+        Other values (other arrays, or the same ones changed in place in between) are worked
+        from scratch.
+
         A module implements the hook ``_backward_jvp(state, dy, input_tangents, param_tangents,
         ddy) -> (dx, dx_tangent)`` (``state``: what its forward gave ``save_for_backward``;
         ``param_tangents.get(p)`` as in ``_jvp``; it adds into ``p.grad`` with
@@ -792,10 +855,19 @@ class Module:
         dy = self._check_dy(dy)
         if ddy is not None:
             ddy = self._check_dy(ddy, "ddy")
-        param_tangents = self._param_tangents(param_tangents)
+        entry, inputs = self._states[-1], tuple(input_tangents)
+        kept = entry.jvp_tangents  # released with the state
+        if (
+            kept is not None
+            and not isinstance(param_tangents, ParamTangents)
+            and (param_tangents is None or hasattr(param_tangents, "items"))
+            and kept.matches(inputs, param_tangents)
+        ):  # this state's jvp along the same values: its forward tangents, found by its arrays
+            inputs, param_tangents = kept.inputs, kept.pt
+        elif not isinstance(param_tangents, ParamTangents):  # a composite's children share theirs
+            param_tangents = self._param_tangents(param_tangents)._remembering()
         self._check_grad_tangents()
-        entry = self._states[-1]
-        result = self._backward_jvp(entry.cache, dy, tuple(input_tangents), param_tangents, ddy)
+        result = self._backward_jvp(entry.cache, dy, inputs, param_tangents, ddy)
         self._release(entry)
         return result
 
