@@ -523,7 +523,7 @@ class _Backward:
             self.dq = np.empty(_grouped_shape(q.shape, groups), q.dtype)
             self.dk, self.dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
         self.order, self.from_zero = self._zero_unseen(cache.blocks)
-        self.kept: list | None = None  # [dP^T, D] of the last block, when the second order asks
+        self.kept: list | None = None  # the last block's dP^T, D, (dP - D)^T, ds when the second order asks
         glead = self.dog.shape[:-2]
         self.dsinks = None if cache.options.sinks is None else np.zeros(glead + (groups,), q.dtype)  # (..., Hk, G)
         self.dmask = None
@@ -570,15 +570,19 @@ class _Backward:
         _write_or_add(pk, do, self.dv[..., c0:c1, :], add, self.prod_buf)
         # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  dS^T = P^T * (dP - D)^T
         ds = scratch(self.ds_buf, self.dog.shape[:-2] + (c1 - c0, blk.n))
-        np.matmul(cache.v[..., c0:c1, :], do.swapaxes(-1, -2), out=ds)
+        # the second order reads dP^T, D and dP - D after this block: dP^T then in an array of its own
+        dp = ds if self.kept is None else np.empty_like(ds)
+        np.matmul(cache.v[..., c0:c1, :], do.swapaxes(-1, -2), out=dp)
         if kb is not None:
-            ds *= kb
-            ds *= cache.drop_scale
-        d = np.einsum("...ji,...ji->...i", ds, p)[..., None, :]  # D_i = sum_j dP_ij P_ij, (..., 1, n)
-        if self.kept is not None:
-            self.kept[:] = (ds.copy(), d)
-        ds -= d  # dP - D
-        ds *= p
+            dp *= kb
+            dp *= cache.drop_scale
+        d = np.einsum("...ji,...ji->...i", dp, p)[..., None, :]  # D_i = sum_j dP_ij P_ij, (..., 1, n)
+        if self.kept is None:
+            ds -= d  # dP - D
+            ds *= p
+        else:  # [dP^T, D, (dP - D)^T, the gradient of the scores below] for the second order
+            self.kept[:] = (dp, d, np.subtract(dp, d), ds)
+            np.multiply(self.kept[2], p, out=ds)
         if self.dsinks is not None and cache.p_sink is not None:  # dsink_h -= sum_i P_sink_i D_i
             self.dsinks[..., g] -= np.einsum("...i,...i->...", cache.p_sink[..., rows, 0], d[..., 0, :])
         if self.dmask is not None:  # dmask = dS, summed to the mask's shape
@@ -808,10 +812,11 @@ class _BackwardTangents:
         if cache.mask is not None:  # kept with mask_grad only
             self.tdmask = np.zeros((1,) * (len(q.shape) - cache.mask.ndim) + cache.mask.shape, q.dtype)
 
-    def block(self, i: int, dp, d):
-        """Block ``i``: the backward's lines (``dS``, ``ds``; ``dP^T``, after dropout, and ``D``
-        given: the backward's own) and each one's tangent, key-major like the cached ``P^T``;
-        ``tdq`` of its rows, ``tdk``, ``tdv`` of its keys added."""
+    def block(self, i: int, dp, d, r, ds_scaled):
+        """Block ``i``: the tangents of the backward's lines, key-major like the cached ``P^T``,
+        from the backward's own ``dP^T`` (after dropout), ``D``, ``(dP - D)^T`` and ``ds =
+        scale dS [(1 - T^2)]`` (read, not changed; ``r`` taken over as scratch); ``tdq`` of its
+        rows, ``tdk``, ``tdv`` of its keys added."""
         cache, blk = self.cache, self.cache.blocks[i]
         p, rows, c0, c1 = cache.p[i], blk.rows, blk.c0, blk.c1
         g = rows.start // cache.q.shape[-2] if cache.q.shape[-2] else 0
@@ -842,8 +847,8 @@ class _BackwardTangents:
             tdp *= kb
         # D = rowsum(dP P), dS = P (dP - D): the softmax's backward and its tangent
         td = (np.einsum("...ji,...ji->...i", tdp, p) + np.einsum("...ji,...ji->...i", dp, tp))[..., None, :]
-        r = dp - d
-        ds = p * r
+        softcap = cache.options.softcap if cache.dcap is not None else None
+        ds = None if softcap is None else p * r  # dS itself, before softcap's factor and the scale
         tds = np.multiply(tp, r, out=r)  # tP (dP - D) + P (tdP - tD), the second in tdp's array
         tds += np.multiply(p, np.subtract(tdp, td, out=tdp), out=tdp)
         if self.tdsinks is not None and p_sink is not None:  # dsink = -sum P_sink D
@@ -853,17 +858,19 @@ class _BackwardTangents:
             )
         if self.tdmask is not None:  # dmask = dS
             _add_mask_grad(self.tdmask, tds, blk, cache.groups, g)
-        if cache.dcap is not None and cache.options.softcap is not None:
-            ds, tds = self._through_softcap(i, ds, tds, ts, cache.dcap[i], cache.options.softcap)
-        # dq = scale ds k, dk = scale ds^T q: products of two moving factors
+        if softcap is not None and cache.dcap is not None:
+            _, tds = self._through_softcap(i, ds, tds, ts, cache.dcap[i], softcap)
+        # dq = ds k, dk = ds^T q (ds = scale dS, the backward's): products of two moving factors
         tdq = np.matmul(tds.swapaxes(-1, -2), cache.k[..., c0:c1, :])
         tdk = np.matmul(tds, self.qg[..., rows, :])
+        tdq *= cache.scale
+        tdk *= cache.scale
         if self.tk is not None:
-            tdq += np.matmul(ds.swapaxes(-1, -2), self.tk[..., c0:c1, :])
+            tdq += np.matmul(ds_scaled.swapaxes(-1, -2), self.tk[..., c0:c1, :])
         if self.tqg is not None:
-            tdk += np.matmul(ds, self.tqg[..., rows, :])
-        self.tdq[..., rows, :] += cache.scale * tdq
-        self.tdk[..., c0:c1, :] += cache.scale * tdk
+            tdk += np.matmul(ds_scaled, self.tqg[..., rows, :])
+        self.tdq[..., rows, :] += tdq
+        self.tdk[..., c0:c1, :] += tdk
 
     def _through_softcap(self, i: int, ds, tds, ts, dcap, softcap: float):
         """``ds = dS (1 - T^2)`` and ``tds = tdS (1 - T^2) - 2 dS T (1 - T^2) ts / softcap``; ``T``
