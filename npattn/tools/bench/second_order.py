@@ -8,7 +8,8 @@ Two questions, each against first order on the same module and inputs:
   - ``mha_hvp``: ``MultiHeadAttention(768, 768, 12, causal=True)`` on ``(8, 256, 768)`` (``MHA``):
     the product of the parameters' Hessian of ``1/2 ||y - t||^2`` with a direction ``v`` by the
     curvature guide's recipe, ``y = m(x)``, ``ty = m.jvp(param_tangents=v)``, ``m.backward_jvp(y
-    - t, param_tangents=v, ddy=ty)``, against ``y = m(x)``, ``m.backward(y - t)``;
+    - t, param_tangents=v, ddy=ty)`` (which reuses the forward tangents the ``jvp`` computed),
+    against ``y = m(x)``, ``m.backward(y - t)``;
   - ``family_hvp``: ``CausalLM.loss_hvp(ids, targets, v)`` of a small model of a family
     (``FAMILY``: the family's tiny config at width 128, 2 layers, vocab 1024, ``(1, 64)`` tokens)
     against ``loss`` + ``backward``;
