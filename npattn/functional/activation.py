@@ -25,8 +25,6 @@ from .._validate import (
     check_tangents_as,
 )
 from ._erf import erf
-from ._workspace import Workspace
-from ._workspace import empty as _empty
 
 __all__ = [
     "ReluCache",
@@ -363,21 +361,16 @@ def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     return silu_kernel(as_float(x, "x"))
 
 
-def sigmoid(z: np.ndarray, workspace: Optional[Workspace] = None) -> np.ndarray:
+def sigmoid(z: np.ndarray) -> np.ndarray:
     """``1 / (1 + exp(-z))`` without overflow, a new array of ``z``'s dtype: with ``e = exp(-|z|)``
     (<= 1), ``1 / (1 + e)`` for z >= 0 and ``e / (1 + e)`` for z < 0.  The numerator is
     ``max(e, z >= 0)`` (1 where z >= 0 since e <= 1; e elsewhere; NaN stays NaN): a SIMD maximum,
-    where ``np.where`` on the sign would take most of the time.  ``workspace``: where the result
-    and the scratch come from (the scratch goes back at once; the caller gives the result back)."""
-    e = np.abs(z, out=_empty(workspace, z.shape, z.dtype))
+    where ``np.where`` on the sign would take most of the time."""
+    e = np.abs(z)
     np.exp(np.negative(e, out=e), out=e)
-    positive = np.greater_equal(z, 0, out=_empty(workspace, z.shape, np.bool_))
-    num = np.maximum(e, positive, out=_empty(workspace, z.shape, z.dtype))
+    num = np.maximum(e, z >= 0)
     e += 1.0
-    np.divide(num, e, out=num)
-    if workspace is not None:
-        workspace.give(e, positive)
-    return num
+    return np.divide(num, e, out=num)
 
 
 def silu_kernel(x):

@@ -647,42 +647,25 @@ def act_kernels(name: str) -> tuple:
 # ``(act's cache, s = act(gate x), b = up x)``.  Shared with nn.moe (as check_features and
 # input_tangent with every module): public names, outside __all__.
 def gated_unit(act: str, gate: Linear, up: Linear, x: np.ndarray):
-    """``(h, state)``; without grad ``state`` is None and ``h`` comes from the thread's scratch
-    (``gated_unit_done`` gives it back once read)."""
     kernel, _, kwargs = _act(act)
     if not is_grad_enabled():  # no state kept (inference): the products go in place, no state
-        return _gated_unit_inference(act, gate, up, x), None
+        return _gated_unit_inference(act, gate._forward(x), up, x), None
     s, act_cache = kernel(gate._forward(x), **kwargs)
     b = up._forward(x)
     return s * b, (act_cache, s, b)
 
 
-def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray) -> np.ndarray:
-    """``act(a) * b`` (``a = gate x``, ``b = up x``) written into ``a``'s array, with the roundings
-    of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``).  ``a``, ``b`` and
-    sigmoid's arrays come from the thread's scratch (``Module._scratch``): on a long prompt each
-    fresh ``(..., d_ff)`` array is a run of page faults, and the layers run one after another."""
+def _gated_unit_inference(act: str, a: np.ndarray, up: Linear, x: np.ndarray) -> np.ndarray:
+    """``act(a) * up(x)`` written into ``a``'s array (the gate's fresh output, seen by nobody
+    else), with the roundings of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``):
+    two arrays of ``(..., d_ff)`` fewer per call, which on a long prompt are fresh pages each."""
     kernel, _, kwargs = _act(act)
-    ws = gate._scratch()
-    shape = x.shape[:-1] + (gate.out_features,)
-    a = gate._forward(x, out=ws.empty(shape, x.dtype))
     if _ACTIVATIONS[act][0] == "silu":
-        s = K.sigmoid(a, ws)
-        h = np.multiply(a, s, out=a)
-        ws.give(s)
+        h = np.multiply(a, K.sigmoid(a), out=a)
     else:
         h = kernel(a, **kwargs)[0]
-        ws.give(a)
-    b = up._forward(x, out=ws.empty(shape, x.dtype))
-    h *= b
-    ws.give(b)
+    h *= up._forward(x)
     return h
-
-
-def gated_unit_done(h: np.ndarray, state) -> None:
-    """After the down projection read ``h``: a stateless (inference) unit's ``h`` back to the scratch."""
-    if state is None:
-        Module._scratch().give(h)
 
 
 def gated_unit_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state) -> np.ndarray:
@@ -812,10 +795,7 @@ class FeedForward(_Layer):
                 reused = (a,)
         drop = self.dropout.active  # an inactive dropout is skipped: no copy of (..., d_ff) each way
         self.save_for_backward((cache, drop, reused))
-        y = self.linear2._forward(self.dropout._forward(h) if drop else h)
-        if self.activation == "swiglu":
-            gated_unit_done(h, cache)
-        return y
+        return self.linear2._forward(self.dropout._forward(h) if drop else h)
 
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         cache, drop, reused = self.pop_saved()

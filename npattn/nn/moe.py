@@ -70,7 +70,6 @@ from .layers import (
     gated_unit,
     gated_unit_backward,
     gated_unit_backward_jvp,
-    gated_unit_done,
     gated_unit_jvp,
     gated_unit_tangents,
     input_tangent,
@@ -729,9 +728,7 @@ class GatedMLP(Module):
     def _forward(self, x: np.ndarray) -> np.ndarray:
         h, state = gated_unit(self._act, self.gate_proj, self.up_proj, x)
         self.save_for_backward(state)
-        y = self.down_proj._forward(h)
-        gated_unit_done(h, state)
-        return y
+        return self.down_proj._forward(h)
 
     @shared_doc(backward_raises=_BACKWARD_RAISES)
     def backward(self, dy) -> np.ndarray:
