@@ -243,9 +243,9 @@ class MultiHeadAttention(MultiHeadAttentionCore):
     ):
         """``forward`` on validated arguments (see ``MultiHeadAttentionCore._forward``)."""
         out, state = self._run(x, key, value, mask, use_cache, positions)
-        weights = self._weights(state, average_attn_weights) if need_weights else None
-        self._give_back(state)
-        return out if weights is None else (out, weights)
+        if not need_weights:
+            return out
+        return out, self._weights(state, average_attn_weights)
 
     @staticmethod
     def _weights(st: State, average: bool) -> np.ndarray:

@@ -96,7 +96,6 @@ class State(NamedTuple):
     reused: tuple = ()  # arrays from the module's workspace, given back after the backward
     gate: tuple | None = None  # output_gate: (attention output (..., L, H*hd), sigmoid(gate) of its shape)
     dropped: int = 0  # keys a rolling KV cache had dropped before this call
-    scratch: bool = False  # a call that keeps no state: ``reused`` came from the thread's scratch (``_give_back``)
 
 
 class _Tangents(NamedTuple):
@@ -547,18 +546,13 @@ class MultiHeadAttentionCore(Module):
         self-attention) arrays of the module's dtype checked by ``_check_inputs``, ``mask`` built
         by ``_build_mask`` (over the cached keys too), ``use_cache`` accepted by ``_check_cache``.
         Nothing is checked again.  ``positions``: RoPE's positions, None for ``T + i``."""
-        out, state = self._run(x, key, value, mask, use_cache, positions)
-        self._give_back(state)
-        return out
+        return self._run(x, key, value, mask, use_cache, positions)[0]
 
     def _run(self, x, key, value, mask, use_cache: bool, positions=None) -> tuple[np.ndarray, State]:
         """The stages in order; returns the output and the state (kept for backward unless cached)."""
         self_attn = key is None or value is None
-        # A training step's internal arrays come from (and go back to) the module's workspace; a
-        # call that keeps no state (KV cache, no_grad) takes them from the thread's scratch, which
-        # gets them back once the output is formed (``_give_back``): the next layer reuses them
-        kept = not use_cache and is_grad_enabled()
-        ws = (self._workspace() if kept else self._scratch()) if self_attn else None
+        # A training step's internal arrays come from (and go back to) the module's workspace
+        ws = self._workspace() if self_attn and not use_cache and is_grad_enabled() else None
         p = self._project(x, None if self_attn else key, None if self_attn else value, ws)
         cache = self._kv_cache_in_use() if use_cache else None
         start = 0 if cache is None else cache.position  # rolled-out tokens count
@@ -581,7 +575,7 @@ class MultiHeadAttentionCore(Module):
             reused = (p.qkv,) if self.memory_efficient else (p.qkv, ctx) + tuple(cast(AttentionCache, attn_cache).p)
         state = State(
             self_attn, p.caches, pos, attn_cache, out_cache, lk, self._n_extra, self.memory_efficient,
-            self.sinks is not None, reused, gated, dropped, not kept,
+            self.sinks is not None, reused, gated, dropped,
         )  # fmt: skip
         if use_cache:
             self.clear_saved()  # a cached call keeps nothing for backward, nor an earlier forward's state
@@ -595,12 +589,6 @@ class MultiHeadAttentionCore(Module):
             keep = self._rolling_keep()
             object.__setattr__(self, "_kv_cache", KVCache() if keep is None else RollingKVCache(keep))
         return cast(KVCache, self._kv_cache)
-
-    def _give_back(self, st: State) -> None:
-        """After a call that kept no state, once its output (and any weights) are formed: its
-        internal arrays back to the thread's scratch."""
-        if st.scratch and st.reused:
-            self._scratch().give(*st.reused)
 
     def _project(self, x, key, value, ws) -> Projected:
         """Stage 1: q, k, v (one GEMM in self-attention, ``key is None``), split into heads."""
