@@ -278,3 +278,26 @@ def test_kv_cache_follows_a_dtype_change():
     y = m(x[:, 2:].astype(np.float32), use_cache=True)
     assert y.dtype == np.float32 and m._kv_cache.k.dtype == np.float32
     np.testing.assert_allclose(y, m(x.astype(np.float32))[:, 2:], rtol=0, atol=1e-5)
+
+
+def test_one_constructor_signature_and_the_core_refuses_torchs_extra_keys():
+    """MultiHeadAttention's constructor is the core's (written once, add_bias_kv and add_zero_attn
+    after memory_efficient); the core refuses the two extras before drawing any weight."""
+    import inspect
+
+    from npattn.nn.attention_core import MultiHeadAttentionCore
+
+    public = list(inspect.signature(npattn.MultiHeadAttention).parameters.values())
+    assert public == list(inspect.signature(MultiHeadAttentionCore).parameters.values())
+    names = [p.name for p in public]
+    assert names[names.index("memory_efficient") + 1 :][:2] == ["add_bias_kv", "add_zero_attn"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in public[3:])
+    for name in ("add_bias_kv", "add_zero_attn"):
+        rng = np.random.default_rng(0)
+        with pytest.raises(ValueError, match=f"{name}: expected False"):
+            MultiHeadAttentionCore(8, 8, 2, rng=rng, **{name: True})
+        assert rng.bit_generator.state == np.random.default_rng(0).bit_generator.state  # nothing drawn
+        m = npattn.MultiHeadAttention(8, 8, 2, **{name: True})
+        assert m._n_extra == 1 and getattr(m, name) is True
+    with pytest.raises(TypeError, match="no_such_option"):
+        npattn.MultiHeadAttention(8, 8, 2, no_such_option=True)

@@ -126,53 +126,11 @@ class MultiHeadAttention(MultiHeadAttentionCore):
 
     _REPR_FLAGS = ("add_bias_kv", "add_zero_attn") + MultiHeadAttentionCore._REPR_FLAGS
 
-    def __init__(
-        self,
-        d_in: int,
-        d_out: int,
-        num_heads: int,
-        *,
-        dropout: float = 0.0,
-        qkv_bias: bool = False,
-        out_bias: bool = True,
-        causal: bool = False,
-        num_kv_heads: int | None = None,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        memory_efficient: bool = False,
-        add_bias_kv: bool = False,
-        add_zero_attn: bool = False,
-        window: tuple[int, int] | None = None,
-        causal_align: str = "top_left",
-        softcap: float | None = None,
-        alibi: bool = False,
-        sinks: bool = False,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        qk_norm: bool = False,
-        qk_norm_eps: float | None = None,
-        qk_norm_unit_offset: bool = False,
-        qk_norm_scope: str = "head",
-        head_dim: int | None = None,
-        scale: float | None = None,
-        rope_scaling=None,
-        partial_rotary_factor: float = 1.0,
-        rope_interleaved: bool = False,
-        output_gate: bool = False,
-        rng=None,
-        dtype=np.float64,
-    ) -> None:
-        add_bias_kv = check_bool(add_bias_kv, "add_bias_kv")
-        add_zero_attn = check_bool(add_zero_attn, "add_zero_attn")
-        super().__init__(
-            d_in, d_out, num_heads, dropout=dropout, qkv_bias=qkv_bias, out_bias=out_bias, causal=causal,
-            num_kv_heads=num_kv_heads, kdim=kdim, vdim=vdim, memory_efficient=memory_efficient, window=window,
-            causal_align=causal_align, softcap=softcap, alibi=alibi, sinks=sinks, rope=rope, rope_base=rope_base,
-            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps, qk_norm_unit_offset=qk_norm_unit_offset,
-            qk_norm_scope=qk_norm_scope, head_dim=head_dim,
-            scale=scale, rope_scaling=rope_scaling, partial_rotary_factor=partial_rotary_factor,
-            rope_interleaved=rope_interleaved, output_gate=output_gate, rng=rng, dtype=dtype,
-        )  # fmt: skip
+    _TORCH_EXTRAS = True
+
+    # The constructor is the core's (one signature for both classes); this hook adds torch's keys.
+    def _init_extra_keys(self, add_bias_kv: bool, add_zero_attn: bool) -> None:
+        """``bias_k``/``bias_v`` (``add_bias_kv``) and the count of keys appended after the real ones."""
         self.add_bias_kv, self.add_zero_attn = add_bias_kv, add_zero_attn
         self._n_extra = int(add_bias_kv) + int(add_zero_attn)  # keys appended after the real ones
         if add_bias_kv:  # torch: xavier_normal_ on (1, 1, kv), std sqrt(2 / (kv + kv)); drawn after out_proj

@@ -122,6 +122,7 @@ class MultiHeadAttentionCore(Module):
     grouped-query attention, the attention options, RoPE, QK-norm, the output gate and a KV
     cache, without torch's extras (``add_bias_kv``, ``add_zero_attn``, ``need_weights``)."""
 
+    _TORCH_EXTRAS: bool = False  # add_bias_kv / add_zero_attn accepted (npattn.MultiHeadAttention)
     _n_extra: int = 0  # keys appended after the real ones by a subclass's attend stage (torch's extras)
     _fused: tuple | None  # (W, b, weight views, bias views) of the fused q/k/v projection
     _kv_cache: KVCache | None
@@ -149,6 +150,8 @@ class MultiHeadAttentionCore(Module):
         kdim: int | None = None,
         vdim: int | None = None,
         memory_efficient: bool = False,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
         window: tuple[int, int] | None = None,
         causal_align: str = "top_left",
         softcap: float | None = None,
@@ -176,6 +179,12 @@ class MultiHeadAttentionCore(Module):
         self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
         out_bias = check_bool(out_bias, "out_bias")
+        extras = check_bool(add_bias_kv, "add_bias_kv"), check_bool(add_zero_attn, "add_zero_attn")
+        for name, flag in zip(("add_bias_kv", "add_zero_attn"), extras):
+            if flag and not self._TORCH_EXTRAS:
+                raise ValueError(
+                    f"{name}: expected False (MultiHeadAttentionCore has no extra keys; npattn.MultiHeadAttention has)"
+                )
         options = self._check_options(causal_align, window, softcap, dtype)
         self.alibi = check_bool(alibi, "alibi")
         use_sinks = check_bool(sinks, "sinks")
@@ -210,6 +219,12 @@ class MultiHeadAttentionCore(Module):
         object.__setattr__(self, "_fused", None)
         object.__setattr__(self, "_kv_cache", None)
         self._fused_qkv()
+        self._init_extra_keys(*extras)
+
+    def _init_extra_keys(self, add_bias_kv: bool, add_zero_attn: bool) -> None:
+        """torch's extra keys: only ``npattn.MultiHeadAttention`` has them (``_TORCH_EXTRAS``; it
+        overrides this and the ``attend`` stage).  The core takes the two flags so that both classes
+        share one constructor signature, refuses True and has nothing to set up."""
 
     def _check_options(self, causal_align, window, softcap, dtype) -> AttentionOptions:
         """The options checked by the cores' own ``check_options``; a window that is not a pair and
