@@ -179,12 +179,7 @@ class MultiHeadAttentionCore(Module):
         self.memory_efficient = check_bool(memory_efficient, "memory_efficient")
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
         out_bias = check_bool(out_bias, "out_bias")
-        extras = check_bool(add_bias_kv, "add_bias_kv"), check_bool(add_zero_attn, "add_zero_attn")
-        for name, flag in zip(("add_bias_kv", "add_zero_attn"), extras):
-            if flag and not self._TORCH_EXTRAS:
-                raise ValueError(
-                    f"{name}: expected False (MultiHeadAttentionCore has no extra keys; npattn.MultiHeadAttention has)"
-                )
+        extras = self._check_extra_keys(add_bias_kv, add_zero_attn)
         options = self._check_options(causal_align, window, softcap, dtype)
         self.alibi = check_bool(alibi, "alibi")
         use_sinks = check_bool(sinks, "sinks")
@@ -220,6 +215,16 @@ class MultiHeadAttentionCore(Module):
         object.__setattr__(self, "_kv_cache", None)
         self._fused_qkv()
         self._init_extra_keys(*extras)
+
+    def _check_extra_keys(self, add_bias_kv, add_zero_attn) -> tuple[bool, bool]:
+        """torch's two flags checked; True refused where the class has no extra keys (the core)."""
+        extras = check_bool(add_bias_kv, "add_bias_kv"), check_bool(add_zero_attn, "add_zero_attn")
+        for name, flag in zip(("add_bias_kv", "add_zero_attn"), extras):
+            if flag and not self._TORCH_EXTRAS:
+                raise ValueError(
+                    f"{name}: expected False (MultiHeadAttentionCore has no extra keys; npattn.MultiHeadAttention has)"
+                )
+        return extras
 
     def _init_extra_keys(self, add_bias_kv: bool, add_zero_attn: bool) -> None:
         """torch's extra keys: only ``npattn.MultiHeadAttention`` has them (``_TORCH_EXTRAS``; it
