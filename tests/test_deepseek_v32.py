@@ -42,7 +42,7 @@ def stable_choice(monkeypatch):
             rows = np.isfinite(nxt)  # rows that see more than topk keys: the choice is a real one
             if rows.any():
                 scale = np.maximum(np.abs(srt[..., :1]).max(-1), 1e-30)[rows]
-                gap = ((kth - nxt)[rows] / scale).min()
+                gap = ((kth[rows] - nxt[rows]) / scale).min()  # rows only: -inf - -inf elsewhere
                 assert gap > GAP, f"a near tie at the top-{topk} border: relative gap {gap}"
                 seen.append(gap)
         return real(scores, topk, visible)
