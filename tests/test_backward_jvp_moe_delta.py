@@ -414,6 +414,7 @@ def test_delta_rule_chunked_equals_textbook_and_central_differences(chunk, l2, w
         assert (a is None) == (b is None) == (not with_state and a is None)
         if a is not None:
             np.testing.assert_array_equal(a, b)
+    _assert_kept_forward_tangents_change_nothing(fast, tangents, dout, ddout, dfin, ddfin, (grads, tans))
     want = R.gated_delta_rule_backward_jvp(dout, cache_at(R, *primals), tangents, ddout, dfin, ddfin)[1]
     for t, w in zip(tans, want):
         assert (t is None) == (w is None)
@@ -443,6 +444,31 @@ def test_delta_rule_chunked_second_order_long_float32():
     dout = rng.standard_normal(v.shape).astype(np.float32)
     grads, tans = F.gated_delta_rule_backward_jvp(dout, cache, tangents, dout[..., ::-1].copy())
     assert all(t.dtype == np.float32 and np.isfinite(t).all() for t in tans[:5]) and tans[5] is None
+    tangents32 = tuple(t.astype(np.float32) for t in tangents)
+    _assert_kept_forward_tangents_change_nothing(cache, tangents32, dout, dout[..., ::-1].copy(), None, None, None)
+
+
+def _assert_kept_forward_tangents_change_nothing(cache, tangents, dout, ddout, dfin, ddfin, want):
+    """The kernels' shortcut (``GatedDeltaNet``'s): the JVP keeps the states' tangents
+    (``keep=True``) and the second order along the same tangents takes them (``forward=``)
+    instead of its first pass; bit for bit the same JVP, gradients and tangents (``want``: the
+    public second order's, None: computed here)."""
+    from npattn.functional import kernels as K
+
+    if want is None:
+        want = F.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfin, ddfin)
+    out, kept = K.gated_delta_rule_jvp(cache, *tangents, keep=True)
+    for a, b in zip(_as_tuple(out), _as_tuple(F.gated_delta_rule_jvp(cache, *tangents))):
+        np.testing.assert_array_equal(a, b)
+    got = K.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfin, ddfin, forward=kept)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
 
 
 def test_delta_rule_chunked_bad_arguments_are_refused_naming_them():

@@ -1165,14 +1165,27 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents):
     )
 
 
-def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
-    return chunked_jvp(_RULE, cache, tq, tk, tv, tg, tbeta, ts0)
+def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None, *, keep=False):
+    """The kernel of ``gated_delta_rule_jvp``; with ``keep``, ``(its result, ForwardTangents)`` for
+    ``gated_delta_rule_backward_jvp_kernel(..., forward=)`` along the same tangents."""
+    return chunked_jvp(_RULE, cache, tq, tk, tv, tg, tbeta, ts0, keep=keep)
 
 
-def chunked_jvp(rule, cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None):
+class ForwardTangents(NamedTuple):
+    """What a chunked rule's JVP computed that its second order along the same tangents computes
+    again in its first pass (``chunked_jvp(..., keep=True)``, ``second_order_kernel(...,
+    forward=)``): the tangents as the forward used its inputs, as chunks, and the state's tangent
+    entering each chunk, ``(L / C) Dk Dv`` numbers per head as the forward's states."""
+
+    tchunks: tuple  # rule.chunked of used_tangents
+    tstates: np.ndarray  # (rows, N, Dk, Dv) ((rows, N, Dk, Dv) per channel too)
+
+
+def chunked_jvp(rule, cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None, *, keep=False):
     """The chunked forward mode of ``rule``: the tangents as the forward used its inputs
     (``used_tangents``), then per group of batch rows the blocks of chunks in order, the state's
-    tangent carried by ``rule.jvp``.  Returns ``tout``, or ``(tout, tfinal_state)``."""
+    tangent carried by ``rule.jvp``.  Returns ``tout``, or ``(tout, tfinal_state)``; with
+    ``keep``, that and the ``ForwardTangents`` the second order along these tangents reuses."""
     c = cache
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
     chunks = rule.chunked(steps, c.chunk, c.q, c.k, c.v, c.g, c.beta)
@@ -1182,14 +1195,16 @@ def chunked_jvp(rule, cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0
     ts0 = np.zeros((rows, dk, dv), c.q.dtype) if ts0 is None else ts0.reshape(rows, dk, dv)
     tout = np.empty(chunks[2].shape, c.q.dtype)
     tfinal = np.empty((rows, dk, dv), c.q.dtype)
+    tstates = np.empty(s.shape, s.dtype)
     for rs, blocks in rule.groups(rows, n, c.chunk, dk):
         ts = ts0[rs]
         for blk in blocks:
             terms = rule.terms(*(x[rs, blk] for x in chunks))
-            tout[rs, blk], ts = rule.jvp(terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts)
+            tout[rs, blk], tstates[rs, blk], ts = rule.jvp(terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts)
         tfinal[rs] = ts
     tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
-    return tout if c.final_state is None else (tout, tfinal.reshape(lead + (dk, dv)))
+    out = tout if c.final_state is None else (tout, tfinal.reshape(lead + (dk, dv)))
+    return (out, ForwardTangents(tchunks, tstates)) if keep else out
 
 
 def used_tangents(c: DeltaRuleCache, tq, tk, tv, tg, tbeta):
@@ -1230,8 +1245,12 @@ def gated_delta_rule_backward_jvp(
     return gated_delta_rule_backward_jvp_kernel(dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
 
 
-def gated_delta_rule_backward_jvp_kernel(dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None):
-    return second_order_kernel(_RULE, dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
+def gated_delta_rule_backward_jvp_kernel(
+    dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None, *, forward=None
+):
+    """The kernel of ``gated_delta_rule_backward_jvp``; ``forward``: the ``ForwardTangents`` that
+    ``gated_delta_rule_jvp_kernel(cache, *tangents, keep=True)`` gave along the same tangents."""
+    return second_order_kernel(_RULE, dout, cache, tangents, ddout, dfinal_state, ddfinal_state, forward=forward)
 
 
 class ChunkedRule(NamedTuple):
@@ -1249,18 +1268,24 @@ class ChunkedRule(NamedTuple):
     backward_jvp: Callable  # ``_chunked_backward_jvp``
 
 
-def second_order_kernel(rule, dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None):
+def second_order_kernel(
+    rule, dout, cache, tangents=(), ddout=None, dfinal_state=None, ddfinal_state=None, *, forward=None
+):
     """The chunked second order (``gated_delta_rule_backward_jvp``, ``kimi_delta_attention_backward_jvp``)
     of ``rule``'s pieces: per group of batch rows, the states' tangents forwards through the
     blocks of chunks (``tangent_scan``, the tangent entering each chunk kept as the forward keeps
-    the states), then the backward and its tangent through the blocks in reverse
+    the states; taken from ``forward``, the ``ForwardTangents`` of ``chunked_jvp`` along the same
+    tangents, when given), then the backward and its tangent through the blocks in reverse
     (``rule.backward_jvp``); last the scale and, with ``use_qk_l2norm``, ``l2_norm``'s second
     order along the raw ``tq``, ``tk``.  Work linear in ``L``, no ``(L, L)`` array."""
     c = cache
     tq_in, tk_in, tv, tg, tbeta, ts0 = (tuple(tangents) + (None,) * 6)[:6]
     lead, steps, dk, dv = c.q.shape[:-2], c.q.shape[-2], c.q.shape[-1], c.v.shape[-1]
     chunks = rule.chunked(steps, c.chunk, c.q, c.k, c.v, c.g, c.beta)
-    tchunks = rule.chunked(steps, c.chunk, *used_tangents(c, tq_in, tk_in, tv, tg, tbeta))
+    if forward is None:
+        tchunks = rule.chunked(steps, c.chunk, *used_tangents(c, tq_in, tk_in, tv, tg, tbeta))
+    else:
+        tchunks = forward.tchunks
     doc = pad_chunks(dout, steps, c.chunk)
     tdoc = np.zeros_like(doc) if ddout is None else pad_chunks(ddout, steps, c.chunk)
     rows, n = chunks[0].shape[:2]
@@ -1277,9 +1302,12 @@ def second_order_kernel(rule, dout, cache, tangents=(), ddout=None, dfinal_state
         return t, rule.term_tangents(t, *(x[rs, blk] for x in tchunks))
 
     for rs, blocks in rule.groups(rows, n, c.chunk, dk):
-        tstates, ts = np.empty(s[rs].shape, s.dtype), ts_all[rs]
-        for blk in blocks:  # the states' tangents, forwards
-            tstates[:, blk], _, _, ts = tangent_scan(*terms(rs, blk), s[rs, blk], ts)
+        if forward is None:
+            tstates, ts = np.empty(s[rs].shape, s.dtype), ts_all[rs]
+            for blk in blocks:  # the states' tangents, forwards
+                tstates[:, blk], _, _, ts = tangent_scan(*terms(rs, blk), s[rs, blk], ts)
+        else:
+            tstates = forward.tstates[rs]
         ds, tds = ds_all[rs], tds_all[rs]
         for blk in reversed(blocks):  # the backward and its tangent, the last block first
             block_grads, ds, block_tangents, tds = rule.backward_jvp(
@@ -1317,12 +1345,12 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
         tO = diag(ta) Q S + diag(a) (tQ S + Q tS) + tP U + P tU
         tS' = ta_C S + a_C tS + (diag(tb) K + diag(b) tK)^T U + (diag(b) K)^T tU
 
-    Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
+    Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
     tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
     tout = tc.qa @ s + c.qa @ tstates
     tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
-    return tout, ts
+    return tout, tstates, ts
 
 
 def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:

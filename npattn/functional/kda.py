@@ -492,12 +492,12 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
         tO = (tA * Q + A * tQ) S + (A * Q) tS + tP U + P tU
         tS' = diag(ta_C) S + diag(a_C) tS + (tB * K + B * tK)^T U + (B * K)^T tU
 
-    Returns ``(tO (rows, N, C, Dv), the final state's tangent)``."""
+    Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
     tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
     tout = tc.qa @ s + c.qa @ tstates
     tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
-    return tout, ts
+    return tout, tstates, ts
 
 
 def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:

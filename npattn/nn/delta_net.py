@@ -476,14 +476,16 @@ class GatedDeltaNet(RecurrentLayer):
         r = nv // nk
         lead, steps, beta, pt = st.lead, st.steps, st.beta, param_tangents
         heads = (-2, -3)
-        t, to, ty = self._output_tangents(st, input_tangents, pt, "backward_jvp")
+        t, to, ty, rule_forward = self._output_tangents(st, input_tangents, pt, "backward_jvp")
         nw = self.norm.weight
         dn, tdn = self._child_backward_jvp(self.out_proj, dy, (ty.reshape(lead + (steps, self.value_dim)),), pt, ddy)
         shape = lead + (steps, nv, dv)
         (do, dz, dnw), (tdo, tdz, tdnw) = K.rms_norm_gated_backward_jvp(
             dn.reshape(shape), st.norm, (to, t.z, pt.get(nw)), tdn.reshape(shape)
         )
-        grads, tans = K.gated_delta_rule_backward_jvp(do.swapaxes(*heads), st.rule, t.rule, tdo.swapaxes(*heads))
+        grads, tans = K.gated_delta_rule_backward_jvp(
+            do.swapaxes(*heads), st.rule, t.rule, tdo.swapaxes(*heads), forward=rule_forward
+        )
         (dq, dk_, dv_, dg, dbeta), (tdq, tdk, tdv, tdg, tdbeta) = grads[:5], tans[:5]
         dq, tdq, dk_, tdk = (x.swapaxes(*heads).reshape(lead + (steps, nk, r, dk)).sum(-2) for x in (dq, tdq, dk_, tdk))
         dg, tdg, dbeta, tdbeta = (x.swapaxes(-1, -2) for x in (dg, tdg, dbeta, tdbeta))  # (B..., L, nv)
@@ -542,19 +544,22 @@ class GatedDeltaNet(RecurrentLayer):
         ``p = a + dt_bias``: ``tg = g tA_log - exp(A_log) sigmoid(p) (ta + tdt_bias)``; each key
         head's tangent is repeated for the value heads it serves, as its value in the forward."""
         st: _State = state
-        _, _, ty = self._output_tangents(st, input_tangents, param_tangents, "jvp")
+        ty = self._output_tangents(st, input_tangents, param_tangents, "jvp")[2]
         return self._child_jvp(self.out_proj, -1, (ty.reshape(st.lead + (st.steps, self.value_dim)),), param_tangents)
 
     def _output_tangents(self, st: _State, input_tangents, pt, method: str) -> tuple:
-        """``(stages, to, ty)``: ``_forward_tangents``, the delta rule's output tangent (heads before
-        steps, as the gated norm takes it) and the gated norm's (``out_proj``'s input), from the
-        unchecked input tangents of ``jvp`` / ``backward_jvp`` (``method``); computed once per
-        state and tangents while ``pt`` remembers (``loss_hvp``)."""
+        """``(stages, to, ty, rule_forward)``: ``_forward_tangents``, the delta rule's output tangent
+        (heads before steps, as the gated norm takes it), the gated norm's (``out_proj``'s input)
+        and what the rule's JVP keeps for its second order along the same tangents (the states'
+        tangents, which ``gated_delta_rule_backward_jvp`` then takes instead of computing them
+        again), from the unchecked input tangents of ``jvp`` / ``backward_jvp`` (``method``);
+        computed once per state and tangents while ``pt`` remembers (``loss_hvp``)."""
 
         def compute():
             t = self._forward_tangents(st, input_tangent(input_tangents, "GatedDeltaNet", method), pt)
-            to = K.gated_delta_rule_jvp(st.rule, *t.rule).swapaxes(-2, -3)
-            return t, to, K.rms_norm_gated_jvp(st.norm, to, t.z, pt.get(self.norm.weight))
+            to, rule_forward = K.gated_delta_rule_jvp(st.rule, *t.rule, keep=True)
+            to = to.swapaxes(-2, -3)
+            return t, to, K.rms_norm_gated_jvp(st.norm, to, t.z, pt.get(self.norm.weight)), rule_forward
 
         return pt._remember((self, "stages", st) + tuple(input_tangents), compute)
 
