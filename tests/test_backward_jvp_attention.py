@@ -19,6 +19,7 @@ from _oracles import attention_formula, rel_err
 from hypothesis import given, settings
 
 import npattn.functional as F
+import npattn.functional.kernels as K
 import npattn.functional.reference as R
 from npattn.functional._random import keep_mask
 from npattn.testing import attention_configs
@@ -357,6 +358,50 @@ def test_second_order_forms_the_backward_score_product_once(monkeypatch):
 
     for t, plus, minus in zip(tans, moved(h), moved(-h)):
         assert rel_err(t, (plus - minus) / (2 * h), floor=1.0, relative_to="max_b") < 1e-6
+    _, ref_cache = R.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for t, want in zip(tans, R.scaled_dot_product_attention_backward_jvp(dy, ref_cache, (tq, tk, tv), ddy)[1]):
+        assert rel_err(t, want) < 1e-12
+
+
+@settings(max_examples=40)
+@given(attention_configs(options=True, dropout=True, max_len=6))
+def test_second_order_takes_the_jvps_weight_tangents(cfg):
+    """The fast core's JVP hands its weights' tangents ``(tP, mu)`` block by block to a second
+    order along the same tangents (issue 31, item 7): the result is the one formed from scratch
+    bit for bit (every option); blocks with softcap or dropout hand nothing over."""
+    tangents, dout, ddout = _draws(cfg, cfg.seed + 4)
+    _, cache = _call("sdpa", cfg, _primals(cfg))
+    tq, tk, tv, *rest = tangents
+    tmask = rest.pop(0) if cfg.mask_grad else None
+    tsinks = rest.pop(0) if cfg.sinks is not None else None
+    weights: list = []
+    K.scaled_dot_product_attention_jvp(cache, tq, tk, tv, tmask, tsinks, weights=weights)
+    assert len(weights) == len(cache.blocks)
+    plain = cache.dcap is None and cache.keep is None
+    assert all((w is not None) == plain for w in weights)
+    want = K.scaled_dot_product_attention_backward_jvp(dout, cache, tuple(tangents), ddout)
+    got = K.scaled_dot_product_attention_backward_jvp(dout, cache, tuple(tangents), ddout, weights_tangents=weights)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_second_order_with_the_jvps_weight_tangents_forms_no_score_tangent(monkeypatch):
+    """Given the JVP's ``(tP, mu)``, a block of the second order does 12 score-sized GEMMs, not 14
+    (no ``ts = scale (k tq^T + tk q^T)``), and the result is the one formed from scratch bit for
+    bit, which is the textbook tier's."""
+    rng = np.random.default_rng(7)
+    q, k, v, dy, ddy, tq, tk, tv = rng.standard_normal((8, 2, 3, 300, 8))
+    _, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    weights: list = []
+    K.scaled_dot_product_attention_jvp(cache, tq, tk, tv, weights=weights)
+    calls = []
+    matmul = np.matmul
+    monkeypatch.setattr(np, "matmul", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
+    _, tans = K.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy, weights_tangents=weights)
+    monkeypatch.setattr(np, "matmul", matmul)
+    assert len(cache.blocks) > 1 and len(calls) == 12 * len(cache.blocks)
+    for t, scratch in zip(tans, K.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy)[1]):
+        np.testing.assert_array_equal(t, scratch)
     _, ref_cache = R.scaled_dot_product_attention(q, k, v, is_causal=True)
     for t, want in zip(tans, R.scaled_dot_product_attention_backward_jvp(dy, ref_cache, (tq, tk, tv), ddy)[1]):
         assert rel_err(t, want) < 1e-12

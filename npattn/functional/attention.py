@@ -660,9 +660,12 @@ def scaled_dot_product_attention_jvp(cache: AttentionCache, *tangents) -> np.nda
     )
 
 
-def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None):
+def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tmask=None, tsinks=None, weights=None):
     """The kernel of ``scaled_dot_product_attention_jvp``: tangents checked (each of its input's
-    own shape, q's dtype) or None (zero)."""
+    own shape, q's dtype) or None (zero).  ``weights``: a list that gets, block by block, what the
+    second order forms again from the same tangents (``weights_tangents`` of
+    ``scaled_dot_product_attention_backward_jvp_kernel``): ``(tP^T, mu)``, the weights' tangent
+    key-major and its row offsets, or None for a block without softcap-free, dropout-free ones."""
     q, k, v, groups = cache.q, cache.k, cache.v, cache.groups
     keep, drop_scale = cache.keep, cache.drop_scale
     lq = q.shape[-2]
@@ -698,6 +701,8 @@ def scaled_dot_product_attention_jvp_kernel(cache, tq=None, tk=None, tv=None, tm
             tz -= mu
             tz *= pk  # tP' = tP keep / (1 - p)
             tout[..., rows, :] += np.matmul(tz.swapaxes(-1, -2), v[..., c0:c1, :])
+        if weights is not None:  # tP itself (tP' = tP without dropout), as the second order forms it
+            weights.append(None if tz is None or keep_g is not None or cache.dcap is not None else (tz, mu))
         if tv is not None:
             tout[..., rows, :] += np.matmul(pk.swapaxes(-1, -2), tv[..., c0:c1, :])  # P' tv
     return _ungrouped(tout, groups, q.shape[:-1] + (v.shape[-1],))
@@ -764,10 +769,15 @@ def _tangent_specs(cache: AttentionCache) -> tuple:
     )
 
 
-def scaled_dot_product_attention_backward_jvp_kernel(dout, cache: AttentionCache, tangents=(), ddout=None) -> tuple:
+def scaled_dot_product_attention_backward_jvp_kernel(
+    dout, cache: AttentionCache, tangents=(), ddout=None, weights_tangents=None
+) -> tuple:
     """The kernel of ``scaled_dot_product_attention_backward_jvp``: ``dout`` (and ``ddout``, None
     for zero) checked, ``tangents`` checked in the backward's order (each None or of its input's
-    own shape, q's dtype)."""
+    own shape, q's dtype).  ``weights_tangents``: what ``scaled_dot_product_attention_jvp_kernel``
+    put in its ``weights`` list along the same tangents from the same cache (read, not changed),
+    so that a block's ``tP`` is not formed again (two score-sized products and four passes fewer);
+    None, or None for a block: formed here."""
     tq, tk, tv, tmask, tsinks = split_attention_tangents(
         tangents, cache.mask is not None, cache.options.sinks is not None
     )
@@ -778,7 +788,8 @@ def scaled_dot_product_attention_backward_jvp_kernel(dout, cache: AttentionCache
     second = _BackwardTangents(cache, dout, ddout, tq, tk, tv, tmask, tsinks)
     for j, i in enumerate(back.order):
         back.block(i, add=j > 0 or not back.from_zero)
-        second.block(i, *kept)
+        dp, d, r, ds = kept
+        second.block(i, dp, d, r, ds, None if weights_tangents is None else weights_tangents[i])
     return back.finish(), second.finish()
 
 
@@ -806,29 +817,22 @@ class _BackwardTangents:
         if cache.mask is not None:  # kept with mask_grad only
             self.tdmask = np.zeros((1,) * (len(q.shape) - cache.mask.ndim) + cache.mask.shape, q.dtype)
 
-    def block(self, i: int, dp, d, r, ds_scaled):
+    def block(self, i: int, dp, d, r, ds_scaled, weights=None):
         """Block ``i``: the tangents of the backward's lines, key-major like the cached ``P^T``,
         from the backward's own ``dP^T`` (after dropout), ``D``, ``(dP - D)^T`` and ``ds =
-        scale dS [(1 - T^2)]`` (read, not changed; ``r`` taken over as scratch); ``tdq`` of its
-        rows, ``tdk``, ``tdv`` of its keys added."""
+        scale dS [(1 - T^2)]`` (read, not changed; ``r`` taken over as scratch), and the JVP's
+        ``(tP^T, mu)`` of this block when given (``weights``, read); ``tdq`` of its rows, ``tdk``,
+        ``tdv`` of its keys added."""
         cache, blk = self.cache, self.cache.blocks[i]
         p, rows, c0, c1 = cache.p[i], blk.rows, blk.c0, blk.c1
         g = rows.start // cache.q.shape[-2] if cache.q.shape[-2] else 0
         do, tdo = self.dog[..., rows, :], None if self.tdog is None else self.tdog[..., rows, :]
-        ts = _score_tangent(cache, blk, self.qg, self.tqg, self.tk)
-        # ts is read again only through softcap: a copy then, else tz (and tP) are formed in its array
-        tz = _logit_tangent(cache, i, ts if ts is None or cache.dcap is None else ts.copy(), self.tmask_g)
-        # the forward's tangent of the weights: tP = P (tz - mu), mu = rowsum(P tz) + P_sink tsink
-        mu = (
-            np.zeros(p.shape[:-2] + (1, p.shape[-1]), p.dtype)
-            if tz is None
-            else np.einsum("...ji,...ji->...i", tz, p)[..., None, :]
-        )
         p_sink = None if cache.p_sink is None else cache.p_sink[..., rows, :].swapaxes(-1, -2)  # (..., 1, n)
         tsink = None if self.tsinks is None else _per_group(self.tsinks, self.lead, cache.groups, g)
-        if tsink is not None:
-            mu = mu + p_sink * tsink
-        tp = p * (0.0 - mu) if tz is None else np.multiply(p, np.subtract(tz, mu, out=tz), out=tz)  # in place
+        if weights is None:
+            ts, tp, mu = self._weights_tangent(i, p_sink, tsink)
+        else:  # the JVP's along the same tangents (never with softcap: ts is not read again)
+            ts, (tp, mu) = None, weights
         kb = None if self.keep_g is None else self.keep_g[..., rows, c0:c1].swapaxes(-1, -2) * cache.drop_scale
         pk, tpk = (p, tp) if kb is None else (p * kb, tp * kb)
         # dv = P'^T dout:  tdv = tP'^T dout + P'^T ddout
@@ -865,6 +869,25 @@ class _BackwardTangents:
             tdk += np.matmul(ds_scaled, self.tqg[..., rows, :])
         self.tdq[..., rows, :] += tdq
         self.tdk[..., c0:c1, :] += tdk
+
+    def _weights_tangent(self, i: int, p_sink, tsink):
+        """Block ``i``'s ``(ts^T, tP^T, mu)``: the scores' tangent (None when q and k do not move),
+        the forward's tangent of the weights ``tP = P (tz - mu)`` and ``mu = rowsum(P tz) +
+        P_sink tsink``, as the JVP forms them."""
+        cache, blk = self.cache, self.cache.blocks[i]
+        p = cache.p[i]
+        ts = _score_tangent(cache, blk, self.qg, self.tqg, self.tk)
+        # ts is read again only through softcap: a copy then, else tz (and tP) are formed in its array
+        tz = _logit_tangent(cache, i, ts if ts is None or cache.dcap is None else ts.copy(), self.tmask_g)
+        mu = (
+            np.zeros(p.shape[:-2] + (1, p.shape[-1]), p.dtype)
+            if tz is None
+            else np.einsum("...ji,...ji->...i", tz, p)[..., None, :]
+        )
+        if tsink is not None:
+            mu = mu + p_sink * tsink
+        tp = p * (0.0 - mu) if tz is None else np.multiply(p, np.subtract(tz, mu, out=tz), out=tz)  # in place
+        return ts, tp, mu
 
     def _through_softcap(self, i: int, ds, tds, ts, dcap, softcap: float):
         """``ds = dS (1 - T^2)`` and ``tds = tdS (1 - T^2) - 2 dS T (1 - T^2) ts / softcap``; ``T``

@@ -300,20 +300,22 @@ class MultiHeadAttention(MultiHeadAttentionCore):
                 out.append(np.zeros(shape, dt) if t is None else np.broadcast_to(t.reshape(shape[-3:]), shape))
         return np.concatenate(tks, axis=-2), np.concatenate(tvs, axis=-2)
 
-    def _attend_jvp(self, st: State, tqh, tkh, tvh, pt):
+    def _attend_jvp(self, st: State, tqh, tkh, tvh, pt, weights=None):
         """The core's, after the extra keys' tangents are appended (``_extra_key_tangents``)."""
         if st.n_extra:
             tkh, tvh = self._extra_key_tangents(st, tkh, tvh, pt)
-        return super()._attend_jvp(st, tqh, tkh, tvh, pt)
+        return super()._attend_jvp(st, tqh, tkh, tvh, pt, weights)
 
-    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt):
+    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt, weights=None):
         """The core's second order with the extra keys' tangents appended; ``bias_k``/``bias_v``'s
         gradients and their tangents (the rows at ``lk``) accumulated, the extra keys' rows dropped."""
         tqh, tkh, tvh = tangents
         if not st.n_extra:
-            return super()._attend_backward_jvp(dctx, tdctx, st, tangents, pt)
+            return super()._attend_backward_jvp(dctx, tdctx, st, tangents, pt, weights)
         tkh, tvh = self._extra_key_tangents(st, tkh, tvh, pt)
-        (dqh, dkh, dvh), (tdqh, tdkh, tdvh) = super()._attend_backward_jvp(dctx, tdctx, st, (tqh, tkh, tvh), pt)
+        (dqh, dkh, dvh), (tdqh, tdkh, tdvh) = super()._attend_backward_jvp(
+            dctx, tdctx, st, (tqh, tkh, tvh), pt, weights
+        )
         lk = st.lk
         if self.add_bias_kv:
             self._accumulate_second(

@@ -109,6 +109,7 @@ class _Tangents(NamedTuple):
     gate: Any  # the output gate's tangent (..., L, H, hd), or None
     merged: np.ndarray  # the core's output, heads merged (..., L, H * hd)
     out_in: np.ndarray  # out_proj's input (merged times the gate)
+    weights: Any = None  # the core's weights' tangents block by block (its JVP's), for its second order
 
 
 def _sigmoid(x):
@@ -836,13 +837,14 @@ class MultiHeadAttentionCore(Module):
         tq2, tk2 = tq1, tk1
         if pos.q_rope is not None:
             tq2, tk2 = K.rope_jvp(pos.q_rope, tq1), K.rope_jvp(pos.k_rope, tk1)
-        tmerged = self._merge(self._attend_jvp(st, tq2, tk2, tv0, pt))  # (..., L, H * hd)
+        weights: list = []  # the core's tP block by block, which its second order reads again
+        tmerged = self._merge(self._attend_jvp(st, tq2, tk2, tv0, pt, weights))  # (..., L, H * hd)
         out_in = tmerged
         if st.gate is not None:  # out_proj saw a * s, s = sigmoid(gate)
             a, s = st.gate
             out_in = tmerged * s
             out_in += a * s * (1 - s) * tgate.reshape(a.shape)
-        return _Tangents(ts, (tq0, tk0), (tq1, tk1), (tq2, tk2, tv0), tgate, tmerged, out_in)
+        return _Tangents(ts, (tq0, tk0), (tq1, tk1), (tq2, tk2, tv0), tgate, tmerged, out_in, weights or None)
 
     def _input_tangents(self, st: State, input_tangents, method: str) -> list:
         """The input tangents of ``jvp`` / ``backward_jvp`` checked by name (``tquery`` for
@@ -872,11 +874,14 @@ class MultiHeadAttentionCore(Module):
         nq, d_kv = self._q_rows, self.num_kv_heads * self.head_dim
         return tqkv[..., :nq], tqkv[..., nq : nq + d_kv], tqkv[..., nq + d_kv :]
 
-    def _attend_jvp(self, st: State, tqh, tkh, tvh, pt):
-        """The attention core's tangent (the sinks' tangent included)."""
+    def _attend_jvp(self, st: State, tqh, tkh, tvh, pt, weights=None):
+        """The attention core's tangent (the sinks' tangent included); ``weights``: a list that gets
+        the weights' tangents block by block for ``_attend_backward_jvp`` (not with the
+        memory-efficient core, which keeps no weights)."""
         tsinks = pt.get(self.sinks) if st.sinks else None
-        core = K.memory_efficient_attention_jvp if st.memory_efficient else K.scaled_dot_product_attention_jvp
-        return core(st.attn, tqh, tkh, tvh, None, tsinks)
+        if st.memory_efficient:
+            return K.memory_efficient_attention_jvp(st.attn, tqh, tkh, tvh, None, tsinks)
+        return K.scaled_dot_product_attention_jvp(st.attn, tqh, tkh, tvh, None, tsinks, weights=weights)
 
     # -- second order --------------------------------------------------------------------------
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
@@ -904,7 +909,7 @@ class MultiHeadAttentionCore(Module):
             tdgate = tdm * a * sp + dm * (tg.merged * sp + a * (1 - 2 * s) * ts)
             dm, tdm = dm * s, tdm * s + dm * ts
         (dq, dk, dv), (tdq, tdk, tdv) = self._attend_backward_jvp(
-            self._split(dm, self.num_heads), self._split(tdm, self.num_heads), st, tg.attended, pt
+            self._split(dm, self.num_heads), self._split(tdm, self.num_heads), st, tg.attended, pt, tg.weights
         )
         pos = st.position
         if pos.q_rope is not None:
@@ -957,17 +962,17 @@ class MultiHeadAttentionCore(Module):
         gate_view[...] = dgate.reshape(gate_view.shape)
         return out
 
-    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt):
+    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt, weights=None):
         """The attention core's second order: ``((dq, dk, dv), their tangents)`` over every key
-        the core saw, from ``tangents = (tq, tk, tv)`` of its inputs; the sinks' gradient and its
-        tangent accumulated."""
+        the core saw, from ``tangents = (tq, tk, tv)`` of its inputs (and ``weights``, what
+        ``_attend_jvp`` kept along them, or None); the sinks' gradient and its tangent accumulated."""
         core_tangents = tuple(tangents) + ((pt.get(self.sinks),) if st.sinks else ())
-        core = (
-            K.memory_efficient_attention_backward_jvp
-            if st.memory_efficient
-            else K.scaled_dot_product_attention_backward_jvp
-        )
-        grads, tans = core(dctx, st.attn, core_tangents, tdctx)
+        if st.memory_efficient:
+            grads, tans = K.memory_efficient_attention_backward_jvp(dctx, st.attn, core_tangents, tdctx)
+        else:
+            grads, tans = K.scaled_dot_product_attention_backward_jvp(
+                dctx, st.attn, core_tangents, tdctx, weights_tangents=weights
+            )
         if st.sinks:
             self._accumulate_second(((cast(Parameter, self.sinks), grads[-1], tans[-1]),))
         return tuple(grads[:3]), tuple(tans[:3])
