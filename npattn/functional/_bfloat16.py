@@ -42,6 +42,9 @@ BLOCK = 1 << 19  # float32 elements of one widened block of rows in matmul_t (2 
 # (SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD = 65536 * 4), so each product stays on its thread
 GEMV_ELEMS = 196608
 PAIR_ELEMS = 1 << 19  # float32 elements of one block of rows when decoding (_pairs_into)
+# OpenBLAS runs a matrix-vector product of fewer than 2304 * GEMM_MULTITHREAD_THRESHOLD (4) elements
+# on the calling thread (interface/gemv.c); larger ones start its own threads
+SMALL_GEMV = 9216
 _HIGH, _SIXTEEN = np.uint32(0xFFFF0000), np.uint32(16)
 _local = threading.local()
 
@@ -139,22 +142,47 @@ def _pairs_into(x: np.ndarray, bits: np.ndarray, y: np.ndarray, lo: int, hi: int
 
         float32 of b = p & 0xFFFF0000        float32 of a = p << 16
 
-    Each block of rows becomes ``[b's | a's]`` in the buffer, and ``y = [b's | a's] @ [x_odd | x_even]``:
-    the same products as ``widened(bits) @ x``, summed in another order (float32 rounding apart, the
-    same dot products).  The product is NumPy's own SIMD loop (``einsum``), not the BLAS: the BLAS
-    would thread each small call again and the pool's threads would wait for each other."""
+    Each block of rows becomes two contiguous matrices, the b's and the a's (each pass writes one
+    array straight through: twice the speed of interleaved halves), and ``y = b's @ x_odd + a's @
+    x_even``: the same products as ``widened(bits) @ x``, summed in another order (float32 rounding
+    apart, the same dot products).  The products go through ``_gemv_into``."""
     cols = bits.shape[1]
     half = cols // 2
     p = bits.view(np.uint32)  # (rows, cols / 2)
-    xp = np.concatenate([x[1::2], x[0::2]])
-    buf = _buffer(r * cols)
+    x_odd, x_even = np.ascontiguousarray(x[1::2]), np.ascontiguousarray(x[0::2])
+    buf = _buffer(r * cols + r)
     for i in range(lo, hi, r):
         k = min(r, hi - i)
-        block = buf[: k * cols].reshape(k, cols)
-        u = block.view(np.uint32)
-        np.bitwise_and(p[i : i + k], _HIGH, out=u[:, :half])
-        np.left_shift(p[i : i + k], _SIXTEEN, out=u[:, half:])
-        np.einsum("ij,j->i", block, xp, out=y[i : i + k])
+        u = buf[: k * cols].reshape(2, k, half).view(np.uint32)
+        np.bitwise_and(p[i : i + k], _HIGH, out=u[0])
+        np.left_shift(p[i : i + k], _SIXTEEN, out=u[1])
+        f, y_a = u.view(np.float32), buf[k * cols : k * cols + k]
+        _gemv_into(f[0], x_odd, y[i : i + k])
+        _gemv_into(f[1], x_even, y_a)
+        y[i : i + k] += y_a
+
+
+def _gemv_into(a: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    """``y = a @ x`` for a C-contiguous ``a (k, c)`` (float32), as BLAS matrix-vector products
+    small enough (``g * c < SMALL_GEMV`` elements each) that OpenBLAS runs each on the calling
+    thread: one ``np.matmul`` over a stack of ``g``-row matrices (NumPy loops over the stack in C).
+    The pool's threads each run their own products side by side; a larger product would start the
+    BLAS's own threads from every pool thread at once (measured: half the speed), and NumPy's own
+    loop (``einsum``) reads the cache at a third of the BLAS's speed.  Rows of more than
+    ``SMALL_GEMV / 4`` values are cut into ``n`` segments of ``c / n`` (``y`` sums the segments'
+    products: 8-row matrices either way)."""
+    k, c = a.shape
+    g = SMALL_GEMV // c if c < SMALL_GEMV else 0
+    if g >= 4:  # whole rows
+        m = k // g * g
+        np.matmul(a[:m].reshape(m // g, g, c), x, out=y[:m].reshape(m // g, g))
+    else:  # 8-row matrices of one segment of each row
+        g, n = 8, next(n for n in range(1, c + 1) if c % n == 0 and 8 * (c // n) < SMALL_GEMV)
+        m = k // g * g if c // n >= 64 else 0  # no short segments (a prime c): NumPy's loop below
+        parts = np.matmul(a[:m].reshape(m // g, g, n, c // n).transpose(0, 2, 1, 3), x.reshape(n, c // n, 1))
+        np.add.reduce(parts[..., 0], axis=1, out=y[:m].reshape(m // g, g))
+    if m < k:  # the last rows (fewer than g): NumPy's own loop
+        np.einsum("ij,j->i", a[m:], x, out=y[m:])
 
 
 def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) -> np.ndarray:
