@@ -348,6 +348,69 @@ def test_experts_bad_arguments_are_refused_naming_them():
         np.testing.assert_array_equal(a, c)
 
 
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("experts")])
+def test_experts_kernels_take_the_forward_tangents_once(name):
+    """``Experts``' shortcut: ``experts_tangents`` once, handed to the JVP's and the second order's
+    kernels (``forward=``): bit for bit what the public pair gives, which computes them itself."""
+    from npattn.functional import kernels as K
+    from npattn.functional.moe import experts_tangents
+
+    case = _case(name, seed=5)
+    dout, tangents, ddout = _draws(case, np.random.default_rng(6))
+    _, cache = case.call(F, *case.primals)
+    tangents = tuple(tangents) + (None,) * (6 - len(tangents))
+    tx, _, tgu, tdown, tgub, tdb = tangents
+    forward = experts_tangents(cache, tx, tgu, tdown, tgub, tdb)
+    np.testing.assert_array_equal(
+        K.moe_experts_jvp(cache, *tangents, forward=forward), F.moe_experts_jvp(cache, *tangents)
+    )
+    got = K.moe_experts_backward_jvp(dout, cache, tangents, ddout, forward=forward)
+    want = F.moe_experts_backward_jvp(dout, cache, tangents, ddout)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(got[0], F.moe_experts_backward(dout, cache)):  # the gradients: the backward's own
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_loss_hvp_scans_and_runs_the_experts_forward_tangents_once(monkeypatch):
+    """In ``loss_hvp`` of a Qwen3-Next (DeltaNet and MoE layers), the delta rule's tangent scan runs
+    once per DeltaNet layer (its JVP; the second order takes the states' tangents it kept) and the
+    experts' forward tangents are computed once per MoE layer (the JVP's, then the second order's);
+    the numbers are those of the public pairs, which compute both again (checked above)."""
+    import npattn.functional.delta_rule as D
+    import npattn.functional.moe as M
+    import npattn.nn.moe as NM
+    from npattn.models import CausalLM
+    from npattn.models.tiny import tiny_config
+
+    m = CausalLM(tiny_config("qwen3_next"), rng=0)
+    rng = np.random.default_rng(1)
+    ids, targets = rng.integers(0, m.config.vocab_size, (2, 2, 7))
+    v = {n: rng.standard_normal(p.data.shape) for n, p in m.named_parameters()}
+    counts = {"scan": 0, "experts": 0}
+
+    def counted(module, attr, key):
+        original = getattr(module, attr)
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, wrapper)
+
+    counted(D, "tangent_scan", "scan")
+    counted(M, "experts_tangents", "experts")
+    counted(NM, "experts_tangents", "experts")
+    m.loss_hvp(ids, targets, v)
+    kinds = m.config.layer_types
+    assert counts["scan"] == sum(k == "linear_attention" for k in kinds) > 0
+    assert counts["experts"] == sum(k == "moe" for k in m.config.mlp_types) > 0
+
+
 def test_delta_rule_with_the_final_state():
     """``dfinal_state`` moves along ``ddfinal_state``: central differences of the backward along
     (tangents, ddout, ddfinal_state), and torch's jvp of vjp of the recurrence returning the state."""
@@ -458,17 +521,13 @@ def _assert_kept_forward_tangents_change_nothing(cache, tangents, dout, ddout, d
     if want is None:
         want = F.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfin, ddfin)
     out, kept = K.gated_delta_rule_jvp(cache, *tangents, keep=True)
-    for a, b in zip(_as_tuple(out), _as_tuple(F.gated_delta_rule_jvp(cache, *tangents))):
+    for a, b in zip(_tuple(out), _tuple(F.gated_delta_rule_jvp(cache, *tangents))):
         np.testing.assert_array_equal(a, b)
     got = K.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfin, ddfin, forward=kept)
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert (a is None) == (b is None)
         if a is not None:
             np.testing.assert_array_equal(a, b)
-
-
-def _as_tuple(x):
-    return x if isinstance(x, tuple) else (x,)
 
 
 def test_delta_rule_chunked_bad_arguments_are_refused_naming_them():

@@ -774,8 +774,10 @@ def moe_experts_backward(dout: np.ndarray, cache: MoeExpertsCache):
     return moe_experts_backward_kernel(check_grad(dout, cache.x_shape, cache.hs.dtype), cache)
 
 
-def moe_experts_backward_kernel(dout, cache):
-    """The kernel of ``moe_experts_backward``."""
+def moe_experts_backward_kernel(dout, cache, keep=False):
+    """The kernel of ``moe_experts_backward``; with ``keep``, also ``(dys, dhs, dm, dgu)`` (each
+    sorted pair's upstream gradient, its expert output's, the activation output's and the gate and
+    up pre-activations') for ``moe_experts_backward_jvp_kernel``."""
     order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
     gate_up, down, gate_up_bias, down_bias = cache.params
     alpha, limit, x_shape, k = cache.alpha, cache.limit, cache.x_shape, cache.k
@@ -825,7 +827,8 @@ def moe_experts_backward_kernel(dout, cache):
     dx_pairs = np.empty_like(dxs)
     dx_pairs[order] = dxs
     dx = dx_pairs.reshape(n, k, h).sum(1).reshape(x_shape)
-    return dx, dw.reshape(x_shape[:-1] + (k,)), dgate_up, ddown, dgub, ddb
+    grads = dx, dw.reshape(x_shape[:-1] + (k,)), dgate_up, ddown, dgub, ddb
+    return (grads, (dys, dhs, dm, dgu)) if keep else grads
 
 
 def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
@@ -873,11 +876,14 @@ def _specs(cache):
 
 
 def moe_experts_jvp_kernel(
-    cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None
+    cache, tx=None, tweights=None, tgate_up=None, tdown=None, tgate_up_bias=None, tdown_bias=None, *, forward=None
 ):
-    """The kernel of ``moe_experts_jvp`` (tangents checked, None = zero)."""
+    """The kernel of ``moe_experts_jvp`` (tangents checked, None = zero); ``forward``: what
+    ``experts_tangents`` gave along the same tangents (computed here when None)."""
     x_shape, h = cache.x_shape, cache.x_shape[-1]
-    _, _, _, ths = _experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
+    if forward is None:
+        forward = experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
+    ths = forward[3]
     ty_sorted = cache.ws[:, None] * ths
     if tweights is not None:
         ty_sorted += tweights.reshape(-1)[cache.order][:, None] * cache.hs
@@ -886,10 +892,12 @@ def moe_experts_jvp_kernel(
     return ty_pairs.reshape(math.prod(x_shape[:-1]), cache.k, h).sum(1).reshape(x_shape)
 
 
-def _experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias):
+def experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias):
     """``(txs, tgu, tm, ths)`` on the sorted rows: the token's tangent (None for zero), the gate
     and up pre-activations', the activation's output's and the expert output's (``moe_experts_jvp``'s
-    steps without the weights)."""
+    steps without the weights).  The JVP and the second order both need them: a caller of both
+    along the same tangents (``Experts`` in ``loss_hvp``) computes them once and hands them to
+    each kernel as ``forward=``."""
     tok, bounds, xs, gu, mid = cache.tok, cache.bounds, cache.xs, cache.gu, cache.mid
     gate_up, down, _, _ = cache.params
     alpha, limit, h = cache.alpha, cache.limit, cache.x_shape[-1]
@@ -970,24 +978,26 @@ def moe_experts_backward_jvp(dout: np.ndarray, cache: MoeExpertsCache, tangents,
     return moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None):
-    """The kernel of ``moe_experts_backward_jvp`` (``tangents`` the checked six, None = zero)."""
+def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forward=None):
+    """The kernel of ``moe_experts_backward_jvp`` (``tangents`` the checked six, None = zero);
+    ``forward``: what ``experts_tangents`` gave along the same tangents (computed here when
+    None).  The backward's own intermediates (``dm``, ``dgu``) come from its kernel, not again."""
     tx, tweights, tgate_up, tdown, tgate_up_bias, tdown_bias = tangents
-    grads = moe_experts_backward_kernel(dout, cache)
+    grads, (dys, dhs, dm, dgu) = moe_experts_backward_kernel(dout, cache, keep=True)
     order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
     gate_up, down, gate_up_bias, down_bias = cache.params
     alpha, limit, x_shape, k = cache.alpha, cache.limit, cache.x_shape, cache.k
     swiglu = cache.kind == "swiglu"
     h = x_shape[-1]
-    txs, tgu, tm, ths = _experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
-    dys = dout.reshape(-1, h)[tok]  # (S, H)
+    if forward is None:
+        forward = experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
+    txs, tgu, tm, ths = forward
     n = dys.shape[0] // k
     tdys = np.zeros_like(dys) if ddout is None else ddout.reshape(-1, h)[tok]
     # dw = <dy, h>
     tdw = np.empty(n * k, dys.dtype)
     tdw[order] = np.einsum("sh,sh->s", tdys, cache.hs) + np.einsum("sh,sh->s", dys, ths)
     # dh = w dy
-    dhs = dys * ws[:, None]
     tdhs = tdys * ws[:, None]
     if tweights is not None:
         tdhs += dys * tweights.reshape(-1)[order][:, None]
@@ -995,10 +1005,9 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None):
     tdgate_up, tddown = np.zeros_like(gate_up), np.zeros_like(down)
     tdgub = None if gate_up_bias is None else np.zeros_like(gate_up_bias)
     tddb = None if down_bias is None else np.zeros_like(down_bias)
-    dm, tdm = np.empty_like(hmid), np.empty_like(hmid)
+    tdm = np.empty_like(hmid)
     for ex, rows in _experts_with_tokens(bounds):  # dm = dh Wd, dWd = dh^T m, dbd = sum dh
         wd = down[ex] if swiglu else down[ex].T
-        np.matmul(dhs[rows], wd, out=dm[rows])
         np.matmul(tdhs[rows], wd, out=tdm[rows])
         if tdown is not None:
             tdm[rows] += dhs[rows] @ (tdown[ex] if swiglu else tdown[ex].T)
@@ -1008,14 +1017,13 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None):
             tddown[ex] = hmid[rows].T @ tdhs[rows] + tm[rows].T @ dhs[rows]
         if tddb is not None:
             tddb[ex] = tdhs[rows].sum(0)
-    dgu, tdgu = np.empty_like(gu), np.empty_like(gu)
+    tdgu = np.empty_like(gu)
     if swiglu:
         i = gu.shape[1] // 2
         a, act_cache, _ = mid
         up, tgate, tup = gu[:, i:], tgu[:, :i], tgu[:, i:]
         ta = _ACTS[cache.activation][1](tgate, act_cache)  # act' is diagonal
-        dgu[:, :i], tdgu[:, :i] = _ACT_SECOND[cache.activation](dm * up, act_cache, (tgate,), tdm * up + dm * tup)
-        dgu[:, i:] = dm * a
+        tdgu[:, :i] = _ACT_SECOND[cache.activation](dm * up, act_cache, (tgate,), tdm * up + dm * tup)[1]
         tdgu[:, i:] = tdm * a + dm * ta
     else:
         g, u, sig, glu, _ = mid
@@ -1024,8 +1032,6 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None):
         tg, tu = tgu[:, ::2] * below, tgu[:, 1::2] * inside
         dphi = sig * (1.0 + alpha * g * (1.0 - sig))
         d2phi = alpha * sig * (1.0 - sig) * (2.0 + alpha * g * (1.0 - 2.0 * sig))
-        dgu[:, ::2] = dm * (u + 1.0) * dphi * below
-        dgu[:, 1::2] = dm * glu * inside
         tdgu[:, ::2] = (tdm * (u + 1.0) * dphi + dm * tu * dphi + dm * (u + 1.0) * d2phi * tg) * below
         tdgu[:, 1::2] = (tdm * glu + dm * dphi * tg) * inside
     tdxs = np.empty_like(xs)

@@ -60,7 +60,7 @@ from ..functional.moe import (
     check_real,
     check_router_options,
     check_routing,
-    moe_experts_backward_jvp,
+    experts_tangents,
     sigmoid,
     topk_router_backward_jvp,
 )
@@ -491,7 +491,18 @@ class _SortedExperts(Module):
     def _jvp_flat(self, state: ExpertsCache, tx, tw, param_tangents) -> np.ndarray:
         """``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)`` by ``moe_experts_jvp``."""
         tparams = [None if p is None else param_tangents.get(p) for p in self._pair_params()]
-        return K.moe_experts_jvp(state.experts, tx, tw, *tparams)
+        forward = self._expert_tangents(state, tx, tparams, param_tangents)
+        return K.moe_experts_jvp(state.experts, tx, tw, *tparams, forward=forward)
+
+    def _expert_tangents(self, state: ExpertsCache, tx, tparams, param_tangents) -> tuple:
+        """The experts' forward tangents on the sorted rows (``moe.experts_tangents``), which the
+        JVP and the second order both take: computed once per state and ``tx`` while
+        ``param_tangents`` remembers (``loss_hvp``)."""
+        tgate_up, tdown, tgub, tdb = tparams
+        return param_tangents._remember(
+            (self, "experts", state, tx),
+            lambda: experts_tangents(state.experts, tx, tgate_up, tdown, tgub, tdb),
+        )
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
         """Second order: ``backward_jvp(dy, tx, None, ttop_k_weights, ...) -> ((dx, dtop_k_weights),
@@ -508,8 +519,9 @@ class _SortedExperts(Module):
         tangents accumulated."""
         params = self._pair_params()
         tparams = [None if p is None else param_tangents.get(p) for p in params]
-        (dx, dw, *dparams), (tdx, tdw, *tdparams) = moe_experts_backward_jvp(  # the checked pair
-            dy, state.experts, (tx, tw, *tparams), ddy
+        forward = self._expert_tangents(state, tx, tparams, param_tangents)
+        (dx, dw, *dparams), (tdx, tdw, *tdparams) = K.moe_experts_backward_jvp(
+            dy, state.experts, (tx, tw, *tparams), ddy, forward=forward
         )
         self._accumulate_second(zip(params, dparams, tdparams))
         return (dx, dw), (tdx, tdw)
