@@ -377,10 +377,11 @@ def test_experts_kernels_take_the_forward_tangents_once(name):
 
 
 def test_loss_hvp_scans_and_runs_the_experts_forward_tangents_once(monkeypatch):
-    """In ``loss_hvp`` of a Qwen3-Next (DeltaNet and MoE layers), the delta rule's tangent scan runs
-    once per DeltaNet layer (its JVP; the second order takes the states' tangents it kept) and the
-    experts' forward tangents are computed once per MoE layer (the JVP's, then the second order's);
-    the numbers are those of the public pairs, which compute both again (checked above)."""
+    """In ``loss_hvp`` of a Qwen3-Next (DeltaNet and MoE layers), the delta rule's tangent scan and
+    its terms' tangents run once per DeltaNet layer (its JVP; the second order takes the states'
+    tangents and the last block's terms it kept: one block at these sizes) and the experts' forward
+    tangents are computed once per MoE layer (the JVP's, then the second order's); the numbers are
+    those of the public pairs, which compute them again (checked above)."""
     import npattn.functional.delta_rule as D
     import npattn.functional.moe as M
     import npattn.nn.moe as NM
@@ -391,7 +392,7 @@ def test_loss_hvp_scans_and_runs_the_experts_forward_tangents_once(monkeypatch):
     rng = np.random.default_rng(1)
     ids, targets = rng.integers(0, m.config.vocab_size, (2, 2, 7))
     v = {n: rng.standard_normal(p.data.shape) for n, p in m.named_parameters()}
-    counts = {"scan": 0, "experts": 0}
+    counts = {"scan": 0, "experts": 0, "term_tangents": 0}
 
     def counted(module, attr, key):
         original = getattr(module, attr)
@@ -403,11 +404,13 @@ def test_loss_hvp_scans_and_runs_the_experts_forward_tangents_once(monkeypatch):
         monkeypatch.setattr(module, attr, wrapper)
 
     counted(D, "tangent_scan", "scan")
+    counted(D, "_term_tangents", "term_tangents")
+    monkeypatch.setattr(D, "_RULE", D._RULE._replace(term_tangents=D._term_tangents))
     counted(M, "experts_tangents", "experts")
     counted(NM, "experts_tangents", "experts")
     m.loss_hvp(ids, targets, v)
     kinds = m.config.layer_types
-    assert counts["scan"] == sum(k == "linear_attention" for k in kinds) > 0
+    assert counts["scan"] == counts["term_tangents"] == sum(k == "linear_attention" for k in kinds) > 0
     assert counts["experts"] == sum(k == "moe" for k in m.config.mlp_types) > 0
 
 

@@ -738,12 +738,15 @@ class _Chunks(NamedTuple):
     gam: np.ndarray  # (rows, N, C, C) e^{gamma_i - gamma_j} = e^{g_{j+1} + ... + g_i} for j <= i, 0 above
     kk: np.ndarray  # (rows, N, C, C) k_i . k_j for j <= i, 0 above the diagonal
     qk: np.ndarray  # (rows, N, C, C) q_i . k_j for j <= i, 0 above the diagonal
-    t: np.ndarray  # (rows, N, C, C) (I + M)^{-1}, the UT transform
+    t: Optional[np.ndarray]  # (rows, N, C, C) (I + M)^{-1}, the UT transform (None in the tangents: m)
     p: np.ndarray  # (rows, N, C, C) (Q K^T) * Gam
     qa: np.ndarray  # (rows, N, C, Dk) diag(a) Q
     kb: np.ndarray  # (rows, N, C, Dk) diag(b) K
     wv: np.ndarray  # (rows, N, C, Dv) T diag(beta) V
     wk: np.ndarray  # (rows, N, C, Dk) T diag(beta a) K
+    # the terms' tangents (``_term_tangents``) carry tM, the tangent of M, and no tT = -T tM T:
+    # every product with tT is one with T and tM (``tT X = -T tM W`` for ``W = T X``)
+    m: Optional[np.ndarray] = None  # (rows, N, C, C) strictly lower
 
 
 _BLOCK = 1 << 18  # elements of one (rows, chunks, C, C) array of a block of chunks (1-2 MiB)
@@ -1007,6 +1010,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
         ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
     u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
     du = pt_do + c.kb @ ds_end
+    assert c.t is not None  # the terms (their tangents have none)
     dr = triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
     st = s.swapaxes(-1, -2)
     # from O
@@ -1112,8 +1116,9 @@ def adjoint_tangents(c, tc, b, s, ts, do, tdo, tdsf):
 
         tdS = ta_C dS' + a_C tdS' + t(Q_a^T dO) - tW_k^T (P^T dO + K_b dS') - W_k^T t(P^T dO + K_b dS')
 
-    then ``tU = tW_v - tW_k S - W_k tS`` and ``tdR = tT^T dU + T^T tdU`` with ``tdU = t(P^T dO) +
-    tK_b dS' + K_b tdS'``.  Returns ``(tdS' of each chunk, tdS of the first, tU, tdR)``."""
+    then ``tU = tW_v - tW_k S - W_k tS`` and ``tdR = tT^T dU + T^T tdU = T^T (tdU - tM^T dR)`` with
+    ``tdU = t(P^T dO) + tK_b dS' + K_b tdS'`` (``tT = -T tM T`` is never formed).  Returns ``(tdS'
+    of each chunk, tdS of the first, tU, tdR)``."""
     n = c.q.shape[1]
     tpt_do = triangular_matmul(tc.p.swapaxes(-1, -2), do, upper=True)
     tpt_do += triangular_matmul(c.p.swapaxes(-1, -2), tdo, upper=True)
@@ -1133,9 +1138,8 @@ def adjoint_tangents(c, tc, b, s, ts, do, tdo, tdsf):
         )
     tu = tc.wv - tc.wk @ s - c.wk @ ts
     tdu = tpt_do + tc.kb @ b.ds_end + c.kb @ tds_end
-    tdr = triangular_matmul(tc.t.swapaxes(-1, -2), b.du, upper=True)
-    tdr += triangular_matmul(c.t.swapaxes(-1, -2), tdu, upper=True)
-    return tds_end, tds, tu, tdr
+    tdu -= triangular_matmul(tc.m.swapaxes(-1, -2), b.dr, upper=True)  # tT^T dU = -T^T tM^T dR
+    return tds_end, tds, tu, triangular_matmul(c.t.swapaxes(-1, -2), tdu, upper=True)
 
 
 def segment_sums_backward(dd):
@@ -1173,12 +1177,15 @@ def gated_delta_rule_jvp_kernel(cache, tq=None, tk=None, tv=None, tg=None, tbeta
 
 class ForwardTangents(NamedTuple):
     """What a chunked rule's JVP computed that its second order along the same tangents computes
-    again in its first pass (``chunked_jvp(..., keep=True)``, ``second_order_kernel(...,
-    forward=)``): the tangents as the forward used its inputs, as chunks, and the state's tangent
-    entering each chunk, ``(L / C) Dk Dv`` numbers per head as the forward's states."""
+    again (``chunked_jvp(..., keep=True)``, ``second_order_kernel(..., forward=)``): the tangents
+    as the forward used its inputs, as chunks, the state's tangent entering each chunk, ``(L / C)
+    Dk Dv`` numbers per head as the forward's states, and the terms and term tangents of the last
+    block of chunks, which the second order takes first (one block's arrays, about ``_BLOCK``
+    numbers each, whatever ``L`` is; kept when the rows make one group)."""
 
     tchunks: tuple  # rule.chunked of used_tangents
-    tstates: np.ndarray  # (rows, N, Dk, Dv) ((rows, N, Dk, Dv) per channel too)
+    tstates: np.ndarray  # (rows, N, Dk, Dv)
+    last: Optional[tuple]  # (terms, term tangents) of the last block, or None
 
 
 def chunked_jvp(rule, cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0=None, *, keep=False):
@@ -1196,15 +1203,20 @@ def chunked_jvp(rule, cache, tq=None, tk=None, tv=None, tg=None, tbeta=None, ts0
     tout = np.empty(chunks[2].shape, c.q.dtype)
     tfinal = np.empty((rows, dk, dv), c.q.dtype)
     tstates = np.empty(s.shape, s.dtype)
-    for rs, blocks in rule.groups(rows, n, c.chunk, dk):
+    groups = rule.groups(rows, n, c.chunk, dk)
+    for rs, blocks in groups:
         ts = ts0[rs]
         for blk in blocks:
             terms = rule.terms(*(x[rs, blk] for x in chunks))
-            tout[rs, blk], tstates[rs, blk], ts = rule.jvp(terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts)
+            tout[rs, blk], tstates[rs, blk], ts, tterms = rule.jvp(
+                terms, s[rs, blk], *(x[rs, blk] for x in tchunks), ts
+            )
         tfinal[rs] = ts
     tout = tout.reshape(rows, -1, dv)[:, :steps].reshape(lead + (steps, dv))
     out = tout if c.final_state is None else (tout, tfinal.reshape(lead + (dk, dv)))
-    return (out, ForwardTangents(tchunks, tstates)) if keep else out
+    if not keep:
+        return out
+    return out, ForwardTangents(tchunks, tstates, (terms, tterms) if len(groups) == 1 else None)
 
 
 def used_tangents(c: DeltaRuleCache, tq, tk, tv, tg, tbeta):
@@ -1301,17 +1313,21 @@ def second_order_kernel(
         t = rule.terms(*(x[rs, blk] for x in chunks))
         return t, rule.term_tangents(t, *(x[rs, blk] for x in tchunks))
 
-    for rs, blocks in rule.groups(rows, n, c.chunk, dk):
+    groups = rule.groups(rows, n, c.chunk, dk)
+    for rs, blocks in groups:
+        last = None if forward is None or len(groups) > 1 else forward.last
         if forward is None:
             tstates, ts = np.empty(s[rs].shape, s.dtype), ts_all[rs]
             for blk in blocks:  # the states' tangents, forwards
-                tstates[:, blk], _, _, ts = tangent_scan(*terms(rs, blk), s[rs, blk], ts)
+                last = terms(rs, blk)
+                tstates[:, blk], _, _, ts = tangent_scan(*last, s[rs, blk], ts)
         else:
             tstates = forward.tstates[rs]
         ds, tds = ds_all[rs], tds_all[rs]
-        for blk in reversed(blocks):  # the backward and its tangent, the last block first
+        for i, blk in enumerate(reversed(blocks)):  # the backward and its tangent, the last block first
+            block_terms = last if i == 0 and last is not None else terms(rs, blk)  # the last block's: kept
             block_grads, ds, block_tangents, tds = rule.backward_jvp(
-                *terms(rs, blk), s[rs, blk], tstates[:, blk], doc[rs, blk], tdoc[rs, blk], ds, tds
+                *block_terms, s[rs, blk], tstates[:, blk], doc[rs, blk], tdoc[rs, blk], ds, tds
             )
             for whole, part in zip(grads, block_grads + block_tangents):
                 whole[rs, blk] = part
@@ -1337,20 +1353,21 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
 
         ta = a cumsum(tg);  tD = segment_sums(tg);  tGam = Gam tD;  tb_j = b_j tD_Cj
         tM = beta (tK K^T + K tK^T) Gam + tbeta (K K^T) Gam + beta (K K^T) tGam   (strictly lower)
-        tT = -T tM T                                       (from T (I + M) = I)
-        tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
-        tW_k = tT diag(beta a) K + T (diag(tbeta a + beta ta) K + diag(beta a) tK)
+        tT = -T tM T                                       (from T (I + M) = I; never formed:)
+        tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV) = T (diag(tbeta) V + diag(beta) tV - tM W_v)
+        tW_k = tT diag(beta a) K + T (...) = T (diag(tbeta a + beta ta) K + diag(beta a) tK - tM W_k)
         tP = (tQ K^T + Q tK^T) Gam + (Q K^T) tGam          (lower, diagonal included)
         tU = tW_v - tW_k S - W_k tS
         tO = diag(ta) Q S + diag(a) (tQ S + Q tS) + tP U + P tU
         tS' = ta_C S + a_C tS + (diag(tb) K + diag(b) tK)^T U + (diag(b) K)^T tU
 
-    Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's)``."""
+    Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's,
+    the terms' tangents)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
     tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
     tout = tc.qa @ s + c.qa @ tstates
     tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
-    return tout, tstates, ts
+    return tout, tstates, ts, tc
 
 
 def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
@@ -1365,12 +1382,12 @@ def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
     tkk = np.tril(tkk + tkk.swapaxes(-1, -2))
     bcol = c.beta[..., :, None]
     tm = np.tril(bcol * tkk * c.gam + tbeta[..., :, None] * c.kk * c.gam + bcol * c.kk * tgam, -1)
-    tt = -triangular_matmul(triangular_matmul(c.t, tm), c.t)
-    twv = triangular_matmul(tt, c.v * c.beta[..., None])
-    twv += triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
+    # W = T X with T = (I + M)^{-1}: tW = tT X + T tX = T (tX - tM W), as tT = -T tM T
+    twv = c.v * tbeta[..., None] + tv * c.beta[..., None]
+    twv -= triangular_matmul(tm, c.wv)
     ba = c.beta * c.a
-    twk = triangular_matmul(tt, c.k * ba[..., None])
-    twk += triangular_matmul(c.t, c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None])
+    twk = c.k * (tbeta * c.a + c.beta * ta)[..., None] + tk * ba[..., None]
+    twk -= triangular_matmul(tm, c.wk)
     tqk = np.tril(tq @ kt + c.q @ tk.swapaxes(-1, -2))
     return _Chunks(
         q=tq,
@@ -1382,12 +1399,13 @@ def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
         gam=tgam,
         kk=tkk,
         qk=tqk,
-        t=tt,
+        t=None,
         p=tqk * c.gam + c.qk * tgam,
         qa=tq * c.a[..., None] + c.q * ta[..., None],
         kb=c.k * tb[..., None] + tk * c.b[..., None],
-        wv=twv,
-        wk=twk,
+        wv=triangular_matmul(c.t, twv),
+        wk=triangular_matmul(c.t, twk),
+        m=tm,
     )
 
 

@@ -179,13 +179,14 @@ class _Chunks(NamedTuple):
     gam: np.ndarray  # (rows, N, C, Dk, C) [i, d, j] = Gam_ijd = e^{g_{j+1,d} + ... + g_id} for j <= i, 0 above
     xk: np.ndarray  # (rows, N, C, Dk, C) [i, d, j] = Gam_ijd k_jd (j <= i, 0 above): k_j decayed to step i
     kk: np.ndarray  # (rows, N, C, C) k_i . Gam_ij . k_j for j < i, 0 on and above the diagonal
-    t: np.ndarray  # (rows, N, C, C) (I + M)^{-1}, M = diag(beta) kk, the UT transform
+    t: Optional[np.ndarray]  # (rows, N, C, C) (I + M)^{-1}, M = diag(beta) kk, the UT transform (tangents: None)
     p: np.ndarray  # (rows, N, C, C) q_i . Gam_ij . k_j for j <= i, 0 above
     qa: np.ndarray  # (rows, N, C, Dk) A * Q
     ka: np.ndarray  # (rows, N, C, Dk) A * K
     kb: np.ndarray  # (rows, N, C, Dk) B * K
     wv: np.ndarray  # (rows, N, C, Dv) T diag(beta) V
     wk: np.ndarray  # (rows, N, C, Dk) T diag(beta) (A * K)
+    m: Optional[np.ndarray] = None  # tangents only: tM, no tT (as delta_rule._Chunks)
 
 
 def _groups(rows, n, chunk, dk):
@@ -338,6 +339,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
         ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
     u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
     du = pt_do + c.kb @ ds_end
+    assert c.t is not None  # the terms (their tangents have none)
     dr = triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
     st = s.swapaxes(-1, -2)
     # from O
@@ -484,20 +486,21 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
 
         tA = A * cumsum(tg);  tD = segment_sums(tg) per channel;  tGam = Gam * tD;  tb_jd = b_jd tD_Cjd
         tkk_ij = sum_d (tk_id Gam_ijd k_jd + k_id (Gam_ijd tk_jd + tGam_ijd k_jd))      (strictly lower)
-        tM = diag(beta) tkk + diag(tbeta) kk;  tT = -T tM T          (from T (I + M) = I)
-        tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV)
-        tW_k = tT diag(beta) (A * K) + T (diag(tbeta) (A * K) + diag(beta) (tA * K + A * tK))
+        tM = diag(beta) tkk + diag(tbeta) kk;  tT = -T tM T          (from T (I + M) = I; never formed:)
+        tW_v = tT diag(beta) V + T (diag(tbeta) V + diag(beta) tV) = T (diag(tbeta) V + diag(beta) tV - tM W_v)
+        tW_k = T (diag(tbeta) (A * K) + diag(beta) (tA * K + A * tK) - tM W_k)
         tP_ij = sum_d (tq_id Gam_ijd k_jd + q_id (Gam_ijd tk_jd + tGam_ijd k_jd))         (lower)
         tU = tW_v - tW_k S - W_k tS
         tO = (tA * Q + A * tQ) S + (A * Q) tS + tP U + P tU
         tS' = diag(ta_C) S + diag(a_C) tS + (tB * K + B * tK)^T U + (B * K)^T tU
 
-    Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's)``."""
+    Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's,
+    the terms' tangents)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
     tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
     tout = tc.qa @ s + c.qa @ tstates
     tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
-    return tout, tstates, ts
+    return tout, tstates, ts, tc
 
 
 def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
@@ -512,12 +515,12 @@ def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
     )
     tkk = np.tril(_pair(tk, c.xk) + _pair(c.k, txk), -1)
     tm = c.beta[..., :, None] * tkk + tbeta[..., :, None] * c.kk
-    tt = -triangular_matmul(triangular_matmul(c.t, tm), c.t)
-    twv = triangular_matmul(tt, c.v * c.beta[..., None])
-    twv += triangular_matmul(c.t, c.v * tbeta[..., None] + tv * c.beta[..., None])
+    # tW = T (tX - tM W) for W = T X, as tT = -T tM T (delta_rule._term_tangents)
+    twv = c.v * tbeta[..., None] + tv * c.beta[..., None]
+    twv -= triangular_matmul(tm, c.wv)
     tka = ta * c.k + c.a * tk
-    twk = triangular_matmul(tt, c.ka * c.beta[..., None])
-    twk += triangular_matmul(c.t, c.ka * tbeta[..., None] + tka * c.beta[..., None])
+    twk = c.ka * tbeta[..., None] + tka * c.beta[..., None]
+    twk -= triangular_matmul(tm, c.wk)
     return _Chunks(
         q=tq,
         k=tk,
@@ -529,13 +532,14 @@ def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
         gam=tgam,
         xk=txk,
         kk=tkk,
-        t=tt,
+        t=None,
         p=np.tril(_pair(tq, c.xk) + _pair(c.q, txk)),
         qa=ta * c.q + c.a * tq,
         ka=tka,
         kb=tb * c.k + c.b * tk,
-        wv=twv,
-        wk=twk,
+        wv=triangular_matmul(c.t, twv),
+        wk=triangular_matmul(c.t, twk),
+        m=tm,
     )
 
 
