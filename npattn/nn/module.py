@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
 import threading
 import warnings
@@ -207,39 +206,61 @@ class _Saved:
 
 class _JvpTangents:
     """What a user's ``jvp`` computed from one forward state, for a ``backward_jvp`` of that state
-    along the same tangents: the input tangents as given, a fingerprint of the tangents' values
-    (``_tangents_key``: the input tangents, then the ``param_tangents`` dict's names and arrays)
+    along the same tangents: the input tangents as given, a copy of the tangents' values
+    (``_tangent_values``: the input tangents, then the ``param_tangents`` dict's names and arrays)
     and the remembering :class:`ParamTangents` that holds every stage's forward tangents."""
 
-    __slots__ = ("inputs", "key", "pt")
+    __slots__ = ("inputs", "values", "pt")
 
     def __init__(self, inputs: tuple, param_tangents, pt: "ParamTangents"):
         self.inputs = inputs
-        self.key = _tangents_key(inputs, param_tangents)
+        self.values = _tangent_values(inputs, param_tangents)
         self.pt = pt
 
     def matches(self, inputs: tuple, param_tangents) -> bool:
         """True when ``inputs`` and ``param_tangents`` hold the values given to the ``jvp`` (the
         same names, shapes, dtypes and bytes, whether the same arrays or not, changed in place or
         not): then its forward tangents are theirs."""
-        return _tangents_key(inputs, param_tangents) == self.key
+        return _same_values(_tangent_values(inputs, param_tangents, copy=False), self.values)
 
 
-def _fingerprint(a):
-    """``a``'s shape, dtype and SHA-256 of its bytes (one pass over it); an object equal to nothing
-    else for what is neither ``None`` nor a numeric array."""
+def _value(a, copy: bool):
+    """``a``'s bytes as a C-contiguous array of unsigned integers of its item size (a copy when
+    ``copy``: what a later change in place cannot reach), so that equal means the same bits
+    (``-0.0`` is not ``0.0``, a NaN equals itself); ``None`` stays ``None``; anything else (not a
+    numeric array) an object equal to nothing else."""
     if a is None:
         return None
     if not isinstance(a, np.ndarray) or a.dtype.kind not in "fiu":
         return object()
-    data = memoryview(np.ascontiguousarray(a)).cast("B")
-    return a.shape, a.dtype.str, hashlib.sha256(data).digest()
+    size = a.dtype.itemsize
+    bits = np.array(a, order="C", copy=copy or None).reshape(-1).view(f"u{size}" if size in (1, 2, 4, 8) else "u1")
+    return a.dtype.str, a.shape, bits
 
 
-def _tangents_key(inputs: tuple, param_tangents):
-    """The fingerprints of a ``jvp``'s or ``backward_jvp``'s tangents (``_JvpTangents``)."""
+def _tangent_values(inputs: tuple, param_tangents, copy: bool = True):
+    """The values of a ``jvp``'s or ``backward_jvp``'s tangents (``_JvpTangents``): the input
+    tangents, then the ``param_tangents`` names with their arrays (``_value``)."""
     items = () if param_tangents is None else tuple(param_tangents.items())
-    return tuple(map(_fingerprint, inputs)), tuple((n, _fingerprint(a)) for n, a in items)
+    return tuple(_value(a, copy) for a in inputs), tuple((n, _value(a, copy)) for n, a in items)
+
+
+def _same_values(got, kept) -> bool:
+    """``_tangent_values`` equal entry by entry: the same names, dtypes, shapes and bits (one pass
+    over the arrays that reaches them, stopping at the first difference)."""
+
+    def same(a, b):
+        if a is None or b is None or not isinstance(a, tuple) or not isinstance(b, tuple):
+            return a is b
+        return a[:2] == b[:2] and np.array_equal(a[2], b[2])
+
+    (ins, params), (kept_ins, kept_params) = got, kept
+    return (
+        len(ins) == len(kept_ins)
+        and len(params) == len(kept_params)
+        and all(same(a, b) for a, b in zip(ins, kept_ins))
+        and all(n == m and same(a, b) for (n, a), (m, b) in zip(params, kept_params))
+    )
 
 
 class ParamTangents:
@@ -810,8 +831,8 @@ class Module:
         tangent of ``dy`` that they cause, ``p.grad_tangent`` is the Hessian-vector product ``H v``.
 
         After ``jvp`` of the same forward state along the same tangents (each input tangent, and
-        the ``param_tangents`` dict's names and arrays, compared by value: a SHA-256 of each
-        array's bytes, one pass over them), the forward tangents that ``jvp`` computed are reused
+        the ``param_tangents`` dict's names and arrays, compared by value: bit for bit against
+        a copy that ``jvp`` keeps of them), the forward tangents that ``jvp`` computed are reused
         instead of computed again (the Hessian-vector recipe: forward, ``jvp``, ``backward_jvp``).
         Other values (other arrays, or the same ones changed in place in between) are worked
         from scratch.
