@@ -620,6 +620,26 @@ def _released(m: Module, rng) -> Module:
     return m
 
 
+def _zeroed_results(params) -> tuple[dict, dict]:
+    """``(grads, hvp)`` for ``loss_hvp``: by name, a zeroed array of each parameter's shape and
+    dtype for its gradient and one for the gradient's tangent, views of one array each when the
+    parameters share a dtype (two allocations instead of two per parameter, whose fresh pages
+    ``backward_jvp``'s first contributions would otherwise be copied into one by one); a parameter
+    met under two names (tied) gets the same arrays under both."""
+    unique = list({id(p): p for _, p in params}.values())
+    dtypes = {p.data.dtype for p in unique}
+    if len(dtypes) == 1:
+        sizes = [p.data.size for p in unique]
+        flat = np.zeros((2, sum(sizes)), dtypes.pop())
+        ends = np.cumsum(sizes)
+        made = {
+            id(p): [flat[k, e - p.data.size : e].reshape(p.data.shape) for k in (0, 1)] for p, e in zip(unique, ends)
+        }
+    else:
+        made = {id(p): [np.zeros_like(p.data), np.zeros_like(p.data)] for p in unique}
+    return {n: made[id(p)][0] for n, p in params}, {n: made[id(p)][1] for n, p in params}
+
+
 def bfloat16_parameters(m: Module) -> list:
     """The parameters ``weights_dtype="bfloat16"`` keeps as bfloat16: the large matrices, every
     ``Linear``'s and ``Embedding``'s weight and the routed experts' stacked projections (norms,
@@ -1041,16 +1061,15 @@ class CausalLM(Module):
         pt = self._param_tangents(param_tangents)._remembering()
         params = list(self.named_parameters())
         kept = [(p.grad, p.grad_tangent) for _, p in params]
-        for _, p in params:  # fresh buffers: backward_jvp makes them from the first contribution
-            p.grad = p.grad_tangent = None
+        grads, hvp = _zeroed_results(params)
         try:
+            for n, p in params:  # backward_jvp adds into the results' own arrays
+                p.grad, p.grad_tangent = grads[n], hvp[n]
             logits = self.forward(ids)
             loss, cache = F.cross_entropy(logits, targets, ignore_index=ignore_index)
             tlogits = self.jvp(param_tangents=pt)
             dlogits, tdlogits = K.cross_entropy_backward_jvp(np.ones((), logits.dtype), cache, (tlogits,))
             self.backward_jvp(dlogits, param_tangents=pt, ddy=tdlogits)
-            grads = {n: np.zeros_like(p.data) if p.grad is None else p.grad for n, p in params}
-            hvp = {n: np.zeros_like(p.data) if p.grad_tangent is None else p.grad_tangent for n, p in params}
         finally:
             for (_, p), (grad, tangent) in zip(params, kept):
                 p.grad, p.grad_tangent = grad, tangent
