@@ -194,3 +194,54 @@ def test_gated_unit_without_grad_is_the_kept_path_bit_for_bit(which, dtype):
     assert free.dtype == dtype and np.abs(kept).max() > 0
     assert np.array_equal(free, kept)
     assert np.array_equal(m(x), kept)  # and the kept path after it is unchanged
+
+
+@pytest.mark.parametrize("storage", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["feedforward", "gated"])
+def test_gated_unit_without_grad_multiplies_gate_and_up_as_one_matrix(kind, storage):
+    """Under no_grad the gate and up weights are row blocks of one array (``fused_linears``), one
+    GEMM for both (one GEMV when decoding) (issue 32, item 5): each output element is the same dot
+    product, so the output is the kept path's bit for bit, at a size OpenBLAS threads and for one
+    row; the parameters keep their values and versions; a weight assigned afterwards is used."""
+    from npattn.models.causal_lm import store_bfloat16
+    from npattn.nn.moe import GatedMLP
+
+    dtype = np.float64 if storage == "float64" else np.float32
+    if kind == "feedforward":
+        m = FeedForward(96, 200, activation="swiglu", bias=True, rng=1, dtype=dtype)
+        gate, up = m.linear1, m.linear3
+    else:
+        m = GatedMLP(96, 200, rng=1, dtype=dtype)
+        gate, up = m.gate_proj, m.up_proj
+    if storage == "bfloat16":
+        store_bfloat16(m)
+    rng = np.random.default_rng(4)
+    versions = [p._version for p in m.parameters()]
+    for shape in [(2, 40, 96), (1, 1, 96)]:
+        x = rng.standard_normal(shape).astype(dtype)
+        kept = m(x) if storage != "bfloat16" else None
+        m.clear_saved()
+        with npattn.no_grad():
+            before = gate(x), up(x)
+            free = m(x)
+        if kept is not None:
+            assert np.array_equal(free, kept) and np.abs(kept).max() > 0
+        fused = m._fused[0]
+        for lin, y in zip((gate, up), before):
+            data = lin.weight.data
+            assert (data.base is fused) and data.shape == (200, 96)
+            with npattn.no_grad():
+                assert np.array_equal(lin(x), y)  # the same values in the stacked array
+        if kept is None:  # bfloat16 storage keeps no state: the product apart is the reference
+            with npattn.no_grad():
+                h = npattn.functional.silu(before[0])[0] * before[1]
+                assert np.array_equal(free, m.linear2(h) if kind == "feedforward" else m.down_proj(h))
+    assert [p._version for p in m.parameters()] == versions
+    if storage != "bfloat16":
+        up.weight.data = up.weight.data * 2  # a new array: the next call stacks the weights again
+        x = rng.standard_normal((3, 96)).astype(dtype)
+        kept = m(x)
+        m.clear_saved()
+        with npattn.no_grad():
+            assert np.array_equal(m(x), kept)
+        assert up.weight.data.base is m._fused[0] is not fused

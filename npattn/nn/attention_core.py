@@ -48,11 +48,10 @@ from .._validate import (
 )
 from ..functional import AttentionCache
 from ..functional import kernels as K
-from ..functional._bfloat16 import BFloat16Array
 from ..functional._blocks import AttentionOptions, check_options
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
 from .kv_cache import KVCache, RollingKVCache
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, fused_linears
 from .module import Module, Parameter, is_grad_enabled
 
 __all__ = ["MultiHeadAttentionCore"]
@@ -374,26 +373,7 @@ class MultiHeadAttentionCore(Module):
         None when ``kdim`` or ``vdim`` differs from ``d_in`` (no self-attention)."""
         if self.kdim != self.d_in or self.vdim != self.d_in:
             return None
-        mods = (self.W_query, self.W_key, self.W_value)
-        f = self._fused
-        if (
-            f is not None
-            and _linked(f[0], f[2], [m.weight for m in mods])
-            and (f[1] is None or _linked(f[1], f[3], [m.bias for m in mods]))
-        ):
-            return f[0], f[1]
-        datas = [m.weight.data for m in mods]
-        if all(isinstance(d, BFloat16Array) for d in datas):  # bfloat16 storage: fuse the bits
-            W = BFloat16Array(np.concatenate([d.bits for d in datas]))
-        else:
-            W = np.concatenate(datas)
-        wv = _views(W, [m.weight for m in mods])
-        b = bv = None
-        if self.W_query.bias is not None:
-            b = np.concatenate([m.bias.data for m in mods])
-            bv = _views(b, [m.bias for m in mods])
-        object.__setattr__(self, "_fused", (W, b, wv, bv))
-        return W, b
+        return fused_linears(self, (self.W_query, self.W_key, self.W_value))
 
     # -- helpers ---------------------------------------------------------------------------
     def _split(self, t, heads):
@@ -993,22 +973,3 @@ class MultiHeadAttentionCore(Module):
         """The number of tokens whose keys and values the cache holds (at most the window's
         ``left`` between calls for a rolling cache; ``kv_cache_length`` otherwise)."""
         return 0 if self._kv_cache is None else self._kv_cache.length
-
-
-def _linked(fused, views, params) -> bool:
-    """True while each parameter's ``.data`` is still the view of ``fused`` handed to it."""
-    return all(p.data is w and w.base is fused for p, w in zip(params, views))
-
-
-def _views(fused, params):
-    """Point each parameter's ``.data`` at its row block of ``fused``; return the views."""
-    views, r = [], 0
-    for p in params:
-        n = p.data.shape[0]
-        w = fused.part(slice(r, r + n)) if isinstance(fused, BFloat16Array) else fused[r : r + n]
-        version = p._version
-        p.data = w
-        p._version = version  # the same values, only in another array: nothing a kept forward state must refuse
-        views.append(w)
-        r += n
-    return tuple(views)

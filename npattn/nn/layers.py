@@ -34,6 +34,7 @@ from .._validate import (
     check_size,
 )
 from ..functional import kernels as K
+from ..functional._bfloat16 import BFloat16Array
 from .module import Module, Parameter, is_grad_enabled
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "Dropout", "Embedding", "FeedForward"]
@@ -642,29 +643,88 @@ def act_kernels(name: str) -> tuple:
     return (functools.partial(getattr(K, kernel), **kwargs), *ops)
 
 
+def fused_linears(owner: Module, mods: tuple) -> Optional[tuple]:
+    """``(W, b)``: the weights of the ``Linear`` modules ``mods`` (one input width) stacked by rows
+    in one array, whose row blocks the parameters' ``.data`` become (views: the same values, the
+    same versions), so that one GEMM (one GEMV when decoding) forms every output; ``b`` likewise,
+    None without biases.  Kept on ``owner`` (``_fused``: a fused q/k/v, the gated unit's gate and
+    up) and made again only when a parameter's ``.data`` was replaced by another array
+    (``Module.to``, ``copy.deepcopy``, an assignment to ``.data``, ``store_bfloat16``).  None when
+    the weights cannot share one array (bfloat16 bits beside floats, or two dtypes)."""
+    weights = [m.weight for m in mods]
+    has_bias = [m.bias is not None for m in mods]
+    if any(has_bias) and not all(has_bias):
+        return None
+    biases = [m.bias for m in mods] if all(has_bias) else None
+    f = owner.__dict__.get("_fused")
+    if f is not None and _linked(f[0], f[2], weights) and (f[1] is None or _linked(f[1], f[3], biases)):
+        return f[0], f[1]
+    datas = [w.data for w in weights]
+    bf16 = [isinstance(d, BFloat16Array) for d in datas]
+    if any(bf16) and not all(bf16) or len({d.dtype for d in datas}) > 1:
+        return None
+    W = BFloat16Array(np.concatenate([d.bits for d in datas])) if all(bf16) else np.concatenate(datas)
+    wv = _views(W, weights)
+    b = bv = None
+    if biases is not None:
+        b = np.concatenate([p.data for p in biases])
+        bv = _views(b, biases)
+    object.__setattr__(owner, "_fused", (W, b, wv, bv))
+    return W, b
+
+
+def _linked(fused, views, params) -> bool:
+    """True while each parameter's ``.data`` is still the view of ``fused`` handed to it."""
+    return all(p.data is w and w.base is fused for p, w in zip(params, views))
+
+
+def _views(fused, params):
+    """Point each parameter's ``.data`` at its row block of ``fused``; return the views."""
+    views, r = [], 0
+    for p in params:
+        n = p.data.shape[0]
+        w = fused.part(slice(r, r + n)) if isinstance(fused, BFloat16Array) else fused[r : r + n]
+        version = p._version
+        p.data = w
+        p._version = version  # the same values, only in another array: nothing a kept forward state must refuse
+        views.append(w)
+        r += n
+    return tuple(views)
+
+
 # The gated unit ``h = act(gate(x)) * up(x)`` (SwiGLU and its kin), said once for FeedForward's
 # "swiglu" (linear1, linear3) and nn.moe.GatedMLP (gate_proj, up_proj); ``state`` is
 # ``(act's cache, s = act(gate x), b = up x)``.  Shared with nn.moe (as check_features and
 # input_tangent with every module): public names, outside __all__.
-def gated_unit(act: str, gate: Linear, up: Linear, x: np.ndarray):
+def gated_unit(act: str, gate: Linear, up: Linear, x: np.ndarray, owner: Optional[Module] = None):
+    """``(h, state)``; ``owner``: the module holding ``gate`` and ``up``, whose fused weights
+    (``fused_linears``) serve a call without grad (None: the two products apart)."""
     kernel, _, kwargs = _act(act)
     if not is_grad_enabled():  # no state kept (inference): the products go in place, no state
-        return _gated_unit_inference(act, gate._forward(x), up, x), None
+        return _gated_unit_inference(act, gate, up, x, owner), None
     s, act_cache = kernel(gate._forward(x), **kwargs)
     b = up._forward(x)
     return s * b, (act_cache, s, b)
 
 
-def _gated_unit_inference(act: str, a: np.ndarray, up: Linear, x: np.ndarray) -> np.ndarray:
-    """``act(a) * up(x)`` written into ``a``'s array (the gate's fresh output, seen by nobody
-    else), with the roundings of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``):
-    two arrays of ``(..., d_ff)`` fewer per call, which on a long prompt are fresh pages each."""
+def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, owner: Optional[Module]) -> np.ndarray:
+    """``act(a) * b`` written into ``a``'s array (fresh, seen by nobody else), with the roundings
+    of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``): two arrays of
+    ``(..., d_ff)`` fewer per call, which on a long prompt are fresh pages each.  With the fused
+    weights ``a`` and ``b`` are the two halves of one product's output (each element the same dot
+    product as apart: the same bits), one GEMM instead of two, one GEMV when decoding."""
     kernel, _, kwargs = _act(act)
+    fused = None if owner is None else fused_linears(owner, (gate, up))
+    if fused is None:
+        a, b = gate._forward(x), None
+    else:
+        ab = K.linear(x, *fused)[0]
+        a, b = ab[..., : gate.out_features], ab[..., gate.out_features :]
     if _ACTIVATIONS[act][0] == "silu":
         h = np.multiply(a, K.sigmoid(a), out=a)
     else:
         h = kernel(a, **kwargs)[0]
-    h *= up._forward(x)
+    h *= up._forward(x) if b is None else b
     return h
 
 
@@ -782,7 +842,7 @@ class FeedForward(_Layer):
         ws = self._workspace() if is_grad_enabled() and self.activation != "swiglu" else None
         reused: tuple = ()
         if self.activation == "swiglu":  # cache: silu's, silu(a) and b, for the product's gradient
-            h, cache = gated_unit("swiglu", self.linear1, self.linear3, x)
+            h, cache = gated_unit("swiglu", self.linear1, self.linear3, x, self)
         elif ws is None:
             h, cache = act(self.linear1._forward(x), **kwargs)
         else:

@@ -738,7 +738,7 @@ class GatedMLP(Module):
         return self._forward(x)
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        h, state = gated_unit(self._act, self.gate_proj, self.up_proj, x)
+        h, state = gated_unit(self._act, self.gate_proj, self.up_proj, x, self)
         self.save_for_backward(state)
         return self.down_proj._forward(h)
 
