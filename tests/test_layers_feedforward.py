@@ -202,7 +202,8 @@ def test_gated_unit_without_grad_multiplies_gate_and_up_as_one_matrix(kind, stor
     """Under no_grad the gate and up weights are row blocks of one array (``fused_linears``), one
     GEMM for both (one GEMV when decoding) (issue 32, item 5): each output element is the same dot
     product, so the output is the kept path's bit for bit, at a size OpenBLAS threads and for one
-    row; the parameters keep their values and versions; a weight assigned afterwards is used."""
+    row (bfloat16 storage: to float32's rounding); the parameters keep their values and versions;
+    a weight assigned afterwards is used."""
     from npattn.models.causal_lm import store_bfloat16
     from npattn.nn.moe import GatedMLP
 
@@ -232,10 +233,12 @@ def test_gated_unit_without_grad_multiplies_gate_and_up_as_one_matrix(kind, stor
             assert (data.base is fused) and data.shape == (200, 96)
             with npattn.no_grad():
                 assert np.array_equal(lin(x), y)  # the same values in the stacked array
-        if kept is None:  # bfloat16 storage keeps no state: the product apart is the reference
+        if kept is None:  # bfloat16 storage keeps no state: the products apart are the reference, to
+            # float32's rounding (its decoding product splits the rows by the matrix's height)
             with npattn.no_grad():
                 h = npattn.functional.silu(before[0])[0] * before[1]
-                assert np.array_equal(free, m.linear2(h) if kind == "feedforward" else m.down_proj(h))
+                ref = m.linear2(h) if kind == "feedforward" else m.down_proj(h)
+            assert rel_err(free, ref) < 1e-5 and np.abs(ref).max() > 0
     assert [p._version for p in m.parameters()] == versions
     if storage != "bfloat16":
         up.weight.data = up.weight.data * 2  # a new array: the next call stacks the weights again
