@@ -709,7 +709,7 @@ class _ForwardWorker:
         lead, ev = lay.lead, lay.v.shape[-1]
         for i0, i1 in share:
             nq = i1 - i0
-            qs_t = _scaled_rows(lay.q, i0, i1, self.scale, self.qs_buf).swapaxes(-1, -2)
+            qs_t = _scaled_rows_t(lay.q, i0, i1, self.scale, self.qs_buf)
             stat_rows = [scratch(b, lead + (1, nq)) for b in self.stat_bufs]
             stats = _OnlineSoftmax(stat_rows, self.max_buf, lay.sinks, geo.dt)
             acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
@@ -749,11 +749,12 @@ def _key_max(st, tmp, out):
     return out
 
 
-def _scaled_rows(qw, i0, i1, scale, buf):
-    """``scale q`` for the query rows ``i0..i1-1``, in ``buf`` (scale goes on q, never on the larger
-    score blocks)."""
-    qs = scratch(buf, qw.shape[:-2] + (i1 - i0, qw.shape[-1]))
-    return np.multiply(qw[..., i0:i1, :], scale, out=qs)
+def _scaled_rows_t(qw, i0, i1, scale, buf):
+    """``(scale q)^T`` for the query rows ``i0..i1-1``, ``(..., E, nq)`` C-contiguous in ``buf`` (scale
+    goes on q, never on the larger score blocks; transposed so that ``S^T = k_j (scale q_i)^T`` is a
+    plain product, see ``_transposed``)."""
+    qs_t = scratch(buf, qw.shape[:-2] + (qw.shape[-1], i1 - i0))
+    return np.multiply(qw[..., i0:i1, :].swapaxes(-1, -2), scale, out=qs_t)
 
 
 class _OnlineSoftmax:
@@ -830,6 +831,7 @@ def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache
     for extra in dqs[1:]:
         dq += extra
     dq *= cache.scale
+    dk *= cache.scale
     grads: tuple = (dq.reshape(cache.q.shape), dk.reshape(cache.k.shape), dv.reshape(cache.v.shape))
     if dmask is not None:
         grads += (dmask.total(dmasks),)
@@ -844,12 +846,25 @@ def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache
 
 class _Upstream(NamedTuple):
     """What every worker of the backward reads, in the working layout: ``dout`` (times ``1/(1-p)``
-    with dropout), the rows ``D = rowsum(dO * O)`` and ``lse`` ``(..., 1, Lq)``, and ``scale q``."""
+    with dropout), the rows ``D = rowsum(dO * O)`` and ``lse`` ``(..., 1, Lq)``, ``scale q``
+    transposed ``(..., E, Lq)`` and ``dout`` transposed ``(..., Ev, Lq)`` (C-contiguous copies, see
+    ``_transposed``)."""
 
     dout: np.ndarray
     d_row: np.ndarray
     lse_row: np.ndarray
-    qs: np.ndarray
+    qs_t: np.ndarray
+    dout_t: np.ndarray
+
+
+def _transposed(a: np.ndarray) -> np.ndarray:
+    """``a`` with its last two axes swapped, C-contiguous (a copy): a block of its columns is then a
+    plain (non-transposed) BLAS operand.  OpenBLAS runs ``A @ B^T`` through its packing path, about
+    1.6x slower than ``A @ B`` at the block sizes used here (its small-matrix kernels take only the
+    other layouts)."""
+    out = np.empty(a.shape[:-2] + (a.shape[-1], a.shape[-2]), a.dtype)
+    np.copyto(out, a.swapaxes(-1, -2))
+    return out
 
 
 def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache) -> _Upstream:
@@ -861,8 +876,11 @@ def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache) -> _Upstream:
     if geo.dropout is not None:
         # O = (P * keep / (1-p)) V: fold 1/(1-p) into dO once, for dV = P'^T dO and dP = dP' * keep / (1-p)
         dout = dout * geo.dropout.scale
-    # scale folded into q once (O(L) memory), so dK_j += dS^T qs is scaled
-    return _Upstream(dout, d_row, cache.lse.reshape(lead + (1, lq)), geo.lay.q * cache.scale)
+    # scale folded into q once, both held transposed (O(L) each): S^T = k_j (scale q_i)^T and
+    # dP'^T = V_j dO_i^T are then plain products
+    qs_t = _transposed(geo.lay.q)
+    qs_t *= cache.scale
+    return _Upstream(dout, d_row, cache.lse.reshape(lead + (1, lq)), qs_t, _transposed(dout))
 
 
 class _MaskGrad:
@@ -892,48 +910,34 @@ class _BackwardWorker:
     def __init__(self, geo: _Geometry, up: _Upstream, dk: np.ndarray, dv: np.ndarray):
         self.geo, self.up, self.dk, self.dv = geo, up, dk, dv
         lay, bq, bk = geo.lay, geo.bq, geo.bk
-        e, ev = lay.q.shape[-1], lay.v.shape[-1]
         self.s_buf, self.dp_buf = geo.buffer(bk, bq), geo.buffer(bk, bq)
         self.t_buf = geo.buffer(bk, bq) if geo.scores.softcap is not None else None
-        self.dq_buf, self.dk_buf, self.dv_buf = geo.buffer(bq, e), geo.buffer(bk, e), geo.buffer(bk, ev)
-        # k, v broadcast (GQA: the G query heads of a kv head): dK_j, dV_j accumulate in the full
-        # working layout, then are summed over the axes k/v were broadcast along
-        self.dkacc_buf = geo.buffer(bk, e) if lay.k.shape[:-2] != lay.lead else None
-        self.dvacc_buf = geo.buffer(bk, ev) if lay.v.shape[:-2] != lay.lead else None
+        # the products dV_j, dQ_i, dK_j of a pair, one after the other
+        self.prod_buf = geo.buffer(max(bq, bk), max(lay.q.shape[-1], lay.v.shape[-1]))
         self.bias_bufs = geo.scores.buffers(bk, bq)
         self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
         self.pk_buf = None if geo.dropout is None else geo.buffer(bk, bq)
 
     def columns(self, share, dq, dmask):
-        """The key blocks of ``share``: ``dK_j``, ``dV_j`` finished; ``dQ`` (and ``dmask``) terms added
-        into this worker's ``dq`` (and ``dmask``)."""
-        geo, lead = self.geo, self.geo.lay.lead
-        e, ev = geo.lay.q.shape[-1], geo.lay.v.shape[-1]
+        """The key blocks of ``share``: ``dK_j``, ``dV_j`` finished (this worker's own rows of ``dk``,
+        ``dv``); ``dQ`` (and ``dmask``) terms added into this worker's ``dq`` (and ``dmask``)."""
+        geo = self.geo
         for j0, j1 in share:
-            nk = j1 - j0
-            dk_j = self.dk[..., j0:j1, :] if self.dkacc_buf is None else scratch(self.dkacc_buf, lead + (nk, e))
-            dv_j = self.dv[..., j0:j1, :] if self.dvacc_buf is None else scratch(self.dvacc_buf, lead + (nk, ev))
-            dk_j.fill(0.0)
-            dv_j.fill(0.0)
+            dk_j, dv_j = self.dk[..., j0:j1, :], self.dv[..., j0:j1, :]
             i_lo, i_hi = query_range(geo.band, j0, j1, geo.lq)  # queries outside the band see nothing of it
             for i0, i1 in _spans(i_hi, geo.bq, i_lo):
                 self.pair(i0, i1, j0, j1, dk_j, dv_j, dq, dmask)
-            if self.dkacc_buf is not None:
-                dk_s = self.dk[..., j0:j1, :]
-                dk_s += sum_to(dk_j, dk_s.shape)
-            if self.dvacc_buf is not None:
-                dv_s = self.dv[..., j0:j1, :]
-                dv_s += sum_to(dv_j, dv_s.shape)
 
     def pair(self, i0, i1, j0, j1, dk_j, dv_j, dq, dmask):
         """Key block ``j`` against query block ``i``: ``P`` rebuilt from ``lse``, then ``dV_j += P'^T dO_i``,
-        ``dS``, ``dQ_i += dS K_j`` and ``dK_j += dS^T (scale Q_i)`` (and ``dmask += dS``)."""
-        geo, up = self.geo, self.up
-        lead, nk, nq = geo.lay.lead, j1 - j0, i1 - i0
-        e, ev = geo.lay.q.shape[-1], geo.lay.v.shape[-1]
-        k_j, v_j, qs = geo.lay.k[..., j0:j1, :], geo.lay.v[..., j0:j1, :], up.qs[..., i0:i1, :]
+        ``dS``, ``dQ_i += dS K_j`` and ``dK_j += dS^T Q_i`` (and ``dmask += dS``); k and v broadcast
+        over grouped heads or batches have each product summed to their own shape."""
+        geo, up, lay = self.geo, self.up, self.geo.lay
+        lead, nk, nq = lay.lead, j1 - j0, i1 - i0
+        e, ev = lay.q.shape[-1], lay.v.shape[-1]
+        k_j, v_j = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :]
         st = scratch(self.s_buf, lead + (nk, nq))
-        np.matmul(k_j, qs.swapaxes(-1, -2), out=st)  # S^T = k_j (scale q_i)^T
+        np.matmul(k_j, up.qs_t[..., i0:i1], out=st)  # S^T = k_j (scale q_i)^T
         t = None if self.t_buf is None else scratch(self.t_buf, lead + (nk, nq))
         if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs, tanh_out=t):
             return
@@ -941,16 +945,16 @@ class _BackwardWorker:
         pt = np.exp(st, out=st)  # P^T = exp(S^T - lse)
         do_i = up.dout[..., i0:i1, :]
         dpt = scratch(self.dp_buf, lead + (nk, nq))
-        np.matmul(v_j, do_i.swapaxes(-1, -2), out=dpt)  # dP'^T = V_j dO_i^T
-        dv_tmp = scratch(self.dv_buf, lead + (nk, ev))
+        np.matmul(v_j, up.dout_t[..., i0:i1], out=dpt)  # dP'^T = V_j dO_i^T
+        prod = scratch(self.prod_buf, lead + (nk, ev))
         if geo.dropout is not None:
             keep = geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
             dpt *= keep  # dP = dP' * keep / (1-p)
             pk = np.multiply(pt, keep, out=scratch(self.pk_buf, st.shape))
-            np.matmul(pk, do_i, out=dv_tmp)  # dV_j += (P * keep)^T dO_i / (1-p)
+            np.matmul(pk, do_i, out=prod)  # dV_j += (P * keep)^T dO_i / (1-p)
         else:
-            np.matmul(pt, do_i, out=dv_tmp)  # dV_j += P^T dO_i
-        dv_j += dv_tmp
+            np.matmul(pt, do_i, out=prod)  # dV_j += P^T dO_i
+        dv_j += sum_to(prod, dv_j.shape)
         np.subtract(dpt, up.d_row[..., i0:i1], out=dpt)
         dst = np.multiply(dpt, pt, out=dpt)  # dS^T = P^T * (dP^T - D)
         if dmask is not None:  # the mask is added to S: dmask = dS
@@ -960,13 +964,13 @@ class _BackwardWorker:
             np.multiply(t, t, out=t)
             np.subtract(1.0, t, out=t)
             dst *= t  # dS_raw = dS * (1 - tanh^2)
-        dq_tmp = scratch(self.dq_buf, lead + (nq, e))
-        np.matmul(dst.swapaxes(-1, -2), k_j, out=dq_tmp)
+        prod = scratch(self.prod_buf, lead + (nq, e))
+        np.matmul(dst.swapaxes(-1, -2), k_j, out=prod)
         dq_i = dq[..., i0:i1, :]
-        dq_i += sum_to(dq_tmp, dq_i.shape)  # dQ_i += dS K_j (scaled at the end)
-        dk_tmp = scratch(self.dk_buf, lead + (nk, e))
-        np.matmul(dst, qs, out=dk_tmp)
-        dk_j += dk_tmp  # dK_j += dS^T (scale Q_i)
+        dq_i += sum_to(prod, dq_i.shape)  # dQ_i += dS K_j (scaled at the end)
+        prod = scratch(self.prod_buf, lead + (nk, e))
+        np.matmul(dst, lay.q[..., i0:i1, :], out=prod)
+        dk_j += sum_to(prod, dk_j.shape)  # dK_j += dS^T Q_i (scaled at the end)
 
 
 @shared_doc(
@@ -1084,8 +1088,8 @@ class _JvpWorker:
         lead, ev = lay.lead, lay.v.shape[-1]
         for i0, i1 in share:
             nq = i1 - i0
-            qs_t = _scaled_rows(lay.q, i0, i1, self.scale, self.qs_buf).swapaxes(-1, -2)
-            tqs_t = None if tan.q is None else _scaled_rows(tan.q, i0, i1, self.scale, self.tqs_buf).swapaxes(-1, -2)
+            qs_t = _scaled_rows_t(lay.q, i0, i1, self.scale, self.qs_buf)
+            tqs_t = None if tan.q is None else _scaled_rows_t(tan.q, i0, i1, self.scale, self.tqs_buf)
             acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
             acc_t.fill(0.0)
             pv_t = scratch(self.pv_buf, lead + (ev, nq))
@@ -1315,8 +1319,8 @@ class _BackwardJvpWorker:
 
     def pair(self, i0, i1, j0, j1, tdk_j, tdv_j, tdq, tdmask):
         geo, up, rows, tan, lay = self.geo, self.up, self.rows, self.tan, self.geo.lay
-        k_j, v_j, qs = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :], up.qs[..., i0:i1, :]
-        st = np.matmul(k_j, qs.swapaxes(-1, -2))  # S^T = k_j (scale q_i)^T
+        k_j, v_j, qs_t = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :], up.qs_t[..., i0:i1]
+        st = np.matmul(k_j, qs_t)  # S^T = k_j (scale q_i)^T
         t = None if geo.scores.softcap is None else np.empty(st.shape, geo.dt)
         if not geo.scores.apply(st, i0, i1, j0, j1, geo.scores.buffers(j1 - j0, i1 - i0), tanh_out=t):
             return
@@ -1326,7 +1330,7 @@ class _BackwardJvpWorker:
         if tqs is not None:
             ts = np.matmul(k_j, tqs.swapaxes(-1, -2))
         if tan.k is not None:
-            part = np.matmul(tan.k[..., j0:j1, :], qs.swapaxes(-1, -2))
+            part = np.matmul(tan.k[..., j0:j1, :], qs_t)
             ts = part if ts is None else ts + part
         dcap = None if t is None else 1.0 - t * t
         tz = None if ts is None else (ts if dcap is None else ts * dcap)
@@ -1363,7 +1367,7 @@ class _BackwardJvpWorker:
                 tds = tds * dcap
             ds = ds * dcap
         tdq_i = np.matmul(tds.swapaxes(-1, -2), k_j)  # tdQ_i += tds K_j + ds tK_j (scaled at the end)
-        tdk_j += np.matmul(tds, qs)  # tdK_j += tds^T (scale Q_i) + ds^T (scale tQ_i)
+        tdk_j += np.matmul(tds, qs_t.swapaxes(-1, -2))  # tdK_j += tds^T (scale Q_i) + ds^T (scale tQ_i)
         if tan.k is not None:
             tdq_i += np.matmul(ds.swapaxes(-1, -2), tan.k[..., j0:j1, :])
         if tqs is not None:
