@@ -348,6 +348,14 @@ def test_experts_bad_arguments_are_refused_naming_them():
         np.testing.assert_array_equal(a, c)
 
 
+def _assert_bitwise(got, want):
+    """Each array of ``got`` bit for bit the one of ``want`` (None where it is None)."""
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("experts")])
 def test_experts_kernels_take_the_forward_tangents_once(name):
     """``Experts``' shortcut: ``experts_tangents`` once, handed to the JVP's and the second order's
@@ -366,14 +374,30 @@ def test_experts_kernels_take_the_forward_tangents_once(name):
     )
     got = K.moe_experts_backward_jvp(dout, cache, tangents, ddout, forward=forward)
     want = F.moe_experts_backward_jvp(dout, cache, tangents, ddout)
-    for a, b in zip(got[0] + got[1], want[0] + want[1]):
-        assert (a is None) == (b is None)
-        if a is not None:
-            np.testing.assert_array_equal(a, b)
-    for a, b in zip(got[0], F.moe_experts_backward(dout, cache)):  # the gradients: the backward's own
-        assert (a is None) == (b is None)
-        if a is not None:
-            np.testing.assert_array_equal(a, b)
+    _assert_bitwise(got[0] + got[1], want[0] + want[1])
+    _assert_bitwise(got[0], F.moe_experts_backward(dout, cache))  # the gradients: the backward's own
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("moved", ["x", "weight", "both", "none"])
+def test_conv_second_order_takes_the_jvp_s_tangents(activation, moved):
+    """``GatedDeltaNet``'s shortcut for its convolution: the JVP keeps the pre-activation's and the
+    padded input's tangents (``keep=True``), the second order takes them (``forward=``): bit for
+    bit the public pair's JVP, gradients and tangents (which compute them again)."""
+    from npattn.functional import kernels as K
+
+    rng = np.random.default_rng(7)
+    x, w, s0 = rng.standard_normal((2, 6, 5)), rng.standard_normal((5, 3)), rng.standard_normal((2, 2, 5))
+    _, cache = F.causal_conv1d(x, w, rng.standard_normal(5), activation=activation, initial_state=s0)
+    tx = rng.standard_normal(x.shape) if moved in ("x", "both") else None
+    tw = rng.standard_normal(w.shape) if moved in ("weight", "both") else None
+    tangents = (tx, tw, None, rng.standard_normal(s0.shape) if moved == "x" else None)
+    dout, ddout = rng.standard_normal(x.shape), rng.standard_normal(x.shape)
+    ty, forward = K.causal_conv1d_jvp(cache, *tangents, keep=True)
+    np.testing.assert_array_equal(ty, F.causal_conv1d_jvp(cache, *tangents))
+    got = K.causal_conv1d_backward_jvp(dout, cache, tangents, ddout, forward=forward)
+    want = F.causal_conv1d_backward_jvp(dout, cache, tangents, ddout)
+    _assert_bitwise(got[0] + got[1], want[0] + want[1])
 
 
 def test_loss_hvp_scans_and_runs_the_experts_forward_tangents_once(monkeypatch):
@@ -527,10 +551,7 @@ def _assert_kept_forward_tangents_change_nothing(cache, tangents, dout, ddout, d
     for a, b in zip(_tuple(out), _tuple(F.gated_delta_rule_jvp(cache, *tangents))):
         np.testing.assert_array_equal(a, b)
     got = K.gated_delta_rule_backward_jvp(dout, cache, tangents, ddout, dfin, ddfin, forward=kept)
-    for a, b in zip(got[0] + got[1], want[0] + want[1]):
-        assert (a is None) == (b is None)
-        if a is not None:
-            np.testing.assert_array_equal(a, b)
+    _assert_bitwise(got[0] + got[1], want[0] + want[1])
 
 
 def test_delta_rule_chunked_bad_arguments_are_refused_naming_them():

@@ -187,17 +187,16 @@ def _conv_tangent_specs(cache):
     )
 
 
-def causal_conv1d_jvp_kernel(cache, tx=None, tweight=None, tbias=None, tinitial_state=None):
+def causal_conv1d_jvp_kernel(cache, tx=None, tweight=None, tbias=None, tinitial_state=None, *, keep=False):
+    """The kernel of ``causal_conv1d_jvp``; with ``keep``, ``(ty, (tz, txp))``: also the
+    pre-activation's tangent and the padded input's (None for zero), which
+    ``causal_conv1d_backward_jvp_kernel(..., forward=)`` along the same tangents takes."""
     xp, weight, _, _, act, _ = cache
     taps = weight.shape[1]
     steps = xp.shape[-2] - taps + 1
     tz = np.zeros(xp.shape[:-2] + (steps, xp.shape[-1]), xp.dtype)
-    if tx is not None or tinitial_state is not None:
-        txp = np.zeros(xp.shape, xp.dtype)
-        if tinitial_state is not None:
-            txp[..., : taps - 1, :] = tinitial_state
-        if tx is not None:
-            txp[..., taps - 1 :, :] = tx
+    txp = _padded_tangent(cache, tx, tinitial_state)
+    if txp is not None:
         for j in range(taps):
             tz += txp[..., j : j + steps, :] * weight[:, j]
     if tweight is not None:
@@ -205,7 +204,21 @@ def causal_conv1d_jvp_kernel(cache, tx=None, tweight=None, tbias=None, tinitial_
             tz += xp[..., j : j + steps, :] * tweight[:, j]
     if tbias is not None:
         tz += tbias
-    return tz if act is None else silu_jvp_kernel(act, tz)
+    ty = tz if act is None else silu_jvp_kernel(act, tz)
+    return (ty, (tz, txp)) if keep else ty
+
+
+def _padded_tangent(cache, tx, tinitial_state):
+    """``tinitial_state`` followed by ``tx`` (zeros for None), as the forward pads x; None when both are."""
+    if tx is None and tinitial_state is None:
+        return None
+    taps = cache.weight.shape[1]
+    txp = np.zeros(cache.xp.shape, cache.xp.dtype)
+    if tinitial_state is not None:
+        txp[..., : taps - 1, :] = tinitial_state
+    if tx is not None:
+        txp[..., taps - 1 :, :] = tx
+    return txp
 
 
 @shared_doc(
@@ -246,29 +259,30 @@ def causal_conv1d_backward_jvp(dout: np.ndarray, cache: CausalConv1dCache, tange
     return causal_conv1d_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def causal_conv1d_backward_jvp_kernel(dout, cache, tangents, ddout=None):
-    """The kernel of ``causal_conv1d_backward_jvp`` (``tangents`` the checked four)."""
+def causal_conv1d_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forward=None):
+    """The kernel of ``causal_conv1d_backward_jvp`` (``tangents`` the checked four); ``forward``:
+    the ``(tz, txp)`` that ``causal_conv1d_jvp_kernel(..., keep=True)`` gave along the same
+    tangents (computed here when None)."""
     tx, tweight, tbias, tinitial_state = tangents
     xp, weight, _, _, act, _ = cache
     linear = cache._replace(act=None)  # B(.; xp, w): the backward after the activation
+    moved = any(t is not None for t in tangents)
+    if forward is None:
+        tz = causal_conv1d_jvp_kernel(linear, tx, tweight, tbias, tinitial_state) if moved and act is not None else None
+        txp = _padded_tangent(cache, tx, tinitial_state)
+    else:
+        tz, txp = forward
     if act is None:
         dz, tdz = dout, ddout
     else:
-        moved = any(t is not None for t in tangents)
-        tz = causal_conv1d_jvp_kernel(linear, tx, tweight, tbias, tinitial_state) if moved else None
-        dz, tdz = silu_backward_jvp_kernel(dout, act, (tz,), ddout)
+        dz, tdz = silu_backward_jvp_kernel(dout, act, (tz if moved else None,), ddout)
     grads = causal_conv1d_backward_kernel(dz, linear)
     if tdz is not None:
         tgrads = list(causal_conv1d_backward_kernel(tdz, linear))
     else:
         tgrads = [None if g is None else np.zeros_like(g) for g in grads]
-    if tx is not None or tinitial_state is not None or tweight is not None:
-        taps = weight.shape[1]
-        txp = np.zeros_like(xp)
-        if tinitial_state is not None:
-            txp[..., : taps - 1, :] = tinitial_state
-        if tx is not None:
-            txp[..., taps - 1 :, :] = tx
+    if txp is not None or tweight is not None:
+        txp = np.zeros_like(xp) if txp is None else txp
         tw = np.zeros_like(weight) if tweight is None else tweight
         mdx, mdweight, _, mdinitial = causal_conv1d_backward_kernel(
             dz, linear._replace(xp=txp, weight=tw, has_bias=False, has_initial_state=True)

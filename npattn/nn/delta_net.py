@@ -515,7 +515,7 @@ class GatedDeltaNet(RecurrentLayer):
         )
         tw = t.conv_weight
         (dmixed, dconv_w, _, _), (tdmixed, tdconv_w, _, _) = K.causal_conv1d_backward_jvp(
-            dconv, st.conv, (t.mixed, None if tw is None else tw[:, 0, :], None, None), tdconv
+            dconv, st.conv, (t.mixed, None if tw is None else tw[:, 0, :], None, None), tdconv, forward=t.conv_forward
         )
         dx = tdx = None
         for (m, d), (_, td) in zip(
@@ -574,7 +574,7 @@ class GatedDeltaNet(RecurrentLayer):
             tx = tx * st.keep
         tmixed, tz, tb, ta = self._projected(lambda m: self._child_jvp(m, -1, (tx,), pt), lead, steps)
         tw = pt.get(self.conv1d.weight)
-        tconv = K.causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :])
+        tconv, conv_forward = K.causal_conv1d_jvp(st.conv, tmixed, None if tw is None else tw[:, 0, :], keep=True)
         tq = tconv[..., : self.key_dim].reshape(lead + (steps, nk, dk))
         tk = tconv[..., self.key_dim : 2 * self.key_dim].reshape(lead + (steps, nk, dk))
         tv = tconv[..., 2 * self.key_dim :].reshape(lead + (steps, nv, dv))
@@ -596,7 +596,18 @@ class GatedDeltaNet(RecurrentLayer):
             tg_in.swapaxes(-1, -2),
             tbeta_in.swapaxes(-1, -2),
         )
-        return _Tangents(x=tx, mixed=tmixed, z=tz, conv_weight=tw, beta=tbeta, g=tg, pre=tpre, A_log=tA_log, rule=rule)
+        return _Tangents(
+            x=tx,
+            mixed=tmixed,
+            z=tz,
+            conv_weight=tw,
+            conv_forward=conv_forward,
+            beta=tbeta,
+            g=tg,
+            pre=tpre,
+            A_log=tA_log,
+            rule=rule,
+        )
 
 
 class _Tangents(NamedTuple):
@@ -606,6 +617,7 @@ class _Tangents(NamedTuple):
     mixed: np.ndarray  # [q k v] before the convolution
     z: np.ndarray  # the output gate
     conv_weight: Optional[np.ndarray]  # conv1d.weight's (C, 1, taps), None: zero
+    conv_forward: tuple  # the convolution's JVP's (tz, txp), for its second order (forward=)
     beta: np.ndarray  # beta's, unmasked
     g: np.ndarray  # g's, unmasked
     pre: np.ndarray  # a + dt_bias's
