@@ -614,13 +614,14 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
         P = exp(S_ij - lse_i),   dV_j += P'^T dO_i,   dP = (dO_i V_j^T) [* keep / (1-p)],
         dS = P * (dP - D_i),   dQ_i += scale dS_raw K_j,   dK_j += scale dS_raw^T Q_i.
 
-    As in FlashAttention-2 the outer loop runs over key blocks, so ``dK_j`` and ``dV_j`` are
-    finished one block at a time, and the inner loop over query blocks (only those inside the
-    band) adds into ``dQ``.  The blocks are held transposed as in the forward (``P^T``, ``dP^T``,
-    ``dS^T``: keys x queries).  ``scale`` is folded into ``q`` once, up front, and applied to ``dQ``
-    once at the end; with dropout ``1/(1-p)`` is folded into ``dO`` once.  Worker threads own
-    disjoint key blocks, hence disjoint rows of ``dK``, ``dV``; each adds ``dQ`` into its own
-    accumulator, summed at the end in a fixed order.  With grouped-query heads or broadcast
+    As in FlashAttention-2 the key blocks are dealt to the worker threads, so each owns disjoint
+    rows of ``dK``, ``dV`` and adds ``dQ`` into its own accumulator (summed at the end in a fixed
+    order); a worker runs over the query blocks and, inside, over those of its key blocks that a
+    query of the block may see (the band).  The blocks are held transposed as in the forward
+    (``P^T``, ``dP^T``, ``dS^T``: keys x queries), ``scale q`` and ``dO`` transposed once, so that
+    every product is a plain one for BLAS.  ``scale`` is folded into ``q`` once, up front, and
+    applied to ``dQ`` and ``dK`` once at the end; with dropout ``1/(1-p)`` is folded into ``dO``
+    once.  With grouped-query heads or broadcast
     batch dimensions, each gradient is summed over the axes its input was broadcast along.
 
     **Sinks.**  The sink of head ``h`` is one more logit ``z_h`` in each row's softmax, with weight
@@ -858,11 +859,14 @@ class _Upstream(NamedTuple):
 
 
 def _transposed(a: np.ndarray) -> np.ndarray:
-    """``a`` with its last two axes swapped, C-contiguous (a copy): a block of its columns is then a
+    """``a`` with its last two axes swapped (a copy, rows contiguous): a block of its columns is then a
     plain (non-transposed) BLAS operand.  OpenBLAS runs ``A @ B^T`` through its packing path, about
     1.6x slower than ``A @ B`` at the block sizes used here (its small-matrix kernels take only the
     other layouts)."""
-    out = np.empty(a.shape[:-2] + (a.shape[-1], a.shape[-2]), a.dtype)
+    n = a.shape[-2]
+    # rows padded by 64 bytes: rows exactly 4 KiB apart (L a multiple of 1024 in float32) would
+    # share cache sets, and a block of columns reads one short piece of every row
+    out = np.empty(a.shape[:-2] + (a.shape[-1], n + 64 // a.itemsize), a.dtype)[..., :n]
     np.copyto(out, a.swapaxes(-1, -2))
     return out
 
@@ -903,9 +907,25 @@ class _MaskGrad:
         return total.reshape(self.given)
 
 
+class _QueryBlock(NamedTuple):
+    """What the backward's pairs of one query block ``i0..i1-1`` read: views of the upstream arrays
+    (``lse`` and ``D`` as rows ``(..., 1, nq)``) and of the worker's ``dq``."""
+
+    i0: int
+    i1: int
+    qs_t: np.ndarray
+    q: np.ndarray
+    dout: np.ndarray
+    dout_t: np.ndarray
+    dq: np.ndarray
+    lse: np.ndarray
+    d: np.ndarray
+
+
 class _BackwardWorker:
-    """One worker's share of the backward: its own buffers, the key blocks of its share (each
-    finishing its rows of ``dK``, ``dV``), and the step for one (key block, query block) pair."""
+    """One worker's share of the backward: its own buffers, the key blocks of its share (disjoint
+    rows of ``dK``, ``dV``: no other worker writes them), and the step for one (key block, query
+    block) pair.  Query blocks run outside, the share's key blocks inside."""
 
     def __init__(self, geo: _Geometry, up: _Upstream, dk: np.ndarray, dv: np.ndarray):
         self.geo, self.up, self.dk, self.dv = geo, up, dk, dv
@@ -922,40 +942,57 @@ class _BackwardWorker:
         """The key blocks of ``share``: ``dK_j``, ``dV_j`` finished (this worker's own rows of ``dk``,
         ``dv``); ``dQ`` (and ``dmask``) terms added into this worker's ``dq`` (and ``dmask``)."""
         geo = self.geo
-        for j0, j1 in share:
-            dk_j, dv_j = self.dk[..., j0:j1, :], self.dv[..., j0:j1, :]
-            i_lo, i_hi = query_range(geo.band, j0, j1, geo.lq)  # queries outside the band see nothing of it
-            for i0, i1 in _spans(i_hi, geo.bq, i_lo):
-                self.pair(i0, i1, j0, j1, dk_j, dv_j, dq, dmask)
+        # the queries that see some key of each block (outside the band they see nothing of it)
+        cols = [(j0, j1) + query_range(geo.band, j0, j1, geo.lq) for j0, j1 in share]
+        for i0, i1 in _spans(geo.lq, geo.bq):
+            seen = [(j0, j1) for j0, j1, r0, r1 in cols if r0 < i1 and i0 < r1]
+            if seen:
+                rows = self.query_block(i0, i1, dq)
+                for j0, j1 in seen:
+                    self.pair(rows, j0, j1, dmask)
 
-    def pair(self, i0, i1, j0, j1, dk_j, dv_j, dq, dmask):
+    def query_block(self, i0: int, i1: int, dq) -> _QueryBlock:
+        up = self.up
+        return _QueryBlock(
+            i0,
+            i1,
+            up.qs_t[..., i0:i1],
+            self.geo.lay.q[..., i0:i1, :],
+            up.dout[..., i0:i1, :],
+            up.dout_t[..., i0:i1],
+            dq[..., i0:i1, :],
+            up.lse_row[..., i0:i1],
+            up.d_row[..., i0:i1],
+        )
+
+    def pair(self, rows: _QueryBlock, j0, j1, dmask):
         """Key block ``j`` against query block ``i``: ``P`` rebuilt from ``lse``, then ``dV_j += P'^T dO_i``,
         ``dS``, ``dQ_i += dS K_j`` and ``dK_j += dS^T Q_i`` (and ``dmask += dS``); k and v broadcast
         over grouped heads or batches have each product summed to their own shape."""
-        geo, up, lay = self.geo, self.up, self.geo.lay
+        geo, lay, i0, i1 = self.geo, self.geo.lay, rows.i0, rows.i1
         lead, nk, nq = lay.lead, j1 - j0, i1 - i0
         e, ev = lay.q.shape[-1], lay.v.shape[-1]
         k_j, v_j = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :]
         st = scratch(self.s_buf, lead + (nk, nq))
-        np.matmul(k_j, up.qs_t[..., i0:i1], out=st)  # S^T = k_j (scale q_i)^T
+        np.matmul(k_j, rows.qs_t, out=st)  # S^T = k_j (scale q_i)^T
         t = None if self.t_buf is None else scratch(self.t_buf, lead + (nk, nq))
         if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs, tanh_out=t):
             return
-        np.subtract(st, up.lse_row[..., i0:i1], out=st)
+        np.subtract(st, rows.lse, out=st)
         pt = np.exp(st, out=st)  # P^T = exp(S^T - lse)
-        do_i = up.dout[..., i0:i1, :]
         dpt = scratch(self.dp_buf, lead + (nk, nq))
-        np.matmul(v_j, up.dout_t[..., i0:i1], out=dpt)  # dP'^T = V_j dO_i^T
+        np.matmul(v_j, rows.dout_t, out=dpt)  # dP'^T = V_j dO_i^T
         prod = scratch(self.prod_buf, lead + (nk, ev))
-        if geo.dropout is not None:
+        if geo.dropout is not None and self.pk_buf is not None:
             keep = geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
             dpt *= keep  # dP = dP' * keep / (1-p)
             pk = np.multiply(pt, keep, out=scratch(self.pk_buf, st.shape))
-            np.matmul(pk, do_i, out=prod)  # dV_j += (P * keep)^T dO_i / (1-p)
+            np.matmul(pk, rows.dout, out=prod)  # dV_j += (P * keep)^T dO_i / (1-p)
         else:
-            np.matmul(pt, do_i, out=prod)  # dV_j += P^T dO_i
+            np.matmul(pt, rows.dout, out=prod)  # dV_j += P^T dO_i
+        dv_j, dk_j = self.dv[..., j0:j1, :], self.dk[..., j0:j1, :]
         dv_j += sum_to(prod, dv_j.shape)
-        np.subtract(dpt, up.d_row[..., i0:i1], out=dpt)
+        np.subtract(dpt, rows.d, out=dpt)
         dst = np.multiply(dpt, pt, out=dpt)  # dS^T = P^T * (dP^T - D)
         if dmask is not None:  # the mask is added to S: dmask = dS
             dm = _mask_block(dmask, i0, i1, j0, j1)
@@ -966,10 +1003,10 @@ class _BackwardWorker:
             dst *= t  # dS_raw = dS * (1 - tanh^2)
         prod = scratch(self.prod_buf, lead + (nq, e))
         np.matmul(dst.swapaxes(-1, -2), k_j, out=prod)
-        dq_i = dq[..., i0:i1, :]
+        dq_i = rows.dq
         dq_i += sum_to(prod, dq_i.shape)  # dQ_i += dS K_j (scaled at the end)
         prod = scratch(self.prod_buf, lead + (nk, e))
-        np.matmul(dst, lay.q[..., i0:i1, :], out=prod)
+        np.matmul(dst, rows.q, out=prod)
         dk_j += sum_to(prod, dk_j.shape)  # dK_j += dS^T Q_i (scaled at the end)
 
 
