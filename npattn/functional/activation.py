@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import textwrap
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -105,29 +106,123 @@ def _jvp_example(op: str, args: str = "") -> str:
     """ + FD_CHECK.lstrip()
 
 
+_INPUT_OF = {  # the input's shape and dtype, from each activation's cache
+    ReluCache: lambda c: (c.positive.shape, c.dtype),
+    GeluCache: lambda c: (c.x.shape, c.x.dtype),
+    SiluCache: lambda c: (c.x.shape, c.x.dtype),
+    SoftmaxCache: lambda c: (c.y.shape, c.y.dtype),
+    DropoutCache: lambda c: (c.shape, c.dtype),
+}
+
+
+def _derivatives(op: str, cache_type: type, backward_kernel, jvp: str, backward_jvp: str, second=None, example_args=""):
+    """An activation's forward mode and second order, ``(op_jvp, op_jvp_kernel, op_backward_jvp,
+    op_backward_jvp_kernel)``, made from its backward kernel ``dx = J^T dy``, which is all they need:
+
+    - the Jacobian is symmetric (diagonal for the element-wise ops, ``diag(y) - y y^T`` for softmax),
+      so ``J tx = J^T tx``: the JVP is the backward kernel applied to ``tx``;
+    - the backward is linear in ``dy``, so ``ddout`` adds the backward kernel applied to ``ddout``,
+      and ``second(dout, cache, tx)`` the part that ``x``'s tangent makes (None: the backward does
+      not depend on ``x`` away from a kink; relu and dropout).
+
+    ``jvp`` and ``backward_jvp`` are the derivations that start the two public docstrings; the
+    public ops check the cache, the tangents (of the input's shape, cast to its dtype) and ``dout``
+    / ``ddout``, then call their kernel.
+    """
+    shape_and_dtype = _INPUT_OF[cache_type]
+    cache_name = cache_type.__name__
+
+    def jvp_kernel(cache, tx=None):
+        if tx is None:
+            return np.zeros(*shape_and_dtype(cache))
+        return backward_kernel(tx, cache)
+
+    def backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
+        grads = backward_kernel(dout, cache)
+        tdx = np.zeros_like(grads) if ddout is None else backward_kernel(ddout, cache)
+        if second is not None and tangents[0] is not None:
+            tdx += second(dout, cache, tangents[0])
+        return grads, tdx
+
+    def jvp_op(cache, *tangents):
+        check_cache(cache, cache_type, f"{op}_jvp")
+        shape, dtype = shape_and_dtype(cache)
+        return jvp_kernel(cache, *check_tangents_as(tangents, f"{op}_jvp", dtype, (("tx", shape),)))
+
+    def backward_jvp_op(dout, cache, tangents, ddout=None):
+        name = f"{op}_backward_jvp"
+        check_cache(cache, cache_type, name)
+        shape, dtype = shape_and_dtype(cache)
+        dout, tangents, ddout = check_backward_jvp(dout, tangents, ddout, name, shape, dtype, (("tx", shape),))
+        return backward_jvp_kernel(dout, cache, tangents, ddout)
+
+    jvp_op.__doc__ = f"""Forward mode of ``{op}``: {jvp}
+
+    <jvp_sections>
+
+    Examples
+    --------
+    <jvp_example>
+    """
+    backward_jvp_op.__doc__ = f"""Second order of ``{op}``: {backward_jvp}
+
+    <backward_jvp_sections>
+    """
+    jvp_kernel.__doc__ = f"The kernel of ``{op}_jvp`` (``tx`` checked, None = zero)."
+    backward_jvp_kernel.__doc__ = f"The kernel of ``{op}_backward_jvp``" + (
+        ": ``tx`` does not enter." if second is None else "."
+    )
+    jvp_op.__annotations__ = {"cache": cache_name, "return": "np.ndarray"}
+    backward_jvp_op.__annotations__ = {"dout": "np.ndarray", "cache": cache_name}
+    for fn, name in (
+        (jvp_op, "jvp"),
+        (jvp_kernel, "jvp_kernel"),
+        (backward_jvp_op, "backward_jvp"),
+        (backward_jvp_kernel, "backward_jvp_kernel"),
+    ):
+        fn.__name__ = fn.__qualname__ = f"{op}_{name}"
+    jvp_op = shared_doc(jvp_sections=jvp_sections(op, cache_name), jvp_example=_jvp_example(op, example_args))(jvp_op)
+    backward_jvp_op = shared_doc(backward_jvp_sections=backward_jvp_sections(op, cache_name))(backward_jvp_op)
+    return jvp_op, jvp_kernel, backward_jvp_op, backward_jvp_kernel
+
+
+def _forward_sections(op: str, y: str = "Of ``x``'s shape and dtype.", params: str = "", raises: str = "") -> str:
+    """The Parameters, Returns and Raises of an element-wise ``op(x, ...) -> (y, cache)``: ``y``
+    describes the output, ``params`` and ``raises`` are the entries of the op's other arguments."""
+    text = """
+        Parameters
+        ----------
+        x : array_like
+            Any shape; float32 or float64 (integers are cast to float64).
+        <params>
+
+        Returns
+        -------
+        y : ndarray
+            <y>
+        cache : <cache>
+            For ``<op>_backward`` and ``<op>_jvp``.
+
+        Raises
+        ------
+        TypeError
+            ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
+        <raises>
+        """
+    for name, part in (("params", params), ("raises", raises)):
+        lines = textwrap.indent(textwrap.dedent(part).strip("\n"), " " * 8) + "\n" if part else ""
+        text = text.replace(f"        <{name}>\n", lines)
+    return text.replace("<y>", y).replace("<cache>", f"{op.capitalize()}Cache").replace("<op>", op)
+
+
 # ----------------------------------------------------------------------------------------- relu
 
 
-@shared_doc()
+@shared_doc(sections=_forward_sections("relu", y="``max(x, 0)``, of ``x``'s shape and dtype."))
 def relu(x: np.ndarray) -> tuple[np.ndarray, ReluCache]:
     """``y = max(x, 0)``.  Returns ``(y, cache)``; the cache keeps the mask ``x > 0``.
 
-    Parameters
-    ----------
-    x : array_like
-        Any shape; float32 or float64 (integers are cast to float64).
-
-    Returns
-    -------
-    y : ndarray
-        ``max(x, 0)``, of ``x``'s shape and dtype.
-    cache : ReluCache
-        For ``relu_backward`` and ``relu_jvp``.
-
-    Raises
-    ------
-    TypeError
-        ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
+    <sections>
 
     <examples>
     >>> y, cache = F.relu(np.array([-1.0, 0.0, 2.0]))
@@ -161,69 +256,39 @@ def relu_backward_kernel(dout, cache, out=None):
     return np.multiply(dout, cache.positive, out=out)
 
 
-@shared_doc(jvp_sections=jvp_sections("relu", "ReluCache"), jvp_example=_jvp_example("relu"))
-def relu_jvp(cache: ReluCache, *tangents) -> np.ndarray:
-    """Forward mode of ``relu``: ``ty = tx * [x > 0]`` (the derivative 0 at
-    ``x == 0``, as the backward and torch).
-
-    <jvp_sections>
-
-    Examples
-    --------
-    <jvp_example>
-    """
-    return _elementwise_jvp(relu_jvp_kernel, ReluCache, "relu", cache, tangents)
-
-
-def relu_jvp_kernel(cache, tx=None):
-    """The kernel of ``relu_jvp`` (``tx`` checked, None = zero)."""
-    return _transposed(relu_backward_kernel, cache, tx)  # elementwise: the Jacobian is diagonal, J v = J^T v
-
-
-@shared_doc(backward_jvp_sections=backward_jvp_sections("relu", "ReluCache"))
-def relu_backward_jvp(dout: np.ndarray, cache: ReluCache, tangents, ddout=None):
-    """Second order of ``relu``: ``dx = dy * [x > 0]`` is linear in ``dy`` and its mask is
+relu_jvp, relu_jvp_kernel, relu_backward_jvp, relu_backward_jvp_kernel = _derivatives(
+    "relu",
+    ReluCache,
+    relu_backward_kernel,
+    jvp="""``ty = tx * [x > 0]`` (the derivative 0 at
+    ``x == 0``, as the backward and torch).""",
+    backward_jvp="""``dx = dy * [x > 0]`` is linear in ``dy`` and its mask is
     piecewise constant in ``x`` (its derivative is 0 away from ``x = 0``, as torch's), so
-    ``tdx = ddout * [x > 0]`` whatever ``tx`` is.
-
-    <backward_jvp_sections>
-    """
-    return _elementwise_backward_jvp(relu_backward_jvp_kernel, ReluCache, "relu", cache, dout, tangents, ddout)
-
-
-def relu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
-    """The kernel of ``relu_backward_jvp``: ``tx`` does not enter."""
-    return _linear_part(relu_backward_kernel, dout, cache, ddout)
+    ``tdx = ddout * [x > 0]`` whatever ``tx`` is.""",
+)
 
 
 # ----------------------------------------------------------------------------------------- gelu
 
 
-@shared_doc()
+@shared_doc(
+    sections=_forward_sections(
+        "gelu",
+        params="""
+            approximate : {"none", "tanh"}
+                The exact erf form or torch's tanh approximation.
+            """,
+        raises="""
+            ValueError
+                ``approximate`` is neither ``"none"`` nor ``"tanh"``.
+            """,
+    )
+)
 def gelu(x: np.ndarray, approximate: str = "none") -> tuple[np.ndarray, GeluCache]:
     """GELU.  ``"none"``: ``y = x Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``.
     ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)`` (as torch).
 
-    Parameters
-    ----------
-    x : array_like
-        Any shape; float32 or float64 (integers are cast to float64).
-    approximate : {"none", "tanh"}
-        The exact erf form or torch's tanh approximation.
-
-    Returns
-    -------
-    y : ndarray
-        Of ``x``'s shape and dtype.
-    cache : GeluCache
-        For ``gelu_backward`` and ``gelu_jvp``.
-
-    Raises
-    ------
-    TypeError
-        ``x`` is not a real numeric array.
-    ValueError
-        ``approximate`` is neither ``"none"`` nor ``"tanh"``.
+    <sections>
 
     <examples>
     >>> y, cache = F.gelu(np.array([-1.0, 0.0, 1.0]))
@@ -268,41 +333,6 @@ def gelu_backward_kernel(dout, cache):
     return dout * (0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du)
 
 
-@shared_doc(jvp_sections=jvp_sections("gelu", "GeluCache"), jvp_example=_jvp_example("gelu"))
-def gelu_jvp(cache: GeluCache, *tangents) -> np.ndarray:
-    """Forward mode of ``gelu``: ``ty = gelu'(x) * tx`` (both forms; the
-    derivative as derived in ``gelu_backward``).
-
-    <jvp_sections>
-
-    Examples
-    --------
-    <jvp_example>
-    """
-    return _elementwise_jvp(gelu_jvp_kernel, GeluCache, "gelu", cache, tangents)
-
-
-def gelu_jvp_kernel(cache, tx=None):
-    """The kernel of ``gelu_jvp`` (``tx`` checked, None = zero)."""
-    return _transposed(gelu_backward_kernel, cache, tx)  # elementwise: the Jacobian is diagonal, J v = J^T v
-
-
-@shared_doc(backward_jvp_sections=backward_jvp_sections("gelu", "GeluCache"))
-def gelu_backward_jvp(dout: np.ndarray, cache: GeluCache, tangents, ddout=None):
-    """Second order of ``gelu``: ``dx = dy * gelu'(x)``, so ``tdx = ddout * gelu'(x) + dy *
-    gelu''(x) * tx``, with
-
-    - ``"none"``: ``gelu' = Phi + x phi`` and ``phi' = -x phi``, so ``gelu'' = 2 phi - x^2 phi =
-      phi(x) (2 - x^2)``;
-    - ``"tanh"``: ``gelu' = (1 + t)/2 + x/2 (1 - t^2) u'`` with ``t = tanh(u)``, ``t' = (1 - t^2) u'``,
-      ``u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``u'' = 6 sqrt(2/pi) 0.044715 x``, so
-      ``gelu'' = (1 - t^2) (u' - x t u'^2 + x u'' / 2)``.
-
-    <backward_jvp_sections>
-    """
-    return _elementwise_backward_jvp(gelu_backward_jvp_kernel, GeluCache, "gelu", cache, dout, tangents, ddout)
-
-
 def _gelu_second(cache):
     """``gelu''(x)`` (derived in ``gelu_backward_jvp``), clipped as the backward is."""
     x, aux, approximate = cache
@@ -314,19 +344,28 @@ def _gelu_second(cache):
     return (1.0 - t * t) * (du - xc * t * du * du + 3.0 * _SQRT_2_OVER_PI * 0.044715 * xc * xc)
 
 
-def gelu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
-    """The kernel of ``gelu_backward_jvp``."""
-    (tx,) = tangents
-    grads, tdx = _linear_part(gelu_backward_kernel, dout, cache, ddout)
-    if tx is not None:
-        tdx += dout * _gelu_second(cache) * tx
-    return grads, tdx
+gelu_jvp, gelu_jvp_kernel, gelu_backward_jvp, gelu_backward_jvp_kernel = _derivatives(
+    "gelu",
+    GeluCache,
+    gelu_backward_kernel,
+    jvp="""``ty = gelu'(x) * tx`` (both forms; the
+    derivative as derived in ``gelu_backward``).""",
+    backward_jvp="""``dx = dy * gelu'(x)``, so ``tdx = ddout * gelu'(x) + dy *
+    gelu''(x) * tx``, with
+
+    - ``"none"``: ``gelu' = Phi + x phi`` and ``phi' = -x phi``, so ``gelu'' = 2 phi - x^2 phi =
+      phi(x) (2 - x^2)``;
+    - ``"tanh"``: ``gelu' = (1 + t)/2 + x/2 (1 - t^2) u'`` with ``t = tanh(u)``, ``t' = (1 - t^2) u'``,
+      ``u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)``, ``u'' = 6 sqrt(2/pi) 0.044715 x``, so
+      ``gelu'' = (1 - t^2) (u' - x t u'^2 + x u'' / 2)``.""",
+    second=lambda dout, cache, tx: dout * _gelu_second(cache) * tx,
+)
 
 
 # ----------------------------------------------------------------------------------------- silu
 
 
-@shared_doc()
+@shared_doc(sections=_forward_sections("silu"))
 def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     """SiLU (swish): ``y = x * sigmoid(x)``, ``sigmoid(x) = 1 / (1 + exp(-x))`` (as torch's ``F.silu``).
 
@@ -334,22 +373,7 @@ def silu(x: np.ndarray) -> tuple[np.ndarray, SiluCache]:
     ``sigmoid(x) = 1 / (1 + e)`` for x >= 0 and ``e / (1 + e)`` for x < 0.
     Returns ``(y, cache)``; the cache keeps ``x`` and ``sigmoid(x)``.
 
-    Parameters
-    ----------
-    x : array_like
-        Any shape; float32 or float64 (integers are cast to float64).
-
-    Returns
-    -------
-    y : ndarray
-        Of ``x``'s shape and dtype.
-    cache : SiluCache
-        For ``silu_backward`` and ``silu_jvp``.
-
-    Raises
-    ------
-    TypeError
-        ``x`` is not a real numeric array (bool, complex, string, object), or float16/longdouble.
+    <sections>
 
     <examples>
     >>> y, cache = F.silu(np.array([-2.0, 0.0, 2.0]))
@@ -394,44 +418,23 @@ def silu_backward_kernel(dout, cache):
     return dout * (s * (1.0 + x * (1.0 - s)))
 
 
-@shared_doc(jvp_sections=jvp_sections("silu", "SiluCache"), jvp_example=_jvp_example("silu"))
-def silu_jvp(cache: SiluCache, *tangents) -> np.ndarray:
-    """Forward mode of ``silu``: ``ty = s (1 + x (1 - s)) * tx`` with
-    ``s = sigmoid(x)`` (derived in ``silu_backward``).
-
-    <jvp_sections>
-
-    Examples
-    --------
-    <jvp_example>
-    """
-    return _elementwise_jvp(silu_jvp_kernel, SiluCache, "silu", cache, tangents)
-
-
-def silu_jvp_kernel(cache, tx=None):
-    """The kernel of ``silu_jvp`` (``tx`` checked, None = zero)."""
-    return _transposed(silu_backward_kernel, cache, tx)  # elementwise: the Jacobian is diagonal, J v = J^T v
-
-
-@shared_doc(backward_jvp_sections=backward_jvp_sections("silu", "SiluCache"))
-def silu_backward_jvp(dout: np.ndarray, cache: SiluCache, tangents, ddout=None):
-    """Second order of ``silu``: ``dx = dy * silu'(x)``, ``silu' = s (1 + x (1 - s))`` with
-    ``s = sigmoid(x)``, ``s' = s (1 - s)``, so ``silu'' = s (1 - s) (1 + x (1 - s)) + s ((1 - s) -
-    x s (1 - s)) = s (1 - s) (2 + x (1 - 2 s))`` and ``tdx = ddout * silu'(x) + dy * silu''(x) * tx``.
-
-    <backward_jvp_sections>
-    """
-    return _elementwise_backward_jvp(silu_backward_jvp_kernel, SiluCache, "silu", cache, dout, tangents, ddout)
-
-
-def silu_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
-    """The kernel of ``silu_backward_jvp``."""
-    (tx,) = tangents
+def _silu_second(dout, cache, tx):
+    """``dy * silu''(x) * tx`` (``silu''`` derived in ``silu_backward_jvp``)."""
     x, s = cache
-    grads, tdx = _linear_part(silu_backward_kernel, dout, cache, ddout)
-    if tx is not None:
-        tdx += dout * (s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s))) * tx
-    return grads, tdx
+    return dout * (s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s))) * tx
+
+
+silu_jvp, silu_jvp_kernel, silu_backward_jvp, silu_backward_jvp_kernel = _derivatives(
+    "silu",
+    SiluCache,
+    silu_backward_kernel,
+    jvp="""``ty = s (1 + x (1 - s)) * tx`` with
+    ``s = sigmoid(x)`` (derived in ``silu_backward``).""",
+    backward_jvp="""``dx = dy * silu'(x)``, ``silu' = s (1 + x (1 - s))`` with
+    ``s = sigmoid(x)``, ``s' = s (1 - s)``, so ``silu'' = s (1 - s) (1 + x (1 - s)) + s ((1 - s) -
+    x s (1 - s)) = s (1 - s) (2 + x (1 - 2 s))`` and ``tdx = ddout * silu'(x) + dy * silu''(x) * tx``.""",
+    second=_silu_second,
+)
 
 
 # -------------------------------------------------------------------------------------- softmax
@@ -514,52 +517,32 @@ def softmax_backward_kernel(dout, cache):
     return y * (dout - (dout * y).sum(axis=axis, keepdims=True))  # axis None (0-d): dy - dy = 0
 
 
-@shared_doc(jvp_sections=jvp_sections("softmax", "SoftmaxCache"), jvp_example=_jvp_example("softmax"))
-def softmax_jvp(cache: SoftmaxCache, *tangents) -> np.ndarray:
-    """Forward mode of ``softmax``: with ``dy_i/dx_j = y_i (delta_ij - y_j)``,
+def _softmax_second(dout, cache, tx):
+    """The part of softmax's ``tdx`` that ``tx`` makes: ``ty * (g - <g, y>) - y <g, ty>`` (derived in
+    ``softmax_backward_jvp``)."""
+    y, axis = cache
+    ty = softmax_backward_kernel(tx, cache)  # softmax_jvp: J is symmetric
+    return ty * (dout - (dout * y).sum(axis=axis, keepdims=True)) - y * (dout * ty).sum(axis=axis, keepdims=True)
+
+
+softmax_jvp, softmax_jvp_kernel, softmax_backward_jvp, softmax_backward_jvp_kernel = _derivatives(
+    "softmax",
+    SoftmaxCache,
+    softmax_backward_kernel,
+    jvp="""with ``dy_i/dx_j = y_i (delta_ij - y_j)``,
     ``ty = y * (tx - sum(y * tx))`` along the axis (the Jacobian is symmetric, so this is also
     the backward's formula).  A slice of all ``-inf`` has ``y = 0``, hence ``ty = 0``; a 0-d input
-    gives 0.
-
-    <jvp_sections>
-
-    Examples
-    --------
-    <jvp_example>
-    """
-    return _elementwise_jvp(softmax_jvp_kernel, SoftmaxCache, "softmax", cache, tangents)
-
-
-def softmax_jvp_kernel(cache, tx=None):
-    """The kernel of ``softmax_jvp`` (``tx`` checked, None = zero)."""
-    return _transposed(softmax_backward_kernel, cache, tx)  # J = diag(y) - y y^T is symmetric: J v = J^T v
-
-
-@shared_doc(backward_jvp_sections=backward_jvp_sections("softmax", "SoftmaxCache"))
-def softmax_backward_jvp(dout: np.ndarray, cache: SoftmaxCache, tangents, ddout=None):
-    """Second order of ``softmax``: the backward ``dx = y * (g - <g, y>)`` (``g = dout``, ``<.,.>``
+    gives 0.""",
+    backward_jvp="""the backward ``dx = y * (g - <g, y>)`` (``g = dout``, ``<.,.>``
     the sum along the axis) is a product of ``y`` and ``g``; with ``ty = y * (tx - <y, tx>)``
     (``softmax_jvp``) and ``tg = ddout`` the product rule gives
 
         tdx = ty * (g - <g, y>) + y * (tg - <tg, y> - <g, ty>),
 
     i.e. ``softmax_backward(ddout)`` plus ``ty * (g - <g, y>) - y <g, ty>``.  A slice of all
-    ``-inf`` (``y = 0``) and a 0-d input give 0.
-
-    <backward_jvp_sections>
-    """
-    return _elementwise_backward_jvp(softmax_backward_jvp_kernel, SoftmaxCache, "softmax", cache, dout, tangents, ddout)
-
-
-def softmax_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
-    """The kernel of ``softmax_backward_jvp``."""
-    (tx,) = tangents
-    y, axis = cache
-    grads, tdx = _linear_part(softmax_backward_kernel, dout, cache, ddout)
-    if tx is not None:
-        ty = softmax_jvp_kernel(cache, tx)
-        tdx += ty * (dout - (dout * y).sum(axis=axis, keepdims=True)) - y * (dout * ty).sum(axis=axis, keepdims=True)
-    return grads, tdx
+    ``-inf`` (``y = 0``) and a 0-d input give 0.""",
+    second=_softmax_second,
+)
 
 
 # -------------------------------------------------------------------------------------- dropout
@@ -643,78 +626,13 @@ def dropout_backward_kernel(dout, cache):
     return dout * cache.keep * cache.scale
 
 
-@shared_doc(jvp_sections=jvp_sections("dropout", "DropoutCache"), jvp_example=_jvp_example("dropout", ", 0.5, rng=1"))
-def dropout_jvp(cache: DropoutCache, *tangents) -> np.ndarray:
-    """Forward mode of ``dropout``: ``y = x * keep * s`` is linear in ``x``, so
-    ``ty = tx * keep * s`` with the forward's own mask (the identity in eval mode or with ``p = 0``).
-
-    <jvp_sections>
-
-    Examples
-    --------
-    <jvp_example>
-    """
-    return _elementwise_jvp(dropout_jvp_kernel, DropoutCache, "dropout", cache, tangents)
-
-
-def dropout_jvp_kernel(cache, tx=None):
-    """The kernel of ``dropout_jvp`` (``tx`` checked, None = zero)."""
-    return _transposed(dropout_backward_kernel, cache, tx)  # diagonal and linear: the same mask both ways
-
-
-@shared_doc(backward_jvp_sections=backward_jvp_sections("dropout", "DropoutCache"))
-def dropout_backward_jvp(dout: np.ndarray, cache: DropoutCache, tangents, ddout=None):
-    """Second order of ``dropout``: ``dx = dy * keep * s`` is linear in ``dy`` and does not read
-    ``x``, so ``tdx = ddout * keep * s`` (the forward's own mask) whatever ``tx`` is.
-
-    <backward_jvp_sections>
-    """
-    return _elementwise_backward_jvp(dropout_backward_jvp_kernel, DropoutCache, "dropout", cache, dout, tangents, ddout)
-
-
-def dropout_backward_jvp_kernel(dout, cache, tangents=(None,), ddout=None):
-    """The kernel of ``dropout_backward_jvp``: ``tx`` does not enter."""
-    return _linear_part(dropout_backward_kernel, dout, cache, ddout)
-
-
-def _elementwise_backward_jvp(kernel, cache_type, op, cache, dout, tangents, ddout):
-    """The public edge of the activations' ``<op>_backward_jvp``: the cache, ``dout``, ``(tx,)``
-    and ``ddout`` checked (of the input's shape, cast to its dtype), then ``kernel``."""
-    name = f"{op}_backward_jvp"
-    check_cache(cache, cache_type, name)
-    shape, dtype = _INPUT_OF[cache_type](cache)
-    dout, tangents, ddout = check_backward_jvp(dout, tangents, ddout, name, shape, dtype, (("tx", shape),))
-    return kernel(dout, cache, tangents, ddout)
-
-
-_INPUT_OF = {  # the input's shape and dtype, from each activation's cache
-    ReluCache: lambda c: (c.positive.shape, c.dtype),
-    GeluCache: lambda c: (c.x.shape, c.x.dtype),
-    SiluCache: lambda c: (c.x.shape, c.x.dtype),
-    SoftmaxCache: lambda c: (c.y.shape, c.y.dtype),
-    DropoutCache: lambda c: (c.shape, c.dtype),
-}
-
-
-def _elementwise_jvp(kernel, cache_type, op, cache, tangents):
-    """The public edge of the activations' ``<op>_jvp``: the cache and ``(tx,)`` checked (of the
-    input's shape, cast to its dtype), then ``kernel``."""
-    name = f"{op}_jvp"
-    check_cache(cache, cache_type, name)
-    shape, dtype = _INPUT_OF[cache_type](cache)
-    return kernel(cache, *check_tangents_as(tangents, name, dtype, (("tx", shape),)))
-
-
-def _transposed(backward_kernel, cache, tx):
-    """An activation's ``J tx`` from its ``J^T`` (``backward_kernel``), for a Jacobian that is
-    symmetric; ``tx`` None: zero."""
-    if tx is None:
-        return np.zeros(*_INPUT_OF[type(cache)](cache))
-    return backward_kernel(tx, cache)
-
-
-def _linear_part(backward_kernel, dout, cache, ddout):
-    """``dx`` and the part of its tangent that ``ddout`` makes (the backward is linear in ``dout``:
-    ``backward_kernel(ddout)``; None: zero)."""
-    grads = backward_kernel(dout, cache)
-    return grads, (np.zeros_like(grads) if ddout is None else backward_kernel(ddout, cache))
+dropout_jvp, dropout_jvp_kernel, dropout_backward_jvp, dropout_backward_jvp_kernel = _derivatives(
+    "dropout",
+    DropoutCache,
+    dropout_backward_kernel,
+    jvp="""``y = x * keep * s`` is linear in ``x``, so
+    ``ty = tx * keep * s`` with the forward's own mask (the identity in eval mode or with ``p = 0``).""",
+    backward_jvp="""``dx = dy * keep * s`` is linear in ``dy`` and does not read
+    ``x``, so ``tdx = ddout * keep * s`` (the forward's own mask) whatever ``tx`` is.""",
+    example_args=", 0.5, rng=1",
+)
