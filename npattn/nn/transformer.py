@@ -10,7 +10,7 @@ runs, so a refused call changes no state; it then calls its sublayers' unvalidat
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -89,12 +89,57 @@ def _check_sequence(x, name: str, d: int, dtype) -> np.ndarray:
     return x
 
 
-def _check_block_sizes(d_model, num_heads, d_ff, dropout) -> tuple:
-    """The constructor checks both blocks share (before any sublayer is built)."""
-    d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
-    if d_model % num_heads:
-        raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
-    return d_model, num_heads, check_size(d_ff, "d_ff"), check_prob(dropout, "dropout")
+class _Block(Module):
+    """What ``EncoderBlock`` and ``DecoderBlock`` share: the constructor's checks, their sublayers
+    built alike (attentions, feed-forward, one layer norm and one dropout per residual: the order of
+    the rng's draws; the blocks assign them in that order, the order of ``named_parameters``),
+    ``extra_repr`` and the reading of a torch layer's state dict."""
+
+    #: torch's attention key prefixes -> this block's attention attributes, in the blocks' order.
+    _TORCH_ATTNS: Dict[str, str] = {}
+
+    def _sublayers(self, d_model, num_heads, d_ff, dropout, activation, norm_first, attns, bias, rng, dtype) -> tuple:
+        """``(attentions, feed-forward, layer norms, dropouts)``; ``attns``: ``(qkv_bias, causal)``
+        per attention (already checked), each followed by a residual, as the feed-forward is."""
+        d_model, num_heads = check_size(d_model, "d_model"), check_size(num_heads, "num_heads")
+        if d_model % num_heads:
+            raise ValueError(f"d_model: expected a multiple of num_heads={num_heads}, got {d_model}")
+        d_ff, dropout = check_size(d_ff, "d_ff"), check_prob(dropout, "dropout")
+        self.norm_first = check_bool(norm_first, "norm_first")
+        rng = as_rng(rng)
+        self._dtype = check_dtype(dtype)
+        mhas = tuple(
+            MultiHeadAttention(
+                d_model,
+                d_model,
+                num_heads,
+                dropout=dropout,
+                qkv_bias=qkv,
+                out_bias=bias,
+                causal=causal,
+                rng=rng,
+                dtype=dtype,
+            )
+            for qkv, causal in attns
+        )
+        ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
+        norms = tuple(LayerNorm(d_model, bias=bias, dtype=dtype) for _ in range(len(attns) + 1))
+        return mhas, ffn, norms, tuple(Dropout(dropout, rng=rng) for _ in range(len(attns) + 1))
+
+    def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
+        return f"norm_first={self.norm_first}"
+
+    @classmethod
+    def _from_torch(cls, state_dict, num_heads: int, kwargs: dict, **bias_flags):
+        """The block of a torch layer's ``state_dict``: its keys checked, ``d_model``, ``d_ff`` and
+        the bias read from them (``bias_flags``: the further arguments set to that bias)."""
+        attns = tuple(cls._TORCH_ATTNS)
+        sd, d_model, d_ff, bias, kwargs = _torch_layer_state(state_dict, kwargs, attns, len(attns) + 1)
+        build: Callable[..., _Block] = cls  # a subclass, with the blocks' constructor
+        m = build(d_model, num_heads, d_ff, bias=bias, **{k: bias for k in bias_flags}, **kwargs)
+        m.load_state_dict(_rename_torch_state(sd, cls._TORCH_ATTNS, d_model))
+        return m
 
 
 #: The blocks' ``forward`` Returns and Raises.
@@ -111,7 +156,7 @@ _FORWARD_RETURNS = """
     """
 
 
-class EncoderBlock(Module):
+class EncoderBlock(_Block):
     """A transformer encoder layer (``torch.nn.TransformerEncoderLayer`` with ``batch_first=True``).
 
     Post-norm (default): ``x = LN1(x + Drop(MHA(x)))``, ``y = LN2(x + Drop(FFN(x)))``.
@@ -138,6 +183,8 @@ class EncoderBlock(Module):
     True
     """
 
+    _TORCH_ATTNS = {"self_attn": "mha"}
+
     def __init__(
         self,
         d_model: int,
@@ -154,34 +201,13 @@ class EncoderBlock(Module):
         dtype=np.float64,
     ) -> None:
         super().__init__()
-        d_model, num_heads, d_ff, dropout = _check_block_sizes(d_model, num_heads, d_ff, dropout)
-        self.norm_first = check_bool(norm_first, "norm_first")
         bias = check_bool(bias, "bias")
         qkv_bias = check_bool(qkv_bias, "qkv_bias")
         if qkv_bias and not bias:
             raise ValueError("qkv_bias: bias=False drops every bias; expected qkv_bias=False, got True")
-        rng = as_rng(rng)
-        self._dtype = check_dtype(dtype)
-        self.mha = MultiHeadAttention(
-            d_model,
-            d_model,
-            num_heads,
-            dropout=dropout,
-            qkv_bias=qkv_bias,
-            out_bias=bias,
-            causal=causal,
-            rng=rng,
-            dtype=dtype,
+        (self.mha,), self.ffn, (self.layernorm1, self.layernorm2), (self.dropout1, self.dropout2) = self._sublayers(
+            d_model, num_heads, d_ff, dropout, activation, norm_first, ((qkv_bias, causal),), bias, rng, dtype
         )
-        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
-        self.layernorm1 = LayerNorm(d_model, bias=bias, dtype=dtype)
-        self.layernorm2 = LayerNorm(d_model, bias=bias, dtype=dtype)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-
-    def extra_repr(self):
-        """The arguments shown by ``repr(module)``."""
-        return f"norm_first={self.norm_first}"
 
     @shared_doc(forward_returns=_FORWARD_RETURNS)
     def forward(self, x, *, attn_mask=None, key_padding_mask=None) -> np.ndarray:
@@ -321,13 +347,10 @@ class EncoderBlock(Module):
         (float32 tensors give a float32 block).  Remember that torch's bool ``src_mask`` means True
         = *masked*; npattn's ``attn_mask`` means True = may attend (pass ``~mask``).
         """
-        sd, d_model, d_ff, bias, kwargs = _torch_layer_state(state_dict, kwargs, ("self_attn",), 2)
-        m = cls(d_model, num_heads, d_ff, qkv_bias=bias, bias=bias, **kwargs)
-        m.load_state_dict(_rename_torch_state(sd, {"self_attn": "mha"}, d_model))
-        return m
+        return cls._from_torch(state_dict, num_heads, kwargs, qkv_bias=True)
 
 
-class DecoderBlock(Module):
+class DecoderBlock(_Block):
     """A transformer decoder layer (``torch.nn.TransformerDecoderLayer`` with ``batch_first=True``):
     self-attention, cross-attention over ``memory`` (the encoder's output), feed-forward.
 
@@ -374,6 +397,8 @@ class DecoderBlock(Module):
     ((2, 5, 16), (2, 7, 16))
     """
 
+    _TORCH_ATTNS = {"self_attn": "self_attn", "multihead_attn": "cross_attn"}
+
     def __init__(
         self,
         d_model: int,
@@ -389,37 +414,13 @@ class DecoderBlock(Module):
         dtype=np.float64,
     ) -> None:
         super().__init__()
-        d_model, num_heads, d_ff, dropout = _check_block_sizes(d_model, num_heads, d_ff, dropout)
-        self.norm_first = check_bool(norm_first, "norm_first")
-        causal = check_bool(causal, "causal")
         bias = check_bool(bias, "bias")
-        rng = as_rng(rng)
-        self._dtype = check_dtype(dtype)
-        self.self_attn = MultiHeadAttention(
-            d_model,
-            d_model,
-            num_heads,
-            dropout=dropout,
-            qkv_bias=bias,
-            out_bias=bias,
-            causal=causal,
-            rng=rng,
-            dtype=dtype,
+        attns = ((bias, check_bool(causal, "causal")), (bias, False))  # self- and cross-attention
+        (self.self_attn, self.cross_attn), self.ffn, norms, drops = self._sublayers(
+            d_model, num_heads, d_ff, dropout, activation, norm_first, attns, bias, rng, dtype
         )
-        self.cross_attn = MultiHeadAttention(
-            d_model, d_model, num_heads, dropout=dropout, qkv_bias=bias, out_bias=bias, rng=rng, dtype=dtype
-        )
-        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
-        self.layernorm1 = LayerNorm(d_model, bias=bias, dtype=dtype)
-        self.layernorm2 = LayerNorm(d_model, bias=bias, dtype=dtype)
-        self.layernorm3 = LayerNorm(d_model, bias=bias, dtype=dtype)
-        self.dropout1 = Dropout(dropout, rng=rng)
-        self.dropout2 = Dropout(dropout, rng=rng)
-        self.dropout3 = Dropout(dropout, rng=rng)
-
-    def extra_repr(self):
-        """The arguments shown by ``repr(module)``."""
-        return f"norm_first={self.norm_first}"
+        self.layernorm1, self.layernorm2, self.layernorm3 = norms
+        self.dropout1, self.dropout2, self.dropout3 = drops
 
     @shared_doc(forward_returns=_FORWARD_RETURNS)
     def forward(
@@ -576,10 +577,7 @@ class DecoderBlock(Module):
         shaped key raises ``ValueError`` naming it.  ``dtype`` defaults to the state dict's.  Bool
         masks: torch's True = *masked*, npattn's True = may attend (pass ``~mask``).
         """
-        sd, d_model, d_ff, bias, kwargs = _torch_layer_state(state_dict, kwargs, ("self_attn", "multihead_attn"), 3)
-        m = cls(d_model, num_heads, d_ff, bias=bias, **kwargs)
-        m.load_state_dict(_rename_torch_state(sd, {"self_attn": "self_attn", "multihead_attn": "cross_attn"}, d_model))
-        return m
+        return cls._from_torch(state_dict, num_heads, kwargs)
 
 
 # -- torch state dicts ----------------------------------------------------------------------------------
