@@ -1350,6 +1350,7 @@ class _BackwardJvpWorker:
             i_lo, i_hi = query_range(geo.band, j0, j1, geo.lq)
             for i0, i1 in _spans(i_hi, geo.bq, i_lo):
                 self.pair(i0, i1, j0, j1, tdk_j, tdv_j, tdq, tdmask)
+            tdk_j *= self.rows.scale
             dk_s, dv_s = self.tdk[..., j0:j1, :], self.tdv[..., j0:j1, :]
             dk_s += sum_to(tdk_j, dk_s.shape)
             dv_s += sum_to(tdv_j, dv_s.shape)
@@ -1404,10 +1405,10 @@ class _BackwardJvpWorker:
                 tds = tds * dcap
             ds = ds * dcap
         tdq_i = np.matmul(tds.swapaxes(-1, -2), k_j)  # tdQ_i += tds K_j + ds tK_j (scaled at the end)
-        tdk_j += np.matmul(tds, qs_t.swapaxes(-1, -2))  # tdK_j += tds^T (scale Q_i) + ds^T (scale tQ_i)
+        tdk_j += np.matmul(tds, lay.q[..., i0:i1, :])  # tdK_j += tds^T Q_i + ds^T tQ_i (scaled per key block)
         if tan.k is not None:
             tdq_i += np.matmul(ds.swapaxes(-1, -2), tan.k[..., j0:j1, :])
-        if tqs is not None:
-            tdk_j += np.matmul(ds, tqs)
+        if rows.tq is not None:
+            tdk_j += np.matmul(ds, rows.tq[..., i0:i1, :])
         dq_i = tdq[..., i0:i1, :]
         dq_i += sum_to(tdq_i, dq_i.shape)
