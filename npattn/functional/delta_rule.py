@@ -998,20 +998,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
     Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk = dinitial_state)``, and
     with ``keep`` the intermediates as ``_BackwardParts`` third (for ``_chunked_backward_jvp``).
     """
-    rows, n = c.q.shape[:2]
-    pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
-    qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (diag(a) Q)^T dO
-    wkt = c.wk.swapaxes(-1, -2)
-    decay = c.a[..., -1, None, None]
-    ds_end = np.empty(s.shape, s.dtype)  # dS' of each chunk
-    ds = dsf
-    for i in reversed(range(n)):
-        ds_end[:, i] = ds
-        ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
-    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
-    du = pt_do + c.kb @ ds_end
-    assert c.t is not None  # the terms (their tangents have none)
-    dr = triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
+    pt_do, ds_end, ds, u, du, dr = adjoint_scan(c, s, do, dsf, c.a[..., -1, None, None])
     st = s.swapaxes(-1, -2)
     # from O
     dp = np.tril(do @ u.swapaxes(-1, -2))
@@ -1364,10 +1351,43 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's,
     the terms' tangents)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
+    return (*output_tangents(c, tc, s, ts), tc)
+
+
+def adjoint_scan(c, s, do, dsf, decay):
+    """The first half of both rules' ``_chunked_backward`` (derived there): the reverse scan of the
+    state's adjoint over a block's chunks,
+
+        dS = a_C dS' + (a Q)^T dO - W_k^T (P^T dO + (b K) dS')
+
+    (``a Q`` is ``c.qa``, ``b K`` is ``c.kb``; ``decay``: ``a_C`` shaped to multiply ``dS``, a
+    scalar per row in the gated delta rule, a diagonal in KDA), starting from ``dS' = dsf`` for the
+    last chunk; then, for all the chunks at once, ``U = W_v - W_k S``, ``dU = P^T dO + (b K) dS'``
+    and ``dR = T^T dU``.  Returns ``(P^T dO, dS' of each chunk, dS of the first chunk, U, dU, dR)``."""
+    n = c.q.shape[1]
+    pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
+    qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (a Q)^T dO
+    wkt = c.wk.swapaxes(-1, -2)
+    ds_end = np.empty(s.shape, s.dtype)  # dS' of each chunk
+    ds = dsf
+    for i in reversed(range(n)):
+        ds_end[:, i] = ds
+        ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
+    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
+    du = pt_do + c.kb @ ds_end
+    assert c.t is not None  # the terms (their tangents have none)
+    return pt_do, ds_end, ds, u, du, triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
+
+
+def output_tangents(c, tc, s, ts):
+    """The last lines of both rules' ``_chunked_jvp`` (derived there), from the terms' tangents
+    ``tc``: the state's tangent carried through the chunks (``tangent_scan``), then
+    ``tO = t(a Q) S + (a Q) tS + tP U + P tU``.  Returns ``(tO, the state's tangent entering each
+    chunk, the final state's)``."""
     tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
     tout = tc.qa @ s + c.qa @ tstates
     tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
-    return tout, tstates, ts, tc
+    return tout, tstates, ts
 
 
 def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:

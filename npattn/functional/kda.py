@@ -66,6 +66,7 @@ from .delta_rule import (
     RULE_FORWARD_DOC,
     ChunkedRule,
     DeltaRuleCache,
+    adjoint_scan,
     adjoint_tangents,
     checked_backward,
     checked_backward_jvp,
@@ -75,6 +76,7 @@ from .delta_rule import (
     chunked_forward,
     chunked_jvp,
     flushed_exp,
+    output_tangents,
     pad_chunks,
     rule_backward_doc,
     rule_backward_jvp_doc,
@@ -82,7 +84,6 @@ from .delta_rule import (
     second_order_kernel,
     segment_sums,
     segment_sums_backward,
-    tangent_scan,
     tangent_specs,
     triangular_matmul,
     unit_lower_inverse,
@@ -327,20 +328,7 @@ def _chunked_backward(c: _Chunks, s, do, dsf, keep=False):
     Returns ``((dq, dk, dv, dg, dbeta) per chunk, dS of the first chunk)``, and with ``keep`` the
     intermediates as ``_BackwardParts`` third (for ``_chunked_backward_jvp``).
     """
-    n = c.q.shape[1]
-    pt_do = triangular_matmul(c.p.swapaxes(-1, -2), do, upper=True)  # (rows, N, C, Dv) P^T dO
-    qa_do = c.qa.swapaxes(-1, -2) @ do  # (rows, N, Dk, Dv) (A * Q)^T dO
-    wkt = c.wk.swapaxes(-1, -2)
-    decay = c.a[..., -1, :, None]
-    ds_end = np.empty(s.shape, s.dtype)  # dS' of each chunk
-    ds = dsf
-    for i in reversed(range(n)):
-        ds_end[:, i] = ds
-        ds = decay[:, i] * ds + qa_do[:, i] - wkt[:, i] @ (pt_do[:, i] + c.kb[:, i] @ ds)
-    u = c.wv - c.wk @ s  # U = W_v - W_k S, recomputed for the block
-    du = pt_do + c.kb @ ds_end
-    assert c.t is not None  # the terms (their tangents have none)
-    dr = triangular_matmul(c.t.swapaxes(-1, -2), du, upper=True)
+    pt_do, ds_end, ds, u, du, dr = adjoint_scan(c, s, do, dsf, c.a[..., -1, :, None])
     st = s.swapaxes(-1, -2)
     # from O
     dp = np.tril(do @ u.swapaxes(-1, -2))
@@ -497,10 +485,7 @@ def _chunked_jvp(c: _Chunks, s, tq, tk, tv, tg, tbeta, ts):
     Returns ``(tO (rows, N, C, Dv), the state's tangent entering each chunk, the final state's,
     the terms' tangents)``."""
     tc = _term_tangents(c, tq, tk, tv, tg, tbeta)
-    tstates, u, tu, ts = tangent_scan(c, tc, s, ts)
-    tout = tc.qa @ s + c.qa @ tstates
-    tout += triangular_matmul(tc.p, u) + triangular_matmul(c.p, tu)
-    return tout, tstates, ts, tc
+    return (*output_tangents(c, tc, s, ts), tc)
 
 
 def _term_tangents(c: _Chunks, tq, tk, tv, tg, tbeta) -> _Chunks:
