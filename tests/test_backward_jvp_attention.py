@@ -405,3 +405,42 @@ def test_second_order_with_the_jvps_weight_tangents_forms_no_score_tangent(monke
     _, ref_cache = R.scaled_dot_product_attention(q, k, v, is_causal=True)
     for t, want in zip(tans, R.scaled_dot_product_attention_backward_jvp(dy, ref_cache, (tq, tk, tv), ddy)[1]):
         assert rel_err(t, want) < 1e-12
+
+
+def test_second_order_writes_into_the_given_arrays():
+    """``out`` and ``tout`` (views of one fused array, as ``MultiHeadAttention`` gives them) get
+    the gradients and their tangents, the very arrays returned, equal bit for bit to those of a
+    call without them; grouped-query heads (another layout) are copied into them."""
+    rng = np.random.default_rng(9)
+    for hk in (4, 2):
+        q, dy, ddy, tq = rng.standard_normal((4, 2, 4, 300, 8))
+        k, v, tk, tv = rng.standard_normal((4, 2, hk, 300, 8))
+        _, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != 4)
+        want = K.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy)
+        fused = np.full((2, 2, 300, 4 + 2 * hk, 8), np.nan)  # (..., L, heads, hd): the heads-last views
+        heads = (slice(0, 4), slice(4, 4 + hk), slice(4 + hk, 4 + 2 * hk))
+        out, tout = ([fused[i][..., h, :].swapaxes(-2, -3) for h in heads] for i in (0, 1))
+        got = K.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy, out=out, tout=tout)
+        assert all(a is b for a, b in zip(got[0] + got[1], out + tout))
+        for a, b in zip(got[0] + got[1], want[0] + want[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_second_order_takes_its_scratch_from_a_workspace():
+    """With a ``workspace`` the blocks' scratch (the backward's and the tangents' products) comes
+    from it and goes back to it, so a second call makes no new one; the results are those of a
+    call without one, bit for bit, call after call."""
+    from npattn.functional._workspace import Workspace
+
+    rng = np.random.default_rng(10)
+    q, k, v, dy, ddy, tq, tk, tv = rng.standard_normal((8, 2, 3, 300, 8))
+    _, cache = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = K.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy)
+    ws = Workspace()
+    held = []
+    for _ in range(2):
+        got = K.scaled_dot_product_attention_backward_jvp(dy, cache, (tq, tk, tv), ddy, workspace=ws)
+        for a, b in zip(got[0] + got[1], want[0] + want[1]):
+            np.testing.assert_array_equal(a, b)
+        held.append(ws.nbytes())
+    assert held[0] > 0 and held[1] == held[0]

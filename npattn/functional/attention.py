@@ -518,6 +518,7 @@ class _Backward:
             self.dk, self.dv = np.empty(k.shape, k.dtype), np.empty(v.shape, v.dtype)
         self.order, self.from_zero = self._zero_unseen(cache.blocks)
         self.kept: list | None = None  # the last block's dP^T, D, (dP - D)^T, ds when the second order asks
+        self.kept_bufs: tuple = ()  # dP^T's and (dP - D)^T's scratch then, made at the first block
         glead = self.dog.shape[:-2]
         self.dsinks = None if cache.options.sinks is None else np.zeros(glead + (groups,), q.dtype)  # (..., Hk, G)
         self.dmask = None
@@ -565,7 +566,9 @@ class _Backward:
         # dP'^T = v dout^T;  dP = dP' * keep / (1 - p);  dS^T = P^T * (dP - D)^T
         ds = scratch(self.ds_buf, self.dog.shape[:-2] + (c1 - c0, blk.n))
         # the second order reads dP^T, D and dP - D after this block: dP^T then in an array of its own
-        dp = ds if self.kept is None else np.empty_like(ds)
+        if self.kept is not None and not self.kept_bufs:
+            self.kept_bufs = tuple(_empty(self.workspace, self.ds_buf.shape, ds.dtype) for _ in range(2))
+        dp = ds if self.kept is None else scratch(self.kept_bufs[0], ds.shape)
         np.matmul(cache.v[..., c0:c1, :], do.swapaxes(-1, -2), out=dp)
         if kb is not None:
             dp *= kb
@@ -575,7 +578,7 @@ class _Backward:
             ds -= d  # dP - D
             ds *= p
         else:  # [dP^T, D, (dP - D)^T, the gradient of the scores below] for the second order
-            self.kept[:] = (dp, d, np.subtract(dp, d), ds)
+            self.kept[:] = (dp, d, np.subtract(dp, d, out=scratch(self.kept_bufs[1], ds.shape)), ds)
             np.multiply(self.kept[2], p, out=ds)
         if self.dsinks is not None and cache.p_sink is not None:  # dsink_h -= sum_i P_sink_i D_i
             self.dsinks[..., g] -= np.einsum("...i,...i->...", cache.p_sink[..., rows, 0], d[..., 0, :])
@@ -594,7 +597,7 @@ class _Backward:
         ``dsinks``; the scratch back to the workspace."""
         cache, out = self.cache, self.out
         if self.workspace is not None:
-            self.workspace.give(self.ds_buf, self.prod_buf)
+            self.workspace.give(self.ds_buf, self.prod_buf, *self.kept_bufs)
         grads = _qkv_shaped(cache, self.dq, self.dk, self.dv)
         if out is not None and not self.direct:
             for dst, src in zip(out, grads):
@@ -770,22 +773,25 @@ def _tangent_specs(cache: AttentionCache) -> tuple:
 
 
 def scaled_dot_product_attention_backward_jvp_kernel(
-    dout, cache: AttentionCache, tangents=(), ddout=None, weights_tangents=None
+    dout, cache: AttentionCache, tangents=(), ddout=None, weights_tangents=None, out=None, tout=None, workspace=None
 ) -> tuple:
     """The kernel of ``scaled_dot_product_attention_backward_jvp``: ``dout`` (and ``ddout``, None
     for zero) checked, ``tangents`` checked in the backward's order (each None or of its input's
     own shape, q's dtype).  ``weights_tangents``: what ``scaled_dot_product_attention_jvp_kernel``
     put in its ``weights`` list along the same tangents from the same cache (read, not changed),
     so that a block's ``tP`` is not formed again (two score-sized products and four passes fewer);
-    None, or None for a block: formed here."""
+    None, or None for a block: formed here.  ``out``, ``tout``: arrays of q's, k's and v's shapes
+    (views of a fused projection's gradient, say) to write dq, dk, dv and their tangents into, as
+    ``scaled_dot_product_attention_backward_kernel``'s ``out``; ``workspace``: where the blocks'
+    scratch comes from and goes back to, as there."""
     tq, tk, tv, tmask, tsinks = split_attention_tangents(
         tangents, cache.mask is not None, cache.options.sinks is not None
     )
     # the backward block by block, each block's tangents right after it from the backward's own
     # dP and D (kept for that block only): the score-sized product v dout^T formed once
-    back = _Backward(cache, dout, None, None)
+    back = _Backward(cache, dout, out, workspace)
     kept = back.kept = []
-    second = _BackwardTangents(cache, dout, ddout, tq, tk, tv, tmask, tsinks)
+    second = _BackwardTangents(cache, dout, ddout, (tq, tk, tv, tmask, tsinks), tout, workspace)
     for j, i in enumerate(back.order):
         back.block(i, add=j > 0 or not back.from_zero)
         dp, d, r, ds = kept
@@ -798,8 +804,9 @@ class _BackwardTangents:
     blocks, grouped layout): the inputs' tangents as the kernel's operands, and the gradients'
     tangents being added up (``tdq``, ``tdk``, ``tdv``; ``tdmask``, ``tdsinks`` with their options)."""
 
-    def __init__(self, cache: AttentionCache, dout, ddout, tq, tk, tv, tmask, tsinks):
+    def __init__(self, cache: AttentionCache, dout, ddout, tangents, tout=None, workspace=None):
         q, k, v, groups = cache.q, cache.k, cache.v, cache.groups
+        tq, tk, tv, tmask, tsinks = tangents
         score_shape = q.shape[:-1] + (k.shape[-2],)
         self.cache, self.lead, self.tsinks = cache, score_shape[:-2], tsinks
         self.qg, self.dog = _grouped(q, groups), _grouped(dout, groups)
@@ -810,12 +817,27 @@ class _BackwardTangents:
         self.tv = None if tv is None else np.broadcast_to(tv, v.shape)
         self.tmask_g = None if tmask is None else _mask_view(tmask, score_shape, groups)
         self.keep_g = None if cache.keep is None else _grouped(cache.keep, groups)
-        self.tdq = np.zeros(_grouped_shape(q.shape, groups), q.dtype)
-        self.tdk, self.tdv = np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+        # tout: added up in place when it is the kernel's own layout (zeroed first), else copied to
+        self.tout = tout
+        if tout is not None and groups == 1 and all(o.shape == a.shape for o, a in zip(tout, (q, k, v))):
+            for o in tout:
+                o[...] = 0
+            self.tdq, self.tdk, self.tdv = tout
+        else:
+            self.tdq = np.zeros(_grouped_shape(q.shape, groups), q.dtype)
+            self.tdk, self.tdv = np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
         self.tdsinks = None if cache.options.sinks is None else np.zeros(self.dog.shape[:-2] + (groups,), q.dtype)
         self.tdmask = None
         if cache.mask is not None:  # kept with mask_grad only
             self.tdmask = np.zeros((1,) * (len(q.shape) - cache.mask.ndim) + cache.mask.shape, q.dtype)
+        # Scratch for the products of a block, allocated once at the largest block's size and
+        # reused by every block (as the backward's): two score-sized, three of a block's rows
+        lead = math.prod(self.dog.shape[:-2])
+        height = max((b.n for b in cache.blocks), default=0)
+        wmax = max((b.c1 - b.c0 for b in cache.blocks), default=0)
+        rows = lead * max(height, wmax) * max(q.shape[-1], k.shape[-1], v.shape[-1])
+        self.workspace = workspace
+        self.bufs = [_empty(workspace, (n,), q.dtype) for n in (lead * height * wmax,) * 2 + (rows,) * 3]
 
     def block(self, i: int, dp, d, r, ds_scaled, weights=None):
         """Block ``i``: the tangents of the backward's lines, key-major like the cached ``P^T``,
@@ -835,12 +857,20 @@ class _BackwardTangents:
             ts, (tp, mu) = None, weights
         kb = None if self.keep_g is None else self.keep_g[..., rows, c0:c1].swapaxes(-1, -2) * cache.drop_scale
         pk, tpk = (p, tp) if kb is None else (p * kb, tp * kb)
+        s1, s2, x1, x2, x3 = self.bufs
         # dv = P'^T dout:  tdv = tP'^T dout + P'^T ddout
-        self.tdv[..., c0:c1, :] += np.matmul(tpk, do) + (0.0 if tdo is None else np.matmul(pk, tdo))
+        tdv = _product(x1, tpk, do)
+        if tdo is not None:
+            tdv += _product(x2, pk, tdo)
+        self.tdv[..., c0:c1, :] += tdv
         # dP^T = (v dout^T) keep / (1-p):  tdP^T = (v ddout^T + tv dout^T) keep / (1-p)
-        tdp = np.zeros_like(dp) if tdo is None else np.matmul(cache.v[..., c0:c1, :], tdo.swapaxes(-1, -2))
+        if tdo is None:
+            tdp = scratch(s1, dp.shape)
+            tdp[...] = 0
+        else:
+            tdp = _product(s1, cache.v[..., c0:c1, :], tdo.swapaxes(-1, -2))
         if self.tv is not None:
-            tdp += np.matmul(self.tv[..., c0:c1, :], do.swapaxes(-1, -2))
+            tdp += _product(s2, self.tv[..., c0:c1, :], do.swapaxes(-1, -2))
         if kb is not None:
             tdp *= kb
         # D = rowsum(dP P), dS = P (dP - D): the softmax's backward and its tangent
@@ -859,14 +889,14 @@ class _BackwardTangents:
         if softcap is not None and cache.dcap is not None:
             _, tds = self._through_softcap(i, ds, tds, ts, cache.dcap[i], softcap)
         # dq = ds k, dk = ds^T q (ds = scale dS, the backward's): products of two moving factors
-        tdq = np.matmul(tds.swapaxes(-1, -2), cache.k[..., c0:c1, :])
-        tdk = np.matmul(tds, self.qg[..., rows, :])
+        tdq = _product(x1, tds.swapaxes(-1, -2), cache.k[..., c0:c1, :])
+        tdk = _product(x2, tds, self.qg[..., rows, :])
         tdq *= cache.scale
         tdk *= cache.scale
         if self.tk is not None:
-            tdq += np.matmul(ds_scaled.swapaxes(-1, -2), self.tk[..., c0:c1, :])
+            tdq += _product(x3, ds_scaled.swapaxes(-1, -2), self.tk[..., c0:c1, :])
         if self.tqg is not None:
-            tdk += np.matmul(ds_scaled, self.tqg[..., rows, :])
+            tdk += _product(x3, ds_scaled, self.tqg[..., rows, :])
         self.tdq[..., rows, :] += tdq
         self.tdk[..., c0:c1, :] += tdk
 
@@ -901,10 +931,23 @@ class _BackwardTangents:
         return ds * dcap, out
 
     def finish(self) -> tuple:
-        """The gradients' tangents in their inputs' shapes, then ``tdmask``, ``tdsinks``."""
-        return tuple(
-            _qkv_shaped(self.cache, self.tdq, self.tdk, self.tdv) + _option_grads(self.cache, self.tdmask, self.tdsinks)
-        )
+        """The gradients' tangents in their inputs' shapes (written into ``tout`` if given), then
+        ``tdmask``, ``tdsinks``; the scratch back to the workspace."""
+        if self.workspace is not None:
+            self.workspace.give(*self.bufs)
+        tans = _qkv_shaped(self.cache, self.tdq, self.tdk, self.tdv)
+        if self.tout is not None:
+            for dst, src in zip(self.tout, tans):
+                if dst is not src:
+                    np.copyto(dst, src)
+            tans = list(self.tout)
+        return tuple(tans + _option_grads(self.cache, self.tdmask, self.tdsinks))
+
+
+def _product(buf, a, b):
+    """``a @ b`` written on the start of the flat scratch ``buf`` (no allocation)."""
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    return np.matmul(a, b, out=scratch(buf, shape))
 
 
 def _score_tangent(cache: AttentionCache, blk: Block, qg, tqg, tk):

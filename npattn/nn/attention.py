@@ -306,12 +306,12 @@ class MultiHeadAttention(MultiHeadAttentionCore):
             tkh, tvh = self._extra_key_tangents(st, tkh, tvh, pt)
         return super()._attend_jvp(st, tqh, tkh, tvh, pt, weights)
 
-    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt, weights=None):
+    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt, weights=None, out=None):
         """The core's second order with the extra keys' tangents appended; ``bias_k``/``bias_v``'s
         gradients and their tangents (the rows at ``lk``) accumulated, the extra keys' rows dropped."""
         tqh, tkh, tvh = tangents
         if not st.n_extra:
-            return super()._attend_backward_jvp(dctx, tdctx, st, tangents, pt, weights)
+            return super()._attend_backward_jvp(dctx, tdctx, st, tangents, pt, weights, out)
         tkh, tvh = self._extra_key_tangents(st, tkh, tvh, pt)
         (dqh, dkh, dvh), (tdqh, tdkh, tdvh) = super()._attend_backward_jvp(
             dctx, tdctx, st, (tqh, tkh, tvh), pt, weights

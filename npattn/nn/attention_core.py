@@ -888,8 +888,23 @@ class MultiHeadAttentionCore(Module):
             dgate = dm * a * s * (1 - s)  # as the backward rounds it
             tdgate = tdm * a * sp + dm * (tg.merged * sp + a * (1 - 2 * s) * ts)
             dm, tdm = dm * s, tdm * s + dm * ts
+        fused = views = None
+        ws = self._scratch()  # the fused arrays below live only inside this call: shared by all modules
+        if st.self_attn:  # the fused projection's output gradient and its tangent, filled through views
+            shape = dy.shape[:-1] + (self._q_rows + 2 * self.num_kv_heads * self.head_dim,)
+            fused = (ws.empty(shape, dy.dtype), ws.empty(shape, dy.dtype))
+            views = tuple(self._fused_views(a) for a in fused)
+        # with nothing between the projections and the fast core, it writes straight into them
+        direct = views is not None and not st.memory_efficient and st.n_extra == 0 and st.gate is None
+        direct = direct and all(c is None for c in st.position)
         (dq, dk, dv), (tdq, tdk, tdv) = self._attend_backward_jvp(
-            self._split(dm, self.num_heads), self._split(tdm, self.num_heads), st, tg.attended, pt, tg.weights
+            self._split(dm, self.num_heads),
+            self._split(tdm, self.num_heads),
+            st,
+            tg.attended,
+            pt,
+            tg.weights,
+            tuple(v[:3] for v in views) if direct and views is not None else None,
         )
         pos = st.position
         if pos.q_rope is not None:
@@ -900,36 +915,53 @@ class MultiHeadAttentionCore(Module):
             (dq, dwq), (tdq, tdwq) = self._qk_norm_backward_jvp(dq, pos.q_norm, tg.projected[0], pt.get(wq), tdq)
             (dk, dwk), (tdk, tdwk) = self._qk_norm_backward_jvp(dk, pos.k_norm, tg.projected[1], pt.get(wk), tdk)
             self._accumulate_second(((wq, dwq, tdwq), (wk, dwk, tdwk)))
-        grads = (self._join_query(dq, dgate), self._merge(dk), self._merge(dv))
-        tangents = (self._join_query(tdq, tdgate), self._merge(tdk), self._merge(tdv))
-        mods = (self.W_query, self.W_key, self.W_value)
-        if st.self_attn:
-            dt = dy.dtype
-            tw = self._stacked_tangent([m.weight for m in mods], pt, dt)
-            tb = self._stacked_tangent([m.bias for m in mods], pt, dt) if self.W_query.bias is not None else None
-            (dx, dW, db), (tdx, tdW, tdb) = K.linear_backward_jvp(
-                np.concatenate(grads, -1), st.proj[0], (tg.inputs[0], tw, tb), np.concatenate(tangents, -1)
-            )
-            rows = np.cumsum([0] + [g.shape[-1] for g in grads])
-            for i, m in enumerate(mods):
-                part = slice(rows[i], rows[i + 1])
-                self._accumulate_second(((m.weight, dW[part], tdW[part]),))
-                if m.bias is not None:
-                    self._accumulate_second(((m.bias, db[part], tdb[part]),))
-            result: tuple = (dx, tdx)
+        if fused is not None and views is not None:
+            if not direct:
+                for fv, parts in zip(views, ((dq, dk, dv, dgate), (tdq, tdk, tdv, tdgate))):
+                    for view, d in zip(fv, parts):
+                        if d is not None:
+                            view[...] = d.reshape(view.shape)
+            result = self._fused_backward_jvp(st, tg, pt, *fused)
+            ws.give(*fused)  # read by the projection's second order only, whose results are new arrays
         else:
-            dxs, tdxs = [], []
-            for m, g, t, c, tin in zip(mods, grads, tangents, st.proj, tg.inputs):
-                (dx_i, dw_i, db_i), (tdx_i, tdw_i, tdb_i) = K.linear_backward_jvp(
-                    g, c, (tin, pt.get(m.weight), pt.get(m.bias)), t
-                )
-                self._accumulate_second(((m.weight, dw_i, tdw_i), (m.bias, db_i, tdb_i)))
-                dxs.append(dx_i)
-                tdxs.append(tdx_i)
-            result = (tuple(dxs), tuple(tdxs))
+            grads = (self._join_query(dq, dgate), self._merge(dk), self._merge(dv))
+            tangents = (self._join_query(tdq, tdgate), self._merge(tdk), self._merge(tdv))
+            result = self._cross_backward_jvp(st, tg, pt, grads, tangents)
         if st.reused:  # nothing refers to them any more: the next step reuses them
             self._workspace().give(*st.reused)
         return result
+
+    def _fused_backward_jvp(self, st: State, tg: "_Tangents", pt, dqkv, tdqkv):
+        """The fused projection's second order from its output gradient and that gradient's
+        tangent: ``(dx, dx_tangent)``; each weight's (bias's) gradient and its tangent are their
+        row block of the fused ones (the weight tangent the three stacked)."""
+        mods = (self.W_query, self.W_key, self.W_value)
+        dt = dqkv.dtype
+        tw = self._stacked_tangent([m.weight for m in mods], pt, dt)
+        tb = self._stacked_tangent([m.bias for m in mods], pt, dt) if self.W_query.bias is not None else None
+        (dx, dW, db), (tdx, tdW, tdb) = K.linear_backward_jvp(dqkv, st.proj[0], (tg.inputs[0], tw, tb), tdqkv)
+        d_kv = self.num_kv_heads * self.head_dim
+        rows = np.cumsum([0, self._q_rows, d_kv, d_kv])
+        for i, m in enumerate(mods):
+            part = slice(rows[i], rows[i + 1])
+            self._accumulate_second(((m.weight, dW[part], tdW[part]),))
+            if m.bias is not None:
+                self._accumulate_second(((m.bias, db[part], tdb[part]),))
+        return dx, tdx
+
+    def _cross_backward_jvp(self, st: State, tg: "_Tangents", pt, grads, tangents):
+        """The three projections' second order (cross-attention): ``((dquery, dkey, dvalue), their
+        tangents)``."""
+        dxs, tdxs = [], []
+        mods = (self.W_query, self.W_key, self.W_value)
+        for m, g, t, c, tin in zip(mods, grads, tangents, st.proj, tg.inputs):
+            (dx_i, dw_i, db_i), (tdx_i, tdw_i, tdb_i) = K.linear_backward_jvp(
+                g, c, (tin, pt.get(m.weight), pt.get(m.bias)), t
+            )
+            self._accumulate_second(((m.weight, dw_i, tdw_i), (m.bias, db_i, tdb_i)))
+            dxs.append(dx_i)
+            tdxs.append(tdx_i)
+        return tuple(dxs), tuple(tdxs)
 
     def _join_query(self, dqh, dgate):
         """The inverse of ``_split_query``: ``(..., L, q_rows)`` from the query heads and the gate
@@ -942,16 +974,25 @@ class MultiHeadAttentionCore(Module):
         gate_view[...] = dgate.reshape(gate_view.shape)
         return out
 
-    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt, weights=None):
+    def _attend_backward_jvp(self, dctx, tdctx, st: State, tangents, pt, weights=None, out=None):
         """The attention core's second order: ``((dq, dk, dv), their tangents)`` over every key
         the core saw, from ``tangents = (tq, tk, tv)`` of its inputs (and ``weights``, what
-        ``_attend_jvp`` kept along them, or None); the sinks' gradient and its tangent accumulated."""
+        ``_attend_jvp`` kept along them, or None); the sinks' gradient and its tangent accumulated.
+        ``out``: ``(views of dq, dk, dv; views of their tangents)`` for the fast core to write into."""
         core_tangents = tuple(tangents) + ((pt.get(self.sinks),) if st.sinks else ())
         if st.memory_efficient:
             grads, tans = K.memory_efficient_attention_backward_jvp(dctx, st.attn, core_tangents, tdctx)
         else:
+            views, tviews = (None, None) if out is None else out
             grads, tans = K.scaled_dot_product_attention_backward_jvp(
-                dctx, st.attn, core_tangents, tdctx, weights_tangents=weights
+                dctx,
+                st.attn,
+                core_tangents,
+                tdctx,
+                weights_tangents=weights,
+                out=views,
+                tout=tviews,
+                workspace=self._scratch() if st.reused else None,
             )
         if st.sinks:
             self._accumulate_second(((cast(Parameter, self.sinks), grads[-1], tans[-1]),))
