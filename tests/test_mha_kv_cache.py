@@ -228,3 +228,19 @@ def test_property_cached_equals_full(case):
         m.sinks.data[...] = rng.normal(0, 1, H)
     x = rng.standard_normal(lead + (sum(split), D))
     np.testing.assert_allclose(decode(m, x, split), m(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_grouped_heads_last_output_is_the_grouped_output(dtype):
+    """With grouped-query heads the core writes each group's rows straight into the heads-last
+    output (merging heads before out_proj is then a view, not a copy) (issue 32, item 5): the
+    same numbers as the grouped layout, bit for bit."""
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 4, 300, 8)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 300, 8)).astype(dtype) for _ in range(2))
+    from npattn.functional import kernels as K
+
+    a, _ = K.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, heads_last=True)
+    b, _ = K.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert a.shape == b.shape and a.swapaxes(-2, -3).flags.c_contiguous
+    assert np.array_equal(a, b)

@@ -329,10 +329,11 @@ def scaled_dot_product_attention_kernel(
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
     rows = _Rows(q, k, v, groups, scale, bnd, options, attn_mask, keep, drop_scale, workspace)
     out_shape = q.shape[:-1] + (v.shape[-1],)
-    if heads_last and groups == 1:
-        out = _heads_last_empty(out_shape, q.dtype, workspace)
+    if heads_last:  # grouped heads write their rows into the (..., Hk, G, Lq, Ev) view of it
+        full = _heads_last_empty(out_shape, q.dtype, workspace)
+        out = fold_heads(full, groups)
     else:
-        out = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
+        out = full = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     p_blocks, dcap = [], []
     for blk in blocks:
@@ -359,7 +360,7 @@ def scaled_dot_product_attention_kernel(
         attn_mask if options.mask_grad else None,
         heads_last,
     )
-    return _ungrouped(out, groups, out_shape), cache
+    return full if heads_last else _ungrouped(out, groups, out_shape), cache
 
 
 class _Rows:
@@ -437,12 +438,17 @@ class _Rows:
         t *= np.divide(1.0, total, out=total)  # P = E / l, in place
 
     def attend(self, p, blk: Block, out):
-        """``out = P' v = (P [* keep / (1-p)]) v`` for the block's rows."""
+        """``out = P' v = (P [* keep / (1-p)]) v`` for the block's rows; ``out`` grouped
+        ``(..., Hk, G*Lq, Ev)``, or ``(..., Hk, G, Lq, Ev)`` (``fold_heads`` of a heads-last output)."""
         used = p
         if self.keep_g is not None:
             used = p * self.keep_g[..., blk.rows, blk.c0 : blk.c1].swapaxes(-1, -2)
             used *= self.drop_scale
-        np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=out[..., blk.rows, :])
+        if out.ndim > self.qg.ndim:  # (..., Hk, G, Lq, Ev): the block's group, its rows
+            rows = out[..., self._group(blk), blk.r0 : blk.r0 + blk.n, :]
+        else:
+            rows = out[..., blk.rows, :]
+        np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=rows)
 
 
 @shared_doc(attention_backward_sections=attention_backward_sections("scaled_dot_product_attention"))
