@@ -28,6 +28,7 @@ import numpy as np
 from .. import masks as _masks
 from .._validate import check_bool, check_dtype, to_numpy
 from ..functional import AttentionCache
+from ..functional._blocks import band, band_hidden
 from .attention_core import MultiHeadAttentionCore, State
 from .module import Parameter
 
@@ -239,19 +240,12 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         """causal, window and ALiBi over the real keys as one explicit mask (used when extra keys
         follow them, which must stay visible and carry no position): bool ``(Lq, Lk)`` True = may
         attend, or float ``(num_heads, Lq, Lk)`` with ALiBi's bias and ``-inf`` where hidden."""
-        p = np.arange(lq)[:, None] + (lk - lq if align == "bottom_right" else 0)
-        j = np.arange(lk)[None, :]
-        allowed = np.ones((lq, lk), bool)
-        if self.causal:
-            allowed &= j <= p
-        if self.window is not None:
-            left, right = self.window
-            if left >= 0:
-                allowed &= j >= p - left
-            if right >= 0:
-                allowed &= j <= p + right
+        b = band(lq, lk, self.causal, align, self.window)  # the cores' band of visible keys
+        hidden = band_hidden(b, 0, lk, 0, lq)  # key-major (Lk, Lq), None: nothing hidden
+        allowed = np.ones((lq, lk), bool) if hidden is None else ~hidden.T
         if not self.alibi:
             return allowed
+        p, j = np.arange(lq)[:, None] + b.offset, np.arange(lk)[None, :]
         bias = -self.alibi_slopes()[:, None, None] * np.abs(p - j).astype(self.dtype)
         return np.where(allowed, bias, -np.inf).astype(self.dtype)
 

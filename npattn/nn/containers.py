@@ -104,6 +104,8 @@ class Sequential(ModuleList):
     ------
     TypeError
         For an item that is not a ``Module``.
+    ValueError
+        For a name of the ``OrderedDict`` that is empty, not a string or holds a dot.
 
     Examples
     --------
