@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .._docs import shared_doc
 from .._hints import install_hint
 from ._names import STRATEGIES
 
@@ -36,42 +37,51 @@ __all__ = list(STRATEGIES)  # the names npattn.testing loads from here on first 
 _SEED_MAX = 2**32 - 1
 
 
+def _property_example(strategy: str, *body: str):
+    """Decorator: the ``<property_example>`` of a strategy's docstring, its Examples section: a
+    hypothesis test drawing ``value`` from ``testing.<strategy>`` and running the lines ``body``."""
+    test = "".join(f"...     {line}\n" for line in body)
+    return shared_doc(
+        property_example=f"""
+Examples
+--------
+>>> import numpy as np
+>>> from hypothesis import given, settings
+>>> from npattn import testing
+>>> @settings(max_examples=10, deadline=None)
+... @given(testing.{strategy})
+... def test(value):
+{test}>>> test()                                        # raises if a drawn example breaks the property
+"""
+    )
+
+
 def seeds() -> st.SearchStrategy[int]:
     """Seeds for ``np.random.default_rng`` (shrink towards 0)."""
     return st.integers(0, _SEED_MAX)
 
 
+@_property_example(
+    "dtypes()",
+    "assert value in (np.float32, np.float64)",
+)
 def dtypes(*choices) -> st.SearchStrategy[np.dtype]:
     """``np.dtype(float32)`` or ``np.dtype(float64)`` (or the given choices).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.dtypes())
-    ... def test(value):
-    ...     assert value in (np.float32, np.float64)
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     choices = choices or (np.float64, np.float32)
     return st.sampled_from([np.dtype(c) for c in choices])
 
 
+@_property_example(
+    "shapes(min_dims=2, max_dims=3, max_side=4)",
+    "assert 2 <= len(value) <= 3 and max(value) <= 4",
+)
 def shapes(min_dims: int = 1, max_dims: int = 3, min_side: int = 1, max_side: int = 4) -> st.SearchStrategy[tuple]:
     """Array shapes: ``min_dims..max_dims`` axes of ``min_side..max_side`` each.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.shapes(min_dims=2, max_dims=3, max_side=4))
-    ... def test(value):
-    ...     assert 2 <= len(value) <= 3 and max(value) <= 4
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     if not 0 <= min_dims <= max_dims or not 0 <= min_side <= max_side:
         raise ValueError(f"shapes: bad bounds dims [{min_dims}, {max_dims}], sides [{min_side}, {max_side}]")
@@ -82,22 +92,17 @@ def _shape_strategy(shape):
     return shape if isinstance(shape, st.SearchStrategy) else st.just(tuple(shape))
 
 
+@_property_example(
+    "arrays((2, 3), scale=10.0)",
+    "assert value.shape == (2, 3) and np.isfinite(value).all()",
+)
 def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.ndarray]:
     """Arrays uniform in ``[-scale, scale]`` (bounded, no inf/NaN, no denormals to speak of).
 
     ``shape`` is a tuple or a strategy of tuples (e.g. :func:`shapes`); ``dtype`` a dtype or a
     strategy of dtypes (e.g. :func:`dtypes`).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.arrays((2, 3), scale=10.0))
-    ... def test(value):
-    ...     assert value.shape == (2, 3) and np.isfinite(value).all()
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     dt = dtype if isinstance(dtype, st.SearchStrategy) else st.just(np.dtype(dtype))
 
@@ -108,38 +113,28 @@ def arrays(shape, dtype=np.float64, scale: float = 1.0) -> st.SearchStrategy[np.
     return st.tuples(_shape_strategy(shape), dt, seeds()).map(build)
 
 
+@_property_example(
+    "scales()",
+    "assert 0.1 <= value <= 10",
+)
 def scales(values=(0.1, 0.3, 1.0, 3.0, 10.0)) -> st.SearchStrategy[float]:
     """Input scales to multiply test inputs by: ``gradcheck`` is proven free of false failures
     from 0.1 to 10 (``tests/test_gradcheck_props.py``).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.scales())
-    ... def test(value):
-    ...     assert 0.1 <= value <= 10
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     return st.sampled_from(tuple(float(v) for v in values))
 
 
+@_property_example(
+    "tangents((2, 3))",
+    "assert value is None or value.shape == (2, 3)",
+)
 def tangents(shape, dtype=np.float64, allow_none: bool = True) -> st.SearchStrategy[Optional[np.ndarray]]:
     """Tangents for forward mode (``<op>_jvp``, ``Module.jvp``): standard normal arrays of
     ``shape`` (a tuple or a strategy of tuples), or, with ``allow_none``, sometimes ``None`` (zero).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.tangents((2, 3)))
-    ... def test(value):
-    ...     assert value is None or value.shape == (2, 3)
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     dt = np.dtype(dtype)
 
@@ -151,20 +146,15 @@ def tangents(shape, dtype=np.float64, allow_none: bool = True) -> st.SearchStrat
     return st.one_of(st.none(), arrs) if allow_none else arrs
 
 
+@_property_example(
+    "gradcheck_modes()",
+    "import npattn",
+    "assert npattn.gradcheck(npattn.Linear(2, 2, rng=0), np.ones((1, 2)), mode=value).ok",
+)
 def gradcheck_modes(modes=("rev", "fwd", "both")) -> st.SearchStrategy[str]:
     """The ``mode=`` of :func:`npattn.gradcheck`: ``"rev"`` (backward), ``"fwd"`` (JVP) or ``"both"``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.gradcheck_modes())
-    ... def test(value):
-    ...     import npattn
-    ...     assert npattn.gradcheck(npattn.Linear(2, 2, rng=0), np.ones((1, 2)), mode=value).ok
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     return st.sampled_from(tuple(modes))
 
@@ -202,6 +192,12 @@ class LayerNormCase:
         return (self.x, self.weight, self.bias, self.eps)
 
 
+@_property_example(
+    "layer_norm_inputs()",
+    "import npattn",
+    "from npattn import functional as F",
+    "assert npattn.gradcheck(F.layer_norm, value.x, value.weight, value.bias, eps=value.eps).ok",
+)
 def layer_norm_inputs(
     min_features: int = 2,
     max_features: int = 5,
@@ -216,18 +212,7 @@ def layer_norm_inputs(
     ``[-1, 1]``, so ``1/sqrt(var + eps)`` is well conditioned.  ``weight`` and ``bias`` are each
     present or None (``affine=True``: both present; ``False``: both None).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.layer_norm_inputs())
-    ... def test(value):
-    ...     import npattn
-    ...     from npattn import functional as F
-    ...     assert npattn.gradcheck(F.layer_norm, value.x, value.weight, value.bias, eps=value.eps).ok
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     if min_features < 2:
         raise ValueError("layer_norm_inputs: rows need at least 2 features for a non-zero variance")
@@ -410,6 +395,13 @@ class AttentionConfig:
         return vis
 
 
+@_property_example(
+    "attention_configs(options=True)",
+    "import npattn",
+    "from npattn import functional as F",
+    "out, _ = F.scaled_dot_product_attention(value.q, value.k, value.v, **value.kwargs())",
+    "assert np.isfinite(out).all()",
+)
 @st.composite
 def attention_configs(
     draw,
@@ -453,19 +445,7 @@ def attention_configs(
       (:func:`sinks`); ``mask_grad`` is drawn only for float masks.  ``cfg.kwargs()`` includes
       the options that are set, ``cfg.visible()`` accounts for alignment and window.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.attention_configs(options=True))
-    ... def test(value):
-    ...     import npattn
-    ...     from npattn import functional as F
-    ...     out, _ = F.scaled_dot_product_attention(value.q, value.k, value.v, **value.kwargs())
-    ...     assert np.isfinite(out).all()
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     dt = np.dtype(draw(dtype) if isinstance(dtype, st.SearchStrategy) else dtype)
     batch = tuple(draw(st.lists(st.integers(1, max_batch), max_size=max_batch_dims)))
@@ -533,22 +513,17 @@ def _option_names(options) -> Tuple[str, ...]:
     return names
 
 
+@_property_example(
+    "windows()",
+    "left, right = value",
+    "assert left >= -1 and right >= -1",
+)
 def windows(max_left: int = 4, max_right: int = 4, unbounded: bool = True) -> st.SearchStrategy[Tuple[int, int]]:
     """Sliding windows ``(left, right)`` for the attention cores' ``window=``: each side in
     ``0..max_<side>`` or, with ``unbounded``, ``-1`` (no limit on that side).  A window may
     leave a query row with no visible key (its output is then 0): the cores must handle it.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from hypothesis import given, settings
-    >>> from npattn import testing
-    >>> @settings(max_examples=10, deadline=None)
-    ... @given(testing.windows())
-    ... def test(value):
-    ...     left, right = value
-    ...     assert left >= -1 and right >= -1
-    >>> test()                                        # raises if a drawn example breaks the property
+    <property_example>
     """
     if max_left < 0 or max_right < 0:
         raise ValueError(f"windows: expected max_left, max_right >= 0, got {max_left}, {max_right}")
