@@ -1926,32 +1926,10 @@ def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array])
         tS_t = tA + tk_t u^T + k_t tu^T;          to_t = tS_t^T q_t + S_t^T tq_t
 
     (``tq``, ``tk`` first through ``l2_norm``'s JVP and the scale).  Returns ``tout``, or
-    ``(tout, tfinal_state)`` when the forward kept the final state.
+    ``(tout, tfinal_state)`` when the forward kept the final state.  The lines are both rules'
+    (``_delta_rule_jvp``, the decay held per row of the state).
     """
-    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
-    states, q_norm, k_norm = cache.states, cache.q_norm, cache.k_norm
-    tq, tk, tv, tg, tbeta, tS = _padded(tangents, 6)
-    zero = np.zeros_like
-    tq = zero(q) if tq is None else cache.scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
-    tk = zero(k) if tk is None else (tk if k_norm is None else l2_norm_jvp(k_norm, tk))
-    tv = zero(v) if tv is None else tv
-    tg = zero(g) if tg is None else tg
-    tbeta = zero(beta) if tbeta is None else tbeta
-    tS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if tS is None else tS
-    tout = np.zeros(v.shape, q.dtype)
-    for t in range(q.shape[-2]):
-        P, decay = states[..., t, :, :], np.exp(g[..., t])[..., None, None]
-        kt, qt = k[..., t, :], q[..., t, :]
-        A = decay * P
-        tA = decay * (tg[..., t, None, None] * P + tS)
-        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
-        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
-        u = beta[..., t, None] * delta
-        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
-        S = A + kt[..., :, None] * u[..., None, :]
-        tS = tA + tk[..., t, :, None] * u[..., None, :] + kt[..., :, None] * tu[..., None, :]
-        tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
-    return tout if cache.final_state is None else (tout, tS)
+    return _delta_rule_jvp(cache, tangents)
 
 
 def gated_delta_rule_backward_jvp(
@@ -1994,6 +1972,38 @@ def gated_delta_rule_backward_jvp(
     return grads, _delta_rule_grad_tangents(
         gated_delta_rule_backward, dout, cache, tangents, ddout, dfinal_state, ddfinal_state
     )
+
+
+def _delta_rule_jvp(cache, tangents):
+    """The lines of ``gated_delta_rule_jvp`` and, with ``g`` of q's shape (a log decay per key
+    channel), of ``kimi_delta_attention_jvp``: the decay held per row of the state as
+    ``_delta_rule_grad_tangents`` holds it (``e^{g_t}`` of shape ``(B..., H, Dk, 1)``, one row that
+    broadcasts over the ``Dk`` rows for the scalar rule)."""
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    states, q_norm, k_norm = cache.states, cache.q_norm, cache.k_norm
+    tq, tk, tv, tg, tbeta, tS = _padded(tangents, 6)
+    zero = np.zeros_like
+    rows = g if g.ndim == q.ndim else g[..., None]  # (B..., H, L, Dk) or (B..., H, L, 1): the log decay of each row
+    tq = zero(q) if tq is None else cache.scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
+    tk = zero(k) if tk is None else (tk if k_norm is None else l2_norm_jvp(k_norm, tk))
+    tv = zero(v) if tv is None else tv
+    trows = zero(rows) if tg is None else tg.reshape(rows.shape)
+    tbeta = zero(beta) if tbeta is None else tbeta
+    tS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if tS is None else tS
+    tout = np.zeros(v.shape, q.dtype)
+    for t in range(q.shape[-2]):
+        P, decay = states[..., t, :, :], np.exp(rows[..., t, :])[..., :, None]  # per row of the state
+        kt, qt = k[..., t, :], q[..., t, :]
+        A = decay * P
+        tA = decay * (trows[..., t, :, None] * P + tS)
+        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
+        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
+        u = beta[..., t, None] * delta
+        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
+        S = A + kt[..., :, None] * u[..., None, :]
+        tS = tA + tk[..., t, :, None] * u[..., None, :] + kt[..., :, None] * tu[..., None, :]
+        tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
+    return tout if cache.final_state is None else (tout, tS)
 
 
 def _delta_rule_grad_tangents(backward, dout, cache, tangents, ddout, dfinal_state, ddfinal_state):
@@ -3123,32 +3133,10 @@ def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents: Optional
         tS_t = tA + tk_t u^T + k_t tu^T;          to_t = tS_t^T q_t + S_t^T tq_t
 
     (``tq``, ``tk`` first through ``l2_norm``'s JVP and the scale).  Returns ``tout``, or
-    ``(tout, tfinal_state)`` when the forward kept the final state.
+    ``(tout, tfinal_state)`` when the forward kept the final state.  The lines are both rules'
+    (``_delta_rule_jvp``, the decay held per row of the state).
     """
-    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
-    states, q_norm, k_norm = cache.states, cache.q_norm, cache.k_norm
-    tq, tk, tv, tg, tbeta, tS = _padded(tangents, 6)
-    zero = np.zeros_like
-    tq = zero(q) if tq is None else cache.scale * (tq if q_norm is None else l2_norm_jvp(q_norm, tq))
-    tk = zero(k) if tk is None else (tk if k_norm is None else l2_norm_jvp(k_norm, tk))
-    tv = zero(v) if tv is None else tv
-    tg = zero(g) if tg is None else tg
-    tbeta = zero(beta) if tbeta is None else tbeta
-    tS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if tS is None else tS
-    tout = np.zeros(v.shape, q.dtype)
-    for t in range(q.shape[-2]):
-        P, decay = states[..., t, :, :], np.exp(g[..., t, :])[..., :, None]
-        kt, qt = k[..., t, :], q[..., t, :]
-        A = decay * P
-        tA = decay * (tg[..., t, :, None] * P + tS)
-        delta = v[..., t, :] - np.einsum("...kv,...k->...v", A, kt)
-        tdelta = tv[..., t, :] - np.einsum("...kv,...k->...v", tA, kt) - np.einsum("...kv,...k->...v", A, tk[..., t, :])
-        u = beta[..., t, None] * delta
-        tu = tbeta[..., t, None] * delta + beta[..., t, None] * tdelta
-        S = A + kt[..., :, None] * u[..., None, :]
-        tS = tA + tk[..., t, :, None] * u[..., None, :] + kt[..., :, None] * tu[..., None, :]
-        tout[..., t, :] = np.einsum("...kv,...k->...v", tS, qt) + np.einsum("...kv,...k->...v", S, tq[..., t, :])
-    return tout if cache.final_state is None else (tout, tS)
+    return _delta_rule_jvp(cache, tangents)
 
 
 def kimi_delta_attention_backward_jvp(
