@@ -269,3 +269,26 @@ def test_modules_call_the_unvalidated_kernels(monkeypatch):
     ):
         y = m(ids)
         m.backward(rng.standard_normal(y.shape))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_without_grad_is_the_kept_path_bit_for_bit(affine, dtype):
+    """Under no_grad RMSNorm keeps no xhat and forms y in place (issue 32, item 5): the same
+    roundings, ``(x rstd) weight``, as the forward that keeps its cache."""
+    rng = np.random.default_rng(4)
+    m = RMSNorm(16, elementwise_affine=affine, dtype=dtype)
+    if affine:
+        m.weight.data[...] = rng.standard_normal(16)
+    x = rng.standard_normal((3, 5, 16)).astype(dtype)
+    kept = m(x)
+    m.clear_saved()
+    with npattn.no_grad():
+        free = m(x)
+    assert free.dtype == dtype and np.array_equal(free, kept)
+    from npattn.functional import kernels as K
+
+    xs = x.swapaxes(0, 1)  # a strided input too
+    w = m.weight.data if affine else None
+    assert np.array_equal(K.rms_norm(xs, w, 1e-6, keep=False)[0], K.rms_norm(xs, w, 1e-6)[0])
+    assert K.rms_norm(xs, w, 1e-6, keep=False)[1] is None

@@ -204,3 +204,21 @@ def test_rope_bad_input():
     raises(ValueError, "dout", lambda: F.rope_backward(np.zeros((2, 3, 5)), cache), "(2, 3, 4)", "(2, 3, 5)")
     raises(TypeError, "cache", lambda: F.rope_backward(y, F.silu(x)[1]), "RopeCache", "SiluCache")
     raises(TypeError, "cache", lambda: F.rope_backward(y, (cache.cos, cache.sin)), "RopeCache", "tuple")
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}])
+def test_rope_again_is_rope_at_the_same_positions(scaling):
+    """``rope_again`` rotates by the angles an earlier call cached (the keys at the queries'
+    positions, issue 32, item 5): the numbers and the cache of ``rope`` itself."""
+    rng = np.random.default_rng(7)
+    q, k = rng.standard_normal((2, 4, 6, 8)), rng.standard_normal((2, 2, 6, 8))
+    pos = np.arange(3, 9)
+    from npattn.functional.rope_scaling import check_scaling
+
+    params = None if scaling is None else check_scaling(scaling)
+    _, qc = kernels.rope(q, pos, base=100.0, scaling=params)
+    y, kc = kernels.rope_again(k, qc)
+    y_ref, kc_ref = kernels.rope(k, pos, base=100.0, scaling=params)
+    assert np.array_equal(y, y_ref) and np.abs(y).max() > 0
+    assert kc.shape == kc_ref.shape and np.array_equal(kc.cos, kc_ref.cos) and np.array_equal(kc.sin, kc_ref.sin)
+    assert np.array_equal(kernels.rope_backward(y, kc), kernels.rope_backward(y_ref, kc_ref))

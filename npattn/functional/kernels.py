@@ -85,6 +85,7 @@ from .norm import rms_norm_backward_jvp_kernel as rms_norm_backward_jvp
 from .norm import rms_norm_backward_kernel as rms_norm_backward
 from .norm import rms_norm_jvp_kernel as rms_norm_jvp
 from .norm import rms_norm_kernel as rms_norm
+from .rope import rope_again_kernel as rope_again
 from .rope import rope_backward_jvp_kernel as rope_backward_jvp
 from .rope import rope_backward_kernel as rope_backward
 from .rope import rope_jvp_kernel as rope_jvp

@@ -471,7 +471,9 @@ def rms_norm(
     return rms_norm_kernel(x, weight, eps, normalized_shape=ns)
 
 
-def rms_norm_kernel(x, weight=None, eps=None, *, normalized_shape=None):
+def rms_norm_kernel(x, weight=None, eps=None, *, normalized_shape=None, keep=True):
+    """The kernel of ``rms_norm``; ``keep=False`` (a forward that keeps no state): ``y`` alone,
+    formed in place with the same roundings (``(x rstd) weight``), and None for the cache."""
     k, _ = _axes(x, normalized_shape, weight)
     if eps is None:
         eps = float(np.finfo(x.dtype).eps)
@@ -480,6 +482,11 @@ def rms_norm_kernel(x, weight=None, eps=None, *, normalized_shape=None):
     if eps == 0.0:
         rms[rms == 0] = np.inf  # a slice of zeros, no eps: rstd = 0, so xhat = 0 (not 0/0)
     rstd = 1.0 / rms
+    if not keep:  # no xhat to keep: one pass and one array fewer
+        np.multiply(x, rstd, out=y)
+        if weight is not None:
+            y *= weight
+        return y, None
     xhat = np.multiply(x, rstd, out=np.empty(x.shape, x.dtype))  # C-contiguous, whatever x's layout
     if weight is not None:
         np.multiply(xhat, weight, out=y)

@@ -173,6 +173,13 @@ def rope_kernel(x, positions=None, *, base=10000.0, interleaved=False, scaling=N
     return _rotate(x, cos, sin, interleaved), RopeCache(cos, sin, interleaved, x.shape, x.dtype)
 
 
+def rope_again_kernel(x, cache: RopeCache):
+    """``rope_kernel`` of ``x`` at the angles of an earlier call (``cache``: the same positions,
+    frequencies and length, e.g. the queries' when the keys sit at the same positions): its cached
+    ``cos``/``sin``, not computed again.  Returns ``(y, cache)`` as ``rope_kernel``."""
+    return _rotate(x, cache.cos, cache.sin, cache.interleaved), cache._replace(shape=x.shape, dtype=x.dtype)
+
+
 def rope_backward(dout: np.ndarray, cache: RopeCache) -> np.ndarray:
     """Each pair is multiplied by the rotation ``R(theta) = [[cos, -sin], [sin, cos]]``, a linear map,
     so ``d(a, b) = R(theta)^T d(ya, yb) = R(-theta) d(ya, yb)``: the gradient is rotated back,

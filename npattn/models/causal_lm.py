@@ -44,7 +44,7 @@ from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
 from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
-from ..nn.module import Module, no_grad
+from ..nn.module import Module, is_grad_enabled, no_grad
 from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
 from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..nn.transformer import _block_tangents
@@ -62,7 +62,7 @@ class _OffsetRMSNorm(RMSNorm):
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         w = self.weight.data + 1  # type: ignore[union-attr]
-        y, cache = K.rms_norm(x, w, self.eps, normalized_shape=self.normalized_shape)
+        y, cache = K.rms_norm(x, w, self.eps, normalized_shape=self.normalized_shape, keep=is_grad_enabled())
         self.save_for_backward(cache)
         return y
 

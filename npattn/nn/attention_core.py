@@ -404,9 +404,9 @@ class MultiHeadAttentionCore(Module):
     def _qk_w(self, w, h: int):
         return w if w is None or self.qk_norm_scope == "head" else w.reshape(h, self.head_dim)
 
-    def _qk_norm(self, x, norm):
-        """``(normed x, cache)``."""
-        y, c = K.rms_norm(self._qk_heads(x), self._qk_w(self._qk_weight(norm), x.shape[-3]), norm.eps)
+    def _qk_norm(self, x, norm, keep: bool = True):
+        """``(normed x, cache)`` (the cache None unless ``keep``: ``rms_norm_kernel``'s)."""
+        y, c = K.rms_norm(self._qk_heads(x), self._qk_w(self._qk_weight(norm), x.shape[-3]), norm.eps, keep=keep)
         return self._qk_heads(y), c
 
     def _qk_norm_backward(self, dy, cache):
@@ -553,11 +553,12 @@ class MultiHeadAttentionCore(Module):
         """The stages in order; returns the output and the state (kept for backward unless cached)."""
         self_attn = key is None or value is None
         # A training step's internal arrays come from (and go back to) the module's workspace
-        ws = self._workspace() if self_attn and not use_cache and is_grad_enabled() else None
+        kept = not use_cache and is_grad_enabled()  # the state is kept for a backward
+        ws = self._workspace() if self_attn and kept else None
         p = self._project(x, None if self_attn else key, None if self_attn else value, ws)
         cache = self._kv_cache_in_use() if use_cache else None
         start = 0 if cache is None else cache.position  # rolled-out tokens count
-        qh, kh, pos = self._position(p.q, p.k, start, positions)
+        qh, kh, pos = self._position(p.q, p.k, start, positions, kept)
         vh, dropped = p.v, 0
         if cache is not None:
             # a rolling cache no longer holds the first `dropped` keys (hidden by the window anyway):
@@ -611,13 +612,16 @@ class MultiHeadAttentionCore(Module):
         qh, gate = self._split_query(q)
         return Projected(qh, gate, self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads), caches, qkv)
 
-    def _position(self, qh, kh, start: int, positions=None) -> tuple[np.ndarray, np.ndarray, Positioned]:
+    def _position(
+        self, qh, kh, start: int, positions=None, kept: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, Positioned]:
         """Stage 2: QK-norm, then RoPE (query/key ``i`` of this call at position ``start + i``, or
-        at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows)."""
+        at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows).
+        ``kept``: the state is kept for a backward (else QK-norm keeps no cache)."""
         qn = kn = qr = kr = None
         if self.qk_norm:
-            qh, qn = self._qk_norm(qh, self.q_norm)
-            kh, kn = self._qk_norm(kh, self.k_norm)
+            qh, qn = self._qk_norm(qh, self.q_norm, kept)
+            kh, kn = self._qk_norm(kh, self.k_norm, kept)
         if self.rope:
             ropt = dict(
                 base=self.rope_base,
@@ -630,7 +634,10 @@ class MultiHeadAttentionCore(Module):
             else:  # (..., L) -> (..., 1, L): one row of positions for every head
                 qpos = kpos = positions[..., None, :] if positions.ndim > 1 else positions
             qh, qr = K.rope(qh, qpos, **ropt)
-            kh, kr = K.rope(kh, kpos, **ropt)
+            if positions is not None or kh.shape[-2] == qh.shape[-2]:  # the same angles: q's cos and sin
+                kh, kr = K.rope_again(kh, qr)
+            else:
+                kh, kr = K.rope(kh, kpos, **ropt)
         return qh, kh, Positioned(qn, kn, qr, kr)
 
     def _attend(self, qh, kh, vh, mask, align: str | None, ws):

@@ -269,7 +269,8 @@ class _Norm(_Layer):
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
         params = [_data(p) for p in self._affine()]
-        y, cache = getattr(K, self._OP)(x, *params, self.eps, normalized_shape=self.normalized_shape)
+        kw = {"keep": False} if self._OP == "rms_norm" and not is_grad_enabled() else {}
+        y, cache = getattr(K, self._OP)(x, *params, self.eps, normalized_shape=self.normalized_shape, **kw)
         self.save_for_backward(cache)
         return y
 
