@@ -172,7 +172,8 @@ def _gemv_into(a: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
     ``SMALL_GEMV / 4`` values are cut into ``n`` segments of ``c / n`` (``y`` sums the segments'
     products: 8-row matrices either way)."""
     k, c = a.shape
-    g = SMALL_GEMV // c if c < SMALL_GEMV else 0
+    # a power of 2 rows a matrix: a block of rows leaves none over
+    g = 1 << ((SMALL_GEMV - 1) // c).bit_length() - 1 if c < SMALL_GEMV else 0
     if g >= 4:  # whole rows
         m = k // g * g
         np.matmul(a[:m].reshape(m // g, g, c), x, out=y[:m].reshape(m // g, g))
