@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import shared_doc
+from .._docs import jvp_sections, shared_doc
 from .._validate import (
     as_float,
     as_index,
@@ -415,6 +415,14 @@ def topk_router_backward_kernel(dout, cache):
     return dz.reshape(shape)
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "topk_router",
+        "TopKRouterCache",
+        tangents="``tlogits``, of the logits' shape ``(..., E)`` (None: zero).",
+        returns="``tweights``, of the weights' shape ``(..., k)`` and dtype.",
+    )
+)
 def topk_router_jvp(cache: TopKRouterCache, *tangents) -> np.ndarray:
     """Forward mode of ``topk_router``: the weights' tangent along ``tlogits`` (the choice is
     constant), the backward's steps forwards: ``tv = tz_idx`` (``"topk_softmax"``),
@@ -422,21 +430,7 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents) -> np.ndarray:
     softmax's tangent at the chosen); ``tr = r (tv - sum r tv)`` (the top-k softmax),
     ``(tv - r sum tv) / D`` (renormalised), ``tv`` (otherwise); ``tw = c tr``.
 
-    Parameters
-    ----------
-    cache : TopKRouterCache
-    *tangents : ndarray or None
-        ``tlogits (..., E)`` (None: zero).
-
-    Returns
-    -------
-    ndarray ``(..., k)``
-        ``tweights``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        A cache from another op, more than one tangent, or one of the wrong kind or shape.
+    <jvp_sections>
     """
     check_cache(cache, TopKRouterCache, "topk_router_jvp")
     (tz,) = check_tangents(tangents, ("tlogits",), "topk_router_jvp")
@@ -831,6 +825,19 @@ def moe_experts_backward_kernel(dout, cache, keep=False):
     return (grads, (dys, dhs, dm, dgu)) if keep else grads
 
 
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "moe_experts",
+        "MoeExpertsCache",
+        tangents=(
+            "In the backward's order: ``tx``, ``tweights``, ``tgate_up``, ``tdown``, ``tgate_up_bias``, "
+            "``tdown_bias`` (None: zero; a bias tangent only when the forward had the bias)."
+        ),
+        returns="``ty``, of ``x``'s shape ``(..., H)`` and dtype.",
+        most="six tangents",
+        wrong=", or a tangent for a bias the forward did not have",
+    )
+)
 def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
     """Forward mode of ``moe_experts``: ``ty_n = sum_j (tw_nj h_nj + w_nj th_nj)``, the experts'
     tangents on the sorted rows (their forward steps on tangents: ``tgu = tx Wgu^T + x tWgu^T +
@@ -839,22 +846,7 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents) -> np.ndarray:
     m tWd^T + tbd``), back to (token, slot) order through the same permutation, summed over the
     slots.  The indices have no tangent.
 
-    Parameters
-    ----------
-    cache : MoeExpertsCache
-    *tangents : ndarray or None
-        In the backward's order: ``tx``, ``tweights``, ``tgate_up``, ``tdown``, ``tgate_up_bias``,
-        ``tdown_bias`` (None: zero; a bias tangent only when the forward had the bias).
-
-    Returns
-    -------
-    ndarray ``(..., H)``
-        ``ty``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        A cache from another op, more than six tangents, or one of the wrong kind or shape.
+    <jvp_sections>
     """
     check_cache(cache, MoeExpertsCache, "moe_experts_jvp")
     return moe_experts_jvp_kernel(cache, *check_tangents_as(tangents, "moe_experts_jvp", cache.hs.dtype, _specs(cache)))
@@ -978,6 +970,28 @@ def moe_experts_backward_jvp(dout: np.ndarray, cache: MoeExpertsCache, tangents,
     return moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
+def _expert_linear_tangents(bounds, swiglu, w, tw, a, ta, g, tg, tda, tdw, tdb) -> None:
+    """The tangents of one expert layer's backward on the sorted rows, per expert: the layer
+    ``o = a W^T + b`` (``W`` stored ``(out, in)`` for SwiGLU, ``(in, out)`` for GPT-OSS) has the
+    backward ``da = g W``, ``dW = g^T a``, ``db = sum g``, whose tangents ``tda = tg W + g tW``,
+    ``tdW = tg^T a + g^T ta``, ``tdb = sum tg`` are written into ``tda``, ``tdw`` and ``tdb`` (None:
+    no bias).  ``tw``, ``ta`` None: zero."""
+    for ex, rows in _experts_with_tokens(bounds):
+        np.matmul(tg[rows], w[ex] if swiglu else w[ex].T, out=tda[rows])
+        if tw is not None:
+            tda[rows] += g[rows] @ (tw[ex] if swiglu else tw[ex].T)
+        if swiglu:
+            tdw[ex] = tg[rows].T @ a[rows]
+            if ta is not None:
+                tdw[ex] += g[rows].T @ ta[rows]
+        else:
+            tdw[ex] = a[rows].T @ tg[rows]
+            if ta is not None:
+                tdw[ex] += ta[rows].T @ g[rows]
+        if tdb is not None:
+            tdb[ex] = tg[rows].sum(0)
+
+
 def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forward=None):
     """The kernel of ``moe_experts_backward_jvp`` (``tangents`` the checked six, None = zero);
     ``forward``: what ``experts_tangents`` gave along the same tangents (computed here when
@@ -1006,17 +1020,8 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forwar
     tdgub = None if gate_up_bias is None else np.zeros_like(gate_up_bias)
     tddb = None if down_bias is None else np.zeros_like(down_bias)
     tdm = np.empty_like(hmid)
-    for ex, rows in _experts_with_tokens(bounds):  # dm = dh Wd, dWd = dh^T m, dbd = sum dh
-        wd = down[ex] if swiglu else down[ex].T
-        np.matmul(tdhs[rows], wd, out=tdm[rows])
-        if tdown is not None:
-            tdm[rows] += dhs[rows] @ (tdown[ex] if swiglu else tdown[ex].T)
-        if swiglu:
-            tddown[ex] = tdhs[rows].T @ hmid[rows] + dhs[rows].T @ tm[rows]
-        else:
-            tddown[ex] = hmid[rows].T @ tdhs[rows] + tm[rows].T @ dhs[rows]
-        if tddb is not None:
-            tddb[ex] = tdhs[rows].sum(0)
+    # dm = dh Wd, dWd = dh^T m, dbd = sum dh
+    _expert_linear_tangents(bounds, swiglu, down, tdown, hmid, tm, dhs, tdhs, tdm, tddown, tddb)
     tdgu = np.empty_like(gu)
     if swiglu:
         i = gu.shape[1] // 2
@@ -1035,21 +1040,8 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forwar
         tdgu[:, ::2] = (tdm * (u + 1.0) * dphi + dm * tu * dphi + dm * (u + 1.0) * d2phi * tg) * below
         tdgu[:, 1::2] = (tdm * glu + dm * dphi * tg) * inside
     tdxs = np.empty_like(xs)
-    for ex, rows in _experts_with_tokens(bounds):  # dx = dgu Wgu, dWgu = dgu^T x, dbgu = sum dgu
-        wgu = gate_up[ex] if swiglu else gate_up[ex].T
-        np.matmul(tdgu[rows], wgu, out=tdxs[rows])
-        if tgate_up is not None:
-            tdxs[rows] += dgu[rows] @ (tgate_up[ex] if swiglu else tgate_up[ex].T)
-        if swiglu:
-            tdgate_up[ex] = tdgu[rows].T @ xs[rows]
-            if txs is not None:
-                tdgate_up[ex] += dgu[rows].T @ txs[rows]
-        else:
-            tdgate_up[ex] = xs[rows].T @ tdgu[rows]
-            if txs is not None:
-                tdgate_up[ex] += txs[rows].T @ dgu[rows]
-        if tdgub is not None:
-            tdgub[ex] = tdgu[rows].sum(0)
+    # dx = dgu Wgu, dWgu = dgu^T x, dbgu = sum dgu
+    _expert_linear_tangents(bounds, swiglu, gate_up, tgate_up, xs, txs, dgu, tdgu, tdxs, tdgate_up, tdgub)
     tdx_pairs = np.empty_like(tdxs)
     tdx_pairs[order] = tdxs
     tdx = tdx_pairs.reshape(n, k, h).sum(1).reshape(x_shape)
