@@ -1227,6 +1227,25 @@ def _pair_extra_grads(grads, n_inputs, kw_float, wrt):
     return tuple(grads[:n_inputs]), dict(zip(targets, extra))
 
 
+def _prepared_inputs(inputs, dtype, jiggle=None) -> list:
+    """The inputs as a check perturbs them: ``_prepare_input``'s copies, the float ones moved by
+    ``jiggle`` when given."""
+    inputs = [_prepare_input(x, dtype) for x in inputs]
+    if jiggle is not None:
+        inputs = [_jiggled(x, jiggle) if _is_float_array(x) else x for x in inputs]
+    return inputs
+
+
+def _wrt_only(checked: list, wrt, label: str, nothing: str) -> list:
+    """The ``(name, array)`` pairs of ``checked`` that ``wrt`` names (all when None); ValueError
+    saying ``nothing`` (what the target lacks) when none is left."""
+    if wrt is not None:
+        checked = [(n, a) for n, a in checked if n in wrt]
+    if not checked:
+        raise ValueError(f"{label}: nothing to check: {nothing}")
+    return checked
+
+
 class _FunctionalSetup(NamedTuple):
     """A functional target made ready at its point: ``call()`` runs the forward at the current
     values of the ``checked`` arrays (copies, perturbed in place) and returns ``(out, cache)``;
@@ -1256,9 +1275,7 @@ class _FunctionalSetup(NamedTuple):
 
 def _functional_setup(forward, backward, inputs, kwargs, opts, dtype, g_dtype, jiggle=None) -> _FunctionalSetup:
     label = getattr(forward, "__name__", "forward")
-    inputs = [_prepare_input(x, dtype) for x in inputs]
-    if jiggle is not None:
-        inputs = [_jiggled(x, jiggle) if _is_float_array(x) else x for x in inputs]
+    inputs = _prepared_inputs(inputs, dtype, jiggle)
     names = _positional_names(forward, len(inputs), "input")
     kwargs = dict(kwargs)
     kw_float = [k for k in _keyword_order(forward, kwargs) if _is_float_array(kwargs[k])]
@@ -1315,11 +1332,7 @@ def _functional_setup(forward, backward, inputs, kwargs, opts, dtype, g_dtype, j
     slots.update({k: slot for k, (slot, _) in kw_grads.items()})
     raw = {names[i]: np.asarray(pairs[i][1]) for i in sorted(pairs)}
     raw.update({k: np.asarray(v) for k, (_, v) in kw_grads.items()})
-    tensors = dict(checked)
-    if opts.wrt is not None:
-        checked = [(n, a) for n, a in checked if n in opts.wrt]
-    if not checked:
-        raise ValueError(f"{label}: nothing to check: no positional float input")
+    tensors, checked = dict(checked), _wrt_only(checked, opts.wrt, label, "no positional float input")
     dtypes = {"output": out.dtype, **{n: r.dtype for n, r in raw.items()}}
     return _FunctionalSetup(label, call, g, out, checked, tensors, raw, slots, n_slots, dtypes)
 
@@ -1382,9 +1395,7 @@ class _ModuleSetup(NamedTuple):
 
 def _module_setup(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None) -> _ModuleSetup:
     label = type(m).__name__
-    inputs = [_prepare_input(x, dtype) for x in inputs]
-    if jiggle is not None:
-        inputs = [_jiggled(x, jiggle) if _is_float_array(x) else x for x in inputs]
+    inputs = _prepared_inputs(inputs, dtype, jiggle)
     float_idx = [i for i, x in enumerate(inputs) if _is_float_array(x)]
     if len(float_idx) == 1 and len(inputs) == 1:
         in_names = ["input"]
@@ -1431,11 +1442,7 @@ def _module_setup(m: Module, inputs, kwargs, opts, dtype, g_dtype, jiggle=None) 
             p.data = np.array(p.data, copy=True)
         checked.append((pname, p.data))
         param_names[pname] = p
-    tensors = dict(checked)
-    if opts.wrt is not None:
-        checked = [(n, a) for n, a in checked if n in opts.wrt]
-    if not checked:
-        raise ValueError(f"{label}: nothing to check: no float input and no parameter")
+    tensors, checked = dict(checked), _wrt_only(checked, opts.wrt, label, "no float input and no parameter")
     dtypes = {"output": raw_out.dtype, **{n: r.dtype for n, r in raw.items()}}
     position = {in_names[i]: i for i in range(len(inputs))}
     return _ModuleSetup(
