@@ -134,10 +134,10 @@ def test_is_causal_with_a_right_window_side_is_causal():
     np.testing.assert_array_equal(a, b)
 
 
-def test_check_options_defaults_and_plain():
-    opts = _blocks.check_options((2, 3, 4, 5), np.float64, None)
+def test_checked_options_defaults_and_plain():
+    opts = _blocks.AttentionOptions().checked((2, 3, 4, 5), np.float64, None)
     assert opts == _blocks.AttentionOptions() and opts.plain
-    assert not _blocks.check_options((2, 3, 4, 5), np.float64, None, window=(1, 1)).plain
+    assert not _blocks.AttentionOptions(window=(1, 1)).checked((2, 3, 4, 5), np.float64, None).plain
 
 
 def test_band_and_key_ranges():

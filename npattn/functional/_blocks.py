@@ -4,7 +4,7 @@
 (``memory_efficient.py``) both work on blocks of the score matrix held key-major, ``S^T`` of
 shape ``(..., keys, queries)``.  This module holds the pieces they have in common:
 
-* ``check_qkv`` (-> ``QKV``), ``check_scale``, ``check_options`` (-> ``AttentionOptions``):
+* ``check_qkv`` (-> ``QKV``), ``check_scale``, ``AttentionOptions.checked``:
   validation and casting at the public edge (``ValueError``/``TypeError`` naming the argument,
   before any arithmetic); ``check_attention_tangents``: the tangents of a JVP
   (``attention_tangent_specs``, ``split_attention_tangents``: shared with the second order);
@@ -217,7 +217,8 @@ def check_scale(scale, head_dim: int) -> float:
 
 
 class AttentionOptions(NamedTuple):
-    """The checked attention options (see ``check_options``)."""
+    """The attention options, one object from the public edge to the kernels: as the user passed
+    them, or validated by ``checked`` (which every public op calls before any arithmetic)."""
 
     causal_align: str = "top_left"
     window: Optional[tuple[int, int]] = None
@@ -238,70 +239,59 @@ class AttentionOptions(NamedTuple):
             and not self.mask_grad
         )
 
+    def checked(self, score_shape: tuple, dtype, attn_mask) -> AttentionOptions:
+        """These options, as the user passed them, validated for scores of shape ``(..., Hq, Lq,
+        Lk)`` in ``dtype``; ``attn_mask`` is the already checked mask (or None).
+
+        * ``causal_align``: ``"top_left"`` or ``"bottom_right"``;
+        * ``window``: None or ``(left, right)``, integers >= -1 (-1: unbounded on that side);
+        * ``alibi_slopes``: None or a finite float array broadcastable to ``(..., Hq)``;
+        * ``softcap``: None or a finite float > 0;
+        * ``sinks``: None or a finite float array of shape ``(Hq,)`` (``Hq`` is 1 without a head axis);
+        * ``mask_grad``: a bool; True needs a float ``attn_mask``.
+        """
+        causal_align, window, alibi_slopes, softcap, sinks, mask_grad = self
+        if not isinstance(causal_align, str):
+            got = f"{causal_align!r} ({type(causal_align).__name__})"
+            raise TypeError(f"causal_align: expected 'top_left' or 'bottom_right', got {got}")
+        if causal_align not in CAUSAL_ALIGNS:
+            raise ValueError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
+        if window is not None:
+            if not isinstance(window, (tuple, list)):
+                raise TypeError(
+                    f"window: expected None or a pair (left, right) of ints, got {window!r} ({type(window).__name__})"
+                )
+            if len(window) != 2:
+                raise ValueError(f"window: expected a pair (left, right), got {len(window)} values {tuple(window)!r}")
+            for side, w in zip(("left", "right"), window):
+                if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+                    raise TypeError(f"window: expected integer sizes, got {side} = {w!r} ({type(w).__name__})")
+                if w < -1:
+                    raise ValueError(f"window: expected sizes >= -1 (-1 = unbounded), got {side} = {w}")
+            window = (int(window[0]), int(window[1]))
+        lead = tuple(score_shape[:-2])
+        if alibi_slopes is not None:
+            alibi_slopes = _check_float_array(alibi_slopes, "alibi_slopes", dtype)
+            check_broadcastable(alibi_slopes.shape, lead, "alibi_slopes", "..., Hq")
+        if softcap is not None:
+            softcap = check_positive_float(softcap, "softcap")
+        if sinks is not None:
+            sinks = _check_float_array(sinks, "sinks", dtype)
+            hq = score_shape[-3] if len(score_shape) >= 3 else 1
+            if sinks.shape != (hq,):
+                raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {sinks.shape}")
+        mask_grad = check_bool(mask_grad, "mask_grad")
+        if mask_grad and (attn_mask is None or attn_mask.dtype == bool):
+            got = "None" if attn_mask is None else "a bool mask"
+            raise ValueError(f"mask_grad: True needs a float attn_mask (its gradient is returned), got {got}")
+        return AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+
 
 def _check_float_array(x, name: str, dtype) -> np.ndarray:
     a = as_float(x, name, dtype)
     if a.size and not np.isfinite(a).all():
         raise ValueError(f"{name}: expected finite values, got {'NaN' if np.isnan(a).any() else 'inf'}")
     return a
-
-
-def check_options(
-    score_shape: tuple,
-    dtype,
-    attn_mask,
-    causal_align="top_left",
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    sinks=None,
-    mask_grad=False,
-) -> AttentionOptions:
-    """Validate the attention options for scores of shape ``(..., Hq, Lq, Lk)`` in ``dtype``;
-    ``attn_mask`` is the already checked mask (or None).
-
-    * ``causal_align``: ``"top_left"`` or ``"bottom_right"``;
-    * ``window``: None or ``(left, right)``, integers >= -1 (-1: unbounded on that side);
-    * ``alibi_slopes``: None or a finite float array broadcastable to ``(..., Hq)``;
-    * ``softcap``: None or a finite float > 0;
-    * ``sinks``: None or a finite float array of shape ``(Hq,)`` (``Hq`` is 1 without a head axis);
-    * ``mask_grad``: a bool; True needs a float ``attn_mask``.
-    """
-    if not isinstance(causal_align, str):
-        raise TypeError(
-            f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r} ({type(causal_align).__name__})"
-        )
-    if causal_align not in CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
-    if window is not None:
-        if not isinstance(window, (tuple, list)):
-            raise TypeError(
-                f"window: expected None or a pair (left, right) of ints, got {window!r} ({type(window).__name__})"
-            )
-        if len(window) != 2:
-            raise ValueError(f"window: expected a pair (left, right), got {len(window)} values {tuple(window)!r}")
-        for side, w in zip(("left", "right"), window):
-            if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
-                raise TypeError(f"window: expected integer sizes, got {side} = {w!r} ({type(w).__name__})")
-            if w < -1:
-                raise ValueError(f"window: expected sizes >= -1 (-1 = unbounded), got {side} = {w}")
-        window = (int(window[0]), int(window[1]))
-    lead = tuple(score_shape[:-2])
-    if alibi_slopes is not None:
-        alibi_slopes = _check_float_array(alibi_slopes, "alibi_slopes", dtype)
-        check_broadcastable(alibi_slopes.shape, lead, "alibi_slopes", "..., Hq")
-    if softcap is not None:
-        softcap = check_positive_float(softcap, "softcap")
-    if sinks is not None:
-        sinks = _check_float_array(sinks, "sinks", dtype)
-        hq = score_shape[-3] if len(score_shape) >= 3 else 1
-        if sinks.shape != (hq,):
-            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {sinks.shape}")
-    mask_grad = check_bool(mask_grad, "mask_grad")
-    if mask_grad and (attn_mask is None or attn_mask.dtype == bool):
-        got = "None" if attn_mask is None else "a bool mask"
-        raise ValueError(f"mask_grad: True needs a float attn_mask (its gradient is returned), got {got}")
-    return AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
 
 
 def attention_tangent_specs(qkv_shapes: tuple, mask_shape, sinks_shape) -> tuple:

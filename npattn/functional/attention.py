@@ -40,7 +40,6 @@ from ._blocks import (
     band_hidden,
     broadcast_qkv,
     broadcast_shapes,
-    check_options,
     check_qkv,
     check_scale,
     distance,
@@ -278,7 +277,8 @@ def scaled_dot_product_attention(
         attn_mask = check_mask(attn_mask, "attn_mask", score_shape)
     scale = check_scale(scale, q.shape[-1])
     rng = as_rng(rng) if dropout_p > 0.0 or rng is not None else None
-    opts = check_options(score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    opts = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    opts = opts.checked(score_shape, q.dtype, attn_mask)
     return scaled_dot_product_attention_kernel(
         q, k, v, attn_mask, is_causal, dropout_p, scale, rng, enable_gqa, options=opts
     )

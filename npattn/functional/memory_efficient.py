@@ -87,7 +87,6 @@ from ._blocks import (
     band,
     band_hidden,
     band_width,
-    check_options,
     check_qkv,
     check_scale,
     distance,
@@ -566,9 +565,8 @@ def memory_efficient_attention(
     scale = check_scale(scale, q.shape[-1])
     if block_size is not None:
         check_size(block_size, "block_size")
-    options = check_options(
-        score_shape, q.dtype, attn_mask, causal_align, window, alibi_slopes, softcap, sinks, mask_grad
-    )
+    options = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
+    options = options.checked(score_shape, q.dtype, attn_mask)
     return memory_efficient_attention_kernel(
         q,
         k,

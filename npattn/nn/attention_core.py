@@ -7,7 +7,7 @@
 and the JVP walk the same stages, each by its own method.
 
 The attention options (``causal_align``, ``window``, ALiBi, ``softcap``) are validated once, in
-``__init__``, by the cores' own ``check_options``, and held as one ``AttentionOptions``
+``__init__``, by the cores' own ``AttentionOptions.checked``, and held as one ``AttentionOptions``
 (``self.options``); each call adds only what changes per call (the sinks parameter's current
 values, the bottom-right alignment of a cached call).  The KV cache is a ``KVCache`` (or a
 ``RollingKVCache`` for a sliding window) of ``npattn.nn.kv_cache``.
@@ -48,7 +48,7 @@ from .._validate import (
 )
 from ..functional import AttentionCache
 from ..functional import kernels as K
-from ..functional._blocks import AttentionOptions, check_options
+from ..functional._blocks import AttentionOptions
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
 from .kv_cache import KVCache, RollingKVCache
 from .layers import Linear, RMSNorm, fused_linears
@@ -232,14 +232,16 @@ class MultiHeadAttentionCore(Module):
         share one constructor signature, refuses True and has nothing to set up."""
 
     def _check_options(self, causal_align, window, softcap, dtype) -> AttentionOptions:
-        """The options checked by the cores' own ``check_options``; a window that is not a pair and
-        a ``causal_align`` that is not a string keep the module's exception types (``TypeError``,
-        ``ValueError``), which its callers rely on."""
-        if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2):
-            raise TypeError(f"window: expected None or a pair (left, right) of integers, got {window!r}")
+        """The options checked by the cores' own ``AttentionOptions.checked``; a window that is not
+        a pair and a ``causal_align`` that is not a string keep the module's exception types
+        (``TypeError``, ``ValueError``), which its callers rely on."""
+        if window is not None:
+            if not (isinstance(window, (tuple, list)) and len(window) == 2):
+                raise TypeError(f"window: expected None or a pair (left, right) of integers, got {window!r}")
+            window = tuple(window)
         if not isinstance(causal_align, str):
             raise ValueError(f"causal_align: expected 'top_left' or 'bottom_right', got {causal_align!r}")
-        return check_options((self.num_heads, 1, 1), dtype, None, causal_align, window, None, softcap)
+        return AttentionOptions(causal_align, window, softcap=softcap).checked((self.num_heads, 1, 1), dtype, None)
 
     def _init_shapes(self, d_in, d_out, num_heads, num_kv_heads, head_dim, kdim, vdim) -> None:
         """Check and set the widths: ``d_in``, ``d_out``, the heads, ``head_dim``, ``kdim``, ``vdim``."""
