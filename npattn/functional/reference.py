@@ -1840,27 +1840,10 @@ def gated_delta_rule(
     (a step of online regression: ``S <- S - beta_t k_t (k_t^T S - v_t^T)`` is one gradient
     step on ``||S^T k_t - v_t||^2 / 2`` with learning rate beta_t).  Returns ``(o (B..., H, L, Dv),
     cache)``; ``cache.final_state`` is ``S_L`` when ``output_final_state``.  ``chunk_size`` is the
-    fast tier's (it changes nothing there either): the recurrence has no chunks.
+    fast tier's (it changes nothing there either): the recurrence has no chunks.  The steps are
+    both rules' (``_delta_rule``, the decay held per row of the state).
     """
-    q_norm = k_norm = None
-    if use_qk_l2norm:
-        q, q_norm = l2_norm(q, 1e-6)
-        k, k_norm = l2_norm(k, 1e-6)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * scale
-    lead, steps = q.shape[:-2], q.shape[-2]
-    S = np.zeros(lead + (k.shape[-1], v.shape[-1]), q.dtype) if initial_state is None else initial_state
-    out = np.zeros(v.shape, q.dtype)
-    states = np.zeros(lead + (steps,) + S.shape[-2:], q.dtype)
-    for t in range(steps):
-        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
-        kt, vt, qt = k[..., t, :], v[..., t, :], q[..., t, :]  # (B..., H, Dk), (B..., H, Dv)
-        S = np.exp(g[..., t])[..., None, None] * S  # decay
-        u = beta[..., t, None] * (vt - np.einsum("...kv,...k->...v", S, kt))  # the delta, (B..., H, Dv)
-        S = S + kt[..., :, None] * u[..., None, :]  # rank-1 write k_t u_t^T
-        out[..., t, :] = np.einsum("...kv,...k->...v", S, qt)  # read with q_t
-    final = S if output_final_state else None
-    return out, GatedDeltaRuleCache(q, k, v, g, beta, states, scale, q_norm, k_norm, initial_state is not None, final)
+    return _delta_rule(GatedDeltaRuleCache, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm)
 
 
 def gated_delta_rule_backward(
@@ -1884,34 +1867,9 @@ def gated_delta_rule_backward(
     same (transposed) decay-and-erase map in reverse time, and ``dinitial_state = dS_0``.
     Then the chain rule through ``q = scale * l2(q_in)`` and ``k = l2(k_in)``.
     Returns ``(dq, dk, dv, dg, dbeta, dinitial_state)``, the last None without an initial state.
+    The walk is both rules' (``_delta_rule_backward``, ``dg_t`` the sum of the rows of ``<dA, A>``).
     """
-    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
-    states = cache.states  # S_{t-1} of every step
-    steps = q.shape[-2]
-    dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
-    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
-    dg, dbeta = np.zeros(g.shape, q.dtype), np.zeros(beta.shape, q.dtype)
-    for t in reversed(range(steps)):
-        kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
-        A = np.exp(g[..., t])[..., None, None] * states[..., t, :, :]  # recomputed from S_{t-1}
-        delta = vt - np.einsum("...kv,...k->...v", A, kt)
-        u = beta[..., t, None] * delta
-        St = A + kt[..., :, None] * u[..., None, :]
-        dS = dS + qt[..., :, None] * do[..., None, :]  # o_t = S_t^T q_t
-        dq[..., t, :] = np.einsum("...kv,...v->...k", St, do)
-        du = np.einsum("...kv,...k->...v", dS, kt)  # S_t = A + k_t u^T
-        dk[..., t, :] = np.einsum("...kv,...v->...k", dS, u)
-        dbeta[..., t] = (du * delta).sum(-1)  # u = beta_t delta
-        dv[..., t, :] = beta[..., t, None] * du
-        bdu = beta[..., t, None] * du
-        dA = dS - kt[..., :, None] * bdu[..., None, :]  # delta = v_t - A^T k_t
-        dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
-        dg[..., t] = (dA * A).sum(axis=(-2, -1))  # A = e^{g_t} S_{t-1}
-        dS = np.exp(g[..., t])[..., None, None] * dA  # dS_{t-1}
-    dq = dq * cache.scale
-    if cache.q_norm is not None and cache.k_norm is not None:
-        dq, dk = l2_norm_backward(dq, cache.q_norm), l2_norm_backward(dk, cache.k_norm)
-    return dq, dk, dv, dg, dbeta, (dS if cache.has_initial_state else None)
+    return _delta_rule_backward(dout, cache, dfinal_state)
 
 
 def gated_delta_rule_jvp(cache: GatedDeltaRuleCache, *tangents: Optional[Array]):
@@ -1972,6 +1930,81 @@ def gated_delta_rule_backward_jvp(
     return grads, _delta_rule_grad_tangents(
         gated_delta_rule_backward, dout, cache, tangents, ddout, dfinal_state, ddfinal_state
     )
+
+
+def _delta_rule(cache_type, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm):
+    """The steps of ``gated_delta_rule`` and, with ``g`` of q's shape (a log decay per key
+    channel), of ``kimi_delta_attention``: the decay held per row of the state as the JVP and the
+    second order hold it (``e^{g_t}`` of shape ``(B..., H, Dk, 1)``, one row that broadcasts over
+    the ``Dk`` rows for the scalar rule).  Returns ``(out, cache_type(...))``."""
+    q_norm = k_norm = None
+    if use_qk_l2norm:
+        q, q_norm = l2_norm(q, 1e-6)
+        k, k_norm = l2_norm(k, 1e-6)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * scale
+    rows = g if g.ndim == q.ndim else g[..., None]  # (B..., H, L, Dk) or (B..., H, L, 1): the log decay of each row
+    lead, steps = q.shape[:-2], q.shape[-2]
+    S = np.zeros(lead + (k.shape[-1], v.shape[-1]), q.dtype) if initial_state is None else initial_state
+    out = np.zeros(v.shape, q.dtype)
+    states = np.zeros(lead + (steps,) + S.shape[-2:], q.dtype)
+    for t in range(steps):
+        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
+        kt, vt, qt = k[..., t, :], v[..., t, :], q[..., t, :]  # (B..., H, Dk), (B..., H, Dv)
+        S = np.exp(rows[..., t, :])[..., :, None] * S  # decay: row d times e^{g_td} (all rows alike: e^{g_t})
+        u = beta[..., t, None] * (vt - np.einsum("...kv,...k->...v", S, kt))  # the delta, (B..., H, Dv)
+        S = S + kt[..., :, None] * u[..., None, :]  # rank-1 write k_t u_t^T
+        out[..., t, :] = np.einsum("...kv,...k->...v", S, qt)  # read with q_t
+    return out, cache_type(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        states=states,
+        scale=scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        has_initial_state=initial_state is not None,
+        final_state=S if output_final_state else None,
+    )
+
+
+def _delta_rule_backward(dout, cache, dfinal_state):
+    """The backward walk of ``gated_delta_rule_backward`` and, with ``g`` of q's shape, of
+    ``kimi_delta_attention_backward``: the decay per row of the state as ``_delta_rule`` holds it,
+    its gradient the row sums of ``<dA, A>``, summed over the rows when the decay is one number."""
+    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
+    states = cache.states  # S_{t-1} of every step
+    steps = q.shape[-2]
+    per_channel = g.ndim == q.ndim
+    rows = g if per_channel else g[..., None]  # (B..., H, L, Dk) or (B..., H, L, 1): the log decay of each row
+    dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
+    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+    drows, dbeta = np.zeros(rows.shape, q.dtype), np.zeros(beta.shape, q.dtype)
+    for t in reversed(range(steps)):
+        kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
+        decay = np.exp(rows[..., t, :])[..., :, None]  # (B..., H, Dk or 1, 1) e^{g_t} per row of S
+        A = decay * states[..., t, :, :]  # recomputed from S_{t-1}
+        delta = vt - np.einsum("...kv,...k->...v", A, kt)
+        u = beta[..., t, None] * delta
+        St = A + kt[..., :, None] * u[..., None, :]
+        dS = dS + qt[..., :, None] * do[..., None, :]  # o_t = S_t^T q_t
+        dq[..., t, :] = np.einsum("...kv,...v->...k", St, do)
+        du = np.einsum("...kv,...k->...v", dS, kt)  # S_t = A + k_t u^T
+        dk[..., t, :] = np.einsum("...kv,...v->...k", dS, u)
+        dbeta[..., t] = (du * delta).sum(-1)  # u = beta_t delta
+        dv[..., t, :] = beta[..., t, None] * du
+        bdu = beta[..., t, None] * du
+        dA = dS - kt[..., :, None] * bdu[..., None, :]  # delta = v_t - A^T k_t
+        dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
+        row = (dA * A).sum(-1)  # A = diag(e^{g_t}) S_{t-1}: row d of <dA, A>; one decay for all rows: their sum
+        drows[..., t, :] = row if per_channel else row.sum(-1, keepdims=True)
+        dS = decay * dA  # dS_{t-1}
+    dq = dq * cache.scale
+    if cache.q_norm is not None and cache.k_norm is not None:
+        dq, dk = l2_norm_backward(dq, cache.q_norm), l2_norm_backward(dk, cache.k_norm)
+    return dq, dk, dv, drows.reshape(g.shape), dbeta, (dS if cache.has_initial_state else None)
 
 
 def _delta_rule_jvp(cache, tangents):
@@ -3017,7 +3050,7 @@ def kimi_delta_attention(
     a diagonal matrix, so a channel of the key space can keep its memory for long while another
     forgets within a few steps.  Returns ``(o (B..., H, L, Dv), cache)``; ``cache.final_state`` is
     ``S_L`` when ``output_final_state``.  ``chunk_size`` is the fast tier's (it changes nothing
-    there either): the recurrence has no chunks.
+    there either): the recurrence has no chunks.  The steps are both rules' (``_delta_rule``).
 
     Examples
     --------
@@ -3033,36 +3066,8 @@ def kimi_delta_attention(
     >>> bool(np.allclose(out, ref, rtol=0, atol=1e-14))
     True
     """
-    q_norm = k_norm = None
-    if use_qk_l2norm:
-        q, q_norm = l2_norm(q, 1e-6)
-        k, k_norm = l2_norm(k, 1e-6)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * scale
-    lead, steps = q.shape[:-2], q.shape[-2]
-    S = np.zeros(lead + (k.shape[-1], v.shape[-1]), q.dtype) if initial_state is None else initial_state
-    out = np.zeros(v.shape, q.dtype)
-    states = np.zeros(lead + (steps,) + S.shape[-2:], q.dtype)
-    for t in range(steps):
-        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
-        kt, vt, qt = k[..., t, :], v[..., t, :], q[..., t, :]  # (B..., H, Dk), (B..., H, Dv)
-        S = np.exp(g[..., t, :])[..., :, None] * S  # decay: row d times e^{g_td}
-        u = beta[..., t, None] * (vt - np.einsum("...kv,...k->...v", S, kt))  # the delta, (B..., H, Dv)
-        S = S + kt[..., :, None] * u[..., None, :]  # rank-1 write k_t u_t^T
-        out[..., t, :] = np.einsum("...kv,...k->...v", S, qt)  # read with q_t
-    final = S if output_final_state else None
-    return out, KimiDeltaAttentionCache(
-        q=q,
-        k=k,
-        v=v,
-        g=g,
-        beta=beta,
-        states=states,
-        scale=scale,
-        q_norm=q_norm,
-        k_norm=k_norm,
-        has_initial_state=initial_state is not None,
-        final_state=final,
+    return _delta_rule(
+        KimiDeltaAttentionCache, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm
     )
 
 
@@ -3089,36 +3094,10 @@ def kimi_delta_attention_backward(
     transpose); ``dinitial_state = dS_0``.  The scalar rule's ``dg_t = <dA, A>`` is the sum of
     these rows: a decay shared by the channels gets the sum of their gradients.  Then the chain
     rule through ``q = scale * l2(q_in)`` and ``k = l2(k_in)``.  Returns ``(dq, dk, dv, dg, dbeta,
-    dinitial_state)``, the last None without an initial state.
+    dinitial_state)``, the last None without an initial state.  The walk is both rules'
+    (``_delta_rule_backward``).
     """
-    q, k, v, g, beta = cache.q, cache.k, cache.v, cache.g, cache.beta  # as the forward used them
-    states = cache.states  # S_{t-1} of every step
-    steps = q.shape[-2]
-    dS = np.zeros(states.shape[:-3] + states.shape[-2:], q.dtype) if dfinal_state is None else dfinal_state
-    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
-    dg, dbeta = np.zeros(g.shape, q.dtype), np.zeros(beta.shape, q.dtype)
-    for t in reversed(range(steps)):
-        kt, vt, qt, do = k[..., t, :], v[..., t, :], q[..., t, :], dout[..., t, :]
-        decay = np.exp(g[..., t, :])[..., :, None]  # (B..., H, Dk, 1) e^{g_t} per row of S
-        A = decay * states[..., t, :, :]  # recomputed from S_{t-1}
-        delta = vt - np.einsum("...kv,...k->...v", A, kt)
-        u = beta[..., t, None] * delta
-        St = A + kt[..., :, None] * u[..., None, :]
-        dS = dS + qt[..., :, None] * do[..., None, :]  # o_t = S_t^T q_t
-        dq[..., t, :] = np.einsum("...kv,...v->...k", St, do)
-        du = np.einsum("...kv,...k->...v", dS, kt)  # S_t = A + k_t u^T
-        dk[..., t, :] = np.einsum("...kv,...v->...k", dS, u)
-        dbeta[..., t] = (du * delta).sum(-1)  # u = beta_t delta
-        dv[..., t, :] = beta[..., t, None] * du
-        bdu = beta[..., t, None] * du
-        dA = dS - kt[..., :, None] * bdu[..., None, :]  # delta = v_t - A^T k_t
-        dk[..., t, :] -= np.einsum("...kv,...v->...k", A, bdu)
-        dg[..., t, :] = (dA * A).sum(-1)  # A = diag(e^{g_t}) S_{t-1}: one number per row
-        dS = decay * dA  # dS_{t-1}
-    dq = dq * cache.scale
-    if cache.q_norm is not None and cache.k_norm is not None:
-        dq, dk = l2_norm_backward(dq, cache.q_norm), l2_norm_backward(dk, cache.k_norm)
-    return dq, dk, dv, dg, dbeta, (dS if cache.has_initial_state else None)
+    return _delta_rule_backward(dout, cache, dfinal_state)
 
 
 def kimi_delta_attention_jvp(cache: KimiDeltaAttentionCache, *tangents: Optional[Array]):
