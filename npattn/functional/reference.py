@@ -2538,6 +2538,17 @@ def topk_router_backward(dout: Array, cache: TopKRouterCache) -> Array:
     return dz.reshape(shape)
 
 
+def _router_source_tangent(variant: str, src: Array, tz: Array) -> Array:
+    """One token's ``tsrc``, the tangent of the scores the choice reads (``topk_router_jvp``'s
+    first lines): ``tz`` (``"topk_softmax"``), ``s (1 - s) tz`` (``"sigmoid"``), ``p (tz - <p,
+    tz>)`` (``"softmax_topk"``)."""
+    if variant == "topk_softmax":
+        return tz
+    if variant == "sigmoid":
+        return src * (1.0 - src) * tz
+    return src * (tz - np.dot(src, tz))
+
+
 def topk_router_jvp(cache: TopKRouterCache, *tangents: Optional[Array]) -> Array:
     """``tweights (..., k)`` along ``tlogits (..., E)``: the forward's lines differentiated, per
     token (the chosen set is constant):
@@ -2558,12 +2569,7 @@ def topk_router_jvp(cache: TopKRouterCache, *tangents: Optional[Array]) -> Array
         return tw.reshape(shape[:-1] + r.shape[-1:])
     tz = tz.reshape(src.shape)
     for n in range(src.shape[0]):
-        if variant == "topk_softmax":
-            tsrc = tz[n]
-        elif variant == "sigmoid":
-            tsrc = src[n] * (1.0 - src[n]) * tz[n]
-        else:
-            tsrc = src[n] * (tz[n] - np.dot(src[n], tz[n]))
+        tsrc = _router_source_tangent(variant, src[n], tz[n])
         tv = tsrc[indices[n]]
         if variant == "topk_softmax":
             tr = r[n] * (tv - np.dot(r[n], tv))
@@ -2604,12 +2610,7 @@ def topk_router_backward_jvp(dout: Array, cache: TopKRouterCache, tangents, ddou
     tdz = np.zeros(src.shape, src.dtype)
     for n in range(src.shape[0]):
         # the forward's tangents (topk_router_jvp's lines)
-        if variant == "topk_softmax":
-            tsrc = tz[n]
-        elif variant == "sigmoid":
-            tsrc = src[n] * (1.0 - src[n]) * tz[n]
-        else:
-            tsrc = src[n] * (tz[n] - np.dot(src[n], tz[n]))
+        tsrc = _router_source_tangent(variant, src[n], tz[n])
         tv = tsrc[indices[n]]
         # dr = c dw: c is a constant
         dr, tdr = c * dw[n], c * tdw[n]
@@ -2639,12 +2640,16 @@ def topk_router_backward_jvp(dout: Array, cache: TopKRouterCache, tangents, ddou
     return grads, tdz.reshape(shape)
 
 
-def _expert_views(kind, gate_up_e, down_e, gate_up_bias_e, down_bias_e):
-    """One expert's ``(Wg (I, H), Wu (I, H), Wd (H, I), bg (I,), bu (I,), bd (H,))``: views into the
-    fused layouts (so the same views of a gradient array add into it), None for an absent bias.
+def _expert_views(kind, e, gate_up, down, gate_up_bias=None, down_bias=None):
+    """Expert ``e``'s ``(Wg (I, H), Wu (I, H), Wd (H, I), bg (I,), bu (I,), bd (H,))`` from the
+    stacks ``(E, ...)``: views into the fused layouts (so the same views of a gradient array add
+    into it), None for an absent bias.
     ``"swiglu"``: ``gate_up (2I, H)`` is the gate rows then the up rows, ``down (H, I)``.
     ``"gpt_oss"``: ``gate_up (H, 2I)`` has the gate in the even columns and the up in the odd ones,
     ``down (I, H)``."""
+    gate_up_e, down_e = gate_up[e], down[e]
+    gate_up_bias_e = None if gate_up_bias is None else gate_up_bias[e]
+    down_bias_e = None if down_bias is None else down_bias[e]
     if kind == "swiglu":
         i = gate_up_e.shape[0] // 2
         Wg, Wu, Wd = gate_up_e[:i], gate_up_e[i:], down_e
@@ -2720,13 +2725,7 @@ def moe_experts(
     for n in range(N):
         for j in range(k):
             e = I[n, j]
-            Wg, Wu, Wd, bg, bu, bd = _expert_views(
-                kind,
-                gate_up[e],
-                down[e],
-                None if gate_up_bias is None else gate_up_bias[e],
-                None if down_bias is None else down_bias[e],
-            )
+            Wg, Wu, Wd, bg, bu, bd = _expert_views(kind, e, gate_up, down, gate_up_bias, down_bias)
             gate, up = _plus(Wg @ X[n], bg), _plus(Wu @ X[n], bu)
             if kind == "swiglu":
                 a, act_cache = _moe_act(activation)[0](gate)
@@ -2774,14 +2773,8 @@ def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[
     for n in range(N):
         for j in range(k):
             e = I[n, j]
-            Wg, Wu, Wd, _, _, _ = _expert_views(kind, gate_up[e], down[e], None, None)
-            dWg, dWu, dWd, dbg, dbu, dbd = _expert_views(
-                kind,
-                dgate_up[e],
-                ddown[e],
-                None if dgate_up_bias is None else dgate_up_bias[e],
-                None if ddown_bias is None else ddown_bias[e],
-            )
+            Wg, Wu, Wd, _, _, _ = _expert_views(kind, e, gate_up, down)
+            dWg, dWu, dWd, dbg, dbu, dbd = _expert_views(kind, e, dgate_up, ddown, dgate_up_bias, ddown_bias)
             dw[n, j] = np.dot(dy[n], h[n, j])
             dh = W[n, j] * dy[n]
             if kind == "swiglu":
@@ -2826,11 +2819,12 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
     N, k = I.shape
     TX = None if tx is None else tx.reshape(X.shape)
     TW = None if tweights is None else tweights.reshape(I.shape)
+    TGU = np.zeros(gate_up.shape, X.dtype) if tgate_up is None else tgate_up  # read with a bias tangent alone too
     ty = np.zeros(X.shape, X.dtype)
     for n in range(N):
         for j in range(k):
             e = I[n, j]
-            Wg, Wu, Wd, _, _, _ = _expert_views(kind, gate_up[e], down[e], None, None)
+            Wg, Wu, Wd, _, _, _ = _expert_views(kind, e, gate_up, down)
             tgate, tup, th = (
                 np.zeros(Wg.shape[0], X.dtype),
                 np.zeros(Wg.shape[0], X.dtype),
@@ -2839,13 +2833,7 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
             if TX is not None:
                 tgate, tup = tgate + Wg @ TX[n], tup + Wu @ TX[n]
             if tgate_up is not None or tgate_up_bias is not None:
-                tWg, tWu, _, tbg, tbu, _ = _expert_views(
-                    kind,
-                    np.zeros(gate_up.shape[1:], X.dtype) if tgate_up is None else tgate_up[e],
-                    down[e],
-                    None if tgate_up_bias is None else tgate_up_bias[e],
-                    None,
-                )
+                tWg, tWu, _, tbg, tbu, _ = _expert_views(kind, e, TGU, down, tgate_up_bias)
                 tgate, tup = _plus(tgate + tWg @ X[n], tbg), _plus(tup + tWu @ X[n], tbu)
             if kind == "swiglu":
                 gate, up, a, act_cache, m = pairs[n][j]
@@ -2857,7 +2845,7 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
                 tm = tu * g * s + (u + 1.0) * tg * (s + g * alpha * s * (1.0 - s))
             th = th + Wd @ tm
             if tdown is not None:
-                th = th + _expert_views(kind, gate_up[e], tdown[e], None, None)[2] @ m
+                th = th + _expert_views(kind, e, gate_up, tdown)[2] @ m
             if tdown_bias is not None:
                 th = th + tdown_bias[e]
             ty[n] += W[n, j] * th
@@ -2955,21 +2943,9 @@ def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddou
     for n in range(N):
         for j in range(k):
             e = I[n, j]
-            Wg, Wu, Wd, _, _, _ = _expert_views(kind, gate_up[e], down[e], None, None)
-            tWg, tWu, tWd, tbg, tbu, tbd = _expert_views(
-                kind,
-                tgate_up[e],
-                tdown[e],
-                None if tgate_up_bias is None else tgate_up_bias[e],
-                None if tdown_bias is None else tdown_bias[e],
-            )
-            tdWg, tdWu, tdWd, tdbg, tdbu, tdbd = _expert_views(
-                kind,
-                tdgate_up[e],
-                tddown[e],
-                None if tdgate_up_bias is None else tdgate_up_bias[e],
-                None if tddown_bias is None else tddown_bias[e],
-            )
+            Wg, Wu, Wd, _, _, _ = _expert_views(kind, e, gate_up, down)
+            tWg, tWu, tWd, tbg, tbu, tbd = _expert_views(kind, e, tgate_up, tdown, tgate_up_bias, tdown_bias)
+            tdWg, tdWu, tdWd, tdbg, tdbu, tdbd = _expert_views(kind, e, tdgate_up, tddown, tdgate_up_bias, tddown_bias)
             # the forward's tangents (moe_experts_jvp's lines)
             tgate, tup = _plus(Wg @ TX[n] + tWg @ X[n], tbg), _plus(Wu @ TX[n] + tWu @ X[n], tbu)
             # dh = w dy: both factors move
