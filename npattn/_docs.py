@@ -27,7 +27,8 @@ BACKWARD_RAISES = """
 def shared_doc(**parts: str) -> Callable[[T], T]:
     """Decorator: each line ``<name>`` of the docstring becomes ``parts[name]`` (its lines indented
     as the marker; blank lines stay blank).  A part its docstring does not name is an error.  The
-    standard parts (``<examples>``, :data:`EXAMPLES`) are filled where the docstring names them.
+    standard parts (``<examples>``, :data:`EXAMPLES`; ``<reference_examples>``,
+    :data:`REFERENCE_EXAMPLES`) are filled where the docstring names them.
 
     Examples
     --------
@@ -81,8 +82,27 @@ EXAMPLES = """
     >>> from npattn import functional as F
     """
 
+
+def tiers_examples(sentence: str) -> str:
+    """The head of examples that set the two tiers side by side: the section's header,
+    ``sentence``, the imports of both tiers (``F``, ``R``) and ``rng``."""
+    return f"""
+    Examples
+    --------
+    {sentence}
+
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    """
+
+
+#: The head of a textbook op's examples (``npattn.functional.reference``), set beside the fast tier.
+REFERENCE_EXAMPLES = tiers_examples("The textbook formula gives the fast tier's numbers:")
+
 #: The parts :func:`shared_doc` fills wherever a docstring names them, without being passed.
-STANDARD_PARTS = {"examples": EXAMPLES}
+STANDARD_PARTS = {"examples": EXAMPLES, "reference_examples": REFERENCE_EXAMPLES}
 
 #: The end of every ``op_jvp`` example: ``tout`` against the central difference of ``f`` along the tangent.
 FD_CHECK = """

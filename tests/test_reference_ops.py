@@ -385,16 +385,21 @@ def test_float32_stays_float32():
 
 
 def test_the_textbook_tier_imports_only_numpy_and_shared_primitives():
-    """No fast kernel behind the formulas: only numpy, the standard library, ``_erf``, ``_random``
-    and, from ``_blocks``, what both tiers share by design: the one attention options object, the
-    one GQA groups formula and the order of attention's tangents (no tiling, no kernel)."""
+    """No fast kernel behind the formulas: only numpy, the standard library, ``_erf``, ``_random``,
+    ``_docs`` (``shared_doc`` only: docstring parts, no arithmetic) and, from ``_blocks``, what both
+    tiers share by design: the one attention options object, the one GQA groups formula and the
+    order of attention's tangents (no tiling, no kernel)."""
     import ast
     import inspect
 
     tree = ast.parse(inspect.getsource(R))
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert modules <= {"__future__", "math", "typing", "numpy", "_erf", "_random", "_blocks"}, modules
+    assert modules <= {"__future__", "math", "typing", "numpy", "_erf", "_random", "_docs", "_blocks"}, modules
+    from_docs = {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "_docs" for a in n.names
+    }
+    assert from_docs <= {"shared_doc"}, from_docs
     from_blocks = {
         a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "_blocks" for a in n.names
     }

@@ -55,7 +55,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import shared_doc
+from .._docs import shared_doc, tiers_examples
 from .._validate import (
     as_float,
     as_floats_of_one_dtype,
@@ -439,17 +439,10 @@ RULE_FORWARD_DOC = {
             Naming the argument, before any arithmetic: non-float arrays, shapes that do not fit
             (expected vs actual), ``L = 0``, a bad ``scale`` or ``chunk_size``, non-bool flags.
         """,
-    "rule_examples": """
-        Examples
-        --------
-        The chunked form gives the textbook recurrence's numbers:
-
-        >>> import numpy as np
-        >>> from npattn import functional as F
-        >>> from npattn.functional import reference as R
-        >>> rng = np.random.default_rng(0)
-        >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
-        """,
+    "rule_examples": tiers_examples("The chunked form gives the textbook recurrence's numbers:").rstrip()
+    + """
+    >>> q, k, v = (rng.standard_normal((1, 2, 10, 4)) for _ in range(3))      # (batch, heads, L, d)
+    """,
 }
 
 

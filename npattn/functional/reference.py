@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from .._docs import shared_doc
 from ._blocks import AttentionOptions, gqa_groups, split_attention_tangents
 from ._erf import erf
 from ._random import draw_seed, keep_mask
@@ -298,6 +299,7 @@ class AttentionCache(NamedTuple):
         return _mask_grad_shape(self.attn_mask, self.options)
 
 
+@shared_doc()
 def scaled_dot_product_attention(
     q: Array,
     k: Array,
@@ -321,14 +323,7 @@ def scaled_dot_product_attention(
     ``q (B..., Hq, Lq, E)``, ``k (B..., Hk, Lk, E)``, ``v (B..., Hk, Lk, Ev)`` -> ``(B..., Hq, Lq, Ev)``.
     See ``npattn.functional.scaled_dot_product_attention`` for the meaning of each argument.
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> q, k, v = (rng.standard_normal((2, 2, 5, 4)) for _ in range(3))
     >>> out, cache = R.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=5.0)
     >>> fast_out, _ = F.scaled_dot_product_attention(q, k, v, is_causal=True, softcap=5.0)
@@ -549,6 +544,7 @@ class MemoryEfficientCache(NamedTuple):
         return _logits(self.q, kr, self.scale, self.attn_mask, self.is_causal, self.options, cols)
 
 
+@shared_doc()
 def memory_efficient_attention(
     q: Array,
     k: Array,
@@ -577,14 +573,7 @@ def memory_efficient_attention(
     (notebooks/06_efficient_attention.ipynb, sections "The online softmax, one query row" and
     "All rows at once, in a dozen lines".)
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> q, k, v = (rng.standard_normal((2, 2, 9, 4)) for _ in range(3))
     >>> out, cache = R.memory_efficient_attention(q, k, v, is_causal=True, block_size=4)
     >>> fast_out, _ = F.memory_efficient_attention(q, k, v, is_causal=True, block_size=4)
@@ -821,17 +810,11 @@ def _mask_cols(tmask, cols):
 # == Linear and embedding ===========================================================================
 
 
+@shared_doc()
 def linear(x: Array, weight: Array, bias: Optional[Array] = None) -> Tuple[Array, tuple]:
     """``y = x W^T + b``: ``x (B..., in)``, ``W (out, in)``, ``b (out,)`` -> ``y (B..., out)``.
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x, w, b = rng.standard_normal((2, 5, 4)), rng.standard_normal((3, 4)), rng.standard_normal(3)
     >>> out, cache = R.linear(x, w, b)
     >>> fast_out, _ = F.linear(x, w, b)
@@ -901,6 +884,7 @@ def linear_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Arr
     return grads, (tdx, tdweight, tdbias)
 
 
+@shared_doc()
 def embedding(
     ids: Array,
     weight: Array,
@@ -914,14 +898,7 @@ def embedding(
     With ``max_norm`` a looked-up row whose ``norm_type``-norm exceeds it is scaled by
     ``max_norm / (norm + 1e-7)`` in the output (as torch; the given ``weight`` is not modified).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> W = rng.standard_normal((10, 4))
     >>> out, cache = R.embedding(np.array([[1, 7, 1]]), W)
     >>> fast_out, _ = F.embedding(np.array([[1, 7, 1]]), W)
@@ -979,18 +956,12 @@ def embedding_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[
 # == Nonlinearities =================================================================================
 
 
+@shared_doc()
 def softmax(x: Array, axis: int = -1) -> Tuple[Array, tuple]:
     """``y = exp(x - max) / sum(exp(x - max))`` along ``axis``; an all ``-inf`` slice gives 0, a 0-d x gives 1.
     (notebooks/01_self_attention.ipynb, section "Softmax: scores to weights".)
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.softmax(x)
     >>> fast_out, _ = F.softmax(x)
@@ -1048,17 +1019,11 @@ def softmax_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Ar
     return grads, tdx.reshape(np.shape(dout))
 
 
+@shared_doc()
 def relu(x: Array) -> Tuple[Array, Array]:
     """``y = max(x, 0)``.
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.relu(x)
     >>> fast_out, _ = F.relu(x)
@@ -1090,18 +1055,12 @@ def relu_backward_jvp(dout: Array, cache: Array, tangents, ddout: Optional[Array
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+@shared_doc()
 def gelu(x: Array, approximate: str = "none") -> Tuple[Array, tuple]:
     """``"none"``: ``y = x Phi(x)``, ``Phi(x) = (1 + erf(x / sqrt 2)) / 2`` the normal CDF.
     ``"tanh"``: ``y = x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``.
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.gelu(x, "tanh")
     >>> fast_out, _ = F.gelu(x, "tanh")
@@ -1162,17 +1121,11 @@ def gelu_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array
     return grads, tdx
 
 
+@shared_doc()
 def silu(x: Array) -> Tuple[Array, tuple]:
     """``y = x sigmoid(x)``, ``sigmoid(x) = 1 / (1 + e^{-x}) = (1 + tanh(x/2)) / 2`` (the tanh form never overflows).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.silu(x)
     >>> fast_out, _ = F.silu(x)
@@ -1211,19 +1164,13 @@ def silu_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array
     return grads, tdx
 
 
+@shared_doc()
 def dropout(x: Array, p: float, rng: RngLike = None, training: bool = True) -> Tuple[Array, tuple]:
     """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep = rng.random(x.shape) >= p`` (kept with
     probability ``1 - p``).  ``p = 1`` gives zeros, ``training=False`` or ``p = 0`` the identity
     (neither draws).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.dropout(x, 0.25, rng=5)
     >>> fast_out, _ = F.dropout(x, 0.25, rng=5)
@@ -1273,6 +1220,7 @@ def _norm_axes(x, weight, normalized_shape):
     return tuple(range(x.ndim - n, x.ndim))
 
 
+@shared_doc()
 def layer_norm(
     x: Array,
     weight: Optional[Array] = None,
@@ -1285,14 +1233,7 @@ def layer_norm(
     trailing axes (``normalized_shape``).  (notebooks/05_encoder_block_and_training.ipynb,
     section "Layer normalisation".)
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.layer_norm(x, np.ones(6), np.zeros(6))
     >>> fast_out, _ = F.layer_norm(x, np.ones(6), np.zeros(6))
@@ -1392,6 +1333,7 @@ def layer_norm_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional
     return grads, (tdx, tdweight, tdbias)
 
 
+@shared_doc()
 def rms_norm(
     x: Array,
     weight: Optional[Array] = None,
@@ -1402,14 +1344,7 @@ def rms_norm(
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing axes; ``eps=None`` is
     ``np.finfo(x.dtype).eps`` (as torch).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.rms_norm(x, np.ones(6))
     >>> fast_out, _ = F.rms_norm(x, np.ones(6))
@@ -1481,6 +1416,7 @@ def rms_norm_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[A
 # == Loss ===========================================================================================
 
 
+@shared_doc()
 def cross_entropy(
     logits: Array,
     targets: Array,
@@ -1505,14 +1441,7 @@ def cross_entropy(
     rows, ``"sum"`` their sum and ``"mean"`` their sum divided by ``sum w[y]`` over the counted
     rows (torch's weighted mean; the number of rows for probability targets; 0 if nothing counts).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> logits = rng.standard_normal((4, 5))
     >>> out, cache = R.cross_entropy(logits, np.array([0, 4, 2, 2]))
     >>> fast_out, _ = F.cross_entropy(logits, np.array([0, 4, 2, 2]))
@@ -1676,6 +1605,7 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
     return np.array(f, dtype=np.float64), float(attention_factor)
 
 
+@shared_doc()
 def rope(
     x: Array,
     positions: Optional[Array] = None,
@@ -1695,14 +1625,7 @@ def rope(
     ``(a, b) -> c (a cos - b sin, a sin + b cos)`` with ``c`` the attention factor (YaRN; else 1).
     The features after ``R`` pass through.
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((2, 5, 8))
     >>> out, cache = R.rope(x)
     >>> fast_out, _ = F.rope(x)
@@ -2133,17 +2056,11 @@ def _delta_rule_tangent_states(cache, rows, tk, tv, trows, tbeta, tS):
     return tstates
 
 
+@shared_doc()
 def l2_norm(x: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(sum x^2 + eps)`` over the last axis (transformers' ``l2norm``, FLA's).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x = rng.standard_normal((3, 6))
     >>> out, cache = R.l2_norm(x)
     >>> fast_out, _ = F.l2_norm(x)
@@ -2188,20 +2105,14 @@ def l2_norm_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Ar
     return grads, tr * (dout - y * ydy) + r * (ddy - ty * ydy - y * tydy)
 
 
+@shared_doc()
 def rms_norm_gated(x: Array, gate: Array, weight: Array, eps: float = 1e-6) -> Tuple[Array, tuple]:
     """``y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)`` over the last axis: RMSNorm, then
     the gate (transformers' ``Qwen3NextRMSNormGated``, "norm before gate").  That module upcasts
     to float32 for the norm and the gate; here every step runs in x's own dtype (the same numbers
     for float32 inputs, more exact ones for float64).
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x, gate = rng.standard_normal((3, 6)), rng.standard_normal((3, 6))
     >>> out, cache = R.rms_norm_gated(x, gate, np.ones(6))
     >>> fast_out, _ = F.rms_norm_gated(x, gate, np.ones(6))
@@ -2266,6 +2177,7 @@ class CausalConv1dCache(NamedTuple):
     final_state: Optional[np.ndarray]  # (B..., K - 1, C) the last K - 1 inputs with output_final_state
 
 
+@shared_doc()
 def causal_conv1d(
     x: Array,
     weight: Array,
@@ -2289,14 +2201,7 @@ def causal_conv1d(
     ``"silu"``.  With ``output_final_state``, ``cache.final_state`` (its last item) is the last
     ``K - 1`` inputs (the state for the next call).  Returns ``(y (B..., L, C), cache)``.
 
-    Examples
-    --------
-    The textbook formula gives the fast tier's numbers:
-
-    >>> import numpy as np
-    >>> from npattn import functional as F
-    >>> from npattn.functional import reference as R
-    >>> rng = np.random.default_rng(0)
+    <reference_examples>
     >>> x, w = rng.standard_normal((2, 7, 3)), rng.standard_normal((3, 4))   # (batch, L, channels), (channels, taps)
     >>> out, cache = R.causal_conv1d(x, w, activation="silu")
     >>> fast_out, _ = F.causal_conv1d(x, w, activation="silu")
