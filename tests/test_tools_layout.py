@@ -9,7 +9,9 @@ import types
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+import npattn._blas as core_blas
 import npattn.tools.bench.runner as runner
 from npattn.tools import _blas, _train
 
@@ -107,9 +109,9 @@ def test_progress_with_tqdm_shows_a_bar(monkeypatch):
 
 
 def test_openblas_lookup_without_openblas(monkeypatch):
-    monkeypatch.setattr(_blas, "_loaded_openblas_paths", lambda: ["/no/such/libopenblas.so"])
+    monkeypatch.setattr(core_blas, "_loaded_openblas_paths", lambda: ["/no/such/libopenblas.so"])
     assert _blas.openblas_functions("get_num_threads") is None  # cannot be loaded: skipped
-    monkeypatch.setattr(_blas, "_loaded_openblas_paths", lambda: [])
+    monkeypatch.setattr(core_blas, "_loaded_openblas_paths", lambda: [])
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)
     with _blas.single_blas_thread():  # no BLAS to limit: the block just runs
         pass
@@ -119,8 +121,25 @@ def test_openblas_paths_without_proc(monkeypatch):
     def no_proc(*args, **kwargs):
         raise OSError("no /proc here")
 
-    monkeypatch.setattr(_blas, "open", no_proc, raising=False)
-    assert _blas._loaded_openblas_paths() == []
+    monkeypatch.setattr(core_blas, "open", no_proc, raising=False)
+    assert core_blas._loaded_openblas_paths() == []
+
+
+@pytest.mark.parametrize(
+    "core, mnk", [(b"SkylakeX", 1 << 19), (b"SapphireRapids", 1 << 19), (b"Haswell", 1 << 18), (b"Zen", 1 << 18)]
+)
+def test_single_thread_gemm_mnk_follows_the_openblas_core(monkeypatch, core, mnk):
+    """Products up to 2^19 multiply-adds only on the cores with OpenBLAS's small-matrix kernels;
+    any other core, another BLAS or none: OpenBLAS's threading threshold 2^18."""
+    monkeypatch.setattr(core_blas, "openblas_functions", lambda *names: [lambda: core])
+    core_blas.single_thread_gemm_mnk.cache_clear()
+    try:
+        assert core_blas.single_thread_gemm_mnk() == mnk
+        monkeypatch.setattr(core_blas, "openblas_functions", lambda *names: None)
+        core_blas.single_thread_gemm_mnk.cache_clear()
+        assert core_blas.single_thread_gemm_mnk() == 1 << 18
+    finally:
+        core_blas.single_thread_gemm_mnk.cache_clear()
 
 
 def test_single_blas_thread_uses_threadpoolctl_when_installed(monkeypatch):

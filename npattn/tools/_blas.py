@@ -1,8 +1,7 @@
-"""The OpenBLAS that numpy loaded, reached directly (for the tools only; threadpoolctl when installed).
+"""The OpenBLAS that numpy loaded, for the tools (threadpoolctl when installed).
 
-``openblas_functions(*names)``: those functions of the first loaded OpenBLAS that has them all,
-whatever prefix and suffix its build uses (``scipy_openblas_...64_``, ``openblas_...64_``, plain).
-``single_blas_thread()``: a context with one BLAS thread.
+``openblas_functions(*names)``: ``npattn._blas``'s (the functions of the loaded OpenBLAS by their
+unprefixed names), re-exported for the bench.  ``single_blas_thread()``: a context with one BLAS thread.
 """
 
 from __future__ import annotations
@@ -10,30 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
-_PREFIXES = (("scipy_openblas_", "64_"), ("openblas_", "64_"), ("openblas_", ""))
+from .._blas import openblas_functions
 
-
-def _loaded_openblas_paths():
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
-    except OSError:
-        return []
-
-
-def openblas_functions(*names):
-    """``[f_1, ...]`` for OpenBLAS's ``get_config``-style ``names`` (without prefix and suffix) in the
-    OpenBLAS numpy loaded (found in ``/proc/self/maps``), or None (another BLAS, or not Linux)."""
-    for path in _loaded_openblas_paths():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix, suffix in _PREFIXES:
-            fns = [getattr(lib, f"{prefix}{name}{suffix}", None) for name in names]
-            if all(fn is not None for fn in fns):
-                return fns
-    return None
+__all__ = ["openblas_functions", "single_blas_thread"]
 
 
 @contextlib.contextmanager
