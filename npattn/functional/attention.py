@@ -336,7 +336,9 @@ def scaled_dot_product_attention_kernel(
         out = full = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     p_blocks, dcap = [], []
-    for blk in blocks:
+    if lq == 1 and groups > 1 and workspace is None and rows.plain():  # decoding: one pass for every group
+        p_blocks = rows.one_row(blocks[0], out)
+    for blk in blocks if not p_blocks else ():
         t, cap = rows.scores(blk)
         rows.softmax(t, blk)
         rows.attend(t, blk, out)
@@ -410,6 +412,34 @@ class _Rows:
         if self.hidden is not None:
             np.copyto(t, -np.inf, where=_mask_block(self.hidden, blk, self.groups, self.lq).swapaxes(-1, -2))
         return t, dcap
+
+    def plain(self) -> bool:
+        """Nothing but the scale enters the scores: no mask, dropout, softcap, ALiBi or sinks."""
+        o = self.opts
+        no_mask = self.hidden is None and self.additive is None and self.keep_g is None
+        return no_mask and o.softcap is None and o.alibi_slopes is None and o.sinks is None
+
+    def one_row(self, blk: Block, out) -> list:
+        """One query row (``Lq = 1``, a decoding step) of every group at once, ``plain()`` scores:
+        the ``G`` blocks of the loop (``blk`` the first; each row sees the keys ``c0..c1-1``, the
+        band hides none of them) as one batched product per stage instead of ``G`` passes of a
+        dozen small operations each.  Bit for bit the loop's: each (kv head, group) is the same
+        matrix-vector product, and the softmax runs over ``G`` blocks laid out one after another
+        in one array, each as contiguous as the loop's own (the block probabilities returned are
+        those arrays)."""
+        G, c0, c1 = self.groups, blk.c0, blk.c1
+        buf = np.empty((G,) + self.tlead + (c1 - c0, 1), self.dt)  # block g at buf[g]
+        nd = buf.ndim
+        t = buf.transpose(tuple(range(1, nd - 2)) + (0, nd - 2, nd - 1))  # (..., Hk, G, keys, 1)
+        q = self.qg.reshape(self.qg.shape[:-2] + (G, 1, self.qg.shape[-1]))
+        np.matmul(self.k[..., None, c0:c1, :], q.swapaxes(-1, -2), out=t)
+        if self.scale != 1.0:
+            buf *= self.scale
+        self.softmax(buf, blk)
+        if out.ndim == self.qg.ndim:  # (..., Hk, G*Lq, Ev) -> (..., Hk, G, 1, Ev)
+            out = out.reshape(out.shape[:-2] + (G, 1, out.shape[-1]))
+        np.matmul(t.swapaxes(-1, -2), self.v[..., None, c0:c1, :], out=out)
+        return list(buf)
 
     def _group(self, blk: Block) -> int:
         return blk.rows.start // self.lq if self.lq else 0

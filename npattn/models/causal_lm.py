@@ -378,6 +378,13 @@ def _check_plausible(cfg: CausalLMConfig, dtype) -> None:
         )
 
 
+def _checked(m: Module, x):
+    """``m(x)`` for a norm or the gated MLP on a hidden state the model formed (its dtype and
+    width right): without grad (nothing kept, so nothing for a backward to check) their
+    ``_forward``, not validated again (a decoding step makes 84 such calls a token on 28 layers)."""
+    return m._forward(x) if isinstance(m, (RMSNorm, GatedMLP)) and not is_grad_enabled() else m(x)
+
+
 class _Padding(NamedTuple):
     """A padded batch's per-call arrays (``CausalLM.forward(ids, attention_mask=...)``)."""
 
@@ -438,7 +445,7 @@ class DecoderLayer(_Renamed):
 
     def _pre(self, norm: RMSNorm | None, x):
         """``norm(x)``, or ``x`` where the block has no pre-norm (its backward: ``_pre_back``)."""
-        return x if norm is None else norm(x)
+        return x if norm is None else _checked(norm, x)
 
     def _pre_back(self, norm: RMSNorm | None, dx):
         return dx if norm is None else norm.backward(dx)
@@ -452,6 +459,9 @@ class DecoderLayer(_Renamed):
         ``attention_mask``."""
         att = self.attention
         if padding is None:
+            if type(att) is MultiHeadAttention and not is_grad_enabled():  # h checked: the cache's batch only
+                att._check_cache(h, True, use_cache)
+                return att._forward(h, use_cache=use_cache)
             return att(h, use_cache=use_cache)
         if isinstance(att, RecurrentLayer):  # GatedDeltaNet, KimiDeltaAttention
             return att(h, use_cache=use_cache, attention_mask=padding.tokens)
@@ -470,11 +480,11 @@ class DecoderLayer(_Renamed):
             raise ValueError(f"per_layer_input: expected {'none' if self.per_layer is None else 'an array'}")
         a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
         if self.sandwich:
-            a = self.post_attention_layernorm(a)
+            a = _checked(self.post_attention_layernorm, a)
         x = x + a
-        m = self.mlp(self._pre(self._mlp_norm(), x))
+        m = _checked(self.mlp, self._pre(self._mlp_norm(), x))
         if self.sandwich:
-            m = self.post_feedforward_layernorm(m)
+            m = _checked(self.post_feedforward_layernorm, m)
         self.save_for_backward(x.shape)
         y = x + m
         if self.per_layer is not None:
@@ -864,7 +874,7 @@ class CausalLM(Module):
         if keep_last:  # the last positions only (cached, so nothing is kept for backward)
             x = x[..., -keep_last:, :]
             keep = None if keep is None else keep[..., -keep_last:, :]
-        h = m.norm(x)
+        h = _checked(m.norm, x)
         if self.lm_head is None:
             logits, head = K.linear(h, m.embed_tokens.weight.data)
         else:

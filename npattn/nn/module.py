@@ -657,8 +657,18 @@ class Module:
     def clear_saved(self) -> None:
         """Release every kept forward state of this module and its submodules (after forward
         passes whose backward will never run, outside ``no_grad``)."""
-        for m in self.modules():
+        for m in self._module_list():
             m._states.clear()
+
+    def _module_list(self) -> tuple:
+        """This module and every submodule (``modules()``) as a tuple, cached as ``_param_list``
+        is (a cached decoding step clears each attention's states: no generator walk per call)."""
+        cached = self.__dict__.get("_mlist")
+        if cached is not None and cached[0] == _structure[0]:
+            return cached[1]
+        mods = tuple(self.modules())
+        object.__setattr__(self, "_mlist", (_structure[0], mods))
+        return mods
 
     @property
     def _cache(self):

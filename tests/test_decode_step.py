@@ -1,0 +1,149 @@
+"""The cached decoding step's own paths (issue 32, item 5): one query row of every grouped head in
+one pass of the attention kernel, bit for bit the block loop's; no second validation inside the
+model's layers; ``clear_saved``'s cached module list."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npattn.functional.attention as A
+from npattn import no_grad
+from npattn.functional import kernels as K
+from npattn.models import CausalLM
+from npattn.models import causal_lm as CL
+from npattn.models.tiny import tiny_config
+from npattn.nn.attention import MultiHeadAttention
+from npattn.nn.layers import Linear, RMSNorm
+from npattn.nn.module import Module
+
+
+def _attend(q, k, v, kw, dout):
+    out, cache = K.scaled_dot_product_attention(q, k, v, **kw)
+    grads = K.scaled_dot_product_attention_backward(dout, cache)
+    return out, cache, grads
+
+
+def _loop_only(monkeypatch):
+    """The block loop for every call (``plain()`` false), as before the one-row path."""
+    monkeypatch.setattr(A._Rows, "plain", lambda self: False)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("heads", [(16, 8), (12, 3), (4, 1)])
+@pytest.mark.parametrize("lead", [(), (1,), (2, 3)])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(is_causal=True, causal_align="bottom_right"),
+        dict(is_causal=True, causal_align="top_left"),
+        dict(is_causal=False),
+        dict(is_causal=True, causal_align="bottom_right", window=(5, 0)),
+        dict(is_causal=False, scale=1.0),
+    ],
+)
+@pytest.mark.parametrize("keys", [0, 1, 7, 9, 130])
+def test_one_query_row_of_every_group_is_the_block_loop_bit_for_bit(monkeypatch, dtype, heads, lead, opts, keys):
+    rng = np.random.default_rng(keys + 7 * len(lead))
+    hq, hk = heads
+    E = 32 if keys % 2 else 16
+    q = rng.standard_normal(lead + (hq, 1, E)).astype(dtype)
+    k = rng.standard_normal(lead + (hk, keys + 5, E)).astype(dtype)[..., :keys, :]  # a cache's view
+    v = rng.standard_normal(lead + (hk, keys + 5, E + 3)).astype(dtype)[..., :keys, :]
+    dout = rng.standard_normal(lead + (hq, 1, E + 3)).astype(dtype)
+    for heads_last in (True, False):
+        kw = dict(opts, enable_gqa=True, heads_last=heads_last)
+        scores = []
+        monkeypatch.setattr(A._Rows, "scores", lambda self, blk, f=A._Rows.scores: scores.append(1) or f(self, blk))
+        out, cache, grads = _attend(q, k, v, kw, dout)
+        assert scores == []  # the one-row pass, not the loop's blocks
+        with monkeypatch.context() as m:
+            _loop_only(m)
+            out0, cache0, grads0 = _attend(q, k, v, kw, dout)
+        assert scores == [1] * (hq // hk)
+        assert out.strides == out0.strides
+        np.testing.assert_array_equal(out, out0)
+        np.testing.assert_array_equal(cache.weights, cache0.weights)
+        assert [p.shape for p in cache.p] == [p.shape for p in cache0.p]
+        assert all(p.flags.c_contiguous for p in cache.p)
+        for g, g0 in zip(grads, grads0):
+            np.testing.assert_array_equal(g, g0)
+        monkeypatch.undo()
+
+
+def test_the_loop_serves_what_the_one_row_pass_does_not(monkeypatch):
+    """A mask, sinks, softcap, several query rows, or no grouping: the block loop."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((4, 1, 8)), rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 6, 8))
+    calls = []
+    monkeypatch.setattr(A._Rows, "one_row", lambda *a: calls.append(1))
+    for kw in (
+        dict(attn_mask=np.ones((4, 1, 6), bool)),
+        dict(sinks=np.zeros(4)),
+        dict(softcap=2.0),
+        dict(alibi_slopes=np.ones(4)),
+        dict(dropout_p=0.5, rng=0),
+    ):
+        A.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    A.scaled_dot_product_attention(rng.standard_normal((4, 2, 8)), k, v, enable_gqa=True)
+    A.scaled_dot_product_attention(rng.standard_normal((2, 1, 8)), k, v)
+    assert calls == []
+
+
+def _tiny(dtype=np.float64):
+    return CausalLM(tiny_config("qwen3"), rng=0, dtype=dtype)
+
+
+def _decode(m, prompt, steps):
+    m.reset_kv_cache()
+    with no_grad():
+        lg = m(prompt, use_cache=True)
+        out = [lg]
+        for _ in range(steps):
+            lg = m(lg[:, -1:].argmax(-1), use_cache=True, logits_to_keep=1)
+            out.append(lg)
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_decoding_validates_at_the_model_edge_only(monkeypatch, dtype):
+    """A cached step checks its ids once; the layers' norms, attention and MLP take their
+    unvalidated ``_forward`` and give the validated path's logits bit for bit."""
+    m = _tiny(dtype)
+    prompt = np.random.default_rng(0).integers(0, 40, (2, 5))
+    calls = []
+
+    def spy(cls, name):
+        f = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, **kw: calls.append(name) or f(self, *a, **kw))
+
+    spy(MultiHeadAttention, "_check_inputs")
+    spy(RMSNorm, "_check_input")
+    fast = _decode(m, prompt, 6)
+    assert calls == []
+    monkeypatch.setattr(CL, "_checked", lambda mod, x: mod(x))
+    monkeypatch.setattr(CL, "is_grad_enabled", lambda: True)  # DecoderLayer takes the public calls
+    checked = _decode(m, prompt, 6)
+    assert calls.count("_check_inputs") == 7 * m.config.num_hidden_layers
+    np.testing.assert_array_equal(fast, checked)
+
+
+def test_decoding_refuses_another_batch_shape_before_any_change():
+    m = _tiny()
+    with no_grad():
+        m(np.array([[1, 2, 3]]), use_cache=True)
+    lengths = [layer.attention._kv_cache.length for layer in m.layers]
+    with pytest.raises(ValueError, match="query"):
+        m(np.array([[4], [5]]), use_cache=True)
+    assert [layer.attention._kv_cache.length for layer in m.layers] == lengths
+
+
+def test_clear_saved_reaches_a_submodule_registered_later():
+    outer = Module()
+    outer.a = Linear(3, 2, rng=0)
+    outer.clear_saved()  # the module list is cached now
+    outer.b = Linear(2, 2, rng=1)
+    outer.b(np.ones((1, 2)))
+    assert outer.b.num_saved == 1
+    outer.clear_saved()
+    assert outer.b.num_saved == 0
