@@ -221,7 +221,9 @@ def load_peak(directory: str) -> dict:
     t = time.perf_counter()
     m = CausalLM.from_pretrained(directory, weights_dtype="bfloat16")
     seconds = time.perf_counter() - t
-    peak = status_kib("VmHWM")
+    # the kernel keeps VmHWM from per-CPU RSS counters, updated lazily: it can read below a VmRSS
+    # seen earlier or now (a tiny model: below `before`); the true peak is at least every one of them
+    peak = max(status_kib("VmHWM"), status_kib("VmRSS"), before)
     model = sum(p.data.nbytes for p in m.parameters())
     above = (peak - before) * 1024
     return {"peak_bytes": above, "model_bytes": model, "ratio": above / model, "seconds": seconds}
