@@ -122,3 +122,23 @@ def test_section_alone_quick(capsys, monkeypatch):
     assert r["config"]["vocab_size"] == decode_large.QUICK["vocab_size"]
     assert [x.get("impl") for x in r["rows"][:2]] == ["npattn float32", "npattn bfloat16"]
     assert r["load"]["model_bytes"] > 0 and r["bandwidth"]["gb_per_s"] > 0
+
+
+def test_rows_carry_the_bandwidth_timed_between_their_steps(checkpoint):
+    d, _ = checkpoint
+    row = decode_large.npattn_side(d, None, **SIZES)
+    assert row["gb_per_s"] > 0 and (row["cpu_wait"] is None or row["cpu_wait"] >= 0)
+    gemv = decode_large._Gemv(64, 16)
+    times, _ = decode_large._steps(lambda ids, first: np.zeros((1, 8)), 2, 5, gemv)
+    assert len(times) == 5 and len(gemv.times) == 5  # one after each step, the warm-up call dropped
+
+
+def test_each_row_limit_is_its_own_bandwidth():
+    report = _report()
+    rows = report["decode_large"]["rows"]
+    rows[0]["gb_per_s"], rows[2]["gb_per_s"] = 40.0, 10.0  # the header's 20 GB/s measured alone
+    text = "\n".join(decode_large.format_section(report))
+    # float32: limit 40 GB/s / 2 GB = 20 tokens/s, 10 tokens/s is 0.50 of it; transformers: 5 of 5
+    assert "float32 at 0.50 of the limit (>= 0.9: NO)" in text
+    line = next(x for x in text.splitlines() if x.startswith("transformers float32"))
+    assert " 10.0 " in line and " 1.00 " in line

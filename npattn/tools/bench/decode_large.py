@@ -8,20 +8,34 @@ head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weig
 
 * ``bandwidth``: the machine's matrix-vector bandwidth, a float32 GEMV over a matrix of the output
   head's shape (far larger than the caches) with the threads in use, GB/s of the median call (one
-  BLAS call, as npattn decodes a float32 matrix);
+  BLAS call, as npattn decodes a float32 matrix), measured alone (the header's figure);
 * ``npattn_side``: the model loaded from a bfloat16 checkpoint written once into a temporary
   directory (``write_checkpoint``), in float32 and with ``weights_dtype="bfloat16"``: greedy
   decoding after a 16-token prompt, tokens/s of the median step (each step one token through the
   KV cache), and the prefill of 512 tokens (the best of ``repeats``); ``fraction`` = tokens/s over
-  the limit ``bandwidth / bytes_per_token``, where ``bytes_per_token`` counts every parameter's
+  the limit ``gb_per_s / bytes_per_token``, where ``bytes_per_token`` counts every parameter's
   stored bytes (the tied head reads the whole embedding table; an untied model's table is left
-  out: decoding reads one row of it);
+  out: decoding reads one row of it) and ``gb_per_s`` is the same GEMV timed once after each
+  step (``_Gemv``, outside the step's time; median), with ``cpu_wait``, the seconds the side's
+  threads waited for a core per second of that loop (``/proc`` schedstat: 0 when nothing else
+  runs);
 * ``transformers_side``: transformers' eager model of the same checkpoint in float32, with the
-  same threads (``runner.torch_or_none``), the same steps (skipped without torch/transformers);
+  same threads (``runner.torch_or_none``), the same steps and the same GEMV between them (skipped
+  without torch/transformers);
 * ``load_peak``: the peak resident memory of ``from_pretrained(..., weights_dtype="bfloat16")``
   of that checkpoint, in a fresh process, above what was resident before the call (``VmHWM`` less
   ``VmRSS`` from ``/proc/self/status``, as ``resource.getrusage``'s ``ru_maxrss`` would give
   without the parent's size), against the loaded model's parameter bytes.
+
+Why the bandwidth is timed between each side's steps: the machine is shared, and the limit and
+the steps measured at different moments (the five calls of ``bandwidth``, a tenth of a second, in
+another process before the sides) met different loads: float32 decoding read 0.80 to 0.95 of the
+limit from run to run on a machine called idle, while a direct timing of the step gave 86-89 ms.
+Timed in the same process, interleaved with the steps, the limit and the tokens/s see the same
+conditions; each side's row gets its own, transformers' as npattn's.  (Busy, the fractions
+still fall: a decoding step makes 113 threaded BLAS calls, each waiting for its slowest thread,
+and a thread that loses its core to another process stalls the call; one large GEMV loses
+little.  ``cpu_wait`` says how busy.)
 
 Each runs in a child process of its own (npattn's without torch), one after another.  The goals
 (issue 32): float32 decoding at >= 90 % of the limit, bfloat16 storage at >= 0.7x float32's
@@ -89,24 +103,40 @@ SIZES_QUICK = dict(prompt=4, new_tokens=3, prefill=8, repeats=1)
 GOALS = {"fraction": 0.9, "bf16_over_f32": 0.7, "prefill_over_transformers": 1.0, "load_over_model": 1.1}
 
 
+class _Gemv:
+    """The bandwidth measure of ``bandwidth`` (one float32 GEMV over a matrix of the output head's
+    shape, one BLAS call) taken between the decoding steps of a side, in its own process: each
+    side's limit then comes from the bandwidth of the same seconds and the same process as its
+    steps (another process's load, or a quiet moment, moves both alike)."""
+
+    def __init__(self, rows: int, cols: int):
+        self.w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+        self.x = np.ones((1, cols), np.float32)
+        self.y = np.empty((1, rows), np.float32)
+        self.times: list = []
+
+    def __call__(self) -> None:
+        t = time.perf_counter()
+        np.matmul(self.x, self.w.T, out=self.y)
+        self.times.append(time.perf_counter() - t)
+
+    def gb_per_s(self) -> float:
+        return self.w.nbytes / statistics.median(self.times) / 1e9
+
+
 def bandwidth(rows: int, cols: int, repeats: int = 5) -> dict:
     """float32 GEMV ``x (1, cols) @ W.T`` over ``W (rows, cols)`` as npattn decodes a float32
     matrix (one BLAS call, OpenBLAS threading it): ``"gb_per_s"``, the limit, the GB/s of the
     median call."""
     from .._blas import openblas_functions
 
-    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
-    x = np.ones((1, cols), np.float32)
-    y = np.empty((1, rows), np.float32)
-    np.matmul(x, w.T, out=y)
-    times = []
+    gemv = _Gemv(rows, cols)
+    gemv()  # its warm-up
+    gemv.times.clear()
     for _ in range(repeats):
-        t = time.perf_counter()
-        np.matmul(x, w.T, out=y)
-        times.append(time.perf_counter() - t)
+        gemv()
     blas = openblas_functions("get_num_threads")
-    gb_per_s = w.nbytes / statistics.median(times) / 1e9
-    return {"gb_per_s": gb_per_s, "bytes": w.nbytes, "threads": blas[0]() if blas else None}
+    return {"gb_per_s": gemv.gb_per_s(), "bytes": gemv.w.nbytes, "threads": blas[0]() if blas else None}
 
 
 def write_checkpoint(directory: str, config: dict) -> dict:
@@ -127,17 +157,38 @@ def _bytes_per_token(params, tied: bool, embedding) -> int:
     return total if tied else total - embedding.data.nbytes
 
 
-def _steps(forward, prompt: int, new_tokens: int) -> list:
-    """Seconds of each greedy step after the prompt; ``forward(ids, first)`` -> last logits."""
+def _run_delay():
+    """Seconds this process's threads have waited for a core so far (the second field of
+    ``/proc/self/task/*/schedstat``), None where the kernel does not say."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return total / 1e9
+
+
+def _steps(forward, prompt: int, new_tokens: int, gemv: _Gemv) -> tuple:
+    """``(seconds of each greedy step after the prompt, seconds the threads waited for a core per
+    second of the loop or None)``; ``gemv()`` timed after each step (and once before the first,
+    its warm-up); ``forward(ids, first)`` -> last logits."""
     rng = np.random.default_rng(1)
     logits = forward(rng.integers(3, 100, (1, prompt)), True)
+    gemv()
+    gemv.times.clear()
     times = []
+    waited, start = _run_delay(), time.perf_counter()
     for _ in range(new_tokens):
         nxt = np.asarray(logits).argmax(-1).reshape(1, 1)
         t = time.perf_counter()
         logits = forward(nxt, False)
         times.append(time.perf_counter() - t)
-    return times
+        gemv()
+    end = _run_delay()
+    wait = None if waited is None or end is None else (end - waited) / (time.perf_counter() - start)
+    return times, wait
 
 
 def _prefill(forward, prefill: int, repeats: int) -> float:
@@ -150,10 +201,13 @@ def _prefill(forward, prefill: int, repeats: int) -> float:
     return best
 
 
-def _row(impl, times, prefill: int, prefill_s: float, bytes_per_token: int, model_bytes: int) -> dict:
+def _row(impl, steps, gemv: _Gemv, prefill: int, prefill_s: float, bytes_per_token: int, model_bytes: int) -> dict:
+    times, wait = steps
     return {
         "impl": impl,
         "tokens_per_s": 1.0 / statistics.median(times),
+        "gb_per_s": gemv.gb_per_s(),
+        "cpu_wait": wait,
         "prefill_tokens_per_s": prefill / prefill_s,
         "bytes_per_token": bytes_per_token,
         "model_bytes": model_bytes,
@@ -173,12 +227,13 @@ def npattn_side(directory: str, weights_dtype, prompt: int, new_tokens: int, pre
         with no_grad():
             return m(ids, use_cache=True, logits_to_keep=1)[:, -1]
 
-    times = _steps(forward, prompt, new_tokens)
+    gemv = _Gemv(m.config.vocab_size, m.config.hidden_size)
+    steps = _steps(forward, prompt, new_tokens, gemv)
     prefill_s = _prefill(forward, prefill, repeats)
     params = list(m.parameters())
     nbytes = _bytes_per_token(params, m.lm_head is None, m.model.embed_tokens.weight)
     model_bytes = sum(p.data.nbytes for p in params)
-    return _row(f"npattn {weights_dtype or 'float32'}", times, prefill, prefill_s, nbytes, model_bytes)
+    return _row(f"npattn {weights_dtype or 'float32'}", steps, gemv, prefill, prefill_s, nbytes, model_bytes)
 
 
 def transformers_side(directory: str, prompt: int, new_tokens: int, prefill: int, repeats: int) -> dict:
@@ -205,11 +260,12 @@ def transformers_side(directory: str, prompt: int, new_tokens: int, prefill: int
         state["cache"] = out.cache
         return out.logits[:, -1].numpy()
 
-    times = _steps(forward, prompt, new_tokens)  # pragma: needs torch
+    gemv = _Gemv(tm.config.vocab_size, tm.config.hidden_size)  # pragma: needs torch
+    steps = _steps(forward, prompt, new_tokens, gemv)
     prefill_s = _prefill(forward, prefill, repeats)
     params = list(tm.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in params)
-    return _row("transformers float32", times, prefill, prefill_s, nbytes, nbytes)
+    return _row("transformers float32", steps, gemv, prefill, prefill_s, nbytes, nbytes)
 
 
 def load_peak(directory: str) -> dict:
@@ -289,6 +345,12 @@ def _verdict(value, goal, at_most=False):
     return "yes" if (value <= goal if at_most else value >= goal) else "NO"
 
 
+def _row_bandwidth(row: dict, alone):
+    """The bandwidth a row's limit is taken from: the GEMV timed between its own steps (a report
+    written before rows carried it: the one measured alone)."""
+    return row.get("gb_per_s", alone)
+
+
 def format_section(report):
     r = report.get("decode_large")
     if not r:
@@ -299,12 +361,15 @@ def format_section(report):
     f32, bf16, hf = by.get("npattn float32"), by.get("npattn bfloat16"), by.get("transformers float32")
     cells = []
     for x in rows:
-        limit = None if bw is None else bw * 1e9 / x["bytes_per_token"]
+        row_bw = _row_bandwidth(x, bw)
+        limit = None if row_bw is None else row_bw * 1e9 / x["bytes_per_token"]
         frac = None if limit is None else x["tokens_per_s"] / limit
         cells.append(
             [
                 x["impl"],
                 f"{x['bytes_per_token'] / 1e9:.2f}",
+                fmt(row_bw, ".1f"),
+                fmt(x.get("cpu_wait"), ".2f"),
                 fmt(limit, ".1f"),
                 f"{x['tokens_per_s']:.1f}",
                 fmt(frac, ".2f"),
@@ -314,6 +379,8 @@ def format_section(report):
     columns = [
         ("impl", "<"),
         ("GB/token", ">"),
+        ("GEMV GB/s", ">"),
+        ("waited", ">"),
         ("limit tok/s", ">"),
         ("decode tok/s", ">"),
         ("of limit", ">"),
@@ -325,15 +392,17 @@ def format_section(report):
         "",
         f"decoding against the memory-bandwidth limit: a Qwen3-0.6B-shaped model (hidden {c['hidden_size']}, "
         f"{c['num_hidden_layers']} layers, vocab {c['vocab_size']}, {r['checkpoint'].get('parameters', 0) / 1e6:.0f}M "
-        f"parameters, random weights); float32 GEMV bandwidth {fmt(bw, '.1f')} GB/s with "
-        f"{r['bandwidth'].get('threads') or '?'} threads (one BLAS call); decoding after "
-        f"{r['sizes']['prompt']} tokens (median of {r['sizes']['new_tokens']} steps); "
-        "limit = bandwidth / bytes of weights per token",
+        f"parameters, random weights); float32 GEMV bandwidth alone {fmt(bw, '.1f')} GB/s with "
+        f"{r['bandwidth'].get('threads') or '?'} threads (one BLAS call over the head's shape); decoding after "
+        f"{r['sizes']['prompt']} tokens (median of {r['sizes']['new_tokens']} steps); each row's limit = "
+        "its GEMV bandwidth (the same GEMV timed between its steps, median) / bytes of weights per token; "
+        "waited: seconds its threads waited for a core per second of decoding (0 on an idle machine)",
     ] + table(columns, cells)
     for x in r["rows"]:
         if "tokens_per_s" not in x:
             lines.append(f"{x.get('impl', '?')}: " + (x.get("error") or f"skipped (no {x.get('missing')})"))
-    frac = None if f32 is None or bw is None else f32["tokens_per_s"] * f32["bytes_per_token"] / (bw * 1e9)
+    f32_bw = None if f32 is None else _row_bandwidth(f32, bw)
+    frac = None if f32 is None or f32_bw is None else f32["tokens_per_s"] * f32["bytes_per_token"] / (f32_bw * 1e9)
     ratio = None if f32 is None or bf16 is None else bf16["tokens_per_s"] / f32["tokens_per_s"]
     pre = None if f32 is None or hf is None else f32["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
     load = r["load"].get("ratio")
