@@ -28,6 +28,7 @@ kept bit, drop the 16 low bits; a NaN becomes ``0xFFFF`` (a NaN), as torch's ten
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -127,39 +128,70 @@ def _rows_into(x2: np.ndarray, bits: np.ndarray, y: np.ndarray, lo: int, hi: int
     this thread's buffer.  One row of ``x2`` (decoding) goes through ``_pairs_into``; more rows
     make one BLAS call per block."""
     n, cols = x2.shape
-    if n == 1 and cols % 2 == 0 and bits.strides[-1] == 2 and bits.strides[0] == 2 * cols:
-        return _pairs_into(x2[0], bits, y[0], lo, hi, max(r, PAIR_ELEMS // cols))
+    if n == 1 and _pairs_fit(bits):
+        r = max(r, PAIR_ELEMS // cols)
+        return _pairs_into(x2[0], bits, y[0], [(i, min(r, hi - i)) for i in range(lo, hi, r)])
     buf = _buffer(r * cols)
     for i in range(lo, hi, r):
         k = min(r, hi - i)
         y[:, i : i + k] = x2 @ widen_into(bits[i : i + k], buf[: k * cols].reshape(k, cols)).T
 
 
-def _pairs_into(x: np.ndarray, bits: np.ndarray, y: np.ndarray, lo: int, hi: int, r: int) -> None:
-    """``y[lo:hi] = widened(bits[lo:hi]) @ x`` for one vector ``x`` (decoding), in one pass per
-    half.  Two neighbouring bfloat16s ``a = bits[i, 2j]``, ``b = bits[i, 2j+1]`` are the two halves
-    of one little-endian ``uint32`` ``p = b << 16 | a``, so::
+def _pairs_fit(bits: np.ndarray) -> bool:
+    """Whether ``bits``' rows can be read as pairs of bfloat16s (``_pairs_into``)."""
+    cols = bits.shape[1]
+    return cols % 2 == 0 and bits.strides[-1] == 2 and bits.strides[0] == 2 * cols
+
+
+def _pairs_into(x: np.ndarray, bits: np.ndarray, y: np.ndarray, blocks) -> None:
+    """``y[i:i+k] = widened(bits[i:i+k]) @ x`` for each block ``(i, k)`` of ``blocks`` and one
+    vector ``x`` (decoding), in one pass per half.  Two neighbouring bfloat16s ``a = bits[i, 2j]``,
+    ``b = bits[i, 2j+1]`` are the two halves of one little-endian ``uint32`` ``p = b << 16 | a``, so::
 
         float32 of b = p & 0xFFFF0000        float32 of a = p << 16
 
     Each block of rows becomes two contiguous matrices, the b's and the a's (each pass writes one
     array straight through: twice the speed of interleaved halves), and ``y = b's @ x_odd + a's @
     x_even``: the same products as ``widened(bits) @ x``, summed in another order (float32 rounding
-    apart, the same dot products).  The products go through ``_gemv_into``."""
-    cols = bits.shape[1]
-    half = cols // 2
+    apart, the same dot products).  The products go through ``_gemv_into``'s matrices, both halves
+    in one ``np.matmul`` where the block is whole ``g``-row matrices.  ``blocks`` may be an
+    iterator the pool's threads share (each takes the next block: ``_split``)."""
+    half = bits.shape[1] // 2
     p = bits.view(np.uint32)  # (rows, cols / 2)
-    x_odd, x_even = np.ascontiguousarray(x[1::2]), np.ascontiguousarray(x[0::2])
-    buf = _buffer(r * cols + r)
-    for i in range(lo, hi, r):
-        k = min(r, hi - i)
-        u = buf[: k * cols].reshape(2, k, half).view(np.uint32)
+    xs = np.empty((2, half), np.float32)
+    xs[0], xs[1] = x[1::2], x[0::2]  # the b's vector, the a's
+    views: dict = {}  # block height -> this thread's scratch seen as that block's arrays
+    for i, k in blocks:
+        u, yy, stacked = views.get(k) or views.setdefault(k, _pair_views(k, half))
         np.bitwise_and(p[i : i + k], _HIGH, out=u[0])
         np.left_shift(p[i : i + k], _SIXTEEN, out=u[1])
-        f, y_a = u.view(np.float32), buf[k * cols : k * cols + k]
-        _gemv_into(f[0], x_odd, y[i : i + k])
-        _gemv_into(f[1], x_even, y_a)
-        y[i : i + k] += y_a
+        f = u.view(np.float32)
+        if stacked:  # one call: (2, k / g, g, half) @ (2, 1, half, 1), the same products as _gemv_into's
+            np.matmul(stacked[0], xs.reshape(2, 1, half, 1), out=stacked[1])
+        else:
+            _gemv_into(f[0], xs[0], yy[0])
+            _gemv_into(f[1], xs[1], yy[1])
+        np.add(yy[0], yy[1], out=y[i : i + k])
+
+
+def _pair_views(k: int, half: int) -> tuple:
+    """This thread's scratch for a block of ``k`` rows of ``half`` pairs: ``(u, yy, stacked)``, ``u``
+    the b's and a's (``uint32 (2, k, half)``), ``yy`` their products (``(2, k)``), ``stacked`` the
+    two as ``_gemv_into``'s stacks of ``g``-row matrices (empty when the block is not whole
+    matrices of whole rows)."""
+    buf = _buffer(2 * k * half + 2 * k)
+    u, yy = buf[: 2 * k * half].reshape(2, k, half), buf[2 * k * half : 2 * k * half + 2 * k].reshape(2, k)
+    g, n = _group(half)
+    stacked = (u.reshape(2, k // g, g, half), yy.reshape(2, k // g, g, 1)) if n == 1 and k % g == 0 else ()
+    return u.view(np.uint32), yy, stacked
+
+
+def _group(c: int) -> tuple:
+    """``(g, n)`` of ``_gemv_into`` for rows of ``c`` values: ``g`` rows a matrix, each row cut into
+    ``n`` segments (``n = 1``: whole rows)."""
+    if c < SMALL_GEMV and ((SMALL_GEMV - 1) // c).bit_length() >= 3:  # a power of 2, at least 4, rows a matrix
+        return 1 << ((SMALL_GEMV - 1) // c).bit_length() - 1, 1
+    return 8, next(n for n in range(1, c + 1) if c % n == 0 and 8 * (c // n) < SMALL_GEMV)
 
 
 def _gemv_into(a: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
@@ -170,15 +202,14 @@ def _gemv_into(a: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
     BLAS's own threads from every pool thread at once (measured: half the speed), and NumPy's own
     loop (``einsum``) reads the cache at a third of the BLAS's speed.  Rows of more than
     ``SMALL_GEMV / 4`` values are cut into ``n`` segments of ``c / n`` (``y`` sums the segments'
-    products: 8-row matrices either way)."""
+    products: 8-row matrices either way).  A block of rows leaves none over when ``k`` is a
+    multiple of ``g`` (a power of 2)."""
     k, c = a.shape
-    # a power of 2 rows a matrix: a block of rows leaves none over
-    g = 1 << ((SMALL_GEMV - 1) // c).bit_length() - 1 if c < SMALL_GEMV else 0
-    if g >= 4:  # whole rows
+    g, n = _group(c)
+    if n == 1:  # whole rows
         m = k // g * g
         np.matmul(a[:m].reshape(m // g, g, c), x, out=y[:m].reshape(m // g, g))
     else:  # 8-row matrices of one segment of each row
-        g, n = 8, next(n for n in range(1, c + 1) if c % n == 0 and 8 * (c // n) < SMALL_GEMV)
         m = k // g * g if c // n >= 64 else 0  # no short segments (a prime c): NumPy's loop below
         parts = np.matmul(a[:m].reshape(m // g, g, n, c // n).transpose(0, 2, 1, 3), x.reshape(n, c // n, 1))
         np.add.reduce(parts[..., 0], axis=1, out=y[:m].reshape(m // g, g))
@@ -204,20 +235,43 @@ def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) ->
     return y
 
 
+@functools.lru_cache(maxsize=256)
+def _blocks(rows: int, cols: int, threads: int) -> tuple:
+    """The blocks ``(i, k)`` of one vector's product (``_split``): the rows cut into ``threads``
+    shares and each share into blocks of ``max(GEMV_ELEMS, PAIR_ELEMS)`` elements, as one thread
+    a share would take them (which rows go through which products does not depend on the thread
+    that takes a block)."""
+    share, r = -(-rows // threads), max(GEMV_ELEMS, PAIR_ELEMS) // cols
+    return tuple(
+        (i, min(r, hi - i)) for lo in range(0, rows, share) for hi in [min(rows, lo + share)] for i in range(lo, hi, r)
+    )
+
+
 def _split(x2: np.ndarray, bits: np.ndarray, y: np.ndarray) -> bool:
-    """``y = x2 @ widened(bits).T`` by row shares over the pool, when decoding (see ``matmul_t``);
-    False (nothing done) otherwise."""
+    """``y = x2 @ widened(bits).T`` over the pool, when decoding (see ``matmul_t``); False
+    (nothing done) otherwise.  One vector: every thread takes the next block of ``_blocks``
+    until none is left (a thread that starts late or that the machine keeps waiting takes
+    fewer: nobody waits for a share), and a pool job not started when this thread is done is
+    cancelled.  More rows: shares of rows, one a thread."""
     rows, cols = bits.shape
     n = x2.shape[0]
     r = GEMV_ELEMS // max(cols * n, 1)
     threads = _threads()
     if r < 16 or threads < 2 or rows < 4 * r:
         return False
-    share = -(-rows // threads)
-    starts = range(0, rows, share)
     pool = _executor(threads - 1)
-    jobs = [pool.submit(_rows_into, x2, bits, y, lo, min(rows, lo + share), r) for lo in starts[1:]]
-    _rows_into(x2, bits, y, 0, min(rows, share), r)  # the first share on this thread, the others in the pool
+    if n == 1 and _pairs_fit(bits):
+        # one iterator the threads share: a tuple iterator's next is one step under the GIL (and
+        # without it, a race could hand a block out twice, both writing the same values, never skip one)
+        blocks = iter(_blocks(rows, cols, threads))
+        jobs = [pool.submit(_pairs_into, x2[0], bits, y[0], blocks) for _ in range(threads - 1)]
+        _pairs_into(x2[0], bits, y[0], blocks)
+        jobs = [job for job in jobs if not job.cancel()]  # a job not started has no block left to take
+    else:
+        share = -(-rows // threads)
+        starts = range(0, rows, share)
+        jobs = [pool.submit(_rows_into, x2, bits, y, lo, min(rows, lo + share), r) for lo in starts[1:]]
+        _rows_into(x2, bits, y, 0, min(rows, share), r)  # the first share on this thread, the others in the pool
     for job in jobs:
         job.result()
     return True
