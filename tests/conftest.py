@@ -30,3 +30,24 @@ if settings is not None:
 def torch_or_skip():
     """The ``torch`` module, or skip the test when torch is not installed (an oracle only)."""
     return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jupyter_kernel_of_this_python(tmp_path_factory):
+    """Jupyter kernels the suite starts (the notebooks, the docs build's executed pages) run the
+    interpreter under test, whatever kernelspecs the user's own Jupyter directories hold (a
+    ``python3`` spec there may point at another environment, or at one deleted since): ipykernel's
+    own spec for ``sys.executable``, written into a temporary directory put first on
+    ``JUPYTER_PATH`` (searched before the user's and the environment's directories).  Without
+    ipykernel nothing is written (those tests skip)."""
+    try:
+        from ipykernel.kernelspec import write_kernel_spec
+    except ImportError:
+        yield
+        return
+    kernels = tmp_path_factory.mktemp("jupyter") / "kernels"
+    kernels.mkdir()
+    write_kernel_spec(kernels / "python3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(kernels.parent), os.environ.get("JUPYTER_PATH")])))
+        yield
