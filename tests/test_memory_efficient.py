@@ -371,3 +371,58 @@ def test_long_forward_key_blocks_match_short_ones():
     assert cache.block_k == 64
     _assert_close(out, ref, 1e-13, "out")
     _assert_close(cache.lse, ref_cache.lse, 1e-13, "lse")
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(is_causal=True),
+        dict(),
+        dict(is_causal=True, window=(40, -1)),
+        dict(window=(30, 20)),
+        dict(is_causal=True, causal_align="bottom_right"),
+    ],
+)
+def test_bounded_forward_equals_the_online_softmax(monkeypatch, opts):
+    """The forward's fixed shift per row (``_score_bound``, no maximum, no rescaling) gives the
+    online softmax's output and lse up to rounding, float64 and float32, with grouped-query heads
+    and bands; the bound is above every score and no block needed the fallback."""
+    rng = np.random.default_rng(14)
+    for dt, tol in ((np.float64, 1e-13), (np.float32, 2e-6)):
+        q = rng.standard_normal((2, 4, 300, 16)).astype(dt)
+        lk = 260 if "causal_align" in opts else 300  # bottom_right with Lq > Lk: rows that see no key
+        k, v = (rng.standard_normal((2, 2, lk, 16)).astype(dt) for _ in range(2))
+        taken = []
+        bounded_rows = flash._ForwardWorker.bounded_rows
+        monkeypatch.setattr(
+            flash._ForwardWorker, "bounded_rows", lambda self, *a: taken.append(bounded_rows(self, *a)) or taken[-1]
+        )
+        out, cache = memory_efficient_attention(q, k, v, enable_gqa=True, **opts)
+        monkeypatch.setattr(flash, "_score_bound", lambda *a: None)
+        ref, ref_cache = memory_efficient_attention(q, k, v, enable_gqa=True, **opts)
+        monkeypatch.undo()
+        assert taken and all(taken) == ("causal_align" not in opts)  # those rows' blocks fall back
+        _assert_close(out, ref, tol, f"out {dt}")
+        _assert_close(cache.lse, ref_cache.lse, tol, f"lse {dt}")
+
+
+@pytest.mark.parametrize("dt", [np.float64, np.float32])
+def test_bounded_forward_falls_back_when_the_bound_is_far(dt):
+    """One key of huge norm orthogonal to every query puts the Cauchy-Schwarz bound far above the
+    scores (exp(s - m) would underflow in float32, and lose digits in float64): those query blocks
+    take the online softmax, and the result is the plain attention's."""
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.standard_normal((1, 2, 200, 8)) for _ in range(3))
+    q[..., 0] = 0.0
+    k[:, :, 7] = 0.0
+    k[:, :, 7, 0] = 1e4  # |k_7| = 1e4, q . k_7 = 0
+    geo_bound = flash._score_bound(
+        flash._geometry(q, k, v, None, True, 1, flash.AttentionOptions(), 64, 64, 0.0, 0),
+        1.0,
+        flash.AttentionOptions(),
+        0.0,
+    )
+    assert float(np.min(geo_bound)) > 1e3
+    out, cache = memory_efficient_attention(q.astype(dt), k.astype(dt), v.astype(dt), is_causal=True)
+    ref, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
+    _assert_close(out, ref, 1e-13 if dt == np.float64 else 1e-5, "out")

@@ -245,7 +245,7 @@ def test_gqa_does_not_copy_k_or_v():
     tracemalloc.start()
     try:
         # 64 x 64 blocks given: the bound counts copies of k and v, not the block buffers (the default
-        # backward's query block may be twice as tall, ``_backward_query_block``)
+        # backward's query block may be twice as tall, ``_tall_query_block``)
         out, cache = MEA(q, k, v, enable_gqa=True, is_causal=True, block_size=64)
         grads = MEB(dout, cache)
         peak = tracemalloc.get_traced_memory()[1]
