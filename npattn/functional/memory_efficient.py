@@ -741,9 +741,11 @@ class _ForwardWorker:
         lead, ev = lay.lead, lay.v.shape[-1]
         for i0, i1 in share:
             nq = i1 - i0
+            if self.bound is not None:  # scores in base-2 units (_LOG2E)
+                qs2_t = _scaled_rows_t(lay.q, i0, i1, self.scale * _LOG2E, self.qs_buf)
+                if self.bounded_rows(i0, i1, qs2_t, out, lse):
+                    continue
             qs_t = _scaled_rows_t(lay.q, i0, i1, self.scale, self.qs_buf)
-            if self.bound is not None and self.bounded_rows(i0, i1, qs_t, out, lse):
-                continue
             stat_rows = [scratch(b, lead + (1, nq)) for b in self.stat_bufs]
             stats = _OnlineSoftmax(stat_rows, self.max_buf, lay.sinks, geo.dt)
             acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
@@ -764,7 +766,9 @@ class _ForwardWorker:
     def bounded_rows(self, i0, i1, qs_t, out, lse) -> bool:
         """``out`` and ``lse`` of the query rows ``i0..i1-1`` with one fixed shift per row, the bound
         ``m >= every score of the row`` (``_score_bound``): ``l = sum_j exp(s_j - m)``, ``a = sum_j
-        exp(s_j - m) v_j``, ``o = a / l``, ``lse = m + log l``; no maximum, no rescaling.  False (and
+        exp(s_j - m) v_j``, ``o = a / l``, ``lse = m + log l``; no maximum, no rescaling.  Scores and
+        ``m`` in base-2 units (``qs_t`` is ``scale log2(e) q^T``): ``exp(s - m) = 2^(s2 - m2)``, ``lse =
+        (m2 + log2 l) ln 2``.  False (and
         nothing written) when a row's ``l`` is below ``n exp(-_BOUND_SLACK)`` for its block's ``n``
         keys: the bound may then sit too far above the row's scores for the exponentials' precision
         (or they underflowed, or the row sees no key); the online softmax takes the block."""
@@ -784,7 +788,7 @@ class _ForwardWorker:
                 np.matmul(lay.k[..., j0 + a : j0 + b, :], qs_t, out=st[..., a:b, :])
             geo.scores.apply(st, i0, i1, j0, j1, None)  # the band only (no mask, bias or softcap here)
             np.subtract(st, m, out=st)
-            np.exp(st, out=st)  # exp(s - m) <= 1
+            np.exp2(st, out=st)  # exp(s - m) <= 1
             np.matmul(ones[:, : j1 - j0], st, out=rsum)  # the key sums as a product: no pass of numpy's
             l_row += rsum
             for a, b in _spans(j1 - j0, self.gemm_keys):
@@ -793,8 +797,9 @@ class _ForwardWorker:
         if not np.all(l_row >= max(c1 - c0, 1) * math.exp(-_BOUND_SLACK)):
             return False
         np.divide(acc_t, l_row, out=out[..., i0:i1, :].swapaxes(-1, -2))
-        np.log(l_row, out=l_row)
-        np.add(m, l_row, out=lse[..., None, i0:i1])
+        np.log2(l_row, out=l_row)
+        np.add(m, l_row, out=l_row)
+        np.multiply(l_row, _LN2, out=lse[..., None, i0:i1])
         return True
 
 
@@ -802,12 +807,18 @@ class _ForwardWorker:
 # bound at most this far above the row's largest score: each exponent ``s - m`` then carries a rounding
 # of at most ~_BOUND_SLACK ulp of 1 more than with the row's maximum as the shift.
 _BOUND_SLACK = 16.0
+# Base-2 exponentials: exp(x) = 2^(x log2 e), with log2 e folded into the scale of q (and into lse in
+# the backward).  numpy's float32 exp2 takes half exp's time (0.22 against 0.47 ns an element,
+# AVX-512) and rounds no worse (max relative error 1.0e-7 against 2.1e-7 over [-80, 0]).
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
 def _score_bound(geo: _Geometry, scale: float, options: AttentionOptions, dropout_p: float):
     """Per query row an upper bound of its scores, ``scale |q_i| max_j |k_j|`` (Cauchy-Schwarz),
-    ``(lead, 1, Lq)``; None when the scores are more than ``scale q k^T`` and the band (a mask, ALiBi,
-    softcap, sinks or dropout: the online softmax serves those).
+    ``(lead, 1, Lq)``, times ``log2(e)`` (the bounded forward's base-2 units); None when the scores
+    are more than ``scale q k^T`` and the band (a mask, ALiBi, softcap, sinks or dropout: the online
+    softmax serves those).
 
     The online softmax needs, per key block, the maximum of the block's scores (a pass over the
     block), a rescaling of ``l`` and of the accumulator, and long key blocks to make those rare; a
@@ -825,7 +836,7 @@ def _score_bound(geo: _Geometry, scale: float, options: AttentionOptions, dropou
         return None
     k_norm = np.sqrt(np.max(np.einsum("...je,...je->...j", lay.k, lay.k), axis=-1))[..., None, None]
     q_norm = np.sqrt(np.einsum("...ie,...ie->...i", lay.q, lay.q))[..., None, :]
-    return np.broadcast_to(q_norm * (k_norm * scale), lay.lead + (1, geo.lq))
+    return np.broadcast_to(q_norm * (k_norm * (scale * _LOG2E)), lay.lead + (1, geo.lq))
 
 
 def _key_max(st, tmp, out):
@@ -919,7 +930,9 @@ def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache
     if cache.block_q_backward:
         geo = geo._replace(bq=cache.block_q_backward)
     lay, opts = geo.lay, cache.options
-    up = _upstream(geo, dout, cache)
+    # base-2 exponentials when the scores are only scale q k^T, a band and a bool mask (-inf in any units)
+    base2 = opts.softcap is None and lay.slopes is None and lay.sinks is None
+    up = _upstream(geo, dout, cache, base2=base2 and (lay.mask is None or lay.mask.dtype == bool))
     dk, dv = np.zeros(lay.k.shape, geo.dt), np.zeros(lay.v.shape, geo.dt)
     dmask = None
     if opts.mask_grad and lay.mask is not None and cache.attn_mask is not None:
@@ -957,6 +970,7 @@ class _Upstream(NamedTuple):
     lse_row: np.ndarray
     qs_t: np.ndarray
     dout_t: np.ndarray
+    exp: np.ufunc = np.exp  # np.exp2 when qs_t and lse_row are in base-2 units
 
 
 def _transposed(a: np.ndarray) -> np.ndarray:
@@ -972,7 +986,9 @@ def _transposed(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache) -> _Upstream:
+def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2: bool = False) -> _Upstream:
+    """``base2``: ``scale q`` and ``lse`` times ``log2(e)``, and ``exp`` is ``np.exp2`` (see ``_LOG2E``);
+    only for scores that are ``scale q k^T`` with a band or a bool mask."""
     lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
     dout = dout.reshape(lead + (lq, ev))
     out = cache.out.reshape(lead + (lq, ev))
@@ -984,8 +1000,11 @@ def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache) -> _Upstream:
     # scale folded into q once, both held transposed (O(L) each): S^T = k_j (scale q_i)^T and
     # dP'^T = V_j dO_i^T are then plain products
     qs_t = _transposed(geo.lay.q)
-    qs_t *= cache.scale
-    return _Upstream(dout, d_row, cache.lse.reshape(lead + (1, lq)), qs_t, _transposed(dout))
+    lse_row = cache.lse.reshape(lead + (1, lq))
+    qs_t *= cache.scale * _LOG2E if base2 else cache.scale
+    if base2:
+        lse_row = lse_row * _LOG2E
+    return _Upstream(dout, d_row, lse_row, qs_t, _transposed(dout), np.exp2 if base2 else np.exp)
 
 
 class _MaskGrad:
@@ -1080,7 +1099,7 @@ class _BackwardWorker:
         if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs, tanh_out=t):
             return
         np.subtract(st, rows.lse, out=st)
-        pt = np.exp(st, out=st)  # P^T = exp(S^T - lse)
+        pt = self.up.exp(st, out=st)  # P^T = exp(S^T - lse)
         dpt = scratch(self.dp_buf, lead + (nk, nq))
         np.matmul(v_j, rows.dout_t, out=dpt)  # dP'^T = V_j dO_i^T
         prod = scratch(self.prod_buf, lead + (nk, ev))
