@@ -160,14 +160,19 @@ def _pairs_into(x: np.ndarray, bits: np.ndarray, y: np.ndarray, blocks) -> None:
     p = bits.view(np.uint32)  # (rows, cols / 2)
     xs = np.empty((2, half), np.float32)
     xs[0], xs[1] = x[1::2], x[0::2]  # the b's vector, the a's
+    x4 = xs.reshape(2, 1, half, 1)
     views: dict = {}  # block height -> this thread's scratch seen as that block's arrays
     for i, k in blocks:
-        u, yy, stacked = views.get(k) or views.setdefault(k, _pair_views(k, half))
-        np.bitwise_and(p[i : i + k], _HIGH, out=u[0])
-        np.left_shift(p[i : i + k], _SIXTEEN, out=u[1])
-        f = u.view(np.float32)
-        if stacked:  # one call: (2, k / g, g, half) @ (2, 1, half, 1), the same products as _gemv_into's
-            np.matmul(stacked[0], xs.reshape(2, 1, half, 1), out=stacked[1])
+        b, a, f, yy, stacked = views.get(k) or views.setdefault(k, _pair_views(k, half))
+        pk = p[i : i + k]
+        np.bitwise_and(pk, _HIGH, out=b)
+        np.left_shift(pk, _SIXTEEN, out=a)
+        if stacked:  # (2, m / g, g, half) @ (2, 1, half, 1): _gemv_into's products of both halves, one call
+            np.matmul(stacked[0], x4, out=stacked[1])
+            m = stacked[0].shape[1] * stacked[0].shape[2]
+            if m < k:  # _gemv_into's last rows: NumPy's own loop
+                np.einsum("ij,j->i", f[0, m:], xs[0], out=yy[0, m:])
+                np.einsum("ij,j->i", f[1, m:], xs[1], out=yy[1, m:])
         else:
             _gemv_into(f[0], xs[0], yy[0])
             _gemv_into(f[1], xs[1], yy[1])
@@ -175,15 +180,18 @@ def _pairs_into(x: np.ndarray, bits: np.ndarray, y: np.ndarray, blocks) -> None:
 
 
 def _pair_views(k: int, half: int) -> tuple:
-    """This thread's scratch for a block of ``k`` rows of ``half`` pairs: ``(u, yy, stacked)``, ``u``
-    the b's and a's (``uint32 (2, k, half)``), ``yy`` their products (``(2, k)``), ``stacked`` the
-    two as ``_gemv_into``'s stacks of ``g``-row matrices (empty when the block is not whole
-    matrices of whole rows)."""
+    """This thread's scratch for a block of ``k`` rows of ``half`` pairs: ``(b, a, f, yy, stacked)``,
+    ``b`` and ``a`` the b's and a's (``uint32 (k, half)`` each), ``f`` both as float32 ``(2, k,
+    half)``, ``yy`` their products (``(2, k)``), ``stacked`` the first ``m = k // g * g`` rows of
+    ``f`` and ``yy`` as ``_gemv_into``'s stacks of ``g``-row matrices (empty where it cuts the
+    rows into segments or ``m`` is 0)."""
     buf = _buffer(2 * k * half + 2 * k)
-    u, yy = buf[: 2 * k * half].reshape(2, k, half), buf[2 * k * half : 2 * k * half + 2 * k].reshape(2, k)
+    f, yy = buf[: 2 * k * half].reshape(2, k, half), buf[2 * k * half : 2 * k * half + 2 * k].reshape(2, k)
     g, n = _group(half)
-    stacked = (u.reshape(2, k // g, g, half), yy.reshape(2, k // g, g, 1)) if n == 1 and k % g == 0 else ()
-    return u.view(np.uint32), yy, stacked
+    m = k // g * g
+    stacked = (f[:, :m].reshape(2, m // g, g, half), yy[:, :m].reshape(2, m // g, g, 1)) if n == 1 and m else ()
+    u = f.view(np.uint32)
+    return u[0], u[1], f, yy, stacked
 
 
 def _group(c: int) -> tuple:
