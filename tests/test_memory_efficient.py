@@ -426,3 +426,34 @@ def test_bounded_forward_falls_back_when_the_bound_is_far(dt):
     out, cache = memory_efficient_attention(q.astype(dt), k.astype(dt), v.astype(dt), is_causal=True)
     ref, _ = scaled_dot_product_attention(q, k, v, is_causal=True)
     _assert_close(out, ref, 1e-13 if dt == np.float64 else 1e-5, "out")
+
+
+@pytest.mark.parametrize("dt", [np.float64, np.float32])
+def test_bounded_forward_shifts_large_bounds(monkeypatch, dt):
+    """Scores near the bound and the bound large (queries and keys nearly parallel, s ~ 110):
+    ``exp2(s log2 e)`` unshifted would overflow float32, so its blocks shift by the bound (float64's
+    do not); no block fell back, and the result is the online softmax's (float64: to 1e-13; float32,
+    where scores of ~110 carry roundings of ~1e-5: within a few eps |s| of float64's, as it is)."""
+    rng = np.random.default_rng(16)
+    u = rng.standard_normal(16)
+    q, k = (6.0 * u + 0.05 * rng.standard_normal((1, 2, 150, 16)) for _ in range(2))
+    v = rng.standard_normal((1, 2, 150, 16))
+    taken = []
+    bounded_rows = flash._ForwardWorker.bounded_rows
+    monkeypatch.setattr(
+        flash._ForwardWorker, "bounded_rows", lambda self, *a: taken.append(bounded_rows(self, *a)) or taken[-1]
+    )
+    out, cache = memory_efficient_attention(q.astype(dt), k.astype(dt), v.astype(dt), is_causal=True)
+    assert taken and all(taken) and float(np.max(cache.lse)) > 100  # 2^(lse log2 e) overflows float32
+    monkeypatch.setattr(flash, "_score_bound", lambda *a: None)
+    ref, ref_cache = memory_efficient_attention(q.astype(dt), k.astype(dt), v.astype(dt), is_causal=True)
+    if dt == np.float64:
+        _assert_close(out, ref, 1e-13, "out")
+        _assert_close(cache.lse, ref_cache.lse, 1e-13, "lse")
+    else:
+        # scores s carry roundings of ~eps |s|, and so do the weights exp(s - lse): both forwards stay
+        # within a few eps |s| of float64's (online 0.6, bounded 1.6 on this case: base 2 has half
+        # a bit less in s once |s log2 e| crosses a binade)
+        truth, _ = memory_efficient_attention(q, k, v, is_causal=True)
+        limit = 3 * np.finfo(np.float32).eps * float(np.max(cache.lse))
+        assert np.max(np.abs(out - truth)) <= limit and np.max(np.abs(ref - truth)) <= limit

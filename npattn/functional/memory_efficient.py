@@ -768,10 +768,11 @@ class _ForwardWorker:
         ``m >= every score of the row`` (``_score_bound``): ``l = sum_j exp(s_j - m)``, ``a = sum_j
         exp(s_j - m) v_j``, ``o = a / l``, ``lse = m + log l``; no maximum, no rescaling.  Scores and
         ``m`` in base-2 units (``qs_t`` is ``scale log2(e) q^T``): ``exp(s - m) = 2^(s2 - m2)``, ``lse =
-        (m2 + log2 l) ln 2``.  False (and
-        nothing written) when a row's ``l`` is below ``n exp(-_BOUND_SLACK)`` for its block's ``n``
-        keys: the bound may then sit too far above the row's scores for the exponentials' precision
-        (or they underflowed, or the row sees no key); the online softmax takes the block."""
+        (m2 + log2 l) ln 2``.  When ``n 2^m2`` is far from overflowing (``n`` keys), not even the shift
+        is taken: ``a / l`` is the same ratio, ``exp2(s2)`` rounds only ``s2``, ``lse = log2(l) ln 2``.
+        False (and nothing written) when a row's ``l 2^-m2`` is below ``n exp(-_BOUND_SLACK)``: the
+        bound may then sit too far above the row's scores for the exponentials' precision (or they
+        underflowed, or the row sees no key); the online softmax takes the block."""
         geo, lay, bound, ones = self.geo, self.geo.lay, self.bound, self.ones
         assert bound is not None and ones is not None  # rows() calls this only with a bound
         lead, ev, nq = lay.lead, lay.v.shape[-1], i1 - i0
@@ -782,23 +783,28 @@ class _ForwardWorker:
         acc_t.fill(0.0)
         pv_t = scratch(self.pv_buf, lead + (ev, nq))
         c0, c1 = key_range(geo.band, i0, i1, geo.lk)
+        n = max(c1 - c0, 1)
+        shift = not float(np.max(m)) < np.finfo(geo.dt).maxexp - 2 - math.log2(n)  # NaN: shift
         for j0, j1 in _spans(c1, geo.bk, c0):
             st = scratch(self.s_buf, lead + (j1 - j0, nq))
             for a, b in _spans(j1 - j0, self.gemm_keys):
                 np.matmul(lay.k[..., j0 + a : j0 + b, :], qs_t, out=st[..., a:b, :])
             geo.scores.apply(st, i0, i1, j0, j1, None)  # the band only (no mask, bias or softcap here)
-            np.subtract(st, m, out=st)
-            np.exp2(st, out=st)  # exp(s - m) <= 1
+            if shift:
+                np.subtract(st, m, out=st)
+            np.exp2(st, out=st)  # exp(s - m) <= 1, or exp(s) <= 2^m
             np.matmul(ones[:, : j1 - j0], st, out=rsum)  # the key sums as a product: no pass of numpy's
             l_row += rsum
             for a, b in _spans(j1 - j0, self.gemm_keys):
                 np.matmul(lay.v[..., j0 + a : j0 + b, :].swapaxes(-1, -2), st[..., a:b, :], out=pv_t)
                 acc_t += pv_t
-        if not np.all(l_row >= max(c1 - c0, 1) * math.exp(-_BOUND_SLACK)):
+        floor = n * math.exp(-_BOUND_SLACK)
+        if not np.all(l_row >= (floor if shift else np.exp2(m) * floor)):
             return False
         np.divide(acc_t, l_row, out=out[..., i0:i1, :].swapaxes(-1, -2))
         np.log2(l_row, out=l_row)
-        np.add(m, l_row, out=l_row)
+        if shift:
+            np.add(m, l_row, out=l_row)
         np.multiply(l_row, _LN2, out=lse[..., None, i0:i1])
         return True
 
