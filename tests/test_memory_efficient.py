@@ -457,3 +457,21 @@ def test_bounded_forward_shifts_large_bounds(monkeypatch, dt):
         truth, _ = memory_efficient_attention(q, k, v, is_causal=True)
         limit = 3 * np.finfo(np.float32).eps * float(np.max(cache.lse))
         assert np.max(np.abs(out - truth)) <= limit and np.max(np.abs(ref - truth)) <= limit
+
+
+@pytest.mark.parametrize("v_scale", [1.0, 1e4, 1e30])
+def test_bounded_forward_keeps_the_accumulator_finite(v_scale):
+    """Unshifted, the bounded forward's accumulator ``a = sum_j 2^(s2_j) v_j`` reaches ``n 2^m2
+    max|v|``: with every score at the bound (queries equal to the keys, s = 78 in float32, where
+    ``n 2^m2`` alone stays finite) and large values it overflowed to inf (then NaN outputs) before
+    the shift counted ``max|v|``.  Every score equal, so each row's output is the mean of the values
+    it sees (float64 truth; float32 within 1e-5)."""
+    rng = np.random.default_rng(17)
+    u = rng.standard_normal(64)
+    u *= math.sqrt(78.0 * 8.0) / np.linalg.norm(u)  # scale |q| |k| = 78 with scale 1/8
+    q = np.broadcast_to(u, (1, 1, 512, 64)).astype(np.float32)
+    v = v_scale * rng.standard_normal((1, 1, 512, 64))
+    out, _ = memory_efficient_attention(q, q, v.astype(np.float32), is_causal=True)
+    truth = np.cumsum(v.astype(np.float32).astype(np.float64), axis=-2) / np.arange(1, 513)[:, None]
+    assert np.all(np.isfinite(out))
+    _assert_close(out, truth, 1e-5, "out")

@@ -711,7 +711,8 @@ def memory_efficient_attention_kernel(
     fbk = _forward_key_block(block_size, n_mats, tall, bk, geo.lk, geo.dt.itemsize)
     fgeo = geo._replace(bq=tall, bk=fbk)  # the forward's blocks; the cache keeps bq, bk
     bound = _score_bound(geo, scale, options, dropout_p)
-    worker = lambda share: _ForwardWorker(fgeo, scale, bk, bound).rows(share, out, lse)  # noqa: E731
+    v_log2 = 0.0 if bound is None else _log2_max_abs(geo.lay.v)
+    worker = lambda share: _ForwardWorker(fgeo, scale, bk, bound, v_log2).rows(share, out, lse)  # noqa: E731
     _run(worker, geo._replace(bq=tall).shares(_spans(lq, tall)))  # GEMMs of tall x bk x width
     out = out.reshape(geo.lay.out_lead + (lq, ev))
     lse = lse.reshape(geo.lay.out_lead + (lq,))
@@ -724,8 +725,10 @@ class _ForwardWorker:
     """One worker's share of the forward: its own buffers, the query blocks of its share, and the
     online softmax's step for one key block (``geo.bk`` keys; its GEMMs in slices of ``gemm_keys``)."""
 
-    def __init__(self, geo: _Geometry, scale: float, gemm_keys: int, bound: Optional[np.ndarray] = None):
-        self.geo, self.scale, self.gemm_keys, self.bound = geo, scale, gemm_keys, bound
+    def __init__(
+        self, geo: _Geometry, scale: float, gemm_keys: int, bound: Optional[np.ndarray] = None, v_log2: float = 0.0
+    ):
+        self.geo, self.scale, self.gemm_keys, self.bound, self.v_log2 = geo, scale, gemm_keys, bound, v_log2
         self.ones = None if bound is None else np.ones((1, geo.bk), geo.dt)
         bq, bk, e, ev = geo.bq, geo.bk, geo.lay.q.shape[-1], geo.lay.v.shape[-1]
         self.qs_buf = np.empty(math.prod(geo.lay.q.shape[:-2]) * bq * e, geo.dt)
@@ -768,7 +771,8 @@ class _ForwardWorker:
         ``m >= every score of the row`` (``_score_bound``): ``l = sum_j exp(s_j - m)``, ``a = sum_j
         exp(s_j - m) v_j``, ``o = a / l``, ``lse = m + log l``; no maximum, no rescaling.  Scores and
         ``m`` in base-2 units (``qs_t`` is ``scale log2(e) q^T``): ``exp(s - m) = 2^(s2 - m2)``, ``lse =
-        (m2 + log2 l) ln 2``.  When ``n 2^m2`` is far from overflowing (``n`` keys), not even the shift
+        (m2 + log2 l) ln 2``.  When ``n 2^m2 max(1, max|v|)`` is far from overflowing (``n`` keys: ``l``
+        and the accumulator ``a`` both stay finite; ``v_log2``), not even the shift
         is taken: ``a / l`` is the same ratio, ``exp2(s2)`` rounds only ``s2``, ``lse = log2(l) ln 2``.
         False (and nothing written) when a row's ``l 2^-m2`` is below ``n exp(-_BOUND_SLACK)``: the
         bound may then sit too far above the row's scores for the exponentials' precision (or they
@@ -784,7 +788,7 @@ class _ForwardWorker:
         pv_t = scratch(self.pv_buf, lead + (ev, nq))
         c0, c1 = key_range(geo.band, i0, i1, geo.lk)
         n = max(c1 - c0, 1)
-        shift = not float(np.max(m)) < np.finfo(geo.dt).maxexp - 2 - math.log2(n)  # NaN: shift
+        shift = not float(np.max(m)) + self.v_log2 < np.finfo(geo.dt).maxexp - 2 - math.log2(n)  # NaN: shift
         for j0, j1 in _spans(c1, geo.bk, c0):
             st = scratch(self.s_buf, lead + (j1 - j0, nq))
             for a, b in _spans(j1 - j0, self.gemm_keys):
@@ -843,6 +847,13 @@ def _score_bound(geo: _Geometry, scale: float, options: AttentionOptions, dropou
     k_norm = np.sqrt(np.max(np.einsum("...je,...je->...j", lay.k, lay.k), axis=-1))[..., None, None]
     q_norm = np.sqrt(np.einsum("...ie,...ie->...i", lay.q, lay.q))[..., None, :]
     return np.broadcast_to(q_norm * (k_norm * (scale * _LOG2E)), lay.lead + (1, geo.lq))
+
+
+def _log2_max_abs(v: np.ndarray) -> float:
+    """``log2(max(1, max|v|))`` without a copy of ``v`` (NaN when ``v`` holds one): unshifted, the
+    bounded forward's accumulator ``a = sum_j 2^(s2_j) v_j`` reaches ``n 2^m2 max|v|``."""
+    big = max(float(np.max(v, initial=0.0)), -float(np.min(v, initial=0.0)))
+    return math.log2(big) if big > 1.0 else (0.0 if big >= 0.0 else math.nan)
 
 
 def _key_max(st, tmp, out):
