@@ -230,11 +230,11 @@ def matmul_t(x2: np.ndarray, w: BFloat16Array, out: np.ndarray | None = None) ->
     rows is widened into a reused per-thread buffer and multiplied (one BLAS call per block), so
     ``w`` is never widened whole.  ``out``: an ``(n, out)`` float32 C-contiguous array to write into.
 
-    Decoding (``n * in * rows of a block`` below ``GEMV_ELEMS``): the rows split over
-    ``_threads()`` threads (this one and a pool), each widening and multiplying its own share (one vector:
-    ``_pairs_into``), so that the widening, NumPy's and one core per call, runs on every core.
-    Larger ``n`` (a prompt): blocks of ``BLOCK`` elements on the calling thread, each product a
-    GEMM the BLAS threads itself."""
+    Decoding (``n * in * rows of a block`` below ``GEMV_ELEMS``): ``_threads()`` threads (this one
+    and a pool) widen and multiply the blocks of rows, one vector taking them one by one from a
+    shared list (``_blocks``, ``_pairs_into``), more rows a share each (``_split``), so that the
+    widening, NumPy's and one core per call, runs on every core.  Larger ``n`` (a prompt): blocks
+    of ``BLOCK`` elements on the calling thread, each product a GEMM the BLAS threads itself."""
     bits = w.bits
     rows, cols = bits.shape
     y = np.empty((x2.shape[0], rows), np.float32) if out is None else out
