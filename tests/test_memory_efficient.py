@@ -475,3 +475,14 @@ def test_bounded_forward_keeps_the_accumulator_finite(v_scale):
     truth = np.cumsum(v.astype(np.float32).astype(np.float64), axis=-2) / np.arange(1, 513)[:, None]
     assert np.all(np.isfinite(out))
     _assert_close(out, truth, 1e-5, "out")
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 1), (0, 2, 5, 3), (2, 0, 4, 3)])
+def test_bounded_forward_with_no_matrices(shape):
+    """A zero-size batch or head axis: no bound to take (no maximum over zero rows), an empty result
+    and empty gradients, as before the bounded forward."""
+    x = np.ones(shape)
+    out, cache = memory_efficient_attention(x, x, x, is_causal=True)
+    assert out.shape == shape
+    grads = memory_efficient_attention_backward(np.ones(shape), cache)
+    assert [g.shape for g in grads] == [shape] * 3
