@@ -124,13 +124,16 @@ def test_section_alone_quick(capsys, monkeypatch):
     assert r["load"]["model_bytes"] > 0 and r["bandwidth"]["gb_per_s"] > 0
 
 
-def test_rows_carry_the_bandwidth_timed_between_their_steps(checkpoint):
+def test_rows_carry_the_bandwidth_timed_around_their_steps(checkpoint):
     d, _ = checkpoint
     row = decode_large.npattn_side(d, None, **SIZES)
     assert row["gb_per_s"] > 0 and (row["cpu_wait"] is None or row["cpu_wait"] >= 0)
     gemv = decode_large._Gemv(64, 16)
-    times, _ = decode_large._steps(lambda ids, first: np.zeros((1, 8)), 2, 5, gemv)
-    assert len(times) == 5 and len(gemv.times) == 5  # one after each step, the warm-up call dropped
+    order = []
+    forward = lambda ids, first: order.append(len(gemv.times)) or np.zeros((1, 8))  # noqa: E731
+    times, _ = decode_large._steps(forward, 2, 5, gemv, calls=3)
+    # three calls before the prompt (the warm-up dropped), none between the steps, three after
+    assert len(times) == 5 and order == [3] * 6 and len(gemv.times) == 6
 
 
 def test_each_row_limit_is_its_own_bandwidth():

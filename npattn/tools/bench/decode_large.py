@@ -15,30 +15,31 @@ head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weig
   KV cache), and the prefill of 512 tokens (the best of ``repeats``); ``fraction`` = tokens/s over
   the limit ``gb_per_s / bytes_per_token``, where ``bytes_per_token`` counts every parameter's
   stored bytes (the tied head reads the whole embedding table; an untied model's table is left
-  out: decoding reads one row of it) and ``gb_per_s`` is the same GEMV timed once after each
-  step (``_Gemv``, outside the step's time; median), with ``cpu_wait``, the seconds the side's
+  out: decoding reads one row of it) and ``gb_per_s`` is the same GEMV timed in the side's own
+  process just before and just after its steps (``_Gemv``; median), with ``cpu_wait``, the seconds the side's
   threads waited for a core per second of that loop (``/proc`` schedstat: 0 when nothing else
   runs);
 * ``transformers_side``: transformers' eager model of the same checkpoint in float32, with the
-  same threads (``runner.torch_or_none``), the same steps and the same GEMV between them (skipped
+  same threads (``runner.torch_or_none``), the same steps and the same GEMV around them (skipped
   without torch/transformers);
 * ``load_peak``: the peak resident memory of ``from_pretrained(..., weights_dtype="bfloat16")``
   of that checkpoint, in a fresh process, above what was resident before the call (``VmHWM`` less
   ``VmRSS`` from ``/proc/self/status``, as ``resource.getrusage``'s ``ru_maxrss`` would give
   without the parent's size), against the loaded model's parameter bytes.
 
-Why the bandwidth is timed between each side's steps: the machine is shared, and the limit and
-the steps measured at different moments (the five calls of ``bandwidth``, a tenth of a second, in
+Why the bandwidth is timed around each side's steps: the machine is shared, and the limit and the
+steps measured at different moments (the five calls of ``bandwidth``, a tenth of a second, in
 another process before the sides) met different loads: float32 decoding read 0.80 to 0.95 of the
 limit from run to run on a machine called idle, while a direct timing of the step gave 86-89 ms.
-Timed in the same process, interleaved with the steps, the limit and the tokens/s see the same
-conditions; each side's row gets its own, transformers' as npattn's.  (Busy, the fractions
-still fall: a decoding step makes 113 threaded BLAS calls, each waiting for its slowest thread,
-and a thread that loses its core to another process stalls the call; one large GEMV loses
-little.  ``cpu_wait`` says how busy.)  What a step can reach: on the 2-core machine of issue 32
-the step's 113 products alone, called back to back with nothing between them, read their bytes
-at 0.89-0.92 of the single GEMV's bandwidth (each call starts and joins the BLAS's threads on a
-matrix of 8-25 MB); the step's own work comes on top.
+Timed in the same process, seconds before and after the steps, the limit and the tokens/s see the
+same conditions (not between two steps: the BLAS threads' spin after each call would slow the next
+step of a side whose threads are not the BLAS's, see ``_steps``); each side's row gets its own,
+transformers' as npattn's. (Busy, the fractions still fall: a decoding step makes 113 threaded BLAS
+calls, each waiting for its slowest thread, and a thread that loses its core to another process
+stalls the call; one large GEMV loses little. ``cpu_wait`` says how busy.) What a step can reach: on
+the 2-core machine of issue 32 the step's 113 products alone, called back to back with nothing
+between them, read their bytes at 0.89-0.92 of the single GEMV's bandwidth (each call starts and
+joins the BLAS's threads on a matrix of 8-25 MB); the step's own work comes on top.
 
 Each runs in a child process of its own (npattn's without torch), one after another.  The goals
 (issue 32): float32 decoding at >= 90 % of the limit, bfloat16 storage at >= 0.7x float32's
@@ -173,14 +174,20 @@ def _run_delay():
     return total / 1e9
 
 
-def _steps(forward, prompt: int, new_tokens: int, gemv: _Gemv) -> tuple:
+def _steps(forward, prompt: int, new_tokens: int, gemv: _Gemv, calls: int = 5) -> tuple:
     """``(seconds of each greedy step after the prompt, seconds the threads waited for a core per
-    second of the loop or None)``; ``gemv()`` timed after each step (and once before the first,
-    its warm-up); ``forward(ids, first)`` -> last logits."""
+    second of the loop or None)``; ``forward(ids, first)`` -> last logits.  ``gemv()`` is timed
+    ``calls`` times just before the prompt (after an untimed warm-up call) and ``calls`` times
+    just after the last step, never between two steps: after a threaded call OpenBLAS's threads
+    spin for about a tenth of a second, and where the step's threads are not the BLAS's (bfloat16
+    storage's pool, torch's) they then share the cores with them (measured here: bfloat16 steps
+    117 -> 165 ms with a GEMV after each; the prompt's untimed forward absorbs the first calls' spin)."""
     rng = np.random.default_rng(1)
-    logits = forward(rng.integers(3, 100, (1, prompt)), True)
     gemv()
     gemv.times.clear()
+    for _ in range(calls):
+        gemv()
+    logits = forward(rng.integers(3, 100, (1, prompt)), True)
     times = []
     waited, start = _run_delay(), time.perf_counter()
     for _ in range(new_tokens):
@@ -188,8 +195,9 @@ def _steps(forward, prompt: int, new_tokens: int, gemv: _Gemv) -> tuple:
         t = time.perf_counter()
         logits = forward(nxt, False)
         times.append(time.perf_counter() - t)
-        gemv()
     end = _run_delay()
+    for _ in range(calls):
+        gemv()
     wait = None if waited is None or end is None else (end - waited) / (time.perf_counter() - start)
     return times, wait
 
@@ -349,7 +357,7 @@ def _verdict(value, goal, at_most=False):
 
 
 def _row_bandwidth(row: dict, alone):
-    """The bandwidth a row's limit is taken from: the GEMV timed between its own steps (a report
+    """The bandwidth a row's limit is taken from: the GEMV timed around its own steps (a report
     written before rows carried it: the one measured alone)."""
     return row.get("gb_per_s", alone)
 
@@ -398,7 +406,7 @@ def format_section(report):
         f"parameters, random weights); float32 GEMV bandwidth alone {fmt(bw, '.1f')} GB/s with "
         f"{r['bandwidth'].get('threads') or '?'} threads (one BLAS call over the head's shape); decoding after "
         f"{r['sizes']['prompt']} tokens (median of {r['sizes']['new_tokens']} steps); each row's limit = "
-        "its GEMV bandwidth (the same GEMV timed between its steps, median) / bytes of weights per token; "
+        "its GEMV bandwidth (the same GEMV timed around its steps, median) / bytes of weights per token; "
         "waited: seconds its threads waited for a core per second of decoding (0 on an idle machine)",
     ] + table(columns, cells)
     for x in r["rows"]:
