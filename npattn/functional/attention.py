@@ -337,13 +337,14 @@ def scaled_dot_product_attention_kernel(
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     p_blocks, dcap = [], []
     if lq == 1 and groups > 1 and workspace is None and rows.plain():  # decoding: one pass for every group
-        p_blocks = rows.one_row(blocks[0], out)
-    for blk in blocks if not p_blocks else ():
-        t, cap = rows.scores(blk)
-        rows.softmax(t, blk)
-        rows.attend(t, blk, out)
-        p_blocks.append(t)
-        dcap.append(cap)
+        p_blocks = rows.one_row(blocks[0], out)  # no softcap: no dcap
+    else:
+        for blk in blocks:
+            t, cap = rows.scores(blk)
+            rows.softmax(t, blk)
+            rows.attend(t, blk, out)
+            p_blocks.append(t)
+            dcap.append(cap)
     cache = AttentionCache(
         q,
         k,
