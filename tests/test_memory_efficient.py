@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn.functional.memory_efficient as flash
+from npattn.functional import reference
 from npattn.functional.attention import scaled_dot_product_attention, scaled_dot_product_attention_backward
 from npattn.functional.memory_efficient import (
     MemoryEfficientCache,
@@ -50,7 +51,7 @@ def attention_cases(draw):
     causal = draw(st.booleans())
     mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
     block = draw(st.one_of(st.none(), st.integers(1, 6), st.integers(14, 40)))
-    scale = draw(st.one_of(st.none(), st.floats(0.1, 2.0)))
+    scale = draw(st.one_of(st.none(), st.floats(0.1, 2.0), st.floats(-2.0, -0.1)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     q = rng.standard_normal(lead + (lq, e))
     k = rng.standard_normal(lead + (lk, e))
@@ -475,6 +476,22 @@ def test_bounded_forward_keeps_the_accumulator_finite(v_scale):
     truth = np.cumsum(v.astype(np.float32).astype(np.float64), axis=-2) / np.arange(1, 513)[:, None]
     assert np.all(np.isfinite(out))
     _assert_close(out, truth, 1e-5, "out")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("scale", [-1.0, -0.05])
+def test_bounded_forward_with_a_negative_scale(scale, dtype):
+    """A negative scale (torch's ``scale`` allows one) flips the scores' sign: the bound must be
+    ``|scale| |q| max|k|``.  With ``scale |q| |k|`` it was a lower bound, ``2^(s2 - m2)``
+    overflowed and the outputs were NaN (float32 at |scale| 0.05, float64 at 1; scores up to ~3600
+    here).  Float64 truth from the textbook tier."""
+    rng = np.random.default_rng(3)
+    q, k = (30 * rng.standard_normal((1, 2, 9, 4)) for _ in range(2))
+    v = rng.standard_normal((1, 2, 9, 4))
+    out, cache = memory_efficient_attention(*(a.astype(dtype) for a in (q, k, v)), scale=scale)
+    truth, _ = reference.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(cache.lse))
+    _assert_close(out, truth, 1e-12 if dtype == np.float64 else 1e-5, "out")
 
 
 @pytest.mark.parametrize("shape", [(0, 1, 1), (0, 2, 5, 3), (2, 0, 4, 3)])

@@ -825,7 +825,8 @@ _LN2 = math.log(2.0)
 
 
 def _score_bound(geo: _Geometry, scale: float, options: AttentionOptions, dropout_p: float):
-    """Per query row an upper bound of its scores, ``scale |q_i| max_j |k_j|`` (Cauchy-Schwarz),
+    """Per query row an upper bound of its scores, ``|scale| |q_i| max_j |k_j|`` (Cauchy-Schwarz;
+    ``|scale|``: a negative scale, which torch allows too, flips the scores' sign, not their size),
     ``(lead, 1, Lq)``, times ``log2(e)`` (the bounded forward's base-2 units); None when the scores
     are more than ``scale q k^T`` and the band (a mask, ALiBi, softcap, sinks or dropout: the online
     softmax serves those).
@@ -848,7 +849,7 @@ def _score_bound(geo: _Geometry, scale: float, options: AttentionOptions, dropou
         return None
     k_norm = np.sqrt(np.max(np.einsum("...je,...je->...j", lay.k, lay.k), axis=-1))[..., None, None]
     q_norm = np.sqrt(np.einsum("...ie,...ie->...i", lay.q, lay.q))[..., None, :]
-    return np.broadcast_to(q_norm * (k_norm * (scale * _LOG2E)), lay.lead + (1, geo.lq))
+    return np.broadcast_to(q_norm * (k_norm * (abs(scale) * _LOG2E)), lay.lead + (1, geo.lq))
 
 
 def _log2_max_abs(v: np.ndarray) -> float:
