@@ -121,6 +121,7 @@ def test_section_alone_quick(capsys, monkeypatch):
     r = report["decode_large"]
     assert r["config"]["vocab_size"] == decode_large.QUICK["vocab_size"]
     assert [x.get("impl") for x in r["rows"][:2]] == ["npattn float32", "npattn bfloat16"]
+    assert len(r["paired"]["ratios"]) == decode_large.PAIRED_QUICK["rounds"] and r["paired"]["ratio"] > 0
     assert r["load"]["model_bytes"] > 0 and r["bandwidth"]["gb_per_s"] > 0
 
 
@@ -145,3 +146,32 @@ def test_each_row_limit_is_its_own_bandwidth():
     assert "float32 at 0.50 of the limit (>= 0.9: NO)" in text
     line = next(x for x in text.splitlines() if x.startswith("transformers float32"))
     assert " 10.0 " in line and " 1.00 " in line
+
+
+def test_paired_ratio_takes_turns(checkpoint, monkeypatch):
+    from npattn.tools.bench import runner
+
+    d, _ = checkpoint
+    order = []
+    turn = runner._Local.turn
+
+    def spy(self, n, pause):
+        order.append(n)
+        return turn(self, n, pause)
+
+    monkeypatch.setattr(runner._Local, "turn", spy)
+    r = decode_large.paired_ratio(d, prompt=3, rounds=3, steps=2)
+    assert order == [2] * 6 and r["rounds"] == 3 and len(r["ratios"]) == 3
+    assert r["ratio"] == sorted(r["ratios"])[1] and all(x > 0 for x in r["ratios"])
+    assert set(r["tokens_per_s"]) == {"float32", "bfloat16"} and all(v > 0 for v in r["tokens_per_s"].values())
+
+
+def test_goal_reads_the_paired_ratio():
+    report = _report()  # the rows: bfloat16 8 tokens/s against float32's 10
+    report["decode_large"]["paired"] = {"ratio": 0.65, "ratios": [0.6, 0.65, 0.7], "rounds": 3, "steps": 3}
+    text = "\n".join(decode_large.format_section(report))
+    assert "bfloat16 storage at 0.65x float32's tokens/s (>= 0.7: NO) in turns in one process" in text
+    assert "median of 3 rounds' ratios; the rows' separate processes: 0.80x" in text
+    report["decode_large"]["paired"] = {"error": "MemoryError"}  # a failed paired step: the rows' ratio
+    text = "\n".join(decode_large.format_section(report))
+    assert "bfloat16 storage at 0.80x float32's tokens/s (>= 0.7: yes);" in text
