@@ -41,18 +41,19 @@ def openblas_functions(*names):
 
 # OpenBLAS runs a GEMM on its own threads once m*n*k > SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD
 # (65536 * 4), unless its small-matrix kernels take the product first: the cores below have them
-# (kernel/x86_64/KERNEL.SKYLAKEX, which Cooperlake and Sapphire Rapids include).  Measured on such a
-# core (AVX-512 Zen 4, OpenBLAS 0.3.31 DYNAMIC_ARCH: SkylakeX; process vs calling-thread CPU time):
-# products of 128 x 64 x 64 (A @ B and A^T @ B, float32 and float64) stay on the calling thread,
-# 128 x 128 x 64 ones do not.
+# (kernel/x86_64/KERNEL.SKYLAKEX, which Cooperlake and Sapphire Rapids include), and take products
+# up to 100^3 multiply-adds.  Measured on such a core (AVX-512 Zen 4, OpenBLAS 0.3.31 DYNAMIC_ARCH:
+# SkylakeX; calling-thread vs process CPU time, each shape after a pause so that no earlier product's
+# threads still spin): products of 240 x 64 x 65 (998400; A @ B, A^T @ B, A @ B with strided rows,
+# float32 and float64) stay on the calling thread, 256 x 64 x 65 (1064960) and 128 x 128 x 65 do not.
 _THREADED_ABOVE = 1 << 18
-_SMALL_KERNEL_ABOVE = 1 << 19
+_SMALL_KERNEL_ABOVE = 100**3
 _SMALL_KERNEL_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 
 
 @functools.lru_cache(maxsize=None)
 def single_thread_gemm_mnk() -> int:
-    """``1 << 19`` when numpy's BLAS is an OpenBLAS whose core (``openblas_get_corename``) has the
+    """``100**3`` when numpy's BLAS is an OpenBLAS whose core (``openblas_get_corename``) has the
     small-matrix kernels, else ``1 << 18`` (OpenBLAS's threading threshold; the conservative answer
     for any other BLAS or when the core cannot be read).  Fixed for the process (the core is)."""
     fns = openblas_functions("get_corename")

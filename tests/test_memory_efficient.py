@@ -278,24 +278,24 @@ def test_default_block_size():
     assert (cache.block_q, cache.block_k) == (10, 50)  # clipped to the lengths
 
 
-def test_backward_query_block_doubles_where_the_blas_keeps_it_on_the_thread(monkeypatch):
-    """With the default block size the backward's query blocks are twice as tall (128) when numpy's
-    BLAS runs such products on the calling thread (``_blas.single_thread_gemm_mnk``), 64 when it
-    would thread them; its gradients equal the 64-row ones up to summation order; an explicit
-    ``block_size`` is kept."""
+@pytest.mark.parametrize("limit, tall", [(100**3, 192), (1 << 19, 64), (1 << 18, 56)])
+def test_backward_query_block_is_the_tallest_the_blas_keeps_on_the_thread(monkeypatch, limit, tall):
+    """With the default block size the backward's query block is the tallest multiple of the key
+    block (else of 8) whose packed products beside 64 keys, ``m x 64 x (E + 1)``, numpy's BLAS runs
+    on the calling thread (``_blas.single_thread_gemm_mnk``); its gradients equal the 64-row ones up
+    to summation order; an explicit ``block_size`` is kept."""
     rng = np.random.default_rng(13)
     q, k, v, dout = (rng.standard_normal((1, 2, 300, 64)) for _ in range(4))
-    monkeypatch.setattr(flash, "single_thread_gemm_mnk", lambda: 1 << 19)
+    monkeypatch.setattr(flash, "single_thread_gemm_mnk", lambda: limit)
     _, cache = memory_efficient_attention(q, k, v, is_causal=True)
-    assert (cache.block_q, cache.block_k, cache.block_q_backward) == (64, 64, 128)
+    assert (cache.block_q, cache.block_k, cache.block_q_backward) == (64, 64, tall)
+    step = 64 if tall >= 64 else 8
+    assert tall * 64 * 65 <= limit < (tall + step) * 64 * 65
     grads = memory_efficient_attention_backward(dout, cache)
     ref = memory_efficient_attention_backward(dout, cache._replace(block_q_backward=0))
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
         _assert_close(got, want, 1e-13, name)
     _, cache = memory_efficient_attention(q, k, v, is_causal=True, block_size=64)
-    assert cache.block_q_backward == 64
-    monkeypatch.setattr(flash, "single_thread_gemm_mnk", lambda: 1 << 18)
-    _, cache = memory_efficient_attention(q, k, v, is_causal=True)
     assert cache.block_q_backward == 64
 
 

@@ -126,10 +126,10 @@ def test_openblas_paths_without_proc(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "core, mnk", [(b"SkylakeX", 1 << 19), (b"SapphireRapids", 1 << 19), (b"Haswell", 1 << 18), (b"Zen", 1 << 18)]
+    "core, mnk", [(b"SkylakeX", 100**3), (b"SapphireRapids", 100**3), (b"Haswell", 1 << 18), (b"Zen", 1 << 18)]
 )
 def test_single_thread_gemm_mnk_follows_the_openblas_core(monkeypatch, core, mnk):
-    """Products up to 2^19 multiply-adds only on the cores with OpenBLAS's small-matrix kernels;
+    """Products up to 100^3 multiply-adds only on the cores with OpenBLAS's small-matrix kernels;
     any other core, another BLAS or none: OpenBLAS's threading threshold 2^18."""
     monkeypatch.setattr(core_blas, "openblas_functions", lambda *names: [lambda: core])
     core_blas.single_thread_gemm_mnk.cache_clear()

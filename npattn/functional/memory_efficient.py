@@ -140,7 +140,7 @@ class MemoryEfficientCache(NamedTuple):
     (0 for a query row that may attend to no key and has no sink); ``attn_mask`` is the mask
     exactly as the caller gave it (never expanded or copied); ``block_q``/``block_k`` are the
     block sizes used (``block_q_backward``: the backward's query block, 0 for ``block_q``, see
-    ``_tall_query_block``).  Dropout keeps only ``dropout_p`` and the ``seed`` its blocks are
+    ``_backward_query_block``).  Dropout keeps only ``dropout_p`` and the ``seed`` its blocks are
     regenerated from; ``options`` are the attention options as checked (``AttentionOptions``).
     """
 
@@ -202,21 +202,43 @@ def _forward_key_block(block_size, n_mats: int, bq: int, bk: int, lk: int, items
 
 
 def _tall_query_block(block_size, bq: int, bk: int, width: int, lq: int) -> int:
-    """The forward's and the backward's query block: with the default block size, ``2 * bq`` (128 beside 64 keys) when
+    """The forward's query block: with the default block size, ``2 * bq`` (128 beside 64 keys) when
     numpy's BLAS runs products of ``2 * bq * bk * width`` on the calling thread
     (``npattn._blas.single_thread_gemm_mnk``: OpenBLAS cores with small-matrix kernels), else ``bq``.
 
-    Each (key block, query block) pair of the backward makes five products and adds three of them
-    into ``dV``, ``dQ`` and ``dK`` (numpy's matmul cannot accumulate); 128 query rows halve the pairs,
-    their per-call overhead and the additions into ``dK``/``dV``, and read each key block half as
-    often: measured -7 to -10 % CPU time at L = 4096 (AVX-512 Zen 4, 2 cores); the forward's products
-    (``k_j (scale q_i)^T`` and ``P v_j`` in 64-key slices) likewise.  On a BLAS that would
-    thread such products inside the worker threads the blocks stay ``bq``.  An explicit
-    ``block_size`` is kept.
+    Taller query blocks halve the forward's products (``k_j (scale q_i)^T`` and ``P v_j`` in 64-key
+    slices), their per-call overhead and the reads of each key block (the backward's query block,
+    ``_backward_query_block``, was first measured this way: -7 to -10 % CPU time at L = 4096, AVX-512
+    Zen 4, 2 cores).  On a BLAS that would thread such products inside the worker threads the blocks
+    stay ``bq``.  An explicit ``block_size`` is kept.
     """
     if block_size is not None or 2 * bq * bk * width > single_thread_gemm_mnk():
         return bq
     return max(bq, min(2 * bq, lq))  # bq is already clipped to Lq (and at least 1)
+
+
+def _backward_query_block(block_size, bq: int, bk: int, width: int, lq: int, n_mats: int) -> int:
+    """The backward's query block: with the default block size, the tallest multiple of ``bk`` (else of
+    8) whose products beside ``bk`` keys, ``m x bk x (width + 1)`` multiply-adds (the packed blocks
+    carry one more row or column, ``_BackwardWorker``), numpy's BLAS runs on the calling thread
+    (``npattn._blas.single_thread_gemm_mnk``): 192 beside 64 keys on the OpenBLAS cores with
+    small-matrix kernels, 56 elsewhere; no taller than a block buffer of ``_DEFAULT_BLOCK_ELEMENTS``
+    allows (or ``bq``) and than ``Lq``.  An explicit ``block_size`` is kept.
+
+    Each (key block, query block) pair makes five products and adds three of them into ``dV``,
+    ``dQ`` and ``dK`` (numpy's matmul cannot accumulate), a dozen numpy calls with their overhead;
+    taller query blocks mean fewer pairs, fewer calls and fewer additions into ``dK``/``dV``.  A
+    multiple of ``bk`` starts every query block on a key block's edge, so a causal diagonal crosses
+    as few key blocks as it can (each one pays for a mask).  Measured at L = 4096 (AVX-512 Zen 4, 2
+    cores, float32 causal, backward CPU time against 240 rows): 192 rows -2 to -4 %, 128 rows about
+    the same as 240; 256 rows (past the BLAS's limit: threaded products) +150 %.
+    """
+    if block_size is not None:
+        return bq
+    fit = single_thread_gemm_mnk() // max(1, bk * (width + 1))
+    fit = fit // bk * bk if fit >= bk else max(8, fit // 8 * 8)
+    cap = max(bq, _DEFAULT_BLOCK_ELEMENTS // max(1, n_mats * bk))
+    return max(1, min(fit, cap, lq))
 
 
 def _n_workers(n_scores: int, n_blocks: int, gemm_mnk: int) -> int:
@@ -645,8 +667,10 @@ def memory_efficient_attention_backward(dout, cache: MemoryEfficientCache) -> Tu
     rows of ``dK``, ``dV`` and adds ``dQ`` into its own accumulator (summed at the end in a fixed
     order); a worker runs over the query blocks and, inside, over those of its key blocks that a
     query of the block may see (the band).  The blocks are held transposed as in the forward
-    (``P^T``, ``dP^T``, ``dS^T``: keys x queries), ``scale q`` and ``dO`` transposed once, so that
-    every product is a plain one for BLAS.  ``scale`` is folded into ``q`` once, up front, and
+    (``P^T``, ``dP^T``, ``dS^T``: keys x queries); each query block's ``scale q`` and ``dO`` are
+    packed transposed with one more row, ``lse`` and ``D``, and each key block's k and v with one
+    more column of -1, so that every product is a plain one for BLAS on contiguous blocks and two of
+    them give ``S - lse`` and ``dP - D`` with no elementwise pass (``_BackwardWorker``).  ``scale`` is
     applied to ``dQ`` and ``dK`` once at the end; with dropout ``1/(1-p)`` is folded into ``dO``
     once.  With grouped-query heads or broadcast
     batch dimensions, each gradient is summed over the axes its input was broadcast along.
@@ -716,8 +740,9 @@ def memory_efficient_attention_kernel(
     _run(worker, geo._replace(bq=tall).shares(_spans(lq, tall)))  # GEMMs of tall x bk x width
     out = out.reshape(geo.lay.out_lead + (lq, ev))
     lse = lse.reshape(geo.lay.out_lead + (lq,))
+    bq_backward = _backward_query_block(block_size, bq, bk, max(q.shape[-1], v.shape[-1]), lq, n_mats)
     return out, MemoryEfficientCache(
-        q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, options, tall
+        q, k, v, out, lse, attn_mask, is_causal, scale, bq, bk, dropout_p, seed, groups, options, bq_backward
     )
 
 
@@ -952,7 +977,7 @@ def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache
     lay, opts = geo.lay, cache.options
     # base-2 exponentials when the scores are only scale q k^T, a band and a bool mask (-inf in any units)
     base2 = opts.softcap is None and lay.slopes is None and lay.sinks is None
-    up = _upstream(geo, dout, cache, base2=base2 and (lay.mask is None or lay.mask.dtype == bool))
+    up = _upstream(geo, dout, cache, base2=base2 and (lay.mask is None or lay.mask.dtype == bool), packed=True)
     dk, dv = np.zeros(lay.k.shape, geo.dt), np.zeros(lay.v.shape, geo.dt)
     dmask = None
     if opts.mask_grad and lay.mask is not None and cache.attn_mask is not None:
@@ -983,14 +1008,16 @@ class _Upstream(NamedTuple):
     """What every worker of the backward reads, in the working layout: ``dout`` (times ``1/(1-p)``
     with dropout), the rows ``D = rowsum(dO * O)`` and ``lse`` ``(..., 1, Lq)``, ``scale q``
     transposed ``(..., E, Lq)`` and ``dout`` transposed ``(..., Ev, Lq)`` (C-contiguous copies, see
-    ``_transposed``)."""
+    ``_transposed``; None when the backward packs them a query block at a time, ``_BackwardWorker``),
+    and the factor ``q_scale`` of ``q`` in ``qs_t`` (``scale``, times ``log2(e)`` in base 2)."""
 
     dout: np.ndarray
     d_row: np.ndarray
     lse_row: np.ndarray
-    qs_t: np.ndarray
-    dout_t: np.ndarray
+    qs_t: Optional[np.ndarray]
+    dout_t: Optional[np.ndarray]
     exp: np.ufunc = np.exp  # np.exp2 when qs_t and lse_row are in base-2 units
+    q_scale: float = 1.0
 
 
 def _transposed(a: np.ndarray) -> np.ndarray:
@@ -1006,9 +1033,10 @@ def _transposed(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2: bool = False) -> _Upstream:
+def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2=False, packed=False) -> _Upstream:
     """``base2``: ``scale q`` and ``lse`` times ``log2(e)``, and ``exp`` is ``np.exp2`` (see ``_LOG2E``);
-    only for scores that are ``scale q k^T`` with a band or a bool mask."""
+    only for scores that are ``scale q k^T`` with a band or a bool mask.  ``packed``: no transposed
+    copies of ``q`` and ``dout`` (the backward packs its query blocks itself)."""
     lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
     dout = dout.reshape(lead + (lq, ev))
     out = cache.out.reshape(lead + (lq, ev))
@@ -1017,14 +1045,18 @@ def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2: bool = F
     if geo.dropout is not None:
         # O = (P * keep / (1-p)) V: fold 1/(1-p) into dO once, for dV = P'^T dO and dP = dP' * keep / (1-p)
         dout = dout * geo.dropout.scale
+    lse_row = cache.lse.reshape(lead + (1, lq))
+    q_scale = cache.scale * _LOG2E if base2 else cache.scale
+    if base2:
+        lse_row = lse_row * _LOG2E
+    exp = np.exp2 if base2 else np.exp
+    if packed:
+        return _Upstream(dout, d_row, lse_row, None, None, exp, q_scale)
     # scale folded into q once, both held transposed (O(L) each): S^T = k_j (scale q_i)^T and
     # dP'^T = V_j dO_i^T are then plain products
     qs_t = _transposed(geo.lay.q)
-    lse_row = cache.lse.reshape(lead + (1, lq))
-    qs_t *= cache.scale * _LOG2E if base2 else cache.scale
-    if base2:
-        lse_row = lse_row * _LOG2E
-    return _Upstream(dout, d_row, lse_row, qs_t, _transposed(dout), np.exp2 if base2 else np.exp)
+    qs_t *= q_scale
+    return _Upstream(dout, d_row, lse_row, qs_t, _transposed(dout), exp, q_scale)
 
 
 class _MaskGrad:
@@ -1049,14 +1081,16 @@ class _MaskGrad:
 
 class _QueryBlock(NamedTuple):
     """What the backward's pairs of one query block ``i0..i1-1`` read: views of the upstream arrays
-    (``lse`` and ``D`` as rows ``(..., 1, nq)``) and of the worker's ``dq``."""
+    (``lse`` and ``D`` as rows ``(..., 1, nq)``) and of the worker's ``dq``, and the block packed
+    (``_BackwardWorker.query_block``): ``qa = [scale q_i^T; lse_i]`` ``(..., E+1, nq)`` and ``da =
+    [dO_i^T; D_i]`` ``(..., Ev+1, nq)`` (their last rows 0 where the backward does not fold)."""
 
     i0: int
     i1: int
-    qs_t: np.ndarray
+    qa: np.ndarray
     q: np.ndarray
     dout: np.ndarray
-    dout_t: np.ndarray
+    da: np.ndarray
     dq: np.ndarray
     lse: np.ndarray
     d: np.ndarray
@@ -1065,15 +1099,31 @@ class _QueryBlock(NamedTuple):
 class _BackwardWorker:
     """One worker's share of the backward: its own buffers, the key blocks of its share (disjoint
     rows of ``dK``, ``dV``: no other worker writes them), and the step for one (key block, query
-    block) pair.  Query blocks run outside, the share's key blocks inside."""
+    block) pair.  Query blocks run outside, the share's key blocks inside.
+
+    Blocks are packed, contiguous, in the worker's buffers: a query block's ``scale q`` and ``dO``
+    transposed, each with one more row (``lse``, ``D``), once per query block; a key block's k and
+    v with one more column of -1, once per pair.  Then ``[k_j, -1] [scale q_i^T; lse_i] = S^T -
+    lse`` and ``[v_j, -1] [dO_i^T; D_i] = dP'^T - D``: the products give the shifted blocks
+    (bit for bit the subtraction's result: the extra term is the last fused multiply-add), and no
+    elementwise pass subtracts ``lse`` or ``D``; every product reads hot, contiguous blocks.  The
+    shift is folded unless softcap needs the raw scores (``fold_lse``), ``D`` unless dropout's
+    keep-mask multiplies ``dP'`` first (``fold_d``); the ALiBi bias and the masks are added or
+    set after the shift (a sum: the same scores).
+    """
 
     def __init__(self, geo: _Geometry, up: _Upstream, dk: np.ndarray, dv: np.ndarray):
         self.geo, self.up, self.dk, self.dv = geo, up, dk, dv
-        lay, bq, bk = geo.lay, geo.bq, geo.bk
+        lay, bq, bk, dt = geo.lay, geo.bq, geo.bk, geo.dt
+        e, ev = lay.q.shape[-1], lay.v.shape[-1]
+        self.fold_lse, self.fold_d = geo.scores.softcap is None, geo.dropout is None
         self.s_buf, self.dp_buf = geo.buffer(bk, bq), geo.buffer(bk, bq)
         self.t_buf = geo.buffer(bk, bq) if geo.scores.softcap is not None else None
         # the products dV_j, dQ_i, dK_j of a pair, one after the other
-        self.prod_buf = geo.buffer(max(bq, bk), max(lay.q.shape[-1], lay.v.shape[-1]))
+        self.prod_buf = geo.buffer(max(bq, bk), max(e, ev))
+        self.qa_buf, self.da_buf = np.zeros(lay.lead + (e + 1, bq), dt), np.zeros(lay.lead + (ev + 1, bq), dt)
+        self.ka_buf = np.full(lay.k.shape[:-2] + (bk, e + 1), -1.0, dt)  # columns :E filled per pair
+        self.va_buf = np.full(lay.v.shape[:-2] + (bk, ev + 1), -1.0, dt)
         self.bias_bufs = geo.scores.buffers(bk, bq)
         self.drop_bufs = None if geo.dropout is None else geo.dropout.buffers(bk, bq)
         self.pk_buf = None if geo.dropout is None else geo.buffer(bk, bq)
@@ -1092,18 +1142,18 @@ class _BackwardWorker:
                     self.pair(rows, j0, j1, dmask)
 
     def query_block(self, i0: int, i1: int, dq) -> _QueryBlock:
-        up = self.up
-        return _QueryBlock(
-            i0,
-            i1,
-            up.qs_t[..., i0:i1],
-            self.geo.lay.q[..., i0:i1, :],
-            up.dout[..., i0:i1, :],
-            up.dout_t[..., i0:i1],
-            dq[..., i0:i1, :],
-            up.lse_row[..., i0:i1],
-            up.d_row[..., i0:i1],
-        )
+        """The block's views, and ``qa``, ``da`` packed (last rows ``lse``, ``D`` where folded, else 0)."""
+        up, lay, nq = self.up, self.geo.lay, i1 - i0
+        e, ev = lay.q.shape[-1], lay.v.shape[-1]
+        qa, da = self.qa_buf[..., :nq], self.da_buf[..., :nq]
+        np.multiply(lay.q[..., i0:i1, :].swapaxes(-1, -2), up.q_scale, out=qa[..., :e, :])
+        np.copyto(da[..., :ev, :], up.dout[..., i0:i1, :].swapaxes(-1, -2))
+        lse, d = up.lse_row[..., i0:i1], up.d_row[..., i0:i1]
+        if self.fold_lse:
+            np.copyto(qa[..., e:, :], lse)
+        if self.fold_d:
+            np.copyto(da[..., ev:, :], d)
+        return _QueryBlock(i0, i1, qa, lay.q[..., i0:i1, :], up.dout[..., i0:i1, :], da, dq[..., i0:i1, :], lse, d)
 
     def pair(self, rows: _QueryBlock, j0, j1, dmask):
         """Key block ``j`` against query block ``i``: ``P`` rebuilt from ``lse``, then ``dV_j += P'^T dO_i``,
@@ -1112,27 +1162,30 @@ class _BackwardWorker:
         geo, lay, i0, i1 = self.geo, self.geo.lay, rows.i0, rows.i1
         lead, nk, nq = lay.lead, j1 - j0, i1 - i0
         e, ev = lay.q.shape[-1], lay.v.shape[-1]
-        k_j, v_j = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :]
+        ka, va = self.ka_buf[..., :nk, :], self.va_buf[..., :nk, :]
+        np.copyto(ka[..., :e], lay.k[..., j0:j1, :])
+        np.copyto(va[..., :ev], lay.v[..., j0:j1, :])
         st = scratch(self.s_buf, lead + (nk, nq))
-        np.matmul(k_j, rows.qs_t, out=st)  # S^T = k_j (scale q_i)^T
+        np.matmul(ka, rows.qa, out=st)  # S^T - lse = [k_j, -1] [scale q_i^T; lse_i]  (S^T with softcap)
         t = None if self.t_buf is None else scratch(self.t_buf, lead + (nk, nq))
         if not geo.scores.apply(st, i0, i1, j0, j1, self.bias_bufs, tanh_out=t):
             return
-        np.subtract(st, rows.lse, out=st)
+        if not self.fold_lse:
+            np.subtract(st, rows.lse, out=st)
         pt = self.up.exp(st, out=st)  # P^T = exp(S^T - lse)
         dpt = scratch(self.dp_buf, lead + (nk, nq))
-        np.matmul(v_j, rows.dout_t, out=dpt)  # dP'^T = V_j dO_i^T
+        np.matmul(va, rows.da, out=dpt)  # dP'^T - D = [v_j, -1] [dO_i^T; D_i]  (dP'^T with dropout)
         prod = scratch(self.prod_buf, lead + (nk, ev))
         if geo.dropout is not None and self.pk_buf is not None:
             keep = geo.dropout.keep_t(i0, i1, j0, j1, self.drop_bufs)
             dpt *= keep  # dP = dP' * keep / (1-p)
+            np.subtract(dpt, rows.d, out=dpt)
             pk = np.multiply(pt, keep, out=scratch(self.pk_buf, st.shape))
             np.matmul(pk, rows.dout, out=prod)  # dV_j += (P * keep)^T dO_i / (1-p)
         else:
             np.matmul(pt, rows.dout, out=prod)  # dV_j += P^T dO_i
         dv_j, dk_j = self.dv[..., j0:j1, :], self.dk[..., j0:j1, :]
         dv_j += sum_to(prod, dv_j.shape)
-        np.subtract(dpt, rows.d, out=dpt)
         dst = np.multiply(dpt, pt, out=dpt)  # dS^T = P^T * (dP^T - D)
         if dmask is not None:  # the mask is added to S: dmask = dS
             dm = _mask_block(dmask, i0, i1, j0, j1)
@@ -1142,7 +1195,7 @@ class _BackwardWorker:
             np.subtract(1.0, t, out=t)
             dst *= t  # dS_raw = dS * (1 - tanh^2)
         prod = scratch(self.prod_buf, lead + (nq, e))
-        np.matmul(dst.swapaxes(-1, -2), k_j, out=prod)
+        np.matmul(dst.swapaxes(-1, -2), ka[..., :e], out=prod)
         dq_i = rows.dq
         dq_i += sum_to(prod, dq_i.shape)  # dQ_i += dS K_j (scaled at the end)
         prod = scratch(self.prod_buf, lead + (nk, e))
