@@ -187,18 +187,32 @@ def _block_sizes(block_size, n_mats: int, lq: int, lk: int, width: int) -> Tuple
 
 def _forward_key_block(block_size, n_mats: int, bq: int, bk: int, lk: int, itemsize: int) -> int:
     """The forward's key block: with the default block size, as many keys as a score block of
-    ``_FORWARD_BLOCK_BYTES`` per worker allows (at least ``bk``, at most ``Lk``).
+    ``_FORWARD_BLOCK_BYTES`` per worker allows, in whole GEMM slices of ``bk`` keys (at least ``bk``,
+    at most ``Lk``).
 
     Per key block the online softmax makes about ten elementwise passes (max, shift, exp, sum,
     rescaling ``l`` and the accumulator) beside its two GEMMs; at 64 x 64 blocks they took about
     half the forward's time.  With one long key block a query block needs one max, one exp, one
     sum and no rescaling at all, while the memory stays ``O(block_q * key block)``, never
-    ``(Lq, Lk)``.  The GEMMs still run in ``bk``-key slices (``_ForwardWorker``), under OpenBLAS's
-    threading limit, so the workers keep both cores busy.  An explicit ``block_size`` is kept.
+    ``(Lq, Lk)``.  The GEMMs still run in ``bk``-key slices (``_ForwardWorker``, ``_forward_gemm_keys``),
+    under OpenBLAS's threading limit, so the workers keep both cores busy.  An explicit ``block_size``
+    is kept.
     """
     if block_size is not None:
         return bk
-    return max(bk, min(lk, _FORWARD_BLOCK_BYTES // (itemsize * max(1, n_mats * bq))))
+    return max(bk, min(lk, _FORWARD_BLOCK_BYTES // (itemsize * max(1, n_mats * bq)) // bk * bk))
+
+
+def _forward_gemm_keys(block_size, bq: int, bk: int, width: int) -> int:
+    """The keys of one of the forward's products beside ``bq`` query rows: with the default block
+    size, the most (a multiple of 8) whose products, ``keys x bq x (width + 1)`` multiply-adds (the
+    bounded forward's packed values carry a column of ones, ``_ForwardWorker.bounded_rows``), numpy's
+    BLAS runs on the calling thread (``npattn._blas.single_thread_gemm_mnk``): 120 beside 128 rows on
+    the OpenBLAS cores with small-matrix kernels, 56 beside 64 elsewhere.  Fewer, longer products
+    mean fewer calls and fewer additions into the accumulator.  An explicit ``block_size`` is kept."""
+    if block_size is not None:
+        return bk
+    return max(8, single_thread_gemm_mnk() // max(1, bq * (width + 1)) // 8 * 8)
 
 
 def _tall_query_block(block_size, bq: int, bk: int, width: int, lq: int) -> int:
@@ -732,11 +746,12 @@ def memory_efficient_attention_kernel(
     out = np.empty(lead + (lq, ev), q.dtype)
     lse = np.empty(lead + (lq,), q.dtype)
     tall = _tall_query_block(block_size, bq, bk, max(q.shape[-1], v.shape[-1]), lq)
-    fbk = _forward_key_block(block_size, n_mats, tall, bk, geo.lk, geo.dt.itemsize)
+    gk = max(1, min(_forward_gemm_keys(block_size, tall, bk, max(q.shape[-1], v.shape[-1])), geo.lk))
+    fbk = _forward_key_block(block_size, n_mats, tall, gk, geo.lk, geo.dt.itemsize)
     fgeo = geo._replace(bq=tall, bk=fbk)  # the forward's blocks; the cache keeps bq, bk
     bound = _score_bound(geo, scale, options, dropout_p)
     v_log2 = 0.0 if bound is None else _log2_max_abs(geo.lay.v)
-    worker = lambda share: _ForwardWorker(fgeo, scale, bk, bound, v_log2).rows(share, out, lse)  # noqa: E731
+    worker = lambda share: _ForwardWorker(fgeo, scale, gk, bound, v_log2).rows(share, out, lse)  # noqa: E731
     _run(worker, geo._replace(bq=tall).shares(_spans(lq, tall)))  # GEMMs of tall x bk x width
     out = out.reshape(geo.lay.out_lead + (lq, ev))
     lse = lse.reshape(geo.lay.out_lead + (lq,))
@@ -754,10 +769,11 @@ class _ForwardWorker:
         self, geo: _Geometry, scale: float, gemm_keys: int, bound: Optional[np.ndarray] = None, v_log2: float = 0.0
     ):
         self.geo, self.scale, self.gemm_keys, self.bound, self.v_log2 = geo, scale, gemm_keys, bound, v_log2
-        self.ones = None if bound is None else np.ones((1, geo.bk), geo.dt)
         bq, bk, e, ev = geo.bq, geo.bk, geo.lay.q.shape[-1], geo.lay.v.shape[-1]
+        # the bounded forward's values, a GEMM slice at a time, with a column of ones: [v_j, 1]
+        self.va_buf = None if bound is None else np.ones(geo.lay.v.shape[:-2] + (gemm_keys, ev + 1), geo.dt)
         self.qs_buf = np.empty(math.prod(geo.lay.q.shape[:-2]) * bq * e, geo.dt)
-        self.s_buf, self.acc_buf, self.pv_buf = geo.buffer(bk, bq), geo.buffer(ev, bq), geo.buffer(ev, bq)
+        self.s_buf, self.acc_buf, self.pv_buf = geo.buffer(bk, bq), geo.buffer(ev + 1, bq), geo.buffer(ev + 1, bq)
         self.stat_bufs = [geo.buffer(bq) for _ in range(6)]
         self.max_buf = geo.buffer((geo.bk + 1) // 2, bq)
         self.bias_bufs = geo.scores.buffers(bk, bq)
@@ -801,16 +817,18 @@ class _ForwardWorker:
         is taken: ``a / l`` is the same ratio, ``exp2(s2)`` rounds only ``s2``, ``lse = log2(l) ln 2``.
         False (and nothing written) when a row's ``l 2^-m2`` is below ``n exp(-_BOUND_SLACK)``: the
         bound may then sit too far above the row's scores for the exponentials' precision (or they
-        underflowed, or the row sees no key); the online softmax takes the block."""
-        geo, lay, bound, ones = self.geo, self.geo.lay, self.bound, self.ones
-        assert bound is not None and ones is not None  # rows() calls this only with a bound
+        underflowed, or the row sees no key); the online softmax takes the block.
+
+        The values go through the products packed a slice at a time with a column of ones, ``[v_j,
+        1]``: ``[v_j, 1]^T P^T`` gives ``a^T`` and the key sums ``l`` in one product, one addition."""
+        geo, lay, bound, va_buf = self.geo, self.geo.lay, self.bound, self.va_buf
+        assert bound is not None and va_buf is not None  # rows() calls this only with a bound
         lead, ev, nq = lay.lead, lay.v.shape[-1], i1 - i0
         m = bound[..., i0:i1]
-        l_row, rsum = (scratch(b, lead + (1, nq)) for b in self.stat_bufs[:2])
-        l_row.fill(0.0)
-        acc_t = scratch(self.acc_buf, lead + (ev, nq))  # a^T, transposed like the scores
+        acc_t = scratch(self.acc_buf, lead + (ev + 1, nq))  # [a^T; l], transposed like the scores
         acc_t.fill(0.0)
-        pv_t = scratch(self.pv_buf, lead + (ev, nq))
+        l_row = acc_t[..., ev:, :]
+        pv_t = scratch(self.pv_buf, lead + (ev + 1, nq))
         c0, c1 = key_range(geo.band, i0, i1, geo.lk)
         n = max(c1 - c0, 1)
         shift = not float(np.max(m)) + self.v_log2 < np.finfo(geo.dt).maxexp - 2 - math.log2(n)  # NaN: shift
@@ -822,15 +840,15 @@ class _ForwardWorker:
             if shift:
                 np.subtract(st, m, out=st)
             np.exp2(st, out=st)  # 2^(s2 - m2) <= 1, or 2^s2 <= 2^m2
-            np.matmul(ones[:, : j1 - j0], st, out=rsum)  # the key sums as a product: no pass of numpy's
-            l_row += rsum
             for a, b in _spans(j1 - j0, self.gemm_keys):
-                np.matmul(lay.v[..., j0 + a : j0 + b, :].swapaxes(-1, -2), st[..., a:b, :], out=pv_t)
-                acc_t += pv_t
+                va = va_buf[..., : b - a, :]
+                np.copyto(va[..., :ev], lay.v[..., j0 + a : j0 + b, :])
+                np.matmul(va.swapaxes(-1, -2), st[..., a:b, :], out=pv_t)
+                acc_t += pv_t  # [a^T; l] += [v_j, 1]^T P^T: the key sums as a product, no pass of numpy's
         floor = n * math.exp(-_BOUND_SLACK)
         if not np.all(l_row >= (floor if shift else np.exp2(m) * floor)):
             return False
-        np.divide(acc_t, l_row, out=out[..., i0:i1, :].swapaxes(-1, -2))
+        np.divide(acc_t[..., :ev, :], l_row, out=out[..., i0:i1, :].swapaxes(-1, -2))
         np.log2(l_row, out=l_row)
         if shift:
             np.add(m, l_row, out=l_row)
