@@ -45,8 +45,16 @@ transformers' as npattn's. (Busy, the fractions still fall: a decoding step make
 calls, each waiting for its slowest thread, and a thread that loses its core to another process
 stalls the call; one large GEMV loses little. ``cpu_wait`` says how busy.) What a step can reach: on
 the 2-core machine of issue 32 the step's 113 products alone, called back to back with nothing
-between them, read their bytes at 0.89-0.92 of the single GEMV's bandwidth (each call starts and
-joins the BLAS's threads on a matrix of 8-25 MB); the step's own work comes on top.
+between them, read their bytes at 0.89-0.92 of the single GEMV's bandwidth at load 1.3-1.9 and at
+0.98-0.99 at quiet moments (medians of two runs of 12 and 20 rounds, GEMV 31-36 GB/s; each call
+starts and joins the BLAS's threads on a matrix of 8-25 MB). Inside a step (one process, a quiet
+moment, GEMV 30.2 GB/s, 12 steps) they read at 0.94 and the step at 0.81: its other work (norms,
+RoPE, attention over the cache, Python) took a median 14 ms between the products, and the same
+work with the products left out 7.7 ms of CPU, so what is missing to the limit is that work, not
+the products. Splitting each product over a pool of threads making single-threaded BLAS calls (as
+bfloat16 storage does) was 1.7-3.1x faster than the threaded BLAS while other processes held the
+cores, but read at 0.58-0.66 of the GEMV (the same two runs) against the BLAS's 0.98-0.99 on the
+quiet machine, so float32 keeps one BLAS call per product.
 
 Each runs in a child process of its own (npattn's without torch), one after another.  The goals
 (issue 32): float32 decoding at >= 90 % of the limit, bfloat16 storage at >= 0.7x float32's
