@@ -48,9 +48,10 @@ Three implementation choices, all about speed on a CPU, none changing the mathem
   elementwise work included.  The share of each worker is fixed (not first come, first served),
   so a given machine reproduces its results bit for bit.  Small problems run inline.
 * **Preallocated buffers, ``out=`` everywhere**: each worker owns one set of block buffers and
-  reuses them for every block; ``scale`` multiplies ``q`` (once per query block in the forward,
-  once in all in the backward), never the larger score blocks; only the blocks straddling the
-  causal diagonal pay for the causal mask.
+  reuses them for every block; ``scale`` multiplies ``q`` (once per query block), never the larger
+  score blocks; only the blocks straddling the causal diagonal pay for the causal mask; the
+  backward packs each block it multiplies (contiguous, with one more row or column that makes its
+  products subtract ``lse`` and ``D``, ``_BackwardWorker``).
 """
 
 from __future__ import annotations
@@ -220,11 +221,11 @@ def _tall_query_block(block_size, bq: int, bk: int, width: int, lq: int) -> int:
     numpy's BLAS runs products of ``2 * bq * bk * width`` on the calling thread
     (``npattn._blas.single_thread_gemm_mnk``: OpenBLAS cores with small-matrix kernels), else ``bq``.
 
-    Taller query blocks halve the forward's products (``k_j (scale q_i)^T`` and ``P v_j`` in 64-key
-    slices), their per-call overhead and the reads of each key block (the backward's query block,
-    ``_backward_query_block``, was first measured this way: -7 to -10 % CPU time at L = 4096, AVX-512
-    Zen 4, 2 cores).  On a BLAS that would thread such products inside the worker threads the blocks
-    stay ``bq``.  An explicit ``block_size`` is kept.
+    Taller query blocks halve the forward's products (``k_j (scale q_i)^T`` and ``P v_j`` in key
+    slices, ``_forward_gemm_keys``), their per-call overhead and the reads of each key block (the
+    backward's query block was first measured this way: -7 to -10 % CPU time at L = 4096, AVX-512
+    Zen 4, 2 cores; ``_backward_query_block``).  On a BLAS that would thread such products inside
+    the worker threads the blocks stay ``bq``.  An explicit ``block_size`` is kept.
     """
     if block_size is not None or 2 * bq * bk * width > single_thread_gemm_mnk():
         return bq
@@ -578,7 +579,7 @@ def memory_efficient_attention(
 
     **Blocks and cost.**  Query blocks of ``block_q`` rows run over key blocks of ``block_k``
     columns (with the default ``block_size``, over longer key blocks, up to a 1 MiB score block per
-    thread: fewer online-softmax steps, the GEMMs still in ``block_k``-key slices); each step is two
+    thread: fewer online-softmax steps, the GEMMs in slices the BLAS keeps on one thread); each step is two
     batched GEMMs (``S^T = k_j (scale q_i)^T`` and ``P v_j``) and a few elementwise passes over one
     ``(..., keys, block_q)`` buffer.  The key loop covers only the
     band a query block may see (``is_causal`` stops it at the diagonal, ``window`` bounds both
