@@ -927,7 +927,8 @@ def _key_max(st, tmp, out):
 def _scaled_rows_t(qw, i0, i1, scale, buf):
     """``(scale q)^T`` for the query rows ``i0..i1-1``, ``(..., E, nq)`` C-contiguous in ``buf`` (scale
     goes on q, never on the larger score blocks; transposed so that ``S^T = k_j (scale q_i)^T`` is a
-    plain product, see ``_transposed``)."""
+    plain product: OpenBLAS runs ``A @ B^T`` through its packing path, about 1.6x slower than ``A @
+    B`` at the block sizes used here, its small-matrix kernels take only the other layouts)."""
     qs_t = scratch(buf, qw.shape[:-2] + (qw.shape[-1], i1 - i0))
     return np.multiply(qw[..., i0:i1, :].swapaxes(-1, -2), scale, out=qs_t)
 
@@ -996,7 +997,7 @@ def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache
     lay, opts = geo.lay, cache.options
     # base-2 exponentials when the scores are only scale q k^T, a band and a bool mask (-inf in any units)
     base2 = opts.softcap is None and lay.slopes is None and lay.sinks is None
-    up = _upstream(geo, dout, cache, base2=base2 and (lay.mask is None or lay.mask.dtype == bool), packed=True)
+    up = _upstream(geo, dout, cache, base2=base2 and (lay.mask is None or lay.mask.dtype == bool))
     dk, dv = np.zeros(lay.k.shape, geo.dt), np.zeros(lay.v.shape, geo.dt)
     dmask = None
     if opts.mask_grad and lay.mask is not None and cache.attn_mask is not None:
@@ -1025,37 +1026,20 @@ def memory_efficient_attention_backward_kernel(dout, cache: MemoryEfficientCache
 
 class _Upstream(NamedTuple):
     """What every worker of the backward reads, in the working layout: ``dout`` (times ``1/(1-p)``
-    with dropout), the rows ``D = rowsum(dO * O)`` and ``lse`` ``(..., 1, Lq)``, ``scale q``
-    transposed ``(..., E, Lq)`` and ``dout`` transposed ``(..., Ev, Lq)`` (C-contiguous copies, see
-    ``_transposed``; None when the backward packs them a query block at a time, ``_BackwardWorker``),
-    and the factor ``q_scale`` of ``q`` in ``qs_t`` (``scale``, times ``log2(e)`` in base 2)."""
+    with dropout), the rows ``D = rowsum(dO * O)`` and ``lse`` ``(..., 1, Lq)``, and the factor
+    ``q_scale`` of ``q`` in the blocks of ``scale q`` the workers pack per query block (``scale``,
+    times ``log2(e)`` in base 2); no ``(L, E)``-sized copy."""
 
     dout: np.ndarray
     d_row: np.ndarray
     lse_row: np.ndarray
-    qs_t: Optional[np.ndarray]
-    dout_t: Optional[np.ndarray]
-    exp: np.ufunc = np.exp  # np.exp2 when qs_t and lse_row are in base-2 units
+    exp: np.ufunc = np.exp  # np.exp2 when q_scale and lse_row are in base-2 units
     q_scale: float = 1.0
 
 
-def _transposed(a: np.ndarray) -> np.ndarray:
-    """``a`` with its last two axes swapped (a copy, rows contiguous): a block of its columns is then a
-    plain (non-transposed) BLAS operand.  OpenBLAS runs ``A @ B^T`` through its packing path, about
-    1.6x slower than ``A @ B`` at the block sizes used here (its small-matrix kernels take only the
-    other layouts)."""
-    n = a.shape[-2]
-    # rows padded by 64 bytes: rows exactly 4 KiB apart (L a multiple of 1024 in float32) would
-    # share cache sets, and a block of columns reads one short piece of every row
-    out = np.empty(a.shape[:-2] + (a.shape[-1], n + 64 // a.itemsize), a.dtype)[..., :n]
-    np.copyto(out, a.swapaxes(-1, -2))
-    return out
-
-
-def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2=False, packed=False) -> _Upstream:
+def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2=False) -> _Upstream:
     """``base2``: ``scale q`` and ``lse`` times ``log2(e)``, and ``exp`` is ``np.exp2`` (see ``_LOG2E``);
-    only for scores that are ``scale q k^T`` with a band or a bool mask.  ``packed``: no transposed
-    copies of ``q`` and ``dout`` (the backward packs its query blocks itself)."""
+    only for scores that are ``scale q k^T`` with a band or a bool mask."""
     lead, lq, ev = geo.lay.lead, geo.lq, cache.v.shape[-1]
     dout = dout.reshape(lead + (lq, ev))
     out = cache.out.reshape(lead + (lq, ev))
@@ -1068,14 +1052,7 @@ def _upstream(geo: _Geometry, dout, cache: MemoryEfficientCache, base2=False, pa
     q_scale = cache.scale * _LOG2E if base2 else cache.scale
     if base2:
         lse_row = lse_row * _LOG2E
-    exp = np.exp2 if base2 else np.exp
-    if packed:
-        return _Upstream(dout, d_row, lse_row, None, None, exp, q_scale)
-    # scale folded into q once, both held transposed (O(L) each): S^T = k_j (scale q_i)^T and
-    # dP'^T = V_j dO_i^T are then plain products
-    qs_t = _transposed(geo.lay.q)
-    qs_t *= q_scale
-    return _Upstream(dout, d_row, lse_row, qs_t, _transposed(dout), exp, q_scale)
+    return _Upstream(dout, d_row, lse_row, np.exp2 if base2 else np.exp, q_scale)
 
 
 class _MaskGrad:
@@ -1569,7 +1546,10 @@ class _BackwardJvpWorker:
 
     def pair(self, i0, i1, j0, j1, tdk_j, tdv_j, tdq, tdmask):
         geo, up, rows, tan, lay = self.geo, self.up, self.rows, self.tan, self.geo.lay
-        k_j, v_j, qs_t = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :], up.qs_t[..., i0:i1]
+        k_j, v_j = lay.k[..., j0:j1, :], lay.v[..., j0:j1, :]
+        qs_t = _scaled_rows_t(
+            lay.q, i0, i1, up.q_scale, np.empty(math.prod(lay.lead) * (i1 - i0) * lay.q.shape[-1], geo.dt)
+        )
         st = np.matmul(k_j, qs_t)  # S^T = k_j (scale q_i)^T
         t = None if geo.scores.softcap is None else np.empty(st.shape, geo.dt)
         if not geo.scores.apply(st, i0, i1, j0, j1, geo.scores.buffers(j1 - j0, i1 - i0), tanh_out=t):
