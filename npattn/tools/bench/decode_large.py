@@ -440,12 +440,10 @@ def _bf16_goal(r: dict, f32, bf16) -> str:
     ratio = paired.get("ratio", rows)
     goal = r["goals"]["bf16_over_f32"]
     text = f"bfloat16 storage at {fmt(ratio, '.2f')}x float32's tokens/s (>= {goal}: {_verdict(ratio, goal)})"
-    if "ratio" not in paired:
-        return text
-    return (
-        f"{text} in turns in one process (median of {paired['rounds']} rounds' ratios; "
-        f"the rows' separate processes: {fmt(rows, '.2f')}x)"
-    )
+    if "ratio" in paired:
+        text += f" in turns in one process (median of {paired['rounds']} rounds' ratios; the rows' separate"
+        text += f" processes: {fmt(rows, '.2f')}x)"
+    return text
 
 
 def format_section(report):
