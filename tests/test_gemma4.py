@@ -239,7 +239,7 @@ def test_a_fine_tuning_step_is_transformers():
         with torch.no_grad():
             for p in hf.parameters():
                 p -= lr * p.grad
-    assert loss == pytest.approx(float(ref_loss), rel=1e-12)
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
     with no_grad():
         after = m(ids)
     assert rel_err(after, hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
