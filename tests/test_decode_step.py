@@ -25,8 +25,8 @@ def _attend(q, k, v, kw, dout):
 
 
 def _loop_only(monkeypatch):
-    """The block loop for every call (``plain()`` false), as before the one-row path."""
-    monkeypatch.setattr(A._Rows, "plain", lambda self: False)
+    """The block loop for every call, as before the one-row path."""
+    monkeypatch.setattr(A, "_one_row_serves", lambda *a: False)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -76,7 +76,7 @@ def test_the_loop_serves_what_the_one_row_pass_does_not(monkeypatch):
     rng = np.random.default_rng(3)
     q, k, v = rng.standard_normal((4, 1, 8)), rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 6, 8))
     calls = []
-    monkeypatch.setattr(A._Rows, "one_row", lambda *a: calls.append(1))
+    monkeypatch.setattr(A, "_one_row", lambda *a: calls.append(1))
     for kw in (
         dict(attn_mask=np.ones((4, 1, 6), bool)),
         dict(sinks=np.zeros(4)),

@@ -327,7 +327,6 @@ def scaled_dot_product_attention_kernel(
     if dropout_p > 0.0:
         keep = rng.random(score_shape) >= dropout_p
         drop_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-    rows = _Rows(q, k, v, groups, scale, bnd, options, attn_mask, keep, drop_scale, workspace)
     out_shape = q.shape[:-1] + (v.shape[-1],)
     if heads_last:  # grouped heads write their rows into the (..., Hk, G, Lq, Ev) view of it
         full = _heads_last_empty(out_shape, q.dtype, workspace)
@@ -336,9 +335,11 @@ def scaled_dot_product_attention_kernel(
         out = full = _empty(workspace, _grouped_shape(out_shape, groups), q.dtype)
     blocks = row_blocks(lq, lk, groups, _block_height(bnd), bnd)
     p_blocks, dcap = [], []
-    if lq == 1 and groups > 1 and workspace is None and rows.plain():  # decoding: one pass for every group
-        p_blocks = rows.one_row(blocks[0], out)  # no softcap: no dcap
+    rows = None
+    if _one_row_serves(lq, groups, workspace, keep, attn_mask, options):  # decoding: one pass for every group
+        p_blocks = _one_row(q, k, v, groups, scale, blocks[0], out)  # no softcap: no dcap
     else:
+        rows = _Rows(q, k, v, groups, scale, bnd, options, attn_mask, keep, drop_scale, workspace)
         for blk in blocks:
             t, cap = rows.scores(blk)
             rows.softmax(t, blk)
@@ -359,7 +360,7 @@ def scaled_dot_product_attention_kernel(
         bnd,
         options,
         None if options.softcap is None else tuple(dcap),
-        rows.p_sink,
+        None if rows is None else rows.p_sink,
         attn_mask if options.mask_grad else None,
         heads_last,
     )
@@ -414,59 +415,15 @@ class _Rows:
             np.copyto(t, -np.inf, where=_mask_block(self.hidden, blk, self.groups, self.lq).swapaxes(-1, -2))
         return t, dcap
 
-    def plain(self) -> bool:
-        """Nothing but the scale enters the scores: no mask, dropout, softcap, ALiBi or sinks."""
-        o = self.opts
-        no_mask = self.hidden is None and self.additive is None and self.keep_g is None
-        return no_mask and o.softcap is None and o.alibi_slopes is None and o.sinks is None
-
-    def one_row(self, blk: Block, out) -> list:
-        """One query row (``Lq = 1``, a decoding step) of every group at once, ``plain()`` scores:
-        the ``G`` blocks of the loop (``blk`` the first; each row sees the keys ``c0..c1-1``, the
-        band hides none of them) as one batched product per stage instead of ``G`` passes of a
-        dozen small operations each.  Bit for bit the loop's: each (kv head, group) is the same
-        matrix-vector product, and the softmax runs over ``G`` blocks laid out one after another
-        in one array, each as contiguous as the loop's own (the block probabilities returned are
-        those arrays)."""
-        G, c0, c1 = self.groups, blk.c0, blk.c1
-        buf = np.empty((G,) + self.tlead + (c1 - c0, 1), self.dt)  # block g at buf[g]
-        nd = buf.ndim
-        t = buf.transpose(tuple(range(1, nd - 2)) + (0, nd - 2, nd - 1))  # (..., Hk, G, keys, 1)
-        q = self.qg.reshape(self.qg.shape[:-2] + (G, 1, self.qg.shape[-1]))
-        np.matmul(self.k[..., None, c0:c1, :], q.swapaxes(-1, -2), out=t)
-        if self.scale != 1.0:
-            buf *= self.scale
-        self.softmax(buf, blk)
-        if out.ndim == self.qg.ndim:  # (..., Hk, G*Lq, Ev) -> (..., Hk, G, 1, Ev)
-            out = out.reshape(out.shape[:-2] + (G, 1, out.shape[-1]))
-        np.matmul(t.swapaxes(-1, -2), self.v[..., None, c0:c1, :], out=out)
-        return list(buf)
-
     def _group(self, blk: Block) -> int:
         return blk.rows.start // self.lq if self.lq else 0
 
     def softmax(self, t, blk: Block):
-        """``P = E / l`` in place, ``E = exp(S - max over keys)``, ``l = sum E``; a query with no
-        visible key (max = -inf) gets zeros.  A sink joins the row: ``m = max(m, sink)`` (always
-        finite), ``l`` includes ``exp(sink - m)`` and ``P_sink = exp(sink - m) / l`` is kept."""
-        # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
-        m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
-        sink = None
-        if self.opts.sinks is not None:
-            sink = _per_group(self.opts.sinks, self.lead, self.groups, self._group(blk))
-            m = np.maximum(m, sink)
-        else:
-            m[~np.isfinite(m)] = 0.0
-        t -= m
-        np.exp(t, out=t)
-        total = t.sum(axis=-2, keepdims=True)  # l, (..., 1, n)
-        if sink is not None and self.p_sink is not None:
-            es = np.exp(sink - m)
-            total += es
-            np.divide(es, total, out=self.p_sink[..., blk.rows, :].swapaxes(-1, -2))
-        else:
-            total[total == 0] = 1.0
-        t *= np.divide(1.0, total, out=total)  # P = E / l, in place
+        """``_softmax_keys`` of the block's scores ``t``, with the rows' sinks."""
+        if self.opts.sinks is None or self.p_sink is None:
+            return _softmax_keys(t)
+        sink = _per_group(self.opts.sinks, self.lead, self.groups, self._group(blk))
+        return _softmax_keys(t, sink, self.p_sink[..., blk.rows, :].swapaxes(-1, -2))
 
     def attend(self, p, blk: Block, out):
         """``out = P' v = (P [* keep / (1-p)]) v`` for the block's rows; ``out`` grouped
@@ -480,6 +437,60 @@ class _Rows:
         else:
             rows = out[..., blk.rows, :]
         np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=rows)
+
+
+def _softmax_keys(t, sink=None, p_sink=None):
+    """``P = E / l`` in place over the keys of key-major scores ``t (..., keys, n)``, ``E = exp(S -
+    max over keys)``, ``l = sum E``; a query with no visible key (max = -inf) gets zeros.  A sink
+    joins the row: ``m = max(m, sink)`` (always finite), ``l`` includes ``exp(sink - m)`` and
+    ``P_sink = exp(sink - m) / l`` is written into ``p_sink``."""
+    # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
+    m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
+    if sink is not None:
+        m = np.maximum(m, sink)
+    else:
+        m[~np.isfinite(m)] = 0.0
+    t -= m
+    np.exp(t, out=t)
+    total = t.sum(axis=-2, keepdims=True)  # l, (..., 1, n)
+    if sink is not None:
+        es = np.exp(sink - m)
+        total += es
+        np.divide(es, total, out=p_sink)
+    else:
+        total[total == 0] = 1.0
+    t *= np.divide(1.0, total, out=total)  # P = E / l, in place
+
+
+def _one_row_serves(lq: int, groups: int, workspace, keep, attn_mask, options: AttentionOptions) -> bool:
+    """One query row of grouped heads, nothing but the scale in the scores, no workspace: ``_one_row``."""
+    plain = keep is None and attn_mask is None and options.alibi_slopes is None and options.softcap is None
+    return lq == 1 and groups > 1 and workspace is None and plain and options.sinks is None
+
+
+def _one_row(q, k, v, groups: int, scale: float, blk: Block, out) -> list:
+    """One query row (``Lq = 1``, a decoding step) of every group at once, scores with nothing but
+    the scale (no mask, dropout, softcap, ALiBi or sinks): the ``G`` blocks of ``_Rows``' loop
+    (``blk`` the first; each row sees the keys ``c0..c1-1``, the band hides none of them) as one
+    batched product per stage instead of ``G`` passes of a dozen small operations each, without
+    the loop's per-call setup.  Bit for bit the loop's: each (kv head, group) is the same
+    matrix-vector product, and the softmax runs over ``G`` blocks laid out one after another in
+    one array, each as contiguous as the loop's own (the block probabilities returned are those
+    arrays).  ``out``: grouped ``(..., Hk, G, Ev)`` or ``(..., Hk, G, 1, Ev)`` (heads last)."""
+    G, c0, c1 = groups, blk.c0, blk.c1
+    qg = _grouped(q, groups)  # (..., Hk, G, E)
+    tlead = broadcast_shapes(k.shape[:-2], qg.shape[:-2])
+    buf = np.empty((G,) + tlead + (c1 - c0, 1), q.dtype)  # block g at buf[g]
+    nd = buf.ndim
+    t = buf.transpose(tuple(range(1, nd - 2)) + (0, nd - 2, nd - 1))  # (..., Hk, G, keys, 1)
+    np.matmul(k[..., None, c0:c1, :], qg[..., None, :].swapaxes(-1, -2), out=t)
+    if scale != 1.0:
+        buf *= scale
+    _softmax_keys(buf)
+    if out.ndim == qg.ndim:  # (..., Hk, G, Ev) -> (..., Hk, G, 1, Ev)
+        out = out[..., None, :]
+    np.matmul(t.swapaxes(-1, -2), v[..., None, c0:c1, :], out=out)
+    return list(buf)
 
 
 @shared_doc(attention_backward_sections=attention_backward_sections("scaled_dot_product_attention"))
