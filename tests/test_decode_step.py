@@ -147,3 +147,41 @@ def test_clear_saved_reaches_a_submodule_registered_later():
     assert outer.b.num_saved == 1
     outer.clear_saved()
     assert outer.b.num_saved == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(qk_norm=True, rope=True, num_kv_heads=2),
+        dict(qk_norm=True, qk_norm_unit_offset=True, rope=True, rope_interleaved=True, num_kv_heads=1),
+        dict(qk_norm=True, rope=True, partial_rotary_factor=0.5, num_kv_heads=4),
+        dict(qk_norm=True, num_kv_heads=2),
+        dict(rope=True, rope_scaling={"rope_type": "linear", "factor": 2.0}, num_kv_heads=2),
+        dict(qk_norm=True, qk_norm_scope="all_heads", rope=True, num_kv_heads=2),  # the heads apart
+        dict(qk_norm=True, rope=True, output_gate=True, num_kv_heads=2),  # the heads apart
+    ],
+)
+def test_a_call_that_keeps_nothing_positions_q_and_k_as_one_array_bit_for_bit(monkeypatch, dtype, kw):
+    """A cached call (nothing kept) normalises and rotates q's and k's heads as one array
+    (``_position_joint``): the outputs of the steps apart, bit for bit, over a prompt and the
+    decoding steps after it."""
+    rng = np.random.default_rng(5)
+    m = MultiHeadAttention(32, 32, 4, causal=True, rng=1, dtype=dtype, **kw)
+    for p in m.parameters():  # norm weights away from one: a wrong weight shows
+        p.data[...] = rng.standard_normal(p.data.shape).astype(dtype) * 0.5 + (p.data if p.data.ndim == 1 else 0)
+    x = rng.standard_normal((2, 7, 32)).astype(dtype)
+    calls = []
+    joint = type(m)._position_joint
+    monkeypatch.setattr(type(m), "_position_joint", lambda self, *a: calls.append(1) or joint(self, *a))
+
+    def run():
+        m.reset_kv_cache()
+        with no_grad():
+            steps = [m(x[:, :4], use_cache=True)] + [m(x[:, i : i + 1], use_cache=True) for i in range(4, 7)]
+        return np.concatenate(steps, axis=1)
+
+    out = run()
+    assert len(calls) == (4 if m._joint_heads() else 0)
+    monkeypatch.setattr(type(m), "_joint_heads", lambda self: False)
+    np.testing.assert_array_equal(out, run())

@@ -130,7 +130,7 @@ def broadcast_shapes(*shapes: tuple) -> tuple:
     """``np.broadcast_shapes`` for shapes known to broadcast, without its cost (some microseconds,
     a noticeable part of a small attention call) when they are all equal, the usual case."""
     first = shapes[0]
-    if all(s == first for s in shapes):
+    if shapes.count(first) == len(shapes):
         return tuple(first)
     return tuple(np.broadcast_shapes(*shapes))
 

@@ -7,6 +7,7 @@ The public ops validate and call the unvalidated kernels ``layer_norm_kernel`` /
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -97,6 +98,15 @@ def _axes(x, normalized_shape, weight):
     return k, tuple(range(x.ndim - k, x.ndim))
 
 
+@functools.lru_cache(maxsize=16)
+def _ones(n: int, dtype: str) -> np.ndarray:
+    """A read-only vector of ``n`` ones (``_mean``'s, made once per size: a decoding step asks for
+    it twice per layer)."""
+    ones = np.ones(n, dtype)
+    ones.flags.writeable = False
+    return ones
+
+
 def _mean(a, k):
     """The mean over the last ``k`` axes of ``a``, kept as size-1 axes.  For a C-contiguous ``a``
     it is one matrix-vector product ``(N, n) @ ones(n) / n``: BLAS sums the short rows 3-8x faster
@@ -105,7 +115,7 @@ def _mean(a, k):
     lead = a.shape[: a.ndim - k]
     if n == 0 or not a.flags.c_contiguous:
         return a.mean(axis=tuple(range(a.ndim - k, a.ndim)), keepdims=True)
-    sums = np.matmul(a.reshape(math.prod(lead), n), np.ones(n, a.dtype))
+    sums = np.matmul(a.reshape(math.prod(lead), n), _ones(n, a.dtype.char))
     sums /= n
     return sums.reshape(lead + (1,) * k)
 

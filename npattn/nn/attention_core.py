@@ -560,7 +560,7 @@ class MultiHeadAttentionCore(Module):
         p = self._project(x, None if self_attn else key, None if self_attn else value, ws)
         cache = self._kv_cache_in_use() if use_cache else None
         start = 0 if cache is None else cache.position  # rolled-out tokens count
-        qh, kh, pos = self._position(p.q, p.k, start, positions, kept)
+        qh, kh, pos = self._position(p.q, p.k, start, positions, kept, None if kept else p.qkv)
         vh, dropped = p.v, 0
         if cache is not None:
             # a rolling cache no longer holds the first `dropped` keys (hidden by the window anyway):
@@ -615,11 +615,15 @@ class MultiHeadAttentionCore(Module):
         return Projected(qh, gate, self._split(k, self.num_kv_heads), self._split(v, self.num_kv_heads), caches, qkv)
 
     def _position(
-        self, qh, kh, start: int, positions=None, kept: bool = True
+        self, qh, kh, start: int, positions=None, kept: bool = True, qkv=None
     ) -> tuple[np.ndarray, np.ndarray, Positioned]:
         """Stage 2: QK-norm, then RoPE (query/key ``i`` of this call at position ``start + i``, or
         at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows).
-        ``kept``: the state is kept for a backward (else QK-norm keeps no cache)."""
+        ``kept``: the state is kept for a backward (else QK-norm keeps no cache).  ``qkv``: the
+        fused projection's output of a call that keeps nothing (None otherwise), whose q and k
+        heads then go through both steps as one array (``_position_joint``)."""
+        if qkv is not None and positions is None and self._joint_heads():
+            return self._position_joint(qkv, start)
         qn = kn = qr = kr = None
         if self.qk_norm:
             qh, qn = self._qk_norm(qh, self.q_norm, kept)
@@ -641,6 +645,28 @@ class MultiHeadAttentionCore(Module):
             else:
                 kh, kr = K.rope(kh, kpos, **ropt)
         return qh, kh, Positioned(qn, kn, qr, kr)
+
+    def _joint_heads(self) -> bool:
+        """q and k sit side by side in the fused projection's output and take the same steps:
+        no output gate (its features lie between the heads), QK-norm (if any) per head."""
+        return not self.output_gate and (not self.qk_norm or self.qk_norm_scope == "head")
+
+    def _position_joint(self, qkv, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
+        """``_position`` of a call that keeps nothing, on the ``H + Hk`` heads of q and k as one
+        array ``(..., H + Hk, L, hd)`` (a view of ``qkv``): one norm and one rotation instead of
+        two of each (a decoding step makes them for every layer), the same roundings per head
+        (``x rstd``, then times its own weight; the same cos and sin)."""
+        h, hk, L = self.num_heads, self.num_kv_heads, qkv.shape[-2]
+        qk = self._split(qkv[..., : (h + hk) * self.head_dim], h + hk)
+        if self.qk_norm:
+            qk = K.rms_norm(qk, None, self.q_norm.eps, keep=False)[0]
+            qk[..., :h, :, :] *= self._qk_weight(self.q_norm)
+            qk[..., h:, :, :] *= self._qk_weight(self.k_norm)
+        if self.rope:
+            pos = np.arange(start, start + L)
+            ropt = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+            qk = K.rope(qk, pos, rotary_dim=self.rotary_dim, **ropt)[0]
+        return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
 
     def _attend(self, qh, kh, vh, mask, align: str | None, ws):
         """Stage 3: the attention core with the module's options (``align``: a cached call's

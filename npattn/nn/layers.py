@@ -676,7 +676,10 @@ def fused_linears(owner: Module, mods: tuple) -> Optional[tuple]:
 
 def _linked(fused, views, params) -> bool:
     """True while each parameter's ``.data`` is still the view of ``fused`` handed to it."""
-    return all(p.data is w and w.base is fused for p, w in zip(params, views))
+    for p, w in zip(params, views):  # (a loop, not all() over a generator: every decoding step asks)
+        if p.data is not w or w.base is not fused:
+            return False
+    return True
 
 
 def _views(fused, params):
