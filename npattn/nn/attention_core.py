@@ -653,19 +653,22 @@ class MultiHeadAttentionCore(Module):
 
     def _position_joint(self, qkv, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
         """``_position`` of a call that keeps nothing, on the ``H + Hk`` heads of q and k as one
-        array ``(..., H + Hk, L, hd)`` (a view of ``qkv``): one norm and one rotation instead of
-        two of each (a decoding step makes them for every layer), the same roundings per head
-        (``x rstd``, then times its own weight; the same cos and sin)."""
+        array in the projection's own token-major layout ``(..., L, H + Hk, hd)`` (a view of
+        ``qkv``, each token's heads contiguous): one norm and one rotation instead of two of each
+        on heads-first views whose rows are strided (a decoding step makes them for every layer;
+        on a long prompt those strided rows made the norm about twice as slow), the same
+        roundings per head (``x rstd``, then times its own weight; the same cos and sin)."""
         h, hk, L = self.num_heads, self.num_kv_heads, qkv.shape[-2]
-        qk = self._split(qkv[..., : (h + hk) * self.head_dim], h + hk)
+        qk = qkv[..., : (h + hk) * self.head_dim].reshape(qkv.shape[:-1] + (h + hk, self.head_dim))
         if self.qk_norm:
             qk = K.rms_norm(qk, None, self.q_norm.eps, keep=False)[0]
-            qk[..., :h, :, :] *= self._qk_weight(self.q_norm)
-            qk[..., h:, :, :] *= self._qk_weight(self.k_norm)
+            qk[..., :h, :] *= self._qk_weight(self.q_norm)
+            qk[..., h:, :] *= self._qk_weight(self.k_norm)
         if self.rope:
-            pos = np.arange(start, start + L)
+            pos = np.arange(start, start + L)[:, None]  # (L, 1): one angle per token, every head
             ropt = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
             qk = K.rope(qk, pos, rotary_dim=self.rotary_dim, **ropt)[0]
+        qk = qk.swapaxes(-2, -3)  # (..., H + Hk, L, hd)
         return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
 
     def _attend(self, qh, kh, vh, mask, align: str | None, ws):
