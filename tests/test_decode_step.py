@@ -68,6 +68,11 @@ def test_one_query_row_of_every_group_is_the_block_loop_bit_for_bit(monkeypatch,
         assert all(p.flags.c_contiguous for p in cache.p)
         for g, g0 in zip(grads, grads0):
             np.testing.assert_array_equal(g, g0)
+        full_band = "window" not in opts and (not opts["is_causal"] or opts.get("causal_align") == "bottom_right")
+        if heads_last and full_band and hq != hk and keys:  # a decoding step's call, no cache
+            direct = A.decoding_attention(q, k, v, opts.get("scale"), hq // hk)
+            assert direct.strides == out.strides
+            np.testing.assert_array_equal(direct, out)
         monkeypatch.undo()
 
 
@@ -185,3 +190,27 @@ def test_a_call_that_keeps_nothing_positions_q_and_k_as_one_array_bit_for_bit(mo
     assert len(calls) == (4 if m._joint_heads() else 0)
     monkeypatch.setattr(type(m), "_joint_heads", lambda self: False)
     np.testing.assert_array_equal(out, run())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_cached_step_attends_through_decoding_attention_bit_for_bit(monkeypatch, dtype):
+    """A decoding step's one query row (nothing kept, no weights read) skips the kernel's setup
+    (``K.decoding_attention``): the logits of the kernel's own path, bit for bit; a call that
+    asks for the weights, a mask or a window keeps the kernel."""
+    m = _tiny(dtype)
+    prompt = np.random.default_rng(4).integers(0, 40, (2, 5))
+    calls = []
+    f = K.decoding_attention
+    monkeypatch.setattr(K, "decoding_attention", lambda *a: calls.append(1) or f(*a))
+    fast = _decode(m, prompt, 4)
+    plain = [layer.self_attn.window is None for layer in m.model.layers]  # a windowed layer keeps the kernel
+    assert 0 < sum(plain) < len(plain) and len(calls) == 4 * sum(plain)
+    monkeypatch.setattr(MultiHeadAttention, "_decodes", lambda self, *a: False)
+    np.testing.assert_array_equal(fast, _decode(m, prompt, 4))
+    calls.clear()
+    att = MultiHeadAttention(16, 16, 4, num_kv_heads=2, causal=True, rng=0, dtype=dtype)
+    x = np.random.default_rng(0).standard_normal((1, 3, 16)).astype(dtype)
+    with no_grad():
+        att(x[:, :2], use_cache=True)
+        att(x[:, 2:], use_cache=True, need_weights=True)
+    assert calls == []

@@ -462,6 +462,20 @@ def _softmax_keys(t, sink=None, p_sink=None):
     t *= np.divide(1.0, total, out=total)  # P = E / l, in place
 
 
+def decoding_attention(q, k, v, scale=None, groups=1):
+    """``scaled_dot_product_attention_kernel(q, k, v, scale=scale, enable_gqa=True,
+    heads_last=True)``'s output, bit for bit, for one query row ``q (..., Hk * G, 1, E)`` of
+    ``groups = G > 1`` grouped heads that sees every key of ``k``, ``v (..., Hk, Lk, E)`` (the
+    same leading dimensions), with nothing but the scale in the scores: a decoding step, whose
+    call keeps nothing.  No cache: ``_one_row`` without the kernel's setup for one (its shapes,
+    options, band, blocks), which a step pays in every layer."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    full = _heads_last_empty(q.shape[:-1] + (v.shape[-1],), q.dtype)
+    _one_row(q, k, v, groups, scale, Block(slice(0, 1), 0, k.shape[-2], 0), fold_heads(full, groups))
+    return full
+
+
 def _one_row_serves(lq: int, groups: int, workspace, keep, attn_mask, options: AttentionOptions) -> bool:
     """One query row of grouped heads, nothing but the scale in the scores, no workspace: ``_one_row``."""
     plain = keep is None and attn_mask is None and options.alibi_slopes is None and options.softcap is None

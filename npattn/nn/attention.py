@@ -201,7 +201,7 @@ class MultiHeadAttention(MultiHeadAttentionCore):
         positions=None,
     ):
         """``forward`` on validated arguments (see ``MultiHeadAttentionCore._forward``)."""
-        out, state = self._run(x, key, value, mask, use_cache, positions)
+        out, state = self._run(x, key, value, mask, use_cache, positions, weights=need_weights)
         if not need_weights:
             return out
         return out, self._weights(state, average_attn_weights)

@@ -549,10 +549,13 @@ class MultiHeadAttentionCore(Module):
         self-attention) arrays of the module's dtype checked by ``_check_inputs``, ``mask`` built
         by ``_build_mask`` (over the cached keys too), ``use_cache`` accepted by ``_check_cache``.
         Nothing is checked again.  ``positions``: RoPE's positions, None for ``T + i``."""
-        return self._run(x, key, value, mask, use_cache, positions)[0]
+        return self._run(x, key, value, mask, use_cache, positions, weights=False)[0]
 
-    def _run(self, x, key, value, mask, use_cache: bool, positions=None) -> tuple[np.ndarray, State]:
-        """The stages in order; returns the output and the state (kept for backward unless cached)."""
+    def _run(
+        self, x, key, value, mask, use_cache: bool, positions=None, weights: bool = True
+    ) -> tuple[np.ndarray, State]:
+        """The stages in order; returns the output and the state (kept for backward unless cached).
+        ``weights=False``: the caller reads no attention weights from the state (``_forward``)."""
         self_attn = key is None or value is None
         # A training step's internal arrays come from (and go back to) the module's workspace
         kept = not use_cache and is_grad_enabled()  # the state is kept for a backward
@@ -570,7 +573,10 @@ class MultiHeadAttentionCore(Module):
                 mask = mask[..., dropped:]
             kh, vh = cache.append(kh, vh)
         lk = kh.shape[-2]  # real keys: cached + this call's
-        ctx, attn_cache = self._attend(qh, kh, vh, mask, "bottom_right" if use_cache else None, ws)
+        if not kept and not weights and self._decodes(qh, kh, mask, use_cache):
+            ctx, attn_cache = K.decoding_attention(qh, kh, vh, self.scale, self.num_heads // self.num_kv_heads), None
+        else:
+            ctx, attn_cache = self._attend(qh, kh, vh, mask, "bottom_right" if use_cache else None, ws)
         out, out_cache, gated = self._output(ctx, p.gate)
         if cache is not None:
             cache.trim()  # a rolling cache forgets what no later query can see
@@ -670,6 +676,15 @@ class MultiHeadAttentionCore(Module):
             qk = K.rope(qk, pos, rotary_dim=self.rotary_dim, **ropt)[0]
         qk = qk.swapaxes(-2, -3)  # (..., H + Hk, L, hd)
         return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
+
+    def _decodes(self, qh, kh, mask, use_cache: bool) -> bool:
+        """A cached call's one query row that ``K.decoding_attention`` serves: grouped heads (no
+        extra keys, no batch broadcast), no mask, dropout or memory-efficient core, nothing but the
+        scale in the scores (no window, ALiBi, softcap or sinks), so the row sees every key."""
+        plain = self.window is None and not self.alibi and self.softcap is None and self.sinks is None
+        one_row = use_cache and qh.shape[-2] == 1 and mask is None and qh.shape[:-3] == kh.shape[:-3]
+        grouped = self.num_kv_heads != self.num_heads and not self._n_extra and not self.memory_efficient
+        return one_row and plain and grouped and not (self.training and self.dropout)
 
     def _attend(self, qh, kh, vh, mask, align: str | None, ws):
         """Stage 3: the attention core with the module's options (``align``: a cached call's
