@@ -8,6 +8,9 @@ would have made of them (float arrays of one dtype, shapes that fit, checked opt
 
 Internal extras a kernel may take beyond the public signature are documented where it is defined
 (e.g. the attention kernels' output layout for ``MultiHeadAttention``'s fused buffer).
+``decoding_attention`` has no public op of its own: it is ``scaled_dot_product_attention``'s
+output, bit for bit, for a decoding step's one query row of grouped heads, without a cache (a call
+that keeps nothing; see its docstring).
 """
 
 # ruff: noqa: F401  (every import is a re-export, listed by __all__ below)
