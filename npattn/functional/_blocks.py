@@ -203,11 +203,16 @@ def sum_to(a: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 # -- scalars and options ----------------------------------------------------------------------------
+def default_scale(scale, head_dim: int):
+    """The scores' scale: ``scale`` as given, or ``1/sqrt(E)`` (a python float) when None."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
 def check_scale(scale, head_dim: int) -> float:
     """``scale`` or ``1/sqrt(E)`` as a python float (keeps float32 arrays float32).
     Non-real -> ``TypeError``; NaN or infinite -> ``ValueError``."""
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        return default_scale(None, head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale: expected a finite real number or None, got {scale!r} ({type(scale).__name__})")
     scale = float(scale)
@@ -226,6 +231,12 @@ class AttentionOptions(NamedTuple):
     softcap: Optional[float] = None
     sinks: Optional[np.ndarray] = None  # (Hq,)
     mask_grad: bool = False
+
+    @property
+    def scale_only(self) -> bool:
+        """True when nothing but the scale enters the scores (no ALiBi, softcap or sinks); which
+        keys a row sees is the band's business (causal masking, ``window``)."""
+        return self.alibi_slopes is None and self.softcap is None and self.sinks is None
 
     @property
     def plain(self) -> bool:

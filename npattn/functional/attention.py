@@ -42,6 +42,7 @@ from ._blocks import (
     broadcast_shapes,
     check_qkv,
     check_scale,
+    default_scale,
     distance,
     fold_heads,
     gqa_groups,
@@ -320,8 +321,7 @@ def scaled_dot_product_attention_kernel(
     q, k, v = broadcast_qkv(q, k, v, groups)
     lq, lk = q.shape[-2], k.shape[-2]
     score_shape = q.shape[:-1] + (lk,)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = default_scale(scale, q.shape[-1])
     bnd = band(lq, lk, is_causal, options.causal_align, options.window)
     keep, drop_scale = None, 1.0
     if dropout_p > 0.0:
@@ -469,8 +469,7 @@ def decoding_attention(q, k, v, scale=None, groups=1):
     same leading dimensions), with nothing but the scale in the scores: a decoding step, whose
     call keeps nothing.  No cache: ``_one_row`` without the kernel's setup for one (its shapes,
     options, band, blocks), which a step pays in every layer."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = default_scale(scale, q.shape[-1])
     full = _heads_last_empty(q.shape[:-1] + (v.shape[-1],), q.dtype)
     _one_row(q, k, v, groups, scale, Block(slice(0, 1), 0, k.shape[-2], 0), fold_heads(full, groups))
     return full
@@ -478,8 +477,8 @@ def decoding_attention(q, k, v, scale=None, groups=1):
 
 def _one_row_serves(lq: int, groups: int, workspace, keep, attn_mask, options: AttentionOptions) -> bool:
     """One query row of grouped heads, nothing but the scale in the scores, no workspace: ``_one_row``."""
-    plain = keep is None and attn_mask is None and options.alibi_slopes is None and options.softcap is None
-    return lq == 1 and groups > 1 and workspace is None and plain and options.sinks is None
+    plain = keep is None and attn_mask is None and options.scale_only
+    return lq == 1 and groups > 1 and workspace is None and plain
 
 
 def _one_row(q, k, v, groups: int, scale: float, blk: Block, out) -> list:

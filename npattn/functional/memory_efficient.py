@@ -91,6 +91,7 @@ from ._blocks import (
     band_width,
     check_qkv,
     check_scale,
+    default_scale,
     distance,
     fold_heads,
     fold_kv,
@@ -738,7 +739,7 @@ def memory_efficient_attention_kernel(
     if options is None:
         options = AttentionOptions(causal_align, window, alibi_slopes, softcap, sinks, mask_grad)
     groups = gqa_groups(q.shape, k.shape, v.shape, enable_gqa)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)  # a python float: keeps float32 float32
+    scale = float(default_scale(scale, q.shape[-1]))  # a python float: keeps float32 float32
     n_mats = math.prod(out_lead(q.shape, k.shape, v.shape, groups))
     bq, bk = _block_sizes(block_size, n_mats, q.shape[-2], k.shape[-2], max(q.shape[-1], v.shape[-1]))
     seed = draw_seed(rng) if dropout_p > 0.0 else 0

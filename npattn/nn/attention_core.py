@@ -680,8 +680,10 @@ class MultiHeadAttentionCore(Module):
     def _decodes(self, qh, kh, mask, use_cache: bool) -> bool:
         """A cached call's one query row that ``K.decoding_attention`` serves: grouped heads (no
         extra keys, no batch broadcast), no mask, dropout or memory-efficient core, nothing but the
-        scale in the scores (no window, ALiBi, softcap or sinks), so the row sees every key."""
-        plain = self.window is None and not self.alibi and self.softcap is None and self.sinks is None
+        scale in the scores (``AttentionOptions.scale_only``, the kernel's own test) and no window,
+        so the row sees every key."""
+        opts = AttentionOptions(**self._call_options(None))
+        plain = opts.window is None and opts.scale_only
         one_row = use_cache and qh.shape[-2] == 1 and mask is None and qh.shape[:-3] == kh.shape[:-3]
         grouped = self.num_kv_heads != self.num_heads and not self._n_extra and not self.memory_efficient
         return one_row and plain and grouped and not (self.training and self.dropout)
