@@ -439,16 +439,19 @@ class _Rows:
         np.matmul(used.swapaxes(-1, -2), self.v[..., blk.c0 : blk.c1, :], out=rows)
 
 
-def _softmax_keys(t, sink=None, p_sink=None):
+def _softmax_keys(t, sink=None, p_sink=None, *, finite: bool = False):
     """``P = E / l`` in place over the keys of key-major scores ``t (..., keys, n)``, ``E = exp(S -
     max over keys)``, ``l = sum E``; a query with no visible key (max = -inf) gets zeros.  A sink
     joins the row: ``m = max(m, sink)`` (always finite), ``l`` includes ``exp(sink - m)`` and
-    ``P_sink = exp(sink - m) / l`` is written into ``p_sink``."""
+    ``P_sink = exp(sink - m) / l`` is written into ``p_sink``.  ``finite``: the caller knows every
+    query sees a key and every score is finite (a decoding step's), so neither guard for a row
+    with no key is needed (the same numbers: a finite max is not changed by the first, and a
+    total of at least ``exp(0) = 1`` by the second)."""
     # (fmax: max but for NaN, which it skips; as fast along this axis in float64 as max is not)
     m = np.fmax.reduce(t, axis=-2, keepdims=True, initial=-np.inf)  # Lk = 0: no key, output 0
     if sink is not None:
         m = np.maximum(m, sink)
-    else:
+    elif not finite:
         m[~np.isfinite(m)] = 0.0
     t -= m
     np.exp(t, out=t)
@@ -457,7 +460,7 @@ def _softmax_keys(t, sink=None, p_sink=None):
         es = np.exp(sink - m)
         total += es
         np.divide(es, total, out=p_sink)
-    else:
+    elif not finite:
         total[total == 0] = 1.0
     t *= np.divide(1.0, total, out=total)  # P = E / l, in place
 
@@ -465,13 +468,15 @@ def _softmax_keys(t, sink=None, p_sink=None):
 def decoding_attention(q, k, v, scale=None, groups=1):
     """``scaled_dot_product_attention_kernel(q, k, v, scale=scale, enable_gqa=True,
     heads_last=True)``'s output, bit for bit, for one query row ``q (..., Hk * G, 1, E)`` of
-    ``groups = G > 1`` grouped heads that sees every key of ``k``, ``v (..., Hk, Lk, E)`` (the
-    same leading dimensions), with nothing but the scale in the scores: a decoding step, whose
-    call keeps nothing.  No cache: ``_one_row`` without the kernel's setup for one (its shapes,
-    options, band, blocks), which a step pays in every layer."""
-    scale = default_scale(scale, q.shape[-1])
+    ``groups = G > 1`` grouped heads that sees every key of ``k``, ``v (..., Hk, Lk >= 1, E)``
+    (the same leading dimensions), with nothing but the scale in the scores and every score
+    finite: a decoding step of a model, whose call keeps nothing.  The kernel's one-row pass
+    (``_one_row_pass``) without its setup (shapes, options, band, blocks) or cache, and without the
+    softmax's guards for a query that sees no key, which a step would pay in every layer."""
+    qg = fold_heads(q, groups)[..., 0, :]  # (..., Hk, G, E)
+    t = np.empty(qg.shape[:-1] + (k.shape[-2], 1), q.dtype)  # P, (..., Hk, G, keys, 1)
     full = _heads_last_empty(q.shape[:-1] + (v.shape[-1],), q.dtype)
-    _one_row(q, k, v, groups, scale, Block(slice(0, 1), 0, k.shape[-2], 0), fold_heads(full, groups))
+    _one_row_pass(qg, k, v, default_scale(scale, q.shape[-1]), t, fold_heads(full, groups), finite=True)
     return full
 
 
@@ -490,20 +495,29 @@ def _one_row(q, k, v, groups: int, scale: float, blk: Block, out) -> list:
     matrix-vector product, and the softmax runs over ``G`` blocks laid out one after another in
     one array, each as contiguous as the loop's own (the block probabilities returned are those
     arrays).  ``out``: grouped ``(..., Hk, G, Ev)`` or ``(..., Hk, G, 1, Ev)`` (heads last)."""
-    G, c0, c1 = groups, blk.c0, blk.c1
+    c0, c1 = blk.c0, blk.c1
     qg = _grouped(q, groups)  # (..., Hk, G, E)
     tlead = broadcast_shapes(k.shape[:-2], qg.shape[:-2])
-    buf = np.empty((G,) + tlead + (c1 - c0, 1), q.dtype)  # block g at buf[g]
+    buf = np.empty((groups,) + tlead + (c1 - c0, 1), q.dtype)  # block g at buf[g]
     nd = buf.ndim
     t = buf.transpose(tuple(range(1, nd - 2)) + (0, nd - 2, nd - 1))  # (..., Hk, G, keys, 1)
-    np.matmul(k[..., None, c0:c1, :], qg[..., None, :].swapaxes(-1, -2), out=t)
-    if scale != 1.0:
-        buf *= scale
-    _softmax_keys(buf)
     if out.ndim == qg.ndim:  # (..., Hk, G, Ev) -> (..., Hk, G, 1, Ev)
         out = out[..., None, :]
-    np.matmul(t.swapaxes(-1, -2), v[..., None, c0:c1, :], out=out)
+    _one_row_pass(qg, k[..., c0:c1, :], v[..., c0:c1, :], scale, t, out)
     return list(buf)
+
+
+def _one_row_pass(qg, k, v, scale: float, t, out, *, finite: bool = False) -> None:
+    """The one-row pass itself: ``qg (..., Hk, G, E)``, ``k``, ``v (..., Hk, keys, E)``; the
+    probabilities ``P`` into ``t (..., Hk, G, keys, 1)`` (key-major, as the loop's blocks), ``P^T
+    v`` into ``out (..., Hk, G, 1, Ev)``.  Every (kv head, group) is one matrix-vector product
+    ``k q`` (the loop's own), each kv head broadcast over its ``G`` query heads (no copy).
+    ``finite``: see ``_softmax_keys``."""
+    np.matmul(k[..., None, :, :], qg[..., None], out=t)  # S, (..., Hk, 1, keys, E) @ (..., Hk, G, E, 1)
+    if scale != 1.0:
+        t *= scale
+    _softmax_keys(t, finite=finite)
+    np.matmul(t.swapaxes(-1, -2), v[..., None, :, :], out=out)  # (..., Hk, G, 1, keys) @ (..., Hk, 1, keys, Ev)
 
 
 @shared_doc(attention_backward_sections=attention_backward_sections("scaled_dot_product_attention"))
