@@ -292,3 +292,33 @@ def test_rms_norm_without_grad_is_the_kept_path_bit_for_bit(affine, dtype):
     w = m.weight.data if affine else None
     assert np.array_equal(K.rms_norm(xs, w, 1e-6, keep=False)[0], K.rms_norm(xs, w, 1e-6)[0])
     assert K.rms_norm(xs, w, 1e-6, keep=False)[1] is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([np.float32, np.float64]),
+    st.sampled_from([(1, 1, 8), (1, 1, 1024), (1, 37), (2, 4), (1, 1, 2, 3)]),
+    st.integers(-30, 30),
+    st.sampled_from([0.0, 1e-6, 1e-5, None]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_rms_norm_of_one_slice_without_state_is_the_array_path_bit_for_bit(dtype, shape, power, eps, zeros, seed):
+    """A single slice kept nowhere (a decoding step's hidden state) takes its rstd as a scalar
+    (``_one_rstd``); its output equals the kept forward's, which runs the array path, bit for
+    bit: values around 2^power for powers from -30 to 30 (the mean square near float32's ends), a
+    slice of zeros with and without eps, the last axis or the last two (``normalized_shape``).
+    Forty slices an example: a rounding taken differently (the reciprocal in double, say) shows in
+    about a quarter of them."""
+    rng = np.random.default_rng(seed)
+    ns = shape[-2:] if len(shape) == 4 else None
+    w = rng.standard_normal(shape[-2:] if ns else shape[-1:]).astype(dtype)
+    from npattn.functional import kernels as K
+
+    for _ in range(40):
+        x = (rng.standard_normal(shape) * 2.0**power).astype(dtype)
+        if zeros:
+            x[...] = 0.0
+        free = K.rms_norm(x, w, eps, normalized_shape=ns, keep=False)[0]
+        kept = K.rms_norm(x, w, eps, normalized_shape=ns)[0]
+        assert free.dtype == dtype and np.array_equal(free, kept, equal_nan=True)
