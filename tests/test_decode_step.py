@@ -4,6 +4,8 @@ model's layers; ``clear_saved``'s cached module list."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,8 @@ def test_clear_saved_reaches_a_submodule_registered_later():
         dict(qk_norm=True, rope=True, partial_rotary_factor=0.5, num_kv_heads=4),
         dict(qk_norm=True, num_kv_heads=2),
         dict(rope=True, rope_scaling={"rope_type": "linear", "factor": 2.0}, num_kv_heads=2),
+        dict(rope=True, rope_scaling={"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 5}),
+        dict(rope=True, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}),
         dict(qk_norm=True, qk_norm_scope="all_heads", rope=True, num_kv_heads=2),  # the heads apart
         dict(qk_norm=True, rope=True, output_gate=True, num_kv_heads=2),  # the heads apart
     ],
@@ -188,6 +192,7 @@ def test_a_call_that_keeps_nothing_positions_q_and_k_as_one_array_bit_for_bit(mo
 
     out = run()
     assert len(calls) == (4 if m._joint_heads() else 0)
+    np.testing.assert_array_equal(out, run())  # again, the angle tables remembered (rope_run)
     monkeypatch.setattr(type(m), "_joint_heads", lambda self: False)
     np.testing.assert_array_equal(out, run())
 
@@ -214,3 +219,26 @@ def test_a_cached_step_attends_through_decoding_attention_bit_for_bit(monkeypatc
         att(x[:, :2], use_cache=True)
         att(x[:, 2:], use_cache=True, need_weights=True)
     assert calls == []
+
+
+def test_rope_run_remembers_short_tables_read_only_and_computes_the_rest():
+    """``K.rope_run``: ``rope``'s output for tokens at consecutive positions, bit for bit; the
+    angle tables of a short run are made once and shared read-only (the layers of a step), a long
+    run's and those of options that cannot be a key are computed each time."""
+    R = importlib.import_module("npattn.functional.rope")  # the module (the package's ``rope`` is the op)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 8))  # (B, L, H, D)
+    R._run_table.cache_clear()
+    for scaling in (None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "default", "odd": [1, 2]}):
+        params = None if scaling is None else dict(scaling)
+        want = K.rope(x, np.arange(5, 8)[:, None], base=100.0, scaling=params)[0]
+        np.testing.assert_array_equal(K.rope_run(x, 5, base=100.0, scaling=params), want)
+        np.testing.assert_array_equal(K.rope_run(x, 5, base=100.0, scaling=params), want)
+    info = R._run_table.cache_info()
+    assert (info.misses, info.hits) == (3, 3)
+    cos, _ = R._run_table(5, 3, 8, 100.0, (("rope_type", "default"),), "d")
+    assert not cos.flags.writeable
+    assert R._frozen({"rope_type": "default", "odd": {"a": 1}}) is None
+    long = np.zeros((1, R._RUN_TABLE_MAX // 8 + 1, 1, 8))
+    R._run_table.cache_clear()
+    K.rope_run(long, 0)
+    assert R._run_table.cache_info().misses == 0

@@ -8,9 +8,10 @@ would have made of them (float arrays of one dtype, shapes that fit, checked opt
 
 Internal extras a kernel may take beyond the public signature are documented where it is defined
 (e.g. the attention kernels' output layout for ``MultiHeadAttention``'s fused buffer).
-``decoding_attention`` has no public op of its own: it is ``scaled_dot_product_attention``'s
-output, bit for bit, for a decoding step's one query row of grouped heads, without a cache (a call
-that keeps nothing; see its docstring).
+Two kernels have no public op of their own, each a public op's output, bit for bit, for a call
+that keeps nothing (see their docstrings): ``decoding_attention``, ``scaled_dot_product_attention``
+of a decoding step's one query row of grouped heads, and ``rope_run``, ``rope`` of tokens at
+consecutive positions with the angle tables shared between the calls (the layers) of a step.
 """
 
 # ruff: noqa: F401  (every import is a re-export, listed by __all__ below)
@@ -94,5 +95,6 @@ from .rope import rope_backward_jvp_kernel as rope_backward_jvp
 from .rope import rope_backward_kernel as rope_backward
 from .rope import rope_jvp_kernel as rope_jvp
 from .rope import rope_kernel as rope
+from .rope import rope_run_kernel as rope_run
 
 __all__ = sorted(name for name in dir() if not name.startswith("_"))  # every kernel imported above

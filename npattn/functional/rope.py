@@ -14,6 +14,7 @@ Meta's original Llama code).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple
 
@@ -156,21 +157,65 @@ def _rotate(x, cos, sin, interleaved):
     return y
 
 
+def _cos_sin(positions, length: int, r: int, base, params: dict, dtype):
+    """cos and sin of the angles of ``positions`` (None: ``0..length-1``) for the ``r / 2`` pairs,
+    times the attention factor (YaRN), in ``dtype``: shape ``positions.shape + (r / 2,)``."""
+    seq_len = None
+    if params["rope_type"] == "dynamic":  # the frequencies depend on the length seen (HF: max position + 1)
+        seq_len = length if positions is None else (int(positions.max()) + 1 if positions.size else None)
+    inv_freq, factor = inverse_frequencies(r, base, params, seq_len)
+    theta = _angles(positions, length, inv_freq)
+    cos, sin = np.cos(theta), np.sin(theta)
+    if factor != 1.0:  # YaRN: cos and sin times a constant
+        cos, sin = cos * factor, sin * factor
+    return cos.astype(dtype), sin.astype(dtype)
+
+
 def rope_kernel(x, positions=None, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
     """The kernel of ``rope``: ``scaling`` None or checked by ``check_scaling``, ``base`` resolved
     with it, ``rotary_dim`` None (all of D) or checked."""
     params = {"rope_type": "default"} if scaling is None else scaling
     r = x.shape[-1] if rotary_dim is None else rotary_dim
-    seq_len = None
-    if params["rope_type"] == "dynamic":  # the frequencies depend on the length seen (HF: max position + 1)
-        seq_len = x.shape[-2] if positions is None else (int(positions.max()) + 1 if positions.size else None)
-    inv_freq, factor = inverse_frequencies(r, base, params, seq_len)
-    theta = _angles(positions, x.shape[-2], inv_freq)
-    cos, sin = np.cos(theta), np.sin(theta)
-    if factor != 1.0:  # YaRN: cos and sin times a constant
-        cos, sin = cos * factor, sin * factor
-    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    cos, sin = _cos_sin(positions, x.shape[-2], r, base, params, x.dtype)
     return _rotate(x, cos, sin, interleaved), RopeCache(cos, sin, interleaved, x.shape, x.dtype)
+
+
+def rope_run_kernel(x, start: int, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
+    """``rope_kernel(x, arange(start, start + L)[:, None], ...)[0]`` for ``x (..., L, H, D)``, the
+    heads of ``L`` tokens at consecutive positions from ``start`` (token-major, each token's heads
+    turned alike): the output alone, with the angle tables of the last few runs remembered
+    (``_run_table``, read-only), so that the layers of a decoding step, which rotate at the same
+    position, compute its cos and sin once instead of once a layer."""
+    params = {"rope_type": "default"} if scaling is None else scaling
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    key = _frozen(params)
+    if key is None or x.shape[-3] * r > _RUN_TABLE_MAX:  # unhashable options, or too long to keep
+        cos, sin = _cos_sin(np.arange(start, start + x.shape[-3]), x.shape[-3], r, base, params, x.dtype)
+    else:
+        cos, sin = _run_table(start, x.shape[-3], r, base, key, x.dtype.char)
+    return _rotate(x, cos[:, None, :], sin[:, None, :], interleaved)
+
+
+_RUN_TABLE_MAX = 1 << 16  # length * rotated features of a remembered table (512 tokens of 128: 256 KiB in float32)
+
+
+def _frozen(params: dict):
+    """``params`` as a hashable key (lists as tuples), or None when a value is not hashable."""
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
+    try:
+        hash(items)
+    except TypeError:
+        return None
+    return items
+
+
+@functools.lru_cache(maxsize=8)
+def _run_table(start: int, length: int, r: int, base, key: tuple, dtype: str):
+    """``_cos_sin`` of the positions ``start..start+length-1``, read-only (shared by every caller)."""
+    tables = _cos_sin(np.arange(start, start + length), length, r, base, dict(key), np.dtype(dtype))
+    for t in tables:
+        t.flags.writeable = False
+    return tables
 
 
 def rope_again_kernel(x, cache: RopeCache):

@@ -663,17 +663,17 @@ class MultiHeadAttentionCore(Module):
         ``qkv``, each token's heads contiguous): one norm and one rotation instead of two of each
         on heads-first views whose rows are strided (a decoding step makes them for every layer;
         on a long prompt those strided rows made the norm about twice as slow), the same
-        roundings per head (``x rstd``, then times its own weight; the same cos and sin)."""
-        h, hk, L = self.num_heads, self.num_kv_heads, qkv.shape[-2]
+        roundings per head (``x rstd``, then times its own weight; the same cos and sin, whose
+        tables ``K.rope_run`` shares between the layers of a step)."""
+        h, hk = self.num_heads, self.num_kv_heads
         qk = qkv[..., : (h + hk) * self.head_dim].reshape(qkv.shape[:-1] + (h + hk, self.head_dim))
         if self.qk_norm:
             qk = K.rms_norm(qk, None, self.q_norm.eps, keep=False)[0]
             qk[..., :h, :] *= self._qk_weight(self.q_norm)
             qk[..., h:, :] *= self._qk_weight(self.k_norm)
-        if self.rope:
-            pos = np.arange(start, start + L)[:, None]  # (L, 1): one angle per token, every head
+        if self.rope:  # token i at start + i, its heads turned alike
             ropt = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
-            qk = K.rope(qk, pos, rotary_dim=self.rotary_dim, **ropt)[0]
+            qk = K.rope_run(qk, start, rotary_dim=self.rotary_dim, **ropt)
         qk = qk.swapaxes(-2, -3)  # (..., H + Hk, L, hd)
         return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
 
