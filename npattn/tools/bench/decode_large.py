@@ -26,8 +26,8 @@ head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weig
   models in one process decoding in alternating turns (``rounds`` turns each, the order swapped
   every round; a turn is ``runner``'s: a pause, one untimed step, ``steps`` timed steps), the
   median of the rounds' ratios.  The two rows above come from two processes run one after the
-  other, so their ratio also carries the host's bandwidth swings between those moments (up to
-  30 % here); the paired ratio compares steps seconds apart.  The rows keep their own tokens/s and
+  other, so their ratio also carries the host's bandwidth swings between those moments; the
+  paired ratio compares steps seconds apart.  The rows keep their own tokens/s and
   fractions, and the report gives both ratios;
 * ``load_peak``: the peak resident memory of ``from_pretrained(..., weights_dtype="bfloat16")``
   of that checkpoint, in a fresh process, above what was resident before the call (``VmHWM`` less
@@ -36,25 +36,20 @@ head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weig
 
 Why the bandwidth is timed around each side's steps: the machine is shared, and the limit and the
 steps measured at different moments (the five calls of ``bandwidth``, a tenth of a second, in
-another process before the sides) met different loads: float32 decoding read 0.80 to 0.95 of the
-limit from run to run on a machine called idle, while a direct timing of the step gave 86-89 ms.
-Timed in the same process, seconds before and after the steps, the limit and the tokens/s see the
+another process before the sides) met different loads: the fraction swung from run to run on a
+machine called idle while a direct timing of the step barely moved.  Timed in the same process, seconds before and after the steps, the limit and the tokens/s see the
 same conditions (not between two steps: the BLAS threads' spin after each call would slow the next
 step of a side whose threads are not the BLAS's, see ``_steps``); each side's row gets its own,
 transformers' as npattn's. (Busy, the fractions still fall: a decoding step makes 113 threaded BLAS
 calls, each waiting for its slowest thread, and a thread that loses its core to another process
-stalls the call; one large GEMV loses little. ``cpu_wait`` says how busy.) What a step can reach: on
-the 2-core machine of issue 32 the step's 113 products alone, called back to back with nothing
-between them, read their bytes at 0.89-0.92 of the single GEMV's bandwidth at load 1.3-1.9 and at
-0.98-0.99 at quiet moments (medians of two runs of 12 and 20 rounds, GEMV 31-36 GB/s; each call
-starts and joins the BLAS's threads on a matrix of 8-25 MB). Inside a step (one process, a quiet
-moment, GEMV 30.2 GB/s, 12 steps) they read at 0.94 and the step at 0.81: its other work (norms,
-RoPE, attention over the cache, Python) took a median 14 ms between the products, and the same
-work with the products left out 7.7 ms of CPU, so what is missing to the limit is that work, not
-the products. Splitting each product over a pool of threads making single-threaded BLAS calls (as
-bfloat16 storage does) was 1.7-3.1x faster than the threaded BLAS while other processes held the
-cores, but read at 0.58-0.66 of the GEMV (the same two runs) against the BLAS's 0.98-0.99 on the
-quiet machine, so float32 keeps one BLAS call per product.
+stalls the call; one large GEMV loses little. ``cpu_wait`` says how busy.) What a step can reach
+(measured on the machine of issue 32; its figures are in the issue's notes and hold for that
+machine alone): the step's products alone, called back to back, read their bytes at nearly the
+single GEMV's bandwidth at quiet moments, so what is missing to the limit is the work between them
+(norms, RoPE, the attention over the cache, Python), which runs with caches the weights have just
+flushed.  Splitting each product over a pool of threads making single-threaded BLAS calls (as
+bfloat16 storage does) won while other processes held the cores but lost to the threaded BLAS on
+the quiet machine, so float32 keeps one BLAS call per product.
 
 Each runs in a child process of its own (npattn's without torch), one after another.  The goals
 (issue 32): float32 decoding at >= 90 % of the limit, bfloat16 storage at >= 0.7x float32's
@@ -198,8 +193,9 @@ def _steps(forward, prompt: int, new_tokens: int, gemv: _Gemv, calls: int = 5) -
     ``calls`` times just before the prompt (after an untimed warm-up call) and ``calls`` times
     just after the last step, never between two steps: after a threaded call OpenBLAS's threads
     spin for about a tenth of a second, and where the step's threads are not the BLAS's (bfloat16
-    storage's pool, torch's) they then share the cores with them (measured here: bfloat16 steps
-    117 -> 165 ms with a GEMV after each; the prompt's untimed forward absorbs the first calls' spin)."""
+    storage's pool, torch's) they then share the cores with them (on the machine of issue 32 a
+    GEMV after each bfloat16 step made the steps about 40 % slower; the prompt's untimed forward
+    absorbs the first calls' spin)."""
     rng = np.random.default_rng(1)
     gemv()
     gemv.times.clear()
