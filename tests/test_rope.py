@@ -2,10 +2,12 @@
 Face's ``apply_rotary_pos_emb``, interleaved as Meta's complex multiplication), finite
 differences, the properties that make RoPE a relative position code, and bad input."""
 
+import importlib
+
 import numpy as np
 import pytest
 from _fd import fd_check
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npattn.functional as F
@@ -222,3 +224,28 @@ def test_rope_again_is_rope_at_the_same_positions(scaling):
     assert np.array_equal(y, y_ref) and np.abs(y).max() > 0
     assert kc.shape == kc_ref.shape and np.array_equal(kc.cos, kc_ref.cos) and np.array_equal(kc.sin, kc_ref.sin)
     assert np.array_equal(kernels.rope_backward(y, kc), kernels.rope_backward(y_ref, kc_ref))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([np.float32, np.float64]),
+    st.booleans(),
+    st.sampled_from([None, 4, 2]),
+    st.integers(1, 5),
+    st.integers(0, 2**16),
+)
+def test_the_rotation_is_the_pairwise_formula_bit_for_bit(dtype, interleaved, rotary_dim, L, seed):
+    """``_rotate`` forms ``x c + swap(x) s`` over whole rows: each pair's ``(a cos - b sin, b cos +
+    a sin)`` with the pairwise form's own roundings, both layouts, partial rotary (the rest
+    copied), cos and sin broadcast over the heads."""
+    R = importlib.import_module("npattn.functional.rope")  # the module (the package's ``rope`` is the op)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, L, 6)).astype(dtype)
+    r = 6 if rotary_dim is None else rotary_dim
+    theta = rng.uniform(-10, 10, (L, r // 2))
+    cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
+    a, b = (x[..., 0:r:2], x[..., 1:r:2]) if interleaved else (x[..., : r // 2], x[..., r // 2 : r])
+    want = x.copy()
+    wa, wb = (want[..., 0:r:2], want[..., 1:r:2]) if interleaved else (want[..., : r // 2], want[..., r // 2 : r])
+    wa[...], wb[...] = a * cos - b * sin, b * cos + a * sin
+    np.testing.assert_array_equal(R._rotate(x, cos, sin, interleaved), want)

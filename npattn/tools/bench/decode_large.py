@@ -37,19 +37,20 @@ head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random weig
 Why the bandwidth is timed around each side's steps: the machine is shared, and the limit and the
 steps measured at different moments (the five calls of ``bandwidth``, a tenth of a second, in
 another process before the sides) met different loads: the fraction swung from run to run on a
-machine called idle while a direct timing of the step barely moved.  Timed in the same process, seconds before and after the steps, the limit and the tokens/s see the
-same conditions (not between two steps: the BLAS threads' spin after each call would slow the next
-step of a side whose threads are not the BLAS's, see ``_steps``); each side's row gets its own,
-transformers' as npattn's. (Busy, the fractions still fall: a decoding step makes 113 threaded BLAS
-calls, each waiting for its slowest thread, and a thread that loses its core to another process
-stalls the call; one large GEMV loses little. ``cpu_wait`` says how busy.) What a step can reach
-(measured on the machine of issue 32; its figures are in the issue's notes and hold for that
-machine alone): the step's products alone, called back to back, read their bytes at nearly the
-single GEMV's bandwidth at quiet moments, so what is missing to the limit is the work between them
-(norms, RoPE, the attention over the cache, Python), which runs with caches the weights have just
-flushed.  Splitting each product over a pool of threads making single-threaded BLAS calls (as
-bfloat16 storage does) won while other processes held the cores but lost to the threaded BLAS on
-the quiet machine, so float32 keeps one BLAS call per product.
+machine called idle while a direct timing of the step barely moved. Timed in the same process,
+seconds before and after the steps, the limit and the tokens/s see the same conditions (not between
+two steps: the BLAS threads' spin after each call would slow the next step of a side whose threads
+are not the BLAS's, see ``_steps``); each side's row gets its own, transformers' as npattn's. (Busy,
+the fractions still fall: a decoding step makes 113 threaded BLAS calls, each waiting for its
+slowest thread, and a thread that loses its core to another process stalls the call; one large GEMV
+loses little. ``cpu_wait`` says how busy.) What a step can reach (measured on the machine of issue
+32; its figures are in the issue's notes and hold for that machine alone): the step's products
+alone, called back to back, read their bytes at nearly the single GEMV's bandwidth at quiet moments,
+so what is missing to the limit is the work between them (norms, RoPE, the attention over the cache,
+Python), which runs with caches the weights have just flushed. Splitting each product over a pool of
+threads making single-threaded BLAS calls (as bfloat16 storage does) won while other processes held
+the cores but lost to the threaded BLAS on the quiet machine, so float32 keeps one BLAS call per
+product.
 
 Each runs in a child process of its own (npattn's without torch), one after another.  The goals
 (issue 32): float32 decoding at >= 90 % of the limit, bfloat16 storage at >= 0.7x float32's
