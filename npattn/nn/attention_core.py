@@ -682,7 +682,7 @@ class MultiHeadAttentionCore(Module):
         extra keys, no batch broadcast), no mask, dropout or memory-efficient core, nothing but the
         scale in the scores (``AttentionOptions.scale_only``, the kernel's own test) and no window,
         so the row sees every key."""
-        opts = AttentionOptions(**self._call_options(None))
+        opts = self.options if self.sinks is None else self.options._replace(sinks=self.sinks.data)
         plain = opts.window is None and opts.scale_only
         one_row = use_cache and qh.shape[-2] == 1 and mask is None and qh.shape[:-3] == kh.shape[:-3]
         grouped = self.num_kv_heads != self.num_heads and not self._n_extra and not self.memory_efficient
