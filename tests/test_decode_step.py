@@ -229,13 +229,14 @@ def test_rope_run_remembers_short_tables_read_only_and_computes_the_rest():
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 8))  # (B, L, H, D)
     R._run_table.cache_clear()
     for scaling in (None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "default", "odd": [1, 2]}):
-        params = None if scaling is None else dict(scaling)
-        want = K.rope(x, np.arange(5, 8)[:, None], base=100.0, scaling=params)[0]
-        np.testing.assert_array_equal(K.rope_run(x, 5, base=100.0, scaling=params), want)
-        np.testing.assert_array_equal(K.rope_run(x, 5, base=100.0, scaling=params), want)
+        for interleaved in (False, True):  # the same angles, laid out for the other pairing
+            kw = dict(base=100.0, scaling=None if scaling is None else dict(scaling), interleaved=interleaved)
+            want = K.rope(x, np.arange(5, 8)[:, None], **kw)[0]
+            np.testing.assert_array_equal(K.rope_run(x, 5, **kw), want)
+            np.testing.assert_array_equal(K.rope_run(x, 5, **kw), want)
     info = R._run_table.cache_info()
-    assert (info.misses, info.hits) == (3, 3)
-    cos, _ = R._run_table(5, 3, 8, 100.0, (("rope_type", "default"),), "d")
+    assert (info.misses, info.hits) == (6, 6)
+    cos, _ = R._run_table(5, 3, 8, 100.0, (("rope_type", "default"),), "d", False)
     assert not cos.flags.writeable
     assert R._frozen({"rope_type": "default", "odd": {"a": 1}}) is None
     long = np.zeros((1, R._RUN_TABLE_MAX // 8 + 1, 1, 8))

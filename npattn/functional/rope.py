@@ -140,13 +140,13 @@ def _pairs(x, interleaved):
 
 def _rotate(x, cos, sin, interleaved):
     """``(a, b) -> (a cos - b sin, b cos + a sin)`` for every pair of the first ``R = 2 *
-    cos.shape[-1]`` features; the others are copied (partial rotary).
+    cos.shape[-1]`` features; the others are copied (partial rotary)."""
+    return _turn(x, *_widened(cos, sin, interleaved), interleaved)
 
-    As ``x c + swap(x) s`` over all ``R`` features at once: ``c`` holds each pair's cos at both
-    members, ``s`` its ``-sin`` at ``a`` and ``sin`` at ``b``, ``swap`` exchanges the members.  The
-    same roundings as the pairwise form (``a cos + b (-sin)`` is ``a cos - b sin``, negation being
-    exact): two half-row copies and three passes over whole rows, in place of six passes over half
-    rows (whose short strided rows made the rotation the slower)."""
+
+def _widened(cos, sin, interleaved):
+    """``(c, s)`` over all ``R`` rotated features: ``c`` each pair's cos at both members, ``s`` its
+    ``-sin`` at the first (``a``) and ``sin`` at the second (``b``)."""
     r = 2 * cos.shape[-1]
     c, s = np.empty(cos.shape[:-1] + (r,), cos.dtype), np.empty(sin.shape[:-1] + (r,), sin.dtype)
     ca, cb = _pairs(c, interleaved)
@@ -154,6 +154,16 @@ def _rotate(x, cos, sin, interleaved):
     ca[...], cb[...] = cos, cos
     np.negative(sin, out=sa)
     sb[...] = sin
+    return c, s
+
+
+def _turn(x, c, s, interleaved):
+    """``_rotate`` with the widened tables (``_widened``): ``x c + swap(x) s`` over the first ``R``
+    features at once, ``swap`` exchanging the members of each pair.  The same roundings as the
+    pairwise form (``a cos + b (-sin)`` is ``a cos - b sin``, negation being exact): two half-row
+    copies and three passes over whole rows, in place of six passes over half rows (whose short
+    strided rows made the rotation the slower)."""
+    r = c.shape[-1]
     xr = x[..., :r]
     y = np.empty_like(x)  # positions broadcast to x's shape without D: cos/sin never widen x
     swapped = np.empty(xr.shape, x.dtype)
@@ -194,17 +204,18 @@ def rope_kernel(x, positions=None, *, base=10000.0, interleaved=False, scaling=N
 def rope_run_kernel(x, start: int, *, base=10000.0, interleaved=False, scaling=None, rotary_dim=None):
     """``rope_kernel(x, arange(start, start + L)[:, None], ...)[0]`` for ``x (..., L, H, D)``, the
     heads of ``L`` tokens at consecutive positions from ``start`` (token-major, each token's heads
-    turned alike): the output alone, with the angle tables of the last few runs remembered
-    (``_run_table``, read-only), so that the layers of a decoding step, which rotate at the same
-    position, compute its cos and sin once instead of once a layer."""
+    turned alike): the output alone, with the widened angle tables of the last few runs
+    remembered (``_run_table``, read-only), so that the layers of a decoding step, which rotate at
+    the same position, make its tables once instead of once a layer."""
     params = {"rope_type": "default"} if scaling is None else scaling
-    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    r, length = x.shape[-1] if rotary_dim is None else rotary_dim, x.shape[-3]
     key = _frozen(params)
-    if key is None or x.shape[-3] * r > _RUN_TABLE_MAX:  # unhashable options, or too long to keep
-        cos, sin = _cos_sin(np.arange(start, start + x.shape[-3]), x.shape[-3], r, base, params, x.dtype)
+    if key is None or length * r > _RUN_TABLE_MAX:  # unhashable options, or too long to keep
+        cos, sin = _cos_sin(np.arange(start, start + length), length, r, base, params, x.dtype)
+        c, s = _widened(cos, sin, interleaved)
     else:
-        cos, sin = _run_table(start, x.shape[-3], r, base, key, x.dtype.char)
-    return _rotate(x, cos[:, None, :], sin[:, None, :], interleaved)
+        c, s = _run_table(start, length, r, base, key, x.dtype.char, interleaved)
+    return _turn(x, c[:, None, :], s[:, None, :], interleaved)
 
 
 _RUN_TABLE_MAX = 1 << 16  # length * rotated features of a remembered table (512 tokens of 128: 256 KiB in float32)
@@ -221,9 +232,11 @@ def _frozen(params: dict):
 
 
 @functools.lru_cache(maxsize=8)
-def _run_table(start: int, length: int, r: int, base, key: tuple, dtype: str):
-    """``_cos_sin`` of the positions ``start..start+length-1``, read-only (shared by every caller)."""
-    tables = _cos_sin(np.arange(start, start + length), length, r, base, dict(key), np.dtype(dtype))
+def _run_table(start: int, length: int, r: int, base, key: tuple, dtype: str, interleaved: bool):
+    """``_widened(_cos_sin(...))`` of the positions ``start..start+length-1``, read-only (shared by
+    every caller)."""
+    cos, sin = _cos_sin(np.arange(start, start + length), length, r, base, dict(key), np.dtype(dtype))
+    tables = _widened(cos, sin, interleaved)
     for t in tables:
         t.flags.writeable = False
     return tables
