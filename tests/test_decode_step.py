@@ -228,7 +228,8 @@ def test_rope_run_remembers_short_tables_read_only_and_computes_the_rest():
     R = importlib.import_module("npattn.functional.rope")  # the module (the package's ``rope`` is the op)
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 8))  # (B, L, H, D)
     R._run_table.cache_clear()
-    for scaling in (None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "default", "odd": [1, 2]}):
+    unhashable = {"rope_type": "default", "odd": {"a": 1}}  # not a key: computed each time
+    for scaling in (None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "default", "odd": [1, 2]}, unhashable):
         for interleaved in (False, True):  # the same angles, laid out for the other pairing
             kw = dict(base=100.0, scaling=None if scaling is None else dict(scaling), interleaved=interleaved)
             want = K.rope(x, np.arange(5, 8)[:, None], **kw)[0]

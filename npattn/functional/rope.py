@@ -211,8 +211,7 @@ def rope_run_kernel(x, start: int, *, base=10000.0, interleaved=False, scaling=N
     r, length = x.shape[-1] if rotary_dim is None else rotary_dim, x.shape[-3]
     key = _frozen(params)
     if key is None or length * r > _RUN_TABLE_MAX:  # unhashable options, or too long to keep
-        cos, sin = _cos_sin(np.arange(start, start + length), length, r, base, params, x.dtype)
-        c, s = _widened(cos, sin, interleaved)
+        c, s = _run_tables(start, length, r, base, params, x.dtype, interleaved)
     else:
         c, s = _run_table(start, length, r, base, key, x.dtype.char, interleaved)
     return _turn(x, c[:, None, :], s[:, None, :], interleaved)
@@ -231,12 +230,16 @@ def _frozen(params: dict):
     return items
 
 
+def _run_tables(start: int, length: int, r: int, base, params: dict, dtype, interleaved: bool):
+    """The widened tables (``_widened``) of the positions ``start..start+length-1``."""
+    cos, sin = _cos_sin(np.arange(start, start + length), length, r, base, params, dtype)
+    return _widened(cos, sin, interleaved)
+
+
 @functools.lru_cache(maxsize=8)
 def _run_table(start: int, length: int, r: int, base, key: tuple, dtype: str, interleaved: bool):
-    """``_widened(_cos_sin(...))`` of the positions ``start..start+length-1``, read-only (shared by
-    every caller)."""
-    cos, sin = _cos_sin(np.arange(start, start + length), length, r, base, dict(key), np.dtype(dtype))
-    tables = _widened(cos, sin, interleaved)
+    """``_run_tables`` remembered, read-only (shared by every caller)."""
+    tables = _run_tables(start, length, r, base, dict(key), np.dtype(dtype), interleaved)
     for t in tables:
         t.flags.writeable = False
     return tables
