@@ -47,17 +47,44 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# where a block of each type gguf cannot quantize keeps its float16 scale(s) (ggml-common.h's
+# block structs): random bytes there could be inf or NaN, so small normal values go there
+_F16_SCALES = {
+    "Q2_K": (80, 84),
+    "Q3_K": (108, 110),
+    "Q4_K": (0, 4),
+    "Q5_K": (0, 4),
+    "Q6_K": (208, 210),
+    **{k: (0, 2) for k in ("IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")},
+}
+
+
 def _raw_blocks(qtype, shape, rng) -> np.ndarray:
-    """Random bytes of a K-quant tensor of ``shape`` (..., cols), its float16 scales sane."""
+    """Random bytes of a tensor of ``shape`` (..., cols) in a type gguf cannot quantize, its scales
+    sane: the float16 ones (``_F16_SCALES``), IQ1_M's float16 spread over the top nibbles of its
+    four 16-bit block scales, NVFP4's four FP8 (unsigned E4M3) scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
-    scales = {Q.Q4_K: (0, 4), Q.Q5_K: (0, 4), Q.Q6_K: (size - 2, size)}[qtype]  # d (and dmin) as float16
-    raw[..., scales[0] : scales[1]] = (
-        rng.uniform(1e-3, 1e-2, (*shape[:-1], shape[-1] // block, (scales[1] - scales[0]) // 2))
-        .astype(np.float16)
-        .view(np.uint8)
-    )
+    lead = raw.shape[:-1]
+    if qtype.name in _F16_SCALES:
+        a, b = _F16_SCALES[qtype.name]
+        raw[..., a:b] = rng.uniform(1e-3, 1e-2, (*lead, (b - a) // 2)).astype(np.float16).view(np.uint8)
+    elif qtype.name == "IQ1_M":
+        d = rng.uniform(1e-3, 1e-2, (*lead, 1)).astype(np.float16).view(np.uint16)
+        scales = raw[..., 48:56].copy().view(np.uint16)  # (..., 4), little-endian
+        nibbles = (d >> np.arange(0, 16, 4, dtype=np.uint16)) & np.uint16(0xF)
+        raw[..., 48:56] = ((scales & np.uint16(0x0FFF)) | (nibbles << np.uint16(12))).view(np.uint8)
+    elif qtype.name == "NVFP4":
+        raw[..., :4] = rng.integers(0x10, 0x20, (*lead, 4), dtype=np.uint8)
     return raw.reshape(*shape[:-1], -1)
+
+
+def _quantized(value, qtype, rng) -> np.ndarray:
+    """``value`` in ``qtype``: quantized by gguf where it can, else random blocks (``_raw_blocks``)."""
+    try:
+        return gguf.quants.quantize(value, qtype)
+    except NotImplementedError:
+        return _raw_blocks(qtype, value.shape, rng)
 
 
 def _metadata(w, config, arch):
@@ -130,13 +157,12 @@ def _write(path, config, sd, qtype, arch):
             w.add_tensor(name, value.astype(np.float16))
             held[name] = value.astype(np.float16).astype(np.float32)
         else:
-            data = (
-                _raw_blocks(qtype, value.shape, rng)
-                if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-                else gguf.quants.quantize(value, qtype)
-            )
+            data = _quantized(value, qtype, rng)
             w.add_tensor(name, data, raw_dtype=qtype)
-            held[name] = gguf.quants.dequantize(data, qtype).reshape(value.shape)
+            try:
+                held[name] = gguf.quants.dequantize(data, qtype).reshape(value.shape)
+            except NotImplementedError:  # a type gguf does not dequantize (npattn refuses it)
+                held[name] = None
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -208,11 +234,66 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
 
+# the types of GGUF_TYPES beyond the first eight, each on a model whose q/k rows llama.cpp permutes
+# and on one whose experts' gate and up are joined again (present in the installed gguf: NVFP4 is newer)
+_MORE_TYPES = [
+    getattr(Q, n)
+    for n in ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+    + ("IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+    if hasattr(Q, n)
+]
+
+
+@pytest.mark.parametrize("qtype", _MORE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("config, arch", [CASES[0], CASES[2]], ids=["llama", "qwen3moe"])
+def test_every_type_of_the_released_mixes_is_gguf_s_dequantization(tmp_path, config, arch, qtype):
+    """Q3_K_M, IQ4_XS, MXFP4_MOE, ... files: each tensor is what gguf.quants.dequantize makes of
+    the file's blocks (bit for bit), the model's logits those of its dequantized weights."""
+    from npattn.models.gguf import GGUF_TYPES, _dequantizes
+
+    assert qtype.name in GGUF_TYPES
+    if not _dequantizes(qtype.name):
+        pytest.skip(f"the installed gguf does not dequantize {qtype.name}")
+    sd = _model(config).state_dict()
+    held = _write(tmp_path / "m.gguf", config, sd, qtype, arch)
+    want = _hf_values(held, sd, config, arch)
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert set(loaded.state_dict()) == set(want)
+    for k, v in loaded.state_dict().items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    got = _logits(loaded, ids)
+    assert np.isfinite(got).all()  # the scales are sane: the comparison below compares numbers
+    np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, config), ids))
+
+
+def test_a_type_the_installed_gguf_cannot_dequantize_is_refused_by_name(tmp_path, monkeypatch):
+    from npattn.models import gguf as G
+
+    _write(tmp_path / "q4k.gguf", LLAMA, _model(LLAMA).state_dict(), Q.Q4_K, "llama")
+    real = gguf.quants.dequantize
+
+    def older(data, qtype):  # as a gguf release from before Q4_K's numpy dequantization
+        if qtype == Q.Q4_K:
+            raise NotImplementedError("Dequantization for Q4_K is not yet implemented")
+        return real(data, qtype)
+
+    G._dequantizes.cache_clear()
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(gguf.quants, "dequantize", older)
+            with pytest.raises(ValueError, match=r"tensor '\S+' has type Q4_K, which the installed gguf does not"):
+                CausalLM.from_gguf(tmp_path / "q4k.gguf")
+    finally:
+        G._dequantizes.cache_clear()
+    assert G._dequantizes("Q4_K")
+
+
 def test_unknown_type_and_architecture_are_refused(tmp_path):
     src = _model(LLAMA)
-    _write(tmp_path / "q41.gguf", LLAMA, src.state_dict(), Q.Q4_1, "llama")
-    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has type Q4_1"):
-        CausalLM.from_gguf(tmp_path / "q41.gguf")
+    _write(tmp_path / "q81.gguf", LLAMA, src.state_dict(), Q.Q8_1, "llama")  # gguf has no dequantization of it
+    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has type Q8_1, which npattn does not read"):
+        CausalLM.from_gguf(tmp_path / "q81.gguf")
     w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()

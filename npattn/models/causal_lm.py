@@ -1343,8 +1343,10 @@ class CausalLM(Module):
     @classmethod
     def from_gguf(cls, path, *, dtype=None) -> CausalLM:
         """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama``,
-        ``qwen3``, ``qwen3moe`` and ``gemma3`` files of ``F32``, ``F16``, ``BF16``, ``Q8_0``,
-        ``Q4_0``, ``Q4_K``, ``Q5_K`` and ``Q6_K`` tensors, dequantized by the ``gguf`` package;
+        ``qwen3``, ``qwen3moe`` and ``gemma3`` files of ``F32``, ``F16`` or ``BF16`` tensors or of
+        any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``, ``Q2_K`` ...
+        ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
+        ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
         the config from the file's metadata (and what llama.cpp derives: Gemma 3's window pattern
         and score scale), the tensors under Hugging Face's names, llama.cpp's q/k RoPE permutation
         and Gemma's ``1 + w`` norm storage undone, the experts' gate and up joined

@@ -4,8 +4,9 @@
 the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>.attention.head_count``,
 ..., the tokenizer under ``tokenizer.ggml.*``) and its tensors under llama.cpp's names
 (``token_embd.weight``, ``blk.{i}.attn_q.weight``, ``blk.{i}.ffn_gate_exps.weight``, ...), each in
-a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (``Q8_0``, ``Q4_0``, ``Q4_K``,
-``Q5_K``, ``Q6_K`` here).  The architectures read (``llama``, ``qwen3``, ``qwen3moe``, ``gemma3``)
+a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8_0`` ... ``Q5_1``,
+the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
+``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, ``qwen3``, ``qwen3moe``, ``gemma3``)
 and what each means in Hugging Face terms are ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
@@ -42,8 +43,17 @@ from .hf import LazyTensor, _short, load_into
 
 __all__ = ["from_gguf", "read_gguf", "gguf_tokenizer", "gguf_chat_template", "GGUF_TYPES", "GGUF_PRE_TOKENIZERS"]
 
-# the GGML types npattn reads (each dequantized by gguf.quants.dequantize)
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# the GGML types npattn reads, each dequantized by gguf.quants.dequantize (the installed gguf must
+# know it: ``_dequantizes``): every type of the quantization mixes llama.cpp releases (Q4_K_M takes
+# Q4_K and Q6_K, Q3_K_M Q3_K to Q6_K, IQ4_XS, MXFP4_MOE for the experts, ...)
+GGUF_TYPES = (
+    *("F32", "F16", "BF16"),
+    *("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),  # blocks of 32: a scale (and a minimum)
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),  # k-quants: blocks of 256, scaled sub-blocks
+    *("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"),  # i-quants: grids
+    *("TQ1_0", "TQ2_0"),  # ternary
+    *("MXFP4", "NVFP4"),  # 4-bit floats: one shared scale per 32 (a power of two) or per 16 (an FP8)
+)
 
 
 def _gguf():
@@ -112,6 +122,19 @@ def _read_once(path: str, size: int, mtime_ns: int, inode: int) -> _File:
             except Exception:  # pragma: no cover - a field type this gguf version cannot decode
                 meta[key] = None
     return _File(path, reader, meta.get("general.architecture"), meta)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantizes(kind: str) -> bool:
+    """Whether the installed ``gguf`` dequantizes the GGML type ``kind`` (asked of one block of
+    zeros: gguf's releases added types over time, and an older one raises NotImplementedError)."""
+    gguf = _gguf()
+    qtype = gguf.GGMLQuantizationType[kind]
+    try:
+        gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _open(path) -> _File:
@@ -252,6 +275,11 @@ def read_gguf(path) -> tuple[dict, dict]:
         if kind not in GGUF_TYPES:
             raise ValueError(
                 f"{f.path}: tensor {name!r} has type {kind}, which npattn does not read (it reads {list(GGUF_TYPES)})"
+            )
+        if not _dequantizes(kind):
+            raise ValueError(
+                f"{f.path}: tensor {name!r} has type {kind}, which the installed gguf does not dequantize "
+                "(a newer gguf may: pip install --upgrade gguf)"
             )
     config = _config(f, set(tensors))
     cfg = config_from_hf(config)
