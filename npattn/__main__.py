@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "directory", help="a save_pretrained directory (config.json, safetensors, tokenizer.json) or a GGUF file"
     )
-    p.add_argument("prompt", help="the text to complete (token ids with --ids)")
+    p.add_argument(
+        "prompt", nargs="+", help="the text to complete, one argument or several words (token ids with --ids)"
+    )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to add (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")

@@ -58,6 +58,9 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
     first, last = out.rstrip("\n").rsplit("\n", 1)
     assert first == prompt + tok.decode(expect)
     assert last.startswith("[6 tokens in ") and last.endswith(" tokens/s]")
+    # the prompt's words as separate arguments (not quoted in a shell): the same prompt
+    assert main(["generate", str(tmp_path), *prompt.split(), "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == prompt + tok.decode(expect)
 
 
 def test_generate_sampling_is_seeded_and_stops_at_eos(tmp_path, capsys):
@@ -388,8 +391,9 @@ def test_ids_need_no_tokenizer(tmp_path, capsys, monkeypatch):
     m = _checkpoint(tmp_path, 40)
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     expect = m.generate(np.array([[3, 1, 4, 1, 5]]), 6)[0].tolist()
-    for prompt in ("3 1 4 1 5", "3,1,4,1,5", " 3, 1 4,1  5 "):
-        assert main(["generate", str(tmp_path), prompt, "--ids", "--max-new-tokens", "6"]) == 0
+    for prompt in ("3 1 4 1 5", "3,1,4,1,5", " 3, 1 4,1  5 ", ["3", "1", "4", "1", "5"], ["3,", "1", "4,1", "5"]):
+        words = [prompt] if isinstance(prompt, str) else prompt  # one argument, or several (unquoted)
+        assert main(["generate", str(tmp_path), *words, "--ids", "--max-new-tokens", "6"]) == 0
         first, last = capsys.readouterr().out.rstrip("\n").split("\n")
         assert first == " ".join(map(str, expect)) and last.startswith("[6 tokens in ")
 

@@ -84,7 +84,11 @@ def stream(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_k=None, to
 
 def main(args) -> int:
     """Run ``npattn generate``: every loading, config, tokenizer or input error is one line on
-    stderr and exit status 2 (never a traceback), reported before the prompt is printed."""
+    stderr and exit status 2 (never a traceback), reported before the prompt is printed.  PROMPT
+    given as several arguments (``npattn generate DIR The capital of``, ``--ids 3 1 4``) is their
+    words joined by single spaces."""
+    if not isinstance(args.prompt, str):
+        args.prompt = " ".join(args.prompt)
     try:
         model, tokenizer, prompt_ids, eos = _load(args)
     except _Failure as e:
