@@ -704,3 +704,38 @@ def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
     assert m.generation_defaults == {"eos_token_id": eos, "pad_token_id": pad}
     out = m.generate(np.array([[1, 2, 3]]), 6)[0, 3:].tolist()
     assert out == free[: k + 1] + [pad] * (5 - k)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.BF16], ids=lambda q: q.name)
+def test_bfloat16_storage_of_a_gguf_file(tmp_path, qtype):
+    """``weights_dtype="bfloat16"``: each large matrix the file's dequantized values rounded to
+    bfloat16 (a BF16 file's own bits), the rest as the float32 model's; the logits, cached
+    decoding too, those of the float32 model with those matrices so rounded; half its bytes."""
+    from _oracles import rel_err
+
+    from npattn.functional._bfloat16 import BFloat16Array, to_bfloat16_bits, widened
+
+    _write(tmp_path / "m.gguf", QWEN3, _model(QWEN3).state_dict(), qtype, "qwen3")
+    ref = CausalLM.from_gguf(tmp_path / "m.gguf")
+    m = CausalLM.from_gguf(tmp_path / "m.gguf", weights_dtype="bfloat16")
+    assert m.weights_dtype == "bfloat16" and m.dtype == np.float32
+    nf = sum(p.data.nbytes for p in ref.parameters())
+    refs = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        if isinstance(p.data, BFloat16Array):
+            np.testing.assert_array_equal(p.data.bits, to_bfloat16_bits(refs[name].data), err_msg=name)
+            refs[name].data = widened(p.data.bits)
+        else:
+            np.testing.assert_array_equal(p.data, refs[name].data, err_msg=name)
+    assert sum(p.data.nbytes for p in m.parameters()) < 0.56 * nf
+    ids = np.random.default_rng(1).integers(0, QWEN3["vocab_size"], (2, 6))
+    with no_grad():
+        assert rel_err(m(ids), ref(ids), relative_to="max_b") < 1e-6
+    np.testing.assert_array_equal(m.generate(ids, 4), ref.generate(ids, 4))
+
+
+def test_a_bad_weights_dtype_is_refused_before_the_file_is_read(tmp_path):
+    with pytest.raises(ValueError, match="weights_dtype: expected None or 'bfloat16', got 'float16'"):
+        CausalLM.from_gguf(tmp_path / "missing.gguf", weights_dtype="float16")
+    with pytest.raises(ValueError, match="dtype"):
+        CausalLM.from_gguf(tmp_path / "missing.gguf", dtype=np.float64, weights_dtype="bfloat16")

@@ -1341,7 +1341,7 @@ class CausalLM(Module):
         return from_pretrained(cls, directory, dtype, weights_dtype)
 
     @classmethod
-    def from_gguf(cls, path, *, dtype=None) -> CausalLM:
+    def from_gguf(cls, path, *, dtype=None, weights_dtype=None) -> CausalLM:
         """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama``,
         ``qwen3``, ``qwen3moe`` and ``gemma3`` files of ``F32``, ``F16`` or ``BF16`` tensors or of
         any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``, ``Q2_K`` ...
@@ -1357,6 +1357,9 @@ class CausalLM(Module):
         path : str or path
         dtype : numpy dtype or None
             ``None``: float32.
+        weights_dtype : None or "bfloat16"
+            ``"bfloat16"``: as ``from_pretrained``'s, each large matrix dequantized, then rounded
+            to bfloat16 bits (half the float32 model's bytes; computed in float32).
 
         Returns
         -------
@@ -1374,4 +1377,4 @@ class CausalLM(Module):
         """
         from .gguf import from_gguf
 
-        return from_gguf(cls, path, dtype)
+        return from_gguf(cls, path, dtype, weights_dtype)

@@ -39,7 +39,7 @@ import numpy as np
 
 from .._hints import install_hint
 from .configs import GGUF_FAMILIES
-from .hf import LazyTensor, _short, load_into
+from .hf import LazyTensor, _short, check_weights_dtype, load_into
 
 __all__ = ["from_gguf", "read_gguf", "gguf_tokenizer", "gguf_chat_template", "GGUF_TYPES", "GGUF_PRE_TOKENIZERS"]
 
@@ -307,16 +307,18 @@ def read_gguf(path) -> tuple[dict, dict]:
     return config, out
 
 
-def from_gguf(cls, path, dtype=None):
-    """``CausalLM.from_gguf``: ``read_gguf`` then ``load_into``.  ``tokenizer.ggml.padding_token_id``
-    becomes the model's ``generation_config`` pad (with the file's eos), what a Hugging Face
-    directory keeps in ``generation_config.json``: a config's ``pad_token_id`` would also make its
-    embedding row untrainable (``padding_idx``), which the original model's config may not say."""
+def from_gguf(cls, path, dtype=None, weights_dtype=None):
+    """``CausalLM.from_gguf``: ``read_gguf`` then ``load_into`` (``weights_dtype`` checked first).
+    ``tokenizer.ggml.padding_token_id`` becomes the model's ``generation_config`` pad (with the
+    file's eos), what a Hugging Face directory keeps in ``generation_config.json``: a config's
+    ``pad_token_id`` would also make its embedding row untrainable (``padding_idx``), which the
+    original model's config may not say."""
+    check_weights_dtype(weights_dtype, dtype)  # before the file is read
     config, tensors = read_gguf(path)
     pad = _read(path).meta.get("tokenizer.ggml.padding_token_id")
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 0):
         raise ValueError(f"{os.fspath(path)}: tokenizer.ggml.padding_token_id: expected a token id, got {_short(pad)}")
-    model = load_into(cls, tensors, config, dtype)
+    model = load_into(cls, tensors, config, dtype, weights_dtype)
     if pad is not None:
         model.generation_config = {"eos_token_id": model.config.eos_token_id, "pad_token_id": pad}
     return model
