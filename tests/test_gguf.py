@@ -581,7 +581,10 @@ def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys, monkeypatch):
     if eos in expect:
         expect = expect[: expect.index(eos) + 1]
     opened = []
-    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, _r=gguf.GGUFReader: opened.append(p) or _r(p, *a))
+    from npattn.models import gguf as G
+
+    reader = G._reader_class()
+    monkeypatch.setattr(G, "_reader_class", lambda: lambda p, *a: opened.append(p) or reader(p, *a))
     path.touch()  # a new modification time: read again, once for the model, the tokenizer and the template
     assert main(["generate", str(path), "hi", "--max-new-tokens", "3", "--chat"]) == 0
     assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == tok.decode(expect)
@@ -739,3 +742,36 @@ def test_a_bad_weights_dtype_is_refused_before_the_file_is_read(tmp_path):
         CausalLM.from_gguf(tmp_path / "missing.gguf", weights_dtype="float16")
     with pytest.raises(ValueError, match="dtype"):
         CausalLM.from_gguf(tmp_path / "missing.gguf", dtype=np.float64, weights_dtype="bfloat16")
+
+
+def test_the_reader_parses_what_gguf_s_own_does_through_a_plain_view(tmp_path):
+    """``_reader_class``: every field (arrays of strings, floats, ints) and tensor as
+    ``gguf.GGUFReader`` parses them, its slices plain ndarrays (a slice of a memmap runs
+    memmap's Python-level hooks: the cost of opening a big vocabulary)."""
+    from npattn.models.gguf import _reader_class
+
+    path = tmp_path / "v.gguf"
+    _write(path, QWEN3, _model(QWEN3).state_dict(), Q.Q8_0, "qwen3")
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "qwen3")
+    n = 3000
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}" for i in range(n)])
+    w.add_token_scores([float(-i) for i in range(n)])
+    w.add_token_types([1 + i % 3 for i in range(n)])
+    w.add_token_merges([f"t ok{i}" for i in range(n)])
+    w.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, tmp_path / "vocab.gguf"):
+        ours, theirs = _reader_class()(str(p)), gguf.GGUFReader(str(p))
+        assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+        assert list(ours.fields) == list(theirs.fields)
+        for key, field in theirs.fields.items():
+            assert ours.fields[key].types == field.types, key
+            assert ours.fields[key].contents() == field.contents(), key
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)) and type(a.data) is np.ndarray
+            np.testing.assert_array_equal(a.data, b.data)
