@@ -775,3 +775,23 @@ def test_the_reader_parses_what_gguf_s_own_does_through_a_plain_view(tmp_path):
         for a, b in zip(ours.tensors, theirs.tensors):
             assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)) and type(a.data) is np.ndarray
             np.testing.assert_array_equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("config, arch", [CASES[0], CASES[2], CASES[3]], ids=["llama", "qwen3moe", "gemma3"])
+def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, config, arch, qtype):
+    """``_dequantize_into`` three rows at a time (the last block of rows shorter, each expert of a
+    stacked tensor apart): the values of the whole tensor's dequantization, the permuted q/k
+    rows (llama), the joined experts (qwen3moe) and the shifted norms (gemma3) included."""
+    from npattn.models import gguf as G
+
+    sd = _model(config).state_dict()
+    want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
+    calls = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(G, "_DEQUANTIZE_VALUES", 3 * config["hidden_size"] + 5)
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, q: calls.append(data.shape) or real(data, q))
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    for k, v in loaded.state_dict().items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    assert any(len(s) == 2 and s[0] == 3 for s in calls) and any(len(s) == 2 and s[0] < 3 for s in calls)

@@ -218,6 +218,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# values dequantized at a time (_GGUFTensor._dequantize_into): 1 MiB of float32
+_DEQUANTIZE_VALUES = 1 << 18
+
+
 class _GGUFTensor(LazyTensor):
     """One tensor of the model under its Hugging Face name, from one or more tensors of a GGUF
     file (``parts``, joined along the second-to-last axis: the experts' gate and up projections
@@ -240,19 +244,36 @@ class _GGUFTensor(LazyTensor):
         return out
 
     def read_into(self, out: np.ndarray) -> None:
-        quants, start = _gguf().quants, 0
+        start = 0
         for t in self._parts:
             shape = tuple(int(s) for s in reversed(t.shape))
-            values = quants.dequantize(t.data, t.tensor_type).reshape(shape)
-            if self._heads is not None:
-                values = _unpermute(values, self._heads)
-            if self._shift:
-                values = values - np.float32(self._shift)
-            if len(self._parts) == 1:
-                out[...] = values
-            else:
-                out[..., start : start + shape[-2], :] = values
-                start += shape[-2]
+            dest = out if len(self._parts) == 1 else out[..., start : start + shape[-2], :]
+            start += shape[-2] if len(self._parts) > 1 else 0
+            if self._heads is None:
+                self._dequantize_into(t, dest)
+            else:  # the permutation moves rows within each head: the whole matrix first
+                values = np.empty(shape, np.float32)
+                self._dequantize_into(t, values)
+                dest[...] = _unpermute(values, self._heads)
+
+    def _dequantize_into(self, t, dest: np.ndarray) -> None:
+        """``gguf.quants.dequantize`` of the file tensor ``t`` (minus the shift, in float32) into
+        ``dest`` of its shape, ``_DEQUANTIZE_VALUES`` values at a time: its dequantization makes
+        several temporaries of its input's size in float32 (an embedding table's would be
+        gigabytes), and on blocks of rows that stay in cache it runs 1.1-2x faster.  Each block
+        of a row is dequantized alone, so the values are those of the whole tensor at once."""
+        quants, data = _gguf().quants, t.data  # (..., rows, bytes of a row), or (n,) for a vector
+        if data.ndim < 2 or dest.ndim < 2:
+            values = quants.dequantize(data, t.tensor_type).reshape(dest.shape)
+            dest[...] = values - np.float32(self._shift) if self._shift else values
+            return
+        rows, cols = data.shape[-2], dest.shape[-1]
+        step = max(1, _DEQUANTIZE_VALUES // cols)
+        for lead in np.ndindex(*data.shape[:-2]):  # each expert of a stacked tensor
+            for r in range(0, rows, step):
+                part = lead + (slice(r, r + step),)
+                values = quants.dequantize(data[part], t.tensor_type).reshape(-1, cols)
+                dest[part] = values - np.float32(self._shift) if self._shift else values
 
     def __repr__(self):
         return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={[t.name for t in self._parts]!r})"
