@@ -309,3 +309,29 @@ def test_decoding_after_a_fork(monkeypatch):
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("stored", [np.float32, np.float64, np.float16], ids=lambda d: np.dtype(d).name)
+def test_a_float_checkpoint_is_rounded_block_by_block(tmp_path, monkeypatch, stored):
+    """A float32, float64 or float16 checkpoint into bfloat16 storage: each large matrix is read
+    a few values at a time (blocks that end inside rows), each block as float32, then rounded,
+    without a float32 copy of the whole tensor: the bits of the whole tensor read as float32
+    and rounded (float64 rounded to float32 first, as torch does)."""
+    from test_causal_lm_io import LLAMA, _model, _write
+
+    from npattn.models import hf
+
+    src = {k: v.astype(stored) for k, v in _model(LLAMA).state_dict().items()}
+    _write(tmp_path / "m", LLAMA, src)
+    monkeypatch.setattr(hf, "_COPIED", 4 * 37)  # 37 values a block
+    rounded = []
+    real = hf.to_bfloat16_bits
+    monkeypatch.setattr(hf, "to_bfloat16_bits", lambda x, out=None: rounded.append(x.size) or real(x, out=out))
+    m = CausalLM.from_pretrained(tmp_path / "m", weights_dtype="bfloat16")
+    assert rounded and max(rounded) == 37  # block by block, never a whole tensor
+    for name, p in m.named_parameters():
+        want = src[name].astype(np.float32)
+        if isinstance(p.data, BFloat16Array):
+            np.testing.assert_array_equal(p.data.bits, to_bfloat16_bits(want), err_msg=name)
+        else:
+            np.testing.assert_array_equal(p.data, want, err_msg=name)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._hints import install_hint
+from ..functional._bfloat16 import to_bfloat16_bits
 from .configs import GGUF_FAMILIES
 from .hf import LazyTensor, _short, check_weights_dtype, load_into
 
@@ -222,6 +223,15 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 _DEQUANTIZE_VALUES = 1 << 18
 
 
+def _store(values: np.ndarray, dest: np.ndarray) -> None:
+    """float32 ``values`` into ``dest``: a float array (cast), or ``uint16`` bfloat16 bits, a
+    parameter kept as bfloat16 (rounded, ``to_bfloat16_bits``; ``dest`` C-contiguous)."""
+    if dest.dtype == np.uint16:
+        to_bfloat16_bits(values, out=dest)
+    else:
+        dest[...] = values
+
+
 class _GGUFTensor(LazyTensor):
     """One tensor of the model under its Hugging Face name, from one or more tensors of a GGUF
     file (``parts``, joined along the second-to-last axis: the experts' gate and up projections
@@ -254,18 +264,20 @@ class _GGUFTensor(LazyTensor):
             else:  # the permutation moves rows within each head: the whole matrix first
                 values = np.empty(shape, np.float32)
                 self._dequantize_into(t, values)
-                dest[...] = _unpermute(values, self._heads)
+                _store(_unpermute(values, self._heads), dest)
 
     def _dequantize_into(self, t, dest: np.ndarray) -> None:
         """``gguf.quants.dequantize`` of the file tensor ``t`` (minus the shift, in float32) into
-        ``dest`` of its shape, ``_DEQUANTIZE_VALUES`` values at a time: its dequantization makes
-        several temporaries of its input's size in float32 (an embedding table's would be
-        gigabytes), and on blocks of rows that stay in cache it runs 1.1-2x faster.  Each block
-        of a row is dequantized alone, so the values are those of the whole tensor at once."""
+        ``dest`` of its shape (``_store``: floats, or bfloat16 bits), ``_DEQUANTIZE_VALUES``
+        values at a time: its dequantization makes several temporaries of its input's size in
+        float32 (an embedding table's would be gigabytes), and on blocks of rows that stay in
+        cache it runs 1.1-2x faster.  Each block of a row is dequantized alone, so the values are
+        those of the whole tensor at once."""
         quants, data = _gguf().quants, t.data  # (..., rows, bytes of a row), or (n,) for a vector
+        shift = np.float32(self._shift)
         if data.ndim < 2 or dest.ndim < 2:
             values = quants.dequantize(data, t.tensor_type).reshape(dest.shape)
-            dest[...] = values - np.float32(self._shift) if self._shift else values
+            _store(values - shift if self._shift else values, dest)
             return
         rows, cols = data.shape[-2], dest.shape[-1]
         step = max(1, _DEQUANTIZE_VALUES // cols)
@@ -273,7 +285,7 @@ class _GGUFTensor(LazyTensor):
             for r in range(0, rows, step):
                 part = lead + (slice(r, r + step),)
                 values = quants.dequantize(data[part], t.tensor_type).reshape(-1, cols)
-                dest[part] = values - np.float32(self._shift) if self._shift else values
+                _store(values - shift if self._shift else values, dest[part])
 
     def __repr__(self):
         return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={[t.name for t in self._parts]!r})"

@@ -257,7 +257,13 @@ class LazyTensor:
 
     def read_into(self, out: np.ndarray) -> None:
         """Convert the tensor straight into ``out`` (a float array of its shape), without a
-        temporary copy where possible: bfloat16 into float32 widens the bits in place."""
+        temporary copy where possible: bfloat16 into float32 widens the bits in place.  ``out``
+        may also be C-contiguous ``uint16`` bfloat16 bits: the values read as float32 and rounded
+        (``to_bfloat16_bits``) ``_COPIED`` bytes of float32 at a time, each part's file pages
+        released once read: no float32 copy of the whole tensor (an embedding table's)."""
+        if out.dtype == np.uint16 and out.flags.c_contiguous and self.dtype != "BF16":
+            self._round_into(out)
+            return
         raw = self._raw()
         if self.dtype == "BF16" and out.dtype == np.float32 and out.flags.c_contiguous:
             bits = out.view(np.uint32)
@@ -266,6 +272,15 @@ class LazyTensor:
         else:
             out[...] = _widened(self.dtype, raw)
         self._mm.release(self._begin, self._end)
+
+    def _round_into(self, out: np.ndarray) -> None:
+        raw = self._raw()
+        src, dst = raw.reshape(-1), out.reshape(-1)
+        step, size = _COPIED // 4, raw.itemsize
+        for i in range(0, src.size, step):
+            part = np.asarray(_widened(self.dtype, src[i : i + step]), np.float32)  # as float32 first
+            to_bfloat16_bits(part, out=dst[i : i + step])
+            self._mm.release(self._begin + size * i, self._begin + size * min(src.size, i + step))
 
     def read_bits_into(self, out: np.ndarray) -> None:
         """A ``BF16`` tensor's bits, as stored, into ``out`` (``uint16`` of its shape), ``_COPIED``
@@ -544,6 +559,8 @@ def _read_part(s, out: np.ndarray) -> None:
     v = s.value if isinstance(s, _Source) else s
     if isinstance(v, LazyTensor) and v.dtype == "BF16":
         v.read_bits_into(out)
+    elif isinstance(v, LazyTensor) and out.flags.c_contiguous:  # rounded block by block (read_into)
+        v.read_into(out)
     else:
         tmp = np.empty(out.shape, np.float32)
         s.read_into(tmp)
