@@ -809,3 +809,24 @@ def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, conf
     for k, v in loaded.state_dict().items():
         np.testing.assert_array_equal(v, want[k], err_msg=k)
     assert any(len(s) == 2 and s[0] == 3 for s in calls) and any(len(s) == 2 and s[0] < 3 for s in calls)
+
+
+def test_each_tensor_s_file_pages_are_released_once_read(tmp_path, monkeypatch):
+    """Loading releases (``MADV_DONTNEED``) every byte of every tensor once dequantized, block of
+    rows by block of rows: the process holds the model, not the model plus the file."""
+    from npattn.models import gguf as G
+    from npattn.models.hf import _Mapping
+
+    path = tmp_path / "m.gguf"
+    _write(path, QWEN3_MOE, _model(QWEN3_MOE).state_dict(), Q.Q8_0, "qwen3moe")
+    released: list = []
+    real = _Mapping.release
+    monkeypatch.setattr(_Mapping, "release", lambda self, b, e: released.append((b, e)) or real(self, b, e))
+    monkeypatch.setattr(G, "_DEQUANTIZE_VALUES", 5 * QWEN3_MOE["hidden_size"])
+    CausalLM.from_gguf(path)
+    covered = np.zeros(path.stat().st_size, bool)
+    for b, e in released:
+        covered[b:e] = True
+    tensors = G._read(path).reader.tensors
+    assert all(covered[t.data_offset : t.data_offset + t.n_bytes].all() for t in tensors)
+    assert len(released) > len(tensors)  # block by block

@@ -40,7 +40,7 @@ import numpy as np
 from .._hints import install_hint
 from ..functional._bfloat16 import to_bfloat16_bits
 from .configs import GGUF_FAMILIES
-from .hf import LazyTensor, _short, check_weights_dtype, load_into
+from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, load_into
 
 __all__ = ["from_gguf", "read_gguf", "gguf_tokenizer", "gguf_chat_template", "GGUF_TYPES", "GGUF_PRE_TOKENIZERS"]
 
@@ -111,21 +111,29 @@ def _read(path) -> _File:
 
 @functools.lru_cache(maxsize=None)
 def _reader_class():
-    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map.  The reader
+    """``gguf.GGUFReader`` reading the file through npattn's own read-only map of it
+    (``hf._Mapping``: a plain uint8 array, and ``release`` for the pages of a tensor once read, so
+    loading holds the model and not the model plus the file, as for safetensors).  The reader
     slices its ``data`` once per value it parses (a tokenizer's 150k-260k tokens, scores, types
-    and merges are millions of slices), and every slice of an ``np.memmap`` runs memmap's
+    and merges are millions of slices), and every slice of its own ``np.memmap`` runs memmap's
     Python-level ``__getitem__`` and ``__array_finalize__``: two thirds of the time to open a
-    262k-token file.  A slice of the plain view runs neither.  The same bytes, read-only as the
-    map is; the view keeps the map alive, and the tensors' ``data`` are views of it as before."""
+    262k-token file.  A slice of a plain array runs neither.  The same bytes; the tensors'
+    ``data`` are views of them as before."""
 
     class _Reader(_gguf().GGUFReader):
+        mapping: _Mapping | None = None
+
         @property
         def data(self):
             return self._plain
 
         @data.setter
         def data(self, m):
-            self._plain = m.view(np.ndarray) if isinstance(m, np.memmap) else m
+            if isinstance(m, np.memmap) and m.mode == "r" and m.filename and m.size:
+                self.mapping = _Mapping(os.fspath(m.filename), m.size)
+                self._plain = self.mapping.array
+            else:  # pragma: no cover - another mode: its own map, as a plain view
+                self._plain = m.view(np.ndarray) if isinstance(m, np.memmap) else m
 
     return _Reader
 
@@ -239,14 +247,15 @@ class _GGUFTensor(LazyTensor):
     ``read_into`` dequantize them with ``gguf.quants.dequantize``, then undo llama.cpp's q/k
     permutation where ``heads`` is set and subtract the converter's ``shift`` (Gemma's norms)."""
 
-    __slots__ = ("_parts", "_heads", "_shift")
+    __slots__ = ("_parts", "_heads", "_shift", "_mapping")
 
-    def __init__(self, name: str, parts: list, heads: int | None = None, shift: float = 0.0):
+    def __init__(self, name: str, parts: list, heads: int | None = None, shift: float = 0.0, mapping=None):
         shapes = [tuple(int(s) for s in reversed(t.shape)) for t in parts]
         rows = sum(s[-2] for s in shapes) if len(shapes) > 1 else None
         self.name, self.dtype = name, "F32"
         self.shape = shapes[0] if rows is None else (*shapes[0][:-2], rows, shapes[0][-1])
         self._parts, self._heads, self._shift = parts, heads, shift
+        self._mapping = mapping  # the file's _Mapping: the pages of each block released once read
 
     def numpy(self, dtype=None) -> np.ndarray:
         out = np.empty(self.shape, np.float32 if dtype is None else dtype)
@@ -274,18 +283,25 @@ class _GGUFTensor(LazyTensor):
         cache it runs 1.1-2x faster.  Each block of a row is dequantized alone, so the values are
         those of the whole tensor at once."""
         quants, data = _gguf().quants, t.data  # (..., rows, bytes of a row), or (n,) for a vector
-        shift = np.float32(self._shift)
+        shift, begin = np.float32(self._shift), int(t.data_offset)
         if data.ndim < 2 or dest.ndim < 2:
             values = quants.dequantize(data, t.tensor_type).reshape(dest.shape)
             _store(values - shift if self._shift else values, dest)
+            self._release(begin, begin + data.nbytes)
             return
-        rows, cols = data.shape[-2], dest.shape[-1]
+        rows, cols, row_bytes = data.shape[-2], dest.shape[-1], data.shape[-1] * data.itemsize
         step = max(1, _DEQUANTIZE_VALUES // cols)
         for lead in np.ndindex(*data.shape[:-2]):  # each expert of a stacked tensor
             for r in range(0, rows, step):
                 part = lead + (slice(r, r + step),)
                 values = quants.dequantize(data[part], t.tensor_type).reshape(-1, cols)
                 _store(values - shift if self._shift else values, dest[part])
+                self._release(begin, begin + (min(r + step, rows) - r) * row_bytes)
+                begin += (min(r + step, rows) - r) * row_bytes
+
+    def _release(self, begin: int, end: int) -> None:
+        if self._mapping is not None:
+            self._mapping.release(begin, end)
 
     def __repr__(self):
         return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={[t.name for t in self._parts]!r})"
@@ -353,6 +369,7 @@ def read_gguf(path) -> tuple[dict, dict]:
             parts,
             heads[proj] if spec.permute_qk and proj in heads else None,
             spec.norm_shift if key.endswith("norm.weight") else 0.0,
+            getattr(f.reader, "mapping", None),
         )
     used = {t.name for v in out.values() for t in v._parts}
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
