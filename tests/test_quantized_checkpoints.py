@@ -412,3 +412,23 @@ def test_quantization_config_must_be_an_object(tmp_path):
         CausalLM.from_pretrained(tmp_path)
     with open(os.path.join(tmp_path, "config.json")) as f:
         assert json.load(f)["quantization_config"] == "mxfp4"  # nothing written
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "fp8"])
+def test_a_quantized_checkpoint_into_bfloat16_storage(tmp_path, kind):
+    """``weights_dtype="bfloat16"`` on a checkpoint as released (GPT-OSS's MXFP4 experts,
+    DeepSeek-V3's FP8 blocks, one tensor per expert): each matrix kept as bfloat16 is the
+    dequantized float32 matrix rounded, the rest the float32 model's."""
+    from npattn.functional._bfloat16 import BFloat16Array, to_bfloat16_bits
+
+    _gpt_oss_checkpoint(tmp_path) if kind == "mxfp4" else _fp8_checkpoint(tmp_path)
+    ref = dict(CausalLM.from_pretrained(tmp_path).named_parameters())
+    m = CausalLM.from_pretrained(tmp_path, weights_dtype="bfloat16")
+    stored = 0
+    for name, p in m.named_parameters():
+        if isinstance(p.data, BFloat16Array):
+            stored += 1
+            np.testing.assert_array_equal(p.data.bits, to_bfloat16_bits(ref[name].data), err_msg=name)
+        else:
+            np.testing.assert_array_equal(p.data, ref[name].data, err_msg=name)
+    assert stored

@@ -40,7 +40,7 @@ import numpy as np
 from .._hints import install_hint
 from ..functional._bfloat16 import to_bfloat16_bits
 from .configs import GGUF_FAMILIES
-from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, load_into
+from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, load_into, rounds_into_bits
 
 __all__ = ["from_gguf", "read_gguf", "gguf_tokenizer", "gguf_chat_template", "GGUF_TYPES", "GGUF_PRE_TOKENIZERS"]
 
@@ -262,6 +262,7 @@ class _GGUFTensor(LazyTensor):
         self.read_into(out)
         return out
 
+    @rounds_into_bits
     def read_into(self, out: np.ndarray) -> None:
         start = 0
         for t in self._parts:

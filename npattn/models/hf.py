@@ -235,6 +235,14 @@ def _widened(code: str, raw: np.ndarray) -> np.ndarray:
     return raw
 
 
+def rounds_into_bits(read_into):
+    """Mark a ``read_into`` that also takes ``uint16`` bfloat16 bits and rounds as it reads:
+    ``_read_part`` hands such a reader a parameter's bits, and any other reader a float32 array
+    (a subclass's own ``read_into``, e.g. ``quant.Dequantized``'s, is unmarked until it says so)."""
+    read_into.rounds_into_bits = True
+    return read_into
+
+
 class LazyTensor:
     """One tensor of a safetensors file: ``name``, ``shape``, ``dtype`` (the file's code, e.g.
     ``"BF16"``); ``numpy(dtype)`` reads and converts it (the file stays mapped, nothing is kept)."""
@@ -255,14 +263,19 @@ class LazyTensor:
         self._mm.release(self._begin, self._end)
         return out
 
+    @rounds_into_bits
     def read_into(self, out: np.ndarray) -> None:
         """Convert the tensor straight into ``out`` (a float array of its shape), without a
         temporary copy where possible: bfloat16 into float32 widens the bits in place.  ``out``
-        may also be C-contiguous ``uint16`` bfloat16 bits: the values read as float32 and rounded
-        (``to_bfloat16_bits``) ``_COPIED`` bytes of float32 at a time, each part's file pages
-        released once read: no float32 copy of the whole tensor (an embedding table's)."""
-        if out.dtype == np.uint16 and out.flags.c_contiguous and self.dtype != "BF16":
-            self._round_into(out)
+        may also be C-contiguous ``uint16`` bfloat16 bits: a ``BF16`` tensor's as stored
+        (``read_bits_into``), any other's values read as float32 and rounded (``to_bfloat16_bits``)
+        ``_COPIED`` bytes of float32 at a time, each part's file pages released once read: no
+        float32 copy of the whole tensor (an embedding table's)."""
+        if out.dtype == np.uint16 and out.flags.c_contiguous:  # bfloat16 bits: a BF16 tensor's as stored
+            if self.dtype == "BF16":
+                self.read_bits_into(out)
+            else:
+                self._round_into(out)
             return
         raw = self._raw()
         if self.dtype == "BF16" and out.dtype == np.float32 and out.flags.c_contiguous:
@@ -559,8 +572,8 @@ def _read_part(s, out: np.ndarray) -> None:
     v = s.value if isinstance(s, _Source) else s
     if isinstance(v, LazyTensor) and v.dtype == "BF16":
         v.read_bits_into(out)
-    elif isinstance(v, LazyTensor) and out.flags.c_contiguous:  # rounded block by block (read_into)
-        v.read_into(out)
+    elif getattr(getattr(v, "read_into", None), "rounds_into_bits", False) and out.flags.c_contiguous:
+        v.read_into(out)  # rounded block by block as it reads
     else:
         tmp = np.empty(out.shape, np.float32)
         s.read_into(tmp)
