@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ids", action="store_true", help="the prompt is token ids ('1 5 9'): no tokenizer needed, ids printed"
     )
+    p.add_argument(
+        "--bfloat16",
+        action="store_true",
+        help="keep the large weight matrices as bfloat16 (weights_dtype='bfloat16'): half the memory of float32",
+    )
     return parser
 
 

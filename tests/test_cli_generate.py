@@ -414,3 +414,22 @@ def test_missing_tokenizer_says_what_to_do(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "the cat"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no tokenizer.json" in err and "--ids" in err and "copy" in err
+
+
+def test_bfloat16_keeps_the_weights_as_bfloat16(tmp_path, capsys, monkeypatch):
+    """--bfloat16: the model loaded with weights_dtype='bfloat16', its tokens printed."""
+    from npattn.models import CausalLM
+
+    _checkpoint(tmp_path, 40)
+    small = CausalLM.from_pretrained(tmp_path, weights_dtype="bfloat16")
+    expect = small.generate(np.array([[3, 1, 4, 1, 5]]), 6)[0].tolist()
+    loaded = []
+    real = CausalLM.from_pretrained.__func__
+    monkeypatch.setattr(
+        CausalLM, "from_pretrained", classmethod(lambda cls, *a, **k: loaded.append(real(cls, *a, **k)) or loaded[-1])
+    )
+    assert main(["generate", str(tmp_path), "3 1 4 1 5", "--ids", "--bfloat16", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == " ".join(map(str, expect))
+    assert [m.weights_dtype for m in loaded] == ["bfloat16"]
+    assert main(["generate", str(tmp_path), "3 1 4 1 5", "--ids", "--max-new-tokens", "6"]) == 0
+    assert [m.weights_dtype for m in loaded] == ["bfloat16", None]

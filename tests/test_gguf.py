@@ -576,6 +576,17 @@ def test_npattn_generate_runs_a_gguf_file(tmp_path, capsys, monkeypatch):
     first, last = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
     assert first == prompt + tok.decode(expect)
     assert last.startswith(f"[{len(expect)} tokens in ")
+    small = CausalLM.from_gguf(path, weights_dtype="bfloat16")  # --bfloat16: the model so loaded
+    expect16 = small.generate(np.array([ids]), 5, eos_token_id=eos)[0, len(ids) :].tolist()
+    if eos in expect16:
+        expect16 = expect16[: expect16.index(eos) + 1]
+    made = []
+    real = CausalLM.from_gguf.__func__
+    with monkeypatch.context() as mp:
+        mp.setattr(CausalLM, "from_gguf", classmethod(lambda cls, *a, **k: made.append(real(cls, *a, **k)) or made[-1]))
+        assert main(["generate", str(path), prompt, "--max-new-tokens", "5", "--bfloat16"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == prompt + tok.decode(expect16)
+    assert [m.weights_dtype for m in made] == ["bfloat16"]
     chat_ids = tok.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False).ids
     expect = loaded.generate(np.array([chat_ids]), 3, eos_token_id=eos)[0, len(chat_ids) :].tolist()
     if eos in expect:

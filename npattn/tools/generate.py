@@ -117,7 +117,7 @@ def _load(args):
     except (TypeError, ValueError) as e:
         raise _Failure(_one_line(e)) from None
     if os.path.isfile(args.directory):
-        model, tokenizer, tok_path = _from_gguf(args.directory, tokenizer is not None)
+        model, tokenizer, tok_path = _from_gguf(args.directory, tokenizer is not None, _weights_dtype(args))
         eos_name = f"{args.directory}: tokenizer.ggml.eos_token_id"
     elif not os.path.isdir(args.directory):
         raise _Failure(f"directory: no such directory or GGUF file {args.directory!r}")
@@ -126,7 +126,7 @@ def _load(args):
         if tokenizer is not None:
             tokenizer = _tokenizer(tokenizer, tok_path, args.directory)
         try:
-            model = CausalLM.from_pretrained(args.directory)
+            model = CausalLM.from_pretrained(args.directory, weights_dtype=_weights_dtype(args))
         except _LOAD_ERRORS as e:
             raise _Failure(_one_line(e)) from None
         source = "config.json" if model.generation_config is None else "generation_config.json"
@@ -156,13 +156,18 @@ def _load(args):
     return model, tokenizer, prompt_ids, eos
 
 
-def _from_gguf(path: str, with_tokenizer: bool) -> tuple:
+def _weights_dtype(args):
+    """``--bfloat16``: the model's ``weights_dtype``."""
+    return "bfloat16" if getattr(args, "bfloat16", False) else None
+
+
+def _from_gguf(path: str, with_tokenizer: bool, weights_dtype=None) -> tuple:
     """``(model, tokenizer or None, where)`` of a GGUF file; raises ``_Failure``."""
     from ..models import CausalLM
     from ..models.gguf import gguf_tokenizer
 
     try:
-        model = CausalLM.from_gguf(path)
+        model = CausalLM.from_gguf(path, weights_dtype=weights_dtype)
         return model, gguf_tokenizer(path) if with_tokenizer else None, path
     except ImportError as e:
         raise _Failure(_one_line(e)) from None
