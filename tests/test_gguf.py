@@ -187,6 +187,13 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
     return out
 
 
+def _assert_holds(loaded, want: dict) -> None:
+    """``loaded``'s tensors are ``want``'s (``_hf_values`` of the file), bit for bit, none missing."""
+    assert set(loaded.state_dict()) == set(want)
+    for k, v in loaded.state_dict().items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+
+
 def _logits(m, ids):
     with no_grad():
         return m(ids)
@@ -221,9 +228,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     held = _write(tmp_path / "m.gguf", config, sd, qtype, arch)
     want = _hf_values(held, sd, config, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
-    assert set(loaded.state_dict()) == set(want)
-    for k, v in loaded.state_dict().items():
-        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    _assert_holds(loaded, want)
     if arch == "llama":  # the permutation matters: the file's rows are not Hugging Face's
         assert not np.array_equal(held["blk.0.attn_q.weight"], want["model.layers.0.self_attn.q_proj.weight"])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
@@ -258,9 +263,7 @@ def test_every_type_of_the_released_mixes_is_gguf_s_dequantization(tmp_path, con
     held = _write(tmp_path / "m.gguf", config, sd, qtype, arch)
     want = _hf_values(held, sd, config, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
-    assert set(loaded.state_dict()) == set(want)
-    for k, v in loaded.state_dict().items():
-        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    _assert_holds(loaded, want)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     got = _logits(loaded, ids)
     assert np.isfinite(got).all()  # the scales are sane: the comparison below compares numbers
@@ -816,9 +819,7 @@ def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, conf
     real = gguf.quants.dequantize
     monkeypatch.setattr(G, "_DEQUANTIZE_VALUES", 3 * config["hidden_size"] + 5)
     monkeypatch.setattr(gguf.quants, "dequantize", lambda data, q: calls.append(data.shape) or real(data, q))
-    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
-    for k, v in loaded.state_dict().items():
-        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    _assert_holds(CausalLM.from_gguf(tmp_path / "m.gguf"), want)
     assert any(len(s) == 2 and s[0] == 3 for s in calls) and any(len(s) == 2 and s[0] < 3 for s in calls)
 
 
