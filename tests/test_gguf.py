@@ -376,6 +376,48 @@ def test_what_llama_cpp_derives_rather_than_reads():
     assert c["moe_intermediate_size"] == 32
 
 
+# the optional metadata llama.cpp fills in itself (llm_load_hparams), each left out of a file
+_OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension_count", "rope_freq_base")
+
+
+@pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
+def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeypatch, config, arch):
+    """A file without head_count_kv, key_length, value_length, rope.dimension_count or
+    rope.freq_base is the model llama.cpp builds from it: as many key/value heads as heads, heads
+    of embedding_length / head_count, a RoPE base of 10000; not the Hugging Face family's
+    defaults (Qwen3's head_dim 128, Gemma 3's 256 and its 4 key/value heads: the file's tensors
+    would then be refused).  Eight heads of 32: none of those defaults holds by chance.  A
+    head_count of 0 is refused by name."""
+    config = dict(config, num_attention_heads=8, num_key_value_heads=8, rope_theta=10000.0)
+    if arch != "llama":
+        config.update(head_dim=32)
+    if arch == "gemma3":
+        config.update(query_pre_attn_scalar=32)
+        config["rope_parameters"] = dict(
+            config["rope_parameters"], full_attention=dict(config["rope_parameters"]["full_attention"], rope_theta=1e4)
+        )
+    sd = _model(config).state_dict()
+    _write(tmp_path / "full.gguf", config, sd, Q.F32, arch)
+    for key in _OPTIONAL_KEYS:
+        monkeypatch.setattr(gguf.GGUFWriter, f"add_{key}", lambda self, value: None)
+    _write(tmp_path / "bare.gguf", config, sd, Q.F32, arch)
+    full, bare = CausalLM.from_gguf(tmp_path / "full.gguf"), CausalLM.from_gguf(tmp_path / "bare.gguf")
+    assert {k: bare.config.hf.get(k) for k in ("num_key_value_heads", "head_dim")} == {
+        "num_key_value_heads": 8,
+        "head_dim": 32,
+    }
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(bare, ids), _logits(full, ids))
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_head_count", lambda self, value: self.add_uint32(f"{arch}.attention.head_count", 0)
+    )
+    _write(tmp_path / "none.gguf", config, sd, Q.F32, arch)
+    with pytest.raises(
+        ValueError, match=rf"none.gguf: metadata '{arch}.attention.head_count': expected an integer >= 1, got 0"
+    ):
+        CausalLM.from_gguf(tmp_path / "none.gguf")
+
+
 def test_a_refused_entry_names_the_file(tmp_path):
     config = dict(GEMMA3, rope_parameters=dict(GEMMA3["rope_parameters"]))
     config["rope_parameters"]["full_attention"] = dict(config["rope_parameters"]["full_attention"], rope_type="yarn")

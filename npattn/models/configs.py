@@ -110,8 +110,7 @@ def _gguf_gemma3(config: dict, meta: Mapping) -> None:
     config["layer_types"] = _interleaved(n, 6, "sliding_attention") if sliding else ["full_attention"] * n
     if sliding:
         config["sliding_window"] = window
-    head_dim = config.get("head_dim", 256)
-    config["head_dim"] = head_dim
+    head_dim = config["head_dim"]  # the file's, else llama.cpp's embedding_length / head_count (gguf.py)
     config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if n == 62 else head_dim
     full = {"rope_type": "default", "rope_theta": config.pop("rope_theta", 10000.0)}
     kind = meta.get("rope.scaling.type", "none")

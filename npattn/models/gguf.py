@@ -12,7 +12,8 @@ and what each means in Hugging Face terms are ``GGUF_FAMILIES`` in ``models/conf
 Reading one:
 
 1. the metadata becomes the Hugging Face config dict of the same network (``_config``): the keys
-   every architecture has, the family's own (``GgufFamily.keys``: the experts' counts), and what
+   every architecture has (llama.cpp's defaults for the optional ones a file leaves out,
+   ``_llama_cpp_defaults``), the family's own (``GgufFamily.keys``: the experts' counts), and what
    llama.cpp derives rather than reads (``GgufFamily.derive``: Gemma 3's sliding-window pattern of
    6, its sliding layers' RoPE base and its score scale); the dict goes through ``config_from_hf``
    as a ``config.json`` would;
@@ -79,6 +80,18 @@ _COMMON = {
     "head_dim": "attention.key_length",
 }
 _OPTIONAL = {"num_key_value_heads", "rope_theta", "max_position_embeddings", "head_dim"}
+
+
+def _llama_cpp_defaults(config: dict) -> dict:
+    """What llama.cpp takes for an optional key a file leaves out (``llm_load_hparams``): as many
+    key/value heads as query heads, heads of ``embedding_length / head_count`` dimensions, a RoPE
+    base of 10000; not the Hugging Face family's defaults (Qwen3's and Gemma 3's ``head_dim`` are
+    128 and 256, Gemma 3's ``num_key_value_heads`` 4), which would build another network than the
+    one the file holds."""
+    heads = config["num_attention_heads"]
+    return {"num_key_value_heads": heads, "head_dim": config["hidden_size"] // heads, "rope_theta": 10000.0}
+
+
 # metadata keys read only to be checked (against the config they imply)
 _CHECKED = {"vocab_size", "rope.dimension_count", "attention.value_length"}
 
@@ -186,6 +199,14 @@ def _config(f: _File, tensor_names: set) -> dict:
             config[key] = meta[name]
         elif key in _COMMON and key not in _OPTIONAL:
             raise ValueError(f"{f.path}: no metadata {name!r} (the model's {key})")
+    for key in ("hidden_size", "num_attention_heads"):  # what the defaults are derived from
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{f.path}: metadata '{arch}.{_COMMON[key]}': expected an integer >= 1, got {_short(value)}"
+            )
+    for key, value in _llama_cpp_defaults(config).items():
+        config.setdefault(key, value)
     known = {f"{arch}.{s}" for s in (*_COMMON.values(), *_CHECKED, *spec.keys.values(), *spec.reads)}
     unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k not in known)
     if unknown:
@@ -204,7 +225,7 @@ def _config(f: _File, tensor_names: set) -> dict:
     for key in ("bos_token_id", "eos_token_id"):  # the padding id is generate's (from_gguf), not the embedding's
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = meta[f"tokenizer.ggml.{key}"]
-    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    head_dim = config["head_dim"]
     for suffix in ("rope.dimension_count", "attention.value_length"):
         value = meta.get(f"{arch}.{suffix}", head_dim)
         if value != head_dim:
