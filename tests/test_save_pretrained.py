@@ -305,6 +305,27 @@ def test_replacing_a_directory(tmp_path, monkeypatch, exchange):
     _assert_same_model(new, CausalLM.from_pretrained(target))
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+@pytest.mark.parametrize("inside", [".", "extra"])
+def test_saving_into_the_current_directory(tmp_path, monkeypatch, exchange, inside):
+    """save_pretrained(".") (or a parent of the current directory): the process is not left in
+    the replaced, deleted directory ("." would name nothing, getcwd() would fail) but at the
+    same path in the new one, where "." reads the new model."""
+    if not exchange:
+        monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
+    target = tmp_path / "model"
+    _model(seed=0).save_pretrained(target)
+    (target / "extra").mkdir()
+    (target / "tokenizer.json").write_text("{}")
+    monkeypatch.chdir(target / inside)
+    new = _model(seed=7)
+    new.save_pretrained("." if inside == "." else "..")
+    assert os.getcwd() == str((target / inside).resolve())
+    assert os.path.samefile(".", target / inside)
+    assert sorted(os.listdir(target)) == ["config.json", "extra", "model.safetensors", "tokenizer.json"]
+    _assert_same_model(new, CausalLM.from_pretrained("." if inside == "." else ".."))
+
+
 def test_files_are_flushed_before_the_rename(tmp_path, monkeypatch):
     order = []
     real_fsync, real_replace = save_mod._fsync, save_mod._replace

@@ -27,7 +27,10 @@ no new directory under the target's name; its temporary sibling is removed.  The
 existing directory that a save does not write (a tokenizer, a generation config, a README) are
 carried over into the new one (hard links where possible), as transformers' ``save_pretrained``
 leaves them in place; its old weights (``model.safetensors``, the index and the
-``model-XXXXX-of-XXXXX.safetensors`` shards) are not.
+``model-XXXXX-of-XXXXX.safetensors`` shards) are not.  A process whose current directory was the
+old directory (or a folder in it: ``save_pretrained(".")``) is moved to the same path in the new
+one: it would otherwise stand in a deleted directory, where ``"."`` names nothing and every
+relative path fails.
 """
 
 from __future__ import annotations
@@ -260,6 +263,15 @@ def _replace(tmp: str, target: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _cwd_within(target: str) -> str | None:
+    """The current directory if it is ``target`` or inside it (``save_pretrained(".")``), else None."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # already a deleted directory
+        return None
+    return cwd if os.path.commonpath((cwd, target)) == target else None
+
+
 def save_pretrained(model, directory, max_shard_size="5GB") -> None:
     """``CausalLM.save_pretrained`` (see the module docstring).
 
@@ -313,8 +325,14 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
         if os.path.isdir(target):
             _carry_over(target, tmp, set(files))
         _fsync(tmp)
+        cwd = _cwd_within(target)
         _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if cwd is not None:  # the process stood in the old directory, now deleted: into the new one, at the same path
+        try:
+            os.chdir(cwd)
+        except OSError:  # pragma: no cover - a folder inside it that the save did not carry over
+            pass
     _fsync(parent)
