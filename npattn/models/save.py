@@ -47,7 +47,7 @@ import stat
 
 import numpy as np
 
-from ..functional._bfloat16 import BFloat16Array, to_bfloat16_bits
+from ..functional._bfloat16 import BFloat16Array
 from .hf import save_safetensors
 
 __all__ = ["parse_shard_size", "checkpoint_tensors", "save_pretrained"]
@@ -109,37 +109,40 @@ def parse_shard_size(size) -> int:
 def checkpoint_tensors(model) -> dict:
     """``{checkpoint name: array}`` of ``model`` (a ``CausalLM``), views of its parameters and
     buffers (nothing copied), in state-dict order, the routed experts written one expert at a
-    time where the config's ``CheckpointLayout.per_expert`` says so.  A model with bfloat16
-    storage (``weights_dtype="bfloat16"``) gives ``(uint16 bits, "BF16")`` pairs for every tensor
-    (the float32 ones, norms and biases, rounded to nearest even), as a bfloat16 checkpoint holds."""
+    time where the config's ``CheckpointLayout.per_expert`` says so.  A parameter kept as
+    bfloat16 (``weights_dtype="bfloat16"``) gives ``(uint16 bits, "BF16")`` pairs, its bits as
+    held; every other tensor (the norms, biases and routers such a model keeps in float32) is
+    written as it is held, so that the checkpoint is the model: rounded to bfloat16, they would
+    give other logits (transformers' own save of a bfloat16 model keeps its float32 modules, e.g.
+    DeepSeek-V3's router, in float32 too)."""
     layout = model.config.layout
     split = layout.per_expert
     gate, up, down = layout.expert_projs
     out: dict = {}
-    bf16 = model.weights_dtype == "bfloat16"
     for key, owner, name, is_param in model._state_entries():
         arr = owner._parameters[name].data if is_param else getattr(owner, name)
-        if bf16:  # every tensor as bfloat16 bits: the stored ones as they are, the others rounded
-            arr = arr.bits if isinstance(arr, BFloat16Array) else to_bfloat16_bits(arr)
+        bits = isinstance(arr, BFloat16Array)
+        if bits:
+            arr = arr.bits
+        parts: dict = {}  # this tensor's checkpoint names and arrays
         m = _FUSED.match(key) if split else None
         if layout.split_conv and key.endswith("self_attn.conv1d.weight"):  # KDA: q's, k's, v's channels
             third = arr.shape[0] // 3
             for i, part in enumerate("qkv"):
-                out[key[: -len("conv1d.weight")] + f"{part}_conv1d.weight"] = arr[i * third : (i + 1) * third]
+                parts[key[: -len("conv1d.weight")] + f"{part}_conv1d.weight"] = arr[i * third : (i + 1) * third]
         elif m is None:
-            out[key] = arr
+            parts[key] = arr
         elif m["proj"] == "gate_up_proj":  # (E, 2I, H): expert e's gate rows, then its up rows
             half = arr.shape[1] // 2
             for e in range(arr.shape[0]):
-                out[f"{m['prefix']}.{e}.{gate}.weight"] = arr[e, :half]
-                out[f"{m['prefix']}.{e}.{up}.weight"] = arr[e, half:]
+                parts[f"{m['prefix']}.{e}.{gate}.weight"] = arr[e, :half]
+                parts[f"{m['prefix']}.{e}.{up}.weight"] = arr[e, half:]
         else:  # down_proj (E, H, I)
             for e in range(arr.shape[0]):
-                out[f"{m['prefix']}.{e}.{down}.weight"] = arr[e]
+                parts[f"{m['prefix']}.{e}.{down}.weight"] = arr[e]
+        out.update({k: (a, "BF16") for k, a in parts.items()} if bits else parts)
     if layout.renames:
         out = {_renamed(k, layout.renames): v for k, v in out.items()}
-    if bf16:
-        out = {k: (v, "BF16") for k, v in out.items()}
     return out
 
 
