@@ -188,6 +188,31 @@ def test_tied_head_is_listed_once_and_checked():
         CausalLM.from_hf({**sd, "lm_head.weight": np.zeros((3, 3), np.float32)}, cfg)
 
 
+def test_tied_pair_under_the_head_s_name_alone(tmp_path):
+    """safetensors.torch.save_model writes a tied pair once, under the first name sorted:
+    lm_head.weight alone.  transformers ties the embedding to it; so does from_pretrained (it
+    raised 'missing key model.embed_tokens.weight')."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from safetensors.torch import save_model
+
+    cfg = dict(LLAMA, tie_word_embeddings=True)
+    m = _model(cfg)
+    hf = T.LlamaForCausalLM(T.LlamaConfig(**cfg))
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()}, strict=False)
+    hf.tie_weights()
+    _write(tmp_path, cfg, {})
+    save_model(hf, str(tmp_path / "model.safetensors"))
+    assert "model.embed_tokens.weight" not in open_safetensors(tmp_path / "model.safetensors")
+    loaded = CausalLM.from_pretrained(tmp_path)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    ref = T.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad(), no_grad():
+        want = ref(torch.from_numpy(_ids())).logits.numpy()
+        np.testing.assert_allclose(loaded(_ids()), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "change, key",
     [

@@ -1264,7 +1264,9 @@ class CausalLM(Module):
         state_dict : mapping
             Hugging Face names (``model.embed_tokens.weight``, ``model.layers.0.self_attn.q_proj.weight``,
             ..., ``lm_head.weight``) to numpy arrays, CPU torch tensors (bfloat16 included) or
-            the lazy tensors of ``npattn.models.hf``.  A tied head may be present or absent.
+            the lazy tensors of ``npattn.models.hf``.  A tied head may be present or absent, or
+            stand alone for the pair (``lm_head.weight`` without ``model.embed_tokens.weight``, as
+            ``safetensors.torch.save_model`` writes shared tensors: transformers ties the embedding to it).
             DeepSeek-V3's and Qwen3-Next's routed experts may come fused (``mlp.experts.gate_up_proj``,
             as transformers holds them) or one expert at a time (``mlp.experts.{e}.gate_proj.weight``
             ..., as their checkpoints and ``save_pretrained`` write them).

@@ -868,6 +868,10 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
     src = _checkpoint_names(src, cfg.layout)
     if cfg.layout.per_expert:
         src = _merge_experts(src, cfg.layout.expert_projs)
+    if cfg.tie_word_embeddings and "lm_head.weight" in src and "model.embed_tokens.weight" not in src:
+        # the tied pair under the head's name alone (safetensors' save_model keeps the first of the
+        # shared names, sorted): transformers ties the embedding to it, and so do we
+        src["model.embed_tokens.weight"] = src.pop("lm_head.weight")
     if dtype is None:
         first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
         dtype = np.float32 if first is None else first.natural_dtype
