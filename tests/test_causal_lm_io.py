@@ -423,6 +423,38 @@ def test_hub_style_configs():
     assert config_from_hf(nxt).layer_types == ("linear_attention", "full_attention")
 
 
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("deepseek_v3", "model.layers.{n}.eh_proj.weight"),  # layer 61 of the released DeepSeek-V3
+        ("deepseek_v32", "model.layers.{n}.mlp.experts.0.gate_proj.weight"),
+        ("qwen3_next", "mtp.fc.weight"),
+        ("qwen3_5_text", "mtp.layers.0.self_attn.q_proj.weight"),
+        ("qwen3_5_moe_text", "mtp.fc.weight"),
+    ],
+)
+def test_released_multi_token_prediction_layers_are_left_unread(tmp_path, name, extra):
+    """The released DeepSeek-V3 (its num_nextn_predict_layers layers after the model's:
+    model.layers.61.*), Qwen3-Next and Qwen3.5 checkpoints carry multi-token-prediction layers
+    beside the causal LM; transformers ignores them (_keys_to_ignore_on_load_unexpected) and so
+    does from_pretrained (it refused them as unexpected).  Elsewhere they stay unexpected."""
+    from npattn.models.tiny import tiny_config
+
+    cfg = tiny_config(name, **({"num_nextn_predict_layers": 1} if name.startswith("deepseek") else {}))
+    m = _model(cfg)
+    key = extra.format(n=m.config.num_hidden_layers)
+    _write(tmp_path, cfg, {**m.state_dict(), key: np.ones((8, 4), np.float32)})
+    loaded = CausalLM.from_pretrained(tmp_path)
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    if name.startswith("deepseek"):  # no such layers in the config: a layer past the model is unexpected
+        _write(tmp_path, dict(cfg, num_nextn_predict_layers=0), {**m.state_dict(), key: np.ones((8, 4), np.float32)})
+        with pytest.raises(ValueError, match=rf"key 'model\.layers\.{m.config.num_hidden_layers}\."):
+            CausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"unexpected key 'mtp.fc.weight'"):
+        CausalLM.from_hf({**_model(LLAMA).state_dict(), "mtp.fc.weight": np.ones((8, 4))}, LLAMA)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"])
 def test_every_family_from_a_save_pretrained_directory(tmp_path, name):
     """transformers' own save_pretrained directory of each family (DeepSeek-V3 and Qwen3-Next

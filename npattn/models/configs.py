@@ -373,13 +373,18 @@ class CheckpointLayout:
     model's key and the part the checkpoint writes instead (Kimi's ``block_sparse_moe`` for
     ``mlp``, its forget gate's parameters directly under ``self_attn``); ``split_conv``: a KDA
     layer's convolution written as three tensors, q's, k's and v's channels (transformers'
-    ``conversion_mapping`` for ``kimi_linear``, both directions)."""
+    ``conversion_mapping`` for ``kimi_linear``, both directions).  ``mtp``: the prefixes of the
+    multi-token-prediction layers the family's released checkpoints carry beside the model
+    (DeepSeek-V3's ``num_nextn_predict_layers`` layers ``model.layers.{n}.`` after its ``n``,
+    Qwen3-Next's and Qwen3.5's ``mtp.``): not part of the causal LM, their tensors are left
+    unread, as transformers ignores them (``_keys_to_ignore_on_load_unexpected``)."""
 
     family: str = ""
     per_expert: bool = False
     expert_projs: tuple = ("gate_proj", "up_proj", "down_proj")  # a per-expert checkpoint's gate, up, down names
     renames: tuple = ()  # (model name part, checkpoint name part): the checkpoint's keys say the second
     split_conv: bool = False  # KDA's self_attn.conv1d.weight kept as q_conv1d, k_conv1d, v_conv1d (thirds)
+    mtp: tuple = ()  # key prefixes of the checkpoint's multi-token-prediction layers, left unread
 
 
 @dataclass(frozen=True)
@@ -951,12 +956,13 @@ def _deepseek_v3(r: _Reader) -> dict:
         r.get(key)
     r.get("qk_head_dim")  # derived: qk_nope_head_dim + qk_rope_head_dim
     q_lora = r.get("q_lora_rank")
+    mtp = tuple(f"model.layers.{n + i}." for i in range(r.int("num_nextn_predict_layers", 0, minimum=0)))
     c.update(
         _mlp_and_bias(r),
         rope=_rope_params(r, 10000.0),
         layer_types=("latent_attention",) * n,
         mlp_types=tuple("dense" if i < k_dense else "moe" for i in range(n)),
-        layout=CheckpointLayout(r.model_type, per_expert=True),
+        layout=CheckpointLayout(r.model_type, per_expert=True, mtp=mtp),
     )
     if q_lora is not None:
         r.int("q_lora_rank")
@@ -1044,7 +1050,7 @@ def _qwen3_next(r: _Reader) -> dict:
         rope=_rope_params(r, 10000.0),
         layer_types=lt,
         mlp_types=mlp,
-        layout=CheckpointLayout(r.model_type, per_expert=True),
+        layout=CheckpointLayout(r.model_type, per_expert=True, mtp=("mtp.",)),
     )
     for key in ("num_experts_per_tok", "moe_intermediate_size"):
         r.int(key)
@@ -1104,7 +1110,7 @@ def _qwen3_5(r: _Reader) -> dict:
         rope=_rope_params(r, 10000.0),
         layer_types=lt,
         mlp_types=("moe" if moe else "dense",) * n,
-        layout=CheckpointLayout(r.model_type, per_expert=moe),
+        layout=CheckpointLayout(r.model_type, per_expert=moe, mtp=("mtp.",)),
     )
     for key in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
         r.int("linear_" + key)

@@ -861,7 +861,8 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
     if not isinstance(state_dict, Mapping) and not (hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
     cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
-    src = {k: _Source(k, state_dict[k]) for k in state_dict.keys() if not _IGNORED.search(k)}
+    mtp = cfg.layout.mtp  # a released checkpoint's multi-token-prediction layers: not the causal LM's
+    src = {k: _Source(k, state_dict[k]) for k in state_dict.keys() if not (_IGNORED.search(k) or k.startswith(mtp))}
     bad = [k for k, s in src.items() if not s.is_float]
     if bad:
         raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
