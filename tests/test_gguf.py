@@ -312,6 +312,20 @@ def test_unknown_type_and_architecture_are_refused(tmp_path):
         CausalLM.from_gguf(tmp_path / "missing.gguf")
 
 
+def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
+    """llama.cpp's gguf-split spreads a model's tensors over name-00001-of-0000N.gguf files (the
+    metadata in the first); each part is refused as such (they read as a model missing most of
+    its tensors, or as one of no architecture)."""
+    real = gguf.GGUFWriter.__init__
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__", lambda self, *a, **k: real(self, *a, **k, split_max_tensors=10))
+    _write(tmp_path / "m.gguf", QWEN3, _model(QWEN3).state_dict(), Q.F32, "qwen3")
+    parts = sorted(p.name for p in tmp_path.iterdir())
+    assert parts == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    for i, name in enumerate(parts):
+        with pytest.raises(ValueError, match=rf"{name}: part {i + 1} of 3 of a split GGUF model.*--merge"):
+            CausalLM.from_gguf(tmp_path / name)
+
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.BF16, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 @pytest.mark.parametrize(
     "config, arch, classes",

@@ -182,6 +182,14 @@ def _dequantizes(kind: str) -> bool:
 
 def _open(path) -> _File:
     f = _read(path)
+    count = f.meta.get("split.count")
+    if isinstance(count, int) and count > 1:  # llama.cpp's gguf-split: the model's tensors over several files
+        no = f.meta.get("split.no")
+        part = f"part {no + 1} of {count}" if isinstance(no, int) else f"one of {count} parts"
+        raise ValueError(
+            f"{f.path}: {part} of a split GGUF model (split.count {count}); npattn reads the whole model "
+            "from one file: merge the parts first (llama.cpp's llama-gguf-split --merge)"
+        )
     if f.arch not in _ARCHES:
         raise ValueError(
             f"{f.path}: general.architecture {_short(f.arch)} is not supported (npattn reads {sorted(_ARCHES)})"
@@ -352,9 +360,10 @@ def read_gguf(path) -> tuple[dict, dict]:
     FileNotFoundError
         No such file.
     ValueError
-        A file ``gguf`` cannot read, an architecture npattn does not read, metadata missing or
-        naming an option npattn does not implement (named), a tensor of a GGML type npattn does
-        not read (named, with its type), or a tensor no name of the model maps to (named).
+        A file ``gguf`` cannot read, one part of a split model (``split.count``), an
+        architecture npattn does not read, metadata missing or naming an option npattn does not
+        implement (named), a tensor of a GGML type npattn does not read (named, with its type),
+        or a tensor no name of the model maps to (named).
     """
     from .causal_lm import _state_shapes
     from .configs import config_from_hf
