@@ -270,9 +270,9 @@ def _cwd_within(target: str) -> str | None:
     """The current directory if it is ``target`` or inside it (``save_pretrained(".")``), else None."""
     try:
         cwd = os.getcwd()
-    except OSError:  # already a deleted directory
+        return cwd if os.path.commonpath((cwd, target)) == target else None
+    except (OSError, ValueError):  # already a deleted directory; another drive (Windows)
         return None
-    return cwd if os.path.commonpath((cwd, target)) == target else None
 
 
 def save_pretrained(model, directory, max_shard_size="5GB") -> None:
