@@ -447,7 +447,11 @@ def test_released_multi_token_prediction_layers_are_left_unread(tmp_path, name, 
     loaded = CausalLM.from_pretrained(tmp_path)
     for k, v in m.state_dict().items():
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
-    if name.startswith("deepseek"):  # no such layers in the config: a layer past the model is unexpected
+    if name.startswith("deepseek"):  # transformers' default of one such layer, its other spelling
+        n = m.config.num_hidden_layers
+        assert config_from_hf(tiny_config(name)).layout.mtp == (f"model.layers.{n}.",)
+        assert config_from_hf(tiny_config(name, num_mtp_layers=2)).layout.mtp[1] == f"model.layers.{n + 1}."
+        # no such layers in the config: a layer past the model is unexpected
         _write(tmp_path, dict(cfg, num_nextn_predict_layers=0), {**m.state_dict(), key: np.ones((8, 4), np.float32)})
         with pytest.raises(ValueError, match=rf"key 'model\.layers\.{m.config.num_hidden_layers}\."):
             CausalLM.from_pretrained(tmp_path)

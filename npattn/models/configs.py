@@ -956,7 +956,10 @@ def _deepseek_v3(r: _Reader) -> dict:
         r.get(key)
     r.get("qk_head_dim")  # derived: qk_nope_head_dim + qk_rope_head_dim
     q_lora = r.get("q_lora_rank")
-    mtp = tuple(f"model.layers.{n + i}." for i in range(r.int("num_nextn_predict_layers", 0, minimum=0)))
+    # the multi-token-prediction layers after the model's: transformers' default 1 (DeepseekV3Config;
+    # DeepseekV32Config writes it num_mtp_layers), as the released checkpoints have
+    n_mtp = r.int("num_mtp_layers" if r.has("num_mtp_layers") else "num_nextn_predict_layers", 1, minimum=0)
+    mtp = tuple(f"model.layers.{n + i}." for i in range(n_mtp))
     c.update(
         _mlp_and_bias(r),
         rope=_rope_params(r, 10000.0),
