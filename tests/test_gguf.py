@@ -6,6 +6,7 @@ source model's logits."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -141,14 +142,17 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     return out
 
 
-def _write(path, config, sd, qtype, arch):
+def _write(path, config, sd, qtype, arch, extra=()):
     """``sd`` (Hugging Face names) as a GGUF file of ``arch``, 2-D and 3-D weights in ``qtype``
-    (the router and the norms float32, as the converter keeps them); returns {GGUF name: the
-    float32 values the file holds, in llama.cpp's row order}."""
+    (the router and the norms float32, as the converter keeps them), then the ``(name, values)``
+    of ``extra`` as they are; returns {GGUF name: the float32 values the file holds, in llama.cpp's
+    row order} (``sd``'s)."""
     rng = np.random.default_rng(7)
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, config, arch)
     held = {}
+    for name, value in extra:
+        w.add_tensor(name, value)
     for (key, name), value in _as_gguf(sd, config, arch).items():
         if value.ndim == 1 or qtype == Q.F32 or name.endswith("ffn_gate_inp.weight"):
             w.add_tensor(name, value)
@@ -356,6 +360,74 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 7))
     ref, _ = hf_logits_and_grads(hf, ids, np.random.default_rng(2).standard_normal((2, 7, config["vocab_size"])))
     assert rel_err(_logits(loaded, ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+
+
+def _rope_freqs(config) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's converter computes it from a Llama 3 ``rope_scaling``
+    (``LlamaModel.generate_extra_tensors``): float32 frequencies, one divisor per pair."""
+    rs, dim = config["rope_scaling"], config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old = rs["original_max_position_embeddings"]
+    low, high = old / rs["low_freq_factor"], old / rs["high_freq_factor"]
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            divisors.append(1)
+        elif wavelen > low:
+            divisors.append(rs["factor"])
+        else:
+            smooth = (old / wavelen - rs["low_freq_factor"]) / (rs["high_freq_factor"] - rs["low_freq_factor"])
+            divisors.append(1 / ((1 - smooth) / rs["factor"] + smooth))
+    return np.array(divisors, np.float32)
+
+
+def _llama3(factor: float) -> dict:
+    """A llama config with Llama 3's RoPE scaling (3.1's factor 8, 3.2's 32), a base at which its
+    64-dimensional heads have pairs of all three kinds: kept, divided by the factor, in between."""
+    scaling = dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0)
+    return dict(LLAMA, rope_theta=500000.0, rope_scaling=dict(scaling, original_max_position_embeddings=8192))
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])
+def test_llama3_rope_freqs_are_its_rope_scaling(tmp_path, factor):
+    """Llama 3.x files carry their RoPE scaling as the tensor rope_freqs.weight (no metadata):
+    read as the config's rope_scaling, the file is the source model, logits bit for bit, and
+    transformers' (float64) on the same weights; the saved directory has that rope_scaling."""
+    config = _llama3(factor)
+    divisors = _rope_freqs(config)
+    assert len(set(divisors.tolist())) > 3  # kept, divided and in-between pairs
+    src = _model(config)
+    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "llama", [("rope_freqs.weight", divisors)])
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(src, ids))
+    loaded.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert {k: saved["rope_scaling"][k] for k in config["rope_scaling"]} == config["rope_scaling"]
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build, hf_logits_and_grads
+    from _oracles import rel_err
+
+    hf, _ = build(T.LlamaConfig, T.LlamaForCausalLM, **{k: v for k, v in config.items() if k != "model_type"})
+    hf.load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in src.state_dict().items()})
+    ref, _ = hf_logits_and_grads(hf, ids, np.random.default_rng(2).standard_normal((2, 6, config["vocab_size"])))
+    got = _logits(CausalLM.from_gguf(tmp_path / "m.gguf", dtype=np.float64), ids)
+    assert rel_err(got, ref, floor=1e-300, relative_to="max_b") < 1e-9
+
+
+def test_rope_freqs_of_no_llama3_scaling_are_refused_by_name(tmp_path):
+    """Divisors Llama 3's converter would not write (one pair moved by 1 %, or too few) are refused
+    naming the tensor, not read as another network."""
+    config = _llama3(8.0)
+    sd = _model(config).state_dict()
+    moved = _rope_freqs(config)
+    moved[20] *= 1.01
+    for i, divisors in enumerate((moved, _rope_freqs(config)[:-1])):
+        _write(tmp_path / f"{i}.gguf", config, sd, Q.F32, "llama", [("rope_freqs.weight", divisors)])
+        with pytest.raises(ValueError, match=r"tensor 'rope_freqs.weight' holds RoPE divisors that are not Llama 3"):
+            CausalLM.from_gguf(tmp_path / f"{i}.gguf")
 
 
 def test_what_llama_cpp_derives_rather_than_reads():

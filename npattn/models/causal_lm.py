@@ -1351,7 +1351,8 @@ class CausalLM(Module):
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
         the config from the file's metadata (and what llama.cpp derives: Gemma 3's window pattern
         and score scale), the tensors under Hugging Face's names, llama.cpp's q/k RoPE permutation
-        and Gemma's ``1 + w`` norm storage undone, the experts' gate and up joined
+        and Gemma's ``1 + w`` norm storage undone, the experts' gate and up joined, Llama 3.x's
+        ``rope_freqs.weight`` read as its ``rope_scaling``
         (``npattn.models.gguf``).
 
         Parameters

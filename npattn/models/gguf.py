@@ -28,6 +28,9 @@ Reading one:
    rotate-half rows.  ``qwen3``, ``qwen3moe`` and ``gemma3`` files use the rotate-half (NeoX)
    RoPE and are not permuted.  The converter stores Gemma's norm weights as ``1 + w`` (what
    ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
+   Llama 3.x files keep their RoPE scaling (Hugging Face's ``rope_scaling`` ``"llama3"``) not in the
+   metadata but as the divisors of the tensor ``rope_freqs.weight``, which becomes that
+   ``rope_scaling`` again (``_rope_freqs_scaling``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np
 
 from .._hints import install_hint
 from ..functional._bfloat16 import to_bfloat16_bits
+from ..functional.rope_scaling import inverse_frequencies
 from .configs import GGUF_FAMILIES
 from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, load_into, rounds_into_bits
 
@@ -249,6 +253,39 @@ def _config(f: _File, tensor_names: set) -> dict:
     return config
 
 
+# Llama 3.x's RoPE scaling, which llama.cpp's converter stores not as metadata but as the tensor
+# rope_freqs.weight: one divisor per rotated pair, the angle of pair i at position p being
+# p base^(-2i/d) / rope_freqs[i] (LlamaModel.generate_extra_tensors in convert_hf_to_gguf.py, from
+# the config's rope_scaling "llama3").  Every Llama 3.x release (3.1 with factor 8, 3.2 with 32,
+# 3.3) has these three values; the factor is read off the divisors (the longest wavelengths take it).
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freqs_scaling(f: _File, t, config: dict) -> dict:
+    """The Hugging Face ``rope_scaling`` of a file's ``rope_freqs.weight`` (``t``): Llama 3's, where
+    the divisors are those its converter computes from it (to float32's precision); anything else
+    is refused by name rather than read as another network."""
+    gguf = _gguf()
+    if "rope_parameters" in config:  # a family with a RoPE dict per kind of layer (Gemma 3)
+        raise ValueError(f"{f.path}: tensor {_ROPE_FREQS!r} is not supported in a {f.arch} file")
+    d = config["head_dim"]
+    divisors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+    factor = float(divisors.max(initial=0.0))
+    params = {"rope_type": "llama3", "factor": factor, **_LLAMA3_ROPE}
+    want = None
+    if divisors.shape == (d // 2,) and factor >= 1.0:
+        base = config["rope_theta"]
+        want = inverse_frequencies(d, base, {"rope_type": "default"})[0] / inverse_frequencies(d, base, params)[0]
+    if want is None or not np.allclose(divisors, want, rtol=1e-5, atol=0.0):
+        raise ValueError(
+            f"{f.path}: tensor {_ROPE_FREQS!r} holds RoPE divisors that are not Llama 3's scaling (a factor "
+            f"with low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192, over "
+            f"{d // 2} pairs), the only ones npattn reads"
+        )
+    return params
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """The inverse of llama.cpp's ``LlamaModel.permute(w, n_head, n_head)``: each head's rows
     ``(D/2, 2)`` (the pairs llama.cpp's interleaved RoPE rotates) back to ``(2, D/2)``
@@ -383,6 +420,8 @@ def read_gguf(path) -> tuple[dict, dict]:
                 "(a newer gguf may: pip install --upgrade gguf)"
             )
     config = _config(f, set(tensors))
+    if _ROPE_FREQS in tensors:
+        config["rope_scaling"] = _rope_freqs_scaling(f, tensors[_ROPE_FREQS], config)
     cfg = config_from_hf(config)
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[f.arch]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -402,7 +441,7 @@ def read_gguf(path) -> tuple[dict, dict]:
             spec.norm_shift if key.endswith("norm.weight") else 0.0,
             getattr(f.reader, "mapping", None),
         )
-    used = {t.name for v in out.values() for t in v._parts}
+    used = {t.name for v in out.values() for t in v._parts} | {_ROPE_FREQS}  # the latter read into the config
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
         raise ValueError(f"{f.path}: tensor {extra[0]!r} is not part of the {f.arch} model npattn builds")
