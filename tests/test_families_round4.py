@@ -383,6 +383,74 @@ _VISION = dict(
 )
 
 
+# a tiny SigLIP tower (Gemma 3's) and its projector onto 4 tokens per image
+_SIGLIP = dict(
+    hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2
+)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tied, tmp_path):
+    """A ``gemma3`` directory (Gemma 3 4B and larger: ``text_config``; the text model under
+    ``language_model.model.*`` and an untied head as ``language_model.lm_head.weight``, as the
+    releases and transformers' own save write them, beside ``vision_tower.*`` and
+    ``multi_modal_projector.*``): from_pretrained loads the text model with the logits of
+    transformers' multimodal class on text and says which towers' tensors it left aside; a
+    tensor of no known tower and a top-level option are refused by name."""
+    import json
+
+    from npattn.models.hf import open_safetensors, save_safetensors
+
+    text = _kwargs("gemma3_text", tie_word_embeddings=tied)
+    hf, cfg = build(
+        T.Gemma3Config, T.Gemma3ForConditionalGeneration, text_config=text, vision_config=_SIGLIP,
+        mm_tokens_per_image=4, tie_word_embeddings=tied,
+    )  # fmt: skip
+    hf.save_pretrained(tmp_path)
+    tensors = {k: t.numpy() for k, t in open_safetensors(tmp_path / "model.safetensors").items()}
+    assert ("language_model.lm_head.weight" in tensors) != tied
+    with pytest.warns(UserWarning, match=r"multi_modal_projector\.\* \(\d+ tensors\), vision_tower\.\* \("):
+        m = CausalLM.from_pretrained(tmp_path)
+    assert m.config.model_type == "gemma3_text" and (m.lm_head is None) == tied
+    ids = _ids(cfg["text_config"]["vocab_size"])
+    with no_grad():
+        assert rel_err(m(ids), hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
+    save_safetensors(dict(tensors, **{"audio_tower.w": np.ones(2)}), tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="'audio_tower.w'"):
+        CausalLM.from_pretrained(tmp_path)
+    save_safetensors(tensors, tmp_path / "model.safetensors")
+    good = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(good, audio_config={})))
+    with pytest.raises(ValueError, match="'audio_config'"):
+        CausalLM.from_pretrained(tmp_path)
+
+
+def test_gemma3_released_config_means_what_it_means_to_transformers():
+    """The config.json of the Gemma 3 4B release (its text_config names six keys and leaves the
+    rest to Gemma3TextConfig's defaults; eos at the top) gives the text model transformers' own
+    Gemma3Config builds from it."""
+    from npattn.models.configs import text_checkpoint
+
+    released = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        **dict(boi_token_index=255999, eoi_token_index=256000, eos_token_id=[1, 106], image_token_index=262144),
+        **dict(initializer_range=0.02, mm_tokens_per_image=256, model_type="gemma3", torch_dtype="bfloat16"),
+        "text_config": {
+            **dict(hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34),
+            **dict(rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024),
+        },
+        "transformers_version": "4.50.0.dev0",
+        "vision_config": {
+            **dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model"),
+            **dict(num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False),
+        },
+    }
+    text, _, _ = text_checkpoint(released, {})
+    want = T.Gemma3Config(**{k: v for k, v in released.items() if k != "model_type"}).text_config.to_dict()
+    meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)  # not the network
+    assert config_from_hf(text).replace(**meta) == config_from_hf(want).replace(**meta)
+
+
 @pytest.mark.parametrize(
     "wrapper, family",
     [("Qwen3_5Config", "qwen3_5_text"), ("Qwen3_5MoeConfig", "qwen3_5_moe_text")],

@@ -151,13 +151,18 @@ GGUF_FAMILIES = {
 @dataclass(frozen=True)
 class TextTower:
     """Where a multimodal checkpoint keeps its text model: the ``text_config``'s ``model_type``
-    (``text_type``), the prefix of its weights (``text_prefix``, read as ``model.``), the other
-    towers' weight prefixes and config keys (set aside by name: ``towers``, ``tower_keys``)."""
+    (``text_type``), the prefix of its weights (``text_prefix``, read as ``model.``) and of its
+    untied head (``head_prefix``: ``{head_prefix}lm_head.weight``, read as ``lm_head.weight``), the
+    other towers' weight prefixes and config keys (set aside by name: ``towers``, ``tower_keys``),
+    and the ``text_config`` keys that transformers' multimodal class does not apply (``unapplied``:
+    dropped, so that the text model computes what that class computes)."""
 
     text_type: str
     text_prefix: str = "model.language_model."
+    head_prefix: str = ""
     towers: tuple = ()
     tower_keys: tuple = ()
+    unapplied: tuple = ()
 
 
 _QWEN3_5_TOWERS = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction layers
@@ -175,7 +180,22 @@ _GEMMA4_KEYS = (
     "eoa_token_index",
     "audio_token_id",
 )
+# Gemma 3 (4B and larger): SigLIP's vision tower and its projector; the checkpoints, the released
+# ones and transformers' own saves alike, keep the text model under Gemma3ForCausalLM's names
+# behind "language_model." (transformers renames them on load: its "llava" conversion mapping).
+# Gemma3ForConditionalGeneration never caps its logits (its forward has no final_logit_softcapping
+# step, Gemma3ForCausalLM's has; the releases leave it unset)
+_GEMMA3_TOWERS = ("vision_tower.", "multi_modal_projector.")
+_GEMMA3_KEYS = ("vision_config", "boi_token_index", "eoi_token_index", "image_token_index", "mm_tokens_per_image")
 MULTIMODAL = {
+    "gemma3": TextTower(
+        "gemma3_text",
+        text_prefix="language_model.model.",
+        head_prefix="language_model.",
+        towers=_GEMMA3_TOWERS,
+        tower_keys=_GEMMA3_KEYS,
+        unapplied=("final_logit_softcapping",),
+    ),
     "qwen3_5": TextTower("qwen3_5_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
     "qwen3_5_moe": TextTower("qwen3_5_moe_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
     "gemma4": TextTower("gemma4_text", towers=_GEMMA4_TOWERS, tower_keys=_GEMMA4_KEYS),
@@ -215,12 +235,17 @@ def text_checkpoint(config: Mapping[str, Any], tensors: Mapping) -> tuple[Mappin
             f"['tie_word_embeddings'] = {_show(inner)}"
         )
     text = dict(text) if inner is not None or outer is None else dict(text, tie_word_embeddings=outer)
+    for key in tower.unapplied:
+        text.pop(key, None)
     out: dict = {}
     aside: dict = {}
-    n = len(tower.text_prefix)
+    n, head = len(tower.text_prefix), tower.head_prefix + "lm_head.weight"
     for key, t in tensors.items():
         if key.startswith(tower.text_prefix):
             out["model." + key[n:]] = t
+            continue
+        if key == head:
+            out["lm_head.weight"] = t
             continue
         prefix = next((p for p in tower.towers if key.startswith(p)), None)
         if prefix is None:
