@@ -362,3 +362,92 @@ def test_saving_does_not_change_the_model(tmp_path):
     before = m.state_dict()
     m.save_pretrained(tmp_path, max_shard_size="4KB")
     _assert_same_model(m, type(m).from_hf(before, dict(m.config.hf)))
+
+
+# -- a directory that no rename can replace: a mount point (a container's volume) ----------------
+def _mount_point(monkeypatch, target):
+    """Make ``target`` behave as a mount point: ``os.path.ismount`` says so and renaming it fails
+    with EBUSY, as the kernel's does."""
+    import errno
+
+    real_ismount, real_rename = os.path.ismount, os.rename
+    monkeypatch.setattr(save_mod.os.path, "ismount", lambda p: os.fspath(p) == str(target) or real_ismount(p))
+
+    def rename(a, b):
+        if str(target) in (os.fspath(a), os.fspath(b)):
+            raise OSError(errno.EBUSY, "Device or resource busy", os.fspath(a))
+        real_rename(a, b)
+
+    monkeypatch.setattr(save_mod.os, "rename", rename)
+
+
+@pytest.mark.parametrize("old_shard, new_shard", [("4KB", "5GB"), ("5GB", "4KB")], ids=["to_one_file", "to_shards"])
+def test_a_mount_point_is_updated_in_place(tmp_path, monkeypatch, old_shard, new_shard):
+    """A mount point cannot be renamed (EBUSY; the directory-replacing save failed on it): its
+    files are replaced in place, the directory itself stays (the same inode), the files a save
+    does not write stay, the old weights go, and nothing temporary is left inside or beside it."""
+    target = tmp_path / "volume"
+    _model(seed=0).save_pretrained(target, max_shard_size=old_shard)
+    (target / "tokenizer.json").write_text('{"x": 1}')
+    inode = os.stat(target).st_ino
+    _mount_point(monkeypatch, target)
+    new = _model(seed=7)
+    new.save_pretrained(target, max_shard_size=new_shard)
+    files = sorted(os.listdir(target))
+    weights = [f for f in files if f.endswith(".safetensors") or f.endswith(".index.json")]
+    assert sorted(set(files) - set(weights)) == ["config.json", "tokenizer.json"]
+    assert (len(weights) > 1) == (new_shard == "4KB")
+    assert (target / "tokenizer.json").read_text() == '{"x": 1}'
+    assert os.stat(target).st_ino == inode and _siblings(target) == []
+    _assert_same_model(new, CausalLM.from_pretrained(target))
+
+
+@pytest.mark.parametrize("new_shard", ["5GB", "4KB"])
+def test_an_interrupted_save_into_a_mount_point_never_loads_a_mix(tmp_path, monkeypatch, new_shard):
+    """Interrupted at each removal or rename of the in-place update, the directory loads the old
+    model whole, the new one whole, or nothing (refused): never a part of one or a mix of both,
+    weights or config (the new model's norms have another eps); the hidden folder of the new
+    files is gone."""
+    old, new = _model(seed=0), CausalLM(tiny_config("llama", rms_norm_eps=1e-3), rng=7)
+    real_remove, real_replace = os.remove, os.replace
+    outcomes = set()
+    for k in range(64):
+        target = tmp_path / f"v{k}"
+        old.save_pretrained(target, max_shard_size="4KB")
+        with monkeypatch.context() as mp:
+            _mount_point(mp, target)
+            calls = []
+
+            def failing(real):
+                def call(*args):
+                    calls.append(args)
+                    if len(calls) == k + 1:
+                        raise KeyboardInterrupt
+                    return real(*args)
+
+                return call
+
+            mp.setattr(save_mod.os, "remove", failing(real_remove))
+            mp.setattr(save_mod.os, "replace", failing(real_replace))
+            try:
+                new.save_pretrained(target, max_shard_size=new_shard)
+                finished = True
+            except KeyboardInterrupt:
+                finished = False
+        assert not [e for e in os.listdir(target) if e.startswith(".")]
+        try:
+            loaded = CausalLM.from_pretrained(target)
+        except (FileNotFoundError, ValueError):
+            outcomes.add("refused")
+        else:
+            same_as = [
+                m
+                for m in (old, new)
+                if m.config.rms_norm_eps == loaded.config.rms_norm_eps
+                and all(np.array_equal(v, loaded.state_dict()[n]) for n, v in m.state_dict().items())
+            ]
+            assert len(same_as) == 1, f"interrupted at step {k}: a mix"
+            outcomes.add("old" if same_as[0] is old else "new")
+        if finished:
+            break
+    assert outcomes == {"old", "refused", "new"}

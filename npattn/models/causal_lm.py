@@ -1110,7 +1110,9 @@ class CausalLM(Module):
         ``model.safetensors.index.json``.  Atomic: written into a temporary sibling directory,
         flushed to disk, then renamed into place; an existing directory is replaced only once the
         new one is complete (its other files, e.g. a tokenizer, are carried over), and a failed or
-        interrupted save leaves it as it was (``npattn.models.save``).
+        interrupted save leaves it as it was (``npattn.models.save``).  A directory no rename can
+        replace (a mount point, e.g. a container's volume) gets its files replaced in place, in an
+        order that never leaves a directory loading a mix of two models or a part of one.
 
         Parameters
         ----------
@@ -1124,7 +1126,8 @@ class CausalLM(Module):
             A malformed ``max_shard_size``, a ``directory`` that is a file, a config that is not
             a Hugging Face dict (before anything is written).
         OSError
-            From the file system (the old directory, if any, as it was).
+            From the file system (the old directory, if any, as it was; in place, one that loads
+            the old model, the new one, or none).
         """
         from .save import save_pretrained
 

@@ -31,6 +31,15 @@ leaves them in place; its old weights (``model.safetensors``, the index and the
 old directory (or a folder in it: ``save_pretrained(".")``) is moved to the same path in the new
 one: it would otherwise stand in a deleted directory, where ``"."`` names nothing and every
 relative path fails.
+
+A directory that no rename can replace (a mount point, such as a container's volume, or one in
+a folder the process cannot write) is updated in place instead, as transformers writes it: the
+new files go into a hidden folder inside it first, all flushed, and only then are they moved in
+one rename each, in an order that never leaves a directory that loads a mix of the two models or
+a part of one (``_move_in``): the old weights go first, so that until the new ones are all in
+place ``from_pretrained`` finds none and refuses the directory; ``model.safetensors``, or the
+index of the new shards, comes last.  A save that fails before that leaves the old directory as
+it was; one interrupted during the moves leaves a directory that does not load.
 """
 
 from __future__ import annotations
@@ -266,6 +275,30 @@ def _replace(tmp: str, target: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _replaceable(target: str) -> bool:
+    """False for an existing directory that a rename cannot replace: a mount point (``EBUSY``), or
+    one whose parent the process cannot write (no sibling to write into)."""
+    if not os.path.isdir(target):
+        return True
+    return not os.path.ismount(target) and os.access(os.path.dirname(target), os.W_OK | os.X_OK)
+
+
+def _move_in(tmp: str, target: str, files: list) -> None:
+    """Put the complete files of ``tmp`` (a folder inside ``target``) into ``target`` one rename at
+    a time: the old weights out first (the entry points, ``model.safetensors`` and the index,
+    before the shards), so that the directory never loads a mix; then the new files, the one that
+    makes the weights loadable (``model.safetensors`` or the index) last."""
+    old = [e.name for e in os.scandir(target) if e.name in (_WEIGHTS, _INDEX) or _SHARD.fullmatch(e.name)]
+    for name in sorted(old, key=lambda n: _SHARD.fullmatch(n) is not None):
+        os.remove(os.path.join(target, name))
+    _fsync(target)
+    last = _INDEX if _INDEX in files else _WEIGHTS
+    for name in [f for f in files if f != last] + [last]:
+        os.replace(os.path.join(tmp, name), os.path.join(target, name))
+    _fsync(target)
+    os.rmdir(tmp)
+
+
 def _cwd_within(target: str) -> str | None:
     """The current directory if it is ``target`` or inside it (``save_pretrained(".")``), else None."""
     try:
@@ -284,7 +317,8 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
         A ``max_shard_size`` that is not a size (``parse_shard_size``), a ``directory`` that is a
         file, a config that cannot be written as JSON; before anything is written.
     OSError
-        From the file system; the old directory (if any) is then as it was.
+        From the file system; the old directory (if any) is then as it was, or, updated in place,
+        loads the old model, the new one, or none (``_move_in``).
     """
     limit = parse_shard_size(max_shard_size)
     target = os.path.realpath(os.fspath(directory))  # a symlinked directory: the one it points to
@@ -297,10 +331,11 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
     names = [_WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     parent, base = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
-    tmp = _sibling(parent, base, "tmp")
+    in_place = not _replaceable(target)
+    tmp = _sibling(target, "npattn-save", "tmp") if in_place else _sibling(parent, base, "tmp")
     os.mkdir(tmp)  # the mode a new directory gets (mkdtemp's would be 0700)
     try:
-        if os.path.isdir(target):
+        if os.path.isdir(target) and not in_place:
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         files = ["config.json"]
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
@@ -325,9 +360,13 @@ def save_pretrained(model, directory, max_shard_size="5GB") -> None:
             files.append(_INDEX)
         for name in files:
             _fsync(os.path.join(tmp, name))
+        _fsync(tmp)
+        if in_place:
+            _move_in(tmp, target, files)
+            return
         if os.path.isdir(target):
             _carry_over(target, tmp, set(files))
-        _fsync(tmp)
+            _fsync(tmp)
         cwd = _cwd_within(target)
         _replace(tmp, target)
     except BaseException:
