@@ -285,11 +285,14 @@ def check_float_dtype(dtype, name: str, *, is_dtype_argument: bool = False) -> n
     if dt in _SUPPORTED_FLOATS:
         return dt
     why = _UNSUPPORTED_WHY.get(dt.name, "npattn computes in float32 or float64 only")
+    if not dt.isnative:  # '>f4' on a little-endian machine: float32 by name, yet not one numpy computes in
+        why = f"byte order {dt.str!r}: npattn computes in the machine's own byte order"
     if is_dtype_argument:
         advice = f"pass {name + '=' if name.isidentifier() else ''}np.float32 (or np.float64)"
     else:
         advice = f"convert with {name if name.isidentifier() else 'it'}.astype(np.float32) (or np.float64)"
-    raise TypeError(f"{name}: {dt.name} is not supported ({why}); {advice}")
+    shown = dt.name if dt.isnative else dt.str
+    raise TypeError(f"{name}: {shown} is not supported ({why}); {advice}")
 
 
 def check_cache_batch(cache_lead, x_shape, name: str, cache: str) -> None:

@@ -35,6 +35,18 @@ def test_an_unsupported_dtype_argument_says_what_to_pass(build, dtype):
     assert msg.endswith("pass dtype=np.float32 (or np.float64)") and "astype" not in msg
 
 
+@pytest.mark.parametrize("dtype", [">f4", ">f8"] if np.little_endian else ["<f4", "<f8"])
+def test_a_foreign_byte_order_is_named_as_such(dtype):
+    """A float32 or float64 of the other byte order (a big-endian file's array) is refused naming
+    its byte order, not as "float32 is not supported", which contradicts the advice to pass float32."""
+    with pytest.raises(
+        TypeError, match=rf"dtype: {dtype} is not supported \(byte order '{dtype}'.*pass dtype=np.float32"
+    ):
+        npattn.Linear(4, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"x: {dtype} is not supported \(byte order.*x.astype\(np.float32\)"):
+        npattn.functional.softmax(np.ones(3, dtype))
+
+
 def test_an_unsupported_input_dtype_still_says_convert():
     from npattn._validate import check_float_dtype
 
