@@ -431,8 +431,9 @@ def _takes_mask(model) -> bool:
 
 def _check_attention_mask(attention_mask, shape, model) -> np.ndarray | None:
     """``attention_mask`` as a bool array of the prompt's ``shape`` (as the model takes it), or
-    None when it marks no padding (all ones) or is None.  A 0 (left padding) needs a model whose
-    forward takes ``attention_mask``: ``NotImplementedError`` otherwise."""
+    None when it marks no padding (all ones) or is None.  Left padding only (ValueError for a 0
+    after a 1 in a row); a 0 needs a model whose forward takes ``attention_mask``:
+    ``NotImplementedError`` otherwise."""
     if attention_mask is None:
         return None
     mask = to_numpy(attention_mask, "attention_mask")
@@ -447,15 +448,25 @@ def _check_attention_mask(attention_mask, shape, model) -> np.ndarray | None:
         raise ValueError(f"attention_mask: expected 1 (token) and 0 (padding) only, got {bad}")
     if mask.all():
         return None
+    rows = mask.reshape(-1, shape[-1]).astype(np.int8)
+    if (rows.sum(-1) == 0).any():
+        raise ValueError("attention_mask: a row has no token (all 0); expected at least one 1 per row")
+    # the next token follows each row's last column: a 0 after a 1 (right padding, a gap) would
+    # continue from padding (transformers warns and does so; the model's forward refuses a gap)
+    right = np.argwhere(np.diff(rows, axis=-1) < 0)
+    if len(right):
+        raise ValueError(
+            "attention_mask: expected left padding (each row's 0s before all its 1s, the new tokens following its "
+            "last column; a Hugging Face tokenizer pads so with padding_side='left'), got a 0 after a 1 in row "
+            f"{right[0][0]}, column {right[0][1] + 1}"
+        )
     if not _takes_mask(model):
         raise NotImplementedError(
             f"attention_mask: a 0 (a padded prompt) needs a model whose forward takes attention_mask, and "
             f"{type(model).__name__}.forward does not; generate prompts of equal length together (a mask of ones) "
             "or one prompt at a time"
         )
-    if (mask.sum(-1) == 0).any():
-        raise ValueError("attention_mask: a row has no token (all 0); expected at least one 1 per row")
-    return mask.astype(bool).reshape(-1, shape[-1])
+    return rows.astype(bool)
 
 
 def stream_tokens(
@@ -489,8 +500,10 @@ def stream_tokens(
       finished, so fewer than ``max_new_tokens`` steps may come;
     * ``attention_mask``: ``(B, L)``, 1 for a token and 0 for (left) padding, as transformers
       takes it: given to the model's forward with the prompt (``CausalLM(ids, attention_mask=...)``),
-      so that each row continues as its prompt alone would; a model whose forward takes no
-      ``attention_mask`` decodes batches without padding only (a 0 raises ``NotImplementedError``).
+      so that each row continues as its prompt alone would; a 0 after a 1 (right padding, a gap)
+      raises ValueError, since the new tokens follow each row's last column (transformers warns and
+      continues from the padding); a model whose forward takes no ``attention_mask`` decodes
+      batches without padding only (a 0 raises ``NotImplementedError``).
       None means every token is real: transformers' ``generate`` would guess a mask from the pad
       token where the prompt contains it (``ids != pad_token_id``), npattn takes no token for
       padding unless the mask says so (pass the tokenizer's mask).

@@ -210,6 +210,9 @@ def test_generic_model_and_book_generate_share_the_loop():
         (dict(attention_mask=np.ones((2, 6))), TypeError, "attention_mask"),
         (dict(attention_mask=np.full((2, 6), 2)), ValueError, "attention_mask"),
         (dict(attention_mask=np.array([[0] * 6, [1] * 6])), ValueError, "attention_mask"),
+        # right padding, a gap: the new tokens would follow padding (a token 0 from zero logits, then a refusal)
+        (dict(attention_mask=np.array([[1] * 6, [1] * 4 + [0] * 2])), ValueError, "left padding.*row 1, column 4"),
+        (dict(attention_mask=np.array([[0, 1, 0, 1, 1, 1], [1] * 6])), ValueError, "left padding.*row 0, column 2"),
         (dict(ids=np.array([[1, 2, 99]])), ValueError, "vocab_size"),
         (dict(ids=np.array([[1.0, 2.0]])), TypeError, "ids"),
     ],
