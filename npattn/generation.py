@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import weakref
 
 import numpy as np
 
@@ -354,33 +355,42 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
     needs no mask, an uncached pass gets the prompt's followed by ones).  Eval mode (dropout off)
     while the loop runs, each forward under ``no_grad`` (nothing else between two steps is); the
     cache is reset before and after and the model's mode restored when the loop ends or the
-    generator is closed."""
+    generator is closed.  A model has one cache: the loop that last filled it holds it
+    (``_CACHE_HOLDER``), and a loop resumed after another generate/stream on the same model
+    filled it re-encodes its tokens so far before its next step, as transformers' calls, each with
+    its own cache, are independent (and ends without resetting what another holds).  A direct
+    ``model(..., use_cache=True)`` or ``reset_kv_cache()`` between two steps is not seen."""
     use_cache = use_cache and callable(getattr(model, "reset_kv_cache", None))
     was_training = getattr(model, "training", None) if callable(getattr(model, "train", None)) else None
     if was_training is not None:
         model.train(False)
+    me = object()  # this loop, as _CACHE_HOLDER knows it
+
+    def tokens_mask(start=0):  # the prompt's mask followed by ones for the new tokens
+        if mask is None:
+            return {}
+        new = np.ones((len(out), out.shape[1] - mask.shape[1]), mask.dtype)
+        return {"attention_mask": np.concatenate([mask, new], axis=1)[:, start:]}
+
     try:
-        if use_cache:
-            model.reset_kv_cache()
         primed = False
         for _ in range(n):
             with no_grad():
                 if use_cache and (context_size is None or out.shape[1] <= context_size):
-                    if primed:
+                    if primed and _holds_cache(model, me):
                         logits = model(out[:, -1:], use_cache=True)
-                    else:  # the prompt: only its last position's logits are needed, where the model can say so
-                        kw = {} if mask is None else {"attention_mask": mask}
+                    else:  # the prompt, or the tokens so far when another loop took the cache: the
+                        # last position's logits only, where the model can say so
+                        model.reset_kv_cache()
+                        _hold_cache(model, me)
+                        kw = tokens_mask()
                         if _keeps_logits(model):
                             kw["logits_to_keep"] = 1
                         logits = model(out, use_cache=True, **kw)
                     primed = True
                 else:
                     start = 0 if context_size is None else max(0, out.shape[1] - context_size)
-                    kw = {}
-                    if mask is not None:
-                        new = np.ones((len(out), out.shape[1] - mask.shape[1]), mask.dtype)
-                        kw["attention_mask"] = np.concatenate([mask, new], axis=1)[:, start:]
-                    logits = model(out[:, start:], **kw)
+                    logits = model(out[:, start:], **tokens_mask(start))
             step = choose(np.asarray(logits)[:, -1, :])
             if step is None:
                 return
@@ -391,10 +401,31 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
             if last:
                 return
     finally:
-        if use_cache:
+        if use_cache and _holds_cache(model, me):
             model.reset_kv_cache()
+            _hold_cache(model, None)
         if was_training is not None:
             model.train(was_training)
+
+
+# The decoding loop (``_decode``'s ``me``) whose tokens each model's cache holds.
+_CACHE_HOLDER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hold_cache(model, me) -> None:
+    """``me`` fills ``model``'s cache (None: nothing does)."""
+    try:
+        _CACHE_HOLDER[model] = me
+    except TypeError:  # a model that cannot be weakly referenced or hashed: not tracked
+        pass
+
+
+def _holds_cache(model, me) -> bool:
+    """Whether ``me`` filled ``model``'s cache last (True for a model that is not tracked)."""
+    try:
+        return _CACHE_HOLDER.get(model) is me
+    except TypeError:
+        return True
 
 
 def _keeps_logits(model) -> bool:
@@ -534,6 +565,8 @@ def stream_tokens(
     generator of ndarray
         One array of ``ids.shape[:-1]`` per step, of ``ids``' integer dtype.  While it runs the
         model is in eval mode and holds its cache; both are restored when it ends or is closed.
+        Another generate or stream on the same model between two of its steps takes the cache:
+        this one then re-encodes its tokens so far before its next step (the same tokens).
 
     Raises
     ------

@@ -122,6 +122,32 @@ def test_stream_restores_mode_and_cache_when_closed():
     assert m.training
 
 
+def test_streams_on_one_model_are_independent():
+    """A model holds one cache: a stream resumed after another generate or stream on the same model
+    re-encodes its tokens so far, so each gives the tokens it gives alone (transformers' calls each
+    have their own cache); closing an abandoned stream leaves a later stream's cache alone."""
+    m = CausalLM(tiny_config("qwen3_next"), rng=0)  # attention and recurrent layers' caches
+    want = m.generate(IDS, 6, attention_mask=MASK, eos_token_id=[])[:, 6:]
+    s = m.stream(IDS, 6, attention_mask=MASK, eos_token_id=[])
+    got = [next(s)]
+    other = m.generate(IDS[:1, :3], 4, eos_token_id=[])
+    got.append(next(s))
+    t = m.stream(IDS[1], 3, eos_token_id=[])
+    alone = [next(t)]
+    got += list(s)
+    alone += list(t)
+    np.testing.assert_array_equal(np.stack(got, axis=1), want)
+    np.testing.assert_array_equal(alone, m.generate(IDS[1], 3, eos_token_id=[])[6:])
+    np.testing.assert_array_equal(other, m.generate(IDS[:1, :3], 4, eos_token_id=[]))
+    abandoned = m.stream(IDS, 6)
+    next(abandoned)
+    s = m.stream(IDS, 6, attention_mask=MASK, eos_token_id=[])
+    got = [next(s)]
+    abandoned.close()
+    got += list(s)
+    np.testing.assert_array_equal(np.stack(got, axis=1), want)
+
+
 class _Fixed:
     """A model whose next-token logits are always ``logits``: the sampler's distribution alone."""
 
