@@ -441,6 +441,8 @@ def _check_token_ids(value, name: str, *, many: bool = True) -> list:
     or an id) as a list of ids, each an integer >= 0."""
     if value is None:
         return []
+    if isinstance(value, np.ndarray) and value.ndim == 0:  # one id as a 0-d array (not iterable)
+        value = value.item()
     ids = list(value) if many and isinstance(value, (list, tuple, np.ndarray)) else [value]
     what = "a token id (an integer >= 0)" + (", a list of them" if many else "") + " or None"
     for e in ids:

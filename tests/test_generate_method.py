@@ -90,6 +90,18 @@ def test_finished_rows_continue_with_pad_as_transformers(name):
     assert set(row[row.index(first) + 1 :]) <= {pad}
 
 
+def test_eos_token_id_as_numpy_values():
+    """An eos id may come as numpy (a 0-d array is the id, a 1-d array the list), also where
+    generate fills the columns after every row has finished."""
+    m = CausalLM(tiny_config("llama"), rng=0)
+    first = int(m.generate(IDS[:1], 1, eos_token_id=[])[0, 6])
+    want = m.generate(IDS[:1], 4, eos_token_id=first)
+    assert want[0, 6:].tolist() == [first] * 4  # finished at the first step, then filled
+    for eos in (np.int64(first), np.array(first), np.array([first]), (first,)):
+        np.testing.assert_array_equal(m.generate(IDS[:1], 4, eos_token_id=eos), want)
+        assert [s.tolist() for s in m.stream(IDS[:1], 4, eos_token_id=eos)] == [[first]]
+
+
 def test_stream_yields_generate_tokens_step_by_step():
     m = CausalLM(tiny_config("qwen3"), rng=0)
     out = m.generate(IDS, 7)

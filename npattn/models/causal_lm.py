@@ -1189,7 +1189,7 @@ class CausalLM(Module):
         >>> model.generate(np.array([[1, 2, 3], [4, 5, 6]]), 4).shape
         (2, 7)
         """
-        from ..generation import generate_tokens
+        from ..generation import _check_token_ids, generate_tokens
 
         ids, special = self._generation_options(ids, eos_token_id)
         out = generate_tokens(
@@ -1208,7 +1208,7 @@ class CausalLM(Module):
         if missing:  # every row finished early: each continues with the pad token (or its eos)
             eos = special["eos_token_id"]
             pad = special["pad_token_id"]
-            pad = pad if pad is not None else (eos if isinstance(eos, numbers.Integral) else list(eos)[0])
+            pad = pad if pad is not None else _check_token_ids(eos, "eos_token_id")[0]
             out = np.concatenate([out, np.full(out.shape[:-1] + (missing,), pad, dtype=out.dtype)], axis=-1)
         return out
 
