@@ -272,7 +272,8 @@ def generate(
       models without a cache.
 
     Runs in eval mode (dropout off) under ``no_grad`` and restores the model's mode.
-    Returns the ids ``(..., L + new)``, of ``idx``'s integer dtype.
+    Returns the ids ``(..., L + new)``, of ``idx``'s integer dtype (widened where it cannot hold
+    every id of the vocabulary, e.g. uint8 ids of a larger one).
 
     Parameters
     ----------
@@ -339,7 +340,7 @@ def generate(
         return nxt, False
 
     steps = [t[:, None] for t in _decode(model, out, n, choose, context_size=context_size, use_cache=use_cache)]
-    out = np.concatenate([out, *steps], axis=1).astype(idx.dtype, copy=False)
+    out = np.concatenate([out, *steps], axis=1)
     return out.reshape(lead + (out.shape[1],))
 
 
@@ -391,11 +392,14 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
                 else:
                     start = 0 if context_size is None else max(0, out.shape[1] - context_size)
                     logits = model(out[:, start:], **tokens_mask(start))
-            step = choose(np.asarray(logits)[:, -1, :])
+            logits = np.asarray(logits)[:, -1, :]
+            step = choose(logits)
             if step is None:
                 return
             tokens, last = step
-            tokens = tokens.astype(out.dtype, copy=False)
+            # the ids' dtype, widened where it cannot hold every id of the vocabulary (uint8 ids of
+            # a 1000-token model): a new id must not wrap, nor be fed back wrapped
+            tokens = tokens.astype(np.promote_types(out.dtype, np.min_scalar_type(logits.shape[-1] - 1)), copy=False)
             out = np.concatenate([out, tokens[:, None]], axis=1)
             yield tokens
             if last:
@@ -565,7 +569,8 @@ def stream_tokens(
     Returns
     -------
     generator of ndarray
-        One array of ``ids.shape[:-1]`` per step, of ``ids``' integer dtype.  While it runs the
+        One array of ``ids.shape[:-1]`` per step, of ``ids``' integer dtype (widened where it
+        cannot hold every id of the vocabulary, e.g. uint8 ids of a larger one).  While it runs the
         model is in eval mode and holds its cache; both are restored when it ends or is closed.
         Another generate or stream on the same model between two of its steps takes the cache:
         this one then re-encodes its tokens so far before its next step (the same tokens).
@@ -624,7 +629,7 @@ def generate_tokens(model, ids, max_new_tokens, **options) -> np.ndarray:
     """The prompt followed by the tokens of ``stream_tokens(model, ids, max_new_tokens,
     **options)`` (see there): ``(B, L + steps)`` for ``ids (B, L)`` (``(L + steps,)`` for
     ``(L,)``), ``steps <= max_new_tokens`` (fewer when every row has finished), as transformers'
-    ``generate`` returns them, of ``ids``' integer dtype.
+    ``generate`` returns them, of ``ids``' integer dtype (widened as there).
 
     Examples
     --------

@@ -102,6 +102,21 @@ def test_eos_token_id_as_numpy_values():
         assert [s.tolist() for s in m.stream(IDS[:1], 4, eos_token_id=eos)] == [[first]]
 
 
+def test_narrow_id_dtypes_are_widened_not_wrapped():
+    """uint8 prompt ids of a 1000-token model: the new ids (some above 255) neither wrap nor are
+    fed back wrapped; the result is uint16, the tokens those of int64 ids (also the book's loop)."""
+    from npattn.generation import generate
+
+    m = CausalLM(tiny_config("llama", vocab_size=1000), rng=0)
+    want = m.generate(IDS, 8)
+    assert want[:, 6:].max() > 255
+    got = m.generate(IDS.astype(np.uint8), 8)
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, want)
+    assert {s.dtype for s in m.stream(IDS.astype(np.uint8), 3)} == {np.dtype(np.uint16)}
+    np.testing.assert_array_equal(generate(m, IDS.astype(np.int8), 8, 64), want)
+
+
 def test_stream_yields_generate_tokens_step_by_step():
     m = CausalLM(tiny_config("qwen3"), rng=0)
     out = m.generate(IDS, 7)
