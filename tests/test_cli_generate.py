@@ -104,6 +104,9 @@ def test_generate_without_tokenizers(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "tokenizers" in err and err.count("\n") == 1
     assert 'pip install "npattn[hf]"' in err and 'pip install ".[hf]"' in err
+    assert main(["generate", str(tmp_path), "x", "--chat"]) == 2  # --chat refuses --ids: not offered
+    err = capsys.readouterr().err
+    assert "tokenizers" in err and err.count("\n") == 1 and "--ids" not in err
 
 
 def _bad_config(key, value):
@@ -414,6 +417,10 @@ def test_missing_tokenizer_says_what_to_do(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "the cat"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no tokenizer.json" in err and "--ids" in err and "copy" in err
+    # --chat refuses --ids: the error does not offer it
+    assert main(["generate", str(tmp_path), "the cat", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer.json" in err and "copy" in err and "--ids" not in err
 
 
 def test_bfloat16_keeps_the_weights_as_bfloat16(tmp_path, capsys, monkeypatch):

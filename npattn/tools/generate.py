@@ -110,7 +110,7 @@ def _load(args):
 
     if args.ids and args.chat:
         raise _Failure("--chat puts text into the chat template: it cannot be used with --ids")
-    tokenizer = None if args.ids else _tokenizer_class()
+    tokenizer = None if args.ids else _tokenizer_class(args.chat)
     try:
         check_sampling(args.temperature, args.top_k, None)
         _check_top_p(args.top_p)
@@ -124,7 +124,7 @@ def _load(args):
     else:
         tok_path = os.path.join(args.directory, "tokenizer.json")
         if tokenizer is not None:
-            tokenizer = _tokenizer(tokenizer, tok_path, args.directory)
+            tokenizer = _tokenizer(tokenizer, tok_path, args.directory, args.chat)
         try:
             model = CausalLM.from_pretrained(args.directory, weights_dtype=_weights_dtype(args))
         except _LOAD_ERRORS as e:
@@ -175,22 +175,26 @@ def _from_gguf(path: str, with_tokenizer: bool, weights_dtype=None) -> tuple:
         raise _Failure(_one_line(e)) from None
 
 
-def _tokenizer_class():
+def _without_tokenizer(chat: bool) -> str:
+    """The way on without a tokenizer, for an error's end: the prompt as token ids (``--ids``),
+    except with ``--chat``, whose template's text needs one (and which refuses ``--ids``)."""
+    return "" if chat else ", or pass the prompt as token ids with --ids"
+
+
+def _tokenizer_class(chat: bool = False):
     """``tokenizers.Tokenizer``, or ``_Failure`` saying how to install it (or to pass ``--ids``)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise _Failure(
-            f"needs the tokenizers package ({install_hint('hf')}), or the prompt as token ids with --ids"
-        ) from None
+        raise _Failure(f"needs the tokenizers package ({install_hint('hf')}){_without_tokenizer(chat)}") from None
     return Tokenizer
 
 
-def _tokenizer(cls, tok_path: str, directory: str):
+def _tokenizer(cls, tok_path: str, directory: str, chat: bool = False):
     if not os.path.isfile(tok_path):
         raise _Failure(
             f"no tokenizer.json in {directory!r}: copy the model's tokenizer.json there (from its Hugging Face "
-            "repository), or pass the prompt as token ids with --ids"
+            f"repository){_without_tokenizer(chat)}"
         )
     try:
         return cls.from_file(tok_path)
