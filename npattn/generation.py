@@ -180,10 +180,19 @@ def _probs(logits, temperature, top_k, top_p=None):
 def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Generator, top_p=None) -> np.ndarray:
     """One token per row of ``logits (B, vocab)``.  Greedy: the arg-max (top-k changes nothing).
     Sampling: inverse CDF, one uniform draw ``rng.random(B)`` per step, so a seed fixes the tokens;
-    a token of probability 0 (masked by top-k) is never drawn."""
+    a token of probability 0 (masked by top-k) is never drawn.  A row of logits with NaN or +inf,
+    or only -inf, has no distribution: ValueError (torch.multinomial refuses it as well), where the
+    inverse CDF of its NaN probabilities would give the id ``vocab``, outside the vocabulary."""
     if temperature == 0.0:
         return logits.argmax(axis=-1)
-    p = _probs(logits.astype(np.float64), temperature, top_k, top_p)
+    with np.errstate(invalid="ignore"):  # a row without a distribution: refused just below
+        p = _probs(logits.astype(np.float64), temperature, top_k, top_p)
+    bad = np.flatnonzero(np.isnan(p).any(axis=-1))
+    if len(bad):
+        raise ValueError(
+            f"logits: expected finite values to sample from (-inf for some tokens only), got NaN, +inf or only "
+            f"-inf in row {bad[0]}"
+        )
     cdf = np.cumsum(p, axis=-1)
     u = rng.random(len(p)) * cdf[:, -1]
     return np.array([np.searchsorted(c, x, side="right") for c, x in zip(cdf, u)], dtype=np.int64)

@@ -209,6 +209,13 @@ def test_bad_logits_for_the_sampling_helpers():
         sample_next_token(np.zeros(3))
     with pytest.raises(ValueError, match="logits"):
         next_token_probs(np.zeros((2, 3), int))
+    # no distribution to sample from: refused (as torch.multinomial), never the id vocab (3 here)
+    for row in ([1.0, np.nan, 0.0], [np.inf, 0.0, 0.0], [-np.inf] * 3):
+        with pytest.raises(ValueError, match="logits: expected finite values.*in row 1"):
+            sample_next_token(np.array([[0.0, 1.0, 2.0], row]), 1.0, rng=0)
+    with pytest.raises(ValueError, match="logits: expected finite values"):
+        generate(lambda idx: np.full(idx.shape + (3,), np.nan), np.array([[1]]), 2, 4, temperature=1.0, rng=0)
+    np.testing.assert_array_equal(sample_next_token(np.array([[0.0, -np.inf, 2.0]]), 1.0, top_k=1, rng=0), [2])
 
 
 def test_book_multi_head_attention_cache_token_by_token():
