@@ -23,6 +23,9 @@ Q = gguf.GGMLQuantizationType
 LLAMA = dict(FAMILIES["llama"], hidden_size=256, intermediate_size=256, attention_bias=False, num_attention_heads=4)
 QWEN3 = dict(FAMILIES["qwen3"], hidden_size=256, intermediate_size=256, head_dim=64, use_sliding_window=False)
 QWEN3.pop("sliding_window"), QWEN3.pop("max_window_layers")
+# Qwen2/2.5: biases on q, k and v (llama.cpp's qwen2 files hold them), none on o
+QWEN2 = dict(FAMILIES["qwen2"], hidden_size=256, intermediate_size=256, use_sliding_window=False)
+QWEN2.pop("sliding_window"), QWEN2.pop("max_window_layers")
 # every layer routed (llama.cpp's qwen3moe), the experts' rows 256 wide too
 QWEN3_MOE = dict(FAMILIES["qwen3_moe"], hidden_size=256, intermediate_size=256, head_dim=64, moe_intermediate_size=256)
 QWEN3_MOE.pop("mlp_only_layers")
@@ -203,7 +206,7 @@ def _logits(m, ids):
         return m(ids)
 
 
-CASES = [(LLAMA, "llama"), (QWEN3, "qwen3"), (QWEN3_MOE, "qwen3moe"), (GEMMA3, "gemma3")]
+CASES = [(LLAMA, "llama"), (QWEN2, "qwen2"), (QWEN3, "qwen3"), (QWEN3_MOE, "qwen3moe"), (GEMMA3, "gemma3")]
 
 
 @pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
@@ -334,10 +337,11 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "config, arch, classes",
     [
+        (QWEN2, "qwen2", ("Qwen2Config", "Qwen2ForCausalLM")),
         (QWEN3_MOE, "qwen3moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
         (GEMMA3, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM")),
     ],
-    ids=["qwen3moe", "gemma3"],
+    ids=["qwen2", "qwen3moe", "gemma3"],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the

@@ -44,6 +44,7 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
+    "qwen2",
     "qwen3",
     "qwen3_moe",
     "gemma3_text",
@@ -126,6 +127,7 @@ def _gguf_gemma3(config: dict, meta: Mapping) -> None:
 
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True),
+    "qwen2": GgufFamily("qwen2"),
     "qwen3": GgufFamily("qwen3"),
     "qwen3moe": GgufFamily(
         "qwen3_moe",
@@ -470,6 +472,7 @@ class CausalLMConfig:
     rope: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     sliding_window: int | None = None
     attention_bias: bool = False
+    attention_out_bias: bool | None = None  # o_proj's bias where it differs from attention_bias's (Qwen2: none)
     mlp_bias: bool = False
     qk_norm: bool = False
     norm_offset: bool = False
@@ -525,7 +528,7 @@ class CausalLMConfig:
             head_dim=self.head_dim,
             num_kv_heads=self.num_key_value_heads,
             qkv_bias=self.attention_bias,
-            out_bias=self.attention_bias,
+            out_bias=self.attention_bias if self.attention_out_bias is None else self.attention_out_bias,
             causal=True,
             dropout=self.attention_dropout,
             window=(self.sliding_window - 1, 0) if sliding else None,  # type: ignore[operator]
@@ -873,6 +876,16 @@ def _qwen3(r: _Reader) -> dict:
         sliding_window=_window(r, lt),
         mlp_types=("dense",) * n,
     )
+    return c
+
+
+def _qwen2(r: _Reader) -> dict:
+    """Qwen2 and Qwen2.5 (and the models built on them, e.g. DeepSeek-R1's Qwen distills): Qwen3's
+    layers and sliding-window keys without QK-norm, with biases on q, k and v but none on o
+    (``Qwen2Attention`` fixes both; an ``attention_bias`` in the dict changes nothing there, nor
+    here)."""
+    c = _qwen3(r)
+    c.update(qk_norm=False, attention_bias=True, attention_out_bias=False)
     return c
 
 
@@ -1501,6 +1514,12 @@ _MLA: dict = dict(kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope
 # base and GPT-OSS's YaRN, _GPT_OSS_ROPE, read as transformers reads them; see _rope_params).
 _DEFAULTS: dict = {
     "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
+    "qwen2": dict(
+        _QWEN3,
+        **_sizes(hidden=4096, intermediate=22016, layers=32),
+        sliding_window=4096,
+        max_window_layers=28,
+    ),
     "qwen3": dict(
         _QWEN3,
         **_sizes(hidden=4096, intermediate=22016, layers=32),
@@ -1941,6 +1960,7 @@ _GPT_OSS_ROPE = {
 
 _READERS = {
     "llama": _llama,
+    "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,
     "gemma3_text": _gemma3,
