@@ -218,7 +218,7 @@ def test_tied_pair_under_the_head_s_name_alone(tmp_path):
     [
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         ({"hidden_act": "relu2"}, "hidden_act"),
-        ({"model_type": "mistral"}, "model_type"),
+        ({"model_type": "bloom"}, "model_type"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"attention_bias": "yes"}, "attention_bias"),

@@ -71,6 +71,21 @@ FAMILIES = {
             },
         ),
     ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=3,
+            rope_theta=1e6,
+        ),
+    ),
     "qwen2": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
@@ -378,7 +393,9 @@ def test_state_dict_round_trip_uses_hf_names(name):
         np.testing.assert_array_equal(mine[k], v)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize(
+    "name", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"]
+)
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """A hand-written dict that leaves keys out reads as transformers reads it: the same
     CausalLMConfig as the full to_dict() of transformers' config built from it."""

@@ -44,7 +44,6 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
-    "qwen2",
     "qwen3",
     "qwen3_moe",
     "gemma3_text",
@@ -57,6 +56,8 @@ SUPPORTED_MODEL_TYPES = (
     "kimi_linear",
     "deepseek_v32",
     "gemma4_text",
+    "mistral",
+    "qwen2",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -879,6 +880,26 @@ def _qwen3(r: _Reader) -> dict:
     return c
 
 
+def _mistral(r: _Reader) -> dict:
+    """Mistral (7B, Nemo, Small, the Ministral and Devstral text models that say ``mistral``):
+    Llama without biases, ``head_dim`` apart from ``hidden / heads`` where given, and a window of
+    ``sliding_window`` keys on every layer (null: full attention), as ``MistralAttention`` masks it
+    (the contributing guide's worked example)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
+    layer_types = (kind,) * n
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=layer_types,
+        sliding_window=_window(r, layer_types),
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
 def _qwen2(r: _Reader) -> dict:
     """Qwen2 and Qwen2.5 (and the models built on them, e.g. DeepSeek-R1's Qwen distills): Qwen3's
     layers and sliding-window keys without QK-norm, with biases on q, k and v but none on o
@@ -1514,6 +1535,13 @@ _MLA: dict = dict(kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope
 # base and GPT-OSS's YaRN, _GPT_OSS_ROPE, read as transformers reads them; see _rope_params).
 _DEFAULTS: dict = {
     "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
+    "mistral": dict(
+        **_sizes(positions=131072, vocab=32000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        sliding_window=4096,
+    ),
     "qwen2": dict(
         _QWEN3,
         **_sizes(hidden=4096, intermediate=22016, layers=32),
@@ -1960,6 +1988,7 @@ _GPT_OSS_ROPE = {
 
 _READERS = {
     "llama": _llama,
+    "mistral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,

@@ -318,7 +318,6 @@ _SHARED_EXPERT_MOE = dict(_QWEN_MOE, shared_expert_intermediate_size=8)
 #: (``tiny_config``).  Adding a family to ``CausalLM`` adds its entry here.
 TINY_CONFIGS: dict = {
     "llama": dict(_BASE, model_type="llama", attention_bias=True, rope_theta=500.0),
-    "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "qwen3": dict(
         _BASE,
         model_type="qwen3",
@@ -462,6 +461,8 @@ TINY_CONFIGS: dict = {
         eos_token_id=1,
         bos_token_id=2,
     ),
+    "mistral": dict(_BASE, model_type="mistral", head_dim=8, sliding_window=3),
+    "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
 }
 
 
