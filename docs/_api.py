@@ -20,7 +20,7 @@ MODULES = [
     ("npattn.nn", "Modules used like ``torch.nn``: ``y = m(x)``, ``dx = m.backward(dy)``, gradients in ``p.grad``."),
     (
         "npattn.models",
-        "Whole models: ``CausalLM`` from a Hugging Face config (Llama 3, Mistral, Qwen2/2.5, Qwen3, Gemma 3,"
+        "Whole models: ``CausalLM`` from a Hugging Face config (Llama 3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3,"
         " GPT-OSS, DeepSeek-V3, Qwen3-Next) and a small GPT-style ``TinyTransformer``.",
     ),
     ("npattn.book", "The classes and functions of *Build a Large Language Model (From Scratch)*, chapters 3-5."),

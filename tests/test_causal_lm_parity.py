@@ -86,6 +86,24 @@ FAMILIES = {
             rope_theta=1e6,
         ),
     ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            query_pre_attn_scalar=16,
+            sliding_window=3,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=20.0,
+            pad_token_id=0,
+        ),
+    ),
     "qwen2": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
@@ -394,7 +412,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"]
+    "name", ["llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"]
 )
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """A hand-written dict that leaves keys out reads as transformers reads it: the same

@@ -14,8 +14,8 @@ from npattn.models.tiny import TINY_CONFIGS, tiny_config
 FAMILIES = sorted(TINY_CONFIGS)
 IDS = np.array([[1, 5, 9, 2, 30, 7], [3, 3, 0, 36, 11, 4]])
 MASK = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-# a random tied Gemma 3 (embeddings times sqrt(hidden)) mostly repeats one token: nothing to compare
-UNTIED = {"gemma3_text": dict(tie_word_embeddings=False)}
+# a random tied Gemma 2 or 3 (embeddings times sqrt(hidden)) mostly repeats one token: nothing to compare
+UNTIED = {"gemma3_text": dict(tie_word_embeddings=False), "gemma2": dict(tie_word_embeddings=False)}
 
 
 def _pair(name, **changes):

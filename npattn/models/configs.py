@@ -58,6 +58,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma4_text",
     "mistral",
     "qwen2",
+    "gemma2",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -974,6 +975,31 @@ def _gemma3(r: _Reader) -> dict:
     return c
 
 
+def _gemma2(r: _Reader) -> dict:
+    """Gemma 2: Gemma 3's layer (``1 + w`` norms around both sublayers, the embedding times
+    ``sqrt(hidden)``, scores scaled by ``query_pre_attn_scalar``) without QK-norm, with
+    ``attn_logit_softcapping`` on the scores (``c tanh(s / c)``, ``Gemma2Attention``'s) and one RoPE
+    for every layer; sliding and full layers alternate, the first sliding."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    r.only("use_bidirectional_attention", (None, False), None, "npattn's CausalLM is causal")
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), _interleaved(n, 2, "sliding_attention"))
+    c.update(
+        _mlp_and_bias(r, "hidden_activation", "gelu_pytorch_tanh"),
+        norm_offset=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
+        attn_logit_softcapping=r.float("attn_logit_softcapping"),
+        final_logit_softcapping=r.float("final_logit_softcapping"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=lt,
+        sliding_window=_window(r, lt),
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
 def _gpt_oss(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
@@ -1535,6 +1561,14 @@ _MLA: dict = dict(kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope
 # base and GPT-OSS's YaRN, _GPT_OSS_ROPE, read as transformers reads them; see _rope_params).
 _DEFAULTS: dict = {
     "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
+    "gemma2": dict(
+        _GEMMA,
+        **_sizes(positions=8192, vocab=256000, layers=26),
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
     "mistral": dict(
         **_sizes(positions=131072, vocab=32000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
         hidden_act="silu",
@@ -1989,6 +2023,7 @@ _GPT_OSS_ROPE = {
 _READERS = {
     "llama": _llama,
     "mistral": _mistral,
+    "gemma2": _gemma2,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,

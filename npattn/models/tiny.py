@@ -463,6 +463,17 @@ TINY_CONFIGS: dict = {
     ),
     "mistral": dict(_BASE, model_type="mistral", head_dim=8, sliding_window=3),
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    "gemma2": dict(
+        _BASE,
+        model_type="gemma2",
+        head_dim=4,
+        query_pre_attn_scalar=8,
+        sliding_window=3,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    ),
 }
 
 
