@@ -44,6 +44,20 @@ GEMMA3 = dict(
     },
 )
 GEMMA3.pop("layer_types")
+# Gemma 2: four layers (llama.cpp's alternation), a score softcap, Gemma's 1 + w norms
+GEMMA2 = dict(
+    FAMILIES["gemma2"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    attn_logit_softcapping=20.0,
+    final_logit_softcapping=35.0,
+)
+
+
+_GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -114,6 +128,10 @@ def _metadata(w, config, arch):
         w.add_rope_scaling_factor(full["factor"])
         w.add_sliding_window(config["sliding_window"])
         w.add_final_logit_softcapping(config["final_logit_softcapping"])
+    elif arch == "gemma2":  # Gemma2Model.set_gguf_parameters: both softcaps and the window, no base
+        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+        w.add_sliding_window(config["sliding_window"])
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     if arch == "qwen3moe":
@@ -138,7 +156,7 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
         if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
             kv = config["num_key_value_heads"]
             value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
-        if arch == "gemma3" and key.endswith("norm.weight"):
+        if arch in _GEMMAS and key.endswith("norm.weight"):
             value = value + np.float32(1.0)
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         out[key, name if key.endswith((".weight", ".bias")) else name + ".weight"] = value
@@ -188,7 +206,7 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
             n = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
             v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
-        if arch == "gemma3" and key.endswith("norm.weight"):
+        if arch in _GEMMAS and key.endswith("norm.weight"):
             v = v - np.float32(1.0)
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     return out
@@ -206,7 +224,14 @@ def _logits(m, ids):
         return m(ids)
 
 
-CASES = [(LLAMA, "llama"), (QWEN2, "qwen2"), (QWEN3, "qwen3"), (QWEN3_MOE, "qwen3moe"), (GEMMA3, "gemma3")]
+CASES = [
+    (LLAMA, "llama"),
+    (QWEN2, "qwen2"),
+    (QWEN3, "qwen3"),
+    (QWEN3_MOE, "qwen3moe"),
+    (GEMMA2, "gemma2"),
+    (GEMMA3, "gemma3"),
+]
 
 
 @pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
@@ -215,7 +240,7 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
     _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
     want = src.state_dict()
-    if arch == "gemma3":  # (w + 1) - 1 in float32: w to within a rounding of 1
+    if arch in _GEMMAS:  # (w + 1) - 1 in float32: w to within a rounding of 1
         for k in want:
             if k.endswith("norm.weight"):
                 np.testing.assert_allclose(loaded.state_dict()[k], want[k], rtol=0, atol=2**-23, err_msg=k)
@@ -225,6 +250,8 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
+    if arch == "gemma2":  # the file's softcaps, not Gemma2Config's defaults (50, 30)
+        assert (loaded.config.attn_logit_softcapping, loaded.config.final_logit_softcapping) == (20.0, 35.0)
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
@@ -339,9 +366,10 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
     [
         (QWEN2, "qwen2", ("Qwen2Config", "Qwen2ForCausalLM")),
         (QWEN3_MOE, "qwen3moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
+        (GEMMA2, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM")),
         (GEMMA3, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM")),
     ],
-    ids=["qwen2", "qwen3moe", "gemma3"],
+    ids=["qwen2", "qwen3moe", "gemma2", "gemma3"],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the
@@ -458,6 +486,14 @@ def test_what_llama_cpp_derives_rather_than_reads():
         gemma(dict(c), {"rope.scaling.type": "yarn"})
     with pytest.raises(ValueError, match=r"'gemma3.rope.scaling.factor' missing"):
         gemma(dict(c), {"rope.scaling.type": "linear"})
+    gemma2 = GGUF_FAMILIES["gemma2"].derive  # the 46-layer (27B) model: hidden/heads = 144
+    c = dict(num_hidden_layers=46, hidden_size=4608, num_attention_heads=32, head_dim=128)
+    gemma2(c, {})
+    assert c["query_pre_attn_scalar"] == 144 and c["sliding_window"] == 4096
+    assert c["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    c = dict(num_hidden_layers=26, hidden_size=2304, num_attention_heads=8, head_dim=256)
+    gemma2(c, {"attention.sliding_window": 512})
+    assert c["query_pre_attn_scalar"] == 256 and c["sliding_window"] == 512
     moe = GGUF_FAMILIES["qwen3moe"].derive
     with pytest.raises(ValueError, match=r"'qwen3moe.expert_count' missing or 0 \(the model's num_experts\)"):
         moe(dict(intermediate_size=64, num_experts_per_tok=2), {})

@@ -100,6 +100,20 @@ def _gguf_qwen3moe(config: dict, meta: Mapping) -> None:
     config.setdefault("moe_intermediate_size", config["intermediate_size"] // config["num_experts_per_tok"])
 
 
+def _gguf_gemma2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``gemma2`` (``llm_load_hparams``; ``Gemma2Model`` in ``convert_hf_to_gguf.py``):
+    sliding and full layers alternating, the first sliding (its fixed pattern of 2), a window of
+    ``attention.sliding_window`` (llama.cpp's 4096 where absent); the scores scaled by
+    ``1/sqrt(head_dim)``, or ``1/sqrt(hidden/heads)`` for the 46-layer (27B) model (Gemma 2's
+    ``query_pre_attn_scalar``, which the file does not store).  The softcaps are read
+    (``GgufFamily.keys``; absent, llama.cpp's and Gemma2Config's 50 and 30)."""
+    n = config["num_hidden_layers"]
+    config["layer_types"] = _interleaved(n, 2, "sliding_attention")
+    config["sliding_window"] = meta.get("attention.sliding_window", 4096)
+    wide = config["hidden_size"] // config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = wide if n == 46 else config["head_dim"]
+
+
 def _gguf_gemma3(config: dict, meta: Mapping) -> None:
     """llama.cpp's ``gemma3`` (``llama_load_hparams_gemma3``; ``Gemma3Model`` in
     ``convert_hf_to_gguf.py``): with ``attention.sliding_window`` (> 0) every sixth layer full and
@@ -140,6 +154,13 @@ GGUF_FAMILIES = {
             "moe_intermediate_size": "expert_feed_forward_length",
         },
         derive=_gguf_qwen3moe,
+    ),
+    "gemma2": GgufFamily(
+        "gemma2",
+        keys={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping"},
+        norm_shift=1.0,
+        derive=_gguf_gemma2,
+        reads=("attention.sliding_window",),
     ),
     "gemma3": GgufFamily(
         "gemma3_text",
