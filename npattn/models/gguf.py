@@ -6,8 +6,8 @@ the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>
 (``token_embd.weight``, ``blk.{i}.attn_q.weight``, ``blk.{i}.ffn_gate_exps.weight``, ...), each in
 a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8_0`` ... ``Q5_1``,
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
-``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2``, ``gemma3``)
-and what each means in Hugging Face terms are ``GGUF_FAMILIES`` in ``models/configs.py``.
+``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``,
+``gemma2``, ``gemma3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
 
