@@ -870,6 +870,13 @@ def _window(r: _Reader, layer_types: tuple):
     return r.int("sliding_window")
 
 
+def _dense_layers(r: _Reader, layer_types) -> dict:
+    """The fields of layers of ``layer_types`` (full or sliding attention) each with a dense MLP:
+    the kinds, the window (read where a layer slides), the MLPs."""
+    lt = tuple(layer_types)
+    return dict(layer_types=lt, sliding_window=_window(r, lt), mlp_types=("dense",) * len(lt))
+
+
 def _llama(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
@@ -895,9 +902,7 @@ def _qwen3(r: _Reader) -> dict:
         _mlp_and_bias(r),
         qk_norm=True,
         rope=_rope_params(r, 10000.0),
-        layer_types=lt,
-        sliding_window=_window(r, lt),
-        mlp_types=("dense",) * n,
+        **_dense_layers(r, lt),
     )
     return c
 
@@ -910,14 +915,11 @@ def _mistral(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
     kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
-    layer_types = (kind,) * n
     c.update(
         intermediate_size=r.int("intermediate_size"),
         hidden_act=_act(r, "hidden_act", "silu"),
         rope=_rope_params(r, 10000.0),
-        layer_types=layer_types,
-        sliding_window=_window(r, layer_types),
-        mlp_types=("dense",) * n,
+        **_dense_layers(r, (kind,) * n),
     )
     return c
 
@@ -989,9 +991,7 @@ def _gemma3(r: _Reader) -> dict:
         attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
         final_logit_softcapping=r.float("final_logit_softcapping"),
         rope=_gemma_rope_params(r),
-        layer_types=lt,
-        sliding_window=_window(r, lt),
-        mlp_types=("dense",) * n,
+        **_dense_layers(r, lt),
     )
     return c
 
@@ -1014,9 +1014,7 @@ def _gemma2(r: _Reader) -> dict:
         attn_logit_softcapping=r.float("attn_logit_softcapping"),
         final_logit_softcapping=r.float("final_logit_softcapping"),
         rope=_rope_params(r, 10000.0),
-        layer_types=lt,
-        sliding_window=_window(r, lt),
-        mlp_types=("dense",) * n,
+        **_dense_layers(r, lt),
     )
     return c
 
@@ -1329,9 +1327,7 @@ def _olmo3(r: _Reader) -> dict:
         pre_norm=False,
         sandwich_norm=True,
         rope=_typed_rope_params(r, bases, "OLMo 3"),
-        layer_types=lt,
-        sliding_window=_window(r, lt),
-        mlp_types=("dense",) * n,
+        **_dense_layers(r, lt),
     )
     return c
 

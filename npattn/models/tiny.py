@@ -311,6 +311,18 @@ _GATED_DELTA = dict(
 )
 _SHARED_EXPERT_MOE = dict(_QWEN_MOE, shared_expert_intermediate_size=8)
 
+# Gemma's scores scaled apart from head_dim, a window of 3, a final softcap, a tied head, a pad row
+# (gemma2, gemma3_text)
+_GEMMA = dict(
+    _BASE,
+    head_dim=4,
+    query_pre_attn_scalar=8,
+    sliding_window=3,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+)
+
 #: One tiny Hugging Face config dict per ``CausalLM`` family (``model_type``), each exercising the
 #: family's own options (windows, softcapping, sinks and YaRN, MLA and routed experts, DeltaNet and
 #: a gated shared expert) at width 16 with 2 layers: the table the tests, the bench
@@ -335,17 +347,7 @@ TINY_CONFIGS: dict = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
-    "gemma3_text": dict(
-        _BASE,
-        model_type="gemma3_text",
-        head_dim=4,
-        query_pre_attn_scalar=8,
-        sliding_window=3,
-        layer_types=["sliding_attention", "full_attention"],
-        final_logit_softcapping=30.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    ),
+    "gemma3_text": dict(_GEMMA, model_type="gemma3_text", layer_types=["sliding_attention", "full_attention"]),
     "gpt_oss": dict(
         _BASE,
         model_type="gpt_oss",
@@ -463,17 +465,7 @@ TINY_CONFIGS: dict = {
     ),
     "mistral": dict(_BASE, model_type="mistral", head_dim=8, sliding_window=3),
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
-    "gemma2": dict(
-        _BASE,
-        model_type="gemma2",
-        head_dim=4,
-        query_pre_attn_scalar=8,
-        sliding_window=3,
-        attn_logit_softcapping=2.0,
-        final_logit_softcapping=30.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    ),
+    "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
 }
 
 
