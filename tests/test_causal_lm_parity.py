@@ -412,7 +412,8 @@ def test_state_dict_round_trip_uses_hf_names(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"]
+    "name",
+    ["llama", "mistral", "qwen2", "gemma2", "olmo2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"],
 )
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """A hand-written dict that leaves keys out reads as transformers reads it: the same

@@ -52,6 +52,8 @@ CASES = {
     # the tiny table's entry: a window of 3 keys (shorter than the sequences), one RoPE base per
     # layer type, biases, grouped-query attention
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _kwargs("olmo3")),
+    # OLMo 2: the same post-norm layers, every one full, one RoPE; biases, grouped-query attention
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _kwargs("olmo2")),
     # the default layer pattern (sliding, sliding, sliding, full), head_dim apart from
     # hidden / heads, YaRN on the full-attention layers only, a tied head, no biases
     "olmo3_default_layers": (

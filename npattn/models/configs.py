@@ -59,6 +59,7 @@ SUPPORTED_MODEL_TYPES = (
     "mistral",
     "qwen2",
     "gemma2",
+    "olmo2",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -1309,6 +1310,22 @@ _KIMI_MOE_KEYS = (
 )
 
 
+def _olmo2(r: _Reader) -> dict:
+    """OLMo 2: OLMo 3's post-norm layers (each sublayer's output normalised, then added) and q/k
+    RMSNorm over the whole projection, every layer full, one RoPE."""
+    c = _common(r)
+    c.update(
+        _mlp_and_bias(r),
+        qk_norm=True,
+        qk_norm_scope="all_heads",
+        pre_norm=False,
+        sandwich_norm=True,
+        rope=_rope_params(r, 10000.0),
+        **_dense_layers(r, ("full_attention",) * c["num_hidden_layers"]),
+    )
+    return c
+
+
 def _olmo3(r: _Reader) -> dict:
     """OLMo 3: post-norm (each sublayer's output normalised, then added: no norm before attention
     or the MLP), q/k RMSNorm over the whole projection, sliding-window layers (by default three
@@ -1685,6 +1702,7 @@ _DEFAULTS: dict = {
         vocab_size_per_layer_input=262144,
         hidden_size_per_layer_input=256,
     ),
+    "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "olmo3": dict(
         _LLAMA_SIZES,
         vocab_size=50304,
@@ -2048,6 +2066,7 @@ _READERS = {
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
     "qwen3_next": _qwen3_next,
+    "olmo2": _olmo2,
     "olmo3": _olmo3,
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe_text": _qwen3_5,

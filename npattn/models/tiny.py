@@ -466,6 +466,7 @@ TINY_CONFIGS: dict = {
     "mistral": dict(_BASE, model_type="mistral", head_dim=8, sliding_window=3),
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
+    "olmo2": dict(_BASE, model_type="olmo2", rope_theta=5000.0, attention_bias=True, eos_token_id=2),
 }
 
 
