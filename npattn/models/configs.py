@@ -974,6 +974,20 @@ def _qwen3_moe(r: _Reader) -> dict:
     return c
 
 
+def _gemma_layer(r: _Reader) -> dict:
+    """What Gemma 2's and 3's layers share: the gated GELU MLP, ``1 + w`` norms around both
+    sublayers, the embedding times ``sqrt(hidden)``, scores scaled by ``query_pre_attn_scalar``,
+    the final logits' softcap."""
+    return dict(
+        _mlp_and_bias(r, "hidden_activation", "gelu_pytorch_tanh"),
+        norm_offset=True,
+        sandwich_norm=True,
+        embed_scale=True,
+        attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
+        final_logit_softcapping=r.float("final_logit_softcapping"),
+    )
+
+
 def _gemma3(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
@@ -982,15 +996,10 @@ def _gemma3(r: _Reader) -> dict:
     r.float("attn_logit_softcapping")
     pattern = r.int("sliding_window_pattern", 6)
     default = _interleaved(n, pattern, "sliding_attention")
-    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    lt = _layer_types(r, n, _GEMMA_TYPES, default)
     c.update(
-        _mlp_and_bias(r, "hidden_activation", "gelu_pytorch_tanh"),
+        _gemma_layer(r),
         qk_norm=True,
-        norm_offset=True,
-        sandwich_norm=True,
-        embed_scale=True,
-        attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
-        final_logit_softcapping=r.float("final_logit_softcapping"),
         rope=_gemma_rope_params(r),
         **_dense_layers(r, lt),
     )
@@ -1005,15 +1014,10 @@ def _gemma2(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
     r.only("use_bidirectional_attention", (None, False), None, "npattn's CausalLM is causal")
-    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), _interleaved(n, 2, "sliding_attention"))
+    lt = _layer_types(r, n, _GEMMA_TYPES, _interleaved(n, 2, "sliding_attention"))
     c.update(
-        _mlp_and_bias(r, "hidden_activation", "gelu_pytorch_tanh"),
-        norm_offset=True,
-        sandwich_norm=True,
-        embed_scale=True,
-        attention_scale=r.float("query_pre_attn_scalar", 256) ** -0.5,
+        _gemma_layer(r),
         attn_logit_softcapping=r.float("attn_logit_softcapping"),
-        final_logit_softcapping=r.float("final_logit_softcapping"),
         rope=_rope_params(r, 10000.0),
         **_dense_layers(r, lt),
     )
@@ -1310,16 +1314,18 @@ _KIMI_MOE_KEYS = (
 )
 
 
+# OLMo 2's and 3's layers: post-norm (each sublayer's output normalised, then added; no norm
+# before attention or the MLP), q/k RMSNorm over the whole projection
+_OLMO_LAYER = dict(qk_norm=True, qk_norm_scope="all_heads", pre_norm=False, sandwich_norm=True)
+
+
 def _olmo2(r: _Reader) -> dict:
     """OLMo 2: OLMo 3's post-norm layers (each sublayer's output normalised, then added) and q/k
     RMSNorm over the whole projection, every layer full, one RoPE."""
     c = _common(r)
     c.update(
         _mlp_and_bias(r),
-        qk_norm=True,
-        qk_norm_scope="all_heads",
-        pre_norm=False,
-        sandwich_norm=True,
+        **_OLMO_LAYER,
         rope=_rope_params(r, 10000.0),
         **_dense_layers(r, ("full_attention",) * c["num_hidden_layers"]),
     )
@@ -1339,10 +1345,7 @@ def _olmo3(r: _Reader) -> dict:
     bases = {"full_attention": 500_000.0 if theta is None else theta, "sliding_attention": 500_000.0}
     c.update(
         _mlp_and_bias(r),
-        qk_norm=True,
-        qk_norm_scope="all_heads",
-        pre_norm=False,
-        sandwich_norm=True,
+        **_OLMO_LAYER,
         rope=_typed_rope_params(r, bases, "OLMo 3"),
         **_dense_layers(r, lt),
     )
