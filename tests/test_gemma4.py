@@ -17,8 +17,6 @@ with its own norm, scale and per-expert scales, top 2 of 4 experts)."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -35,6 +33,7 @@ from _hf64 import (  # noqa: E402
     hf_logits_and_grads,
     state_dict,
 )
+from _multimodal import assert_unread_parts_refused  # noqa: E402
 from _oracles import rel_err  # noqa: E402
 
 import npattn  # noqa: E402
@@ -272,8 +271,6 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     beside the vision and audio towers and their embedders): from_pretrained loads the text model
     with the logits of transformers' multimodal class on text, and says which towers' tensors it
     left aside; a tensor of no known tower and a top-level option are refused by name."""
-    from npattn.models.hf import open_safetensors, save_safetensors
-
     hf, cfg = build(
         T.Gemma4Config, T.Gemma4ForConditionalGeneration, text_config=CASES["tiny"], vision_config=_VISION,
         audio_config=_AUDIO,
@@ -285,15 +282,9 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
     ids = _ids(cfg["text_config"]["vocab_size"])
     with no_grad():
         assert rel_err(m(ids), hf_logits(hf, ids), floor=1e-300, relative_to="max_b") < 1e-9
-    tensors = {k: t.numpy() for k, t in open_safetensors(tmp_path / "model.safetensors").items()}
-    save_safetensors(dict(tensors, **{"model.speech_tower.w": np.ones(2)}), tmp_path / "model.safetensors")
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match="'model.speech_tower.w'"):
-        CausalLM.from_pretrained(tmp_path)
-    save_safetensors(tensors, tmp_path / "model.safetensors")
-    good = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(good, video_config={})))
-    with pytest.raises(ValueError, match="'video_config'"):
-        CausalLM.from_pretrained(tmp_path)
+    assert_unread_parts_refused(
+        tmp_path, "model.speech_tower.w", lambda good: [({"video_config": {}}, "'video_config'")]
+    )
 
 
 _SHORT = dict(model_type="gemma4_text", vocab_size=41, hidden_size=16, intermediate_size=24, num_attention_heads=4)
