@@ -58,6 +58,37 @@ def test_transformers_side(checkpoint):
     assert row["impl"] == "transformers float32" and row["bytes_per_token"] == f32["bytes_per_token"]
 
 
+def test_paired_prefill_times_both_libraries_in_turns(checkpoint, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from npattn.tools.bench import runner
+
+    d, _ = checkpoint
+    seen = {}
+    timed = runner.time_interleaved
+
+    def spy(fns, **kw):  # the turns see npattn in its child and transformers here, on the same prompt
+        seen.update(names=sorted(fns), child=type(fns["npattn"]).__name__, repeats=kw["repeats"])
+        return timed(fns, **kw)
+
+    monkeypatch.setattr(runner, "time_interleaved", spy)
+    r = decode_large.paired_prefill(d, SIZES["prefill"], 2)
+    assert seen == {"names": ["npattn", "transformers"], "child": "_ChildFn", "repeats": 2}
+    assert r["repeats"] == 2 and r["ratio"] > 0
+    tps = r["tokens_per_s"]
+    assert r["ratio"] == pytest.approx(tps["npattn"] / tps["transformers"])
+
+
+def test_prefill_case_is_the_npattn_sides_prefill(checkpoint):
+    d, _ = checkpoint
+    built = decode_large.prefill_case(np.dtype("float32"), None, directory=d, tokens=5)
+    assert built.torch == {} and list(built.npattn) == ["npattn"]
+    m, forward = decode_large._npattn_model(d, None)
+    ids = decode_large._prompt(5)
+    np.testing.assert_array_equal(built.npattn["npattn"](), forward(ids, True))
+    assert ids.shape == (1, 5)
+
+
 def test_bandwidth_and_load_peak(checkpoint):
     d, _ = checkpoint
     bw = decode_large.bandwidth(256, 64, repeats=2)
@@ -106,6 +137,17 @@ def test_table_fractions_and_verdicts():
     assert decode_large.format_section({}) == []
 
 
+def test_prefill_goal_reads_the_turns_where_the_report_has_them():
+    report = _report(hf_prefill=105.0)  # rows: 100 / 105 = 0.95x
+    report["decode_large"]["paired_prefill"] = {"ratio": 1.03, "tokens_per_s": {}, "repeats": 5}
+    text = "\n".join(decode_large.format_section(report))
+    assert "prefill at 1.03x transformers' (>= 1.0: yes) in turns (5 each" in text
+    assert "the rows' separate processes: 0.95x)" in text
+    report["decode_large"]["paired_prefill"] = {"missing": "torch"}
+    text = "\n".join(decode_large.format_section(report))
+    assert "prefill at 0.95x transformers' (>= 1.0: NO)" in text and "in turns" not in text
+
+
 def test_table_without_transformers():
     report = _report()
     report["decode_large"]["rows"][2] = {"impl": "transformers", "missing": "torch"}
@@ -122,6 +164,8 @@ def test_section_alone_quick(capsys, monkeypatch):
     assert r["config"]["vocab_size"] == decode_large.QUICK["vocab_size"]
     assert [x.get("impl") for x in r["rows"][:2]] == ["npattn float32", "npattn bfloat16"]
     assert len(r["paired"]["ratios"]) == decode_large.PAIRED_QUICK["rounds"] and r["paired"]["ratio"] > 0
+    pre = r["paired_prefill"]
+    assert "missing" in pre or (pre["repeats"] == decode_large.PREFILL_TURNS_QUICK and pre["ratio"] > 0)
     assert r["load"]["model_bytes"] > 0 and r["bandwidth"]["gb_per_s"] > 0
 
 

@@ -410,6 +410,13 @@ def _delta_rule_flops(*, b, h, L, D, **_):
     return 3 * 2 * b * h * L * 3 * D * D
 
 
+def _prefill(dtype, torch, **params):
+    """A large model's prefill (``decode_large.prefill_case``), npattn's side alone."""
+    from .decode_large import prefill_case
+
+    return prefill_case(dtype, torch, **params)
+
+
 KINDS = {
     "attention": Kind(attention, _attention_flops),
     "attention_jvp": Kind(attention_jvp, _attention_jvp_flops),
@@ -419,4 +426,5 @@ KINDS = {
     "decode": Kind(decode, _decode_flops),
     "delta_rule": Kind(delta_rule, _delta_rule_flops),
     "mla_decode": Kind(_mla_decode, _mla_decode_flops),
+    "prefill": Kind(_prefill, lambda **_: 0.0),  # decode_large's paired prefill (its own report)
 }
