@@ -554,6 +554,41 @@ def test_a_refused_entry_names_the_file(tmp_path):
 
 
 # -- the tokenizer of a GGUF file ---------------------------------------------------------------------
+# DeepSeek LLM's letters: the cased letters (Lu, Ll, Lt), run by run
+_DEEPSEEK_LETTERS = [
+    (0x41, 0x5A), (0x61, 0x7A), (0xB5, 0xB5), (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x1BA), (0x1BC, 0x1BF),
+    (0x1C4, 0x293), (0x295, 0x2AF), (0x370, 0x373), (0x376, 0x376), (0x377, 0x377), (0x37B, 0x37D),
+    (0x37F, 0x37F), (0x386, 0x386), (0x388, 0x38A), (0x38C, 0x38C), (0x38E, 0x3A1), (0x3A3, 0x3F5),
+    (0x3F7, 0x481), (0x48A, 0x52F), (0x531, 0x556), (0x10A0, 0x10C5), (0x13A0, 0x13F5), (0x13F8, 0x13FD),
+    (0x1C90, 0x1CBA), (0x1CBD, 0x1CBF), (0x1D00, 0x1D2B), (0x1D6B, 0x1D77), (0x1D79, 0x1D9A), (0x1E00, 0x1F15),
+    (0x1F18, 0x1F1D), (0x1F20, 0x1F45), (0x1F48, 0x1F4D), (0x1F50, 0x1F57), (0x1F59, 0x1F59), (0x1F5B, 0x1F5B),
+    (0x1F5D, 0x1F5D), (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4), (0x1FB6, 0x1FBC), (0x1FBE, 0x1FBE), (0x1FC2, 0x1FC4),
+    (0x1FC6, 0x1FCC), (0x1FD0, 0x1FD3), (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC), (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC),
+    (0x2102, 0x2102), (0x2107, 0x2107), (0x210A, 0x2113), (0x2115, 0x2115), (0x2119, 0x211D), (0x2124, 0x2124),
+    (0x2126, 0x2126), (0x2128, 0x2128), (0x212A, 0x212D), (0x212F, 0x2134), (0x2139, 0x2139), (0x213C, 0x213F),
+    (0x2145, 0x2149), (0x214E, 0x214E), (0x2183, 0x2183), (0x2184, 0x2184), (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4),
+    (0x2CEB, 0x2CEE), (0x2CF2, 0x2CF2), (0x2CF3, 0x2CF3), (0xA640, 0xA66D), (0xA680, 0xA69B), (0xA722, 0xA76F),
+    (0xA771, 0xA787), (0xA78B, 0xA78E), (0xAB70, 0xABBF), (0xFB00, 0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A),
+    (0xFF41, 0xFF5A), (0x10400, 0x1044F), (0x104B0, 0x104D3), (0x104D8, 0x104FB), (0x10C80, 0x10CB2),
+    (0x10CC0, 0x10CF2), (0x118A0, 0x118DF), (0x1E900, 0x1E943),
+]  # fmt: skip
+# DeepSeek's CJK runs and DeepSeek LLM's punctuation
+_DEEPSEEK_OTHER_RUNS = [
+    (0x4E00, 0x9FA5), (0x800, 0x4E00), (0xAC00, 0xD7FF), (0x21, 0x2F), (0x3A, 0x7E), (0xFF01, 0xFF0F),
+    (0xFF1A, 0xFF5E), (0x2018, 0x201F), (0x3000, 0x3002),
+]  # fmt: skip
+# where the pre-tokenizers differ: digit runs, CJK and Korean runs, case changes inside a word, ASCII
+# and full-width punctuation before letters, slashes before a newline, Greek, the Ohm and Kelvin signs
+# and U+1FBE inside words (DeepSeek LLM's letters: not their NFC forms), letters that are not cased
+# (kana, Hebrew, Arabic), trailing spaces after them
+_CORPUS = [
+    "我想在apple工作1314151天～ 3333333 33 333 3.3 한국어 텍스트",
+    "camelCaseWord HTTPServer getHTTPResponse ÉCOLE école",
+    "path/to/file//\n\n'quoted' \"x\" ...!!! ,hello ；你好！ Ｈｅｌｌｏ",
+    "Ωmega x\u2126y ΚΑΛΗΜΕΡΑ καλημέρα \u212aelvin ab\u1fbecd",
+    "a 東京タワー テスト שלום עולם مرحبا   ",
+    "שלום \u1fbe עולם \u2126 مرحبا \u1f7d",  # a space goes with DeepSeek LLM's letters, not the Hebrew
+]
 TEXTS = [
     "Hello world",
     "the cat's  hat\n\n  sat on\tthe mat",
@@ -564,41 +599,110 @@ TEXTS = [
     "(hello) [world] DON'T WE'LL 2024\n\n\n  x",
     "cafe\u0301 = café",  # NFC (Qwen2's normalizer) makes the first e + accent the second's é
     "a zebra sat",
+    *_CORPUS,
+    "3.14159 × 2 = 6.28; 1234567890",
+    "HelloWorld ΔΕΛΤΑ δέλτα 東京タワー 서울 ",
+    "a/b\n//c  \n  ",
+    # each end of each run of DeepSeek LLM's letters, punctuation and CJK and the character past it,
+    # after a space
+    "".join(
+        f"\u05d0 {chr(c)}"
+        for a, b in _DEEPSEEK_LETTERS + _DEEPSEEK_OTHER_RUNS
+        for c in (a - 1, a, b, b + 1)
+        if not 0xD800 <= c < 0xE000
+    ),
 ]
-_SPLITS = {  # the originals' split regexes (tokenizer.json of Llama 3 and Qwen2), None: GPT-2's
-    "gpt-2": None,
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+",
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_DEEPSEEK_CJK = "[一-龥ࠀ-一가-퟿]+"
+
+
+def _split(regex):
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+
+def _byte_level(use_regex):
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+
+
+_DIGITS = {"type": "Digits", "individual_digits": True}
+# the originals' tokenizer.json: (pre_tokenizer steps, the BPE's ignore_merges, NFC normalizer)
+_ORIGINALS = {
+    "gpt-2": ([_byte_level(True)], False, False),  # GPT-2's
+    "llama-bpe": ([_split(_LLAMA3), _byte_level(False)], True, False),  # Llama 3's
+    "qwen2": ([_split(_QWEN2), _byte_level(False)], False, True),  # Qwen2's
+    "tekken": ([_split(_TEKKEN), _byte_level(False)], True, False),  # Mistral Nemo's
+    "smollm": ([_DIGITS, _byte_level(True)], False, False),  # SmolLM's
+    "deepseek-llm": (  # DeepSeek LLM's
+        [
+            _split("[\r\n]"),
+            _split(r"\s?[" + "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in _DEEPSEEK_LETTERS) + "]+"),
+            _split(r"\s?[!-/:-~！-／：-～‘-‟　-。]+"),
+            _split(r"\s+$"),
+            _split(_DEEPSEEK_CJK),
+            _DIGITS,
+            _byte_level(False),
+        ],
+        False,
+        False,
+    ),
+    "deepseek-coder": (  # DeepSeek Coder's
+        [
+            _split("[\r\n]"),
+            _split(r"\s?\p{L}+"),
+            _split(r"\s?\p{P}+"),
+            _split(_DEEPSEEK_CJK),
+            _DIGITS,
+            _byte_level(False),
+        ],
+        False,
+        False,
+    ),
 }
 
 
 def _bpe_tokenizer(pre: str):
-    """A tiny byte-level BPE trained here, shaped as GPT-2's, Llama 3's or Qwen2's tokenizer.json:
-    three special tokens and one added non-special token."""
+    """A tiny byte-level BPE with the pre-tokenizer, normalizer and ignore_merges of the original's
+    tokenizer.json (``_ORIGINALS``): three special tokens and one added non-special token.  Its
+    merges are trained on unsplit text, so they cross every boundary a pre-tokenizer may draw: one
+    that splits where the original does not, or not where it does, encodes differently."""
     tk = pytest.importorskip("tokenizers")
-    tok = tk.Tokenizer(tk.models.BPE(ignore_merges=pre == "llama-bpe"))
-    split = _SPLITS[pre]
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
-    tok.pre_tokenizer = (
-        byte_level
-        if split is None
-        else tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"), byte_level])
-    )
-    if pre == "qwen2":
-        tok.normalizer = tk.normalizers.NFC()
-    tok.decoder = tk.decoders.ByteLevel()
+    steps, ignore_merges, nfc = _ORIGINALS[pre]
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": {"type": "NFC"} if nfc else None,
+        "pre_tokenizer": _byte_level(False),
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "vocab": {}, "merges": []},
+    }
+    tok = tk.Tokenizer.from_str(json.dumps(spec))
     trainer = tk.trainers.BpeTrainer(
-        vocab_size=400,
+        vocab_size=2000,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
     )
     corpus = ["the cat sat on the mat; the dog's hat, 123 4567 89!", "Hello world, hello there: café ünïcödé"] * 20
     corpus += ["(hello) [world] DON'T WE'LL 2024 \n\n\n  x"] * 20  # where the three splits differ
-    tok.train_from_iterator(corpus, trainer)
-    # a word in the vocabulary that no merge makes: Llama 3's BPE (ignore_merges) takes it whole
+    tok.train_from_iterator(corpus + _CORPUS * 20, trainer)
+    # a word in the vocabulary that no merge makes: an ignore_merges BPE (Llama 3's) takes it whole
     spec = json.loads(tok.to_str())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": steps}
+    spec["model"]["ignore_merges"] = ignore_merges
     spec["model"]["vocab"]["\u0120zebra"] = len(spec["model"]["vocab"])
     tok = tk.Tokenizer.from_str(json.dumps(spec))
     tok.add_tokens([tk.AddedToken("<think>", special=False, normalized=False)])
@@ -632,7 +736,13 @@ def _write_tokenizer(w, tok, pre: str, directory, chat_template=None):
     return tokens
 
 
-@pytest.mark.parametrize("pre", sorted(_SPLITS))
+def _pieces(tok, text):
+    """The pieces ``tok`` pre-tokenizes ``text`` into (normalized first)."""
+    text = tok.normalizer.normalize_str(text) if tok.normalizer is not None else text
+    return [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("pre", sorted(_ORIGINALS))
 def test_tokenizer_from_the_metadata_encodes_as_the_original(tmp_path, pre):
     from npattn.models.gguf import gguf_tokenizer
 
@@ -649,6 +759,7 @@ def test_tokenizer_from_the_metadata_encodes_as_the_original(tmp_path, pre):
         ids = tok.encode(text).ids
         assert len(ids) >= 2
         assert got.encode(text).ids == ids, text
+        assert _pieces(got, text) == _pieces(tok, text), text  # where no merge would show a cut
         for skip in (True, False):
             assert got.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), text
 
@@ -700,11 +811,11 @@ def test_tokenizers_npattn_does_not_build_are_refused_by_name(tmp_path):
 
     def other_pre(w):
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("deepseek-coder")
+        w.add_tokenizer_pre("deepseek-r1-qwen")
         w.add_token_list(["a", "b"])
         w.add_token_merges([])
 
-    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'deepseek-coder' is not a pre-tokenizer npattn knows"):
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre 'deepseek-r1-qwen' is not a pre-tokenizer npattn knows"):
         gguf_tokenizer(_tokenizer_file(tmp_path / "p.gguf", other_pre))
 
     def bad_merge(w):

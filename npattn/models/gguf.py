@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,7 +48,15 @@ from ..functional.rope_scaling import inverse_frequencies
 from .configs import GGUF_FAMILIES
 from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, load_into, rounds_into_bits
 
-__all__ = ["from_gguf", "read_gguf", "gguf_tokenizer", "gguf_chat_template", "GGUF_TYPES", "GGUF_PRE_TOKENIZERS"]
+__all__ = [
+    "from_gguf",
+    "read_gguf",
+    "gguf_tokenizer",
+    "gguf_chat_template",
+    "GGUF_TYPES",
+    "GGUF_PRE_TOKENIZERS",
+    "GgufPreTokenizer",
+]
 
 # the GGML types npattn reads, each dequantized by gguf.quants.dequantize (the installed gguf must
 # know it: ``_dequantizes``): every type of the quantization mixes llama.cpp releases (Q4_K_M takes
@@ -466,10 +475,9 @@ def from_gguf(cls, path, dtype=None, weights_dtype=None):
 
 
 # -- the tokenizer of a GGUF file -------------------------------------------------------------------
-# tokenizer.ggml.pre -> the pre-tokenizer's split regex as the original tokenizer.json states it (the
-# one llama.cpp's llama-vocab.cpp rewrites for its own engine; None: GPT-2's, ByteLevel's own) and
-# whether the original BPE takes a word found whole in the vocabulary without merging (ignore_merges)
-# and normalizes to NFC first
+# tokenizer.ggml.pre -> the pre-tokenizer as the original tokenizer.json states it (its regexes, not
+# the ones llama.cpp's llama-vocab.cpp rewrites for its own engine), with the original BPE's
+# ignore_merges and NFC normalizer (GgufPreTokenizer)
 _GPT4_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
@@ -478,14 +486,58 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
 )
-#: The ``tokenizer.ggml.pre`` values ``gguf_tokenizer`` reads: ``(split regex or None for GPT-2's,
-#: ignore_merges, NFC)``.
+# Mistral's tekken (Mistral Nemo's tokenizer.json)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek LLM's and DeepSeek Coder's: newlines alone, then (DeepSeek LLM) runs of cased letters and of
+# ASCII / full-width punctuation, trailing spaces, and both's CJK runs (Han, Korean and U+0800-U+4E00)
+_DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LETTERS = (
+    r"\s?[A-Za-z"
+    "\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376\u0377"
+    "\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556"
+    "\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a"
+    "\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4"
+    "\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc"
+    "\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b"
+    "\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a"
+    "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
+    "\U000118a0-\U000118df\U0001e900-\U0001e943]+"
+)
+_DEEPSEEK_PUNCT = r"\s?[!-/:-~" "\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"
+
+
+class GgufPreTokenizer(NamedTuple):
+    """How an original tokenizer.json pre-tokenizes: ``splits``, its ``Split`` regexes in order
+    (each ``Isolated``, as the file states them); ``digits``, a ``Digits(individual_digits=True)``
+    step after them; then ``ByteLevel``, with GPT-2's own regex where ``splits`` is empty.
+    ``ignore_merges``: its BPE takes a word found whole in the vocabulary without merging;
+    ``nfc``: its normalizer is NFC."""
+
+    splits: tuple[str, ...] = ()
+    digits: bool = False
+    ignore_merges: bool = False
+    nfc: bool = False
+
+
+#: The ``tokenizer.ggml.pre`` values ``gguf_tokenizer`` reads, each as its original's tokenizer.json
+#: pre-tokenizes (``GgufPreTokenizer``).
 GGUF_PRE_TOKENIZERS = {
-    "gpt-2": (None, False, False),
-    "llama-bpe": (_GPT4_SPLIT, True, False),
-    "llama3": (_GPT4_SPLIT, True, False),
-    "llama-v3": (_GPT4_SPLIT, True, False),
-    "qwen2": (_QWEN2_SPLIT, False, True),
+    "gpt-2": GgufPreTokenizer(),
+    "llama-bpe": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
+    "llama3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
+    "llama-v3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
+    "qwen2": GgufPreTokenizer((_QWEN2_SPLIT,), nfc=True),
+    "tekken": GgufPreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True),
+    "smollm": GgufPreTokenizer(digits=True),
+    "deepseek-llm": GgufPreTokenizer(
+        ("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK), digits=True
+    ),
+    "deepseek-coder": GgufPreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK), digits=True),
 }
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 
@@ -511,7 +563,7 @@ def _bpe(f: _File, vocab: dict, tk) -> tuple:
             f"{f.path}: tokenizer.ggml.pre {_short(pre)} is not a pre-tokenizer npattn knows "
             f"(it reads {sorted(GGUF_PRE_TOKENIZERS)})"
         )
-    split, ignore_merges, nfc = GGUF_PRE_TOKENIZERS[pre]
+    spec = GGUF_PRE_TOKENIZERS[pre]
     merges = f.meta.get("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         raise ValueError(f"{f.path}: tokenizer.ggml.merges: expected a list of 'a b' strings, got {_short(merges)}")
@@ -520,11 +572,12 @@ def _bpe(f: _File, vocab: dict, tk) -> tuple:
     if bad is not None:
         raise ValueError(f"{f.path}: tokenizer.ggml.merges[{bad}] {_short(merges[bad])} is not two tokens 'a b'")
     pairs = [(m[:c], m[c + 1 :]) for m, c in zip(merges, cut)]
-    model = tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=split is None)
-    if split is not None:
-        byte_level = tk.pre_tokenizers.Sequence([tk.pre_tokenizers.Split(tk.Regex(split), "isolated"), byte_level])
-    return model, tk.normalizers.NFC() if nfc else None, byte_level, tk.decoders.ByteLevel()
+    model = tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges, fuse_unk=False)
+    steps = [tk.pre_tokenizers.Split(tk.Regex(s), "isolated") for s in spec.splits]
+    steps += [tk.pre_tokenizers.Digits(individual_digits=True)] if spec.digits else []
+    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=not spec.splits)
+    pre_tokenizer = tk.pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
+    return model, tk.normalizers.NFC() if spec.nfc else None, pre_tokenizer, tk.decoders.ByteLevel()
 
 
 def _spm(f: _File, vocab: dict, tk) -> tuple:
