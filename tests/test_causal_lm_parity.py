@@ -120,6 +120,44 @@ FAMILIES = {
             rms_norm_eps=1e-5,
         ),
     ),
+    # SmolLM3: the default NoPE layer (every fourth: the last of four) sliding through a window of 3
+    # keys (use_sliding_window), biases on the MLP, untied (attention_bias: tests/test_smollm3.py, as
+    # a NoPE layer's k_proj.bias has a gradient of exactly zero, which a relative comparison cannot take)
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=3,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rope_theta=500.0,
+            pad_token_id=0,
+        ),
+    ),
+    # SmolLM3 with its own no_rope_layers (the first and last layers NoPE: no interval gives that),
+    # every layer full, one key/value head, a tied head
+    "smollm3_no_rope_layers": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            no_rope_layers=[0, 1, 1, 0],
+            rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+            pad_token_id=0,
+        ),
+    ),
     "qwen3": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
@@ -413,7 +451,19 @@ def test_state_dict_round_trip_uses_hf_names(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "mistral", "qwen2", "gemma2", "olmo2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_next"],
+    [
+        "llama",
+        "mistral",
+        "qwen2",
+        "gemma2",
+        "olmo2",
+        "smollm3",
+        "qwen3",
+        "gemma3_text",
+        "gpt_oss",
+        "deepseek_v3",
+        "qwen3_next",
+    ],
 )
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """A hand-written dict that leaves keys out reads as transformers reads it: the same

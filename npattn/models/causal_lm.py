@@ -138,7 +138,7 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
         la = _sub(cfg.linear_attention)
         layer = KimiDeltaAttention if isinstance(la, KdaConfig) else GatedDeltaNet
         return layer(**la.kwargs(), rng=rng, dtype=dtype)
-    mha = cfg.attention_config(kind).kwargs()
+    mha = cfg.attention_config(kind, i).kwargs()
     return MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
 
 
@@ -225,7 +225,7 @@ def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
             out += _lin("in_proj_b", nv, H, False) + _lin("in_proj_a", nv, H, False)
         out += [("norm.weight", (la.linear_value_head_dim,))] + _lin("out_proj", H, value, False)
         return [(f"linear_attn.{n}", s) for n, s in out]
-    a = cfg.attention_config(kind)  # MultiHeadAttention
+    a = cfg.attention_config(kind, i)  # MultiHeadAttention
     hd, kv_rows, b = a.head_dim, a.num_kv_heads * a.head_dim, a.qkv_bias
     out = [("sinks", (heads,))] if a.sinks else []
     out += _lin("q_proj", heads * hd * (2 if a.output_gate else 1), H, b)

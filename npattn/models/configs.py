@@ -60,6 +60,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "gemma2",
     "olmo2",
+    "smollm3",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -479,6 +480,14 @@ class CausalLMConfig:
     ``per_layer_vocab_size`` their table's rows; ``layer_scalar``: each layer's output times its
     ``layer_scalar`` buffer; ``double_wide_mlp``: the MLPs of the reusing layers are twice as wide
     (``mlp_size``).
+
+    ``rope_layers[i]``: whether layer ``i`` rotates its queries and keys (``None``: every layer
+    does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) are
+    ``False`` here: a per-layer flag beside ``layer_types``, not a kind of layer or a ``rope`` entry,
+    since a NoPE layer is otherwise a layer of its kind (full or sliding, with that kind's window)
+    and the layer types stay transformers' own.  ``attention_config(layer_type, i)`` turns it into
+    ``MultiHeadAttention``'s ``rope`` flag; the module's forward, backward, JVP and cached decoding
+    then skip the rotation as for any layer built with ``rope=False``.
     """
 
     model_type: str
@@ -524,6 +533,7 @@ class CausalLMConfig:
     per_layer_vocab_size: int | None = None
     layer_scalar: bool = False
     double_wide_mlp: bool = False
+    rope_layers: tuple | None = None  # per layer: whether it rotates q and k (SmolLM3's NoPE layers: False)
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -540,12 +550,14 @@ class CausalLMConfig:
         """A copy with ``changes`` (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
-    def attention_config(self, layer_type: str) -> AttentionConfig:
+    def attention_config(self, layer_type: str, layer: int | None = None) -> AttentionConfig:
         """``MultiHeadAttention``'s arguments for the layers of kind ``layer_type``
         (``"full_attention"`` or ``"sliding_attention"``): the RoPE parameters of that kind (or
         the model's one ``"default"``), a causal window of ``sliding_window`` keys on sliding
-        layers."""
+        layers; for layer ``layer`` (its index), whether it rotates at all (``rope_layers``;
+        ``layer`` None: a layer of that kind that rotates)."""
         rope = dict(self.rope.get(layer_type, self.rope.get("default", {})))
+        rotates = layer is None or self.rope_layers is None or bool(self.rope_layers[layer])
         sliding = layer_type == "sliding_attention" and self.sliding_window
         return AttentionConfig(
             num_heads=self.num_attention_heads,
@@ -559,7 +571,7 @@ class CausalLMConfig:
             softcap=self.attn_logit_softcapping,
             sinks=self.sinks,
             scale=self.attention_scale,
-            rope=True,
+            rope=rotates,
             rope_scaling=rope,
             qk_norm=self.qk_norm,
             qk_norm_eps=self.rms_norm_eps if self.qk_norm else None,
@@ -932,6 +944,57 @@ def _qwen2(r: _Reader) -> dict:
     here)."""
     c = _qwen3(r)
     c.update(qk_norm=False, attention_bias=True, attention_out_bias=False)
+    return c
+
+
+def _no_rope_layers(r: _Reader, n: int) -> tuple:
+    """SmolLM3's ``no_rope_layers`` as ``rope_layers``: a list of ``n`` entries (num_hidden_layers),
+    each 1 (the layer rotates) or 0 (NoPE); left out, ``SmolLM3Config``'s rule: every
+    ``no_rope_layer_interval``-th layer (the last of each run) NoPE, the others RoPE."""
+    v = r.get("no_rope_layers")
+    if v is None:
+        interval = r.int("no_rope_layer_interval", 4)
+        return tuple((i + 1) % interval != 0 for i in range(n))
+    r.get("no_rope_layer_interval")  # transformers reads it only to make a missing list
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"config['no_rope_layers']: expected a list of 0 and 1 (1: RoPE, 0: NoPE), got {_show(v)}")
+    if len(v) != n:
+        raise ValueError(f"config['no_rope_layers']: expected {n} entries (num_hidden_layers), got {len(v)}")
+    for x in v:
+        if isinstance(x, bool) or x not in (0, 1):
+            raise ValueError(
+                f"config['no_rope_layers']: expected entries 0 (NoPE) or 1 (RoPE), got {_show(x)} in {_show(v)}"
+            )
+    return tuple(x == 1 for x in v)
+
+
+def _smollm3(r: _Reader) -> dict:
+    """SmolLM3 (HuggingFaceTB/SmolLM3-3B): Llama's layers (``attention_bias`` on all four attention
+    projections, ``mlp_bias`` on the MLP's three, a tied head by default, RoPE base 2e6) of which
+    those with a 0 in ``no_rope_layers`` attend without RoPE (NoPE; by default every fourth,
+    ``no_rope_layer_interval``): ``CausalLMConfig.rope_layers``.  With ``use_sliding_window`` and a
+    ``sliding_window`` the NoPE layers slide by default (``SmolLM3Config``'s ``layer_types``); a
+    ``sliding_attention`` layer without ``use_sliding_window`` is refused (transformers' eager and
+    SDPA attention mask its window, its flash attention does not)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    rope_layers = _no_rope_layers(r, n)
+    use_sw = r.bool("use_sliding_window")
+    sw = r.get("sliding_window") if use_sw else None
+    default = ["sliding_attention" if sw is not None and not rope_layers[i] else "full_attention" for i in range(n)]
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    if "sliding_attention" in lt and not use_sw:
+        raise ValueError(
+            "config['layer_types']: 'sliding_attention' with use_sliding_window false is not supported by npattn "
+            "for model_type 'smollm3' (transformers' attention implementations disagree on it)"
+        )
+    c.update(
+        _mlp_and_bias(r),
+        mlp_bias=r.bool("mlp_bias"),
+        rope=_rope_params(r, 2000000.0),
+        rope_layers=rope_layers,
+        **_dense_layers(r, lt),
+    )
     return c
 
 
@@ -1705,6 +1768,18 @@ _DEFAULTS: dict = {
         vocab_size_per_layer_input=262144,
         hidden_size_per_layer_input=256,
     ),
+    "smollm3": dict(
+        _SILU,
+        **_sizes(positions=32768, vocab=128256, hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=4),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        mlp_bias=False,
+        use_sliding_window=False,
+        no_rope_layer_interval=4,
+        pad_token_id=128004,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "olmo3": dict(
         _LLAMA_SIZES,
@@ -2076,6 +2151,7 @@ _READERS = {
     "kimi_linear": _kimi_linear,
     "deepseek_v32": _deepseek_v32,
     "gemma4_text": _gemma4,
+    "smollm3": _smollm3,
 }
 
 

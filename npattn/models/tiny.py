@@ -467,6 +467,19 @@ TINY_CONFIGS: dict = {
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
     "olmo2": dict(_BASE, model_type="olmo2", rope_theta=5000.0, attention_bias=True, eos_token_id=2),
+    # SmolLM3: every second layer NoPE (no rotation) and sliding through a window of 3, a tied head
+    "smollm3": dict(
+        _BASE,
+        model_type="smollm3",
+        num_hidden_layers=4,
+        no_rope_layer_interval=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        rope_theta=1000.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
@@ -513,7 +526,7 @@ _WIDTHS = (
 
 def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> dict:
     """``TINY_CONFIGS[model_type]``'s options at width ``hidden`` (a multiple of its 16), with
-    ``layers`` layers (an explicit ``layer_types`` repeated) and a ``vocab``-token vocabulary:
+    ``layers`` layers (an explicit ``layer_types`` or ``no_rope_layers`` repeated) and a ``vocab``-token vocabulary:
     every width (``_WIDTHS``: heads' features, projections, experts) times ``hidden / 16``, head
     and expert counts, windows and the rest unchanged.
 
@@ -529,8 +542,9 @@ def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> d
     for key in _WIDTHS:
         if key in d:
             d[key] *= hidden // base
-    if "layer_types" in d:
-        d["layer_types"] = (d["layer_types"] * math.ceil(layers / len(d["layer_types"])))[:layers]
+    for key in ("layer_types", "no_rope_layers"):  # per-layer lists: their pattern repeated
+        if key in d:
+            d[key] = (d[key] * math.ceil(layers / len(d[key])))[:layers]
     lac = d.get("linear_attn_config")
     if lac:  # Kimi Linear: the head width scaled, the 1-indexed layer lists' pattern repeated
         lac["head_dim"] *= hidden // base
