@@ -51,6 +51,8 @@ def test_which_layers_rotate():
         (dict(layer_types=["full_attention", "chunked_attention"] * 2), r"'layer_types'.*'chunked_attention'"),
         (dict(rope_scaling={"rope_type": "bogus"}), "rope"),
         (dict(qk_norm=True), r"'qk_norm'"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
     ],
 )
 def test_refusals_name_the_key(bad, match):

@@ -975,7 +975,8 @@ def _smollm3(r: _Reader) -> dict:
     ``no_rope_layer_interval``): ``CausalLMConfig.rope_layers``.  With ``use_sliding_window`` and a
     ``sliding_window`` the NoPE layers slide by default (``SmolLM3Config``'s ``layer_types``); a
     ``sliding_attention`` layer without ``use_sliding_window`` is refused (transformers' eager and
-    SDPA attention mask its window, its flash attention does not)."""
+    SDPA attention mask its window, its flash attention does not), and so is a
+    ``partial_rotary_factor`` below 1 (SmolLM3Attention rotates whole heads)."""
     c = _common(r)
     n = c["num_hidden_layers"]
     rope_layers = _no_rope_layers(r, n)
@@ -988,10 +989,17 @@ def _smollm3(r: _Reader) -> dict:
             "config['layer_types']: 'sliding_attention' with use_sliding_window false is not supported by npattn "
             "for model_type 'smollm3' (transformers' attention implementations disagree on it)"
         )
+    rope = _rope_params(r, 2000000.0)
+    if rope["default"].get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"config: partial_rotary_factor = {_show(rope['default']['partial_rotary_factor'])} is not supported by "
+            "npattn for model_type 'smollm3' (SmolLM3Attention rotates whole heads: its default RoPE ignores the "
+            "factor, the other types' tables do not fit the heads)"
+        )
     c.update(
         _mlp_and_bias(r),
         mlp_bias=r.bool("mlp_bias"),
-        rope=_rope_params(r, 2000000.0),
+        rope=rope,
         rope_layers=rope_layers,
         **_dense_layers(r, lt),
     )
