@@ -56,8 +56,14 @@ GEMMA2 = dict(
     final_logit_softcapping=35.0,
 )
 
+# SmolLM3: four layers, the fourth NoPE (llama.cpp's fixed step of 4, SmolLM3Config's default);
+# a llama file (q/k permuted), the head tied
+SMOLLM3 = dict(FAMILIES["smollm3"], hidden_size=256, intermediate_size=256, use_sliding_window=False)
+SMOLLM3.pop("no_rope_layer_interval"), SMOLLM3.pop("sliding_window")
+
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
+_PERMUTED = ("llama", "smollm3")  # the converter permutes their q/k rows (LlamaModel.permute)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -153,7 +159,7 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             for part, v in (("gate_proj", value[:, :half]), ("up_proj", value[:, half:])):
                 out[key, names.get_name(key.replace("gate_up_proj", part)) + ".weight"] = np.ascontiguousarray(v)
             continue
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
             kv = config["num_key_value_heads"]
             value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
         if arch in _GEMMAS and key.endswith("norm.weight"):
@@ -203,7 +209,7 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
     out: dict = {}
     for name, v in held.items():
         key = names[name]
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
             n = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
             v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
         if arch in _GEMMAS and key.endswith("norm.weight"):
@@ -231,6 +237,7 @@ CASES = [
     (QWEN3_MOE, "qwen3moe"),
     (GEMMA2, "gemma2"),
     (GEMMA3, "gemma3"),
+    (SMOLLM3, "smollm3"),
 ]
 
 
@@ -250,6 +257,8 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
+    if arch == "smollm3":  # llama.cpp's NoPE layers: every fourth
+        assert loaded.config.rope_layers == (True, True, True, False)
     if arch == "gemma2":  # the file's softcaps, not Gemma2Config's defaults (50, 30)
         assert (loaded.config.attn_logit_softcapping, loaded.config.final_logit_softcapping) == (20.0, 35.0)
 
@@ -263,12 +272,13 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     want = _hf_values(held, sd, config, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
     _assert_holds(loaded, want)
-    if arch == "llama":  # the permutation matters: the file's rows are not Hugging Face's
+    if arch in _PERMUTED:  # the permutation matters: the file's rows are not Hugging Face's
         assert not np.array_equal(held["blk.0.attn_q.weight"], want["model.layers.0.self_attn.q_proj.weight"])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
-    if qtype in (Q.F16, Q.BF16, Q.Q8_0) and arch != "qwen3moe":  # close to the source model too (a router's
-        # near-tie may pick another expert after rounding: no such bound for the MoE model)
+    # close to the source model too (a router's near-tie may pick another expert after rounding: no such
+    # bound for the MoE model; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%)
+    if arch != "qwen3moe" and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch != "smollm3")):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
@@ -368,8 +378,9 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (QWEN3_MOE, "qwen3moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
         (GEMMA2, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM")),
         (GEMMA3, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM")),
+        (SMOLLM3, "smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM")),
     ],
-    ids=["qwen2", "qwen3moe", "gemma2", "gemma3"],
+    ids=["qwen2", "qwen3moe", "gemma2", "gemma3", "smollm3"],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the

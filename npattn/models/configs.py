@@ -146,6 +146,10 @@ def _gguf_gemma3(config: dict, meta: Mapping) -> None:
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True),
     "qwen2": GgufFamily("qwen2"),
+    # llama.cpp's smollm3 (src/models/smollm3.cpp): a llama file (q/k permuted by the converter,
+    # SmolLM3Model(LlamaModel)) whose every fourth layer skips RoPE: its n_no_rope_layer_step is a
+    # fixed 4 and no metadata says otherwise (the converter stores no no_rope_layers)
+    "smollm3": GgufFamily("smollm3", permute_qk=True, extra={"no_rope_layer_interval": 4}),
     "qwen3": GgufFamily("qwen3"),
     "qwen3moe": GgufFamily(
         "qwen3_moe",

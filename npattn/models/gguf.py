@@ -7,7 +7,8 @@ the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>
 a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8_0`` ... ``Q5_1``,
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``,
-``gemma2``, ``gemma3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES`` in ``models/configs.py``.
+``gemma2``, ``gemma3``, ``smollm3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES``
+in ``models/configs.py``.
 
 Reading one:
 
@@ -24,8 +25,9 @@ Reading one:
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
-   ``(2, D/2)`` become ``(D/2, 2)``); the reverse reordering gives back Hugging Face's
-   rotate-half rows.  The other architectures' files use the rotate-half (NeoX)
+   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3`` model's too, its converter being Llama's); the
+   reverse reordering gives back Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE
+   layers are llama.cpp's fixed every fourth).  The other architectures' files use the rotate-half (NeoX)
    RoPE and are not permuted.  The converter stores Gemma's norm weights as ``1 + w`` (what
    ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
    Llama 3.x files keep their RoPE scaling (Hugging Face's ``rope_scaling`` ``"llama3"``) not in the
