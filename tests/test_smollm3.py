@@ -20,6 +20,50 @@ from npattn.models.tiny import tiny_config
 _SIZES = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2)
 
 
+# SmolLM3-3B's config.json (HuggingFaceTB/SmolLM3-3B) at a tiny size: its keys as released, the
+# older ones (max_window_layers, pretraining_tp, rope_scaling null, no layer_types) among them
+_RELEASED = dict(
+    architectures=["SmolLM3ForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    bos_token_id=None,
+    eos_token_id=2,
+    hidden_act="silu",
+    hidden_size=32,
+    initializer_range=0.02,
+    intermediate_size=40,
+    max_position_embeddings=64,
+    max_window_layers=4,
+    mlp_bias=False,
+    model_type="smollm3",
+    no_rope_layer_interval=4,
+    no_rope_layers=[1, 1, 1, 0],
+    num_attention_heads=4,
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    pretraining_tp=2,
+    rms_norm_eps=1e-06,
+    rope_scaling=None,
+    rope_theta=5000000.0,
+    sliding_window=None,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    transformers_version="4.54.0.dev0",
+    use_cache=False,
+    use_sliding_window=False,
+    vocab_size=61,
+)
+
+
+def test_the_released_config_reads():
+    """Every key of SmolLM3-3B's config.json is read or known (max_window_layers: a key
+    transformers' SmolLM3 never reads): every fourth layer NoPE, all full, tied, RoPE base 5e6."""
+    c = config_from_hf(_RELEASED)
+    assert c.rope_layers == (True, True, True, False) and c.layer_types == ("full_attention",) * 4
+    assert c.tie_word_embeddings and c.rope["default"]["rope_theta"] == 5e6 and c.sliding_window is None
+
+
 def test_which_layers_rotate():
     """The list as given (1: RoPE, 0: NoPE), else SmolLM3Config's rule (every interval-th layer
     NoPE); the built attention modules' ``rope`` flags follow; with use_sliding_window the NoPE
@@ -151,3 +195,14 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(short):
     assert a.replace(**meta) == b.replace(**meta)
     assert a.rope_layers == tuple(bool(x) for x in full["no_rope_layers"])
     assert a.layer_types == tuple(full["layer_types"]) and a.rope == b.rope
+
+
+def test_the_released_config_gives_transformers_logits():
+    """The released config.json's keys as transformers builds them (its max_window_layers kept as
+    an attribute nothing reads): the same logits."""
+    hf, cfg = build(T.SmolLM3Config, T.SmolLM3ForCausalLM, **_RELEASED)
+    assert cfg["max_window_layers"] == 4
+    m = CausalLM.from_hf(state_dict(hf), dict(_RELEASED))
+    ids = _ids(_RELEASED["vocab_size"], seed=4)
+    ref, _ = hf_logits_and_grads(hf, ids, np.zeros(ids.shape + (_RELEASED["vocab_size"],)))
+    assert rel_err(m(ids), ref, floor=1e-300, relative_to="max_b") < 1e-9

@@ -984,6 +984,9 @@ def _smollm3(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
     rope_layers = _no_rope_layers(r, n)
+    # SmolLM3-3B's config.json says max_window_layers (a Qwen2 key): SmolLM3Config has no such
+    # field and nothing in transformers' SmolLM3 reads it (sliding layers: layer_types)
+    r.get("max_window_layers")
     use_sw = r.bool("use_sliding_window")
     sw = r.get("sliding_window") if use_sw else None
     default = ["sliding_attention" if sw is not None and not rope_layers[i] else "full_attention" for i in range(n)]
