@@ -526,7 +526,7 @@ _WIDTHS = (
 
 def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> dict:
     """``TINY_CONFIGS[model_type]``'s options at width ``hidden`` (a multiple of its 16), with
-    ``layers`` layers (an explicit ``layer_types`` or ``no_rope_layers`` repeated) and a ``vocab``-token vocabulary:
+    ``layers`` layers (an explicit ``layer_types`` repeated) and a ``vocab``-token vocabulary:
     every width (``_WIDTHS``: heads' features, projections, experts) times ``hidden / 16``, head
     and expert counts, windows and the rest unchanged.
 
@@ -542,9 +542,8 @@ def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> d
     for key in _WIDTHS:
         if key in d:
             d[key] *= hidden // base
-    for key in ("layer_types", "no_rope_layers"):  # per-layer lists: their pattern repeated
-        if key in d:
-            d[key] = (d[key] * math.ceil(layers / len(d[key])))[:layers]
+    if "layer_types" in d:
+        d["layer_types"] = (d["layer_types"] * math.ceil(layers / len(d["layer_types"])))[:layers]
     lac = d.get("linear_attn_config")
     if lac:  # Kimi Linear: the head width scaled, the 1-indexed layer lists' pattern repeated
         lac["head_dim"] *= hidden // base
