@@ -365,7 +365,9 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
     needs no mask, an uncached pass gets the prompt's followed by ones).  Eval mode (dropout off)
     while the loop runs, each forward under ``no_grad`` (nothing else between two steps is); the
     cache is reset before and after and the model's mode restored when the loop ends or the
-    generator is closed.  A model has one cache: the loop that last filled it holds it
+    generator is closed.  A model whose ``reencode_length`` is set (LongRoPE) encodes its tokens
+    so far again, into a fresh cache, at the step where they reach that length, as transformers'
+    Phi-3 drops its cache there.  A model has one cache: the loop that last filled it holds it
     (``_CACHE_HOLDER``), and a loop resumed after another generate/stream on the same model
     filled it re-encodes its tokens so far before its next step, as transformers' calls, each with
     its own cache, are independent (and ends without resetting what another holds).  A direct
@@ -382,12 +384,14 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
         new = np.ones((len(out), out.shape[1] - mask.shape[1]), mask.dtype)
         return {"attention_mask": np.concatenate([mask, new], axis=1)[:, start:]}
 
+    # LongRoPE (CausalLM.reencode_length): the whole sequence again where the frequencies switch
+    reencode = getattr(model, "reencode_length", None) if use_cache else None
     try:
         primed = False
         for _ in range(n):
             with no_grad():
                 if use_cache and (context_size is None or out.shape[1] <= context_size):
-                    if primed and _holds_cache(model, me):
+                    if primed and _holds_cache(model, me) and out.shape[1] != reencode:
                         logits = model(out[:, -1:], use_cache=True)
                     else:  # the prompt, or the tokens so far when another loop took the cache: the
                         # last position's logits only, where the model can say so

@@ -180,9 +180,9 @@ def _turn(x, c, s, interleaved):
 
 def _cos_sin(positions, length: int, r: int, base, params: dict, dtype):
     """cos and sin of the angles of ``positions`` (None: ``0..length-1``) for the ``r / 2`` pairs,
-    times the attention factor (YaRN), in ``dtype``: shape ``positions.shape + (r / 2,)``."""
+    times the attention factor (YaRN, LongRoPE), in ``dtype``: shape ``positions.shape + (r / 2,)``."""
     seq_len = None
-    if params["rope_type"] == "dynamic":  # the frequencies depend on the length seen (HF: max position + 1)
+    if params["rope_type"] in ("dynamic", "longrope"):  # they depend on the length seen (HF: max position + 1)
         seq_len = length if positions is None else (int(positions.max()) + 1 if positions.size else None)
     inv_freq, factor = inverse_frequencies(r, base, params, seq_len)
     theta = _angles(positions, length, inv_freq)

@@ -28,6 +28,15 @@ change these frequencies; Hugging Face configurations say how in a ``rope_scalin
   identity), all divided by ``factor`` (default 1).  Unlike the other types' partial rotary, which
   rotates the first features as a smaller head (pairs ``(i, i + R/2)``, frequencies over ``R``),
   the pairs stay ``(i, i + dim/2)``.
+- ``"longrope"`` (LongRoPE, Ding et al. 2024; Phi-3/3.5/4-mini): pair ``i`` turns at
+  ``base**(-2i/dim) / ext[i]``, ``ext`` the ``short_factor`` list (``dim/2`` numbers) for a
+  sequence of at most ``original_max_position_embeddings`` tokens, the ``long_factor`` list
+  beyond (``seq_len``, the largest position + 1, as Hugging Face's ``dynamic_rope_update`` picks
+  them per forward call); cos and sin are multiplied by ``attention_factor``, by default
+  ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 for ``factor <= 1``) with
+  ``factor`` the dict's or ``max_position_embeddings / original_max_position_embeddings``
+  (``_compute_longrope_parameters``).  Like ``dynamic``, the frequencies depend on the length
+  seen: keys cached by an earlier call keep their rotation.
 
 Each mirrors the function of the same type in ``transformers.modeling_rope_utils``
 (``ROPE_INIT_FUNCTIONS``), in float64.  The dict may also hold ``rope_theta`` (the base),
@@ -69,7 +78,9 @@ _TYPE_KEYS: dict[str, tuple[str, ...]] = {
     ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
     "proportional": ("factor",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor", "factor"),
 }
+_LISTS = ("short_factor", "long_factor")  # longrope's per-pair factors: lists of numbers > 0
 _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "max_position_embeddings")
 # values that may be 0 (Hugging Face reads them with `or`/truthiness: 0 means "not given")
 _MAY_BE_ZERO = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -108,7 +119,11 @@ def check_scaling(scaling, name: str = "scaling") -> dict[str, Any]:
         if k in ("rope_type", "type"):
             continue
         label = f"{name}[{k!r}]"
-        if k == "truncate":
+        if k in _LISTS:
+            if isinstance(v, (str, bytes, Mapping)) or not hasattr(v, "__len__") or not len(v):
+                raise TypeError(f"{label}: expected a non-empty list of numbers > 0, got {v!r}")
+            out[k] = tuple(check_positive_float(x, f"{label}[{i}]") for i, x in enumerate(v))
+        elif k == "truncate":
             if not isinstance(v, (bool, np.bool_)):
                 raise TypeError(f"{label}: expected a bool, got {v!r} ({type(v).__name__})")
             out[k] = bool(v)
@@ -124,7 +139,14 @@ def check_scaling(scaling, name: str = "scaling") -> dict[str, Any]:
                 f"{name}: rope_type {kind!r} needs 'original_max_position_embeddings' (or 'max_position_embeddings')"
             )
         out["original_max_position_embeddings"] = out["max_position_embeddings"]
+    if kind == "longrope" and "factor" not in out and "attention_factor" not in out:
+        if "max_position_embeddings" not in out:
+            raise ValueError(
+                f"{name}: rope_type 'longrope' needs 'factor', 'attention_factor' or 'max_position_embeddings' "
+                "(factor = max_position_embeddings / original_max_position_embeddings)"
+            )
     required = {
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
         "linear": ("factor",),
         "dynamic": ("factor", "max_position_embeddings"),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
@@ -153,7 +175,8 @@ def _standardize(
     reads it (``standardize_rope_params``): ``rope_type`` from the older ``type`` (default
     ``"default"``), ``rope_theta`` and ``partial_rotary_factor`` from beside the dict where it has
     none, and the config's ``max_position_embeddings`` as ``original_max_position_embeddings`` of
-    ``yarn`` and ``llama3`` where the dict has none.  ``dynamic`` reads the config's
+    ``yarn``, ``llama3`` and ``longrope`` where the dict has none (``longrope`` also keeps the
+    config's ``max_position_embeddings``, its default ``factor`` being their ratio).  ``dynamic`` reads the config's
     ``max_position_embeddings`` too; npattn keeps it in the dict, where ``rope_frequencies`` looks.
 
     Returns a new dict (keys set to None count as absent), checked by ``check_scaling``.  Raises
@@ -183,6 +206,10 @@ def _standardize(
     needs = {"yarn": "original_max_position_embeddings", "llama3": "original_max_position_embeddings"}
     needs["dynamic"] = "max_position_embeddings"
     key = needs.get(p["rope_type"]) if isinstance(p["rope_type"], str) else None
+    if p["rope_type"] == "longrope":  # factor (when not given) = max_position_embeddings / original
+        if max_position_embeddings is not None:
+            p.setdefault("max_position_embeddings", max_position_embeddings)
+        key = "original_max_position_embeddings"
     if key is not None and key not in p:
         if max_position_embeddings is None:
             raise ValueError(f"{name}: rope_type {p['rope_type']!r} needs the config's max_position_embeddings")
@@ -220,6 +247,11 @@ def resolve_rotary_dim(d: int, rotary_dim, params: dict, name: str = "rotary_dim
             raise ValueError(f"{name}: {r} disagrees with partial_rotary_factor={f} ({from_factor} of {d} features)")
     if r < 2 or r % 2 or r > d:
         raise ValueError(f"{label}: expected an even number of rotated features in [2, {d}], got {r}")
+    for k in _LISTS:
+        if k in params and len(params[k]) != r // 2:
+            raise ValueError(
+                f"scaling[{k!r}]: expected {r // 2} numbers (one per rotated pair of {label}={r}), got {len(params[k])}"
+            )
     if params["rope_type"] == "dynamic" and r == 2:
         raise ValueError(f"{label}: rope_type 'dynamic' needs more than 2 rotated features (dim / (dim - 2))")
     return r
@@ -339,6 +371,8 @@ def inverse_frequencies(dim: int, base: float, params: dict, seq_len: int | None
         m = params["max_position_embeddings"]
         s = m if seq_len is None else max(seq_len, m)
         base = base * (params["factor"] * s / m - (params["factor"] - 1)) ** (dim / (dim - 2))
+    if kind == "longrope":
+        return _longrope(base**exponent, params, seq_len)
     inv_freq = 1.0 / base**exponent
     if kind == "linear":
         return inv_freq / params["factor"], 1.0
@@ -376,6 +410,21 @@ def _yarn(inv_freq: np.ndarray, dim: int, base: float, params: dict) -> tuple[np
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     keep = 1.0 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
     return inv_freq / factor * (1.0 - keep) + inv_freq * keep, float(attention_factor)
+
+
+def _longrope(powers: np.ndarray, params: dict, seq_len: int | None) -> tuple[np.ndarray, float]:
+    """LongRoPE's frequencies and attention factor (``_compute_longrope_parameters``): the long
+    factors for a sequence longer than ``original_max_position_embeddings``, else the short ones."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # Phi-3: the ratio of the extended context to the pretrained one
+        factor = params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    long = seq_len is not None and seq_len > original
+    ext = np.asarray(params["long_factor" if long else "short_factor"], dtype=np.float64)
+    return 1.0 / (ext * powers), float(attention_factor)
 
 
 def _llama3(inv_freq: np.ndarray, params: dict) -> np.ndarray:

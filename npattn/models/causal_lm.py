@@ -1100,6 +1100,22 @@ class CausalLM(Module):
         object.__setattr__(self, "_seen", 0)  # tokens fed through the cache
         object.__setattr__(self, "_mask_history", None)  # their attention_mask (None: all tokens)
 
+    @property
+    def reencode_length(self) -> int | None:
+        """The length (prompt and new tokens) at which cached decoding (``generate``, ``stream``)
+        encodes the whole sequence again instead of feeding one token: with LongRoPE,
+        ``original_max_position_embeddings + 1``, where the frequencies switch from the short
+        factors to the long ones (keys cached before would keep the short ones), as transformers'
+        ``Phi3ForCausalLM.prepare_inputs_for_generation`` drops its cache there; None otherwise.
+        A direct ``model(ids, use_cache=True)`` does not: each call's frequencies follow its own
+        largest position, as a transformers forward with a cache."""
+        lengths = [
+            int(p["original_max_position_embeddings"])
+            for p in self.config.rope.values()
+            if p is not None and p.get("rope_type") == "longrope"
+        ]
+        return min(lengths) + 1 if lengths else None
+
     # -- saving and generating ---------------------------------------------------------------
     def save_pretrained(self, directory, *, max_shard_size="5GB") -> None:
         """Write the model as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained``

@@ -61,6 +61,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma2",
     "olmo2",
     "smollm3",
+    "phi3",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -433,7 +434,11 @@ class CheckpointLayout:
     multi-token-prediction layers the family's released checkpoints carry beside the model
     (DeepSeek-V3's ``num_nextn_predict_layers`` layers ``model.layers.{n}.`` after its ``n``,
     Qwen3-Next's and Qwen3.5's ``mtp.``): not part of the causal LM, their tensors are left
-    unread, as transformers ignores them (``_keys_to_ignore_on_load_unexpected``)."""
+    unread, as transformers ignores them (``_keys_to_ignore_on_load_unexpected``).  ``fused``: pairs
+    of a checkpoint's projection and the model's projections whose rows it stacks, in order
+    (Phi-3's ``self_attn.qkv_proj`` for ``q_proj``, ``k_proj``, ``v_proj`` and ``mlp.gate_up_proj``
+    for ``gate_proj``, ``up_proj``): split while loading (the split names are read too), written
+    fused by ``save_pretrained``; the model and its ``state_dict`` keep the split names."""
 
     family: str = ""
     per_expert: bool = False
@@ -441,6 +446,7 @@ class CheckpointLayout:
     renames: tuple = ()  # (model name part, checkpoint name part): the checkpoint's keys say the second
     split_conv: bool = False  # KDA's self_attn.conv1d.weight kept as q_conv1d, k_conv1d, v_conv1d (thirds)
     mtp: tuple = ()  # key prefixes of the checkpoint's multi-token-prediction layers, left unread
+    fused: tuple = ()  # (checkpoint part, (model parts, ...)): one checkpoint tensor, the parts' rows in order
 
 
 @dataclass(frozen=True)
@@ -1410,6 +1416,78 @@ def _olmo2(r: _Reader) -> dict:
     return c
 
 
+# Phi-3's checkpoints (and transformers' Phi3Attention / Phi3MLP) stack q, k, v and gate, up
+_PHI3_FUSED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
+def _phi3_rope(r: _Reader, head_dim: int) -> dict:
+    """Phi-3's RoPE dict as ``Phi3Config.convert_rope_params_to_dict`` reads it: ``rope_scaling``
+    (when non-empty) or ``rope_parameters``; the older types ``"su"`` and ``"yarn"`` are
+    ``"longrope"``; for ``longrope`` the config's top-level ``original_max_position_embeddings``
+    (a field of Phi3Config, 4096 when absent) takes the place of the dict's own
+    (``standardize_rope_params``: Phi-3's exception)."""
+    rp = _rope_mapping(r, "rope_parameters")
+    scaling = _rope_mapping(r, "rope_scaling")
+    key = "rope_scaling" if scaling else "rope_parameters"
+    chosen = {k: v for k, v in dict(scaling or rp or {}).items() if v is not None}
+    kind = chosen.get("rope_type", chosen.get("type"))
+    if kind in ("su", "yarn"):
+        chosen.pop("type", None)
+        chosen["rope_type"] = "longrope"
+    original = r.int("original_max_position_embeddings")
+    if chosen.get("rope_type", chosen.get("type")) == "longrope":
+        chosen["original_max_position_embeddings"] = original
+    theta = r.get("rope_theta")
+    params = _standardize(
+        chosen,
+        f"config[{key!r}]",
+        rope_theta=10000.0 if theta is None else theta,
+        partial_rotary_factor=r.get("partial_rotary_factor"),
+        max_position_embeddings=_max_positions(r),
+    )
+    if params["rope_type"] not in ("default", "longrope"):
+        raise ValueError(
+            f"config[{key!r}]['rope_type']: Phi-3 reads 'default' or 'longrope' ('su' and 'yarn' mean "
+            f"'longrope'), got {params['rope_type']!r}"
+        )
+    pairs = int(head_dim * params.get("partial_rotary_factor", 1.0)) // 2
+    for k in ("short_factor", "long_factor"):
+        if k in params and len(params[k]) != pairs:
+            raise ValueError(
+                f"config[{key!r}][{k!r}]: expected {pairs} numbers (one per rotated pair: head_dim {head_dim} times "
+                f"partial_rotary_factor, halved), got {len(params[k])}"
+            )
+    return {"default": params}
+
+
+def _phi3(r: _Reader) -> dict:
+    """Phi-3, Phi-3.5 and Phi-4-mini (``Phi3ForCausalLM``): Llama's layers without biases, the
+    checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (``_PHI3_FUSED``), partial rotary
+    (``partial_rotary_factor``), LongRoPE, a window of ``sliding_window`` keys on every layer where
+    it is set (``Phi3Model`` masks with ``create_sliding_window_causal_mask`` then: Phi-3-mini's
+    2047), a tied head where ``tie_word_embeddings`` (Phi-4-mini).  ``resid_pdrop`` (dropout on each
+    sublayer's output, training only) must be 0; ``embd_pdrop`` is read by no module of
+    transformers' Phi-3 (metadata)."""
+    c = _common(r)
+    r.only("resid_pdrop", (0, 0.0), 0.0, "npattn has no dropout on the residual branches")
+    r.float("embd_pdrop", 0.0, positive=False)  # Phi3Model has no embedding dropout
+    r.only("attention_bias", (False,), False, "Phi3Attention's projections have no biases")
+    r.only("mlp_bias", (False,), False, "Phi3MLP's projections have no biases")
+    n = c["num_hidden_layers"]
+    kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        rope=_phi3_rope(r, c["head_dim"]),
+        layout=CheckpointLayout(r.model_type, fused=_PHI3_FUSED),
+        **_dense_layers(r, (kind,) * n),
+    )
+    return c
+
+
 def _olmo3(r: _Reader) -> dict:
     """OLMo 3: post-norm (each sublayer's output normalised, then added: no norm before attention
     or the MLP), q/k RMSNorm over the whole projection, sliding-window layers (by default three
@@ -1795,6 +1873,19 @@ _DEFAULTS: dict = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    "phi3": dict(
+        **_sizes(positions=4096, vocab=32064, hidden=3072, intermediate=8192, layers=32, heads=32),
+        original_max_position_embeddings=4096,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=32000,
+        pad_token_id=32000,
+    ),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "olmo3": dict(
         _LLAMA_SIZES,
@@ -2160,6 +2251,7 @@ _READERS = {
     "deepseek_v3": _deepseek_v3,
     "qwen3_next": _qwen3_next,
     "olmo2": _olmo2,
+    "phi3": _phi3,
     "olmo3": _olmo3,
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe_text": _qwen3_5,

@@ -566,7 +566,7 @@ def _read_part(s, out: np.ndarray) -> None:
     """``s`` (a source, or a part of a fused one) into ``out``: a float array, or ``uint16``
     bfloat16 bits — a ``BF16`` tensor's bits as stored (exact, no float32 copy), any other tensor
     read as float32 and rounded to nearest even."""
-    if out.dtype != np.uint16 or isinstance(s, (_Merged, _Stacked)):
+    if out.dtype != np.uint16 or isinstance(s, (_Merged, _Stacked, _Rows)):
         s.read_into(out)  # a fused tensor reads each of its parts through _read_part
         return
     v = s.value if isinstance(s, _Source) else s
@@ -671,6 +671,93 @@ class _Stacked:
         for part in self.parts:
             _read_part(part, out[r : r + part.shape[0]])
             r += part.shape[0]
+
+
+class _Rows:
+    """Rows ``start:stop`` of a fused checkpoint tensor (a ``_Source``: Phi-3's ``qkv_proj`` or
+    ``gate_up_proj``) as one model tensor (``CheckpointLayout.fused``)."""
+
+    def __init__(self, name: str, fused, start: int, stop: int):
+        self.name, self.fused, self.start, self.stop = name, fused, start, stop
+        self.shape = (stop - start, *fused.shape[1:])
+        self.kind = fused.kind
+
+    @property
+    def first_key(self) -> str:
+        return self.fused.name
+
+    def mismatch(self, expected: tuple) -> str | None:
+        if tuple(self.shape) == tuple(expected):
+            return None
+        return f"state_dict[{self.fused.name!r}]: expected {tuple(expected)} rows for {self.name}, got {self.shape}"
+
+    @property
+    def is_float(self) -> bool:
+        return self.fused.is_float
+
+    @property
+    def natural_dtype(self):
+        return self.fused.natural_dtype
+
+    def numpy(self, dtype) -> np.ndarray:
+        return self.fused.numpy(dtype)[self.start : self.stop].copy()
+
+    def read_into(self, out: np.ndarray) -> None:
+        if out.dtype == np.uint16:  # bfloat16 bits: the rows read as float32 (exact for a BF16 file), rounded
+            to_bfloat16_bits(np.ascontiguousarray(self.fused.numpy(np.float32)[self.start : self.stop]), out=out)
+        else:
+            out[...] = self.fused.numpy(out.dtype)[self.start : self.stop]
+
+
+def checkpoint_key(key: str, layout) -> str:
+    """The checkpoint's name of the model's ``key``: the fused tensor that holds its rows
+    (``CheckpointLayout.fused``), else ``key``."""
+    for fused, parts in layout.fused:
+        for part in parts:
+            if key.endswith(f".{part}.weight"):
+                return key[: -len(f"{part}.weight")] + f"{fused}.weight"
+    return key
+
+
+def _split_fused(src: dict, cfg) -> dict:
+    """``src`` with each fused checkpoint tensor (``CheckpointLayout.fused``) replaced by its
+    parts' rows under the model's names, the row counts the config's.  Raises ``ValueError``
+    naming the fused key when its shape is not its parts' stacked, or when a part's own key is
+    given beside it; a fused key the config has no layer for is left as it is (unexpected)."""
+    from .causal_lm import _state_shapes
+
+    found = {}
+    for key in list(src):
+        for fused, parts in cfg.layout.fused:
+            if key.endswith(f".{fused}.weight"):
+                found[key] = [key[: -len(f"{fused}.weight")] + f"{p}.weight" for p in parts]
+    if not found:
+        return src
+    wanted = {k for names in found.values() for k in names}
+    shapes: dict = {}
+    for key, shape in _state_shapes(cfg):
+        if key in wanted:
+            shapes[key] = shape
+            if len(shapes) == len(wanted):
+                break
+    for key, names in found.items():
+        if any(n not in shapes for n in names):
+            continue  # no such layer: refused as unexpected
+        s = src[key]
+        rows = [shapes[n][0] for n in names]
+        expected = (sum(rows), *shapes[names[0]][1:])
+        if tuple(s.shape) != expected:
+            parts = " + ".join(f"{r} ({n.rsplit('.', 2)[-2]})" for r, n in zip(rows, names))
+            raise ValueError(f"state_dict[{key!r}]: expected shape {expected} (rows {parts}), got {tuple(s.shape)}")
+        for n in names:
+            if n in src:
+                raise ValueError(f"state_dict: both {key!r} and {n!r}, one of its parts (give one or the other)")
+        del src[key]
+        start = 0
+        for n, r in zip(names, rows):
+            src[n] = _Rows(n, s, start, start + r)
+            start += r
+    return src
 
 
 _CONV_PART = re.compile(r"^(?P<prefix>.*\.self_attn\.)(?P<part>[qkv])_conv1d\.weight$")
@@ -810,12 +897,14 @@ def _check_against_config(src: dict, cfg, tied_copy) -> None:
             if len(missing) == _LISTED:
                 break
         elif wrong is None:
-            wrong = s.mismatch(shape) if isinstance(s, (_Merged, _Stacked)) else None
+            wrong = s.mismatch(shape) if isinstance(s, (_Merged, _Stacked, _Rows)) else None
             if wrong is None and tuple(s.shape) != shape:
                 wrong = f"state_dict[{key!r}]: expected shape {shape}, got {tuple(s.shape)}"
     mt = cfg.layout.family
     if missing:
         more = " and more" if len(missing) == _LISTED else ""
+        if cfg.layout.fused:  # a fused checkpoint's missing tensor by the name it has there
+            missing = list(dict.fromkeys(checkpoint_key(k, cfg.layout) for k in missing))
         raise ValueError(f"state_dict: missing key {missing[0]!r} (model_type {mt!r}; missing: {missing}{more})")
     unexpected = [(s.first_key if isinstance(s, (_Merged, _Stacked)) else k) for k, s in src.items() if k not in seen]
     if unexpected:
@@ -867,6 +956,8 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
     if bad:
         raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
     src = _checkpoint_names(src, cfg.layout)
+    if cfg.layout.fused:
+        src = _split_fused(src, cfg)
     if cfg.layout.per_expert:
         src = _merge_experts(src, cfg.layout.expert_projs)
     if cfg.tie_word_embeddings and "lm_head.weight" in src and "model.embed_tokens.weight" not in src:

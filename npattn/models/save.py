@@ -150,8 +150,32 @@ def checkpoint_tensors(model) -> dict:
             for e in range(arr.shape[0]):
                 parts[f"{m['prefix']}.{e}.{down}.weight"] = arr[e]
         out.update({k: (a, "BF16") for k, a in parts.items()} if bits else parts)
+    if layout.fused:
+        out = fused_tensors(out, layout.fused)
     if layout.renames:
         out = {_renamed(k, layout.renames): v for k, v in out.items()}
+    return out
+
+
+def fused_tensors(tensors: dict, fused: tuple) -> dict:
+    """``tensors`` with each set of parts the checkpoint stacks into one tensor
+    (``CheckpointLayout.fused``: Phi-3's ``qkv_proj``, ``gate_up_proj``) written as that tensor, in
+    the place of its first part (a copy: the rows of the parts, in order; bfloat16 bits stay bits)."""
+    out: dict = {}
+    for key, v in tensors.items():
+        for name, parts in fused:
+            if key.endswith(f".{parts[0]}.weight"):
+                prefix = key[: -len(f"{parts[0]}.weight")]
+                vals = [tensors[f"{prefix}{p}.weight"] for p in parts]
+                if isinstance(v, tuple):  # (bits, "BF16")
+                    out[f"{prefix}{name}.weight"] = (np.concatenate([b for b, _ in vals]), "BF16")
+                else:
+                    out[f"{prefix}{name}.weight"] = np.concatenate(vals)
+                break
+            if any(key.endswith(f".{p}.weight") for p in parts[1:]):
+                break  # written with its first part
+        else:
+            out[key] = v
     return out
 
 

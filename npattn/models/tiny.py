@@ -480,6 +480,23 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Phi-3 / Phi-4-mini: partial rotary (6 of 8 features), LongRoPE with an original context of 4
+    # (the tests' sequences cross it: the long factors), a tied head, the fused checkpoint names
+    "phi3": dict(
+        _BASE,
+        model_type="phi3",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        partial_rotary_factor=0.75,
+        max_position_embeddings=32,
+        original_max_position_embeddings=4,
+        rope_theta=1000.0,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5], "long_factor": [1.5, 3.0, 6.0]},
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    ),
 }
 
 
@@ -557,5 +574,10 @@ def scaled_config(model_type: str, *, hidden: int, layers: int, vocab: int) -> d
         while k and not set(lt[layers - k :]) <= set(lt[: layers - k]):
             k -= 1
         d.update(num_kv_shared_layers=k, vocab_size_per_layer_input=vocab)
+    rs = d.get("rope_scaling")
+    if rs and rs.get("rope_type") == "longrope":  # Phi-3: one factor a rotated pair, each repeated
+        k = hidden // base
+        for key in ("short_factor", "long_factor"):
+            rs[key] = [f for f in rs[key] for _ in range(k)]
     d.update(num_hidden_layers=layers, vocab_size=vocab)
     return d

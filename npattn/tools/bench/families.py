@@ -69,7 +69,12 @@ def _transformers_twin(torch, cfg, model):  # pragma: needs torch
     config._experts_implementation = "eager"
     dtype = torch.float64 if model.dtype == np.float64 else torch.float32
     tm = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
+    sd = model.state_dict()
+    if model.config.layout.fused:  # Phi-3: transformers' modules hold the checkpoint's fused projections
+        from ...models.save import fused_tensors
+
+        sd = fused_tensors(sd, model.config.layout.fused)
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
     missing, unexpected = tm.load_state_dict(sd, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"bench families: weights do not fit transformers' model: {missing} {unexpected}")
