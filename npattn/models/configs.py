@@ -1426,20 +1426,26 @@ _PHI3_FUSED = (
 def _phi3_rope(r: _Reader, head_dim: int) -> dict:
     """Phi-3's RoPE dict as ``Phi3Config.convert_rope_params_to_dict`` reads it: ``rope_scaling``
     (when non-empty) or ``rope_parameters``; the older types ``"su"`` and ``"yarn"`` are
-    ``"longrope"``; for ``longrope`` the config's top-level ``original_max_position_embeddings``
-    (a field of Phi3Config, 4096 when absent) takes the place of the dict's own
-    (``standardize_rope_params``: Phi-3's exception)."""
+    ``"longrope"``; for ``longrope`` and ``yarn`` the config's top-level
+    ``original_max_position_embeddings`` (a field of Phi3Config, 4096 when absent) takes the place
+    of the dict's own (``standardize_rope_params``: Phi-3's exception), for ``su`` the dict's own
+    (which it must have) stays."""
     rp = _rope_mapping(r, "rope_parameters")
     scaling = _rope_mapping(r, "rope_scaling")
     key = "rope_scaling" if scaling else "rope_parameters"
     chosen = {k: v for k, v in dict(scaling or rp or {}).items() if v is not None}
     kind = chosen.get("rope_type", chosen.get("type"))
+    original = r.int("original_max_position_embeddings")
+    if kind in ("longrope", "yarn"):  # standardize_rope_params: Phi3Config's own field wins
+        chosen["original_max_position_embeddings"] = original
+    elif kind == "su" and "original_max_position_embeddings" not in chosen:
+        raise ValueError(
+            f"config[{key!r}]: rope type 'su' needs its own 'original_max_position_embeddings' (transformers 5 "
+            "takes the top-level one for 'longrope' and 'yarn' only, and refuses the dict without it)"
+        )
     if kind in ("su", "yarn"):
         chosen.pop("type", None)
         chosen["rope_type"] = "longrope"
-    original = r.int("original_max_position_embeddings")
-    if chosen.get("rope_type", chosen.get("type")) == "longrope":
-        chosen["original_max_position_embeddings"] = original
     theta = r.get("rope_theta")
     params = _standardize(
         chosen,
