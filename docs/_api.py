@@ -21,7 +21,7 @@ MODULES = [
     (
         "npattn.models",
         "Whole models: ``CausalLM`` from a Hugging Face config (Llama 3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3,"
-        " GPT-OSS, DeepSeek-V3, Qwen3-Next) and a small GPT-style ``TinyTransformer``.",
+        " GPT-OSS, DeepSeek-V3, Qwen3-Next, Phi-3) and a small GPT-style ``TinyTransformer``.",
     ),
     ("npattn.book", "The classes and functions of *Build a Large Language Model (From Scratch)*, chapters 3-5."),
     ("npattn.optim", "Optimisers, gradient clipping and schedules."),

@@ -75,14 +75,16 @@ class MultiHeadAttention(MultiHeadAttentionCore):
     - ``scale``: the softmax scale (default ``1/sqrt(head_dim)``), e.g. Gemma 3's
       ``query_pre_attn_scalar**-0.5`` or DeepSeek's (``npattn.functional.rope_softmax_scale``).
     - ``rope_scaling``: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (``linear``,
-      ``dynamic``, ``yarn``, ``llama3``; see ``npattn.functional.rope_frequencies``), its
+      ``dynamic``, ``yarn``, ``llama3``, ``longrope``; see ``npattn.functional.rope_frequencies``), its
       ``rope_theta`` the base when given (``rope_base`` left at its default or equal);
       ``partial_rotary_factor``: only the first ``int(head_dim * factor)`` features of each head
       rotate (Qwen3-Next); ``rope_interleaved``: pairs ``(2i, 2i+1)`` instead of rotate-half.
       A per-layer base (Gemma 3's local/global) is just ``rope_base`` per module.  With
       ``"dynamic"`` the frequencies follow the largest position of each call, so cached decoding
       past ``max_position_embeddings`` differs from one full pass (the cached keys keep the
-      rotation of their call), exactly as in Hugging Face's models.
+      rotation of their call), exactly as in Hugging Face's models; so does ``"longrope"``'s
+      decoding across ``original_max_position_embeddings`` (``CausalLM.generate`` then encodes
+      the sequence again, as transformers' Phi-3 generate).
     - ``qk_norm_eps``: the QK-norm's eps (default ``RMSNorm``'s: the dtype's machine epsilon);
       ``qk_norm_unit_offset=True``: ``x_norm * (1 + weight)`` with the weight zeros at start
       (Gemma 3's and Qwen3-Next's RMSNorm; the state dict holds that weight as they do);
