@@ -133,6 +133,8 @@ def test_reader_reads_phi3_as_transformers():
         assert list(rope["short_factor"]) == SHORT and rope["partial_rotary_factor"] == 0.75
     with pytest.raises(ValueError, match="original_max_position_embeddings"):  # transformers: KeyError
         config_from_hf(_cfg(rope_scaling={"type": "su", "short_factor": SHORT, "long_factor": LONG}))
+    phi4_keys = dict(lm_head_bias=False, full_attn_mod=1, interpolate_factor=1, mlp_bias=False, attention_bias=False)
+    assert config_from_hf(_cfg(**phi4_keys)) == config_from_hf(_cfg())  # Phi-4-mini's config.json has them
     c = config_from_hf(_cfg(sliding_window=3))
     assert c.layer_types == ("sliding_attention",) * 2 and c.sliding_window == 3
     assert config_from_hf(_cfg()).layer_types == ("full_attention",) * 2
@@ -153,6 +155,9 @@ def test_reader_reads_phi3_as_transformers():
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": SHORT}}, "long_factor"),
         ({"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
         ({"some_phi_option": 1}, "some_phi_option"),
+        ({"lm_head_bias": True}, "lm_head_bias"),
+        ({"full_attn_mod": 2}, "full_attn_mod"),
+        ({"interpolate_factor": 4}, "interpolate_factor"),
     ],
 )
 def test_reader_refuses_naming_the_key(change, key):

@@ -1482,6 +1482,11 @@ def _phi3(r: _Reader) -> dict:
     r.float("embd_pdrop", 0.0, positive=False)  # Phi3Model has no embedding dropout
     r.only("attention_bias", (False,), False, "Phi3Attention's projections have no biases")
     r.only("mlp_bias", (False,), False, "Phi3MLP's projections have no biases")
+    # Phi-4-mini's config.json carries three keys of its remote code that transformers' Phi-3
+    # reads nowhere: their released values only (any other would mean what transformers ignores)
+    r.only("lm_head_bias", (False,), False, "Phi3ForCausalLM's head has no bias")
+    r.only("full_attn_mod", (1,), 1, "transformers' Phi-3 ignores it; 1 (Phi-4-mini's) is every layer as here")
+    r.only("interpolate_factor", (1, 1.0), 1, "transformers' Phi-3 ignores it; 1 is Phi-4-mini's")
     n = c["num_hidden_layers"]
     kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
     c.update(
