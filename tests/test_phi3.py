@@ -353,3 +353,25 @@ def test_generate_reencodes_at_the_switch_as_transformers():
     with no_grad():  # every step's token is the full pass's arg-max
         for t in range(2, out.shape[1]):
             np.testing.assert_array_equal(m(out[:, :t])[:, -1].argmax(-1), out[:, t])
+
+
+@pytest.mark.parametrize("length", [4, 5])
+def test_reference_rope_agrees_on_longrope(length):
+    """The textbook tier (functional.reference) computes LongRoPE pair by pair as the fast one."""
+    from npattn import functional as F
+    from npattn.functional import reference as R
+
+    x = np.random.default_rng(2).standard_normal((2, length, 8))
+    s = dict(
+        rope_type="longrope",
+        short_factor=SHORT,
+        long_factor=LONG,
+        original_max_position_embeddings=4,
+        max_position_embeddings=16,
+        partial_rotary_factor=0.75,
+    )
+    ref, _ = R.rope(x, scaling=s)
+    fast, _ = F.rope(x, scaling=s)
+    np.testing.assert_allclose(ref, fast, rtol=0, atol=1e-14)
+    norms = np.linalg.norm(fast[..., :6], axis=-1) / np.linalg.norm(x[..., :6], axis=-1)
+    np.testing.assert_allclose(norms, math.sqrt(2.0), rtol=1e-14)  # factor 16 / 4: sqrt(1 + ln 4 / ln 4)

@@ -1547,6 +1547,10 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
       two ``mscale`` values, DeepSeek-V3) so the softmax's temperature is kept;
     - llama3: the wavelength ``2 pi / f_i`` decides: shorter than ``original / high_freq_factor``
       kept, longer than ``original / low_freq_factor`` divided by ``factor``, a blend between;
+    - longrope (Phi-3): ``f_i / short_factor[i]`` for a sequence of at most
+      ``original_max_position_embeddings`` tokens, ``f_i / long_factor[i]`` beyond; cos and sin
+      scaled by ``attention_factor`` (default ``sqrt(1 + ln(factor) / ln(original))``, ``factor``
+      the dict's or ``max_position_embeddings / original``; 1 for ``factor <= 1``);
     - proportional (Gemma 4): all ``dim / 2`` pairs, the first ``int(partial_rotary_factor dim // 2)``
       at ``base^(-2i/dim)``, the rest at 0 (not rotated), each divided by ``factor``.
     """
@@ -1589,6 +1593,14 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
         high = high + 0.001 if low == high else high
         keep = [1.0 - min(max((i - low) / (high - low), 0.0), 1.0) for i in range(r // 2)]
         f = [fi / factor * (1 - w) + fi * w for fi, w in zip(f, keep)]
+    elif kind == "longrope":
+        fac = factor if factor is not None else max_pos / original
+        if s.get("attention_factor") is not None:
+            attention_factor = s["attention_factor"]
+        elif fac > 1:
+            attention_factor = math.sqrt(1 + math.log(fac) / math.log(original))
+        ext = s["long_factor"] if seq_len is not None and seq_len > original else s["short_factor"]
+        f = [1.0 / (e * base ** (2 * i / r)) for i, e in enumerate(ext)]
     elif kind == "llama3":
         lo, hi = s["low_freq_factor"], s["high_freq_factor"]
         out = []

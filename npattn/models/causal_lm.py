@@ -22,7 +22,10 @@ gradient ``dlogits^T h`` is added to the embedding's own (the rows of the looked
 Parameter names are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``...): the decoder
 layer renames the few modules whose own names differ (``MultiHeadAttention``'s ``W_query``,
 ``FeedForward``'s ``linear1``...), so ``named_parameters()``, ``state_dict()`` and
-``load_state_dict()`` speak the checkpoint's language.
+``load_state_dict()`` speak the checkpoint's language.  Phi-3's checkpoints stack q, k and v into
+``qkv_proj`` and gate and up into ``gate_up_proj``: the model keeps the split projections under
+Llama's names (``q_proj``, ``gate_proj``, ...), ``from_hf`` reads either, ``save_pretrained``
+writes the fused ones (``CheckpointLayout.fused``).
 """
 
 from __future__ import annotations
