@@ -1594,7 +1594,8 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
         keep = [1.0 - min(max((i - low) / (high - low), 0.0), 1.0) for i in range(r // 2)]
         f = [fi / factor * (1 - w) + fi * w for fi, w in zip(f, keep)]
     elif kind == "longrope":
-        fac = factor if factor is not None else max_pos / original
+        original = s["original_max_position_embeddings"]
+        fac = factor if factor is not None else s["max_position_embeddings"] / original
         if s.get("attention_factor") is not None:
             attention_factor = s["attention_factor"]
         elif fac > 1:
