@@ -268,3 +268,50 @@ def test_rope_dicts_transformers_would_read_otherwise_than_written_are_refused()
     inner = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 16}
     with pytest.raises(ValueError, match=r"\['max_position_embeddings'\]: 16 differs .* max_position_embeddings=8"):
         config_from_hf(dict(FAMILIES["llama"], max_position_embeddings=8, rope_parameters=inner))
+
+
+# -- a partial rotation where transformers rotates whole heads -------------------------------------------
+_PARTIAL_ROPE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "phi3")  # rotate part of each head
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("where", ["top", "dict"])
+def test_partial_rotary_factor_is_refused_where_transformers_rotates_whole_heads(family, where):
+    """Llama's attention (and that of every family it was copied into) rotates whole heads: its
+    default RoPE ignores ``partial_rotary_factor`` (``test_transformers_ignores_the_factor``), so a
+    partial rotation would give other logits; npattn refuses the key rather than guess."""
+    if family in _PARTIAL_ROPE:
+        pytest.skip("a family that rotates part of each head: its own tests read the factor")
+    cfg = dict(FAMILIES[family])
+    config_from_hf(cfg)  # the family's own config reads
+    half = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    if where == "top":
+        cfg["partial_rotary_factor"] = 0.5
+    elif family == "kimi_linear":
+        pytest.skip("no RoPE dict: its attention layers have no RoPE")
+    elif family in ("gemma3_text", "olmo3", "gemma4_text"):  # one dict per layer type
+        cfg["rope_parameters"] = {
+            "full_attention": half,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    else:
+        cfg["rope_parameters"] = dict(cfg.get("rope_parameters") or {}, **half)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        config_from_hf(cfg)
+
+
+def test_transformers_ignores_the_factor():
+    """The refusal's premise: transformers' Llama rotates whole heads whatever the factor (if a
+    release honoured it, this fails and the refusal must become a reading)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = dict(FAMILIES["llama"], dtype="float64")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    logits = []
+    for extra in ({}, {"partial_rotary_factor": 0.5}):
+        torch.manual_seed(0)
+        hf_cfg = transformers.LlamaConfig(**dict(cfg, **extra), attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(hf_cfg).double().eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits.numpy())
+    np.testing.assert_array_equal(logits[0], logits[1])

@@ -749,14 +749,30 @@ def _max_positions(r: _Reader):
     return r.int("max_position_embeddings") if r.has("max_position_embeddings") else None
 
 
-def _rope_params(r: _Reader, default_theta: float, default: Mapping | None = None) -> dict:
+def _whole_heads(r: _Reader, params: Mapping, where: str) -> None:
+    """Refuse a ``partial_rotary_factor`` other than 1 in the RoPE dict ``params`` of a family
+    whose transformers attention rotates whole heads (every family but those that pass
+    ``partial=True``: Qwen3-Next's and Qwen3.5's rotate the first features only): its default
+    RoPE ignores the factor, so npattn's partial rotation would give other logits, and the other
+    types' tables, which honour it, do not fit the heads there."""
+    f = params.get("partial_rotary_factor")
+    if f is not None and f != 1.0:
+        raise ValueError(
+            f"config: partial_rotary_factor = {_show(f)} (beside or in {where}) is not supported by npattn for "
+            f"model_type {r.model_type!r}: its attention in transformers rotates whole heads (the default RoPE ignores "
+            "the factor; the other rope types' tables, which honour it, do not fit the heads)"
+        )
+
+
+def _rope_params(r: _Reader, default_theta: float, default: Mapping | None = None, *, partial: bool = False) -> dict:
     """``{"default": rope parameters}`` as transformers 5 reads the config
     (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``, then ``standardize_rope_params``):
     a non-empty ``rope_scaling`` (the older key) takes the place of ``rope_parameters`` altogether
     (its ``rope_theta`` included); ``rope_parameters`` left out is the family's ``default``; then
     ``rope_theta`` and ``partial_rotary_factor`` beside the dict fill what it lacks, and
     ``max_position_embeddings`` gives ``yarn``/``llama3`` their ``original_max_position_embeddings``
-    (and ``dynamic`` its length)."""
+    (and ``dynamic`` its length).  ``partial``: the family rotates the first
+    ``partial_rotary_factor`` of each head (else a factor other than 1 is refused: ``_whole_heads``)."""
     rp = _rope_mapping(r, "rope_parameters")
     scaling = _rope_mapping(r, "rope_scaling")
     theta = r.get("rope_theta")
@@ -769,6 +785,8 @@ def _rope_params(r: _Reader, default_theta: float, default: Mapping | None = Non
         partial_rotary_factor=r.get("partial_rotary_factor"),
         max_position_embeddings=_max_positions(r),
     )
+    if not partial:
+        _whole_heads(r, params, key)
     return {"default": params}
 
 
@@ -820,7 +838,7 @@ def _typed_rope_params(r: _Reader, bases: dict, family: str) -> dict:
         full.update(scaling)
     mp = _max_positions(r)
     prf = r.get("partial_rotary_factor")
-    return {
+    params = {
         t: _standardize(
             out[t],
             f"config['rope_parameters'][{t!r}]",
@@ -830,6 +848,9 @@ def _typed_rope_params(r: _Reader, bases: dict, family: str) -> dict:
         )
         for t in _GEMMA_TYPES
     }
+    for t, p in params.items():
+        _whole_heads(r, p, f"rope_parameters[{t!r}]")
+    return params
 
 
 def _common(r: _Reader) -> dict:
@@ -986,7 +1007,7 @@ def _smollm3(r: _Reader) -> dict:
     ``sliding_window`` the NoPE layers slide by default (``SmolLM3Config``'s ``layer_types``); a
     ``sliding_attention`` layer without ``use_sliding_window`` is refused (transformers' eager and
     SDPA attention mask its window, its flash attention does not), and so is a
-    ``partial_rotary_factor`` below 1 (SmolLM3Attention rotates whole heads)."""
+    ``partial_rotary_factor`` below 1 (SmolLM3Attention rotates whole heads: ``_whole_heads``)."""
     c = _common(r)
     n = c["num_hidden_layers"]
     rope_layers = _no_rope_layers(r, n)
@@ -1002,17 +1023,10 @@ def _smollm3(r: _Reader) -> dict:
             "config['layer_types']: 'sliding_attention' with use_sliding_window false is not supported by npattn "
             "for model_type 'smollm3' (transformers' attention implementations disagree on it)"
         )
-    rope = _rope_params(r, 2000000.0)
-    if rope["default"].get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"config: partial_rotary_factor = {_show(rope['default']['partial_rotary_factor'])} is not supported by "
-            "npattn for model_type 'smollm3' (SmolLM3Attention rotates whole heads: its default RoPE ignores the "
-            "factor, the other types' tables do not fit the heads)"
-        )
     c.update(
         _mlp_and_bias(r),
         mlp_bias=r.bool("mlp_bias"),
-        rope=rope,
+        rope=_rope_params(r, 2000000.0),
         rope_layers=rope_layers,
         **_dense_layers(r, lt),
     )
@@ -1243,7 +1257,7 @@ def _qwen3_next(r: _Reader) -> dict:
         qk_norm=True,
         norm_offset=True,
         attn_output_gate=True,
-        rope=_rope_params(r, 10000.0),
+        rope=_rope_params(r, 10000.0, partial=True),
         layer_types=lt,
         mlp_types=mlp,
         layout=CheckpointLayout(r.model_type, per_expert=True, mtp=("mtp.",)),
@@ -1303,7 +1317,7 @@ def _qwen3_5(r: _Reader) -> dict:
         qk_norm=True,
         norm_offset=True,
         attn_output_gate=True,
-        rope=_rope_params(r, 10000.0),
+        rope=_rope_params(r, 10000.0, partial=True),
         layer_types=lt,
         mlp_types=("moe" if moe else "dense",) * n,
         layout=CheckpointLayout(r.model_type, per_expert=moe, mtp=("mtp.",)),
