@@ -241,6 +241,12 @@ CASES = [
 ]
 
 
+def _cases(*archs):
+    """The ``CASES`` of these architectures, by name (an index would move as families are added)."""
+    by = {a: (c, a) for c, a in CASES}
+    return pytest.mark.parametrize("config, arch", [by[a] for a in archs], ids=list(archs))
+
+
 @pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
 def test_f32_file_is_the_source_model(tmp_path, config, arch):
     src = _model(config)
@@ -294,7 +300,7 @@ _MORE_TYPES = [
 
 
 @pytest.mark.parametrize("qtype", _MORE_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("config, arch", [CASES[0], CASES[2]], ids=["llama", "qwen3moe"])
+@_cases("llama", "qwen3moe")
 def test_every_type_of_the_released_mixes_is_gguf_s_dequantization(tmp_path, config, arch, qtype):
     """Q3_K_M, IQ4_XS, MXFP4_MOE, ... files: each tensor is what gguf.quants.dequantize makes of
     the file's blocks (bit for bit), the model's logits those of its dequantized weights."""
@@ -1096,7 +1102,7 @@ def test_the_reader_parses_what_gguf_s_own_does_through_a_plain_view(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
-@pytest.mark.parametrize("config, arch", [CASES[0], CASES[2], CASES[3]], ids=["llama", "qwen3moe", "gemma3"])
+@_cases("llama", "qwen3moe", "gemma3")
 def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, config, arch, qtype):
     """``_dequantize_into`` three rows at a time (the last block of rows shorter, each expert of a
     stacked tensor apart): the values of the whole tensor's dequantization, the permuted q/k
