@@ -456,20 +456,11 @@ def collect(quick=False, progress=True):
             ),
             Step("load peak (bfloat16 storage)", 20.0 if big else 1.0, child("load_peak", directory=d)),
         ]
-        written, bw, f32, bf16, pair, hf, pre, load = run_steps("decode-large", steps, progress=progress, note=_note)
-    return {
-        "decode_large": {
-            "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
-            "sizes": sizes,
-            "checkpoint": written,
-            "bandwidth": bw,
-            "rows": [f32, bf16, hf],
-            "paired": pair,
-            "paired_prefill": pre,
-            "load": load,
-            "goals": GOALS,
-        }
-    }
+        names = ("checkpoint", "bandwidth", "f32", "bf16", "paired", "hf", "paired_prefill", "load")
+        got = dict(zip(names, run_steps("decode-large", steps, progress=progress, note=_note)))
+    rows = [got.pop(k) for k in ("f32", "bf16", "hf")]
+    config_sizes = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    return {"decode_large": dict(config=config_sizes, sizes=sizes, rows=rows, **got, goals=GOALS)}
 
 
 def _note(r):
@@ -500,32 +491,40 @@ def _row_bandwidth(row: dict, alone):
     return row.get("gb_per_s", alone)
 
 
-def _bf16_goal(r: dict, f32, bf16) -> str:
-    """The goals line's bfloat16 part: the paired ratio (``paired_ratio``) where the report has it,
-    with the rows' ratio (two processes at different moments) beside it; else the rows' ratio."""
-    rows = None if f32 is None or bf16 is None else bf16["tokens_per_s"] / f32["tokens_per_s"]
-    paired = r.get("paired") or {}
+def _paired_goal(r: dict, entry: str, rows, goal_key: str, label: str, how) -> str:
+    """A goal's part of the goals line, its ratio measured in turns (``r[entry]``: ``paired_ratio``,
+    ``paired_prefill``) where the report has it, with ``rows``, the rows' ratio (two processes at
+    different moments), beside it; else the rows' ratio.  ``label`` holds the ratio's ``{}``;
+    ``how(turns)`` says how the turns were taken."""
+    paired = r.get(entry) or {}
     ratio = paired.get("ratio", rows)
-    goal = r["goals"]["bf16_over_f32"]
-    text = f"bfloat16 storage at {fmt(ratio, '.2f')}x float32's tokens/s (>= {goal}: {_verdict(ratio, goal)})"
+    goal = r["goals"][goal_key]
+    text = f"{label.format(fmt(ratio, '.2f'))} (>= {goal}: {_verdict(ratio, goal)})"
     if "ratio" in paired:
-        text += f" in turns in one process (median of {paired['rounds']} rounds' ratios; the rows' separate"
-        text += f" processes: {fmt(rows, '.2f')}x)"
+        text += f" {how(paired)}; the rows' separate processes: {fmt(rows, '.2f')}x)"
     return text
+
+
+def _bf16_goal(r: dict, f32, bf16) -> str:
+    """The goals line's bfloat16 part (``paired_ratio``'s rounds)."""
+    rows = None if f32 is None or bf16 is None else bf16["tokens_per_s"] / f32["tokens_per_s"]
+    label = "bfloat16 storage at {}x float32's tokens/s"
+    return _paired_goal(r, "paired", rows, "bf16_over_f32", label, _rounds)
+
+
+def _rounds(p: dict) -> str:
+    return f"in turns in one process (median of {p['rounds']} rounds' ratios"
+
+
+def _prefill_turns(p: dict) -> str:
+    return f"in turns ({p['repeats']} each, the median call"
 
 
 def _prefill_goal(r: dict, f32, hf) -> str:
-    """The goals line's prefill part: the ratio of the turns (``paired_prefill``) where the report
-    has it, with the rows' ratio (two processes at different moments) beside it; else the rows'."""
+    """The goals line's prefill part (``paired_prefill``'s turns)."""
     rows = None if f32 is None or hf is None else f32["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"]
-    paired = r.get("paired_prefill") or {}
-    ratio = paired.get("ratio", rows)
-    goal = r["goals"]["prefill_over_transformers"]
-    text = f"prefill at {fmt(ratio, '.2f')}x transformers' (>= {goal}: {_verdict(ratio, goal)})"
-    if "ratio" in paired:
-        text += f" in turns ({paired['repeats']} each, the median call; the rows' separate processes:"
-        text += f" {fmt(rows, '.2f')}x)"
-    return text
+    label = "prefill at {}x transformers'"
+    return _paired_goal(r, "paired_prefill", rows, "prefill_over_transformers", label, _prefill_turns)
 
 
 def format_section(report):
