@@ -308,10 +308,10 @@ def test_cached_decoding_across_the_switch_is_transformers_cached_forward():
     """Prompt of 3 (short factors), then one token at a time past original (4): each call's
     frequencies follow its largest position, the cached keys keep theirs, as transformers'
     forward with a DynamicCache; this differs from the full pass (the long factors for all)."""
-    import torch
+    torch = pytest.importorskip("torch")
+    DynamicCache = pytest.importorskip("transformers").DynamicCache
     from _hf64 import float64_reference
     from _oracles import rel_err
-    from transformers import DynamicCache
 
     hf, cfg, m = _hf()
     ids = np.random.default_rng(3).integers(0, cfg["vocab_size"], (2, 8))
@@ -339,7 +339,8 @@ def test_generate_reencodes_at_the_switch_as_transformers():
     """Greedy decoding from a prompt of 2 through the switch (length 5): transformers' generate
     drops its cache there (Phi3ForCausalLM.prepare_inputs_for_generation) and so does ours; the
     tokens are those of full passes."""
-    import torch
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from _hf64 import float64_reference
 
     hf, cfg, m = _hf(seed=2)
