@@ -61,6 +61,26 @@ GEMMA2 = dict(
 SMOLLM3 = dict(FAMILIES["smollm3"], hidden_size=256, intermediate_size=256, use_sliding_window=False)
 SMOLLM3.pop("no_rope_layer_interval"), SMOLLM3.pop("sliding_window")
 
+# Phi-3 (Phi-4-mini's shape: the head tied, no window): LongRoPE over three quarters of each head
+# (24 pairs), its switch at 4 positions (the tests' sequences of 6 and 7 cross it), q/k/v and
+# gate/up fused in the file as in the checkpoint
+PHI3 = dict(
+    FAMILIES["phi3"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0 + i / 32 for i in range(24)],  # float32 numbers: the converter's tensors
+        "long_factor": [1.5 + i / 4 for i in range(24)],
+    },
+)
+
+# Phi-3-mini's shape: an untied head, a window on every layer (llama.cpp turns it off; transformers,
+# and so npattn, masks with it)
+PHI3_MINI = dict(PHI3, tie_word_embeddings=False, sliding_window=3)
+
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _PERMUTED = ("llama", "smollm3")  # the converter permutes their q/k rows (LlamaModel.permute)
@@ -111,9 +131,84 @@ def _quantized(value, qtype, rng) -> np.ndarray:
         return _raw_blocks(qtype, value.shape, rng)
 
 
+def _phi3_metadata(w, config):
+    """What llama.cpp's ``Phi3MiniModel.set_gguf_parameters`` writes: no key/value length, the
+    rotated features ``int(partial_rotary_factor * hidden) // heads``, the context lengths, the
+    window (0 for none) and, with LongRoPE, its attention factor (computed as transformers does)."""
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    longest, original = config["max_position_embeddings"], config["original_max_position_embeddings"]
+    w.add_context_length(longest)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))  # Phi3Config's default
+    w.add_rope_dimension_count(int(config.get("partial_rotary_factor", 1.0) * H) // heads)
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_sliding_window(config.get("sliding_window") or 0)
+    if config.get("rope_scaling"):
+        scale = longest / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+
+
+def _phi3_factors(config) -> list:
+    """The converter's ``rope_factors_long.weight`` and ``rope_factors_short.weight`` (float32)."""
+    rs = config.get("rope_scaling") or {}
+    if not rs.get("long_factor"):
+        return []
+    return [
+        ("rope_factors_long.weight", np.asarray(rs["long_factor"], np.float32)),
+        ("rope_factors_short.weight", np.asarray(rs["short_factor"], np.float32)),
+    ]
+
+
+# Phi-3's checkpoint: the fused tensor of each of npattn's projections, its parts' rows in order
+_PHI3_FUSED = {
+    "self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("gate_up_proj", ("gate_proj", "up_proj")),
+}
+
+
+def _phi3_checkpoint(sd: dict) -> dict:
+    """npattn's (split) state dict as Phi-3's checkpoint holds it: q/k/v and gate/up fused."""
+    out = {}
+    for key, value in sd.items():
+        prefix, module, part, _ = (key.rsplit(".", 3) + [""] * 4)[:4] if key.count(".") >= 3 else ("", "", "", "")
+        fused, parts = _PHI3_FUSED.get(module, (None, ()))
+        if part not in parts:
+            out[key] = value
+        elif part == parts[0]:
+            out[f"{prefix}.{module}.{fused}.weight"] = np.concatenate(
+                [sd[f"{prefix}.{module}.{p}.weight"] for p in parts]
+            )
+    return out
+
+
+def _phi3_split(values: dict, config: dict) -> dict:
+    """The inverse of ``_phi3_checkpoint`` (rows by the config's head counts and width)."""
+    hd = config["hidden_size"] // config["num_attention_heads"]
+    rows = {
+        "qkv_proj": [config["num_attention_heads"] * hd] + [config["num_key_value_heads"] * hd] * 2,
+        "gate_up_proj": [config["intermediate_size"]] * 2,
+    }
+    out = {}
+    for key, value in values.items():
+        prefix, module, fused, _ = (key.rsplit(".", 3) + [""] * 4)[:4] if key.count(".") >= 3 else ("", "", "", "")
+        if module in _PHI3_FUSED and fused == _PHI3_FUSED[module][0]:
+            for p, v in zip(_PHI3_FUSED[module][1], np.split(value, np.cumsum(rows[fused])[:-1])):
+                out[f"{prefix}.{module}.{p}.weight"] = v
+        else:
+            out[key] = value
+    return out
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
+    if arch == "phi3":
+        return _phi3_metadata(w, config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
     hd = config.get("head_dim", H // heads)
     w.add_block_count(config["num_hidden_layers"])
@@ -152,6 +247,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     Gemma's norms plus one."""
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 64)
     out = {}
+    if arch == "phi3":  # the converter reads the checkpoint's fused qkv_proj and gate_up_proj
+        sd = _phi3_checkpoint(sd)
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
         if key.endswith("experts.gate_up_proj"):
@@ -178,6 +275,8 @@ def _write(path, config, sd, qtype, arch, extra=()):
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, config, arch)
     held = {}
+    if arch == "phi3":
+        extra = (*_phi3_factors(config), *extra)
     for name, value in extra:
         w.add_tensor(name, value)
     for (key, name), value in _as_gguf(sd, config, arch).items():
@@ -208,6 +307,8 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
     names = {name: key for key, name in _as_gguf(sd, config, arch)}
     out: dict = {}
     for name, v in held.items():
+        if name not in names:  # an extra tensor (LongRoPE's factors): read into the config
+            continue
         key = names[name]
         if arch in _PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
             n = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
@@ -215,7 +316,7 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         if arch in _GEMMAS and key.endswith("norm.weight"):
             v = v - np.float32(1.0)
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
-    return out
+    return _phi3_split(out, config) if arch == "phi3" else out
 
 
 def _assert_holds(loaded, want: dict) -> None:
@@ -238,6 +339,7 @@ CASES = [
     (GEMMA2, "gemma2"),
     (GEMMA3, "gemma3"),
     (SMOLLM3, "smollm3"),
+    (PHI3, "phi3"),
 ]
 
 
@@ -283,8 +385,9 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
-    # bound for the MoE model; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%)
-    if arch != "qwen3moe" and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch != "smollm3")):
+    # bound for the MoE model; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%, and
+    # Phi-3's tied head, logits up to 64, to 4%)
+    if arch != "qwen3moe" and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3"))):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
@@ -385,12 +488,15 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GEMMA2, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM")),
         (GEMMA3, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM")),
         (SMOLLM3, "smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM")),
+        (PHI3, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
+        (PHI3_MINI, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
     ],
-    ids=["qwen2", "qwen3moe", "gemma2", "gemma3", "smollm3"],
+    ids=["qwen2", "qwen3moe", "gemma2", "gemma3", "smollm3", "phi3", "phi3-window"],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the
-    values the file holds, in Hugging Face's conventions (its config the source's)."""
+    values the file holds, in Hugging Face's conventions (its config the source's; Phi-3's
+    checkpoint fused).  Sequences of 7: past Phi-3's switch to the long factors (at 4)."""
     torch = pytest.importorskip("torch")
     T = pytest.importorskip("transformers")
     from _hf64 import build, hf_logits_and_grads
@@ -401,8 +507,9 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
     hf, _ = build(
         getattr(T, classes[0]), getattr(T, classes[1]), **{k: v for k, v in config.items() if k != "model_type"}
     )
+    checkpoint = _phi3_checkpoint(want) if arch == "phi3" else want
     missing, unexpected = hf.load_state_dict(
-        {k: torch.from_numpy(v.astype(np.float64)) for k, v in want.items()}, strict=False
+        {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
     )
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # Gemma's head is the embedding
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf", dtype=np.float64)
@@ -532,6 +639,8 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
     would then be refused).  Eight heads of 32: none of those defaults holds by chance.  A
     head_count of 0 is refused by name."""
     config = dict(config, num_attention_heads=8, num_key_value_heads=8, rope_theta=10000.0)
+    if arch == "phi3":  # without rope.dimension_count every feature rotates (n_rot = head_dim): no partial
+        config = {k: v for k, v in config.items() if k not in ("partial_rotary_factor", "rope_scaling")}
     if arch != "llama":
         config.update(head_dim=32)
     if arch == "gemma3":
@@ -1138,3 +1247,182 @@ def test_each_tensor_s_file_pages_are_released_once_read(tmp_path, monkeypatch):
     tensors = G._read(path).reader.tensors
     assert all(covered[t.data_offset : t.data_offset + t.n_bytes].all() for t in tensors)
     assert len(released) > len(tensors)  # block by block
+
+
+# -- Phi-3 (llama.cpp's phi3) -------------------------------------------------------------------
+def _phi3_hf(config, want: dict):
+    """transformers' Phi3ForCausalLM (float64, eager) of ``config`` holding ``want`` (npattn's names)."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build
+
+    hf, _ = build(T.Phi3Config, T.Phi3ForCausalLM, **{k: v for k, v in config.items() if k != "model_type"})
+    sd = {k: torch.from_numpy(v.astype(np.float64)) for k, v in _phi3_checkpoint(want).items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
+
+
+@pytest.mark.parametrize("length", [3, 4, 5, 9])  # the switch at 4: short, short, long, long
+@pytest.mark.parametrize("config", [PHI3, PHI3_MINI], ids=["tied", "untied-window"])
+def test_phi3_file_is_transformers_phi3_on_both_sides_of_longrope(tmp_path, config, length):
+    """A Q4_K phi3 file (fused attn_qkv, gate and up in ffn_up, LongRoPE's factors as tensors) is
+    transformers' Phi-3 of the source config on its dequantized weights, to 1e-9, on both sides of
+    LongRoPE's switch (transformers', per call: llama.cpp picks the factors once, from the
+    context size); the config read back is the source's (partial rotary, factors, original
+    length, window, tied head)."""
+    from _hf64 import hf_logits_and_grads
+    from _oracles import rel_err
+
+    sd = _model(config).state_dict()
+    held = _write(tmp_path / "m.gguf", config, sd, Q.Q4_K, "phi3")
+    assert "blk.0.attn_qkv.weight" in held and "blk.0.ffn_gate.weight" not in held
+    assert ("output.weight" in held) == (not config["tie_word_embeddings"])
+    want = _hf_values(held, sd, config, "phi3")
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf", dtype=np.float64)
+    hf_cfg = loaded.config.hf
+    for key in ("partial_rotary_factor", "original_max_position_embeddings", "max_position_embeddings"):
+        assert hf_cfg[key] == config[key], key
+    assert hf_cfg["rope_scaling"] == {
+        k: config["rope_scaling"][k] for k in ("rope_type", "short_factor", "long_factor")
+    }
+    assert hf_cfg.get("sliding_window") == config.get("sliding_window")
+    assert loaded.config.tie_word_embeddings == config["tie_word_embeddings"]
+    ids = np.random.default_rng(length).integers(0, config["vocab_size"], (2, length))
+    hf = _phi3_hf(config, want)
+    ref, _ = hf_logits_and_grads(hf, ids, np.zeros((2, length, config["vocab_size"])))
+    assert rel_err(_logits(loaded, ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+
+
+def test_phi3_split_qkv_is_the_fused_file_s_model(tmp_path):
+    """llama.cpp's phi3 loader takes attn_q / attn_k / attn_v where a file has no attn_qkv
+    (create_tensor_qkv): such a file is the fused one's model, its q and k rows unpermuted
+    (rotate-half RoPE: the converter permutes no phi3 row)."""
+    sd = _model(PHI3).state_dict()
+    _write(tmp_path / "fused.gguf", PHI3, sd, Q.F32, "phi3")
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v"}
+    split = [
+        (f"blk.{k.split('.')[2]}.{names[k.split('.')[-2]]}.weight", np.asarray(v, np.float32))
+        for k, v in sd.items()
+        if k.split(".")[-2] in names
+    ]
+    rest = {k: v for k, v in sd.items() if k.split(".")[-2] not in names}
+    w = gguf.GGUFWriter(str(tmp_path / "split.gguf"), "phi3")
+    _metadata(w, PHI3, "phi3")
+    for name, value in (*_phi3_factors(PHI3), *split):
+        w.add_tensor(name, value)
+    for (_, name), value in _as_gguf(rest, PHI3, "phi3").items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fused, loaded = CausalLM.from_gguf(tmp_path / "fused.gguf"), CausalLM.from_gguf(tmp_path / "split.gguf")
+    for k, v in sd.items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    ids = np.random.default_rng(1).integers(0, PHI3["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(fused, ids))
+
+
+def test_phi3_attention_factor_is_carried_only_where_it_is_not_transformers(tmp_path, monkeypatch):
+    """The file's rope.scaling.attn_factor is float32 of the factor transformers computes from
+    context_length / original_context_length: then transformers' own (float64) is used, no
+    attention_factor in the config; a file whose factor is another (the converter's 'yarn'
+    formula) keeps it as LongRoPE's attention_factor, and its logits are transformers' with it."""
+    sd = _model(PHI3).state_dict()
+    _write(tmp_path / "m.gguf", PHI3, sd, Q.F32, "phi3")
+    assert "attention_factor" not in CausalLM.from_gguf(tmp_path / "m.gguf").config.hf["rope_scaling"]
+    scale = PHI3["max_position_embeddings"] / PHI3["original_max_position_embeddings"]
+    yarn = 0.1 * math.log(scale) + 1.0  # Phi3MiniModel's factor for a rope type 'yarn'
+    monkeypatch.setattr(
+        gguf.GGUFWriter,
+        "add_rope_scaling_attn_factors",
+        lambda self, v: self.add_float32("phi3.rope.scaling.attn_factor", yarn),
+    )
+    _write(tmp_path / "yarn.gguf", PHI3, sd, Q.F32, "phi3")
+    loaded = CausalLM.from_gguf(tmp_path / "yarn.gguf", dtype=np.float64)
+    got = loaded.config.hf["rope_scaling"]["attention_factor"]
+    assert got == float(np.float32(yarn))
+    config = dict(PHI3, rope_scaling=dict(PHI3["rope_scaling"], attention_factor=got))
+    ids = np.random.default_rng(1).integers(0, PHI3["vocab_size"], (2, 7))
+    ref = _logits(CausalLM.from_hf(sd, config, dtype=np.float64), ids)
+    np.testing.assert_allclose(_logits(loaded, ids), ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+    assert np.abs(_logits(loaded, ids) - _logits(CausalLM.from_hf(sd, PHI3, dtype=np.float64), ids)).max() > 1e-3
+
+
+def _phi3_file(path, extra=(), metadata=None, drop=()):
+    """A PHI3 F32 file, its LongRoPE factors replaced by those of ``extra`` (by name) and without the
+    tensors named in ``drop``, ``metadata`` ((key, value) pairs, float32) added."""
+    sd = _model(PHI3).state_dict()
+    w = gguf.GGUFWriter(str(path), "phi3")
+    _metadata(w, PHI3, "phi3")
+    for key, value in metadata or ():
+        w.add_float32(key, value)
+    tensors = dict(_phi3_factors(PHI3)) | dict(extra)
+    tensors |= {name: value for (_, name), value in _as_gguf(sd, PHI3, "phi3").items()}
+    for name, value in tensors.items():
+        if name not in drop:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra, metadata, drop, match",
+    [
+        (
+            [("rope_factors_long.weight", np.ones(23, np.float32))],
+            (),
+            (),
+            r"tensor 'rope_factors_long.weight' holds 23 numbers; LongRoPE's long_factor is 24 positive numbers",
+        ),
+        (
+            [("rope_factors_short.weight", np.zeros(24, np.float32))],
+            (),
+            (),
+            r"tensor 'rope_factors_short.weight' holds 24 numbers; LongRoPE's short_factor is 24 positive",
+        ),
+        ((), (), ("rope_factors_short.weight",), r"no tensor 'rope_factors_short.weight' \(LongRoPE's factors"),
+        ((), [("phi3.rope.scaling.factor", 8.0)], (), r"metadata 'phi3.rope.scaling.factor' is not supported"),
+        (
+            [("blk.0.ffn_gate.weight", np.zeros((256, 256), np.float32))],
+            (),
+            (),
+            r"tensor 'blk.0.ffn_gate.weight' is not part of the phi3 model",
+        ),
+        (
+            [("blk.0.attn_q.weight", np.zeros((256, 256), np.float32))],
+            (),
+            (),
+            r"tensor 'blk.0.attn_q.weight' is not part of the phi3 model",
+        ),
+    ],
+    ids=["long-length", "short-zero", "one-factor", "unknown-key", "extra-gate", "qkv-and-q"],
+)
+def test_phi3_inconsistent_files_are_refused_by_name(tmp_path, extra, metadata, drop, match):
+    with pytest.raises(ValueError, match=match):
+        CausalLM.from_gguf(_phi3_file(tmp_path / "m.gguf", extra, metadata, drop))
+
+
+def test_longrope_factors_in_another_architecture_are_refused_by_name(tmp_path):
+    factors = _phi3_factors(PHI3)
+    _write(tmp_path / "m.gguf", QWEN3, _model(QWEN3).state_dict(), Q.F32, "qwen3", extra=factors)
+    with pytest.raises(ValueError, match=r"'rope_factors_long.weight' \(LongRoPE\) is not supported in a qwen3 file"):
+        CausalLM.from_gguf(tmp_path / "m.gguf")
+
+
+def test_phi3_rotated_features_give_transformers_own_count():
+    """rope.dimension_count d of heads of h: partial_rotary_factor d / h, or the next float up
+    where transformers' int(h * factor) would give d - 1 (d = 6, h = 98)."""
+    from npattn.models.configs import _gguf_phi3
+
+    for h in range(2, 257, 2):
+        for d in range(2, h, 2):
+            config = {"head_dim": h}
+            _gguf_phi3(config, {"rope.dimension_count": d})
+            assert int(h * config["partial_rotary_factor"]) == d, (h, d)
+    with pytest.raises(ValueError, match=r"'phi3.rope.dimension_count' 7: expected an even number"):
+        _gguf_phi3({"head_dim": 8}, {"rope.dimension_count": 7})

@@ -144,6 +144,40 @@ def _gguf_gemma3(config: dict, meta: Mapping) -> None:
     config["rope_parameters"] = {"full_attention": full, "sliding_attention": swa}
 
 
+def _gguf_phi3(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``phi3`` (``Phi3MiniModel`` in llama.cpp's converter, ``llama_model_phi3``):
+    heads of ``embedding_length / head_count`` (the converter writes no ``key_length``), the first
+    ``rope.dimension_count`` features of each rotating (the converter's
+    ``int(partial_rotary_factor * hidden) // heads``: Phi3Config's ``partial_rotary_factor`` is
+    that share of the head, the one transformers' ``int(head_dim * factor)`` gives back),
+    ``rope.scaling.original_context_length`` Phi3Config's ``original_max_position_embeddings``
+    (LongRoPE's switch and, with ``context_length``, its attention factor), and
+    ``attention.sliding_window`` the window of every layer, 0 none (the converter writes 0 for a
+    config without one).  llama.cpp itself turns Phi-3's window off (``n_swa = 0``: "Phi SWA is
+    currently disabled"); npattn keeps it, as transformers' Phi-3 masks with it, the model the file
+    was converted from.  LongRoPE's factors are tensors (``models/gguf.py``: ``_longrope_scaling``)."""
+    head_dim = config["head_dim"]
+    dims = meta.get("rope.dimension_count", head_dim)
+    if isinstance(dims, bool) or not isinstance(dims, int) or dims < 2 or dims % 2 or dims > head_dim:
+        raise ValueError(
+            f"metadata 'phi3.rope.dimension_count' {_show(dims)}: expected an even number of rotated features from 2 "
+            f"to the head's {head_dim}"
+        )
+    if dims != head_dim:
+        factor = dims / head_dim
+        if int(head_dim * factor) < dims:  # the quotient rounded down: the next float up gives dims back
+            factor = math.nextafter(factor, 1.0)
+        config["partial_rotary_factor"] = factor
+    window = meta.get("attention.sliding_window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"metadata 'phi3.attention.sliding_window' {_show(window)}: expected an integer >= 0")
+    if window:
+        config["sliding_window"] = window
+    original = meta.get("rope.scaling.original_context_length")
+    if original is not None:
+        config["original_max_position_embeddings"] = original
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True),
     "qwen2": GgufFamily("qwen2"),
@@ -175,6 +209,18 @@ GGUF_FAMILIES = {
         norm_shift=1.0,
         derive=_gguf_gemma3,
         reads=("attention.sliding_window", "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor"),
+    ),
+    # Phi-3, Phi-3.5, Phi-4-mini: q/k/v fused in attn_qkv (or split), gate and up in ffn_up, their
+    # rotate-half rows unpermuted; LongRoPE's factors the tensors rope_factors_long / _short
+    "phi3": GgufFamily(
+        "phi3",
+        derive=_gguf_phi3,
+        reads=(
+            "rope.dimension_count",
+            "attention.sliding_window",
+            "rope.scaling.original_context_length",
+            "rope.scaling.attn_factor",
+        ),
     ),
 }
 

@@ -38,6 +38,7 @@ Reading one:
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -48,7 +49,7 @@ from .._hints import install_hint
 from ..functional._bfloat16 import to_bfloat16_bits
 from ..functional.rope_scaling import inverse_frequencies
 from .configs import GGUF_FAMILIES
-from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, load_into, rounds_into_bits
+from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, checkpoint_key, load_into, rounds_into_bits
 
 __all__ = [
     "from_gguf",
@@ -250,6 +251,8 @@ def _config(f: _File, tensor_names: set) -> dict:
             config[key] = meta[f"tokenizer.ggml.{key}"]
     head_dim = config["head_dim"]
     for suffix in ("rope.dimension_count", "attention.value_length"):
+        if suffix in spec.reads:  # the family's own (Phi-3's partial rotary: GgufFamily.derive)
+            continue
         value = meta.get(f"{arch}.{suffix}", head_dim)
         if value != head_dim:
             raise ValueError(
@@ -294,6 +297,51 @@ def _rope_freqs_scaling(f: _File, t, config: dict) -> dict:
             f"with low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings 8192, over "
             f"{d // 2} pairs), the only ones npattn reads"
         )
+    return params
+
+
+# Phi-3's LongRoPE, which llama.cpp's converter stores as two tensors of one factor per rotated
+# pair (Phi3MiniModel.generate_extra_tensors: the config's long_factor and short_factor, float32)
+# and the attention factor it computes from max_position_embeddings / original_max_position_embeddings
+# as transformers does (rope.scaling.attn_factor, float32).  llama.cpp picks the long factors
+# once, for a context (n_ctx per sequence) longer than rope.scaling.original_context_length
+# (llama_model::get_rope_factors); transformers per forward call, for a sequence (its largest
+# position + 1) longer than it: npattn's longrope does as transformers.
+_ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+
+
+def _longrope_scaling(f: _File, tensors: dict, config: dict) -> dict:
+    """The Hugging Face ``rope_scaling`` of a ``phi3`` file's ``rope_factors_long.weight`` and
+    ``rope_factors_short.weight``: ``{"rope_type": "longrope", "long_factor": ..., "short_factor":
+    ...}``, with ``attention_factor`` only where the file's ``rope.scaling.attn_factor`` is not
+    (to float32's precision) the one transformers computes from ``context_length`` and
+    ``rope.scaling.original_context_length``.  One without the other, factors of another length
+    than the rotated pairs', or no original length are refused by name."""
+    gguf = _gguf()
+    missing = [n for n in _ROPE_FACTORS.values() if n not in tensors]
+    if missing:
+        raise ValueError(f"{f.path}: no tensor {missing[0]!r} (LongRoPE's factors come in pairs, long and short)")
+    original_key = f"{f.arch}.rope.scaling.original_context_length"
+    original, longest = f.meta.get(original_key), config.get("max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(f"{f.path}: metadata {original_key!r}: expected an integer >= 1 beside LongRoPE's factors")
+    pairs = int(config["head_dim"] * config.get("partial_rotary_factor", 1.0)) // 2
+    params: dict = {"rope_type": "longrope"}
+    for key, name in _ROPE_FACTORS.items():
+        t = tensors[name]
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+        if values.shape != (pairs,) or not np.isfinite(values).all() or (values <= 0).any():
+            raise ValueError(
+                f"{f.path}: tensor {name!r} holds {values.size} numbers; LongRoPE's {key} is {pairs} positive "
+                "numbers, one per rotated pair (rope.dimension_count / 2)"
+            )
+        params[key] = values.tolist()
+    stated = f.meta.get(f"{f.arch}.rope.scaling.attn_factor")
+    if stated is not None:
+        factor = longest / original if isinstance(longest, int) else 1.0
+        computed = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        if not math.isclose(stated, computed, rel_tol=2**-23, abs_tol=0.0):  # else: computed, in float64
+            params["attention_factor"] = float(stated)
     return params
 
 
@@ -433,6 +481,13 @@ def read_gguf(path) -> tuple[dict, dict]:
     config = _config(f, set(tensors))
     if _ROPE_FREQS in tensors:
         config["rope_scaling"] = _rope_freqs_scaling(f, tensors[_ROPE_FREQS], config)
+    consumed = {_ROPE_FREQS}  # tensors read into the config
+    if f"{f.arch}.rope.scaling.attn_factor" in f.meta or any(n in tensors for n in _ROPE_FACTORS.values()):
+        if f.arch != "phi3":
+            name = next((n for n in _ROPE_FACTORS.values() if n in tensors), f"{f.arch}.rope.scaling.attn_factor")
+            raise ValueError(f"{f.path}: {name!r} (LongRoPE) is not supported in a {f.arch} file")
+        config["rope_scaling"] = _longrope_scaling(f, tensors, config)
+        consumed |= set(_ROPE_FACTORS.values())
     cfg = config_from_hf(config)
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[f.arch]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -440,6 +495,12 @@ def read_gguf(path) -> tuple[dict, dict]:
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out: dict = {}
     for key, _ in _state_shapes(cfg):
+        whole = checkpoint_key(key, cfg.layout)  # Phi-3's fused qkv_proj / gate_up_proj, else key
+        if whole != key and all(n in tensors for n in _gguf_names(names, whole)):
+            if whole not in out:  # one tensor of the file: load_into splits its rows (CheckpointLayout.fused)
+                fused = [tensors[n] for n in _gguf_names(names, whole)]
+                out[whole] = _GGUFTensor(whole, fused, mapping=getattr(f.reader, "mapping", None))
+            continue
         parts = [tensors.get(n) for n in _gguf_names(names, key)]
         if None in parts:
             missing = _gguf_names(names, key)[parts.index(None)]
@@ -452,7 +513,7 @@ def read_gguf(path) -> tuple[dict, dict]:
             spec.norm_shift if key.endswith("norm.weight") else 0.0,
             getattr(f.reader, "mapping", None),
         )
-    used = {t.name for v in out.values() for t in v._parts} | {_ROPE_FREQS}  # the latter read into the config
+    used = {t.name for v in out.values() for t in v._parts} | consumed
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
         raise ValueError(f"{f.path}: tensor {extra[0]!r} is not part of the {f.arch} model npattn builds")
