@@ -1367,14 +1367,15 @@ class CausalLM(Module):
     @classmethod
     def from_gguf(cls, path, *, dtype=None, weights_dtype=None) -> CausalLM:
         """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama``,
-        ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2``, ``gemma3`` and ``smollm3`` files of ``F32``, ``F16`` or
-        ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``, ``Q2_K`` ...
-        ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
+        ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2``, ``gemma3``, ``smollm3`` and ``phi3`` files of ``F32``,
+        ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
+        ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
         the config from the file's metadata (and what llama.cpp derives: Gemma 2's and 3's window patterns
         and score scales), the tensors under Hugging Face's names, llama.cpp's q/k RoPE permutation
         and Gemma's ``1 + w`` norm storage undone, the experts' gate and up joined, Llama 3.x's
-        ``rope_freqs.weight`` read as its ``rope_scaling``
+        ``rope_freqs.weight`` read as its ``rope_scaling``, Phi-3's fused ``attn_qkv`` / ``ffn_up``
+        split and its LongRoPE factor tensors read as its ``rope_scaling``
         (``npattn.models.gguf``).
 
         Parameters

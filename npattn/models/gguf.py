@@ -7,7 +7,7 @@ the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>
 a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8_0`` ... ``Q5_1``,
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``,
-``gemma2``, ``gemma3``, ``smollm3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES``
+``gemma2``, ``gemma3``, ``smollm3``, ``phi3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES``
 in ``models/configs.py``.
 
 Reading one:
@@ -16,8 +16,8 @@ Reading one:
    every architecture has (llama.cpp's defaults for the optional ones a file leaves out,
    ``_llama_cpp_defaults``), the family's own (``GgufFamily.keys``: the experts' counts), and what
    llama.cpp derives rather than reads (``GgufFamily.derive``: Gemma 3's sliding-window pattern of
-   6, its sliding layers' RoPE base and its score scale); the dict goes through ``config_from_hf``
-   as a ``config.json`` would;
+   6, its sliding layers' RoPE base and its score scale; Phi-3's partial rotary from
+   ``rope.dimension_count``); the dict goes through ``config_from_hf`` as a ``config.json`` would;
 2. every tensor name is translated by ``gguf``'s own ``TensorNameMap`` (the table llama.cpp's
    converter writes with), from the names the config says the model has; the experts' fused
    ``gate_up_proj`` ``(E, 2I, H)`` is the file's ``ffn_gate_exps`` and ``ffn_up_exps`` joined;
@@ -32,7 +32,14 @@ Reading one:
    ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
    Llama 3.x files keep their RoPE scaling (Hugging Face's ``rope_scaling`` ``"llama3"``) not in the
    metadata but as the divisors of the tensor ``rope_freqs.weight``, which becomes that
-   ``rope_scaling`` again (``_rope_freqs_scaling``).
+   ``rope_scaling`` again (``_rope_freqs_scaling``); Phi-3's LongRoPE factors are the tensors
+   ``rope_factors_long.weight`` and ``rope_factors_short.weight``, which become its
+   ``rope_scaling`` ``"longrope"`` (``_longrope_scaling``);
+5. a ``phi3`` file keeps Phi-3's checkpoint's fused projections (``attn_qkv``: q, k, v rows;
+   ``ffn_up``: gate then up rows, as ``gate_up_proj``): they are given to ``load_into`` under the
+   checkpoint's fused names (``CheckpointLayout.fused``), which splits them as it splits a
+   checkpoint's; a file with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes
+   either) is read as it is.
 """
 
 from __future__ import annotations
