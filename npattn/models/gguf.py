@@ -311,9 +311,10 @@ def _rope_freqs_scaling(f: _File, t, config: dict) -> dict:
 # pair (Phi3MiniModel.generate_extra_tensors: the config's long_factor and short_factor, float32)
 # and the attention factor it computes from max_position_embeddings / original_max_position_embeddings
 # as transformers does (rope.scaling.attn_factor, float32).  llama.cpp picks the long factors
-# once, for a context (n_ctx per sequence) longer than rope.scaling.original_context_length
-# (llama_model::get_rope_factors); transformers per forward call, for a sequence (its largest
-# position + 1) longer than it: npattn's longrope does as transformers.
+# for a context (n_ctx per sequence) longer than rope.scaling.original_context_length
+# (llama_model::get_rope_factors(cparams, il); its newest phi3 graph also passes the batch's
+# largest position, a use not read here); transformers per forward call, for a sequence (its
+# largest position + 1) longer than it: npattn's longrope does as transformers.
 _ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
