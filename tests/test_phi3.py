@@ -222,6 +222,43 @@ def test_save_pretrained_writes_the_fused_names(tmp_path):
         np.testing.assert_allclose(bf(ids), m(ids), rtol=0, atol=0.05 * np.abs(m(ids)).max())
 
 
+@pytest.mark.parametrize("weights_dtype", [None, "bfloat16"])
+def test_a_fused_tensor_is_read_part_by_part_from_the_file(tmp_path, monkeypatch, weights_dtype):
+    """Each part of a fused safetensors tensor reads its own rows' bytes (``LazyTensor.rows``):
+    the whole fused tensor is never converted, once per part, as a dequantized GGUF one is."""
+    from npattn.models.hf import LazyTensor
+
+    m = _model()
+    store = m.save_pretrained if weights_dtype is None else _bf16_saver(m)
+    store(tmp_path)
+    whole, parts = [], []
+    numpy = LazyTensor.numpy
+    monkeypatch.setattr(LazyTensor, "numpy", lambda self, dtype=None: whole.append(self.name) or numpy(self, dtype))
+    for method in ("read_into", "read_bits_into"):  # float32, or bfloat16 bits as stored
+        real = getattr(LazyTensor, method)
+        spy = lambda self, out, real=real: parts.append((self.name, self.shape)) or real(self, out)  # noqa: E731
+        monkeypatch.setattr(LazyTensor, method, spy)
+    loaded = CausalLM.from_pretrained(tmp_path, weights_dtype=weights_dtype)
+    fused = [n for n in whole if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+    assert fused == []
+    q_rows = m.config.num_attention_heads * m.config.head_dim
+    assert ("model.layers.0.self_attn.qkv_proj.weight", (q_rows, m.config.hidden_size)) in parts
+    with no_grad():
+        ids = np.array([[1, 5, 9, 2, 30, 7]])
+        want = m(ids) if weights_dtype is None else CausalLM.from_pretrained(tmp_path, weights_dtype=None)(ids)
+        np.testing.assert_allclose(loaded(ids), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def _bf16_saver(m):
+    from npattn.models.causal_lm import store_bfloat16
+
+    def save(path):
+        store_bfloat16(m)
+        m.save_pretrained(path)
+
+    return save
+
+
 @pytest.mark.parametrize(
     "edit,match",
     [

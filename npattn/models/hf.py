@@ -309,6 +309,13 @@ class LazyTensor:
             dst[i : i + step] = src[i : i + step]
             self._mm.release(self._begin + 2 * i, self._begin + 2 * min(src.size, i + step))
 
+    def rows(self, start: int, stop: int) -> LazyTensor:
+        """Rows ``start:stop`` (the first axis) as a tensor of their own: a row-major tensor's
+        rows are one range of the file's bytes, read and released as any tensor's."""
+        row = (self._end - self._begin) // self.shape[0] if self.shape[0] else 0
+        shape = (stop - start, *self.shape[1:])
+        return LazyTensor(self.name, shape, self.dtype, self._mm, self._begin + start * row, self._begin + stop * row)
+
     def __repr__(self):
         return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
@@ -673,9 +680,23 @@ class _Stacked:
             r += part.shape[0]
 
 
-class _Rows:
+def _row_range(name: str, fused, start: int, stop: int):
     """Rows ``start:stop`` of a fused checkpoint tensor (a ``_Source``: Phi-3's ``qkv_proj`` or
-    ``gate_up_proj``) as one model tensor (``CheckpointLayout.fused``)."""
+    ``gate_up_proj``) as the model tensor ``name``: a safetensors tensor's rows as a tensor of
+    their own (``LazyTensor.rows``: each part reads its own bytes, BF16 widened in place), an
+    array's or a torch tensor's as a view; any other (a GGUF file's, dequantized whole) through
+    ``_Rows``."""
+    v = fused.value
+    if type(v) is LazyTensor:
+        return _Source(name, v.rows(start, stop))
+    if isinstance(v, np.ndarray) or hasattr(v, "detach"):  # a numpy array or a torch tensor: a view
+        return _Source(name, v[start:stop])
+    return _Rows(name, fused, start, stop)
+
+
+class _Rows:
+    """Rows ``start:stop`` of a fused checkpoint tensor (a ``_Source``) as one model tensor
+    (``CheckpointLayout.fused``), the whole tensor read for each part (``_row_range``'s last case)."""
 
     def __init__(self, name: str, fused, start: int, stop: int):
         self.name, self.fused, self.start, self.stop = name, fused, start, stop
@@ -755,7 +776,7 @@ def _split_fused(src: dict, cfg) -> dict:
         del src[key]
         start = 0
         for n, r in zip(names, rows):
-            src[n] = _Rows(n, s, start, start + r)
+            src[n] = _row_range(n, s, start, start + r)
             start += r
     return src
 
