@@ -2342,9 +2342,8 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     Parameters
     ----------
     config : mapping
-        The config; ``config["model_type"]`` is one of ``llama``, ``qwen3``, ``gemma3_text``,
-        ``gpt_oss``, ``deepseek_v3``, ``qwen3_next``, ``olmo3``, ``qwen3_5_text``,
-        ``qwen3_5_moe_text``, ``kimi_linear``, ``gemma4_text``, ``deepseek_v32``.
+        The config; ``config["model_type"]`` is one of ``SUPPORTED_MODEL_TYPES`` (this
+        module's table of the families read).
 
     Returns
     -------
