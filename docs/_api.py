@@ -20,9 +20,9 @@ MODULES = [
     ("npattn.nn", "Modules used like ``torch.nn``: ``y = m(x)``, ``dx = m.backward(dy)``, gradients in ``p.grad``."),
     (
         "npattn.models",
-        "Whole models: ``CausalLM`` from a Hugging Face config (the families of ``SUPPORTED_MODEL_TYPES``: Llama 3,"
-        " Mistral, Qwen2 to 3.5, Gemma 2 to 4, GPT-OSS, DeepSeek-V3, OLMo, SmolLM3, Phi-3, ...) and a small"
-        " GPT-style ``TinyTransformer``.",
+        "Whole models: ``CausalLM`` from a Hugging Face config (the families of ``SUPPORTED_MODEL_TYPES``, among"
+        " them Llama 3, Mistral, Qwen2 to 3.5, Gemma 2 to 4, GPT-OSS, DeepSeek-V3, OLMo, SmolLM3 and Phi-3) and a"
+        " small GPT-style ``TinyTransformer``.",
     ),
     ("npattn.book", "The classes and functions of *Build a Large Language Model (From Scratch)*, chapters 3-5."),
     ("npattn.optim", "Optimisers, gradient clipping and schedules."),
