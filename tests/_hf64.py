@@ -156,6 +156,37 @@ def hf_logits_and_grads(model, ids: np.ndarray, dlogits: np.ndarray):
     return out.detach().numpy(), grads
 
 
+def check_logits_and_grads(m, hf, ids: np.ndarray, dlogits: np.ndarray, *, names="equal", grads=None, zero=()) -> dict:
+    """npattn's ``m`` against transformers' ``hf`` on ``ids``: the logits to 1e-9 and every
+    parameter's gradient of ``sum(logits * dlogits)`` to 1e-8 (relative to the largest entry).
+
+    ``names``: ``"equal"``, both models name the same parameters; ``"subset"``, a parameter torch
+    leaves without a gradient (not used, or under ``no_grad``) must get an exactly zero one.
+    ``grads``: maps transformers' gradients (a dict by name) onto ``m``'s names (a fused checkpoint's
+    parts).  ``zero``: names whose gradient is zero in exact arithmetic, where both sides must stay
+    below 1e-12 of the largest gradient instead (a relative error of rounding noise means nothing).
+    Returns ``m``'s parameters by name (their gradients set), for the caller's own checks."""
+    from _oracles import rel_err
+
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    assert rel_err(m(ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    want = ref_grads if grads is None else grads(ref_grads)
+    params = dict(m.named_parameters())
+    if names == "equal":
+        assert set(params) == set(want), set(params) ^ set(want)
+    else:
+        assert set(want) <= set(params), set(want) - set(params)
+    scale = max(np.abs(g).max() for g in want.values())
+    for n, p in params.items():
+        if n in zero:
+            assert np.abs(p.grad).max() < 1e-12 * scale and np.abs(want[n]).max() < 1e-12 * scale, n
+        else:
+            assert rel_err(p.grad, want.get(n, np.zeros_like(p.grad)), floor=1e-300, relative_to="max_b") < 1e-8, n
+    return params
+
+
 def state_dict(model) -> dict:
     """The model's state dict as numpy arrays (float64)."""
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _hf64 import build, hf_logits_and_grads, state_dict  # noqa: E402
+from _hf64 import build, check_logits_and_grads, state_dict  # noqa: E402
 from _oracles import rel_err  # noqa: E402
 
 from npattn import no_grad  # noqa: E402
@@ -409,16 +409,7 @@ def test_logits_and_every_gradient_match_transformers(name):
     m = CausalLM.from_hf(state_dict(hf), cfg)
     assert m.dtype == np.float64
     ids = _ids(cfg["vocab_size"])
-    dlogits = np.random.default_rng(1).standard_normal(ids.shape + (cfg["vocab_size"],))
-    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
-    logits = m(ids)
-    assert rel_err(logits, ref, floor=1e-300, relative_to="max_b") < 1e-9
-    m.zero_grad()
-    m.backward(dlogits)
-    names = dict(m.named_parameters())
-    assert set(names) == set(ref_grads), set(names) ^ set(ref_grads)
-    for n, p in names.items():
-        assert rel_err(p.grad, ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+    check_logits_and_grads(m, hf, ids, np.random.default_rng(1).standard_normal(ids.shape + (cfg["vocab_size"],)))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -485,10 +476,4 @@ def test_qwen3_next_over_several_delta_rule_chunks():
     hf, cfg = _family("qwen3_next")
     m = CausalLM.from_hf(state_dict(hf), cfg)
     ids = _ids(cfg["vocab_size"], (1, 70), seed=5)
-    dlogits = np.random.default_rng(6).standard_normal(ids.shape + (cfg["vocab_size"],))
-    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
-    assert rel_err(m(ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
-    m.zero_grad()
-    m.backward(dlogits)
-    for n, p in m.named_parameters():
-        assert rel_err(p.grad, ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+    check_logits_and_grads(m, hf, ids, np.random.default_rng(6).standard_normal(ids.shape + (cfg["vocab_size"],)))

@@ -202,20 +202,12 @@ def test_model_mixes_kda_nope_mla_and_routed_experts():
 
 
 def test_model_logits_and_every_gradient_match_transformers():
-    from tests._hf64 import hf_logits_and_grads
+    from tests._hf64 import check_logits_and_grads
 
     hf, cfg, m = _model()
     rng = np.random.default_rng(1)
     ids = rng.integers(0, cfg["vocab_size"], (2, 21))  # 21 steps: several KDA chunks of 16
-    dlogits = rng.standard_normal(ids.shape + (cfg["vocab_size"],))
-    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
-    assert _rel(m(ids), ref) < 1e-9
-    m.zero_grad()
-    m.backward(dlogits)
-    names = dict(m.named_parameters())
-    assert set(names) == set(ref_grads), set(names) ^ set(ref_grads)
-    for n, p in names.items():
-        assert _rel(p.grad, ref_grads[n]) < 1e-8, n
+    check_logits_and_grads(m, hf, ids, rng.standard_normal(ids.shape + (cfg["vocab_size"],)))
 
 
 def _hf_logits(hf, ids, **kwargs):
