@@ -198,6 +198,48 @@ def test_a_call_that_keeps_nothing_positions_q_and_k_as_one_array_bit_for_bit(mo
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "heads", [(4, 2), (4, 1), (3, 3)]
+)  # rows of heads a token: 6, 5, 6 (blocks of 8, 16, 8 tokens)
+@pytest.mark.parametrize("block", [1, 700])  # elements: the fewest tokens a block may take; about 700
+def test_a_long_prompt_is_positioned_a_block_of_tokens_at_a_time_bit_for_bit(monkeypatch, dtype, heads, block):
+    """One sequence's prompt goes through ``_position_joint``'s QK-norm and rotation a block of
+    tokens at a time (``_token_block``): the output of the whole array at once, bit for bit (the
+    norm's means summed in the same groups of rows), the rotation's tables those of the whole run
+    (dynamic NTK: its frequencies from the run's length)."""
+    from npattn.nn import attention_core
+
+    h, hk = heads
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8}
+    m = MultiHeadAttention(8 * h, 8 * h, h, num_kv_heads=hk, causal=True, rng=1, dtype=dtype, qk_norm=True, rope=True)
+    m2 = MultiHeadAttention(
+        8 * h, 8 * h, h, num_kv_heads=hk, causal=True, rng=1, dtype=dtype, qk_norm=True, rope=True, rope_scaling=scaling
+    )
+    rng = np.random.default_rng(5)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        p.data[...] = p2.data[...] = rng.standard_normal(p.data.shape).astype(dtype) * 0.5 + (
+            p.data if p.data.ndim == 1 else 0
+        )
+    x = rng.standard_normal((1, 45, 8 * h)).astype(dtype)
+    blocks = []
+    turn = type(m)._norm_turn
+    monkeypatch.setattr(type(m), "_norm_turn", lambda self, *a: blocks.append(1) or turn(self, *a))
+
+    def run(att, size):
+        monkeypatch.setattr(attention_core, "_POSITION_BLOCK", size)
+        att.reset_kv_cache()
+        blocks.clear()
+        with no_grad():
+            return att(x, use_cache=True), len(blocks)
+
+    for att in (m, m2):
+        whole, one = run(att, 1 << 30)
+        parts, many = run(att, block)
+        assert one == 1 and many >= 3
+        np.testing.assert_array_equal(parts, whole)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_cached_step_attends_through_decoding_attention_bit_for_bit(monkeypatch, dtype):
     """A decoding step's one query row (nothing kept, no weights read) skips the kernel's setup
     (``K.decoding_attention``): the logits of the kernel's own path, bit for bit; a call that

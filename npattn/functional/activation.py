@@ -390,11 +390,41 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
     (<= 1), ``1 / (1 + e)`` for z >= 0 and ``e / (1 + e)`` for z < 0.  The numerator is
     ``max(e, z >= 0)`` (1 where z >= 0 since e <= 1; e elsewhere; NaN stays NaN): a SIMD maximum,
     where ``np.where`` on the sign would take most of the time."""
-    e = np.abs(z)
-    np.exp(np.negative(e, out=e), out=e)
-    num = np.maximum(e, z >= 0)
+    return _sigmoid_into(z, np.empty(z.shape, z.dtype), np.empty(z.shape, z.dtype), np.empty(z.shape, bool))
+
+
+def _sigmoid_into(z, e, num, sign):
+    """``sigmoid(z)`` written into ``num``, with ``e`` (``z``'s dtype) and ``sign`` (bool) as
+    scratch of ``z``'s shape; returns ``num``."""
+    np.exp(np.negative(np.abs(z, out=e), out=e), out=e)
+    np.maximum(e, np.greater_equal(z, 0, out=sign), out=num)
     e += 1.0
     return np.divide(num, e, out=num)
+
+
+SILU_BLOCK = 1 << 15  # elements of one block of rows in silu_mul_ (128 KB in float32: stays in L2)
+
+
+def silu_mul_(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a = silu(a) * b`` in place (SwiGLU's ``act(gate) * up`` of a call that keeps nothing), with
+    the kept path's roundings (``a * sigmoid(a)``, then times ``b``), a block of about
+    ``SILU_BLOCK`` elements at a time: the sigmoid's four passes and the two products run over a
+    block that stays in the cache, not over the whole ``(..., d_ff)`` arrays (a 512-token prompt's
+    are 6 MB each).  ``a`` and ``b``: arrays of one shape and float dtype whose rows (last axis)
+    are contiguous, ``a`` writable; returns ``a``."""
+    if a.ndim < 2:
+        return silu_mul_(a[None], b[None])[0]
+    width = a.shape[-1]
+    rows = max(1, SILU_BLOCK // max(width, 1))
+    e, num, sign = np.empty((rows, width), a.dtype), np.empty((rows, width), a.dtype), np.empty((rows, width), bool)
+    for lead in np.ndindex(a.shape[:-2]):  # each (L, width) matrix, its rows a block at a time
+        a2, b2 = a[lead], b[lead]
+        for i in range(0, a2.shape[0], rows):
+            k = min(rows, a2.shape[0] - i)
+            ai = a2[i : i + k]
+            np.multiply(ai, _sigmoid_into(ai, e[:k], num[:k], sign[:k]), out=ai)
+            ai *= b2[i : i + k]
+    return a
 
 
 def silu_kernel(x):

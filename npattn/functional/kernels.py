@@ -11,7 +11,10 @@ Internal extras a kernel may take beyond the public signature are documented whe
 Two kernels have no public op of their own, each a public op's output, bit for bit, for a call
 that keeps nothing (see their docstrings): ``decoding_attention``, ``scaled_dot_product_attention``
 of a decoding step's one query row of grouped heads, and ``rope_run``, ``rope`` of tokens at
-consecutive positions with the angle tables shared between the calls (the layers) of a step.
+consecutive positions with the angle tables shared between the calls (the layers) of a step
+(``rope_run_tables`` makes them, ``rope_turn`` turns a block of the run's tokens).  Two helpers
+of a call that keeps nothing compute a public op's numbers too: ``sigmoid`` (``silu``'s) and
+``silu_mul_`` (``silu(a) * b`` in place, SwiGLU's gated unit).
 """
 
 # ruff: noqa: F401  (every import is a re-export, listed by __all__ below)
@@ -28,7 +31,7 @@ from .activation import relu_backward_jvp_kernel as relu_backward_jvp
 from .activation import relu_backward_kernel as relu_backward
 from .activation import relu_jvp_kernel as relu_jvp
 from .activation import relu_kernel as relu
-from .activation import sigmoid
+from .activation import sigmoid, silu_mul_
 from .activation import silu_backward_jvp_kernel as silu_backward_jvp
 from .activation import silu_backward_kernel as silu_backward
 from .activation import silu_jvp_kernel as silu_jvp
@@ -96,5 +99,6 @@ from .rope import rope_backward_kernel as rope_backward
 from .rope import rope_jvp_kernel as rope_jvp
 from .rope import rope_kernel as rope
 from .rope import rope_run_kernel as rope_run
+from .rope import rope_run_tables, rope_turn
 
 __all__ = sorted(name for name in dir() if not name.startswith("_"))  # every kernel imported above

@@ -208,14 +208,29 @@ def rope_run_kernel(x, start: int, *, base=10000.0, interleaved=False, scaling=N
     turned alike): the output alone, with the widened angle tables of the last few runs
     remembered (``_run_table``, read-only), so that the layers of a decoding step, which rotate at
     the same position, make its tables once instead of once a layer."""
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    tables = rope_run_tables(start, x.shape[-3], r, x.dtype, base=base, interleaved=interleaved, scaling=scaling)
+    return rope_turn(x, tables, interleaved)
+
+
+def rope_run_tables(start: int, length: int, r: int, dtype, *, base=10000.0, interleaved=False, scaling=None):
+    """``rope_run_kernel``'s widened angle tables ``(c, s)``, each ``(length, r)``, of a run of
+    ``length`` tokens at positions ``start..start+length-1`` rotating ``r`` features (the
+    frequencies of ``dynamic`` and ``longrope`` from the whole run's length); the last few short
+    runs' are remembered and read-only (``_run_table``)."""
     params = {"rope_type": "default"} if scaling is None else scaling
-    r, length = x.shape[-1] if rotary_dim is None else rotary_dim, x.shape[-3]
     key = _frozen(params)
     if key is None or length * r > _RUN_TABLE_MAX:  # unhashable options, or too long to keep
-        c, s = _run_tables(start, length, r, base, params, x.dtype, interleaved)
-    else:
-        c, s = _run_table(start, length, r, base, key, x.dtype.char, interleaved)
-    return _turn(x, c[:, None, :], s[:, None, :], interleaved)
+        return _run_tables(start, length, r, base, params, np.dtype(dtype), interleaved)
+    return _run_table(start, length, r, base, key, np.dtype(dtype).char, interleaved)
+
+
+def rope_turn(x, tables, interleaved=False, offset: int = 0):
+    """``x (..., L, H, D)``, tokens ``offset..offset+L-1`` of the run whose ``rope_run_tables`` are
+    ``tables``, rotated (a new array): the run's rotation a block of its tokens at a time."""
+    c, s = tables
+    rows = slice(offset, offset + x.shape[-3])
+    return _turn(x, c[rows, None, :], s[rows, None, :], interleaved)
 
 
 _RUN_TABLE_MAX = 1 << 16  # length * rotated features of a remembered table (512 tokens of 128: 256 KiB in float32)

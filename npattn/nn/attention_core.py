@@ -24,6 +24,7 @@ out of one GEMM without copying the weights on every call.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -57,6 +58,19 @@ from .module import Module, Parameter, is_grad_enabled
 __all__ = ["MultiHeadAttentionCore"]
 
 _MASK_NAMES = ("attn_mask", "key_padding_mask")
+_POSITION_BLOCK = 1 << 15  # elements of tokens taken at a time by _position_joint (128 KB in float32: stays in L2)
+
+
+def _token_block(heads: int, head_dim: int) -> int:
+    """The tokens of ``heads`` heads of ``head_dim`` features ``_position_joint`` takes at a time:
+    about ``_POSITION_BLOCK`` elements, the block's rows (tokens times heads) a multiple of 16.
+    The QK-norm's means are one BLAS matrix-vector product (``rms_norm``), whose kernels sum the
+    rows in groups of 4 (or 8): blocks whose rows start at a multiple of 16 group them as the
+    whole array's product does, so each row's mean has the same bits (a block of 10 rows would not)."""
+    unit = 16 // math.gcd(16, heads)
+    return max(unit, _POSITION_BLOCK // (heads * head_dim) // unit * unit)
+
+
 QK_NORM_SCOPES = ("head", "all_heads")  # QK-norm over each head's features, or over all heads' of a token
 
 
@@ -664,18 +678,41 @@ class MultiHeadAttentionCore(Module):
         on heads-first views whose rows are strided (a decoding step makes them for every layer;
         on a long prompt those strided rows made the norm about twice as slow), the same
         roundings per head (``x rstd``, then times its own weight; the same cos and sin, whose
-        tables ``K.rope_run`` shares between the layers of a step)."""
+        tables ``K.rope_run_tables`` shares between the layers of a step).  A long prompt (one
+        sequence) goes through both steps a block of tokens at a time (``_token_block``,
+        ``_norm_turn``), so that their passes read a block the cache holds, not the whole
+        ``(L, H + Hk, hd)``."""
         h, hk = self.num_heads, self.num_kv_heads
         qk = qkv[..., : (h + hk) * self.head_dim].reshape(qkv.shape[:-1] + (h + hk, self.head_dim))
+        if self.qk_norm or self.rope:
+            tables = None
+            if self.rope:  # token i at start + i, its heads turned alike
+                r = self.head_dim if self.rotary_dim is None else self.rotary_dim
+                ropt = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+                tables = K.rope_run_tables(start, qk.shape[-3], r, qk.dtype, **ropt)
+            length, step = qk.shape[-3], _token_block(h + hk, self.head_dim)
+            if length <= step or qk.size != length * (h + hk) * self.head_dim:  # short, or a batch: whole
+                qk = self._norm_turn(qk, tables, 0)
+            else:
+                out = np.empty(qk.shape, qk.dtype)
+                for t in range(0, length, step):
+                    out[..., t : t + step, :, :] = self._norm_turn(qk[..., t : t + step, :, :], tables, t)
+                qk = out
+        qk = qk.swapaxes(-2, -3)  # (..., H + Hk, L, hd)
+        return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
+
+    def _norm_turn(self, qk, tables, offset: int) -> np.ndarray:
+        """``_position_joint``'s two steps on tokens ``offset..`` of ``qk (..., l, H + Hk, hd)``: the
+        QK-norm (each head by its own weight) and the rotation by the run's ``tables`` (None: no
+        RoPE); a new array, or ``qk`` itself when neither step applies."""
+        h = self.num_heads
         if self.qk_norm:
             qk = K.rms_norm(qk, None, self.q_norm.eps, keep=False)[0]
             qk[..., :h, :] *= self._qk_weight(self.q_norm)
             qk[..., h:, :] *= self._qk_weight(self.k_norm)
-        if self.rope:  # token i at start + i, its heads turned alike
-            ropt = dict(base=self.rope_base, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
-            qk = K.rope_run(qk, start, rotary_dim=self.rotary_dim, **ropt)
-        qk = qk.swapaxes(-2, -3)  # (..., H + Hk, L, hd)
-        return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
+        if tables is not None:
+            qk = K.rope_turn(qk, tables, self.rope_interleaved, offset)
+        return qk
 
     def _decodes(self, qh, kh, mask, use_cache: bool) -> bool:
         """A cached call's one query row that ``K.decoding_attention`` serves: grouped heads (no

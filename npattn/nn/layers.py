@@ -716,7 +716,8 @@ def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, own
     of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``): two arrays of
     ``(..., d_ff)`` fewer per call, which on a long prompt are fresh pages each.  With the fused
     weights ``a`` and ``b`` are the two halves of one product's output (each element the same dot
-    product as apart: the same bits), one GEMM instead of two, one GEMV when decoding."""
+    product as apart: the same bits), one GEMM instead of two, one GEMV when decoding.  SiLU's
+    passes go a block of rows at a time (``K.silu_mul_``), over a block the cache holds."""
     kernel, _, kwargs = _act(act)
     fused = None if owner is None else fused_linears(owner, (gate, up))
     if fused is None:
@@ -724,11 +725,11 @@ def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, own
     else:
         ab = K.linear(x, *fused)[0]
         a, b = ab[..., : gate.out_features], ab[..., gate.out_features :]
+    b = up._forward(x) if b is None else b
     if _ACTIVATIONS[act][0] == "silu":
-        h = np.multiply(a, K.sigmoid(a), out=a)
-    else:
-        h = kernel(a, **kwargs)[0]
-    h *= up._forward(x) if b is None else b
+        return K.silu_mul_(a, b)
+    h = kernel(a, **kwargs)[0]
+    h *= b
     return h
 
 
