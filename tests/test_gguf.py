@@ -1152,9 +1152,9 @@ def test_bfloat16_storage_of_a_gguf_file(tmp_path, monkeypatch, config, arch, qt
     monkeypatch.setattr(G, "to_bfloat16_bits", lambda x, out=None: rounded.append(x.shape) or real(x, out=out))
     m = CausalLM.from_gguf(tmp_path / "m.gguf", weights_dtype="bfloat16")
     assert rounded  # rounded as read, into the bits
-    # (llama's q/k rows are permuted whole first; Phi-3's fused q/k/v and gate/up are split by load_into's
-    # _Rows, each part rounded from the whole fused matrix)
-    if rows_at_a_time and arch not in ("llama", "phi3"):
+    # (llama's q/k rows are permuted whole first; each part of Phi-3's fused q/k/v and gate/up is read
+    # block of rows by block of rows, as any tensor)
+    if rows_at_a_time and arch != "llama":
         assert max(shape[0] for shape in rounded if len(shape) == 2) == rows_at_a_time
     assert m.weights_dtype == "bfloat16" and m.dtype == np.float32
     nf = sum(p.data.nbytes for p in ref.parameters())
@@ -1231,24 +1231,29 @@ def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, conf
     assert any(len(s) == 2 and s[0] == 3 for s in calls) and any(len(s) == 2 and s[0] < 3 for s in calls)
 
 
-def test_each_tensor_s_file_pages_are_released_once_read(tmp_path, monkeypatch):
+@_cases("qwen3moe", "phi3")
+def test_each_tensor_s_file_pages_are_released_once_read(tmp_path, monkeypatch, config, arch):
     """Loading releases (``MADV_DONTNEED``) every byte of every tensor once dequantized, block of
-    rows by block of rows: the process holds the model, not the model plus the file."""
+    rows by block of rows (each part of Phi-3's fused tensors its own rows' bytes): the process
+    holds the model, not the model plus the file."""
     from npattn.models import gguf as G
     from npattn.models.hf import _Mapping
 
     path = tmp_path / "m.gguf"
-    _write(path, QWEN3_MOE, _model(QWEN3_MOE).state_dict(), Q.Q8_0, "qwen3moe")
+    _write(path, config, _model(config).state_dict(), Q.Q8_0, arch)
     released: list = []
     real = _Mapping.release
     monkeypatch.setattr(_Mapping, "release", lambda self, b, e: released.append((b, e)) or real(self, b, e))
-    monkeypatch.setattr(G, "_DEQUANTIZE_VALUES", 5 * QWEN3_MOE["hidden_size"])
+    monkeypatch.setattr(G, "_DEQUANTIZE_VALUES", 5 * config["hidden_size"])
     CausalLM.from_gguf(path)
-    covered = np.zeros(path.stat().st_size, bool)
+    covered = np.zeros(path.stat().st_size, np.int64)
     for b, e in released:
-        covered[b:e] = True
+        covered[b:e] += 1
     tensors = G._read(path).reader.tensors
-    assert all(covered[t.data_offset : t.data_offset + t.n_bytes].all() for t in tensors)
+    factors = ("rope_factors_long.weight", "rope_factors_short.weight")  # read into the config, not released
+    assert all(
+        (covered[t.data_offset : t.data_offset + t.n_bytes] == 1).all() for t in tensors if t.name not in factors
+    )
     assert len(released) > len(tensors)  # block by block
 
 
@@ -1325,6 +1330,55 @@ def test_phi3_split_qkv_is_the_fused_file_s_model(tmp_path):
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
     ids = np.random.default_rng(1).integers(0, PHI3["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(fused, ids))
+
+
+@pytest.mark.parametrize(
+    "qtype, weights_dtype",
+    [(q, None) for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+    + [(Q.Q4_K, "bfloat16"), (Q.BF16, "bfloat16")],
+    ids=lambda v: getattr(v, "name", None) or str(v),
+)
+def test_phi3_fused_tensors_are_dequantized_part_by_part(tmp_path, monkeypatch, qtype, weights_dtype):
+    """Each part of a fused attn_qkv / ffn_up (q, k, v; gate, up) dequantizes its own rows'
+    blocks (``_GGUFTensor.rows``): every byte of every tensor of the file goes through
+    ``gguf.quants.dequantize`` once (not once per part), no read is of a whole fused tensor,
+    and the values are the whole tensor's dequantization, bit for bit."""
+    from npattn.functional._bfloat16 import BFloat16Array, to_bfloat16_bits
+    from npattn.models import gguf as G
+
+    path = tmp_path / "m.gguf"
+    sd = _model(PHI3).state_dict()
+    want = _hf_values(_write(path, PHI3, sd, qtype, "phi3"), sd, PHI3, "phi3")
+    f = G._read(path)
+    base, size = f.reader.data.__array_interface__["data"][0], f.reader.data.size
+    times = np.zeros(size, np.int64)
+    real = gguf.quants.dequantize
+
+    def spy(data, q):
+        at = data.__array_interface__["data"][0] - base
+        if 0 <= at < size:  # a view of the file (not _dequantizes' probe)
+            times[at : at + data.nbytes] += 1
+        return real(data, q)
+
+    reads: list = []
+    read_into = G._GGUFTensor.read_into
+    monkeypatch.setattr(gguf.quants, "dequantize", spy)
+    monkeypatch.setattr(G._GGUFTensor, "read_into", lambda self, out: reads.append(self.shape) or read_into(self, out))
+    loaded = CausalLM.from_gguf(path, weights_dtype=weights_dtype)
+    for t in f.reader.tensors:
+        np.testing.assert_array_equal(times[t.data_offset : t.data_offset + t.n_bytes], 1, err_msg=t.name)
+    H, hd = PHI3["hidden_size"], PHI3["hidden_size"] // PHI3["num_attention_heads"]
+    fused = {(H + 2 * PHI3["num_key_value_heads"] * hd, H), (2 * PHI3["intermediate_size"], H)}
+    assert not fused & set(reads)
+    assert (H, H) in reads and (PHI3["intermediate_size"], H) in reads  # q rows; gate rows, up rows
+    if weights_dtype is None:
+        _assert_holds(loaded, want)
+    else:
+        for k, p in loaded.named_parameters():
+            rounded = isinstance(p.data, BFloat16Array)
+            np.testing.assert_array_equal(
+                p.data.bits if rounded else p.data, to_bfloat16_bits(want[k]) if rounded else want[k], k
+            )
 
 
 def test_phi3_attention_factor_is_carried_only_where_it_is_not_transformers(tmp_path, monkeypatch):

@@ -38,8 +38,8 @@ Reading one:
 5. a ``phi3`` file keeps Phi-3's checkpoint's fused projections (``attn_qkv``: q, k, v rows;
    ``ffn_up``: gate then up rows, as ``gate_up_proj``): they are given to ``load_into`` under the
    checkpoint's fused names (``CheckpointLayout.fused``), which splits them as it splits a
-   checkpoint's; a file with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes
-   either) is read as it is.
+   checkpoint's, each part dequantizing only its own rows' blocks (``_GGUFTensor.rows``); a file
+   with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes either) is read as it is.
 """
 
 from __future__ import annotations
@@ -432,6 +432,27 @@ class _GGUFTensor(LazyTensor):
                 _store(values - shift if self._shift else values, dest[part])
                 self._release(begin, begin + (min(r + step, rows) - r) * row_bytes)
                 begin += (min(r + step, rows) - r) * row_bytes
+
+    def rows(self, start: int, stop: int) -> _GGUFTensor:
+        """Rows ``start:stop`` of a one-tensor matrix (a ``phi3`` file's fused ``attn_qkv`` or
+        ``ffn_up``) as a tensor of their own: a GGML tensor is stored row by row, each row its
+        own blocks, so the rows are one range of the file's bytes, and ``read_into`` dequantizes
+        only those (the values of the whole tensor's dequantization, block for block)."""
+        (t,) = self._parts
+        if self._heads is not None or t.data.ndim != 2:
+            raise ValueError(f"{self.name}: rows of a permuted, joined or stacked tensor are not read apart")
+        data = t.data[start:stop]
+        shape = t.shape.copy()
+        shape[-1] = stop - start  # innermost first: (columns, rows)
+        row_bytes = t.data.shape[-1] * t.data.itemsize
+        part = t._replace(
+            shape=shape,
+            n_elements=data.shape[0] * int(t.shape[0]),
+            n_bytes=data.nbytes,
+            data_offset=int(t.data_offset) + start * row_bytes,
+            data=data,
+        )
+        return _GGUFTensor(self.name, [part], None, self._shift, self._mapping)
 
     def _release(self, begin: int, end: int) -> None:
         if self._mapping is not None:

@@ -683,11 +683,12 @@ class _Stacked:
 def _row_range(name: str, fused, start: int, stop: int):
     """Rows ``start:stop`` of a fused checkpoint tensor (a ``_Source``: Phi-3's ``qkv_proj`` or
     ``gate_up_proj``) as the model tensor ``name``: a safetensors tensor's rows as a tensor of
-    their own (``LazyTensor.rows``: each part reads its own bytes, BF16 widened in place), an
-    array's or a torch tensor's as a view; any other (a GGUF file's, dequantized whole) through
-    ``_Rows``."""
+    their own (``LazyTensor.rows``: each part reads its own bytes, BF16 widened in place), and so
+    a lazy tensor's whose class reads rows its own way (a GGUF file's: each part dequantizes its
+    own blocks); an array's or a torch tensor's as a view; any other (a tensor computed whole when
+    read, ``quant.Dequantized``) through ``_Rows``."""
     v = fused.value
-    if type(v) is LazyTensor:
+    if type(v) is LazyTensor or (isinstance(v, LazyTensor) and type(v).rows is not LazyTensor.rows):
         return _Source(name, v.rows(start, stop))
     if isinstance(v, np.ndarray) or hasattr(v, "detach"):  # a numpy array or a torch tensor: a view
         return _Source(name, v[start:stop])
@@ -696,7 +697,8 @@ def _row_range(name: str, fused, start: int, stop: int):
 
 class _Rows:
     """Rows ``start:stop`` of a fused checkpoint tensor (a ``_Source``) as one model tensor
-    (``CheckpointLayout.fused``), the whole tensor read for each part (``_row_range``'s last case)."""
+    (``CheckpointLayout.fused``), the whole tensor read for each part (``_row_range``'s last case:
+    a tensor computed whole when read)."""
 
     def __init__(self, name: str, fused, start: int, stop: int):
         self.name, self.fused, self.start, self.stop = name, fused, start, stop
