@@ -56,11 +56,12 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
     assert main(["generate", str(tmp_path), prompt, "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     first, last = out.rstrip("\n").rsplit("\n", 1)
-    assert first == prompt + tok.decode(expect)
+    assert first == tok.decode(ids + expect)  # the prompt, then the words after it (a space between)
+    assert first.startswith(prompt + " ")
     assert last.startswith("[6 tokens in ") and last.endswith(" tokens/s]")
     # the prompt's words as separate arguments (not quoted in a shell): the same prompt
     assert main(["generate", str(tmp_path), *prompt.split(), "--max-new-tokens", "6"]) == 0
-    assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == prompt + tok.decode(expect)
+    assert capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == tok.decode(ids + expect)
 
 
 def test_generate_sampling_is_seeded_and_stops_at_eos(tmp_path, capsys):

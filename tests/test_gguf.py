@@ -1101,6 +1101,102 @@ def test_sentencepiece_tokenizer_encodes_as_llama_cpp(tmp_path, prefix):
     assert len(_llama_cpp_spm(SPM_TEXTS[1], tokens, scores, types, prefix)) < len(SPM_TEXTS[1]) // 2  # merged
 
 
+# Phi-3 / Phi-3.5's chat template (tokenizer_config.json), its turn markers added tokens
+_PHI3_CHAT = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + '\\n' + message['content'] + '<|end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}"
+)
+
+
+def _phi3_spm_file(path, config):
+    """A phi3 file with a SentencePiece vocabulary as llama.cpp's converter writes Phi-3's and
+    Phi-3.5's (``Phi3MiniModel.set_vocab``): tokenizer.model's pieces (<unk>, <s>, </s>, the bytes,
+    the pieces of a BPE trained here, scored by rank), the added tokens after them scored -1000
+    (special: CONTROL, else USER_DEFINED), the rest of the embedding's rows ``[PAD{i}]`` UNUSED
+    at -10000; tokenizer.ggml.pre "default", no add_space_prefix key (llama.cpp's default:
+    true); the model's weights in float32 (peaked, so that greedy decoding is stable).  Returns
+    ``(model, tokens, scores, types)``."""
+    tk = pytest.importorskip("tokenizers")
+    bpe = tk.Tokenizer(tk.models.BPE())
+    bpe.normalizer = tk.normalizers.Replace(" ", "\u2581")
+    corpus = ["the cat sat on the mat and the dog sat on the hat", "Hello world, hello there"] * 20
+    bpe.train_from_iterator(corpus, tk.trainers.BpeTrainer(vocab_size=120))
+    pieces = sorted(bpe.get_vocab(), key=bpe.get_vocab().get)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    added = [("<|endoftext|>", 3), ("<|assistant|>", 3), ("<|placeholder1|>", 4), ("<|end|>", 3), ("<|user|>", 3)]
+    tokens += [t for t, _ in added]
+    types += [k for _, k in added]
+    scores += [-1000.0] * len(added)
+    pads = 7
+    tokens += [f"[PAD{len(tokens) + i}]" for i in range(pads)]
+    types += [5] * pads
+    scores += [-10000.0] * pads
+    config = dict(config, vocab_size=len(tokens), bos_token_id=1, eos_token_id=tokens.index("<|endoftext|>"))
+    src = _model(config)
+    for p in src.parameters():
+        p.data[...] = p.data * 4
+    w = gguf.GGUFWriter(str(path), "phi3")
+    _metadata(w, config, "phi3")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_chat_template(_PHI3_CHAT)
+    for name, value in _phi3_factors(config):
+        w.add_tensor(name, value)
+    for (_, name), value in _as_gguf(src.state_dict(), config, "phi3").items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return CausalLM.from_gguf(path), tokens, scores, types
+
+
+def test_phi3_sentencepiece_file_end_to_end(tmp_path, capsys, monkeypatch):
+    """A Phi-3 / Phi-3.5 GGUF file (tokenizer.ggml.model "llama"): its tokenizer encodes as
+    llama.cpp does (the bos first, the turn markers whole, no ``[PAD]`` row reached), and
+    ``npattn generate`` prints the prompt and the model's greedy continuation (each word's
+    space kept), and with ``--chat`` the reply to the file's chat template."""
+    from npattn.__main__ import main
+    from npattn.models.gguf import gguf_tokenizer
+
+    path = tmp_path / "phi3.gguf"
+    model, tokens, scores, types = _phi3_spm_file(path, PHI3_MINI)
+    tok = gguf_tokenizer(path)
+    chat = "<|user|>\nthe cat sat<|end|>\n<|assistant|>\n"
+    for text in [*SPM_TEXTS[:4], chat, "<|placeholder1|>the hat"]:
+        want = [1] + _llama_cpp_spm(text, tokens, scores, types, True)
+        assert tok.encode(text).ids == want, text
+        assert all(types[i] != 5 for i in want), text
+    eos = tokens.index("<|endoftext|>")
+    for prompt, args in (("the cat sat", []), ("the dog", ["--chat"])):
+        text = chat.replace("the cat sat", prompt) if args else prompt
+        ids = tok.encode(text, add_special_tokens=not args).ids
+        new = model.generate(np.array([ids]), 5, eos_token_id=eos)[0, len(ids) :].tolist()
+        new = new[: new.index(eos) + 1] if eos in new else new
+        assert main(["generate", str(path), prompt, "--max-new-tokens", "5", *args]) == 0
+        printed = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0]
+        whole = tok.decode(ids + new, skip_special_tokens=True)
+        if args:  # the reply alone
+            assert printed == tok.decode(new, skip_special_tokens=True)
+        else:  # the prompt, then the continuation as the whole sequence decodes it
+            assert printed == whole, (printed, whole)
+    # a continuation of words: each one's space kept (a SentencePiece decoder strips the first
+    # space of a text: "▁the" alone decodes as "the")
+    from npattn.tools import generate as G
+
+    words = [tokens.index(w) for w in ("\u2581the", "\u2581wor", "\u2581there")]
+    monkeypatch.setattr(G, "stream", lambda *a, **k: iter(words))
+    assert main(["generate", str(path), "the cat", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == "the cat the wor there"
+
+
 def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
     """tokenizer.ggml.padding_token_id pads generate's finished rows (the model's generation
     config, with the file's eos); the config's pad_token_id, which would freeze an embedding row

@@ -305,6 +305,14 @@ def _chat_text(directory: str, prompt: str) -> str:
         raise _Failure(f"{where}: the chat template failed ({type(e).__name__}: {_one_line(e)})") from None
 
 
+def _continuation(tokenizer, context: list, before: str, new: list) -> str:
+    """The text the tokens ``new`` add after the tokens ``context`` (decoded as ``before``): the
+    whole sequence's decoding past the context's, or the new tokens' own where the context's is
+    not its start."""
+    whole = tokenizer.decode(context + new)
+    return whole[len(before) :] if whole.startswith(before) else tokenizer.decode(new)
+
+
 def _run(args, model, tokenizer, prompt_ids, eos) -> int:
     """Print the prompt (not with ``--chat``: the reply alone), then the completion as it grows,
     then the tokens per second.  Without a tokenizer (``--ids``) the ids themselves."""
@@ -316,6 +324,11 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
     out.flush()
     new: list = []
     shown = ""
+    # after the prompt, the continuation as the whole sequence decodes it: a SentencePiece decoder
+    # strips the space that starts a text (Llama 2's, Phi-3's "▁the" alone is "the"), and a word
+    # level one joins words with spaces; a chat reply, printed alone, is its own tokens' text
+    context = [] if tokenizer is None or args.chat else list(prompt_ids)
+    before = tokenizer.decode(context) if context else ""
     start = time.perf_counter()
     for token in stream(
         model,
@@ -332,7 +345,7 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
             out.write(f" {token}")
             out.flush()
             continue
-        text = tokenizer.decode(new)
+        text = _continuation(tokenizer, context, before, new)
         # print what the new token added; a byte-level token may end in the middle of a character
         # (decoded as U+FFFD until the next token completes it): hold that back
         if text.startswith(shown) and not text.endswith("\ufffd"):
@@ -341,7 +354,7 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
             shown = text
     elapsed = time.perf_counter() - start
     if tokenizer is not None:
-        text = tokenizer.decode(new)
+        text = _continuation(tokenizer, context, before, new)
         if text.startswith(shown):  # whatever was held back
             out.write(text[len(shown) :])
     rate = len(new) / elapsed if elapsed > 0 else float("inf")
