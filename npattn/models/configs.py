@@ -62,6 +62,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmo2",
     "smollm3",
     "phi3",
+    "mixtral",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -997,19 +998,49 @@ def _qwen3(r: _Reader) -> dict:
     return c
 
 
-def _mistral(r: _Reader) -> dict:
+def _mistral(r: _Reader, rope_theta: float = 10000.0) -> dict:
     """Mistral (7B, Nemo, Small, the Ministral and Devstral text models that say ``mistral``):
     Llama without biases, ``head_dim`` apart from ``hidden / heads`` where given, and a window of
     ``sliding_window`` keys on every layer (null: full attention), as ``MistralAttention`` masks it
-    (the contributing guide's worked example)."""
+    (the contributing guide's worked example).  ``rope_theta``: the family's RoPE base where the
+    config gives none (Mixtral's is 1e6)."""
     c = _common(r)
     n = c["num_hidden_layers"]
     kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
     c.update(
         intermediate_size=r.int("intermediate_size"),
         hidden_act=_act(r, "hidden_act", "silu"),
-        rope=_rope_params(r, 10000.0),
+        rope=_rope_params(r, rope_theta),
         **_dense_layers(r, (kind,) * n),
+    )
+    return c
+
+
+# Mixtral's released checkpoints (and transformers' save_pretrained of MixtralForCausalLM) keep
+# the routed experts one at a time as w1 (gate), w3 (up), w2 (down) under block_sparse_moe
+# (transformers' conversion_mapping for "mixtral", both directions)
+_MIXTRAL_LAYOUT: dict[str, Any] = dict(
+    per_expert=True, expert_projs=("w1", "w3", "w2"), renames=((".mlp.", ".block_sparse_moe."),)
+)
+
+
+def _mixtral(r: _Reader) -> dict:
+    """Mixtral (8x7B, 8x22B): Mistral's attention (a window of ``sliding_window`` keys on every
+    layer, null: full; RoPE base 1e6 by default) and on every layer routed experts of
+    ``intermediate_size`` (softmax over ``num_local_experts``, the top ``num_experts_per_tok``
+    renormalised, no shared expert); ``router_jitter_noise`` (a training-time noise on the
+    router's input) must be 0."""
+    c = _mistral(r, 1_000_000.0)
+    # transformers' attribute_map lets the config say num_local_experts or num_experts
+    experts = {k: r.int(k) for k in ("num_local_experts", "num_experts") if r.has(k)}
+    if len(set(experts.values())) > 1:
+        raise ValueError(f"config: num_local_experts and num_experts differ ({experts})")
+    r.int("num_experts_per_tok")
+    r.get("router_jitter_noise")  # refused unless 0 by the MoE reader (_moe_mixtral)
+    c.update(
+        mlp_types=("moe",) * c["num_hidden_layers"],
+        moe=moe_config({**r.d, "num_local_experts": next(iter(experts.values()), 8)}),
+        layout=CheckpointLayout(r.model_type, **_MIXTRAL_LAYOUT),
     )
     return c
 
@@ -1840,6 +1871,16 @@ _DEFAULTS: dict = {
         rms_norm_eps=1e-6,
         sliding_window=4096,
     ),
+    "mixtral": dict(
+        **_sizes(positions=131072, vocab=32000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        num_experts_per_tok=2,  # num_local_experts (8): the reader's, as it has two names
+        router_jitter_noise=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "qwen2": dict(
         _QWEN3,
         **_sizes(hidden=4096, intermediate=22016, layers=32),
@@ -2313,6 +2354,7 @@ _GPT_OSS_ROPE = {
 _READERS = {
     "llama": _llama,
     "mistral": _mistral,
+    "mixtral": _mixtral,
     "gemma2": _gemma2,
     "qwen2": _qwen2,
     "qwen3": _qwen3,

@@ -464,6 +464,16 @@ TINY_CONFIGS: dict = {
         bos_token_id=2,
     ),
     "mistral": dict(_BASE, model_type="mistral", head_dim=8, sliding_window=3),
+    # Mixtral: Mistral's window of 3 and wider heads, 4 experts of which each token takes 2
+    "mixtral": dict(
+        _BASE,
+        model_type="mixtral",
+        head_dim=8,
+        sliding_window=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=1000.0,
+    ),
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
     "olmo2": dict(_BASE, model_type="olmo2", rope_theta=5000.0, attention_bias=True, eos_token_id=2),

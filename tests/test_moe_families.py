@@ -1,0 +1,210 @@
+"""The sparse-MoE families people run on CPUs: Mixtral (``mixtral``).  Their released config.json
+keys read, short dicts read as transformers reads them, the refusals by name, and against
+transformers' own models in float64 (eager attention): logits to 1e-9 and every gradient to 1e-8
+under a random upstream gradient, with every router's top-k choice checked to sit far from a tie
+(the k-th and (k+1)-th probabilities at least 1e-6 apart: float64's rounding cannot swap them),
+cached decoding equal to transformers' full pass, and a directory written by transformers (its
+per-expert names) loaded and written back.  The family-wide suites (``TINY_CONFIGS``) run the tiny
+entries through backward, JVP, backward-JVP, padded batches, ``save_pretrained`` and bfloat16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from npattn.models import CausalLM, config_from_hf
+from npattn.models.tiny import tiny_config
+from npattn.nn.moe import TopKRouter
+
+_SIZES = dict(vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+
+# Mixtral-8x7B-v0.1's config.json, its keys as released (sizes shrunk)
+_MIXTRAL_RELEASED = dict(
+    architectures=["MixtralForCausalLM"],
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_act="silu",
+    hidden_size=32,
+    initializer_range=0.02,
+    intermediate_size=24,
+    max_position_embeddings=32768,
+    model_type="mixtral",
+    num_attention_heads=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    output_router_logits=False,
+    rms_norm_eps=1e-05,
+    rope_theta=1000000.0,
+    router_aux_loss_coef=0.02,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    transformers_version="4.36.0.dev0",
+    use_cache=True,
+    vocab_size=61,
+)
+
+RELEASED = {"mixtral": _MIXTRAL_RELEASED}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_the_released_configs_read(name):
+    cfg = config_from_hf(RELEASED[name])
+    assert set(cfg.mlp_types) == {"moe"}
+    assert cfg.moe.num_experts == 8 and cfg.moe.top_k == 2 and cfg.moe.norm_topk_prob
+    assert cfg.layer_types == ("full_attention",) * 2 and cfg.rope["default"]["rope_theta"] == 1e6
+    assert cfg.rms_norm_eps == 1e-5 and not cfg.attention_bias
+
+
+def test_mixtral_reads_its_window_experts_and_defaults():
+    cfg = config_from_hf(tiny_config("mixtral"))
+    assert cfg.layer_types == ("sliding_attention",) * 2 and cfg.sliding_window == 3
+    assert cfg.moe.intermediate_size == 24 and cfg.moe.shared_intermediate_size is None
+    assert cfg.layout.expert_projs == ("w1", "w3", "w2")
+    short = config_from_hf({k: v for k, v in tiny_config("mixtral").items() if k != "rope_theta"})
+    assert short.rope["default"]["rope_theta"] == 1e6  # MixtralConfig's default_theta
+    assert config_from_hf(dict(tiny_config("mixtral"), num_experts=4)).moe.num_experts == 4
+
+
+@pytest.mark.parametrize(
+    "name, bad, match",
+    [
+        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+        ("mixtral", dict(num_experts=5), "num_local_experts and num_experts differ"),
+        ("mixtral", dict(attention_bias=True), "'attention_bias'"),
+        ("mixtral", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        ("mixtral", dict(num_experts_per_tok=0), "'num_experts_per_tok'"),
+    ],
+)
+def test_refusals_name_the_key(name, bad, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_hf(tiny_config(name, **bad))
+
+
+# -- against transformers ------------------------------------------------------------------------
+T = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+from _hf64 import (  # noqa: E402
+    build,
+    check_cached_decoding,
+    hf_logits,
+    hf_logits_and_grads,
+    state_dict,
+)
+from _oracles import rel_err  # noqa: E402
+
+# (config class, model class, fields): each family's options, windows shorter than the sequence
+CASES = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_SIZES, intermediate_size=12, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2),
+    ),
+    "mixtral_window_wide_heads": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=12,
+            num_hidden_layers=2,
+            head_dim=12,
+            sliding_window=3,
+            num_local_experts=4,
+            num_experts_per_tok=3,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
+}
+
+
+def _build(name):
+    cfg_cls, model_cls, kwargs = CASES[name]
+    return build(getattr(T, cfg_cls), getattr(T, model_cls), **kwargs)
+
+
+def _ids(vocab, shape=(2, 9), seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def routing_margin(m) -> float:
+    """The smallest gap, over every router of ``m``'s last forward and every token, between the
+    k-th and (k+1)-th largest softmax probability (the last chosen and the first refused expert)."""
+    gaps = []
+    for mod in m.modules():
+        if isinstance(mod, TopKRouter):
+            z = mod.last_logits.reshape(-1, mod.last_logits.shape[-1])
+            p = np.exp(z - z.max(-1, keepdims=True))
+            p = np.sort(p / p.sum(-1, keepdims=True), axis=-1)[:, ::-1]
+            gaps.append((p[:, mod.top_k - 1] - p[:, mod.top_k]).min())
+    assert gaps, "no router ran"
+    return min(gaps)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_and_every_gradient_match_transformers(name):
+    hf, cfg = _build(name)
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    ids = _ids(cfg["vocab_size"])
+    dlogits = np.random.default_rng(1).standard_normal(ids.shape + (cfg["vocab_size"],))
+    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
+    logits = m(ids)
+    assert routing_margin(m) > 1e-6  # no choice on a tie: the two sides route alike
+    assert rel_err(logits, ref, floor=1e-300, relative_to="max_b") < 1e-9
+    m.zero_grad()
+    m.backward(dlogits)
+    names = dict(m.named_parameters())
+    assert set(names) == set(ref_grads), set(names) ^ set(ref_grads)
+    for n, p in names.items():
+        assert np.abs(ref_grads[n]).max() > 0, n  # every parameter is reached (each expert chosen somewhere)
+        assert rel_err(p.grad, ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cached_decoding_gives_transformers_full_pass(name):
+    hf, cfg = _build(name)
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    check_cached_decoding(m, hf, _ids(cfg["vocab_size"], seed=3))
+
+
+@pytest.mark.parametrize("name", ["mixtral"])
+def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
+    """The tiny entry without the keys it leaves out reads as transformers' full to_dict() of it."""
+    short = tiny_config(name)
+    full = T.AutoConfig.for_model(**short).to_dict()
+    meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)
+    assert config_from_hf(short).replace(**meta) == config_from_hf(full).replace(**meta)
+    bare = {k: v for k, v in short.items() if k not in ("num_local_experts", "num_experts_per_tok", "rope_theta")}
+    full = T.AutoConfig.for_model(**bare).to_dict()
+    assert config_from_hf(bare).replace(**meta) == config_from_hf(full).replace(**meta)
+
+
+@pytest.mark.parametrize("name", ["mixtral"])
+def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
+    """transformers' save_pretrained (each expert apart, under the family's checkpoint names) ->
+    from_pretrained gives transformers' logits; our save_pretrained writes the same names, which
+    transformers reads back to the same logits."""
+    from safetensors import safe_open
+
+    hf, cfg = _build(name)
+    hf.save_pretrained(tmp_path / "hf")
+    m = CausalLM.from_pretrained(tmp_path / "hf")
+    ids = _ids(cfg["vocab_size"])
+    ref = hf_logits(hf, ids)
+    assert rel_err(m(ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+    m.save_pretrained(tmp_path / "ours")
+
+    def names(d):
+        with safe_open(str(d / "model.safetensors"), "np") as f:
+            return set(f.keys())
+
+    assert names(tmp_path / "ours") == names(tmp_path / "hf")
+    back = T.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours", dtype="float64", attn_implementation="eager", experts_implementation="eager"
+    )
+    # loaded outside float64_reference: its RoPE frequencies were computed in float32 (as
+    # tests/test_save_pretrained.py compares, to 1e-8)
+    assert rel_err(hf_logits(back, ids), ref, floor=1e-300, relative_to="max_b") < 1e-8
