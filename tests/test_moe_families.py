@@ -1,4 +1,5 @@
-"""The sparse-MoE families people run on CPUs: Mixtral (``mixtral``).  Their released config.json
+"""The sparse-MoE families people run on CPUs: Mixtral (``mixtral``), Qwen1.5-MoE / Qwen2-MoE
+(``qwen2_moe``).  Their released config.json
 keys read, short dicts read as transformers reads them, the refusals by name, and against
 transformers' own models in float64 (eager attention): logits to 1e-9 and every gradient to 1e-8
 under a random upstream gradient, with every router's top-k choice checked to sit far from a tie
@@ -47,16 +48,55 @@ _MIXTRAL_RELEASED = dict(
     vocab_size=61,
 )
 
-RELEASED = {"mixtral": _MIXTRAL_RELEASED}
+# Qwen1.5-MoE-A2.7B's config.json, its keys as released (sizes shrunk; 60 experts, top 4)
+_QWEN2_MOE_RELEASED = dict(
+    architectures=["Qwen2MoeForCausalLM"],
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    eos_token_id=151643,
+    hidden_act="silu",
+    hidden_size=32,
+    initializer_range=0.02,
+    intermediate_size=40,
+    max_position_embeddings=8192,
+    max_window_layers=21,
+    model_type="qwen2_moe",
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000.0,
+    sliding_window=32768,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    transformers_version="4.40.0.dev0",
+    use_cache=True,
+    use_sliding_window=False,
+    vocab_size=61,
+    decoder_sparse_step=1,
+    moe_intermediate_size=12,
+    shared_expert_intermediate_size=48,
+    num_experts_per_tok=4,
+    num_experts=60,
+    norm_topk_prob=False,
+    output_router_logits=False,
+    router_aux_loss_coef=0.001,
+)
+
+RELEASED = {"mixtral": _MIXTRAL_RELEASED, "qwen2_moe": _QWEN2_MOE_RELEASED}
 
 
-@pytest.mark.parametrize("name", sorted(RELEASED))
-def test_the_released_configs_read(name):
-    cfg = config_from_hf(RELEASED[name])
-    assert set(cfg.mlp_types) == {"moe"}
+def test_the_released_configs_read():
+    cfg = config_from_hf(_MIXTRAL_RELEASED)
+    assert cfg.mlp_types == ("moe",) * 2
     assert cfg.moe.num_experts == 8 and cfg.moe.top_k == 2 and cfg.moe.norm_topk_prob
     assert cfg.layer_types == ("full_attention",) * 2 and cfg.rope["default"]["rope_theta"] == 1e6
     assert cfg.rms_norm_eps == 1e-5 and not cfg.attention_bias
+    cfg = config_from_hf(_QWEN2_MOE_RELEASED)
+    assert cfg.mlp_types == ("moe",) * 2 and cfg.layer_types == ("full_attention",) * 2
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.norm_topk_prob) == (60, 4, False)
+    assert cfg.moe.shared_intermediate_size == 48 and cfg.moe.shared_expert_gate
+    assert cfg.attention_bias and cfg.attention_out_bias is False and cfg.layout.per_expert
 
 
 def test_mixtral_reads_its_window_experts_and_defaults():
@@ -69,9 +109,37 @@ def test_mixtral_reads_its_window_experts_and_defaults():
     assert config_from_hf(dict(tiny_config("mixtral"), num_experts=4)).moe.num_experts == 4
 
 
+def test_qwen2_moe_reads_its_windows_dense_layers_and_biases():
+    cfg = config_from_hf(tiny_config("qwen2_moe"))
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "full_attention") and cfg.sliding_window == 3
+    assert cfg.mlp_types == ("moe", "dense", "moe") and cfg.intermediate_size == 24
+    step = config_from_hf(tiny_config("qwen2_moe", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert step.mlp_types == ("dense", "moe", "dense", "dense")
+    # Qwen2MoeConfig's layer_types: even layers below max_window_layers, with use_sliding_window only
+    wide = config_from_hf(tiny_config("qwen2_moe", num_hidden_layers=5, max_window_layers=4, mlp_only_layers=[]))
+    assert wide.layer_types == ("sliding_attention", "full_attention") * 2 + ("full_attention",)
+    off = config_from_hf(tiny_config("qwen2_moe", use_sliding_window=False, sliding_window=0))  # as to_dict writes
+    assert set(off.layer_types) == {"full_attention"} and off.sliding_window is None
+    dense = config_from_hf(tiny_config("qwen2_moe", num_experts=0))
+    assert dense.mlp_types == ("dense",) * 3 and dense.moe is None
+    plain = config_from_hf(tiny_config("qwen2_moe", qkv_bias=False))
+    assert not plain.attention_bias and not plain.attention_config("full_attention").out_bias
+
+
 @pytest.mark.parametrize(
     "name, bad, match",
     [
+        ("qwen2_moe", dict(attention_bias=True), "'attention_bias'"),
+        ("qwen2_moe", dict(num_local_experts=4), "'num_local_experts'"),
+        ("qwen2_moe", dict(shared_expert_intermediate_size=0), "'shared_expert_intermediate_size'"),
+        ("qwen2_moe", dict(mlp_only_layers="1"), "'mlp_only_layers'"),
+        ("qwen2_moe", dict(qkv_bias="true"), "'qkv_bias'"),
+        (
+            "qwen2_moe",
+            dict(use_sliding_window=False, layer_types=["sliding_attention"] * 3),
+            "'sliding_attention' with use_sliding_window false",
+        ),
+        ("qwen2_moe", dict(layer_types=["chunked_attention"] * 3), "'chunked_attention'"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("mixtral", dict(num_experts=5), "num_local_experts and num_experts differ"),
         ("mixtral", dict(attention_bias=True), "'attention_bias'"),
@@ -116,6 +184,43 @@ CASES = {
             num_local_experts=4,
             num_experts_per_tok=3,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
+    # Qwen2-MoE: a shared expert of its own width, a dense layer by decoder_sparse_step, one by
+    # mlp_only_layers, sliding layers below max_window_layers, the top k renormalised
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=40,
+            num_hidden_layers=4,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=20,
+            decoder_sparse_step=2,
+            use_sliding_window=True,
+            sliding_window=3,
+            max_window_layers=3,
+            norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        ),
+    ),
+    "qwen2_moe_unnormalised_no_bias": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=3,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=8,
+            mlp_only_layers=[0],
+            qkv_bias=False,
+            tie_word_embeddings=True,
         ),
     ),
 }
@@ -170,19 +275,26 @@ def test_cached_decoding_gives_transformers_full_pass(name):
     check_cached_decoding(m, hf, _ids(cfg["vocab_size"], seed=3))
 
 
-@pytest.mark.parametrize("name", ["mixtral"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """The tiny entry without the keys it leaves out reads as transformers' full to_dict() of it."""
     short = tiny_config(name)
     full = T.AutoConfig.for_model(**short).to_dict()
     meta = dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=None)
     assert config_from_hf(short).replace(**meta) == config_from_hf(full).replace(**meta)
-    bare = {k: v for k, v in short.items() if k not in ("num_local_experts", "num_experts_per_tok", "rope_theta")}
+    left_out = (
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "rope_theta",
+        "shared_expert_intermediate_size",
+    )
+    bare = {k: v for k, v in short.items() if k not in left_out}
     full = T.AutoConfig.for_model(**bare).to_dict()
     assert config_from_hf(bare).replace(**meta) == config_from_hf(full).replace(**meta)
 
 
-@pytest.mark.parametrize("name", ["mixtral"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
     """transformers' save_pretrained (each expert apart, under the family's checkpoint names) ->
     from_pretrained gives transformers' logits; our save_pretrained writes the same names, which

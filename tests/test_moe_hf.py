@@ -20,6 +20,7 @@ MODULES = {
     "qwen3_next": "models.qwen3_next.modeling_qwen3_next",
     "qwen3_moe": "models.qwen3_moe.modeling_qwen3_moe",
     "mixtral": "models.mixtral.modeling_mixtral",
+    "qwen2_moe": "models.qwen2_moe.modeling_qwen2_moe",
 }
 CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssMLP", "GptOssForCausalLM"),
@@ -27,6 +28,7 @@ CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextSparseMoeBlock", "Qwen3NextForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralSparseMoeBlock", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock", "Qwen2MoeForCausalLM"),
 }
 
 # (family, config fields): every router variant and option the three families use
@@ -44,6 +46,10 @@ CASES = [
                         shared_expert_intermediate_size=2, norm_topk_prob=False, hidden_act="gelu_pytorch_tanh")),
     ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=4, norm_topk_prob=False)),
     ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=4)),
+    ("qwen2_moe", dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=4,
+                       shared_expert_intermediate_size=6, norm_topk_prob=False)),
+    ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=3,
+                       shared_expert_intermediate_size=2, norm_topk_prob=True, hidden_act="gelu")),
 ]  # fmt: skip
 IDS = [f"{f}-{i}" for i, (f, _) in enumerate(CASES)]
 H = 8
@@ -162,6 +168,10 @@ TINY_MODELS = {
     "mixtral": dict(
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=16,
         intermediate_size=6, num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=16, intermediate_size=10,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3, shared_expert_intermediate_size=5,
     ),
 }  # fmt: skip
 

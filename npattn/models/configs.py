@@ -63,6 +63,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "phi3",
     "mixtral",
+    "qwen2_moe",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -1110,6 +1111,59 @@ def _smollm3(r: _Reader) -> dict:
     return c
 
 
+def _sparse_step(r: _Reader, n: int) -> tuple:
+    """The Qwen MoE families' ``mlp_types``: routed experts on every ``decoder_sparse_step``-th
+    layer (the last of each run) not listed in ``mlp_only_layers``, a dense MLP on the others."""
+    step = r.int("decoder_sparse_step", 1)
+    only = r.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ValueError(f"config['mlp_only_layers']: expected a list of layer indices, got {_show(only)}")
+    return tuple("moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n))
+
+
+def _qwen2_moe(r: _Reader) -> dict:
+    """Qwen1.5-MoE and Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (biases on
+    q, k and v when ``qkv_bias``, none on o), routed experts of ``moe_intermediate_size`` (softmax,
+    top k, renormalised when ``norm_topk_prob``) beside a shared expert of
+    ``shared_expert_intermediate_size`` whose output is scaled by ``sigmoid(shared_expert_gate(x))``,
+    on every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (the others: a dense MLP
+    of ``intermediate_size``; ``num_experts`` 0: every layer dense).  With ``use_sliding_window``
+    the layers below ``max_window_layers`` of even index slide through ``sliding_window`` keys
+    (``Qwen2MoeConfig``'s ``layer_types``); a sliding layer without ``use_sliding_window`` is
+    refused (transformers' config sets its window to 0 then)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    use_sw = r.bool("use_sliding_window")
+    mwl = r.int("max_window_layers", minimum=0)
+    default = ["sliding_attention" if (i + 1) % 2 and i < mwl and use_sw else "full_attention" for i in range(n)]
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    if "sliding_attention" in lt and not use_sw:
+        raise ValueError(
+            "config['layer_types']: 'sliding_attention' with use_sliding_window false is not supported by npattn "
+            "for model_type 'qwen2_moe' (transformers' Qwen2MoeConfig sets sliding_window to 0 then)"
+        )
+    experts = r.int("num_experts", minimum=0)
+    sparse = _sparse_step(r, n)
+    mlp_types = sparse if experts else ("dense",) * n
+    for key in ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        r.int(key)
+    r.bool("norm_topk_prob")
+    qkv_bias = r.bool("qkv_bias", True)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=qkv_bias,
+        attention_out_bias=False,
+        rope=_rope_params(r, 10000.0),
+        layer_types=lt,
+        sliding_window=_window(r, lt),
+        mlp_types=mlp_types,
+        moe=moe_config(r.d) if "moe" in mlp_types else None,
+        layout=CheckpointLayout(r.model_type, per_expert=True),
+    )
+    return c
+
+
 def _qwen3_moe(r: _Reader) -> dict:
     """Qwen3-MoE: Qwen3's attention (QK-norm) and routed experts (softmax, top-k, renormalised
     when ``norm_topk_prob``, no shared expert) on every ``decoder_sparse_step``-th layer not in
@@ -1122,11 +1176,7 @@ def _qwen3_moe(r: _Reader) -> dict:
     sliding = r.bool("use_sliding_window") and r.get("sliding_window") is not None
     r.get("sliding_window")
     lt = ("sliding_attention" if sliding else "full_attention",) * n
-    step = r.int("decoder_sparse_step", 1)
-    only = r.get("mlp_only_layers") or []
-    if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise ValueError(f"config['mlp_only_layers']: expected a list of layer indices, got {_show(only)}")
-    mlp_types = tuple("moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n))
+    mlp_types = _sparse_step(r, n)
     # transformers' attribute_map lets the config say num_experts or num_local_experts (to_dict's)
     experts = {k: r.int(k) for k in ("num_experts", "num_local_experts") if r.has(k)}
     if len(set(experts.values())) > 1:
@@ -2023,6 +2073,17 @@ _DEFAULTS["deepseek_v32"] = dict(
 )
 
 
+# Qwen2MoeConfig's class defaults: Qwen3-MoE's but for these (no attention_bias field: qkv_bias)
+_DEFAULTS["qwen2_moe"] = dict(
+    {k: v for k, v in _DEFAULTS["qwen3_moe"].items() if k != "attention_bias"},
+    **_sizes(intermediate=5632, heads=16, kv_heads=16, expert=1408, top_k=4),
+    max_window_layers=28,
+    shared_expert_intermediate_size=5632,
+    num_experts=60,
+    qkv_bias=True,
+)
+
+
 def with_defaults(config: Mapping[str, Any]) -> dict:
     """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
     it leaves out (see ``_DEFAULTS``)."""
@@ -2291,6 +2352,18 @@ def _moe_qwen3_moe(c: _Loose) -> MoEConfig:
     )
 
 
+def _moe_qwen2_moe(c: _Loose) -> MoEConfig:
+    # softmax then top-k, keys gate.weight, experts.*, shared_expert.*, shared_expert_gate.weight
+    # (Qwen3-Next's block; the shared expert always there, the renormalisation off by default)
+    return MoEConfig(
+        **_moe_sizes(c, ("num_experts",), "moe_intermediate_size"),
+        norm_topk_prob=c.flag("norm_topk_prob", False),
+        hidden_act=c.get("hidden_act", default="silu"),
+        shared_intermediate_size=c.get("shared_expert_intermediate_size"),
+        shared_expert_gate=True,
+    )
+
+
 def _moe_mixtral(c: _Loose) -> MoEConfig:
     # softmax then top-k, renormalised, keys gate.weight, experts.*
     jitter = c.get("router_jitter_noise", default=0.0)
@@ -2312,6 +2385,7 @@ _MOE_READERS = {
     "qwen3_5_moe_text": _moe_qwen3_5_moe,
     "qwen3_moe": _moe_qwen3_moe,
     "mixtral": _moe_mixtral,
+    "qwen2_moe": _moe_qwen2_moe,
 }
 
 
@@ -2319,8 +2393,8 @@ def moe_config(config) -> MoEConfig:
     """``SparseMoeBlock``'s arguments for a decoder layer of a Hugging Face model, from its config.
 
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
-    one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"`` (the
-    fields each reads: ``SparseMoeBlock.from_hf_config``).
+    one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
+    ``"qwen2_moe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises
     ------
@@ -2355,6 +2429,7 @@ _READERS = {
     "llama": _llama,
     "mistral": _mistral,
     "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
     "gemma2": _gemma2,
     "qwen2": _qwen2,
     "qwen3": _qwen3,

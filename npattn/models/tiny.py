@@ -474,6 +474,19 @@ TINY_CONFIGS: dict = {
         num_experts_per_tok=2,
         rope_theta=1000.0,
     ),
+    # Qwen1.5-MoE / Qwen2-MoE: the first layer sliding (max_window_layers), the middle one dense
+    # (mlp_only_layers), the others routed beside the gated shared expert; biases on q, k, v
+    "qwen2_moe": dict(
+        _BASE,
+        model_type="qwen2_moe",
+        num_hidden_layers=3,
+        **_SHARED_EXPERT_MOE,
+        mlp_only_layers=[1],
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=2,
+        rope_theta=1000.0,
+    ),
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
     "olmo2": dict(_BASE, model_type="olmo2", rope_theta=5000.0, attention_bias=True, eos_token_id=2),

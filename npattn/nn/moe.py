@@ -1095,7 +1095,7 @@ class SparseMoeBlock(Module):
 
         ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with
         ``model_type`` one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``,
-        ``"mixtral"``.  Fields read:
+        ``"mixtral"``, ``"qwen2_moe"``.  Fields read:
 
         * gpt_oss: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``,
           ``intermediate_size``, ``swiglu_alpha`` (1.702), ``swiglu_limit`` (7.0) -> variant
@@ -1114,7 +1114,11 @@ class SparseMoeBlock(Module):
           ``experts.*``, ``gate.weight``;
         * mixtral: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``, ``intermediate_size``,
           ``hidden_act`` -> ``"softmax_topk"`` renormalised, keys ``gate.weight``, ``experts.*``
-          (``router_jitter_noise``, a training-time input noise, must be 0).
+          (``router_jitter_noise``, a training-time input noise, must be 0);
+        * qwen2_moe: ``hidden_size``, ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+          ``shared_expert_intermediate_size``, ``norm_topk_prob`` (false), ``hidden_act`` ->
+          ``"softmax_topk"``, keys ``gate.weight``, ``experts.*``, ``shared_expert.*``,
+          ``shared_expert_gate.weight``.
 
         A compatibility wrapper: ``npattn.models.configs.moe_config(config)`` reads the arguments
         (a ``MoEConfig``; each family's reader lives there), which are then passed to the
