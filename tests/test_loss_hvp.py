@@ -19,7 +19,7 @@ FAMILIES = ["llama", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "olmo3", 
 FAMILIES += ["gemma4_text"]  # cross-layer KV sharing: the reusing layers' second order sent home
 FAMILIES += ["deepseek_v32"]  # MLA restricted to the indexer's choice (a constant mask)
 FAMILIES += ["kimi_linear"]  # KDA layers (the chunked kimi_delta_attention_backward_jvp) beside MLA and MoE
-FAMILIES += ["mixtral", "qwen2_moe"]  # routed experts on every layer; beside a gated shared expert and dense layers
+FAMILIES += ["mixtral", "qwen2_moe"]  # routed experts alone; beside a gated shared expert (olmoe: test_moe_families)
 IGNORE = -1
 
 

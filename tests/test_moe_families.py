@@ -1,5 +1,5 @@
 """The sparse-MoE families people run on CPUs: Mixtral (``mixtral``), Qwen1.5-MoE / Qwen2-MoE
-(``qwen2_moe``).  Their released config.json
+(``qwen2_moe``), OLMoE (``olmoe``).  Their released config.json
 keys read, short dicts read as transformers reads them, the refusals by name, and against
 transformers' own models in float64 (eager attention): logits to 1e-9 and every gradient to 1e-8
 under a random upstream gradient, with every router's top-k choice checked to sit far from a tie
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from npattn.models import CausalLM, config_from_hf
+from npattn.models.configs import moe_config
 from npattn.models.tiny import tiny_config
 from npattn.nn.moe import TopKRouter
 
@@ -83,7 +84,37 @@ _QWEN2_MOE_RELEASED = dict(
     router_aux_loss_coef=0.001,
 )
 
-RELEASED = {"mixtral": _MIXTRAL_RELEASED, "qwen2_moe": _QWEN2_MOE_RELEASED}
+# OLMoE-1B-7B-0924's config.json, its keys as released (sizes shrunk; 64 experts, top 8)
+_OLMOE_RELEASED = dict(
+    architectures=["OlmoeForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    clip_qkv=None,
+    eos_token_id=50,
+    hidden_act="silu",
+    hidden_size=32,
+    initializer_range=0.02,
+    intermediate_size=12,
+    max_position_embeddings=4096,
+    model_type="olmoe",
+    norm_topk_prob=False,
+    num_attention_heads=4,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_hidden_layers=2,
+    num_key_value_heads=4,
+    output_router_logits=False,
+    pad_token_id=1,
+    rms_norm_eps=1e-05,
+    rope_scaling=None,
+    rope_theta=10000.0,
+    router_aux_loss_coef=0.01,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    transformers_version="4.43.0.dev0",
+    use_cache=True,
+    vocab_size=61,
+)
 
 
 def test_the_released_configs_read():
@@ -97,6 +128,25 @@ def test_the_released_configs_read():
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.norm_topk_prob) == (60, 4, False)
     assert cfg.moe.shared_intermediate_size == 48 and cfg.moe.shared_expert_gate
     assert cfg.attention_bias and cfg.attention_out_bias is False and cfg.layout.per_expert
+    cfg = config_from_hf(_OLMOE_RELEASED)
+    assert cfg.mlp_types == ("moe",) * 2 and (cfg.moe.num_experts, cfg.moe.top_k) == (64, 8)
+    assert not cfg.moe.norm_topk_prob and cfg.moe.intermediate_size == 12 and cfg.moe.shared_intermediate_size is None
+    assert cfg.qk_norm and cfg.qk_norm_scope == "all_heads" and cfg.pre_norm and not cfg.sandwich_norm
+
+
+def test_olmoe_reads_its_experts_under_either_name_and_defaults():
+    assert config_from_hf(dict(tiny_config("olmoe"), num_local_experts=4)).moe.num_experts == 4
+    bare = {k: v for k, v in tiny_config("olmoe").items() if k not in ("num_experts", "num_experts_per_tok")}
+    moe = config_from_hf(bare).moe
+    assert (moe.num_experts, moe.top_k, moe.norm_topk_prob) == (64, 8, False)  # OlmoeConfig's
+
+
+@pytest.mark.parametrize("name, width", [("olmoe", "intermediate_size"), ("qwen2_moe", "moe_intermediate_size")])
+def test_the_moe_block_alone_leaves_the_top_k_unnormalised_by_default(name, width):
+    """SparseMoeBlock.from_hf_config's reader (moe_config) on a dict without norm_topk_prob:
+    transformers' default, false."""
+    d = {"model_type": name, "hidden_size": 8, "num_experts": 4, "num_experts_per_tok": 2, width: 4}
+    assert moe_config(dict(d, shared_expert_intermediate_size=4)).norm_topk_prob is False
 
 
 def test_mixtral_reads_its_window_experts_and_defaults():
@@ -129,6 +179,12 @@ def test_qwen2_moe_reads_its_windows_dense_layers_and_biases():
 @pytest.mark.parametrize(
     "name, bad, match",
     [
+        ("olmoe", dict(clip_qkv=8.0), "'clip_qkv'"),
+        ("olmoe", dict(head_dim=8), "'head_dim'"),
+        ("olmoe", dict(num_local_experts=5), "num_experts and num_local_experts differ"),
+        ("olmoe", dict(norm_topk_prob=1), "'norm_topk_prob'"),
+        ("olmoe", dict(shared_expert_intermediate_size=8), "'shared_expert_intermediate_size'"),
+        ("olmoe", dict(sliding_window=3), "'sliding_window'"),
         ("qwen2_moe", dict(attention_bias=True), "'attention_bias'"),
         ("qwen2_moe", dict(num_local_experts=4), "'num_local_experts'"),
         ("qwen2_moe", dict(shared_expert_intermediate_size=0), "'shared_expert_intermediate_size'"),
@@ -223,6 +279,39 @@ CASES = {
             tie_word_embeddings=True,
         ),
     ),
+    # OLMoE: the q/k norms over the whole projection with grouped keys, biases on the attention,
+    # top 3 of 6 left unnormalised; and renormalised
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=12,
+            num_hidden_layers=2,
+            num_experts=6,
+            num_experts_per_tok=3,
+            attention_bias=True,
+            pad_token_id=1,
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        ),
+    ),
+    "olmoe_renormalised_tied": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=12,
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+            pad_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 
@@ -275,7 +364,7 @@ def test_cached_decoding_gives_transformers_full_pass(name):
     check_cached_decoding(m, hf, _ids(cfg["vocab_size"], seed=3))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """The tiny entry without the keys it leaves out reads as transformers' full to_dict() of it."""
     short = tiny_config(name)
@@ -294,7 +383,7 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     assert config_from_hf(bare).replace(**meta) == config_from_hf(full).replace(**meta)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
 def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
     """transformers' save_pretrained (each expert apart, under the family's checkpoint names) ->
     from_pretrained gives transformers' logits; our save_pretrained writes the same names, which
@@ -320,3 +409,24 @@ def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
     # loaded outside float64_reference: its RoPE frequencies were computed in float32 (as
     # tests/test_save_pretrained.py compares, to 1e-8)
     assert rel_err(hf_logits(back, ids), ref, floor=1e-300, relative_to="max_b") < 1e-8
+
+
+@pytest.mark.parametrize("name", ["olmoe", "mixtral", "qwen2_moe"])
+def test_hvp_is_the_extrapolated_difference_of_the_gradient(name):
+    """CausalLM.loss_hvp (forward over reverse through the routed layers) against the central
+    difference of the gradient, Richardson-extrapolated (its eps² term cancelled: OLMoE's tiny
+    model curves enough that the plain difference at eps 1e-5 is off by 2e-6, falling as eps²)."""
+    from test_loss_hvp import IGNORE, _direction, _flat, _grads, _setup
+
+    m, ids, targets, rng = _setup(name)
+    v = _direction(m, rng)
+    _, _, hvp = m.loss_hvp(ids, targets, v, ignore_index=IGNORE)
+    names = list(dict(m.named_parameters()))
+
+    def central(eps):
+        return (
+            _flat(_grads(m, ids, targets, v, eps)[1], names) - _flat(_grads(m, ids, targets, v, -eps)[1], names)
+        ) / (2 * eps)
+
+    numeric = (4 * central(1e-5) - central(2e-5)) / 3
+    assert rel_err(_flat(hvp, names), numeric, floor=1e-300, relative_to="max_b") < 1e-8

@@ -21,6 +21,7 @@ MODULES = {
     "qwen3_moe": "models.qwen3_moe.modeling_qwen3_moe",
     "mixtral": "models.mixtral.modeling_mixtral",
     "qwen2_moe": "models.qwen2_moe.modeling_qwen2_moe",
+    "olmoe": "models.olmoe.modeling_olmoe",
 }
 CLASSES = {
     "gpt_oss": ("GptOssConfig", "GptOssMLP", "GptOssForCausalLM"),
@@ -29,6 +30,7 @@ CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralSparseMoeBlock", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock", "Qwen2MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeSparseMoeBlock", "OlmoeForCausalLM"),
 }
 
 # (family, config fields): every router variant and option the three families use
@@ -50,6 +52,8 @@ CASES = [
                        shared_expert_intermediate_size=6, norm_topk_prob=False)),
     ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=3,
                        shared_expert_intermediate_size=2, norm_topk_prob=True, hidden_act="gelu")),
+    ("olmoe", dict(num_experts=6, num_experts_per_tok=3, intermediate_size=4)),
+    ("olmoe", dict(num_experts=5, num_experts_per_tok=2, intermediate_size=3, norm_topk_prob=True)),
 ]  # fmt: skip
 IDS = [f"{f}-{i}" for i, (f, _) in enumerate(CASES)]
 H = 8
@@ -172,6 +176,10 @@ TINY_MODELS = {
     "qwen2_moe": dict(
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=16, intermediate_size=10,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=3, shared_expert_intermediate_size=5,
+    ),
+    "olmoe": dict(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=16, intermediate_size=6,
+        num_experts=4, num_experts_per_tok=2,
     ),
 }  # fmt: skip
 

@@ -64,6 +64,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3",
     "mixtral",
     "qwen2_moe",
+    "olmoe",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -1557,6 +1558,41 @@ def _olmo2(r: _Reader) -> dict:
     return c
 
 
+def _olmoe(r: _Reader) -> dict:
+    """OLMoE (OLMoE-1B-7B): Llama's pre-norm layers (biases on q, k, v and o with
+    ``attention_bias``) with OLMo's q/k RMSNorm over the whole projection before RoPE, and on every
+    layer routed experts of ``intermediate_size`` (softmax over ``num_experts``, the top
+    ``num_experts_per_tok`` renormalised only with ``norm_topk_prob``, false by default), no shared
+    expert.  ``clip_qkv`` (q, k, v clamped to +-clip_qkv) is refused unless null, and so is a
+    ``head_dim`` other than ``hidden_size / num_attention_heads`` (OlmoeAttention's norms are that
+    wide whatever the heads are)."""
+    c = _common(r)
+    n, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
+    r.only("clip_qkv", (None,), None, "npattn does not clamp the projections")
+    if c["head_dim"] != hidden // heads:
+        raise ValueError(
+            f"config['head_dim'] = {c['head_dim']}: OLMoE expects hidden_size / num_attention_heads = "
+            f"{hidden // heads} (its q/k norms are that wide)"
+        )
+    # transformers' attribute_map lets the config say num_experts or num_local_experts
+    experts = {k: r.int(k) for k in ("num_experts", "num_local_experts") if r.has(k)}
+    if len(set(experts.values())) > 1:
+        raise ValueError(f"config: num_experts and num_local_experts differ ({experts})")
+    r.int("num_experts_per_tok")
+    r.bool("norm_topk_prob")
+    c.update(
+        _mlp_and_bias(r),
+        qk_norm=True,
+        qk_norm_scope="all_heads",
+        rope=_rope_params(r, 10000.0),
+        layer_types=("full_attention",) * n,
+        mlp_types=("moe",) * n,
+        moe=moe_config({**r.d, "num_experts": next(iter(experts.values()), 64)}),
+        layout=CheckpointLayout(r.model_type, per_expert=True),
+    )
+    return c
+
+
 # Phi-3's checkpoints (and transformers' Phi3Attention / Phi3MLP) stack q, k, v and gate, up
 _PHI3_FUSED = (
     ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -2084,6 +2120,14 @@ _DEFAULTS["qwen2_moe"] = dict(
 )
 
 
+# OlmoeConfig's class defaults: OLMo 2's but for these (num_experts, 64: the reader's, as it has two names)
+_DEFAULTS["olmoe"] = dict(
+    _DEFAULTS["olmo2"],
+    **_sizes(positions=4096, hidden=2048, intermediate=2048, layers=16, heads=16, top_k=8),
+    norm_topk_prob=False,
+)
+
+
 def with_defaults(config: Mapping[str, Any]) -> dict:
     """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
     it leaves out (see ``_DEFAULTS``)."""
@@ -2364,6 +2408,15 @@ def _moe_qwen2_moe(c: _Loose) -> MoEConfig:
     )
 
 
+def _moe_olmoe(c: _Loose) -> MoEConfig:
+    # softmax then top-k, renormalised only with norm_topk_prob, keys gate.weight, experts.*
+    return MoEConfig(
+        **_moe_sizes(c, ("num_experts", "num_local_experts"), "intermediate_size"),
+        norm_topk_prob=c.flag("norm_topk_prob", False),
+        hidden_act=c.get("hidden_act", default="silu"),
+    )
+
+
 def _moe_mixtral(c: _Loose) -> MoEConfig:
     # softmax then top-k, renormalised, keys gate.weight, experts.*
     jitter = c.get("router_jitter_noise", default=0.0)
@@ -2386,6 +2439,7 @@ _MOE_READERS = {
     "qwen3_moe": _moe_qwen3_moe,
     "mixtral": _moe_mixtral,
     "qwen2_moe": _moe_qwen2_moe,
+    "olmoe": _moe_olmoe,
 }
 
 
@@ -2394,7 +2448,7 @@ def moe_config(config) -> MoEConfig:
 
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
     one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
-    ``"qwen2_moe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
+    ``"qwen2_moe"``, ``"olmoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises
     ------
@@ -2430,6 +2484,7 @@ _READERS = {
     "mistral": _mistral,
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
+    "olmoe": _olmoe,
     "gemma2": _gemma2,
     "qwen2": _qwen2,
     "qwen3": _qwen3,

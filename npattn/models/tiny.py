@@ -487,6 +487,18 @@ TINY_CONFIGS: dict = {
         max_window_layers=2,
         rope_theta=1000.0,
     ),
+    # OLMoE: OLMo's q/k norms over the whole projection in pre-norm layers, biases on the
+    # attention, 4 experts top 2 left unnormalised
+    "olmoe": dict(
+        _BASE,
+        model_type="olmoe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        attention_bias=True,
+        rope_theta=1000.0,
+        pad_token_id=1,
+        eos_token_id=2,
+    ),
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
     "olmo2": dict(_BASE, model_type="olmo2", rope_theta=5000.0, attention_bias=True, eos_token_id=2),
