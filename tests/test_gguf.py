@@ -29,6 +29,31 @@ QWEN2.pop("sliding_window"), QWEN2.pop("max_window_layers")
 # every layer routed (llama.cpp's qwen3moe), the experts' rows 256 wide too
 QWEN3_MOE = dict(FAMILIES["qwen3_moe"], hidden_size=256, intermediate_size=256, head_dim=64, moe_intermediate_size=256)
 QWEN3_MOE.pop("mlp_only_layers")
+# Mixtral: a llama file with experts (q/k permuted, every layer routed, the top 2 of 4 renormalised)
+MIXTRAL = dict(FAMILIES["mixtral"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
+MIXTRAL.pop("sliding_window")
+# Qwen1.5-MoE / Qwen2-MoE: every layer routed beside the gated shared expert (llama.cpp's qwen2moe has
+# no dense layers), the top k unnormalised, biases on q, k and v
+QWEN2_MOE = dict(
+    FAMILIES["qwen2_moe"],
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    use_sliding_window=False,
+)
+for _key in ("mlp_only_layers", "sliding_window", "max_window_layers"):
+    QWEN2_MOE.pop(_key)
+# OLMoE: q/k norms over the whole projection (llama.cpp's are hidden_size wide: as many kv heads
+# as heads), no biases (llama.cpp's olmoe has none on o), the top 2 of 4 unnormalised
+OLMOE = dict(
+    FAMILIES["olmoe"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_key_value_heads=4,
+    attention_bias=False,
+    rms_norm_eps=1e-5,
+)
 # six layers: llama.cpp's pattern makes the sixth full and the others sliding; linear RoPE scaling
 # on the full layers, the sliding layers' own base
 GEMMA3 = dict(
@@ -235,10 +260,13 @@ def _metadata(w, config, arch):
         w.add_sliding_window(config["sliding_window"])
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    if arch == "qwen3moe":
-        w.add_expert_count(config["num_experts"])
+    if config["model_type"] in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):  # TextModel's, Qwen2MoeModel's
+        w.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
         w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch in ("qwen3moe", "qwen2moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
@@ -280,7 +308,7 @@ def _write(path, config, sd, qtype, arch, extra=()):
     for name, value in extra:
         w.add_tensor(name, value)
     for (key, name), value in _as_gguf(sd, config, arch).items():
-        if value.ndim == 1 or qtype == Q.F32 or name.endswith("ffn_gate_inp.weight"):
+        if value.ndim == 1 or qtype == Q.F32 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
             w.add_tensor(name, value)
             held[name] = value
         elif qtype == Q.F16:
@@ -336,6 +364,9 @@ CASES = [
     (QWEN2, "qwen2"),
     (QWEN3, "qwen3"),
     (QWEN3_MOE, "qwen3moe"),
+    (MIXTRAL, "llama"),
+    (QWEN2_MOE, "qwen2moe"),
+    (OLMOE, "olmoe"),
     (GEMMA2, "gemma2"),
     (GEMMA3, "gemma3"),
     (SMOLLM3, "smollm3"),
@@ -343,13 +374,17 @@ CASES = [
 ]
 
 
-def _cases(*archs):
-    """The ``CASES`` of these architectures, by name (an index would move as families are added)."""
-    by = {a: (c, a) for c, a in CASES}
-    return pytest.mark.parametrize("config, arch", [by[a] for a in archs], ids=list(archs))
+# each case's name: its architecture, or the family where one architecture holds two (Mixtral's llama files)
+IDS = ["mixtral" if c["model_type"] == "mixtral" else a for c, a in CASES]
 
 
-@pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
+def _cases(*names):
+    """The ``CASES`` of these names (``IDS``; an index would move as families are added)."""
+    by = dict(zip(IDS, CASES))
+    return pytest.mark.parametrize("config, arch", [by[a] for a in names], ids=list(names))
+
+
+@pytest.mark.parametrize("config, arch", CASES, ids=IDS)
 def test_f32_file_is_the_source_model(tmp_path, config, arch):
     src = _model(config)
     _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
@@ -372,7 +407,7 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
-@pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
+@pytest.mark.parametrize("config, arch", CASES, ids=IDS)
 def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     src = _model(config)
     sd = src.state_dict()
@@ -387,7 +422,8 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE model; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%, and
     # Phi-3's tied head, logits up to 64, to 4%)
-    if arch != "qwen3moe" and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3"))):
+    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+    if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3"))):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
@@ -403,7 +439,7 @@ _MORE_TYPES = [
 
 
 @pytest.mark.parametrize("qtype", _MORE_TYPES, ids=lambda q: q.name)
-@_cases("llama", "qwen3moe")
+@_cases("llama", "qwen3moe", "qwen2moe")
 def test_every_type_of_the_released_mixes_is_gguf_s_dequantization(tmp_path, config, arch, qtype):
     """Q3_K_M, IQ4_XS, MXFP4_MOE, ... files: each tensor is what gguf.quants.dequantize makes of
     the file's blocks (bit for bit), the model's logits those of its dequantized weights."""
@@ -485,13 +521,16 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
     [
         (QWEN2, "qwen2", ("Qwen2Config", "Qwen2ForCausalLM")),
         (QWEN3_MOE, "qwen3moe", ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
+        (MIXTRAL, "llama", ("MixtralConfig", "MixtralForCausalLM")),
+        (QWEN2_MOE, "qwen2moe", ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")),
+        (OLMOE, "olmoe", ("OlmoeConfig", "OlmoeForCausalLM")),
         (GEMMA2, "gemma2", ("Gemma2Config", "Gemma2ForCausalLM")),
         (GEMMA3, "gemma3", ("Gemma3TextConfig", "Gemma3ForCausalLM")),
         (SMOLLM3, "smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM")),
         (PHI3, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
         (PHI3_MINI, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
     ],
-    ids=["qwen2", "qwen3moe", "gemma2", "gemma3", "smollm3", "phi3", "phi3-window"],
+    ids=["qwen2", "qwen3moe", "mixtral", "qwen2moe", "olmoe", "gemma2", "gemma3", "smollm3", "phi3", "phi3-window"],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the
@@ -626,11 +665,83 @@ def test_what_llama_cpp_derives_rather_than_reads():
     assert c["moe_intermediate_size"] == 32
 
 
+def test_what_llama_cpp_derives_for_its_moe_files():
+    """llama.cpp's qwen2moe: no expert count refused by name, the experts' width
+    feed_forward_length / expert_used_count and the shared expert's feed_forward_length where the
+    file gives none, q/k/v biases as Qwen2MoeConfig's qkv_bias.  olmoe: no expert count refused.
+    llama: with expert_count a Mixtral model (without, Llama's), its biases refused by name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    qwen = GGUF_FAMILIES["qwen2moe"].derive
+    with pytest.raises(ValueError, match=r"'qwen2moe.expert_count' missing or 0 \(the model's num_experts\)"):
+        qwen(dict(intermediate_size=64, num_experts_per_tok=2, attention_bias=True), {})
+    c = dict(intermediate_size=64, num_experts=8, num_experts_per_tok=4, attention_bias=True)
+    qwen(c, {})
+    assert (c["moe_intermediate_size"], c["shared_expert_intermediate_size"], c["qkv_bias"]) == (16, 64, True)
+    assert "attention_bias" not in c
+    with pytest.raises(ValueError, match=r"'olmoe.expert_used_count' missing or 0 \(the model's num_experts_per_tok\)"):
+        GGUF_FAMILIES["olmoe"].derive(dict(num_experts=8, num_experts_per_tok=0), {})
+    llama = GGUF_FAMILIES["llama"].derive
+    c = dict(model_type="llama", attention_bias=False)
+    llama(c, {"expert_count": 0})
+    assert c == dict(model_type="llama", attention_bias=False)
+    llama(c, {"expert_count": 8, "expert_used_count": 2})
+    assert c == dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"'llama.expert_used_count' missing or 0"):
+        llama(dict(model_type="llama", attention_bias=False), {"expert_count": 8})
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "olmoe"])
+def test_moe_files_read_as_llama_cpp_routes_them(tmp_path, name):
+    """The family each file is, and llama.cpp's routing: Mixtral's top k renormalised, Qwen2-MoE's
+    and OLMoE's not (whatever the source config said: llama.cpp has no such key), every layer
+    routed; a Mixtral file with attention biases is refused by name."""
+    config, arch = dict(zip(IDS, CASES))[name]
+    _write(tmp_path / "m.gguf", config, _model(config).state_dict(), Q.F32, arch)
+    cfg = CausalLM.from_gguf(tmp_path / "m.gguf").config
+    assert cfg.model_type == config["model_type"] and set(cfg.mlp_types) == {"moe"}
+    assert cfg.moe.norm_topk_prob == (name == "mixtral")
+    assert (cfg.moe.shared_intermediate_size is not None) == (name == "qwen2moe")
+    if name == "mixtral":
+        sd = _model(config).state_dict()
+        for i in range(config["num_hidden_layers"]):
+            for p in ("q", "k", "v", "o"):
+                rows = sd[f"model.layers.{i}.self_attn.{p}_proj.weight"].shape[0]
+                sd[f"model.layers.{i}.self_attn.{p}_proj.bias"] = np.ones(rows, np.float32)
+        _write(tmp_path / "b.gguf", config, sd, Q.F32, arch)
+        with pytest.raises(
+            ValueError, match=r"b.gguf: tensor 'blk.0.attn_q.bias' in a llama file with experts: Mixtral's"
+        ):
+            CausalLM.from_gguf(tmp_path / "b.gguf")
+
+
+def test_a_shared_expert_gate_kept_as_a_vector_is_the_same_model(tmp_path, monkeypatch):
+    """llama.cpp reads ffn_gate_inp_shexp as {n_embd}: a file that keeps it 1-D (H,) rather than
+    the checkpoint's (1, H) loads into the same model."""
+    sd = _model(QWEN2_MOE).state_dict()
+    _write(tmp_path / "row.gguf", QWEN2_MOE, sd, Q.F32, "qwen2moe")
+    real = gguf.GGUFWriter.add_tensor
+
+    def flat(self, name, value, *args, **kwargs):
+        return real(
+            self, name, value.reshape(-1) if name.endswith("ffn_gate_inp_shexp.weight") else value, *args, **kwargs
+        )
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", flat)
+    _write(tmp_path / "vec.gguf", QWEN2_MOE, sd, Q.F32, "qwen2moe")
+    monkeypatch.undo()
+    shapes = {t.name: tuple(t.shape) for t in gguf.GGUFReader(str(tmp_path / "vec.gguf")).tensors}
+    assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == (256,)
+    row, vec = CausalLM.from_gguf(tmp_path / "row.gguf"), CausalLM.from_gguf(tmp_path / "vec.gguf")
+    for k, v in row.state_dict().items():
+        np.testing.assert_array_equal(vec.state_dict()[k], v, err_msg=k)
+
+
 # the optional metadata llama.cpp fills in itself (llm_load_hparams), each left out of a file
 _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension_count", "rope_freq_base")
 
 
-@pytest.mark.parametrize("config, arch", CASES, ids=[a for _, a in CASES])
+@pytest.mark.parametrize("config, arch", CASES, ids=IDS)
 def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeypatch, config, arch):
     """A file without head_count_kv, key_length, value_length, rope.dimension_count or
     rope.freq_base is the model llama.cpp builds from it: as many key/value heads as heads, heads
@@ -641,7 +752,7 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
     config = dict(config, num_attention_heads=8, num_key_value_heads=8, rope_theta=10000.0)
     if arch == "phi3":  # without rope.dimension_count every feature rotates (n_rot = head_dim): no partial
         config = {k: v for k, v in config.items() if k not in ("partial_rotary_factor", "rope_scaling")}
-    if arch != "llama":
+    if "head_dim" in config or arch != "llama":
         config.update(head_dim=32)
     if arch == "gemma3":
         config.update(query_pre_attn_scalar=32)
@@ -1227,7 +1338,13 @@ def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
 @pytest.mark.parametrize("rows_at_a_time", [None, 3])
 @pytest.mark.parametrize(
     "config, arch, qtype",
-    [(QWEN3, "qwen3", Q.Q4_K), (QWEN3, "qwen3", Q.BF16), (LLAMA, "llama", Q.Q8_0), (PHI3, "phi3", Q.Q4_K)],
+    [
+        (QWEN3, "qwen3", Q.Q4_K),
+        (QWEN3, "qwen3", Q.BF16),
+        (LLAMA, "llama", Q.Q8_0),
+        (PHI3, "phi3", Q.Q4_K),
+        (QWEN2_MOE, "qwen2moe", Q.Q4_K),
+    ],
 )
 def test_bfloat16_storage_of_a_gguf_file(tmp_path, monkeypatch, config, arch, qtype, rows_at_a_time):
     """``weights_dtype="bfloat16"``: each large matrix the file's dequantized values rounded to

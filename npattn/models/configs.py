@@ -95,15 +95,59 @@ class GgufFamily:
         return {"model_type": self.model_type, **self.extra}
 
 
+def _gguf_experts(config: dict, arch: str, keys: tuple = ("num_experts", "num_experts_per_tok")) -> None:
+    """Refuse a MoE file of ``arch`` without its expert counts (``keys``: the config keys read from
+    ``expert_count`` and ``expert_used_count``), as llama.cpp's loader does."""
+    metadata = dict(_GGUF_EXPERTS, num_local_experts="expert_count")
+    for key in keys:
+        if not config.get(key):
+            name = f"{arch}.{metadata[key]}"
+            raise ValueError(f"metadata {name!r} missing or 0 (the model's {key})")
+
+
 def _gguf_qwen3moe(config: dict, meta: Mapping) -> None:
     """llama.cpp's ``qwen3moe`` (``llama_model_qwen3moe``): every layer routed, softmax then top-k,
     the top k always renormalised (``norm_w`` true whatever the file says), no shared expert; the
     experts' width ``expert_feed_forward_length``, else ``feed_forward_length / expert_used_count``."""
-    for key in ("num_experts", "num_experts_per_tok"):
-        if not config.get(key):
-            name = "qwen3moe." + GGUF_FAMILIES["qwen3moe"].keys[key]
-            raise ValueError(f"metadata {name!r} missing or 0 (the model's {key})")
+    _gguf_experts(config, "qwen3moe")
     config.setdefault("moe_intermediate_size", config["intermediate_size"] // config["num_experts_per_tok"])
+
+
+def _gguf_qwen2moe(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``qwen2moe`` (``llama_model_qwen2moe``, Qwen1.5-MoE and Qwen2-MoE files): every
+    layer routed (no ``decoder_sparse_step`` or ``mlp_only_layers``), softmax then top-k never
+    renormalised (its ``norm_w`` false), beside the shared expert scaled by the sigmoid of
+    ``ffn_gate_inp_shexp``; the experts' width ``expert_feed_forward_length``, else
+    ``feed_forward_length / expert_used_count``, the shared expert's
+    ``expert_shared_feed_forward_length``, else ``feed_forward_length``; biases on q, k and v where
+    the file has them (Qwen2MoeConfig's ``qkv_bias``), none on o."""
+    _gguf_experts(config, "qwen2moe")
+    config.setdefault("moe_intermediate_size", config["intermediate_size"] // config["num_experts_per_tok"])
+    config.setdefault("shared_expert_intermediate_size", config["intermediate_size"])
+    config["qkv_bias"] = config.pop("attention_bias")
+
+
+def _gguf_olmoe(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``olmoe`` (``llama_model_olmoe``): every layer routed, softmax then top-k never
+    renormalised (its ``norm_w`` false), the experts ``feed_forward_length`` wide, q/k norms over
+    the whole projection, RoPE on rotate-half pairs (the converter does not permute)."""
+    _gguf_experts(config, "olmoe")
+
+
+def _gguf_llama(config: dict, meta: Mapping) -> None:
+    """A ``llama`` file with ``expert_count`` > 0 is Mixtral's (``MixtralForCausalLM`` is converted
+    by ``LlamaModel``: q/k permuted, the experts as ``ffn_{gate,up,down}_exps`` and the router as
+    ``ffn_gate_inp``): llama.cpp's ``llama`` graph routes every layer, softmax then the top
+    ``expert_used_count`` renormalised (its ``norm_w`` true), experts ``feed_forward_length`` wide,
+    and masks no window; biases on its attention are refused.  Without experts it is Llama's."""
+    if not meta.get("expert_count"):
+        return
+    config.update(
+        model_type="mixtral", num_local_experts=meta["expert_count"], num_experts_per_tok=meta.get("expert_used_count")
+    )
+    _gguf_experts(config, "llama", ("num_local_experts", "num_experts_per_tok"))
+    if config.pop("attention_bias", False):
+        raise ValueError("tensor 'blk.0.attn_q.bias' in a llama file with experts: Mixtral's attention has no biases")
 
 
 def _gguf_gemma2(config: dict, meta: Mapping) -> None:
@@ -181,24 +225,26 @@ def _gguf_phi3(config: dict, meta: Mapping) -> None:
         config["original_max_position_embeddings"] = original
 
 
+# the experts' counts (every MoE file) and width (Qwen's): config key <- metadata key
+_GGUF_EXPERTS = {"num_experts": "expert_count", "num_experts_per_tok": "expert_used_count"}
+_GGUF_QWEN_EXPERTS = dict(_GGUF_EXPERTS, moe_intermediate_size="expert_feed_forward_length")
+
 GGUF_FAMILIES = {
-    "llama": GgufFamily("llama", permute_qk=True),
+    "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
     # llama.cpp's smollm3 (src/models/smollm3.cpp): a llama file (q/k permuted by the converter,
     # SmolLM3Model(LlamaModel)) whose every fourth layer skips RoPE: its n_no_rope_layer_step is a
     # fixed 4 and no metadata says otherwise (the converter stores no no_rope_layers)
     "smollm3": GgufFamily("smollm3", permute_qk=True, extra={"no_rope_layer_interval": 4}),
     "qwen3": GgufFamily("qwen3"),
-    "qwen3moe": GgufFamily(
-        "qwen3_moe",
-        extra={"norm_topk_prob": True},
-        keys={
-            "num_experts": "expert_count",
-            "num_experts_per_tok": "expert_used_count",
-            "moe_intermediate_size": "expert_feed_forward_length",
-        },
-        derive=_gguf_qwen3moe,
+    "qwen3moe": GgufFamily("qwen3_moe", extra={"norm_topk_prob": True}, keys=_GGUF_QWEN_EXPERTS, derive=_gguf_qwen3moe),
+    "qwen2moe": GgufFamily(
+        "qwen2_moe",
+        extra={"norm_topk_prob": False},
+        keys=dict(_GGUF_QWEN_EXPERTS, shared_expert_intermediate_size="expert_shared_feed_forward_length"),
+        derive=_gguf_qwen2moe,
     ),
+    "olmoe": GgufFamily("olmoe", extra={"norm_topk_prob": False}, keys=_GGUF_EXPERTS, derive=_gguf_olmoe),
     "gemma2": GgufFamily(
         "gemma2",
         keys={"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping"},

@@ -6,8 +6,9 @@ the model's metadata (``general.architecture``, ``<arch>.block_count``, ``<arch>
 (``token_embd.weight``, ``blk.{i}.attn_q.weight``, ``blk.{i}.ffn_gate_exps.weight``, ...), each in
 a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8_0`` ... ``Q5_1``,
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
-``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``,
-``gemma2``, ``gemma3``, ``smollm3``, ``phi3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES``
+``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
+Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
+``smollm3``, ``phi3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES``
 in ``models/configs.py``.
 
 Reading one:
@@ -523,7 +524,7 @@ def read_gguf(path) -> tuple[dict, dict]:
     spec = _ARCHES[f.arch]
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out: dict = {}
-    for key, _ in _state_shapes(cfg):
+    for key, shape in _state_shapes(cfg):
         whole = checkpoint_key(key, cfg.layout)  # Phi-3's fused qkv_proj / gate_up_proj, else key
         if whole != key and all(n in tensors for n in _gguf_names(names, whole)):
             if whole not in out:  # one tensor of the file: load_into splits its rows (CheckpointLayout.fused)
@@ -542,6 +543,8 @@ def read_gguf(path) -> tuple[dict, dict]:
             spec.norm_shift if key.endswith("norm.weight") else 0.0,
             getattr(f.reader, "mapping", None),
         )
+        if out[key].shape == tuple(shape[1:]) and shape[0] == 1:  # a (1, H) row the file keeps as (H,)
+            out[key].shape = tuple(shape)  # (Qwen2-MoE's shared_expert_gate: llama.cpp reads {n_embd})
     used = {t.name for v in out.values() for t in v._parts} | consumed
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
