@@ -430,3 +430,21 @@ def test_hvp_is_the_extrapolated_difference_of_the_gradient(name):
 
     numeric = (4 * central(1e-5) - central(2e-5)) / 3
     assert rel_err(_flat(hvp, names), numeric, floor=1e-300, relative_to="max_b") < 1e-8
+
+
+@pytest.mark.parametrize(
+    "name, config_class", [("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig"), ("olmoe", "OlmoeConfig")]
+)
+def test_the_defaults_are_transformers_class_defaults(name, config_class):
+    """Every key of the family's ``_DEFAULTS`` is the value of transformers' config class built
+    without arguments (Qwen2MoeConfig's sliding_window: 4096 as declared, which its __post_init__
+    turns to 0 without use_sliding_window); the counts with two names are the readers' own."""
+    from npattn.models.configs import with_defaults
+
+    ours = with_defaults({"model_type": name})
+    theirs = getattr(T, config_class)().to_dict()
+    declared = {"sliding_window": 4096} if name == "qwen2_moe" else {}
+    for key, value in ours.items():
+        assert declared.get(key, theirs.get(key)) == value, key
+    experts = config_from_hf({k: v for k, v in theirs.items() if k not in ("num_experts", "num_local_experts")})
+    assert experts.moe.num_experts == {"mixtral": 8, "qwen2_moe": 60, "olmoe": 64}[name]
