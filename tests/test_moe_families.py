@@ -215,6 +215,7 @@ pytest.importorskip("torch")
 from _hf64 import (  # noqa: E402
     build,
     check_cached_decoding,
+    check_padded_batch,
     hf_logits,
     hf_logits_and_grads,
     state_dict,
@@ -362,6 +363,14 @@ def test_cached_decoding_gives_transformers_full_pass(name):
     hf, cfg = _build(name)
     m = CausalLM.from_hf(state_dict(hf), cfg)
     check_cached_decoding(m, hf, _ids(cfg["vocab_size"], seed=3))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_left_padded_batch_is_transformers_and_each_row_alone(name):
+    """A left-padded batch (7, 4 and 1 real tokens) against transformers with the same mask, each
+    row equal to its prompt alone, then two tokens more through the cache."""
+    hf, cfg = _build(name)
+    check_padded_batch(CausalLM.from_hf(state_dict(hf), cfg), hf, cfg["vocab_size"], (7, 4, 1), decode=2)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
