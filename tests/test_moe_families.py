@@ -215,9 +215,9 @@ pytest.importorskip("torch")
 from _hf64 import (  # noqa: E402
     build,
     check_cached_decoding,
+    check_logits_and_grads,
     check_padded_batch,
     hf_logits,
-    hf_logits_and_grads,
     state_dict,
 )
 from _oracles import rel_err  # noqa: E402
@@ -345,17 +345,10 @@ def test_logits_and_every_gradient_match_transformers(name):
     m = CausalLM.from_hf(state_dict(hf), cfg)
     ids = _ids(cfg["vocab_size"])
     dlogits = np.random.default_rng(1).standard_normal(ids.shape + (cfg["vocab_size"],))
-    ref, ref_grads = hf_logits_and_grads(hf, ids, dlogits)
-    logits = m(ids)
+    names = check_logits_and_grads(m, hf, ids, dlogits)
     assert routing_margin(m) > 1e-6  # no choice on a tie: the two sides route alike
-    assert rel_err(logits, ref, floor=1e-300, relative_to="max_b") < 1e-9
-    m.zero_grad()
-    m.backward(dlogits)
-    names = dict(m.named_parameters())
-    assert set(names) == set(ref_grads), set(names) ^ set(ref_grads)
     for n, p in names.items():
-        assert np.abs(ref_grads[n]).max() > 0, n  # every parameter is reached (each expert chosen somewhere)
-        assert rel_err(p.grad, ref_grads[n], floor=1e-300, relative_to="max_b") < 1e-8, n
+        assert np.abs(p.grad).max() > 0, n  # every parameter is reached (each expert chosen somewhere)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
