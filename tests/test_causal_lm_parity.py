@@ -388,6 +388,69 @@ FAMILIES = {
             partial_rotary_factor=0.5,
         ),
     ),
+    # Granite 3.x: Llama's layer with its four numbers away from 1 (the embeddings times 6, each
+    # residual branch times 0.3, the scores times 0.2 instead of 1/sqrt(8), the logits over 4),
+    # biases, grouped heads, untied
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            mlp_bias=True,
+            embedding_multiplier=6.0,
+            residual_multiplier=0.3,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+            rope_theta=500.0,
+        ),
+    ),
+    "granite_tied": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=6,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.015625,
+            logits_scaling=8.0,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        ),
+    ),
+    # Granite MoE: the same numbers, 3 of 5 routed experts per token (the top 3 logits softmaxed
+    # among themselves), attention biases, untied
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=12,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=5,
+            num_experts_per_tok=3,
+            attention_bias=True,
+            embedding_multiplier=5.0,
+            residual_multiplier=0.4,
+            attention_multiplier=0.25,
+            logits_scaling=3.0,
+            rope_theta=500.0,
+        ),
+    ),
 }
 
 
@@ -449,6 +512,8 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "gemma2",
         "olmo2",
         "smollm3",
+        "granite",
+        "granitemoe",
         "qwen3",
         "gemma3_text",
         "gpt_oss",

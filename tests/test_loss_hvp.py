@@ -20,6 +20,7 @@ FAMILIES += ["gemma4_text"]  # cross-layer KV sharing: the reusing layers' secon
 FAMILIES += ["deepseek_v32"]  # MLA restricted to the indexer's choice (a constant mask)
 FAMILIES += ["kimi_linear"]  # KDA layers (the chunked kimi_delta_attention_backward_jvp) beside MLA and MoE
 FAMILIES += ["mixtral", "qwen2_moe"]  # routed experts alone; beside a gated shared expert (olmoe: test_moe_families)
+FAMILIES += ["granite", "granitemoe"]  # the embedding, residual and logit multipliers (and top-k-softmax experts)
 IGNORE = -1
 
 

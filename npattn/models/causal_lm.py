@@ -2,17 +2,18 @@
 
 A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, for every family::
 
-    x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden)
+    x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden); Granite: * its multiplier
     for layer in layers:                         # pre-norm residual blocks
         h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
         a = attention(h)                         # MHA (full / sliding window), MLA or gated DeltaNet
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
-        x = x + a
+        x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
         h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
         m = mlp(h)                               # gated MLP, or routed experts
         m = post_feedforward_layernorm(m)        # Gemma only
         x = x + m
-    logits = lm_head(norm(x))                    # tied: embed_tokens.weight; Gemma 2/3: c * tanh(logits / c)
+    logits = lm_head(norm(x))                    # tied: embed_tokens.weight; Granite: / logits_scaling;
+                                                 # then Gemma 2/3: c * tanh(logits / c)
 
 Backward visits the same modules in reverse.  A residual ``x + f(norm(x))`` passes its gradient
 ``dx`` straight through and adds the branch's ``norm.backward(f.backward(dx))``; a sandwich norm is
@@ -250,7 +251,7 @@ def _gated(name: str, H: int, inter: int, bias: bool = False) -> list:
 def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     H, kind = cfg.hidden_size, cfg.mlp_types[i]
     if kind == "dense":
-        return _gated("mlp", H, cfg.mlp_size(i), cfg.mlp_bias)
+        return _gated(cfg.mlp_name, H, cfg.mlp_size(i), cfg.mlp_bias)
     if kind == "dense_and_experts":  # DenseWithExperts, under the decoder layer's own names
         e = _sub(cfg.moe)
         E, mi = e.num_experts, e.intermediate_size
@@ -279,7 +280,7 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     if moe.shared_intermediate_size is not None:
         out += _gated(moe.shared_name, H, moe.shared_intermediate_size)
         out += _lin("shared_expert_gate", 1, H, False) if moe.shared_expert_gate else []
-    return [(f"mlp.{n}", s) for n, s in out]
+    return [(f"{cfg.mlp_name}.{n}", s) for n, s in out]
 
 
 def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
@@ -401,7 +402,9 @@ class DecoderLayer(_Renamed):
     ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``, ``input_layernorm``,
     ``post_attention_layernorm`` (and Gemma's ``pre_feedforward_layernorm``,
     ``post_feedforward_layernorm``).  Without ``cfg.pre_norm`` (OLMo 2/3) there is no norm before
-    a sublayer: ``x + post_attention_layernorm(attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``."""
+    a sublayer: ``x + post_attention_layernorm(attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``.
+    With ``cfg.residual_multiplier`` ``r`` (Granite) each residual sum is ``x + r * branch``; the
+    MLP is named ``cfg.mlp_name`` (GraniteMoe's ``block_sparse_moe``)."""
 
     def __init__(self, cfg: CausalLMConfig, index: int, *, rng=None, dtype=np.float64):
         super().__init__()
@@ -409,6 +412,8 @@ class DecoderLayer(_Renamed):
         self.index = index
         self.sandwich = cfg.sandwich_norm
         self.pre_norm = cfg.pre_norm
+        r = float(cfg.residual_multiplier)
+        self._residual = None if r == 1.0 else self._dtype.type(r)  # None: the branch as it is
         # Qwen3-Next names its gated DeltaNet layers linear_attn, every other attention (Kimi's KDA too) self_attn
         delta_net = cfg.layer_types[index] == "linear_attention" and isinstance(cfg.linear_attention, DeltaNetConfig)
         self._attn_name = "linear_attn" if delta_net else "self_attn"
@@ -425,6 +430,8 @@ class DecoderLayer(_Renamed):
         names = dict(_MHA_NAMES) if isinstance(self.attention, MultiHeadAttention) else {}
         if self._mlp_normed:
             names.update(_DENSE_WITH_EXPERTS_NAMES)
+        if cfg.mlp_name != "mlp":
+            names["mlp"] = cfg.mlp_name
         self.per_layer = None
         if cfg.per_layer_input_size:  # Gemma 4: x + its per-layer input branch, after the MLP
             eps = cfg.rms_norm_eps
@@ -476,6 +483,14 @@ class DecoderLayer(_Renamed):
     def _scalar(self):
         return None if "layer_scalar" not in self._buffers else self.layer_scalar
 
+    def _branch(self, a):
+        """A sublayer's output (or its gradient, or a tangent) times the residual multiplier (Granite)."""
+        return a if self._residual is None else a * self._residual
+
+    def _branch_pair(self, g):
+        """``_branch`` of a (gradient, tangent) pair."""
+        return g if self._residual is None else (g[0] * self._residual, g[1] * self._residual)
+
     def forward(self, x, per_layer_input=None, *, use_cache: bool = False, padding: _Padding | None = None):
         """``x (B, L, hidden)`` -> the same shape (see ``CausalLM``); Gemma 4's layers also take
         their per-layer input ``(B, L, P)``."""
@@ -484,12 +499,12 @@ class DecoderLayer(_Renamed):
         a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
         if self.sandwich:
             a = _checked(self.post_attention_layernorm, a)
-        x = x + a
+        x = x + self._branch(a)
         m = _checked(self.mlp, self._pre(self._mlp_norm(), x))
         if self.sandwich:
             m = _checked(self.post_feedforward_layernorm, m)
         self.save_for_backward(x.shape)
-        y = x + m
+        y = x + self._branch(m)
         if self.per_layer is not None:
             y = self.per_layer._forward(y, per_layer_input)
         return y if self._scalar() is None else y * self._scalar()
@@ -504,9 +519,11 @@ class DecoderLayer(_Renamed):
         dp = None
         if self.per_layer is not None:
             dy, dp = self.per_layer._backward(dy)
-        dm = self.post_feedforward_layernorm.backward(dy) if self.sandwich else dy
+        dm = self._branch(dy)
+        dm = self.post_feedforward_layernorm.backward(dm) if self.sandwich else dm
         dx = dy + self._pre_back(self._mlp_norm(), self.mlp.backward(dm))
-        da = self.post_attention_layernorm.backward(dx) if self.sandwich else dx
+        da = self._branch(dx)
+        da = self.post_attention_layernorm.backward(da) if self.sandwich else da
         dx = dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
         return dx if dp is None else (dx, dp)
 
@@ -517,7 +534,7 @@ class DecoderLayer(_Renamed):
         _, _, tx2, _, tm = self._stage_tangents(state, tx, param_tangents)
         if self.sandwich:
             tm = self._child_jvp(self.post_feedforward_layernorm, -1, (tm,), param_tangents)
-        ty = tx2 + tm
+        ty = tx2 + self._branch(tm)
         if self.per_layer is not None:
             ty = self._child_jvp(self.per_layer, -1, (ty, tp), param_tangents)
         return ty if self._scalar() is None else ty * self._scalar()
@@ -542,7 +559,7 @@ class DecoderLayer(_Renamed):
         def compute():
             th = sub(self._attn_norm(), tx)
             ta = sub(self.attention, th)
-            tx2 = tx + sub(self.post_attention_layernorm if self.sandwich else None, ta)
+            tx2 = tx + self._branch(sub(self.post_attention_layernorm if self.sandwich else None, ta))
             tm_in = sub(self._mlp_norm(), tx2)
             return th, ta, tx2, tm_in, sub(self.mlp, tm_in)
 
@@ -565,12 +582,12 @@ class DecoderLayer(_Renamed):
             g = (g[0] * self._scalar(), g[1] * self._scalar())
         gp = None
         if self.per_layer is not None:  # its input: the MLP residual's sum
-            ty = tx2 + (tm if post_mlp is None else self._child_jvp(post_mlp, -1, (tm,), param_tangents))
+            ty = tx2 + self._branch(tm if post_mlp is None else self._child_jvp(post_mlp, -1, (tm,), param_tangents))
             (dy2, dp), (tdy2, tdp) = self._child_backward_jvp(self.per_layer, g[0], (ty, tp), param_tangents, g[1])
             g, gp = (dy2, tdy2), (dp, tdp)
-        gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, g, tm), tm_in), tx2)
+        gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, self._branch_pair(g), tm), tm_in), tx2)
         gx = (g[0] + gm[0], g[1] + gm[1])  # the residual: both branches
-        ga = back(self._attn_norm(), back(self.attention, back(post_attn, gx, ta), th), tx)
+        ga = back(self._attn_norm(), back(self.attention, back(post_attn, self._branch_pair(gx), ta), th), tx)
         if gp is None:
             return gx[0] + ga[0], gx[1] + ga[1]
         return (gx[0] + ga[0], gp[0]), (gx[1] + ga[1], gp[1])
@@ -771,7 +788,16 @@ class CausalLM(Module):
         return ids
 
     def _embed_scale(self):
-        return self.dtype.type(math.sqrt(self.config.hidden_size)) if self.config.embed_scale else None
+        """The embeddings' factor in the model's dtype (``CausalLMConfig.embed_scale``), or None."""
+        s = self.config.embed_scale
+        if isinstance(s, bool):
+            return self.dtype.type(math.sqrt(self.config.hidden_size)) if s else None
+        return self.dtype.type(s)
+
+    def _logits_scaling(self):
+        """The number the logits are divided by in the model's dtype (Granite), or None."""
+        s = float(self.config.logits_scaling)
+        return None if s == 1.0 else self.dtype.type(s)
 
     def forward(self, ids, *, use_cache: bool = False, attention_mask=None, logits_to_keep: int = 0):
         """``ids (B, L)`` (or ``(L,)``) integer token ids -> ``logits (B, L, vocab_size)``.
@@ -854,7 +880,7 @@ class CausalLM(Module):
         m = self.model
         x = m.embed_tokens(ids)
         scale = self._embed_scale()
-        if scale is not None:  # Gemma: sqrt(hidden) cast to the dtype first, as transformers does
+        if scale is not None:  # Gemma: sqrt(hidden) cast to the dtype first, as transformers does; Granite's number
             x = x * scale
         ple = None if m.per_layer is None else m.per_layer(ids, x)  # Gemma 4: (..., L, layers, P)
         if padding is not None and ids.ndim == 1:
@@ -882,6 +908,9 @@ class CausalLM(Module):
             logits, head = K.linear(h, m.embed_tokens.weight.data)
         else:
             logits, head = self.lm_head(h), None
+        divisor = self._logits_scaling()
+        if divisor is not None:  # Granite: logits / logits_scaling
+            logits = logits / divisor
         t = None
         cap = self.config.final_logit_softcapping
         if cap is not None:  # logits = c tanh(z / c); dz = dlogits (1 - tanh^2)
@@ -911,6 +940,9 @@ class CausalLM(Module):
             dlogits = dlogits * keep
         if t is not None:
             dlogits = dlogits * (1 - t * t)
+        divisor = self._logits_scaling()
+        if divisor is not None:
+            dlogits = dlogits / divisor
         if head is None:
             dh = self.lm_head.backward(dlogits)
         else:  # the tied head: its weight gradient joins the embedding's
@@ -929,7 +961,7 @@ class CausalLM(Module):
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: the logits' tangent along the parameters' tangents (token ids have none:
         pass None or nothing), the forward's chain run on tangents; the tied head's is
-        ``th E^T + h tE^T``, the final softcap's ``tz (1 - tanh^2)``."""
+        ``th E^T + h tE^T``, Granite's ``logits_scaling`` divides it, the final softcap's ``tz (1 - tanh^2)``."""
         head, t, keep, _, lifted = state
         m = self.model
 
@@ -949,13 +981,16 @@ class CausalLM(Module):
             tz = sub(self.lm_head, th)
         else:
             tz = K.linear_jvp(head, th, param_tangents.get(m.embed_tokens.weight))
+        divisor = self._logits_scaling()
+        tz = tz if divisor is None else tz / divisor
         tz = tz if t is None else tz * (1 - t * t)
         return tz if keep is None else tz * keep
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
         """Second order: the forward's tangents first (as ``_jvp``: each layer's input tangent),
         then ``backward``'s chain on (gradient, its tangent) with each child's ``backward_jvp``.
-        The final softcap ``c tanh(z / c)`` has backward ``dz = dl (1 - t^2)``, so ``tdz = ddl
+        Granite's ``logits_scaling`` divides the pair (and the head's tangent ``tz``).  The final
+        softcap ``c tanh(z / c)`` has backward ``dz = dl (1 - t^2)``, so ``tdz = ddl
         (1 - t^2) - 2 dl t tt`` with ``tt = (1 - t^2) tz / c``; the tied head is
         ``linear_backward_jvp`` with the embedding table as its weight, whose gradient and tangent
         join the embedding's.  Token ids take no tangent; returns ``(None, None)``."""
@@ -983,11 +1018,15 @@ class CausalLM(Module):
         g = (dy, np.zeros_like(dy) if ddy is None else ddy)
         if keep is not None:
             g = (g[0] * keep, g[1] * keep)
+        divisor = self._logits_scaling()
         if t is not None:
             tz = sub(self.lm_head, th) if head is None else K.linear_jvp(head, th, param_tangents.get(table))
+            tz = tz if divisor is None else tz / divisor
             slope = 1 - t * t
             tt = slope * tz / t.dtype.type(self.config.final_logit_softcapping)
             g = (g[0] * slope, g[1] * slope - 2 * g[0] * t * tt)
+        if divisor is not None:  # Granite: the logits were divided by it
+            g = (g[0] / divisor, g[1] / divisor)
         if head is None:
             gh = back(self.lm_head, g, th)
         else:  # the tied head: its weight gradient and that gradient's tangent join the embedding's

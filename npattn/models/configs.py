@@ -65,6 +65,8 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
     "olmoe",
+    "granite",
+    "granitemoe",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
@@ -570,8 +572,14 @@ class CausalLMConfig:
     MLP (Gemma); ``pre_norm``: the norms before attention and before the MLP (False: OLMo 2/3's
     post-norm, each sublayer's output normalised before its residual sum, with ``sandwich_norm``);
     ``qk_norm_scope``: the QK-norm over each head (``"head"``) or over the whole projection
-    (``"all_heads"``, OLMo 2/3); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the dtype (Gemma).
-    ``attention_scale`` is the scores' factor (``None``: ``1/sqrt(head_dim)``).  ``moe``,
+    (``"all_heads"``, OLMo 2/3); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the
+    dtype where ``True`` (Gemma), times the number where a number (Granite's ``embedding_multiplier``),
+    unscaled where ``False``.  ``attention_scale`` is the scores' factor (``None``:
+    ``1/sqrt(head_dim)``; Granite's ``attention_multiplier``).  ``residual_multiplier``: each
+    sublayer's output (after its sandwich norm, if any) times this number before its residual sum
+    (Granite).  ``logits_scaling``: the output head's logits divided by this number (Granite),
+    before a final softcap.  ``mlp_name``: the decoder layer's name of its MLP in the checkpoint and
+    the Hugging Face model (GraniteMoe's ``block_sparse_moe``).  ``moe``,
     ``latent`` and ``linear_attention`` are the typed arguments of those layers' modules
     (``MoEConfig``, ``LatentConfig``, ``DeltaNetConfig``), ``None`` where the model has no such
     layer; ``attention_config(layer_type)`` gives ``MultiHeadAttention``'s (``AttentionConfig``).
@@ -617,8 +625,11 @@ class CausalLMConfig:
     sandwich_norm: bool = False
     pre_norm: bool = True
     qk_norm_scope: str = "head"
-    embed_scale: bool = False
+    embed_scale: bool | float = False  # True: sqrt(hidden_size) (Gemma); a number: that factor (Granite)
     attention_scale: float | None = None
+    residual_multiplier: float = 1.0  # each sublayer's output times it before the residual sum (Granite)
+    logits_scaling: float = 1.0  # the logits divided by it (Granite)
+    mlp_name: str = "mlp"  # the layer's MLP under this name (GraniteMoe: "block_sparse_moe")
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sinks: bool = False
@@ -1209,6 +1220,68 @@ def _qwen2_moe(r: _Reader) -> dict:
         layout=CheckpointLayout(r.model_type, per_expert=True),
     )
     return c
+
+
+def _granite_scalars(r: _Reader) -> dict:
+    """Granite's four numbers (``GraniteConfig``'s and ``GraniteMoeConfig``'s, each 1 by default):
+    ``embedding_multiplier`` times the embeddings (``embed_scale``; 1: none), ``residual_multiplier``
+    times each sublayer's output before its residual sum, ``attention_multiplier`` the scores'
+    factor in place of ``1/sqrt(head_dim)`` (``attention_scale``), ``logits_scaling`` dividing the
+    logits.  Each must be a finite number > 0."""
+    embed = r.float("embedding_multiplier", 1.0)
+    return dict(
+        embed_scale=False if embed == 1.0 else embed,
+        residual_multiplier=r.float("residual_multiplier", 1.0),
+        attention_scale=r.float("attention_multiplier", 1.0),
+        logits_scaling=r.float("logits_scaling", 1.0),
+    )
+
+
+def _granite(r: _Reader) -> dict:
+    """Granite 3.x dense (ibm-granite/granite-3.3-2b, -8b, ...; ``GraniteForCausalLM``): Llama's
+    layers (``attention_bias`` on the four attention projections, ``mlp_bias`` on the MLP's three,
+    ``head_dim`` where given) with Granite's four numbers (``_granite_scalars``)."""
+    c = _llama(r)
+    c.update(_granite_scalars(r))
+    return c
+
+
+def _granitemoe(r: _Reader) -> dict:
+    """Granite 3.0/3.1 MoE (granite-3.0-1b-a400m, -3b-a800m; ``GraniteMoeForCausalLM``): Llama's
+    attention (``attention_bias`` on its four projections) and Granite's four numbers, every layer's
+    MLP routed experts (``block_sparse_moe``): ``num_local_experts`` SwiGLU experts of width
+    ``intermediate_size``, the router's ``num_experts_per_tok`` largest logits softmaxed among
+    themselves (``GraniteMoeTopKRouter``: no bias, no shared expert).  The released checkpoints
+    write the router as ``router.layer.weight`` and the experts fused as ``input_linear.weight``
+    ``(E, 2I, H)`` (gate rows, then up rows) and ``output_linear.weight`` ``(E, H, I)``:
+    transformers' ``router.weight``, ``experts.gate_up_proj`` and ``experts.down_proj`` (its
+    ``conversion_mapping``, both directions: ``CheckpointLayout.renames``)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    experts, top_k = r.int("num_local_experts"), r.int("num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"config['num_experts_per_tok']: expected at most num_local_experts={experts}, got {top_k}")
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("attention_bias"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=("full_attention",) * n,
+        mlp_types=("moe",) * n,
+        moe=moe_config(r.d),
+        mlp_name="block_sparse_moe",
+        layout=CheckpointLayout(r.model_type, renames=_GRANITEMOE_RENAMES),
+        **_granite_scalars(r),
+    )
+    return c
+
+
+# (the model's part, the released checkpoints' part): transformers' conversion_mapping for granitemoe
+_GRANITEMOE_RENAMES = (
+    (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
+    (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
+    (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"),
+)
 
 
 def _qwen3_moe(r: _Reader) -> dict:
@@ -1986,6 +2059,21 @@ _MLA: dict = dict(kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128, qk_nope
 # what it means to transformers, never npattn's own guess.  Keys derived from others (Llama's and
 # DeepSeek's head_dim and num_key_value_heads) are left to the readers, and so is RoPE (each reader's
 # base and GPT-OSS's YaRN, _GPT_OSS_ROPE, read as transformers reads them; see _rope_params).
+# GraniteConfig's and GraniteMoeConfig's shared class defaults (Llama's sizes, the four numbers 1)
+_GRANITE: dict = dict(
+    _LLAMA_SIZES,
+    vocab_size=32000,
+    **_SILU,
+    rms_norm_eps=1e-6,
+    attention_dropout=0.0,
+    embedding_multiplier=1.0,
+    residual_multiplier=1.0,
+    attention_multiplier=1.0,
+    logits_scaling=1.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 _DEFAULTS: dict = {
     "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
     "gemma2": dict(
@@ -2130,6 +2218,8 @@ _DEFAULTS: dict = {
         eos_token_id=32000,
         pad_token_id=32000,
     ),
+    "granite": dict(_GRANITE, mlp_bias=False),
+    "granitemoe": dict(_GRANITE, num_local_experts=8, num_experts_per_tok=2),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "olmo3": dict(
         _LLAMA_SIZES,
@@ -2475,6 +2565,16 @@ def _moe_mixtral(c: _Loose) -> MoEConfig:
     )
 
 
+def _moe_granitemoe(c: _Loose) -> MoEConfig:
+    # the top k of the logits, then a softmax over them (no bias); keys router.weight, experts.*
+    return MoEConfig(
+        **_moe_sizes(c, ("num_local_experts",), "intermediate_size"),
+        router="topk_softmax",
+        hidden_act=c.get("hidden_act", default="silu"),
+        router_name="router",
+    )
+
+
 _MOE_READERS = {
     "gpt_oss": _moe_gpt_oss,
     "deepseek_v3": _moe_deepseek_v3,
@@ -2486,6 +2586,7 @@ _MOE_READERS = {
     "mixtral": _moe_mixtral,
     "qwen2_moe": _moe_qwen2_moe,
     "olmoe": _moe_olmoe,
+    "granitemoe": _moe_granitemoe,
 }
 
 
@@ -2495,6 +2596,7 @@ def moe_config(config) -> MoEConfig:
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
     one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
     ``"qwen2_moe"``, ``"olmoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
+    ``"granitemoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises
     ------
@@ -2548,6 +2650,8 @@ _READERS = {
     "deepseek_v32": _deepseek_v32,
     "gemma4_text": _gemma4,
     "smollm3": _smollm3,
+    "granite": _granite,
+    "granitemoe": _granitemoe,
 }
 
 

@@ -532,6 +532,41 @@ TINY_CONFIGS: dict = {
         eos_token_id=1,
         bos_token_id=2,
     ),
+    # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
+    # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
+    "granite": dict(
+        _BASE,
+        model_type="granite",
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        logits_scaling=2.5,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_theta=1000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # Granite MoE: the same numbers, every layer's MLP 2 of 4 routed experts (top-k logits, softmax
+    # among them) under block_sparse_moe, the released checkpoints' fused input_linear / output_linear
+    "granitemoe": dict(
+        _BASE,
+        model_type="granitemoe",
+        intermediate_size=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.7,
+        attention_multiplier=0.4,
+        logits_scaling=1.5,
+        rope_theta=1000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
