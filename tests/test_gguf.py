@@ -106,9 +106,48 @@ PHI3 = dict(
 # and so npattn, masks with it)
 PHI3_MINI = dict(PHI3, tie_word_embeddings=False, sliding_window=3)
 
+# Granite 3.x: a llama file (q/k rows and biases permuted, the MLP's biases) with Granite's four
+# numbers, each one float32 holds exactly (the file stores float32); the head tied
+GRANITE = dict(
+    FAMILIES["granite"],
+    hidden_size=256,
+    intermediate_size=256,
+    embedding_multiplier=3.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.375,
+    logits_scaling=2.5,
+)
+# Granite MoE: every layer 2 of 4 routed experts 256 wide; the released checkpoint's fused
+# input_linear split by the converter into ffn_gate_exps and ffn_up_exps; the head untied
+GRANITE_MOE = dict(
+    FAMILIES["granitemoe"],
+    hidden_size=256,
+    intermediate_size=256,
+    residual_multiplier=0.75,
+    attention_multiplier=0.4375,
+    tie_word_embeddings=False,
+)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
-_PERMUTED = ("llama", "smollm3")  # the converter permutes their q/k rows (LlamaModel.permute)
+_GRANITES = ("granite", "granitemoe")
+# the converter permutes their q/k rows and biases (LlamaModel.permute)
+_PERMUTED = ("llama", "smollm3", *_GRANITES)
+_QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+# the model's names and the released checkpoint's (transformers' conversion_mapping for granitemoe)
+_GRANITEMOE_NAMES = (
+    ("block_sparse_moe.router.weight", "block_sparse_moe.router.layer.weight"),
+    ("block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.input_linear.weight"),
+    ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight"),
+)
+
+
+def _granitemoe_name(key: str, back: bool = False) -> str:
+    """``key`` under the released checkpoint's name (``back``: the model's again)."""
+    for model, checkpoint in _GRANITEMOE_NAMES:
+        old, new = (checkpoint, model) if back else (model, checkpoint)
+        if key.endswith(old):
+            return key[: -len(old)] + new
+    return key
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -243,8 +282,9 @@ def _metadata(w, config, arch):
     w.add_head_count(heads)
     w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    if arch not in _GRANITES:  # GraniteModel drops head_dim: no key/value length
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
     if arch == "gemma3":  # Gemma3Model.set_gguf_parameters: the global base, the window, the softcap
         full, local = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
@@ -260,7 +300,22 @@ def _metadata(w, config, arch):
         w.add_sliding_window(config["sliding_window"])
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    if config["model_type"] in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):  # TextModel's, Qwen2MoeModel's
+    if arch in _GRANITES:  # GraniteModel.set_gguf_parameters: each number where it is not 0
+        for key, add in (
+            ("attention_multiplier", w.add_attention_scale),
+            ("embedding_multiplier", w.add_embedding_scale),
+            ("residual_multiplier", w.add_residual_scale),
+            ("logits_scaling", w.add_logit_scale),
+        ):
+            if config.get(key):
+                add(config[key])
+    if config["model_type"] in (
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "olmoe",
+        "granitemoe",
+    ):  # TextModel's, Qwen2MoeModel's
         w.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
         w.add_expert_used_count(config["num_experts_per_tok"])
     if arch in ("qwen3moe", "qwen2moe"):
@@ -277,14 +332,24 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     out = {}
     if arch == "phi3":  # the converter reads the checkpoint's fused qkv_proj and gate_up_proj
         sd = _phi3_checkpoint(sd)
+    if arch == "granitemoe":  # the released checkpoint's names, which the converter reads
+        sd = {_granitemoe_name(k): v for k, v in sd.items()}
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
+        if key.endswith("block_sparse_moe.input_linear.weight"):  # GraniteMoeModel.modify_tensors: split
+            bid, half = int(key.split(".")[2]), value.shape[1] // 2
+            for t, v in (
+                (gguf.MODEL_TENSOR.FFN_GATE_EXP, value[:, :half]),
+                (gguf.MODEL_TENSOR.FFN_UP_EXP, value[:, half:]),
+            ):
+                out[key, gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight"] = np.ascontiguousarray(v)
+            continue
         if key.endswith("experts.gate_up_proj"):
             half = value.shape[1] // 2
             for part, v in (("gate_proj", value[:, :half]), ("up_proj", value[:, half:])):
                 out[key, names.get_name(key.replace("gate_up_proj", part)) + ".weight"] = np.ascontiguousarray(v)
             continue
-        if arch in _PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and key.endswith(_QK):
             kv = config["num_key_value_heads"]
             value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
         if arch in _GEMMAS and key.endswith("norm.weight"):
@@ -338,12 +403,14 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         if name not in names:  # an extra tensor (LongRoPE's factors): read into the config
             continue
         key = names[name]
-        if arch in _PERMUTED and key.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and key.endswith(_QK):
             n = config["num_attention_heads"] if "q_proj" in key else config["num_key_value_heads"]
             v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
         if arch in _GEMMAS and key.endswith("norm.weight"):
             v = v - np.float32(1.0)
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
+    if arch == "granitemoe":  # back to the model's names
+        out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
     return _phi3_split(out, config) if arch == "phi3" else out
 
 
@@ -371,6 +438,8 @@ CASES = [
     (GEMMA3, "gemma3"),
     (SMOLLM3, "smollm3"),
     (PHI3, "phi3"),
+    (GRANITE, "granite"),
+    (GRANITE_MOE, "granitemoe"),
 ]
 
 
@@ -420,9 +489,9 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
-    # bound for the MoE model; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%, and
+    # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%, and
     # Phi-3's tied head, logits up to 64, to 4%)
-    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
     if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3"))):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
@@ -529,8 +598,23 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (SMOLLM3, "smollm3", ("SmolLM3Config", "SmolLM3ForCausalLM")),
         (PHI3, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
         (PHI3_MINI, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
+        (GRANITE, "granite", ("GraniteConfig", "GraniteForCausalLM")),
+        (GRANITE_MOE, "granitemoe", ("GraniteMoeConfig", "GraniteMoeForCausalLM")),
     ],
-    ids=["qwen2", "qwen3moe", "mixtral", "qwen2moe", "olmoe", "gemma2", "gemma3", "smollm3", "phi3", "phi3-window"],
+    ids=[
+        "qwen2",
+        "qwen3moe",
+        "mixtral",
+        "qwen2moe",
+        "olmoe",
+        "gemma2",
+        "gemma3",
+        "smollm3",
+        "phi3",
+        "phi3-window",
+        "granite",
+        "granitemoe",
+    ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the
@@ -735,6 +819,59 @@ def test_a_shared_expert_gate_kept_as_a_vector_is_the_same_model(tmp_path, monke
     row, vec = CausalLM.from_gguf(tmp_path / "row.gguf"), CausalLM.from_gguf(tmp_path / "vec.gguf")
     for k, v in row.state_dict().items():
         np.testing.assert_array_equal(vec.state_dict()[k], v, err_msg=k)
+
+
+def test_granite_numbers_as_llama_cpp_reads_them():
+    """llama.cpp's granite/granitemoe: logit_scale required (> 0); embedding_scale and
+    residual_scale absent or 0 mean 1; attention.scale absent or 0 means 1/sqrt(head_dim) (not
+    GraniteConfig's 1); rope.scaling.finetuned false (no RoPE) refused; a granitemoe file without
+    its experts' counts refused, each by name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["granite"].derive
+    c = dict(model_type="granite", head_dim=64, logits_scaling=8.0, residual_multiplier=0.0)
+    derive(c, {"rope.scaling.finetuned": True})
+    assert (c["embedding_multiplier"], c["residual_multiplier"], c["attention_multiplier"]) == (1.0, 1.0, 0.125)
+    c = dict(model_type="granite", head_dim=64, logits_scaling=8.0, attention_multiplier=0.015625)
+    derive(c, {})
+    assert c["attention_multiplier"] == 0.015625
+    with pytest.raises(ValueError, match=r"metadata 'granite.logit_scale' missing \(the model's logits_scaling"):
+        derive(dict(model_type="granite", head_dim=64), {})
+    with pytest.raises(ValueError, match=r"metadata 'granitemoe.logit_scale': expected a finite number > 0, got 0"):
+        derive(dict(model_type="granitemoe", head_dim=64, logits_scaling=0.0), {})
+    with pytest.raises(ValueError, match=r"metadata 'granite.rope.scaling.finetuned' = False"):
+        derive(dict(model_type="granite", head_dim=64, logits_scaling=8.0), {"rope.scaling.finetuned": False})
+    moe = dict(model_type="granitemoe", head_dim=64, logits_scaling=8.0, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"'granitemoe.expert_count' missing or 0 \(the model's num_local_experts\)"):
+        GGUF_FAMILIES["granitemoe"].derive(moe, {})
+
+
+def test_granite_file_without_the_optional_numbers_is_llama_cpp_s_model(tmp_path, monkeypatch):
+    """A granite file whose converter wrote no attention.scale, embedding_scale or residual_scale
+    (their values 0 in the config) is read as llama.cpp builds it: the scores scaled by
+    1/sqrt(head_dim), no embedding or residual factor; one without logit_scale is refused, naming
+    the file; a GraniteMoeShared file (expert_shared_feed_forward_length) is refused by name."""
+    config = dict(GRANITE, embedding_multiplier=0.0, residual_multiplier=0.0, attention_multiplier=0.0)
+    sd = _model(GRANITE).state_dict()
+    _write(tmp_path / "m.gguf", config, sd, Q.F32, "granite")
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    c = loaded.config
+    assert (c.embed_scale, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (False, 1.0, 0.125, 2.5)
+    same = dict(GRANITE, embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.125)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(loaded.state_dict(), same), ids))
+    _write(tmp_path / "no.gguf", dict(GRANITE, logits_scaling=0.0), sd, Q.F32, "granite")
+    with pytest.raises(ValueError, match=r"no.gguf: metadata 'granite.logit_scale' missing"):
+        CausalLM.from_gguf(tmp_path / "no.gguf")
+    shared = (("granitemoe.expert_shared_feed_forward_length", 64),)
+    monkeypatch.setattr(
+        gguf.GGUFWriter,
+        "add_expert_used_count",
+        lambda self, v: [self.add_uint32("granitemoe.expert_used_count", v)] + [self.add_uint32(*kv) for kv in shared],
+    )
+    _write(tmp_path / "shared.gguf", GRANITE_MOE, _model(GRANITE_MOE).state_dict(), Q.F32, "granitemoe")
+    with pytest.raises(ValueError, match=r"metadata 'granitemoe.expert_shared_feed_forward_length' is not supported"):
+        CausalLM.from_gguf(tmp_path / "shared.gguf")
 
 
 # the optional metadata llama.cpp fills in itself (llm_load_hparams), each left out of a file

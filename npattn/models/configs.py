@@ -227,6 +227,46 @@ def _gguf_phi3(config: dict, meta: Mapping) -> None:
         config["original_max_position_embeddings"] = original
 
 
+def _gguf_granite(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``granite`` and ``granitemoe`` (``llama_model_granite[_moe]::load_arch_hparams``;
+    ``GraniteModel`` in ``convert_hf_to_gguf.py``, a ``LlamaModel``: q/k permuted, ``head_dim``
+    dropped, the ``_multiplier`` keys written as ``_scale`` where not 0): ``logit_scale`` is required
+    (llama.cpp refuses a file without it) and must be > 0; ``embedding_scale`` and
+    ``residual_scale`` absent or 0 mean none (1); ``attention.scale`` absent or 0 means
+    ``1/sqrt(head_dim)`` (llama.cpp's ``kq_scale``; not GraniteConfig's default of 1);
+    ``rope.scaling.finetuned`` is llama.cpp's switch for RoPE in these files (true where absent):
+    false, a model without RoPE, is refused (transformers' Granite always rotates).  A
+    ``granitemoe`` file needs its experts' counts."""
+    arch = config["model_type"]
+    scale = config.get("logits_scaling")
+    if scale is None:
+        raise ValueError(f"metadata '{arch}.logit_scale' missing (the model's logits_scaling; llama.cpp requires it)")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"metadata '{arch}.logit_scale': expected a finite number > 0, got {_show(scale)}")
+    for key in ("embedding_multiplier", "residual_multiplier"):
+        if not config.get(key):
+            config[key] = 1.0
+    if not config.get("attention_multiplier"):
+        config["attention_multiplier"] = 1.0 / math.sqrt(config["head_dim"])
+    rope = meta.get("rope.scaling.finetuned", True)
+    if rope is not True:
+        raise ValueError(
+            f"metadata '{arch}.rope.scaling.finetuned' = {_show(rope)}: llama.cpp's {arch} then attends without RoPE, "
+            "which transformers' Granite (and npattn's) does not"
+        )
+    if arch == "granitemoe":
+        _gguf_experts(config, arch, ("num_local_experts", "num_experts_per_tok"))
+
+
+# Granite's four numbers <- llama.cpp's names for them (GraniteModel.set_gguf_parameters)
+_GGUF_GRANITE_KEYS = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "attention_multiplier": "attention.scale",
+    "logits_scaling": "logit_scale",
+}
+
+
 # the experts' counts (every MoE file) and width (Qwen's): config key <- metadata key
 _GGUF_EXPERTS = {"num_experts": "expert_count", "num_experts_per_tok": "expert_used_count"}
 _GGUF_QWEN_EXPERTS = dict(_GGUF_EXPERTS, moe_intermediate_size="expert_feed_forward_length")
@@ -272,6 +312,22 @@ GGUF_FAMILIES = {
             "rope.scaling.original_context_length",
             "rope.scaling.attn_factor",
         ),
+    ),
+    # Granite 3.x and Granite MoE: llama files (q/k permuted) with Granite's four numbers; the
+    # MoE's experts ffn_{gate,up,down}_exps and router ffn_gate_inp, every layer routed
+    "granite": GgufFamily(
+        "granite",
+        permute_qk=True,
+        keys=_GGUF_GRANITE_KEYS,
+        derive=_gguf_granite,
+        reads=("rope.scaling.finetuned",),
+    ),
+    "granitemoe": GgufFamily(
+        "granitemoe",
+        permute_qk=True,
+        keys={**_GGUF_GRANITE_KEYS, "num_local_experts": "expert_count", "num_experts_per_tok": "expert_used_count"},
+        derive=_gguf_granite,
+        reads=("rope.scaling.finetuned",),
     ),
 }
 
@@ -2595,8 +2651,7 @@ def moe_config(config) -> MoEConfig:
 
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
     one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
-    ``"qwen2_moe"``, ``"olmoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
-    ``"granitemoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
+    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises
     ------

@@ -8,8 +8,8 @@ a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
-``smollm3``, ``phi3``) and what each means in Hugging Face terms are ``GGUF_FAMILIES``
-in ``models/configs.py``.
+``smollm3``, ``phi3``, ``granite``, ``granitemoe``) and what each means in Hugging Face terms are
+``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
 
@@ -26,9 +26,10 @@ Reading one:
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
-   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3`` model's too, its converter being Llama's); the
-   reverse reordering gives back Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE
-   layers are llama.cpp's fixed every fourth).  The other architectures' files use the rotate-half (NeoX)
+   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite`` or ``granitemoe`` model's too,
+   their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
+   Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
+   fourth).  The other architectures' files use the rotate-half (NeoX)
    RoPE and are not permuted.  The converter stores Gemma's norm weights as ``1 + w`` (what
    ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
    Llama 3.x files keep their RoPE scaling (Hugging Face's ``rope_scaling`` ``"llama3"``) not in the
@@ -254,6 +255,8 @@ def _config(f: _File, tensor_names: set) -> dict:
         )
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if "blk.0.ffn_up.bias" in tensor_names:  # the MLP's biases (Llama's and Granite's mlp_bias)
+        config["mlp_bias"] = True
     for key in ("bos_token_id", "eos_token_id"):  # the padding id is generate's (from_gguf), not the embedding's
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = meta[f"tokenizer.ggml.{key}"]
@@ -531,9 +534,11 @@ def read_gguf(path) -> tuple[dict, dict]:
                 fused = [tensors[n] for n in _gguf_names(names, whole)]
                 out[whole] = _GGUFTensor(whole, fused, mapping=getattr(f.reader, "mapping", None))
             continue
-        parts = [tensors.get(n) for n in _gguf_names(names, key)]
+        # a layer's MLP under another name (GraniteMoe's block_sparse_moe) is the converter's mlp
+        lookup = key if cfg.mlp_name == "mlp" else key.replace(f".{cfg.mlp_name}.", ".mlp.")
+        parts = [tensors.get(n) for n in _gguf_names(names, lookup)]
         if None in parts:
-            missing = _gguf_names(names, key)[parts.index(None)]
+            missing = _gguf_names(names, lookup)[parts.index(None)]
             raise ValueError(f"{f.path}: no tensor {missing!r} (the model's {key!r})")
         proj = key.rsplit(".", 2)[-2]
         out[key] = _GGUFTensor(
