@@ -622,6 +622,27 @@ def test_gated_delta_net_second_order(kw):
     "kw",
     [
         dict(),
+        dict(conv_bias=True),
+        dict(conv_bias=True, attention_mask=np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])),
+    ],
+)
+def test_short_conv_second_order(kw):
+    """LFM2's gated short convolution (3 taps over 5 steps, with and without biases, left padding):
+    the products' rule around causal_conv1d_backward_jvp without an activation, against central
+    differences of the backward."""
+    kw = dict(kw)
+    mask = kw.pop("attention_mask", None)
+    rng = np.random.default_rng(29)
+    m = npattn.ShortConv(6, 3, rng=0, **kw)
+    _perturb(m, rng, scale=0.3)
+    extra = {} if mask is None else dict(attention_mask=mask)
+    check_second_order(m, (rng.standard_normal((2, 5, 6)),), rng, eps=1e-6, **extra)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
         dict(chunk_size=2, attention_mask=np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])),
         dict(chunk_size=16, attention_mask=np.array([[1, 1, 1, 0, 1], [0, 1, 1, 1, 1]])),
     ],

@@ -268,6 +268,15 @@ def make_cases(rng, lead=(2, 3), length=3) -> list:
             lambda t, x, w: _torch_conv(t, x, w, None, None, silu=False),
         )
     )
+    cases.append(
+        Case(
+            "conv_bias",  # LFM2's short convolution: a bias, no activation
+            "causal_conv1d",
+            (cx, cwt, cb),
+            lambda M, x, w, b: M.causal_conv1d(x, w, b),
+            lambda t, x, w, b: _torch_conv(t, x, w, b, None, silu=False),
+        )
+    )
     return cases
 
 

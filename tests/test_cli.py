@@ -150,6 +150,7 @@ SECOND_ORDER_COVERS = (
     "cross_entropy (ignore_index)",
     "gated_delta_rule (chunks of 3, l2norm, initial state)",
     "GatedDeltaNet (4 value heads, 2 key heads)",
+    "ShortConv (LFM2: 3 taps, biases)",
     "causal_conv1d (silu, bias, initial state)",
     "l2_norm",
     "rms_norm_gated",

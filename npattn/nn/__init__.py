@@ -11,6 +11,7 @@ from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .module import Module, Parameter, is_grad_enabled, no_grad
 from .moe import Experts, GatedMLP, GptOssExperts, MoE, SparseMoeBlock, TopKRouter
+from .short_conv import ShortConv
 from .transformer import DecoderBlock, EncoderBlock
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "MultiHeadAttention",
     "GatedDeltaNet",
     "KimiDeltaAttention",
+    "ShortConv",
     "MultiHeadLatentAttention",
     "TopKRouter",
     "Experts",

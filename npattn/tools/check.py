@@ -46,6 +46,7 @@ from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.module import Module
 from ..nn.moe import SparseMoeBlock
 from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
+from ..nn.short_conv import ShortConv
 from ..testing.gradcheck import companion, gradcheck
 from ..testing.gradgradcheck import gradgradcheck
 
@@ -748,7 +749,8 @@ _MOE_PAIRS = _Part(
 )
 
 # Gated DeltaNet's pairs (the chunked delta rule with an initial state, the short convolution with
-# its carried state, both norms) and the GatedDeltaNet layer with grouped key heads.
+# its carried state, both norms), the GatedDeltaNet layer with grouped key heads and LFM2's
+# ShortConv layer (the same convolution, without its activation).
 _DELTA_NET = _Part(
     "delta net",
     {"x": N(2, 5, 4)},
@@ -773,6 +775,7 @@ _DELTA_NET = _Part(
             Call(GatedDeltaNet, 6, 4, 2, 2, 3, 3, chunk_size=3, rng=R),
             N(2, 5, 6),
         ),
+        _case("ShortConv (LFM2: 3 taps, biases)", Call(ShortConv, 6, 3, True, rng=R), N(2, 5, 6)),
     ],
 )
 
