@@ -388,6 +388,44 @@ FAMILIES = {
             partial_rotary_factor=0.5,
         ),
     ),
+    # LFM2: short convolutions (4 taps, biases on them and their projections) around an attention
+    # layer, the MLP's width adjusted (int(1.5 * int(2 * 40 / 3)) = 39, rounded up to 40), untied
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_L_cache=4,
+            conv_bias=True,
+            block_multiple_of=8,
+            block_ffn_dim_multiplier=1.5,
+            tie_word_embeddings=False,
+            norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
+    # LFM2 from full_attn_idxs, the MLP's width not adjusted, a tied head
+    "lfm2_full_attn_idxs": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            full_attn_idxs=[0, 2],
+            block_auto_adjust_ff_dim=False,
+            pad_token_id=0,
+        ),
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (the embeddings times 6, each
     # residual branch times 0.3, the scores times 0.2 instead of 1/sqrt(8), the logits over 4),
     # biases, grouped heads, untied
@@ -514,6 +552,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "smollm3",
         "granite",
         "granitemoe",
+        "lfm2",
         "qwen3",
         "gemma3_text",
         "gpt_oss",

@@ -5,7 +5,7 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
     x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden); Granite: * its multiplier
     for layer in layers:                         # pre-norm residual blocks
         h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
-        a = attention(h)                         # MHA (full / sliding window), MLA or gated DeltaNet
+        a = attention(h)                         # MHA (full / sliding window), MLA, gated DeltaNet or LFM2's ShortConv
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
         h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
@@ -26,7 +26,9 @@ layer renames the few modules whose own names differ (``MultiHeadAttention``'s `
 ``load_state_dict()`` speak the checkpoint's language.  Phi-3's checkpoints stack q, k and v into
 ``qkv_proj`` and gate and up into ``gate_up_proj``: the model keeps the split projections under
 Llama's names (``q_proj``, ``gate_proj``, ...), ``from_hf`` reads either, ``save_pretrained``
-writes the fused ones (``CheckpointLayout.fused``).
+writes the fused ones (``CheckpointLayout.fused``).  LFM2 names its modules its own way
+(``operator_norm``, ``feed_forward.w1``, ``self_attn.out_proj``, ``embedding_norm``...): its
+``CausalLMConfig.layer_names`` and ``final_norm_name`` rename them in the model itself.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..nn.layers import Embedding, Linear, RMSNorm
 from ..nn.module import Module, is_grad_enabled, no_grad
 from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
 from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
+from ..nn.short_conv import ShortConv
 from ..nn.transformer import _block_tangents
 from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, config_from_hf
 
@@ -85,10 +88,7 @@ class _Renamed(Module):
     _names: dict = {}
 
     def _rename(self, name: str) -> str:
-        for old, new in self._names.items():
-            if name == old or name.startswith(old + "."):
-                return new + name[len(old) :]
-        return name
+        return _renamed(name, self._names.items())
 
     def named_parameters(self, prefix: str = ""):
         for name, p in super().named_parameters():
@@ -99,6 +99,25 @@ class _Renamed(Module):
         for key, owner, name, is_param in super()._state_entries():
             key = self._rename(key)
             yield (f"{prefix}.{key}" if prefix else key), owner, name, is_param
+
+
+def _renamed(name: str, names) -> str:
+    """``name`` under the first of ``names`` (pairs of a dotted prefix and its replacement) that
+    prefixes it."""
+    for old, new in names:
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old) :]
+    return name
+
+
+def _family_names(names: dict, family: tuple) -> dict:
+    """``names`` (npattn's prefix -> the checkpoint's) with the family's own names
+    (``CausalLMConfig.layer_names``) put in place of the checkpoint's, and the family's other
+    entries added."""
+    out = {old: _renamed(new, family) for old, new in names.items()}
+    for generic, own in family:
+        out.setdefault(generic, own)
+    return out
 
 
 _MHA_NAMES = {
@@ -138,6 +157,8 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
         return SharedKVAttention(**cfg.shared_kv[kind].kwargs(), reuse=cfg.reuses_kv(i), rng=rng, dtype=dtype)
     if kind == "latent_attention":
         return MultiHeadLatentAttention(**_sub(cfg.latent).kwargs(), rng=rng, dtype=dtype)
+    if kind == "conv":  # LFM2's gated short convolution
+        return ShortConv(**_sub(cfg.short_conv).kwargs(), rng=rng, dtype=dtype)
     if kind == "linear_attention":
         la = _sub(cfg.linear_attention)
         layer = KimiDeltaAttention if isinstance(la, KdaConfig) else GatedDeltaNet
@@ -162,7 +183,7 @@ def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
 def _sub(sub):
     """A layer's sub-config, which the config reader gives whenever a layer of its kind exists."""
     if sub is None:  # pragma: no cover - a CausalLMConfig not made by config_from_hf
-        raise ValueError("config: a layer's kind has no sub-config (moe, latent or linear_attention is None)")
+        raise ValueError("config: a layer's kind has no sub-config (moe, latent, linear_attention, short_conv: None)")
     return sub
 
 
@@ -205,6 +226,11 @@ def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
             out += [("indexer.k_norm.weight", (idim,)), ("indexer.k_norm.bias", (idim,))]
             out += _lin("indexer.weights_proj", ih, H, False)
         return [(f"self_attn.{n}", s) for n, s in out]
+    if kind == "conv":  # ShortConv
+        sc = _sub(cfg.short_conv)
+        out = [("conv.weight", (H, 1, sc.conv_L_cache))] + ([("conv.bias", (H,))] if sc.conv_bias else [])
+        out += _lin("in_proj", 3 * H, H, sc.conv_bias) + _lin("out_proj", H, H, sc.conv_bias)
+        return [(f"conv.{n}", s) for n, s in out]
     if kind == "linear_attention" and isinstance(cfg.linear_attention, KdaConfig):  # KimiDeltaAttention
         kda = cfg.linear_attention
         d, hd = kda.linear_head_dim, kda.linear_num_heads * kda.linear_head_dim
@@ -301,7 +327,7 @@ def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
             ("per_layer_projection.weight", (cfg.hidden_size, P)),
         ]
         out += [("post_per_layer_input_norm.weight", (cfg.hidden_size,))]
-    return out
+    return [(_renamed(n, cfg.layer_names), s) for n, s in out] if cfg.layer_names else out
 
 
 def _layer_kind(cfg: CausalLMConfig, i: int) -> tuple:
@@ -335,7 +361,7 @@ def _state_shapes(cfg: CausalLMConfig):
             kinds[kind] = _layer_shapes(cfg, i)
         for name, shape in kinds[kind]:
             yield f"model.layers.{i}.{name}", shape
-    yield "model.norm.weight", (H,)
+    yield f"model.{cfg.final_norm_name}.weight", (H,)
     yield from _model_shapes(cfg)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (V, H)
@@ -414,9 +440,11 @@ class DecoderLayer(_Renamed):
         self.pre_norm = cfg.pre_norm
         r = float(cfg.residual_multiplier)
         self._residual = None if r == 1.0 else self._dtype.type(r)  # None: the branch as it is
-        # Qwen3-Next names its gated DeltaNet layers linear_attn, every other attention (Kimi's KDA too) self_attn
+        # Qwen3-Next names its gated DeltaNet layers linear_attn, LFM2 its short convolutions conv,
+        # every other attention (Kimi's KDA too) self_attn
         delta_net = cfg.layer_types[index] == "linear_attention" and isinstance(cfg.linear_attention, DeltaNetConfig)
-        self._attn_name = "linear_attn" if delta_net else "self_attn"
+        conv = cfg.layer_types[index] == "conv"
+        self._attn_name = "linear_attn" if delta_net else "conv" if conv else "self_attn"
         setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
         self._mlp_normed = isinstance(self.mlp, DenseWithExperts)  # it holds its pre_feedforward_layernorm
@@ -441,7 +469,7 @@ class DecoderLayer(_Renamed):
             names.update(_PER_LAYER_NAMES)
         if cfg.layer_scalar:  # Gemma 4: the layer's output times this buffer (no gradient, as transformers)
             self.register_buffer("layer_scalar", np.ones(1, self._dtype))
-        object.__setattr__(self, "_names", names)
+        object.__setattr__(self, "_names", _family_names(names, cfg.layer_names) if cfg.layer_names else names)
 
     @property
     def attention(self) -> Module:
@@ -622,6 +650,8 @@ class _Backbone(_Renamed):
             )  # fmt: skip
             self.per_layer = _released(ple, rng)
             object.__setattr__(self, "_names", _PER_LAYER_MODEL_NAMES)
+        if cfg.final_norm_name != "norm":  # LFM2's embedding_norm
+            object.__setattr__(self, "_names", {**self._names, "norm": cfg.final_norm_name})
         for i, source in enumerate(cfg.kv_sources or ()):
             if source != i:
                 self.layers[i].attention.share_from(self.layers[source].attention)

@@ -28,6 +28,7 @@ __all__ = [
     "LatentConfig",
     "DeltaNetConfig",
     "KdaConfig",
+    "ShortConvConfig",
     "SharedKVConfig",
     "MoEConfig",
     "CheckpointLayout",
@@ -67,9 +68,10 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "granite",
     "granitemoe",
+    "lfm2",
 )
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv")
 MLP_KINDS = ("dense", "moe", "dense_and_experts")
 
 
@@ -526,6 +528,16 @@ class KdaConfig(_Kwargs):
 
 
 @dataclass(frozen=True)
+class ShortConvConfig(_Kwargs):
+    """``ShortConv``'s keyword arguments (LFM2's gated short convolution), by their names (the
+    Hugging Face ``Lfm2Config``'s)."""
+
+    hidden_size: int
+    conv_L_cache: int
+    conv_bias: bool
+
+
+@dataclass(frozen=True)
 class SharedKVConfig(_Kwargs):
     """``SharedKVAttention``'s keyword arguments for one kind of layer (Gemma 4's full or sliding
     attention), by their names; whether a layer makes its keys and values or reuses another's is
@@ -608,7 +620,8 @@ class CausalLMConfig:
 
     Per layer: ``layer_types[i]`` is ``"full_attention"``, ``"sliding_attention"`` (a causal
     window of ``sliding_window`` keys, the query's own included, as Hugging Face masks),
-    ``"linear_attention"`` (gated DeltaNet) or ``"latent_attention"`` (MLA); ``mlp_types[i]`` is
+    ``"linear_attention"`` (gated DeltaNet), ``"latent_attention"`` (MLA) or ``"conv"`` (LFM2's
+    gated short convolution, ``short_conv`` its arguments); ``mlp_types[i]`` is
     ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"moe"`` (routed experts) or
     ``"dense_and_experts"`` (Gemma 4's ``enable_moe_block``: both, each with its own norms, summed;
     ``moe`` holds the experts' sizes).
@@ -649,6 +662,12 @@ class CausalLMConfig:
     ``per_layer_vocab_size`` their table's rows; ``layer_scalar``: each layer's output times its
     ``layer_scalar`` buffer; ``double_wide_mlp``: the MLPs of the reusing layers are twice as wide
     (``mlp_size``).
+
+    ``layer_names``: pairs of a decoder layer's tensor name (a dotted prefix, as Llama's checkpoints
+    name it) and the family's own (LFM2's ``operator_norm`` for ``input_layernorm``,
+    ``feed_forward.w1`` for ``mlp.gate_proj``, ``self_attn.out_proj`` for ``self_attn.o_proj`` ...),
+    and ``final_norm_name`` the final norm's (``model.embedding_norm``): the model's parameters,
+    state dict and checkpoints all say the family's names.
 
     ``rope_layers[i]``: whether layer ``i`` rotates its queries and keys (``None``: every layer
     does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) are
@@ -706,6 +725,9 @@ class CausalLMConfig:
     layer_scalar: bool = False
     double_wide_mlp: bool = False
     rope_layers: tuple | None = None  # per layer: whether it rotates q and k (SmolLM3's NoPE layers: False)
+    short_conv: ShortConvConfig | None = None  # the "conv" layers' arguments (LFM2)
+    layer_names: tuple = ()  # (a layer's tensor name, the family's): LFM2's operator_norm for input_layernorm ...
+    final_norm_name: str = "norm"  # model.{final_norm_name}: LFM2's embedding_norm
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -2052,6 +2074,111 @@ def _kv_sources(lt: tuple, shared: int) -> tuple:
     return tuple(out)
 
 
+# LFM2's tensor names where Llama's say otherwise (a decoder layer's; the final norm: embedding_norm)
+_LFM2_NAMES = (
+    ("input_layernorm", "operator_norm"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("mlp.gate_proj", "feed_forward.w1"),
+    ("mlp.up_proj", "feed_forward.w3"),
+    ("mlp.down_proj", "feed_forward.w2"),
+    ("self_attn.o_proj", "self_attn.out_proj"),
+    ("self_attn.q_norm", "self_attn.q_layernorm"),
+    ("self_attn.k_norm", "self_attn.k_layernorm"),
+)
+# keys of the released LFM2 config.json files (the original implementation's) that transformers'
+# Lfm2 reads nowhere: each must say what transformers builds anyway, (key, the config key whose
+# value it must equal, or the one value allowed)
+_LFM2_ECHOES = (
+    ("block_dim", "hidden_size"),
+    ("conv_dim", "hidden_size"),
+    ("conv_dim_out", "hidden_size"),
+    ("num_heads", "num_attention_heads"),
+    ("block_norm_eps", "norm_eps"),
+)
+_LFM2_FIXED = (("block_use_swiglu", True), ("use_pos_enc", True))
+# the original implementation's initialisation options: they change no forward pass
+_LFM2_INIT = ("block_mlp_init_scale", "block_out_init_scale", "block_use_xavier_init", "conv_use_xavier_init")
+
+
+def _lfm2_ff_dim(r: _Reader) -> int:
+    """``Lfm2MLP``'s width: ``intermediate_size`` (``block_ff_dim`` where given, as ``Lfm2Config``
+    pops it), with ``block_auto_adjust_ff_dim`` made ``int(2 I / 3)``, then times
+    ``block_ffn_dim_multiplier`` and rounded up to a multiple of ``block_multiple_of``."""
+    size = r.int("block_ff_dim") if r.has("block_ff_dim") else r.int("intermediate_size")
+    r.get("intermediate_size")
+    multiplier = r.float("block_ffn_dim_multiplier")
+    if multiplier is None:  # Lfm2Config's field is a number (its model's None branch is never reached)
+        raise ValueError("config['block_ffn_dim_multiplier']: expected a finite number > 0, got None")
+    multiple = r.int("block_multiple_of")
+    if not r.bool("block_auto_adjust_ff_dim", True):
+        return size
+    size = int(multiplier * int(2 * size / 3))
+    size = multiple * ((size + multiple - 1) // multiple)
+    if size < 1:
+        raise ValueError(f"config: the MLP's adjusted width is {size} (intermediate_size too small); expected >= 1")
+    return size
+
+
+def _lfm2_layer_types(r: _Reader, n: int) -> tuple:
+    """``layer_types``, or from ``full_attn_idxs`` (default: every layer) as ``Lfm2Config`` makes
+    them: ``"full_attention"`` at those indices, ``"conv"`` elsewhere (``full_attn_idxs`` is read
+    and changes nothing beside ``layer_types``, as transformers)."""
+    idxs = r.get("full_attn_idxs")
+    if idxs is not None and (
+        not isinstance(idxs, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in idxs)
+    ):
+        raise ValueError(f"config['full_attn_idxs']: expected a list of layer indices, got {_show(idxs)}")
+    full = range(n) if idxs is None else idxs
+    default = ["full_attention" if i in full else "conv" for i in range(n)]
+    return _layer_types(r, n, ("full_attention", "conv"), default)
+
+
+def _lfm2(r: _Reader) -> dict:
+    """LFM2 (Liquid AI's LFM2-350M/700M/1.2B, ``Lfm2ForCausalLM``): layers of two kinds
+    (``layer_types``, or ``full_attn_idxs``): grouped-query attention with per-head QK-norm
+    (``q_layernorm``, ``k_layernorm``) and RoPE (base 1e6), or the gated short convolution
+    (``conv``: ``ShortConv``, ``conv_L_cache`` taps, ``conv_bias``); each with the SwiGLU MLP of
+    ``_lfm2_ff_dim``'s width, RMSNorms of ``norm_eps`` before both (``operator_norm``,
+    ``ffn_norm``), a final ``embedding_norm`` and a tied head by default (``tie_embedding``, the
+    older key, takes the place of ``tie_word_embeddings`` where given).  The keys of the released
+    config.json files that transformers reads nowhere are checked against what it builds
+    (``_LFM2_ECHOES``, ``_LFM2_FIXED``) or are initialisation options (``_LFM2_INIT``)."""
+    c = _common(r)
+    n, hidden = c["num_hidden_layers"], c["hidden_size"]
+    eps = r.float("norm_eps")
+    for key, other in _LFM2_ECHOES:
+        v = r.get(key)
+        if v is not None and v != r.d.get(other):
+            raise ValueError(
+                f"config[{key!r}] = {_show(v)} differs from config[{other!r}] = {_show(r.d.get(other))}: transformers' "
+                f"Lfm2 reads only {other!r}, so this config does not say which one the weights were made for"
+            )
+    for key, value in _LFM2_FIXED:
+        r.only(key, (value,), value, "transformers' Lfm2 builds only that")
+    for key in _LFM2_INIT:
+        r.get(key)
+    r.get("theta")  # the original implementation's name of the RoPE base: rope_theta is read
+    tie = r.bool("tie_embedding") if r.has("tie_embedding") else c["tie_word_embeddings"]
+    lt = _lfm2_layer_types(r, n)
+    c.update(
+        rms_norm_eps=eps,
+        attention_dropout=0.0,  # Lfm2Attention's dropout is 0 whatever the config says
+        tie_word_embeddings=tie,
+        intermediate_size=_lfm2_ff_dim(r),
+        hidden_act="silu",
+        qk_norm=True,
+        rope=_rope_params(r, 1000000.0),
+        layer_types=lt,
+        mlp_types=("dense",) * n,
+        short_conv=ShortConvConfig(hidden, r.int("conv_L_cache"), r.bool("conv_bias")) if "conv" in lt else None,
+        layer_names=_LFM2_NAMES,
+        final_norm_name="embedding_norm",
+    )
+    if "conv" not in lt:
+        r.int("conv_L_cache"), r.bool("conv_bias")
+    return c
+
+
 _SIZE_KEYS = {
     "positions": "max_position_embeddings",
     "vocab": "vocab_size",
@@ -2277,6 +2404,19 @@ _DEFAULTS: dict = {
     "granite": dict(_GRANITE, mlp_bias=False),
     "granitemoe": dict(_GRANITE, num_local_experts=8, num_experts_per_tok=2),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
+    "lfm2": dict(
+        **_sizes(positions=128000, vocab=65536, hidden=2560, intermediate=12288, layers=32, heads=32, kv_heads=8),
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True,
+    ),
     "olmo3": dict(
         _LLAMA_SIZES,
         vocab_size=50304,
@@ -2707,6 +2847,7 @@ _READERS = {
     "smollm3": _smollm3,
     "granite": _granite,
     "granitemoe": _granitemoe,
+    "lfm2": _lfm2,
 }
 
 

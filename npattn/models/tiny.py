@@ -532,6 +532,16 @@ TINY_CONFIGS: dict = {
         eos_token_id=1,
         bos_token_id=2,
     ),
+    # LFM2: a gated short convolution (3 taps) before an attention layer with QK-norm, the MLP's
+    # width adjusted (int(2 * 24 / 3) = 16, a multiple of 8), a tied head (its default)
+    "lfm2": dict(
+        _BASE,
+        model_type="lfm2",
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        block_multiple_of=8,
+        rope_theta=1000.0,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
