@@ -157,3 +157,43 @@ def test_the_model_speaks_lfm2_names():
     )
     assert {"self_attn.out_proj.weight", "self_attn.q_layernorm.weight", "self_attn.k_layernorm.weight"} <= set(layer1)
     assert m.layers[0].attention.conv_L_cache == 3 and m.layers[0].mlp.intermediate_size == 16
+
+
+@pytest.mark.parametrize("prompt", [1, 2, 5])
+def test_greedy_generate_with_biased_convolutions_equals_transformers(prompt):
+    """Cached decoding through the convolutions' kept windows (4 taps, biases): a prompt shorter
+    than the window, as long, and longer; transformers' generate runs its own conv cache
+    (causal_conv1d_update each step)."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build, float64_reference, state_dict
+
+    hf, d = build(
+        T.Lfm2Config,
+        T.Lfm2ForCausalLM,
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=4,
+        conv_bias=True,
+        block_multiple_of=8,
+        eos_token_id=None,
+    )
+    m = CausalLM.from_hf(state_dict(hf), d)
+    ids = np.random.default_rng(prompt).integers(1, 61, (2, prompt))
+    with torch.no_grad(), float64_reference():
+        ref = hf.generate(
+            torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long), max_new_tokens=12,
+            do_sample=False,
+        ).numpy()  # fmt: skip
+    out = m.generate(ids, 12)
+    np.testing.assert_array_equal(out, ref)
+    assert len(set(out[:, prompt:].ravel().tolist())) > 3  # a completion worth comparing
+    m.reset_kv_cache()
+    m(ids, use_cache=True)  # each conv layer keeps its last 3 inputs, zeros before the prompt
+    assert all(layer.attention.conv_state.shape == (2, 3, 32) for layer in m.layers[::2])
+    assert not m.layers[0].attention.conv_state[:, : max(0, 3 - prompt)].any()
