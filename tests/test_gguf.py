@@ -127,6 +127,15 @@ GRANITE_MOE = dict(
     attention_multiplier=0.4375,
     tie_word_embeddings=False,
 )
+# LFM2: a short convolution (3 taps), an attention layer, another convolution; the MLP's width
+# adjusted (int(2 * 384 / 3) = 256), which the file stores as its feed_forward_length; tied
+LFM2 = dict(
+    FAMILIES["lfm2"],
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=3,
+    layer_types=["conv", "full_attention", "conv"],
+)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _GRANITES = ("granite", "granitemoe")
@@ -268,11 +277,31 @@ def _phi3_split(values: dict, config: dict) -> dict:
     return out
 
 
+def _lfm2_metadata(w, config):
+    """``LFM2Model.set_gguf_parameters``: head_count_kv per layer (0 on a convolution), the MLP's
+    adjusted width, norm_eps, the convolution's taps."""
+    from npattn.models import config_from_hf
+
+    cfg = config_from_hf(config)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(64)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types])
+    w.add_rope_freq_base(cfg.rope["default"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.short_conv.conv_L_cache)
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
     if arch == "phi3":
         return _phi3_metadata(w, config)
+    if arch == "lfm2":
+        return _lfm2_metadata(w, config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
     hd = config.get("head_dim", H // heads)
     w.add_block_count(config["num_hidden_layers"])
@@ -354,6 +383,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
         if arch in _GEMMAS and key.endswith("norm.weight"):
             value = value + np.float32(1.0)
+        if key.endswith("conv.conv.weight"):  # LFM2Model.modify_tensors: (D, 1, K) squeezed to (D, K)
+            value = value[:, 0, :]
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         out[key, name if key.endswith((".weight", ".bias")) else name + ".weight"] = value
     return out
@@ -373,7 +404,9 @@ def _write(path, config, sd, qtype, arch, extra=()):
     for name, value in extra:
         w.add_tensor(name, value)
     for (key, name), value in _as_gguf(sd, config, arch).items():
-        if value.ndim == 1 or qtype == Q.F32 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        # rows of fewer values than a block (LFM2's 3 taps) stay float32, as llama.cpp keeps them
+        gate = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "shortconv.conv.weight")
+        if value.ndim == 1 or qtype == Q.F32 or name.endswith(gate):
             w.add_tensor(name, value)
             held[name] = value
         elif qtype == Q.F16:
@@ -408,6 +441,8 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
             v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
         if arch in _GEMMAS and key.endswith("norm.weight"):
             v = v - np.float32(1.0)
+        if key.endswith("conv.conv.weight"):
+            v = v[:, None, :]
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     if arch == "granitemoe":  # back to the model's names
         out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
@@ -440,6 +475,7 @@ CASES = [
     (PHI3, "phi3"),
     (GRANITE, "granite"),
     (GRANITE_MOE, "granitemoe"),
+    (LFM2, "lfm2"),
 ]
 
 
@@ -489,10 +525,10 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
-    # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%, and
-    # Phi-3's tied head, logits up to 64, to 4%)
+    # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
+    # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
-    if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3"))):
+    if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2"))):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
@@ -600,6 +636,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (PHI3_MINI, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
         (GRANITE, "granite", ("GraniteConfig", "GraniteForCausalLM")),
         (GRANITE_MOE, "granitemoe", ("GraniteMoeConfig", "GraniteMoeForCausalLM")),
+        (LFM2, "lfm2", ("Lfm2Config", "Lfm2ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -614,6 +651,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "phi3-window",
         "granite",
         "granitemoe",
+        "lfm2",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -878,7 +916,12 @@ def test_granite_file_without_the_optional_numbers_is_llama_cpp_s_model(tmp_path
 _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension_count", "rope_freq_base")
 
 
-@pytest.mark.parametrize("config, arch", CASES, ids=IDS)
+# LFM2's head_count_kv is not optional: its zeros say which layers are convolutions (without it
+# llama.cpp, and npattn, take every layer for attention and find no attention tensors in layer 0)
+_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] != "lfm2"]
+
+
+@pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])
 def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeypatch, config, arch):
     """A file without head_count_kv, key_length, value_length, rope.dimension_count or
     rope.freq_base is the model llama.cpp builds from it: as many key/value heads as heads, heads
@@ -1833,3 +1876,36 @@ def test_phi3_rotated_features_give_transformers_own_count():
             assert int(h * config["partial_rotary_factor"]) == d, (h, d)
     with pytest.raises(ValueError, match=r"'phi3.rope.dimension_count' 7: expected an even number"):
         _gguf_phi3({"head_dim": 8}, {"rope.dimension_count": 7})
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        (None, None),
+        ([2, 2], r"head_count_kv' \[2, 2\]: expected 3 counts \(block_count\)"),
+        ([0, 2, 1], r"head_count_kv' \[0, 2, 1\]: attention layers' counts differ"),
+    ],
+)
+def test_lfm2_layer_types_and_width_are_the_file_s(tmp_path, monkeypatch, counts, match):
+    """llama.cpp's lfm2 files: the layer types are head_count_kv's zeros, the MLP's width the
+    file's feed_forward_length (adjusted once, by the converter), the convolution's weight stored
+    (D, K) read back as (D, 1, K); per-layer counts that do not fit are refused by name.  A width
+    of 768 (int(2 * 1152 / 3)): adjusted again with LFM2's defaults it would be 512."""
+    config = dict(LFM2, intermediate_size=1152)
+    sd = _model(config).state_dict()
+    if counts is not None:
+        add = gguf.GGUFWriter.add_head_count_kv
+        monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda self, value: add(self, counts))
+    held = _write(tmp_path / "m.gguf", config, sd, Q.F32, "lfm2")
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            CausalLM.from_gguf(tmp_path / "m.gguf")
+        return
+    assert held["blk.0.shortconv.conv.weight"].shape == (256, 3)
+    m = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert m.config.layer_types == ("conv", "full_attention", "conv")
+    assert m.config.intermediate_size == 768 and m.config.short_conv.conv_L_cache == 3
+    assert m.config.num_key_value_heads == LFM2["num_key_value_heads"] and m.config.tie_word_embeddings
+    np.testing.assert_array_equal(
+        m.state_dict()["model.layers.2.conv.conv.weight"], sd["model.layers.2.conv.conv.weight"]
+    )

@@ -273,6 +273,32 @@ _GGUF_GRANITE_KEYS = {
 _GGUF_EXPERTS = {"num_experts": "expert_count", "num_experts_per_tok": "expert_used_count"}
 _GGUF_QWEN_EXPERTS = dict(_GGUF_EXPERTS, moe_intermediate_size="expert_feed_forward_length")
 
+
+def _gguf_lfm2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``lfm2`` (``LFM2Model`` in ``convert_hf_to_gguf.py``): ``attention.head_count_kv``
+    one entry per layer, 0 on the short-convolution layers (the layer types), the attention layers'
+    count on the others; ``feed_forward_length`` the MLP's width as ``Lfm2MLP`` adjusted it (so no
+    adjustment is made again); ``attention.layer_norm_rms_epsilon`` the config's ``norm_eps``; the
+    convolution's taps ``shortconv.l_cache`` (``GgufFamily.keys``).  llama.cpp's LFM2 has no
+    convolution or attention biases: a file with them is refused (its tensors unread)."""
+    kv, n = config.get("num_key_value_heads"), config["num_hidden_layers"]
+    if isinstance(kv, (list, tuple)):
+        if len(kv) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in kv):
+            raise ValueError(
+                f"metadata 'lfm2.attention.head_count_kv' {_show(kv)}: expected {n} counts (block_count), 0 on a "
+                "short-convolution layer"
+            )
+        counts = {k for k in kv if k}
+        if len(counts) > 1:
+            raise ValueError(f"metadata 'lfm2.attention.head_count_kv' {_show(kv)}: attention layers' counts differ")
+        config["layer_types"] = ["full_attention" if k else "conv" for k in kv]
+        config["num_key_value_heads"] = counts.pop() if counts else config["num_attention_heads"]
+    config["norm_eps"] = config.pop("rms_norm_eps")
+    config["block_auto_adjust_ff_dim"] = False
+    if config.pop("attention_bias", False):
+        raise ValueError("tensor 'blk.0.attn_q.bias': llama.cpp's lfm2 has no attention biases")
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -331,6 +357,8 @@ GGUF_FAMILIES = {
         derive=_gguf_granite,
         reads=("rope.scaling.finetuned",),
     ),
+    # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)
+    "lfm2": GgufFamily("lfm2", keys={"conv_L_cache": "shortconv.l_cache"}, derive=_gguf_lfm2),
 }
 
 

@@ -386,11 +386,15 @@ class _GGUFTensor(LazyTensor):
 
     __slots__ = ("_parts", "_heads", "_shift", "_mapping")
 
-    def __init__(self, name: str, parts: list, heads: int | None = None, shift: float = 0.0, mapping=None):
+    def __init__(
+        self, name: str, parts: list, heads: int | None = None, shift: float = 0.0, mapping=None, model_shape=None
+    ):
         shapes = [tuple(int(s) for s in reversed(t.shape)) for t in parts]
         rows = sum(s[-2] for s in shapes) if len(shapes) > 1 else None
         self.name, self.dtype = name, "F32"
         self.shape = shapes[0] if rows is None else (*shapes[0][:-2], rows, shapes[0][-1])
+        if len(parts) == 1 and model_shape is not None and _squeezed(model_shape) == self.shape != model_shape:
+            self.shape = tuple(model_shape)  # the converter squeezed its unit axes (LFM2's conv (D, 1, K))
         self._parts, self._heads, self._shift = parts, heads, shift
         self._mapping = mapping  # the file's _Mapping: the pages of each block released once read
 
@@ -405,6 +409,9 @@ class _GGUFTensor(LazyTensor):
         for t in self._parts:
             shape = tuple(int(s) for s in reversed(t.shape))
             dest = out if len(self._parts) == 1 else out[..., start : start + shape[-2], :]
+            if dest.shape != shape:  # the model's unit axes the file squeezed: a view of the file's shape
+                dest = dest.view()
+                dest.shape = shape
             start += shape[-2] if len(self._parts) > 1 else 0
             if self._heads is None:
                 self._dequantize_into(t, dest)
@@ -464,6 +471,11 @@ class _GGUFTensor(LazyTensor):
 
     def __repr__(self):
         return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={[t.name for t in self._parts]!r})"
+
+
+def _squeezed(shape) -> tuple:
+    """``shape`` without its unit axes (as llama.cpp's converter stores LFM2's convolution)."""
+    return tuple(int(s) for s in shape if s != 1)
 
 
 def _gguf_names(names, key: str) -> list:
@@ -527,7 +539,7 @@ def read_gguf(path) -> tuple[dict, dict]:
     spec = _ARCHES[f.arch]
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out: dict = {}
-    for key, shape in _state_shapes(cfg):
+    for key, model_shape in _state_shapes(cfg):
         whole = checkpoint_key(key, cfg.layout)  # Phi-3's fused qkv_proj / gate_up_proj, else key
         if whole != key and all(n in tensors for n in _gguf_names(names, whole)):
             if whole not in out:  # one tensor of the file: load_into splits its rows (CheckpointLayout.fused)
@@ -547,9 +559,10 @@ def read_gguf(path) -> tuple[dict, dict]:
             heads[proj] if spec.permute_qk and proj in heads else None,
             spec.norm_shift if key.endswith("norm.weight") else 0.0,
             getattr(f.reader, "mapping", None),
+            model_shape,
         )
-        if out[key].shape == tuple(shape[1:]) and shape[0] == 1:  # a (1, H) row the file keeps as (H,)
-            out[key].shape = tuple(shape)  # (Qwen2-MoE's shared_expert_gate: llama.cpp reads {n_embd})
+        if out[key].shape == tuple(model_shape[1:]) and model_shape[0] == 1:  # a (1, H) row the file keeps as (H,)
+            out[key].shape = tuple(model_shape)  # (Qwen2-MoE's shared_expert_gate: llama.cpp reads {n_embd})
     used = {t.name for v in out.values() for t in v._parts} | consumed
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
