@@ -124,6 +124,7 @@ def test_short_dicts_mean_what_they_mean_to_transformers(changes):
         (dict(block_norm_eps=1e-6), "block_norm_eps"),
         (dict(block_use_swiglu=False), r"config\['block_use_swiglu'\] = False is not supported"),
         (dict(use_pos_enc=False), "use_pos_enc"),
+        (dict(theta=10000.0), r"config\['theta'\] = 10000.0 differs from the RoPE base 1000.0"),
         (dict(layer_types=["conv", "sliding_attention"]), "'sliding_attention' is not supported"),
         (dict(layer_types=["conv"]), r"expected 2 entries"),
         (dict(full_attn_idxs="1"), r"config\['full_attn_idxs'\]: expected a list"),

@@ -2114,8 +2114,8 @@ _LFM2_NAMES = (
     ("self_attn.k_norm", "self_attn.k_layernorm"),
 )
 # keys of the released LFM2 config.json files (the original implementation's) that transformers'
-# Lfm2 reads nowhere: each must say what transformers builds anyway, (key, the config key whose
-# value it must equal, or the one value allowed)
+# Lfm2 reads nowhere: each must say what transformers builds anyway: (key, the config key whose
+# value it must equal) here, (key, the one value allowed) in _LFM2_FIXED, and theta the RoPE base
 _LFM2_ECHOES = (
     ("block_dim", "hidden_size"),
     ("conv_dim", "hidden_size"),
@@ -2185,7 +2185,13 @@ def _lfm2(r: _Reader) -> dict:
         r.only(key, (value,), value, "transformers' Lfm2 builds only that")
     for key in _LFM2_INIT:
         r.get(key)
-    r.get("theta")  # the original implementation's name of the RoPE base: rope_theta is read
+    rope = _rope_params(r, 1000000.0)
+    theta, base = r.get("theta"), rope["default"]["rope_theta"]
+    if theta is not None and theta != base:  # the original implementation's name of the RoPE base
+        raise ValueError(
+            f"config['theta'] = {_show(theta)} differs from the RoPE base {_show(base)} (rope_theta or "
+            "rope_parameters): transformers' Lfm2 reads only the latter"
+        )
     tie = r.bool("tie_embedding") if r.has("tie_embedding") else c["tie_word_embeddings"]
     lt = _lfm2_layer_types(r, n)
     c.update(
@@ -2195,7 +2201,7 @@ def _lfm2(r: _Reader) -> dict:
         intermediate_size=_lfm2_ff_dim(r),
         hidden_act="silu",
         qk_norm=True,
-        rope=_rope_params(r, 1000000.0),
+        rope=rope,
         layer_types=lt,
         mlp_types=("dense",) * n,
         short_conv=ShortConvConfig(hidden, r.int("conv_L_cache"), r.bool("conv_bias")) if "conv" in lt else None,
