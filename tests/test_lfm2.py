@@ -198,3 +198,32 @@ def test_greedy_generate_with_biased_convolutions_equals_transformers(prompt):
     m(ids, use_cache=True)  # each conv layer keeps its last 3 inputs, zeros before the prompt
     assert all(layer.attention.conv_state.shape == (2, 3, 32) for layer in m.layers[::2])
     assert not m.layers[0].attention.conv_state[:, : max(0, 3 - prompt)].any()
+
+
+def test_padded_batch_with_convolution_biases_is_transformers_s():
+    """With conv_bias, a padded step's input is zero but its projections are the biases, whose
+    products transformers convolves into the next tokens (Lfm2ShortConv masks the input before
+    in_proj): a padded row's logits are then transformers' for that batch, not the row's alone.
+    npattn follows transformers (the released models have no biases, where both agree)."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from _hf64 import build, hf_logits, state_dict
+    from _oracles import rel_err
+
+    from npattn import no_grad
+
+    hf, d = build(
+        T.Lfm2Config, T.Lfm2ForCausalLM, vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], conv_L_cache=4,
+        conv_bias=True, block_multiple_of=8,
+    )  # fmt: skip
+    m = CausalLM.from_hf(state_dict(hf), d)
+    ids = np.random.default_rng(0).integers(0, 61, (2, 7))
+    mask = np.array([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    pos = np.where(mask == 1, np.cumsum(mask, 1) - 1, 0)
+    ref = hf_logits(hf, ids, attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(pos))
+    with no_grad():
+        out, alone = m(ids, attention_mask=mask), m(ids[:1, 3:])
+    real = mask.astype(bool)
+    assert rel_err(out[real], ref[real], floor=1e-300, relative_to="max_b") < 1e-10
+    assert rel_err(out[0, 3:], alone[0], floor=1e-300, relative_to="max_b") > 1e-3
