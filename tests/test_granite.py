@@ -76,7 +76,7 @@ def test_the_released_configs_read(released):
     assert c.logits_scaling == released["logits_scaling"]
     assert c.attention_config("full_attention").scale == 0.015625
     if released["model_type"] == "granitemoe":
-        assert c.mlp_types == ("moe", "moe") and c.mlp_name == "block_sparse_moe"
+        assert c.mlp_types == ("moe", "moe") and c.layer_names == (("mlp", "block_sparse_moe"),)
         assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size) == (4, 2, 8)
         assert (c.moe.router, c.moe.router_name, c.moe.router_bias) == ("topk_softmax", "router", False)
 

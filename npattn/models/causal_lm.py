@@ -277,7 +277,7 @@ def _gated(name: str, H: int, inter: int, bias: bool = False) -> list:
 def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     H, kind = cfg.hidden_size, cfg.mlp_types[i]
     if kind == "dense":
-        return _gated(cfg.mlp_name, H, cfg.mlp_size(i), cfg.mlp_bias)
+        return _gated("mlp", H, cfg.mlp_size(i), cfg.mlp_bias)
     if kind == "dense_and_experts":  # DenseWithExperts, under the decoder layer's own names
         e = _sub(cfg.moe)
         E, mi = e.num_experts, e.intermediate_size
@@ -306,7 +306,7 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     if moe.shared_intermediate_size is not None:
         out += _gated(moe.shared_name, H, moe.shared_intermediate_size)
         out += _lin("shared_expert_gate", 1, H, False) if moe.shared_expert_gate else []
-    return [(f"{cfg.mlp_name}.{n}", s) for n, s in out]
+    return [(f"mlp.{n}", s) for n, s in out]
 
 
 def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
@@ -429,8 +429,8 @@ class DecoderLayer(_Renamed):
     ``post_attention_layernorm`` (and Gemma's ``pre_feedforward_layernorm``,
     ``post_feedforward_layernorm``).  Without ``cfg.pre_norm`` (OLMo 2/3) there is no norm before
     a sublayer: ``x + post_attention_layernorm(attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``.
-    With ``cfg.residual_multiplier`` ``r`` (Granite) each residual sum is ``x + r * branch``; the
-    MLP is named ``cfg.mlp_name`` (GraniteMoe's ``block_sparse_moe``)."""
+    With ``cfg.residual_multiplier`` ``r`` (Granite) each residual sum is ``x + r * branch``.  A
+    family's own names (``cfg.layer_names``: LFM2's, GraniteMoe's ``block_sparse_moe``) replace these."""
 
     def __init__(self, cfg: CausalLMConfig, index: int, *, rng=None, dtype=np.float64):
         super().__init__()
@@ -458,8 +458,6 @@ class DecoderLayer(_Renamed):
         names = dict(_MHA_NAMES) if isinstance(self.attention, MultiHeadAttention) else {}
         if self._mlp_normed:
             names.update(_DENSE_WITH_EXPERTS_NAMES)
-        if cfg.mlp_name != "mlp":
-            names["mlp"] = cfg.mlp_name
         self.per_layer = None
         if cfg.per_layer_input_size:  # Gemma 4: x + its per-layer input branch, after the MLP
             eps = cfg.rms_norm_eps

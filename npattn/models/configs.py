@@ -675,8 +675,7 @@ class CausalLMConfig:
     ``1/sqrt(head_dim)``; Granite's ``attention_multiplier``).  ``residual_multiplier``: each
     sublayer's output (after its sandwich norm, if any) times this number before its residual sum
     (Granite).  ``logits_scaling``: the output head's logits divided by this number (Granite),
-    before a final softcap.  ``mlp_name``: the decoder layer's name of its MLP in the checkpoint and
-    the Hugging Face model (GraniteMoe's ``block_sparse_moe``).  ``moe``,
+    before a final softcap.  ``moe``,
     ``latent`` and ``linear_attention`` are the typed arguments of those layers' modules
     (``MoEConfig``, ``LatentConfig``, ``DeltaNetConfig``), ``None`` where the model has no such
     layer; ``attention_config(layer_type)`` gives ``MultiHeadAttention``'s (``AttentionConfig``).
@@ -693,9 +692,10 @@ class CausalLMConfig:
 
     ``layer_names``: pairs of a decoder layer's tensor name (a dotted prefix, as Llama's checkpoints
     name it) and the family's own (LFM2's ``operator_norm`` for ``input_layernorm``,
-    ``feed_forward.w1`` for ``mlp.gate_proj``, ``self_attn.out_proj`` for ``self_attn.o_proj`` ...),
-    and ``final_norm_name`` the final norm's (``model.embedding_norm``): the model's parameters,
-    state dict and checkpoints all say the family's names.
+    ``feed_forward.w1`` for ``mlp.gate_proj``, ``self_attn.out_proj`` for ``self_attn.o_proj`` ...;
+    GraniteMoe's ``block_sparse_moe`` for ``mlp``), and ``final_norm_name`` the final norm's
+    (``model.embedding_norm``): the model's parameters, state dict and checkpoints all say the
+    family's names (``generic_name`` undoes them).
 
     ``rope_layers[i]``: whether layer ``i`` rotates its queries and keys (``None``: every layer
     does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) are
@@ -732,7 +732,6 @@ class CausalLMConfig:
     attention_scale: float | None = None
     residual_multiplier: float = 1.0  # each sublayer's output times it before the residual sum (Granite)
     logits_scaling: float = 1.0  # the logits divided by it (Granite)
-    mlp_name: str = "mlp"  # the layer's MLP under this name (GraniteMoe: "block_sparse_moe")
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sinks: bool = False
@@ -767,6 +766,19 @@ class CausalLMConfig:
         """The intermediate size of layer ``i``'s dense MLP (twice ``intermediate_size`` on a
         reusing layer with ``double_wide_mlp``)."""
         return self.intermediate_size * (2 if self.double_wide_mlp and self.reuses_kv(i) else 1)
+
+    def generic_name(self, key: str) -> str:
+        """A model tensor name under the layer names Llama's checkpoints use (``layer_names``
+        undone: LFM2's ``model.layers.0.feed_forward.w1.weight`` is ``model.layers.0.mlp.gate_proj.weight``),
+        as converters that know the generic names look tensors up."""
+        head, sep, rest = key.partition(".layers.")
+        if not sep or "." not in rest:
+            return key
+        index, _, name = rest.partition(".")
+        for generic, own in self.layer_names:
+            if name == own or name.startswith(own + "."):
+                return f"{head}.layers.{index}.{generic}{name[len(own) :]}"
+        return key
 
     def replace(self, **changes) -> CausalLMConfig:
         """A copy with ``changes`` (``dataclasses.replace``)."""
@@ -1375,7 +1387,7 @@ def _granitemoe(r: _Reader) -> dict:
         layer_types=("full_attention",) * n,
         mlp_types=("moe",) * n,
         moe=moe_config(r.d),
-        mlp_name="block_sparse_moe",
+        layer_names=(("mlp", "block_sparse_moe"),),
         layout=CheckpointLayout(r.model_type, renames=_GRANITEMOE_RENAMES),
         **_granite_scalars(r),
     )

@@ -546,8 +546,7 @@ def read_gguf(path) -> tuple[dict, dict]:
                 fused = [tensors[n] for n in _gguf_names(names, whole)]
                 out[whole] = _GGUFTensor(whole, fused, mapping=getattr(f.reader, "mapping", None))
             continue
-        # a layer's MLP under another name (GraniteMoe's block_sparse_moe) is the converter's mlp
-        lookup = key if cfg.mlp_name == "mlp" else key.replace(f".{cfg.mlp_name}.", ".mlp.")
+        lookup = cfg.generic_name(key)  # the converter's names: a family's own layer names undone
         parts = [tensors.get(n) for n in _gguf_names(names, lookup)]
         if None in parts:
             missing = _gguf_names(names, lookup)[parts.index(None)]
