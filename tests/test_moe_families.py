@@ -209,9 +209,6 @@ def test_refusals_name_the_key(name, bad, match):
 
 
 # -- against transformers ------------------------------------------------------------------------
-T = pytest.importorskip("transformers")
-pytest.importorskip("torch")
-
 from _hf64 import (  # noqa: E402
     build,
     check_cached_decoding,
@@ -219,8 +216,12 @@ from _hf64 import (  # noqa: E402
     check_padded_batch,
     hf_logits,
     state_dict,
+    transformers_or_none,
 )
 from _oracles import rel_err  # noqa: E402
+
+T = transformers_or_none()
+needs_transformers = pytest.mark.skipif(T is None, reason="transformers and torch (the oracle)")
 
 # (config class, model class, fields): each family's options, windows shorter than the sequence
 CASES = {
@@ -339,6 +340,7 @@ def routing_margin(m) -> float:
     return min(gaps)
 
 
+@needs_transformers
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_and_every_gradient_match_transformers(name):
     hf, cfg = _build(name)
@@ -351,6 +353,7 @@ def test_logits_and_every_gradient_match_transformers(name):
         assert np.abs(p.grad).max() > 0, n  # every parameter is reached (each expert chosen somewhere)
 
 
+@needs_transformers
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cached_decoding_gives_transformers_full_pass(name):
     hf, cfg = _build(name)
@@ -358,6 +361,7 @@ def test_cached_decoding_gives_transformers_full_pass(name):
     check_cached_decoding(m, hf, _ids(cfg["vocab_size"], seed=3))
 
 
+@needs_transformers
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_left_padded_batch_is_transformers_and_each_row_alone(name):
     """A left-padded batch (7, 4 and 1 real tokens) against transformers with the same mask, each
@@ -366,6 +370,7 @@ def test_a_left_padded_batch_is_transformers_and_each_row_alone(name):
     check_padded_batch(CausalLM.from_hf(state_dict(hf), cfg), hf, cfg["vocab_size"], (7, 4, 1), decode=2)
 
 
+@needs_transformers
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """The tiny entry without the keys it leaves out reads as transformers' full to_dict() of it."""
@@ -385,6 +390,7 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     assert config_from_hf(bare).replace(**meta) == config_from_hf(full).replace(**meta)
 
 
+@needs_transformers
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
 def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
     """transformers' save_pretrained (each expert apart, under the family's checkpoint names) ->
@@ -434,6 +440,7 @@ def test_hvp_is_the_extrapolated_difference_of_the_gradient(name):
     assert rel_err(_flat(hvp, names), numeric, floor=1e-300, relative_to="max_b") < 1e-8
 
 
+@needs_transformers
 @pytest.mark.parametrize(
     "name, config_class", [("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig"), ("olmoe", "OlmoeConfig")]
 )

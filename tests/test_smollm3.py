@@ -107,17 +107,25 @@ def test_refusals_name_the_key(bad, match):
 
 
 # -- against transformers ------------------------------------------------------------------------
-T = pytest.importorskip("transformers")
-pytest.importorskip("torch")
-
-from _hf64 import build, check_logits_and_grads, float64_reference, hf_logits, state_dict  # noqa: E402
+from _hf64 import (  # noqa: E402
+    build,
+    check_logits_and_grads,
+    float64_reference,
+    hf_logits,
+    state_dict,
+    transformers_or_none,
+)
 from _oracles import rel_err  # noqa: E402
+
+T = transformers_or_none()
+needs_transformers = pytest.mark.skipif(T is None, reason="transformers and torch (the oracle)")
 
 
 def _ids(vocab, shape=(2, 9), seed=0):
     return np.random.default_rng(seed).integers(0, vocab, shape)
 
 
+@needs_transformers
 def test_biased_attention_logits_and_every_gradient_match_transformers():
     """Biases on q, k, v and o (attention_bias) and the MLP, the list's NoPE layers 0 and 2 (one
     sliding): logits to 1e-9 and every gradient to 1e-8, but the NoPE layers' k_proj.bias, whose
@@ -143,6 +151,7 @@ def test_biased_attention_logits_and_every_gradient_match_transformers():
     assert np.abs(names["model.layers.1.self_attn.k_proj.bias"].grad).max() > 1e-6 * scale
 
 
+@needs_transformers
 def test_a_transformers_directory_with_its_list_loads_and_saves_back(tmp_path):
     """transformers' save_pretrained (its config.json with no_rope_layers) -> from_pretrained:
     transformers' logits; save_pretrained -> transformers reads the list and gives the same logits."""
@@ -169,6 +178,7 @@ def test_a_transformers_directory_with_its_list_loads_and_saves_back(tmp_path):
     assert rel_err(theirs, mine, floor=1e-300, relative_to="max_b") < 1e-8
 
 
+@needs_transformers
 @pytest.mark.parametrize(
     "short",
     [
@@ -188,6 +198,7 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(short):
     assert a.layer_types == tuple(full["layer_types"]) and a.rope == b.rope
 
 
+@needs_transformers
 def test_the_released_config_gives_transformers_logits():
     """The released config.json's keys as transformers builds them (its max_window_layers kept as
     an attribute nothing reads): the same logits."""
