@@ -1,4 +1,5 @@
-"""An independent central-difference gradient, to double-check ``npattn.gradcheck`` itself.
+"""An independent central-difference gradient, to double-check ``npattn.gradcheck`` itself, and
+the module-level identity of forward and reverse mode (``check_jvp_keeps_state``).
 
 Deliberately tiny and separate from the package: it shares no code with ``npattn.gradcheck``.
 """
@@ -45,3 +46,25 @@ def fd_check(forward, backward, arrays, upstream, eps=1e-6, **kwargs):
     assert len(grads) == len(arrays), f"{len(grads)} gradients for {len(arrays)} arrays"
     num = fd_gradients(lambda *xs: np.sum(forward(*xs, **kwargs)[0] * upstream), arrays, eps)
     return [rel_err(g, n) for g, n in zip(grads, num)]
+
+
+def check_jvp_keeps_state(m, x, tx, param_tangents, rng):
+    """A module's ``jvp`` after ``m(x)``: linear in its tangents (the input's ``tx`` and the
+    parameters' ``param_tangents``, by name), zero without any, and it leaves the forward's state
+    for ``backward``, whose gradients satisfy ``<dy, J t> = <J^T dy, t>`` for a random ``dy``; a
+    second input tangent is refused."""
+    import pytest
+
+    y = m(x)
+    both = m.jvp(tx, param_tangents=param_tangents)
+    assert rel_err(both, m.jvp(tx) + m.jvp(param_tangents=param_tangents), floor=1.0) <= 1e-12
+    assert not np.any(m.jvp())
+    dy = rng.standard_normal(y.shape)
+    dx = m.backward(dy)  # the state is still there after jvp
+    grads = dict(m.named_parameters())
+    lhs = np.sum(dy * both)
+    rhs = np.sum(dx * tx) + sum(np.sum(grads[k].grad * t) for k, t in param_tangents.items())
+    assert abs(lhs - rhs) <= 1e-12 * abs(lhs)
+    with pytest.raises(TypeError, match="at most one input tangent"):
+        m(x)
+        m.jvp(tx, tx)
