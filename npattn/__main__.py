@@ -77,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the most likely tokens up to mass p")
+    p.add_argument(
+        "--min-p", type=float, default=None, help="sample among the tokens at least p times as likely as the top one"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="> 1 makes the tokens already in the text less likely (default: generation_config.json's, else none)",
+    )
     p.add_argument("--seed", type=_seed, default=None, help="random seed of the sampling")
     p.add_argument(
         "--chat", action="store_true", help="the prompt as a user message in the chat template of tokenizer_config.json"

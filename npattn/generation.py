@@ -1,4 +1,4 @@
-"""Autoregressive text generation for any npattn language model: greedy, temperature, top-k, top-p, EOS.
+"""Autoregressive text generation for any npattn language model: greedy, temperature, top-k, top-p, min-p, EOS.
 
 One implementation, used by ``npattn.book.generate`` / ``generate_text_simple`` (the book's
 chapter 4 and 5 functions), by ``TinyTransformer.generate``, and with Hugging Face transformers'
@@ -19,6 +19,12 @@ Sampling one step (the book's chapter 5, ``next_token_probs`` and ``sample_next_
     top_p:        keep the most probable tokens until their probabilities sum to top_p (nucleus
                   sampling: a token stays when the tokens more probable than it sum to less than
                   top_p, so the most probable one always stays), then renormalise
+    min_p:        keep the tokens at least min_p times as probable as the most probable one,
+                  then renormalise
+
+``stream_tokens`` (transformers' ``generate``) also takes ``repetition_penalty``: before any of
+these steps, greedy or not, the logit ``z`` of every token already in the row (its prompt's tokens
+and those generated) becomes ``z / penalty`` where ``z > 0`` and ``z * penalty`` where not.
 """
 
 from __future__ import annotations
@@ -115,10 +121,56 @@ def _top_p_filter(p: np.ndarray, top_p: float | None) -> np.ndarray:
     return q / q.sum(axis=-1, keepdims=True)
 
 
-def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None, *, top_p=None) -> np.ndarray:
+def _check_min_p(min_p) -> float | None:
+    """``min_p``: None (off) or a number in [0, 1]."""
+    if min_p is None:
+        return None
+    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real):
+        raise TypeError(f"min_p: expected a number in [0, 1] or None, got {min_p!r} ({type(min_p).__name__})")
+    if not 0.0 <= float(min_p) <= 1.0:
+        raise ValueError(f"min_p: expected a number in [0, 1] or None, got {min_p}")
+    return float(min_p)
+
+
+def _min_p_filter(p: np.ndarray, min_p: float | None) -> np.ndarray:
+    """transformers' ``MinPLogitsWarper`` on probabilities ``p (..., vocab)``: zero every token
+    less probable than ``min_p`` times the most probable one, then renormalise (the most probable
+    token always stays)."""
+    if not min_p:
+        return p
+    q = np.where(p < min_p * p.max(axis=-1, keepdims=True), 0.0, p)
+    return q / q.sum(axis=-1, keepdims=True)
+
+
+def _check_repetition_penalty(penalty) -> float | None:
+    """``repetition_penalty``: None or 1 (off), or a finite number > 0."""
+    if penalty is None:
+        return None
+    if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real):
+        raise TypeError(
+            f"repetition_penalty: expected a number > 0 or None, got {penalty!r} ({type(penalty).__name__})"
+        )
+    penalty = float(penalty)
+    if not (math.isfinite(penalty) and penalty > 0):
+        raise ValueError(f"repetition_penalty: expected a finite number > 0 (1: none) or None, got {penalty}")
+    return None if penalty == 1 else penalty
+
+
+def _penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """transformers' ``RepetitionPenaltyLogitsProcessor``: the logits ``z`` of the tokens marked in
+    ``seen`` (``logits``' shape, bool) become ``z * penalty`` where ``z < 0``, else ``z / penalty``
+    (both lower the token's chance for a penalty above 1), in ``logits``' dtype."""
+    p = logits.dtype.type(penalty)
+    return np.where(seen, np.where(logits < 0, logits * p, logits / p), logits)
+
+
+def next_token_probs(
+    logits, temperature: float = 1.0, top_k: int | None = None, *, top_p=None, min_p=None
+) -> np.ndarray:
     """The distribution the next token is drawn from: ``softmax(top_k(logits) / temperature)``
     over the last axis of ``logits (..., vocab)``, then nucleus-filtered by ``top_p`` (None or
-    1: off).  A ``top_k`` of at least ``vocab`` keeps every token (clamped to ``min(top_k, vocab)``).
+    1: off), then by ``min_p`` (None or 0: off; transformers' order of the three warpers).  A
+    ``top_k`` of at least ``vocab`` keeps every token (clamped to ``min(top_k, vocab)``).
     ``temperature=0`` gives the one-hot of the arg-max (greedy decoding; the first one on ties).
 
     Parameters
@@ -131,6 +183,9 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None,
         Keep the ``top_k`` largest logits.
     top_p : float, optional
         In ``(0, 1]``.
+    min_p : float, optional
+        In ``[0, 1]``: a token stays when it is at least ``min_p`` times as probable as the most
+        probable one (transformers' ``min_p``).
 
     Returns
     -------
@@ -140,7 +195,8 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None,
     Raises
     ------
     TypeError, ValueError
-        Options out of range (see ``check_sampling``), a ``top_p`` outside ``(0, 1]``.
+        Options out of range (see ``check_sampling``), a ``top_p`` outside ``(0, 1]``, a ``min_p``
+        outside ``[0, 1]``.
 
     Examples
     --------
@@ -153,19 +209,21 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: int | None = None,
     array([0.625, 0.375, 0.   ])
     >>> next_token_probs(logits, temperature=0)              # greedy: the one-hot of the arg-max
     array([1., 0., 0.])
+    >>> np.round(next_token_probs(logits, min_p=0.5), 4)    # at least half the top token's 0.5
+    array([0.625, 0.375, 0.   ])
     """
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
-    top_p = _check_top_p(top_p)
+    top_p, min_p = _check_top_p(top_p), _check_min_p(min_p)
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(
             f"logits: expected a float array (..., vocab) with vocab >= 1, got "
             f"dtype {logits.dtype}, shape {logits.shape}"
         )
-    return _probs(logits, temperature, top_k, top_p)
+    return _probs(logits, temperature, top_k, top_p, min_p)
 
 
-def _probs(logits, temperature, top_k, top_p=None):
+def _probs(logits, temperature, top_k, top_p=None, min_p=None):
     if temperature == 0.0:
         out = np.zeros_like(logits)
         np.put_along_axis(out, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
@@ -174,10 +232,12 @@ def _probs(logits, temperature, top_k, top_p=None):
     # softmax(z / T) = softmax((z - max z) / T): the shifted form cannot overflow for small T
     z = (z - z.max(axis=-1, keepdims=True)) / z.dtype.type(temperature)
     e = np.exp(z)
-    return _top_p_filter(e / e.sum(axis=-1, keepdims=True), top_p)
+    return _min_p_filter(_top_p_filter(e / e.sum(axis=-1, keepdims=True), top_p), min_p)
 
 
-def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Generator, top_p=None) -> np.ndarray:
+def _sample(
+    logits: np.ndarray, temperature: float, top_k, rng: np.random.Generator, top_p=None, min_p=None
+) -> np.ndarray:
     """One token per row of ``logits (B, vocab)``.  Greedy: the arg-max (top-k changes nothing).
     Sampling: inverse CDF, one uniform draw ``rng.random(B)`` per step, so a seed fixes the tokens;
     a token of probability 0 (masked by top-k) is never drawn.  A row of logits with NaN or +inf,
@@ -186,7 +246,7 @@ def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Genera
     if temperature == 0.0:
         return logits.argmax(axis=-1)
     with np.errstate(invalid="ignore"):  # a row without a distribution: refused just below
-        p = _probs(logits.astype(np.float64), temperature, top_k, top_p)
+        p = _probs(logits.astype(np.float64), temperature, top_k, top_p, min_p)
     bad = np.flatnonzero(np.isnan(p).any(axis=-1))
     if len(bad):
         raise ValueError(
@@ -199,17 +259,18 @@ def _sample(logits: np.ndarray, temperature: float, top_k, rng: np.random.Genera
 
 
 def sample_next_token(
-    logits, temperature: float = 0.0, top_k: int | None = None, *, rng=None, top_p=None
+    logits, temperature: float = 0.0, top_k: int | None = None, *, rng=None, top_p=None, min_p=None
 ) -> np.ndarray:
     """The book's sampling step on ``logits (B, vocab)`` (the last position's): greedy arg-max at
-    ``temperature=0``, else a draw from ``next_token_probs(logits, temperature, top_k, top_p=top_p)``.
+    ``temperature=0``, else a draw from ``next_token_probs(logits, temperature, top_k,
+    top_p=top_p, min_p=min_p)``.
     Returns ``(B,)`` int64 token ids.
 
     Parameters
     ----------
     logits : array_like
         ``(B, vocab)``.
-    temperature, top_k, top_p
+    temperature, top_k, top_p, min_p
         As ``next_token_probs``.
     rng : numpy.random.Generator, int or None
         For sampling (greedy draws nothing).
@@ -235,13 +296,13 @@ def sample_next_token(
     array([1, 0])
     """
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
-    top_p = _check_top_p(top_p)
+    top_p, min_p = _check_top_p(top_p), _check_min_p(min_p)
     logits = np.asarray(logits)
     if logits.dtype.kind != "f" or logits.ndim != 2 or logits.shape[-1] < 1:
         raise ValueError(
             f"logits: expected a float array (batch, vocab), got dtype {logits.dtype}, shape {logits.shape}"
         )
-    return _sample(logits, temperature, top_k, as_rng(rng), top_p)
+    return _sample(logits, temperature, top_k, as_rng(rng), top_p, min_p)
 
 
 def generate(
@@ -294,7 +355,7 @@ def generate(
         >= 0.
     context_size : int
         How many of the last tokens the model sees.
-    temperature, top_k, top_p
+    temperature, top_k, top_p, min_p
         As ``next_token_probs``.
     eos_id : int, optional
         Stop a sequence when it produces this id.
@@ -532,6 +593,8 @@ def stream_tokens(
     eos_token_id=None,
     pad_token_id=None,
     rng=None,
+    min_p=None,
+    repetition_penalty=None,
 ):
     """Decode up to ``max_new_tokens`` tokens after ``ids`` as Hugging Face transformers'
     ``generate`` does, yielding each step's tokens as they come: an integer array of
@@ -542,9 +605,14 @@ def stream_tokens(
 
     * greedy (the arg-max, the first on ties) unless ``do_sample``; sampling draws from
       ``softmax(logits / temperature)`` after ``top_k`` (None or 0: off) and ``top_p`` (None or
-      1: off), as transformers' temperature, top-k and top-p warpers in that order (where
-      transformers' ``GenerationConfig`` leaves ``top_k`` unset it uses 50: pass ``top_k=50`` for
-      its default);
+      1: off) and ``min_p`` (None: off), as transformers' temperature, top-k, top-p and min-p
+      warpers in that order (where transformers' ``GenerationConfig`` leaves ``top_k`` unset it
+      uses 50: pass ``top_k=50`` for its default);
+    * ``repetition_penalty`` (None or 1: off), greedy or sampling, before the warpers: the logit
+      ``z`` of every token the row holds (its prompt's, not its padding's, and those generated)
+      becomes ``z / penalty`` where ``z > 0`` and ``z * penalty`` where not, as transformers'
+      ``RepetitionPenaltyLogitsProcessor`` (which ``generate`` also applies when it comes from the
+      checkpoint's ``generation_config.json``: ``CausalLM.generate`` takes it from there too);
     * ``eos_token_id`` (an id or a list of ids; None or ``[]``: none): a row that has produced one is finished and
       continues with ``pad_token_id`` (None: the first eos id); the loop stops when every row is
       finished, so fewer than ``max_new_tokens`` steps may come;
@@ -576,6 +644,10 @@ def stream_tokens(
         In ``(0, 1]``.
     eos_token_id : int or list of int, optional
     pad_token_id : int, optional
+    min_p : float, optional
+        In ``[0, 1]``.
+    repetition_penalty : float, optional
+        > 0.
     rng : numpy.random.Generator, int or None
         The sampling's randomness (one ``rng.random(B)`` per sampled step; greedy draws nothing).
 
@@ -616,7 +688,8 @@ def stream_tokens(
     temperature, top_k, _ = check_sampling(temperature, top_k, None)
     if do_sample and temperature == 0.0:
         raise ValueError("temperature: expected a number > 0 with do_sample=True, got 0.0 (do_sample=False is greedy)")
-    top_p = _check_top_p(top_p)
+    top_p, min_p = _check_top_p(top_p), _check_min_p(min_p)
+    penalty = _check_repetition_penalty(repetition_penalty)
     eos = _check_token_ids(eos_token_id, "eos_token_id")
     pad = _check_token_ids(pad_token_id, "pad_token_id", many=False)
     pad_id = pad[0] if pad else (eos[0] if eos else None)
@@ -627,12 +700,23 @@ def stream_tokens(
     out = ids.reshape(-1, ids.shape[-1])
     unfinished = np.ones(len(out), dtype=bool)
     t = temperature if do_sample else 0.0  # _sample: 0 is the arg-max
+    rows = np.arange(len(out))
+    seen: list = []  # repetition_penalty's (B, vocab) marks of the tokens each row holds
 
     def choose(last):
-        nxt = _sample(last, t, top_k, rng, top_p)
+        if penalty is not None:
+            if not seen:  # the prompt's tokens, its padding left out (the vocabulary known now)
+                seen.append(np.zeros(last.shape, bool))
+                real = np.ones(out.shape, bool) if mask is None else mask
+                seen[0][np.broadcast_to(rows[:, None], out.shape)[real], out[real]] = True
+            last = _penalize(last, seen[0], penalty)
+        nxt = _sample(last, t, top_k, rng, top_p, min_p)
         if eos:
             nxt = np.where(unfinished, nxt, pad_id)
             unfinished[...] &= ~np.isin(nxt, eos)
+        if seen:  # (a pad id outside the vocabulary marks nothing)
+            inside = nxt < last.shape[-1]
+            seen[0][rows[inside], nxt[inside]] = True
         return nxt, not unfinished.any()
 
     return (step.reshape(lead) for step in _decode(model, out, n, choose, mask=mask))

@@ -91,6 +91,10 @@ def test_generate_errors(tmp_path, capsys):
     _checkpoint(tmp_path, 40)
     assert main(["generate", str(tmp_path), "the", "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "the", "--min-p", "1.5"]) == 2
+    assert "min_p: expected a number in [0, 1]" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "the", "--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty: expected a finite number > 0" in capsys.readouterr().err
     assert main(["generate", str(tmp_path), "", "--max-new-tokens", "2"]) == 2
     assert "no tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from npattn import no_grad
 from npattn.generation import generate_tokens, stream_tokens
 from npattn.models import CausalLM
 from npattn.models.tiny import TINY_CONFIGS, tiny_config
@@ -193,15 +194,19 @@ class _Fixed:
         dict(temperature=1.3, top_p=0.8),
         dict(temperature=0.9, top_k=4, top_p=0.7),
         dict(top_k=0, top_p=1.0),  # transformers' "off" values
+        dict(temperature=0.8, min_p=0.2),
+        dict(temperature=1.2, top_k=6, top_p=0.95, min_p=0.3),
+        dict(min_p=0.0),
     ],
 )
 def test_sampling_draws_from_transformers_warpers(options):
-    """do_sample draws from softmax of transformers' temperature, top-k and top-p warpers (in
-    that order) applied to the logits: frequencies over 40000 rows within 5 standard errors."""
+    """do_sample draws from softmax of transformers' temperature, top-k, top-p and min-p warpers
+    (in that order) applied to the logits: frequencies over 40000 rows within 5 standard errors."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers.generation.logits_process import (
         LogitsProcessorList,
+        MinPLogitsWarper,
         TemperatureLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
@@ -216,6 +221,8 @@ def test_sampling_draws_from_transformers_warpers(options):
         warpers.append(TopKLogitsWarper(k))
     if p is not None and p < 1.0:
         warpers.append(TopPLogitsWarper(p))
+    if options.get("min_p") is not None:
+        warpers.append(MinPLogitsWarper(options["min_p"]))
     scores = warpers(torch.zeros(1, 1, dtype=torch.long), torch.from_numpy(logits)[None])
     expect = torch.softmax(scores, -1)[0].numpy()
     n = 40000
@@ -223,6 +230,55 @@ def test_sampling_draws_from_transformers_warpers(options):
     freq = np.bincount(tokens, minlength=len(logits)) / n
     assert (freq[expect == 0] == 0).all()
     np.testing.assert_array_less(np.abs(freq - expect), 5 * np.sqrt(expect * (1 - expect) / n) + 1e-12)
+
+
+@pytest.mark.parametrize("penalty", [1.8, 0.4])
+def test_repetition_penalty_greedy_equals_transformers(penalty):
+    """transformers' repetition penalty (above 1 against repeats, below 1 for them) in greedy
+    decoding: an equal-length batch and a left-padded one, whose padding is no token of its row
+    (transformers leaves it out through the attention mask); the tokens differ from those without
+    the penalty, so the comparison can fail."""
+    hf, m = _pair("llama")
+    out = m.generate(IDS, 10, repetition_penalty=penalty)
+    ref = _hf_generate(hf, IDS, 10, repetition_penalty=penalty)
+    np.testing.assert_array_equal(out[:, : ref.shape[1]], ref)
+    assert not np.array_equal(out, m.generate(IDS, 10))
+    padded = np.where(MASK == 1, IDS, 0)
+    out = m.generate(padded, 10, attention_mask=MASK, repetition_penalty=penalty)
+    eos = hf.config.eos_token_id  # a finished row continues with it (npattn's pad without a pad id)
+    ref = _hf_generate(hf, padded, 10, attention_mask=MASK, pad_token_id=eos, repetition_penalty=penalty)
+    np.testing.assert_array_equal(out[:, : ref.shape[1]], ref)
+
+
+def _penalized_greedy(m, ids, mask, n, penalty):
+    """Greedy decoding by hand: the whole sequence through the model at every step, each row's
+    last logits with its tokens' (not its padding's) penalised."""
+    out, mask = ids.copy(), mask.astype(bool)
+    for _ in range(n):
+        with no_grad():
+            z = m(out, attention_mask=mask.astype(np.int64))[:, -1].copy()
+        for b in range(len(out)):
+            for t in set(out[b][mask[b]].tolist()):
+                z[b, t] = z[b, t] * penalty if z[b, t] < 0 else z[b, t] / penalty
+        out = np.concatenate([out, z.argmax(-1)[:, None]], axis=1)
+        mask = np.concatenate([mask, np.ones((len(out), 1), bool)], axis=1)
+    return out
+
+
+@pytest.mark.parametrize("penalty", [2.5, 0.3])
+def test_repetition_penalty_is_each_rows_tokens_penalised(penalty):
+    """Without transformers: the cached loop with a penalty equals greedy decoding by hand from the
+    whole sequence, where each row's tokens so far (prompt and new, not padding) have their logits
+    divided by the penalty (multiplied where negative); a left-padded batch's rows differ in their
+    padding only."""
+    m = CausalLM(tiny_config("llama"), rng=0, dtype=np.float64)
+    padded = np.where(MASK == 1, IDS, 7)  # the padding holds a token of neither row
+    out = m.generate(padded, 8, attention_mask=MASK, repetition_penalty=penalty, eos_token_id=[])
+    np.testing.assert_array_equal(out, _penalized_greedy(m, padded, MASK, 8, penalty))
+    assert not np.array_equal(out, m.generate(padded, 8, attention_mask=MASK, eos_token_id=[]))
+    assert m.generate(padded, 8, attention_mask=MASK, repetition_penalty=1.0, eos_token_id=[]).tolist() == (
+        m.generate(padded, 8, attention_mask=MASK, eos_token_id=[]).tolist()
+    )
 
 
 def test_sampling_is_seeded():
@@ -256,6 +312,12 @@ def test_generic_model_and_book_generate_share_the_loop():
         (dict(temperature=-1.0), ValueError, "temperature"),
         (dict(top_k=-2), ValueError, "top_k"),
         (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(min_p=1.5), ValueError, "min_p"),
+        (dict(min_p=-0.1), ValueError, "min_p"),
+        (dict(min_p="0.1"), TypeError, "min_p"),
+        (dict(repetition_penalty=0.0), ValueError, "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), ValueError, "repetition_penalty"),
+        (dict(repetition_penalty=True), TypeError, "repetition_penalty"),
         (dict(eos_token_id="2"), TypeError, "eos_token_id"),
         (dict(eos_token_id=[1, -1]), ValueError, "eos_token_id"),
         (dict(eos_token_id=True), TypeError, "eos_token_id"),

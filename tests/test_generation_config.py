@@ -65,7 +65,7 @@ def test_generation_config_eos_and_pad_take_precedence_as_in_transformers(tmp_pa
     d = _saved(tmp_path / "d", {"eos_token_id": [stop, 39], "pad_token_id": pad}, eos=ignored)
     m = CausalLM.from_pretrained(d, dtype=np.float64)
     assert m.generation_config == {"eos_token_id": [stop, 39], "pad_token_id": pad}
-    assert m.generation_defaults == {"eos_token_id": [stop, 39], "pad_token_id": pad}
+    assert m.generation_defaults == {"eos_token_id": [stop, 39], "pad_token_id": pad, "repetition_penalty": None}
     assert m.config.eos_token_id == ignored  # config.json's, kept as it is
     out = m.generate(IDS, 10)
     ref = _transformers_generate(d, 10)
@@ -83,7 +83,7 @@ def test_a_key_the_file_leaves_out_is_none_as_in_transformers(tmp_path):
     eos = int(free[0, 7])
     d = _saved(tmp_path / "d", {"pad_token_id": 0}, eos=eos)
     m = CausalLM.from_pretrained(d, dtype=np.float64)
-    assert m.generation_defaults == {"eos_token_id": None, "pad_token_id": 0}
+    assert m.generation_defaults == {"eos_token_id": None, "pad_token_id": 0, "repetition_penalty": None}
     out = m.generate(IDS, 10)
     np.testing.assert_array_equal(out, free)
     np.testing.assert_array_equal(out, _transformers_generate(d, 10))
@@ -94,6 +94,26 @@ def test_a_key_the_file_leaves_out_is_none_as_in_transformers(tmp_path):
     ref = _transformers_generate(d, 10)
     np.testing.assert_array_equal(out[:, : ref.shape[1]], ref)
     assert set(out[0, 8:].tolist()) == {eos}
+
+
+def test_its_repetition_penalty_applies_to_greedy_decoding_as_in_transformers(tmp_path, capsys):
+    """transformers applies generation_config.json's repetition_penalty in greedy decoding too
+    (Qwen2.5's instruct models ship 1.05): generate, stream and npattn generate take it; an
+    argument overrides it (1.0: none); config.json's never counts."""
+    free = _free(tmp_path)
+    d = _saved(tmp_path / "d", {"repetition_penalty": 2.0})  # no eos anywhere
+    m = CausalLM.from_pretrained(d, dtype=np.float64)
+    assert m.generation_defaults["repetition_penalty"] == 2.0
+    out = m.generate(IDS, 10)
+    np.testing.assert_array_equal(out, _transformers_generate(d, 10))
+    assert not np.array_equal(out, free)
+    np.testing.assert_array_equal(m.generate(IDS, 10, repetition_penalty=1.0), free)
+    np.testing.assert_array_equal(np.stack(list(m.stream(IDS, 10)), axis=1), out[:, 6:])
+    assert main(["generate", str(d), " ".join(map(str, IDS[0])), "--ids", "--max-new-tokens", "10"]) == 0
+    assert capsys.readouterr().out.split("\n")[0].split()[6:] == [str(t) for t in out[0, 6:]]
+    args = ["generate", str(d), " ".join(map(str, IDS[0])), "--ids", "--max-new-tokens", "10"]
+    assert main(args + ["--repetition-penalty", "1"]) == 0
+    assert capsys.readouterr().out.split("\n")[0].split()[6:] == [str(t) for t in free[0, 6:]]
 
 
 def test_save_pretrained_writes_it_back_and_the_cli_stops_at_its_eos(tmp_path, capsys):
@@ -118,6 +138,9 @@ def test_save_pretrained_writes_it_back_and_the_cli_stops_at_its_eos(tmp_path, c
         ('{"eos_token_id": [1, 2.0]}', r"eos_token_id: expected a token id"),
         ('{"pad_token_id": true}', r"pad_token_id: expected a token id \(an integer >= 0\) or null, got True"),
         ('{"pad_token_id": [1]}', r"pad_token_id: expected a token id"),
+        ('{"repetition_penalty": 0}', r"repetition_penalty: expected a number > 0 or null, got 0"),
+        ('{"repetition_penalty": "1.1"}', r"repetition_penalty: expected a number > 0 or null, got '1.1'"),
+        ('{"repetition_penalty": true}', r"repetition_penalty: expected a number > 0 or null, got True"),
         ('{"eos_token_id": 1, "eos_token_id": 2}', r"generation_config.json has a duplicate key 'eos_token_id'"),
         ('{"eos_token_id": NaN}', r"generation_config.json has NaN, which is not JSON"),
         ("[1, 2]", r"generation_config.json: expected a JSON object \(the generation config\), got list"),

@@ -1510,7 +1510,7 @@ def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
     w.close()
     m = CausalLM.from_gguf(path)
     assert m.config.pad_token_id is None
-    assert m.generation_defaults == {"eos_token_id": eos, "pad_token_id": pad}
+    assert m.generation_defaults == {"eos_token_id": eos, "pad_token_id": pad, "repetition_penalty": None}
     out = m.generate(np.array([[1, 2, 3]]), 6)[0, 3:].tolist()
     assert out == free[: k + 1] + [pad] * (5 - k)
 

@@ -1221,19 +1221,23 @@ class CausalLM(Module):
 
     @property
     def generation_defaults(self) -> dict:
-        """``{"eos_token_id": ..., "pad_token_id": ...}``, what ``generate`` and ``stream`` use
-        when not given, as transformers' ``generate`` takes them from ``model.generation_config``:
-        ``generation_config.json``'s values where ``from_pretrained`` read one (a key the file
-        leaves out is None there, as in transformers), else the config's (``config.json``'s)."""
+        """``{"eos_token_id": ..., "pad_token_id": ..., "repetition_penalty": ...}``, what
+        ``generate`` and ``stream`` use when not given, as transformers' ``generate`` takes them
+        from ``model.generation_config`` (the repetition penalty greedy or not, as transformers
+        applies it): ``generation_config.json``'s values where ``from_pretrained`` read one (a key
+        the file leaves out is None there, as in transformers), else the config's
+        (``config.json``'s; no repetition penalty)."""
         source = self.generation_config if self.generation_config is not None else vars(self.config)
-        return {key: source.get(key) for key in ("eos_token_id", "pad_token_id")}
+        return {key: source.get(key) for key in ("eos_token_id", "pad_token_id", "repetition_penalty")}
 
-    def _generation_options(self, ids, eos_token_id) -> tuple:
-        """``ids`` checked against the vocabulary, and the eos and pad ids: ``eos_token_id`` or
-        ``generation_defaults``' eos; its ``pad_token_id``."""
+    def _generation_options(self, ids, eos_token_id, repetition_penalty) -> tuple:
+        """``ids`` checked against the vocabulary, and the eos and pad ids and the repetition
+        penalty: each given one, else ``generation_defaults``'."""
         special = self.generation_defaults
         if eos_token_id is not None:
             special["eos_token_id"] = eos_token_id
+        if repetition_penalty is not None:
+            special["repetition_penalty"] = repetition_penalty
         return self._check_ids(ids), special
 
     def generate(
@@ -1248,18 +1252,22 @@ class CausalLM(Module):
         top_p=None,
         eos_token_id=None,
         rng=None,
+        min_p=None,
+        repetition_penalty=None,
     ) -> np.ndarray:
         """The prompt ``ids (B, L)`` followed by up to ``max_new_tokens`` new tokens, as
         transformers' ``generate`` returns them: greedy unless ``do_sample`` (then ``temperature``,
-        ``top_k``, ``top_p``; ``rng`` an int seed or a Generator); ``eos_token_id`` (an id or a
-        list; ``[]``: none) defaults to ``generation_defaults``' (``generation_config.json``'s,
+        ``top_k``, ``top_p``, ``min_p``; ``rng`` an int seed or a Generator); ``eos_token_id`` (an
+        id or a list; ``[]``: none) defaults to ``generation_defaults``' (``generation_config.json``'s,
         else the config's); a row that has produced it continues with the ``pad_token_id`` of
-        ``generation_defaults`` (its eos where there is none).  The result is always
+        ``generation_defaults`` (its eos where there is none).  ``repetition_penalty`` (1: none)
+        defaults to ``generation_defaults``' too and applies greedy or not, as transformers
+        applies a ``generation_config.json``'s (Qwen2.5's instruct models ship 1.05).  The result is always
         ``(B, L + max_new_tokens)``: decoding stops when every row has finished (as transformers',
         which then returns fewer columns) and the remaining columns hold that pad token, so the
         tokens transformers returns are this result's first columns.  Sampling settings in
-        ``generation_config.json`` (``do_sample``, ``temperature``, ``top_k``, ``top_p``) are not
-        applied: the defaults are this signature's (greedy), as transformers' with
+        ``generation_config.json`` (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``) are not applied: the defaults are this signature's (greedy), as transformers' with
         ``do_sample=False``; pass them to sample as the checkpoint suggests.  The
         prompt is encoded once into the cache, then one token per step
         (``npattn.generation.stream_tokens`` has the details).  ``attention_mask (B, L)``: 1 for a
@@ -1277,7 +1285,7 @@ class CausalLM(Module):
         """
         from ..generation import _check_token_ids, generate_tokens
 
-        ids, special = self._generation_options(ids, eos_token_id)
+        ids, special = self._generation_options(ids, eos_token_id, repetition_penalty)
         out = generate_tokens(
             self,
             ids,
@@ -1287,6 +1295,7 @@ class CausalLM(Module):
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             rng=rng,
             **special,
         )
@@ -1310,6 +1319,8 @@ class CausalLM(Module):
         top_p=None,
         eos_token_id=None,
         rng=None,
+        min_p=None,
+        repetition_penalty=None,
     ):
         """``generate``'s new tokens as they come: a generator of one ``(B,)`` array per step
         (``()`` for a prompt ``(L,)``), the same tokens ``generate`` appends.  The arguments are
@@ -1329,7 +1340,7 @@ class CausalLM(Module):
         """
         from ..generation import stream_tokens
 
-        ids, special = self._generation_options(ids, eos_token_id)
+        ids, special = self._generation_options(ids, eos_token_id, repetition_penalty)
         return stream_tokens(
             self,
             ids,
@@ -1339,6 +1350,7 @@ class CausalLM(Module):
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             rng=rng,
             **special,
         )

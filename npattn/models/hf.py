@@ -28,6 +28,7 @@ memory (plus one tensor).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import re
@@ -1041,9 +1042,10 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
 def read_generation_config(directory) -> dict | None:
     """``generation_config.json`` of a saved directory as a dict (None without one): strict JSON
     as ``config.json`` is read, an object whose ``eos_token_id`` is null, a token id or a list of
-    ids and whose ``pad_token_id`` is null or a token id (ValueError naming the file and the key
-    otherwise).  transformers' ``from_pretrained`` makes it the model's ``generation_config``,
-    whose ``eos_token_id`` and ``pad_token_id`` ``generate`` uses (``config.json``'s only where
+    ids, whose ``pad_token_id`` is null or a token id and whose ``repetition_penalty`` is null or a
+    number > 0 (ValueError naming the file and the key otherwise).  transformers'
+    ``from_pretrained`` makes it the model's ``generation_config``, whose ``eos_token_id``,
+    ``pad_token_id`` and ``repetition_penalty`` ``generate`` uses (``config.json``'s only where
     there is no such file)."""
     path = os.path.join(os.fspath(directory), "generation_config.json")
     if not os.path.isfile(path):
@@ -1058,6 +1060,11 @@ def read_generation_config(directory) -> dict | None:
         if not all(_is_size(i) for i in ids):
             what = "a token id (an integer >= 0)" + (", a list of them" if many else "")
             raise ValueError(f"{path}: {key}: expected {what} or null, got {_short(value)}")
+    penalty = gc.get("repetition_penalty")
+    if penalty is not None and (
+        isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < math.inf
+    ):
+        raise ValueError(f"{path}: repetition_penalty: expected a number > 0 or null, got {_short(penalty)}")
     return gc
 
 

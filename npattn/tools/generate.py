@@ -63,10 +63,23 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-def stream(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_k=None, top_p=None, rng=None, eos=()):
+def stream(
+    model,
+    prompt_ids,
+    max_new_tokens,
+    *,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    rng=None,
+    eos=(),
+    min_p=None,
+    repetition_penalty=None,
+):
     """Yield up to ``max_new_tokens`` token ids after ``prompt_ids`` (a list of ints): the one row
-    of ``model.stream`` (greedy at ``temperature`` 0, else sampled); stops after an id in ``eos``
-    (which is yielded; empty: none)."""
+    of ``model.stream`` (greedy at ``temperature`` 0, else sampled; ``repetition_penalty`` None:
+    the checkpoint's, as ``model.stream`` takes it); stops after an id in ``eos`` (which is
+    yielded; empty: none)."""
     sample = temperature > 0
     steps = model.stream(
         np.asarray([prompt_ids]),
@@ -75,6 +88,8 @@ def stream(model, prompt_ids, max_new_tokens, *, temperature=0.0, top_k=None, to
         temperature=temperature if sample else 1.0,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
         eos_token_id=sorted(eos),
         rng=rng,
     )
@@ -105,7 +120,7 @@ _LOAD_ERRORS = (OSError, ValueError, TypeError, KeyError, RecursionError, Memory
 def _load(args):
     """The model, the tokenizer (None with ``--ids``), the prompt's ids and the eos ids, every
     check done; raises ``_Failure``."""
-    from ..generation import _check_top_p, check_sampling
+    from ..generation import _check_min_p, _check_repetition_penalty, _check_top_p, check_sampling
     from ..models import CausalLM
 
     if args.ids and args.chat:
@@ -114,6 +129,8 @@ def _load(args):
     try:
         check_sampling(args.temperature, args.top_k, None)
         _check_top_p(args.top_p)
+        _check_min_p(args.min_p)
+        _check_repetition_penalty(args.repetition_penalty)
     except (TypeError, ValueError) as e:
         raise _Failure(_one_line(e)) from None
     if os.path.isfile(args.directory):
@@ -337,6 +354,8 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
         rng=args.seed,
         eos=eos,
     ):
