@@ -7,10 +7,13 @@
   Phi-3 and Granite (``causal_lm.py``);
   ``CausalLMConfig`` is its configuration, made from a Hugging Face config
   dict by ``config_from_hf`` (``configs.py``); ``hf.py`` reads safetensors checkpoints without torch.
+* ``load_tokenizer`` and ``apply_chat_template``: a checkpoint's tokenizer and its chat template
+  rendered as transformers renders it (``chat.py``; the extra ``hf``).
 """
 
 from .causal_lm import CausalLM
+from .chat import apply_chat_template, load_tokenizer
 from .configs import CausalLMConfig, config_from_hf
 from .tiny import TinyTransformer
 
-__all__ = ["TinyTransformer", "CausalLM", "CausalLMConfig", "config_from_hf"]
+__all__ = ["TinyTransformer", "CausalLM", "CausalLMConfig", "config_from_hf", "load_tokenizer", "apply_chat_template"]

@@ -13,11 +13,9 @@ line reports tokens per second.
 
 ``--chat``: the prompt is one user message, put into the model's chat template (``chat_template``
 of ``tokenizer_config.json``, or ``chat_template.jinja`` beside it, which transformers prefers) as
-transformers' ``apply_chat_template(..., add_generation_prompt=True)`` renders it: jinja2's
-``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the loop controls,
-``raise_exception``, ``strftime_now`` and transformers' ``tojson``, the special tokens of
-``tokenizer_config.json`` (``bos_token`` ...) as variables; the text is encoded without adding
-special tokens and only the reply is printed.  ``--ids``: PROMPT is token ids (``"1 5 9"`` or
+transformers' ``apply_chat_template(..., add_generation_prompt=True)`` renders it
+(``npattn.models.chat.apply_chat_template``); the text is encoded without adding special tokens
+and only the reply is printed.  ``--ids``: PROMPT is token ids (``"1 5 9"`` or
 ``"1,5,9"``), for a model without a tokenizer: ids in, ids out, no ``tokenizers`` needed.
 
 Every loading, config, tokenizer, template or input error is one line on stderr and exit status
@@ -26,8 +24,6 @@ Every loading, config, tokenizer, template or input error is one line on stderr 
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import re
 import sys
@@ -35,7 +31,6 @@ import time
 
 import numpy as np
 
-from .._hints import install_hint
 from .._validate import check_size
 
 __all__ = ["stream", "main"]
@@ -125,7 +120,6 @@ def _load(args):
 
     if args.ids and args.chat:
         raise _Failure("--chat puts text into the chat template: it cannot be used with --ids")
-    tokenizer = None if args.ids else _tokenizer_class(args.chat)
     try:
         check_sampling(args.temperature, args.top_k, None)
         _check_top_p(args.top_p)
@@ -134,14 +128,13 @@ def _load(args):
     except (TypeError, ValueError) as e:
         raise _Failure(_one_line(e)) from None
     if os.path.isfile(args.directory):
-        model, tokenizer, tok_path = _from_gguf(args.directory, tokenizer is not None, _weights_dtype(args))
+        model, tokenizer, tok_path = _from_gguf(args.directory, not args.ids, _weights_dtype(args))
         eos_name = f"{args.directory}: tokenizer.ggml.eos_token_id"
     elif not os.path.isdir(args.directory):
         raise _Failure(f"directory: no such directory or GGUF file {args.directory!r}")
     else:
         tok_path = os.path.join(args.directory, "tokenizer.json")
-        if tokenizer is not None:
-            tokenizer = _tokenizer(tokenizer, tok_path, args.directory, args.chat)
+        tokenizer = None if args.ids else _tokenizer(args.directory, args.chat)  # before the model: fails fast
         try:
             model = CausalLM.from_pretrained(args.directory, weights_dtype=_weights_dtype(args))
         except _LOAD_ERRORS as e:
@@ -181,15 +174,14 @@ def _weights_dtype(args):
 def _from_gguf(path: str, with_tokenizer: bool, weights_dtype=None) -> tuple:
     """``(model, tokenizer or None, where)`` of a GGUF file; raises ``_Failure``."""
     from ..models import CausalLM
-    from ..models.gguf import gguf_tokenizer
 
     try:
         model = CausalLM.from_gguf(path, weights_dtype=weights_dtype)
-        return model, gguf_tokenizer(path) if with_tokenizer else None, path
     except ImportError as e:
         raise _Failure(_one_line(e)) from None
     except _LOAD_ERRORS as e:
         raise _Failure(_one_line(e)) from None
+    return model, _tokenizer(path) if with_tokenizer else None, path
 
 
 def _without_tokenizer(chat: bool) -> str:
@@ -198,25 +190,17 @@ def _without_tokenizer(chat: bool) -> str:
     return "" if chat else ", or pass the prompt as token ids with --ids"
 
 
-def _tokenizer_class(chat: bool = False):
-    """``tokenizers.Tokenizer``, or ``_Failure`` saying how to install it (or to pass ``--ids``)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise _Failure(f"needs the tokenizers package ({install_hint('hf')}){_without_tokenizer(chat)}") from None
-    return Tokenizer
+def _tokenizer(path: str, chat: bool = False):
+    """The checkpoint's tokenizer (``npattn.models.chat.load_tokenizer``: a directory's
+    ``tokenizer.json`` or a GGUF file's), or ``_Failure`` saying what to do."""
+    from ..models.chat import load_tokenizer
 
-
-def _tokenizer(cls, tok_path: str, directory: str, chat: bool = False):
-    if not os.path.isfile(tok_path):
-        raise _Failure(
-            f"no tokenizer.json in {directory!r}: copy the model's tokenizer.json there (from its Hugging Face "
-            f"repository){_without_tokenizer(chat)}"
-        )
     try:
-        return cls.from_file(tok_path)
-    except Exception as e:  # tokenizers raises a bare Exception for every malformed file
-        raise _Failure(f"{tok_path}: not a readable tokenizer ({_one_line(e)})") from None
+        return load_tokenizer(path)
+    except (ImportError, FileNotFoundError) as e:  # the package or the file: install, copy, or --ids
+        raise _Failure(f"{_one_line(e)}{_without_tokenizer(chat)}") from None
+    except _LOAD_ERRORS as e:
+        raise _Failure(_one_line(e)) from None
 
 
 def _parse_ids(prompt: str) -> list:
@@ -231,95 +215,17 @@ def _parse_ids(prompt: str) -> list:
     return [int(w) for w in words]
 
 
-# transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES: the template's variables
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def _chat_template(directory: str) -> tuple:
-    """``(template, special tokens, where)``: ``chat_template.jinja`` if the directory has one
-    (transformers 5 saves it so and prefers it), else ``tokenizer_config.json``'s
-    ``chat_template`` (a string, or a list of named templates whose ``"default"`` is taken); the
-    special tokens (strings, or added-token objects' ``content``) from ``tokenizer_config.json``."""
-    if os.path.isfile(directory):
-        return _gguf_chat_template(directory)
-    cfg_path = os.path.join(directory, "tokenizer_config.json")
-    jinja_path = os.path.join(directory, "chat_template.jinja")
-    config: dict = {}
-    template: object
-    where = cfg_path
-    try:
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                config = json.load(f)
-            if not isinstance(config, dict):
-                raise ValueError(f"expected a JSON object, got {type(config).__name__}")
-        template = config.get("chat_template")
-        if os.path.isfile(jinja_path):
-            where = jinja_path
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
-    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise _Failure(f"--chat: cannot read {where} ({_one_line(e)})") from None
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if not isinstance(template, str):
-        raise _Failure(
-            f"--chat: no chat template in {directory!r} (neither chat_template.jinja nor a 'chat_template' string "
-            "in tokenizer_config.json): the model may not be a chat model; run without --chat"
-        )
-    special = {}
-    for name in _SPECIAL_TOKENS:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            special[name] = value
-    return template, special, where
-
-
-def _gguf_chat_template(path: str) -> tuple:
-    """``_chat_template`` of a GGUF file: ``tokenizer.chat_template`` and the bos and eos tokens."""
-    from ..models.gguf import gguf_chat_template
+def _chat_text(path: str, prompt: str) -> str:
+    """The prompt as the one user message of the checkpoint's chat template, with the assistant's
+    header after it (``npattn.models.chat.apply_chat_template``, as transformers renders it)."""
+    from ..models.chat import apply_chat_template
 
     try:
-        template, special = gguf_chat_template(path)
+        return apply_chat_template(path, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    except ImportError as e:
+        raise _Failure(f"--chat: {_one_line(e)}") from None
     except _LOAD_ERRORS as e:
         raise _Failure(f"--chat: {_one_line(e)}") from None
-    if not isinstance(template, str):
-        raise _Failure(f"--chat: no tokenizer.chat_template in {path!r}: the model may not be a chat model")
-    return template, special, path
-
-
-def _chat_text(directory: str, prompt: str) -> str:
-    """The prompt as the user message of the model's chat template, rendered as transformers'
-    ``apply_chat_template(messages, add_generation_prompt=True)`` renders it (see the module
-    docstring)."""
-    try:
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise _Failure(f"--chat needs the jinja2 package ({install_hint('hf')})") from None
-    template, special, where = _chat_template(directory)
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # transformers' own filter: jinja's would escape HTML characters
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    messages = [{"role": "user", "content": prompt}]
-    try:
-        return env.from_string(template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=True, **special
-        )
-    except Exception as e:  # a template is a program: any error it raises is the template's
-        raise _Failure(f"{where}: the chat template failed ({type(e).__name__}: {_one_line(e)})") from None
 
 
 def _continuation(tokenizer, context: list, before: str, new: list) -> str:
