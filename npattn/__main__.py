@@ -1,4 +1,4 @@
-"""``npattn`` / ``python -m npattn``: the command line (``check``, ``demo``, ``bench``, ``generate``)."""
+"""``npattn`` / ``python -m npattn``: the command line (``check``, ``demo``, ``bench``, ``generate``, ``chat``)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt", nargs="+", help="the text to complete, one argument or several words (token ids with --ids)"
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to add (default 64)")
+    _sampling_arguments(p)
+    p.add_argument(
+        "--chat", action="store_true", help="the prompt as a user message in the chat template of tokenizer_config.json"
+    )
+    p.add_argument(
+        "--ids", action="store_true", help="the prompt is token ids ('1 5 9'): no tokenizer needed, ids printed"
+    )
+
+    p = sub.add_parser("chat", help="a conversation with a saved chat model on the terminal (needs tokenizers, jinja2)")
+    p.add_argument(
+        "directory", help="a save_pretrained directory (with tokenizer.json and a chat template) or GGUF file"
+    )
+    p.add_argument("--system", default=None, help="a system message opening the conversation")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=512, help="most tokens of a reply (default 512)")
+    _sampling_arguments(p)
+    return parser
+
+
+def _sampling_arguments(p) -> None:
+    """The options ``npattn generate`` and ``npattn chat`` share: sampling and weight storage."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the most likely tokens up to mass p")
@@ -88,17 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=_seed, default=None, help="random seed of the sampling")
     p.add_argument(
-        "--chat", action="store_true", help="the prompt as a user message in the chat template of tokenizer_config.json"
-    )
-    p.add_argument(
-        "--ids", action="store_true", help="the prompt is token ids ('1 5 9'): no tokenizer needed, ids printed"
-    )
-    p.add_argument(
         "--bfloat16",
         action="store_true",
         help="keep the large weight matrices as bfloat16 (weights_dtype='bfloat16'): half the memory of float32",
     )
-    return parser
 
 
 def main(argv=None) -> int:
@@ -109,6 +122,8 @@ def main(argv=None) -> int:
         from .tools.demo import main as run
     elif args.command == "generate":
         from .tools.generate import main as run
+    elif args.command == "chat":
+        from .tools.generate import chat_main as run
     else:
         from .tools.bench import main as run
     return int(run(args) or 0)

@@ -349,7 +349,9 @@ def test_chat_prints_the_reply(tmp_path, capsys):
     import npattn.tools.generate as gen
 
     tok, m = _chat_dir(tmp_path)
-    ids = tok.encode(gen._chat_text(str(tmp_path), "a bird"), add_special_tokens=False).ids
+    ids = tok.encode(
+        gen._chat_text(str(tmp_path), [{"role": "user", "content": "a bird"}]), add_special_tokens=False
+    ).ids
     assert ids[0] == tok.token_to_id("<s>") and ids[-1] == tok.token_to_id("<|assistant|>")
     expect = m.generate(np.array([ids]), 5)[0, len(ids) :].tolist()
     assert main(["generate", str(tmp_path), "a bird", "--chat", "--max-new-tokens", "5"]) == 0

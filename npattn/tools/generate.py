@@ -33,7 +33,7 @@ import numpy as np
 
 from .._validate import check_size
 
-__all__ = ["stream", "main"]
+__all__ = ["stream", "main", "chat_main"]
 
 
 def _eos_ids(eos, vocab_size: int, name: str = "eos_token_id") -> set:
@@ -115,11 +115,51 @@ _LOAD_ERRORS = (OSError, ValueError, TypeError, KeyError, RecursionError, Memory
 def _load(args):
     """The model, the tokenizer (None with ``--ids``), the prompt's ids and the eos ids, every
     check done; raises ``_Failure``."""
+    if args.ids and args.chat:
+        raise _Failure("--chat puts text into the chat template: it cannot be used with --ids")
+    model, tokenizer, tok_path, eos = _load_model(args)
+    if tokenizer is None:
+        prompt_ids = _parse_ids(args.prompt)
+        _check_vocab(prompt_ids, model, "PROMPT")
+    else:
+        conversation = [{"role": "user", "content": args.prompt}]
+        prompt_ids = _encode(
+            tokenizer,
+            tok_path,
+            _chat_text(args.directory, conversation) if args.chat else args.prompt,
+            model,
+            args.chat,
+        )
+    return model, tokenizer, prompt_ids, eos
+
+
+def _encode(tokenizer, tok_path: str, text: str, model, chat: bool) -> list:
+    """``text``'s ids, checked against the model's vocabulary; a chat template's text is encoded
+    without adding special tokens (it wrote them itself, as transformers encodes it)."""
+    try:
+        ids = (tokenizer.encode(text, add_special_tokens=False) if chat else tokenizer.encode(text)).ids
+    except Exception as e:
+        raise _Failure(f"{tok_path}: cannot encode the prompt ({_one_line(e)})") from None
+    _check_vocab(ids, model, tok_path)
+    return ids
+
+
+def _check_vocab(ids: list, model, where: str) -> None:
+    if not ids:
+        raise _Failure("the prompt encodes to no tokens")
+    vocab = model.config.vocab_size
+    if max(ids) >= vocab:
+        raise _Failure(
+            f"{where}: the prompt's token id {max(ids)} is outside the model's vocabulary [0, {vocab}) (vocab_size)"
+        )
+
+
+def _load_model(args):
+    """The model, its tokenizer (None with ``--ids``), where the tokenizer came from and the eos
+    ids, the sampling options checked; raises ``_Failure``."""
     from ..generation import _check_min_p, _check_repetition_penalty, _check_top_p, check_sampling
     from ..models import CausalLM
 
-    if args.ids and args.chat:
-        raise _Failure("--chat puts text into the chat template: it cannot be used with --ids")
     try:
         check_sampling(args.temperature, args.top_k, None)
         _check_top_p(args.top_p)
@@ -145,25 +185,7 @@ def _load(args):
         eos = _eos_ids(model.generation_defaults["eos_token_id"], model.config.vocab_size, eos_name)
     except _LOAD_ERRORS as e:
         raise _Failure(_one_line(e)) from None
-    vocab = model.config.vocab_size
-    if tokenizer is None:
-        prompt_ids, where = _parse_ids(args.prompt), "PROMPT"
-    else:
-        text = _chat_text(args.directory, args.prompt) if args.chat else args.prompt
-        try:
-            # a chat template writes its special tokens itself (transformers: add_special_tokens=False)
-            prompt_ids = (tokenizer.encode(text, add_special_tokens=False) if args.chat else tokenizer.encode(text)).ids
-        except Exception as e:
-            raise _Failure(f"{tok_path}: cannot encode the prompt ({_one_line(e)})") from None
-        where = tok_path
-    if not prompt_ids:
-        raise _Failure("the prompt encodes to no tokens")
-    if max(prompt_ids) >= vocab:
-        raise _Failure(
-            f"{where}: the prompt's token id {max(prompt_ids)} is outside the model's vocabulary "
-            f"[0, {vocab}) (vocab_size)"
-        )
-    return model, tokenizer, prompt_ids, eos
+    return model, tokenizer, tok_path, eos
 
 
 def _weights_dtype(args):
@@ -215,13 +237,13 @@ def _parse_ids(prompt: str) -> list:
     return [int(w) for w in words]
 
 
-def _chat_text(path: str, prompt: str) -> str:
-    """The prompt as the one user message of the checkpoint's chat template, with the assistant's
-    header after it (``npattn.models.chat.apply_chat_template``, as transformers renders it)."""
+def _chat_text(path: str, conversation: list) -> str:
+    """The conversation in the checkpoint's chat template, with the assistant's header after it
+    (``npattn.models.chat.apply_chat_template``, as transformers renders it)."""
     from ..models.chat import apply_chat_template
 
     try:
-        return apply_chat_template(path, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return apply_chat_template(path, conversation, add_generation_prompt=True)
     except ImportError as e:
         raise _Failure(f"--chat: {_one_line(e)}") from None
     except _LOAD_ERRORS as e:
@@ -236,35 +258,28 @@ def _continuation(tokenizer, context: list, before: str, new: list) -> str:
     return whole[len(before) :] if whole.startswith(before) else tokenizer.decode(new)
 
 
-def _run(args, model, tokenizer, prompt_ids, eos) -> int:
-    """Print the prompt (not with ``--chat``: the reply alone), then the completion as it grows,
-    then the tokens per second.  Without a tokenizer (``--ids``) the ids themselves."""
-    out = sys.stdout
-    if tokenizer is None:
-        out.write(" ".join(map(str, prompt_ids)))
-    elif not args.chat:
-        out.write(args.prompt)
-    out.flush()
-    new: list = []
-    shown = ""
-    # after the prompt, the continuation as the whole sequence decodes it: a SentencePiece decoder
-    # strips the space that starts a text (Llama 2's, Phi-3's "▁the" alone is "the"), and a word
-    # level one joins words with spaces; a chat reply, printed alone, is its own tokens' text
-    context = [] if tokenizer is None or args.chat else list(prompt_ids)
-    before = tokenizer.decode(context) if context else ""
-    start = time.perf_counter()
-    for token in stream(
-        model,
-        prompt_ids,
-        args.max_new_tokens,
+def _sampling(args) -> dict:
+    """``stream``'s sampling options from the command line."""
+    return dict(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         rng=args.seed,
-        eos=eos,
-    ):
+    )
+
+
+def _show(tokens, tokenizer, context: list, out) -> list:
+    """Print the text the tokens of the iterator ``tokens`` add after ``context`` as it grows (the
+    ids themselves without a tokenizer); returns the tokens.  After a prompt the continuation is
+    the whole sequence's decoding past the prompt's: a SentencePiece decoder strips the space that
+    starts a text (Llama 2's, Phi-3's "▁the" alone is "the"), and a word level one joins words
+    with spaces; a chat reply, printed alone, is its own tokens' text (an empty ``context``)."""
+    new: list = []
+    shown = ""
+    before = tokenizer.decode(context) if tokenizer is not None and context else ""
+    for token in tokens:
         new.append(token)
         if tokenizer is None:
             out.write(f" {token}")
@@ -277,11 +292,76 @@ def _run(args, model, tokenizer, prompt_ids, eos) -> int:
             out.write(text[len(shown) :])
             out.flush()
             shown = text
-    elapsed = time.perf_counter() - start
     if tokenizer is not None:
         text = _continuation(tokenizer, context, before, new)
         if text.startswith(shown):  # whatever was held back
             out.write(text[len(shown) :])
-    rate = len(new) / elapsed if elapsed > 0 else float("inf")
-    out.write(f"\n[{len(new)} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s]\n")
+    return new
+
+
+def _rate(n: int, elapsed: float) -> str:
+    rate = n / elapsed if elapsed > 0 else float("inf")
+    return f"[{n} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s]"
+
+
+def _run(args, model, tokenizer, prompt_ids, eos) -> int:
+    """Print the prompt (not with ``--chat``: the reply alone), then the completion as it grows,
+    then the tokens per second.  Without a tokenizer (``--ids``) the ids themselves."""
+    out = sys.stdout
+    if tokenizer is None:
+        out.write(" ".join(map(str, prompt_ids)))
+    elif not args.chat:
+        out.write(args.prompt)
+    out.flush()
+    context = [] if tokenizer is None or args.chat else list(prompt_ids)
+    start = time.perf_counter()
+    new = _show(stream(model, prompt_ids, args.max_new_tokens, eos=eos, **_sampling(args)), tokenizer, context, out)
+    out.write(f"\n{_rate(len(new), time.perf_counter() - start)}\n")
     return 0
+
+
+CHAT_HELP = "/reset starts a new conversation, /exit (or end of input) ends"
+
+
+def chat_main(args) -> int:
+    """Run ``npattn chat``: a conversation on standard input and output.  Each line read is a user
+    message; the whole conversation so far (after the ``--system`` message) goes through the chat
+    template and the model, and the reply is printed as it grows, then kept as the assistant's
+    message.  ``/reset`` empties the conversation, ``/exit`` or the end of input ends it.  Loading
+    and template errors are one line on stderr and exit status 2 before the first prompt; an
+    error of one turn (its template's refusal) is reported and that message dropped."""
+    args.ids, args.chat = False, True
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    try:
+        model, tokenizer, tok_path, eos = _load_model(args)
+        _chat_text(args.directory, system + [{"role": "user", "content": "hello"}])  # the template works
+    except _Failure as e:
+        print(f"npattn chat: {e}", file=sys.stderr)
+        return 2
+    out = sys.stdout
+    out.write(f"{CHAT_HELP}\n")
+    conversation = list(system)
+    while True:
+        out.write("> ")
+        out.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            out.write("\n" if not line else "")
+            return 0
+        message = line.strip()
+        if message == "/reset":
+            conversation = list(system)
+            continue
+        if not message:
+            continue
+        try:
+            text = _chat_text(args.directory, conversation + [{"role": "user", "content": message}])
+            ids = _encode(tokenizer, tok_path, text, model, True)
+        except _Failure as e:
+            print(f"npattn chat: {e}", file=sys.stderr)
+            continue
+        start = time.perf_counter()
+        new = _show(stream(model, ids, args.max_new_tokens, eos=eos, **_sampling(args)), tokenizer, [], out)
+        out.write(f"\n{_rate(len(new), time.perf_counter() - start)}\n")
+        reply = tokenizer.decode([t for t in new if t not in eos])
+        conversation += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
