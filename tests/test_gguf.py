@@ -136,6 +136,40 @@ LFM2 = dict(
     num_hidden_layers=3,
     layer_types=["conv", "full_attention", "conv"],
 )
+# OLMo 2: post-norm layers, q/k norms over the whole projection, no biases (llama.cpp's olmo2 has
+# none), an untied head
+OLMO2 = dict(
+    FAMILIES["olmo2"],
+    hidden_size=256,
+    intermediate_size=256,
+    attention_bias=False,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+# OLMo 3 (an olmo2 file with a window): four layers whose pattern is not llama.cpp's period of 4
+# (the file's booleans are read), YaRN on the full layer over a ramp of kept, mixed and
+# interpolated pairs, the sliding layers' plain RoPE of the same base (the converter writes one)
+OLMO3 = dict(
+    FAMILIES["olmo3"],
+    hidden_size=256,
+    intermediate_size=256,
+    attention_bias=False,
+    rms_norm_eps=1e-5,
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    rope_parameters={
+        "full_attention": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "attention_factor": 1.25,
+            "beta_fast": 8.0,
+            "beta_slow": 0.5,
+            "rope_theta": 5000.0,
+        },
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+    },
+)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _GRANITES = ("granite", "granitemoe")
@@ -327,6 +361,8 @@ def _metadata(w, config, arch):
         w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         w.add_final_logit_softcapping(config["final_logit_softcapping"])
         w.add_sliding_window(config["sliding_window"])
+    elif arch == "olmo2":
+        _olmo2_metadata(w, config)
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     if arch in _GRANITES:  # GraniteModel.set_gguf_parameters: each number where it is not 0
@@ -351,6 +387,32 @@ def _metadata(w, config, arch):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _olmo2_metadata(w, config, old_attn_factor=False):
+    """``Olmo2Model.set_gguf_parameters`` beyond ``_metadata``'s common keys: the full layers' base
+    and YaRN (TextModel's keys; ``old_attn_factor``: the attention factor as an older Olmo2Model
+    wrote it, ``rope.scaling.attn_factor``), an OLMo 3 config's window and one boolean per layer
+    (true: sliding); ``rope.freq_base_swa`` only where the sliding layers' base differs (no
+    converter writes it: llama.cpp then takes ``rope.freq_base``)."""
+    rp = config.get("rope_parameters")
+    full = rp["full_attention"] if rp else dict(config.get("rope_scaling") or {}, rope_theta=config["rope_theta"])
+    w.add_rope_freq_base(full["rope_theta"])
+    if rp and rp["sliding_attention"]["rope_theta"] != full["rope_theta"]:
+        w.add_rope_freq_base_swa(rp["sliding_attention"]["rope_theta"])
+    if full.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        if old_attn_factor:
+            w.add_rope_scaling_attn_factors(full["attention_factor"])
+        else:
+            w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+            w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    if "sliding_window" in config:
+        w.add_sliding_window(config["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
 
 
 def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
@@ -476,11 +538,14 @@ CASES = [
     (GRANITE, "granite"),
     (GRANITE_MOE, "granitemoe"),
     (LFM2, "lfm2"),
+    (OLMO2, "olmo2"),
+    (OLMO3, "olmo2"),
 ]
 
 
-# each case's name: its architecture, or the family where one architecture holds two (Mixtral's llama files)
-IDS = ["mixtral" if c["model_type"] == "mixtral" else a for c, a in CASES]
+# each case's name: its architecture, or the family where one architecture holds two (Mixtral's
+# llama files, OLMo 3's olmo2 files)
+IDS = [c["model_type"] if c["model_type"] in ("mixtral", "olmo3") else a for c, a in CASES]
 
 
 def _cases(*names):
@@ -637,6 +702,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GRANITE, "granite", ("GraniteConfig", "GraniteForCausalLM")),
         (GRANITE_MOE, "granitemoe", ("GraniteMoeConfig", "GraniteMoeForCausalLM")),
         (LFM2, "lfm2", ("Lfm2Config", "Lfm2ForCausalLM")),
+        (OLMO2, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
+        (OLMO3, "olmo2", ("Olmo3Config", "Olmo3ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -652,6 +719,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "granite",
         "granitemoe",
         "lfm2",
+        "olmo2",
+        "olmo3",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -939,6 +1008,8 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
         config["rope_parameters"] = dict(
             config["rope_parameters"], full_attention=dict(config["rope_parameters"]["full_attention"], rope_theta=1e4)
         )
+    if config["model_type"] == "olmo3":  # both layer types rotate by rope.freq_base (not Olmo3Config's 500000)
+        config["rope_parameters"] = {t: dict(v, rope_theta=1e4) for t, v in config["rope_parameters"].items()}
     sd = _model(config).state_dict()
     _write(tmp_path / "full.gguf", config, sd, Q.F32, arch)
     for key in _OPTIONAL_KEYS:
@@ -1909,3 +1980,119 @@ def test_lfm2_layer_types_and_width_are_the_file_s(tmp_path, monkeypatch, counts
     np.testing.assert_array_equal(
         m.state_dict()["model.layers.2.conv.conv.weight"], sd["model.layers.2.conv.conv.weight"]
     )
+
+
+def test_olmo2_files_as_llama_cpp_reads_them():
+    """llama.cpp's olmo2: no window (or 0) is OLMo 2 (YaRN on every layer); a window is OLMo 3,
+    its layers the file's booleans, else llama.cpp's period (set_swa_pattern: layer i sliding
+    where i % p < p - 1; 0 every layer; absent 4), the full layers' YaRN and base, the sliding
+    layers' plain RoPE of rope.freq_base_swa or rope.freq_base; the YaRN attention factor under
+    either converter's key; biases, another scaling type, a scaling key without its type, a
+    factorless YaRN, differing attention factors and malformed windows or patterns refused by name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["olmo2"].derive
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 8.0, "rope.scaling.original_context_length": 8192}
+
+    def config(**kw):
+        return dict(model_type="olmo2", num_hidden_layers=8, rope_theta=5e5, attention_bias=False, **kw)
+
+    c = config()
+    derive(c, {"attention.sliding_window": 0})
+    assert c == dict(model_type="olmo2", num_hidden_layers=8, rope_theta=5e5)
+    c = config()
+    derive(c, dict(yarn, **{"rope.scaling.attn_factor": 1.25}))
+    assert c["model_type"] == "olmo2" and c["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "attention_factor": 1.25,
+    }
+    sliding, full = "sliding_attention", "full_attention"
+    c = config()
+    derive(c, dict(yarn, **{"attention.sliding_window": 4096, "rope.scaling.yarn_beta_fast": 16.0}))
+    assert c["model_type"] == "olmo3" and c["sliding_window"] == 4096 and "rope_theta" not in c
+    assert c["layer_types"] == [sliding, sliding, sliding, full] * 2  # llama.cpp's period of 4
+    assert c["rope_parameters"] == {
+        full: {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "beta_fast": 16.0,
+            "rope_theta": 5e5,
+        },
+        sliding: {"rope_type": "default", "rope_theta": 5e5},
+    }
+    for pattern, types in (
+        (2, [sliding, full] * 4),
+        (1, [full] * 8),
+        (0, [sliding] * 8),
+        ([True, False] * 4, [sliding, full] * 4),
+    ):
+        c = config()
+        window = {"attention.sliding_window": 16, "attention.sliding_window_pattern": pattern}
+        derive(c, dict(window, **{"rope.freq_base_swa": 1e4}))
+        assert c["layer_types"] == types, pattern
+        assert c["rope_parameters"] == {
+            full: {"rope_type": "default", "rope_theta": 5e5},
+            sliding: {"rope_type": "default", "rope_theta": 1e4},
+        }
+    for meta, match in (
+        ({"attention.sliding_window": -1}, r"'olmo2.attention.sliding_window' -1: expected an integer >= 0"),
+        ({"attention.sliding_window_pattern": [True] * 8}, r"'olmo2.attention.sliding_window_pattern' without"),
+        (
+            {"attention.sliding_window": 16, "attention.sliding_window_pattern": [True] * 7},
+            r"'olmo2.attention.sliding_window_pattern' \[.*\]: expected 8 booleans",
+        ),
+        (
+            {"attention.sliding_window": 16, "attention.sliding_window_pattern": -2},
+            r"'olmo2.attention.sliding_window_pattern' -2: expected one boolean per layer or a period",
+        ),
+        ({"rope.scaling.type": "linear"}, r"'olmo2.rope.scaling.type' 'linear' is not supported"),
+        ({"rope.scaling.factor": 8.0}, r"'olmo2.rope.scaling.factor' without 'olmo2.rope.scaling.type' 'yarn'"),
+        ({"rope.scaling.type": "yarn"}, r"'olmo2.rope.scaling.factor' missing"),
+        (
+            dict(yarn, **{"rope.scaling.attn_factor": 1.25, "rope.scaling.yarn_attn_factor": 1.5}),
+            r"'olmo2.rope.scaling.attn_factor' 1.25 and 'olmo2.rope.scaling.yarn_attn_factor' 1.5 differ",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            derive(config(), meta)
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.bias': llama.cpp's olmo2 has no attention biases"):
+        derive(dict(config(), attention_bias=True), {})
+
+
+def test_olmo3_file_of_either_converter_and_its_refusals(tmp_path, monkeypatch):
+    """An OLMo 3 file is read as its source model's config: olmo3, the file's (not llama.cpp's
+    period-4) layer pattern, the window, YaRN on the full layer; one written by the older
+    converter (the attention factor as rope.scaling.attn_factor, no betas: the config's are
+    transformers' defaults here) is the same model; an olmo2 file with attention biases, and one
+    with an attention factor beside LongRoPE's factor tensors, are refused naming the file."""
+    full = dict(OLMO3["rope_parameters"]["full_attention"], beta_fast=32.0, beta_slow=1.0)
+    config = dict(OLMO3, rope_parameters=dict(OLMO3["rope_parameters"], full_attention=full))
+    sd = _model(config).state_dict()
+    _write(tmp_path / "new.gguf", config, sd, Q.F32, "olmo2")
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_rope_scaling_yarn_attn_factor", lambda self, v: self.add_rope_scaling_attn_factors(v)
+    )
+    for beta in ("fast", "slow"):
+        monkeypatch.setattr(gguf.GGUFWriter, f"add_rope_scaling_yarn_beta_{beta}", lambda self, v: None)
+    _write(tmp_path / "old.gguf", config, sd, Q.F32, "olmo2")
+    monkeypatch.undo()
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(str(tmp_path / "old.gguf")).fields.items()}
+    assert meta["olmo2.rope.scaling.attn_factor"] == 1.25 and "olmo2.rope.scaling.yarn_beta_fast" not in meta
+    new, old = CausalLM.from_gguf(tmp_path / "new.gguf"), CausalLM.from_gguf(tmp_path / "old.gguf")
+    cfg = new.config
+    assert cfg.model_type == "olmo3" and cfg.layer_types == tuple(OLMO3["layer_types"])
+    assert cfg.hf["sliding_window"] == 3 and cfg.hf["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 7))
+    np.testing.assert_array_equal(_logits(old, ids), _logits(new, ids))
+    np.testing.assert_array_equal(_logits(new, ids), _logits(CausalLM.from_hf(sd, config), ids))
+    biased = dict(OLMO2, attention_bias=True)
+    _write(tmp_path / "b.gguf", biased, _model(biased).state_dict(), Q.F32, "olmo2")
+    with pytest.raises(ValueError, match=r"b.gguf: tensor 'blk.0.attn_q.bias': llama.cpp's olmo2 has no attention"):
+        CausalLM.from_gguf(tmp_path / "b.gguf")
+    factors = [("rope_factors_long.weight", np.ones(32, np.float32))]
+    _write(tmp_path / "f.gguf", config, sd, Q.F32, "olmo2", factors)
+    with pytest.raises(ValueError, match=r"f.gguf: 'rope_factors_long.weight' \(LongRoPE\) is not supported in a"):
+        CausalLM.from_gguf(tmp_path / "f.gguf")

@@ -299,6 +299,102 @@ def _gguf_lfm2(config: dict, meta: Mapping) -> None:
         raise ValueError("tensor 'blk.0.attn_q.bias': llama.cpp's lfm2 has no attention biases")
 
 
+# YaRN as llama.cpp's converter writes it (TextModel.set_gguf_parameters; an older Olmo2Model wrote
+# the attention factor as rope.scaling.attn_factor): Hugging Face's key <- the metadata's
+_GGUF_YARN = {
+    "factor": "rope.scaling.factor",
+    "original_max_position_embeddings": "rope.scaling.original_context_length",
+    "attention_factor": "rope.scaling.yarn_attn_factor",
+    "beta_fast": "rope.scaling.yarn_beta_fast",
+    "beta_slow": "rope.scaling.yarn_beta_slow",
+}
+_GGUF_YARN_ATTN_OLD = "rope.scaling.attn_factor"
+
+
+def _gguf_yarn(meta: Mapping, arch: str) -> dict:
+    """The Hugging Face ``yarn`` RoPE parameters of a file's ``rope.scaling.*`` metadata (``{}``
+    without ``rope.scaling.type``, or with ``none``): the factor (required), the original context
+    length, the attention factor (either key; both differing refused) and the betas, each where the
+    file has it (left out, transformers' and llama.cpp's defaults agree: the original length is
+    the context length, the betas 32 and 1, the attention factor ``0.1 ln(factor) + 1``).  Another
+    scaling type, or a scaling key without the type, is refused by name."""
+    kind = meta.get("rope.scaling.type", "none")
+    present = [k for k in (*_GGUF_YARN.values(), _GGUF_YARN_ATTN_OLD) if k in meta]
+    if kind == "none":
+        if present:
+            raise ValueError(f"metadata '{arch}.{present[0]}' without '{arch}.rope.scaling.type' 'yarn'")
+        return {}
+    if kind != "yarn":
+        raise ValueError(f"metadata '{arch}.rope.scaling.type' {_show(kind)} is not supported (npattn reads 'yarn')")
+    if "rope.scaling.factor" not in meta:
+        raise ValueError(f"metadata '{arch}.rope.scaling.factor' missing (rope.scaling.type is yarn)")
+    old, new = meta.get(_GGUF_YARN_ATTN_OLD), meta.get(_GGUF_YARN["attention_factor"])
+    if old is not None and new is not None and old != new:
+        raise ValueError(
+            f"metadata '{arch}.{_GGUF_YARN_ATTN_OLD}' {_show(old)} and '{arch}.{_GGUF_YARN['attention_factor']}' "
+            f"{_show(new)} differ (both are YaRN's attention factor)"
+        )
+    params = {"rope_type": "yarn", **{k: meta[m] for k, m in _GGUF_YARN.items() if m in meta}}
+    if old is not None:
+        params["attention_factor"] = old
+    return params
+
+
+def _gguf_olmo2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``olmo2`` (``llama_model_olmo2``; ``Olmo2Model`` in ``convert_hf_to_gguf.py``,
+    which converts both ``Olmo2ForCausalLM`` and ``Olmo3ForCausalLM``): post-norm layers
+    (``post_attention_norm``, ``post_ffw_norm``), q/k RMSNorm over the whole projection, rotate-half
+    RoPE (not permuted).  Without ``attention.sliding_window`` (or 0) the file is OLMo 2's: every
+    layer full.  With it, OLMo 3's: the layers ``attention.sliding_window_pattern`` says (the
+    converter writes one bool per layer from ``layer_types``; a number ``p`` is llama.cpp's period,
+    layer ``i`` sliding where ``i % p < p - 1``; absent, llama.cpp's period of 4), the window the
+    file's, the full layers' RoPE ``rope.freq_base`` with the file's YaRN, the sliding layers' plain
+    RoPE of base ``rope.freq_base_swa`` (``rope.freq_base`` where absent; llama.cpp's olmo2 rotates
+    them without YaRN, as transformers' Olmo3).  llama.cpp's own loader reads only a period from the
+    pattern key (its bool array ignored, the period 4 kept): the released OLMo 3 checkpoints'
+    ``layer_types`` are that period.  llama.cpp's olmo2 has no attention biases: a file with them is
+    refused."""
+    n, window = config["num_hidden_layers"], meta.get("attention.sliding_window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"metadata 'olmo2.attention.sliding_window' {_show(window)}: expected an integer >= 0")
+    if config.pop("attention_bias", False):
+        raise ValueError("tensor 'blk.0.attn_q.bias': llama.cpp's olmo2 has no attention biases")
+    yarn = _gguf_yarn(meta, "olmo2")
+    pattern = meta.get("attention.sliding_window_pattern")
+    if not window:
+        if pattern is not None:
+            raise ValueError("metadata 'olmo2.attention.sliding_window_pattern' without a sliding window")
+        if yarn:
+            config["rope_scaling"] = yarn
+        return
+    if pattern is None:
+        pattern = 4
+    if isinstance(pattern, list):
+        if len(pattern) != n or not all(isinstance(p, bool) for p in pattern):
+            raise ValueError(
+                f"metadata 'olmo2.attention.sliding_window_pattern' {_show(pattern)}: expected {n} booleans "
+                "(block_count), true on a sliding layer"
+            )
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise ValueError(
+            f"metadata 'olmo2.attention.sliding_window_pattern' {_show(pattern)}: expected one boolean per layer "
+            "or a period >= 0"
+        )
+    else:  # llama_hparams::set_swa_pattern: period 0 makes every layer sliding
+        types = ["sliding_attention"] * n if pattern == 0 else _interleaved(n, pattern, "sliding_attention")
+    theta = config.pop("rope_theta")  # the file's, else llama.cpp's 10000 (models/gguf.py)
+    config.update(
+        model_type="olmo3",
+        layer_types=types,
+        sliding_window=window,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", **yarn, "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": meta.get("rope.freq_base_swa", theta)},
+        },
+    )
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -359,6 +455,20 @@ GGUF_FAMILIES = {
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)
     "lfm2": GgufFamily("lfm2", keys={"conv_L_cache": "shortconv.l_cache"}, derive=_gguf_lfm2),
+    # OLMo 2 (no window) and OLMo 3 (a window, the sliding layers' pattern): post-norm layers, q/k
+    # norms over the whole projection, rotate-half RoPE, YaRN on the full layers
+    "olmo2": GgufFamily(
+        "olmo2",
+        derive=_gguf_olmo2,
+        reads=(
+            "attention.sliding_window",
+            "attention.sliding_window_pattern",
+            "rope.freq_base_swa",
+            "rope.scaling.type",
+            _GGUF_YARN_ATTN_OLD,
+            *_GGUF_YARN.values(),
+        ),
+    ),
 }
 
 

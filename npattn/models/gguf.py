@@ -8,7 +8,8 @@ a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
-``smollm3``, ``phi3``, ``granite``, ``granitemoe``) and what each means in Hugging Face terms are
+``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``lfm2``, ``olmo2``, whose files with a sliding
+window are OLMo 3's) and what each means in Hugging Face terms are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
@@ -18,7 +19,8 @@ Reading one:
    ``_llama_cpp_defaults``), the family's own (``GgufFamily.keys``: the experts' counts), and what
    llama.cpp derives rather than reads (``GgufFamily.derive``: Gemma 3's sliding-window pattern of
    6, its sliding layers' RoPE base and its score scale; Phi-3's partial rotary from
-   ``rope.dimension_count``); the dict goes through ``config_from_hf`` as a ``config.json`` would;
+   ``rope.dimension_count``; an ``olmo2`` file with a sliding window is OLMo 3's, its layer pattern
+   and YaRN on its full layers); the dict goes through ``config_from_hf`` as a ``config.json`` would;
 2. every tensor name is translated by ``gguf``'s own ``TensorNameMap`` (the table llama.cpp's
    converter writes with), from the names the config says the model has; the experts' fused
    ``gate_up_proj`` ``(E, 2I, H)`` is the file's ``ffn_gate_exps`` and ``ffn_up_exps`` joined;
@@ -527,9 +529,11 @@ def read_gguf(path) -> tuple[dict, dict]:
     if _ROPE_FREQS in tensors:
         config["rope_scaling"] = _rope_freqs_scaling(f, tensors[_ROPE_FREQS], config)
     consumed = {_ROPE_FREQS}  # tensors read into the config
-    if f"{f.arch}.rope.scaling.attn_factor" in f.meta or any(n in tensors for n in _ROPE_FACTORS.values()):
+    attn_factor = f"{f.arch}.rope.scaling.attn_factor"  # LongRoPE's in a phi3 file (an olmo2 file's YaRN's)
+    longrope = f.arch == "phi3" or "rope.scaling.attn_factor" not in _ARCHES[f.arch].reads
+    if (longrope and attn_factor in f.meta) or any(n in tensors for n in _ROPE_FACTORS.values()):
         if f.arch != "phi3":
-            name = next((n for n in _ROPE_FACTORS.values() if n in tensors), f"{f.arch}.rope.scaling.attn_factor")
+            name = next((n for n in _ROPE_FACTORS.values() if n in tensors), attn_factor)
             raise ValueError(f"{f.path}: {name!r} (LongRoPE) is not supported in a {f.arch} file")
         config["rope_scaling"] = _longrope_scaling(f, tensors, config)
         consumed |= set(_ROPE_FACTORS.values())
