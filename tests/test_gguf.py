@@ -452,11 +452,24 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     return out
 
 
-def _write(path, config, sd, qtype, arch, extra=()):
+def _experts_apart(items: dict) -> dict:
+    """``_as_gguf``'s tensors as early Mixtral files held the experts: each stacked
+    ``blk.N.ffn_{gate,up,down}_exps.weight`` (E, rows, cols) as E matrices ``blk.N.ffn_{kind}.{x}.weight``."""
+    out = {}
+    for (key, name), value in items.items():
+        if name.endswith("_exps.weight"):
+            for x, v in enumerate(value):
+                out[key, name[: -len("_exps.weight")] + f".{x}.weight"] = np.ascontiguousarray(v)
+        else:
+            out[key, name] = value
+    return out
+
+
+def _write(path, config, sd, qtype, arch, extra=(), apart=False):
     """``sd`` (Hugging Face names) as a GGUF file of ``arch``, 2-D and 3-D weights in ``qtype``
     (the router and the norms float32, as the converter keeps them), then the ``(name, values)``
-    of ``extra`` as they are; returns {GGUF name: the float32 values the file holds, in llama.cpp's
-    row order} (``sd``'s)."""
+    of ``extra`` as they are; ``apart``: the experts one tensor each (``_experts_apart``); returns
+    {GGUF name: the float32 values the file holds, in llama.cpp's row order} (``sd``'s)."""
     rng = np.random.default_rng(7)
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, config, arch)
@@ -465,7 +478,8 @@ def _write(path, config, sd, qtype, arch, extra=()):
         extra = (*_phi3_factors(config), *extra)
     for name, value in extra:
         w.add_tensor(name, value)
-    for (key, name), value in _as_gguf(sd, config, arch).items():
+    items = _as_gguf(sd, config, arch)
+    for (key, name), value in (_experts_apart(items) if apart else items).items():
         # rows of fewer values than a block (LFM2's 3 taps) stay float32, as llama.cpp keeps them
         gate = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "shortconv.conv.weight")
         if value.ndim == 1 or qtype == Q.F32 or name.endswith(gate):
@@ -2096,3 +2110,66 @@ def test_olmo3_file_of_either_converter_and_its_refusals(tmp_path, monkeypatch):
     _write(tmp_path / "f.gguf", config, sd, Q.F32, "olmo2", factors)
     with pytest.raises(ValueError, match=r"f.gguf: 'rope_factors_long.weight' \(LongRoPE\) is not supported in a"):
         CausalLM.from_gguf(tmp_path / "f.gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_mixtral_experts_apart_are_the_stacked_file_s_model(tmp_path, qtype):
+    """An early Mixtral file, each expert's gate, up and down its own tensor (blk.N.ffn_gate.x,
+    as llama.cpp's loader still reads them), is the model of the file holding them stacked
+    (ffn_*_exps): the same weights bit for bit (float32, and bfloat16 storage) and logits."""
+    sd = _model(MIXTRAL).state_dict()
+    _write(tmp_path / "stacked.gguf", MIXTRAL, sd, qtype, "llama")
+    _write(tmp_path / "apart.gguf", MIXTRAL, sd, qtype, "llama", apart=True)
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "apart.gguf")).tensors}
+    assert "blk.1.ffn_up.3.weight" in names and not any(n.endswith("_exps.weight") for n in names)
+    for weights_dtype in (None, "bfloat16"):
+        stacked = CausalLM.from_gguf(tmp_path / "stacked.gguf", weights_dtype=weights_dtype)
+        apart = CausalLM.from_gguf(tmp_path / "apart.gguf", weights_dtype=weights_dtype)
+        assert apart.config.model_type == "mixtral"
+        want = stacked.state_dict()
+        assert set(apart.state_dict()) == set(want)
+        for k, v in apart.state_dict().items():
+            np.testing.assert_array_equal(v, want[k], err_msg=k)
+        ids = np.random.default_rng(1).integers(0, MIXTRAL["vocab_size"], (2, 6))
+        np.testing.assert_array_equal(_logits(apart, ids), _logits(stacked, ids))
+
+
+def test_mixtral_experts_apart_incomplete_or_mismatched_are_refused_by_name(tmp_path, monkeypatch):
+    """An early Mixtral file missing one expert's tensor, with one expert too many, or with an
+    expert whose matrix is not expert 0's shape is refused naming the file and the tensor."""
+    sd = _model(MIXTRAL).state_dict()
+    real = gguf.GGUFWriter.add_tensor
+
+    def writing(change):
+        def add(self, name, value, *args, **kwargs):
+            return change(lambda n, v: real(self, n, v, *args, **kwargs), name, value)
+
+        return add
+
+    cases = {
+        "missing": (lambda add, n, v: None if n == "blk.1.ffn_up.3.weight" else add(n, v)),
+        "extra": (
+            lambda add, n, v: (
+                [add(n, v)] + ([add("blk.0.ffn_gate.4.weight", v)] if n == "blk.0.ffn_gate.3.weight" else [])
+            )
+        ),
+        "shape": (lambda add, n, v: add(n, v[:-1] if n == "blk.0.ffn_down.2.weight" else v)),
+    }
+    for case, change in cases.items():
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", writing(change))
+        _write(tmp_path / f"{case}.gguf", MIXTRAL, sd, Q.F32, "llama", apart=True)
+        monkeypatch.undo()
+    with pytest.raises(
+        ValueError,
+        match=r"missing.gguf: no tensor 'blk.1.ffn_up.3.weight' \(expert 3 of the model's "
+        r"'model.layers.1.mlp.experts.gate_up_proj', 4 experts\)",
+    ):
+        CausalLM.from_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(
+        ValueError, match=r"extra.gguf: tensor 'blk.0.ffn_gate.4.weight' is not part of the llama model"
+    ):
+        CausalLM.from_gguf(tmp_path / "extra.gguf")
+    with pytest.raises(
+        ValueError, match=r"shape.gguf: tensor 'blk.0.ffn_down.2.weight' has shape \(255, 256\), expert 0's"
+    ):
+        CausalLM.from_gguf(tmp_path / "shape.gguf")

@@ -1455,11 +1455,11 @@ class CausalLM(Module):
         the config from the file's metadata (and what llama.cpp derives: Gemma 2's and 3's window patterns
         and score scales; OLMo 3's layer pattern from its per-layer booleans or period), the tensors
         under Hugging Face's names, llama.cpp's q/k RoPE permutation and Gemma's ``1 + w`` norm
-        storage undone, the experts' gate and up joined, Llama 3.x's
-        ``rope_freqs.weight`` read as its ``rope_scaling``, Phi-3's fused ``attn_qkv`` / ``ffn_up``
-        split and its LongRoPE factor tensors read as its ``rope_scaling``, LFM2's layer types read off
-        its per-layer ``head_count_kv`` and its squeezed convolution weights given back their unit axis
-        (``npattn.models.gguf``).
+        storage undone, the experts' gate and up joined (an early Mixtral file's experts, one tensor
+        each, stacked), Llama 3.x's ``rope_freqs.weight`` read as its ``rope_scaling``, Phi-3's fused
+        ``attn_qkv`` / ``ffn_up`` split and its LongRoPE factor tensors read as its ``rope_scaling``,
+        LFM2's layer types read off its per-layer ``head_count_kv`` and its squeezed convolution
+        weights given back their unit axis (``npattn.models.gguf``).
 
         Parameters
         ----------

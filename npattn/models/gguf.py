@@ -23,7 +23,9 @@ Reading one:
    and YaRN on its full layers); the dict goes through ``config_from_hf`` as a ``config.json`` would;
 2. every tensor name is translated by ``gguf``'s own ``TensorNameMap`` (the table llama.cpp's
    converter writes with), from the names the config says the model has; the experts' fused
-   ``gate_up_proj`` ``(E, 2I, H)`` is the file's ``ffn_gate_exps`` and ``ffn_up_exps`` joined;
+   ``gate_up_proj`` ``(E, 2I, H)`` is the file's ``ffn_gate_exps`` and ``ffn_up_exps`` joined (an
+   early Mixtral file's experts apart, ``ffn_gate.{x}``, ``ffn_up.{x}``, ``ffn_down.{x}``, are
+   stacked as llama.cpp's loader stacks them: ``_per_expert``);
 3. each tensor is dequantized by ``gguf.quants.dequantize`` (float32) when it is loaded, one at a
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
@@ -382,22 +384,35 @@ def _store(values: np.ndarray, dest: np.ndarray) -> None:
 class _GGUFTensor(LazyTensor):
     """One tensor of the model under its Hugging Face name, from one or more tensors of a GGUF
     file (``parts``, joined along the second-to-last axis: the experts' gate and up projections
-    are one ``(E, 2I, H)`` tensor in the model, two ``(E, I, H)`` in the file): ``numpy`` and
-    ``read_into`` dequantize them with ``gguf.quants.dequantize``, then undo llama.cpp's q/k
-    permutation where ``heads`` is set and subtract the converter's ``shift`` (Gemma's norms)."""
+    are one ``(E, 2I, H)`` tensor in the model, two ``(E, I, H)`` in the file; with ``experts``
+    = E, the parts are E groups, one expert's ``(I, H)`` tensors each, every group joined so and
+    the groups stacked along a new first axis: an old Mixtral file's ``ffn_gate.{x}``,
+    ``ffn_up.{x}``): ``numpy`` and ``read_into`` dequantize them with ``gguf.quants.dequantize``,
+    then undo llama.cpp's q/k permutation where ``heads`` is set and subtract the converter's
+    ``shift`` (Gemma's norms)."""
 
-    __slots__ = ("_parts", "_heads", "_shift", "_mapping")
+    __slots__ = ("_parts", "_heads", "_shift", "_mapping", "_experts")
 
     def __init__(
-        self, name: str, parts: list, heads: int | None = None, shift: float = 0.0, mapping=None, model_shape=None
+        self,
+        name: str,
+        parts: list,
+        heads: int | None = None,
+        shift: float = 0.0,
+        mapping=None,
+        model_shape=None,
+        experts: int | None = None,
     ):
-        shapes = [tuple(int(s) for s in reversed(t.shape)) for t in parts]
+        group = parts if experts is None else parts[: len(parts) // experts]
+        shapes = [_shape(t) for t in group]
         rows = sum(s[-2] for s in shapes) if len(shapes) > 1 else None
         self.name, self.dtype = name, "F32"
         self.shape = shapes[0] if rows is None else (*shapes[0][:-2], rows, shapes[0][-1])
+        if experts is not None:
+            self.shape = (experts, *self.shape)
         if len(parts) == 1 and model_shape is not None and _squeezed(model_shape) == self.shape != model_shape:
             self.shape = tuple(model_shape)  # the converter squeezed its unit axes (LFM2's conv (D, 1, K))
-        self._parts, self._heads, self._shift = parts, heads, shift
+        self._parts, self._heads, self._shift, self._experts = parts, heads, shift, experts
         self._mapping = mapping  # the file's _Mapping: the pages of each block released once read
 
     def numpy(self, dtype=None) -> np.ndarray:
@@ -407,20 +422,29 @@ class _GGUFTensor(LazyTensor):
 
     @rounds_into_bits
     def read_into(self, out: np.ndarray) -> None:
-        start = 0
-        for t in self._parts:
-            shape = tuple(int(s) for s in reversed(t.shape))
-            dest = out if len(self._parts) == 1 else out[..., start : start + shape[-2], :]
+        for t, dest in self._destinations(out):
+            shape = _shape(t)
             if dest.shape != shape:  # the model's unit axes the file squeezed: a view of the file's shape
                 dest = dest.view()
                 dest.shape = shape
-            start += shape[-2] if len(self._parts) > 1 else 0
             if self._heads is None:
                 self._dequantize_into(t, dest)
             else:  # the permutation moves rows within each head: the whole matrix first
                 values = np.empty(shape, np.float32)
                 self._dequantize_into(t, values)
                 _store(_unpermute(values, self._heads), dest)
+
+    def _destinations(self, out: np.ndarray):
+        """``(file tensor, the part of out it fills)`` for each of ``_parts``: the whole of ``out``,
+        or its rows in turn (of ``out[e]``, expert ``e``'s, where the parts are stacked experts)."""
+        per = len(self._parts) if self._experts is None else len(self._parts) // self._experts
+        for first in range(0, len(self._parts), per):
+            target = out if self._experts is None else out[first // per]
+            start = 0
+            for t in self._parts[first : first + per]:
+                rows = int(t.shape[1]) if len(t.shape) > 1 else 0  # innermost first: (columns, rows, ...)
+                yield t, target if per == 1 else target[..., start : start + rows, :]
+                start += rows
 
     def _dequantize_into(self, t, dest: np.ndarray) -> None:
         """``gguf.quants.dequantize`` of the file tensor ``t`` (minus the shift, in float32) into
@@ -492,6 +516,46 @@ def _gguf_names(names, key: str) -> list:
     return [name if key.endswith((".weight", ".bias")) else name + ".weight"]
 
 
+_EXPS = "_exps.weight"
+
+
+def _per_expert(f: _File, tensors: dict, fused: list, model_shape, key: str) -> list | None:
+    """The file's tensors of each expert apart, for the experts' stacked tensors ``fused``
+    (``blk.{i}.ffn_gate_exps.weight`` ...) where the file holds none of them, expert-major
+    (expert 0's gate and up, expert 1's, ...); ``None`` where the file holds them stacked or no
+    expert apart.  Early Mixtral files (before
+    llama.cpp stacked the experts, ``ggml_mul_mat_id`` on 3-D tensors) keep each expert's matrix
+    as ``blk.{i}.ffn_gate.{x}.weight``, ``ffn_up.{x}``, ``ffn_down.{x}`` (llama.cpp's
+    ``LLM_TENSOR_FFN_GATE_EXP`` ...); llama.cpp's loader still reads them, as views of one stacked
+    tensor per kind (``create_tensor_as_view``).  An expert missing, or of another shape than
+    expert 0's of its kind, is refused by name."""
+    if not fused or not all(n.endswith(_EXPS) and n not in tensors for n in fused):
+        return None
+    E = int(model_shape[0])
+    names = [[n[: -len(_EXPS)] + f".{x}.weight" for n in fused] for x in range(E)]
+    if not any(n in tensors for group in names for n in group):
+        return None
+    first = {n: tensors.get(n) for n in names[0]}
+    parts = []
+    for x, group in enumerate(names):
+        for n, base in zip(group, names[0]):
+            t = tensors.get(n)
+            if t is None:
+                raise ValueError(f"{f.path}: no tensor {n!r} (expert {x} of the model's {key!r}, {E} experts)")
+            shape, want = _shape(t), _shape(first[base])  # expert 0's: present (x = 0 came first)
+            if len(shape) != 2 or shape != want:
+                raise ValueError(
+                    f"{f.path}: tensor {n!r} has shape {shape}, expert 0's {base!r} {want} (one 2-D matrix per expert)"
+                )
+            parts.append(t)
+    return parts
+
+
+def _shape(t) -> tuple:
+    """A file tensor's shape, outermost first (GGUF stores it innermost first)."""
+    return tuple(int(s) for s in reversed(t.shape))
+
+
 def read_gguf(path) -> tuple[dict, dict]:
     """``(Hugging Face config dict, {Hugging Face name: lazy float32 tensor})`` of a GGUF file;
     the tensors are dequantized when read.
@@ -552,7 +616,10 @@ def read_gguf(path) -> tuple[dict, dict]:
             continue
         lookup = cfg.generic_name(key)  # the converter's names: a family's own layer names undone
         parts = [tensors.get(n) for n in _gguf_names(names, lookup)]
-        if None in parts:
+        experts = _per_expert(f, tensors, _gguf_names(names, lookup), model_shape, key)
+        if experts is not None:
+            parts = experts
+        elif None in parts:
             missing = _gguf_names(names, lookup)[parts.index(None)]
             raise ValueError(f"{f.path}: no tensor {missing!r} (the model's {key!r})")
         proj = key.rsplit(".", 2)[-2]
@@ -563,6 +630,7 @@ def read_gguf(path) -> tuple[dict, dict]:
             spec.norm_shift if key.endswith("norm.weight") else 0.0,
             getattr(f.reader, "mapping", None),
             model_shape,
+            None if experts is None else int(model_shape[0]),
         )
         if out[key].shape == tuple(model_shape[1:]) and model_shape[0] == 1:  # a (1, H) row the file keeps as (H,)
             out[key].shape = tuple(model_shape)  # (Qwen2-MoE's shared_expert_gate: llama.cpp reads {n_embd})
