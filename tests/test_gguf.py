@@ -146,6 +146,18 @@ OLMO2 = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
+# OLMo 2 with YaRN on every layer (no window: llama.cpp's olmo2 scales every layer's RoPE)
+OLMO2_YARN = dict(
+    OLMO2,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "attention_factor": 1.25,
+        "beta_fast": 8.0,
+        "beta_slow": 0.5,
+    },
+)
 # OLMo 3 (an olmo2 file with a window): four layers whose pattern is not llama.cpp's period of 4
 # (the file's booleans are read), YaRN on the full layer over a ramp of kept, mixed and
 # interpolated pairs, the sliding layers' plain RoPE of the same base (the converter writes one)
@@ -717,6 +729,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GRANITE_MOE, "granitemoe", ("GraniteMoeConfig", "GraniteMoeForCausalLM")),
         (LFM2, "lfm2", ("Lfm2Config", "Lfm2ForCausalLM")),
         (OLMO2, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
+        (OLMO2_YARN, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
         (OLMO3, "olmo2", ("Olmo3Config", "Olmo3ForCausalLM")),
     ],
     ids=[
@@ -734,6 +747,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "granitemoe",
         "lfm2",
         "olmo2",
+        "olmo2-yarn",
         "olmo3",
     ],
 )
