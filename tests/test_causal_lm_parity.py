@@ -489,6 +489,51 @@ FAMILIES = {
             rope_theta=500.0,
         ),
     ),
+    # EXAONE 4.0-32B's hybrid at four layers: three sliding layers (a window of 3, RoPE) then a full
+    # one without RoPE (layer_types, beside its "LLLG" pattern), grouped heads, Llama 3's RoPE
+    # scaling (pairs kept, divided, in between), untied
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=3,
+            sliding_window_pattern="LLLG",
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 1000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    # EXAONE 4.0-1.2B's shape: no window, every layer full and rotating, a tied head
+    "exaone4_1_2b": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=None,
+            layer_types=["full_attention"] * 2,
+            tie_word_embeddings=True,
+            rope_theta=500.0,
+            pad_token_id=0,
+        ),
+    ),
 }
 
 
@@ -553,6 +598,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "granite",
         "granitemoe",
         "lfm2",
+        "exaone4",
         "qwen3",
         "gemma3_text",
         "gpt_oss",

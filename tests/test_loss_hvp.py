@@ -22,6 +22,7 @@ FAMILIES += ["kimi_linear"]  # KDA layers (the chunked kimi_delta_attention_back
 FAMILIES += ["mixtral", "qwen2_moe"]  # routed experts alone; beside a gated shared expert (olmoe: test_moe_families)
 FAMILIES += ["granite", "granitemoe"]  # the embedding, residual and logit multipliers (and top-k-softmax experts)
 FAMILIES += ["lfm2"]  # LFM2: ShortConv layers (causal_conv1d_backward_jvp without an activation) beside attention
+FAMILIES += ["exaone4"]  # post-norm layers, per-head QK-norm, a sliding RoPE layer beside a full NoPE one
 IGNORE = -1
 
 

@@ -69,6 +69,7 @@ SUPPORTED_MODEL_TYPES = (
     "granite",
     "granitemoe",
     "lfm2",
+    "exaone4",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv")
@@ -808,10 +809,11 @@ class CausalLMConfig:
     family's names (``generic_name`` undoes them).
 
     ``rope_layers[i]``: whether layer ``i`` rotates its queries and keys (``None``: every layer
-    does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) are
-    ``False`` here: a per-layer flag beside ``layer_types``, not a kind of layer or a ``rope`` entry,
-    since a NoPE layer is otherwise a layer of its kind (full or sliding, with that kind's window)
-    and the layer types stay transformers' own.  ``attention_config(layer_type, i)`` turns it into
+    does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) and
+    EXAONE 4.0's full layers beside sliding ones are ``False`` here: a per-layer flag beside
+    ``layer_types``, not a kind of layer or a ``rope`` entry, since a NoPE layer is otherwise a
+    layer of its kind (full or sliding, with that kind's window) and the layer types stay
+    transformers' own.  ``attention_config(layer_type, i)`` turns it into
     ``MultiHeadAttention``'s ``rope`` flag; the module's forward, backward, JVP and cached decoding
     then skip the rotation as for any layer built with ``rope=False``.
     """
@@ -1905,6 +1907,56 @@ def _olmo2(r: _Reader) -> dict:
     return c
 
 
+def _exaone4_layer_types(r: _Reader, n: int, window) -> tuple:
+    """EXAONE 4.0's ``layer_types``, or, left out, as ``Exaone4Config`` makes them from the integer
+    ``sliding_window_pattern`` (every pattern-th layer, the last of each run, full; the others
+    sliding).  transformers cannot make them from a null ``sliding_window`` (it sets the pattern to
+    0 and divides by it) or from a string pattern such as ``"LLLG"`` (it divides by the string):
+    both are refused by name.  Given, ``layer_types`` are what transformers reads, the pattern beside
+    them nothing (EXAONE-4.0-32B's config.json says ``"LLLG"`` beside its list)."""
+    pattern = r.get("sliding_window_pattern")
+    if r.has("layer_types"):
+        return _layer_types(r, n, _GEMMA_TYPES, [])
+    if window is None:
+        raise ValueError(
+            "config['layer_types']: needed where sliding_window is null (Exaone4Config then sets "
+            "sliding_window_pattern to 0 and cannot derive the layer types from it)"
+        )
+    if isinstance(pattern, str):
+        raise ValueError(
+            f"config['sliding_window_pattern'] = {_show(pattern)}: transformers derives layer_types from an "
+            "integer pattern only; give layer_types beside a string pattern"
+        )
+    return tuple(_interleaved(n, r.int("sliding_window_pattern"), "sliding_attention"))
+
+
+def _exaone4(r: _Reader) -> dict:
+    """EXAONE 4.0 (LG AI Research's EXAONE-4.0-1.2B and -32B, ``Exaone4ForCausalLM``): OLMo 2's
+    post-norm layers (each sublayer's output normalised, then added: ``post_attention_layernorm``,
+    ``post_feedforward_layernorm``, no norm before a sublayer) with Qwen3's per-head QK-norm before
+    RoPE, no biases, sliding-window and full layers (``layer_types``, or every
+    ``sliding_window_pattern``-th layer full: ``_exaone4_layer_types``).  Which layers rotate
+    (``Exaone4Attention``: "global NoPE for hybrid attention"): with a ``sliding_window`` (not
+    null) only the sliding layers, the full ones attend without RoPE (``CausalLMConfig.rope_layers``;
+    the 32B's every fourth layer); with a null ``sliding_window`` every layer (the 1.2B's, all full).
+    RoPE is Llama's, its scaling included (the releases' ``llama3``, factor 16)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    window = r.get("sliding_window")
+    lt = _exaone4_layer_types(r, n, window)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        qk_norm=True,
+        pre_norm=False,
+        sandwich_norm=True,
+        rope=_rope_params(r, 10000.0),
+        rope_layers=None if window is None else tuple(t == "sliding_attention" for t in lt),
+        **_dense_layers(r, lt),
+    )
+    return c
+
+
 def _olmoe(r: _Reader) -> dict:
     """OLMoE (OLMoE-1B-7B): Llama's pre-norm layers (biases on q, k, v and o with
     ``attention_bias``) with OLMo's q/k RMSNorm over the whole projection before RoPE, and on every
@@ -2573,6 +2625,17 @@ _DEFAULTS: dict = {
         block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=True,
     ),
+    "exaone4": dict(  # Exaone4Config's class defaults (no RoPE key: the reader's base of 10000)
+        **_sizes(positions=2048, vocab=102400, hidden=4096, intermediate=16384, layers=32, heads=32, kv_heads=32),
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=2,
+        sliding_window=4096,
+        sliding_window_pattern=4,
+    ),
     "olmo3": dict(
         _LLAMA_SIZES,
         vocab_size=50304,
@@ -3004,6 +3067,7 @@ _READERS = {
     "granite": _granite,
     "granitemoe": _granitemoe,
     "lfm2": _lfm2,
+    "exaone4": _exaone4,
 }
 
 

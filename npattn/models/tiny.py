@@ -577,6 +577,29 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # EXAONE 4.0: post-norm layers with per-head QK-norm; a sliding layer (a window of 3, RoPE) then
+    # a full one without RoPE (sliding_window_pattern 2: the 32B's hybrid of "global NoPE" at a
+    # shorter period); Llama 3's RoPE scaling (the releases' kind) with pairs kept, divided and in
+    # between; a tied head (the 1.2B's)
+    "exaone4": dict(
+        _BASE,
+        model_type="exaone4",
+        head_dim=8,
+        sliding_window=3,
+        sliding_window_pattern=2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 1000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
