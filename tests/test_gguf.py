@@ -183,6 +183,28 @@ OLMO3 = dict(
     },
 )
 
+# EXAONE 4.0: four layers, the fourth full and without RoPE (sliding_window_pattern 4, the 32B's),
+# the others sliding through a window of 3; Llama 3's scaling of the releases (factor 16) stored as
+# rope_freqs.weight; tied.  And the 1.2B's kind: no window, every layer full and rotating
+EXAONE4 = dict(
+    {k: v for k, v in FAMILIES["exaone4"].items() if k != "rope_parameters"},
+    hidden_size=256,
+    intermediate_size=256,
+    head_dim=64,
+    num_hidden_layers=4,
+    sliding_window_pattern=4,
+    rms_norm_eps=1e-5,
+    rope_theta=1000000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+EXAONE4_1_2B = dict(EXAONE4, num_hidden_layers=2, sliding_window=None, layer_types=["full_attention"] * 2)
+
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _GRANITES = ("granite", "granitemoe")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
@@ -341,6 +363,18 @@ def _lfm2_metadata(w, config):
     w.add_shortconv_l_cache(cfg.short_conv.conv_L_cache)
 
 
+def _exaone4_metadata(w, config):
+    """``Exaone4Model.set_gguf_parameters``: the vocabulary's size and, where the config (with its
+    class defaults) has a window, the window and one flag per layer, true where it slides."""
+    from npattn.models import config_from_hf
+    from npattn.models.configs import with_defaults
+
+    w.add_vocab_size(config["vocab_size"])
+    if with_defaults(config).get("sliding_window") is not None:
+        w.add_sliding_window(with_defaults(config)["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in config_from_hf(config).layer_types])
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
@@ -386,6 +420,8 @@ def _metadata(w, config, arch):
         ):
             if config.get(key):
                 add(config[key])
+    if arch == "exaone4":  # Exaone4Model.set_gguf_parameters: the window and its per-layer pattern
+        _exaone4_metadata(w, config)
     if config["model_type"] in (
         "qwen3_moe",
         "qwen2_moe",
@@ -488,6 +524,8 @@ def _write(path, config, sd, qtype, arch, extra=(), apart=False):
     held = {}
     if arch == "phi3":
         extra = (*_phi3_factors(config), *extra)
+    if arch == "exaone4" and config.get("rope_scaling"):  # Exaone4Model.generate_extra_tensors
+        extra = (("rope_freqs.weight", _rope_freqs(config)), *extra)
     for name, value in extra:
         w.add_tensor(name, value)
     items = _as_gguf(sd, config, arch)
@@ -566,6 +604,7 @@ CASES = [
     (LFM2, "lfm2"),
     (OLMO2, "olmo2"),
     (OLMO3, "olmo2"),
+    (EXAONE4, "exaone4"),
 ]
 
 
@@ -731,6 +770,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (OLMO2, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
         (OLMO2_YARN, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
         (OLMO3, "olmo2", ("Olmo3Config", "Olmo3ForCausalLM")),
+        (EXAONE4, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
+        (EXAONE4_1_2B, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -749,6 +790,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "olmo2",
         "olmo2-yarn",
         "olmo3",
+        "exaone4",
+        "exaone4-1.2b",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -779,7 +822,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
 def _rope_freqs(config) -> np.ndarray:
     """``rope_freqs.weight`` as llama.cpp's converter computes it from a Llama 3 ``rope_scaling``
     (``LlamaModel.generate_extra_tensors``): float32 frequencies, one divisor per pair."""
-    rs, dim = config["rope_scaling"], config["hidden_size"] // config["num_attention_heads"]
+    rs, dim = config["rope_scaling"], config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     freqs = 1.0 / (config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     old = rs["original_max_position_embeddings"]
     low, high = old / rs["low_freq_factor"], old / rs["high_freq_factor"]
@@ -2187,3 +2230,80 @@ def test_mixtral_experts_apart_incomplete_or_mismatched_are_refused_by_name(tmp_
         ValueError, match=r"shape.gguf: tensor 'blk.0.ffn_down.2.weight' has shape \(255, 256\), expert 0's"
     ):
         CausalLM.from_gguf(tmp_path / "shape.gguf")
+
+
+# -- EXAONE 4.0 (llama.cpp's exaone4) -------------------------------------------------------------
+def test_what_llama_cpp_s_exaone4_files_say_of_their_layers():
+    """The converter's window and per-layer flags are the layer types (only the sliding layers
+    rotate: the reader's rope_layers); no window, or a window without flags (an older converter's),
+    is every layer full and rotating, as llama.cpp builds such files; a 64-layer file without them
+    is llama.cpp's 32B (a window of 4096, every fourth layer full), an integer pattern such a
+    period; what the converter never writes is refused by name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["exaone4"].derive
+    for meta in ({}, {"attention.sliding_window": 8}):
+        c = dict(num_hidden_layers=30, attention_bias=False)
+        derive(c, meta)
+        assert c == dict(num_hidden_layers=30, sliding_window=None, layer_types=["full_attention"] * 30)
+    c = dict(num_hidden_layers=64)
+    derive(c, {})
+    assert c["sliding_window"] == 4096 and c["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 16
+    c = dict(num_hidden_layers=64)
+    derive(c, {"attention.sliding_window": 2048})
+    assert c["sliding_window"] == 2048 and c["layer_types"][:4] == ["sliding_attention"] * 3 + ["full_attention"]
+    c = dict(num_hidden_layers=3)
+    derive(c, {"attention.sliding_window": 5, "attention.sliding_window_pattern": [False, True, True]})
+    assert c == dict(num_hidden_layers=3, sliding_window=5, layer_types=["full_attention"] + ["sliding_attention"] * 2)
+    c = dict(num_hidden_layers=4)
+    derive(c, {"attention.sliding_window": 5, "attention.sliding_window_pattern": 2})
+    assert c["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    key = r"metadata 'exaone4.attention.sliding_window_pattern'"
+    for meta, match in (
+        ({"attention.sliding_window_pattern": [True, False]}, key + " without 'exaone4.attention.sliding_window'"),
+        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": [True] * 3}, key + r".*expected 2 flags"),
+        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": [1, 0]}, key + r".*expected 2 flags"),
+        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": 0}, key + r" 0: expected a flag"),
+        (
+            {"attention.sliding_window": 0, "attention.sliding_window_pattern": 2},
+            r"'exaone4.attention.sliding_window' 0",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            derive(dict(num_hidden_layers=2), meta)
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.bias': llama.cpp's exaone4 has no attention biases"):
+        derive(dict(num_hidden_layers=2, attention_bias=True), {})
+
+
+def test_exaone4_files_are_their_models(tmp_path, monkeypatch):
+    """The 32B's kind of file: its window and flags, Llama 3's rope_freqs.weight read back as the
+    config's scaling, the full layer without RoPE; the 1.2B's kind: every layer full and rotating.
+    A file whose converter wrote the window but no flags is llama.cpp's model of it (every layer
+    full and rotating: the logits of that config); a file with attention biases is refused
+    naming the file."""
+    sd = _model(EXAONE4).state_dict()
+    _write(tmp_path / "32b.gguf", EXAONE4, sd, Q.F32, "exaone4")
+    c = CausalLM.from_gguf(tmp_path / "32b.gguf").config
+    assert c.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and c.sliding_window == 3
+    assert c.rope_layers == (True, True, True, False) and c.rope["default"] == dict(
+        EXAONE4["rope_scaling"], rope_theta=1e6
+    )
+    _write(tmp_path / "1.2b.gguf", EXAONE4_1_2B, _model(EXAONE4_1_2B).state_dict(), Q.F32, "exaone4")
+    c = CausalLM.from_gguf(tmp_path / "1.2b.gguf").config
+    assert c.layer_types == ("full_attention",) * 2 and c.sliding_window is None and c.rope_layers is None
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window_pattern", lambda self, value: None)
+    _write(tmp_path / "old.gguf", EXAONE4, sd, Q.F32, "exaone4")
+    monkeypatch.undo()
+    old = CausalLM.from_gguf(tmp_path / "old.gguf")
+    assert old.config.rope_layers is None and set(old.config.layer_types) == {"full_attention"}
+    ids = np.random.default_rng(1).integers(0, EXAONE4["vocab_size"], (2, 6))
+    same = dict(EXAONE4, sliding_window=None, layer_types=["full_attention"] * 4)
+    np.testing.assert_array_equal(_logits(old, ids), _logits(CausalLM.from_hf(old.state_dict(), same), ids))
+    biased = dict(sd)
+    for p in ("q", "k", "v"):
+        biased[f"model.layers.0.self_attn.{p}_proj.bias"] = np.ones(
+            sd[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0], np.float32
+        )
+    _write(tmp_path / "b.gguf", EXAONE4, biased, Q.F32, "exaone4")
+    with pytest.raises(ValueError, match=r"b.gguf: tensor 'blk.0.attn_q.bias': llama.cpp's exaone4 has no attention"):
+        CausalLM.from_gguf(tmp_path / "b.gguf")

@@ -1447,8 +1447,8 @@ class CausalLM(Module):
     def from_gguf(cls, path, *, dtype=None, weights_dtype=None) -> CausalLM:
         """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama`` (Mixtral's
         too), ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
-        ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``lfm2`` and ``olmo2`` (OLMo 2's, and OLMo 3's
-        with a sliding window) files of ``F32``,
+        ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``lfm2``, ``olmo2`` (OLMo 2's, and OLMo 3's
+        with a sliding window) and ``exaone4`` files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
@@ -1459,7 +1459,8 @@ class CausalLM(Module):
         each, stacked), Llama 3.x's ``rope_freqs.weight`` read as its ``rope_scaling``, Phi-3's fused
         ``attn_qkv`` / ``ffn_up`` split and its LongRoPE factor tensors read as its ``rope_scaling``,
         LFM2's layer types read off its per-layer ``head_count_kv`` and its squeezed convolution
-        weights given back their unit axis (``npattn.models.gguf``).
+        weights given back their unit axis, EXAONE 4.0's sliding (and so rotating) layers off its
+        ``sliding_window_pattern`` (``npattn.models.gguf``).
 
         Parameters
         ----------

@@ -396,6 +396,52 @@ def _gguf_olmo2(config: dict, meta: Mapping) -> None:
     )
 
 
+def _gguf_exaone4(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``exaone4`` (``Exaone4Model`` in ``convert_hf_to_gguf.py``, ``llama_model_exaone4``):
+    q/k unpermuted (rotate-half RoPE), Llama 3's scaling as ``rope_freqs.weight``.  The converter
+    writes ``attention.sliding_window`` and ``attention.sliding_window_pattern`` (one flag per
+    layer, true where it slides: the config's ``layer_types``) only for a config with a window; a
+    file without them is the 1.2B's kind, every layer full and rotating (a null
+    ``sliding_window``), and so is one with a window but no pattern (an older converter's),
+    as llama.cpp builds both.  With both the file is read as the model it was converted from (only
+    the sliding layers rotate) at any depth, where llama.cpp's graph slides and skips RoPE in
+    64-layer (32B) files only (npattn keeps the window, as transformers' Exaone4 masks with it);
+    a 64-layer file without them is llama.cpp's 32B: a window of 4096, every fourth layer full (its
+    ``swa_period`` 4; an integer pattern is such a period).  llama.cpp's exaone4 has no attention
+    biases: a file with them is refused (its tensors unread)."""
+    if config.pop("attention_bias", False):
+        raise ValueError("tensor 'blk.0.attn_q.bias': llama.cpp's exaone4 has no attention biases")
+    n = config["num_hidden_layers"]
+    window, pattern = meta.get("attention.sliding_window"), meta.get("attention.sliding_window_pattern")
+    if n == 64:  # llama.cpp's 32B: a window of 4096, every fourth layer full, where the metadata says none
+        window = 4096 if window is None else window
+        pattern = 4 if pattern is None else pattern
+    elif window is None or pattern is None:  # llama.cpp: no sliding layer at another depth
+        if pattern is not None:
+            raise ValueError(
+                "metadata 'exaone4.attention.sliding_window_pattern' without 'exaone4.attention.sliding_window'"
+            )
+        config.update(sliding_window=None, layer_types=["full_attention"] * n)
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"metadata 'exaone4.attention.sliding_window' {_show(window)}: expected an integer >= 1")
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n or any(not isinstance(p, bool) for p in pattern):
+            raise ValueError(
+                f"metadata 'exaone4.attention.sliding_window_pattern' {_show(pattern)}: expected {n} flags "
+                "(block_count), true where a layer slides"
+            )
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(
+            f"metadata 'exaone4.attention.sliding_window_pattern' {_show(pattern)}: expected a flag per layer or "
+            "a period >= 1"
+        )
+    else:
+        layer_types = _interleaved(n, pattern, "sliding_attention")
+    config.update(sliding_window=window, layer_types=layer_types)
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -469,6 +515,10 @@ GGUF_FAMILIES = {
             _GGUF_YARN_ATTN_OLD,
             *_GGUF_YARN.values(),
         ),
+    ),
+    # EXAONE 4.0: the window and which layers slide (and so rotate) in the metadata, or none
+    "exaone4": GgufFamily(
+        "exaone4", derive=_gguf_exaone4, reads=("attention.sliding_window", "attention.sliding_window_pattern")
     ),
 }
 

@@ -9,7 +9,7 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``lfm2``, ``olmo2``, whose files with a sliding
-window are OLMo 3's) and what each means in Hugging Face terms are
+window are OLMo 3's, ``exaone4``) and what each means in Hugging Face terms are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
