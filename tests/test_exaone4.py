@@ -3,9 +3,10 @@ full layers (``layer_types``, or every ``sliding_window_pattern``-th layer full)
 sliding layers only where the model has a window ("global NoPE": the 32B) and on every layer where
 it has none (the 1.2B), Llama 3's RoPE scaling.  The released configs read, which layers slide and
 which rotate (the config and the modules built), the refusals by name, short dicts read as
-transformers reads them, transformers' logits and every gradient for both released shapes, a
-transformers directory loaded and saved back.  The family-wide suites run the tiny entry and
-``tests/test_causal_lm_parity.py`` two more cases (cached decoding among them)."""
+transformers reads them, transformers' logits and every gradient for both released shapes, cached
+decoding and a left-padded batch against transformers, a transformers directory loaded and saved
+back.  The family-wide suites run the tiny entry and ``tests/test_causal_lm_parity.py`` two more
+cases (cached decoding among them)."""
 
 from __future__ import annotations
 
@@ -128,7 +129,9 @@ def test_refusals_name_the_key(bad, match):
 # -- against transformers ------------------------------------------------------------------------
 from _hf64 import (  # noqa: E402
     build,
+    check_cached_decoding,
     check_logits_and_grads,
+    check_padded_batch,
     float64_reference,
     state_dict,
     transformers_or_none,
@@ -157,6 +160,19 @@ def test_released_shapes_logits_and_every_gradient_match_transformers(released):
     m = CausalLM.from_hf(state_dict(hf), dict(released))
     ids = _ids(released["vocab_size"])
     check_logits_and_grads(m, hf, ids, np.random.default_rng(1).standard_normal(ids.shape + (released["vocab_size"],)))
+
+
+@needs_transformers
+def test_cached_decoding_and_a_left_padded_batch_are_transformers():
+    """The 32B's shape (its window of 4, its NoPE full layers): decoding through the cache gives
+    transformers' full pass; a left-padded batch of rows longer and shorter than the window gives
+    transformers' logits with the same mask and generate's positions, each row its prompt alone,
+    and decoding on after it each row alone."""
+    released = _RELEASED_32B
+    hf, _ = build(T.Exaone4Config, T.Exaone4ForCausalLM, **_released(released))
+    m = CausalLM.from_hf(state_dict(hf), dict(released))
+    check_cached_decoding(m, hf, _ids(released["vocab_size"], seed=3))
+    check_padded_batch(m, hf, released["vocab_size"], (9, 5, 2), decode=3)
 
 
 @needs_transformers
