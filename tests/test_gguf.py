@@ -2235,10 +2235,10 @@ def test_mixtral_experts_apart_incomplete_or_mismatched_are_refused_by_name(tmp_
 # -- EXAONE 4.0 (llama.cpp's exaone4) -------------------------------------------------------------
 def test_what_llama_cpp_s_exaone4_files_say_of_their_layers():
     """The converter's window and per-layer flags are the layer types (only the sliding layers
-    rotate: the reader's rope_layers); no window, or a window without flags (an older converter's),
-    is every layer full and rotating, as llama.cpp builds such files; a 64-layer file without them
-    is llama.cpp's 32B (a window of 4096, every fourth layer full), an integer pattern such a
-    period; what the converter never writes is refused by name."""
+    rotate: the reader's rope_layers); no window, or a window without flags (a config with neither
+    layer_types nor a pattern), is every layer full and rotating, as llama.cpp builds such files;
+    a 64-layer file without them is llama.cpp's 32B (a window of 4096, every fourth layer full),
+    an integer pattern such a period; what the converter never writes is refused by name."""
     from npattn.models.configs import GGUF_FAMILIES
 
     derive = GGUF_FAMILIES["exaone4"].derive

@@ -402,8 +402,9 @@ def _gguf_exaone4(config: dict, meta: Mapping) -> None:
     writes ``attention.sliding_window`` and ``attention.sliding_window_pattern`` (one flag per
     layer, true where it slides: the config's ``layer_types``) only for a config with a window; a
     file without them is the 1.2B's kind, every layer full and rotating (a null
-    ``sliding_window``), and so is one with a window but no pattern (an older converter's),
-    as llama.cpp builds both.  With both the file is read as the model it was converted from (only
+    ``sliding_window``), and so is one with a window but no flags (the converter's for a config
+    with a window but neither ``layer_types`` nor ``sliding_window_pattern``), as llama.cpp builds
+    both.  With both the file is read as the model it was converted from (only
     the sliding layers rotate) at any depth, where llama.cpp's graph slides and skips RoPE in
     64-layer (32B) files only (npattn keeps the window, as transformers' Exaone4 masks with it);
     a 64-layer file without them is llama.cpp's 32B: a window of 4096, every fourth layer full (its
