@@ -534,6 +534,60 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    # ERNIE 4.5: RoPE on interleaved pairs (2i, 2i+1), use_bias on the seven projections, grouped
+    # heads wider than hidden / heads, untied
+    "ernie4_5": (
+        "Ernie4_5Config",
+        "Ernie4_5ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            use_bias=True,
+            tie_word_embeddings=False,
+            rope_theta=500.0,
+        ),
+    ),
+    # ERNIE 4.5 as released: no biases, one KV head, the tied head, the 500000 base, a pad row; and
+    # its interleaved pairs under YaRN's scaled frequencies and attention factor
+    "ernie4_5_tied": (
+        "Ernie4_5Config",
+        "Ernie4_5ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            pad_token_id=0,
+        ),
+    ),
+    "ernie4_5_yarn": (
+        "Ernie4_5Config",
+        "Ernie4_5ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4,
+            },
+        ),
+    ),
 }
 
 
@@ -599,6 +653,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "granitemoe",
         "lfm2",
         "exaone4",
+        "ernie4_5",
         "qwen3",
         "gemma3_text",
         "gpt_oss",

@@ -23,6 +23,7 @@ FAMILIES += ["mixtral", "qwen2_moe"]  # routed experts alone; beside a gated sha
 FAMILIES += ["granite", "granitemoe"]  # the embedding, residual and logit multipliers (and top-k-softmax experts)
 FAMILIES += ["lfm2"]  # LFM2: ShortConv layers (causal_conv1d_backward_jvp without an activation) beside attention
 FAMILIES += ["exaone4"]  # post-norm layers, per-head QK-norm, a sliding RoPE layer beside a full NoPE one
+FAMILIES += ["ernie4_5"]  # RoPE on interleaved pairs (2i, 2i+1) in the second-order step, all seven biases
 IGNORE = -1
 
 

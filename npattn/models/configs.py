@@ -70,6 +70,7 @@ SUPPORTED_MODEL_TYPES = (
     "granitemoe",
     "lfm2",
     "exaone4",
+    "ernie4_5",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv")
@@ -665,6 +666,7 @@ class AttentionConfig(_Kwargs):
     qk_norm_unit_offset: bool
     output_gate: bool
     qk_norm_scope: str = "head"
+    rope_interleaved: bool = False  # RoPE on the pairs (2i, 2i+1) instead of rotate-half (ERNIE 4.5)
 
 
 @dataclass(frozen=True)
@@ -867,6 +869,10 @@ class CausalLMConfig:
     transformers' own.  ``attention_config(layer_type, i)`` turns it into
     ``MultiHeadAttention``'s ``rope`` flag; the module's forward, backward, JVP and cached decoding
     then skip the rotation as for any layer built with ``rope=False``.
+
+    ``rope_interleaved``: RoPE rotates each head's features in the pairs ``(2i, 2i + 1)`` (ERNIE
+    4.5's, as GLM's: ``MultiHeadAttention``'s ``rope_interleaved``) instead of the rotate-half pairs
+    ``(i, i + head_dim/2)`` of Llama and the others; pair ``i`` turns by the same angle either way.
     """
 
     model_type: str
@@ -915,6 +921,7 @@ class CausalLMConfig:
     layer_scalar: bool = False
     double_wide_mlp: bool = False
     rope_layers: tuple | None = None  # per layer: whether it rotates q and k (SmolLM3's NoPE layers: False)
+    rope_interleaved: bool = False  # RoPE rotates the pairs (2i, 2i+1) of each head (ERNIE 4.5), not (i, i + D/2)
     short_conv: ShortConvConfig | None = None  # the "conv" layers' arguments (LFM2)
     layer_names: tuple = ()  # (a layer's tensor name, the family's): LFM2's operator_norm for input_layernorm ...
     final_norm_name: str = "norm"  # model.{final_norm_name}: LFM2's embedding_norm
@@ -975,6 +982,7 @@ class CausalLMConfig:
             qk_norm_unit_offset=self.qk_norm and self.norm_offset,
             output_gate=self.attn_output_gate,
             qk_norm_scope=self.qk_norm_scope,
+            rope_interleaved=self.rope_interleaved,
         )
 
     def describe(self) -> str:
@@ -1275,6 +1283,16 @@ def _common(r: _Reader) -> dict:
     )
 
 
+def _no_attention_dropout(c: dict, family: str, why: str = "") -> None:
+    """Refuse an ``attention_dropout`` other than 0 (read by ``_common`` into ``c``) for a family
+    whose transformers attention never drops its weights."""
+    if c["attention_dropout"]:
+        raise ValueError(
+            f"config['attention_dropout'] = {c['attention_dropout']} is not supported by npattn for {family}"
+            + (f": {why}" if why else "")
+        )
+
+
 def _layer_types(r: _Reader, n: int, allowed: tuple, default: list) -> tuple:
     lt = r.get("layer_types") or default
     if len(lt) != n:
@@ -1414,6 +1432,31 @@ def _no_rope_layers(r: _Reader, n: int) -> tuple:
                 f"config['no_rope_layers']: expected entries 0 (NoPE) or 1 (RoPE), got {_show(x)} in {_show(v)}"
             )
     return tuple(x == 1 for x in v)
+
+
+def _ernie4_5(r: _Reader) -> dict:
+    """ERNIE 4.5 dense (baidu/ERNIE-4.5-0.3B-PT, ``Ernie4_5ForCausalLM``): Llama's layers with
+    ``use_bias`` one switch for the biases of all seven projections (q, k, v, o and the MLP's gate,
+    up, down; never the head's), RoPE on interleaved pairs ``(2i, 2i + 1)`` over the whole head
+    (``Ernie4_5``'s ``apply_rotary_pos_emb``: each frequency repeated twice, GLM's ``rotate_half``)
+    at a base of 500000 where none is given, ``head_dim`` 128 where the key is missing (null:
+    ``hidden_size / num_attention_heads``), a tied head by default.  ``Ernie4_5Attention`` never
+    drops attention weights: an ``attention_dropout`` other than 0 is refused."""
+    c = _common(r)
+    _no_attention_dropout(c, "ernie4_5", "Ernie4_5Attention's dropout is always 0 (transformers ignores the key)")
+    n = c["num_hidden_layers"]
+    bias = r.bool("use_bias")
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=bias,
+        mlp_bias=bias,
+        rope=_rope_params(r, 500000.0),
+        rope_interleaved=True,
+        layer_types=("full_attention",) * n,
+        mlp_types=("dense",) * n,
+    )
+    return c
 
 
 def _smollm3(r: _Reader) -> dict:
@@ -2169,10 +2212,7 @@ def _gemma4(r: _Reader) -> dict:
         moe = MoEConfig(c["hidden_size"], E, k, r.int("moe_intermediate_size"), norm_topk_prob=True, hidden_act=act)
     for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):  # read by the MoE block only
         r.get(key)
-    if c["attention_dropout"]:
-        raise ValueError(
-            f"config['attention_dropout'] = {c['attention_dropout']} is not supported by npattn for gemma4_text"
-        )
+    _no_attention_dropout(c, "gemma4_text")
     lt = _layer_types(r, n, _GEMMA_TYPES, _interleaved(n, 6, "sliding_attention"))[:-1] + ("full_attention",)
     k_eq_v = r.bool("attention_k_eq_v")
     shapes = _gemma4_heads(r, lt, c["head_dim"], c["num_key_value_heads"], k_eq_v)
@@ -2687,6 +2727,18 @@ _DEFAULTS: dict = {
         sliding_window=4096,
         sliding_window_pattern=4,
     ),
+    # Ernie4_5Config's class defaults (0.3B's sizes, head_dim 128, a tied head, no biases)
+    "ernie4_5": dict(
+        **_sizes(positions=131072, vocab=103424, hidden=1024, intermediate=3072, layers=18, heads=16, kv_heads=2),
+        hidden_act="silu",
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        use_bias=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "olmo3": dict(
         _LLAMA_SIZES,
         vocab_size=50304,
@@ -3119,6 +3171,7 @@ _READERS = {
     "granitemoe": _granitemoe,
     "lfm2": _lfm2,
     "exaone4": _exaone4,
+    "ernie4_5": _ernie4_5,
 }
 
 

@@ -600,6 +600,18 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # ERNIE 4.5: RoPE on interleaved pairs (2i, 2i+1), use_bias on all seven projections, heads of
+    # 8 wider than hidden / heads, a tied head (its default)
+    "ernie4_5": dict(
+        _BASE,
+        model_type="ernie4_5",
+        head_dim=8,
+        use_bias=True,
+        rope_theta=1000.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
