@@ -204,6 +204,11 @@ EXAONE4 = dict(
     },
 )
 EXAONE4_1_2B = dict(EXAONE4, num_hidden_layers=2, sliding_window=None, layer_types=["full_attention"] * 2)
+# ERNIE 4.5: RoPE on the pairs (2i, 2i+1), llama.cpp's own (the converter does not permute), heads
+# of 128 (ERNIE-4.5-0.3B's: wider than hidden / heads, the file's key_length), no biases, tied
+ERNIE4_5 = dict(
+    FAMILIES["ernie4_5"], hidden_size=256, intermediate_size=256, head_dim=128, use_bias=False, rms_norm_eps=1e-5
+)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _GRANITES = ("granite", "granitemoe")
@@ -605,6 +610,7 @@ CASES = [
     (OLMO2, "olmo2"),
     (OLMO3, "olmo2"),
     (EXAONE4, "exaone4"),
+    (ERNIE4_5, "ernie4_5"),
 ]
 
 
@@ -772,6 +778,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (OLMO3, "olmo2", ("Olmo3Config", "Olmo3ForCausalLM")),
         (EXAONE4, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (EXAONE4_1_2B, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
+        (ERNIE4_5, "ernie4_5", ("Ernie4_5Config", "Ernie4_5ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -792,6 +799,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "olmo3",
         "exaone4",
         "exaone4-1.2b",
+        "ernie4_5",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -1050,6 +1058,39 @@ def test_granite_file_without_the_optional_numbers_is_llama_cpp_s_model(tmp_path
     _write(tmp_path / "shared.gguf", GRANITE_MOE, _model(GRANITE_MOE).state_dict(), Q.F32, "granitemoe")
     with pytest.raises(ValueError, match=r"metadata 'granitemoe.expert_shared_feed_forward_length' is not supported"):
         CausalLM.from_gguf(tmp_path / "shared.gguf")
+
+
+def test_ernie4_5_rows_are_read_as_written_and_biases_refused(tmp_path):
+    """An ernie4_5 file's q/k rows are the checkpoint's (its pairs (2i, 2i+1) are llama.cpp's
+    normal RoPE: nothing to undo), and its heads are key_length wide (128 here, not 256 / 4): the
+    model of the same weights saved as a Hugging Face directory and read back (its config.json),
+    logits bit for bit.  A file with biases (ERNIE 4.5's use_bias, which llama.cpp's graph applies
+    to q, k, v only) is refused naming the file and the tensor."""
+    src = _model(ERNIE4_5)
+    sd = src.state_dict()
+    _write(tmp_path / "m.gguf", ERNIE4_5, sd, Q.F32, "ernie4_5")
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    c = loaded.config
+    assert c.head_dim == 128 and c.rope_interleaved and c.tie_word_embeddings
+    assert not (c.mlp_bias or c.attention_bias)
+    src.save_pretrained(tmp_path / "dir")
+    directory = CausalLM.from_pretrained(tmp_path / "dir")
+    shape = ("head_dim", "num_key_value_heads", "rope", "rope_interleaved", "tie_word_embeddings")
+    assert {k: getattr(c, k) for k in shape} == {k: getattr(directory.config, k) for k in shape}
+    assert np.float32(c.rms_norm_eps) == np.float32(directory.config.rms_norm_eps)  # the file's float32
+    ids = np.random.default_rng(1).integers(1, ERNIE4_5["vocab_size"], (2, 7))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(directory, ids))
+    np.testing.assert_array_equal(
+        loaded.state_dict()["model.layers.1.self_attn.k_proj.weight"], sd["model.layers.1.self_attn.k_proj.weight"]
+    )
+    biased = dict(ERNIE4_5, use_bias=True)
+    _write(tmp_path / "b.gguf", biased, _model(biased).state_dict(), Q.F32, "ernie4_5")
+    with pytest.raises(ValueError, match=r"b.gguf: tensor 'blk.0.attn_q.bias' in an ernie4_5 file: llama.cpp's"):
+        CausalLM.from_gguf(tmp_path / "b.gguf")
+    from npattn.models.configs import GGUF_FAMILIES
+
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.bias' in an ernie4_5 file"):
+        GGUF_FAMILIES["ernie4_5"].derive(dict(model_type="ernie4_5", attention_bias=False, mlp_bias=True), {})
 
 
 # the optional metadata llama.cpp fills in itself (llm_load_hparams), each left out of a file

@@ -444,6 +444,22 @@ def _gguf_exaone4(config: dict, meta: Mapping) -> None:
     config.update(sliding_window=window, layer_types=layer_types)
 
 
+def _gguf_ernie4_5(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``ernie4_5`` (``Ernie4_5Model`` in ``convert_hf_to_gguf.py``, a ``TextModel``):
+    the q/k rows as the checkpoint has them (not permuted: llama.cpp rotates this architecture's
+    pairs ``(2i, 2i + 1)``, its "normal" RoPE, which are Ernie4_5's own), ``attention.key_length``
+    the heads' width (Ernie4_5Config's ``head_dim``; absent, llama.cpp's ``embedding_length /
+    head_count``), the head tied where the file has no ``output.weight``.  llama.cpp's graph adds
+    biases to q, k and v only, never to o or the MLP (which transformers' ``use_bias`` has too): a
+    file with biases is refused, as no model both read alike (the released ERNIE 4.5 have none)."""
+    for key, tensor in (("attention_bias", "blk.0.attn_q.bias"), ("mlp_bias", "blk.0.ffn_up.bias")):
+        if config.pop(key, False):
+            raise ValueError(
+                f"tensor {tensor!r} in an ernie4_5 file: llama.cpp's ernie4_5 adds biases to q, k and v only, "
+                "transformers' use_bias to all seven projections; npattn reads ernie4_5 files without biases"
+            )
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -522,6 +538,8 @@ GGUF_FAMILIES = {
     "exaone4": GgufFamily(
         "exaone4", derive=_gguf_exaone4, reads=("attention.sliding_window", "attention.sliding_window_pattern")
     ),
+    # ERNIE 4.5 dense: its interleaved RoPE pairs are llama.cpp's own (no permutation), no biases
+    "ernie4_5": GgufFamily("ernie4_5", derive=_gguf_ernie4_5),
 }
 
 

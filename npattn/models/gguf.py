@@ -9,7 +9,7 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``lfm2``, ``olmo2``, whose files with a sliding
-window are OLMo 3's, ``exaone4``) and what each means in Hugging Face terms are
+window are OLMo 3's, ``exaone4``, ``ernie4_5``) and what each means in Hugging Face terms are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
@@ -33,8 +33,10 @@ Reading one:
    ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite`` or ``granitemoe`` model's too,
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
-   fourth).  The other architectures' files use the rotate-half (NeoX)
-   RoPE and are not permuted.  The converter stores Gemma's norm weights as ``1 + w`` (what
+   fourth).  An ``ernie4_5`` file is not permuted: ERNIE 4.5 itself rotates the pairs
+   ``(2i, 2i + 1)`` (``CausalLMConfig.rope_interleaved``), llama.cpp's normal RoPE.  The other
+   architectures' files use the rotate-half (NeoX) RoPE and are not permuted.  The converter
+   stores Gemma's norm weights as ``1 + w`` (what
    ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
    Llama 3.x files keep their RoPE scaling (Hugging Face's ``rope_scaling`` ``"llama3"``) not in the
    metadata but as the divisors of the tensor ``rope_freqs.weight``, which becomes that
