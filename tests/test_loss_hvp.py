@@ -21,6 +21,7 @@ FAMILIES += ["deepseek_v32"]  # MLA restricted to the indexer's choice (a consta
 FAMILIES += ["kimi_linear"]  # KDA layers (the chunked kimi_delta_attention_backward_jvp) beside MLA and MoE
 FAMILIES += ["mixtral", "qwen2_moe"]  # routed experts alone; beside a gated shared expert (olmoe: test_moe_families)
 FAMILIES += ["granite", "granitemoe"]  # the embedding, residual and logit multipliers (and top-k-softmax experts)
+FAMILIES += ["granitemoeshared"]  # the shared MLP beside the experts
 FAMILIES += ["lfm2"]  # LFM2: ShortConv layers (causal_conv1d_backward_jvp without an activation) beside attention
 FAMILIES += ["exaone4"]  # post-norm layers, per-head QK-norm, a sliding RoPE layer beside a full NoPE one
 FAMILIES += ["ernie4_5"]  # RoPE on interleaved pairs (2i, 2i+1) in the second-order step, all seven biases

@@ -68,6 +68,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "granite",
     "granitemoe",
+    "granitemoeshared",
     "lfm2",
     "exaone4",
     "ernie4_5",
@@ -1600,22 +1601,57 @@ def _granitemoe(r: _Reader) -> dict:
     ``conversion_mapping``, both directions: ``CheckpointLayout.renames``)."""
     c = _common(r)
     n = c["num_hidden_layers"]
-    experts, top_k = r.int("num_local_experts"), r.int("num_experts_per_tok")
-    if top_k > experts:
-        raise ValueError(f"config['num_experts_per_tok']: expected at most num_local_experts={experts}, got {top_k}")
-    c.update(
-        intermediate_size=r.int("intermediate_size"),
+    c.update(_granite_attention(r, n), **_granite_experts(r, n, shared=False))
+    return c
+
+
+def _granitemoeshared(r: _Reader) -> dict:
+    """GraniteMoeShared (``GraniteMoeSharedForCausalLM``): Granite MoE (``_granitemoe``) whose
+    layers also run a shared MLP of width ``shared_intermediate_size`` on the same normalised input,
+    its output added to the experts' before the residual multiplier
+    (``GraniteMoeSharedDecoderLayer``: ``moe(h) + shared_mlp(h)``).  ``SparseMoeBlock``'s shared
+    expert, under transformers' names: ``shared_mlp.input_linear.weight`` ``(2S, H)`` (gate rows,
+    then up rows, as its ``chunk(2)`` splits them; the model holds them as ``shared_mlp.gate_proj``
+    and ``shared_mlp.up_proj``: ``CheckpointLayout.fused``) and ``shared_mlp.output_linear.weight``.
+    A ``shared_intermediate_size`` of 0 (the class default) is no shared MLP: Granite MoE."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    shared = r.int("shared_intermediate_size", minimum=0) > 0
+    c.update(_granite_attention(r, n), **_granite_experts(r, n, shared=shared))
+    return c
+
+
+def _granite_attention(r: _Reader, n: int) -> dict:
+    """The attention layers (and the activation) of Granite MoE and GraniteMoeShared:
+    Llama's (``attention_bias`` on the four projections, RoPE) with Granite's four numbers."""
+    return dict(
         hidden_act=_act(r, "hidden_act", "silu"),
         attention_bias=r.bool("attention_bias"),
         rope=_rope_params(r, 10000.0),
         layer_types=("full_attention",) * n,
-        mlp_types=("moe",) * n,
-        moe=moe_config(r.d),
-        layer_names=(("mlp", "block_sparse_moe"),),
-        layout=CheckpointLayout(r.model_type, renames=_GRANITEMOE_RENAMES),
         **_granite_scalars(r),
     )
-    return c
+
+
+def _granite_experts(r: _Reader, n: int, *, shared: bool) -> dict:
+    """Every layer's routed experts under ``block_sparse_moe`` (``num_local_experts`` of width
+    ``intermediate_size``, the top ``num_experts_per_tok``), with the shared MLP where ``shared``
+    (``shared_intermediate_size``; ``shared_mlp``), in the released checkpoints' layout."""
+    experts, top_k = r.int("num_local_experts"), r.int("num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"config['num_experts_per_tok']: expected at most num_local_experts={experts}, got {top_k}")
+    names: tuple = (("mlp", "block_sparse_moe"),)
+    layout = CheckpointLayout(r.model_type, renames=_GRANITEMOE_RENAMES)
+    if shared:
+        names = _GRANITE_SHARED_NAMES + names
+        layout = dataclasses.replace(layout, fused=_GRANITE_SHARED_FUSED)
+    return dict(
+        intermediate_size=r.int("intermediate_size"),
+        mlp_types=("moe",) * n,
+        moe=moe_config(r.d),
+        layer_names=names,
+        layout=layout,
+    )
 
 
 # (the model's part, the released checkpoints' part): transformers' conversion_mapping for granitemoe
@@ -1624,6 +1660,13 @@ _GRANITEMOE_RENAMES = (
     (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
     (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"),
 )
+# GraniteMoeShared's shared MLP (transformers' GraniteMoeSharedMLP): SparseMoeBlock's shared expert
+# beside the experts; input_linear stacks gate and up
+_GRANITE_SHARED_NAMES = (
+    ("mlp.shared_expert.down_proj", "shared_mlp.output_linear"),
+    ("mlp.shared_expert", "shared_mlp"),
+)
+_GRANITE_SHARED_FUSED = (("shared_mlp.input_linear", ("shared_mlp.gate_proj", "shared_mlp.up_proj")),)
 
 
 def _qwen3_moe(r: _Reader) -> dict:
@@ -2720,6 +2763,7 @@ _DEFAULTS: dict = {
     ),
     "granite": dict(_GRANITE, mlp_bias=False),
     "granitemoe": dict(_GRANITE, num_local_experts=8, num_experts_per_tok=2),
+    "granitemoeshared": dict(_GRANITE, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=0),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "lfm2": dict(
         **_sizes(positions=128000, vocab=65536, hidden=2560, intermediate=12288, layers=32, heads=32, kv_heads=8),
@@ -3102,12 +3146,18 @@ def _moe_mixtral(c: _Loose) -> MoEConfig:
 
 
 def _moe_granitemoe(c: _Loose) -> MoEConfig:
-    # the top k of the logits, then a softmax over them (no bias); keys router.weight, experts.*
+    # the top k of the logits, then a softmax over them (no bias); keys router.weight, experts.*;
+    # GraniteMoeShared's shared MLP where shared_intermediate_size > 0 (its default 0): the shared
+    # expert (the decoder layer calls it shared_mlp)
+    shared = None
+    if c.model_type == "granitemoeshared":
+        shared = c.get("shared_intermediate_size", default=0) or None
     return MoEConfig(
         **_moe_sizes(c, ("num_local_experts",), "intermediate_size"),
         router="topk_softmax",
         hidden_act=c.get("hidden_act", default="silu"),
         router_name="router",
+        shared_intermediate_size=shared,
     )
 
 
@@ -3123,6 +3173,7 @@ _MOE_READERS = {
     "qwen2_moe": _moe_qwen2_moe,
     "olmoe": _moe_olmoe,
     "granitemoe": _moe_granitemoe,
+    "granitemoeshared": _moe_granitemoe,
 }
 
 
@@ -3131,7 +3182,8 @@ def moe_config(config) -> MoEConfig:
 
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
     one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
-    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"`` (the fields each reads: ``SparseMoeBlock.from_hf_config``).
+    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"`` (the fields each
+    reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises
     ------
@@ -3187,6 +3239,7 @@ _READERS = {
     "smollm3": _smollm3,
     "granite": _granite,
     "granitemoe": _granitemoe,
+    "granitemoeshared": _granitemoeshared,
     "lfm2": _lfm2,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,

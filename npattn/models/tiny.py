@@ -612,6 +612,25 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # GraniteMoeShared: Granite MoE (2 of 4 experts, untied) plus a shared MLP of width 12 on the
+    # same input, its fused input_linear as the checkpoints write it
+    "granitemoeshared": dict(
+        _BASE,
+        model_type="granitemoeshared",
+        intermediate_size=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=12,
+        embedding_multiplier=0.8,
+        residual_multiplier=1.3,
+        attention_multiplier=0.35,
+        logits_scaling=2.0,
+        rope_theta=1000.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
