@@ -430,8 +430,8 @@ class DecoderLayer(_Renamed):
     ``post_feedforward_layernorm``).  Without ``cfg.pre_norm`` (OLMo 2/3) there is no norm before
     a sublayer: ``x + post_attention_layernorm(attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``.
     With ``cfg.residual_multiplier`` ``r`` (Granite) each residual sum is ``x + r * branch``.  A
-    family's own names (``cfg.layer_names``: LFM2's, GraniteMoe's ``block_sparse_moe``,
-    GraniteMoeShared's ``shared_mlp``) replace these."""
+    family's own names (``cfg.layer_names``: LFM2's, GraniteMoe's ``block_sparse_moe``, Granite 4.0's
+    ``shared_mlp``) replace these."""
 
     def __init__(self, cfg: CausalLMConfig, index: int, *, rng=None, dtype=np.float64):
         super().__init__()

@@ -69,6 +69,7 @@ SUPPORTED_MODEL_TYPES = (
     "granite",
     "granitemoe",
     "granitemoeshared",
+    "granitemoehybrid",
     "lfm2",
     "exaone4",
     "ernie4_5",
@@ -1621,8 +1622,81 @@ def _granitemoeshared(r: _Reader) -> dict:
     return c
 
 
+# the Mamba-2 layers' keys of a GraniteMoeHybrid config: read by no layer of an all-attention model
+_GRANITE_MAMBA_KEYS = (
+    "mamba_n_heads",
+    "mamba_n_groups",
+    "mamba_d_state",
+    "mamba_d_head",
+    "mamba_d_conv",
+    "mamba_expand",
+    "mamba_chunk_size",
+    "mamba_conv_bias",
+    "mamba_proj_bias",
+    "time_step_limit",
+)
+
+
+def _granitemoehybrid(r: _Reader) -> dict:
+    """Granite 4.0 (``GraniteMoeHybridForCausalLM``) whose every layer is attention
+    (granite-4.0-micro, -1b, -350m: ``layer_types`` all ``"attention"``, which transformers 5 calls
+    ``"full_attention"``): GraniteMoeShared's layer (``_granitemoeshared``), its shared MLP always
+    there (``shared_intermediate_size``), the routed experts only where ``num_local_experts`` > 0;
+    with 0 (the released dense models) the layer's MLP is the shared MLP alone
+    (``GraniteMoeHybridDecoderLayer``'s ``has_experts``), ``intermediate_size`` and
+    ``num_experts_per_tok`` then read by no module.  ``position_embedding_type``: ``"rope"``
+    rotates q and k (the released all-attention models); null (transformers' default) or
+    ``"nope"`` (the hybrid releases') leaves them unrotated, as ``GraniteMoeHybridModel`` builds
+    no rotary embedding for any value but ``"rope"`` (``rope_layers`` all False).  A Mamba-2 layer
+    (``"mamba"``, transformers 5's ``"linear_attention"``; and every layer where ``layer_types`` is
+    missing, transformers' default) is refused by name: npattn has no Mamba-2 layer.  The
+    ``mamba_*`` keys describe layers an all-attention model does not have (metadata), and so do
+    ``init_method`` (the initialisation) and ``normalization_function`` (which must say
+    ``"rmsnorm"``: transformers' layers are RMSNorms whatever it says)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    lt = r.get("layer_types")
+    if lt is None:
+        raise ValueError(
+            "config['layer_types']: missing, which transformers' GraniteMoeHybridConfig reads as every layer a "
+            "Mamba-2 layer ('mamba'); npattn has no Mamba-2 layer (Granite 4.0's all-attention models are read)"
+        )
+    if not isinstance(lt, (list, tuple)) or len(lt) != n:
+        raise ValueError(f"config['layer_types']: expected a list of {n} entries (num_hidden_layers), got {_show(lt)}")
+    mamba = [i for i, t in enumerate(lt) if t in ("mamba", "linear_attention")]
+    if mamba:
+        raise ValueError(
+            f"config['layer_types']: layers {mamba} are Mamba-2 layers ({lt[mamba[0]]!r}), which npattn does not "
+            "implement (Granite 4.0's hybrid models; the all-attention ones, every layer 'attention', are read)"
+        )
+    for t in lt:
+        if t not in ("attention", "full_attention"):
+            raise ValueError(
+                f"config['layer_types']: {t!r} is not supported by npattn for model_type 'granitemoehybrid' "
+                "(supported: ['attention', 'full_attention'])"
+            )
+    for key in _GRANITE_MAMBA_KEYS + ("init_method",):
+        r.get(key)
+    r.only("normalization_function", ("rmsnorm",), "rmsnorm", "transformers' Granite 4.0 layers are RMSNorms")
+    position = r.only("position_embedding_type", (None, "rope", "nope"), None, "RoPE or no positions")
+    c.update(_granite_attention(r, n))
+    if position != "rope":  # GraniteMoeHybridModel: no rotary embedding
+        c.update(rope_layers=(False,) * n)
+    if r.int("shared_intermediate_size") and r.int("num_local_experts", minimum=0) > 0:
+        c.update(_granite_experts(r, n, shared=True))
+        return c
+    r.get("intermediate_size"), r.get("num_experts_per_tok")  # the experts' (there are none)
+    c.update(
+        intermediate_size=r.int("shared_intermediate_size"),
+        mlp_types=("dense",) * n,
+        layer_names=_GRANITE_DENSE_NAMES,
+        layout=CheckpointLayout(r.model_type, fused=_GRANITE_SHARED_FUSED),
+    )
+    return c
+
+
 def _granite_attention(r: _Reader, n: int) -> dict:
-    """The attention layers (and the activation) of Granite MoE and GraniteMoeShared:
+    """The attention layers (and the activation) of Granite MoE, GraniteMoeShared and Granite 4.0:
     Llama's (``attention_bias`` on the four projections, RoPE) with Granite's four numbers."""
     return dict(
         hidden_act=_act(r, "hidden_act", "silu"),
@@ -1660,12 +1734,13 @@ _GRANITEMOE_RENAMES = (
     (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
     (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"),
 )
-# GraniteMoeShared's shared MLP (transformers' GraniteMoeSharedMLP): SparseMoeBlock's shared expert
-# beside the experts; input_linear stacks gate and up
+# GraniteMoeShared's and Granite 4.0's shared MLP (transformers' GraniteMoeSharedMLP): SparseMoeBlock's
+# shared expert beside the experts, or the dense layer's MLP; input_linear stacks gate and up
 _GRANITE_SHARED_NAMES = (
     ("mlp.shared_expert.down_proj", "shared_mlp.output_linear"),
     ("mlp.shared_expert", "shared_mlp"),
 )
+_GRANITE_DENSE_NAMES = (("mlp.down_proj", "shared_mlp.output_linear"), ("mlp", "shared_mlp"))
 _GRANITE_SHARED_FUSED = (("shared_mlp.input_linear", ("shared_mlp.gate_proj", "shared_mlp.up_proj")),)
 
 
@@ -2764,6 +2839,13 @@ _DEFAULTS: dict = {
     "granite": dict(_GRANITE, mlp_bias=False),
     "granitemoe": dict(_GRANITE, num_local_experts=8, num_experts_per_tok=2),
     "granitemoeshared": dict(_GRANITE, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=0),
+    "granitemoehybrid": dict(
+        _GRANITE,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        shared_intermediate_size=1024,
+        position_embedding_type=None,
+    ),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "lfm2": dict(
         **_sizes(positions=128000, vocab=65536, hidden=2560, intermediate=12288, layers=32, heads=32, kv_heads=8),
@@ -3147,11 +3229,13 @@ def _moe_mixtral(c: _Loose) -> MoEConfig:
 
 def _moe_granitemoe(c: _Loose) -> MoEConfig:
     # the top k of the logits, then a softmax over them (no bias); keys router.weight, experts.*;
-    # GraniteMoeShared's shared MLP where shared_intermediate_size > 0 (its default 0): the shared
-    # expert (the decoder layer calls it shared_mlp)
+    # GraniteMoeShared's shared MLP where shared_intermediate_size > 0 (its default 0), Granite 4.0's
+    # always (its default 1024): the shared expert (the decoder layer calls it shared_mlp)
     shared = None
     if c.model_type == "granitemoeshared":
         shared = c.get("shared_intermediate_size", default=0) or None
+    elif c.model_type == "granitemoehybrid":
+        shared = c.get("shared_intermediate_size", default=1024)
     return MoEConfig(
         **_moe_sizes(c, ("num_local_experts",), "intermediate_size"),
         router="topk_softmax",
@@ -3174,6 +3258,7 @@ _MOE_READERS = {
     "olmoe": _moe_olmoe,
     "granitemoe": _moe_granitemoe,
     "granitemoeshared": _moe_granitemoe,
+    "granitemoehybrid": _moe_granitemoe,
 }
 
 
@@ -3182,8 +3267,8 @@ def moe_config(config) -> MoEConfig:
 
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
     one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
-    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"`` (the fields each
-    reads: ``SparseMoeBlock.from_hf_config``).
+    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"``, ``"granitemoehybrid"`` (the
+    fields each reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises
     ------
@@ -3240,6 +3325,7 @@ _READERS = {
     "granite": _granite,
     "granitemoe": _granitemoe,
     "granitemoeshared": _granitemoeshared,
+    "granitemoehybrid": _granitemoehybrid,
     "lfm2": _lfm2,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,

@@ -631,6 +631,28 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Granite 4.0 as released without Mamba (granite-4.0-micro, -1b, -350m): every layer attention
+    # with RoPE, no experts, the shared MLP the layer's MLP; the mamba_* keys describe no layer
+    # (mamba_n_heads 8 only for transformers' check of them at this width)
+    "granitemoehybrid": dict(
+        _BASE,
+        model_type="granitemoehybrid",
+        layer_types=["attention", "attention"],
+        position_embedding_type="rope",
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        shared_intermediate_size=20,
+        mamba_n_heads=8,
+        embedding_multiplier=2.5,
+        residual_multiplier=0.45,
+        attention_multiplier=0.3,
+        logits_scaling=3.0,
+        rope_theta=1000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 

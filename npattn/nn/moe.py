@@ -1095,8 +1095,8 @@ class SparseMoeBlock(Module):
 
         ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with
         ``model_type`` one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``,
-        ``"mixtral"``, ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"``.  Fields
-        read:
+        ``"mixtral"``, ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"``,
+        ``"granitemoehybrid"``.  Fields read:
 
         * gpt_oss: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``,
           ``intermediate_size``, ``swiglu_alpha`` (1.702), ``swiglu_limit`` (7.0) -> variant
@@ -1126,8 +1126,9 @@ class SparseMoeBlock(Module):
         * granitemoe: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``,
           ``intermediate_size``, ``hidden_act`` -> ``"topk_softmax"`` without a bias, keys
           ``router.weight``, ``experts.*`` (the decoder layer calls the block ``block_sparse_moe``);
-        * granitemoeshared: granitemoe's and ``shared_intermediate_size`` (the shared expert,
-          ``shared_expert.*``, which the decoder layer calls ``shared_mlp``; none where 0, its default).
+        * granitemoeshared, granitemoehybrid: granitemoe's and ``shared_intermediate_size`` (the
+          shared expert, ``shared_expert.*``, which the decoder layer calls ``shared_mlp``; none where
+          0, GraniteMoeShared's default; Granite 4.0's default 1024).
 
         A compatibility wrapper: ``npattn.models.configs.moe_config(config)`` reads the arguments
         (a ``MoEConfig``; each family's reader lives there), which are then passed to the
