@@ -127,6 +127,29 @@ GRANITE_MOE = dict(
     attention_multiplier=0.4375,
     tie_word_embeddings=False,
 )
+# GraniteMoeShared: Granite MoE's experts (2 of 4) and a shared MLP 256 wide, which the converter
+# writes as ffn_gate_shexp / ffn_up_shexp (input_linear's halves) and ffn_down_shexp in a granitemoe file
+GRANITE_SHARED = dict(
+    FAMILIES["granitemoeshared"],
+    hidden_size=256,
+    intermediate_size=256,
+    shared_intermediate_size=256,
+    embedding_multiplier=1.25,
+    residual_multiplier=0.75,
+    attention_multiplier=0.4375,
+)
+# Granite 4.0 without Mamba layers (granite-4.0-micro's kind): GraniteHybridModel writes a granite
+# file, the shared MLP as ffn_gate / ffn_up / ffn_down, with the Mamba keys and a head_count_kv per layer
+GRANITE4 = dict(
+    FAMILIES["granitemoehybrid"],
+    hidden_size=256,
+    intermediate_size=256,
+    shared_intermediate_size=256,
+    attention_multiplier=0.375,
+    residual_multiplier=0.5,
+)
+# ... and with experts (2 of 3): a granitemoe file with the shared MLP as ffn_*_shexp
+GRANITE4_MOE = dict(GRANITE4, num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=False)
 # LFM2: a short convolution (3 taps), an attention layer, another convolution; the MLP's width
 # adjusted (int(2 * 384 / 3) = 256), which the file stores as its feed_forward_length; tied
 LFM2 = dict(
@@ -211,7 +234,9 @@ ERNIE4_5 = dict(
 )
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
-_GRANITES = ("granite", "granitemoe")
+_GRANITES = ("granite", "granitemoe", "granitehybrid")
+# the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
+_GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
 _PERMUTED = ("llama", "smollm3", *_GRANITES)
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
@@ -230,6 +255,29 @@ def _granitemoe_name(key: str, back: bool = False) -> str:
         if key.endswith(old):
             return key[: -len(old)] + new
     return key
+
+
+def _granite_shared(key: str, config: dict):
+    """The GGUF tensor of a shared-MLP part (GraniteMoeModel.modify_tensors: input_linear's gate and
+    up halves, output_linear), or None: ffn_*_shexp beside experts, ffn_* without."""
+    parts = {"gate_proj": "GATE", "up_proj": "UP", "output_linear": "DOWN"}
+    if ".shared_mlp." not in key:
+        return None
+    part = key.split(".")[-2]
+    kind = parts[part] + ("_SHEXP" if config.get("num_local_experts") else "")
+    return gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, "FFN_" + kind)].format(bid=int(key.split(".")[2])) + ".weight"
+
+
+def _granite_checkpoint(sd: dict) -> dict:
+    """npattn's state dict under transformers' names: each shared MLP's gate and up rows as input_linear."""
+    out = {}
+    for key, value in sd.items():
+        if key.endswith("shared_mlp.gate_proj.weight"):
+            prefix = key[: -len("gate_proj.weight")]
+            out[prefix + "input_linear.weight"] = np.concatenate([value, sd[prefix + "up_proj.weight"]])
+        elif not key.endswith("shared_mlp.up_proj.weight"):
+            out[key] = value
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -394,7 +442,13 @@ def _metadata(w, config, arch):
     w.add_embedding_length(H)
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(config["num_key_value_heads"])
+    if config["model_type"] == "granitemoehybrid":  # GraniteHybridModel: one per layer (0: Mamba-2)
+        w.add_head_count_kv([config["num_key_value_heads"]] * config["num_hidden_layers"])
+        w.add_rope_scaling_finetuned(config.get("position_embedding_type") == "rope")
+        w.add_ssm_conv_kernel(4), w.add_ssm_state_size(16), w.add_ssm_group_count(1)
+        w.add_ssm_inner_size(2 * H), w.add_ssm_time_step_rank(config.get("mamba_n_heads", 128))
+    else:
+        w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     if arch not in _GRANITES:  # GraniteModel drops head_dim: no key/value length
         w.add_key_length(hd)
@@ -432,14 +486,16 @@ def _metadata(w, config, arch):
         "qwen2_moe",
         "mixtral",
         "olmoe",
-        "granitemoe",
-    ):  # TextModel's, Qwen2MoeModel's
+        *_GRANITE_MOES,
+    ):  # TextModel's (Granite 4.0's counts of 0 too), Qwen2MoeModel's
         w.add_expert_count(config.get("num_experts", config.get("num_local_experts")))
         w.add_expert_used_count(config["num_experts_per_tok"])
     if arch in ("qwen3moe", "qwen2moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if config.get("shared_intermediate_size"):  # GraniteMoeModel.set_gguf_parameters
+        w.add_expert_shared_feed_forward_length(config["shared_intermediate_size"])
 
 
 def _olmo2_metadata(w, config, old_attn_factor=False):
@@ -476,10 +532,13 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     out = {}
     if arch == "phi3":  # the converter reads the checkpoint's fused qkv_proj and gate_up_proj
         sd = _phi3_checkpoint(sd)
-    if arch == "granitemoe":  # the released checkpoint's names, which the converter reads
+    if config["model_type"] in _GRANITE_MOES:  # the released checkpoint's names, which the converter reads
         sd = {_granitemoe_name(k): v for k, v in sd.items()}
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
+        if _granite_shared(key, config):  # the shared MLP: input_linear's halves, output_linear
+            out[key, _granite_shared(key, config)] = value
+            continue
         if key.endswith("block_sparse_moe.input_linear.weight"):  # GraniteMoeModel.modify_tensors: split
             bid, half = int(key.split(".")[2]), value.shape[1] // 2
             for t, v in (
@@ -575,7 +634,7 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         if key.endswith("conv.conv.weight"):
             v = v[:, None, :]
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
-    if arch == "granitemoe":  # back to the model's names
+    if config["model_type"] in _GRANITE_MOES:  # back to the model's names
         out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
     return _phi3_split(out, config) if arch == "phi3" else out
 
@@ -606,6 +665,9 @@ CASES = [
     (PHI3, "phi3"),
     (GRANITE, "granite"),
     (GRANITE_MOE, "granitemoe"),
+    (GRANITE_SHARED, "granitemoe"),
+    (GRANITE4, "granite"),
+    (GRANITE4_MOE, "granitemoe"),
     (LFM2, "lfm2"),
     (OLMO2, "olmo2"),
     (OLMO3, "olmo2"),
@@ -614,9 +676,12 @@ CASES = [
 ]
 
 
-# each case's name: its architecture, or the family where one architecture holds two (Mixtral's
-# llama files, OLMo 3's olmo2 files)
-IDS = [c["model_type"] if c["model_type"] in ("mixtral", "olmo3") else a for c, a in CASES]
+# each case's name: its architecture, or the family where one architecture holds two (Mixtral's llama
+# files, OLMo 3's olmo2 files, GraniteMoeShared's and Granite 4.0's granite and granitemoe files)
+_CASE_NAMES = {"mixtral": "mixtral", "olmo3": "olmo3", "granitemoeshared": "granitemoeshared"}
+IDS = [
+    _CASE_NAMES.get(c["model_type"], a if c["model_type"] != "granitemoehybrid" else f"granite4-{a}") for c, a in CASES
+]
 
 
 def _cases(*names):
@@ -663,7 +728,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
     # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
-    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
+    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOES)
     if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2"))):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
@@ -772,6 +837,9 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (PHI3_MINI, "phi3", ("Phi3Config", "Phi3ForCausalLM")),
         (GRANITE, "granite", ("GraniteConfig", "GraniteForCausalLM")),
         (GRANITE_MOE, "granitemoe", ("GraniteMoeConfig", "GraniteMoeForCausalLM")),
+        (GRANITE_SHARED, "granitemoe", ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM")),
+        (GRANITE4, "granite", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
+        (GRANITE4_MOE, "granitemoe", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
         (LFM2, "lfm2", ("Lfm2Config", "Lfm2ForCausalLM")),
         (OLMO2, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
         (OLMO2_YARN, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
@@ -793,6 +861,9 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "phi3-window",
         "granite",
         "granitemoe",
+        "granitemoeshared",
+        "granite4-granite",
+        "granite4-granitemoe",
         "lfm2",
         "olmo2",
         "olmo2-yarn",
@@ -816,7 +887,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
     hf, _ = build(
         getattr(T, classes[0]), getattr(T, classes[1]), **{k: v for k, v in config.items() if k != "model_type"}
     )
-    checkpoint = _phi3_checkpoint(want) if arch == "phi3" else want
+    checkpoint = _phi3_checkpoint(want) if arch == "phi3" else _granite_checkpoint(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
     )
@@ -1015,19 +1086,22 @@ def test_granite_numbers_as_llama_cpp_reads_them():
     from npattn.models.configs import GGUF_FAMILIES
 
     derive = GGUF_FAMILIES["granite"].derive
-    c = dict(model_type="granite", head_dim=64, logits_scaling=8.0, residual_multiplier=0.0)
+    c = dict(model_type="granite", num_hidden_layers=2, head_dim=64, logits_scaling=8.0, residual_multiplier=0.0)
     derive(c, {"rope.scaling.finetuned": True})
     assert (c["embedding_multiplier"], c["residual_multiplier"], c["attention_multiplier"]) == (1.0, 1.0, 0.125)
-    c = dict(model_type="granite", head_dim=64, logits_scaling=8.0, attention_multiplier=0.015625)
+    c = dict(model_type="granite", num_hidden_layers=2, head_dim=64, logits_scaling=8.0, attention_multiplier=0.015625)
     derive(c, {})
     assert c["attention_multiplier"] == 0.015625
     with pytest.raises(ValueError, match=r"metadata 'granite.logit_scale' missing \(the model's logits_scaling"):
-        derive(dict(model_type="granite", head_dim=64), {})
+        derive(dict(model_type="granite", num_hidden_layers=2, head_dim=64), {})
     with pytest.raises(ValueError, match=r"metadata 'granitemoe.logit_scale': expected a finite number > 0, got 0"):
-        derive(dict(model_type="granitemoe", head_dim=64, logits_scaling=0.0), {})
+        derive(dict(model_type="granitemoe", num_hidden_layers=2, head_dim=64, logits_scaling=0.0), {})
     with pytest.raises(ValueError, match=r"metadata 'granite.rope.scaling.finetuned' = False"):
-        derive(dict(model_type="granite", head_dim=64, logits_scaling=8.0), {"rope.scaling.finetuned": False})
-    moe = dict(model_type="granitemoe", head_dim=64, logits_scaling=8.0, num_experts_per_tok=2)
+        derive(
+            dict(model_type="granite", num_hidden_layers=2, head_dim=64, logits_scaling=8.0),
+            {"rope.scaling.finetuned": False},
+        )
+    moe = dict(model_type="granitemoe", num_hidden_layers=2, head_dim=64, logits_scaling=8.0, num_experts_per_tok=2)
     with pytest.raises(ValueError, match=r"'granitemoe.expert_count' missing or 0 \(the model's num_local_experts\)"):
         GGUF_FAMILIES["granitemoe"].derive(moe, {})
 
@@ -1036,7 +1110,7 @@ def test_granite_file_without_the_optional_numbers_is_llama_cpp_s_model(tmp_path
     """A granite file whose converter wrote no attention.scale, embedding_scale or residual_scale
     (their values 0 in the config) is read as llama.cpp builds it: the scores scaled by
     1/sqrt(head_dim), no embedding or residual factor; one without logit_scale is refused, naming
-    the file; a GraniteMoeShared file (expert_shared_feed_forward_length) is refused by name."""
+    the file."""
     config = dict(GRANITE, embedding_multiplier=0.0, residual_multiplier=0.0, attention_multiplier=0.0)
     sd = _model(GRANITE).state_dict()
     _write(tmp_path / "m.gguf", config, sd, Q.F32, "granite")
@@ -1049,15 +1123,113 @@ def test_granite_file_without_the_optional_numbers_is_llama_cpp_s_model(tmp_path
     _write(tmp_path / "no.gguf", dict(GRANITE, logits_scaling=0.0), sd, Q.F32, "granite")
     with pytest.raises(ValueError, match=r"no.gguf: metadata 'granite.logit_scale' missing"):
         CausalLM.from_gguf(tmp_path / "no.gguf")
-    shared = (("granitemoe.expert_shared_feed_forward_length", 64),)
-    monkeypatch.setattr(
-        gguf.GGUFWriter,
-        "add_expert_used_count",
-        lambda self, v: [self.add_uint32("granitemoe.expert_used_count", v)] + [self.add_uint32(*kv) for kv in shared],
+
+
+def test_which_granite_model_a_file_holds():
+    """GraniteMoeModel's granitemoe file with a shared width is GraniteMoeShared; GraniteHybridModel's
+    granite / granitemoe files (its ssm.* keys, head_count_kv per layer, expert counts of 0 in a
+    granite file) are Granite 4.0 with RoPE; its granitehybrid file without Mamba layers is
+    Granite 4.0 with RoPE where rope.scaling.finetuned, without where not."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    base = dict(num_hidden_layers=2, head_dim=64, logits_scaling=8.0, num_key_value_heads=[2, 2])
+    ssm = {"ssm.conv_kernel": 4, "ssm.inner_size": 512, "rope.scaling.finetuned": True}
+    c = dict(base, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64)
+    GGUF_FAMILIES["granitemoe"].derive(c, {})
+    assert (c["model_type"], c["num_key_value_heads"]) == ("granitemoeshared", 2)
+    c = dict(base, model_type="granite", num_local_experts=0, num_experts_per_tok=0, shared_intermediate_size=64)
+    GGUF_FAMILIES["granite"].derive(c, ssm)
+    assert (c["model_type"], c["layer_types"], c["position_embedding_type"]) == (
+        "granitemoehybrid",
+        ["attention"] * 2,
+        "rope",
     )
-    _write(tmp_path / "shared.gguf", GRANITE_MOE, _model(GRANITE_MOE).state_dict(), Q.F32, "granitemoe")
-    with pytest.raises(ValueError, match=r"metadata 'granitemoe.expert_shared_feed_forward_length' is not supported"):
-        CausalLM.from_gguf(tmp_path / "shared.gguf")
+    assert (c["num_local_experts"], c["num_experts_per_tok"], c["num_key_value_heads"]) == (0, 0, 2)
+    c = dict(base, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64)
+    GGUF_FAMILIES["granitemoe"].derive(c, ssm)
+    assert (c["model_type"], c["num_local_experts"]) == ("granitemoehybrid", 4)
+    hybrid = GGUF_FAMILIES["granitehybrid"]
+    c = dict(base, model_type="granitemoehybrid", shared_intermediate_size=64)
+    hybrid.derive(c, {"rope.scaling.finetuned": False})
+    assert (c["position_embedding_type"], c["num_local_experts"], c["logits_scaling"]) == ("nope", 0, 8.0)
+    c = dict(base, model_type="granitemoehybrid", shared_intermediate_size=64)
+    hybrid.derive(c, {})
+    assert c["position_embedding_type"] == "rope"
+    with pytest.raises(ValueError, match=r"metadata 'granitehybrid.logit_scale' missing"):
+        hybrid.derive(dict(base, model_type="granitemoehybrid", shared_intermediate_size=64, logits_scaling=None), {})
+
+
+@pytest.mark.parametrize(
+    "family, changes, match",
+    [
+        (
+            "granitehybrid",
+            dict(num_key_value_heads=[0, 2, 0]),
+            r"metadata 'granitehybrid.attention.head_count_kv' \[0, 2, 0\]: layers \[0, 2\] are Mamba-2 layers "
+            r"\(head_count_kv 0\), which npattn does not implement",
+        ),
+        (
+            "granite",
+            dict(num_key_value_heads=[2, 0, 2]),
+            r"'granite.attention.head_count_kv' \[2, 0, 2\]: layers \[1\]",
+        ),
+        ("granitehybrid", dict(num_key_value_heads=[2, 2]), r"\[2, 2\]: expected 3 counts \(block_count\)"),
+        ("granitehybrid", dict(num_key_value_heads=[2, 1, 2]), r"\[2, 1, 2\]: the attention layers' counts differ"),
+        (
+            "granitehybrid",
+            dict(shared_intermediate_size=0),
+            r"metadata 'granitehybrid.expert_shared_feed_forward_length' missing or 0",
+        ),
+        ("granite", dict(num_local_experts=4), r"metadata 'granite.expert_count' = 4: a granite file has no experts"),
+        ("granitehybrid", dict(num_local_experts=4), r"'granitehybrid.expert_used_count' missing or 0"),
+    ],
+)
+def test_granite_files_refused_by_name(family, changes, match):
+    """A Mamba-2 layer (head_count_kv 0: llama.cpp's recurrent layers), per-layer counts that are
+    not one per layer or differ, Granite 4.0 without its shared width, experts in a granite file
+    or without their top k."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    spec = GGUF_FAMILIES[family]
+    c = dict(
+        model_type=spec.model_type,
+        num_hidden_layers=3,
+        head_dim=64,
+        logits_scaling=8.0,
+        num_key_value_heads=[2, 2, 2],
+        shared_intermediate_size=64,
+    )
+    c.update(changes)
+    meta = {"ssm.inner_size": 512, "expert_count": changes.get("num_local_experts")}
+    with pytest.raises(ValueError, match=match):
+        spec.derive(c, meta)
+
+
+@pytest.mark.parametrize("position", ["rope", "nope"])
+def test_a_granitehybrid_file_without_mamba_layers_is_read(tmp_path, position):
+    """GraniteHybridModel's own architecture (an older converter's all-attention file, or one
+    written so): the source model, with RoPE or without as rope.scaling.finetuned says; its Mamba-2
+    layers, where it has some, refused naming the file and the layers."""
+    config = dict(GRANITE4_MOE, position_embedding_type=position)
+    src = _model(config)
+    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "granitehybrid")
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert loaded.config.model_type == "granitemoehybrid"
+    assert loaded.config.rope_layers == (None if position == "rope" else (False, False))
+    for k, v in src.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(src, ids))
+
+
+def test_a_granitehybrid_file_with_mamba_layers_is_refused(tmp_path, monkeypatch):
+    real = gguf.GGUFWriter.add_head_count_kv
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda self, v: real(self, [0, *v[1:]]))
+    _write(tmp_path / "h.gguf", GRANITE4_MOE, _model(GRANITE4_MOE).state_dict(), Q.F32, "granitehybrid")
+    with pytest.raises(
+        ValueError, match=r"h.gguf: metadata 'granitehybrid.attention.head_count_kv' \[0, 2\]: layers \[0\]"
+    ):
+        CausalLM.from_gguf(tmp_path / "h.gguf")
 
 
 def test_ernie4_5_rows_are_read_as_written_and_biases_refused(tmp_path):

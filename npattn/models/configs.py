@@ -234,18 +234,32 @@ def _gguf_phi3(config: dict, meta: Mapping) -> None:
 
 
 def _gguf_granite(config: dict, meta: Mapping) -> None:
-    """llama.cpp's ``granite`` and ``granitemoe`` (``llama_model_granite[_moe]::load_arch_hparams``;
-    ``GraniteModel`` in ``convert_hf_to_gguf.py``, a ``LlamaModel``: q/k permuted, ``head_dim``
-    dropped, the ``_multiplier`` keys written as ``_scale`` where not 0): ``logit_scale`` is required
-    (llama.cpp refuses a file without it) and must be > 0; ``embedding_scale`` and
-    ``residual_scale`` absent or 0 mean none (1); ``attention.scale`` absent or 0 means
-    ``1/sqrt(head_dim)`` (llama.cpp's ``kq_scale``; not GraniteConfig's default of 1);
-    ``rope.scaling.finetuned`` is llama.cpp's switch for RoPE in these files (true where absent):
-    false, a model without RoPE, is refused (transformers' Granite always rotates).  A
-    ``granitemoe`` file needs its experts' counts."""
-    arch = config["model_type"]
+    """llama.cpp's ``granite``, ``granitemoe`` and ``granitehybrid`` (``llama_model_granite[_moe]``,
+    ``llama_model_granite_hybrid``; ``GraniteModel``, ``GraniteMoeModel`` and ``GraniteHybridModel``
+    in ``convert_hf_to_gguf.py``, each a ``LlamaModel``: q/k permuted, ``head_dim`` dropped, the
+    ``_multiplier`` keys written as ``_scale`` where not 0): ``logit_scale`` is required (llama.cpp
+    refuses a ``granite``/``granitemoe`` file without it; the converter always writes it) and must
+    be > 0; ``embedding_scale`` and ``residual_scale`` absent or 0 mean none (1);
+    ``attention.scale`` absent or 0 means ``1/sqrt(head_dim)`` (llama.cpp's ``kq_scale``; not
+    GraniteConfig's default of 1);
+    ``rope.scaling.finetuned`` is llama.cpp's switch for RoPE in these files (true where absent).
+
+    Which model a file holds: ``GraniteHybridModel`` writes Granite 4.0 (``granitemoehybrid``)
+    without Mamba layers as a ``granite`` file (no experts: ``expert_count`` 0, the shared MLP as
+    ``ffn_gate``/``ffn_up``/``ffn_down``) or a ``granitemoe`` one (the shared MLP as
+    ``ffn_*_shexp``), with its Mamba keys (``ssm.*``), ``expert_shared_feed_forward_length`` and a
+    ``head_count_kv`` per layer; with Mamba layers it writes ``granitehybrid``, whose layers of
+    ``head_count_kv`` 0 are Mamba-2 layers (llama.cpp's ``recurrent_layer_arr``): refused by name,
+    npattn having no Mamba-2 layer; a ``granitehybrid`` file without any is read (RoPE where
+    ``rope.scaling.finetuned``, else none, as llama.cpp's graph).  A ``granitemoe`` file with
+    ``expert_shared_feed_forward_length`` and no ``ssm.*`` is GraniteMoeShared's
+    (``GraniteMoeModel``).  Granite 3.x files without RoPE are refused (transformers' Granite
+    always rotates); experts need their counts."""
+    mt = config["model_type"]
+    arch = "granitehybrid" if mt == "granitemoehybrid" else mt
+    n = config["num_hidden_layers"]
     scale = config.get("logits_scaling")
-    if scale is None:
+    if scale is None:  # the converter writes it (Granite's logits_scaling); llama.cpp's graphs divide by it
         raise ValueError(f"metadata '{arch}.logit_scale' missing (the model's logits_scaling; llama.cpp requires it)")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"metadata '{arch}.logit_scale': expected a finite number > 0, got {_show(scale)}")
@@ -254,14 +268,55 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
             config[key] = 1.0
     if not config.get("attention_multiplier"):
         config["attention_multiplier"] = 1.0 / math.sqrt(config["head_dim"])
+    kv = config.get("num_key_value_heads")
+    if isinstance(kv, (list, tuple)):  # one per layer (GraniteHybridModel): 0 on a Mamba-2 layer
+        name = f"metadata '{arch}.attention.head_count_kv' {_show(kv)}"
+        if len(kv) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in kv):
+            raise ValueError(f"{name}: expected {n} counts (block_count), 0 on a Mamba-2 layer")
+        mamba = [i for i, k in enumerate(kv) if k == 0]
+        if mamba:
+            raise ValueError(
+                f"{name}: layers {mamba} are Mamba-2 layers (head_count_kv 0), which npattn does not implement "
+                "(Granite 4.0's models without Mamba layers are read)"
+            )
+        if len(set(kv)) > 1:
+            raise ValueError(f"{name}: the attention layers' counts differ")
+        config["num_key_value_heads"] = kv[0]
     rope = meta.get("rope.scaling.finetuned", True)
-    if rope is not True:
-        raise ValueError(
-            f"metadata '{arch}.rope.scaling.finetuned' = {_show(rope)}: llama.cpp's {arch} then attends without RoPE, "
-            "which transformers' Granite (and npattn's) does not"
-        )
-    if arch == "granitemoe":
+    granite4 = arch == "granitehybrid" or any(k.startswith("ssm.") for k in meta)
+    if arch == "granite" and config.get("shared_intermediate_size"):
+        granite4 = True  # only GraniteHybridModel writes a shared MLP's width into a granite file
+    experts = config.get("num_local_experts") or 0
+    if arch == "granite":  # TextModel writes Granite 4.0's counts of 0; a granite file has no experts
+        for key, suffix in (("num_local_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count")):
+            if config.pop(key, 0):
+                raise ValueError(
+                    f"metadata 'granite.{suffix}' = {_show(meta.get(suffix))}: a granite file has no experts"
+                )
+        experts = 0
+    if experts or arch == "granitemoe":
         _gguf_experts(config, arch, ("num_local_experts", "num_experts_per_tok"))
+    if not granite4:
+        if rope is not True:
+            raise ValueError(
+                f"metadata '{arch}.rope.scaling.finetuned' = {_show(rope)}: llama.cpp's {arch} then attends without "
+                "RoPE, which transformers' Granite (and npattn's) does not"
+            )
+        if config.get("shared_intermediate_size"):  # GraniteMoeModel's GraniteMoeShared
+            config["model_type"] = "granitemoeshared"
+        return
+    if not config.get("shared_intermediate_size"):
+        raise ValueError(
+            f"metadata '{arch}.expert_shared_feed_forward_length' missing or 0 (Granite 4.0's shared MLP width, "
+            "shared_intermediate_size)"
+        )
+    config.update(
+        model_type="granitemoehybrid",
+        layer_types=["attention"] * n,
+        position_embedding_type="rope" if rope is True else "nope",
+        num_local_experts=experts,
+        num_experts_per_tok=config.get("num_experts_per_tok") or 0,
+    )
 
 
 # Granite's four numbers <- llama.cpp's names for them (GraniteModel.set_gguf_parameters)
@@ -270,7 +325,20 @@ _GGUF_GRANITE_KEYS = {
     "residual_multiplier": "residual_scale",
     "attention_multiplier": "attention.scale",
     "logits_scaling": "logit_scale",
+    # the experts' counts (a Granite 4.0 granite file's are 0), the shared MLP's width
+    "num_local_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "shared_intermediate_size": "expert_shared_feed_forward_length",
 }
+# the RoPE switch and GraniteHybridModel's Mamba-2 keys (which describe no layer of a model read)
+_GGUF_GRANITE_READS = (
+    "rope.scaling.finetuned",
+    "ssm.conv_kernel",
+    "ssm.state_size",
+    "ssm.group_count",
+    "ssm.inner_size",
+    "ssm.time_step_rank",
+)
 
 
 # the experts' counts (every MoE file) and width (Qwen's): config key <- metadata key
@@ -507,18 +575,14 @@ GGUF_FAMILIES = {
     # Granite 3.x and Granite MoE: llama files (q/k permuted) with Granite's four numbers; the
     # MoE's experts ffn_{gate,up,down}_exps and router ffn_gate_inp, every layer routed
     "granite": GgufFamily(
-        "granite",
-        permute_qk=True,
-        keys=_GGUF_GRANITE_KEYS,
-        derive=_gguf_granite,
-        reads=("rope.scaling.finetuned",),
+        "granite", permute_qk=True, keys=_GGUF_GRANITE_KEYS, derive=_gguf_granite, reads=_GGUF_GRANITE_READS
     ),
     "granitemoe": GgufFamily(
-        "granitemoe",
-        permute_qk=True,
-        keys={**_GGUF_GRANITE_KEYS, "num_local_experts": "expert_count", "num_experts_per_tok": "expert_used_count"},
-        derive=_gguf_granite,
-        reads=("rope.scaling.finetuned",),
+        "granitemoe", permute_qk=True, keys=_GGUF_GRANITE_KEYS, derive=_gguf_granite, reads=_GGUF_GRANITE_READS
+    ),
+    # Granite 4.0 with Mamba-2 layers (head_count_kv 0 there): refused by name; without, read
+    "granitehybrid": GgufFamily(
+        "granitemoehybrid", permute_qk=True, keys=_GGUF_GRANITE_KEYS, derive=_gguf_granite, reads=_GGUF_GRANITE_READS
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)
     "lfm2": GgufFamily("lfm2", keys={"conv_L_cache": "shortconv.l_cache"}, derive=_gguf_lfm2),

@@ -8,8 +8,10 @@ a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
-``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``lfm2``, ``olmo2``, whose files with a sliding
-window are OLMo 3's, ``exaone4``, ``ernie4_5``) and what each means in Hugging Face terms are
+``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` without Mamba layers, ``lfm2``,
+``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``) and what each
+means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
+GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
@@ -30,7 +32,7 @@ Reading one:
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
-   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite`` or ``granitemoe`` model's too,
+   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite``, ``granitemoe`` or ``granitehybrid`` model's too,
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
    fourth).  An ``ernie4_5`` file is not permuted: ERNIE 4.5 itself rotates the pairs
