@@ -1078,6 +1078,25 @@ def test_a_shared_expert_gate_kept_as_a_vector_is_the_same_model(tmp_path, monke
         np.testing.assert_array_equal(vec.state_dict()[k], v, err_msg=k)
 
 
+@_cases("granitemoeshared", "granite4-granite", "granite4-granitemoe")
+def test_a_granite_file_is_its_model_s_directory(tmp_path, config, arch):
+    """The file and the source model's own directory (save_pretrained: the shared MLP fused as
+    input_linear, the experts under the released names; read back by from_pretrained) are one
+    model: the same config, tensors and logits (an epsilon float32 holds exactly: the file's is float32)."""
+    config = dict(config, rms_norm_eps=2.0**-20)
+    src = _model(config)
+    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
+    src.save_pretrained(tmp_path / "dir")
+    g, d = CausalLM.from_gguf(tmp_path / "m.gguf"), CausalLM.from_pretrained(tmp_path / "dir")
+    meta = dict(hf={}, bos_token_id=None, eos_token_id=None, max_position_embeddings=None, pad_token_id=None)
+    assert g.config.replace(**meta) == d.config.replace(**meta)
+    assert set(g.state_dict()) == set(d.state_dict())
+    for k, v in d.state_dict().items():
+        np.testing.assert_array_equal(g.state_dict()[k], v, err_msg=k)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(g, ids), _logits(d, ids))
+
+
 def test_granite_numbers_as_llama_cpp_reads_them():
     """llama.cpp's granite/granitemoe: logit_scale required (> 0); embedding_scale and
     residual_scale absent or 0 mean 1; attention.scale absent or 0 means 1/sqrt(head_dim) (not
