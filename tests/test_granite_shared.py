@@ -183,6 +183,21 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(short):
     assert config_from_hf(short).replace(**meta) == config_from_hf(full).replace(**meta)
 
 
+@oracle
+@pytest.mark.parametrize(
+    "name, config_class",
+    [("granitemoeshared", "GraniteMoeSharedConfig"), ("granitemoehybrid", "GraniteMoeHybridConfig")],
+)
+def test_the_defaults_are_transformers_class_defaults(name, config_class):
+    """Every key of the family's ``_DEFAULTS`` is the value of transformers' config class built
+    without arguments (GraniteMoeShared's shared width 0, Granite 4.0's 1024, no RoPE)."""
+    from npattn.models.configs import with_defaults
+
+    theirs = getattr(T, config_class)().to_dict()
+    for key, value in with_defaults({"model_type": name}).items():
+        assert theirs.get(key) == value, key
+
+
 # -- against transformers' own models --------------------------------------------------------
 _BASE = dict(
     vocab_size=61,
