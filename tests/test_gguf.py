@@ -1192,6 +1192,11 @@ def test_which_granite_model_a_file_holds():
             dict(num_key_value_heads=[2, 0, 2]),
             r"'granite.attention.head_count_kv' \[2, 0, 2\]: layers \[1\]",
         ),
+        (
+            "granitehybrid",
+            dict(num_key_value_heads=0),
+            r"'granitehybrid.attention.head_count_kv' \[0, 0, 0\]: layers \[0, 1, 2\]",
+        ),
         ("granitehybrid", dict(num_key_value_heads=[2, 2]), r"\[2, 2\]: expected 3 counts \(block_count\)"),
         ("granitehybrid", dict(num_key_value_heads=[2, 1, 2]), r"\[2, 1, 2\]: the attention layers' counts differ"),
         (

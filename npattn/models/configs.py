@@ -269,6 +269,8 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
     if not config.get("attention_multiplier"):
         config["attention_multiplier"] = 1.0 / math.sqrt(config["head_dim"])
     kv = config.get("num_key_value_heads")
+    if arch == "granitehybrid" and isinstance(kv, int) and not isinstance(kv, bool):
+        kv = [kv] * n  # one count for every layer (llama.cpp's n_head_kv(il)): 0, every layer Mamba-2
     if isinstance(kv, (list, tuple)):  # one per layer (GraniteHybridModel): 0 on a Mamba-2 layer
         name = f"metadata '{arch}.attention.head_count_kv' {_show(kv)}"
         if len(kv) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in kv):
