@@ -137,6 +137,10 @@ def test_shared_intermediate_size_zero_is_granitemoe():
     assert s.moe == g.moe and s.layer_names == g.layer_names and s.layout.fused == ()
     assert moe_config(dict(_RELEASED_SHARED, shared_intermediate_size=0)).shared_intermediate_size is None
     assert moe_config(dict(_RELEASED_HYBRID, num_local_experts=4, num_experts_per_tok=2)).shared_intermediate_size == 64
+    with pytest.raises(
+        ValueError, match=r"config\['num_local_experts'\] = 0: a 'granitemoehybrid' layer without experts"
+    ):
+        moe_config(_RELEASED_HYBRID)
 
 
 @pytest.mark.parametrize("position", [None, "nope"])

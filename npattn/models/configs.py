@@ -3302,6 +3302,11 @@ def _moe_granitemoe(c: _Loose) -> MoEConfig:
         shared = c.get("shared_intermediate_size", default=0) or None
     elif c.model_type == "granitemoehybrid":
         shared = c.get("shared_intermediate_size", default=1024)
+    if not c.get("num_local_experts", default=8):  # transformers' block_sparse_moe None: no MoE block
+        raise ValueError(
+            f"config['num_local_experts'] = 0: a {c.model_type!r} layer without experts has no MoE block "
+            "(Granite 4.0's dense layers: the shared MLP alone)"
+        )
     return MoEConfig(
         **_moe_sizes(c, ("num_local_experts",), "intermediate_size"),
         router="topk_softmax",
