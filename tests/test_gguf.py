@@ -2498,9 +2498,15 @@ def test_what_llama_cpp_s_exaone4_files_say_of_their_layers():
     key = r"metadata 'exaone4.attention.sliding_window_pattern'"
     for meta, match in (
         ({"attention.sliding_window_pattern": [True, False]}, key + " without 'exaone4.attention.sliding_window'"),
-        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": [True] * 3}, key + r".*expected 2 flags"),
-        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": [1, 0]}, key + r".*expected 2 flags"),
-        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": 0}, key + r" 0: expected a flag"),
+        (
+            {"attention.sliding_window": 5, "attention.sliding_window_pattern": [True] * 3},
+            key + r".*expected 2 booleans",
+        ),
+        ({"attention.sliding_window": 5, "attention.sliding_window_pattern": [1, 0]}, key + r".*expected 2 booleans"),
+        (
+            {"attention.sliding_window": 5, "attention.sliding_window_pattern": 0},
+            key + r" 0: expected one boolean per layer or a period >= 1",
+        ),
         (
             {"attention.sliding_window": 0, "attention.sliding_window_pattern": 2},
             r"'exaone4.attention.sliding_window' 0",

@@ -414,6 +414,22 @@ def _gguf_yarn(meta: Mapping, arch: str) -> dict:
     return params
 
 
+def _gguf_layer_pattern(pattern, n: int, arch: str, min_period: int) -> list:
+    """The layer types ``attention.sliding_window_pattern`` gives ``n`` layers: one boolean per
+    layer (the converter writes the config's ``layer_types`` so, true where a layer slides), or
+    llama.cpp's period ``p`` (``llama_hparams::set_swa_pattern``: layer ``i`` slides where
+    ``i % p < p - 1``; 0, where ``min_period`` allows it, makes every layer slide); anything else
+    refused by name."""
+    key = f"metadata '{arch}.attention.sliding_window_pattern' {_show(pattern)}"
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n or not all(isinstance(p, bool) for p in pattern):
+            raise ValueError(f"{key}: expected {n} booleans (block_count), true where a layer slides")
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < min_period:
+        raise ValueError(f"{key}: expected one boolean per layer or a period >= {min_period}")
+    return ["sliding_attention"] * n if pattern == 0 else _interleaved(n, pattern, "sliding_attention")
+
+
 def _gguf_olmo2(config: dict, meta: Mapping) -> None:
     """llama.cpp's ``olmo2`` (``llama_model_olmo2``; ``Olmo2Model`` in ``convert_hf_to_gguf.py``,
     which converts both ``Olmo2ForCausalLM`` and ``Olmo3ForCausalLM``): post-norm layers
@@ -441,22 +457,7 @@ def _gguf_olmo2(config: dict, meta: Mapping) -> None:
         if yarn:
             config["rope_scaling"] = yarn
         return
-    if pattern is None:
-        pattern = 4
-    if isinstance(pattern, list):
-        if len(pattern) != n or not all(isinstance(p, bool) for p in pattern):
-            raise ValueError(
-                f"metadata 'olmo2.attention.sliding_window_pattern' {_show(pattern)}: expected {n} booleans "
-                "(block_count), true on a sliding layer"
-            )
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    elif isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
-        raise ValueError(
-            f"metadata 'olmo2.attention.sliding_window_pattern' {_show(pattern)}: expected one boolean per layer "
-            "or a period >= 0"
-        )
-    else:  # llama_hparams::set_swa_pattern: period 0 makes every layer sliding
-        types = ["sliding_attention"] * n if pattern == 0 else _interleaved(n, pattern, "sliding_attention")
+    types = _gguf_layer_pattern(4 if pattern is None else pattern, n, "olmo2", min_period=0)
     theta = config.pop("rope_theta")  # the file's, else llama.cpp's 10000 (models/gguf.py)
     config.update(
         model_type="olmo3",
@@ -499,20 +500,7 @@ def _gguf_exaone4(config: dict, meta: Mapping) -> None:
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"metadata 'exaone4.attention.sliding_window' {_show(window)}: expected an integer >= 1")
-    if isinstance(pattern, (list, tuple)):
-        if len(pattern) != n or any(not isinstance(p, bool) for p in pattern):
-            raise ValueError(
-                f"metadata 'exaone4.attention.sliding_window_pattern' {_show(pattern)}: expected {n} flags "
-                "(block_count), true where a layer slides"
-            )
-        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    elif isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-        raise ValueError(
-            f"metadata 'exaone4.attention.sliding_window_pattern' {_show(pattern)}: expected a flag per layer or "
-            "a period >= 1"
-        )
-    else:
-        layer_types = _interleaved(n, pattern, "sliding_attention")
+    layer_types = _gguf_layer_pattern(pattern, n, "exaone4", min_period=1)
     config.update(sliding_window=window, layer_types=layer_types)
 
 
