@@ -39,7 +39,199 @@ import numpy as np
 from ._validate import as_index, as_rng, check_bool, check_size, to_numpy
 from .nn.module import no_grad
 
-__all__ = ["check_sampling", "generate", "generate_tokens", "next_token_probs", "sample_next_token", "stream_tokens"]
+__all__ = [
+    "PromptCache",
+    "check_sampling",
+    "generate",
+    "generate_tokens",
+    "next_token_probs",
+    "sample_next_token",
+    "stream_tokens",
+]
+
+
+class PromptCache:
+    """A model's decoding caches kept between ``generate`` / ``stream`` calls (prompt caching).
+
+    ``model.prompt_cache()`` makes one (``CausalLM.prompt_cache``); pass it as
+    ``model.generate(ids, n, prompt_cache=cache)`` or ``model.stream(...)`` (or
+    ``stream_tokens(model, ids, n, prompt_cache=cache)``), one sequence at a time.  A call keeps
+    the longest common prefix of its ``ids`` and the tokens the cache holds (``tokens``), cuts every
+    layer's cache back to it, runs only the rest of the prompt (at least its last token, whose
+    logits choose the first new token), then decodes as usual; when it ends (or its stream is
+    closed) the cache holds what the model ran: the prompt and every new token but the last (which
+    was never fed), as transformers' ``past_key_values`` after ``generate``.  The tokens and logits
+    are those of a call without it (transformers' "prompt reuse", llama.cpp's common prefix).
+
+    What is reused when: a layer whose keys are all kept (full attention, MLA's latents) is cut
+    back to any length.  Two kinds of caches cannot be cut back: a recurrent state (gated
+    DeltaNet, Kimi Delta Attention, LFM2's short convolutions) sums every token seen, and a
+    sliding window's rolling cache has dropped the keys older than its window.  For them the
+    cache also keeps the state at the end of the last prompt (the recurrent states as they were,
+    the rolling caches' keys from a window before it), so a prompt that extends the last prompt
+    (a chat's next turn, whatever its reply became) resumes from there; a prompt that extends
+    everything held (the last prompt and its tokens) resumes from the end.  Otherwise (a prompt
+    that leaves the last one before its end, one as long as or shorter than what such a layer
+    needs) the whole prompt runs again.  With LongRoPE (``CausalLM.reencode_length``) keys are
+    reused only when they were rotated with the frequencies a fresh run of the prompt uses.
+    ``reused`` says how many prompt tokens the last call did not run.
+
+    Batch size 1 only: ``ids`` of shape ``(L,)`` or ``(1, L)``, no padding (an ``attention_mask``
+    of ones is accepted); one cache per model (another model refused), used by one call at a time.
+    It holds what the model computed: after changing the weights, ``reset()`` it.  Another
+    generate or stream on the same model while a call holding it is between two steps takes the
+    model's cache: that call then re-encodes its tokens and the cache keeps the result; a call
+    that fails or is interrupted inside the model leaves the cache empty.
+
+    Parameters
+    ----------
+    model : CausalLM
+        A model whose decoding caches it holds.
+
+    Raises
+    ------
+    TypeError
+        A model without decoding caches.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn.models import CausalLM
+    >>> from npattn.models.tiny import tiny_config
+    >>> model = CausalLM(tiny_config("qwen3_next"), rng=0)       # gated DeltaNet and attention
+    >>> cache = model.prompt_cache()
+    >>> prompt = np.array([1, 2, 3, 4])
+    >>> reply = model.generate(prompt, 3, prompt_cache=cache)[4:]
+    >>> cache.tokens.tolist() == prompt.tolist() + reply[:2].tolist(), cache.reused
+    (True, 0)
+    >>> turn = np.concatenate([prompt, [7, 8, 9]])                # leaves the reply: from the prompt's end
+    >>> out = model.generate(turn, 3, prompt_cache=cache)
+    >>> cache.reused, bool(np.array_equal(out, model.generate(turn, 3)))
+    (4, True)
+    >>> _ = model.generate(np.array([1, 2, 5]), 3, prompt_cache=cache)
+    >>> cache.reused                                              # inside the old prompt: all again
+    0
+    """
+
+    def __init__(self, model) -> None:
+        holders = [m for m in getattr(model, "modules", lambda: ())() if callable(getattr(m, "_cache_state", None))]
+        if not holders or not callable(getattr(model, "reset_kv_cache", None)):
+            raise TypeError(
+                f"model: expected a model with decoding caches (a npattn.models.CausalLM), got {type(model).__name__}"
+            )
+        self._model = model
+        self._holders = holders
+        self._busy = False  # a call holds the caches (they are in the model)
+        self.reused = 0
+        self.reset()
+
+    @property
+    def model(self):
+        """The model whose caches this holds."""
+        return self._model
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The token ids whose states the cache holds, ``(len(self),)`` int64 (a copy)."""
+        return self._tokens.copy()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def reset(self) -> None:
+        """Empty the cache (the next call runs its whole prompt).
+
+        Raises
+        ------
+        ValueError
+            While a stream using it has not ended.
+        """
+        if self._busy:
+            raise ValueError("prompt_cache: in use by a stream that has not ended; close it first")
+        self._clear()
+
+    def __repr__(self) -> str:
+        return f"PromptCache(model={type(self._model).__name__}, tokens={len(self)}, reused={self.reused})"
+
+    # -- the decoding loop's side (_decode) ------------------------------------------------------
+    def _clear(self) -> None:
+        self._tokens = np.zeros(0, np.int64)
+        self._states: list | None = None  # each holder's _cache_state(), taken out of the model
+        self._marks: list | None = None  # each holder's _cache_mark at the end of the last prompt
+        self._mark_at = 0  # that prompt's length (0: none)
+        self._pending: tuple = (None, 0)  # this call's marks, kept once it ends well
+        self._long = False  # LongRoPE: the held keys were rotated with the long factors
+        self._dtype = None
+
+    def _check(self, model, ids: np.ndarray, mask) -> None:
+        """``stream_tokens``' checks of its arguments against this cache."""
+        if model is not self._model:
+            raise ValueError(
+                f"prompt_cache: made for another model ({type(self._model).__name__} at {id(self._model):#x}), got "
+                f"{type(model).__name__} at {id(model):#x}; each model needs its own (model.prompt_cache())"
+            )
+        if ids.ndim == 2 and ids.shape[0] != 1:
+            raise ValueError(f"ids: expected one sequence, (L,) or (1, L), with prompt_cache, got shape {ids.shape}")
+        if mask is not None:
+            raise ValueError("attention_mask: expected no padding (all ones or None) with prompt_cache, got a 0")
+        if self._busy:
+            raise ValueError("prompt_cache: in use by a stream that has not ended; close it or use another cache")
+
+    def _resume(self, ids: np.ndarray) -> int:
+        """Put the held caches into the model, cut back to what ``ids (L,)`` shares with the held
+        tokens (or to the last prompt's end, or nothing: see the class notes); returns how many
+        tokens of ``ids`` the model holds now (the rest is to be run)."""
+        if self._busy:
+            raise ValueError("prompt_cache: in use by a stream that has not ended; close it or use another cache")
+        model, held, states, marks, mark_at, long_ = (
+            self._model, self._tokens, self._states, self._marks, self._mark_at, self._long,
+        )  # fmt: skip
+        dtype = self._dtype
+        self._busy, self.reused = True, 0
+        self._clear()  # what it held is the model's now, until _store
+        try:
+            model.reset_kv_cache()
+            m = min(len(held), len(ids) - 1)  # at least the last token runs
+            same = held[:m] == ids[:m]
+            n = m if same.all() else int(same.argmin())
+            reencode = getattr(model, "reencode_length", None)
+            regime = reencode is None or long_ == (len(ids) >= reencode)
+            if states is None or n == 0 or not regime or dtype != getattr(model, "dtype", None):
+                return 0
+            for holder, state in zip(self._holders, states):
+                holder._set_cache_state(state)
+            marks = marks if marks is not None else [None] * len(self._holders)
+            for at in (n, mark_at):
+                if 0 < at <= n and all(h._can_rewind(at, k) for h, k in zip(self._holders, marks)):
+                    for h, k in zip(self._holders, marks):
+                        h._rewind_cache(at, k)
+                    self.reused = at
+                    return at
+            model.reset_kv_cache()
+            return 0
+        except BaseException:
+            self._busy = False
+            model.reset_kv_cache()
+            raise
+
+    def _mark(self, n: int) -> None:
+        """The model has just run a whole prompt of ``n`` tokens: remember this point."""
+        self._pending = ([h._cache_mark(n) for h in self._holders], n)
+
+    def _store(self, tokens: np.ndarray | None) -> None:
+        """The call ends: take the model's caches, which hold ``tokens`` (None: not usable)."""
+        self._busy = False
+        if tokens is None:
+            self._clear()
+            return
+        marks, mark_at = self._pending
+        self._clear()
+        self._states = [h._cache_state() for h in self._holders]
+        self._tokens = np.array(tokens, dtype=np.int64)
+        self._marks, self._mark_at = marks, mark_at
+        reencode = getattr(self._model, "reencode_length", None)
+        self._long = reencode is not None and len(tokens) >= reencode
+        self._dtype = getattr(self._model, "dtype", None)
 
 
 def check_sampling(temperature, top_k, eos_id):
@@ -414,7 +606,7 @@ def generate(
     return out.reshape(lead + (out.shape[1],))
 
 
-def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_cache=True, mask=None):
+def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_cache=True, mask=None, prompt_cache=None):
     """The decoding loop of every generator here: ``n`` steps on the prompt ``out (B, L)``, each
     the last position's logits ``(B, vocab)`` -> ``choose(logits)``, which returns ``(tokens (B,),
     last)`` (``last``: this step's tokens are the final ones) or ``None`` (stop, nothing appended);
@@ -432,7 +624,11 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
     (``_CACHE_HOLDER``), and a loop resumed after another generate/stream on the same model
     filled it re-encodes its tokens so far before its next step, as transformers' calls, each with
     its own cache, are independent (and ends without resetting what another holds).  A direct
-    ``model(..., use_cache=True)`` or ``reset_kv_cache()`` between two steps is not seen."""
+    ``model(..., use_cache=True)`` or ``reset_kv_cache()`` between two steps is not seen.
+    ``prompt_cache`` (a ``PromptCache`` of ``model``, one row): the prompt's pass starts from the
+    caches it holds (``PromptCache._resume``: the prompt's tokens before the one returned are not
+    run), the end of the prompt is marked, and when the loop ends the caches go back into it with
+    the tokens fed (emptied where a forward did not complete)."""
     use_cache = use_cache and callable(getattr(model, "reset_kv_cache", None))
     was_training = getattr(model, "training", None) if callable(getattr(model, "train", None)) else None
     if was_training is not None:
@@ -447,21 +643,33 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
 
     # LongRoPE (CausalLM.reencode_length): the whole sequence again where the frequencies switch
     reencode = getattr(model, "reencode_length", None) if use_cache else None
+    fed, resumed = 0, False  # the tokens the cache holds (when a forward completed); prompt_cache taken
     try:
         primed = False
         for _ in range(n):
             with no_grad():
                 if use_cache and (context_size is None or out.shape[1] <= context_size):
                     if primed and _holds_cache(model, me) and out.shape[1] != reencode:
+                        fed = -1
                         logits = model(out[:, -1:], use_cache=True)
+                        fed = out.shape[1]
                     else:  # the prompt, or the tokens so far when another loop took the cache: the
                         # last position's logits only, where the model can say so
-                        model.reset_kv_cache()
+                        start = 0
+                        if prompt_cache is not None and not primed:
+                            start = prompt_cache._resume(out[0])
+                            resumed = True
+                        else:
+                            model.reset_kv_cache()
                         _hold_cache(model, me)
                         kw = tokens_mask()
                         if _keeps_logits(model):
                             kw["logits_to_keep"] = 1
-                        logits = model(out, use_cache=True, **kw)
+                        fed = -1
+                        logits = model(out[:, start:], use_cache=True, **kw)
+                        fed = out.shape[1]
+                        if resumed and not primed:
+                            prompt_cache._mark(fed)
                     primed = True
                 else:
                     start = 0 if context_size is None else max(0, out.shape[1] - context_size)
@@ -479,7 +687,10 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
             if last:
                 return
     finally:
-        if use_cache and _holds_cache(model, me):
+        holds = use_cache and _holds_cache(model, me)
+        if resumed:  # the caches go back into the prompt cache (nothing usable: emptied)
+            prompt_cache._store(out[0, :fed] if holds and fed > 0 else None)
+        if holds:
             model.reset_kv_cache()
             _hold_cache(model, None)
         if was_training is not None:
@@ -595,6 +806,7 @@ def stream_tokens(
     rng=None,
     min_p=None,
     repetition_penalty=None,
+    prompt_cache=None,
 ):
     """Decode up to ``max_new_tokens`` tokens after ``ids`` as Hugging Face transformers'
     ``generate`` does, yielding each step's tokens as they come: an integer array of
@@ -624,7 +836,11 @@ def stream_tokens(
       batches without padding only (a 0 raises ``NotImplementedError``).
       None means every token is real: transformers' ``generate`` would guess a mask from the pad
       token where the prompt contains it (``ids != pad_token_id``), npattn takes no token for
-      padding unless the mask says so (pass the tokenizer's mask).
+      padding unless the mask says so (pass the tokenizer's mask);
+    * ``prompt_cache`` (a ``PromptCache`` of ``model``; one sequence, no padding): the caches kept
+      from the last call that used it, cut back to the prefix its tokens share with ``ids``, whose
+      tokens are then not run again; it holds this call's tokens when it ends (transformers'
+      ``past_key_values`` passed back into ``generate``).  None: a fresh cache, emptied after.
 
     Parameters
     ----------
@@ -650,6 +866,8 @@ def stream_tokens(
         > 0.
     rng : numpy.random.Generator, int or None
         The sampling's randomness (one ``rng.random(B)`` per sampled step; greedy draws nothing).
+    prompt_cache : PromptCache, optional
+        Keyword only.
 
     Returns
     -------
@@ -696,6 +914,13 @@ def stream_tokens(
     rng = as_rng(rng)
     if not callable(model):
         raise TypeError(f"model: expected a callable model(ids) -> logits, got {type(model).__name__}")
+    if prompt_cache is not None:
+        if not isinstance(prompt_cache, PromptCache):
+            raise TypeError(
+                "prompt_cache: expected a PromptCache (model.prompt_cache()) or None, got "
+                f"{type(prompt_cache).__name__}"
+            )
+        prompt_cache._check(model, ids, mask)
     lead = ids.shape[:-1]
     out = ids.reshape(-1, ids.shape[-1])
     unfinished = np.ones(len(out), dtype=bool)
@@ -719,7 +944,7 @@ def stream_tokens(
             seen[0][rows[inside], nxt[inside]] = True
         return nxt, not unfinished.any()
 
-    return (step.reshape(lead) for step in _decode(model, out, n, choose, mask=mask))
+    return (step.reshape(lead) for step in _decode(model, out, n, choose, mask=mask, prompt_cache=prompt_cache))
 
 
 def generate_tokens(model, ids, max_new_tokens, **options) -> np.ndarray:

@@ -1171,6 +1171,49 @@ class CausalLM(Module):
         object.__setattr__(self, "_seen", 0)  # tokens fed through the cache
         object.__setattr__(self, "_mask_history", None)  # their attention_mask (None: all tokens)
 
+    # What a npattn.generation.PromptCache asks of every module with a decoding cache
+    # (npattn.nn.kv_cache._KeysCacheHooks); here, the count of the tokens fed.
+    def _cache_state(self) -> tuple:
+        return (self._seen, self._mask_history)
+
+    def _set_cache_state(self, state: tuple) -> None:
+        object.__setattr__(self, "_seen", state[0])
+        object.__setattr__(self, "_mask_history", state[1])
+
+    def _cache_mark(self, n: int) -> None:
+        return None
+
+    def _can_rewind(self, n: int, mark) -> bool:
+        return self._mask_history is None and 0 <= n <= self._seen
+
+    def _rewind_cache(self, n: int, mark) -> None:
+        object.__setattr__(self, "_seen", n)
+
+    def prompt_cache(self):
+        """An empty ``npattn.generation.PromptCache`` of this model: pass it to ``generate`` or
+        ``stream`` as ``prompt_cache=`` to keep the layers' caches between calls and reuse the
+        part of each prompt the last call already ran (a chat's conversation so far).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from npattn.models import CausalLM
+        >>> from npattn.models.tiny import tiny_config
+        >>> model = CausalLM(tiny_config("llama"), rng=0)
+        >>> cache = model.prompt_cache()
+        >>> first = model.generate(np.array([1, 2, 3]), 4, prompt_cache=cache)
+        >>> len(cache), cache.reused                      # the prompt and the tokens fed after it
+        (6, 0)
+        >>> second = model.generate(np.concatenate([first, [5, 6]]), 4, prompt_cache=cache)
+        >>> cache.reused                                  # the first call's 6 tokens were not run again
+        6
+        >>> bool(np.array_equal(second, model.generate(np.concatenate([first, [5, 6]]), 4)))
+        True
+        """
+        from ..generation import PromptCache
+
+        return PromptCache(self)
+
     @property
     def reencode_length(self) -> int | None:
         """The length (prompt and new tokens) at which cached decoding (``generate``, ``stream``)
@@ -1255,6 +1298,7 @@ class CausalLM(Module):
         rng=None,
         min_p=None,
         repetition_penalty=None,
+        prompt_cache=None,
     ) -> np.ndarray:
         """The prompt ``ids (B, L)`` followed by up to ``max_new_tokens`` new tokens, as
         transformers' ``generate`` returns them: greedy unless ``do_sample`` (then ``temperature``,
@@ -1273,7 +1317,9 @@ class CausalLM(Module):
         prompt is encoded once into the cache, then one token per step
         (``npattn.generation.stream_tokens`` has the details).  ``attention_mask (B, L)``: 1 for a
         token, 0 for left padding (as ``forward``'s), so that each row continues as its prompt
-        alone would.
+        alone would.  ``prompt_cache`` (one sequence, from ``prompt_cache()``): the caches kept
+        from the last call that used it, whose tokens shared with ``ids`` are not run again
+        (``npattn.generation.PromptCache``); None (default): a fresh cache, emptied after the call.
 
         Examples
         --------
@@ -1298,6 +1344,7 @@ class CausalLM(Module):
             top_p=top_p,
             min_p=min_p,
             rng=rng,
+            prompt_cache=prompt_cache,
             **special,
         )
         missing = ids.shape[-1] + int(max_new_tokens) - out.shape[-1]
@@ -1322,11 +1369,13 @@ class CausalLM(Module):
         rng=None,
         min_p=None,
         repetition_penalty=None,
+        prompt_cache=None,
     ):
         """``generate``'s new tokens as they come: a generator of one ``(B,)`` array per step
         (``()`` for a prompt ``(L,)``), the same tokens ``generate`` appends.  The arguments are
         checked before it is returned; while it runs the model is in eval mode and holds its
-        cache (both restored when it ends or is closed).
+        cache (both restored when it ends or is closed; a ``prompt_cache`` then keeps the tokens
+        fed, see ``npattn.generation.PromptCache``).
 
         Examples
         --------
@@ -1353,6 +1402,7 @@ class CausalLM(Module):
             top_p=top_p,
             min_p=min_p,
             rng=rng,
+            prompt_cache=prompt_cache,
             **special,
         )
 

@@ -51,7 +51,7 @@ from ..functional import AttentionCache
 from ..functional import kernels as K
 from ..functional._blocks import AttentionOptions
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
-from .kv_cache import KVCache, RollingKVCache
+from .kv_cache import KVCache, RollingKVCache, _KeysCacheHooks
 from .layers import Linear, RMSNorm, fused_linears
 from .module import Module, Parameter, is_grad_enabled
 
@@ -130,7 +130,7 @@ def _sigmoid(x):
     return np.exp(-np.logaddexp(0.0, -x))
 
 
-class MultiHeadAttentionCore(Module):
+class MultiHeadAttentionCore(_KeysCacheHooks, Module):
     """The common path of ``npattn.MultiHeadAttention`` (see its docstring for the arguments):
     batch first ``(..., L, d_in) -> (..., L, d_out)``, projections, heads, masks, dropout,
     grouped-query attention, the attention options, RoPE, QK-norm, the output gate and a KV

@@ -165,6 +165,26 @@ class RecurrentLayer(Module):
 
     reset_cache = reset_kv_cache
 
+    # What a npattn.generation.PromptCache asks (as npattn.nn.kv_cache._KeysCacheHooks): a state
+    # cannot be cut back, so the end of a prompt is remembered as the state itself (the arrays are
+    # replaced by each call, never written into) and rewinding goes there or stays where it is.
+    def _cache_state(self) -> tuple:
+        return (self._conv_state, self._recurrent_state, self._cache_lead, self._cache_length)
+
+    def _set_cache_state(self, state: tuple) -> None:
+        for name, value in zip(("_conv_state", "_recurrent_state", "_cache_lead", "_cache_length"), state):
+            object.__setattr__(self, name, value)
+
+    def _cache_mark(self, n: int) -> tuple:
+        return self._cache_state()
+
+    def _can_rewind(self, n: int, mark) -> bool:
+        return n == self._cache_length or (mark is not None and mark[3] == n)
+
+    def _rewind_cache(self, n: int, mark) -> None:
+        if n != self._cache_length:
+            self._set_cache_state(mark)
+
     @property
     def kv_cache_length(self) -> int:
         """The number of tokens decoded since the last reset (0 when the cache is empty)."""

@@ -15,7 +15,11 @@ The public surface, for every user of a cache (a module, or layers sharing one c
 * ``trim()``: forget what no later query can see (nothing for ``KVCache``; a ``RollingKVCache``
   keeps the last ``keep`` tokens); call it once the views ``append`` returned are used;
 * ``nbytes``: bytes of the held keys and values; ``capacity``: tokens the buffers have room for;
-* ``reset()``: empty it (a new sequence).
+* ``reset()``: empty it (a new sequence);
+* ``crop(n)``: forget every token from position ``n`` on, as if only the first ``n`` had been seen
+  (transformers' ``DynamicCache.crop``; reusing a prompt's prefix, ``npattn.generation.PromptCache``);
+  ``can_crop(n)`` says whether the cache still holds what that needs (a ``RollingKVCache`` may have
+  dropped it), and ``pin(n)`` makes later ``trim()`` calls keep it until the next ``crop``/``reset``.
 """
 
 from __future__ import annotations
@@ -102,6 +106,43 @@ class KVCache:
         self.k = self.v = None
         self.length = self.position = 0
 
+    def can_crop(self, n: int) -> bool:
+        """Whether ``crop(n)`` can keep exactly what a cache that saw only the first ``n`` tokens
+        would hold for the next query: ``0 <= n <= position`` here (every key is kept)."""
+        return 0 <= n <= self.position
+
+    def crop(self, n: int) -> None:
+        """Forget every token from position ``n`` on: the cache is then as after seeing only the
+        first ``n`` tokens (the next ``append`` goes to position ``n``); the buffers are kept.
+
+        Raises
+        ------
+        ValueError
+            ``n`` outside ``[0, position]``, or (``RollingKVCache``) keys a query at ``n`` sees
+            already dropped: ``can_crop(n)`` is False.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from npattn.nn.kv_cache import KVCache
+        >>> cache = KVCache()
+        >>> _ = cache.append(np.ones((1, 5, 4)), np.ones((1, 5, 4)))
+        >>> cache.crop(3)
+        >>> cache.length, cache.position, cache.keys.shape
+        (3, 3, (1, 3, 4))
+        """
+        if not self.can_crop(n):
+            raise ValueError(
+                f"n: expected a position this cache can be cropped to (0 to {self.position}, the keys a query at n "
+                f"sees still held: from {self.position - self.length}), got {n}"
+            )
+        self.length -= self.position - n
+        self.position = n
+
+    def pin(self, n: int) -> None:
+        """Keep, through later ``trim()`` calls, what ``crop(n)`` needs (until the next ``crop`` or
+        ``reset``): nothing to do here, every key is kept (see ``RollingKVCache``)."""
+
     def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
         assert self.k is not None and self.v is not None
         return self.k, self.v
@@ -141,13 +182,62 @@ class RollingKVCache(KVCache):
     def __init__(self, keep: int) -> None:
         super().__init__()
         self.keep = keep
+        self.pinned: int | None = None  # pin(n)'s n: trim() keeps what crop(n) needs
+
+    def reset(self) -> None:
+        """Empty the cache (a new sequence); the buffers are released and the pin dropped."""
+        super().reset()
+        self.pinned = None
+
+    def can_crop(self, n: int) -> bool:
+        """Whether the cache still holds the keys a query at ``n`` sees (the ``keep`` before it):
+        ``0 <= n <= position`` and nothing dropped that a cache of the first ``n`` tokens would hold.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from npattn.nn.kv_cache import RollingKVCache
+        >>> cache = RollingKVCache(keep=2)
+        >>> _ = cache.append(np.ones((1, 5, 4)), np.ones((1, 5, 4)))
+        >>> cache.trim()                                   # holds positions 3 and 4
+        >>> cache.can_crop(5), cache.can_crop(4)           # a query at 4 would see 2 and 3
+        (True, False)
+        """
+        dropped = self.position - self.length
+        return 0 <= n <= self.position and (dropped == 0 or dropped <= n - self.keep)
+
+    def crop(self, n: int) -> None:
+        """``KVCache.crop`` (ValueError where ``can_crop(n)`` is False); the pin is dropped."""
+        super().crop(n)
+        self.pinned = None
+
+    def pin(self, n: int) -> None:
+        """Keep, through later ``trim()`` calls, the ``keep`` tokens before position ``n`` (what
+        ``crop(n)`` needs), until the next ``crop`` or ``reset``: the cache then holds at most
+        ``keep`` more tokens than the ones after ``n``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from npattn.nn.kv_cache import RollingKVCache
+        >>> cache = RollingKVCache(keep=2)
+        >>> _ = cache.append(np.ones((1, 3, 4)), np.ones((1, 3, 4)))
+        >>> cache.pin(3)
+        >>> _ = cache.append(np.ones((1, 2, 4)), np.ones((1, 2, 4)))
+        >>> cache.trim()
+        >>> cache.length, cache.can_crop(3)                # positions 1 to 4 held
+        (4, True)
+        """
+        self.pinned = n
 
     def trim(self) -> None:
-        """Drop every token but the last ``keep`` (moved to the front); shrink an oversized buffer."""
-        if self.length <= self.keep:
+        """Drop every token but the last ``keep`` (moved to the front; from ``pinned - keep`` on
+        while pinned); shrink an oversized buffer."""
+        keep = self.keep if self.pinned is None else max(self.keep, self.position - self.pinned + self.keep)
+        if self.length <= keep:
             return
         old_k, old_v = self._buffers()
-        keep, drop = self.keep, self.length - self.keep
+        drop = self.length - keep
         cap = max(_MIN_CAPACITY, 2 * (keep + 1))
         if self.capacity > 2 * cap:  # e.g. after a long prompt: give the memory back
             nk = np.empty(old_k.shape[:-2] + (cap, old_k.shape[-1]), old_k.dtype)
@@ -160,3 +250,31 @@ class RollingKVCache(KVCache):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(keep={self.keep}, length={self.length}, position={self.position})"
+
+
+class _KeysCacheHooks:
+    """What a ``npattn.generation.PromptCache`` asks of a module that keeps its keys and values in
+    ``self._kv_cache`` (a ``KVCache``, or None while empty): take out and put back the cache
+    (``_cache_state``, ``_set_cache_state``: what ``reset_kv_cache()`` empties), remember the end of
+    a prompt (``_cache_mark(n)``: a rolling cache pins it) and go back to a position
+    (``_can_rewind``, ``_rewind_cache``: the cache's ``crop``).  Every module with a decoding cache
+    has these five (the recurrent layers: ``npattn.nn.delta_net.RecurrentLayer``)."""
+
+    _kv_cache: KVCache | None
+
+    def _cache_state(self) -> tuple:
+        return (self._kv_cache,)
+
+    def _set_cache_state(self, state: tuple) -> None:
+        object.__setattr__(self, "_kv_cache", state[0])
+
+    def _cache_mark(self, n: int) -> None:
+        if self._kv_cache is not None:
+            self._kv_cache.pin(n)
+
+    def _can_rewind(self, n: int, mark) -> bool:
+        return self._kv_cache is None or self._kv_cache.can_crop(n)
+
+    def _rewind_cache(self, n: int, mark) -> None:
+        if self._kv_cache is not None:
+            self._kv_cache.crop(n)

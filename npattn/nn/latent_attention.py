@@ -64,7 +64,7 @@ from ..functional.sparse_attention import (
     lightning_indexer_kernel,
     sparse_attention_kernel,
 )
-from .kv_cache import KVCache
+from .kv_cache import KVCache, _KeysCacheHooks
 from .layers import LayerNorm, Linear, RMSNorm, input_tangent
 from .module import Module, no_grad
 
@@ -184,7 +184,7 @@ class LightningIndexer(Module):
         return lightning_indexer_kernel(q, keys, w, self.head_dim**-0.5)[0]
 
 
-class MultiHeadLatentAttention(Module):
+class MultiHeadLatentAttention(_KeysCacheHooks, Module):
     """Multi-head latent attention (DeepSeek-V2/V3): ``(..., L, hidden_size) -> (..., L, hidden_size)``,
     with the semantics and parameter names of Hugging Face's ``DeepseekV3Attention``.
 
@@ -263,6 +263,7 @@ class MultiHeadLatentAttention(Module):
     """
 
     _kv_cache: KVCache | None
+    _index_keys: np.ndarray | None  # DeepSeek-V3.2: the indexer keys of the cached tokens (..., T, D)
 
     def __init__(
         self,
@@ -377,6 +378,18 @@ class MultiHeadLatentAttention(Module):
         """Empty the latent cache (and the indexer keys' cache; start a new sequence)."""
         object.__setattr__(self, "_kv_cache", None)
         object.__setattr__(self, "_index_keys", None)
+
+    def _cache_state(self) -> tuple:
+        return (self._kv_cache, self._index_keys)
+
+    def _set_cache_state(self, state: tuple) -> None:
+        object.__setattr__(self, "_kv_cache", state[0])
+        object.__setattr__(self, "_index_keys", state[1])
+
+    def _rewind_cache(self, n: int, mark) -> None:
+        super()._rewind_cache(n, mark)
+        if self._index_keys is not None:  # (..., T, D): one row per cached token
+            object.__setattr__(self, "_index_keys", self._index_keys[..., :n, :])
 
     @property
     def kv_cache_length(self) -> int:

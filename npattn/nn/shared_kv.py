@@ -51,7 +51,7 @@ from .._validate import (
 )
 from ..functional import kernels as K
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
-from .kv_cache import KVCache, RollingKVCache
+from .kv_cache import KVCache, RollingKVCache, _KeysCacheHooks
 from .layers import Embedding, Linear, RMSNorm, act_kernels
 from .module import Module, Parameter
 
@@ -106,7 +106,7 @@ class _Tangents(NamedTuple):
     merged: np.ndarray  # o_proj's input (..., L, H d)
 
 
-class SharedKVAttention(Module):
+class SharedKVAttention(_KeysCacheHooks, Module):
     """Gemma 4's attention, ``(..., L, hidden) -> (..., L, hidden)`` (see the module docstring).
 
     Parameters
@@ -219,6 +219,10 @@ class SharedKVAttention(Module):
         """Empty the KV cache (a reusing layer holds none: it reads its source's)."""
         object.__setattr__(self, "_kv_cache", None)
         object.__setattr__(self, "_last", None)
+
+    def _set_cache_state(self, state: tuple) -> None:
+        super()._set_cache_state(state)
+        object.__setattr__(self, "_last", None)  # the last call's keys, read by the layers reusing them
 
     @property
     def kv_cache_length(self) -> int:
