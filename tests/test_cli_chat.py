@@ -6,6 +6,7 @@ reported and the conversation goes on without that message."""
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 from test_cli_generate import _chat_dir
 
 from npattn.__main__ import main
-from npattn.models import apply_chat_template
+from npattn.models import CausalLM, apply_chat_template
 
 pytest.importorskip("jinja2")
 
@@ -65,6 +66,41 @@ def test_turns_carry_the_conversation_and_reset_empties_it(tmp_path, monkeypatch
     assert prompts[2] == prompts[0]  # /reset: a new conversation
     assert out.count(tok.decode(reply)) == 2 and out.count("[4 tokens in") == 3
     assert out.startswith("/reset starts a new conversation") and out.count("> ") == 6
+
+
+def test_each_turn_runs_only_what_the_last_turn_did_not(tmp_path, monkeypatch, capsys):
+    """The model's caches are kept from turn to turn: a turn's first forward runs its prompt after
+    the prefix it shares with the last prompt and its reply's tokens fed (the rate line says how
+    many were reused), and the replies are those of the whole prompt run afresh; /reset empties it."""
+    tok, m = _chat_dir(tmp_path, template=ANY_ROLE)
+    d = str(tmp_path)
+    runs = []
+    real = CausalLM.forward
+
+    @functools.wraps(real)
+    def counting(self, ids, **kw):
+        runs.append(np.asarray(ids).shape[-1])
+        return real(self, ids, **kw)
+
+    monkeypatch.setattr(CausalLM, "forward", counting)
+    status, out, err, prompts = _talk(
+        monkeypatch, capsys, [d, "--max-new-tokens", "4"], ["a bird", "the cat", "my hat", "/reset", "a bird"]
+    )
+    assert status == 0 and err == "" and len(prompts) == 4 and len(runs) == 16  # the prompt's pass, 3 steps
+    first = runs[0::4]  # each turn's prompt pass
+    monkeypatch.undo()
+    held: list = []
+    for i, prompt in enumerate(prompts):
+        reply = m.generate(np.array([prompt]), 4)[0, len(prompt) :].tolist()  # afresh, without the cache
+        assert f"> {tok.decode(reply)}\n[4 tokens in" in out
+        n = min(len(held), len(prompt) - 1)
+        same = np.array(held[:n]) == np.array(prompt[:n])
+        reused = n if same.all() else int(same.argmin())
+        assert first[i] == len(prompt) - reused
+        assert f"tokens/s, {reused} of {len(prompt)} prompt tokens reused]" in out
+        held = [] if i == 2 else prompt + reply[:-1]  # /reset after the third turn
+    assert 0 < first[1] < len(prompts[1]) and 0 < first[2] < len(prompts[2])
+    assert first[3] == len(prompts[3])  # after /reset: all of it
 
 
 def test_system_message_opens_every_conversation(tmp_path, monkeypatch, capsys):

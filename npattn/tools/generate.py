@@ -70,11 +70,12 @@ def stream(
     eos=(),
     min_p=None,
     repetition_penalty=None,
+    prompt_cache=None,
 ):
     """Yield up to ``max_new_tokens`` token ids after ``prompt_ids`` (a list of ints): the one row
     of ``model.stream`` (greedy at ``temperature`` 0, else sampled; ``repetition_penalty`` None:
     the checkpoint's, as ``model.stream`` takes it); stops after an id in ``eos`` (which is
-    yielded; empty: none)."""
+    yielded; empty: none).  ``prompt_cache``: ``model.stream``'s (the caches kept between calls)."""
     sample = temperature > 0
     steps = model.stream(
         np.asarray([prompt_ids]),
@@ -87,6 +88,7 @@ def stream(
         repetition_penalty=repetition_penalty,
         eos_token_id=sorted(eos),
         rng=rng,
+        prompt_cache=prompt_cache,
     )
     for step in steps:
         yield int(step[0])
@@ -299,9 +301,9 @@ def _show(tokens, tokenizer, context: list, out) -> list:
     return new
 
 
-def _rate(n: int, elapsed: float) -> str:
+def _rate(n: int, elapsed: float, reused: str = "") -> str:
     rate = n / elapsed if elapsed > 0 else float("inf")
-    return f"[{n} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s]"
+    return f"[{n} tokens in {elapsed:.2f} s, {rate:.1f} tokens/s{reused}]"
 
 
 def _run(args, model, tokenizer, prompt_ids, eos) -> int:
@@ -327,7 +329,11 @@ def chat_main(args) -> int:
     """Run ``npattn chat``: a conversation on standard input and output.  Each line read is a user
     message; the whole conversation so far (after the ``--system`` message) goes through the chat
     template and the model, and the reply is printed as it grows, then kept as the assistant's
-    message.  ``/reset`` empties the conversation, ``/exit`` or the end of input ends it.  Loading
+    message.  The model's caches are kept from turn to turn (``model.prompt_cache()``): a turn
+    runs only the tokens of its prompt after what it shares with the last turn's prompt and reply
+    (where the template renders the reply as it was generated, all of it; the rate line says how
+    many prompt tokens were reused), with the replies of a run that encodes everything again.
+    ``/reset`` empties the conversation (and the cache), ``/exit`` or the end of input ends it.  Loading
     and template errors are one line on stderr and exit status 2 before the first prompt; an
     error of one turn (its template's refusal) is reported and that message dropped."""
     args.ids, args.chat = False, True
@@ -341,6 +347,7 @@ def chat_main(args) -> int:
     out = sys.stdout
     out.write(f"{CHAT_HELP}\n")
     conversation = list(system)
+    cache = model.prompt_cache()
     while True:
         out.write("> ")
         out.flush()
@@ -351,6 +358,7 @@ def chat_main(args) -> int:
         message = line.strip()
         if message == "/reset":
             conversation = list(system)
+            cache.reset()
             continue
         if not message:
             continue
@@ -361,7 +369,9 @@ def chat_main(args) -> int:
             print(f"npattn chat: {e}", file=sys.stderr)
             continue
         start = time.perf_counter()
-        new = _show(stream(model, ids, args.max_new_tokens, eos=eos, **_sampling(args)), tokenizer, [], out)
-        out.write(f"\n{_rate(len(new), time.perf_counter() - start)}\n")
+        steps = stream(model, ids, args.max_new_tokens, eos=eos, prompt_cache=cache, **_sampling(args))
+        new = _show(steps, tokenizer, [], out)
+        reused = f", {cache.reused} of {len(ids)} prompt tokens reused" if new else ""
+        out.write(f"\n{_rate(len(new), time.perf_counter() - start, reused)}\n")
         reply = tokenizer.decode([t for t in new if t not in eos])
         conversation += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
