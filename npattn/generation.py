@@ -63,17 +63,18 @@ class PromptCache:
     was never fed), as transformers' ``past_key_values`` after ``generate``.  The tokens and logits
     are those of a call without it (transformers' "prompt reuse", llama.cpp's common prefix).
 
-    What is reused when: a layer whose keys are all kept (full attention, MLA's latents) is cut
-    back to any length.  Two kinds of caches cannot be cut back: a recurrent state (gated
-    DeltaNet, Kimi Delta Attention, LFM2's short convolutions) sums every token seen, and a
-    sliding window's rolling cache has dropped the keys older than its window.  For them the
-    cache also keeps the state at the end of the last prompt (the recurrent states as they were,
-    the rolling caches' keys from a window before it), so a prompt that extends the last prompt
-    (a chat's next turn, whatever its reply became) resumes from there; a prompt that extends
-    everything held (the last prompt and its tokens) resumes from the end.  Otherwise (a prompt
-    that leaves the last one before its end, one as long as or shorter than what such a layer
-    needs) the whole prompt runs again.  With LongRoPE (``CausalLM.reencode_length``) keys are
-    reused only when they were rotated with the frequencies a fresh run of the prompt uses.
+    What is reused when: layers that keep every key (full attention, MLA's latents) are cut back
+    to any length.  Two kinds of caches cannot be: a recurrent state (gated DeltaNet, Kimi Delta
+    Attention, LFM2's short convolutions) sums every token seen, and a sliding window's rolling
+    cache has dropped the keys older than its window (until it drops any, it is cut back as a full
+    one).  For them the cache also keeps what the end of the last prompt needs (the recurrent
+    states as they were there; the rolling caches keep the window before it), so a new prompt that
+    extends everything held runs on from there; else one that extends the last prompt (a chat's
+    next turn, however its template renders the reply) resumes at that prompt's end (a rolling
+    cache at the common prefix); else (a prompt that leaves the last one before its end, or is a
+    prefix of it: the same prompt again, since its last token must run) the whole prompt runs
+    again.  With LongRoPE (``CausalLM.reencode_length``) keys are reused only when they were
+    rotated with the frequencies a fresh run of the prompt uses.
     ``reused`` says how many prompt tokens the last call did not run.
 
     Batch size 1 only: ``ids`` of shape ``(L,)`` or ``(1, L)``, no padding (an ``attention_mask``
