@@ -307,3 +307,22 @@ def test_the_model_counts_the_reused_tokens_as_fed():
     cache.reset()  # (the direct forward is not one the stream knows of)
     want = model(np.concatenate([prompt, [7]])[None])[:, -1:]
     np.testing.assert_allclose(logits, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+def test_a_failure_while_resuming_frees_and_empties_the_cache(monkeypatch):
+    model = CausalLM(tiny_config("llama"), rng=0)
+    cache = model.prompt_cache()
+    model.generate(np.array([4, 8, 15, 16]), 3, prompt_cache=cache)
+    attention = model.layers[0].attention
+
+    def broken(n, mark):
+        raise RuntimeError("cannot rewind")
+
+    monkeypatch.setattr(attention, "_rewind_cache", broken)
+    with pytest.raises(RuntimeError, match="cannot rewind"):
+        model.generate(np.array([4, 8, 15, 9]), 3, prompt_cache=cache)
+    monkeypatch.undo()
+    assert len(cache) == 0
+    cache.reset()  # not in use
+    prompt = np.array([4, 8, 15, 9])
+    np.testing.assert_array_equal(model.generate(prompt, 3, prompt_cache=cache), model.generate(prompt, 3))
