@@ -326,3 +326,17 @@ def test_a_failure_while_resuming_frees_and_empties_the_cache(monkeypatch):
     cache.reset()  # not in use
     prompt = np.array([4, 8, 15, 9])
     np.testing.assert_array_equal(model.generate(prompt, 3, prompt_cache=cache), model.generate(prompt, 3))
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_a_window_that_dropped_nothing_is_cut_back_anywhere(name):
+    """A sliding window longer than every sequence here: its rolling cache has dropped no key, so
+    a prompt leaving the old one inside is cut back as with full attention."""
+    model = CausalLM(tiny_config(name, sliding_window=64), rng=0)
+    rec = Recorder(model)
+    cache = model.prompt_cache()
+    p1 = np.array([4, 8, 15, 16, 23, 30, 3])
+    _check_call(model, rec, cache, p1)
+    p2 = np.array([4, 8, 15, 16, 9, 10])
+    _, ran, _ = _check_call(model, rec, cache, p2)
+    assert cache.reused == 4 and ran == 2
