@@ -115,8 +115,9 @@ class PromptCache:
     """
 
     def __init__(self, model) -> None:
+        # every module with a decoding cache, the model first (its count of the tokens fed)
         holders = [m for m in getattr(model, "modules", lambda: ())() if callable(getattr(m, "_cache_state", None))]
-        if not holders or not callable(getattr(model, "reset_kv_cache", None)):
+        if not holders or holders[0] is not model or not callable(getattr(model, "reset_kv_cache", None)):
             raise TypeError(
                 f"model: expected a model with decoding caches (a npattn.models.CausalLM), got {type(model).__name__}"
             )

@@ -225,6 +225,13 @@ def test_refusals_name_the_argument():
         model.generate(np.array([1, 2, 3]), 2, prompt_cache=object())
     with pytest.raises(TypeError, match="^model: expected a model with decoding caches"):
         PromptCache(object())
+    from npattn import book
+
+    gpt = book.GPTModel(
+        dict(vocab_size=20, context_length=8, emb_dim=8, n_heads=2, n_layers=1, drop_rate=0.0, qkv_bias=False), rng=0
+    )
+    with pytest.raises(TypeError, match="^model: expected a model with decoding caches.*got GPTModel"):
+        PromptCache(gpt)  # its attention layers have caches, but its own count of positions is not one's
     steps = model.stream(np.array([1, 2, 3]), 4, prompt_cache=cache)
     next(steps)
     with pytest.raises(ValueError, match="^prompt_cache: in use by a stream"):
