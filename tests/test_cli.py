@@ -154,6 +154,7 @@ SECOND_ORDER_COVERS = (
     "causal_conv1d (silu, bias, initial state)",
     "l2_norm",
     "rms_norm_gated",
+    "mamba2_scan (chunks of 2, 4 heads in 2 groups, initial state)",
 )
 
 

@@ -15,6 +15,7 @@ from . import embedding as _embedding
 from . import kda as _kda
 from . import linear as _linear
 from . import loss as _loss
+from . import mamba2 as _mamba2
 from . import memory_efficient as _memory_efficient
 from . import moe as _moe
 from . import norm as _norm
@@ -29,6 +30,7 @@ from .embedding import *
 from .kda import *
 from .linear import *
 from .loss import *
+from .mamba2 import *
 from .memory_efficient import *
 from .moe import *
 from .norm import *
@@ -46,6 +48,7 @@ for _module in (
     _embedding,
     _kda,
     _linear,
+    _mamba2,
     _loss,
     _memory_efficient,
     _moe,

@@ -73,6 +73,10 @@ from .loss import cross_entropy_backward_jvp_kernel as cross_entropy_backward_jv
 from .loss import cross_entropy_backward_kernel as cross_entropy_backward
 from .loss import cross_entropy_jvp_kernel as cross_entropy_jvp
 from .loss import cross_entropy_kernel as cross_entropy
+from .mamba2 import mamba2_scan_backward_jvp_kernel as mamba2_scan_backward_jvp
+from .mamba2 import mamba2_scan_backward_kernel as mamba2_scan_backward
+from .mamba2 import mamba2_scan_jvp_kernel as mamba2_scan_jvp
+from .mamba2 import mamba2_scan_kernel as mamba2_scan
 from .memory_efficient import memory_efficient_attention_backward_jvp_kernel as memory_efficient_attention_backward_jvp
 from .memory_efficient import memory_efficient_attention_backward_kernel as memory_efficient_attention_backward
 from .memory_efficient import memory_efficient_attention_jvp_kernel as memory_efficient_attention_jvp

@@ -3377,3 +3377,336 @@ def indexer_kl_loss_backward_jvp(dout: Array, cache: IndexerKLCache, tangents, d
 
 
 __all__ += _op_names("lightning_indexer", "sparse_attention", "indexer_kl_loss")
+
+
+# == Mamba-2: the selective state-space scan ========================================================
+# Granite 4.0's hybrid layers (transformers' ``GraniteMoeHybridMambaLayer``, whose ``torch_forward``
+# runs ``mamba2_chunk_scan`` / ``mamba2_selective_state_update``): a linear recurrence whose state
+# ``S (P, N)`` per head decays by one number a step.  Shapes: ``H`` heads of ``P`` channels, ``G``
+# groups sharing ``B`` and ``C`` (head h reads group ``h // (H / G)``), ``N`` the state width,
+# ``L`` steps.  Head-first, as the delta rules: ``x (B..., H, L, P)``, ``B, C (B..., G, L, N)``.
+
+
+class Mamba2ScanCache(NamedTuple):
+    """What ``mamba2_scan_backward`` needs (textbook: every state ``S_0 .. S_{L-1}``)."""
+
+    x: np.ndarray  # (B..., H, L, P)
+    dt: np.ndarray  # (B..., H, L) the step sizes as used: clip(softplus(dt + dt_bias), *time_step_limit)
+    sig: np.ndarray  # (B..., H, L) d dt / d(dt + dt_bias): sigmoid where the clip lets dt through, else 0
+    A: np.ndarray  # (H,)
+    B: np.ndarray  # (B..., G, L, N)
+    C: np.ndarray  # (B..., G, L, N)
+    D: Optional[np.ndarray]  # (H,) or None
+    states: np.ndarray  # (B..., H, L, P, N) S_{t-1}, the state each step starts from
+    has_dt_bias: bool
+    has_initial_state: bool
+    final_state: Optional[np.ndarray]  # (B..., H, P, N) S_L with output_final_state, else None
+
+
+def _mamba_heads(b, heads):
+    """``B`` or ``C (B..., G, L, N)`` repeated for the heads of each group: ``(B..., H, L, N)``."""
+    return np.repeat(b, heads // b.shape[-3], axis=-3)
+
+
+def _mamba_groups(dh, groups):
+    """The gradient of ``_mamba_heads``: the copies of a group added back, ``(B..., G, L, N)``."""
+    return dh.reshape(dh.shape[:-3] + (groups, dh.shape[-3] // groups) + dh.shape[-2:]).sum(-3)
+
+
+def mamba2_scan(
+    x: Array,
+    dt: Array,
+    A: Array,
+    B: Array,
+    C: Array,
+    D: Optional[Array] = None,
+    dt_bias: Optional[Array] = None,
+    *,
+    time_step_limit: Tuple[float, float] = (0.0, math.inf),
+    initial_state: Optional[Array] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> Tuple[Array, Mamba2ScanCache]:
+    """Mamba-2's selective scan, one step at a time (transformers' ``mamba2_chunk_scan``).
+
+    ``x (B..., H, L, P)``, ``dt (B..., H, L)`` the raw step sizes, ``A (H,)`` (negative: Mamba's
+    ``-exp(A_log)``), ``B, C (B..., G, L, N)`` shared by the ``H / G`` heads of each group, ``D,
+    dt_bias (H,)`` (None: zero).  The step size is ``delta_t = clip(softplus(dt_t + dt_bias),
+    *time_step_limit)`` (torch's softplus: the identity above 20); from ``S_0 = initial_state``
+    (zeros if None, ``(B..., H, P, N)``) each step, head by head:
+
+        a_t = exp(delta_t A)                      the state decays by one number
+        S_t = a_t S_{t-1} + delta_t x_t B_t^T     write x_t under key B_t, weighted by the step
+        y_t = S_t C_t + D x_t                     read with C_t, plus the skip connection
+
+    Returns ``(y (B..., H, L, P), cache)``; ``cache.final_state`` is ``S_L`` when
+    ``output_final_state``.  ``chunk_size`` is the fast tier's (it changes nothing there either):
+    the recurrence has no chunks.
+    """
+    heads = x.shape[-3]
+    u = dt if dt_bias is None else dt + dt_bias[:, None]  # (B..., H, L)
+    big = u > 20.0  # torch's softplus is the identity above its threshold 20 (and its derivative 1)
+    soft = np.where(big, u, np.logaddexp(0.0, np.minimum(u, 20.0)))  # softplus(u) = log(1 + e^u)
+    lo, hi = time_step_limit
+    free = (soft >= lo) & (soft <= hi)  # where the clip passes softplus through (torch.clamp's gradient: 1 there)
+    delta = np.clip(soft, lo, hi)
+    sig = np.where(big, 1.0, 0.5 * (1.0 + np.tanh(0.5 * u)))  # softplus' = sigmoid(u), without overflow
+    sig = np.where(free, sig, 0.0)  # 0 where the clip holds delta fixed
+    Bh, Ch = _mamba_heads(B, heads), _mamba_heads(C, heads)  # (B..., H, L, N)
+    a = np.exp(delta * A[:, None])  # (B..., H, L)
+    lead, steps = x.shape[:-2], x.shape[-2]
+    S = np.zeros(lead + (x.shape[-1], B.shape[-1]), x.dtype) if initial_state is None else initial_state
+    states = np.zeros(lead + (steps,) + S.shape[-2:], x.dtype)
+    y = np.zeros(x.shape, x.dtype)
+    for t in range(steps):
+        states[..., t, :, :] = S  # S_{t-1}, kept for the backward
+        write = (delta[..., t, None] * x[..., t, :])[..., :, None] * Bh[..., t, None, :]  # delta_t x_t B_t^T (P, N)
+        S = a[..., t, None, None] * S + write
+        y[..., t, :] = np.einsum("...pn,...n->...p", S, Ch[..., t, :])  # S_t C_t
+    if D is not None:
+        y = y + D[:, None, None] * x
+    return y, Mamba2ScanCache(
+        x=x,
+        dt=delta,
+        sig=sig,
+        A=A,
+        B=B,
+        C=C,
+        D=D,
+        states=states,
+        has_dt_bias=dt_bias is not None,
+        has_initial_state=initial_state is not None,
+        final_state=S if output_final_state else None,
+    )
+
+
+def _per_head(a, axis):
+    """Sum ``a`` over every axis but the heads' (``axis``): the gradient of a per-head ``(H,)``."""
+    return np.moveaxis(a, axis, -1).reshape(-1, a.shape[axis]).sum(0)
+
+
+def mamba2_scan_backward(
+    dout: Array, cache: Mamba2ScanCache, dfinal_state: Optional[Array] = None
+) -> Tuple[Array, Array, Array, Array, Array, Optional[Array], Optional[Array], Optional[Array]]:
+    """Backpropagation through time, with ``dS`` the adjoint of the state.
+
+    Step t, from ``P = S_{t-1}``, computed ``S_t = a_t P + delta_t x_t B_t^T`` and ``y_t = S_t C_t
+    + D x_t``.  Later steps see ``S_t`` only, so ``dS = dL/dS_t`` carries them (``dfinal_state`` at
+    t = L, else 0); walking t = L .. 1::
+
+        y_t = S_t C_t + D x_t:         dS += dy_t C_t^T;       dC_t = S_t^T dy_t
+        S_t = a_t P + delta_t x_t B_t^T, with w = dS B_t (P,):
+                                       da_t = <dS, P>;          ddelta_t = x_t . w
+                                       dx_t = delta_t w;        dB_t = delta_t dS^T x_t
+                                       dS_{t-1} = a_t dS
+
+    then, off the walk: ``a = exp(delta A)``: ``ddelta += da a A``, ``dA = sum da a delta``; the skip:
+    ``dx += D dy``, ``dD = sum dy . x``; ``delta = clip(softplus(u))``, ``u = dt + dt_bias``:
+    ``du = ddelta sigmoid(u)`` where the clip lets it through (0 where it holds), ``ddt = du``,
+    ``ddt_bias = sum du``; the heads' ``dB``, ``dC`` are added up per group.
+    Returns ``(dx, ddt, dA, dB, dC, dD, ddt_bias, dinitial_state)``, None where the forward had none.
+    """
+    x, delta, sig, A, B, C, D, states = cache[:8]
+    heads, groups = x.shape[-3], B.shape[-3]
+    Bh, Ch = _mamba_heads(B, heads), _mamba_heads(C, heads)
+    a = np.exp(delta * A[:, None])
+    dS = np.zeros(states.shape[:-3] + states.shape[-2:], x.dtype) if dfinal_state is None else dfinal_state
+    dx, ddelta, da = np.zeros(x.shape, x.dtype), np.zeros(delta.shape, x.dtype), np.zeros(delta.shape, x.dtype)
+    dBh, dCh = np.zeros(Bh.shape, x.dtype), np.zeros(Ch.shape, x.dtype)
+    for t in reversed(range(x.shape[-2])):
+        P, xt, dt_, do = states[..., t, :, :], x[..., t, :], delta[..., t, None], dout[..., t, :]
+        St = a[..., t, None, None] * P + (dt_ * xt)[..., :, None] * Bh[..., t, None, :]  # recomputed
+        dS = dS + do[..., :, None] * Ch[..., t, None, :]  # y_t = S_t C_t
+        dCh[..., t, :] = np.einsum("...pn,...p->...n", St, do)
+        da[..., t] = (dS * P).sum((-2, -1))  # S_t = a_t P + ...
+        w = np.einsum("...pn,...n->...p", dS, Bh[..., t, :])  # dS B_t
+        ddelta[..., t] = (xt * w).sum(-1)
+        dx[..., t, :] = dt_ * w
+        dBh[..., t, :] = dt_ * np.einsum("...pn,...p->...n", dS, xt)
+        dS = a[..., t, None, None] * dS  # dS_{t-1}
+    dlog = da * a  # a = exp(delta A): d(delta A)
+    ddelta = ddelta + dlog * A[:, None]
+    dA = _per_head(dlog * delta, -2)
+    dD = None
+    if D is not None:  # y += D x
+        dx = dx + D[:, None, None] * dout
+        dD = _per_head(dout * x, -3)
+    du = ddelta * sig  # delta = clip(softplus(u))
+    ddt_bias = _per_head(du, -2) if cache.has_dt_bias else None
+    dinit = dS if cache.has_initial_state else None
+    return dx, du, dA, _mamba_groups(dBh, groups), _mamba_groups(dCh, groups), dD, ddt_bias, dinit
+
+
+def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents: Optional[Array]):
+    """Forward mode: the tangent of the outputs along ``(tx, tdt, tA, tB, tC, tD, tdt_bias,
+    tinitial_state)`` (the backward's order; None or left out = zero), one step at a time.
+
+    By the product rule, along the forward's lines::
+
+        tdelta = sigmoid(u) (tdt + tdt_bias)      (0 where the clip holds delta)
+        ta_t = a_t (tdelta_t A + delta_t tA)
+        tS_t = ta_t S_{t-1} + a_t tS_{t-1} + (tdelta_t x_t + delta_t tx_t) B_t^T + delta_t x_t tB_t^T
+        ty_t = tS_t C_t + S_t tC_t + tD x_t + D tx_t
+
+    Returns ``ty``, or ``(ty, tfinal_state)`` when the forward kept the final state.
+    """
+    x, delta, _, A, B, C, D, states = cache[:8]
+    tx, tdelta, ta, tBh, tCh, tD, tS = _mamba_tangents(cache, tangents)
+    Bh, Ch = _mamba_heads(B, x.shape[-3]), _mamba_heads(C, x.shape[-3])
+    a = np.exp(delta * A[:, None])
+    ty = np.zeros(x.shape, x.dtype)
+    for t in range(x.shape[-2]):
+        P, xt, dt_ = states[..., t, :, :], x[..., t, :], delta[..., t, None]
+        S = a[..., t, None, None] * P + (dt_ * xt)[..., :, None] * Bh[..., t, None, :]
+        tS = (
+            ta[..., t, None, None] * P
+            + a[..., t, None, None] * tS
+            + (tdelta[..., t, None] * xt + dt_ * tx[..., t, :])[..., :, None] * Bh[..., t, None, :]
+            + (dt_ * xt)[..., :, None] * tBh[..., t, None, :]
+        )
+        ty[..., t, :] = np.einsum("...pn,...n->...p", tS, Ch[..., t, :]) + np.einsum(
+            "...pn,...n->...p", S, tCh[..., t, :]
+        )
+    if D is not None:
+        ty = ty + D[:, None, None] * tx
+    if tD is not None:
+        ty = ty + tD[:, None, None] * x
+    return ty if cache.final_state is None else (ty, tS)
+
+
+def _mamba_tangents(cache, tangents):
+    """The tangents the scan's lines use, zeros for None: ``(tx, tdelta, ta, tB, tC, tD, tS_0)``
+    with ``tB``, ``tC`` repeated for the heads (``tD`` stays None for zero)."""
+    x, delta, sig, A, B, C = cache[:6]
+    tx, tdt, tA, tB, tC, tD, tbias, tS = _padded(tangents, 8)
+    heads = x.shape[-3]
+    tu = np.zeros(delta.shape, x.dtype) if tdt is None else tdt
+    if tbias is not None:
+        tu = tu + tbias[:, None]
+    tdelta = sig * tu  # delta = clip(softplus(u))
+    tA = np.zeros(A.shape, x.dtype) if tA is None else tA
+    ta = np.exp(delta * A[:, None]) * (tdelta * A[:, None] + delta * tA[:, None])  # a = exp(delta A)
+    tx = np.zeros(x.shape, x.dtype) if tx is None else tx
+    tBh = np.zeros(x.shape[:-3] + (heads,) + B.shape[-2:], x.dtype) if tB is None else _mamba_heads(tB, heads)
+    tCh = np.zeros(tBh.shape, x.dtype) if tC is None else _mamba_heads(tC, heads)
+    tS = np.zeros(cache.states.shape[:-3] + cache.states.shape[-2:], x.dtype) if tS is None else tS
+    return tx, tdelta, ta, tBh, tCh, tD, tS
+
+
+def mamba2_scan_backward_jvp(
+    dout: Array,
+    cache: Mamba2ScanCache,
+    tangents,
+    ddout: Optional[Array] = None,
+    dfinal_state: Optional[Array] = None,
+    ddfinal_state: Optional[Array] = None,
+):
+    """Second order: ``mamba2_scan_backward(dout, cache, dfinal_state)``'s gradients and their
+    tangents when the inputs move along ``tangents = (tx, tdt, tA, tB, tC, tD, tdt_bias,
+    tinitial_state)`` (``mamba2_scan_jvp``'s order; None or left out: zero), ``dout`` along
+    ``ddout`` and ``dfinal_state`` along ``ddfinal_state`` (None: zero).
+
+    First the forward's tangents ``tS_{t-1}`` of every step (``mamba2_scan_jvp``'s lines); then the
+    backward's walk t = L .. 1, each line differentiated by the product rule, ``tdS`` starting at
+    ``ddfinal_state``::
+
+        dS += dy_t C_t^T              tdS += tdy_t C_t^T + dy_t tC_t^T
+        dC_t = S_t^T dy_t             tdC_t = tS_t^T dy_t + S_t^T tdy_t
+        da_t = <dS, P>                tda_t = <tdS, P> + <dS, tP>
+        w = dS B_t                    tw = tdS B_t + dS tB_t
+        ddelta_t = x_t . w            tddelta_t = tx_t . w + x_t . tw
+        dx_t = delta_t w              tdx_t = tdelta_t w + delta_t tw
+        v = dS^T x_t                  tv = tdS^T x_t + dS^T tx_t
+        dB_t = delta_t v              tdB_t = tdelta_t v + delta_t tv
+        dS_{t-1} = a_t dS             tdS_{t-1} = ta_t dS + a_t tdS
+
+    and off the walk, with ``g = da a`` (``tg = tda a + da ta``)::
+
+        ddelta += g A                 tddelta += tg A + g tA
+        dA = sum g delta              tdA = sum tg delta + g tdelta
+        dx += D dy                    tdx += tD dy + D tdy
+        dD = sum dy . x               tdD = sum tdy . x + dy . tx
+        du = ddelta s                 tdu = tddelta s + ddelta s (1 - s) tu
+
+    (``s = sigmoid(u)`` where the clip lets ``delta`` through, whose derivative is ``s (1 - s)``;
+    0 where it holds; 1 above torch's softplus threshold 20, where ``s (1 - s)`` is 0 too).
+    Returns ``(grads, grad_tangents)``, both in the backward's order.
+    """
+    grads = mamba2_scan_backward(dout, cache, dfinal_state)
+    x, delta, sig, A, B, C, D, states = cache[:8]
+    heads, groups = x.shape[-3], B.shape[-3]
+    tx, tdelta, ta, tBh, tCh, tD, tS = _mamba_tangents(cache, tangents)
+    tu = _padded(tangents, 8)
+    tu = (np.zeros(delta.shape, x.dtype) if tu[1] is None else tu[1]) + (0.0 if tu[6] is None else tu[6][:, None])
+    tA = _padded(tangents, 8)[2]
+    tA = np.zeros(A.shape, x.dtype) if tA is None else tA
+    Bh, Ch = _mamba_heads(B, heads), _mamba_heads(C, heads)
+    a = np.exp(delta * A[:, None])
+    # the forward's tangents: tS_{t-1} of every step
+    tstates = np.zeros(states.shape, x.dtype)
+    for t in range(x.shape[-2]):
+        tstates[..., t, :, :] = tS
+        xt, dt_ = x[..., t, :], delta[..., t, None]
+        tS = (
+            ta[..., t, None, None] * states[..., t, :, :]
+            + a[..., t, None, None] * tS
+            + (tdelta[..., t, None] * xt + dt_ * tx[..., t, :])[..., :, None] * Bh[..., t, None, :]
+            + (dt_ * xt)[..., :, None] * tBh[..., t, None, :]
+        )
+    tdy = np.zeros(dout.shape, x.dtype) if ddout is None else ddout
+    # the backward's walk, each line with its tangent
+    state = states.shape[:-3] + states.shape[-2:]
+    dS = np.zeros(state, x.dtype) if dfinal_state is None else dfinal_state
+    tdS = np.zeros(state, x.dtype) if ddfinal_state is None else ddfinal_state
+    ddelta, da = np.zeros(delta.shape, x.dtype), np.zeros(delta.shape, x.dtype)
+    tddelta, tda = np.zeros(delta.shape, x.dtype), np.zeros(delta.shape, x.dtype)
+    tdx, tdBh, tdCh = np.zeros(x.shape, x.dtype), np.zeros(Bh.shape, x.dtype), np.zeros(Ch.shape, x.dtype)
+    for t in reversed(range(x.shape[-2])):
+        P, tP = states[..., t, :, :], tstates[..., t, :, :]
+        xt, txt, do, tdo = x[..., t, :], tx[..., t, :], dout[..., t, :], tdy[..., t, :]
+        dt_, tdt_ = delta[..., t, None], tdelta[..., t, None]
+        at, tat = a[..., t, None, None], ta[..., t, None, None]
+        Bt, tBt, Ct, tCt = Bh[..., t, :], tBh[..., t, :], Ch[..., t, :], tCh[..., t, :]
+        St = at * P + (dt_ * xt)[..., :, None] * Bt[..., None, :]
+        tSt = tat * P + at * tP + (tdt_ * xt + dt_ * txt)[..., :, None] * Bt[..., None, :]
+        tSt = tSt + (dt_ * xt)[..., :, None] * tBt[..., None, :]
+        # dS += dy_t C_t^T, dC_t = S_t^T dy_t
+        dS = dS + do[..., :, None] * Ct[..., None, :]
+        tdS = tdS + tdo[..., :, None] * Ct[..., None, :] + do[..., :, None] * tCt[..., None, :]
+        tdCh[..., t, :] = np.einsum("...pn,...p->...n", tSt, do) + np.einsum("...pn,...p->...n", St, tdo)
+        # da_t = <dS, P>
+        da[..., t] = (dS * P).sum((-2, -1))
+        tda[..., t] = (tdS * P).sum((-2, -1)) + (dS * tP).sum((-2, -1))
+        # w = dS B_t: ddelta_t = x_t . w, dx_t = delta_t w
+        w = np.einsum("...pn,...n->...p", dS, Bt)
+        tw = np.einsum("...pn,...n->...p", tdS, Bt) + np.einsum("...pn,...n->...p", dS, tBt)
+        ddelta[..., t] = (xt * w).sum(-1)
+        tddelta[..., t] = (txt * w).sum(-1) + (xt * tw).sum(-1)
+        tdx[..., t, :] = tdt_ * w + dt_ * tw
+        # v = dS^T x_t: dB_t = delta_t v
+        v = np.einsum("...pn,...p->...n", dS, xt)
+        tv = np.einsum("...pn,...p->...n", tdS, xt) + np.einsum("...pn,...p->...n", dS, txt)
+        tdBh[..., t, :] = tdt_ * v + dt_ * tv
+        # dS_{t-1} = a_t dS
+        tdS = tat * dS + at * tdS
+        dS = at * dS
+    # a = exp(delta A): g = da a
+    g, tg = da * a, tda * a + da * ta
+    ddelta = ddelta + g * A[:, None]
+    tddelta = tddelta + tg * A[:, None] + g * tA[:, None]
+    tdA = _per_head(tg * delta + g * tdelta, -2)
+    tdD = None
+    if D is not None:  # y += D x
+        tdx = tdx + D[:, None, None] * tdy
+        tdD = _per_head(tdy * x + dout * tx, -3)
+    if tD is not None:
+        tdx = tdx + tD[:, None, None] * dout
+    # delta = clip(softplus(u)): du = ddelta s, s' = s (1 - s)
+    tdu = tddelta * sig + ddelta * sig * (1.0 - sig) * tu
+    tdbias = _per_head(tdu, -2) if cache.has_dt_bias else None
+    tdinit = tdS if cache.has_initial_state else None
+    tgrads = (tdx, tdu, tdA, _mamba_groups(tdBh, groups), _mamba_groups(tdCh, groups), tdD, tdbias, tdinit)
+    return grads, tgrads
+
+
+__all__ += _op_names("mamba2_scan")

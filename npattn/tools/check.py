@@ -375,6 +375,10 @@ def kda(q, k, v, g, beta, initial_state):
     return F.kimi_delta_attention(q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True, chunk_size=3)
 
 
+def mamba2(x, dt, A, B, C, D, dt_bias, initial_state):
+    return F.mamba2_scan(x, dt, A, B, C, D, dt_bias, initial_state=initial_state, chunk_size=2)
+
+
 def conv(x, weight, bias, initial_state):
     return F.causal_conv1d(x, weight, bias, activation="silu", initial_state=initial_state)
 
@@ -749,8 +753,8 @@ _MOE_PAIRS = _Part(
 )
 
 # Gated DeltaNet's pairs (the chunked delta rule with an initial state, the short convolution with
-# its carried state, both norms), the GatedDeltaNet layer with grouped key heads and LFM2's
-# ShortConv layer (the same convolution, without its activation).
+# its carried state, both norms), the GatedDeltaNet layer with grouped key heads, LFM2's
+# ShortConv layer (the same convolution, without its activation) and Mamba-2's scan.
 _DELTA_NET = _Part(
     "delta net",
     {"x": N(2, 5, 4)},
@@ -776,6 +780,12 @@ _DELTA_NET = _Part(
             N(2, 5, 6),
         ),
         _case("ShortConv (LFM2: 3 taps, biases)", Call(ShortConv, 6, 3, True, rng=R), N(2, 5, 6)),
+        _case(
+            "mamba2_scan (chunks of 2, 4 heads in 2 groups, initial state)",
+            (mamba2, F.mamba2_scan_backward, F.mamba2_scan_jvp),
+            *(N(2, 4, 5, 3), N(2, 4, 5), Call(np.negative, U(0.5, 2.0, 4))),  # x, dt, A
+            *(N(2, 2, 5, 2), N(2, 2, 5, 2), N(4), N(4), N(2, 4, 3, 2)),  # B, C, D, dt_bias, initial state
+        ),
     ],
 )
 

@@ -1,0 +1,565 @@
+"""``mamba2_scan``: Mamba-2's selective state-space scan (Granite 4.0's hybrid layers), chunk by chunk.
+
+The recurrence of ``npattn.functional.reference.mamba2_scan`` (to 1e-12 in float64), per head with
+the state ``S (P, N)``: ``delta_t = clip(softplus(dt_t + dt_bias), *time_step_limit)``, ``a_t =
+exp(delta_t A)``, ``S_t = a_t S_{t-1} + delta_t x_t B_t^T``, ``y_t = S_t C_t + D x_t``.
+
+**The forward, chunk by chunk** (transformers' ``mamba2_chunk_scan``, the "state space duality"
+form).  Inside a chunk of ``c`` steps starting from ``S``, with the log decays ``l_i = delta_i A``,
+``Lam_i = l_1 + ... + l_i`` and ``seg_ij = l_{j+1} + ... + l_i`` (``j <= i``, each a sum of the
+terms it spans: ``delta_rule.segment_sums``, no differences of large sums)::
+
+    S_i = e^{Lam_i} S + sum_{j <= i} e^{seg_ij} delta_j x_j B_j^T
+    Y   = (e^{seg} * (C B^T)) (delta x) + diag(e^{Lam}) C S^T + D x          (c, P)
+    S'  = e^{Lam_c} S + (e^{seg_c.} delta x)^T B                              (P, N)
+
+two ``(c, c)`` products and two ``(c, N) x (N, P)`` ones per chunk and head instead of ``c`` rank-1
+updates of the ``(P, N)`` state: the work runs in matrix products, and only the state entering each
+chunk is kept (``L / c`` states instead of ``L``).
+
+**The derivatives, chunk by chunk.**  The backward, the JVP and the second order walk the steps as
+the textbook does (its derivations: ``reference.mamba2_scan_backward`` and below), one chunk at a
+time: the chunk's states ``S_{t-1}`` are rebuilt from the state kept at its start (``c`` of them at
+once, never ``L``), the adjoint ``dS`` carried from chunk to chunk.  The heads of a group are kept
+side by side (``(B..., G, H / G, ...)``) so that ``B`` and ``C`` broadcast over them instead of
+being copied per head.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .._validate import (
+    as_float,
+    as_floats_of_one_dtype,
+    check_backward_jvp,
+    check_bool,
+    check_cache,
+    check_grad,
+    check_size,
+    check_tangents_as,
+)
+from .delta_rule import segment_sums
+
+__all__ = [
+    "mamba2_scan",
+    "mamba2_scan_backward",
+    "mamba2_scan_jvp",
+    "mamba2_scan_backward_jvp",
+    "Mamba2ScanCache",
+]
+
+
+class Mamba2ScanCache(NamedTuple):
+    """What ``mamba2_scan_backward`` needs: the inputs and the state entering every chunk."""
+
+    x: np.ndarray  # (B..., H, L, P)
+    dt: np.ndarray  # (B..., H, L) the step sizes as used: clip(softplus(dt + dt_bias), *time_step_limit)
+    sig: np.ndarray  # (B..., H, L) d dt / d(dt + dt_bias): sigmoid where the clip lets dt through, else 0
+    A: np.ndarray  # (H,)
+    B: np.ndarray  # (B..., G, L, N)
+    C: np.ndarray  # (B..., G, L, N)
+    D: Optional[np.ndarray]  # (H,) or None
+    starts: np.ndarray  # (chunks, rows, G, H / G, P, N) the state entering each chunk (rows: B... flattened)
+    chunk_size: int
+    has_dt_bias: bool
+    has_initial_state: bool
+    final_state: Optional[np.ndarray]  # (B..., H, P, N) S_L with output_final_state, else None
+
+
+def mamba2_scan(
+    x: np.ndarray,
+    dt: np.ndarray,
+    A: np.ndarray,
+    B: np.ndarray,
+    C: np.ndarray,
+    D: Optional[np.ndarray] = None,
+    dt_bias: Optional[np.ndarray] = None,
+    *,
+    time_step_limit: tuple = (0.0, math.inf),
+    initial_state: Optional[np.ndarray] = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[np.ndarray, Mamba2ScanCache]:
+    """Mamba-2's selective scan (Granite 4.0's state-space layers), chunk by chunk.
+
+    Per head, from ``S_0 = initial_state`` (zeros if None): ``delta_t = clip(softplus(dt_t +
+    dt_bias), *time_step_limit)`` (torch's softplus: the identity above 20), ``S_t = exp(delta_t
+    A) S_{t-1} + delta_t x_t B_t^T``, ``y_t = S_t C_t + D x_t`` (the recurrence of
+    ``npattn.functional.reference.mamba2_scan`` and of transformers' ``mamba2_chunk_scan``), in
+    chunks of ``chunk_size`` steps (see the module docstring).
+
+    Parameters
+    ----------
+    x : ndarray ``(B..., H, L, P)``
+        ``H`` heads of ``P`` channels, head-first (transformers' layout is ``(B, L, H, P)``).
+    dt : ndarray ``(B..., H, L)``
+        The raw step sizes (before ``dt_bias`` and the softplus).
+    A : ndarray ``(H,)``
+        The decay rates (negative in Mamba: ``-exp(A_log)``).
+    B, C : ndarray ``(B..., G, L, N)``
+        The write and read keys, shared by the ``H / G`` heads of each of the ``G`` groups (head
+        ``h`` reads group ``h // (H / G)``).
+    D, dt_bias : ndarray ``(H,)``, optional
+        The skip connection and the step sizes' bias (None: zero).
+    time_step_limit : (float, float)
+        ``(low, high)`` bounds of the step sizes (transformers' ``time_step_limit``; the default
+        never clips, softplus being positive).
+    initial_state : ndarray ``(B..., H, P, N)``, optional
+        The state before the first step (zeros if None).
+    output_final_state : bool
+        Keep ``S_L`` as ``cache.final_state``, the state for the next call.
+    chunk_size : int
+        The chunk length (the numbers do not depend on it).
+
+    Returns
+    -------
+    (y, cache)
+        ``y (B..., H, L, P)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, expected vs actual, before any arithmetic.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npattn import functional as F
+    >>> from npattn.functional import reference as R
+    >>> rng = np.random.default_rng(0)
+    >>> x, dt = rng.standard_normal((1, 4, 6, 3)), rng.standard_normal((1, 4, 6))   # H = 4, L = 6, P = 3
+    >>> B, C = rng.standard_normal((2, 1, 2, 6, 5))                                  # G = 2, N = 5
+    >>> A = -np.arange(1.0, 5.0)
+    >>> y, cache = F.mamba2_scan(x, dt, A, B, C, chunk_size=4)
+    >>> ref, _ = R.mamba2_scan(x, dt, A, B, C)
+    >>> y.shape, bool(np.allclose(y, ref, rtol=0, atol=1e-12))
+    ((1, 4, 6, 3), True)
+    >>> len(F.mamba2_scan_backward(rng.standard_normal(y.shape), cache))   # dx, ddt, dA, dB, dC, dD, ddt_bias, dS0
+    8
+    """
+    arrays = [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)]
+    arrays += [(n, a) for n, a in (("D", D), ("dt_bias", dt_bias)) if a is not None]
+    checked = dict(zip((n for n, _ in arrays), as_floats_of_one_dtype(*arrays)))
+    x, dt, A, B, C = (checked[n] for n in ("x", "dt", "A", "B", "C"))
+    D, dt_bias = checked.get("D"), checked.get("dt_bias")
+    if x.ndim < 3 or min(x.shape[-3:]) < 1:
+        raise ValueError(f"x: expected shape (..., H, L, P) with H, L, P >= 1, got {x.shape}")
+    lead, (heads, steps, _) = x.shape[:-3], x.shape[-3:]
+    if dt.shape != x.shape[:-1]:
+        raise ValueError(f"dt: expected shape {x.shape[:-1]} (x's without P), got {dt.shape}")
+    for name, a in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if a is not None and a.shape != (heads,):
+            raise ValueError(f"{name}: expected shape ({heads},) (one per head), got {a.shape}")
+    if B.ndim != x.ndim or B.shape[:-3] != lead or B.shape[-2] != steps or min(B.shape[-3:]) < 1:
+        raise ValueError(f"B: expected shape {lead + ('G', steps, 'N')}, got {B.shape}")
+    if heads % B.shape[-3]:
+        raise ValueError(f"B: expected a number of groups dividing the {heads} heads, got {B.shape[-3]}")
+    if C.shape != B.shape:
+        raise ValueError(f"C: expected B's shape {B.shape}, got {C.shape}")
+    limit = _check_limit(time_step_limit)
+    if initial_state is not None:
+        initial_state = as_float(initial_state, "initial_state").astype(x.dtype, copy=False)
+        want = x.shape[:-2] + (x.shape[-1], B.shape[-1])
+        if initial_state.shape != want:
+            raise ValueError(f"initial_state: expected shape {want} (..., H, P, N), got {initial_state.shape}")
+    return mamba2_scan_kernel(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        dt_bias,
+        time_step_limit=limit,
+        initial_state=initial_state,
+        output_final_state=check_bool(output_final_state, "output_final_state"),
+        chunk_size=check_size(chunk_size, "chunk_size"),
+    )
+
+
+def _check_limit(limit) -> tuple:
+    try:
+        lo, hi = (float(v) for v in limit)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit: expected two numbers (low, high), got {limit!r}") from None
+    if not lo <= hi:
+        raise ValueError(f"time_step_limit: expected low <= high, got {limit!r}")
+    return lo, hi
+
+
+class _Folded(NamedTuple):
+    """The inputs with the heads of a group side by side: rows ``R`` (``B...`` flattened), groups
+    ``G``, heads per group ``Hg``."""
+
+    x: np.ndarray  # (R, G, Hg, L, P)
+    delta: np.ndarray  # (R, G, Hg, L)
+    a: np.ndarray  # (R, G, Hg, L) exp(delta A)
+    A: np.ndarray  # (G, Hg, 1)
+    B: np.ndarray  # (R, G, L, N)
+    C: np.ndarray  # (R, G, L, N)
+
+
+def _fold(c) -> _Folded:
+    groups, heads = c.B.shape[-3], c.x.shape[-3]
+    per = heads // groups
+    x = c.x.reshape((-1, groups, per) + c.x.shape[-2:])
+    delta = c.dt.reshape(x.shape[:-1])
+    A = c.A.reshape(groups, per, 1)
+    B, C = (b.reshape((-1, groups) + b.shape[-2:]) for b in (c.B, c.C))
+    return _Folded(x, delta, np.exp(delta * A), A, B, C)
+
+
+def _step_sizes(dt, dt_bias, limit):
+    """``(delta, sig)``: the clipped softplus (torch's: the identity above 20) and its derivative
+    (0 where the clip holds)."""
+    u = dt if dt_bias is None else dt + dt_bias[:, None]
+    big = u > 20.0  # torch's softplus: the identity above its threshold
+    soft = np.where(big, u, np.logaddexp(0.0, np.minimum(u, 20.0)))
+    lo, hi = limit
+    free = (soft >= lo) & (soft <= hi)
+    sig = np.where(big, 1.0, 0.5 * (1.0 + np.tanh(0.5 * u)))
+    return np.clip(soft, lo, hi), np.where(free, sig, 0.0).astype(u.dtype)
+
+
+def _chunks(steps, chunk):
+    return [(s, min(s + chunk, steps)) for s in range(0, steps, chunk)]
+
+
+def mamba2_scan_kernel(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    dt_bias=None,
+    *,
+    time_step_limit=(0.0, math.inf),
+    initial_state=None,
+    output_final_state=False,
+    chunk_size=64,
+):
+    """The kernel of ``mamba2_scan`` (arguments checked, one dtype)."""
+    delta, sig = _step_sizes(dt, dt_bias, time_step_limit)
+    has = (dt_bias is not None, initial_state is not None)
+    c = Mamba2ScanCache(x, delta, sig, A, B, C, D, None, chunk_size, *has, None)
+    f = _fold(c)
+    rows, groups, per, steps, p = f.x.shape
+    S = np.zeros((rows, groups, per, p, B.shape[-1]), x.dtype)
+    if initial_state is not None:
+        S[...] = initial_state.reshape(S.shape)
+    spans = _chunks(steps, chunk_size)
+    starts = np.empty((len(spans),) + S.shape, x.dtype)
+    y = np.empty(f.x.shape, x.dtype)
+    for k, (s, e) in enumerate(spans):
+        starts[k] = S
+        la = f.delta[..., s:e] * f.A  # (R, G, Hg, c) the log decays
+        seg = segment_sums(la)  # (R, G, Hg, c, c): l_{j+1} + ... + l_i below the diagonal
+        lower = np.tril(np.ones((e - s, e - s), dtype=bool))
+        decay = np.where(lower, np.exp(seg), 0.0)
+        lam = np.cumsum(la, -1)  # Lam_i = l_1 + ... + l_i
+        Bc, Cc = f.B[:, :, None, s:e], f.C[:, :, None, s:e]  # (R, G, 1, c, N)
+        dx = f.delta[..., s:e, None] * f.x[..., s:e, :]  # delta x (R, G, Hg, c, P)
+        scores = decay * (Cc @ np.swapaxes(Bc, -1, -2))  # e^{seg} * (C B^T)
+        y[..., s:e, :] = scores @ dx + np.exp(lam)[..., None] * (Cc @ np.swapaxes(S, -1, -2))
+        to_end = np.exp(seg[..., -1, :])  # e^{l_{j+1} + ... + l_c}: step j's write decayed to the chunk's end
+        S = np.exp(lam[..., -1])[..., None, None] * S + np.swapaxes(to_end[..., None] * dx, -1, -2) @ Bc
+    if D is not None:
+        y += D.reshape(groups, per, 1, 1) * f.x
+    final = S.reshape(x.shape[:-2] + S.shape[-2:]) if output_final_state else None
+    return y.reshape(x.shape), c._replace(starts=starts, final_state=final)
+
+
+def _chunk_states(f: _Folded, start, s, e):
+    """The states ``S_{t-1}`` of steps ``s .. e-1``, ``(e - s, R, G, Hg, P, N)``, rebuilt from the
+    state entering the chunk."""
+    out = np.empty((e - s,) + start.shape, start.dtype)
+    S = start
+    for i, t in enumerate(range(s, e)):
+        out[i] = S
+        S = f.a[..., t, None, None] * S + _write(f, t)
+    return out
+
+
+def _write(f: _Folded, t, tdelta=None, tx=None, tB=None):
+    """``delta_t x_t B_t^T`` ``(R, G, Hg, P, N)``, or with tangents its tangent
+    ``(tdelta_t x_t + delta_t tx_t) B_t^T + delta_t x_t tB_t^T``."""
+    xt, dt_ = f.x[..., t, :], f.delta[..., t, None]
+    if tdelta is None:
+        return (dt_ * xt)[..., :, None] * f.B[:, :, None, t, None, :]
+    left = (tdelta[..., t, None] * xt + dt_ * tx[..., t, :])[..., :, None] * f.B[:, :, None, t, None, :]
+    return left + (dt_ * xt)[..., :, None] * tB[:, :, None, t, None, :]
+
+
+def _per_head(a, heads):
+    """Sum ``(R, G, Hg, ...)`` to one number per head ``(H,)``."""
+    return a.reshape(a.shape[:3] + (-1,)).sum((0, 3)).reshape(heads)
+
+
+def _grads_out(c, f, dx, ddelta_walk, da, dB, dC, dout, dS):
+    """The backward's steps off the walk (``reference.mamba2_scan_backward``), public shapes."""
+    heads = c.x.shape[-3]
+    g = da * f.a  # a = exp(delta A)
+    ddelta = ddelta_walk + g * f.A
+    dA = _per_head(g * f.delta, heads)
+    dD = None
+    if c.D is not None:
+        dx += c.D.reshape(f.A.shape + (1,)) * dout
+        dD = _per_head(dout * f.x, heads)
+    du = ddelta * c.sig.reshape(ddelta.shape)
+    dbias = _per_head(du, heads) if c.has_dt_bias else None
+    dinit = dS.reshape(c.x.shape[:-2] + dS.shape[-2:]) if c.has_initial_state else None
+    dx, du, dB, dC = dx.reshape(c.x.shape), du.reshape(c.dt.shape), dB.reshape(c.B.shape), dC.reshape(c.C.shape)
+    return dx, du, dA, dB, dC, dD, dbias, dinit
+
+
+def _state_shape(c):
+    return c.x.shape[:-2] + (c.x.shape[-1], c.B.shape[-1])
+
+
+def mamba2_scan_backward(dout: np.ndarray, cache: Mamba2ScanCache, dfinal_state: Optional[np.ndarray] = None):
+    """Backpropagation through time, chunk by chunk (the walk of ``reference.mamba2_scan_backward``,
+    each chunk's states rebuilt from the state entering it).
+
+    Returns
+    -------
+    (dx, ddt, dA, dB, dC, dD, ddt_bias, dinitial_state)
+        None where the forward had no ``D`` / ``dt_bias`` / initial state.
+    """
+    check_cache(cache, Mamba2ScanCache, "mamba2_scan_backward")
+    dout = check_grad(dout, cache.x.shape, cache.x.dtype)
+    if dfinal_state is not None:
+        dfinal_state = check_grad(dfinal_state, _state_shape(cache), cache.x.dtype, "dfinal_state")
+    return mamba2_scan_backward_kernel(dout, cache, dfinal_state)
+
+
+def mamba2_scan_backward_kernel(dout, cache, dfinal_state=None):
+    c = cache
+    f = _fold(c)
+    do_all = dout.reshape(f.x.shape)
+    dS = np.zeros(c.starts.shape[1:], c.x.dtype)
+    if dfinal_state is not None:
+        dS[...] = dfinal_state.reshape(dS.shape)
+    dx, ddelta, da = np.zeros_like(f.x), np.zeros_like(f.delta), np.zeros_like(f.delta)
+    dB, dC = np.zeros_like(f.B), np.zeros_like(f.C)
+    for k, (s, e) in reversed(list(enumerate(_chunks(f.x.shape[-2], c.chunk_size)))):
+        states = _chunk_states(f, c.starts[k], s, e)
+        for t in reversed(range(s, e)):
+            P, xt, dt_, do = states[t - s], f.x[..., t, :], f.delta[..., t, None], do_all[..., t, :]
+            Bt, Ct = f.B[:, :, None, t], f.C[:, :, None, t]  # (R, G, 1, N)
+            St = f.a[..., t, None, None] * P + _write(f, t)
+            dS += do[..., :, None] * Ct[..., None, :]  # y_t = S_t C_t
+            dC[:, :, t] = np.einsum("rghpn,rghp->rgn", St, do)
+            da[..., t] = (dS * P).sum((-2, -1))
+            w = (dS @ Bt[..., None])[..., 0]  # dS B_t (R, G, Hg, P)
+            ddelta[..., t] = (xt * w).sum(-1)
+            dx[..., t, :] = dt_ * w
+            dB[:, :, t] = np.einsum("rghpn,rghp->rgn", dS, dt_ * xt)
+            dS *= f.a[..., t, None, None]
+    return _grads_out(c, f, dx, ddelta, da, dB, dC, do_all, dS)
+
+
+def _tangent_specs(c):
+    return (
+        ("tx", c.x.shape),
+        ("tdt", c.dt.shape),
+        ("tA", c.A.shape),
+        ("tB", c.B.shape),
+        ("tC", c.C.shape),
+        ("tD", c.A.shape, c.D is not None),
+        ("tdt_bias", c.A.shape, c.has_dt_bias),
+        ("tinitial_state", _state_shape(c), c.has_initial_state),
+    )
+
+
+class _Tangents(NamedTuple):
+    """The tangents the lines use, folded, zeros for None (``tD`` None for zero)."""
+
+    x: np.ndarray
+    u: np.ndarray  # tdt + tdt_bias
+    delta: np.ndarray
+    a: np.ndarray
+    A: np.ndarray  # (G, Hg, 1)
+    B: np.ndarray
+    C: np.ndarray
+    D: Optional[np.ndarray]  # (G, Hg, 1, 1)
+    S0: np.ndarray
+
+
+def _fold_tangents(c, f: _Folded, tangents) -> _Tangents:
+    tx, tdt, tA, tB, tC, tD, tbias, tS = tangents
+    zero = np.zeros_like
+    tu = zero(f.delta) if tdt is None else tdt.reshape(f.delta.shape).copy()
+    if tbias is not None:
+        tu += tbias.reshape(f.A.shape)
+    tdelta = c.sig.reshape(tu.shape) * tu
+    tA = zero(f.A) if tA is None else tA.reshape(f.A.shape)
+    ta = f.a * (tdelta * f.A + f.delta * tA)
+    tx = zero(f.x) if tx is None else tx.reshape(f.x.shape)
+    tB = zero(f.B) if tB is None else tB.reshape(f.B.shape)
+    tC = zero(f.C) if tC is None else tC.reshape(f.C.shape)
+    tD = None if tD is None else tD.reshape(f.A.shape + (1,))
+    tS0 = np.zeros(c.starts.shape[1:], c.x.dtype) if tS is None else tS.reshape(c.starts.shape[1:])
+    return _Tangents(tx, tu, tdelta, ta, tA, tB, tC, tD, tS0)
+
+
+def _tangent_step(f: _Folded, t: _Tangents, i, P, tP):
+    """``tS_i = ta_i S_{i-1} + a_i tS_{i-1} + t(delta_i x_i B_i^T)``, from ``P = S_{i-1}``, ``tP = tS_{i-1}``."""
+    return t.a[..., i, None, None] * P + f.a[..., i, None, None] * tP + _write(f, i, t.delta, t.x, t.B)
+
+
+def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents):
+    """Forward mode of ``mamba2_scan`` along ``(tx, tdt, tA, tB, tC, tD, tdt_bias,
+    tinitial_state)`` (the backward's order; None or left out: zero), the lines of
+    ``reference.mamba2_scan_jvp`` chunk by chunk.
+
+    Returns
+    -------
+    ty : ndarray ``(B..., H, L, P)``, or ``(ty, tfinal_state)`` when the forward kept the final state.
+    """
+    check_cache(cache, Mamba2ScanCache, "mamba2_scan_jvp")
+    return mamba2_scan_jvp_kernel(
+        cache, *check_tangents_as(tangents, "mamba2_scan_jvp", cache.x.dtype, _tangent_specs(cache))
+    )
+
+
+def mamba2_scan_jvp_kernel(cache, *tangents):
+    c = cache
+    f = _fold(c)
+    t = _fold_tangents(c, f, tuple(tangents) + (None,) * (8 - len(tangents)))
+    ty = np.empty(f.x.shape, c.x.dtype)
+    tS = t.S0
+    for k, (s, e) in enumerate(_chunks(f.x.shape[-2], c.chunk_size)):
+        states = _chunk_states(f, c.starts[k], s, e)
+        for i in range(s, e):
+            P = states[i - s]
+            S = f.a[..., i, None, None] * P + _write(f, i)
+            tS = _tangent_step(f, t, i, P, tS)
+            ty[..., i, :] = (tS @ f.C[:, :, None, i, :, None])[..., 0] + (S @ t.C[:, :, None, i, :, None])[..., 0]
+    if c.D is not None:
+        ty += c.D.reshape(f.A.shape + (1,)) * t.x
+    if t.D is not None:
+        ty += t.D * f.x
+    ty = ty.reshape(c.x.shape)
+    return ty if c.final_state is None else (ty, tS.reshape(c.final_state.shape))
+
+
+def mamba2_scan_backward_jvp(
+    dout: np.ndarray,
+    cache: Mamba2ScanCache,
+    tangents,
+    ddout: Optional[np.ndarray] = None,
+    dfinal_state: Optional[np.ndarray] = None,
+    ddfinal_state: Optional[np.ndarray] = None,
+):
+    """Second order of ``mamba2_scan``: the backward's gradients and their tangents along
+    ``tangents`` (``mamba2_scan_jvp``'s order), ``ddout`` and ``ddfinal_state`` (None: zero); the
+    lines of ``reference.mamba2_scan_backward_jvp``, chunk by chunk (the forward's tangents kept at
+    each chunk's start, the chunk's states and tangents rebuilt from them).
+
+    Returns
+    -------
+    (grads, grad_tangents)
+        Both in the backward's order (None where the forward had no such input).
+    """
+    check_cache(cache, Mamba2ScanCache, "mamba2_scan_backward_jvp")
+    dtype, specs = cache.x.dtype, _tangent_specs(cache)
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "mamba2_scan_backward_jvp", cache.x.shape, dtype, specs
+    )
+    dfinal_state, ddfinal_state = (
+        None if a is None else check_grad(a, _state_shape(cache), dtype, name)
+        for a, name in ((dfinal_state, "dfinal_state"), (ddfinal_state, "ddfinal_state"))
+    )
+    return mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
+
+
+def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_state=None, ddfinal_state=None):
+    c = cache
+    f = _fold(c)
+    t = _fold_tangents(c, f, tuple(tangents) + (None,) * (8 - len(tangents)))
+    spans = _chunks(f.x.shape[-2], c.chunk_size)
+    # the forward's tangents entering each chunk
+    tstarts = np.empty(c.starts.shape, c.x.dtype)
+    tS = t.S0
+    for k, (s, e) in enumerate(spans):
+        tstarts[k] = tS
+        states = _chunk_states(f, c.starts[k], s, e)
+        for i in range(s, e):
+            tS = _tangent_step(f, t, i, states[i - s], tS)
+    do_all = dout.reshape(f.x.shape)
+    tdo_all = np.zeros_like(do_all) if ddout is None else ddout.reshape(f.x.shape)
+    dS, tdS = np.zeros(c.starts.shape[1:], c.x.dtype), np.zeros(c.starts.shape[1:], c.x.dtype)
+    if dfinal_state is not None:
+        dS[...] = dfinal_state.reshape(dS.shape)
+    if ddfinal_state is not None:
+        tdS[...] = ddfinal_state.reshape(dS.shape)
+    zero = np.zeros_like
+    dx, ddelta, da, dB, dC = zero(f.x), zero(f.delta), zero(f.delta), zero(f.B), zero(f.C)
+    tdx, tddelta, tda, tdB, tdC = zero(f.x), zero(f.delta), zero(f.delta), zero(f.B), zero(f.C)
+    for k, (s, e) in reversed(list(enumerate(spans))):
+        states = _chunk_states(f, c.starts[k], s, e)
+        tstates = np.empty_like(states)
+        tS = tstarts[k]
+        for i in range(s, e):
+            tstates[i - s] = tS
+            tS = _tangent_step(f, t, i, states[i - s], tS)
+        for i in reversed(range(s, e)):
+            P, tP = states[i - s], tstates[i - s]
+            xt, txt, do, tdo = f.x[..., i, :], t.x[..., i, :], do_all[..., i, :], tdo_all[..., i, :]
+            dt_, tdt_ = f.delta[..., i, None], t.delta[..., i, None]
+            at, tat = f.a[..., i, None, None], t.a[..., i, None, None]
+            Bt, tBt = f.B[:, :, None, i], t.B[:, :, None, i]
+            Ct, tCt = f.C[:, :, None, i], t.C[:, :, None, i]
+            St = at * P + _write(f, i)
+            tSt = _tangent_step(f, t, i, P, tP)
+            dS += do[..., :, None] * Ct[..., None, :]
+            tdS += tdo[..., :, None] * Ct[..., None, :] + do[..., :, None] * tCt[..., None, :]
+            dC[:, :, i] = np.einsum("rghpn,rghp->rgn", St, do)
+            tdC[:, :, i] = np.einsum("rghpn,rghp->rgn", tSt, do) + np.einsum("rghpn,rghp->rgn", St, tdo)
+            da[..., i] = (dS * P).sum((-2, -1))
+            tda[..., i] = (tdS * P).sum((-2, -1)) + (dS * tP).sum((-2, -1))
+            w = (dS @ Bt[..., None])[..., 0]
+            tw = (tdS @ Bt[..., None])[..., 0] + (dS @ tBt[..., None])[..., 0]
+            ddelta[..., i] = (xt * w).sum(-1)
+            tddelta[..., i] = (txt * w).sum(-1) + (xt * tw).sum(-1)
+            dx[..., i, :] = dt_ * w
+            tdx[..., i, :] = tdt_ * w + dt_ * tw
+            v = np.einsum("rghpn,rghp->rghn", dS, xt)
+            tv = np.einsum("rghpn,rghp->rghn", tdS, xt) + np.einsum("rghpn,rghp->rghn", dS, txt)
+            dB[:, :, i] = (dt_ * v).sum(2)
+            tdB[:, :, i] = (tdt_ * v + dt_ * tv).sum(2)
+            tdS = tat * dS + at * tdS
+            dS = at * dS
+    grads = _grads_out(c, f, dx, ddelta, da, dB, dC, do_all, dS)
+    # off the walk (reference.mamba2_scan_backward_jvp): a = exp(delta A), the skip, the step sizes
+    heads = c.x.shape[-3]
+    g, tg = da * f.a, tda * f.a + da * t.a
+    ddelta_all = ddelta + g * f.A
+    tddelta = tddelta + tg * f.A + g * t.A
+    tdA = _per_head(tg * f.delta + g * t.delta, heads)
+    tdD = None
+    if c.D is not None:
+        tdx += c.D.reshape(f.A.shape + (1,)) * tdo_all
+        tdD = _per_head(tdo_all * f.x + do_all * t.x, heads)
+    if t.D is not None:
+        tdx += t.D * do_all
+    sig = c.sig.reshape(f.delta.shape)
+    tdu = tddelta * sig + ddelta_all * sig * (1.0 - sig) * t.u
+    tdbias = _per_head(tdu, heads) if c.has_dt_bias else None
+    tdinit = tdS.reshape(_state_shape(c)) if c.has_initial_state else None
+    tgrads = (
+        tdx.reshape(c.x.shape),
+        tdu.reshape(c.dt.shape),
+        tdA,
+        tdB.reshape(c.B.shape),
+        tdC.reshape(c.C.shape),
+        tdD,
+        tdbias,
+        tdinit,
+    )
+    return grads, tgrads
