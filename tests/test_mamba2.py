@@ -334,3 +334,122 @@ def test_bad_input_is_refused_naming_the_argument():
         F.mamba2_scan_jvp(cache, None, None, None, None, None, D)
     with pytest.raises(ValueError, match="ddfinal_state"):
         F.mamba2_scan_backward_jvp(y, cache, (x,), None, None, s0[..., :-1])
+
+
+# ------------------------------------------------------------------------------ the module
+
+
+def _mixer(seed=0, **kw):
+    """A small ``Mamba2Mixer`` (4 heads of 4 in 2 groups, biases everywhere) with its parameters
+    moved off transformers' initial values, so that every gradient path carries signal."""
+    args = dict(num_heads=4, head_dim=4, state_size=3, n_groups=2, conv_kernel=3, proj_bias=True, chunk_size=2)
+    m = npattn.Mamba2Mixer(8, **{**args, **kw}, rng=seed)
+    rng = np.random.default_rng(seed + 1)
+    for p in m.parameters():
+        p.data += 0.3 * rng.standard_normal(p.data.shape)
+    return m
+
+
+def _hf_mixer(torch, m):
+    """transformers' GraniteMoeHybridMambaLayer with ``m``'s sizes and weights, float64."""
+    from transformers import GraniteMoeHybridConfig
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    cfg = GraniteMoeHybridConfig(
+        hidden_size=m.hidden_size,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        layer_types=["mamba"],
+        mamba_n_heads=m.num_heads,
+        mamba_d_head=m.head_dim,
+        mamba_d_state=m.state_size,
+        mamba_n_groups=m.n_groups,
+        mamba_d_conv=m.conv_kernel,
+        mamba_expand=m.num_heads * m.head_dim // m.hidden_size,
+        mamba_conv_bias=m.conv_bias,
+        mamba_proj_bias=m.proj_bias,
+        mamba_chunk_size=m.chunk_size,
+        rms_norm_eps=m.eps,
+        time_step_limit=m.time_step_limit,
+    )
+    with float64_reference():
+        hf = GraniteMoeHybridMambaLayer(cfg, 0).double().eval()
+        state = {n: torch.from_numpy(a.copy()) for n, a in m.state_dict().items()}
+        hf.load_state_dict(state, strict=True)
+    return hf
+
+
+@needs_transformers
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("limit", [(0.0, math.inf), (0.5, 1.2)])
+def test_module_is_transformers_mamba_layer(padded, limit):
+    """Output and every parameter's and the input's gradient under a random upstream gradient,
+    float64, against transformers' ``GraniteMoeHybridMambaLayer`` (its CPU path), with a left
+    padded row (its ``attention_mask``) and a clip of the step sizes."""
+    torch = pytest.importorskip("torch")
+    m = _mixer(time_step_limit=limit)
+    hf = _hf_mixer(torch, m)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((2, 6, 8))
+    mask = np.ones((2, 6), dtype=np.int64)
+    if padded:
+        mask[1, :2] = 0
+    dy = rng.standard_normal(x.shape)
+    with float64_reference():
+        tx = torch.tensor(x, requires_grad=True)
+        ty = hf(tx, attention_mask=torch.from_numpy(mask) if padded else None)
+        ty.backward(torch.from_numpy(dy))
+    y = m(x, attention_mask=mask if padded else None)
+    assert rel_err(y, ty, floor=1.0, relative_to="max_b") < 1e-12
+    m.zero_grad()
+    dx = m.backward(dy)
+    assert rel_err(dx, tx.grad, floor=1.0, relative_to="max_b") < 1e-11
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == {n for n, _ in m.named_parameters()}
+    for n, p in m.named_parameters():
+        assert rel_err(p.grad, grads[n], floor=1.0, relative_to="max_b") < 1e-11, n
+
+
+def test_module_gradcheck_and_second_order():
+    """``npattn.gradcheck`` (backward, JVP, transposition) and ``npattn.gradgradcheck`` of the
+    layer, the input and every parameter, with a left-padded row."""
+    m = _mixer()
+    x = np.random.default_rng(11).standard_normal((2, 5, 8))
+    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    report = npattn.gradcheck(m, x, mode="both", attention_mask=mask)
+    assert report.ok, report
+    assert {r.name for r in report.rows} >= {"input", "A_log", "D", "dt_bias", "norm.weight", "conv1d.bias"}
+    second = npattn.gradgradcheck(m, x, attention_mask=mask)
+    assert second.ok, second
+
+
+def test_module_decoding_equals_one_pass_and_padding_leaves_a_row_alone():
+    """Feeding the sequence in pieces through the cache (3, 1, then 2 tokens) gives one pass's
+    outputs; a left-padded row's tokens give what the row gives alone (without in_proj's bias,
+    which transformers convolves from the padding into the first tokens)."""
+    m = _mixer()
+    x = np.random.default_rng(12).standard_normal((2, 6, 8))
+    full = m(x)
+    m.reset_kv_cache()
+    parts = [m(x[:, :3], use_cache=True), m(x[:, 3:4], use_cache=True), m(x[:, 4:], use_cache=True)]
+    _close(np.concatenate(parts, axis=1), full)
+    assert m.kv_cache_length == 6 and m.recurrent_state.shape == (2, 4, 4, 3)
+    assert m.conv_state.shape == (2, 2, m.conv_dim)
+    m = _mixer(proj_bias=False)  # with in_proj's bias the padding's projections reach the convolution
+    mask = np.array([[1] * 6, [0, 0] + [1] * 4])
+    out = m(x, attention_mask=mask)
+    _close(out[1, 2:], m(x[1:, 2:])[0])
+
+
+def test_module_bad_arguments_are_refused_by_name():
+    for kw, name in (
+        (dict(num_heads=4, n_groups=3), "n_groups"),
+        (dict(num_heads=0), "num_heads"),
+        (dict(time_step_limit=(1.0, 0.5)), "time_step_limit"),
+        (dict(time_step_limit="x"), "time_step_limit"),
+        (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            npattn.Mamba2Mixer(8, **kw)
+    with pytest.raises(TypeError, match="conv_bias"):
+        npattn.Mamba2Mixer(8, conv_bias=1)

@@ -9,6 +9,7 @@ from .delta_net import GatedDeltaNet
 from .kimi_delta import KimiDeltaAttention
 from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
+from .mamba2 import Mamba2Mixer
 from .module import Module, Parameter, is_grad_enabled, no_grad
 from .moe import Experts, GatedMLP, GptOssExperts, MoE, SparseMoeBlock, TopKRouter
 from .short_conv import ShortConv
@@ -31,6 +32,7 @@ __all__ = [
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "ShortConv",
+    "Mamba2Mixer",
     "MultiHeadLatentAttention",
     "TopKRouter",
     "Experts",
