@@ -3,8 +3,8 @@ Granite MoE's layer plus a shared MLP on the same normalised input (``moe(h) + s
 then the residual multiplier), the released checkpoints' ``shared_mlp.input_linear`` stacking its
 gate and up rows; Granite 4.0's all-attention models (granite-4.0-micro, -1b, -350m) with the
 shared MLP alone (``num_local_experts`` 0) or beside the experts, with RoPE or none
-(``position_embedding_type``).  A Mamba-2 layer is refused by name.  The released configs read,
-short dicts read as transformers reads them, the refusals, and against transformers' own models
+(``position_embedding_type``); its Mamba-2 layers: tests/test_granite_hybrid.py.  The released
+configs read, short dicts read as transformers reads them, the refusals, and against transformers' own models
 in float64 (eager attention): logits to 1e-9 and every gradient to 1e-8 under a random upstream
 gradient, cached decoding and a left-padded batch, the checkpoint names both ways.  The
 family-wide suites run the two tiny entries."""
@@ -346,15 +346,6 @@ def test_the_fused_and_the_split_names_both_load():
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (
-            dict(layer_types=["mamba", "attention", "mamba"]),
-            r"config\['layer_types'\]: layers \[0, 2\] are Mamba-2 layers \('mamba'\), which npattn does not implement",
-        ),
-        (
-            dict(layer_types=["attention", "attention", "linear_attention"]),
-            r"config\['layer_types'\]: layers \[2\] are Mamba-2 layers \('linear_attention'\)",
-        ),
-        (dict(layer_types=None), r"config\['layer_types'\]: missing, which transformers' GraniteMoeHybridConfig reads"),
         (dict(layer_types=["attention"] * 2), r"config\['layer_types'\]: expected a list of 3 entries"),
         (dict(layer_types=["attention", "sliding_attention", "attention"]), r"'sliding_attention' is not supported"),
         (dict(position_embedding_type="alibi"), r"config\['position_embedding_type'\] = 'alibi' is not supported"),

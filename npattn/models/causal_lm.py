@@ -5,7 +5,7 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
     x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden); Granite: * its multiplier
     for layer in layers:                         # pre-norm residual blocks
         h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
-        a = attention(h)                         # MHA (full / sliding window), MLA, gated DeltaNet or LFM2's ShortConv
+        a = attention(h)                         # MHA (full / sliding window), MLA, DeltaNet, ShortConv, Mamba-2
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
         h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
@@ -50,12 +50,13 @@ from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
 from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, Linear, RMSNorm
+from ..nn.mamba2 import Mamba2Mixer
 from ..nn.module import Module, is_grad_enabled, no_grad
 from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
 from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..nn.short_conv import ShortConv
 from ..nn.transformer import _block_tangents
-from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, config_from_hf
+from .configs import CausalLMConfig, DeltaNetConfig, KdaConfig, Mamba2Config, config_from_hf
 
 __all__ = ["CausalLM", "bfloat16_parameters", "store_bfloat16"]
 
@@ -161,8 +162,8 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
         return ShortConv(**_sub(cfg.short_conv).kwargs(), rng=rng, dtype=dtype)
     if kind == "linear_attention":
         la = _sub(cfg.linear_attention)
-        layer = KimiDeltaAttention if isinstance(la, KdaConfig) else GatedDeltaNet
-        return layer(**la.kwargs(), rng=rng, dtype=dtype)
+        kinds = {KdaConfig: KimiDeltaAttention, Mamba2Config: Mamba2Mixer}
+        return kinds.get(type(la), GatedDeltaNet)(**la.kwargs(), rng=rng, dtype=dtype)
     mha = cfg.attention_config(kind, i).kwargs()
     return MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
 
@@ -242,6 +243,15 @@ def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
         out += _lin("g_a_proj", d, H, False) + _lin("g_b_proj", hd, d, False)
         out += [("o_norm.weight", (d,))] + _lin("o_proj", H, hd, False)
         return [(f"self_attn.{n}", s) for n, s in out]
+    if kind == "linear_attention" and isinstance(cfg.linear_attention, Mamba2Config):  # Mamba2Mixer (Granite 4.0)
+        m = cfg.linear_attention
+        inner, bc = m.num_heads * m.head_dim, 2 * m.n_groups * m.state_size
+        out = [("dt_bias", (m.num_heads,)), ("A_log", (m.num_heads,)), ("D", (m.num_heads,))]
+        out += _lin("in_proj", 2 * inner + bc + m.num_heads, H, m.proj_bias)
+        out += [("conv1d.weight", (inner + bc, 1, m.conv_kernel))]
+        out += [("conv1d.bias", (inner + bc,))] if m.conv_bias else []
+        out += [("norm.weight", (inner,))] + _lin("out_proj", H, inner, m.proj_bias)
+        return [(f"mamba.{n}", s) for n, s in out]
     if kind == "linear_attention":  # GatedDeltaNet
         la = _sub(cfg.linear_attention)
         assert isinstance(la, DeltaNetConfig)
@@ -442,10 +452,12 @@ class DecoderLayer(_Renamed):
         r = float(cfg.residual_multiplier)
         self._residual = None if r == 1.0 else self._dtype.type(r)  # None: the branch as it is
         # Qwen3-Next names its gated DeltaNet layers linear_attn, LFM2 its short convolutions conv,
-        # every other attention (Kimi's KDA too) self_attn
-        delta_net = cfg.layer_types[index] == "linear_attention" and isinstance(cfg.linear_attention, DeltaNetConfig)
+        # Granite 4.0 its Mamba-2 layers mamba, every other attention (Kimi's KDA too) self_attn
+        linear = cfg.layer_types[index] == "linear_attention"
+        delta_net = linear and isinstance(cfg.linear_attention, DeltaNetConfig)
+        mamba = linear and isinstance(cfg.linear_attention, Mamba2Config)
         conv = cfg.layer_types[index] == "conv"
-        self._attn_name = "linear_attn" if delta_net else "conv" if conv else "self_attn"
+        self._attn_name = "linear_attn" if delta_net else "mamba" if mamba else "conv" if conv else "self_attn"
         setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
         self._mlp_normed = isinstance(self.mlp, DenseWithExperts)  # it holds its pre_feedforward_layernorm
@@ -500,7 +512,7 @@ class DecoderLayer(_Renamed):
                 att._check_cache(h, True, use_cache)
                 return att._forward(h, use_cache=use_cache)
             return att(h, use_cache=use_cache)
-        if isinstance(att, RecurrentLayer):  # GatedDeltaNet, KimiDeltaAttention
+        if isinstance(att, RecurrentLayer):  # GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer
             return att(h, use_cache=use_cache, attention_mask=padding.tokens)
         if isinstance(att, MultiHeadLatentAttention):
             mask = padding.keys[:, None, None, :]  # (B, 1, 1, Lk) True = may attend

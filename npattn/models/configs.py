@@ -28,6 +28,7 @@ __all__ = [
     "LatentConfig",
     "DeltaNetConfig",
     "KdaConfig",
+    "Mamba2Config",
     "ShortConvConfig",
     "SharedKVConfig",
     "MoEConfig",
@@ -278,8 +279,8 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
         mamba = [i for i, k in enumerate(kv) if k == 0]
         if mamba:
             raise ValueError(
-                f"{name}: layers {mamba} are Mamba-2 layers (head_count_kv 0), which npattn does not implement "
-                "(Granite 4.0's models without Mamba layers are read)"
+                f"{name}: layers {mamba} are Mamba-2 layers (head_count_kv 0), which npattn does not read from "
+                "GGUF files yet (Granite 4.0's hybrid models are read from their Hugging Face directory)"
             )
         if len(set(kv)) > 1:
             raise ValueError(f"{name}: the attention layers' counts differ")
@@ -794,6 +795,24 @@ class KdaConfig(_Kwargs):
 
 
 @dataclass(frozen=True)
+class Mamba2Config(_Kwargs):
+    """``Mamba2Mixer``'s keyword arguments (Granite 4.0's Mamba-2 layers: the Hugging Face
+    ``GraniteMoeHybridConfig``'s ``mamba_*`` keys, ``rms_norm_eps`` and ``time_step_limit``)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    rms_norm_eps: float
+    time_step_limit: tuple
+    chunk_size: int
+
+
+@dataclass(frozen=True)
 class ShortConvConfig(_Kwargs):
     """``ShortConv``'s keyword arguments (LFM2's gated short convolution), by their names (the
     Hugging Face ``Lfm2Config``'s)."""
@@ -886,8 +905,10 @@ class CausalLMConfig:
 
     Per layer: ``layer_types[i]`` is ``"full_attention"``, ``"sliding_attention"`` (a causal
     window of ``sliding_window`` keys, the query's own included, as Hugging Face masks),
-    ``"linear_attention"`` (gated DeltaNet), ``"latent_attention"`` (MLA) or ``"conv"`` (LFM2's
-    gated short convolution, ``short_conv`` its arguments); ``mlp_types[i]`` is
+    ``"linear_attention"`` (gated DeltaNet, Kimi's KDA or Granite 4.0's Mamba-2, as
+    ``linear_attention`` holds a ``DeltaNetConfig``, a ``KdaConfig`` or a ``Mamba2Config``),
+    ``"latent_attention"`` (MLA) or ``"conv"`` (LFM2's gated short convolution, ``short_conv`` its
+    arguments); ``mlp_types[i]`` is
     ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"moe"`` (routed experts) or
     ``"dense_and_experts"`` (Gemma 4's ``enable_moe_block``: both, each with its own norms, summed;
     ``moe`` holds the experts' sizes).
@@ -987,7 +1008,7 @@ class CausalLMConfig:
     max_position_embeddings: int | None = None
     moe: MoEConfig | None = None
     latent: LatentConfig | None = None
-    linear_attention: DeltaNetConfig | KdaConfig | None = None
+    linear_attention: DeltaNetConfig | KdaConfig | Mamba2Config | None = None
     shared_kv: Mapping[str, SharedKVConfig] | None = None
     kv_sources: tuple | None = None
     per_layer_input_size: int = 0
@@ -1676,7 +1697,8 @@ def _granitemoeshared(r: _Reader) -> dict:
     return c
 
 
-# the Mamba-2 layers' keys of a GraniteMoeHybrid config: read by no layer of an all-attention model
+# the Mamba-2 layers' keys of a GraniteMoeHybrid config (Mamba2Config's; read by no layer of an
+# all-attention model)
 _GRANITE_MAMBA_KEYS = (
     "mamba_n_heads",
     "mamba_n_groups",
@@ -1692,48 +1714,48 @@ _GRANITE_MAMBA_KEYS = (
 
 
 def _granitemoehybrid(r: _Reader) -> dict:
-    """Granite 4.0 (``GraniteMoeHybridForCausalLM``) whose every layer is attention
-    (granite-4.0-micro, -1b, -350m: ``layer_types`` all ``"attention"``, which transformers 5 calls
-    ``"full_attention"``): GraniteMoeShared's layer (``_granitemoeshared``), its shared MLP always
-    there (``shared_intermediate_size``), the routed experts only where ``num_local_experts`` > 0;
-    with 0 (the released dense models) the layer's MLP is the shared MLP alone
-    (``GraniteMoeHybridDecoderLayer``'s ``has_experts``), ``intermediate_size`` and
-    ``num_experts_per_tok`` then read by no module.  ``position_embedding_type``: ``"rope"``
-    rotates q and k (the released all-attention models); null (transformers' default) or
-    ``"nope"`` (the hybrid releases') leaves them unrotated, as ``GraniteMoeHybridModel`` builds
-    no rotary embedding for any value but ``"rope"`` (``rope_layers`` all False).  A Mamba-2 layer
-    (``"mamba"``, transformers 5's ``"linear_attention"``; and every layer where ``layer_types`` is
-    missing, transformers' default) is refused by name: npattn has no Mamba-2 layer.  The
-    ``mamba_*`` keys describe layers an all-attention model does not have (metadata), and so do
-    ``init_method`` (the initialisation) and ``normalization_function`` (which must say
+    """Granite 4.0 (``GraniteMoeHybridForCausalLM``): the all-attention models (granite-4.0-micro,
+    -1b, -350m: ``layer_types`` all ``"attention"``, which transformers 5 calls
+    ``"full_attention"``) and the hybrid ones (granite-4.0-h-micro, -h-tiny, -h-small: mostly
+    ``"mamba"`` layers, transformers 5's ``"linear_attention"``, and every layer where
+    ``layer_types`` is missing, transformers' default).  The attention layers are
+    GraniteMoeShared's (``_granitemoeshared``), the Mamba-2 layers ``Mamba2Mixer``s under
+    ``mamba.`` (``_granite_mamba``: the ``mamba_*`` keys, ``time_step_limit``, the convolution's
+    activation ``hidden_act``); every layer's MLP is the shared MLP (``shared_intermediate_size``),
+    with the routed experts only where ``num_local_experts`` > 0; with 0 (the released dense
+    models) the layer's MLP is the shared MLP alone (``GraniteMoeHybridDecoderLayer``'s
+    ``has_experts``), ``intermediate_size`` and ``num_experts_per_tok`` then read by no module.
+    ``position_embedding_type``: ``"rope"`` rotates q and k (the released all-attention models);
+    null (transformers' default) or ``"nope"`` (the hybrid releases') leaves them unrotated, as
+    ``GraniteMoeHybridModel`` builds no rotary embedding for any value but ``"rope"``
+    (``rope_layers`` all False).  Without Mamba-2 layers the ``mamba_*`` keys are metadata, and so
+    are ``init_method`` (the initialisation) and ``normalization_function`` (which must say
     ``"rmsnorm"``: transformers' layers are RMSNorms whatever it says)."""
     c = _common(r)
     n = c["num_hidden_layers"]
     lt = r.get("layer_types")
-    if lt is None:
-        raise ValueError(
-            "config['layer_types']: missing, which transformers' GraniteMoeHybridConfig reads as every layer a "
-            "Mamba-2 layer ('mamba'); npattn has no Mamba-2 layer (Granite 4.0's all-attention models are read)"
-        )
+    if lt is None:  # transformers' GraniteMoeHybridConfig: every layer a Mamba-2 layer
+        lt = ["linear_attention"] * n
     if not isinstance(lt, (list, tuple)) or len(lt) != n:
         raise ValueError(f"config['layer_types']: expected a list of {n} entries (num_hidden_layers), got {_show(lt)}")
-    mamba = [i for i, t in enumerate(lt) if t in ("mamba", "linear_attention")]
-    if mamba:
-        raise ValueError(
-            f"config['layer_types']: layers {mamba} are Mamba-2 layers ({lt[mamba[0]]!r}), which npattn does not "
-            "implement (Granite 4.0's hybrid models; the all-attention ones, every layer 'attention', are read)"
-        )
+    kinds = {"mamba": "linear_attention", "linear_attention": "linear_attention"}
+    kinds.update(attention="full_attention", full_attention="full_attention")
     for t in lt:
-        if t not in ("attention", "full_attention"):
+        if t not in kinds:
             raise ValueError(
                 f"config['layer_types']: {t!r} is not supported by npattn for model_type 'granitemoehybrid' "
-                "(supported: ['attention', 'full_attention'])"
+                f"(supported: {sorted(kinds)})"
             )
-    for key in _GRANITE_MAMBA_KEYS + ("init_method",):
-        r.get(key)
+    layer_types = tuple(kinds[t] for t in lt)
+    r.get("init_method")
     r.only("normalization_function", ("rmsnorm",), "rmsnorm", "transformers' Granite 4.0 layers are RMSNorms")
     position = r.only("position_embedding_type", (None, "rope", "nope"), None, "RoPE or no positions")
-    c.update(_granite_attention(r, n))
+    c.update(_granite_attention(r, n), layer_types=layer_types)
+    if "linear_attention" in layer_types:
+        c.update(linear_attention=_granite_mamba(r, c))
+    else:
+        for key in _GRANITE_MAMBA_KEYS:
+            r.get(key)
     if position != "rope":  # GraniteMoeHybridModel: no rotary embedding
         c.update(rope_layers=(False,) * n)
     if r.int("shared_intermediate_size") and r.int("num_local_experts", minimum=0) > 0:
@@ -1747,6 +1769,70 @@ def _granitemoehybrid(r: _Reader) -> dict:
         layout=CheckpointLayout(r.model_type, fused=_GRANITE_SHARED_FUSED),
     )
     return c
+
+
+# transformers' encoding of the floats JSON lacks (PretrainedConfig._encode_special_floats)
+_TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _is_tagged_float(v) -> bool:
+    return isinstance(v, Mapping) and set(v) == {"__float__"} and v["__float__"] in _TAGGED_FLOATS
+
+
+def _granite_mamba(r: _Reader, c: dict) -> Mamba2Config:
+    """Granite 4.0's Mamba-2 layers (``GraniteMoeHybridMambaLayer``): ``mamba_n_heads`` heads of
+    ``mamba_d_head`` channels (``"auto"``: ``mamba_expand * hidden_size / mamba_n_heads``, their
+    product always that inner width), ``mamba_n_groups`` groups of ``B``, ``C`` of width
+    ``mamba_d_state``, ``mamba_d_conv`` taps, the biases ``mamba_conv_bias`` / ``mamba_proj_bias``,
+    ``time_step_limit`` and the norm's ``rms_norm_eps``; the convolution's activation is
+    ``hidden_act``, which must be SiLU (the layer has no other)."""
+    hidden = c["hidden_size"]
+    heads, expand = r.int("mamba_n_heads"), r.int("mamba_expand")
+    inner = expand * hidden
+    head_dim = r.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        if inner % heads:
+            raise ValueError(
+                f"config['mamba_n_heads']: expected a divisor of mamba_expand * hidden_size = {inner}, got {heads}"
+            )
+        head_dim = inner // heads
+    elif isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
+        raise ValueError(f"config['mamba_d_head']: expected 'auto' or an integer >= 1, got {_show(head_dim)}")
+    if heads * head_dim != inner:
+        raise ValueError(
+            f"config['mamba_d_head']: expected mamba_expand * hidden_size / mamba_n_heads = {inner / heads:g} "
+            f"(the heads fill the inner width {inner}), got {head_dim}"
+        )
+    groups = r.int("mamba_n_groups")
+    if heads % groups:
+        raise ValueError(f"config['mamba_n_groups']: expected a divisor of mamba_n_heads = {heads}, got {groups}")
+    limit = r.get("time_step_limit", [0.0, math.inf])  # transformers' default: no clip
+    if isinstance(limit, (list, tuple)):  # transformers 5 writes an infinity as {"__float__": "Infinity"}
+        limit = [_TAGGED_FLOATS.get(v["__float__"], v) if _is_tagged_float(v) else v for v in limit]
+    ok = isinstance(limit, (list, tuple)) and len(limit) == 2
+    ok = ok and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v for v in limit)
+    if not ok or not limit[0] <= limit[1]:
+        raise ValueError(
+            f"config['time_step_limit']: expected two numbers [low, high] with low <= high, got {_show(limit)}"
+        )
+    if c["hidden_act"] not in ("silu", "swish"):
+        raise ValueError(
+            f"config['hidden_act'] = {c['hidden_act']!r} is not supported by npattn for model_type "
+            "'granitemoehybrid' with Mamba-2 layers (supported: ['silu']): the layers' convolution applies it"
+        )
+    return Mamba2Config(
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=r.int("mamba_d_state"),
+        n_groups=groups,
+        conv_kernel=r.int("mamba_d_conv"),
+        conv_bias=r.bool("mamba_conv_bias", True),
+        proj_bias=r.bool("mamba_proj_bias"),
+        rms_norm_eps=c["rms_norm_eps"],
+        time_step_limit=(float(limit[0]), float(limit[1])),
+        chunk_size=r.int("mamba_chunk_size"),
+    )
 
 
 def _granite_attention(r: _Reader, n: int) -> dict:
@@ -2899,6 +2985,14 @@ _DEFAULTS: dict = {
         num_experts_per_tok=2,
         shared_intermediate_size=1024,
         position_embedding_type=None,
+        mamba_n_heads=128,  # mamba_d_head's default "auto" follows from them (the reader's)
+        mamba_n_groups=1,
+        mamba_d_state=256,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,  # time_step_limit's default (0, inf) is the reader's: JSON has no Infinity
     ),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "lfm2": dict(

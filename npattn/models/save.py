@@ -211,6 +211,19 @@ def _nbytes(value) -> int:
     return (value[0] if isinstance(value, tuple) else value).nbytes
 
 
+def _tagged_floats(obj):
+    """``obj`` with each infinite float written as transformers 5 writes it, ``{"__float__":
+    "Infinity"}`` (JSON has no infinity; Granite 4.0's ``time_step_limit`` holds one), which its
+    configs read back as the float (NaN stays refused: no config means it)."""
+    if isinstance(obj, float) and math.isinf(obj):
+        return {"__float__": "Infinity" if obj > 0 else "-Infinity"}
+    if isinstance(obj, dict):
+        return {k: _tagged_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_tagged_floats(v) for v in obj]
+    return obj
+
+
 def _config_text(model, dtype: str) -> str:
     """``config.json``: the Hugging Face config the model was read from, with the saved dtype."""
     config = dict(model.config.hf)
@@ -223,7 +236,7 @@ def _config_text(model, dtype: str) -> str:
     if "torch_dtype" in config:  # an older spelling transformers still reads: keep the two equal
         config["torch_dtype"] = dtype
     try:
-        return json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
+        return json.dumps(_tagged_floats(config), indent=2, sort_keys=True, allow_nan=False) + "\n"
     except (TypeError, ValueError) as e:
         raise ValueError(f"model.config.hf: cannot be written as JSON ({e})") from None
 

@@ -631,23 +631,30 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-    # Granite 4.0 as released without Mamba (granite-4.0-micro, -1b, -350m): every layer attention
-    # with RoPE, no experts, the shared MLP the layer's MLP; the mamba_* keys describe no layer
-    # (mamba_n_heads 8 only for transformers' check of them at this width)
+    # Granite 4.0 hybrid (granite-4.0-h-tiny's shape): a Mamba-2 layer (4 heads of 8 in 2 groups,
+    # state 4, 3 taps with their bias, chunks of 4) before an attention layer without positions
+    # ("nope", as the hybrid releases), each layer's MLP 2 of 4 experts beside the shared MLP, a
+    # tied head (the all-attention releases: tests/test_granite_shared.py)
     "granitemoehybrid": dict(
         _BASE,
         model_type="granitemoehybrid",
-        layer_types=["attention", "attention"],
-        position_embedding_type="rope",
-        num_local_experts=0,
-        num_experts_per_tok=0,
-        shared_intermediate_size=20,
-        mamba_n_heads=8,
+        layer_types=["mamba", "attention"],
+        position_embedding_type="nope",
+        intermediate_size=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=12,
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_n_groups=2,
+        mamba_d_state=4,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_chunk_size=4,
         embedding_multiplier=2.5,
         residual_multiplier=0.45,
         attention_multiplier=0.3,
         logits_scaling=3.0,
-        rope_theta=1000.0,
         tie_word_embeddings=True,
         pad_token_id=0,
         bos_token_id=1,
@@ -694,6 +701,7 @@ _WIDTHS = (
     "linear_value_head_dim",
     "global_head_dim",
     "hidden_size_per_layer_input",
+    "mamba_d_head",
 )
 
 
