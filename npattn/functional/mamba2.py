@@ -390,8 +390,9 @@ class _Tangents(NamedTuple):
     S0: np.ndarray
 
 
-def _fold_tangents(c, f: _Folded, tangents) -> _Tangents:
-    tx, tdt, tA, tB, tC, tD, tbias, tS = tangents
+def _fold_tangents(
+    c, f: _Folded, tx=None, tdt=None, tA=None, tB=None, tC=None, tD=None, tbias=None, tS=None
+) -> _Tangents:
     zero = np.zeros_like
     tu = zero(f.delta) if tdt is None else tdt.reshape(f.delta.shape).copy()
     if tbias is not None:
@@ -430,7 +431,7 @@ def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents):
 def mamba2_scan_jvp_kernel(cache, *tangents):
     c = cache
     f = _fold(c)
-    t = _fold_tangents(c, f, tuple(tangents) + (None,) * (8 - len(tangents)))
+    t = _fold_tangents(c, f, *tangents)
     ty = np.empty(f.x.shape, c.x.dtype)
     tS = t.S0
     for k, (s, e) in enumerate(_chunks(f.x.shape[-2], c.chunk_size)):
@@ -478,12 +479,8 @@ def mamba2_scan_backward_jvp(
     return mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
 
 
-def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_state=None, ddfinal_state=None):
-    c = cache
-    f = _fold(c)
-    t = _fold_tangents(c, f, tuple(tangents) + (None,) * (8 - len(tangents)))
-    spans = _chunks(f.x.shape[-2], c.chunk_size)
-    # the forward's tangents entering each chunk
+def _tangent_starts(c, f: _Folded, t: _Tangents, spans) -> np.ndarray:
+    """The forward's tangents ``tS`` entering each chunk (as ``c.starts`` holds the states)."""
     tstarts = np.empty(c.starts.shape, c.x.dtype)
     tS = t.S0
     for k, (s, e) in enumerate(spans):
@@ -491,6 +488,15 @@ def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_st
         states = _chunk_states(f, c.starts[k], s, e)
         for i in range(s, e):
             tS = _tangent_step(f, t, i, states[i - s], tS)
+    return tstarts
+
+
+def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_state=None, ddfinal_state=None):
+    c = cache
+    f = _fold(c)
+    t = _fold_tangents(c, f, *tangents)
+    spans = _chunks(f.x.shape[-2], c.chunk_size)
+    tstarts = _tangent_starts(c, f, t, spans)
     do_all = dout.reshape(f.x.shape)
     tdo_all = np.zeros_like(do_all) if ddout is None else ddout.reshape(f.x.shape)
     dS, tdS = np.zeros(c.starts.shape[1:], c.x.dtype), np.zeros(c.starts.shape[1:], c.x.dtype)

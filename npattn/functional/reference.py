@@ -3506,7 +3506,8 @@ def mamba2_scan_backward(
     ``ddt_bias = sum du``; the heads' ``dB``, ``dC`` are added up per group.
     Returns ``(dx, ddt, dA, dB, dC, dD, ddt_bias, dinitial_state)``, None where the forward had none.
     """
-    x, delta, sig, A, B, C, D, states = cache[:8]
+    x, delta, sig, A = cache.x, cache.dt, cache.sig, cache.A  # as the forward used them
+    B, C, D, states = cache.B, cache.C, cache.D, cache.states
     heads, groups = x.shape[-3], B.shape[-3]
     Bh, Ch = _mamba_heads(B, heads), _mamba_heads(C, heads)
     a = np.exp(delta * A[:, None])
@@ -3550,8 +3551,9 @@ def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents: Optional[Array]):
 
     Returns ``ty``, or ``(ty, tfinal_state)`` when the forward kept the final state.
     """
-    x, delta, _, A, B, C, D, states = cache[:8]
-    tx, tdelta, ta, tBh, tCh, tD, tS = _mamba_tangents(cache, tangents)
+    x, delta, A = cache.x, cache.dt, cache.A  # as the forward used them
+    B, C, D, states = cache.B, cache.C, cache.D, cache.states
+    tx, tdelta, ta, tBh, tCh, tD, tS = _mamba_tangents(cache, *tangents)
     Bh, Ch = _mamba_heads(B, x.shape[-3]), _mamba_heads(C, x.shape[-3])
     a = np.exp(delta * A[:, None])
     ty = np.zeros(x.shape, x.dtype)
@@ -3574,11 +3576,10 @@ def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents: Optional[Array]):
     return ty if cache.final_state is None else (ty, tS)
 
 
-def _mamba_tangents(cache, tangents):
+def _mamba_tangents(cache, tx=None, tdt=None, tA=None, tB=None, tC=None, tD=None, tbias=None, tS=None):
     """The tangents the scan's lines use, zeros for None: ``(tx, tdelta, ta, tB, tC, tD, tS_0)``
     with ``tB``, ``tC`` repeated for the heads (``tD`` stays None for zero)."""
-    x, delta, sig, A, B, C = cache[:6]
-    tx, tdt, tA, tB, tC, tD, tbias, tS = _padded(tangents, 8)
+    x, delta, sig, A, B = cache.x, cache.dt, cache.sig, cache.A, cache.B
     heads = x.shape[-3]
     tu = np.zeros(delta.shape, x.dtype) if tdt is None else tdt
     if tbias is not None:
@@ -3633,13 +3634,15 @@ def mamba2_scan_backward_jvp(
     Returns ``(grads, grad_tangents)``, both in the backward's order.
     """
     grads = mamba2_scan_backward(dout, cache, dfinal_state)
-    x, delta, sig, A, B, C, D, states = cache[:8]
+    x, delta, sig, A = cache.x, cache.dt, cache.sig, cache.A  # as the forward used them
+    B, C, D, states = cache.B, cache.C, cache.D, cache.states
     heads, groups = x.shape[-3], B.shape[-3]
-    tx, tdelta, ta, tBh, tCh, tD, tS = _mamba_tangents(cache, tangents)
-    tu = _padded(tangents, 8)
-    tu = (np.zeros(delta.shape, x.dtype) if tu[1] is None else tu[1]) + (0.0 if tu[6] is None else tu[6][:, None])
-    tA = _padded(tangents, 8)[2]
-    tA = np.zeros(A.shape, x.dtype) if tA is None else tA
+    tx, tdelta, ta, tBh, tCh, tD, tS = _mamba_tangents(cache, *tangents)
+    given = _padded(tangents, 8)  # (tx, tdt, tA, tB, tC, tD, tdt_bias, tinitial_state)
+    tu = (np.zeros(delta.shape, x.dtype) if given[1] is None else given[1]) + (
+        0.0 if given[6] is None else given[6][:, None]
+    )
+    tA = np.zeros(A.shape, x.dtype) if given[2] is None else given[2]
     Bh, Ch = _mamba_heads(B, heads), _mamba_heads(C, heads)
     a = np.exp(delta * A[:, None])
     # the forward's tangents: tS_{t-1} of every step

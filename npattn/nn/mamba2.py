@@ -261,8 +261,9 @@ class Mamba2Mixer(RecurrentLayer):
         dh = K.rms_norm_backward(self._grouped(dnw * w), st.norm)[0].reshape(st.h.shape)
         dz = K.silu_backward(dh * st.y, st.gate)
         ys = (dh * st.g).reshape(lead + (steps, self.num_heads, self.head_dim)).swapaxes(-2, -3)
-        dx_s, ddt_s, dA, dB, dC, dD, ddt_bias, _ = K.mamba2_scan_backward(ys, st.scan)
-        dxbc, ddt = self._scan_grads(dx_s, ddt_s, dB, dC, lead, steps)
+        g = K.mamba2_scan_backward(ys, st.scan)  # (dx, ddt, dA, dB, dC, dD, ddt_bias, dinitial_state)
+        dA, dD, ddt_bias = g[2], g[5], g[6]
+        dxbc, ddt = self._scan_grads(g[0], g[1], g[3], g[4], lead, steps)
         if st.keep is not None:
             dxbc = dxbc * st.keep
         dxbc, dconv_w, dconv_b, _ = K.causal_conv1d_backward(dxbc, st.conv)
