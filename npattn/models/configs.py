@@ -74,6 +74,8 @@ SUPPORTED_MODEL_TYPES = (
     "lfm2",
     "exaone4",
     "ernie4_5",
+    "ministral3",
+    "ministral",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv")
@@ -608,14 +610,18 @@ class TextTower:
     untied head (``head_prefix``: ``{head_prefix}lm_head.weight``, read as ``lm_head.weight``), the
     other towers' weight prefixes and config keys (set aside by name: ``towers``, ``tower_keys``),
     and the ``text_config`` keys that transformers' multimodal class does not apply (``unapplied``:
-    dropped, so that the text model computes what that class computes)."""
+    dropped, so that the text model computes what that class computes).  ``text_type`` may be a
+    tuple of the text models the checkpoints hold.  ``outer_tie``: None, the two
+    ``tie_word_embeddings`` must agree; a bool, the multimodal class ties its head by the top-level
+    key alone (its default this bool), whatever the ``text_config`` says (Mistral 3's)."""
 
-    text_type: str
+    text_type: str | tuple
     text_prefix: str = "model.language_model."
     head_prefix: str = ""
     towers: tuple = ()
     tower_keys: tuple = ()
     unapplied: tuple = ()
+    outer_tie: bool | None = None
 
 
 _QWEN3_5_TOWERS = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction layers
@@ -640,6 +646,18 @@ _GEMMA4_KEYS = (
 # step, Gemma3ForCausalLM's has; the releases leave it unset)
 _GEMMA3_TOWERS = ("vision_tower.", "multi_modal_projector.")
 _GEMMA3_KEYS = ("vision_config", "boi_token_index", "eoi_token_index", "image_token_index", "mm_tokens_per_image")
+# Mistral 3 (Ministral 3, Mistral Small 3.1/3.2): Pixtral's vision tower and its projector; the
+# text model (ministral3 or mistral) under the Llava names, as Gemma 3's; Mistral3Config's own
+# tie_word_embeddings (default true) ties the head, the text config's is not applied
+_MISTRAL3_TOWERS = ("vision_tower.", "multi_modal_projector.")
+_MISTRAL3_KEYS = (
+    "vision_config",
+    "image_token_index",
+    "projector_hidden_act",
+    "vision_feature_layer",
+    "multimodal_projector_bias",
+    "spatial_merge_size",
+)
 MULTIMODAL = {
     "gemma3": TextTower(
         "gemma3_text",
@@ -652,6 +670,14 @@ MULTIMODAL = {
     "qwen3_5": TextTower("qwen3_5_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
     "qwen3_5_moe": TextTower("qwen3_5_moe_text", towers=_QWEN3_5_TOWERS, tower_keys=_QWEN3_5_KEYS),
     "gemma4": TextTower("gemma4_text", towers=_GEMMA4_TOWERS, tower_keys=_GEMMA4_KEYS),
+    "mistral3": TextTower(
+        ("ministral3", "mistral"),
+        text_prefix="language_model.model.",
+        head_prefix="language_model.",
+        towers=_MISTRAL3_TOWERS,
+        tower_keys=_MISTRAL3_KEYS,
+        outer_tie=True,
+    ),
 }
 
 
@@ -669,9 +695,11 @@ def text_checkpoint(config: Mapping[str, Any], tensors: Mapping) -> tuple[Mappin
     text = config.get("text_config")
     if not isinstance(text, Mapping):
         raise ValueError(f"config['text_config']: expected the text model's config (a mapping), got {_show(text)}")
-    if text.get("model_type") != tower.text_type:
+    types = tower.text_type if isinstance(tower.text_type, tuple) else (tower.text_type,)
+    if text.get("model_type") not in types:
+        want = " or ".join(map(repr, types))
         raise ValueError(
-            f"config['text_config']['model_type']: expected {tower.text_type!r} in a {mt!r} checkpoint, "
+            f"config['text_config']['model_type']: expected {want} in a {mt!r} checkpoint, "
             f"got {_show(text.get('model_type'))}"
         )
     known = set(_METADATA) | set(tower.tower_keys) | {"text_config"}
@@ -682,6 +710,13 @@ def text_checkpoint(config: Mapping[str, Any], tensors: Mapping) -> tuple[Mappin
             f"(an option npattn does not implement; unknown keys: {left})"
         )
     outer, inner = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+    if tower.outer_tie is not None:  # the multimodal class ties by its own key alone
+        if "tie_word_embeddings" in config:
+            outer = _json_bool("tie_word_embeddings", outer, tower.outer_tie)
+        else:
+            outer = tower.outer_tie
+        text = dict(text, tie_word_embeddings=outer)
+        inner = outer
     if outer is not None and inner is not None and outer != inner:
         raise ValueError(
             f"config['tie_word_embeddings'] = {_show(outer)} disagrees with config['text_config']"
@@ -742,6 +777,7 @@ class AttentionConfig(_Kwargs):
     output_gate: bool
     qk_norm_scope: str = "head"
     rope_interleaved: bool = False  # RoPE on the pairs (2i, 2i+1) instead of rotate-half (ERNIE 4.5)
+    query_scale_by_position: tuple | None = None  # (beta, length): Ministral 3's scale of the queries
 
 
 @dataclass(frozen=True)
@@ -968,6 +1004,10 @@ class CausalLMConfig:
     ``rope_interleaved``: RoPE rotates each head's features in the pairs ``(2i, 2i + 1)`` (ERNIE
     4.5's, as GLM's: ``MultiHeadAttention``'s ``rope_interleaved``) instead of the rotate-half pairs
     ``(i, i + head_dim/2)`` of Llama and the others; pair ``i`` turns by the same angle either way.
+
+    ``query_scale_by_position``: ``(beta, length)``, each query at position ``p`` multiplied by
+    ``1 + beta log(1 + floor(p / length))`` after RoPE (Ministral 3's ``llama_4_scaling_beta`` and
+    its YaRN ``original_max_position_embeddings``: ``MultiHeadAttention``'s option of that name).
     """
 
     model_type: str
@@ -1017,6 +1057,7 @@ class CausalLMConfig:
     double_wide_mlp: bool = False
     rope_layers: tuple | None = None  # per layer: whether it rotates q and k (SmolLM3's NoPE layers: False)
     rope_interleaved: bool = False  # RoPE rotates the pairs (2i, 2i+1) of each head (ERNIE 4.5), not (i, i + D/2)
+    query_scale_by_position: tuple | None = None  # (beta, length): queries times 1 + beta log(1 + floor(p / length))
     short_conv: ShortConvConfig | None = None  # the "conv" layers' arguments (LFM2)
     layer_names: tuple = ()  # (a layer's tensor name, the family's): LFM2's operator_norm for input_layernorm ...
     final_norm_name: str = "norm"  # model.{final_norm_name}: LFM2's embedding_norm
@@ -1078,6 +1119,7 @@ class CausalLMConfig:
             output_gate=self.attn_output_gate,
             qk_norm_scope=self.qk_norm_scope,
             rope_interleaved=self.rope_interleaved,
+            query_scale_by_position=self.query_scale_by_position,
         )
 
     def describe(self) -> str:
@@ -1254,7 +1296,9 @@ def _whole_heads(r: _Reader, params: Mapping, where: str) -> None:
         )
 
 
-def _rope_params(r: _Reader, default_theta: float, default: Mapping | None = None, *, partial: bool = False) -> dict:
+def _rope_params(
+    r: _Reader, default_theta: float, default: Mapping | None = None, *, partial: bool = False, aside: tuple = ()
+) -> dict:
     """``{"default": rope parameters}`` as transformers 5 reads the config
     (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``, then ``standardize_rope_params``):
     a non-empty ``rope_scaling`` (the older key) takes the place of ``rope_parameters`` altogether
@@ -1262,12 +1306,15 @@ def _rope_params(r: _Reader, default_theta: float, default: Mapping | None = Non
     ``rope_theta`` and ``partial_rotary_factor`` beside the dict fill what it lacks, and
     ``max_position_embeddings`` gives ``yarn``/``llama3`` their ``original_max_position_embeddings``
     (and ``dynamic`` its length).  ``partial``: the family rotates the first
-    ``partial_rotary_factor`` of each head (else a factor other than 1 is refused: ``_whole_heads``)."""
+    ``partial_rotary_factor`` of each head (else a factor other than 1 is refused: ``_whole_heads``).
+    ``aside``: keys of the chosen dict that are not RoPE's, left out of it (the family reads them:
+    ``_rope_extra``)."""
     rp = _rope_mapping(r, "rope_parameters")
     scaling = _rope_mapping(r, "rope_scaling")
     theta = r.get("rope_theta")
     key = "rope_scaling" if scaling else "rope_parameters"
     chosen = scaling or (default if rp is None else rp) or {}
+    chosen = {k: v for k, v in chosen.items() if k not in aside}
     params = _standardize(
         chosen,
         f"config[{key!r}]",
@@ -1451,21 +1498,91 @@ def _qwen3(r: _Reader) -> dict:
     return c
 
 
-def _mistral(r: _Reader, rope_theta: float = 10000.0) -> dict:
+def _rope_extra(r: _Reader, key: str, default: Mapping | None = None):
+    """The value of ``key`` in the RoPE dict ``_rope_params`` reads (a non-empty ``rope_scaling``,
+    else ``rope_parameters``, else the family's ``default``), or None."""
+    rp, scaling = _rope_mapping(r, "rope_parameters"), _rope_mapping(r, "rope_scaling")
+    chosen = scaling or (default if rp is None else rp) or {}
+    return chosen.get(key)
+
+
+def _mistral(r: _Reader, rope_theta: float = 10000.0, rope: dict | None = None) -> dict:
     """Mistral (7B, Nemo, Small, the Ministral and Devstral text models that say ``mistral``):
     Llama without biases, ``head_dim`` apart from ``hidden / heads`` where given, and a window of
     ``sliding_window`` keys on every layer (null: full attention), as ``MistralAttention`` masks it
     (the contributing guide's worked example).  ``rope_theta``: the family's RoPE base where the
-    config gives none (Mixtral's is 1e6)."""
+    config gives none (Mixtral's is 1e6); ``rope``: the RoPE parameters the family read itself."""
     c = _common(r)
     n = c["num_hidden_layers"]
     kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
     c.update(
         intermediate_size=r.int("intermediate_size"),
         hidden_act=_act(r, "hidden_act", "silu"),
-        rope=_rope_params(r, rope_theta),
+        rope=_rope_params(r, rope_theta) if rope is None else rope,
         **_dense_layers(r, (kind,) * n),
     )
+    return c
+
+
+def _ministral(r: _Reader) -> dict:
+    """Ministral (mistralai/Ministral-8B-Instruct-2410, ``MinistralForCausalLM``): Mistral's layers
+    (no biases, ``head_dim`` apart from ``hidden / heads`` where given) with ``layer_types`` naming
+    each layer full or sliding (a window of ``sliding_window`` keys; by default every layer slides
+    when ``sliding_window`` is set, else none), as transformers builds one mask per layer type."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    sw = r.get("sliding_window")
+    default = ["sliding_attention" if sw is not None else "full_attention"] * n
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        rope=_rope_params(r, 10000.0),
+        **_dense_layers(r, lt),
+    )
+    return c
+
+
+# Ministral 3's rope_parameters where the config has none (Ministral3Config.__post_init__; the
+# reader adds the config's max_position_embeddings, as there)
+_MINISTRAL3_ROPE = {
+    "type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
+
+def _ministral3(r: _Reader) -> dict:
+    """Ministral 3 (mistralai/Ministral-3-{3,8,14}B-*-2512, ``Ministral3ForCausalLM``, the text model
+    of their ``mistral3`` checkpoints): Mistral's layers (a window of ``sliding_window`` keys on
+    every layer, null: full) whose queries, after RoPE, are multiplied by
+    ``1 + beta log(1 + floor(p / original_max_position_embeddings))`` at position ``p``
+    (``get_llama_4_attn_scale``), ``beta`` the ``llama_4_scaling_beta`` of ``rope_parameters`` and
+    the length that dict's ``original_max_position_embeddings`` (YaRN's, as transformers
+    standardizes it); both are required, as transformers' attention reads them.  ``rope_parameters``
+    left out is ``Ministral3Config``'s (YaRN, factor 16 over 16384 positions, base 1e6, beta 0.1)."""
+    beta = _rope_extra(r, "llama_4_scaling_beta", _MINISTRAL3_ROPE)
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta):
+        raise ValueError(
+            f"config['rope_parameters']['llama_4_scaling_beta']: expected a finite number (the queries' scale "
+            f"by position), got {_show(beta)}"
+        )
+    default = dict(_MINISTRAL3_ROPE, max_position_embeddings=_max_positions(r))  # as __post_init__ writes it
+    rope = _rope_params(r, 10000.0, default, aside=("llama_4_scaling_beta",))
+    c = _mistral(r, rope=rope)
+    length = rope["default"].get("original_max_position_embeddings")
+    if not isinstance(length, numbers.Integral) or isinstance(length, bool) or length < 1:
+        raise ValueError(
+            f"config['rope_parameters']['original_max_position_embeddings']: expected an integer >= 1 (the length "
+            f"of Ministral 3's query scale, in a 'yarn' dict), got {_show(length)}"
+        )
+    c.update(query_scale_by_position=(float(beta), int(length)))
     return c
 
 
@@ -2849,6 +2966,28 @@ _DEFAULTS: dict = {
         rms_norm_eps=1e-6,
         sliding_window=4096,
     ),
+    # Ministral3Config's class defaults (8B's sizes, head_dim 128, no window; its rope_parameters
+    # are the reader's _MINISTRAL3_ROPE)
+    "ministral3": dict(
+        **_sizes(positions=262144, vocab=131072, hidden=4096, intermediate=14336, layers=34, heads=32, kv_heads=8),
+        head_dim=128,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        pad_token_id=11,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # MinistralConfig's class defaults (Mistral's, eps 1e-6, a window of 4096 on every layer)
+    "ministral": dict(
+        **_sizes(positions=131072, vocab=32000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        sliding_window=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "mixtral": dict(
         **_sizes(positions=131072, vocab=32000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
         hidden_act="silu",
@@ -3482,6 +3621,8 @@ _READERS = {
     "lfm2": _lfm2,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
+    "ministral3": _ministral3,
+    "ministral": _ministral,
 }
 
 

@@ -612,6 +612,36 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Ministral 3: Mistral's layers without a window, YaRN over 2 original positions, so that the
+    # queries' scale by position (1 + beta log(1 + floor(p / 2))) is not 1 past the second token
+    "ministral3": dict(
+        _BASE,
+        model_type="ministral3",
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 2,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5,
+        },
+    ),
+    # Ministral (8B-2410): Mistral's layers, layer_types naming the first sliding (a window of 3),
+    # the second full; a pad row (finished rows of a generated batch continue with it)
+    "ministral": dict(
+        _BASE,
+        model_type="ministral",
+        head_dim=8,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_theta=1000.0,
+        pad_token_id=0,
+    ),
     # GraniteMoeShared: Granite MoE (2 of 4 experts, untied) plus a shared MLP of width 12 on the
     # same input, its fused input_linear as the checkpoints write it
     "granitemoeshared": dict(

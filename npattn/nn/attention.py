@@ -97,6 +97,12 @@ class MultiHeadAttention(MultiHeadAttentionCore):
       ``out_proj``.  Backward: with ``a`` the attention output and ``s = sigmoid(g)``,
       ``d a = d(a s) * s`` and ``d g = d(a s) * a * s (1 - s)`` (``s' = s (1 - s)``).
     - GPT-OSS: ``qkv_bias=True, out_bias=True, sinks=True``, a ``window``, ``rope_scaling`` yarn.
+    - ``query_scale_by_position=(beta, length)``: the query at position ``p`` (after RoPE) is
+      multiplied by ``1 + beta * log(1 + floor(p / length))``, a constant per position that grows
+      past each multiple of ``length`` (Ministral 3's ``llama_4_scaling_beta`` with its YaRN
+      ``original_max_position_embeddings``, the attention temperature tuning of Llama 4, which
+      counts positions from 1); the positions are those of RoPE (the KV cache's offset, or
+      ``positions``), the backward, JVP and second order multiply by the same factors.
 
     KV cache: ``forward(x, use_cache=True)`` (self-attention) appends this call's keys/values
     (after RoPE) to the module's cache and lets the queries attend over every cached key,

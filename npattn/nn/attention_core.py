@@ -92,6 +92,7 @@ class Positioned(NamedTuple):
     k_norm: tuple | None = None
     q_rope: tuple | None = None
     k_rope: tuple | None = None
+    q_scale: np.ndarray | None = None  # query_scale_by_position: each query's factor, (..., 1|H, Lq, 1)
 
 
 class State(NamedTuple):
@@ -128,6 +129,25 @@ class _Tangents(NamedTuple):
 def _sigmoid(x):
     """``1 / (1 + exp(-x))`` without overflow: ``exp(-log(1 + exp(-x)))``."""
     return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _check_query_scale(v) -> tuple[float, int] | None:
+    """``query_scale_by_position``: None, or a pair ``(beta, length)`` of a finite number and a
+    positive integer."""
+    if v is None:
+        return None
+    ok = isinstance(v, (tuple, list)) and len(v) == 2
+    if ok:
+        beta, length = v
+        ok = isinstance(beta, (int, float, np.floating, np.integer)) and not isinstance(beta, bool)
+        ok = ok and math.isfinite(beta) and isinstance(length, (int, np.integer)) and not isinstance(length, bool)
+        ok = ok and length >= 1
+    if not ok:
+        raise ValueError(
+            f"query_scale_by_position: expected None or a pair (beta, length) of a finite number and an integer "
+            f">= 1, got {v!r}"
+        )
+    return float(beta), int(length)
 
 
 class MultiHeadAttentionCore(_KeysCacheHooks, Module):
@@ -183,6 +203,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         partial_rotary_factor: float = 1.0,
         rope_interleaved: bool = False,
         output_gate: bool = False,
+        query_scale_by_position: tuple[float, int] | None = None,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -206,6 +227,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             raise ValueError(f"qk_norm_scope: expected one of {list(QK_NORM_SCOPES)}, got {qk_norm_scope!r}")
         self.qk_norm_scope = qk_norm_scope
         self.output_gate = check_bool(output_gate, "output_gate")
+        self.query_scale_by_position = _check_query_scale(query_scale_by_position)
         self._dtype = check_dtype(dtype)
         self.rng = as_rng(rng)
         self.options = AttentionOptions(
@@ -377,6 +399,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             s += f", causal_align={self.causal_align!r}"
         if self.softcap is not None:
             s += f", softcap={self.softcap}"
+        if self.query_scale_by_position is not None:
+            s += f", query_scale_by_position={self.query_scale_by_position}"
         return s
 
     # -- the fused q/k/v weight -------------------------------------------------------------
@@ -644,7 +668,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         heads then go through both steps as one array (``_position_joint``)."""
         if qkv is not None and positions is None and self._joint_heads():
             return self._position_joint(qkv, start)
-        qn = kn = qr = kr = None
+        qn = kn = qr = kr = qs = None
         if self.qk_norm:
             qh, qn = self._qk_norm(qh, self.q_norm, kept)
             kh, kn = self._qk_norm(kh, self.k_norm, kept)
@@ -664,7 +688,20 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
                 kh, kr = K.rope_again(kh, qr)
             else:
                 kh, kr = K.rope(kh, kpos, **ropt)
-        return qh, kh, Positioned(qn, kn, qr, kr)
+        if self.query_scale_by_position is not None:
+            if positions is None:
+                qs = self._query_scale(np.arange(start, start + qh.shape[-2]), qh.dtype)
+            else:  # (..., L) -> (..., 1, L, 1): one row of factors for every head
+                qs = self._query_scale(positions[..., None, :] if positions.ndim > 1 else positions, qh.dtype)
+            qh = qh * qs
+        return qh, kh, Positioned(qn, kn, qr, kr, qs)
+
+    def _query_scale(self, positions, dtype) -> np.ndarray:
+        """``query_scale_by_position``'s factors ``1 + beta log(1 + floor(p / length))`` of the
+        integer ``positions`` (``(..., L)``), as ``(..., L, 1)`` in ``dtype``."""
+        beta, length = cast(tuple, self.query_scale_by_position)
+        p = np.asarray(positions)
+        return (1.0 + beta * np.log1p(np.floor_divide(p, length).astype(dtype)))[..., None].astype(dtype, copy=False)
 
     def _joint_heads(self) -> bool:
         """q and k sit side by side in the fused projection's output and take the same steps:
@@ -699,7 +736,10 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
                     out[..., t : t + step, :, :] = self._norm_turn(qk[..., t : t + step, :, :], tables, t)
                 qk = out
         qk = qk.swapaxes(-2, -3)  # (..., H + Hk, L, hd)
-        return qk[..., :h, :, :], qk[..., h:, :, :], Positioned()
+        qh = qk[..., :h, :, :]
+        if self.query_scale_by_position is not None:  # a new array: qk may be a view of qkv
+            qh = qh * self._query_scale(np.arange(start, start + qh.shape[-2]), qh.dtype)
+        return qh, qk[..., h:, :, :], Positioned()
 
     def _norm_turn(self, qk, tables, offset: int) -> np.ndarray:
         """``_position_joint``'s two steps on tokens ``offset..`` of ``qk (..., l, H + Hk, hd)``: the
@@ -828,7 +868,10 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         return grads[:3]
 
     def _position_backward(self, dqh, dkh, pos: Positioned):
-        """RoPE's backward, then QK-norm's (its weights' gradients accumulated)."""
+        """The query's scale by position (a constant per query), RoPE's backward, then QK-norm's
+        (its weights' gradients accumulated)."""
+        if pos.q_scale is not None:
+            dqh = dqh * pos.q_scale
         if pos.q_rope is not None:
             dqh = K.rope_backward(dqh, pos.q_rope)
             dkh = K.rope_backward(dkh, pos.k_rope)
@@ -909,6 +952,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         tq2, tk2 = tq1, tk1
         if pos.q_rope is not None:
             tq2, tk2 = K.rope_jvp(pos.q_rope, tq1), K.rope_jvp(pos.k_rope, tk1)
+        if pos.q_scale is not None:  # a constant factor per query: its tangent is the same factor
+            tq2 = tq2 * pos.q_scale
         weights: list = []  # the core's tP block by block, which its second order reads again
         tmerged = self._merge(self._attend_jvp(st, tq2, tk2, tv0, pt, weights))  # (..., L, H * hd)
         out_in = tmerged
@@ -999,6 +1044,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             tuple(v[:3] for v in views) if direct and views is not None else None,
         )
         pos = st.position
+        if pos.q_scale is not None:
+            dq, tdq = dq * pos.q_scale, tdq * pos.q_scale
         if pos.q_rope is not None:
             dq, tdq = K.rope_backward_jvp(dq, pos.q_rope, (tg.normed[0],), tdq)
             dk, tdk = K.rope_backward_jvp(dk, pos.k_rope, (tg.normed[1],), tdk)
