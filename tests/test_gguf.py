@@ -237,13 +237,16 @@ EXAONE4_1_2B = dict(EXAONE4, num_hidden_layers=2, sliding_window=None, layer_typ
 ERNIE4_5 = dict(
     FAMILIES["ernie4_5"], hidden_size=256, intermediate_size=256, head_dim=128, use_bias=False, rms_norm_eps=1e-5
 )
+# Ministral 3: llama rows (permuted), YaRN over 2 original positions and the queries' scale by
+# position (attention.temperature_scale 0.5), so that the 7 positions of the tests cross it; untied
+MINISTRAL3 = dict(FAMILIES["ministral3"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
 _GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
-_PERMUTED = ("llama", "smollm3", *_GRANITES)
+_PERMUTED = ("llama", "smollm3", "mistral3", *_GRANITES)
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 # the model's names and the released checkpoint's (transformers' conversion_mapping for granitemoe)
 _GRANITEMOE_NAMES = (
@@ -473,6 +476,8 @@ def _metadata(w, config, arch):
         w.add_sliding_window(config["sliding_window"])
     elif arch == "olmo2":
         _olmo2_metadata(w, config)
+    elif arch == "mistral3":
+        _mistral3_metadata(w, config)
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     if arch in _GRANITES:  # GraniteModel.set_gguf_parameters: each number where it is not 0
@@ -527,6 +532,23 @@ def _olmo2_metadata(w, config, old_attn_factor=False):
     if "sliding_window" in config:
         w.add_sliding_window(config["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+
+
+def _mistral3_metadata(w, config):
+    """``Mistral3Model.set_gguf_parameters`` for a ``ministral3`` config: TextModel's base and YaRN
+    keys (the betas where the config has them), ``mscale_all_dim`` as the YaRN log multiplier and
+    ``llama_4_scaling_beta`` as ``attention.temperature_scale``."""
+    rp = config["rope_parameters"]
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rp["factor"])
+    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    if "beta_fast" in rp:
+        w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+    if "beta_slow" in rp:
+        w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+    w.add_rope_scaling_yarn_log_mul(rp["mscale_all_dim"])
+    w.add_attn_temperature_scale(rp["llama_4_scaling_beta"])
 
 
 def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
@@ -678,6 +700,7 @@ CASES = [
     (OLMO3, "olmo2"),
     (EXAONE4, "exaone4"),
     (ERNIE4_5, "ernie4_5"),
+    (MINISTRAL3, "mistral3"),
 ]
 
 
@@ -852,6 +875,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (EXAONE4, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (EXAONE4_1_2B, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (ERNIE4_5, "ernie4_5", ("Ernie4_5Config", "Ernie4_5ForCausalLM")),
+        (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -876,6 +900,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "exaone4",
         "exaone4-1.2b",
         "ernie4_5",
+        "ministral3",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -1294,6 +1319,66 @@ def test_ernie4_5_rows_are_read_as_written_and_biases_refused(tmp_path):
         GGUF_FAMILIES["ernie4_5"].derive(dict(model_type="ernie4_5", attention_bias=False, mlp_bias=True), {})
 
 
+def test_mistral3_file_is_the_directory_s_model(tmp_path):
+    """A mistral3 file with attention.temperature_scale is Ministral 3's: the queries' scale by
+    position (beta 0.5, the length YaRN's original context, 2), YaRN with the file's betas and an
+    attention factor of 1, no window; the model of the same weights saved as a Hugging Face
+    directory and read back, logits bit for bit over positions past the length."""
+    src = _model(MINISTRAL3)
+    _write(tmp_path / "m.gguf", MINISTRAL3, src.state_dict(), Q.F32, "mistral3")
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    c = loaded.config
+    assert c.model_type == "ministral3" and c.query_scale_by_position == (0.5, 2) and c.sliding_window is None
+    src.save_pretrained(tmp_path / "dir")
+    directory = CausalLM.from_pretrained(tmp_path / "dir")
+    assert c.rope == directory.config.rope and not c.tie_word_embeddings
+    ids = np.random.default_rng(1).integers(1, MINISTRAL3["vocab_size"], (2, 7))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(directory, ids))
+
+
+_MISTRAL3_YARN = {
+    "rope.scaling.type": "yarn",
+    "rope.scaling.factor": 4.0,
+    "rope.scaling.original_context_length": 2,
+    "rope.scaling.yarn_log_multiplier": 1.0,
+}
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ({"attention.temperature_scale": 0.1}, r"'mistral3.attention.temperature_scale' without .*'yarn'"),
+        ({**_MISTRAL3_YARN, "rope.scaling.yarn_log_multiplier": 0.1}, r"yarn_log_multiplier' 0.1: npattn reads 1"),
+        ({k: v for k, v in _MISTRAL3_YARN.items() if "log" not in k}, r"yarn_log_multiplier' None: npattn reads 1"),
+        ({"rope.scaling.yarn_log_multiplier": 1.0}, r"yarn_log_multiplier' without 'mistral3.rope.scaling.type'"),
+        ({"rope.scaling.type": "linear"}, r"'mistral3.rope.scaling.type' 'linear' is not supported"),
+    ],
+)
+def test_mistral3_metadata_refusals_name_the_key(meta, match):
+    from npattn.models.configs import GGUF_FAMILIES
+
+    with pytest.raises(ValueError, match=match):
+        GGUF_FAMILIES["mistral3"].derive(dict(model_type="ministral3", rope_theta=1e4, attention_bias=False), meta)
+
+
+def test_mistral3_file_without_the_query_scale_is_mistral_s():
+    """Without attention.temperature_scale a mistral3 file is the text model of a mistral
+    checkpoint (Mistral Small 3.x): llama.cpp's graph masks no window (MistralConfig's default is
+    4096), its YaRN kept where the file has it; biases are refused by name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["mistral3"].derive
+    c = dict(model_type="ministral3", rope_theta=1e4, attention_bias=False)
+    derive(c, {})
+    default = {"rope_type": "default", "rope_theta": 1e4}
+    assert c == dict(model_type="mistral", sliding_window=None, rope_parameters=default)
+    c = dict(model_type="ministral3", rope_theta=1e4, attention_bias=False)
+    derive(c, _MISTRAL3_YARN)
+    assert c["model_type"] == "mistral" and c["rope_parameters"]["mscale_all_dim"] == 1.0
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.bias' in a mistral3 file"):
+        derive(dict(model_type="ministral3", rope_theta=1e4, attention_bias=True), {})
+
+
 # the optional metadata llama.cpp fills in itself (llm_load_hparams), each left out of a file
 _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension_count", "rope_freq_base")
 
@@ -1323,6 +1408,8 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
         )
     if config["model_type"] == "olmo3":  # both layer types rotate by rope.freq_base (not Olmo3Config's 500000)
         config["rope_parameters"] = {t: dict(v, rope_theta=1e4) for t, v in config["rope_parameters"].items()}
+    if arch == "mistral3":  # its YaRN dict's base is rope.freq_base
+        config["rope_parameters"] = dict(config["rope_parameters"], rope_theta=1e4)
     sd = _model(config).state_dict()
     _write(tmp_path / "full.gguf", config, sd, Q.F32, arch)
     for key in _OPTIONAL_KEYS:

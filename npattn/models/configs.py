@@ -417,6 +417,60 @@ def _gguf_yarn(meta: Mapping, arch: str) -> dict:
     return params
 
 
+_GGUF_MISTRAL3_READS = (
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_log_multiplier",
+    "attention.temperature_scale",
+)
+
+
+def _gguf_mistral3(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``mistral3`` (``Mistral3Model`` in the converter, for ``Mistral3ForConditionalGeneration``
+    and ``Ministral3ForCausalLM``: Llama's tensors with q/k permuted, the vision tower and projector
+    left out; ``llm_build_mistral3``): every layer full (no window), no biases.  With
+    ``attention.temperature_scale`` (the converter's ``llama_4_scaling_beta``) the file is Ministral
+    3's: the queries after RoPE times ``1 + beta log(1 + floor(p / n))``, ``n`` llama.cpp's
+    ``n_ctx_orig_yarn`` (``rope.scaling.original_context_length``), under the file's YaRN, which it
+    requires (transformers' Ministral 3 reads the length from its YaRN parameters).  Without it, the
+    text model of a ``mistral`` checkpoint (Mistral Small 3.x).  YaRN's attention factor: the
+    converter writes ``mscale_all_dim`` as ``rope.scaling.yarn_log_multiplier`` and llama.cpp takes
+    ``mscale`` as 1; npattn reads the releases' 1 (a factor of 1) and refuses another value."""
+    for key in ("attention_bias", "mlp_bias"):
+        if config.pop(key, False):
+            where = "attn_q" if key == "attention_bias" else "ffn_up"
+            raise ValueError(f"tensor 'blk.0.{where}.bias' in a mistral3 file: Mistral 3's layers have no biases")
+    yarn = _gguf_yarn(meta, "mistral3")
+    log_mul = meta.get("rope.scaling.yarn_log_multiplier")
+    if yarn:
+        if log_mul != 1.0:
+            raise ValueError(
+                f"metadata 'mistral3.rope.scaling.yarn_log_multiplier' {_show(log_mul)}: npattn reads 1 "
+                "(Ministral 3's mscale_all_dim, with llama.cpp's mscale of 1: YaRN's attention factor 1)"
+            )
+        yarn.update(mscale=1.0, mscale_all_dim=1.0)
+    elif log_mul is not None:
+        raise ValueError(
+            "metadata 'mistral3.rope.scaling.yarn_log_multiplier' without 'mistral3.rope.scaling.type' 'yarn'"
+        )
+    beta = meta.get("attention.temperature_scale", 0.0)
+    theta = config.pop("rope_theta")
+    if beta:
+        if not yarn:
+            raise ValueError(
+                "metadata 'mistral3.attention.temperature_scale' without 'mistral3.rope.scaling.type' 'yarn' "
+                "(Ministral 3's query scale takes its length from YaRN's original context length)"
+            )
+        rope = {**yarn, "rope_theta": theta, "llama_4_scaling_beta": beta}
+        config.update(model_type="ministral3", rope_parameters=rope)
+        return
+    config.update(model_type="mistral", sliding_window=None)
+    config["rope_parameters"] = {**yarn, "rope_theta": theta} if yarn else {"rope_type": "default", "rope_theta": theta}
+
+
 def _gguf_layer_pattern(pattern, n: int, arch: str, min_period: int) -> list:
     """The layer types ``attention.sliding_window_pattern`` gives ``n`` layers: one boolean per
     layer (the converter writes the config's ``layer_types`` so, true where a layer slides), or
@@ -599,6 +653,9 @@ GGUF_FAMILIES = {
     ),
     # ERNIE 4.5 dense: its interleaved RoPE pairs are llama.cpp's own (no permutation), no biases
     "ernie4_5": GgufFamily("ernie4_5", derive=_gguf_ernie4_5),
+    # Mistral 3 (Ministral 3's text model, Mistral Small 3.x's): llama files (q/k permuted) with
+    # Ministral 3's query scale and YaRN in the metadata; no window
+    "mistral3": GgufFamily("ministral3", permute_qk=True, derive=_gguf_mistral3, reads=_GGUF_MISTRAL3_READS),
 }
 
 

@@ -9,7 +9,8 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` without Mamba layers, ``lfm2``,
-``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``) and what each
+``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
+Ministral 3's or Mistral Small 3.x's text model) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
@@ -32,7 +33,8 @@ Reading one:
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
-   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite``, ``granitemoe`` or ``granitehybrid`` model's too,
+   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite``, ``granitemoe``, ``granitehybrid`` or
+   ``mistral3`` model's too,
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
    fourth).  An ``ernie4_5`` file is not permuted: ERNIE 4.5 itself rotates the pairs
