@@ -550,6 +550,7 @@ def test_gated_mlp_second_order(act):
         dict(variant="topk_softmax", bias=True),
         dict(variant="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
         dict(variant="softmax_topk", norm_topk_prob=True),
+        dict(variant="sigmoid", norm_topk_prob=True, norm_topk_eps=0.5, correction_bias=False),  # LFM2-MoE's
     ],
 )
 def test_router_second_order(kw):

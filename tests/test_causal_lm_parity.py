@@ -719,6 +719,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "granite",
         "granitemoe",
         "lfm2",
+        "lfm2_moe",
         "exaone4",
         "ernie4_5",
         "ministral3",

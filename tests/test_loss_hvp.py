@@ -26,6 +26,7 @@ FAMILIES += ["lfm2"]  # LFM2: ShortConv layers (causal_conv1d_backward_jvp witho
 FAMILIES += ["exaone4"]  # post-norm layers, per-head QK-norm, a sliding RoPE layer beside a full NoPE one
 FAMILIES += ["ernie4_5"]  # RoPE on interleaved pairs (2i, 2i+1) in the second-order step, all seven biases
 FAMILIES += ["ministral3"]  # the queries' scale by position in the second-order step (YaRN over 2 positions)
+FAMILIES += ["lfm2_moe"]  # sigmoid routing renormalised by sum + 1e-6, the expert bias steering the choice
 IGNORE = -1
 
 

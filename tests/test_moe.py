@@ -450,6 +450,8 @@ def test_from_hf_config_reads_the_fields():
         (dict(n_group=2, topk_group=1, top_k=3), ValueError, "top_k"),
         (dict(dtype=np.int64), TypeError, "dtype"),
         (dict(rng="seed"), TypeError, "rng"),
+        (dict(variant="sigmoid", correction_bias=1), TypeError, "correction_bias"),
+        (dict(variant="sigmoid", norm_topk_eps=-1.0), ValueError, "norm_topk_eps"),
     ],
 )
 def test_router_refuses_bad_arguments(kwargs, exc, name):

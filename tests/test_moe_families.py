@@ -176,6 +176,25 @@ def test_qwen2_moe_reads_its_windows_dense_layers_and_biases():
     assert not plain.attention_bias and not plain.attention_config("full_attention").out_bias
 
 
+def test_lfm2_moe_reads_its_dense_layers_routing_and_names():
+    cfg = config_from_hf(tiny_config("lfm2_moe"))
+    assert cfg.layer_types == ("conv", "full_attention") and cfg.mlp_types == ("dense", "moe")
+    assert cfg.intermediate_size == 24 and cfg.moe.intermediate_size == 8  # no LFM2 width adjustment
+    moe = cfg.moe
+    assert (moe.router, moe.num_experts, moe.top_k, moe.norm_topk_prob) == ("sigmoid", 4, 2, True)
+    assert (moe.routed_scaling_factor, moe.norm_topk_eps, moe.correction_bias) == (1.5, 1e-6, True)
+    assert cfg.tie_word_embeddings and cfg.final_norm_name == "embedding_norm" and cfg.qk_norm
+    assert cfg.layout.per_expert and cfg.layout.expert_projs == ("w1", "w3", "w2")
+    plain = config_from_hf(tiny_config("lfm2_moe", use_expert_bias=False, num_dense_layers=0, tie_embedding=False))
+    assert plain.mlp_types == ("moe", "moe") and not plain.moe.correction_bias and not plain.tie_word_embeddings
+    names = set(CausalLM(plain, rng=0).state_dict())
+    assert "model.layers.0.feed_forward.gate.weight" in names and not any("expert_bias" in n for n in names)
+    names = set(CausalLM(cfg, rng=0).state_dict())
+    assert {"model.layers.1.feed_forward.expert_bias", "model.layers.0.feed_forward.w1.weight"} <= names
+    dense = config_from_hf(tiny_config("lfm2_moe", num_dense_layers=2))
+    assert dense.mlp_types == ("dense", "dense") and dense.moe is None
+
+
 @pytest.mark.parametrize(
     "name, bad, match",
     [
@@ -201,6 +220,15 @@ def test_qwen2_moe_reads_its_windows_dense_layers_and_biases():
         ("mixtral", dict(attention_bias=True), "'attention_bias'"),
         ("mixtral", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         ("mixtral", dict(num_experts_per_tok=0), "'num_experts_per_tok'"),
+        ("lfm2_moe", dict(layer_types=None), "needs the key 'layer_types'"),
+        ("lfm2_moe", dict(layer_types=["conv", "sliding_attention"]), "'sliding_attention'"),
+        ("lfm2_moe", dict(num_dense_layers=-1), "'num_dense_layers'"),
+        ("lfm2_moe", dict(use_expert_bias=1), "'use_expert_bias'"),
+        ("lfm2_moe", dict(norm_topk_prob="true"), "'norm_topk_prob'"),
+        ("lfm2_moe", dict(routed_scaling_factor=0.0), "'routed_scaling_factor'"),
+        ("lfm2_moe", dict(hidden_act="gelu"), "'hidden_act'"),  # Lfm2MoeExperts' SiLU is fixed
+        ("lfm2_moe", dict(block_dim=16), "'block_dim'"),  # LFM2's own keys are not Lfm2MoeConfig's
+        ("lfm2_moe", dict(tie_embedding="yes"), "'tie_embedding'"),
     ],
 )
 def test_refusals_name_the_key(name, bad, match):
@@ -314,6 +342,48 @@ CASES = {
             eos_token_id=2,
         ),
     ),
+    # LFM2-MoE: a dense layer, then routed experts after a short convolution (biases) and after an
+    # attention layer: sigmoid scores, the top 3 of 6 chosen through the expert bias, renormalised
+    # (sum + 1e-6), times 1.5; untied
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            num_hidden_layers=3,
+            layer_types=["full_attention", "conv", "full_attention"],
+            num_dense_layers=1,
+            num_experts=6,
+            num_experts_per_tok=3,
+            routed_scaling_factor=1.5,
+            conv_L_cache=4,
+            conv_bias=True,
+            tie_word_embeddings=False,
+            norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
+    # LFM2-MoE without the expert bias (the top k of the scores themselves) nor the renormalisation
+    "lfm2_moe_plain_routing": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(
+            _SIZES,
+            intermediate_size=24,
+            moe_intermediate_size=8,
+            num_hidden_layers=2,
+            num_key_value_heads=1,
+            layer_types=["conv", "full_attention"],
+            num_dense_layers=0,
+            num_experts=5,
+            num_experts_per_tok=2,
+            use_expert_bias=False,
+            norm_topk_prob=False,
+            pad_token_id=0,
+        ),
+    ),
 }
 
 
@@ -328,13 +398,18 @@ def _ids(vocab, shape=(2, 9), seed=0):
 
 def routing_margin(m) -> float:
     """The smallest gap, over every router of ``m``'s last forward and every token, between the
-    k-th and (k+1)-th largest softmax probability (the last chosen and the first refused expert)."""
+    k-th and (k+1)-th largest softmax probability, or sigmoid score plus correction bias (the last
+    chosen and the first refused expert)."""
     gaps = []
     for mod in m.modules():
         if isinstance(mod, TopKRouter):
             z = mod.last_logits.reshape(-1, mod.last_logits.shape[-1])
-            p = np.exp(z - z.max(-1, keepdims=True))
-            p = np.sort(p / p.sum(-1, keepdims=True), axis=-1)[:, ::-1]
+            if mod.variant == "sigmoid":  # LFM2-MoE: the sigmoid scores plus the expert bias choose
+                p = 1.0 / (1.0 + np.exp(-z)) + getattr(mod, "e_score_correction_bias", 0.0)
+            else:
+                p = np.exp(z - z.max(-1, keepdims=True))
+                p = p / p.sum(-1, keepdims=True)
+            p = np.sort(p, axis=-1)[:, ::-1]
             gaps.append((p[:, mod.top_k - 1] - p[:, mod.top_k]).min())
     assert gaps, "no router ran"
     return min(gaps)
@@ -361,8 +436,13 @@ def test_cached_decoding_gives_transformers_full_pass(name):
     check_cached_decoding(m, hf, _ids(cfg["vocab_size"], seed=3))
 
 
+# a short convolution with a bias convolves the bias of the padded steps into a row's first tokens
+# (in transformers too): such a padded row is not that row alone
+_UNBIASED = sorted(n for n, case in CASES.items() if not case[2].get("conv_bias"))
+
+
 @needs_transformers
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", _UNBIASED)
 def test_a_left_padded_batch_is_transformers_and_each_row_alone(name):
     """A left-padded batch (7, 4 and 1 real tokens) against transformers with the same mask, each
     row equal to its prompt alone, then two tokens more through the cache."""
@@ -371,7 +451,7 @@ def test_a_left_padded_batch_is_transformers_and_each_row_alone(name):
 
 
 @needs_transformers
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "lfm2_moe"])
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
     """The tiny entry without the keys it leaves out reads as transformers' full to_dict() of it."""
     short = tiny_config(name)
@@ -391,7 +471,7 @@ def test_short_config_dicts_mean_what_they_mean_to_transformers(name):
 
 
 @needs_transformers
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "lfm2_moe"])
 def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
     """transformers' save_pretrained (each expert apart, under the family's checkpoint names) ->
     from_pretrained gives transformers' logits; our save_pretrained writes the same names, which
@@ -419,7 +499,7 @@ def test_a_transformers_directory_loads_and_saves_back(name, tmp_path):
     assert rel_err(hf_logits(back, ids), ref, floor=1e-300, relative_to="max_b") < 1e-8
 
 
-@pytest.mark.parametrize("name", ["olmoe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["olmoe", "mixtral", "qwen2_moe", "lfm2_moe"])
 def test_hvp_is_the_extrapolated_difference_of_the_gradient(name):
     """CausalLM.loss_hvp (forward over reverse through the routed layers) against the central
     difference of the gradient, Richardson-extrapolated (its eps² term cancelled: OLMoE's tiny
@@ -442,7 +522,13 @@ def test_hvp_is_the_extrapolated_difference_of_the_gradient(name):
 
 @needs_transformers
 @pytest.mark.parametrize(
-    "name, config_class", [("mixtral", "MixtralConfig"), ("qwen2_moe", "Qwen2MoeConfig"), ("olmoe", "OlmoeConfig")]
+    "name, config_class",
+    [
+        ("mixtral", "MixtralConfig"),
+        ("qwen2_moe", "Qwen2MoeConfig"),
+        ("olmoe", "OlmoeConfig"),
+        ("lfm2_moe", "Lfm2MoeConfig"),
+    ],
 )
 def test_the_defaults_are_transformers_class_defaults(name, config_class):
     """Every key of the family's ``_DEFAULTS`` is the value of transformers' config class built
@@ -455,5 +541,8 @@ def test_the_defaults_are_transformers_class_defaults(name, config_class):
     declared = {"sliding_window": 4096} if name == "qwen2_moe" else {}
     for key, value in ours.items():
         assert declared.get(key, theirs.get(key)) == value, key
-    experts = config_from_hf({k: v for k, v in theirs.items() if k not in ("num_experts", "num_local_experts")})
-    assert experts.moe.num_experts == {"mixtral": 8, "qwen2_moe": 60, "olmoe": 64}[name]
+    bare = {k: v for k, v in theirs.items() if k not in ("num_experts", "num_local_experts")}
+    if name == "lfm2_moe":  # Lfm2MoeConfig makes no layer_types (its model cannot run without)
+        bare["layer_types"] = ["conv"] * bare["num_hidden_layers"]
+    experts = config_from_hf(bare)
+    assert experts.moe.num_experts == {"mixtral": 8, "qwen2_moe": 60, "olmoe": 64, "lfm2_moe": 32}[name]

@@ -205,6 +205,54 @@ def test_experts_gradcheck_both_modes(case, biases):
     assert report.ok, str(report)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(variant="sigmoid", norm_topk_prob=True, norm_topk_eps=0.5, routed_scaling_factor=1.5),
+        dict(variant="sigmoid", norm_topk_prob=True, norm_topk_eps=1e-6),
+        dict(variant="softmax_topk", norm_topk_prob=True, norm_topk_eps=0.25),
+        dict(variant="sigmoid", norm_topk_prob=True, norm_topk_eps=0.0),
+    ],
+)
+def test_router_renormalisation_eps(kw):
+    """``norm_topk_eps`` (LFM2-MoE's ``w / (sum w + 1e-6)``): the weights are the chosen scores
+    over their sum plus ``eps`` (a large ``eps`` makes it plain), both tiers equal, and the
+    backward, JVP (finite differences, both modes) and second order follow it."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 3, 6)) * 2.0
+    bias = rng.uniform(-0.3, 0.3, 6) if kw["variant"] == "sigmoid" else None
+    kw = dict(kw, correction_bias=bias)
+    assert _router_margin(logits, 3, kw) > MARGIN
+    (w, idx), cache = F.topk_router(logits, 3, **kw)
+    scores = 1.0 / (1.0 + np.exp(-logits)) if kw["variant"] == "sigmoid" else np.exp(logits)
+    if kw["variant"] != "sigmoid":
+        scores = scores / scores.sum(-1, keepdims=True)
+    v = np.take_along_axis(scores, idx, -1)
+    want = v / (v.sum(-1, keepdims=True) + kw["norm_topk_eps"]) * kw.get("routed_scaling_factor", 1.0)
+    assert rel_err(w, want, floor=1e-300) < 1e-14
+    (w_r, idx_r), cache_r = R.topk_router(logits, 3, **kw)
+    assert np.array_equal(idx, idx_r)
+    _same(w, w_r, "weights")
+    for tier in (F, R):
+
+        def fwd(z, tier=tier):
+            (out, _), c = tier.topk_router(z, 3, **kw)
+            return out, c
+
+        report = gradcheck((fwd, tier.topk_router_backward, tier.topk_router_jvp), logits, mode="both", seed=3)
+        assert report.ok, str(report)
+    # second order: the backward's tangent along tlogits against the difference of two backwards
+    dw, tz, eps = rng.standard_normal(w.shape), rng.standard_normal(logits.shape), 1e-6
+    dz, tdz = F.topk_router_backward_jvp(dw, cache, (tz,))
+
+    def back(z):
+        return F.topk_router_backward(dw, F.topk_router(z, 3, **kw)[1])
+
+    numeric = (back(logits + eps * tz) - back(logits - eps * tz)) / (2 * eps)
+    assert rel_err(tdz, numeric, floor=1e-300, relative_to="max_b") < 1e-7
+    _same(dz, F.topk_router_backward(dw, cache), "dlogits")
+
+
 def test_router_and_experts_independent_finite_differences():
     """The composite ``sum(dy * moe_experts(x, *topk_router(x W^T)))`` against tests/_fd.py's own
     central differences, for each router variant (away from ties: the margin is checked)."""
@@ -445,6 +493,10 @@ def _router_ok():
         (dict(topk_group=True), TypeError, "topk_group"),
         (dict(routed_scaling_factor=0.0), ValueError, "routed_scaling_factor"),
         (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor"),
+        (dict(norm_topk_eps=-1e-6), ValueError, "norm_topk_eps: expected a number >= 0"),
+        (dict(norm_topk_eps="1e-6"), TypeError, "norm_topk_eps"),
+        (dict(norm_topk_eps=float("nan")), ValueError, "norm_topk_eps"),
+        (dict(variant="topk_softmax", norm_topk_eps=1e-6), ValueError, "norm_topk_eps: expected None"),
     ],
 )
 def test_router_refuses_bad_arguments(kwargs, exc, match):

@@ -142,6 +142,22 @@ def check_expert_ids(idx: np.ndarray, num_experts: int, name: str, whose: str = 
         raise ValueError(f"{name}: expected values in [0, {num_experts}){whose}, got {bad}")
 
 
+def check_norm_topk_eps(norm_topk_eps, variant) -> Optional[float]:
+    """The renormalisation's ``eps`` (``w / (sum w + eps)``), checked: None (the variant's own:
+    ``SIGMOID_NORM_EPS`` for ``"sigmoid"``, none for ``"softmax_topk"``) or a finite number >= 0
+    (LFM2-MoE's 1e-6); not with ``"topk_softmax"``, which never renormalises."""
+    if norm_topk_eps is None:
+        return None
+    if variant == "topk_softmax":
+        raise ValueError(
+            f"norm_topk_eps: expected None with variant 'topk_softmax' (no renormalisation), got {norm_topk_eps!r}"
+        )
+    eps = check_real(norm_topk_eps, "norm_topk_eps")
+    if eps < 0:
+        raise ValueError(f"norm_topk_eps: expected a number >= 0, got {norm_topk_eps!r}")
+    return eps
+
+
 def check_router_options(num_experts, top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor):
     """The router's options, checked (shared by ``topk_router`` and ``nn.TopKRouter``): returns
     ``(top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor)``."""
@@ -232,6 +248,7 @@ def topk_router(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    norm_topk_eps: Optional[float] = None,
 ):
     """Choose ``top_k`` of ``E`` experts per token from the router logits ``z`` and weigh them.
 
@@ -242,7 +259,7 @@ def topk_router(
     * ``"topk_softmax"``: the chosen are the top-k of ``z``; ``w = softmax(z_chosen)`` (GPT-OSS);
     * ``"sigmoid"``: ``s = sigmoid(z)``; the chosen are the top-k of ``s + correction_bias`` (used
       for the choice only); ``w = s_chosen``, divided by ``sum + 1e-20`` when ``norm_topk_prob``
-      (DeepSeek-V3).
+      (DeepSeek-V3; LFM2-MoE's ``sum + 1e-6``: ``norm_topk_eps``).
 
     With ``n_group > 1`` the choice is group-limited (DeepSeek-V3): the experts form ``n_group``
     consecutive groups; a group's score is the sum of its two best choice scores; only the
@@ -269,6 +286,9 @@ def topk_router(
         ``topk_group <= n_group`` and ``top_k <= topk_group * E / n_group``.
     routed_scaling_factor : float
         Multiplies the weights (> 0; DeepSeek-V3's 2.5).
+    norm_topk_eps : float, optional
+        The renormalisation's ``eps``, ``w / (sum w + eps)``: None for the variant's own (1e-20
+        with ``"sigmoid"``, 0 with ``"softmax_topk"``), or a number >= 0 (LFM2-MoE's 1e-6).
 
     Returns
     -------
@@ -307,6 +327,7 @@ def topk_router(
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=scale,
+        norm_topk_eps=check_norm_topk_eps(norm_topk_eps, variant),
     )
 
 
@@ -320,6 +341,7 @@ def topk_router_kernel(
     n_group=1,
     topk_group=1,
     routed_scaling_factor=1.0,
+    norm_topk_eps=None,
 ):
     """The kernel of ``topk_router`` (arguments checked)."""
     e = logits.shape[-1]
@@ -342,8 +364,9 @@ def topk_router_kernel(
         r /= r.sum(-1, keepdims=True)
     elif norm_topk_prob:
         denom = v.sum(-1, keepdims=True)
-        if variant == "sigmoid":
-            denom += SIGMOID_NORM_EPS
+        eps = SIGMOID_NORM_EPS if norm_topk_eps is None and variant == "sigmoid" else norm_topk_eps
+        if eps:
+            denom += eps
         r = v / denom
     else:
         r = v

@@ -2365,6 +2365,7 @@ def topk_router(
     n_group: int = 1,
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
+    norm_topk_eps: Optional[float] = None,
 ) -> Tuple[Tuple[Array, Array], TopKRouterCache]:
     """Per token (a row ``z`` of ``logits (..., E)``):
 
@@ -2373,7 +2374,8 @@ def topk_router(
         "sigmoid":       s = sigmoid(z);  chosen = top-k of s + bias;   v = s_chosen
 
     then ``r = softmax(v)`` ("topk_softmax"), ``r = v / D`` with ``D = sum v`` (+ 1e-20 for
-    "sigmoid") when ``norm_topk_prob``, else ``r = v``; and ``w = routed_scaling_factor * r``.
+    "sigmoid"; + ``norm_topk_eps`` where given) when ``norm_topk_prob``, else ``r = v``; and
+    ``w = routed_scaling_factor * r``.
     With ``n_group > 1`` the ``E`` experts form ``n_group`` consecutive groups, a group scores the
     sum of its two best choice scores, and only the experts of the ``topk_group`` best groups
     compete.  Returns ``((w (..., k), chosen (..., k) int64, the best first), cache)``.
@@ -2409,7 +2411,8 @@ def topk_router(
             e = np.exp(v - v.max())
             r[n] = e / e.sum()
         elif norm_topk_prob:
-            denom[n] = v.sum() + (1e-20 if variant == "sigmoid" else 0.0)
+            eps = (1e-20 if variant == "sigmoid" else 0.0) if norm_topk_eps is None else norm_topk_eps
+            denom[n] = v.sum() + eps
             r[n] = v / denom[n]
         else:
             r[n] = v

@@ -306,7 +306,7 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     moe = _sub(cfg.moe)  # SparseMoeBlock: router, experts, shared expert and its gate
     E, inter, name = moe.num_experts, moe.intermediate_size, moe.router_name
     router = _lin(name, E, H, moe.router_bias)
-    router += [(f"{name}.e_score_correction_bias", (E,))] if moe.router == "sigmoid" else []
+    router += [(f"{name}.e_score_correction_bias", (E,))] if moe.router == "sigmoid" and moe.correction_bias else []
     if moe.experts == "gpt_oss":  # GptOssExperts: (E, H, 2I) interleaved, biases
         experts = [("experts.gate_up_proj", (E, H, 2 * inter)), ("experts.gate_up_proj_bias", (E, 2 * inter))]
         experts += [("experts.down_proj", (E, inter, H)), ("experts.down_proj_bias", (E, H))]

@@ -76,6 +76,7 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5",
     "ministral3",
     "ministral",
+    "lfm2_moe",
 )
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv")
@@ -949,6 +950,8 @@ class MoEConfig(_Kwargs):
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    norm_topk_eps: float | None = None
+    correction_bias: bool = True
     experts: str = "swiglu"
     hidden_act: str = "silu"
     swiglu_alpha: float = 1.702
@@ -2928,6 +2931,62 @@ def _lfm2(r: _Reader) -> dict:
     return c
 
 
+# LFM2-MoE's names: LFM2's, and its MoE block's (feed_forward.gate, feed_forward.experts) with the
+# routing bias on the block itself (feed_forward.expert_bias, a buffer as DeepSeek-V3's)
+_LFM2_MOE_NAMES = _LFM2_NAMES + (
+    ("mlp.gate.e_score_correction_bias", "feed_forward.expert_bias"),
+    ("mlp", "feed_forward"),
+)
+# the renormalisation's eps of Lfm2MoeTopKRouter: w / (sum w + 1e-6)
+_LFM2_MOE_NORM_EPS = 1e-6
+
+
+def _lfm2_moe(r: _Reader) -> dict:
+    """LFM2-MoE (Liquid AI's LFM2-8B-A1B, ``Lfm2MoeForCausalLM``): LFM2's layers (``layer_types``
+    of ``"full_attention"`` and ``"conv"``, required: ``Lfm2MoeConfig`` makes none), their MLPs
+    plain SwiGLUs of ``intermediate_size`` (no width adjustment) in the first ``num_dense_layers``
+    layers and routed experts after them (``moe_config``: sigmoid scores, the top
+    ``num_experts_per_tok`` of ``num_experts`` chosen by the scores plus ``expert_bias`` where
+    ``use_expert_bias``, weighted by the scores alone, renormalised by ``sum + 1e-6`` when
+    ``norm_topk_prob``, times ``routed_scaling_factor``; experts of ``moe_intermediate_size``).
+    ``tie_embedding``, the older key, takes the place of ``tie_word_embeddings`` where given."""
+    c = _common(r)
+    n, hidden = c["num_hidden_layers"], c["hidden_size"]
+    if not r.has("layer_types"):  # Lfm2MoeModel indexes config.layer_types: it cannot run without
+        raise ValueError(
+            f"config: model_type 'lfm2_moe' needs the key 'layer_types' ({n} entries of 'full_attention' or 'conv'), "
+            "which is missing"
+        )
+    lt = _layer_types(r, n, ("full_attention", "conv"), [])
+    tie = r.bool("tie_embedding") if r.has("tie_embedding") else c["tie_word_embeddings"]
+    k_dense = r.int("num_dense_layers", minimum=0)
+    mlp_types = tuple("dense" if i < k_dense else "moe" for i in range(n))
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        r.int(key)
+    r.bool("use_expert_bias", True)
+    r.bool("norm_topk_prob", True)
+    r.float("routed_scaling_factor")
+    c.update(
+        rms_norm_eps=r.float("norm_eps"),
+        attention_dropout=0.0,  # Lfm2Attention's dropout is 0 whatever the config says
+        tie_word_embeddings=tie,
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act="silu",
+        qk_norm=True,
+        rope=_rope_params(r, 1000000.0),
+        layer_types=lt,
+        mlp_types=mlp_types,
+        short_conv=ShortConvConfig(hidden, r.int("conv_L_cache"), r.bool("conv_bias")) if "conv" in lt else None,
+        moe=moe_config(r.d) if "moe" in mlp_types else None,
+        layer_names=_LFM2_MOE_NAMES,
+        final_norm_name="embedding_norm",
+        layout=CheckpointLayout(r.model_type, per_expert=True, expert_projs=("w1", "w3", "w2")),
+    )
+    if "conv" not in lt:
+        r.int("conv_L_cache"), r.bool("conv_bias")
+    return c
+
+
 _SIZE_KEYS = {
     "positions": "max_position_embeddings",
     "vocab": "vocab_size",
@@ -3203,6 +3262,22 @@ _DEFAULTS: dict = {
         block_multiple_of=256,
         block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=True,
+    ),
+    "lfm2_moe": dict(
+        **_sizes(positions=128000, vocab=65536, hidden=2048, intermediate=7168, layers=32, heads=32, kv_heads=8),
+        **_sizes(expert=1792, top_k=4),
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        conv_bias=False,
+        conv_L_cache=3,
+        num_dense_layers=2,
+        num_experts=32,
+        use_expert_bias=True,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
     ),
     "exaone4": dict(  # Exaone4Config's class defaults (no RoPE key: the reader's base of 10000)
         **_sizes(positions=2048, vocab=102400, hidden=4096, intermediate=16384, layers=32, heads=32, kv_heads=32),
@@ -3594,6 +3669,20 @@ def _moe_granitemoe(c: _Loose) -> MoEConfig:
     )
 
 
+def _moe_lfm2_moe(c: _Loose) -> MoEConfig:
+    # sigmoid scores, the expert bias for the choice only (use_expert_bias), w / (sum w + 1e-6);
+    # keys experts.*, gate.weight, expert_bias (the decoder layer calls the block feed_forward)
+    return MoEConfig(
+        **_moe_sizes(c, ("num_experts",), "moe_intermediate_size"),
+        router="sigmoid",
+        norm_topk_prob=c.flag("norm_topk_prob", True),
+        routed_scaling_factor=c.get("routed_scaling_factor", default=1.0),
+        norm_topk_eps=_LFM2_MOE_NORM_EPS,
+        correction_bias=c.flag("use_expert_bias", True),
+        experts_first=True,
+    )
+
+
 _MOE_READERS = {
     "gpt_oss": _moe_gpt_oss,
     "deepseek_v3": _moe_deepseek_v3,
@@ -3608,6 +3697,7 @@ _MOE_READERS = {
     "granitemoe": _moe_granitemoe,
     "granitemoeshared": _moe_granitemoe,
     "granitemoehybrid": _moe_granitemoe,
+    "lfm2_moe": _moe_lfm2_moe,
 }
 
 
@@ -3676,6 +3766,7 @@ _READERS = {
     "granitemoeshared": _granitemoeshared,
     "granitemoehybrid": _granitemoehybrid,
     "lfm2": _lfm2,
+    "lfm2_moe": _lfm2_moe,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,

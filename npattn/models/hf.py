@@ -564,10 +564,14 @@ class _Source:
 # then its up rows) and ``down_proj (E, H, I)``.  transformers merges them while loading; so do we,
 # each part written straight into its slice of the fused parameter, where the config's
 # ``CheckpointLayout`` says its family's checkpoints may be written so (``per_expert``).
+# the module holding the experts: ``mlp`` (LFM2-MoE's ``feed_forward``, its ``layer_names``)
+_EXPERTS_PARENT = "(?:mlp|feed_forward)"
+
+
 def _per_expert(projs: tuple) -> re.Pattern:
     """The per-expert key pattern for the three projection names ``projs`` (gate, up, down)."""
     names = "|".join(map(re.escape, projs))
-    return re.compile(rf"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>[0-9]+)\.(?P<proj>{names})\.weight$")
+    return re.compile(rf"^(?P<prefix>.*\.{_EXPERTS_PARENT}\.experts)\.(?P<e>[0-9]+)\.(?P<proj>{names})\.weight$")
 
 
 def _read_part(s, out: np.ndarray) -> None:

@@ -57,7 +57,7 @@ import stat
 import numpy as np
 
 from ..functional._bfloat16 import BFloat16Array
-from .hf import save_safetensors
+from .hf import _EXPERTS_PARENT, save_safetensors
 
 __all__ = ["parse_shard_size", "checkpoint_tensors", "save_pretrained"]
 
@@ -67,7 +67,7 @@ _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # the fused experts of a family whose checkpoints keep each expert apart (hf.py's _per_expert, reversed)
-_FUSED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_FUSED = re.compile(rf"^(?P<prefix>.*\.{_EXPERTS_PARENT}\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 def parse_shard_size(size) -> int:

@@ -542,6 +542,19 @@ TINY_CONFIGS: dict = {
         block_multiple_of=8,
         rope_theta=1000.0,
     ),
+    # LFM2-MoE: LFM2's short convolution with a dense MLP, then an attention layer with routed
+    # experts (sigmoid scores, the top 2 of 4 chosen through the expert bias, renormalised, times 1.5)
+    "lfm2_moe": dict(
+        _BASE,
+        model_type="lfm2_moe",
+        layer_types=["conv", "full_attention"],
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        routed_scaling_factor=1.5,
+        rope_theta=1000.0,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(

@@ -57,6 +57,7 @@ from ..functional.moe import (
     ROUTER_VARIANTS,
     MoeExpertsCache,
     TopKRouterCache,
+    check_norm_topk_eps,
     check_real,
     check_router_options,
     check_routing,
@@ -144,8 +145,9 @@ class TopKRouter(Module):
     * ``"topk_softmax"``: the chosen are the top-k of ``z``; ``w = softmax(z_chosen)`` (GPT-OSS,
       with ``bias=True``);
     * ``"sigmoid"``: ``s = sigmoid(z)``; the chosen are the top-k of ``s + e_score_correction_bias``
-      (the buffer: used for the choice only); ``w = s_chosen``, divided by ``sum + 1e-20`` when
-      ``norm_topk_prob`` (DeepSeek-V3).
+      (the buffer: used for the choice only; none when ``correction_bias`` is false); ``w =
+      s_chosen``, divided by ``sum + 1e-20`` (``norm_topk_eps`` where given: LFM2-MoE's 1e-6)
+      when ``norm_topk_prob`` (DeepSeek-V3, LFM2-MoE).
 
     With ``n_group > 1`` the choice is group-limited (DeepSeek-V3): the experts form ``n_group``
     consecutive groups; a group's score is the sum of its two best choice scores; only the
@@ -168,6 +170,12 @@ class TopKRouter(Module):
         A learnt logit bias [``bias (E,)``].
     routed_scaling_factor : float
         Multiplies the weights (DeepSeek-V3's 2.5).
+    norm_topk_eps : float, optional
+        The renormalisation's ``eps``, ``w / (sum w + eps)``: None for the variant's own (1e-20
+        with ``"sigmoid"``, 0 with ``"softmax_topk"``), or a number >= 0 (LFM2-MoE's 1e-6).
+    correction_bias : bool
+        With ``"sigmoid"``: the ``e_score_correction_bias`` buffer (False: the choice is the top-k
+        of ``s`` itself, LFM2-MoE's ``use_expert_bias=False``).
     n_group, topk_group : int
         Group-limited choice; ``n_group`` divides ``E`` with at least 2 experts per group,
         ``topk_group <= n_group`` and ``top_k <= topk_group * E / n_group``.
@@ -202,6 +210,8 @@ class TopKRouter(Module):
         routed_scaling_factor: float = 1.0,
         n_group: int = 1,
         topk_group: int = 1,
+        norm_topk_eps: Optional[float] = None,
+        correction_bias: bool = True,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -219,12 +229,14 @@ class TopKRouter(Module):
         ) = check_router_options(
             self.num_experts, top_k, variant, norm_topk_prob, n_group, topk_group, routed_scaling_factor
         )
+        self.norm_topk_eps = check_norm_topk_eps(norm_topk_eps, self.variant)
+        self._corrected = check_bool(correction_bias, "correction_bias") and self.variant == "sigmoid"
         self._dtype = check_dtype(dtype)
         rng = as_rng(rng)
         bound = 1.0 / math.sqrt(self.hidden_size)
         self.weight = Parameter(rng.uniform(-bound, bound, (self.num_experts, self.hidden_size)), self._dtype)
         self.bias = Parameter(rng.uniform(-bound, bound, (self.num_experts,)), self._dtype) if has_bias else None
-        if variant == "sigmoid":
+        if self._corrected:
             self.register_buffer("e_score_correction_bias", np.zeros(self.num_experts, self._dtype))
         self.last_counts: Optional[np.ndarray] = None
         self.last_indices: Optional[np.ndarray] = None
@@ -271,10 +283,11 @@ class TopKRouter(Module):
             self.top_k,
             variant=self.variant,
             norm_topk_prob=self.norm_topk_prob,
-            correction_bias=self.e_score_correction_bias if self.variant == "sigmoid" else None,
+            correction_bias=self.e_score_correction_bias if self._corrected else None,
             n_group=self.n_group,
             topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
+            norm_topk_eps=self.norm_topk_eps,
         )
         self.last_logits = z
         self.last_indices = idx
@@ -362,6 +375,10 @@ class TopKRouter(Module):
             s += f", n_group={self.n_group}, topk_group={self.topk_group}"
         if self.routed_scaling_factor != 1.0:
             s += f", routed_scaling_factor={self.routed_scaling_factor}"
+        if self.norm_topk_eps is not None:
+            s += f", norm_topk_eps={self.norm_topk_eps}"
+        if self.variant == "sigmoid" and not self._corrected:
+            s += ", correction_bias=False"
         return s
 
 
@@ -834,7 +851,7 @@ class SparseMoeBlock(Module):
         ``H``, ``E``, ``k`` and each routed expert's ``I``.
     router : str
         The router's variant, one of ``ROUTER_VARIANTS``.
-    norm_topk_prob, router_bias, routed_scaling_factor, n_group, topk_group
+    norm_topk_prob, router_bias, routed_scaling_factor, n_group, topk_group, norm_topk_eps, correction_bias
         As ``TopKRouter`` (``router_bias`` is its ``bias``).
     experts : str
         ``"swiglu"`` (``Experts``) or ``"gpt_oss"`` (``GptOssExperts``).
@@ -885,6 +902,8 @@ class SparseMoeBlock(Module):
         routed_scaling_factor: float = 1.0,
         n_group: int = 1,
         topk_group: int = 1,
+        norm_topk_eps: Optional[float] = None,
+        correction_bias: bool = True,
         experts: str = "swiglu",
         hidden_act: str = "silu",
         swiglu_alpha: float = 1.702,
@@ -915,6 +934,8 @@ class SparseMoeBlock(Module):
             routed_scaling_factor=routed_scaling_factor,
             n_group=n_group,
             topk_group=topk_group,
+            norm_topk_eps=norm_topk_eps,
+            correction_bias=correction_bias,
             rng=rng,
             dtype=dtype,
         )
