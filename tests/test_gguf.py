@@ -164,6 +164,18 @@ LFM2 = dict(
     num_hidden_layers=3,
     layer_types=["conv", "full_attention", "conv"],
 )
+# LFM2-MoE: a short convolution with a dense MLP, then routed experts (2 of 4, sigmoid scores
+# through the expert bias) after an attention layer and a convolution; tied (gguf's lfm2moe
+# tensors have no output.weight: the converter writes LFM2-8B-A1B's tied head only)
+LFM2_MOE = dict(
+    FAMILIES["lfm2_moe"],
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=256,
+    num_hidden_layers=3,
+    layer_types=["conv", "full_attention", "conv"],
+    routed_scaling_factor=1.0,  # llama.cpp's lfm2moe never scales the weights
+)
 # OLMo 2: post-norm layers, q/k norms over the whole projection, no biases (llama.cpp's olmo2 has
 # none), an untied head
 OLMO2 = dict(
@@ -422,6 +434,12 @@ def _lfm2_metadata(w, config):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_shortconv_l_cache(cfg.short_conv.conv_L_cache)
+    if cfg.moe is not None:  # LFM2MoeModel.set_gguf_parameters
+        w.add_expert_count(cfg.moe.num_experts)
+        w.add_expert_used_count(cfg.moe.top_k)
+        w.add_expert_feed_forward_length(cfg.moe.intermediate_size)
+        w.add_leading_dense_block_count(cfg.mlp_types.index("moe"))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 def _exaone4_metadata(w, config):
@@ -441,7 +459,7 @@ def _metadata(w, config, arch):
     and the architecture's own keys)."""
     if arch == "phi3":
         return _phi3_metadata(w, config)
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         return _lfm2_metadata(w, config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
     hd = config.get("head_dim", H // heads)
@@ -576,8 +594,19 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             continue
         if key.endswith("experts.gate_up_proj"):
             half = value.shape[1] // 2
+            if arch == "lfm2moe":  # LFM2MoeModel.modify_tensors: the experts' w1 and w3 stacked
+                bid = int(key.split(".")[2])
+                for t, v in (
+                    (gguf.MODEL_TENSOR.FFN_GATE_EXP, value[:, :half]),
+                    (gguf.MODEL_TENSOR.FFN_UP_EXP, value[:, half:]),
+                ):
+                    out[key, gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight"] = np.ascontiguousarray(v)
+                continue
             for part, v in (("gate_proj", value[:, :half]), ("up_proj", value[:, half:])):
                 out[key, names.get_name(key.replace("gate_up_proj", part)) + ".weight"] = np.ascontiguousarray(v)
+            continue
+        if key.endswith("feed_forward.expert_bias"):  # LFM2MoeModel.filter_tensors: expert_bias.bias
+            out[key, f"blk.{int(key.split('.')[2])}.exp_probs_b.bias"] = value
             continue
         if arch in _PERMUTED and key.endswith(_QK):
             kv = config["num_key_value_heads"]
@@ -696,6 +725,7 @@ CASES = [
     (GRANITE4, "granite"),
     (GRANITE4_MOE, "granitemoe"),
     (LFM2, "lfm2"),
+    (LFM2_MOE, "lfm2moe"),
     (OLMO2, "olmo2"),
     (OLMO3, "olmo2"),
     (EXAONE4, "exaone4"),
@@ -756,7 +786,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
     # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
-    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOES)
+    moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2"))):
         got, ref = _logits(loaded, ids), _logits(src, ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
@@ -869,6 +899,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GRANITE4, "granite", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
         (GRANITE4_MOE, "granitemoe", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
         (LFM2, "lfm2", ("Lfm2Config", "Lfm2ForCausalLM")),
+        (LFM2_MOE, "lfm2moe", ("Lfm2MoeConfig", "Lfm2MoeForCausalLM")),
         (OLMO2, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
         (OLMO2_YARN, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
         (OLMO3, "olmo2", ("Olmo3Config", "Olmo3ForCausalLM")),
@@ -894,6 +925,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "granite4-granite",
         "granite4-granitemoe",
         "lfm2",
+        "lfm2moe",
         "olmo2",
         "olmo2-yarn",
         "olmo3",
@@ -1385,7 +1417,7 @@ _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension
 
 # LFM2's head_count_kv is not optional: its zeros say which layers are convolutions (without it
 # llama.cpp, and npattn, take every layer for attention and find no attention tensors in layer 0)
-_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] != "lfm2"]
+_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe")]
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])
@@ -2380,6 +2412,42 @@ def test_lfm2_layer_types_and_width_are_the_file_s(tmp_path, monkeypatch, counts
     np.testing.assert_array_equal(
         m.state_dict()["model.layers.2.conv.conv.weight"], sd["model.layers.2.conv.conv.weight"]
     )
+
+
+def test_lfm2moe_routing_is_the_file_s():
+    """llama.cpp's lfm2moe files: the dense layers leading_dense_block_count (llama.cpp's default
+    0 where the file leaves it out, not Lfm2MoeConfig's 2), the experts' counts and width, sigmoid
+    routing through the expert bias exp_probs_b.bias, renormalised and never scaled (llama.cpp's
+    build_moe_ffn); a softmax gating, a missing expert width and a missing bias refused by name."""
+    from npattn.models.configs import _gguf_lfm2moe
+
+    base = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=[0, 2, 0], rms_norm_eps=1e-5)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    config = dict(base, **experts)
+    _gguf_lfm2moe(config, {"expert_gating_func": 2})
+    assert config["layer_types"] == ["conv", "full_attention", "conv"] and config["num_key_value_heads"] == 2
+    assert config["num_dense_layers"] == 0 and config["norm_eps"] == 1e-5 and "rms_norm_eps" not in config
+    assert (config["norm_topk_prob"], config["routed_scaling_factor"], config["use_expert_bias"]) == (True, 1.0, True)
+    kept = dict(base, **experts, num_dense_layers=1)
+    _gguf_lfm2moe(kept, {})  # no gating key: sigmoid, the only one the converter writes
+    assert kept["num_dense_layers"] == 1
+    one = dict(base, **experts, num_key_value_heads=2)  # one count: every layer attends, as llama.cpp reads it
+    _gguf_lfm2moe(one, {})
+    assert one["layer_types"] == ["full_attention"] * 3 and one["num_key_value_heads"] == 2
+    with pytest.raises(ValueError, match=r"'lfm2moe.expert_gating_func' 1 is not supported"):
+        _gguf_lfm2moe(dict(base, **experts), {"expert_gating_func": 1})
+    with pytest.raises(ValueError, match=r"'lfm2moe.expert_feed_forward_length' missing"):
+        _gguf_lfm2moe(dict(base, num_experts=4, num_experts_per_tok=2), {})
+    with pytest.raises(ValueError, match=r"'lfm2moe.expert_count' missing"):
+        _gguf_lfm2moe(dict(base, num_experts_per_tok=2, moe_intermediate_size=8), {})
+
+
+def test_lfm2moe_file_without_the_expert_bias_is_refused_by_name(tmp_path):
+    sd = _model(LFM2_MOE).state_dict()
+    sd = {k: v for k, v in sd.items() if not k.endswith("expert_bias")}
+    _write(tmp_path / "m.gguf", LFM2_MOE, sd, Q.F32, "lfm2moe")
+    with pytest.raises(ValueError, match=r"no tensor 'blk.1.exp_probs_b.bias'"):
+        CausalLM.from_gguf(tmp_path / "m.gguf")
 
 
 def test_olmo2_files_as_llama_cpp_reads_them():

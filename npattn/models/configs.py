@@ -352,29 +352,64 @@ _GGUF_EXPERTS = {"num_experts": "expert_count", "num_experts_per_tok": "expert_u
 _GGUF_QWEN_EXPERTS = dict(_GGUF_EXPERTS, moe_intermediate_size="expert_feed_forward_length")
 
 
-def _gguf_lfm2(config: dict, meta: Mapping) -> None:
-    """llama.cpp's ``lfm2`` (``LFM2Model`` in ``convert_hf_to_gguf.py``): ``attention.head_count_kv``
-    one entry per layer, 0 on the short-convolution layers (the layer types), the attention layers'
-    count on the others; ``feed_forward_length`` the MLP's width as ``Lfm2MLP`` adjusted it (so no
-    adjustment is made again); ``attention.layer_norm_rms_epsilon`` the config's ``norm_eps``; the
-    convolution's taps ``shortconv.l_cache`` (``GgufFamily.keys``).  llama.cpp's LFM2 has no
-    convolution or attention biases: a file with them is refused (its tensors unread)."""
+def _gguf_lfm2_layers(config: dict, arch: str) -> None:
+    """What llama.cpp's ``lfm2`` and ``lfm2moe`` files share: ``attention.head_count_kv`` one entry
+    per layer, 0 on the short-convolution layers (the layer types), the attention layers' count on
+    the others; ``attention.layer_norm_rms_epsilon`` the config's ``norm_eps``; no convolution or
+    attention biases (llama.cpp has none: a file with them is refused, its tensors unread)."""
     kv, n = config.get("num_key_value_heads"), config["num_hidden_layers"]
     if isinstance(kv, (list, tuple)):
         if len(kv) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in kv):
             raise ValueError(
-                f"metadata 'lfm2.attention.head_count_kv' {_show(kv)}: expected {n} counts (block_count), 0 on a "
+                f"metadata '{arch}.attention.head_count_kv' {_show(kv)}: expected {n} counts (block_count), 0 on a "
                 "short-convolution layer"
             )
         counts = {k for k in kv if k}
         if len(counts) > 1:
-            raise ValueError(f"metadata 'lfm2.attention.head_count_kv' {_show(kv)}: attention layers' counts differ")
+            raise ValueError(f"metadata '{arch}.attention.head_count_kv' {_show(kv)}: attention layers' counts differ")
         config["layer_types"] = ["full_attention" if k else "conv" for k in kv]
         config["num_key_value_heads"] = counts.pop() if counts else config["num_attention_heads"]
+    else:  # a single count: every layer attends (Lfm2MoeConfig has no default layer types)
+        config["layer_types"] = ["full_attention"] * n
     config["norm_eps"] = config.pop("rms_norm_eps")
-    config["block_auto_adjust_ff_dim"] = False
     if config.pop("attention_bias", False):
-        raise ValueError("tensor 'blk.0.attn_q.bias': llama.cpp's lfm2 has no attention biases")
+        raise ValueError(f"tensor 'blk.0.attn_q.bias': llama.cpp's {arch} has no attention biases")
+
+
+def _gguf_lfm2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``lfm2`` (``LFM2Model`` in ``convert_hf_to_gguf.py``): the layers of
+    ``_gguf_lfm2_layers``; ``feed_forward_length`` the MLP's width as ``Lfm2MLP`` adjusted it (so no
+    adjustment is made again); the convolution's taps ``shortconv.l_cache`` (``GgufFamily.keys``)."""
+    _gguf_lfm2_layers(config, "lfm2")
+    config["block_auto_adjust_ff_dim"] = False
+
+
+# llama.cpp's expert_gating_func values (llama_expert_gating_func_type): 1 softmax, 2 sigmoid
+_GGUF_SIGMOID_GATING = 2
+
+
+def _gguf_lfm2moe(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``lfm2moe`` (``LFM2MoeModel``): LFM2's layers (``_gguf_lfm2_layers``), the dense
+    MLPs ``feed_forward_length`` wide in the first ``leading_dense_block_count`` layers (llama.cpp's
+    default 0), routed experts ``expert_feed_forward_length`` wide after them, chosen by
+    ``expert_gating_func`` 2 (sigmoid, the only one its graph is written for) through the expert
+    bias ``exp_probs_b`` (a tensor of every routed layer, as llama.cpp's loader requires it),
+    always renormalised and never scaled (its ``build_moe_ffn`` call: ``norm_w`` true,
+    ``scale_w`` false), so ``norm_topk_prob`` true and ``routed_scaling_factor`` 1."""
+    _gguf_lfm2_layers(config, "lfm2moe")
+    _gguf_experts(config, "lfm2moe")
+    if not config.get("moe_intermediate_size"):
+        raise ValueError(
+            "metadata 'lfm2moe.expert_feed_forward_length' missing or 0 (the model's moe_intermediate_size)"
+        )
+    gating = meta.get("expert_gating_func", _GGUF_SIGMOID_GATING)
+    if gating != _GGUF_SIGMOID_GATING:
+        raise ValueError(
+            f"metadata 'lfm2moe.expert_gating_func' {_show(gating)} is not supported by npattn (supported: "
+            f"[{_GGUF_SIGMOID_GATING}], sigmoid: LFM2-MoE's router)"
+        )
+    config.setdefault("num_dense_layers", 0)
+    config.update(norm_topk_prob=True, routed_scaling_factor=1.0, use_expert_bias=True)
 
 
 # YaRN as llama.cpp's converter writes it (TextModel.set_gguf_parameters; an older Olmo2Model wrote
@@ -634,6 +669,13 @@ GGUF_FAMILIES = {
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)
     "lfm2": GgufFamily("lfm2", keys={"conv_L_cache": "shortconv.l_cache"}, derive=_gguf_lfm2),
+    # LFM2-MoE: LFM2's layers, the leading dense ones counted, then sigmoid-routed experts
+    "lfm2moe": GgufFamily(
+        "lfm2_moe",
+        keys=dict(_GGUF_QWEN_EXPERTS, conv_L_cache="shortconv.l_cache", num_dense_layers="leading_dense_block_count"),
+        derive=_gguf_lfm2moe,
+        reads=("expert_gating_func",),
+    ),
     # OLMo 2 (no window) and OLMo 3 (a window, the sliding layers' pattern): post-norm layers, q/k
     # norms over the whole projection, rotate-half RoPE, YaRN on the full layers
     "olmo2": GgufFamily(
@@ -3706,7 +3748,7 @@ def moe_config(config) -> MoEConfig:
 
     ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with ``model_type``
     one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``, ``"mixtral"``,
-    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"``, ``"granitemoehybrid"`` (the
+    ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"``, ``"granitemoehybrid"``, ``"lfm2_moe"`` (the
     fields each reads: ``SparseMoeBlock.from_hf_config``).
 
     Raises

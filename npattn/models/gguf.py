@@ -8,7 +8,7 @@ a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
-``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` without Mamba layers, ``lfm2``,
+``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` without Mamba layers, ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
 Ministral 3's or Mistral Small 3.x's text model) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
@@ -516,10 +516,15 @@ def _gguf_names(names, key: str) -> list:
     know is returned as it is (and then missing from the file)."""
     if key.endswith(".experts.gate_up_proj"):
         return [n for part in ("gate_proj", "up_proj") for n in _gguf_names(names, key[: -len("gate_up_proj")] + part)]
+    if key.endswith(_CORRECTION):  # the converters' e_score_correction.bias, llama.cpp's exp_probs_b.bias
+        key = key[: -len(_CORRECTION)] + ".e_score_correction.bias"
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     if name is None:
         return [key]
     return [name if key.endswith((".weight", ".bias")) else name + ".weight"]
+
+
+_CORRECTION = ".e_score_correction_bias"  # the sigmoid router's choice bias (LFM2-MoE's expert_bias)
 
 
 _EXPS = "_exps.weight"
