@@ -1511,7 +1511,7 @@ class CausalLM(Module):
         """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama`` (Mixtral's
         too), ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
         ``smollm3``, ``phi3``, ``granite``, ``granitemoe`` (GraniteMoeShared's and Granite 4.0's too),
-        ``granitehybrid`` without Mamba layers, ``lfm2``, ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding
+        ``granitehybrid`` without Mamba layers, ``lfm2``, ``lfm2moe``, ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding
         window), ``exaone4``, ``ernie4_5`` and ``mistral3`` (Ministral 3's query scale by position) files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:

@@ -1117,7 +1117,7 @@ class SparseMoeBlock(Module):
         ``config``: a mapping (``PretrainedConfig.to_dict()``) or a config object, with
         ``model_type`` one of ``"gpt_oss"``, ``"deepseek_v3"``, ``"qwen3_next"``, ``"qwen3_moe"``,
         ``"mixtral"``, ``"qwen2_moe"``, ``"olmoe"``, ``"granitemoe"``, ``"granitemoeshared"``,
-        ``"granitemoehybrid"``.  Fields read:
+        ``"granitemoehybrid"``, ``"lfm2_moe"``.  Fields read:
 
         * gpt_oss: ``hidden_size``, ``num_local_experts``, ``num_experts_per_tok``,
           ``intermediate_size``, ``swiglu_alpha`` (1.702), ``swiglu_limit`` (7.0) -> variant
@@ -1149,7 +1149,12 @@ class SparseMoeBlock(Module):
           ``router.weight``, ``experts.*`` (the decoder layer calls the block ``block_sparse_moe``);
         * granitemoeshared, granitemoehybrid: granitemoe's and ``shared_intermediate_size`` (the
           shared expert, ``shared_expert.*``, which the decoder layer calls ``shared_mlp``; none where
-          0, GraniteMoeShared's default; Granite 4.0's default 1024).
+          0, GraniteMoeShared's default; Granite 4.0's default 1024);
+        * lfm2_moe: ``hidden_size``, ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+          ``norm_topk_prob``, ``routed_scaling_factor``, ``use_expert_bias`` -> variant ``"sigmoid"``
+          renormalised by ``sum + 1e-6`` (``norm_topk_eps``), the correction bias only with
+          ``use_expert_bias``, keys ``experts.*``, ``gate.weight``, ``gate.e_score_correction_bias``
+          (the decoder layer calls the block ``feed_forward`` and the bias ``expert_bias``).
 
         A compatibility wrapper: ``npattn.models.configs.moe_config(config)`` reads the arguments
         (a ``MoEConfig``; each family's reader lives there), which are then passed to the
