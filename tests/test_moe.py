@@ -369,6 +369,24 @@ def test_public_names_and_alias():
     assert "limit=0.8" in repr(_family_block("gpt_oss")) and "hidden_act='silu'" in repr(_family_block("qwen3_next"))
 
 
+def test_router_without_the_correction_bias_and_with_its_own_eps():
+    """LFM2-MoE's router: no e_score_correction_bias where correction_bias is false (the top k of
+    the sigmoid scores themselves), the renormalisation's eps shown and used."""
+    plain = TopKRouter(4, 5, 2, variant="sigmoid", norm_topk_prob=True, norm_topk_eps=0.5, correction_bias=False, rng=0)
+    assert "e_score_correction_bias" not in dict(plain.named_buffers())
+    assert "norm_topk_eps=0.5" in repr(plain) and "correction_bias=False" in repr(plain)
+    x = np.random.default_rng(1).standard_normal((3, 4))
+    w, idx = plain(x)
+    s = 1.0 / (1.0 + np.exp(-(x @ plain.weight.data.T)))
+    assert np.array_equal(idx, np.argsort(-s, axis=-1, kind="stable")[:, :2])
+    v = np.take_along_axis(s, idx, -1)
+    np.testing.assert_allclose(w, v / (v.sum(-1, keepdims=True) + 0.5), rtol=1e-14)
+    biased = TopKRouter(4, 5, 2, variant="sigmoid", rng=0)
+    assert "e_score_correction_bias" in dict(biased.named_buffers()) and "correction_bias" not in repr(biased)
+    # a softmax router has no correction bias whatever the flag says
+    assert not dict(TopKRouter(4, 5, 2, correction_bias=True, rng=0).named_buffers())
+
+
 # ----------------------------------------------------------------- Hugging Face names (no torch)
 
 

@@ -193,6 +193,8 @@ def test_lfm2_moe_reads_its_dense_layers_routing_and_names():
     assert {"model.layers.1.feed_forward.expert_bias", "model.layers.0.feed_forward.w1.weight"} <= names
     dense = config_from_hf(tiny_config("lfm2_moe", num_dense_layers=2))
     assert dense.mlp_types == ("dense", "dense") and dense.moe is None
+    attention = config_from_hf(tiny_config("lfm2_moe", layer_types=["full_attention"] * 2, conv_bias=True))
+    assert attention.short_conv is None and set(attention.layer_types) == {"full_attention"}
 
 
 @pytest.mark.parametrize(
