@@ -176,6 +176,56 @@ def test_qwen2_moe_reads_its_windows_dense_layers_and_biases():
     assert not plain.attention_bias and not plain.attention_config("full_attention").out_bias
 
 
+# LFM2-8B-A1B's config.json keys (its 24 layers: 6 attention, 18 short convolutions; the older
+# tie_embedding beside them); LFM2.5-8B-A1B's say head_dim and rope_parameters instead
+_LFM2_8B_A1B = dict(
+    architectures=["Lfm2MoeForCausalLM"],
+    model_type="lfm2_moe",
+    vocab_size=65536,
+    hidden_size=2048,
+    intermediate_size=7168,
+    moe_intermediate_size=1792,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=128000,
+    norm_eps=1e-05,
+    conv_bias=False,
+    conv_L_cache=3,
+    rope_theta=1000000.0,
+    num_dense_layers=2,
+    num_experts=32,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    use_expert_bias=True,
+    routed_scaling_factor=1.0,
+    bos_token_id=1,
+    eos_token_id=7,
+    pad_token_id=0,
+    tie_embedding=True,
+    initializer_range=0.02,
+    use_cache=True,
+    dtype="bfloat16",
+    transformers_version="4.57.0.dev0",
+    layer_types=["conv", "conv", "full_attention", "conv", "conv", "conv"]
+    + ["full_attention", "conv", "conv", "conv", "full_attention", "conv"]
+    + ["conv", "conv", "full_attention", "conv", "conv", "conv"]
+    + ["full_attention", "conv", "conv", "full_attention", "conv", "conv"],
+)
+
+
+def test_the_lfm2_8b_a1b_configs_read():
+    cfg = config_from_hf(_LFM2_8B_A1B)
+    assert cfg.layer_types.count("full_attention") == 6 and cfg.mlp_types == ("dense",) * 2 + ("moe",) * 22
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (32, 4, 1792)
+    assert cfg.intermediate_size == 7168 and cfg.tie_word_embeddings and cfg.head_dim == 64
+    assert cfg.rope["default"]["rope_theta"] == 1e6 and cfg.rms_norm_eps == 1e-5
+    v25 = {k: v for k, v in _LFM2_8B_A1B.items() if k not in ("rope_theta", "tie_embedding")}
+    v25.update(head_dim=64, tie_word_embeddings=True, rope_parameters={"rope_theta": 5000000, "rope_type": "default"})
+    cfg = config_from_hf(v25)
+    assert cfg.rope["default"]["rope_theta"] == 5e6 and cfg.tie_word_embeddings and cfg.head_dim == 64
+
+
 def test_lfm2_moe_reads_its_dense_layers_routing_and_names():
     cfg = config_from_hf(tiny_config("lfm2_moe"))
     assert cfg.layer_types == ("conv", "full_attention") and cfg.mlp_types == ("dense", "moe")
