@@ -3107,6 +3107,17 @@ _GRANITE: dict = dict(
     eos_token_id=2,
 )
 
+# Lfm2Config's and Lfm2MoeConfig's shared class defaults
+_LFM2: dict = dict(
+    norm_eps=1e-5,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    conv_bias=False,
+    conv_L_cache=3,
+)
+
 _DEFAULTS: dict = {
     "llama": dict(_LLAMA_SIZES, vocab_size=32000, **_SILU, rms_norm_eps=1e-6, mlp_bias=False),
     "gemma2": dict(
@@ -3294,13 +3305,7 @@ _DEFAULTS: dict = {
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
     "lfm2": dict(
         **_sizes(positions=128000, vocab=65536, hidden=2560, intermediate=12288, layers=32, heads=32, kv_heads=8),
-        norm_eps=1e-5,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        conv_bias=False,
-        conv_L_cache=3,
+        **_LFM2,
         block_multiple_of=256,
         block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=True,
@@ -3308,13 +3313,7 @@ _DEFAULTS: dict = {
     "lfm2_moe": dict(
         **_sizes(positions=128000, vocab=65536, hidden=2048, intermediate=7168, layers=32, heads=32, kv_heads=8),
         **_sizes(expert=1792, top_k=4),
-        norm_eps=1e-5,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        conv_bias=False,
-        conv_L_cache=3,
+        **_LFM2,
         num_dense_layers=2,
         num_experts=32,
         use_expert_bias=True,
