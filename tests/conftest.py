@@ -5,6 +5,7 @@ examples).  Choose one with ``HYPOTHESIS_PROFILE=dev pytest``.
 """
 
 import os
+import sys
 
 import pytest
 
@@ -24,6 +25,17 @@ if settings is not None:
     )
     settings.register_profile("dev", max_examples=1000, deadline=None)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_runtest_setup(item):
+    """torch, where a test module has imported it (an oracle only), computes on one thread: its
+    tensors here are tiny, and its OpenMP threads spin while they wait, so two of them in each of
+    the two xdist workers on two cores take turns at 50 times a thread's time.  Set before every
+    test: ``npattn.tools.bench`` sets torch's threads for its own timings.  numpy's BLAS is left
+    alone (the tests of npattn's threading depend on it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture
