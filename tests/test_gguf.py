@@ -5,6 +5,7 @@ source model's logits."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -569,11 +570,30 @@ def _mistral3_metadata(w, config):
     w.add_attn_temperature_scale(rp["llama_4_scaling_beta"])
 
 
+@functools.lru_cache(maxsize=None)
+def _name_map(arch: str):
+    """gguf's map of Hugging Face names onto ``arch``'s (64 blocks), made once per architecture:
+    gguf expands every block's names each time (20-30 ms, twice per file written); only read."""
+    return gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 64)
+
+
+_STATES: dict = {}
+
+
+def _state(config: dict) -> dict:
+    """``_model(config).state_dict()``, the model made once per config (the same seed, so the same
+    values every time); a copy of its arrays each call (a test may change them)."""
+    key = json.dumps(config, sort_keys=True)
+    if key not in _STATES:
+        _STATES[key] = _model(config).state_dict()
+    return {k: v.copy() for k, v in _STATES[key].items()}
+
+
 def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     """{(HF name, GGUF name): values} as llama.cpp's converter writes them: the experts' fused
     gate_up_proj split into ffn_gate_exps and ffn_up_exps, a llama model's q/k rows permuted,
     Gemma's norms plus one."""
-    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 64)
+    names = _name_map(arch)
     out = {}
     if arch == "phi3":  # the converter reads the checkpoint's fused qkv_proj and gate_up_proj
         sd = _phi3_checkpoint(sd)
@@ -750,10 +770,9 @@ def _cases(*names):
 
 @pytest.mark.parametrize("config, arch", CASES, ids=IDS)
 def test_f32_file_is_the_source_model(tmp_path, config, arch):
-    src = _model(config)
-    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
+    _write(tmp_path / "m.gguf", config, _state(config), Q.F32, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
-    want = src.state_dict()
+    want = _state(config)
     if arch in _GEMMAS:  # (w + 1) - 1 in float32: w to within a rounding of 1
         for k in want:
             if k.endswith("norm.weight"):
@@ -773,8 +792,7 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("config, arch", CASES, ids=IDS)
 def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
-    src = _model(config)
-    sd = src.state_dict()
+    sd = _state(config)
     held = _write(tmp_path / "m.gguf", config, sd, qtype, arch)
     want = _hf_values(held, sd, config, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
@@ -788,7 +806,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2"))):
-        got, ref = _logits(loaded, ids), _logits(src, ids)
+        got, ref = _logits(loaded, ids), _logits(CausalLM.from_hf(sd, config), ids)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
 
@@ -812,7 +830,7 @@ def test_every_type_of_the_released_mixes_is_gguf_s_dequantization(tmp_path, con
     assert qtype.name in GGUF_TYPES
     if not _dequantizes(qtype.name):
         pytest.skip(f"the installed gguf does not dequantize {qtype.name}")
-    sd = _model(config).state_dict()
+    sd = _state(config)
     held = _write(tmp_path / "m.gguf", config, sd, qtype, arch)
     want = _hf_values(held, sd, config, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
@@ -944,7 +962,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
     from _hf64 import build, hf_logits_and_grads
     from _oracles import rel_err
 
-    sd = _model(config).state_dict()
+    sd = _state(config)
     want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
     hf, _ = build(
         getattr(T, classes[0]), getattr(T, classes[1]), **{k: v for k, v in config.items() if k != "model_type"}
@@ -2117,7 +2135,7 @@ def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, conf
     rows (llama), the joined experts (qwen3moe) and the shifted norms (gemma3) included."""
     from npattn.models import gguf as G
 
-    sd = _model(config).state_dict()
+    sd = _state(config)
     want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
     calls = []
     real = gguf.quants.dequantize
