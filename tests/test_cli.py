@@ -309,17 +309,35 @@ def test_demo_without_matplotlib_and_tqdm(tmp_path):
         [],
     ],
 )
-def test_bad_arguments_give_a_usage_error(args):
-    r = run(*args, timeout=60)
+def test_bad_arguments_give_a_usage_error(args, capsys):
+    """``main(argv)`` in this process (argparse's exit 2 is a SystemExit; any other exception, a
+    traceback, fails here); test_a_bad_argument_in_a_real_process runs one through ``python -m``."""
+    from npattn.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_a_bad_argument_in_a_real_process():
+    """The exit status and stderr a shell sees, from ``python -m npattn``."""
+    r = run("demo", "--steps", "-1", timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "usage:" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_help_and_version():
+def test_help_and_version(capsys):
+    """``--help`` through ``python -m npattn``; the subcommand's help and the version in this process."""
+    from npattn.__main__ import main
+
     r = run("--help", timeout=60)
     assert r.returncode == 0 and "check" in r.stdout and "demo" in r.stdout and "bench" in r.stdout
-    r = run("demo", "--help", timeout=60)
-    assert r.returncode == 0 and "--steps" in r.stdout and "--task" in r.stdout
-    r = run("--version", timeout=60)
-    assert r.returncode == 0 and r.stdout.startswith("npattn ")
+    for args, want in ((["demo", "--help"], ("--steps", "--task")), (["--version"], ("npattn ",))):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0 and all(w in out for w in want), (args, out)
+    assert out.startswith("npattn ")
