@@ -10,6 +10,7 @@ itself (``tests/test_docs_site.py``) then checks that the pages render, with war
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -27,15 +28,17 @@ def _includes(page: pathlib.Path):
     return [((page.parent / path).resolve(), obj) for path, obj in INCLUDE.findall(page.read_text())]
 
 
-def _defined(source: pathlib.Path) -> set:
-    """The functions and classes of ``source``, methods as ``Class.method``."""
+@functools.lru_cache(maxsize=None)
+def _defined(source: pathlib.Path) -> frozenset:
+    """The functions and classes of ``source``, methods as ``Class.method`` (each file parsed once:
+    the pages include from a few large files, reference.py above all)."""
     names = set()
     for node in ast.parse(source.read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         if isinstance(node, ast.ClassDef):
             names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, ast.FunctionDef)}
-    return names
+    return frozenset(names)
 
 
 def test_every_pair_has_its_page():
