@@ -4,6 +4,7 @@ sub-config to its module, ``hf.py`` reads the checkpoint layout; one table of ti
 
 import ast
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -21,12 +22,17 @@ from npattn.nn.moe import SparseMoeBlock
 PKG = os.path.dirname(npattn.__file__)
 
 
-def _sources():
+@functools.lru_cache(maxsize=None)
+def _sources() -> tuple:
+    """``(path relative to the package, its ast)`` of every module of npattn, parsed once for the
+    tests below (which only read the trees)."""
+    out = []
     for d, _, files in os.walk(PKG):
         for f in files:
             if f.endswith(".py"):
                 path = os.path.join(d, f)
-                yield os.path.relpath(path, PKG), ast.parse(open(path).read(), path)
+                out.append((os.path.relpath(path, PKG), ast.parse(open(path).read(), path)))
+    return tuple(out)
 
 
 def test_model_type_is_known_only_to_the_config_readers():
