@@ -589,6 +589,19 @@ def _state(config: dict) -> dict:
     return {k: v.copy() for k, v in _STATES[key].items()}
 
 
+_SOURCE_LOGITS: dict = {}
+
+
+def _source_logits(config: dict) -> np.ndarray:
+    """The logits of the source model (``_state(config)``) on the ids of
+    test_quantized_file_is_its_dequantized_model, computed once per config (a copy each call)."""
+    key = json.dumps(config, sort_keys=True)
+    if key not in _SOURCE_LOGITS:
+        ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+        _SOURCE_LOGITS[key] = _logits(CausalLM.from_hf(_state(config), config), ids)
+    return _SOURCE_LOGITS[key].copy()
+
+
 def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     """{(HF name, GGUF name): values} as llama.cpp's converter writes them: the experts' fused
     gate_up_proj split into ffn_gate_exps and ffn_up_exps, a llama model's q/k rows permuted,
@@ -800,13 +813,14 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     if arch in _PERMUTED:  # the permutation matters: the file's rows are not Hugging Face's
         assert not np.array_equal(held["blk.0.attn_q.weight"], want["model.layers.0.self_attn.q_proj.weight"])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
-    np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
+    got = _logits(loaded, ids)
+    np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, config), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
     # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2"))):
-        got, ref = _logits(loaded, ids), _logits(CausalLM.from_hf(sd, config), ids)
+        ref = _source_logits(config)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
 
