@@ -27,12 +27,27 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config):
+    """In an xdist worker (the README's command runs one per core), numpy's OpenBLAS computes on
+    the worker's own thread: with its default of a thread per core, every worker's threaded
+    products spin-wait for cores the other workers hold (a test module's products took twice the
+    wall time and three times the CPU).  Set through OpenBLAS's own call in this process only (no
+    environment variable, nothing a child process inherits): npattn chooses no code path by the
+    BLAS's thread count (its thread pools count the CPUs), so every test runs what it ran before.
+    A run without workers (``-n 0``) keeps the BLAS's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from npattn._blas import openblas_functions
+
+        blas = openblas_functions("set_num_threads")
+        if blas is not None:
+            blas[0](1)
+
+
 def pytest_runtest_setup(item):
     """torch, where a test module has imported it (an oracle only), computes on one thread: its
     tensors here are tiny, and its OpenMP threads spin while they wait, so two of them in each of
     the two xdist workers on two cores take turns at 50 times a thread's time.  Set before every
-    test: ``npattn.tools.bench`` sets torch's threads for its own timings.  numpy's BLAS is left
-    alone (the tests of npattn's threading depend on it)."""
+    test: ``npattn.tools.bench`` sets torch's threads for its own timings."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
