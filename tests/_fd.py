@@ -14,7 +14,9 @@ def fd_gradients(fun, arrays, eps=1e-6):
     Each array is copied to float64 first; ``fun`` receives the perturbed copies.  Returns a
     list of float64 gradients, one per array.
     """
-    arrays = [np.array(a, dtype=np.float64, copy=True) for a in arrays]
+    # C order: a parameter may be a view of a column-major fused array (nn.layers._stacked), whose
+    # copy in numpy's default order would be column-major too and reshape(-1) below a copy of it
+    arrays = [np.array(a, dtype=np.float64, copy=True, order="C") for a in arrays]
     grads = []
     for a in arrays:
         grad = np.empty(a.shape)

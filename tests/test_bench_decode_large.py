@@ -92,7 +92,7 @@ def test_prefill_case_is_the_npattn_sides_prefill(checkpoint):
 def test_bandwidth_and_load_peak(checkpoint):
     d, _ = checkpoint
     bw = decode_large.bandwidth(256, 64, repeats=2)
-    assert bw["gb_per_s"] > 0 and bw["bytes"] == 256 * 64 * 4
+    assert bw["gb_per_s"] > 0 and bw["column_gb_per_s"] > 0 and bw["bytes"] == 256 * 64 * 4
     load = decode_large.load_peak(d)
     m = CausalLM.from_pretrained(d, weights_dtype="bfloat16")
     assert load["model_bytes"] == sum(p.data.nbytes for p in m.parameters()) and load["peak_bytes"] >= 0
@@ -178,7 +178,9 @@ def test_rows_carry_the_bandwidth_timed_around_their_steps(checkpoint):
     forward = lambda ids, first: order.append(len(gemv.times)) or np.zeros((1, 8))  # noqa: E731
     times, _ = decode_large._steps(forward, 2, 5, gemv, calls=3)
     # three calls before the prompt (the warm-up dropped), none between the steps, three after
-    assert len(times) == 5 and order == [3] * 6 and len(gemv.times) == 6
+    assert len(times) == 5 and order == [3] * 6 and len(gemv.times) == len(gemv.column_times) == 6
+    assert row["column_gb_per_s"] > 0 and gemv.w_column.flags.f_contiguous
+    np.testing.assert_array_equal(gemv.w_column, gemv.w)
 
 
 def test_each_row_limit_is_its_own_bandwidth():
@@ -190,6 +192,17 @@ def test_each_row_limit_is_its_own_bandwidth():
     assert "float32 at 0.50 of the limit (>= 0.9: NO)" in text
     line = next(x for x in text.splitlines() if x.startswith("transformers float32"))
     assert " 10.0 " in line and " 1.00 " in line
+
+
+def test_fraction_against_the_column_major_gemv_where_it_is_faster():
+    report = _report()
+    f32 = report["decode_large"]["rows"][0]
+    f32["gb_per_s"], f32["column_gb_per_s"] = 20.0, 25.0  # 10 tokens/s of 2 GB: 1.00 and 0.80
+    text = "\n".join(decode_large.format_section(report))
+    assert "float32 at 1.00 of the limit (>= 0.9: yes; 0.80 against the column-major GEMV's 25.0 GB/s);" in text
+    f32["column_gb_per_s"] = 19.0  # slower than the row-major limit: nothing to add
+    text = "\n".join(decode_large.format_section(report))
+    assert "float32 at 1.00 of the limit (>= 0.9: yes);" in text and "column-major GEMV" not in text
 
 
 def test_paired_ratio_takes_turns(checkpoint, monkeypatch):

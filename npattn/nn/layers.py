@@ -664,7 +664,7 @@ def fused_linears(owner: Module, mods: tuple) -> Optional[tuple]:
     bf16 = [isinstance(d, BFloat16Array) for d in datas]
     if any(bf16) and not all(bf16) or len({d.dtype for d in datas}) > 1:
         return None
-    W = BFloat16Array(np.concatenate([d.bits for d in datas])) if all(bf16) else np.concatenate(datas)
+    W = BFloat16Array(np.concatenate([d.bits for d in datas])) if all(bf16) else _stacked(datas)
     wv = _views(W, weights)
     b = bv = None
     if biases is not None:
@@ -672,6 +672,21 @@ def fused_linears(owner: Module, mods: tuple) -> Optional[tuple]:
         bv = _views(b, biases)
     object.__setattr__(owner, "_fused", (W, b, wv, bv))
     return W, b
+
+
+def _stacked(datas: list) -> np.ndarray:
+    """The float weights ``datas`` stacked by rows, ``(N, K)``, stored column by column (Fortran
+    order) when ``N > 2 K``: a decoding step's product ``x W^T`` then reads ``W`` as ``K`` columns
+    of ``N`` contiguous values (BLAS's non-transposed matrix-vector kernel) instead of ``N`` rows
+    of ``K``.  Either kernel reads a few runs of memory side by side, and the hardware prefetchers
+    stream a long run better than a short one: a wide fused projection (q/k/v, or gate and up,
+    with ``N`` several times ``d_model``) has columns several times longer than its rows.  On the
+    machine of issue 32 (OpenBLAS, AVX-512, 2 threads) the (4096, 1024) and (6144, 1024) products
+    of a Qwen3-0.6B layer read 9 and 13 % faster so, and a decoding step took 7 % less time;
+    where ``N <= 2 K`` the rows were as fast or faster, so those stay row-major.  The same values
+    either way; only the order of a product's sums may differ, by a rounding."""
+    n, k = sum(d.shape[0] for d in datas), datas[0].shape[1]
+    return np.concatenate(datas, out=np.empty((n, k), datas[0].dtype, order="F" if n > 2 * k else "C"))
 
 
 def _linked(fused, views, params) -> bool:
@@ -716,7 +731,9 @@ def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, own
     of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``): two arrays of
     ``(..., d_ff)`` fewer per call, which on a long prompt are fresh pages each.  With the fused
     weights ``a`` and ``b`` are the two halves of one product's output (each element the same dot
-    product as apart: the same bits), one GEMM instead of two, one GEMV when decoding.  SiLU's
+    product as apart: the same bits, but in float32 with a column-major stack (``_stacked``), whose
+    single-precision kernels may order a few outputs' sums otherwise: a rounding), one GEMM instead
+    of two, one GEMV when decoding.  SiLU's
     passes go a block of rows at a time (``K.silu_mul_``), over a block the cache holds."""
     kernel, _, kwargs = _act(act)
     fused = None if owner is None else fused_linears(owner, (gate, up))
