@@ -156,6 +156,39 @@ GRANITE4 = dict(
 )
 # ... and with experts (2 of 3): a granitemoe file with the shared MLP as ffn_*_shexp
 GRANITE4_MOE = dict(GRANITE4, num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=False)
+# Granite 4.0's hybrids (granite-4.0-h-*): a Mamba-2 layer (8 heads of 64 over the inner width 512,
+# 2 groups of B, C of 16, 4 taps, the convolution's bias) then an attention layer, no RoPE, 2 of 4
+# routed experts beside the shared MLP; GraniteHybridModel writes a granitehybrid file (head_count_kv
+# 0 on the Mamba-2 layer, its sizes ssm.*), the chunk size none (transformers' 256 read back)
+GRANITE4_HYBRID = dict(
+    FAMILIES["granitemoehybrid"],
+    hidden_size=256,
+    intermediate_size=256,
+    shared_intermediate_size=256,
+    mamba_n_heads=8,
+    mamba_d_head=64,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=256,
+    attention_multiplier=0.375,  # numbers float32 holds exactly (the file's)
+    residual_multiplier=0.5,
+)
+# ... an attention layer first (with biases: q/k's permuted) then two Mamba-2 layers with the
+# projections' biases and no convolution bias (the converter's ssm_in.bias, ssm_out.bias), RoPE,
+# the shared MLP alone: a granitehybrid file too
+GRANITE4_HYBRID_BIASES = dict(
+    GRANITE4_HYBRID,
+    num_hidden_layers=3,
+    layer_types=["attention", "mamba", "mamba"],
+    attention_bias=True,
+    mamba_proj_bias=True,
+    mamba_conv_bias=False,
+    position_embedding_type="rope",
+    num_local_experts=0,
+    num_experts_per_tok=0,
+    tie_word_embeddings=False,
+)
 # LFM2: a short convolution (3 taps), an attention layer, another convolution; the MLP's width
 # adjusted (int(2 * 384 / 3) = 256), which the file stores as its feed_forward_length; tied
 LFM2 = dict(
@@ -255,6 +288,7 @@ ERNIE4_5 = dict(
 MINISTRAL3 = dict(FAMILIES["ministral3"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
+_MAMBA = ("mamba", "linear_attention")  # Granite 4.0's Mamba-2 layers (transformers 4's name and 5's)
 _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
 _GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
@@ -470,10 +504,14 @@ def _metadata(w, config, arch):
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     if config["model_type"] == "granitemoehybrid":  # GraniteHybridModel: one per layer (0: Mamba-2)
-        w.add_head_count_kv([config["num_key_value_heads"]] * config["num_hidden_layers"])
+        kinds = config.get("layer_types") or ["mamba"] * config["num_hidden_layers"]
+        w.add_head_count_kv([0 if t in _MAMBA else config["num_key_value_heads"] for t in kinds])
         w.add_rope_scaling_finetuned(config.get("position_embedding_type") == "rope")
-        w.add_ssm_conv_kernel(4), w.add_ssm_state_size(16), w.add_ssm_group_count(1)
-        w.add_ssm_inner_size(2 * H), w.add_ssm_time_step_rank(config.get("mamba_n_heads", 128))
+        # the ssm.* keys from the mamba_* ones (GraniteMoeHybridConfig's defaults where absent)
+        w.add_ssm_conv_kernel(config.get("mamba_d_conv", 4)), w.add_ssm_state_size(config.get("mamba_d_state", 256))
+        w.add_ssm_group_count(config.get("mamba_n_groups", 1))
+        w.add_ssm_inner_size(config.get("mamba_expand", 2) * H)
+        w.add_ssm_time_step_rank(config.get("mamba_n_heads", 128))
     else:
         w.add_head_count_kv(config["num_key_value_heads"])
     w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
@@ -646,10 +684,18 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
         if arch in _GEMMAS and key.endswith("norm.weight"):
             value = value + np.float32(1.0)
-        if key.endswith("conv.conv.weight"):  # LFM2Model.modify_tensors: (D, 1, K) squeezed to (D, K)
-            value = value[:, 0, :]
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        out[key, name if key.endswith((".weight", ".bias")) else name + ".weight"] = value
+        if key.endswith(("conv.conv.weight", "mamba.conv1d.weight")):  # LFM2Model.modify_tensors and
+            value = value[:, 0, :]  # Mamba2Model.modify_tensors: (D, 1, K) squeezed to (D, K)
+        if key.endswith("mamba.A_log"):  # Mamba2Model.modify_tensors: A = -exp(A_log), as (H, 1)
+            value = -np.exp(value)[:, None]
+        if key.endswith("mamba.D"):  # (H, 1)
+            value = value[:, None]
+        if key.endswith("mamba.norm.weight"):  # per group: (n_group, I / n_group)
+            value = value.reshape(config["mamba_n_groups"], -1)
+        # Mamba2Model.filter_tensors: dt_bias as dt_proj.bias (ssm_dt.bias)
+        mapped = key[: -len("dt_bias")] + "dt_proj.bias" if key.endswith(".dt_bias") else key
+        name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
+        out[key, name if mapped.endswith((".weight", ".bias", ".A_log", ".D")) else name + ".weight"] = value
     return out
 
 
@@ -683,9 +729,11 @@ def _write(path, config, sd, qtype, arch, extra=(), apart=False):
         w.add_tensor(name, value)
     items = _as_gguf(sd, config, arch)
     for (key, name), value in (_experts_apart(items) if apart else items).items():
-        # rows of fewer values than a block (LFM2's 3 taps) stay float32, as llama.cpp keeps them
-        gate = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "shortconv.conv.weight")
-        if value.ndim == 1 or qtype == Q.F32 or name.endswith(gate):
+        # rows of fewer values than a block (LFM2's 3 taps) stay float32, as llama.cpp keeps them; so do
+        # the norms and the tensors not named .weight (the converter's prepare_tensors: Mamba-2's ssm_a, ssm_d)
+        gate = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "shortconv.conv.weight", "ssm_conv1d.weight")
+        f32 = name.endswith(gate) or name.endswith("_norm.weight") or not name.endswith(".weight")
+        if value.ndim == 1 or qtype == Q.F32 or f32:
             w.add_tensor(name, value)
             held[name] = value
         elif qtype == Q.F16:
@@ -720,8 +768,12 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
             v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
         if arch in _GEMMAS and key.endswith("norm.weight"):
             v = v - np.float32(1.0)
-        if key.endswith("conv.conv.weight"):
+        if key.endswith(("conv.conv.weight", "mamba.conv1d.weight")):
             v = v[:, None, :]
+        if key.endswith("mamba.A_log"):  # log(-A) in float64, as read
+            v = np.log(-v[:, 0].astype(np.float64))
+        if key.endswith(("mamba.D", "mamba.norm.weight")):
+            v = v.reshape(-1)
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     if config["model_type"] in _GRANITE_MOES:  # back to the model's names
         out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
@@ -729,10 +781,11 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
 
 
 def _assert_holds(loaded, want: dict) -> None:
-    """``loaded``'s tensors are ``want``'s (``_hf_values`` of the file), bit for bit, none missing."""
+    """``loaded``'s tensors are ``want``'s (``_hf_values`` of the file), bit for bit, none missing
+    (Mamba-2's ``A_log``, computed in float64, rounded to the model's dtype)."""
     assert set(loaded.state_dict()) == set(want)
     for k, v in loaded.state_dict().items():
-        np.testing.assert_array_equal(v, want[k], err_msg=k)
+        np.testing.assert_array_equal(v, want[k].astype(v.dtype), err_msg=k)
 
 
 def _logits(m, ids):
@@ -757,6 +810,7 @@ CASES = [
     (GRANITE_SHARED, "granitemoe"),
     (GRANITE4, "granite"),
     (GRANITE4_MOE, "granitemoe"),
+    (GRANITE4_HYBRID, "granitehybrid"),
     (LFM2, "lfm2"),
     (LFM2_MOE, "lfm2moe"),
     (OLMO2, "olmo2"),
@@ -791,6 +845,10 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
             if k.endswith("norm.weight"):
                 np.testing.assert_allclose(loaded.state_dict()[k], want[k], rtol=0, atol=2**-23, err_msg=k)
                 want[k] = (want[k] + np.float32(1)) - np.float32(1)
+    for k in want:
+        if k.endswith("mamba.A_log"):  # log(-(-exp(a))) in float32: a to within a few roundings
+            np.testing.assert_allclose(loaded.state_dict()[k], want[k], rtol=2**-21, atol=2**-22, err_msg=k)
+            want[k] = np.log(np.exp(want[k]).astype(np.float64)).astype(np.float32)
     assert set(loaded.state_dict()) == set(want)
     for k, v in want.items():
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
@@ -811,7 +869,8 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
     _assert_holds(loaded, want)
     if arch in _PERMUTED:  # the permutation matters: the file's rows are not Hugging Face's
-        assert not np.array_equal(held["blk.0.attn_q.weight"], want["model.layers.0.self_attn.q_proj.weight"])
+        i = min(int(n.split(".")[1]) for n in held if n.endswith("attn_q.weight"))  # (a hybrid's first attention)
+        assert not np.array_equal(held[f"blk.{i}.attn_q.weight"], want[f"model.layers.{i}.self_attn.q_proj.weight"])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     got = _logits(loaded, ids)
     np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, config), ids))
@@ -930,6 +989,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GRANITE_SHARED, "granitemoe", ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM")),
         (GRANITE4, "granite", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
         (GRANITE4_MOE, "granitemoe", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
+        (GRANITE4_HYBRID, "granitehybrid", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
+        (GRANITE4_HYBRID_BIASES, "granitehybrid", ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM")),
         (LFM2, "lfm2", ("Lfm2Config", "Lfm2ForCausalLM")),
         (LFM2_MOE, "lfm2moe", ("Lfm2MoeConfig", "Lfm2MoeForCausalLM")),
         (OLMO2, "olmo2", ("Olmo2Config", "Olmo2ForCausalLM")),
@@ -956,6 +1017,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "granitemoeshared",
         "granite4-granite",
         "granite4-granitemoe",
+        "granite4-granitehybrid",
+        "granite4-granitehybrid-biases",
         "lfm2",
         "lfm2moe",
         "olmo2",
@@ -1187,11 +1250,20 @@ def test_a_shared_expert_gate_kept_as_a_vector_is_the_same_model(tmp_path, monke
         np.testing.assert_array_equal(vec.state_dict()[k], v, err_msg=k)
 
 
-@_cases("granitemoeshared", "granite4-granite", "granite4-granitemoe")
+_GRANITE_DIRECTORIES = {
+    **{n: c for n, c in zip(IDS, CASES) if n in ("granitemoeshared", "granite4-granite", "granite4-granitemoe")},
+    "granite4-granitehybrid": (GRANITE4_HYBRID, "granitehybrid"),
+    "granite4-granitehybrid-biases": (GRANITE4_HYBRID_BIASES, "granitehybrid"),
+}
+
+
+@pytest.mark.parametrize("config, arch", _GRANITE_DIRECTORIES.values(), ids=_GRANITE_DIRECTORIES.keys())
 def test_a_granite_file_is_its_model_s_directory(tmp_path, config, arch):
     """The file and the source model's own directory (save_pretrained: the shared MLP fused as
     input_linear, the experts under the released names; read back by from_pretrained) are one
-    model: the same config, tensors and logits (an epsilon float32 holds exactly: the file's is float32)."""
+    model: the same config, tensors and logits (an epsilon float32 holds exactly: the file's is
+    float32).  A Mamba-2 layer's A_log is the file's -exp(A_log) read back (log(-A)): to within
+    a few float32 roundings, the logits those of the directory's model holding it."""
     config = dict(config, rms_norm_eps=2.0**-20)
     src = _model(config)
     _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
@@ -1200,8 +1272,14 @@ def test_a_granite_file_is_its_model_s_directory(tmp_path, config, arch):
     meta = dict(hf={}, bos_token_id=None, eos_token_id=None, max_position_embeddings=None, pad_token_id=None)
     assert g.config.replace(**meta) == d.config.replace(**meta)
     assert set(g.state_dict()) == set(d.state_dict())
+    held = d.state_dict()
     for k, v in d.state_dict().items():
-        np.testing.assert_array_equal(g.state_dict()[k], v, err_msg=k)
+        if k.endswith("mamba.A_log"):
+            np.testing.assert_allclose(g.state_dict()[k], v, rtol=2**-21, atol=2**-22, err_msg=k)
+            held[k] = g.state_dict()[k]
+        else:
+            np.testing.assert_array_equal(g.state_dict()[k], v, err_msg=k)
+    d.load_state_dict(held)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(g, ids), _logits(d, ids))
 
@@ -1291,10 +1369,10 @@ def test_which_granite_model_a_file_holds():
     "family, changes, match",
     [
         (
-            "granitehybrid",
-            dict(num_key_value_heads=[0, 2, 0]),
-            r"metadata 'granitehybrid.attention.head_count_kv' \[0, 2, 0\]: layers \[0, 2\] are Mamba-2 layers "
-            r"\(head_count_kv 0\), which npattn does not read from GGUF files yet",
+            "granitemoe",
+            dict(num_key_value_heads=[0, 2, 0], num_local_experts=4, num_experts_per_tok=2),
+            r"metadata 'granitemoe.attention.head_count_kv' \[0, 2, 0\]: layers \[0, 2\] are Mamba-2 layers "
+            r"\(head_count_kv 0\), which llama.cpp reads only from a granitehybrid file",
         ),
         (
             "granite",
@@ -1303,8 +1381,9 @@ def test_which_granite_model_a_file_holds():
         ),
         (
             "granitehybrid",
-            dict(num_key_value_heads=0),
-            r"'granitehybrid.attention.head_count_kv' \[0, 0, 0\]: layers \[0, 1, 2\]",
+            dict(num_key_value_heads=0),  # every layer Mamba-2: then the ssm.* keys are needed
+            r"metadata 'granitehybrid.ssm.conv_kernel': expected an integer >= 1 \(the Mamba-2 layers' "
+            r"mamba_d_conv\), got None",
         ),
         ("granitehybrid", dict(num_key_value_heads=[2, 2]), r"\[2, 2\]: expected 3 counts \(block_count\)"),
         ("granitehybrid", dict(num_key_value_heads=[2, 1, 2]), r"\[2, 1, 2\]: the attention layers' counts differ"),
@@ -1318,15 +1397,17 @@ def test_which_granite_model_a_file_holds():
     ],
 )
 def test_granite_files_refused_by_name(family, changes, match):
-    """A Mamba-2 layer (head_count_kv 0: llama.cpp's recurrent layers), per-layer counts that are
-    not one per layer or differ, Granite 4.0 without its shared width, experts in a granite file
-    or without their top k."""
+    """A Mamba-2 layer (head_count_kv 0: llama.cpp's recurrent layers) in a granite or granitemoe
+    file, or without its sizes, per-layer counts that are not one per layer or differ, Granite 4.0
+    without its shared width, experts in a granite file or without their top k."""
     from npattn.models.configs import GGUF_FAMILIES
 
     spec = GGUF_FAMILIES[family]
     c = dict(
         model_type=spec.model_type,
         num_hidden_layers=3,
+        hidden_size=256,
+        num_attention_heads=4,
         head_dim=64,
         logits_scaling=8.0,
         num_key_value_heads=[2, 2, 2],
@@ -1355,14 +1436,114 @@ def test_a_granitehybrid_file_without_mamba_layers_is_read(tmp_path, position):
     np.testing.assert_array_equal(_logits(loaded, ids), _logits(src, ids))
 
 
-def test_a_granitehybrid_file_with_mamba_layers_is_refused(tmp_path, monkeypatch):
-    real = gguf.GGUFWriter.add_head_count_kv
-    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count_kv", lambda self, v: real(self, [0, *v[1:]]))
-    _write(tmp_path / "h.gguf", GRANITE4_MOE, _model(GRANITE4_MOE).state_dict(), Q.F32, "granitehybrid")
-    with pytest.raises(
-        ValueError, match=r"h.gguf: metadata 'granitehybrid.attention.head_count_kv' \[0, 2\]: layers \[0\]"
-    ):
-        CausalLM.from_gguf(tmp_path / "h.gguf")
+_SSM = {
+    "ssm.conv_kernel": 4,
+    "ssm.state_size": 16,
+    "ssm.group_count": 2,
+    "ssm.inner_size": 512,
+    "ssm.time_step_rank": 8,
+    "rope.scaling.finetuned": False,
+}
+
+
+def _hybrid(**changes) -> dict:
+    return dict(
+        model_type="granitemoehybrid",
+        num_hidden_layers=3,
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        logits_scaling=8.0,
+        shared_intermediate_size=64,
+        **changes,
+    )
+
+
+def test_a_granitehybrid_file_s_mamba2_layers_are_its_ssm_keys():
+    """GraniteHybridModel's granitehybrid file: head_count_kv 0 marks a Mamba-2 layer, the others
+    attention layers of that count (all Mamba-2: the query heads' count, read by no layer); the
+    ssm.* keys are the mamba_* ones (time_step_rank the heads, inner_size mamba_expand *
+    hidden_size = mamba_n_heads * mamba_d_head), the chunk size transformers' default."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["granitehybrid"].derive
+    c = _hybrid(num_key_value_heads=[0, 2, 0])
+    derive(c, _SSM)
+    assert c["layer_types"] == ["mamba", "attention", "mamba"] and c["num_key_value_heads"] == 2
+    mamba = {k: v for k, v in c.items() if k.startswith("mamba_")}
+    assert mamba == dict(
+        mamba_d_conv=4,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_n_heads=8,
+        mamba_expand=2,
+        mamba_d_head=64,
+        mamba_chunk_size=256,
+    )
+    assert c["position_embedding_type"] == "nope"
+    c = _hybrid(num_key_value_heads=[0, 0, 0])
+    derive(c, _SSM)
+    assert c["layer_types"] == ["mamba"] * 3 and c["num_key_value_heads"] == 4
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ({"ssm.inner_size": 500}, r"'granitehybrid.ssm.inner_size' 500: expected a multiple of embedding_length 256"),
+        (
+            {"ssm.inner_size": 768, "ssm.time_step_rank": 5},
+            r"'granitehybrid.ssm.inner_size' 768: expected a multiple of ssm.time_step_rank 5",
+        ),
+        ({"ssm.group_count": 3}, r"'granitehybrid.ssm.group_count' 3: expected a divisor of ssm.time_step_rank 8"),
+        ({"ssm.state_size": 0}, r"'granitehybrid.ssm.state_size': expected an integer >= 1 \(the Mamba-2 layers' "),
+        ({"ssm.time_step_rank": True}, r"'granitehybrid.ssm.time_step_rank': expected an integer >= 1"),
+    ],
+)
+def test_inconsistent_mamba2_sizes_are_refused_by_name(meta, match):
+    from npattn.models.configs import GGUF_FAMILIES
+
+    with pytest.raises(ValueError, match=match):
+        GGUF_FAMILIES["granitehybrid"].derive(_hybrid(num_key_value_heads=[0, 2, 0]), dict(_SSM, **meta))
+
+
+def _flip_a(self, name, value, *args, **kwargs):
+    """GGUFWriter.add_tensor writing one A of blk.0.ssm_a positive."""
+    if name == "blk.0.ssm_a":
+        value = value.copy()
+        value[3] = -value[3]
+    return _REAL_ADD_TENSOR(self, name, value, *args, **kwargs)
+
+
+_REAL_ADD_TENSOR = gguf.GGUFWriter.add_tensor
+
+
+def test_mamba2_tensors_that_are_not_the_metadata_s_are_refused_by_name(tmp_path, monkeypatch):
+    """A file whose ssm.group_count is not its tensors' (in_proj's rows are 2 * inner + 2 *
+    groups * state + heads) is refused naming the tensor and both shapes; an ssm_a holding an
+    A that is not negative (no A_log has it) is refused naming it; and a granitehybrid file
+    written without a Mamba-2 layer's dt bias names what is missing."""
+    config = GRANITE4_HYBRID
+    sd = _state(config)
+    real = gguf.GGUFWriter.add_ssm_group_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_ssm_group_count", lambda self, n: real(self, 4))
+    _write(tmp_path / "g.gguf", config, sd, Q.F32, "granitehybrid")
+    with pytest.raises(ValueError, match=r"in_proj.weight'\]: expected shape \(1160, 256\), got \(1096, 256\)"):
+        CausalLM.from_gguf(tmp_path / "g.gguf")
+    monkeypatch.undo()
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", _flip_a)
+    _write(tmp_path / "a.gguf", config, sd, Q.F32, "granitehybrid")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"a.gguf: tensor 'blk.0.ssm_a': Mamba-2's A = -exp\(A_log\) must be negative"):
+        CausalLM.from_gguf(tmp_path / "a.gguf")
+    monkeypatch.setattr(
+        gguf.GGUFWriter,
+        "add_tensor",
+        lambda self, name, *a, **k: None if name == "blk.0.ssm_dt.bias" else _REAL_ADD_TENSOR(self, name, *a, **k),
+    )
+    _write(tmp_path / "dt.gguf", config, sd, Q.F32, "granitehybrid")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"no tensor 'blk.0.ssm_dt.bias' \(the model's '[a-z.0-9]*mamba.dt_bias'\)"):
+        CausalLM.from_gguf(tmp_path / "dt.gguf")
 
 
 def test_ernie4_5_rows_are_read_as_written_and_biases_refused(tmp_path):
@@ -1464,7 +1645,7 @@ _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension
 
 # LFM2's head_count_kv is not optional: its zeros say which layers are convolutions (without it
 # llama.cpp, and npattn, take every layer for attention and find no attention tensors in layer 0)
-_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe")]
+_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe", "granitehybrid")]
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])

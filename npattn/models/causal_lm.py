@@ -1511,8 +1511,9 @@ class CausalLM(Module):
         """A model from a GGUF file (llama.cpp's format; the extra ``gguf``): ``llama`` (Mixtral's
         too), ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
         ``smollm3``, ``phi3``, ``granite``, ``granitemoe`` (GraniteMoeShared's and Granite 4.0's too),
-        ``granitehybrid`` without Mamba layers, ``lfm2``, ``lfm2moe``, ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding
-        window), ``exaone4``, ``ernie4_5`` and ``mistral3`` (Ministral 3's query scale by position) files of ``F32``,
+        ``granitehybrid`` (Granite 4.0's hybrids, their Mamba-2 layers too), ``lfm2``, ``lfm2moe``,
+        ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5`` and
+        ``mistral3`` (Ministral 3's query scale by position) files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
@@ -1523,8 +1524,10 @@ class CausalLM(Module):
         each, stacked), Llama 3.x's ``rope_freqs.weight`` read as its ``rope_scaling``, Phi-3's fused
         ``attn_qkv`` / ``ffn_up`` split and its LongRoPE factor tensors read as its ``rope_scaling``,
         LFM2's layer types read off its per-layer ``head_count_kv`` and its squeezed convolution
-        weights given back their unit axis, EXAONE 4.0's sliding (and so rotating) layers off its
-        ``sliding_window_pattern`` (``npattn.models.gguf``).
+        weights given back their unit axis, Granite 4.0's Mamba-2 layers off its per-layer
+        ``head_count_kv`` and its ``ssm.*`` keys (``A_log`` from the stored ``A = -exp(A_log)``),
+        EXAONE 4.0's sliding (and so rotating) layers off its ``sliding_window_pattern``
+        (``npattn.models.gguf``).
 
         Parameters
         ----------

@@ -92,7 +92,9 @@ class GgufFamily:
     (``keys``: config key -> metadata key under ``"<arch>."``, each optional), the number the
     converter added to every norm weight (``norm_shift``: Gemma's ``1 + w`` norms are stored as
     ``1 + w``), and ``derive(config, meta)``, which fills the entries llama.cpp derives rather than
-    reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``)."""
+    reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``).
+    ``biases``: config key -> ``(weight, bias)`` tensor suffixes: where a block of the file holds
+    the weight, the key is whether a block holds the bias (the metadata says nothing of biases)."""
 
     model_type: str
     permute_qk: bool = False
@@ -101,6 +103,7 @@ class GgufFamily:
     norm_shift: float = 0.0
     derive: Any = None
     reads: tuple = ()
+    biases: Mapping[str, tuple] = field(default_factory=dict)
 
     def base_config(self) -> dict:
         """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
@@ -253,9 +256,11 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
     ``ffn_gate``/``ffn_up``/``ffn_down``) or a ``granitemoe`` one (the shared MLP as
     ``ffn_*_shexp``), with its Mamba keys (``ssm.*``), ``expert_shared_feed_forward_length`` and a
     ``head_count_kv`` per layer; with Mamba layers it writes ``granitehybrid``, whose layers of
-    ``head_count_kv`` 0 are Mamba-2 layers (llama.cpp's ``recurrent_layer_arr``): refused by name,
-    npattn having no Mamba-2 layer; a ``granitehybrid`` file without any is read (RoPE where
-    ``rope.scaling.finetuned``, else none, as llama.cpp's graph).  A ``granitemoe`` file with
+    ``head_count_kv`` 0 are Mamba-2 layers (llama.cpp's ``recurrent_layer_arr``; ``_gguf_mamba2``:
+    their sizes from the ``ssm.*`` keys), the others attention layers, all of one count (RoPE where
+    ``rope.scaling.finetuned``, else none, as llama.cpp's graph; the hybrid releases' none); a
+    ``granite`` or ``granitemoe`` file with such a layer is refused by name (llama.cpp reads
+    recurrent layers in a ``granitehybrid`` file only).  A ``granitemoe`` file with
     ``expert_shared_feed_forward_length`` and no ``ssm.*`` is GraniteMoeShared's
     (``GraniteMoeModel``).  Granite 3.x files without RoPE are refused (transformers' Granite
     always rotates); experts need their counts."""
@@ -280,14 +285,17 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
         if len(kv) != n or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in kv):
             raise ValueError(f"{name}: expected {n} counts (block_count), 0 on a Mamba-2 layer")
         mamba = [i for i, k in enumerate(kv) if k == 0]
-        if mamba:
+        if mamba and arch != "granitehybrid":
             raise ValueError(
-                f"{name}: layers {mamba} are Mamba-2 layers (head_count_kv 0), which npattn does not read from "
-                "GGUF files yet (Granite 4.0's hybrid models are read from their Hugging Face directory)"
+                f"{name}: layers {mamba} are Mamba-2 layers (head_count_kv 0), which llama.cpp reads only from a "
+                "granitehybrid file"
             )
-        if len(set(kv)) > 1:
+        counts = {k for k in kv if k}
+        if len(counts) > 1:
             raise ValueError(f"{name}: the attention layers' counts differ")
-        config["num_key_value_heads"] = kv[0]
+        config["num_key_value_heads"] = counts.pop() if counts else config["num_attention_heads"]
+        if mamba:
+            _gguf_mamba2(config, meta, arch)
     rope = meta.get("rope.scaling.finetuned", True)
     granite4 = arch == "granitehybrid" or any(k.startswith("ssm.") for k in meta)
     if arch == "granite" and config.get("shared_intermediate_size"):
@@ -318,11 +326,55 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
         )
     config.update(
         model_type="granitemoehybrid",
-        layer_types=["attention"] * n,
+        layer_types=["mamba" if k == 0 else "attention" for k in kv] if isinstance(kv, list) else ["attention"] * n,
         position_embedding_type="rope" if rope is True else "nope",
         num_local_experts=experts,
         num_experts_per_tok=config.get("num_experts_per_tok") or 0,
     )
+
+
+# Granite 4.0's Mamba-2 sizes <- GraniteHybridModel.set_gguf_parameters' ssm.* keys (time_step_rank
+# is the number of heads, its "mamba_n_heads"; the inner width is ssm.inner_size: _gguf_mamba2)
+_GGUF_MAMBA2 = {
+    "mamba_d_conv": "ssm.conv_kernel",
+    "mamba_d_state": "ssm.state_size",
+    "mamba_n_groups": "ssm.group_count",
+    "mamba_n_heads": "ssm.time_step_rank",
+}
+
+
+def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
+    """Granite 4.0's Mamba-2 layers as ``GraniteHybridModel`` writes them: ``ssm.conv_kernel``
+    taps, ``ssm.state_size``, ``ssm.group_count`` groups, ``ssm.time_step_rank`` heads over
+    ``ssm.inner_size`` channels, that inner width ``mamba_expand * hidden_size`` (so a multiple of
+    ``embedding_length``) and ``mamba_n_heads * mamba_d_head``.  The file stores no chunk size
+    (a summation order, not another network: transformers' default, 256) and no ``time_step_limit``
+    (llama.cpp's scan clips no step: transformers' default, none); the biases are its tensors'
+    (``GgufFamily.biases``)."""
+    for key, suffix in (*_GGUF_MAMBA2.items(), ("inner", "ssm.inner_size")):
+        v = meta.get(suffix)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(
+                f"metadata '{arch}.{suffix}': expected an integer >= 1 (the Mamba-2 layers' {key}), got {_show(v)}"
+            )
+        config[key] = v
+    inner, hidden = config.pop("inner"), config["hidden_size"]
+    heads, groups = config["mamba_n_heads"], config["mamba_n_groups"]
+    if inner % hidden:
+        raise ValueError(
+            f"metadata '{arch}.ssm.inner_size' {inner}: expected a multiple of embedding_length {hidden} "
+            "(Granite 4.0's inner width is mamba_expand * hidden_size)"
+        )
+    if inner % heads:
+        raise ValueError(
+            f"metadata '{arch}.ssm.inner_size' {inner}: expected a multiple of ssm.time_step_rank {heads} "
+            "(the heads fill the inner width)"
+        )
+    if heads % groups:
+        raise ValueError(
+            f"metadata '{arch}.ssm.group_count' {groups}: expected a divisor of ssm.time_step_rank {heads}"
+        )
+    config.update(mamba_expand=inner // hidden, mamba_d_head=inner // heads, mamba_chunk_size=256)
 
 
 # Granite's four numbers <- llama.cpp's names for them (GraniteModel.set_gguf_parameters)
@@ -336,7 +388,8 @@ _GGUF_GRANITE_KEYS = {
     "num_experts_per_tok": "expert_used_count",
     "shared_intermediate_size": "expert_shared_feed_forward_length",
 }
-# the RoPE switch and GraniteHybridModel's Mamba-2 keys (which describe no layer of a model read)
+# the RoPE switch and GraniteHybridModel's Mamba-2 keys (read where a granitehybrid file has Mamba-2
+# layers: _gguf_mamba2; in a granite or granitemoe file they describe no layer of the model)
 _GGUF_GRANITE_READS = (
     "rope.scaling.finetuned",
     "ssm.conv_kernel",
@@ -663,9 +716,17 @@ GGUF_FAMILIES = {
     "granitemoe": GgufFamily(
         "granitemoe", permute_qk=True, keys=_GGUF_GRANITE_KEYS, derive=_gguf_granite, reads=_GGUF_GRANITE_READS
     ),
-    # Granite 4.0 with Mamba-2 layers (head_count_kv 0 there): refused by name; without, read
+    # Granite 4.0 with Mamba-2 layers (head_count_kv 0 there; their sizes ssm.*, their biases the tensors')
     "granitehybrid": GgufFamily(
-        "granitemoehybrid", permute_qk=True, keys=_GGUF_GRANITE_KEYS, derive=_gguf_granite, reads=_GGUF_GRANITE_READS
+        "granitemoehybrid",
+        permute_qk=True,
+        keys=_GGUF_GRANITE_KEYS,
+        derive=_gguf_granite,
+        reads=_GGUF_GRANITE_READS,
+        biases={
+            "mamba_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
+            "mamba_proj_bias": ("ssm_in.weight", "ssm_in.bias"),
+        },
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)
     "lfm2": GgufFamily("lfm2", keys={"conv_L_cache": "shortconv.l_cache"}, derive=_gguf_lfm2),

@@ -8,7 +8,7 @@ a GGML type: ``F32``, ``F16``, ``BF16`` or a block quantization (the legacy ``Q8
 the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0``, ``MXFP4`` and
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
-``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` without Mamba layers, ``lfm2``, ``lfm2moe``,
+``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
 Ministral 3's or Mistral Small 3.x's text model) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
@@ -51,7 +51,15 @@ Reading one:
    ``ffn_up``: gate then up rows, as ``gate_up_proj``): they are given to ``load_into`` under the
    checkpoint's fused names (``CheckpointLayout.fused``), which splits them as it splits a
    checkpoint's, each part dequantizing only its own rows' blocks (``_GGUFTensor.rows``); a file
-   with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes either) is read as it is.
+   with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes either) is read as it is;
+6. a ``granitehybrid`` file's Mamba-2 layers (``head_count_kv`` 0; their sizes the ``ssm.*`` keys,
+   ``_gguf_mamba2`` in ``models/configs.py``) are stored as ``Mamba2Model.modify_tensors`` in
+   ``convert_hf_to_gguf.py`` writes them: ``A_log`` as ``ssm_a`` = ``-exp(A_log)`` of shape
+   ``(H, 1)``, read back as ``log(-A)`` (``_a_log``); ``D`` as ``ssm_d`` ``(H, 1)`` (both named
+   without ``.weight``); ``dt_bias`` as ``ssm_dt.bias``; the gated norm's weight ``(I,)`` as
+   ``ssm_norm`` ``(n_group, I / n_group)`` (``_converter_shape``); the convolution ``(C, 1, K)``
+   as ``ssm_conv1d`` ``(C, K)``; the biases of the convolution and of the projections are the
+   file's ``ssm_conv1d.bias`` and ``ssm_in.bias`` / ``ssm_out.bias`` where it has them.
 """
 
 from __future__ import annotations
@@ -264,7 +272,10 @@ def _config(f: _File, tensor_names: set) -> dict:
             f"{config['vocab_size']} rows"
         )
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
-    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    config["attention_bias"] = any(n.startswith("blk.") and n.endswith(".attn_q.bias") for n in tensor_names)
+    for key, (weight, bias) in spec.biases.items():  # (a hybrid's first block may be of another kind)
+        if any(n.startswith("blk.") and n.endswith(f".{weight}") for n in tensor_names):
+            config[key] = any(n.startswith("blk.") and n.endswith(f".{bias}") for n in tensor_names)
     if "blk.0.ffn_up.bias" in tensor_names:  # the MLP's biases (Llama's and Granite's mlp_bias)
         config["mlp_bias"] = True
     for key in ("bos_token_id", "eos_token_id"):  # the padding id is generate's (from_gguf), not the embedding's
@@ -394,10 +405,14 @@ class _GGUFTensor(LazyTensor):
     = E, the parts are E groups, one expert's ``(I, H)`` tensors each, every group joined so and
     the groups stacked along a new first axis: an old Mixtral file's ``ffn_gate.{x}``,
     ``ffn_up.{x}``): ``numpy`` and ``read_into`` dequantize them with ``gguf.quants.dequantize``,
-    then undo llama.cpp's q/k permutation where ``heads`` is set and subtract the converter's
-    ``shift`` (Gemma's norms)."""
+    then undo llama.cpp's q/k permutation where ``heads`` is set, subtract the converter's
+    ``shift`` (Gemma's norms) and apply ``undo`` (Mamba-2's ``A``: ``_a_log``).  The file may
+    hold the model's tensor in another shape of the same values in the same order: without the
+    model's unit axes or with unit axes of its own (LFM2's and Mamba-2's convolutions ``(C, 1,
+    K)`` as ``(C, K)``, Mamba-2's ``(H,)`` as ``(H, 1)``), or in ``file_shape`` (the converter's
+    reshape: ``_converter_shape``)."""
 
-    __slots__ = ("_parts", "_heads", "_shift", "_mapping", "_experts")
+    __slots__ = ("_parts", "_heads", "_shift", "_mapping", "_experts", "_undo")
 
     def __init__(
         self,
@@ -408,6 +423,8 @@ class _GGUFTensor(LazyTensor):
         mapping=None,
         model_shape=None,
         experts: int | None = None,
+        undo=None,
+        file_shape=None,
     ):
         group = parts if experts is None else parts[: len(parts) // experts]
         shapes = [_shape(t) for t in group]
@@ -416,9 +433,13 @@ class _GGUFTensor(LazyTensor):
         self.shape = shapes[0] if rows is None else (*shapes[0][:-2], rows, shapes[0][-1])
         if experts is not None:
             self.shape = (experts, *self.shape)
-        if len(parts) == 1 and model_shape is not None and _squeezed(model_shape) == self.shape != model_shape:
-            self.shape = tuple(model_shape)  # the converter squeezed its unit axes (LFM2's conv (D, 1, K))
+        if len(parts) == 1 and model_shape is not None and self.shape != tuple(model_shape):
+            if _squeezed(model_shape) == _squeezed(self.shape) or self.shape == file_shape:
+                # unit axes squeezed or added (Qwen2-MoE's shared_expert_gate (1, H), which llama.cpp reads as
+                # {n_embd}), or the converter's reshape
+                self.shape = tuple(model_shape)
         self._parts, self._heads, self._shift, self._experts = parts, heads, shift, experts
+        self._undo = undo
         self._mapping = mapping  # the file's _Mapping: the pages of each block released once read
 
     def numpy(self, dtype=None) -> np.ndarray:
@@ -460,10 +481,10 @@ class _GGUFTensor(LazyTensor):
         cache it runs 1.1-2x faster.  Each block of a row is dequantized alone, so the values are
         those of the whole tensor at once."""
         quants, data = _gguf().quants, t.data  # (..., rows, bytes of a row), or (n,) for a vector
-        shift, begin = np.float32(self._shift), int(t.data_offset)
+        begin = int(t.data_offset)
         if data.ndim < 2 or dest.ndim < 2:
             values = quants.dequantize(data, t.tensor_type).reshape(dest.shape)
-            _store(values - shift if self._shift else values, dest)
+            _store(self._finish(values), dest)
             self._release(begin, begin + data.nbytes)
             return
         rows, cols, row_bytes = data.shape[-2], dest.shape[-1], data.shape[-1] * data.itemsize
@@ -472,9 +493,15 @@ class _GGUFTensor(LazyTensor):
             for r in range(0, rows, step):
                 part = lead + (slice(r, r + step),)
                 values = quants.dequantize(data[part], t.tensor_type).reshape(-1, cols)
-                _store(values - shift if self._shift else values, dest[part])
+                _store(self._finish(values), dest[part])
                 self._release(begin, begin + (min(r + step, rows) - r) * row_bytes)
                 begin += (min(r + step, rows) - r) * row_bytes
+
+    def _finish(self, values: np.ndarray) -> np.ndarray:
+        """Dequantized float32 ``values`` minus the shift, then through ``undo``."""
+        if self._shift:
+            values = values - np.float32(self._shift)
+        return values if self._undo is None else self._undo(values)
 
     def rows(self, start: int, stop: int) -> _GGUFTensor:
         """Rows ``start:stop`` of a one-tensor matrix (a ``phi3`` file's fused ``attn_qkv`` or
@@ -495,7 +522,7 @@ class _GGUFTensor(LazyTensor):
             data_offset=int(t.data_offset) + start * row_bytes,
             data=data,
         )
-        return _GGUFTensor(self.name, [part], None, self._shift, self._mapping)
+        return _GGUFTensor(self.name, [part], None, self._shift, self._mapping, undo=self._undo)
 
     def _release(self, begin: int, end: int) -> None:
         if self._mapping is not None:
@@ -513,18 +540,48 @@ def _squeezed(shape) -> tuple:
 def _gguf_names(names, key: str) -> list:
     """The GGUF tensors that hold the model's ``key`` (by ``gguf``'s ``TensorNameMap``): one, or
     the gate and up experts that make up ``mlp.experts.gate_up_proj``; a key the map does not
-    know is returned as it is (and then missing from the file)."""
+    know is returned as it is (and then missing from the file).  A Mamba-2 layer's ``dt_bias``
+    is the converter's ``dt_proj.bias`` (``Mamba2Model.filter_tensors``: ``ssm_dt.bias``), its
+    ``A_log`` and ``D`` are named without a suffix (``ssm_a``, ``ssm_d``)."""
     if key.endswith(".experts.gate_up_proj"):
         return [n for part in ("gate_proj", "up_proj") for n in _gguf_names(names, key[: -len("gate_up_proj")] + part)]
-    if key.endswith(_CORRECTION):  # the converters' e_score_correction.bias, llama.cpp's exp_probs_b.bias
-        key = key[: -len(_CORRECTION)] + ".e_score_correction.bias"
+    for old, new in _RENAMED:
+        if key.endswith(old):
+            key = key[: -len(old)] + new
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     if name is None:
         return [key]
-    return [name if key.endswith((".weight", ".bias")) else name + ".weight"]
+    return [name if key.endswith((".weight", ".bias", *_BARE)) else name + ".weight"]
 
 
 _CORRECTION = ".e_score_correction_bias"  # the sigmoid router's choice bias (LFM2-MoE's expert_bias)
+# the model's names the converters rename before mapping: LFM2-MoE's choice bias (e_score_correction.bias,
+# llama.cpp's exp_probs_b.bias), Mamba-2's dt_bias (dt_proj.bias, llama.cpp's ssm_dt.bias)
+_RENAMED = ((_CORRECTION, ".e_score_correction.bias"), (".dt_bias", ".dt_proj.bias"))
+# the tensors the converter names without a suffix (Mamba2Model: format_tensor_name(..., suffix=""))
+_BARE = (".A_log", ".D")
+
+
+def _converter_shape(name: str, model_shape, cfg) -> tuple | None:
+    """The shape in which llama.cpp's converter stores the tensor ``name`` of the model's
+    ``model_shape`` where it reshapes more than unit axes: a Mamba-2 layer's gated norm ``(I,)``
+    as ``(n_group, I / n_group)`` (``Mamba2Model.modify_tensors``; llama.cpp normalizes each group
+    apart, as transformers does); else ``None``."""
+    if name.endswith(".ssm_norm.weight") and len(model_shape) == 1:
+        groups = cfg.linear_attention.n_groups
+        return (groups, int(model_shape[0]) // groups)
+    return None
+
+
+def _a_log(where: str, a: np.ndarray) -> np.ndarray:
+    """``A_log`` of a Mamba-2 layer's ``ssm_a`` (``where``: the file and tensor): the converter
+    stores ``A = -exp(A_log)`` (float32), so ``A_log = log(-A)``, computed in float64 (then
+    rounded to the model's dtype); an ``A`` not negative has no ``A_log`` and is refused."""
+    a = np.asarray(a, np.float64)
+    if not (a < 0).all():
+        bad = a[~(a < 0)].flat[0]
+        raise ValueError(f"{where}: Mamba-2's A = -exp(A_log) must be negative, got {bad!r}")
+    return np.log(-a)
 
 
 _EXPS = "_exps.weight"
@@ -634,6 +691,7 @@ def read_gguf(path) -> tuple[dict, dict]:
             missing = _gguf_names(names, lookup)[parts.index(None)]
             raise ValueError(f"{f.path}: no tensor {missing!r} (the model's {key!r})")
         proj = key.rsplit(".", 2)[-2]
+        first = _gguf_names(names, lookup)[0]  # the file's name (Mamba-2's ssm_a and ssm_norm: read as stored)
         out[key] = _GGUFTensor(
             key,
             parts,
@@ -642,9 +700,9 @@ def read_gguf(path) -> tuple[dict, dict]:
             getattr(f.reader, "mapping", None),
             model_shape,
             None if experts is None else int(model_shape[0]),
+            functools.partial(_a_log, f"{f.path}: tensor {first!r}") if first.endswith(".ssm_a") else None,
+            _converter_shape(first, model_shape, cfg),
         )
-        if out[key].shape == tuple(model_shape[1:]) and model_shape[0] == 1:  # a (1, H) row the file keeps as (H,)
-            out[key].shape = tuple(model_shape)  # (Qwen2-MoE's shared_expert_gate: llama.cpp reads {n_embd})
     used = {t.name for v in out.values() for t in v._parts} | consumed
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
