@@ -1422,8 +1422,7 @@ def test_granite_files_refused_by_name(family, changes, match):
 @pytest.mark.parametrize("position", ["rope", "nope"])
 def test_a_granitehybrid_file_without_mamba_layers_is_read(tmp_path, position):
     """GraniteHybridModel's own architecture (an older converter's all-attention file, or one
-    written so): the source model, with RoPE or without as rope.scaling.finetuned says; its Mamba-2
-    layers, where it has some, refused naming the file and the layers."""
+    written so): the source model, with RoPE or without as rope.scaling.finetuned says."""
     config = dict(GRANITE4_MOE, position_embedding_type=position)
     src = _model(config)
     _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "granitehybrid")
@@ -2255,6 +2254,7 @@ def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
         (LLAMA, "llama", Q.Q8_0),
         (PHI3, "phi3", Q.Q4_K),
         (QWEN2_MOE, "qwen2moe", Q.Q4_K),
+        (GRANITE4_HYBRID, "granitehybrid", Q.Q8_0),
     ],
 )
 def test_bfloat16_storage_of_a_gguf_file(tmp_path, monkeypatch, config, arch, qtype, rows_at_a_time):
@@ -2276,9 +2276,9 @@ def test_bfloat16_storage_of_a_gguf_file(tmp_path, monkeypatch, config, arch, qt
     monkeypatch.setattr(G, "to_bfloat16_bits", lambda x, out=None: rounded.append(x.shape) or real(x, out=out))
     m = CausalLM.from_gguf(tmp_path / "m.gguf", weights_dtype="bfloat16")
     assert rounded  # rounded as read, into the bits
-    # (llama's q/k rows are permuted whole first; each part of Phi-3's fused q/k/v and gate/up is read
-    # block of rows by block of rows, as any tensor)
-    if rows_at_a_time and arch != "llama":
+    # (llama's and granitehybrid's q/k rows are permuted whole first; each part of Phi-3's fused q/k/v
+    # and gate/up is read block of rows by block of rows, as any tensor)
+    if rows_at_a_time and arch not in _PERMUTED:
         assert max(shape[0] for shape in rounded if len(shape) == 2) == rows_at_a_time
     assert m.weights_dtype == "bfloat16" and m.dtype == np.float32
     nf = sum(p.data.nbytes for p in ref.parameters())
@@ -2338,11 +2338,12 @@ def test_the_reader_parses_what_gguf_s_own_does_through_a_plain_view(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
-@_cases("llama", "qwen3moe", "gemma3")
+@_cases("llama", "qwen3moe", "gemma3", "granite4-granitehybrid")
 def test_dequantized_a_few_rows_at_a_time_as_a_whole(tmp_path, monkeypatch, config, arch, qtype):
     """``_dequantize_into`` three rows at a time (the last block of rows shorter, each expert of a
     stacked tensor apart): the values of the whole tensor's dequantization, the permuted q/k
-    rows (llama), the joined experts (qwen3moe) and the shifted norms (gemma3) included."""
+    rows (llama), the joined experts (qwen3moe), the shifted norms (gemma3) and Mamba-2's A and
+    per-group norm (granitehybrid: (H, 1) and (G, I/G) in the file) included."""
     from npattn.models import gguf as G
 
     sd = _state(config)
