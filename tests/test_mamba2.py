@@ -453,3 +453,111 @@ def test_module_bad_arguments_are_refused_by_name():
             npattn.Mamba2Mixer(8, **kw)
     with pytest.raises(TypeError, match="conv_bias"):
         npattn.Mamba2Mixer(8, conv_bias=1)
+
+
+# -- Falcon-H1's options: out_proj's own bias, the norm before the gate or none, the muP factors --
+_FALCON_MULTIPLIERS = (0.7, 1.3, 0.6, 1.7, 0.45)
+
+
+def _hf_falcon_mixer(torch, m):
+    """transformers' FalconH1Mixer with ``m``'s sizes, options and weights, float64 (its
+    ``ssm_in_multiplier`` 1: the decoder layer's factor is not the mixer's here)."""
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
+
+    cfg = FalconH1Config(
+        hidden_size=m.hidden_size,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        mamba_n_heads=m.num_heads,
+        mamba_d_head=m.head_dim,
+        mamba_d_ssm=m.num_heads * m.head_dim,
+        mamba_d_state=m.state_size,
+        mamba_n_groups=m.n_groups,
+        mamba_d_conv=m.conv_kernel,
+        mamba_conv_bias=m.conv_bias,
+        mamba_proj_bias=m.proj_bias,
+        projectors_bias=m.out_proj_bias,
+        mamba_chunk_size=m.chunk_size,
+        mamba_rms_norm=m.gated_norm is not None,
+        mamba_norm_before_gate=m.gated_norm == "norm_first",
+        ssm_multipliers=list(m.proj_multipliers or (1.0,) * 5),
+        rms_norm_eps=m.eps,
+        time_step_limit=m.time_step_limit,
+    )
+    with float64_reference():
+        hf = FalconH1Mixer(cfg, 0).double().eval()
+        hf.register_buffer("mup_vector", compute_mup_vector(cfg).double(), persistent=False)
+        state = {n: torch.from_numpy(a.copy()) for n, a in m.state_dict().items()}
+        hf.load_state_dict(state, strict=True)
+    return hf
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(gated_norm=None, proj_bias=False, out_proj_bias=True),
+        dict(gated_norm="norm_first", proj_multipliers=_FALCON_MULTIPLIERS),
+        dict(gated_norm=None, proj_multipliers=_FALCON_MULTIPLIERS, proj_bias=True, out_proj_bias=False),
+    ],
+    ids=["no_norm", "norm_first", "no_norm_multipliers"],
+)
+def test_falcon_options_are_transformers_falcon_h1_mixer(kw):
+    """Falcon-H1's mixer (``FalconH1Mixer``, its CPU path, float64): output, the input's and every
+    parameter's gradient under a random upstream gradient, with a left-padded row, for the norm
+    after the gate's product removed or moved before the gate, the five muP factors of in_proj's
+    output and out_proj's bias apart from in_proj's."""
+    torch = pytest.importorskip("torch")
+    m = _mixer(**kw)
+    assert ("norm.weight" in dict(m.named_parameters())) == (kw["gated_norm"] is not None)
+    hf = _hf_falcon_mixer(torch, m)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 6, 8))
+    mask = np.array([[1] * 6, [0, 0] + [1] * 4])
+    dy = rng.standard_normal(x.shape)
+    with float64_reference():
+        tx = torch.tensor(x, requires_grad=True)
+        ty = hf(tx, attention_mask=torch.from_numpy(mask))
+        ty.backward(torch.from_numpy(dy))
+    y = m(x, attention_mask=mask)
+    assert rel_err(y, ty, floor=1.0, relative_to="max_b") < 1e-12
+    m.zero_grad()
+    dx = m.backward(dy)
+    assert rel_err(dx, tx.grad, floor=1.0, relative_to="max_b") < 1e-11
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == {n for n, _ in m.named_parameters()}
+    for n, p in m.named_parameters():
+        assert rel_err(p.grad, grads[n], floor=1.0, relative_to="max_b") < 1e-11, n
+
+
+@pytest.mark.parametrize("gated_norm", [None, "norm_first"])
+def test_falcon_options_gradcheck_second_order_and_decoding(gated_norm):
+    """``npattn.gradcheck`` (backward, JVP) and ``npattn.gradgradcheck`` of the layer with the norm
+    before the gate or none and the muP factors (a left-padded row); cached decoding in pieces
+    equals one pass."""
+    m = _mixer(gated_norm=gated_norm, proj_multipliers=_FALCON_MULTIPLIERS, out_proj_bias=False)
+    x = np.random.default_rng(14).standard_normal((2, 5, 8))
+    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    report = npattn.gradcheck(m, x, mode="both", attention_mask=mask)
+    assert report.ok, report
+    second = npattn.gradgradcheck(m, x, attention_mask=mask)
+    assert second.ok, second
+    full = m(x)
+    m.reset_kv_cache()
+    parts = [m(x[:, :3], use_cache=True), m(x[:, 3:4], use_cache=True), m(x[:, 4:], use_cache=True)]
+    _close(np.concatenate(parts, axis=1), full)
+
+
+def test_falcon_options_bad_arguments_are_refused_by_name():
+    for kw, name in (
+        (dict(gated_norm="after"), "gated_norm"),
+        (dict(proj_multipliers=(1.0, 2.0)), "proj_multipliers"),
+        (dict(proj_multipliers=(1.0, 2.0, 3.0, 4.0, math.nan)), "proj_multipliers"),
+        (dict(proj_multipliers="abcde"), "proj_multipliers"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            npattn.Mamba2Mixer(8, num_heads=4, head_dim=4, state_size=3, n_groups=2, **kw)
+    with pytest.raises(TypeError, match="out_proj_bias"):
+        npattn.Mamba2Mixer(8, out_proj_bias=1)

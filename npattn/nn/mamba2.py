@@ -11,10 +11,15 @@ of ``P`` channels, ``G`` groups of ``B`` and ``C`` of width ``N``, ``K`` convolu
     out        = out_proj(rms_norm_per_group(h) * norm.weight)
 
 (transformers' ``GraniteMoeHybridRMSNormGated`` gates before it normalises, in groups: not Qwen3-Next's
-gated norm, which normalises first).  Parameters carry transformers' state-dict names (under
-``mamba.`` in a decoder layer): ``in_proj.weight (2 I + 2 G N + H, hidden)``, ``conv1d.weight
-(I + 2 G N, 1, K)``, ``conv1d.bias``, ``dt_bias``, ``A_log``, ``D (H,)``, ``norm.weight (I,)``,
-``out_proj.weight (hidden, I)`` (the projections' biases with ``proj_bias``).
+gated norm, which normalises first).  Falcon-H1's layer (``FalconH1Mixer``) is the same with three
+options: ``gated_norm="norm_first"`` (``rms_norm_per_group(y) * norm.weight * silu(z)``) or None (no
+norm: ``out_proj(y * silu(z))``), ``proj_multipliers`` (a factor on each of ``z``, ``x'``, ``B``, ``C``,
+``dt`` of in_proj's output) and ``out_proj_bias`` apart from ``proj_bias``.
+
+Parameters carry transformers' state-dict names (under ``mamba.`` in a decoder layer):
+``in_proj.weight (2 I + 2 G N + H, hidden)``, ``conv1d.weight (I + 2 G N, 1, K)``, ``conv1d.bias``,
+``dt_bias``, ``A_log``, ``D (H,)``, ``norm.weight (I,)``, ``out_proj.weight (hidden, I)`` (the
+projections' biases with ``proj_bias``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from .module import Parameter
 
 __all__ = ["Mamba2Mixer"]
 
+_GATED_NORMS = ("gate_first", "norm_first", None)
+
 
 class _State(NamedTuple):
     lead: tuple  # the batch shape
@@ -45,10 +52,11 @@ class _State(NamedTuple):
     y: np.ndarray  # (B..., L, I) the scan's output
     gate: SiluCache  # silu(z)'s cache
     g: np.ndarray  # (B..., L, I) silu(z)
-    h: np.ndarray  # (B..., L, I) y * silu(z)
-    norm: RMSNormCache  # the per-group RMSNorm's (no weight), over (B..., L, G, I / G)
-    n: np.ndarray  # (B..., L, I) the normalised h, before norm.weight
+    h: Optional[np.ndarray]  # (B..., L, I) y * silu(z) ("gate_first" only)
+    norm: Optional[RMSNormCache]  # the per-group RMSNorm's (no weight), over (B..., L, G, I / G); None: no norm
+    n: Optional[np.ndarray]  # (B..., L, I) the normalised h ("norm_first": y), before norm.weight
     keep: Optional[np.ndarray] = None  # (B..., L, 1): 1 at a token, 0 at padding (attention_mask given)
+    u: Optional[np.ndarray] = None  # (B..., L, I) "norm_first": n * norm.weight, before the gate
 
 
 class _Tangents(NamedTuple):
@@ -63,9 +71,10 @@ class _Tangents(NamedTuple):
     scan: tuple  # mamba2_scan's tangents (tx, tdt, tA, tB, tC, tD, tdt_bias), as the scan takes them
     y: np.ndarray
     g: np.ndarray  # silu(z)'s
-    h: np.ndarray
-    n: np.ndarray
+    h: Optional[np.ndarray]  # y * silu(z)'s ("gate_first", None)
+    n: Optional[np.ndarray]
     out: np.ndarray  # out_proj's input's
+    u: Optional[np.ndarray] = None  # "norm_first": n * norm.weight's
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -93,6 +102,18 @@ class Mamba2Mixer(RecurrentLayer):
         The bounds of the step sizes (``time_step_limit``; the default never clips).
     chunk_size : int
         The scan's chunk length (any value gives the same numbers; ``mamba_chunk_size``).
+    out_proj_bias : bool or None
+        ``out_proj``'s bias where it differs from ``in_proj``'s (None: ``proj_bias``; Falcon-H1's
+        ``projectors_bias``).
+    gated_norm : {"gate_first", "norm_first"} or None
+        The gate and the grouped RMSNorm before ``out_proj``: ``"gate_first"`` (Granite 4.0's
+        ``rms_norm_per_group(y * silu(z)) * norm.weight``), ``"norm_first"``
+        (``rms_norm_per_group(y) * norm.weight * silu(z)``: Falcon-H1's ``mamba_norm_before_gate``),
+        None: no norm and no ``norm.weight``, ``out_proj(y * silu(z))`` (Falcon-H1 without
+        ``mamba_rms_norm``).
+    proj_multipliers : five floats or None
+        Factors of ``in_proj``'s output (its bias included), one per part ``z``, ``x'``, ``B``,
+        ``C``, ``dt`` (Falcon-H1's ``ssm_multipliers``, its muP vector); None: none.
     rng, dtype
         As every module.  Initialisation as transformers: the projections and the convolution as
         torch's ``Linear`` / ``Conv1d``, ``A_log = log(1 .. H)``, ``D`` and ``dt_bias`` ones,
@@ -134,6 +155,9 @@ class Mamba2Mixer(RecurrentLayer):
         time_step_limit: tuple = (0.0, math.inf),
         *,
         chunk_size: int = 256,
+        out_proj_bias: Optional[bool] = None,
+        gated_norm: Optional[str] = "gate_first",
+        proj_multipliers: Optional[tuple] = None,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -157,6 +181,10 @@ class Mamba2Mixer(RecurrentLayer):
             raise ValueError(f"time_step_limit: expected low <= high, got {time_step_limit!r}")
         self.time_step_limit = (lo, hi)
         self.chunk_size = check_size(chunk_size, "chunk_size")
+        self.out_proj_bias = self.proj_bias if out_proj_bias is None else check_bool(out_proj_bias, "out_proj_bias")
+        if gated_norm not in _GATED_NORMS:
+            raise ValueError(f"gated_norm: expected one of {list(_GATED_NORMS)}, got {gated_norm!r}")
+        self.gated_norm = gated_norm
         self._dtype = dt = check_dtype(dtype)
         rng = as_rng(rng)
         self.intermediate_size = inner = heads * self.head_dim
@@ -170,9 +198,25 @@ class Mamba2Mixer(RecurrentLayer):
         self.dt_bias = Parameter(np.ones(heads), dt)
         self.A_log = Parameter(np.log(np.arange(1.0, heads + 1.0)), dt)
         self.D = Parameter(np.ones(heads), dt)
-        self.norm = _Weights(Parameter(np.ones(inner), dt), owner="Mamba2Mixer")
-        self.out_proj = Linear(inner, hidden, self.proj_bias, rng=rng, dtype=dt)
+        if gated_norm is not None:
+            self.norm = _Weights(Parameter(np.ones(inner), dt), owner="Mamba2Mixer")
+        self.out_proj = Linear(inner, hidden, self.out_proj_bias, rng=rng, dtype=dt)
+        self.proj_multipliers = None if proj_multipliers is None else self._multipliers(proj_multipliers)
+        self._proj_scale = None
+        if self.proj_multipliers is not None:  # one factor per feature of in_proj's output
+            widths = (inner, inner, groups * n, groups * n, heads)
+            self._proj_scale = np.repeat(np.array(self.proj_multipliers, dt), widths)
         self.reset_kv_cache()
+
+    @staticmethod
+    def _multipliers(values) -> tuple:
+        try:
+            out = tuple(float(v) for v in values)
+        except (TypeError, ValueError):
+            out = ()
+        if len(out) != 5 or not all(math.isfinite(v) for v in out):
+            raise ValueError(f"proj_multipliers: expected five finite numbers (z, x, B, C, dt), got {values!r}")
+        return out
 
     def _conv_args(self) -> tuple:
         """``(weight (C, K), bias or None)`` as ``causal_conv1d`` takes them."""
@@ -205,7 +249,10 @@ class Mamba2Mixer(RecurrentLayer):
         lead, steps = x.shape[:-2], x.shape[-2]
         if keep is not None:
             x = x * keep  # padded steps: zero input, as transformers' apply_mask_to_padding_states
-        z, xbc, dt = self._split_proj(self.in_proj._forward(x))
+        proj = self.in_proj._forward(x)
+        if self._proj_scale is not None:
+            proj = proj * self._proj_scale
+        z, xbc, dt = self._split_proj(proj)
         w, bias = self._conv_args()
         initial = self._conv_state if use_cache else None
         xbc, conv_cache = K.causal_conv1d(
@@ -229,17 +276,29 @@ class Mamba2Mixer(RecurrentLayer):
         )
         y = y.swapaxes(-2, -3).reshape(lead + (steps, self.intermediate_size))
         g, gate_cache = K.silu(z)
-        h = y * g
-        n, norm_cache = K.rms_norm(self._grouped(h), None, self.eps, normalized_shape=(h.shape[-1] // self.n_groups,))
-        n = n.reshape(h.shape)
-        out = self.out_proj._forward(n * self.norm.weight.data)
+        h = u = n = norm_cache = None
+        if self.gated_norm is None:  # out_proj(y silu(z))
+            out = self.out_proj._forward(y * g)
+        elif self.gated_norm == "gate_first":  # out_proj(rms(y silu(z)) w)
+            h = y * g
+            n, norm_cache = self._rms(h)
+            out = self.out_proj._forward(n * self.norm.weight.data)
+        else:  # "norm_first": out_proj(rms(y) w silu(z))
+            n, norm_cache = self._rms(y)
+            u = n * self.norm.weight.data
+            out = self.out_proj._forward(u * g)
         if use_cache:
             self._keep_cache(lead, steps, conv_cache.final_state, scan_cache.final_state)
         else:
             self.save_for_backward(
-                _State(lead, steps, conv_cache, scan_cache, y, gate_cache, g, h, norm_cache, n, keep)
+                _State(lead, steps, conv_cache, scan_cache, y, gate_cache, g, h, norm_cache, n, keep, u)
             )
         return out
+
+    def _rms(self, a: np.ndarray) -> tuple:
+        """The per-group RMSNorm (no weight) of ``a (B..., L, I)``: ``(n, its cache)``."""
+        n, cache = K.rms_norm(self._grouped(a), None, self.eps, normalized_shape=(a.shape[-1] // self.n_groups,))
+        return n.reshape(a.shape), cache
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, dy) -> np.ndarray:
@@ -255,19 +314,32 @@ class Mamba2Mixer(RecurrentLayer):
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         st: _State = self.pop_saved()
         lead, steps = st.lead, st.steps
-        w = self.norm.weight.data
-        dnw = self.out_proj._backward(dy)
-        dnorm_w = (dnw * st.n).reshape(-1, w.shape[0]).sum(0)
-        dh = K.rms_norm_backward(self._grouped(dnw * w), st.norm)[0].reshape(st.h.shape)
-        dz = K.silu_backward(dh * st.y, st.gate)
-        ys = (dh * st.g).reshape(lead + (steps, self.num_heads, self.head_dim)).swapaxes(-2, -3)
+        dout = self.out_proj._backward(dy)
+        dnorm_w = None
+        if self.gated_norm is None:  # out = y g
+            dz, dys = K.silu_backward(dout * st.y, st.gate), dout * st.g
+        elif self.gated_norm == "gate_first":  # out = rms(h) w, h = y g
+            w = self.norm.weight.data
+            dnorm_w = (dout * st.n).reshape(-1, w.shape[0]).sum(0)
+            dh = K.rms_norm_backward(self._grouped(dout * w), st.norm)[0].reshape(st.y.shape)
+            dz, dys = K.silu_backward(dh * st.y, st.gate), dh * st.g
+        else:  # "norm_first": out = u g, u = rms(y) w
+            w = self.norm.weight.data
+            du = dout * st.g
+            dz = K.silu_backward(dout * st.u, st.gate)
+            dnorm_w = (du * st.n).reshape(-1, w.shape[0]).sum(0)
+            dys = K.rms_norm_backward(self._grouped(du * w), st.norm)[0].reshape(st.y.shape)
+        ys = dys.reshape(lead + (steps, self.num_heads, self.head_dim)).swapaxes(-2, -3)
         g = K.mamba2_scan_backward(ys, st.scan)  # (dx, ddt, dA, dB, dC, dD, ddt_bias, dinitial_state)
         dA, dD, ddt_bias = g[2], g[5], g[6]
         dxbc, ddt = self._scan_grads(g[0], g[1], g[3], g[4], lead, steps)
         if st.keep is not None:
             dxbc = dxbc * st.keep
         dxbc, dconv_w, dconv_b, _ = K.causal_conv1d_backward(dxbc, st.conv)
-        dx = self.in_proj._backward(np.concatenate([dz, dxbc, ddt], axis=-1))
+        dproj = np.concatenate([dz, dxbc, ddt], axis=-1)
+        if self._proj_scale is not None:
+            dproj *= self._proj_scale
+        dx = self.in_proj._backward(dproj)
         if st.keep is not None:  # x * keep
             dx *= st.keep
         self.accumulate_grad(self.conv1d.weight, dconv_w[:, None, :])
@@ -277,7 +349,8 @@ class Mamba2Mixer(RecurrentLayer):
         self.accumulate_grad(self.dt_bias, ddt_bias)
         self.accumulate_grad(self.A_log, dA * -np.exp(self.A_log.data))  # A = -exp(A_log): dA/dA_log = A
         self.accumulate_grad(self.D, dD)
-        self.accumulate_grad(self.norm.weight, dnorm_w)
+        if dnorm_w is not None:
+            self.accumulate_grad(self.norm.weight, dnorm_w)
         return dx
 
     # -- forward mode ---------------------------------------------------------------------------
@@ -300,7 +373,10 @@ class Mamba2Mixer(RecurrentLayer):
                 x = np.zeros(lead + (steps, self.hidden_size), st.y.dtype)
             elif st.keep is not None:  # x * keep
                 x = x * st.keep
-            tz, txbc, tdt = self._split_proj(self._child_jvp(self.in_proj, -1, (x,), pt))
+            tproj = self._child_jvp(self.in_proj, -1, (x,), pt)
+            if self._proj_scale is not None:
+                tproj = tproj * self._proj_scale
+            tz, txbc, tdt = self._split_proj(tproj)
             tw = pt.get(self.conv1d.weight)
             tw = None if tw is None else tw[:, 0, :]
             tb = pt.get(getattr(self.conv1d, "bias", None))
@@ -314,11 +390,19 @@ class Mamba2Mixer(RecurrentLayer):
             ty = K.mamba2_scan_jvp(st.scan, *scan)
             ty = ty.swapaxes(-2, -3).reshape(st.y.shape)
             tg = K.silu_jvp(st.gate, tz)
-            th = ty * st.g + st.y * tg
-            tn = K.rms_norm_jvp(st.norm, self._grouped(th)).reshape(th.shape)
+            th = tn = tu = None
+            if self.gated_norm is None:
+                return _Tangents(x, tz, txbc, tw, tb, conv_forward, scan, ty, tg, th, tn, ty * st.g + st.y * tg)
             w, tnw = self.norm.weight.data, pt.get(self.norm.weight)
-            tout = tn * w if tnw is None else tn * w + st.n * tnw
-            return _Tangents(x, tz, txbc, tw, tb, conv_forward, scan, ty, tg, th, tn, tout)
+            if self.gated_norm == "gate_first":
+                th = ty * st.g + st.y * tg
+                tn = K.rms_norm_jvp(st.norm, self._grouped(th)).reshape(th.shape)
+                tout = tn * w if tnw is None else tn * w + st.n * tnw
+            else:  # "norm_first"
+                tn = K.rms_norm_jvp(st.norm, self._grouped(ty)).reshape(ty.shape)
+                tu = tn * w if tnw is None else tn * w + st.n * tnw
+                tout = tu * st.g + st.u * tg
+            return _Tangents(x, tz, txbc, tw, tb, conv_forward, scan, ty, tg, th, tn, tout, tu)
 
         return pt._remember((self, "stages", st, tx), compute)
 
@@ -334,20 +418,35 @@ class Mamba2Mixer(RecurrentLayer):
         pt = param_tangents
         lead, steps = st.lead, st.steps
         t = self._stage_tangents(st, input_tangent(input_tangents, "Mamba2Mixer", "backward_jvp"), pt)
-        w, tnw = self.norm.weight.data, pt.get(self.norm.weight)
-        dnw, tdnw = self._child_backward_jvp(self.out_proj, dy, (t.out,), pt, ddy)
-        dnorm_w = (dnw * st.n).reshape(-1, w.shape[0]).sum(0)
-        tdnorm_w = (tdnw * st.n + dnw * t.n).reshape(-1, w.shape[0]).sum(0)
-        dn, tdn = dnw * w, tdnw * w
-        if tnw is not None:
-            tdn = tdn + dnw * tnw
-        (dh, _), (tdh, _) = K.rms_norm_backward_jvp(
-            self._grouped(dn), st.norm, (self._grouped(t.h), None), self._grouped(tdn)
-        )
-        dh, tdh = dh.reshape(st.h.shape), tdh.reshape(st.h.shape)
-        dz, tdz = K.silu_backward_jvp(dh * st.y, st.gate, (t.z,), tdh * st.y + dh * t.y)
+        dout, tdout = self._child_backward_jvp(self.out_proj, dy, (t.out,), pt, ddy)
+        norm_pair = None
+        if self.gated_norm is None:  # out = y g
+            dz, tdz = K.silu_backward_jvp(dout * st.y, st.gate, (t.z,), tdout * st.y + dout * t.y)
+            dys, tdys = dout * st.g, tdout * st.g + dout * t.g
+        else:
+            w, tnw = self.norm.weight.data, pt.get(self.norm.weight)
+            if self.gated_norm == "gate_first":  # out = rms(h) w, h = y g
+                dnw, tdnw, normed = dout, tdout, t.h
+            else:  # "norm_first": out = u g, u = rms(y) w
+                dnw, tdnw, normed = dout * st.g, tdout * st.g + dout * t.g, t.y
+                dz, tdz = K.silu_backward_jvp(dout * st.u, st.gate, (t.z,), tdout * st.u + dout * t.u)
+            dnorm_w = (dnw * st.n).reshape(-1, w.shape[0]).sum(0)
+            tdnorm_w = (tdnw * st.n + dnw * t.n).reshape(-1, w.shape[0]).sum(0)
+            norm_pair = (self.norm.weight, dnorm_w, tdnorm_w)
+            dn, tdn = dnw * w, tdnw * w
+            if tnw is not None:
+                tdn = tdn + dnw * tnw
+            (dh, _), (tdh, _) = K.rms_norm_backward_jvp(
+                self._grouped(dn), st.norm, (self._grouped(normed), None), self._grouped(tdn)
+            )
+            dh, tdh = dh.reshape(st.y.shape), tdh.reshape(st.y.shape)
+            if self.gated_norm == "gate_first":
+                dz, tdz = K.silu_backward_jvp(dh * st.y, st.gate, (t.z,), tdh * st.y + dh * t.y)
+                dys, tdys = dh * st.g, tdh * st.g + dh * t.g
+            else:
+                dys, tdys = dh, tdh
         heads = (self.num_heads, self.head_dim)
-        ys, tys = ((a).reshape(lead + (steps,) + heads).swapaxes(-2, -3) for a in (dh * st.g, tdh * st.g + dh * t.g))
+        ys, tys = (a.reshape(lead + (steps,) + heads).swapaxes(-2, -3) for a in (dys, tdys))
         grads, tgrads = K.mamba2_scan_backward_jvp(ys, st.scan, t.scan + (None,), tys)
         dxbc, ddt = self._scan_grads(grads[0], grads[1], grads[3], grads[4], lead, steps)
         tdxbc, tddt = self._scan_grads(tgrads[0], tgrads[1], tgrads[3], tgrads[4], lead, steps)
@@ -358,6 +457,9 @@ class Mamba2Mixer(RecurrentLayer):
         )
         d = np.concatenate([dz, dxbc, ddt], axis=-1)
         td = np.concatenate([tdz, tdxbc, tddt], axis=-1)
+        if self._proj_scale is not None:
+            d *= self._proj_scale
+            td *= self._proj_scale
         dx, tdx = self._child_backward_jvp(self.in_proj, d, (t.x,), pt, td)
         if st.keep is not None:  # x * keep
             dx, tdx = dx * st.keep, tdx * st.keep
@@ -371,7 +473,7 @@ class Mamba2Mixer(RecurrentLayer):
                 (self.dt_bias, grads[6], tgrads[6]),
                 (self.A_log, dA * A, tdA * A + (0.0 if tA is None else dA * tA)),
                 (self.D, grads[5], tgrads[5]),
-                (self.norm.weight, dnorm_w, tdnorm_w),
+                norm_pair or (None, None, None),
             )
         )
         return dx, tdx
