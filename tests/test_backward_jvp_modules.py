@@ -744,3 +744,13 @@ def test_backward_jvp_reuses_only_the_same_tangents(kind, monkeypatch):
     got = _second(m, x, dy, tx=tx2, v=v2, ddy=ddy)
     assert len(calls) == 1 and all(np.array_equal(a, b) for a, b in zip(got, want))
     m.clear_saved()
+
+
+def test_gated_mlp_multipliers_second_order():
+    """The second order of ``GatedMLP`` with Falcon-H1's two multipliers."""
+    from npattn.nn.moe import GatedMLP
+
+    rng = np.random.default_rng(23)
+    m = GatedMLP(5, 6, "silu", bias=True, gate_multiplier=0.6, down_multiplier=1.9, rng=0)
+    _perturb(m, rng)
+    check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)

@@ -772,3 +772,26 @@ def test_experts_gradcheck_both_modes_with_given_routing(cls):
     idx = rng.integers(0, 5, (2, 3, 2))
     report = gradcheck(cls(5, 4, 3, rng=0), _x((2, 3, 4), seed=9), idx, rng.uniform(0, 1, idx.shape), mode="both")
     assert report.ok, str(report)
+
+
+def test_gated_mlp_multipliers_match_reference_gradcheck_and_no_grad():
+    """``gate_multiplier`` scales ``gate_proj(x)`` before the activation and ``down_multiplier`` the
+    output (Falcon-H1's ``mlp_multipliers``): the formula, ``gradcheck`` (backward and JVP along
+    the input and every parameter), and the fused path without grad equal to the kept one."""
+    m = GatedMLP(4, 3, "silu", bias=True, gate_multiplier=0.55, down_multiplier=1.7, rng=0)
+    x = _x((2, 3, 4))
+    p = m.state_dict()
+    a = 0.55 * (x @ p["gate_proj.weight"].T + p["gate_proj.bias"])
+    h = _act("silu", a) * (x @ p["up_proj.weight"].T + p["up_proj.bias"])
+    ref = 1.7 * (h @ p["down_proj.weight"].T + p["down_proj.bias"])
+    kept = m(x)
+    np.testing.assert_allclose(kept, ref, rtol=1e-12)
+    m.clear_saved()
+    with npattn.no_grad():
+        np.testing.assert_allclose(m(x), kept, rtol=1e-14)
+    report = gradcheck(m, x, mode="both")
+    assert report.ok, str(report)
+    assert "gate_multiplier=0.55" in repr(m)
+    for kw in (dict(gate_multiplier=0.0), dict(down_multiplier=math.inf)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            GatedMLP(3, 2, **kw)

@@ -715,18 +715,22 @@ def _views(fused, params):
 # "swiglu" (linear1, linear3) and nn.moe.GatedMLP (gate_proj, up_proj); ``state`` is
 # ``(act's cache, s = act(gate x), b = up x)``.  Shared with nn.moe (as check_features and
 # input_tangent with every module): public names, outside __all__.
-def gated_unit(act: str, gate: Linear, up: Linear, x: np.ndarray, owner: Optional[Module] = None):
+def gated_unit(act: str, gate: Linear, up: Linear, x: np.ndarray, owner: Optional[Module] = None, gate_scale=None):
     """``(h, state)``; ``owner``: the module holding ``gate`` and ``up``, whose fused weights
-    (``fused_linears``) serve a call without grad (None: the two products apart)."""
+    (``fused_linears``) serve a call without grad (None: the two products apart); ``gate_scale``: a
+    factor of ``gate x`` before the activation (Falcon-H1's; None: none), ``a = gate_scale gate x``."""
     kernel, _, kwargs = _act(act)
     if not is_grad_enabled():  # no state kept (inference): the products go in place, no state
-        return _gated_unit_inference(act, gate, up, x, owner), None
-    s, act_cache = kernel(gate._forward(x), **kwargs)
+        return _gated_unit_inference(act, gate, up, x, owner, gate_scale), None
+    a = gate._forward(x)
+    s, act_cache = kernel(a if gate_scale is None else a * gate_scale, **kwargs)
     b = up._forward(x)
     return s * b, (act_cache, s, b)
 
 
-def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, owner: Optional[Module]) -> np.ndarray:
+def _gated_unit_inference(
+    act: str, gate: Linear, up: Linear, x: np.ndarray, owner: Optional[Module], gate_scale=None
+) -> np.ndarray:
     """``act(a) * b`` written into ``a``'s array (fresh, seen by nobody else), with the roundings
     of the kept path (``silu(a) = a * sigmoid(a)``, then times ``b``): two arrays of
     ``(..., d_ff)`` fewer per call, which on a long prompt are fresh pages each.  With the fused
@@ -743,6 +747,8 @@ def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, own
         ab = K.linear(x, *fused)[0]
         a, b = ab[..., : gate.out_features], ab[..., gate.out_features :]
     b = up._forward(x) if b is None else b
+    if gate_scale is not None:
+        a *= gate_scale  # a fresh array (or a half of one)
     if _ACTIVATIONS[act][0] == "silu":
         return K.silu_mul_(a, b)
     h = kernel(a, **kwargs)[0]
@@ -750,33 +756,38 @@ def _gated_unit_inference(act: str, gate: Linear, up: Linear, x: np.ndarray, own
     return h
 
 
-def gated_unit_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state) -> np.ndarray:
-    """``h = s b`` with ``s = act(a)``, ``a = gate x``, ``b = up x``: ``db = dh s``,
+def gated_unit_backward(act: str, gate: Linear, up: Linear, dh: np.ndarray, state, gate_scale=None) -> np.ndarray:
+    """``h = s b`` with ``s = act(a)``, ``a = gate x`` (times ``gate_scale``), ``b = up x``: ``db = dh s``,
     ``da = act'(a) (dh b)``, and ``dx`` sums the two linears' input gradients."""
     act_cache, s, b = state
     dx = up._backward(dh * s)
-    dx += gate._backward(_act(act)[1](dh * b, act_cache))
+    da = _act(act)[1](dh * b, act_cache)
+    dx += gate._backward(da if gate_scale is None else da * gate_scale)
     return dx
 
 
-def gated_unit_jvp(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents) -> np.ndarray:
+def gated_unit_jvp(
+    module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents, gate_scale=None
+) -> np.ndarray:
     """``th = act'(a) ta b + s tb`` with the linears' tangents ``ta``, ``tb`` (the children's
     latest states are ``module``'s call's)."""
-    return gated_unit_tangents(module, act, gate, up, tx, state, param_tangents)[0]
+    return gated_unit_tangents(module, act, gate, up, tx, state, param_tangents, gate_scale)[0]
 
 
-def gated_unit_tangents(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents):
-    """``(th, (ta, ts, tb))``: the unit's output tangent and those of ``a = gate x``, ``s =
-    act(a)`` and ``b = up x`` (what ``gated_unit_backward_jvp`` needs)."""
+def gated_unit_tangents(module: Module, act: str, gate: Linear, up: Linear, tx, state, param_tangents, gate_scale=None):
+    """``(th, (ta, ts, tb))``: the unit's output tangent and those of ``a = gate x`` (times
+    ``gate_scale``), ``s = act(a)`` and ``b = up x`` (what ``gated_unit_backward_jvp`` needs)."""
     act_cache, s, b = state
     ta = module._child_jvp(gate, -1, (tx,), param_tangents)
+    if gate_scale is not None:
+        ta = ta * gate_scale
     tb = module._child_jvp(up, -1, (tx,), param_tangents)
     ts = getattr(K, _ACTIVATIONS[act][0] + "_jvp")(act_cache, ta)
     return ts * b + s * tb, (ta, ts, tb)
 
 
 def gated_unit_backward_jvp(
-    module: Module, act: str, gate: Linear, up: Linear, dh, tdh, tx, inner, state, param_tangents
+    module: Module, act: str, gate: Linear, up: Linear, dh, tdh, tx, inner, state, param_tangents, gate_scale=None
 ):
     """Second order of ``gated_unit_backward``, ``inner = (ta, ts, tb)`` from ``gated_unit_tangents``:
     the backward ``db = dh s``, ``u = dh b``, ``da = act'(a) u`` differentiated by the product rule,
@@ -789,6 +800,8 @@ def gated_unit_backward_jvp(
         tdb += tdh * s
         tu += tdh * b
     da, tda = getattr(K, _ACTIVATIONS[act][0] + "_backward_jvp")(dh * b, act_cache, (ta,), tu)
+    if gate_scale is not None:  # a = gate_scale gate x
+        da, tda = da * gate_scale, tda * gate_scale
     dx, tdx = module._child_backward_jvp(up, dh * s, (tx,), param_tangents, tdb)
     dx_gate, tdx_gate = module._child_backward_jvp(gate, da, (tx,), param_tangents, tda)
     return dx + dx_gate, tdx + tdx_gate

@@ -702,6 +702,10 @@ class GatedMLP(Module):
         One of ``HIDDEN_ACTS``.
     bias : bool
         Biases on the three projections (``False`` in those models).
+    gate_multiplier, down_multiplier : float
+        Factors of ``gate_proj(x)`` before the activation and of ``down_proj``'s output
+        (Falcon-H1's ``mlp_multipliers``; 1: none): ``down_multiplier down_proj(act(gate_multiplier
+        gate_proj(x)) * up_proj(x))``.
     rng, dtype
         As every module.
 
@@ -726,6 +730,8 @@ class GatedMLP(Module):
         hidden_act: str = "silu",
         *,
         bias: bool = False,
+        gate_multiplier: float = 1.0,
+        down_multiplier: float = 1.0,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -736,6 +742,11 @@ class GatedMLP(Module):
         self._act = _check_hidden_act(hidden_act)
         bias = check_bool(bias, "bias")
         self._dtype = check_dtype(dtype)
+        self.gate_multiplier = check_positive_float(gate_multiplier, "gate_multiplier")
+        self.down_multiplier = check_positive_float(down_multiplier, "down_multiplier")
+        # the factors in the dtype, None for 1 (the arrays as they are)
+        self._gate_scale = None if self.gate_multiplier == 1.0 else self._dtype.type(self.gate_multiplier)
+        self._down_scale = None if self.down_multiplier == 1.0 else self._dtype.type(self.down_multiplier)
         rng = as_rng(rng)
         h, i = self.hidden_size, self.intermediate_size
         self.gate_proj = Linear(h, i, bias, rng=rng, dtype=dtype)
@@ -755,9 +766,14 @@ class GatedMLP(Module):
         return self._forward(x)
 
     def _forward(self, x: np.ndarray) -> np.ndarray:
-        h, state = gated_unit(self._act, self.gate_proj, self.up_proj, x, self)
+        h, state = gated_unit(self._act, self.gate_proj, self.up_proj, x, self, self._gate_scale)
         self.save_for_backward(state)
-        return self.down_proj._forward(h)
+        y = self.down_proj._forward(h)
+        return y if self._down_scale is None else y * self._down_scale
+
+    def _down(self, a):
+        """``a`` (a gradient or a tangent of the output) times ``down_multiplier``."""
+        return a if self._down_scale is None or a is None else a * self._down_scale
 
     @shared_doc(backward_raises=_BACKWARD_RAISES)
     def backward(self, dy) -> np.ndarray:
@@ -772,7 +788,8 @@ class GatedMLP(Module):
     def _backward(self, dy: np.ndarray) -> np.ndarray:
         """``down_proj``'s, then the gated unit's (``layers.gated_unit_backward``)."""
         state = self.pop_saved()
-        return gated_unit_backward(self._act, self.gate_proj, self.up_proj, self.down_proj._backward(dy), state)
+        dh = self.down_proj._backward(self._down(dy))
+        return gated_unit_backward(self._act, self.gate_proj, self.up_proj, dh, state, self._gate_scale)
 
     def _jvp(self, state, input_tangents, param_tangents):
         """Forward mode: ``th = act'(g) tg b + a tb`` with the projections' tangents ``tg``, ``tb``
@@ -781,8 +798,8 @@ class GatedMLP(Module):
         s = state[1]  # act(gate_proj x)
         if tx is not None:
             tx = check_tangent(tx, "tx", s.shape[:-1] + (self.hidden_size,), s.dtype)
-        th = gated_unit_jvp(self, self._act, self.gate_proj, self.up_proj, tx, state, param_tangents)
-        return self._child_jvp(self.down_proj, -1, (th,), param_tangents)
+        th = gated_unit_jvp(self, self._act, self.gate_proj, self.up_proj, tx, state, param_tangents, self._gate_scale)
+        return self._down(self._child_jvp(self.down_proj, -1, (th,), param_tangents))
 
     def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
         """Second order: the gated unit's tangents (``layers.gated_unit_tangents``), ``down_proj``'s
@@ -792,13 +809,17 @@ class GatedMLP(Module):
         if tx is not None:
             tx = check_tangent(tx, "tx", s.shape[:-1] + (self.hidden_size,), s.dtype)
         pt = param_tangents
-        th, inner = gated_unit_tangents(self, self._act, self.gate_proj, self.up_proj, tx, state, pt)
-        dh, tdh = self._child_backward_jvp(self.down_proj, dy, (th,), pt, ddy)
-        return gated_unit_backward_jvp(self, self._act, self.gate_proj, self.up_proj, dh, tdh, tx, inner, state, pt)
+        gs = self._gate_scale
+        th, inner = gated_unit_tangents(self, self._act, self.gate_proj, self.up_proj, tx, state, pt, gs)
+        dh, tdh = self._child_backward_jvp(self.down_proj, self._down(dy), (th,), pt, self._down(ddy))
+        return gated_unit_backward_jvp(self, self._act, self.gate_proj, self.up_proj, dh, tdh, tx, inner, state, pt, gs)
 
     def extra_repr(self):
         """The arguments shown by ``repr(module)``."""
-        return f"{self.hidden_size}, {self.intermediate_size}, hidden_act={self.hidden_act!r}"
+        out = f"{self.hidden_size}, {self.intermediate_size}, hidden_act={self.hidden_act!r}"
+        if self.gate_multiplier != 1.0 or self.down_multiplier != 1.0:
+            out += f", gate_multiplier={self.gate_multiplier!r}, down_multiplier={self.down_multiplier!r}"
+        return out
 
 
 # ------------------------------------------------------------------------------------------- block
