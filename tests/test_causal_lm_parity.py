@@ -720,6 +720,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "granitemoe",
         "lfm2",
         "lfm2_moe",
+        "falcon_h1",
         "exaone4",
         "ernie4_5",
         "ministral3",

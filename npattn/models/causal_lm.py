@@ -5,7 +5,8 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
     x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden); Granite: * its multiplier
     for layer in layers:                         # pre-norm residual blocks
         h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
-        a = attention(h)                         # MHA (full / sliding window), MLA, DeltaNet, ShortConv, Mamba-2
+        a = attention(h)                         # MHA (full / sliding window), MLA, DeltaNet, ShortConv, Mamba-2;
+                                                 # Falcon-H1: MHA and Mamba-2 side by side, summed (ParallelSum)
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
         h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
@@ -45,7 +46,7 @@ from .._validate import as_index, as_rng, check_bool, check_dtype, to_numpy
 from ..functional import kernels as K
 from ..functional._bfloat16 import BFloat16Array, to_bfloat16_bits
 from ..nn.attention import MultiHeadAttention
-from ..nn.containers import ModuleList
+from ..nn.containers import ModuleList, ParallelSum
 from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
 from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
@@ -164,6 +165,16 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
         la = _sub(cfg.linear_attention)
         kinds = {KdaConfig: KimiDeltaAttention, Mamba2Config: Mamba2Mixer}
         return kinds.get(type(la), GatedDeltaNet)(**la.kwargs(), rng=rng, dtype=dtype)
+    if kind == "hybrid":  # Falcon-H1: the Mamba-2 mixer and full attention on the same input, summed
+        mamba = Mamba2Mixer(**_sub(cfg.linear_attention).kwargs(), rng=rng, dtype=dtype)
+        mha = cfg.attention_config("full_attention", i).kwargs()
+        attn = MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
+        a_in, a_out, m_in, m_out = cfg.hybrid_multipliers
+        return ParallelSum(
+            {"mamba": mamba, "self_attn": attn},
+            input_multipliers={"mamba": m_in, "self_attn": a_in},
+            output_multipliers={"mamba": m_out, "self_attn": a_out},
+        )
     mha = cfg.attention_config(kind, i).kwargs()
     return MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
 
@@ -178,7 +189,11 @@ def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
             cfg.hidden_size, cfg.mlp_size(i), e.num_experts, e.top_k, e.intermediate_size, e.hidden_act,
             eps=cfg.rms_norm_eps, rng=rng, dtype=dtype,
         )  # fmt: skip
-    return GatedMLP(cfg.hidden_size, cfg.mlp_size(i), cfg.hidden_act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
+    gate, down = cfg.mlp_multipliers
+    return GatedMLP(
+        cfg.hidden_size, cfg.mlp_size(i), cfg.hidden_act, bias=cfg.mlp_bias,
+        gate_multiplier=gate, down_multiplier=down, rng=rng, dtype=dtype,
+    )  # fmt: skip
 
 
 def _sub(sub):
@@ -244,14 +259,9 @@ def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
         out += [("o_norm.weight", (d,))] + _lin("o_proj", H, hd, False)
         return [(f"self_attn.{n}", s) for n, s in out]
     if kind == "linear_attention" and isinstance(cfg.linear_attention, Mamba2Config):  # Mamba2Mixer (Granite 4.0)
-        m = cfg.linear_attention
-        inner, bc = m.num_heads * m.head_dim, 2 * m.n_groups * m.state_size
-        out = [("dt_bias", (m.num_heads,)), ("A_log", (m.num_heads,)), ("D", (m.num_heads,))]
-        out += _lin("in_proj", 2 * inner + bc + m.num_heads, H, m.proj_bias)
-        out += [("conv1d.weight", (inner + bc, 1, m.conv_kernel))]
-        out += [("conv1d.bias", (inner + bc,))] if m.conv_bias else []
-        out += [("norm.weight", (inner,))] + _lin("out_proj", H, inner, m.proj_bias)
-        return [(f"mamba.{n}", s) for n, s in out]
+        return _mamba_shapes(cfg)
+    if kind == "hybrid":  # ParallelSum of Mamba2Mixer and MultiHeadAttention (Falcon-H1)
+        return _mamba_shapes(cfg) + _mha_shapes(cfg, "full_attention", i)
     if kind == "linear_attention":  # GatedDeltaNet
         la = _sub(cfg.linear_attention)
         assert isinstance(la, DeltaNetConfig)
@@ -265,7 +275,27 @@ def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
             out += _lin("in_proj_b", nv, H, False) + _lin("in_proj_a", nv, H, False)
         out += [("norm.weight", (la.linear_value_head_dim,))] + _lin("out_proj", H, value, False)
         return [(f"linear_attn.{n}", s) for n, s in out]
-    a = cfg.attention_config(kind, i)  # MultiHeadAttention
+    return _mha_shapes(cfg, kind, i)
+
+
+def _mamba_shapes(cfg: CausalLMConfig) -> list:
+    """``Mamba2Mixer``'s tensors under ``mamba.``."""
+    m = cfg.linear_attention
+    assert isinstance(m, Mamba2Config)
+    H, inner, bc = cfg.hidden_size, m.num_heads * m.head_dim, 2 * m.n_groups * m.state_size
+    out: list = [("dt_bias", (m.num_heads,)), ("A_log", (m.num_heads,)), ("D", (m.num_heads,))]
+    out += _lin("in_proj", 2 * inner + bc + m.num_heads, H, m.proj_bias)
+    out += [("conv1d.weight", (inner + bc, 1, m.conv_kernel))]
+    out += [("conv1d.bias", (inner + bc,))] if m.conv_bias else []
+    out += [("norm.weight", (inner,))] if m.gated_norm is not None else []
+    out += _lin("out_proj", H, inner, m.proj_bias if m.out_proj_bias is None else m.out_proj_bias)
+    return [(f"mamba.{n}", s) for n, s in out]
+
+
+def _mha_shapes(cfg: CausalLMConfig, kind: str, i: int) -> list:
+    """``MultiHeadAttention``'s tensors under ``self_attn.``."""
+    H, heads = cfg.hidden_size, cfg.num_attention_heads
+    a = cfg.attention_config(kind, i)
     hd, kv_rows, b = a.head_dim, a.num_kv_heads * a.head_dim, a.qkv_bias
     out = [("sinks", (heads,))] if a.sinks else []
     out += _lin("q_proj", heads * hd * (2 if a.output_gate else 1), H, b)
@@ -433,6 +463,19 @@ class _Padding(NamedTuple):
     positions: np.ndarray  # (B, L) int: each token's position, cumsum(mask) - 1 (padding: 0)
 
 
+def _padding_kwargs(att: Module, padding: _Padding) -> dict:
+    """A padded batch's keyword arguments for an attention module, each kind its plain arrays: the
+    padded keys (MHA's ``key_padding_mask``, MLA's ``attn_mask``), the positions, the recurrent
+    layers' ``attention_mask``; a ``ParallelSum`` each branch's own (Falcon-H1)."""
+    if isinstance(att, RecurrentLayer):  # GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer, ShortConv
+        return {"attention_mask": padding.tokens}
+    if isinstance(att, MultiHeadLatentAttention):
+        return {"attn_mask": padding.keys[:, None, None, :], "positions": padding.positions}  # True = may attend
+    if isinstance(att, ParallelSum):
+        return {"branch_kwargs": {name: _padding_kwargs(m, padding) for name, m in att.branches()}}
+    return {"key_padding_mask": ~padding.keys, "positions": padding.positions}
+
+
 class DecoderLayer(_Renamed):
     """One residual block of ``CausalLM`` (see the module docstring), with Hugging Face's names:
     ``self_attn.*`` (``linear_attn.*`` for gated DeltaNet), ``mlp.*``, ``input_layernorm``,
@@ -457,7 +500,9 @@ class DecoderLayer(_Renamed):
         delta_net = linear and isinstance(cfg.linear_attention, DeltaNetConfig)
         mamba = linear and isinstance(cfg.linear_attention, Mamba2Config)
         conv = cfg.layer_types[index] == "conv"
+        hybrid = cfg.layer_types[index] == "hybrid"  # Falcon-H1's ParallelSum, its branches under their own names
         self._attn_name = "linear_attn" if delta_net else "mamba" if mamba else "conv" if conv else "self_attn"
+        self._attn_name = "hybrid" if hybrid else self._attn_name
         setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
         self.mlp = _mlp(cfg, index, rng, dtype)
         self._mlp_normed = isinstance(self.mlp, DenseWithExperts)  # it holds its pre_feedforward_layernorm
@@ -469,6 +514,9 @@ class DecoderLayer(_Renamed):
                 self.pre_feedforward_layernorm = _norm(cfg, dtype)
             self.post_feedforward_layernorm = _norm(cfg, dtype)
         names = dict(_MHA_NAMES) if isinstance(self.attention, MultiHeadAttention) else {}
+        if hybrid:
+            names = {f"hybrid.{k}": v for k, v in _MHA_NAMES.items()}
+            names.update({"hybrid.mamba": "mamba", "hybrid.self_attn": "self_attn"})
         if self._mlp_normed:
             names.update(_DENSE_WITH_EXPERTS_NAMES)
         self.per_layer = None
@@ -503,21 +551,15 @@ class DecoderLayer(_Renamed):
         return self.input_layernorm if self.pre_norm else None
 
     def _attend(self, h, use_cache: bool, padding: _Padding | None):
-        """The attention sublayer on ``h``; a padded batch gives each kind its plain arrays: the
-        padded keys (MHA's ``key_padding_mask``, MLA's ``attn_mask``), the positions, DeltaNet's
-        ``attention_mask``."""
+        """The attention sublayer on ``h``; a padded batch gives each kind its plain arrays
+        (``_padding_kwargs``)."""
         att = self.attention
         if padding is None:
             if type(att) is MultiHeadAttention and not is_grad_enabled():  # h checked: the cache's batch only
                 att._check_cache(h, True, use_cache)
                 return att._forward(h, use_cache=use_cache)
             return att(h, use_cache=use_cache)
-        if isinstance(att, RecurrentLayer):  # GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer
-            return att(h, use_cache=use_cache, attention_mask=padding.tokens)
-        if isinstance(att, MultiHeadLatentAttention):
-            mask = padding.keys[:, None, None, :]  # (B, 1, 1, Lk) True = may attend
-            return att(h, use_cache=use_cache, attn_mask=mask, positions=padding.positions)
-        return att(h, use_cache=use_cache, key_padding_mask=~padding.keys, positions=padding.positions)
+        return att(h, use_cache=use_cache, **_padding_kwargs(att, padding))
 
     def _scalar(self):
         return None if "layer_scalar" not in self._buffers else self.layer_scalar

@@ -77,9 +77,10 @@ SUPPORTED_MODEL_TYPES = (
     "ministral3",
     "ministral",
     "lfm2_moe",
+    "falcon_h1",
 )
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv", "hybrid")
 MLP_KINDS = ("dense", "moe", "dense_and_experts")
 
 
@@ -1007,6 +1008,9 @@ class Mamba2Config(_Kwargs):
     rms_norm_eps: float
     time_step_limit: tuple
     chunk_size: int
+    out_proj_bias: bool | None = None  # Falcon-H1's projectors_bias (None: proj_bias)
+    gated_norm: str | None = "gate_first"  # Falcon-H1: "norm_first" or None (mamba_norm_before_gate, mamba_rms_norm)
+    proj_multipliers: tuple | None = None  # Falcon-H1's ssm_multipliers (z, x, B, C, dt)
 
 
 @dataclass(frozen=True)
@@ -1106,8 +1110,10 @@ class CausalLMConfig:
     window of ``sliding_window`` keys, the query's own included, as Hugging Face masks),
     ``"linear_attention"`` (gated DeltaNet, Kimi's KDA or Granite 4.0's Mamba-2, as
     ``linear_attention`` holds a ``DeltaNetConfig``, a ``KdaConfig`` or a ``Mamba2Config``),
-    ``"latent_attention"`` (MLA) or ``"conv"`` (LFM2's gated short convolution, ``short_conv`` its
-    arguments); ``mlp_types[i]`` is
+    ``"latent_attention"`` (MLA), ``"conv"`` (LFM2's gated short convolution, ``short_conv`` its
+    arguments) or ``"hybrid"`` (Falcon-H1: full attention and a Mamba-2 mixer, ``linear_attention``'s
+    ``Mamba2Config``, side by side on the same input, their outputs summed; ``hybrid_multipliers``
+    their factors); ``mlp_types[i]`` is
     ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"moe"`` (routed experts) or
     ``"dense_and_experts"`` (Gemma 4's ``enable_moe_block``: both, each with its own norms, summed;
     ``moe`` holds the experts' sizes).
@@ -1171,6 +1177,11 @@ class CausalLMConfig:
     ``query_scale_by_position``: ``(beta, length)``, each query at position ``p`` multiplied by
     ``1 + beta log(1 + floor(p / length))`` after RoPE (Ministral 3's ``llama_4_scaling_beta`` and
     its YaRN ``original_max_position_embeddings``: ``MultiHeadAttention``'s option of that name).
+
+    ``hybrid_multipliers``: a ``"hybrid"`` layer's four factors (Falcon-H1's muP ones): the
+    attention's input and output, the Mamba-2 mixer's input and output (``ParallelSum``'s).
+    ``mlp_multipliers``: the dense MLP's factor of ``gate_proj(x)`` before the activation and of its
+    output (``GatedMLP``'s ``gate_multiplier``, ``down_multiplier``; Falcon-H1's).
     """
 
     model_type: str
@@ -1222,6 +1233,8 @@ class CausalLMConfig:
     rope_interleaved: bool = False  # RoPE rotates the pairs (2i, 2i+1) of each head (ERNIE 4.5), not (i, i + D/2)
     query_scale_by_position: tuple | None = None  # (beta, length): queries times 1 + beta log(1 + floor(p / length))
     short_conv: ShortConvConfig | None = None  # the "conv" layers' arguments (LFM2)
+    hybrid_multipliers: tuple = (1.0, 1.0, 1.0, 1.0)  # "hybrid" layers: attention in, out, Mamba-2 in, out
+    mlp_multipliers: tuple = (1.0, 1.0)  # the dense MLP's gate and down factors (Falcon-H1)
     layer_names: tuple = ()  # (a layer's tensor name, the family's): LFM2's operator_norm for input_layernorm ...
     final_norm_name: str = "norm"  # model.{final_norm_name}: LFM2's embedding_norm
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
@@ -2066,21 +2079,24 @@ def _granite_mamba(r: _Reader, c: dict) -> Mamba2Config:
     ``mamba_d_state``, ``mamba_d_conv`` taps, the biases ``mamba_conv_bias`` / ``mamba_proj_bias``,
     ``time_step_limit`` and the norm's ``rms_norm_eps``; the convolution's activation is
     ``hidden_act``, which must be SiLU (the layer has no other)."""
-    hidden = c["hidden_size"]
-    heads, expand = r.int("mamba_n_heads"), r.int("mamba_expand")
-    inner = expand * hidden
+    return _mamba2(r, c, r.int("mamba_expand") * c["hidden_size"], "mamba_expand * hidden_size")
+
+
+def _mamba2(r: _Reader, c: dict, inner: int, inner_name: str, **options) -> Mamba2Config:
+    """The ``Mamba2Config`` of Granite 4.0's and Falcon-H1's ``mamba_*`` keys (``_granite_mamba``)
+    for the inner width ``inner`` (``inner_name`` says how the config gives it); ``options``: the
+    family's own ``Mamba2Mixer`` options."""
+    heads = r.int("mamba_n_heads")
     head_dim = r.get("mamba_d_head", "auto")
     if head_dim == "auto":
         if inner % heads:
-            raise ValueError(
-                f"config['mamba_n_heads']: expected a divisor of mamba_expand * hidden_size = {inner}, got {heads}"
-            )
+            raise ValueError(f"config['mamba_n_heads']: expected a divisor of {inner_name} = {inner}, got {heads}")
         head_dim = inner // heads
     elif isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
         raise ValueError(f"config['mamba_d_head']: expected 'auto' or an integer >= 1, got {_show(head_dim)}")
     if heads * head_dim != inner:
         raise ValueError(
-            f"config['mamba_d_head']: expected mamba_expand * hidden_size / mamba_n_heads = {inner / heads:g} "
+            f"config['mamba_d_head']: expected {inner_name} / mamba_n_heads = {inner / heads:g} "
             f"(the heads fill the inner width {inner}), got {head_dim}"
         )
     groups = r.int("mamba_n_groups")
@@ -2098,10 +2114,10 @@ def _granite_mamba(r: _Reader, c: dict) -> Mamba2Config:
     if c["hidden_act"] not in ("silu", "swish"):
         raise ValueError(
             f"config['hidden_act'] = {c['hidden_act']!r} is not supported by npattn for model_type "
-            "'granitemoehybrid' with Mamba-2 layers (supported: ['silu']): the layers' convolution applies it"
+            f"{r.model_type!r} with Mamba-2 layers (supported: ['silu']): the layers' convolution applies it"
         )
     return Mamba2Config(
-        hidden_size=hidden,
+        hidden_size=c["hidden_size"],
         num_heads=heads,
         head_dim=head_dim,
         state_size=r.int("mamba_d_state"),
@@ -2112,7 +2128,94 @@ def _granite_mamba(r: _Reader, c: dict) -> Mamba2Config:
         rms_norm_eps=c["rms_norm_eps"],
         time_step_limit=(float(limit[0]), float(limit[1])),
         chunk_size=r.int("mamba_chunk_size"),
+        **options,
     )
+
+
+_FALCON_H1_NAMES = (("mlp", "feed_forward"), ("post_attention_layernorm", "pre_ff_layernorm"))
+
+
+def _multipliers(r: _Reader, key: str, n: int) -> tuple:
+    """``n`` finite numbers > 0 under ``key`` (null: ``n`` ones, as transformers fills them)."""
+    v = r.get(key)
+    if v is None:
+        return (1.0,) * n
+    ok = isinstance(v, (list, tuple)) and len(v) == n
+    ok = ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < float(x) < math.inf for x in v)
+    if not ok:
+        raise ValueError(f"config[{key!r}]: expected a list of {n} finite numbers > 0, got {_show(v)}")
+    return tuple(float(x) for x in v)
+
+
+def _falcon_h1(r: _Reader) -> dict:
+    """Falcon-H1 (tiiuae/Falcon-H1-0.5B/1.5B/1.5B-Deep/3B/7B/34B, Falcon-H1R;
+    ``FalconH1ForCausalLM``): every layer ``"hybrid"``, Llama's attention (RoPE, ``attention_bias``
+    on the four projections) and a Mamba-2 mixer side by side on the same normalised input, their
+    outputs summed, then the gated MLP; the muP factors: ``embedding_multiplier`` (``embed_scale``),
+    ``lm_head_multiplier`` (the logits divided by its inverse: ``logits_scaling``), ``key_multiplier``
+    (the keys' factor, the same as the scores': ``attention_scale = key_multiplier / sqrt(head_dim)``),
+    ``attention_in_multiplier``, ``attention_out_multiplier``, ``ssm_in_multiplier``,
+    ``ssm_out_multiplier`` (``hybrid_multipliers``), ``mlp_multipliers`` (gate, down) and
+    ``ssm_multipliers`` (the mixer's ``proj_multipliers``).  The mixer: ``_mamba2``'s keys with the
+    inner width ``mamba_d_ssm`` (null: ``mamba_expand * hidden_size``), out_proj's bias
+    ``projectors_bias``, the grouped RMSNorm where ``mamba_rms_norm`` (before the gate where
+    ``mamba_norm_before_gate``: ``gated_norm``).  Checkpoint names: ``mamba.*``, ``self_attn.*``,
+    ``feed_forward.*``, ``input_layernorm``, ``pre_ff_layernorm``, ``model.final_layernorm``.
+    Keys of the released config.json files that transformers reads nowhere: ``mamba_use_mlp`` (must
+    be true: every layer has its MLP), ``attn_layer_indices`` (must be null: every layer attends),
+    ``mlp_expansion_factor`` and ``time_step_min``/``_max``/``_floor``/``_rank`` (the sizes' and the
+    initialisation's bookkeeping: metadata); ``num_logits_to_keep`` is a generation option."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    c.update(
+        _mlp_and_bias(r),
+        mlp_bias=r.bool("mlp_bias"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=("hybrid",) * n,
+        mlp_types=("dense",) * n,
+        layer_names=_FALCON_H1_NAMES,
+        final_norm_name="final_layernorm",
+    )
+    r.only("mamba_use_mlp", (True,), True, "transformers' Falcon-H1 layers all have their MLP")
+    r.only("attn_layer_indices", (None,), None, "transformers' Falcon-H1 layers all attend")
+    for key in ("mlp_expansion_factor", "time_step_min", "time_step_max", "time_step_floor", "time_step_rank"):
+        r.get(key)
+    r.get("num_logits_to_keep")
+    embed = r.float("embedding_multiplier", 1.0)
+    scale = r.float("key_multiplier", 1.0) / math.sqrt(c["head_dim"])
+    hybrid = tuple(
+        r.float(k, 1.0)
+        for k in ("attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")
+    )
+    c.update(
+        embed_scale=False if embed == 1.0 else embed,
+        attention_scale=scale,
+        logits_scaling=1.0 / r.float("lm_head_multiplier", 1.0),
+        hybrid_multipliers=hybrid,
+        mlp_multipliers=_multipliers(r, "mlp_multipliers", 2),
+    )
+    d_ssm = r.d.get("mamba_d_ssm")
+    r.used.add("mamba_d_ssm")
+    if d_ssm is None:
+        inner, name = r.int("mamba_expand") * c["hidden_size"], "mamba_expand * hidden_size"
+    else:
+        inner, name = r.int("mamba_d_ssm"), "mamba_d_ssm"
+        r.get("mamba_expand")  # transformers reads it only without mamba_d_ssm
+    norm = r.bool("mamba_rms_norm")
+    before = r.bool("mamba_norm_before_gate", True)
+    ssm = _multipliers(r, "ssm_multipliers", 5)
+    c.update(
+        linear_attention=_mamba2(
+            r,
+            c,
+            inner,
+            name,
+            out_proj_bias=r.bool("projectors_bias"),
+            gated_norm=("norm_first" if before else "gate_first") if norm else None,
+            proj_multipliers=None if ssm == (1.0,) * 5 else ssm,
+        )
+    )
+    return c
 
 
 def _granite_attention(r: _Reader, n: int) -> dict:
@@ -3381,6 +3484,36 @@ _DEFAULTS: dict = {
         routed_scaling_factor=1.0,
         norm_topk_prob=True,
     ),
+    "falcon_h1": dict(  # FalconH1Config's (mlp_multipliers, ssm_multipliers null: ones; time_step_limit: the reader's)
+        **_sizes(positions=8192, vocab=128000, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8),
+        **_SILU,
+        rms_norm_eps=1e-5,
+        attention_dropout=0.0,
+        mlp_bias=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        mamba_d_ssm=1024,
+        mamba_n_heads=128,
+        mamba_d_head="auto",
+        mamba_n_groups=1,
+        mamba_d_state=256,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+        mamba_norm_before_gate=True,
+        mamba_rms_norm=False,
+        projectors_bias=False,
+        lm_head_multiplier=1.0,
+        embedding_multiplier=1.0,
+        key_multiplier=1.0,
+        attention_out_multiplier=1.0,
+        attention_in_multiplier=1.0,
+        ssm_in_multiplier=1.0,
+        ssm_out_multiplier=1.0,
+    ),
     "exaone4": dict(  # Exaone4Config's class defaults (no RoPE key: the reader's base of 10000)
         **_sizes(positions=2048, vocab=102400, hidden=4096, intermediate=16384, layers=32, heads=32, kv_heads=32),
         hidden_act="silu",
@@ -3869,6 +4002,7 @@ _READERS = {
     "granitemoehybrid": _granitemoehybrid,
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
+    "falcon_h1": _falcon_h1,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,

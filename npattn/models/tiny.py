@@ -555,6 +555,37 @@ TINY_CONFIGS: dict = {
         routed_scaling_factor=1.5,
         rope_theta=1000.0,
     ),
+    # Falcon-H1: two hybrid layers (attention with head_dim 6 beside a Mamba-2 mixer of 4 heads of 6
+    # in 2 groups, state 4, 3 taps, chunks of 4, its grouped norm before the gate), every muP factor
+    # away from 1, out_proj's bias
+    "falcon_h1": dict(
+        _BASE,
+        model_type="falcon_h1",
+        head_dim=6,
+        mamba_d_ssm=24,
+        mamba_n_heads=4,
+        mamba_d_head=6,
+        mamba_n_groups=2,
+        mamba_d_state=4,
+        mamba_d_conv=3,
+        mamba_chunk_size=4,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=True,
+        projectors_bias=True,
+        rope_theta=1000.0,
+        embedding_multiplier=2.5,
+        lm_head_multiplier=0.4,
+        key_multiplier=0.7,
+        attention_in_multiplier=1.2,
+        attention_out_multiplier=0.9,
+        ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.6,
+        mlp_multipliers=[0.8, 0.55],
+        ssm_multipliers=[0.35, 0.75, 1.3, 0.5, 0.6],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(

@@ -4,7 +4,7 @@ Thin layers over ``npattn.functional``, each composing its submodules.
 """
 
 from .attention import MultiHeadAttention
-from .containers import ModuleList, Sequential
+from .containers import ModuleList, ParallelSum, Sequential
 from .delta_net import GatedDeltaNet
 from .kimi_delta import KimiDeltaAttention
 from .latent_attention import MultiHeadLatentAttention
@@ -18,6 +18,7 @@ from .transformer import DecoderBlock, EncoderBlock
 __all__ = [
     "Module",
     "ModuleList",
+    "ParallelSum",
     "Sequential",
     "Parameter",
     "no_grad",

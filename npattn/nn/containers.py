@@ -1,4 +1,5 @@
-"""Containers: ``ModuleList`` (a list of submodules) and ``Sequential`` (a chain with its backward).
+"""Containers: ``ModuleList`` (a list of submodules), ``Sequential`` (a chain with its backward)
+and ``ParallelSum`` (branches on the same input, their outputs summed).
 
 Both name their children ``0``, ``1``, ... so state-dict keys read ``0.weight``, ``1.bias``, as
 torch's ``nn.ModuleList`` / ``nn.Sequential`` (and a ``Sequential`` inside a model gives
@@ -14,12 +15,13 @@ two backwards add both gradients into the shared parameters.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from . import module
 from .module import Module
 
-__all__ = ["ModuleList", "Sequential"]
+__all__ = ["ModuleList", "ParallelSum", "Sequential"]
 
 
 def _check_module(m, where: str) -> Module:
@@ -201,3 +203,162 @@ class Sequential(ModuleList):
         for m, t in zip(reversed(list(self)), reversed(inputs)):
             dy, ddy = self._child_backward_jvp(m, dy, (t,), param_tangents, ddy)
         return dy, ddy
+
+
+class ParallelSum(Module):
+    """Branches on the same input, summed: ``y = sum_k out_k * m_k(in_k * x)``.
+
+    Falcon-H1's decoder layer runs its attention and its Mamba-2 mixer side by side on the same
+    normalised input this way, each with its muP factors (``attention_in_multiplier`` and
+    ``attention_out_multiplier``, ``ssm_in_multiplier`` and ``ssm_out_multiplier``).  The factors
+    are plain numbers applied in every pass (forward, backward, JVP, second order), not folded
+    into the branches' weights: ``dx = sum_k in_k * m_k.backward(out_k * dy)``.
+
+    Parameters
+    ----------
+    branches : mapping of str to Module
+        The branches by name (their state-dict prefixes), in the order they run.
+    input_multipliers, output_multipliers : mapping of str to float, optional
+        Each branch's factor of its input and of its output (a branch left out: 1).
+
+    Raises
+    ------
+    TypeError
+        A branch that is not a ``Module``.
+    ValueError
+        A bad name (empty, with a dot, or a multiplier's name that is no branch) or a factor that is
+        not a finite number.
+
+    Notes
+    -----
+    ``forward(x, use_cache=True)`` passes ``use_cache`` to every branch (each keeps its own
+    decoding cache); ``branch_kwargs`` gives a branch its own keyword arguments by its name (a
+    padding mask in the form it takes).  ``reset_kv_cache()`` resets every branch that has one.
+
+    Examples
+    --------
+    >>> import numpy as np, npattn
+    >>> par = npattn.nn.ParallelSum({"a": npattn.Linear(4, 4, rng=0), "b": npattn.Linear(4, 4, rng=1)},
+    ...                             output_multipliers={"b": 0.5})
+    >>> x = np.ones((2, 4))
+    >>> bool(np.allclose(par(x), par.a(x) + 0.5 * par.b(x)))
+    True
+    >>> par(x).shape, par.backward(np.ones((2, 4))).shape
+    ((2, 4), (2, 4))
+    """
+
+    def __init__(self, branches, *, input_multipliers=None, output_multipliers=None) -> None:
+        super().__init__()
+        names = []
+        for name, m in dict(branches).items():
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(f"ParallelSum: expected branch names without dots, got {name!r}")
+            setattr(self, name, _check_module(m, f"ParallelSum[{name!r}]"))
+            names.append(name)
+        if not names:
+            raise ValueError("ParallelSum: expected at least one branch, got none")
+        self._names = tuple(names)
+        self._in = self._factors(input_multipliers, "input_multipliers")
+        self._out = self._factors(output_multipliers, "output_multipliers")
+
+    def _factors(self, given, what: str) -> dict:
+        """``{name: factor}`` of the branches whose factor is not 1."""
+        out = {}
+        for name, v in dict(given or {}).items():
+            if name not in self._names:
+                raise ValueError(f"{what}: {name!r} is no branch (branches: {list(self._names)})")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{what}[{name!r}]: expected a finite number, got {v!r}")
+            if float(v) != 1.0:
+                out[name] = float(v)
+        return out
+
+    def branches(self) -> tuple:
+        """``((name, module), ...)`` in the order they run."""
+        return tuple((n, self._modules[n]) for n in self._names)
+
+    @staticmethod
+    def _scaled(a, factor):
+        return a if factor is None or a is None else a * factor
+
+    def forward(self, x, *, use_cache: bool = False, branch_kwargs=None):
+        """``sum_k out_k * m_k(in_k * x, **branch_kwargs[k])``.
+
+        Parameters
+        ----------
+        x : numpy.ndarray
+            The input every branch takes.
+        use_cache : bool
+            Decode incrementally (passed to every branch).
+        branch_kwargs : mapping of str to mapping, optional
+            Keyword arguments of a branch by its name.
+
+        Returns
+        -------
+        numpy.ndarray
+            The sum of the branches' scaled outputs.
+        """
+        kwargs = dict(branch_kwargs or {})
+        unknown = set(kwargs) - set(self._names)
+        if unknown:
+            raise ValueError(f"branch_kwargs: {sorted(unknown)[0]!r} is no branch (branches: {list(self._names)})")
+        y = None
+        for name, m in self.branches():
+            kw = dict(kwargs.get(name) or {})
+            if use_cache:
+                kw["use_cache"] = True
+            out = self._scaled(m(self._scaled(x, self._in.get(name)), **kw), self._out.get(name))
+            y = out if y is None else y + out
+        self.save_for_backward(None)
+        return y
+
+    def backward(self, dy):
+        """``sum_k in_k * m_k.backward(out_k * dy)``, the branches last to first."""
+        dy = self._check_dy(dy)
+        self.pop_saved()
+        dx = None
+        for name, m in reversed(self.branches()):
+            d = self._scaled(m.backward(self._scaled(dy, self._out.get(name))), self._in.get(name))
+            dx = d if dx is None else dx + d
+        return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode: ``sum_k out_k * m_k'(in_k * tx)`` (each branch's ``_jvp`` of this call)."""
+        if len(input_tangents) > 1:
+            raise TypeError(f"ParallelSum.jvp: expected at most one input tangent, got {len(input_tangents)}")
+        tx = input_tangents[0] if input_tangents else None
+        ty = None
+        for name, m in self.branches():
+            t = self._child_jvp(m, -1, (self._scaled(tx, self._in.get(name)),), param_tangents)
+            t = self._scaled(t, self._out.get(name))
+            ty = t if ty is None else ty + t
+        return ty
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order: each branch's ``backward_jvp`` on ``(out_k dy, out_k ddy)`` with its input's
+        tangent ``in_k tx``, the pairs times ``in_k`` and summed."""
+        if len(input_tangents) > 1:
+            raise TypeError(f"ParallelSum.backward_jvp: expected at most one input tangent, got {len(input_tangents)}")
+        tx = input_tangents[0] if input_tangents else None
+        dx = tdx = None
+        for name, m in reversed(self.branches()):
+            fi, fo = self._in.get(name), self._out.get(name)
+            d, td = self._child_backward_jvp(
+                m, self._scaled(dy, fo), (self._scaled(tx, fi),), param_tangents, self._scaled(ddy, fo)
+            )
+            d, td = self._scaled(d, fi), self._scaled(td, fi)
+            dx = d if dx is None else dx + d
+            tdx = td if tdx is None else tdx + td
+        return dx, tdx
+
+    def reset_kv_cache(self) -> None:
+        """Empty every branch's decoding cache (a branch without one is left alone)."""
+        for _, m in self.branches():
+            reset = getattr(m, "reset_kv_cache", None)
+            if callable(reset):
+                reset()
+
+    def extra_repr(self) -> str:
+        """The factors other than 1, shown by ``repr(module)``."""
+        parts = [f"input_multipliers={self._in}"] if self._in else []
+        return ", ".join(parts + ([f"output_multipliers={self._out}"] if self._out else []))
