@@ -27,6 +27,7 @@ FAMILIES += ["exaone4"]  # post-norm layers, per-head QK-norm, a sliding RoPE la
 FAMILIES += ["ernie4_5"]  # RoPE on interleaved pairs (2i, 2i+1) in the second-order step, all seven biases
 FAMILIES += ["ministral3"]  # the queries' scale by position in the second-order step (YaRN over 2 positions)
 FAMILIES += ["lfm2_moe"]  # sigmoid routing renormalised by sum + 1e-6, the expert bias steering the choice
+FAMILIES += ["falcon_h1"]  # attention and Mamba-2 side by side (ParallelSum), every muP factor
 IGNORE = -1
 
 

@@ -776,6 +776,7 @@ _WIDTHS = (
     "global_head_dim",
     "hidden_size_per_layer_input",
     "mamba_d_head",
+    "mamba_d_ssm",
 )
 
 
