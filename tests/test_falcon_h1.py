@@ -243,6 +243,10 @@ def test_parallel_sum_bad_arguments():
     par(np.ones((2, 4)))
     with pytest.raises(TypeError, match="at most one input tangent"):
         par.jvp(np.ones((2, 4)), np.ones((2, 4)))
+    with pytest.raises(TypeError, match="at most one input tangent"):
+        par.backward_jvp(np.ones((2, 4)), np.ones((2, 4)), np.ones((2, 4)))
+    par.reset_kv_cache()  # a branch without a cache is left alone
+    assert repr(par).startswith("ParallelSum(")
 
 
 # -- against transformers ----------------------------------------------------------------------
