@@ -681,10 +681,10 @@ def _stacked(datas: list) -> np.ndarray:
     of ``K``.  Either kernel reads a few runs of memory side by side, and the hardware prefetchers
     stream a long run better than a short one: a wide fused projection (q/k/v, or gate and up,
     with ``N`` several times ``d_model``) has columns several times longer than its rows.  On the
-    machine of issue 32 (OpenBLAS, AVX-512, 2 threads) the (4096, 1024) and (6144, 1024) products
-    of a Qwen3-0.6B layer read 9 and 13 % faster so, and a decoding step took 7 % less time;
-    where ``N <= 2 K`` the rows were as fast or faster, so those stay row-major.  The same values
-    either way; only the order of a product's sums may differ, by a rounding."""
+    machine of issue 32 (OpenBLAS, AVX-512, 2 threads; its figures are in the issue's notes and
+    hold for that machine alone) the columns read faster where ``N > 2 K`` and the rows where
+    ``N <= 2 K``; ``npattn bench --decode-large`` shows a decoding step on yours.  The same
+    values either way; only the order of a product's sums may differ, by a rounding."""
     n, k = sum(d.shape[0] for d in datas), datas[0].shape[1]
     return np.concatenate(datas, out=np.empty((n, k), datas[0].dtype, order="F" if n > 2 * k else "C"))
 
