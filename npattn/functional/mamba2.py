@@ -17,12 +17,18 @@ two ``(c, c)`` products and two ``(c, N) x (N, P)`` ones per chunk and head inst
 updates of the ``(P, N)`` state: the work runs in matrix products, and only the state entering each
 chunk is kept (``L / c`` states instead of ``L``).
 
-**The derivatives, chunk by chunk.**  The backward, the JVP and the second order walk the steps as
-the textbook does (its derivations: ``reference.mamba2_scan_backward`` and below), one chunk at a
-time: the chunk's states ``S_{t-1}`` are rebuilt from the state kept at its start (``c`` of them at
-once, never ``L``), the adjoint ``dS`` carried from chunk to chunk.  The heads of a group are kept
-side by side (``(B..., G, H / G, ...)``) so that ``B`` and ``C`` broadcast over them instead of
-being copied per head.
+**The backward, chunk by chunk** (``_chunk_backward``): the adjoint of the three lines above,
+the chunks taken last to first, the adjoint ``dS`` of the state leaving a chunk carried to the one
+before it: within a chunk the gradients through the masked quadratic form are ``(c, c)`` and
+``(c, N) x (N, P)`` products too, and those of the log decays come from the segment sums' adjoint
+(sums only, as the forward).  The chunk's terms (decays, ``C B^T``) are formed again from the
+inputs and the state kept at its start.
+
+**The forward mode and the second order** walk the steps as the textbook does (its derivations:
+``reference.mamba2_scan_jvp`` and below), one chunk at a time: the chunk's states ``S_{t-1}`` are
+rebuilt from the state kept at its start (``c`` of them at once, never ``L``), the adjoint ``dS``
+carried from chunk to chunk.  The heads of a group are kept side by side (``(B..., G, H / G,
+...)``) so that ``B`` and ``C`` broadcast over them instead of being copied per head.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from .._validate import (
     check_size,
     check_tangents_as,
 )
-from .delta_rule import segment_sums
+from .delta_rule import segment_sums, segment_sums_backward
 
 __all__ = [
     "mamba2_scan",
@@ -225,6 +231,29 @@ def _step_sizes(dt, dt_bias, limit):
     return np.clip(soft, lo, hi), np.where(free, sig, 0.0).astype(u.dtype)
 
 
+class _Chunk(NamedTuple):
+    """One chunk's terms of the SSD form (``c`` steps), as the forward forms them."""
+
+    lam: np.ndarray  # (R, G, Hg, c) Lam_i = l_1 + ... + l_i, l_i = delta_i A the log decays
+    decay: np.ndarray  # (R, G, Hg, c, c) e^{seg_ij} below the diagonal, 0 above
+    CB: np.ndarray  # (R, G, 1, c, c) C B^T, shared by the heads of a group
+    scores: np.ndarray  # (R, G, Hg, c, c) e^{seg} * (C B^T)
+    u: np.ndarray  # (R, G, Hg, c, P) delta x
+    B: np.ndarray  # (R, G, 1, c, N)
+    C: np.ndarray  # (R, G, 1, c, N)
+
+
+def _chunk(f: _Folded, s, e) -> _Chunk:
+    """The terms of steps ``s .. e-1`` (the forward's, rebuilt by the backward)."""
+    la = f.delta[..., s:e] * f.A  # (R, G, Hg, c) the log decays
+    seg = segment_sums(la)  # l_{j+1} + ... + l_i below the diagonal
+    decay = np.where(np.tril(np.ones((e - s, e - s), dtype=bool)), np.exp(seg), 0.0)
+    Bc, Cc = f.B[:, :, None, s:e], f.C[:, :, None, s:e]
+    CB = Cc @ np.swapaxes(Bc, -1, -2)
+    u = f.delta[..., s:e, None] * f.x[..., s:e, :]
+    return _Chunk(np.cumsum(la, -1), decay, CB, decay * CB, u, Bc, Cc)
+
+
 def _chunks(steps, chunk):
     return [(s, min(s + chunk, steps)) for s in range(0, steps, chunk)]
 
@@ -257,17 +286,10 @@ def mamba2_scan_kernel(
     y = np.empty(f.x.shape, x.dtype)
     for k, (s, e) in enumerate(spans):
         starts[k] = S
-        la = f.delta[..., s:e] * f.A  # (R, G, Hg, c) the log decays
-        seg = segment_sums(la)  # (R, G, Hg, c, c): l_{j+1} + ... + l_i below the diagonal
-        lower = np.tril(np.ones((e - s, e - s), dtype=bool))
-        decay = np.where(lower, np.exp(seg), 0.0)
-        lam = np.cumsum(la, -1)  # Lam_i = l_1 + ... + l_i
-        Bc, Cc = f.B[:, :, None, s:e], f.C[:, :, None, s:e]  # (R, G, 1, c, N)
-        dx = f.delta[..., s:e, None] * f.x[..., s:e, :]  # delta x (R, G, Hg, c, P)
-        scores = decay * (Cc @ np.swapaxes(Bc, -1, -2))  # e^{seg} * (C B^T)
-        y[..., s:e, :] = scores @ dx + np.exp(lam)[..., None] * (Cc @ np.swapaxes(S, -1, -2))
-        to_end = np.exp(seg[..., -1, :])  # e^{l_{j+1} + ... + l_c}: step j's write decayed to the chunk's end
-        S = np.exp(lam[..., -1])[..., None, None] * S + np.swapaxes(to_end[..., None] * dx, -1, -2) @ Bc
+        ch = _chunk(f, s, e)
+        y[..., s:e, :] = ch.scores @ ch.u + np.exp(ch.lam)[..., None] * (ch.C @ np.swapaxes(S, -1, -2))
+        to_end = ch.decay[..., -1, :]  # e^{l_{j+1} + ... + l_c}: step j's write decayed to the chunk's end
+        S = np.exp(ch.lam[..., -1])[..., None, None] * S + np.swapaxes(to_end[..., None] * ch.u, -1, -2) @ ch.B
     if D is not None:
         y += D.reshape(groups, per, 1, 1) * f.x
     final = S.reshape(x.shape[:-2] + S.shape[-2:]) if output_final_state else None
@@ -300,10 +322,10 @@ def _per_head(a, heads):
     return a.reshape(a.shape[:3] + (-1,)).sum((0, 3)).reshape(heads)
 
 
-def _grads_out(c, f, dx, ddelta_walk, da, dB, dC, dout, dS):
-    """The backward's steps off the walk (``reference.mamba2_scan_backward``), public shapes."""
+def _grads_out(c, f, dx, ddelta_walk, g, dB, dC, dout, dS):
+    """The backward's steps off the walk (``reference.mamba2_scan_backward``), public shapes;
+    ``g = dL/d(delta A)`` (the textbook's ``da a``)."""
     heads = c.x.shape[-3]
-    g = da * f.a  # a = exp(delta A)
     ddelta = ddelta_walk + g * f.A
     dA = _per_head(g * f.delta, heads)
     dD = None
@@ -322,8 +344,8 @@ def _state_shape(c):
 
 
 def mamba2_scan_backward(dout: np.ndarray, cache: Mamba2ScanCache, dfinal_state: Optional[np.ndarray] = None):
-    """Backpropagation through time, chunk by chunk (the walk of ``reference.mamba2_scan_backward``,
-    each chunk's states rebuilt from the state entering it).
+    """Backpropagation through time, chunk by chunk in matrix form (the adjoint of the chunked
+    forward, ``_chunk_backward``; the sums of ``reference.mamba2_scan_backward``).
 
     Returns
     -------
@@ -344,23 +366,55 @@ def mamba2_scan_backward_kernel(dout, cache, dfinal_state=None):
     dS = np.zeros(c.starts.shape[1:], c.x.dtype)
     if dfinal_state is not None:
         dS[...] = dfinal_state.reshape(dS.shape)
-    dx, ddelta, da = np.zeros_like(f.x), np.zeros_like(f.delta), np.zeros_like(f.delta)
-    dB, dC = np.zeros_like(f.B), np.zeros_like(f.C)
+    du, dl = np.empty_like(f.x), np.empty_like(f.delta)
+    dB, dC = np.empty_like(f.B), np.empty_like(f.C)
     for k, (s, e) in reversed(list(enumerate(_chunks(f.x.shape[-2], c.chunk_size)))):
-        states = _chunk_states(f, c.starts[k], s, e)
-        for t in reversed(range(s, e)):
-            P, xt, dt_, do = states[t - s], f.x[..., t, :], f.delta[..., t, None], do_all[..., t, :]
-            Bt, Ct = f.B[:, :, None, t], f.C[:, :, None, t]  # (R, G, 1, N)
-            St = f.a[..., t, None, None] * P + _write(f, t)
-            dS += do[..., :, None] * Ct[..., None, :]  # y_t = S_t C_t
-            dC[:, :, t] = np.einsum("rghpn,rghp->rgn", St, do)
-            da[..., t] = (dS * P).sum((-2, -1))
-            w = (dS @ Bt[..., None])[..., 0]  # dS B_t (R, G, Hg, P)
-            ddelta[..., t] = (xt * w).sum(-1)
-            dx[..., t, :] = dt_ * w
-            dB[:, :, t] = np.einsum("rghpn,rghp->rgn", dS, dt_ * xt)
-            dS *= f.a[..., t, None, None]
-    return _grads_out(c, f, dx, ddelta, da, dB, dC, do_all, dS)
+        g = _chunk_backward(_chunk(f, s, e), c.starts[k], do_all[..., s:e, :], dS)
+        du[..., s:e, :], dl[..., s:e], dB[:, :, s:e], dC[:, :, s:e], dS = g
+    # u = delta x: dx = delta du, ddelta = x . du (and l = delta A: ddelta += dl A, in _grads_out)
+    dx, ddelta = f.delta[..., None] * du, (f.x * du).sum(-1)
+    return _grads_out(c, f, dx, ddelta, dl, dB, dC, do_all, dS)
+
+
+def _chunk_backward(ch: _Chunk, S, dY, dS):
+    """One chunk of the backward: from ``S`` (the state entering it), ``dY = dL/dY (c, P)`` and
+    ``dS = dL/dS'`` (the state leaving it), ``(du, dl, dB, dC, dL/dS)`` with ``u = delta x``, ``l =
+    delta A`` (``dB``, ``dC`` added over the heads of a group).
+
+    The adjoint of the module docstring's three lines, ``E = e^{seg}`` (lower), ``e_i = e^{Lam_i}``,
+    ``E_c. = e^{seg_c.}`` (E's last row: each write decayed to the chunk's end)::
+
+        Y = (E * C B^T) u:       du = (E * C B^T)^T dY;     with dP = dY u^T (c, c):
+                                 d(C B^T) = E * dP;  dC = d(C B^T) B,  dB = d(C B^T)^T C
+                                 dseg = E * C B^T * dP
+        Y += diag(e) C S^T:      dC += diag(e) dY S;  dS_in = (diag(e) dY)^T C
+                                 dLam_i = e_i <(dY S)_i, C_i>
+        S' = e_c S + (E_c. u)^T B, with w = B dS'^T (c, P):
+                                 du_j += E_cj w_j;   dB_j += E_cj dS'^T u_j;   dS_in += e_c dS'
+                                 dseg_cj += E_cj <u_j, w_j>;  dLam_c += e_c <dS', S>
+
+    and ``dl`` from ``seg_ij = l_{j+1} + ... + l_i`` (``delta_rule.segment_sums_backward``: sums
+    only) and ``Lam_i = l_1 + ... + l_i`` (``dl_m = dLam_m + ... + dLam_c``).  The textbook's walk
+    (``reference.mamba2_scan_backward``) computes the same sums step by step: its ``da_t a_t`` is
+    ``dl_t``, its ``dS`` at the chunk's start ``dS_in``.
+    """
+    swap = np.swapaxes
+    to_end, e = ch.decay[..., -1, :], np.exp(ch.lam)  # E_c. (R, G, Hg, c), e (R, G, Hg, c)
+    dP = dY @ swap(ch.u, -1, -2)  # (R, G, Hg, c, c)
+    dCB = (ch.decay * dP).sum(2, keepdims=True)  # the heads of a group share C B^T
+    dseg = ch.scores * dP
+    w = ch.B @ swap(dS, -1, -2)  # (R, G, Hg, c, P): B_j^T dS'^T
+    du = swap(ch.scores, -1, -2) @ dY + to_end[..., None] * w
+    dseg[..., -1, :] += to_end * (ch.u * w).sum(-1)
+    dYS = dY @ S  # (R, G, Hg, c, N)
+    dlam = e * (dYS * ch.C).sum(-1)
+    dlam[..., -1] += e[..., -1] * (dS * S).sum((-2, -1))
+    dl = segment_sums_backward(dseg) + np.cumsum(dlam[..., ::-1], -1)[..., ::-1]
+    eY = e[..., None] * dY
+    dC = (dCB @ ch.B)[:, :, 0] + (e[..., None] * dYS).sum(2)
+    dB = (swap(dCB, -1, -2) @ ch.C)[:, :, 0] + ((to_end[..., None] * ch.u) @ dS).sum(2)
+    dS_in = e[..., -1, None, None] * dS + swap(eY, -1, -2) @ ch.C
+    return du, dl, dB, dC, dS_in
 
 
 def _tangent_specs(c):
@@ -541,7 +595,7 @@ def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_st
             tdB[:, :, i] = (tdt_ * v + dt_ * tv).sum(2)
             tdS = tat * dS + at * tdS
             dS = at * dS
-    grads = _grads_out(c, f, dx, ddelta, da, dB, dC, do_all, dS)
+    grads = _grads_out(c, f, dx, ddelta, da * f.a, dB, dC, do_all, dS)
     # off the walk (reference.mamba2_scan_backward_jvp): a = exp(delta A), the skip, the step sizes
     heads = c.x.shape[-3]
     g, tg = da * f.a, tda * f.a + da * t.a
