@@ -24,8 +24,12 @@ before it: within a chunk the gradients through the masked quadratic form are ``
 (sums only, as the forward).  The chunk's terms (decays, ``C B^T``) are formed again from the
 inputs and the state kept at its start.
 
-**The forward mode and the second order** walk the steps as the textbook does (its derivations:
-``reference.mamba2_scan_jvp`` and below), one chunk at a time: the chunk's states ``S_{t-1}`` are
+**The forward mode, chunk by chunk** (``_chunk_jvp_out``, ``_chunk_jvp_state``): the three lines
+differentiated by the product rule, in the same matrix products, the tangent of the state carried
+from chunk to chunk (the tangents of the chunk's terms: ``_chunk_tangent``).
+
+**The second order** walks the steps as the textbook does (its derivation:
+``reference.mamba2_scan_backward_jvp``), one chunk at a time: the chunk's states ``S_{t-1}`` are
 rebuilt from the state kept at its start (``c`` of them at once, never ``L``), the adjoint ``dS``
 carried from chunk to chunk.  The heads of a group are kept side by side (``(B..., G, H / G,
 ...)``) so that ``B`` and ``C`` broadcast over them instead of being copied per head.
@@ -469,8 +473,9 @@ def _tangent_step(f: _Folded, t: _Tangents, i, P, tP):
 
 def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents):
     """Forward mode of ``mamba2_scan`` along ``(tx, tdt, tA, tB, tC, tD, tdt_bias,
-    tinitial_state)`` (the backward's order; None or left out: zero), the lines of
-    ``reference.mamba2_scan_jvp`` chunk by chunk.
+    tinitial_state)`` (the backward's order; None or left out: zero): the tangent of the chunked
+    forward, chunk by chunk in matrix form (``_chunk_jvp_out``, ``_chunk_jvp_state``; the sums of
+    ``reference.mamba2_scan_jvp``).
 
     Returns
     -------
@@ -489,18 +494,62 @@ def mamba2_scan_jvp_kernel(cache, *tangents):
     ty = np.empty(f.x.shape, c.x.dtype)
     tS = t.S0
     for k, (s, e) in enumerate(_chunks(f.x.shape[-2], c.chunk_size)):
-        states = _chunk_states(f, c.starts[k], s, e)
-        for i in range(s, e):
-            P = states[i - s]
-            S = f.a[..., i, None, None] * P + _write(f, i)
-            tS = _tangent_step(f, t, i, P, tS)
-            ty[..., i, :] = (tS @ f.C[:, :, None, i, :, None])[..., 0] + (S @ t.C[:, :, None, i, :, None])[..., 0]
+        ch, S = _chunk(f, s, e), c.starts[k]
+        tc = _chunk_tangent(f, t, ch, s, e)
+        ty[..., s:e, :] = _chunk_jvp_out(ch, tc, S, tS)
+        tS = _chunk_jvp_state(ch, tc, S, tS)
     if c.D is not None:
         ty += c.D.reshape(f.A.shape + (1,)) * t.x
     if t.D is not None:
         ty += t.D * f.x
     ty = ty.reshape(c.x.shape)
     return ty if c.final_state is None else (ty, tS.reshape(c.final_state.shape))
+
+
+class _ChunkTangent(NamedTuple):
+    """The tangents of a ``_Chunk``'s terms (``tE = E * tseg``, ``tseg`` the segment sums of ``tl``)."""
+
+    lam: np.ndarray  # (R, G, Hg, c) tLam
+    decay: np.ndarray  # (R, G, Hg, c, c) tE
+    scores: np.ndarray  # (R, G, Hg, c, c) tE * C B^T + E * (tC B^T + C tB^T)
+    u: np.ndarray  # (R, G, Hg, c, P) tdelta x + delta tx
+    B: np.ndarray  # (R, G, 1, c, N)
+    C: np.ndarray  # (R, G, 1, c, N)
+
+
+def _chunk_tangent(f: _Folded, t: _Tangents, ch: _Chunk, s, e) -> _ChunkTangent:
+    """The tangents of the terms of steps ``s .. e-1`` along ``t``."""
+    tl = t.delta[..., s:e] * f.A + f.delta[..., s:e] * t.A  # l = delta A
+    tE = ch.decay * segment_sums(tl)  # E = e^{seg}, 0 above the diagonal
+    tB, tC = t.B[:, :, None, s:e], t.C[:, :, None, s:e]
+    tCB = tC @ np.swapaxes(ch.B, -1, -2) + ch.C @ np.swapaxes(tB, -1, -2)
+    tu = t.delta[..., s:e, None] * f.x[..., s:e, :] + f.delta[..., s:e, None] * t.x[..., s:e, :]
+    return _ChunkTangent(np.cumsum(tl, -1), tE, tE * ch.CB + ch.decay * tCB, tu, tB, tC)
+
+
+def _chunk_jvp_out(ch: _Chunk, tc: _ChunkTangent, S, tS):
+    """The tangent of the chunk's ``Y`` without the skip, by the product rule on the module
+    docstring's line (``e = e^{Lam}``, ``te = e tLam``)::
+
+        tY = t(E * C B^T) u + (E * C B^T) tu + diag(te) C S^T + diag(e) (tC S^T + C tS^T)
+    """
+    swap, e = np.swapaxes, np.exp(ch.lam)
+    CS = ch.C @ swap(S, -1, -2)
+    read = tc.lam[..., None] * CS + tc.C @ swap(S, -1, -2) + ch.C @ swap(tS, -1, -2)
+    return tc.scores @ ch.u + ch.scores @ tc.u + e[..., None] * read
+
+
+def _chunk_jvp_state(ch: _Chunk, tc: _ChunkTangent, S, tS):
+    """The tangent of the state leaving the chunk::
+
+        tS' = e_c (tLam_c S + tS) + (tE_c. u + E_c. tu)^T B + (E_c. u)^T tB
+
+    (``E_c.`` the last row of ``E``: each write decayed to the chunk's end).
+    """
+    swap, end = np.swapaxes, np.exp(ch.lam[..., -1])[..., None, None]
+    to_end, tto_end = ch.decay[..., -1, :, None], tc.decay[..., -1, :, None]
+    written = swap(tto_end * ch.u + to_end * tc.u, -1, -2) @ ch.B + swap(to_end * ch.u, -1, -2) @ tc.B
+    return end * (tc.lam[..., -1, None, None] * S + tS) + written
 
 
 def mamba2_scan_backward_jvp(
