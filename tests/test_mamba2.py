@@ -239,7 +239,8 @@ def x_all(args, s0):
 
 
 def test_fast_tier_float32_is_float64_rounded():
-    """float32 in, float32 out (the cache, every gradient), close to the float64 numbers."""
+    """float32 in, float32 out (the cache, every gradient, the JVP, the second order), close to the
+    float64 numbers."""
     rng = np.random.default_rng(6)
     args = scan_inputs(rng, steps=9)
     y, cache = F.mamba2_scan(*args[:7], initial_state=args[7], chunk_size=4)
@@ -248,6 +249,14 @@ def test_fast_tier_float32_is_float64_rounded():
     assert rel_err(y32, y, floor=1.0, relative_to="max_b") < 1e-5
     dy = rng.standard_normal(y.shape)
     for a, b in zip(F.mamba2_scan_backward(dy.astype(np.float32), cache32), F.mamba2_scan_backward(dy, cache)):
+        assert a.dtype == np.float32 and rel_err(a, b, floor=1.0, relative_to="max_b") < 1e-4
+    tangents = [rng.standard_normal(np.shape(a)) for a in args]
+    t32 = [a.astype(np.float32) for a in tangents]
+    ty32, ty = F.mamba2_scan_jvp(cache32, *t32), F.mamba2_scan_jvp(cache, *tangents)
+    assert ty32.dtype == np.float32 and rel_err(ty32, ty, floor=1.0, relative_to="max_b") < 1e-4
+    got = F.mamba2_scan_backward_jvp(dy.astype(np.float32), cache32, t32, dy.astype(np.float32))
+    want = F.mamba2_scan_backward_jvp(dy, cache, tangents, dy)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert a.dtype == np.float32 and rel_err(a, b, floor=1.0, relative_to="max_b") < 1e-4
 
 

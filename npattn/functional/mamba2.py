@@ -28,11 +28,11 @@ inputs and the state kept at its start.
 differentiated by the product rule, in the same matrix products, the tangent of the state carried
 from chunk to chunk (the tangents of the chunk's terms: ``_chunk_tangent``).
 
-**The second order** walks the steps as the textbook does (its derivation:
-``reference.mamba2_scan_backward_jvp``), one chunk at a time: the chunk's states ``S_{t-1}`` are
-rebuilt from the state kept at its start (``c`` of them at once, never ``L``), the adjoint ``dS``
-carried from chunk to chunk.  The heads of a group are kept side by side (``(B..., G, H / G,
-...)``) so that ``B`` and ``C`` broadcast over them instead of being copied per head.
+**The second order, chunk by chunk** (``_chunk_backward_tangent``): the backward's lines
+differentiated by the product rule, the forward's tangents of the states entering the chunks
+first (``_chunk_jvp_state``), then the chunks last to first with the adjoint ``dS`` and its
+tangent carried back.  The heads of a group are kept side by side (``(B..., G, H / G, ...)``) so
+that ``B`` and ``C`` broadcast over them instead of being copied per head.
 """
 
 from __future__ import annotations
@@ -207,7 +207,6 @@ class _Folded(NamedTuple):
 
     x: np.ndarray  # (R, G, Hg, L, P)
     delta: np.ndarray  # (R, G, Hg, L)
-    a: np.ndarray  # (R, G, Hg, L) exp(delta A)
     A: np.ndarray  # (G, Hg, 1)
     B: np.ndarray  # (R, G, L, N)
     C: np.ndarray  # (R, G, L, N)
@@ -220,7 +219,7 @@ def _fold(c) -> _Folded:
     delta = c.dt.reshape(x.shape[:-1])
     A = c.A.reshape(groups, per, 1)
     B, C = (b.reshape((-1, groups) + b.shape[-2:]) for b in (c.B, c.C))
-    return _Folded(x, delta, np.exp(delta * A), A, B, C)
+    return _Folded(x, delta, A, B, C)
 
 
 def _step_sizes(dt, dt_bias, limit):
@@ -300,27 +299,6 @@ def mamba2_scan_kernel(
     return y.reshape(x.shape), c._replace(starts=starts, final_state=final)
 
 
-def _chunk_states(f: _Folded, start, s, e):
-    """The states ``S_{t-1}`` of steps ``s .. e-1``, ``(e - s, R, G, Hg, P, N)``, rebuilt from the
-    state entering the chunk."""
-    out = np.empty((e - s,) + start.shape, start.dtype)
-    S = start
-    for i, t in enumerate(range(s, e)):
-        out[i] = S
-        S = f.a[..., t, None, None] * S + _write(f, t)
-    return out
-
-
-def _write(f: _Folded, t, tdelta=None, tx=None, tB=None):
-    """``delta_t x_t B_t^T`` ``(R, G, Hg, P, N)``, or with tangents its tangent
-    ``(tdelta_t x_t + delta_t tx_t) B_t^T + delta_t x_t tB_t^T``."""
-    xt, dt_ = f.x[..., t, :], f.delta[..., t, None]
-    if tdelta is None:
-        return (dt_ * xt)[..., :, None] * f.B[:, :, None, t, None, :]
-    left = (tdelta[..., t, None] * xt + dt_ * tx[..., t, :])[..., :, None] * f.B[:, :, None, t, None, :]
-    return left + (dt_ * xt)[..., :, None] * tB[:, :, None, t, None, :]
-
-
 def _per_head(a, heads):
     """Sum ``(R, G, Hg, ...)`` to one number per head ``(H,)``."""
     return a.reshape(a.shape[:3] + (-1,)).sum((0, 3)).reshape(heads)
@@ -380,7 +358,27 @@ def mamba2_scan_backward_kernel(dout, cache, dfinal_state=None):
     return _grads_out(c, f, dx, ddelta, dl, dB, dC, do_all, dS)
 
 
-def _chunk_backward(ch: _Chunk, S, dY, dS):
+class _Adjoint(NamedTuple):
+    """The products of a chunk's backward that its second order reuses."""
+
+    dP: np.ndarray  # (R, G, Hg, c, c) dY u^T
+    dCB: np.ndarray  # (R, G, 1, c, c) d(C B^T) = E * dP, added over the heads of a group
+    w: np.ndarray  # (R, G, Hg, c, P) B dS'^T
+    dYS: np.ndarray  # (R, G, Hg, c, N) dY S
+
+
+def _adjoint(ch: _Chunk, S, dY, dS) -> _Adjoint:
+    dP = dY @ np.swapaxes(ch.u, -1, -2)
+    dCB = (ch.decay * dP).sum(2, keepdims=True)  # the heads of a group share C B^T
+    return _Adjoint(dP, dCB, ch.B @ np.swapaxes(dS, -1, -2), dY @ S)
+
+
+def _from_end(x):
+    """``x_m + ... + x_c`` over the last axis: the adjoint of the running sums ``Lam``."""
+    return np.cumsum(x[..., ::-1], -1)[..., ::-1]
+
+
+def _chunk_backward(ch: _Chunk, S, dY, dS, adj: Optional[_Adjoint] = None):
     """One chunk of the backward: from ``S`` (the state entering it), ``dY = dL/dY (c, P)`` and
     ``dS = dL/dS'`` (the state leaving it), ``(du, dl, dB, dC, dL/dS)`` with ``u = delta x``, ``l =
     delta A`` (``dB``, ``dC`` added over the heads of a group).
@@ -404,20 +402,16 @@ def _chunk_backward(ch: _Chunk, S, dY, dS):
     """
     swap = np.swapaxes
     to_end, e = ch.decay[..., -1, :], np.exp(ch.lam)  # E_c. (R, G, Hg, c), e (R, G, Hg, c)
-    dP = dY @ swap(ch.u, -1, -2)  # (R, G, Hg, c, c)
-    dCB = (ch.decay * dP).sum(2, keepdims=True)  # the heads of a group share C B^T
-    dseg = ch.scores * dP
-    w = ch.B @ swap(dS, -1, -2)  # (R, G, Hg, c, P): B_j^T dS'^T
-    du = swap(ch.scores, -1, -2) @ dY + to_end[..., None] * w
-    dseg[..., -1, :] += to_end * (ch.u * w).sum(-1)
-    dYS = dY @ S  # (R, G, Hg, c, N)
-    dlam = e * (dYS * ch.C).sum(-1)
+    adj = _adjoint(ch, S, dY, dS) if adj is None else adj
+    dseg = ch.scores * adj.dP
+    du = swap(ch.scores, -1, -2) @ dY + to_end[..., None] * adj.w
+    dseg[..., -1, :] += to_end * (ch.u * adj.w).sum(-1)
+    dlam = e * (adj.dYS * ch.C).sum(-1)
     dlam[..., -1] += e[..., -1] * (dS * S).sum((-2, -1))
-    dl = segment_sums_backward(dseg) + np.cumsum(dlam[..., ::-1], -1)[..., ::-1]
-    eY = e[..., None] * dY
-    dC = (dCB @ ch.B)[:, :, 0] + (e[..., None] * dYS).sum(2)
-    dB = (swap(dCB, -1, -2) @ ch.C)[:, :, 0] + ((to_end[..., None] * ch.u) @ dS).sum(2)
-    dS_in = e[..., -1, None, None] * dS + swap(eY, -1, -2) @ ch.C
+    dl = segment_sums_backward(dseg) + _from_end(dlam)
+    dC = (adj.dCB @ ch.B)[:, :, 0] + (e[..., None] * adj.dYS).sum(2)
+    dB = (swap(adj.dCB, -1, -2) @ ch.C)[:, :, 0] + ((to_end[..., None] * ch.u) @ dS).sum(2)
+    dS_in = e[..., -1, None, None] * dS + swap(e[..., None] * dY, -1, -2) @ ch.C
     return du, dl, dB, dC, dS_in
 
 
@@ -440,7 +434,6 @@ class _Tangents(NamedTuple):
     x: np.ndarray
     u: np.ndarray  # tdt + tdt_bias
     delta: np.ndarray
-    a: np.ndarray
     A: np.ndarray  # (G, Hg, 1)
     B: np.ndarray
     C: np.ndarray
@@ -457,18 +450,12 @@ def _fold_tangents(
         tu += tbias.reshape(f.A.shape)
     tdelta = c.sig.reshape(tu.shape) * tu
     tA = zero(f.A) if tA is None else tA.reshape(f.A.shape)
-    ta = f.a * (tdelta * f.A + f.delta * tA)
     tx = zero(f.x) if tx is None else tx.reshape(f.x.shape)
     tB = zero(f.B) if tB is None else tB.reshape(f.B.shape)
     tC = zero(f.C) if tC is None else tC.reshape(f.C.shape)
     tD = None if tD is None else tD.reshape(f.A.shape + (1,))
     tS0 = np.zeros(c.starts.shape[1:], c.x.dtype) if tS is None else tS.reshape(c.starts.shape[1:])
-    return _Tangents(tx, tu, tdelta, ta, tA, tB, tC, tD, tS0)
-
-
-def _tangent_step(f: _Folded, t: _Tangents, i, P, tP):
-    """``tS_i = ta_i S_{i-1} + a_i tS_{i-1} + t(delta_i x_i B_i^T)``, from ``P = S_{i-1}``, ``tP = tS_{i-1}``."""
-    return t.a[..., i, None, None] * P + f.a[..., i, None, None] * tP + _write(f, i, t.delta, t.x, t.B)
+    return _Tangents(tx, tu, tdelta, tA, tB, tC, tD, tS0)
 
 
 def mamba2_scan_jvp(cache: Mamba2ScanCache, *tangents):
@@ -561,9 +548,9 @@ def mamba2_scan_backward_jvp(
     ddfinal_state: Optional[np.ndarray] = None,
 ):
     """Second order of ``mamba2_scan``: the backward's gradients and their tangents along
-    ``tangents`` (``mamba2_scan_jvp``'s order), ``ddout`` and ``ddfinal_state`` (None: zero); the
-    lines of ``reference.mamba2_scan_backward_jvp``, chunk by chunk (the forward's tangents kept at
-    each chunk's start, the chunk's states and tangents rebuilt from them).
+    ``tangents`` (``mamba2_scan_jvp``'s order), ``ddout`` and ``ddfinal_state`` (None: zero): the
+    tangent of the chunked backward, chunk by chunk in matrix form (``_chunk_backward_tangent``;
+    the sums of ``reference.mamba2_scan_backward_jvp``).
 
     Returns
     -------
@@ -582,15 +569,51 @@ def mamba2_scan_backward_jvp(
     return mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout, dfinal_state, ddfinal_state)
 
 
+def _chunk_backward_tangent(ch: _Chunk, tc: _ChunkTangent, adj: _Adjoint, S, tS, dY, tdY, dS, tdS):
+    """The tangent of ``_chunk_backward``'s outputs, each of its lines by the product rule
+    (``te = e tLam``, ``tE_c.`` the last row of ``tE``; ``segment_sums_backward`` and the sums from
+    the end are linear)::
+
+        tdP = tdY u^T + dY tu^T;   td(C B^T) = tE * dP + E * tdP;   tw = tB dS'^T + B tdS'^T
+        tdseg = t(E * C B^T) * dP + (E * C B^T) * tdP   (+ the last row's tangent)
+        tdu = t(E * C B^T)^T dY + (E * C B^T)^T tdY + tE_c. w + E_c. tw
+        tdLam_i = te_i <(dY S)_i, C_i> + e_i (<(tdY S + dY tS)_i, C_i> + <(dY S)_i, tC_i>)
+        tdC = td(C B^T) B + d(C B^T) tB + diag(te) dY S + diag(e) (tdY S + dY tS)
+        tdB = td(C B^T)^T C + d(C B^T)^T tC + (tE_c. u + E_c. tu) dS' + (E_c. u) tdS'
+        tdS_in = te_c dS' + e_c tdS' + (diag(te) dY + diag(e) tdY)^T C + (diag(e) dY)^T tC
+    """
+    swap = np.swapaxes
+    to_end, tto_end = ch.decay[..., -1, :], tc.decay[..., -1, :]
+    e = np.exp(ch.lam)
+    te = e * tc.lam
+    tdP = tdY @ swap(ch.u, -1, -2) + dY @ swap(tc.u, -1, -2)
+    tdCB = (tc.decay * adj.dP + ch.decay * tdP).sum(2, keepdims=True)
+    tdseg = tc.scores * adj.dP + ch.scores * tdP
+    tw = tc.B @ swap(dS, -1, -2) + ch.B @ swap(tdS, -1, -2)
+    tdu = swap(tc.scores, -1, -2) @ dY + swap(ch.scores, -1, -2) @ tdY
+    tdu += tto_end[..., None] * adj.w + to_end[..., None] * tw
+    tdseg[..., -1, :] += tto_end * (ch.u * adj.w).sum(-1) + to_end * (tc.u * adj.w + ch.u * tw).sum(-1)
+    tdYS = tdY @ S + dY @ tS
+    tdlam = te * (adj.dYS * ch.C).sum(-1) + e * (tdYS * ch.C + adj.dYS * tc.C).sum(-1)
+    tdlam[..., -1] += te[..., -1] * (dS * S).sum((-2, -1)) + e[..., -1] * (tdS * S + dS * tS).sum((-2, -1))
+    tdl = segment_sums_backward(tdseg) + _from_end(tdlam)
+    tdC = (tdCB @ ch.B + adj.dCB @ tc.B)[:, :, 0] + (te[..., None] * adj.dYS + e[..., None] * tdYS).sum(2)
+    tdB = (swap(tdCB, -1, -2) @ ch.C + swap(adj.dCB, -1, -2) @ tc.C)[:, :, 0]
+    tdB += ((tto_end[..., None] * ch.u + to_end[..., None] * tc.u) @ dS + (to_end[..., None] * ch.u) @ tdS).sum(2)
+    teY = te[..., None] * dY + e[..., None] * tdY
+    tdS_in = te[..., -1, None, None] * dS + e[..., -1, None, None] * tdS
+    tdS_in += swap(teY, -1, -2) @ ch.C + swap(e[..., None] * dY, -1, -2) @ tc.C
+    return tdu, tdl, tdB, tdC, tdS_in
+
+
 def _tangent_starts(c, f: _Folded, t: _Tangents, spans) -> np.ndarray:
     """The forward's tangents ``tS`` entering each chunk (as ``c.starts`` holds the states)."""
     tstarts = np.empty(c.starts.shape, c.x.dtype)
     tS = t.S0
     for k, (s, e) in enumerate(spans):
         tstarts[k] = tS
-        states = _chunk_states(f, c.starts[k], s, e)
-        for i in range(s, e):
-            tS = _tangent_step(f, t, i, states[i - s], tS)
+        ch = _chunk(f, s, e)
+        tS = _chunk_jvp_state(ch, _chunk_tangent(f, t, ch, s, e), c.starts[k], tS)
     return tstarts
 
 
@@ -607,60 +630,31 @@ def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_st
         dS[...] = dfinal_state.reshape(dS.shape)
     if ddfinal_state is not None:
         tdS[...] = ddfinal_state.reshape(dS.shape)
-    zero = np.zeros_like
-    dx, ddelta, da, dB, dC = zero(f.x), zero(f.delta), zero(f.delta), zero(f.B), zero(f.C)
-    tdx, tddelta, tda, tdB, tdC = zero(f.x), zero(f.delta), zero(f.delta), zero(f.B), zero(f.C)
+    empty = np.empty_like
+    dU, dl, dB, dC = empty(f.x), empty(f.delta), empty(f.B), empty(f.C)  # U = delta x, l = delta A
+    tdU, tdl, tdB, tdC = empty(f.x), empty(f.delta), empty(f.B), empty(f.C)
     for k, (s, e) in reversed(list(enumerate(spans))):
-        states = _chunk_states(f, c.starts[k], s, e)
-        tstates = np.empty_like(states)
-        tS = tstarts[k]
-        for i in range(s, e):
-            tstates[i - s] = tS
-            tS = _tangent_step(f, t, i, states[i - s], tS)
-        for i in reversed(range(s, e)):
-            P, tP = states[i - s], tstates[i - s]
-            xt, txt, do, tdo = f.x[..., i, :], t.x[..., i, :], do_all[..., i, :], tdo_all[..., i, :]
-            dt_, tdt_ = f.delta[..., i, None], t.delta[..., i, None]
-            at, tat = f.a[..., i, None, None], t.a[..., i, None, None]
-            Bt, tBt = f.B[:, :, None, i], t.B[:, :, None, i]
-            Ct, tCt = f.C[:, :, None, i], t.C[:, :, None, i]
-            St = at * P + _write(f, i)
-            tSt = _tangent_step(f, t, i, P, tP)
-            dS += do[..., :, None] * Ct[..., None, :]
-            tdS += tdo[..., :, None] * Ct[..., None, :] + do[..., :, None] * tCt[..., None, :]
-            dC[:, :, i] = np.einsum("rghpn,rghp->rgn", St, do)
-            tdC[:, :, i] = np.einsum("rghpn,rghp->rgn", tSt, do) + np.einsum("rghpn,rghp->rgn", St, tdo)
-            da[..., i] = (dS * P).sum((-2, -1))
-            tda[..., i] = (tdS * P).sum((-2, -1)) + (dS * tP).sum((-2, -1))
-            w = (dS @ Bt[..., None])[..., 0]
-            tw = (tdS @ Bt[..., None])[..., 0] + (dS @ tBt[..., None])[..., 0]
-            ddelta[..., i] = (xt * w).sum(-1)
-            tddelta[..., i] = (txt * w).sum(-1) + (xt * tw).sum(-1)
-            dx[..., i, :] = dt_ * w
-            tdx[..., i, :] = tdt_ * w + dt_ * tw
-            v = np.einsum("rghpn,rghp->rghn", dS, xt)
-            tv = np.einsum("rghpn,rghp->rghn", tdS, xt) + np.einsum("rghpn,rghp->rghn", dS, txt)
-            dB[:, :, i] = (dt_ * v).sum(2)
-            tdB[:, :, i] = (tdt_ * v + dt_ * tv).sum(2)
-            tdS = tat * dS + at * tdS
-            dS = at * dS
-    grads = _grads_out(c, f, dx, ddelta, da * f.a, dB, dC, do_all, dS)
-    # off the walk (reference.mamba2_scan_backward_jvp): a = exp(delta A), the skip, the step sizes
-    heads = c.x.shape[-3]
-    g, tg = da * f.a, tda * f.a + da * t.a
-    ddelta_all = ddelta + g * f.A
-    tddelta = tddelta + tg * f.A + g * t.A
-    tdA = _per_head(tg * f.delta + g * t.delta, heads)
+        ch, S, dY, tdY = _chunk(f, s, e), c.starts[k], do_all[..., s:e, :], tdo_all[..., s:e, :]
+        adj = _adjoint(ch, S, dY, dS)
+        tg = _chunk_backward_tangent(ch, _chunk_tangent(f, t, ch, s, e), adj, S, tstarts[k], dY, tdY, dS, tdS)
+        tdU[..., s:e, :], tdl[..., s:e], tdB[:, :, s:e], tdC[:, :, s:e], tdS = tg
+        g = _chunk_backward(ch, S, dY, dS, adj)
+        dU[..., s:e, :], dl[..., s:e], dB[:, :, s:e], dC[:, :, s:e], dS = g
+    grads = _grads_out(c, f, f.delta[..., None] * dU, (f.x * dU).sum(-1), dl, dB, dC, do_all, dS)
+    tdx, tddelta = _tangents_through_u_and_l(f, t, dU, tdU, dl, tdl)
     tdD = None
     if c.D is not None:
         tdx += c.D.reshape(f.A.shape + (1,)) * tdo_all
-        tdD = _per_head(tdo_all * f.x + do_all * t.x, heads)
+        tdD = _per_head(tdo_all * f.x + do_all * t.x, c.x.shape[-3])
     if t.D is not None:
         tdx += t.D * do_all
+    # delta = clip(softplus(u)): du = ddelta s, s' = s (1 - s)
     sig = c.sig.reshape(f.delta.shape)
-    tdu = tddelta * sig + ddelta_all * sig * (1.0 - sig) * t.u
-    tdbias = _per_head(tdu, heads) if c.has_dt_bias else None
+    ddelta = (f.x * dU).sum(-1) + dl * f.A
+    tdu = tddelta * sig + ddelta * sig * (1.0 - sig) * t.u
+    tdbias = _per_head(tdu, c.x.shape[-3]) if c.has_dt_bias else None
     tdinit = tdS.reshape(_state_shape(c)) if c.has_initial_state else None
+    tdA = _per_head(tdl * f.delta + dl * t.delta, c.x.shape[-3])
     tgrads = (
         tdx.reshape(c.x.shape),
         tdu.reshape(c.dt.shape),
@@ -672,3 +666,10 @@ def mamba2_scan_backward_jvp_kernel(dout, cache, tangents, ddout=None, dfinal_st
         tdinit,
     )
     return grads, tgrads
+
+
+def _tangents_through_u_and_l(f: _Folded, t: _Tangents, dU, tdU, dl, tdl):
+    """``(tdx, tddelta)`` from the tangents of ``dU`` (``U = delta x``) and ``dl`` (``l = delta A``;
+    the textbook's ``g = da a``): ``dx = delta dU``, ``ddelta = x . dU + dl A``, by the product rule."""
+    tdx = t.delta[..., None] * dU + f.delta[..., None] * tdU
+    return tdx, (t.x * dU + f.x * tdU).sum(-1) + tdl * f.A + dl * t.A
