@@ -348,13 +348,13 @@ def mamba2_scan_backward_kernel(dout, cache, dfinal_state=None):
     dS = np.zeros(c.starts.shape[1:], c.x.dtype)
     if dfinal_state is not None:
         dS[...] = dfinal_state.reshape(dS.shape)
-    du, dl = np.empty_like(f.x), np.empty_like(f.delta)
+    dU, dl = np.empty_like(f.x), np.empty_like(f.delta)  # U = delta x, l = delta A
     dB, dC = np.empty_like(f.B), np.empty_like(f.C)
     for k, (s, e) in reversed(list(enumerate(_chunks(f.x.shape[-2], c.chunk_size)))):
         g = _chunk_backward(_chunk(f, s, e), c.starts[k], do_all[..., s:e, :], dS)
-        du[..., s:e, :], dl[..., s:e], dB[:, :, s:e], dC[:, :, s:e], dS = g
-    # u = delta x: dx = delta du, ddelta = x . du (and l = delta A: ddelta += dl A, in _grads_out)
-    dx, ddelta = f.delta[..., None] * du, (f.x * du).sum(-1)
+        dU[..., s:e, :], dl[..., s:e], dB[:, :, s:e], dC[:, :, s:e], dS = g
+    # U = delta x: dx = delta dU, ddelta = x . dU (and l = delta A: ddelta += dl A, in _grads_out)
+    dx, ddelta = f.delta[..., None] * dU, (f.x * dU).sum(-1)
     return _grads_out(c, f, dx, ddelta, dl, dB, dC, do_all, dS)
 
 
@@ -368,6 +368,7 @@ class _Adjoint(NamedTuple):
 
 
 def _adjoint(ch: _Chunk, S, dY, dS) -> _Adjoint:
+    """The chunk's products with ``dY`` (``dL/dY``) and ``dS`` (``dL/dS'``), see ``_Adjoint``."""
     dP = dY @ np.swapaxes(ch.u, -1, -2)
     dCB = (ch.decay * dP).sum(2, keepdims=True)  # the heads of a group share C B^T
     return _Adjoint(dP, dCB, ch.B @ np.swapaxes(dS, -1, -2), dY @ S)
