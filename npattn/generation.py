@@ -65,15 +65,17 @@ class PromptCache:
 
     What is reused when: layers that keep every key (full attention, MLA's latents) are cut back
     to any length.  Two kinds of caches cannot be: a recurrent state (gated DeltaNet, Kimi Delta
-    Attention, LFM2's short convolutions) sums every token seen, and a sliding window's rolling
+    Attention, Mamba-2, LFM2's short convolutions) sums every token seen, and a sliding window's rolling
     cache has dropped the keys older than its window (until it drops any, it is cut back as a full
-    one).  For them the cache also keeps what the end of the last prompt needs (the recurrent
-    states as they were there; the rolling caches keep the window before it), so a new prompt that
-    extends everything held runs on from there; else one that extends the last prompt (a chat's
-    next turn, however its template renders the reply) resumes at that prompt's end (a rolling
-    cache at the common prefix); else (a prompt that leaves the last one before its end, or is a
-    prefix of it: the same prompt again, since its last token must run) the whole prompt runs
-    again.  With LongRoPE (``CausalLM.reencode_length``) keys are reused only when they were
+    one).  With them, a call runs its prompt's last token apart, and the cache also keeps what the
+    end of the last prompt and the point before its last token need (the recurrent states as they
+    were there; the rolling caches keep the window before it), so a new prompt that extends
+    everything held runs on from there; else one that extends the last prompt (a chat's next turn,
+    however its template renders the reply) resumes at that prompt's end (a rolling cache at the
+    common prefix); else one that shares all but the last token of it (the same prompt again, a
+    reply regenerated, since a prompt's last token always runs) resumes before that token; else
+    (a prompt that leaves the last one earlier) the whole prompt runs again.  With LongRoPE
+    (``CausalLM.reencode_length``) keys are reused only when they were
     rotated with the frequencies a fresh run of the prompt uses.
     ``reused`` says how many prompt tokens the last call did not run.
 
@@ -109,6 +111,9 @@ class PromptCache:
     >>> out = model.generate(turn, 3, prompt_cache=cache)
     >>> cache.reused, bool(np.array_equal(out, model.generate(turn, 3)))
     (4, True)
+    >>> again = model.generate(turn, 3, prompt_cache=cache)         # the same prompt: before its last token
+    >>> cache.reused, bool(np.array_equal(again, out))
+    (6, True)
     >>> _ = model.generate(np.array([1, 2, 5]), 3, prompt_cache=cache)
     >>> cache.reused                                              # inside the old prompt: all again
     0
@@ -123,6 +128,9 @@ class PromptCache:
             )
         self._model = model
         self._holders = holders
+        # a cache that cannot be cut back anywhere (a recurrent state, a rolling window): the
+        # prompt's last token runs apart, so that the point before it is marked too (_decode)
+        self._splits = not all(h._rewinds_anywhere() for h in holders)
         self._busy = False  # a call holds the caches (they are in the model)
         self.reused = 0
         self.reset()
@@ -159,9 +167,10 @@ class PromptCache:
     def _clear(self) -> None:
         self._tokens = np.zeros(0, np.int64)
         self._states: list | None = None  # each holder's _cache_state(), taken out of the model
-        self._marks: list | None = None  # each holder's _cache_mark at the end of the last prompt
-        self._mark_at = 0  # that prompt's length (0: none)
-        self._pending: tuple = (None, 0)  # this call's marks, kept once it ends well
+        # (n, each holder's _cache_mark(n)) at the end of the last prompt, then (where the model
+        # has caches that cannot be cut back anywhere) before its last token
+        self._points: list = []
+        self._pending: list = []  # this call's points, kept once it ends well
         self._long = False  # LongRoPE: the held keys were rotated with the long factors
         self._dtype = None
 
@@ -185,9 +194,7 @@ class PromptCache:
         tokens of ``ids`` the model holds now (the rest is to be run)."""
         if self._busy:
             raise ValueError("prompt_cache: in use by a stream that has not ended; close it or use another cache")
-        model, held, states, marks, mark_at, long_ = (
-            self._model, self._tokens, self._states, self._marks, self._mark_at, self._long,
-        )  # fmt: skip
+        model, held, states, points, long_ = self._model, self._tokens, self._states, self._points, self._long
         dtype = self._dtype
         self._busy, self.reused = True, 0
         self._clear()  # what it held is the model's now, until _store
@@ -202,8 +209,9 @@ class PromptCache:
                 return 0
             for holder, state in zip(self._holders, states):
                 holder._set_cache_state(state)
-            marks = marks if marks is not None else [None] * len(self._holders)
-            for at in (n, mark_at):
+            # the common prefix (everything held, or a cache cut back), else the marked points
+            tries = [(n, points[0][1] if points else [None] * len(self._holders))] + points
+            for at, marks in tries:
                 if 0 < at <= n and all(h._can_rewind(at, k) for h, k in zip(self._holders, marks)):
                     for h, k in zip(self._holders, marks):
                         h._rewind_cache(at, k)
@@ -217,8 +225,9 @@ class PromptCache:
             raise
 
     def _mark(self, n: int) -> None:
-        """The model has just run a whole prompt of ``n`` tokens: remember this point."""
-        self._pending = ([h._cache_mark(n) for h in self._holders], n)
+        """The model has just run the first ``n`` tokens of the prompt (all of them, or all but the
+        last): remember this point, the later first."""
+        self._pending.insert(0, (n, [h._cache_mark(n) for h in self._holders]))
 
     def _store(self, tokens: np.ndarray | None) -> None:
         """The call ends: take the model's caches, which hold ``tokens`` (None: not usable)."""
@@ -226,14 +235,27 @@ class PromptCache:
         if tokens is None:
             self._clear()
             return
-        marks, mark_at = self._pending
+        points = self._pending
         self._clear()
         self._states = [h._cache_state() for h in self._holders]
         self._tokens = np.array(tokens, dtype=np.int64)
-        self._marks, self._mark_at = marks, mark_at
+        self._points = points
         reencode = getattr(self._model, "reencode_length", None)
         self._long = reencode is not None and len(tokens) >= reencode
         self._dtype = getattr(self._model, "dtype", None)
+
+
+def _before_last(model, out: np.ndarray, start: int, prompt_cache: PromptCache, kw: dict) -> int:
+    """Where the prompt cache holds a cache that cannot be cut back anywhere (``PromptCache._splits``),
+    run the prompt ``out (1, L)`` from ``start`` up to its last token and mark that point (the same
+    prompt sent again, whose last token must run, resumes there); returns where the rest starts."""
+    last = out.shape[1] - 1
+    if not prompt_cache._splits:
+        return start
+    if last > start:
+        model(out[:, start:last], use_cache=True, **kw)
+    prompt_cache._mark(last)
+    return last
 
 
 def check_sampling(temperature, top_k, eos_id):
@@ -668,6 +690,8 @@ def _decode(model, out: np.ndarray, n: int, choose, *, context_size=None, use_ca
                         if _keeps_logits(model):
                             kw["logits_to_keep"] = 1
                         fed = -1
+                        if resumed and not primed:
+                            start = _before_last(model, out, start, prompt_cache, kw)
                         logits = model(out[:, start:], use_cache=True, **kw)
                         fed = out.shape[1]
                         if resumed and not primed:

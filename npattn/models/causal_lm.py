@@ -1243,6 +1243,9 @@ class CausalLM(Module):
     def _rewind_cache(self, n: int, mark) -> None:
         object.__setattr__(self, "_seen", n)
 
+    def _rewinds_anywhere(self) -> bool:
+        return True
+
     def prompt_cache(self):
         """An empty ``npattn.generation.PromptCache`` of this model: pass it to ``generate`` or
         ``stream`` as ``prompt_cache=`` to keep the layers' caches between calls and reuse the

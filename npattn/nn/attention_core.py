@@ -467,6 +467,10 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         flat = (lambda a: a) if self.qk_norm_scope == "head" else (lambda a: None if a is None else a.reshape(-1))
         return (q(dx), flat(dw)), (q(tdx), flat(tdw))
 
+    def _rewinds_anywhere(self) -> bool:
+        """``_KeysCacheHooks``': False where the cache is a rolling window's."""
+        return self._rolling_keep() is None
+
     def _rolling_keep(self) -> int | None:
         """How many past tokens a later query can still see (a rolling KV cache), None for all."""
         w = self.window

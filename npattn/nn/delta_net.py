@@ -185,6 +185,9 @@ class RecurrentLayer(Module):
         if n != self._cache_length:
             self._set_cache_state(mark)
 
+    def _rewinds_anywhere(self) -> bool:
+        return False
+
     @property
     def kv_cache_length(self) -> int:
         """The number of tokens decoded since the last reset (0 when the cache is empty)."""

@@ -213,8 +213,9 @@ class RollingKVCache(KVCache):
 
     def pin(self, n: int) -> None:
         """Keep, through later ``trim()`` calls, the ``keep`` tokens before position ``n`` (what
-        ``crop(n)`` needs), until the next ``crop`` or ``reset``: the cache then holds at most
-        ``keep`` more tokens than the ones after ``n``.
+        ``crop(n)`` needs, and a crop to any later position), until the next ``crop`` or
+        ``reset``: the cache then holds at most ``keep`` more tokens than the ones after ``n``.
+        Of several pins the earliest holds.
 
         Examples
         --------
@@ -228,7 +229,7 @@ class RollingKVCache(KVCache):
         >>> cache.length, cache.can_crop(3)                # positions 1 to 4 held
         (4, True)
         """
-        self.pinned = n
+        self.pinned = n if self.pinned is None else min(self.pinned, n)
 
     def trim(self) -> None:
         """Drop every token but the last ``keep`` (moved to the front; from ``pinned - keep`` on
@@ -255,10 +256,11 @@ class RollingKVCache(KVCache):
 class _KeysCacheHooks:
     """What a ``npattn.generation.PromptCache`` asks of a module that keeps its keys and values in
     ``self._kv_cache`` (a ``KVCache``, or None while empty): take out and put back the cache
-    (``_cache_state``, ``_set_cache_state``: what ``reset_kv_cache()`` empties), remember the end of
-    a prompt (``_cache_mark(n)``: a rolling cache pins it) and go back to a position
-    (``_can_rewind``, ``_rewind_cache``: the cache's ``crop``).  Every module with a decoding cache
-    has these five (the recurrent layers: ``npattn.nn.delta_net.RecurrentLayer``)."""
+    (``_cache_state``, ``_set_cache_state``: what ``reset_kv_cache()`` empties), remember a point
+    of a prompt (``_cache_mark(n)``: a rolling cache pins it) and go back to a position
+    (``_can_rewind``, ``_rewind_cache``: the cache's ``crop``), and say whether it can go back
+    anywhere without a mark (``_rewinds_anywhere``).  Every module with a decoding cache has these
+    six (the recurrent layers: ``npattn.nn.delta_net.RecurrentLayer``)."""
 
     _kv_cache: KVCache | None
 
@@ -278,3 +280,8 @@ class _KeysCacheHooks:
     def _rewind_cache(self, n: int, mark) -> None:
         if self._kv_cache is not None:
             self._kv_cache.crop(n)
+
+    def _rewinds_anywhere(self) -> bool:
+        """Whether the cache can be cut back to any position without a mark there (every key
+        kept); a module whose cache is a rolling window's says False."""
+        return True

@@ -220,6 +220,10 @@ class SharedKVAttention(_KeysCacheHooks, Module):
         object.__setattr__(self, "_kv_cache", None)
         object.__setattr__(self, "_last", None)
 
+    def _rewinds_anywhere(self) -> bool:
+        """``_KeysCacheHooks``': False where the cache is a rolling window's."""
+        return self.window is None
+
     def _set_cache_state(self, state: tuple) -> None:
         super()._set_cache_state(state)
         object.__setattr__(self, "_last", None)  # the last call's keys, read by the layers reusing them
