@@ -81,10 +81,13 @@ class PromptCache:
 
     Batch size 1 only: ``ids`` of shape ``(L,)`` or ``(1, L)``, no padding (an ``attention_mask``
     of ones is accepted); one cache per model (another model refused), used by one call at a time.
-    It holds what the model computed: after changing the weights, ``reset()`` it.  Another
+    It holds what the model computed with its weights as they were.  Another
     generate or stream on the same model while a call holding it is between two steps takes the
     model's cache: that call then re-encodes its tokens and the cache keeps the result; a call
-    that fails or is interrupted inside the model leaves the cache empty.
+    that fails or is interrupted inside the model leaves the cache empty.  A change of the weights
+    that npattn sees (a parameter's version: an optimizer step, ``load_state_dict``,
+    ``Module.to``, an assignment to ``.data``) makes the next call run its whole prompt; after
+    writing into a parameter's array in place, call ``p.bump_version()`` or ``reset()``.
 
     Parameters
     ----------
@@ -173,6 +176,7 @@ class PromptCache:
         self._pending: list = []  # this call's points, kept once it ends well
         self._long = False  # LongRoPE: the held keys were rotated with the long factors
         self._dtype = None
+        self._weights: tuple = ()  # _weights_seen() when the caches were stored
 
     def _check(self, model, ids: np.ndarray, mask) -> None:
         """``stream_tokens``' checks of its arguments against this cache."""
@@ -195,7 +199,7 @@ class PromptCache:
         if self._busy:
             raise ValueError("prompt_cache: in use by a stream that has not ended; close it or use another cache")
         model, held, states, points, long_ = self._model, self._tokens, self._states, self._points, self._long
-        dtype = self._dtype
+        dtype, weights = self._dtype, self._weights
         self._busy, self.reused = True, 0
         self._clear()  # what it held is the model's now, until _store
         try:
@@ -206,6 +210,8 @@ class PromptCache:
             reencode = getattr(model, "reencode_length", None)
             regime = reencode is None or long_ == (len(ids) >= reencode)
             if states is None or n == 0 or not regime or dtype != getattr(model, "dtype", None):
+                return 0
+            if weights != self._weights_seen():  # the weights changed since: nothing held is theirs
                 return 0
             for holder, state in zip(self._holders, states):
                 holder._set_cache_state(state)
@@ -243,6 +249,12 @@ class PromptCache:
         reencode = getattr(self._model, "reencode_length", None)
         self._long = reencode is not None and len(tokens) >= reencode
         self._dtype = getattr(self._model, "dtype", None)
+        self._weights = self._weights_seen()
+
+    def _weights_seen(self) -> tuple:
+        """Each parameter and its version (``npattn.Parameter``: bumped by every change npattn sees:
+        an optimizer step, ``load_state_dict``, ``Module.to``, an assignment to ``.data``)."""
+        return tuple((id(p), p._version) for p in self._model.parameters())
 
 
 def _before_last(model, out: np.ndarray, start: int, prompt_cache: PromptCache, kw: dict) -> int:

@@ -163,6 +163,37 @@ def test_another_call_in_between_takes_the_model_and_the_cache_stays_right():
     assert cache.reused == len(prompt) + 4  # everything held
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("change", ["assign", "load_state_dict", "bump_version", "to"])
+def test_a_change_of_the_weights_runs_the_whole_prompt_again(name, change):
+    """The caches hold what the old weights computed: after a change npattn sees (a parameter's
+    version), nothing is reused and the call equals a fresh one; with no change, everything is."""
+    model = CausalLM(tiny_config(name), rng=0)
+    cache = model.prompt_cache()
+    prompt = np.array([4, 8, 15, 16, 23])
+    out = model.generate(prompt, 3, prompt_cache=cache, eos_token_id=[])
+    more = np.concatenate([out, [7]])
+    model.generate(more, 2, prompt_cache=cache, eos_token_id=[])
+    assert cache.reused == len(out) - 1  # unchanged weights: everything held is reused
+    w = dict(model.named_parameters())["model.norm.weight"]
+    if change == "assign":
+        w.data = w.data * 1.5 + 0.5
+    elif change == "load_state_dict":
+        sd = model.state_dict()
+        sd["model.norm.weight"] = sd["model.norm.weight"] * 0.5 + 0.5
+        model.load_state_dict(sd)
+    elif change == "bump_version":
+        w.data[...] += 0.5  # in place: npattn cannot see it until told
+        w.bump_version()
+    else:
+        model.to(np.float32)
+        model.to(np.float64)
+    again = np.concatenate([more, [9]])
+    got = model.generate(again, 3, prompt_cache=cache, eos_token_id=[])
+    assert cache.reused == 0
+    np.testing.assert_array_equal(got, model.generate(again, 3, eos_token_id=[]))
+
+
 def test_a_forward_that_fails_leaves_the_cache_empty(monkeypatch):
     model = CausalLM(tiny_config("llama"), rng=0)
     cache = model.prompt_cache()
