@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from _families import FAMILIES
+from _hf64 import transformers_or_none
 from test_causal_lm_io import _model
 
 from npattn import no_grad
@@ -19,6 +20,7 @@ from npattn.models import CausalLM
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
+T = transformers_or_none()  # the oracle tests marked one by one (the others run without torch)
 
 # hidden and intermediate sizes of 256: a K-quant block is 256 values of a row
 LLAMA = dict(FAMILIES["llama"], hidden_size=256, intermediate_size=256, attention_bias=False, num_attention_heads=4)
@@ -286,6 +288,64 @@ ERNIE4_5 = dict(
 # Ministral 3: llama rows (permuted), YaRN over 2 original positions and the queries' scale by
 # position (attention.temperature_scale 0.5), so that the 7 positions of the tests cross it; untied
 MINISTRAL3 = dict(FAMILIES["ministral3"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
+# Falcon-H1: attention (4 heads of 64, 2 key/value heads) and Mamba-2 (8 heads of 64 over the inner
+# width 512, 2 groups of B, C of 16, 4 taps) side by side, the gated norm after the gate (llama.cpp's
+# order), no projection biases (llama.cpp reads none); muP multipliers that are powers of two, which
+# the converter's folds multiply in exactly (FalconH1Model.modify_tensors: _falcon_h1_folded)
+FALCON_H1 = dict(
+    FAMILIES["falcon_h1"],
+    hidden_size=256,
+    intermediate_size=256,
+    head_dim=64,
+    mamba_d_ssm=512,
+    mamba_n_heads=8,
+    mamba_d_head=64,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_chunk_size=256,
+    mamba_norm_before_gate=False,
+    projectors_bias=False,
+    rms_norm_eps=2.0**-17,  # one float32 holds (the file's)
+    embedding_multiplier=2.0,
+    lm_head_multiplier=0.25,
+    key_multiplier=0.5,
+    attention_in_multiplier=2.0,
+    attention_out_multiplier=0.5,
+    ssm_in_multiplier=0.25,
+    ssm_out_multiplier=2.0,
+    mlp_multipliers=[0.5, 4.0],
+    ssm_multipliers=[0.5, 2.0, 0.25, 4.0, 0.125],
+)
+# ... with multipliers as the released checkpoints' (no powers of two: each fold one float32 rounding
+# from the exact product), the MLP's biases (multiplied too), no gated norm, no convolution bias
+FALCON_H1_ROUNDED = dict(
+    FALCON_H1,
+    embedding_multiplier=5.656854249492381,
+    lm_head_multiplier=0.0390625 * 1.1,
+    key_multiplier=0.390625 * 1.3,
+    attention_in_multiplier=1.1,
+    attention_out_multiplier=0.9375 * 1.05,
+    ssm_in_multiplier=1.25 * 1.07,
+    ssm_out_multiplier=0.2357,
+    mlp_multipliers=[0.8838834764831844, 0.5859375 * 1.1],
+    ssm_multipliers=[0.3535533905932738, 0.25 * 1.3, 0.3535533905932738, 0.5, 0.3535533905932738],
+    mlp_bias=True,
+    mamba_rms_norm=False,
+    mamba_conv_bias=False,
+)
+# the multipliers FalconH1Model.modify_tensors multiplies into the weights (none in the metadata)
+_FALCON_H1_MULTIPLIERS = (
+    "embedding_multiplier",
+    "lm_head_multiplier",
+    "key_multiplier",
+    "attention_in_multiplier",
+    "attention_out_multiplier",
+    "ssm_in_multiplier",
+    "ssm_out_multiplier",
+    "mlp_multipliers",
+    "ssm_multipliers",
+)
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
 _MAMBA = ("mamba", "linear_attention")  # Granite 4.0's Mamba-2 layers (transformers 4's name and 5's)
@@ -477,6 +537,73 @@ def _lfm2_metadata(w, config):
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _falcon_h1_metadata(w, config):
+    """``FalconH1Model.set_gguf_parameters`` after ``Mamba2Model``'s: the sizes, the ``ssm.*`` keys
+    (``time_step_rank``: the inner width over ``mamba_d_head``), no multiplier, no RoPE width."""
+    H = config["hidden_size"]
+    w.add_context_length(64)
+    w.add_embedding_length(H)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_ssm_conv_kernel(config["mamba_d_conv"])
+    w.add_ssm_inner_size(config["mamba_d_ssm"])
+    w.add_ssm_state_size(config["mamba_d_state"])
+    w.add_ssm_time_step_rank(config["mamba_d_ssm"] // config["mamba_d_head"])
+    w.add_ssm_group_count(config["mamba_n_groups"])
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    w.add_vocab_size(config["vocab_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+
+
+def _falcon_h1_folded(sd: dict, config: dict) -> dict:
+    """``sd`` with the multipliers ``FalconH1Model.modify_tensors`` multiplies into the weights (and
+    biases), in its order and in float32 (its torch products of float32 tensors), matched by name
+    as it matches them; any other config's ``sd`` as it is."""
+    if config["model_type"] != "falcon_h1":
+        return sd
+    c, f = config, np.float32
+    mlp, ssm = c.get("mlp_multipliers") or [1.0, 1.0], c.get("ssm_multipliers") or [1.0] * 5
+    inner, gn = c["mamba_d_ssm"], c["mamba_n_groups"] * c["mamba_d_state"]
+    bounds = [0, inner, 2 * inner, 2 * inner + gn, 2 * inner + 2 * gn, None]
+    out = {}
+    for key, v in sd.items():
+        v = np.asarray(v, np.float32)
+        if "down_proj" in key:
+            v = v * f(mlp[1])
+        elif "gate_proj" in key:
+            v = v * f(mlp[0])
+        elif "k_proj" in key:
+            v = v * f(c["key_multiplier"]) * f(c["attention_in_multiplier"])
+        elif "q_proj" in key or "v_proj" in key:
+            v = v * f(c["attention_in_multiplier"])
+        elif "o_proj" in key:
+            v = v * f(c["attention_out_multiplier"])
+        elif "out_proj" in key:
+            v = v * f(c["ssm_out_multiplier"])
+        elif "in_proj" in key:  # then z, x, B, C and dt's rows each by its own
+            v = v * f(c["ssm_in_multiplier"])
+            for i in range(5):
+                v[bounds[i] : bounds[i + 1]] *= f(ssm[i])
+        elif "lm_head" in key:
+            v = v * f(c["lm_head_multiplier"])
+        elif "embed_tokens" in key:
+            v = v * f(c["embedding_multiplier"])
+        out[key] = v
+    return out
+
+
+def _file_config(config: dict) -> dict:
+    """The config of the model a file of ``config``'s model holds: a Falcon-H1's multipliers folded
+    into its weights (``_falcon_h1_folded``), so none (all 1); any other config as it is."""
+    if config["model_type"] != "falcon_h1":  # (Granite's multipliers of the same names are metadata)
+        return config
+    return {k: v for k, v in config.items() if k not in _FALCON_H1_MULTIPLIERS}
+
+
 def _exaone4_metadata(w, config):
     """``Exaone4Model.set_gguf_parameters``: the vocabulary's size and, where the config (with its
     class defaults) has a window, the window and one flag per layer, true where it slides."""
@@ -494,6 +621,8 @@ def _metadata(w, config, arch):
     and the architecture's own keys)."""
     if arch == "phi3":
         return _phi3_metadata(w, config)
+    if arch == "falcon-h1":
+        return _falcon_h1_metadata(w, config)
     if arch in ("lfm2", "lfm2moe"):
         return _lfm2_metadata(w, config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
@@ -650,6 +779,7 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
         sd = _phi3_checkpoint(sd)
     if config["model_type"] in _GRANITE_MOES:  # the released checkpoint's names, which the converter reads
         sd = {_granitemoe_name(k): v for k, v in sd.items()}
+    sd = _falcon_h1_folded(sd, config)  # FalconH1Model: the multipliers into the weights
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
         if _granite_shared(key, config):  # the shared MLP: input_linear's halves, output_linear
@@ -818,6 +948,8 @@ CASES = [
     (EXAONE4, "exaone4"),
     (ERNIE4_5, "ernie4_5"),
     (MINISTRAL3, "mistral3"),
+    (FALCON_H1, "falcon-h1"),
+    (FALCON_H1_ROUNDED, "falcon-h1"),
 ]
 
 
@@ -825,7 +957,9 @@ CASES = [
 # files, OLMo 3's olmo2 files, GraniteMoeShared's and Granite 4.0's granite and granitemoe files)
 _CASE_NAMES = {"mixtral": "mixtral", "olmo3": "olmo3", "granitemoeshared": "granitemoeshared"}
 IDS = [
-    _CASE_NAMES.get(c["model_type"], a if c["model_type"] != "granitemoehybrid" else f"granite4-{a}") for c, a in CASES
+    _CASE_NAMES.get(c["model_type"], a if c["model_type"] != "granitemoehybrid" else f"granite4-{a}")
+    + ("-rounded" if c is FALCON_H1_ROUNDED else "")
+    for c, a in CASES
 ]
 
 
@@ -839,7 +973,7 @@ def _cases(*names):
 def test_f32_file_is_the_source_model(tmp_path, config, arch):
     _write(tmp_path / "m.gguf", config, _state(config), Q.F32, arch)
     loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
-    want = _state(config)
+    want = _falcon_h1_folded(_state(config), config)  # a Falcon-H1's multipliers in its weights, as written
     if arch in _GEMMAS:  # (w + 1) - 1 in float32: w to within a rounding of 1
         for k in want:
             if k.endswith("norm.weight"):
@@ -853,7 +987,7 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
     for k, v in want.items():
         np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
-    np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, config), ids))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(CausalLM.from_hf(want, _file_config(config)), ids))
     if arch == "smollm3":  # llama.cpp's NoPE layers: every fourth
         assert loaded.config.rope_layers == (True, True, True, False)
     if arch == "gemma2":  # the file's softcaps, not Gemma2Config's defaults (50, 30)
@@ -873,7 +1007,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
         assert not np.array_equal(held[f"blk.{i}.attn_q.weight"], want[f"model.layers.{i}.self_attn.q_proj.weight"])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     got = _logits(loaded, ids)
-    np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, config), ids))
+    np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, _file_config(config)), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
     # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
@@ -1000,6 +1134,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (EXAONE4_1_2B, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (ERNIE4_5, "ernie4_5", ("Ernie4_5Config", "Ernie4_5ForCausalLM")),
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
+        (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
+        (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1028,12 +1164,15 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "exaone4-1.2b",
         "ernie4_5",
         "ministral3",
+        "falcon-h1",
+        "falcon-h1-rounded",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
     """The file read in float64 is transformers' model (float64, eager) whose weights are the
-    values the file holds, in Hugging Face's conventions (its config the source's; Phi-3's
-    checkpoint fused).  Sequences of 7: past Phi-3's switch to the long factors (at 4)."""
+    values the file holds, in Hugging Face's conventions (its config the source's, a Falcon-H1's
+    without the multipliers its converter folded into those values; Phi-3's checkpoint fused).
+    Sequences of 7: past Phi-3's switch to the long factors (at 4)."""
     torch = pytest.importorskip("torch")
     T = pytest.importorskip("transformers")
     from _hf64 import hf_logits
@@ -1041,7 +1180,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
 
     sd = _state(config)
     want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
-    hf = _hf_model(T, classes, config)
+    hf = _hf_model(T, classes, _file_config(config))
     checkpoint = _phi3_checkpoint(want) if arch == "phi3" else _granite_checkpoint(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
@@ -1578,6 +1717,168 @@ def test_ernie4_5_rows_are_read_as_written_and_biases_refused(tmp_path):
         GGUF_FAMILIES["ernie4_5"].derive(dict(model_type="ernie4_5", attention_bias=False, mlp_bias=True), {})
 
 
+# Falcon-H1 files: the multipliers powers of two (folded exactly), as the released checkpoints'
+# (each fold one float32 rounding), and tied (no output tensor: llama.cpp's head the folded embedding)
+_FALCON_FILES = {
+    "falcon-h1": FALCON_H1,
+    "falcon-h1-rounded": FALCON_H1_ROUNDED,
+    "falcon-h1-tied": dict(FALCON_H1, tie_word_embeddings=True),
+}
+# the logits' relative distance from the checkpoint's network: none but float64's where the folds are
+# exact, a few float32 roundings of the weights where not
+_FALCON_TOLERANCE = {"falcon-h1": 1e-12, "falcon-h1-rounded": 1e-6, "falcon-h1-tied": 1e-12}
+
+
+def _falcon_h1_file(tmp_path, config):
+    """``(the F32 file's model in float64, the source's state with the file's A_log, the ids, the
+    factor from the source's logits to llama.cpp's)``: a tied file's head is the embedding times
+    ``embedding_multiplier`` where transformers multiplies ``lm_head_multiplier``."""
+    sd = _state(config)
+    _write(tmp_path / "m.gguf", config, sd, Q.F32, "falcon-h1")
+    g = CausalLM.from_gguf(tmp_path / "m.gguf", dtype=np.float64)
+    held = {k: g.state_dict()[k] if k.endswith("mamba.A_log") else v.astype(np.float64) for k, v in sd.items()}
+    tied = config.get("tie_word_embeddings")
+    factor = config["embedding_multiplier"] / config["lm_head_multiplier"] if tied else 1.0
+    return g, held, np.random.default_rng(1).integers(0, config["vocab_size"], (2, 7)), factor
+
+
+@pytest.mark.parametrize("name", _FALCON_FILES)
+def test_a_falcon_h1_file_is_the_checkpoint_s_network(tmp_path, name):
+    """FalconH1Model folds every muP multiplier into the weights and writes none: the file's model
+    (every multiplier 1, the folded weights) computes the source model's logits (its multipliers,
+    its weights; A_log the file's log(-A)), to float64's precision where the multipliers are powers
+    of two, to a few float32 roundings where not; a tied file's are llama.cpp's, the source's times
+    embedding_multiplier / lm_head_multiplier.  The multipliers are all 1 in the model read."""
+    from _oracles import rel_err
+
+    config = _FALCON_FILES[name]
+    g, held, ids, factor = _falcon_h1_file(tmp_path, config)
+    c = g.config
+    assert (c.embed_scale, c.logits_scaling, c.attention_scale) == (False, 1.0, 1 / 8)
+    assert c.hybrid_multipliers == (1.0,) * 4 and c.mlp_multipliers == (1.0, 1.0)
+    assert c.linear_attention.proj_multipliers is None and c.tie_word_embeddings == bool(factor != 1.0)
+    ref = _logits(CausalLM.from_hf(held, config, dtype=np.float64), ids) * factor
+    err = rel_err(_logits(g, ids), ref, floor=1e-300, relative_to="max_b")
+    assert err < _FALCON_TOLERANCE[name]
+    if name == "falcon-h1-rounded":  # the folds' roundings are there (the tolerance is not slack)
+        assert err > 1e-12
+
+
+@pytest.mark.skipif(T is None, reason="needs torch and transformers")
+@pytest.mark.parametrize("name", _FALCON_FILES)
+def test_a_falcon_h1_file_is_transformers_checkpoint(tmp_path, name):
+    """The file read in float64 against transformers' FalconH1ForCausalLM of the source config (its
+    multipliers) and weights (A_log the file's): 1e-9 where the folds are exact, a tied file's
+    logits llama.cpp's (the source's times embedding_multiplier / lm_head_multiplier)."""
+    import torch
+    from _hf64 import hf_logits
+    from _oracles import rel_err
+
+    config = _FALCON_FILES[name]
+    g, held, ids, factor = _falcon_h1_file(tmp_path, config)
+    hf = _hf_model(T, ("FalconH1Config", "FalconH1ForCausalLM"), config)
+    missing, unexpected = hf.load_state_dict({k: torch.from_numpy(v) for k, v in held.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    err = rel_err(_logits(g, ids), hf_logits(hf, ids) * factor, floor=1e-300, relative_to="max_b")
+    assert err < max(1e-9, _FALCON_TOLERANCE[name])
+
+
+@pytest.mark.parametrize("name", ["falcon-h1", "falcon-h1-rounded"])
+def test_a_falcon_h1_file_is_its_directory(tmp_path, name):
+    """save_pretrained of a Falcon-H1 file's model writes the folded weights and no multiplier (all
+    1): from_pretrained reads the same model (config, tensors, logits), and transformers'
+    FalconH1ForCausalLM reads it with the file's logits (float64, 1e-9)."""
+    config = _FALCON_FILES[name]
+    _write(tmp_path / "m.gguf", config, _state(config), Q.F32, "falcon-h1")
+    g = CausalLM.from_gguf(tmp_path / "m.gguf", dtype=np.float64)
+    g.save_pretrained(tmp_path / "dir")
+    d = CausalLM.from_pretrained(tmp_path / "dir")
+    assert d.config.replace(hf={}) == g.config.replace(hf={})
+    assert set(d.state_dict()) == set(g.state_dict())
+    for k, v in g.state_dict().items():
+        np.testing.assert_array_equal(d.state_dict()[k], v, err_msg=k)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 7))
+    np.testing.assert_array_equal(_logits(d, ids), _logits(g, ids))
+    if T is None:
+        return
+    import torch
+    from _hf64 import float64_reference
+    from _oracles import rel_err
+
+    read = T.AutoModelForCausalLM.from_pretrained(tmp_path / "dir", attn_implementation="eager")
+    with float64_reference():  # the model of the config read, its RoPE frequencies made in float64 too
+        hf = type(read)(read.config).double().eval()
+    hf.load_state_dict(read.state_dict())
+    assert read.dtype == torch.float64 and type(hf).__name__ == "FalconH1ForCausalLM"
+    hc = hf.config
+    assert (hc.embedding_multiplier, hc.lm_head_multiplier, hc.key_multiplier, hc.ssm_multipliers) == (1, 1, 1, [1] * 5)
+    assert (hc.mamba_norm_before_gate, hc.mamba_rms_norm) == (False, name == "falcon-h1")
+    with torch.no_grad(), float64_reference():
+        ref = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert rel_err(_logits(g, ids), ref, floor=1e-300, relative_to="max_b") < 1e-9
+
+
+def test_falcon_h1_files_llama_cpp_cannot_compute_are_refused_by_name(tmp_path):
+    """llama.cpp's falcon-h1 reads no bias of ssm_in or ssm_out (a file with one is refused naming
+    the tensor) and drops attn_output's while adding q/k/v's times attention_in_multiplier (a file
+    with attention biases is refused); a source whose norm comes before its gate is read as
+    llama.cpp computes it, gate first."""
+    for changes, tensor in ((dict(projectors_bias=True), "ssm_out.bias"), (dict(mamba_proj_bias=True), "ssm_in.bias")):
+        config = dict(FALCON_H1, **changes)
+        _write(tmp_path / "b.gguf", config, _state(config), Q.F32, "falcon-h1")
+        with pytest.raises(ValueError, match=rf"tensor 'blk.0.{tensor}' is not part of the falcon-h1 model"):
+            CausalLM.from_gguf(tmp_path / "b.gguf")
+    config = dict(FALCON_H1, attention_bias=True)
+    _write(tmp_path / "q.gguf", config, _state(config), Q.F32, "falcon-h1")
+    with pytest.raises(ValueError, match=r"q.gguf: tensors 'blk.\*.attn_q.bias': attention biases in a falcon-h1"):
+        CausalLM.from_gguf(tmp_path / "q.gguf")
+    config = dict(FALCON_H1, mamba_norm_before_gate=True)
+    _write(tmp_path / "n.gguf", config, _state(config), Q.F32, "falcon-h1")
+    assert CausalLM.from_gguf(tmp_path / "n.gguf").config.linear_attention.gated_norm == "gate_first"
+
+
+_FALCON_SSM = {"ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.inner_size": 512}
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ({"ssm.time_step_rank": 8}, None),
+        ({"ssm.time_step_rank": 8, "ssm.inner_size": 300}, r"'falcon-h1.ssm.inner_size' 300: expected a multiple of "),
+        (
+            {"ssm.time_step_rank": 8, "ssm.group_count": 3},
+            r"'falcon-h1.ssm.group_count' 3: expected a divisor of ssm.time_step_rank 8",
+        ),
+        ({}, r"metadata 'falcon-h1.ssm.time_step_rank': expected an integer >= 1 \(the Mamba-2 layers' mamba_n_heads"),
+        ({"ssm.time_step_rank": 8, "ssm.state_size": 0.5}, r"'falcon-h1.ssm.state_size': expected an integer >= 1"),
+    ],
+)
+def test_falcon_h1_mamba2_sizes_are_its_ssm_keys(meta, match):
+    """FalconH1Model's ssm.* keys: the inner width mamba_d_ssm (not a multiple of the hidden size:
+    Granite 4.0's check is not Falcon-H1's), time_step_rank heads of inner / heads; inconsistent
+    or missing sizes are refused naming the key."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["falcon-h1"].derive
+    config = {"model_type": "falcon_h1", "hidden_size": 384}
+    if match is None:
+        derive(config, dict(_FALCON_SSM, **meta))
+        assert config == dict(
+            model_type="falcon_h1",
+            hidden_size=384,
+            mamba_d_conv=4,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_n_heads=8,
+            mamba_d_ssm=512,
+            mamba_d_head=64,
+            mamba_chunk_size=256,
+        )
+        return
+    with pytest.raises(ValueError, match=match):
+        derive(config, dict(_FALCON_SSM, **meta))
+
+
 def test_mistral3_file_is_the_directory_s_model(tmp_path):
     """A mistral3 file with attention.temperature_scale is Ministral 3's: the queries' scale by
     position (beta 0.5, the length YaRN's original context, 2), YaRN with the file's betas and an
@@ -1644,7 +1945,7 @@ _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension
 
 # LFM2's head_count_kv is not optional: its zeros say which layers are convolutions (without it
 # llama.cpp, and npattn, take every layer for attention and find no attention tensors in layer 0)
-_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe", "granitehybrid")]
+_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1")]
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])

@@ -1557,8 +1557,8 @@ class CausalLM(Module):
         too), ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
         ``smollm3``, ``phi3``, ``granite``, ``granitemoe`` (GraniteMoeShared's and Granite 4.0's too),
         ``granitehybrid`` (Granite 4.0's hybrids, their Mamba-2 layers too), ``lfm2``, ``lfm2moe``,
-        ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5`` and
-        ``mistral3`` (Ministral 3's query scale by position) files of ``F32``,
+        ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``,
+        ``mistral3`` (Ministral 3's query scale by position) and ``falcon-h1`` files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
@@ -1571,7 +1571,9 @@ class CausalLM(Module):
         LFM2's layer types read off its per-layer ``head_count_kv`` and its squeezed convolution
         weights given back their unit axis, Granite 4.0's Mamba-2 layers off its per-layer
         ``head_count_kv`` and its ``ssm.*`` keys (``A_log`` from the stored ``A = -exp(A_log)``),
-        EXAONE 4.0's sliding (and so rotating) layers off its ``sliding_window_pattern``
+        EXAONE 4.0's sliding (and so rotating) layers off its ``sliding_window_pattern``; a
+        ``falcon-h1`` file's weights hold its muP multipliers (its converter multiplied them in and
+        kept no factor): read as they are, every multiplier 1, the network llama.cpp computes
         (``npattn.models.gguf``).
 
         Parameters

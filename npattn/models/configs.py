@@ -95,7 +95,8 @@ class GgufFamily:
     ``1 + w``), and ``derive(config, meta)``, which fills the entries llama.cpp derives rather than
     reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``).
     ``biases``: config key -> ``(weight, bias)`` tensor suffixes: where a block of the file holds
-    the weight, the key is whether a block holds the bias (the metadata says nothing of biases)."""
+    the weight, the key is whether a block holds the bias (the metadata says nothing of biases; nor
+    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``)."""
 
     model_type: str
     permute_qk: bool = False
@@ -334,8 +335,8 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
     )
 
 
-# Granite 4.0's Mamba-2 sizes <- GraniteHybridModel.set_gguf_parameters' ssm.* keys (time_step_rank
-# is the number of heads, its "mamba_n_heads"; the inner width is ssm.inner_size: _gguf_mamba2)
+# the Mamba-2 sizes <- Mamba2Model.set_gguf_parameters' ssm.* keys (Granite 4.0's, Falcon-H1's;
+# time_step_rank is the number of heads, "mamba_n_heads"; the inner width is ssm.inner_size: _gguf_mamba2)
 _GGUF_MAMBA2 = {
     "mamba_d_conv": "ssm.conv_kernel",
     "mamba_d_state": "ssm.state_size",
@@ -345,13 +346,14 @@ _GGUF_MAMBA2 = {
 
 
 def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
-    """Granite 4.0's Mamba-2 layers as ``GraniteHybridModel`` writes them: ``ssm.conv_kernel``
-    taps, ``ssm.state_size``, ``ssm.group_count`` groups, ``ssm.time_step_rank`` heads over
-    ``ssm.inner_size`` channels, that inner width ``mamba_expand * hidden_size`` (so a multiple of
-    ``embedding_length``) and ``mamba_n_heads * mamba_d_head``.  The file stores no chunk size
-    (a summation order, not another network: transformers' default, 256) and no ``time_step_limit``
-    (llama.cpp's scan clips no step: transformers' default, none); the biases are its tensors'
-    (``GgufFamily.biases``)."""
+    """The Mamba-2 layers' sizes as ``Mamba2Model.set_gguf_parameters`` writes them (Granite 4.0's
+    ``GraniteHybridModel``, Falcon-H1's ``FalconH1Model``): ``ssm.conv_kernel`` taps,
+    ``ssm.state_size``, ``ssm.group_count`` groups, ``ssm.time_step_rank`` heads over
+    ``ssm.inner_size`` channels (``mamba_n_heads * mamba_d_head``).  Granite 4.0's inner width is
+    ``mamba_expand * hidden_size`` (so a multiple of ``embedding_length``); Falcon-H1's is its own
+    ``mamba_d_ssm``.  The file stores no chunk size (a summation order, not another network:
+    transformers' default, 256) and no ``time_step_limit`` (llama.cpp's scan clips no step:
+    transformers' default, none); the biases are its tensors' (``GgufFamily.biases``)."""
     for key, suffix in (*_GGUF_MAMBA2.items(), ("inner", "ssm.inner_size")):
         v = meta.get(suffix)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -361,7 +363,7 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
         config[key] = v
     inner, hidden = config.pop("inner"), config["hidden_size"]
     heads, groups = config["mamba_n_heads"], config["mamba_n_groups"]
-    if inner % hidden:
+    if arch != "falcon-h1" and inner % hidden:
         raise ValueError(
             f"metadata '{arch}.ssm.inner_size' {inner}: expected a multiple of embedding_length {hidden} "
             "(Granite 4.0's inner width is mamba_expand * hidden_size)"
@@ -375,7 +377,40 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
         raise ValueError(
             f"metadata '{arch}.ssm.group_count' {groups}: expected a divisor of ssm.time_step_rank {heads}"
         )
-    config.update(mamba_expand=inner // hidden, mamba_d_head=inner // heads, mamba_chunk_size=256)
+    width = {"mamba_d_ssm": inner} if arch == "falcon-h1" else {"mamba_expand": inner // hidden}
+    config.update(width, mamba_d_head=inner // heads, mamba_chunk_size=256)
+
+
+def _gguf_falcon_h1(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``falcon-h1`` (``llama_model_falcon_h1``; ``FalconH1Model`` in
+    ``convert_hf_to_gguf.py``, a ``Mamba2Model``: q/k not permuted, llama.cpp's RoPE NeoX's): every
+    layer attention and Mamba-2 side by side (``_gguf_mamba2``: the ``ssm.*`` sizes).
+
+    The converter multiplies every muP multiplier into the weights and writes none of them
+    (``FalconH1Model.modify_tensors``): ``embedding_multiplier`` into ``token_embd``,
+    ``lm_head_multiplier`` into ``output``, ``attention_in_multiplier`` into ``attn_q``, ``attn_k``
+    and ``attn_v`` (``key_multiplier`` too into ``attn_k``), ``attention_out_multiplier`` into
+    ``attn_output``, ``ssm_in_multiplier`` and the five ``ssm_multipliers`` (the z, x, B, C and dt
+    rows) into ``ssm_in``, ``ssm_out_multiplier`` into ``ssm_out``, ``mlp_multipliers`` into
+    ``ffn_gate`` and ``ffn_down`` (their biases alike); llama.cpp's graph multiplies by nothing.
+    The factors are not in the file, so the folds cannot be undone: the model read keeps the
+    folded weights and every multiplier 1 (FalconH1Config's defaults), the network llama.cpp
+    computes, which is the checkpoint's up to the folds' roundings (one per weight, none where a
+    multiplier is a power of two).  A tied file (no ``output``) computes its logits with the folded
+    embedding, as llama.cpp does.
+
+    llama.cpp's Mamba-2 layer gates before its grouped norm (``mamba_norm_before_gate`` false),
+    which it applies where the file holds ``ssm_norm`` (``mamba_rms_norm``); it reads no bias of
+    ``ssm_in`` or ``ssm_out`` (``mamba_proj_bias``, ``projectors_bias`` false: a file with one is
+    refused by the tensor's name).  Attention biases are refused: llama.cpp adds q's, k's and v's
+    (multiplied by ``attention_in_multiplier`` where transformers adds them unmultiplied) and drops
+    ``attn_output``'s, no network of transformers' Falcon-H1."""
+    if config.get("attention_bias"):
+        raise ValueError(
+            "tensors 'blk.*.attn_q.bias': attention biases in a falcon-h1 file are not supported (llama.cpp adds q's, "
+            "k's and v's times attention_in_multiplier and drops attn_output's: not transformers' Falcon-H1)"
+        )
+    _gguf_mamba2(config, meta, "falcon-h1")
 
 
 # Granite's four numbers <- llama.cpp's names for them (GraniteModel.set_gguf_parameters)
@@ -391,14 +426,8 @@ _GGUF_GRANITE_KEYS = {
 }
 # the RoPE switch and GraniteHybridModel's Mamba-2 keys (read where a granitehybrid file has Mamba-2
 # layers: _gguf_mamba2; in a granite or granitemoe file they describe no layer of the model)
-_GGUF_GRANITE_READS = (
-    "rope.scaling.finetuned",
-    "ssm.conv_kernel",
-    "ssm.state_size",
-    "ssm.group_count",
-    "ssm.inner_size",
-    "ssm.time_step_rank",
-)
+_GGUF_SSM_READS = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.inner_size", "ssm.time_step_rank")
+_GGUF_GRANITE_READS = ("rope.scaling.finetuned", *_GGUF_SSM_READS)
 
 
 # the experts' counts (every MoE file) and width (Qwen's): config key <- metadata key
@@ -727,6 +756,22 @@ GGUF_FAMILIES = {
         biases={
             "mamba_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
             "mamba_proj_bias": ("ssm_in.weight", "ssm_in.bias"),
+        },
+    ),
+    # Falcon-H1: attention and Mamba-2 side by side in every layer, the muP multipliers folded into
+    # the weights by the converter (read as 1), the gated norm after the gate where ssm_norm is held
+    "falcon-h1": GgufFamily(
+        "falcon_h1",
+        extra={
+            "mamba_norm_before_gate": False,
+            "mamba_proj_bias": False,
+            "projectors_bias": False,
+        },
+        derive=_gguf_falcon_h1,
+        reads=_GGUF_SSM_READS,
+        biases={
+            "mamba_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
+            "mamba_rms_norm": ("ssm_in.weight", "ssm_norm.weight"),
         },
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)

@@ -10,7 +10,7 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
-Ministral 3's or Mistral Small 3.x's text model) and what each
+Ministral 3's or Mistral Small 3.x's text model, ``falcon-h1``, Falcon-H1's) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
@@ -59,7 +59,19 @@ Reading one:
    without ``.weight``); ``dt_bias`` as ``ssm_dt.bias``; the gated norm's weight ``(I,)`` as
    ``ssm_norm`` ``(n_group, I / n_group)`` (``_converter_shape``); the convolution ``(C, 1, K)``
    as ``ssm_conv1d`` ``(C, K)``; the biases of the convolution and of the projections are the
-   file's ``ssm_conv1d.bias`` and ``ssm_in.bias`` / ``ssm_out.bias`` where it has them.
+   file's ``ssm_conv1d.bias`` and ``ssm_in.bias`` / ``ssm_out.bias`` where it has them;
+7. a ``falcon-h1`` file (``FalconH1Model``, a ``Mamba2Model``: every layer attention and Mamba-2
+   side by side, stored as in 6., q/k not permuted; the MLP's norm ``blk.{i}.ffn_norm`` without
+   ``.weight``: ``_lookup``) holds its weights with every muP multiplier multiplied in and none in
+   the metadata: ``embedding_multiplier`` in ``token_embd``, ``lm_head_multiplier`` in ``output``,
+   ``attention_in_multiplier`` in ``attn_q``/``attn_k``/``attn_v`` (and ``key_multiplier`` in
+   ``attn_k``), ``attention_out_multiplier`` in ``attn_output``, ``ssm_in_multiplier`` and the
+   five ``ssm_multipliers`` (rows z, x, B, C, dt) in ``ssm_in``, ``ssm_out_multiplier`` in
+   ``ssm_out``, ``mlp_multipliers`` in ``ffn_gate`` and ``ffn_down``.  With the factors unknown the
+   folds cannot be undone: the model keeps the folded weights with every multiplier 1, the network
+   llama.cpp computes (the checkpoint's up to the folds' float32 roundings, exactly where a
+   multiplier is a power of two), and ``save_pretrained`` writes it so (``_gguf_falcon_h1`` in
+   ``models/configs.py``: the gate before the grouped norm, biases).
 """
 
 from __future__ import annotations
@@ -554,6 +566,17 @@ def _gguf_names(names, key: str) -> list:
     return [name if key.endswith((".weight", ".bias", *_BARE)) else name + ".weight"]
 
 
+def _lookup(names, cfg, key: str) -> str:
+    """The name under which gguf's ``TensorNameMap`` knows the model's ``key``: Llama's layer names
+    (``cfg.generic_name``: a family's own undone, as converters that know the generic names look
+    tensors up), or the family's own where the map knows only those (Falcon-H1's
+    ``pre_ff_layernorm.weight``, the file's ``blk.{i}.ffn_norm``, named without ``.weight``)."""
+    generic = cfg.generic_name(key)
+    if generic != key and _gguf_names(names, generic) == [generic] and _gguf_names(names, key) != [key]:
+        return key
+    return generic
+
+
 _CORRECTION = ".e_score_correction_bias"  # the sigmoid router's choice bias (LFM2-MoE's expert_bias)
 # the model's names the converters rename before mapping: LFM2-MoE's choice bias (e_score_correction.bias,
 # llama.cpp's exp_probs_b.bias), Mamba-2's dt_bias (dt_proj.bias, llama.cpp's ssm_dt.bias)
@@ -682,7 +705,7 @@ def read_gguf(path) -> tuple[dict, dict]:
                 fused = [tensors[n] for n in _gguf_names(names, whole)]
                 out[whole] = _GGUFTensor(whole, fused, mapping=getattr(f.reader, "mapping", None))
             continue
-        lookup = cfg.generic_name(key)  # the converter's names: a family's own layer names undone
+        lookup = _lookup(names, cfg, key)
         parts = [tensors.get(n) for n in _gguf_names(names, lookup)]
         experts = _per_expert(f, tensors, _gguf_names(names, lookup), model_shape, key)
         if experts is not None:
