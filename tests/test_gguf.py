@@ -2556,6 +2556,7 @@ def test_the_padding_id_is_generates_not_the_embeddings(tmp_path):
         (PHI3, "phi3", Q.Q4_K),
         (QWEN2_MOE, "qwen2moe", Q.Q4_K),
         (GRANITE4_HYBRID, "granitehybrid", Q.Q8_0),
+        (FALCON_H1, "falcon-h1", Q.Q4_K),
     ],
 )
 def test_bfloat16_storage_of_a_gguf_file(tmp_path, monkeypatch, config, arch, qtype, rows_at_a_time):
