@@ -145,7 +145,7 @@ LAYERS = {
     "Dropout": lambda: npattn.Dropout(0.3, rng=0),
     **{
         f"FeedForward-{act}": (lambda act=act: npattn.FeedForward(5, 7, activation=act, rng=0))
-        for act in ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+        for act in ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu")
     },
     "FeedForward-dropout": lambda: npattn.FeedForward(5, 7, activation="gelu", dropout=0.25, rng=0),
     "FeedForward-swiglu-dropout": lambda: npattn.FeedForward(5, 7, activation="swiglu", dropout=0.25, rng=0),
@@ -533,7 +533,7 @@ def test_latent_attention_second_order(kw, absorb):
 # -- mixture of experts ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "relu", "relu2"])
 def test_gated_mlp_second_order(act):
     from npattn.nn.moe import GatedMLP
 

@@ -84,7 +84,7 @@ def test_embedding_gradcheck(lead, num, dim, seed):
     lead=leads,
     d=st.integers(1, 3),
     d_ff=st.integers(1, 4),
-    activation=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
+    activation=st.sampled_from(["relu", "relu2", "gelu", "gelu_tanh"]),
     dropout=st.sampled_from([0.0, 0.3]),
     seed=seeds,
 )

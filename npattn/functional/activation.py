@@ -1,4 +1,4 @@
-"""Element-wise and row-wise nonlinearities: ``relu``, ``gelu``, ``silu``, ``softmax``, ``dropout``.
+"""Element-wise and row-wise nonlinearities: ``relu``, ``relu2``, ``gelu``, ``silu``, ``softmax``, ``dropout``.
 
 Each public op validates its arguments and calls the unvalidated kernel ``op_kernel`` below it; each public
 backward checks ``dout`` and that the cache is its own forward's, then calls ``op_backward_kernel``.
@@ -37,6 +37,11 @@ __all__ = [
     "relu_backward",
     "relu_jvp",
     "relu_backward_jvp",
+    "Relu2Cache",
+    "relu2",
+    "relu2_backward",
+    "relu2_jvp",
+    "relu2_backward_jvp",
     "gelu",
     "gelu_backward",
     "gelu_jvp",
@@ -67,6 +72,10 @@ _GELU_CLIP = 1e4
 class ReluCache(NamedTuple):
     positive: np.ndarray  # the mask x > 0
     dtype: np.dtype
+
+
+class Relu2Cache(NamedTuple):
+    r: np.ndarray  # max(x, 0)
 
 
 class GeluCache(NamedTuple):
@@ -108,6 +117,7 @@ def _jvp_example(op: str, args: str = "") -> str:
 
 _INPUT_OF = {  # the input's shape and dtype, from each activation's cache
     ReluCache: lambda c: (c.positive.shape, c.dtype),
+    Relu2Cache: lambda c: (c.r.shape, c.r.dtype),
     GeluCache: lambda c: (c.x.shape, c.x.dtype),
     SiluCache: lambda c: (c.x.shape, c.x.dtype),
     SoftmaxCache: lambda c: (c.y.shape, c.y.dtype),
@@ -265,6 +275,59 @@ relu_jvp, relu_jvp_kernel, relu_backward_jvp, relu_backward_jvp_kernel = _deriva
     backward_jvp="""``dx = dy * [x > 0]`` is linear in ``dy`` and its mask is
     piecewise constant in ``x`` (its derivative is 0 away from ``x = 0``, as torch's), so
     ``tdx = ddout * [x > 0]`` whatever ``tx`` is.""",
+)
+
+
+# ---------------------------------------------------------------------------------------- relu2
+
+
+@shared_doc(sections=_forward_sections("relu2", y="``max(x, 0)^2``, of ``x``'s shape and dtype."))
+def relu2(x: np.ndarray) -> tuple[np.ndarray, Relu2Cache]:
+    """Squared ReLU: ``y = max(x, 0)^2`` (Hugging Face's ``"relu2"``, ``ReLUSquaredActivation``;
+    Nemotron-H's MLPs).  Returns ``(y, cache)``; the cache keeps ``r = max(x, 0)``.
+
+    <sections>
+
+    <examples>
+    >>> y, cache = F.relu2(np.array([-1.0, 0.0, 3.0]))
+    >>> y
+    array([0., 0., 9.])
+    >>> F.relu2_backward(np.array([1.0, 1.0, 1.0]), cache)
+    array([0., 0., 6.])
+    """
+    return relu2_kernel(as_float(x, "x"))
+
+
+def relu2_kernel(x):
+    """The kernel of ``relu2``."""
+    r = np.maximum(x, 0)
+    return r * r, Relu2Cache(r)
+
+
+@shared_doc(backward_sections=backward_sections("relu2", "Relu2Cache", " ``dL/dy``, of ``y``'s shape."))
+def relu2_backward(dout: np.ndarray, cache: Relu2Cache) -> np.ndarray:
+    """``dy/dx = 2 max(x, 0)`` (0 at and below 0: the derivative is continuous there), so
+    ``dx = 2 r dy`` with ``r = max(x, 0)``.
+
+    <backward_sections>
+    """
+    check_cache(cache, Relu2Cache, "relu2_backward")
+    return relu2_backward_kernel(check_grad(dout, cache.r.shape, cache.r.dtype), cache)
+
+
+def relu2_backward_kernel(dout, cache):
+    """The kernel of ``relu2_backward``."""
+    return dout * (2 * cache.r)
+
+
+relu2_jvp, relu2_jvp_kernel, relu2_backward_jvp, relu2_backward_jvp_kernel = _derivatives(
+    "relu2",
+    Relu2Cache,
+    relu2_backward_kernel,
+    jvp="""``ty = 2 max(x, 0) * tx``.""",
+    backward_jvp="""``dx = 2 max(x, 0) dy``, so ``tdx = 2 max(x, 0) ddout +
+    2 [x > 0] dy tx`` (``relu2'' = 2 [x > 0]``, 0 at ``x = 0`` as relu's derivative there).""",
+    second=lambda dout, cache, tx: 2 * dout * (cache.r > 0) * tx,
 )
 
 

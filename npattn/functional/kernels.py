@@ -27,6 +27,10 @@ from .activation import gelu_backward_jvp_kernel as gelu_backward_jvp
 from .activation import gelu_backward_kernel as gelu_backward
 from .activation import gelu_jvp_kernel as gelu_jvp
 from .activation import gelu_kernel as gelu
+from .activation import relu2_backward_jvp_kernel as relu2_backward_jvp
+from .activation import relu2_backward_kernel as relu2_backward
+from .activation import relu2_jvp_kernel as relu2_jvp
+from .activation import relu2_kernel as relu2
 from .activation import relu_backward_jvp_kernel as relu_backward_jvp
 from .activation import relu_backward_kernel as relu_backward
 from .activation import relu_jvp_kernel as relu_jvp

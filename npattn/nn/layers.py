@@ -624,6 +624,7 @@ class Embedding(Module):
 # name -> (kernel name, keyword arguments)
 _ACTIVATIONS = {
     "relu": ("relu", {}),
+    "relu2": ("relu2", {}),
     "gelu": ("gelu", {"approximate": "none"}),
     "gelu_tanh": ("gelu", {"approximate": "tanh"}),
     "silu": ("silu", {}),
@@ -810,10 +811,10 @@ def gated_unit_backward_jvp(
 class FeedForward(_Layer):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))`` (as torch's encoder layer).
 
-    ``activation`` is ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``:
-    ``linear2(dropout(silu(linear1(x)) * linear3(x)))`` (Llama's gated unit; adds ``linear3``
-    ``(d_ff, d_model)``).  ``bias=False`` drops every linear bias.  Keys: ``linear1.*``,
-    ``linear2.*`` (and ``linear3.*`` for swiglu).
+    ``activation`` is ``"relu"``, ``"relu2"`` (squared ReLU, Nemotron-H's), ``"gelu"`` (erf form),
+    ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``: ``linear2(dropout(silu(linear1(x)) * linear3(x)))``
+    (Llama's gated unit; adds ``linear3`` ``(d_ff, d_model)``).  ``bias=False`` drops every linear
+    bias.  Keys: ``linear1.*``, ``linear2.*`` (and ``linear3.*`` for swiglu).
 
     SwiGLU backward: with ``a = linear1(x)``, ``b = linear3(x)``, ``h = silu(a) * b``:
     ``da = silu'(a) * (dh * b)``, ``db = dh * silu(a)``, and ``dx`` is the sum of both linears'

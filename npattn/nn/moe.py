@@ -116,6 +116,7 @@ HIDDEN_ACTS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
     "relu": "relu",
+    "relu2": "relu2",
 }
 
 
