@@ -721,6 +721,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "lfm2",
         "lfm2_moe",
         "falcon_h1",
+        "nemotron_h",
         "exaone4",
         "ernie4_5",
         "ministral3",

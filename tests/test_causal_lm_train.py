@@ -87,7 +87,7 @@ def test_load_state_dict_speaks_hugging_face_names(name):
     assert all(k.startswith(("model.", "lm_head.")) for k in sd)
     own = dict(a.config.layer_names).get("self_attn.o_proj", "self_attn.o_proj")  # LFM2's out_proj
     internal = ("W_query", "W_key", "W_value") + (() if own.endswith("out_proj") else ("out_proj.weight",))
-    mixers = ("linear_attn", ".conv.", ".mamba.")  # their out_proj is transformers' own name
+    mixers = ("linear_attn", ".conv.", ".mamba.", ".mixer.out_proj")  # their out_proj is transformers' own name
     assert not any(w in k for k in sd for w in internal if not any(m in k for m in mixers))
     b.load_state_dict(sd)
     ids = np.array([[3, 1, 4, 1, 5]])

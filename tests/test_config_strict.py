@@ -275,10 +275,11 @@ _PARTIAL_ROPE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "phi3")  # ro
 
 
 _WHOLE_HEADS = sorted(set(FAMILIES) - set(_PARTIAL_ROPE))  # their own tests read the factor
-_WHERE = [(f, "top") for f in _WHOLE_HEADS] + [(f, "dict") for f in _WHOLE_HEADS if f != "kimi_linear"]
+_NO_ROPE_DICT = ("kimi_linear", "nemotron_h")
+_WHERE = [(f, "top") for f in _WHOLE_HEADS] + [(f, "dict") for f in _WHOLE_HEADS if f not in _NO_ROPE_DICT]
 
 
-@pytest.mark.parametrize("family, where", _WHERE)  # (Kimi Linear's attention has no RoPE dict)
+@pytest.mark.parametrize("family, where", _WHERE)  # (Kimi Linear's and Nemotron-H's attention: no RoPE dict)
 def test_partial_rotary_factor_is_refused_where_transformers_rotates_whole_heads(family, where):
     """Llama's attention (and that of every family it was copied into) rotates whole heads: its
     default RoPE ignores ``partial_rotary_factor`` (``test_transformers_ignores_the_factor``), so a

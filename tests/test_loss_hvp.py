@@ -28,6 +28,7 @@ FAMILIES += ["ernie4_5"]  # RoPE on interleaved pairs (2i, 2i+1) in the second-o
 FAMILIES += ["ministral3"]  # the queries' scale by position in the second-order step (YaRN over 2 positions)
 FAMILIES += ["lfm2_moe"]  # sigmoid routing renormalised by sum + 1e-6, the expert bias steering the choice
 FAMILIES += ["falcon_h1"]  # attention and Mamba-2 side by side (ParallelSum), every muP factor
+FAMILIES += ["nemotron_h"]  # blocks of one sublayer (Mamba-2, attention, a relu2 MLP), the layers without the other
 IGNORE = -1
 
 

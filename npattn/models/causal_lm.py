@@ -7,10 +7,12 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
         h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
         a = attention(h)                         # MHA (full / sliding window), MLA, DeltaNet, ShortConv, Mamba-2;
                                                  # Falcon-H1: MHA and Mamba-2 side by side, summed (ParallelSum)
+                                                 # layer kind "none" (Nemotron-H's MLP blocks): no a, x stays
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
         h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
-        m = mlp(h)                               # gated MLP, or routed experts
+        m = mlp(h)                               # gated MLP, plain MLP (down(act(up(h)))), or routed experts;
+                                                 # MLP kind "none" (Nemotron-H's other blocks): no m, no pre-MLP norm
         m = post_feedforward_layernorm(m)        # Gemma only
         x = x + m
     logits = lm_head(norm(x))                    # tied: embed_tokens.weight; Granite: / logits_scaling;
@@ -29,7 +31,9 @@ layer renames the few modules whose own names differ (``MultiHeadAttention``'s `
 Llama's names (``q_proj``, ``gate_proj``, ...), ``from_hf`` reads either, ``save_pretrained``
 writes the fused ones (``CheckpointLayout.fused``).  LFM2 names its modules its own way
 (``operator_norm``, ``feed_forward.w1``, ``self_attn.out_proj``, ``embedding_norm``...): its
-``CausalLMConfig.layer_names`` and ``final_norm_name`` rename them in the model itself.
+``CausalLMConfig.layer_names`` and ``final_norm_name`` rename them in the model itself; so do
+Nemotron-H's (each block's one ``norm`` and ``mixer``, ``embeddings``, ``norm_f``), whose
+checkpoints also say ``backbone.`` for ``model.`` (``CheckpointLayout.renames``).
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ from ..nn.containers import ModuleList, ParallelSum
 from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
 from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
-from ..nn.layers import Embedding, Linear, RMSNorm
+from ..nn.layers import Embedding, FeedForward, Linear, RMSNorm
 from ..nn.mamba2 import Mamba2Mixer
 from ..nn.module import Module, is_grad_enabled, no_grad
-from ..nn.moe import Experts, GatedMLP, GptOssExperts, SparseMoeBlock
+from ..nn.moe import HIDDEN_ACTS, Experts, GatedMLP, GptOssExperts, SparseMoeBlock
 from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..nn.short_conv import ShortConv
 from ..nn.transformer import _block_tangents
@@ -130,6 +134,8 @@ _MHA_NAMES = {
 }
 
 
+# the plain MLP (FeedForward: Nemotron-H's) under its checkpoint names
+_PLAIN_MLP_NAMES = {"mlp.linear1": "mlp.up_proj", "mlp.linear2": "mlp.down_proj"}
 # Gemma 4's MLP beside routed experts (DenseWithExperts, the decoder layer's mlp) under its checkpoint names
 _DENSE_WITH_EXPERTS_NAMES = {
     f"mlp.{n}": n
@@ -180,7 +186,11 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
 
 
 def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
-    """The MLP of layer ``i``: the dense gated MLP, or the routed experts."""
+    """The MLP of layer ``i``: the dense gated MLP, the plain one (``up_proj``, ``down_proj``:
+    ``FeedForward``), or the routed experts."""
+    if cfg.mlp_types[i] == "plain":  # Nemotron-H: down(act(up(x))), its activation relu2
+        act = HIDDEN_ACTS[cfg.hidden_act]
+        return FeedForward(cfg.hidden_size, cfg.mlp_size(i), activation=act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
     if cfg.mlp_types[i] == "moe":
         return SparseMoeBlock(**_sub(cfg.moe).kwargs(), rng=rng, dtype=dtype)
     if cfg.mlp_types[i] == "dense_and_experts":  # Gemma 4: the MLP and routed experts side by side
@@ -247,6 +257,8 @@ def _attention_shapes(cfg: CausalLMConfig, i: int) -> list:
         out = [("conv.weight", (H, 1, sc.conv_L_cache))] + ([("conv.bias", (H,))] if sc.conv_bias else [])
         out += _lin("in_proj", 3 * H, H, sc.conv_bias) + _lin("out_proj", H, H, sc.conv_bias)
         return [(f"conv.{n}", s) for n, s in out]
+    if kind == "none":
+        return []
     if kind == "linear_attention" and isinstance(cfg.linear_attention, KdaConfig):  # KimiDeltaAttention
         kda = cfg.linear_attention
         d, hd = kda.linear_head_dim, kda.linear_num_heads * kda.linear_head_dim
@@ -318,6 +330,11 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     H, kind = cfg.hidden_size, cfg.mlp_types[i]
     if kind == "dense":
         return _gated("mlp", H, cfg.mlp_size(i), cfg.mlp_bias)
+    if kind == "none":
+        return []
+    if kind == "plain":  # FeedForward under the names up_proj, down_proj
+        inter, b = cfg.mlp_size(i), cfg.mlp_bias
+        return _lin("mlp.up_proj", inter, H, b) + _lin("mlp.down_proj", H, inter, b)
     if kind == "dense_and_experts":  # DenseWithExperts, under the decoder layer's own names
         e = _sub(cfg.moe)
         E, mi = e.num_experts, e.intermediate_size
@@ -352,6 +369,10 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
 def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
     """``[(name under model.layers.{i}., shape), ...]`` of layer ``i``'s parameters and buffers."""
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm") if cfg.pre_norm else ()
+    if cfg.layer_types[i] == "none":  # no attention sublayer, no norm before it
+        norms = tuple(n for n in norms if n != "input_layernorm")
+    if cfg.mlp_types[i] == "none" and not cfg.sandwich_norm:  # no MLP sublayer, no norm before it
+        norms = tuple(n for n in norms if n != "post_attention_layernorm")
     if cfg.sandwich_norm:
         pre_mlp: tuple[str, ...] = ("pre_feedforward_layernorm",) if cfg.pre_norm else ("post_attention_layernorm",)
         if cfg.mlp_types[i] == "dense_and_experts":  # DenseWithExperts has its own
@@ -393,7 +414,7 @@ def _state_shapes(cfg: CausalLMConfig):
     """Every ``(state-dict key, shape)`` of ``CausalLM(cfg)``, lazily, layer after layer (one
     layer's names are worked out once per kind of layer)."""
     V, H = cfg.vocab_size, cfg.hidden_size
-    yield "model.embed_tokens.weight", (V, H)
+    yield f"model.{cfg.embed_name}.weight", (V, H)
     kinds: dict = {}
     for i in range(cfg.num_hidden_layers):
         kind = _layer_kind(cfg, i)
@@ -503,12 +524,16 @@ class DecoderLayer(_Renamed):
         hybrid = cfg.layer_types[index] == "hybrid"  # Falcon-H1's ParallelSum, its branches under their own names
         self._attn_name = "linear_attn" if delta_net else "mamba" if mamba else "conv" if conv else "self_attn"
         self._attn_name = "hybrid" if hybrid else self._attn_name
-        setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
-        self.mlp = _mlp(cfg, index, rng, dtype)
+        # layer kind "none" / MLP kind "none": the block has no such sublayer (Nemotron-H: one each)
+        self._has_attention = cfg.layer_types[index] != "none"
+        if self._has_attention:
+            setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
+        self.mlp = None if cfg.mlp_types[index] == "none" else _mlp(cfg, index, rng, dtype)
         self._mlp_normed = isinstance(self.mlp, DenseWithExperts)  # it holds its pre_feedforward_layernorm
-        if self.pre_norm:
+        if self.pre_norm and self._has_attention:
             self.input_layernorm = _norm(cfg, dtype)
-        self.post_attention_layernorm = _norm(cfg, dtype)
+        if self.mlp is not None or self.sandwich:
+            self.post_attention_layernorm = _norm(cfg, dtype)
         if self.sandwich:
             if self.pre_norm and not self._mlp_normed:
                 self.pre_feedforward_layernorm = _norm(cfg, dtype)
@@ -519,6 +544,8 @@ class DecoderLayer(_Renamed):
             names.update({"hybrid.mamba": "mamba", "hybrid.self_attn": "self_attn"})
         if self._mlp_normed:
             names.update(_DENSE_WITH_EXPERTS_NAMES)
+        if isinstance(self.mlp, FeedForward):
+            names.update(_PLAIN_MLP_NAMES)
         self.per_layer = None
         if cfg.per_layer_input_size:  # Gemma 4: x + its per-layer input branch, after the MLP
             eps = cfg.rms_norm_eps
@@ -531,9 +558,9 @@ class DecoderLayer(_Renamed):
         object.__setattr__(self, "_names", _family_names(names, cfg.layer_names) if cfg.layer_names else names)
 
     @property
-    def attention(self) -> Module:
-        """The attention module (``self_attn`` or ``linear_attn``)."""
-        return self._modules[self._attn_name]
+    def attention(self) -> Module | None:
+        """The attention module (``self_attn``, ``linear_attn``, ``mamba`` ...; None: the layer has none)."""
+        return self._modules[self._attn_name] if self._has_attention else None
 
     def _mlp_norm(self) -> RMSNorm | None:
         if not self.pre_norm or self._mlp_normed:
@@ -548,12 +575,12 @@ class DecoderLayer(_Renamed):
         return dx if norm is None else norm.backward(dx)
 
     def _attn_norm(self) -> RMSNorm | None:
-        return self.input_layernorm if self.pre_norm else None
+        return self.input_layernorm if self.pre_norm and self._has_attention else None
 
     def _attend(self, h, use_cache: bool, padding: _Padding | None):
         """The attention sublayer on ``h``; a padded batch gives each kind its plain arrays
         (``_padding_kwargs``)."""
-        att = self.attention
+        att = self._modules[self._attn_name]  # called only where the layer has one
         if padding is None:
             if type(att) is MultiHeadAttention and not is_grad_enabled():  # h checked: the cache's batch only
                 att._check_cache(h, True, use_cache)
@@ -577,15 +604,19 @@ class DecoderLayer(_Renamed):
         their per-layer input ``(B, L, P)``."""
         if (per_layer_input is None) != (self.per_layer is None):
             raise ValueError(f"per_layer_input: expected {'none' if self.per_layer is None else 'an array'}")
-        a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
-        if self.sandwich:
-            a = _checked(self.post_attention_layernorm, a)
-        x = x + self._branch(a)
-        m = _checked(self.mlp, self._pre(self._mlp_norm(), x))
-        if self.sandwich:
-            m = _checked(self.post_feedforward_layernorm, m)
+        if self._has_attention:
+            a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
+            if self.sandwich:
+                a = _checked(self.post_attention_layernorm, a)
+            x = x + self._branch(a)
         self.save_for_backward(x.shape)
-        y = x + self._branch(m)
+        if self.mlp is None:
+            y = x
+        else:
+            m = _checked(self.mlp, self._pre(self._mlp_norm(), x))
+            if self.sandwich:
+                m = _checked(self.post_feedforward_layernorm, m)
+            y = x + self._branch(m)
         if self.per_layer is not None:
             y = self.per_layer._forward(y, per_layer_input)
         return y if self._scalar() is None else y * self._scalar()
@@ -600,12 +631,15 @@ class DecoderLayer(_Renamed):
         dp = None
         if self.per_layer is not None:
             dy, dp = self.per_layer._backward(dy)
-        dm = self._branch(dy)
-        dm = self.post_feedforward_layernorm.backward(dm) if self.sandwich else dm
-        dx = dy + self._pre_back(self._mlp_norm(), self.mlp.backward(dm))
-        da = self._branch(dx)
-        da = self.post_attention_layernorm.backward(da) if self.sandwich else da
-        dx = dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
+        dx = dy
+        if self.mlp is not None:
+            dm = self._branch(dy)
+            dm = self.post_feedforward_layernorm.backward(dm) if self.sandwich else dm
+            dx = dy + self._pre_back(self._mlp_norm(), self.mlp.backward(dm))
+        if self.attention is not None:
+            da = self._branch(dx)
+            da = self.post_attention_layernorm.backward(da) if self.sandwich else da
+            dx = dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
         return dx if dp is None else (dx, dp)
 
     def _jvp(self, state, input_tangents, param_tangents):
@@ -613,9 +647,9 @@ class DecoderLayer(_Renamed):
         each sublayer's ``_jvp`` from its state of this call.  One input tangent (None: zero)."""
         tx, tp = self._input_tangents(state, input_tangents, "jvp")
         _, _, tx2, _, tm = self._stage_tangents(state, tx, param_tangents)
-        if self.sandwich:
+        if self.sandwich and tm is not None:
             tm = self._child_jvp(self.post_feedforward_layernorm, -1, (tm,), param_tangents)
-        ty = tx2 + self._branch(tm)
+        ty = tx2 if tm is None else tx2 + self._branch(tm)
         if self.per_layer is not None:
             ty = self._child_jvp(self.per_layer, -1, (ty, tp), param_tangents)
         return ty if self._scalar() is None else ty * self._scalar()
@@ -637,12 +671,17 @@ class DecoderLayer(_Renamed):
         def sub(m, t):  # the sublayer's tangent from its state of this call (no module: the identity)
             return t if m is None else self._child_jvp(m, -1, (t,), param_tangents)
 
-        def compute():
-            th = sub(self._attn_norm(), tx)
-            ta = sub(self.attention, th)
-            tx2 = tx + self._branch(sub(self.post_attention_layernorm if self.sandwich else None, ta))
-            tm_in = sub(self._mlp_norm(), tx2)
-            return th, ta, tx2, tm_in, sub(self.mlp, tm_in)
+        def compute():  # an absent sublayer: its tangents None, the residual's sum its input's
+            th = ta = tm_in = tm = None
+            tx2 = tx
+            if self.attention is not None:
+                th = sub(self._attn_norm(), tx)
+                ta = sub(self.attention, th)
+                tx2 = tx + self._branch(sub(self.post_attention_layernorm if self.sandwich else None, ta))
+            if self.mlp is not None:
+                tm_in = sub(self._mlp_norm(), tx2)
+                tm = sub(self.mlp, tm_in)
+            return th, ta, tx2, tm_in, tm
 
         return param_tangents._remember((self, "stages", state, tx), compute)
 
@@ -666,15 +705,18 @@ class DecoderLayer(_Renamed):
             ty = tx2 + self._branch(tm if post_mlp is None else self._child_jvp(post_mlp, -1, (tm,), param_tangents))
             (dy2, dp), (tdy2, tdp) = self._child_backward_jvp(self.per_layer, g[0], (ty, tp), param_tangents, g[1])
             g, gp = (dy2, tdy2), (dp, tdp)
-        gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, self._branch_pair(g), tm), tm_in), tx2)
-        gx = (g[0] + gm[0], g[1] + gm[1])  # the residual: both branches
-        ga = back(self._attn_norm(), back(self.attention, back(post_attn, self._branch_pair(gx), ta), th), tx)
-        if gp is None:
-            return gx[0] + ga[0], gx[1] + ga[1]
-        return (gx[0] + ga[0], gp[0]), (gx[1] + ga[1], gp[1])
+        gx = g
+        if self.mlp is not None:
+            gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, self._branch_pair(g), tm), tm_in), tx2)
+            gx = (g[0] + gm[0], g[1] + gm[1])  # the residual: both branches
+        if self.attention is not None:
+            ga = back(self._attn_norm(), back(self.attention, back(post_attn, self._branch_pair(gx), ta), th), tx)
+            gx = (gx[0] + ga[0], gx[1] + ga[1])
+        return gx if gp is None else ((gx[0], gp[0]), (gx[1], gp[1]))
 
     def reset_kv_cache(self) -> None:
-        self.attention.reset_kv_cache()  # type: ignore[attr-defined]
+        if self.attention is not None:
+            self.attention.reset_kv_cache()  # type: ignore[attr-defined]
 
 
 class _Backbone(_Renamed):
@@ -687,9 +729,8 @@ class _Backbone(_Renamed):
         self._dtype = check_dtype(dtype)
         # about to be loaded (CausalLM.from_hf): drop each part's zero gradients as soon as it is
         # built, so that building never holds a second model's worth of arrays
-        self.embed_tokens = _released(
-            Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id, rng=rng, dtype=dtype), rng
-        )
+        pad = cfg.pad_token_id if cfg.pad_embedding_row else None  # Nemotron-H's embedding: no padding row
+        self.embed_tokens = _released(Embedding(cfg.vocab_size, cfg.hidden_size, pad, rng=rng, dtype=dtype), rng)
         self.layers = ModuleList(
             [_released(DecoderLayer(cfg, i, rng=rng, dtype=dtype), rng) for i in range(cfg.num_hidden_layers)]
         )
@@ -705,6 +746,8 @@ class _Backbone(_Renamed):
             object.__setattr__(self, "_names", _PER_LAYER_MODEL_NAMES)
         if cfg.final_norm_name != "norm":  # LFM2's embedding_norm
             object.__setattr__(self, "_names", {**self._names, "norm": cfg.final_norm_name})
+        if cfg.embed_name != "embed_tokens":  # Nemotron-H's embeddings
+            object.__setattr__(self, "_names", {**self._names, "embed_tokens": cfg.embed_name})
         for i, source in enumerate(cfg.kv_sources or ()):
             if source != i:
                 self.layers[i].attention.share_from(self.layers[source].attention)

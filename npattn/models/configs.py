@@ -78,10 +78,13 @@ SUPPORTED_MODEL_TYPES = (
     "ministral",
     "lfm2_moe",
     "falcon_h1",
+    "nemotron_h",
 )
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv", "hybrid")
-MLP_KINDS = ("dense", "moe", "dense_and_experts")
+ATTENTION_KINDS = (
+    "full_attention", "sliding_attention", "linear_attention", "latent_attention", "conv", "hybrid", "none",
+)  # fmt: skip
+MLP_KINDS = ("dense", "moe", "dense_and_experts", "plain", "none")
 
 
 # -- GGUF files: which family each llama.cpp architecture is (read by models/gguf.py) -------------
@@ -1158,10 +1161,13 @@ class CausalLMConfig:
     ``"latent_attention"`` (MLA), ``"conv"`` (LFM2's gated short convolution, ``short_conv`` its
     arguments) or ``"hybrid"`` (Falcon-H1: full attention and a Mamba-2 mixer, ``linear_attention``'s
     ``Mamba2Config``, side by side on the same input, their outputs summed; ``hybrid_multipliers``
-    their factors); ``mlp_types[i]`` is
-    ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"moe"`` (routed experts) or
-    ``"dense_and_experts"`` (Gemma 4's ``enable_moe_block``: both, each with its own norms, summed;
-    ``moe`` holds the experts' sizes).
+    their factors) or ``"none"`` (no attention sublayer and no norm before one: Nemotron-H's MLP
+    blocks); ``mlp_types[i]`` is
+    ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"plain"`` (``down(act(up(x)))``,
+    ``FeedForward`` under the names ``up_proj``, ``down_proj``: Nemotron-H's, its ``hidden_act``
+    ``"relu2"``), ``"moe"`` (routed experts), ``"dense_and_experts"`` (Gemma 4's
+    ``enable_moe_block``: both, each with its own norms, summed; ``moe`` holds the experts' sizes) or
+    ``"none"`` (no MLP sublayer and no norm before one: Nemotron-H's Mamba-2 and attention blocks).
 
     ``rope[layer_type]`` is the Hugging Face ``rope_parameters`` dict of that kind of layer
     (``rope_theta``, ``rope_type`` and the scaling's own keys) as transformers 5 standardizes the
@@ -1203,8 +1209,11 @@ class CausalLMConfig:
     name it) and the family's own (LFM2's ``operator_norm`` for ``input_layernorm``,
     ``feed_forward.w1`` for ``mlp.gate_proj``, ``self_attn.out_proj`` for ``self_attn.o_proj`` ...;
     GraniteMoe's ``block_sparse_moe`` for ``mlp``), and ``final_norm_name`` the final norm's
-    (``model.embedding_norm``): the model's parameters, state dict and checkpoints all say the
-    family's names (``generic_name`` undoes them).
+    (``model.embedding_norm``), ``embed_name`` the embedding's (Nemotron-H's ``model.embeddings``):
+    the model's parameters, state dict and checkpoints all say the family's names (``generic_name``
+    undoes the layers' ones).  ``pad_embedding_row``: the embedding's ``pad_token_id`` row is a
+    padding row (no gradient, as torch's ``padding_idx``); False where the family's embedding has
+    none (Nemotron-H's).
 
     ``rope_layers[i]``: whether layer ``i`` rotates its queries and keys (``None``: every layer
     does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) and
@@ -1282,6 +1291,8 @@ class CausalLMConfig:
     mlp_multipliers: tuple = (1.0, 1.0)  # the dense MLP's gate and down factors (Falcon-H1)
     layer_names: tuple = ()  # (a layer's tensor name, the family's): LFM2's operator_norm for input_layernorm ...
     final_norm_name: str = "norm"  # model.{final_norm_name}: LFM2's embedding_norm
+    embed_name: str = "embed_tokens"  # model.{embed_name}: Nemotron-H's embeddings
+    pad_embedding_row: bool = True  # the embedding's pad_token_id row gets no gradient (torch's padding_idx)
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -2261,6 +2272,171 @@ def _falcon_h1(r: _Reader) -> dict:
         )
     )
     return c
+
+
+# Nemotron-H's blocks: one sublayer each, under mixer.* beside the block's one norm
+_NEMOTRON_H_NAMES = (
+    ("input_layernorm", "norm"),
+    ("post_attention_layernorm", "norm"),
+    ("self_attn", "mixer"),
+    ("mamba", "mixer"),
+    ("mlp", "mixer"),
+)
+# hybrid_override_pattern's characters (NemotronHConfig._pattern_to_list) and each kind's sublayers
+_NEMOTRON_H_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_H_KINDS = {"linear_attention": ("linear_attention", "none"), "full_attention": ("full_attention", "none")}
+_NEMOTRON_H_KINDS["mlp"] = ("none", "plain")
+# NemotronHConfig's older key names (its __post_init__ takes them in the place of the newer ones)
+_NEMOTRON_H_ALIASES = {
+    "n_groups": "mamba_n_groups",
+    "conv_kernel": "mamba_d_conv",
+    "expand": "mamba_expand",
+    "time_step_min": "mamba_dt_min",
+    "time_step_max": "mamba_dt_max",
+    "time_step_limit": "mamba_dt_limit",
+    "time_step_floor": "mamba_dt_init_floor",
+    "use_conv_bias": "mamba_conv_bias",
+    "chunk_size": "mamba_chunk_size",
+}
+# the routed experts' keys (read by no module of a model without "moe" blocks, which npattn refuses)
+_NEMOTRON_H_MOE_KEYS = (
+    "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+    "moe_latent_size", "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor", "n_group",
+    "topk_group", "norm_topk_prob",
+)  # fmt: skip
+
+
+def _nemotron_h_aliased(r: _Reader, key: str):
+    """``key``'s value, its older name's where the config gives that (NemotronHConfig's
+    ``__post_init__``: the older name wins); both marked read."""
+    old = _NEMOTRON_H_ALIASES[key]
+    if old in r.d:
+        r.get(key)
+        return old
+    r.used.add(old)
+    return key
+
+
+def _nemotron_h_layers(r: _Reader) -> list:
+    """The blocks' kinds: ``layers_block_type`` (or its alias ``layer_types``), else
+    ``hybrid_override_pattern`` ("M" Mamba-2, "*" attention, "-" MLP, "E" experts), else
+    NemotronHConfig's default; ``num_hidden_layers`` is ignored, as transformers does."""
+    lt = r.get("layers_block_type") or r.get("layer_types")
+    pattern = r.get("hybrid_override_pattern")
+    if lt is None and pattern is not None:
+        if not isinstance(pattern, str) or any(ch not in _NEMOTRON_H_PATTERN for ch in pattern) or not pattern:
+            raise ValueError(
+                f"config['hybrid_override_pattern']: expected a string of {sorted(_NEMOTRON_H_PATTERN)}, "
+                f"got {_show(pattern)}"
+            )
+        lt = [_NEMOTRON_H_PATTERN[ch] for ch in pattern]
+    if lt is None:
+        lt = ["linear_attention", "moe", "full_attention", "mlp"]
+    if not isinstance(lt, (list, tuple)) or not lt:
+        raise ValueError(f"config['layers_block_type']: expected a non-empty list of block kinds, got {_show(lt)}")
+    for t in lt:
+        if t == "moe":
+            raise ValueError(
+                "config['layers_block_type']: 'moe' blocks (Nemotron 3's routed experts, 'E' in "
+                "hybrid_override_pattern) are not supported by npattn for model_type 'nemotron_h' "
+                f"(supported: {sorted(_NEMOTRON_H_KINDS)})"
+            )
+        if t not in _NEMOTRON_H_KINDS:
+            raise ValueError(
+                f"config['layers_block_type']: {t!r} is not supported by npattn for model_type 'nemotron_h' "
+                f"(supported: {sorted(_NEMOTRON_H_KINDS)})"
+            )
+    r.get("num_hidden_layers")  # transformers: the list's length, whatever this says
+    return list(lt)
+
+
+def _nemotron_h(r: _Reader) -> dict:
+    """NVIDIA Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2/12B-v2, Nemotron-H-4B/8B/47B/56B;
+    ``NemotronHForCausalLM``): blocks of one sublayer each, ``x + mixer(norm(x))``, their kinds
+    ``layers_block_type`` (or ``hybrid_override_pattern``): a Mamba-2 mixer (layer kind
+    ``"linear_attention"``, MLP kind ``"none"``), attention without RoPE or biases
+    (``"full_attention"``, ``"none"``) or an MLP ``down_proj(relu2(up_proj(x)))`` (layer kind
+    ``"none"``, MLP kind ``"plain"``; ``mlp_hidden_act``, ``mlp_bias``).  Routed experts
+    (``"moe"``, Nemotron 3) are refused.  The mixer: ``mamba_num_heads`` heads of
+    ``mamba_head_dim``, ``n_groups`` groups of ``ssm_state_size``, ``conv_kernel`` taps,
+    ``use_conv_bias``, ``use_bias`` (in_proj's and out_proj's), ``chunk_size``, its gated norm
+    (the gate first, in groups) and every norm with ``layer_norm_epsilon``; its step clipped
+    below at ``time_step_min`` (transformers' ``time_step_limit = (time_step_min, inf)``; the
+    config's ``time_step_limit`` is read by nothing).  Older key names (``mamba_n_groups``,
+    ``mamba_d_conv``, ``mamba_chunk_size``, ``mamba_dt_min`` ...) as NemotronHConfig takes them.
+    ``tie_word_embeddings`` is read and ignored, as transformers does (the head is its own
+    ``lm_head.weight``).  Checkpoint names: ``backbone.embeddings``, ``backbone.layers.{i}.norm``,
+    ``backbone.layers.{i}.mixer.*``, ``backbone.norm_f``; the embedding has no padding row.
+    Metadata: ``expand`` (the inner width is heads times head_dim), ``time_step_max``/``_floor``
+    (initialisation), ``mamba_proj_bias`` (must be false), ``residual_in_fp32``, ``hidden_dropout``,
+    ``rescale_prenorm_residual``, ``use_mamba_kernels``, ``mamba_ssm_cache_dtype``,
+    ``num_logits_to_keep``, the multi-token-prediction layers' ``mtp_layers_block_type`` (their
+    ``mtp.*`` tensors left unread) and the experts' keys."""
+    lt = _nemotron_h_layers(r)
+    n = len(lt)
+    r.d = {**r.d, "num_hidden_layers": n}
+    c = _common(r)
+    eps = r.float("layer_norm_epsilon", 1e-5)
+    r.only("attention_bias", (False,), False, "transformers' Nemotron-H attention has no biases")
+    r.only("sliding_window", (None,), None, "transformers' Nemotron-H attention attends over every key")
+    r.only("mamba_proj_bias", (False,), False, "transformers' Nemotron-H mixer reads use_bias")
+    if r.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(
+            f"config['mamba_hidden_act'] = {_show(r.get('mamba_hidden_act'))} is not supported by npattn for "
+            "model_type 'nemotron_h' (supported: ['silu']): the mixer's convolution applies it"
+        )
+    for key in ("expand", "time_step_max", "time_step_floor", "time_step_limit"):
+        r.get(_nemotron_h_aliased(r, key))
+    for key in ("residual_in_fp32", "hidden_dropout", "rescale_prenorm_residual", "use_mamba_kernels"):
+        r.get(key)
+    for key in ("mamba_ssm_cache_dtype", "num_logits_to_keep", "mtp_layers_block_type", "mtp_hybrid_override_pattern"):
+        r.get(key)
+    for key in _NEMOTRON_H_MOE_KEYS:
+        r.get(key)
+    heads, head_dim = r.int("mamba_num_heads"), r.int("mamba_head_dim")
+    groups = r.int(_nemotron_h_aliased(r, "n_groups"))
+    if heads % groups:
+        raise ValueError(f"config['n_groups']: expected a divisor of mamba_num_heads = {heads}, got {groups}")
+    t_min = r.float(_nemotron_h_aliased(r, "time_step_min"), 0.001, positive=False)
+    if t_min < 0:
+        raise ValueError(f"config['time_step_min']: expected a number >= 0, got {t_min}")
+    mamba = Mamba2Config(
+        hidden_size=c["hidden_size"],
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=r.int("ssm_state_size"),
+        n_groups=groups,
+        conv_kernel=r.int(_nemotron_h_aliased(r, "conv_kernel")),
+        conv_bias=r.bool(_nemotron_h_aliased(r, "use_conv_bias"), True),
+        proj_bias=r.bool("use_bias"),
+        rms_norm_eps=eps,
+        time_step_limit=(t_min, math.inf),
+        chunk_size=r.int(_nemotron_h_aliased(r, "chunk_size")),
+    )
+    kinds = [_NEMOTRON_H_KINDS[t] for t in lt]
+    c.update(
+        rms_norm_eps=eps,
+        pad_embedding_row=False,  # NemotronHModel's embedding has no padding row
+        tie_word_embeddings=False,  # NemotronHForCausalLM ties nothing (_tied_weights_keys = {}), whatever it says
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "mlp_hidden_act", "relu2"),
+        mlp_bias=r.bool("mlp_bias"),
+        layer_types=tuple(k[0] for k in kinds),
+        mlp_types=tuple(k[1] for k in kinds),
+        rope={"default": {"rope_type": "default", "rope_theta": 10000.0}},
+        rope_layers=(False,) * n,  # JambaAttention: no rotary embedding
+        linear_attention=mamba,
+        layer_names=_NEMOTRON_H_NAMES,
+        final_norm_name="norm_f",
+        embed_name="embeddings",
+        layout=CheckpointLayout(r.model_type, renames=_NEMOTRON_H_RENAMES, mtp=("mtp.",)),
+    )
+    return c
+
+
+# (the model's part, the checkpoint's part): the released checkpoints' backbone.* (transformers' own
+# model.*, as the model names it, is read too)
+_NEMOTRON_H_RENAMES = (("model.", "backbone."),)
 
 
 def _granite_attention(r: _Reader, n: int) -> dict:
@@ -3559,6 +3735,48 @@ _DEFAULTS: dict = {
         ssm_in_multiplier=1.0,
         ssm_out_multiplier=1.0,
     ),
+    "nemotron_h": dict(  # NemotronHConfig's (layers_block_type: the reader's default)
+        vocab_size=131072,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        intermediate_size=21504,
+        mlp_hidden_act="relu2",
+        mlp_bias=False,
+        attention_bias=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        ssm_state_size=128,
+        mamba_num_heads=128,
+        mamba_head_dim=64,
+        mamba_hidden_act="silu",
+        n_groups=8,
+        conv_kernel=4,
+        expand=2,
+        time_step_min=0.001,
+        time_step_max=0.1,
+        time_step_floor=1e-4,
+        use_conv_bias=True,
+        chunk_size=128,
+        mamba_proj_bias=False,
+        use_bias=False,
+        layer_norm_epsilon=1e-5,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=7688,
+        moe_shared_expert_intermediate_size=7688,
+        moe_shared_expert_overlap=True,
+        num_experts_per_tok=2,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+    ),
     "exaone4": dict(  # Exaone4Config's class defaults (no RoPE key: the reader's base of 10000)
         **_sizes(positions=2048, vocab=102400, hidden=4096, intermediate=16384, layers=32, heads=32, kv_heads=32),
         hidden_act="silu",
@@ -4048,6 +4266,7 @@ _READERS = {
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
     "falcon_h1": _falcon_h1,
+    "nemotron_h": _nemotron_h,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,

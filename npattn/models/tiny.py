@@ -586,6 +586,26 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Nemotron-H: a Mamba-2 block (4 heads of 6 in 2 groups, state 4, 3 taps, chunks of 4), a relu2
+    # MLP block, an attention block without RoPE (head_dim 6), another MLP block
+    "nemotron_h": dict(
+        _BASE,
+        model_type="nemotron_h",
+        hybrid_override_pattern="M-*-",
+        num_hidden_layers=4,
+        head_dim=6,
+        mamba_num_heads=4,
+        mamba_head_dim=6,
+        n_groups=2,
+        ssm_state_size=4,
+        conv_kernel=3,
+        chunk_size=4,
+        time_step_min=0.01,
+        layer_norm_epsilon=1e-5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
