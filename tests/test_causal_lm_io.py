@@ -217,7 +217,7 @@ def test_tied_pair_under_the_head_s_name_alone(tmp_path):
     "change, key",
     [
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-        ({"hidden_act": "relu2"}, "hidden_act"),
+        ({"hidden_act": "tanh"}, "hidden_act"),
         ({"model_type": "bloom"}, "model_type"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"vocab_size": 0}, "vocab_size"),
