@@ -79,6 +79,7 @@ def make_cases(rng, lead=(2, 3), length=3) -> list:
     rx = u(*lead, c)
     rx = np.where(np.abs(rx) < 0.05, 0.5, rx)  # away from the kink
     cases.append(Case("relu", "relu", (rx,), lambda M, x: M.relu(x), lambda t, x: t.relu(x)))
+    cases.append(Case("relu2", "relu2", (rx,), lambda M, x: M.relu2(x), lambda t, x: t.relu(x) ** 2))
     gx = u(*lead, c, scale=3.0)
     for approx in ("none", "tanh"):
         cases.append(
@@ -565,7 +566,7 @@ def test_arguments_are_not_modified():
 
 def test_every_pair_has_its_second_order_in_both_tiers():
     ops = {c.op for c in make_cases(np.random.default_rng(0))}
-    assert len(ops) == 14, sorted(ops)
+    assert len(ops) == 15, sorted(ops)
     for op in ops:
         for module in (F, R):
             assert op + "_backward_jvp" in module.__all__, (op, module.__name__)

@@ -1052,6 +1052,43 @@ def relu_backward_jvp(dout: Array, cache: Array, tangents, ddout: Optional[Array
     return grads, (np.zeros_like(grads) if ddout is None else relu_backward(ddout, cache))
 
 
+@shared_doc()
+def relu2(x: Array) -> Tuple[Array, Array]:
+    """Squared ReLU: ``y = max(x, 0)^2`` (Nemotron-H's MLP activation).
+
+    <reference_examples>
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.relu2(x)
+    >>> fast_out, _ = F.relu2(x)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
+    r = np.maximum(x, 0)
+    return r * r, x
+
+
+def relu2_backward(dout: Array, cache: Array) -> Array:
+    """``dy/dx = 2 max(x, 0)``: continuous, 0 at and below ``x = 0``."""
+    return dout * (2 * np.maximum(cache, 0))
+
+
+def relu2_jvp(cache: Array, *tangents: Optional[Array]) -> Array:
+    """Elementwise: ``ty = 2 max(x, 0) tx``."""
+    (tx,) = _padded(tangents, 1)
+    return np.zeros(np.shape(cache), np.asarray(cache).dtype) if tx is None else relu2_backward(tx, cache)
+
+
+def relu2_backward_jvp(dout: Array, cache: Array, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dx = 2 max(x, 0) dy``, so ``tdx = 2 max(x, 0) ddy + 2 [x > 0] dy tx``
+    (the derivative of ``2 max(x, 0)`` is ``2 [x > 0]``, taken 0 at ``x = 0`` as relu's)."""
+    (tx,) = _padded(tangents, 1)
+    grads = relu2_backward(dout, cache)
+    tdx = np.zeros_like(grads) if ddout is None else relu2_backward(ddout, cache)
+    if tx is not None:
+        tdx = tdx + 2 * dout * (cache > 0) * tx
+    return grads, tdx
+
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -1713,6 +1750,7 @@ __all__ = _op_names(
     "embedding",
     "softmax",
     "relu",
+    "relu2",
     "gelu",
     "silu",
     "dropout",
