@@ -319,6 +319,27 @@ FALCON_H1 = dict(
 )
 # ... with multipliers as the released checkpoints' (no powers of two: each fold one float32 rounding
 # from the exact product), the MLP's biases (multiplied too), no gated norm, no convolution bias
+# Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2's kind): a Mamba-2 block (4 heads of 64, 2 groups of B, C of
+# 16, 4 taps, the convolution's bias), an MLP block (relu2), an attention block (4 heads of 64, 2
+# key/value heads, no RoPE: q/k permuted all the same), another Mamba-2 block; the chunk size the
+# file's none (transformers' 256 read back), no step clipped (llama.cpp's scan: time_step_min 0)
+NEMOTRON_H = dict(
+    FAMILIES["nemotron_h"],
+    vocab_size=48,
+    hidden_size=256,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    hybrid_override_pattern="M-*M",
+    mamba_num_heads=4,
+    mamba_head_dim=64,
+    n_groups=2,
+    ssm_state_size=16,
+    conv_kernel=4,
+    chunk_size=256,
+    time_step_min=0.0,
+)
 FALCON_H1_ROUNDED = dict(
     FALCON_H1,
     embedding_multiplier=5.656854249492381,
@@ -353,7 +374,7 @@ _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
 _GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
-_PERMUTED = ("llama", "smollm3", "mistral3", *_GRANITES)
+_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", *_GRANITES)
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 # the model's names and the released checkpoint's (transformers' conversion_mapping for granitemoe)
 _GRANITEMOE_NAMES = (
@@ -537,6 +558,38 @@ def _lfm2_metadata(w, config):
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _nemotron_h_metadata(w, config):
+    """``NemotronHModel.set_gguf_parameters`` (GraniteHybridModel's, GraniteModel's without
+    ``head_dim``, TextModel's): one ``head_count_kv`` and one ``feed_forward_length`` per block
+    (0 where it is not attention, 0 where it is not an MLP), RoPE off (``rope.scaling.finetuned``
+    false, context 2**20) with GraniteModel's ``rope.dimension_count`` (hidden / heads), the key and
+    value length ``head_dim``, the ``ssm.*`` keys (inner width heads * head_dim), both epsilons."""
+    from npattn.models import config_from_hf
+
+    cfg = config_from_hf(config)
+    H, heads, n = config["hidden_size"], config["num_attention_heads"], cfg.num_hidden_layers
+    attn = [t == "full_attention" for t in cfg.layer_types]
+    mlp = [t == "plain" for t in cfg.mlp_types]
+    w.add_block_count(n)
+    w.add_context_length(2**20)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length([config["intermediate_size"] if m else 0 for m in mlp])
+    w.add_head_count(heads)
+    w.add_head_count_kv([config["num_key_value_heads"] if a else 0 for a in attn])
+    w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+    w.add_layer_norm_eps(config["layer_norm_epsilon"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_rope_dimension_count(H // heads)
+    w.add_ssm_conv_kernel(config["conv_kernel"])
+    w.add_ssm_state_size(config["ssm_state_size"])
+    w.add_ssm_group_count(config["n_groups"])
+    w.add_ssm_inner_size(config["mamba_num_heads"] * config["mamba_head_dim"])
+    w.add_ssm_time_step_rank(config["mamba_num_heads"])
+    w.add_rope_scaling_finetuned(False)
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+
+
 def _falcon_h1_metadata(w, config):
     """``FalconH1Model.set_gguf_parameters`` after ``Mamba2Model``'s: the sizes, the ``ssm.*`` keys
     (``time_step_rank``: the inner width over ``mamba_d_head``), no multiplier, no RoPE width."""
@@ -623,6 +676,8 @@ def _metadata(w, config, arch):
         return _phi3_metadata(w, config)
     if arch == "falcon-h1":
         return _falcon_h1_metadata(w, config)
+    if arch == "nemotron_h":
+        return _nemotron_h_metadata(w, config)
     if arch in ("lfm2", "lfm2moe"):
         return _lfm2_metadata(w, config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
@@ -814,16 +869,18 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             value = _permute(value, config["num_attention_heads"] if "q_proj" in key else kv)
         if arch in _GEMMAS and key.endswith("norm.weight"):
             value = value + np.float32(1.0)
-        if key.endswith(("conv.conv.weight", "mamba.conv1d.weight")):  # LFM2Model.modify_tensors and
+        if key.endswith(("conv.conv.weight", "mamba.conv1d.weight", "mixer.conv1d.weight")):  # LFM2Model's and
             value = value[:, 0, :]  # Mamba2Model.modify_tensors: (D, 1, K) squeezed to (D, K)
-        if key.endswith("mamba.A_log"):  # Mamba2Model.modify_tensors: A = -exp(A_log), as (H, 1)
+        if key.endswith(("mamba.A_log", "mixer.A_log")):  # Mamba2Model.modify_tensors: A = -exp(A_log), as (H, 1)
             value = -np.exp(value)[:, None]
-        if key.endswith("mamba.D"):  # (H, 1)
+        if key.endswith(("mamba.D", "mixer.D")):  # (H, 1)
             value = value[:, None]
-        if key.endswith("mamba.norm.weight"):  # per group: (n_group, I / n_group)
-            value = value.reshape(config["mamba_n_groups"], -1)
+        if key.endswith(("mamba.norm.weight", "mixer.norm.weight")):  # per group: (n_group, I / n_group)
+            value = value.reshape(config.get("mamba_n_groups") or config["n_groups"], -1)
         # Mamba2Model.filter_tensors: dt_bias as dt_proj.bias (ssm_dt.bias)
         mapped = key[: -len("dt_bias")] + "dt_proj.bias" if key.endswith(".dt_bias") else key
+        if arch == "nemotron_h":  # the released checkpoint's names (backbone.*), which the converter maps
+            mapped = "backbone." + mapped[len("model.") :] if mapped.startswith("model.") else mapped
         name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
         out[key, name if mapped.endswith((".weight", ".bias", ".A_log", ".D")) else name + ".weight"] = value
     return out
@@ -898,11 +955,11 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
             v = v[np.argsort(_permute(np.arange(v.shape[0]), n))]
         if arch in _GEMMAS and key.endswith("norm.weight"):
             v = v - np.float32(1.0)
-        if key.endswith(("conv.conv.weight", "mamba.conv1d.weight")):
+        if key.endswith(("conv.conv.weight", "mamba.conv1d.weight", "mixer.conv1d.weight")):
             v = v[:, None, :]
-        if key.endswith("mamba.A_log"):  # log(-A) in float64, as read
+        if key.endswith(("mamba.A_log", "mixer.A_log")):  # log(-A) in float64, as read
             v = np.log(-v[:, 0].astype(np.float64))
-        if key.endswith(("mamba.D", "mamba.norm.weight")):
+        if key.endswith(("mamba.D", "mamba.norm.weight", "mixer.D", "mixer.norm.weight")):
             v = v.reshape(-1)
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     if config["model_type"] in _GRANITE_MOES:  # back to the model's names
@@ -950,6 +1007,7 @@ CASES = [
     (MINISTRAL3, "mistral3"),
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
+    (NEMOTRON_H, "nemotron_h"),
 ]
 
 
@@ -980,7 +1038,7 @@ def test_f32_file_is_the_source_model(tmp_path, config, arch):
                 np.testing.assert_allclose(loaded.state_dict()[k], want[k], rtol=0, atol=2**-23, err_msg=k)
                 want[k] = (want[k] + np.float32(1)) - np.float32(1)
     for k in want:
-        if k.endswith("mamba.A_log"):  # log(-(-exp(a))) in float32: a to within a few roundings
+        if k.endswith(("mamba.A_log", "mixer.A_log")):  # log(-(-exp(a))) in float32: a to within a few roundings
             np.testing.assert_allclose(loaded.state_dict()[k], want[k], rtol=2**-21, atol=2**-22, err_msg=k)
             want[k] = np.log(np.exp(want[k]).astype(np.float64)).astype(np.float32)
     assert set(loaded.state_dict()) == set(want)
@@ -1004,15 +1062,22 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     _assert_holds(loaded, want)
     if arch in _PERMUTED:  # the permutation matters: the file's rows are not Hugging Face's
         i = min(int(n.split(".")[1]) for n in held if n.endswith("attn_q.weight"))  # (a hybrid's first attention)
-        assert not np.array_equal(held[f"blk.{i}.attn_q.weight"], want[f"model.layers.{i}.self_attn.q_proj.weight"])
+        q = next(k for k in want if k.startswith(f"model.layers.{i}.") and k.endswith("q_proj.weight"))
+        assert not np.array_equal(held[f"blk.{i}.attn_q.weight"], want[q])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     got = _logits(loaded, ids)
     np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, _file_config(config)), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
-    # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%)
+    # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%; Nemotron-H's relu2
+    # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
-    if not moe and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2"))):
+    coarse = arch == "nemotron_h" and qtype != Q.F16
+    if (
+        not moe
+        and not coarse
+        and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2")))
+    ):
         ref = _source_logits(config)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
 
@@ -1136,6 +1201,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
+        (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1166,6 +1232,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "ministral3",
         "falcon-h1",
         "falcon-h1-rounded",
+        "nemotron_h",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -1199,13 +1266,23 @@ _HF: list = []  # [(key, model)]: the last model _hf_model built
 def _hf_model(T, classes, config):
     """transformers' float64 eager model of ``config`` (``_hf64.build``), the last one kept for the
     next case: a config's cases come in a row, and each loads every parameter before use (its
-    random weights are never compared: building them is most of a case's time)."""
+    random weights are never compared: building them is most of a case's time).  A Nemotron-H
+    of ``time_step_min`` 0 (llama.cpp's scan, which clips no step) is built with a positive one
+    (NemotronHPreTrainedModel's initialisation takes its log), then its mixers' clip set to 0."""
     from _hf64 import build
 
     key = (classes, json.dumps(config, sort_keys=True))
     if not _HF or _HF[0][0] != key:
         kwargs = {k: v for k, v in config.items() if k != "model_type"}
-        _HF[:] = [(key, build(getattr(T, classes[0]), getattr(T, classes[1]), **kwargs)[0])]
+        unclipped = config["model_type"] == "nemotron_h" and config.get("time_step_min") == 0
+        if unclipped:
+            kwargs["time_step_min"] = 1e-300
+        hf = build(getattr(T, classes[0]), getattr(T, classes[1]), **kwargs)[0]
+        if unclipped:
+            for module in hf.modules():
+                if hasattr(module, "time_step_limit"):
+                    module.time_step_limit = (0.0, math.inf)
+        _HF[:] = [(key, hf)]
     return _HF[0][1]
 
 
@@ -1945,7 +2022,137 @@ _OPTIONAL_KEYS = ("head_count_kv", "key_length", "value_length", "rope_dimension
 
 # LFM2's head_count_kv is not optional: its zeros say which layers are convolutions (without it
 # llama.cpp, and npattn, take every layer for attention and find no attention tensors in layer 0)
-_WITH_OPTIONAL = [(i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1")]
+def _nemotron_h_derived(**changes) -> dict:
+    """The config ``nemotron_h``'s derive makes of a file's entries (four blocks by default:
+    Mamba-2, MLP, attention, Mamba-2) and ``_NEMOTRON_SSM``'s sizes."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    c = dict(
+        model_type="nemotron_h",
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        rms_norm_eps=2.0**-20,
+        rope_theta=10000.0,
+        num_key_value_heads=[0, 0, 2, 0],
+        intermediate_size=[0, 96, 0, 0],
+    )
+    c.update(changes)
+    GGUF_FAMILIES["nemotron_h"].derive(c, _NEMOTRON_SSM)
+    return c
+
+
+_NEMOTRON_SSM = {
+    "ssm.conv_kernel": 4,
+    "ssm.state_size": 16,
+    "ssm.group_count": 2,
+    "ssm.inner_size": 256,
+    "ssm.time_step_rank": 4,
+}
+
+
+def test_a_nemotron_h_file_s_blocks_are_its_per_layer_counts():
+    """NemotronHModel's file records each block's kind as llama.cpp reads it: head_count_kv and
+    feed_forward_length both 0, Mamba-2 (its sizes ssm.*: time_step_rank the heads, inner_size
+    heads * head_dim, transformers' chunk size, no step clipped); a head count, attention; a width,
+    the MLP; one integer for every layer as llama.cpp's get_key_or_arr takes it.  The epsilon is
+    the RMS one; no RoPE base is kept (no layer rotates)."""
+    c = _nemotron_h_derived()
+    assert c["layers_block_type"] == ["linear_attention", "mlp", "full_attention", "linear_attention"]
+    assert (c["num_key_value_heads"], c["intermediate_size"], c["layer_norm_epsilon"]) == (2, 96, 2.0**-20)
+    assert "rope_theta" not in c and "rms_norm_eps" not in c
+    mamba = {k: c[k] for k in ("conv_kernel", "ssm_state_size", "n_groups", "mamba_num_heads", "mamba_head_dim")}
+    assert mamba == dict(conv_kernel=4, ssm_state_size=16, n_groups=2, mamba_num_heads=4, mamba_head_dim=64)
+    assert (c["chunk_size"], c["time_step_min"]) == (256, 0.0)
+    assert not any(k.startswith("mamba_") and k not in ("mamba_num_heads", "mamba_head_dim") for k in c)
+    c = _nemotron_h_derived(num_key_value_heads=2, intermediate_size=0)  # scalars: every layer attention
+    assert c["layers_block_type"] == ["full_attention"] * 4 and "conv_kernel" not in c
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            dict(num_key_value_heads=[0, 0, 2]),
+            r"'nemotron_h.attention.head_count_kv' \[0, 0, 2\]: expected 4 counts \(block_count\)",
+        ),
+        (dict(intermediate_size=[0, -1, 0, 0]), r"'nemotron_h.feed_forward_length' \[0, -1, 0, 0\]: expected 4 counts"),
+        (dict(intermediate_size=[0, 96, 96, 0]), r"feed_forward_length' \[0, 96, 96, 0\]: layers \[2\] have both"),
+        (
+            dict(num_key_value_heads=[2, 0, 1, 0], intermediate_size=0),
+            r"head_count_kv' \[2, 0, 1, 0\]: the layers' counts",
+        ),
+        (
+            dict(intermediate_size=[0, 96, 0, 64]),
+            r"'nemotron_h.feed_forward_length' \[0, 96, 0, 64\]: the layers' counts",
+        ),
+    ],
+)
+def test_inconsistent_nemotron_h_blocks_are_refused_by_name(changes, match):
+    with pytest.raises(ValueError, match=match):
+        _nemotron_h_derived(**changes)
+
+
+def test_nemotron_h_mamba2_sizes_are_refused_by_name():
+    """The Mamba-2 blocks' ssm.* keys: each required where a block is Mamba-2, its heads dividing
+    the inner width; a routed experts' nemotron_h_moe file is refused by its architecture."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["nemotron_h"].derive
+    base = dict(model_type="nemotron_h", num_hidden_layers=2, hidden_size=256, num_attention_heads=4, rms_norm_eps=1e-5)
+    with pytest.raises(ValueError, match=r"metadata 'nemotron_h.ssm.conv_kernel': expected an integer >= 1"):
+        derive(dict(base, num_key_value_heads=[0, 2], intermediate_size=0), {})
+    with pytest.raises(ValueError, match=r"'nemotron_h.ssm.inner_size' 250: expected a multiple of ssm.time_step_rank"):
+        derive(
+            dict(base, num_key_value_heads=[0, 2], intermediate_size=0), dict(_NEMOTRON_SSM, **{"ssm.inner_size": 250})
+        )
+    derive(dict(base, num_key_value_heads=[0, 2], intermediate_size=0), dict(_NEMOTRON_SSM, **{"ssm.inner_size": 100}))
+
+
+def test_a_nemotron_h_moe_file_is_refused_by_its_architecture(tmp_path):
+    _write(tmp_path / "m.gguf", NEMOTRON_H, _state(NEMOTRON_H), Q.F32, "nemotron_h")
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "nemotron_h_moe")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"general.architecture 'nemotron_h_moe' is not supported \(npattn reads \["):
+        CausalLM.from_gguf(tmp_path / "moe.gguf")
+
+
+def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
+    """The file and the source model's own directory (save_pretrained: the backbone.* names; read
+    back by from_pretrained) are one model: the same config (an epsilon float32 holds exactly),
+    tensors and logits, A_log to within a few float32 roundings (the file's -exp(A_log) read
+    back); the file's model saved and read back is itself."""
+    config = dict(NEMOTRON_H, layer_norm_epsilon=2.0**-20)
+    src = _model(config)
+    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "nemotron_h")
+    src.save_pretrained(tmp_path / "dir")
+    g, d = CausalLM.from_gguf(tmp_path / "m.gguf"), CausalLM.from_pretrained(tmp_path / "dir")
+    meta = dict(hf={}, bos_token_id=None, eos_token_id=None, max_position_embeddings=None, pad_token_id=None)
+    assert g.config.replace(**meta) == d.config.replace(**meta)
+    assert set(g.state_dict()) == set(d.state_dict())
+    held = d.state_dict()
+    for k, v in d.state_dict().items():
+        if k.endswith("mixer.A_log"):
+            np.testing.assert_allclose(g.state_dict()[k], v, rtol=2**-21, atol=2**-22, err_msg=k)
+            held[k] = g.state_dict()[k]
+        else:
+            np.testing.assert_array_equal(g.state_dict()[k], v, err_msg=k)
+    d.load_state_dict(held)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(g, ids), _logits(d, ids))
+    g.save_pretrained(tmp_path / "g")
+    back = CausalLM.from_pretrained(tmp_path / "g")
+    assert back.config.replace(**meta) == g.config.replace(**meta)
+    np.testing.assert_array_equal(_logits(back, ids), _logits(g, ids))
+
+
+_WITH_OPTIONAL = [
+    (i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h")
+]
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])

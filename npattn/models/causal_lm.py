@@ -1601,7 +1601,8 @@ class CausalLM(Module):
         ``smollm3``, ``phi3``, ``granite``, ``granitemoe`` (GraniteMoeShared's and Granite 4.0's too),
         ``granitehybrid`` (Granite 4.0's hybrids, their Mamba-2 layers too), ``lfm2``, ``lfm2moe``,
         ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``,
-        ``mistral3`` (Ministral 3's query scale by position) and ``falcon-h1`` files of ``F32``,
+        ``mistral3`` (Ministral 3's query scale by position), ``falcon-h1`` and ``nemotron_h``
+        (Nemotron-H without routed experts) files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
@@ -1614,7 +1615,9 @@ class CausalLM(Module):
         LFM2's layer types read off its per-layer ``head_count_kv`` and its squeezed convolution
         weights given back their unit axis, Granite 4.0's Mamba-2 layers off its per-layer
         ``head_count_kv`` and its ``ssm.*`` keys (``A_log`` from the stored ``A = -exp(A_log)``),
-        EXAONE 4.0's sliding (and so rotating) layers off its ``sliding_window_pattern``; a
+        EXAONE 4.0's sliding (and so rotating) layers off its ``sliding_window_pattern``,
+        Nemotron-H's blocks off its per-layer ``head_count_kv`` and ``feed_forward_length`` (both 0:
+        Mamba-2); a
         ``falcon-h1`` file's weights hold its muP multipliers (its converter multiplied them in and
         kept no factor): read as they are, every multiplier 1, the network llama.cpp computes
         (``npattn.models.gguf``).

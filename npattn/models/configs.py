@@ -366,7 +366,7 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
         config[key] = v
     inner, hidden = config.pop("inner"), config["hidden_size"]
     heads, groups = config["mamba_n_heads"], config["mamba_n_groups"]
-    if arch != "falcon-h1" and inner % hidden:
+    if arch == "granitehybrid" and inner % hidden:
         raise ValueError(
             f"metadata '{arch}.ssm.inner_size' {inner}: expected a multiple of embedding_length {hidden} "
             "(Granite 4.0's inner width is mamba_expand * hidden_size)"
@@ -381,6 +381,8 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
             f"metadata '{arch}.ssm.group_count' {groups}: expected a divisor of ssm.time_step_rank {heads}"
         )
     width = {"mamba_d_ssm": inner} if arch == "falcon-h1" else {"mamba_expand": inner // hidden}
+    if arch == "nemotron_h":  # its inner width is mamba_num_heads * mamba_head_dim (no expand)
+        width = {}
     config.update(width, mamba_d_head=inner // heads, mamba_chunk_size=256)
 
 
@@ -414,6 +416,71 @@ def _gguf_falcon_h1(config: dict, meta: Mapping) -> None:
             "k's and v's times attention_in_multiplier and drops attn_output's: not transformers' Falcon-H1)"
         )
     _gguf_mamba2(config, meta, "falcon-h1")
+
+
+# Nemotron-H's names for _gguf_mamba2's Mamba-2 sizes (Granite 4.0's)
+_GGUF_NEMOTRON_H_MAMBA2 = {
+    "mamba_d_conv": "conv_kernel",
+    "mamba_n_groups": "n_groups",
+    "mamba_d_state": "ssm_state_size",
+    "mamba_n_heads": "mamba_num_heads",
+    "mamba_d_head": "mamba_head_dim",
+    "mamba_chunk_size": "chunk_size",
+}
+
+
+def _gguf_nemotron_h_counts(config: dict, key: str, suffix: str) -> list:
+    """``config[key]`` (the metadata ``nemotron_h.<suffix>``) as one count per layer: a list of
+    ``block_count`` integers >= 0, or one integer for every layer (llama.cpp's ``get_key_or_arr``)."""
+    n, v = config["num_hidden_layers"], config.get(key)
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = [v] * n
+    if (
+        not isinstance(v, (list, tuple))
+        or len(v) != n
+        or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in v)
+    ):
+        raise ValueError(f"metadata 'nemotron_h.{suffix}' {_show(v)}: expected {n} counts (block_count), integers >= 0")
+    return list(v)
+
+
+def _gguf_nemotron_h(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``nemotron_h`` (``llama_model_nemotron_h``; ``NemotronHModel`` in
+    ``convert_hf_to_gguf.py``, a ``GraniteHybridModel``: q/k permuted as a Llama's, though no
+    layer rotates; ``head_dim`` as ``attention.key_length``): blocks of one sublayer each, their
+    kinds recorded as llama.cpp reads them, per layer, by ``attention.head_count_kv`` and
+    ``feed_forward_length`` (``NemotronHModel.set_gguf_parameters``): both 0, a Mamba-2 mixer
+    (``recurrent_layer_arr``; its sizes the ``ssm.*`` keys: ``_gguf_mamba2``); a head count and
+    width 0, attention (without RoPE: ``rope.scaling.finetuned`` and ``rope.dimension_count``,
+    which GraniteModel takes from ``hidden_size / head_count``, are read by no layer); a width and
+    head count 0, the MLP ``ffn_down(relu2(ffn_up(x)))``.  A layer with both is refused (no
+    converter writes one; llama.cpp would run only its MLP).  Every norm's epsilon is
+    ``attention.layer_norm_rms_epsilon`` (TextModel's ``attention.layer_norm_epsilon``, of the
+    same value, is read by nothing); llama.cpp's scan clips no step (``time_step_min`` 0); the
+    biases are the tensors' (``GgufFamily.biases``).  The routed experts' ``nemotron_h_moe`` files
+    are another architecture, refused by its name."""
+    kv = _gguf_nemotron_h_counts(config, "num_key_value_heads", "attention.head_count_kv")
+    ff = _gguf_nemotron_h_counts(config, "intermediate_size", "feed_forward_length")
+    both = [i for i, (k, f) in enumerate(zip(kv, ff)) if k and f]
+    if both:
+        raise ValueError(
+            f"metadata 'nemotron_h.attention.head_count_kv' {_show(kv)} and 'nemotron_h.feed_forward_length' "
+            f"{_show(ff)}: layers {both} have both (a Nemotron-H block is attention, an MLP or Mamba-2)"
+        )
+    for name, counts in (("attention.head_count_kv", kv), ("feed_forward_length", ff)):
+        if len({c for c in counts if c}) > 1:
+            raise ValueError(f"metadata 'nemotron_h.{name}' {_show(counts)}: the layers' counts differ")
+    kinds = ["full_attention" if k else "mlp" if f else "linear_attention" for k, f in zip(kv, ff)]
+    config["num_key_value_heads"] = next((k for k in kv if k), config["num_attention_heads"])
+    config["intermediate_size"] = next((f for f in ff if f), config["hidden_size"])  # (read by no layer if none)
+    config["layers_block_type"] = kinds
+    config["layer_norm_epsilon"] = config.pop("rms_norm_eps")
+    config.pop("rope_theta", None)  # no layer rotates
+    if "linear_attention" in kinds:
+        _gguf_mamba2(config, meta, "nemotron_h")
+        for granite, nemotron in _GGUF_NEMOTRON_H_MAMBA2.items():
+            config[nemotron] = config.pop(granite)
+        config["time_step_min"] = 0.0
 
 
 # Granite's four numbers <- llama.cpp's names for them (GraniteModel.set_gguf_parameters)
@@ -775,6 +842,19 @@ GGUF_FAMILIES = {
         biases={
             "mamba_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
             "mamba_rms_norm": ("ssm_in.weight", "ssm_norm.weight"),
+        },
+    ),
+    # Nemotron-H: Mamba-2, attention (no RoPE) or relu2 MLP blocks, their kinds per layer in
+    # head_count_kv and feed_forward_length (both 0: Mamba-2), q/k permuted (GraniteHybridModel's)
+    "nemotron_h": GgufFamily(
+        "nemotron_h",
+        permute_qk=True,
+        derive=_gguf_nemotron_h,
+        reads=(*_GGUF_SSM_READS, "rope.scaling.finetuned", "rope.dimension_count", "attention.layer_norm_epsilon"),
+        biases={
+            "use_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
+            "use_bias": ("ssm_in.weight", "ssm_in.bias"),
+            "mlp_bias": ("ffn_up.weight", "ffn_up.bias"),
         },
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)

@@ -10,7 +10,8 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
-Ministral 3's or Mistral Small 3.x's text model, ``falcon-h1``, Falcon-H1's) and what each
+Ministral 3's or Mistral Small 3.x's text model, ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
+Nemotron-H's without routed experts) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
@@ -71,7 +72,14 @@ Reading one:
    folds cannot be undone: the model keeps the folded weights with every multiplier 1, the network
    llama.cpp computes (the checkpoint's up to the folds' float32 roundings, exactly where a
    multiplier is a power of two), and ``save_pretrained`` writes it so (``_gguf_falcon_h1`` in
-   ``models/configs.py``: the gate before the grouped norm, biases).
+   ``models/configs.py``: the gate before the grouped norm, biases);
+8. a ``nemotron_h`` file (``NemotronHModel``, a ``GraniteHybridModel``: q/k permuted though no
+   layer rotates; Mamba-2 blocks stored as in 6.) records each block's kind per layer: both
+   ``attention.head_count_kv`` and ``feed_forward_length`` 0, Mamba-2; a head count, attention; a
+   width, the relu2 MLP ``ffn_up``/``ffn_down`` (``_gguf_nemotron_h`` in ``models/configs.py``).
+   gguf's map knows its Mamba-2 and MLP tensors by the checkpoint's ``backbone.layers.{i}.mixer.*``
+   names only (``_lookup``: ``CheckpointLayout.renames``).  llama.cpp's scan clips no step: the
+   model's ``time_step_min`` is 0.  The routed experts' ``nemotron_h_moe`` is refused by name.
 """
 
 from __future__ import annotations
@@ -89,6 +97,7 @@ from ..functional._bfloat16 import to_bfloat16_bits
 from ..functional.rope_scaling import inverse_frequencies
 from .configs import GGUF_FAMILIES
 from .hf import LazyTensor, _Mapping, _short, check_weights_dtype, checkpoint_key, load_into, rounds_into_bits
+from .save import _renamed
 
 __all__ = [
     "from_gguf",
@@ -566,11 +575,29 @@ def _gguf_names(names, key: str) -> list:
     return [name if key.endswith((".weight", ".bias", *_BARE)) else name + ".weight"]
 
 
+def _maps(names, key: str) -> bool:
+    """Whether gguf's ``TensorNameMap`` knows every GGUF tensor of the model's ``key`` (both
+    halves of a ``gate_up_proj``; ``_gguf_names``' renames applied)."""
+    if key.endswith(".experts.gate_up_proj"):
+        return all(_maps(names, key[: -len("gate_up_proj")] + part) for part in ("gate_proj", "up_proj"))
+    for old, new in _RENAMED:
+        if key.endswith(old):
+            key = key[: -len(old)] + new
+    return names.get_name(key, try_suffixes=(".weight", ".bias")) is not None
+
+
 def _lookup(names, cfg, key: str) -> str:
-    """The name under which gguf's ``TensorNameMap`` knows the model's ``key``: Llama's layer names
-    (``cfg.generic_name``: a family's own undone, as converters that know the generic names look
-    tensors up), or the family's own where the map knows only those (Falcon-H1's
-    ``pre_ff_layernorm.weight``, the file's ``blk.{i}.ffn_norm``, named without ``.weight``)."""
+    """The name under which gguf's ``TensorNameMap`` knows the model's ``key``: the checkpoint's
+    where the family's checkpoints rename the model's and the map knows that name
+    (``CheckpointLayout.renames``: Nemotron-H's ``backbone.layers.{i}.mixer.*``, whose
+    ``mixer.out_proj`` is a Mamba-2 layer's ``ssm_out``, where Llama's name would say
+    ``attn_output``), else Llama's layer names (``cfg.generic_name``: a family's own undone, as
+    converters that know the generic names look tensors up), or the family's own where the map
+    knows only those (Falcon-H1's ``pre_ff_layernorm.weight``, the file's ``blk.{i}.ffn_norm``,
+    named without ``.weight``)."""
+    checkpoint = _renamed(key, cfg.layout.renames)
+    if checkpoint != key and _maps(names, checkpoint):
+        return checkpoint
     generic = cfg.generic_name(key)
     if generic != key and _gguf_names(names, generic) == [generic] and _gguf_names(names, key) != [key]:
         return key
