@@ -1480,7 +1480,14 @@ def test_a_granite_file_is_its_model_s_directory(tmp_path, config, arch):
     model: the same config, tensors and logits (an epsilon float32 holds exactly: the file's is
     float32).  A Mamba-2 layer's A_log is the file's -exp(A_log) read back (log(-A)): to within
     a few float32 roundings, the logits those of the directory's model holding it."""
-    config = dict(config, rms_norm_eps=2.0**-20)
+    _file_is_its_directory(tmp_path, dict(config, rms_norm_eps=2.0**-20), arch)
+
+
+def _file_is_its_directory(tmp_path, config: dict, arch: str):
+    """A float32 file of a model of ``config`` and the model's own directory, read back: the same
+    config (but the metadata), state-dict keys, tensors (a Mamba-2 layer's ``A_log`` to within a
+    few float32 roundings: the file's ``-exp(A_log)`` read back) and logits (the directory's model
+    holding the file's ``A_log``).  Returns ``(the file's model, the ids, the metadata not compared)``."""
     src = _model(config)
     _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, arch)
     src.save_pretrained(tmp_path / "dir")
@@ -1490,7 +1497,7 @@ def test_a_granite_file_is_its_model_s_directory(tmp_path, config, arch):
     assert set(g.state_dict()) == set(d.state_dict())
     held = d.state_dict()
     for k, v in d.state_dict().items():
-        if k.endswith("mamba.A_log"):
+        if k.endswith(".A_log"):
             np.testing.assert_allclose(g.state_dict()[k], v, rtol=2**-21, atol=2**-22, err_msg=k)
             held[k] = g.state_dict()[k]
         else:
@@ -1498,6 +1505,7 @@ def test_a_granite_file_is_its_model_s_directory(tmp_path, config, arch):
     d.load_state_dict(held)
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     np.testing.assert_array_equal(_logits(g, ids), _logits(d, ids))
+    return g, ids, meta
 
 
 def test_granite_numbers_as_llama_cpp_reads_them():
@@ -2126,24 +2134,7 @@ def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
     back by from_pretrained) are one model: the same config (an epsilon float32 holds exactly),
     tensors and logits, A_log to within a few float32 roundings (the file's -exp(A_log) read
     back); the file's model saved and read back is itself."""
-    config = dict(NEMOTRON_H, layer_norm_epsilon=2.0**-20)
-    src = _model(config)
-    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "nemotron_h")
-    src.save_pretrained(tmp_path / "dir")
-    g, d = CausalLM.from_gguf(tmp_path / "m.gguf"), CausalLM.from_pretrained(tmp_path / "dir")
-    meta = dict(hf={}, bos_token_id=None, eos_token_id=None, max_position_embeddings=None, pad_token_id=None)
-    assert g.config.replace(**meta) == d.config.replace(**meta)
-    assert set(g.state_dict()) == set(d.state_dict())
-    held = d.state_dict()
-    for k, v in d.state_dict().items():
-        if k.endswith("mixer.A_log"):
-            np.testing.assert_allclose(g.state_dict()[k], v, rtol=2**-21, atol=2**-22, err_msg=k)
-            held[k] = g.state_dict()[k]
-        else:
-            np.testing.assert_array_equal(g.state_dict()[k], v, err_msg=k)
-    d.load_state_dict(held)
-    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
-    np.testing.assert_array_equal(_logits(g, ids), _logits(d, ids))
+    g, ids, meta = _file_is_its_directory(tmp_path, dict(NEMOTRON_H, layer_norm_epsilon=2.0**-20), "nemotron_h")
     g.save_pretrained(tmp_path / "g")
     back = CausalLM.from_pretrained(tmp_path / "g")
     assert back.config.replace(**meta) == g.config.replace(**meta)
