@@ -134,7 +134,7 @@ _MHA_NAMES = {
 }
 
 
-# the plain MLP (FeedForward: Nemotron-H's) under its checkpoint names
+# the plain MLP (FeedForward: Nemotron-H's, Arcee's) under its checkpoint names
 _PLAIN_MLP_NAMES = {"mlp.linear1": "mlp.up_proj", "mlp.linear2": "mlp.down_proj"}
 # Gemma 4's MLP beside routed experts (DenseWithExperts, the decoder layer's mlp) under its checkpoint names
 _DENSE_WITH_EXPERTS_NAMES = {
@@ -188,7 +188,7 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
 def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The MLP of layer ``i``: the dense gated MLP, the plain one (``up_proj``, ``down_proj``:
     ``FeedForward``), or the routed experts."""
-    if cfg.mlp_types[i] == "plain":  # Nemotron-H: down(act(up(x))), its activation relu2
+    if cfg.mlp_types[i] == "plain":  # Nemotron-H, Arcee: down(act(up(x))), their activation relu2
         act = HIDDEN_ACTS[cfg.hidden_act]
         return FeedForward(cfg.hidden_size, cfg.mlp_size(i), activation=act, bias=cfg.mlp_bias, rng=rng, dtype=dtype)
     if cfg.mlp_types[i] == "moe":

@@ -79,6 +79,7 @@ SUPPORTED_MODEL_TYPES = (
     "lfm2_moe",
     "falcon_h1",
     "nemotron_h",
+    "arcee",
 )
 
 ATTENTION_KINDS = (
@@ -1244,7 +1245,7 @@ class CausalLMConfig:
     their factors) or ``"none"`` (no attention sublayer and no norm before one: Nemotron-H's MLP
     blocks); ``mlp_types[i]`` is
     ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"plain"`` (``down(act(up(x)))``,
-    ``FeedForward`` under the names ``up_proj``, ``down_proj``: Nemotron-H's, its ``hidden_act``
+    ``FeedForward`` under the names ``up_proj``, ``down_proj``: Nemotron-H's and Arcee's, their ``hidden_act``
     ``"relu2"``), ``"moe"`` (routed experts), ``"dense_and_experts"`` (Gemma 4's
     ``enable_moe_block``: both, each with its own norms, summed; ``moe`` holds the experts' sizes) or
     ``"none"`` (no MLP sublayer and no norm before one: Nemotron-H's Mamba-2 and attention blocks).
@@ -1790,6 +1791,17 @@ def _llama(r: _Reader) -> dict:
         layer_types=("full_attention",) * n,
         mlp_types=("dense",) * n,
     )
+    return c
+
+
+def _arcee(r: _Reader) -> dict:
+    """Arcee (arcee-ai/AFM-4.5B, ``ArceeForCausalLM``): Llama's layers with a non-gated MLP,
+    ``down_proj(act(up_proj(x)))`` (``ArceeMLP``; MLP kind ``"plain"``, its activation
+    ``hidden_act``, ``relu2`` by default), under Llama's names (``mlp.up_proj``, ``mlp.down_proj``;
+    no ``gate_proj``).  Its keys are Llama's: ``attention_bias``, ``mlp_bias``, ``head_dim``, RoPE
+    (AFM-4.5B's YaRN) as ``_rope_params`` reads it."""
+    c = _llama(r)
+    c.update(hidden_act=_act(r, "hidden_act", "relu2"), mlp_types=("plain",) * c["num_hidden_layers"])
     return c
 
 
@@ -3869,6 +3881,16 @@ _DEFAULTS: dict = {
         sliding_window_pattern=4,
     ),
     # Ernie4_5Config's class defaults (0.3B's sizes, head_dim 128, a tied head, no biases)
+    "arcee": dict(  # ArceeConfig's (AFM-4.5B-Base's sizes; head_dim and num_key_value_heads: the reader's)
+        **_sizes(positions=4096, vocab=32000, hidden=2560, intermediate=18432, layers=32, heads=32),
+        hidden_act="relu2",
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
     "ernie4_5": dict(
         **_sizes(positions=131072, vocab=103424, hidden=1024, intermediate=3072, layers=18, heads=16, kv_heads=2),
         hidden_act="silu",
@@ -4347,6 +4369,7 @@ _READERS = {
     "lfm2_moe": _lfm2_moe,
     "falcon_h1": _falcon_h1,
     "nemotron_h": _nemotron_h,
+    "arcee": _arcee,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,

@@ -676,6 +676,26 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Arcee (AFM-4.5B): Llama's layers, a non-gated relu2 MLP (up, down; with biases here), heads of
+    # 8 wider than hidden / heads, YaRN (factor 4 over 8 original positions) as AFM-4.5B's, untied
+    "arcee": dict(
+        _BASE,
+        model_type="arcee",
+        head_dim=8,
+        mlp_bias=True,
+        max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 8,
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Ministral 3: Mistral's layers without a window, YaRN over 2 original positions, so that the
     # queries' scale by position (1 + beta log(1 + floor(p / 2))) is not 1 past the second token
     "ministral3": dict(
