@@ -285,6 +285,13 @@ EXAONE4_1_2B = dict(EXAONE4, num_hidden_layers=2, sliding_window=None, layer_typ
 ERNIE4_5 = dict(
     FAMILIES["ernie4_5"], hidden_size=256, intermediate_size=256, head_dim=128, use_bias=False, rms_norm_eps=1e-5
 )
+# Arcee (AFM-4.5B): llama rows (permuted), the non-gated relu2 MLP (ffn_up, ffn_down; llama.cpp's
+# arcee reads no biases), YaRN of factor 4 over 8 original positions at base 1000 (its betas the
+# defaults, which the converter does not write); untied
+ARCEE = dict(
+    FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
+)
+ARCEE["rope_parameters"] = {k: v for k, v in ARCEE["rope_parameters"].items() if not k.startswith("beta")}
 # Ministral 3: llama rows (permuted), YaRN over 2 original positions and the queries' scale by
 # position (attention.temperature_scale 0.5), so that the 7 positions of the tests cross it; untied
 MINISTRAL3 = dict(FAMILIES["ministral3"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
@@ -374,7 +381,7 @@ _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
 _GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
-_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", *_GRANITES)
+_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", "arcee", *_GRANITES)
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 # the model's names and the released checkpoint's (transformers' conversion_mapping for granitemoe)
 _GRANITEMOE_NAMES = (
@@ -719,6 +726,8 @@ def _metadata(w, config, arch):
         _olmo2_metadata(w, config)
     elif arch == "mistral3":
         _mistral3_metadata(w, config)
+    elif arch == "arcee":
+        _arcee_metadata(w, config)
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     if arch in _GRANITES:  # GraniteModel.set_gguf_parameters: each number where it is not 0
@@ -773,6 +782,18 @@ def _olmo2_metadata(w, config, old_attn_factor=False):
     if "sliding_window" in config:
         w.add_sliding_window(config["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+
+
+def _arcee_metadata(w, config):
+    """``ArceeModel.set_gguf_parameters``: the base, and where the config's RoPE is YaRN (its
+    ``rope_scaling``'s or ``rope_parameters``' type) its type, factor and original context length;
+    not the betas (left out: llama.cpp's defaults, transformers' too)."""
+    rp = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    w.add_rope_freq_base(rp.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rp.get("rope_type", rp.get("type")) == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
 
 
 def _mistral3_metadata(w, config):
@@ -1005,6 +1026,7 @@ CASES = [
     (EXAONE4, "exaone4"),
     (ERNIE4_5, "ernie4_5"),
     (MINISTRAL3, "mistral3"),
+    (ARCEE, "arcee"),
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
     (NEMOTRON_H, "nemotron_h"),
@@ -1199,6 +1221,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (EXAONE4_1_2B, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (ERNIE4_5, "ernie4_5", ("Ernie4_5Config", "Ernie4_5ForCausalLM")),
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
+        (ARCEE, "arcee", ("ArceeConfig", "ArceeForCausalLM")),
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
@@ -1230,6 +1253,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "exaone4-1.2b",
         "ernie4_5",
         "ministral3",
+        "arcee",
         "falcon-h1",
         "falcon-h1-rounded",
         "nemotron_h",
@@ -1802,6 +1826,56 @@ def test_ernie4_5_rows_are_read_as_written_and_biases_refused(tmp_path):
         GGUF_FAMILIES["ernie4_5"].derive(dict(model_type="ernie4_5", attention_bias=False, mlp_bias=True), {})
 
 
+def test_an_arcee_file_is_its_model_s_directory(tmp_path):
+    """An arcee file (q/k permuted, the plain relu2 MLP, the file's YaRN) and the source model's
+    own directory (save_pretrained, read back by from_pretrained) are one model: the same config
+    (YaRN's factor, original length and base), tensors bit for bit and logits over positions past
+    the original length.  Without YaRN's metadata the file is Llama's plain RoPE at its base."""
+    g, _, _ = _file_is_its_directory(tmp_path, ARCEE, "arcee")
+    rope = g.config.attention_config("full_attention").rope_scaling
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 8)
+    assert g.config.mlp_types == ("plain", "plain") and g.config.hidden_act == "relu2"
+    plain = dict(ARCEE, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    (tmp_path / "plain").mkdir()
+    g, _, _ = _file_is_its_directory(tmp_path / "plain", plain, "arcee")
+    assert g.config.attention_config("full_attention").rope_scaling == {"rope_type": "default", "rope_theta": 1000.0}
+
+
+def test_arcee_metadata_and_biases_as_llama_cpp_reads_them(tmp_path):
+    """llama.cpp's arcee: the file's YaRN (type, factor, original length; betas and attention
+    factor where written), none without the type; a YaRN key without the type, another scaling
+    type, and biases (its loader reads none: not q/k/v's beside transformers' o bias, nor the MLP's)
+    refused by name; rope_freqs.weight beside YaRN refused."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["arcee"].derive
+    c = dict(model_type="arcee", attention_bias=False, mlp_bias=False)
+    derive(c, {})
+    assert c == dict(model_type="arcee")
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 20.0, "rope.scaling.original_context_length": 4096}
+    derive(c, dict(yarn, **{"rope.scaling.yarn_beta_fast": 16.0}))
+    assert c["rope_scaling"] == dict(
+        rope_type="yarn", factor=20.0, original_max_position_embeddings=4096, beta_fast=16.0
+    )
+    for meta, match in [
+        ({"rope.scaling.factor": 2.0}, r"'arcee.rope.scaling.factor' without 'arcee.rope.scaling.type' 'yarn'"),
+        ({**yarn, "rope.scaling.type": "linear"}, r"'arcee.rope.scaling.type' 'linear' is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            derive(dict(model_type="arcee"), meta)
+    for key, where in (("attention_bias", "attn_q"), ("mlp_bias", "ffn_up")):
+        with pytest.raises(ValueError, match=rf"tensor 'blk.0.{where}.bias' in an arcee file: llama.cpp's arcee"):
+            derive(dict(model_type="arcee", **{key: True}), {})
+    biased = dict(ARCEE, mlp_bias=True)
+    _write(tmp_path / "b.gguf", biased, _model(biased).state_dict(), Q.F32, "arcee")
+    with pytest.raises(ValueError, match=r"b.gguf: tensor 'blk.0.ffn_up.bias' in an arcee file"):
+        CausalLM.from_gguf(tmp_path / "b.gguf")
+    llama3 = np.ones(32, np.float32)
+    _write(tmp_path / "f.gguf", ARCEE, _state(ARCEE), Q.F32, "arcee", extra=[("rope_freqs.weight", llama3)])
+    with pytest.raises(ValueError, match=r"f.gguf: tensor 'rope_freqs.weight' beside the file's YaRN"):
+        CausalLM.from_gguf(tmp_path / "f.gguf")
+
+
 # Falcon-H1 files: the multipliers powers of two (folded exactly), as the released checkpoints'
 # (each fold one float32 rounding), and tied (no output tensor: llama.cpp's head the folded embedding)
 _FALCON_FILES = {
@@ -2166,7 +2240,7 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
         )
     if config["model_type"] == "olmo3":  # both layer types rotate by rope.freq_base (not Olmo3Config's 500000)
         config["rope_parameters"] = {t: dict(v, rope_theta=1e4) for t, v in config["rope_parameters"].items()}
-    if arch == "mistral3":  # its YaRN dict's base is rope.freq_base
+    if arch in ("mistral3", "arcee"):  # their YaRN dict's base is rope.freq_base
         config["rope_parameters"] = dict(config["rope_parameters"], rope_theta=1e4)
     sd = _model(config).state_dict()
     _write(tmp_path / "full.gguf", config, sd, Q.F32, arch)

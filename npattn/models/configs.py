@@ -661,6 +661,23 @@ def _gguf_mistral3(config: dict, meta: Mapping) -> None:
     config["rope_parameters"] = {**yarn, "rope_theta": theta} if yarn else {"rope_type": "default", "rope_theta": theta}
 
 
+def _gguf_arcee(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``arcee`` (``llama_model_arcee``; ``ArceeModel(LlamaModel)`` in the converter:
+    q/k rows permuted): Llama's attention and the MLP ``ffn_down(relu2(ffn_up(x)))``, its RoPE the
+    file's YaRN where it has one (the converter writes ``rope.scaling.type`` yarn, the factor and
+    the original context length; the betas and attention factor left out are llama.cpp's and
+    transformers' same defaults).  llama.cpp's arcee loads no bias (not q/k/v's as optional tensors
+    beside an output bias, as ``ArceeAttention``'s ``attention_bias`` has, nor the MLP's): a file
+    with biases is refused."""
+    for key in ("attention_bias", "mlp_bias"):
+        if config.pop(key, False):
+            where = "attn_q" if key == "attention_bias" else "ffn_up"
+            raise ValueError(f"tensor 'blk.0.{where}.bias' in an arcee file: llama.cpp's arcee reads no biases")
+    yarn = _gguf_yarn(meta, "arcee")
+    if yarn:
+        config["rope_scaling"] = yarn
+
+
 def _gguf_layer_pattern(pattern, n: int, arch: str, min_period: int) -> list:
     """The layer types ``attention.sliding_window_pattern`` gives ``n`` layers: one boolean per
     layer (the converter writes the config's ``layer_types`` so, true where a layer slides), or
@@ -887,6 +904,13 @@ GGUF_FAMILIES = {
     ),
     # ERNIE 4.5 dense: its interleaved RoPE pairs are llama.cpp's own (no permutation), no biases
     "ernie4_5": GgufFamily("ernie4_5", derive=_gguf_ernie4_5),
+    # Arcee (AFM-4.5B): llama files (q/k permuted) with a non-gated relu2 MLP (ffn_up, ffn_down) and YaRN
+    "arcee": GgufFamily(
+        "arcee",
+        permute_qk=True,
+        derive=_gguf_arcee,
+        reads=("rope.scaling.type", _GGUF_YARN_ATTN_OLD, *_GGUF_YARN.values()),
+    ),
     # Mistral 3 (Ministral 3's text model, Mistral Small 3.x's): llama files (q/k permuted) with
     # Ministral 3's query scale and YaRN in the metadata; no window
     "mistral3": GgufFamily("ministral3", permute_qk=True, derive=_gguf_mistral3, reads=_GGUF_MISTRAL3_READS),

@@ -10,7 +10,7 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
-Ministral 3's or Mistral Small 3.x's text model, ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
+Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
 Nemotron-H's without routed experts) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
@@ -34,8 +34,8 @@ Reading one:
    time, straight into its parameter;
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
-   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite``, ``granitemoe``, ``granitehybrid`` or
-   ``mistral3`` model's too,
+   ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite``, ``granitemoe``, ``granitehybrid``,
+   ``mistral3`` or ``arcee`` model's too,
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
    fourth).  An ``ernie4_5`` file is not permuted: ERNIE 4.5 itself rotates the pairs
@@ -336,6 +336,8 @@ def _rope_freqs_scaling(f: _File, t, config: dict) -> dict:
     gguf = _gguf()
     if "rope_parameters" in config:  # a family with a RoPE dict per kind of layer (Gemma 3)
         raise ValueError(f"{f.path}: tensor {_ROPE_FREQS!r} is not supported in a {f.arch} file")
+    if "rope_scaling" in config:  # the metadata's YaRN (an arcee file's): llama.cpp would apply both
+        raise ValueError(f"{f.path}: tensor {_ROPE_FREQS!r} beside the file's YaRN (rope.scaling.type)")
     d = config["head_dim"]
     divisors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
     factor = float(divisors.max(initial=0.0))
