@@ -774,6 +774,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "exaone4",
         "ernie4_5",
         "arcee",
+        "glm4",
         "ministral3",
         "ministral",
         "qwen3",

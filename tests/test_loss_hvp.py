@@ -30,6 +30,7 @@ FAMILIES += ["ministral3"]  # the queries' scale by position in the second-order
 FAMILIES += ["lfm2_moe"]  # sigmoid routing renormalised by sum + 1e-6, the expert bias steering the choice
 FAMILIES += ["falcon_h1"]  # attention and Mamba-2 side by side (ParallelSum), every muP factor
 FAMILIES += ["nemotron_h"]  # blocks of one sublayer (Mamba-2, attention, a relu2 MLP), the layers without the other
+FAMILIES += ["glm4"]  # partial RoPE on interleaved pairs, plain norms after both sublayers (second order through them)
 IGNORE = -1
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .._validate import check_size
-from ..functional.rope_scaling import _standardize
+from ..functional.rope_scaling import _standardize, resolve_rotary_dim
 
 __all__ = [
     "CausalLMConfig",
@@ -80,6 +80,7 @@ SUPPORTED_MODEL_TYPES = (
     "falcon_h1",
     "nemotron_h",
     "arcee",
+    "glm4",
 )
 
 ATTENTION_KINDS = (
@@ -1286,7 +1287,7 @@ class CausalLMConfig:
     frequencies of the longest sequence it has seen for later sequences between those (a cache of
     its own state, which npattn does not imitate).  ``norm_offset``: norms multiply by
     ``1 + weight`` (Gemma, Qwen3-Next); ``sandwich_norm``: norms also after attention and after the
-    MLP (Gemma); ``pre_norm``: the norms before attention and before the MLP (False: OLMo 2/3's
+    MLP (Gemma, GLM-4); ``pre_norm``: the norms before attention and before the MLP (False: OLMo 2/3's
     post-norm, each sublayer's output normalised before its residual sum, with ``sandwich_norm``);
     ``qk_norm_scope``: the QK-norm over each head (``"head"``) or over the whole projection
     (``"all_heads"``, OLMo 2/3); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the
@@ -1313,12 +1314,13 @@ class CausalLMConfig:
     ``layer_names``: pairs of a decoder layer's tensor name (a dotted prefix, as Llama's checkpoints
     name it) and the family's own (LFM2's ``operator_norm`` for ``input_layernorm``,
     ``feed_forward.w1`` for ``mlp.gate_proj``, ``self_attn.out_proj`` for ``self_attn.o_proj`` ...;
-    GraniteMoe's ``block_sparse_moe`` for ``mlp``), and ``final_norm_name`` the final norm's
-    (``model.embedding_norm``), ``embed_name`` the embedding's (Nemotron-H's ``model.embeddings``):
-    the model's parameters, state dict and checkpoints all say the family's names (``generic_name``
-    undoes the layers' ones).  ``pad_embedding_row``: the embedding's ``pad_token_id`` row is a
-    padding row (no gradient, as torch's ``padding_idx``); False where the family's embedding has
-    none (Nemotron-H's).
+    GraniteMoe's ``block_sparse_moe`` for ``mlp``; GLM-4's ``post_self_attn_layernorm`` for the norm
+    after attention, its ``post_attention_layernorm`` for the one before the MLP), and
+    ``final_norm_name`` the final norm's (``model.embedding_norm``), ``embed_name`` the embedding's
+    (Nemotron-H's ``model.embeddings``): the model's parameters, state dict and checkpoints all say
+    the family's names (``generic_name`` undoes the layers' ones).  ``pad_embedding_row``: the
+    embedding's ``pad_token_id`` row is a padding row (no gradient, as torch's ``padding_idx``);
+    False where the family's embedding has none (Nemotron-H's).
 
     ``rope_layers[i]``: whether layer ``i`` rotates its queries and keys (``None``: every layer
     does).  SmolLM3's NoPE layers (its ``no_rope_layers``, whose 0 marks a layer without RoPE) and
@@ -2015,6 +2017,46 @@ def _ernie4_5(r: _Reader) -> dict:
         rope_interleaved=True,
         layer_types=("full_attention",) * n,
         mlp_types=("dense",) * n,
+    )
+    return c
+
+
+# GLM-4's names of the four norms of a layer (Glm4DecoderLayer): the norm after attention is its
+# post_self_attn_layernorm, the one before the MLP its post_attention_layernorm (Llama's name of the
+# pre-MLP norm, Gemma's of the post-attention one), the one after the MLP its post_mlp_layernorm
+_GLM4_NAMES = (
+    ("post_attention_layernorm", "post_self_attn_layernorm"),
+    ("pre_feedforward_layernorm", "post_attention_layernorm"),
+    ("post_feedforward_layernorm", "post_mlp_layernorm"),
+)
+# Glm4MLP's one gate_up_proj: the gate's rows, then the up projection's (its chunk(2))
+_GLM4_FUSED = (("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),)
+
+
+def _glm4(r: _Reader) -> dict:
+    """GLM-4 (GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1, ``Glm4ForCausalLM``): Llama's attention with
+    biases on q, k and v only (``attention_bias``, default true; ``o_proj`` has none), RoPE on the
+    interleaved pairs ``(2i, 2i + 1)`` of the first ``partial_rotary_factor`` of each head (default
+    0.5; ``Glm4``'s ``apply_rotary_pos_emb`` repeats each frequency twice and its ``rotate_half``
+    pairs neighbours), plain RMSNorms around both sublayers (``sandwich_norm``, under GLM's own
+    names: ``_GLM4_NAMES``), the gated MLP's gate and up rows in one ``gate_up_proj``
+    (``_GLM4_FUSED``), an untied head by default.  ``Glm4Model`` masks causally with no window: a
+    ``sliding_window`` key is refused; so is a factor that leaves an odd number of features to
+    rotate (transformers would turn one more at frequencies of the odd width)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    rope = _rope_params(r, 10000.0, partial=True)
+    resolve_rotary_dim(c["head_dim"], None, rope["default"])  # an even number of features rotating
+    c.update(
+        _mlp_and_bias(r),
+        attention_out_bias=False,
+        sandwich_norm=True,
+        rope=rope,
+        rope_interleaved=True,
+        layer_types=("full_attention",) * n,
+        mlp_types=("dense",) * n,
+        layer_names=_GLM4_NAMES,
+        layout=CheckpointLayout(r.model_type, fused=_GLM4_FUSED),
     )
     return c
 
@@ -3904,7 +3946,19 @@ _DEFAULTS: dict = {
         sliding_window=4096,
         sliding_window_pattern=4,
     ),
-    # Ernie4_5Config's class defaults (0.3B's sizes, head_dim 128, a tied head, no biases)
+    # Glm4Config's class defaults (GLM-4-9B's sizes, head_dim 128, biases on q/k/v, half the head rotating)
+    "glm4": dict(
+        **_sizes(positions=131072, vocab=151552, hidden=4096, intermediate=13696, layers=40, heads=32, kv_heads=2),
+        head_dim=128,
+        hidden_act="silu",
+        rms_norm_eps=1.5625e-07,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        attention_dropout=0.0,
+        partial_rotary_factor=0.5,
+        pad_token_id=151329,
+        eos_token_id=[151329, 151336, 151338],
+    ),
     "arcee": dict(  # ArceeConfig's (AFM-4.5B-Base's sizes; head_dim and num_key_value_heads: the reader's)
         **_sizes(positions=4096, vocab=32000, hidden=2560, intermediate=18432, layers=32, heads=32),
         hidden_act="relu2",
@@ -3915,6 +3969,7 @@ _DEFAULTS: dict = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    # Ernie4_5Config's class defaults (0.3B's sizes, head_dim 128, a tied head, no biases)
     "ernie4_5": dict(
         **_sizes(positions=131072, vocab=103424, hidden=1024, intermediate=3072, layers=18, heads=16, kv_heads=2),
         hidden_act="silu",
@@ -4398,6 +4453,7 @@ _READERS = {
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,
     "ministral": _ministral,
+    "glm4": _glm4,
 }
 
 

@@ -696,6 +696,19 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # GLM-4 (0414, Z1): heads of 8 wider than hidden / heads, half of each rotating (its default
+    # partial_rotary_factor) on interleaved pairs, biases on q/k/v only (its default), plain norms
+    # after both sublayers too under GLM's names, the fused gate_up_proj, an untied head (its default)
+    "glm4": dict(
+        _BASE,
+        model_type="glm4",
+        head_dim=8,
+        rope_theta=1000.0,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Ministral 3: Mistral's layers without a window, YaRN over 2 original positions, so that the
     # queries' scale by position (1 + beta log(1 + floor(p / 2))) is not 1 past the second token
     "ministral3": dict(
