@@ -684,6 +684,42 @@ FAMILIES = {
             rope_theta=10000.0,
         ),
     ),
+    # Command R7B: a full layer (no RoPE) before a sliding one (interleaved RoPE, a window of 3),
+    # one KV head, the logits times 0.7, an untied head
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=3,
+            layer_types=["full_attention", "sliding_attention"],
+            logit_scale=0.7,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
+    # Command R: head_dim 6 (not hidden / heads), attention biases, the logits times 0.2, a tied head
+    "cohere": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=6,
+            attention_bias=True,
+            logit_scale=0.2,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
     "ernie4_5_yarn": (
         "Ernie4_5Config",
         "Ernie4_5ForCausalLM",
@@ -782,6 +818,8 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "gpt_oss",
         "deepseek_v3",
         "qwen3_next",
+        "cohere2",
+        "cohere",
     ],
 )
 def test_short_config_dicts_mean_what_they_mean_to_transformers(name):

@@ -4,9 +4,11 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
 
     x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden); Granite: * its multiplier
     for layer in layers:                         # pre-norm residual blocks
-        h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer
+        h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer;
+                                                 # Cohere's norms: LayerNorm (mean subtracted), no bias
         a = attention(h)                         # MHA (full / sliding window), MLA, DeltaNet, ShortConv, Mamba-2;
-                                                 # Falcon-H1: MHA and Mamba-2 side by side, summed (ParallelSum)
+                                                 # Falcon-H1: MHA and Mamba-2 side by side, summed (ParallelSum);
+                                                 # Cohere: MHA and the MLP side by side (no m below)
                                                  # layer kind "none" (Nemotron-H's MLP blocks): no a, x stays
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
@@ -54,7 +56,7 @@ from ..nn.containers import ModuleList, ParallelSum
 from ..nn.delta_net import GatedDeltaNet, RecurrentLayer
 from ..nn.kimi_delta import KimiDeltaAttention
 from ..nn.latent_attention import MultiHeadLatentAttention
-from ..nn.layers import Embedding, FeedForward, Linear, RMSNorm
+from ..nn.layers import Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from ..nn.mamba2 import Mamba2Mixer
 from ..nn.module import Module, is_grad_enabled, no_grad
 from ..nn.moe import HIDDEN_ACTS, Experts, GatedMLP, GptOssExperts, SparseMoeBlock
@@ -80,7 +82,9 @@ class _OffsetRMSNorm(RMSNorm):
         return y
 
 
-def _norm(cfg: CausalLMConfig, dtype) -> RMSNorm:
+def _norm(cfg: CausalLMConfig, dtype) -> RMSNorm | LayerNorm:
+    if cfg.layer_norm:  # Cohere: mean subtracted, a weight and no bias
+        return LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=False, dtype=dtype)
     cls = _OffsetRMSNorm if cfg.norm_offset else RMSNorm
     return cls(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
@@ -182,7 +186,10 @@ def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
             output_multipliers={"mamba": m_out, "self_attn": a_out},
         )
     mha = cfg.attention_config(kind, i).kwargs()
-    return MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
+    attn = MultiHeadAttention(cfg.hidden_size, cfg.hidden_size, **mha, rng=rng, dtype=dtype)
+    if cfg.parallel_mlp:  # Cohere: the MLP beside the attention on the same input, summed
+        return ParallelSum({"self_attn": attn, "mlp": _mlp(cfg, i, rng, dtype)})
+    return attn
 
 
 def _mlp(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
@@ -371,7 +378,7 @@ def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm") if cfg.pre_norm else ()
     if cfg.layer_types[i] == "none":  # no attention sublayer, no norm before it
         norms = tuple(n for n in norms if n != "input_layernorm")
-    if cfg.mlp_types[i] == "none" and not cfg.sandwich_norm:  # no MLP sublayer, no norm before it
+    if (cfg.mlp_types[i] == "none" or cfg.parallel_mlp) and not cfg.sandwich_norm:  # no norm before an MLP
         norms = tuple(n for n in norms if n != "post_attention_layernorm")
     if cfg.sandwich_norm:
         pre_mlp: tuple[str, ...] = ("pre_feedforward_layernorm",) if cfg.pre_norm else ("post_attention_layernorm",)
@@ -473,7 +480,7 @@ def _checked(m: Module, x):
     """``m(x)`` for a norm or the gated MLP on a hidden state the model formed (its dtype and
     width right): without grad (nothing kept, so nothing for a backward to check) their
     ``_forward``, not validated again (a decoding step makes 84 such calls a token on 28 layers)."""
-    return m._forward(x) if isinstance(m, (RMSNorm, GatedMLP)) and not is_grad_enabled() else m(x)
+    return m._forward(x) if isinstance(m, (RMSNorm, LayerNorm, GatedMLP)) and not is_grad_enabled() else m(x)
 
 
 class _Padding(NamedTuple):
@@ -492,8 +499,12 @@ def _padding_kwargs(att: Module, padding: _Padding) -> dict:
         return {"attention_mask": padding.tokens}
     if isinstance(att, MultiHeadLatentAttention):
         return {"attn_mask": padding.keys[:, None, None, :], "positions": padding.positions}  # True = may attend
-    if isinstance(att, ParallelSum):
-        return {"branch_kwargs": {name: _padding_kwargs(m, padding) for name, m in att.branches()}}
+    if isinstance(att, ParallelSum):  # Cohere's MLP branch takes no padding
+        return {
+            "branch_kwargs": {
+                name: _padding_kwargs(m, padding) for name, m in att.branches() if not isinstance(m, GatedMLP)
+            }
+        }
     return {"key_padding_mask": ~padding.keys, "positions": padding.positions}
 
 
@@ -522,13 +533,14 @@ class DecoderLayer(_Renamed):
         mamba = linear and isinstance(cfg.linear_attention, Mamba2Config)
         conv = cfg.layer_types[index] == "conv"
         hybrid = cfg.layer_types[index] == "hybrid"  # Falcon-H1's ParallelSum, its branches under their own names
+        parallel = cfg.parallel_mlp  # Cohere's ParallelSum of attention and MLP, under their own names
         self._attn_name = "linear_attn" if delta_net else "mamba" if mamba else "conv" if conv else "self_attn"
-        self._attn_name = "hybrid" if hybrid else self._attn_name
+        self._attn_name = "hybrid" if hybrid else "parallel" if parallel else self._attn_name
         # layer kind "none" / MLP kind "none": the block has no such sublayer (Nemotron-H: one each)
         self._has_attention = cfg.layer_types[index] != "none"
         if self._has_attention:
             setattr(self, self._attn_name, _attention(cfg, index, rng, dtype))
-        self.mlp = None if cfg.mlp_types[index] == "none" else _mlp(cfg, index, rng, dtype)
+        self.mlp = None if cfg.mlp_types[index] == "none" or parallel else _mlp(cfg, index, rng, dtype)
         self._mlp_normed = isinstance(self.mlp, DenseWithExperts)  # it holds its pre_feedforward_layernorm
         if self.pre_norm and self._has_attention:
             self.input_layernorm = _norm(cfg, dtype)
@@ -542,6 +554,9 @@ class DecoderLayer(_Renamed):
         if hybrid:
             names = {f"hybrid.{k}": v for k, v in _MHA_NAMES.items()}
             names.update({"hybrid.mamba": "mamba", "hybrid.self_attn": "self_attn"})
+        if parallel:
+            names = {f"parallel.{k}": v for k, v in _MHA_NAMES.items()}
+            names.update({"parallel.self_attn": "self_attn", "parallel.mlp": "mlp"})
         if self._mlp_normed:
             names.update(_DENSE_WITH_EXPERTS_NAMES)
         if isinstance(self.mlp, FeedForward):
@@ -562,19 +577,19 @@ class DecoderLayer(_Renamed):
         """The attention module (``self_attn``, ``linear_attn``, ``mamba`` ...; None: the layer has none)."""
         return self._modules[self._attn_name] if self._has_attention else None
 
-    def _mlp_norm(self) -> RMSNorm | None:
+    def _mlp_norm(self) -> Module | None:
         if not self.pre_norm or self._mlp_normed:
             return None
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
-    def _pre(self, norm: RMSNorm | None, x):
+    def _pre(self, norm: Module | None, x):
         """``norm(x)``, or ``x`` where the block has no pre-norm (its backward: ``_pre_back``)."""
         return x if norm is None else _checked(norm, x)
 
-    def _pre_back(self, norm: RMSNorm | None, dx):
+    def _pre_back(self, norm: Module | None, dx):
         return dx if norm is None else norm.backward(dx)
 
-    def _attn_norm(self) -> RMSNorm | None:
+    def _attn_norm(self) -> Module | None:
         return self.input_layernorm if self.pre_norm and self._has_attention else None
 
     def _attend(self, h, use_cache: bool, padding: _Padding | None):

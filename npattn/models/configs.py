@@ -81,6 +81,8 @@ SUPPORTED_MODEL_TYPES = (
     "nemotron_h",
     "arcee",
     "glm4",
+    "cohere2",
+    "cohere",
 )
 
 ATTENTION_KINDS = (
@@ -1343,6 +1345,12 @@ class CausalLMConfig:
     attention's input and output, the Mamba-2 mixer's input and output (``ParallelSum``'s).
     ``mlp_multipliers``: the dense MLP's factor of ``gate_proj(x)`` before the activation and of its
     output (``GatedMLP``'s ``gate_multiplier``, ``down_multiplier``; Falcon-H1's).
+
+    ``layer_norm``: every norm (before the sublayers, the final one) is a LayerNorm without bias,
+    ``(x - mean) / sqrt(var + eps) * weight`` (Cohere's ``CohereLayerNorm``; ``rms_norm_eps`` its eps)
+    instead of an RMSNorm.  ``parallel_mlp``: each layer's MLP runs beside its attention on the same
+    normed input, ``x + attn(norm(x)) + mlp(norm(x))`` (Cohere's parallel block: one norm a layer, the
+    two sublayers a ``ParallelSum`` under their own names ``self_attn`` and ``mlp``).
     """
 
     model_type: str
@@ -1400,6 +1408,8 @@ class CausalLMConfig:
     final_norm_name: str = "norm"  # model.{final_norm_name}: LFM2's embedding_norm
     embed_name: str = "embed_tokens"  # model.{embed_name}: Nemotron-H's embeddings
     pad_embedding_row: bool = True  # the embedding's pad_token_id row gets no gradient (torch's padding_idx)
+    layer_norm: bool = False  # the norms are LayerNorm (mean subtracted) with a weight and no bias (Cohere)
+    parallel_mlp: bool = False  # the MLP beside the attention on the same normed input, both summed (Cohere)
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -2429,6 +2439,87 @@ def _falcon_h1(r: _Reader) -> dict:
             proj_multipliers=None if ssm == (1.0,) * 5 else ssm,
         )
     )
+    return c
+
+
+def _cohere_keys(r: _Reader, c: dict) -> None:
+    """The keys Cohere's released config.json files carry beside CohereConfig's / Cohere2Config's
+    (their own training code's; transformers reads none of them): each must say what transformers'
+    model does, else it is refused by name.  ``use_parallel_block`` (true: the parallel block),
+    ``use_gated_activation`` (true: the gated MLP), ``position_embedding_type`` ("rope_gptj": RoPE on
+    interleaved pairs), ``rotary_pct`` (1: whole heads), ``use_embedding_sharing`` (the head tied or
+    not, as ``tie_word_embeddings``), ``order_of_interleaved_layers`` ("local_attn_first": the
+    sliding layers first in each period); ``use_parallel_embedding`` (tensor-parallel sharding) and
+    ``layer_switch`` (the period, ``sliding_window_pattern``'s twin) are metadata."""
+    why = "transformers' Cohere models always do this"
+    r.only("use_parallel_block", (True,), True, why)
+    r.only("use_gated_activation", (True,), True, why)
+    r.only("position_embedding_type", ("rope_gptj",), "rope_gptj", why + " (RoPE on interleaved pairs)")
+    r.only("rotary_pct", (1, 1.0), 1.0, why + " (RoPE on whole heads)")
+    tie = c["tie_word_embeddings"]
+    r.only("use_embedding_sharing", (tie,), tie, "it must agree with tie_word_embeddings")
+    r.only("order_of_interleaved_layers", ("local_attn_first",), "local_attn_first", why)
+    r.get("use_parallel_embedding")
+    r.get("layer_switch")
+
+
+def _cohere_common(r: _Reader, rope_theta: float) -> dict:
+    """What Command R and Command R7B share: Llama's sizes and gated MLP, one bias-free LayerNorm
+    a layer (``layer_norm_eps``) before attention and MLP side by side (``parallel_mlp``), RoPE on
+    interleaved pairs (``rotate_half`` of ``x[..., ::2]`` and ``x[..., 1::2]``, each frequency
+    repeated twice), the logits times ``logit_scale`` (``logits_scaling`` its inverse), a tied head
+    by default."""
+    c = _common(r)
+    r.used.discard("rms_norm_eps")  # Cohere's eps is layer_norm_eps; rms_norm_eps is no key of it
+    c.update(
+        _mlp_and_bias(r),
+        rms_norm_eps=r.float("layer_norm_eps", 1e-5),
+        rope=_rope_params(r, rope_theta),
+        rope_interleaved=True,
+        layer_norm=True,
+        parallel_mlp=True,
+        logits_scaling=1.0 / r.float("logit_scale", 0.0625),
+    )
+    _cohere_keys(r, c)
+    return c
+
+
+def _cohere2(r: _Reader) -> dict:
+    """Command R7B (CohereLabs/c4ai-command-r7b-12-2024 and its Arabic twin; ``Cohere2ForCausalLM``):
+    ``_cohere_common``'s layers, of which the ``"sliding_attention"`` ones (a window of
+    ``sliding_window`` keys) rotate and the ``"full_attention"`` ones do not (``Cohere2Attention``
+    applies RoPE only where its layer has a window: ``rope_layers``); ``layer_types`` left out, every
+    ``sliding_window_pattern``-th layer (default 4, the last of each period) is full.  ``head_dim``
+    is always ``hidden_size // num_attention_heads`` (``Cohere2Config`` overwrites the key: another
+    value is refused); ``use_qk_norm`` must be false (Cohere2's attention has no QK-norm)."""
+    c = _cohere_common(r, 10000.0)
+    n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    hd = c["hidden_size"] // heads
+    if c["head_dim"] != hd:
+        raise ValueError(
+            f"config['head_dim'] = {c['head_dim']}: Cohere2Config sets head_dim to hidden_size // "
+            f"num_attention_heads = {hd} whatever the key says; npattn refuses the disagreement"
+        )
+    r.only("use_qk_norm", (False,), False, "transformers' Cohere2 attention has no QK-norm")
+    if r.has("layer_types"):
+        r.get("sliding_window_pattern")  # transformers reads it only to make a missing list
+        default: list = []
+    else:
+        default = _interleaved(n, r.int("sliding_window_pattern", 4), "sliding_attention")
+    lt = _layer_types(r, n, ("full_attention", "sliding_attention"), default)
+    c.update(_dense_layers(r, lt), rope_layers=tuple(t == "sliding_attention" for t in lt))
+    return c
+
+
+def _cohere(r: _Reader) -> dict:
+    """Command R (CohereLabs/c4ai-command-r-v01, c4ai-command-r-08-2024; ``CohereForCausalLM``):
+    ``_cohere_common``'s layers, all full attention with RoPE (base 500000 where none is given).
+    ``use_qk_norm`` (Command R+'s per-head LayerNorm of q and k, one weight per head) is refused by
+    name: npattn's QK-norm shares one weight over the heads and is an RMSNorm."""
+    c = _cohere_common(r, 500000.0)
+    r.only("use_qk_norm", (False,), False, "a LayerNorm of q and k with one weight per head is not implemented")
+    n = c["num_hidden_layers"]
+    c.update(layer_types=("full_attention",) * n, mlp_types=("dense",) * n)
     return c
 
 
@@ -4024,6 +4115,34 @@ _DEFAULTS["olmoe"] = dict(
 )
 
 
+_DEFAULTS["cohere2"] = dict(  # Cohere2Config's (head_dim: hidden_size // num_attention_heads, always)
+    **_sizes(positions=8192, vocab=256000, hidden=8192, intermediate=22528, layers=40, heads=64),
+    hidden_act="silu",
+    logit_scale=0.0625,
+    layer_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    attention_dropout=0.0,
+    sliding_window=4096,
+    pad_token_id=0,
+    bos_token_id=5,
+    eos_token_id=255001,
+)
+_DEFAULTS["cohere"] = dict(  # CohereConfig's
+    **_sizes(positions=8192, vocab=256000, hidden=8192, intermediate=22528, layers=40, heads=64),
+    hidden_act="silu",
+    logit_scale=0.0625,
+    layer_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    attention_dropout=0.0,
+    use_qk_norm=False,
+    pad_token_id=0,
+    bos_token_id=5,
+    eos_token_id=255001,
+)
+
+
 def with_defaults(config: Mapping[str, Any]) -> dict:
     """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
     it leaves out (see ``_DEFAULTS``)."""
@@ -4449,6 +4568,8 @@ _READERS = {
     "falcon_h1": _falcon_h1,
     "nemotron_h": _nemotron_h,
     "arcee": _arcee,
+    "cohere2": _cohere2,
+    "cohere": _cohere,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,

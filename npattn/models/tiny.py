@@ -606,6 +606,37 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Command R7B: three parallel blocks (attention and MLP on one bias-free LayerNorm), the default
+    # pattern of period 2 (sliding, full, sliding), RoPE on interleaved pairs on the sliding layers
+    # only (window 3), the logits times 0.4, a tied head (no attention biases: a key's bias on a
+    # layer without RoPE moves every score of a query alike, its gradient zero but for rounding)
+    "cohere2": dict(
+        _BASE,
+        model_type="cohere2",
+        num_hidden_layers=3,
+        sliding_window_pattern=2,
+        sliding_window=3,
+        logit_scale=0.4,
+        layer_norm_eps=1e-4,
+        rope_theta=1000.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # Command R: two parallel blocks, full attention with interleaved RoPE on every layer, the
+    # logits times 0.3, attention biases, an untied head
+    "cohere": dict(
+        _BASE,
+        model_type="cohere",
+        logit_scale=0.3,
+        layer_norm_eps=1e-4,
+        attention_bias=True,
+        rope_theta=1000.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(

@@ -231,8 +231,9 @@ class ParallelSum(Module):
 
     Notes
     -----
-    ``forward(x, use_cache=True)`` passes ``use_cache`` to every branch (each keeps its own
-    decoding cache); ``branch_kwargs`` gives a branch its own keyword arguments by its name (a
+    ``forward(x, use_cache=True)`` passes ``use_cache`` to every branch that keeps a decoding cache
+    (one with ``reset_kv_cache``; a position-wise branch such as Cohere's MLP beside its attention
+    has none and takes no such argument); ``branch_kwargs`` gives a branch its own keyword arguments by its name (a
     padding mask in the form it takes).  ``reset_kv_cache()`` resets every branch that has one.
 
     Examples
@@ -289,7 +290,7 @@ class ParallelSum(Module):
         x : numpy.ndarray
             The input every branch takes.
         use_cache : bool
-            Decode incrementally (passed to every branch).
+            Decode incrementally (passed to every branch that has a decoding cache).
         branch_kwargs : mapping of str to mapping, optional
             Keyword arguments of a branch by its name.
 
@@ -305,7 +306,7 @@ class ParallelSum(Module):
         y = None
         for name, m in self.branches():
             kw = dict(kwargs.get(name) or {})
-            if use_cache:
+            if use_cache and callable(getattr(m, "reset_kv_cache", None)):
                 kw["use_cache"] = True
             out = self._scaled(m(self._scaled(x, self._in.get(name)), **kw), self._out.get(name))
             y = out if y is None else y + out
