@@ -294,6 +294,10 @@ ARCEE = dict(
 ARCEE["rope_parameters"] = {k: v for k, v in ARCEE["rope_parameters"].items() if not k.startswith("beta")}
 # Ministral 3: llama rows (permuted), YaRN over 2 original positions and the queries' scale by
 # position (attention.temperature_scale 0.5), so that the 7 positions of the tests cross it; untied
+# GLM-4: heads of 64 (key_length), half of each rotating (rope.dimension_count 32) on interleaved
+# pairs (not permuted), q/k/v biases, the norms after both sublayers, gate and up fused in ffn_up;
+# an eps float32 holds (the file's)
+GLM4 = dict(FAMILIES["glm4"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=2**-17)
 MINISTRAL3 = dict(FAMILIES["ministral3"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
 # Falcon-H1: attention (4 heads of 64, 2 key/value heads) and Mamba-2 (8 heads of 64 over the inner
 # width 512, 2 groups of B, C of 16, 4 taps) side by side, the gated norm after the gate (llama.cpp's
@@ -508,12 +512,13 @@ _PHI3_FUSED = {
 }
 
 
-def _phi3_checkpoint(sd: dict) -> dict:
-    """npattn's (split) state dict as Phi-3's checkpoint holds it: q/k/v and gate/up fused."""
+def _phi3_checkpoint(sd: dict, fusions: dict = _PHI3_FUSED) -> dict:
+    """npattn's (split) state dict as Phi-3's checkpoint holds it: q/k/v and gate/up fused (GLM-4's:
+    gate/up only, ``fusions`` ``_GLM4_FUSED``)."""
     out = {}
     for key, value in sd.items():
         prefix, module, part, _ = (key.rsplit(".", 3) + [""] * 4)[:4] if key.count(".") >= 3 else ("", "", "", "")
-        fused, parts = _PHI3_FUSED.get(module, (None, ()))
+        fused, parts = fusions.get(module, (None, ()))
         if part not in parts:
             out[key] = value
         elif part == parts[0]:
@@ -521,6 +526,10 @@ def _phi3_checkpoint(sd: dict) -> dict:
                 [sd[f"{prefix}.{module}.{p}.weight"] for p in parts]
             )
     return out
+
+
+# GLM-4's checkpoint: gate_up_proj (q, k and v apart)
+_GLM4_FUSED = {"mlp": _PHI3_FUSED["mlp"]}
 
 
 def _phi3_split(values: dict, config: dict) -> dict:
@@ -709,7 +718,8 @@ def _metadata(w, config, arch):
     if arch not in _GRANITES:  # GraniteModel drops head_dim: no key/value length
         w.add_key_length(hd)
         w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
+    # Glm4Model.set_gguf_parameters: the rotated features int(head_dim * partial_rotary_factor)
+    w.add_rope_dimension_count(int(hd * config.get("partial_rotary_factor", 0.5)) if arch == "glm4" else hd)
     if arch == "gemma3":  # Gemma3Model.set_gguf_parameters: the global base, the window, the softcap
         full, local = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
         w.add_rope_freq_base(full["rope_theta"])
@@ -853,6 +863,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     out = {}
     if arch == "phi3":  # the converter reads the checkpoint's fused qkv_proj and gate_up_proj
         sd = _phi3_checkpoint(sd)
+    if arch == "glm4":  # and GLM-4's gate_up_proj
+        sd = _phi3_checkpoint(sd, _GLM4_FUSED)
     if config["model_type"] in _GRANITE_MOES:  # the released checkpoint's names, which the converter reads
         sd = {_granitemoe_name(k): v for k, v in sd.items()}
     sd = _falcon_h1_folded(sd, config)  # FalconH1Model: the multipliers into the weights
@@ -985,7 +997,7 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     if config["model_type"] in _GRANITE_MOES:  # back to the model's names
         out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
-    return _phi3_split(out, config) if arch == "phi3" else out
+    return _phi3_split(out, config) if arch in ("phi3", "glm4") else out
 
 
 def _assert_holds(loaded, want: dict) -> None:
@@ -1025,6 +1037,7 @@ CASES = [
     (OLMO3, "olmo2"),
     (EXAONE4, "exaone4"),
     (ERNIE4_5, "ernie4_5"),
+    (GLM4, "glm4"),
     (MINISTRAL3, "mistral3"),
     (ARCEE, "arcee"),
     (FALCON_H1, "falcon-h1"),
@@ -1220,6 +1233,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (EXAONE4, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (EXAONE4_1_2B, "exaone4", ("Exaone4Config", "Exaone4ForCausalLM")),
         (ERNIE4_5, "ernie4_5", ("Ernie4_5Config", "Ernie4_5ForCausalLM")),
+        (GLM4, "glm4", ("Glm4Config", "Glm4ForCausalLM")),
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
         (ARCEE, "arcee", ("ArceeConfig", "ArceeForCausalLM")),
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
@@ -1252,6 +1266,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "exaone4",
         "exaone4-1.2b",
         "ernie4_5",
+        "glm4",
         "ministral3",
         "arcee",
         "falcon-h1",
@@ -1272,7 +1287,9 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
     sd = _state(config)
     want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
     hf = _hf_model(T, classes, _file_config(config))
-    checkpoint = _phi3_checkpoint(want) if arch == "phi3" else _granite_checkpoint(want)
+    checkpoint = {"phi3": _phi3_checkpoint, "glm4": lambda v: _phi3_checkpoint(v, _GLM4_FUSED)}.get(
+        arch, _granite_checkpoint
+    )(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
     )
@@ -2231,6 +2248,8 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
     config = dict(config, num_attention_heads=8, num_key_value_heads=8, rope_theta=10000.0)
     if arch == "phi3":  # without rope.dimension_count every feature rotates (n_rot = head_dim): no partial
         config = {k: v for k, v in config.items() if k not in ("partial_rotary_factor", "rope_scaling")}
+    if arch == "glm4":  # the same: the whole head (not Glm4Config's default half)
+        config["partial_rotary_factor"] = 1.0
     if "head_dim" in config or arch != "llama":
         config.update(head_dim=32)
     if arch == "gemma3":
@@ -2362,6 +2381,7 @@ _ORIGINALS = {
     "gpt-2": ([_byte_level(True)], False, False),  # GPT-2's
     "llama-bpe": ([_split(_LLAMA3), _byte_level(False)], True, False),  # Llama 3's
     "qwen2": ([_split(_QWEN2), _byte_level(False)], False, True),  # Qwen2's
+    "glm4": ([_split(_LLAMA3), _byte_level(False)], False, False),  # GLM-4's, as llama.cpp's CHATGLM4 reads it
     "tekken": ([_split(_TEKKEN), _byte_level(False)], True, False),  # Mistral Nemo's
     "smollm": ([_DIGITS, _byte_level(True)], False, False),  # SmolLM's
     "deepseek-llm": (  # DeepSeek LLM's
@@ -3512,3 +3532,80 @@ def test_exaone4_files_are_their_models(tmp_path, monkeypatch):
     _write(tmp_path / "b.gguf", EXAONE4, biased, Q.F32, "exaone4")
     with pytest.raises(ValueError, match=r"b.gguf: tensor 'blk.0.attn_q.bias': llama.cpp's exaone4 has no attention"):
         CausalLM.from_gguf(tmp_path / "b.gguf")
+
+
+def test_a_glm4_file_is_its_directory(tmp_path):
+    """A glm4 file as Glm4Model writes it (q/k rows as the checkpoint's: llama.cpp's normal RoPE
+    rotates GLM's own interleaved pairs; rope.dimension_count 32 of 64 features; the norms after
+    attention and after the MLP as post_attention_norm and post_ffw_norm, the one before the MLP as
+    ffn_norm; gate and up in one ffn_up) is the model of its directory: config, tensors, logits."""
+    g, _, _ = _file_is_its_directory(tmp_path, GLM4, "glm4")
+    c = g.config
+    assert c.rope_interleaved and c.sandwich_norm and c.head_dim == 64 and not c.tie_word_embeddings
+    assert c.attention_config("full_attention").rope_scaling["partial_rotary_factor"] == 0.5
+    assert c.attention_bias and c.attention_out_bias is False
+    f = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    held = {t.name: np.asarray(t.data) for t in f.tensors}
+    assert f.fields["glm4.rope.dimension_count"].contents() == 32
+    sd = g.state_dict()
+    for own, name in (
+        ("post_self_attn_layernorm", "post_attention_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("post_mlp_layernorm", "post_ffw_norm"),
+    ):
+        np.testing.assert_array_equal(sd[f"model.layers.1.{own}.weight"], held[f"blk.1.{name}.weight"], err_msg=own)
+    gate_up = np.concatenate([sd["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"]])
+    np.testing.assert_array_equal(gate_up, held["blk.0.ffn_up.weight"])
+    np.testing.assert_array_equal(sd["model.layers.0.self_attn.k_proj.weight"], held["blk.0.attn_k.weight"])
+    assert "blk.0.ffn_gate.weight" not in held and "blk.0.attn_output.bias" not in held
+
+
+@pytest.mark.parametrize(
+    "meta, factor",
+    [
+        ({}, 1.0),
+        ({"rope.dimension_count": 64}, 1.0),
+        ({"rope.dimension_count": 32}, 0.5),
+        ({"rope.dimension_count": 6}, 6 / 64),
+    ],
+)
+def test_glm4_rotated_features_as_llama_cpp_reads_them(meta, factor):
+    """rope.dimension_count is llama.cpp's n_rot: left out, the whole head rotates (its default,
+    not Glm4Config's half); the factor given back is the one whose int(head_dim * factor) is it."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    config = {"model_type": "glm4", "head_dim": 64}
+    GGUF_FAMILIES["glm4"].derive(config, meta)
+    assert config["partial_rotary_factor"] == factor
+    assert int(64 * config["partial_rotary_factor"]) == meta.get("rope.dimension_count", 64)
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("rope.dimension_count", 33, r"metadata 'glm4.rope.dimension_count' 33: expected an even number"),
+        ("rope.dimension_count", 128, r"metadata 'glm4.rope.dimension_count' 128: expected .* to the head's 64"),
+        # GLM-4V's M-RoPE (its converter reorders q/k for it): not GLM-4's text model
+        ("rope.dimension_sections", [8, 12, 12, 0], r"metadata 'glm4.rope.dimension_sections' is not supported"),
+        ("rope.scaling.type", "yarn", r"metadata 'glm4.rope.scaling.type' is not supported"),
+        ("nextn_predict_layers", 1, r"metadata 'glm4.nextn_predict_layers' is not supported"),
+    ],
+)
+def test_glm4_files_refused_by_name(tmp_path, monkeypatch, key, value, match):
+    """A rotated width llama.cpp could not take, and what no GLM-4 text file holds (M-RoPE's
+    sections, RoPE scaling, GLM-OCR's MTP layers), refused naming the file and the key."""
+    add = gguf.GGUFWriter.add_rope_freq_base
+
+    def with_key(self, base):
+        add(self, base)  # (after rope.dimension_count, which a new value overwrites)
+        if isinstance(value, list):
+            self.add_array(f"glm4.{key}", value)
+        elif isinstance(value, str):
+            self.add_string(f"glm4.{key}", value)
+        else:
+            self.add_uint32(f"glm4.{key}", value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", with_key)
+    _write(tmp_path / "m.gguf", GLM4, _state(GLM4), Q.F32, "glm4")
+    with pytest.raises(ValueError, match=rf"m.gguf: {match}"):
+        CausalLM.from_gguf(tmp_path / "m.gguf")

@@ -1615,7 +1615,7 @@ class CausalLM(Module):
         too), ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
         ``smollm3``, ``phi3``, ``granite``, ``granitemoe`` (GraniteMoeShared's and Granite 4.0's too),
         ``granitehybrid`` (Granite 4.0's hybrids, their Mamba-2 layers too), ``lfm2``, ``lfm2moe``,
-        ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``,
+        ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``, ``glm4``,
         ``mistral3`` (Ministral 3's query scale by position), ``arcee``, ``falcon-h1`` and
         ``nemotron_h`` (Nemotron-H without routed experts) files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,

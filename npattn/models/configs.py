@@ -103,7 +103,11 @@ class GgufFamily:
     reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``).
     ``biases``: config key -> ``(weight, bias)`` tensor suffixes: where a block of the file holds
     the weight, the key is whether a block holds the bias (the metadata says nothing of biases; nor
-    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``)."""
+    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``).  ``own_names``: the
+    file's tensors are looked up under the family's own layer names (``CausalLMConfig.layer_names``,
+    the checkpoint's, which its converter maps) before Llama's: GLM-4's, whose norm after attention
+    ``post_self_attn_layernorm`` is Llama's name ``post_attention_layernorm`` to npattn, the name
+    of GLM-4's norm before the MLP in its checkpoints."""
 
     model_type: str
     permute_qk: bool = False
@@ -113,6 +117,7 @@ class GgufFamily:
     derive: Any = None
     reads: tuple = ()
     biases: Mapping[str, tuple] = field(default_factory=dict)
+    own_names: bool = False
 
     def base_config(self) -> dict:
         """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
@@ -215,6 +220,23 @@ def _gguf_gemma3(config: dict, meta: Mapping) -> None:
     config["rope_parameters"] = {"full_attention": full, "sliding_attention": swa}
 
 
+def _gguf_rotated_share(config: dict, meta: Mapping, arch: str) -> float:
+    """The share of each head that rotates in a file of ``arch``: its ``rope.dimension_count``
+    features (absent: the whole head, llama.cpp's ``n_rot`` default) as the
+    ``partial_rotary_factor`` from which transformers' ``int(head_dim * factor)`` gives them back."""
+    head_dim = config["head_dim"]
+    dims = meta.get("rope.dimension_count", head_dim)
+    if isinstance(dims, bool) or not isinstance(dims, int) or dims < 2 or dims % 2 or dims > head_dim:
+        raise ValueError(
+            f"metadata '{arch}.rope.dimension_count' {_show(dims)}: expected an even number of rotated features "
+            f"from 2 to the head's {head_dim}"
+        )
+    factor = dims / head_dim
+    if int(head_dim * factor) < dims:  # the quotient rounded down: the next float up gives dims back
+        factor = math.nextafter(factor, 1.0)
+    return factor
+
+
 def _gguf_phi3(config: dict, meta: Mapping) -> None:
     """llama.cpp's ``phi3`` (``Phi3MiniModel`` in llama.cpp's converter, ``llama_model_phi3``):
     heads of ``embedding_length / head_count`` (the converter writes no ``key_length``), the first
@@ -227,17 +249,8 @@ def _gguf_phi3(config: dict, meta: Mapping) -> None:
     config without one).  llama.cpp itself turns Phi-3's window off (``n_swa = 0``: "Phi SWA is
     currently disabled"); npattn keeps it, as transformers' Phi-3 masks with it, the model the file
     was converted from.  LongRoPE's factors are tensors (``models/gguf.py``: ``_longrope_scaling``)."""
-    head_dim = config["head_dim"]
-    dims = meta.get("rope.dimension_count", head_dim)
-    if isinstance(dims, bool) or not isinstance(dims, int) or dims < 2 or dims % 2 or dims > head_dim:
-        raise ValueError(
-            f"metadata 'phi3.rope.dimension_count' {_show(dims)}: expected an even number of rotated features from 2 "
-            f"to the head's {head_dim}"
-        )
-    if dims != head_dim:
-        factor = dims / head_dim
-        if int(head_dim * factor) < dims:  # the quotient rounded down: the next float up gives dims back
-            factor = math.nextafter(factor, 1.0)
+    factor = _gguf_rotated_share(config, meta, "phi3")
+    if factor != 1.0:
         config["partial_rotary_factor"] = factor
     window = meta.get("attention.sliding_window", 0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -787,6 +800,20 @@ def _gguf_ernie4_5(config: dict, meta: Mapping) -> None:
             )
 
 
+def _gguf_glm4(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``glm4`` (``Glm4Model`` in ``convert_hf_to_gguf.py``, ``llm_build_glm4``): the
+    q/k rows as the checkpoint has them (llama.cpp rotates this architecture's pairs ``(2i, 2i + 1)``,
+    its "normal" RoPE, which are GLM's own; the converter reorders them only for GLM-4V's M-RoPE,
+    whose ``rope.dimension_sections`` is refused as unknown metadata), the first
+    ``rope.dimension_count`` features of each head rotating (the converter's ``int(head_dim *
+    partial_rotary_factor)``; absent, llama.cpp rotates the whole head, not Glm4Config's half),
+    heads ``attention.key_length`` wide, ``post_attention_norm`` after attention, ``ffn_norm`` before
+    the MLP and ``post_ffw_norm`` after it (``GgufFamily.own_names``: GLM's names map them), the
+    MLP's gate and up rows in one ``ffn_up``, q/k/v biases where the file holds them (never o's:
+    ``Glm4Attention`` has none)."""
+    config["partial_rotary_factor"] = _gguf_rotated_share(config, meta, "glm4")
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -917,6 +944,9 @@ GGUF_FAMILIES = {
     # Mistral 3 (Ministral 3's text model, Mistral Small 3.x's): llama files (q/k permuted) with
     # Ministral 3's query scale and YaRN in the metadata; no window
     "mistral3": GgufFamily("ministral3", permute_qk=True, derive=_gguf_mistral3, reads=_GGUF_MISTRAL3_READS),
+    # GLM-4 (0414, Z1): interleaved RoPE pairs as llama.cpp's own (not permuted) over the first
+    # rope.dimension_count features, norms after both sublayers, gate and up fused in ffn_up
+    "glm4": GgufFamily("glm4", derive=_gguf_glm4, reads=("rope.dimension_count",), own_names=True),
 }
 
 

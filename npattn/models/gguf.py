@@ -9,7 +9,7 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 ``NVFP4``: ``GGUF_TYPES``).  The architectures read (``llama``, whose files with experts are
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
-``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``mistral3``,
+``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``glm4``, ``mistral3``,
 Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
 Nemotron-H's without routed experts) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
@@ -39,7 +39,9 @@ Reading one:
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
    fourth).  An ``ernie4_5`` file is not permuted: ERNIE 4.5 itself rotates the pairs
-   ``(2i, 2i + 1)`` (``CausalLMConfig.rope_interleaved``), llama.cpp's normal RoPE.  The other
+   ``(2i, 2i + 1)`` (``CausalLMConfig.rope_interleaved``), llama.cpp's normal RoPE; nor is a
+   ``glm4`` file (GLM-4's pairs are those too, over its first ``rope.dimension_count`` features;
+   ``Glm4Model`` reorders them only for GLM-4V's M-RoPE, refused).  The other
    architectures' files use the rotate-half (NeoX) RoPE and are not permuted.  The converter
    stores Gemma's norm weights as ``1 + w`` (what
    ``Gemma3RMSNorm`` multiplies by; ``Gemma3Model.norm_shift``): one is subtracted again.
@@ -49,7 +51,9 @@ Reading one:
    ``rope_factors_long.weight`` and ``rope_factors_short.weight``, which become its
    ``rope_scaling`` ``"longrope"`` (``_longrope_scaling``);
 5. a ``phi3`` file keeps Phi-3's checkpoint's fused projections (``attn_qkv``: q, k, v rows;
-   ``ffn_up``: gate then up rows, as ``gate_up_proj``): they are given to ``load_into`` under the
+   ``ffn_up``: gate then up rows, as ``gate_up_proj``; a ``glm4`` file its ``ffn_up`` so, its norms
+   after attention and after the MLP being ``post_attention_norm`` and ``post_ffw_norm``, the one
+   before the MLP ``ffn_norm``): they are given to ``load_into`` under the
    checkpoint's fused names (``CheckpointLayout.fused``), which splits them as it splits a
    checkpoint's, each part dequantizing only its own rows' blocks (``_GGUFTensor.rows``); a file
    with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes either) is read as it is;
@@ -588,7 +592,7 @@ def _maps(names, key: str) -> bool:
     return names.get_name(key, try_suffixes=(".weight", ".bias")) is not None
 
 
-def _lookup(names, cfg, key: str) -> str:
+def _lookup(names, cfg, key: str, own_names: bool = False) -> str:
     """The name under which gguf's ``TensorNameMap`` knows the model's ``key``: the checkpoint's
     where the family's checkpoints rename the model's and the map knows that name
     (``CheckpointLayout.renames``: Nemotron-H's ``backbone.layers.{i}.mixer.*``, whose
@@ -596,12 +600,13 @@ def _lookup(names, cfg, key: str) -> str:
     ``attn_output``), else Llama's layer names (``cfg.generic_name``: a family's own undone, as
     converters that know the generic names look tensors up), or the family's own where the map
     knows only those (Falcon-H1's ``pre_ff_layernorm.weight``, the file's ``blk.{i}.ffn_norm``,
-    named without ``.weight``)."""
+    named without ``.weight``) or where the family's file is mapped by them (``own_names``:
+    ``GgufFamily.own_names``, GLM-4's)."""
     checkpoint = _renamed(key, cfg.layout.renames)
     if checkpoint != key and _maps(names, checkpoint):
         return checkpoint
     generic = cfg.generic_name(key)
-    if generic != key and _gguf_names(names, generic) == [generic] and _gguf_names(names, key) != [key]:
+    if generic != key and (own_names or _gguf_names(names, generic) == [generic]) and _gguf_names(names, key) != [key]:
         return key
     return generic
 
@@ -734,7 +739,7 @@ def read_gguf(path) -> tuple[dict, dict]:
                 fused = [tensors[n] for n in _gguf_names(names, whole)]
                 out[whole] = _GGUFTensor(whole, fused, mapping=getattr(f.reader, "mapping", None))
             continue
-        lookup = _lookup(names, cfg, key)
+        lookup = _lookup(names, cfg, key, spec.own_names)
         parts = [tensors.get(n) for n in _gguf_names(names, lookup)]
         experts = _per_expert(f, tensors, _gguf_names(names, lookup), model_shape, key)
         if experts is not None:
@@ -837,6 +842,9 @@ GGUF_PRE_TOKENIZERS = {
     "llama3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
     "llama-v3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
     "qwen2": GgufPreTokenizer((_QWEN2_SPLIT,), nfc=True),
+    # GLM-4-0414 / GLM-Z1 (llama.cpp's CHATGLM4 of llama-vocab.cpp: Llama 3's split, without its
+    # ignore_merges; the converter names the tokenizer of THUDM/glm-4-9b-hf and GLM-4.5 "glm4")
+    "glm4": GgufPreTokenizer((_GPT4_SPLIT,)),
     "tekken": GgufPreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True),
     "smollm": GgufPreTokenizer(digits=True),
     "deepseek-llm": GgufPreTokenizer(
