@@ -351,6 +351,28 @@ NEMOTRON_H = dict(
     chunk_size=256,
     time_step_min=0.0,
 )
+# Command R7B: four layers, llama.cpp's period of 4 (three sliding, RoPE on those only, a window of
+# 3; Cohere2Config's default pattern), heads of 64, interleaved RoPE pairs (not permuted), one
+# bias-free LayerNorm a layer, the logits times 0.375 (float32 holds it and the epsilon), tied
+COHERE2 = dict(
+    FAMILIES["cohere2"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    sliding_window_pattern=4,
+    logit_scale=0.375,
+    layer_norm_eps=2.0**-14,
+)
+# Command R: every layer rotating, attention biases (the converter keeps them), the head tied (gguf's
+# command-r has no output tensor: the converter cannot map an untied lm_head, llama.cpp reads none)
+COMMAND_R = dict(
+    FAMILIES["cohere"],
+    hidden_size=256,
+    intermediate_size=256,
+    logit_scale=0.25,
+    layer_norm_eps=2.0**-14,
+    tie_word_embeddings=True,
+)
 FALCON_H1_ROUNDED = dict(
     FALCON_H1,
     embedding_multiplier=5.656854249492381,
@@ -380,6 +402,7 @@ _FALCON_H1_MULTIPLIERS = (
 )
 
 _GEMMAS = ("gemma2", "gemma3")  # the converter stores their norms as 1 + w
+_COHERES = ("command-r", "cohere2")  # LayerNorms (attention.layer_norm_epsilon), the logits' scale
 _MAMBA = ("mamba", "linear_attention")  # Granite 4.0's Mamba-2 layers (transformers 4's name and 5's)
 _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
@@ -685,6 +708,20 @@ def _exaone4_metadata(w, config):
         w.add_sliding_window_pattern([t == "sliding_attention" for t in config_from_hf(config).layer_types])
 
 
+def _cohere_metadata(w, config, arch):
+    """``CommandR2Model.set_gguf_parameters`` and ``Cohere2Model.set_gguf_parameters`` beyond
+    TextModel's keys: ``logit_scale``, RoPE scaling "none"; Cohere2's window, vocabulary size and
+    ``rope.dimension_count`` = ``rotary_pct * hidden_size / heads`` (no pattern: llama.cpp's 4)."""
+    from npattn.models.configs import with_defaults
+
+    c = with_defaults(config)
+    w.add_logit_scale(c["logit_scale"])
+    if arch == "cohere2":
+        w.add_sliding_window(c["sliding_window"])
+        w.add_vocab_size(c["vocab_size"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
@@ -714,7 +751,11 @@ def _metadata(w, config, arch):
         w.add_ssm_time_step_rank(config.get("mamba_n_heads", 128))
     else:
         w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    if arch in _COHERES:  # TextModel: layer_norm_eps as the LayerNorms' epsilon
+        w.add_layer_norm_eps(config["layer_norm_eps"])
+        _cohere_metadata(w, config, arch)
+    else:
+        w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     if arch not in _GRANITES:  # GraniteModel drops head_dim: no key/value length
         w.add_key_length(hd)
         w.add_value_length(hd)
@@ -1043,6 +1084,8 @@ CASES = [
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
     (NEMOTRON_H, "nemotron_h"),
+    (COHERE2, "cohere2"),
+    (COMMAND_R, "command-r"),
 ]
 
 
@@ -1239,6 +1282,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
+        (COHERE2, "cohere2", ("Cohere2Config", "Cohere2ForCausalLM")),
+        (COMMAND_R, "command-r", ("CohereConfig", "CohereForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1272,6 +1317,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "falcon-h1",
         "falcon-h1-rounded",
         "nemotron_h",
+        "cohere2",
+        "command-r",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -2384,6 +2431,7 @@ _ORIGINALS = {
     "glm4": ([_split(_LLAMA3), _byte_level(False)], False, False),  # GLM-4's, as llama.cpp's CHATGLM4 reads it
     "tekken": ([_split(_TEKKEN), _byte_level(False)], True, False),  # Mistral Nemo's
     "smollm": ([_DIGITS, _byte_level(True)], False, False),  # SmolLM's
+    "command-r": ([_DIGITS, _byte_level(True)], False, True),  # transformers' CohereTokenizer's
     "deepseek-llm": (  # DeepSeek LLM's
         [
             _split("[\r\n]"),
@@ -3609,3 +3657,90 @@ def test_glm4_files_refused_by_name(tmp_path, monkeypatch, key, value, match):
     _write(tmp_path / "m.gguf", GLM4, _state(GLM4), Q.F32, "glm4")
     with pytest.raises(ValueError, match=rf"m.gguf: {match}"):
         CausalLM.from_gguf(tmp_path / "m.gguf")
+
+
+_COHERE_FILES = {"cohere2": (COHERE2, "cohere2"), "command-r": (COMMAND_R, "command-r")}
+
+
+@pytest.mark.parametrize("config, arch", _COHERE_FILES.values(), ids=_COHERE_FILES.keys())
+def test_a_cohere_file_is_its_model_s_directory(tmp_path, config, arch):
+    """A ``cohere2`` or ``command-r`` file and the source model's own directory are one model: the
+    same config (llama.cpp's period of 4 without a pattern in the file: three sliding layers that
+    rotate, a full one that does not, Cohere2Config's default), tensors (q/k rows as written, the
+    LayerNorms' weights, Command R's biases) and logits (the scale 0.375 or 0.25 float32 holds)."""
+    g, _, _ = _file_is_its_directory(tmp_path, config, arch)
+    assert g.config.layer_norm and g.config.parallel_mlp and g.config.rope_interleaved
+    assert g.config.logits_scaling == 1 / config["logit_scale"]
+    if arch == "cohere2":
+        assert g.config.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
+        assert g.config.rope_layers == (True, True, True, False) and g.config.sliding_window == 3
+    else:
+        assert g.config.attention_bias and g.config.rope_layers is None
+
+
+def test_what_llama_cpp_s_cohere_files_say():
+    """cohere2: the window (required), the layers of ``attention.sliding_window_pattern`` (absent:
+    llama.cpp's period 4; a period, 0 every layer sliding; one flag per layer), ``logit_scale``
+    (required, > 0), no RoPE scaling, a tied head; command-r: the same scale, scaling and head,
+    Command R+'s q/k norms refused; each refusal naming its key or tensor."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    S, F = "sliding_attention", "full_attention"
+    derive = GGUF_FAMILIES["cohere2"].derive
+    meta = {"logit_scale": 0.25, "attention.sliding_window": 4096, "rope.scaling.type": "none"}
+    c = dict(num_hidden_layers=8, tie_word_embeddings=True)
+    derive(c, meta)
+    assert c == dict(
+        num_hidden_layers=8,
+        tie_word_embeddings=True,
+        logit_scale=0.25,
+        sliding_window=4096,
+        layer_types=[S, S, S, F] * 2,
+    )
+    for pattern, want in ((2, [S, F] * 2), (0, [S] * 4), ([False, True, True, False], [F, S, S, F])):
+        c = dict(num_hidden_layers=4, tie_word_embeddings=True)
+        derive(c, dict(meta, **{"attention.sliding_window_pattern": pattern}))
+        assert c["layer_types"] == want
+    for changes, match in (
+        ({"logit_scale": None}, r"'cohere2.logit_scale' None: expected a number > 0"),
+        ({"logit_scale": 0.0}, r"'cohere2.logit_scale' 0.0"),
+        ({"logit_scale": True}, r"'cohere2.logit_scale' True"),
+        ({"rope.scaling.type": "linear"}, r"'cohere2.rope.scaling.type' 'linear'"),
+        ({"attention.sliding_window": None}, r"'cohere2.attention.sliding_window' None: expected an integer >= 1"),
+        ({"attention.sliding_window": 0}, r"'cohere2.attention.sliding_window' 0"),
+        ({"attention.sliding_window_pattern": [True] * 3}, r"'cohere2.attention.sliding_window_pattern'.*4 booleans"),
+        ({"attention.sliding_window_pattern": 1.5}, r"'cohere2.attention.sliding_window_pattern' 1.5"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            derive(dict(num_hidden_layers=4, tie_word_embeddings=True), {**meta, **changes})
+    with pytest.raises(ValueError, match=r"tensor 'output.weight': llama.cpp's cohere2 has no output tensor"):
+        derive(dict(num_hidden_layers=4, tie_word_embeddings=False), meta)
+    derive = GGUF_FAMILIES["command-r"].derive
+    c = dict(num_hidden_layers=2, tie_word_embeddings=True, use_qk_norm=False)
+    derive(c, {"logit_scale": 0.0625})
+    assert c == dict(num_hidden_layers=2, tie_word_embeddings=True, logit_scale=0.0625)
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q_norm.weight': Command R\+'s LayerNorm"):
+        derive(dict(num_hidden_layers=2, tie_word_embeddings=True, use_qk_norm=True), {"logit_scale": 0.0625})
+    with pytest.raises(ValueError, match=r"'command-r.logit_scale' -1"):
+        derive(dict(num_hidden_layers=2, tie_word_embeddings=True), {"logit_scale": -1})
+    with pytest.raises(ValueError, match=r"tensor 'output.weight': llama.cpp's command-r"):
+        derive(dict(num_hidden_layers=2, tie_word_embeddings=False), {"logit_scale": 0.0625})
+
+
+def test_cohere_files_refused_by_name(tmp_path, monkeypatch):
+    """Files the converter writes from checkpoints npattn does not read, each refused naming the
+    file and what it holds: Command R+'s q/k norms (the tensors ``attn_q_norm``, ``attn_k_norm``,
+    ``(heads, head_dim)`` each), a Command R7B whose ``rotary_pct`` is below 1
+    (``rope.dimension_count`` below the heads' width)."""
+    sd = _state(COMMAND_R)
+    for i in range(COMMAND_R["num_hidden_layers"]):
+        sd[f"model.layers.{i}.self_attn.q_norm.weight"] = np.ones((4, 64), np.float32)
+        sd[f"model.layers.{i}.self_attn.k_norm.weight"] = np.ones((2, 64), np.float32)
+    _write(tmp_path / "plus.gguf", COMMAND_R, sd, Q.F32, "command-r")
+    with pytest.raises(ValueError, match=r"plus.gguf: tensor 'blk.0.attn_q_norm.weight': Command R\+'s"):
+        CausalLM.from_gguf(tmp_path / "plus.gguf")
+    half = gguf.GGUFWriter.add_rope_dimension_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: half(self, n // 2))
+    _write(tmp_path / "half.gguf", COHERE2, _state(COHERE2), Q.F32, "cohere2")
+    with pytest.raises(ValueError, match=r"half.gguf: metadata 'cohere2.rope.dimension_count' is 32"):
+        CausalLM.from_gguf(tmp_path / "half.gguf")

@@ -31,6 +31,7 @@ FAMILIES += ["lfm2_moe"]  # sigmoid routing renormalised by sum + 1e-6, the expe
 FAMILIES += ["falcon_h1"]  # attention and Mamba-2 side by side (ParallelSum), every muP factor
 FAMILIES += ["nemotron_h"]  # blocks of one sublayer (Mamba-2, attention, a relu2 MLP), the layers without the other
 FAMILIES += ["glm4"]  # partial RoPE on interleaved pairs, plain norms after both sublayers (second order through them)
+FAMILIES += ["cohere2", "cohere"]  # attention and MLP side by side on one bias-free LayerNorm, the logits' scale
 IGNORE = -1
 
 

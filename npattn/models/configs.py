@@ -103,11 +103,14 @@ class GgufFamily:
     reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``).
     ``biases``: config key -> ``(weight, bias)`` tensor suffixes: where a block of the file holds
     the weight, the key is whether a block holds the bias (the metadata says nothing of biases; nor
-    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``).  ``own_names``: the
-    file's tensors are looked up under the family's own layer names (``CausalLMConfig.layer_names``,
-    the checkpoint's, which its converter maps) before Llama's: GLM-4's, whose norm after attention
-    ``post_self_attn_layernorm`` is Llama's name ``post_attention_layernorm`` to npattn, the name
-    of GLM-4's norm before the MLP in its checkpoints."""
+    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``; Command R's q/k norms).
+    ``eps``: the config key of the norms' epsilon and its metadata key (required): RMSNorm's
+    ``attention.layer_norm_rms_epsilon``, or a LayerNorm family's ``attention.layer_norm_epsilon``.
+    ``own_names``: the file's tensors are looked up under the family's own layer names
+    (``CausalLMConfig.layer_names``, the checkpoint's, which its converter maps) before Llama's:
+    GLM-4's, whose norm after attention ``post_self_attn_layernorm`` is Llama's name
+    ``post_attention_layernorm`` to npattn, the name of GLM-4's norm before the MLP in its
+    checkpoints."""
 
     model_type: str
     permute_qk: bool = False
@@ -118,6 +121,7 @@ class GgufFamily:
     reads: tuple = ()
     biases: Mapping[str, tuple] = field(default_factory=dict)
     own_names: bool = False
+    eps: tuple = ("rms_norm_eps", "attention.layer_norm_rms_epsilon")
 
     def base_config(self) -> dict:
         """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
@@ -710,6 +714,58 @@ def _gguf_layer_pattern(pattern, n: int, arch: str, min_period: int) -> list:
     return ["sliding_attention"] * n if pattern == 0 else _interleaved(n, pattern, "sliding_attention")
 
 
+def _gguf_logit_scale(config: dict, meta: Mapping, arch: str) -> None:
+    """Command R's and Command R7B's ``logit_scale`` (required by llama.cpp's loader, a number > 0),
+    their RoPE without scaling (the converter's ``rope.scaling.type`` "none"; any other refused) and
+    their tied head (gguf's tables have no output tensor for them: the converter cannot write one,
+    llama.cpp's loader reads ``token_embd`` twice; a file with one is refused)."""
+    if not config.get("tie_word_embeddings", True):
+        raise ValueError(f"tensor 'output.weight': llama.cpp's {arch} has no output tensor (its head is token_embd's)")
+    scale = meta.get("logit_scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"metadata '{arch}.logit_scale' {_show(scale)}: expected a number > 0 (llama.cpp requires it)")
+    kind = meta.get("rope.scaling.type", "none")
+    if kind != "none":
+        raise ValueError(
+            f"metadata '{arch}.rope.scaling.type' {_show(kind)}: llama.cpp's {arch} applies no RoPE scaling"
+        )
+    config["logit_scale"] = float(scale)
+
+
+def _gguf_command_r(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``command-r`` (``CommandR2Model`` in ``convert_hf_to_gguf.py``, a ``TextModel``:
+    ``CohereForCausalLM``'s tensors under gguf's names, q/k rows as the checkpoint has them: llama.cpp
+    rotates this architecture's pairs ``(2i, 2i + 1)``, its normal RoPE, Cohere's own), the
+    LayerNorms' ``attention.layer_norm_epsilon``, ``logit_scale`` (``_gguf_logit_scale``).  Biases
+    and Command R+'s q/k norms (``attn_q_norm``, ``attn_k_norm``) are the tensors': the config's
+    ``use_qk_norm``: npattn refuses those (one weight per head)."""
+    _gguf_logit_scale(config, meta, "command-r")
+    if config.pop("use_qk_norm", False):
+        raise ValueError(
+            "tensor 'blk.0.attn_q_norm.weight': Command R+'s LayerNorm of each head's q and k (one weight per "
+            "head) is not supported by npattn"
+        )
+
+
+def _gguf_cohere2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``cohere2`` (``Cohere2Model`` in ``convert_hf_to_gguf.py``; ``llama_model_cohere2``):
+    Command R's tensors and keys (``_gguf_logit_scale``; the converter drops the checkpoint's biases,
+    which must be zero),
+    ``attention.sliding_window`` (required), the sliding layers ``attention.sliding_window_pattern``
+    gives (a period, llama.cpp's default 4 where absent, which the converter never writes: layer
+    ``i`` slides where ``i % p < p - 1``; or one flag per layer), RoPE on the sliding layers only,
+    as transformers' Cohere2 (``rope.dimension_count`` = ``rotary_pct * head_dim`` must be the
+    heads' width).  ``rope.freq_base_swa`` is read and left unused, as llama.cpp's graph leaves it
+    (its sliding layers rotate at ``rope.freq_base``)."""
+    _gguf_logit_scale(config, meta, "cohere2")
+    window = meta.get("attention.sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"metadata 'cohere2.attention.sliding_window' {_show(window)}: expected an integer >= 1")
+    pattern = meta.get("attention.sliding_window_pattern", 4)
+    layer_types = _gguf_layer_pattern(pattern, config["num_hidden_layers"], "cohere2", min_period=0)
+    config.update(sliding_window=window, layer_types=layer_types)
+
+
 def _gguf_olmo2(config: dict, meta: Mapping) -> None:
     """llama.cpp's ``olmo2`` (``llama_model_olmo2``; ``Olmo2Model`` in ``convert_hf_to_gguf.py``,
     which converts both ``Olmo2ForCausalLM`` and ``Olmo3ForCausalLM``): post-norm layers
@@ -947,6 +1003,27 @@ GGUF_FAMILIES = {
     # GLM-4 (0414, Z1): interleaved RoPE pairs as llama.cpp's own (not permuted) over the first
     # rope.dimension_count features, norms after both sublayers, gate and up fused in ffn_up
     "glm4": GgufFamily("glm4", derive=_gguf_glm4, reads=("rope.dimension_count",), own_names=True),
+    # Command R (and Command R+, refused for its q/k norms) and Command R7B: interleaved RoPE pairs,
+    # llama.cpp's own (no permutation), LayerNorms, the logits' scale; R7B's sliding layers
+    "command-r": GgufFamily(
+        "cohere",
+        derive=_gguf_command_r,
+        reads=("logit_scale", "rope.scaling.type"),
+        biases={"use_qk_norm": ("attn_q.weight", "attn_q_norm.weight")},
+        eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
+    "cohere2": GgufFamily(
+        "cohere2",
+        derive=_gguf_cohere2,
+        reads=(
+            "logit_scale",
+            "rope.scaling.type",
+            "attention.sliding_window",
+            "attention.sliding_window_pattern",
+            "rope.freq_base_swa",
+        ),
+        eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
 }
 
 

@@ -11,7 +11,7 @@ Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``glm4``, ``mistral3``,
 Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
-Nemotron-H's without routed experts) and what each
+Nemotron-H's without routed experts, ``command-r``, Command R's, ``cohere2``, Command R7B's) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
@@ -38,8 +38,9 @@ Reading one:
    ``mistral3`` or ``arcee`` model's too,
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
-   fourth).  An ``ernie4_5`` file is not permuted: ERNIE 4.5 itself rotates the pairs
-   ``(2i, 2i + 1)`` (``CausalLMConfig.rope_interleaved``), llama.cpp's normal RoPE; nor is a
+   fourth).  An ``ernie4_5``, ``command-r`` or ``cohere2`` file is not permuted: ERNIE 4.5 and
+   Cohere's models themselves rotate the pairs ``(2i, 2i + 1)`` (``CausalLMConfig.rope_interleaved``),
+   llama.cpp's normal RoPE; nor is a
    ``glm4`` file (GLM-4's pairs are those too, over its first ``rope.dimension_count`` features;
    ``Glm4Model`` reorders them only for GLM-4V's M-RoPE, refused).  The other
    architectures' files use the rotate-half (NeoX) RoPE and are not permuted.  The converter
@@ -142,7 +143,6 @@ _COMMON = {
     "num_hidden_layers": "block_count",
     "num_attention_heads": "attention.head_count",
     "num_key_value_heads": "attention.head_count_kv",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     "rope_theta": "rope.freq_base",
     "max_position_embeddings": "context_length",
     "head_dim": "attention.key_length",
@@ -269,11 +269,12 @@ def _config(f: _File, tensor_names: set) -> dict:
     """The Hugging Face config dict of the GGUF file's model."""
     spec, arch, meta = _ARCHES[f.arch], f.arch, f.meta
     config: dict = spec.base_config()
-    for key, suffix in (*_COMMON.items(), *spec.keys.items()):
+    required = {**_COMMON, spec.eps[0]: spec.eps[1]}  # the norms' epsilon: RMSNorm's or LayerNorm's
+    for key, suffix in (*required.items(), *spec.keys.items()):
         name = f"{arch}.{suffix}"
         if name in meta:
             config[key] = meta[name]
-        elif key in _COMMON and key not in _OPTIONAL:
+        elif key in required and key not in _OPTIONAL:
             raise ValueError(f"{f.path}: no metadata {name!r} (the model's {key})")
     for key in ("hidden_size", "num_attention_heads"):  # what the defaults are derived from
         value = config[key]
@@ -283,7 +284,7 @@ def _config(f: _File, tensor_names: set) -> dict:
             )
     for key, value in _llama_cpp_defaults(config).items():
         config.setdefault(key, value)
-    known = {f"{arch}.{s}" for s in (*_COMMON.values(), *_CHECKED, *spec.keys.values(), *spec.reads)}
+    known = {f"{arch}.{s}" for s in (*required.values(), *_CHECKED, *spec.keys.values(), *spec.reads)}
     unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and k not in known)
     if unknown:
         raise ValueError(f"{f.path}: metadata {unknown[0]!r} is not supported by npattn's GGUF reader")
@@ -847,6 +848,9 @@ GGUF_PRE_TOKENIZERS = {
     "glm4": GgufPreTokenizer((_GPT4_SPLIT,)),
     "tekken": GgufPreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True),
     "smollm": GgufPreTokenizer(digits=True),
+    # Command R's and R7B's (transformers' CohereTokenizer: NFC, each digit alone, GPT-2's split;
+    # llama-vocab.cpp gives command-r smollm's regexes, "\\p{N}" before GPT-2's)
+    "command-r": GgufPreTokenizer(digits=True, nfc=True),
     "deepseek-llm": GgufPreTokenizer(
         ("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK), digits=True
     ),
