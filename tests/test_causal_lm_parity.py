@@ -703,7 +703,8 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         ),
     ),
-    # Command R: head_dim 6 (not hidden / heads), attention biases, the logits times 0.2, a tied head
+    # Command R (R+'s q/k norms): head_dim 6 (not hidden / heads), attention biases, the logits times
+    # 0.2, a tied head
     "cohere": (
         "CohereConfig",
         "CohereForCausalLM",
@@ -716,6 +717,7 @@ FAMILIES = {
             num_key_value_heads=2,
             head_dim=6,
             attention_bias=True,
+            use_qk_norm=True,
             logit_scale=0.2,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         ),

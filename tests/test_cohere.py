@@ -109,6 +109,86 @@ def test_command_r_config_read():
     assert cfg.rope["default"]["rope_theta"] == 4000000 and cfg.tie_word_embeddings
 
 
+def test_command_r_plus_qk_norm_read():
+    """``use_qk_norm`` (Command R+): each head's q and k through a bias-free LayerNorm with its own
+    weight row (``qk_norm_scope`` "each_head", eps ``layer_norm_eps``), weights ``(heads, head_dim)``
+    and ``(kv_heads, head_dim)``; null reads as false (CohereConfig's default)."""
+    cfg = config_from_hf(dict(_R, use_qk_norm=True, layer_norm_eps=1e-4))
+    assert cfg.qk_norm and cfg.qk_norm_scope == "each_head"
+    a = cfg.attention_config("full_attention", 0)
+    assert a.qk_norm and a.qk_norm_scope == "each_head" and a.qk_norm_eps == 1e-4
+    sd = CausalLM(cfg, rng=0).state_dict()
+    assert sd["model.layers.0.self_attn.q_norm.weight"].shape == (4, 4)
+    assert sd["model.layers.0.self_attn.k_norm.weight"].shape == (2, 4)
+    assert not config_from_hf(dict(_R, use_qk_norm=None)).qk_norm
+
+
+def _each_head_mha(**kw):
+    from npattn import MultiHeadAttention
+
+    m = MultiHeadAttention(
+        16, 16, num_heads=4, num_kv_heads=2, causal=True, rope=True, rope_interleaved=True, qk_norm=True,
+        qk_norm_scope="each_head", qk_norm_eps=1e-4, rng=0, **kw,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    m.q_norm.weight.data[:] = 1 + 0.3 * rng.standard_normal((4, 4))
+    m.k_norm.weight.data[:] = 1 + 0.3 * rng.standard_normal((2, 4))
+    return m, rng.standard_normal((2, 5, 16))
+
+
+def test_each_head_qk_norm_formula():
+    """``qk_norm_scope="each_head"``: the scores are those of q and k each LayerNormed over its
+    head's features (mean subtracted, biased variance, eps inside), times the head's own weight
+    row, before RoPE (on interleaved pairs), written out with numpy."""
+    from npattn.functional import scaled_dot_product_attention
+
+    m, x = _each_head_mha()
+
+    def normed(t, w):  # (B, L, h * 4) -> each head normed, times its row
+        t = t.reshape(t.shape[:-1] + w.shape)
+        t = (t - t.mean(-1, keepdims=True)) / np.sqrt(t.var(-1, keepdims=True) + 1e-4) * w
+        return t.reshape(t.shape[:-2] + (-1,))
+
+    q = normed(m.W_query(x), m.q_norm.weight.data)
+    k = normed(m.W_key(x), m.k_norm.weight.data)
+
+    def heads(t, h):
+        return t.reshape(2, 5, h, 4).swapaxes(1, 2)
+
+    qr = _interleaved_rope(heads(q, 4))
+    kr = np.repeat(_interleaved_rope(heads(k, 2)), 2, axis=1)
+    v = np.repeat(heads(m.W_value(x), 2), 2, axis=1)
+    att = scaled_dot_product_attention(qr, kr, v, is_causal=True)[0]
+    want = m.out_proj(att.swapaxes(1, 2).reshape(2, 5, 16))
+    with no_grad():
+        np.testing.assert_allclose(m(x), want, rtol=1e-12, atol=1e-12)
+
+
+def _interleaved_rope(t, base=10000.0):
+    """RoPE on the pairs (2i, 2i + 1) of ``t (B, h, L, d)`` at positions 0..L-1."""
+    d = t.shape[-1]
+    ang = np.arange(t.shape[-2])[:, None] * base ** (-np.arange(0, d, 2) / d)
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = t[..., 0::2], t[..., 1::2]
+    out = np.empty_like(t)
+    out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+    return out
+
+
+def test_each_head_qk_norm_derivatives():
+    """Backward and forward mode against central differences (gradcheck, both modes), second order
+    against central differences of the backward (gradgradcheck), every parameter (the two weight
+    rows included); qk_norm_unit_offset refused with it, by name."""
+    from npattn import gradcheck
+    from npattn.testing import gradgradcheck
+
+    m, x = _each_head_mha()
+    assert gradcheck(m, x, mode="both").ok
+    assert gradgradcheck(m, x).ok
+    with pytest.raises(ValueError, match="qk_norm_unit_offset"):
+        _each_head_mha(qk_norm_unit_offset=True)
+
+
 def test_rope_base_defaults():
     """A dict without a RoPE base: CohereConfig's 500000, Cohere2Config's 10000."""
     assert config_from_hf(tiny_config("cohere", rope_theta=None)).rope["default"]["rope_theta"] == 500000
@@ -134,7 +214,6 @@ def test_sliding_window_pattern_makes_the_layer_types(pattern):
 @pytest.mark.parametrize(
     "family, change, key",
     [
-        ("cohere", dict(use_qk_norm=True), "use_qk_norm"),
         ("cohere2", dict(use_qk_norm=True), "use_qk_norm"),
         ("cohere2", dict(head_dim=8), "head_dim"),
         ("cohere", dict(use_parallel_block=False), "use_parallel_block"),

@@ -168,6 +168,7 @@ def test_clear_saved_reaches_a_submodule_registered_later():
         dict(rope=True, rope_scaling={"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 5}),
         dict(rope=True, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}),
         dict(qk_norm=True, qk_norm_scope="all_heads", rope=True, num_kv_heads=2),  # the heads apart
+        dict(qk_norm=True, qk_norm_scope="each_head", rope=True, rope_interleaved=True, num_kv_heads=2),  # apart
         dict(qk_norm=True, rope=True, output_gate=True, num_kv_heads=2),  # the heads apart
     ],
 )

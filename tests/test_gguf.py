@@ -363,9 +363,10 @@ COHERE2 = dict(
     logit_scale=0.375,
     layer_norm_eps=2.0**-14,
 )
-# Command R: every layer rotating, attention biases (the converter keeps them), the head tied (gguf's
-# command-r has no output tensor: the converter cannot map an untied lm_head, llama.cpp reads none)
-COMMAND_R = dict(
+# Command R+: every layer rotating, a LayerNorm of each head's q and k (attn_q_norm (4, 64),
+# attn_k_norm (2, 64)), attention biases (the converter keeps them), the head tied (gguf's command-r
+# has no output tensor: the converter cannot map an untied lm_head, llama.cpp reads none)
+COMMAND_R_PLUS = dict(
     FAMILIES["cohere"],
     hidden_size=256,
     intermediate_size=256,
@@ -373,6 +374,8 @@ COMMAND_R = dict(
     layer_norm_eps=2.0**-14,
     tie_word_embeddings=True,
 )
+# Command R: no q/k norms, no biases
+COMMAND_R = dict(COMMAND_R_PLUS, use_qk_norm=False, attention_bias=False)
 FALCON_H1_ROUNDED = dict(
     FALCON_H1,
     embedding_multiplier=5.656854249492381,
@@ -1086,6 +1089,7 @@ CASES = [
     (NEMOTRON_H, "nemotron_h"),
     (COHERE2, "cohere2"),
     (COMMAND_R, "command-r"),
+    (COMMAND_R_PLUS, "command-r"),
 ]
 
 
@@ -1095,6 +1099,7 @@ _CASE_NAMES = {"mixtral": "mixtral", "olmo3": "olmo3", "granitemoeshared": "gran
 IDS = [
     _CASE_NAMES.get(c["model_type"], a if c["model_type"] != "granitemoehybrid" else f"granite4-{a}")
     + ("-rounded" if c is FALCON_H1_ROUNDED else "")
+    + ("-plus" if c is COMMAND_R_PLUS else "")
     for c, a in CASES
 ]
 
@@ -1284,6 +1289,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
         (COHERE2, "cohere2", ("Cohere2Config", "Cohere2ForCausalLM")),
         (COMMAND_R, "command-r", ("CohereConfig", "CohereForCausalLM")),
+        (COMMAND_R_PLUS, "command-r", ("CohereConfig", "CohereForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1319,6 +1325,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "nemotron_h",
         "cohere2",
         "command-r",
+        "command-r-plus",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -3659,7 +3666,11 @@ def test_glm4_files_refused_by_name(tmp_path, monkeypatch, key, value, match):
         CausalLM.from_gguf(tmp_path / "m.gguf")
 
 
-_COHERE_FILES = {"cohere2": (COHERE2, "cohere2"), "command-r": (COMMAND_R, "command-r")}
+_COHERE_FILES = {
+    "cohere2": (COHERE2, "cohere2"),
+    "command-r": (COMMAND_R, "command-r"),
+    "command-r-plus": (COMMAND_R_PLUS, "command-r"),
+}
 
 
 @pytest.mark.parametrize("config, arch", _COHERE_FILES.values(), ids=_COHERE_FILES.keys())
@@ -3667,7 +3678,8 @@ def test_a_cohere_file_is_its_model_s_directory(tmp_path, config, arch):
     """A ``cohere2`` or ``command-r`` file and the source model's own directory are one model: the
     same config (llama.cpp's period of 4 without a pattern in the file: three sliding layers that
     rotate, a full one that does not, Cohere2Config's default), tensors (q/k rows as written, the
-    LayerNorms' weights, Command R's biases) and logits (the scale 0.375 or 0.25 float32 holds)."""
+    LayerNorms' weights, Command R+'s biases and q/k norms' weight rows) and logits (the scale 0.375
+    or 0.25 float32 holds)."""
     g, _, _ = _file_is_its_directory(tmp_path, config, arch)
     assert g.config.layer_norm and g.config.parallel_mlp and g.config.rope_interleaved
     assert g.config.logits_scaling == 1 / config["logit_scale"]
@@ -3675,14 +3687,18 @@ def test_a_cohere_file_is_its_model_s_directory(tmp_path, config, arch):
         assert g.config.layer_types == ("sliding_attention",) * 3 + ("full_attention",)
         assert g.config.rope_layers == (True, True, True, False) and g.config.sliding_window == 3
     else:
-        assert g.config.attention_bias and g.config.rope_layers is None
+        plus = config["use_qk_norm"]
+        assert g.config.attention_bias == plus and g.config.qk_norm == plus and g.config.rope_layers is None
+        if plus:
+            q_norm = g.state_dict()["model.layers.0.self_attn.q_norm.weight"]
+            assert g.config.qk_norm_scope == "each_head" and q_norm.shape == (4, 64)
 
 
 def test_what_llama_cpp_s_cohere_files_say():
     """cohere2: the window (required), the layers of ``attention.sliding_window_pattern`` (absent:
     llama.cpp's period 4; a period, 0 every layer sliding; one flag per layer), ``logit_scale``
-    (required, > 0), no RoPE scaling, a tied head; command-r: the same scale, scaling and head,
-    Command R+'s q/k norms refused; each refusal naming its key or tensor."""
+    (required, > 0), no RoPE scaling, a tied head; command-r: the same scale, scaling and head;
+    each refusal naming its key or tensor."""
     from npattn.models.configs import GGUF_FAMILIES
 
     S, F = "sliding_attention", "full_attention"
@@ -3716,11 +3732,9 @@ def test_what_llama_cpp_s_cohere_files_say():
     with pytest.raises(ValueError, match=r"tensor 'output.weight': llama.cpp's cohere2 has no output tensor"):
         derive(dict(num_hidden_layers=4, tie_word_embeddings=False), meta)
     derive = GGUF_FAMILIES["command-r"].derive
-    c = dict(num_hidden_layers=2, tie_word_embeddings=True, use_qk_norm=False)
+    c = dict(num_hidden_layers=2, tie_word_embeddings=True, use_qk_norm=True)
     derive(c, {"logit_scale": 0.0625})
-    assert c == dict(num_hidden_layers=2, tie_word_embeddings=True, logit_scale=0.0625)
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q_norm.weight': Command R\+'s LayerNorm"):
-        derive(dict(num_hidden_layers=2, tie_word_embeddings=True, use_qk_norm=True), {"logit_scale": 0.0625})
+    assert c == dict(num_hidden_layers=2, tie_word_embeddings=True, use_qk_norm=True, logit_scale=0.0625)
     with pytest.raises(ValueError, match=r"'command-r.logit_scale' -1"):
         derive(dict(num_hidden_layers=2, tie_word_embeddings=True), {"logit_scale": -1})
     with pytest.raises(ValueError, match=r"tensor 'output.weight': llama.cpp's command-r"):
@@ -3728,17 +3742,9 @@ def test_what_llama_cpp_s_cohere_files_say():
 
 
 def test_cohere_files_refused_by_name(tmp_path, monkeypatch):
-    """Files the converter writes from checkpoints npattn does not read, each refused naming the
-    file and what it holds: Command R+'s q/k norms (the tensors ``attn_q_norm``, ``attn_k_norm``,
-    ``(heads, head_dim)`` each), a Command R7B whose ``rotary_pct`` is below 1
-    (``rope.dimension_count`` below the heads' width)."""
-    sd = _state(COMMAND_R)
-    for i in range(COMMAND_R["num_hidden_layers"]):
-        sd[f"model.layers.{i}.self_attn.q_norm.weight"] = np.ones((4, 64), np.float32)
-        sd[f"model.layers.{i}.self_attn.k_norm.weight"] = np.ones((2, 64), np.float32)
-    _write(tmp_path / "plus.gguf", COMMAND_R, sd, Q.F32, "command-r")
-    with pytest.raises(ValueError, match=r"plus.gguf: tensor 'blk.0.attn_q_norm.weight': Command R\+'s"):
-        CausalLM.from_gguf(tmp_path / "plus.gguf")
+    """A file the converter writes from a checkpoint npattn does not read is refused naming the
+    file and the key: a Command R7B whose ``rotary_pct`` is below 1 (``rope.dimension_count`` below
+    the heads' width; Cohere2Attention rotates whole heads)."""
     half = gguf.GGUFWriter.add_rope_dimension_count
     monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: half(self, n // 2))
     _write(tmp_path / "half.gguf", COHERE2, _state(COHERE2), Q.F32, "cohere2")

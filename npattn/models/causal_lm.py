@@ -316,10 +316,12 @@ def _mha_shapes(cfg: CausalLMConfig, kind: str, i: int) -> list:
     H, heads = cfg.hidden_size, cfg.num_attention_heads
     a = cfg.attention_config(kind, i)
     hd, kv_rows, b = a.head_dim, a.num_kv_heads * a.head_dim, a.qkv_bias
-    out = [("sinks", (heads,))] if a.sinks else []
+    out: list = [("sinks", (heads,))] if a.sinks else []
     out += _lin("q_proj", heads * hd * (2 if a.output_gate else 1), H, b)
     out += _lin("k_proj", kv_rows, H, b) + _lin("v_proj", kv_rows, H, b) + _lin("o_proj", H, heads * hd, a.out_bias)
-    if a.qk_norm:  # each head's features, or all heads' (qk_norm_scope "all_heads")
+    if a.qk_norm and a.qk_norm_scope == "each_head":  # a weight row per head (Command R+)
+        out += [("q_norm.weight", (heads, hd)), ("k_norm.weight", (a.num_kv_heads, hd))]
+    elif a.qk_norm:  # each head's features, or all heads' (qk_norm_scope "all_heads")
         whole = a.qk_norm_scope == "all_heads"
         out += [("q_norm.weight", (heads * hd if whole else hd,)), ("k_norm.weight", (kv_rows if whole else hd,))]
     return [(f"self_attn.{n}", s) for n, s in out]

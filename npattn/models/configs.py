@@ -737,14 +737,10 @@ def _gguf_command_r(config: dict, meta: Mapping) -> None:
     ``CohereForCausalLM``'s tensors under gguf's names, q/k rows as the checkpoint has them: llama.cpp
     rotates this architecture's pairs ``(2i, 2i + 1)``, its normal RoPE, Cohere's own), the
     LayerNorms' ``attention.layer_norm_epsilon``, ``logit_scale`` (``_gguf_logit_scale``).  Biases
-    and Command R+'s q/k norms (``attn_q_norm``, ``attn_k_norm``) are the tensors': the config's
-    ``use_qk_norm``: npattn refuses those (one weight per head)."""
+    and Command R+'s q/k norms (``attn_q_norm``, ``attn_k_norm``: ``(head_count, head_dim)``, a
+    LayerNorm weight row per head, llama.cpp's ``LLM_NORM`` of each head) are the tensors': the
+    config's ``use_qk_norm``."""
     _gguf_logit_scale(config, meta, "command-r")
-    if config.pop("use_qk_norm", False):
-        raise ValueError(
-            "tensor 'blk.0.attn_q_norm.weight': Command R+'s LayerNorm of each head's q and k (one weight per "
-            "head) is not supported by npattn"
-        )
 
 
 def _gguf_cohere2(config: dict, meta: Mapping) -> None:
@@ -1003,7 +999,7 @@ GGUF_FAMILIES = {
     # GLM-4 (0414, Z1): interleaved RoPE pairs as llama.cpp's own (not permuted) over the first
     # rope.dimension_count features, norms after both sublayers, gate and up fused in ffn_up
     "glm4": GgufFamily("glm4", derive=_gguf_glm4, reads=("rope.dimension_count",), own_names=True),
-    # Command R (and Command R+, refused for its q/k norms) and Command R7B: interleaved RoPE pairs,
+    # Command R, Command R+ (its q/k norms the tensors') and Command R7B: interleaved RoPE pairs,
     # llama.cpp's own (no permutation), LayerNorms, the logits' scale; R7B's sliding layers
     "command-r": GgufFamily(
         "cohere",
@@ -1399,7 +1395,8 @@ class CausalLMConfig:
     MLP (Gemma, GLM-4); ``pre_norm``: the norms before attention and before the MLP (False: OLMo 2/3's
     post-norm, each sublayer's output normalised before its residual sum, with ``sandwich_norm``);
     ``qk_norm_scope``: the QK-norm over each head (``"head"``) or over the whole projection
-    (``"all_heads"``, OLMo 2/3); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the
+    (``"all_heads"``, OLMo 2/3), or a bias-free LayerNorm over each head with a weight row per head
+    (``"each_head"``, Command R+); ``embed_scale``: embeddings times ``sqrt(hidden_size)`` cast to the
     dtype where ``True`` (Gemma), times the number where a number (Granite's ``embedding_multiplier``),
     unscaled where ``False``.  ``attention_scale`` is the scores' factor (``None``:
     ``1/sqrt(head_dim)``; Granite's ``attention_multiplier``).  ``residual_multiplier``: each
@@ -2619,14 +2616,17 @@ def _cohere2(r: _Reader) -> dict:
 
 
 def _cohere(r: _Reader) -> dict:
-    """Command R (CohereLabs/c4ai-command-r-v01, c4ai-command-r-08-2024; ``CohereForCausalLM``):
-    ``_cohere_common``'s layers, all full attention with RoPE (base 500000 where none is given).
-    ``use_qk_norm`` (Command R+'s per-head LayerNorm of q and k, one weight per head) is refused by
-    name: npattn's QK-norm shares one weight over the heads and is an RMSNorm."""
+    """Command R and Command R+ (CohereLabs/c4ai-command-r-v01, c4ai-command-r-08-2024,
+    c4ai-command-r-plus; ``CohereForCausalLM``): ``_cohere_common``'s layers, all full attention
+    with RoPE (base 500000 where none is given); ``use_qk_norm`` (Command R+): a bias-free
+    LayerNorm of each head's q and k before RoPE, each head with its own weight row
+    (``qk_norm_scope`` ``"each_head"``, eps ``layer_norm_eps``)."""
     c = _cohere_common(r, 500000.0)
-    r.only("use_qk_norm", (False,), False, "a LayerNorm of q and k with one weight per head is not implemented")
+    qk = r.bool("use_qk_norm")
     n = c["num_hidden_layers"]
-    c.update(layer_types=("full_attention",) * n, mlp_types=("dense",) * n)
+    c.update(layer_types=("full_attention",) * n, mlp_types=("dense",) * n, qk_norm=qk)
+    if qk:
+        c["qk_norm_scope"] = "each_head"
     return c
 
 

@@ -623,11 +623,13 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-    # Command R: two parallel blocks, full attention with interleaved RoPE on every layer, the
-    # logits times 0.3, attention biases, an untied head
+    # Command R (R+'s q/k norms): two parallel blocks, full attention with interleaved RoPE on every
+    # layer, a bias-free LayerNorm of each head's q and k (a weight row per head), the logits times
+    # 0.3, attention biases, an untied head
     "cohere": dict(
         _BASE,
         model_type="cohere",
+        use_qk_norm=True,
         logit_scale=0.3,
         layer_norm_eps=1e-4,
         attention_bias=True,

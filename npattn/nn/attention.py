@@ -90,7 +90,10 @@ class MultiHeadAttention(MultiHeadAttentionCore):
       (Gemma 3's and Qwen3-Next's RMSNorm; the state dict holds that weight as they do);
       ``qk_norm_scope="all_heads"``: one RMSNorm over all heads' features of a token instead of
       each head's (OLMo 2/3's ``q_norm``/``k_norm`` over the whole projection, weights
-      ``(num_heads * head_dim,)`` and ``(num_kv_heads * head_dim,)``).
+      ``(num_heads * head_dim,)`` and ``(num_kv_heads * head_dim,)``); ``qk_norm_scope="each_head"``:
+      a LayerNorm (mean subtracted, no bias, eps ``qk_norm_eps`` or 1e-5) over each head's
+      features, each head with its own weight row (``q_norm``/``k_norm`` weights
+      ``(num_heads, head_dim)`` and ``(num_kv_heads, head_dim)``: Command R+'s ``use_qk_norm``).
     - ``output_gate=True`` (Qwen3-Next's gated attention): ``W_query`` is
       ``(2 * num_heads * head_dim, d_in)``, each head's ``2 head_dim`` outputs its query then its
       gate ``g``; the attention output (heads merged) is multiplied by ``sigmoid(g)`` before

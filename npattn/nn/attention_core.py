@@ -52,7 +52,7 @@ from ..functional import kernels as K
 from ..functional._blocks import AttentionOptions
 from ..functional.rope_scaling import check_scaling, resolve_base, resolve_rotary_dim
 from .kv_cache import KVCache, RollingKVCache, _KeysCacheHooks
-from .layers import Linear, RMSNorm, fused_linears
+from .layers import LayerNorm, Linear, RMSNorm, fused_linears
 from .module import Module, Parameter, is_grad_enabled
 
 __all__ = ["MultiHeadAttentionCore"]
@@ -71,7 +71,9 @@ def _token_block(heads: int, head_dim: int) -> int:
     return max(unit, _POSITION_BLOCK // (heads * head_dim) // unit * unit)
 
 
-QK_NORM_SCOPES = ("head", "all_heads")  # QK-norm over each head's features, or over all heads' of a token
+# QK-norm over each head's features, over all heads' of a token, or (each_head) a LayerNorm over each
+# head's features with each head its own weight
+QK_NORM_SCOPES = ("head", "all_heads", "each_head")
 
 
 class Projected(NamedTuple):
@@ -226,6 +228,10 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         if qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"qk_norm_scope: expected one of {list(QK_NORM_SCOPES)}, got {qk_norm_scope!r}")
         self.qk_norm_scope = qk_norm_scope
+        if qk_norm_scope == "each_head" and self.qk_norm_unit_offset:
+            raise ValueError(
+                "qk_norm_unit_offset: expected False with qk_norm_scope='each_head' (its weights start at 1)"
+            )
         self.output_gate = check_bool(output_gate, "output_gate")
         self.query_scale_by_position = _check_query_scale(query_scale_by_position)
         self._dtype = check_dtype(dtype)
@@ -331,7 +337,16 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
 
     def _init_qk_norm(self, eps) -> None:
         """``q_norm``, ``k_norm``: ``(head_dim,)`` weights, or with ``qk_norm_scope="all_heads"``
-        one weight over every head's features (``(num_heads * head_dim,)``, ``(num_kv_heads * head_dim,)``)."""
+        one weight over every head's features (``(num_heads * head_dim,)``, ``(num_kv_heads * head_dim,)``),
+        or with ``"each_head"`` bias-free LayerNorms holding one weight per head
+        (``(num_heads, head_dim)``, ``(num_kv_heads, head_dim)``; eps 1e-5 by default)."""
+        self.q_norm: RMSNorm | LayerNorm
+        self.k_norm: RMSNorm | LayerNorm
+        if self.qk_norm_scope == "each_head":
+            e = 1e-5 if eps is None else eps
+            self.q_norm = LayerNorm((self.num_heads, self.head_dim), eps=e, bias=False, dtype=self._dtype)
+            self.k_norm = LayerNorm((self.num_kv_heads, self.head_dim), eps=e, bias=False, dtype=self._dtype)
+            return
         heads = self.qk_norm_scope == "all_heads"
         nq = self.num_heads * self.head_dim if heads else self.head_dim
         nk = self.num_kv_heads * self.head_dim if heads else self.head_dim
@@ -444,22 +459,54 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
     def _qk_w(self, w, h: int):
         return w if w is None or self.qk_norm_scope == "head" else w.reshape(h, self.head_dim)
 
+    # ``qk_norm_scope="each_head"``: a LayerNorm without weight over each head's ``hd`` features
+    # (``y0``), then times the head's own weight row (``(h, 1, hd)`` against ``(..., h, L, hd)``):
+    # ``dw = sum(dy y0)`` over all but the head and feature axes, ``dx`` the LayerNorm's backward of
+    # ``dy w``; the cache ``(layer_norm's, y0, w)``.
+    @staticmethod
+    def _per_head_sum(a):
+        """``a (..., h, L, hd)`` summed to ``(h, hd)``."""
+        a = a.sum(axis=-2)
+        return a.reshape((-1,) + a.shape[-2:]).sum(axis=0)
+
     def _qk_norm(self, x, norm, keep: bool = True):
         """``(normed x, cache)`` (the cache None unless ``keep``: ``rms_norm_kernel``'s)."""
+        if self.qk_norm_scope == "each_head":
+            y0, c = K.layer_norm(x, None, None, norm.eps)
+            w = norm.weight.data[:, None, :]
+            return y0 * w, ((c, y0, w) if keep else None)
         y, c = K.rms_norm(self._qk_heads(x), self._qk_w(self._qk_weight(norm), x.shape[-3]), norm.eps, keep=keep)
         return self._qk_heads(y), c
 
     def _qk_norm_backward(self, dy, cache):
-        """``(dx, dweight)`` (the weight's flat shape)."""
+        """``(dx, dweight)`` (the weight's flat shape; ``"each_head"``: its ``(h, hd)``)."""
+        if self.qk_norm_scope == "each_head":
+            c, y0, w = cache
+            return K.layer_norm_backward(dy * w, c)[0], self._per_head_sum(dy * y0)
         dx, dw = K.rms_norm_backward(self._qk_heads(dy), cache)
         return self._qk_heads(dx), dw.reshape(-1)
 
     def _qk_norm_jvp(self, cache, t, tw):
         """The output's tangent along ``t`` (heads' layout) and the weight's ``tw`` (flat or None)."""
+        if self.qk_norm_scope == "each_head":
+            c, y0, w = cache
+            ty = K.layer_norm_jvp(c, t) * w
+            return ty if tw is None else ty + y0 * tw[:, None, :]
         return self._qk_heads(K.rms_norm_jvp(cache, self._qk_heads(t), self._qk_w(tw, t.shape[-3])))
 
     def _qk_norm_backward_jvp(self, dy, cache, t, tw, tdy):
         """``((dx, dweight), (their tangents))`` along ``t``, ``tw`` and ``tdy``."""
+        if self.qk_norm_scope == "each_head":  # y = y0 w: dw = sum(dy y0), dx = LN'(dy w)
+            c, y0, w = cache
+            tg = None if tdy is None else tdy * w
+            if tw is not None:
+                tg = dy * tw[:, None, :] if tg is None else tg + dy * tw[:, None, :]
+            (dx, _, _), (tdx, _, _) = K.layer_norm_backward_jvp(dy * w, c, (t, None, None), tg)
+            tp = 0 if tdy is None else tdy * y0
+            if t is not None:
+                tp = tp + dy * K.layer_norm_jvp(c, t)
+            tdw = self._per_head_sum(tp) if isinstance(tp, np.ndarray) else np.zeros_like(w[:, 0, :])
+            return (dx, self._per_head_sum(dy * y0)), (tdx, tdw)
         h, q = dy.shape[-3], self._qk_heads
         tdy = None if tdy is None else q(tdy)
         t = None if t is None else q(t)
