@@ -68,6 +68,7 @@ _R7B = dict(
 # c4ai-command-r-08-2024's config.json keys at a tiny size
 _R = dict(
     _TINY,
+    model_max_length=131072,
     architectures=["CohereForCausalLM"],
     attention_bias=False,
     attention_dropout=0.0,

@@ -2553,8 +2553,10 @@ def _cohere_keys(r: _Reader, c: dict) -> None:
     ``use_gated_activation`` (true: the gated MLP), ``position_embedding_type`` ("rope_gptj": RoPE on
     interleaved pairs), ``rotary_pct`` (1: whole heads), ``use_embedding_sharing`` (the head tied or
     not, as ``tie_word_embeddings``), ``order_of_interleaved_layers`` ("local_attn_first": the
-    sliding layers first in each period); ``use_parallel_embedding`` (tensor-parallel sharding) and
-    ``layer_switch`` (the period, ``sliding_window_pattern``'s twin) are metadata."""
+    sliding layers first in each period); ``use_parallel_embedding`` (tensor-parallel sharding),
+    ``layer_switch`` (the period, ``sliding_window_pattern``'s twin) and ``model_max_length``
+    (Command R's trained context, which llama.cpp's converter takes for the context length) are
+    metadata."""
     why = "transformers' Cohere models always do this"
     r.only("use_parallel_block", (True,), True, why)
     r.only("use_gated_activation", (True,), True, why)
@@ -2565,6 +2567,7 @@ def _cohere_keys(r: _Reader, c: dict) -> None:
     r.only("order_of_interleaved_layers", ("local_attn_first",), "local_attn_first", why)
     r.get("use_parallel_embedding")
     r.get("layer_switch")
+    r.get("model_max_length")
 
 
 def _cohere_common(r: _Reader, rope_theta: float) -> dict:
