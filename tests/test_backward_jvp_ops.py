@@ -80,6 +80,16 @@ def make_cases(rng, lead=(2, 3), length=3) -> list:
     rx = np.where(np.abs(rx) < 0.05, 0.5, rx)  # away from the kink
     cases.append(Case("relu", "relu", (rx,), lambda M, x: M.relu(x), lambda t, x: t.relu(x)))
     cases.append(Case("relu2", "relu2", (rx,), lambda M, x: M.relu2(x), lambda t, x: t.relu(x) ** 2))
+    # xIELU: x and its two raw parameters (softplus-parametrised), beta and eps constants (buffers);
+    # eps -0.1 so that some entries sit between it and 0 (the expm1 branch held at eps)
+    xa_p, xa_n = u(1), u(1)
+
+    def t_xielu(t, x, ap, an, beta=0.4, eps=-0.1):
+        a_p, a_n = t.nn.functional.softplus(ap), beta + t.nn.functional.softplus(an)
+        neg = (t.expm1(t.clamp(x, max=eps)) - x) * a_n + beta * x
+        return t.where(x > 0, a_p * x * x + beta * x, neg)
+
+    cases.append(Case("xielu", "xielu", (rx, xa_p, xa_n), lambda M, x, ap, an: M.xielu(x, ap, an, 0.4, -0.1), t_xielu))
     gx = u(*lead, c, scale=3.0)
     for approx in ("none", "tanh"):
         cases.append(
@@ -500,6 +510,7 @@ _NAMES = {
     "cross_entropy": ("tlogits",),
     "rms_norm_gated": ("tx", "tgate", "tweight"),
     "causal_conv1d": ("tx", "tweight", "tbias", "tinitial_state"),
+    "xielu": ("tx", "talpha_p", "talpha_n"),
 }
 
 
@@ -566,7 +577,7 @@ def test_arguments_are_not_modified():
 
 def test_every_pair_has_its_second_order_in_both_tiers():
     ops = {c.op for c in make_cases(np.random.default_rng(0))}
-    assert len(ops) == 15, sorted(ops)
+    assert len(ops) == 16, sorted(ops)
     for op in ops:
         for module in (F, R):
             assert op + "_backward_jvp" in module.__all__, (op, module.__name__)

@@ -153,6 +153,21 @@ def test_activations(x, op):
     _pairs_equal(getattr(F, name), getattr(R, name), (x,), kw)
 
 
+@given(
+    _arrays(scale=3.0),
+    st.floats(-3, 3),
+    st.floats(-3, 3),
+    st.floats(-1, 1),
+    st.sampled_from([-1e-6, -0.5, 0.0, 0.3]),
+    st.sampled_from([(), (1,)]),
+)
+def test_xielu(x, alpha_p, alpha_n, beta, eps, shape):
+    """xIELU's fast tier is its textbook twin over drawn inputs, parameters (one number, of shape
+    () or (1,)), beta and eps (between the negative entries: the expm1 branch held at eps)."""
+    params = (np.full(shape, alpha_p, x.dtype), np.full(shape, alpha_n, x.dtype))
+    _pairs_equal(F.xielu, R.xielu, (x, *params, beta, eps))
+
+
 @given(_arrays(), st.sampled_from([0.0, 0.1, 0.5, 1.0]), st.integers(0, 1000), st.booleans())
 def test_dropout(x, p, seed, training):
     _pairs_equal(F.dropout, R.dropout, (x, p, seed, training))

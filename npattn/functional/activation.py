@@ -1,4 +1,5 @@
-"""Element-wise and row-wise nonlinearities: ``relu``, ``relu2``, ``gelu``, ``silu``, ``softmax``, ``dropout``.
+"""Element-wise and row-wise nonlinearities: ``relu``, ``relu2``, ``xielu``, ``gelu``, ``silu``, ``softmax``,
+``dropout``.
 
 Each public op validates its arguments and calls the unvalidated kernel ``op_kernel`` below it; each public
 backward checks ``dout`` and that the cache is its own forward's, then calls ``op_backward_kernel``.
@@ -13,7 +14,14 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .._docs import FD_CHECK, backward_jvp_sections, backward_sections, jvp_sections, shared_doc
+from .._docs import (
+    FD_CHECK,
+    SEVERAL_TANGENTS,
+    backward_jvp_sections,
+    backward_sections,
+    jvp_sections,
+    shared_doc,
+)
 from .._validate import (
     as_float,
     as_rng,
@@ -42,6 +50,11 @@ __all__ = [
     "relu2_backward",
     "relu2_jvp",
     "relu2_backward_jvp",
+    "XieluCache",
+    "xielu",
+    "xielu_backward",
+    "xielu_jvp",
+    "xielu_backward_jvp",
     "gelu",
     "gelu_backward",
     "gelu_jvp",
@@ -76,6 +89,18 @@ class ReluCache(NamedTuple):
 
 class Relu2Cache(NamedTuple):
     r: np.ndarray  # max(x, 0)
+
+
+class XieluCache(NamedTuple):
+    x: np.ndarray
+    positive: np.ndarray  # x > 0
+    e: np.ndarray  # exp(min(x, eps)) where x <= 0 and x < eps (d expm1(min(x, eps)) / dx there), else 0
+    q: np.ndarray  # expm1(min(x, eps)) - x where x <= 0 (dy / d a_n), else 0
+    alpha_p: np.ndarray  # the raw parameters, as given
+    alpha_n: np.ndarray
+    a_p: np.ndarray  # softplus(alpha_p)
+    a_n: np.ndarray  # beta + softplus(alpha_n)
+    beta: float
 
 
 class GeluCache(NamedTuple):
@@ -329,6 +354,221 @@ relu2_jvp, relu2_jvp_kernel, relu2_backward_jvp, relu2_backward_jvp_kernel = _de
     2 [x > 0] dy tx`` (``relu2'' = 2 [x > 0]``, 0 at ``x = 0`` as relu's derivative there).""",
     second=lambda dout, cache, tx: 2 * dout * (cache.r > 0) * tx,
 )
+
+
+# ---------------------------------------------------------------------------------------- xielu
+
+
+def _softplus(a):
+    """``log(1 + exp(a))`` without overflow."""
+    return np.logaddexp(0, a)
+
+
+def _sigmoid(a):
+    """``1 / (1 + exp(-a))`` (softplus' derivative) without overflow."""
+    return np.exp(-np.logaddexp(0, -a))
+
+
+def _xielu_scalar(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite real number, got {v!r}")
+    return float(v)
+
+
+def _xielu_parameter(a, name: str, dtype) -> np.ndarray:
+    a = as_float(a, name, dtype)
+    if a.size != 1:
+        raise ValueError(f"{name}: expected one number (shape () or (1,)), got shape {a.shape}")
+    return a
+
+
+_XIELU_PARAMS = """
+        alpha_p, alpha_n : array_like
+            One number each (shape ``()`` or ``(1,)``, as transformers' ``XIELUActivation`` keeps
+            them): the raw trained parameters, ``a_p = softplus(alpha_p)`` and ``a_n = beta +
+            softplus(alpha_n)``; cast to ``x``'s dtype.
+        beta : float
+            The linear term's slope (a buffer in transformers: not trained), default 0.5.
+        eps : float
+            Where the negative branch's ``expm1`` stops following ``x`` (``min(x, eps)``), default -1e-6.
+"""
+
+
+@shared_doc(
+    sections=_forward_sections(
+        "xielu",
+        y="Of ``x``'s shape and dtype.",
+        params=_XIELU_PARAMS,
+        raises="ValueError\n    ``alpha_p`` or ``alpha_n`` not of one number; ``beta`` or ``eps`` not a finite number.",
+    )
+)
+def xielu(x: np.ndarray, alpha_p, alpha_n, beta: float = 0.5, eps: float = -1e-6) -> tuple[np.ndarray, XieluCache]:
+    """xIELU (Huang and Schlag, arXiv:2411.13010; Hugging Face's ``"xielu"``, Apertus's MLP
+    activation): with ``a_p = softplus(alpha_p)`` and ``a_n = beta + softplus(alpha_n)``::
+
+        y = a_p x^2 + beta x                           where x > 0
+        y = a_n (expm1(min(x, eps)) - x) + beta x      where x <= 0
+
+    Returns ``(y, cache)``; ``xielu_backward`` gives ``(dx, dalpha_p, dalpha_n)``.  The derivation:
+    ``functional.reference.xielu``.
+
+    <sections>
+
+    <examples>
+    >>> alpha_p, alpha_n = np.log(np.expm1(0.8)), np.log(np.expm1(0.3))  # a_p = 0.8, a_n = 0.5 + 0.3
+    >>> y, cache = F.xielu(np.array([-1.0, 0.5, 2.0]), alpha_p, alpha_n)
+    >>> np.round(y, 6)
+    array([-0.205696,  0.45    ,  4.2     ])
+    >>> dx, dalpha_p, dalpha_n = F.xielu_backward(np.ones(3), cache)
+    >>> np.round(dx, 6)
+    array([-0.005696,  1.3     ,  3.7     ])
+    """
+    x = as_float(x, "x")
+    ap, an = _xielu_parameter(alpha_p, "alpha_p", x.dtype), _xielu_parameter(alpha_n, "alpha_n", x.dtype)
+    return xielu_kernel(x, ap, an, _xielu_scalar(beta, "beta"), _xielu_scalar(eps, "eps"))
+
+
+def xielu_kernel(x, alpha_p, alpha_n, beta=0.5, eps=-1e-6):
+    """The kernel of ``xielu``."""
+    a_p = _softplus(alpha_p).reshape(())
+    a_n = (beta + _softplus(alpha_n)).reshape(())
+    positive = x > 0
+    m = np.minimum(x, eps)
+    q = np.where(positive, 0, np.expm1(m) - x)
+    e = np.where(~positive & (x < eps), np.exp(m), 0).astype(x.dtype, copy=False)
+    y = np.where(positive, a_p * x * x, a_n * q) + beta * x
+    return y.astype(x.dtype, copy=False), XieluCache(
+        x, positive, e, q.astype(x.dtype, copy=False), alpha_p, alpha_n, a_p, a_n, beta
+    )
+
+
+def _xielu_slope(cache):
+    """``dy/dx``: ``2 a_p x + beta`` where ``x > 0``, ``a_n (e - 1) + beta`` where not."""
+    return np.where(cache.positive, 2 * cache.a_p * cache.x, cache.a_n * (cache.e - 1)) + cache.beta
+
+
+def _xielu_sums(w, cache):
+    """``(sum(w [x > 0] x^2) sigmoid(alpha_p), sum(w q) sigmoid(alpha_n))``, each of its parameter's
+    shape: the parameters' gradients for the upstream ``w``."""
+    sp, sn = _sigmoid(cache.alpha_p), _sigmoid(cache.alpha_n)
+    gp = np.sum(w * np.where(cache.positive, cache.x * cache.x, 0)) * sp
+    gn = np.sum(w * cache.q) * sn
+    return gp.reshape(cache.alpha_p.shape), gn.reshape(cache.alpha_n.shape)
+
+
+@shared_doc(
+    backward_sections=backward_sections("xielu", "XieluCache")
+    .replace("-------\nndarray\n", "-------\ntuple of ndarray\n")
+    .replace(
+        "``dx``, of ``x``'s shape and dtype.",
+        "``(dx, dalpha_p, dalpha_n)``: ``dx`` of ``x``'s shape and dtype, the parameters' gradients of their shapes.",
+    )
+)
+def xielu_backward(dout: np.ndarray, cache: XieluCache) -> tuple:
+    """``dx = dy (2 a_p x + beta)`` where ``x > 0``, ``dy (a_n (exp(min(x, eps)) [x < eps] - 1) +
+    beta)`` where not; ``dalpha_p = sum(dy x^2 [x > 0]) sigmoid(alpha_p)`` and ``dalpha_n =
+    sum(dy (expm1(min(x, eps)) - x) [x <= 0]) sigmoid(alpha_n)`` (softplus' derivative is the sigmoid).
+
+    <backward_sections>
+    """
+    check_cache(cache, XieluCache, "xielu_backward")
+    return xielu_backward_kernel(check_grad(dout, cache.x.shape, cache.x.dtype), cache)
+
+
+def xielu_backward_kernel(dout, cache):
+    """The kernel of ``xielu_backward``."""
+    return (dout * _xielu_slope(cache), *_xielu_sums(dout, cache))
+
+
+def _xielu_specs(cache) -> tuple:
+    return (("tx", cache.x.shape), ("talpha_p", cache.alpha_p.shape), ("talpha_n", cache.alpha_n.shape))
+
+
+@shared_doc(
+    jvp_sections=jvp_sections(
+        "xielu",
+        "XieluCache",
+        tangents="``(tx, talpha_p, talpha_n)``, each of its input's shape (None: zero).",
+        most="three tangents",
+    ),
+    jvp_example=_jvp_example("xielu", ", 0.3, -0.2"),
+)
+def xielu_jvp(cache: XieluCache, *tangents) -> np.ndarray:
+    """Forward mode of ``xielu``: ``ty = (dy/dx) tx + [x > 0] x^2 sigmoid(alpha_p) talpha_p +
+    q sigmoid(alpha_n) talpha_n`` with ``q = (expm1(min(x, eps)) - x) [x <= 0]``.
+
+    <jvp_sections>
+
+    Examples
+    --------
+    <jvp_example>
+    """
+    check_cache(cache, XieluCache, "xielu_jvp")
+    return xielu_jvp_kernel(cache, *check_tangents_as(tangents, "xielu_jvp", cache.x.dtype, _xielu_specs(cache)))
+
+
+def xielu_jvp_kernel(cache, tx=None, talpha_p=None, talpha_n=None):
+    """The kernel of ``xielu_jvp`` (tangents checked, None = zero)."""
+    ty = np.zeros_like(cache.x) if tx is None else _xielu_slope(cache) * tx
+    if talpha_p is not None:
+        ty = ty + np.where(cache.positive, cache.x * cache.x, 0) * (_sigmoid(cache.alpha_p) * talpha_p).reshape(())
+    if talpha_n is not None:
+        ty = ty + cache.q * (_sigmoid(cache.alpha_n) * talpha_n).reshape(())
+    return ty
+
+
+@shared_doc(
+    backward_jvp_sections=backward_jvp_sections(
+        "xielu",
+        "XieluCache",
+        tangents="``(tx, talpha_p, talpha_n)`` as ``xielu_jvp`` takes them; None (or left out at the end): zero.",
+        grads="``(dx, dalpha_p, dalpha_n)``",
+        grad_tangents="Their tangents, of the same shapes.",
+        **SEVERAL_TANGENTS,
+    )
+)
+def xielu_backward_jvp(dout: np.ndarray, cache: XieluCache, tangents, ddout=None):
+    """Second order of ``xielu``: the tangents of ``(dx, dalpha_p, dalpha_n)`` when ``x``,
+    ``alpha_p``, ``alpha_n`` move along ``(tx, talpha_p, talpha_n)`` and ``dy`` along ``ddy``.
+    With ``s_p = sigmoid(alpha_p)``, ``s_n = sigmoid(alpha_n)`` (``s' = s (1 - s)``), ``P = [x > 0]``,
+    ``N = [x <= 0]``, ``e = exp(min(x, eps)) [x < eps] N`` and ``q = (expm1(min(x, eps)) - x) N``::
+
+        tdx       = ddy (dy/dx) + dy (P (2 a_p tx + 2 x s_p talpha_p) + N (a_n e tx + (e - 1) s_n talpha_n))
+        tdalpha_p = s_p sum(ddy P x^2 + 2 dy P x tx) + s_p (1 - s_p) talpha_p sum(dy P x^2)
+        tdalpha_n = s_n sum(ddy q + dy (e - 1) N tx) + s_n (1 - s_n) talpha_n sum(dy q)
+
+    <backward_jvp_sections>
+    """
+    check_cache(cache, XieluCache, "xielu_backward_jvp")
+    dout, tangents, ddout = check_backward_jvp(
+        dout, tangents, ddout, "xielu_backward_jvp", cache.x.shape, cache.x.dtype, _xielu_specs(cache)
+    )
+    return xielu_backward_jvp_kernel(dout, cache, tangents, ddout)
+
+
+def xielu_backward_jvp_kernel(dout, cache, tangents=(None, None, None), ddout=None):
+    """The kernel of ``xielu_backward_jvp`` (``tangents`` the checked ``(tx, talpha_p, talpha_n)``)."""
+    tx, tap, tan = (tuple(tangents) + (None, None, None))[:3]
+    grads = xielu_backward_kernel(dout, cache)
+    x, pos, e = cache.x, cache.positive, cache.e
+    sp, sn = _sigmoid(cache.alpha_p), _sigmoid(cache.alpha_n)
+    if ddout is None:
+        tdx = np.zeros_like(grads[0])
+        tdap, tdan = np.zeros_like(grads[1]), np.zeros_like(grads[2])
+    else:
+        tdx = ddout * _xielu_slope(cache)
+        tdap, tdan = _xielu_sums(ddout, cache)
+    if tx is not None:  # the slope's own derivative: 2 a_p where x > 0, a_n e where not
+        tdx = tdx + dout * np.where(pos, 2 * cache.a_p, cache.a_n * e) * tx
+        tdap = tdap + (2 * np.sum(dout * np.where(pos, x, 0) * tx) * sp).reshape(tdap.shape)
+        tdan = tdan + (np.sum(dout * np.where(pos, 0, e - 1) * tx) * sn).reshape(tdan.shape)
+    if tap is not None:
+        tdx = tdx + dout * np.where(pos, 2 * x, 0) * (sp * tap).reshape(())
+        tdap = tdap + np.sum(dout * np.where(pos, x * x, 0)) * sp * (1 - sp) * tap
+    if tan is not None:
+        tdx = tdx + dout * np.where(pos, 0, e - 1) * (sn * tan).reshape(())
+        tdan = tdan + np.sum(dout * cache.q) * sn * (1 - sn) * tan
+    return grads, (tdx, tdap, tdan)
 
 
 # ----------------------------------------------------------------------------------------- gelu

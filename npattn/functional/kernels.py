@@ -44,6 +44,10 @@ from .activation import softmax_backward_jvp_kernel as softmax_backward_jvp
 from .activation import softmax_backward_kernel as softmax_backward
 from .activation import softmax_jvp_kernel as softmax_jvp
 from .activation import softmax_kernel as softmax
+from .activation import xielu_backward_jvp_kernel as xielu_backward_jvp
+from .activation import xielu_backward_kernel as xielu_backward
+from .activation import xielu_jvp_kernel as xielu_jvp
+from .activation import xielu_kernel as xielu
 from .attention import decoding_attention
 from .attention import scaled_dot_product_attention_backward_jvp_kernel as scaled_dot_product_attention_backward_jvp
 from .attention import scaled_dot_product_attention_backward_kernel as scaled_dot_product_attention_backward

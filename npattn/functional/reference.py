@@ -1089,6 +1089,127 @@ def relu2_backward_jvp(dout: Array, cache: Array, tangents, ddout: Optional[Arra
     return grads, tdx
 
 
+def _softplus(a):
+    """``log(1 + exp(a))``, computed as ``logaddexp(0, a)`` (no overflow for large ``a``)."""
+    return np.logaddexp(0, a)
+
+
+def _sigmoid(a):
+    """``1 / (1 + exp(-a))``, the derivative of softplus (and ``sigmoid' = sigmoid (1 - sigmoid)``)."""
+    return 1 / (1 + np.exp(-a))
+
+
+@shared_doc()
+def xielu(x: Array, alpha_p, alpha_n, beta: float = 0.5, eps: float = -1e-6) -> Tuple[Array, tuple]:
+    """xIELU (Huang and Schlag, arXiv:2411.13010), Apertus's MLP activation, as transformers'
+    ``XIELUActivation`` computes it.  Its two trained parameters are stored raw (the checkpoint's
+    ``act_fn.alpha_p``, ``act_fn.alpha_n``, one number each) and made positive by softplus; ``beta``
+    and ``eps`` are buffers (saved, not trained)::
+
+        a_p = softplus(alpha_p)                 > 0: the positive branch's curvature
+        a_n = beta + softplus(alpha_n)          > beta: the negative branch's scale
+        m   = min(x, eps)                       expm1 follows x only below eps (eps ~ -1e-6)
+        y   = a_p x^2 + beta x                  where x > 0   (a parabola through 0 of slope beta)
+        y   = a_n (expm1(m) - x) + beta x       where x <= 0  (slope beta - a_n + a_n e^x: -> beta - a_n)
+
+    <reference_examples>
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.xielu(x, np.array([0.3]), np.array([-0.2]), 0.4, -0.1)
+    >>> fast_out, _ = F.xielu(x, np.array([0.3]), np.array([-0.2]), 0.4, -0.1)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
+    a_p = _softplus(alpha_p)
+    a_n = beta + _softplus(alpha_n)
+    m = np.minimum(x, eps)
+    y = np.where(x > 0, a_p * x * x + beta * x, a_n * (np.expm1(m) - x) + beta * x)
+    return y, (x, alpha_p, alpha_n, beta, eps)
+
+
+def _xielu_parts(cache):
+    """What the derivatives of ``xielu`` read, from its cache: the branches ``P = [x > 0]`` and
+    ``N = [x <= 0]``, ``e = d expm1(m) / dx = exp(m) [x < eps]`` (0 where ``m`` is the constant
+    ``eps``), ``q = dy/da_n = (expm1(m) - x) N``, ``a_p``, ``a_n`` and the sigmoids ``s_p``, ``s_n``
+    (``d a_p / d alpha_p = s_p``, ``d a_n / d alpha_n = s_n``)."""
+    x, alpha_p, alpha_n, beta, eps = cache
+    m = np.minimum(x, eps)
+    P, N = x > 0, x <= 0
+    e = np.where(x < eps, np.exp(m), 0.0)
+    q = np.where(N, np.expm1(m) - x, 0.0)
+    return x, P, N, e, q, _softplus(alpha_p), beta + _softplus(alpha_n), _sigmoid(alpha_p), _sigmoid(alpha_n), beta
+
+
+def xielu_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Array]:
+    """Differentiate each branch of ``y``::
+
+        dy/dx       = 2 a_p x + beta             where x > 0
+                    = a_n (e - 1) + beta         where x <= 0   (d(expm1(m) - x)/dx = e - 1)
+        dy/da_p     = x^2 P                      dy/da_n = q = (expm1(m) - x) N
+
+    and chain through softplus (``d a_p / d alpha_p = sigmoid(alpha_p)``, likewise ``a_n``); each
+    parameter is one number shared by every entry, so its gradient is a sum over all of them.
+    Returns ``(dx, dalpha_p, dalpha_n)``."""
+    x, P, N, e, q, a_p, a_n, s_p, s_n, beta = _xielu_parts(cache)
+    alpha_p, alpha_n = cache[1], cache[2]
+    slope = np.where(P, 2 * a_p * x, a_n * (e - 1)) + beta
+    dx = dout * slope
+    dalpha_p = np.reshape(np.sum(dout * x * x * P) * s_p, np.shape(alpha_p))
+    dalpha_n = np.reshape(np.sum(dout * q) * s_n, np.shape(alpha_n))
+    return dx, dalpha_p, dalpha_n
+
+
+def xielu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """The same partial derivatives along ``(tx, talpha_p, talpha_n)``::
+
+        ty = (dy/dx) tx + x^2 P s_p talpha_p + q s_n talpha_n
+
+    (``s_p``, ``s_n`` the sigmoids of the raw parameters: softplus' derivative)."""
+    tx, talpha_p, talpha_n = _padded(tangents, 3)
+    x, P, N, e, q, a_p, a_n, s_p, s_n, beta = _xielu_parts(cache)
+    ty = np.zeros_like(x)
+    if tx is not None:
+        ty = ty + (np.where(P, 2 * a_p * x, a_n * (e - 1)) + beta) * tx
+    if talpha_p is not None:
+        ty = ty + x * x * P * np.sum(s_p * talpha_p)
+    if talpha_n is not None:
+        ty = ty + q * np.sum(s_n * talpha_n)
+    return ty
+
+
+def xielu_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: move ``x``, ``alpha_p``, ``alpha_n`` along ``(tx, talpha_p, talpha_n)`` and
+    ``dy`` along ``ddy`` in each line of the backward.  What moves with them: ``a_p`` by ``s_p
+    talpha_p``, ``a_n`` by ``s_n talpha_n``, ``s_p`` by ``s_p (1 - s_p) talpha_p`` (sigmoid' = s (1 -
+    s)), ``s_n`` likewise; ``x^2`` by ``2 x tx``, ``q`` by ``(e - 1) N tx``, ``e`` by ``e tx`` (``e =
+    exp(x)`` where it is not 0); the branches and ``beta`` do not move::
+
+        slope = 2 a_p x P + a_n (e - 1) N + beta
+        tslope = (2 a_p tx + 2 x s_p talpha_p) P + (a_n e tx + (e - 1) s_n talpha_n) N
+        dx = dy slope                         tdx = ddy slope + dy tslope
+        dalpha_p = s_p sum(dy x^2 P)          tdalpha_p = s_p sum(ddy x^2 P + dy 2 x tx P)
+                                                          + s_p (1 - s_p) talpha_p sum(dy x^2 P)
+        dalpha_n = s_n sum(dy q)              tdalpha_n = s_n sum(ddy q + dy (e - 1) N tx)
+                                                          + s_n (1 - s_n) talpha_n sum(dy q)
+    """
+    tx, talpha_p, talpha_n = _padded(tangents, 3)
+    x, P, N, e, q, a_p, a_n, s_p, s_n, beta = _xielu_parts(cache)
+    alpha_p, alpha_n = cache[1], cache[2]
+    grads = xielu_backward(dout, cache)
+    ddy = np.zeros_like(dout) if ddout is None else ddout
+    tx = np.zeros_like(x) if tx is None else tx
+    talpha_p = np.zeros(np.shape(alpha_p)) if talpha_p is None else talpha_p
+    talpha_n = np.zeros(np.shape(alpha_n)) if talpha_n is None else talpha_n
+    slope = np.where(P, 2 * a_p * x, a_n * (e - 1)) + beta
+    tslope = np.where(P, 2 * a_p * tx + 2 * x * np.sum(s_p * talpha_p), a_n * e * tx + (e - 1) * np.sum(s_n * talpha_n))
+    tdx = ddy * slope + dout * tslope
+    tdalpha_p = s_p * np.sum(ddy * x * x * P + dout * 2 * x * tx * P) + s_p * (1 - s_p) * talpha_p * np.sum(
+        dout * x * x * P
+    )
+    tdalpha_n = s_n * np.sum(ddy * q + dout * (e - 1) * N * tx) + s_n * (1 - s_n) * talpha_n * np.sum(dout * q)
+    shapes = (np.shape(alpha_p), np.shape(alpha_n))
+    return grads, (tdx, np.reshape(tdalpha_p, shapes[0]), np.reshape(tdalpha_n, shapes[1]))
+
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -1751,6 +1872,7 @@ __all__ = _op_names(
     "softmax",
     "relu",
     "relu2",
+    "xielu",
     "gelu",
     "silu",
     "dropout",
