@@ -145,8 +145,9 @@ LAYERS = {
     "Dropout": lambda: npattn.Dropout(0.3, rng=0),
     **{
         f"FeedForward-{act}": (lambda act=act: npattn.FeedForward(5, 7, activation=act, rng=0))
-        for act in ("relu", "relu2", "gelu", "gelu_tanh", "silu", "swiglu")
+        for act in ("relu", "relu2", "xielu", "gelu", "gelu_tanh", "silu", "swiglu")
     },
+    "FeedForward-xielu-dropout": lambda: npattn.FeedForward(5, 7, activation="xielu", dropout=0.25, rng=0),
     "FeedForward-dropout": lambda: npattn.FeedForward(5, 7, activation="gelu", dropout=0.25, rng=0),
     "FeedForward-swiglu-dropout": lambda: npattn.FeedForward(5, 7, activation="swiglu", dropout=0.25, rng=0),
     "Sequential": lambda: Sequential(

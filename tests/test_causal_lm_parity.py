@@ -722,6 +722,44 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         ),
     ),
+    # Apertus: per-head q/k norms, biases on q, k, v, o, the xIELU MLP (its two parameters and, drawn
+    # at random, its beta and eps buffers), grouped heads of 12, Llama 3's scaling; and ApertusConfig's
+    # default RoPE (llama3 at base 12e6), one KV head, no biases
+    "apertus": (
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            attention_bias=True,
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 1000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 2.0,
+            },
+        ),
+    ),
+    "apertus_default_rope": (
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+        ),
+    ),
     "ernie4_5_yarn": (
         "Ernie4_5Config",
         "Ernie4_5ForCausalLM",
@@ -813,6 +851,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "ernie4_5",
         "arcee",
         "glm4",
+        "apertus",
         "ministral3",
         "ministral",
         "qwen3",

@@ -26,6 +26,7 @@ FAMILIES += ["lfm2"]  # LFM2: ShortConv layers (causal_conv1d_backward_jvp witho
 FAMILIES += ["exaone4"]  # post-norm layers, per-head QK-norm, a sliding RoPE layer beside a full NoPE one
 FAMILIES += ["ernie4_5"]  # RoPE on interleaved pairs (2i, 2i+1) in the second-order step, all seven biases
 FAMILIES += ["arcee"]  # the plain relu2 MLP with its biases under YaRN in the second-order step
+FAMILIES += ["apertus"]  # the xIELU MLP (its two parameters in the second order), per-head q/k norms
 FAMILIES += ["ministral3"]  # the queries' scale by position in the second-order step (YaRN over 2 positions)
 FAMILIES += ["lfm2_moe"]  # sigmoid routing renormalised by sum + 1e-6, the expert bias steering the choice
 FAMILIES += ["falcon_h1"]  # attention and Mamba-2 side by side (ParallelSum), every muP factor

@@ -84,7 +84,7 @@ def test_embedding_gradcheck(lead, num, dim, seed):
     lead=leads,
     d=st.integers(1, 3),
     d_ff=st.integers(1, 4),
-    activation=st.sampled_from(["relu", "relu2", "gelu", "gelu_tanh"]),
+    activation=st.sampled_from(["relu", "relu2", "xielu", "gelu", "gelu_tanh"]),
     dropout=st.sampled_from([0.0, 0.3]),
     seed=seeds,
 )
@@ -92,7 +92,10 @@ def test_feedforward_gradcheck(lead, d, d_ff, activation, dropout, seed):
     m = npattn.FeedForward(d, d_ff, activation=activation, dropout=dropout, rng=seed)
     rep = npattn.gradcheck(m, _x(seed, lead + (2, d)))
     assert_ok(rep)
-    assert {r.name for r in rep.rows} == {"input", "linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"}
+    names = {"input", "linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"}
+    if activation == "xielu":  # its two trained numbers (beta, eps: buffers)
+        names |= {"act_fn.alpha_p", "act_fn.alpha_n"}
+    assert {r.name for r in rep.rows} == names
 
 
 # ------------------------------------------------------------------------------ attention

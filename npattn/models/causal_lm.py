@@ -335,15 +335,20 @@ def _gated(name: str, H: int, inter: int, bias: bool = False) -> list:
     )
 
 
+# XIELU's parameters (alpha_p, alpha_n) and buffers (beta, eps), in torch's order
+_XIELU_SHAPES = (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()), ("eps", ()))
+
+
 def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     H, kind = cfg.hidden_size, cfg.mlp_types[i]
     if kind == "dense":
         return _gated("mlp", H, cfg.mlp_size(i), cfg.mlp_bias)
     if kind == "none":
         return []
-    if kind == "plain":  # FeedForward under the names up_proj, down_proj
+    if kind == "plain":  # FeedForward under the names up_proj, down_proj (and xIELU's act_fn)
         inter, b = cfg.mlp_size(i), cfg.mlp_bias
-        return _lin("mlp.up_proj", inter, H, b) + _lin("mlp.down_proj", H, inter, b)
+        act = [(f"mlp.act_fn.{n}", s) for n, s in _XIELU_SHAPES] if cfg.hidden_act == "xielu" else []
+        return _lin("mlp.up_proj", inter, H, b) + _lin("mlp.down_proj", H, inter, b) + act
     if kind == "dense_and_experts":  # DenseWithExperts, under the decoder layer's own names
         e = _sub(cfg.moe)
         E, mi = e.num_experts, e.intermediate_size

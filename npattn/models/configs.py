@@ -83,6 +83,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm4",
     "cohere2",
     "cohere",
+    "apertus",
 )
 
 ATTENTION_KINDS = (
@@ -1375,8 +1376,9 @@ class CausalLMConfig:
     their factors) or ``"none"`` (no attention sublayer and no norm before one: Nemotron-H's MLP
     blocks); ``mlp_types[i]`` is
     ``"dense"`` (a gated MLP: ``down(act(gate(x)) * up(x))``), ``"plain"`` (``down(act(up(x)))``,
-    ``FeedForward`` under the names ``up_proj``, ``down_proj``: Nemotron-H's and Arcee's, their ``hidden_act``
-    ``"relu2"``), ``"moe"`` (routed experts), ``"dense_and_experts"`` (Gemma 4's
+    ``FeedForward`` under the names ``up_proj``, ``down_proj``: Nemotron-H's and Arcee's, their
+    ``hidden_act`` ``"relu2"``; Apertus's, ``"xielu"``, its parameters in ``act_fn``), ``"moe"``
+    (routed experts), ``"dense_and_experts"`` (Gemma 4's
     ``enable_moe_block``: both, each with its own norms, summed; ``moe`` holds the experts' sizes) or
     ``"none"`` (no MLP sublayer and no norm before one: Nemotron-H's Mamba-2 and attention blocks).
 
@@ -1942,6 +1944,50 @@ def _arcee(r: _Reader) -> dict:
     (AFM-4.5B's YaRN) as ``_rope_params`` reads it."""
     c = _llama(r)
     c.update(hidden_act=_act(r, "hidden_act", "relu2"), mlp_types=("plain",) * c["num_hidden_layers"])
+    return c
+
+
+# ApertusConfig's rope_parameters when the config has none (Llama 3's scaling at base 12e6)
+_APERTUS_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 12000000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 8192,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
+# Apertus's norms under their own names
+_APERTUS_NAMES = (("input_layernorm", "attention_layernorm"), ("post_attention_layernorm", "feedforward_layernorm"))
+
+
+def _apertus(r: _Reader) -> dict:
+    """Apertus (swiss-ai/Apertus-8B and 70B, ``ApertusForCausalLM``): Llama's attention with
+    per-head q/k RMSNorms before RoPE (``q_norm``, ``k_norm``, ``rms_norm_eps``) and
+    ``attention_bias`` on q, k, v and o, a non-gated MLP ``down_proj(act(up_proj(x)))`` without
+    biases (MLP kind ``"plain"``), its activation ``hidden_act``, ``xielu`` by default (xIELU's
+    ``act_fn.alpha_p``/``alpha_n`` parameters and ``beta``/``eps`` buffers in each layer's MLP), the
+    norms named ``attention_layernorm`` and ``feedforward_layernorm``.  RoPE: ``_rope_params`` with
+    ApertusConfig's default (``rope_type`` llama3, factor 8 over 8192 positions, base 12e6).  Keys
+    ApertusConfig does not have but the released config.json writes, which transformers' model
+    ignores, are read as what it computes: ``mlp_bias`` and ``post_norm`` must be false,
+    ``qk_norm`` true; ``hidden_dropout`` is metadata (no dropout in ApertusModel)."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    r.only("mlp_bias", (False,), False, "ApertusMLP's projections have no bias whatever the config says")
+    r.only("post_norm", (False,), False, "ApertusDecoderLayer normalises before each sublayer")
+    r.only("qk_norm", (True,), True, "ApertusAttention always normalises q and k")
+    r.get("hidden_dropout")
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "xielu"),
+        attention_bias=r.bool("attention_bias"),
+        mlp_bias=False,
+        qk_norm=True,
+        rope=_rope_params(r, 12000000.0, _APERTUS_ROPE),
+        layer_types=("full_attention",) * n,
+        mlp_types=("plain",) * n,
+        layer_names=_APERTUS_NAMES,
+    )
     return c
 
 
@@ -4170,6 +4216,16 @@ _DEFAULTS: dict = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    "apertus": dict(  # ApertusConfig's (Apertus-8B's sizes; num_key_value_heads and RoPE: the reader's)
+        **_sizes(positions=65536, vocab=131072, hidden=4096, intermediate=14336, layers=32, heads=32),
+        hidden_act="xielu",
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        pad_token_id=3,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Ernie4_5Config's class defaults (0.3B's sizes, head_dim 128, a tied head, no biases)
     "ernie4_5": dict(
         **_sizes(positions=131072, vocab=103424, hidden=1024, intermediate=3072, layers=18, heads=16, kv_heads=2),
@@ -4680,12 +4736,27 @@ _READERS = {
     "arcee": _arcee,
     "cohere2": _cohere2,
     "cohere": _cohere,
+    "apertus": _apertus,
     "exaone4": _exaone4,
     "ernie4_5": _ernie4_5,
     "ministral3": _ministral3,
     "ministral": _ministral,
     "glm4": _glm4,
 }
+
+
+def _plain_only(fields: dict) -> None:
+    """Refuse an activation with trained parameters (``xielu``) in a family whose MLPs are not all
+    the plain one (``FeedForward``, which holds them as ``act_fn``): a gated MLP or experts have no
+    place for them."""
+    from ..nn.moe import PARAMETRIZED_ACTS
+
+    act, kinds = fields.get("hidden_act"), set(fields.get("mlp_types", ())) - {"none"}
+    if act in PARAMETRIZED_ACTS and kinds != {"plain"}:
+        raise ValueError(
+            f"config['hidden_act'] = {act!r} is not supported by npattn for this family's {sorted(kinds)} MLPs: "
+            "its trained parameters have a place in the plain (non-gated) MLP only"
+        )
 
 
 def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
@@ -4730,4 +4801,5 @@ def config_from_hf(config: Mapping[str, Any]) -> CausalLMConfig:
     r = _Reader(full, mt)
     fields = _READERS[mt](r)
     r.finish()
+    _plain_only(fields)
     return CausalLMConfig(model_type=mt, hf=full, **fields)

@@ -397,10 +397,12 @@ def save_safetensors(tensors: Mapping, path, metadata: Mapping | None = None) ->
     arrays = []
     offset = 0
     for name, value in tensors.items():
+        # np.asarray with order "C", not np.ascontiguousarray, which makes a 0-d array 1-d (xIELU's
+        # beta and eps buffers are 0-d tensors in transformers' checkpoints)
         if isinstance(value, tuple):
-            arr, code = np.ascontiguousarray(value[0], dtype=_ST_DTYPES[value[1]]), value[1]
+            arr, code = np.asarray(value[0], dtype=_ST_DTYPES[value[1]], order="C"), value[1]
         else:
-            arr = np.ascontiguousarray(value)
+            arr = np.asarray(value, order="C")
             arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
             code = codes[arr.dtype]
         header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}

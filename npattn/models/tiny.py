@@ -742,6 +742,27 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Apertus: per-head q/k norms, biases on q, k, v and o, the non-gated xIELU MLP (its alpha_p,
+    # alpha_n parameters and beta, eps buffers), heads of 8 wider than hidden / heads, Llama 3's
+    # RoPE scaling over 4 original positions
+    "apertus": dict(
+        _BASE,
+        model_type="apertus",
+        head_dim=8,
+        attention_bias=True,
+        max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 1000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 4,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 2.0,
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Ministral 3: Mistral's layers without a window, YaRN over 2 original positions, so that the
     # queries' scale by position (1 + beta log(1 + floor(p / 2))) is not 1 past the second token
     "ministral3": dict(

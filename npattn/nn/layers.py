@@ -625,6 +625,7 @@ class Embedding(Module):
 _ACTIVATIONS = {
     "relu": ("relu", {}),
     "relu2": ("relu2", {}),
+    "xielu": ("xielu", {}),  # with trained parameters: FeedForward's act_fn (XIELU), never a bare kernel
     "gelu": ("gelu", {"approximate": "none"}),
     "gelu_tanh": ("gelu", {"approximate": "tanh"}),
     "silu": ("silu", {}),
@@ -808,10 +809,101 @@ def gated_unit_backward_jvp(
     return dx + dx_gate, tdx + tdx_gate
 
 
+class XIELU(_Layer):
+    """xIELU with its two trained numbers (``functional.xielu``; transformers' ``XIELUActivation``,
+    Apertus's MLP activation): ``alpha_p`` and ``alpha_n`` (Parameters of shape ``(1,)``, stored raw:
+    ``a_p = softplus(alpha_p)``, ``a_n = beta + softplus(alpha_n)``) and the buffers ``beta``,
+    ``eps`` (0-d, saved in ``state_dict``, not trained).  Initialised as transformers initialises
+    them: ``a_p = alpha_p_init``, ``a_n = alpha_n_init``.  ``FeedForward(activation="xielu")`` holds
+    one as ``act_fn``."""
+
+    beta: np.ndarray  # buffers (register_buffer)
+    eps: np.ndarray
+
+    def __init__(
+        self,
+        alpha_p_init: float = 0.8,
+        alpha_n_init: float = 0.8,
+        beta: float = 0.5,
+        eps: float = -1e-6,
+        *,
+        dtype=np.float64,
+    ) -> None:
+        super().__init__()
+        for name, v in (("alpha_p_init", alpha_p_init), ("alpha_n_init", alpha_n_init), ("beta", beta), ("eps", eps)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ValueError(f"{name}: expected a finite real number, got {v!r}")
+        if alpha_p_init <= 0 or alpha_n_init <= beta:
+            raise ValueError(
+                f"XIELU: expected alpha_p_init > 0 and alpha_n_init > beta (softplus' values), got "
+                f"alpha_p_init={alpha_p_init!r}, alpha_n_init={alpha_n_init!r}, beta={beta!r}"
+            )
+        self._dtype = check_dtype(dtype)
+        self.alpha_p = Parameter(np.array([math.log(math.expm1(alpha_p_init))]), self._dtype)
+        self.alpha_n = Parameter(np.array([math.log(math.expm1(alpha_n_init - beta))]), self._dtype)
+        self.register_buffer("beta", np.array(beta, self._dtype))
+        self.register_buffer("eps", np.array(eps, self._dtype))
+
+    def _check_input(self, x, name: str = "x") -> np.ndarray:
+        return as_float(x, name, self.dtype)
+
+    def forward(self, x) -> np.ndarray:
+        """The forward pass, elementwise: ``a_p x^2 + beta x`` where ``x > 0``, ``a_n (expm1(min(x,
+        eps)) - x) + beta x`` where not.
+
+        Parameters
+        ----------
+        x : array_like
+            Any shape.
+
+        Returns
+        -------
+        ndarray
+            Of ``x``'s shape, in the module's dtype.
+
+        Raises
+        ------
+        TypeError
+            A non-numeric input.
+        """
+        return self._forward(self._check_input(x))
+
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        y, cache = K.xielu(x, self.alpha_p.data, self.alpha_n.data, float(self.beta), float(self.eps))
+        self.save_for_backward(cache)
+        return y
+
+    def _backward(self, dy: np.ndarray) -> np.ndarray:
+        dx, dalpha_p, dalpha_n = K.xielu_backward(dy, self.pop_saved())
+        self.accumulate_grad(self.alpha_p, dalpha_p)
+        self.accumulate_grad(self.alpha_n, dalpha_n)
+        return dx
+
+    def _jvp(self, state, input_tangents, param_tangents):
+        """Forward mode (``functional.xielu_jvp``) along the input's and both parameters' tangents."""
+        tx = input_tangent(input_tangents, "XIELU")
+        return F.xielu_jvp(state, tx, param_tangents.get(self.alpha_p), param_tangents.get(self.alpha_n))
+
+    def _backward_jvp(self, state, dy, input_tangents, param_tangents, ddy):
+        """Second order (``functional.xielu_backward_jvp``): the parameters' gradients and their
+        tangents added into ``grad`` / ``grad_tangent``."""
+        tx = input_tangent(input_tangents, "XIELU", "backward_jvp")
+        params = (self.alpha_p, self.alpha_n)
+        tangents = (tx, *[param_tangents.get(p) for p in params])
+        (dx, *grads), (tdx, *tgrads) = F.xielu_backward_jvp(dy, state, tangents, ddy)
+        self._accumulate_second(tuple(zip(params, grads, tgrads)))
+        return dx, tdx
+
+    def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
+        return f"beta={float(self.beta)}, eps={float(self.eps)}"
+
+
 class FeedForward(_Layer):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))`` (as torch's encoder layer).
 
-    ``activation`` is ``"relu"``, ``"relu2"`` (squared ReLU, Nemotron-H's), ``"gelu"`` (erf form),
+    ``activation`` is ``"relu"``, ``"relu2"`` (squared ReLU, Nemotron-H's), ``"xielu"`` (Apertus's,
+    with trained parameters: ``act_fn``, an ``XIELU``), ``"gelu"`` (erf form),
     ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``: ``linear2(dropout(silu(linear1(x)) * linear3(x)))``
     (Llama's gated unit; adds ``linear3`` ``(d_ff, d_model)``).  ``bias=False`` drops every linear
     bias.  Keys: ``linear1.*``, ``linear2.*`` (and ``linear3.*`` for swiglu).
@@ -856,6 +948,8 @@ class FeedForward(_Layer):
         self.linear2 = Linear(d_ff, d_model, bias, rng=rng, dtype=dtype)
         if activation == "swiglu":
             self.linear3 = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
+        if activation == "xielu":
+            self.act_fn = XIELU(dtype=dtype)
         self.dropout = Dropout(dropout, rng=rng)
 
     def _check_input(self, x, name: str = "x") -> np.ndarray:
@@ -875,10 +969,12 @@ class FeedForward(_Layer):
     def _forward(self, x: np.ndarray) -> np.ndarray:
         act, _, kwargs = _act(self.activation)
         # A training step's (..., d_ff) arrays come from (and go back to) the module's workspace
-        ws = self._workspace() if is_grad_enabled() and self.activation != "swiglu" else None
+        ws = self._workspace() if is_grad_enabled() and self.activation not in ("swiglu", "xielu") else None
         reused: tuple = ()
         if self.activation == "swiglu":  # cache: silu's, silu(a) and b, for the product's gradient
             h, cache = gated_unit("swiglu", self.linear1, self.linear3, x, self)
+        elif self.activation == "xielu":  # the child act_fn keeps its own cache
+            h, cache = self.act_fn._forward(self.linear1._forward(x)), None
         elif ws is None:
             h, cache = act(self.linear1._forward(x), **kwargs)
         else:
@@ -903,6 +999,8 @@ class FeedForward(_Layer):
             dh = self.dropout._backward(dh)
         if self.activation == "swiglu":
             return gated_unit_backward("swiglu", self.linear1, self.linear3, dh, cache)
+        if self.activation == "xielu":
+            return self.linear1._backward(self.act_fn._backward(dh))
         if ws is None:
             return self.linear1._backward(act_backward(dh, cache))
         if self.activation == "relu" and not drop:  # in place on dh, a workspace array
@@ -922,6 +1020,9 @@ class FeedForward(_Layer):
         cache, drop, _ = state
         if self.activation == "swiglu":
             th = gated_unit_jvp(self, "swiglu", self.linear1, self.linear3, tx, cache, param_tangents)
+        elif self.activation == "xielu":
+            ta = self._child_jvp(self.linear1, -1, (tx,), param_tangents)
+            th = self._child_jvp(self.act_fn, -1, (ta,), param_tangents)
         else:
             act_jvp = getattr(F, _ACTIVATIONS[self.activation][0] + "_jvp")
             th = act_jvp(cache, self._child_jvp(self.linear1, -1, (tx,), param_tangents))
@@ -940,6 +1041,9 @@ class FeedForward(_Layer):
         kernel = _ACTIVATIONS[self.activation][0]
         if self.activation == "swiglu":
             th, inner = gated_unit_tangents(self, "swiglu", self.linear1, self.linear3, tx, cache, pt)
+        elif self.activation == "xielu":
+            ta = self._child_jvp(self.linear1, -1, (tx,), pt)
+            th = self._child_jvp(self.act_fn, -1, (ta,), pt)
         else:
             ta = self._child_jvp(self.linear1, -1, (tx,), pt)
             th = getattr(K, kernel + "_jvp")(cache, ta)
@@ -949,7 +1053,10 @@ class FeedForward(_Layer):
             dh, tdh = self._child_backward_jvp(self.dropout, dh, (th,), pt, tdh)
         if self.activation == "swiglu":
             return gated_unit_backward_jvp(self, "swiglu", self.linear1, self.linear3, dh, tdh, tx, inner, cache, pt)
-        da, tda = getattr(K, kernel + "_backward_jvp")(dh, cache, (ta,), tdh)
+        if self.activation == "xielu":
+            da, tda = self._child_backward_jvp(self.act_fn, dh, (ta,), pt, tdh)
+        else:
+            da, tda = getattr(K, kernel + "_backward_jvp")(dh, cache, (ta,), tdh)
         result = self._child_backward_jvp(self.linear1, da, (tx,), pt, tda)
         if reused:
             self._workspace().give(*reused)

@@ -100,6 +100,7 @@ _BACKWARD_RAISES = """
 __all__ = [
     "ROUTER_VARIANTS",
     "HIDDEN_ACTS",
+    "PARAMETRIZED_ACTS",
     "TopKRouter",
     "Experts",
     "GptOssExperts",
@@ -117,12 +118,17 @@ HIDDEN_ACTS = {
     "gelu_new": "gelu_tanh",
     "relu": "relu",
     "relu2": "relu2",
+    "xielu": "xielu",  # trained parameters of its own: only the plain MLP (FeedForward's act_fn) applies it
 }
+# the activations with trained parameters, which no gated MLP, expert or per-layer input applies
+PARAMETRIZED_ACTS = frozenset({"xielu"})
 
 
 def _check_hidden_act(hidden_act) -> str:
-    if not isinstance(hidden_act, str) or hidden_act not in HIDDEN_ACTS:
-        raise ValueError(f"hidden_act: expected one of {sorted(HIDDEN_ACTS)}, got {hidden_act!r}")
+    """The kernel name of a gated MLP's or an expert's ``hidden_act`` (one without parameters)."""
+    known = sorted(set(HIDDEN_ACTS) - PARAMETRIZED_ACTS)
+    if not isinstance(hidden_act, str) or hidden_act not in known:
+        raise ValueError(f"hidden_act: expected one of {known}, got {hidden_act!r}")
     return HIDDEN_ACTS[hidden_act]
 
 

@@ -480,11 +480,12 @@ class PerLayerInput(Module):
 
     def __init__(self, hidden_size: int, per_layer_size: int, hidden_act: str = "gelu_pytorch_tanh", *,
                  eps: float = 1e-6, rng=None, dtype=np.float64) -> None:  # fmt: skip
-        from .moe import HIDDEN_ACTS
+        from .moe import HIDDEN_ACTS, PARAMETRIZED_ACTS
 
         super().__init__()
-        if hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"hidden_act: expected one of {sorted(HIDDEN_ACTS)}, got {hidden_act!r}")
+        known = sorted(set(HIDDEN_ACTS) - PARAMETRIZED_ACTS)
+        if hidden_act not in known:
+            raise ValueError(f"hidden_act: expected one of {known}, got {hidden_act!r}")
         self.hidden_act = hidden_act
         self._acts = act_kernels(HIDDEN_ACTS[hidden_act])
         self.hidden_size, self.per_layer_size = (
