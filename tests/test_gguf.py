@@ -292,6 +292,19 @@ ARCEE = dict(
     FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
 )
 ARCEE["rope_parameters"] = {k: v for k, v in ARCEE["rope_parameters"].items() if not k.startswith("beta")}
+# Apertus: q/k rows as the checkpoint's (ApertusModel's undo_permute False), per-head q/k norms, biases on
+# q, k, v and o, the xIELU MLP whose raw alpha_p, alpha_n and beta, eps the converter writes as the
+# per-layer arrays xielu.* (drawn apart per layer here); plain RoPE at base 1000 (a llama3 scaling
+# would be rope_freqs.weight, read as for llama); untied (llama.cpp's apertus requires output.weight)
+APERTUS = dict(
+    FAMILIES["apertus"],
+    hidden_size=256,
+    intermediate_size=256,
+    head_dim=64,
+    rms_norm_eps=2.0**-17,
+    rope_theta=1000.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+)
 # Ministral 3: llama rows (permuted), YaRN over 2 original positions and the queries' scale by
 # position (attention.temperature_scale 0.5), so that the 7 positions of the tests cross it; untied
 # GLM-4: heads of 64 (key_length), half of each rotating (rope.dimension_count 32) on interleaved
@@ -879,10 +892,16 @@ _STATES: dict = {}
 
 def _state(config: dict) -> dict:
     """``_model(config).state_dict()``, the model made once per config (the same seed, so the same
-    values every time); a copy of its arrays each call (a test may change them)."""
+    values every time); a copy of its arrays each call (a test may change them).  xIELU's numbers
+    (Apertus) drawn apart per layer: each layer's must be its own."""
     key = json.dumps(config, sort_keys=True)
     if key not in _STATES:
-        _STATES[key] = _model(config).state_dict()
+        sd = _model(config).state_dict()
+        rng = np.random.default_rng(11)
+        for k in sd:
+            if ".act_fn." in k:
+                sd[k] = (sd[k] + rng.uniform(-0.3, 0.3, sd[k].shape)).astype(sd[k].dtype)
+        _STATES[key] = sd
     return {k: v.copy() for k, v in _STATES[key].items()}
 
 
@@ -914,6 +933,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
     sd = _falcon_h1_folded(sd, config)  # FalconH1Model: the multipliers into the weights
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
+        if ".act_fn." in key:  # ApertusModel.modify_tensors: xIELU's numbers into the metadata (_xielu_metadata)
+            continue
         if _granite_shared(key, config):  # the shared MLP: input_linear's halves, output_linear
             out[key, _granite_shared(key, config)] = value
             continue
@@ -991,6 +1012,8 @@ def _write(path, config, sd, qtype, arch, extra=(), apart=False):
         extra = (("rope_freqs.weight", _rope_freqs(config)), *extra)
     for name, value in extra:
         w.add_tensor(name, value)
+    if arch == "apertus":
+        _xielu_metadata(w, sd, config)
     items = _as_gguf(sd, config, arch)
     for (key, name), value in (_experts_apart(items) if apart else items).items():
         # rows of fewer values than a block (LFM2's 3 taps) stay float32, as llama.cpp keeps them; so do
@@ -1017,6 +1040,16 @@ def _write(path, config, sd, qtype, arch, extra=(), apart=False):
     return held
 
 
+def _xielu_metadata(w, sd: dict, config: dict) -> None:
+    """``ApertusModel.modify_tensors``: each layer's xIELU alpha_n, alpha_p, beta and eps (as
+    floats, ``.float().item()``) gathered into the arrays ``xielu.*``, layer by layer."""
+    n = config["num_hidden_layers"]
+    for name, add in (("alpha_n", w.add_xielu_alpha_n), ("alpha_p", w.add_xielu_alpha_p)):
+        add([float(np.float32(sd[f"model.layers.{i}.mlp.act_fn.{name}"]).reshape(-1)[0]) for i in range(n)])
+    for name, add in (("beta", w.add_xielu_beta), ("eps", w.add_xielu_eps)):
+        add([float(np.float32(sd[f"model.layers.{i}.mlp.act_fn.{name}"])) for i in range(n)])
+
+
 def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
     """The file's values under Hugging Face's names and conventions: llama.cpp's permutation
     (llama files) inverted as a row index, Gemma's norms minus one, the experts' gate and up
@@ -1041,6 +1074,7 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         out[key] = np.concatenate([out[key], v], axis=1) if key in out else v
     if config["model_type"] in _GRANITE_MOES:  # back to the model's names
         out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
+    out.update({k: np.asarray(v, np.float32) for k, v in sd.items() if ".act_fn." in k})  # the metadata's float32
     return _phi3_split(out, config) if arch in ("phi3", "glm4") else out
 
 
@@ -1084,6 +1118,7 @@ CASES = [
     (GLM4, "glm4"),
     (MINISTRAL3, "mistral3"),
     (ARCEE, "arcee"),
+    (APERTUS, "apertus"),
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
     (NEMOTRON_H, "nemotron_h"),
@@ -1284,6 +1319,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GLM4, "glm4", ("Glm4Config", "Glm4ForCausalLM")),
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
         (ARCEE, "arcee", ("ArceeConfig", "ArceeForCausalLM")),
+        (APERTUS, "apertus", ("ApertusConfig", "ApertusForCausalLM")),
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
@@ -1320,6 +1356,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "glm4",
         "ministral3",
         "arcee",
+        "apertus",
         "falcon-h1",
         "falcon-h1-rounded",
         "nemotron_h",
@@ -1945,6 +1982,75 @@ def test_arcee_metadata_and_biases_as_llama_cpp_reads_them(tmp_path):
     _write(tmp_path / "f.gguf", ARCEE, _state(ARCEE), Q.F32, "arcee", extra=[("rope_freqs.weight", llama3)])
     with pytest.raises(ValueError, match=r"f.gguf: tensor 'rope_freqs.weight' beside the file's YaRN"):
         CausalLM.from_gguf(tmp_path / "f.gguf")
+
+
+def test_an_apertus_file_is_its_model_s_directory(tmp_path):
+    """An apertus file (q/k rows as written, each layer's xIELU numbers from the xielu.* arrays) and
+    the source model's own directory (save_pretrained: act_fn's four tensors; read back) are one
+    model: config, tensors bit for bit (each layer its own numbers), logits."""
+    g, _, _ = _file_is_its_directory(tmp_path, APERTUS, "apertus")
+    sd = g.state_dict()
+    assert sd["model.layers.0.mlp.act_fn.alpha_p"] != sd["model.layers.1.mlp.act_fn.alpha_p"]
+    assert sd["model.layers.1.mlp.act_fn.eps"].shape == () and g.config.hidden_act == "xielu"
+
+
+def test_an_apertus_file_with_llama3_rope_freqs_is_the_released_rope(tmp_path):
+    """The released Apertus's Llama 3 scaling (factor 8, 1, 4, 8192 at base 12e6) is the file's
+    rope_freqs.weight (LlamaModel.generate_extra_tensors): read as that rope_scaling, the file is
+    the source model, logits bit for bit."""
+    config = dict(APERTUS, rope_theta=12000000.0)
+    config.pop("rope_parameters")  # ApertusConfig's default: llama3 at 12e6
+    config["rope_scaling"] = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
+    src = CausalLM.from_hf(_state(config), config)
+    rope = src.config.attention_config("full_attention").rope_scaling
+    assert rope["rope_type"] == "llama3" and rope["rope_theta"] == 12000000.0
+    _write(
+        tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "apertus", [("rope_freqs.weight", _rope_freqs(config))]
+    )
+    loaded = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert loaded.config.attention_config("full_attention").rope_scaling == rope
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(src, ids))
+
+
+def test_apertus_xielu_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch):
+    """llama.cpp's get_key_or_arr: one number for every layer is broadcast; an array of another
+    length, a missing key and a file without output.weight (a tied head) are refused by name."""
+    sd = _state(APERTUS)
+    for i in range(2):  # every layer the same numbers: the file may hold one of each
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            sd[f"model.layers.{i}.mlp.act_fn.{name}"] = sd[f"model.layers.0.mlp.act_fn.{name}"]
+    real = gguf.GGUFWriter.add_array
+
+    def one(self, key, values):
+        return self.add_float32(key, values[0]) if key.startswith("xielu.") else real(self, key, values)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_array", one)
+    _write(tmp_path / "one.gguf", APERTUS, sd, Q.F32, "apertus")
+    loaded = CausalLM.from_gguf(tmp_path / "one.gguf")
+    for k, v in sd.items():
+        np.testing.assert_array_equal(loaded.state_dict()[k], v, err_msg=k)
+    monkeypatch.setattr(
+        gguf.GGUFWriter,
+        "add_array",
+        lambda self, key, values: real(self, key, list(values) * 2 if key == "xielu.beta" else values),
+    )
+    _write(tmp_path / "long.gguf", APERTUS, sd, Q.F32, "apertus")
+    with pytest.raises(ValueError, match=r"long.gguf: metadata 'xielu.beta': expected one number or 2 \(block_count\)"):
+        CausalLM.from_gguf(tmp_path / "long.gguf")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_array", real)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_xielu_eps", lambda self, values: None)
+    _write(tmp_path / "none.gguf", APERTUS, sd, Q.F32, "apertus")
+    with pytest.raises(
+        ValueError, match=r"none.gguf: no metadata 'xielu.eps' \(the model's 'model.layers.0.mlp.act_fn.eps'\)"
+    ):
+        CausalLM.from_gguf(tmp_path / "none.gguf")
+    from npattn.models.configs import GGUF_FAMILIES
+
+    with pytest.raises(ValueError, match=r"no tensor 'output.weight': llama.cpp's apertus requires it"):
+        GGUF_FAMILIES["apertus"].derive(dict(model_type="apertus", tie_word_embeddings=True), {})
 
 
 # Falcon-H1 files: the multipliers powers of two (folded exactly), as the released checkpoints'

@@ -111,7 +111,10 @@ class GgufFamily:
     (``CausalLMConfig.layer_names``, the checkpoint's, which its converter maps) before Llama's:
     GLM-4's, whose norm after attention ``post_self_attn_layernorm`` is Llama's name
     ``post_attention_layernorm`` to npattn, the name of GLM-4's norm before the MLP in its
-    checkpoints."""
+    checkpoints.  ``per_layer``: a layer's tensor name (under ``model.layers.{i}.``) -> the
+    metadata key (no ``<arch>.`` prefix) whose array holds one number per layer for it (or one for
+    every layer), a number the converter took out of the checkpoint (Apertus's xIELU parameters and
+    buffers)."""
 
     model_type: str
     permute_qk: bool = False
@@ -123,6 +126,7 @@ class GgufFamily:
     biases: Mapping[str, tuple] = field(default_factory=dict)
     own_names: bool = False
     eps: tuple = ("rms_norm_eps", "attention.layer_norm_rms_epsilon")
+    per_layer: Mapping[str, str] = field(default_factory=dict)
 
     def base_config(self) -> dict:
         """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
@@ -699,6 +703,22 @@ def _gguf_arcee(config: dict, meta: Mapping) -> None:
         config["rope_scaling"] = yarn
 
 
+def _gguf_apertus(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``apertus`` (``llama_model_apertus``; ``ApertusModel(LlamaModel)`` in the
+    converter, ``undo_permute = False``: q/k rows as the checkpoint's, NeoX RoPE of the file's base;
+    Llama 3's scaling, the released models', as ``rope_freqs.weight``): per-head q/k
+    norms, the non-gated MLP ``ffn_down(xielu(ffn_up(x)))``, xIELU's raw ``alpha_p``/``alpha_n``
+    and its ``beta``/``eps`` one number per layer in ``xielu.*`` (``GgufFamily.per_layer``; ggml's
+    xielu applies the softplus as transformers does).  llama.cpp's apertus loader requires
+    ``output.weight`` (a file without it, whose head npattn would tie, is refused) and reads an
+    output bias only beside q/k/v biases where ``attention_bias`` puts all four."""
+    if config.get("tie_word_embeddings"):
+        raise ValueError("no tensor 'output.weight': llama.cpp's apertus requires it (Apertus ties no head)")
+    # RoPE of the file's base, unscaled (ApertusConfig's default, llama3 at 12e6, is the config's
+    # without rope_parameters; a file's Llama 3 scaling is its rope_freqs.weight, read in its place)
+    config["rope_scaling"] = {"rope_type": "default"}
+
+
 def _gguf_layer_pattern(pattern, n: int, arch: str, min_period: int) -> list:
     """The layer types ``attention.sliding_window_pattern`` gives ``n`` layers: one boolean per
     layer (the converter writes the config's ``layer_types`` so, true where a layer slides), or
@@ -993,6 +1013,17 @@ GGUF_FAMILIES = {
         permute_qk=True,
         derive=_gguf_arcee,
         reads=("rope.scaling.type", _GGUF_YARN_ATTN_OLD, *_GGUF_YARN.values()),
+    ),
+    # Apertus: q/k as the checkpoint's (not permuted), q/k norms, the xIELU MLP's numbers per layer
+    "apertus": GgufFamily(
+        "apertus",
+        derive=_gguf_apertus,
+        per_layer={
+            "mlp.act_fn.alpha_p": "xielu.alpha_p",
+            "mlp.act_fn.alpha_n": "xielu.alpha_n",
+            "mlp.act_fn.beta": "xielu.beta",
+            "mlp.act_fn.eps": "xielu.eps",
+        },
     ),
     # Mistral 3 (Ministral 3's text model, Mistral Small 3.x's): llama files (q/k permuted) with
     # Ministral 3's query scale and YaRN in the metadata; no window

@@ -10,7 +10,8 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``glm4``, ``mistral3``,
-Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
+Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``apertus`` (its xIELU's numbers per
+layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
 Nemotron-H's without routed experts, ``command-r``, Command R's, ``cohere2``, Command R7B's) and what each
 means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
@@ -91,6 +92,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -341,7 +343,7 @@ def _rope_freqs_scaling(f: _File, t, config: dict) -> dict:
     gguf = _gguf()
     if "rope_parameters" in config:  # a family with a RoPE dict per kind of layer (Gemma 3)
         raise ValueError(f"{f.path}: tensor {_ROPE_FREQS!r} is not supported in a {f.arch} file")
-    if "rope_scaling" in config:  # the metadata's YaRN (an arcee file's): llama.cpp would apply both
+    if config.get("rope_scaling", {}).get("rope_type") not in (None, "default"):  # the metadata's YaRN (arcee's)
         raise ValueError(f"{f.path}: tensor {_ROPE_FREQS!r} beside the file's YaRN (rope.scaling.type)")
     d = config["head_dim"]
     divisors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
@@ -682,6 +684,27 @@ def _shape(t) -> tuple:
     return tuple(int(s) for s in reversed(t.shape))
 
 
+def _per_layer(f: _File, spec, key: str, shape, n_layers: int):
+    """Layer ``i``'s number of ``key`` from the metadata array ``GgufFamily.per_layer`` names (one
+    number per layer, or one for all, as llama.cpp's ``get_key_or_arr`` reads it), as a float32
+    array of the model's ``shape``; None where ``key`` is a tensor of the file."""
+    parts = key.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in spec.per_layer:
+        return None
+    name = spec.per_layer[".".join(parts[3:])]
+    if name not in f.meta:
+        raise ValueError(f"{f.path}: no metadata {name!r} (the model's {key!r})")
+    values = f.meta[name]
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    if len(values) not in (1, n_layers) or not all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
+    ):
+        raise ValueError(
+            f"{f.path}: metadata {name!r}: expected one number or {n_layers} (block_count), got {_short(values)}"
+        )
+    return np.full(shape, values[0 if len(values) == 1 else int(parts[2])], np.float32)
+
+
 def read_gguf(path) -> tuple[dict, dict]:
     """``(Hugging Face config dict, {Hugging Face name: lazy float32 tensor})`` of a GGUF file;
     the tensors are dequantized when read.
@@ -734,6 +757,10 @@ def read_gguf(path) -> tuple[dict, dict]:
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out: dict = {}
     for key, model_shape in _state_shapes(cfg):
+        number = _per_layer(f, spec, key, model_shape, cfg.num_hidden_layers)
+        if number is not None:  # one number of a metadata array (Apertus's xIELU)
+            out[key] = number
+            continue
         whole = checkpoint_key(key, cfg.layout)  # Phi-3's fused qkv_proj / gate_up_proj, else key
         if whole != key and all(n in tensors for n in _gguf_names(names, whole)):
             if whole not in out:  # one tensor of the file: load_into splits its rows (CheckpointLayout.fused)
@@ -761,7 +788,7 @@ def read_gguf(path) -> tuple[dict, dict]:
             functools.partial(_a_log, f"{f.path}: tensor {first!r}") if first.endswith(".ssm_a") else None,
             _converter_shape(first, model_shape, cfg),
         )
-    used = {t.name for v in out.values() for t in v._parts} | consumed
+    used = {t.name for v in out.values() if isinstance(v, _GGUFTensor) for t in v._parts} | consumed
     extra = [n for n in tensors if n not in used and not (n == "output.weight" and cfg.tie_word_embeddings)]
     if extra:
         raise ValueError(f"{f.path}: tensor {extra[0]!r} is not part of the {f.arch} model npattn builds")
