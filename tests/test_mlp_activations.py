@@ -215,3 +215,39 @@ def test_xielu_bad_input():
     _, other = F.relu2(np.ones((2, 3)))
     with pytest.raises(TypeError):
         F.xielu_backward(np.ones((2, 3)), other)
+
+
+def test_xielu_module_parameters_buffers_and_refusals():
+    """``nn.layers.XIELU``: transformers' initialisation (a_p = 0.8, a_n = 0.8 through the raw
+    parameters), alpha_p and alpha_n trained (shape (1,)), beta and eps 0-d buffers in the state
+    dict; its output is functional.xielu's; bad initial values refused by name."""
+    from npattn.nn.layers import XIELU
+
+    m = XIELU()
+    assert sorted(dict(m.named_parameters())) == ["alpha_n", "alpha_p"]
+    sd = m.state_dict()
+    assert list(sd) == ["alpha_p", "alpha_n", "beta", "eps"] and sd["beta"].shape == sd["eps"].shape == ()
+    np.testing.assert_allclose(np.logaddexp(0, sd["alpha_p"]), [0.8], rtol=1e-15)
+    np.testing.assert_allclose(0.5 + np.logaddexp(0, sd["alpha_n"]), [0.8], rtol=1e-15)
+    x = _x(9)
+    np.testing.assert_array_equal(m(x), F.xielu(x, sd["alpha_p"], sd["alpha_n"], 0.5, -1e-6)[0])
+    assert "beta=0.5" in repr(m)
+    with pytest.raises(ValueError, match=r"expected alpha_p_init > 0 and alpha_n_init > beta"):
+        XIELU(alpha_n_init=0.4)
+    with pytest.raises(ValueError, match=r"eps: expected a finite real number, got nan"):
+        XIELU(eps=float("nan"))
+
+
+def test_xielu_module_initialisation_is_transformers():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.activations import XIELUActivation
+
+    from npattn.nn.layers import XIELU
+
+    theirs = {k: v.numpy() for k, v in XIELUActivation(dtype=torch.float64).state_dict().items()}
+    ours = XIELU().state_dict()
+    assert list(ours) == list(theirs)
+    for k, v in theirs.items():
+        np.testing.assert_allclose(ours[k], v, rtol=1e-15, err_msg=k)
+        assert ours[k].shape == v.shape, k
