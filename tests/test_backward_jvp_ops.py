@@ -80,16 +80,6 @@ def make_cases(rng, lead=(2, 3), length=3) -> list:
     rx = np.where(np.abs(rx) < 0.05, 0.5, rx)  # away from the kink
     cases.append(Case("relu", "relu", (rx,), lambda M, x: M.relu(x), lambda t, x: t.relu(x)))
     cases.append(Case("relu2", "relu2", (rx,), lambda M, x: M.relu2(x), lambda t, x: t.relu(x) ** 2))
-    # xIELU: x and its two raw parameters (softplus-parametrised), beta and eps constants (buffers);
-    # eps -0.1 so that some entries sit between it and 0 (the expm1 branch held at eps)
-    xa_p, xa_n = u(1), u(1)
-
-    def t_xielu(t, x, ap, an, beta=0.4, eps=-0.1):
-        a_p, a_n = t.nn.functional.softplus(ap), beta + t.nn.functional.softplus(an)
-        neg = (t.expm1(t.clamp(x, max=eps)) - x) * a_n + beta * x
-        return t.where(x > 0, a_p * x * x + beta * x, neg)
-
-    cases.append(Case("xielu", "xielu", (rx, xa_p, xa_n), lambda M, x, ap, an: M.xielu(x, ap, an, 0.4, -0.1), t_xielu))
     gx = u(*lead, c, scale=3.0)
     for approx in ("none", "tanh"):
         cases.append(
@@ -288,6 +278,17 @@ def make_cases(rng, lead=(2, 3), length=3) -> list:
             lambda t, x, w, b: _torch_conv(t, x, w, b, None, silu=False),
         )
     )
+    # xIELU (last: its draws leave every earlier case's as they were): relu's x and its two raw
+    # parameters (softplus-parametrised), beta and eps constants (buffers); eps -0.1 so that some
+    # entries sit between it and 0 (the expm1 branch held at eps)
+    xa_p, xa_n = u(1), u(1)
+
+    def t_xielu(t, x, ap, an, beta=0.4, eps=-0.1):
+        a_p, a_n = t.nn.functional.softplus(ap), beta + t.nn.functional.softplus(an)
+        neg = (t.expm1(t.clamp(x, max=eps)) - x) * a_n + beta * x
+        return t.where(x > 0, a_p * x * x + beta * x, neg)
+
+    cases.append(Case("xielu", "xielu", (rx, xa_p, xa_n), lambda M, x, ap, an: M.xielu(x, ap, an, 0.4, -0.1), t_xielu))
     return cases
 
 

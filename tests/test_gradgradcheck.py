@@ -127,8 +127,11 @@ def test_inputs_untouched():
 # where the point leaves nothing to resolve: every softmax row saturated at 1e3 (gradients and
 # their tangents of 1e-65, far below the rounding of the terms y g that the backward adds up;
 # gradcheck cannot see a wrong gradient there either); everything ignored (ce_all_ignored_mean:
-# the gradient and its tangent are exactly zero) is left out of the test
-UNRESOLVED = {("softmax", 1e3), ("softmax_axis0", 1e3), ("softmax_inf", 1e3)}
+# the gradient and its tangent are exactly zero) is left out of the test; xielu at 1e3: its raw
+# alpha_n near -460 leaves softplus' sigmoid at 0 to the last digit, so alpha_n's gradient and its
+# tangents are 0 and no planted error in them shows; xielu's spike: x^2 of 1e12 sets the check's
+# tolerance (atol=auto) far above alpha_n's terms, whose rows are of 1e-2
+UNRESOLVED = {("softmax", 1e3), ("softmax_axis0", 1e3), ("softmax_inf", 1e3), ("xielu", 1e3), ("xielu", "spike")}
 
 
 def _element_bug(part, index):
