@@ -565,7 +565,7 @@ def test_router_second_order(kw):
     check_second_order(m, (rng.standard_normal((2, 3, 5)),), rng)
 
 
-@pytest.mark.parametrize("cls", ["Experts", "GptOssExperts"])
+@pytest.mark.parametrize("cls", ["Experts", "GptOssExperts", "PlainExperts"])
 def test_experts_second_order(cls):
     """Three inputs ``(x, top_k_index, top_k_weights)``: the indices take no tangent; ``dx`` and
     ``dx_tangent`` are ``(dx, dtop_k_weights)`` pairs."""
@@ -585,6 +585,20 @@ def test_experts_second_order(cls):
         dict(shared_intermediate_size=3, shared_expert_gate=True, norm_topk_prob=True),
         dict(shared_intermediate_size=3, router="sigmoid", routed_scaling_factor=1.5),
         dict(experts="gpt_oss", router="topk_softmax", router_bias=True),
+        # Nemotron 3's: experts that are not gated (relu2), a plain shared expert with biases, a
+        # latent width with biased projections; then silu experts on x itself
+        dict(
+            experts="plain",
+            hidden_act="relu2",
+            router="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            shared_intermediate_size=3,
+            shared_bias=True,
+            latent_size=2,
+            latent_bias=True,
+        ),
+        dict(experts="plain", hidden_act="silu", router="sigmoid", shared_intermediate_size=4),
     ],
 )
 def test_sparse_moe_block_second_order(kw):

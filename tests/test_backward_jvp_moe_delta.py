@@ -98,16 +98,17 @@ def _torch_experts(t, x, w, gate_up, down, gub=None, db=None, *, idx, kind, acti
     """``y_n = sum_j w_nj expert_{i_nj}(x_n)`` with the fused weights gathered per pair."""
     h, k = x.shape[-1], idx.shape[-1]
     X, I, W = x.reshape(-1, h), t.tensor(idx.reshape(-1, k)), w.reshape(-1, k)
-    if kind == "swiglu":
+    act = {
+        "silu": t.nn.functional.silu,
+        "gelu": t.nn.functional.gelu,
+        "gelu_tanh": lambda a: t.nn.functional.gelu(a, approximate="tanh"),
+        "relu": t.relu,
+        "relu2": lambda a: t.relu(a) ** 2,
+    }[activation]
+    if kind in ("swiglu", "plain"):
         gu = t.einsum("nkih,nh->nki", gate_up[I], X) + (0.0 if gub is None else gub[I])
         i = gu.shape[-1] // 2
-        act = {
-            "silu": t.nn.functional.silu,
-            "gelu": t.nn.functional.gelu,
-            "gelu_tanh": lambda a: t.nn.functional.gelu(a, approximate="tanh"),
-            "relu": t.relu,
-        }[activation]
-        m = act(gu[..., :i]) * gu[..., i:]
+        m = act(gu) if kind == "plain" else act(gu[..., :i]) * gu[..., i:]
         out = t.einsum("nkhi,nki->nkh", down[I], m)
     else:
         gu = t.einsum("nkhi,nh->nki", gate_up[I], X) + (0.0 if gub is None else gub[I])
@@ -125,16 +126,20 @@ def expert_cases(rng, lead=(2, 3)) -> list:
     idx = rng.integers(0, e - 1, lead + (k,))  # the last expert has no token
     w = rng.uniform(0.2, 1.0, lead + (k,))
     cases = []
-    for kind in ("swiglu", "gpt_oss"):
-        for activation in ("silu", "gelu", "gelu_tanh", "relu") if kind == "swiglu" else ("silu",):
+    acts = {"swiglu": ("silu", "gelu", "gelu_tanh", "relu"), "gpt_oss": ("silu",), "plain": ("relu2", "silu")}
+    for kind, activations in acts.items():
+        for activation in activations:
             for bias in (True, False):
                 if kind == "swiglu":
                     gate_up, down = rng.standard_normal((e, 2 * inter, hid)), rng.standard_normal((e, hid, inter))
+                elif kind == "plain":  # not gated: the up rows alone (relu2: pre-activations of both signs)
+                    gate_up, down = rng.standard_normal((e, inter, hid)), rng.standard_normal((e, hid, inter))
                 else:
                     gate_up, down = rng.standard_normal((e, hid, 2 * inter)), rng.standard_normal((e, inter, hid))
-                biases = (rng.standard_normal((e, 2 * inter)), rng.standard_normal((e, hid))) if bias else ()
+                units = inter if kind == "plain" else 2 * inter
+                biases = (rng.standard_normal((e, units)), rng.standard_normal((e, hid))) if bias else ()
                 kw = dict(kind=kind, activation=activation, alpha=1.702, limit=1.5)  # the clamps active
-                name = f"experts_{kind}" + (f"_{activation}" if kind == "swiglu" else "") + ("_bias" if bias else "")
+                name = f"experts_{kind}" + (f"_{activation}" if kind != "gpt_oss" else "") + ("_bias" if bias else "")
                 cases.append(
                     Case(
                         name,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import npattn
 from npattn.nn import moe
-from npattn.nn.moe import Experts, GatedMLP, GptOssExperts, MoE, SparseMoeBlock, TopKRouter
+from npattn.nn.moe import Experts, GatedMLP, GptOssExperts, MoE, PlainExperts, SparseMoeBlock, TopKRouter
 from npattn.testing import gradcheck, moe_configs
 
 # ------------------------------------------------------------------------ the textbook reference
@@ -29,6 +29,8 @@ def _act(name, a):
         return 0.5 * a * (1.0 + _erf(a / math.sqrt(2.0)))
     if name in ("gelu_pytorch_tanh", "gelu_new"):
         return 0.5 * a * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (a + 0.044715 * a**3)))
+    if name == "relu2":
+        return np.maximum(a, 0.0) ** 2
     assert name == "relu"
     return np.maximum(a, 0.0)
 
@@ -89,6 +91,9 @@ def ref_experts(ex, x, p):
         out = np.einsum("nei,eih->neh", h, p["down_proj"]) + p["down_proj_bias"]
         margin = min(np.abs(gate - lim).min(), np.abs(np.abs(up) - lim).min())
         return out, margin
+    if isinstance(ex, PlainExperts):  # not gated: down(act(up x)) (transformers' NemotronHExperts)
+        up = np.einsum("nh,eoh->neo", x, p["up_proj"])
+        return np.einsum("nei,ehi->neh", _act(ex.hidden_act, up), p["down_proj"]), np.inf
     gu = np.einsum("nh,eoh->neo", x, p["gate_up_proj"])
     i = ex.intermediate_size
     h = _act(ex.hidden_act, gu[..., :i]) * gu[..., i:]
@@ -106,10 +111,22 @@ def ref_block(m, x, params=None):
     p.update(params or {})
     x2 = x.reshape(-1, m.hidden_size)
     dense, margin = ref_route(m.router_module, x2, _sub(p, m._router_name))
-    outs, clamp = ref_experts(m.experts, x2, _sub(p, "experts"))
+
+    def lin(name, a):
+        return a @ p[f"{name}.weight"].T + p.get(f"{name}.bias", 0.0)
+
+    xl = x2 if m.latent_size is None else lin("fc1_latent_proj", x2)  # the experts' latent width
+    outs, clamp = ref_experts(m.experts, xl, _sub(p, "experts"))
     y = np.einsum("ne,neh->nh", dense, outs)
+    y = y if m.latent_size is None else lin("fc2_latent_proj", y)
     sh = m.shared_module
-    if sh is not None:
+    if isinstance(sh, npattn.FeedForward):  # beside plain experts: not gated
+        q = _sub(p, m._shared_name)
+        s = _act(m.experts.hidden_act, x2 @ q["linear1.weight"].T) @ q["linear2.weight"].T
+        if m.shared_gate_module is not None:
+            s = _sig(x2 @ p["shared_expert_gate.weight"].T) * s
+        y = y + s
+    elif sh is not None:
         q = _sub(p, m._shared_name)
         s = (_act(sh.hidden_act, x2 @ q["gate_proj.weight"].T) * (x2 @ q["up_proj.weight"].T)) @ q["down_proj.weight"].T
         if m.shared_gate_module is not None:
@@ -240,6 +257,8 @@ def test_experts_module_against_dense(case, seed):
     ex = case.block().experts
     rng = np.random.default_rng(seed)
     x2 = case.x.reshape(-1, case.hidden_size)
+    if ex.hidden_size != case.hidden_size:  # experts in a latent width
+        x2 = rng.uniform(-1.5, 1.5, (x2.shape[0], ex.hidden_size))
     idx = rng.integers(0, case.num_experts, (x2.shape[0], case.top_k))
     w = rng.uniform(-1, 1, idx.shape)
     y = ex(x2, idx, w)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import npattn.functional as F
 from npattn.functional import reference as R
-from npattn.nn.moe import HIDDEN_ACTS, GptOssExperts
+from npattn.nn.moe import HIDDEN_ACTS, GptOssExperts, PlainExperts
 from npattn.testing import gradcheck, moe_configs
 
 TOL = 1e-12
@@ -53,15 +53,27 @@ def _router_call(case):
 
 def _experts_call(case, bias_seed=None):
     """``(args, kwargs)`` of ``moe_experts`` for a ``MoeCase``: its block's experts, random routing
-    (repeats allowed, some experts idle); ``bias_seed`` adds biases to SwiGLU experts."""
-    ex = case.block().experts
+    (repeats allowed, some experts idle); ``bias_seed`` adds biases to SwiGLU and plain experts.
+    Experts in a latent width take the tokens through the block's ``fc1_latent_proj``."""
+    block = case.block()
+    ex = block.experts
     rng = np.random.default_rng(case.seed + 2)
-    lead = case.x.shape[:-1]
+    x = case.x if block.latent_size is None else case.x @ block.fc1_latent_proj.weight.data.T
+    lead = x.shape[:-1]
     idx = rng.integers(0, case.num_experts, lead + (case.top_k,))
     w = rng.uniform(0.1, 1.0, idx.shape)
     if isinstance(ex, GptOssExperts):
         params = [ex.gate_up_proj.data, ex.down_proj.data, ex.gate_up_proj_bias.data, ex.down_proj_bias.data]
         kw = dict(kind="gpt_oss", alpha=ex.alpha, limit=ex.limit)
+    elif isinstance(ex, PlainExperts):
+        params = [ex.up_proj.data, ex.down_proj.data]
+        if bias_seed is not None:
+            b = np.random.default_rng(bias_seed)
+            params += [
+                b.standard_normal((case.num_experts, ex.intermediate_size)),
+                b.standard_normal((case.num_experts, x.shape[-1])),
+            ]
+        kw = dict(kind="plain", activation=HIDDEN_ACTS[ex.hidden_act])
     else:
         params = [ex.gate_up_proj.data, ex.down_proj.data]
         if bias_seed is not None:
@@ -71,7 +83,16 @@ def _experts_call(case, bias_seed=None):
                 b.standard_normal((case.num_experts, case.hidden_size)),
             ]
         kw = dict(kind="swiglu", activation=HIDDEN_ACTS[ex.hidden_act])
-    return [case.x, idx, w] + [p.copy() for p in params], kw
+    return [x, idx, w] + [p.copy() for p in params], kw
+
+
+def _experts_dy(case, args):
+    """The case's upstream gradient, or one of the experts' latent width (``latent_size``)."""
+    return (
+        case.dy
+        if case.dy.shape == args[0].shape
+        else np.random.default_rng(case.seed + 6).standard_normal(args[0].shape)
+    )
 
 
 def _router_margin(logits, top_k, kw):
@@ -104,7 +125,10 @@ def _router_margin(logits, top_k, kw):
 
 
 def _clamp_margin(args, kw):
-    """How far GPT-OSS's gate and up pre-activations stay from the clamps' edges (inf for SwiGLU)."""
+    """How far GPT-OSS's gate and up pre-activations stay from the clamps' edges, and relu2's from
+    its second derivative's jump at 0 (inf for the others)."""
+    if kw["kind"] == "plain" and kw["activation"] == "relu2":
+        return float(np.abs(F.moe_experts(*args, **kw)[1].gu).min(initial=np.inf))
     if kw["kind"] != "gpt_oss":
         return np.inf
     _, cache = F.moe_experts(*args, **kw)
@@ -140,7 +164,8 @@ def test_experts_tiers_equal(case, biases):
     y_f, c_f = F.moe_experts(*args, **kw)
     y_r, c_r = R.moe_experts(*args, **kw)
     _same(y_f, y_r, "y")
-    g_f, g_r = F.moe_experts_backward(case.dy, c_f), R.moe_experts_backward(case.dy, c_r)
+    dy = _experts_dy(case, args)
+    g_f, g_r = F.moe_experts_backward(dy, c_f), R.moe_experts_backward(dy, c_r)
     assert len(g_f) == len(g_r) == 6
     for i, (a, b) in enumerate(zip(g_f, g_r)):
         _same(a, b, f"gradient {i}")
@@ -372,6 +397,7 @@ def _torch_experts(torch, x, idx, w, gate_up, down, gub, db, kind, activation, a
         "gelu": torch.nn.functional.gelu,
         "gelu_tanh": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
         "relu": torch.relu,
+        "relu2": lambda a: torch.relu(a) ** 2,
     }[activation]
     y = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
@@ -379,7 +405,9 @@ def _torch_experts(torch, x, idx, w, gate_up, down, gub, db, kind, activation, a
         if tok.numel() == 0:
             continue
         xe = x[tok]
-        if kind == "swiglu":
+        if kind == "plain":  # transformers' NemotronHExperts: down(act(up x)), no gate
+            out = act(xe @ gate_up[e].T + (0 if gub is None else gub[e])) @ down[e].T + (0 if db is None else db[e])
+        elif kind == "swiglu":
             gu = xe @ gate_up[e].T + (0 if gub is None else gub[e])
             gate, up = gu.chunk(2, dim=-1)
             out = (act(gate) * up) @ down[e].T + (0 if db is None else db[e])
@@ -396,7 +424,7 @@ def _torch_experts(torch, x, idx, w, gate_up, down, gub, db, kind, activation, a
 @pytest.mark.parametrize(
     "kind, activation, biases",
     [("swiglu", "silu", False), ("swiglu", "gelu", True), ("swiglu", "gelu_tanh", False), ("swiglu", "relu", False),
-     ("gpt_oss", "silu", True)],
+     ("gpt_oss", "silu", True), ("plain", "relu2", False), ("plain", "relu2", True)],
 )  # fmt: skip
 def test_experts_match_torch_autograd(torch_or_skip, kind, activation, biases):
     torch = torch_or_skip
@@ -407,9 +435,10 @@ def test_experts_match_torch_autograd(torch_or_skip, kind, activation, biases):
     idx[0] = [2, 2, 4]  # a repeated expert
     idx[idx == 3] = 1  # an idle expert
     w = rng.uniform(0.1, 1, (n, k))
-    gate_up = rng.standard_normal((e, 2 * i, h) if kind == "swiglu" else (e, h, 2 * i))
-    down = rng.standard_normal((e, h, i) if kind == "swiglu" else (e, i, h))
-    gub, db = (rng.standard_normal((e, 2 * i)), rng.standard_normal((e, h))) if biases else (None, None)
+    units = i if kind == "plain" else 2 * i
+    gate_up = rng.standard_normal((e, units, h) if kind != "gpt_oss" else (e, h, units))
+    down = rng.standard_normal((e, h, i) if kind != "gpt_oss" else (e, i, h))
+    gub, db = (rng.standard_normal((e, units)), rng.standard_normal((e, h))) if biases else (None, None)
     opts = dict(kind=kind, activation=activation, alpha=1.702, limit=1.5)
     arrays = [x, w, gate_up, down] + ([gub, db] if biases else [])
     ts = [torch.tensor(a, requires_grad=True) for a in arrays]

@@ -10,9 +10,10 @@ where the router gives the chosen experts ``i (N, k)`` and their weights ``w (N,
   (``"topk_softmax"``), Qwen3-Next / Qwen3-MoE / Mixtral (``"softmax_topk"``) and DeepSeek-V3
   (``"sigmoid"`` with a correction bias, group-limited choice and a routed scaling factor);
   ``topk_router_backward(dweights, cache) -> dlogits``.
-* ``moe_experts(x, indices, weights, gate_up, down, ...) -> (y, cache)``: ``E`` gated experts
-  stored as fused 3-D weights, SwiGLU (``kind="swiglu"``) or GPT-OSS's clamped SwiGLU with biases
-  (``kind="gpt_oss"``); ``moe_experts_backward(dy, cache) -> (dx, dweights, dgate_up, ddown,
+* ``moe_experts(x, indices, weights, gate_up, down, ...) -> (y, cache)``: ``E`` experts stored
+  as fused 3-D weights, SwiGLU (``kind="swiglu"``), GPT-OSS's clamped SwiGLU with biases
+  (``kind="gpt_oss"``) or not gated, ``down(act(up x))`` (``kind="plain"``: Nemotron 3's);
+  ``moe_experts_backward(dy, cache) -> (dx, dweights, dgate_up, ddown,
   dgate_up_bias, ddown_bias)``.
 
 Both are written as the formula, one token and one chosen expert at a time, with their
@@ -60,6 +61,9 @@ from .activation import (
     gelu_backward_jvp_kernel,
     gelu_backward_kernel,
     gelu_kernel,
+    relu2_backward_jvp_kernel,
+    relu2_backward_kernel,
+    relu2_kernel,
     relu_backward_jvp_kernel,
     relu_backward_kernel,
     relu_kernel,
@@ -86,13 +90,14 @@ __all__ = [
 ]
 
 ROUTER_VARIANTS = ("softmax_topk", "topk_softmax", "sigmoid")
-EXPERT_KINDS = ("swiglu", "gpt_oss")
-# the activations of SwiGLU-kind experts: name -> (kernel, its backward, keyword arguments)
+EXPERT_KINDS = ("swiglu", "gpt_oss", "plain")
+# the activations of SwiGLU-kind and plain experts: name -> (kernel, its backward, keyword arguments)
 _ACTS = {
     "silu": (silu_kernel, silu_backward_kernel, {}),
     "gelu": (gelu_kernel, gelu_backward_kernel, {"approximate": "none"}),
     "gelu_tanh": (gelu_kernel, gelu_backward_kernel, {"approximate": "tanh"}),
     "relu": (relu_kernel, relu_backward_kernel, {}),
+    "relu2": (relu2_kernel, relu2_backward_kernel, {}),
 }
 EXPERT_ACTIVATIONS = tuple(_ACTS)
 # their second order (the kernels of ``<act>_backward_jvp``)
@@ -101,6 +106,7 @@ _ACT_SECOND = {
     "gelu": gelu_backward_jvp_kernel,
     "gelu_tanh": gelu_backward_jvp_kernel,
     "relu": relu_backward_jvp_kernel,
+    "relu2": relu2_backward_jvp_kernel,
 }
 
 # the renormalisation ``w / (sum w + eps)``: DeepSeek-V3 adds 1e-20 to a sum of sigmoids (which
@@ -578,7 +584,7 @@ class MoeExpertsCache(NamedTuple):
     ws: np.ndarray  # (S,) the routing weight of each sorted pair
     hs: np.ndarray  # (S, H) each pair's expert output, before weighting
     xs: np.ndarray  # (S, H) each sorted pair's token
-    gu: np.ndarray  # (S, 2I) the gate and up pre-activations
+    gu: np.ndarray  # (S, 2I) the gate and up pre-activations ("plain": (S, I), the up ones)
     mid: tuple  # the activation's intermediates (kind-dependent)
     params: tuple  # (gate_up, down, gate_up_bias or None, down_bias or None)
     kind: str
@@ -618,7 +624,9 @@ def moe_experts(
       ``expert_e(x) = down_e (act(gate_e x + bg) * (up_e x + bu)) + bd``;
     * ``kind="gpt_oss"``: ``gate_up (E, H, 2I)`` applied as ``x @ gate_up[e]`` (column ``2j`` is gate
       unit ``j``, column ``2j+1`` up unit ``j``), ``down (E, I, H)``, and the clamped SwiGLU
-      ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``h = (u + 1) g sigmoid(alpha g)``.
+      ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``h = (u + 1) g sigmoid(alpha g)``;
+    * ``kind="plain"`` (Nemotron 3's ``NemotronHExperts``: not gated): ``gate_up (E, I, H)`` holds
+      the up projection only, ``down (E, H, I)``: ``expert_e(x) = down_e act(up_e x + bu) + bd``.
 
     Parameters
     ----------
@@ -628,12 +636,14 @@ def moe_experts(
     weights : ndarray ``(..., k)``
         Their weights.
     gate_up, down : ndarray
-        ``(E, 2I, H)`` and ``(E, H, I)`` (``"swiglu"``), ``(E, H, 2I)`` and ``(E, I, H)`` (``"gpt_oss"``).
-    gate_up_bias, down_bias : ndarray ``(E, 2I)`` and ``(E, H)``, optional
+        ``(E, 2I, H)`` and ``(E, H, I)`` (``"swiglu"``), ``(E, H, 2I)`` and ``(E, I, H)`` (``"gpt_oss"``),
+        ``(E, I, H)`` and ``(E, H, I)`` (``"plain"``).
+    gate_up_bias, down_bias : ndarray ``(E, 2I)`` (``"plain"``: ``(E, I)``) and ``(E, H)``, optional
     kind : str
         One of ``EXPERT_KINDS``.
     activation : str
-        ``"swiglu"``'s activation, one of ``EXPERT_ACTIVATIONS`` (``"gpt_oss"`` ignores it).
+        ``"swiglu"``'s and ``"plain"``'s activation, one of ``EXPERT_ACTIVATIONS`` (``"gpt_oss"``
+        ignores it).
     alpha, limit : float
         ``"gpt_oss"``'s ``swiglu_alpha`` (finite) and ``swiglu_limit`` (> 0).
 
@@ -659,23 +669,25 @@ def moe_experts(
     alpha = check_real(alpha, "alpha")
     limit = check_positive_float(limit, "limit")
     gate_up = as_float(gate_up, "gate_up", x.dtype)
-    want = "(E, 2I, H)" if kind == "swiglu" else "(E, H, 2I)"
+    out_in = kind != "gpt_oss"  # the weights stored (out, in), as torch's Linear
+    want = {"swiglu": "(E, 2I, H)", "gpt_oss": "(E, H, 2I)", "plain": "(E, I, H)"}[kind]
     ok = gate_up.ndim == 3 and gate_up.shape[0] >= 1
-    e, two_i = (gate_up.shape[0], gate_up.shape[1 if kind == "swiglu" else 2]) if ok else (0, 0)
-    hh = gate_up.shape[2 if kind == "swiglu" else 1] if ok else -1
-    if not ok or hh != h or two_i < 2 or two_i % 2:
+    e, two_i = (gate_up.shape[0], gate_up.shape[1 if out_in else 2]) if ok else (0, 0)
+    hh = gate_up.shape[2 if out_in else 1] if ok else -1
+    gates = 1 if kind == "plain" else 2  # the rows (columns) per unit: gate and up, or up alone
+    if not ok or hh != h or two_i < gates or two_i % gates:
         raise ValueError(
             f"gate_up: expected shape {want} with H = {h} (x's) and I >= 1 ({kind!r}), got {gate_up.shape}"
         )
-    i = two_i // 2
+    i = two_i // gates
     down = as_float(down, "down", x.dtype)
-    want_down = (e, h, i) if kind == "swiglu" else (e, i, h)
+    want_down = (e, h, i) if out_in else (e, i, h)
     if down.shape != want_down:
         raise ValueError(f"down: expected shape {want_down} (E, I from gate_up, H from x; {kind!r}), got {down.shape}")
     if gate_up_bias is not None:
         gate_up_bias = as_float(gate_up_bias, "gate_up_bias", x.dtype)
-        if gate_up_bias.shape != (e, 2 * i):
-            raise ValueError(f"gate_up_bias: expected shape {(e, 2 * i)}, got {gate_up_bias.shape}")
+        if gate_up_bias.shape != (e, two_i):
+            raise ValueError(f"gate_up_bias: expected shape {(e, two_i)}, got {gate_up_bias.shape}")
     if down_bias is not None:
         down_bias = as_float(down_bias, "down_bias", x.dtype)
         if down_bias.shape != (e, h):
@@ -721,18 +733,22 @@ def moe_experts_kernel(
     tok = order // k  # (S,) token of each sorted pair
     ws = weights.reshape(-1)[order]  # (S,)
     xs = x2[tok]  # (S, H): each expert's tokens are one contiguous slice
-    swiglu = kind == "swiglu"
-    two_i = gate_up.shape[1 if swiglu else 2]
-    gu = np.empty((xs.shape[0], two_i), x.dtype)  # (S, 2I)
+    out_in = kind != "gpt_oss"  # the weights stored (out, in)
+    two_i = gate_up.shape[1 if out_in else 2]
+    gu = np.empty((xs.shape[0], two_i), x.dtype)  # (S, 2I); "plain": (S, I)
     for ex, rows in _experts_with_tokens(bounds):
-        np.matmul(xs[rows], gate_up[ex].T if swiglu else gate_up[ex], out=gu[rows])
+        np.matmul(xs[rows], gate_up[ex].T if out_in else gate_up[ex], out=gu[rows])
         if gate_up_bias is not None:
             gu[rows] += gate_up_bias[ex]
-    if swiglu:
+    if kind == "plain":  # not gated: m = act(up)
+        act, _, kw = _ACTS[activation]
+        hmid, act_cache = act(gu, **kw)  # (S, I)
+        mid: tuple = (act_cache,)
+    elif kind == "swiglu":
         i = two_i // 2
         act, _, kw = _ACTS[activation]
         a, act_cache = act(gu[:, :i], **kw)  # (S, I)
-        mid: tuple = (a, act_cache)
+        mid = (a, act_cache)
         hmid = a * gu[:, i:]
     else:
         gate, up = gu[:, ::2], gu[:, 1::2]  # interleaved columns
@@ -744,7 +760,7 @@ def moe_experts_kernel(
         mid = (g, u, sig, glu)
     hs = np.empty_like(xs)  # (S, H)
     for ex, rows in _experts_with_tokens(bounds):
-        np.matmul(hmid[rows], down[ex].T if swiglu else down[ex], out=hs[rows])
+        np.matmul(hmid[rows], down[ex].T if out_in else down[ex], out=hs[rows])
         if down_bias is not None:
             hs[rows] += down_bias[ex]
     y_pairs = np.empty_like(hs)
@@ -798,7 +814,7 @@ def moe_experts_backward_kernel(dout, cache, keep=False):
     order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
     gate_up, down, gate_up_bias, down_bias = cache.params
     alpha, limit, x_shape, k = cache.alpha, cache.limit, cache.x_shape, cache.k
-    swiglu = cache.kind == "swiglu"
+    out_in = cache.kind != "gpt_oss"  # the weights stored (out, in)
     h = x_shape[-1]
     dy = dout.reshape(-1, h)
     n = dy.shape[0]
@@ -812,7 +828,7 @@ def moe_experts_backward_kernel(dout, cache, keep=False):
     ddb = None if down_bias is None else np.zeros_like(down_bias)
     dm = np.empty_like(hmid)  # (S, I)
     for ex, rows in _experts_with_tokens(bounds):
-        if swiglu:
+        if out_in:
             np.matmul(dhs[rows], down[ex], out=dm[rows])
             ddown[ex] = dhs[rows].T @ hmid[rows]
         else:
@@ -820,8 +836,10 @@ def moe_experts_backward_kernel(dout, cache, keep=False):
             ddown[ex] = hmid[rows].T @ dhs[rows]
         if ddb is not None:
             ddb[ex] = dhs[rows].sum(0)
-    dgu = np.empty_like(gu)  # (S, 2I)
-    if swiglu:
+    dgu = np.empty_like(gu)  # (S, 2I); "plain": (S, I)
+    if cache.kind == "plain":  # m = act(up): dup = act'(up) dm
+        dgu[:] = _ACTS[cache.activation][1](dm, mid[0])
+    elif cache.kind == "swiglu":
         i = gu.shape[1] // 2
         a, act_cache, _ = mid
         dgu[:, :i] = _ACTS[cache.activation][1](dm * gu[:, i:], act_cache)
@@ -833,7 +851,7 @@ def moe_experts_backward_kernel(dout, cache, keep=False):
         dgu[:, 1::2] = dm * glu * ((up >= -limit) & (up <= limit))
     dxs = np.empty_like(xs)
     for ex, rows in _experts_with_tokens(bounds):
-        if swiglu:
+        if out_in:
             dgate_up[ex] = dgu[rows].T @ xs[rows]
             np.matmul(dgu[rows], gate_up[ex], out=dxs[rows])
         else:
@@ -879,7 +897,7 @@ def _specs(cache):
     """The tangents' ``(name, shape, present)`` in the backward's order (a bias's only when the
     forward had it)."""
     gate_up, down, gub, db = cache.params
-    two_i = gate_up.shape[1 if cache.kind == "swiglu" else 2]
+    two_i = gate_up.shape[1 if cache.kind != "gpt_oss" else 2]
     return (
         ("tx", cache.x_shape, True),
         ("tweights", cache.x_shape[:-1] + (cache.k,), True),
@@ -916,18 +934,20 @@ def experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias):
     tok, bounds, xs, gu, mid = cache.tok, cache.bounds, cache.xs, cache.gu, cache.mid
     gate_up, down, _, _ = cache.params
     alpha, limit, h = cache.alpha, cache.limit, cache.x_shape[-1]
-    swiglu = cache.kind == "swiglu"
+    out_in = cache.kind != "gpt_oss"  # the weights stored (out, in)
     txs = None if tx is None else tx.reshape(-1, h)[tok]
     tgu = np.zeros_like(gu)
     for ex, rows in _experts_with_tokens(bounds):
         if txs is not None:
-            tgu[rows] += txs[rows] @ (gate_up[ex].T if swiglu else gate_up[ex])
+            tgu[rows] += txs[rows] @ (gate_up[ex].T if out_in else gate_up[ex])
         if tgate_up is not None:
-            tgu[rows] += xs[rows] @ (tgate_up[ex].T if swiglu else tgate_up[ex])
+            tgu[rows] += xs[rows] @ (tgate_up[ex].T if out_in else tgate_up[ex])
         if tgate_up_bias is not None:
             tgu[rows] += tgate_up_bias[ex]
     hmid = mid[-1]
-    if swiglu:
+    if cache.kind == "plain":  # tm = act'(up) tup (the activation's Jacobian is diagonal)
+        tm = _ACTS[cache.activation][1](tgu, mid[0])
+    elif cache.kind == "swiglu":
         i = gu.shape[1] // 2
         a, act_cache, _ = mid
         # an elementwise activation's Jacobian is diagonal: its backward applied to a tangent is the tangent
@@ -940,9 +960,9 @@ def experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias):
         tm = tu * glu + (u + 1.0) * tg * sig * (1.0 + alpha * g * (1.0 - sig))
     ths = np.empty_like(xs)
     for ex, rows in _experts_with_tokens(bounds):
-        np.matmul(tm[rows], down[ex].T if swiglu else down[ex], out=ths[rows])
+        np.matmul(tm[rows], down[ex].T if out_in else down[ex], out=ths[rows])
         if tdown is not None:
-            ths[rows] += hmid[rows] @ (tdown[ex].T if swiglu else tdown[ex])
+            ths[rows] += hmid[rows] @ (tdown[ex].T if out_in else tdown[ex])
         if tdown_bias is not None:
             ths[rows] += tdown_bias[ex]
     return txs, tgu, tm, ths
@@ -993,17 +1013,18 @@ def moe_experts_backward_jvp(dout: np.ndarray, cache: MoeExpertsCache, tangents,
     return moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout)
 
 
-def _expert_linear_tangents(bounds, swiglu, w, tw, a, ta, g, tg, tda, tdw, tdb) -> None:
+def _expert_linear_tangents(bounds, out_in, w, tw, a, ta, g, tg, tda, tdw, tdb) -> None:
     """The tangents of one expert layer's backward on the sorted rows, per expert: the layer
-    ``o = a W^T + b`` (``W`` stored ``(out, in)`` for SwiGLU, ``(in, out)`` for GPT-OSS) has the
+    ``o = a W^T + b`` (``W`` stored ``(out, in)`` for SwiGLU and plain experts (``out_in``),
+    ``(in, out)`` for GPT-OSS) has the
     backward ``da = g W``, ``dW = g^T a``, ``db = sum g``, whose tangents ``tda = tg W + g tW``,
     ``tdW = tg^T a + g^T ta``, ``tdb = sum tg`` are written into ``tda``, ``tdw`` and ``tdb`` (None:
     no bias).  ``tw``, ``ta`` None: zero."""
     for ex, rows in _experts_with_tokens(bounds):
-        np.matmul(tg[rows], w[ex] if swiglu else w[ex].T, out=tda[rows])
+        np.matmul(tg[rows], w[ex] if out_in else w[ex].T, out=tda[rows])
         if tw is not None:
-            tda[rows] += g[rows] @ (tw[ex] if swiglu else tw[ex].T)
-        if swiglu:
+            tda[rows] += g[rows] @ (tw[ex] if out_in else tw[ex].T)
+        if out_in:
             tdw[ex] = tg[rows].T @ a[rows]
             if ta is not None:
                 tdw[ex] += g[rows].T @ ta[rows]
@@ -1024,7 +1045,7 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forwar
     order, tok, bounds, ws, xs, gu, mid = cache.order, cache.tok, cache.bounds, cache.ws, cache.xs, cache.gu, cache.mid
     gate_up, down, gate_up_bias, down_bias = cache.params
     alpha, limit, x_shape, k = cache.alpha, cache.limit, cache.x_shape, cache.k
-    swiglu = cache.kind == "swiglu"
+    out_in = cache.kind != "gpt_oss"  # the weights stored (out, in)
     h = x_shape[-1]
     if forward is None:
         forward = experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias)
@@ -1044,9 +1065,11 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forwar
     tddb = None if down_bias is None else np.zeros_like(down_bias)
     tdm = np.empty_like(hmid)
     # dm = dh Wd, dWd = dh^T m, dbd = sum dh
-    _expert_linear_tangents(bounds, swiglu, down, tdown, hmid, tm, dhs, tdhs, tdm, tddown, tddb)
+    _expert_linear_tangents(bounds, out_in, down, tdown, hmid, tm, dhs, tdhs, tdm, tddown, tddb)
     tdgu = np.empty_like(gu)
-    if swiglu:
+    if cache.kind == "plain":  # dup = act'(up) dm: the activation's own second order along (tup, tdm)
+        tdgu[:] = _ACT_SECOND[cache.activation](dm, mid[0], (tgu,), tdm)[1]
+    elif cache.kind == "swiglu":
         i = gu.shape[1] // 2
         a, act_cache, _ = mid
         up, tgate, tup = gu[:, i:], tgu[:, :i], tgu[:, i:]
@@ -1064,7 +1087,7 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forwar
         tdgu[:, 1::2] = (tdm * glu + dm * dphi * tg) * inside
     tdxs = np.empty_like(xs)
     # dx = dgu Wgu, dWgu = dgu^T x, dbgu = sum dgu
-    _expert_linear_tangents(bounds, swiglu, gate_up, tgate_up, xs, txs, dgu, tdgu, tdxs, tdgate_up, tdgub)
+    _expert_linear_tangents(bounds, out_in, gate_up, tgate_up, xs, txs, dgu, tdgu, tdxs, tdgate_up, tdgub)
     tdx_pairs = np.empty_like(tdxs)
     tdx_pairs[order] = tdxs
     tdx = tdx_pairs.reshape(n, k, h).sum(1).reshape(x_shape)

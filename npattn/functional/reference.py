@@ -2727,11 +2727,16 @@ def _expert_views(kind, e, gate_up, down, gate_up_bias=None, down_bias=None):
     into it), None for an absent bias.
     ``"swiglu"``: ``gate_up (2I, H)`` is the gate rows then the up rows, ``down (H, I)``.
     ``"gpt_oss"``: ``gate_up (H, 2I)`` has the gate in the even columns and the up in the odd ones,
-    ``down (I, H)``."""
+    ``down (I, H)``.
+    ``"plain"`` (not gated): ``gate_up (I, H)`` is the up rows alone, ``down (H, I)``; the gate's
+    views have no rows (``Wg (0, H)``, ``bg (0,)``), so every gate term below is empty."""
     gate_up_e, down_e = gate_up[e], down[e]
     gate_up_bias_e = None if gate_up_bias is None else gate_up_bias[e]
     down_bias_e = None if down_bias is None else down_bias[e]
-    if kind == "swiglu":
+    if kind == "plain":
+        Wg, Wu, Wd = gate_up_e[:0], gate_up_e, down_e
+        bg, bu = (None, None) if gate_up_bias_e is None else (gate_up_bias_e[:0], gate_up_bias_e)
+    elif kind == "swiglu":
         i = gate_up_e.shape[0] // 2
         Wg, Wu, Wd = gate_up_e[:i], gate_up_e[i:], down_e
         bg, bu = (None, None) if gate_up_bias_e is None else (gate_up_bias_e[:i], gate_up_bias_e[i:])
@@ -2747,12 +2752,13 @@ def _plus(a, b):
 
 
 def _moe_act(activation):
-    """A SwiGLU expert's activation and its backward, from this file."""
+    """A SwiGLU or plain expert's activation and its backward, from this file."""
     return {
         "silu": (silu, silu_backward),
         "gelu": (gelu, gelu_backward),
         "gelu_tanh": (lambda a: gelu(a, "tanh"), gelu_backward),
         "relu": (relu, relu_backward),
+        "relu2": (relu2, relu2_backward),
     }[activation]
 
 
@@ -2793,6 +2799,7 @@ def moe_experts(
         gate = Wg x + bg,   up = Wu x + bu
         "swiglu":   m = act(gate) * up
         "gpt_oss":  g = min(gate, limit),  u = clamp(up, -limit, limit),  m = (u + 1) g sigmoid(alpha g)
+        "plain":    m = act(up)              (no gate: Nemotron 3's experts, act relu2)
         expert_e(x) = Wd m + bd
 
     Returns ``(y (..., H), cache)``.
@@ -2808,7 +2815,10 @@ def moe_experts(
             e = I[n, j]
             Wg, Wu, Wd, bg, bu, bd = _expert_views(kind, e, gate_up, down, gate_up_bias, down_bias)
             gate, up = _plus(Wg @ X[n], bg), _plus(Wu @ X[n], bu)
-            if kind == "swiglu":
+            if kind == "plain":
+                m, act_cache = _moe_act(activation)[0](up)
+                pairs[n][j] = (gate, up, act_cache, m)
+            elif kind == "swiglu":
                 a, act_cache = _moe_act(activation)[0](gate)
                 m = a * up
                 pairs[n][j] = (gate, up, a, act_cache, m)
@@ -2833,6 +2843,7 @@ def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[
         y_n += w h          dw_nj = <dy_n, h>,       dh = w_nj dy_n
         h = Wd m + bd       dm = Wd^T dh,            dWd += dh m^T,   dbd += dh
         "swiglu":  m = a up, a = act(gate):   dup = dm a,   dgate = act'(gate) (dm up)
+        "plain":   m = act(up):               dup = act'(up) dm   (no gate)
         "gpt_oss": m = (u + 1) g s, s = sigmoid(alpha g):
                             du = dm g s,   dg = dm (u + 1) (s + g alpha s (1 - s))
                             (d(g s)/dg = s + g s' alpha, s' = s (1 - s));
@@ -2858,7 +2869,11 @@ def moe_experts_backward(dout: Array, cache: MoeExpertsCache) -> Tuple[Optional[
             dWg, dWu, dWd, dbg, dbu, dbd = _expert_views(kind, e, dgate_up, ddown, dgate_up_bias, ddown_bias)
             dw[n, j] = np.dot(dy[n], h[n, j])
             dh = W[n, j] * dy[n]
-            if kind == "swiglu":
+            if kind == "plain":
+                gate, up, act_cache, m = pairs[n][j]
+                dm = Wd.T @ dh
+                dgate, dup = gate, _moe_act(activation)[1](dm, act_cache)  # gate: empty
+            elif kind == "swiglu":
                 gate, up, a, act_cache, m = pairs[n][j]
                 dm = Wd.T @ dh
                 dup = dm * a
@@ -2888,6 +2903,7 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
 
         tgate = Wg tx + tWg x + tbg,   tup = Wu tx + tWu x + tbu
         "swiglu":  tm = act'(gate) tgate up + a tup
+        "plain":   tm = act'(up) tup
         "gpt_oss": tg = tgate [gate <= limit],  tu = tup [-limit <= up <= limit],
                    tm = tu g s + (u + 1) tg (s + g alpha s (1 - s))
         th = Wd tm + tWd m + tbd
@@ -2908,7 +2924,7 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
             Wg, Wu, Wd, _, _, _ = _expert_views(kind, e, gate_up, down)
             tgate, tup, th = (
                 np.zeros(Wg.shape[0], X.dtype),
-                np.zeros(Wg.shape[0], X.dtype),
+                np.zeros(Wu.shape[0], X.dtype),
                 np.zeros(Wd.shape[0], X.dtype),
             )
             if TX is not None:
@@ -2916,7 +2932,10 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
             if tgate_up is not None or tgate_up_bias is not None:
                 tWg, tWu, _, tbg, tbu, _ = _expert_views(kind, e, TGU, down, tgate_up_bias)
                 tgate, tup = _plus(tgate + tWg @ X[n], tbg), _plus(tup + tWu @ X[n], tbu)
-            if kind == "swiglu":
+            if kind == "plain":
+                gate, up, act_cache, m = pairs[n][j]
+                tm = _moe_act(activation)[1](tup, act_cache)  # act' is diagonal
+            elif kind == "swiglu":
                 gate, up, a, act_cache, m = pairs[n][j]
                 tm = _moe_act(activation)[1](tgate, act_cache) * up + a * tup  # act' is diagonal
             else:
@@ -2936,10 +2955,23 @@ def moe_experts_jvp(cache: MoeExpertsCache, *tangents: Optional[Array]) -> Array
 
 
 def _moe_act_second(activation):
-    """A SwiGLU expert's activation's second order (``<act>_backward_jvp``), from this file."""
-    return {"silu": silu_backward_jvp, "gelu": gelu_backward_jvp, "gelu_tanh": gelu_backward_jvp}.get(
-        activation, relu_backward_jvp
-    )
+    """A SwiGLU or plain expert's activation's second order (``<act>_backward_jvp``), from this file."""
+    return {
+        "silu": silu_backward_jvp,
+        "gelu": gelu_backward_jvp,
+        "gelu_tanh": gelu_backward_jvp,
+        "relu2": relu2_backward_jvp,
+    }.get(activation, relu_backward_jvp)
+
+
+def _plain_second(pair, activation, tup, dm, tdm):
+    """One token-expert pair of a plain (not gated) expert, second order: ``m = act(up)``, its
+    tangent ``tm = act'(up) tup``, and ``dup = act'(up) dm`` with its tangent, the activation's own
+    second order along ``(tup, tdm)``; the gate's are empty."""
+    gate, up, act_cache, m = pair
+    tm = _moe_act(activation)[1](tup, act_cache)  # act' is diagonal
+    dup, tdup = _moe_act_second(activation)(dm, act_cache, (tup,), tdm)
+    return tm, dup, tdup, gate, gate
 
 
 def _swiglu_second(pair, activation, tgate, tup, dm, tdm):
@@ -2987,6 +3019,8 @@ def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddou
         dh = w dy                tdh = tw dy + w tdy
         dm = Wd^T dh             tdm = tWd^T dh + Wd^T tdh
         dWd += dh m^T            tdWd += tdh m^T + dh tm^T,     tdbd += tdh
+        "plain":   dup = act'(up) dm         tdup = act'(up) tdm + act''(up) tup dm  (the activation's
+                                             own second order; no gate)
         "swiglu":  dup = dm a                tdup = tdm a + dm ta,   ta = act'(gate) tgate
                    dgate = act'(gate) dm up  tdgate = act'(gate) (tdm up + dm tup) + act''(gate) tgate dm up
                                              (the activation's own second order)
@@ -3035,7 +3069,10 @@ def moe_experts_backward_jvp(dout: Array, cache: MoeExpertsCache, tangents, ddou
             # dm = Wd^T dh: both factors move
             dm = Wd.T @ dh
             tdm = tWd.T @ dh + Wd.T @ tdh
-            if kind == "swiglu":
+            if kind == "plain":
+                m = pairs[n][j][-1]
+                tm, dup, tdup, dgate, tdgate = _plain_second(pairs[n][j], activation, tup, dm, tdm)
+            elif kind == "swiglu":
                 m = pairs[n][j][-1]
                 tm, dup, tdup, dgate, tdgate = _swiglu_second(pairs[n][j], activation, tgate, tup, dm, tdm)
             else:

@@ -11,7 +11,7 @@ from .latent_attention import MultiHeadLatentAttention
 from .layers import Dropout, Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from .mamba2 import Mamba2Mixer
 from .module import Module, Parameter, is_grad_enabled, no_grad
-from .moe import Experts, GatedMLP, GptOssExperts, MoE, SparseMoeBlock, TopKRouter
+from .moe import Experts, GatedMLP, GptOssExperts, MoE, PlainExperts, SparseMoeBlock, TopKRouter
 from .short_conv import ShortConv
 from .transformer import DecoderBlock, EncoderBlock
 
@@ -38,6 +38,7 @@ __all__ = [
     "TopKRouter",
     "Experts",
     "GptOssExperts",
+    "PlainExperts",
     "GatedMLP",
     "SparseMoeBlock",
     "MoE",

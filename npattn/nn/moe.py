@@ -20,6 +20,8 @@ under a decoder layer's ``mlp.`` prefix, so a state dict loads unchanged):
 * ``GptOssExperts``: ``gate_up_proj (E, H, 2I)`` (transposed; gate and up columns interleaved),
   ``gate_up_proj_bias (E, 2I)``, ``down_proj (E, I, H)``, ``down_proj_bias (E, H)``; GPT-OSS's
   clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``.
+* ``PlainExperts``: experts that are not gated, ``up_proj (E, I, H)`` and ``down_proj (E, H, I)``:
+  ``down(act(up))`` (Nemotron 3's ``NemotronHExperts``, its activation relu2).
 * ``GatedMLP``: the dense ``down_proj(act(gate_proj(x)) * up_proj(x))`` of the shared experts.
 * ``SparseMoeBlock`` (alias ``MoE``): router + experts + optional shared expert(s) and sigmoid
   shared-expert gate; ``SparseMoeBlock.from_hf_config(config)`` builds it from a model's config.
@@ -66,6 +68,7 @@ from ..functional.moe import (
     topk_router_backward_jvp,
 )
 from .layers import (
+    FeedForward,
     Linear,
     check_features,
     gated_unit,
@@ -104,6 +107,7 @@ __all__ = [
     "TopKRouter",
     "Experts",
     "GptOssExperts",
+    "PlainExperts",
     "GatedMLP",
     "SparseMoeBlock",
     "MoE",
@@ -696,6 +700,69 @@ class GptOssExperts(_SortedExperts):
 
 
 @shared_doc(init_raises=_INIT_RAISES)
+class PlainExperts(_SortedExperts):
+    """``E`` experts that are not gated (Nemotron 3's ``NemotronHExperts`` in ``transformers``
+    5.x): ``up_proj (E, I, H)`` and ``down_proj (E, H, I)``; expert ``e`` maps ``x -> down_e
+    act(up_e x)`` (the ``moe_experts`` pair's ``kind="plain"``).
+
+    ``forward(x (..., H), top_k_index (..., k), top_k_weights (..., k)) -> y (..., H)``;
+    ``backward(dy) -> (dx, dtop_k_weights)``.
+
+    Parameters
+    ----------
+    num_experts, hidden_size, intermediate_size : int
+        ``E``, ``H`` and each expert's ``I`` (``moe_intermediate_size``).
+    hidden_act : str
+        A Hugging Face activation name, one of ``HIDDEN_ACTS`` (``"relu2"`` by default, Nemotron
+        3's ``mlp_hidden_act``).
+    rng, dtype
+        As every module; weights from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+
+    Raises
+    ------
+    <init_raises>
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npattn
+    >>> experts = npattn.PlainExperts(num_experts=4, hidden_size=8, intermediate_size=16, rng=0)
+    >>> x = np.random.default_rng(1).standard_normal((3, 8))
+    >>> y = experts(x, np.array([[0, 1], [2, 3], [1, 0]]), np.full((3, 2), 0.5))
+    >>> y.shape, [name for name, _ in experts.named_parameters()]
+    ((3, 8), ['up_proj', 'down_proj'])
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        hidden_act: str = "relu2",
+        rng=None,
+        dtype=np.float64,
+    ) -> None:
+        super().__init__()
+        rng = _init_experts(self, num_experts, hidden_size, intermediate_size, dtype, rng)
+        self.hidden_act = hidden_act
+        self._act = _check_hidden_act(hidden_act)
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        self.up_proj = Parameter(rng.uniform(-1, 1, (e, i, h)) / math.sqrt(h), self._dtype)
+        self.down_proj = Parameter(rng.uniform(-1, 1, (e, h, i)) / math.sqrt(i), self._dtype)
+
+    def _pair_params(self) -> tuple:
+        return self.up_proj, self.down_proj, None, None
+
+    def _pair_options(self) -> dict:
+        return {"kind": "plain", "activation": self._act}
+
+    def extra_repr(self):
+        """The arguments shown by ``repr(module)``."""
+        return super().extra_repr() + f", hidden_act={self.hidden_act!r}"
+
+
+@shared_doc(init_raises=_INIT_RAISES)
 class GatedMLP(Module):
     """The dense gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))`` [``gate_proj.weight (I, H)``,
     ``up_proj.weight (I, H)``, ``down_proj.weight (H, I)``, no biases], as Hugging Face's
@@ -838,8 +905,8 @@ _SHARED_NAMES = ("shared_expert", "shared_experts")
 def _check_layout(experts, router_name, shared_name, shared_intermediate_size, shared_expert_gate, experts_first):
     """``SparseMoeBlock``'s choice of submodules and their names, checked before anything is built:
     returns ``(shared_intermediate_size, shared_expert_gate, experts_first)``."""
-    if not isinstance(experts, str) or experts not in ("swiglu", "gpt_oss"):
-        raise ValueError(f"experts: expected 'swiglu' or 'gpt_oss', got {experts!r}")
+    if not isinstance(experts, str) or experts not in ("swiglu", "gpt_oss", "plain"):
+        raise ValueError(f"experts: expected 'swiglu', 'gpt_oss' or 'plain', got {experts!r}")
     if router_name not in _ROUTER_NAMES:
         raise ValueError(f"router_name: expected one of {_ROUTER_NAMES}, got {router_name!r}")
     if shared_name not in _SHARED_NAMES:
@@ -863,6 +930,10 @@ class SparseMoeBlock(Module):
 
         y = sum_j w_j expert_{i_j}(x) [+ sigmoid(shared_expert_gate(x)) *] shared(x)
 
+    With ``latent_size`` (Nemotron 3's ``moe_latent_size``) the routed experts work in a narrower
+    width ``L``: ``fc2_latent_proj(sum_j w_j expert_{i_j}(fc1_latent_proj(x)))``, the router and
+    the shared expert on ``x`` itself.
+
     The submodules' names are the Hugging Face state dict's: ``router_name`` (``"gate"``, or
     ``"router"`` for GPT-OSS), ``experts``, ``shared_name`` (``"shared_expert"`` for Qwen3-Next,
     ``"shared_experts"`` for DeepSeek-V3) and ``shared_expert_gate`` [``weight (1, H)``].  The
@@ -882,9 +953,11 @@ class SparseMoeBlock(Module):
     norm_topk_prob, router_bias, routed_scaling_factor, n_group, topk_group, norm_topk_eps, correction_bias
         As ``TopKRouter`` (``router_bias`` is its ``bias``).
     experts : str
-        ``"swiglu"`` (``Experts``) or ``"gpt_oss"`` (``GptOssExperts``).
+        ``"swiglu"`` (``Experts``), ``"gpt_oss"`` (``GptOssExperts``) or ``"plain"``
+        (``PlainExperts``, not gated; its shared expert is not gated either: a ``FeedForward``
+        ``linear2(act(linear1(x)))``, which a model's layer shows as ``up_proj``, ``down_proj``).
     hidden_act : str
-        The activation of ``Experts`` and of the shared expert (one of ``HIDDEN_ACTS``).
+        The activation of ``Experts`` / ``PlainExperts`` and of the shared expert (one of ``HIDDEN_ACTS``).
     swiglu_alpha, swiglu_limit : float
         ``GptOssExperts``' ``alpha`` and ``limit``.
     shared_intermediate_size : int or None
@@ -897,6 +970,13 @@ class SparseMoeBlock(Module):
     experts_first : bool
         List ``experts`` before the router in ``state_dict()`` / ``named_parameters()``, in the
         order of transformers' ``DeepseekV3MoE`` and ``Qwen3MoeSparseMoeBlock``.
+    shared_bias : bool
+        Biases on the shared expert's projections (Nemotron 3's ``mlp_bias``).
+    latent_size : int or None
+        The routed experts' width ``L`` between ``fc1_latent_proj (L, H)`` and ``fc2_latent_proj
+        (H, L)`` (None: none, the experts on ``x``).
+    latent_bias : bool
+        Biases on the two latent projections (Nemotron 3's ``mlp_bias``).
     rng, dtype
         As every module.
 
@@ -941,10 +1021,17 @@ class SparseMoeBlock(Module):
         router_name: str = "gate",
         shared_name: str = "shared_expert",
         experts_first: bool = False,
+        shared_bias: bool = False,
+        latent_size: Optional[int] = None,
+        latent_bias: bool = False,
         rng=None,
         dtype=np.float64,
     ) -> None:
         super().__init__()
+        latent_bias = check_bool(latent_bias, "latent_bias")
+        shared_bias = check_bool(shared_bias, "shared_bias")
+        if latent_size is not None:
+            latent_size = check_size(latent_size, "latent_size")
         shared_intermediate_size, gated, experts_first = _check_layout(
             experts, router_name, shared_name, shared_intermediate_size, shared_expert_gate, experts_first
         )
@@ -968,8 +1055,13 @@ class SparseMoeBlock(Module):
             dtype=dtype,
         )
         setattr(self, router_name, route)
-        if experts == "gpt_oss":
-            self.experts: _SortedExperts = GptOssExperts(
+        width = hidden_size if latent_size is None else latent_size  # the routed experts'
+        if experts == "plain":
+            self.experts: _SortedExperts = PlainExperts(
+                num_experts, width, intermediate_size, hidden_act=hidden_act, rng=rng, dtype=dtype
+            )
+        elif experts == "gpt_oss":
+            self.experts = GptOssExperts(
                 num_experts,
                 hidden_size,
                 intermediate_size,
@@ -982,14 +1074,25 @@ class SparseMoeBlock(Module):
             self.experts = Experts(
                 num_experts, hidden_size, intermediate_size, hidden_act=hidden_act, rng=rng, dtype=dtype
             )
+        self.latent_size = latent_size
+        if latent_size is not None:
+            self.fc1_latent_proj = Linear(hidden_size, latent_size, latent_bias, rng=rng, dtype=dtype)
+            self.fc2_latent_proj = Linear(latent_size, hidden_size, latent_bias, rng=rng, dtype=dtype)
         if shared_intermediate_size is not None:
-            setattr(
-                self, shared_name, GatedMLP(hidden_size, shared_intermediate_size, hidden_act, rng=rng, dtype=dtype)
-            )
+            if experts == "plain":  # not gated: down(act(up(x))), Nemotron 3's NemotronHMLP
+                act = _check_hidden_act(hidden_act)
+                shared: Module = FeedForward(
+                    hidden_size, shared_intermediate_size, activation=act, bias=shared_bias, rng=rng, dtype=dtype
+                )
+            else:
+                shared = GatedMLP(
+                    hidden_size, shared_intermediate_size, hidden_act, bias=shared_bias, rng=rng, dtype=dtype
+                )
+            setattr(self, shared_name, shared)
             if gated:
                 self.shared_expert_gate = Linear(hidden_size, 1, False, rng=rng, dtype=dtype)
-        if experts_first:  # experts, router, then the shared expert and its gate (transformers' order)
-            for name in (router_name, shared_name, "shared_expert_gate"):
+        if experts_first:  # experts, router, the shared expert and its gate, the latent projections (transformers')
+            for name in (router_name, shared_name, "shared_expert_gate", "fc1_latent_proj", "fc2_latent_proj"):
                 if name in self._modules:
                     self._modules.move_to_end(name)
 
@@ -1000,8 +1103,9 @@ class SparseMoeBlock(Module):
         return self._modules[self._router_name]  # type: ignore[return-value]
 
     @property
-    def shared_module(self) -> Optional[GatedMLP]:
-        """The shared expert (``self.shared_expert`` / ``self.shared_experts``), or None."""
+    def shared_module(self) -> Optional[GatedMLP | FeedForward]:
+        """The shared expert (``self.shared_expert`` / ``self.shared_experts``: a ``GatedMLP``, or
+        a ``FeedForward`` beside ``PlainExperts``), or None."""
         return self._modules.get(self._shared_name)  # type: ignore[return-value]
 
     @property
@@ -1033,7 +1137,10 @@ class SparseMoeBlock(Module):
     def _forward(self, x: np.ndarray, lead: Optional[tuple] = None) -> np.ndarray:
         """``x (N, H)`` checked -> ``y (N, H)``; ``lead``: the public input's leading axes."""
         w, idx = self.router_module._forward(x)
-        y = self.experts._forward(x, idx, w)
+        if self.latent_size is None:
+            y = self.experts._forward(x, idx, w)
+        else:  # the experts in the latent width
+            y = self.fc2_latent_proj._forward(self.experts._forward(self.fc1_latent_proj._forward(x), idx, w))
         shared, gate = self.shared_module, self.shared_gate_module
         g = s = None
         if shared is not None:
@@ -1063,7 +1170,11 @@ class SparseMoeBlock(Module):
         own ``dx``.  The shared part, ``y += g s`` with ``g = sigmoid(x w_g^T)``: ``ds = g dy``,
         ``d(x w_g^T) = <dy, s> g (1 - g)``."""
         g, s, _ = self.pop_saved()
-        dx, dw = self.experts._backward(dy)
+        if self.latent_size is None:
+            dx, dw = self.experts._backward(dy)
+        else:
+            dxl, dw = self.experts._backward(self.fc2_latent_proj._backward(dy))
+            dx = self.fc1_latent_proj._backward(dxl)
         dx += self.router_module._backward(dw)
         shared, gate = self.shared_module, self.shared_gate_module
         if shared is not None:
@@ -1079,15 +1190,21 @@ class SparseMoeBlock(Module):
         ``sum_j (tw_j h_j + w_j th_j)``, and the shared part ``tg s + g ts`` with
         ``tg = g (1 - g) t(x w_g^T)``.  Each child's latest state is this call's."""
         g, s, lead = state
-        tx, tw, ts, tgz = self._stage_tangents(state, input_tangents, param_tangents, "jvp")
-        ty = self.experts._jvp_flat(self.experts.saved_state(), tx, tw, param_tangents)
+        pt = param_tangents
+        tx, tw, ts, tgz, txl = self._stage_tangents(state, input_tangents, pt, "jvp")
+        if self.latent_size is None:
+            ty = self.experts._jvp_flat(self.experts.saved_state(), tx, tw, pt)
+        else:  # the experts on fc1's tangent, then fc2: each child's latest state is this call's
+            tyl = self.experts._jvp_flat(self.experts.saved_state(), txl, tw, pt)
+            ty = self._child_jvp(self.fc2_latent_proj, -1, (tyl,), pt)
         if ts is not None:
             ty += ts if tgz is None else g * ts + g * (1.0 - g) * tgz * s
         return ty.reshape(lead + (self.hidden_size,))
 
     def _stage_tangents(self, state, input_tangents, pt, method: str) -> tuple:
-        """``(tx, tw, ts, tgz)``: the input tangent (checked, flat as the router's input), the
+        """``(tx, tw, ts, tgz, txl)``: the input tangent (checked, flat as the router's input), the
         router's weights', the shared expert's output and its gate's logit (None without them),
+        ``fc1_latent_proj``'s output (None without a latent width),
         from the unchecked input tangents of ``jvp`` / ``backward_jvp`` (``method``); computed once
         per state and tangents while ``pt`` remembers (``loss_hvp``)."""
 
@@ -1100,7 +1217,8 @@ class SparseMoeBlock(Module):
             tw = router._jvp_flat(router.saved_state(), tx, pt)
             ts = None if shared is None else self._child_jvp(shared, -1, (tx,), pt)
             tgz = None if shared is None or gate is None else self._child_jvp(gate, -1, (tx,), pt)
-            return tx, tw, ts, tgz
+            txl = None if self.latent_size is None else self._child_jvp(self.fc1_latent_proj, -1, (tx,), pt)
+            return tx, tw, ts, tgz, txl
 
         return pt._remember((self, "stages", state) + tuple(input_tangents), compute)
 
@@ -1114,11 +1232,18 @@ class SparseMoeBlock(Module):
         pt = param_tangents
         router, experts = self.router_module, self.experts
         xr = router.saved_state().linear.x
-        tx, tw, ts, tgz = self._stage_tangents(state, input_tangents, pt, "backward_jvp")
+        tx, tw, ts, tgz, txl = self._stage_tangents(state, input_tangents, pt, "backward_jvp")
         dy = dy.reshape(xr.shape)
         ddy = np.zeros_like(dy) if ddy is None else ddy.reshape(xr.shape)
         shared, gate = self.shared_module, self.shared_gate_module
-        (dx, dw), (tdx, tdw) = experts._backward_jvp_flat(experts.pop_saved(), dy, tx, tw, pt, ddy)
+        if self.latent_size is None:
+            (dx, dw), (tdx, tdw) = experts._backward_jvp_flat(experts.pop_saved(), dy, tx, tw, pt, ddy)
+        else:  # back through fc2, the experts (on fc1's output and its tangent), then fc1
+            fc1, fc2 = self.fc1_latent_proj, self.fc2_latent_proj
+            tyl = experts._jvp_flat(experts.saved_state(), txl, tw, pt)
+            dyl, tdyl = self._child_backward_jvp(fc2, dy, (tyl,), pt, ddy)
+            (dxl, dw), (tdxl, tdw) = experts._backward_jvp_flat(experts.pop_saved(), dyl, txl, tw, pt, tdyl)
+            dx, tdx = self._child_backward_jvp(fc1, dxl, (tx,), pt, tdxl)
         dxr, tdxr = router._backward_jvp_flat(router.pop_saved(), dw, tx, pt, tdw)
         dx += dxr
         tdx += tdxr

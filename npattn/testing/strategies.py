@@ -743,8 +743,9 @@ def moe_configs(
     """:class:`MoeCase` draws: every router variant (or those in ``variants``), ``E`` in
     ``2..max_experts``, ``k`` in ``1..E``, group-limited choice (when ``E`` has a divisor leaving
     two experts per group), renormalised or not, a routed scaling factor, a router bias, SwiGLU
-    experts (silu, gelu, tanh-gelu) or GPT-OSS's clamped ones (with a small limit, so the clamps
-    act), with or without a shared expert and its sigmoid gate, 0-2 leading axes of tokens."""
+    experts (silu, gelu, tanh-gelu), GPT-OSS's clamped ones (with a small limit, so the clamps
+    act) or plain ones (not gated: relu2 or silu; sometimes in a latent width, Nemotron 3's), with
+    or without a shared expert and its sigmoid gate, 0-2 leading axes of tokens."""
     from ..nn.moe import ROUTER_VARIANTS
 
     names = tuple(variants) if variants is not None else ROUTER_VARIANTS
@@ -764,8 +765,13 @@ def moe_configs(
             kw.update(n_group=g, topk_group=tg)
             max_k = tg * (e // g)
         k = 1 + k_raw % max_k
+        plain = not gpt_oss and act_raw % 5 >= 3  # Nemotron 3's experts
         if gpt_oss:
             kw.update(experts="gpt_oss", swiglu_limit=0.6, swiglu_alpha=1.702)
+        elif plain:
+            kw.update(experts="plain", hidden_act=("relu2", "silu")[act_raw % 5 - 3])
+            if (act_raw // 5) % 2:  # the experts in a latent width, its projections biased or not
+                kw.update(latent_size=1 + (act_raw // 10) % 3, latent_bias=bool((act_raw // 30) % 2))
         else:
             kw["hidden_act"] = ("silu", "gelu", "gelu_pytorch_tanh")[act_raw % 3]
         if shared_raw % 3:
