@@ -847,6 +847,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "lfm2_moe",
         "falcon_h1",
         "nemotron_h",
+        "nemotron_h_moe",
         "exaone4",
         "ernie4_5",
         "arcee",

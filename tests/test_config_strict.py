@@ -275,7 +275,7 @@ _PARTIAL_ROPE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "phi3", "glm4
 
 
 _WHOLE_HEADS = sorted(set(FAMILIES) - set(_PARTIAL_ROPE))  # their own tests read the factor
-_NO_ROPE_DICT = ("kimi_linear", "nemotron_h")
+_NO_ROPE_DICT = ("kimi_linear", "nemotron_h", "nemotron_h_moe")
 _WHERE = [(f, "top") for f in _WHOLE_HEADS] + [(f, "dict") for f in _WHOLE_HEADS if f not in _NO_ROPE_DICT]
 
 

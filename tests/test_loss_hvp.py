@@ -33,6 +33,7 @@ FAMILIES += ["falcon_h1"]  # attention and Mamba-2 side by side (ParallelSum), e
 FAMILIES += ["nemotron_h"]  # blocks of one sublayer (Mamba-2, attention, a relu2 MLP), the layers without the other
 FAMILIES += ["glm4"]  # partial RoPE on interleaved pairs, plain norms after both sublayers (second order through them)
 FAMILIES += ["cohere2", "cohere"]  # attention and MLP side by side on one bias-free LayerNorm, the logits' scale
+FAMILIES += ["nemotron_h_moe"]  # experts that are not gated (relu2) in a latent width, a relu2 shared expert
 IGNORE = -1
 
 

@@ -1,6 +1,8 @@
-"""NVIDIA Nemotron-H (``nemotron_h``: NVIDIA-Nemotron-Nano-9B-v2/12B-v2, Nemotron-H-4B/8B): blocks
-of one sublayer each, ``x + mixer(norm(x))``, the mixer a Mamba-2 layer, attention without RoPE or
-an MLP ``down(relu2(up(x)))`` (layer kind ``"none"`` / MLP kind ``"none"``, ``"plain"``).
+"""NVIDIA Nemotron-H (``nemotron_h``: NVIDIA-Nemotron-Nano-9B-v2/12B-v2, Nemotron-H-4B/8B, and
+Nemotron 3's routed experts): blocks of one sublayer each, ``x + mixer(norm(x))``, the mixer a
+Mamba-2 layer, attention without RoPE, an MLP ``down(relu2(up(x)))`` (layer kind ``"none"`` / MLP
+kind ``"none"``, ``"plain"``) or routed experts that are not gated with a shared expert (MLP kind
+``"moe"``, ``PlainExperts``; the tiny entry ``nemotron_h_moe``).
 
 * the config reader: the block pattern (``hybrid_override_pattern``, ``layers_block_type``), the
   older key names, every refusal by name;
@@ -47,9 +49,24 @@ def test_the_pattern_and_the_kinds():
     assert not tied.tie_word_embeddings  # NemotronHForCausalLM ties nothing
 
 
-def test_default_layers_hold_experts_and_are_refused():
-    with pytest.raises(ValueError, match="'moe' blocks"):
-        config_from_hf(dict(_SIZES))
+def test_the_experts_blocks():
+    """Nemotron 3's "E" blocks: DeepSeek-V3's sigmoid router, experts that are not gated, the shared
+    expert, the latent width; NemotronHConfig's default blocks hold one."""
+    cfg = config_from_hf(tiny_config("nemotron_h_moe"))
+    assert cfg.layer_types == ("linear_attention", "none", "full_attention", "none", "none")
+    assert cfg.mlp_types == ("none", "moe", "none", "plain", "moe")
+    e = cfg.moe
+    assert (e.num_experts, e.top_k, e.intermediate_size, e.experts, e.hidden_act) == (4, 2, 6, "plain", "relu2")
+    assert (e.router, e.norm_topk_prob, e.n_group, e.topk_group) == ("sigmoid", True, 2, 1)
+    assert e.routed_scaling_factor == 2.5
+    assert (e.shared_intermediate_size, e.shared_name, e.latent_size, e.shared_bias) == (10, "shared_experts", 8, False)
+    assert cfg.layout.per_expert and cfg.layout.expert_projs == (None, "up_proj", "down_proj")
+    alias = config_from_hf(dict(_SIZES, hybrid_override_pattern="ME", num_local_experts=6, n_routed_experts=8))
+    assert alias.moe.num_experts == 6  # NemotronHConfig.attribute_map: num_local_experts sets n_routed_experts
+    default = config_from_hf(dict(_SIZES))  # layers_block_type's default: M, E, *, -
+    assert default.mlp_types == ("none", "moe", "none", "plain") and default.moe.latent_size is None
+    biased = config_from_hf(dict(_SIZES, hybrid_override_pattern="E", mlp_bias=True, moe_latent_size=4))
+    assert biased.moe.shared_bias and biased.moe.latent_bias
 
 
 def test_older_key_names():
@@ -63,7 +80,9 @@ def test_older_key_names():
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (dict(hybrid_override_pattern="M*E-"), "'moe' blocks"),
+        (dict(hybrid_override_pattern="M*E-", moe_shared_expert_intermediate_size=0), "moe_shared_expert_inter"),
+        (dict(hybrid_override_pattern="E", moe_latent_size=0), "moe_latent_size"),
+        (dict(hybrid_override_pattern="E", norm_topk_prob="yes"), "norm_topk_prob"),
         (dict(hybrid_override_pattern="MX"), "hybrid_override_pattern"),
         (dict(layers_block_type=["mamba"]), "'mamba' is not supported"),
         (dict(layers_block_type="M*"), "expected a non-empty list"),
@@ -80,6 +99,14 @@ def test_older_key_names():
 def test_refusals_name_the_key(bad, match):
     with pytest.raises(ValueError, match=match):
         config_from_hf(dict(_SIZES, **bad))
+
+
+@pytest.mark.parametrize(
+    "bad,match", [(dict(n_routed_experts=6, n_group=4), "n_group"), (dict(num_experts_per_tok=9), "top_k")]
+)
+def test_a_router_transformers_cannot_build_is_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CausalLM(config_from_hf(dict(_SIZES, hybrid_override_pattern="E", **bad)), rng=0)
 
 
 @pytest.mark.parametrize("kinds", [("none", "plain"), ("linear_attention", "none"), ("full_attention", "none")])
@@ -125,7 +152,7 @@ _RELEASED = dict(
 
 
 @oracle
-@pytest.mark.parametrize("name", ["released", "tiny", "biases_tied"])
+@pytest.mark.parametrize("name", ["released", "tiny", "biases_tied", "moe", "moe_biases"])
 def test_dicts_mean_what_they_mean_to_transformers(name):
     """The older key names and short dicts read as transformers' NemotronHConfig reads them."""
     d = _RELEASED if name == "released" else (CASES[name] or tiny_config("nemotron_h"))
@@ -145,6 +172,28 @@ CASES = {
         use_conv_bias=False,
         tie_word_embeddings=True,
         time_step_min=0.02,
+    ),  # fmt: skip
+    # Nemotron 3's experts: the tiny entry (groups, scaling, a latent width), then biases on the shared
+    # expert, one group, no renormalisation and no latent width, silu experts
+    "moe": tiny_config("nemotron_h_moe"),
+    "moe_biases": dict(
+        _SIZES,
+        hybrid_override_pattern="EM-E*",
+        n_routed_experts=5,
+        num_experts_per_tok=3,
+        moe_intermediate_size=7,
+        moe_shared_expert_intermediate_size=9,
+        mlp_bias=True,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        mlp_hidden_act="silu",
+    ),  # fmt: skip
+    "moe_latent_biases": dict(
+        tiny_config("nemotron_h_moe"),
+        mlp_bias=True,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
     ),  # fmt: skip
 }
 
@@ -169,6 +218,12 @@ def test_logits_and_every_gradient_match_transformers(name):
     dlogits = np.random.default_rng(1).standard_normal(ids.shape + (cfg["vocab_size"],))
     params = check_logits_and_grads(m, hf, ids, dlogits)
     assert any(".mixer.A_log" in n for n in params) and any(".mixer.k_proj" in n for n in params)
+    if name.startswith("moe"):  # every expert chosen by some token: each one's gradient compared
+        assert any(".mixer.experts.up_proj" in n for n in params)
+        assert any(".mixer.shared_experts.down_proj" in n for n in params)
+        for layer in m.model.layers:
+            if layer.mlp is not None and hasattr(layer.mlp, "experts"):
+                assert np.all(np.abs(layer.mlp.experts.up_proj.grad).sum((1, 2)) > 0)
 
 
 @oracle
@@ -195,3 +250,56 @@ def test_save_pretrained_writes_the_backbone_names(tmp_path):
     assert "backbone.layers.1.mixer.up_proj.weight" in keys and not any(k.startswith("model.") for k in keys)
     ids = np.random.default_rng(5).integers(0, 41, (1, 6))
     np.testing.assert_allclose(CausalLM.from_pretrained(tmp_path)(ids), m(ids), rtol=1e-12, atol=1e-12)
+
+
+def test_the_experts_are_written_and_read_one_expert_at_a_time(tmp_path):
+    """Nemotron 3's released checkpoints keep each routed expert apart
+    (``backbone.layers.{i}.mixer.experts.{e}.up_proj.weight``; transformers' conversion_mapping
+    stacks them): save_pretrained writes them so, the reader stacks them back, and a stacked tensor
+    beside its parts, or a missing expert, is refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    m = CausalLM(tiny_config("nemotron_h_moe"), rng=0)
+    m.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert {
+        f"backbone.layers.1.mixer.experts.{e}.{p}.weight" for e in range(4) for p in ("up_proj", "down_proj")
+    } <= set(tensors)
+    assert not any(k.endswith("experts.up_proj") or k.endswith("experts.down_proj") for k in tensors)
+    assert tensors["backbone.layers.4.mixer.experts.3.up_proj.weight"].shape == (6, 8)  # (I, the latent width)
+    np.testing.assert_array_equal(
+        tensors["backbone.layers.4.mixer.experts.2.down_proj.weight"], m.model.layers[4].mlp.experts.down_proj.data[2]
+    )
+    ids = np.random.default_rng(5).integers(0, 41, (1, 6))
+    np.testing.assert_array_equal(CausalLM.from_pretrained(tmp_path)(ids), m(ids))
+    del tensors["backbone.layers.1.mixer.experts.3.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing key '.*layers\.1\.mixer\.experts\.3\.down_proj\.weight'"):
+        CausalLM.from_pretrained(tmp_path)
+    tensors["backbone.layers.1.mixer.experts.3.down_proj.weight"] = np.zeros((8, 6), np.float32)
+    tensors["backbone.layers.1.mixer.experts.up_proj"] = np.zeros((4, 6, 8), np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"both '.*layers\.1\.mixer\.experts\.up_proj' and the per-expert keys"):
+        CausalLM.from_pretrained(tmp_path)
+
+
+def test_a_tie_flag_keeps_the_head_its_own(tmp_path):
+    """``tie_word_embeddings: true`` ties nothing (``NemotronHForCausalLM._tied_weights_keys`` is
+    empty): the head is ``lm_head.weight``, written beside the flag as given (as transformers'
+    save_pretrained does), and a checkpoint without it is refused by name, not tied."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    m = CausalLM(tiny_config("nemotron_h", tie_word_embeddings=True), rng=0)
+    assert not np.array_equal(m.lm_head.weight.data, m.model.embed_tokens.weight.data)
+    m.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
+    tensors = load_file(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(tensors["lm_head.weight"], m.lm_head.weight.data)
+    ids = np.random.default_rng(5).integers(0, 41, (1, 6))
+    np.testing.assert_array_equal(CausalLM.from_pretrained(tmp_path)(ids), m(ids))
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing key 'lm_head.weight'"):
+        CausalLM.from_pretrained(tmp_path)

@@ -59,7 +59,7 @@ from ..nn.latent_attention import MultiHeadLatentAttention
 from ..nn.layers import Embedding, FeedForward, LayerNorm, Linear, RMSNorm
 from ..nn.mamba2 import Mamba2Mixer
 from ..nn.module import Module, is_grad_enabled, no_grad
-from ..nn.moe import HIDDEN_ACTS, Experts, GatedMLP, GptOssExperts, SparseMoeBlock
+from ..nn.moe import HIDDEN_ACTS, Experts, GatedMLP, GptOssExperts, PlainExperts, SparseMoeBlock
 from ..nn.shared_kv import DenseWithExperts, PerLayerEmbeddings, PerLayerInput, SharedKVAttention
 from ..nn.short_conv import ShortConv
 from ..nn.transformer import _block_tangents
@@ -371,12 +371,22 @@ def _mlp_shapes(cfg: CausalLMConfig, i: int) -> list:
     if moe.experts == "gpt_oss":  # GptOssExperts: (E, H, 2I) interleaved, biases
         experts = [("experts.gate_up_proj", (E, H, 2 * inter)), ("experts.gate_up_proj_bias", (E, 2 * inter))]
         experts += [("experts.down_proj", (E, inter, H)), ("experts.down_proj_bias", (E, H))]
+    elif moe.experts == "plain":  # PlainExperts (Nemotron 3's): (E, I, L), (E, L, I), L the latent width
+        L = H if moe.latent_size is None else moe.latent_size
+        experts = [("experts.up_proj", (E, inter, L)), ("experts.down_proj", (E, L, inter))]
     else:  # Experts: (E, 2I, H) gate rows then up rows, (E, H, I)
         experts = [("experts.gate_up_proj", (E, 2 * inter, H)), ("experts.down_proj", (E, H, inter))]
     out = experts + router if moe.experts_first else router + experts
     if moe.shared_intermediate_size is not None:
-        out += _gated(moe.shared_name, H, moe.shared_intermediate_size)
+        si, sb = moe.shared_intermediate_size, moe.shared_bias
+        if moe.experts == "plain":  # FeedForward under the names up_proj, down_proj
+            out += _lin(f"{moe.shared_name}.up_proj", si, H, sb) + _lin(f"{moe.shared_name}.down_proj", H, si, sb)
+        else:
+            out += _gated(moe.shared_name, H, si, sb)
         out += _lin("shared_expert_gate", 1, H, False) if moe.shared_expert_gate else []
+    if moe.latent_size is not None:
+        L, b = moe.latent_size, moe.latent_bias
+        out += _lin("fc1_latent_proj", L, H, b) + _lin("fc2_latent_proj", H, L, b)
     return [(f"mlp.{n}", s) for n, s in out]
 
 
@@ -568,6 +578,9 @@ class DecoderLayer(_Renamed):
             names.update(_DENSE_WITH_EXPERTS_NAMES)
         if isinstance(self.mlp, FeedForward):
             names.update(_PLAIN_MLP_NAMES)
+        if isinstance(self.mlp, SparseMoeBlock) and isinstance(self.mlp.shared_module, FeedForward):
+            shared = self.mlp._shared_name  # Nemotron 3's shared expert: FeedForward under up_proj, down_proj
+            names.update({f"mlp.{shared}.{k[4:]}": f"mlp.{shared}.{v[4:]}" for k, v in _PLAIN_MLP_NAMES.items()})
         self.per_layer = None
         if cfg.per_layer_input_size:  # Gemma 4: x + its per-layer input branch, after the MLP
             eps = cfg.rms_norm_eps
@@ -828,6 +841,8 @@ def bfloat16_parameters(m: Module) -> list:
             out.append(sub.weight)
         elif isinstance(sub, (Experts, GptOssExperts)):
             out += [sub.gate_up_proj, sub.down_proj]
+        elif isinstance(sub, PlainExperts):
+            out += [sub.up_proj, sub.down_proj]
     return out
 
 

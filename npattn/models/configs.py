@@ -1359,6 +1359,9 @@ class MoEConfig(_Kwargs):
     router_name: str = "gate"
     shared_name: str = "shared_expert"
     experts_first: bool = False
+    shared_bias: bool = False  # Nemotron 3's shared expert: mlp_bias
+    latent_size: int | None = None  # Nemotron 3's moe_latent_size
+    latent_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -1386,7 +1389,8 @@ class CheckpointLayout:
 
     family: str = ""
     per_expert: bool = False
-    expert_projs: tuple = ("gate_proj", "up_proj", "down_proj")  # a per-expert checkpoint's gate, up, down names
+    # a per-expert checkpoint's gate (None: no gate, Nemotron 3's), up and down names
+    expert_projs: tuple = ("gate_proj", "up_proj", "down_proj")
     renames: tuple = ()  # (model name part, checkpoint name part): the checkpoint's keys say the second
     split_conv: bool = False  # KDA's self_attn.conv1d.weight kept as q_conv1d, k_conv1d, v_conv1d (thirds)
     mtp: tuple = ()  # key prefixes of the checkpoint's multi-token-prediction layers, left unread
@@ -2722,6 +2726,7 @@ _NEMOTRON_H_NAMES = (
 _NEMOTRON_H_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 _NEMOTRON_H_KINDS = {"linear_attention": ("linear_attention", "none"), "full_attention": ("full_attention", "none")}
 _NEMOTRON_H_KINDS["mlp"] = ("none", "plain")
+_NEMOTRON_H_KINDS["moe"] = ("none", "moe")  # Nemotron 3's routed experts (NemotronHMoE)
 # NemotronHConfig's older key names (its __post_init__ takes them in the place of the newer ones)
 _NEMOTRON_H_ALIASES = {
     "n_groups": "mamba_n_groups",
@@ -2734,11 +2739,13 @@ _NEMOTRON_H_ALIASES = {
     "use_conv_bias": "mamba_conv_bias",
     "chunk_size": "mamba_chunk_size",
 }
-# the routed experts' keys (read by no module of a model without "moe" blocks, which npattn refuses)
+# the routed experts' keys (NemotronHMoE's, read by no module of a model without "moe" blocks);
+# n_shared_experts and moe_shared_expert_overlap are read by no module of transformers' (one shared
+# expert of moe_shared_expert_intermediate_size, always)
 _NEMOTRON_H_MOE_KEYS = (
-    "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-    "moe_latent_size", "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor", "n_group",
-    "topk_group", "norm_topk_prob",
+    "n_routed_experts", "num_local_experts", "n_shared_experts", "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap", "num_experts_per_tok",
+    "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
 )  # fmt: skip
 
 
@@ -2771,12 +2778,6 @@ def _nemotron_h_layers(r: _Reader) -> list:
     if not isinstance(lt, (list, tuple)) or not lt:
         raise ValueError(f"config['layers_block_type']: expected a non-empty list of block kinds, got {_show(lt)}")
     for t in lt:
-        if t == "moe":
-            raise ValueError(
-                "config['layers_block_type']: 'moe' blocks (Nemotron 3's routed experts, 'E' in "
-                "hybrid_override_pattern) are not supported by npattn for model_type 'nemotron_h' "
-                f"(supported: {sorted(_NEMOTRON_H_KINDS)})"
-            )
         if t not in _NEMOTRON_H_KINDS:
             raise ValueError(
                 f"config['layers_block_type']: {t!r} is not supported by npattn for model_type 'nemotron_h' "
@@ -2786,14 +2787,50 @@ def _nemotron_h_layers(r: _Reader) -> list:
     return list(lt)
 
 
+def _nemotron_h_moe(r: _Reader, hidden: int) -> MoEConfig:
+    """Nemotron 3's routed-experts block (``NemotronHMoE``): the router ``NemotronHTopkRouter``
+    (DeepSeek-V3's: sigmoid scores, the buffer ``e_score_correction_bias`` for the choice only,
+    ``n_group`` / ``topk_group``, ``norm_topk_prob`` with ``sum + 1e-20``,
+    ``routed_scaling_factor``), ``n_routed_experts`` (or its alias ``num_local_experts``) experts
+    that are not gated (``NemotronHExperts``: ``down(act(up(x)))``, ``moe_intermediate_size``,
+    ``mlp_hidden_act``), one shared expert ``NemotronHMLP`` of ``moe_shared_expert_intermediate_size``
+    (biases ``mlp_bias``) on the block's input, added; with ``moe_latent_size`` the routed experts
+    between ``fc1_latent_proj`` and ``fc2_latent_proj`` (biases ``mlp_bias``).  Keys under
+    ``mixer.``: ``gate.weight``, ``gate.e_score_correction_bias``, ``experts.up_proj``,
+    ``experts.down_proj``, ``shared_experts.up_proj`` / ``down_proj``, ``fc{1,2}_latent_proj``."""
+    alias = r.d.get("num_local_experts") is not None  # NemotronHConfig.attribute_map: it sets n_routed_experts
+    experts = r.int("num_local_experts" if alias else "n_routed_experts")
+    latent = r.d.get("moe_latent_size")
+    return MoEConfig(
+        hidden,
+        experts,
+        r.int("num_experts_per_tok"),
+        r.int("moe_intermediate_size"),
+        router="sigmoid",
+        norm_topk_prob=r.bool("norm_topk_prob", True),
+        routed_scaling_factor=r.float("routed_scaling_factor", 1.0),
+        n_group=r.int("n_group", 1),
+        topk_group=r.int("topk_group", 1),
+        experts="plain",
+        hidden_act=_act(r, "mlp_hidden_act", "relu2"),
+        shared_intermediate_size=r.int("moe_shared_expert_intermediate_size"),
+        shared_name="shared_experts",
+        experts_first=True,
+        shared_bias=r.bool("mlp_bias"),
+        latent_size=None if latent is None else r.int("moe_latent_size"),
+        latent_bias=r.bool("mlp_bias"),
+    )
+
+
 def _nemotron_h(r: _Reader) -> dict:
     """NVIDIA Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2/12B-v2, Nemotron-H-4B/8B/47B/56B;
     ``NemotronHForCausalLM``): blocks of one sublayer each, ``x + mixer(norm(x))``, their kinds
     ``layers_block_type`` (or ``hybrid_override_pattern``): a Mamba-2 mixer (layer kind
     ``"linear_attention"``, MLP kind ``"none"``), attention without RoPE or biases
     (``"full_attention"``, ``"none"``) or an MLP ``down_proj(relu2(up_proj(x)))`` (layer kind
-    ``"none"``, MLP kind ``"plain"``; ``mlp_hidden_act``, ``mlp_bias``).  Routed experts
-    (``"moe"``, Nemotron 3) are refused.  The mixer: ``mamba_num_heads`` heads of
+    ``"none"``, MLP kind ``"plain"``; ``mlp_hidden_act``, ``mlp_bias``) or Nemotron 3's routed
+    experts (``"moe"``: layer kind ``"none"``, MLP kind ``"moe"``, ``_nemotron_h_moe``).  The
+    mixer: ``mamba_num_heads`` heads of
     ``mamba_head_dim``, ``n_groups`` groups of ``ssm_state_size``, ``conv_kernel`` taps,
     ``use_conv_bias``, ``use_bias`` (in_proj's and out_proj's), ``chunk_size``, its gated norm
     (the gate first, in groups) and every norm with ``layer_norm_epsilon``; its step clipped
@@ -2807,7 +2844,13 @@ def _nemotron_h(r: _Reader) -> dict:
     (initialisation), ``mamba_proj_bias`` (must be false), ``residual_in_fp32``, ``hidden_dropout``,
     ``rescale_prenorm_residual``, ``use_mamba_kernels``, ``mamba_ssm_cache_dtype``,
     ``num_logits_to_keep``, the multi-token-prediction layers' ``mtp_layers_block_type`` (their
-    ``mtp.*`` tensors left unread) and the experts' keys."""
+    ``mtp.*`` tensors left unread), ``n_shared_experts`` and ``moe_shared_expert_overlap`` (read by no
+    module of transformers': one shared expert, always) and, without "moe" blocks, the experts'
+    keys.  ``tie_word_embeddings``: ``NemotronHForCausalLM._tied_weights_keys`` is empty, so
+    transformers 5 ties nothing whatever the flag says (``lm_head.weight`` is its own, read from
+    the checkpoint, saved beside the flag as given); npattn reads the same untied head, writes it
+    and the flag as transformers does, and refuses by name a checkpoint without ``lm_head.weight``
+    (where transformers would leave the head at its random initialisation)."""
     lt = _nemotron_h_layers(r)
     n = len(lt)
     r.d = {**r.d, "num_hidden_layers": n}
@@ -2827,6 +2870,7 @@ def _nemotron_h(r: _Reader) -> dict:
         r.get(key)
     for key in ("mamba_ssm_cache_dtype", "num_logits_to_keep", "mtp_layers_block_type", "mtp_hybrid_override_pattern"):
         r.get(key)
+    moe = _nemotron_h_moe(r, c["hidden_size"]) if "moe" in lt else None
     for key in _NEMOTRON_H_MOE_KEYS:
         r.get(key)
     heads, head_dim = r.int("mamba_num_heads"), r.int("mamba_head_dim")
@@ -2859,13 +2903,21 @@ def _nemotron_h(r: _Reader) -> dict:
         mlp_bias=r.bool("mlp_bias"),
         layer_types=tuple(k[0] for k in kinds),
         mlp_types=tuple(k[1] for k in kinds),
+        moe=moe,
         rope={"default": {"rope_type": "default", "rope_theta": 10000.0}},
         rope_layers=(False,) * n,  # JambaAttention: no rotary embedding
         linear_attention=mamba,
         layer_names=_NEMOTRON_H_NAMES,
         final_norm_name="norm_f",
         embed_name="embeddings",
-        layout=CheckpointLayout(r.model_type, renames=_NEMOTRON_H_RENAMES, mtp=("mtp.",)),
+        # Nemotron 3's released checkpoints keep each expert apart: mixer.experts.{e}.{up,down}_proj.weight
+        layout=CheckpointLayout(
+            r.model_type,
+            per_expert=moe is not None,
+            expert_projs=(None, "up_proj", "down_proj"),
+            renames=_NEMOTRON_H_RENAMES,
+            mtp=("mtp.",),
+        ),
     )
     return c
 

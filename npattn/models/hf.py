@@ -566,13 +566,16 @@ class _Source:
 # then its up rows) and ``down_proj (E, H, I)``.  transformers merges them while loading; so do we,
 # each part written straight into its slice of the fused parameter, where the config's
 # ``CheckpointLayout`` says its family's checkpoints may be written so (``per_expert``).
-# the module holding the experts: ``mlp`` (LFM2-MoE's ``feed_forward``, its ``layer_names``)
-_EXPERTS_PARENT = "(?:mlp|feed_forward)"
+# Nemotron 3's experts are not gated: ``mixer.experts.{e}.{up,down}_proj.weight`` stacked into
+# ``up_proj (E, I, H)`` and ``down_proj (E, H, I)`` (its layout's gate None).
+# the module holding the experts: ``mlp`` (LFM2-MoE's ``feed_forward``, Nemotron-H's ``mixer``, their ``layer_names``)
+_EXPERTS_PARENT = "(?:mlp|feed_forward|mixer)"
 
 
 def _per_expert(projs: tuple) -> re.Pattern:
-    """The per-expert key pattern for the three projection names ``projs`` (gate, up, down)."""
-    names = "|".join(map(re.escape, projs))
+    """The per-expert key pattern for the three projection names ``projs`` (gate, up, down; the
+    gate None for experts that are not gated)."""
+    names = "|".join(re.escape(p) for p in projs if p is not None)
     return re.compile(rf"^(?P<prefix>.*\.{_EXPERTS_PARENT}\.experts)\.(?P<e>[0-9]+)\.(?P<proj>{names})\.weight$")
 
 
@@ -829,6 +832,7 @@ def _merge_experts(src: dict, projs: tuple = ("gate_proj", "up_proj", "down_proj
     written two ways (``experts.00`` beside ``experts.0``: any leading zero is refused), a part
     that is not 2-D, and per-expert keys beside the fused tensor they would make."""
     gate, up, down = projs
+    projs = tuple(p for p in projs if p is not None)  # not gated: up and down alone
     pattern = _per_expert(projs)
     groups: dict = {}
     for key in list(src):
@@ -848,17 +852,18 @@ def _merge_experts(src: dict, projs: tuple = ("gate_proj", "up_proj", "down_proj
             for proj in projs:
                 if (e, proj) not in parts:
                     raise ValueError(f"state_dict: missing key '{prefix}.{e}.{proj}.weight' (expert {e} of {n})")
-        for fused in ("gate_up_proj", "down_proj"):
+        first = up if gate is None else "gate_up_proj"  # the fused tensor of the first projection(s)
+        for fused in (first, "down_proj"):
             if f"{prefix}.{fused}" in src:
                 raise ValueError(
                     f"state_dict: both {prefix + '.' + fused!r} and the per-expert keys "
-                    f"'{prefix}.0.{gate}.weight', ... it is made of (give one or the other)"
+                    f"'{prefix}.0.{projs[0]}.weight', ... it is made of (give one or the other)"
                 )
-        src[f"{prefix}.gate_up_proj"] = _Merged(
-            f"{prefix}.gate_up_proj",
+        src[f"{prefix}.{first}"] = _Merged(
+            f"{prefix}.{first}",
             prefix,
-            (gate, up),
-            [[parts[e, gate], parts[e, up]] for e in range(n)],
+            projs[:-1],
+            [[parts[e, p] for p in projs[:-1]] for e in range(n)],
         )
         src[f"{prefix}.down_proj"] = _Merged(
             f"{prefix}.down_proj", prefix, (down,), [[parts[e, down]] for e in range(n)]

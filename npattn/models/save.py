@@ -67,7 +67,8 @@ _WEIGHTS = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # the fused experts of a family whose checkpoints keep each expert apart (hf.py's _per_expert, reversed)
-_FUSED = re.compile(rf"^(?P<prefix>.*\.{_EXPERTS_PARENT}\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+# (up_proj: experts that are not gated, Nemotron 3's)
+_FUSED = re.compile(rf"^(?P<prefix>.*\.{_EXPERTS_PARENT}\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)$")
 
 
 def parse_shard_size(size) -> int:
@@ -141,6 +142,9 @@ def checkpoint_tensors(model) -> dict:
                 parts[key[: -len("conv1d.weight")] + f"{part}_conv1d.weight"] = arr[i * third : (i + 1) * third]
         elif m is None:
             parts[key] = arr
+        elif m["proj"] == "up_proj":  # (E, I, H), experts that are not gated (their layout's gate None)
+            for e in range(arr.shape[0]):
+                parts[f"{m['prefix']}.{e}.{up}.weight"] = arr[e]
         elif m["proj"] == "gate_up_proj":  # (E, 2I, H): expert e's gate rows, then its up rows
             half = arr.shape[1] // 2
             for e in range(arr.shape[0]):

@@ -639,6 +639,35 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Nemotron 3 (Nano 30B-A3B's kind of blocks): Nemotron-H's with routed experts, "E": 2 of 4 experts
+    # that are not gated (relu2) in 2 groups (one chosen), sigmoid scores, the shared expert, a latent width
+    "nemotron_h_moe": dict(
+        _BASE,
+        model_type="nemotron_h",
+        hybrid_override_pattern="ME*-E",
+        num_hidden_layers=5,
+        head_dim=6,
+        mamba_num_heads=4,
+        mamba_head_dim=6,
+        n_groups=2,
+        ssm_state_size=4,
+        conv_kernel=3,
+        chunk_size=4,
+        time_step_min=0.01,
+        layer_norm_epsilon=1e-5,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=6,
+        moe_shared_expert_intermediate_size=10,
+        moe_latent_size=8,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
