@@ -2359,8 +2359,16 @@ def test_nemotron_h_mamba2_sizes_are_refused_by_name():
 
     derive = GGUF_FAMILIES["nemotron_h"].derive
     base = dict(model_type="nemotron_h", num_hidden_layers=2, hidden_size=256, num_attention_heads=4, rms_norm_eps=1e-5)
-    with pytest.raises(ValueError, match=r"metadata 'nemotron_h.ssm.conv_kernel': expected an integer >= 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"metadata 'nemotron_h.ssm.conv_kernel': expected an integer >= 1 \(the Mamba-2 layers' conv_kernel\)",
+    ):
         derive(dict(base, num_key_value_heads=[0, 2], intermediate_size=0), {})
+    for suffix, key in (("ssm.time_step_rank", "mamba_num_heads"), ("ssm.group_count", "n_groups")):
+        with pytest.raises(
+            ValueError, match=rf"'nemotron_h.{suffix}': expected an integer >= 1 \(the Mamba-2 layers' {key}\)"
+        ):
+            derive(dict(base, num_key_value_heads=[0, 2], intermediate_size=0), dict(_NEMOTRON_SSM, **{suffix: 0}))
     with pytest.raises(ValueError, match=r"'nemotron_h.ssm.inner_size' 250: expected a multiple of ssm.time_step_rank"):
         derive(
             dict(base, num_key_value_heads=[0, 2], intermediate_size=0), dict(_NEMOTRON_SSM, **{"ssm.inner_size": 250})

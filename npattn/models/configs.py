@@ -386,8 +386,11 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
     for key, suffix in (*_GGUF_MAMBA2.items(), ("inner", "ssm.inner_size")):
         v = meta.get(suffix)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            # the family's own config key (Nemotron-H's are not Granite 4.0's mamba_*)
+            own = _GGUF_NEMOTRON_H_MAMBA2.get(key, key) if arch == "nemotron_h" else key
+            own = "mamba_num_heads * mamba_head_dim" if arch == "nemotron_h" and key == "inner" else own
             raise ValueError(
-                f"metadata '{arch}.{suffix}': expected an integer >= 1 (the Mamba-2 layers' {key}), got {_show(v)}"
+                f"metadata '{arch}.{suffix}': expected an integer >= 1 (the Mamba-2 layers' {own}), got {_show(v)}"
             )
         config[key] = v
     inner, hidden = config.pop("inner"), config["hidden_size"]
