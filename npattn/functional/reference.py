@@ -1126,17 +1126,23 @@ def xielu(x: Array, alpha_p, alpha_n, beta: float = 0.5, eps: float = -1e-6) -> 
     return y, (x, alpha_p, alpha_n, beta, eps)
 
 
-def _xielu_parts(cache):
-    """What the derivatives of ``xielu`` read, from its cache: the branches ``P = [x > 0]`` and
-    ``N = [x <= 0]``, ``e = d expm1(m) / dx = exp(m) [x < eps]`` (0 where ``m`` is the constant
-    ``eps``), ``q = dy/da_n = (expm1(m) - x) N``, ``a_p``, ``a_n`` and the sigmoids ``s_p``, ``s_n``
-    (``d a_p / d alpha_p = s_p``, ``d a_n / d alpha_n = s_n``)."""
-    x, alpha_p, alpha_n, beta, eps = cache
+def _xielu_branches(cache):
+    """What the derivatives of ``xielu`` read of ``x``, from its cache: ``x``, the branches ``P =
+    [x > 0]`` and ``N = [x <= 0]``, ``e = d expm1(m) / dx = exp(m) [x < eps]`` (0 where ``m`` is the
+    constant ``eps``) and ``q = dy/da_n = (expm1(m) - x) N``."""
+    x, eps = cache[0], cache[4]
     m = np.minimum(x, eps)
     P, N = x > 0, x <= 0
     e = np.where(x < eps, np.exp(m), 0.0)
     q = np.where(N, np.expm1(m) - x, 0.0)
-    return x, P, N, e, q, _softplus(alpha_p), beta + _softplus(alpha_n), _sigmoid(alpha_p), _sigmoid(alpha_n), beta
+    return x, P, N, e, q
+
+
+def _xielu_scales(cache):
+    """What they read of the parameters: ``a_p``, ``a_n`` and the sigmoids ``s_p``, ``s_n`` (``d a_p
+    / d alpha_p = s_p``, ``d a_n / d alpha_n = s_n``)."""
+    alpha_p, alpha_n, beta = cache[1], cache[2], cache[3]
+    return _softplus(alpha_p), beta + _softplus(alpha_n), _sigmoid(alpha_p), _sigmoid(alpha_n)
 
 
 def xielu_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Array]:
@@ -1149,7 +1155,9 @@ def xielu_backward(dout: Array, cache: tuple) -> Tuple[Array, Array, Array]:
     and chain through softplus (``d a_p / d alpha_p = sigmoid(alpha_p)``, likewise ``a_n``); each
     parameter is one number shared by every entry, so its gradient is a sum over all of them.
     Returns ``(dx, dalpha_p, dalpha_n)``."""
-    x, P, N, e, q, a_p, a_n, s_p, s_n, beta = _xielu_parts(cache)
+    x, P, N, e, q = _xielu_branches(cache)
+    a_p, a_n, s_p, s_n = _xielu_scales(cache)
+    beta = cache[3]
     alpha_p, alpha_n = cache[1], cache[2]
     slope = np.where(P, 2 * a_p * x, a_n * (e - 1)) + beta
     dx = dout * slope
@@ -1165,7 +1173,9 @@ def xielu_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
 
     (``s_p``, ``s_n`` the sigmoids of the raw parameters: softplus' derivative)."""
     tx, talpha_p, talpha_n = _padded(tangents, 3)
-    x, P, N, e, q, a_p, a_n, s_p, s_n, beta = _xielu_parts(cache)
+    x, P, N, e, q = _xielu_branches(cache)
+    a_p, a_n, s_p, s_n = _xielu_scales(cache)
+    beta = cache[3]
     ty = np.zeros_like(x)
     if tx is not None:
         ty = ty + (np.where(P, 2 * a_p * x, a_n * (e - 1)) + beta) * tx
@@ -1192,7 +1202,9 @@ def xielu_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Arra
                                                           + s_n (1 - s_n) talpha_n sum(dy q)
     """
     tx, talpha_p, talpha_n = _padded(tangents, 3)
-    x, P, N, e, q, a_p, a_n, s_p, s_n, beta = _xielu_parts(cache)
+    x, P, N, e, q = _xielu_branches(cache)
+    a_p, a_n, s_p, s_n = _xielu_scales(cache)
+    beta = cache[3]
     alpha_p, alpha_n = cache[1], cache[2]
     grads = xielu_backward(dout, cache)
     ddy = np.zeros_like(dout) if ddout is None else ddout

@@ -76,6 +76,16 @@ def _token_block(heads: int, head_dim: int) -> int:
 QK_NORM_SCOPES = ("head", "all_heads", "each_head")
 
 
+def _check_qk_norm_scope(scope, unit_offset: bool) -> str:
+    """``qk_norm_scope``, one of ``QK_NORM_SCOPES``; ``"each_head"``'s weights start at 1, so it
+    takes no unit offset."""
+    if scope not in QK_NORM_SCOPES:
+        raise ValueError(f"qk_norm_scope: expected one of {list(QK_NORM_SCOPES)}, got {scope!r}")
+    if scope == "each_head" and unit_offset:
+        raise ValueError("qk_norm_unit_offset: expected False with qk_norm_scope='each_head' (its weights start at 1)")
+    return scope
+
+
 class Projected(NamedTuple):
     """The ``project`` stage's output: heads of q (and the output gate), k, v, and the caches."""
 
@@ -225,13 +235,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         self.qk_norm = check_bool(qk_norm, "qk_norm")
         qk_norm_eps = None if qk_norm_eps is None else check_positive_float(qk_norm_eps, "qk_norm_eps", allow_zero=True)
         self.qk_norm_unit_offset = check_bool(qk_norm_unit_offset, "qk_norm_unit_offset")
-        if qk_norm_scope not in QK_NORM_SCOPES:
-            raise ValueError(f"qk_norm_scope: expected one of {list(QK_NORM_SCOPES)}, got {qk_norm_scope!r}")
-        self.qk_norm_scope = qk_norm_scope
-        if qk_norm_scope == "each_head" and self.qk_norm_unit_offset:
-            raise ValueError(
-                "qk_norm_unit_offset: expected False with qk_norm_scope='each_head' (its weights start at 1)"
-            )
+        self.qk_norm_scope = _check_qk_norm_scope(qk_norm_scope, self.qk_norm_unit_offset)
         self.output_gate = check_bool(output_gate, "output_gate")
         self.query_scale_by_position = _check_query_scale(query_scale_by_position)
         self._dtype = check_dtype(dtype)

@@ -922,6 +922,24 @@ def _check_layout(experts, router_name, shared_name, shared_intermediate_size, s
     return shared_intermediate_size, gated, experts_first
 
 
+def _routed_experts(kind, num_experts, width, intermediate_size, hidden_act, alpha, limit, kw) -> _SortedExperts:
+    """``SparseMoeBlock``'s routed experts of ``kind`` (``_check_layout``'s), ``width`` wide (the
+    hidden size, or the latent one): SwiGLU, GPT-OSS's clamped SwiGLU or not gated."""
+    if kind == "plain":
+        return PlainExperts(num_experts, width, intermediate_size, hidden_act=hidden_act, **kw)
+    if kind == "gpt_oss":
+        return GptOssExperts(num_experts, width, intermediate_size, alpha=alpha, limit=limit, **kw)
+    return Experts(num_experts, width, intermediate_size, hidden_act=hidden_act, **kw)
+
+
+def _shared_expert(kind, hidden_size, size, hidden_act, bias, kw) -> Module:
+    """The shared expert beside routed experts of ``kind``: gated (``GatedMLP``), or beside plain
+    experts not gated either, ``down(act(up(x)))`` (``FeedForward``: Nemotron 3's NemotronHMLP)."""
+    if kind == "plain":
+        return FeedForward(hidden_size, size, activation=_check_hidden_act(hidden_act), bias=bias, **kw)
+    return GatedMLP(hidden_size, size, hidden_act, bias=bias, **kw)
+
+
 @shared_doc(init_raises=_INIT_RAISES)
 class SparseMoeBlock(Module):
     """A sparse mixture-of-experts feed-forward block: a ``TopKRouter``, fused experts, and
@@ -1056,39 +1074,20 @@ class SparseMoeBlock(Module):
         )
         setattr(self, router_name, route)
         width = hidden_size if latent_size is None else latent_size  # the routed experts'
-        if experts == "plain":
-            self.experts: _SortedExperts = PlainExperts(
-                num_experts, width, intermediate_size, hidden_act=hidden_act, rng=rng, dtype=dtype
-            )
-        elif experts == "gpt_oss":
-            self.experts = GptOssExperts(
-                num_experts,
-                hidden_size,
-                intermediate_size,
-                alpha=swiglu_alpha,
-                limit=swiglu_limit,
-                rng=rng,
-                dtype=dtype,
-            )
-        else:
-            self.experts = Experts(
-                num_experts, hidden_size, intermediate_size, hidden_act=hidden_act, rng=rng, dtype=dtype
-            )
+        kw = {"rng": rng, "dtype": dtype}
+        self.experts = _routed_experts(
+            experts, num_experts, width, intermediate_size, hidden_act, swiglu_alpha, swiglu_limit, kw
+        )
         self.latent_size = latent_size
         if latent_size is not None:
             self.fc1_latent_proj = Linear(hidden_size, latent_size, latent_bias, rng=rng, dtype=dtype)
             self.fc2_latent_proj = Linear(latent_size, hidden_size, latent_bias, rng=rng, dtype=dtype)
         if shared_intermediate_size is not None:
-            if experts == "plain":  # not gated: down(act(up(x))), Nemotron 3's NemotronHMLP
-                act = _check_hidden_act(hidden_act)
-                shared: Module = FeedForward(
-                    hidden_size, shared_intermediate_size, activation=act, bias=shared_bias, rng=rng, dtype=dtype
-                )
-            else:
-                shared = GatedMLP(
-                    hidden_size, shared_intermediate_size, hidden_act, bias=shared_bias, rng=rng, dtype=dtype
-                )
-            setattr(self, shared_name, shared)
+            setattr(
+                self,
+                shared_name,
+                _shared_expert(experts, hidden_size, shared_intermediate_size, hidden_act, shared_bias, kw),
+            )
             if gated:
                 self.shared_expert_gate = Linear(hidden_size, 1, False, rng=rng, dtype=dtype)
         if experts_first:  # experts, router, the shared expert and its gate, the latent projections (transformers')
