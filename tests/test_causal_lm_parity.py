@@ -780,6 +780,48 @@ FAMILIES = {
             },
         ),
     ),
+    # Hunyuan dense: RoPE, then the QK-norm of each rotated head; NTK-alpha RoPE as the releases
+    # write it ("dynamic" with an alpha, YaRN's keys beside it unread), grouped heads wider than
+    # hidden / heads, the attention's biases; and without biases under the default RoPE, tied
+    "hunyuan_v1_dense": (
+        "HunYuanDenseV1Config",
+        "HunYuanDenseV1ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "dynamic",
+                "alpha": 1000.0,
+                "factor": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    "hunyuan_v1_dense_tied": (
+        "HunYuanDenseV1Config",
+        "HunYuanDenseV1ForCausalLM",
+        dict(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+    ),
 }
 
 
@@ -855,6 +897,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "apertus",
         "ministral3",
         "ministral",
+        "hunyuan_v1_dense",
         "qwen3",
         "gemma3_text",
         "gpt_oss",

@@ -34,6 +34,7 @@ FAMILIES += ["nemotron_h"]  # blocks of one sublayer (Mamba-2, attention, a relu
 FAMILIES += ["glm4"]  # partial RoPE on interleaved pairs, plain norms after both sublayers (second order through them)
 FAMILIES += ["cohere2", "cohere"]  # attention and MLP side by side on one bias-free LayerNorm, the logits' scale
 FAMILIES += ["nemotron_h_moe"]  # experts that are not gated (relu2) in a latent width, a relu2 shared expert
+FAMILIES += ["hunyuan_v1_dense"]  # the QK-norm after RoPE in the second-order step, NTK-alpha RoPE
 IGNORE = -1
 
 

@@ -1711,6 +1711,8 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
     - dynamic (NTK): a longer sequence ``s > max_position_embeddings`` stretches the base to
       ``base (factor s / max - (factor - 1))^(R / (R - 2))`` (pair ``R/2 - 1`` then spans the new
       length as it spanned the old one);
+    - ntk_alpha (Hunyuan): the same stretch by a fixed ``alpha``, ``base alpha^(R / (R - 2))``,
+      whatever the length;
     - yarn: pair ``i`` is interpolated (``f_i / factor``) when it makes fewer than ``beta_slow``
       turns over ``original`` positions, kept when more than ``beta_fast``, blended linearly in the
       pair index between; cos and sin are scaled by ``0.1 ln(factor) + 1`` (or the ratio of the
@@ -1737,6 +1739,8 @@ def rope_frequencies(dim: int, base: float = 10000.0, scaling=None, *, seq_len=N
         m, fac = s["max_position_embeddings"], s["factor"]
         length = m if seq_len is None else max(seq_len, m)
         base = base * (fac * length / m - (fac - 1)) ** (r / (r - 2))
+    if kind == "ntk_alpha":
+        base = base * s["alpha"] ** (r / (r - 2))
     f = [base ** (-2 * i / r) for i in range(r // 2)]  # the unscaled frequency of each pair
     attention_factor = 1.0
     if kind == "linear":

@@ -13,6 +13,10 @@ change these frequencies; Hugging Face configurations say how in a ``rope_scalin
   ``base * (factor * seq_len / max_position_embeddings - (factor - 1)) ** (dim / (dim - 2))``.
   The frequencies depend on the length of the sequence seen, as Hugging Face's
   ``dynamic_rope_update`` recomputes them (``seq_len`` is the largest position + 1).
+- ``"ntk_alpha"`` (NTK-aware scaling by a fixed ``alpha``, Hunyuan's dense models): the base
+  stretched once to ``base * alpha ** (dim / (dim - 2))``, whatever the length
+  (transformers' ``HunYuanDenseV1RotaryEmbedding.compute_ntk_alpha_rope_parameters``; the
+  checkpoints say ``"dynamic"`` with an ``alpha``, which their reader names ``"ntk_alpha"``).
 - ``"yarn"`` (Peng et al. 2023): low-frequency pairs (many wavelengths longer than the training
   context) are interpolated (divided by ``factor``), high-frequency ones kept, a linear ramp
   between, with bounds from ``beta_fast``/``beta_slow`` rotations over
@@ -66,6 +70,7 @@ _TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "dynamic": ("factor",),
+    "ntk_alpha": ("alpha",),
     "yarn": (
         "factor",
         "original_max_position_embeddings",
@@ -149,6 +154,7 @@ def check_scaling(scaling, name: str = "scaling") -> dict[str, Any]:
         "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
         "linear": ("factor",),
         "dynamic": ("factor", "max_position_embeddings"),
+        "ntk_alpha": ("alpha",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
         "yarn": ("factor",),
     }.get(kind, ())
@@ -252,8 +258,10 @@ def resolve_rotary_dim(d: int, rotary_dim, params: dict, name: str = "rotary_dim
             raise ValueError(
                 f"scaling[{k!r}]: expected {r // 2} numbers (one per rotated pair of {label}={r}), got {len(params[k])}"
             )
-    if params["rope_type"] == "dynamic" and r == 2:
-        raise ValueError(f"{label}: rope_type 'dynamic' needs more than 2 rotated features (dim / (dim - 2))")
+    if params["rope_type"] in ("dynamic", "ntk_alpha") and r == 2:
+        raise ValueError(
+            f"{label}: rope_type {params['rope_type']!r} needs more than 2 rotated features (dim / (dim - 2))"
+        )
     return r
 
 
@@ -371,6 +379,8 @@ def inverse_frequencies(dim: int, base: float, params: dict, seq_len: int | None
         m = params["max_position_embeddings"]
         s = m if seq_len is None else max(seq_len, m)
         base = base * (params["factor"] * s / m - (params["factor"] - 1)) ** (dim / (dim - 2))
+    if kind == "ntk_alpha":  # the same stretch of the base by a fixed alpha: no length enters
+        base = base * params["alpha"] ** (dim / (dim - 2))
     if kind == "longrope":
         return _longrope(base**exponent, params, seq_len)
     inv_freq = 1.0 / base**exponent

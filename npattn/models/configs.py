@@ -84,6 +84,7 @@ SUPPORTED_MODEL_TYPES = (
     "cohere2",
     "cohere",
     "apertus",
+    "hunyuan_v1_dense",
 )
 
 ATTENTION_KINDS = (
@@ -1234,6 +1235,7 @@ class AttentionConfig(_Kwargs):
     qk_norm_scope: str = "head"
     rope_interleaved: bool = False  # RoPE on the pairs (2i, 2i+1) instead of rotate-half (ERNIE 4.5)
     query_scale_by_position: tuple | None = None  # (beta, length): Ministral 3's scale of the queries
+    qk_norm_after_rope: bool = False  # QK-norm of the rotated heads (Hunyuan), not before RoPE
 
 
 @dataclass(frozen=True)
@@ -1485,6 +1487,9 @@ class CausalLMConfig:
     ``1 + beta log(1 + floor(p / length))`` after RoPE (Ministral 3's ``llama_4_scaling_beta`` and
     its YaRN ``original_max_position_embeddings``: ``MultiHeadAttention``'s option of that name).
 
+    ``qk_norm_after_rope``: the QK-norm normalises the rotated heads (Hunyuan's dense models),
+    instead of the heads RoPE then rotates (``MultiHeadAttention``'s option of that name).
+
     ``hybrid_multipliers``: a ``"hybrid"`` layer's four factors (Falcon-H1's muP ones): the
     attention's input and output, the Mamba-2 mixer's input and output (``ParallelSum``'s).
     ``mlp_multipliers``: the dense MLP's factor of ``gate_proj(x)`` before the activation and of its
@@ -1545,6 +1550,7 @@ class CausalLMConfig:
     rope_layers: tuple | None = None  # per layer: whether it rotates q and k (SmolLM3's NoPE layers: False)
     rope_interleaved: bool = False  # RoPE rotates the pairs (2i, 2i+1) of each head (ERNIE 4.5), not (i, i + D/2)
     query_scale_by_position: tuple | None = None  # (beta, length): queries times 1 + beta log(1 + floor(p / length))
+    qk_norm_after_rope: bool = False  # the QK-norm after RoPE (Hunyuan), not before
     short_conv: ShortConvConfig | None = None  # the "conv" layers' arguments (LFM2)
     hybrid_multipliers: tuple = (1.0, 1.0, 1.0, 1.0)  # "hybrid" layers: attention in, out, Mamba-2 in, out
     mlp_multipliers: tuple = (1.0, 1.0)  # the dense MLP's gate and down factors (Falcon-H1)
@@ -1613,6 +1619,7 @@ class CausalLMConfig:
             qk_norm_scope=self.qk_norm_scope,
             rope_interleaved=self.rope_interleaved,
             query_scale_by_position=self.query_scale_by_position,
+            qk_norm_after_rope=self.qk_norm and self.qk_norm_after_rope,
         )
 
     def describe(self) -> str:
@@ -1790,7 +1797,13 @@ def _whole_heads(r: _Reader, params: Mapping, where: str) -> None:
 
 
 def _rope_params(
-    r: _Reader, default_theta: float, default: Mapping | None = None, *, partial: bool = False, aside: tuple = ()
+    r: _Reader,
+    default_theta: float,
+    default: Mapping | None = None,
+    *,
+    partial: bool = False,
+    aside: tuple = (),
+    retype: str | None = None,
 ) -> dict:
     """``{"default": rope parameters}`` as transformers 5 reads the config
     (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``, then ``standardize_rope_params``):
@@ -1801,13 +1814,16 @@ def _rope_params(
     (and ``dynamic`` its length).  ``partial``: the family rotates the first
     ``partial_rotary_factor`` of each head (else a factor other than 1 is refused: ``_whole_heads``).
     ``aside``: keys of the chosen dict that are not RoPE's, left out of it (the family reads them:
-    ``_rope_extra``)."""
+    ``_rope_extra``); ``retype``: the ``rope_type`` the family's model computes in place of the
+    dict's (Hunyuan's ``"dynamic"`` with an ``alpha`` is ``"ntk_alpha"``)."""
     rp = _rope_mapping(r, "rope_parameters")
     scaling = _rope_mapping(r, "rope_scaling")
     theta = r.get("rope_theta")
     key = "rope_scaling" if scaling else "rope_parameters"
     chosen = scaling or (default if rp is None else rp) or {}
     chosen = {k: v for k, v in chosen.items() if k not in aside}
+    if retype is not None:
+        chosen = {k: v for k, v in chosen.items() if k not in ("rope_type", "type")} | {"rope_type": retype}
     params = _standardize(
         chosen,
         f"config[{key!r}]",
@@ -2140,6 +2156,48 @@ def _ministral3(r: _Reader) -> dict:
 _MIXTRAL_LAYOUT: dict[str, Any] = dict(
     per_expert=True, expert_projs=("w1", "w3", "w2"), renames=((".mlp.", ".block_sparse_moe."),)
 )
+
+
+# the keys of Hunyuan's "dynamic" RoPE dict that its NTK-alpha frequencies never read (the
+# releases carry YaRN's beside the alpha; HunYuanDenseV1RotaryEmbedding reads rope_theta and alpha)
+_NTK_ALPHA_UNREAD = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _hunyuan_v1_dense(r: _Reader) -> dict:
+    """Hunyuan's dense models (tencent/Hunyuan-0.5B/1.8B/4B/7B-Instruct,
+    ``HunYuanDenseV1ForCausalLM``): Llama's layers (``attention_bias`` on all four projections, an
+    MLP without biases) whose attention rotates q and k first and then normalises each head of
+    both (``query_layernorm``, ``key_layernorm``: RMSNorms of ``head_dim`` with the model's eps),
+    the reverse of Qwen3's order (``qk_norm_after_rope``).  ``head_dim`` is required
+    (``HunYuanDenseV1Attention`` reads the config's, null included).  A RoPE dict of type
+    ``"dynamic"`` with a non-zero ``alpha`` is NTK-aware scaling by that fixed alpha
+    (``"ntk_alpha"``: base ``rope_theta * alpha ** (head_dim / (head_dim - 2))``; the dict's other
+    YaRN-like keys are not read there); without one it is transformers' dynamic NTK.
+    ``eod_token_id`` is a token id (metadata)."""
+    if not r.has("head_dim"):
+        raise ValueError(
+            "config: model_type 'hunyuan_v1_dense' needs the key 'head_dim' (HunYuanDenseV1Attention reads the "
+            "config's, without a default), which is missing or null"
+        )
+    c = _common(r)
+    r.get("eod_token_id")  # a token id: metadata
+    kind = _rope_extra(r, "rope_type") or _rope_extra(r, "type")
+    if kind == "dynamic" and _rope_extra(r, "alpha"):
+        rope = _rope_params(r, 10000.0, aside=_NTK_ALPHA_UNREAD, retype="ntk_alpha")
+    else:  # a null or zero alpha: HunYuanDenseV1RotaryEmbedding keeps the dict's type (and ignores the key)
+        rope = _rope_params(r, 10000.0, aside=("alpha",) if _rope_extra(r, "alpha") is not None else ())
+    c.update(
+        _mlp_and_bias(r),
+        qk_norm=True,
+        qk_norm_after_rope=True,
+        rope=rope,
+        layer_names=_HUNYUAN_NAMES,
+        **_dense_layers(r, ("full_attention",) * c["num_hidden_layers"]),
+    )
+    return c
+
+
+_HUNYUAN_NAMES = (("self_attn.q_norm", "self_attn.query_layernorm"), ("self_attn.k_norm", "self_attn.key_layernorm"))
 
 
 def _mixtral(r: _Reader) -> dict:
@@ -4324,6 +4382,17 @@ _DEFAULTS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # HunYuanDenseV1Config's class defaults (the 7B's sizes; head_dim null, which the reader refuses)
+    "hunyuan_v1_dense": dict(
+        **_sizes(positions=2048, vocab=290943, hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32),
+        **_SILU,
+        rms_norm_eps=1e-5,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        eod_token_id=3,
+    ),
     "olmo3": dict(
         _LLAMA_SIZES,
         vocab_size=50304,
@@ -4828,6 +4897,7 @@ _READERS = {
     "ministral3": _ministral3,
     "ministral": _ministral,
     "glm4": _glm4,
+    "hunyuan_v1_dense": _hunyuan_v1_dense,
 }
 
 

@@ -822,6 +822,28 @@ TINY_CONFIGS: dict = {
         rope_theta=1000.0,
         pad_token_id=0,
     ),
+    # Hunyuan dense: the QK-norm after RoPE, NTK-alpha RoPE as the releases write it ("dynamic" with
+    # an alpha beside YaRN's unread keys), heads of 8 wider than hidden / heads, biases on the
+    # attention's four projections
+    "hunyuan_v1_dense": dict(
+        _BASE,
+        model_type="hunyuan_v1_dense",
+        head_dim=8,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "dynamic",
+            "alpha": 3.0,
+            "factor": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "rope_theta": 1000.0,
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # GraniteMoeShared: Granite MoE (2 of 4 experts, untied) plus a shared MLP of width 12 on the
     # same input, its fused input_linear as the checkpoints write it
     "granitemoeshared": dict(

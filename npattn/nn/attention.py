@@ -94,6 +94,8 @@ class MultiHeadAttention(MultiHeadAttentionCore):
       a LayerNorm (mean subtracted, no bias, eps ``qk_norm_eps`` or 1e-5) over each head's
       features, each head with its own weight row (``q_norm``/``k_norm`` weights
       ``(num_heads, head_dim)`` and ``(num_kv_heads, head_dim)``: Command R+'s ``use_qk_norm``).
+      ``qk_norm_after_rope=True``: RoPE first, then the QK-norm of the rotated heads (Hunyuan's
+      dense models' order; the default normalises, then rotates, as Qwen3 and the others do).
     - ``output_gate=True`` (Qwen3-Next's gated attention): ``W_query`` is
       ``(2 * num_heads * head_dim, d_in)``, each head's ``2 head_dim`` outputs its query then its
       gate ``g``; the attention output (heads merged) is multiplied by ``sigmoid(g)`` before

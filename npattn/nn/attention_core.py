@@ -130,7 +130,7 @@ class _Tangents(NamedTuple):
 
     inputs: list  # the checked input tangents (tquery[, tkey, tvalue])
     projected: tuple  # (tq, tk) heads after the projections
-    normed: tuple  # (tq, tk) after QK-norm (RoPE's input)
+    between: tuple  # (tq, tk) between the two position steps (QK-norm's output and RoPE's input, or the reverse)
     attended: tuple  # (tq, tk, tv) the core's input tangents
     gate: Any  # the output gate's tangent (..., L, H, hd), or None
     merged: np.ndarray  # the core's output, heads merged (..., L, H * hd)
@@ -178,6 +178,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         "rope_interleaved",
         "qk_norm",
         "qk_norm_unit_offset",
+        "qk_norm_after_rope",
         "output_gate",
         "memory_efficient",
     )
@@ -209,6 +210,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         qk_norm_eps: float | None = None,
         qk_norm_unit_offset: bool = False,
         qk_norm_scope: str = "head",
+        qk_norm_after_rope: bool = False,
         head_dim: int | None = None,
         scale: float | None = None,
         rope_scaling=None,
@@ -236,6 +238,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         qk_norm_eps = None if qk_norm_eps is None else check_positive_float(qk_norm_eps, "qk_norm_eps", allow_zero=True)
         self.qk_norm_unit_offset = check_bool(qk_norm_unit_offset, "qk_norm_unit_offset")
         self.qk_norm_scope = _check_qk_norm_scope(qk_norm_scope, self.qk_norm_unit_offset)
+        self.qk_norm_after_rope = check_bool(qk_norm_after_rope, "qk_norm_after_rope")
         self.output_gate = check_bool(output_gate, "output_gate")
         self.query_scale_by_position = _check_query_scale(query_scale_by_position)
         self._dtype = check_dtype(dtype)
@@ -716,7 +719,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
     def _position(
         self, qh, kh, start: int, positions=None, kept: bool = True, qkv=None
     ) -> tuple[np.ndarray, np.ndarray, Positioned]:
-        """Stage 2: QK-norm, then RoPE (query/key ``i`` of this call at position ``start + i``, or
+        """Stage 2: QK-norm, then RoPE (the reverse with ``qk_norm_after_rope``; query/key ``i`` of
+        this call at position ``start + i``, or
         at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows).
         ``kept``: the state is kept for a backward (else QK-norm keeps no cache).  ``qkv``: the
         fused projection's output of a call that keeps nothing (None otherwise), whose q and k
@@ -724,7 +728,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         if qkv is not None and positions is None and self._joint_heads():
             return self._position_joint(qkv, start)
         qn = kn = qr = kr = qs = None
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_after_rope:
             qh, qn = self._qk_norm(qh, self.q_norm, kept)
             kh, kn = self._qk_norm(kh, self.k_norm, kept)
         if self.rope:
@@ -743,6 +747,9 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
                 kh, kr = K.rope_again(kh, qr)
             else:
                 kh, kr = K.rope(kh, kpos, **ropt)
+        if self.qk_norm and self.qk_norm_after_rope:  # Hunyuan's order: the rotated heads normalised
+            qh, qn = self._qk_norm(qh, self.q_norm, kept)
+            kh, kn = self._qk_norm(kh, self.k_norm, kept)
         if self.query_scale_by_position is not None:
             if positions is None:
                 qs = self._query_scale(np.arange(start, start + qh.shape[-2]), qh.dtype)
@@ -760,8 +767,11 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
 
     def _joint_heads(self) -> bool:
         """q and k sit side by side in the fused projection's output and take the same steps:
-        no output gate (its features lie between the heads), QK-norm (if any) per head."""
-        return not self.output_gate and (not self.qk_norm or self.qk_norm_scope == "head")
+        no output gate (its features lie between the heads), QK-norm (if any) per head and before
+        RoPE (after it, the norm of q and k as one array rounds its means otherwise than the staged
+        path's two: a batch without padding would differ in the last bit from its padded twin)."""
+        plain_norm = not self.qk_norm or (self.qk_norm_scope == "head" and not self.qk_norm_after_rope)
+        return not self.output_gate and plain_norm
 
     def _position_joint(self, qkv, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
         """``_position`` of a call that keeps nothing, on the ``H + Hk`` heads of q and k as one
@@ -924,12 +934,20 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
 
     def _position_backward(self, dqh, dkh, pos: Positioned):
         """The query's scale by position (a constant per query), RoPE's backward, then QK-norm's
-        (its weights' gradients accumulated)."""
+        (its weights' gradients accumulated); QK-norm's first with ``qk_norm_after_rope``."""
         if pos.q_scale is not None:
             dqh = dqh * pos.q_scale
+        if self.qk_norm_after_rope:
+            dqh, dkh = self._qk_norm_backward_both(dqh, dkh, pos)
         if pos.q_rope is not None:
             dqh = K.rope_backward(dqh, pos.q_rope)
             dkh = K.rope_backward(dkh, pos.k_rope)
+        if not self.qk_norm_after_rope:
+            dqh, dkh = self._qk_norm_backward_both(dqh, dkh, pos)
+        return dqh, dkh
+
+    def _qk_norm_backward_both(self, dqh, dkh, pos: Positioned):
+        """QK-norm's backward of q and k (nothing without it), its weights' gradients accumulated."""
         if pos.q_norm is not None:
             dqh, dwq = self._qk_norm_backward(dqh, pos.q_norm)
             dkh, dwk = self._qk_norm_backward(dkh, pos.k_norm)
@@ -1000,13 +1018,11 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             self._split(tv, self.num_kv_heads),
         )
         pos = st.position
-        tq1, tk1 = tq0, tk0
-        if pos.q_norm is not None:  # the weight is w or 1 + w: its tangent is tw either way
-            tq1 = self._qk_norm_jvp(pos.q_norm, tq0, pt.get(self.q_norm.weight))
-            tk1 = self._qk_norm_jvp(pos.k_norm, tk0, pt.get(self.k_norm.weight))
-        tq2, tk2 = tq1, tk1
-        if pos.q_rope is not None:
-            tq2, tk2 = K.rope_jvp(pos.q_rope, tq1), K.rope_jvp(pos.k_rope, tk1)
+        first, second = (self._norm_tangents, self._rope_tangents)
+        if self.qk_norm_after_rope:
+            first, second = second, first
+        tq1, tk1 = first(pos, tq0, tk0, pt)
+        tq2, tk2 = second(pos, tq1, tk1, pt)
         if pos.q_scale is not None:  # a constant factor per query: its tangent is the same factor
             tq2 = tq2 * pos.q_scale
         weights: list = []  # the core's tP block by block, which its second order reads again
@@ -1017,6 +1033,23 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             out_in = tmerged * s
             out_in += a * s * (1 - s) * tgate.reshape(a.shape)
         return _Tangents(ts, (tq0, tk0), (tq1, tk1), (tq2, tk2, tv0), tgate, tmerged, out_in, weights or None)
+
+    def _norm_tangents(self, pos: Positioned, tq, tk, pt):
+        """QK-norm's output tangents of q and k (the same without it)."""
+        if pos.q_norm is None:
+            return tq, tk
+        # the weight is w or 1 + w: its tangent is tw either way
+        return (
+            self._qk_norm_jvp(pos.q_norm, tq, pt.get(self.q_norm.weight)),
+            self._qk_norm_jvp(pos.k_norm, tk, pt.get(self.k_norm.weight)),
+        )
+
+    @staticmethod
+    def _rope_tangents(pos: Positioned, tq, tk, pt):
+        """RoPE's output tangents of q and k (the same without it)."""
+        if pos.q_rope is None:
+            return tq, tk
+        return K.rope_jvp(pos.q_rope, tq), K.rope_jvp(pos.k_rope, tk)
 
     def _input_tangents(self, st: State, input_tangents, method: str) -> list:
         """The input tangents of ``jvp`` / ``backward_jvp`` checked by name (``tquery`` for
@@ -1101,14 +1134,16 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         pos = st.position
         if pos.q_scale is not None:
             dq, tdq = dq * pos.q_scale, tdq * pos.q_scale
+        # each step's input tangents: the projections' for the first step, `between` for the second
+        after = self.qk_norm_after_rope
+        rope_in, norm_in = (tg.projected, tg.between) if after else (tg.between, tg.projected)
+        if after:
+            dq, tdq, dk, tdk = self._norm_backward_jvp(pos, pt, norm_in, dq, tdq, dk, tdk)
         if pos.q_rope is not None:
-            dq, tdq = K.rope_backward_jvp(dq, pos.q_rope, (tg.normed[0],), tdq)
-            dk, tdk = K.rope_backward_jvp(dk, pos.k_rope, (tg.normed[1],), tdk)
-        if pos.q_norm is not None:
-            wq, wk = cast(Parameter, self.q_norm.weight), cast(Parameter, self.k_norm.weight)
-            (dq, dwq), (tdq, tdwq) = self._qk_norm_backward_jvp(dq, pos.q_norm, tg.projected[0], pt.get(wq), tdq)
-            (dk, dwk), (tdk, tdwk) = self._qk_norm_backward_jvp(dk, pos.k_norm, tg.projected[1], pt.get(wk), tdk)
-            self._accumulate_second(((wq, dwq, tdwq), (wk, dwk, tdwk)))
+            dq, tdq = K.rope_backward_jvp(dq, pos.q_rope, (rope_in[0],), tdq)
+            dk, tdk = K.rope_backward_jvp(dk, pos.k_rope, (rope_in[1],), tdk)
+        if not after:
+            dq, tdq, dk, tdk = self._norm_backward_jvp(pos, pt, norm_in, dq, tdq, dk, tdk)
         if fused is not None and views is not None:
             if not direct:
                 for fv, parts in zip(views, ((dq, dk, dv, dgate), (tdq, tdk, tdv, tdgate))):
@@ -1124,6 +1159,17 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         if st.reused:  # nothing refers to them any more: the next step reuses them
             self._workspace().give(*st.reused)
         return result
+
+    def _norm_backward_jvp(self, pos: Positioned, pt, norm_in, dq, tdq, dk, tdk):
+        """QK-norm's second order of q and k (``norm_in``: its input tangents), the weights'
+        gradients and their tangents accumulated; the same four arrays without it."""
+        if pos.q_norm is None:
+            return dq, tdq, dk, tdk
+        wq, wk = cast(Parameter, self.q_norm.weight), cast(Parameter, self.k_norm.weight)
+        (dq, dwq), (tdq, tdwq) = self._qk_norm_backward_jvp(dq, pos.q_norm, norm_in[0], pt.get(wq), tdq)
+        (dk, dwk), (tdk, tdwk) = self._qk_norm_backward_jvp(dk, pos.k_norm, norm_in[1], pt.get(wk), tdk)
+        self._accumulate_second(((wq, dwq, tdwq), (wk, dwk, tdwk)))
+        return dq, tdq, dk, tdk
 
     def _fused_backward_jvp(self, st: State, tg: "_Tangents", pt, dqkv, tdqkv):
         """The fused projection's second order from its output gradient and that gradient's
