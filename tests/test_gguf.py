@@ -312,6 +312,18 @@ APERTUS = dict(
 # an eps float32 holds (the file's)
 GLM4 = dict(FAMILIES["glm4"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=2**-17)
 MINISTRAL3 = dict(FAMILIES["ministral3"], hidden_size=256, intermediate_size=256, head_dim=64, rms_norm_eps=1e-5)
+# Hunyuan dense: the QK-norm after RoPE; the releases' RoPE dict ("dynamic", alpha 1000 over base
+# 10000, 32K positions: what the converter's HunYuanModel asserts), whose NTK-alpha base the file
+# holds as rope.freq_base; biases on the attention's projections (llama.cpp's bq, bk, bv, bo)
+HUNYUAN = dict(
+    FAMILIES["hunyuan_v1_dense"],
+    hidden_size=256,
+    intermediate_size=256,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=32768,
+    rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
+)
 # Falcon-H1: attention (4 heads of 64, 2 key/value heads) and Mamba-2 (8 heads of 64 over the inner
 # width 512, 2 groups of B, C of 16, 4 taps) side by side, the gated norm after the gate (llama.cpp's
 # order), no projection biases (llama.cpp reads none); muP multipliers that are powers of two, which
@@ -704,9 +716,33 @@ def _falcon_h1_folded(sd: dict, config: dict) -> dict:
     return out
 
 
+def _hunyuan_base(config: dict) -> float:
+    """``HunYuanModel.set_gguf_parameters``' ``rope.freq_base`` of a ``"dynamic"`` RoPE dict: the
+    NTK-alpha base ``rope_theta * alpha ** (head_dim / (head_dim - 2))`` (alpha 50 where absent),
+    as the float32 the file holds."""
+    rp, dim = config["rope_parameters"], config["head_dim"]
+    return float(np.float32(rp.get("rope_theta", 10000.0) * rp.get("alpha", 50) ** (dim / (dim - 2))))
+
+
+def _hunyuan_metadata(w, config):
+    """``HunYuanModel.set_gguf_parameters``: for a ``"dynamic"`` dict the NTK-alpha base as
+    ``rope.freq_base``, no scaling type, factor 1, and 256K as the original context length."""
+    if config["rope_parameters"].get("rope_type") == "dynamic":
+        w.add_rope_freq_base(_hunyuan_base(config))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+    else:
+        w.add_rope_freq_base(config["rope_parameters"].get("rope_theta", 10000.0))
+
+
 def _file_config(config: dict) -> dict:
     """The config of the model a file of ``config``'s model holds: a Falcon-H1's multipliers folded
-    into its weights (``_falcon_h1_folded``), so none (all 1); any other config as it is."""
+    into its weights (``_falcon_h1_folded``), so none (all 1); a Hunyuan model's NTK-alpha RoPE the
+    default RoPE of the file's base (``_hunyuan_base``); any other config as it is."""
+    if config["model_type"] == "hunyuan_v1_dense" and config["rope_parameters"].get("rope_type") == "dynamic":
+        rest = {k: v for k, v in config.items() if k != "rope_parameters"}
+        return dict(rest, rope_parameters={"rope_type": "default", "rope_theta": _hunyuan_base(config)})
     if config["model_type"] != "falcon_h1":  # (Granite's multipliers of the same names are metadata)
         return config
     return {k: v for k, v in config.items() if k not in _FALCON_H1_MULTIPLIERS}
@@ -795,6 +831,8 @@ def _metadata(w, config, arch):
         _mistral3_metadata(w, config)
     elif arch == "arcee":
         _arcee_metadata(w, config)
+    elif arch == "hunyuan-dense":
+        _hunyuan_metadata(w, config)
     else:
         w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     if arch in _GRANITES:  # GraniteModel.set_gguf_parameters: each number where it is not 0
@@ -1125,6 +1163,7 @@ CASES = [
     (COHERE2, "cohere2"),
     (COMMAND_R, "command-r"),
     (COMMAND_R_PLUS, "command-r"),
+    (HUNYUAN, "hunyuan-dense"),
 ]
 
 
@@ -1326,6 +1365,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (COHERE2, "cohere2", ("Cohere2Config", "Cohere2ForCausalLM")),
         (COMMAND_R, "command-r", ("CohereConfig", "CohereForCausalLM")),
         (COMMAND_R_PLUS, "command-r", ("CohereConfig", "CohereForCausalLM")),
+        (HUNYUAN, "hunyuan-dense", ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1363,6 +1403,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "cohere2",
         "command-r",
         "command-r-plus",
+        "hunyuan-dense",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -2429,6 +2470,8 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
         config["rope_parameters"] = {t: dict(v, rope_theta=1e4) for t, v in config["rope_parameters"].items()}
     if arch in ("mistral3", "arcee"):  # their YaRN dict's base is rope.freq_base
         config["rope_parameters"] = dict(config["rope_parameters"], rope_theta=1e4)
+    if arch == "hunyuan-dense":  # its NTK-alpha base is rope.freq_base: here the default's
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
     sd = _model(config).state_dict()
     _write(tmp_path / "full.gguf", config, sd, Q.F32, arch)
     for key in _OPTIONAL_KEYS:
@@ -3864,3 +3907,45 @@ def test_cohere_files_refused_by_name(tmp_path, monkeypatch):
     _write(tmp_path / "half.gguf", COHERE2, _state(COHERE2), Q.F32, "cohere2")
     with pytest.raises(ValueError, match=r"half.gguf: metadata 'cohere2.rope.dimension_count' is 32"):
         CausalLM.from_gguf(tmp_path / "half.gguf")
+
+
+# -- Hunyuan dense (llama.cpp's hunyuan-dense) -------------------------------------------------------
+def test_a_hunyuan_dense_file_is_its_directory_with_the_file_s_base(tmp_path):
+    """A float32 hunyuan-dense file and the model's own directory (NTK-alpha RoPE, alpha 1000): the
+    same tensors bit for bit, the q/k rows as written (llama.cpp rotates Hunyuan's halves), the
+    same config but the RoPE: the file's is the default RoPE of the float32 NTK-alpha base the
+    converter writes, so its logits are those of the directory's model with that base, and within
+    that rounding of the directory's own (an epsilon float32 holds exactly: the file's is float32)."""
+    config = dict(HUNYUAN, rms_norm_eps=2.0**-20)
+    src = _model(config)
+    _write(tmp_path / "m.gguf", config, src.state_dict(), Q.F32, "hunyuan-dense")
+    src.save_pretrained(tmp_path / "dir")
+    g, d = CausalLM.from_gguf(tmp_path / "m.gguf"), CausalLM.from_pretrained(tmp_path / "dir")
+    assert d.config.rope == {"default": {"rope_type": "ntk_alpha", "alpha": 1000.0, "rope_theta": 10000.0}}
+    base = 10000.0 * 1000.0 ** (64 / 62)
+    assert g.config.rope == {"default": {"rope_type": "default", "rope_theta": float(np.float32(base))}}
+    assert g.config.qk_norm_after_rope and g.config.attention_bias
+    meta = dict(hf={}, bos_token_id=None, eos_token_id=None, max_position_embeddings=None, pad_token_id=None)
+    assert g.config.replace(rope={}, **meta) == d.config.replace(rope={}, **meta)
+    assert set(g.state_dict()) == set(d.state_dict())
+    for k, v in d.state_dict().items():
+        np.testing.assert_array_equal(g.state_dict()[k], v, err_msg=k)
+    ids = np.random.default_rng(1).integers(0, HUNYUAN["vocab_size"], (2, 6))
+    same_base = CausalLM.from_hf(d.state_dict(), _file_config(config))
+    np.testing.assert_array_equal(_logits(g, ids), _logits(same_base, ids))
+    theirs = _logits(d, ids)
+    assert np.abs(_logits(g, ids) - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+
+def test_what_llama_cpp_s_hunyuan_dense_files_say_of_their_rope():
+    """The converter writes no scaling type (none) and factor 1 beside the NTK-alpha base; another
+    type or factor is refused by name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["hunyuan-dense"].derive
+    derive({}, {"rope.scaling.type": "none", "rope.scaling.factor": 1.0})
+    derive({}, {})
+    with pytest.raises(ValueError, match=r"metadata 'hunyuan-dense.rope.scaling.type' 'yarn' is not supported"):
+        derive({}, {"rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match=r"metadata 'hunyuan-dense.rope.scaling.factor' 4.0 is not supported"):
+        derive({}, {"rope.scaling.factor": 4.0})

@@ -891,6 +891,25 @@ def _gguf_glm4(config: dict, meta: Mapping) -> None:
     config["partial_rotary_factor"] = _gguf_rotated_share(config, meta, "glm4")
 
 
+def _gguf_hunyuan_dense(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``hunyuan-dense`` (``HunYuanModel`` in ``convert_hf_to_gguf.py``, a
+    ``TextModel``): the q/k rows as the checkpoint has them (llama.cpp rotates this architecture's
+    halves, NEOX, which are Hunyuan's own), ``attn_q_norm``/``attn_k_norm`` the checkpoint's
+    ``query_layernorm``/``key_layernorm`` applied after RoPE (``llm_build_hunyuan_dense``, as the
+    family's reader builds it).  For a ``"dynamic"`` RoPE dict the converter writes the NTK-alpha
+    base itself as ``rope.freq_base`` (``rope_theta * alpha ** (head_dim / (head_dim - 2))``, in
+    float32), ``rope.scaling.type`` none and factor 1 (and 256K as both context lengths): the
+    file's model is the default RoPE of that base.  Another scaling type or factor is refused."""
+    kind, factor = meta.get("rope.scaling.type", "none"), meta.get("rope.scaling.factor", 1.0)
+    if kind != "none":
+        raise ValueError(
+            f"metadata 'hunyuan-dense.rope.scaling.type' {_show(kind)} is not supported (llama.cpp's converter "
+            "writes 'none': the NTK-alpha base is rope.freq_base)"
+        )
+    if factor != 1:
+        raise ValueError(f"metadata 'hunyuan-dense.rope.scaling.factor' {_show(factor)} is not supported (expected 1)")
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -1055,6 +1074,12 @@ GGUF_FAMILIES = {
             "rope.freq_base_swa",
         ),
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
+    # Hunyuan dense: rows as written, the NTK-alpha base as rope.freq_base (_gguf_hunyuan_dense)
+    "hunyuan-dense": GgufFamily(
+        "hunyuan_v1_dense",
+        derive=_gguf_hunyuan_dense,
+        reads=("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length"),
     ),
 }
 
