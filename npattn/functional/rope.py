@@ -72,9 +72,9 @@ def rope(
         Pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)`` (rotate half, as Hugging Face).
     scaling : mapping or None
         A Hugging Face ``rope_scaling`` / ``rope_parameters`` dict: ``rope_type`` (or ``type``)
-        ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``, ``"llama3"`` or ``"longrope"`` and its
-        keys (see ``rope_frequencies``).  ``dynamic`` and ``longrope`` read the sequence length as
-        the largest position + 1.
+        ``"default"``, ``"linear"``, ``"dynamic"``, ``"ntk_alpha"``, ``"yarn"``, ``"llama3"`` or
+        ``"longrope"`` and its keys (see ``rope_frequencies``).  ``dynamic`` and ``longrope`` read the
+        sequence length as the largest position + 1.
         YaRN's attention factor multiplies cos and sin (the rotated features only).
     rotary_dim : int, optional
         ``R``, the number of leading features of each head that rotate (even, at most ``D``); the

@@ -75,7 +75,7 @@ class MultiHeadAttention(MultiHeadAttentionCore):
     - ``scale``: the softmax scale (default ``1/sqrt(head_dim)``), e.g. Gemma 3's
       ``query_pre_attn_scalar**-0.5`` or DeepSeek's (``npattn.functional.rope_softmax_scale``).
     - ``rope_scaling``: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (``linear``,
-      ``dynamic``, ``yarn``, ``llama3``, ``longrope``; see ``npattn.functional.rope_frequencies``), its
+      ``dynamic``, ``ntk_alpha``, ``yarn``, ``llama3``, ``longrope``; see ``npattn.functional.rope_frequencies``), its
       ``rope_theta`` the base when given (``rope_base`` left at its default or equal);
       ``partial_rotary_factor``: only the first ``int(head_dim * factor)`` features of each head
       rotate (Qwen3-Next); ``rope_interleaved``: pairs ``(2i, 2i+1)`` instead of rotate-half.
