@@ -271,7 +271,14 @@ def test_rope_dicts_transformers_would_read_otherwise_than_written_are_refused()
 
 
 # -- a partial rotation where transformers rotates whole heads -------------------------------------------
-_PARTIAL_ROPE = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "phi3", "glm4")  # rotate part of each head
+_PARTIAL_ROPE = (
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "phi3",
+    "glm4",
+    "gpt_neox",
+)  # rotate part of each head
 
 
 _WHOLE_HEADS = sorted(set(FAMILIES) - set(_PARTIAL_ROPE))  # their own tests read the factor

@@ -35,6 +35,7 @@ FAMILIES += ["glm4"]  # partial RoPE on interleaved pairs, plain norms after bot
 FAMILIES += ["cohere2", "cohere"]  # attention and MLP side by side on one bias-free LayerNorm, the logits' scale
 FAMILIES += ["nemotron_h_moe"]  # experts that are not gated (relu2) in a latent width, a relu2 shared expert
 FAMILIES += ["hunyuan_v1_dense"]  # the QK-norm after RoPE in the second-order step, NTK-alpha RoPE
+FAMILIES += ["gpt_neox"]  # the parallel residual (two LayerNorms with biases of the layer's input), partial RoPE
 IGNORE = -1
 
 

@@ -12,7 +12,8 @@ A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, fo
                                                  # layer kind "none" (Nemotron-H's MLP blocks): no a, x stays
         a = post_attention_layernorm(a)          # Gemma's "sandwich" and OLMo's post-norm only
         x = x + a                                # Granite: x + a * residual_multiplier (and so for m)
-        h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm
+        h = pre_mlp_norm(x)                      # post_attention_layernorm, or Gemma's pre_feedforward_layernorm;
+                                                 # GPT-NeoX's parallel residual: of the layer's input x, not x + a
         m = mlp(h)                               # gated MLP, plain MLP (down(act(up(h)))), or routed experts;
                                                  # MLP kind "none" (Nemotron-H's other blocks): no m, no pre-MLP norm
         m = post_feedforward_layernorm(m)        # Gemma only
@@ -82,9 +83,14 @@ class _OffsetRMSNorm(RMSNorm):
         return y
 
 
+def _norm_params(cfg: CausalLMConfig) -> tuple:
+    """A norm's parameters: its weight, and GPT-NeoX's LayerNorm bias."""
+    return ("weight", "bias") if cfg.layer_norm and cfg.layer_norm_bias else ("weight",)
+
+
 def _norm(cfg: CausalLMConfig, dtype) -> RMSNorm | LayerNorm:
-    if cfg.layer_norm:  # Cohere: mean subtracted, a weight and no bias
-        return LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=False, dtype=dtype)
+    if cfg.layer_norm:  # Cohere: mean subtracted, a weight and no bias; GPT-NeoX: a bias too
+        return LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=cfg.layer_norm_bias, dtype=dtype)
     cls = _OffsetRMSNorm if cfg.norm_offset else RMSNorm
     return cls(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
@@ -404,7 +410,7 @@ def _layer_shapes(cfg: CausalLMConfig, i: int) -> list:
         norms += pre_mlp + ("post_feedforward_layernorm",)
     out: list = [("layer_scalar", (1,))] if cfg.layer_scalar else []  # a buffer: before the children, as torch
     out += _attention_shapes(cfg, i) + _mlp_shapes(cfg, i)
-    out += [(f"{n}.weight", (cfg.hidden_size,)) for n in norms]
+    out += [(f"{n}.{p}", (cfg.hidden_size,)) for n in norms for p in _norm_params(cfg)]
     P = cfg.per_layer_input_size
     if P:  # PerLayerInput
         out += [
@@ -446,7 +452,8 @@ def _state_shapes(cfg: CausalLMConfig):
             kinds[kind] = _layer_shapes(cfg, i)
         for name, shape in kinds[kind]:
             yield f"model.layers.{i}.{name}", shape
-    yield f"model.{cfg.final_norm_name}.weight", (H,)
+    for p in _norm_params(cfg):
+        yield f"model.{cfg.final_norm_name}.{p}", (H,)
     yield from _model_shapes(cfg)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (V, H)
@@ -541,6 +548,7 @@ class DecoderLayer(_Renamed):
         self.index = index
         self.sandwich = cfg.sandwich_norm
         self.pre_norm = cfg.pre_norm
+        self._parallel_residual = cfg.parallel_residual  # GPT-NeoX: the MLP's norm reads the layer's input
         r = float(cfg.residual_multiplier)
         self._residual = None if r == 1.0 else self._dtype.type(r)  # None: the branch as it is
         # Qwen3-Next names its gated DeltaNet layers linear_attn, LFM2 its short convolutions conv,
@@ -639,6 +647,7 @@ class DecoderLayer(_Renamed):
         their per-layer input ``(B, L, P)``."""
         if (per_layer_input is None) != (self.per_layer is None):
             raise ValueError(f"per_layer_input: expected {'none' if self.per_layer is None else 'an array'}")
+        x_in = x
         if self._has_attention:
             a = self._attend(self._pre(self._attn_norm(), x), use_cache, padding)
             if self.sandwich:
@@ -648,7 +657,7 @@ class DecoderLayer(_Renamed):
         if self.mlp is None:
             y = x
         else:
-            m = _checked(self.mlp, self._pre(self._mlp_norm(), x))
+            m = _checked(self.mlp, self._pre(self._mlp_norm(), x_in if self._parallel_residual else x))
             if self.sandwich:
                 m = _checked(self.post_feedforward_layernorm, m)
             y = x + self._branch(m)
@@ -672,7 +681,7 @@ class DecoderLayer(_Renamed):
             dm = self.post_feedforward_layernorm.backward(dm) if self.sandwich else dm
             dx = dy + self._pre_back(self._mlp_norm(), self.mlp.backward(dm))
         if self.attention is not None:
-            da = self._branch(dx)
+            da = self._branch(dy if self._parallel_residual else dx)  # parallel: the attention's sum is y
             da = self.post_attention_layernorm.backward(da) if self.sandwich else da
             dx = dx + self._pre_back(self._attn_norm(), self.attention.backward(da))
         return dx if dp is None else (dx, dp)
@@ -714,7 +723,7 @@ class DecoderLayer(_Renamed):
                 ta = sub(self.attention, th)
                 tx2 = tx + self._branch(sub(self.post_attention_layernorm if self.sandwich else None, ta))
             if self.mlp is not None:
-                tm_in = sub(self._mlp_norm(), tx2)
+                tm_in = sub(self._mlp_norm(), tx if self._parallel_residual else tx2)
                 tm = sub(self.mlp, tm_in)
             return th, ta, tx2, tm_in, tm
 
@@ -742,10 +751,12 @@ class DecoderLayer(_Renamed):
             g, gp = (dy2, tdy2), (dp, tdp)
         gx = g
         if self.mlp is not None:
-            gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, self._branch_pair(g), tm), tm_in), tx2)
+            t_mlp = tx if self._parallel_residual else tx2  # the MLP norm's input tangent
+            gm = back(self._mlp_norm(), back(self.mlp, back(post_mlp, self._branch_pair(g), tm), tm_in), t_mlp)
             gx = (g[0] + gm[0], g[1] + gm[1])  # the residual: both branches
         if self.attention is not None:
-            ga = back(self._attn_norm(), back(self.attention, back(post_attn, self._branch_pair(gx), ta), th), tx)
+            g_sum = g if self._parallel_residual else gx  # the gradient of the attention's residual sum
+            ga = back(self._attn_norm(), back(self.attention, back(post_attn, self._branch_pair(g_sum), ta), th), tx)
             gx = (gx[0] + ga[0], gx[1] + ga[1])
         return gx if gp is None else ((gx[0], gp[0]), (gx[1], gp[1]))
 

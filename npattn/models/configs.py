@@ -85,6 +85,7 @@ SUPPORTED_MODEL_TYPES = (
     "cohere",
     "apertus",
     "hunyuan_v1_dense",
+    "gpt_neox",
 )
 
 ATTENTION_KINDS = (
@@ -1415,7 +1416,10 @@ class CheckpointLayout:
     of a checkpoint's projection and the model's projections whose rows it stacks, in order
     (Phi-3's ``self_attn.qkv_proj`` for ``q_proj``, ``k_proj``, ``v_proj`` and ``mlp.gate_up_proj``
     for ``gate_proj``, ``up_proj``): split while loading (the split names are read too), written
-    fused by ``save_pretrained``; the model and its ``state_dict`` keep the split names."""
+    fused by ``save_pretrained``; the model and its ``state_dict`` keep the split names; a bias of
+    the fused projection is fused alike.  ``fused_groups``: the fused rows come in that many groups,
+    each holding its share of every part's rows in order (GPT-NeoX's ``query_key_value``, viewed as
+    ``(heads, 3 * head_dim)``: ``[q_h, k_h, v_h]`` for each head ``h``)."""
 
     family: str = ""
     per_expert: bool = False
@@ -1425,6 +1429,7 @@ class CheckpointLayout:
     split_conv: bool = False  # KDA's self_attn.conv1d.weight kept as q_conv1d, k_conv1d, v_conv1d (thirds)
     mtp: tuple = ()  # key prefixes of the checkpoint's multi-token-prediction layers, left unread
     fused: tuple = ()  # (checkpoint part, (model parts, ...)): one checkpoint tensor, the parts' rows in order
+    fused_groups: int = 1  # the fused tensors' rows in this many groups (GPT-NeoX's heads), each the parts' in order
 
 
 @dataclass(frozen=True)
@@ -1525,6 +1530,10 @@ class CausalLMConfig:
     instead of an RMSNorm.  ``parallel_mlp``: each layer's MLP runs beside its attention on the same
     normed input, ``x + attn(norm(x)) + mlp(norm(x))`` (Cohere's parallel block: one norm a layer, the
     two sublayers a ``ParallelSum`` under their own names ``self_attn`` and ``mlp``).
+    ``layer_norm_bias``: those LayerNorms have a bias too (GPT-NeoX's ``nn.LayerNorm``).
+    ``parallel_residual``: the MLP's norm reads the layer's input instead of the attention's
+    residual sum, ``x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))`` (GPT-NeoX's
+    ``use_parallel_residual``: two norms, unlike ``parallel_mlp``'s one).
     """
 
     model_type: str
@@ -1584,7 +1593,9 @@ class CausalLMConfig:
     embed_name: str = "embed_tokens"  # model.{embed_name}: Nemotron-H's embeddings
     pad_embedding_row: bool = True  # the embedding's pad_token_id row gets no gradient (torch's padding_idx)
     layer_norm: bool = False  # the norms are LayerNorm (mean subtracted) with a weight and no bias (Cohere)
+    layer_norm_bias: bool = False  # with layer_norm: each LayerNorm has a bias too (GPT-NeoX)
     parallel_mlp: bool = False  # the MLP beside the attention on the same normed input, both summed (Cohere)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)): the MLP's norm reads the layer's input
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -2066,6 +2077,83 @@ def _apertus(r: _Reader) -> dict:
         layer_types=("full_attention",) * n,
         mlp_types=("plain",) * n,
         layer_names=_APERTUS_NAMES,
+    )
+    return c
+
+
+# GPT-NeoX's names: attention.* (its fused query_key_value, dense), the plain MLP's dense_h_to_4h and
+# dense_4h_to_h; gpt_neox.* and embed_out in its checkpoints (transformers' in-memory model.* and
+# lm_head are read too)
+_GPT_NEOX_NAMES = (
+    ("self_attn.o_proj", "attention.dense"),
+    ("self_attn", "attention"),
+    ("mlp.up_proj", "mlp.dense_h_to_4h"),
+    ("mlp.down_proj", "mlp.dense_4h_to_h"),
+)
+_GPT_NEOX_FUSED = (("attention.query_key_value", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),)
+_GPT_NEOX_RENAMES = (("model.", "gpt_neox."), ("lm_head.", "embed_out."))
+
+
+def _gpt_neox(r: _Reader) -> dict:
+    """EleutherAI's GPT-NeoX (Pythia 70M to 12B, GPT-NeoX-20B; ``GPTNeoXForCausalLM``): LayerNorms
+    with a bias (``layer_norm_eps``); with ``use_parallel_residual`` (the default) each layer is
+    ``x + attention(input_layernorm(x)) + mlp(post_attention_layernorm(x))``, else the sequential
+    pre-norm block; full attention over heads of ``hidden_size // num_attention_heads`` with
+    ``attention_bias`` on ``query_key_value`` and ``dense``; RoPE on rotate-half pairs of the first
+    ``partial_rotary_factor`` of each head (``rotary_pct``, default 0.25, and ``rotary_emb_base``,
+    default 10000, fill what ``rope_parameters`` / ``rope_scaling`` lack, as
+    ``GPTNeoXConfig.convert_rope_params_to_dict`` does); the plain MLP
+    ``dense_4h_to_h(act(dense_h_to_4h(x)))`` with biases (``hidden_act``, exact ``gelu`` by
+    default); an untied head ``embed_out`` (``tie_word_embeddings`` ties it to ``embed_in``); the
+    embedding has no padding row.  The checkpoint's ``query_key_value`` holds each head's q, k and v
+    rows in turn (``CheckpointLayout.fused_groups``).  Top-level ``rope_theta`` and
+    ``partial_rotary_factor`` (which ``GPTNeoXConfig`` ignores), ``num_key_value_heads`` and
+    ``head_dim`` other than ``hidden_size // num_attention_heads`` (GPTNeoXAttention ignores them)
+    and a ``hidden_dropout`` other than 0 are refused by name; ``classifier_dropout`` (the
+    classification heads') and ``is_decoder`` are metadata."""
+    heads, hidden = r.int("num_attention_heads"), r.int("hidden_size")
+    if hidden % heads:
+        raise ValueError(f"config['num_attention_heads']: expected a divisor of hidden_size = {hidden}, got {heads}")
+    why = "GPTNeoXConfig ignores it"
+    r.only("rope_theta", (None,), None, why + " (its base is rotary_emb_base or rope_parameters' rope_theta)")
+    r.only("partial_rotary_factor", (None,), None, why + " (its factor is rotary_pct or rope_parameters')")
+    r.only("num_key_value_heads", (None, heads), None, "GPTNeoXAttention has as many key/value heads as heads")
+    r.only("head_dim", (None, hidden // heads), None, "GPTNeoXAttention's heads are hidden_size // num_attention_heads")
+    r.only("hidden_dropout", (0, 0.0), 0.0, "npattn has no dropout on the residual branches")
+    r.get("classifier_dropout")
+    r.get("is_decoder")
+    c = _common(r)
+    r.used.discard("rms_norm_eps")  # GPT-NeoX's eps is layer_norm_eps; rms_norm_eps is no key of it
+    rp = _rope_mapping(r, "rope_parameters")
+    scaling = _rope_mapping(r, "rope_scaling")
+    key = "rope_scaling" if scaling else "rope_parameters"
+    chosen = dict(scaling or rp or {})
+    base, pct = r.float("rotary_emb_base", 10000.0), r.float("rotary_pct", 0.25)
+    rope = _standardize(
+        chosen,
+        f"config[{key!r}]",
+        rope_theta=base,
+        partial_rotary_factor=pct,
+        max_position_embeddings=_max_positions(r),
+    )
+    n = c["num_hidden_layers"]
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "gelu"),
+        attention_bias=r.bool("attention_bias", True),
+        mlp_bias=True,  # GPTNeoXMLP's nn.Linear layers
+        rms_norm_eps=r.float("layer_norm_eps", 1e-5),
+        layer_norm=True,
+        layer_norm_bias=True,
+        parallel_residual=r.bool("use_parallel_residual", True),
+        rope={"default": rope},
+        layer_types=("full_attention",) * n,
+        mlp_types=("plain",) * n,
+        pad_embedding_row=False,  # GPTNeoXModel's embed_in has no padding_idx
+        layer_names=_GPT_NEOX_NAMES,
+        final_norm_name="final_layer_norm",
+        embed_name="embed_in",
+        layout=CheckpointLayout(r.model_type, renames=_GPT_NEOX_RENAMES, fused=_GPT_NEOX_FUSED, fused_groups=heads),
     )
     return c
 
@@ -4461,6 +4549,23 @@ _DEFAULTS["olmoe"] = dict(
 )
 
 
+_DEFAULTS["gpt_neox"] = dict(  # GPTNeoXConfig's (rotary_pct and rotary_emb_base: the reader's defaults)
+    vocab_size=50432,
+    hidden_size=6144,
+    num_hidden_layers=44,
+    num_attention_heads=64,
+    intermediate_size=24576,
+    hidden_act="gelu",
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    max_position_embeddings=2048,
+    layer_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    use_parallel_residual=True,
+    attention_bias=True,
+)
 _DEFAULTS["cohere2"] = dict(  # Cohere2Config's (head_dim: hidden_size // num_attention_heads, always)
     **_sizes(positions=8192, vocab=256000, hidden=8192, intermediate=22528, layers=40, heads=64),
     hidden_act="silu",
@@ -4914,6 +5019,7 @@ _READERS = {
     "falcon_h1": _falcon_h1,
     "nemotron_h": _nemotron_h,
     "arcee": _arcee,
+    "gpt_neox": _gpt_neox,
     "cohere2": _cohere2,
     "cohere": _cohere,
     "apertus": _apertus,

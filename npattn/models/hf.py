@@ -710,9 +710,11 @@ class _Rows:
     (``CheckpointLayout.fused``), the whole tensor read for each part (``_row_range``'s last case:
     a tensor computed whole when read)."""
 
-    def __init__(self, name: str, fused, start: int, stop: int):
-        self.name, self.fused, self.start, self.stop = name, fused, start, stop
-        self.shape = (stop - start, *fused.shape[1:])
+    def __init__(self, name: str, fused, start: int, stop: int, index=None):
+        self.name, self.fused = name, fused
+        # index: the rows as an array (GPT-NeoX's per-head groups), else start:stop
+        self.rows = slice(start, stop) if index is None else index
+        self.shape = (stop - start if index is None else len(index), *fused.shape[1:])
         self.kind = fused.kind
 
     @property
@@ -733,13 +735,13 @@ class _Rows:
         return self.fused.natural_dtype
 
     def numpy(self, dtype) -> np.ndarray:
-        return self.fused.numpy(dtype)[self.start : self.stop].copy()
+        return self.fused.numpy(dtype)[self.rows].copy()
 
     def read_into(self, out: np.ndarray) -> None:
         if out.dtype == np.uint16:  # bfloat16 bits: the rows read as float32 (exact for a BF16 file), rounded
-            to_bfloat16_bits(np.ascontiguousarray(self.fused.numpy(np.float32)[self.start : self.stop]), out=out)
+            to_bfloat16_bits(np.ascontiguousarray(self.fused.numpy(np.float32)[self.rows]), out=out)
         else:
-            out[...] = self.fused.numpy(out.dtype)[self.start : self.stop]
+            out[...] = self.fused.numpy(out.dtype)[self.rows]
 
 
 def checkpoint_key(key: str, layout) -> str:
@@ -747,8 +749,9 @@ def checkpoint_key(key: str, layout) -> str:
     (``CheckpointLayout.fused``), else ``key``."""
     for fused, parts in layout.fused:
         for part in parts:
-            if key.endswith(f".{part}.weight"):
-                return key[: -len(f"{part}.weight")] + f"{fused}.weight"
+            for p in ("weight", "bias"):
+                if key.endswith(f".{part}.{p}"):
+                    return key[: -len(f"{part}.{p}")] + f"{fused}.{p}"
     return key
 
 
@@ -762,8 +765,9 @@ def _split_fused(src: dict, cfg) -> dict:
     found = {}
     for key in list(src):
         for fused, parts in cfg.layout.fused:
-            if key.endswith(f".{fused}.weight"):
-                found[key] = [key[: -len(f"{fused}.weight")] + f"{p}.weight" for p in parts]
+            for p in ("weight", "bias"):  # GPT-NeoX's query_key_value has a bias, fused alike
+                if key.endswith(f".{fused}.{p}"):
+                    found[key] = [key[: -len(f"{fused}.{p}")] + f"{part}.{p}" for part in parts]
     if not found:
         return src
     wanted = {k for names in found.values() for k in names}
@@ -786,6 +790,13 @@ def _split_fused(src: dict, cfg) -> dict:
             if n in src:
                 raise ValueError(f"state_dict: both {key!r} and {n!r}, one of its parts (give one or the other)")
         del src[key]
+        g = cfg.layout.fused_groups
+        if g > 1:  # each group holds its share of every part's rows, in order (GPT-NeoX's heads)
+            per, offsets = [r // g for r in rows], np.cumsum([0] + [r // g for r in rows])
+            for n, k, off in zip(names, per, offsets):
+                index = (np.arange(g)[:, None] * offsets[-1] + off + np.arange(k)).ravel()
+                src[n] = _Rows(n, s, 0, 0, index)
+            continue
         start = 0
         for n, r in zip(names, rows):
             src[n] = _row_range(n, s, start, start + r)
@@ -995,10 +1006,11 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
         src = _split_fused(src, cfg)
     if cfg.layout.per_expert:
         src = _merge_experts(src, cfg.layout.expert_projs)
-    if cfg.tie_word_embeddings and "lm_head.weight" in src and "model.embed_tokens.weight" not in src:
+    embed = f"model.{cfg.embed_name}.weight"
+    if cfg.tie_word_embeddings and "lm_head.weight" in src and embed not in src:
         # the tied pair under the head's name alone (safetensors' save_model keeps the first of the
         # shared names, sorted): transformers ties the embedding to it, and so do we
-        src["model.embed_tokens.weight"] = src.pop("lm_head.weight")
+        src[embed] = src.pop("lm_head.weight")
     if dtype is None:
         first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
         dtype = np.float32 if first is None else first.natural_dtype

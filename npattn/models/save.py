@@ -155,28 +155,38 @@ def checkpoint_tensors(model) -> dict:
                 parts[f"{m['prefix']}.{e}.{down}.weight"] = arr[e]
         out.update({k: (a, "BF16") for k, a in parts.items()} if bits else parts)
     if layout.fused:
-        out = fused_tensors(out, layout.fused)
+        out = fused_tensors(out, layout.fused, layout.fused_groups)
     if layout.renames:
         out = {_renamed(k, layout.renames): v for k, v in out.items()}
     return out
 
 
-def fused_tensors(tensors: dict, fused: tuple) -> dict:
+def fused_tensors(tensors: dict, fused: tuple, groups: int = 1) -> dict:
     """``tensors`` with each set of parts the checkpoint stacks into one tensor
-    (``CheckpointLayout.fused``: Phi-3's ``qkv_proj``, ``gate_up_proj``) written as that tensor, in
-    the place of its first part (a copy: the rows of the parts, in order; bfloat16 bits stay bits)."""
+    (``CheckpointLayout.fused``: Phi-3's ``qkv_proj``, ``gate_up_proj``; GPT-NeoX's
+    ``query_key_value`` and its bias) written as that tensor, in the place of its first part (a
+    copy: the rows of the parts, in order, or in ``groups`` groups each holding its share of every
+    part's rows in order, GPT-NeoX's heads; bfloat16 bits stay bits)."""
+
+    def stacked(vals):
+        if groups == 1:
+            return np.concatenate(vals)
+        split = [np.asarray(a).reshape(groups, -1, *np.shape(a)[1:]) for a in vals]
+        return np.concatenate(split, axis=1).reshape(-1, *np.shape(vals[0])[1:])
+
     out: dict = {}
     for key, v in tensors.items():
         for name, parts in fused:
-            if key.endswith(f".{parts[0]}.weight"):
-                prefix = key[: -len(f"{parts[0]}.weight")]
-                vals = [tensors[f"{prefix}{p}.weight"] for p in parts]
+            p = key.rsplit(".", 1)[-1]
+            if p in ("weight", "bias") and key.endswith(f".{parts[0]}.{p}"):
+                prefix = key[: -len(f"{parts[0]}.{p}")]
+                vals = [tensors[f"{prefix}{part}.{p}"] for part in parts]
                 if isinstance(v, tuple):  # (bits, "BF16")
-                    out[f"{prefix}{name}.weight"] = (np.concatenate([b for b, _ in vals]), "BF16")
+                    out[f"{prefix}{name}.{p}"] = (stacked([b for b, _ in vals]), "BF16")
                 else:
-                    out[f"{prefix}{name}.weight"] = np.concatenate(vals)
+                    out[f"{prefix}{name}.{p}"] = stacked(vals)
                 break
-            if any(key.endswith(f".{p}.weight") for p in parts[1:]):
+            if p in ("weight", "bias") and any(key.endswith(f".{part}.{p}") for part in parts[1:]):
                 break  # written with its first part
         else:
             out[key] = v

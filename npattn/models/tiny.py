@@ -668,6 +668,21 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # GPT-NeoX (Pythia): two parallel-residual layers (two LayerNorms with biases), 4 heads of 4 with
+    # half of each rotated (rotary_pct 0.5, rotate-half pairs), the fused per-head query_key_value with
+    # its bias, the plain gelu MLP with biases, an untied embed_out head
+    "gpt_neox": dict(
+        _BASE,
+        model_type="gpt_neox",
+        num_key_value_heads=None,
+        rotary_pct=0.5,
+        rotary_emb_base=1000.0,
+        layer_norm_eps=1e-4,
+        use_parallel_residual=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(

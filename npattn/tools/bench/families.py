@@ -73,7 +73,9 @@ def _transformers_twin(torch, cfg, model):  # pragma: needs torch
     if model.config.layout.fused:  # Phi-3: transformers' modules hold the checkpoint's fused projections
         from ...models.save import fused_tensors
 
-        sd = fused_tensors(sd, model.config.layout.fused)
+        sd = fused_tensors(sd, model.config.layout.fused, model.config.layout.fused_groups)
+    base = tm.base_model_prefix  # GPT-NeoX's gpt_neox (the model's own model.*)
+    sd = {base + k[len("model") :] if k.startswith("model.") else k: v for k, v in sd.items()}
     sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
     missing, unexpected = tm.load_state_dict(sd, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
