@@ -278,6 +278,7 @@ _PARTIAL_ROPE = (
     "phi3",
     "glm4",
     "gpt_neox",
+    "phi",
 )  # rotate part of each head
 
 

@@ -36,6 +36,7 @@ FAMILIES += ["cohere2", "cohere"]  # attention and MLP side by side on one bias-
 FAMILIES += ["nemotron_h_moe"]  # experts that are not gated (relu2) in a latent width, a relu2 shared expert
 FAMILIES += ["hunyuan_v1_dense"]  # the QK-norm after RoPE in the second-order step, NTK-alpha RoPE
 FAMILIES += ["gpt_neox"]  # the parallel residual (two LayerNorms with biases of the layer's input), partial RoPE
+FAMILIES += ["phi"]  # attention and the plain MLP side by side on one LayerNorm with a bias, the head's bias
 IGNORE = -1
 
 

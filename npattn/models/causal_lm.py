@@ -457,6 +457,8 @@ def _state_shapes(cfg: CausalLMConfig):
     yield from _model_shapes(cfg)
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (V, H)
+        if cfg.lm_head_bias:
+            yield "lm_head.bias", (V,)
 
 
 _MAX_LAYERS = 4096  # building costs about a millisecond a layer: more is no plausible model
@@ -526,7 +528,9 @@ def _padding_kwargs(att: Module, padding: _Padding) -> dict:
     if isinstance(att, ParallelSum):  # Cohere's MLP branch takes no padding
         return {
             "branch_kwargs": {
-                name: _padding_kwargs(m, padding) for name, m in att.branches() if not isinstance(m, GatedMLP)
+                name: _padding_kwargs(m, padding)
+                for name, m in att.branches()
+                if not isinstance(m, (GatedMLP, FeedForward))
             }
         }
     return {"key_padding_mask": ~padding.keys, "positions": padding.positions}
@@ -581,6 +585,8 @@ class DecoderLayer(_Renamed):
             names.update({"hybrid.mamba": "mamba", "hybrid.self_attn": "self_attn"})
         if parallel:
             names = {f"parallel.{k}": v for k, v in _MHA_NAMES.items()}
+            if cfg.mlp_types[index] == "plain":  # Phi's plain MLP beside the attention (before parallel.mlp)
+                names.update({f"parallel.{k}": v for k, v in _PLAIN_MLP_NAMES.items()})
             names.update({"parallel.self_attn": "self_attn", "parallel.mlp": "mlp"})
         if self._mlp_normed:
             names.update(_DENSE_WITH_EXPERTS_NAMES)
@@ -929,7 +935,8 @@ class CausalLM(Module):
         rng = as_rng(rng)
         self.config = cfg
         self.model = _Backbone(cfg, rng, dtype)
-        head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, rng=rng, dtype=dtype)
+        bias = cfg.lm_head_bias  # Phi-1/1.5/2's head has a bias
+        head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias, rng=rng, dtype=dtype)
         self.lm_head = None if head is None else _released(head, rng)
         # generation_config.json as from_pretrained read it (None: none read; generation_defaults)
         self.generation_config: dict | None = None

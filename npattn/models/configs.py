@@ -86,6 +86,7 @@ SUPPORTED_MODEL_TYPES = (
     "apertus",
     "hunyuan_v1_dense",
     "gpt_neox",
+    "phi",
 )
 
 ATTENTION_KINDS = (
@@ -1533,7 +1534,8 @@ class CausalLMConfig:
     ``layer_norm_bias``: those LayerNorms have a bias too (GPT-NeoX's ``nn.LayerNorm``).
     ``parallel_residual``: the MLP's norm reads the layer's input instead of the attention's
     residual sum, ``x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))`` (GPT-NeoX's
-    ``use_parallel_residual``: two norms, unlike ``parallel_mlp``'s one).
+    ``use_parallel_residual``: two norms, unlike ``parallel_mlp``'s one).  ``lm_head_bias``: the
+    (untied) head has a bias, ``lm_head.bias`` (Phi-1, Phi-1.5, Phi-2).
     """
 
     model_type: str
@@ -1596,6 +1598,7 @@ class CausalLMConfig:
     layer_norm_bias: bool = False  # with layer_norm: each LayerNorm has a bias too (GPT-NeoX)
     parallel_mlp: bool = False  # the MLP beside the attention on the same normed input, both summed (Cohere)
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)): the MLP's norm reads the layer's input
+    lm_head_bias: bool = False  # the untied head has a bias (Phi-1/1.5/2)
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -2154,6 +2157,54 @@ def _gpt_neox(r: _Reader) -> dict:
         final_norm_name="final_layer_norm",
         embed_name="embed_in",
         layout=CheckpointLayout(r.model_type, renames=_GPT_NEOX_RENAMES, fused=_GPT_NEOX_FUSED, fused_groups=heads),
+    )
+    return c
+
+
+# Phi's names: self_attn.dense for o_proj, the plain MLP's fc1 and fc2, model.final_layernorm
+_PHI_NAMES = (("self_attn.o_proj", "self_attn.dense"), ("mlp.up_proj", "mlp.fc1"), ("mlp.down_proj", "mlp.fc2"))
+
+
+def _phi(r: _Reader) -> dict:
+    """Microsoft's Phi-1, Phi-1.5 and Phi-2 (``PhiForCausalLM``): one LayerNorm with a bias a
+    layer (``layer_norm_eps``) whose output both the attention and the MLP read, both added to the
+    residual (``parallel_mlp``); q, k, v and ``dense`` with biases, grouped key/value heads
+    (``num_key_value_heads``), RoPE on rotate-half pairs of the first ``partial_rotary_factor``
+    (default 0.5, as ``PhiConfig.__post_init__`` sets it) of each head; the plain MLP
+    ``fc2(act(fc1(x)))`` with biases (``hidden_act``, ``gelu_new`` by default); the head has a bias
+    (``lm_head.bias``); the final norm ``model.final_layernorm``.  ``qk_layernorm`` (a LayerNorm of
+    each head's q and k, one weight and bias over the heads) is refused unless false, as a tied head
+    (its bias beside the embedding's table is not implemented).  ``resid_pdrop`` and
+    ``embd_pdrop`` (dropout while training: Phi-2's 0.1) are read as probabilities and not applied:
+    npattn has no dropout on the residual branches or the embedding, so its training is
+    transformers' without them; at evaluation both are the identity."""
+    if not r.has("partial_rotary_factor"):  # PhiConfig.__post_init__: kwargs.setdefault(..., 0.5)
+        r.d = {**r.d, "partial_rotary_factor": 0.5}
+    c = _common(r)
+    r.used.discard("rms_norm_eps")  # Phi's eps is layer_norm_eps; rms_norm_eps is no key of it
+    for key in ("resid_pdrop", "embd_pdrop"):
+        p = r.float(key, 0.0, positive=False)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"config[{key!r}]: expected a probability in [0, 1), got {p}")
+    r.only("qk_layernorm", (False,), False, "a LayerNorm of q and k with a bias shared over the heads")
+    r.only("tie_word_embeddings", (False,), False, "PhiForCausalLM's head has a bias beside the tied table")
+    n = c["num_hidden_layers"]
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "gelu_new"),
+        attention_bias=True,  # PhiAttention's q_proj, k_proj, v_proj, dense
+        mlp_bias=True,  # PhiMLP's fc1, fc2
+        lm_head_bias=True,
+        tie_word_embeddings=False,
+        rms_norm_eps=r.float("layer_norm_eps", 1e-5),
+        layer_norm=True,
+        layer_norm_bias=True,
+        parallel_mlp=True,
+        rope=_rope_params(r, 10000.0, partial=True),
+        layer_types=("full_attention",) * n,
+        mlp_types=("plain",) * n,
+        layer_names=_PHI_NAMES,
+        final_norm_name="final_layernorm",
     )
     return c
 
@@ -4566,6 +4617,23 @@ _DEFAULTS["gpt_neox"] = dict(  # GPTNeoXConfig's (rotary_pct and rotary_emb_base
     use_parallel_residual=True,
     attention_bias=True,
 )
+_DEFAULTS["phi"] = dict(  # PhiConfig's (partial_rotary_factor 0.5: the reader's, as __post_init__'s)
+    vocab_size=51200,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attention_dropout=0.0,
+    hidden_act="gelu_new",
+    max_position_embeddings=2048,
+    layer_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qk_layernorm=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _DEFAULTS["cohere2"] = dict(  # Cohere2Config's (head_dim: hidden_size // num_attention_heads, always)
     **_sizes(positions=8192, vocab=256000, hidden=8192, intermediate=22528, layers=40, heads=64),
     hidden_act="silu",
@@ -5020,6 +5088,7 @@ _READERS = {
     "nemotron_h": _nemotron_h,
     "arcee": _arcee,
     "gpt_neox": _gpt_neox,
+    "phi": _phi,
     "cohere2": _cohere2,
     "cohere": _cohere,
     "apertus": _apertus,

@@ -683,6 +683,20 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Phi-2: two parallel blocks on one LayerNorm with a bias, 4 heads of 4 over 2 KV heads with half
+    # of each rotated, biases everywhere (the head's too), the plain gelu_new MLP 4x wide
+    "phi": dict(
+        _BASE,
+        model_type="phi",
+        intermediate_size=64,
+        partial_rotary_factor=0.5,
+        rope_theta=1000.0,
+        layer_norm_eps=1e-4,
+        resid_pdrop=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
