@@ -143,3 +143,37 @@ def test_from_pretrained_reads_transformers_directory(tmp_path, tied):
     assert m.config.tie_word_embeddings is tied
     ids = np.random.default_rng(5).integers(0, 41, (2, 6))
     np.testing.assert_allclose(m(ids), hf_logits(hf, ids), rtol=1e-9, atol=1e-9)
+
+
+def test_older_checkpoints_buffers_left_unread(tmp_path):
+    """Pythia's first checkpoints carry each layer's causal-mask buffer attention.bias (bool),
+    attention.masked_bias and the rotary inv_freq: no weights, left unread as transformers does."""
+    from safetensors.numpy import load_file, save_file
+
+    m = CausalLM(config_from_hf(TINY), rng=4)
+    m.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    for i in range(2):
+        sd[f"gpt_neox.layers.{i}.attention.bias"] = np.tril(np.ones((1, 1, 8, 8), bool))
+        sd[f"gpt_neox.layers.{i}.attention.masked_bias"] = np.array(-1e9, np.float32)
+        sd[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = np.ones(1, np.float32)
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = np.random.default_rng(6).integers(0, 41, (1, 5))
+    np.testing.assert_array_equal(CausalLM.from_pretrained(tmp_path, dtype=np.float64)(ids), m(ids))
+
+
+def test_released_pythia_config_reads():
+    """The keys of Pythia's config.json (pythia-70m's sizes; the later revisions' keys too)."""
+    cfg = config_from_hf(
+        {
+            "architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
+            "hidden_size": 512, "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_eps": 1e-05,
+            "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 8,
+            "num_hidden_layers": 6, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
+            "torch_dtype": "float16", "transformers_version": "4.24.0", "use_cache": True,
+            "use_parallel_residual": True, "vocab_size": 50304, "attention_bias": True, "attention_dropout": 0.0,
+            "classifier_dropout": 0.1, "hidden_dropout": 0.0, "rope_scaling": None,
+        }
+    )  # fmt: skip
+    assert cfg.head_dim == 64 and cfg.rope["default"]["partial_rotary_factor"] == 0.25
+    assert cfg.parallel_residual and not cfg.tie_word_embeddings and cfg.eos_token_id == 0

@@ -1420,7 +1420,10 @@ class CheckpointLayout:
     fused by ``save_pretrained``; the model and its ``state_dict`` keep the split names; a bias of
     the fused projection is fused alike.  ``fused_groups``: the fused rows come in that many groups,
     each holding its share of every part's rows in order (GPT-NeoX's ``query_key_value``, viewed as
-    ``(heads, 3 * head_dim)``: ``[q_h, k_h, v_h]`` for each head ``h``)."""
+    ``(heads, 3 * head_dim)``: ``[q_h, k_h, v_h]`` for each head ``h``).  ``ignored``: endings of
+    names the family's checkpoints carry that are no weights, left unread as transformers does
+    (``_keys_to_ignore_on_load_unexpected``: Pythia's ``attention.bias`` causal-mask and
+    ``attention.masked_bias`` buffers)."""
 
     family: str = ""
     per_expert: bool = False
@@ -1431,6 +1434,7 @@ class CheckpointLayout:
     mtp: tuple = ()  # key prefixes of the checkpoint's multi-token-prediction layers, left unread
     fused: tuple = ()  # (checkpoint part, (model parts, ...)): one checkpoint tensor, the parts' rows in order
     fused_groups: int = 1  # the fused tensors' rows in this many groups (GPT-NeoX's heads), each the parts' in order
+    ignored: tuple = ()  # endings of the checkpoint's names left unread (GPT-NeoX's attention.bias mask buffers)
 
 
 @dataclass(frozen=True)
@@ -2156,7 +2160,13 @@ def _gpt_neox(r: _Reader) -> dict:
         layer_names=_GPT_NEOX_NAMES,
         final_norm_name="final_layer_norm",
         embed_name="embed_in",
-        layout=CheckpointLayout(r.model_type, renames=_GPT_NEOX_RENAMES, fused=_GPT_NEOX_FUSED, fused_groups=heads),
+        layout=CheckpointLayout(
+            r.model_type,
+            renames=_GPT_NEOX_RENAMES,
+            fused=_GPT_NEOX_FUSED,
+            fused_groups=heads,
+            ignored=(".attention.bias", ".attention.masked_bias"),  # GPTNeoXPreTrainedModel's
+        ),
     )
     return c
 

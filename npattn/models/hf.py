@@ -997,7 +997,12 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
     cfg = config if isinstance(config, CausalLMConfig) else config_from_hf(config)
     mtp = cfg.layout.mtp  # a released checkpoint's multi-token-prediction layers: not the causal LM's
-    src = {k: _Source(k, state_dict[k]) for k in state_dict.keys() if not (_IGNORED.search(k) or k.startswith(mtp))}
+    unread = cfg.layout.ignored  # the family's buffers that are no weights (GPT-NeoX's attention.bias)
+    src = {
+        k: _Source(k, state_dict[k])
+        for k in state_dict.keys()
+        if not (_IGNORED.search(k) or k.startswith(mtp) or k.endswith(unread))
+    }
     bad = [k for k, s in src.items() if not s.is_float]
     if bad:
         raise TypeError(f"state_dict[{bad[0]!r}]: expected a floating-point tensor, got {src[bad[0]].kind}")
