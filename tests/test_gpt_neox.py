@@ -177,3 +177,17 @@ def test_released_pythia_config_reads():
     )  # fmt: skip
     assert cfg.head_dim == 64 and cfg.rope["default"]["partial_rotary_factor"] == 0.25
     assert cfg.parallel_residual and not cfg.tie_word_embeddings and cfg.eos_token_id == 0
+
+
+def test_tied_pair_under_the_head_name_alone(tmp_path):
+    """A tied checkpoint that keeps the pair under the head's name alone (embed_out): the table is
+    embed_in's, as transformers ties them."""
+    from safetensors.numpy import load_file
+
+    tied = {**TINY, "tie_word_embeddings": True}
+    m = CausalLM(config_from_hf(tied), rng=5)
+    m.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["embed_out.weight"] = sd.pop("gpt_neox.embed_in.weight")
+    ids = np.random.default_rng(7).integers(0, 41, (1, 5))
+    np.testing.assert_array_equal(CausalLM.from_hf(sd, tied, dtype=np.float64)(ids), m(ids))
