@@ -191,3 +191,32 @@ def test_tied_pair_under_the_head_name_alone(tmp_path):
     sd["embed_out.weight"] = sd.pop("gpt_neox.embed_in.weight")
     ids = np.random.default_rng(7).integers(0, 41, (1, 5))
     np.testing.assert_array_equal(CausalLM.from_hf(sd, tied, dtype=np.float64)(ids), m(ids))
+
+
+def test_gpt_neox_20b_config_reads():
+    """GPT-NeoX-20B's config.json keys: gelu_fast, and two dropout keys no transformers module reads."""
+    cfg = config_from_hf(
+        {
+            "architectures": ["GPTNeoXForCausalLM"], "attention_probs_dropout_prob": 0.1, "bos_token_id": 0,
+            "eos_token_id": 0, "hidden_act": "gelu_fast", "hidden_dropout_prob": 0.1, "hidden_size": 6144,
+            "initializer_range": 0.02, "intermediate_size": 24576, "layer_norm_eps": 1e-05,
+            "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 64,
+            "num_hidden_layers": 44, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
+            "torch_dtype": "float16", "use_cache": True, "vocab_size": 50432,
+        }
+    )  # fmt: skip
+    assert cfg.hidden_act == "gelu_fast" and cfg.head_dim == 96
+
+
+@needs_hf
+def test_gelu_fast_against_transformers():
+    """gelu_fast (FastGELUActivation's rounded constant) against transformers: logits to 1e-9 and
+    every gradient to 1e-8."""
+    from _hf64 import build, check_logits_and_grads, state_dict
+
+    d = {k: v for k, v in TINY.items() if k not in ("model_type", "num_key_value_heads")}
+    hf, cfg = build(T.GPTNeoXConfig, T.GPTNeoXForCausalLM, **{**d, "hidden_act": "gelu_fast"})
+    m = CausalLM.from_hf(state_dict(hf), cfg)
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, 41, (2, 6))
+    check_logits_and_grads(m, hf, ids, rng.standard_normal((2, 6, 41)), grads=lambda g: _npattn_names(g, 4))

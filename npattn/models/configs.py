@@ -2117,7 +2117,10 @@ def _gpt_neox(r: _Reader) -> dict:
     ``partial_rotary_factor`` (which ``GPTNeoXConfig`` ignores), ``num_key_value_heads`` and
     ``head_dim`` other than ``hidden_size // num_attention_heads`` (GPTNeoXAttention ignores them)
     and a ``hidden_dropout`` other than 0 are refused by name; ``classifier_dropout`` (the
-    classification heads') and ``is_decoder`` are metadata."""
+    classification heads'), ``is_decoder`` and GPT-NeoX-20B's ``attention_probs_dropout_prob`` and
+    ``hidden_dropout_prob`` (which no transformers module reads) are metadata.  GPT-NeoX-20B's
+    ``gelu_fast`` is ``gelu_new``'s formula with ``sqrt(2 / pi)`` rounded to 0.7978845608 (a
+    relative difference of 4e-12 in that constant)."""
     heads, hidden = r.int("num_attention_heads"), r.int("hidden_size")
     if hidden % heads:
         raise ValueError(f"config['num_attention_heads']: expected a divisor of hidden_size = {hidden}, got {heads}")
@@ -2129,6 +2132,9 @@ def _gpt_neox(r: _Reader) -> dict:
     r.only("hidden_dropout", (0, 0.0), 0.0, "npattn has no dropout on the residual branches")
     r.get("classifier_dropout")
     r.get("is_decoder")
+    # GPT-NeoX-20B's config.json: keys of its training code that no transformers module reads
+    r.get("attention_probs_dropout_prob")
+    r.get("hidden_dropout_prob")
     c = _common(r)
     r.used.discard("rms_norm_eps")  # GPT-NeoX's eps is layer_norm_eps; rms_norm_eps is no key of it
     rp = _rope_mapping(r, "rope_parameters")

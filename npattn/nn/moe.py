@@ -120,6 +120,7 @@ HIDDEN_ACTS = {
     "gelu": "gelu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",  # FastGELUActivation: gelu_new's formula with sqrt(2/pi) written 0.7978845608
     "relu": "relu",
     "relu2": "relu2",
     "xielu": "xielu",  # trained parameters of its own: only the plain MLP (FeedForward's act_fn) applies it
