@@ -220,3 +220,16 @@ def test_gelu_fast_against_transformers():
     rng = np.random.default_rng(8)
     ids = rng.integers(0, 41, (2, 6))
     check_logits_and_grads(m, hf, ids, rng.standard_normal((2, 6, 41)), grads=lambda g: _npattn_names(g, 4))
+
+
+def test_fused_per_head_read_into_bfloat16():
+    """The per-head rows of a fused query_key_value read straight into bfloat16 bits are the split
+    parts' (weights_dtype="bfloat16")."""
+    m = CausalLM(config_from_hf(TINY), rng=9)
+    sd = m.state_dict()
+    fused = fused_tensors(sd, m.config.layout.fused, m.config.layout.fused_groups)
+    ids = np.random.default_rng(9).integers(0, 41, (1, 5))
+    a = CausalLM.from_hf(fused, TINY, weights_dtype="bfloat16")
+    b = CausalLM.from_hf(sd, TINY, weights_dtype="bfloat16")
+    np.testing.assert_array_equal(a(ids), b(ids))
+    assert not np.array_equal(b(ids), CausalLM.from_hf(sd, TINY)(ids))  # the bits are bfloat16's
