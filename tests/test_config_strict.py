@@ -279,6 +279,7 @@ _PARTIAL_ROPE = (
     "glm4",
     "gpt_neox",
     "phi",
+    "stablelm",
 )  # rotate part of each head
 
 

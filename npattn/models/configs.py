@@ -87,6 +87,7 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense",
     "gpt_neox",
     "phi",
+    "stablelm",
 )
 
 ATTENTION_KINDS = (
@@ -1423,7 +1424,10 @@ class CheckpointLayout:
     ``(heads, 3 * head_dim)``: ``[q_h, k_h, v_h]`` for each head ``h``).  ``ignored``: endings of
     names the family's checkpoints carry that are no weights, left unread as transformers does
     (``_keys_to_ignore_on_load_unexpected``: Pythia's ``attention.bias`` causal-mask and
-    ``attention.masked_bias`` buffers)."""
+    ``attention.masked_bias`` buffers).  ``per_row``: endings of the model's names (StableLM's
+    ``self_attn.q_norm.weight``, ``(heads, head_dim)``) whose rows the checkpoint writes one tensor
+    each, ``<module>.norms.{h}.weight`` (``StableLmLayerNormPerHead``'s ``nn.ModuleList`` of one
+    LayerNorm a head): stacked while loading, split by ``save_pretrained``."""
 
     family: str = ""
     per_expert: bool = False
@@ -1435,6 +1439,7 @@ class CheckpointLayout:
     fused: tuple = ()  # (checkpoint part, (model parts, ...)): one checkpoint tensor, the parts' rows in order
     fused_groups: int = 1  # the fused tensors' rows in this many groups (GPT-NeoX's heads), each the parts' in order
     ignored: tuple = ()  # endings of the checkpoint's names left unread (GPT-NeoX's attention.bias mask buffers)
+    per_row: tuple = ()  # endings of model names written one row a tensor, <module>.norms.{h}.weight (StableLM)
 
 
 @dataclass(frozen=True)
@@ -2222,6 +2227,60 @@ def _phi(r: _Reader) -> dict:
         layer_names=_PHI_NAMES,
         final_norm_name="final_layernorm",
     )
+    return c
+
+
+# StableLM's per-head LayerNorms: q_layernorm.norms.{h}.weight (CheckpointLayout.per_row)
+_STABLELM_RENAMES = (("self_attn.q_norm", "self_attn.q_layernorm"), ("self_attn.k_norm", "self_attn.k_layernorm"))
+
+
+def _stablelm(r: _Reader) -> dict:
+    """Stability's StableLM (StableLM-3B-4E1T, StableLM-2-1.6B, StableLM-2-Zephyr, StableLM-Zephyr-3B;
+    ``StableLmForCausalLM``): Llama's names and gated MLP (``hidden_act``, ``silu`` by default) on
+    LayerNorms with a bias (``layer_norm_eps``); q, k and v with biases where ``use_qkv_bias`` says
+    so, ``o_proj`` without; grouped key/value heads of ``hidden_size // num_attention_heads``; RoPE
+    on rotate-half pairs of the first ``partial_rotary_factor`` of each head (0.25 where the config
+    gives none, as ``StableLmConfig.__post_init__`` sets it).  ``use_parallel_residual``: the MLP
+    beside the attention on the same ``input_layernorm``, ``x + attn(ln(x)) + mlp(ln(x))``
+    (``parallel_mlp``, no ``post_attention_layernorm``).  ``qk_layernorm``: a bias-free LayerNorm of
+    each head's q and k before RoPE, one per head (``qk_norm_scope`` ``"each_head"``), which the
+    checkpoint writes ``self_attn.q_layernorm.norms.{h}.weight`` (``CheckpointLayout.per_row``).
+    ``hidden_dropout`` (dropout of the MLP's output while training) is read as a probability and not
+    applied: the identity at evaluation.  A ``head_dim`` other than ``hidden_size //
+    num_attention_heads`` is refused by name (StableLmAttention ignores the key)."""
+    if not r.has("partial_rotary_factor"):  # StableLmConfig.__post_init__: kwargs.setdefault(..., 0.25)
+        r.d = {**r.d, "partial_rotary_factor": 0.25}
+    heads, hidden = r.int("num_attention_heads"), r.int("hidden_size")
+    if hidden % heads:
+        raise ValueError(f"config['num_attention_heads']: expected a divisor of hidden_size = {hidden}, got {heads}")
+    why = "StableLmAttention's heads are hidden_size // num_attention_heads"
+    r.only("head_dim", (None, hidden // heads), None, why)
+    c = _common(r)
+    r.used.discard("rms_norm_eps")  # StableLM's eps is layer_norm_eps; rms_norm_eps is no key of it
+    p = r.float("hidden_dropout", 0.0, positive=False)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"config['hidden_dropout']: expected a probability in [0, 1), got {p}")
+    qk = r.bool("qk_layernorm")
+    n = c["num_hidden_layers"]
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=_act(r, "hidden_act", "silu"),
+        attention_bias=r.bool("use_qkv_bias"),
+        attention_out_bias=False,  # StableLmAttention's o_proj
+        rms_norm_eps=r.float("layer_norm_eps", 1e-5),
+        layer_norm=True,
+        layer_norm_bias=True,
+        parallel_mlp=r.bool("use_parallel_residual"),
+        qk_norm=qk,
+        rope=_rope_params(r, 10000.0, partial=True),
+        layer_types=("full_attention",) * n,
+        mlp_types=("dense",) * n,
+        layout=CheckpointLayout(
+            r.model_type, renames=_STABLELM_RENAMES, per_row=("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        ),
+    )
+    if qk:
+        c["qk_norm_scope"] = "each_head"
     return c
 
 
@@ -4650,6 +4709,19 @@ _DEFAULTS["phi"] = dict(  # PhiConfig's (partial_rotary_factor 0.5: the reader's
     bos_token_id=1,
     eos_token_id=2,
 )
+_DEFAULTS["stablelm"] = dict(  # StableLmConfig's (partial_rotary_factor 0.25: the reader's, as __post_init__'s)
+    **_sizes(positions=4096, vocab=50304, hidden=2560, intermediate=6912, layers=32, heads=32, kv_heads=32),
+    hidden_act="silu",
+    layer_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    use_qkv_bias=False,
+    qk_layernorm=False,
+    use_parallel_residual=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 _DEFAULTS["cohere2"] = dict(  # Cohere2Config's (head_dim: hidden_size // num_attention_heads, always)
     **_sizes(positions=8192, vocab=256000, hidden=8192, intermediate=22528, layers=40, heads=64),
     hidden_act="silu",
@@ -5105,6 +5177,7 @@ _READERS = {
     "arcee": _arcee,
     "gpt_neox": _gpt_neox,
     "phi": _phi,
+    "stablelm": _stablelm,
     "cohere2": _cohere2,
     "cohere": _cohere,
     "apertus": _apertus,

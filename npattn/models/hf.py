@@ -653,12 +653,14 @@ class _Merged:
 
 class _Stacked:
     """One model tensor a checkpoint writes in parts along axis 0 (Kimi's ``q_conv1d``,
-    ``k_conv1d``, ``v_conv1d`` for a KDA layer's ``conv1d.weight``), equal parts in order."""
+    ``k_conv1d``, ``v_conv1d`` for a KDA layer's ``conv1d.weight``), equal parts in order;
+    ``new_axis``: each part is one row (StableLM's per-head norms, ``CheckpointLayout.per_row``)."""
 
-    def __init__(self, name: str, parts: list):
-        self.name, self.parts = name, parts
+    def __init__(self, name: str, parts: list, new_axis: bool = False):
+        self.name, self.parts, self.new_axis = name, parts, new_axis
         first = parts[0]
-        self.shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+        rows = len(parts) if new_axis else sum(p.shape[0] for p in parts)
+        self.shape = (rows, *(first.shape if new_axis else first.shape[1:]))
         self.kind = first.kind
 
     @property
@@ -666,7 +668,12 @@ class _Stacked:
         return self.parts[0].name
 
     def mismatch(self, expected: tuple) -> str | None:
-        share = (expected[0] // len(self.parts), *expected[1:])
+        n = len(self.parts)
+        if self.new_axis and n != expected[0]:
+            row = self.parts[0].name[: -len("0.weight")] + f"{min(n, expected[0])}.weight"
+            what = "unexpected" if n > expected[0] else "missing"
+            return f"state_dict: {what} key {row!r} ({self.name} has {expected[0]} rows, the state dict {n})"
+        share = tuple(expected[1:]) if self.new_axis else (expected[0] // len(self.parts), *expected[1:])
         for part in self.parts:
             if tuple(part.shape) != share:
                 return (
@@ -686,6 +693,10 @@ class _Stacked:
     def read_into(self, out: np.ndarray) -> None:
         r = 0
         for part in self.parts:
+            if self.new_axis:
+                _read_part(part, out[r])
+                r += 1
+                continue
             _read_part(part, out[r : r + part.shape[0]])
             r += part.shape[0]
 
@@ -818,6 +829,8 @@ def _checkpoint_names(src: dict, layout) -> dict:
         if new in out:
             raise ValueError(f"state_dict: {key!r} and {out[new].name!r} are the same tensor {new!r} (give one)")
         out[new] = s
+    if layout.per_row:
+        out = _stacked_rows(out, layout.per_row)
     if not layout.split_conv:
         return out
     groups: dict = {}
@@ -834,6 +847,33 @@ def _checkpoint_names(src: dict, layout) -> dict:
             raise ValueError(f"state_dict: both {name!r} and '{prefix}q_conv1d.weight', ... (give one or the other)")
         out[name] = _Stacked(name, [parts[p] for p in "qkv"])
     return out
+
+
+_PER_ROW = re.compile(r"^(?P<prefix>.*)\.norms\.(?P<h>[0-9]+)\.weight$")
+
+
+def _stacked_rows(src: dict, endings: tuple) -> dict:
+    """``src`` with the one-row tensors ``<module>.norms.{h}.weight`` of a model tensor ending in
+    one of ``endings`` (``CheckpointLayout.per_row``: StableLM's per-head LayerNorms) stacked into
+    ``<module>.weight``; a missing row, a leading zero or both forms given are refused by name."""
+    groups: dict = {}
+    for key in list(src):
+        m = _PER_ROW.match(key)
+        if m and (m["prefix"] + ".weight").endswith(endings):
+            if m["h"] != str(int(m["h"])):
+                raise ValueError(f"state_dict[{key!r}]: row index {m['h']!r} has a leading zero")
+            groups.setdefault(m["prefix"], {})[int(m["h"])] = src.pop(key)
+    for prefix, rows in groups.items():
+        n = 1 + max(rows)
+        for h in range(n):
+            if h not in rows:
+                row = rows[n - 1].name[: -len(f"{n - 1}.weight")] + f"{h}.weight"
+                raise ValueError(f"state_dict: missing key {row!r} (row {h} of {n})")
+        name = prefix + ".weight"
+        if name in src:
+            raise ValueError(f"state_dict: both {src[name].name!r} and {rows[0].name!r}, ... (give one or the other)")
+        src[name] = _Stacked(name, [rows[h] for h in range(n)], new_axis=True)
+    return src
 
 
 def _merge_experts(src: dict, projs: tuple = ("gate_proj", "up_proj", "down_proj")) -> dict:

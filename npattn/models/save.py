@@ -140,6 +140,8 @@ def checkpoint_tensors(model) -> dict:
             third = arr.shape[0] // 3
             for i, part in enumerate("qkv"):
                 parts[key[: -len("conv1d.weight")] + f"{part}_conv1d.weight"] = arr[i * third : (i + 1) * third]
+        elif layout.per_row and key.endswith(layout.per_row):  # StableLM: one LayerNorm a head
+            parts.update(row_tensors(key, arr))
         elif m is None:
             parts[key] = arr
         elif m["proj"] == "up_proj":  # (E, I, H), experts that are not gated (their layout's gate None)
@@ -159,6 +161,12 @@ def checkpoint_tensors(model) -> dict:
     if layout.renames:
         out = {_renamed(k, layout.renames): v for k, v in out.items()}
     return out
+
+
+def row_tensors(key: str, arr) -> dict:
+    """The model tensor ``key``'s rows as the checkpoint writes them, one tensor each
+    (``CheckpointLayout.per_row``: StableLM's ``<module>.norms.{h}.weight``, views)."""
+    return {key[: -len("weight")] + f"norms.{h}.weight": arr[h] for h in range(arr.shape[0])}
 
 
 def fused_tensors(tensors: dict, fused: tuple, groups: int = 1) -> dict:

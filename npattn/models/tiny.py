@@ -697,6 +697,22 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # StableLM-2-12B's shape at its smallest: the MLP beside the attention on one LayerNorm with a
+    # bias, a bias-free LayerNorm of each head's q and k (a weight row a head), q, k, v with biases,
+    # 4 heads of 4 over 2 KV heads with half of each rotated, the gated silu MLP
+    "stablelm": dict(
+        _BASE,
+        model_type="stablelm",
+        partial_rotary_factor=0.5,
+        rope_theta=1000.0,
+        layer_norm_eps=1e-4,
+        use_qkv_bias=True,
+        qk_layernorm=True,
+        use_parallel_residual=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(

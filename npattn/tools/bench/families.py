@@ -74,6 +74,15 @@ def _transformers_twin(torch, cfg, model):  # pragma: needs torch
         from ...models.save import fused_tensors
 
         sd = fused_tensors(sd, model.config.layout.fused, model.config.layout.fused_groups)
+    layout = model.config.layout
+    if layout.per_row:  # StableLM: transformers' modules hold one LayerNorm a head, under its names
+        from ...models.save import _renamed, row_tensors
+
+        sd = {
+            _renamed(k, layout.renames): v
+            for key, a in sd.items()
+            for k, v in (row_tensors(key, a) if key.endswith(layout.per_row) else {key: a}).items()
+        }
     base = tm.base_model_prefix  # GPT-NeoX's gpt_neox (the model's own model.*)
     sd = {base + k[len("model") :] if k.startswith("model.") else k: v for k, v in sd.items()}
     sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
