@@ -84,13 +84,21 @@ class _OffsetRMSNorm(RMSNorm):
 
 
 def _norm_params(cfg: CausalLMConfig) -> tuple:
-    """A norm's parameters: its weight, and GPT-NeoX's LayerNorm bias."""
+    """A norm's parameters: its weight, and GPT-NeoX's LayerNorm bias; none for OLMo's."""
+    if cfg.layer_norm and not cfg.layer_norm_affine:  # OLMo: neither
+        return ()
     return ("weight", "bias") if cfg.layer_norm and cfg.layer_norm_bias else ("weight",)
 
 
 def _norm(cfg: CausalLMConfig, dtype) -> RMSNorm | LayerNorm:
     if cfg.layer_norm:  # Cohere: mean subtracted, a weight and no bias; GPT-NeoX: a bias too
-        return LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=cfg.layer_norm_bias, dtype=dtype)
+        return LayerNorm(
+            cfg.hidden_size,
+            eps=cfg.rms_norm_eps,
+            elementwise_affine=cfg.layer_norm_affine,
+            bias=cfg.layer_norm_bias,
+            dtype=dtype,
+        )
     cls = _OffsetRMSNorm if cfg.norm_offset else RMSNorm
     return cls(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 

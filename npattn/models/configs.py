@@ -1541,6 +1541,8 @@ class CausalLMConfig:
     normed input, ``x + attn(norm(x)) + mlp(norm(x))`` (Cohere's parallel block: one norm a layer, the
     two sublayers a ``ParallelSum`` under their own names ``self_attn`` and ``mlp``).
     ``layer_norm_bias``: those LayerNorms have a bias too (GPT-NeoX's ``nn.LayerNorm``).
+    ``layer_norm_affine`` False: those LayerNorms have neither weight nor bias,
+    ``(x - mean) / sqrt(var + eps)`` (the first OLMo's ``OlmoLayerNorm``).
     ``parallel_residual``: the MLP's norm reads the layer's input instead of the attention's
     residual sum, ``x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))`` (GPT-NeoX's
     ``use_parallel_residual``: two norms, unlike ``parallel_mlp``'s one).  ``lm_head_bias``: the
@@ -1605,6 +1607,7 @@ class CausalLMConfig:
     pad_embedding_row: bool = True  # the embedding's pad_token_id row gets no gradient (torch's padding_idx)
     layer_norm: bool = False  # the norms are LayerNorm (mean subtracted) with a weight and no bias (Cohere)
     layer_norm_bias: bool = False  # with layer_norm: each LayerNorm has a bias too (GPT-NeoX)
+    layer_norm_affine: bool = True  # with layer_norm: False, no weight and no bias (OLMo's OlmoLayerNorm)
     parallel_mlp: bool = False  # the MLP beside the attention on the same normed input, both summed (Cohere)
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)): the MLP's norm reads the layer's input
     lm_head_bias: bool = False  # the untied head has a bias (Phi-1/1.5/2)
@@ -2031,6 +2034,28 @@ def _llama(r: _Reader) -> dict:
     c.update(
         _mlp_and_bias(r),
         mlp_bias=r.bool("mlp_bias"),
+        rope=_rope_params(r, 10000.0),
+        layer_types=("full_attention",) * n,
+        mlp_types=("dense",) * n,
+    )
+    return c
+
+
+def _olmo(r: _Reader) -> dict:
+    """The first OLMo (allenai/OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424-hf; ``OlmoForCausalLM``): Llama's
+    pre-norm layers (SwiGLU MLP without biases, RoPE, ``attention_bias`` on q, k, v and o) whose
+    norms are LayerNorms without weight or bias (``OlmoLayerNorm``: eps 1e-5 fixed, no config key),
+    so no norm tensor in the checkpoint.  ``clip_qkv`` (q, k and v clamped to +-clip_qkv after the
+    projections) is refused unless null."""
+    c = _common(r)
+    n = c["num_hidden_layers"]
+    r.used.discard("rms_norm_eps")  # OlmoLayerNorm's eps is 1e-5, read from no key
+    r.only("clip_qkv", (None,), None, "npattn does not clamp the projections")
+    c.update(
+        _mlp_and_bias(r),
+        rms_norm_eps=1e-5,
+        layer_norm=True,
+        layer_norm_affine=False,
         rope=_rope_params(r, 10000.0),
         layer_types=("full_attention",) * n,
         mlp_types=("dense",) * n,
@@ -4476,6 +4501,9 @@ _DEFAULTS: dict = {
         mamba_proj_bias=False,  # time_step_limit's default (0, inf) is the reader's: JSON has no Infinity
     ),
     "olmo2": dict(_LLAMA_SIZES, vocab_size=50304, **_SILU, rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279),
+    "olmo": dict(  # OlmoConfig's (OLMo-7B's sizes; no eps key: OlmoLayerNorm's is 1e-5)
+        _LLAMA_SIZES, vocab_size=50304, **_SILU, pad_token_id=1, eos_token_id=50279, clip_qkv=None
+    ),
     "lfm2": dict(
         **_sizes(positions=128000, vocab=65536, hidden=2560, intermediate=12288, layers=32, heads=32, kv_heads=8),
         **_LFM2,
@@ -5175,6 +5203,7 @@ _READERS = {
     "falcon_h1": _falcon_h1,
     "nemotron_h": _nemotron_h,
     "arcee": _arcee,
+    "olmo": _olmo,
     "gpt_neox": _gpt_neox,
     "phi": _phi,
     "stablelm": _stablelm,

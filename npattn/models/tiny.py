@@ -502,6 +502,18 @@ TINY_CONFIGS: dict = {
     "qwen2": dict(_BASE, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     "gemma2": dict(_GEMMA, model_type="gemma2", attn_logit_softcapping=2.0),
     "olmo2": dict(_BASE, model_type="olmo2", rope_theta=5000.0, attention_bias=True, eos_token_id=2),
+    # The first OLMo: Llama's pre-norm layers on LayerNorms without weight or bias, q/k/v/o biases,
+    # GQA, a tied head
+    "olmo": dict(
+        _BASE,
+        model_type="olmo",
+        num_key_value_heads=1,
+        rope_theta=5000.0,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        pad_token_id=1,
+        eos_token_id=2,
+    ),
     # SmolLM3: every second layer NoPE (no rotation) and sliding through a window of 3, a tied head
     "smollm3": dict(
         _BASE,
