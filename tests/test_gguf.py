@@ -292,6 +292,17 @@ ARCEE = dict(
     FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
 )
 ARCEE["rope_parameters"] = {k: v for k, v in ARCEE["rope_parameters"].items() if not k.startswith("beta")}
+# The first OLMo: llama rows (permuted), LayerNorms without weight or bias (no norm tensor; eps
+# 1e-5 as OlmoModel writes it), no biases (the converter permutes q/k weights, not biases), GQA, untied
+OLMO = dict(
+    FAMILIES["olmo"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_bias=False,
+    tie_word_embeddings=False,
+)
 # Apertus: q/k rows as the checkpoint's (ApertusModel's undo_permute False), per-head q/k norms, biases on
 # q, k, v and o, the xIELU MLP whose raw alpha_p, alpha_n and beta, eps the converter writes as the
 # per-layer arrays xielu.* (drawn apart per layer here); plain RoPE at base 1000 (a llama3 scaling
@@ -436,7 +447,7 @@ _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
 _GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
-_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", "arcee", *_GRANITES)
+_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", "arcee", "olmo", *_GRANITES)
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 # the model's names and the released checkpoint's (transformers' conversion_mapping for granitemoe)
 _GRANITEMOE_NAMES = (
@@ -806,6 +817,10 @@ def _metadata(w, config, arch):
     if arch in _COHERES:  # TextModel: layer_norm_eps as the LayerNorms' epsilon
         w.add_layer_norm_eps(config["layer_norm_eps"])
         _cohere_metadata(w, config, arch)
+    elif arch == "olmo":  # OlmoModel.set_gguf_parameters: its fixed 1e-5, clamp_kqv where clip_qkv is set
+        w.add_layer_norm_eps(1e-5)
+        if config.get("clip_qkv") is not None:
+            w.add_clamp_kqv(config["clip_qkv"])
     else:
         w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     if arch not in _GRANITES:  # GraniteModel drops head_dim: no key/value length
@@ -1156,6 +1171,7 @@ CASES = [
     (GLM4, "glm4"),
     (MINISTRAL3, "mistral3"),
     (ARCEE, "arcee"),
+    (OLMO, "olmo"),
     (APERTUS, "apertus"),
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
@@ -1226,14 +1242,15 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, _file_config(config)), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
-    # Phi-3's tied head, logits up to 64, to 4%, and LFM2's, logits up to 55, to 3.1%; Nemotron-H's relu2
+    # Phi-3's tied head, logits up to 64, to 4%, LFM2's, logits up to 55, to 3.1%, and OLMo's,
+    # logits up to 6, to 4.5%; Nemotron-H's relu2
     # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     coarse = arch == "nemotron_h" and qtype != Q.F16
     if (
         not moe
         and not coarse
-        and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2")))
+        and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo")))
     ):
         ref = _source_logits(config)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
@@ -1358,6 +1375,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (GLM4, "glm4", ("Glm4Config", "Glm4ForCausalLM")),
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
         (ARCEE, "arcee", ("ArceeConfig", "ArceeForCausalLM")),
+        (OLMO, "olmo", ("OlmoConfig", "OlmoForCausalLM")),
         (APERTUS, "apertus", ("ApertusConfig", "ApertusForCausalLM")),
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
@@ -1396,6 +1414,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "glm4",
         "ministral3",
         "arcee",
+        "olmo",
         "apertus",
         "falcon-h1",
         "falcon-h1-rounded",
@@ -3949,3 +3968,37 @@ def test_what_llama_cpp_s_hunyuan_dense_files_say_of_their_rope():
         derive({}, {"rope.scaling.type": "yarn"})
     with pytest.raises(ValueError, match=r"metadata 'hunyuan-dense.rope.scaling.factor' 4.0 is not supported"):
         derive({}, {"rope.scaling.factor": 4.0})
+
+
+def test_olmo_file_is_its_directory(tmp_path):
+    """An olmo file (q/k permuted, no norm tensor) and the source model's own directory
+    (save_pretrained, read back by from_pretrained) are one model: the same config (LayerNorms
+    without weight or bias at eps 1e-5), tensors bit for bit, the same logits."""
+    g, _, _ = _file_is_its_directory(tmp_path, OLMO, "olmo")
+    assert g.config.layer_norm and not g.config.layer_norm_affine and g.config.rms_norm_eps == 1e-5
+    assert not [n for n in g.state_dict() if "norm" in n]
+
+
+def test_olmo_metadata_and_biases_as_llama_cpp_reads_them(tmp_path):
+    """llama.cpp's olmo: the LayerNorms' epsilon is the converter's 1e-5 (another refused by name:
+    transformers' OlmoLayerNorm has no other); a file with q/k biases refused (the converter
+    permutes the weights' rows, not the biases'); a clamp_kqv (OLMo-7B-0424's clip_qkv) refused by
+    the config's name."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    derive = GGUF_FAMILIES["olmo"].derive
+    c = dict(model_type="olmo", layer_norm_eps=float(np.float32(1e-5)), attention_bias=False)
+    derive(c, {})
+    assert c == dict(model_type="olmo", attention_bias=False)
+    with pytest.raises(ValueError, match=r"'olmo.attention.layer_norm_epsilon' = 1e-06: OLMo's LayerNorms"):
+        derive(dict(model_type="olmo", layer_norm_eps=1e-6), {})
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.bias' in an olmo file: the converter permutes"):
+        derive(dict(model_type="olmo", layer_norm_eps=1e-5, attention_bias=True), {})
+    biased = dict(OLMO, attention_bias=True)
+    _write(tmp_path / "b.gguf", biased, _model(biased).state_dict(), Q.F32, "olmo")
+    with pytest.raises(ValueError, match=r"b.gguf: tensor 'blk.0.attn_q.bias' in an olmo file"):
+        CausalLM.from_gguf(tmp_path / "b.gguf")
+    clipped = dict(OLMO, clip_qkv=8.0)
+    _write(tmp_path / "c.gguf", clipped, _state(OLMO), Q.F32, "olmo")
+    with pytest.raises(ValueError, match=r"config\['clip_qkv'\]"):
+        CausalLM.from_gguf(tmp_path / "c.gguf")

@@ -1664,8 +1664,8 @@ class CausalLM(Module):
         ``smollm3``, ``phi3``, ``granite``, ``granitemoe`` (GraniteMoeShared's and Granite 4.0's too),
         ``granitehybrid`` (Granite 4.0's hybrids, their Mamba-2 layers too), ``lfm2``, ``lfm2moe``,
         ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``, ``glm4``,
-        ``mistral3`` (Ministral 3's query scale by position), ``arcee``, ``apertus``, ``falcon-h1`` and
-        ``nemotron_h`` (Nemotron-H without routed experts) files of ``F32``,
+        ``mistral3`` (Ministral 3's query scale by position), ``arcee``, ``olmo`` (the first OLMo),
+        ``apertus``, ``falcon-h1`` and ``nemotron_h`` (Nemotron-H without routed experts) files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;

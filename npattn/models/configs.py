@@ -726,6 +726,23 @@ def _gguf_apertus(config: dict, meta: Mapping) -> None:
     config["rope_scaling"] = {"rope_type": "default"}
 
 
+def _gguf_olmo(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``olmo`` (``OlmoModel`` in the converter: q/k weight rows permuted as Llama's,
+    ``attention.layer_norm_epsilon`` its fixed 1e-5, ``attention.clamp_kqv`` where the config has a
+    ``clip_qkv``): LayerNorms without weight or bias.  The epsilon must be 1e-5 (transformers'
+    ``OlmoLayerNorm`` has no other); a file with q/k biases is refused, the converter permuting the
+    weights' rows and not the biases'."""
+    eps = config.pop("layer_norm_eps")
+    if not math.isclose(eps, 1e-5, rel_tol=1e-6):  # the file's float32 of 1e-5
+        raise ValueError(
+            f"metadata 'olmo.attention.layer_norm_epsilon' = {eps}: OLMo's LayerNorms have eps 1e-5 (OlmoLayerNorm)"
+        )
+    if config.get("attention_bias"):
+        raise ValueError(
+            "tensor 'blk.0.attn_q.bias' in an olmo file: the converter permutes q/k weights, not their biases"
+        )
+
+
 def _gguf_layer_pattern(pattern, n: int, arch: str, min_period: int) -> list:
     """The layer types ``attention.sliding_window_pattern`` gives ``n`` layers: one boolean per
     layer (the converter writes the config's ``layer_types`` so, true where a layer slides), or
@@ -1033,6 +1050,15 @@ GGUF_FAMILIES = {
     ),
     # ERNIE 4.5 dense: its interleaved RoPE pairs are llama.cpp's own (no permutation), no biases
     "ernie4_5": GgufFamily("ernie4_5", derive=_gguf_ernie4_5),
+    # The first OLMo: llama files (q/k permuted) without norm tensors (LayerNorms without weight or
+    # bias), the LayerNorms' eps 1e-5 and clip_qkv from attention.clamp_kqv
+    "olmo": GgufFamily(
+        "olmo",
+        permute_qk=True,
+        derive=_gguf_olmo,
+        keys={"clip_qkv": "attention.clamp_kqv"},
+        eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
     # Arcee (AFM-4.5B): llama files (q/k permuted) with a non-gated relu2 MLP (ffn_up, ffn_down) and YaRN
     "arcee": GgufFamily(
         "arcee",

@@ -10,10 +10,10 @@ the k-quants ``Q2_K`` ... ``Q6_K``, the i-quants, the ternary ``TQ1_0``/``TQ2_0`
 Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2``, ``gemma3``,
 ``smollm3``, ``phi3``, ``granite``, ``granitemoe``, ``granitehybrid`` (with Mamba-2 layers), ``lfm2``, ``lfm2moe``,
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``glm4``, ``mistral3``,
-Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``apertus`` (its xIELU's numbers per
-layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``, Falcon-H1's, ``nemotron_h``,
-Nemotron-H's without routed experts, ``command-r``, Command R's, ``cohere2``, Command R7B's) and what each
-means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
+Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first OLMo), ``apertus``
+(its xIELU's numbers per layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``,
+Falcon-H1's, ``nemotron_h``, Nemotron-H's without routed experts, ``command-r``, Command R's, ``cohere2``,
+Command R7B's) and what each means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
 GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
@@ -36,7 +36,7 @@ Reading one:
 4. llama.cpp's converter reorders the rows of a ``llama`` model's q and k projections for its
    interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``: each head's rows
    ``(2, D/2)`` become ``(D/2, 2)``; a ``smollm3``, ``granite``, ``granitemoe``, ``granitehybrid``,
-   ``mistral3`` or ``arcee`` model's too,
+   ``mistral3``, ``arcee`` or ``olmo`` model's too,
    their converters being Llama's; q's and k's biases alike); the reverse reordering gives back
    Hugging Face's rotate-half rows (a ``smollm3`` file's NoPE layers are llama.cpp's fixed every
    fourth).  An ``ernie4_5``, ``command-r`` or ``cohere2`` file is not permuted: ERNIE 4.5 and
