@@ -387,6 +387,24 @@ NEMOTRON_H = dict(
     chunk_size=256,
     time_step_min=0.0,
 )
+# Nemotron 3 (Nano 30B-A3B's kind): NEMOTRON_H's Mamba-2 and attention blocks with two routed-experts
+# blocks ("E": 2 of 4 relu2 experts, not gated, 256 wide, sigmoid scores with the choice bias, renormalised
+# and scaled by 2.5, one group as the released model's) within a latent width of 512 (not the hidden
+# 256: both latent projections rectangular), the relu2 shared expert; no dense MLP block (a
+# nemotron_h_moe file's widths are experts' blocks)
+NEMOTRON_H_MOE = dict(
+    NEMOTRON_H,
+    hybrid_override_pattern="ME*E",
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    moe_shared_expert_intermediate_size=256,
+    moe_latent_size=512,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
 # Command R7B: four layers, llama.cpp's period of 4 (three sliding, RoPE on those only, a window of
 # 3; Cohere2Config's default pattern), heads of 64, interleaved RoPE pairs (not permuted), one
 # bias-free LayerNorm a layer, the logits times 0.375 (float32 holds it and the epsilon), tied
@@ -447,7 +465,7 @@ _GRANITES = ("granite", "granitemoe", "granitehybrid")
 # the model types whose checkpoints name the MoE block's tensors as the released granitemoe ones
 _GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")
 # the converter permutes their q/k rows and biases (LlamaModel.permute)
-_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", "arcee", "olmo", *_GRANITES)
+_PERMUTED = ("llama", "smollm3", "mistral3", "nemotron_h", "nemotron_h_moe", "arcee", "olmo", *_GRANITES)
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 # the model's names and the released checkpoint's (transformers' conversion_mapping for granitemoe)
 _GRANITEMOE_NAMES = (
@@ -636,7 +654,7 @@ def _lfm2_metadata(w, config):
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
-def _nemotron_h_metadata(w, config):
+def _nemotron_h_metadata(w, config, arch="nemotron_h"):
     """``NemotronHModel.set_gguf_parameters`` (GraniteHybridModel's, GraniteModel's without
     ``head_dim``, TextModel's): one ``head_count_kv`` and one ``feed_forward_length`` per block
     (0 where it is not attention, 0 where it is not an MLP), RoPE off (``rope.scaling.finetuned``
@@ -647,11 +665,12 @@ def _nemotron_h_metadata(w, config):
     cfg = config_from_hf(config)
     H, heads, n = config["hidden_size"], config["num_attention_heads"], cfg.num_hidden_layers
     attn = [t == "full_attention" for t in cfg.layer_types]
-    mlp = [t == "plain" for t in cfg.mlp_types]
+    mlp = [t in ("plain", "moe") for t in cfg.mlp_types]
+    width = config["moe_intermediate_size"] if arch == "nemotron_h_moe" else config["intermediate_size"]
     w.add_block_count(n)
     w.add_context_length(2**20)
     w.add_embedding_length(H)
-    w.add_feed_forward_length([config["intermediate_size"] if m else 0 for m in mlp])
+    w.add_feed_forward_length([width if m else 0 for m in mlp])
     w.add_head_count(heads)
     w.add_head_count_kv([config["num_key_value_heads"] if a else 0 for a in attn])
     w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
@@ -666,6 +685,17 @@ def _nemotron_h_metadata(w, config):
     w.add_rope_scaling_finetuned(False)
     w.add_key_length(config["head_dim"])
     w.add_value_length(config["head_dim"])
+    if arch == "nemotron_h_moe":  # is_moe: the experts' keys (expert_used_count twice, as the converter)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(config["moe_shared_expert_intermediate_size"])
+        w.add_expert_count(config["n_routed_experts"])
+        w.add_expert_shared_count(config.get("n_shared_experts", 1))
+        w.add_expert_weights_norm(config["norm_topk_prob"])
+        w.add_expert_weights_scale(config["routed_scaling_factor"])
+        w.add_expert_group_count(config["n_group"])
+        if config.get("moe_latent_size") is not None:
+            w.add_moe_latent_size(config["moe_latent_size"])
 
 
 def _falcon_h1_metadata(w, config):
@@ -792,8 +822,8 @@ def _metadata(w, config, arch):
         return _phi3_metadata(w, config)
     if arch == "falcon-h1":
         return _falcon_h1_metadata(w, config)
-    if arch == "nemotron_h":
-        return _nemotron_h_metadata(w, config)
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        return _nemotron_h_metadata(w, config, arch)
     if arch in ("lfm2", "lfm2moe"):
         return _lfm2_metadata(w, config)
     H, heads = config["hidden_size"], config["num_attention_heads"]
@@ -1012,6 +1042,10 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             for part, v in (("gate_proj", value[:, :half]), ("up_proj", value[:, half:])):
                 out[key, names.get_name(key.replace("gate_up_proj", part)) + ".weight"] = np.ascontiguousarray(v)
             continue
+        if key.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):  # NemotronHModel: stacked, renamed
+            bid, part = int(key.split(".")[2]), key.split(".")[-1]
+            out[key, names.get_name(f"model.layers.{bid}.mlp.experts.{part}") + ".weight"] = value
+            continue
         if key.endswith("feed_forward.expert_bias"):  # LFM2MoeModel.filter_tensors: expert_bias.bias
             out[key, f"blk.{int(key.split('.')[2])}.exp_probs_b.bias"] = value
             continue
@@ -1030,8 +1064,9 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             value = value.reshape(config.get("mamba_n_groups") or config["n_groups"], -1)
         # Mamba2Model.filter_tensors: dt_bias as dt_proj.bias (ssm_dt.bias)
         mapped = key[: -len("dt_bias")] + "dt_proj.bias" if key.endswith(".dt_bias") else key
-        if arch == "nemotron_h":  # the released checkpoint's names (backbone.*), which the converter maps
+        if arch in ("nemotron_h", "nemotron_h_moe"):  # the released checkpoint's names (backbone.*), mapped
             mapped = "backbone." + mapped[len("model.") :] if mapped.startswith("model.") else mapped
+            mapped = mapped.replace(".e_score_correction_bias", ".e_score_correction.bias")
         name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
         out[key, name if mapped.endswith((".weight", ".bias", ".A_log", ".D")) else name + ".weight"] = value
     return out
@@ -1176,6 +1211,7 @@ CASES = [
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
     (NEMOTRON_H, "nemotron_h"),
+    (NEMOTRON_H_MOE, "nemotron_h_moe"),
     (COHERE2, "cohere2"),
     (COMMAND_R, "command-r"),
     (COMMAND_R_PLUS, "command-r"),
@@ -1246,7 +1282,8 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # logits up to 6, to 4.5%; Nemotron-H's relu2
     # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
-    coarse = arch == "nemotron_h" and qtype != Q.F16
+    moe = moe or "n_routed_experts" in config  # (Nemotron 3's)
+    coarse = arch in ("nemotron_h", "nemotron_h_moe") and qtype != Q.F16
     if (
         not moe
         and not coarse
@@ -1380,6 +1417,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
+        (NEMOTRON_H_MOE, "nemotron_h_moe", ("NemotronHConfig", "NemotronHForCausalLM")),
         (COHERE2, "cohere2", ("Cohere2Config", "Cohere2ForCausalLM")),
         (COMMAND_R, "command-r", ("CohereConfig", "CohereForCausalLM")),
         (COMMAND_R_PLUS, "command-r", ("CohereConfig", "CohereForCausalLM")),
@@ -1419,6 +1457,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "falcon-h1",
         "falcon-h1-rounded",
         "nemotron_h",
+        "nemotron_h_moe",
         "cohere2",
         "command-r",
         "command-r-plus",
@@ -2414,7 +2453,7 @@ def test_inconsistent_nemotron_h_blocks_are_refused_by_name(changes, match):
 
 def test_nemotron_h_mamba2_sizes_are_refused_by_name():
     """The Mamba-2 blocks' ssm.* keys: each required where a block is Mamba-2, its heads dividing
-    the inner width; a routed experts' nemotron_h_moe file is refused by its architecture."""
+    the inner width."""
     from npattn.models.configs import GGUF_FAMILIES
 
     derive = GGUF_FAMILIES["nemotron_h"].derive
@@ -2436,16 +2475,98 @@ def test_nemotron_h_mamba2_sizes_are_refused_by_name():
     derive(dict(base, num_key_value_heads=[0, 2], intermediate_size=0), dict(_NEMOTRON_SSM, **{"ssm.inner_size": 100}))
 
 
-def test_a_nemotron_h_moe_file_is_refused_by_its_architecture(tmp_path):
-    _write(tmp_path / "m.gguf", NEMOTRON_H, _state(NEMOTRON_H), Q.F32, "nemotron_h")
-    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "nemotron_h_moe")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match=r"general.architecture 'nemotron_h_moe' is not supported \(npattn reads \["):
-        CausalLM.from_gguf(tmp_path / "moe.gguf")
+_NEMOTRON_MOE_META = {
+    "expert_count": 8,
+    "expert_used_count": 2,
+    "expert_feed_forward_length": 64,
+    "expert_shared_feed_forward_length": 96,
+    "expert_shared_count": 1,
+    "expert_group_count": 1,
+}
+
+
+def _nemotron_h_moe_derived(meta=None, **changes) -> dict:
+    """The config ``nemotron_h_moe``'s derive makes of a file's entries (Mamba-2, experts,
+    attention, experts) and ``meta`` (``_NEMOTRON_SSM`` and ``_NEMOTRON_MOE_META`` by default)."""
+    from npattn.models.configs import GGUF_FAMILIES
+
+    c = dict(
+        model_type="nemotron_h",
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        rms_norm_eps=2.0**-20,
+        num_key_value_heads=[0, 0, 2, 0],
+        intermediate_size=[0, 64, 0, 64],
+    )
+    c.update(changes)
+    GGUF_FAMILIES["nemotron_h_moe"].derive(c, {**_NEMOTRON_SSM, **_NEMOTRON_MOE_META} if meta is None else meta)
+    return c
+
+
+def test_a_nemotron_h_moe_file_s_experts_are_llama_cpp_s():
+    """NemotronHModel's is_moe file: a width marks a routed-experts block (never a dense MLP), the
+    experts' keys read as llama.cpp's graph takes them: not renormalised and not scaled where
+    expert_weights_norm / expert_weights_scale are missing (llama.cpp's defaults), no latent width
+    where moe_latent_size is missing or 0, one group; the experts' width feed_forward_length /
+    expert_used_count without expert_feed_forward_length."""
+    c = _nemotron_h_moe_derived()
+    assert c["layers_block_type"] == ["linear_attention", "moe", "full_attention", "moe"]
+    got = {k: c[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group")}
+    assert got == dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_group=1)
+    assert c["moe_shared_expert_intermediate_size"] == 96
+    assert (c["norm_topk_prob"], c["routed_scaling_factor"], c["topk_group"]) == (False, 1.0, 1)
+    assert "moe_latent_size" not in c
+    meta = {
+        **_NEMOTRON_SSM,
+        **_NEMOTRON_MOE_META,
+        **{"expert_weights_norm": True, "expert_weights_scale": 2.5, "moe_latent_size": 512},
+        **{"expert_group_count": 4, "expert_group_used_count": 2},
+    }
+    del meta["expert_feed_forward_length"]
+    c = _nemotron_h_moe_derived(meta)
+    assert (c["norm_topk_prob"], c["routed_scaling_factor"], c["moe_latent_size"]) == (True, 2.5, 512)
+    assert (c["n_group"], c["topk_group"], c["moe_intermediate_size"]) == (4, 2, 32)
+    c = _nemotron_h_moe_derived(meta, num_key_value_heads=2, intermediate_size=0)  # no experts' block
+    assert c["layers_block_type"] == ["full_attention"] * 4 and "n_routed_experts" not in c
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(expert_count=None), r"'nemotron_h_moe.expert_count': expected an integer >= 1 \(the model's n_routed"),
+        (dict(expert_used_count=0), r"'nemotron_h_moe.expert_used_count': expected an integer >= 1"),
+        (
+            dict(expert_shared_feed_forward_length=None),
+            r"'nemotron_h_moe.expert_shared_feed_forward_length': expected an integer >= 1 \(the model's moe_shared",
+        ),
+        (dict(expert_group_count=2), r"'nemotron_h_moe.expert_group_used_count' None: expected an integer from 1 to"),
+        (dict(nextn_predict_layers=1), r"'nemotron_h_moe.nextn_predict_layers' 1 is not supported by npattn"),
+    ],
+)
+def test_nemotron_h_moe_metadata_is_refused_by_name(changes, match):
+    meta = {**_NEMOTRON_SSM, **_NEMOTRON_MOE_META, **changes}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        _nemotron_h_moe_derived(meta)
+    with pytest.raises(ValueError, match=r"'nemotron_h_moe.feed_forward_length' \[0, 64, 0, 32\]: the layers'"):
+        _nemotron_h_moe_derived(intermediate_size=[0, 64, 0, 32])
+
+
+def test_a_nemotron_h_moe_file_is_its_model_s_directory(tmp_path):
+    """A nemotron_h_moe file and the source model's directory are one model (routed experts within
+    the latent width, the shared expert, the choice bias), both ways; and without a latent width."""
+    config = dict(NEMOTRON_H_MOE, layer_norm_epsilon=2.0**-20)
+    g, ids, meta = _file_is_its_directory(tmp_path, config, "nemotron_h_moe")
+    assert g.config.moe.latent_size == 512 and g.config.moe.routed_scaling_factor == 2.5
+    g.save_pretrained(tmp_path / "g")
+    back = CausalLM.from_pretrained(tmp_path / "g")
+    assert back.config.replace(**meta) == g.config.replace(**meta)
+    np.testing.assert_array_equal(_logits(back, ids), _logits(g, ids))
+    plain = {k: v for k, v in config.items() if k != "moe_latent_size"}
+    (tmp_path / "plain").mkdir()
+    g, _, _ = _file_is_its_directory(tmp_path / "plain", plain, "nemotron_h_moe")
+    assert g.config.moe.latent_size is None
 
 
 def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
@@ -2461,7 +2582,9 @@ def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
 
 
 _WITH_OPTIONAL = [
-    (i, c) for i, c in zip(IDS, CASES) if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h")
+    (i, c)
+    for i, c in zip(IDS, CASES)
+    if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe")
 ]
 
 

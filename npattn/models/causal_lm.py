@@ -1665,7 +1665,7 @@ class CausalLM(Module):
         ``granitehybrid`` (Granite 4.0's hybrids, their Mamba-2 layers too), ``lfm2``, ``lfm2moe``,
         ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``, ``glm4``,
         ``mistral3`` (Ministral 3's query scale by position), ``arcee``, ``olmo`` (the first OLMo),
-        ``apertus``, ``falcon-h1`` and ``nemotron_h`` (Nemotron-H without routed experts) files of ``F32``,
+        ``apertus``, ``falcon-h1``, ``nemotron_h`` (Nemotron-H) and ``nemotron_h_moe`` (Nemotron 3 Nano's routed experts) files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;
@@ -1680,7 +1680,7 @@ class CausalLM(Module):
         ``head_count_kv`` and its ``ssm.*`` keys (``A_log`` from the stored ``A = -exp(A_log)``),
         EXAONE 4.0's sliding (and so rotating) layers off its ``sliding_window_pattern``,
         Nemotron-H's blocks off its per-layer ``head_count_kv`` and ``feed_forward_length`` (both 0:
-        Mamba-2); a
+        Mamba-2; a width in a ``nemotron_h_moe`` file: routed experts); a
         ``falcon-h1`` file's weights hold its muP multipliers (its converter multiplied them in and
         kept no factor): read as they are, every multiplier 1, the network llama.cpp computes
         (``npattn.models.gguf``).

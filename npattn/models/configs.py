@@ -391,8 +391,9 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
         v = meta.get(suffix)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             # the family's own config key (Nemotron-H's are not Granite 4.0's mamba_*)
-            own = _GGUF_NEMOTRON_H_MAMBA2.get(key, key) if arch == "nemotron_h" else key
-            own = "mamba_num_heads * mamba_head_dim" if arch == "nemotron_h" and key == "inner" else own
+            nemotron = arch in ("nemotron_h", "nemotron_h_moe")
+            own = _GGUF_NEMOTRON_H_MAMBA2.get(key, key) if nemotron else key
+            own = "mamba_num_heads * mamba_head_dim" if nemotron and key == "inner" else own
             raise ValueError(
                 f"metadata '{arch}.{suffix}': expected an integer >= 1 (the Mamba-2 layers' {own}), got {_show(v)}"
             )
@@ -414,7 +415,7 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
             f"metadata '{arch}.ssm.group_count' {groups}: expected a divisor of ssm.time_step_rank {heads}"
         )
     width = {"mamba_d_ssm": inner} if arch == "falcon-h1" else {"mamba_expand": inner // hidden}
-    if arch == "nemotron_h":  # its inner width is mamba_num_heads * mamba_head_dim (no expand)
+    if arch in ("nemotron_h", "nemotron_h_moe"):  # its inner width is mamba_num_heads * mamba_head_dim (no expand)
         width = {}
     config.update(width, mamba_d_head=inner // heads, mamba_chunk_size=256)
 
@@ -462,7 +463,7 @@ _GGUF_NEMOTRON_H_MAMBA2 = {
 }
 
 
-def _gguf_nemotron_h_counts(config: dict, key: str, suffix: str) -> list:
+def _gguf_nemotron_h_counts(config: dict, key: str, suffix: str, arch: str = "nemotron_h") -> list:
     """``config[key]`` (the metadata ``nemotron_h.<suffix>``) as one count per layer: a list of
     ``block_count`` integers >= 0, or one integer for every layer (llama.cpp's ``get_key_or_arr``)."""
     n, v = config["num_hidden_layers"], config.get(key)
@@ -473,11 +474,11 @@ def _gguf_nemotron_h_counts(config: dict, key: str, suffix: str) -> list:
         or len(v) != n
         or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in v)
     ):
-        raise ValueError(f"metadata 'nemotron_h.{suffix}' {_show(v)}: expected {n} counts (block_count), integers >= 0")
+        raise ValueError(f"metadata '{arch}.{suffix}' {_show(v)}: expected {n} counts (block_count), integers >= 0")
     return list(v)
 
 
-def _gguf_nemotron_h(config: dict, meta: Mapping) -> None:
+def _gguf_nemotron_h(config: dict, meta: Mapping, arch: str = "nemotron_h") -> None:
     """llama.cpp's ``nemotron_h`` (``llama_model_nemotron_h``; ``NemotronHModel`` in
     ``convert_hf_to_gguf.py``, a ``GraniteHybridModel``: q/k permuted as a Llama's, though no
     layer rotates; ``head_dim`` as ``attention.key_length``): blocks of one sublayer each, their
@@ -490,30 +491,88 @@ def _gguf_nemotron_h(config: dict, meta: Mapping) -> None:
     converter writes one; llama.cpp would run only its MLP).  Every norm's epsilon is
     ``attention.layer_norm_rms_epsilon`` (TextModel's ``attention.layer_norm_epsilon``, of the
     same value, is read by nothing); llama.cpp's scan clips no step (``time_step_min`` 0); the
-    biases are the tensors' (``GgufFamily.biases``).  The routed experts' ``nemotron_h_moe`` files
-    are another architecture, refused by its name."""
-    kv = _gguf_nemotron_h_counts(config, "num_key_value_heads", "attention.head_count_kv")
-    ff = _gguf_nemotron_h_counts(config, "intermediate_size", "feed_forward_length")
+    biases are the tensors' (``GgufFamily.biases``).  ``arch`` ``nemotron_h_moe``: a width is the
+    routed experts' block instead (``_gguf_nemotron_h_moe``)."""
+    kv = _gguf_nemotron_h_counts(config, "num_key_value_heads", "attention.head_count_kv", arch)
+    ff = _gguf_nemotron_h_counts(config, "intermediate_size", "feed_forward_length", arch)
     both = [i for i, (k, f) in enumerate(zip(kv, ff)) if k and f]
     if both:
         raise ValueError(
-            f"metadata 'nemotron_h.attention.head_count_kv' {_show(kv)} and 'nemotron_h.feed_forward_length' "
+            f"metadata '{arch}.attention.head_count_kv' {_show(kv)} and '{arch}.feed_forward_length' "
             f"{_show(ff)}: layers {both} have both (a Nemotron-H block is attention, an MLP or Mamba-2)"
         )
     for name, counts in (("attention.head_count_kv", kv), ("feed_forward_length", ff)):
         if len({c for c in counts if c}) > 1:
-            raise ValueError(f"metadata 'nemotron_h.{name}' {_show(counts)}: the layers' counts differ")
-    kinds = ["full_attention" if k else "mlp" if f else "linear_attention" for k, f in zip(kv, ff)]
+            raise ValueError(f"metadata '{arch}.{name}' {_show(counts)}: the layers' counts differ")
+    mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
+    kinds = ["full_attention" if k else mlp if f else "linear_attention" for k, f in zip(kv, ff)]
     config["num_key_value_heads"] = next((k for k in kv if k), config["num_attention_heads"])
     config["intermediate_size"] = next((f for f in ff if f), config["hidden_size"])  # (read by no layer if none)
     config["layers_block_type"] = kinds
     config["layer_norm_epsilon"] = config.pop("rms_norm_eps")
     config.pop("rope_theta", None)  # no layer rotates
     if "linear_attention" in kinds:
-        _gguf_mamba2(config, meta, "nemotron_h")
+        _gguf_mamba2(config, meta, arch)
         for granite, nemotron in _GGUF_NEMOTRON_H_MAMBA2.items():
             config[nemotron] = config.pop(granite)
         config["time_step_min"] = 0.0
+
+
+def _gguf_nemotron_h_moe(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``nemotron_h_moe`` (NVIDIA Nemotron 3 Nano 30B-A3B; ``NemotronHModel`` with
+    ``is_moe``, ``llama_model_nemotron_h``'s loader and graph): Nemotron-H's blocks
+    (``_gguf_nemotron_h``), a ``feed_forward_length`` width marking a routed-experts block
+    (``NemotronHMoE``), never a dense MLP.  The block as ``build_ffn_layer`` computes it: sigmoid
+    scores of ``ffn_gate_inp``, ``exp_probs_b`` for the choice only, ``expert_used_count`` of
+    ``expert_count`` experts (``ffn_up_exps``/``ffn_down_exps``, relu2, not gated,
+    ``expert_feed_forward_length`` wide, else ``feed_forward_length / expert_used_count``), their
+    weights renormalised if ``expert_weights_norm`` (llama.cpp's default false) and scaled by
+    ``expert_weights_scale`` (0 or missing: 1), within ``moe_latent_size`` (0 or missing: none)
+    between ``ffn_latent_down`` and ``ffn_latent_up``; beside them the relu2 shared expert
+    ``ffn_up_shexp``/``ffn_down_shexp`` ``expert_shared_feed_forward_length`` wide.  Groups:
+    ``expert_group_count`` (the converter's ``n_group``) and ``expert_group_used_count`` (which
+    the converter does not write; required, as llama.cpp's loader asserts, where there are groups).
+    ``expert_shared_count`` and ``expert_gating_func`` are read by no layer (one shared expert,
+    sigmoid scores: the graph's own); a file with multi-token-prediction blocks
+    (``nextn_predict_layers``, counted in ``block_count``) is refused by name."""
+    arch = "nemotron_h_moe"
+    nextn = meta.get("nextn_predict_layers", 0)
+    if nextn:
+        raise ValueError(
+            f"metadata '{arch}.nextn_predict_layers' {_show(nextn)} is not supported by npattn (supported: [0]): "
+            "its multi-token-prediction blocks are counted in block_count"
+        )
+    _gguf_nemotron_h(config, meta, arch)
+    if "moe" not in config["layers_block_type"]:
+        return
+    width = config["intermediate_size"]  # (kept, read by no layer: no block is a dense MLP)
+    for key, suffix in (
+        ("n_routed_experts", "expert_count"),
+        ("num_experts_per_tok", "expert_used_count"),
+        ("moe_intermediate_size", "expert_feed_forward_length"),
+        ("moe_shared_expert_intermediate_size", "expert_shared_feed_forward_length"),
+    ):
+        v = meta.get(suffix)
+        if v is None and key == "moe_intermediate_size":  # llama.cpp's n_ff / n_expert_used
+            v = width // config["num_experts_per_tok"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(
+                f"metadata '{arch}.{suffix}': expected an integer >= 1 (the model's {key}), got {_show(v)}"
+            )
+        config[key] = v
+    groups = meta.get("expert_group_count", 0) or 1
+    used = meta.get("expert_group_used_count")
+    if groups > 1 and (isinstance(used, bool) or not isinstance(used, int) or not 1 <= used <= groups):
+        raise ValueError(
+            f"metadata '{arch}.expert_group_used_count' {_show(used)}: expected an integer from 1 to "
+            f"expert_group_count {groups} (the model's topk_group)"
+        )
+    config.update(n_group=groups, topk_group=used if groups > 1 else 1)
+    config["norm_topk_prob"] = bool(meta.get("expert_weights_norm", False))
+    config["routed_scaling_factor"] = float(meta.get("expert_weights_scale", 0.0) or 1.0)
+    latent = meta.get("moe_latent_size", 0)
+    if latent:
+        config["moe_latent_size"] = latent
 
 
 # Granite's four numbers <- llama.cpp's names for them (GraniteModel.set_gguf_parameters)
@@ -1019,6 +1078,35 @@ GGUF_FAMILIES = {
             "use_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
             "use_bias": ("ssm_in.weight", "ssm_in.bias"),
             "mlp_bias": ("ffn_up.weight", "ffn_up.bias"),
+        },
+    ),
+    # Nemotron 3 (Nano 30B-A3B): Nemotron-H's blocks, a width marking routed experts (sigmoid, not gated)
+    "nemotron_h_moe": GgufFamily(
+        "nemotron_h",
+        permute_qk=True,
+        derive=_gguf_nemotron_h_moe,
+        reads=(
+            *_GGUF_SSM_READS,
+            "rope.scaling.finetuned",
+            "rope.dimension_count",
+            "attention.layer_norm_epsilon",
+            "expert_count",
+            "expert_used_count",
+            "expert_feed_forward_length",
+            "expert_shared_feed_forward_length",
+            "expert_shared_count",
+            "expert_weights_norm",
+            "expert_weights_scale",
+            "expert_group_count",
+            "expert_group_used_count",
+            "expert_gating_func",
+            "moe_latent_size",
+            "nextn_predict_layers",
+        ),
+        biases={
+            "use_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
+            "use_bias": ("ssm_in.weight", "ssm_in.bias"),
+            "mlp_bias": ("ffn_up_shexp.weight", "ffn_up_shexp.bias"),
         },
     ),
     # LFM2: the layer types in head_count_kv (0: a short convolution), its conv weight (D, K)

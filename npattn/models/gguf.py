@@ -12,9 +12,9 @@ Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``glm4``, ``mistral3``,
 Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first OLMo), ``apertus``
 (its xIELU's numbers per layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``,
-Falcon-H1's, ``nemotron_h``, Nemotron-H's without routed experts, ``command-r``, Command R's, ``cohere2``,
-Command R7B's) and what each means in Hugging Face terms (a ``granite`` or ``granitemoe`` file may hold Granite 4.0 or
-GraniteMoeShared: ``_gguf_granite``) are
+Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
+``command-r``, Command R's, ``cohere2``, Command R7B's) and what each means in Hugging Face terms (a
+``granite`` or ``granitemoe`` file may hold Granite 4.0 or GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
 Reading one:
@@ -85,7 +85,11 @@ Reading one:
    width, the relu2 MLP ``ffn_up``/``ffn_down`` (``_gguf_nemotron_h`` in ``models/configs.py``).
    gguf's map knows its Mamba-2 and MLP tensors by the checkpoint's ``backbone.layers.{i}.mixer.*``
    names only (``_lookup``: ``CheckpointLayout.renames``).  llama.cpp's scan clips no step: the
-   model's ``time_step_min`` is 0.  The routed experts' ``nemotron_h_moe`` is refused by name.
+   model's ``time_step_min`` is 0.  A ``nemotron_h_moe`` file (Nemotron 3 Nano 30B-A3B) is one whose
+   widths mark routed-experts blocks: the stacked ``ffn_up_exps``/``ffn_down_exps`` (relu2, not
+   gated; the converter's merged ``model.layers.{i}.mlp.experts.*``), the router ``ffn_gate_inp``
+   and its choice bias ``exp_probs_b``, the shared expert ``ffn_up_shexp``/``ffn_down_shexp``, the
+   latent projections ``ffn_latent_down``/``ffn_latent_up`` (``_gguf_nemotron_h_moe``).
 """
 
 from __future__ import annotations
@@ -604,10 +608,13 @@ def _lookup(names, cfg, key: str, own_names: bool = False) -> str:
     converters that know the generic names look tensors up), or the family's own where the map
     knows only those (Falcon-H1's ``pre_ff_layernorm.weight``, the file's ``blk.{i}.ffn_norm``,
     named without ``.weight``) or where the family's file is mapped by them (``own_names``:
-    ``GgufFamily.own_names``, GLM-4's)."""
+    ``GgufFamily.own_names``, GLM-4's).  Nemotron 3's stacked ``mixer.experts.*`` are the
+    converter's merged ``model.layers.{i}.mlp.experts.*`` (``NemotronHModel.modify_tensors``)."""
     checkpoint = _renamed(key, cfg.layout.renames)
     if checkpoint != key and _maps(names, checkpoint):
         return checkpoint
+    if ".mixer.experts." in key and _maps(names, merged := key.replace(".mixer.experts.", ".mlp.experts.")):
+        return merged
     generic = cfg.generic_name(key)
     if generic != key and (own_names or _gguf_names(names, generic) == [generic]) and _gguf_names(names, key) != [key]:
         return key
