@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -288,6 +289,11 @@ ERNIE4_5 = dict(
 # Arcee (AFM-4.5B): llama rows (permuted), the non-gated relu2 MLP (ffn_up, ffn_down; llama.cpp's
 # arcee reads no biases), YaRN of factor 4 over 8 original positions at base 1000 (its betas the
 # defaults, which the converter does not write); untied
+# GPT-NeoX (Pythia): 64-wide heads, a quarter rotating; the converter writes no RoPE base (llama.cpp's 10000)
+GPTNEOX = dict(
+    FAMILIES["gpt_neox"], hidden_size=256, intermediate_size=256, rotary_pct=0.25, rotary_emb_base=10000.0,
+    layer_norm_eps=2**-17,
+)  # fmt: skip
 ARCEE = dict(
     FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
 )
@@ -815,11 +821,72 @@ def _cohere_metadata(w, config, arch):
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _gptneox_metadata(w, config):
+    """``GPTNeoXModel.set_gguf_parameters``: no RoPE base, no key/value heads, the rotated features
+    ``int(rotary_pct * hidden / heads)``, ``use_parallel_residual`` and the LayerNorms' epsilon."""
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    w.add_context_length(64)
+    w.add_embedding_length(H)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_rope_dimension_count(int(config["rotary_pct"] * (H // heads)))
+    w.add_head_count(heads)
+    w.add_parallel_residual(config.get("use_parallel_residual", True))
+    w.add_layer_norm_eps(config["layer_norm_eps"])
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _gptneox_checkpoint(sd: dict, heads: int) -> dict:
+    """The model's state dict as GPT-NeoX's checkpoint: ``gpt_neox.*`` (the head ``lm_head``, as
+    transformers' conversion mapping names ``embed_out``; gguf's map knows both), and each
+    layer's ``query_key_value`` holding every head's q, k, v rows in turn (``(heads, 3, D)``)."""
+    out = {}
+    for k, v in sd.items():
+        part = next((p for p in _QKV if f".attention.{p}." in k), None)
+        if part is None:
+            out[k.replace("model.", "gpt_neox.", 1)] = v
+        elif part == "q_proj":
+            qkv = [np.asarray(sd[k.replace("q_proj", p)]) for p in _QKV]
+            grouped = np.stack([x.reshape(heads, -1, *x.shape[1:]) for x in qkv], axis=1)
+            name = k.replace("model.", "gpt_neox.", 1).replace("q_proj", "query_key_value")
+            out[name] = grouped.reshape(-1, *qkv[0].shape[1:])
+    return out
+
+
+def _gptneox_converted(sd: dict, heads: int) -> dict:
+    """``GPTNeoXModel.modify_tensors``: each ``query_key_value`` (weight and bias) reshaped to
+    ``(heads, 3, D, ...)`` and its q, k, v rows of every head concatenated, [q; k; v]."""
+    out = dict(sd)
+    for k, v in sd.items():
+        if ".query_key_value." in k:
+            g = v.reshape(heads, 3, -1, *v.shape[1:])
+            out[k] = np.concatenate([g[:, i].reshape(-1, *v.shape[1:]) for i in range(3)], axis=0)
+    return out
+
+
+def _gptneox_split(values: dict) -> dict:
+    """A file's [q; k; v] ``query_key_value`` rows (under the checkpoint's names) back under the
+    model's names, q, k and v apart (thirds: as many key/value heads as heads)."""
+    out = {}
+    for k, v in values.items():
+        k = k.replace("gpt_neox.", "model.", 1)
+        if ".query_key_value." in k:
+            for p, part in zip(_QKV, np.split(v, 3, axis=0)):
+                out[k.replace("query_key_value", p)] = part
+        else:
+            out[k] = v
+    return out
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
     if arch == "phi3":
         return _phi3_metadata(w, config)
+    if arch == "gptneox":
+        return _gptneox_metadata(w, config)
     if arch == "falcon-h1":
         return _falcon_h1_metadata(w, config)
     if arch in ("nemotron_h", "nemotron_h_moe"):
@@ -1011,6 +1078,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
         sd = _phi3_checkpoint(sd)
     if arch == "glm4":  # and GLM-4's gate_up_proj
         sd = _phi3_checkpoint(sd, _GLM4_FUSED)
+    if arch == "gptneox":  # the checkpoint's per-head query_key_value, reordered by the converter
+        sd = _gptneox_converted(_gptneox_checkpoint(sd, config["num_attention_heads"]), config["num_attention_heads"])
     if config["model_type"] in _GRANITE_MOES:  # the released checkpoint's names, which the converter reads
         sd = {_granitemoe_name(k): v for k, v in sd.items()}
     sd = _falcon_h1_folded(sd, config)  # FalconH1Model: the multipliers into the weights
@@ -1163,6 +1232,8 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
     if config["model_type"] in _GRANITE_MOES:  # back to the model's names
         out = {_granitemoe_name(k, back=True): v for k, v in out.items()}
     out.update({k: np.asarray(v, np.float32) for k, v in sd.items() if ".act_fn." in k})  # the metadata's float32
+    if arch == "gptneox":
+        return _gptneox_split(out)
     return _phi3_split(out, config) if arch in ("phi3", "glm4") else out
 
 
@@ -1216,6 +1287,7 @@ CASES = [
     (COMMAND_R, "command-r"),
     (COMMAND_R_PLUS, "command-r"),
     (HUNYUAN, "hunyuan-dense"),
+    (GPTNEOX, "gptneox"),
 ]
 
 
@@ -1278,8 +1350,8 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, _file_config(config)), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
-    # Phi-3's tied head, logits up to 64, to 4%, LFM2's, logits up to 55, to 3.1%, and OLMo's,
-    # logits up to 6, to 4.5%; Nemotron-H's relu2
+    # Phi-3's tied head, logits up to 64, to 4%, LFM2's, logits up to 55, to 3.1%, OLMo's, logits up
+    # to 6, to 4.5%, and GPT-NeoX's, logits up to 5, to 3.4%; Nemotron-H's relu2
     # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     moe = moe or "n_routed_experts" in config  # (Nemotron 3's)
@@ -1287,7 +1359,9 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     if (
         not moe
         and not coarse
-        and (qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo")))
+        and (
+            qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo", "gptneox"))
+        )
     ):
         ref = _source_logits(config)
         assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
@@ -1422,6 +1496,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (COMMAND_R, "command-r", ("CohereConfig", "CohereForCausalLM")),
         (COMMAND_R_PLUS, "command-r", ("CohereConfig", "CohereForCausalLM")),
         (HUNYUAN, "hunyuan-dense", ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")),
+        (GPTNEOX, "gptneox", ("GPTNeoXConfig", "GPTNeoXForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1462,6 +1537,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "command-r",
         "command-r-plus",
         "hunyuan-dense",
+        "gptneox",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -1477,9 +1553,11 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
     sd = _state(config)
     want = _hf_values(_write(tmp_path / "m.gguf", config, sd, qtype, arch), sd, config, arch)
     hf = _hf_model(T, classes, _file_config(config))
-    checkpoint = {"phi3": _phi3_checkpoint, "glm4": lambda v: _phi3_checkpoint(v, _GLM4_FUSED)}.get(
-        arch, _granite_checkpoint
-    )(want)
+    checkpoint = {
+        "phi3": _phi3_checkpoint,
+        "glm4": lambda v: _phi3_checkpoint(v, _GLM4_FUSED),
+        "gptneox": lambda v: _gptneox_checkpoint(v, config["num_attention_heads"]),
+    }.get(arch, _granite_checkpoint)(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
     )
@@ -2584,8 +2662,8 @@ def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
 _WITH_OPTIONAL = [
     (i, c)
     for i, c in zip(IDS, CASES)
-    if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe")
-]
+    if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox")
+]  # (GPTNeoXModel writes none of those keys but rope.dimension_count: test_gptneox_metadata_as_llama_cpp_reads_it)
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])
@@ -4125,3 +4203,62 @@ def test_olmo_metadata_and_biases_as_llama_cpp_reads_them(tmp_path):
     _write(tmp_path / "c.gguf", clipped, _state(OLMO), Q.F32, "olmo")
     with pytest.raises(ValueError, match=r"config\['clip_qkv'\]"):
         CausalLM.from_gguf(tmp_path / "c.gguf")
+
+
+def test_a_gptneox_file_is_its_model_s_directory(tmp_path):
+    """A Pythia-like file (parallel residual) and a sequential one are their directories' models:
+    the same config, tensors and logits (the query_key_value rows: [q; k; v] in the file, per head
+    in the directory)."""
+    for sub in ("parallel", "sequential"):
+        (tmp_path / sub).mkdir()
+    _file_is_its_directory(tmp_path / "parallel", GPTNEOX, "gptneox")
+    g, _, _ = _file_is_its_directory(tmp_path / "sequential", dict(GPTNEOX, use_parallel_residual=False), "gptneox")
+    assert not g.config.parallel_residual
+
+
+def test_gptneox_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch):
+    """``rope.dimension_count`` is the rotated share, ``rope.freq_base`` (which GPTNeoXModel does
+    not write) the base where present, llama.cpp's 10000 where absent; no
+    ``use_parallel_residual`` (llama.cpp's loader requires it), an odd rotated count, and
+    query_key_value rows that are not the heads' are refused by name."""
+    sd = _model(GPTNEOX).state_dict()
+    _write(tmp_path / "m.gguf", GPTNEOX, sd, Q.F32, "gptneox")
+    m = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert m.config.rope["default"]["rope_theta"] == 10000.0
+    assert int(64 * m.config.rope["default"]["partial_rotary_factor"]) == 16
+
+    def with_base(self, value):
+        self.add_uint32("gptneox.rope.dimension_count", value)
+        self.add_float32("gptneox.rope.freq_base", 500.0)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_base)
+        _write(tmp_path / "base.gguf", GPTNEOX, sd, Q.F32, "gptneox")
+    assert CausalLM.from_gguf(tmp_path / "base.gguf").config.rope["default"]["rope_theta"] == 500.0
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_parallel_residual", lambda self, value: None)
+        _write(tmp_path / "none.gguf", GPTNEOX, sd, Q.F32, "gptneox")
+    with pytest.raises(ValueError, match="'gptneox.use_parallel_residual' None: expected true or false"):
+        CausalLM.from_gguf(tmp_path / "none.gguf")
+    with monkeypatch.context() as mp:
+        mp.setattr(
+            gguf.GGUFWriter,
+            "add_rope_dimension_count",
+            lambda self, v: self.add_uint32("gptneox.rope.dimension_count", 15),
+        )
+        _write(tmp_path / "odd.gguf", GPTNEOX, sd, Q.F32, "gptneox")
+    with pytest.raises(ValueError, match="'gptneox.rope.dimension_count' 15: expected an even number"):
+        CausalLM.from_gguf(tmp_path / "odd.gguf")
+    converted = _gptneox_converted
+    with monkeypatch.context() as mp:  # a fused bias four rows short
+        mp.setattr(
+            sys.modules[__name__],
+            "_gptneox_converted",
+            lambda c, heads: {
+                k: v[:-4] if k.endswith("qkv.bias") or "key_value.bias" in k else v
+                for k, v in converted(c, heads).items()
+            },
+        )
+        _write(tmp_path / "short.gguf", GPTNEOX, sd, Q.F32, "gptneox")
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_qkv.bias' has shape"):
+        CausalLM.from_gguf(tmp_path / "short.gguf")

@@ -989,6 +989,23 @@ def _gguf_hunyuan_dense(config: dict, meta: Mapping) -> None:
         raise ValueError(f"metadata 'hunyuan-dense.rope.scaling.factor' {_show(factor)} is not supported (expected 1)")
 
 
+def _gguf_gptneox(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``gptneox`` (``GPTNeoXModel`` in ``convert_hf_to_gguf.py``, ``llama_model_gptneox``):
+    LayerNorms with biases (``attention.layer_norm_epsilon``), ``use_parallel_residual`` (required,
+    as llama.cpp's loader requires it), heads of ``embedding_length / head_count``, the first
+    ``rope.dimension_count`` features of each rotating on rotate-half pairs (the converter's
+    ``int(rotary_pct * hidden / heads)``), the base ``rope.freq_base`` (the converter writes none:
+    llama.cpp's 10000, Pythia's ``rotary_emb_base``); biases on every projection.  The file does
+    not say the MLP's activation: GPTNeoXConfig's default exact ``gelu`` (Pythia's) is read."""
+    parallel = meta.get("use_parallel_residual")
+    if not isinstance(parallel, bool):
+        raise ValueError(f"metadata 'gptneox.use_parallel_residual' {_show(parallel)}: expected true or false")
+    config["rotary_pct"] = _gguf_rotated_share(config, meta, "gptneox")
+    config["rotary_emb_base"] = config.pop("rope_theta")
+    config["use_parallel_residual"] = parallel
+    config.pop("mlp_bias", None)  # GPTNeoXMLP's biases: always
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -1190,6 +1207,15 @@ GGUF_FAMILIES = {
             "attention.sliding_window_pattern",
             "rope.freq_base_swa",
         ),
+        eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
+    # GPT-NeoX (Pythia, GPT-NeoX-20B): LayerNorms with biases, the parallel residual, a partial
+    # rotary; the converter reorders query_key_value's per-head q, k, v rows into [q; k; v]
+    "gptneox": GgufFamily(
+        "gpt_neox",
+        derive=_gguf_gptneox,
+        reads=("rope.dimension_count", "use_parallel_residual"),
+        biases={"attention_bias": ("attn_qkv.weight", "attn_qkv.bias")},
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
     ),
     # Hunyuan dense: rows as written, the NTK-alpha base as rope.freq_base (_gguf_hunyuan_dense)

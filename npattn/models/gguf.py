@@ -13,7 +13,8 @@ Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2
 Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first OLMo), ``apertus``
 (its xIELU's numbers per layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``,
 Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
-``command-r``, Command R's, ``cohere2``, Command R7B's) and what each means in Hugging Face terms (a
+``command-r``, Command R's, ``cohere2``, Command R7B's,
+``hunyuan-dense``, ``gptneox``, Pythia's and GPT-NeoX-20B's) and what each means in Hugging Face terms (a
 ``granite`` or ``granitemoe`` file may hold Granite 4.0 or GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
@@ -58,7 +59,11 @@ Reading one:
    before the MLP ``ffn_norm``): they are given to ``load_into`` under the
    checkpoint's fused names (``CheckpointLayout.fused``), which splits them as it splits a
    checkpoint's, each part dequantizing only its own rows' blocks (``_GGUFTensor.rows``); a file
-   with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes either) is read as it is;
+   with ``attn_q``/``attn_k``/``attn_v`` apart (llama.cpp's loader takes either) is read as it is.
+   A ``gptneox`` file's ``attn_qkv`` (weight and bias) is the checkpoint's per-head
+   ``query_key_value`` (``CheckpointLayout.fused_groups``) that ``GPTNeoXModel.modify_tensors``
+   reordered into all q rows, all k rows, all v rows: each part is its own rows of it
+   (``_part_rows``), not the checkpoint's per-head split;
 6. a ``granitehybrid`` file's Mamba-2 layers (``head_count_kv`` 0; their sizes the ``ssm.*`` keys,
    ``_gguf_mamba2`` in ``models/configs.py``) are stored as ``Mamba2Model.modify_tensors`` in
    ``convert_hf_to_gguf.py`` writes them: ``A_log`` as ``ssm_a`` = ``-exp(A_log)`` of shape
@@ -543,15 +548,15 @@ class _GGUFTensor(LazyTensor):
         own blocks, so the rows are one range of the file's bytes, and ``read_into`` dequantizes
         only those (the values of the whole tensor's dequantization, block for block)."""
         (t,) = self._parts
-        if self._heads is not None or t.data.ndim != 2:
+        if self._heads is not None or t.data.ndim not in (1, 2):
             raise ValueError(f"{self.name}: rows of a permuted, joined or stacked tensor are not read apart")
-        data = t.data[start:stop]
+        data = t.data[start:stop]  # a vector (GPT-NeoX's fused bias, float32): its elements
         shape = t.shape.copy()
         shape[-1] = stop - start  # innermost first: (columns, rows)
-        row_bytes = t.data.shape[-1] * t.data.itemsize
+        row_bytes = t.data.shape[-1] * t.data.itemsize if t.data.ndim == 2 else t.data.itemsize
         part = t._replace(
             shape=shape,
-            n_elements=data.shape[0] * int(t.shape[0]),
+            n_elements=data.shape[0] * (int(t.shape[0]) if t.data.ndim == 2 else 1),
             n_bytes=data.nbytes,
             data_offset=int(t.data_offset) + start * row_bytes,
             data=data,
@@ -564,6 +569,27 @@ class _GGUFTensor(LazyTensor):
 
     def __repr__(self):
         return f"_GGUFTensor({self.name!r}, shape={self.shape}, gguf={[t.name for t in self._parts]!r})"
+
+
+def _fused_parts(key: str, whole: str, cfg) -> list:
+    """The model's names of the parts of the fused checkpoint tensor ``whole`` that holds ``key``
+    (``CheckpointLayout.fused``), in their order."""
+    fused, kind = whole.rsplit(".", 1)
+    for name, parts in cfg.layout.fused:
+        if fused.endswith(f".{name}"):
+            return [f"{fused[: -len(name)]}{part}.{kind}" for part in parts]
+    raise AssertionError(key)  # pragma: no cover - checkpoint_key found it
+
+
+def _part_rows(key: str, whole: str, cfg, shapes: dict) -> tuple:
+    """``(start, stop)``: the rows of ``key`` in the fused ``whole`` stored part after part."""
+    start = 0
+    for part in _fused_parts(key, whole, cfg):
+        rows = int(shapes[part][0])
+        if part == key:
+            return start, start + rows
+        start += rows
+    raise AssertionError(key)  # pragma: no cover - key is one of the parts
 
 
 def _squeezed(shape) -> tuple:
@@ -763,13 +789,22 @@ def read_gguf(path) -> tuple[dict, dict]:
     spec = _ARCHES[f.arch]
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out: dict = {}
-    for key, model_shape in _state_shapes(cfg):
+    shapes = dict(_state_shapes(cfg))
+    for key, model_shape in shapes.items():
         number = _per_layer(f, spec, key, model_shape, cfg.num_hidden_layers)
         if number is not None:  # one number of a metadata array (Apertus's xIELU)
             out[key] = number
             continue
         whole = checkpoint_key(key, cfg.layout)  # Phi-3's fused qkv_proj / gate_up_proj, else key
         if whole != key and all(n in tensors for n in _gguf_names(names, whole)):
+            if cfg.layout.fused_groups > 1:  # GPTNeoXModel.modify_tensors: the per-head groups as [q; k; v]
+                (t,) = [tensors[n] for n in _gguf_names(names, whole)]
+                qkv = _GGUFTensor(whole, [t], mapping=getattr(f.reader, "mapping", None))
+                start, stop = _part_rows(key, whole, cfg, shapes)
+                if qkv.shape[0] != sum(int(shapes[p][0]) for p in _fused_parts(key, whole, cfg)):
+                    raise ValueError(f"{f.path}: tensor {t.name!r} has shape {qkv.shape}, not the model's q, k, v rows")
+                out[key] = qkv.rows(start, stop)
+                continue
             if whole not in out:  # one tensor of the file: load_into splits its rows (CheckpointLayout.fused)
                 fused = [tensors[n] for n in _gguf_names(names, whole)]
                 out[whole] = _GGUFTensor(whole, fused, mapping=getattr(f.reader, "mapping", None))
