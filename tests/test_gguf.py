@@ -294,6 +294,12 @@ GPTNEOX = dict(
     FAMILIES["gpt_neox"], hidden_size=256, intermediate_size=256, rotary_pct=0.25, rotary_emb_base=10000.0,
     layer_norm_eps=2**-17,
 )  # fmt: skip
+# Phi-2: 64-wide heads, half of each rotating, the MLP 4 * hidden wide (the converter's feed_forward_length),
+# as many key/value heads as heads (its head_count_kv) and the base 10000 (it writes none)
+PHI2 = dict(
+    FAMILIES["phi"], hidden_size=256, intermediate_size=1024, layer_norm_eps=2**-17, num_key_value_heads=None,
+    rope_theta=10000.0,
+)  # fmt: skip
 ARCEE = dict(
     FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
 )
@@ -821,6 +827,21 @@ def _cohere_metadata(w, config, arch):
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _phi2_metadata(w, config):
+    """``Phi2Model.set_gguf_parameters``: no RoPE base, ``head_count_kv`` the head count, the MLP
+    ``4 * hidden`` wide, the rotated features ``int(partial_rotary_factor * hidden) // heads``."""
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    w.add_context_length(64)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(4 * H)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_eps(config["layer_norm_eps"])
+    w.add_rope_dimension_count(int(config.get("partial_rotary_factor", 0.5) * H) // heads)
+    w.add_add_bos_token(False)
+
+
 def _gptneox_metadata(w, config):
     """``GPTNeoXModel.set_gguf_parameters``: no RoPE base, no key/value heads, the rotated features
     ``int(rotary_pct * hidden / heads)``, ``use_parallel_residual`` and the LayerNorms' epsilon."""
@@ -887,6 +908,8 @@ def _metadata(w, config, arch):
         return _phi3_metadata(w, config)
     if arch == "gptneox":
         return _gptneox_metadata(w, config)
+    if arch == "phi2":
+        return _phi2_metadata(w, config)
     if arch == "falcon-h1":
         return _falcon_h1_metadata(w, config)
     if arch in ("nemotron_h", "nemotron_h_moe"):
@@ -1288,6 +1311,7 @@ CASES = [
     (COMMAND_R_PLUS, "command-r"),
     (HUNYUAN, "hunyuan-dense"),
     (GPTNEOX, "gptneox"),
+    (PHI2, "phi2"),
 ]
 
 
@@ -1497,6 +1521,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (COMMAND_R_PLUS, "command-r", ("CohereConfig", "CohereForCausalLM")),
         (HUNYUAN, "hunyuan-dense", ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")),
         (GPTNEOX, "gptneox", ("GPTNeoXConfig", "GPTNeoXForCausalLM")),
+        (PHI2, "phi2", ("PhiConfig", "PhiForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1538,6 +1563,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "command-r-plus",
         "hunyuan-dense",
         "gptneox",
+        "phi2",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -2677,7 +2703,7 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
     config = dict(config, num_attention_heads=8, num_key_value_heads=8, rope_theta=10000.0)
     if arch == "phi3":  # without rope.dimension_count every feature rotates (n_rot = head_dim): no partial
         config = {k: v for k, v in config.items() if k not in ("partial_rotary_factor", "rope_scaling")}
-    if arch == "glm4":  # the same: the whole head (not Glm4Config's default half)
+    if arch in ("glm4", "phi2"):  # the same: the whole head (not Glm4Config's or PhiConfig's default half)
         config["partial_rotary_factor"] = 1.0
     if "head_dim" in config or arch != "llama":
         config.update(head_dim=32)
@@ -4262,3 +4288,35 @@ def test_gptneox_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch):
         _write(tmp_path / "short.gguf", GPTNEOX, sd, Q.F32, "gptneox")
     with pytest.raises(ValueError, match="tensor 'blk.0.attn_qkv.bias' has shape"):
         CausalLM.from_gguf(tmp_path / "short.gguf")
+
+
+def test_a_phi2_file_is_its_model_s_directory(tmp_path):
+    """A Phi-2-like file is its directory's model: the same config, tensors (the head's bias
+    ``output.bias``) and logits; so is one of a quarter of each head rotating."""
+    g, _, _ = _file_is_its_directory(tmp_path, PHI2, "phi2")
+    assert np.abs(g.state_dict()["lm_head.bias"]).max() > 0
+    (tmp_path / "quarter").mkdir()  # a quarter of each head rotating: rope.dimension_count, not PhiConfig's half
+    g, _, _ = _file_is_its_directory(tmp_path / "quarter", dict(PHI2, partial_rotary_factor=0.25), "phi2")
+    assert int(64 * g.config.rope["default"]["partial_rotary_factor"]) == 16
+
+
+def test_phi2_files_llama_cpp_cannot_read_are_refused_by_name(tmp_path, monkeypatch):
+    """``rope.dimension_count`` is the rotated share; a file without the head (a tied one: its
+    bias beside the table is not PhiForCausalLM's), without the head's bias, or of a model with
+    fewer key/value heads than heads (the converter writes ``head_count_kv`` = ``head_count``) is
+    refused by name."""
+    sd = _model(PHI2).state_dict()
+    _write(tmp_path / "m.gguf", PHI2, sd, Q.F32, "phi2")
+    m = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert int(64 * m.config.rope["default"]["partial_rotary_factor"]) == 32
+    assert m.config.rope["default"]["rope_theta"] == 10000.0
+    _write(tmp_path / "tied.gguf", PHI2, {k: v for k, v in sd.items() if k != "lm_head.weight"}, Q.F32, "phi2")
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        CausalLM.from_gguf(tmp_path / "tied.gguf")
+    _write(tmp_path / "nobias.gguf", PHI2, {k: v for k, v in sd.items() if k != "lm_head.bias"}, Q.F32, "phi2")
+    with pytest.raises(ValueError, match="output.bias"):
+        CausalLM.from_gguf(tmp_path / "nobias.gguf")
+    gqa = dict(PHI2, num_key_value_heads=2)
+    _write(tmp_path / "gqa.gguf", gqa, _model(gqa).state_dict(), Q.F32, "phi2")
+    with pytest.raises(ValueError, match="k_proj.weight'\\]: expected shape \\(256, 256\\), got \\(128, 256\\)"):
+        CausalLM.from_gguf(tmp_path / "gqa.gguf")

@@ -1006,6 +1006,19 @@ def _gguf_gptneox(config: dict, meta: Mapping) -> None:
     config.pop("mlp_bias", None)  # GPTNeoXMLP's biases: always
 
 
+def _gguf_phi2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``phi2`` (``Phi2Model`` in ``convert_hf_to_gguf.py``, ``llama_model_phi2``):
+    one LayerNorm with a bias a layer (``attention.layer_norm_epsilon``) read by the attention
+    and the MLP side by side, heads of ``embedding_length / head_count`` (``head_count_kv`` the
+    converter's ``head_count``), the first ``rope.dimension_count`` features of each rotating on
+    rotate-half pairs (the converter's ``int(partial_rotary_factor * hidden) // heads``), no base
+    written (llama.cpp's 10000, PhiConfig's), biases on every projection and on the head
+    (``output.bias``); the MLP's ``gelu_new`` (llama.cpp's tanh GELU) is PhiConfig's default."""
+    config["partial_rotary_factor"] = _gguf_rotated_share(config, meta, "phi2")
+    for key in ("attention_bias", "mlp_bias"):  # PhiAttention's and PhiMLP's biases: always
+        config.pop(key, None)
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -1216,6 +1229,13 @@ GGUF_FAMILIES = {
         derive=_gguf_gptneox,
         reads=("rope.dimension_count", "use_parallel_residual"),
         biases={"attention_bias": ("attn_qkv.weight", "attn_qkv.bias")},
+        eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
+    # Phi-1, Phi-1.5, Phi-2: q, k, v apart (the checkpoint's), the head's bias output.bias
+    "phi2": GgufFamily(
+        "phi",
+        derive=_gguf_phi2,
+        reads=("rope.dimension_count",),
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
     ),
     # Hunyuan dense: rows as written, the NTK-alpha base as rope.freq_base (_gguf_hunyuan_dense)

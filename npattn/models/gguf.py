@@ -14,7 +14,8 @@ Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first 
 (its xIELU's numbers per layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``,
 Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
 ``command-r``, Command R's, ``cohere2``, Command R7B's,
-``hunyuan-dense``, ``gptneox``, Pythia's and GPT-NeoX-20B's) and what each means in Hugging Face terms (a
+``hunyuan-dense``, ``gptneox``, Pythia's and GPT-NeoX-20B's, ``phi2``, Phi-1's, Phi-1.5's and
+Phi-2's, their head's bias ``output.bias``) and what each means in Hugging Face terms (a
 ``granite`` or ``granitemoe`` file may hold Granite 4.0 or GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
