@@ -2836,6 +2836,7 @@ _DIGITS = {"type": "Digits", "individual_digits": True}
 # the originals' tokenizer.json: (pre_tokenizer steps, the BPE's ignore_merges, NFC normalizer)
 _ORIGINALS = {
     "gpt-2": ([_byte_level(True)], False, False),  # GPT-2's
+    "phi-2": ([_byte_level(True)], False, False),  # Phi-2's (CodeGen's GPT-2 BPE)
     "llama-bpe": ([_split(_LLAMA3), _byte_level(False)], True, False),  # Llama 3's
     "qwen2": ([_split(_QWEN2), _byte_level(False)], False, True),  # Qwen2's
     "glm4": ([_split(_LLAMA3), _byte_level(False)], False, False),  # GLM-4's, as llama.cpp's CHATGLM4 reads it

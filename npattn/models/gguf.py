@@ -909,6 +909,8 @@ class GgufPreTokenizer(NamedTuple):
 #: pre-tokenizes (``GgufPreTokenizer``).
 GGUF_PRE_TOKENIZERS = {
     "gpt-2": GgufPreTokenizer(),
+    # Phi-1, Phi-1.5 and Phi-2's (CodeGen's GPT-2 BPE; llama-vocab.cpp reads phi-2 as gpt-2)
+    "phi-2": GgufPreTokenizer(),
     "llama-bpe": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
     "llama3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
     "llama-v3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
