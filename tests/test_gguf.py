@@ -1449,14 +1449,14 @@ def test_unknown_type_and_architecture_are_refused(tmp_path):
     _write(tmp_path / "q81.gguf", LLAMA, src.state_dict(), Q.Q8_1, "llama")  # gguf has no dequantization of it
     with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has type Q8_1, which npattn does not read"):
         CausalLM.from_gguf(tmp_path / "q81.gguf")
-    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
+    w = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"general.architecture 'phi2' is not supported"):
-        CausalLM.from_gguf(tmp_path / "phi.gguf")
+    with pytest.raises(ValueError, match=r"general.architecture 'bloom' is not supported"):
+        CausalLM.from_gguf(tmp_path / "bloom.gguf")
     (tmp_path / "not.gguf").write_bytes(b"GGUX" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         CausalLM.from_gguf(tmp_path / "not.gguf")

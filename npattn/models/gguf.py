@@ -739,6 +739,22 @@ def _per_layer(f: _File, spec, key: str, shape, n_layers: int):
     return np.full(shape, values[0 if len(values) == 1 else int(parts[2])], np.float32)
 
 
+def _check_types(f: _File, tensors: dict) -> None:
+    """Each tensor's GGML type one npattn reads and the installed ``gguf`` dequantizes (ValueError
+    naming the tensor and its type)."""
+    for name, t in tensors.items():
+        kind = t.tensor_type.name
+        if kind not in GGUF_TYPES:
+            raise ValueError(
+                f"{f.path}: tensor {name!r} has type {kind}, which npattn does not read (it reads {list(GGUF_TYPES)})"
+            )
+        if not _dequantizes(kind):
+            raise ValueError(
+                f"{f.path}: tensor {name!r} has type {kind}, which the installed gguf does not dequantize "
+                "(a newer gguf may: pip install --upgrade gguf)"
+            )
+
+
 def read_gguf(path) -> tuple[dict, dict]:
     """``(Hugging Face config dict, {Hugging Face name: lazy float32 tensor})`` of a GGUF file;
     the tensors are dequantized when read.
@@ -761,17 +777,7 @@ def read_gguf(path) -> tuple[dict, dict]:
     gguf = _gguf()
     f = _open(path)
     tensors = {t.name: t for t in f.reader.tensors}  # type: ignore[attr-defined]
-    for name, t in tensors.items():
-        kind = t.tensor_type.name
-        if kind not in GGUF_TYPES:
-            raise ValueError(
-                f"{f.path}: tensor {name!r} has type {kind}, which npattn does not read (it reads {list(GGUF_TYPES)})"
-            )
-        if not _dequantizes(kind):
-            raise ValueError(
-                f"{f.path}: tensor {name!r} has type {kind}, which the installed gguf does not dequantize "
-                "(a newer gguf may: pip install --upgrade gguf)"
-            )
+    _check_types(f, tensors)
     config = _config(f, set(tensors))
     if _ROPE_FREQS in tensors:
         config["rope_scaling"] = _rope_freqs_scaling(f, tensors[_ROPE_FREQS], config)
