@@ -536,6 +536,12 @@ _F16_SCALES = {
 }
 
 
+# the K-quants whose 6-bit sub-block scales multiply d (and dmin): with d up to 1e-2 a Q5_K weight
+# reaches 19, and Nemotron 3's relu2 experts overflow float32 (every logit 0: nothing compared); these
+# keep the weights below about 1, as a model's
+_SCALE_RANGES = {"Q4_K": (1e-4, 1e-3), "Q5_K": (1e-4, 5e-4)}
+
+
 def _raw_blocks(qtype, shape, rng) -> np.ndarray:
     """Random bytes of a tensor of ``shape`` (..., cols) in a type gguf cannot quantize, its scales
     sane: the float16 ones (``_F16_SCALES``), IQ1_M's float16 spread over the top nibbles of its
@@ -545,7 +551,8 @@ def _raw_blocks(qtype, shape, rng) -> np.ndarray:
     lead = raw.shape[:-1]
     if qtype.name in _F16_SCALES:
         a, b = _F16_SCALES[qtype.name]
-        raw[..., a:b] = rng.uniform(1e-3, 1e-2, (*lead, (b - a) // 2)).astype(np.float16).view(np.uint8)
+        lo, hi = _SCALE_RANGES.get(qtype.name, (1e-3, 1e-2))
+        raw[..., a:b] = rng.uniform(lo, hi, (*lead, (b - a) // 2)).astype(np.float16).view(np.uint8)
     elif qtype.name == "IQ1_M":
         d = rng.uniform(1e-3, 1e-2, (*lead, 1)).astype(np.float16).view(np.uint16)
         scales = raw[..., 48:56].copy().view(np.uint16)  # (..., 4), little-endian
@@ -1371,6 +1378,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
         assert not np.array_equal(held[f"blk.{i}.attn_q.weight"], want[q])
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 6))
     got = _logits(loaded, ids)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0, "the model overflowed: equal logits would say nothing"
     np.testing.assert_array_equal(got, _logits(CausalLM.from_hf(want, _file_config(config)), ids))
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
