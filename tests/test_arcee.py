@@ -128,26 +128,13 @@ def test_a_transformers_directory_loads_with_its_logits_and_gradients(tmp_path, 
     ``CausalLM.from_pretrained``; logits to 1e-9 and every gradient to 1e-8 under a random upstream
     gradient, the pad token among the ids; the directory ``save_pretrained`` writes back loads in
     transformers (no key missing or unexpected) with the same weights."""
-    import torch
-    from _hf64 import build, check_logits_and_grads, state_dict
+    from _hf64 import check_directory_round_trip
 
     cfg = tiny_config("arcee")
     if family == "arcee_tied":
         cfg = dict(cfg, mlp_bias=False, tie_word_embeddings=True, rope_parameters=None)
         cfg["rope_scaling"] = dict(_RELEASED["rope_scaling"], original_max_position_embeddings=4)
-    hf, _ = build(T.ArceeConfig, T.ArceeForCausalLM, **{k: v for k, v in cfg.items() if k != "model_type"})
-    hf.save_pretrained(tmp_path / "hf")
-    m = CausalLM.from_pretrained(tmp_path / "hf", dtype=np.float64)
-    ids = np.array([[1, 5, 7, 0, 9, 3, 11], [4, 4, 8, 0, 1, 2, 30]])
-    dlogits = np.random.default_rng(2).standard_normal(ids.shape + (cfg["vocab_size"],))
-    check_logits_and_grads(m, hf, ids, dlogits)
-    m.save_pretrained(tmp_path / "ours")
-    back, info = T.ArceeForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    theirs, again = state_dict(hf), state_dict(back)
-    assert set(theirs) == set(again)
-    for k, v in theirs.items():
-        np.testing.assert_array_equal(again[k], v, err_msg=k)
+    check_directory_round_trip(tmp_path, T.ArceeConfig, T.ArceeForCausalLM, cfg)
 
 
 @pytest.mark.parametrize(
