@@ -163,6 +163,10 @@ def test_one_table_of_tiny_configs():
     # one entry per model_type under its name, and a second one where a model_type's kinds of
     # layers are too many for one tiny model (Nemotron-H's routed experts: nemotron_h_moe)
     assert FAMILIES == TINY_CONFIGS and set(C.SUPPORTED_MODEL_TYPES) <= set(TINY_CONFIGS)
+    # the public list names every family a reader reads, once, and each has its tiny entry and defaults
+    supported = C.SUPPORTED_MODEL_TYPES
+    assert len(set(supported)) == len(supported) and set(supported) == set(C._READERS) == set(C._DEFAULTS)
+    assert set(supported) == {d["model_type"] for d in TINY_CONFIGS.values()}
     others = {name: d["model_type"] for name, d in TINY_CONFIGS.items() if name != d["model_type"]}
     assert others == {"nemotron_h_moe": "nemotron_h"}
     mine = tiny_config("gpt_oss", sliding_window=5)

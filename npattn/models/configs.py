@@ -88,6 +88,7 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_neox",
     "phi",
     "stablelm",
+    "olmo",
 )
 
 ATTENTION_KINDS = (
