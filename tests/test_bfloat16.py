@@ -106,7 +106,8 @@ def test_widening_is_the_upper_half_of_float32():
     "n,rows,cols",
     [(1, 3, 5), (4, 1000, 700), (1, 1500, 600), (2, 3000, 64), (3, 2, 1)]
     + [(1, 4096, 1024), (1, 9001, 64), (1, 2000, 81)]  # decoding: the pairs of bfloat16s, odd columns
-    + [(1, 603, 6144), (1, 300, 4622)],  # long rows: 3 segments of each row; a prime half (2311)
+    + [(1, 603, 6144), (1, 300, 4622)]  # long rows: 3 segments of each row; a prime half (2311)
+    + [(1, 1100, 3072)],  # blocks of 256 rows (a power of 2 above 2**19 / 3072) and a short one a share
 )
 def test_matmul_t_equals_the_widened_product(n, rows, cols, threads, monkeypatch):
     from npattn.functional import _bfloat16
