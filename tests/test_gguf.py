@@ -300,6 +300,19 @@ PHI2 = dict(
     FAMILIES["phi"], hidden_size=256, intermediate_size=1024, layer_norm_eps=2**-17, num_key_value_heads=None,
     rope_theta=10000.0,
 )  # fmt: skip
+# StableLM 2 1.6B: heads of 64 (as many key/value heads), a quarter rotating, q/k/v biases, the
+# sequential residual; the converter writes no RoPE base (llama.cpp's 10000)
+STABLELM2 = dict(
+    FAMILIES["stablelm"], hidden_size=256, intermediate_size=256, num_key_value_heads=4, partial_rotary_factor=0.25,
+    rope_theta=10000.0, layer_norm_eps=2**-17, use_qkv_bias=True, qk_layernorm=False, use_parallel_residual=False,
+)  # fmt: skip
+# StableLM 2 12B: 8 heads of 32 over 2 key/value heads, the per-head q/k LayerNorms (attn_q_norm (8, 32),
+# attn_k_norm (2, 32): heads and width differ), the parallel residual (no ffn_norm), no biases; half of
+# each head rotating (not StableLmConfig's default quarter: the file's rope.dimension_count says it)
+STABLELM2_12B = dict(
+    STABLELM2, num_attention_heads=8, num_key_value_heads=2, use_qkv_bias=False, qk_layernorm=True,
+    use_parallel_residual=True, partial_rotary_factor=0.5,
+)  # fmt: skip
 ARCEE = dict(
     FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
 )
@@ -908,6 +921,49 @@ def _gptneox_split(values: dict) -> dict:
     return out
 
 
+def _stablelm_metadata(w, config):
+    """``StableLMModel.set_gguf_parameters``: no RoPE base, no key/value length, the rotated features
+    ``int(partial_rotary_factor * (hidden // heads))``, ``use_parallel_residual`` (true where the
+    config has no such key) and the LayerNorms' epsilon."""
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    w.add_context_length(64)
+    w.add_embedding_length(H)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_rope_dimension_count(int(config.get("partial_rotary_factor", 0.25) * (H // heads)))
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_parallel_residual(config.get("use_parallel_residual", True))
+    w.add_layer_norm_eps(config["layer_norm_eps"])
+
+
+def _stablelm_converted(sd: dict) -> dict:
+    """``StableLMModel.modify_tensors`` on the checkpoint: each layer's ``q_layernorm.norms.{h}.weight``
+    (``StableLmLayerNormPerHead``'s rows, the model's ``q_norm.weight`` apart: ``CheckpointLayout.per_row``),
+    stacked in head order as ``q_layernorm.weight`` (``_stack_qk_norm``); k's alike."""
+    out = {}
+    for k, v in sd.items():
+        for part in ("q", "k"):
+            if k.endswith(f"self_attn.{part}_norm.weight"):
+                rows = [v[h] for h in range(v.shape[0])]  # norms.0.weight, norms.1.weight, ...
+                k, v = k.replace(f"{part}_norm.", f"{part}_layernorm."), np.stack(rows, axis=0)
+        out[k] = v
+    return out
+
+
+def _stablelm_checkpoint(values: dict) -> dict:
+    """The model's tensors under StableLM's checkpoint names: each ``q_norm.weight`` / ``k_norm.weight``
+    row a head's ``q_layernorm.norms.{h}.weight`` (``StableLmLayerNormPerHead``)."""
+    out = {}
+    for k, v in values.items():
+        if k.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            stem = k[: -len("_norm.weight")] + "_layernorm.norms"
+            out.update({f"{stem}.{h}.weight": row for h, row in enumerate(v)})
+        else:
+            out[k] = v
+    return out
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
@@ -917,6 +973,8 @@ def _metadata(w, config, arch):
         return _gptneox_metadata(w, config)
     if arch == "phi2":
         return _phi2_metadata(w, config)
+    if arch == "stablelm":
+        return _stablelm_metadata(w, config)
     if arch == "falcon-h1":
         return _falcon_h1_metadata(w, config)
     if arch in ("nemotron_h", "nemotron_h_moe"):
@@ -1110,6 +1168,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
         sd = _phi3_checkpoint(sd, _GLM4_FUSED)
     if arch == "gptneox":  # the checkpoint's per-head query_key_value, reordered by the converter
         sd = _gptneox_converted(_gptneox_checkpoint(sd, config["num_attention_heads"]), config["num_attention_heads"])
+    if arch == "stablelm":  # the checkpoint's per-head norms, stacked by the converter
+        sd = _stablelm_converted(sd)
     if config["model_type"] in _GRANITE_MOES:  # the released checkpoint's names, which the converter reads
         sd = {_granitemoe_name(k): v for k, v in sd.items()}
     sd = _falcon_h1_folded(sd, config)  # FalconH1Model: the multipliers into the weights
@@ -1264,6 +1324,8 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
     out.update({k: np.asarray(v, np.float32) for k, v in sd.items() if ".act_fn." in k})  # the metadata's float32
     if arch == "gptneox":
         return _gptneox_split(out)
+    if arch == "stablelm":  # the stacked per-head norms under the model's names
+        return {k.replace("q_layernorm.", "q_norm.").replace("k_layernorm.", "k_norm."): v for k, v in out.items()}
     return _phi3_split(out, config) if arch in ("phi3", "glm4") else out
 
 
@@ -1319,6 +1381,8 @@ CASES = [
     (HUNYUAN, "hunyuan-dense"),
     (GPTNEOX, "gptneox"),
     (PHI2, "phi2"),
+    (STABLELM2, "stablelm"),
+    (STABLELM2_12B, "stablelm"),
 ]
 
 
@@ -1329,6 +1393,7 @@ IDS = [
     _CASE_NAMES.get(c["model_type"], a if c["model_type"] != "granitemoehybrid" else f"granite4-{a}")
     + ("-rounded" if c is FALCON_H1_ROUNDED else "")
     + ("-plus" if c is COMMAND_R_PLUS else "")
+    + ("-12b" if c is STABLELM2_12B else "")
     for c, a in CASES
 ]
 
@@ -1383,7 +1448,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # close to the source model too (a router's near-tie may pick another expert after rounding: no such
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
     # Phi-3's tied head, logits up to 64, to 4%, LFM2's, logits up to 55, to 3.1%, OLMo's, logits up
-    # to 6, to 4.5%, and GPT-NeoX's, logits up to 5, to 3.4%; Nemotron-H's relu2
+    # to 6, to 4.5%, GPT-NeoX's, logits up to 5, to 3.4%, and StableLM 2's, logits up to 5, to 3.1%; Nemotron-H's relu2
     # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     moe = moe or "n_routed_experts" in config  # (Nemotron 3's)
@@ -1392,7 +1457,8 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
         not moe
         and not coarse
         and (
-            qtype in (Q.F16, Q.BF16) or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo", "gptneox"))
+            qtype in (Q.F16, Q.BF16)
+            or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo", "gptneox", "stablelm"))
         )
     ):
         ref = _source_logits(config)
@@ -1530,6 +1596,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (HUNYUAN, "hunyuan-dense", ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM")),
         (GPTNEOX, "gptneox", ("GPTNeoXConfig", "GPTNeoXForCausalLM")),
         (PHI2, "phi2", ("PhiConfig", "PhiForCausalLM")),
+        (STABLELM2, "stablelm", ("StableLmConfig", "StableLmForCausalLM")),
+        (STABLELM2_12B, "stablelm", ("StableLmConfig", "StableLmForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1572,6 +1640,8 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "hunyuan-dense",
         "gptneox",
         "phi2",
+        "stablelm",
+        "stablelm-12b",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -1591,6 +1661,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
         "phi3": _phi3_checkpoint,
         "glm4": lambda v: _phi3_checkpoint(v, _GLM4_FUSED),
         "gptneox": lambda v: _gptneox_checkpoint(v, config["num_attention_heads"]),
+        "stablelm": _stablelm_checkpoint,
     }.get(arch, _granite_checkpoint)(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
@@ -2711,7 +2782,7 @@ def test_optional_metadata_left_out_means_llama_cpp_s_defaults(tmp_path, monkeyp
     config = dict(config, num_attention_heads=8, num_key_value_heads=8, rope_theta=10000.0)
     if arch == "phi3":  # without rope.dimension_count every feature rotates (n_rot = head_dim): no partial
         config = {k: v for k, v in config.items() if k not in ("partial_rotary_factor", "rope_scaling")}
-    if arch in ("glm4", "phi2"):  # the same: the whole head (not Glm4Config's or PhiConfig's default half)
+    if arch in ("glm4", "phi2", "stablelm"):  # the same: the whole head (not the config's default half or quarter)
         config["partial_rotary_factor"] = 1.0
     if "head_dim" in config or arch != "llama":
         config.update(head_dim=32)
@@ -4329,3 +4400,84 @@ def test_phi2_files_llama_cpp_cannot_read_are_refused_by_name(tmp_path, monkeypa
     _write(tmp_path / "gqa.gguf", gqa, _model(gqa).state_dict(), Q.F32, "phi2")
     with pytest.raises(ValueError, match="k_proj.weight'\\]: expected shape \\(256, 256\\), got \\(128, 256\\)"):
         CausalLM.from_gguf(tmp_path / "gqa.gguf")
+
+
+# StableLM-3B-4E1T: its config.json has no use_parallel_residual (StableLmConfig's False: sequential),
+# for which the converter writes true; no biases, no q/k norms
+STABLELM_3B = {k: v for k, v in STABLELM2.items() if k != "use_parallel_residual"} | {"use_qkv_bias": False}
+
+
+@pytest.mark.parametrize(
+    "config", [STABLELM2, STABLELM2_12B, STABLELM_3B], ids=["stablelm2-1.6b", "stablelm2-12b", "stablelm-3b-4e1t"]
+)
+def test_a_stablelm_file_is_its_model_s_directory(tmp_path, config):
+    """A StableLM 2 1.6B-like file (q/k/v biases, sequential), a 12B-like one (per-head q/k
+    LayerNorms, parallel: no ffn_norm) and a StableLM-3B-4E1T-like one (whose file says
+    use_parallel_residual true over layers that keep their ffn_norm, which llama.cpp runs one after
+    the other) are their directories' models: the same config, tensors and logits."""
+    g, _, _ = _file_is_its_directory(tmp_path, config, "stablelm")
+    assert g.config.parallel_mlp == config.get("use_parallel_residual", False)
+    assert g.config.qk_norm == config["qk_layernorm"]
+    assert g.config.attention_bias == config["use_qkv_bias"]
+    head = config["hidden_size"] // config["num_attention_heads"]
+    assert int(head * g.config.rope["default"]["partial_rotary_factor"]) == int(head * config["partial_rotary_factor"])
+    if config["qk_layernorm"]:  # one LayerNorm weight row a head: (heads, head_dim), not its transpose
+        assert g.state_dict()["model.layers.0.self_attn.q_norm.weight"].shape == (8, 32)
+        assert g.state_dict()["model.layers.0.self_attn.k_norm.weight"].shape == (2, 32)
+
+
+def test_stablelm_files_as_llama_cpp_reads_them(tmp_path, monkeypatch):
+    """``rope.dimension_count`` is the rotated share and ``rope.freq_base`` (which StableLMModel does
+    not write) the base where present, llama.cpp's 10000 where absent; the tensors say the rest, as
+    llama.cpp's loader reads them (not the file's use_parallel_residual): a file saying false
+    without ffn_norm is parallel.  A layer missing one of q/k/v's biases, an odd rotated count and
+    per-head norms stored (head_dim, heads) are refused by name."""
+    sd = _state(STABLELM2)
+    _write(tmp_path / "m.gguf", STABLELM2, sd, Q.F32, "stablelm")
+    m = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert m.config.rope["default"]["rope_theta"] == 10000.0
+    assert int(64 * m.config.rope["default"]["partial_rotary_factor"]) == 16
+
+    def with_base(self, value):
+        self.add_uint32("stablelm.rope.dimension_count", value)
+        self.add_float32("stablelm.rope.freq_base", 500.0)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_base)
+        _write(tmp_path / "base.gguf", STABLELM2, sd, Q.F32, "stablelm")
+    assert CausalLM.from_gguf(tmp_path / "base.gguf").config.rope["default"]["rope_theta"] == 500.0
+    sd12 = _state(STABLELM2_12B)
+    with monkeypatch.context() as mp:  # the metadata says sequential; no ffn_norm: llama.cpp's parallel residual
+        mp.setattr(
+            gguf.GGUFWriter,
+            "add_parallel_residual",
+            lambda self, value: self.add_bool("stablelm.use_parallel_residual", False),
+        )
+        _write(tmp_path / "says.gguf", STABLELM2_12B, sd12, Q.F32, "stablelm")
+    assert CausalLM.from_gguf(tmp_path / "says.gguf").config.parallel_mlp
+    with monkeypatch.context() as mp:
+        mp.setattr(
+            gguf.GGUFWriter,
+            "add_rope_dimension_count",
+            lambda self, v: self.add_uint32("stablelm.rope.dimension_count", 15),
+        )
+        _write(tmp_path / "odd.gguf", STABLELM2, sd, Q.F32, "stablelm")
+    with pytest.raises(ValueError, match="'stablelm.rope.dimension_count' 15: expected an even number"):
+        CausalLM.from_gguf(tmp_path / "odd.gguf")
+    no_k_bias = {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    _write(tmp_path / "bias.gguf", STABLELM2, no_k_bias, Q.F32, "stablelm")
+    with pytest.raises(ValueError, match=r"bias.gguf: no tensor 'blk.1.attn_k.bias'"):
+        CausalLM.from_gguf(tmp_path / "bias.gguf")
+    converted = _stablelm_converted
+    with monkeypatch.context() as mp:  # the stacked norms transposed: (head_dim, heads)
+        mp.setattr(
+            sys.modules[__name__],
+            "_stablelm_converted",
+            lambda c: {
+                k: np.ascontiguousarray(v.T) if "layernorm." in k and v.ndim == 2 else v
+                for k, v in converted(c).items()
+            },
+        )
+        _write(tmp_path / "t.gguf", STABLELM2_12B, sd12, Q.F32, "stablelm")
+    with pytest.raises(ValueError, match=r"q_norm.weight'\]: expected shape \(8, 32\), got \(32, 8\)"):
+        CausalLM.from_gguf(tmp_path / "t.gguf")

@@ -109,7 +109,8 @@ class GgufFamily:
     reads (``meta``: the metadata under ``"<arch>."`` by suffix; the suffixes it reads: ``reads``).
     ``biases``: config key -> ``(weight, bias)`` tensor suffixes: where a block of the file holds
     the weight, the key is whether a block holds the bias (the metadata says nothing of biases; nor
-    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``; Command R's q/k norms).
+    of an optional norm: Falcon-H1's ``ssm_norm``, its ``mamba_rms_norm``; Command R's q/k norms;
+    StableLM's ``ffn_norm``, whose absence ``derive`` reads as its parallel residual).
     ``eps``: the config key of the norms' epsilon and its metadata key (required): RMSNorm's
     ``attention.layer_norm_rms_epsilon``, or a LayerNorm family's ``attention.layer_norm_epsilon``.
     ``own_names``: the file's tensors are looked up under the family's own layer names
@@ -1020,6 +1021,27 @@ def _gguf_phi2(config: dict, meta: Mapping) -> None:
         config.pop(key, None)
 
 
+def _gguf_stablelm(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``stablelm`` (``StableLMModel`` in ``convert_hf_to_gguf.py``, ``llama_model_stablelm``:
+    StableLM-3B-4E1T, StableLM 2 1.6B and 12B, their Zephyrs): LayerNorms with biases
+    (``attention.layer_norm_epsilon``), q, k, v apart and not permuted (llama.cpp's NeoX RoPE on
+    rotate-half pairs), heads of ``embedding_length / head_count``, the first
+    ``rope.dimension_count`` features of each rotating (the converter's ``int(partial_rotary_factor
+    * hidden / heads)``), no base written (llama.cpp's 10000, StableLmConfig's), SiLU's gated MLP
+    (llama.cpp's fixed ``LLM_FFN_SILU``, StableLmConfig's default).  What the tensors say, as
+    llama.cpp's loader takes them: q/k/v biases (``attn_q.bias``: ``use_qkv_bias``); StableLM 2
+    12B's per-head q/k LayerNorms (``attn_q_norm`` ``(head_count, head_dim)``, ``attn_k_norm``
+    ``(head_count_kv, head_dim)``, the converter's stack of ``q_layernorm.norms.{h}``: the model's
+    ``q_norm.weight`` as it is; ``qk_layernorm``); the parallel residual where the layers have no
+    ``ffn_norm`` (the MLP then reads the attention's ``attn_norm``).  The converter's
+    ``use_parallel_residual`` is not read: it writes true where the config has no such key
+    (StableLM-3B-4E1T's), whose layers keep their ``ffn_norm`` and run one after the other, and
+    llama.cpp's loader reads the key not at all."""
+    config["partial_rotary_factor"] = _gguf_rotated_share(config, meta, "stablelm")
+    config["use_qkv_bias"] = config.pop("attention_bias")
+    config["use_parallel_residual"] = not config.pop("ffn_norm", True)
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -1237,6 +1259,18 @@ GGUF_FAMILIES = {
         "phi",
         derive=_gguf_phi2,
         reads=("rope.dimension_count",),
+        eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
+    # StableLM: q, k, v apart (rotate-half rows, not permuted), the per-head q/k LayerNorms and the
+    # parallel residual (no ffn_norm) of StableLM 2 12B read off the tensors (_gguf_stablelm)
+    "stablelm": GgufFamily(
+        "stablelm",
+        derive=_gguf_stablelm,
+        reads=("rope.dimension_count", "use_parallel_residual"),
+        biases={
+            "qk_layernorm": ("attn_q.weight", "attn_q_norm.weight"),
+            "ffn_norm": ("attn_q.weight", "ffn_norm.weight"),
+        },
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
     ),
     # Hunyuan dense: rows as written, the NTK-alpha base as rope.freq_base (_gguf_hunyuan_dense)

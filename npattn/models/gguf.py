@@ -15,7 +15,8 @@ Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first 
 Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
 ``command-r``, Command R's, ``cohere2``, Command R7B's,
 ``hunyuan-dense``, ``gptneox``, Pythia's and GPT-NeoX-20B's, ``phi2``, Phi-1's, Phi-1.5's and
-Phi-2's, their head's bias ``output.bias``) and what each means in Hugging Face terms (a
+Phi-2's, their head's bias ``output.bias``, ``stablelm``, StableLM-3B-4E1T's and StableLM 2's, the
+12B's per-head q/k LayerNorms and parallel residual read off its tensors) and what each means in Hugging Face terms (a
 ``granite`` or ``granitemoe`` file may hold Granite 4.0 or GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
 
