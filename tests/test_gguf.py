@@ -2912,12 +2912,24 @@ def _byte_level(use_regex):
 
 
 _DIGITS = {"type": "Digits", "individual_digits": True}
+# StableLM 2's tokenizer.json (stabilityai/stablelm-2-1_6b, -12b, -zephyr-1_6b): the regex's matches kept,
+# the gaps between them removed, its \r and \n literal characters (as JSON's escapes decode)
+_STABLELM2_SPLIT = {
+    "type": "Split",
+    "pattern": {
+        "Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\r\n]*|"
+        "\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
+    },
+    "behavior": "Removed",
+    "invert": True,
+}
 # the originals' tokenizer.json: (pre_tokenizer steps, the BPE's ignore_merges, NFC normalizer)
 _ORIGINALS = {
     "gpt-2": ([_byte_level(True)], False, False),  # GPT-2's
     "phi-2": ([_byte_level(True)], False, False),  # Phi-2's (CodeGen's GPT-2 BPE)
     "llama-bpe": ([_split(_LLAMA3), _byte_level(False)], True, False),  # Llama 3's
     "qwen2": ([_split(_QWEN2), _byte_level(False)], False, True),  # Qwen2's
+    "stablelm2": ([_STABLELM2_SPLIT, _byte_level(False)], False, False),  # StableLM 2's (Arcade100k)
     "glm4": ([_split(_LLAMA3), _byte_level(False)], False, False),  # GLM-4's, as llama.cpp's CHATGLM4 reads it
     "tekken": ([_split(_TEKKEN), _byte_level(False)], True, False),  # Mistral Nemo's
     "smollm": ([_DIGITS, _byte_level(True)], False, False),  # SmolLM's

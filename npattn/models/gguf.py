@@ -922,6 +922,9 @@ GGUF_PRE_TOKENIZERS = {
     "llama3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
     "llama-v3": GgufPreTokenizer((_GPT4_SPLIT,), ignore_merges=True),
     "qwen2": GgufPreTokenizer((_QWEN2_SPLIT,), nfc=True),
+    # StableLM 2's Arcade100k (its tokenizer.json: Qwen2's split, stated as the matches kept, a
+    # Split "Removed" inverted; no normalizer; llama-vocab.cpp reads stablelm2 with qwen2's regex)
+    "stablelm2": GgufPreTokenizer((_QWEN2_SPLIT,)),
     # GLM-4-0414 / GLM-Z1 (llama.cpp's CHATGLM4 of llama-vocab.cpp: Llama 3's split, without its
     # ignore_merges; the converter names the tokenizer of THUDM/glm-4-9b-hf and GLM-4.5 "glm4")
     "glm4": GgufPreTokenizer((_GPT4_SPLIT,)),
