@@ -289,6 +289,13 @@ def make_cases(rng, lead=(2, 3), length=3) -> list:
         return t.where(x > 0, a_p * x * x + beta * x, neg)
 
     cases.append(Case("xielu", "xielu", (rx, xa_p, xa_n), lambda M, x, ap, an: M.xielu(x, ap, an, 0.4, -0.1), t_xielu))
+    # clamp (OLMo's clip_qkv) to [-0.3, 0.3]: entries on both sides of each bound, none within 0.05
+    # of one (the mask's kinks); and one-sided
+    kx = u(*lead, c)
+    kx = np.where(np.abs(np.abs(kx) - 0.3) < 0.05, 0.1, kx)
+    for label, lo in (("clamp", -0.3), ("clamp_max", None)):
+        ours, theirs = (lambda M, x, lo=lo: M.clamp(x, lo, 0.3)), (lambda t, x, lo=lo: t.clamp(x, lo, 0.3))
+        cases.append(Case(label, "clamp", (kx,), ours, theirs))
     return cases
 
 

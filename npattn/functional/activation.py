@@ -1,5 +1,5 @@
-"""Element-wise and row-wise nonlinearities: ``relu``, ``relu2``, ``xielu``, ``gelu``, ``silu``, ``softmax``,
-``dropout``.
+"""Element-wise and row-wise nonlinearities: ``relu``, ``relu2``, ``clamp``, ``xielu``, ``gelu``, ``silu``,
+``softmax``, ``dropout``.
 
 Each public op validates its arguments and calls the unvalidated kernel ``op_kernel`` below it; each public
 backward checks ``dout`` and that the cache is its own forward's, then calls ``op_backward_kernel``.
@@ -50,6 +50,11 @@ __all__ = [
     "relu2_backward",
     "relu2_jvp",
     "relu2_backward_jvp",
+    "ClampCache",
+    "clamp",
+    "clamp_backward",
+    "clamp_jvp",
+    "clamp_backward_jvp",
     "XieluCache",
     "xielu",
     "xielu_backward",
@@ -89,6 +94,11 @@ class ReluCache(NamedTuple):
 
 class Relu2Cache(NamedTuple):
     r: np.ndarray  # max(x, 0)
+
+
+class ClampCache(NamedTuple):
+    inside: np.ndarray  # the mask min <= x <= max (bounds included, as torch; False where x is NaN)
+    dtype: np.dtype
 
 
 class XieluCache(NamedTuple):
@@ -143,6 +153,7 @@ def _jvp_example(op: str, args: str = "") -> str:
 _INPUT_OF = {  # the input's shape and dtype, from each activation's cache
     ReluCache: lambda c: (c.positive.shape, c.dtype),
     Relu2Cache: lambda c: (c.r.shape, c.r.dtype),
+    ClampCache: lambda c: (c.inside.shape, c.dtype),
     GeluCache: lambda c: (c.x.shape, c.x.dtype),
     SiluCache: lambda c: (c.x.shape, c.x.dtype),
     SoftmaxCache: lambda c: (c.y.shape, c.y.dtype),
@@ -353,6 +364,97 @@ relu2_jvp, relu2_jvp_kernel, relu2_backward_jvp, relu2_backward_jvp_kernel = _de
     backward_jvp="""``dx = 2 max(x, 0) dy``, so ``tdx = 2 max(x, 0) ddout +
     2 [x > 0] dy tx`` (``relu2'' = 2 [x > 0]``, 0 at ``x = 0`` as relu's derivative there).""",
     second=lambda dout, cache, tx: 2 * dout * (cache.r > 0) * tx,
+)
+
+
+# ---------------------------------------------------------------------------------------- clamp
+
+
+def _clamp_bound(v, name: str) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v):
+        raise ValueError(f"{name}: expected a real number or None, got {v!r}")
+    return float(v)
+
+
+def clamp_inside(x, lo=None, hi=None) -> np.ndarray:
+    """The mask ``lo <= x <= hi`` (bounds included; a bound None is no bound): where ``clamp``
+    passes ``x`` through, so where its gradient is 1 (False where ``x`` is NaN, as torch)."""
+    if lo is None:
+        return np.less_equal(x, hi)
+    inside = np.greater_equal(x, lo)
+    return inside if hi is None else np.logical_and(inside, np.less_equal(x, hi), out=inside)
+
+
+@shared_doc(
+    sections=_forward_sections(
+        "clamp",
+        y="``min(max(x, min), max)``, of ``x``'s shape and dtype.",
+        params="""
+        min, max : float or None
+            The bounds (None: no bound on that side; at least one given, ``min <= max``).
+        """,
+        raises="ValueError\n    A bound not a real number (NaN) or None; both None; ``min > max``.",
+    )
+)
+def clamp(x: np.ndarray, min: float | None = None, max: float | None = None) -> tuple[np.ndarray, ClampCache]:
+    """``y = min(max(x, min), max)``, torch's ``clamp`` (OLMo's ``clip_qkv`` on q, k and v).
+    Returns ``(y, cache)``; the cache keeps the mask ``min <= x <= max``.
+
+    The gradient is torch's: 1 where ``min <= x <= max`` (the bounds included), 0 outside, where
+    ``y`` is a constant.
+
+    <sections>
+
+    <examples>
+    >>> y, cache = F.clamp(np.array([-3.0, -1.0, 0.5, 1.0, 2.0]), -1.0, 1.0)
+    >>> y
+    array([-1. , -1. ,  0.5,  1. ,  1. ])
+    >>> F.clamp_backward(np.full(5, 7.0), cache)
+    array([0., 7., 7., 7., 0.])
+    """
+    lo, hi = _clamp_bound(min, "min"), _clamp_bound(max, "max")
+    if lo is None and hi is None:
+        raise ValueError("clamp: expected at least one of min and max, got both None")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"clamp: expected min <= max, got min={lo!r} > max={hi!r}")
+    return clamp_kernel(as_float(x, "x"), lo, hi)
+
+
+def clamp_kernel(x, min=None, max=None, out=None):
+    """The kernel of ``clamp`` (bounds checked: floats or None, ``min <= max``); ``out`` (may be
+    ``x`` itself): an array of ``x``'s shape to write ``y`` into."""
+    inside = clamp_inside(x, min, max)  # before ``out`` may overwrite x
+    return np.clip(x, min, max, out=out), ClampCache(inside, x.dtype)
+
+
+@shared_doc(backward_sections=backward_sections("clamp", "ClampCache", " ``dL/dy``, of ``y``'s shape."))
+def clamp_backward(dout: np.ndarray, cache: ClampCache) -> np.ndarray:
+    """``dx = dy * [min <= x <= max]``: 1 inside the bounds, the bounds included (as torch), 0
+    outside, where ``y`` is a constant.
+
+    <backward_sections>
+    """
+    check_cache(cache, ClampCache, "clamp_backward")
+    return clamp_backward_kernel(check_grad(dout, cache.inside.shape, cache.dtype), cache)
+
+
+def clamp_backward_kernel(dout, cache, out=None):
+    """The kernel of ``clamp_backward``; ``out`` (may be ``dout`` itself): where to write ``dx``."""
+    return np.multiply(dout, cache.inside, out=out)
+
+
+clamp_jvp, clamp_jvp_kernel, clamp_backward_jvp, clamp_backward_jvp_kernel = _derivatives(
+    "clamp",
+    ClampCache,
+    clamp_backward_kernel,
+    jvp="""``ty = tx * [min <= x <= max]`` (the bounds included, as
+    the backward and torch).""",
+    backward_jvp="""``dx = dy * [min <= x <= max]`` is linear in ``dy``
+    and its mask is piecewise constant in ``x`` (its derivative is 0 away from the bounds, as
+    torch's), so ``tdx = ddout * [min <= x <= max]`` whatever ``tx`` is.""",
+    example_args=", -0.5, 0.5",
 )
 
 

@@ -19,6 +19,10 @@ of a call that keeps nothing compute a public op's numbers too: ``sigmoid`` (``s
 
 # ruff: noqa: F401  (every import is a re-export, listed by __all__ below)
 
+from .activation import clamp_backward_jvp_kernel as clamp_backward_jvp
+from .activation import clamp_backward_kernel as clamp_backward
+from .activation import clamp_jvp_kernel as clamp_jvp
+from .activation import clamp_kernel as clamp
 from .activation import dropout_backward_jvp_kernel as dropout_backward_jvp
 from .activation import dropout_backward_kernel as dropout_backward
 from .activation import dropout_jvp_kernel as dropout_jvp

@@ -58,6 +58,7 @@ from .._validate import (
     check_tangents_as,
 )
 from .activation import (
+    clamp_inside,
     gelu_backward_jvp_kernel,
     gelu_backward_kernel,
     gelu_kernel,
@@ -847,8 +848,8 @@ def moe_experts_backward_kernel(dout, cache, keep=False):
     else:
         g, u, sig, glu, _ = mid
         gate, up = gu[:, ::2], gu[:, 1::2]
-        dgu[:, ::2] = dm * (u + 1.0) * sig * (1.0 + alpha * g * (1.0 - sig)) * (gate <= limit)
-        dgu[:, 1::2] = dm * glu * ((up >= -limit) & (up <= limit))
+        dgu[:, ::2] = dm * (u + 1.0) * sig * (1.0 + alpha * g * (1.0 - sig)) * clamp_inside(gate, None, limit)
+        dgu[:, 1::2] = dm * glu * clamp_inside(up, -limit, limit)
     dxs = np.empty_like(xs)
     for ex, rows in _experts_with_tokens(bounds):
         if out_in:
@@ -955,8 +956,8 @@ def experts_tangents(cache, tx, tgate_up, tdown, tgate_up_bias, tdown_bias):
     else:
         g, u, sig, glu, _ = mid
         gate, up = gu[:, ::2], gu[:, 1::2]
-        tg = tgu[:, ::2] * (gate <= limit)
-        tu = tgu[:, 1::2] * ((up >= -limit) & (up <= limit))
+        tg = tgu[:, ::2] * clamp_inside(gate, None, limit)
+        tu = tgu[:, 1::2] * clamp_inside(up, -limit, limit)
         tm = tu * glu + (u + 1.0) * tg * sig * (1.0 + alpha * g * (1.0 - sig))
     ths = np.empty_like(xs)
     for ex, rows in _experts_with_tokens(bounds):
@@ -1079,7 +1080,7 @@ def moe_experts_backward_jvp_kernel(dout, cache, tangents, ddout=None, *, forwar
     else:
         g, u, sig, glu, _ = mid
         gate, up = gu[:, ::2], gu[:, 1::2]
-        below, inside = gate <= limit, (up >= -limit) & (up <= limit)
+        below, inside = clamp_inside(gate, None, limit), clamp_inside(up, -limit, limit)  # clamp's masks
         tg, tu = tgu[:, ::2] * below, tgu[:, 1::2] * inside
         dphi = sig * (1.0 + alpha * g * (1.0 - sig))
         d2phi = alpha * sig * (1.0 - sig) * (2.0 + alpha * g * (1.0 - 2.0 * sig))

@@ -1089,6 +1089,49 @@ def relu2_backward_jvp(dout: Array, cache: Array, tangents, ddout: Optional[Arra
     return grads, tdx
 
 
+@shared_doc()
+def clamp(x: Array, min: Optional[float] = None, max: Optional[float] = None) -> Tuple[Array, tuple]:
+    """``y = min(max(x, min), max)`` (torch's ``clamp``; OLMo's ``clip_qkv``): each entry held
+    inside ``[min, max]`` (a bound None: none on that side).
+
+    <reference_examples>
+    >>> x = rng.standard_normal((3, 6))
+    >>> out, cache = R.clamp(x, -0.5, 0.5)
+    >>> fast_out, _ = F.clamp(x, -0.5, 0.5)
+    >>> bool(np.allclose(out, fast_out, rtol=0, atol=1e-12))
+    True
+    """
+    lo = -np.inf if min is None else min
+    hi = np.inf if max is None else max
+    y = np.minimum(np.maximum(x, lo), hi)  # the lower bound first, then the upper one (torch's order)
+    return y, (x, lo, hi)
+
+
+def clamp_backward(dout: Array, cache: tuple) -> Array:
+    """Piece by piece: ``y = lo`` below the range and ``hi`` above it (constants: ``dy/dx = 0``),
+    ``y = x`` inside it (``dy/dx = 1``).  At a bound the two pieces meet and the slope has no one
+    value; torch takes 1 there (its mask is ``lo <= x <= hi``), and so does this:
+    ``dx = dy [lo <= x <= hi]``.  A NaN ``x`` compares False: gradient 0, as torch's."""
+    x, lo, hi = cache
+    return dout * ((x >= lo) & (x <= hi))
+
+
+def clamp_jvp(cache: tuple, *tangents: Optional[Array]) -> Array:
+    """Elementwise: ``ty = [lo <= x <= hi] tx`` (the same mask as the backward: the Jacobian is
+    diagonal, so ``J tx = J^T tx``)."""
+    (tx,) = _padded(tangents, 1)
+    x = cache[0]
+    return np.zeros(np.shape(x), np.asarray(x).dtype) if tx is None else clamp_backward(tx, cache)
+
+
+def clamp_backward_jvp(dout: Array, cache: tuple, tangents, ddout: Optional[Array] = None):
+    """Second order: ``dx = dy [lo <= x <= hi]``; the mask is piecewise constant in ``x``
+    (derivative 0 away from the bounds), so ``tdx = ddy [lo <= x <= hi]`` and ``tangents =
+    (tx,)`` does not enter."""
+    grads = clamp_backward(dout, cache)
+    return grads, (np.zeros_like(grads) if ddout is None else clamp_backward(ddout, cache))
+
+
 def _softplus(a):
     """``log(1 + exp(a))``, computed as ``logaddexp(0, a)`` (no overflow for large ``a``)."""
     return np.logaddexp(0, a)
@@ -1888,6 +1931,7 @@ __all__ = _op_names(
     "softmax",
     "relu",
     "relu2",
+    "clamp",
     "xielu",
     "gelu",
     "silu",
