@@ -328,6 +328,9 @@ OLMO = dict(
     attention_bias=False,
     tie_word_embeddings=False,
 )
+# OLMo-7B-0424's clip_qkv, written as olmo.attention.clamp_kqv: at 2 it holds about a quarter of q, k
+# and v at a bound on these weights (the released 8.0 would hold none here)
+OLMO_CLIP = dict(OLMO, clip_qkv=2.0)
 # Apertus: q/k rows as the checkpoint's (ApertusModel's undo_permute False), per-head q/k norms, biases on
 # q, k, v and o, the xIELU MLP whose raw alpha_p, alpha_n and beta, eps the converter writes as the
 # per-layer arrays xielu.* (drawn apart per layer here); plain RoPE at base 1000 (a llama3 scaling
@@ -1370,6 +1373,7 @@ CASES = [
     (MINISTRAL3, "mistral3"),
     (ARCEE, "arcee"),
     (OLMO, "olmo"),
+    (OLMO_CLIP, "olmo"),
     (APERTUS, "apertus"),
     (FALCON_H1, "falcon-h1"),
     (FALCON_H1_ROUNDED, "falcon-h1"),
@@ -1394,6 +1398,7 @@ IDS = [
     + ("-rounded" if c is FALCON_H1_ROUNDED else "")
     + ("-plus" if c is COMMAND_R_PLUS else "")
     + ("-12b" if c is STABLELM2_12B else "")
+    + ("-clip" if c is OLMO_CLIP else "")
     for c, a in CASES
 ]
 
@@ -1585,6 +1590,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (MINISTRAL3, "mistral3", ("Ministral3Config", "Ministral3ForCausalLM")),
         (ARCEE, "arcee", ("ArceeConfig", "ArceeForCausalLM")),
         (OLMO, "olmo", ("OlmoConfig", "OlmoForCausalLM")),
+        (OLMO_CLIP, "olmo", ("OlmoConfig", "OlmoForCausalLM")),
         (APERTUS, "apertus", ("ApertusConfig", "ApertusForCausalLM")),
         (FALCON_H1, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
@@ -1629,6 +1635,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "ministral3",
         "arcee",
         "olmo",
+        "olmo-clip",
         "apertus",
         "falcon-h1",
         "falcon-h1-rounded",
@@ -4289,20 +4296,31 @@ def test_what_llama_cpp_s_hunyuan_dense_files_say_of_their_rope():
         derive({}, {"rope.scaling.factor": 4.0})
 
 
-def test_olmo_file_is_its_directory(tmp_path):
+@pytest.mark.parametrize("config", [OLMO, OLMO_CLIP], ids=["olmo", "olmo-clip"])
+def test_olmo_file_is_its_directory(tmp_path, config):
     """An olmo file (q/k permuted, no norm tensor) and the source model's own directory
     (save_pretrained, read back by from_pretrained) are one model: the same config (LayerNorms
-    without weight or bias at eps 1e-5), tensors bit for bit, the same logits."""
-    g, _, _ = _file_is_its_directory(tmp_path, OLMO, "olmo")
+    without weight or bias at eps 1e-5; attention.clamp_kqv the directory's clip_qkv, or none),
+    tensors bit for bit, the same logits; with the clamp, some of q, k and v held at a bound in
+    every layer."""
+    g, ids, _ = _file_is_its_directory(tmp_path, config, "olmo")
     assert g.config.layer_norm and not g.config.layer_norm_affine and g.config.rms_norm_eps == 1e-5
     assert not [n for n in g.state_dict() if "norm" in n]
+    assert g.config.qkv_clip == config.get("clip_qkv")
+    if g.config.qkv_clip is not None:
+        g(ids)
+        for layer in g.model.layers:
+            pos = layer.self_attn.pop_saved().position
+            held = [1.0 - float(c.inside.mean()) for c in (pos.q_clip, pos.k_clip, pos.v_clip)]
+            assert all(0.1 < f < 0.9 for f in held), held
+        g.clear_saved()
 
 
 def test_olmo_metadata_and_biases_as_llama_cpp_reads_them(tmp_path):
     """llama.cpp's olmo: the LayerNorms' epsilon is the converter's 1e-5 (another refused by name:
     transformers' OlmoLayerNorm has no other); a file with q/k biases refused (the converter
-    permutes the weights' rows, not the biases'); a clamp_kqv (OLMo-7B-0424's clip_qkv) refused by
-    the config's name."""
+    permutes the weights' rows, not the biases'); a clamp_kqv (OLMo-7B-0424's clip_qkv) read as
+    the attention's clamp, a negative one refused by the config's name."""
     from npattn.models.configs import GGUF_FAMILIES
 
     derive = GGUF_FAMILIES["olmo"].derive
@@ -4319,8 +4337,10 @@ def test_olmo_metadata_and_biases_as_llama_cpp_reads_them(tmp_path):
         CausalLM.from_gguf(tmp_path / "b.gguf")
     clipped = dict(OLMO, clip_qkv=8.0)
     _write(tmp_path / "c.gguf", clipped, _state(OLMO), Q.F32, "olmo")
-    with pytest.raises(ValueError, match=r"config\['clip_qkv'\]"):
-        CausalLM.from_gguf(tmp_path / "c.gguf")
+    assert CausalLM.from_gguf(tmp_path / "c.gguf").config.qkv_clip == 8.0
+    _write(tmp_path / "n.gguf", dict(OLMO, clip_qkv=-8.0), _state(OLMO), Q.F32, "olmo")
+    with pytest.raises(ValueError, match=r"config\['clip_qkv'\]: expected a finite number > 0, got -8.0"):
+        CausalLM.from_gguf(tmp_path / "n.gguf")
 
 
 def test_a_gptneox_file_is_its_model_s_directory(tmp_path):

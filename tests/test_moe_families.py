@@ -250,7 +250,8 @@ def test_lfm2_moe_reads_its_dense_layers_routing_and_names():
 @pytest.mark.parametrize(
     "name, bad, match",
     [
-        ("olmoe", dict(clip_qkv=8.0), "'clip_qkv'"),
+        ("olmoe", dict(clip_qkv=-8.0), r"config\['clip_qkv'\]: expected a finite number > 0, got -8.0"),
+        ("olmoe", dict(clip_qkv="8"), r"config\['clip_qkv'\]: expected a finite number > 0"),
         ("olmoe", dict(head_dim=8), "'head_dim'"),
         ("olmoe", dict(num_local_experts=5), "num_experts and num_local_experts differ"),
         ("olmoe", dict(norm_topk_prob=1), "'norm_topk_prob'"),

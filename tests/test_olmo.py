@@ -3,7 +3,7 @@ layers whose norms are LayerNorms without weight or bias (``OlmoLayerNorm``, eps
 released config read, the defaults, the norm as a plain standardisation (without torch),
 transformers' own directory loaded by ``from_pretrained`` with its logits and every gradient in
 float64, ``save_pretrained`` read back by transformers, and the refusals by name.  The family-wide
-suites run the tiny entry."""
+suites run the tiny entry; ``clip_qkv`` (OLMo-7B-0424's) is tested in tests/test_qkv_clip.py."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_the_defaults_are_transformers_class_defaults():
     short = config_from_hf(dict(model_type="olmo", vocab_size=61, hidden_size=32, num_attention_heads=4))
     assert (short.hidden_act, short.rms_norm_eps, short.pad_token_id, short.eos_token_id) == ("silu", 1e-5, 1, 50279)
     assert (short.intermediate_size, short.num_hidden_layers, short.num_key_value_heads) == (11008, 32, 4)
-    assert (short.tie_word_embeddings, short.max_position_embeddings) == (False, 2048)
+    assert (short.tie_word_embeddings, short.max_position_embeddings) == (False, 2048) and short.qkv_clip is None
 
 
 @needs_transformers
@@ -113,7 +113,8 @@ def test_a_transformers_directory_loads_with_its_logits_and_gradients(tmp_path, 
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (dict(clip_qkv=8.0), r"config\['clip_qkv'\]"),
+        (dict(clip_qkv=-8.0), r"config\['clip_qkv'\]: expected a finite number > 0, got -8.0"),
+        (dict(clip_qkv="8"), r"config\['clip_qkv'\]: expected a finite number > 0"),
         (dict(hidden_act="gelu_not"), r"config\['hidden_act'\] = 'gelu_not' is not supported"),
         (dict(attention_bias="true"), r"config\['attention_bias'\]: expected true or false"),
         (dict(num_key_value_heads=3), r"config\['num_key_value_heads'\]: expected a divisor"),

@@ -1459,6 +1459,7 @@ class AttentionConfig(_Kwargs):
     rope_interleaved: bool = False  # RoPE on the pairs (2i, 2i+1) instead of rotate-half (ERNIE 4.5)
     query_scale_by_position: tuple | None = None  # (beta, length): Ministral 3's scale of the queries
     qk_norm_after_rope: bool = False  # QK-norm of the rotated heads (Hunyuan), not before RoPE
+    qkv_clip: float | None = None  # q, k and v clamped to [-qkv_clip, qkv_clip] before RoPE (OLMo's clip_qkv)
 
 
 @dataclass(frozen=True)
@@ -1725,6 +1726,10 @@ class CausalLMConfig:
     ``qk_norm_after_rope``: the QK-norm normalises the rotated heads (Hunyuan's dense models),
     instead of the heads RoPE then rotates (``MultiHeadAttention``'s option of that name).
 
+    ``qkv_clip``: q, k and v clamped to ``[-qkv_clip, qkv_clip]`` after the projections (and the
+    QK-norm), before RoPE (OLMo's and OLMoE's ``clip_qkv``: ``MultiHeadAttention``'s option of
+    that name); None: no clamp.
+
     ``hybrid_multipliers``: a ``"hybrid"`` layer's four factors (Falcon-H1's muP ones): the
     attention's input and output, the Mamba-2 mixer's input and output (``ParallelSum``'s).
     ``mlp_multipliers``: the dense MLP's factor of ``gate_proj(x)`` before the activation and of its
@@ -1793,6 +1798,7 @@ class CausalLMConfig:
     rope_interleaved: bool = False  # RoPE rotates the pairs (2i, 2i+1) of each head (ERNIE 4.5), not (i, i + D/2)
     query_scale_by_position: tuple | None = None  # (beta, length): queries times 1 + beta log(1 + floor(p / length))
     qk_norm_after_rope: bool = False  # the QK-norm after RoPE (Hunyuan), not before
+    qkv_clip: float | None = None  # q, k, v clamped to +-qkv_clip after the projections (OLMo's clip_qkv)
     short_conv: ShortConvConfig | None = None  # the "conv" layers' arguments (LFM2)
     hybrid_multipliers: tuple = (1.0, 1.0, 1.0, 1.0)  # "hybrid" layers: attention in, out, Mamba-2 in, out
     mlp_multipliers: tuple = (1.0, 1.0)  # the dense MLP's gate and down factors (Falcon-H1)
@@ -1866,6 +1872,7 @@ class CausalLMConfig:
             rope_interleaved=self.rope_interleaved,
             query_scale_by_position=self.query_scale_by_position,
             qk_norm_after_rope=self.qk_norm and self.qk_norm_after_rope,
+            qkv_clip=self.qkv_clip,
         )
 
     def describe(self) -> str:
@@ -2240,14 +2247,14 @@ def _olmo(r: _Reader) -> dict:
     """The first OLMo (allenai/OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424-hf; ``OlmoForCausalLM``): Llama's
     pre-norm layers (SwiGLU MLP without biases, RoPE, ``attention_bias`` on q, k, v and o) whose
     norms are LayerNorms without weight or bias (``OlmoLayerNorm``: eps 1e-5 fixed, no config key),
-    so no norm tensor in the checkpoint.  ``clip_qkv`` (q, k and v clamped to +-clip_qkv after the
-    projections) is refused unless null."""
+    so no norm tensor in the checkpoint.  ``clip_qkv`` (OLMo-7B-0424's 8.0; null: none): q, k and v
+    clamped to +-clip_qkv after the projections, before RoPE (``qkv_clip``); a number > 0."""
     c = _common(r)
     n = c["num_hidden_layers"]
     r.used.discard("rms_norm_eps")  # OlmoLayerNorm's eps is 1e-5, read from no key
-    r.only("clip_qkv", (None,), None, "npattn does not clamp the projections")
     c.update(
         _mlp_and_bias(r),
+        qkv_clip=r.float("clip_qkv"),
         rms_norm_eps=1e-5,
         layer_norm=True,
         layer_norm_affine=False,
@@ -3944,12 +3951,13 @@ def _olmoe(r: _Reader) -> dict:
     ``attention_bias``) with OLMo's q/k RMSNorm over the whole projection before RoPE, and on every
     layer routed experts of ``intermediate_size`` (softmax over ``num_experts``, the top
     ``num_experts_per_tok`` renormalised only with ``norm_topk_prob``, false by default), no shared
-    expert.  ``clip_qkv`` (q, k, v clamped to +-clip_qkv) is refused unless null, and so is a
-    ``head_dim`` other than ``hidden_size / num_attention_heads`` (OlmoeAttention's norms are that
-    wide whatever the heads are)."""
+    expert.  ``clip_qkv`` (null: none): q, k and v clamped to +-clip_qkv after the projections and
+    the q/k norms, before RoPE (``qkv_clip``); a number > 0.  A ``head_dim`` other than
+    ``hidden_size / num_attention_heads`` is refused (OlmoeAttention's norms are that wide
+    whatever the heads are)."""
     c = _common(r)
     n, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
-    r.only("clip_qkv", (None,), None, "npattn does not clamp the projections")
+    c["qkv_clip"] = r.float("clip_qkv")
     if c["head_dim"] != hidden // heads:
         raise ValueError(
             f"config['head_dim'] = {c['head_dim']}: OLMoE expects hidden_size / num_attention_heads = "

@@ -108,6 +108,10 @@ class MultiHeadAttention(MultiHeadAttentionCore):
       ``original_max_position_embeddings``, the attention temperature tuning of Llama 4, which
       counts positions from 1); the positions are those of RoPE (the KV cache's offset, or
       ``positions``), the backward, JVP and second order multiply by the same factors.
+    - ``qkv_clip``: q, k and v clamped to ``[-qkv_clip, qkv_clip]`` after the projections (and
+      after a QK-norm that comes before RoPE), right before RoPE (OLMo's and OLMoE's ``clip_qkv``;
+      ``functional.clamp``): the gradient, tangent and second order pass where an entry lies within
+      the bounds (the bounds included, as torch's ``clamp``) and are 0 where the clamp held it.
 
     KV cache: ``forward(x, use_cache=True)`` (self-attention) appends this call's keys/values
     (after RoPE) to the module's cache and lets the queries attend over every cached key,

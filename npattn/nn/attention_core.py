@@ -1,10 +1,11 @@
 """``MultiHeadAttentionCore``: the common path of multi-head attention, as four named stages.
 
 ``project`` (q, k, v from one fused GEMM in self-attention, three in cross-attention) ->
-``position`` (QK-norm, then RoPE with the KV cache's offset) -> ``attend`` (the attention core,
-``scaled_dot_product_attention`` or ``memory_efficient_attention``, with the module's
-``AttentionOptions``) -> ``output`` (Qwen3-Next's output gate, then ``out_proj``).  The backward
-and the JVP walk the same stages, each by its own method.
+``position`` (QK-norm, OLMo's clamp of q, k and v, then RoPE with the KV cache's offset) ->
+``attend`` (the attention core, ``scaled_dot_product_attention`` or
+``memory_efficient_attention``, with the module's ``AttentionOptions``) -> ``output``
+(Qwen3-Next's output gate, then ``out_proj``).  The backward and the JVP walk the same stages,
+each by its own method.
 
 The attention options (``causal_align``, ``window``, ALiBi, ``softcap``) are validated once, in
 ``__init__``, by the cores' own ``AttentionOptions.checked``, and held as one ``AttentionOptions``
@@ -98,13 +99,17 @@ class Projected(NamedTuple):
 
 
 class Positioned(NamedTuple):
-    """The ``position`` stage's caches: ``rms_norm`` of q and k (qk_norm), ``rope`` of q and k."""
+    """The ``position`` stage's caches: ``rms_norm`` of q and k (qk_norm), ``rope`` of q and k,
+    ``clamp`` of q, k and v (qkv_clip)."""
 
     q_norm: tuple | None = None
     k_norm: tuple | None = None
     q_rope: tuple | None = None
     k_rope: tuple | None = None
     q_scale: np.ndarray | None = None  # query_scale_by_position: each query's factor, (..., 1|H, Lq, 1)
+    q_clip: tuple | None = None  # qkv_clip: clamp's caches of the q, k and v heads
+    k_clip: tuple | None = None
+    v_clip: tuple | None = None
 
 
 class State(NamedTuple):
@@ -218,6 +223,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         rope_interleaved: bool = False,
         output_gate: bool = False,
         query_scale_by_position: tuple[float, int] | None = None,
+        qkv_clip: float | None = None,
         rng=None,
         dtype=np.float64,
     ) -> None:
@@ -241,6 +247,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         self.qk_norm_after_rope = check_bool(qk_norm_after_rope, "qk_norm_after_rope")
         self.output_gate = check_bool(output_gate, "output_gate")
         self.query_scale_by_position = _check_query_scale(query_scale_by_position)
+        self.qkv_clip = None if qkv_clip is None else check_positive_float(qkv_clip, "qkv_clip")
         self._dtype = check_dtype(dtype)
         self.rng = as_rng(rng)
         self.options = AttentionOptions(
@@ -423,6 +430,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             s += f", softcap={self.softcap}"
         if self.query_scale_by_position is not None:
             s += f", query_scale_by_position={self.query_scale_by_position}"
+        if self.qkv_clip is not None:
+            s += f", qkv_clip={self.qkv_clip}"
         return s
 
     # -- the fused q/k/v weight -------------------------------------------------------------
@@ -661,6 +670,9 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         start = 0 if cache is None else cache.position  # rolled-out tokens count
         qh, kh, pos = self._position(p.q, p.k, start, positions, kept, None if kept else p.qkv)
         vh, dropped = p.v, 0
+        if self.qkv_clip is not None:  # v as q and k (its clamp's cache beside theirs)
+            vh, v_clip = K.clamp(vh, -self.qkv_clip, self.qkv_clip)
+            pos = pos._replace(v_clip=v_clip)
         if cache is not None:
             # a rolling cache no longer holds the first `dropped` keys (hidden by the window anyway):
             # the mask, built over every key seen, loses their columns; the weights get them back as 0
@@ -719,18 +731,22 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
     def _position(
         self, qh, kh, start: int, positions=None, kept: bool = True, qkv=None
     ) -> tuple[np.ndarray, np.ndarray, Positioned]:
-        """Stage 2: QK-norm, then RoPE (the reverse with ``qk_norm_after_rope``; query/key ``i`` of
-        this call at position ``start + i``, or
+        """Stage 2: QK-norm, then RoPE (the reverse with ``qk_norm_after_rope``; ``qkv_clip``
+        clamps q and k right before RoPE, as OLMo's and OLMoE's after their projections and
+        norms; query/key ``i`` of this call at position ``start + i``, or
         at ``positions`` (broadcastable to ``(..., L)``) when given: a padded batch's rows).
         ``kept``: the state is kept for a backward (else QK-norm keeps no cache).  ``qkv``: the
         fused projection's output of a call that keeps nothing (None otherwise), whose q and k
         heads then go through both steps as one array (``_position_joint``)."""
         if qkv is not None and positions is None and self._joint_heads():
             return self._position_joint(qkv, start)
-        qn = kn = qr = kr = qs = None
+        qn = kn = qr = kr = qs = qc = kc = None
         if self.qk_norm and not self.qk_norm_after_rope:
             qh, qn = self._qk_norm(qh, self.q_norm, kept)
             kh, kn = self._qk_norm(kh, self.k_norm, kept)
+        if self.qkv_clip is not None:
+            qh, qc = K.clamp(qh, -self.qkv_clip, self.qkv_clip)
+            kh, kc = K.clamp(kh, -self.qkv_clip, self.qkv_clip)
         if self.rope:
             ropt = dict(
                 base=self.rope_base,
@@ -756,7 +772,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             else:  # (..., L) -> (..., 1, L, 1): one row of factors for every head
                 qs = self._query_scale(positions[..., None, :] if positions.ndim > 1 else positions, qh.dtype)
             qh = qh * qs
-        return qh, kh, Positioned(qn, kn, qr, kr, qs)
+        return qh, kh, Positioned(qn, kn, qr, kr, qs, qc, kc)
 
     def _query_scale(self, positions, dtype) -> np.ndarray:
         """``query_scale_by_position``'s factors ``1 + beta log(1 + floor(p / length))`` of the
@@ -771,7 +787,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         RoPE (after it, the norm of q and k as one array rounds its means otherwise than the staged
         path's two: a batch without padding would differ in the last bit from its padded twin)."""
         plain_norm = not self.qk_norm or (self.qk_norm_scope == "head" and not self.qk_norm_after_rope)
-        return not self.output_gate and plain_norm
+        return not self.output_gate and plain_norm and self.qkv_clip is None
 
     def _position_joint(self, qkv, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
         """``_position`` of a call that keeps nothing, on the ``H + Hk`` heads of q and k as one
@@ -886,6 +902,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         out = views if plain and not st.memory_efficient else None
         dqh, dkh, dvh = self._attend_backward(dctx, st, out, ws)
         dqh, dkh = self._position_backward(dqh, dkh, st.position)
+        if st.position.v_clip is not None:
+            dvh = K.clamp_backward(dvh, st.position.v_clip)
         if not st.self_attn:
             return self._project_backward_cross(dqh, dkh, dvh, dgate, st)
         if out is None:
@@ -933,8 +951,9 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         return grads[:3]
 
     def _position_backward(self, dqh, dkh, pos: Positioned):
-        """The query's scale by position (a constant per query), RoPE's backward, then QK-norm's
-        (its weights' gradients accumulated); QK-norm's first with ``qk_norm_after_rope``."""
+        """The query's scale by position (a constant per query), RoPE's backward, the clamp's
+        (``qkv_clip``), then QK-norm's (its weights' gradients accumulated); QK-norm's first with
+        ``qk_norm_after_rope``."""
         if pos.q_scale is not None:
             dqh = dqh * pos.q_scale
         if self.qk_norm_after_rope:
@@ -942,6 +961,9 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         if pos.q_rope is not None:
             dqh = K.rope_backward(dqh, pos.q_rope)
             dkh = K.rope_backward(dkh, pos.k_rope)
+        if pos.q_clip is not None:
+            dqh = K.clamp_backward(dqh, pos.q_clip)
+            dkh = K.clamp_backward(dkh, pos.k_clip)
         if not self.qk_norm_after_rope:
             dqh, dkh = self._qk_norm_backward_both(dqh, dkh, pos)
         return dqh, dkh
@@ -1018,11 +1040,15 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             self._split(tv, self.num_kv_heads),
         )
         pos = st.position
-        first, second = (self._norm_tangents, self._rope_tangents)
-        if self.qk_norm_after_rope:
-            first, second = second, first
-        tq1, tk1 = first(pos, tq0, tk0, pt)
-        tq2, tk2 = second(pos, tq1, tk1, pt)
+        if pos.v_clip is not None:
+            tv0 = K.clamp_jvp(pos.v_clip, tv0)
+        if self.qk_norm_after_rope:  # clamp, RoPE, QK-norm: the clamped tangents are RoPE's input
+            tq0, tk0 = self._clip_tangents(pos, tq0, tk0)
+            tq1, tk1 = self._rope_tangents(pos, tq0, tk0, pt)
+            tq2, tk2 = self._norm_tangents(pos, tq1, tk1, pt)
+        else:  # QK-norm, clamp, RoPE: `between` holds RoPE's input
+            tq1, tk1 = self._clip_tangents(pos, *self._norm_tangents(pos, tq0, tk0, pt))
+            tq2, tk2 = self._rope_tangents(pos, tq1, tk1, pt)
         if pos.q_scale is not None:  # a constant factor per query: its tangent is the same factor
             tq2 = tq2 * pos.q_scale
         weights: list = []  # the core's tP block by block, which its second order reads again
@@ -1043,6 +1069,13 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
             self._qk_norm_jvp(pos.q_norm, tq, pt.get(self.q_norm.weight)),
             self._qk_norm_jvp(pos.k_norm, tk, pt.get(self.k_norm.weight)),
         )
+
+    @staticmethod
+    def _clip_tangents(pos: Positioned, tq, tk):
+        """The clamp's output tangents of q and k (``qkv_clip``; the same without it)."""
+        if pos.q_clip is None:
+            return tq, tk
+        return K.clamp_jvp(pos.q_clip, tq), K.clamp_jvp(pos.k_clip, tk)
 
     @staticmethod
     def _rope_tangents(pos: Positioned, tq, tk, pt):
@@ -1142,6 +1175,11 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         if pos.q_rope is not None:
             dq, tdq = K.rope_backward_jvp(dq, pos.q_rope, (rope_in[0],), tdq)
             dk, tdk = K.rope_backward_jvp(dk, pos.k_rope, (rope_in[1],), tdk)
+        if pos.q_clip is not None:  # the clamp's mask is a constant: tx does not enter
+            dq, tdq = K.clamp_backward_jvp(dq, pos.q_clip, (None,), tdq)
+            dk, tdk = K.clamp_backward_jvp(dk, pos.k_clip, (None,), tdk)
+        if pos.v_clip is not None:
+            dv, tdv = K.clamp_backward_jvp(dv, pos.v_clip, (None,), tdv)
         if not after:
             dq, tdq, dk, tdk = self._norm_backward_jvp(pos, pt, norm_in, dq, tdq, dk, tdk)
         if fused is not None and views is not None:
