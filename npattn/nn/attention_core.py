@@ -668,9 +668,13 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         p = self._project(x, None if self_attn else key, None if self_attn else value, ws)
         cache = self._kv_cache_in_use() if use_cache else None
         start = 0 if cache is None else cache.position  # rolled-out tokens count
-        qh, kh, pos = self._position(p.q, p.k, start, positions, kept, None if kept else p.qkv)
+        qkv = p.qkv
+        joint = not kept and qkv is not None and positions is None and self._joint_heads()
+        if joint and qkv is not None and self.qkv_clip is not None:  # q, k, v clamped in one pass over it
+            np.clip(qkv, -self.qkv_clip, self.qkv_clip, out=qkv)
+        qh, kh, pos = self._position(p.q, p.k, start, positions, kept, qkv if joint else None)
         vh, dropped = p.v, 0
-        if self.qkv_clip is not None:  # v as q and k (its clamp's cache beside theirs)
+        if self.qkv_clip is not None and not joint:  # v as q and k (its clamp's cache beside theirs)
             vh, v_clip = K.clamp(vh, -self.qkv_clip, self.qkv_clip)
             pos = pos._replace(v_clip=v_clip)
         if cache is not None:
@@ -787,7 +791,8 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         RoPE (after it, the norm of q and k as one array rounds its means otherwise than the staged
         path's two: a batch without padding would differ in the last bit from its padded twin)."""
         plain_norm = not self.qk_norm or (self.qk_norm_scope == "head" and not self.qk_norm_after_rope)
-        return not self.output_gate and plain_norm and self.qkv_clip is None
+        # qkv_clip: the fused output clamped first (``_run``), so no norm may come before the clamp
+        return not self.output_gate and plain_norm and (self.qkv_clip is None or not self.qk_norm)
 
     def _position_joint(self, qkv, start: int) -> tuple[np.ndarray, np.ndarray, Positioned]:
         """``_position`` of a call that keeps nothing, on the ``H + Hk`` heads of q and k as one
