@@ -5,9 +5,12 @@ backward, forward mode and second order against central differences (self- and c
 both cores, with QK-norm before or after RoPE); the configs' ``clip_qkv`` read into
 ``CausalLMConfig.qkv_clip``; OLMo and OLMoE with a small ``clip_qkv`` (some of q, k and v clamped
 in every layer) against transformers' own classes in float64: logits, every gradient under a
-random upstream gradient, cached decoding."""
+random upstream gradient, cached decoding; and the family-wide padded-batch and Hessian-vector
+suites run on OLMo and OLMoE whose clamps hold part of q, k and v."""
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import pytest
@@ -182,3 +185,41 @@ def test_against_transformers_with_the_clamp_active(tmp_path, family):
     dlogits = np.random.default_rng(2).standard_normal(ids.shape + (cfg["vocab_size"],))
     check_logits_and_grads(m, hf, ids, dlogits)
     check_cached_decoding(m, hf, ids)
+
+
+# -- the family-wide suites on clamped models -----------------------------------------------------------
+# the tiny entries with a clip_qkv that holds a fair part of q, k and v at a bound under npattn's own
+# initialisation (rng=0), run through the padded-batch and second-order suites of every family
+_CLAMPED = {"olmo": 0.5, "olmoe": 0.7}
+_SUITES = {  # name: (test module, test function of a family's name)
+    "padded_rows": ("test_padded_batches", "test_each_row_equals_its_prompt_alone"),
+    "padded_decoding": ("test_padded_batches", "test_cached_decoding_after_a_padded_prompt_equals_each_row_alone"),
+    "padded_grads_jvp": ("test_padded_batches", "test_gradients_and_jvp_of_each_row_equal_the_row_alone"),
+    "padded_unbatched": ("test_padded_batches", "test_one_padded_sequence_without_a_batch_axis"),
+    "hvp": ("test_loss_hvp", "test_hvp_is_the_central_difference_of_the_gradient"),
+    "hessian_symmetric": ("test_loss_hvp", "test_hessian_is_symmetric"),
+}
+
+
+@pytest.mark.parametrize("suite", list(_SUITES))
+@pytest.mark.parametrize("family", list(_CLAMPED))
+def test_the_family_suites_pass_with_the_clamp_active(monkeypatch, family, suite):
+    """Padded batches (each row, its cached decoding, gradients and JVP equal to the row alone; one
+    sequence without a batch axis) and the loss's Hessian-vector product (central differences of
+    the gradient, symmetry) on OLMo and OLMoE whose clamps hold 10 % to 90 % of q, k and v."""
+    import _families
+
+    from npattn.models.tiny import TINY_CONFIGS
+
+    cfg = tiny_config(family, clip_qkv=_CLAMPED[family])
+    m = CausalLM(cfg, rng=0)
+    m(np.random.default_rng(0).integers(0, cfg["vocab_size"], (2, 5)))
+    for layer in m.model.layers:
+        pos = layer.self_attn.pop_saved().position
+        held = [1.0 - float(c.inside.mean()) for c in (pos.q_clip, pos.k_clip, pos.v_clip)]
+        assert all(0.1 < f < 0.9 for f in held), held
+    m.clear_saved()
+    monkeypatch.setitem(TINY_CONFIGS, family, cfg)
+    monkeypatch.setitem(_families.FAMILIES, family, cfg)
+    module, test = _SUITES[suite]
+    getattr(importlib.import_module(module), test)(family)
