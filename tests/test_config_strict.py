@@ -284,7 +284,7 @@ _PARTIAL_ROPE = (
 
 
 _WHOLE_HEADS = sorted(set(FAMILIES) - set(_PARTIAL_ROPE))  # their own tests read the factor
-_NO_ROPE_DICT = ("kimi_linear", "nemotron_h", "nemotron_h_moe")
+_NO_ROPE_DICT = ("kimi_linear", "nemotron_h", "nemotron_h_moe", "gpt2")  # GPT-2: learned positions, no RoPE
 _WHERE = [(f, "top") for f in _WHOLE_HEADS] + [(f, "dict") for f in _WHOLE_HEADS if f not in _NO_ROPE_DICT]
 
 

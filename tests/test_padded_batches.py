@@ -85,7 +85,9 @@ def test_gradients_and_jvp_of_each_row_equal_the_row_alone(name):
         assert not tz[i, : L - len(r)].any()
         m.backward(dlogits[i : i + 1, L - len(r) :])  # the padded positions' dlogits count for nothing
     for n, p in params.items():
-        assert np.abs(padded[n] - p.grad).max() <= 1e-10 * max(np.abs(p.grad).max(), 1e-300), n
+        # (GPT-2's key bias, without RoPE, shifts each query's scores alike: its gradient is 0 but
+        # for rounding, ~1e-17, which the floor allows)
+        assert np.abs(padded[n] - p.grad).max() <= 1e-10 * max(np.abs(p.grad).max(), 1e-5), n
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

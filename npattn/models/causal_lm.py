@@ -3,6 +3,7 @@
 A family is a ``CausalLMConfig`` (``configs.py``), not a class.  The network, for every family::
 
     x = embed_tokens(ids)                        # (B, L, hidden); Gemma: * sqrt(hidden); Granite: * its multiplier
+                                                 # GPT-2: + wpe(positions), a learned row a position (no RoPE)
     for layer in layers:                         # pre-norm residual blocks
         h = input_layernorm(x)                   # OLMo 2/3 (post-norm): h = x, no norm before a sublayer;
                                                  # Cohere's norms: LayerNorm (mean subtracted), no bias
@@ -453,6 +454,8 @@ def _state_shapes(cfg: CausalLMConfig):
     layer's names are worked out once per kind of layer)."""
     V, H = cfg.vocab_size, cfg.hidden_size
     yield f"model.{cfg.embed_name}.weight", (V, H)
+    if cfg.position_embedding:  # GPT-2's wpe
+        yield f"model.{cfg.position_embedding}.weight", (cfg.max_position_embeddings, H)
     kinds: dict = {}
     for i in range(cfg.num_hidden_layers):
         kind = _layer_kind(cfg, i)
@@ -791,6 +794,10 @@ class _Backbone(_Renamed):
         # built, so that building never holds a second model's worth of arrays
         pad = cfg.pad_token_id if cfg.pad_embedding_row else None  # Nemotron-H's embedding: no padding row
         self.embed_tokens = _released(Embedding(cfg.vocab_size, cfg.hidden_size, pad, rng=rng, dtype=dtype), rng)
+        self.embed_positions = None  # GPT-2's wpe: a learned row a position, added to the embeddings
+        if cfg.position_embedding:
+            table = Embedding(int(cfg.max_position_embeddings or 0), cfg.hidden_size, rng=rng, dtype=dtype)
+            self.embed_positions = _released(table, rng)
         self.layers = ModuleList(
             [_released(DecoderLayer(cfg, i, rng=rng, dtype=dtype), rng) for i in range(cfg.num_hidden_layers)]
         )
@@ -808,6 +815,8 @@ class _Backbone(_Renamed):
             object.__setattr__(self, "_names", {**self._names, "norm": cfg.final_norm_name})
         if cfg.embed_name != "embed_tokens":  # Nemotron-H's embeddings
             object.__setattr__(self, "_names", {**self._names, "embed_tokens": cfg.embed_name})
+        if cfg.position_embedding:
+            object.__setattr__(self, "_names", {**self._names, "embed_positions": cfg.position_embedding})
         for i, source in enumerate(cfg.kv_sources or ()):
             if source != i:
                 self.layers[i].attention.share_from(self.layers[source].attention)
@@ -1065,12 +1074,41 @@ class CausalLM(Module):
             new, keys, positions = new[None], keys[None], positions[None]
         return _Padding(new, keys, positions)
 
-    def _forward(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None = None, keep_last: int = 0):
+    def _positions(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None) -> np.ndarray | None:
+        """Each token's row of the learned position table (``CausalLMConfig.position_embedding``),
+        shaped as ``ids``: the tokens before it, those cached included (a padded row's counted from
+        its first token, as ``attention_mask`` gives them); None without a table.  A position past
+        the table's last row is refused, naming ``max_position_embeddings``."""
+        if self.model.embed_positions is None:
+            return None
+        if padding is not None:
+            pos = padding.positions.reshape(ids.shape)
+        else:
+            pos = np.broadcast_to((self._seen if use_cache else 0) + np.arange(ids.shape[-1]), ids.shape)
+        n = self.config.max_position_embeddings
+        if pos.max() >= n:
+            cached = f"{self._seen} cached and " if use_cache else ""
+            raise ValueError(
+                f"ids: position {int(pos.max())} is past the model's {n} learned positions "
+                f"(max_position_embeddings, GPT-2's n_positions; {cached}{ids.shape[-1]} given)"
+            )
+        return pos
+
+    def _embed(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None):
+        """The token embeddings (times ``embed_scale``) plus the learned positions' rows."""
         m = self.model
+        pos = self._positions(ids, use_cache, padding)  # checked before any module keeps a state
         x = m.embed_tokens(ids)
         scale = self._embed_scale()
         if scale is not None:  # Gemma: sqrt(hidden) cast to the dtype first, as transformers does; Granite's number
             x = x * scale
+        if pos is not None:  # GPT-2: x + wpe(positions)
+            x = x + m.embed_positions(pos)
+        return x
+
+    def _forward(self, ids: np.ndarray, use_cache: bool, padding: _Padding | None = None, keep_last: int = 0):
+        m = self.model
+        x = self._embed(ids, use_cache, padding)
         ple = None if m.per_layer is None else m.per_layer(ids, x)  # Gemma 4: (..., L, layers, P)
         if padding is not None and ids.ndim == 1:
             x = x[None]
@@ -1141,6 +1179,8 @@ class CausalLM(Module):
         dx, dple = _unlifted(dx, lifted), _unlifted(dple, lifted)
         if dple is not None:  # the per-layer inputs were made from the scaled embeddings too
             dx = dx + m.per_layer.backward(dple)
+        if m.embed_positions is not None:  # the position rows were added to the scaled embeddings
+            m.embed_positions.backward(dx)
         scale = self._embed_scale()
         if scale is not None:
             dx = dx * scale
@@ -1161,6 +1201,8 @@ class CausalLM(Module):
         scale = self._embed_scale()
         if scale is not None:
             tx = tx * scale
+        if m.embed_positions is not None:  # GPT-2: the position table's tangent rows
+            tx = tx + self._child_jvp(m.embed_positions, -1, (None,), param_tangents)
         tple = None if m.per_layer is None else self._child_jvp(m.per_layer, -1, (None, tx), param_tangents)
         tx, tple = _lifted(tx, lifted), _lifted(tple, lifted)
         for i, layer in enumerate(m.layers):
@@ -1196,6 +1238,8 @@ class CausalLM(Module):
         scale = self._embed_scale()
         if scale is not None:
             tx = tx * scale
+        if m.embed_positions is not None:  # GPT-2: the position table's tangent rows
+            tx = tx + self._child_jvp(m.embed_positions, -1, (None,), param_tangents)
         tple = None if m.per_layer is None else self._child_jvp(m.per_layer, -1, (None, tx), param_tangents)
         tple = _lifted(tple, lifted)
         inputs = [_lifted(tx, lifted)]  # each layer's input tangent, then the final norm's
@@ -1229,6 +1273,8 @@ class CausalLM(Module):
             dple, tdple = (_unlifted(a, lifted) for a in out[2])
             ge = self._child_backward_jvp(m.per_layer, dple, (None, tx), param_tangents, tdple)
             gx = (gx[0] + ge[0], gx[1] + ge[1])
+        if m.embed_positions is not None:
+            back(m.embed_positions, gx, None)
         if scale is not None:
             gx = (gx[0] * scale, gx[1] * scale)
         back(m.embed_tokens, gx, None)

@@ -89,6 +89,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi",
     "stablelm",
     "olmo",
+    "gpt2",
 )
 
 ATTENTION_KINDS = (
@@ -1623,7 +1624,15 @@ class CheckpointLayout:
     ``attention.masked_bias`` buffers).  ``per_row``: endings of the model's names (StableLM's
     ``self_attn.q_norm.weight``, ``(heads, head_dim)``) whose rows the checkpoint writes one tensor
     each, ``<module>.norms.{h}.weight`` (``StableLmLayerNormPerHead``'s ``nn.ModuleList`` of one
-    LayerNorm a head): stacked while loading, split by ``save_pretrained``."""
+    LayerNorm a head): stacked while loading, split by ``save_pretrained``.  ``transposed``: endings of the
+    checkpoint's names, under the model's (a fused tensor's name where it is fused), whose weights
+    it stores transposed, ``(in, out)`` (GPT-2's ``Conv1D``: ``attn.c_attn``, ``attn.c_proj``,
+    ``mlp.c_fc``, ``mlp.c_proj``): transposed while loading a checkpoint's keys (those written under
+    the checkpoint's names; the model's own names, as ``state_dict()`` and a GGUF file give them,
+    are ``(out, in)``) and by ``save_pretrained``.  ``base_prefix``: the checkpoint's prefix of the
+    backbone's keys (transformers' ``base_model_prefix``, GPT-2's ``transformer.``), which a
+    checkpoint of the bare model leaves out (GPT-2's original ``h.0.ln_1.weight``, ``wte.weight``):
+    such keys are read with it."""
 
     family: str = ""
     per_expert: bool = False
@@ -1636,6 +1645,8 @@ class CheckpointLayout:
     fused_groups: int = 1  # the fused tensors' rows in this many groups (GPT-NeoX's heads), each the parts' in order
     ignored: tuple = ()  # endings of the checkpoint's names left unread (GPT-NeoX's attention.bias mask buffers)
     per_row: tuple = ()  # endings of model names written one row a tensor, <module>.norms.{h}.weight (StableLM)
+    transposed: tuple = ()  # endings of model names the checkpoint stores (in, out): GPT-2's Conv1D weights
+    base_prefix: str = ""  # the backbone's checkpoint prefix, absent from a bare model's checkpoint (GPT-2's h.0...)
 
 
 @dataclass(frozen=True)
@@ -1747,6 +1758,12 @@ class CausalLMConfig:
     residual sum, ``x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))`` (GPT-NeoX's
     ``use_parallel_residual``: two norms, unlike ``parallel_mlp``'s one).  ``lm_head_bias``: the
     (untied) head has a bias, ``lm_head.bias`` (Phi-1, Phi-1.5, Phi-2).
+
+    ``position_embedding``: the name of a learned table of ``max_position_embeddings`` absolute
+    positions, ``model.{position_embedding}.weight``, whose row of each token's position is added
+    to its embedding (GPT-2's ``wpe``; "": none).  A token's position counts the tokens before it
+    (those cached included; a padded row's from its first token), and an input reaching past the
+    table's last row is refused.
     """
 
     model_type: str
@@ -1812,6 +1829,7 @@ class CausalLMConfig:
     parallel_mlp: bool = False  # the MLP beside the attention on the same normed input, both summed (Cohere)
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)): the MLP's norm reads the layer's input
     lm_head_bias: bool = False  # the untied head has a bias (Phi-1/1.5/2)
+    position_embedding: str = ""  # model.{name}: a learned table of absolute positions added to the embeddings (GPT-2)
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -2453,6 +2471,96 @@ def _phi(r: _Reader) -> dict:
         mlp_types=("plain",) * n,
         layer_names=_PHI_NAMES,
         final_norm_name="final_layernorm",
+    )
+    return c
+
+
+# GPT-2's names: ln_1, attn (its c_proj for o_proj), ln_2, mlp.c_fc and mlp.c_proj, wte, wpe, ln_f;
+# transformer.h.{i} in its checkpoints, whose Conv1D weights are stored (in, out)
+_GPT2_NAMES = (
+    ("input_layernorm", "ln_1"),
+    ("post_attention_layernorm", "ln_2"),
+    ("self_attn.o_proj", "attn.c_proj"),
+    ("self_attn", "attn"),
+    ("mlp.up_proj", "mlp.c_fc"),
+    ("mlp.down_proj", "mlp.c_proj"),
+)
+_GPT2_FUSED = (("attn.c_attn", ("attn.q_proj", "attn.k_proj", "attn.v_proj")),)
+_GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_GPT2_RENAMES = (("model.layers.", "transformer.h."), ("model.", "transformer."))
+
+
+def _gpt2(r: _Reader) -> dict:
+    """OpenAI's GPT-2 (``GPT2LMHeadModel``; the model of *Build a Large Language Model (From
+    Scratch)*, ``npattn.book.GPTModel``): learned absolute positions ``wpe`` (``n_positions``
+    rows) added to the token embeddings ``wte``, no RoPE; pre-LayerNorm blocks with biases
+    (``ln_1``, ``ln_2``, ``ln_f``; ``layer_norm_epsilon``); the fused ``attn.c_attn`` (q, k, v in
+    turn, with a bias) and ``attn.c_proj``, the plain MLP ``mlp.c_proj(act(mlp.c_fc(x)))`` with
+    biases, ``n_inner`` wide (``4 n_embd`` where null; ``activation_function``, ``gelu_new``, the
+    tanh GELU, by default); transformers' ``Conv1D`` stores these four weights ``(in, out)``
+    (``CheckpointLayout.transposed``); the head is tied to ``wte`` by default; the embedding has
+    no padding row.  ``n_embd``, ``n_layer``, ``n_head`` and ``n_positions`` are read as
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and
+    ``max_position_embeddings`` (``GPT2Config.attribute_map``; either name, not two values).
+    ``scale_attn_weights`` false: scores not divided by ``sqrt(head_dim)``;
+    ``reorder_and_upcast_attn`` (transformers' eager attention in float32 under mixed precision)
+    computes the same scores in exact arithmetic and is read as it is;
+    ``scale_attn_by_inverse_layer_idx`` and ``add_cross_attention`` are refused unless false.
+    ``attn_pdrop``, ``resid_pdrop`` and ``embd_pdrop`` (dropout while training: 0.1 by default)
+    are read as probabilities and not applied: npattn has no dropout on the attention weights of
+    this family, the residual branches or the embeddings, so its training is transformers' without
+    them; at evaluation all three are the identity.  The ``summary_*`` keys
+    (``GPT2DoubleHeadsModel``'s head) and ``n_ctx`` (old configs' context size, which GPT2Config
+    no longer reads) are metadata.  Keys of other families' attention (``num_key_value_heads``,
+    ``head_dim``, ``attention_dropout``, ``rms_norm_eps``) are refused."""
+    heads, hidden = r.int("num_attention_heads"), r.int("hidden_size")
+    if hidden % heads:
+        raise ValueError(f"config['n_head']: expected a divisor of n_embd = {hidden}, got {heads}")
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        p = r.float(key, 0.0, positive=False)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"config[{key!r}]: expected a probability in [0, 1), got {p}")
+    r.only("scale_attn_by_inverse_layer_idx", (False,), False, "each layer's scores also divided by its index + 1")
+    r.only("add_cross_attention", (False,), False, "cross-attention layers over an encoder's states")
+    r.bool("reorder_and_upcast_attn")
+    for key in ("n_ctx", "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels"):
+        r.get(key)
+    r.get("summary_first_dropout")
+    act = _act(r, "activation_function", "gelu_new")
+    if act == "xielu":
+        raise ValueError("config['activation_function'] = 'xielu' is not supported by npattn for model_type 'gpt2'")
+    c = _common(r)
+    for key in ("num_key_value_heads", "head_dim", "attention_dropout", "rms_norm_eps"):
+        r.used.discard(key)  # no keys of GPT-2: refused by finish() where given
+    n = c["num_hidden_layers"]
+    inner = r.int("n_inner") if r.has("n_inner") else 4 * hidden
+    r.used.add("n_inner")
+    c.update(
+        intermediate_size=inner,
+        hidden_act=act,
+        attention_bias=True,
+        mlp_bias=True,
+        attention_scale=None if r.bool("scale_attn_weights", True) else 1.0,
+        rms_norm_eps=r.float("layer_norm_epsilon", 1e-5),
+        layer_norm=True,
+        layer_norm_bias=True,
+        layer_types=("full_attention",) * n,
+        mlp_types=("plain",) * n,
+        rope_layers=(False,) * n,
+        position_embedding="wpe",
+        max_position_embeddings=r.int("max_position_embeddings"),
+        pad_embedding_row=False,  # GPT2Model's wte has no padding_idx
+        layer_names=_GPT2_NAMES,
+        final_norm_name="ln_f",
+        embed_name="wte",
+        layout=CheckpointLayout(
+            r.model_type,
+            renames=_GPT2_RENAMES,
+            fused=_GPT2_FUSED,
+            transposed=_GPT2_CONV1D,
+            base_prefix="transformer.",
+            ignored=(".attn.bias", ".attn.masked_bias"),  # GPT2PreTrainedModel's mask buffers of old checkpoints
+        ),
     )
     return c
 
@@ -4906,6 +5014,34 @@ _DEFAULTS["olmoe"] = dict(
 )
 
 
+_DEFAULTS["gpt2"] = dict(  # GPT2Config's, under the attribute_map's names (with_defaults reads n_embd ... as them)
+    vocab_size=50257,
+    max_position_embeddings=1024,
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    activation_function="gelu_new",
+    resid_pdrop=0.1,
+    embd_pdrop=0.1,
+    attn_pdrop=0.1,
+    layer_norm_epsilon=1e-5,
+    scale_attn_weights=True,
+    bos_token_id=50256,
+    eos_token_id=50256,
+    scale_attn_by_inverse_layer_idx=False,
+    reorder_and_upcast_attn=False,
+    add_cross_attention=False,
+    tie_word_embeddings=True,
+)
+# a family's own names of config keys -> the names transformers' attribute_map reads them as
+_ALIASES: dict[str, tuple] = {
+    "gpt2": (
+        ("n_embd", "hidden_size"),
+        ("n_layer", "num_hidden_layers"),
+        ("n_head", "num_attention_heads"),
+        ("n_positions", "max_position_embeddings"),
+    ),
+}
 _DEFAULTS["gpt_neox"] = dict(  # GPTNeoXConfig's (rotary_pct and rotary_emb_base: the reader's defaults)
     vocab_size=50432,
     hidden_size=6144,
@@ -4983,8 +5119,18 @@ _DEFAULTS["cohere"] = dict(  # CohereConfig's
 
 def with_defaults(config: Mapping[str, Any]) -> dict:
     """``config`` completed with transformers' class defaults of its ``model_type`` for the keys
-    it leaves out (see ``_DEFAULTS``)."""
-    d = dict(_DEFAULTS.get(config.get("model_type"), {}))
+    it leaves out (see ``_DEFAULTS``), a family's own names of keys read as transformers'
+    ``attribute_map`` reads them (GPT-2's ``n_embd`` as ``hidden_size``: ``_ALIASES``)."""
+    mt = config.get("model_type")
+    config = dict(config)
+    for own, alias in _ALIASES.get(str(mt), ()):  # GPT-2's n_embd is its hidden_size (GPT2Config.attribute_map)
+        if own in config:
+            v = config.pop(own)
+            if config.get(alias, v) != v:
+                other = _show(config[alias])
+                raise ValueError(f"config[{own!r}] = {_show(v)} and config[{alias!r}] = {other}: expected one value")
+            config[alias] = v
+    d = dict(_DEFAULTS.get(mt, {}))
     d.update(config)
     return d
 
@@ -5408,6 +5554,7 @@ _READERS = {
     "arcee": _arcee,
     "olmo": _olmo,
     "gpt_neox": _gpt_neox,
+    "gpt2": _gpt2,
     "phi": _phi,
     "stablelm": _stablelm,
     "cohere2": _cohere2,

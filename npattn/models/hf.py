@@ -815,6 +815,32 @@ def _split_fused(src: dict, cfg) -> dict:
     return src
 
 
+class _Transposed:
+    """A checkpoint's ``(in, out)`` weight (transformers' ``Conv1D``, ``CheckpointLayout.transposed``)
+    as the model's ``(out, in)``: read whole and transposed."""
+
+    __slots__ = ("source", "name", "shape", "kind", "value")
+
+    def __init__(self, source):
+        self.source, self.name, self.kind = source, source.name, source.kind
+        self.shape = tuple(reversed(source.shape))
+        self.value = None  # no array or lazy tensor of its own: a fused one's rows are read through _Rows
+
+    @property
+    def is_float(self) -> bool:
+        return self.source.is_float
+
+    @property
+    def natural_dtype(self):
+        return self.source.natural_dtype
+
+    def numpy(self, dtype) -> np.ndarray:
+        return np.ascontiguousarray(self.source.numpy(dtype).T)
+
+    def read_into(self, out: np.ndarray) -> None:  # a float array (_read_part rounds bfloat16 bits itself)
+        out[...] = self.source.numpy(out.dtype).T
+
+
 _CONV_PART = re.compile(r"^(?P<prefix>.*\.self_attn\.)(?P<part>[qkv])_conv1d\.weight$")
 
 
@@ -822,10 +848,15 @@ def _checkpoint_names(src: dict, layout) -> dict:
     """``src`` under the model's names where the family's checkpoints write others
     (``CheckpointLayout.renames``, ``split_conv``); a key reached two ways is refused by name."""
     out: dict = {}
+    base = layout.base_prefix
     for key, s in src.items():
         new = key
+        if base and not key.startswith((base, "model.", "lm_head.")):  # a bare model's checkpoint (GPT-2's h.0...)
+            new = base + key
         for model_part, checkpoint_part in layout.renames:
             new = new.replace(checkpoint_part, model_part)
+        if new != key and new.endswith(layout.transposed or ("\0",)):  # GPT-2's Conv1D: (in, out) as written
+            s = _Transposed(s)
         if new in out:
             raise ValueError(f"state_dict: {key!r} and {out[new].name!r} are the same tensor {new!r} (give one)")
         out[new] = s
@@ -1057,7 +1088,7 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
         # shared names, sorted): transformers ties the embedding to it, and so do we
         src[embed] = src.pop("lm_head.weight")
     if dtype is None:
-        first = src.get("model.embed_tokens.weight") or next(iter(src.values()), None)
+        first = src.get(embed) or next(iter(src.values()), None)
         dtype = np.float32 if first is None else first.natural_dtype
     dtype = check_dtype(dtype)
     tied_copy = None
@@ -1092,14 +1123,14 @@ def load_into(cls, state_dict, config, dtype=None, weights_dtype=None):
             p.bump_version()
         else:
             object.__setattr__(owner, name, s.numpy(current(key).dtype))
-    embed = None if tied_copy is None else current("model.embed_tokens.weight")
-    if isinstance(embed, BFloat16Array):  # compared as stored: the copy rounded as the table was
-        same = np.array_equal(to_bfloat16_bits(tied_copy.numpy(np.float32)), embed.bits)
+    table = None if tied_copy is None else current(embed)
+    if isinstance(table, BFloat16Array):  # compared as stored: the copy rounded as the table was
+        same = np.array_equal(to_bfloat16_bits(tied_copy.numpy(np.float32)), table.bits)
     else:
-        same = embed is None or np.array_equal(tied_copy.numpy(dtype), embed)
+        same = table is None or np.array_equal(tied_copy.numpy(dtype), table)
     if not same:
         raise ValueError(
-            "state_dict['lm_head.weight']: differs from 'model.embed_tokens.weight' although the config ties "
+            f"state_dict['lm_head.weight']: differs from {embed!r} although the config ties "
             "them (tie_word_embeddings=True)"
         )
     for p in model.parameters():  # inference needs no gradient buffers; the first backward makes them

@@ -158,9 +158,19 @@ def checkpoint_tensors(model) -> dict:
         out.update({k: (a, "BF16") for k, a in parts.items()} if bits else parts)
     if layout.fused:
         out = fused_tensors(out, layout.fused, layout.fused_groups)
+    if layout.transposed:  # GPT-2's Conv1D weights: (in, out) in its checkpoints
+        out = {k: transposed(v) if k.endswith(layout.transposed) else v for k, v in out.items()}
     if layout.renames:
         out = {_renamed(k, layout.renames): v for k, v in out.items()}
     return out
+
+
+def transposed(v):
+    """A weight ``(out, in)`` as a checkpoint of transformers' ``Conv1D`` stores it, ``(in, out)``
+    (``CheckpointLayout.transposed``, a contiguous copy; bfloat16 bits stay bits)."""
+    if isinstance(v, tuple):  # (bits, "BF16")
+        return (np.ascontiguousarray(v[0].T), v[1])
+    return np.ascontiguousarray(np.asarray(v).T)
 
 
 def row_tensors(key: str, arr) -> dict:

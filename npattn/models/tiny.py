@@ -725,6 +725,22 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # GPT-2: learned absolute positions (wpe) instead of RoPE, two pre-LayerNorm blocks with biases,
+    # the fused c_attn with its bias over 4 heads of 4, the plain gelu_new MLP with biases, the
+    # Conv1D weights (in, out) in its checkpoints, the head tied to wte; dropout keys at their 0.1
+    "gpt2": dict(
+        model_type="gpt2",
+        vocab_size=41,
+        hidden_size=16,
+        n_inner=24,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=128,
+        layer_norm_epsilon=1e-4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
@@ -976,6 +992,7 @@ def tiny_config(model_type: str, **changes) -> dict:
 _WIDTHS = (
     "hidden_size",
     "intermediate_size",
+    "n_inner",  # GPT-2's
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "head_dim",

@@ -70,7 +70,11 @@ def _transformers_twin(torch, cfg, model):  # pragma: needs torch
     dtype = torch.float64 if model.dtype == np.float64 else torch.float32
     tm = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     sd = model.state_dict()
-    if model.config.layout.fused:  # Phi-3: transformers' modules hold the checkpoint's fused projections
+    if model.config.layout.transposed:  # GPT-2: its checkpoint's tensors (Conv1D's (in, out), transformer.h.*)
+        from ...models.save import checkpoint_tensors
+
+        sd = checkpoint_tensors(model)
+    elif model.config.layout.fused:  # Phi-3: transformers' modules hold the checkpoint's fused projections
         from ...models.save import fused_tensors
 
         sd = fused_tensors(sd, model.config.layout.fused, model.config.layout.fused_groups)
