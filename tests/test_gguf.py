@@ -313,6 +313,8 @@ STABLELM2_12B = dict(
     STABLELM2, num_attention_heads=8, num_key_value_heads=2, use_qkv_bias=False, qk_layernorm=True,
     use_parallel_residual=True, partial_rotary_factor=0.5,
 )  # fmt: skip
+# GPT-2: 64-wide heads, the MLP 4 * hidden wide (the converter's feed_forward_length), 128 positions
+GPT2 = dict(FAMILIES["gpt2"], hidden_size=256, n_inner=1024, layer_norm_epsilon=2**-17)
 ARCEE = dict(
     FAMILIES["arcee"], hidden_size=256, intermediate_size=256, head_dim=64, mlp_bias=False, rms_norm_eps=2.0**-17
 )
@@ -865,6 +867,62 @@ def _phi2_metadata(w, config):
     w.add_add_bos_token(False)
 
 
+def _gpt2_metadata(w, config, *, context=True, head_count_kv=None, key_length=None, ffn=None):
+    """``GPT2Model.set_gguf_parameters``: the context length (its ``n_ctx``, GPT-2's configs'
+    ``n_positions``), no key/value heads, the MLP ``4 * n_embd`` wide, the LayerNorms' epsilon
+    (the keywords: a file the converter would not write)."""
+    H = config["hidden_size"]
+    w.add_block_count(config["num_hidden_layers"])
+    if context:
+        w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(ffn or 4 * H)
+    w.add_head_count(config["num_attention_heads"])
+    if head_count_kv is not None:
+        w.add_head_count_kv(head_count_kv)
+    if key_length is not None:
+        w.add_key_length(key_length)
+    w.add_layer_norm_eps(config["layer_norm_epsilon"])
+
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _gpt2_checkpoint(sd: dict) -> dict:
+    """GPT2LMHeadModel's checkpoint of a model's state dict: ``transformer.h.{i}.*``, the q, k and v
+    rows (weight and bias) stacked into ``attn.c_attn``, the four Conv1D weights stored (in, out)."""
+    out = {}
+    for k, v in sd.items():
+        if ".attn.k_proj." in k or ".attn.v_proj." in k:
+            continue
+        if ".attn.q_proj." in k:
+            v = np.concatenate([sd[k.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")])
+            k = k.replace("q_proj", "c_attn")
+        k = k.replace("model.layers.", "transformer.h.", 1).replace("model.", "transformer.", 1)
+        out[k] = np.ascontiguousarray(np.asarray(v).T) if k.endswith(_CONV1D) else v
+    return out
+
+
+def _gpt2_converted(sd: dict) -> dict:
+    """``GPT2Model.modify_tensors``: the attn.bias / attn.masked_bias buffers dropped, the Conv1D
+    weights transposed to (out, in)."""
+    drop = (".attn.bias", ".attn.masked_bias")
+    return {k: np.ascontiguousarray(v.T) if k.endswith(_CONV1D) else v for k, v in sd.items() if not k.endswith(drop)}
+
+
+def _gpt2_split(values: dict) -> dict:
+    """A file's values under the checkpoint's names (``attn_qkv`` [q; k; v]) back under the model's."""
+    out = {}
+    for k, v in values.items():
+        k = k.replace("transformer.h.", "model.layers.", 1).replace("transformer.", "model.", 1)
+        if ".c_attn." in k:
+            for p, part in zip(_QKV, np.split(v, 3, axis=0)):
+                out[k.replace("c_attn", p)] = part
+        else:
+            out[k] = v
+    return out
+
+
 def _gptneox_metadata(w, config):
     """``GPTNeoXModel.set_gguf_parameters``: no RoPE base, no key/value heads, the rotated features
     ``int(rotary_pct * hidden / heads)``, ``use_parallel_residual`` and the LayerNorms' epsilon."""
@@ -978,6 +1036,8 @@ def _metadata(w, config, arch):
         return _phi2_metadata(w, config)
     if arch == "stablelm":
         return _stablelm_metadata(w, config)
+    if arch == "gpt2":
+        return _gpt2_metadata(w, config)
     if arch == "falcon-h1":
         return _falcon_h1_metadata(w, config)
     if arch in ("nemotron_h", "nemotron_h_moe"):
@@ -1169,6 +1229,8 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
         sd = _phi3_checkpoint(sd)
     if arch == "glm4":  # and GLM-4's gate_up_proj
         sd = _phi3_checkpoint(sd, _GLM4_FUSED)
+    if arch == "gpt2":  # the checkpoint's Conv1D weights, transposed back by the converter
+        sd = _gpt2_converted(_gpt2_checkpoint(sd))
     if arch == "gptneox":  # the checkpoint's per-head query_key_value, reordered by the converter
         sd = _gptneox_converted(_gptneox_checkpoint(sd, config["num_attention_heads"]), config["num_attention_heads"])
     if arch == "stablelm":  # the checkpoint's per-head norms, stacked by the converter
@@ -1270,6 +1332,7 @@ def _write(path, config, sd, qtype, arch, extra=(), apart=False):
         # the norms and the tensors not named .weight (the converter's prepare_tensors: Mamba-2's ssm_a, ssm_d)
         gate = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "shortconv.conv.weight", "ssm_conv1d.weight")
         f32 = name.endswith(gate) or name.endswith("_norm.weight") or not name.endswith(".weight")
+        f32 = f32 or name == "position_embd.weight"  # POS_EMBD: float32 always (the converter, llama-quantize)
         if value.ndim == 1 or qtype == Q.F32 or f32:
             w.add_tensor(name, value)
             held[name] = value
@@ -1329,6 +1392,8 @@ def _hf_values(held: dict, sd: dict, config: dict, arch: str) -> dict:
         return _gptneox_split(out)
     if arch == "stablelm":  # the stacked per-head norms under the model's names
         return {k.replace("q_layernorm.", "q_norm.").replace("k_layernorm.", "k_norm."): v for k, v in out.items()}
+    if arch == "gpt2":
+        return _gpt2_split(out)
     return _phi3_split(out, config) if arch in ("phi3", "glm4") else out
 
 
@@ -1387,6 +1452,7 @@ CASES = [
     (PHI2, "phi2"),
     (STABLELM2, "stablelm"),
     (STABLELM2_12B, "stablelm"),
+    (GPT2, "gpt2"),
 ]
 
 
@@ -1604,6 +1670,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (PHI2, "phi2", ("PhiConfig", "PhiForCausalLM")),
         (STABLELM2, "stablelm", ("StableLmConfig", "StableLmForCausalLM")),
         (STABLELM2_12B, "stablelm", ("StableLmConfig", "StableLmForCausalLM")),
+        (GPT2, "gpt2", ("GPT2Config", "GPT2LMHeadModel")),
     ],
     ids=[
         "qwen2",
@@ -1649,6 +1716,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "phi2",
         "stablelm",
         "stablelm-12b",
+        "gpt2",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -1669,6 +1737,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
         "glm4": lambda v: _phi3_checkpoint(v, _GLM4_FUSED),
         "gptneox": lambda v: _gptneox_checkpoint(v, config["num_attention_heads"]),
         "stablelm": _stablelm_checkpoint,
+        "gpt2": _gpt2_checkpoint,
     }.get(arch, _granite_checkpoint)(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
@@ -2774,8 +2843,9 @@ def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
 _WITH_OPTIONAL = [
     (i, c)
     for i, c in zip(IDS, CASES)
-    if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox")
-]  # (GPTNeoXModel writes none of those keys but rope.dimension_count: test_gptneox_metadata_as_llama_cpp_reads_it)
+    if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox", "gpt2")
+]  # (GPTNeoXModel writes none of those keys but rope.dimension_count: test_gptneox_metadata_as_llama_cpp_reads_it;
+# GPT2Model none of them: test_gpt2_files_llama_cpp_cannot_read_are_refused_by_name)
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])
@@ -4513,3 +4583,43 @@ def test_stablelm_files_as_llama_cpp_reads_them(tmp_path, monkeypatch):
         _write(tmp_path / "t.gguf", STABLELM2_12B, sd12, Q.F32, "stablelm")
     with pytest.raises(ValueError, match=r"q_norm.weight'\]: expected shape \(8, 32\), got \(32, 8\)"):
         CausalLM.from_gguf(tmp_path / "t.gguf")
+
+
+def test_a_gpt2_file_is_its_model_s_directory(tmp_path):
+    """A GPT-2 file (learned positions position_embd, the fused attn_qkv with its bias, the Conv1D
+    weights the converter transposed back) is its directory's model: the same config, tensors and
+    logits; tied (the converter writes no output.weight) and untied."""
+    g, _, _ = _file_is_its_directory(tmp_path, GPT2, "gpt2")
+    assert g.config.tie_word_embeddings and g.config.position_embedding == "wpe" and g.config.hidden_act == "gelu_new"
+    assert g.state_dict()["model.wpe.weight"].shape == (128, 256) and g.config.intermediate_size == 1024
+    (tmp_path / "untied").mkdir()
+    g, _, _ = _file_is_its_directory(tmp_path / "untied", dict(GPT2, tie_word_embeddings=False), "gpt2")
+    assert not g.config.tie_word_embeddings
+
+
+def test_gpt2_files_llama_cpp_cannot_read_are_refused_by_name(tmp_path, monkeypatch):
+    """No ``context_length`` (the position table's rows), a ``head_count_kv`` or ``key_length``
+    other than GPT-2's heads, and a ``feed_forward_length`` other than the tensors' are refused by
+    name; a file of an older converter with ``output.weight`` a copy of ``token_embd`` is the
+    same network, untied."""
+    sd = _state(GPT2)
+    _write(tmp_path / "m.gguf", GPT2, sd, Q.F32, "gpt2")
+    m = CausalLM.from_gguf(tmp_path / "m.gguf")
+    ids = np.random.default_rng(2).integers(0, 41, (2, 9))
+    copied = {**sd, "lm_head.weight": sd["model.wte.weight"]}
+    _write(tmp_path / "copy.gguf", dict(GPT2, tie_word_embeddings=False), copied, Q.F32, "gpt2")
+    old = CausalLM.from_gguf(tmp_path / "copy.gguf")
+    assert not old.config.tie_word_embeddings
+    np.testing.assert_array_equal(_logits(old, ids), _logits(m, ids))
+    cases = [
+        (dict(context=False), "gpt2.context_length' missing"),
+        (dict(head_count_kv=2), "gpt2.attention.head_count_kv': expected 4"),
+        (dict(key_length=32), "gpt2.attention.key_length': expected embedding_length / head_count"),
+        (dict(ffn=512), "model.layers.0.mlp.c_fc.weight'\\]: expected shape \\(512, 256\\)"),
+    ]
+    real = _gpt2_metadata
+    for i, (changes, message) in enumerate(cases):
+        monkeypatch.setattr(sys.modules[__name__], "_gpt2_metadata", functools.partial(real, **changes))
+        _write(tmp_path / f"{i}.gguf", GPT2, sd, Q.F32, "gpt2")
+        with pytest.raises(ValueError, match=message):
+            CausalLM.from_gguf(tmp_path / f"{i}.gguf")

@@ -1043,6 +1043,30 @@ def _gguf_stablelm(config: dict, meta: Mapping) -> None:
     config["use_parallel_residual"] = not config.pop("ffn_norm", True)
 
 
+def _gguf_gpt2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``gpt2`` (``GPT2Model`` in ``convert_hf_to_gguf.py``, ``llm_build_gpt2``): learned
+    absolute positions ``position_embd`` of ``context_length`` rows (the converter's ``n_ctx``, old
+    configs' ``n_positions``; required, as llama.cpp requires it), LayerNorms with biases
+    (``attention.layer_norm_epsilon``), the fused ``attn_qkv`` [q; k; v] with its bias, heads of
+    ``embedding_length / head_count`` with as many key/value heads (the converter writes no
+    ``head_count_kv``: one of another count is refused), no RoPE (a ``rope.freq_base`` is not
+    read), the plain MLP ``feed_forward_length`` wide with biases (its converter writes ``4
+    n_embd``, GPT-2's; the tensors' shapes must agree), the head tied to ``token_embd`` where the
+    file has no ``output.weight``.  The converter transposed the checkpoint's ``Conv1D`` weights
+    back to ``(out, in)``: the model's own layout, read as it is.  The file does not say the
+    activation: GPT2Config's ``gelu_new`` (llama.cpp's tanh GELU) is read."""
+    if not config.get("max_position_embeddings"):
+        raise ValueError("metadata 'gpt2.context_length' missing (the model's n_positions: its position_embd rows)")
+    heads = config["num_attention_heads"]
+    if config.pop("num_key_value_heads") != heads:
+        raise ValueError(f"metadata 'gpt2.attention.head_count_kv': expected {heads} (GPT-2's heads, head_count)")
+    if config.pop("head_dim") != config["hidden_size"] // heads:
+        raise ValueError("metadata 'gpt2.attention.key_length': expected embedding_length / head_count (GPT-2's heads)")
+    config["n_inner"] = config.pop("intermediate_size")
+    for key in ("rope_theta", "attention_bias", "mlp_bias"):  # no RoPE; GPT-2's biases: always
+        config.pop(key, None)
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -1274,6 +1298,9 @@ GGUF_FAMILIES = {
         },
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
     ),
+    # GPT-2: learned positions (position_embd), the fused attn_qkv [q; k; v] with its bias, LayerNorms
+    # with biases; its converter transposed the Conv1D weights to (out, in)
+    "gpt2": GgufFamily("gpt2", derive=_gguf_gpt2, eps=("layer_norm_epsilon", "attention.layer_norm_epsilon")),
     # Hunyuan dense: rows as written, the NTK-alpha base as rope.freq_base (_gguf_hunyuan_dense)
     "hunyuan-dense": GgufFamily(
         "hunyuan_v1_dense",

@@ -15,7 +15,8 @@ Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first 
 Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
 ``command-r``, Command R's, ``cohere2``, Command R7B's,
 ``hunyuan-dense``, ``gptneox``, Pythia's and GPT-NeoX-20B's, ``phi2``, Phi-1's, Phi-1.5's and
-Phi-2's, their head's bias ``output.bias``, ``stablelm``, StableLM-3B-4E1T's and StableLM 2's, the
+Phi-2's, their head's bias ``output.bias``, ``gpt2``, GPT-2's, its learned positions
+``position_embd``, ``stablelm``, StableLM-3B-4E1T's and StableLM 2's, the
 12B's per-head q/k LayerNorms and parallel residual read off its tensors) and what each means in Hugging Face terms (a
 ``granite`` or ``granitemoe`` file may hold Granite 4.0 or GraniteMoeShared: ``_gguf_granite``) are
 ``GGUF_FAMILIES`` in ``models/configs.py``.
@@ -65,7 +66,11 @@ Reading one:
    A ``gptneox`` file's ``attn_qkv`` (weight and bias) is the checkpoint's per-head
    ``query_key_value`` (``CheckpointLayout.fused_groups``) that ``GPTNeoXModel.modify_tensors``
    reordered into all q rows, all k rows, all v rows: each part is its own rows of it
-   (``_part_rows``), not the checkpoint's per-head split;
+   (``_part_rows``), not the checkpoint's per-head split.  A ``gpt2`` file's ``attn_qkv`` is
+   found under the checkpoint's name (``transformer.h.{i}.attn.c_attn``, which gguf's map knows);
+   ``GPT2Model.modify_tensors`` transposed the checkpoint's ``Conv1D`` weights back to ``(out,
+   in)``, so the file's tensors are the model's layout (``CheckpointLayout.transposed`` is a
+   checkpoint's, not a file's);
 6. a ``granitehybrid`` file's Mamba-2 layers (``head_count_kv`` 0; their sizes the ``ssm.*`` keys,
    ``_gguf_mamba2`` in ``models/configs.py``) are stored as ``Mamba2Model.modify_tensors`` in
    ``convert_hf_to_gguf.py`` writes them: ``A_log`` as ``ssm_a`` = ``-exp(A_log)`` of shape
@@ -804,6 +809,13 @@ def read_gguf(path) -> tuple[dict, dict]:
             out[key] = number
             continue
         whole = checkpoint_key(key, cfg.layout)  # Phi-3's fused qkv_proj / gate_up_proj, else key
+        if whole != key and not all(n in tensors for n in _gguf_names(names, whole)):
+            whole_names = _gguf_names(names, _lookup(names, cfg, whole))  # GPT-2's attn.c_attn: transformer.h.*
+            if all(n in tensors for n in whole_names):
+                if whole not in out:  # one tensor of the file, split by load_into as a checkpoint's
+                    parts = [tensors[n] for n in whole_names]
+                    out[whole] = _GGUFTensor(whole, parts, mapping=getattr(f.reader, "mapping", None))
+                continue
         if whole != key and all(n in tensors for n in _gguf_names(names, whole)):
             if cfg.layout.fused_groups > 1:  # GPTNeoXModel.modify_tensors: the per-head groups as [q; k; v]
                 (t,) = [tensors[n] for n in _gguf_names(names, whole)]
