@@ -64,6 +64,11 @@ def test_refused_by_name(key, value):
         config_from_hf({**TINY, key: value})
 
 
+def test_heads_that_do_not_divide_the_width_refused():
+    with pytest.raises(ValueError, match=r"config\['n_head'\]: expected a divisor of n_embd = 16, got 3"):
+        config_from_hf({**TINY, "num_attention_heads": 3})
+
+
 def test_positions_past_the_table_refused_by_name():
     m = CausalLM(dict(TINY, max_position_embeddings=8), rng=0)
     with pytest.raises(ValueError, match="position 8 .*max_position_embeddings.*n_positions"):
@@ -126,6 +131,8 @@ def test_save_pretrained_writes_conv1d_weights_in_out(tmp_path):
         bare[f"h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
     np.testing.assert_array_equal(CausalLM.from_hf(bare, config, dtype=np.float32)(ids), m(ids))
     np.testing.assert_array_equal(CausalLM.from_hf(m.state_dict(), config, dtype=np.float32)(ids), m(ids))
+    with pytest.raises(ValueError, match="missing key 'model.wte.weight'"):  # a Conv1D weight first
+        CausalLM.from_hf({"h.0.attn.c_proj.weight": sd["transformer.h.0.attn.c_proj.weight"]}, config)
 
 
 @needs_hf

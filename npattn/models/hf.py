@@ -827,11 +827,7 @@ class _Transposed:
         self.value = None  # no array or lazy tensor of its own: a fused one's rows are read through _Rows
 
     @property
-    def is_float(self) -> bool:
-        return self.source.is_float
-
-    @property
-    def natural_dtype(self):
+    def natural_dtype(self):  # the model's dtype where this comes first in the state dict
         return self.source.natural_dtype
 
     def numpy(self, dtype) -> np.ndarray:
