@@ -33,6 +33,9 @@ def test_reader():
     d = config_from_hf({k: v for k, v in TINY.items() if k != "n_inner"})
     assert d.intermediate_size == 64 and d.hidden_act == "gelu_new"  # n_inner null: 4 n_embd
     assert config_from_hf({**TINY, "scale_attn_weights": False}).attention_scale == 1.0
+    by_layer = config_from_hf({**TINY, "scale_attn_by_inverse_layer_idx": True})
+    assert [by_layer.attention_config("full_attention", i).scale for i in range(2)] == [0.5, 0.25]
+    assert cfg.attention_config("full_attention", 1).scale is None and not cfg.attention_scale_by_layer
     assert config_from_hf({**TINY, "activation_function": "gelu"}).hidden_act == "gelu"
     names = dict(CausalLM(cfg, rng=0).named_parameters())
     assert list(names)[:2] == ["model.wte.weight", "model.wpe.weight"] and names["model.wpe.weight"].shape == (128, 16)
@@ -45,7 +48,6 @@ def test_reader():
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("scale_attn_by_inverse_layer_idx", True),
         ("add_cross_attention", True),
         ("resid_pdrop", 1.0),
         ("attn_pdrop", -0.1),
@@ -141,9 +143,10 @@ def test_save_pretrained_writes_conv1d_weights_in_out(tmp_path):
     [
         {},
         dict(tie_word_embeddings=False, scale_attn_weights=False, activation_function="relu"),
-        dict(activation_function="gelu", n_inner=None),
+        dict(activation_function="gelu", n_inner=None, scale_attn_by_inverse_layer_idx=True),
+        dict(scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True),
     ],
-    ids=["gpt2", "untied-unscaled-relu", "gelu-4x"],
+    ids=["gpt2", "untied-unscaled-relu", "gelu-4x-by-layer", "unscaled-by-layer"],
 )
 def test_against_transformers(tmp_path, changes):
     from _hf64 import build, check_cached_decoding, check_logits_and_grads, check_padded_batch, hf_logits, state_dict

@@ -1790,7 +1790,9 @@ class CausalLMConfig:
     positions, ``model.{position_embedding}.weight``, whose row of each token's position is added
     to its embedding (GPT-2's ``wpe``; "": none).  A token's position counts the tokens before it
     (those cached included; a padded row's from its first token), and an input reaching past the
-    table's last row is refused.
+    table's last row is refused.  ``attention_scale_by_layer``: layer ``i``'s scores' factor
+    (``attention_scale``, or ``1/sqrt(head_dim)``) divided by ``i + 1`` (GPT-2's
+    ``scale_attn_by_inverse_layer_idx``).
     """
 
     model_type: str
@@ -1857,6 +1859,7 @@ class CausalLMConfig:
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)): the MLP's norm reads the layer's input
     lm_head_bias: bool = False  # the untied head has a bias (Phi-1/1.5/2)
     position_embedding: str = ""  # model.{name}: a learned table of absolute positions added to the embeddings (GPT-2)
+    attention_scale_by_layer: bool = False  # layer i's scores' factor divided by i + 1 (GPT-2's option)
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
     hf: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -1891,8 +1894,12 @@ class CausalLMConfig:
         (``"full_attention"`` or ``"sliding_attention"``): the RoPE parameters of that kind (or
         the model's one ``"default"``), a causal window of ``sliding_window`` keys on sliding
         layers; for layer ``layer`` (its index), whether it rotates at all (``rope_layers``;
-        ``layer`` None: a layer of that kind that rotates)."""
+        ``layer`` None: a layer of that kind that rotates) and, with ``attention_scale_by_layer``,
+        its scores' factor divided by ``layer + 1``."""
         rope = dict(self.rope.get(layer_type, self.rope.get("default", {})))
+        scale = self.attention_scale
+        if self.attention_scale_by_layer and layer is not None:  # GPT-2's scale_attn_by_inverse_layer_idx
+            scale = (self.head_dim**-0.5 if scale is None else scale) / (layer + 1)
         rotates = layer is None or self.rope_layers is None or bool(self.rope_layers[layer])
         sliding = layer_type == "sliding_attention" and self.sliding_window
         return AttentionConfig(
@@ -1906,7 +1913,7 @@ class CausalLMConfig:
             window=(self.sliding_window - 1, 0) if sliding else None,  # type: ignore[operator]
             softcap=self.attn_logit_softcapping,
             sinks=self.sinks,
-            scale=self.attention_scale,
+            scale=scale,
             rope=rotates,
             rope_scaling=rope,
             qk_norm=self.qk_norm,
@@ -2530,9 +2537,10 @@ def _gpt2(r: _Reader) -> dict:
     ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and
     ``max_position_embeddings`` (``GPT2Config.attribute_map``; either name, not two values).
     ``scale_attn_weights`` false: scores not divided by ``sqrt(head_dim)``;
-    ``reorder_and_upcast_attn`` (transformers' eager attention in float32 under mixed precision)
-    computes the same scores in exact arithmetic and is read as it is;
-    ``scale_attn_by_inverse_layer_idx`` and ``add_cross_attention`` are refused unless false.
+    ``scale_attn_by_inverse_layer_idx``: layer ``i``'s scores also divided by ``i + 1``
+    (``attention_scale_by_layer``); ``reorder_and_upcast_attn`` (transformers' eager attention in
+    float32 under mixed precision) computes the same scores in exact arithmetic and is read as it
+    is; ``add_cross_attention`` is refused unless false.
     ``attn_pdrop``, ``resid_pdrop`` and ``embd_pdrop`` (dropout while training: 0.1 by default)
     are read as probabilities and not applied: npattn has no dropout on the attention weights of
     this family, the residual branches or the embeddings, so its training is transformers' without
@@ -2547,7 +2555,6 @@ def _gpt2(r: _Reader) -> dict:
         p = r.float(key, 0.0, positive=False)
         if not 0.0 <= p < 1.0:
             raise ValueError(f"config[{key!r}]: expected a probability in [0, 1), got {p}")
-    r.only("scale_attn_by_inverse_layer_idx", (False,), False, "each layer's scores also divided by its index + 1")
     r.only("add_cross_attention", (False,), False, "cross-attention layers over an encoder's states")
     r.bool("reorder_and_upcast_attn")
     for key in ("n_ctx", "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels"):
@@ -2568,6 +2575,7 @@ def _gpt2(r: _Reader) -> dict:
         attention_bias=True,
         mlp_bias=True,
         attention_scale=None if r.bool("scale_attn_weights", True) else 1.0,
+        attention_scale_by_layer=r.bool("scale_attn_by_inverse_layer_idx"),
         rms_norm_eps=r.float("layer_norm_epsilon", 1e-5),
         layer_norm=True,
         layer_norm_bias=True,
