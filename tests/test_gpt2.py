@@ -84,6 +84,16 @@ def test_positions_past_the_table_refused_by_name():
         assert m(np.ones((1, 2), np.int64), use_cache=True).shape == (1, 2, 41)  # nothing changed by the refusal
 
 
+def test_generate_refuses_positions_past_the_table_before_the_first_token():
+    """``L + max_new_tokens - 1`` positions are fed (the last token is not): at most the table's."""
+    m = CausalLM(dict(TINY, max_position_embeddings=8), rng=0)
+    ids = np.array([[3, 4, 5, 6, 7]])
+    assert m.generate(ids, 4, eos_token_id=[]).shape == (1, 9)
+    for call in (m.generate, lambda *a, **k: list(m.stream(*a, **k))):
+        with pytest.raises(ValueError, match="max_new_tokens: expected at most 4 after a prompt of 5 tokens .* got 5"):
+            call(ids, 5, eos_token_id=[])
+
+
 def test_cached_decoding_reads_each_tokens_position():
     """The position rows of cached calls start where the cache ends (a left-padded row's at its
     first token): the logits of a full pass, without torch."""

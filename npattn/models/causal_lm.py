@@ -1483,15 +1483,26 @@ class CausalLM(Module):
         source = self.generation_config if self.generation_config is not None else vars(self.config)
         return {key: source.get(key) for key in ("eos_token_id", "pad_token_id", "repetition_penalty")}
 
-    def _generation_options(self, ids, eos_token_id, repetition_penalty) -> tuple:
-        """``ids`` checked against the vocabulary, and the eos and pad ids and the repetition
-        penalty: each given one, else ``generation_defaults``'."""
+    def _generation_options(self, ids, eos_token_id, repetition_penalty, max_new_tokens) -> tuple:
+        """``ids`` checked against the vocabulary (and, with a learned position table, the prompt
+        and ``max_new_tokens`` against its rows: the last token is never fed back, so ``L +
+        max_new_tokens - 1`` positions), and the eos and pad ids and the repetition penalty: each
+        given one, else ``generation_defaults``'."""
         special = self.generation_defaults
         if eos_token_id is not None:
             special["eos_token_id"] = eos_token_id
         if repetition_penalty is not None:
             special["repetition_penalty"] = repetition_penalty
-        return self._check_ids(ids), special
+        ids = self._check_ids(ids)
+        n, k = self.config.max_position_embeddings, max_new_tokens
+        # GPT-2's wpe (a malformed max_new_tokens gets stream_tokens' message)
+        if self.config.position_embedding and isinstance(k, numbers.Integral) and not isinstance(k, bool) and n:
+            if int(k) > 0 and ids.shape[-1] + int(k) - 1 > n:
+                raise ValueError(
+                    f"max_new_tokens: expected at most {n - ids.shape[-1] + 1} after a prompt of {ids.shape[-1]} "
+                    f"tokens (the model's {n} learned positions, max_position_embeddings, GPT-2's n_positions), got {k}"
+                )
+        return ids, special
 
     def generate(
         self,
@@ -1541,7 +1552,7 @@ class CausalLM(Module):
         """
         from ..generation import _check_token_ids, generate_tokens
 
-        ids, special = self._generation_options(ids, eos_token_id, repetition_penalty)
+        ids, special = self._generation_options(ids, eos_token_id, repetition_penalty, max_new_tokens)
         out = generate_tokens(
             self,
             ids,
@@ -1599,7 +1610,7 @@ class CausalLM(Module):
         """
         from ..generation import stream_tokens
 
-        ids, special = self._generation_options(ids, eos_token_id, repetition_penalty)
+        ids, special = self._generation_options(ids, eos_token_id, repetition_penalty, max_new_tokens)
         return stream_tokens(
             self,
             ids,
