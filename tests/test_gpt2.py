@@ -45,6 +45,41 @@ def test_reader():
     assert "lm_head.weight" not in names and not any("rotary" in n or "embed_tokens" in n for n in names)
 
 
+# the config.json of OpenAI's released gpt2 (124M): GPT-2's own names, n_ctx, the double-heads' keys
+RELEASED = {
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "vocab_size": 50257,
+}
+
+
+def test_the_released_config_reads():
+    cfg = config_from_hf(RELEASED)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim) == (768, 12, 12, 64)
+    assert cfg.intermediate_size == 3072 and cfg.max_position_embeddings == 1024 and cfg.tie_word_embeddings
+    assert cfg.hidden_act == "gelu_new" and cfg.rms_norm_eps == 1e-5 and cfg.eos_token_id == 50256
+    assert config_from_hf({"model_type": "gpt2"}) == cfg.replace(bos_token_id=50256)  # GPT2Config's defaults
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
