@@ -37,6 +37,7 @@ FAMILIES += ["nemotron_h_moe"]  # experts that are not gated (relu2) in a latent
 FAMILIES += ["hunyuan_v1_dense"]  # the QK-norm after RoPE in the second-order step, NTK-alpha RoPE
 FAMILIES += ["gpt_neox"]  # the parallel residual (two LayerNorms with biases of the layer's input), partial RoPE
 FAMILIES += ["phi"]  # attention and the plain MLP side by side on one LayerNorm with a bias, the head's bias
+FAMILIES += ["starcoder2"]  # the plain MLP with biases after a sliding-window attention, LayerNorms with biases
 FAMILIES += ["stablelm"]  # a LayerNorm of each head's q and k with a weight row a head, beside the parallel MLP
 FAMILIES += ["gpt2"]  # the learned positions' table (its rows' second order), Conv1D layers, no RoPE
 IGNORE = -1

@@ -2654,6 +2654,60 @@ def _stablelm(r: _Reader) -> dict:
     return c
 
 
+# StarCoder2's names: the plain MLP's c_fc and c_proj
+_STARCODER2_NAMES = (("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj"))
+
+
+def _starcoder2(r: _Reader) -> dict:
+    """BigCode's StarCoder2 (3B, 7B, 15B and their instruct versions; ``Starcoder2ForCausalLM``):
+    pre-norm layers whose norms are LayerNorms with a bias (``norm_epsilon``); attention over
+    grouped key/value heads with RoPE (rotate-half pairs of each whole head, ``_rope_params``) and
+    a window of ``sliding_window`` keys on every layer (null: full attention), as Mistral's; the
+    plain MLP ``c_proj(act(c_fc(x)))`` (``hidden_act``, ``gelu_pytorch_tanh`` by default; an
+    activation with trained parameters is refused); ``use_bias`` gives q, k, v, o, ``c_fc`` and
+    ``c_proj`` their biases (the LayerNorms always have theirs, the head never); the head tied to
+    the embedding as ``tie_word_embeddings`` says (true by default).  ``attention_dropout`` is
+    the attention's (applied while training, as transformers does); ``residual_dropout`` and
+    ``embedding_dropout`` (dropout while training: the released checkpoints' 0.1) are read as
+    probabilities and not applied: npattn has no dropout on the residual branches or the
+    embedding, so its training is transformers' without them; at evaluation both are the
+    identity.  The released config.json's ``mlp_type`` ("default") and ``norm_type``
+    ("layer_norm"), keys of BigCode's training code that transformers ignores, are read as the
+    only values transformers' model computes."""
+    from ..nn.moe import PARAMETRIZED_ACTS
+
+    c = _common(r)
+    r.used.discard("rms_norm_eps")  # StarCoder2's eps is norm_epsilon; rms_norm_eps is no key of it
+    for key in ("residual_dropout", "embedding_dropout"):
+        p = r.float(key, 0.0, positive=False)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"config[{key!r}]: expected a probability in [0, 1), got {p}")
+    r.only("mlp_type", ("default",), "default", "Starcoder2MLP is c_proj(act(c_fc(x)))")
+    r.only("norm_type", ("layer_norm",), "layer_norm", "Starcoder2DecoderLayer's norms are nn.LayerNorm")
+    act = _act(r, "hidden_act", "gelu_pytorch_tanh")
+    if act in PARAMETRIZED_ACTS:
+        raise ValueError(
+            f"config['hidden_act'] = {act!r} is not supported by npattn for model_type 'starcoder2' "
+            "(its trained parameters are no tensors of a StarCoder2 checkpoint)"
+        )
+    bias = r.bool("use_bias", True)
+    n = c["num_hidden_layers"]
+    kind = "full_attention" if r.get("sliding_window") is None else "sliding_attention"
+    c.update(
+        intermediate_size=r.int("intermediate_size"),
+        hidden_act=act,
+        attention_bias=bias,
+        mlp_bias=bias,
+        rms_norm_eps=r.float("norm_epsilon", 1e-5),
+        layer_norm=True,
+        layer_norm_bias=True,
+        rope=_rope_params(r, 10000.0),
+        **_dense_layers(r, (kind,) * n),
+    )
+    c.update(mlp_types=("plain",) * n, layer_names=_STARCODER2_NAMES)
+    return c
+
+
 def _qwen3(r: _Reader) -> dict:
     c = _common(r)
     n = c["num_hidden_layers"]
@@ -5111,6 +5165,19 @@ _DEFAULTS["phi"] = dict(  # PhiConfig's (partial_rotary_factor 0.5: the reader's
     bos_token_id=1,
     eos_token_id=2,
 )
+_DEFAULTS["starcoder2"] = dict(  # Starcoder2Config's
+    **_sizes(positions=4096, vocab=49152, hidden=3072, intermediate=12288, layers=30, heads=24, kv_heads=2),
+    hidden_act="gelu_pytorch_tanh",
+    norm_epsilon=1e-5,
+    bos_token_id=50256,
+    eos_token_id=50256,
+    sliding_window=None,
+    attention_dropout=0.0,
+    residual_dropout=0.0,
+    embedding_dropout=0.0,
+    use_bias=True,
+    tie_word_embeddings=True,
+)
 _DEFAULTS["stablelm"] = dict(  # StableLmConfig's (partial_rotary_factor 0.25: the reader's, as __post_init__'s)
     **_sizes(positions=4096, vocab=50304, hidden=2560, intermediate=6912, layers=32, heads=32, kv_heads=32),
     hidden_act="silu",
@@ -5591,6 +5658,7 @@ _READERS = {
     "gpt_neox": _gpt_neox,
     "gpt2": _gpt2,
     "phi": _phi,
+    "starcoder2": _starcoder2,
     "stablelm": _stablelm,
     "cohere2": _cohere2,
     "cohere": _cohere,

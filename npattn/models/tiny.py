@@ -741,6 +741,21 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # StarCoder2: two pre-norm layers on LayerNorms with biases, 4 heads of 4 over 2 KV heads, a window
+    # of 4 keys on every layer, biases on q, k, v, o and the plain gelu_pytorch_tanh MLP, a tied head
+    "starcoder2": dict(
+        _BASE,
+        model_type="starcoder2",
+        intermediate_size=64,
+        rope_theta=1000.0,
+        norm_epsilon=1e-4,
+        sliding_window=4,
+        residual_dropout=0.1,
+        embedding_dropout=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
