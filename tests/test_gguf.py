@@ -300,6 +300,12 @@ PHI2 = dict(
     FAMILIES["phi"], hidden_size=256, intermediate_size=1024, layer_norm_eps=2**-17, num_key_value_heads=None,
     rope_theta=10000.0,
 )  # fmt: skip
+# StarCoder2: 4 heads of 64 over 2 key/value heads, biases everywhere, the plain tanh-GELU MLP, a
+# tied head; no window (the converter writes none: llama.cpp's starcoder2 attends to the whole past)
+STARCODER2 = dict(
+    FAMILIES["starcoder2"], hidden_size=256, intermediate_size=512, norm_epsilon=2**-17, rope_theta=10000.0,
+    sliding_window=None,
+)  # fmt: skip
 # StableLM 2 1.6B: heads of 64 (as many key/value heads), a quarter rotating, q/k/v biases, the
 # sequential residual; the converter writes no RoPE base (llama.cpp's 10000)
 STABLELM2 = dict(
@@ -923,6 +929,20 @@ def _gpt2_split(values: dict) -> dict:
     return out
 
 
+def _starcoder2_metadata(w, config):
+    """``StarCoder2Model`` (TextModel's ``set_gguf_parameters`` alone): the sizes, ``head_count_kv``,
+    the base ``rope.freq_base`` and ``norm_epsilon`` as the LayerNorms' epsilon; no window, no
+    key/value length (the config has no ``head_dim``)."""
+    w.add_context_length(64)
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    w.add_layer_norm_eps(config["norm_epsilon"])
+
+
 def _gptneox_metadata(w, config):
     """``GPTNeoXModel.set_gguf_parameters``: no RoPE base, no key/value heads, the rotated features
     ``int(rotary_pct * hidden / heads)``, ``use_parallel_residual`` and the LayerNorms' epsilon."""
@@ -1034,6 +1054,8 @@ def _metadata(w, config, arch):
         return _gptneox_metadata(w, config)
     if arch == "phi2":
         return _phi2_metadata(w, config)
+    if arch == "starcoder2":
+        return _starcoder2_metadata(w, config)
     if arch == "stablelm":
         return _stablelm_metadata(w, config)
     if arch == "gpt2":
@@ -1453,6 +1475,7 @@ CASES = [
     (STABLELM2, "stablelm"),
     (STABLELM2_12B, "stablelm"),
     (GPT2, "gpt2"),
+    (STARCODER2, "starcoder2"),
 ]
 
 
@@ -1671,6 +1694,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (STABLELM2, "stablelm", ("StableLmConfig", "StableLmForCausalLM")),
         (STABLELM2_12B, "stablelm", ("StableLmConfig", "StableLmForCausalLM")),
         (GPT2, "gpt2", ("GPT2Config", "GPT2LMHeadModel")),
+        (STARCODER2, "starcoder2", ("Starcoder2Config", "Starcoder2ForCausalLM")),
     ],
     ids=[
         "qwen2",
@@ -1717,6 +1741,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "stablelm",
         "stablelm-12b",
         "gpt2",
+        "starcoder2",
     ],
 )
 def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, arch, classes, qtype):
@@ -3011,6 +3036,7 @@ _ORIGINALS = {
     "tekken": ([_split(_TEKKEN), _byte_level(False)], True, False),  # Mistral Nemo's
     "smollm": ([_DIGITS, _byte_level(True)], False, False),  # SmolLM's
     "command-r": ([_DIGITS, _byte_level(True)], False, True),  # transformers' CohereTokenizer's
+    "starcoder": ([_DIGITS, _byte_level(True)], False, False),  # StarCoder2's
     "deepseek-llm": (  # DeepSeek LLM's
         [
             _split("[\r\n]"),
@@ -4623,3 +4649,38 @@ def test_gpt2_files_llama_cpp_cannot_read_are_refused_by_name(tmp_path, monkeypa
         _write(tmp_path / f"{i}.gguf", GPT2, sd, Q.F32, "gpt2")
         with pytest.raises(ValueError, match=message):
             CausalLM.from_gguf(tmp_path / f"{i}.gguf")
+
+
+def test_a_starcoder2_file_is_its_model_s_directory(tmp_path):
+    """A StarCoder2-like file is its directory's model: the same config, tensors (every bias, the
+    LayerNorms') and logits; tied (no output.weight) and untied, and a model without use_bias's
+    biases (its LayerNorms keep theirs)."""
+    g, _, _ = _file_is_its_directory(tmp_path, STARCODER2, "starcoder2")
+    assert g.config.tie_word_embeddings and g.config.attention_bias and g.config.mlp_bias
+    assert np.abs(g.state_dict()["model.layers.1.mlp.c_fc.bias"]).max() > 0
+    for name, change in (("untied", {"tie_word_embeddings": False}), ("nobias", {"use_bias": False})):
+        (tmp_path / name).mkdir()
+        g, _, _ = _file_is_its_directory(tmp_path / name, dict(STARCODER2, **change), "starcoder2")
+    assert not g.config.attention_bias and not g.config.mlp_bias and "model.norm.bias" in g.state_dict()
+
+
+def test_starcoder2_files_as_llama_cpp_reads_them(tmp_path):
+    """The converter writes no window: a model with ``sliding_window`` 4 becomes a file llama.cpp
+    reads as full attention (its logits past the window are those of the same weights without
+    the window); a file whose blocks have the attention's biases but not the MLP's (or the MLP's
+    but not the attention's) is refused by name."""
+    windowed = dict(STARCODER2, sliding_window=4)
+    sd = _model(windowed).state_dict()
+    _write(tmp_path / "m.gguf", windowed, sd, Q.F32, "starcoder2")
+    g = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert g.config.sliding_window is None and set(g.config.layer_types) == {"full_attention"}
+    ids = np.random.default_rng(1).integers(0, windowed["vocab_size"], (1, 7))
+    np.testing.assert_array_equal(_logits(g, ids), _logits(CausalLM.from_hf(sd, STARCODER2), ids))
+    assert not np.allclose(_logits(g, ids)[0, 6], _logits(CausalLM.from_hf(sd, windowed), ids)[0, 6])
+    for lack, have, bad in (
+        ("mlp.c_fc.bias", "attn_q.bias", "ffn_up.bias"),
+        ("q_proj.bias", "ffn_up.bias", "attn_q.bias"),
+    ):
+        _write(tmp_path / "x.gguf", STARCODER2, {k: v for k, v in sd.items() if lack not in k}, Q.F32, "starcoder2")
+        with pytest.raises(ValueError, match=rf"'blk.0.{have}' without 'blk.0.{bad}'.*use_bias"):
+            CausalLM.from_gguf(tmp_path / "x.gguf")

@@ -1723,7 +1723,7 @@ class CausalLM(Module):
         ``olmo2`` (OLMo 2's, and OLMo 3's with a sliding window), ``exaone4``, ``ernie4_5``, ``glm4``,
         ``mistral3`` (Ministral 3's query scale by position), ``arcee``, ``olmo`` (the first OLMo),
         ``apertus``, ``command-r`` (Command R and R+), ``cohere2`` (Command R7B), ``hunyuan-dense``,
-        ``gptneox`` (Pythia, GPT-NeoX-20B), ``phi2`` (Phi-1 to 2), ``stablelm`` (StableLM-3B-4E1T,
+        ``gptneox`` (Pythia, GPT-NeoX-20B), ``phi2`` (Phi-1 to 2), ``starcoder2``, ``stablelm`` (StableLM-3B-4E1T,
         StableLM 2 1.6B and 12B), ``gpt2`` (GPT-2, its learned
         positions), ``falcon-h1``, ``nemotron_h``
         (Nemotron-H) and ``nemotron_h_moe`` (Nemotron 3 Nano's routed experts) files of ``F32``,

@@ -1067,6 +1067,26 @@ def _gguf_gpt2(config: dict, meta: Mapping) -> None:
         config.pop(key, None)
 
 
+def _gguf_starcoder2(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``starcoder2`` (``StarCoder2Model`` in ``convert_hf_to_gguf.py``, TextModel's
+    keys alone; ``llama_model_starcoder2``): LayerNorms with biases (``attention.layer_norm_epsilon``),
+    q, k, v apart and not permuted (rotate-half RoPE over the whole head), the plain MLP
+    ``ffn_up``/``ffn_down`` under ``LLM_FFN_GELU`` (ggml's tanh GELU: Starcoder2Config's
+    ``gelu_pytorch_tanh``).  ``use_bias`` is whether the file's blocks hold the biases, the
+    attention's and the MLP's together (a file with one and not the other is refused by name: no
+    StarCoder2 has it).  No sliding window: the converter writes none and llama.cpp masks no key
+    out of the causal past, so a file's model attends to every earlier token (the checkpoint's
+    ``sliding_window`` of 4096 is not in the file: beyond 4096 tokens its logits are llama.cpp's,
+    not transformers')."""
+    attention, mlp = config.pop("attention_bias"), config.pop("mlp_bias", False)
+    if attention != mlp:
+        have, lack = ("attn_q.bias", "ffn_up.bias") if attention else ("ffn_up.bias", "attn_q.bias")
+        raise ValueError(
+            f"tensor 'blk.0.{have}' without 'blk.0.{lack}': a starcoder2 file's biases are all or none (use_bias)"
+        )
+    config["use_bias"] = attention
+
+
 GGUF_FAMILIES = {
     "llama": GgufFamily("llama", permute_qk=True, derive=_gguf_llama, reads=("expert_count", "expert_used_count")),
     "qwen2": GgufFamily("qwen2"),
@@ -1285,6 +1305,11 @@ GGUF_FAMILIES = {
         derive=_gguf_phi2,
         reads=("rope.dimension_count",),
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
+    ),
+    # StarCoder2: LayerNorms with biases, q, k, v apart (rotate-half rows, not permuted), the plain
+    # tanh-GELU MLP, use_bias from the tensors (_gguf_starcoder2); no window (llama.cpp's full attention)
+    "starcoder2": GgufFamily(
+        "starcoder2", derive=_gguf_starcoder2, eps=("norm_epsilon", "attention.layer_norm_epsilon")
     ),
     # StableLM: q, k, v apart (rotate-half rows, not permuted), the per-head q/k LayerNorms and the
     # parallel residual (no ffn_norm) of StableLM 2 12B read off the tensors (_gguf_stablelm)

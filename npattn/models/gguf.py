@@ -14,7 +14,7 @@ Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first 
 (its xIELU's numbers per layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``,
 Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
 ``command-r``, Command R's, ``cohere2``, Command R7B's,
-``hunyuan-dense``, ``gptneox``, Pythia's and GPT-NeoX-20B's, ``phi2``, Phi-1's, Phi-1.5's and
+``hunyuan-dense``, ``starcoder2``, ``gptneox``, Pythia's and GPT-NeoX-20B's, ``phi2``, Phi-1's, Phi-1.5's and
 Phi-2's, their head's bias ``output.bias``, ``gpt2``, GPT-2's, its learned positions
 ``position_embd``, ``stablelm``, StableLM-3B-4E1T's and StableLM 2's, the
 12B's per-head q/k LayerNorms and parallel residual read off its tensors) and what each means in Hugging Face terms (a
@@ -945,6 +945,9 @@ GGUF_PRE_TOKENIZERS = {
     # Command R's and R7B's (transformers' CohereTokenizer: NFC, each digit alone, GPT-2's split;
     # llama-vocab.cpp gives command-r smollm's regexes, "\\p{N}" before GPT-2's)
     "command-r": GgufPreTokenizer(digits=True, nfc=True),
+    # StarCoder2's (its tokenizer.json: each digit alone, then GPT-2's byte-level split, no
+    # normalizer; llama-vocab.cpp gives starcoder smollm's regexes)
+    "starcoder": GgufPreTokenizer(digits=True),
     "deepseek-llm": GgufPreTokenizer(
         ("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK), digits=True
     ),
