@@ -36,6 +36,15 @@ def test_reader():
     assert not any("up_proj" in n or "gate_proj" in n or n.startswith("lm_head") for n in names)
 
 
+def test_attention_dropout_is_the_attention_s():
+    """``attention_dropout`` reaches each attention (its weights dropped while training, as
+    Starcoder2Attention's); the residual and embedding dropouts are read and not applied."""
+    m = CausalLM({**TINY, "attention_dropout": 0.1}, rng=0)
+    drops = {n: mod.dropout for n, mod in m.named_modules() if n.endswith("self_attn")}
+    assert drops == {"model.layers.0.self_attn": 0.1, "model.layers.1.self_attn": 0.1}
+    assert config_from_hf(TINY).attention_dropout == 0.0
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
