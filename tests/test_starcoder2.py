@@ -36,6 +36,24 @@ def test_reader():
     assert not any("up_proj" in n or "gate_proj" in n or n.startswith("lm_head") for n in names)
 
 
+# the keys of StarCoder2-15B's config.json (BigCode's training code's mlp_type and norm_type among them)
+RELEASED_15B = dict(
+    architectures=["Starcoder2ForCausalLM"], attention_dropout=0.1, residual_dropout=0.1, embedding_dropout=0.1,
+    bos_token_id=0, eos_token_id=0, hidden_act="gelu_pytorch_tanh", hidden_size=6144, initializer_range=0.01275,
+    intermediate_size=24576, max_position_embeddings=16384, mlp_type="default", model_type="starcoder2",
+    norm_epsilon=1e-05, norm_type="layer_norm", num_attention_heads=48, num_hidden_layers=40, num_key_value_heads=4,
+    rope_theta=100000, sliding_window=4096, torch_dtype="float32", transformers_version="4.37.0.dev0", use_bias=True,
+    use_cache=True, vocab_size=49152,
+)  # fmt: skip
+
+
+def test_released_config_is_read():
+    cfg = config_from_hf(RELEASED_15B)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.sliding_window, cfg.attention_dropout) == (128, 4, 4096, 0.1)
+    assert cfg.layer_types == ("sliding_attention",) * 40 and cfg.tie_word_embeddings
+    assert cfg.rope["default"]["rope_theta"] == 100000 and cfg.hidden_act == "gelu_pytorch_tanh"
+
+
 def test_attention_dropout_is_the_attention_s():
     """``attention_dropout`` reaches each attention (its weights dropped while training, as
     Starcoder2Attention's); the residual and embedding dropouts are read and not applied."""
