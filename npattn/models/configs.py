@@ -90,6 +90,7 @@ SUPPORTED_MODEL_TYPES = (
     "stablelm",
     "olmo",
     "gpt2",
+    "starcoder2",
 )
 
 ATTENTION_KINDS = (
