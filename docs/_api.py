@@ -24,8 +24,8 @@ MODULES = [
         " them Llama 3, Mistral, Mixtral, Qwen2 to 3.5 and Qwen2-MoE, Gemma 2 to 4, GPT-OSS, DeepSeek-V3, OLMo,"
         " OLMoE, SmolLM3, Phi-3, Granite 3 and 4.0, Falcon-H1, Nemotron-H, Command R, R+ and R7B, GPT-NeoX, GPT-2,"
         " Phi-2, StableLM, StarCoder2, Arcee, Apertus, Hunyuan dense, LFM2, EXAONE 4.0, ERNIE 4.5, GLM-4,"
-        " Ministral and Ministral 3),"
-        " a small GPT-style ``TinyTransformer``, and the tokenizer and chat template of a checkpoint.",
+        " Ministral, Ministral 3"
+        " and Mamba-2), a small GPT-style ``TinyTransformer``, and the tokenizer and chat template of a checkpoint.",
     ),
     ("npattn.book", "The classes and functions of *Build a Large Language Model (From Scratch)*, chapters 3-5."),
     ("npattn.optim", "Optimisers, gradient clipping and schedules."),

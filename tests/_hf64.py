@@ -199,12 +199,13 @@ def check_logits_and_grads(m, hf, ids: np.ndarray, dlogits: np.ndarray, *, names
     return params
 
 
-def check_directory_round_trip(tmp_path, config_cls, model_cls, cfg: dict) -> dict:
+def check_directory_round_trip(tmp_path, config_cls, model_cls, cfg: dict, *, grads=None) -> dict:
     """transformers' own save_pretrained directory of ``model_cls`` (built from ``cfg`` in float64)
     loads with ``CausalLM.from_pretrained``: logits to 1e-9 and every gradient to 1e-8 under a
     random upstream gradient, the pad token among the ids; npattn's save_pretrained of it is read
     back by ``model_cls`` with no key missing, unexpected or of another shape, the same tensors.
-    Returns ``check_logits_and_grads``' parameters."""
+    ``grads``: as ``check_logits_and_grads``' (transformers' names as npattn's).  Returns
+    ``check_logits_and_grads``' parameters."""
     import torch
 
     from npattn.models import CausalLM
@@ -214,7 +215,7 @@ def check_directory_round_trip(tmp_path, config_cls, model_cls, cfg: dict) -> di
     m = CausalLM.from_pretrained(tmp_path / "hf", dtype=np.float64)
     ids = np.array([[1, 5, 7, 0, 9, 3, 11], [4, 4, 8, 0, 1, 2, 30]])
     dlogits = np.random.default_rng(2).standard_normal(ids.shape + (cfg["vocab_size"],))
-    params = check_logits_and_grads(m, hf, ids, dlogits)
+    params = check_logits_and_grads(m, hf, ids, dlogits, grads=grads)
     m.save_pretrained(tmp_path / "ours")
     back, info = model_cls.from_pretrained(tmp_path / "ours", dtype=torch.float64, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

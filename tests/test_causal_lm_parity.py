@@ -890,6 +890,7 @@ def test_state_dict_round_trip_uses_hf_names(name):
         "falcon_h1",
         "nemotron_h",
         "nemotron_h_moe",
+        "mamba2",
         "exaone4",
         "ernie4_5",
         "arcee",

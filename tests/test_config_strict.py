@@ -284,11 +284,11 @@ _PARTIAL_ROPE = (
 
 
 _WHOLE_HEADS = sorted(set(FAMILIES) - set(_PARTIAL_ROPE))  # their own tests read the factor
-_NO_ROPE_DICT = ("kimi_linear", "nemotron_h", "nemotron_h_moe", "gpt2")  # GPT-2: learned positions, no RoPE
+_NO_ROPE_DICT = ("kimi_linear", "nemotron_h", "nemotron_h_moe", "gpt2", "mamba2")  # GPT-2: learned positions, no RoPE
 _WHERE = [(f, "top") for f in _WHOLE_HEADS] + [(f, "dict") for f in _WHOLE_HEADS if f not in _NO_ROPE_DICT]
 
 
-@pytest.mark.parametrize("family, where", _WHERE)  # (Kimi Linear's and Nemotron-H's attention: no RoPE dict)
+@pytest.mark.parametrize("family, where", _WHERE)  # (Kimi Linear's and Nemotron-H's attention, Mamba-2: no RoPE dict)
 def test_partial_rotary_factor_is_refused_where_transformers_rotates_whole_heads(family, where):
     """Llama's attention (and that of every family it was copied into) rotates whole heads: its
     default RoPE ignores ``partial_rotary_factor`` (``test_transformers_ignores_the_factor``), so a

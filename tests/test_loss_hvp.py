@@ -38,6 +38,7 @@ FAMILIES += ["hunyuan_v1_dense"]  # the QK-norm after RoPE in the second-order s
 FAMILIES += ["gpt_neox"]  # the parallel residual (two LayerNorms with biases of the layer's input), partial RoPE
 FAMILIES += ["phi"]  # attention and the plain MLP side by side on one LayerNorm with a bias, the head's bias
 FAMILIES += ["starcoder2"]  # the plain MLP with biases after a sliding-window attention, LayerNorms with biases
+FAMILIES += ["mamba2"]  # blocks of a Mamba-2 mixer alone (no attention, no MLP), its conv bias, two groups
 FAMILIES += ["stablelm"]  # a LayerNorm of each head's q and k with a weight row a head, beside the parallel MLP
 FAMILIES += ["gpt2"]  # the learned positions' table (its rows' second order), Conv1D layers, no RoPE
 IGNORE = -1

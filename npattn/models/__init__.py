@@ -4,7 +4,7 @@
 * ``CausalLM``: one config-driven decoder-only language model that loads Hugging Face
   checkpoints of the families of ``configs.SUPPORTED_MODEL_TYPES``, among them Llama 3, Mistral,
   Mixtral, Qwen2 to 3.5 and Qwen2-MoE, Gemma 2 to 4, GPT-OSS, DeepSeek-V3, OLMo, OLMo 2 and 3, OLMoE, SmolLM3,
-  Phi-3, Granite 3 and 4.0, Falcon-H1, Nemotron-H, Command R, R+ and R7B, GPT-NeoX, GPT-2, Phi-2,
+  Phi-3, Granite 3 and 4.0, Falcon-H1, Nemotron-H, Mamba-2, Command R, R+ and R7B, GPT-NeoX, GPT-2, Phi-2,
   Arcee, Apertus, StarCoder2, Hunyuan dense, LFM2, EXAONE 4.0, ERNIE 4.5, GLM-4, Ministral and Ministral 3
   (``causal_lm.py``);
   ``CausalLMConfig`` is its configuration, made from a Hugging Face config

@@ -79,6 +79,7 @@ SUPPORTED_MODEL_TYPES = (
     "lfm2_moe",
     "falcon_h1",
     "nemotron_h",
+    "mamba2",
     "arcee",
     "glm4",
     "cohere2",
@@ -3241,26 +3242,32 @@ def _granite_mamba(r: _Reader, c: dict) -> Mamba2Config:
     return _mamba2(r, c, r.int("mamba_expand") * c["hidden_size"], "mamba_expand * hidden_size")
 
 
-def _mamba2(r: _Reader, c: dict, inner: int, inner_name: str, **options) -> Mamba2Config:
+def _mamba2(r: _Reader, c: dict, inner: int, inner_name: str, keys: Mapping | None = None, **options) -> Mamba2Config:
     """The ``Mamba2Config`` of Granite 4.0's and Falcon-H1's ``mamba_*`` keys (``_granite_mamba``)
-    for the inner width ``inner`` (``inner_name`` says how the config gives it); ``options``: the
+    for the inner width ``inner`` (``inner_name`` says how the config gives it); ``keys``: the
+    family's own names of those keys (Mamba-2's ``num_heads``, ``head_dim`` ...); ``options``: the
     family's own ``Mamba2Mixer`` options."""
-    heads = r.int("mamba_n_heads")
-    head_dim = r.get("mamba_d_head", "auto")
+    k = {name: name for name in _GRANITE_MAMBA_KEYS} | dict(keys or {})
+    heads = r.int(k["mamba_n_heads"])
+    head_dim = r.get(k["mamba_d_head"], "auto")
     if head_dim == "auto":
         if inner % heads:
-            raise ValueError(f"config['mamba_n_heads']: expected a divisor of {inner_name} = {inner}, got {heads}")
+            raise ValueError(
+                f"config[{k['mamba_n_heads']!r}]: expected a divisor of {inner_name} = {inner}, got {heads}"
+            )
         head_dim = inner // heads
     elif isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
-        raise ValueError(f"config['mamba_d_head']: expected 'auto' or an integer >= 1, got {_show(head_dim)}")
+        raise ValueError(f"config[{k['mamba_d_head']!r}]: expected 'auto' or an integer >= 1, got {_show(head_dim)}")
     if heads * head_dim != inner:
         raise ValueError(
-            f"config['mamba_d_head']: expected {inner_name} / mamba_n_heads = {inner / heads:g} "
+            f"config[{k['mamba_d_head']!r}]: expected {inner_name} / {k['mamba_n_heads']} = {inner / heads:g} "
             f"(the heads fill the inner width {inner}), got {head_dim}"
         )
-    groups = r.int("mamba_n_groups")
+    groups = r.int(k["mamba_n_groups"])
     if heads % groups:
-        raise ValueError(f"config['mamba_n_groups']: expected a divisor of mamba_n_heads = {heads}, got {groups}")
+        raise ValueError(
+            f"config[{k['mamba_n_groups']!r}]: expected a divisor of {k['mamba_n_heads']} = {heads}, got {groups}"
+        )
     limit = r.get("time_step_limit", [0.0, math.inf])  # transformers' default: no clip
     if isinstance(limit, (list, tuple)):  # transformers 5 writes an infinity as {"__float__": "Infinity"}
         limit = [_TAGGED_FLOATS.get(v["__float__"], v) if _is_tagged_float(v) else v for v in limit]
@@ -3279,14 +3286,14 @@ def _mamba2(r: _Reader, c: dict, inner: int, inner_name: str, **options) -> Mamb
         hidden_size=c["hidden_size"],
         num_heads=heads,
         head_dim=head_dim,
-        state_size=r.int("mamba_d_state"),
+        state_size=r.int(k["mamba_d_state"]),
         n_groups=groups,
-        conv_kernel=r.int("mamba_d_conv"),
-        conv_bias=r.bool("mamba_conv_bias", True),
-        proj_bias=r.bool("mamba_proj_bias"),
+        conv_kernel=r.int(k["mamba_d_conv"]),
+        conv_bias=r.bool(k["mamba_conv_bias"], True),
+        proj_bias=r.bool(k["mamba_proj_bias"]),
         rms_norm_eps=c["rms_norm_eps"],
         time_step_limit=(float(limit[0]), float(limit[1])),
-        chunk_size=r.int("mamba_chunk_size"),
+        chunk_size=r.int(k["mamba_chunk_size"]),
         **options,
     )
 
@@ -3675,6 +3682,64 @@ def _nemotron_h(r: _Reader) -> dict:
 # (the model's part, the checkpoint's part): the released checkpoints' backbone.* (transformers' own
 # model.*, as the model names it, is read too)
 _NEMOTRON_H_RENAMES = (("model.", "backbone."),)
+
+
+# Mamba-2's blocks: the norm and the mixer (Nemotron-H's names, its Mamba-2 blocks')
+_MAMBA2_NAMES = (("input_layernorm", "norm"), ("mamba", "mixer"))
+# the attention keys _common reads, which a Mamba2Config has not (the reader gives them for _common)
+_MAMBA2_NO_ATTENTION = ("num_attention_heads", "num_key_value_heads", "rms_norm_eps", "attention_dropout")
+
+
+def _mamba2_lm(r: _Reader) -> dict:
+    """Mamba-2 (``Mamba2ForCausalLM``: Mamba-Codestral-7B, state-spaces/mamba2-130m to 2.7b in
+    transformers' format): every block ``x + mixer(norm(x))``, a Mamba-2 mixer (layer kind
+    ``"linear_attention"``, MLP kind ``"none"``: Nemotron-H's Mamba-2 block), ``num_heads`` heads of
+    ``head_dim`` (their product must be ``expand * hidden_size``, as Mamba2Config checks),
+    ``n_groups`` groups of ``state_size``, ``conv_kernel`` taps, ``use_conv_bias``, ``use_bias``
+    (in_proj's and out_proj's), ``chunk_size``, ``time_step_limit`` (the step's clip), the gated
+    norm (the gate first, in groups) and every norm with ``layer_norm_epsilon``; the convolution's
+    activation ``hidden_act`` (SiLU only).  The head is tied to the embedding where
+    ``tie_word_embeddings`` (``Mamba2ForCausalLM._tied_weights_keys``).  Checkpoint names:
+    ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*``,
+    ``backbone.norm_f``, ``lm_head``; the embedding has no padding row.  Metadata:
+    ``time_step_rank`` (read by no module), ``time_step_min``/``_max``/``_floor`` and
+    ``rescale_prenorm_residual`` (the initialisation), ``residual_in_fp32`` (the residual's
+    precision: npattn's is the model's dtype, float64 or float32, never lower)."""
+    heads, head_dim = r.int("num_heads"), r.int("head_dim")
+    eps = r.float("layer_norm_epsilon", 1e-5)
+    d = r.d
+    r.d = {**d, "num_attention_heads": heads, "head_dim": head_dim, "rms_norm_eps": eps}
+    c = _common(r)
+    r.d = d
+    r.used.difference_update(_MAMBA2_NO_ATTENTION)  # a Mamba2Config with one of them: refused by name (finish)
+    n, hidden = c["num_hidden_layers"], c["hidden_size"]
+    expand = r.int("expand")
+    if heads * head_dim != expand * hidden:
+        raise ValueError(
+            f"config['head_dim']: expected expand * hidden_size / num_heads = {expand * hidden / heads:g} "
+            f"(num_heads * head_dim must equal expand * hidden_size = {expand * hidden}), got {head_dim}"
+        )
+    c["hidden_act"] = _act(r, "hidden_act", "silu")
+    for key in ("time_step_rank", "time_step_min", "time_step_max", "time_step_floor"):
+        r.get(key)
+    r.bool("rescale_prenorm_residual"), r.bool("residual_in_fp32", True)
+    keys = dict(mamba_n_heads="num_heads", mamba_d_head="head_dim", mamba_n_groups="n_groups")
+    keys.update(mamba_d_state="state_size", mamba_d_conv="conv_kernel", mamba_chunk_size="chunk_size")
+    keys.update(mamba_conv_bias="use_conv_bias", mamba_proj_bias="use_bias")
+    c.update(
+        linear_attention=_mamba2(r, c, heads * head_dim, "num_heads * head_dim", keys=keys),
+        pad_embedding_row=False,  # Mamba2Model's embedding has no padding row
+        layer_types=("linear_attention",) * n,
+        mlp_types=("none",) * n,
+        intermediate_size=1,  # no MLP
+        rope={"default": {"rope_type": "default", "rope_theta": 10000.0}},
+        rope_layers=(False,) * n,
+        layer_names=_MAMBA2_NAMES,
+        final_norm_name="norm_f",
+        embed_name="embeddings",
+        layout=CheckpointLayout(r.model_type, renames=_NEMOTRON_H_RENAMES),
+    )
+    return c
 
 
 def _granite_attention(r: _Reader, n: int) -> dict:
@@ -5019,6 +5084,32 @@ _DEFAULTS: dict = {
         topk_group=1,
         norm_topk_prob=True,
     ),
+    "mamba2": dict(  # Mamba2Config's (time_step_limit: the reader's)
+        num_heads=128,
+        head_dim=64,
+        vocab_size=32768,
+        hidden_size=4096,
+        state_size=128,
+        num_hidden_layers=64,
+        layer_norm_epsilon=1e-5,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        expand=2,
+        conv_kernel=4,
+        n_groups=8,
+        use_bias=False,
+        use_conv_bias=True,
+        hidden_act="silu",
+        residual_in_fp32=True,
+        time_step_rank="auto",
+        time_step_min=0.001,
+        time_step_max=0.1,
+        time_step_floor=1e-4,
+        rescale_prenorm_residual=False,
+        chunk_size=256,
+        tie_word_embeddings=False,
+    ),
     "exaone4": dict(  # Exaone4Config's class defaults (no RoPE key: the reader's base of 10000)
         **_sizes(positions=2048, vocab=102400, hidden=4096, intermediate=16384, layers=32, heads=32, kv_heads=32),
         hidden_act="silu",
@@ -5679,6 +5770,7 @@ _READERS = {
     "lfm2_moe": _lfm2_moe,
     "falcon_h1": _falcon_h1,
     "nemotron_h": _nemotron_h,
+    "mamba2": _mamba2_lm,
     "arcee": _arcee,
     "olmo": _olmo,
     "gpt_neox": _gpt_neox,

@@ -756,6 +756,26 @@ TINY_CONFIGS: dict = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Mamba-2: two blocks of a mixer alone (4 heads of 8 in 2 groups, state 4, 3 taps with their
+    # bias, chunks of 4), no attention and no MLP (tests/test_mamba2_lm.py: in_proj/out_proj biases, a tied
+    # head, a clipped step)
+    "mamba2": dict(
+        model_type="mamba2",
+        vocab_size=41,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=8,
+        expand=2,
+        n_groups=2,
+        state_size=4,
+        conv_kernel=3,
+        chunk_size=4,
+        layer_norm_epsilon=1e-5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Granite 3.x: Llama's layer with its four numbers away from 1 (embeddings times 3, each branch
     # times 0.5, the scores times 0.3 instead of 1/sqrt(8), the logits over 2.5), biases, a tied head
     "granite": dict(
