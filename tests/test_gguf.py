@@ -423,6 +423,20 @@ NEMOTRON_H = dict(
     chunk_size=256,
     time_step_min=0.0,
 )
+# Mamba-2 (mamba2-130m's kind): two blocks of a Mamba-2 mixer alone (4 heads of 128 in 2 groups of B, C
+# of 16, 4 taps with their bias, expand 2 as the converter asserts), an untied head; the chunk size the
+# file's none (transformers' 256 read back), no step clipped (llama.cpp's scan, transformers' default)
+MAMBA2 = dict(
+    FAMILIES["mamba2"],
+    vocab_size=48,
+    hidden_size=256,
+    num_heads=4,
+    head_dim=128,
+    n_groups=2,
+    state_size=16,
+    conv_kernel=4,
+    chunk_size=256,
+)
 # Nemotron 3 (Nano 30B-A3B's kind): NEMOTRON_H's Mamba-2 and attention blocks with two routed-experts
 # blocks ("E": 2 of 4 relu2 experts, not gated, 256 wide, sigmoid scores with the choice bias, renormalised
 # and scaled by 2.5, one group as the released model's) within a latent width of 512 (not the hidden
@@ -1045,9 +1059,29 @@ def _stablelm_checkpoint(values: dict) -> dict:
     return out
 
 
+def _mamba2_metadata(w, config):
+    """``Mamba2Model.set_gguf_parameters`` (not TextModel's): context 2**20, feed_forward_length and
+    head_count 0 ("seemingly required when loading"), the ``ssm.*`` keys (time_step_rank the inner
+    width over head_dim: the heads), the RMS epsilon; no vocab_size (set_vocab pads the tokenizer's)."""
+    w.add_context_length(2**20)
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(config["num_hidden_layers"])
+    inner = config["expand"] * config["hidden_size"]
+    w.add_ssm_conv_kernel(config["conv_kernel"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(config["state_size"])
+    w.add_ssm_time_step_rank(inner // config["head_dim"])
+    w.add_ssm_group_count(config["n_groups"])
+    w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+
+
 def _metadata(w, config, arch):
     """The metadata llama.cpp's converter writes for ``config`` (``TextModel.set_gguf_parameters``
     and the architecture's own keys)."""
+    if arch == "mamba2":
+        return _mamba2_metadata(w, config)
     if arch == "phi3":
         return _phi3_metadata(w, config)
     if arch == "gptneox":
@@ -1310,7 +1344,7 @@ def _as_gguf(sd: dict, config: dict, arch: str) -> dict:
             value = value.reshape(config.get("mamba_n_groups") or config["n_groups"], -1)
         # Mamba2Model.filter_tensors: dt_bias as dt_proj.bias (ssm_dt.bias)
         mapped = key[: -len("dt_bias")] + "dt_proj.bias" if key.endswith(".dt_bias") else key
-        if arch in ("nemotron_h", "nemotron_h_moe"):  # the released checkpoint's names (backbone.*), mapped
+        if arch in ("nemotron_h", "nemotron_h_moe", "mamba2"):  # the released checkpoint's names (backbone.*), mapped
             mapped = "backbone." + mapped[len("model.") :] if mapped.startswith("model.") else mapped
             mapped = mapped.replace(".e_score_correction_bias", ".e_score_correction.bias")
         name = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
@@ -1466,6 +1500,7 @@ CASES = [
     (FALCON_H1_ROUNDED, "falcon-h1"),
     (NEMOTRON_H, "nemotron_h"),
     (NEMOTRON_H_MOE, "nemotron_h_moe"),
+    (MAMBA2, "mamba2"),
     (COHERE2, "cohere2"),
     (COMMAND_R, "command-r"),
     (COMMAND_R_PLUS, "command-r"),
@@ -1543,7 +1578,8 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
     # bound for the MoE models; SmolLM3's four layers and tied head, logits up to 55, take Q8_0's to 5%,
     # Phi-3's tied head, logits up to 64, to 4%, LFM2's, logits up to 55, to 3.1%, OLMo's, logits up
     # to 6, to 4.5%, GPT-NeoX's, logits up to 5, to 3.4%, and StableLM 2's, logits up to 5, to 3.1%; Nemotron-H's relu2
-    # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%)
+    # squares and Mamba-2 steps take BF16's and Q8_0's roundings to 5% and 14%: F16's alone, 0.8%; Mamba-2's
+    # blocks alone, logits up to 6, Q8_0's to 5.7%)
     moe = config["model_type"] in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "lfm2_moe", *_GRANITE_MOES)
     moe = moe or "n_routed_experts" in config  # (Nemotron 3's)
     coarse = arch in ("nemotron_h", "nemotron_h_moe") and qtype != Q.F16
@@ -1552,7 +1588,7 @@ def test_quantized_file_is_its_dequantized_model(tmp_path, config, arch, qtype):
         and not coarse
         and (
             qtype in (Q.F16, Q.BF16)
-            or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo", "gptneox", "stablelm"))
+            or (qtype == Q.Q8_0 and arch not in ("smollm3", "phi3", "lfm2", "olmo", "gptneox", "stablelm", "mamba2"))
         )
     ):
         ref = _source_logits(config)
@@ -1685,6 +1721,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         (FALCON_H1_ROUNDED, "falcon-h1", ("FalconH1Config", "FalconH1ForCausalLM")),
         (NEMOTRON_H, "nemotron_h", ("NemotronHConfig", "NemotronHForCausalLM")),
         (NEMOTRON_H_MOE, "nemotron_h_moe", ("NemotronHConfig", "NemotronHForCausalLM")),
+        (MAMBA2, "mamba2", ("Mamba2Config", "Mamba2ForCausalLM")),
         (COHERE2, "cohere2", ("Cohere2Config", "Cohere2ForCausalLM")),
         (COMMAND_R, "command-r", ("CohereConfig", "CohereForCausalLM")),
         (COMMAND_R_PLUS, "command-r", ("CohereConfig", "CohereForCausalLM")),
@@ -1732,6 +1769,7 @@ def test_a_split_file_is_refused_as_one_part_of_several(tmp_path, monkeypatch):
         "falcon-h1-rounded",
         "nemotron_h",
         "nemotron_h_moe",
+        "mamba2",
         "cohere2",
         "command-r",
         "command-r-plus",
@@ -1763,6 +1801,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(tmp_path, config, 
         "gptneox": lambda v: _gptneox_checkpoint(v, config["num_attention_heads"]),
         "stablelm": _stablelm_checkpoint,
         "gpt2": _gpt2_checkpoint,
+        "mamba2": lambda v: {k.replace("model.", "backbone.", 1): x for k, x in v.items()},  # Mamba2Model's names
     }.get(arch, _granite_checkpoint)(want)
     missing, unexpected = hf.load_state_dict(
         {k: torch.from_numpy(v.astype(np.float64)) for k, v in checkpoint.items()}, strict=False
@@ -2865,12 +2904,82 @@ def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
     np.testing.assert_array_equal(_logits(back, ids), _logits(g, ids))
 
 
+@pytest.mark.parametrize("changes", [dict(), dict(tie_word_embeddings=True, use_bias=True, use_conv_bias=False)])
+def test_a_mamba2_file_is_its_model_s_directory(tmp_path, changes):
+    """The file and the source model's own directory (save_pretrained: the backbone.* names) are one
+    model: the same config, tensors and logits (A_log to within a few float32 roundings); a tied head
+    (no ``output`` in the file), in_proj's and out_proj's biases and a convolution without one read
+    off the tensors; the file's model saved and read back is itself."""
+    g, ids, meta = _file_is_its_directory(tmp_path, dict(MAMBA2, layer_norm_epsilon=2.0**-20, **changes), "mamba2")
+    assert g.config.tie_word_embeddings == bool(changes) and g.config.hf["use_bias"] == bool(changes)
+    assert g.config.linear_attention.conv_bias == (not changes)
+    g.save_pretrained(tmp_path / "g")
+    back = CausalLM.from_pretrained(tmp_path / "g")
+    assert back.config.replace(**meta) == g.config.replace(**meta)
+    np.testing.assert_array_equal(_logits(back, ids), _logits(g, ids))
+
+
+_MAMBA2_SSM = {
+    "ssm.conv_kernel": 4,
+    "ssm.state_size": 16,
+    "ssm.group_count": 2,
+    "ssm.inner_size": 512,
+    "ssm.time_step_rank": 4,
+}
+
+
+def test_mamba2_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch):
+    """``Mamba2Model.set_gguf_parameters``: the ``ssm.*`` keys as Mamba2Config's (heads
+    ``time_step_rank``, head_dim the inner width over them, expand the inner width over
+    ``embedding_length``), the RMS epsilon as ``layer_norm_epsilon``, the chunk size transformers'
+    256, no attention key left; a missing size names Mamba-2's key, an inner width that is no
+    multiple of the hidden one names expand, a head_count other than 0 is refused by name."""
+    from npattn.models.configs import GGUF_FAMILIES, config_from_hf
+
+    derive = GGUF_FAMILIES["mamba2"].derive
+    base = dict(model_type="mamba2", num_hidden_layers=2, hidden_size=256, num_attention_heads=1, rms_norm_eps=1e-5)
+    base.update(num_key_value_heads=1, head_dim=256, rope_theta=1e4, intermediate_size=0, attention_bias=False)
+    c = dict(base)
+    derive(c, _MAMBA2_SSM)
+    assert c == dict(
+        model_type="mamba2", num_hidden_layers=2, hidden_size=256, layer_norm_epsilon=1e-5, num_heads=4, head_dim=128,
+        n_groups=2, state_size=16, conv_kernel=4, expand=2, chunk_size=256,
+    )  # fmt: skip
+    m = config_from_hf(c).linear_attention
+    assert (m.num_heads, m.head_dim, m.time_step_limit) == (4, 128, (0.0, math.inf))
+    for suffix, key in (("ssm.time_step_rank", "num_heads"), ("ssm.group_count", "n_groups")):
+        with pytest.raises(
+            ValueError, match=rf"'mamba2.{suffix}': expected an integer >= 1 \(the Mamba-2 layers' {key}\)"
+        ):
+            derive(dict(base), dict(_MAMBA2_SSM, **{suffix: 0}))
+    with pytest.raises(
+        ValueError, match=r"'mamba2.ssm.state_size': expected an integer >= 1 \(the Mamba-2 layers' state_size"
+    ):
+        derive(dict(base), {k: v for k, v in _MAMBA2_SSM.items() if k != "ssm.state_size"})
+    with pytest.raises(
+        ValueError,
+        match=r"'mamba2.ssm.inner_size' 384: expected a multiple of embedding_length 256 \(the inner width is expand",
+    ):
+        derive(dict(base), dict(_MAMBA2_SSM, **{"ssm.inner_size": 384}))
+    monkeypatch.setattr(
+        gguf.GGUFWriter, "add_head_count", lambda self, value: self.add_uint32("mamba2.attention.head_count", 4)
+    )
+    _write(tmp_path / "heads.gguf", MAMBA2, _state(MAMBA2), Q.F32, "mamba2")
+    with pytest.raises(
+        ValueError,
+        match=r"heads.gguf: metadata .mamba2.attention.head_count.: expected 0 \(a mamba2 model has no attention\)",
+    ):
+        CausalLM.from_gguf(tmp_path / "heads.gguf")
+
+
 _WITH_OPTIONAL = [
     (i, c)
     for i, c in zip(IDS, CASES)
-    if c[1] not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox", "gpt2")
+    if c[1]
+    not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox", "gpt2", "mamba2")
 ]  # (GPTNeoXModel writes none of those keys but rope.dimension_count: test_gptneox_metadata_as_llama_cpp_reads_it;
-# GPT2Model none of them: test_gpt2_files_llama_cpp_cannot_read_are_refused_by_name)
+# GPT2Model none of them: test_gpt2_files_llama_cpp_cannot_read_are_refused_by_name;
+# Mamba2Model writes no attention key: test_mamba2_metadata_as_llama_cpp_reads_it)
 
 
 @pytest.mark.parametrize("config, arch", [c for _, c in _WITH_OPTIONAL], ids=[i for i, _ in _WITH_OPTIONAL])

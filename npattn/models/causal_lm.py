@@ -1726,7 +1726,7 @@ class CausalLM(Module):
         ``gptneox`` (Pythia, GPT-NeoX-20B), ``phi2`` (Phi-1 to 2), ``starcoder2``, ``stablelm`` (StableLM-3B-4E1T,
         StableLM 2 1.6B and 12B), ``gpt2`` (GPT-2, its learned
         positions), ``falcon-h1``, ``nemotron_h``
-        (Nemotron-H) and ``nemotron_h_moe`` (Nemotron 3 Nano's routed experts) files of ``F32``,
+        (Nemotron-H), ``nemotron_h_moe`` (Nemotron 3 Nano's routed experts) and ``mamba2`` files of ``F32``,
         ``F16`` or ``BF16`` tensors or of any block quantization of llama.cpp's releases (``Q8_0`` ... ``Q5_1``,
         ``Q2_K`` ... ``Q6_K``, the i-quants, ``TQ1_0``/``TQ2_0``, ``MXFP4``, ``NVFP4``:
         ``npattn.models.gguf.GGUF_TYPES``), dequantized by the ``gguf`` package;

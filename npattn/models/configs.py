@@ -123,7 +123,8 @@ class GgufFamily:
     checkpoints.  ``per_layer``: a layer's tensor name (under ``model.layers.{i}.``) -> the
     metadata key (no ``<arch>.`` prefix) whose array holds one number per layer for it (or one for
     every layer), a number the converter took out of the checkpoint (Apertus's xIELU parameters and
-    buffers)."""
+    buffers).  ``attention`` False: the family has no attention, its ``attention.head_count`` 0 (a
+    ``mamba2`` file's, which ``derive`` reads without any attention key)."""
 
     model_type: str
     permute_qk: bool = False
@@ -136,6 +137,7 @@ class GgufFamily:
     own_names: bool = False
     eps: tuple = ("rms_norm_eps", "attention.layer_norm_rms_epsilon")
     per_layer: Mapping[str, str] = field(default_factory=dict)
+    attention: bool = True
 
     def base_config(self) -> dict:
         """The start of the Hugging Face config dict of such a file (the rest is read from its metadata)."""
@@ -373,6 +375,18 @@ def _gguf_granite(config: dict, meta: Mapping) -> None:
     )
 
 
+# Mamba-2's names (Mamba2Config's) of Granite 4.0's mamba_* keys (_mamba2's, _gguf_mamba2's)
+_MAMBA2_KEYS = {
+    "mamba_n_heads": "num_heads",
+    "mamba_d_head": "head_dim",
+    "mamba_n_groups": "n_groups",
+    "mamba_d_state": "state_size",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_chunk_size": "chunk_size",
+    "mamba_expand": "expand",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_proj_bias": "use_bias",
+}
 # the Mamba-2 sizes <- Mamba2Model.set_gguf_parameters' ssm.* keys (Granite 4.0's, Falcon-H1's;
 # time_step_rank is the number of heads, "mamba_n_heads"; the inner width is ssm.inner_size: _gguf_mamba2)
 _GGUF_MAMBA2 = {
@@ -398,17 +412,20 @@ def _gguf_mamba2(config: dict, meta: Mapping, arch: str) -> None:
             # the family's own config key (Nemotron-H's are not Granite 4.0's mamba_*)
             nemotron = arch in ("nemotron_h", "nemotron_h_moe")
             own = _GGUF_NEMOTRON_H_MAMBA2.get(key, key) if nemotron else key
+            own = _MAMBA2_KEYS.get(key, key) if arch == "mamba2" else own
             own = "mamba_num_heads * mamba_head_dim" if nemotron and key == "inner" else own
+            own = "expand * hidden_size" if arch == "mamba2" and key == "inner" else own
             raise ValueError(
                 f"metadata '{arch}.{suffix}': expected an integer >= 1 (the Mamba-2 layers' {own}), got {_show(v)}"
             )
         config[key] = v
     inner, hidden = config.pop("inner"), config["hidden_size"]
     heads, groups = config["mamba_n_heads"], config["mamba_n_groups"]
-    if arch == "granitehybrid" and inner % hidden:
+    if arch in ("granitehybrid", "mamba2") and inner % hidden:
+        expand = "mamba_expand" if arch == "granitehybrid" else "expand"
         raise ValueError(
             f"metadata '{arch}.ssm.inner_size' {inner}: expected a multiple of embedding_length {hidden} "
-            "(Granite 4.0's inner width is mamba_expand * hidden_size)"
+            f"(the inner width is {expand} * hidden_size)"
         )
     if inner % heads:
         raise ValueError(
@@ -455,6 +472,24 @@ def _gguf_falcon_h1(config: dict, meta: Mapping) -> None:
             "k's and v's times attention_in_multiplier and drops attn_output's: not transformers' Falcon-H1)"
         )
     _gguf_mamba2(config, meta, "falcon-h1")
+
+
+def _gguf_mamba2_lm(config: dict, meta: Mapping) -> None:
+    """llama.cpp's ``mamba2`` (``llama_model_mamba2``; ``Mamba2Model`` in ``convert_hf_to_gguf.py``):
+    every block a Mamba-2 mixer alone, its sizes the ``ssm.*`` keys (``_gguf_mamba2``: heads
+    ``ssm.time_step_rank``, the inner width ``ssm.inner_size``, a multiple of
+    ``embedding_length``: ``expand``), every norm's epsilon ``attention.layer_norm_rms_epsilon``.
+    ``attention.head_count`` and ``feed_forward_length`` are 0 (no attention, no MLP: written as
+    "seemingly required when loading"), the context length 2**20 (no position is read); no chunk
+    size (transformers' 256: a summation order) and no ``time_step_limit`` (llama.cpp's scan clips
+    no step, transformers' default); the biases are the tensors' (``GgufFamily.biases``) and the
+    head the embedding where the file has no ``output`` (``tie_word_embeddings``)."""
+    attention = ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "attention_bias")
+    for key in (*attention, "intermediate_size"):
+        config.pop(key, None)  # (_config's llama.cpp defaults and attention_bias: no module reads them)
+    _gguf_mamba2(config, meta, "mamba2")
+    config.update({own: config.pop(key) for key, own in _MAMBA2_KEYS.items() if key in config})
+    config["layer_norm_epsilon"] = config.pop("rms_norm_eps")
 
 
 # Nemotron-H's names for _gguf_mamba2's Mamba-2 sizes (Granite 4.0's)
@@ -1165,6 +1200,18 @@ GGUF_FAMILIES = {
         biases={
             "mamba_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
             "mamba_rms_norm": ("ssm_in.weight", "ssm_norm.weight"),
+        },
+    ),
+    # Mamba-2: blocks of a Mamba-2 mixer alone (no attention: head_count 0), the conv and in_proj
+    # biases the tensors'
+    "mamba2": GgufFamily(
+        "mamba2",
+        derive=_gguf_mamba2_lm,
+        reads=_GGUF_SSM_READS,
+        attention=False,
+        biases={
+            "use_conv_bias": ("ssm_conv1d.weight", "ssm_conv1d.bias"),
+            "use_bias": ("ssm_in.weight", "ssm_in.bias"),
         },
     ),
     # Nemotron-H: Mamba-2, attention (no RoPE) or relu2 MLP blocks, their kinds per layer in
@@ -3723,11 +3770,8 @@ def _mamba2_lm(r: _Reader) -> dict:
     for key in ("time_step_rank", "time_step_min", "time_step_max", "time_step_floor"):
         r.get(key)
     r.bool("rescale_prenorm_residual"), r.bool("residual_in_fp32", True)
-    keys = dict(mamba_n_heads="num_heads", mamba_d_head="head_dim", mamba_n_groups="n_groups")
-    keys.update(mamba_d_state="state_size", mamba_d_conv="conv_kernel", mamba_chunk_size="chunk_size")
-    keys.update(mamba_conv_bias="use_conv_bias", mamba_proj_bias="use_bias")
     c.update(
-        linear_attention=_mamba2(r, c, heads * head_dim, "num_heads * head_dim", keys=keys),
+        linear_attention=_mamba2(r, c, heads * head_dim, "num_heads * head_dim", keys=_MAMBA2_KEYS),
         pad_embedding_row=False,  # Mamba2Model's embedding has no padding row
         layer_types=("linear_attention",) * n,
         mlp_types=("none",) * n,

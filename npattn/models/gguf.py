@@ -12,7 +12,7 @@ Mixtral's, ``qwen2``, ``qwen2moe``, ``qwen3``, ``qwen3moe``, ``olmoe``, ``gemma2
 ``olmo2``, whose files with a sliding window are OLMo 3's, ``exaone4``, ``ernie4_5``, ``glm4``, ``mistral3``,
 Ministral 3's or Mistral Small 3.x's text model, ``arcee``, ``olmo`` (the first OLMo), ``apertus``
 (its xIELU's numbers per layer in the metadata ``xielu.*``: ``GgufFamily.per_layer``), ``falcon-h1``,
-Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts,
+Falcon-H1's, ``nemotron_h``, Nemotron-H's, ``nemotron_h_moe``, Nemotron 3's with routed experts, ``mamba2``,
 ``command-r``, Command R's, ``cohere2``, Command R7B's,
 ``hunyuan-dense``, ``starcoder2``, ``gptneox``, Pythia's and GPT-NeoX-20B's, ``phi2``, Phi-1's, Phi-1.5's and
 Phi-2's, their head's bias ``output.bias``, ``gpt2``, GPT-2's, its learned positions
@@ -101,7 +101,11 @@ Reading one:
    widths mark routed-experts blocks: the stacked ``ffn_up_exps``/``ffn_down_exps`` (relu2, not
    gated; the converter's merged ``model.layers.{i}.mlp.experts.*``), the router ``ffn_gate_inp``
    and its choice bias ``exp_probs_b``, the shared expert ``ffn_up_shexp``/``ffn_down_shexp``, the
-   latent projections ``ffn_latent_down``/``ffn_latent_up`` (``_gguf_nemotron_h_moe``).
+   latent projections ``ffn_latent_down``/``ffn_latent_up`` (``_gguf_nemotron_h_moe``);
+9. a ``mamba2`` file (``Mamba2Model``: Mamba-2 blocks alone, stored as in 6., under the
+   checkpoint's ``backbone.*`` names as in 8.) has no attention: its ``attention.head_count`` and
+   ``feed_forward_length`` are 0 (``GgufFamily.attention``), its sizes the ``ssm.*`` keys
+   (``_gguf_mamba2_lm`` in ``models/configs.py``).
 """
 
 from __future__ import annotations
@@ -296,6 +300,14 @@ def _config(f: _File, tensor_names: set) -> dict:
             raise ValueError(f"{f.path}: no metadata {name!r} (the model's {key})")
     for key in ("hidden_size", "num_attention_heads"):  # what the defaults are derived from
         value = config[key]
+        if key == "num_attention_heads" and not spec.attention:  # (Mamba-2: no attention, head_count 0)
+            if value != 0:
+                raise ValueError(
+                    f"{f.path}: metadata '{arch}.{_COMMON[key]}': expected 0 (a {arch} model has no attention), "
+                    f"got {_short(value)}"
+                )
+            config[key] = 1  # for the defaults below, which the family's derive drops
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(
                 f"{f.path}: metadata '{arch}.{_COMMON[key]}': expected an integer >= 1, got {_short(value)}"
