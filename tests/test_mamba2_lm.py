@@ -23,8 +23,8 @@ from npattn.models.tiny import tiny_config
 T = transformers_or_none()
 oracle = pytest.mark.skipif(T is None, reason="needs torch and transformers")
 
-# the released config.json of state-spaces/mamba2-130m as transformers' conversion writes it
-# (Mamba2Config.to_dict of the converted checkpoint: 24 blocks of 24 heads of 64, one group)
+# a config as transformers 4.44's Mamba2Config.to_dict wrote it, at mamba2-130m's sizes (24 blocks of
+# 24 heads of 64, one group, a tied head), with 4.44's keys that transformers 5 reads nowhere
 RELEASED_130M = dict(
     model_type="mamba2", architectures=["Mamba2ForCausalLM"], vocab_size=50288, hidden_size=768,
     num_hidden_layers=24, num_heads=24, head_dim=64, state_size=128, expand=2, n_groups=1, conv_kernel=4,
@@ -32,7 +32,8 @@ RELEASED_130M = dict(
     residual_in_fp32=True, rescale_prenorm_residual=False, time_step_rank=48, time_step_min=0.001,
     time_step_max=0.1, time_step_floor=1e-4, time_step_limit=[0.0, {"__float__": "Infinity"}],
     initializer_range=0.1, tie_word_embeddings=True, use_cache=True, pad_token_id=0, bos_token_id=0,
-    eos_token_id=0, torch_dtype="float32", transformers_version="4.44.0",
+    eos_token_id=0, torch_dtype="float32", transformers_version="4.44.0", rms_norm=True, norm_before_gate=False,
+    time_step_init_scheme="random", time_step_scale=1.0,
 )  # fmt: skip
 
 
@@ -78,6 +79,8 @@ def test_the_tiny_entry_and_a_released_config():
         (dict(num_attention_heads=4), r"key 'num_attention_heads' is not supported by npattn for model_type 'mamba2'"),
         (dict(rms_norm_eps=1e-6), r"key 'rms_norm_eps' is not supported"),
         (dict(d_model=16), r"key 'd_model' is not supported"),
+        (dict(rms_norm=False), r"config\['rms_norm'\] = False is not supported .*always applies its gated RMSNorm"),
+        (dict(norm_before_gate=True), r"config\['norm_before_gate'\] = True is not supported .*gates before"),
     ],
 )
 def test_refusals_name_the_key(bad, match):

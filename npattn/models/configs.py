@@ -3750,8 +3750,12 @@ def _mamba2_lm(r: _Reader) -> dict:
     ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*``,
     ``backbone.norm_f``, ``lm_head``; the embedding has no padding row.  Metadata:
     ``time_step_rank`` (read by no module), ``time_step_min``/``_max``/``_floor`` and
-    ``rescale_prenorm_residual`` (the initialisation), ``residual_in_fp32`` (the residual's
-    precision: npattn's is the model's dtype, float64 or float32, never lower)."""
+    ``rescale_prenorm_residual``, ``time_step_init_scheme``, ``time_step_scale`` (the
+    initialisation), ``residual_in_fp32`` (the residual's precision: npattn's is the model's dtype,
+    float64 or float32, never lower); transformers 4.44's ``rms_norm`` and ``norm_before_gate``,
+    which no mixer of transformers reads, must say what the mixer does (true, false).  The
+    state-spaces/mamba2-* repositories' own config.json (mamba_ssm's ``d_model``, ``n_layer``,
+    ``ssm_cfg``, no ``model_type``) is not transformers': their converted copies are read."""
     heads, head_dim = r.int("num_heads"), r.int("head_dim")
     eps = r.float("layer_norm_epsilon", 1e-5)
     d = r.d
@@ -3770,6 +3774,10 @@ def _mamba2_lm(r: _Reader) -> dict:
     for key in ("time_step_rank", "time_step_min", "time_step_max", "time_step_floor"):
         r.get(key)
     r.bool("rescale_prenorm_residual"), r.bool("residual_in_fp32", True)
+    r.get("time_step_init_scheme"), r.get("time_step_scale")  # transformers 4.44's initialisation keys
+    # transformers 4.44's Mamba2Config options that its mixer (and transformers 5's) never read
+    r.only("rms_norm", (True,), True, "transformers' Mamba-2 mixer always applies its gated RMSNorm")
+    r.only("norm_before_gate", (False,), False, "transformers' Mamba-2 mixer gates before its grouped RMSNorm")
     c.update(
         linear_attention=_mamba2(r, c, heads * head_dim, "num_heads * head_dim", keys=_MAMBA2_KEYS),
         pad_embedding_row=False,  # Mamba2Model's embedding has no padding row
