@@ -104,6 +104,29 @@ def test_save_pretrained_writes_the_backbone_names(tmp_path):
     np.testing.assert_allclose(CausalLM.from_pretrained(tmp_path)(ids), m(ids), rtol=1e-12, atol=1e-12)
 
 
+def test_the_embedding_s_older_name_is_read(tmp_path):
+    """``backbone.embedding.weight`` (Mamba2Model.load_hook's older name) reads as
+    ``backbone.embeddings.weight``; npattn writes the newer one; both at once are refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    m = CausalLM(tiny_config("mamba2"), rng=0)
+    m.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["backbone.embedding.weight"] = tensors.pop("backbone.embeddings.weight")
+    save_file(tensors, tmp_path / "model.safetensors")
+    back = CausalLM.from_pretrained(tmp_path)
+    ids = np.random.default_rng(5).integers(0, 41, (1, 6))
+    np.testing.assert_array_equal(back(ids), m(ids))
+    back.save_pretrained(tmp_path / "again")
+    assert "backbone.embeddings.weight" in load_file(tmp_path / "again" / "model.safetensors")
+    tensors["backbone.embeddings.weight"] = tensors["backbone.embedding.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"'backbone.embeddings?.weight' and 'backbone.embeddings?.weight' are the same"
+    ):
+        CausalLM.from_pretrained(tmp_path)
+
+
 # the tiny entry (a conv bias, no projection biases, two groups) and one with every other option:
 # in_proj/out_proj biases, no conv bias, four groups, a clipped step, a tied head, chunks of 3
 CASES = {

@@ -3748,7 +3748,8 @@ def _mamba2_lm(r: _Reader) -> dict:
     activation ``hidden_act`` (SiLU only).  The head is tied to the embedding where
     ``tie_word_embeddings`` (``Mamba2ForCausalLM._tied_weights_keys``).  Checkpoint names:
     ``backbone.embeddings``, ``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*``,
-    ``backbone.norm_f``, ``lm_head``; the embedding has no padding row.  Metadata:
+    ``backbone.norm_f``, ``lm_head`` (the embedding's older name ``backbone.embedding`` read too, as
+    ``Mamba2Model.load_hook`` does); the embedding has no padding row.  Metadata:
     ``time_step_rank`` (read by no module), ``time_step_min``/``_max``/``_floor`` and
     ``rescale_prenorm_residual``, ``time_step_init_scheme``, ``time_step_scale`` (the
     initialisation), ``residual_in_fp32`` (the residual's precision: npattn's is the model's dtype,
@@ -3789,9 +3790,14 @@ def _mamba2_lm(r: _Reader) -> dict:
         layer_names=_MAMBA2_NAMES,
         final_norm_name="norm_f",
         embed_name="embeddings",
-        layout=CheckpointLayout(r.model_type, renames=_NEMOTRON_H_RENAMES),
+        layout=CheckpointLayout(r.model_type, renames=_MAMBA2_RENAMES),
     )
     return c
+
+
+# Nemotron-H's backbone.*, and the embedding's older name backbone.embedding (Mamba2Model.load_hook's,
+# read, never written: after the first rename, as a checkpoint's key has become model.embedding)
+_MAMBA2_RENAMES = (*_NEMOTRON_H_RENAMES, ("model.embeddings.", "model.embedding."))
 
 
 def _granite_attention(r: _Reader, n: int) -> dict:
