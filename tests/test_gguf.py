@@ -2972,11 +2972,10 @@ def test_mamba2_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch):
         CausalLM.from_gguf(tmp_path / "heads.gguf")
 
 
+_WITHOUT_OPTIONAL = ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox")
+_WITHOUT_OPTIONAL += ("gpt2", "mamba2")
 _WITH_OPTIONAL = [
-    (i, c)
-    for i, c in zip(IDS, CASES)
-    if c[1]
-    not in ("lfm2", "lfm2moe", "granitehybrid", "falcon-h1", "nemotron_h", "nemotron_h_moe", "gptneox", "gpt2", "mamba2")
+    (i, c) for i, c in zip(IDS, CASES) if c[1] not in _WITHOUT_OPTIONAL
 ]  # (GPTNeoXModel writes none of those keys but rope.dimension_count: test_gptneox_metadata_as_llama_cpp_reads_it;
 # GPT2Model none of them: test_gpt2_files_llama_cpp_cannot_read_are_refused_by_name;
 # Mamba2Model writes no attention key: test_mamba2_metadata_as_llama_cpp_reads_it)
