@@ -223,3 +223,14 @@ def test_the_family_suites_pass_with_the_clamp_active(monkeypatch, family, suite
     monkeypatch.setitem(_families.FAMILIES, family, cfg)
     module, test = _SUITES[suite]
     getattr(importlib.import_module(module), test)(family)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4_text", "qwen3_next"])
+def test_a_clamp_the_layers_cannot_apply_is_refused(family):
+    """Only MultiHeadAttention clamps: a config asking it of latent attention (DeepSeek-V3), Gemma 4's
+    shared keys and values or linear-attention layers (Qwen3-Next) is refused, not ignored."""
+    import dataclasses
+
+    cfg = dataclasses.replace(config_from_hf(tiny_config(family)), qkv_clip=1.0)
+    with pytest.raises(ValueError, match=r"qkv_clip: not supported with"):
+        CausalLM(cfg, rng=0)

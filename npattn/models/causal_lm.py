@@ -180,6 +180,9 @@ _PER_LAYER_MODEL_NAMES = {
 def _attention(cfg: CausalLMConfig, i: int, rng, dtype) -> Module:
     """The attention module of layer ``i``, from its typed sub-config."""
     kind = cfg.layer_types[i]
+    if cfg.qkv_clip is not None and (cfg.shared_kv is not None or kind in ("latent_attention", "linear_attention")):
+        what = "Gemma 4's shared keys and values" if cfg.shared_kv is not None else f"layers of type {kind!r}"
+        raise ValueError(f"qkv_clip: not supported with {what} (only MultiHeadAttention clamps q, k and v)")
     if cfg.shared_kv is not None:  # Gemma 4
         return SharedKVAttention(**cfg.shared_kv[kind].kwargs(), reuse=cfg.reuses_kv(i), rng=rng, dtype=dtype)
     if kind == "latent_attention":
