@@ -250,19 +250,7 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         self.qkv_clip = None if qkv_clip is None else check_positive_float(qkv_clip, "qkv_clip")
         self._dtype = check_dtype(dtype)
         self.rng = as_rng(rng)
-        self.options = AttentionOptions(
-            causal_align=options.causal_align,
-            window=options.window,
-            alibi_slopes=self.alibi_slopes() if self.alibi else None,
-            softcap=options.softcap,
-        )
-        self._options_kw: dict[str, Any] = {  # the options as the kernels' keyword arguments
-            "causal_align": self.options.causal_align,
-            "window": self.options.window,
-            "alibi_slopes": self.options.alibi_slopes,
-            "softcap": self.options.softcap,
-            "sinks": None,
-        }
+        self._set_options(options)
         self._init_projections(qkv_bias, out_bias)
         self.sinks = Parameter(np.zeros(self.num_heads), self._dtype) if use_sinks else None
         if self.qk_norm:
@@ -271,6 +259,23 @@ class MultiHeadAttentionCore(_KeysCacheHooks, Module):
         object.__setattr__(self, "_kv_cache", None)
         self._fused_qkv()
         self._init_extra_keys(*extras)
+
+    def _set_options(self, options: AttentionOptions) -> None:
+        """The checked ``options`` with the module's ALiBi slopes: ``self.options``, and the same as
+        the kernels' keyword arguments (``_options_kw``)."""
+        self.options = AttentionOptions(
+            causal_align=options.causal_align,
+            window=options.window,
+            alibi_slopes=self.alibi_slopes() if self.alibi else None,
+            softcap=options.softcap,
+        )
+        self._options_kw: dict[str, Any] = {
+            "causal_align": self.options.causal_align,
+            "window": self.options.window,
+            "alibi_slopes": self.options.alibi_slopes,
+            "softcap": self.options.softcap,
+            "sinks": None,
+        }
 
     def _check_extra_keys(self, add_bias_kv, add_zero_attn) -> tuple[bool, bool]:
         """torch's two flags checked; True refused where the class has no extra keys (the core)."""
