@@ -3145,6 +3145,7 @@ _ORIGINALS = {
     "smollm": ([_DIGITS, _byte_level(True)], False, False),  # SmolLM's
     "command-r": ([_DIGITS, _byte_level(True)], False, True),  # transformers' CohereTokenizer's
     "starcoder": ([_DIGITS, _byte_level(True)], False, False),  # StarCoder2's
+    "olmo": ([_byte_level(True)], False, True),  # GPT-NeoX-20B's and Pythia's
     "deepseek-llm": (  # DeepSeek LLM's
         [
             _split("[\r\n]"),

@@ -960,6 +960,10 @@ GGUF_PRE_TOKENIZERS = {
     # StarCoder2's (its tokenizer.json: each digit alone, then GPT-2's byte-level split, no
     # normalizer; llama-vocab.cpp gives starcoder smollm's regexes)
     "starcoder": GgufPreTokenizer(digits=True),
+    # GPT-NeoX-20B's and Pythia's (their tokenizer.json: NFC, GPT-2's byte-level split; the
+    # converter names it "olmo", OLMo 1.7's and MPT's being the same tokenizer, and llama-vocab.cpp
+    # gives olmo GPT-2's regex)
+    "olmo": GgufPreTokenizer(nfc=True),
     "deepseek-llm": GgufPreTokenizer(
         ("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, r"\s+$", _DEEPSEEK_CJK), digits=True
     ),
