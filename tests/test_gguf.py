@@ -4773,19 +4773,27 @@ def test_a_starcoder2_file_is_its_model_s_directory(tmp_path):
     assert not g.config.attention_bias and not g.config.mlp_bias and "model.norm.bias" in g.state_dict()
 
 
-def test_starcoder2_files_as_llama_cpp_reads_them(tmp_path):
+def test_starcoder2_files_as_llama_cpp_reads_them(tmp_path, monkeypatch):
     """The converter writes no window: a model with ``sliding_window`` 4 becomes a file llama.cpp
     reads as full attention (its logits past the window are those of the same weights without
-    the window); a file whose blocks have the attention's biases but not the MLP's (or the MLP's
-    but not the attention's) is refused by name."""
+    the window), and so does a file with ``starcoder2.attention.sliding_window`` 4, a key
+    llama.cpp's loader does not read; a file whose blocks have the attention's biases but not the
+    MLP's (or the MLP's but not the attention's) is refused by name."""
     windowed = dict(STARCODER2, sliding_window=4)
     sd = _model(windowed).state_dict()
     _write(tmp_path / "m.gguf", windowed, sd, Q.F32, "starcoder2")
-    g = CausalLM.from_gguf(tmp_path / "m.gguf")
-    assert g.config.sliding_window is None and set(g.config.layer_types) == {"full_attention"}
+    real = _starcoder2_metadata
+    monkeypatch.setattr(
+        sys.modules[__name__], "_starcoder2_metadata", lambda w, config: (real(w, config), w.add_sliding_window(4))
+    )
+    _write(tmp_path / "w.gguf", windowed, sd, Q.F32, "starcoder2")
     ids = np.random.default_rng(1).integers(0, windowed["vocab_size"], (1, 7))
-    np.testing.assert_array_equal(_logits(g, ids), _logits(CausalLM.from_hf(sd, STARCODER2), ids))
-    assert not np.allclose(_logits(g, ids)[0, 6], _logits(CausalLM.from_hf(sd, windowed), ids)[0, 6])
+    for name in ("m.gguf", "w.gguf"):
+        g = CausalLM.from_gguf(tmp_path / name)
+        assert g.config.sliding_window is None and set(g.config.layer_types) == {"full_attention"}
+        np.testing.assert_array_equal(_logits(g, ids), _logits(CausalLM.from_hf(sd, STARCODER2), ids))
+        assert not np.allclose(_logits(g, ids)[0, 6], _logits(CausalLM.from_hf(sd, windowed), ids)[0, 6])
+    monkeypatch.undo()
     for lack, have, bad in (
         ("mlp.c_fc.bias", "attn_q.bias", "ffn_up.bias"),
         ("q_proj.bias", "ffn_up.bias", "attn_q.bias"),

@@ -1114,7 +1114,8 @@ def _gguf_starcoder2(config: dict, meta: Mapping) -> None:
     StarCoder2 has it).  No sliding window: the converter writes none and llama.cpp masks no key
     out of the causal past, so a file's model attends to every earlier token (the checkpoint's
     ``sliding_window`` of 4096 is not in the file: beyond 4096 tokens its logits are llama.cpp's,
-    not transformers')."""
+    not transformers').  An ``attention.sliding_window`` a file may hold is not read, as
+    llama.cpp's loader reads it not at all."""
     attention, mlp = config.pop("attention_bias"), config.pop("mlp_bias", False)
     if attention != mlp:
         have, lack = ("attn_q.bias", "ffn_up.bias") if attention else ("ffn_up.bias", "attn_q.bias")
@@ -1356,9 +1357,13 @@ GGUF_FAMILIES = {
         eps=("layer_norm_eps", "attention.layer_norm_epsilon"),
     ),
     # StarCoder2: LayerNorms with biases, q, k, v apart (rotate-half rows, not permuted), the plain
-    # tanh-GELU MLP, use_bias from the tensors (_gguf_starcoder2); no window (llama.cpp's full attention)
+    # tanh-GELU MLP, use_bias from the tensors (_gguf_starcoder2); no window (llama.cpp's full attention,
+    # attention.sliding_window known and not read, as its loader reads it not at all)
     "starcoder2": GgufFamily(
-        "starcoder2", derive=_gguf_starcoder2, eps=("norm_epsilon", "attention.layer_norm_epsilon")
+        "starcoder2",
+        derive=_gguf_starcoder2,
+        reads=("attention.sliding_window",),
+        eps=("norm_epsilon", "attention.layer_norm_epsilon"),
     ),
     # StableLM: q, k, v apart (rotate-half rows, not permuted), the per-head q/k LayerNorms and the
     # parallel residual (no ffn_norm) of StableLM 2 12B read off the tensors (_gguf_stablelm)
