@@ -2904,19 +2904,37 @@ def test_a_nemotron_h_file_is_its_model_s_directory(tmp_path):
     np.testing.assert_array_equal(_logits(back, ids), _logits(g, ids))
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(tie_word_embeddings=True, use_bias=True, use_conv_bias=False)])
+@pytest.mark.parametrize("changes", [dict(), dict(tie_word_embeddings=True)])
 def test_a_mamba2_file_is_its_model_s_directory(tmp_path, changes):
     """The file and the source model's own directory (save_pretrained: the backbone.* names) are one
     model: the same config, tensors and logits (A_log to within a few float32 roundings); a tied head
-    (no ``output`` in the file), in_proj's and out_proj's biases and a convolution without one read
-    off the tensors; the file's model saved and read back is itself."""
+    (no ``output`` in the file); the file's model saved and read back is itself."""
     g, ids, meta = _file_is_its_directory(tmp_path, dict(MAMBA2, layer_norm_epsilon=2.0**-20, **changes), "mamba2")
-    assert g.config.tie_word_embeddings == bool(changes) and g.config.hf["use_bias"] == bool(changes)
-    assert g.config.linear_attention.conv_bias == (not changes)
+    assert g.config.tie_word_embeddings == bool(changes) and not g.config.hf["use_bias"]
+    assert g.config.linear_attention.conv_bias
     g.save_pretrained(tmp_path / "g")
     back = CausalLM.from_pretrained(tmp_path / "g")
     assert back.config.replace(**meta) == g.config.replace(**meta)
     np.testing.assert_array_equal(_logits(back, ids), _logits(g, ids))
+
+
+@pytest.mark.parametrize(
+    "changes, drop, match",
+    [
+        (dict(use_conv_bias=False), "-", r"no tensor 'blk.0.ssm_conv1d.bias': llama.cpp's mamba2 requires it"),
+        (dict(use_bias=True), "-", r"tensor 'blk.0.ssm_in.bias' in a mamba2 file: llama.cpp's mamba2 reads no"),
+        (dict(use_bias=True), "in_proj.bias", r"tensor 'blk.0.ssm_out.bias' is not part of the mamba2 model"),
+    ],
+)
+def test_mamba2_biases_llama_cpp_cannot_load_are_refused_by_name(tmp_path, changes, drop, match):
+    """llama.cpp's mamba2 loader requires ``ssm_conv1d.bias`` and loads no ``ssm_in.bias`` or
+    ``ssm_out.bias``: a file without the convolution's bias (Mamba2Config's use_conv_bias false), or
+    with in_proj's and out_proj's (use_bias), or with out_proj's alone, is refused by name."""
+    config = dict(MAMBA2, **changes)
+    sd = {k: v for k, v in _state(config).items() if drop not in k}
+    _write(tmp_path / "m.gguf", config, sd, Q.F32, "mamba2")
+    with pytest.raises(ValueError, match=match):
+        CausalLM.from_gguf(tmp_path / "m.gguf")
 
 
 _MAMBA2_SSM = {

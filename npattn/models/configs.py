@@ -482,8 +482,16 @@ def _gguf_mamba2_lm(config: dict, meta: Mapping) -> None:
     ``attention.head_count`` and ``feed_forward_length`` are 0 (no attention, no MLP: written as
     "seemingly required when loading"), the context length 2**20 (no position is read); no chunk
     size (transformers' 256: a summation order) and no ``time_step_limit`` (llama.cpp's scan clips
-    no step, transformers' default); the biases are the tensors' (``GgufFamily.biases``) and the
-    head the embedding where the file has no ``output`` (``tie_word_embeddings``)."""
+    no step, transformers' default); the head the embedding where the file has no ``output``
+    (``tie_word_embeddings``).  llama.cpp's mamba2 loader requires ``ssm_conv1d.bias`` and loads no
+    ``ssm_in.bias`` or ``ssm_out.bias`` (Mamba2Config's ``use_bias``): a file without the one or
+    with the others, which llama.cpp cannot load, is refused by name."""
+    if config.get("use_conv_bias") is False:
+        raise ValueError("no tensor 'blk.0.ssm_conv1d.bias': llama.cpp's mamba2 requires it (use_conv_bias)")
+    if config.get("use_bias"):
+        raise ValueError(
+            "tensor 'blk.0.ssm_in.bias' in a mamba2 file: llama.cpp's mamba2 reads no in_proj/out_proj bias (use_bias)"
+        )
     attention = ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "attention_bias")
     for key in (*attention, "intermediate_size"):
         config.pop(key, None)  # (_config's llama.cpp defaults and attention_bias: no module reads them)
