@@ -4577,25 +4577,32 @@ def test_a_gptneox_file_is_its_model_s_directory(tmp_path):
     assert not g.config.parallel_residual
 
 
+def _check_rotated_share_and_base(tmp_path, monkeypatch, config, sd, arch):
+    """A partial-rotary file as its converter writes it (``rope.dimension_count`` 16 of 64, no
+    ``rope.freq_base``) is read with that share and llama.cpp's base 10000; with a
+    ``rope.freq_base`` written beside the count, with that base."""
+    _write(tmp_path / "m.gguf", config, sd, Q.F32, arch)
+    m = CausalLM.from_gguf(tmp_path / "m.gguf")
+    assert m.config.rope["default"]["rope_theta"] == 10000.0
+    assert int(64 * m.config.rope["default"]["partial_rotary_factor"]) == 16
+
+    def with_base(self, value):
+        self.add_uint32(f"{arch}.rope.dimension_count", value)
+        self.add_float32(f"{arch}.rope.freq_base", 500.0)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_base)
+        _write(tmp_path / "base.gguf", config, sd, Q.F32, arch)
+    assert CausalLM.from_gguf(tmp_path / "base.gguf").config.rope["default"]["rope_theta"] == 500.0
+
+
 def test_gptneox_metadata_as_llama_cpp_reads_it(tmp_path, monkeypatch):
     """``rope.dimension_count`` is the rotated share, ``rope.freq_base`` (which GPTNeoXModel does
     not write) the base where present, llama.cpp's 10000 where absent; no
     ``use_parallel_residual`` (llama.cpp's loader requires it), an odd rotated count, and
     query_key_value rows that are not the heads' are refused by name."""
     sd = _model(GPTNEOX).state_dict()
-    _write(tmp_path / "m.gguf", GPTNEOX, sd, Q.F32, "gptneox")
-    m = CausalLM.from_gguf(tmp_path / "m.gguf")
-    assert m.config.rope["default"]["rope_theta"] == 10000.0
-    assert int(64 * m.config.rope["default"]["partial_rotary_factor"]) == 16
-
-    def with_base(self, value):
-        self.add_uint32("gptneox.rope.dimension_count", value)
-        self.add_float32("gptneox.rope.freq_base", 500.0)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_base)
-        _write(tmp_path / "base.gguf", GPTNEOX, sd, Q.F32, "gptneox")
-    assert CausalLM.from_gguf(tmp_path / "base.gguf").config.rope["default"]["rope_theta"] == 500.0
+    _check_rotated_share_and_base(tmp_path, monkeypatch, GPTNEOX, sd, "gptneox")
     with monkeypatch.context() as mp:
         mp.setattr(gguf.GGUFWriter, "add_parallel_residual", lambda self, value: None)
         _write(tmp_path / "none.gguf", GPTNEOX, sd, Q.F32, "gptneox")
@@ -4688,19 +4695,7 @@ def test_stablelm_files_as_llama_cpp_reads_them(tmp_path, monkeypatch):
     without ffn_norm is parallel.  A layer missing one of q/k/v's biases, an odd rotated count and
     per-head norms stored (head_dim, heads) are refused by name."""
     sd = _state(STABLELM2)
-    _write(tmp_path / "m.gguf", STABLELM2, sd, Q.F32, "stablelm")
-    m = CausalLM.from_gguf(tmp_path / "m.gguf")
-    assert m.config.rope["default"]["rope_theta"] == 10000.0
-    assert int(64 * m.config.rope["default"]["partial_rotary_factor"]) == 16
-
-    def with_base(self, value):
-        self.add_uint32("stablelm.rope.dimension_count", value)
-        self.add_float32("stablelm.rope.freq_base", 500.0)
-
-    with monkeypatch.context() as mp:
-        mp.setattr(gguf.GGUFWriter, "add_rope_dimension_count", with_base)
-        _write(tmp_path / "base.gguf", STABLELM2, sd, Q.F32, "stablelm")
-    assert CausalLM.from_gguf(tmp_path / "base.gguf").config.rope["default"]["rope_theta"] == 500.0
+    _check_rotated_share_and_base(tmp_path, monkeypatch, STABLELM2, sd, "stablelm")
     sd12 = _state(STABLELM2_12B)
     with monkeypatch.context() as mp:  # the metadata says sequential; no ffn_norm: llama.cpp's parallel residual
         mp.setattr(
